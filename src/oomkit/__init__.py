@@ -1,0 +1,34 @@
+"""oomkit: predict, explain and prevent CUDA out-of-memory errors in PyTorch.
+
+``import oomkit`` never imports torch; features that need torch import it when used.
+"""
+
+from __future__ import annotations
+
+from oomkit.errors import (
+    AllocatorUsageError,
+    ConfigError,
+    NoFeasibleBatchSizeError,
+    OomkitError,
+    SnapshotFormatError,
+    TorchRequiredError,
+    TraceFormatError,
+    UnsupportedOpError,
+)
+from oomkit.units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "AllocatorUsageError",
+    "ConfigError",
+    "NoFeasibleBatchSizeError",
+    "OomkitError",
+    "SnapshotFormatError",
+    "TorchRequiredError",
+    "TraceFormatError",
+    "UnsupportedOpError",
+    "format_bytes",
+    "parse_bytes",
+]

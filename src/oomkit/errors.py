@@ -1,0 +1,50 @@
+"""The one error family of oomkit.
+
+Every message says what was wrong and what to do next. Errors caused by bad user input also
+subclass ``ValueError`` so that callers who do not know oomkit can still catch them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OomkitError",
+    "ConfigError",
+    "SnapshotFormatError",
+    "TraceFormatError",
+    "AllocatorUsageError",
+    "TorchRequiredError",
+    "UnsupportedOpError",
+    "NoFeasibleBatchSizeError",
+]
+
+
+class OomkitError(Exception):
+    """Base class of every error oomkit raises on purpose."""
+
+
+class ConfigError(OomkitError, ValueError):
+    """A ``PYTORCH_CUDA_ALLOC_CONF``-style setting that PyTorch would reject."""
+
+
+class SnapshotFormatError(OomkitError, ValueError):
+    """A memory snapshot file that is corrupt, truncated, hostile or not a snapshot at all."""
+
+
+class TraceFormatError(OomkitError, ValueError):
+    """An oomkit trace file that cannot be read."""
+
+
+class AllocatorUsageError(OomkitError, ValueError):
+    """A call on the simulated allocator that PyTorch would refuse (unknown pointer, bad size)."""
+
+
+class TorchRequiredError(OomkitError, ImportError):
+    """A feature that needs torch was used where torch is not installed."""
+
+
+class UnsupportedOpError(OomkitError, ValueError):
+    """An operation that oomkit cannot model."""
+
+
+class NoFeasibleBatchSizeError(OomkitError, ValueError):
+    """Not even the smallest batch size fits."""
