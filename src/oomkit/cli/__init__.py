@@ -25,7 +25,9 @@ EXIT_MISSING_DEPENDENCY = 3
 
 def _subcommands() -> list:
     # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy.
-    return []
+    from oomkit.cli import demo, replay, simulate, tune
+
+    return [demo, replay, simulate, tune]
 
 
 def build_parser() -> argparse.ArgumentParser:
