@@ -1,0 +1,27 @@
+"""The device catalog: what PyTorch reports as total memory on common NVIDIA GPUs.
+
+``get_gpu("h100")`` returns a frozen ``GpuSpec`` whose ``usable_bytes()`` is the most PyTorch's
+caching allocator can reserve there: ``total_memory`` less the CUDA context. Every figure carries
+its source in ``GpuSpec.source_notes``; context sizes are estimates that callers can override.
+"""
+
+from __future__ import annotations
+
+from oomkit.gpus.catalog import CATALOG
+from oomkit.gpus.lookup import UnknownGpuError, get_gpu, list_gpus, normalize_gpu_name
+from oomkit.gpus.overhead import CONTEXT_OVERHEAD_BYTES, DEFAULT_CONTEXT_OVERHEAD_BYTES
+from oomkit.gpus.spec import Architecture, GpuSpec, GpuSpecError, MemorySource
+
+__all__ = [
+    "Architecture",
+    "CATALOG",
+    "CONTEXT_OVERHEAD_BYTES",
+    "DEFAULT_CONTEXT_OVERHEAD_BYTES",
+    "GpuSpec",
+    "GpuSpecError",
+    "MemorySource",
+    "UnknownGpuError",
+    "get_gpu",
+    "list_gpus",
+    "normalize_gpu_name",
+]
