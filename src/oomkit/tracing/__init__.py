@@ -1,0 +1,35 @@
+"""Record a PyTorch step on the meta device as an allocation trace, with no GPU.
+
+``trace_step(fn, *args, steps=1)`` runs ``fn`` with meta tensors and returns a
+``TraceRecording`` of ``oomkit.trace.TraceEvent`` allocations and frees, each tagged with its
+category, phase, module path and aten op. ``Tracer`` is the context manager underneath.
+"""
+
+from __future__ import annotations
+
+from oomkit.tracing.categories import CATEGORIES, PHASES, Category, Phase, infer_category
+from oomkit.tracing.emulation import (
+    CUDA_DIVERGENT_OPS,
+    DEFAULT_EMULATIONS,
+    EmulationContext,
+    EmulationRegistry,
+    OpEmulation,
+)
+from oomkit.tracing.recorder import Tracer, trace_step
+from oomkit.tracing.recording import TraceRecording
+
+__all__ = [
+    "CATEGORIES",
+    "CUDA_DIVERGENT_OPS",
+    "Category",
+    "DEFAULT_EMULATIONS",
+    "EmulationContext",
+    "EmulationRegistry",
+    "OpEmulation",
+    "PHASES",
+    "Phase",
+    "TraceRecording",
+    "Tracer",
+    "infer_category",
+    "trace_step",
+]

@@ -1,0 +1,83 @@
+"""The torch modes the recorder installs: one at the aten level, one at the Python API level.
+
+Why a plain ``TorchDispatchMode`` over meta tensors and not ``FakeTensorMode``: the user builds
+the model under ``torch.device("meta")`` and we must see *those* tensors, keeping their identity
+(``param.grad``, ``optimizer.state`` keys) and their reference counts untouched. FakeTensorMode
+would require converting every real/meta input into a FakeTensor (new objects, a memo that keeps
+them alive), caches op results, and adds per-op overhead. Its one advantage, reporting a
+``cuda`` device so CUDA-only code paths run, is what the emulation registry provides per op
+instead. Meta kernels allocate exactly the outputs, which is what we record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from oomkit.tracing.recorder import Tracer
+
+__all__ = ["RecordingDispatchMode", "DivergenceFunctionMode"]
+
+
+class RecordingDispatchMode(TorchDispatchMode):
+    """Sees every aten op after autograd and decompositions: the ops that allocate."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self._tracer = tracer
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self._tracer._run_op(func, args, kwargs or {})
+
+
+class DivergenceFunctionMode(TorchFunctionMode):
+    """Counts calls of Python-level functions whose CUDA memory meta does not reproduce.
+
+    Needed because composite functions such as ``scaled_dot_product_attention`` decompose before
+    they reach the dispatch mode, so their aten name never shows up there.
+    """
+
+    def __init__(self, watched: dict[Callable[..., Any], str], on_call: Callable[[str], None]):
+        super().__init__()
+        self._watched = watched
+        self._on_call = on_call
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name = self._watched.get(func)
+        if name is not None:
+            self._on_call(name)
+        return func(*args, **(kwargs or {}))
+
+
+def watched_functions(names: list[str]) -> dict[Callable[..., Any], str]:
+    """Python functions for the dotted names in ``names`` that resolve (``torch.x.y``)."""
+    found: dict[Callable[..., Any], str] = {}
+    for name in names:
+        obj: Any = torch
+        parts = name.split(".")
+        if parts[0] != "torch":
+            continue
+        for part in parts[1:]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None and callable(obj):
+            found[obj] = name
+    return found

@@ -1,0 +1,548 @@
+"""Record a training or inference step on the meta device as an allocation trace.
+
+``Tracer`` is the composable recorder; ``trace_step`` is the one-call function over it.
+
+How each fact is observed (all hooks are removed on exit):
+- allocations: a TorchDispatchMode sees every aten op's outputs; a storage not seen before is an
+  allocation of its ``nbytes`` (views share their base's storage; zero-byte storages are none).
+- frees: ``weakref.finalize`` on the storage (see ``storages.py``), so lifetimes follow Python
+  and autograd reference counting exactly.
+- module path: global forward pre/post hooks keep a stack of module calls.
+- parameters / buffers: registration hooks, the module stack and ``track()``.
+- gradients: ``register_post_accumulate_grad_hook`` on every parameter seen.
+- optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
+- saved activations: ``saved_tensors_hooks`` whose pack hook notes the storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from oomkit.errors import TorchRequiredError, UnsupportedOpError
+
+try:
+    import torch
+    import torch.nn.modules.module as _module_hooks
+    import torch.optim.optimizer as _optimizer_hooks
+    from torch.utils._pytree import tree_leaves
+except ImportError as exc:  # pragma: no cover - exercised by test_without_torch style checks
+    raise TorchRequiredError(
+        "oomkit.tracing records PyTorch code and needs torch; install it with "
+        "`pip install oomkit[torch]`"
+    ) from exc
+
+from oomkit.trace import TraceEvent
+from oomkit.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
+from oomkit.tracing.categories import Category, Phase, Role
+from oomkit.tracing.emulation import (
+    CUDA_DIVERGENT_OPS,
+    DEFAULT_EMULATIONS,
+    EmulationContext,
+    OpEmulation,
+)
+from oomkit.tracing.frames import UserFrameFinder
+from oomkit.tracing.recording import TraceRecording
+from oomkit.tracing.storages import Allocation, StorageTable
+
+__all__ = ["Tracer", "trace_step"]
+
+# The device whose storages stand for CUDA memory. CPU tensors (AdamW's default ``step``
+# counters, ``torch.tensor(1.0)`` scalars) live in host memory on a real GPU run too.
+_DEVICE_TYPE = "meta"
+
+
+@dataclass
+class _ModuleCall:
+    module: torch.nn.Module
+    path: str
+    call_id: int
+    root_call_id: int
+
+
+class Tracer:
+    """Records every device storage allocation and free of the code run inside it.
+
+    Use as a context manager; read :attr:`recording` after it exits::
+
+        with Tracer() as tracer:
+            tracer.track(model, optimizer)   # storages that exist already
+            tracer.mark_step()
+            train_step()
+        recording = tracer.recording
+
+    One Tracer records once; tracers do not nest.
+    """
+
+    def __init__(self, *, emulations: Mapping[str, OpEmulation] | None = None) -> None:
+        """Create a recorder; nothing is installed until the ``with`` block starts.
+
+        Args:
+            emulations: per-op hooks by aten overload name; default ``DEFAULT_EMULATIONS``.
+        """
+        self._emulations = DEFAULT_EMULATIONS if emulations is None else emulations
+        self._frames = UserFrameFinder()
+        self._table = StorageTable(self._on_release)
+        self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
+        self._ids = itertools.count(1)
+        self._call_ids = itertools.count(1)
+        self._stack: list[_ModuleCall] = []
+        self._escapes: dict[int, list[Allocation]] = {}
+        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._roots = 0
+        self._optimizer_depth = 0
+        # By id with a weakref to check identity: tensors compare elementwise, so no WeakSet.
+        self._grad_watched: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._tracked: list[weakref.ref[Any]] = []
+        self._handles: list[Any] = []
+        self._synthetic: dict[int, Allocation] = {}
+        self._divergent_calls: Counter[str] = Counter()
+        self._late_first_seen = 0
+        self._late_first_seen_bytes = 0
+        self._exit_stack: contextlib.ExitStack | None = None
+        self._recording: TraceRecording | None = None
+        self.failed_op: tuple[str, BaseException] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def __enter__(self) -> Tracer:
+        if self._exit_stack is not None or self._recording is not None:
+            raise RuntimeError("a Tracer records once; create a new Tracer for a new recording")
+        stack = contextlib.ExitStack()
+        self._handles += [
+            _module_hooks.register_module_forward_pre_hook(self._on_forward_pre),
+            _module_hooks.register_module_forward_hook(self._on_forward_post, always_call=True),
+            _module_hooks.register_module_parameter_registration_hook(self._on_param_registered),
+            _module_hooks.register_module_buffer_registration_hook(self._on_buffer_registered),
+            _optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre),
+            _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
+        ]
+        stack.callback(self._remove_handles)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        watched = watched_functions(
+            [name for name in CUDA_DIVERGENT_OPS if name not in self._emulations]
+        )
+        if watched:
+            stack.enter_context(DivergenceFunctionMode(watched, self._count_divergent))
+        stack.enter_context(RecordingDispatchMode(self))
+        self._exit_stack = stack
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._exit_stack is not None, "Tracer.__exit__ without __enter__"
+        self._exit_stack.close()
+        self._final_scan()
+        self._table.close()
+        self._recording = self._build()
+
+    @property
+    def recording(self) -> TraceRecording:
+        """The trace, available once the ``with`` block has exited."""
+        if self._recording is None:
+            raise RuntimeError("the recording is ready once the Tracer's `with` block has exited")
+        return self._recording
+
+    def mark_step(self) -> None:
+        """Start a new step: the next event is the first of the step."""
+        self._log.append(("step",))
+
+    def track(self, *objects: Any) -> None:
+        """Record storages that exist already, as allocated now (before the first step).
+
+        Args:
+            objects: ``nn.Module`` (parameters, buffers, their ``.grad``), ``torch.optim``
+                optimizers (their state) and tensors (inputs), possibly nested in lists, tuples
+                and dicts. Other objects are ignored.
+        """
+        for obj in tree_leaves(list(objects)):
+            if isinstance(obj, torch.nn.Module):
+                self._tracked.append(weakref.ref(obj))
+                self._name_root(obj)
+                self._note_module(obj, recurse=True, first_seen_ok=True)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._tracked.append(weakref.ref(obj))
+                self._note_optimizer(obj, first_seen_ok=True)
+            elif isinstance(obj, torch.Tensor):
+                self._note(obj, "input", first_seen_ok=True)
+
+    # ------------------------------------------------------------------ ops
+
+    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = str(func)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, None, before_op=True)
+        hook = self._emulations.get(name)
+        try:
+            if hook is not None:
+                out = hook(EmulationContext(name, func, args, kwargs, self))
+            else:
+                out = func(*args, **kwargs)
+        except Exception as exc:
+            self.failed_op = (name, exc)
+            raise
+        if hook is None and name in CUDA_DIVERGENT_OPS:
+            self._divergent_calls[name] += 1
+        # Outputs first (in order), then arguments an op may have resized or re-pointed.
+        for leaf in tree_leaves((out, args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, name, before_op=False)
+        return out
+
+    def _sync(self, tensor: torch.Tensor, op: str | None, *, before_op: bool) -> None:
+        if tensor.device.type != _DEVICE_TYPE:
+            return
+        storage = tensor.untyped_storage()
+        size = storage.nbytes()
+        alloc = self._table.lookup(storage)
+        if alloc is not None and alloc.size_bytes == size:
+            return
+        if alloc is None and size == 0:
+            return
+        if alloc is None and before_op:
+            self._first_seen(storage, size, "input", expected=False)
+            return
+        # A new storage, or one that resize_ grew/shrank: CUDA's resize_bytes allocates the new
+        # size, copies, then frees the old block (aten/src/ATen/native/cuda/Resize.cpp).
+        if size > 0:
+            self._table.bind(storage, self._new_alloc(size, op))
+        else:
+            self._table.unbind(storage)
+        if alloc is not None:
+            self._on_release(alloc)
+
+    def _new_alloc(
+        self,
+        size: int,
+        op: str | None,
+        *,
+        phase: Phase | None = None,
+        explicit: Category | None = None,
+    ) -> Allocation:
+        call = self._stack[-1] if self._stack else None
+        alloc = Allocation(
+            alloc_id=next(self._ids),
+            size_bytes=size,
+            phase=phase or self._phase(),
+            module=call.path if call else None,
+            op=op,
+            frames=self._frames.find(),
+            root_call=call.root_call_id if call else None,
+            explicit=explicit,
+        )
+        if call is not None:
+            self._escapes.setdefault(call.root_call_id, []).append(alloc)
+        self._log.append(("alloc", alloc))
+        return alloc
+
+    def _first_seen(
+        self, storage: torch.UntypedStorage, size: int, role: Role, *, expected: bool
+    ) -> Allocation:
+        """A storage that was not allocated under this tracer: record it now.
+
+        ``expected`` is False when it shows up in use rather than through ``track()``: then the
+        recording warns, since its allocation time is unknown.
+        """
+        if not expected:
+            self._late_first_seen += 1
+            self._late_first_seen_bytes += size
+        alloc = self._new_alloc(size, None, phase="user")
+        alloc.module = None
+        alloc.roles.add("input")
+        alloc.roles.add(role)
+        self._table.bind(storage, alloc)
+        return alloc
+
+    def _count_divergent(self, name: str) -> None:
+        self._divergent_calls[name] += 1
+
+    def _phase(self) -> Phase:
+        # The autograd engine sets a graph task id on the thread running backward.
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._optimizer_depth:
+            return "optimizer"
+        if self._stack:
+            return "forward"
+        return "user"
+
+    def _on_release(self, alloc: Allocation) -> None:
+        alloc.live = False
+        self._log.append(("free", alloc, self._frames.find()))
+
+    def _allocate_synthetic(self, size_bytes: int, category: Category, op: str) -> int:
+        alloc = self._new_alloc(size_bytes, op, explicit=category)
+        self._synthetic[alloc.alloc_id] = alloc
+        return alloc.alloc_id
+
+    def _free_synthetic(self, alloc_id: int) -> None:
+        alloc = self._synthetic.pop(alloc_id, None)
+        if alloc is None:
+            raise ValueError(f"allocation id {alloc_id} is not a live synthetic allocation")
+        self._on_release(alloc)
+
+    # ------------------------------------------------------------------ roles
+
+    def _note(self, tensor: Any, role: Role, *, first_seen_ok: bool = False) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != _DEVICE_TYPE:
+            return
+        storage = tensor.untyped_storage()
+        alloc = self._table.lookup(storage)
+        if alloc is None:
+            size = storage.nbytes()
+            if size == 0:
+                return
+            alloc = self._first_seen(storage, size, role, expected=first_seen_ok)
+        alloc.roles.add(role)
+
+    def _note_module(
+        self, module: torch.nn.Module, *, recurse: bool, first_seen_ok: bool = False
+    ) -> None:
+        for param in module.parameters(recurse=recurse):
+            self._watch_grad(param)
+            self._note(param, "parameter", first_seen_ok=first_seen_ok)
+            self._note(param.grad, "gradient", first_seen_ok=first_seen_ok)
+        for buffer in module.buffers(recurse=recurse):
+            self._note(buffer, "buffer", first_seen_ok=first_seen_ok)
+
+    def _note_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, first_seen_ok: bool = False
+    ) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._watch_grad(param)
+                self._note(param, "parameter", first_seen_ok=first_seen_ok)
+                self._note(param.grad, "gradient", first_seen_ok=first_seen_ok)
+        for state in optimizer.state.values():
+            for value in tree_leaves(state):
+                self._note(value, "optimizer_state", first_seen_ok=first_seen_ok)
+
+    def _watch_grad(self, param: torch.Tensor) -> None:
+        ref = self._grad_watched.get(id(param))
+        if (ref is not None and ref() is param) or not (param.requires_grad and param.is_leaf):
+            return
+        self._grad_watched[id(param)] = weakref.ref(param)
+        self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._note(param.grad, "gradient")
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._note(tensor, "saved")
+        # Return an alias without grad_fn: returning ``tensor`` itself would make a saved output
+        # (sigmoid, exp) reference its own grad_fn, a cycle that outlives the graph until gc.
+        return tensor.detach()
+
+    # ------------------------------------------------------------------ modules and optimizers
+
+    def _name_root(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is None:
+            path = "" if self._roots == 0 else type(module).__name__
+            self._roots += 1
+            for name, sub in module.named_modules(prefix=path):
+                self._paths.setdefault(sub, name)
+        return path
+
+    def _path_of(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is not None:
+            return path
+        if not self._stack:
+            return self._name_root(module)
+        parent = self._stack[-1]
+        for name, sub in parent.module.named_modules():
+            if sub is module:
+                path = f"{parent.path}.{name}" if parent.path else name
+                break
+        else:
+            path = (
+                f"{parent.path}.{type(module).__name__}" if parent.path else type(module).__name__
+            )
+        for name, sub in module.named_modules(prefix=path):
+            self._paths.setdefault(sub, name)
+        return path
+
+    def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        is_root = not self._stack
+        call_id = next(self._call_ids)
+        root_call_id = call_id if is_root else self._stack[-1].root_call_id
+        self._stack.append(_ModuleCall(module, self._path_of(module), call_id, root_call_id))
+        self._note_module(module, recurse=False)
+        if is_root:
+            for leaf in tree_leaves(args):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == _DEVICE_TYPE:
+                    alloc = self._table.lookup(leaf.untyped_storage())
+                    if alloc is not None and alloc.phase == "user":
+                        alloc.roles.add("input")
+
+    def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # Pop to this module's call; calls above it whose post hook never ran (an exception
+        # inside a hook) go with it. A module without a matching pre hook pops nothing.
+        for depth in range(len(self._stack) - 1, -1, -1):
+            if self._stack[depth].module is module:
+                del self._stack[depth:]
+                break
+        if not self._stack:
+            for call_id in list(self._escapes):
+                for alloc in self._escapes.pop(call_id):
+                    if alloc.live:
+                        alloc.roles.add("escaped")
+
+    def _on_param_registered(self, module: Any, name: str, param: Any) -> None:
+        if param is not None:
+            self._watch_grad(param)
+            self._note(param, "parameter", first_seen_ok=True)
+
+    def _on_buffer_registered(self, module: Any, name: str, buffer: Any) -> None:
+        self._note(buffer, "buffer", first_seen_ok=True)
+
+    def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        self._note_optimizer(optimizer)
+
+    def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        for state in optimizer.state.values():
+            for value in tree_leaves(state):
+                self._note(value, "optimizer_state")
+
+    def _final_scan(self) -> None:
+        for ref in self._tracked:
+            obj = ref()
+            if isinstance(obj, torch.nn.Module):
+                self._note_module(obj, recurse=True)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._note_optimizer(obj)
+        for ref in list(self._grad_watched.values()):
+            param = ref()
+            if param is not None:
+                self._note(param.grad, "gradient")
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ result
+
+    def _build(self) -> TraceRecording:
+        events: list[TraceEvent] = []
+        step_starts: list[int] = []
+        categories: dict[int, Category] = {}
+        totals: dict[Category, int] = {}
+        for entry in self._log:
+            kind = entry[0]
+            if kind == "step":
+                step_starts.append(len(events))
+                continue
+            alloc: Allocation = entry[1]
+            category = categories.get(alloc.alloc_id)
+            if category is None:
+                category = categories[alloc.alloc_id] = alloc.category
+            if kind == "alloc":
+                totals[category] = totals.get(category, 0) + alloc.size_bytes
+                tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
+                if alloc.module is not None:
+                    tags.append(("module", alloc.module))
+                if alloc.op is not None:
+                    tags.append(("op", alloc.op))
+                if "saved" in alloc.roles:
+                    tags.append(("saved_for_backward", "true"))
+                events.append(
+                    TraceEvent(
+                        "alloc",
+                        alloc.alloc_id,
+                        alloc.size_bytes,
+                        0,
+                        None,
+                        alloc.frames,
+                        tuple(tags),
+                    )
+                )
+            else:
+                frames = entry[2]
+                tags_free = (("category", category),)
+                for action in ("free_requested", "free_completed"):
+                    events.append(
+                        TraceEvent(
+                            action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free
+                        )
+                    )
+        return TraceRecording(
+            events=tuple(events),
+            warnings=tuple(self._warnings()),
+            step_starts=tuple(step_starts),
+            bytes_by_category=totals,
+        )
+
+    def _warnings(self) -> Iterable[str]:
+        for name, count in sorted(self._divergent_calls.items()):
+            reason = CUDA_DIVERGENT_OPS[name]
+            yield (
+                f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
+                f"({reason}) is not emulated yet"
+            )
+        if self._late_first_seen:
+            yield (
+                f"{self._late_first_seen} storage(s) ({self._late_first_seen_bytes} bytes) existed "
+                "before tracing and are recorded as allocated when first used; pass the model, "
+                "optimizer and inputs to trace_step() or Tracer.track() to record them up front"
+            )
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def trace_step(fn: Callable[..., Any], *args: Any, steps: int = 1, **kwargs: Any) -> TraceRecording:
+    """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
+
+    Modules, optimizers and tensors in ``args``/``kwargs`` are tracked first, so a model built
+    earlier under ``torch.device("meta")`` shows up as allocated before step 0. ``fn``'s return
+    value is dropped at once, so what it returns is freed inside its step.
+
+    Args:
+        fn: one training or inference step; must work on meta tensors.
+        args: passed to ``fn``.
+        steps: how many times to run ``fn``; use 3 to see optimizer state created in the first
+            step and the steady state after it.
+        kwargs: passed to ``fn``.
+
+    Returns:
+        The recording, with ``step_starts`` marking each call of ``fn``.
+
+    Raises:
+        ValueError: ``steps`` is below 1.
+        UnsupportedOpError: an aten op has no meta implementation (or depends on data).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
+    tracer = Tracer()
+    try:
+        with tracer:
+            tracer.track(args, kwargs)
+            for _ in range(steps):
+                tracer.mark_step()
+                fn(*args, **kwargs)
+    except Exception as exc:
+        failed = tracer.failed_op
+        if failed is not None and failed[1] is exc:
+            raise UnsupportedOpError(
+                f"{failed[0]} failed on the meta device ({exc}); oomkit can only trace ops with a "
+                "meta implementation that do not read tensor values. Move data-dependent code "
+                "(.item(), nonzero, boolean masks) out of the traced step or give it fixed sizes"
+            ) from exc
+        raise
+    return tracer.recording

@@ -1,0 +1,51 @@
+"""The per-op emulation registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oomkit.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tracer
+
+
+def test_default_registry_is_empty():
+    """This slice ships no emulations: every op is recorded as meta runs it."""
+    assert len(DEFAULT_EMULATIONS) == 0
+
+
+def test_hook_adds_a_workspace_around_the_op():
+    """A hook keyed by overload name can wrap the meta op with a synthetic workspace."""
+    registry = EmulationRegistry()
+
+    @registry.register("aten.mm.default")
+    def mm_with_workspace(ctx):
+        workspace = ctx.allocate(1 << 20, "workspace")
+        out = ctx.run()
+        ctx.free(workspace)
+        return out
+
+    a = torch.randn(8, 8, device="meta")
+    with Tracer(emulations=registry) as tracer:
+        tracer.track(a)
+        out = a @ a
+    summary = [
+        (e.action, e.size, dict(e.tags).get("category"))
+        for e in tracer.recording.events
+        if e.action != "free_completed"
+    ]
+    assert summary == [
+        ("alloc", 256, "input"),
+        ("alloc", 1 << 20, "workspace"),
+        ("free_requested", 1 << 20, "workspace"),
+        ("alloc", 256, "temporary"),
+    ]
+    assert not any("aten.mm.default" in w for w in tracer.recording.warnings)
+    del out
+
+
+def test_registering_twice_is_refused():
+    """One hook per op per registry."""
+    registry = EmulationRegistry()
+    registry.register("aten.mm.default")(lambda ctx: ctx.run())
+    with pytest.raises(ValueError, match="already has an emulation hook"):
+        registry.register("aten.mm.default")(lambda ctx: ctx.run())
