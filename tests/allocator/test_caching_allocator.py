@@ -257,6 +257,22 @@ def test_step8_frees_largest_blocks_until_enough():
     assert st(a)["num_alloc_retries"] == 0
 
 
+def test_step8_never_frees_a_split_oversize_block():
+    """§4 step 8 releases whole segments only: a split free block >= max_split stays (§15.11)."""
+    a = CachingAllocator(capacity_bytes=130 * MiB)
+    p = a.malloc(100 * MiB)
+    a.free(p)
+    a.malloc(30 * MiB)  # [30 MiB live | 70 MiB free] in the 100 MiB segment
+    a.set_allocator_settings("max_split_size_mb:50")
+    # 40 MiB: rule 1 refuses the 70 MiB oversize block; cudaMalloc fails (100 + 40 > 130);
+    # Step 8 must not cudaFree the split 70 MiB block (it would free the live 30 MiB too).
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(40 * MiB)
+    assert a.segment_log == [("segment_alloc", p, 100 * MiB)]
+    assert st(a)["reserved_bytes.all.current"] == 100 * MiB
+    assert st(a)["allocated_bytes.all.current"] == 30 * MiB
+
+
 def test_step9_releases_everything_and_counts_a_retry():
     """§4 step 9: synchronize, free every unsplit cached block, retry (num_alloc_retries)."""
     a = CachingAllocator(capacity_bytes=100 * MiB)

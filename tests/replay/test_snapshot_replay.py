@@ -502,11 +502,6 @@ def test_what_if_new_segments_go_above_every_recorded_address(tmp_path):
     assert created and all(address >= top for _, address, _ in created)
 
 
-@pytest.mark.xfail(
-    reason="allocator Step 8 (release.py _release_available_cached_blocks) releases a split "
-    "free block >= max_split_size as if it were a whole segment (ref §15.11)",
-    strict=False,
-)
 def test_what_if_step_8_keeps_split_oversize_blocks_of_the_starting_state(tmp_path):
     """Split oversize blocks inherited from the start are not released by Step 8 (§15.11)."""
     rec = Recording()

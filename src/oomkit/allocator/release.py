@@ -25,6 +25,17 @@ from oomkit.allocator.stats import (
 __all__ = ["ReleaseMixin"]
 
 
+def _releasable(block: Block) -> bool:
+    """Whether Step 8 may cudaFree this free oversize block as a whole segment.
+
+    Expandable blocks are skipped (PR #134338, ref §15.10). A split block is skipped too: under a
+    ``max_split_size`` set from the start PyTorch never splits an oversize block, so every free
+    oversize block is a whole segment; only a what-if replay inherits split ones from a state
+    recorded without the setting, and those are not released (ref §15.11).
+    """
+    return not block.segment.expandable and block.prev is None and block.next is None
+
+
 class ReleaseMixin:
     """The paths that give memory back to the (simulated) driver."""
 
@@ -95,19 +106,20 @@ class ReleaseMixin:
         # This stream's part of the set, in set order; lower_bound(stream, key_size).
         blocks = pool.stream_ordered(stream)
         i = bisect_left([b.size for b in blocks], key_size)
-        if i < len(blocks) and not blocks[i].segment.expandable:
+        if i < len(blocks) and _releasable(blocks[i]):
             self._release_block(blocks[i], pool)
             return True
         # No single block is large enough (or it is expandable, which is never released
-        # here: MAIN26 / PR #134338, ref §15.10): free the largest oversize ones, walking back
-        # from the search position; the walk ends at the first block of another stream.
+        # here: MAIN26 / PR #134338, ref §15.10; or it is split, ref §15.11): free the largest
+        # oversize ones, walking back from the search position; the walk ends at the first
+        # block of another stream.
         released = 0
         i -= 1
         while released < key_size and i >= 0:
             cur = blocks[i]
             if cur.size < max_split:
                 break
-            if not cur.segment.expandable:
+            if _releasable(cur):
                 released += cur.size
                 self._release_block(cur, pool)
             i -= 1
