@@ -15,6 +15,8 @@ __all__ = [
     "TorchRequiredError",
     "UnsupportedOpError",
     "NoFeasibleBatchSizeError",
+    "UnknownDeviceError",
+    "UnknownGpuError",
 ]
 
 
@@ -48,3 +50,11 @@ class UnsupportedOpError(OomkitError, ValueError):
 
 class NoFeasibleBatchSizeError(OomkitError, ValueError):
     """Not even the smallest batch size fits."""
+
+
+class UnknownDeviceError(OomkitError, ValueError):
+    """A snapshot holds no state or trace for the device asked for."""
+
+
+class UnknownGpuError(OomkitError, ValueError):
+    """A ``--gpu`` value that is neither a catalog name nor a memory size."""

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import re
 
-from oomkit.errors import OomkitError
+from oomkit.errors import UnknownGpuError
 from oomkit.gpus import overhead
 from oomkit.gpus.catalog import CATALOG
 from oomkit.gpus.spec import GpuSpec
@@ -20,10 +20,6 @@ _NOISE_WORDS = frozenset({"nvidia", "geforce", "tesla"})
 # A size needs a unit: a bare "4090" is a GPU name, not 4090 bytes.
 _SIZE_WITH_UNIT_RE = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*[A-Za-z]+\s*$")
 _MAX_SUGGESTIONS = 3
-
-
-class UnknownGpuError(OomkitError, ValueError):
-    """A ``--gpu`` value that is neither a catalog name nor a memory size."""
 
 
 def normalize_gpu_name(text: str) -> str:

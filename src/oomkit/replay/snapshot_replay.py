@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from oomkit.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, round_size
-from oomkit.errors import OomkitError
+from oomkit.errors import UnknownDeviceError
 from oomkit.replay._recorded import (
     config_from_settings,
     default_pool_events,
@@ -45,10 +45,6 @@ __all__ = ["replay_snapshot", "UnknownDeviceError"]
 _RESERVE_NUM, _RESERVE_DEN = 9, 8
 # The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
 _LARGE_PAGE_BYTES = 20 * 2**20
-
-
-class UnknownDeviceError(OomkitError, ValueError):
-    """The snapshot holds no state or trace for the device asked for."""
 
 
 def replay_snapshot(
