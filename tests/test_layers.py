@@ -22,6 +22,7 @@ LAYER = {
     "workloads": 1,
     "tracing": 1,
     "gpus": 1,
+    "models": 1,
     "analysis": 2,
     "runtime": 3,
     "cli": 4,
