@@ -19,7 +19,7 @@ from oomkit.replay._compare import (
     seed_segments_as_dicts,
 )
 from oomkit.replay.reconstruct import SeedSegment, StartState
-from oomkit.replay.result import Divergence, ReplayResult, SegmentEvent
+from oomkit.replay.result import Divergence, ReplayResult, SegmentEvent, stats_fields
 from oomkit.trace import TraceEvent
 
 __all__ = ["Run", "CREATE", "RELEASE", "SEGMENT_ACTIONS"]
@@ -364,13 +364,7 @@ class Run:
             }
         return ReplayResult(
             events=self.replayed,
-            peak_allocated_bytes=stats["allocated_bytes.all.peak"],
-            peak_reserved_bytes=stats["reserved_bytes.all.peak"],
-            final_allocated_bytes=stats["allocated_bytes.all.current"],
-            final_reserved_bytes=stats["reserved_bytes.all.current"],
-            num_device_alloc=stats["num_device_alloc"],
-            num_device_free=stats["num_device_free"],
-            num_alloc_retries=stats["num_alloc_retries"],
+            **stats_fields(stats),
             segment_events=simulated,  # type: ignore[arg-type]
             final_segments=final_segments,
             memory_stats=stats,

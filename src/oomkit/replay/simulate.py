@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from oomkit.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.errors import TraceFormatError
-from oomkit.replay.result import ReplayResult
+from oomkit.replay.result import ReplayResult, stats_fields
 from oomkit.trace import TraceEvent
 
 __all__ = ["simulate_events", "DEFAULT_CAPACITY_BYTES"]
@@ -95,13 +95,7 @@ def simulate_events(
     stats = allocator.memory_stats()
     return ReplayResult(
         events=count,
-        peak_allocated_bytes=stats["allocated_bytes.all.peak"],
-        peak_reserved_bytes=stats["reserved_bytes.all.peak"],
-        final_allocated_bytes=stats["allocated_bytes.all.current"],
-        final_reserved_bytes=stats["reserved_bytes.all.current"],
-        num_device_alloc=stats["num_device_alloc"],
-        num_device_free=stats["num_device_free"],
-        num_alloc_retries=stats["num_alloc_retries"],
+        **stats_fields(stats),
         segment_events=tuple(allocator.segment_log),
         final_segments=tuple(allocator.snapshot()),
         memory_stats=stats,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "ACTIONS",
@@ -36,19 +36,7 @@ Action = Literal[
 # Trace entry actions (ref §11.2 table; `annotate` is MAIN26 only). `empty_cache` is oomkit's own:
 # PyTorch does not record it (§15.3), but synthetic traces and the tracer can state it.
 # Readers pass unknown actions through unchanged, so newer PyTorch files still load.
-ACTIONS: tuple[str, ...] = (
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "oom",
-    "snapshot",
-    "empty_cache",
-    "annotate",
-)
+ACTIONS: tuple[str, ...] = get_args(Action)
 
 TraceSource = Literal["snapshot", "synthetic", "tracer"]
 
