@@ -17,6 +17,7 @@ __all__ = [
     "NoFeasibleBatchSizeError",
     "UnknownDeviceError",
     "UnknownGpuError",
+    "OomTextError",
 ]
 
 
@@ -58,3 +59,7 @@ class UnknownDeviceError(OomkitError, ValueError):
 
 class UnknownGpuError(OomkitError, ValueError):
     """A ``--gpu`` value that is neither a catalog name nor a memory size."""
+
+
+class OomTextError(OomkitError, ValueError):
+    """A text given as an out-of-memory error holds no message PyTorch prints for one."""

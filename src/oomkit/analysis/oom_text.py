@@ -1,0 +1,312 @@
+"""Reading the numbers out of a PyTorch CUDA out-of-memory error text.
+
+A user pastes whatever the job printed: one line, a wrapped log, a traceback, several ranks'
+errors. ``parse_oom_text`` finds each OOM message and returns its figures as bytes. Every
+message variant PyTorch has printed is recognised (../shared/ref/cuda-caching-allocator.md §12):
+
+- ``native``: 2.2+ ``GPU 0 has a total capacity of ... of which ... is free. ... Of the allocated
+  memory ... is allocated by PyTorch, and ... is reserved by PyTorch but unallocated.``, with the
+  optional NVML process sentences, the ``allowed`` (memory fraction) clause and the private-pool
+  clause; 2.1 writes ``capacty``.
+- ``classic``: <= 2.0 ``(GPU 0; ... total capacity; ... already allocated; ... free; [... allowed;]
+  ... reserved in total by PyTorch)``; <= 1.4 said ``cached`` instead of ``reserved in total``.
+- ``exa``: a request of 2^60 bytes or more (NativeCachingAllocator / CudaMallocAsyncAllocator
+  ``allocate``).
+- ``cuda_malloc_async``: ``backend:cudaMallocAsync`` (CUDAMallocAsyncAllocator.cpp mallocAsync:
+  ``Allocation on device N would exceed allowed memory. (out of memory)`` and five figures).
+- ``fraction_rejected``: newer PyTorch's preemptive rejection under a memory fraction
+  (``throw_on_cudamalloc_oom``; ref §12.4).
+- ``driver``: a bare ``CUDA error: out of memory`` from a CUDA call outside the caching allocator
+  (context creation, cuBLAS/cuDNN handles, NCCL), which carries no figures.
+
+Sizes in these texts come from ``format_size`` (§12.1): two decimals of bytes, KiB, MiB or GiB,
+so a parsed figure is within half a unit of the last digit of the truth;
+``OomText.tolerance_bytes`` says how far.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from oomkit.errors import OomTextError
+
+__all__ = ["OomText", "OomTextVariant", "ProcessMemory", "parse_oom_text", "find_oom_texts"]
+
+OomTextVariant = Literal[
+    "native", "classic", "exa", "cuda_malloc_async", "fraction_rejected", "driver"
+]
+
+# format_size (CUDACachingAllocator.cpp, ref §12.1) units.
+_UNIT_BYTES = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|KiB|MiB|GiB)"
+_ANY_SIZE = r"\d+(?:\.\d+)? ?(?:bytes|KiB|MiB|GiB)"
+
+
+def _size(number: str, unit: str) -> tuple[int, int]:
+    """A ``format_size`` figure as (bytes, tolerance in bytes)."""
+    scale = _UNIT_BYTES[unit]
+    if unit == "bytes":
+        return int(number), 0
+    # Two decimals: the truth is within half of 0.01 of the unit.
+    return round(float(number) * scale), scale // 200
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """One NVML sentence of the message: a process and the device memory it uses.
+
+    ``pid`` is None for the sentence about the process that raised the error ("Including
+    non-PyTorch memory, this process has ...").
+    """
+
+    pid: int | None
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class OomText:
+    """The figures of one out-of-memory message, in bytes; None where the variant lacks one.
+
+    Attributes:
+        variant: which message family it is (see the module docstring).
+        text: the message as found, whitespace collapsed.
+        device: the device index.
+        requested_bytes: "Tried to allocate": for the native allocator the size of the segment it
+            could not get (a 5 MiB request reports 20 MiB, ref §12.2), for cudaMallocAsync the
+            request itself.
+        total_bytes: the device's total memory (cudaMemGetInfo).
+        free_bytes: device memory free at the time (cudaMemGetInfo), all processes included.
+        allocated_bytes: bytes in tensors the caching allocator handed out (``memory_allocated``);
+            private-pool figures are subtracted where the message gives them.
+        reserved_bytes: bytes the caching allocator holds from the driver (``memory_reserved``).
+        private_pool_bytes: free cached bytes in private pools (CUDA graphs), 0 if not stated.
+        allowed_bytes: the per-process limit from ``set_per_process_memory_fraction``, if set.
+        processes: the NVML per-process sentences (2.2+ with NVML available).
+        torch_versions: the PyTorch releases that print this wording.
+        tolerance_bytes: for each figure above, how far the parsed value may be from the truth.
+    """
+
+    variant: OomTextVariant
+    text: str
+    device: int | None = None
+    requested_bytes: int | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    private_pool_bytes: int = 0
+    allowed_bytes: int | None = None
+    processes: tuple[ProcessMemory, ...] = ()
+    torch_versions: str = ""
+    tolerance_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def reserved_unallocated_bytes(self) -> int | None:
+        """Reserved by PyTorch but not in tensors: the cache, where fragmentation lives."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return self.reserved_bytes - self.allocated_bytes - self.private_pool_bytes
+
+    @property
+    def outside_allocator_bytes(self) -> int | None:
+        """Device memory used by anything but this process's caching allocator.
+
+        total - free - reserved: the CUDA context and kernels, cuBLAS/NCCL buffers, other
+        processes. 0 at least.
+        """
+        if None in (self.total_bytes, self.free_bytes, self.reserved_bytes):
+            return None
+        assert self.total_bytes is not None and self.free_bytes is not None
+        assert self.reserved_bytes is not None
+        return max(0, self.total_bytes - self.free_bytes - self.reserved_bytes)
+
+
+# --- one pattern per variant, over whitespace-collapsed text -----------------------------------
+
+_NATIVE = re.compile(
+    r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
+    r"(capacity|capacty) of " + _SIZE + r" of which " + _SIZE + r" is free\. "
+    r"(?P<procs>(?:(?:Including non-PyTorch memory, this process|Process \d+) has "
+    + _ANY_SIZE
+    + r" memory in use\. )*)"
+    r"(?:" + _SIZE + r" allowed; )?"
+    r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, "
+    r"(?:with " + _SIZE + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?"
+    r"and " + _SIZE + r" is reserved by PyTorch but unallocated\."
+)
+_PROCESS = re.compile(
+    r"(?:Including non-PyTorch memory, this process|Process (\d+)) has " + _SIZE
+    + r" memory in use\."
+)
+_CLASSIC = re.compile(
+    r"CUDA out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE
+    + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free; "
+    r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)"
+)
+_EXA = re.compile(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
+_ASYNC = re.compile(
+    r"Allocation on device (\d+) would exceed allowed memory\. \(out of memory\) "
+    r"Currently allocated ?: " + _SIZE + r" Requested ?: " + _SIZE + r" Device limit ?: "
+    + _SIZE + r" Free \(according to CUDA\) ?: " + _SIZE
+    + r" PyTorch limit \(set by user-supplied memory fraction\) ?: " + _SIZE
+)
+_REJECTED = re.compile(
+    r"CUDA out of memory\. Allocation was preemptively rejected because it would exceed "
+    r"per_process_memory_fraction limit\. Requested size: " + _SIZE
+)
+_DRIVER = re.compile(r"CUDA error: out of memory")
+
+# Log decorations at the start of a line that a copy-paste keeps: comment marks and quotes.
+_LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
+
+
+def _normalise(text: str) -> str:
+    return " ".join(_LINE_PREFIX.sub("", text).split())
+
+
+class _Figures:
+    """Collects parsed sizes with their tolerances."""
+
+    def __init__(self) -> None:
+        self.tolerance: dict[str, int] = {}
+
+    def take(self, name: str, number: str | None, unit: str | None) -> int | None:
+        if number is None or unit is None:
+            return None
+        value, tolerance = _size(number, unit)
+        self.tolerance[name] = tolerance
+        return value
+
+
+def _native(m: re.Match[str]) -> OomText:
+    g = m.groups()
+    f = _Figures()
+    requested = f.take("requested_bytes", g[0], g[1])
+    total = f.take("total_bytes", g[4], g[5])
+    free = f.take("free_bytes", g[6], g[7])
+    processes = tuple(
+        ProcessMemory(int(p.group(1)) if p.group(1) else None, _size(p.group(2), p.group(3))[0])
+        for p in _PROCESS.finditer(m.group("procs"))
+    )
+    allowed = f.take("allowed_bytes", g[9], g[10])
+    by_pytorch = f.take("allocated_bytes", g[11], g[12])
+    private = f.take("private_pool_bytes", g[13], g[14]) or 0
+    unallocated = f.take("reserved_bytes", g[15], g[16])
+    assert by_pytorch is not None and unallocated is not None
+    # "Of the allocated memory AL+P is allocated by PyTorch, [with P in private pools,] and
+    # R-AL-P is reserved by PyTorch but unallocated" (ref §12.3): R = (AL+P) + (R-AL-P).
+    tolerance = f.tolerance
+    tolerance["reserved_bytes"] = tolerance["reserved_bytes"] + tolerance["allocated_bytes"]
+    tolerance["allocated_bytes"] += tolerance.get("private_pool_bytes", 0)
+    return OomText(
+        variant="native",
+        text=m.group(0),
+        device=int(g[2]),
+        requested_bytes=requested,
+        total_bytes=total,
+        free_bytes=free,
+        allocated_bytes=by_pytorch - private,
+        reserved_bytes=by_pytorch + unallocated,
+        private_pool_bytes=private,
+        allowed_bytes=allowed,
+        processes=processes,
+        # 2.1 misspells "capacity" (ref §12.3).
+        torch_versions="2.1" if g[3] == "capacty" else ">=2.2",
+        tolerance_bytes=tolerance,
+    )
+
+
+def _classic(m: re.Match[str]) -> OomText:
+    g = m.groups()
+    f = _Figures()
+    cached = g[13] == "cached"
+    return OomText(
+        variant="classic",
+        text=m.group(0),
+        device=int(g[2]),
+        requested_bytes=f.take("requested_bytes", g[0], g[1]),
+        total_bytes=f.take("total_bytes", g[3], g[4]),
+        allocated_bytes=f.take("allocated_bytes", g[5], g[6]),
+        free_bytes=f.take("free_bytes", g[7], g[8]),
+        allowed_bytes=f.take("allowed_bytes", g[9], g[10]),
+        reserved_bytes=f.take("reserved_bytes", g[11], g[12]),
+        torch_versions="<=1.4" if cached else "1.5-2.0",
+        tolerance_bytes=f.tolerance,
+    )
+
+
+def _cuda_malloc_async(m: re.Match[str]) -> OomText:
+    g = m.groups()
+    f = _Figures()
+    return OomText(
+        variant="cuda_malloc_async",
+        text=m.group(0),
+        device=int(g[0]),
+        # pytorch_used_bytes: bytes in live allocations; cudaMallocAsync keeps no cache PyTorch
+        # can see, so allocated is all PyTorch holds.
+        allocated_bytes=f.take("allocated_bytes", g[1], g[2]),
+        requested_bytes=f.take("requested_bytes", g[3], g[4]),
+        total_bytes=f.take("total_bytes", g[5], g[6]),
+        free_bytes=f.take("free_bytes", g[7], g[8]),
+        allowed_bytes=f.take("allowed_bytes", g[9], g[10]),
+        torch_versions=">=1.13 (backend:cudaMallocAsync)",
+        tolerance_bytes=f.tolerance,
+    )
+
+
+def _rejected(m: re.Match[str]) -> OomText:
+    f = _Figures()
+    return OomText(
+        variant="fraction_rejected",
+        text=m.group(0),
+        requested_bytes=f.take("requested_bytes", m.group(1), m.group(2)),
+        torch_versions="newer than 2.13 (throw_on_cudamalloc_oom)",
+        tolerance_bytes=f.tolerance,
+    )
+
+
+_PARSERS = (
+    (_NATIVE, _native),
+    (_CLASSIC, _classic),
+    (_ASYNC, _cuda_malloc_async),
+    (_REJECTED, _rejected),
+    (_EXA, lambda m: OomText("exa", m.group(0), requested_bytes=2**60, torch_versions="all")),
+    (_DRIVER, lambda m: OomText("driver", m.group(0), torch_versions="all")),
+)
+
+
+def find_oom_texts(text: str) -> list[OomText]:
+    """Every out-of-memory message in ``text``, in order of appearance.
+
+    A log of several ranks holds several messages. A bare ``CUDA error: out of memory`` counts
+    only where no richer message covers the same place.
+    """
+    flat = _normalise(text)
+    found: list[tuple[int, int, OomText]] = []
+    for pattern, build in _PARSERS:
+        for m in pattern.finditer(flat):
+            if any(start <= m.start() < end for start, end, _ in found):
+                continue
+            found.append((m.start(), m.end(), build(m)))
+    return [parsed for _, _, parsed in sorted(found, key=lambda item: item[0])]
+
+
+def parse_oom_text(text: str) -> OomText:
+    """The first out-of-memory message in ``text`` (an error line, a traceback or a whole log).
+
+    Raises:
+        OomTextError: no message PyTorch prints for an out-of-memory error is in the text.
+    """
+    found = find_oom_texts(text)
+    if not found:
+        snippet = " ".join(text.split())[:80]
+        raise OomTextError(
+            "no CUDA out-of-memory message found in the text"
+            + (f" (it begins {snippet!r})" if snippet else " (it is empty)")
+            + ". Paste the whole error, from 'torch.OutOfMemoryError: CUDA out of memory.' to the "
+            "end of that message, or explain a snapshot file instead"
+        )
+    return found[0]
