@@ -24,8 +24,12 @@ def _oom(allocator: CachingAllocator, nbytes: int) -> SimulatedOutOfMemoryError:
 
 @pytest.mark.parametrize(
     ("torch_version", "variant", "versions"),
-    [("2.0", "classic", "1.5-2.0"), ("2.1", "native", "2.1"), ("2.4", "native", ">=2.2"),
-     (None, "native", ">=2.2")],
+    [
+        ("2.0", "classic", "1.5-2.0"),
+        ("2.1", "native", "2.1"),
+        ("2.4", "native", ">=2.2"),
+        (None, "native", ">=2.2"),
+    ],
 )
 def test_simulated_messages_parse_back_to_their_figures(torch_version, variant, versions):
     """The simulator's message for each version parses back to the state that raised it."""
@@ -176,8 +180,14 @@ def test_text_without_a_message_is_a_clear_error(text):
 def test_parsed_size_is_within_its_tolerance(size_bytes):
     """Any format_size output parses back to within the stated tolerance of the truth."""
     text = oom_message(
-        rules_for(None), alloc_size=size_bytes, device=0, total=2**46, free=0,
-        allocated=0, reserved=0, allowed=None,
+        rules_for(None),
+        alloc_size=size_bytes,
+        device=0,
+        total=2**46,
+        free=0,
+        allocated=0,
+        reserved=0,
+        allowed=None,
     )
     parsed = parse_oom_text(text)
     assert parsed.requested_bytes is not None

@@ -138,20 +138,35 @@ _NATIVE = re.compile(
     r"and " + _SIZE + r" is reserved by PyTorch but unallocated\."
 )
 _PROCESS = re.compile(
-    r"(?:Including non-PyTorch memory, this process|Process (\d+)) has " + _SIZE
+    r"(?:Including non-PyTorch memory, this process|Process (\d+)) has "
+    + _SIZE
     + r" memory in use\."
 )
 _CLASSIC = re.compile(
-    r"CUDA out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE
-    + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free; "
+    r"CUDA out of memory\. Tried to allocate "
+    + _SIZE
+    + r" \(GPU (\d+); "
+    + _SIZE
+    + r" total capacity; "
+    + _SIZE
+    + r" already allocated; "
+    + _SIZE
+    + r" free; "
     r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)"
 )
 _EXA = re.compile(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
 _ASYNC = re.compile(
     r"Allocation on device (\d+) would exceed allowed memory\. \(out of memory\) "
-    r"Currently allocated ?: " + _SIZE + r" Requested ?: " + _SIZE + r" Device limit ?: "
-    + _SIZE + r" Free \(according to CUDA\) ?: " + _SIZE
-    + r" PyTorch limit \(set by user-supplied memory fraction\) ?: " + _SIZE
+    r"Currently allocated ?: "
+    + _SIZE
+    + r" Requested ?: "
+    + _SIZE
+    + r" Device limit ?: "
+    + _SIZE
+    + r" Free \(according to CUDA\) ?: "
+    + _SIZE
+    + r" PyTorch limit \(set by user-supplied memory fraction\) ?: "
+    + _SIZE
 )
 _REJECTED = re.compile(
     r"CUDA out of memory\. Allocation was preemptively rejected because it would exceed "
