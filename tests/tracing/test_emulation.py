@@ -8,9 +8,12 @@ import torch
 from oomkit.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tracer
 
 
-def test_default_registry_is_empty():
-    """This slice ships no emulations: every op is recorded as meta runs it."""
-    assert len(DEFAULT_EMULATIONS) == 0
+def test_default_registry_holds_the_builtin_emulations():
+    """SDPA, the flash backward, ten cuBLAS ops and embedding backward have default hooks."""
+    assert len(DEFAULT_EMULATIONS) == 13
+    assert "torch.nn.functional.scaled_dot_product_attention" in DEFAULT_EMULATIONS
+    assert "aten.mm.default" in DEFAULT_EMULATIONS
+    assert "aten.embedding_dense_backward.default" in DEFAULT_EMULATIONS
 
 
 def test_hook_adds_a_workspace_around_the_op():

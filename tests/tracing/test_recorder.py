@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oomkit.errors import UnsupportedOpError
-from oomkit.tracing import Tracer, TraceRecording, trace_step
+from oomkit.tracing import EmulationRegistry, Tracer, TraceRecording, trace_step
 
 LINEAR_PARAM_BYTES = 4 * (1024 * 1024 + 1024)
 BATCH_BYTES = 4 * 8 * 1024
@@ -39,7 +39,10 @@ def _allocs(recording: TraceRecording, **tags: str) -> list:
 @pytest.fixture(scope="module")
 def three_steps() -> tuple[TraceRecording, torch.optim.AdamW]:
     model, optimizer = _linear_and_adamw()
-    return trace_step(_train_step, model, optimizer, steps=3), optimizer
+    # No emulations: these tests are about what meta records (cuBLAS workspaces are tested in
+    # test_emulation_cublas.py).
+    recording = trace_step(_train_step, model, optimizer, steps=3, emulations=EmulationRegistry())
+    return recording, optimizer
 
 
 def test_parameters_are_recorded_before_the_first_step(three_steps):
@@ -138,7 +141,7 @@ def test_module_paths_on_a_sequential():
     def forward(m):
         m(torch.randn(2, 16, device="meta"))
 
-    recording = trace_step(forward, model)
+    recording = trace_step(forward, model, emulations=EmulationRegistry())
     forward_allocs = _allocs(recording, phase="forward")
     assert [(dict(e.tags)["module"], e.size) for e in forward_allocs] == [
         ("0", 4 * 2 * 32),
@@ -171,26 +174,47 @@ def test_model_built_inside_the_trace():
     recording = trace_step(build_and_run)
     assert recording.bytes_by_category["parameter"] == 4 * (64 * 64 + 64)
     assert recording.bytes_by_category["gradient"] == 4 * (64 * 64 + 64)
-    assert recording.warnings == (
+    # addmm (forward) and mm (backward, autograd's thread) each set up a 32 MiB cuBLAS workspace.
+    assert recording.bytes_by_category["workspace"] == 2 * 32 * 2**20
+    assert recording.warnings == ()
+
+
+def test_ops_without_emulation_are_reported():
+    """With no emulation hooks, the cuBLAS ops and SDPA leave one warning each, naming the op."""
+
+    def build_and_run():
+        with torch.device("meta"):
+            model = torch.nn.Linear(64, 64)
+        model(torch.randn(4, 64, device="meta")).sum().backward()
+        q = torch.randn(1, 2, 16, 8, device="meta")
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    recording = trace_step(build_and_run, emulations=EmulationRegistry())
+    assert (
         "aten.addmm.default ran 1 time(s) and is recorded as meta runs it; its CUDA memory "
-        "(cuBLAS workspace) is not emulated yet",
+        "(cuBLAS workspace) is not emulated yet"
+    ) in recording.warnings
+    assert (
         "aten.mm.default ran 1 time(s) and is recorded as meta runs it; its CUDA memory "
-        "(cuBLAS workspace) is not emulated yet",
+        "(cuBLAS workspace) is not emulated yet"
+    ) in recording.warnings
+    assert any(
+        w.startswith("torch.nn.functional.scaled_dot_product_attention ran 1")
+        for w in recording.warnings
     )
 
 
-def test_sdpa_is_reported_as_not_emulated():
-    """scaled_dot_product_attention runs (math path on meta) and leaves a warning."""
+def test_sdpa_is_emulated_by_default():
+    """With the default emulations an fp32 SDPA runs the efficient kernel and warns of nothing."""
 
     def attend():
         q = torch.randn(1, 2, 16, 8, device="meta")
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
     recording = trace_step(attend)
-    assert any(
-        w.startswith("torch.nn.functional.scaled_dot_product_attention ran 1")
-        for w in recording.warnings
-    )
+    ops = {dict(e.tags).get("op") for e in recording.events if e.action == "alloc"}
+    assert "aten._scaled_dot_product_efficient_attention.default" in ops
+    assert recording.warnings == ()
 
 
 def test_untracked_existing_storages_warn():

@@ -7,6 +7,13 @@ category, phase, module path and aten op. ``Tracer`` is the context manager unde
 
 from __future__ import annotations
 
+from oomkit.tracing.autocast import CudaAutocastEmulation, emulated_autocast_dtype
+from oomkit.tracing.autocast_policy import (
+    CAST_POLICIES,
+    CUDA_AUTOCAST_POLICY,
+    CastPolicy,
+    cuda_cast_policy,
+)
 from oomkit.tracing.categories import CATEGORIES, PHASES, Category, Phase, infer_category
 from oomkit.tracing.emulation import (
     CUDA_DIVERGENT_OPS,
@@ -15,10 +22,18 @@ from oomkit.tracing.emulation import (
     EmulationRegistry,
     OpEmulation,
 )
+from oomkit.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.tracing.recorder import Tracer, trace_step
 from oomkit.tracing.recording import TraceRecording
 
 __all__ = [
+    "CAST_POLICIES",
+    "CUDA_AUTOCAST_POLICY",
+    "CastPolicy",
+    "CudaAutocastEmulation",
+    "cuda_cast_policy",
+    "cuda_optimizer_defaults",
+    "emulated_autocast_dtype",
     "CATEGORIES",
     "CUDA_DIVERGENT_OPS",
     "Category",

@@ -42,13 +42,19 @@ class RecordingDispatchMode(TorchDispatchMode):
 
 
 class DivergenceFunctionMode(TorchFunctionMode):
-    """Counts calls of Python-level functions whose CUDA memory meta does not reproduce.
+    """Runs Python-level functions whose CUDA memory meta does not reproduce.
 
     Needed because composite functions such as ``scaled_dot_product_attention`` decompose before
-    they reach the dispatch mode, so their aten name never shows up there.
+    they reach the dispatch mode, so their aten name never shows up there. ``on_call(name, func,
+    args, kwargs)`` runs a watched call (an emulation hook, or the function itself while counting
+    it as not emulated) and returns its result.
     """
 
-    def __init__(self, watched: dict[Callable[..., Any], str], on_call: Callable[[str], None]):
+    def __init__(
+        self,
+        watched: dict[Callable[..., Any], str],
+        on_call: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+    ):
         super().__init__()
         self._watched = watched
         self._on_call = on_call
@@ -62,7 +68,7 @@ class DivergenceFunctionMode(TorchFunctionMode):
     ) -> Any:
         name = self._watched.get(func)
         if name is not None:
-            self._on_call(name)
+            return self._on_call(name, func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 

@@ -6,8 +6,11 @@ workspace (cuBLAS, cuDNN, SDPA backends) or keep a cache (autocast's weight cast
 of the plain meta op: it calls ``ctx.run()`` for the meta outputs and may add synthetic
 allocations around it with ``ctx.allocate`` / ``ctx.free``.
 
-This slice ships the registry empty. Ops with no hook are recorded exactly as meta runs them;
-ops listed in ``CUDA_DIVERGENT_OPS`` additionally produce one warning per op in the recording.
+Hooks are keyed by aten overload name (run by the dispatch mode) or by a dotted torch function
+name (``"torch.nn.functional.scaled_dot_product_attention"``, run by a TorchFunctionMode in place
+of the Python function). ``DEFAULT_EMULATIONS`` holds the modules of ``tracing/emulations/``.
+Ops with no hook are recorded exactly as meta runs them; ops listed in ``CUDA_DIVERGENT_OPS``
+additionally produce one warning per op in the recording.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from oomkit.tracing.categories import Category
+from oomkit.gpus import GpuSpec
+from oomkit.tracing.categories import Category, Phase
 
 if TYPE_CHECKING:
     from oomkit.tracing.recorder import Tracer
@@ -32,21 +36,56 @@ __all__ = [
 
 @dataclass
 class EmulationContext:
-    """What an emulation hook sees of one op call, and how it adds synthetic allocations."""
+    """What an emulation hook sees of one op call, and how it adds synthetic allocations.
+
+    Attributes:
+        op_name: the aten overload name (``"aten.mm.default"``) or torch function name.
+        func: the op; ``run()`` calls it with ``args`` and ``kwargs``.
+        gpu: the target device the emulation models (compute capability, architecture).
+    """
 
     op_name: str
     func: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     _tracer: Tracer = field(repr=False)
+    gpu: GpuSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu is None:
+            self.gpu = self._tracer.gpu
+
+    @property
+    def phase(self) -> Phase:
+        """Where the step is: ``forward``, ``backward`` (autograd's thread on CUDA), ..."""
+        return self._tracer._phase()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Per-Tracer scratch space shared by all hooks (e.g. which cuBLAS handles exist)."""
+        return self._tracer._emulation_state
 
     def run(self) -> Any:
         """Run the op on meta; its outputs are recorded as usual when the hook returns them."""
         return self.func(*self.args, **self.kwargs)
 
-    def allocate(self, size_bytes: int, category: Category) -> int:
-        """Record a synthetic allocation of ``size_bytes``; returns its id for :meth:`free`."""
-        return self._tracer._allocate_synthetic(size_bytes, category, self.op_name)
+    def record_outputs(self, outputs: Any) -> None:
+        """Record the op's outputs as allocated now rather than when the hook returns.
+
+        For a kernel that allocates its outputs before (or while) its workspaces are live, so
+        the workspaces' frees come after the outputs, as on CUDA.
+        """
+        self._tracer._record_outputs(outputs, self.op_name)
+
+    def allocate(self, size_bytes: int, category: Category, what: str | None = None) -> int:
+        """Record a synthetic allocation of ``size_bytes``; returns its id for :meth:`free`.
+
+        Args:
+            size_bytes: the requested size, in bytes.
+            category: ``workspace``, ``autocast_cache``, ...
+            what: tagged as ``("emulated", what)``, e.g. ``"cublas_workspace"``.
+        """
+        return self._tracer._allocate_synthetic(size_bytes, category, self.op_name, what)
 
     def free(self, alloc_id: int) -> None:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
@@ -93,23 +132,46 @@ class EmulationRegistry(Mapping[str, OpEmulation]):
         return len(self._hooks)
 
 
-# Empty in this slice: SDPA backends, autocast weight cache and cuBLAS workspaces come later.
-DEFAULT_EMULATIONS = EmulationRegistry()
-
 # Ops whose CUDA memory is known to differ from what meta records, with the reason. A run of one
 # of these with no emulation hook adds a warning to the recording.
 CUDA_DIVERGENT_OPS: Mapping[str, str] = {
-    # CublasHandlePool.cpp getCUDABlasLtWorkspace / getChosenWorkspaceSize: cuBLAS takes a
-    # per-handle workspace from the caching allocator on first use.
+    # CublasHandlePool.cpp getChosenWorkspaceSize / getCUDABlasLtWorkspace: cuBLAS takes a
+    # per-stream workspace from the caching allocator on first use (emulations/cublas.py).
     "aten.mm.default": "cuBLAS workspace",
     "aten.addmm.default": "cuBLAS workspace",
     "aten.bmm.default": "cuBLAS workspace",
     "aten.baddbmm.default": "cuBLAS workspace",
     # sdp_utils.cpp select_sdp_backend: CUDA picks flash/efficient/cuDNN kernels with their own
-    # outputs (logsumexp, philox state); meta runs the math decomposition. Composite, so it is
-    # seen by a TorchFunctionMode, and only when called directly from non-torch code (a call
-    # nested in another torch function, as in nn.MultiheadAttention, runs with the mode popped).
+    # outputs (logsumexp, philox state); meta runs the math decomposition (emulations/sdpa.py).
+    # Composite, so it is seen by a TorchFunctionMode, and only when called directly from
+    # non-torch code (a call nested in another torch function, as in nn.MultiheadAttention,
+    # runs with the mode popped).
     "torch.nn.functional.scaled_dot_product_attention": (
         "SDPA backend choice (meta runs the math path, which materialises the attention matrix)"
     ),
+    # attention_backward.cu _efficient_attention_backward: a float delta and a kernel workspace
+    # sized by kernel_backward.h workspace_size(); not emulated.
+    "aten._scaled_dot_product_efficient_attention_backward.default": (
+        "mem-efficient attention backward's delta and kernel workspace"
+    ),
+    # cudnn/MHA.cpp run_cudnn_SDP_fprop / bprop: a cuDNN graph workspace sized by cuDNN.
+    "aten._scaled_dot_product_cudnn_attention.default": "cuDNN attention workspace",
+    "aten._scaled_dot_product_cudnn_attention_backward.default": "cuDNN attention workspace",
+    # Normalization.cpp _batch_norm_impl_index: training-mode batch norm on CUDA runs
+    # cudnn_batch_norm, whose reserve space (saved for backward) and workspace are sized by
+    # cuDNN at run time (cudnnGetBatchNormalizationTrainingExReserveSpaceSize).
+    "aten.native_batch_norm.default": "cuDNN batch-norm reserve space and workspace",
+    "aten.native_batch_norm_backward.default": "cuDNN batch-norm backward workspace",
 }
+
+
+def _build_defaults() -> EmulationRegistry:
+    from oomkit.tracing.emulations import register_defaults
+
+    registry = EmulationRegistry()
+    register_defaults(registry)
+    return registry
+
+
+# SDPA backends, cuBLAS workspaces and the embedding backward sort (tracing/emulations/).
+DEFAULT_EMULATIONS = _build_defaults()

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from oomkit.errors import TorchRequiredError, UnsupportedOpError
+from oomkit.gpus import GpuSpec, get_gpu
 
 try:
     import torch
@@ -40,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - exercised by test_without_torch
 
 from oomkit.trace import TraceEvent
 from oomkit.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
+from oomkit.tracing.autocast import CudaAutocastEmulation
 from oomkit.tracing.categories import Category, Phase, Role
 from oomkit.tracing.emulation import (
     CUDA_DIVERGENT_OPS,
@@ -48,6 +50,7 @@ from oomkit.tracing.emulation import (
     OpEmulation,
 )
 from oomkit.tracing.frames import UserFrameFinder
+from oomkit.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.tracing.recording import TraceRecording
 from oomkit.tracing.storages import Allocation, StorageTable
 
@@ -80,13 +83,23 @@ class Tracer:
     One Tracer records once; tracers do not nest.
     """
 
-    def __init__(self, *, emulations: Mapping[str, OpEmulation] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        emulations: Mapping[str, OpEmulation] | None = None,
+        gpu: GpuSpec | None = None,
+    ) -> None:
         """Create a recorder; nothing is installed until the ``with`` block starts.
 
         Args:
             emulations: per-op hooks by aten overload name; default ``DEFAULT_EMULATIONS``.
+            gpu: the target device the CUDA emulations model (its compute capability picks the
+                SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
         """
         self._emulations = DEFAULT_EMULATIONS if emulations is None else emulations
+        self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
+        self._emulation_state: dict[str, Any] = {}
+        self._emulated_what: dict[int, str] = {}  # alloc_id -> ("emulated", what) tag
         self._frames = UserFrameFinder()
         self._table = StorageTable(self._on_release)
         self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
@@ -124,12 +137,13 @@ class Tracer:
             _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
         ]
         stack.callback(self._remove_handles)
+        # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
+        stack.enter_context(cuda_optimizer_defaults())
+        stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-        watched = watched_functions(
-            [name for name in CUDA_DIVERGENT_OPS if name not in self._emulations]
-        )
+        watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
         if watched:
-            stack.enter_context(DivergenceFunctionMode(watched, self._count_divergent))
+            stack.enter_context(DivergenceFunctionMode(watched, self._run_function))
         stack.enter_context(RecordingDispatchMode(self))
         self._exit_stack = stack
         return self
@@ -186,7 +200,7 @@ class Tracer:
         hook = self._emulations.get(name)
         try:
             if hook is not None:
-                out = hook(EmulationContext(name, func, args, kwargs, self))
+                out = hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
             else:
                 out = func(*args, **kwargs)
         except Exception as exc:
@@ -199,6 +213,11 @@ class Tracer:
             if isinstance(leaf, torch.Tensor):
                 self._sync(leaf, name, before_op=False)
         return out
+
+    def _record_outputs(self, outputs: Any, op: str) -> None:
+        for leaf in tree_leaves(outputs):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, op, before_op=False)
 
     def _sync(self, tensor: torch.Tensor, op: str | None, *, before_op: bool) -> None:
         if tensor.device.type != _DEVICE_TYPE:
@@ -264,8 +283,23 @@ class Tracer:
         self._table.bind(storage, alloc)
         return alloc
 
-    def _count_divergent(self, name: str) -> None:
-        self._divergent_calls[name] += 1
+    def _run_function(
+        self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A watched torch function: its emulation hook, or the function counted as divergent."""
+        hook = self._emulations.get(name)
+        if hook is None:
+            if name in CUDA_DIVERGENT_OPS:
+                self._divergent_calls[name] += 1
+            return func(*args, **kwargs)
+        return hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
+
+    def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
+        """A weight cast entered autocast's cache: it lives until the outermost region exits."""
+        if cast.device.type == _DEVICE_TYPE:
+            alloc = self._table.lookup(cast.untyped_storage())
+            if alloc is not None:
+                alloc.explicit = "autocast_cache"
 
     def _phase(self) -> Phase:
         # The autograd engine sets a graph task id on the thread running backward.
@@ -281,8 +315,12 @@ class Tracer:
         alloc.live = False
         self._log.append(("free", alloc, self._frames.find()))
 
-    def _allocate_synthetic(self, size_bytes: int, category: Category, op: str) -> int:
+    def _allocate_synthetic(
+        self, size_bytes: int, category: Category, op: str, what: str | None = None
+    ) -> int:
         alloc = self._new_alloc(size_bytes, op, explicit=category)
+        if what is not None:
+            self._emulated_what[alloc.alloc_id] = what
         self._synthetic[alloc.alloc_id] = alloc
         return alloc.alloc_id
 
@@ -460,6 +498,9 @@ class Tracer:
                     tags.append(("op", alloc.op))
                 if "saved" in alloc.roles:
                     tags.append(("saved_for_backward", "true"))
+                what = self._emulated_what.get(alloc.alloc_id)
+                if what is not None:
+                    tags.append(("emulated", what))
                 events.append(
                     TraceEvent(
                         "alloc",
@@ -506,7 +547,14 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def trace_step(fn: Callable[..., Any], *args: Any, steps: int = 1, **kwargs: Any) -> TraceRecording:
+def trace_step(
+    fn: Callable[..., Any],
+    *args: Any,
+    steps: int = 1,
+    gpu: GpuSpec | None = None,
+    emulations: Mapping[str, OpEmulation] | None = None,
+    **kwargs: Any,
+) -> TraceRecording:
     """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
 
     Modules, optimizers and tensors in ``args``/``kwargs`` are tracked first, so a model built
@@ -518,6 +566,8 @@ def trace_step(fn: Callable[..., Any], *args: Any, steps: int = 1, **kwargs: Any
         args: passed to ``fn``.
         steps: how many times to run ``fn``; use 3 to see optimizer state created in the first
             step and the steady state after it.
+        gpu: the target device the CUDA emulations model; ``None`` means an H100 SXM.
+        emulations: per-op hooks; ``None`` means ``DEFAULT_EMULATIONS``.
         kwargs: passed to ``fn``.
 
     Returns:
@@ -529,7 +579,7 @@ def trace_step(fn: Callable[..., Any], *args: Any, steps: int = 1, **kwargs: Any
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
-    tracer = Tracer()
+    tracer = Tracer(emulations=emulations, gpu=gpu)
     try:
         with tracer:
             tracer.track(args, kwargs)

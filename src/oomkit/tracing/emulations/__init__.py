@@ -1,0 +1,68 @@
+"""The CUDA memory emulations that ship with oomkit, one module per concept.
+
+``register_defaults(registry)`` adds them all; ``oomkit.tracing.emulation.DEFAULT_EMULATIONS``
+is a registry built that way. To change a setting (cuDNN version for the SDPA choice, a
+``CUBLAS_WORKSPACE_CONFIG``), build your own registry::
+
+    registry = EmulationRegistry()
+    register_defaults(registry, sdpa=SdpaSettings(cudnn_version=91501), environ={...})
+    trace_step(step, model, emulations=registry)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from oomkit.tracing.emulations.cublas import (
+    CUBLAS_OPS,
+    cublas_workspace_bytes,
+    cublaslt_unified,
+    cublaslt_workspace_bytes,
+    register_cublas,
+)
+from oomkit.tracing.emulations.embedding import register_embedding
+from oomkit.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
+from oomkit.tracing.emulations.sdpa_backend import (
+    SdpaCall,
+    SdpaSettings,
+    SdpBackend,
+    select_sdp_backend,
+)
+
+if TYPE_CHECKING:
+    from oomkit.tracing.emulation import EmulationRegistry
+
+__all__ = [
+    "CUBLAS_OPS",
+    "SdpBackend",
+    "SdpaCall",
+    "SdpaSettings",
+    "cublas_workspace_bytes",
+    "cublaslt_unified",
+    "cublaslt_workspace_bytes",
+    "register_cublas",
+    "register_defaults",
+    "register_embedding",
+    "register_sdpa",
+    "sdpa_backend_for",
+    "select_sdp_backend",
+]
+
+
+def register_defaults(
+    registry: EmulationRegistry,
+    *,
+    sdpa: SdpaSettings | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Register every built-in emulation in ``registry``.
+
+    Args:
+        registry: where to register (must not already hold these ops).
+        sdpa: switches for the SDPA backend choice; default ``SdpaSettings()``.
+        environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
+    """
+    register_sdpa(registry, sdpa)
+    register_cublas(registry, environ)
+    register_embedding(registry)

@@ -1,0 +1,245 @@
+"""``scaled_dot_product_attention`` as CUDA runs it: the chosen fused kernel, not the math path.
+
+On the meta device ``scaled_dot_product_attention`` takes the math path (attention.cpp
+``scaled_dot_product_attention``: only devices with a ``_fused_sdp_choice_stub`` pick a fused
+kernel), which materialises the ``L x S`` attention matrix. This hook, run by the tracer's
+TorchFunctionMode in place of the Python function, picks the backend CUDA would pick on the
+target GPU (``sdpa_backend.select_sdp_backend``) and then does what the CUDA branch of the
+composite does, calling the same aten op, whose meta kernel allocates exactly the kernel's
+outputs (output, fp32 logsumexp, philox seed/offset or rng_state). Autograd saves those outputs
+and backward calls the matching ``*_backward`` op, as on CUDA.
+
+The flash backward's own temporaries are added by a dispatch-level hook (flash_api.cpp
+``mha_bwd``). Limitation: a call made from inside another torch function (``nn.MultiheadAttention``
+calls it from ``F.multi_head_attention_forward``) runs with the mode popped, so it is recorded
+as the math path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from oomkit.tracing.autocast import emulated_autocast_dtype
+from oomkit.tracing.emulations.sdpa_backend import (
+    SdpaCall,
+    SdpaSettings,
+    SdpBackend,
+    select_sdp_backend,
+)
+
+if TYPE_CHECKING:
+    from oomkit.tracing.emulation import EmulationContext, EmulationRegistry
+
+__all__ = ["SDPA_FUNCTION", "FLASH_BACKWARD_OP", "register_sdpa", "sdpa_backend_for"]
+
+SDPA_FUNCTION = "torch.nn.functional.scaled_dot_product_attention"
+FLASH_BACKWARD_OP = "aten._scaled_dot_product_flash_attention_backward.default"
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS: dict[str, Any] = {
+    "attn_mask": None,
+    "dropout_p": 0.0,
+    "is_causal": False,
+    "scale": None,
+    "enable_gqa": False,
+}
+
+
+def register_sdpa(registry: EmulationRegistry, settings: SdpaSettings | None = None) -> None:
+    """Add the SDPA forward hook and the flash backward workspace hook to ``registry``.
+
+    Args:
+        registry: where to register.
+        settings: process switches that steer the backend choice (cuDNN version, enabled
+            backends); default ``SdpaSettings()``.
+    """
+    chosen = settings or SdpaSettings()
+
+    def sdpa(ctx: EmulationContext) -> Any:
+        return _run_sdpa(ctx, chosen)
+
+    registry.register(SDPA_FUNCTION)(sdpa)
+    registry.register(FLASH_BACKWARD_OP)(_flash_backward)
+
+
+def sdpa_backend_for(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    compute_capability: tuple[int, int],
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    settings: SdpaSettings | None = None,
+) -> SdpBackend:
+    """The backend CUDA would run for these tensors on a GPU of ``compute_capability``."""
+    tensors = (query, key, value)
+    call = SdpaCall(
+        query_shape=tuple(query.shape),
+        key_shape=tuple(key.shape),
+        value_shape=tuple(value.shape),
+        dtype=str(query.dtype).removeprefix("torch."),
+        has_attn_mask=attn_mask is not None,
+        dropout_p=float(dropout_p),
+        is_causal=bool(is_causal),
+        enable_gqa=bool(enable_gqa),
+        # sdp_utils_cpp.h input_requires_grad: grad mode on and any input requires grad.
+        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
+        last_dim_contiguous=all(t.dim() == 0 or t.stride(-1) == 1 for t in tensors),
+    )
+    return select_sdp_backend(call, compute_capability, settings)
+
+
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = dict(_DEFAULTS)
+    bound.update(zip(_PARAMS, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
+    p = _bind(ctx.args, ctx.kwargs)
+    q, k, v, mask = p["query"], p["key"], p["value"], p["attn_mask"]
+    tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
+    if len(tensors) < 3 or any(t.device.type != "meta" for t in tensors):
+        return ctx.run()
+    assert ctx.gpu is not None
+    cc = ctx.gpu.compute_capability or (9, 0)
+    cast_to = emulated_autocast_dtype()
+    if cast_to is not None:
+        # autocast_mode.cpp: scaled_dot_product_attention is lower_precision_fp, so CUDA autocast
+        # casts the floating inputs before the composite picks a backend (the math path below
+        # gets the same casts from the autocast emulation when it calls the function).
+        cache: dict[int, torch.Tensor] = {}
+        q, k, v, mask = (_autocast(t, cast_to, cache) for t in (q, k, v, mask))
+    backend = sdpa_backend_for(
+        q,
+        k,
+        v,
+        cc,
+        attn_mask=mask,
+        dropout_p=p["dropout_p"],
+        is_causal=p["is_causal"],
+        enable_gqa=p["enable_gqa"],
+        settings=settings,
+    )
+    if backend == "math":
+        # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math).
+        return ctx.run()
+    scale = p["scale"]
+    dropout_p, is_causal = float(p["dropout_p"]), bool(p["is_causal"])
+    # attention.cpp should_compute_logsumexp.
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    aten = torch.ops.aten
+    if backend == "cudnn_attention":
+        bias = _bool_mask_to_float(mask, q.dtype)
+        out = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, bias, lse, dropout_p, is_causal, False, scale=scale
+        )
+        return out[0]
+    if backend == "flash_attention":
+        # attention.cpp: pad_last_dim<8, false> on q, k, v; the scale uses the original head dim
+        # (sdp::calculate_scale); post_process_flash_output slices the output back.
+        head_dim = q.shape[-1]
+        og_scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        out = aten._scaled_dot_product_flash_attention(
+            _pad_last_dim(q, 8),
+            _pad_last_dim(k, 8),
+            _pad_last_dim(v, 8),
+            dropout_p,
+            is_causal,
+            False,
+            scale=og_scale,
+        )[0]
+        return out[..., :head_dim] if out.shape[-1] != head_dim else out
+    bias = _bool_mask_to_float(mask, q.dtype)
+    if bias is not None:
+        bias = _preprocess_mask(bias, q, k)
+    return aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, lse, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+def _autocast(
+    tensor: torch.Tensor | None, dtype: torch.dtype, cache: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
+    # autocast_mode.h is_eligible / autocast_mode.cpp cached_cast: floating, not float64, not
+    # already ``dtype``; a leaf that requires grad is cast once and the copy reused (approximate:
+    # only within this call, not across calls as autocast's weight cache does).
+    if tensor is None or not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+        return tensor
+    cacheable = tensor.is_leaf and tensor.requires_grad and torch.is_autocast_cache_enabled()
+    if not cacheable:
+        return tensor.to(dtype)
+    if id(tensor) not in cache:
+        cache[id(tensor)] = tensor.to(dtype)
+    return cache[id(tensor)]
+
+
+def _bool_mask_to_float(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # attention.cpp convert_boolean_attn_mask: at::where(mask.logical_not(), -inf, 0.0) in the
+    # query dtype (a bool temporary and a new float mask); float masks pass through.
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask.logical_not(), float("-inf"), zero)
+
+
+def _pad_last_dim(tensor: torch.Tensor, alignment: int) -> torch.Tensor:
+    # attention.cpp pad_last_dim<alignment, slice=false>: a padded copy when not aligned.
+    rem = tensor.shape[-1] % alignment
+    return tensor if rem == 0 else F.pad(tensor, (0, alignment - rem))
+
+
+def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # attention.cpp preprocess_mask: pad_bias<8> (pad by 8 - last % 8, then slice) unless every
+    # stride but the last is a multiple of 8 and the last is 1; then expand to (B, H, L, S).
+    aligned = mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1])
+    if not aligned:
+        last = mask.shape[-1]
+        mask = F.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _flash_backward(ctx: EmulationContext) -> Any:
+    """flash_api.cpp mha_bwd: softmax_d, dq_accum and, for grouped-query attention, dk/dv
+    expanded to the query's heads; all freed when the op returns."""
+    query, key = ctx.args[1], ctx.args[2]
+    if query.device.type != "meta":
+        return ctx.run()
+    batch, heads, seq_q, head_dim = query.shape  # (B, H, L, D) as the aten op receives them
+    heads_k, seq_k = key.shape[1], key.shape[2]
+    fp32 = 4
+    # mha_bwd: head_size_rounded = round_multiple(head_size, head_size <= 128 ? 32 : 64);
+    # seqlen_q_rounded = round_multiple(seqlen_q, 128).
+    head_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    seq_q_rounded = _round_up(seq_q, 128)
+    # mha_bwd allocates dq, dk, dv (the op's outputs) first, then its temporaries.
+    out = ctx.run()
+    ctx.record_outputs(out)
+    ids = [
+        # softmax_d = at::empty({batch_size, num_heads, seqlen_q_rounded}, kFloat)
+        ctx.allocate(batch * heads * seq_q_rounded * fp32, "workspace", "flash_softmax_d"),
+        # non-deterministic: dq_accum = at::empty({b, seqlen_q_rounded, h, head_size_rounded}, kFloat)
+        ctx.allocate(
+            batch * seq_q_rounded * heads * head_rounded * fp32, "workspace", "flash_dq_accum"
+        ),
+    ]
+    if heads_k != heads:
+        # num_heads_k != num_heads: dk_expanded / dv_expanded = at::empty({b, seqlen_k, h, d})
+        expanded = batch * seq_k * heads * head_dim * query.element_size()
+        ids.append(ctx.allocate(expanded, "workspace", "flash_dk_expanded"))
+        ids.append(ctx.allocate(expanded, "workspace", "flash_dv_expanded"))
+    # Locals die in reverse order when mha_bwd returns.
+    for alloc_id in reversed(ids):
+        ctx.free(alloc_id)
+    return out

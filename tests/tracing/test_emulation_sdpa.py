@@ -1,0 +1,170 @@
+"""SDPA recorded as the CUDA kernel runs it: fused outputs forward, workspaces backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from oomkit.gpus import get_gpu
+from oomkit.tracing import TraceRecording, trace_step
+
+B, H, L, E = 2, 4, 100, 64
+BF16 = 2
+HALF_QKV_BYTES = B * H * L * E * BF16  # 102400
+
+
+def _allocs(recording: TraceRecording) -> list[tuple[int, str | None, str | None]]:
+    return [
+        (e.size, dict(e.tags).get("op"), dict(e.tags).get("emulated"))
+        for e in recording.events
+        if e.action == "alloc"
+    ]
+
+
+def _attend_and_backward(q: torch.Tensor, **kwargs) -> None:
+    F.scaled_dot_product_attention(q, q, q, **kwargs).sum().backward()
+
+
+def _bf16_query(shape=(B, H, L, E)) -> torch.Tensor:
+    return torch.randn(*shape, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+
+def test_flash_forward_records_output_logsumexp_and_rng_state():
+    """Flash on H100: output, fp32 logsumexp [B, H, L], rng_state uint64[2], unused uint64[]."""
+    recording = trace_step(_attend_and_backward, _bf16_query(), is_causal=True)
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    assert [size for size, op, _ in _allocs(recording) if op == flash] == [
+        HALF_QKV_BYTES,
+        B * H * L * 4,
+        16,
+        8,
+    ]
+    ops = {op for _, op, _ in _allocs(recording)}
+    assert "aten.bmm.default" not in ops  # the math path is not what CUDA records
+    assert recording.warnings == ()
+
+
+def test_flash_backward_workspaces():
+    """mha_bwd: dq, dk, dv, then softmax_d [B, H, 128] and dq_accum [B, 128, H, 64] in fp32."""
+    recording = trace_step(_attend_and_backward, _bf16_query(), is_causal=True)
+    backward = "aten._scaled_dot_product_flash_attention_backward.default"
+    assert [(size, what) for size, op, what in _allocs(recording) if op == backward] == [
+        (HALF_QKV_BYTES, None),
+        (HALF_QKV_BYTES, None),
+        (HALF_QKV_BYTES, None),
+        (B * H * 128 * 4, "flash_softmax_d"),
+        (B * 128 * H * 64 * 4, "flash_dq_accum"),
+    ]
+    workspace_frees = [
+        e.size
+        for e in recording.events
+        if e.action == "free_requested" and dict(e.tags)["category"] == "workspace"
+    ]
+    assert workspace_frees == [B * 128 * H * 64 * 4, B * H * 128 * 4]
+
+
+def test_flash_backward_with_grouped_query_attention_expands_dk_dv():
+    """num_heads_k != num_heads: dk/dv expanded to the query heads as bf16 temporaries."""
+    q = _bf16_query((1, 8, 128, 64))
+    kv = torch.randn(1, 2, 128, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(q, kv):
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True).sum().backward()
+
+    recording = trace_step(step, q, kv)
+    expanded = [
+        size
+        for size, _, what in _allocs(recording)
+        if what in ("flash_dk_expanded", "flash_dv_expanded")
+    ]
+    assert expanded == [1 * 128 * 8 * 64 * BF16] * 2
+
+
+def test_flash_pads_the_head_dim_to_a_multiple_of_8():
+    """Head dim 60: q, k, v are padded to 64 (three padded copies) before the flash kernel."""
+    recording = trace_step(_attend_and_backward, _bf16_query((1, 2, 16, 60)))
+    pads = [
+        (e.size, dict(e.tags)["phase"])
+        for e in recording.events
+        if e.action == "alloc" and dict(e.tags).get("op") == "aten.constant_pad_nd.default"
+    ]
+    # Forward pads to 64; autograd's pad backward slices the gradients back to 60.
+    assert (
+        pads == [(1 * 2 * 16 * 64 * BF16, "user")] * 3 + [(1 * 2 * 16 * 60 * BF16, "backward")] * 3
+    )
+
+
+def test_efficient_logsumexp_is_padded_to_32_rows():
+    """fp32 picks the mem-efficient kernel; its logsumexp is [B, H, ceil(L/32)*32] in fp32."""
+    q = torch.randn(B, H, L, E, device="meta", requires_grad=True)
+    recording = trace_step(_attend_and_backward, q)
+    efficient = "aten._scaled_dot_product_efficient_attention.default"
+    assert [size for size, op, _ in _allocs(recording) if op == efficient] == [
+        B * H * L * E * 4,
+        B * H * 128 * 4,
+        8,
+        8,
+    ]
+    # Its backward's delta and workspace are not emulated: the recording says so.
+    assert any("efficient_attention_backward" in w for w in recording.warnings)
+
+
+def test_math_fallback_materialises_the_attention_matrix():
+    """bf16 on a V100 has no fused kernel: the math path upcasts and keeps L x L scores."""
+    recording = trace_step(_attend_and_backward, _bf16_query(), gpu=get_gpu("v100-32gb"))
+    ops = [op for _, op, _ in _allocs(recording)]
+    assert "aten._scaled_dot_product_flash_attention.default" not in ops
+    softmax = [size for size, op, _ in _allocs(recording) if op == "aten._safe_softmax.default"]
+    assert softmax == [B * H * L * L * 4]
+
+
+def test_no_logsumexp_without_grad():
+    """Inference: should_compute_logsumexp is False, so the efficient kernel's lse is empty."""
+    q = torch.randn(B, H, L, E, device="meta")
+    recording = trace_step(lambda t: F.scaled_dot_product_attention(t, t, t), q)
+    efficient = "aten._scaled_dot_product_efficient_attention.default"
+    assert [size for size, op, _ in _allocs(recording) if op == efficient] == [
+        B * H * L * E * 4,
+        8,
+        8,
+    ]
+
+
+def test_autocast_casts_before_the_backend_choice():
+    """fp32 activations under bf16 autocast are cast first (3 bf16 copies), so flash runs."""
+    x = torch.randn(B, H, L, E, device="meta", requires_grad=True)
+
+    def step(x):
+        q = x * 2.0  # a non-leaf activation: autocast casts it once per argument
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.float().sum().backward()
+
+    recording = trace_step(step, x)
+    forward = [
+        (e.size, dict(e.tags).get("op"))
+        for e in recording.events
+        if e.action == "alloc" and dict(e.tags)["phase"] == "user"
+    ]
+    assert forward[2:9] == [
+        (HALF_QKV_BYTES, "aten._to_copy.default"),
+        (HALF_QKV_BYTES, "aten._to_copy.default"),
+        (HALF_QKV_BYTES, "aten._to_copy.default"),
+        (HALF_QKV_BYTES, "aten._scaled_dot_product_flash_attention.default"),
+        (B * H * L * 4, "aten._scaled_dot_product_flash_attention.default"),
+        (16, "aten._scaled_dot_product_flash_attention.default"),
+        (8, "aten._scaled_dot_product_flash_attention.default"),
+    ]
+
+
+def test_autocast_casts_a_leaf_once():
+    """A leaf that requires grad passed as q, k and v is cast once (autocast's cached_cast)."""
+    q = torch.randn(B, H, L, E, device="meta", requires_grad=True)
+
+    def step(q):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    recording = trace_step(step, q)
+    casts = [size for size, op, _ in _allocs(recording) if op == "aten._to_copy.default"]
+    assert casts == [HALF_QKV_BYTES]
