@@ -33,9 +33,15 @@ ops = st.lists(
         st.tuples(st.just("empty"), st.just(0), st.just(0)),
         st.tuples(st.just("complete"), st.integers(0, 10**6), st.just(0)),
         st.tuples(st.just("bad"), st.integers(-5, -1), st.just(0)),
+        # Private pools (§3.5): open a scope on pool x (y = its stream, 3 = every stream),
+        # close it, release one use of a pool.
+        st.tuples(st.just("begin"), st.integers(0, 2), st.integers(0, 3)),
+        st.tuples(st.just("end"), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("release"), st.integers(0, 2), st.just(0)),
     ),
     max_size=60,
 )
+POOL_IDS = [(0, 1), (0, 2), (7, 0)]
 
 PEAK_KEYS = [
     f"{name}.{t}.peak"
@@ -62,7 +68,11 @@ def check_invariants(a: CachingAllocator) -> None:
         )
     }
     last_end = 0
+    private_free = 0
     for seg in snap:
+        assert seg["segment_pool_id"] == (0, 0) or seg["segment_pool_id"] in a.private_pool_ids
+        if seg["segment_pool_id"] != (0, 0):
+            private_free += sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
         kind = seg["segment_type"]
         assert seg["address"] >= last_end, "segments overlap"
         addr = seg["address"]
@@ -119,6 +129,8 @@ def check_invariants(a: CachingAllocator) -> None:
     assert s["allocated_bytes.all.current"] <= s["active_bytes.all.current"]
     assert s["active_bytes.all.current"] <= s["reserved_bytes.all.current"]
     assert s["reserved_bytes.all.current"] <= a.capacity_bytes
+    # The OOM message's P: free cached bytes in private pools (§12.2).
+    assert a.private_pool_cached_bytes() == private_free
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -131,6 +143,7 @@ def test_random_sequences_keep_invariants(config_index, limit, program):
     live: list[int] = []
     pending: list[int] = []
     peaks = dict.fromkeys(PEAK_KEYS, 0)
+    scoped: set[tuple[int, int]] = set()
     for op, x, y in program:
         if op == "malloc":
             try:
@@ -150,6 +163,19 @@ def test_random_sequences_keep_invariants(config_index, limit, program):
         elif op == "empty":
             a.empty_cache()
             pending.clear()
+        elif op == "begin":
+            pid = POOL_IDS[x]
+            live_pool = pid in a.private_pool_ids and a.pool_use_count(pid) > 0
+            if pid not in scoped and (live_pool or pid not in a.private_pool_ids):
+                a.begin_allocate_to_pool(pid, None if y == 3 else (lambda s, y=y: s == y))
+                scoped.add(pid)
+        elif op == "end" and POOL_IDS[x] in scoped:
+            a.end_allocate_to_pool(POOL_IDS[x])
+            scoped.discard(POOL_IDS[x])
+        elif op == "release":
+            pid = POOL_IDS[x]
+            if pid not in scoped and pid in a.private_pool_ids and a.pool_use_count(pid) > 0:
+                a.release_pool(pid)
         elif op == "complete" and pending:
             a.complete_free(pending.pop(x % len(pending)))
         elif op == "bad":

@@ -40,11 +40,18 @@ TORCH_KEYS = sorted(
 
 
 def test_keys_equal_torch_list():
-    """The stats dict has exactly torch's keys, sorted."""
-    stats = CachingAllocator().memory_stats()
+    """The stats dict has exactly torch's keys, sorted (2.4: without num_oom_rejections)."""
+    stats = CachingAllocator(torch_version="2.4").memory_stats()
     assert list(stats) == TORCH_KEYS
     assert list(STAT_KEYS) == TORCH_KEYS
     assert len(stats) == 122
+
+
+def test_newest_versions_add_num_oom_rejections_in_sorted_place():
+    """2.12+ (throw_on_cudamalloc_oom) adds the key torch 2.13 documents, keys still sorted."""
+    stats = CachingAllocator().memory_stats()
+    assert list(stats) == sorted(TORCH_KEYS + ["num_oom_rejections"])
+    assert stats["num_oom_rejections"] == 0
 
 
 def test_fresh_allocator_is_all_zero_but_max_split():

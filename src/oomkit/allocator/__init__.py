@@ -2,7 +2,8 @@
 
 ``CachingAllocator`` makes the same decisions as ``c10/cuda/CUDACachingAllocator.cpp``:
 rounding, pools, best fit per stream, splitting and merging, the release paths, GC,
-expandable segments, the stats of ``torch.cuda.memory_stats()`` and the OOM message.
+expandable segments, private pools (CUDA graphs, MemPool), the stats of
+``torch.cuda.memory_stats()`` and the OOM message.
 See ../shared/ref/cuda-caching-allocator.md for the rules.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from oomkit.allocator.caching_allocator import DEFAULT_CAPACITY_BYTES, CachingAllocator
 from oomkit.allocator.config import AllocatorConfig
 from oomkit.allocator.oom_message import SimulatedOutOfMemoryError, format_size
+from oomkit.allocator.private_pools import MempoolId
 from oomkit.allocator.rounding import allocation_size, round_size
 from oomkit.allocator.stats import STAT_KEYS
 
@@ -18,6 +20,7 @@ __all__ = [
     "AllocatorConfig",
     "CachingAllocator",
     "DEFAULT_CAPACITY_BYTES",
+    "MempoolId",
     "SimulatedOutOfMemoryError",
     "STAT_KEYS",
     "allocation_size",

@@ -5,7 +5,10 @@ Plain ``__slots__`` classes: the simulator creates and touches them on every mal
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oomkit.allocator.pools import BlockPool
 
 __all__ = ["Block", "Segment"]
 
@@ -14,7 +17,8 @@ class Segment:
     """One backing allocation: a cudaMalloc'd range, or an expandable VA reservation (§3.1, §8.1).
 
     For an expandable segment ``size`` is the whole reservation and ``mapped_pages`` records
-    which pages of ``page_size`` bytes are backed by physical memory.
+    which pages of ``page_size`` bytes are backed by physical memory. ``pool`` is the owning
+    ``BlockPool`` (``Block::pool`` in PyTorch, the same for every block of a segment).
     """
 
     __slots__ = (
@@ -26,6 +30,7 @@ class Segment:
         "counter",
         "page_size",
         "mapped_pages",
+        "pool",
     )
 
     def __init__(
@@ -37,6 +42,7 @@ class Segment:
         counter: int,
         expandable: bool = False,
         page_size: int = 0,
+        pool: BlockPool | None = None,
     ) -> None:
         self.address = address
         self.size = size
@@ -47,6 +53,8 @@ class Segment:
         self.counter = counter
         self.page_size = page_size
         self.mapped_pages: bytearray | None = bytearray(size // page_size) if expandable else None
+        # Block::pool: the BlockPool (default or private, §3.5) every block of the segment uses.
+        self.pool = pool
 
 
 class Block:

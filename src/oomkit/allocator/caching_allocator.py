@@ -12,14 +12,13 @@ of times.
 
 from __future__ import annotations
 
-import math
+import os
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from oomkit.allocator.block import Block, Segment
 from oomkit.allocator.config import AllocatorConfig
 from oomkit.allocator.constants import (
-    LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     ONE_EXA_BYTES,
     SIZE_MAX,
@@ -27,11 +26,19 @@ from oomkit.allocator.constants import (
     SMALL_SIZE,
 )
 from oomkit.allocator.expandable import ExpandableMixin
-from oomkit.allocator.oom_message import ONE_EXA_MESSAGE, SimulatedOutOfMemoryError, oom_message
+from oomkit.allocator.oom_message import (
+    ONE_EXA_MESSAGE,
+    SimulatedOutOfMemoryError,
+    oom_message,
+    process_memory_info,
+    rejection_message,
+)
 from oomkit.allocator.pools import BlockPool, StreamFreeBlocks
+from oomkit.allocator.private_pools import MempoolId, PrivatePoolMixin
 from oomkit.allocator.release import ReleaseMixin
 from oomkit.allocator.rounding import allocation_size, round_size
 from oomkit.allocator.rules import rules_for
+from oomkit.allocator.settings import SettingsMixin
 from oomkit.allocator.state import StateMixin
 from oomkit.allocator.stats import (
     ACTIVE,
@@ -39,7 +46,6 @@ from oomkit.allocator.stats import (
     ALL,
     ALLOCATED_BYTES,
     ALLOCATION,
-    CUR,
     FREED,
     INACTIVE_SPLIT,
     INACTIVE_SPLIT_BYTES,
@@ -51,10 +57,8 @@ from oomkit.allocator.stats import (
     RESERVED_BYTES,
     SEGMENT,
     SMALL_POOL,
-    build_memory_stats,
+    StatsMixin,
     new_stat_lists,
-    reset_accumulated,
-    reset_peaks,
 )
 from oomkit.errors import AllocatorUsageError
 
@@ -79,7 +83,9 @@ _IS, _ISP, _ISF = INACTIVE_SPLIT, INACTIVE_SPLIT + PEAK, INACTIVE_SPLIT + FREED
 _ISB, _ISBP, _ISBF = INACTIVE_SPLIT_BYTES, INACTIVE_SPLIT_BYTES + PEAK, INACTIVE_SPLIT_BYTES + FREED
 
 
-class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
+class CachingAllocator(
+    SettingsMixin, StatsMixin, PrivatePoolMixin, ReleaseMixin, ExpandableMixin, StateMixin
+):
     """A simulated PyTorch native CUDA caching allocator for one device.
 
     Args:
@@ -94,6 +100,13 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
             of a new expandable reservation given ``(reserve_size, True)``; default: synthetic,
             increasing, 2 MiB aligned, never reused.
         device: the device index printed in OOM messages.
+        process_memory: what NVML would report for the GPU: ``(pid, used_bytes)`` per process,
+            read when an OOM message is built (§12.2 PROC); None = no NVML, no sentences.
+        pid: this process's id for those sentences; None = ``os.getpid()``.
+
+    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5) are driven through
+    :meth:`create_pool`, :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool` and
+    :meth:`release_pool` (see ``oomkit.allocator.private_pools``).
 
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
@@ -109,6 +122,8 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         device_malloc: Callable[[int], bool] | None = None,
         segment_address: Callable[[int, bool], int] | None = None,
         device: int = 0,
+        process_memory: Callable[[], Sequence[tuple[int, int]]] | None = None,
+        pid: int | None = None,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise AllocatorUsageError(
@@ -156,92 +171,18 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
             segment_address if segment_address is not None else self._synthetic_address
         )
         self.segment_log: list[tuple[str, int, int]] = []
+        self._process_memory = process_memory
+        self.pid = os.getpid() if pid is None else pid
+        self._init_private_pools()
+        # MAIN26 num_oom_rejections, and whether this malloc was rejected (§4 step 6.3).
+        self._num_oom_rejections = 0
+        self._rejected = False
         self._apply_config()
         # DeviceCachingAllocator ctor: stats.max_split_size is captured once (§10.2, §13.26).
         self._max_split_stat = -1 if self._max_split == SIZE_MAX else self._max_split
         if self.config.per_process_memory_fraction is not None:
             # per_process_memory_fraction config: applied when the device allocator is created.
             self._apply_fraction(float(self.config.per_process_memory_fraction))
-
-    # ------------------------------------------------------------------ configuration
-
-    def _apply_config(self) -> None:
-        """Cache the settings the hot path reads (they change only through the settings API)."""
-        cfg = self.config
-        rules = self.rules
-        self._max_split = (
-            SIZE_MAX if cfg.max_split_size_bytes is None else int(cfg.max_split_size_bytes)
-        )
-        self._large_segment_size = (
-            int(cfg.large_segment_size_bytes)
-            if rules.configurable_large_segment_size
-            else LARGE_BUFFER
-        )
-        if rules.configurable_non_split_rounding:
-            # PR #136174: max_non_split_rounding_mb, default large_segment_size (§6).
-            self._non_split_rounding = (
-                int(cfg.max_non_split_rounding_bytes)
-                if cfg.max_non_split_rounding_bytes is not None
-                else self._large_segment_size
-            )
-        else:
-            # V24 get_free_block: fixed kLargeBuffer slack for oversize reuse.
-            self._non_split_rounding = LARGE_BUFFER
-        divisions = tuple(int(d) for d in cfg.roundup_power2_divisions)
-        self._divisions = divisions if any(d > 1 for d in divisions) else None
-        self._gc_threshold = float(cfg.garbage_collection_threshold)
-        self._expandable = bool(cfg.expandable_segments)
-
-    def _apply_fraction(self, fraction: float) -> None:
-        total = self.capacity_bytes
-        if self.rules.fraction_limit_only_below_one:
-            # MAIN26 setMemoryFraction: a limit only below 1.0, round(f * totalGlobalMem) (§9.5).
-            self._limit = None if fraction >= 1.0 else math.floor(fraction * total + 0.5)
-        else:
-            # V24 setMemoryFraction: trunc(f * total) and set_fraction = true, even for 1.0.
-            self._limit = int(fraction * float(total))
-
-    def set_per_process_memory_fraction(self, fraction: float) -> None:
-        """Like ``torch.cuda.set_per_process_memory_fraction`` (§9.5, §4 step 6.2).
-
-        Args:
-            fraction: the share of ``capacity_bytes`` this allocator may reserve, in [0, 1].
-
-        Raises:
-            AllocatorUsageError: not a number in [0, 1].
-        """
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise AllocatorUsageError(
-                f"fraction must be a float in [0, 1]; got {fraction!r}. Example: 0.5."
-            )
-        if not 0.0 <= fraction <= 1.0:
-            raise AllocatorUsageError(
-                f"fraction must be in [0, 1]; got {fraction}. Example: 0.5 for half the device."
-            )
-        self._apply_fraction(float(fraction))
-
-    def set_allocator_settings(self, text: str) -> None:
-        """Like ``torch.cuda.memory._set_allocator_settings`` (§9.1 "Runtime changes").
-
-        Unmentioned ``max_split_size``, roundup divisions and GC threshold go back to their
-        defaults (AllocatorConfig.runtime_update); ``memory_stats()["max_split_size"]`` keeps
-        the value from creation.
-
-        Raises:
-            ConfigError: the settings string is invalid.
-        """
-        self.config = self.config.runtime_update(text, self.torch_version)
-        self._apply_config()
-
-    @property
-    def allowed_memory_maximum(self) -> int | None:
-        """The per-process limit in bytes, or None when no fraction limit is set."""
-        return self._limit
-
-    @property
-    def gc_enabled(self) -> bool:
-        """GC runs only with a fraction limit and a threshold > 0 (§7)."""
-        return self._limit is not None and self._gc_threshold > 0.0
 
     # ------------------------------------------------------------------ hooks' defaults
 
@@ -306,6 +247,13 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         else:
             pool = self._large
             kind = LARGE_POOL
+        # should_split's inputs: is_expandable_segments_active and the pool's no_split flag.
+        expandable_active = self._expandable
+        no_split = False
+        if self._scopes:
+            # get_pool: an open allocation scope diverts the request to a private pool (§3.5).
+            pool = self._scoped_pool(size, stream, pool)
+            no_split = pool.owner is not None and pool.owner.no_split
         # Step 3: get_free_block, with its common case written out.
         block: Block | None = None
         if self._limit is not None and self._gc_threshold > 0.0:
@@ -335,10 +283,19 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         if block is None:
             # Step 4 (free-memory callbacks) frees nothing in a single simulated process.
             block = self._malloc_new(pool, size, nbytes, stream)
+            if block.segment.pool is not pool:
+                # Step 7 served it from a use_on_oom pool: try_mempool_fallback's params carry
+                # that pool and is_expandable_segments_active = false.
+                pool = block.segment.pool
+                expandable_active = False
+                no_split = pool.owner.no_split
         # Step 11: alloc_found_block with should_split.
         max_split = self._max_split
         remaining = block.size - size
-        if kind == SMALL_POOL or self._expandable:
+        if no_split:
+            # MAIN26 should_split: a no_split pool never splits.
+            split = False
+        elif kind == SMALL_POOL or expandable_active:
             split = remaining >= MIN_BLOCK_SIZE
         else:
             split = size < max_split and remaining > SMALL_SIZE
@@ -434,11 +391,21 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         return ptr
 
     def _checked_free_block(
-        self, pool: BlockPool, sf: StreamFreeBlocks, block: Block, size: int
+        self,
+        pool: BlockPool,
+        sf: StreamFreeBlocks,
+        block: Block,
+        size: int,
+        expandable_active: bool | None = None,
     ) -> Block | None:
-        """get_free_block (§4 step 3.3-3.6) for expandable blocks and oversize rules."""
+        """get_free_block (§4 step 3.3-3.6) for expandable blocks and oversize rules.
+
+        ``expandable_active`` None means the config's setting (Step 7 passes False).
+        """
+        if expandable_active is None:
+            expandable_active = self._expandable
         if block.segment.expandable:
-            if self._expandable:
+            if expandable_active:
                 # Step 3.3: prefer a slightly larger interior block over the growable tail;
                 # expandable_size counts the unmapped space right after a block.
                 def expandable_size(b: Block) -> int:
@@ -475,22 +442,34 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         return block
 
     def _malloc_new(self, pool: BlockPool, size: int, nbytes: int, stream: int) -> Block:
-        """Steps 5-10: GC, new segment, Step 8, Step 9 (retry), or OOM."""
+        """Steps 5-10: GC, new segment, Step 7 (use_on_oom), Step 8, Step 9 (retry), or OOM."""
         alloc_size = allocation_size(size, self._large_segment_size)
+        self._rejected = False
         if self._limit is not None and self._gc_threshold > 0.0:
             # Step 5: garbage_collect_cached_blocks.
             self._garbage_collect_cached_blocks()
         block = self._alloc_block(pool, size, alloc_size, stream, False)
-        if block is None:
-            # Step 8: release_available_cached_blocks, then alloc_block(isRetry=false).
-            if self._release_available_cached_blocks(pool, size, stream):
+        # A throw_on_cudamalloc_oom rejection skips the retry chain (MAIN26 malloc).
+        if block is None and not self._rejected:
+            if self.rules.mempool_use_on_oom and pool.owner is None:
+                # Step 7: try_mempool_fallback (only for default-pool requests).
+                block = self._mempool_fallback(size, stream)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                # Step 8: release_available_cached_blocks, then alloc_block(isRetry=false).
                 block = self._alloc_block(pool, size, alloc_size, stream, False)
-            if block is None:
-                # Step 9: release_cached_blocks, then alloc_block(isRetry=true).
-                self._synchronize_and_free_events()
-                self._release_pools()
+            if block is None and not self._capture_blocks_release(stream):
+                # Step 9: release_cached_blocks, then alloc_block(isRetry=true); skipped
+                # while a capture is underway.
+                self._release_cached_blocks(None, stream)
                 block = self._alloc_block(pool, size, alloc_size, stream, True)
         if block is None:
+            if self._rejected:
+                # NativeCachingAllocator::malloc: a rejected request raises its own message
+                # (§12.4); no num_ooms increment.
+                self._rejected = False
+                error = self._oom_error(rejection_message(nbytes), nbytes, size, alloc_size, stream)
+                error.rejected = True
+                raise error
             # Step 10: OOM; nothing freed above is rolled back.
             self._num_ooms += 1
             message = oom_message(
@@ -502,9 +481,20 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
                 allocated=self._stats[ALL][ALLOCATED_BYTES],
                 reserved=self._stats[ALL][RESERVED_BYTES],
                 allowed=self._limit,
+                private_pool_cached=self.private_pool_cached_bytes(),
+                process_info=self.process_memory_info(),
             )
             raise self._oom_error(message, nbytes, size, alloc_size, stream)
         return block
+
+    def process_memory_info(self) -> str:
+        """The OOM message's per-process sentences (reportProcessMemoryInfo, §12.2 PROC).
+
+        Empty without a ``process_memory`` provider (no NVML).
+        """
+        if self._process_memory is None:
+            return ""
+        return process_memory_info(self._process_memory(), self.pid)
 
     @property
     def device_free_bytes(self) -> int:
@@ -537,13 +527,25 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         if self._limit is not None and self._total + alloc_size > self._limit:
             # Step 6.2: the fraction limit is tested against alloc_size; no cudaMalloc.
             return None
+        if self._reject_limit is not None and self._total + alloc_size > self._reject_limit:
+            # Step 6.3 (MAIN26 throw_on_cudamalloc_oom): reject instead of trying cudaMalloc.
+            self._num_oom_rejections += 1
+            self._rejected = True
+            return None
+        owner = pool.owner
         if self._expandable:
             # Step 6.4: the expandable path gets the rounded size, not alloc_size.
-            return self._try_allocate_expandable_block(pool, size, stream)
+            block = self._try_allocate_expandable_block(pool, size, stream)
+            if block is not None and owner is not None:
+                # alloc_block: one cudaMalloc_count per expandable allocation that succeeded.
+                owner.segment_count += 1
+            return block
         if not self._device_malloc(alloc_size):
             return None
+        if owner is not None:
+            owner.segment_count += 1
         ptr = self._segment_address(alloc_size, False)
-        segment = Segment(ptr, alloc_size, stream, pool.is_small, self._new_counter())
+        segment = Segment(ptr, alloc_size, stream, pool.is_small, self._new_counter(), pool=pool)
         self._segments[ptr] = segment
         block = Block(ptr, alloc_size, stream, segment)
         self._total += alloc_size
@@ -652,12 +654,8 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
     def _free_block(self, block: Block) -> None:
         """free_block (§5.2): merge with free neighbours and return the block to its pool."""
         segment = block.segment
-        if segment.is_small:
-            pool = self._small
-            kind = SMALL_POOL
-        else:
-            pool = self._large
-            kind = LARGE_POOL
+        pool = segment.pool
+        kind = SMALL_POOL if segment.is_small else LARGE_POOL
         original_size = block.size
         requested = block.requested_size
         del self._active[block.ptr]
@@ -809,13 +807,37 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
 
     # ------------------------------------------------------------------ releasing memory
 
-    def empty_cache(self) -> None:
-        """torch.cuda.empty_cache (§5.3): synchronize events, then release_cached_blocks."""
-        self._synchronize_and_free_events()
-        self._release_pools()
+    def empty_cache(self, pool_id: MempoolId | None = None) -> None:
+        """torch.cuda.empty_cache (§5.3): synchronize events, then release_cached_blocks.
+
+        Also releases every freeable private pool (use_count 0) and deletes those left empty.
+
+        Args:
+            pool_id: MAIN26 ``emptyCache(mempool_id)`` (``MemPool`` teardown): synchronize only
+                that pool's events and release only that pool, if it is freeable.
+
+        Raises:
+            AllocatorUsageError: V24 rules with an allocation scope open (PyTorch fails the
+                internal assert ``captures_underway.empty()``), or a pool id where the modelled
+                version has no per-pool emptyCache.
+        """
+        if pool_id is not None and not self.rules.empty_cache_per_pool:
+            raise AllocatorUsageError(
+                "empty_cache(pool_id) is modelled from 2026 main (torch >= 2.12); call "
+                "empty_cache() for this torch_version."
+            )
+        if pool_id is None and self._scopes and not self.rules.release_skips_only_real_capture:
+            raise AllocatorUsageError(
+                "empty_cache() while an allocation scope is open: this torch version fails "
+                "the internal assert 'captures_underway.empty()'. Call end_allocate_to_pool "
+                "first."
+            )
+        self._release_cached_blocks(pool_id, None)
 
     def release_cached_blocks(self, *, synchronize: bool = False) -> None:
-        """Release every releasable cached block, large pool then small pool (§4 step 9.2).
+        """Release every releasable cached block, large pool then small pool (§4 step 9.2-9.3).
+
+        Freeable private pools are released after the default pools, as in PyTorch.
 
         This is what :meth:`empty_cache` does after synchronizing; replay uses it for cache
         releases that the trace shows but does not name (ref §15.3).
@@ -826,48 +848,3 @@ class CachingAllocator(ReleaseMixin, ExpandableMixin, StateMixin):
         if synchronize:
             self._synchronize_and_free_events()
         self._release_pools()
-
-    # ------------------------------------------------------------------ stats
-
-    def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()`` for this device: the same keys and semantics (§10)."""
-        return build_memory_stats(
-            self._stats,
-            {
-                "num_alloc_retries": self._num_alloc_retries,
-                "num_ooms": self._num_ooms,
-                "num_sync_all_streams": self._num_sync_all_streams,
-                "num_device_alloc": self._num_device_alloc,
-                "num_device_free": self._num_device_free,
-            },
-            self._max_split_stat,
-        )
-
-    def reset_peak_memory_stats(self) -> None:
-        """resetPeakStats: every peak becomes the current value."""
-        reset_peaks(self._stats)
-
-    def reset_accumulated_memory_stats(self) -> None:
-        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
-        reset_accumulated(self._stats)
-        self._num_alloc_retries = 0
-        self._num_ooms = 0
-        self._num_sync_all_streams = 0
-        self._num_device_alloc = 0
-        self._num_device_free = 0
-
-    def memory_allocated(self) -> int:
-        """``allocated_bytes.all.current``."""
-        return self._stats[ALL][ALLOCATED_BYTES + CUR]
-
-    def memory_reserved(self) -> int:
-        """``reserved_bytes.all.current``."""
-        return self._stats[ALL][RESERVED_BYTES + CUR]
-
-    def max_memory_allocated(self) -> int:
-        """``allocated_bytes.all.peak``."""
-        return self._stats[ALL][ALLOCATED_BYTES + PEAK]
-
-    def max_memory_reserved(self) -> int:
-        """``reserved_bytes.all.peak``."""
-        return self._stats[ALL][RESERVED_BYTES + PEAK]

@@ -72,7 +72,14 @@ class ExpandableMixin:
             base = self._segment_address(size, True)
         # MAIN26 gives each new expandable segment a fresh registration counter (§3.6).
         segment = Segment(
-            base, size, stream, pool.is_small, self._new_counter(), expandable=True, page_size=page
+            base,
+            size,
+            stream,
+            pool.is_small,
+            self._new_counter(),
+            expandable=True,
+            page_size=page,
+            pool=pool,
         )
         self._expandable_segments.append(segment)
         block = Block(base, size, stream, segment)
@@ -258,6 +265,10 @@ class ExpandableMixin:
         pool.insert_unmapped(block)
         self._total -= unmapped
         self._down(SMALL_POOL if pool.is_small else LARGE_POOL, RESERVED_BYTES, unmapped)
+        if pool.owner is not None and pool.owner.segment_count > 0:
+            # unmap_block: every unmap counts down the private pool's cudaMalloc_count
+            # (PyTorch asserts it is > 0 first).
+            pool.owner.segment_count -= 1
         self._num_device_free += 1
         self.segment_log.append(("segment_unmap", unmapped_ptr, unmapped))
 

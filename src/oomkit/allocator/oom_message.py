@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from oomkit.allocator.rules import AllocatorRules
 from oomkit.errors import OomkitError
 
-__all__ = ["SimulatedOutOfMemoryError", "format_size", "oom_message", "ONE_EXA_MESSAGE"]
+__all__ = [
+    "ONE_EXA_MESSAGE",
+    "REJECTION_MESSAGE_PREFIX",
+    "SimulatedOutOfMemoryError",
+    "format_size",
+    "oom_message",
+    "process_memory_info",
+    "rejection_message",
+]
 
-# NativeCachingAllocator::malloc: requests of 2^60 bytes or more (§12.4).
+# NativeCachingAllocator::allocate: requests of 2^60 bytes or more (§12.4).
 ONE_EXA_MESSAGE = "CUDA out of memory. Tried to allocate more than 1EB memory."
+# NativeCachingAllocator::malloc (MAIN26): a throw_on_cudamalloc_oom rejection (§12.4).
+REJECTION_MESSAGE_PREFIX = (
+    "CUDA out of memory. Allocation was preemptively rejected because it would exceed "
+    "per_process_memory_fraction limit. Requested size: "
+)
 
 
 def format_size(size_bytes: int) -> str:
@@ -20,6 +35,30 @@ def format_size(size_bytes: int) -> str:
     if size_bytes <= 1073741824:
         return f"{size_bytes / 1048576.0:.2f} MiB"
     return f"{size_bytes / 1073741824.0:.2f} GiB"
+
+
+def rejection_message(requested_bytes: int) -> str:
+    """The MAIN26 preemptive-rejection text; the size is the unrounded request (§12.4)."""
+    return REJECTION_MESSAGE_PREFIX + format_size(requested_bytes)
+
+
+def process_memory_info(processes: Iterable[tuple[int, int]], self_pid: int) -> str:
+    """reportProcessMemoryInfo: one sentence per process NVML lists on the GPU (§12.2 PROC).
+
+    Args:
+        processes: ``(pid, used_bytes)`` in NVML's order (nvmlDeviceGetComputeRunningProcesses).
+        self_pid: this process's pid; its entry reads "Including non-PyTorch memory, this
+            process has ...".
+
+    Returns:
+        The sentences, each ending with ". " (the OOM message puts them before "Of the
+        allocated memory"); empty for no processes.
+    """
+    parts = []
+    for pid, used_bytes in processes:
+        who = "Including non-PyTorch memory, this process" if pid == self_pid else f"Process {pid}"
+        parts.append(f"{who} has {format_size(used_bytes)} memory in use. ")
+    return "".join(parts)
 
 
 def oom_message(
@@ -101,6 +140,8 @@ class SimulatedOutOfMemoryError(OomkitError, MemoryError):
         free_bytes: device free memory as cudaMemGetInfo would report it.
         allowed_bytes: the per-process limit, or None.
         stream: the request's stream.
+        rejected: a MAIN26 throw_on_cudamalloc_oom preemptive rejection (§12.4), not a
+            failed cudaMalloc; ``num_ooms`` did not count it.
     """
 
     def __init__(
@@ -128,6 +169,7 @@ class SimulatedOutOfMemoryError(OomkitError, MemoryError):
         self.free_bytes = free_bytes
         self.allowed_bytes = allowed_bytes
         self.stream = stream
+        self.rejected = False
 
     def __str__(self) -> str:
         return self.message

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
 from oomkit.allocator.block import Block
+
+if TYPE_CHECKING:
+    from oomkit.allocator.private_pools import PrivatePool
 
 __all__ = ["BlockPool", "StreamFreeBlocks"]
 
@@ -53,12 +57,14 @@ class StreamFreeBlocks:
 
 
 class BlockPool:
-    """The small or the large default pool."""
+    """The small or the large pool: a default one, or one half of a private pool (§3.5)."""
 
-    __slots__ = ("is_small", "streams", "unmapped", "gc_clock", "by_counter", "count")
+    __slots__ = ("is_small", "streams", "unmapped", "gc_clock", "by_counter", "count", "owner")
 
-    def __init__(self, is_small: bool, by_counter: bool) -> None:
+    def __init__(self, is_small: bool, by_counter: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small
+        # BlockPool::owner_PrivatePool: None for the two default pools.
+        self.owner = owner
         # stream -> its free blocks (the `blocks` set, split by its first key).
         self.streams: dict[int, StreamFreeBlocks] = {}
         self.unmapped: SortedList = SortedList()

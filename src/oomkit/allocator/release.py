@@ -55,6 +55,10 @@ class ReleaseMixin:
         ) -> None:  # pragma: no cover
             ...
 
+        def _release_freeable_pools(
+            self, pool_id: tuple[int, int] | None
+        ) -> None: ...  # pragma: no cover
+
     # Provided by CachingAllocator / ExpandableMixin.
     segment_log: list[tuple[str, int, int]]
     _small: BlockPool
@@ -67,8 +71,11 @@ class ReleaseMixin:
     _num_device_free: int
 
     def _release_pools(self) -> None:
+        # release_cached_blocks after its event sync: default large, default small, then the
+        # freeable private pools.
         self._release_blocks(self._large)
         self._release_blocks(self._small)
+        self._release_freeable_pools(None)
 
     def _release_blocks(self, pool: BlockPool) -> None:
         """release_blocks: cudaFree unsplit classic blocks; unmap free expandable pages."""
@@ -89,6 +96,9 @@ class ReleaseMixin:
         self._num_device_free += 1
         self.segment_log.append(("segment_free", block.ptr, size))
         self._total -= size
+        if pool.owner is not None:
+            # release_block: a private pool counts its live cudaMallocs (cudaMalloc_count).
+            pool.owner.segment_count -= 1
         kind = SMALL_POOL if pool.is_small else LARGE_POOL
         self._down(kind, SEGMENT, 1)
         self._down(kind, RESERVED_BYTES, size)

@@ -40,6 +40,21 @@ class AllocatorRules:
     # §12.3: the OOM message wording.
     oom_message_variant: OomMessageVariant
     oom_docs_url: str
+    # §3.5: MAIN26 get_pool searches open allocation scopes newest first (allocation_scopes_,
+    # reversed); V24 get_pool walks captures_underway oldest first.
+    pool_scopes_newest_first: bool = False
+    # §4 step 9 / §5.3: MAIN26 skips release_cached_blocks only in a real capture
+    # (is_capture_context); V24 skips Step 9 whenever any scope is open, and its emptyCache
+    # fails an internal assert ("captures_underway.empty()").
+    release_skips_only_real_capture: bool = False
+    # §3.5 / Appendix A (≈2.8-2.9): MemPool(use_on_oom=True) and try_mempool_fallback (Step 7).
+    mempool_use_on_oom: bool = False
+    # §3.5 / §4 step 11 (MAIN26): MemPool(no_split=True), should_split's no_split_pools.
+    mempool_no_split: bool = False
+    # §4 step 6.3 / §12.4 (MAIN26): throw_on_cudamalloc_oom's preemptive rejection.
+    oom_rejection: bool = False
+    # MAIN26 emptyCache(mempool_id): release one freeable private pool.
+    empty_cache_per_pool: bool = False
 
 
 def _field(behaviour: TorchBehaviour, name: str, default: object) -> object:
@@ -76,4 +91,10 @@ def rules_for(torch_version: str | None) -> AllocatorRules:
         fraction_limit_only_below_one=bool(_field(b, "fraction_limit_only_below_one", main26)),
         oom_message_variant=variant,  # type: ignore[arg-type]
         oom_docs_url=str(url),
+        pool_scopes_newest_first=bool(_field(b, "pool_scopes_newest_first", main26)),
+        release_skips_only_real_capture=bool(_field(b, "release_skips_only_real_capture", main26)),
+        mempool_use_on_oom=bool(_field(b, "mempool_use_on_oom", version >= (2, 8))),
+        mempool_no_split=bool(_field(b, "mempool_no_split", main26)),
+        oom_rejection=bool(_field(b, "oom_rejection", main26)),
+        empty_cache_per_pool=bool(_field(b, "empty_cache_per_pool", main26)),
     )

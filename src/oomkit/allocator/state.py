@@ -33,6 +33,8 @@ from oomkit.errors import AllocatorUsageError
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from oomkit.allocator.private_pools import PrivatePool
+
 __all__ = ["StateMixin", "SeedBlock"]
 
 # (address, size, requested_size, allocated)
@@ -66,6 +68,7 @@ class StateMixin:
     capacity_bytes: int
     _small: BlockPool
     _large: BlockPool
+    _pools: dict[tuple[int, int], PrivatePool]
     _active: dict[int, Block]
     _segments: dict[int, Segment]
     _expandable_segments: list[Segment]
@@ -77,8 +80,12 @@ class StateMixin:
     # ------------------------------------------------------------------ snapshot
 
     def _all_blocks(self) -> Iterator[Block]:
+        # get_all_blocks: default pools, every private pool (§3.5), then the active blocks.
         for pool in (self._small, self._large):
             yield from pool.ordered()
+        for private in self._pools.values():
+            yield from private.small.ordered()
+            yield from private.large.ordered()
         yield from self._active.values()
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -99,7 +106,10 @@ class StateMixin:
                 "total_size": 0,
                 "stream": head.stream,
                 "segment_type": "small" if segment.is_small else "large",
-                "segment_pool_id": (0, 0),
+                # SegmentInfo::owner_private_pool_id: (0, 0) for the default pools.
+                "segment_pool_id": owner.id
+                if (owner := segment.pool.owner) is not None
+                else (0, 0),
                 "allocated_size": 0,
                 "active_size": 0,
                 "requested_size": 0,
@@ -172,7 +182,7 @@ class StateMixin:
         if expandable:
             segment, before, after = self._seed_reservation(pool, address, total_size, stream)
         else:
-            segment = Segment(address, total_size, stream, is_small, self._new_counter())
+            segment = Segment(address, total_size, stream, is_small, self._new_counter(), pool=pool)
             before = after = None
         chain: list[Block] = []
         for ptr, size, requested, allocated in blocks:
@@ -276,7 +286,7 @@ class StateMixin:
         for seg in self._expandable_segments:
             if (
                 seg.stream == stream
-                and seg.is_small == pool.is_small
+                and seg.pool is pool
                 and seg.address <= address < seg.address + seg.size
             ):
                 segment = seg

@@ -11,6 +11,11 @@ the ``all`` list only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oomkit.allocator.rules import AllocatorRules
+
 __all__ = [
     "ARRAY_STATS",
     "STAT_TYPES",
@@ -39,6 +44,7 @@ __all__ = [
     "build_memory_stats",
     "reset_peaks",
     "reset_accumulated",
+    "StatsMixin",
 ]
 
 # DeviceStats array members, in the order THCPModule_memoryStats emits them.
@@ -146,3 +152,83 @@ def reset_accumulated(stats: list[list[int]]) -> None:
         for i in range(0, TYPE_SLOTS, 4):
             slots[i + FREED] = 0
             slots[i + ORIGIN] = slots[i + CUR]
+
+
+class StatsMixin:
+    """The stats API of :class:`~oomkit.allocator.caching_allocator.CachingAllocator`."""
+
+    # Provided by CachingAllocator.
+    _stats: list[list[int]]
+    _max_split_stat: int
+    _num_alloc_retries: int
+    _num_ooms: int
+    _num_sync_all_streams: int
+    _num_device_alloc: int
+    _num_device_free: int
+    _num_oom_rejections: int
+    rules: AllocatorRules
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()`` for this device: the same keys and semantics (§10).
+
+        Versions with throw_on_cudamalloc_oom (2.12+; torch 2.13's ``memory_stats`` docstring
+        lists the key) add ``num_oom_rejections``; torch returns the keys sorted.
+        """
+        stats = self._base_memory_stats()
+        if self.rules.oom_rejection:
+            stats["num_oom_rejections"] = self._num_oom_rejections
+            stats = dict(sorted(stats.items()))
+        return stats
+
+    def _base_memory_stats(self) -> dict[str, int]:
+        return build_memory_stats(
+            self._stats,
+            {
+                "num_alloc_retries": self._num_alloc_retries,
+                "num_ooms": self._num_ooms,
+                "num_sync_all_streams": self._num_sync_all_streams,
+                "num_device_alloc": self._num_device_alloc,
+                "num_device_free": self._num_device_free,
+            },
+            self._max_split_stat,
+        )
+
+    def reset_peak_memory_stats(self) -> None:
+        """resetPeakStats: every peak becomes the current value."""
+        reset_peaks(self._stats)
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
+        reset_accumulated(self._stats)
+        self._num_alloc_retries = 0
+        self._num_ooms = 0
+        self._num_sync_all_streams = 0
+        self._num_device_alloc = 0
+        self._num_device_free = 0
+        # MAIN26 resetAccumulatedStats also zeroes num_oom_rejections.
+        self._num_oom_rejections = 0
+
+    @property
+    def num_oom_rejections(self) -> int:
+        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2).
+
+        torch 2.13 documents it as a ``memory_stats()`` key; the simulator keeps the key set of
+        STAT_KEYS and reports it here.
+        """
+        return self._num_oom_rejections
+
+    def memory_allocated(self) -> int:
+        """``allocated_bytes.all.current``."""
+        return self._stats[ALL][ALLOCATED_BYTES + CUR]
+
+    def memory_reserved(self) -> int:
+        """``reserved_bytes.all.current``."""
+        return self._stats[ALL][RESERVED_BYTES + CUR]
+
+    def max_memory_allocated(self) -> int:
+        """``allocated_bytes.all.peak``."""
+        return self._stats[ALL][ALLOCATED_BYTES + PEAK]
+
+    def max_memory_reserved(self) -> int:
+        """``reserved_bytes.all.peak``."""
+        return self._stats[ALL][RESERVED_BYTES + PEAK]
