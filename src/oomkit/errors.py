@@ -18,6 +18,7 @@ __all__ = [
     "UnknownDeviceError",
     "UnknownGpuError",
     "OomTextError",
+    "UnknownPresetError",
 ]
 
 
@@ -63,3 +64,7 @@ class UnknownGpuError(OomkitError, ValueError):
 
 class OomTextError(OomkitError, ValueError):
     """A text given as an out-of-memory error holds no message PyTorch prints for one."""
+
+
+class UnknownPresetError(OomkitError, ValueError):
+    """A model preset name that is not in ``oomkit.models.PRESETS``."""
