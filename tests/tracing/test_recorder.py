@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -278,3 +279,28 @@ def test_recording_round_trips_through_a_trace_file(tmp_path, three_steps):
     header, events = read_trace(path)
     assert header.source == "tracer"
     assert tuple(events) == recording.events
+
+
+def test_sdpa_emulation_reaches_checkpoint_recomputation():
+    """Checkpoint recompute in backward runs the same SDPA emulation as forward (no CheckpointError)."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    q = torch.randn(2, 4, 64, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    def attend(x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def step(x):
+        checkpoint(attend, x, use_reentrant=False).sum().backward()
+
+    recording = trace_step(step, q)
+    calls = Counter(
+        (dict(e.tags).get("op"), dict(e.tags).get("phase"))
+        for e in recording.events
+        if e.action == "alloc"
+    )
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    # The flash kernel's four outputs, once in forward and once more in the recomputation.
+    assert calls[(flash, "user")] == calls[(flash, "backward")] == 4
+    assert F.scaled_dot_product_attention.__module__ == "torch._C._nn"

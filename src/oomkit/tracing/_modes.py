@@ -11,7 +11,10 @@ instead. Meta kernels allocate exactly the outputs, which is what we record.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +73,39 @@ class DivergenceFunctionMode(TorchFunctionMode):
         if name is not None:
             return self._on_call(name, func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def reach_backward(self) -> Iterator[None]:
+        """While open, a watched function called where this mode is not active enters it.
+
+        The autograd engine does not carry torch-function modes into backward (it carries the
+        dispatch modes), so a function recomputed there by ``torch.utils.checkpoint`` would run
+        unwatched. Each watched function is replaced in its module by a wrapper that enters this
+        mode when the mode is off the current stack; the originals come back on exit.
+        """
+        from torch.overrides import _get_current_function_mode_stack
+
+        patched: list[tuple[Any, str, Any]] = []
+        for func, dotted in self._watched.items():
+            module_name, _, attr = dotted.rpartition(".")
+            owner = sys.modules.get(module_name)
+            if owner is None or getattr(owner, attr, None) is not func:
+                continue
+
+            @functools.wraps(func)
+            def wrapper(*args: Any, _original: Any = func, **kwargs: Any) -> Any:
+                if any(mode is self for mode in _get_current_function_mode_stack()):
+                    return _original(*args, **kwargs)
+                with self:
+                    return _original(*args, **kwargs)
+
+            patched.append((owner, attr, func))
+            setattr(owner, attr, wrapper)
+        try:
+            yield
+        finally:
+            for owner, attr, func in reversed(patched):
+                setattr(owner, attr, func)
 
 
 def watched_functions(names: list[str]) -> dict[Callable[..., Any], str]:

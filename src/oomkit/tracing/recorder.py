@@ -143,7 +143,11 @@ class Tracer:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
         if watched:
-            stack.enter_context(DivergenceFunctionMode(watched, self._run_function))
+            function_mode = DivergenceFunctionMode(watched, self._run_function)
+            stack.enter_context(function_mode)
+            # Torch-function modes do not follow into backward, so checkpoint's recomputation
+            # would miss them (and record another SDPA backend than forward did).
+            stack.enter_context(function_mode.reach_backward())
         stack.enter_context(RecordingDispatchMode(self))
         self._exit_stack = stack
         return self
