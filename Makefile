@@ -14,17 +14,20 @@ $(BIN)/oomkit: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(BIN)/oomkit
 
+# The main job: predict a built-in GPT-2 124M training step on an RTX 4090, without a GPU.
+# (`oomkit demo` still compares allocator settings on a built-in trace.)
 demo: $(BIN)/oomkit
-	$(BIN)/oomkit demo
+	$(BIN)/oomkit predict gpt2-124m --batch 8 --seq 1024 --gpu rtx4090 --precision bf16-mixed
 
 test: $(BIN)/oomkit
 	$(BIN)/python -m pytest
 
 lint: $(BIN)/oomkit
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 bench: $(BIN)/oomkit
 	$(BIN)/python benchmarks/replay_speed.py
+	$(BIN)/python benchmarks/predict_speed.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,10 +1,12 @@
 """oomkit: predict, explain and prevent CUDA out-of-memory errors in PyTorch.
 
+``oomkit.predict(step_fn, *args, gpu="rtx4090")`` predicts a step's peak GPU memory without a GPU.
 ``import oomkit`` never imports torch; features that need torch import it when used.
 """
 
 from __future__ import annotations
 
+from oomkit.analysis.prediction import Prediction, predict, predict_recording
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -25,10 +27,13 @@ __all__ = [
     "ConfigError",
     "NoFeasibleBatchSizeError",
     "OomkitError",
+    "Prediction",
     "SnapshotFormatError",
     "TorchRequiredError",
     "TraceFormatError",
     "UnsupportedOpError",
     "format_bytes",
     "parse_bytes",
+    "predict",
+    "predict_recording",
 ]

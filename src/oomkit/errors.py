@@ -19,6 +19,7 @@ __all__ = [
     "UnknownGpuError",
     "OomTextError",
     "UnknownPresetError",
+    "UserCodeError",
 ]
 
 
@@ -68,3 +69,7 @@ class OomTextError(OomkitError, ValueError):
 
 class UnknownPresetError(OomkitError, ValueError):
     """A model preset name that is not in ``oomkit.models.PRESETS``."""
+
+
+class UserCodeError(OomkitError, ValueError):
+    """The user's ``file.py:function`` could not be loaded, called, or traced."""

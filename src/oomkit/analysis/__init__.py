@@ -1,10 +1,20 @@
 """Analysis: takes records (traces, snapshots, replay results) and returns records; never prints.
 
 ``tune`` sweeps ``PYTORCH_CUDA_ALLOC_CONF`` settings over a workload and ranks them.
+``predict`` / ``predict_recording`` predict a recorded step's peak memory on a named GPU.
 """
 
 from __future__ import annotations
 
+from oomkit.analysis.prediction import (
+    OomPoint,
+    PeakBreakdown,
+    Prediction,
+    StepPeak,
+    TimelinePoint,
+    predict,
+    predict_recording,
+)
 from oomkit.analysis.tuning import (
     DEFAULT_GRID,
     FLAG_REASONS,
@@ -19,8 +29,15 @@ __all__ = [
     "DEFAULT_GRID",
     "FLAG_REASONS",
     "NOT_RECOMMENDED_FLAGS",
+    "OomPoint",
+    "PeakBreakdown",
+    "Prediction",
+    "StepPeak",
+    "TimelinePoint",
     "TuningCandidate",
     "TuningResult",
     "TuningSource",
+    "predict",
+    "predict_recording",
     "tune",
 ]

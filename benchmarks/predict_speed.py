@@ -1,0 +1,90 @@
+"""Wall time and peak process memory of `oomkit predict` on two built-in workloads.
+
+Each case runs in its own child process, so its peak RSS (``ru_maxrss``) is its own:
+- GPT-2 124M training step, batch 8, seq 1024 (target: < 5 s, < 2 GB);
+- Llama-8B-shaped training step, batch 1, seq 2048 (target: < 60 s, < 2 GB).
+Both record 3 steps (the CLI default), bf16-mixed with AdamW, on an H100 SXM.
+
+Prints a line per case, then, last, one JSON line:
+{"cases": {"gpt2-124m": {"seconds": ..., "peak_rss_mb": ..., "events": ..., ...}, ...},
+ "targets": {...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+# name -> (preset, batch, seq, target seconds, target peak RSS in MB)
+CASES = {
+    "gpt2-124m": ("gpt2-124m", 8, 1024, 5.0, 2000.0),
+    "llama-8b": ("llama-8b", 1, 2048, 60.0, 2000.0),
+}
+GPU = "h100"
+PRECISION = "bf16-mixed"
+STEPS = 3
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_case(name: str) -> dict:
+    """Build, record and predict one case in this process; return its figures."""
+    from oomkit.analysis import predict
+    from oomkit.models import StepOptions, build_preset_step
+
+    preset, batch, seq, _, _ = CASES[name]
+    start = time.perf_counter()
+    built = build_preset_step(
+        preset, StepOptions(batch_size=batch, seq_len=seq, precision=PRECISION, optimizer="adamw")
+    )
+    p = predict(built.step_fn, gpu=GPU, steps=STEPS, track=built.track)
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": round(seconds, 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "events": p.events,
+        "peak_allocated_bytes": p.peak_allocated_bytes,
+        "peak_reserved_bytes": p.peak_reserved_bytes,
+        "fits": p.fits,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--case", choices=sorted(CASES), help="run one case here (internal)")
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(args.case)))
+        return 0
+    results = {}
+    for name, (_, batch, seq, target_s, target_mb) in CASES.items():
+        proc = subprocess.run(
+            [sys.executable, __file__, "--case", name], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)
+            return proc.returncode
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[name] = result
+        ok = result["seconds"] < target_s and result["peak_rss_mb"] < target_mb
+        print(
+            f"{name:>10} (batch {batch}, seq {seq}, {PRECISION}, {STEPS} steps on {GPU}): "
+            f"{result['seconds']:.2f} s, peak RSS {result['peak_rss_mb']:.0f} MB, "
+            f"{result['events']:,} events, peak reserved "
+            f"{result['peak_reserved_bytes'] / 2**30:.2f} GiB "
+            f"({'within' if ok else 'OVER'} target {target_s:.0f} s / {target_mb:.0f} MB)"
+        )
+    targets = {name: {"seconds": c[3], "peak_rss_mb": c[4]} for name, c in CASES.items()}
+    print(json.dumps({"cases": results, "targets": targets}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""Ground truth for `oomkit predict`: run the presets on a real CUDA GPU and compare.
+
+Run on a machine with a CUDA GPU, from the repository root::
+
+    python scripts/validate_on_gpu.py               # every run in RUNS, 3 steps each
+    python scripts/validate_on_gpu.py --steps 5 --only gpt2-124m
+
+For each run (a preset at a small size), in its own child process so that cuBLAS workspaces
+and the CUDA context start fresh:
+
+1. build the preset on ``cuda``, record with ``torch.cuda.memory._record_memory_history``, run
+   ``--steps`` steps, read ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()``
+   and dump the snapshot;
+2. predict the same preset and options with oomkit (meta device, no GPU) for the ``GpuSpec``
+   of this device (matched by name, else by total memory), with the measured context overhead;
+3. replay the dumped snapshot with ``replay_snapshot(..., verify=True)``: does the simulator
+   reproduce every segment decision of the real run?
+
+It writes ``validation/<gpu>-torch<version>.json`` with, per run, measured vs predicted peaks
+and relative errors, the verify agreement, and a summary (median and max relative error of peak
+reserved; targets from issue 3: median within 5%, none worse than 10%).
+
+The comparison and summary are pure functions (``compare_run``, ``summarize``, ``match_gpu``,
+``output_path``) and are unit-tested without a GPU (tests/scripts/test_validate_on_gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Issue 3, "Correctness": median error of peak reserved within 5%, none worse than 10%.
+TARGET_MEDIAN_ERROR = 0.05
+TARGET_MAX_ERROR = 0.10
+
+
+@dataclass(frozen=True)
+class Run:
+    """One preset at a small size (fields as oomkit.models.StepOptions)."""
+
+    preset: str
+    batch_size: int
+    seq_len: int | None = None
+    image_size: int | None = None
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    mode: str = "train"
+
+    @property
+    def label(self) -> str:
+        size = f"seq{self.seq_len}" if self.seq_len else f"img{self.image_size or 224}"
+        return f"{self.preset}-b{self.batch_size}-{size}-{self.precision}-{self.optimizer}-{self.mode}"
+
+    def options(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "preset" and v is not None}
+        return out
+
+
+# Small enough for a 16 GB GPU; each preset once in training, some also in bf16 and inference.
+RUNS: tuple[Run, ...] = (
+    Run("gpt2-124m", 4, seq_len=512),
+    Run("gpt2-124m", 4, seq_len=512, precision="bf16-mixed"),
+    Run("gpt2-124m", 4, seq_len=512, mode="inference"),
+    Run("gpt2-355m", 2, seq_len=256, precision="bf16-mixed"),
+    Run("llama-1b", 1, seq_len=512, precision="bf16-mixed"),
+    Run("bert-base", 8, seq_len=128),
+    Run("vit-b16", 8, image_size=224, precision="bf16-mixed"),
+    Run("resnet50", 16, image_size=224),
+    Run("resnet50", 16, image_size=224, optimizer="sgd", precision="fp16-mixed"),
+)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def relative_error(predicted: int, measured: int) -> float | None:
+    """``(predicted - measured) / measured``; ``None`` when nothing was measured."""
+    if measured <= 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def compare_run(label: str, measured: Mapping, predicted: Mapping, verify: Mapping | None) -> dict:
+    """One run's record: measured and predicted peaks, signed relative errors, verify agreement.
+
+    Args:
+        label: the run's name.
+        measured: ``peak_allocated_bytes`` and ``peak_reserved_bytes`` from the GPU.
+        predicted: the same two keys from oomkit's prediction (plus anything else to keep).
+        verify: ``segment_events_recorded``, ``segment_events_matched``,
+            ``final_state_matches`` and ``allocs_misplaced`` of ``replay_snapshot(verify=True)``,
+            or ``None`` when the snapshot could not be replayed.
+    """
+    out = {
+        "run": label,
+        "measured": dict(measured),
+        "predicted": dict(predicted),
+        "error_peak_allocated": relative_error(
+            predicted["peak_allocated_bytes"], measured["peak_allocated_bytes"]
+        ),
+        "error_peak_reserved": relative_error(
+            predicted["peak_reserved_bytes"], measured["peak_reserved_bytes"]
+        ),
+        "verify": None if verify is None else dict(verify),
+    }
+    if verify is not None:
+        recorded = verify.get("segment_events_recorded")
+        matched = verify.get("segment_events_matched")
+        out["verify_reproduced"] = bool(
+            recorded is not None
+            and matched == recorded
+            and verify.get("final_state_matches")
+            and not verify.get("allocs_misplaced")
+        )
+    return out
+
+
+def summarize(runs: Sequence[Mapping]) -> dict:
+    """Median and max absolute relative error of peak reserved (and allocated) over the runs.
+
+    Runs without an error figure (failed or nothing measured) are counted but not in the
+    statistics. ``meets_target`` follows issue 3: median <= 5% and max <= 10% of peak reserved.
+    """
+
+    def stats(key: str) -> dict:
+        errors = [abs(r[key]) for r in runs if r.get(key) is not None]
+        if not errors:
+            return {"median": None, "max": None, "worst_run": None}
+        worst = max((r for r in runs if r.get(key) is not None), key=lambda r: abs(r[key]))
+        return {
+            "median": statistics.median(errors),
+            "max": max(errors),
+            "worst_run": worst["run"],
+        }
+
+    reserved = stats("error_peak_reserved")
+    verified = [r for r in runs if "verify_reproduced" in r]
+    return {
+        "runs": len(runs),
+        "runs_compared": sum(1 for r in runs if r.get("error_peak_reserved") is not None),
+        "peak_reserved_error": reserved,
+        "peak_allocated_error": stats("error_peak_allocated"),
+        "verify_reproduced": f"{sum(1 for r in verified if r['verify_reproduced'])}/{len(verified)}",
+        "meets_target": reserved["median"] is not None
+        and reserved["median"] <= TARGET_MEDIAN_ERROR
+        and reserved["max"] <= TARGET_MAX_ERROR,
+        "target": {"median": TARGET_MEDIAN_ERROR, "max": TARGET_MAX_ERROR},
+    }
+
+
+def match_gpu(device_name: str, total_memory_bytes: int):
+    """The catalog ``GpuSpec`` of a device: by name, else by exact total memory, else a size."""
+    from oomkit.errors import UnknownGpuError
+    from oomkit.gpus import get_gpu, list_gpus
+
+    try:
+        return get_gpu(device_name)
+    except UnknownGpuError:
+        pass
+    same = [g for g in list_gpus() if g.total_memory_bytes == total_memory_bytes]
+    if len(same) == 1:
+        return same[0]
+    return get_gpu(f"{total_memory_bytes}B")
+
+
+def output_path(root: Path, gpu_name: str, torch_version: str) -> Path:
+    """``validation/<gpu>-torch<version>.json`` with a file-name-safe GPU name."""
+    slug = re.sub(r"[^0-9a-z]+", "-", gpu_name.lower()).strip("-")
+    version = torch_version.split("+")[0]
+    return root / "validation" / f"{slug}-torch{version}.json"
+
+
+# --------------------------------------------------------------------------- GPU parts
+
+
+def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no cover - needs a GPU
+    import torch
+
+    from oomkit.models import StepOptions, build_preset_step
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # create the context before measuring what it holds
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
+    for _ in range(steps):
+        built.step_fn()
+    torch.cuda.synchronize()
+    measured = {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "context_overhead_bytes": context,
+    }
+    torch.cuda.memory._dump_snapshot(str(snapshot_path))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return measured
+
+
+def _predict(run: Run, steps: int, gpu, context_bytes: int) -> dict:  # pragma: no cover
+    from oomkit.analysis import predict
+    from oomkit.models import StepOptions, build_preset_step
+
+    built = build_preset_step(run.preset, StepOptions(**run.options()))
+    p = predict(
+        built.step_fn, gpu=gpu, steps=steps, track=built.track, context_overhead_bytes=context_bytes
+    )
+    return {
+        "peak_allocated_bytes": p.peak_allocated_bytes,
+        "peak_reserved_bytes": p.peak_reserved_bytes,
+        "fits": p.fits,
+        "warnings": list(p.warnings),
+    }
+
+
+def _verify(snapshot_path: Path) -> dict | None:  # pragma: no cover - needs a GPU's snapshot
+    from oomkit.replay import replay_snapshot
+    from oomkit.snapshot import load_snapshot
+
+    result = replay_snapshot(load_snapshot(snapshot_path), verify=True)
+    return {
+        "segment_events_recorded": result.segment_events_recorded,
+        "segment_events_matched": result.segment_events_matched,
+        "final_state_matches": result.final_state_matches,
+        "allocs_misplaced": result.allocs_misplaced,
+    }
+
+
+def _child(run: Run, steps: int) -> dict:  # pragma: no cover - needs a GPU
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    gpu = match_gpu(torch.cuda.get_device_name(0), props.total_memory)
+    with tempfile.TemporaryDirectory() as tmp:
+        snapshot = Path(tmp) / "snapshot.pickle"
+        measured = _measure(run, steps, snapshot)
+        predicted = _predict(run, steps, gpu, measured["context_overhead_bytes"])
+        try:
+            verify = _verify(snapshot)
+        except Exception as exc:  # keep the comparison even when the replay fails
+            verify = {"error": f"{type(exc).__name__}: {exc}"}
+    record = compare_run(run.label, measured, predicted, verify)
+    record["gpu"] = gpu.name
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs a GPU
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", action="append", help="run only these presets")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out-root", type=Path, default=Path(__file__).resolve().parents[1])
+    args = parser.parse_args(argv)
+    runs = {r.label: r for r in RUNS if not args.only or r.preset in args.only}
+    if args.child:
+        print(json.dumps(_child(runs[args.child], args.steps)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("validate_on_gpu: no CUDA device here; run it on a machine with a GPU.", file=sys.stderr)
+        return 2
+    records = []
+    for label in runs:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", label, "--steps", str(args.steps)],
+            capture_output=True, text=True, check=False,
+        )
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            records.append({"run": label, "error": tail[0]})
+            print(f"{label}: failed: {tail[0]}", file=sys.stderr)
+            continue
+        record = json.loads(proc.stdout.strip().splitlines()[-1])
+        records.append(record)
+        print(
+            f"{label}: reserved measured {record['measured']['peak_reserved_bytes']:,} predicted "
+            f"{record['predicted']['peak_reserved_bytes']:,} "
+            f"(error {100 * (record['error_peak_reserved'] or 0):+.1f}%)"
+        )
+    gpu_name = next((r["gpu"] for r in records if "gpu" in r), torch.cuda.get_device_name(0))
+    path = output_path(args.out_root, gpu_name, torch.__version__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "gpu": gpu_name,
+        "device_name": torch.cuda.get_device_name(0),
+        "torch_version": torch.__version__,
+        "steps": args.steps,
+        "runs": records,
+        "summary": summarize(records),
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {path}: {json.dumps(document['summary'])}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

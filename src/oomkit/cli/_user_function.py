@@ -1,0 +1,207 @@
+"""Loading the user's own step for ``oomkit predict path/to/file.py:function``.
+
+The contract (documented in the README, "Predicting your own step"):
+
+- ``function`` is a module-level callable in ``file.py``; the file is loaded from its path with
+  importlib (its folder is put first on ``sys.path`` while it loads, so sibling imports work).
+- It may declare any of the keyword parameters ``batch_size``, ``seq_len``, ``image_size`` and
+  ``device``; oomkit passes those it declares (``device`` is ``torch.device("meta")``; the
+  sizes come from ``--batch``, ``--seq`` and ``--image-size``). A declared size without a default
+  must be given on the command line. Other parameters must have defaults.
+- It runs inside ``with torch.device("meta"):``, so tensors and modules it creates without a
+  device land on the meta device and cost nothing.
+- It returns either a zero-argument callable that runs one step, or a pair
+  ``(step_fn, objects_to_track)`` where ``objects_to_track`` are the model, optimizer and inputs
+  (nested lists/tuples/dicts are fine) to be recorded as allocated before the first step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomkit.errors import UserCodeError
+
+__all__ = ["UserStep", "is_user_target", "load_user_step", "SIZE_PARAMETERS"]
+
+# Keyword parameters a user function may declare, with the flag that fills each.
+SIZE_PARAMETERS = {"batch_size": "--batch", "seq_len": "--seq", "image_size": "--image-size"}
+
+
+@dataclass(frozen=True)
+class UserStep:
+    """What a user function built: the step and the objects that exist before it.
+
+    Attributes:
+        step_fn: runs one step under ``torch.device("meta")``.
+        track: objects recorded as allocated before the first step.
+        description: ``file.py:function(batch_size=8)``.
+        raised: the exceptions the user's step raised (so a caller can tell them from oomkit's).
+    """
+
+    step_fn: Callable[[], Any]
+    track: tuple[Any, ...]
+    description: str
+    raised: list[BaseException] = field(default_factory=list)
+
+
+def is_user_target(target: str) -> bool:
+    """Whether ``target`` names ``file.py:function`` rather than a preset."""
+    path, sep, function = target.rpartition(":")
+    return bool(sep) and path.endswith(".py") and bool(function)
+
+
+def _load_module(path: Path, target: str) -> Any:
+    if not path.is_file():
+        raise UserCodeError(
+            f"{target}: no such file {str(path)!r}. Give the path of a Python file, relative to "
+            f"{Path.cwd()}, then ':' and the function name, e.g. train.py:build_step."
+        )
+    name = f"oomkit_user_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UserCodeError(f"{target}: {path} cannot be loaded as a Python module.")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise UserCodeError(
+            f"{target}: importing {path} raised {type(exc).__name__}: {exc}. Fix the file so "
+            f"that `python {path}` imports cleanly."
+        ) from exc
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+    return module
+
+
+def _arguments(
+    fn: Callable[..., Any], target: str, sizes: dict[str, int | None], device: Any
+) -> dict[str, Any]:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    for name, flag in SIZE_PARAMETERS.items():
+        param = params.get(name)
+        value = sizes.get(name)
+        if param is None:
+            if takes_any and value is not None:
+                kwargs[name] = value
+            continue
+        if value is None:
+            if param.default is inspect.Parameter.empty:
+                raise UserCodeError(
+                    f"{target}: the function needs {name}; pass it with {flag} N."
+                )
+            continue
+        kwargs[name] = value
+    if "device" in params or takes_any:
+        kwargs["device"] = device
+    for name, param in params.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name not in kwargs and param.default is inspect.Parameter.empty:
+            raise UserCodeError(
+                f"{target}: the function has a parameter {name!r} without a default that oomkit "
+                f"cannot fill; it passes only {', '.join([*SIZE_PARAMETERS, 'device'])}. Give "
+                f"{name!r} a default."
+            )
+    return kwargs
+
+
+def load_user_step(
+    target: str,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    image_size: int | None = None,
+) -> UserStep:
+    """Load ``file.py:function``, call it on the meta device, and return the step it built.
+
+    Args:
+        target: ``path/to/file.py:function``.
+        batch_size: ``--batch``, passed when the function declares ``batch_size``.
+        seq_len: ``--seq``, passed when the function declares ``seq_len``.
+        image_size: ``--image-size``, passed when the function declares ``image_size``.
+
+    Returns:
+        The step, the objects to track, and a description (``file.py:function(batch_size=8)``).
+
+    Raises:
+        UserCodeError: the file or function is missing, the function needs an argument oomkit
+            cannot give, it raises, or it returns something other than the contract allows.
+        TorchRequiredError: torch is not installed.
+    """
+    from oomkit.errors import TorchRequiredError
+
+    try:
+        import torch
+    except ImportError as exc:
+        raise TorchRequiredError(
+            "oomkit predict runs your code on the meta device and needs torch; install it with "
+            "`pip install oomkit[torch]`"
+        ) from exc
+    path_text, _, name = target.rpartition(":")
+    module = _load_module(Path(path_text), target)
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        found = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+        )
+        raise UserCodeError(
+            f"{target}: {path_text} has no function {name!r}. Functions there: "
+            f"{', '.join(found) or 'none'}."
+        )
+    device = torch.device("meta")
+    kwargs = _arguments(
+        fn, target, {"batch_size": batch_size, "seq_len": seq_len, "image_size": image_size}, device
+    )
+    try:
+        with device:
+            result = fn(**kwargs)
+    except Exception as exc:
+        raise UserCodeError(
+            f"{target}: {name}() raised {type(exc).__name__}: {exc}. It runs on the meta device: "
+            "code that reads tensor values (.item(), data-dependent shapes) cannot run there."
+        ) from exc
+    user_step, track = _unpack(result, target, name)
+    raised: list[BaseException] = []
+
+    def step_fn() -> Any:
+        # The contract: the step, too, runs with meta as the default device.
+        try:
+            with device:
+                return user_step()
+        except Exception as exc:
+            raised.append(exc)
+            raise
+
+    shown = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "device")
+    return UserStep(step_fn, track, f"{target}({shown})", raised)
+
+
+def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+    if callable(result):
+        return result, ()
+    if isinstance(result, (tuple, list)) and len(result) == 2 and callable(result[0]):
+        track = result[1]
+        if isinstance(track, (tuple, list)):
+            return result[0], tuple(track)
+        return result[0], (track,)
+    raise UserCodeError(
+        f"{target}: {name}() returned {type(result).__name__}; it must return a zero-argument "
+        "step function, or (step_fn, objects_to_track) with the model, optimizer and inputs."
+    )

@@ -1,0 +1,93 @@
+"""Rendering of ``Diagnosis`` records: a JSON object and a terminal report, verdict first."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from oomkit.analysis.diagnosis import Diagnosis
+from oomkit.analysis.oom_text import OomText
+from oomkit.units import format_bytes
+
+__all__ = ["diagnosis_to_json", "render_diagnosis"]
+
+_CAUSE_WORDS = {
+    "shortage": "a real shortage of memory",
+    "fragmentation": "fragmentation of PyTorch's cache",
+    "outside_pytorch": "memory held outside PyTorch's allocator",
+    "fraction_limit": "the per-process memory fraction",
+    "request_exceeds_device": "one request larger than the device",
+    "leak": "a leak",
+    "transient_spike": "a short-lived spike",
+}
+
+
+def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> dict:
+    """The diagnosis as one JSON-ready object (``oomkit explain --json``)."""
+    out: dict = {
+        "cause": diagnosis.cause,
+        "causes": [
+            {
+                "cause": f.cause,
+                "explained_bytes": f.explained_bytes,
+                "summary": f.summary,
+                "evidence": dict(f.evidence_bytes),
+            }
+            for f in diagnosis.causes
+        ],
+        "remedies": [asdict(r) for r in diagnosis.remedies],
+        "deficit_bytes": diagnosis.deficit_bytes,
+        "memory_explained": diagnosis.memory_explained,
+        "warnings": list(diagnosis.warnings),
+    }
+    if parsed is not None:
+        out["message"] = {
+            "variant": parsed.variant,
+            "torch_versions": parsed.torch_versions,
+            "device": parsed.device,
+            "requested_bytes": parsed.requested_bytes,
+            "total_bytes": parsed.total_bytes,
+            "free_bytes": parsed.free_bytes,
+            "allocated_bytes": parsed.allocated_bytes,
+            "reserved_bytes": parsed.reserved_bytes,
+            "private_pool_bytes": parsed.private_pool_bytes,
+            "allowed_bytes": parsed.allowed_bytes,
+            "processes": [asdict(p) for p in parsed.processes],
+        }
+    return out
+
+
+def _saving(nbytes: int | None, estimate: bool) -> str:
+    if nbytes is None:
+        return "unknown"
+    return ("~" if estimate else "") + format_bytes(nbytes)
+
+
+def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
+    """Print the verdict, the causes with their evidence, the remedies and the memory paragraph."""
+    top = diagnosis.causes[0]
+    console.print(f"[bold]Cause: {_CAUSE_WORDS[diagnosis.cause]}[/bold] — {top.summary}.")
+    if len(diagnosis.causes) > 1:
+        causes = Table(title="Every cause that applies, strongest first", title_justify="left")
+        causes.add_column("cause")
+        causes.add_column("evidence")
+        for finding in diagnosis.causes:
+            causes.add_row(finding.cause, finding.summary)
+        console.print(causes)
+    if diagnosis.remedies:
+        # A list, not a table: code must stay whole so that it can be copied.
+        console.print("[bold]Remedies, by bytes saved[/bold]")
+        for i, remedy in enumerate(diagnosis.remedies, 1):
+            console.print(
+                f"{i}. {remedy.title} — saves {_saving(remedy.saving_bytes, remedy.estimate)} "
+                f"({remedy.confidence} confidence)"
+            )
+            console.print(f"   [dim]{remedy.why}[/dim]")
+            for line in remedy.code.splitlines():
+                console.print(f"     {line}", markup=False, highlight=False, soft_wrap=True)
+    if diagnosis.memory_explained:
+        console.print(diagnosis.memory_explained)
+    for warning in diagnosis.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

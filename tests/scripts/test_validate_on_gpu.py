@@ -1,0 +1,93 @@
+"""Tests for the pure parts of scripts/validate_on_gpu.py (comparison, summary, file names)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "validate_on_gpu.py"
+_spec = importlib.util.spec_from_file_location("validate_on_gpu", _PATH)
+validate = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("validate_on_gpu", validate)  # dataclasses look their module up
+_spec.loader.exec_module(validate)
+
+MiB = 2**20
+
+
+def _run(label, measured_reserved, predicted_reserved, verify=None):
+    return validate.compare_run(
+        label,
+        {"peak_allocated_bytes": 100 * MiB, "peak_reserved_bytes": measured_reserved},
+        {"peak_allocated_bytes": 90 * MiB, "peak_reserved_bytes": predicted_reserved},
+        verify,
+    )
+
+
+def test_compare_run_signed_relative_errors():
+    """Errors are (predicted - measured) / measured, signed."""
+    r = _run("a", 200 * MiB, 210 * MiB)
+    assert r["error_peak_reserved"] == pytest.approx(0.05)
+    assert r["error_peak_allocated"] == pytest.approx(-0.10)
+    assert r["verify"] is None and "verify_reproduced" not in r
+
+
+def test_compare_run_verify_agreement():
+    """A replay reproduces the run only if every segment event and the final state match."""
+    ok = {"segment_events_recorded": 7, "segment_events_matched": 7,
+          "final_state_matches": True, "allocs_misplaced": 0}
+    assert _run("a", MiB, MiB, ok)["verify_reproduced"] is True
+    assert _run("a", MiB, MiB, {**ok, "segment_events_matched": 6})["verify_reproduced"] is False
+    assert _run("a", MiB, MiB, {**ok, "allocs_misplaced": 2})["verify_reproduced"] is False
+
+
+def test_relative_error_of_nothing_measured_is_none():
+    """A run that measured zero bytes has no relative error."""
+    assert validate.relative_error(5, 0) is None
+
+
+def test_summary_median_max_and_target():
+    """The summary gives median and max |error| of peak reserved and checks 5% / 10%."""
+    runs = [_run("a", 100 * MiB, 102 * MiB), _run("b", 100 * MiB, 96 * MiB),
+            _run("c", 100 * MiB, 109 * MiB), {"run": "d", "error": "CUDA error"}]
+    s = validate.summarize(runs)
+    assert s["runs"] == 4 and s["runs_compared"] == 3
+    assert s["peak_reserved_error"]["median"] == pytest.approx(0.04)
+    assert s["peak_reserved_error"]["max"] == pytest.approx(0.09)
+    assert s["peak_reserved_error"]["worst_run"] == "c"
+    assert s["meets_target"] is True
+    s = validate.summarize([*runs, _run("e", 100 * MiB, 120 * MiB)])
+    assert s["meets_target"] is False
+
+
+def test_summary_of_no_runs_does_not_meet_target():
+    """With nothing compared there is no median and the target is not met."""
+    s = validate.summarize([])
+    assert s["peak_reserved_error"]["median"] is None and s["meets_target"] is False
+
+
+def test_match_gpu_by_name_then_memory_then_size():
+    """The device name finds the catalog entry; else its exact total memory; else a size."""
+    from oomkit.gpus import get_gpu
+
+    h100 = get_gpu("h100")
+    assert validate.match_gpu("NVIDIA H100 80GB HBM3", 0).name == h100.name
+    assert validate.match_gpu("Some OEM name", h100.total_memory_bytes).name == h100.name
+    custom = validate.match_gpu("Mystery GPU", 12345 * MiB)
+    assert custom.total_memory_bytes == 12345 * MiB
+
+
+def test_output_path():
+    """validation/<gpu>-torch<version>.json, with a safe name and no local version suffix."""
+    path = validate.output_path(Path("/r"), "H100 SXM 80GB", "2.13.0+cu128")
+    assert path == Path("/r/validation/h100-sxm-80gb-torch2.13.0.json")
+
+
+def test_runs_have_distinct_labels():
+    """Every run has its own label (the child process is chosen by it)."""
+    labels = [r.label for r in validate.RUNS]
+    assert len(labels) == len(set(labels))
+    assert validate.RUNS[0].options() == {"batch_size": 4, "seq_len": 512, "precision": "fp32",
+                                          "optimizer": "adamw", "mode": "train"}
