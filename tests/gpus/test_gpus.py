@@ -281,3 +281,11 @@ def test_every_public_name_imports():
     """Every name in oomkit.gpus.__all__ exists."""
     for name in gpus.__all__:
         assert hasattr(gpus, name), name
+
+
+def test_small_custom_size_takes_a_context_override():
+    """`--gpu 32MiB --context-overhead 0`: the override applies before the size is checked."""
+    spec = get_gpu("32MiB", context_overhead_bytes=0)
+    assert spec.total_memory_bytes == 32 * 2**20
+    assert spec.context_overhead_bytes == 0
+    assert spec.usable_bytes() == 32 * 2**20

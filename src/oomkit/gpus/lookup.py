@@ -70,7 +70,7 @@ def get_gpu(name_or_size: str, *, context_overhead_bytes: int | None = None) -> 
     """
     spec = _INDEX.get(normalize_gpu_name(name_or_size))
     if spec is None:
-        spec = _custom_spec(name_or_size)
+        spec = _custom_spec(name_or_size, context_overhead_bytes)
     if context_overhead_bytes is not None:
         spec = dataclasses.replace(
             spec,
@@ -83,7 +83,7 @@ def get_gpu(name_or_size: str, *, context_overhead_bytes: int | None = None) -> 
     return spec
 
 
-def _custom_spec(text: str) -> GpuSpec:
+def _custom_spec(text: str, context_overhead_bytes: int | None = None) -> GpuSpec:
     if not _SIZE_WITH_UNIT_RE.match(text):
         raise UnknownGpuError(_unknown_message(text))
     try:
@@ -93,7 +93,13 @@ def _custom_spec(text: str) -> GpuSpec:
     return GpuSpec(
         name=f"custom {format_bytes(total_bytes)}",
         total_memory_bytes=total_bytes,
-        context_overhead_bytes=overhead.context_overhead_bytes(None),
+        # The override, where given, is checked against the size here (a small custom size may
+        # be below the default estimate); get_gpu records its note.
+        context_overhead_bytes=(
+            overhead.context_overhead_bytes(None)
+            if context_overhead_bytes is None
+            else context_overhead_bytes
+        ),
         source_notes=(
             f"total memory: {text.strip()!r} given by the caller, taken as what "
             "torch.cuda.get_device_properties().total_memory reports",
