@@ -2,10 +2,13 @@
 
 ``tune`` sweeps ``PYTORCH_CUDA_ALLOC_CONF`` settings over a workload and ranks them.
 ``predict`` / ``predict_recording`` predict a recorded step's peak memory on a named GPU.
+``parse_oom_text`` reads an OOM message's figures; ``diagnose_oom_text`` names its causes.
 """
 
 from __future__ import annotations
 
+from oomkit.analysis.diagnosis import CAUSES, Cause, Diagnosis, Finding, Remedy, diagnose_oom_text
+from oomkit.analysis.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
 from oomkit.analysis.prediction import (
     OomPoint,
     PeakBreakdown,
@@ -26,7 +29,17 @@ from oomkit.analysis.tuning import (
 )
 
 __all__ = [
+    "CAUSES",
+    "Cause",
     "DEFAULT_GRID",
+    "Diagnosis",
+    "Finding",
+    "OomText",
+    "ProcessMemory",
+    "Remedy",
+    "diagnose_oom_text",
+    "find_oom_texts",
+    "parse_oom_text",
     "FLAG_REASONS",
     "NOT_RECOMMENDED_FLAGS",
     "OomPoint",
