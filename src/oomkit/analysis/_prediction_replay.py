@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from oomkit.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.errors import TraceFormatError
+from oomkit.replay._ids import FreeTracker
 from oomkit.trace import TraceEvent
 
 __all__ = [
@@ -141,8 +142,8 @@ def replay_for_prediction(
     )
     out = ReplayPass()
     bucket = max(1, -(-len(events) // max(1, max_points)))
-    live: dict[int, int] = {}  # recording id -> simulated pointer
-    pending: dict[int, int] = {}
+    frees = FreeTracker()
+    live, pending = frees.live, frees.pending  # recording id -> simulated pointer
     malloc = allocator.malloc
     free = allocator.free
     allocated = allocator.memory_allocated
@@ -181,22 +182,9 @@ def replay_for_prediction(
             if now_res > out.peak_reserved_bytes:
                 out.peak_reserved_bytes, out.peak_reserved_index = now_res, index
         elif action == "free_requested":
-            ptr = live.pop(event.address, None)
-            if ptr is None:
-                raise TraceFormatError(
-                    f"event {index}: free_requested of id {event.address:#x}, which is not live. "
-                    "Check that the recording holds the matching alloc."
-                )
-            pending[event.address] = ptr
+            frees.request(index, event.address)
         elif action == "free_completed":
-            ptr = pending.pop(event.address, None)
-            if ptr is None:
-                ptr = live.pop(event.address, None)
-                if ptr is None:
-                    raise TraceFormatError(
-                        f"event {index}: free_completed of id {event.address:#x}, which is not "
-                        "live. Check that the recording holds the matching alloc."
-                    )
+            ptr = frees.complete(index, event.address)
             if ptr:
                 free(ptr)
         elif action == "empty_cache":

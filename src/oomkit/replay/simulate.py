@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from oomkit.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.errors import TraceFormatError
+from oomkit.replay._ids import FreeTracker
 from oomkit.replay.result import ReplayResult, stats_fields
 from oomkit.trace import TraceEvent
 
@@ -50,8 +51,8 @@ def simulate_events(
         reserved_outside_bytes=reserved_outside_bytes,
         torch_version=torch_version,
     )
-    live: dict[int, int] = {}  # trace id -> simulated pointer
-    pending: dict[int, int] = {}  # freed but not yet completed: trace id -> pointer
+    frees = FreeTracker()
+    live = frees.live  # trace id -> simulated pointer
     malloc = allocator.malloc
     free = allocator.free
     count = 0
@@ -71,23 +72,9 @@ def simulate_events(
                 oom_index, oom_message = count - 1, str(exc)
                 break
         elif action == "free_requested":
-            ptr = live.pop(event.address, None)
-            if ptr is None:
-                raise TraceFormatError(
-                    f"event {count}: free_requested of id {event.address:#x}, which is not live. "
-                    "Check that the trace holds the matching alloc."
-                )
-            pending[event.address] = ptr
+            frees.request(count, event.address)
         elif action == "free_completed":
-            ptr = pending.pop(event.address, None)
-            if ptr is None:
-                # A free_completed alone (no free_requested) frees a live id in one step.
-                ptr = live.pop(event.address, None)
-                if ptr is None:
-                    raise TraceFormatError(
-                        f"event {count}: free_completed of id {event.address:#x}, which is not "
-                        "live. Check that the trace holds the matching alloc."
-                    )
+            ptr = frees.complete(count, event.address)
             if ptr:
                 free(ptr)
         elif action == "empty_cache":
