@@ -9,8 +9,10 @@ from oomkit.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tracer
 
 
 def test_default_registry_holds_the_builtin_emulations():
-    """SDPA, the flash backward, ten cuBLAS ops and embedding backward have default hooks."""
-    assert len(DEFAULT_EMULATIONS) == 13
+    """SDPA (forward, 2 backwards, 2 cuDNN), 10 cuBLAS ops, embedding, 2 batch norm, dropout."""
+    assert len(DEFAULT_EMULATIONS) == 19
+    assert "aten.native_batch_norm.default" in DEFAULT_EMULATIONS
+    assert "torch.nn.functional.dropout" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.scaled_dot_product_attention" in DEFAULT_EMULATIONS
     assert "aten.mm.default" in DEFAULT_EMULATIONS
     assert "aten.embedding_dense_backward.default" in DEFAULT_EMULATIONS

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from oomkit.gpus import get_gpu
-from oomkit.tracing import TraceRecording, trace_step
+from oomkit.tracing import EmulationRegistry, TraceRecording, trace_step
+from oomkit.tracing.emulations import SdpaSettings, register_defaults
 
 B, H, L, E = 2, 4, 100, 64
 BF16 = 2
@@ -105,7 +106,7 @@ def test_efficient_logsumexp_is_padded_to_32_rows():
         8,
         8,
     ]
-    # Its backward's delta and workspace are not emulated: the recording says so.
+    # Its backward's kernel workspace is not emulated: the recording says so.
     assert any("efficient_attention_backward" in w for w in recording.warnings)
 
 
@@ -168,3 +169,108 @@ def test_autocast_casts_a_leaf_once():
     recording = trace_step(step, q)
     casts = [size for size, op, _ in _allocs(recording) if op == "aten._to_copy.default"]
     assert casts == [HALF_QKV_BYTES]
+
+
+EFFICIENT_BWD = "aten._scaled_dot_product_efficient_attention_backward.default"
+FP32_QKV_BYTES = B * H * L * E * 4
+
+
+def _op_allocs(recording: TraceRecording, op: str) -> list[tuple[int, str | None]]:
+    return [(size, what) for size, name, what in _allocs(recording) if name == op]
+
+
+def test_efficient_backward_fp32_copies_grad_out_and_computes_delta():
+    """fp32: grad_out copy, dq/dk/dv, then delta's product [B,L,H,E] and sum, delta [B,H,L]."""
+    q = torch.randn(B, H, L, E, device="meta", requires_grad=True)
+    recording = trace_step(_attend_and_backward, q)
+    assert _op_allocs(recording, EFFICIENT_BWD) == [
+        (FP32_QKV_BYTES, "efficient_grad_out"),
+        (FP32_QKV_BYTES, None),
+        (FP32_QKV_BYTES, None),
+        (FP32_QKV_BYTES, None),
+        (B * L * H * E * 4, "efficient_delta_product"),
+        (B * H * L * 4, "efficient_delta_sum"),
+        (B * H * L * 4, "efficient_delta"),
+    ]
+    emulated = {
+        e.address: dict(e.tags)["emulated"]
+        for e in recording.events
+        if e.action == "alloc" and "emulated" in dict(e.tags)
+    }
+    frees = [
+        emulated[e.address]
+        for e in recording.events
+        if e.action == "free_requested" and e.address in emulated
+    ]
+    assert frees == [
+        "efficient_delta_sum",
+        "efficient_delta_product",
+        "efficient_delta",
+        "efficient_grad_out",
+    ]
+
+
+def test_efficient_backward_half_has_a_kernel_delta_and_no_copy_for_a_bmhk_gradient():
+    """bf16 with a mask (not flash): fp32 delta [B, H, L] only; a (B, L, H, E) grad is not copied."""
+    q = _bf16_query()
+    mask = torch.zeros(L, L, device="meta", dtype=torch.bfloat16)
+    w = torch.randn(H * E, 8, device="meta", dtype=torch.bfloat16)
+
+    def step(q, mask, w):
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        # As in a transformer block: back to (B, L, H*E), then a projection, so the gradient
+        # reaching SDPA is a transposed view of a contiguous (B, L, H, E) tensor.
+        (out.transpose(1, 2).reshape(B, L, H * E) @ w).sum().backward()
+
+    recording = trace_step(step, q, mask, w)
+    assert _op_allocs(recording, EFFICIENT_BWD) == [
+        (HALF_QKV_BYTES, None),
+        (HALF_QKV_BYTES, None),
+        (HALF_QKV_BYTES, None),
+        (B * H * L * 4, "efficient_delta"),
+    ]
+    assert len(recording.warnings) == 1
+    assert recording.warnings[0].startswith(f"{EFFICIENT_BWD} ran 1 time(s)")
+    assert "kernel's workspace" in recording.warnings[0]
+
+
+def _cudnn_registry() -> EmulationRegistry:
+    registry = EmulationRegistry()
+    register_defaults(registry, sdpa=SdpaSettings(cudnn_version=91501))
+    return registry
+
+
+def test_cudnn_attention_records_output_and_softmax_stats():
+    """cuDNN 9.15.1 on H100 prefers cuDNN SDPA: bf16 output and fp32 stats [B, H, L, 1]."""
+    recording = trace_step(
+        _attend_and_backward, _bf16_query(), is_causal=True, emulations=_cudnn_registry()
+    )
+    forward = "aten._scaled_dot_product_cudnn_attention.default"
+    backward = "aten._scaled_dot_product_cudnn_attention_backward.default"
+    assert _op_allocs(recording, forward)[:2] == [(HALF_QKV_BYTES, None), (B * H * L * 1 * 4, None)]
+    assert _op_allocs(recording, backward) == [(HALF_QKV_BYTES, None)] * 3
+    assert [w.split(" ran ")[0] for w in recording.warnings] == [forward, backward]
+    assert all("cuDNN attention graph workspace" in w for w in recording.warnings)
+
+
+def test_multihead_attention_runs_the_fused_kernel():
+    """nn.MultiheadAttention calls SDPA from inside F.multi_head_attention_forward: still flash."""
+    with torch.device("meta"):
+        mha = torch.nn.MultiheadAttention(H * E, H, batch_first=True, dtype=torch.bfloat16)
+    x = torch.randn(B, L, H * E, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(m, x):
+        m(x, x, x, need_weights=False)[0].sum().backward()
+
+    recording = trace_step(step, mha, x)
+    ops = {op for _, op, _ in _allocs(recording)}
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert "aten._scaled_dot_product_flash_attention_backward.default" in ops
+    assert "aten.bmm.default" not in ops  # not the math path's L x L scores
+    flash = [
+        size
+        for size, op, _ in _allocs(recording)
+        if op == "aten._scaled_dot_product_flash_attention.default"
+    ]
+    assert flash[:2] == [HALF_QKV_BYTES, B * H * L * 4]
+    assert recording.warnings == ()

@@ -61,6 +61,10 @@ class DivergenceFunctionMode(TorchFunctionMode):
         super().__init__()
         self._watched = watched
         self._on_call = on_call
+        # reach_backward's wrappers -> the functions they wrap. A Python function such as
+        # F.dropout passes itself, looked up in its module (so the wrapper), to
+        # handle_torch_function; calling the wrapper from here would re-enter this mode.
+        self._originals: dict[Callable[..., Any], Callable[..., Any]] = {}
 
     def __torch_function__(
         self,
@@ -69,6 +73,7 @@ class DivergenceFunctionMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        func = self._originals.get(func, func)
         name = self._watched.get(func)
         if name is not None:
             return self._on_call(name, func, args, kwargs or {})
@@ -100,12 +105,14 @@ class DivergenceFunctionMode(TorchFunctionMode):
                     return _original(*args, **kwargs)
 
             patched.append((owner, attr, func))
+            self._originals[wrapper] = func
             setattr(owner, attr, wrapper)
         try:
             yield
         finally:
             for owner, attr, func in reversed(patched):
                 setattr(owner, attr, func)
+            self._originals.clear()
 
 
 def watched_functions(names: list[str]) -> dict[Callable[..., Any], str]:

@@ -91,6 +91,14 @@ class EmulationContext:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
         self._tracer._free_synthetic(alloc_id)
 
+    def not_emulated(self, what: str) -> None:
+        """Count this call as only partly emulated: the recording warns, naming the op and ``what``.
+
+        Args:
+            what: the CUDA memory this hook leaves out, e.g. ``"cuDNN graph workspace"``.
+        """
+        self._tracer._note_not_emulated(self.op_name, what)
+
 
 class OpEmulation(Protocol):
     """A hook that runs one aten op the way CUDA would, memory-wise; returns the op's outputs."""
@@ -143,14 +151,15 @@ CUDA_DIVERGENT_OPS: Mapping[str, str] = {
     "aten.baddbmm.default": "cuBLAS workspace",
     # sdp_utils.cpp select_sdp_backend: CUDA picks flash/efficient/cuDNN kernels with their own
     # outputs (logsumexp, philox state); meta runs the math decomposition (emulations/sdpa.py).
-    # Composite, so it is seen by a TorchFunctionMode, and only when called directly from
-    # non-torch code (a call nested in another torch function, as in nn.MultiheadAttention,
-    # runs with the mode popped).
+    # Composite, so it is seen by a TorchFunctionMode; a call nested in another torch function
+    # (F.multi_head_attention_forward in nn.MultiheadAttention) runs with the mode popped, and is
+    # caught because DivergenceFunctionMode.reach_backward swaps the module attribute the caller
+    # looks up (_modes.py).
     "torch.nn.functional.scaled_dot_product_attention": (
         "SDPA backend choice (meta runs the math path, which materialises the attention matrix)"
     ),
-    # attention_backward.cu _efficient_attention_backward: a float delta and a kernel workspace
-    # sized by kernel_backward.h workspace_size(); not emulated.
+    # attention_backward.cu _efficient_attention_backward: grad_out copy, fp32 delta and a kernel
+    # workspace (emulations/sdpa.py; the workspace stays a warning).
     "aten._scaled_dot_product_efficient_attention_backward.default": (
         "mem-efficient attention backward's delta and kernel workspace"
     ),
@@ -159,9 +168,13 @@ CUDA_DIVERGENT_OPS: Mapping[str, str] = {
     "aten._scaled_dot_product_cudnn_attention_backward.default": "cuDNN attention workspace",
     # Normalization.cpp _batch_norm_impl_index: training-mode batch norm on CUDA runs
     # cudnn_batch_norm, whose reserve space (saved for backward) and workspace are sized by
-    # cuDNN at run time (cudnnGetBatchNormalizationTrainingExReserveSpaceSize).
+    # cuDNN at run time (cudnnGetBatchNormalizationTrainingExReserveSpaceSize);
+    # emulations/batch_norm.py.
     "aten.native_batch_norm.default": "cuDNN batch-norm reserve space and workspace",
     "aten.native_batch_norm_backward.default": "cuDNN batch-norm backward workspace",
+    # Dropout.cpp dropout: CUDA takes the fused native_dropout (a 1-byte bool mask); meta keeps
+    # a noise tensor of the input's dtype (emulations/dropout.py).
+    "torch.nn.functional.dropout": "fused dropout's bool mask (meta keeps a dtype-sized noise)",
 }
 
 

@@ -7,7 +7,8 @@ How each fact is observed (all hooks are removed on exit):
   allocation of its ``nbytes`` (views share their base's storage; zero-byte storages are none).
 - frees: ``weakref.finalize`` on the storage (see ``storages.py``), so lifetimes follow Python
   and autograd reference counting exactly.
-- module path: global forward pre/post hooks keep a stack of module calls.
+- module path: global forward pre/post hooks keep a stack of module calls. A parameter, its
+  gradient and its optimizer state are tagged with the module that owns the parameter.
 - parameters / buffers: registration hooks, the module stack and ``track()``.
 - gradients: ``register_post_accumulate_grad_hook`` on every parameter seen.
 - optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
@@ -50,11 +51,15 @@ from oomkit.tracing.emulation import (
     OpEmulation,
 )
 from oomkit.tracing.frames import UserFrameFinder
+from oomkit.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.tracing.recording import TraceRecording
 from oomkit.tracing.storages import Allocation, StorageTable
 
 __all__ = ["Tracer", "trace_step"]
+
+# Categories tagged with the module that owns their parameter rather than where they were made.
+_OWNED_CATEGORIES: frozenset[Category] = frozenset({"parameter", "gradient", "optimizer_state"})
 
 # The device whose storages stand for CUDA memory. CPU tensors (AdamW's default ``step``
 # counters, ``torch.tensor(1.0)`` scalars) live in host memory on a real GPU run too.
@@ -108,6 +113,12 @@ class Tracer:
         self._stack: list[_ModuleCall] = []
         self._escapes: dict[int, list[Allocation]] = {}
         self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        # One weakref per module, and the path of each, kept after the module dies (a model
+        # built and dropped inside the step still names its parameters' storages at the end).
+        self._module_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._ref_paths: dict[weakref.ref[Any], str] = {}
         self._roots = 0
         self._optimizer_depth = 0
         # By id with a weakref to check identity: tensors compare elementwise, so no WeakSet.
@@ -116,6 +127,10 @@ class Tracer:
         self._handles: list[Any] = []
         self._synthetic: dict[int, Allocation] = {}
         self._divergent_calls: Counter[str] = Counter()
+        self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
+        self._grad_scaler_steps: Counter[str] = Counter()
+        # id(param) -> (param, the module that registered it): tags its storages with that path.
+        self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
         self._late_first_seen = 0
         self._late_first_seen_bytes = 0
         self._exit_stack: contextlib.ExitStack | None = None
@@ -140,6 +155,7 @@ class Tracer:
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
         stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
+        stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
         if watched:
@@ -298,6 +314,9 @@ class Tracer:
             return func(*args, **kwargs)
         return hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
 
+    def _note_not_emulated(self, op: str, what: str) -> None:
+        self._partial_calls[(op, what)] += 1
+
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
         if cast.device.type == _DEVICE_TYPE:
@@ -336,7 +355,15 @@ class Tracer:
 
     # ------------------------------------------------------------------ roles
 
-    def _note(self, tensor: Any, role: Role, *, first_seen_ok: bool = False) -> None:
+    def _note(
+        self,
+        tensor: Any,
+        role: Role,
+        *,
+        first_seen_ok: bool = False,
+        param: torch.Tensor | None = None,
+    ) -> None:
+        """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != _DEVICE_TYPE:
             return
         storage = tensor.untyped_storage()
@@ -347,14 +374,28 @@ class Tracer:
                 return
             alloc = self._first_seen(storage, size, role, expected=first_seen_ok)
         alloc.roles.add(role)
+        if param is not None and alloc.owner is None:
+            owner = self._owners.get(id(param))
+            if owner is not None and owner[0]() is param:
+                alloc.owner = owner[1]
+
+    def _own(self, module: torch.nn.Module, param: torch.Tensor) -> None:
+        """Record that ``module`` registered ``param`` (the first owner of a shared one wins)."""
+        owner = self._owners.get(id(param))
+        if owner is None or owner[0]() is not param:
+            self._owners[id(param)] = (weakref.ref(param), self._module_ref(module))
 
     def _note_module(
         self, module: torch.nn.Module, *, recurse: bool, first_seen_ok: bool = False
     ) -> None:
+        owners = module.named_modules() if recurse else [("", module)]
+        for _, owner in owners:
+            for param in owner.parameters(recurse=False):
+                self._own(owner, param)
         for param in module.parameters(recurse=recurse):
             self._watch_grad(param)
-            self._note(param, "parameter", first_seen_ok=first_seen_ok)
-            self._note(param.grad, "gradient", first_seen_ok=first_seen_ok)
+            self._note(param, "parameter", first_seen_ok=first_seen_ok, param=param)
+            self._note(param.grad, "gradient", first_seen_ok=first_seen_ok, param=param)
         for buffer in module.buffers(recurse=recurse):
             self._note(buffer, "buffer", first_seen_ok=first_seen_ok)
 
@@ -364,11 +405,17 @@ class Tracer:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 self._watch_grad(param)
-                self._note(param, "parameter", first_seen_ok=first_seen_ok)
-                self._note(param.grad, "gradient", first_seen_ok=first_seen_ok)
-        for state in optimizer.state.values():
+                self._note(param, "parameter", first_seen_ok=first_seen_ok, param=param)
+                self._note(param.grad, "gradient", first_seen_ok=first_seen_ok, param=param)
+        self._note_optimizer_state(optimizer, first_seen_ok=first_seen_ok)
+
+    def _note_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, *, first_seen_ok: bool = False
+    ) -> None:
+        for param, state in optimizer.state.items():
+            owner = param if isinstance(param, torch.Tensor) else None
             for value in tree_leaves(state):
-                self._note(value, "optimizer_state", first_seen_ok=first_seen_ok)
+                self._note(value, "optimizer_state", first_seen_ok=first_seen_ok, param=owner)
 
     def _watch_grad(self, param: torch.Tensor) -> None:
         ref = self._grad_watched.get(id(param))
@@ -378,7 +425,7 @@ class Tracer:
         self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        self._note(param.grad, "gradient")
+        self._note(param.grad, "gradient", param=param)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._note(tensor, "saved")
@@ -388,13 +435,24 @@ class Tracer:
 
     # ------------------------------------------------------------------ modules and optimizers
 
+    def _module_ref(self, module: torch.nn.Module) -> weakref.ref[Any]:
+        ref = self._module_refs.get(module)
+        if ref is None:
+            ref = self._module_refs[module] = weakref.ref(module)
+        return ref
+
+    def _set_path(self, module: torch.nn.Module, path: str) -> None:
+        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
+        if self._paths.setdefault(module, path) == path:
+            self._ref_paths.setdefault(self._module_ref(module), path)
+
     def _name_root(self, module: torch.nn.Module) -> str:
         path = self._paths.get(module)
         if path is None:
             path = "" if self._roots == 0 else type(module).__name__
             self._roots += 1
             for name, sub in module.named_modules(prefix=path):
-                self._paths.setdefault(sub, name)
+                self._set_path(sub, name)
         return path
 
     def _path_of(self, module: torch.nn.Module) -> str:
@@ -413,7 +471,7 @@ class Tracer:
                 f"{parent.path}.{type(module).__name__}" if parent.path else type(module).__name__
             )
         for name, sub in module.named_modules(prefix=path):
-            self._paths.setdefault(sub, name)
+            self._set_path(sub, name)
         return path
 
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -444,8 +502,9 @@ class Tracer:
 
     def _on_param_registered(self, module: Any, name: str, param: Any) -> None:
         if param is not None:
+            self._own(module, param)
             self._watch_grad(param)
-            self._note(param, "parameter", first_seen_ok=True)
+            self._note(param, "parameter", first_seen_ok=True, param=param)
 
     def _on_buffer_registered(self, module: Any, name: str, buffer: Any) -> None:
         self._note(buffer, "buffer", first_seen_ok=True)
@@ -456,9 +515,7 @@ class Tracer:
 
     def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
-        for state in optimizer.state.values():
-            for value in tree_leaves(state):
-                self._note(value, "optimizer_state")
+        self._note_optimizer_state(optimizer)
 
     def _final_scan(self) -> None:
         for ref in self._tracked:
@@ -470,7 +527,7 @@ class Tracer:
         for ref in list(self._grad_watched.values()):
             param = ref()
             if param is not None:
-                self._note(param.grad, "gradient")
+                self._note(param.grad, "gradient", param=param)
 
     def _remove_handles(self) -> None:
         for handle in self._handles:
@@ -496,8 +553,9 @@ class Tracer:
             if kind == "alloc":
                 totals[category] = totals.get(category, 0) + alloc.size_bytes
                 tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
-                if alloc.module is not None:
-                    tags.append(("module", alloc.module))
+                module = self._module_tag(alloc, category)
+                if module is not None:
+                    tags.append(("module", module))
                 if alloc.op is not None:
                     tags.append(("op", alloc.op))
                 if "saved" in alloc.roles:
@@ -532,12 +590,32 @@ class Tracer:
             bytes_by_category=totals,
         )
 
+    def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
+        # A parameter, its gradient and its optimizer state belong to the module owning the
+        # parameter (known once the module has a path: tracked, or called in forward).
+        if alloc.owner is not None and category in _OWNED_CATEGORIES:
+            path = self._ref_paths.get(alloc.owner)
+            if path is not None:
+                return path
+        return alloc.module
+
     def _warnings(self) -> Iterable[str]:
         for name, count in sorted(self._divergent_calls.items()):
             reason = CUDA_DIVERGENT_OPS[name]
             yield (
                 f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
                 f"({reason}) is not emulated yet"
+            )
+        for (name, what), count in sorted(self._partial_calls.items()):
+            yield (
+                f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
+                "is not included"
+            )
+        for name, count in sorted(self._grad_scaler_steps.items()):
+            yield (
+                f"{name} ran {count} time(s); GradScaler is not modelled: its scale and found_inf "
+                "tensors, unscale_'s temporaries and the optimizer steps it skips when gradients "
+                "overflow (state is then created a step later) are not included"
             )
         if self._late_first_seen:
             yield (

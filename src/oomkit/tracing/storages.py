@@ -37,6 +37,8 @@ class Allocation:
     roles: set[Role] = field(default_factory=set)
     explicit: Category | None = None
     live: bool = True
+    # The module owning the parameter this storage serves (parameter, its grad, its state).
+    owner: weakref.ref[torch.nn.Module] | None = None
 
     @property
     def category(self) -> Category:

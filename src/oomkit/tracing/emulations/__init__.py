@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from oomkit.tracing.emulations.batch_norm import register_batch_norm, uses_cudnn
 from oomkit.tracing.emulations.cublas import (
     CUBLAS_OPS,
     cublas_workspace_bytes,
@@ -21,6 +22,7 @@ from oomkit.tracing.emulations.cublas import (
     cublaslt_workspace_bytes,
     register_cublas,
 )
+from oomkit.tracing.emulations.dropout import register_dropout
 from oomkit.tracing.emulations.embedding import register_embedding
 from oomkit.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.tracing.emulations.sdpa_backend import (
@@ -41,12 +43,15 @@ __all__ = [
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
+    "register_batch_norm",
     "register_cublas",
     "register_defaults",
+    "register_dropout",
     "register_embedding",
     "register_sdpa",
     "sdpa_backend_for",
     "select_sdp_backend",
+    "uses_cudnn",
 ]
 
 
@@ -66,3 +71,5 @@ def register_defaults(
     register_sdpa(registry, sdpa)
     register_cublas(registry, environ)
     register_embedding(registry)
+    register_batch_norm(registry)
+    register_dropout(registry)

@@ -9,10 +9,19 @@ composite does, calling the same aten op, whose meta kernel allocates exactly th
 outputs (output, fp32 logsumexp, philox seed/offset or rng_state). Autograd saves those outputs
 and backward calls the matching ``*_backward`` op, as on CUDA.
 
-The flash backward's own temporaries are added by a dispatch-level hook (flash_api.cpp
-``mha_bwd``). Limitation: a call made from inside another torch function (``nn.MultiheadAttention``
-calls it from ``F.multi_head_attention_forward``) runs with the mode popped, so it is recorded
-as the math path.
+Backward temporaries are added by dispatch-level hooks: the flash backward's (flash_api.cpp
+``mha_bwd``) and the memory-efficient backward's (attention_backward.cu
+``_efficient_attention_backward``: the ``grad_out`` copy and the fp32 ``delta``; its kernel
+workspace is a warning). cuDNN attention's forward and backward outputs (output, fp32 softmax
+stats ``[B, H, L, 1]``; dq, dk, dv) are what meta records; the cuDNN graph workspace
+(``mha_graph->get_workspace_size()`` in cudnn/MHA.cpp, chosen by cuDNN) is a warning.
+
+A call made from inside another torch function (``nn.MultiheadAttention`` calls it from
+``F.multi_head_attention_forward``) runs with the mode popped; it is still seen because the
+recorder swaps ``torch.nn.functional.scaled_dot_product_attention`` for a wrapper that re-enters
+the mode (``_modes.DivergenceFunctionMode.reach_backward``). A caller holding its own reference
+to the original function (``from torch.nn.functional import scaled_dot_product_attention`` at
+import time) and calling it from inside another torch function is not seen.
 """
 
 from __future__ import annotations
@@ -34,10 +43,26 @@ from oomkit.tracing.emulations.sdpa_backend import (
 if TYPE_CHECKING:
     from oomkit.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["SDPA_FUNCTION", "FLASH_BACKWARD_OP", "register_sdpa", "sdpa_backend_for"]
+__all__ = [
+    "CUDNN_BACKWARD_OP",
+    "CUDNN_FORWARD_OP",
+    "EFFICIENT_BACKWARD_OP",
+    "FLASH_BACKWARD_OP",
+    "SDPA_FUNCTION",
+    "register_sdpa",
+    "sdpa_backend_for",
+]
 
 SDPA_FUNCTION = "torch.nn.functional.scaled_dot_product_attention"
 FLASH_BACKWARD_OP = "aten._scaled_dot_product_flash_attention_backward.default"
+EFFICIENT_BACKWARD_OP = "aten._scaled_dot_product_efficient_attention_backward.default"
+CUDNN_FORWARD_OP = "aten._scaled_dot_product_cudnn_attention.default"
+CUDNN_BACKWARD_OP = "aten._scaled_dot_product_cudnn_attention_backward.default"
+_EFFICIENT_WORKSPACE_WHAT = (
+    "the mem-efficient backward kernel's workspace (fp32 gradient accumulators sized by the "
+    "cutlass kernel chosen, kernel_backward.h workspace_size)"
+)
+_CUDNN_WORKSPACE_WHAT = "the cuDNN attention graph workspace (sized by cuDNN at run time)"
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {
     "attn_mask": None,
@@ -63,6 +88,9 @@ def register_sdpa(registry: EmulationRegistry, settings: SdpaSettings | None = N
 
     registry.register(SDPA_FUNCTION)(sdpa)
     registry.register(FLASH_BACKWARD_OP)(_flash_backward)
+    registry.register(EFFICIENT_BACKWARD_OP)(_efficient_backward)
+    registry.register(CUDNN_FORWARD_OP)(_cudnn_attention)
+    registry.register(CUDNN_BACKWARD_OP)(_cudnn_attention)
 
 
 def sdpa_backend_for(
@@ -242,4 +270,61 @@ def _flash_backward(ctx: EmulationContext) -> Any:
     # Locals die in reverse order when mha_bwd returns.
     for alloc_id in reversed(ids):
         ctx.free(alloc_id)
+    return out
+
+
+def _efficient_backward(ctx: EmulationContext) -> Any:
+    """attention_backward.cu ``_scaled_dot_product_efficient_attention_backward_cuda`` then
+    ``_efficient_attention_backward`` (dense, batch <= 65535, ``shared_storage_dqdkdv`` false)."""
+    # Schema: (grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
+    #          philox_offset, dropout_p, grad_input_mask, is_causal, scale); (B, H, M, K) views.
+    grad_out, query, value = ctx.args[0], ctx.args[1], ctx.args[3]
+    if query.device.type != "meta" or not isinstance(grad_out, torch.Tensor):
+        return ctx.run()
+    batch, heads, seq_q, _ = query.shape
+    ids = []
+    # The kernel works on (B, M, H, K) = grad_out.transpose(1, 2); "handle potentially
+    # non-contiguous grad_out through a copy": grad_out.contiguous() before grad_q/k/v exist.
+    if not grad_out.transpose(1, 2).is_contiguous():
+        ids.append(
+            ctx.allocate(
+                grad_out.numel() * grad_out.element_size(), "temporary", "efficient_grad_out"
+            )
+        )
+    # grad_q, grad_k, grad_v = at::empty(q/k/v sizes) (the op's outputs; shared_storage_dqdkdv
+    # is false on this path, so no packed [B, M, 3, H, K] chunk), grad_bias when requested.
+    out = ctx.run()
+    ctx.record_outputs(out)
+    fp32 = 4
+    delta_bytes = batch * heads * seq_q * fp32
+    if query.dtype in (torch.float16, torch.bfloat16):
+        # kernel_backward.h kKernelComputesDelta (half types): delta = at::empty({B, nH, M},
+        # kFloat), filled by the kernel.
+        ids.append(ctx.allocate(delta_bytes, "workspace", "efficient_delta"))
+    else:
+        # Otherwise delta = (grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1)
+        # .contiguous(): the product [B, M, H, Kv] and the sum [B, M, H] are temporaries of
+        # the expression, freed (in reverse) once delta [B, nH, M] exists.
+        product = ctx.allocate(
+            batch * seq_q * heads * value.shape[-1] * fp32, "temporary", "efficient_delta_product"
+        )
+        summed = ctx.allocate(delta_bytes, "temporary", "efficient_delta_sum")
+        ids.append(ctx.allocate(delta_bytes, "workspace", "efficient_delta"))
+        ctx.free(summed)
+        ctx.free(product)
+    ctx.not_emulated(_EFFICIENT_WORKSPACE_WHAT)
+    # delta dies with the kernel-launch lambda, the grad_out copy when the function returns.
+    for alloc_id in reversed(ids):
+        ctx.free(alloc_id)
+    return out
+
+
+def _cudnn_attention(ctx: EmulationContext) -> Any:
+    """cudnn/MHA.cpp run_cudnn_SDP_fprop / bprop: outputs as meta records them (forward: output
+    and fp32 softmax stats [B, H, L, 1]; backward: dq, dk, dv = empty_like(q, k, v)); the cuDNN
+    graph workspace is left out and warned about."""
+    out = ctx.run()
+    query = ctx.args[0] if ctx.op_name == CUDNN_FORWARD_OP else ctx.args[1]
+    if isinstance(query, torch.Tensor) and query.device.type == "meta":
+        ctx.not_emulated(_CUDNN_WORKSPACE_WHAT)
     return out
