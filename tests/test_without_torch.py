@@ -30,3 +30,37 @@ def test_demo_runs_without_torch():
     proc = _run("from oomkit.cli import main; sys.exit(main(['demo', '--steps', '2', '--json']))")
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout)["results"]) == {"default", "expandable_segments:True"}
+
+
+def test_explain_snapshot_runs_without_torch(tmp_path):
+    """`oomkit explain SNAPSHOT --json` (diagnosis, attribution, replay-priced remedies) needs no torch."""
+    from oomkit.snapshot import write_snapshot
+    from oomkit.trace import Frame, TraceEvent
+
+    mib = 2**20
+    frames = (Frame("/home/user/train.py", 7, "step"),)
+    events = [
+        TraceEvent("segment_alloc", 0, 20 * mib),
+        TraceEvent("alloc", 0, 12 * mib, frames=frames),
+        TraceEvent("oom", 4 * mib, 40 * mib, frames=frames),
+    ]
+    segments = [
+        {
+            "address": 0,
+            "total_size": 20 * mib,
+            "blocks": [
+                {"address": 0, "size": 12 * mib, "state": "active_allocated"},
+                {"address": 12 * mib, "size": 8 * mib, "state": "inactive"},
+            ],
+        }
+    ]
+    path = write_snapshot(tmp_path / "oom.pickle", segments, {0: events})
+    proc = _run(
+        f"from oomkit.cli import main; sys.exit(main(['explain', {str(path)!r}, '--json']))"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["source"] == "snapshot"
+    assert out["figures"]["requested_bytes"] == 40 * mib
+    assert out["figures"]["largest_free_block_bytes"] == 8 * mib
+    assert out["attribution"]["top_sites"][0]["label"] == "/home/user/train.py:7 in step"

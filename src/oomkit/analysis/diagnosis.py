@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from oomkit.analysis.attribution import Attribution
 from oomkit.analysis.oom_text import OomText
 from oomkit.gpus import CATALOG, DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
 from oomkit.units import format_bytes
@@ -88,7 +89,22 @@ class Remedy:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The answer for one OOM: the main cause, every cause that applies, and ranked remedies."""
+    """The answer for one OOM: the main cause, every cause that applies, and ranked remedies.
+
+    Attributes:
+        cause: the strongest finding's cause.
+        causes: every cause that applies, strongest first.
+        remedies: what to change, by ``saving_bytes`` (largest first).
+        memory_explained: allocated vs reserved vs nvidia-smi, with the user's numbers.
+        deficit_bytes: what the device lacked when the request came; None where unknown.
+        warnings: what the diagnosis assumed or could not see.
+        source: what was diagnosed: ``"text"`` (an OOM message), ``"snapshot"`` or
+            ``"prediction"``.
+        attribution: what was live at the OOM (or the peak), for snapshots; None otherwise.
+        figures_bytes: the figures at the moment diagnosed (``requested_bytes``,
+            ``allocated_bytes``, ``reserved_bytes``, ``free_bytes``, ``total_bytes``,
+            ``largest_free_block_bytes``...), where known.
+    """
 
     cause: Cause
     causes: tuple[Finding, ...]
@@ -96,6 +112,9 @@ class Diagnosis:
     memory_explained: str
     deficit_bytes: int | None
     warnings: tuple[str, ...] = ()
+    source: Literal["text", "snapshot", "prediction"] = "text"
+    attribution: Attribution | None = None
+    figures_bytes: Mapping[str, int | None] = field(default_factory=dict)
 
 
 _DECISIVE = 2**62  # ranks a finding above any byte count

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
+from oomkit.analysis.attribution import Attribution
 from oomkit.analysis.diagnosis import Diagnosis
 from oomkit.analysis.oom_text import OomText
 from oomkit.units import format_bytes
@@ -41,6 +42,9 @@ def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> di
         "deficit_bytes": diagnosis.deficit_bytes,
         "memory_explained": diagnosis.memory_explained,
         "warnings": list(diagnosis.warnings),
+        "source": diagnosis.source,
+        "figures": dict(diagnosis.figures_bytes),
+        "attribution": _attribution_json(diagnosis.attribution),
     }
     if parsed is not None:
         out["message"] = {
@@ -56,6 +60,16 @@ def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> di
             "allowed_bytes": parsed.allowed_bytes,
             "processes": [asdict(p) for p in parsed.processes],
         }
+    return out
+
+
+def _attribution_json(attribution: Attribution | None) -> dict | None:
+    if attribution is None:
+        return None
+    out = asdict(attribution)
+    out["by_category_bytes"] = dict(attribution.by_category_bytes)
+    for site, data in zip(attribution.top_sites, out["top_sites"], strict=True):
+        data["label"] = site.label
     return out
 
 
@@ -87,7 +101,39 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
             console.print(f"   [dim]{remedy.why}[/dim]")
             for line in remedy.code.splitlines():
                 console.print(f"     {line}", markup=False, highlight=False, soft_wrap=True)
+    if diagnosis.attribution is not None:
+        _render_attribution(diagnosis.attribution, console)
     if diagnosis.memory_explained:
         console.print(diagnosis.memory_explained)
     for warning in diagnosis.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+_MOMENT_WORDS = {"oom": "at the OOM", "peak": "at the peak", "final": "at the end"}
+
+
+def _render_attribution(attribution: Attribution, console: Console) -> None:
+    """Tables of what was live: by category, by allocation site, the largest tensors."""
+    when = _MOMENT_WORDS.get(attribution.moment, attribution.moment)
+    if attribution.by_category_bytes:
+        table = Table(title=f"Memory {when} by category", title_justify="left")
+        table.add_column("category")
+        table.add_column("bytes", justify="right")
+        for category, nbytes in attribution.by_category_bytes.items():
+            table.add_row(category, format_bytes(nbytes))
+        console.print(table)
+    if attribution.top_sites:
+        table = Table(title=f"Top allocation sites {when}", title_justify="left")
+        table.add_column("site")
+        table.add_column("live", justify="right")
+        table.add_column("tensors", justify="right")
+        for site in attribution.top_sites:
+            table.add_row(site.label, format_bytes(site.live_bytes), str(site.count))
+        console.print(table)
+    if attribution.largest_tensors:
+        table = Table(title=f"Largest live tensors {when}", title_justify="left")
+        table.add_column("size", justify="right")
+        table.add_column("allocated at")
+        for tensor in attribution.largest_tensors:
+            table.add_row(format_bytes(tensor.size_bytes), tensor.site)
+        console.print(table)
