@@ -27,6 +27,7 @@ LAYER = {
     "runtime": 3,
     "cli": 4,
     "reports": 4,
+    "integrations": 4,
     "__init__": 4,
     "__main__": 4,
 }
