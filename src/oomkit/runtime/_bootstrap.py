@@ -1,0 +1,175 @@
+"""What ``oomkit run`` launches: the user's script or module under ``oomkit.watch()``.
+
+Run as a file, not with ``-m``, so that it works with an interpreter where oomkit is not
+installed (the parent passes its own package root)::
+
+    python [interpreter options] .../oomkit/runtime/_bootstrap.py CONFIG.json script.py ARGS...
+    python [interpreter options] .../oomkit/runtime/_bootstrap.py CONFIG.json -m module ARGS...
+
+The script runs as ``python script.py ARGS`` would run it: ``sys.argv`` is ``[script, *ARGS]``,
+``sys.path[0]`` is the script's directory, its module is ``__main__``; an uncaught exception
+prints its traceback (without this file's frames) through ``sys.excepthook`` and exits 1, and
+``sys.exit`` codes pass through. The outcome goes to ``CONFIG["result_path"]`` as JSON for the
+parent, which diagnoses the snapshot and prints the report.
+
+Testing only: with ``OOMKIT_RUN_SIMULATED_GPU=<gpu>`` (e.g. ``1GiB``) in the environment the
+script runs inside ``SimulatedCudaDevice(gpu, context_overhead_bytes=0)`` so that CPU tensors
+are accounted as CUDA memory and ``torch.OutOfMemoryError`` is raised as on that GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["RESULT_FORMAT_VERSION", "SIMULATED_GPU_ENV", "main"]
+
+RESULT_FORMAT_VERSION = 1
+SIMULATED_GPU_ENV = "OOMKIT_RUN_SIMULATED_GPU"
+
+
+def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the first frame that is neither this file's nor runpy's."""
+    # runpy is frozen in 3.11+ (co_filename "<frozen runpy>"): tell frames by their module.
+    while tb is not None and (
+        tb.tb_frame.f_globals is globals() or tb.tb_frame.f_globals.get("__name__") == "runpy"
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _write_result(path: str, result: dict[str, Any]) -> None:
+    partial = path + ".partial"
+    with open(partial, "w") as out:
+        json.dump(result, out)
+    os.replace(partial, path)
+
+
+def _gpu_json(recorder: Any, device: int) -> dict[str, Any] | None:
+    try:
+        spec = recorder.gpu_spec(device)
+    except Exception:  # noqa: BLE001 - the diagnosis works without it
+        return None
+    if spec is None:
+        return None
+    return {
+        "name": spec.name,
+        "total_memory_bytes": spec.total_memory_bytes,
+        "context_overhead_bytes": spec.context_overhead_bytes,
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Run the target named by ``argv`` (``[CONFIG, script, *args]`` or ``[CONFIG, -m, mod, ...]``).
+
+    Returns:
+        The exit code: 0, the script's ``sys.exit`` code, or 1 after an uncaught exception.
+    """
+    config = json.loads(Path(argv[0]).read_text())
+    if config.get("oomkit_root") and config["oomkit_root"] not in sys.path:
+        # Last, so that the user's own packages win; only needed where oomkit is not installed.
+        sys.path.append(config["oomkit_root"])
+    module = argv[2] if argv[1] == "-m" else None
+    user_args = argv[3:] if module is not None else argv[2:]
+    if module is None:
+        script = argv[1]
+        sys.argv = [script, *user_args]
+        # `python script.py` puts the script's directory first on sys.path.
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+    else:
+        sys.argv = [module, *user_args]  # run_module(alter_sys=True) sets argv[0] to its file
+        sys.path[0] = os.getcwd()
+
+    from oomkit.runtime.device import is_out_of_memory
+    from oomkit.runtime.watch import Watch, default_recorder
+
+    result: dict[str, Any] = {
+        "format_version": RESULT_FORMAT_VERSION,
+        "outcome": "ok",
+        "exit_code": 0,
+        "recording": False,
+        "oom": False,
+        "message": None,
+        "exception_type": None,
+        "snapshot_path": None,
+        "observed_ooms": [],
+        "error": None,
+        "gpu": None,
+    }
+    watcher: Watch | None = None
+    recorder = None
+    try:
+        with contextlib.ExitStack() as stack:
+            simulated = os.environ.get(SIMULATED_GPU_ENV)
+            if simulated:
+                from oomkit.runtime.simulated import SimulatedCudaDevice
+
+                stack.enter_context(
+                    SimulatedCudaDevice(
+                        simulated,
+                        context_overhead_bytes=0,
+                        record_history=True,
+                        max_entries=config["max_entries"],
+                    )
+                )
+            recorder = default_recorder()
+            if recorder is not None:  # without a GPU the script just runs; the parent says so
+                watcher = Watch(
+                    config["snapshot_dir"], config["max_entries"], diagnose=False, recorder=recorder
+                )
+                stack.enter_context(watcher)
+                result["recording"] = True
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        result["outcome"] = "exit"
+        result["exit_code"] = code if isinstance(code, int) else (0 if code is None else 1)
+        raise
+    except KeyboardInterrupt:
+        result["outcome"] = "interrupted"
+        result["exit_code"] = 130
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported as Python would, then exit 1
+        result["outcome"] = "exception"
+        result["exit_code"] = 1
+        result["exception_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        result["oom"] = is_out_of_memory(exc)
+        result["message"] = str(exc.args[0]) if exc.args else str(exc)
+        # The default hook prints exc.__traceback__ whatever tb it is given: trim that.
+        exc.__traceback__ = _user_traceback(exc.__traceback__)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        return 1
+    finally:
+        if watcher is not None:
+            result["snapshot_path"] = (
+                None if watcher.snapshot_path is None else str(watcher.snapshot_path)
+            )
+            result["error"] = watcher.error
+            result["observed_ooms"] = [
+                {
+                    "device": o.device,
+                    "requested_bytes": o.requested_bytes,
+                    "device_limit_bytes": o.device_limit_bytes,
+                    "device_free_bytes": o.device_free_bytes,
+                }
+                for o in watcher.ooms
+            ]
+            if watcher.ooms and recorder is not None:
+                result["gpu"] = _gpu_json(recorder, watcher.ooms[-1].device)
+        _write_result(config["result_path"], result)
+    return 0
+
+
+if __name__ == "__main__":
+    # sys.path[0] is this file's directory until main() replaces it; nothing from oomkit is
+    # imported before that.
+    sys.exit(main(sys.argv[1:]))
