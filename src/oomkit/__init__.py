@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from oomkit.analysis.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
 from oomkit.analysis.prediction import Prediction, predict, predict_recording
 from oomkit.errors import (
     AllocatorUsageError,
@@ -17,6 +18,9 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
+from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
+from oomkit.runtime.resilient import resilient
+from oomkit.runtime.watch import watch
 from oomkit.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -24,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "AllocatorUsageError",
+    "BatchSearchResult",
+    "BatchSizeResult",
     "ConfigError",
     "NoFeasibleBatchSizeError",
     "OomkitError",
@@ -32,8 +38,13 @@ __all__ = [
     "TorchRequiredError",
     "TraceFormatError",
     "UnsupportedOpError",
+    "find_batch_size",
     "format_bytes",
+    "max_batch_size",
     "parse_bytes",
     "predict",
     "predict_recording",
+    "resilient",
+    "smallest_gpu",
+    "watch",
 ]

@@ -20,6 +20,10 @@ __all__ = [
     "OomTextError",
     "UnknownPresetError",
     "UserCodeError",
+    "PredictionFormatError",
+    "BatchSplitError",
+    "OomRecoveryError",
+    "SimulatedDeviceError",
 ]
 
 
@@ -73,3 +77,19 @@ class UnknownPresetError(OomkitError, ValueError):
 
 class UserCodeError(OomkitError, ValueError):
     """The user's ``file.py:function`` could not be loaded, called, or traced."""
+
+
+class PredictionFormatError(OomkitError, ValueError):
+    """A saved prediction (``oomkit predict --json``) that cannot be explained."""
+
+
+class BatchSplitError(OomkitError, ValueError):
+    """A batch that OOM recovery cannot split into micro-batches (no tensor, or unequal first dims)."""
+
+
+class OomRecoveryError(OomkitError, RuntimeError):
+    """OOM recovery gave up on this rank because another rank could not recover."""
+
+
+class SimulatedDeviceError(OomkitError, ValueError):
+    """A ``SimulatedCudaDevice`` used in a way it cannot serve (entered twice, unknown device type)."""

@@ -145,3 +145,13 @@ def test_levels_equal_the_live_records(ops):
         assert h.allocated_bytes[i] - h.start_allocated_bytes == sum(
             r.size_bytes for r in h.records if r.live_at(i) and r.alloc_index >= 0
         )
+
+
+def test_terminal_site_labels_keep_file_and_line():
+    """A long path is shortened from the left, so the line number survives a narrow terminal."""
+    from oomkit.reports.diagnosis import _short_site
+
+    label = "/gris/gris-f/home/user/NCA/src/models/Model_BasicNCA3D.py:60 in update"
+    assert _short_site(label) == "…/models/Model_BasicNCA3D.py:60 in update"
+    assert _short_site("train.py:12 in step") == "train.py:12 in step"
+    assert _short_site("(no user frame recorded)") == "(no user frame recorded)"

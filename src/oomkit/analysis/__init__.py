@@ -2,11 +2,22 @@
 
 ``tune`` sweeps ``PYTORCH_CUDA_ALLOC_CONF`` settings over a workload and ranks them.
 ``predict`` / ``predict_recording`` predict a recorded step's peak memory on a named GPU.
-``parse_oom_text`` reads an OOM message's figures; ``diagnose_oom_text`` names its causes.
+``parse_oom_text`` reads an OOM message's figures; ``diagnose_oom_text`` names its causes;
+``diagnose_snapshot`` and ``diagnose_prediction`` do the same from a snapshot or a saved prediction.
 """
 
 from __future__ import annotations
 
+from oomkit.analysis.attribution import AllocationSite, Attribution, LiveTensor
+from oomkit.analysis.batch_search import (
+    BatchProbe,
+    BatchSearchResult,
+    GpuFit,
+    SmallestGpuResult,
+    default_margin_bytes,
+    max_batch_size,
+    smallest_gpu,
+)
 from oomkit.analysis.diagnosis import CAUSES, Cause, Diagnosis, Finding, Remedy, diagnose_oom_text
 from oomkit.analysis.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
 from oomkit.analysis.prediction import (
@@ -18,6 +29,8 @@ from oomkit.analysis.prediction import (
     predict,
     predict_recording,
 )
+from oomkit.analysis.prediction_diagnosis import diagnose_prediction
+from oomkit.analysis.snapshot_diagnosis import diagnose_snapshot
 from oomkit.analysis.tuning import (
     DEFAULT_GRID,
     FLAG_REASONS,
@@ -29,6 +42,13 @@ from oomkit.analysis.tuning import (
 )
 
 __all__ = [
+    "BatchProbe",
+    "BatchSearchResult",
+    "GpuFit",
+    "SmallestGpuResult",
+    "default_margin_bytes",
+    "max_batch_size",
+    "smallest_gpu",
     "CAUSES",
     "Cause",
     "DEFAULT_GRID",
@@ -38,6 +58,11 @@ __all__ = [
     "ProcessMemory",
     "Remedy",
     "diagnose_oom_text",
+    "diagnose_prediction",
+    "diagnose_snapshot",
+    "AllocationSite",
+    "Attribution",
+    "LiveTensor",
     "find_oom_texts",
     "parse_oom_text",
     "FLAG_REASONS",

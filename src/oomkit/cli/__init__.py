@@ -25,9 +25,9 @@ EXIT_MISSING_DEPENDENCY = 3
 
 def _subcommands() -> list:
     # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy.
-    from oomkit.cli import demo, explain, predict, replay, simulate, tune
+    from oomkit.cli import demo, explain, fit, predict, replay, run, simulate, tune
 
-    return [predict, explain, demo, replay, simulate, tune]
+    return [predict, explain, demo, replay, simulate, tune, run, fit]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from oomkit.reports.batch_search import (
+    batch_search_to_json,
+    batch_search_verdict,
+    render_batch_search,
+    render_smallest_gpu,
+    smallest_gpu_to_json,
+    smallest_gpu_verdict,
+)
 from oomkit.reports.diagnosis import diagnosis_to_json, render_diagnosis
+from oomkit.reports.diagnosis_html import diagnosis_html, write_diagnosis_html
+from oomkit.reports.html import HtmlPage, HtmlSection
 from oomkit.reports.prediction import prediction_to_json, render_prediction, verdict_line
 from oomkit.reports.replay import (
     comparison_table,
@@ -11,7 +21,16 @@ from oomkit.reports.replay import (
 )
 
 __all__ = [
+    "batch_search_to_json",
+    "batch_search_verdict",
+    "render_batch_search",
+    "render_smallest_gpu",
+    "smallest_gpu_to_json",
+    "smallest_gpu_verdict",
     "comparison_table",
+    "HtmlPage",
+    "HtmlSection",
+    "diagnosis_html",
     "diagnosis_to_json",
     "prediction_to_json",
     "render_diagnosis",
@@ -19,4 +38,5 @@ __all__ = [
     "render_replay",
     "replay_to_json",
     "verdict_line",
+    "write_diagnosis_html",
 ]

@@ -112,6 +112,19 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
 _MOMENT_WORDS = {"oom": "at the OOM", "peak": "at the peak", "final": "at the end"}
 
 
+def _short_site(label: str) -> str:
+    """``…/models/net.py:60 in update``: a narrow terminal keeps the file and line, not the root.
+
+    Right-side truncation would cut the line number, the part a user needs; JSON keeps the
+    full path.
+    """
+    path, sep, rest = label.partition(":")
+    parts = path.split("/")
+    if not sep or len(parts) <= 3:
+        return label
+    return "…/" + "/".join(parts[-2:]) + sep + rest
+
+
 def _render_attribution(attribution: Attribution, console: Console) -> None:
     """Tables of what was live: by category, by allocation site, the largest tensors."""
     when = _MOMENT_WORDS.get(attribution.moment, attribution.moment)
@@ -128,12 +141,12 @@ def _render_attribution(attribution: Attribution, console: Console) -> None:
         table.add_column("live", justify="right")
         table.add_column("tensors", justify="right")
         for site in attribution.top_sites:
-            table.add_row(site.label, format_bytes(site.live_bytes), str(site.count))
+            table.add_row(_short_site(site.label), format_bytes(site.live_bytes), str(site.count))
         console.print(table)
     if attribution.largest_tensors:
         table = Table(title=f"Largest live tensors {when}", title_justify="left")
         table.add_column("size", justify="right")
         table.add_column("allocated at")
         for tensor in attribution.largest_tensors:
-            table.add_row(format_bytes(tensor.size_bytes), tensor.site)
+            table.add_row(format_bytes(tensor.size_bytes), _short_site(tensor.site))
         console.print(table)

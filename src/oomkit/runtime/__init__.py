@@ -6,6 +6,7 @@ GPU with a simulated one.
 
 from __future__ import annotations
 
+from oomkit.runtime.batch_probe import BatchSizeResult, BatchTrial, find_batch_size
 from oomkit.runtime.device import (
     DeviceMemory,
     TorchCudaDevice,
@@ -14,12 +15,26 @@ from oomkit.runtime.device import (
     release_after_oom,
     use_device,
 )
+from oomkit.runtime.resilient import RecoveryEvent, Resilient, resilient
+from oomkit.runtime.simulated import SimulatedCudaDevice
+from oomkit.runtime.watch import MemoryRecorder, ObservedOom, Watch, watch
 
 __all__ = [
+    "BatchSizeResult",
+    "BatchTrial",
     "DeviceMemory",
+    "MemoryRecorder",
+    "ObservedOom",
+    "RecoveryEvent",
+    "Resilient",
+    "SimulatedCudaDevice",
     "TorchCudaDevice",
+    "Watch",
     "current_device",
+    "find_batch_size",
     "is_out_of_memory",
     "release_after_oom",
+    "resilient",
     "use_device",
+    "watch",
 ]
