@@ -113,6 +113,8 @@ def main(argv: list[str]) -> int:
                 stack.enter_context(
                     SimulatedCudaDevice(
                         simulated,
+                        # As the CUDA allocator, read the setting from the environment.
+                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
                         context_overhead_bytes=0,
                         record_history=True,
                         max_entries=config["max_entries"],

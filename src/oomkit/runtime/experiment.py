@@ -1,0 +1,566 @@
+"""Live experiments with allocator settings: run the user's script once per ``PYTORCH_CUDA_ALLOC_CONF``.
+
+``run_experiment`` launches the script (unmodified) in a child Python per setting through
+``_experiment_bootstrap.py``, which runs it under ``Monitor(auto_step=True)`` and stops it after
+``steps`` optimizer steps. Each trial's JSONL log gives its peak reserved memory, its
+fragmentation and its throughput; a trial that runs out of memory, crashes or hangs (killed with
+its process group after ``timeout_s``) is recorded as such and the experiment goes on. The
+baseline (the setting in the caller's environment, PyTorch's default when unset) runs first.
+``recommend`` picks the setting with the lowest peak reserved among the trials that completed
+without being more than ``max_slowdown`` slower than the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from oomkit.allocator import AllocatorConfig
+from oomkit.errors import ConfigError, MonitorLogError, OomkitError
+from oomkit.runtime.monitor import StepRecord, read_monitor_log, summarize
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "DEFAULT_MAX_SLOWDOWN",
+    "ExperimentResult",
+    "Trial",
+    "TrialStatus",
+    "parse_configs",
+    "recommend",
+    "run_experiment",
+    "run_trial",
+    "summarize_log",
+]
+
+TrialStatus = Literal["completed", "finished", "oom", "crashed", "timeout", "invalid"]
+
+# What to try when the caller names no settings: the three knobs that change how the caching
+# allocator splits and caches blocks (c10/cuda/CUDAAllocatorConfig.h).
+DEFAULT_CONFIGS: tuple[str, ...] = (
+    "expandable_segments:True",
+    "max_split_size_mb:128",
+    "roundup_power2_divisions:4",
+)
+# A setting that saves memory is not recommended when it costs more than this share of steps/s.
+DEFAULT_MAX_SLOWDOWN = 0.05
+# Variables PyTorch reads the allocator setting from (newer releases read PYTORCH_ALLOC_CONF
+# first, c10/core/AllocatorConfig.cpp); a candidate trial sets the CUDA one and drops the other.
+_ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_KILL_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting's run of the script.
+
+    Attributes:
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` value; ``""`` is PyTorch's default.
+        baseline: this is the caller's own setting, the reference for the others.
+        status: ``completed`` (stopped after the requested steps), ``finished`` (the script
+            ended before them), ``oom``, ``crashed`` (another exception, an exit code or a
+            signal), ``timeout`` (killed), ``invalid`` (PyTorch would reject the setting; not
+            run).
+        steps: optimizer steps the monitor recorded.
+        peak_reserved_bytes: the highest reserved memory over the recorded steps.
+        peak_allocated_bytes: the highest allocated memory over the recorded steps.
+        max_inactive_split_bytes: the most memory held in free pieces of split blocks.
+        fragmentation: the largest share, over the steps, of reserved-but-unallocated memory
+            that sat in split blocks (``inactive_split / (reserved - allocated)``), 0..1.
+        steps_per_s: throughput over the steps after the first (None with fewer than 2).
+        alloc_retries: mallocs that freed the cache and retried (cumulative at the last step).
+        device_allocs: cudaMalloc calls (cumulative at the last step).
+        oom_step: the 0-based step that ran out of memory (status ``oom``).
+        exit_code: the child's exit code (negative: killed by that signal); None if not run.
+        error: why it did not complete: the last line the script wrote on stderr, the
+            setting's error, or the timeout.
+        duration_s: wall time of the child, seconds.
+    """
+
+    alloc_conf: str
+    baseline: bool
+    status: TrialStatus
+    steps: int = 0
+    peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    max_inactive_split_bytes: int | None = None
+    fragmentation: float | None = None
+    steps_per_s: float | None = None
+    alloc_retries: int | None = None
+    device_allocs: int | None = None
+    oom_step: int | None = None
+    exit_code: int | None = None
+    error: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """The script ran to the requested steps or to its end."""
+        return self.status in ("completed", "finished")
+
+    def to_json(self) -> dict[str, Any]:
+        """The trial as a JSON-ready dict (the ``--json`` trial object)."""
+        return {
+            "alloc_conf": self.alloc_conf,
+            "baseline": self.baseline,
+            "status": self.status,
+            "steps": self.steps,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "max_inactive_split_bytes": self.max_inactive_split_bytes,
+            "fragmentation": self.fragmentation,
+            "steps_per_s": self.steps_per_s,
+            "alloc_retries": self.alloc_retries,
+            "device_allocs": self.device_allocs,
+            "oom_step": self.oom_step,
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "duration_s": round(self.duration_s, 3),
+        }
+
+
+@dataclass(frozen=True)
+class ExperimentResult:
+    """Every trial (the baseline first) and the recommendation.
+
+    Attributes:
+        trials: one per setting, in the order run; settings PyTorch rejects are ``invalid``.
+        recommended: the trial to adopt, or None when no trial completed.
+        reason: why, in one sentence.
+        steps: the optimizer steps each trial was run for.
+        max_slowdown: the throughput loss (share of the baseline's steps/s) a recommendation
+            may cost.
+        warnings: what the numbers do not cover.
+    """
+
+    trials: tuple[Trial, ...]
+    recommended: Trial | None
+    reason: str
+    steps: int
+    max_slowdown: float = DEFAULT_MAX_SLOWDOWN
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def baseline(self) -> Trial:
+        """The caller's own setting."""
+        return self.trials[0]
+
+
+def parse_configs(text: str) -> list[str]:
+    """The settings in a configs file: one per line, ``#`` starts a comment, blank lines skipped.
+
+    ``default`` or ``""`` on a line stands for PyTorch's default (the empty setting).
+    """
+    configs: list[str] = []
+    for line in text.splitlines():
+        value = line.split("#", 1)[0].strip()
+        if not value:
+            continue
+        if value in ("default", '""', "''"):
+            value = ""
+        configs.append(value)
+    return configs
+
+
+def _last_line(path: Path) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _read_log(path: Path) -> list[StepRecord]:
+    """The step records of a trial's monitor log; none when the child died before writing one."""
+    try:
+        return read_monitor_log(path)[1]
+    except (OSError, MonitorLogError):
+        return []
+
+
+def summarize_log(records: Sequence[StepRecord]) -> dict[str, Any]:
+    """Peak reserved, fragmentation and throughput of a trial from its monitor records.
+
+    Args:
+        records: the trial's step records, in step order.
+
+    Returns:
+        The ``Trial`` fields ``steps``, ``peak_reserved_bytes``, ``peak_allocated_bytes``,
+        ``max_inactive_split_bytes``, ``fragmentation``, ``steps_per_s``, ``alloc_retries``
+        and ``device_allocs`` (only ``steps`` without records).
+    """
+    if not records:
+        return {"steps": 0}
+    summary = summarize({}, records)
+    fragmentation = 0.0
+    for r in records:
+        # Free memory the allocator cannot hand back because it sits inside split blocks.
+        unallocated = r.reserved_bytes - r.allocated_bytes
+        if unallocated > 0:
+            fragmentation = max(fragmentation, r.inactive_split_bytes / unallocated)
+    # records[0].step_time_s is None: the first step (warm-up: lazy init, cache growth) is left
+    # out of the throughput.
+    times = [r.step_time_s for r in records[1:] if r.step_time_s is not None]
+    total = sum(times)
+    return {
+        "steps": summary.steps,
+        "peak_reserved_bytes": summary.peak_reserved_bytes,
+        "peak_allocated_bytes": summary.peak_allocated_bytes,
+        "max_inactive_split_bytes": summary.max_inactive_split_bytes,
+        "fragmentation": min(fragmentation, 1.0),
+        "steps_per_s": len(times) / total if times and total > 0 else None,
+        "alloc_retries": summary.num_alloc_retries,
+        "device_allocs": records[-1].num_device_alloc,
+    }
+
+
+def _bootstrap_file() -> str:
+    from oomkit.runtime import _experiment_bootstrap
+
+    return os.path.abspath(_experiment_bootstrap.__file__)
+
+
+def _oomkit_root() -> str:
+    import oomkit
+
+    return str(Path(oomkit.__file__).resolve().parent.parent)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child and everything it started (its own session, see ``start_new_session``)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=_KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _trial_env(environ: Mapping[str, str], alloc_conf: str, baseline: bool) -> dict[str, str]:
+    env = dict(environ)
+    if not baseline:
+        for name in _ALLOC_CONF_ENVS:
+            env.pop(name, None)
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    return env
+
+
+def run_trial(
+    python: str,
+    target: Sequence[str],
+    alloc_conf: str,
+    *,
+    interpreter_options: Sequence[str] = (),
+    steps: int,
+    timeout_s: float,
+    baseline: bool = False,
+    environ: Mapping[str, str] | None = None,
+    workdir: str | Path | None = None,
+    get_time: Callable[[], float] = time.monotonic,
+) -> Trial:
+    """Run the script once with ``alloc_conf`` and measure it.
+
+    Args:
+        python: the interpreter to run.
+        target: ``[script, *args]`` or ``["-m", module, *args]``.
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` value to run with (for the baseline: its
+            label; the environment is passed unchanged).
+        steps: stop the script after this many optimizer steps.
+        timeout_s: kill the script (and its process group) after this many seconds.
+        interpreter_options: options for ``python`` before the script (``-X dev``).
+        baseline: run with ``environ`` as it is.
+        environ: the child's environment; None is this process's.
+        workdir: where the trial's files (log, result, output) go; None is a temporary folder.
+        get_time: clock for ``duration_s``.
+
+    Returns:
+        The trial; never raises for what the script does.
+
+    Raises:
+        OomkitError: the interpreter could not be started.
+    """
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="oomkit-experiment-") as tmp:
+            return run_trial(
+                python,
+                target,
+                alloc_conf,
+                interpreter_options=interpreter_options,
+                steps=steps,
+                timeout_s=timeout_s,
+                baseline=baseline,
+                environ=environ,
+                workdir=tmp,
+                get_time=get_time,
+            )
+    folder = Path(workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "config.json"
+    result_path = folder / "result.json"
+    log_path = folder / "monitor.jsonl"
+    stdout_path = folder / "stdout.txt"
+    stderr_path = folder / "stderr.txt"
+    config_path.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "log_path": str(log_path),
+                "result_path": str(result_path),
+                "oomkit_root": _oomkit_root(),
+            }
+        )
+    )
+    # Interpreter options stay before the bootstrap file; the target follows its config.
+    cmd = [python, *interpreter_options, _bootstrap_file(), str(config_path), *target]
+    env = _trial_env(os.environ if environ is None else environ, alloc_conf, baseline)
+    start = get_time()
+    timed_out = False
+    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a process group of its own, killed as one on timeout
+            )
+        except OSError as exc:
+            raise OomkitError(f"could not start `{python}`: {exc.strerror or exc}") from exc
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            returncode = proc.returncode
+        except BaseException:
+            _kill_group(proc)
+            raise
+    duration = get_time() - start
+    result: dict[str, Any] | None = None
+    if result_path.is_file():
+        result = json.loads(result_path.read_text())
+    measured = summarize_log(_read_log(log_path))
+    status: TrialStatus
+    error: str | None = None
+    oom_step: int | None = None
+    if timed_out:
+        status = "timeout"
+        error = f"no result after {timeout_s:g} s; the process group was killed"
+    elif result is not None and result["outcome"] in ("completed", "finished"):
+        status = result["outcome"]
+    elif result is not None and result["outcome"] == "oom":
+        status = "oom"
+        oom_step = result["steps"]
+        error = result["message"]
+    else:
+        status = "crashed"
+        error = _last_line(stderr_path) or (
+            f"killed by signal {-returncode}"
+            if returncode is not None and returncode < 0
+            else f"exit code {returncode}"
+        )
+    return Trial(
+        alloc_conf=alloc_conf,
+        baseline=baseline,
+        status=status,
+        oom_step=oom_step,
+        exit_code=returncode,
+        error=error,
+        duration_s=duration,
+        **measured,
+    )
+
+
+def recommend(
+    trials: Sequence[Trial], max_slowdown: float = DEFAULT_MAX_SLOWDOWN
+) -> tuple[Trial | None, str]:
+    """The setting to adopt: the lowest peak reserved that is not much slower than the baseline.
+
+    Args:
+        trials: the trials, the baseline first.
+        max_slowdown: the share of the baseline's steps/s a setting may lose (0.05 = 5%).
+
+    Returns:
+        ``(trial, reason)``; the trial is the baseline when nothing beats it, None when no trial
+        completed.
+    """
+    done = [t for t in trials if t.ok and t.peak_reserved_bytes is not None]
+    if not done:
+        return None, "no trial completed; see the errors above"
+    base = trials[0]
+    base_ok = base.ok and base.peak_reserved_bytes is not None
+    slower: list[Trial] = []
+    if base_ok and base.steps_per_s is not None:
+        floor = base.steps_per_s * (1.0 - max_slowdown)
+        eligible = []
+        for t in done:
+            if t.steps_per_s is not None and t.steps_per_s < floor:
+                slower.append(t)
+            else:
+                eligible.append(t)
+    else:
+        eligible = done
+    best = min(eligible, key=lambda t: t.peak_reserved_bytes or 0)  # ties: the earlier trial
+    label = _label(best)
+    if not base_ok:
+        return best, (
+            f"the baseline {_status_words(base)}; {label} completed {best.steps} steps with the "
+            "lowest peak reserved memory of the trials that did"
+        )
+    if best is base:
+        reason = f"keep {label}: no other setting reserved less at peak"
+        if slower:
+            reason += (
+                f" without being more than {max_slowdown:.0%} slower "
+                f"({', '.join(_label(t) for t in slower)} was slower)"
+            )
+        return best, reason
+    saved = (base.peak_reserved_bytes or 0) - (best.peak_reserved_bytes or 0)
+    share = saved / base.peak_reserved_bytes if base.peak_reserved_bytes else 0.0
+    from oomkit.units import format_bytes
+
+    reason = f"{label} reserves {format_bytes(saved)} ({share:.0%}) less at peak than the baseline"
+    if best.steps_per_s is not None and base.steps_per_s:
+        change = best.steps_per_s / base.steps_per_s - 1.0
+        reason += f" at {change:+.0%} steps/s (within the {max_slowdown:.0%} allowed)"
+    return best, reason
+
+
+def _label(trial: Trial) -> str:
+    if trial.alloc_conf == "":
+        return "PyTorch's default setting"
+    return f"PYTORCH_CUDA_ALLOC_CONF={trial.alloc_conf}"
+
+
+def _status_words(trial: Trial) -> str:
+    if trial.status == "oom":
+        return f"ran out of memory at step {trial.oom_step}"
+    if trial.status == "timeout":
+        return "timed out"
+    if trial.status == "invalid":
+        return "is not a valid setting"
+    return "crashed"
+
+
+def _baseline_conf(environ: Mapping[str, str]) -> str:
+    for name in _ALLOC_CONF_ENVS:
+        if name in environ:
+            return environ[name]
+    return ""
+
+
+def run_experiment(
+    python: str,
+    target: Sequence[str],
+    configs: Sequence[str],
+    *,
+    interpreter_options: Sequence[str] = (),
+    steps: int = 20,
+    timeout_s: float = 600.0,
+    environ: Mapping[str, str] | None = None,
+    torch_version: str | None = None,
+    max_slowdown: float = DEFAULT_MAX_SLOWDOWN,
+    progress: Callable[[int, int, str], None] | None = None,
+    log_dir: str | Path | None = None,
+) -> ExperimentResult:
+    """Run the script once with the caller's setting, then once per candidate setting.
+
+    Args:
+        python: the interpreter to run.
+        target: ``[script, *args]`` or ``["-m", module, *args]``.
+        configs: ``PYTORCH_CUDA_ALLOC_CONF`` candidates; each is checked with
+            ``AllocatorConfig.parse`` first and, when PyTorch would reject it, reported
+            ``invalid`` without being run. Repeats and the baseline's own setting are skipped.
+        interpreter_options: options for ``python`` before the script.
+        steps: optimizer steps per trial (at least 2 for a throughput).
+        timeout_s: seconds before a trial is killed.
+        environ: the environment the trials start from; None is this process's.
+        torch_version: the PyTorch release whose config parser checks the candidates; None =
+            newest.
+        max_slowdown: see :func:`recommend`.
+        progress: called as ``progress(index, total, alloc_conf)`` before each trial runs.
+        log_dir: keep each trial's files (monitor log, output) in ``log_dir/trial-N``; None
+            deletes them.
+
+    Returns:
+        The trials (the baseline first) and the recommendation.
+
+    Raises:
+        OomkitError: ``steps`` below 1, ``timeout_s`` not positive, or the interpreter could
+            not be started.
+    """
+    if steps < 1:
+        raise OomkitError(f"steps must be at least 1; got {steps}. Example: --steps 20")
+    if timeout_s <= 0:
+        raise OomkitError(f"the timeout must be positive; got {timeout_s}. Example: --timeout 600")
+    env = dict(os.environ if environ is None else environ)
+    base_conf = _baseline_conf(env)
+    planned: list[tuple[str, str | None]] = []  # (setting, why it is invalid)
+    seen = {base_conf}
+    for text in configs:
+        if text in seen:
+            continue
+        seen.add(text)
+        try:
+            AllocatorConfig.parse(text, torch_version)
+        except ConfigError as exc:
+            planned.append((text, str(exc)))
+        else:
+            planned.append((text, None))
+    total = 1 + sum(1 for _, invalid in planned if invalid is None)
+    warnings: list[str] = []
+    trials: list[Trial] = []
+    with tempfile.TemporaryDirectory(prefix="oomkit-experiment-") as tmp:
+        root = Path(log_dir) if log_dir is not None else Path(tmp)
+        index = 0
+        for text, invalid in [(base_conf, None), *planned]:
+            if invalid is not None:
+                trials.append(
+                    Trial(alloc_conf=text, baseline=False, status="invalid", error=invalid)
+                )
+                continue
+            if progress is not None:
+                progress(index, total, text)
+            trials.append(
+                run_trial(
+                    python,
+                    target,
+                    text,
+                    interpreter_options=interpreter_options,
+                    steps=steps,
+                    timeout_s=timeout_s,
+                    baseline=index == 0,
+                    environ=env,
+                    workdir=root / f"trial-{index}",
+                )
+            )
+            index += 1
+    if steps < 2:
+        warnings.append("with 1 step per trial there is no throughput; use --steps 10 or more")
+    if all(t.steps == 0 for t in trials if t.status != "invalid"):
+        warnings.append(
+            "no trial recorded an optimizer step: the monitor counts torch.optim optimizer "
+            "steps; a script without one cannot be measured"
+        )
+    recommended, reason = recommend(trials, max_slowdown)
+    return ExperimentResult(
+        trials=tuple(trials),
+        recommended=recommended,
+        reason=reason,
+        steps=steps,
+        max_slowdown=max_slowdown,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,362 @@
+"""Tests for oomkit.runtime.experiment: trials of a script per allocator setting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.runtime.experiment import (
+    Trial,
+    parse_configs,
+    recommend,
+    run_experiment,
+    run_trial,
+    summarize_log,
+)
+from oomkit.runtime.monitor import StepRecord
+
+MiB = 2**20
+
+# Each step frees a buffer 2 MiB smaller than the next one needs: under the default setting
+# every request gets a new segment (20, 22, ... 30 MiB, plus the 2 MiB small-pool segment of the
+# parameter: 152 MiB reserved after 6 steps); expandable_segments:True grows one segment instead.
+FRAGMENTING = """
+import time
+import torch
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+for i in range(100):
+    x = torch.empty((20 + 2 * i) * 2**20, dtype=torch.uint8)
+    del x
+    p.grad = torch.ones(256)
+    time.sleep(0.03)
+    opt.step()
+"""
+DEFAULT_PEAK_RESERVED = 159383552  # 152 MiB: the simulator's reserved_bytes.all.peak
+EXPANDABLE_PEAK_RESERVED = 44040192  # 42 MiB
+
+# 1 MiB per step until step 3 asks for 2 GiB of a 1 GiB device.
+OOM_AT_STEP_3 = """
+import torch
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+for i in range(10):
+    x = torch.empty(2**31 if i == 3 else 2**20, dtype=torch.uint8)
+    p.grad = torch.ones(256)
+    opt.step()
+"""
+
+CRASH_AT_STEP_2 = """
+import torch
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+for i in range(10):
+    if i == 2:
+        raise ValueError("boom at step 2")
+    p.grad = torch.ones(256)
+    opt.step()
+"""
+
+ENDS_AFTER_3_STEPS = """
+import torch
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+for i in range(3):
+    p.grad = torch.ones(256)
+    opt.step()
+"""
+
+# One step, then a child process of its own and a sleep that never ends.
+HANGS = """
+import subprocess, sys, time
+import torch
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+p.grad = torch.ones(256)
+opt.step()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def sim_env(monkeypatch):
+    """The environment of a trial on a simulated 1 GiB GPU, without allocator settings."""
+    monkeypatch.setenv("OOMKIT_RUN_SIMULATED_GPU", "1GiB")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    return dict(os.environ)
+
+
+def _script(tmp_path: Path, text: str, name: str = "train.py") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _record(step, *, step_time_s, reserved, allocated, inactive_split, peak_reserved=0):
+    return StepRecord(
+        step=step,
+        time_s=float(step),
+        step_time_s=step_time_s,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        active_bytes=allocated,
+        inactive_split_bytes=inactive_split,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=peak_reserved,
+        num_alloc_retries=step,
+        num_ooms=0,
+        num_device_alloc=10 + step,
+        num_device_free=0,
+    )
+
+
+def _trial(conf, peak, steps_per_s, *, status="completed", baseline=False):
+    return Trial(
+        alloc_conf=conf,
+        baseline=baseline,
+        status=status,
+        steps=5,
+        peak_reserved_bytes=peak,
+        steps_per_s=steps_per_s,
+    )
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_parse_configs_skips_comments_and_blanks():
+    """One setting per line; `#` comments (whole or trailing) and blank lines are dropped."""
+    text = "# candidates\nexpandable_segments:True\n\n  max_split_size_mb:128  # small\ndefault\n"
+    assert parse_configs(text) == ["expandable_segments:True", "max_split_size_mb:128", ""]
+
+
+def test_summarize_log_peak_fragmentation_and_throughput():
+    """Peak is the max over records; fragmentation the worst split share; steps/s skips step 0."""
+    records = [
+        _record(
+            0,
+            step_time_s=None,
+            reserved=100 * MiB,
+            allocated=60 * MiB,
+            inactive_split=10 * MiB,
+            peak_reserved=120 * MiB,
+        ),
+        _record(
+            1,
+            step_time_s=0.5,
+            reserved=100 * MiB,
+            allocated=80 * MiB,
+            inactive_split=15 * MiB,
+            peak_reserved=110 * MiB,
+        ),
+        _record(
+            2,
+            step_time_s=0.25,
+            reserved=90 * MiB,
+            allocated=50 * MiB,
+            inactive_split=4 * MiB,
+            peak_reserved=95 * MiB,
+        ),
+    ]
+    summary = summarize_log(records)
+    assert summary["steps"] == 3
+    assert summary["peak_reserved_bytes"] == 120 * MiB
+    assert summary["peak_allocated_bytes"] == 80 * MiB
+    assert summary["max_inactive_split_bytes"] == 15 * MiB
+    assert summary["fragmentation"] == 0.75  # 15 MiB of the 20 MiB unallocated at step 1
+    assert summary["steps_per_s"] == 2 / 0.75
+    assert summary["alloc_retries"] == 2
+    assert summary["device_allocs"] == 12
+
+
+def test_summarize_log_without_records():
+    """A child that died before its first step has no measurements."""
+    assert summarize_log([]) == {"steps": 0}
+
+
+def test_recommend_skips_a_setting_more_than_5_percent_slower():
+    """The lowest peak wins only among settings within 5% of the baseline's steps/s."""
+    trials = [
+        _trial("", 100 * MiB, 10.0, baseline=True),
+        _trial("expandable_segments:True", 60 * MiB, 9.4),  # 6% slower: out
+        _trial("max_split_size_mb:128", 80 * MiB, 9.6),  # 4% slower: in
+    ]
+    best, reason = recommend(trials)
+    assert best is trials[2]
+    assert reason == (
+        "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 reserves 20.00 MiB (20%) less at peak than "
+        "the baseline at -4% steps/s (within the 5% allowed)"
+    )
+
+
+def test_recommend_keeps_the_baseline_and_names_the_slower_setting():
+    """When every saving costs too much speed, the baseline is kept and the reason says why."""
+    trials = [
+        _trial("", 100 * MiB, 10.0, baseline=True),
+        _trial("expandable_segments:True", 60 * MiB, 5.0),
+    ]
+    best, reason = recommend(trials)
+    assert best is trials[0]
+    assert reason == (
+        "keep PyTorch's default setting: no other setting reserved less at peak without being "
+        "more than 5% slower (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True was slower)"
+    )
+
+
+def test_recommend_after_a_baseline_oom():
+    """A baseline that ran out of memory cannot be compared on speed: the lowest peak wins."""
+    base = Trial(alloc_conf="", baseline=True, status="oom", steps=3, oom_step=3)
+    trials = [base, _trial("a:1", 90 * MiB, 1.0), _trial("b:1", 70 * MiB, 0.5)]
+    best, reason = recommend(trials)
+    assert best is trials[2]
+    assert reason.startswith(
+        "the baseline ran out of memory at step 3; PYTORCH_CUDA_ALLOC_CONF=b:1"
+    )
+
+
+def test_recommend_nothing_when_no_trial_completed():
+    """No completed trial: no recommendation."""
+    trials = [Trial(alloc_conf="", baseline=True, status="timeout")]
+    assert recommend(trials) == (None, "no trial completed; see the errors above")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    base=st.tuples(st.integers(1, 10**9), st.floats(0.1, 100.0)),
+    others=st.lists(st.tuples(st.integers(1, 10**9), st.floats(0.1, 100.0)), max_size=6),
+)
+def test_recommend_is_the_lowest_peak_within_the_slowdown(base, others):
+    """The pick is never >5% slower than the baseline and no eligible trial reserves less."""
+    trials = [_trial("", base[0], base[1], baseline=True)]
+    trials += [_trial(f"k:{i}", peak, speed) for i, (peak, speed) in enumerate(others)]
+    best, _ = recommend(trials)
+    assert best is not None
+    assert best.steps_per_s >= base[1] * 0.95
+    eligible = [t for t in trials if t.steps_per_s >= base[1] * 0.95]
+    assert best.peak_reserved_bytes == min(t.peak_reserved_bytes for t in eligible)
+
+
+# ------------------------------------------------------------------ trials in child processes
+
+
+def test_expandable_segments_reserve_less_on_a_fragmenting_script(tmp_path, sim_env):
+    """Default vs expandable_segments: the simulator's exact peaks, cudaMalloc counts, 6 steps."""
+    script = _script(tmp_path, FRAGMENTING)
+    seen = []
+    result = run_experiment(
+        sys.executable,
+        [script],
+        ["expandable_segments:True", "expandable_segments:True", "max_split_size_mb:10"],
+        steps=6,
+        timeout_s=60,
+        environ=sim_env,
+        progress=lambda i, n, conf: seen.append((i, n, conf)),
+    )
+    assert seen == [(0, 2, ""), (1, 2, "expandable_segments:True")]
+    default, expandable, invalid = result.trials
+    assert (default.status, default.steps, default.baseline) == ("completed", 6, True)
+    assert default.peak_reserved_bytes == DEFAULT_PEAK_RESERVED
+    assert default.device_allocs == 7
+    assert default.max_inactive_split_bytes == 2095104  # the small-pool segment's free rest
+    assert (expandable.status, expandable.steps) == ("completed", 6)
+    assert expandable.peak_reserved_bytes == EXPANDABLE_PEAK_RESERVED
+    assert expandable.device_allocs == 3
+    assert expandable.fragmentation == 0.0
+    assert default.steps_per_s is not None and default.steps_per_s < 1 / 0.03
+    assert invalid.status == "invalid"
+    assert invalid.exit_code is None
+    assert "max_split_size_mb must be >= 20" in invalid.error
+
+
+def test_a_trial_that_runs_out_of_memory(tmp_path, sim_env):
+    """torch.OutOfMemoryError at step 3 is status oom at step 3, measured up to it."""
+    trial = run_trial(
+        sys.executable,
+        [_script(tmp_path, OOM_AT_STEP_3)],
+        "",
+        steps=6,
+        timeout_s=60,
+        environ=sim_env,
+    )
+    assert trial.status == "oom"
+    assert trial.oom_step == 3
+    assert trial.steps == 3
+    assert trial.exit_code == 1
+    assert trial.error.startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_a_crash_is_recorded_and_a_bad_setting_is_not_run(tmp_path, sim_env):
+    """An exception at step 2: crashed, exit 1, its last stderr line; the invalid setting waits."""
+    result = run_experiment(
+        sys.executable,
+        [_script(tmp_path, CRASH_AT_STEP_2)],
+        ["bogus_key:1"],
+        steps=6,
+        timeout_s=60,
+        environ=sim_env,
+    )
+    crashed, invalid = result.trials
+    assert crashed.status == "crashed"
+    assert crashed.exit_code == 1
+    assert crashed.steps == 2
+    assert crashed.error == "ValueError: boom at step 2"
+    assert invalid.status == "invalid"
+    assert "Unrecognized key 'bogus_key'" in invalid.error
+    assert result.recommended is None
+
+
+def test_a_script_that_ends_before_the_steps_is_finished(tmp_path, sim_env):
+    """A script with 3 optimizer steps asked for 6: finished, 3 steps, exit 0."""
+    trial = run_trial(
+        sys.executable,
+        [_script(tmp_path, ENDS_AFTER_3_STEPS)],
+        "",
+        steps=6,
+        timeout_s=60,
+        environ=sim_env,
+        baseline=True,
+    )
+    assert (trial.status, trial.steps, trial.exit_code) == ("finished", 3, 0)
+    assert trial.ok
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie waiting for init to reap it is dead too
+
+
+def test_a_hanging_trial_is_killed_with_its_process_group(tmp_path, sim_env):
+    """After the 3 s timeout the script and the process it started are both killed."""
+    pid_file = tmp_path / "grandchild.pid"
+    start = time.monotonic()
+    trial = run_trial(
+        sys.executable,
+        [_script(tmp_path, HANGS), str(pid_file)],
+        "",
+        steps=6,
+        timeout_s=3,
+        environ=sim_env,
+    )
+    assert trial.status == "timeout"
+    assert trial.error == "no result after 3 s; the process group was killed"
+    assert trial.exit_code == -15  # SIGTERM, the first signal sent to the group
+    assert time.monotonic() - start < 8
+    if pid_file.exists():  # written once the script got past its first step
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 3
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid)
+        assert trial.steps == 1
