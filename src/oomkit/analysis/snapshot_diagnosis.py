@@ -36,6 +36,7 @@ from oomkit.analysis._remedies import (
 )
 from oomkit.analysis.attribution import TraceHistory, attribute, site_of, trace_history
 from oomkit.analysis.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
+from oomkit.analysis.memory_health import MIN_LEAK_BYTES
 from oomkit.analysis.oom_text import OomText
 from oomkit.errors import UnknownDeviceError
 from oomkit.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
@@ -45,9 +46,9 @@ from oomkit.units import format_bytes
 
 __all__ = ["Iterations", "diagnose_snapshot", "find_iterations", "leak_finding", "spike_finding"]
 
-# A leak must grow by at least this much (and 1% of the peak) to be reported: smaller growth
-# (a Python float kept as a 512-byte tensor per step) is real but never the cause of an OOM.
-_MIN_LEAK_BYTES = 2**20
+# A leak must grow by at least MIN_LEAK_BYTES (and 1% of the peak) to be reported, as for the
+# per-step leak test of memory_health: smaller growth is real but never the cause of an OOM.
+_MIN_LEAK_BYTES = MIN_LEAK_BYTES
 # "Short-lived" for a spike: made and freed within this many trace events of the moment (or
 # 1/50 of the trace, whichever is more).
 _MIN_SPIKE_WINDOW_EVENTS = 8
