@@ -18,7 +18,9 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
+from oomkit.reports.monitor_live import monitor
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
+from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient
 from oomkit.runtime.watch import watch
 from oomkit.units import format_bytes, parse_bytes
@@ -31,16 +33,19 @@ __all__ = [
     "BatchSearchResult",
     "BatchSizeResult",
     "ConfigError",
+    "Monitor",
     "NoFeasibleBatchSizeError",
     "OomkitError",
     "Prediction",
     "SnapshotFormatError",
+    "StepRecord",
     "TorchRequiredError",
     "TraceFormatError",
     "UnsupportedOpError",
     "find_batch_size",
     "format_bytes",
     "max_batch_size",
+    "monitor",
     "parse_bytes",
     "predict",
     "predict_recording",

@@ -24,6 +24,8 @@ __all__ = [
     "BatchSplitError",
     "OomRecoveryError",
     "SimulatedDeviceError",
+    "MonitorLogError",
+    "MemoryHealthError",
 ]
 
 
@@ -93,3 +95,11 @@ class OomRecoveryError(OomkitError, RuntimeError):
 
 class SimulatedDeviceError(OomkitError, ValueError):
     """A ``SimulatedCudaDevice`` used in a way it cannot serve (entered twice, unknown device type)."""
+
+
+class MonitorLogError(OomkitError, ValueError):
+    """A monitor log (``Monitor(log_path=...)`` JSONL) that cannot be read."""
+
+
+class MemoryHealthError(OomkitError, ValueError):
+    """Memory samples or step traces that leak/fragmentation detection cannot use."""

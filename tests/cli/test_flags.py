@@ -46,6 +46,8 @@ EXPECTED = {
         "--steps",
     ],
     "run": ["--json", "--max-entries", "--snapshot-dir"],
+    "experiment": ["--configs", "--from-tune", "--json", "--steps", "--timeout"],
+    "report": ["--html", "--json", "--png"],
     "replay": ["--alloc-conf", "--capacity", "--device", "--json", "--torch-version", "--verify"],
     "simulate": ["--alloc-conf", "--capacity", "--json", "--torch-version"],
     "tune": ["--capacity", "--device", "--json"],

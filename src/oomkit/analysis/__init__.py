@@ -4,6 +4,8 @@
 ``predict`` / ``predict_recording`` predict a recorded step's peak memory on a named GPU.
 ``parse_oom_text`` reads an OOM message's figures; ``diagnose_oom_text`` names its causes;
 ``diagnose_snapshot`` and ``diagnose_prediction`` do the same from a snapshot or a saved prediction.
+``detect_leak`` / ``attribute_leak`` / ``detect_fragmentation`` (``memory_findings`` for all) judge
+a monitored run's per-step memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ from oomkit.analysis.batch_search import (
     smallest_gpu,
 )
 from oomkit.analysis.diagnosis import CAUSES, Cause, Diagnosis, Finding, Remedy, diagnose_oom_text
+from oomkit.analysis.memory_health import (
+    FragmentationFinding,
+    LeakCause,
+    LeakFinding,
+    LeakSite,
+    MemorySample,
+    attribute_leak,
+    detect_fragmentation,
+    detect_leak,
+    explain_leak,
+    memory_findings,
+    samples_from_records,
+)
 from oomkit.analysis.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
 from oomkit.analysis.prediction import (
     OomPoint,
@@ -64,6 +79,17 @@ __all__ = [
     "Attribution",
     "LiveTensor",
     "find_oom_texts",
+    "FragmentationFinding",
+    "LeakCause",
+    "LeakFinding",
+    "LeakSite",
+    "MemorySample",
+    "attribute_leak",
+    "detect_fragmentation",
+    "detect_leak",
+    "explain_leak",
+    "memory_findings",
+    "samples_from_records",
     "parse_oom_text",
     "FLAG_REASONS",
     "NOT_RECOMMENDED_FLAGS",

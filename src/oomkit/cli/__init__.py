@@ -25,9 +25,20 @@ EXIT_MISSING_DEPENDENCY = 3
 
 def _subcommands() -> list:
     # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy.
-    from oomkit.cli import demo, explain, fit, predict, replay, run, simulate, tune
+    from oomkit.cli import (
+        demo,
+        experiment,
+        explain,
+        fit,
+        predict,
+        replay,
+        report,
+        run,
+        simulate,
+        tune,
+    )
 
-    return [predict, explain, demo, replay, simulate, tune, run, fit]
+    return [predict, explain, demo, replay, simulate, tune, run, fit, experiment, report]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,15 @@ from oomkit.reports.batch_search import (
 )
 from oomkit.reports.diagnosis import diagnosis_to_json, render_diagnosis
 from oomkit.reports.diagnosis_html import diagnosis_html, write_diagnosis_html
+from oomkit.reports.experiment import experiment_to_json, render_experiment
 from oomkit.reports.html import HtmlPage, HtmlSection
+from oomkit.reports.monitor import (
+    build_monitor_report,
+    monitor_report_to_json,
+    render_monitor_report,
+    write_monitor_html,
+)
+from oomkit.reports.monitor_live import live_line_sink
 from oomkit.reports.prediction import prediction_to_json, render_prediction, verdict_line
 from oomkit.reports.replay import (
     comparison_table,
@@ -37,6 +45,13 @@ __all__ = [
     "render_prediction",
     "render_replay",
     "replay_to_json",
+    "build_monitor_report",
+    "experiment_to_json",
+    "live_line_sink",
+    "monitor_report_to_json",
+    "render_experiment",
+    "render_monitor_report",
+    "write_monitor_html",
     "verdict_line",
     "write_diagnosis_html",
 ]
