@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,8 +25,8 @@ _WORKER = textwrap.dedent(
     from oomkit.runtime.batch_probe import find_batch_size
     from oomkit.runtime.resilient import resilient
 
-    rank, port = int(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    rank, store = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=30))
 
     class Device:
@@ -114,21 +113,18 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    script = tmp_path_factory.mktemp("dist") / "worker.py"
+    root = tmp_path_factory.mktemp("dist")
+    script = root / "worker.py"
     script.write_text(_WORKER)
-    port = str(_free_port())
+    # A file rendezvous: no free-port race between finding a port and binding it.
+    store = str(root / "rendezvous")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), port],
+            [sys.executable, str(script), str(rank), store],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

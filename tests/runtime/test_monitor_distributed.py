@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,8 +26,8 @@ _WORKER = textwrap.dedent(
     from oomkit.runtime import SimulatedCudaDevice
     from oomkit.runtime.monitor import Monitor
 
-    rank, port, log_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    rank, store, log_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=30))
     kept = []
     with SimulatedCudaDevice("64MiB", context_overhead_bytes=0):
@@ -51,11 +50,6 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
@@ -64,11 +58,12 @@ def ranks(tmp_path_factory):
     script.write_text(_WORKER)
     log_dir = root / "logs"
     log_dir.mkdir()
-    port = str(_free_port())
+    # A file rendezvous: no free-port race between finding a port and binding it.
+    store = str(root / "rendezvous")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(log_dir)],
+            [sys.executable, str(script), str(rank), store, str(log_dir)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
