@@ -8,7 +8,7 @@ from oomkit.cli import build_parser, main
 
 EXPECTED = {
     "demo": ["--capacity", "--json", "--steps"],
-    "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction"],
+    "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
         "--alloc-conf",
         "--batch",
@@ -46,7 +46,7 @@ EXPECTED = {
         "--steps",
     ],
     "run": ["--json", "--max-entries", "--snapshot-dir"],
-    "experiment": ["--configs", "--from-tune", "--json", "--steps", "--timeout"],
+    "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],
     "report": ["--html", "--json", "--png"],
     "replay": ["--alloc-conf", "--capacity", "--device", "--json", "--torch-version", "--verify"],
     "simulate": ["--alloc-conf", "--capacity", "--json", "--torch-version"],

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import oomkit.runtime.experiment as experiment
+from oomkit.errors import OomkitError
 from oomkit.runtime.experiment import (
     Trial,
     parse_configs,
@@ -18,6 +22,7 @@ from oomkit.runtime.experiment import (
     run_experiment,
     run_trial,
     summarize_log,
+    visible_gpus,
 )
 from oomkit.runtime.monitor import StepRecord
 
@@ -360,3 +365,157 @@ def test_a_hanging_trial_is_killed_with_its_process_group(tmp_path, sim_env):
             time.sleep(0.05)
         assert _gone(pid)
         assert trial.steps == 1
+
+
+# ------------------------------------------------------------------ several GPUs
+
+# Writes NAME.start / NAME.end ({"gpu": CUDA_VISIBLE_DEVICES, "time": ...}) into argv[1] around
+# its first step; NAME is the setting's key ("baseline" without one). expandable_segments hangs
+# after its start mark; the baseline waits for that mark, so it only ends when the two overlap.
+MARKS = """
+import json, os, sys, time
+import torch
+conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+name = conf.split(":")[0] or "baseline"
+def mark(state):
+    path = os.path.join(sys.argv[1], name + "." + state)
+    with open(path + ".tmp", "w") as out:
+        json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "time": time.time()}, out)
+    os.replace(path + ".tmp", path)
+p = torch.nn.Parameter(torch.zeros(256))
+opt = torch.optim.SGD([p], lr=0.1)
+p.grad = torch.ones(256)
+opt.step()
+mark("start")
+if name == "expandable_segments":
+    time.sleep(120)
+if name == "baseline":
+    deadline = time.time() + 30
+    while not os.path.exists(os.path.join(sys.argv[1], "expandable_segments.start")):
+        if time.time() > deadline:
+            sys.exit("the hanging trial never ran beside the baseline")
+        time.sleep(0.02)
+mark("end")
+opt.step()
+"""
+
+
+def _mark(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+def test_trials_run_in_parallel_one_per_gpu(tmp_path, sim_env):
+    """gpus=("0","1"): each child sees its GPU, two overlap, a hang only holds its own GPU."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    seen = []
+    timeout_s = 8
+    start = time.monotonic()
+    result = run_experiment(
+        sys.executable,
+        [_script(tmp_path, MARKS), str(marks)],
+        ["expandable_segments:True", "max_split_size_mb:128"],
+        steps=2,
+        timeout_s=timeout_s,
+        environ=sim_env,
+        progress=lambda i, n, conf: seen.append((i, n, conf)),
+        gpus=("0", "1"),
+    )
+    elapsed = time.monotonic() - start
+    assert seen == [(0, 3, ""), (1, 3, "expandable_segments:True"), (2, 3, "max_split_size_mb:128")]
+    base, hang, third = result.trials  # the input order, not the order they ended in
+    assert result.gpus == ("0", "1")
+    assert (base.alloc_conf, base.status, base.steps, base.gpu) == ("", "completed", 2, "0")
+    assert (hang.alloc_conf, hang.status, hang.steps, hang.gpu) == (
+        "expandable_segments:True",
+        "timeout",
+        1,
+        "1",
+    )
+    # The third waited for a free GPU: the baseline's, while the hang still held GPU 1.
+    assert (third.alloc_conf, third.status, third.steps, third.gpu) == (
+        "max_split_size_mb:128",
+        "completed",
+        2,
+        "0",
+    )
+    # Each child saw only its own GPU.
+    assert _mark(marks, "baseline.start")["gpu"] == "0"
+    assert _mark(marks, "expandable_segments.start")["gpu"] == "1"
+    assert _mark(marks, "max_split_size_mb.start")["gpu"] == "0"
+    # The baseline and the hanging trial ran at the same time ...
+    hang_start = _mark(marks, "expandable_segments.start")["time"]
+    assert _mark(marks, "baseline.start")["time"] < _mark(marks, "baseline.end")["time"]
+    assert hang_start < _mark(marks, "baseline.end")["time"]
+    # ... and the third started before the hang was killed: the hang blocked only GPU 1.
+    assert _mark(marks, "max_split_size_mb.start")["time"] < hang_start + timeout_s
+    assert not (marks / "expandable_segments.end").exists()
+    assert hang.duration_s < timeout_s + 3
+    assert elapsed < timeout_s + base.duration_s + third.duration_s
+
+
+def test_one_visible_gpu_runs_unpinned_one_after_another(tmp_path, sim_env):
+    """CUDA_VISIBLE_DEVICES=7 (one GPU): as before, the child keeps the caller's variable."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**sim_env, "CUDA_VISIBLE_DEVICES": "7"}
+    script = MARKS.replace('if name == "baseline":', "if False:")
+    result = run_experiment(
+        sys.executable,
+        [_script(tmp_path, script), str(marks)],
+        [],
+        steps=2,
+        timeout_s=60,
+        environ=env,
+    )
+    (base,) = result.trials
+    assert (base.status, base.gpu, result.gpus) == ("completed", None, ())
+    assert _mark(marks, "baseline.start")["gpu"] == "7"
+
+
+def test_a_gpu_named_twice_is_an_error(tmp_path, sim_env):
+    """gpus=("0","0") cannot hold one trial per GPU: OomkitError before anything runs."""
+    with pytest.raises(OomkitError, match="each GPU may be named once"):
+        run_experiment(sys.executable, ["x.py"], [], environ=sim_env, gpus=("0", "0"))
+
+
+@pytest.mark.parametrize(
+    ("value", "gpus"),
+    [
+        ("0,1", ("0", "1")),
+        ("3, 2", ("3", "2")),
+        ("", ()),
+        ("0,-1,2", ("0",)),  # a negative entry ends the list
+        ("01,2gpu", ("1", "2")),  # strtoul: the number an entry starts with
+        ("1,1", ()),  # a repeated device hides every device
+        ("GPU-aa,GPU-bb", ("GPU-aa", "GPU-bb")),
+        ("GPU-aa,1", ("GPU-aa",)),
+    ],
+)
+def test_visible_gpus_reads_cuda_visible_devices(value, gpus):
+    """CUDA_VISIBLE_DEVICES, read as torch.cuda._parse_visible_devices reads it."""
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == gpus
+
+
+def test_visible_gpus_asks_nvml_when_the_variable_is_unset(monkeypatch):
+    """Without CUDA_VISIBLE_DEVICES: NVML's device count (no CUDA context), then shut down."""
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetCount=lambda: 3,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert visible_gpus({}) == ("0", "1", "2")
+    assert calls == ["init", "shutdown"]
+
+
+def test_visible_gpus_falls_back_to_torch_without_nvml(monkeypatch):
+    """Without pynvml: torch.cuda.device_count() (NVML first inside torch, no context)."""
+    import torch
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert visible_gpus({}) == ("0", "1")
+    monkeypatch.setattr(experiment, "_torch_device_count", lambda: 0)
+    assert visible_gpus({}) == ()

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from oomkit.analysis._model_remedies import estimated_model_remedies, measured_model_remedies
 from oomkit.analysis._remedies import batch_remedy
 from oomkit.analysis.attribution import AllocationSite, Attribution
 from oomkit.analysis.diagnosis import Diagnosis, Finding, diagnose_oom_text
@@ -43,11 +44,17 @@ def _get(data: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def diagnose_prediction(data: Mapping[str, Any]) -> Diagnosis:
+def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Diagnosis:
     """Diagnose the OOM a saved prediction predicts.
+
+    Model changes (mixed precision, checkpointing, optimizer, ...) are estimated from memory by
+    category. Where the prediction names a built-in preset (its ``workload``) and ``measure``
+    is true, precision, checkpointing, optimizer and batch size are measured instead by
+    re-predicting the step with each change (a few seconds per change; needs torch).
 
     Args:
         data: the object ``oomkit predict --json`` printed.
+        measure: re-predict to measure model changes where the workload is known.
 
     Returns:
         The diagnosis (``source == "prediction"``), attribution by category and module.
@@ -130,8 +137,33 @@ def diagnose_prediction(data: Mapping[str, Any]) -> Diagnosis:
         batch_size=int(batch_match.group(1)) if batch_match else None,
         measured_from="the prediction's memory by category",
     )
-    remedies = list(base.remedies) + ([batch] if batch is not None else [])
-    remedies.sort(key=lambda r: -(r.saving_bytes or 0))
+    workload = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
+    options = workload.get("options") if isinstance(workload.get("options"), Mapping) else {}
+    model = estimated_model_remedies(
+        by_category,
+        training="train" in description or options.get("mode") == "train",
+        precision=options.get("precision"),
+        optimizer=options.get("optimizer"),
+        checkpointing=options.get("checkpointing"),
+        description=description,
+    )
+    if batch is not None:
+        model.append(batch)
+    if measure and workload:
+        measured, measure_warnings = measured_model_remedies(data)
+        warnings.extend(measure_warnings)
+        if measured:
+            # A measured figure replaces the estimate of the same change.
+            titles = {r.title for r in measured}
+            measured_batch = any(r.title.startswith("batch size") for r in measured)
+            model = [
+                r
+                for r in model
+                if r.title not in titles and not (measured_batch and r is batch)
+            ]
+            model.extend(measured)
+    remedies = list(base.remedies) + model
+    remedies.sort(key=lambda r: (-(r.saving_bytes or 0), r.estimate))
 
     sites = tuple(
         AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)

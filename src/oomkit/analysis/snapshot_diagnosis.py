@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from oomkit.allocator import round_size
+from oomkit.analysis._model_remedies import caught_oom_remedy, estimated_model_remedies
 from oomkit.analysis._remedies import (
     allocator_remedies,
     batch_remedy,
@@ -443,6 +444,15 @@ def diagnose_snapshot(
         warnings += replay_warnings
     note = set_max_split_size_note([fr for ev in events for fr in ev.frames])
     remedies += [note] if note is not None else []
+    attribution = attribute(history, index, moment)
+    if not exceeds and any(f.cause in ("shortage", "transient_spike") for f in findings):
+        # Only oomkit's traces carry category tags; a plain PyTorch snapshot offers none.
+        cats = attribution.by_category_bytes
+        remedies += estimated_model_remedies(
+            cats, training=cats.get("gradient", 0) + cats.get("optimizer_state", 0) > 0
+        )
+    held = _held_after_caught_oom(history, oom_index)
+    remedies += [caught_oom_remedy(held)] if held else []
 
     findings.sort(key=lambda x: -x.explained_bytes)
     remedies.sort(key=lambda x: -(x.saving_bytes or 0))
@@ -454,8 +464,31 @@ def diagnose_snapshot(
         deficit_bytes=deficit,
         warnings=tuple(dict.fromkeys(warnings)),
         source="snapshot",
-        attribution=attribute(history, index, moment),
+        attribution=attribution,
         figures_bytes=figures | {"event_index": index},
+    )
+
+
+def _held_after_caught_oom(history: TraceHistory, last_oom: int | None) -> int:
+    """Bytes of the step that failed first still live at a later OOM (a traceback holds them).
+
+    The failed step starts at the last lowest allocated level between the first allocation
+    (parameters, or whatever the trace starts with, counts as state) and the first ``oom``
+    entry; its blocks still live at the last ``oom`` entry were kept by the handler. A heuristic.
+    """
+    events = history.events
+    if last_oom is None:
+        return 0
+    first = next(i for i, ev in enumerate(events) if ev.action == "oom")
+    begin = next((i for i, ev in enumerate(events) if ev.action == "alloc"), first)
+    if first == last_oom or begin >= first:
+        return 0
+    levels = history.allocated_bytes
+    start = min(range(begin, first), key=lambda i: (levels[i], -i))
+    return sum(
+        rec.size_bytes
+        for rec in history.records
+        if start < rec.alloc_index < first and rec.live_at(last_oom)
     )
 
 

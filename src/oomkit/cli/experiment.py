@@ -4,7 +4,8 @@ The script runs once per ``PYTORCH_CUDA_ALLOC_CONF`` candidate (the caller's own
 the baseline) in a child Python under the monitor, for ``--steps`` optimizer steps; see
 :mod:`oomkit.runtime.experiment`. Candidates come from ``--configs FILE`` (one per line, ``#``
 comments), from ``--from-tune SNAPSHOT`` (the shortlist ``oomkit tune`` ranks best for that
-snapshot), or a built-in three. Exit codes: 0 a trial completed (the recommendation is printed),
+snapshot), or a built-in three. With several GPUs visible (or named with ``--gpus``) the trials
+run in parallel, one per GPU, each seeing only its GPU. Exit codes: 0 a trial completed (the recommendation is printed),
 1 none did, 2 usage error.
 """
 
@@ -33,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--steps optimizer steps. Measures peak reserved memory, fragmentation and steps/s per "
         "setting; trials that run out of memory, crash or hang (--timeout) are reported, not "
         "fatal. Recommends the lowest peak reserved among the settings at most 5%% slower than "
-        "the baseline. Exits 0 when a trial completed, 1 when none did, 2 on a usage error.",
+        "the baseline. With several GPUs visible the trials run in parallel, one per GPU "
+        "(--gpus). Exits 0 when a trial completed, 1 when none did, 2 on a usage error.",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
@@ -62,6 +64,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=_positive_float,
         default=_DEFAULT_TIMEOUT_S,
         help=f"seconds before a trial is killed (default {_DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--gpus",
+        metavar="LIST",
+        type=_gpu_list,
+        default=None,
+        help="GPUs to spread the trials over, one trial per GPU at a time, as "
+        "CUDA_VISIBLE_DEVICES names them (0,1,2,3 or UUIDs); each trial sees only its GPU "
+        "(default: every visible GPU; one GPU or none: one trial after another)",
     )
     add_json_flag(parser)
     parser.add_argument(
@@ -92,6 +103,15 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds; got {text!r}")
     return value
+
+
+def _gpu_list(text: str) -> tuple[str, ...]:
+    gpus = tuple(part.strip() for part in text.split(","))
+    if not all(gpus):
+        raise argparse.ArgumentTypeError(f"must be GPUs separated by commas, e.g. 0,1; got {text!r}")
+    if len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"names a GPU twice; got {text!r}")
+    return gpus
 
 
 def _from_tune(path: Path) -> list[str]:
@@ -155,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         timeout_s=args.timeout,
         progress=progress,
+        gpus=args.gpus,
     )
     if args.json:
         print_json(experiment_to_json(result))

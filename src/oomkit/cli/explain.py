@@ -51,6 +51,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="F",
         help="snapshot: the set_per_process_memory_fraction in effect (snapshots do not record it)",
     )
+    parser.add_argument(
+        "--no-measure",
+        dest="measure",
+        action="store_false",
+        help="saved prediction of a preset: estimate model changes (mixed precision, "
+        "checkpointing, optimizer, batch) instead of measuring each by re-predicting (faster)",
+    )
     add_json_flag(parser)
     parser.add_argument(
         "--html",
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     elif (data := _as_json(source)) is not None:
         from oomkit.analysis.prediction_diagnosis import diagnose_prediction
 
-        diagnosis = diagnose_prediction(data)  # type: ignore[arg-type]
+        diagnosis = diagnose_prediction(data, measure=args.measure)  # type: ignore[arg-type]
     else:
         parsed = parse_oom_text(source)
         diagnosis = diagnose_oom_text(parsed, gpu)

@@ -17,6 +17,7 @@ from oomkit.cli._workload import (
     add_workload_flags,
     build_workload,
     positive_int,
+    step_options,
     user_code_error,
 )
 from oomkit.errors import OomkitError
@@ -51,6 +52,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _workload_spec(args: argparse.Namespace) -> dict | None:
+    """A built-in preset and its StepOptions, saved so `oomkit explain` can re-predict them."""
+    import dataclasses
+
+    from oomkit.cli._user_function import is_user_target
+
+    if args.hf is not None or args.target is None or is_user_target(args.target):
+        return None
+    options = dataclasses.asdict(step_options(args, args.batch))
+    return {"preset": args.target, "options": options, "steps": args.steps}
+
+
 def run(args: argparse.Namespace) -> int:
     from oomkit.allocator import AllocatorConfig
     from oomkit.analysis.prediction import predict
@@ -82,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise error from exc
     if args.json:
-        print_json(prediction_to_json(prediction))
+        print_json(prediction_to_json(prediction, _workload_spec(args)))
     else:
         render_prediction(prediction, stdout_console())
     ok = prediction.fits and prediction.within_budget is not False

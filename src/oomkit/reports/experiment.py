@@ -41,7 +41,11 @@ def _delta(trial: Trial, baseline: Trial) -> str:
 
 
 def experiment_table(result: ExperimentResult) -> Table:
-    """One row per trial: setting, status, peak reserved, Δ vs baseline, fragmentation, steps/s."""
+    """One row per trial: setting, status, peak reserved, Δ vs baseline, fragmentation, steps/s.
+
+    A ``GPU`` column (the trial's ``CUDA_VISIBLE_DEVICES``) follows when the trials were pinned to
+    GPUs (run in parallel).
+    """
     table = Table(title="Allocator settings on this script", header_style="bold")
     table.add_column("PYTORCH_CUDA_ALLOC_CONF")
     table.add_column("status")
@@ -49,19 +53,25 @@ def experiment_table(result: ExperimentResult) -> Table:
     table.add_column("Δ vs baseline", justify="right")
     table.add_column("fragmentation", justify="right")
     table.add_column("steps/s", justify="right")
+    pinned = any(trial.gpu is not None for trial in result.trials)
+    if pinned:
+        table.add_column("GPU")
     baseline = result.baseline
     for trial in result.trials:
         name = trial.alloc_conf or "(default)"
         if result.recommended is trial:
             name += " *"
-        table.add_row(
+        row = [
             name,
             trial_status_text(trial, result.steps),
             "-" if trial.peak_reserved_bytes is None else format_bytes(trial.peak_reserved_bytes),
             _delta(trial, baseline),
             "-" if trial.fragmentation is None else f"{trial.fragmentation:.0%}",
             "-" if trial.steps_per_s is None else f"{trial.steps_per_s:.3g}",
-        )
+        ]
+        if pinned:
+            row.append("-" if trial.gpu is None else trial.gpu)
+        table.add_row(*row)
     return table
 
 
@@ -88,4 +98,5 @@ def experiment_to_json(result: ExperimentResult) -> dict[str, Any]:
         "recommended": None if result.recommended is None else result.recommended.alloc_conf,
         "reason": result.reason,
         "warnings": list(result.warnings),
+        "gpus": list(result.gpus),
     }

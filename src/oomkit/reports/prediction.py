@@ -137,8 +137,15 @@ def _plain(value: object) -> object:
     return value
 
 
-def prediction_to_json(prediction: Prediction) -> dict:
-    """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict."""
+def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) -> dict:
+    """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict.
+
+    Args:
+        prediction: the prediction.
+        workload: what was predicted, when it can be rebuilt: ``{"preset": NAME, "options":
+            StepOptions fields, "steps": N}``; saved as ``workload`` so that ``oomkit explain``
+            can re-predict with a change applied. None (a user function, --hf): no key.
+    """
     out = {key: _plain(value) for key, value in dataclasses.asdict(prediction).items()}
     for key in ("peak_allocated_at", "peak_reserved_at"):
         out[key]["top_modules"] = [
@@ -146,4 +153,6 @@ def prediction_to_json(prediction: Prediction) -> dict:
         ]
     out["top_modules"] = [{"module": path, "bytes": nbytes} for path, nbytes in out["top_modules"]]
     out["verdict"] = verdict_line(prediction)
+    if workload is not None:
+        out["workload"] = _plain(workload)
     return out

@@ -5,19 +5,24 @@
 ``steps`` optimizer steps. Each trial's JSONL log gives its peak reserved memory, its
 fragmentation and its throughput; a trial that runs out of memory, crashes or hangs (killed with
 its process group after ``timeout_s``) is recorded as such and the experiment goes on. The
-baseline (the setting in the caller's environment, PyTorch's default when unset) runs first.
+baseline (the setting in the caller's environment, PyTorch's default when unset) is the first
+trial. With several GPUs (``gpus``, by default every visible one) the trials run in parallel, at
+most one per GPU, each child with ``CUDA_VISIBLE_DEVICES`` set to its GPU; the baseline starts in
+the first wave with the candidates (see :func:`run_experiment`).
 ``recommend`` picks the setting with the lowest peak reserved among the trials that completed
 without being more than ``max_slowdown`` slower than the baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +43,7 @@ __all__ = [
     "run_experiment",
     "run_trial",
     "summarize_log",
+    "visible_gpus",
 ]
 
 TrialStatus = Literal["completed", "finished", "oom", "crashed", "timeout", "invalid"]
@@ -55,6 +61,11 @@ DEFAULT_MAX_SLOWDOWN = 0.05
 # first, c10/core/AllocatorConfig.cpp); a candidate trial sets the CUDA one and drops the other.
 _ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _KILL_GRACE_S = 2.0
+# How often the scheduler looks at the running trials (exit, timeout).
+_POLL_S = 0.05
+# The variable a child's CUDA runtime reads to choose its devices (CUDA C Programming Guide,
+# "CUDA Environment Variables"); each parallel trial sees only its own GPU, as device 0.
+_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class Trial:
         error: why it did not complete: the last line the script wrote on stderr, the
             setting's error, or the timeout.
         duration_s: wall time of the child, seconds.
+        gpu: the ``CUDA_VISIBLE_DEVICES`` value the child ran with (one GPU: an index or a
+            UUID); None when the caller's environment was left as it was.
     """
 
     alloc_conf: str
@@ -99,6 +112,7 @@ class Trial:
     exit_code: int | None = None
     error: str | None = None
     duration_s: float = 0.0
+    gpu: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -123,6 +137,7 @@ class Trial:
             "exit_code": self.exit_code,
             "error": self.error,
             "duration_s": round(self.duration_s, 3),
+            "gpu": self.gpu,
         }
 
 
@@ -138,6 +153,8 @@ class ExperimentResult:
         max_slowdown: the throughput loss (share of the baseline's steps/s) a recommendation
             may cost.
         warnings: what the numbers do not cover.
+        gpus: the GPUs the trials were spread over (``CUDA_VISIBLE_DEVICES`` values), one trial
+            per GPU at a time; empty when they ran one after another on the caller's devices.
     """
 
     trials: tuple[Trial, ...]
@@ -146,6 +163,7 @@ class ExperimentResult:
     steps: int
     max_slowdown: float = DEFAULT_MAX_SLOWDOWN
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    gpus: tuple[str, ...] = ()
 
     @property
     def baseline(self) -> Trial:
@@ -248,13 +266,223 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _trial_env(environ: Mapping[str, str], alloc_conf: str, baseline: bool) -> dict[str, str]:
+def _trial_env(
+    environ: Mapping[str, str], alloc_conf: str, baseline: bool, gpu: str | None = None
+) -> dict[str, str]:
     env = dict(environ)
     if not baseline:
         for name in _ALLOC_CONF_ENVS:
             env.pop(name, None)
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    if gpu is not None:
+        env[_VISIBLE_ENV] = gpu
     return env
+
+
+def _parse_visible_devices(value: str) -> tuple[str, ...]:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value makes visible, as the CUDA runtime reads it.
+
+    Mirrors ``torch.cuda._parse_visible_devices``: a list of ``GPU-``/``MIG-`` UUIDs keeps the
+    entries up to the first without the prefix; otherwise each entry counts for the number it
+    starts with (``strtoul``), a negative or non-numeric entry ends the list, and a repeated
+    device makes the list empty.
+    """
+    entries = [entry.strip() for entry in value.split(",")]
+    devices: list[str] = []
+    for prefix in ("GPU-", "MIG-"):
+        if value.strip().startswith(prefix):
+            for entry in entries:
+                if entry in devices:
+                    return ()
+                if not entry.startswith(prefix):
+                    break
+                devices.append(entry)
+            return tuple(devices)
+    for entry in entries:
+        digits = entry[1:] if entry[:1] == "+" else entry
+        count = len(digits) - len(digits.lstrip("0123456789"))
+        if count == 0:  # empty, negative or not a number: the list ends here
+            break
+        ordinal = str(int(digits[:count]))
+        if ordinal in devices:
+            return ()
+        devices.append(ordinal)
+    return tuple(devices)
+
+
+def _nvml_device_count() -> int | None:
+    """The GPUs NVML sees (``pynvml``, package ``nvidia-ml-py``); None without it or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses (no driver, no GPU)
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        with contextlib.suppress(Exception):  # pynvml's NVMLError
+            pynvml.nvmlShutdown()
+
+
+def _torch_device_count() -> int:
+    """``torch.cuda.device_count()``; 0 without torch or without a CUDA build.
+
+    Before CUDA is initialised it asks NVML (``_device_count_nvml``, no CUDA context) and only
+    when NVML fails falls back to ``cudaGetDeviceCount`` (torch/cuda/__init__.py,
+    ``device_count``), which initialises the driver but creates no context and allocates no
+    device memory; the trials are new processes (``exec``), so this parent's state is not theirs.
+    """
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - a broken driver means no GPU to spread trials over
+        return 0
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The GPUs trials may be spread over, without creating a CUDA context in this process.
+
+    Args:
+        environ: the environment the trials start from; None is this process's.
+
+    Returns:
+        ``CUDA_VISIBLE_DEVICES`` values, one per GPU: the entries of ``CUDA_VISIBLE_DEVICES``
+        when it is set (indices or UUIDs, as the CUDA runtime reads them); else ``"0"`` to
+        ``"n-1"`` for the n GPUs NVML (``pynvml``) or, without it,
+        ``torch.cuda.device_count()`` finds; empty without a GPU.
+    """
+    env = os.environ if environ is None else environ
+    if _VISIBLE_ENV in env:
+        return _parse_visible_devices(env[_VISIBLE_ENV])
+    count = _nvml_device_count()
+    if count is None:
+        count = _torch_device_count()
+    return tuple(str(i) for i in range(count))
+
+
+@dataclass
+class _Running:
+    """A started trial: its child, its files and when it must be killed (mutable, private)."""
+
+    proc: subprocess.Popen
+    alloc_conf: str
+    baseline: bool
+    timeout_s: float
+    gpu: str | None
+    result_path: Path
+    log_path: Path
+    stderr_path: Path
+    started: float  # get_time() at the start, for duration_s
+    deadline: float  # time.monotonic() after which the trial is killed
+
+
+def _start_trial(
+    python: str,
+    target: Sequence[str],
+    alloc_conf: str,
+    *,
+    interpreter_options: Sequence[str],
+    steps: int,
+    timeout_s: float,
+    baseline: bool,
+    environ: Mapping[str, str],
+    workdir: Path,
+    get_time: Callable[[], float],
+    gpu: str | None,
+) -> _Running:
+    """Write the trial's config and start its child in a session of its own."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "config.json"
+    result_path = workdir / "result.json"
+    log_path = workdir / "monitor.jsonl"
+    stderr_path = workdir / "stderr.txt"
+    config_path.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "log_path": str(log_path),
+                "result_path": str(result_path),
+                "oomkit_root": _oomkit_root(),
+            }
+        )
+    )
+    # Interpreter options stay before the bootstrap file; the target follows its config.
+    cmd = [python, *interpreter_options, _bootstrap_file(), str(config_path), *target]
+    env = _trial_env(environ, alloc_conf, baseline, gpu)
+    started = get_time()
+    # The child holds its own copies of the descriptors; ours are closed when Popen returns.
+    with open(workdir / "stdout.txt", "wb") as out, open(stderr_path, "wb") as err:
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a process group of its own, killed as one on timeout
+            )
+        except OSError as exc:
+            raise OomkitError(f"could not start `{python}`: {exc.strerror or exc}") from exc
+    return _Running(
+        proc=proc,
+        alloc_conf=alloc_conf,
+        baseline=baseline,
+        timeout_s=timeout_s,
+        gpu=gpu,
+        result_path=result_path,
+        log_path=log_path,
+        stderr_path=stderr_path,
+        started=started,
+        deadline=time.monotonic() + timeout_s,
+    )
+
+
+def _finish_trial(run: _Running, *, timed_out: bool, get_time: Callable[[], float]) -> Trial:
+    """The trial of a child that has exited (or was killed): its result file and monitor log."""
+    duration = get_time() - run.started
+    returncode = run.proc.returncode
+    result: dict[str, Any] | None = None
+    if run.result_path.is_file():
+        result = json.loads(run.result_path.read_text())
+    measured = summarize_log(_read_log(run.log_path))
+    status: TrialStatus
+    error: str | None = None
+    oom_step: int | None = None
+    if timed_out:
+        status = "timeout"
+        error = f"no result after {run.timeout_s:g} s; the process group was killed"
+    elif result is not None and result["outcome"] in ("completed", "finished"):
+        status = result["outcome"]
+    elif result is not None and result["outcome"] == "oom":
+        status = "oom"
+        oom_step = result["steps"]
+        error = result["message"]
+    else:
+        status = "crashed"
+        error = _last_line(run.stderr_path) or (
+            f"killed by signal {-returncode}"
+            if returncode is not None and returncode < 0
+            else f"exit code {returncode}"
+        )
+    return Trial(
+        alloc_conf=run.alloc_conf,
+        baseline=run.baseline,
+        status=status,
+        oom_step=oom_step,
+        exit_code=returncode,
+        error=error,
+        duration_s=duration,
+        gpu=run.gpu,
+        **measured,
+    )
 
 
 def run_trial(
@@ -269,6 +497,7 @@ def run_trial(
     environ: Mapping[str, str] | None = None,
     workdir: str | Path | None = None,
     get_time: Callable[[], float] = time.monotonic,
+    gpu: str | None = None,
 ) -> Trial:
     """Run the script once with ``alloc_conf`` and measure it.
 
@@ -284,6 +513,8 @@ def run_trial(
         environ: the child's environment; None is this process's.
         workdir: where the trial's files (log, result, output) go; None is a temporary folder.
         get_time: clock for ``duration_s``.
+        gpu: the child's ``CUDA_VISIBLE_DEVICES`` (its one GPU); None leaves it as in
+            ``environ``.
 
     Returns:
         The trial; never raises for what the script does.
@@ -304,84 +535,31 @@ def run_trial(
                 environ=environ,
                 workdir=tmp,
                 get_time=get_time,
+                gpu=gpu,
             )
-    folder = Path(workdir)
-    folder.mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.json"
-    result_path = folder / "result.json"
-    log_path = folder / "monitor.jsonl"
-    stdout_path = folder / "stdout.txt"
-    stderr_path = folder / "stderr.txt"
-    config_path.write_text(
-        json.dumps(
-            {
-                "steps": steps,
-                "log_path": str(log_path),
-                "result_path": str(result_path),
-                "oomkit_root": _oomkit_root(),
-            }
-        )
-    )
-    # Interpreter options stay before the bootstrap file; the target follows its config.
-    cmd = [python, *interpreter_options, _bootstrap_file(), str(config_path), *target]
-    env = _trial_env(os.environ if environ is None else environ, alloc_conf, baseline)
-    start = get_time()
-    timed_out = False
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a process group of its own, killed as one on timeout
-            )
-        except OSError as exc:
-            raise OomkitError(f"could not start `{python}`: {exc.strerror or exc}") from exc
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            returncode = proc.returncode
-        except BaseException:
-            _kill_group(proc)
-            raise
-    duration = get_time() - start
-    result: dict[str, Any] | None = None
-    if result_path.is_file():
-        result = json.loads(result_path.read_text())
-    measured = summarize_log(_read_log(log_path))
-    status: TrialStatus
-    error: str | None = None
-    oom_step: int | None = None
-    if timed_out:
-        status = "timeout"
-        error = f"no result after {timeout_s:g} s; the process group was killed"
-    elif result is not None and result["outcome"] in ("completed", "finished"):
-        status = result["outcome"]
-    elif result is not None and result["outcome"] == "oom":
-        status = "oom"
-        oom_step = result["steps"]
-        error = result["message"]
-    else:
-        status = "crashed"
-        error = _last_line(stderr_path) or (
-            f"killed by signal {-returncode}"
-            if returncode is not None and returncode < 0
-            else f"exit code {returncode}"
-        )
-    return Trial(
-        alloc_conf=alloc_conf,
+    run = _start_trial(
+        python,
+        target,
+        alloc_conf,
+        interpreter_options=interpreter_options,
+        steps=steps,
+        timeout_s=timeout_s,
         baseline=baseline,
-        status=status,
-        oom_step=oom_step,
-        exit_code=returncode,
-        error=error,
-        duration_s=duration,
-        **measured,
+        environ=os.environ if environ is None else environ,
+        workdir=Path(workdir),
+        get_time=get_time,
+        gpu=gpu,
     )
+    timed_out = False
+    try:
+        run.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(run.proc)
+    except BaseException:
+        _kill_group(run.proc)
+        raise
+    return _finish_trial(run, timed_out=timed_out, get_time=get_time)
 
 
 def recommend(
@@ -475,8 +653,17 @@ def run_experiment(
     max_slowdown: float = DEFAULT_MAX_SLOWDOWN,
     progress: Callable[[int, int, str], None] | None = None,
     log_dir: str | Path | None = None,
+    gpus: Sequence[str] | None = None,
 ) -> ExperimentResult:
-    """Run the script once with the caller's setting, then once per candidate setting.
+    """Run the script once with the caller's setting and once per candidate setting.
+
+    With several GPUs the trials run in parallel, one per GPU at a time, each child with
+    ``CUDA_VISIBLE_DEVICES`` set to its GPU; a trial starts on the first GPU another one frees,
+    in the order of ``configs``. The baseline starts in the first wave with the candidates
+    rather than alone before them: the deltas are only computed once every trial has ended, so
+    nothing waits for it, and its steps/s is then measured under the same host load (CPU, data
+    loading, PCIe, disk) as the candidates' instead of on an otherwise idle machine, which would
+    make every candidate look slower. Peak memory is per process and unaffected.
 
     Args:
         python: the interpreter to run.
@@ -491,16 +678,21 @@ def run_experiment(
         torch_version: the PyTorch release whose config parser checks the candidates; None =
             newest.
         max_slowdown: see :func:`recommend`.
-        progress: called as ``progress(index, total, alloc_conf)`` before each trial runs.
+        progress: called as ``progress(index, total, alloc_conf)`` as each trial starts, in
+            the order of the trials.
         log_dir: keep each trial's files (monitor log, output) in ``log_dir/trial-N``; None
             deletes them.
+        gpus: ``CUDA_VISIBLE_DEVICES`` values (``("0", "1")``, or UUIDs) to spread the trials
+            over, one trial per GPU at a time; ``()`` runs them one after another with the
+            environment's devices. None: :func:`visible_gpus` of the trials' environment, in
+            parallel when it finds two or more (one GPU or none: one after another, unpinned).
 
     Returns:
-        The trials (the baseline first) and the recommendation.
+        The trials (the baseline first, then ``configs`` in order) and the recommendation.
 
     Raises:
-        OomkitError: ``steps`` below 1, ``timeout_s`` not positive, or the interpreter could
-            not be started.
+        OomkitError: ``steps`` below 1, ``timeout_s`` not positive, a GPU named twice in
+            ``gpus``, or the interpreter could not be started.
     """
     if steps < 1:
         raise OomkitError(f"steps must be at least 1; got {steps}. Example: --steps 20")
@@ -508,6 +700,17 @@ def run_experiment(
         raise OomkitError(f"the timeout must be positive; got {timeout_s}. Example: --timeout 600")
     env = dict(os.environ if environ is None else environ)
     base_conf = _baseline_conf(env)
+    if gpus is None:
+        found = visible_gpus(env)
+        slots: tuple[str, ...] = found if len(found) > 1 else ()
+    else:
+        slots = tuple(str(gpu).strip() for gpu in gpus)
+        repeated = sorted({gpu for gpu in slots if slots.count(gpu) > 1})
+        if repeated or "" in slots:
+            raise OomkitError(
+                f"each GPU may be named once and not be empty; got {','.join(slots)!r}. "
+                "Example: --gpus 0,1,2,3"
+            )
     planned: list[tuple[str, str | None]] = []  # (setting, why it is invalid)
     seen = {base_conf}
     for text in configs:
@@ -522,32 +725,58 @@ def run_experiment(
             planned.append((text, None))
     total = 1 + sum(1 for _, invalid in planned if invalid is None)
     warnings: list[str] = []
-    trials: list[Trial] = []
+    results: list[Trial | None] = []
+    pending: deque[tuple[int, int, str]] = deque()  # (position in results, trial index, setting)
+    for text, invalid in [(base_conf, None), *planned]:
+        if invalid is not None:
+            results.append(Trial(alloc_conf=text, baseline=False, status="invalid", error=invalid))
+        else:
+            pending.append((len(results), len(pending), text))
+            results.append(None)
     with tempfile.TemporaryDirectory(prefix="oomkit-experiment-") as tmp:
         root = Path(log_dir) if log_dir is not None else Path(tmp)
-        index = 0
-        for text, invalid in [(base_conf, None), *planned]:
-            if invalid is not None:
-                trials.append(
-                    Trial(alloc_conf=text, baseline=False, status="invalid", error=invalid)
-                )
-                continue
-            if progress is not None:
-                progress(index, total, text)
-            trials.append(
-                run_trial(
-                    python,
-                    target,
-                    text,
-                    interpreter_options=interpreter_options,
-                    steps=steps,
-                    timeout_s=timeout_s,
-                    baseline=index == 0,
-                    environ=env,
-                    workdir=root / f"trial-{index}",
-                )
-            )
-            index += 1
+        free: deque[str | None] = deque(slots or (None,))
+        running: dict[int, _Running] = {}
+        try:
+            while pending or running:
+                # At most one trial per GPU: start one on each free GPU, in the input order.
+                while pending and free:
+                    position, index, text = pending.popleft()
+                    if progress is not None:
+                        progress(index, total, text)
+                    running[position] = _start_trial(
+                        python,
+                        target,
+                        text,
+                        interpreter_options=interpreter_options,
+                        steps=steps,
+                        timeout_s=timeout_s,
+                        baseline=index == 0,
+                        environ=env,
+                        workdir=root / f"trial-{index}",
+                        get_time=time.monotonic,
+                        gpu=free.popleft(),
+                    )
+                ended = False
+                for position, run in list(running.items()):
+                    timed_out = run.proc.poll() is None and time.monotonic() >= run.deadline
+                    if run.proc.returncode is None and not timed_out:
+                        continue
+                    if timed_out:
+                        _kill_group(run.proc)  # the others keep running meanwhile
+                    del running[position]
+                    results[position] = _finish_trial(
+                        run, timed_out=timed_out, get_time=time.monotonic
+                    )
+                    free.append(run.gpu)
+                    ended = True
+                if not ended and running:
+                    time.sleep(_POLL_S)
+        except BaseException:
+            for run in running.values():
+                _kill_group(run.proc)
+            raise
+    trials = [t for t in results if t is not None]
     if steps < 2:
         warnings.append("with 1 step per trial there is no throughput; use --steps 10 or more")
     if all(t.steps == 0 for t in trials if t.status != "invalid"):
@@ -563,4 +792,5 @@ def run_experiment(
         steps=steps,
         max_slowdown=max_slowdown,
         warnings=tuple(warnings),
+        gpus=slots,
     )
