@@ -772,3 +772,13 @@ def test_accepts_exactly_what_installed_torch_accepts(text):
         # A CPU build registers no CUDA config hook, so torch skips unknown keys there.
         assume("Unrecognized key" not in str(exc))
     assert ours_ok == torch_ok, text
+
+
+def test_coerce_reads_none_strings_and_configs():
+    """coerce: None is the default config, a string is parsed, a config passes through."""
+    config = AllocatorConfig.parse("expandable_segments:True")
+    assert AllocatorConfig.coerce(None) == AllocatorConfig()
+    assert AllocatorConfig.coerce(config) is config
+    assert AllocatorConfig.coerce("max_split_size_mb:128").max_split_size_bytes == 128 * 2**20
+    with pytest.raises(ConfigError, match="max_split_size_mb"):
+        AllocatorConfig.coerce("max_split_size_mb:2")

@@ -289,3 +289,12 @@ def test_small_custom_size_takes_a_context_override():
     assert spec.total_memory_bytes == 32 * 2**20
     assert spec.context_overhead_bytes == 0
     assert spec.usable_bytes() == 32 * 2**20
+
+
+def test_get_gpu_takes_a_spec_and_applies_the_override():
+    """A GpuSpec passes through get_gpu; an override replaces its context overhead only."""
+    spec = get_gpu("rtx4090")
+    assert get_gpu(spec) is spec
+    tuned = get_gpu(spec, context_overhead_bytes=123 * 2**20)
+    assert tuned.context_overhead_bytes == 123 * 2**20
+    assert tuned.total_memory_bytes == spec.total_memory_bytes

@@ -289,6 +289,21 @@ class AllocatorConfig:
         return ",".join(parts)
 
     @classmethod
+    def coerce(
+        cls, value: str | AllocatorConfig | None, torch_version: str | None = None
+    ) -> AllocatorConfig:
+        """What a ``alloc_conf=`` argument means: ``None`` the defaults, a string parsed, a config as is.
+
+        Raises:
+            ConfigError: a string PyTorch would reject.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, AllocatorConfig):
+            return value
+        return cls.parse(value, torch_version=torch_version)
+
+    @classmethod
     def parse(cls, text: str, torch_version: str | None = None) -> AllocatorConfig:
         """Read a ``PYTORCH_CUDA_ALLOC_CONF`` string the way a PyTorch release reads it.
 

@@ -168,22 +168,6 @@ def _check_positive(name: str, value: int, example: str) -> None:
         raise ValueError(f"{name} must be a whole number of at least 1; got {value!r}. Example: {example}")
 
 
-def _resolve_gpu(gpu: str | GpuSpec, context_overhead_bytes: int | None) -> GpuSpec:
-    if isinstance(gpu, GpuSpec):
-        if context_overhead_bytes is None:
-            return gpu
-        return replace(gpu, context_overhead_bytes=context_overhead_bytes)
-    return get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
-
-
-def _resolve_config(
-    alloc_conf: str | AllocatorConfig | None, torch_version: str | None
-) -> AllocatorConfig:
-    if alloc_conf is None:
-        return AllocatorConfig()
-    if isinstance(alloc_conf, AllocatorConfig):
-        return alloc_conf
-    return AllocatorConfig.parse(alloc_conf, torch_version=torch_version)
 
 
 def _resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
@@ -444,8 +428,8 @@ def max_batch_size(
             f"start_batch ({start_batch}) is above max_batch ({max_batch}); lower start_batch or "
             "raise max_batch."
         )
-    spec = _resolve_gpu(gpu, context_overhead_bytes)
-    config = _resolve_config(alloc_conf, torch_version)
+    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+    config = AllocatorConfig.coerce(alloc_conf, torch_version)
     usable = spec.usable_bytes()
     margin = _resolve_margin(margin_bytes, usable)
     searched = _less_margin(spec, margin)
@@ -679,7 +663,7 @@ def smallest_gpu(
     if not ordered:
         raise ValueError("candidates is empty; pass GPUs to check, e.g. oomkit.gpus.CATALOG")
     _check_positive("steps", steps, "smallest_gpu(build, 16, steps=2)")
-    config = _resolve_config(alloc_conf, torch_version)
+    config = AllocatorConfig.coerce(alloc_conf, torch_version)
     recording = source if hasattr(source, "events") and hasattr(source, "step_starts") else None
     if recording is None:
         if batch_size is None:

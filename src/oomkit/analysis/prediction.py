@@ -11,7 +11,7 @@ This module never imports torch itself; ``predict`` imports ``oomkit.tracing`` w
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomkit.allocator import AllocatorConfig
@@ -169,22 +169,6 @@ class Prediction:
     description: str = ""
 
 
-def _resolve_gpu(gpu: str | GpuSpec, context_overhead_bytes: int | None) -> GpuSpec:
-    if isinstance(gpu, GpuSpec):
-        if context_overhead_bytes is None:
-            return gpu
-        return replace(gpu, context_overhead_bytes=context_overhead_bytes)
-    return get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
-
-
-def _resolve_config(
-    alloc_conf: str | AllocatorConfig | None, torch_version: str | None
-) -> AllocatorConfig:
-    if alloc_conf is None:
-        return AllocatorConfig()
-    if isinstance(alloc_conf, AllocatorConfig):
-        return alloc_conf
-    return AllocatorConfig.parse(alloc_conf, torch_version=torch_version)
 
 
 def predict_recording(
@@ -220,8 +204,8 @@ def predict_recording(
         GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
         TraceFormatError: the recording frees an allocation it never made.
     """
-    spec = _resolve_gpu(gpu, context_overhead_bytes)
-    config = _resolve_config(alloc_conf, torch_version)
+    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+    config = AllocatorConfig.coerce(alloc_conf, torch_version)
     events = recording.events
     step_starts = tuple(recording.step_starts)
     replay = replay_for_prediction(
@@ -405,8 +389,8 @@ def predict(
         UnsupportedOpError: an op of the step cannot run on the meta device.
         ValueError: ``steps`` is below 1.
     """
-    spec = _resolve_gpu(gpu, context_overhead_bytes)
-    _resolve_config(alloc_conf, torch_version)  # fail on a bad setting before tracing
+    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+    AllocatorConfig.coerce(alloc_conf, torch_version)  # fail on a bad setting before tracing
     from oomkit.tracing import trace_step
 
     count = len(args)

@@ -48,7 +48,9 @@ def list_gpus() -> tuple[GpuSpec, ...]:
     return CATALOG
 
 
-def get_gpu(name_or_size: str, *, context_overhead_bytes: int | None = None) -> GpuSpec:
+def get_gpu(
+    name_or_size: str | GpuSpec, *, context_overhead_bytes: int | None = None
+) -> GpuSpec:
     """Look up a GPU by name or alias, or make a generic one from a memory size.
 
     Names match ignoring case, spaces, dashes, underscores and the words NVIDIA/GeForce/Tesla,
@@ -57,7 +59,8 @@ def get_gpu(name_or_size: str, *, context_overhead_bytes: int | None = None) -> 
     report and gets the default context overhead (~400 MiB).
 
     Args:
-        name_or_size: a catalog name or alias, or a size such as ``24GiB``.
+        name_or_size: a catalog name or alias, a size such as ``24GiB``, or a ``GpuSpec``
+            (returned as is, with the override applied).
         context_overhead_bytes: replaces the spec's estimated CUDA context size, in bytes
             (e.g. a measurement: ``nvidia-smi`` used minus ``torch.cuda.memory_reserved()``).
 
@@ -68,9 +71,12 @@ def get_gpu(name_or_size: str, *, context_overhead_bytes: int | None = None) -> 
         UnknownGpuError: the text is neither a known GPU nor a size with a unit.
         GpuSpecError: the override is negative or not below the total memory.
     """
-    spec = _INDEX.get(normalize_gpu_name(name_or_size))
-    if spec is None:
-        spec = _custom_spec(name_or_size, context_overhead_bytes)
+    if isinstance(name_or_size, GpuSpec):
+        spec = name_or_size
+    else:
+        spec = _INDEX.get(normalize_gpu_name(name_or_size))
+        if spec is None:
+            spec = _custom_spec(name_or_size, context_overhead_bytes)
     if context_overhead_bytes is not None:
         spec = dataclasses.replace(
             spec,

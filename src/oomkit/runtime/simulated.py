@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import sys
 import threading
 from collections.abc import Callable
@@ -49,13 +48,6 @@ _DEVICE_TYPES = ("cpu", "meta")
 # The one simulated device that may be active: two would both account the same storages.
 _active: list[SimulatedCudaDevice] = []
 
-
-def _resolve_gpu(gpu: str | GpuSpec, context_overhead_bytes: int | None) -> GpuSpec:
-    if isinstance(gpu, GpuSpec):
-        if context_overhead_bytes is None:
-            return gpu
-        return dataclasses.replace(gpu, context_overhead_bytes=context_overhead_bytes)
-    return get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
 
 
 class SimulatedCudaDevice:
@@ -140,13 +132,8 @@ class SimulatedCudaDevice:
                 "`pip install oomkit[torch]`"
             ) from exc
         self._accounting = _accounting
-        self.gpu = _resolve_gpu(gpu, context_overhead_bytes)
-        if isinstance(alloc_conf, AllocatorConfig):
-            self.config = alloc_conf
-        elif alloc_conf is None:
-            self.config = AllocatorConfig()
-        else:
-            self.config = AllocatorConfig.parse(alloc_conf, torch_version=torch_version)
+        self.gpu = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+        self.config = AllocatorConfig.coerce(alloc_conf, torch_version)
         self.torch_version = torch_version
         self.allocator = CachingAllocator(
             self.config,
