@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _gloo import run_two_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -116,33 +113,7 @@ _WORKER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    script = root / "worker.py"
-    script.write_text(_WORKER)
-    # A file rendezvous: no free-port race between finding a port and binding it.
-    store = str(root / "rendezvous")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), store],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=90)
-            assert proc.returncode == 0, stderr
-            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return outputs
+    return run_two_ranks(tmp_path_factory.mktemp("dist"), _WORKER, timeout_s=90)
 
 
 def test_one_rank_oom_makes_every_rank_split_the_same_way(ranks):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _gloo import run_two_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -54,34 +51,9 @@ _WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("monitor_dist")
-    script = root / "worker.py"
-    script.write_text(_WORKER)
     log_dir = root / "logs"
     log_dir.mkdir()
-    # A file rendezvous: no free-port race between finding a port and binding it.
-    store = str(root / "rendezvous")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), store, str(log_dir)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=60)
-            assert proc.returncode == 0, stderr
-            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return outputs, log_dir
+    return run_two_ranks(root, _WORKER, str(log_dir), timeout_s=60), log_dir
 
 
 def test_each_rank_records_its_own_numbers(ranks):
