@@ -147,3 +147,19 @@ def test_explain_html_flag(oom_snapshot, tmp_path, capsys, parse_html):
     assert main(["explain", TEXT, "--html", str(text_out), "--json"]) == 0
     text_ids = {a["id"] for a in parse_html(text_out.read_text()).of("section")}
     assert "verdict" in text_ids and "timeline" not in text_ids
+
+
+def test_timeline_marker_says_oom_only_where_one_was_recorded(oom_snapshot):
+    """The marker reads "OOM" at a recorded OOM and "peak" on a snapshot that has none."""
+    oom_page = diagnosis_html(diagnose_snapshot(oom_snapshot), snapshot=oom_snapshot)
+    assert ">OOM</text>" in oom_page
+    device = SimulatedCudaDevice("1GiB", context_overhead_bytes=0, record_history=True)
+    with device:
+        a = torch.empty(200 * MiB, dtype=torch.uint8)
+        del a
+        b = torch.empty(100 * MiB, dtype=torch.uint8)
+        calm = snapshot_from_data(device.snapshot())
+        del b
+    calm_page = diagnosis_html(diagnose_snapshot(calm), snapshot=calm)
+    assert ">OOM</text>" not in calm_page
+    assert ">peak</text>" in calm_page

@@ -225,6 +225,12 @@ def diagnosis_html(
     return page.render()
 
 
+def _moment_label(diagnosis: Diagnosis) -> str:
+    """The timeline marker's label: "OOM" only where the snapshot recorded one."""
+    moment = diagnosis.attribution.moment if diagnosis.attribution is not None else "oom"
+    return {"oom": "OOM", "peak": "peak", "final": "end"}.get(moment, moment)
+
+
 def _snapshot_sections(
     page: HtmlPage, diagnosis: Diagnosis, snapshot: Snapshot, device: int | None
 ) -> None:
@@ -242,7 +248,7 @@ def _snapshot_sections(
             ],
             x_label="trace event",
             marker_x=oom_index,
-            marker_label="OOM" if oom_index is not None else None,
+            marker_label=_moment_label(diagnosis) if oom_index is not None else None,
             limit_bytes=total,
             limit_label="device total" if total is not None else None,
         )
