@@ -157,9 +157,7 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
             titles = {r.title for r in measured}
             measured_batch = any(r.title.startswith("batch size") for r in measured)
             model = [
-                r
-                for r in model
-                if r.title not in titles and not (measured_batch and r is batch)
+                r for r in model if r.title not in titles and not (measured_batch and r is batch)
             ]
             model.extend(measured)
     remedies = list(base.remedies) + model

@@ -172,14 +172,36 @@ class Case:
     build: Callable[[Path], Path]
     expected: str
     memory_fraction: float | None = None
+    top_remedy: str = ""  # how the first remedy's title starts
 
 
 CASES: tuple[Case, ...] = (
-    Case("shortage", shortage, "shortage"),
-    Case("fragmentation", fragmentation, "fragmentation"),
-    Case("outside_pytorch", outside_pytorch, "outside_pytorch"),
-    Case("fraction_limit", fraction_limit, "fraction_limit", memory_fraction=0.5),
-    Case("request_exceeds_device", request_exceeds_device, "request_exceeds_device"),
-    Case("leak", leak, "leak"),
-    Case("transient_spike", transient_spike, "transient_spike"),
+    Case("shortage", shortage, "shortage", top_remedy="reduce memory per step"),
+    Case("fragmentation", fragmentation, "fragmentation", top_remedy="expandable segments"),
+    Case(
+        "outside_pytorch",
+        outside_pytorch,
+        "outside_pytorch",
+        top_remedy="free the memory held outside PyTorch",
+    ),
+    Case(
+        "fraction_limit",
+        fraction_limit,
+        "fraction_limit",
+        memory_fraction=0.5,
+        top_remedy="raise the per-process memory fraction",
+    ),
+    Case(
+        "request_exceeds_device",
+        request_exceeds_device,
+        "request_exceeds_device",
+        top_remedy="check the shape",
+    ),
+    Case("leak", leak, "leak", top_remedy="stop the leak at /home/user/train.py:12"),
+    Case(
+        "transient_spike",
+        transient_spike,
+        "transient_spike",
+        top_remedy="compute the short-lived temporary in chunks",
+    ),
 )
