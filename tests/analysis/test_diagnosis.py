@@ -155,3 +155,15 @@ def test_shortage_states_the_shortfall():
     assert finding.evidence_bytes["available_bytes"] == 8 * GiB - CONTEXT
     assert finding.explained_bytes == 8 * GiB - (8 * GiB - CONTEXT)
     assert any(r.saving_bytes is None and "shortfall" in r.title for r in diagnosis.remedies)
+
+
+def test_remedies_that_do_not_lower_the_peak_rank_last():
+    """Remedy.rank_key: lowering the peak first, then bytes saved, then measured before estimated."""
+    from oomkit.analysis.diagnosis import Remedy
+
+    others = Remedy("empty_cache", 10 * 2**30, "high", "", "", estimate=False, lowers_peak=False)
+    small = Remedy("small", 2**20, "low", "", "")
+    big_est = Remedy("big estimate", 2**30, "low", "", "")
+    big_measured = Remedy("big measured", 2**30, "high", "", "", estimate=False)
+    ranked = sorted([others, small, big_est, big_measured], key=Remedy.rank_key)
+    assert [r.title for r in ranked] == ["big measured", "big estimate", "small", "empty_cache"]

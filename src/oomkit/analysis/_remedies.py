@@ -247,6 +247,7 @@ def empty_cache_remedy(segments: Sequence[SnapshotSegment]) -> Remedy | None:
         "returns it to the device for other processes and libraries. It does not lower what "
         "this process needs: PyTorch frees these segments itself before raising an OOM.",
         estimate=False,
+        lowers_peak=False,
     )
 
 

@@ -77,6 +77,8 @@ class Remedy:
         code: copy-paste code or command.
         why: one or two sentences.
         estimate: True when ``saving_bytes`` is estimated rather than computed by replay.
+        lowers_peak: False for a remedy whose bytes go to other processes, not to this one's
+            need (``empty_cache``): it ranks after every remedy that lowers the peak.
     """
 
     title: str
@@ -85,6 +87,11 @@ class Remedy:
     code: str
     why: str
     estimate: bool = True
+    lowers_peak: bool = True
+
+    def rank_key(self) -> tuple[bool, int, bool]:
+        """Sort key: remedies that lower the peak first, then by bytes saved, measured first."""
+        return (not self.lowers_peak, -(self.saving_bytes or 0), self.estimate)
 
 
 @dataclass(frozen=True)
@@ -312,7 +319,7 @@ def _remedies(
                 estimate=False,
             )
         )
-    remedies.sort(key=lambda remedy: -(remedy.saving_bytes or 0))
+    remedies.sort(key=Remedy.rank_key)
     return tuple(remedies)
 
 

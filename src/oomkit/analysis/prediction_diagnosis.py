@@ -16,7 +16,7 @@ from typing import Any
 from oomkit.analysis._model_remedies import estimated_model_remedies, measured_model_remedies
 from oomkit.analysis._remedies import batch_remedy
 from oomkit.analysis.attribution import AllocationSite, Attribution
-from oomkit.analysis.diagnosis import Diagnosis, Finding, diagnose_oom_text
+from oomkit.analysis.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
 from oomkit.analysis.oom_text import parse_oom_text
 from oomkit.errors import OomTextError, PredictionFormatError
 from oomkit.gpus import GpuSpec
@@ -161,7 +161,7 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
             ]
             model.extend(measured)
     remedies = list(base.remedies) + model
-    remedies.sort(key=lambda r: (-(r.saving_bytes or 0), r.estimate))
+    remedies.sort(key=Remedy.rank_key)
 
     sites = tuple(
         AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)

@@ -455,7 +455,7 @@ def diagnose_snapshot(
     remedies += [caught_oom_remedy(held)] if held else []
 
     findings.sort(key=lambda x: -x.explained_bytes)
-    remedies.sort(key=lambda x: -(x.saving_bytes or 0))
+    remedies.sort(key=Remedy.rank_key)
     return Diagnosis(
         cause=findings[0].cause,
         causes=tuple(findings),

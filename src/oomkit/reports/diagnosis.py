@@ -12,7 +12,7 @@ from oomkit.analysis.diagnosis import Diagnosis
 from oomkit.analysis.oom_text import OomText
 from oomkit.units import format_bytes
 
-__all__ = ["diagnosis_to_json", "render_diagnosis"]
+__all__ = ["diagnosis_to_json", "render_diagnosis", "verdict_label"]
 
 _CAUSE_WORDS = {
     "shortage": "a real shortage of memory",
@@ -23,6 +23,16 @@ _CAUSE_WORDS = {
     "leak": "a leak",
     "transient_spike": "a short-lived spike",
 }
+
+
+def verdict_label(diagnosis: Diagnosis) -> str:
+    """``Cause: fragmentation of PyTorch's cache``; a snapshot with no OOM says so first."""
+    words = _CAUSE_WORDS[diagnosis.cause]
+    moment = diagnosis.attribution.moment if diagnosis.attribution is not None else "oom"
+    if diagnosis.source == "snapshot" and moment != "oom":
+        when = "its peak" if moment == "peak" else "its end"
+        return f"No OOM in this snapshot; the main risk at {when}: {words}"
+    return f"Cause: {words}"
 
 
 def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> dict:
@@ -82,7 +92,7 @@ def _saving(nbytes: int | None, estimate: bool) -> str:
 def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
     """Print the verdict, the causes with their evidence, the remedies and the memory paragraph."""
     top = diagnosis.causes[0]
-    console.print(f"[bold]Cause: {_CAUSE_WORDS[diagnosis.cause]}[/bold] — {top.summary}.")
+    console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {top.summary}.")
     if len(diagnosis.causes) > 1:
         causes = Table(title="Every cause that applies, strongest first", title_justify="left")
         causes.add_column("cause")

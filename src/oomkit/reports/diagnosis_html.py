@@ -15,7 +15,7 @@ from pathlib import Path
 
 from oomkit.analysis.diagnosis import Diagnosis
 from oomkit.analysis.prediction import TimelinePoint
-from oomkit.reports.diagnosis import _CAUSE_WORDS
+from oomkit.reports.diagnosis import verdict_label
 from oomkit.reports.html import BlockRun, ChartSeries, HtmlPage, block_map_svg, line_chart_svg
 from oomkit.snapshot import Snapshot, SnapshotSegment
 from oomkit.units import format_bytes
@@ -137,7 +137,7 @@ def diagnosis_html(
     page = HtmlPage(title, subtitle=f"oomkit explain {source}" if source else None)
     top = diagnosis.causes[0]
     verdict = page.section("Verdict", "verdict")
-    verdict.verdict(f"Cause: {_CAUSE_WORDS[diagnosis.cause]} — {top.summary}.")
+    verdict.verdict(f"{verdict_label(diagnosis)} — {top.summary}.")
     if diagnosis.remedies:
         first = diagnosis.remedies[0]
         verdict.paragraph(
