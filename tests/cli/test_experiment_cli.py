@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -212,3 +213,47 @@ def test_experiment_json_end_to_end(tmp_path, capsys, monkeypatch):
         "keep PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: no other setting reserved less"
     )
     assert out["steps"] == 4
+
+
+def test_experiment_gpus_flag_is_passed_on(tmp_path, fake_run):
+    """--gpus 0,1,2,3 reaches run_experiment as four GPUs; without it, None (every visible)."""
+    script = _script(tmp_path)
+    assert main(["experiment", "--gpus", "0, 1,2,3", "--", sys.executable, script]) == 0
+    assert main(["experiment", "--", sys.executable, script]) == 0
+    assert [call["gpus"] for call in fake_run] == [("0", "1", "2", "3"), None]
+
+
+@pytest.mark.parametrize("value", ["0,0", "0,,1", ""])
+def test_experiment_bad_gpus_are_usage_errors(tmp_path, value):
+    """A repeated or empty GPU in --gpus is an argparse error (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["experiment", "--gpus", value, "--", sys.executable, _script(tmp_path)])
+    assert exc.value.code == 2
+
+
+def test_experiment_shows_the_gpu_of_each_trial(tmp_path, capsys, monkeypatch):
+    """Trials pinned to GPUs: a GPU column in the table and `gpu`/`gpus` in --json."""
+    base, best, oom, bad = _fake_result().trials
+    result = ExperimentResult(
+        trials=(
+            dataclasses.replace(base, gpu="0"),
+            dataclasses.replace(best, gpu="1"),
+            dataclasses.replace(oom, gpu="0"),
+            bad,
+        ),
+        recommended=None,
+        reason="no trial completed; see the errors above",
+        steps=20,
+        gpus=("0", "1"),
+    )
+    monkeypatch.setattr(experiment, "run_experiment", lambda *a, **k: result)
+    monkeypatch.setenv("COLUMNS", "140")
+    assert main(["experiment", "--", sys.executable, _script(tmp_path)]) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].split("┃")[-2].strip() == "GPU"
+    cells = [row.split("│")[-2].strip() for row in rows[4:8]]
+    assert cells == ["0", "1", "0", "-"]
+    assert main(["experiment", "--json", "--", sys.executable, _script(tmp_path)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == ["0", "1"]
+    assert [t["gpu"] for t in out["trials"]] == ["0", "1", "0", None]

@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -452,6 +451,9 @@ def test_trials_run_in_parallel_one_per_gpu(tmp_path, sim_env):
     assert not (marks / "expandable_segments.end").exists()
     assert hang.duration_s < timeout_s + 3
     assert elapsed < timeout_s + base.duration_s + third.duration_s
+    # The simulated device never initialises CUDA: no GPU model, no mixed-models warning.
+    assert [t.device_name for t in result.trials] == [None, None, None]
+    assert result.warnings == ()
 
 
 def test_one_visible_gpu_runs_unpinned_one_after_another(tmp_path, sim_env):
@@ -497,25 +499,24 @@ def test_visible_gpus_reads_cuda_visible_devices(value, gpus):
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == gpus
 
 
-def test_visible_gpus_asks_nvml_when_the_variable_is_unset(monkeypatch):
-    """Without CUDA_VISIBLE_DEVICES: NVML's device count (no CUDA context), then shut down."""
-    calls = []
-    fake = types.SimpleNamespace(
-        nvmlInit=lambda: calls.append("init"),
-        nvmlDeviceGetCount=lambda: 3,
-        nvmlShutdown=lambda: calls.append("shutdown"),
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert visible_gpus({}) == ("0", "1", "2")
-    assert calls == ["init", "shutdown"]
-
-
-def test_visible_gpus_falls_back_to_torch_without_nvml(monkeypatch):
-    """Without pynvml: torch.cuda.device_count() (NVML first inside torch, no context)."""
+def test_visible_gpus_counts_with_torch_when_the_variable_is_unset(monkeypatch):
+    """Without CUDA_VISIBLE_DEVICES: torch.cuda.device_count() (NVML first, no CUDA context)."""
     import torch
 
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert visible_gpus({}) == ("0", "1")
     monkeypatch.setattr(experiment, "_torch_device_count", lambda: 0)
     assert visible_gpus({}) == ()
+
+
+def test_trials_on_different_gpu_models_are_flagged():
+    """Two GPU models among the trials: a warning that names both; one model: none."""
+    h100 = Trial("", True, "completed", device_name="NVIDIA H100 80GB HBM3")
+    a100 = Trial("a:1", False, "completed", device_name="NVIDIA A100-SXM4-80GB")
+    unknown = Trial("b:1", False, "crashed")
+    assert experiment._mixed_models_warning([h100, a100, unknown]) == (
+        "the trials ran on different GPU models (NVIDIA A100-SXM4-80GB, NVIDIA H100 80GB HBM3): "
+        "their steps/s compares the GPUs as much as the settings; name GPUs of one model with "
+        "--gpus"
+    )
+    assert experiment._mixed_models_warning([h100, h100, unknown]) is None

@@ -108,7 +108,9 @@ def _positive_float(text: str) -> float:
 def _gpu_list(text: str) -> tuple[str, ...]:
     gpus = tuple(part.strip() for part in text.split(","))
     if not all(gpus):
-        raise argparse.ArgumentTypeError(f"must be GPUs separated by commas, e.g. 0,1; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be GPUs separated by commas, e.g. 0,1; got {text!r}"
+        )
     if len(set(gpus)) != len(gpus):
         raise argparse.ArgumentTypeError(f"names a GPU twice; got {text!r}")
     return gpus

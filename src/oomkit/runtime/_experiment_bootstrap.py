@@ -15,7 +15,9 @@ an optimizer-step post hook) and the process exits 0 at once (``os._exit``, so t
 threads the script started cannot keep it alive). The outcome goes to ``CONFIG["result_path"]``
 as JSON: ``outcome`` is ``"completed"`` (the steps were reached), ``"finished"`` (the script ended
 first), ``"oom"`` (``torch.OutOfMemoryError``, by type), ``"exception"`` or ``"exit"``
-(``sys.exit`` with a non-zero code); ``steps`` is how many steps the monitor recorded.
+(``sys.exit`` with a non-zero code); ``steps`` is how many steps the monitor recorded;
+``device_name`` is the name of the GPU the script used (None when it did not initialise CUDA), so
+that the parent can tell when parallel trials ran on different GPU models.
 
 Testing only: with ``OOMKIT_RUN_SIMULATED_GPU=<gpu>`` (e.g. ``1GiB``) the script runs inside
 ``SimulatedCudaDevice(gpu, alloc_conf=$PYTORCH_CUDA_ALLOC_CONF, context_overhead_bytes=0)``.
@@ -61,6 +63,21 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
     with open(partial, "w") as out:
         json.dump(result, out)
     os.replace(partial, path)
+
+
+def _cuda_device_name() -> str | None:
+    """``torch.cuda.get_device_name`` of the script's current GPU; None when it used none.
+
+    Asked only when the script initialised CUDA itself (``torch.cuda.is_initialized``), so that
+    this never creates a context the script did not.
+    """
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return str(torch.cuda.get_device_name(torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - a broken context after an error: no name, no new error
+        return None
 
 
 def main(argv: list[str]) -> int:
@@ -143,6 +160,7 @@ def main(argv: list[str]) -> int:
     finally:
         if monitor is not None:
             result["steps"] = len(monitor.records)
+        result["device_name"] = _cuda_device_name()
         _write_result(config["result_path"], result)
     if completed:
         # Exit now: threads the script started (data loaders) must not keep the trial running.

@@ -15,7 +15,6 @@ without being more than ``max_slowdown`` slower than the baseline.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -95,6 +94,8 @@ class Trial:
         duration_s: wall time of the child, seconds.
         gpu: the ``CUDA_VISIBLE_DEVICES`` value the child ran with (one GPU: an index or a
             UUID); None when the caller's environment was left as it was.
+        device_name: the name of the GPU the script used (``torch.cuda.get_device_name``);
+            None when it did not initialise CUDA or did not get as far as writing its result.
     """
 
     alloc_conf: str
@@ -113,6 +114,7 @@ class Trial:
     error: str | None = None
     duration_s: float = 0.0
     gpu: str | None = None
+    device_name: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -138,6 +140,7 @@ class Trial:
             "error": self.error,
             "duration_s": round(self.duration_s, 3),
             "gpu": self.gpu,
+            "device_name": self.device_name,
         }
 
 
@@ -310,32 +313,14 @@ def _parse_visible_devices(value: str) -> tuple[str, ...]:
     return tuple(devices)
 
 
-def _nvml_device_count() -> int | None:
-    """The GPUs NVML sees (``pynvml``, package ``nvidia-ml-py``); None without it or a driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses (no driver, no GPU)
-        return None
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:  # noqa: BLE001 - as above
-        return None
-    finally:
-        with contextlib.suppress(Exception):  # pynvml's NVMLError
-            pynvml.nvmlShutdown()
-
-
 def _torch_device_count() -> int:
     """``torch.cuda.device_count()``; 0 without torch or without a CUDA build.
 
-    Before CUDA is initialised it asks NVML (``_device_count_nvml``, no CUDA context) and only
-    when NVML fails falls back to ``cudaGetDeviceCount`` (torch/cuda/__init__.py,
-    ``device_count``), which initialises the driver but creates no context and allocates no
-    device memory; the trials are new processes (``exec``), so this parent's state is not theirs.
+    Before CUDA is initialised it asks NVML (``_device_count_nvml``: libnvidia-ml through
+    ctypes, no CUDA context) and only when NVML fails falls back to ``cudaGetDeviceCount``
+    (torch/cuda/__init__.py, ``device_count``), which initialises the driver but creates no
+    context and allocates no device memory; the trials are new processes (``exec``), so this
+    parent's driver state is not theirs.
     """
     try:
         import torch
@@ -356,16 +341,13 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     Returns:
         ``CUDA_VISIBLE_DEVICES`` values, one per GPU: the entries of ``CUDA_VISIBLE_DEVICES``
         when it is set (indices or UUIDs, as the CUDA runtime reads them); else ``"0"`` to
-        ``"n-1"`` for the n GPUs NVML (``pynvml``) or, without it,
-        ``torch.cuda.device_count()`` finds; empty without a GPU.
+        ``"n-1"`` for the n GPUs ``torch.cuda.device_count()`` finds (through NVML when it
+        can); empty without a GPU or without torch.
     """
     env = os.environ if environ is None else environ
     if _VISIBLE_ENV in env:
         return _parse_visible_devices(env[_VISIBLE_ENV])
-    count = _nvml_device_count()
-    if count is None:
-        count = _torch_device_count()
-    return tuple(str(i) for i in range(count))
+    return tuple(str(i) for i in range(_torch_device_count()))
 
 
 @dataclass
@@ -481,6 +463,7 @@ def _finish_trial(run: _Running, *, timed_out: bool, get_time: Callable[[], floa
         error=error,
         duration_s=duration,
         gpu=run.gpu,
+        device_name=None if result is None else result.get("device_name"),
         **measured,
     )
 
@@ -640,6 +623,17 @@ def _baseline_conf(environ: Mapping[str, str]) -> str:
     return ""
 
 
+def _mixed_models_warning(trials: Sequence[Trial]) -> str | None:
+    """A warning when the trials ran on GPUs of different models (their steps/s do not compare)."""
+    models = sorted({t.device_name for t in trials if t.device_name})
+    if len(models) < 2:
+        return None
+    return (
+        f"the trials ran on different GPU models ({', '.join(models)}): their steps/s "
+        "compares the GPUs as much as the settings; name GPUs of one model with --gpus"
+    )
+
+
 def run_experiment(
     python: str,
     target: Sequence[str],
@@ -704,7 +698,8 @@ def run_experiment(
         found = visible_gpus(env)
         slots: tuple[str, ...] = found if len(found) > 1 else ()
     else:
-        slots = tuple(str(gpu).strip() for gpu in gpus)
+        names = gpus.split(",") if isinstance(gpus, str) else gpus  # "0,1" as --gpus takes it
+        slots = tuple(str(gpu).strip() for gpu in names)
         repeated = sorted({gpu for gpu in slots if slots.count(gpu) > 1})
         if repeated or "" in slots:
             raise OomkitError(
@@ -777,6 +772,9 @@ def run_experiment(
                 _kill_group(run.proc)
             raise
     trials = [t for t in results if t is not None]
+    mixed = _mixed_models_warning(trials)
+    if mixed is not None:
+        warnings.append(mixed)
     if steps < 2:
         warnings.append("with 1 step per trial there is no throughput; use --steps 10 or more")
     if all(t.steps == 0 for t in trials if t.status != "invalid"):
