@@ -19,6 +19,8 @@ __all__ = [
     "size_arg",
     "existing_file",
     "add_json_flag",
+    "add_script_command",
+    "positive_int",
     "add_alloc_conf_flags",
     "config_from_args",
 ]
@@ -55,6 +57,27 @@ def existing_file(text: str) -> Path:
             f"{text}: no such file. Check the path (it is relative to {Path.cwd()})."
         )
     return path
+
+
+def positive_int(text: str) -> int:
+    """argparse type for a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def add_script_command(parser: argparse.ArgumentParser) -> None:
+    """The ``-- python SCRIPT [ARGS...]`` tail of ``oomkit run`` and ``oomkit experiment``."""
+    parser.add_argument(
+        "script_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- python SCRIPT [ARGS...]",
+        help="the command to run: python script.py ARGS or python -m module ARGS",
+    )
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomkit.cli._common import size_arg
+from oomkit.cli._common import positive_int, size_arg
 from oomkit.errors import OomkitError, UserCodeError
 
 __all__ = [
@@ -32,17 +32,6 @@ __all__ = [
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 MODES = ("train", "inference", "generate")
-
-
-def positive_int(text: str) -> int:
-    """argparse type for a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
-    return value
 
 
 def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...] = MODES) -> None:

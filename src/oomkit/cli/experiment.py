@@ -14,7 +14,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from oomkit.cli._common import add_json_flag, existing_file, print_json, stderr_console
+from oomkit.cli._common import (
+    add_json_flag,
+    add_script_command,
+    existing_file,
+    positive_int,
+    print_json,
+    stderr_console,
+)
 from oomkit.errors import OomkitError
 
 __all__ = ["FROM_TUNE_LIMIT", "add_parser", "run"]
@@ -54,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--steps",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=_DEFAULT_STEPS,
         help=f"optimizer steps per trial; the first is left out of steps/s (default {_DEFAULT_STEPS})",
     )
@@ -75,24 +82,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(default: every visible GPU; one GPU or none: one trial after another)",
     )
     add_json_flag(parser)
-    parser.add_argument(
-        "script_command",
-        nargs=argparse.REMAINDER,
-        metavar="-- python SCRIPT [ARGS...]",
-        help="the command to run: python script.py ARGS or python -m module ARGS",
-    )
+    add_script_command(parser)
     parser.set_defaults(run=run)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number; got {text!r}")
-    return value
 
 
 def _positive_float(text: str) -> float:

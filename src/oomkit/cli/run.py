@@ -20,7 +20,13 @@ import tempfile
 from pathlib import Path
 
 import oomkit
-from oomkit.cli._common import add_json_flag, print_json, stderr_console
+from oomkit.cli._common import (
+    add_json_flag,
+    add_script_command,
+    positive_int,
+    print_json,
+    stderr_console,
+)
 from oomkit.errors import OomkitError
 
 __all__ = ["add_parser", "run", "split_python_command"]
@@ -51,29 +57,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--max-entries",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_ENTRIES,
         help=f"events kept in the history ring buffer per device (default {DEFAULT_MAX_ENTRIES})",
     )
     add_json_flag(parser)
-    parser.add_argument(
-        "script_command",
-        nargs=argparse.REMAINDER,
-        metavar="-- python SCRIPT [ARGS...]",
-        help="the command to run: python script.py ARGS or python -m module ARGS",
-    )
+    add_script_command(parser)
     parser.set_defaults(run=run)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number; got {text!r}")
-    return value
 
 
 def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
