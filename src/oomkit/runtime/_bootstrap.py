@@ -28,23 +28,39 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["RESULT_FORMAT_VERSION", "SIMULATED_GPU_ENV", "main"]
+__all__ = [
+    "RESULT_FORMAT_VERSION",
+    "SIMULATED_GPU_ENV",
+    "main",
+    "user_traceback",
+    "write_result",
+]
 
 RESULT_FORMAT_VERSION = 1
 SIMULATED_GPU_ENV = "OOMKIT_RUN_SIMULATED_GPU"
 
 
-def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the first frame that is neither this file's nor runpy's."""
+def user_traceback(
+    tb: TracebackType | None, bootstrap_globals: dict[str, Any]
+) -> TracebackType | None:
+    """The traceback from the first frame that is neither the bootstrap's nor runpy's.
+
+    Args:
+        tb: the exception's traceback.
+        bootstrap_globals: the calling bootstrap's ``globals()`` (it runs as a file, as
+            ``__main__``, like the user's script: identity tells them apart).
+    """
     # runpy is frozen in 3.11+ (co_filename "<frozen runpy>"): tell frames by their module.
     while tb is not None and (
-        tb.tb_frame.f_globals is globals() or tb.tb_frame.f_globals.get("__name__") == "runpy"
+        tb.tb_frame.f_globals is bootstrap_globals
+        or tb.tb_frame.f_globals.get("__name__") == "runpy"
     ):
         tb = tb.tb_next
     return tb
 
 
-def _write_result(path: str, result: dict[str, Any]) -> None:
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """Write the child's result JSON atomically (the parent never reads half a file)."""
     partial = path + ".partial"
     with open(partial, "w") as out:
         json.dump(result, out)
@@ -147,7 +163,7 @@ def main(argv: list[str]) -> int:
         result["oom"] = is_out_of_memory(exc)
         result["message"] = str(exc.args[0]) if exc.args else str(exc)
         # The default hook prints exc.__traceback__ whatever tb it is given: trim that.
-        exc.__traceback__ = _user_traceback(exc.__traceback__)
+        exc.__traceback__ = user_traceback(exc.__traceback__, globals())
         sys.excepthook(type(exc), exc, exc.__traceback__)
         return 1
     finally:
@@ -167,7 +183,7 @@ def main(argv: list[str]) -> int:
             ]
             if watcher.ooms and recorder is not None:
                 result["gpu"] = _gpu_json(recorder, watcher.ooms[-1].device)
-        _write_result(config["result_path"], result)
+        write_result(config["result_path"], result)
     return 0
 
 

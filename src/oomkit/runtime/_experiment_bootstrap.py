@@ -31,13 +31,14 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+# The same helpers and test-only variable as `oomkit run`'s bootstrap.
+from oomkit.runtime._bootstrap import SIMULATED_GPU_ENV, user_traceback, write_result
 
 __all__ = ["ALLOC_CONF_ENV", "RESULT_FORMAT_VERSION", "SIMULATED_GPU_ENV", "main"]
 
 RESULT_FORMAT_VERSION = 1
-SIMULATED_GPU_ENV = "OOMKIT_RUN_SIMULATED_GPU"  # the same variable as `oomkit run`'s bootstrap
 # c10/cuda/CUDAAllocatorConfig.cpp reads this variable when the allocator is first used.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -47,22 +48,6 @@ class _StepLimitReached(BaseException):
 
     A BaseException so that a script's ``except Exception`` does not swallow it.
     """
-
-
-def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the first frame that is neither this file's nor runpy's."""
-    while tb is not None and (
-        tb.tb_frame.f_globals is globals() or tb.tb_frame.f_globals.get("__name__") == "runpy"
-    ):
-        tb = tb.tb_next
-    return tb
-
-
-def _write_result(path: str, result: dict[str, Any]) -> None:
-    partial = path + ".partial"
-    with open(partial, "w") as out:
-        json.dump(result, out)
-    os.replace(partial, path)
 
 
 def _cuda_device_name() -> str | None:
@@ -154,14 +139,14 @@ def main(argv: list[str]) -> int:
         result["exit_code"] = 1
         result["exception_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
         result["message"] = str(exc.args[0]) if exc.args else str(exc)
-        exc.__traceback__ = _user_traceback(exc.__traceback__)
+        exc.__traceback__ = user_traceback(exc.__traceback__, globals())
         sys.excepthook(type(exc), exc, exc.__traceback__)
         return 1
     finally:
         if monitor is not None:
             result["steps"] = len(monitor.records)
         result["device_name"] = _cuda_device_name()
-        _write_result(config["result_path"], result)
+        write_result(config["result_path"], result)
     if completed:
         # Exit now: threads the script started (data loaders) must not keep the trial running.
         sys.stdout.flush()
