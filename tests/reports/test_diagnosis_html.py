@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +165,27 @@ def test_timeline_marker_says_oom_only_where_one_was_recorded(oom_snapshot):
     calm_page = diagnosis_html(diagnose_snapshot(calm), snapshot=calm)
     assert ">OOM</text>" not in calm_page
     assert ">peak</text>" in calm_page
+
+
+def test_saved_prediction_page_has_its_timeline(parse_html):
+    """A saved prediction's page plots its timeline with the OOM marked and the usable limit."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "analysis"))  # the labelled cases
+    from cases.prediction import PREDICTION
+
+    from oomkit.analysis.prediction_diagnosis import diagnose_prediction
+
+    data = {
+        **PREDICTION,
+        "timeline": [
+            {"event_index": 10, "step": 0, "allocated_bytes": 2**30, "reserved_bytes": 2**31},
+            {"event_index": 385, "step": 0, "allocated_bytes": 3 * 2**30, "reserved_bytes": 3 * 2**30},
+        ],
+    }
+    diagnosis = diagnose_prediction(data, measure=False)
+    html = diagnosis_html(diagnosis, prediction=data)
+    page = parse_html(html)
+    assert "timeline" in [a["id"] for a in page.of("section")]
+    assert [p["data-name"] for p in page.of("path")] == ["allocated", "reserved"]
+    assert ">OOM</text>" in html
+    broken = diagnosis_html(diagnosis, prediction={**data, "timeline": [{"event_index": 1}]})
+    assert 'id="timeline"' not in broken

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "--memory-fraction 0.5"
         )
     source = _read_source(args.source)
-    parsed = snapshot = None
+    parsed = snapshot = prediction = None
     if isinstance(source, Path):
         from oomkit.analysis.snapshot_diagnosis import diagnose_snapshot
         from oomkit.snapshot import load_snapshot
@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     elif (data := _as_json(source)) is not None:
         from oomkit.analysis.prediction_diagnosis import diagnose_prediction
 
+        prediction = data
         diagnosis = diagnose_prediction(data, measure=args.measure)  # type: ignore[arg-type]
     else:
         parsed = parse_oom_text(source)
@@ -134,7 +135,12 @@ def run(args: argparse.Namespace) -> int:
         from oomkit.reports.diagnosis_html import write_diagnosis_html
 
         write_diagnosis_html(
-            args.html, diagnosis, snapshot=snapshot, device=args.device, source=args.source
+            args.html,
+            diagnosis,
+            snapshot=snapshot,
+            device=args.device,
+            source=args.source,
+            prediction=prediction,
         )
     if args.json:
         print_json(diagnosis_to_json(diagnosis, parsed))

@@ -10,8 +10,9 @@ top allocation sites. Built on :mod:`oomkit.reports.html`: inline CSS and SVG, n
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from oomkit.analysis.diagnosis import Diagnosis
 from oomkit.analysis.prediction import TimelinePoint
@@ -120,6 +121,7 @@ def diagnosis_html(
     device: int | None = None,
     title: str = "CUDA out-of-memory diagnosis",
     source: str | None = None,
+    prediction: Mapping[str, Any] | None = None,
 ) -> str:
     """The diagnosis as a self-contained HTML page.
 
@@ -130,6 +132,7 @@ def diagnosis_html(
         device: the snapshot's device shown; None picks the one with an ``oom`` entry.
         title: the page title.
         source: what was diagnosed (a file name), shown under the title.
+        prediction: the saved prediction diagnosed (``oomkit predict --json``), for its timeline.
 
     Returns:
         The HTML document.
@@ -181,6 +184,8 @@ def diagnosis_html(
 
     if snapshot is not None:
         _snapshot_sections(page, diagnosis, snapshot, device)
+    if prediction is not None:
+        _prediction_timeline(page, prediction)
 
     attribution = diagnosis.attribution
     if attribution is not None and (attribution.top_sites or attribution.largest_tensors):
@@ -231,6 +236,35 @@ def _moment_label(diagnosis: Diagnosis) -> str:
     return {"oom": "OOM", "peak": "peak", "final": "end"}.get(moment, moment)
 
 
+def _prediction_timeline(page: HtmlPage, data: Mapping[str, Any]) -> None:
+    """The predicted step's allocated/reserved levels (``Prediction.timeline``), the OOM marked."""
+    points = [p for p in data.get("timeline") or () if isinstance(p, Mapping)]
+    try:
+        series = [
+            ChartSeries(name, tuple((int(p["event_index"]), int(p[f"{name}_bytes"])) for p in points))
+            for name in ("allocated", "reserved")
+        ]
+    except (KeyError, TypeError, ValueError):
+        return  # an edited or older file: the page keeps every other section
+    if not points:
+        return
+    oom = data.get("oom") if isinstance(data.get("oom"), Mapping) else None
+    usable = data.get("usable_bytes")
+    svg = line_chart_svg(
+        series,
+        x_label="trace event",
+        marker_x=oom.get("event_index") if oom else None,
+        marker_label="OOM" if oom else None,
+        limit_bytes=usable if isinstance(usable, int) else None,
+        limit_label="usable by PyTorch" if isinstance(usable, int) else None,
+    )
+    page.section("Memory timeline", "timeline").figure(
+        svg,
+        "Predicted allocated and reserved bytes over the traced steps"
+        + (" up to the OOM, where the replay stops." if oom else "."),
+    )
+
+
 def _snapshot_sections(
     page: HtmlPage, diagnosis: Diagnosis, snapshot: Snapshot, device: int | None
 ) -> None:
@@ -277,11 +311,14 @@ def write_diagnosis_html(
     snapshot: Snapshot | None = None,
     device: int | None = None,
     source: str | None = None,
+    prediction: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write :func:`diagnosis_html` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
     path.write_text(
-        diagnosis_html(diagnosis, snapshot=snapshot, device=device, source=source),
+        diagnosis_html(
+            diagnosis, snapshot=snapshot, device=device, source=source, prediction=prediction
+        ),
         encoding="utf-8",
     )
     return path
