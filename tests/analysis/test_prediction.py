@@ -235,3 +235,23 @@ def test_predict_unknown_gpu_fails_before_tracing():
     """An unknown GPU name raises UnknownGpuError without running the step."""
     with pytest.raises(UnknownGpuError):
         predict(lambda: pytest.fail("traced"), gpu="not-a-gpu")
+
+
+def test_timeline_points_carry_live_bytes_by_category():
+    """Each timeline point has the block bytes of every category live just after its event."""
+    events = [
+        _alloc(1, 4 * MiB, "activation", module="a"),
+        _alloc(2, 6 * MiB, "temporary", module="b"),
+        *_free(2, 6 * MiB),
+        _alloc(3, 2 * MiB, "gradient"),
+    ]
+    p = predict_recording(_recording(events), _gpu(GiB, 0))
+    levels = [(t.event_index, dict(t.by_category_bytes)) for t in p.timeline]
+    assert levels == [
+        (0, {"activation": 4 * MiB}),
+        (1, {"temporary": 6 * MiB, "activation": 4 * MiB}),
+        (2, {"temporary": 6 * MiB, "activation": 4 * MiB}),  # only requested: still allocated
+        (3, {"activation": 4 * MiB}),
+        (4, {"activation": 4 * MiB, "gradient": 2 * MiB}),
+    ]
+    assert all(sum(c.values()) <= t.allocated_bytes for t in p.timeline for c in [t.by_category_bytes])

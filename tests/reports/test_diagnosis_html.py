@@ -177,15 +177,18 @@ def test_saved_prediction_page_has_its_timeline(parse_html):
     data = {
         **PREDICTION,
         "timeline": [
-            {"event_index": 10, "step": 0, "allocated_bytes": 2**30, "reserved_bytes": 2**31},
-            {"event_index": 385, "step": 0, "allocated_bytes": 3 * 2**30, "reserved_bytes": 3 * 2**30},
+            {"event_index": 10, "step": 0, "allocated_bytes": 2**30, "reserved_bytes": 2**31,
+             "by_category_bytes": {"parameter": 2**29, "activation": 2**29}},
+            {"event_index": 385, "step": 0, "allocated_bytes": 3 * 2**30, "reserved_bytes": 3 * 2**30,
+             "by_category_bytes": {"activation": 5 * 2**29, "parameter": 2**29}},
         ],
     }
     diagnosis = diagnose_prediction(data, measure=False)
     html = diagnosis_html(diagnosis, prediction=data)
     page = parse_html(html)
     assert "timeline" in [a["id"] for a in page.of("section")]
-    assert [p["data-name"] for p in page.of("path")] == ["allocated", "reserved"]
+    names = [p["data-name"] for p in page.of("path")]
+    assert names == ["allocated", "reserved", "activation", "parameter"]
     assert ">OOM</text>" in html
     broken = diagnosis_html(diagnosis, prediction={**data, "timeline": [{"event_index": 1}]})
     assert 'id="timeline"' not in broken

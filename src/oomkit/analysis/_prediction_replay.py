@@ -10,8 +10,8 @@ it, so the hot loop stays cheap.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from oomkit.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.errors import TraceFormatError
@@ -25,6 +25,7 @@ __all__ = [
     "StepPeak",
     "LiveBreakdown",
     "replay_for_prediction",
+    "category_levels",
     "live_breakdown",
     "step_of",
 ]
@@ -47,12 +48,15 @@ class TimelinePoint:
         step: the step of that event (0-based); ``None`` before the first step.
         allocated_bytes: the highest ``allocated_bytes.all.current`` over the run.
         reserved_bytes: the highest ``reserved_bytes.all.current`` over the run.
+        by_category_bytes: allocated block bytes by category tag just after ``event_index``
+            (filled by :func:`category_levels`; empty until then).
     """
 
     event_index: int
     step: int | None
     allocated_bytes: int
     reserved_bytes: int
+    by_category_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,39 @@ def replay_for_prediction(
     out.num_device_alloc = stats["num_device_alloc"]
     out.num_device_free = stats["num_device_free"]
     out.num_alloc_retries = stats["num_alloc_retries"]
+    return out
+
+
+def category_levels(
+    events: Sequence[TraceEvent], block_bytes: dict[int, int], points: Sequence[TimelinePoint]
+) -> list[TimelinePoint]:
+    """The timeline points with the live bytes of each category just after their event.
+
+    One pass over the events (as :func:`live_breakdown` walks them, but once for every point).
+
+    Args:
+        events: the recording's events.
+        block_bytes: per alloc event index, the bytes the allocator counted (``ReplayPass``).
+        points: timeline points in event order.
+    """
+    live: dict[int, tuple[str, int]] = {}  # recording id -> (category, block bytes)
+    levels: dict[str, int] = {}
+    out: list[TimelinePoint] = []
+    index = 0
+    for point in points:
+        while index <= point.event_index and index < len(events):
+            event = events[index]
+            if event.action == "alloc":
+                nbytes = block_bytes.get(index, 0)
+                if nbytes:
+                    category = dict(event.tags).get("category", _NO_CATEGORY)
+                    live[event.address] = (category, nbytes)
+                    levels[category] = levels.get(category, 0) + nbytes
+            elif event.action == "free_completed" and event.address in live:
+                category, nbytes = live.pop(event.address)
+                levels[category] -= nbytes
+            index += 1
+        out.append(replace(point, by_category_bytes=_sorted({k: v for k, v in levels.items() if v})))
     return out
 
 

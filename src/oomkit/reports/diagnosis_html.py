@@ -248,6 +248,7 @@ def _prediction_timeline(page: HtmlPage, data: Mapping[str, Any]) -> None:
         return  # an edited or older file: the page keeps every other section
     if not points:
         return
+    series += _category_series(points)
     oom = data.get("oom") if isinstance(data.get("oom"), Mapping) else None
     usable = data.get("usable_bytes")
     svg = line_chart_svg(
@@ -260,9 +261,35 @@ def _prediction_timeline(page: HtmlPage, data: Mapping[str, Any]) -> None:
     )
     page.section("Memory timeline", "timeline").figure(
         svg,
-        "Predicted allocated and reserved bytes over the traced steps"
+        "Predicted allocated and reserved bytes, and the largest categories, over the traced steps"
         + (" up to the OOM, where the replay stops." if oom else "."),
     )
+
+
+# Lines a reader can still tell apart: the largest categories, the rest left to "allocated".
+_CATEGORY_LINES = 3  # with allocated and reserved, five legend entries fit 900 px
+
+
+def _category_series(points: Sequence[Mapping[str, Any]]) -> list[ChartSeries]:
+    """One line per largest category (``TimelinePoint.by_category_bytes``), where recorded."""
+    peak_by_category: dict[str, int] = {}
+    for point in points:
+        levels = point.get("by_category_bytes")
+        if not isinstance(levels, Mapping):
+            return []
+        for category, nbytes in levels.items():
+            if isinstance(nbytes, int):
+                peak_by_category[category] = max(peak_by_category.get(category, 0), nbytes)
+    largest = sorted(peak_by_category, key=lambda c: (-peak_by_category[c], c))[:_CATEGORY_LINES]
+    return [
+        ChartSeries(
+            category,
+            tuple(
+                (int(p["event_index"]), int(p["by_category_bytes"].get(category, 0))) for p in points
+            ),
+        )
+        for category in largest
+    ]
 
 
 def _snapshot_sections(
