@@ -32,6 +32,7 @@ __all__ = [
     "RESULT_FORMAT_VERSION",
     "SIMULATED_GPU_ENV",
     "main",
+    "simulated_device_from_env",
     "user_traceback",
     "write_result",
 ]
@@ -57,6 +58,25 @@ def user_traceback(
     ):
         tb = tb.tb_next
     return tb
+
+
+def simulated_device_from_env(**options: Any) -> Any:
+    """Testing only: the ``SimulatedCudaDevice`` that ``OOMKIT_RUN_SIMULATED_GPU`` asks for, or None.
+
+    Its allocator setting comes from ``PYTORCH_CUDA_ALLOC_CONF``, read as the CUDA allocator
+    reads it (c10/cuda/CUDAAllocatorConfig.cpp); ``options`` go to the device.
+    """
+    simulated = os.environ.get(SIMULATED_GPU_ENV)
+    if not simulated:
+        return None
+    from oomkit.runtime.simulated import SimulatedCudaDevice
+
+    return SimulatedCudaDevice(
+        simulated,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+        context_overhead_bytes=0,
+        **options,
+    )
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:
@@ -122,20 +142,11 @@ def main(argv: list[str]) -> int:
     recorder = None
     try:
         with contextlib.ExitStack() as stack:
-            simulated = os.environ.get(SIMULATED_GPU_ENV)
-            if simulated:
-                from oomkit.runtime.simulated import SimulatedCudaDevice
-
-                stack.enter_context(
-                    SimulatedCudaDevice(
-                        simulated,
-                        # As the CUDA allocator, read the setting from the environment.
-                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
-                        context_overhead_bytes=0,
-                        record_history=True,
-                        max_entries=config["max_entries"],
-                    )
-                )
+            simulated = simulated_device_from_env(
+                record_history=True, max_entries=config["max_entries"]
+            )
+            if simulated is not None:
+                stack.enter_context(simulated)
             recorder = default_recorder()
             if recorder is not None:  # without a GPU the script just runs; the parent says so
                 watcher = Watch(

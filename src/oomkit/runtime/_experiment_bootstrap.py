@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 # The same helpers and test-only variable as `oomkit run`'s bootstrap.
-from oomkit.runtime._bootstrap import SIMULATED_GPU_ENV, user_traceback, write_result
+from oomkit.runtime._bootstrap import (
+    SIMULATED_GPU_ENV,
+    simulated_device_from_env,
+    user_traceback,
+    write_result,
+)
 
 __all__ = ["ALLOC_CONF_ENV", "RESULT_FORMAT_VERSION", "SIMULATED_GPU_ENV", "main"]
 
@@ -101,17 +106,9 @@ def main(argv: list[str]) -> int:
     completed = False
     try:
         with contextlib.ExitStack() as stack:
-            simulated = os.environ.get(SIMULATED_GPU_ENV)
-            if simulated:
-                from oomkit.runtime.simulated import SimulatedCudaDevice
-
-                stack.enter_context(
-                    SimulatedCudaDevice(
-                        simulated,
-                        alloc_conf=os.environ.get(ALLOC_CONF_ENV) or None,
-                        context_overhead_bytes=0,
-                    )
-                )
+            simulated = simulated_device_from_env()
+            if simulated is not None:
+                stack.enter_context(simulated)
             monitor = stack.enter_context(Monitor(log_path=config["log_path"], auto_step=True))
 
             def stop_after_steps(*_: object) -> None:
