@@ -47,6 +47,24 @@ def test_fp32_adamw_training_prices_each_change_from_its_category():
 
 
 @pytest.mark.parametrize(
+    ("capability", "title", "needles"),
+    [
+        ((7, 5), "fp16 mixed precision (autocast + GradScaler)", ("float16", "GradScaler()")),
+        ((7, 0), "fp16 mixed precision (autocast + GradScaler)", ("float16", "GradScaler()")),
+        ((8, 0), "bf16 mixed precision (autocast)", ("bfloat16",)),
+        ((9, 0), "bf16 mixed precision (autocast)", ("bfloat16",)),
+    ],
+)
+def test_mixed_precision_remedy_is_fp16_on_gpus_without_native_bf16(capability, title, needles):
+    """T4 (7.5) and V100 (7.0) get fp16 + GradScaler; A100/H100 get bf16; same 2 GiB saving."""
+    got = _by_title(estimated_model_remedies(FULL, precision="fp32", compute_capability=capability))
+    assert got[title].saving_bytes == 2 * GiB
+    assert all(needle in got[title].code for needle in needles)
+    other = {"bf16 mixed precision (autocast)", "fp16 mixed precision (autocast + GradScaler)"}
+    assert not (other - {title}) & set(got)
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
         {"precision": "bf16-mixed"},
@@ -194,6 +212,18 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
     assert remedies[
         "batch size 2 with 4 gradient-accumulation steps"
     ].saving_bytes == required - _repredicted_required(batch_size=2)
+
+
+def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved):
+    """A saved prediction for a 7.5 GPU re-predicts fp16-mixed, not bf16 (which a T4 emulates)."""
+    on_t4 = json.loads(json.dumps(saved))
+    on_t4["gpu"]["compute_capability"] = [7, 5]
+    remedies = _by_title(measured_model_remedies(on_t4)[0])
+    assert "bf16 mixed precision (autocast)" not in remedies
+    fp16 = remedies["fp16 mixed precision (autocast + GradScaler)"]
+    assert fp16.saving_bytes == saved["required_bytes"] - _repredicted_required(
+        precision="fp16-mixed"
+    )
 
 
 def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request(saved):

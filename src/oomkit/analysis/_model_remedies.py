@@ -42,6 +42,7 @@ __all__ = [
     "caught_oom_remedy",
     "estimated_model_remedies",
     "measured_model_remedies",
+    "saved_compute_capability",
 ]
 
 MEASURED_WHY = "measured by re-predicting the step with the change applied"
@@ -52,12 +53,42 @@ _DATASET_SHARE = 4
 _MAX_HALVINGS = 8
 
 _MIXED_CODE = (
-    "scaler = None  # bf16 needs no GradScaler; for fp16: scaler = torch.amp.GradScaler()\n"
-    'with torch.autocast("cuda", dtype=torch.bfloat16):  # float16 on GPUs without bf16\n'
+    "# bf16 needs no GradScaler\n"
+    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
     "    loss = loss_fn(model(inputs), targets)\n"
     "loss.backward()\n"
     "optimizer.step()"
 )
+_FP16_CODE = (
+    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
+    'with torch.autocast("cuda", dtype=torch.float16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "scaler.scale(loss).backward()\n"
+    "scaler.step(optimizer)\n"
+    "scaler.update()"
+)
+# torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere);
+# older GPUs (V100, T4) only emulate it, slowly, so they get fp16 autocast with a GradScaler.
+_NATIVE_BF16_CAPABILITY = (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MixedPrecision:
+    title: str
+    precision: str  # the StepOptions.precision that applies it
+    dtype: str
+    code: str
+
+
+def _mixed_precision_for(compute_capability: tuple[int, int] | None) -> _MixedPrecision:
+    """bf16 autocast where the GPU has native bf16 (or the GPU is unknown), fp16 otherwise."""
+    if compute_capability is not None and tuple(compute_capability) < _NATIVE_BF16_CAPABILITY:
+        return _MixedPrecision(
+            "fp16 mixed precision (autocast + GradScaler)", "fp16-mixed", "fp16", _FP16_CODE
+        )
+    return _MixedPrecision("bf16 mixed precision (autocast)", "bf16-mixed", "bf16", _MIXED_CODE)
+
+
 _CHECKPOINT_CODE = (
     "from torch.utils.checkpoint import checkpoint\n"
     "# in the model's forward, around each block:\n"
@@ -121,6 +152,7 @@ def estimated_model_remedies(
     checkpointing: bool | None = None,
     description: str = "",
     parameter_bytes: int | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> list[Remedy]:
     """Model and loop changes, priced from memory by category at the OOM (estimates).
 
@@ -133,6 +165,8 @@ def estimated_model_remedies(
         description: the prediction's description ("..., bf16-mixed, adamw, train"), read when
             the options are unknown.
         parameter_bytes: parameter bytes (defaults to the ``parameter`` category).
+        compute_capability: the GPU's, when known: below 8.0 (no native bf16) the mixed
+            precision remedy is fp16 with a GradScaler instead of bf16.
 
     Returns:
         The remedies the categories support, unsorted; every one has ``estimate=True``.
@@ -151,15 +185,16 @@ def estimated_model_remedies(
     out: list[Remedy] = []
 
     if activation > 0 and not _is_mixed(precision, description, cats):
+        mixed = _mixed_precision_for(compute_capability)
         out.append(
             Remedy(
-                "bf16 mixed precision (autocast)",
+                mixed.title,
                 activation // 2,
                 "medium",
-                _MIXED_CODE,
+                mixed.code,
                 f"The {format_bytes(activation)} of activations are fp32; under autocast the "
-                "ones saved for backward are mostly bf16, about half (an estimate from the "
-                "activation category).",
+                f"ones saved for backward are mostly {mixed.dtype}, about half (an estimate "
+                "from the activation category).",
             )
         )
     if training and activation > 0 and not checkpointing:
@@ -279,6 +314,15 @@ def _repredict(data: Mapping[str, Any], workload: Mapping[str, Any], options: An
     )
 
 
+def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The saved prediction's GPU compute capability (``gpu.compute_capability``), if any."""
+    gpu = data.get("gpu")
+    cc = gpu.get("compute_capability") if isinstance(gpu, Mapping) else None
+    if isinstance(cc, (list, tuple)) and len(cc) == 2 and all(isinstance(v, int) for v in cc):
+        return (int(cc[0]), int(cc[1]))
+    return None
+
+
 def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list[str]]:
     """Precision, checkpointing, optimizer and batch-size changes, measured by re-predicting.
 
@@ -308,9 +352,8 @@ def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list
     usable = int(data["usable_bytes"])
     changes: list[tuple[str, Any, str]] = []
     if base.precision == "fp32":
-        changes.append(
-            ("bf16 mixed precision (autocast)", {"precision": "bf16-mixed"}, _MIXED_CODE)
-        )
+        mixed = _mixed_precision_for(saved_compute_capability(data))
+        changes.append((mixed.title, {"precision": mixed.precision}, mixed.code))
     if not base.checkpointing:
         changes.append(("activation checkpointing", {"checkpointing": True}, _CHECKPOINT_CODE))
     if base.optimizer != "sgd":

@@ -13,7 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from oomkit.analysis._model_remedies import estimated_model_remedies, measured_model_remedies
+from oomkit.analysis._model_remedies import (
+    estimated_model_remedies,
+    measured_model_remedies,
+    saved_compute_capability,
+)
 from oomkit.analysis._remedies import batch_remedy
 from oomkit.analysis.attribution import AllocationSite, Attribution
 from oomkit.analysis.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
@@ -146,6 +150,7 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
         optimizer=options.get("optimizer"),
         checkpointing=options.get("checkpointing"),
         description=description,
+        compute_capability=saved_compute_capability(data),
     )
     if batch is not None:
         model.append(batch)

@@ -449,7 +449,9 @@ def diagnose_snapshot(
         # Only oomkit's traces carry category tags; a plain PyTorch snapshot offers none.
         cats = attribution.by_category_bytes
         remedies += estimated_model_remedies(
-            cats, training=cats.get("gradient", 0) + cats.get("optimizer_state", 0) > 0
+            cats,
+            training=cats.get("gradient", 0) + cats.get("optimizer_state", 0) > 0,
+            compute_capability=gpu.compute_capability if gpu is not None else None,
         )
     held = _held_after_caught_oom(history, oom_index)
     remedies += [caught_oom_remedy(held)] if held else []
