@@ -154,6 +154,30 @@ def test_step_peaks_and_growth_warning():
     assert "peak reserved still grew in the last recorded step" in p.warnings[1]
 
 
+def test_growth_from_first_step_optimizer_state_is_not_warned_about():
+    """Step 0 creates 25 MiB of optimizer state that step 1 keeps: step 1's growth is explained."""
+    events = [
+        _alloc(1, MiB, "activation"),
+        *_free(1, MiB),
+        _alloc(2, 25 * MiB, "optimizer_state"),  # exp_avg made by the first optimizer step
+        _alloc(3, 3 * MiB, "activation"),  # step 1
+        *_free(3, 3 * MiB),
+    ]
+    p = predict_recording(_recording(events, step_starts=(0, 4)), _gpu(GiB, 0))
+    # Step 0: 1 MiB in a 2 MiB small-pool segment, then the state's own 26 MiB segment (25 MiB
+    # leaves 1 MiB, not split: 26 MiB allocated). Step 1 adds 3 MiB in a new 20 MiB segment.
+    assert [(s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
+        (26 * MiB, 28 * MiB),
+        (29 * MiB, 48 * MiB),
+    ]
+    assert not any("still grew" in w for w in p.warnings)
+    # The same growth with the 25 MiB made by something other than the optimizer is warned about.
+    plain = [e if e.action != "alloc" or e.address != 2 else _alloc(2, 25 * MiB, "activation")
+             for e in events]
+    q = predict_recording(_recording(plain, step_starts=(0, 4)), _gpu(GiB, 0))
+    assert any("still grew" in w for w in q.warnings)
+
+
 def test_timeline_is_bounded_and_keeps_the_peak():
     """A long trace gives at most MAX_TIMELINE_POINTS points whose maximum is the peak."""
     events = []
