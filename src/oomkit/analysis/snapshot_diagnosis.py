@@ -381,7 +381,7 @@ def diagnose_snapshot(
             Finding(
                 "shortage",
                 0,
-                f"no OOM was recorded; at the {moment} tensors held {format_bytes(a)} and PyTorch "
+                f"at the {moment} tensors held {format_bytes(a)} and PyTorch "
                 f"reserved {format_bytes(r)}",
                 {"allocated_bytes": a, "reserved_bytes": r},
             )

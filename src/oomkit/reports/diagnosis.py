@@ -8,11 +8,18 @@ from rich.console import Console
 from rich.table import Table
 
 from oomkit.analysis.attribution import Attribution
-from oomkit.analysis.diagnosis import Diagnosis
+from oomkit.analysis.diagnosis import Diagnosis, Remedy
 from oomkit.analysis.oom_text import OomText
 from oomkit.units import format_bytes
 
-__all__ = ["diagnosis_to_json", "render_diagnosis", "verdict_label"]
+__all__ = [
+    "REMEDIES_HEADING",
+    "diagnosis_to_json",
+    "remedy_headline",
+    "remedy_saving",
+    "render_diagnosis",
+    "verdict_label",
+]
 
 _CAUSE_WORDS = {
     "shortage": "a real shortage of memory",
@@ -30,6 +37,9 @@ def verdict_label(diagnosis: Diagnosis) -> str:
     words = _CAUSE_WORDS[diagnosis.cause]
     moment = diagnosis.attribution.moment if diagnosis.attribution is not None else "oom"
     if diagnosis.source == "snapshot" and moment != "oom":
+        if diagnosis.cause == "shortage" and diagnosis.causes[0].explained_bytes == 0:
+            # Nothing stands out: the finding only states what its peak (or end) held.
+            return "No OOM in this snapshot and no risk found"
         when = "its peak" if moment == "peak" else "its end"
         return f"No OOM in this snapshot; the main risk at {when}: {words}"
     return f"Cause: {words}"
@@ -83,10 +93,24 @@ def _attribution_json(attribution: Attribution | None) -> dict | None:
     return out
 
 
-def _saving(nbytes: int | None, estimate: bool) -> str:
-    if nbytes is None:
-        return "unknown"
-    return ("~" if estimate else "") + format_bytes(nbytes)
+# Remedy.rank_key: the ones that lower this process's peak first, then by bytes saved.
+REMEDIES_HEADING = "Remedies: what lowers the peak first, then by bytes saved"
+
+
+def remedy_saving(remedy: Remedy) -> str:
+    """``saves ~1.50 GiB``, or ``frees 7.17 GiB for other processes`` where the peak stays."""
+    nbytes = remedy.saving_bytes
+    amount = (
+        "unknown" if nbytes is None else ("~" if remedy.estimate else "") + format_bytes(nbytes)
+    )
+    if not remedy.lowers_peak:
+        return f"frees {amount} for other processes (this one's peak stays)"
+    return f"saves {amount}"
+
+
+def remedy_headline(number: int, remedy: Remedy) -> str:
+    """``1. expandable segments — saves 1.53 GiB (medium confidence)``."""
+    return f"{number}. {remedy.title} — {remedy_saving(remedy)} ({remedy.confidence} confidence)"
 
 
 def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
@@ -102,12 +126,9 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         console.print(causes)
     if diagnosis.remedies:
         # A list, not a table: code must stay whole so that it can be copied.
-        console.print("[bold]Remedies, by bytes saved[/bold]")
+        console.print(f"[bold]{REMEDIES_HEADING}[/bold]")
         for i, remedy in enumerate(diagnosis.remedies, 1):
-            console.print(
-                f"{i}. {remedy.title} — saves {_saving(remedy.saving_bytes, remedy.estimate)} "
-                f"({remedy.confidence} confidence)"
-            )
+            console.print(remedy_headline(i, remedy))
             console.print(f"   [dim]{remedy.why}[/dim]")
             for line in remedy.code.splitlines():
                 console.print(f"     {line}", markup=False, highlight=False, soft_wrap=True)

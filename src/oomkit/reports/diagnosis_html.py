@@ -16,7 +16,7 @@ from typing import Any
 
 from oomkit.analysis.diagnosis import Diagnosis
 from oomkit.analysis.prediction import TimelinePoint
-from oomkit.reports.diagnosis import verdict_label
+from oomkit.reports.diagnosis import REMEDIES_HEADING, remedy_headline, remedy_saving, verdict_label
 from oomkit.reports.html import BlockRun, ChartSeries, HtmlPage, block_map_svg, line_chart_svg
 from oomkit.snapshot import Snapshot, SnapshotSegment
 from oomkit.units import format_bytes
@@ -108,12 +108,6 @@ def segment_runs(segments: Sequence[SnapshotSegment]) -> tuple[BlockRun, ...]:
     return tuple(runs)
 
 
-def _saving(nbytes: int | None, estimate: bool) -> str:
-    if nbytes is None:
-        return "unknown"
-    return ("~" if estimate else "") + format_bytes(nbytes)
-
-
 def diagnosis_html(
     diagnosis: Diagnosis,
     *,
@@ -143,9 +137,7 @@ def diagnosis_html(
     verdict.verdict(f"{verdict_label(diagnosis)} — {top.summary}.")
     if diagnosis.remedies:
         first = diagnosis.remedies[0]
-        verdict.paragraph(
-            f"Try first: {first.title} (saves {_saving(first.saving_bytes, first.estimate)})."
-        )
+        verdict.paragraph(f"Try first: {first.title} ({remedy_saving(first)}).")
 
     causes = page.section("Causes, strongest first", "causes")
     causes.table(
@@ -160,14 +152,11 @@ def diagnosis_html(
         ],
     )
 
-    remedies = page.section("Remedies, by bytes saved", "remedies")
+    remedies = page.section(REMEDIES_HEADING, "remedies")
     if not diagnosis.remedies:
         remedies.paragraph("No remedy applies to what the diagnosis could see.")
     for i, remedy in enumerate(diagnosis.remedies, 1):
-        remedies.subheading(
-            f"{i}. {remedy.title} — saves {_saving(remedy.saving_bytes, remedy.estimate)} "
-            f"({remedy.confidence} confidence)"
-        )
+        remedies.subheading(remedy_headline(i, remedy))
         remedies.paragraph(remedy.why)
         remedies.code(remedy.code)
 
@@ -241,7 +230,9 @@ def _prediction_timeline(page: HtmlPage, data: Mapping[str, Any]) -> None:
     points = [p for p in data.get("timeline") or () if isinstance(p, Mapping)]
     try:
         series = [
-            ChartSeries(name, tuple((int(p["event_index"]), int(p[f"{name}_bytes"])) for p in points))
+            ChartSeries(
+                name, tuple((int(p["event_index"]), int(p[f"{name}_bytes"])) for p in points)
+            )
             for name in ("allocated", "reserved")
         ]
     except (KeyError, TypeError, ValueError):
@@ -285,7 +276,8 @@ def _category_series(points: Sequence[Mapping[str, Any]]) -> list[ChartSeries]:
         ChartSeries(
             category,
             tuple(
-                (int(p["event_index"]), int(p["by_category_bytes"].get(category, 0))) for p in points
+                (int(p["event_index"]), int(p["by_category_bytes"].get(category, 0)))
+                for p in points
             ),
         )
         for category in largest
