@@ -32,5 +32,5 @@ def test_empty_cache_is_not_said_to_save_this_process_memory():
         estimate=False,
         lowers_peak=False,
     )
-    assert remedy_saving(release) == "frees 7.00 GiB for other processes (this one's peak stays)"
+    assert remedy_saving(release) == "frees 7.00 GiB; this process's peak stays"
     assert "what lowers the peak first" in REMEDIES_HEADING

@@ -104,7 +104,7 @@ def remedy_saving(remedy: Remedy) -> str:
         "unknown" if nbytes is None else ("~" if remedy.estimate else "") + format_bytes(nbytes)
     )
     if not remedy.lowers_peak:
-        return f"frees {amount} for other processes (this one's peak stays)"
+        return f"frees {amount}; this process's peak stays"
     return f"saves {amount}"
 
 
