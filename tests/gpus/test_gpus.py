@@ -298,3 +298,12 @@ def test_get_gpu_takes_a_spec_and_applies_the_override():
     tuned = get_gpu(spec, context_overhead_bytes=123 * 2**20)
     assert tuned.context_overhead_bytes == 123 * 2**20
     assert tuned.total_memory_bytes == spec.total_memory_bytes
+
+
+def test_kernel_compute_capability_is_the_gpus_own_or_an_h100s_for_a_custom_size():
+    """T4 chooses kernels as 7.5; a plain size has no architecture and chooses them as 9.0."""
+    from oomkit.gpus import DEFAULT_KERNEL_COMPUTE_CAPABILITY
+
+    assert get_gpu("t4").kernel_compute_capability == (7, 5)
+    assert get_gpu("24GiB").compute_capability is None
+    assert get_gpu("24GiB").kernel_compute_capability == DEFAULT_KERNEL_COMPUTE_CAPABILITY == (9, 0)

@@ -10,13 +10,20 @@ from __future__ import annotations
 from oomkit.gpus.catalog import CATALOG
 from oomkit.gpus.lookup import UnknownGpuError, get_gpu, list_gpus, normalize_gpu_name
 from oomkit.gpus.overhead import CONTEXT_OVERHEAD_BYTES, DEFAULT_CONTEXT_OVERHEAD_BYTES
-from oomkit.gpus.spec import Architecture, GpuSpec, GpuSpecError, MemorySource
+from oomkit.gpus.spec import (
+    DEFAULT_KERNEL_COMPUTE_CAPABILITY,
+    Architecture,
+    GpuSpec,
+    GpuSpecError,
+    MemorySource,
+)
 
 __all__ = [
     "Architecture",
     "CATALOG",
     "CONTEXT_OVERHEAD_BYTES",
     "DEFAULT_CONTEXT_OVERHEAD_BYTES",
+    "DEFAULT_KERNEL_COMPUTE_CAPABILITY",
     "GpuSpec",
     "GpuSpecError",
     "MemorySource",

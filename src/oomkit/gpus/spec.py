@@ -16,7 +16,13 @@ from typing import Literal
 from oomkit.errors import OomkitError
 from oomkit.units import format_bytes
 
-__all__ = ["Architecture", "GpuSpec", "GpuSpecError", "MemorySource"]
+__all__ = [
+    "DEFAULT_KERNEL_COMPUTE_CAPABILITY",
+    "Architecture",
+    "GpuSpec",
+    "GpuSpecError",
+    "MemorySource",
+]
 
 Architecture = Literal["Volta", "Turing", "Ampere", "Ada Lovelace", "Hopper", "Blackwell"]
 
@@ -27,6 +33,13 @@ Architecture = Literal["Volta", "Turing", "Ampere", "Ada Lovelace", "Hopper", "B
 # - "derived": only a MiB-rounded print was found (_CudaDeviceProperties(... total_memory=NMB)
 #   prints total_memory // 2**20), so the figure is N * 2**20, at most 1 MiB below the truth.
 MemorySource = Literal["cudaDeviceProp", "cudaMemGetInfo", "derived"]
+
+
+# A custom size (``--gpu 24GiB``) names no architecture, yet the SDPA backend, the cuBLAS
+# workspace and the mem-efficient backward kernel depend on one: they are chosen as on an H100
+# (compute capability 9.0, Hopper), the newest architecture most of the catalog's data-centre
+# entries share. Predictions on a custom size say so in their warnings.
+DEFAULT_KERNEL_COMPUTE_CAPABILITY = (9, 0)
 
 
 class GpuSpecError(OomkitError, ValueError):
@@ -79,6 +92,12 @@ class GpuSpec:
         for alias in self.aliases:
             if alias != alias.lower():
                 raise GpuSpecError(f"{self.name}: aliases must be lowercase; got {alias!r}.")
+
+    @property
+    def kernel_compute_capability(self) -> tuple[int, int]:
+        """The compute capability CUDA kernels are chosen for: this GPU's, or, for a custom
+        size (no architecture), ``DEFAULT_KERNEL_COMPUTE_CAPABILITY`` (an H100's)."""
+        return self.compute_capability or DEFAULT_KERNEL_COMPUTE_CAPABILITY
 
     def usable_bytes(self, reserved_outside_bytes: int | None = None) -> int:
         """Bytes PyTorch's caching allocator can reserve at most on this device.

@@ -75,7 +75,7 @@ def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = Non
         Bytes; 0 when the config sums to 0 (no allocation happens).
     """
     env = os.environ if environ is None else environ
-    major = gpu.compute_capability[0] if gpu.compute_capability else 9
+    major = gpu.kernel_compute_capability[0]
     default = _LARGE_DEFAULT_BYTES if major in _LARGE_DEFAULT_MAJORS else _SMALL_DEFAULT_BYTES
     config = env.get("CUBLAS_WORKSPACE_CONFIG")
     if config is None:
