@@ -352,3 +352,58 @@ def test_policy_lists_equal_the_installed_header():
             else set()
         )
         assert listed == set(names) | extra, macro
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputes_under_the_forward_autocast_state(use_reentrant):
+    """Checkpointed Linear in a bf16 region: backward's recomputation casts as forward did.
+
+    checkpoint restores the autocast state of the inputs' device type; meta must count as CUDA
+    or the recomputation runs in fp32 and checkpoint rejects it (CheckpointError).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _linear()
+    x.requires_grad_(True)
+    with Tracer() as tracer:
+        tracer.track(model, x)
+        tracer.mark_step()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(model, x, use_reentrant=use_reentrant)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert checkpoint_module_restored() is False
+    backward = [
+        (e.size, _tag(e, "category"), _tag(e, "op"))
+        for e in tracer.recording.events
+        if e.action == "alloc" and _tag(e, "phase") == "backward"
+    ]
+    # The recomputation casts again under the restored bf16 state (fp32 would cast nothing):
+    # x (8, 32) -> 512 B, the weight (64, 32) -> 4096 B, the bias (64) -> 128 B, cached as in
+    # forward. Non-reentrant checkpoint stops once the saved tensors are back (addmm saves its
+    # inputs, not its output); reentrant reruns the whole Linear, so its bf16 output (8 * 64 *
+    # 2 = 1024 B) is made again.
+    casts = [(size, cat) for size, cat, op in backward if op == "aten._to_copy.default"]
+    assert casts[1:4] == [
+        (512, "autocast_cache"),
+        (4096, "autocast_cache"),
+        (128, "autocast_cache"),
+    ]
+    rerun = [
+        size for size, cat, op in backward if op == "aten.addmm.default" and cat != "workspace"
+    ]
+    assert rerun == ([1024] if use_reentrant else [])
+
+
+def checkpoint_module_restored() -> bool:
+    """Whether torch.utils.checkpoint sees meta as meta (True outside the emulation)."""
+    import torch.utils.checkpoint as ckpt
+
+    return ckpt._infer_device_type(torch.empty(1, device="meta")) == "meta"
+
+
+def test_checkpoint_device_type_is_restored_on_exit():
+    """Outside the tracer, checkpoint sees meta tensors as meta again."""
+    with CudaAutocastEmulation():
+        assert checkpoint_module_restored() is False
+    assert checkpoint_module_restored() is True

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.amp.autocast_mode as _autocast_mode
+import torch.utils.checkpoint as _checkpoint
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from oomkit.tracing.autocast_policy import (
@@ -193,6 +194,20 @@ class CudaAutocastEmulation:
 
         autocast_cls.__init__ = init  # type: ignore[method-assign]
         stack.callback(setattr, autocast_cls, "__init__", original_init)
+        # torch.utils.checkpoint records the autocast state of the inputs' device type and
+        # re-enters it for the recomputation in backward (checkpoint.py _get_autocast_kwargs,
+        # recompute_fn / CheckpointFunction.backward). Meta tensors stand for CUDA ones here, so
+        # checkpoint must see "cuda": on "meta" (no autocast) the recomputation ran in fp32 and
+        # failed checkpoint's check that it saves what forward saved. No RNG state is touched:
+        # get_device_states skips meta tensors.
+        original_infer = _checkpoint._infer_device_type
+
+        def infer_device_type(*args: Any) -> str:
+            device_type = original_infer(*args)
+            return "cuda" if device_type == "meta" else device_type
+
+        _checkpoint._infer_device_type = infer_device_type
+        stack.callback(setattr, _checkpoint, "_infer_device_type", original_infer)
         # autocast.__exit__ calls torch.clear_autocast_cache() when the nesting returns to 0.
         torch.clear_autocast_cache = clear_autocast_cache
         stack.callback(setattr, torch, "clear_autocast_cache", original_clear)
