@@ -115,3 +115,19 @@ def test_step_fn_runs_without_arguments():
         "resnet50", StepOptions(batch_size=1, image_size=32, mode="inference")
     )
     assert built.step_fn() is None
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("name", ["gpt2-124m", "llama-1b", "bert-base", "vit-b16"])
+def test_mixed_precision_with_checkpointing_traces(name, precision):
+    """Checkpointed blocks recompute under autocast: the casts match forward (no CheckpointError).
+
+    The weight gradients are fp32 (the parameters' dtype) whatever autocast computed in.
+    """
+    options = StepOptions(
+        batch_size=2, seq_len=8, image_size=32, precision=precision, checkpointing=True
+    )
+    built = build_preset_step(name, options)
+    recording = trace_step(built.step_fn, *built.track, steps=1)
+    assert recording.allocated_bytes("gradient") == 4 * built.parameter_count
+    assert recording.allocated_bytes("autocast_cache", phase="backward") > 0
