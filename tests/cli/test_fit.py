@@ -139,10 +139,11 @@ def test_terminal_report_table_and_verdict(user_file, capsys, monkeypatch):
         ["2", "22.00 MiB", "78.00 MiB", "yes", "train step 1"],
         ["4 <", "26.00 MiB", "74.00 MiB", "yes", "train step 1"],
     ]
-    assert lines[-2] == (
+    verdict = lines.index(
         "largest batch that fits on custom 100.00 MiB: 4 (peak reserved 26.00 MiB, margin 0 B, "
         "3 traces); the search stopped at --max-batch 4"
     )
+    assert all(line.startswith("warning: ") for line in lines[verdict + 1 :])
     assert "searching the largest batch" in captured.err
 
 

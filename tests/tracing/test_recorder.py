@@ -304,3 +304,15 @@ def test_sdpa_emulation_reaches_checkpoint_recomputation():
     # The flash kernel's four outputs, once in forward and once more in the recomputation.
     assert calls[(flash, "user")] == calls[(flash, "backward")] == 4
     assert F.scaled_dot_product_attention.__module__ == "torch._C._nn"
+
+
+def test_a_custom_size_gpu_says_which_architecture_its_kernels_are_chosen_for():
+    """--gpu 24GiB: the recording warns that kernels were picked as on compute capability 9.0."""
+    from oomkit.gpus import get_gpu
+    from oomkit.tracing import trace_step
+
+    x = torch.randn(4, 4, device="meta")
+    custom = trace_step(lambda t: t @ t, x, gpu=get_gpu("24GiB")).warnings
+    assert any("chosen as on compute capability 9.0 (an H100)" in w for w in custom)
+    named = trace_step(lambda t: t @ t, x, gpu=get_gpu("rtx4090")).warnings
+    assert not any("plain size" in w for w in named)

@@ -7,8 +7,10 @@ How each fact is observed (all hooks are removed on exit):
   allocation of its ``nbytes`` (views share their base's storage; zero-byte storages are none).
 - frees: ``weakref.finalize`` on the storage (see ``storages.py``), so lifetimes follow Python
   and autograd reference counting exactly.
-- module path: global forward pre/post hooks keep a stack of module calls. A parameter, its
-  gradient and its optimizer state are tagged with the module that owns the parameter.
+- module path: global forward pre/post hooks keep a stack of module calls. In backward, autograd
+  hooks on each call's outputs and inputs say whose backward runs (see ``_backward_modules.py``),
+  so a backward allocation carries the path of the module whose backward made it. A parameter,
+  its gradient and its optimizer state are tagged with the module that owns the parameter.
 - parameters / buffers: registration hooks, the module stack and ``track()``.
 - gradients: ``register_post_accumulate_grad_hook`` on every parameter seen.
 - optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
@@ -41,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised by test_without_torch
     ) from exc
 
 from oomkit.trace import TraceEvent
+from oomkit.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
 from oomkit.tracing.autocast import CudaAutocastEmulation
 from oomkit.tracing.categories import Category, Phase, Role
@@ -72,6 +75,10 @@ class _ModuleCall:
     path: str
     call_id: int
     root_call_id: int
+    # Call ids from the outermost call down to this one: how calls nest, for backward.
+    lineage: tuple[int, ...]
+    # Set when the call ran with grad enabled: its record for backward module tracking.
+    backward: BackwardCall | None = None
 
 
 class Tracer:
@@ -111,6 +118,7 @@ class Tracer:
         self._ids = itertools.count(1)
         self._call_ids = itertools.count(1)
         self._stack: list[_ModuleCall] = []
+        self._backward_modules = BackwardModules()
         self._escapes: dict[int, list[Allocation]] = {}
         self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         # One weakref per module, and the path of each, kept after the module dies (a model
@@ -152,6 +160,7 @@ class Tracer:
             _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
         ]
         stack.callback(self._remove_handles)
+        stack.callback(self._backward_modules.close)
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
         stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
@@ -270,11 +279,18 @@ class Tracer:
         explicit: Category | None = None,
     ) -> Allocation:
         call = self._stack[-1] if self._stack else None
+        phase = phase or self._phase()
+        module = call.path if call else None
+        # Outside any forward call (checkpoint's recomputation is one) backward allocations
+        # belong to the module whose backward runs.
+        if call is None and phase == "backward":
+            backward = self._backward_modules.current
+            module = backward.path if backward else None
         alloc = Allocation(
             alloc_id=next(self._ids),
             size_bytes=size,
-            phase=phase or self._phase(),
-            module=call.path if call else None,
+            phase=phase,
+            module=module,
             op=op,
             frames=self._frames.find(),
             root_call=call.root_call_id if call else None,
@@ -477,8 +493,25 @@ class Tracer:
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         is_root = not self._stack
         call_id = next(self._call_ids)
-        root_call_id = call_id if is_root else self._stack[-1].root_call_id
-        self._stack.append(_ModuleCall(module, self._path_of(module), call_id, root_call_id))
+        if not is_root:
+            parent = self._stack[-1]
+            root_call_id, lineage = parent.root_call_id, (*parent.lineage, call_id)
+        else:
+            root_call_id, lineage = call_id, (call_id,)
+            if torch._C._current_graph_task_id() == -1:
+                # Outside backward: a backward that raised may have left calls behind.
+                self._backward_modules.clear()
+            else:
+                # Checkpoint's recomputation: it runs inside the backward of the current call.
+                outer = self._backward_modules.current
+                if outer is not None:
+                    lineage = (*outer.lineage, call_id)
+        call = _ModuleCall(module, self._path_of(module), call_id, root_call_id, lineage)
+        self._stack.append(call)
+        if torch.is_grad_enabled():
+            # Under no_grad / inference_mode there is no backward: no hooks, no cost.
+            call.backward = BackwardCall(call.path, lineage)
+            self._backward_modules.watch_inputs(call.backward, args)
         self._note_module(module, recurse=False)
         if is_root:
             for leaf in tree_leaves(args):
@@ -491,8 +524,11 @@ class Tracer:
         # Pop to this module's call; calls above it whose post hook never ran (an exception
         # inside a hook) go with it. A module without a matching pre hook pops nothing.
         for depth in range(len(self._stack) - 1, -1, -1):
-            if self._stack[depth].module is module:
+            call = self._stack[depth]
+            if call.module is module:
                 del self._stack[depth:]
+                if call.backward is not None and torch.is_grad_enabled():
+                    self._backward_modules.watch_outputs(call.backward, output)
                 break
         if not self._stack:
             for call_id in list(self._escapes):
@@ -511,6 +547,9 @@ class Tracer:
 
     def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
+        if torch._C._current_graph_task_id() == -1:
+            # Not an optimizer stepped from a gradient hook inside backward: backward is over.
+            self._backward_modules.clear()
         self._note_optimizer(optimizer)
 
     def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -616,6 +655,13 @@ class Tracer:
                 f"{name} ran {count} time(s); GradScaler is not modelled: its scale and found_inf "
                 "tensors, unscale_'s temporaries and the optimizer steps it skips when gradients "
                 "overflow (state is then created a step later) are not included"
+            )
+        if self.gpu.compute_capability is None:
+            major, minor = self.gpu.kernel_compute_capability
+            yield (
+                f"{self.gpu.name} is a plain size with no architecture: the SDPA backend and the "
+                f"cuBLAS and attention workspaces were chosen as on compute capability "
+                f"{major}.{minor} (an H100); name the GPU (e.g. rtx4090, a100-40gb) for its own"
             )
         if self._late_first_seen:
             yield (
