@@ -159,7 +159,7 @@ CUDA_DIVERGENT_OPS: Mapping[str, str] = {
         "SDPA backend choice (meta runs the math path, which materialises the attention matrix)"
     ),
     # attention_backward.cu _efficient_attention_backward: grad_out copy, fp32 delta and a kernel
-    # workspace (emulations/sdpa.py; the workspace stays a warning).
+    # workspace (emulations/sdpa.py; the workspace is a warning only where the kernel is unknown).
     "aten._scaled_dot_product_efficient_attention_backward.default": (
         "mem-efficient attention backward's delta and kernel workspace"
     ),

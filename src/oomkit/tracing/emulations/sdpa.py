@@ -11,8 +11,10 @@ and backward calls the matching ``*_backward`` op, as on CUDA.
 
 Backward temporaries are added by dispatch-level hooks: the flash backward's (flash_api.cpp
 ``mha_bwd``) and the memory-efficient backward's (attention_backward.cu
-``_efficient_attention_backward``: the ``grad_out`` copy and the fp32 ``delta``; its kernel
-workspace is a warning). cuDNN attention's forward and backward outputs (output, fp32 softmax
+``_efficient_attention_backward``: the ``grad_out`` copy, the fp32 ``delta`` and the cutlass
+kernel's workspace, sized for the kernel ``dispatch_cutlassB`` launches on the target GPU by
+``mem_efficient_backward.py``; where that kernel cannot be named -- it hinges on a shared-memory
+fit oomkit does not compute, or the batch is chunked -- the workspace is a warning). cuDNN attention's forward and backward outputs (output, fp32 softmax
 stats ``[B, H, L, 1]``; dq, dk, dv) are what meta records; the cuDNN graph workspace
 (``mha_graph->get_workspace_size()`` in cudnn/MHA.cpp, chosen by cuDNN) is a warning.
 
@@ -33,6 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from oomkit.tracing.autocast import emulated_autocast_dtype
+from oomkit.tracing.emulations.mem_efficient_backward import (
+    EfficientBackwardConfig,
+    UnresolvedKernel,
+    efficient_backward_config,
+)
 from oomkit.tracing.emulations.sdpa_backend import (
     SdpaCall,
     SdpaSettings,
@@ -62,6 +69,9 @@ _EFFICIENT_WORKSPACE_WHAT = (
     "the mem-efficient backward kernel's workspace (fp32 gradient accumulators sized by the "
     "cutlass kernel chosen, kernel_backward.h workspace_size)"
 )
+# attention_backward.cu _scaled_dot_product_efficient_attention_backward_cuda MAX_BATCH_SIZE:
+# larger batches run in chunks of (1 << 16) - 1.
+_EFFICIENT_MAX_BATCH = (1 << 16) - 1
 _CUDNN_WORKSPACE_WHAT = "the cuDNN attention graph workspace (sized by cuDNN at run time)"
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {
@@ -137,7 +147,7 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     if len(tensors) < 3 or any(t.device.type != "meta" for t in tensors):
         return ctx.run()
     assert ctx.gpu is not None
-    cc = ctx.gpu.compute_capability or (9, 0)
+    cc = ctx.gpu.kernel_compute_capability  # a custom size picks kernels as an H100 does
     cast_to = emulated_autocast_dtype()
     if cast_to is not None:
         # autocast_mode.cpp: scaled_dot_product_attention is lower_precision_fp, so CUDA autocast
@@ -278,10 +288,11 @@ def _efficient_backward(ctx: EmulationContext) -> Any:
     ``_efficient_attention_backward`` (dense, batch <= 65535, ``shared_storage_dqdkdv`` false)."""
     # Schema: (grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
     #          philox_offset, dropout_p, grad_input_mask, is_causal, scale); (B, H, M, K) views.
-    grad_out, query, value = ctx.args[0], ctx.args[1], ctx.args[3]
+    grad_out, query, key, value = ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3]
     if query.device.type != "meta" or not isinstance(grad_out, torch.Tensor):
         return ctx.run()
     batch, heads, seq_q, _ = query.shape
+    config = _efficient_kernel_config(ctx, query, key, value)
     ids = []
     # The kernel works on (B, M, H, K) = grad_out.transpose(1, 2); "handle potentially
     # non-contiguous grad_out through a copy": grad_out.contiguous() before grad_q/k/v exist.
@@ -297,10 +308,15 @@ def _efficient_backward(ctx: EmulationContext) -> Any:
     ctx.record_outputs(out)
     fp32 = 4
     delta_bytes = batch * heads * seq_q * fp32
-    if query.dtype in (torch.float16, torch.bfloat16):
-        # kernel_backward.h kKernelComputesDelta (half types): delta = at::empty({B, nH, M},
-        # kFloat), filled by the kernel.
-        ids.append(ctx.allocate(delta_bytes, "workspace", "efficient_delta"))
+    if isinstance(config, EfficientBackwardConfig):
+        kernel_computes_delta = config.kernel.kernel_computes_delta
+    else:
+        kernel_computes_delta = query.dtype in (torch.float16, torch.bfloat16)
+    # Inside the launchKernel lambda, once a kernel is chosen:
+    if kernel_computes_delta:
+        # kernel_backward.h kKernelComputesDelta (half types, not the Sm70 kernels that keep
+        # dK/dV in gmem): delta = at::empty({B, nH, M}, kFloat), filled by the kernel.
+        delta = ctx.allocate(delta_bytes, "workspace", "efficient_delta")
     else:
         # Otherwise delta = (grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1)
         # .contiguous(): the product [B, M, H, Kv] and the sum [B, M, H] are temporaries of
@@ -309,14 +325,64 @@ def _efficient_backward(ctx: EmulationContext) -> Any:
             batch * seq_q * heads * value.shape[-1] * fp32, "temporary", "efficient_delta_product"
         )
         summed = ctx.allocate(delta_bytes, "temporary", "efficient_delta_sum")
-        ids.append(ctx.allocate(delta_bytes, "workspace", "efficient_delta"))
+        delta = ctx.allocate(delta_bytes, "workspace", "efficient_delta")
         ctx.free(summed)
         ctx.free(product)
-    ctx.not_emulated(_EFFICIENT_WORKSPACE_WHAT)
-    # delta dies with the kernel-launch lambda, the grad_out copy when the function returns.
+    workspace = None
+    if isinstance(config, EfficientBackwardConfig):
+        # workspace = at::empty({p.workspace_size()}, kByte) when the size is not zero
+        # (mem_efficient_backward.py; zero_() when split, in place). ``at::Tensor workspace``
+        # is declared before the lambda, so it outlives delta.
+        if config.workspace_bytes:
+            workspace = ctx.allocate(config.workspace_bytes, "workspace", "efficient_workspace")
+    else:
+        ctx.not_emulated(f"{_EFFICIENT_WORKSPACE_WHAT}: {config.reason}")
+    # delta dies with the kernel-launch lambda; workspace, then the grad_out copy, when the
+    # function returns (locals in reverse order of declaration).
+    ctx.free(delta)
+    if workspace is not None:
+        ctx.free(workspace)
     for alloc_id in reversed(ids):
         ctx.free(alloc_id)
     return out
+
+
+def _efficient_kernel_config(
+    ctx: EmulationContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> EfficientBackwardConfig | UnresolvedKernel:
+    # The launchKernel lambda's inputs: B, nH, M, N, K, Kv, dropout, head strides, and the
+    # device's compute capability; deterministic mode forces num_splits_key = 1.
+    batch, heads, seq_q, head_dim = query.shape
+    if batch > _EFFICIENT_MAX_BATCH:
+        return UnresolvedKernel(
+            f"batch {batch} > {_EFFICIENT_MAX_BATCH} is processed in chunks, which oomkit does "
+            "not emulate"
+        )
+    assert ctx.gpu is not None
+    cc = ctx.gpu.kernel_compute_capability  # a custom size picks kernels as an H100 does
+    dtype = str(query.dtype).removeprefix("torch.")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        return UnresolvedKernel(f"the mem-efficient kernels have no {dtype} variant")
+    dropout_p = ctx.args[9] if len(ctx.args) > 9 else ctx.kwargs.get("dropout_p", 0.0)
+    deterministic = (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+    return efficient_backward_config(
+        cc,
+        dtype,  # type: ignore[arg-type]
+        num_batches=batch,
+        num_heads=heads,
+        num_queries=seq_q,
+        num_keys=key.shape[2],
+        head_dim=head_dim,
+        head_dim_value=value.shape[-1],
+        # attention_backward.cu: use_dropout = std::fpclassify(dropout_p) != FP_ZERO.
+        dropout=float(dropout_p) != 0.0,
+        # query.stride(2) of the (B, M, H, K) transposes is stride(1) of these (B, H, M, K).
+        head_strides=(query.stride(1), key.stride(1), value.stride(1)),
+        deterministic=deterministic,
+    )
 
 
 def _cudnn_attention(ctx: EmulationContext) -> Any:
