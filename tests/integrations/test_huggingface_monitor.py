@@ -7,28 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _fake_device import GrowingDevice, MiB  # noqa: E402
+
 from oomkit.integrations.huggingface_monitor import OomkitMonitorTrainerCallback  # noqa: E402
-
-MiB = 2**20
-
-
-class _Device:
-    """A DeviceMemory whose allocated level grows by 1 MiB per read."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.reads = 0
-
-    def memory_stats(self):
-        self.reads += 1
-        return {"allocated_bytes.all.current": self.reads * MiB, "reserved_bytes.all.current": 8 * MiB}
-
-    def reset_peak_memory_stats(self):
-        pass
-
-    def mem_get_info(self):
-        return 0, 16 * MiB
 
 
 class _Dataset(torch.utils.data.Dataset):
@@ -59,7 +40,7 @@ class _Capture(transformers.TrainerCallback):
 
 def test_records_each_optimizer_step_and_logs_figures(tmp_path):
     """max_steps=4, accumulation 2, logging every 2 steps: 4 records; logs carry the latest."""
-    callback = OomkitMonitorTrainerCallback(device=_Device(), log_path=tmp_path / "m.jsonl")
+    callback = OomkitMonitorTrainerCallback(device=GrowingDevice(), log_path=tmp_path / "m.jsonl")
     capture = _Capture()
     trainer = transformers.Trainer(
         model=_Model(),

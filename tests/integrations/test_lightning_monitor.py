@@ -7,29 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 
+from _fake_device import GrowingDevice, MiB  # noqa: E402
+
 from oomkit.integrations.lightning_monitor import OomkitMonitorCallback  # noqa: E402
 from oomkit.runtime.monitor import read_monitor_log  # noqa: E402
-
-MiB = 2**20
-
-
-class _Device:
-    """A DeviceMemory whose allocated level grows by 1 MiB per read."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.reads = 0
-
-    def memory_stats(self):
-        self.reads += 1
-        return {"allocated_bytes.all.current": self.reads * MiB, "reserved_bytes.all.current": 8 * MiB}
-
-    def reset_peak_memory_stats(self):
-        pass
-
-    def mem_get_info(self):
-        return 0, 16 * MiB
 
 
 class _Module(L.LightningModule):
@@ -66,7 +47,7 @@ def _fit(callback, **kwargs):
 
 def test_one_record_per_optimizer_step_with_accumulation(tmp_path):
     """max_steps=3 with accumulate_grad_batches=2: 3 records (6 batches), levels as read."""
-    callback = OomkitMonitorCallback(device=_Device(), log_path=tmp_path / "m_{rank}.jsonl")
+    callback = OomkitMonitorCallback(device=GrowingDevice(), log_path=tmp_path / "m_{rank}.jsonl")
     _fit(callback, max_steps=3, accumulate_grad_batches=2)
     records = callback.monitor.records
     assert [r.step for r in records] == [0, 1, 2]
@@ -78,7 +59,7 @@ def test_one_record_per_optimizer_step_with_accumulation(tmp_path):
 
 def test_metrics_are_logged_to_lightning():
     """The record's figures reach trainer.callback_metrics under oomkit/."""
-    callback = OomkitMonitorCallback(device=_Device())
+    callback = OomkitMonitorCallback(device=GrowingDevice())
     module = _Module()
     trainer = L.Trainer(
         callbacks=[callback],
