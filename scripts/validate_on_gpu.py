@@ -53,11 +53,16 @@ class Run:
     precision: str = "fp32"
     optimizer: str = "adamw"
     mode: str = "train"
+    checkpointing: bool = False
 
     @property
     def label(self) -> str:
         size = f"seq{self.seq_len}" if self.seq_len else f"img{self.image_size or 224}"
-        return f"{self.preset}-b{self.batch_size}-{size}-{self.precision}-{self.optimizer}-{self.mode}"
+        ckpt = "-ckpt" if self.checkpointing else ""
+        return (
+            f"{self.preset}-b{self.batch_size}-{size}-{self.precision}-{self.optimizer}-"
+            f"{self.mode}{ckpt}"
+        )
 
     def options(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "preset" and v is not None}
@@ -71,6 +76,9 @@ RUNS: tuple[Run, ...] = (
     Run("gpt2-124m", 4, seq_len=512, mode="inference"),
     Run("gpt2-355m", 2, seq_len=256, precision="bf16-mixed"),
     Run("llama-1b", 1, seq_len=512, precision="bf16-mixed"),
+    # Recomputation under autocast, and the fp32 mem-efficient SDPA backward with its workspace.
+    Run("llama-1b", 1, seq_len=512, precision="bf16-mixed", checkpointing=True),
+    Run("llama-1b", 1, seq_len=256),
     Run("bert-base", 8, seq_len=128),
     Run("vit-b16", 8, image_size=224, precision="bf16-mixed"),
     Run("resnet50", 16, image_size=224),

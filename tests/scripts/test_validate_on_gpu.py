@@ -90,4 +90,7 @@ def test_runs_have_distinct_labels():
     labels = [r.label for r in validate.RUNS]
     assert len(labels) == len(set(labels))
     assert validate.RUNS[0].options() == {"batch_size": 4, "seq_len": 512, "precision": "fp32",
-                                          "optimizer": "adamw", "mode": "train"}
+                                          "optimizer": "adamw", "mode": "train",
+                                          "checkpointing": False}
+    checkpointed = [r for r in validate.RUNS if r.checkpointing]
+    assert [r.label for r in checkpointed] == ["llama-1b-b1-seq512-bf16-mixed-adamw-train-ckpt"]
