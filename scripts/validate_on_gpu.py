@@ -215,14 +215,25 @@ def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no c
     return measured
 
 
-def _predict(run: Run, steps: int, gpu, context_bytes: int) -> dict:  # pragma: no cover
-    from oomkit.analysis import predict
-    from oomkit.models import StepOptions, build_preset_step
+def _predict(
+    run: Run, steps: int, gpu, context_bytes: int, cudnn_version: int | None
+) -> dict:
+    import dataclasses
 
+    from oomkit.analysis import predict_recording
+    from oomkit.models import StepOptions, build_preset_step
+    from oomkit.tracing import trace_step
+    from oomkit.tracing.emulation import EmulationRegistry
+    from oomkit.tracing.emulations import SdpaSettings, register_defaults
+
+    # The SDPA backend on sm90/sm100 depends on the runtime cuDNN (cuDNN attention is preferred
+    # after 9.15.0): predict with this device's, as a user passing SdpaSettings would.
+    emulations = EmulationRegistry()
+    register_defaults(emulations, sdpa=SdpaSettings(cudnn_version=cudnn_version))
+    gpu = dataclasses.replace(gpu, context_overhead_bytes=context_bytes)
     built = build_preset_step(run.preset, StepOptions(**run.options()))
-    p = predict(
-        built.step_fn, gpu=gpu, steps=steps, track=built.track, context_overhead_bytes=context_bytes
-    )
+    recording = trace_step(built.step_fn, *built.track, steps=steps, gpu=gpu, emulations=emulations)
+    p = predict_recording(recording, gpu)
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,
         "peak_reserved_bytes": p.peak_reserved_bytes,
@@ -252,13 +263,15 @@ def _child(run: Run, steps: int) -> dict:  # pragma: no cover - needs a GPU
     with tempfile.TemporaryDirectory() as tmp:
         snapshot = Path(tmp) / "snapshot.pickle"
         measured = _measure(run, steps, snapshot)
-        predicted = _predict(run, steps, gpu, measured["context_overhead_bytes"])
+        cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        predicted = _predict(run, steps, gpu, measured["context_overhead_bytes"], cudnn_version)
         try:
             verify = _verify(snapshot)
         except Exception as exc:  # keep the comparison even when the replay fails
             verify = {"error": f"{type(exc).__name__}: {exc}"}
     record = compare_run(run.label, measured, predicted, verify)
     record["gpu"] = gpu.name
+    record["cudnn_version"] = cudnn_version
     return record
 
 

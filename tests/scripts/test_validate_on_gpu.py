@@ -94,3 +94,17 @@ def test_runs_have_distinct_labels():
                                           "checkpointing": False}
     checkpointed = [r for r in validate.RUNS if r.checkpointing]
     assert [r.label for r in checkpointed] == ["llama-1b-b1-seq512-bf16-mixed-adamw-train-ckpt"]
+
+
+def test_prediction_side_uses_the_devices_cudnn_for_the_sdpa_backend():
+    """No GPU needed for the prediction half: cuDNN 9.15.1 on an H100 picks cuDNN attention."""
+    pytest.importorskip("torch")
+    from oomkit.gpus import get_gpu
+
+    run = validate.Run("gpt2-124m", 1, seq_len=16, precision="bf16-mixed")
+    h100 = get_gpu("h100-sxm")
+    newer = validate._predict(run, 1, h100, 500 * 2**20, 91501)
+    older = validate._predict(run, 1, h100, 500 * 2**20, 90100)
+    assert any("cuDNN attention graph workspace" in w for w in newer["warnings"])
+    assert not any("cuDNN attention" in w for w in older["warnings"])
+    assert older["peak_reserved_bytes"] > 0 and older["fits"] is True
