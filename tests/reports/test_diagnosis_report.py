@@ -16,6 +16,7 @@ def test_a_remedy_that_lowers_the_peak_saves_bytes_estimates_marked():
     assert remedy_saving(priced) == "saves 1.50 GiB"
     assert remedy_saving(estimated) == "saves ~1.50 GiB"
     assert remedy_saving(unknown) == "saves unknown"
+    assert remedy_saving(Remedy("do not rely on empty_cache()", 0, "high", "", "")) == "saves nothing"
     assert (
         remedy_headline(2, priced) == "2. expandable segments — saves 1.50 GiB (medium confidence)"
     )

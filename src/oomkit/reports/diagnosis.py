@@ -98,8 +98,10 @@ REMEDIES_HEADING = "Remedies: what lowers the peak first, then by bytes saved"
 
 
 def remedy_saving(remedy: Remedy) -> str:
-    """``saves ~1.50 GiB``, or ``frees 7.17 GiB for other processes`` where the peak stays."""
+    """``saves ~1.50 GiB``, ``frees 7.17 GiB; this process's peak stays``, ``saves nothing``."""
     nbytes = remedy.saving_bytes
+    if nbytes == 0:
+        return "saves nothing"  # advice against a change, such as relying on empty_cache()
     amount = (
         "unknown" if nbytes is None else ("~" if remedy.estimate else "") + format_bytes(nbytes)
     )
