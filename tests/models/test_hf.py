@@ -119,3 +119,26 @@ def test_unreachable_hub_name_is_a_clear_error():
     """A hub name that cannot be fetched raises OomkitError suggesting a local config."""
     with pytest.raises(OomkitError, match="Without network access, pass a local directory"):
         build_hf_step("oomkit-tests/no-such-model", StepOptions(), local_files_only=True)
+
+
+def test_offline_hub_name_fails_at_once_without_network_retries(monkeypatch):
+    """Not cached and the hub's host does not resolve: one cache lookup, then a clear error."""
+    import socket
+
+    import transformers
+
+    calls = []
+
+    def from_pretrained(name, local_files_only=False, **kwargs):
+        calls.append(local_files_only)
+        raise OSError("not in the cache")
+
+    def no_dns(host, port, *args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    with pytest.raises(OomkitError, match="hub.example.org cannot be reached"):
+        build_hf_step("oomkit-tests/no-such-model", StepOptions())
+    assert calls == [True]  # the local cache only: no online attempt, so no retries

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +57,21 @@ def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = Fals
             f"{name} is a directory without config.json; point at a model directory saved with "
             "save_pretrained(), or pass a transformers config object"
         )
+    if not os.path.isdir(name) and not local_files_only:
+        # A hub name: the local cache first; then, only if the hub's host resolves, the network
+        # (offline, huggingface_hub would retry for ~40 s before failing).
+        try:
+            return transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            pass
+        host = _hub_host()
+        if not _resolves(host):
+            raise OomkitError(
+                f"could not load the Hugging Face config of {name!r}: it is not in the local "
+                f"cache and {host} cannot be reached (no network?). Pass a local directory "
+                "holding its config.json or a config object (e.g. "
+                "transformers.AutoConfig.for_model('llama', ...))"
+            )
     try:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=local_files_only)
     except (OSError, ValueError, KeyError) as exc:
@@ -65,6 +82,21 @@ def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = Fals
             "transformers.AutoConfig.for_model('llama', ...)); check the spelling, and for gated "
             "models log in with `huggingface-cli login`"
         ) from exc
+
+
+def _hub_host() -> str:
+    """The host of the Hugging Face endpoint (``HF_ENDPOINT``, else huggingface.co)."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    return urllib.parse.urlparse(endpoint).hostname or "huggingface.co"
+
+
+def _resolves(host: str) -> bool:
+    """Whether ``host`` has an address: a quick check before network retries."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 _AUTO_CLASSES: tuple[tuple[str, str, Task], ...] = (
