@@ -220,20 +220,16 @@ def _predict(
 ) -> dict:
     import dataclasses
 
-    from oomkit.analysis import predict_recording
+    from oomkit.analysis import predict
     from oomkit.models import StepOptions, build_preset_step
-    from oomkit.tracing import trace_step
-    from oomkit.tracing.emulation import EmulationRegistry
-    from oomkit.tracing.emulations import SdpaSettings, register_defaults
+    from oomkit.tracing.emulations import SdpaSettings, use_sdpa_settings
 
     # The SDPA backend on sm90/sm100 depends on the runtime cuDNN (cuDNN attention is preferred
-    # after 9.15.0): predict with this device's, as a user passing SdpaSettings would.
-    emulations = EmulationRegistry()
-    register_defaults(emulations, sdpa=SdpaSettings(cudnn_version=cudnn_version))
+    # after 9.15.0): predict with this device's, as `oomkit predict --cudnn-version N` does.
     gpu = dataclasses.replace(gpu, context_overhead_bytes=context_bytes)
     built = build_preset_step(run.preset, StepOptions(**run.options()))
-    recording = trace_step(built.step_fn, *built.track, steps=steps, gpu=gpu, emulations=emulations)
-    p = predict_recording(recording, gpu)
+    with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
+        p = predict(built.step_fn, gpu=gpu, steps=steps, track=built.track)
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,
         "peak_reserved_bytes": p.peak_reserved_bytes,

@@ -255,3 +255,18 @@ def test_verdict_lines_exact():
         "step needs about 50.00 MiB reserved, 20.00 MiB more than the 30.00 MiB usable; over the "
         "budget of 16.00 MiB"
     )
+
+
+def test_cudnn_version_picks_cudnn_attention_on_an_h100(capsys):
+    """--cudnn-version 91501 on an H100: cuDNN attention (its workspace warning), saved for explain."""
+    pytest.importorskip("oomkit.models")
+    argv = ["predict", "gpt2-124m", "--batch", "1", "--seq", "64", "--steps", "1",
+            "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
+    assert main([*argv, "--cudnn-version", "91501"]) == 0
+    newer = json.loads(capsys.readouterr().out)
+    assert any("cuDNN attention graph workspace" in w for w in newer["warnings"])
+    assert newer["workload"]["cudnn_version"] == 91501
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert not any("cuDNN attention" in w for w in default["warnings"])
+    assert "cudnn_version" not in default["workload"]

@@ -90,3 +90,16 @@ def test_disabled_backends_fall_through_and_none_left_raises():
     )
     with pytest.raises(ValueError, match="no scaled_dot_product_attention backend"):
         select_sdp_backend(_call(), H100, nothing)
+
+
+def test_use_sdpa_settings_is_scoped_and_nests():
+    """Inside the block the given settings are current; on exit the previous ones come back."""
+    from oomkit.tracing.emulations import SdpaSettings, current_sdpa_settings, use_sdpa_settings
+
+    assert current_sdpa_settings() == SdpaSettings()
+    with use_sdpa_settings(SdpaSettings(cudnn_version=91501)):
+        assert current_sdpa_settings().cudnn_version == 91501
+        with use_sdpa_settings(SdpaSettings(flash_enabled=False)):
+            assert current_sdpa_settings() == SdpaSettings(flash_enabled=False)
+        assert current_sdpa_settings().cudnn_version == 91501
+    assert current_sdpa_settings() == SdpaSettings()

@@ -29,6 +29,7 @@ predictor runs again with the change applied (``measured_model_remedies``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -303,15 +304,22 @@ def _repredict(data: Mapping[str, Any], workload: Mapping[str, Any], options: An
     from oomkit.models import build_preset_step
 
     built = build_preset_step(str(workload["preset"]), options)
-    return predict(
-        built.step_fn,
-        gpu=_gpu_of(data),
-        alloc_conf=data.get("alloc_conf") or None,
-        steps=int(workload.get("steps", 2)),
-        torch_version=data.get("torch_version"),
-        track=built.track,
-        description=built.description,
-    )
+    settings: Any = contextlib.nullcontext()
+    if isinstance(workload.get("cudnn_version"), int):
+        from oomkit.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+        # `predict --cudnn-version N` saved it: the same SDPA backend as the saved prediction.
+        settings = use_sdpa_settings(SdpaSettings(cudnn_version=int(workload["cudnn_version"])))
+    with settings:
+        return predict(
+            built.step_fn,
+            gpu=_gpu_of(data),
+            alloc_conf=data.get("alloc_conf") or None,
+            steps=int(workload.get("steps", 2)),
+            torch_version=data.get("torch_version"),
+            track=built.track,
+            description=built.description,
+        )
 
 
 def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -9,6 +9,7 @@ batch size; ``fit`` calls it once per batch size tried.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "add_gpu_flags",
     "add_workload_flags",
     "build_workload",
+    "kernel_settings",
     "positive_int",
     "step_options",
     "user_code_error",
@@ -66,6 +68,23 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="memory outside PyTorch (CUDA context), e.g. 500MiB (default: the GPU's figure)",
     )
+    parser.add_argument(
+        "--cudnn-version",
+        type=positive_int,
+        metavar="N",
+        help="the target's torch.backends.cudnn.version(), e.g. 91501: from 9.15.1 on, "
+        "H100/B200 run cuDNN attention (default: an older cuDNN, flash attention)",
+    )
+
+
+def kernel_settings(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA settings ``--cudnn-version`` names, in effect while the step is traced."""
+    version = getattr(args, "cudnn_version", None)
+    if version is None:
+        return contextlib.nullcontext()
+    from oomkit.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+    return use_sdpa_settings(SdpaSettings(cudnn_version=version))
 
 
 def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:

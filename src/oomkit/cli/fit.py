@@ -23,6 +23,7 @@ from oomkit.cli._workload import (
     add_gpu_flags,
     add_workload_flags,
     build_workload,
+    kernel_settings,
     positive_int,
     user_code_error,
 )
@@ -185,9 +186,10 @@ def run(args: argparse.Namespace) -> int:
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
     try:
-        if args.smallest_gpu:
-            return _run_smallest(args, builders, eval_step)
-        return _run_search(args, gpu, builders, eval_step)
+        with kernel_settings(args):
+            if args.smallest_gpu:
+                return _run_smallest(args, builders, eval_step)
+            return _run_search(args, gpu, builders, eval_step)
     except OomkitError:
         raise
     except Exception as exc:

@@ -16,6 +16,7 @@ from oomkit.cli._workload import (
     add_gpu_flags,
     add_workload_flags,
     build_workload,
+    kernel_settings,
     positive_int,
     step_options,
     user_code_error,
@@ -61,7 +62,10 @@ def _workload_spec(args: argparse.Namespace) -> dict | None:
     if args.hf is not None or args.target is None or is_user_target(args.target):
         return None
     options = dataclasses.asdict(step_options(args, args.batch))
-    return {"preset": args.target, "options": options, "steps": args.steps}
+    spec = {"preset": args.target, "options": options, "steps": args.steps}
+    if args.cudnn_version is not None:
+        spec["cudnn_version"] = args.cudnn_version  # re-predictions pick the same SDPA backend
+    return spec
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,15 +82,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
     try:
-        prediction = predict(
-            workload.step_fn,
+        with kernel_settings(args):
+            prediction = predict(
+                workload.step_fn,
             gpu=gpu,
-            alloc_conf=args.alloc_conf,
-            steps=args.steps,
-            budget_bytes=args.budget,
-            track=workload.track,
-            description=workload.description,
-        )
+                alloc_conf=args.alloc_conf,
+                steps=args.steps,
+                budget_bytes=args.budget,
+                track=workload.track,
+                description=workload.description,
+            )
     except OomkitError:
         raise
     except Exception as exc:

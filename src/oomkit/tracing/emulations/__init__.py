@@ -1,8 +1,9 @@
 """The CUDA memory emulations that ship with oomkit, one module per concept.
 
 ``register_defaults(registry)`` adds them all; ``oomkit.tracing.emulation.DEFAULT_EMULATIONS``
-is a registry built that way. To change a setting (cuDNN version for the SDPA choice, a
-``CUBLAS_WORKSPACE_CONFIG``), build your own registry::
+is a registry built that way. The SDPA choice follows ``use_sdpa_settings`` (e.g. the target's
+cuDNN version) where the registry was built without settings. To fix a setting for one registry
+(or a ``CUBLAS_WORKSPACE_CONFIG``), build your own::
 
     registry = EmulationRegistry()
     register_defaults(registry, sdpa=SdpaSettings(cudnn_version=91501), environ={...})
@@ -29,7 +30,9 @@ from oomkit.tracing.emulations.sdpa_backend import (
     SdpaCall,
     SdpaSettings,
     SdpBackend,
+    current_sdpa_settings,
     select_sdp_backend,
+    use_sdpa_settings,
 )
 
 if TYPE_CHECKING:
@@ -50,7 +53,9 @@ __all__ = [
     "register_embedding",
     "register_sdpa",
     "sdpa_backend_for",
+    "current_sdpa_settings",
     "select_sdp_backend",
+    "use_sdpa_settings",
     "uses_cudnn",
 ]
 

@@ -44,6 +44,7 @@ from oomkit.tracing.emulations.sdpa_backend import (
     SdpaCall,
     SdpaSettings,
     SdpBackend,
+    current_sdpa_settings,
     select_sdp_backend,
 )
 
@@ -89,12 +90,12 @@ def register_sdpa(registry: EmulationRegistry, settings: SdpaSettings | None = N
     Args:
         registry: where to register.
         settings: process switches that steer the backend choice (cuDNN version, enabled
-            backends); default ``SdpaSettings()``.
+            backends); default: those in effect at each call (``use_sdpa_settings``, else
+            ``SdpaSettings()``).
     """
-    chosen = settings or SdpaSettings()
 
     def sdpa(ctx: EmulationContext) -> Any:
-        return _run_sdpa(ctx, chosen)
+        return _run_sdpa(ctx, settings if settings is not None else current_sdpa_settings())
 
     registry.register(SDPA_FUNCTION)(sdpa)
     registry.register(FLASH_BACKWARD_OP)(_flash_backward)

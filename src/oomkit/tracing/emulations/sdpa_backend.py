@@ -16,10 +16,20 @@ Not modelled: nested tensors, ROCm, FlashAttention-3 opt-in dtypes, user-set pri
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["SdpBackend", "SdpaCall", "SdpaSettings", "select_sdp_backend"]
+__all__ = [
+    "SdpBackend",
+    "SdpaCall",
+    "SdpaSettings",
+    "current_sdpa_settings",
+    "select_sdp_backend",
+    "use_sdpa_settings",
+]
 
 SdpBackend = Literal["cudnn_attention", "flash_attention", "efficient_attention", "math"]
 
@@ -62,6 +72,30 @@ class SdpaSettings:
     math_enabled: bool = True
     cudnn_enabled: bool = True
     deterministic: bool = False
+
+
+# The settings a hook registered without its own uses: what ``use_sdpa_settings`` set in this
+# context, else the defaults (as torch.backends.cuda's sdp switches are process state).
+_CURRENT: ContextVar[SdpaSettings | None] = ContextVar("oomkit_sdpa_settings", default=None)
+
+
+def current_sdpa_settings() -> SdpaSettings:
+    """The SDPA settings in effect here (``use_sdpa_settings``, else ``SdpaSettings()``)."""
+    return _CURRENT.get() or SdpaSettings()
+
+
+@contextlib.contextmanager
+def use_sdpa_settings(settings: SdpaSettings) -> Iterator[SdpaSettings]:
+    """Trace with ``settings`` inside the block, e.g. the target's cuDNN version::
+
+        with use_sdpa_settings(SdpaSettings(cudnn_version=91501)):
+            oomkit.predict(step, model, gpu="h100")   # cuDNN attention, as on that machine
+    """
+    token = _CURRENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _CURRENT.reset(token)
 
 
 @dataclass(frozen=True)
