@@ -253,3 +253,17 @@ def test_smallest_gpu_verdicts_exact():
         "batch 100 fits on none of the 2 GPUs checked: on the largest, Big, it needs 208.00 MiB "
         "of 128.00 MiB usable with a 0 B margin"
     )
+
+
+def test_cudnn_version_flag_is_in_effect_while_fit_traces():
+    """--cudnn-version N makes SdpaSettings(cudnn_version=N) current inside kernel_settings only."""
+    import argparse
+
+    from oomkit.cli._workload import kernel_settings
+    from oomkit.tracing.emulations import current_sdpa_settings
+
+    with kernel_settings(argparse.Namespace(cudnn_version=91501)):
+        assert current_sdpa_settings().cudnn_version == 91501
+    with kernel_settings(argparse.Namespace(cudnn_version=None)):
+        assert current_sdpa_settings().cudnn_version is None
+    assert current_sdpa_settings().cudnn_version is None
