@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _hf_data import RowDataset  # noqa: E402
+
 from oomkit.integrations.huggingface import OomkitTrainerCallback, apply_batch_size  # noqa: E402
 from oomkit.runtime import resilient, use_device  # noqa: E402
 
@@ -55,14 +57,6 @@ def test_apply_batch_size_confirms_the_prediction_with_real_probes(tmp_path):
     assert args.per_device_train_batch_size == 18
 
 
-class _Dataset(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i):
-        return {"x": torch.full((4,), float(i)), "labels": torch.tensor(float(i % 2))}
-
-
 class _Model(torch.nn.Module):
     """Raises the real torch.OutOfMemoryError for batches above 4 samples."""
 
@@ -88,7 +82,7 @@ def test_callback_reports_auto_find_batch_size_shrinking(tmp_path, caplog):
         args=_args(
             tmp_path, per_device_train_batch_size=16, auto_find_batch_size=True, max_steps=2
         ),
-        train_dataset=_Dataset(),
+        train_dataset=RowDataset(),
         callbacks=[callback],
     )
     with caplog.at_level(logging.WARNING, "oomkit.integrations.huggingface"):

@@ -8,16 +8,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _fake_device import GrowingDevice, MiB  # noqa: E402
+from _hf_data import RowDataset  # noqa: E402
 
 from oomkit.integrations.huggingface_monitor import OomkitMonitorTrainerCallback  # noqa: E402
-
-
-class _Dataset(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i):
-        return {"x": torch.full((4,), float(i)), "labels": torch.tensor(float(i % 2))}
 
 
 class _Model(torch.nn.Module):
@@ -54,7 +47,7 @@ def test_records_each_optimizer_step_and_logs_figures(tmp_path):
             max_steps=4,
             logging_steps=2,
         ),
-        train_dataset=_Dataset(),
+        train_dataset=RowDataset(),
         callbacks=[callback, capture],
     )
     trainer.train()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from oomkit.allocator import CachingAllocator, SimulatedOutOfMemoryError
+sys.path.insert(0, str(Path(__file__).parents[1] / "analysis"))
+from cases.oom_cases import fragmented_oom_message  # noqa: E402
+
 from oomkit.analysis.diagnosis import diagnose_oom_text
 from oomkit.analysis.oom_text import parse_oom_text
 from oomkit.gpus import GpuSpec
@@ -109,13 +113,6 @@ and NCCL, and other processes).
 
 def test_fragmentation_diagnosis_report_golden():
     """Verdict with its evidence, remedies with code, and the allocated/reserved paragraph."""
-    allocator = CachingAllocator(capacity_bytes=8 * GiB, reserved_outside_bytes=400 * MiB)
-    blocks = [allocator.malloc(GiB) for _ in range(7)]
-    for block in blocks:
-        allocator.free(block)
-    for _ in blocks:
-        allocator.malloc(600 * MiB)
-    with pytest.raises(SimulatedOutOfMemoryError) as info:
-        allocator.malloc(2 * GiB)
-    diagnosis = diagnose_oom_text(parse_oom_text(f"torch.OutOfMemoryError: {info.value}"))
+    message = fragmented_oom_message()
+    diagnosis = diagnose_oom_text(parse_oom_text(f"torch.OutOfMemoryError: {message}"))
     assert _render(render_diagnosis, diagnosis) == DIAGNOSIS_GOLDEN

@@ -205,3 +205,20 @@ CASES: tuple[Case, ...] = (
         top_remedy="compute the short-lived temporary in chunks",
     ),
 )
+
+
+def fragmented_oom_message() -> str:
+    """PyTorch's OOM message for 2 GiB on an 8 GiB device (400 MiB outside) whose 7 GiB cache
+    holds seven 600 MiB tensors, one per 1 GiB segment: 2.90 GiB free in the cache, no block
+    large enough (the fragmentation case of an error text)."""
+    allocator = CachingAllocator(capacity_bytes=8 * GiB, reserved_outside_bytes=400 * MiB)
+    blocks = [allocator.malloc(GiB) for _ in range(7)]
+    for block in blocks:
+        allocator.free(block)
+    for _ in blocks:
+        allocator.malloc(600 * MiB)
+    try:
+        allocator.malloc(2 * GiB)
+    except SimulatedOutOfMemoryError as error:
+        return str(error)
+    raise AssertionError("the 2 GiB request was expected to run out of memory")
