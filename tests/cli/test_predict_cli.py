@@ -266,7 +266,9 @@ def test_cudnn_version_picks_cudnn_attention_on_an_h100(capsys):
     newer = json.loads(capsys.readouterr().out)
     assert any("cuDNN attention graph workspace" in w for w in newer["warnings"])
     assert newer["workload"]["cudnn_version"] == 91501
+    assert newer["kernel_choices"] == {"SDPA cudnn_attention": 12}  # GPT-2's 12 layers, 1 step
     assert main(argv) == 0
     default = json.loads(capsys.readouterr().out)
     assert not any("cuDNN attention" in w for w in default["warnings"])
     assert "cudnn_version" not in default["workload"]
+    assert default["kernel_choices"] == {"SDPA flash_attention": 12}

@@ -116,3 +116,25 @@ def test_fragmentation_diagnosis_report_golden():
     message = fragmented_oom_message()
     diagnosis = diagnose_oom_text(parse_oom_text(f"torch.OutOfMemoryError: {message}"))
     assert _render(render_diagnosis, diagnosis) == DIAGNOSIS_GOLDEN
+
+
+def test_kernels_line_names_what_the_recording_assumed():
+    """One line under the header: the compute capability and each kernel choice with its calls."""
+    pytest.importorskip("torch")
+    import dataclasses
+
+    from oomkit.analysis import predict_recording
+    from oomkit.gpus import get_gpu
+    from oomkit.reports.prediction import kernels_line
+    from oomkit.tracing import TraceRecording
+
+    recording = TraceRecording(
+        events=(_alloc(1, 1000, "parameter", "encoder.0"),),
+        kernel_choices={"SDPA flash_attention": 24, "SDPA math": 1},
+    )
+    prediction = predict_recording(recording, get_gpu("rtx4090"))
+    assert kernels_line(prediction) == (
+        "kernels as on compute capability 8.9: SDPA flash_attention (24 calls); SDPA math (1 call)"
+    )
+    custom = dataclasses.replace(prediction, gpu=get_gpu("24GiB"))
+    assert kernels_line(custom).startswith("kernels as on compute capability 9.0: ")

@@ -279,3 +279,21 @@ def test_multihead_attention_runs_the_fused_kernel():
     ]
     assert flash[:2] == [HALF_QKV_BYTES, B * H * L * 4]
     assert recording.warnings == ()
+
+
+def test_recording_lists_the_sdpa_backends_chosen():
+    """fp32 on an H100 runs the mem-efficient kernel, bf16 flash: the recording counts each."""
+    import torch.nn.functional as F
+
+    from oomkit.gpus import get_gpu
+    from oomkit.tracing import trace_step
+
+    def attend(q):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        F.scaled_dot_product_attention(
+            q.to(torch.bfloat16), q.to(torch.bfloat16), q.to(torch.bfloat16)
+        )
+
+    q = torch.randn(2, 4, 32, 64, device="meta")
+    recording = trace_step(attend, q, steps=2, gpu=get_gpu("h100-sxm"))
+    assert recording.kernel_choices == {"SDPA efficient_attention": 2, "SDPA flash_attention": 2}

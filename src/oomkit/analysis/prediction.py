@@ -11,7 +11,7 @@ This module never imports torch itself; ``predict`` imports ``oomkit.tracing`` w
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from oomkit.allocator import AllocatorConfig
@@ -137,6 +137,8 @@ class Prediction:
         budget_bytes: a limit on peak reserved set by the caller (``--budget``), or ``None``.
         within_budget: ``fits`` and ``required_bytes <= budget_bytes``; ``None`` without one.
         description: what was predicted ("GPT-2 124M, batch 8, ..."), for reports.
+        kernel_choices: the CUDA kernels the recording assumed for the GPU, with call counts
+            (``{"SDPA flash_attention": 24}``).
     """
 
     gpu: GpuSpec
@@ -168,6 +170,7 @@ class Prediction:
     budget_bytes: int | None = None
     within_budget: bool | None = None
     description: str = ""
+    kernel_choices: Mapping[str, int] = field(default_factory=dict)
 
 
 
@@ -281,6 +284,7 @@ def predict_recording(
         budget_bytes=budget_bytes,
         within_budget=within_budget,
         description=description,
+        kernel_choices=dict(recording.kernel_choices),
     )
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from oomkit.analysis.prediction import PeakBreakdown, Prediction
 from oomkit.units import format_bytes
 
-__all__ = ["prediction_to_json", "render_prediction", "verdict_line"]
+__all__ = ["kernels_line", "prediction_to_json", "render_prediction", "verdict_line"]
 
 # What a row of the breakdown table calls reserved memory that holds no live tensor.
 CACHED_LABEL = "cached, not allocated"
@@ -50,6 +50,17 @@ def verdict_line(prediction: Prediction) -> str:
     elif p.budget_bytes is not None:
         line += f"; within the budget of {format_bytes(p.budget_bytes)}"
     return line
+
+
+def kernels_line(prediction: Prediction) -> str:
+    """``kernels as on compute capability 8.9: SDPA flash_attention
+    (24 calls)``: what the recording assumed the GPU runs."""
+    major, minor = prediction.gpu.kernel_compute_capability
+    choices = "; ".join(
+        f"{choice} ({count} call{'s' if count != 1 else ''})"
+        for choice, count in prediction.kernel_choices.items()
+    )
+    return f"kernels as on compute capability {major}.{minor}: {choices}"
 
 
 def _pct(part: int, whole: int) -> str:
@@ -112,6 +123,8 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         f"{format_bytes(p.context_overhead_bytes)} outside PyTorch, "
         f"allocator settings: {p.alloc_conf or 'default'})"
     )
+    if p.kernel_choices:
+        console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
     when = "before the first step" if at.step is None else f"step {at.step}"
     console.print(_breakdown_table(at, f"Memory at peak allocated ({when})"))

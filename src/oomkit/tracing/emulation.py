@@ -91,6 +91,11 @@ class EmulationContext:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
         self._tracer._free_synthetic(alloc_id)
 
+    def note_choice(self, choice: str) -> None:
+        """Count a kernel choice the emulation made (``"SDPA flash_attention"``): the recording
+        lists them so a report can say what it assumed."""
+        self._tracer._note_choice(choice)
+
     def not_emulated(self, what: str) -> None:
         """Count this call as only partly emulated: the recording warns, naming the op and ``what``.
 

@@ -136,6 +136,7 @@ class Tracer:
         self._synthetic: dict[int, Allocation] = {}
         self._divergent_calls: Counter[str] = Counter()
         self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
+        self._kernel_choices: Counter[str] = Counter()  # e.g. "SDPA flash_attention" -> calls
         self._grad_scaler_steps: Counter[str] = Counter()
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
@@ -332,6 +333,9 @@ class Tracer:
 
     def _note_not_emulated(self, op: str, what: str) -> None:
         self._partial_calls[(op, what)] += 1
+
+    def _note_choice(self, choice: str) -> None:
+        self._kernel_choices[choice] += 1
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
@@ -627,6 +631,7 @@ class Tracer:
             warnings=tuple(self._warnings()),
             step_starts=tuple(step_starts),
             bytes_by_category=totals,
+            kernel_choices=dict(sorted(self._kernel_choices.items())),
         )
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:

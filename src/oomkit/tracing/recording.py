@@ -25,12 +25,15 @@ class TraceRecording:
         step_starts: index into ``events`` where each step begins; events before the first are
             storages that existed before tracing (parameters of a model built earlier).
         bytes_by_category: bytes allocated per category over the whole recording.
+        kernel_choices: the CUDA kernels the emulations chose for the target GPU, with how many
+            calls each (``{"SDPA flash_attention": 24}``).
     """
 
     events: tuple[TraceEvent, ...]
     warnings: tuple[str, ...] = ()
     step_starts: tuple[int, ...] = ()
     bytes_by_category: Mapping[Category, int] = field(default_factory=dict)
+    kernel_choices: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:

@@ -167,6 +167,7 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
         enable_gqa=p["enable_gqa"],
         settings=settings,
     )
+    ctx.note_choice(f"SDPA {backend}")
     if backend == "math":
         # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math).
         return ctx.run()
