@@ -267,3 +267,30 @@ def test_cudnn_version_flag_is_in_effect_while_fit_traces():
     with kernel_settings(argparse.Namespace(cudnn_version=None)):
         assert current_sdpa_settings().cudnn_version is None
     assert current_sdpa_settings().cudnn_version is None
+
+
+FIT_GOLDEN = """\
+steps.py:build(batch_size=4) on custom 100.00 MiB (100.00 MiB total, 0 B outside PyTorch, margin 0
+B, allocator settings: default, 2 training steps per probe)
+                   Memory vs batch size
+┏━━━━━━━┳━━━━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━┳━━━━━━━━━━━━━━┓
+┃ batch ┃ peak reserved ┃  headroom ┃ fits ┃ limited by   ┃
+┡━━━━━━━╇━━━━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━╇━━━━━━━━━━━━━━┩
+│     1 │     20.00 MiB │ 80.00 MiB │ yes  │ train step 1 │
+│     2 │     22.00 MiB │ 78.00 MiB │ yes  │ train step 1 │
+│   4 < │     26.00 MiB │ 74.00 MiB │ yes  │ train step 1 │
+└───────┴───────────────┴───────────┴──────┴──────────────┘
+largest batch that fits on custom 100.00 MiB: 4 (peak reserved 26.00 MiB, margin 0 B, 3 traces); the
+search stopped at --max-batch 4
+warning: custom 100.00 MiB is a plain size with no architecture: the SDPA backend and the cuBLAS and attention workspaces were chosen as on compute capability 9.0 (an H100); name the GPU (e.g. rtx4090, a100-40gb) for its own
+warning: batch 4 (max_batch) fits; the search stopped there: raise max_batch (--max-batch) to look further
+"""
+
+
+def test_terminal_report_golden(user_file, capsys, monkeypatch):
+    """At 100 columns without colour: header, curve table, verdict, then the warnings."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(user_file.parent)  # a relative target: the header does not hold tmp_path
+    assert main(["fit", "steps.py:build", *SMALL, "--margin", "0", "--max-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == FIT_GOLDEN
