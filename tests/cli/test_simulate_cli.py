@@ -59,3 +59,39 @@ def test_simulate_bad_alloc_conf_is_usage_error(tmp_path, capsys):
     path = _trace(tmp_path, [TraceEvent("alloc", 1, 10)])
     assert main(["simulate", str(path), "--alloc-conf", "max_split_size_mb:2"]) == 2
     assert "max_split_size" in capsys.readouterr().err
+
+
+SIMULATE_GOLDEN = """\
+          Simulated t.jsonl
+┏━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━┓
+┃ metric                ┃     value ┃
+┡━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━┩
+│ events replayed       │         6 │
+│ peak allocated        │ 42.00 MiB │
+│ peak reserved         │ 54.00 MiB │
+│ cudaMalloc / cudaFree │     3 / 0 │
+│ alloc retries         │         0 │
+└───────────────────────┴───────────┘
+"""
+
+
+def test_simulate_human_output_golden(tmp_path, capsys, monkeypatch):
+    """100 columns, no colour. 1000 B -> a 2 MiB small segment; 3 MiB -> a 20 MiB segment;
+    30 MiB + 1 -> its own 32 MiB; 12 MiB reuses the freed 3 MiB block's 20 MiB segment (split):
+    3 cudaMallocs, 54 MiB reserved, 42 MiB (+1.5 KiB) allocated at the peak."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(tmp_path)
+    _trace(
+        tmp_path,
+        [
+            TraceEvent("alloc", 1, 1000),
+            TraceEvent("alloc", 2, 3 * MiB),
+            TraceEvent("alloc", 3, 30 * MiB + 1),
+            TraceEvent("free_requested", 2, 3 * MiB),
+            TraceEvent("free_completed", 2, 3 * MiB),
+            TraceEvent("alloc", 4, 12 * MiB),
+        ],
+    )
+    assert main(["simulate", "t.jsonl", "--capacity", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SIMULATE_GOLDEN
