@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "positive_int",
     "step_options",
     "user_code_error",
+    "user_errors",
 ]
 
 # The StepOptions vocabulary of oomkit.models (docs/CONTRACTS.md, "Issue 3").
@@ -175,6 +177,29 @@ def _call_builder(builder: Any, name: str, options: Any) -> Any:
     except ValueError as exc:
         # UnknownPresetError and option checks are ValueErrors with a message that says what to do.
         raise OomkitError(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def user_errors(
+    culprit: Callable[[], tuple[str | None, list[BaseException]]],
+) -> Iterator[None]:
+    """Turn an exception the user's own step raised into a one-line ``UserCodeError``; oomkit's
+    errors and anything else pass through unchanged.
+
+    Args:
+        culprit: returns the target and what its step raised, read when an exception arrives
+            (``fit`` builds a new step per batch size, so both change while the block runs).
+    """
+    try:
+        yield
+    except OomkitError:
+        raise
+    except Exception as exc:
+        target, raised = culprit()
+        error = user_code_error(target, exc, raised)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def user_code_error(

@@ -25,7 +25,7 @@ from oomkit.cli._workload import (
     build_workload,
     kernel_settings,
     positive_int,
-    user_code_error,
+    user_errors,
 )
 from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
 
@@ -185,18 +185,10 @@ def run(args: argparse.Namespace) -> int:
     gpu = _validate(args)
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
-    try:
-        with kernel_settings(args):
-            if args.smallest_gpu:
-                return _run_smallest(args, builders, eval_step)
-            return _run_search(args, gpu, builders, eval_step)
-    except OomkitError:
-        raise
-    except Exception as exc:
-        error = user_code_error(builders.target, exc, builders.raised)
-        if error is None:
-            raise
-        raise error from exc
+    with user_errors(lambda: (builders.target, builders.raised)), kernel_settings(args):
+        if args.smallest_gpu:
+            return _run_smallest(args, builders, eval_step)
+        return _run_search(args, gpu, builders, eval_step)
 
 
 def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_step: Any) -> int:

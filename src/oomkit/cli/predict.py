@@ -19,9 +19,8 @@ from oomkit.cli._workload import (
     kernel_settings,
     positive_int,
     step_options,
-    user_code_error,
+    user_errors,
 )
-from oomkit.errors import OomkitError
 
 __all__ = ["add_parser", "run", "PRECISIONS", "OPTIMIZERS", "MODES"]
 
@@ -81,24 +80,16 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
-    try:
-        with kernel_settings(args):
-            prediction = predict(
-                workload.step_fn,
+    with user_errors(lambda: (args.target, workload.raised)), kernel_settings(args):
+        prediction = predict(
+            workload.step_fn,
             gpu=gpu,
-                alloc_conf=args.alloc_conf,
-                steps=args.steps,
-                budget_bytes=args.budget,
-                track=workload.track,
-                description=workload.description,
-            )
-    except OomkitError:
-        raise
-    except Exception as exc:
-        error = user_code_error(args.target, exc, workload.raised)
-        if error is None:
-            raise
-        raise error from exc
+            alloc_conf=args.alloc_conf,
+            steps=args.steps,
+            budget_bytes=args.budget,
+            track=workload.track,
+            description=workload.description,
+        )
     if args.json:
         print_json(prediction_to_json(prediction, _workload_spec(args)))
     else:
