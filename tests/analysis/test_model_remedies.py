@@ -17,6 +17,7 @@ from oomkit.analysis._model_remedies import (
 )
 from oomkit.analysis.prediction_diagnosis import diagnose_prediction
 from oomkit.analysis.snapshot_diagnosis import diagnose_snapshot
+from oomkit.gpus import GpuSpec
 from oomkit.snapshot import load_snapshot
 
 FULL = {
@@ -176,12 +177,12 @@ def saved():
     return json.loads(json.dumps(prediction_to_json(p, spec)))
 
 
-def _repredicted_required(**change):
+def _repredicted_required(gpu="3GiB", **change):
     from oomkit.analysis.prediction import predict
     from oomkit.models import StepOptions, build_preset_step
 
     built = build_preset_step("gpt2-124m", StepOptions(**(OPTIONS | change)))
-    return predict(built.step_fn, gpu="3GiB", steps=2, track=built.track).required_bytes
+    return predict(built.step_fn, gpu=gpu, steps=2, track=built.track).required_bytes
 
 
 def test_saved_prediction_carries_the_workload(saved):
@@ -221,7 +222,17 @@ def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved):
     remedies = _by_title(measured_model_remedies(on_t4)[0])
     assert "bf16 mixed precision (autocast)" not in remedies
     fp16 = remedies["fp16 mixed precision (autocast + GradScaler)"]
+    # Re-predicted with the saved GPU's compute capability: a T4's kernels, not an H100's.
+    t4_sized = GpuSpec(
+        saved["gpu"]["name"],
+        saved["capacity_bytes"],
+        saved["context_overhead_bytes"],
+        compute_capability=(7, 5),
+    )
     assert fp16.saving_bytes == saved["required_bytes"] - _repredicted_required(
+        t4_sized, precision="fp16-mixed"
+    )
+    assert fp16.saving_bytes != saved["required_bytes"] - _repredicted_required(
         precision="fp16-mixed"
     )
 

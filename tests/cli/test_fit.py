@@ -260,13 +260,13 @@ def test_cudnn_version_flag_is_in_effect_while_fit_traces():
     import argparse
 
     from oomkit.cli._workload import kernel_settings
-    from oomkit.tracing.emulations import current_sdpa_settings
+    from oomkit.tracing.emulations import current_sdpa_settings, default_sdpa_settings
 
     with kernel_settings(argparse.Namespace(cudnn_version=91501)):
         assert current_sdpa_settings().cudnn_version == 91501
     with kernel_settings(argparse.Namespace(cudnn_version=None)):
-        assert current_sdpa_settings().cudnn_version is None
-    assert current_sdpa_settings().cudnn_version is None
+        assert current_sdpa_settings() == default_sdpa_settings()
+    assert current_sdpa_settings() == default_sdpa_settings()
 
 
 FIT_GOLDEN = """\

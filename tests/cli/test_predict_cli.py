@@ -257,18 +257,37 @@ def test_verdict_lines_exact():
     )
 
 
-def test_cudnn_version_picks_cudnn_attention_on_an_h100(capsys):
-    """--cudnn-version 91501 on an H100: cuDNN attention (its workspace warning), saved for explain."""
+def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
+    """--cudnn-version on an H100: 9.15.1 runs cuDNN attention, 9.10.2 flash; saved for explain."""
     pytest.importorskip("oomkit.models")
     argv = ["predict", "gpt2-124m", "--batch", "1", "--seq", "64", "--steps", "1",
             "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
     assert main([*argv, "--cudnn-version", "91501"]) == 0
     newer = json.loads(capsys.readouterr().out)
-    assert any("cuDNN attention graph workspace" in w for w in newer["warnings"])
+    assert any("cuDNN attention engine" in w for w in newer["warnings"])
     assert newer["workload"]["cudnn_version"] == 91501
     assert newer["kernel_choices"] == {"SDPA cudnn_attention": 12}  # GPT-2's 12 layers, 1 step
+    assert newer["assumptions"] == {"cuDNN": "9.15.1 (as given)"}
+    assert main([*argv, "--cudnn-version", "91002"]) == 0
+    older = json.loads(capsys.readouterr().out)
+    assert not any("cuDNN attention" in w for w in older["warnings"])
+    assert older["workload"]["cudnn_version"] == 91002
+    assert older["kernel_choices"] == {"SDPA flash_attention": 12}
+    assert older["assumptions"] == {"cuDNN": "9.10.2 (as given)"}
+
+
+def test_default_cudnn_is_this_torch_installs_and_is_saved(capsys):
+    """Without the flag: the install's cuDNN (torch 2.13's wheel pins 9.20.0: cuDNN attention)."""
+    pytest.importorskip("oomkit.models")
+    from oomkit.tracing.emulations import installed_cudnn_build
+
+    build = installed_cudnn_build()
+    if build.version is None or build.version <= 91500:
+        pytest.skip(f"this torch's cuDNN ({build}) does not put cuDNN attention first")
+    argv = ["predict", "gpt2-124m", "--batch", "1", "--seq", "64", "--steps", "1",
+            "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
     assert main(argv) == 0
     default = json.loads(capsys.readouterr().out)
-    assert not any("cuDNN attention" in w for w in default["warnings"])
-    assert "cudnn_version" not in default["workload"]
-    assert default["kernel_choices"] == {"SDPA flash_attention": 12}
+    assert default["workload"]["cudnn_version"] == build.version
+    assert default["kernel_choices"] == {"SDPA cudnn_attention": 12}
+    assert default["assumptions"]["cuDNN"].endswith(f"({build.source})")

@@ -138,3 +138,13 @@ def test_kernels_line_names_what_the_recording_assumed():
     )
     custom = dataclasses.replace(prediction, gpu=get_gpu("24GiB"))
     assert kernels_line(custom).startswith("kernels as on compute capability 9.0: ")
+    on_h100 = dataclasses.replace(
+        prediction,
+        gpu=get_gpu("h100"),
+        kernel_choices={"SDPA cudnn_attention": 24},
+        assumptions={"cuDNN": "9.20.0 (torch 2.13's default Linux wheel)"},
+    )
+    assert kernels_line(on_h100) == (
+        "kernels as on compute capability 9.0, cuDNN 9.20.0 (torch 2.13's default Linux wheel): "
+        "SDPA cudnn_attention (24 calls)"
+    )

@@ -105,6 +105,6 @@ def test_prediction_side_uses_the_devices_cudnn_for_the_sdpa_backend():
     h100 = get_gpu("h100-sxm")
     newer = validate._predict(run, 1, h100, 500 * 2**20, 91501)
     older = validate._predict(run, 1, h100, 500 * 2**20, 90100)
-    assert any("cuDNN attention graph workspace" in w for w in newer["warnings"])
+    assert any("cuDNN attention engine" in w for w in newer["warnings"])
     assert not any("cuDNN attention" in w for w in older["warnings"])
     assert older["peak_reserved_bytes"] > 0 and older["fits"] is True

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from oomkit.gpus import get_gpu
 from oomkit.tracing import EmulationRegistry, TraceRecording, trace_step
-from oomkit.tracing.emulations import SdpaSettings, register_defaults
+from oomkit.tracing.emulations import SdpaSettings, register_defaults, use_sdpa_settings
 
 B, H, L, E = 2, 4, 100, 64
 BF16 = 2
 HALF_QKV_BYTES = B * H * L * E * BF16  # 102400
+
+
+@pytest.fixture(autouse=True)
+def _cuda12_cudnn():
+    """These tests trace for an H100 with cuDNN 9.10.2 (a CUDA 12 wheel), where flash comes
+    first; the cuDNN tests bring a registry with their own settings."""
+    with use_sdpa_settings(SdpaSettings(cudnn_version=91002)):
+        yield
 
 
 def _allocs(recording: TraceRecording) -> list[tuple[int, str | None, str | None]]:
@@ -253,9 +262,47 @@ def test_cudnn_attention_records_output_and_softmax_stats():
     forward = "aten._scaled_dot_product_cudnn_attention.default"
     backward = "aten._scaled_dot_product_cudnn_attention_backward.default"
     assert _op_allocs(recording, forward)[:2] == [(HALF_QKV_BYTES, None), (B * H * L * 1 * 4, None)]
-    assert _op_allocs(recording, backward) == [(HALF_QKV_BYTES, None)] * 3
+    # dq, dk, dv; sum()'s gradient is an expand (innermost stride 0), so cuDNN gets a contiguous
+    # copy; then the frontend's fp32 dQ accumulator [B, H, L, E].
+    assert _op_allocs(recording, backward) == [(HALF_QKV_BYTES, None)] * 3 + [
+        (HALF_QKV_BYTES, "cudnn_grad_out"),
+        (B * H * L * E * 4, "cudnn_dq_accum"),
+    ]
+    emulated = {
+        e.address: dict(e.tags)["emulated"]
+        for e in recording.events
+        if e.action == "alloc" and "emulated" in dict(e.tags)
+    }
+    freed = [emulated[e.address] for e in recording.events if e.action == "free_requested"
+             and e.address in emulated]
+    assert freed == ["cudnn_dq_accum", "cudnn_grad_out"]  # workspace_ptr first, then dO_
     assert [w.split(" ran ")[0] for w in recording.warnings] == [forward, backward]
-    assert all("cuDNN attention graph workspace" in w for w in recording.warnings)
+    assert "beyond the frontend's fp32 dQ accumulator" in recording.warnings[1]
+    assert recording.assumptions == {"cuDNN": "9.15.1 (as given)"}
+
+
+def _weighted_backward(x: torch.Tensor) -> None:
+    # The usual layout: q is a (B, L, H, E) tensor transposed to (B, H, L, E), so the output
+    # (allocated in q's layout) has (B, L, H, E) strides; (out * w).sum() makes its gradient w,
+    # a contiguous (B, H, L, E) tensor: unit inner stride, other strides unlike out's.
+    q = x.transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    w = torch.randn(B, H, L, E, device="meta", dtype=torch.bfloat16)
+    (out * w).sum().backward()
+
+
+def test_cudnn_backward_copies_grad_out_by_the_versions_stride_rule():
+    """cuDNN >= 9.5.1 takes any grad_out with unit inner stride; older cuDNN needs out's strides."""
+    backward = "aten._scaled_dot_product_cudnn_attention_backward.default"
+    # 9.5.0 does not put cuDNN first on an H100: the other backends are turned off to reach it.
+    only_cudnn = {"flash_enabled": False, "mem_efficient_enabled": False, "math_enabled": False}
+    for version, copied in ((91501, False), (90500, True)):
+        registry = EmulationRegistry()
+        register_defaults(registry, sdpa=SdpaSettings(cudnn_version=version, **only_cudnn))
+        x = torch.randn(B, L, H, E, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        recording = trace_step(_weighted_backward, x, emulations=registry)
+        whats = [what for _, what in _op_allocs(recording, backward)]
+        assert whats == [None] * 3 + ["cudnn_grad_out"] * copied + ["cudnn_dq_accum"], version
 
 
 def test_multihead_attention_runs_the_fused_kernel():

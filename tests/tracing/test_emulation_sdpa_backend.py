@@ -94,12 +94,29 @@ def test_disabled_backends_fall_through_and_none_left_raises():
 
 def test_use_sdpa_settings_is_scoped_and_nests():
     """Inside the block the given settings are current; on exit the previous ones come back."""
-    from oomkit.tracing.emulations import SdpaSettings, current_sdpa_settings, use_sdpa_settings
+    from oomkit.tracing.emulations import (
+        SdpaSettings,
+        current_sdpa_settings,
+        default_sdpa_settings,
+        use_sdpa_settings,
+    )
 
-    assert current_sdpa_settings() == SdpaSettings()
+    assert current_sdpa_settings() == default_sdpa_settings()
     with use_sdpa_settings(SdpaSettings(cudnn_version=91501)):
         assert current_sdpa_settings().cudnn_version == 91501
         with use_sdpa_settings(SdpaSettings(flash_enabled=False)):
             assert current_sdpa_settings() == SdpaSettings(flash_enabled=False)
         assert current_sdpa_settings().cudnn_version == 91501
-    assert current_sdpa_settings() == SdpaSettings()
+    assert current_sdpa_settings() == default_sdpa_settings()
+
+
+def test_default_settings_carry_this_installs_cudnn():
+    """Outside any block the tracer uses this torch install's cuDNN (2.13's wheel: 9.20.0)."""
+    import torch
+
+    from oomkit.tracing.emulations import cudnn_build_for, default_sdpa_settings
+
+    expected = cudnn_build_for(torch.__version__, torch.backends.cudnn.version()).version
+    assert default_sdpa_settings() == SdpaSettings(cudnn_version=expected)
+    if torch.__version__.startswith("2.13.") and torch.backends.cudnn.version() is None:
+        assert expected == 92000  # the CPU dev build: torch 2.13's default wheel pins 9.20.0.48

@@ -292,10 +292,15 @@ def _gpu_of(data: Mapping[str, Any]) -> Any:
     from oomkit.gpus import GpuSpec
 
     gpu = data.get("gpu") or {}
+    cc = gpu.get("compute_capability")
     return GpuSpec(
         str(gpu.get("name", "the predicted GPU")),
         int(data["capacity_bytes"]),
         int(data["context_overhead_bytes"]),
+        # The saved GPU's compute capability: re-predictions choose the same kernels (SDPA
+        # backend, cuBLAS workspace) as the saved prediction did.
+        compute_capability=(int(cc[0]), int(cc[1])) if isinstance(cc, list | tuple) else None,
+        architecture=gpu.get("architecture"),
     )
 
 

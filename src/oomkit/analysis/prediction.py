@@ -139,6 +139,8 @@ class Prediction:
         description: what was predicted ("GPT-2 124M, batch 8, ..."), for reports.
         kernel_choices: the CUDA kernels the recording assumed for the GPU, with call counts
             (``{"SDPA flash_attention": 24}``).
+        assumptions: facts about the target those choices rest on (``{"cuDNN": "9.20.0
+            (torch 2.13's default Linux wheel)"}``), from the recording.
     """
 
     gpu: GpuSpec
@@ -171,8 +173,7 @@ class Prediction:
     within_budget: bool | None = None
     description: str = ""
     kernel_choices: Mapping[str, int] = field(default_factory=dict)
-
-
+    assumptions: Mapping[str, str] = field(default_factory=dict)
 
 
 def predict_recording(
@@ -285,6 +286,7 @@ def predict_recording(
         within_budget=within_budget,
         description=description,
         kernel_choices=dict(recording.kernel_choices),
+        assumptions=dict(recording.assumptions),
     )
 
 
@@ -435,4 +437,3 @@ def predict(
         budget_bytes=budget_bytes,
         description=description,
     )
-

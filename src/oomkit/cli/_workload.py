@@ -74,8 +74,9 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         "--cudnn-version",
         type=positive_int,
         metavar="N",
-        help="the target's torch.backends.cudnn.version(), e.g. 91501: from 9.15.1 on, "
-        "H100/B200 run cuDNN attention (default: an older cuDNN, flash attention)",
+        help="the target's torch.backends.cudnn.version(), e.g. 91002 for 9.10.2: from 9.15.1 "
+        "on, H100/B200 run cuDNN attention (default: this torch build's cuDNN, else the one "
+        "this torch version's default PyPI Linux wheel pins, e.g. 92000 for torch 2.13)",
     )
 
 

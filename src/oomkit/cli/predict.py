@@ -62,8 +62,14 @@ def _workload_spec(args: argparse.Namespace) -> dict | None:
         return None
     options = dataclasses.asdict(step_options(args, args.batch))
     spec = {"preset": args.target, "options": options, "steps": args.steps}
-    if args.cudnn_version is not None:
-        spec["cudnn_version"] = args.cudnn_version  # re-predictions pick the same SDPA backend
+    # Saved so re-predictions (`oomkit explain`) pick the same SDPA backend on any machine.
+    version = args.cudnn_version
+    if version is None:
+        from oomkit.tracing.emulations import installed_cudnn_build
+
+        version = installed_cudnn_build().version
+    if version is not None:
+        spec["cudnn_version"] = version
     return spec
 
 

@@ -96,6 +96,11 @@ class EmulationContext:
         lists them so a report can say what it assumed."""
         self._tracer._note_choice(choice)
 
+    def note_assumption(self, name: str, value: str) -> None:
+        """Record a fact about the target the emulation's choice rests on (``"cuDNN"`` ->
+        ``"9.20.0 (torch 2.13's default Linux wheel)"``), so a report can state it."""
+        self._tracer._note_assumption(name, value)
+
     def not_emulated(self, what: str) -> None:
         """Count this call as only partly emulated: the recording warns, naming the op and ``what``.
 

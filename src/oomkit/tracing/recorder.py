@@ -137,6 +137,7 @@ class Tracer:
         self._divergent_calls: Counter[str] = Counter()
         self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
         self._kernel_choices: Counter[str] = Counter()  # e.g. "SDPA flash_attention" -> calls
+        self._assumptions: dict[str, str] = {}  # e.g. "cuDNN" -> "9.20.0 (...)"
         self._grad_scaler_steps: Counter[str] = Counter()
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
@@ -336,6 +337,9 @@ class Tracer:
 
     def _note_choice(self, choice: str) -> None:
         self._kernel_choices[choice] += 1
+
+    def _note_assumption(self, name: str, value: str) -> None:
+        self._assumptions[name] = value
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
@@ -632,6 +636,7 @@ class Tracer:
             step_starts=tuple(step_starts),
             bytes_by_category=totals,
             kernel_choices=dict(sorted(self._kernel_choices.items())),
+            assumptions=dict(sorted(self._assumptions.items())),
         )
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:

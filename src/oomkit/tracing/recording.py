@@ -27,6 +27,8 @@ class TraceRecording:
         bytes_by_category: bytes allocated per category over the whole recording.
         kernel_choices: the CUDA kernels the emulations chose for the target GPU, with how many
             calls each (``{"SDPA flash_attention": 24}``).
+        assumptions: facts about the target those choices rest on, e.g. ``{"cuDNN": "9.20.0
+            (torch 2.13's default Linux wheel)"}`` where the cuDNN version picked the kernel.
     """
 
     events: tuple[TraceEvent, ...]
@@ -34,6 +36,7 @@ class TraceRecording:
     step_starts: tuple[int, ...] = ()
     bytes_by_category: Mapping[Category, int] = field(default_factory=dict)
     kernel_choices: Mapping[str, int] = field(default_factory=dict)
+    assumptions: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:

@@ -23,6 +23,13 @@ from oomkit.tracing.emulations.cublas import (
     cublaslt_workspace_bytes,
     register_cublas,
 )
+from oomkit.tracing.emulations.cudnn_builds import (
+    DEFAULT_WHEEL_CUDNN,
+    CudnnBuild,
+    cudnn_build_for,
+    cudnn_version_text,
+    installed_cudnn_build,
+)
 from oomkit.tracing.emulations.dropout import register_dropout
 from oomkit.tracing.emulations.embedding import register_embedding
 from oomkit.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
@@ -30,7 +37,9 @@ from oomkit.tracing.emulations.sdpa_backend import (
     SdpaCall,
     SdpaSettings,
     SdpBackend,
+    cudnn_version_decides,
     current_sdpa_settings,
+    default_sdpa_settings,
     select_sdp_backend,
     use_sdpa_settings,
 )
@@ -40,12 +49,19 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CUBLAS_OPS",
+    "DEFAULT_WHEEL_CUDNN",
+    "CudnnBuild",
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
+    "cudnn_build_for",
+    "cudnn_version_decides",
+    "cudnn_version_text",
+    "default_sdpa_settings",
+    "installed_cudnn_build",
     "register_batch_norm",
     "register_cublas",
     "register_defaults",
@@ -70,7 +86,8 @@ def register_defaults(
 
     Args:
         registry: where to register (must not already hold these ops).
-        sdpa: switches for the SDPA backend choice; default ``SdpaSettings()``.
+        sdpa: switches for the SDPA backend choice; default: those in effect at each call
+            (``use_sdpa_settings``, else ``default_sdpa_settings()``).
         environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
     """
     register_sdpa(registry, sdpa)

@@ -14,9 +14,12 @@ Backward temporaries are added by dispatch-level hooks: the flash backward's (fl
 ``_efficient_attention_backward``: the ``grad_out`` copy, the fp32 ``delta`` and the cutlass
 kernel's workspace, sized for the kernel ``dispatch_cutlassB`` launches on the target GPU by
 ``mem_efficient_backward.py``; where that kernel cannot be named -- it hinges on a shared-memory
-fit oomkit does not compute, or the batch is chunked -- the workspace is a warning). cuDNN attention's forward and backward outputs (output, fp32 softmax
-stats ``[B, H, L, 1]``; dq, dk, dv) are what meta records; the cuDNN graph workspace
-(``mha_graph->get_workspace_size()`` in cudnn/MHA.cpp, chosen by cuDNN) is a warning.
+fit oomkit does not compute, or the batch is chunked -- the workspace is a warning). cuDNN
+attention's outputs (output, fp32 softmax stats ``[B, H, L, 1]``; dq, dk, dv) are what meta
+records; its backward adds the cuDNN frontend's fp32 dQ accumulator (the graph workspace
+cudnn/MHA.cpp allocates) and, where cuDNN needs it, a copy of grad_out. Whatever workspace the
+cuDNN engine itself adds to ``mha_graph->get_workspace_size()`` is chosen by cuDNN at run time
+and stays a warning.
 
 A call made from inside another torch function (``nn.MultiheadAttention`` calls it from
 ``F.multi_head_attention_forward``) runs with the mode popped; it is still seen because the
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from oomkit.tracing.autocast import emulated_autocast_dtype
+from oomkit.tracing.emulations.cudnn_builds import cudnn_version_text, installed_cudnn_build
 from oomkit.tracing.emulations.mem_efficient_backward import (
     EfficientBackwardConfig,
     UnresolvedKernel,
@@ -44,6 +48,7 @@ from oomkit.tracing.emulations.sdpa_backend import (
     SdpaCall,
     SdpaSettings,
     SdpBackend,
+    cudnn_version_decides,
     current_sdpa_settings,
     select_sdp_backend,
 )
@@ -73,7 +78,16 @@ _EFFICIENT_WORKSPACE_WHAT = (
 # attention_backward.cu _scaled_dot_product_efficient_attention_backward_cuda MAX_BATCH_SIZE:
 # larger batches run in chunks of (1 << 16) - 1.
 _EFFICIENT_MAX_BATCH = (1 << 16) - 1
-_CUDNN_WORKSPACE_WHAT = "the cuDNN attention graph workspace (sized by cuDNN at run time)"
+_CUDNN_WORKSPACE_WHAT = (
+    "any workspace the cuDNN attention engine asks for (sized by cuDNN at run time)"
+)
+_CUDNN_BACKWARD_WORKSPACE_WHAT = (
+    "any workspace the cuDNN attention engine asks for beyond the frontend's fp32 dQ accumulator "
+    "(sized by cuDNN at run time)"
+)
+# MHA.cpp run_cudnn_SDP_bprop: from cuDNN 9.5.1 on, grad_out needs only a unit innermost stride;
+# before, the same strides as out.
+_CUDNN_ANY_GRAD_OUT_STRIDES = 90501
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {
     "attn_mask": None,
@@ -94,14 +108,20 @@ def register_sdpa(registry: EmulationRegistry, settings: SdpaSettings | None = N
             ``SdpaSettings()``).
     """
 
+    def in_effect() -> SdpaSettings:
+        return settings if settings is not None else current_sdpa_settings()
+
     def sdpa(ctx: EmulationContext) -> Any:
-        return _run_sdpa(ctx, settings if settings is not None else current_sdpa_settings())
+        return _run_sdpa(ctx, in_effect())
+
+    def cudnn_backward(ctx: EmulationContext) -> Any:
+        return _cudnn_backward(ctx, in_effect())
 
     registry.register(SDPA_FUNCTION)(sdpa)
     registry.register(FLASH_BACKWARD_OP)(_flash_backward)
     registry.register(EFFICIENT_BACKWARD_OP)(_efficient_backward)
-    registry.register(CUDNN_FORWARD_OP)(_cudnn_attention)
-    registry.register(CUDNN_BACKWARD_OP)(_cudnn_attention)
+    registry.register(CUDNN_FORWARD_OP)(_cudnn_forward)
+    registry.register(CUDNN_BACKWARD_OP)(cudnn_backward)
 
 
 def sdpa_backend_for(
@@ -168,6 +188,7 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
         settings=settings,
     )
     ctx.note_choice(f"SDPA {backend}")
+    _note_cudnn(ctx, cc, settings)
     if backend == "math":
         # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math).
         return ctx.run()
@@ -387,12 +408,70 @@ def _efficient_kernel_config(
     )
 
 
-def _cudnn_attention(ctx: EmulationContext) -> Any:
-    """cudnn/MHA.cpp run_cudnn_SDP_fprop / bprop: outputs as meta records them (forward: output
-    and fp32 softmax stats [B, H, L, 1]; backward: dq, dk, dv = empty_like(q, k, v)); the cuDNN
-    graph workspace is left out and warned about."""
+def _note_cudnn(ctx: EmulationContext, cc: tuple[int, int], settings: SdpaSettings) -> None:
+    # On GPUs where the cuDNN version can put cuDNN attention first, the choice rests on it.
+    if not cudnn_version_decides(cc):
+        return
+    if settings.cudnn_version is None:
+        ctx.note_assumption("cuDNN", "version unknown (cuDNN attention not preferred)")
+        return
+    build = installed_cudnn_build()
+    source = build.source if settings.cudnn_version == build.version else "as given"
+    ctx.note_assumption("cuDNN", f"{cudnn_version_text(settings.cudnn_version)} ({source})")
+
+
+def _cudnn_forward(ctx: EmulationContext) -> Any:
+    """attention.cu ``_cudnn_attention_forward``: output and fp32 softmax stats [B, H, L, 1]
+    (and the philox seed/offset) as meta records them; the frontend adds no workspace of its own
+    for this graph (no ALiBi), the engine's is unknown and warned about."""
     out = ctx.run()
-    query = ctx.args[0] if ctx.op_name == CUDNN_FORWARD_OP else ctx.args[1]
+    query = ctx.args[0]
     if isinstance(query, torch.Tensor) and query.device.type == "meta":
         ctx.not_emulated(_CUDNN_WORKSPACE_WHAT)
     return out
+
+
+def _cudnn_backward(ctx: EmulationContext, settings: SdpaSettings) -> Any:
+    """attention_backward.cu ``_cudnn_attention_backward`` (dense) then MHA.cpp
+    ``run_cudnn_SDP_bprop``: dq, dk, dv, a grad_out copy where cuDNN needs one, and the graph
+    workspace, freed (in reverse) when it returns."""
+    # Schema: (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
+    #          attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale).
+    grad_out, query, out = ctx.args[0], ctx.args[1], ctx.args[4]
+    if not isinstance(query, torch.Tensor) or query.device.type != "meta":
+        return ctx.run()
+    # dq, dk, dv = at::empty_like(query / key / value): the op's outputs.
+    result = ctx.run()
+    ctx.record_outputs(result)
+    ids = []
+    if _cudnn_copies_grad_out(grad_out, out, settings.cudnn_version):
+        # permute_to_matching_layout: grad_out.permute(...).contiguous() in out's layout.
+        ids.append(
+            ctx.allocate(grad_out.numel() * grad_out.element_size(), "temporary", "cudnn_grad_out")
+        )
+    # The graph workspace (CUDACachingAllocator::get()->allocate(get_workspace_size())). Its
+    # frontend part, cudnn_frontend SDPABackwardNode: from cuDNN 9.0, unless the graph is
+    # deterministic or has dBias (PyTorch builds neither; deterministic mode rules cuDNN
+    # attention out), dQ is accumulated in a non-virtual fp32 [b, h_q, s_q, d_qk] tensor
+    # (dQ_accum_size = b * h_q * s_q * d_qk * sizeof(float)).
+    batch, heads, seq_q, head_dim = query.shape
+    ids.append(ctx.allocate(batch * heads * seq_q * head_dim * 4, "workspace", "cudnn_dq_accum"))
+    ctx.not_emulated(_CUDNN_BACKWARD_WORKSPACE_WHAT)
+    # workspace_ptr is declared after dO_, so it is released first.
+    for alloc_id in reversed(ids):
+        ctx.free(alloc_id)
+    return result
+
+
+def _cudnn_copies_grad_out(grad_out: Any, out: Any, cudnn_version: int | None) -> bool:
+    # MHA.cpp run_cudnn_SDP_bprop: cuDNN >= 9.5.1 copies grad_out when its innermost stride is
+    # not 1; older cuDNN when !same_strides(o, dO) (strides of dimensions larger than 1 differ).
+    if not isinstance(grad_out, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if cudnn_version is None or cudnn_version >= _CUDNN_ANY_GRAD_OUT_STRIDES:
+        return grad_out.dim() > 0 and grad_out.stride(-1) != 1
+
+    def strides_of_real_dims(t: torch.Tensor) -> list[int]:
+        return [stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1]
+
+    return strides_of_real_dims(grad_out) != strides_of_real_dims(out)

@@ -8,7 +8,8 @@ inputs on NVIDIA GPUs, as of the torch 2.13 release:
   so cuDNN attention is never reached while math is enabled; except that
   ``check_prefer_cudnn_attention`` puts cuDNN first on sm90 / sm100 / sm103 when the runtime cuDNN
   is newer than 9.15.0 (CUDA 13 wheels) and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is unset. The
-  cuDNN version is not visible from a GPU name, so it is a setting (``SdpaSettings``).
+  cuDNN version is not visible from a GPU name, so it is a setting (``SdpaSettings``) whose
+  default is the cuDNN this torch install runs (``cudnn_builds.installed_cudnn_build``).
 - every backend is tried in that order; the first whose ``can_use_*`` checks all pass wins.
 
 Not modelled: nested tensors, ROCm, FlashAttention-3 opt-in dtypes, user-set priority orders.
@@ -22,11 +23,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
+from oomkit.tracing.emulations.cudnn_builds import installed_cudnn_build
+
 __all__ = [
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
+    "cudnn_version_decides",
     "current_sdpa_settings",
+    "default_sdpa_settings",
     "select_sdp_backend",
     "use_sdpa_settings",
 ]
@@ -56,9 +61,9 @@ class SdpaSettings:
     """The process-wide switches that steer the backend choice.
 
     Attributes:
-        cudnn_version: ``torch.backends.cudnn.version()`` on the target (e.g. ``91501``);
-            ``None`` for a build whose cuDNN is 9.15.0 or older (CUDA 12.x wheels), where
-            cuDNN attention is never preferred.
+        cudnn_version: ``torch.backends.cudnn.version()`` on the target (e.g. ``92000`` for
+            9.20.0); ``None`` for no cuDNN or an unknown one, where cuDNN attention is never
+            preferred. ``default_sdpa_settings()`` fills in this install's.
         cudnn_deprioritized: ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` is set.
         flash_enabled / mem_efficient_enabled / math_enabled / cudnn_enabled: the
             ``torch.backends.cuda.enable_*_sdp`` switches (all on by default).
@@ -79,17 +84,30 @@ class SdpaSettings:
 _CURRENT: ContextVar[SdpaSettings | None] = ContextVar("oomkit_sdpa_settings", default=None)
 
 
+def default_sdpa_settings() -> SdpaSettings:
+    """PyTorch's defaults, with the cuDNN this torch install runs (its own, or the one its
+    version's default PyPI Linux wheel pins; ``cudnn_builds.installed_cudnn_build``)."""
+    return SdpaSettings(cudnn_version=installed_cudnn_build().version)
+
+
 def current_sdpa_settings() -> SdpaSettings:
-    """The SDPA settings in effect here (``use_sdpa_settings``, else ``SdpaSettings()``)."""
-    return _CURRENT.get() or SdpaSettings()
+    """The SDPA settings in effect here (``use_sdpa_settings``, else ``default_sdpa_settings()``)."""
+    return _CURRENT.get() or default_sdpa_settings()
+
+
+def cudnn_version_decides(compute_capability: tuple[int, int]) -> bool:
+    """Whether the cuDNN version can move cuDNN attention first on this GPU (sm90, sm100,
+    sm103: sdp_utils.cpp check_prefer_cudnn_attention)."""
+    major, minor = compute_capability
+    return major in (9, 10) and minor in (0, 3)
 
 
 @contextlib.contextmanager
 def use_sdpa_settings(settings: SdpaSettings) -> Iterator[SdpaSettings]:
     """Trace with ``settings`` inside the block, e.g. the target's cuDNN version::
 
-        with use_sdpa_settings(SdpaSettings(cudnn_version=91501)):
-            oomkit.predict(step, model, gpu="h100")   # cuDNN attention, as on that machine
+    with use_sdpa_settings(SdpaSettings(cudnn_version=91501)):
+        oomkit.predict(step, model, gpu="h100")   # cuDNN attention, as on that machine
     """
     token = _CURRENT.set(settings)
     try:
@@ -133,7 +151,8 @@ def select_sdp_backend(
     Args:
         call: the call's shapes, dtype and flags.
         compute_capability: ``(major, minor)`` of the target GPU, e.g. ``(9, 0)`` for H100.
-        settings: process switches; default ``SdpaSettings()``.
+        settings: process switches; default ``SdpaSettings()`` (no cuDNN version, so cuDNN
+            attention is not preferred; the tracer passes ``current_sdpa_settings()``).
 
     Returns:
         ``"cudnn_attention"``, ``"flash_attention"``, ``"efficient_attention"`` or ``"math"``.
@@ -163,13 +182,11 @@ def select_sdp_backend(
 
 def _priority_order(cc: tuple[int, int], settings: SdpaSettings) -> tuple[SdpBackend, ...]:
     # sdp_utils.cpp check_prefer_cudnn_attention / priority_order.
-    major, minor = cc
     prefer_cudnn = (
         not settings.cudnn_deprioritized
         and settings.cudnn_version is not None
         and settings.cudnn_version > _PREFER_CUDNN_AFTER_VERSION
-        and major in (9, 10)
-        and minor in (0, 3)
+        and cudnn_version_decides(cc)
     )
     return _CUDNN_FIRST_ORDER if prefer_cudnn else _DEFAULT_ORDER
 
