@@ -294,3 +294,43 @@ def test_terminal_report_golden(user_file, capsys, monkeypatch):
     assert main(["fit", "steps.py:build", *SMALL, "--margin", "0", "--max-batch", "4"]) == 0
     out = capsys.readouterr().out
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == FIT_GOLDEN
+
+
+SMALLEST_GPU_GOLDEN = """\
+steps.py:build(batch_size=40) on 20 GPUs
+                                 Fit by GPU
+┏━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━┓
+┃ GPU            ┃      total ┃     needs ┃   headroom ┃     margin ┃ fits ┃
+┡━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━┩
+│ RTX 3080       │  10.00 GiB │ 98.00 MiB │   9.51 GiB │ 256.00 MiB │ yes  │
+│ T4             │  14.76 GiB │ 98.00 MiB │  14.37 GiB │ 296.00 MiB │ yes  │
+│ RTX 4080       │  15.67 GiB │ 98.00 MiB │  15.16 GiB │ 312.00 MiB │ yes  │
+│ V100 16GB      │  15.77 GiB │ 98.00 MiB │  15.38 GiB │ 316.00 MiB │ yes  │
+│ L4             │  21.99 GiB │ 98.00 MiB │  21.48 GiB │ 440.00 MiB │ yes  │
+│ A10G           │  22.06 GiB │ 98.00 MiB │  21.57 GiB │ 442.00 MiB │ yes  │
+│ A10            │  22.07 GiB │ 98.00 MiB │  21.58 GiB │ 442.00 MiB │ yes  │
+│ RTX 3090       │  23.70 GiB │ 98.00 MiB │  23.21 GiB │ 476.00 MiB │ yes  │
+│ RTX 4090       │  23.99 GiB │ 98.00 MiB │  23.47 GiB │ 482.00 MiB │ yes  │
+│ V100 32GB      │  31.75 GiB │ 98.00 MiB │  31.36 GiB │ 644.00 MiB │ yes  │
+│ A100 40GB      │  39.39 GiB │ 98.00 MiB │  38.91 GiB │ 798.00 MiB │ yes  │
+│ L40S           │  44.31 GiB │ 98.00 MiB │  43.79 GiB │ 898.00 MiB │ yes  │
+│ RTX 6000 Ada   │  47.37 GiB │ 98.00 MiB │  46.86 GiB │ 960.00 MiB │ yes  │
+│ RTX A6000      │  47.65 GiB │ 98.00 MiB │  47.16 GiB │ 966.00 MiB │ yes  │
+│ H100 PCIe      │  79.11 GiB │ 98.00 MiB │  78.53 GiB │   1.57 GiB │ yes  │
+│ A100 80GB PCIe │  79.14 GiB │ 98.00 MiB │  78.65 GiB │   1.57 GiB │ yes  │
+│ H100 SXM 80GB  │  79.19 GiB │ 98.00 MiB │  78.61 GiB │   1.57 GiB │ yes  │
+│ A100 80GB SXM  │  79.21 GiB │ 98.00 MiB │  78.72 GiB │   1.58 GiB │ yes  │
+│ H200           │ 139.80 GiB │ 98.00 MiB │ 139.22 GiB │   2.79 GiB │ yes  │
+│ B200           │ 178.36 GiB │ 98.00 MiB │ 177.73 GiB │   3.55 GiB │ yes  │
+└────────────────┴────────────┴───────────┴────────────┴────────────┴──────┘
+smallest GPU batch 40 fits on: RTX 3080 (10.00 GiB total, 9.51 GiB headroom, margin 256.00 MiB)
+"""
+
+
+def test_smallest_gpu_report_golden(user_file, capsys, monkeypatch):
+    """At 100 columns: one row per catalog GPU (smallest first) and the smallest that fits."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(user_file.parent)
+    assert main(["fit", "steps.py:build", "--batch", "40", "--smallest-gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SMALLEST_GPU_GOLDEN
