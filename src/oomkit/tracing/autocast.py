@@ -1,7 +1,7 @@
 """CUDA autocast on meta tensors: the casts, dtypes and weight-cast cache a GPU run would make.
 
-Why it is needed: on a CPU-only torch build ``torch.autocast("cuda")`` disables itself with a
-warning, and even where it is enabled, meta tensors do not carry the ``AutocastCUDA`` dispatch
+Why it is needed: on a CPU-only torch build, or a CUDA build on a machine without a GPU,
+``torch.autocast("cuda")`` disables itself with a warning, and even where it is enabled, meta tensors do not carry the ``AutocastCUDA`` dispatch
 key, so nothing is cast and every activation stays fp32.
 
 How it works (all undone on exit):
