@@ -219,6 +219,23 @@ def test_disabled_inner_region_does_not_cast():
     assert "autocast_cache" not in recording.bytes_by_category
 
 
+def test_autocast_named_by_a_meta_tensors_device_is_cudas():
+    """torch.autocast(x.device.type, enabled=False) with x on meta disables CUDA autocast, as on
+    a GPU (transformers 4.x rotary embeddings force fp32 this way; "meta" used to raise)."""
+
+    def body(model, x, seen):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                seen["inner"] = model(x)
+                seen["inner_enabled"] = torch.is_autocast_enabled("cuda")
+            seen["outer"] = model(x)
+
+    recording, seen = _record(body)
+    assert seen["inner"].dtype == torch.float32
+    assert seen["inner_enabled"] is False
+    assert seen["outer"].dtype == torch.bfloat16
+
+
 def test_cuda_amp_autocast_defaults_to_fp16():
     """The deprecated torch.cuda.amp.autocast() casts to float16 by default."""
 

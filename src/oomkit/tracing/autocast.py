@@ -182,6 +182,12 @@ class CudaAutocastEmulation:
             enabled: bool = True,
             cache_enabled: bool | None = None,
         ) -> None:
+            # Meta tensors stand for CUDA ones: model code that takes the autocast device from a
+            # tensor (transformers 4.x rotary embeddings: ``torch.autocast(x.device.type,
+            # enabled=False)`` to force fp32) names "cuda" on the GPU; "meta" has no autocast
+            # state at all (torch.get_autocast_dtype("meta") raises).
+            if device_type == "meta":
+                device_type = "cuda"
             if device_type == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
                 with _cuda_amp_reported_available():
                     original_init(ac, device_type, dtype, enabled, cache_enabled)
