@@ -14,6 +14,7 @@ from oomkit.tracing import (
     CudaAutocastEmulation,
     Tracer,
     TraceRecording,
+    cuda_autocast_policy,
     cuda_cast_policy,
     emulated_autocast_dtype,
 )
@@ -354,6 +355,7 @@ def test_policy_lists_equal_the_installed_header():
     if not header.exists():
         pytest.skip("this torch wheel ships no ATen headers")
     text = header.read_text()
+    installed = cuda_autocast_policy(torch.__version__)
     for macro, policy in (
         ("AT_FORALL_LOWER_PRECISION_FP", "lower_precision_fp"),
         ("AT_FORALL_FP32", "fp32"),
@@ -362,7 +364,7 @@ def test_policy_lists_equal_the_installed_header():
     ):
         names = _header_list(text, macro)
         assert names, macro
-        listed = {n for n, p in CUDA_AUTOCAST_POLICY.items() if p == policy}
+        listed = {n for n, p in installed.items() if p == policy}
         extra = (
             {"cudnn_convolution", "cudnn_convolution_transpose"}
             if policy == "lower_precision_fp"
@@ -424,3 +426,11 @@ def test_checkpoint_device_type_is_restored_on_exit():
     with CudaAutocastEmulation():
         assert checkpoint_module_restored() is False
     assert checkpoint_module_restored() is True
+
+
+def test_older_torch_lists_leave_out_later_additions():
+    """rms_norm runs in fp32 under CUDA autocast from torch 2.11; 2.10 let it through uncast."""
+    assert cuda_autocast_policy("2.10.0+cu128").get("rms_norm") is None
+    assert cuda_autocast_policy("2.11.0")["rms_norm"] == "fp32"
+    assert cuda_autocast_policy("2.13.0+cpu") == dict(CUDA_AUTOCAST_POLICY)
+    assert len(cuda_autocast_policy("2.5.1")) == len(CUDA_AUTOCAST_POLICY) - 1

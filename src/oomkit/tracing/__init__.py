@@ -7,11 +7,14 @@ category, phase, module path and aten op. ``Tracer`` is the context manager unde
 
 from __future__ import annotations
 
+# First: an unsupported torch fails here with what to do, not deep inside a trace.
+from oomkit.tracing._torch_version import MIN_TORCH
 from oomkit.tracing.autocast import CudaAutocastEmulation, emulated_autocast_dtype
 from oomkit.tracing.autocast_policy import (
     CAST_POLICIES,
     CUDA_AUTOCAST_POLICY,
     CastPolicy,
+    cuda_autocast_policy,
     cuda_cast_policy,
 )
 from oomkit.tracing.categories import CATEGORIES, PHASES, Category, Phase, infer_category
@@ -27,10 +30,12 @@ from oomkit.tracing.recorder import Tracer, trace_step
 from oomkit.tracing.recording import TraceRecording
 
 __all__ = [
+    "MIN_TORCH",
     "CAST_POLICIES",
     "CUDA_AUTOCAST_POLICY",
     "CastPolicy",
     "CudaAutocastEmulation",
+    "cuda_autocast_policy",
     "cuda_cast_policy",
     "cuda_optimizer_defaults",
     "emulated_autocast_dtype",

@@ -12,7 +12,7 @@ How it works (all undone on exit):
   and ``cache_enabled`` in torch's thread-local state, exactly as on a GPU.
 - The ``AutocastCUDA`` key is added to the thread's *included* dispatch keys, so ops on meta
   tensors pass through it whenever autocast is enabled for CUDA (enabled = not excluded).
-- A Python kernel per wrapped overload (``autocast_policy.CUDA_AUTOCAST_POLICY``) is registered
+- A Python kernel per wrapped overload (``autocast_policy.cuda_autocast_policy``) is registered
   on that key. Like the C++ ``WrapFunction_`` wrappers in autocast_mode.h it runs above autograd
   with the key excluded, so casts are recorded by autograd and inputs are saved for backward in
   the dtype the op ran in; backward then runs outside autocast in the dtypes forward chose.
@@ -37,9 +37,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from oomkit.tracing.autocast_policy import (
     BINARY_CROSS_ENTROPY_BANNED_MESSAGE,
-    CUDA_AUTOCAST_POLICY,
     FP32_APPEND_DTYPE_REDISPATCH,
     CastPolicy,
+    cuda_autocast_policy,
 )
 
 __all__ = ["CudaAutocastEmulation", "emulated_autocast_dtype"]
@@ -165,7 +165,8 @@ class CudaAutocastEmulation:
             # The dispatcher warns once that a kernel overrides the C++ autocast one; destroying
             # the library restores it.
             warnings.simplefilter("ignore")
-            for name, policy in CUDA_AUTOCAST_POLICY.items():
+            # The installed torch's lists: the GPU run uses the same torch version.
+            for name, policy in cuda_autocast_policy(torch.__version__).items():
                 op = _resolve(name)
                 if op is not None:
                     library.impl(name, self._kernel(name, op, policy), "AutocastCUDA")

@@ -7,18 +7,22 @@ m)``), which apply every list to CUDA plus ``cudnn_convolution``/``cudnn_convolu
 and ban ``binary_cross_entropy``. Names are aten overload names as the dispatcher registers them:
 ``"linear"`` is the default overload, ``"softmax.int"`` a named one. Only out-of-place overloads
 are wrapped; in-place variants (``exp_``) and unlisted overloads (``softmax.Dimname``) run
-uncast, as on CUDA.
+uncast, as on CUDA. Older releases listed fewer ops (``ADDED_IN``); ``cuda_autocast_policy``
+gives the table of a given torch version.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Literal, get_args
 
 __all__ = [
     "CastPolicy",
     "CAST_POLICIES",
+    "ADDED_IN",
     "CUDA_AUTOCAST_POLICY",
+    "cuda_autocast_policy",
     "FP32_APPEND_DTYPE_REDISPATCH",
     "BINARY_CROSS_ENTROPY_BANNED_MESSAGE",
     "cuda_cast_policy",
@@ -201,6 +205,26 @@ def _build() -> dict[str, CastPolicy]:
 
 # Registered overload name -> policy, for the CUDA autocast key.
 CUDA_AUTOCAST_POLICY: Mapping[str, CastPolicy] = _build()
+
+
+# Overloads the lists gained after torch 2.5 (the oldest the recorder supports), with the release
+# that added them: read from each release's torch/include/ATen/autocast_mode.h (PyPI wheels
+# 2.5.1, 2.6.0, 2.8.0, 2.10.0, 2.11.0, 2.12.0, 2.13.0): rms_norm joined AT_FORALL_FP32 in 2.11.
+ADDED_IN: Mapping[str, tuple[int, int]] = {"rms_norm": (2, 11)}
+
+
+def cuda_autocast_policy(torch_version: str) -> Mapping[str, CastPolicy]:
+    """``CUDA_AUTOCAST_POLICY`` as torch ``torch_version`` has it: without the overloads added
+    after that release (``ADDED_IN``). A version that does not parse gets the full table."""
+    match = re.match(r"(\d+)\.(\d+)", torch_version)
+    if match is None:
+        return CUDA_AUTOCAST_POLICY
+    version = (int(match.group(1)), int(match.group(2)))
+    return {
+        name: policy
+        for name, policy in CUDA_AUTOCAST_POLICY.items()
+        if ADDED_IN.get(name, (0, 0)) <= version
+    }
 
 
 def cuda_cast_policy(op_name: str) -> CastPolicy | None:

@@ -2,11 +2,12 @@
 
 A meta tensor has no memory, but its ``StorageImpl`` is reference counted exactly as a CUDA one
 is: views, ``nn.Parameter(t)``, autograd's saved variables and ``.grad`` all hold the same
-``StorageImpl``. Since torch 2.1 the Python ``UntypedStorage`` object is *preserved* with its
-``StorageImpl`` (torch/csrc/Storage.cpp with c10/core/impl/PyObjectSlot.h: once created, the
-PyObject lives exactly as long as the C++ storage), so ``weakref.finalize`` on it fires when the
-storage is really released, which is when CUDACachingAllocator would get the block back.
-tests/tracing/test_lifetimes.py checks this on the installed torch.
+``StorageImpl``. The Python ``UntypedStorage`` object is *preserved* with its ``StorageImpl``
+(torch/csrc/Storage.cpp with c10/core/impl/PyObjectSlot.h: once created, the PyObject lives
+exactly as long as the C++ storage), so ``weakref.finalize`` on it fires when the storage is
+really released, which is when CUDACachingAllocator would get the block back. Checked on torch
+2.3.1 to 2.13.0; not so in 2.1.2 (``_torch_version.MIN_TORCH`` is 2.5 for other reasons).
+tests/tracing/test_storages.py checks this on the installed torch.
 """
 
 from __future__ import annotations
