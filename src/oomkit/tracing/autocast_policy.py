@@ -7,8 +7,8 @@ m)``), which apply every list to CUDA plus ``cudnn_convolution``/``cudnn_convolu
 and ban ``binary_cross_entropy``. Names are aten overload names as the dispatcher registers them:
 ``"linear"`` is the default overload, ``"softmax.int"`` a named one. Only out-of-place overloads
 are wrapped; in-place variants (``exp_``) and unlisted overloads (``softmax.Dimname``) run
-uncast, as on CUDA. Older releases listed fewer ops (``ADDED_IN``); ``cuda_autocast_policy``
-gives the table of a given torch version.
+uncast, as on CUDA. Other releases listed other ops (``ADDED_IN``, ``REMOVED_IN``);
+``cuda_autocast_policy`` gives the table of a given torch version.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = [
     "CastPolicy",
     "CAST_POLICIES",
     "ADDED_IN",
+    "REMOVED_IN",
     "CUDA_AUTOCAST_POLICY",
     "cuda_autocast_policy",
     "FP32_APPEND_DTYPE_REDISPATCH",
@@ -158,6 +159,8 @@ _FP32_SET_OPT_DTYPE = (
 FP32_APPEND_DTYPE_REDISPATCH: Mapping[str, str] = {
     "norm.Scalar": "norm.ScalarOpt_dtype",
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+    # Listed up to torch 2.12 only (REMOVED_IN).
+    "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype",
 }
 
 # autocast_mode.h AT_FORALL_PROMOTE: run in the widest floating dtype among the arguments.
@@ -192,7 +195,7 @@ def _build() -> dict[str, CastPolicy]:
         (_LOWER_PRECISION_FP, "lower_precision_fp"),
         (_FP32, "fp32"),
         (_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
-        (tuple(FP32_APPEND_DTYPE_REDISPATCH), "fp32_append_dtype"),
+        (("norm.Scalar", "norm.ScalarOpt_dim"), "fp32_append_dtype"),
         (_PROMOTE, "promote"),
         (("binary_cross_entropy",), "banned"),
     )
@@ -207,24 +210,42 @@ def _build() -> dict[str, CastPolicy]:
 CUDA_AUTOCAST_POLICY: Mapping[str, CastPolicy] = _build()
 
 
-# Overloads the lists gained after torch 2.5 (the oldest the recorder supports), with the release
-# that added them: read from each release's torch/include/ATen/autocast_mode.h (PyPI wheels
-# 2.5.1, 2.6.0, 2.8.0, 2.10.0, 2.11.0, 2.12.0, 2.13.0): rms_norm joined AT_FORALL_FP32 in 2.11.
-ADDED_IN: Mapping[str, tuple[int, int]] = {"rms_norm": (2, 11)}
+# How the lists differ in the releases since torch 2.5 (the oldest the recorder supports), read
+# from each release's torch/include/ATen/autocast_mode.h (PyPI wheels 2.5.1, 2.6.0, 2.8.0,
+# 2.10.0, 2.11.0, 2.12.0, 2.13.0). Overloads added after 2.5, with the release that added them:
+# rms_norm joined AT_FORALL_FP32 in 2.12.
+ADDED_IN: Mapping[str, tuple[int, int]] = {"rms_norm": (2, 12)}
+# Overloads listed up to a release, with their policy and the release that dropped them: 2.13
+# removed the named-tensor (Dimname) overloads from AT_FORALL_FP32_SET_OPT_DTYPE and
+# AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE.
+REMOVED_IN: Mapping[str, tuple[CastPolicy, tuple[int, int]]] = {
+    "prod.dim_Dimname": ("fp32_set_opt_dtype", (2, 13)),
+    "softmax.Dimname": ("fp32_set_opt_dtype", (2, 13)),
+    "log_softmax.Dimname": ("fp32_set_opt_dtype", (2, 13)),
+    "cumprod.dimname": ("fp32_set_opt_dtype", (2, 13)),
+    "cumsum.dimname": ("fp32_set_opt_dtype", (2, 13)),
+    "sum.dim_DimnameList": ("fp32_set_opt_dtype", (2, 13)),
+    "norm.names_ScalarOpt_dim": ("fp32_append_dtype", (2, 13)),
+}
 
 
 def cuda_autocast_policy(torch_version: str) -> Mapping[str, CastPolicy]:
-    """``CUDA_AUTOCAST_POLICY`` as torch ``torch_version`` has it: without the overloads added
-    after that release (``ADDED_IN``). A version that does not parse gets the full table."""
+    """``CUDA_AUTOCAST_POLICY`` (torch 2.13's lists) as torch ``torch_version`` has it: without
+    the overloads added after that release (``ADDED_IN``), with those it still listed
+    (``REMOVED_IN``). A version that does not parse gets 2.13's table."""
     match = re.match(r"(\d+)\.(\d+)", torch_version)
     if match is None:
         return CUDA_AUTOCAST_POLICY
     version = (int(match.group(1)), int(match.group(2)))
-    return {
+    table = {
         name: policy
         for name, policy in CUDA_AUTOCAST_POLICY.items()
         if ADDED_IN.get(name, (0, 0)) <= version
     }
+    for name, (policy, removed) in REMOVED_IN.items():
+        if version < removed:
+            table[name] = policy
+    return table
 
 
 def cuda_cast_policy(op_name: str) -> CastPolicy | None:
