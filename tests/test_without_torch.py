@@ -64,3 +64,16 @@ def test_explain_snapshot_runs_without_torch(tmp_path):
     assert out["figures"]["requested_bytes"] == 40 * mib
     assert out["figures"]["largest_free_block_bytes"] == 8 * mib
     assert out["attribution"]["top_sites"][0]["label"] == "/home/user/train.py:7 in step"
+
+
+def test_tracing_without_torch_says_what_to_install():
+    """Importing oomkit.tracing without torch raises TorchRequiredError naming oomkit[torch]."""
+    proc = _run(
+        "from oomkit.errors import TorchRequiredError\n"
+        "try:\n"
+        "    import oomkit.tracing\n"
+        "except TorchRequiredError as exc:\n"
+        "    print(exc)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "needs torch; install it with `pip install oomkit[torch]`" in proc.stdout

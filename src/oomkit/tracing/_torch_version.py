@@ -16,19 +16,22 @@ import re
 
 from oomkit.errors import TorchRequiredError
 
-__all__ = ["MIN_TORCH", "check_torch_version"]
+__all__ = ["MIN_TORCH", "check_torch_version", "torch_minor"]
 
 MIN_TORCH = (2, 5)
+
+
+def torch_minor(version: str) -> tuple[int, int] | None:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; ``None`` for a version that does not parse."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
 def check_torch_version(version: str) -> None:
     """Raise ``TorchRequiredError`` when ``version`` (``torch.__version__``) is below
     ``MIN_TORCH``; versions that do not parse (a source build) pass."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        return
-    found = (int(match.group(1)), int(match.group(2)))
-    if found < MIN_TORCH:
+    found = torch_minor(version)
+    if found is not None and found < MIN_TORCH:
         raise TorchRequiredError(
             f"oomkit.tracing needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}; this is torch "
             f"{version}, whose meta device cannot stand in for CUDA here (no meta kernels for "

@@ -13,9 +13,10 @@ uncast, as on CUDA. Other releases listed other ops (``ADDED_IN``, ``REMOVED_IN`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Literal, get_args
+
+from oomkit.tracing._torch_version import torch_minor
 
 __all__ = [
     "CastPolicy",
@@ -233,10 +234,9 @@ def cuda_autocast_policy(torch_version: str) -> Mapping[str, CastPolicy]:
     """``CUDA_AUTOCAST_POLICY`` (torch 2.13's lists) as torch ``torch_version`` has it: without
     the overloads added after that release (``ADDED_IN``), with those it still listed
     (``REMOVED_IN``). A version that does not parse gets 2.13's table."""
-    match = re.match(r"(\d+)\.(\d+)", torch_version)
-    if match is None:
+    version = torch_minor(torch_version)
+    if version is None:
         return CUDA_AUTOCAST_POLICY
-    version = (int(match.group(1)), int(match.group(2)))
     table = {
         name: policy
         for name, policy in CUDA_AUTOCAST_POLICY.items()

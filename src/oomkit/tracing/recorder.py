@@ -28,20 +28,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from oomkit.errors import TorchRequiredError, UnsupportedOpError
+import torch
+import torch.nn.modules.module as _module_hooks
+import torch.optim.optimizer as _optimizer_hooks
+from torch.utils._pytree import tree_leaves
+
+from oomkit.errors import UnsupportedOpError
 from oomkit.gpus import GpuSpec, get_gpu
-
-try:
-    import torch
-    import torch.nn.modules.module as _module_hooks
-    import torch.optim.optimizer as _optimizer_hooks
-    from torch.utils._pytree import tree_leaves
-except ImportError as exc:  # pragma: no cover - exercised by test_without_torch style checks
-    raise TorchRequiredError(
-        "oomkit.tracing records PyTorch code and needs torch; install it with "
-        "`pip install oomkit[torch]`"
-    ) from exc
-
 from oomkit.trace import TraceEvent
 from oomkit.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions

@@ -18,8 +18,9 @@ installs torch from the ``cu126`` index (cuDNN 9.10).
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
+
+from oomkit.tracing._torch_version import torch_minor
 
 __all__ = [
     "DEFAULT_WHEEL_CUDNN",
@@ -93,10 +94,9 @@ def cudnn_build_for(torch_version: str, build_cudnn_version: int | None = None) 
     """
     if build_cudnn_version is not None:
         return CudnnBuild(build_cudnn_version, "this torch build's cuDNN")
-    match = re.match(r"(\d+)\.(\d+)", torch_version)
-    if match is None:
+    wanted = torch_minor(torch_version)
+    if wanted is None:
         return CudnnBuild(None, f"unknown (torch version {torch_version!r} not understood)")
-    wanted = (int(match.group(1)), int(match.group(2)))
     known = [minor for minor in DEFAULT_WHEEL_CUDNN if minor <= wanted]
     if not known:
         return CudnnBuild(None, f"unknown (torch {wanted[0]}.{wanted[1]} predates the table)")
