@@ -5,7 +5,7 @@ For each built-in workload (a preset at a small setting on a small simulated GPU
 - the true maximum batch: every batch size from 1 up is run (two training steps on a fresh
   simulated device) until one runs out of memory, and a few sizes above it are run too, to make
   sure none of them fits (an exhaustive scan, not a bisection);
-- oomkit's predicted batch (``oomkit.analysis.batch_search.max_batch_size``, margin 0 unless
+- oomkit's predicted batch (``oomkit.plan.batch_search.max_batch_size``, margin 0 unless
   ``--margin-mib``: the prediction itself is what is compared), and the OOMs paid when
   ``oomkit.runtime.batch_probe.find_batch_size`` confirms it on the simulated device;
 - the batch found and the OOMs paid by ``accelerate.utils.find_executable_batch_size`` (its
@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from oomkit.analysis.batch_search import max_batch_size
-from oomkit.models import StepOptions, build_preset_step
+from oomkit.plan.batch_search import max_batch_size
+from oomkit.prediction.models import StepOptions, build_preset_step
 from oomkit.runtime import SimulatedCudaDevice, current_device
 from oomkit.runtime.batch_probe import find_batch_size
 

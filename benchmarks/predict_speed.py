@@ -36,8 +36,8 @@ def peak_rss_mb() -> float:
 
 def run_case(name: str) -> dict:
     """Build, record and predict one case in this process; return its figures."""
-    from oomkit.analysis import predict
-    from oomkit.models import StepOptions, build_preset_step
+    from oomkit.prediction import predict
+    from oomkit.prediction.models import StepOptions, build_preset_step
 
     preset, batch, seq, _, _ = CASES[name]
     start = time.perf_counter()

@@ -17,9 +17,9 @@ import resource
 import sys
 import time
 
-from oomkit.allocator import AllocatorConfig
-from oomkit.replay import simulate_events
-from oomkit.workloads import TrainingWorkload, training_events
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.replay import simulate_events
+from oomkit.core.workloads import TrainingWorkload, training_events
 
 SETTINGS = {"default": "", "expandable_segments:True": "expandable_segments:True"}
 

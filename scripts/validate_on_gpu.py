@@ -44,7 +44,7 @@ TARGET_MAX_ERROR = 0.10
 
 @dataclass(frozen=True)
 class Run:
-    """One preset at a small size (fields as oomkit.models.StepOptions)."""
+    """One preset at a small size (fields as oomkit.prediction.models.StepOptions)."""
 
     preset: str
     batch_size: int
@@ -167,7 +167,7 @@ def summarize(runs: Sequence[Mapping]) -> dict:
 def match_gpu(device_name: str, total_memory_bytes: int):
     """The catalog ``GpuSpec`` of a device: by name, else by exact total memory, else a size."""
     from oomkit.errors import UnknownGpuError
-    from oomkit.gpus import get_gpu, list_gpus
+    from oomkit.core.gpus import get_gpu, list_gpus
 
     try:
         return get_gpu(device_name)
@@ -192,7 +192,7 @@ def output_path(root: Path, gpu_name: str, torch_version: str) -> Path:
 def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no cover - needs a GPU
     import torch
 
-    from oomkit.models import StepOptions, build_preset_step
+    from oomkit.prediction.models import StepOptions, build_preset_step
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # create the context before measuring what it holds
@@ -220,9 +220,9 @@ def _predict(
 ) -> dict:
     import dataclasses
 
-    from oomkit.analysis import predict
-    from oomkit.models import StepOptions, build_preset_step
-    from oomkit.tracing.emulations import SdpaSettings, use_sdpa_settings
+    from oomkit.prediction import predict
+    from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
 
     # The SDPA backend on sm90/sm100 depends on the runtime cuDNN (cuDNN attention is preferred
     # after 9.15.0): predict with this device's, as `oomkit predict --cudnn-version N` does.
@@ -239,8 +239,8 @@ def _predict(
 
 
 def _verify(snapshot_path: Path) -> dict | None:  # pragma: no cover - needs a GPU's snapshot
-    from oomkit.replay import replay_snapshot
-    from oomkit.snapshot import load_snapshot
+    from oomkit.core.replay import replay_snapshot
+    from oomkit.core.snapshot import load_snapshot
 
     result = replay_snapshot(load_snapshot(snapshot_path), verify=True)
     return {

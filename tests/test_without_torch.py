@@ -17,8 +17,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_import_without_torch():
     """Every core, analysis and interface package imports without torch."""
     proc = _run(
-        "import oomkit, oomkit.allocator, oomkit.trace, oomkit.snapshot, oomkit.replay, "
-        "oomkit.analysis, oomkit.cli, oomkit.reports, oomkit.workloads\n"
+        "import oomkit, oomkit.core.allocator, oomkit.core.trace, oomkit.core.snapshot, oomkit.core.replay, "
+        "oomkit.diagnose, oomkit.plan, oomkit.prediction, oomkit.interfaces.cli, oomkit.interfaces.reports, oomkit.core.workloads\n"
         "print('torch' in sys.modules and sys.modules['torch'] is not None)"
     )
     assert proc.returncode == 0, proc.stderr
@@ -27,15 +27,15 @@ def test_import_without_torch():
 
 def test_demo_runs_without_torch():
     """The demo (a file-free simulation) runs without torch."""
-    proc = _run("from oomkit.cli import main; sys.exit(main(['demo', '--steps', '2', '--json']))")
+    proc = _run("from oomkit.interfaces.cli import main; sys.exit(main(['demo', '--steps', '2', '--json']))")
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout)["results"]) == {"default", "expandable_segments:True"}
 
 
 def test_explain_snapshot_runs_without_torch(tmp_path):
     """`oomkit explain SNAPSHOT --json` (diagnosis, attribution, replay-priced remedies) needs no torch."""
-    from oomkit.snapshot import write_snapshot
-    from oomkit.trace import Frame, TraceEvent
+    from oomkit.core.snapshot import write_snapshot
+    from oomkit.core.trace import Frame, TraceEvent
 
     mib = 2**20
     frames = (Frame("/home/user/train.py", 7, "step"),)
@@ -56,7 +56,7 @@ def test_explain_snapshot_runs_without_torch(tmp_path):
     ]
     path = write_snapshot(tmp_path / "oom.pickle", segments, {0: events})
     proc = _run(
-        f"from oomkit.cli import main; sys.exit(main(['explain', {str(path)!r}, '--json']))"
+        f"from oomkit.interfaces.cli import main; sys.exit(main(['explain', {str(path)!r}, '--json']))"
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -67,11 +67,11 @@ def test_explain_snapshot_runs_without_torch(tmp_path):
 
 
 def test_tracing_without_torch_says_what_to_install():
-    """Importing oomkit.tracing without torch raises TorchRequiredError naming oomkit[torch]."""
+    """Importing oomkit.prediction.tracing without torch raises TorchRequiredError naming oomkit[torch]."""
     proc = _run(
         "from oomkit.errors import TorchRequiredError\n"
         "try:\n"
-        "    import oomkit.tracing\n"
+        "    import oomkit.prediction.tracing\n"
         "except TorchRequiredError as exc:\n"
         "    print(exc)\n"
     )

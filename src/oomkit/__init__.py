@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from oomkit.analysis.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-from oomkit.analysis.prediction import Prediction, predict, predict_recording
+from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
+from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -18,7 +18,7 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
-from oomkit.reports.monitor_live import monitor
+from oomkit.interfaces.reports.monitor_live import monitor
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient

@@ -1,5 +1,5 @@
 """``python -m oomkit`` runs the CLI."""
 
-from oomkit.cli import main
+from oomkit.interfaces.cli import main
 
 raise SystemExit(main())

@@ -74,7 +74,7 @@ class OomTextError(OomkitError, ValueError):
 
 
 class UnknownPresetError(OomkitError, ValueError):
-    """A model preset name that is not in ``oomkit.models.PRESETS``."""
+    """A model preset name that is not in ``oomkit.prediction.models.PRESETS``."""
 
 
 class UserCodeError(OomkitError, ValueError):

@@ -38,7 +38,7 @@ class _Step:
 
 
 class _SearchResult:
-    """Stands in for oomkit.analysis.batch_search.BatchSearchResult (only .batch_size is read)."""
+    """Stands in for oomkit.plan.batch_search.BatchSearchResult (only .batch_size is read)."""
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from oomkit.reports.monitor import build_monitor_report  # noqa: E402
+from oomkit.interfaces.reports.monitor import build_monitor_report  # noqa: E402
 
 MiB = 2**20
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomkit.allocator import STAT_KEYS
+from oomkit.core.allocator import STAT_KEYS
 from oomkit.errors import SimulatedDeviceError, TorchRequiredError
-from oomkit.replay import replay_snapshot
+from oomkit.core.replay import replay_snapshot
 from oomkit.runtime import (
     DeviceMemory,
     SimulatedCudaDevice,
@@ -20,7 +20,7 @@ from oomkit.runtime import (
     is_out_of_memory,
     release_after_oom,
 )
-from oomkit.snapshot import load_snapshot, snapshot_from_data, write_snapshot
+from oomkit.core.snapshot import load_snapshot, snapshot_from_data, write_snapshot
 
 MiB = 2**20
 # CUDACachingAllocator.cpp kSmallBuffer: requests of at most 1 MiB share 2 MiB small segments.

@@ -24,8 +24,8 @@ from oomkit.runtime.watch import (
     verdict_line,
     watch,
 )
-from oomkit.snapshot import load_snapshot, write_snapshot
-from oomkit.trace import TraceEvent
+from oomkit.core.snapshot import load_snapshot, write_snapshot
+from oomkit.core.trace import TraceEvent
 
 MiB = 2**20
 OOM_TEXT = (

@@ -70,7 +70,7 @@ def test_summary_of_no_runs_does_not_meet_target():
 
 def test_match_gpu_by_name_then_memory_then_size():
     """The device name finds the catalog entry; else its exact total memory; else a size."""
-    from oomkit.gpus import get_gpu
+    from oomkit.core.gpus import get_gpu
 
     h100 = get_gpu("h100")
     assert validate.match_gpu("NVIDIA H100 80GB HBM3", 0).name == h100.name
@@ -99,7 +99,7 @@ def test_runs_have_distinct_labels():
 def test_prediction_side_uses_the_devices_cudnn_for_the_sdpa_backend():
     """No GPU needed for the prediction half: cuDNN 9.15.1 on an H100 picks cuDNN attention."""
     pytest.importorskip("torch")
-    from oomkit.gpus import get_gpu
+    from oomkit.core.gpus import get_gpu
 
     run = validate.Run("gpt2-124m", 1, seq_len=16, precision="bf16-mixed")
     h100 = get_gpu("h100-sxm")

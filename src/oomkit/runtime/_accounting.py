@@ -1,6 +1,6 @@
 """The dispatch mode behind ``SimulatedCudaDevice``: every op's new storages become allocations.
 
-Written for the simulated device, not shared with ``oomkit.tracing.Tracer``: the Tracer records
+Written for the simulated device, not shared with ``oomkit.prediction.tracing.Tracer``: the Tracer records
 a step to replay it later (with CUDA emulations, roles, categories); this mode asks the
 simulated allocator *now*, so that an allocation that would not fit raises ``torch.
 OutOfMemoryError`` inside the op that made it, exactly where CUDA would raise.
@@ -16,10 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomkit.tracing.storages import Allocation
+from oomkit.prediction.tracing.storages import Allocation
 
 if TYPE_CHECKING:
-    from oomkit.allocator import SimulatedOutOfMemoryError
+    from oomkit.core.allocator import SimulatedOutOfMemoryError
     from oomkit.runtime.simulated import SimulatedCudaDevice
 
 __all__ = [

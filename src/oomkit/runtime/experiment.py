@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from oomkit.allocator import AllocatorConfig
+from oomkit.core.allocator import AllocatorConfig
 from oomkit.errors import ConfigError, MonitorLogError, OomkitError
 from oomkit.runtime.monitor import StepRecord, read_monitor_log, summarize
 

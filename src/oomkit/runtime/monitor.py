@@ -13,7 +13,7 @@ inactive-split bytes, the peaks since the previous step, the cumulative retry / 
 cudaMalloc / cudaFree counters), then resets the peaks (``reset_peak_memory_stats``) so the
 next record's peaks cover one step. Device-level used memory (NVML, all processes) is read in
 a background thread. Nothing here prints: a live display is a ``sink`` called with each record
-(``oomkit.reports.monitor_live.live_line_sink``).
+(``oomkit.interfaces.reports.monitor_live.live_line_sink``).
 
 Under ``torch.distributed`` every rank records its own numbers (``rank`` in each record, and
 ``{rank}`` in ``log_path`` is replaced); :meth:`Monitor.gather` brings every rank's summary to
@@ -638,7 +638,7 @@ class Monitor:
     def findings(self) -> list[Any]:
         """Leak and fragmentation findings over the records so far (computed on demand).
 
-        ``oomkit.analysis.memory_health.memory_findings`` on :attr:`records`; on a device that
+        ``oomkit.diagnose.memory_health.memory_findings`` on :attr:`records`; on a device that
         keeps an allocator trace (``SimulatedCudaDevice(record_history=True)``) a leak is
         attributed to the allocation sites that grow. Leak findings are left out when
         ``detect_leaks`` is False.
@@ -646,7 +646,7 @@ class Monitor:
         Returns:
             ``LeakFinding`` and ``FragmentationFinding`` objects; empty when neither.
         """
-        from oomkit.analysis.memory_health import LeakFinding, memory_findings
+        from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 
         if not self.records:
             return []

@@ -2,9 +2,9 @@
 
 Inside ``with SimulatedCudaDevice("24GiB") as device:`` every storage that an aten op creates on
 the chosen torch device (``"cpu"`` by default) is handed to oomkit's simulated caching allocator
-(``oomkit.allocator.CachingAllocator``) as a CUDA allocation of its ``nbytes``, and given back
+(``oomkit.core.allocator.CachingAllocator``) as a CUDA allocation of its ``nbytes``, and given back
 when the storage really dies (``weakref.finalize`` on the preserved ``UntypedStorage``, see
-``oomkit.tracing.storages``). When the simulated allocator cannot serve a request the op raises
+``oomkit.prediction.tracing.storages``). When the simulated allocator cannot serve a request the op raises
 the real ``torch.OutOfMemoryError`` with PyTorch's message, so OOM recovery code, batch-size
 finders and monitors run unchanged on a machine without a GPU. ``use_device(device)`` is
 installed too, so ``oomkit.runtime.current_device()`` answers with the simulated numbers.
@@ -25,18 +25,18 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from oomkit.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.errors import SimulatedDeviceError, TorchRequiredError
-from oomkit.gpus import GpuSpec, get_gpu
+from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.runtime.device import use_device
-from oomkit.snapshot import snapshot_to_data
-from oomkit.trace import Frame, TraceEvent
+from oomkit.core.snapshot import snapshot_to_data
+from oomkit.core.trace import Frame, TraceEvent
 
 if TYPE_CHECKING:
     import torch
 
     from oomkit.runtime._accounting import AccountingMode
-    from oomkit.tracing.storages import Allocation
+    from oomkit.prediction.tracing.storages import Allocation
 
 __all__ = ["OomObserver", "SimulatedCudaDevice"]
 
@@ -124,8 +124,8 @@ class SimulatedCudaDevice:
         try:
             # torch is imported here, not with the module: oomkit.runtime imports without it.
             from oomkit.runtime import _accounting
-            from oomkit.tracing.frames import UserFrameFinder
-            from oomkit.tracing.storages import StorageTable
+            from oomkit.prediction.tracing.frames import UserFrameFinder
+            from oomkit.prediction.tracing.storages import StorageTable
         except ImportError as exc:
             raise TorchRequiredError(
                 "SimulatedCudaDevice runs PyTorch code and needs torch; install it with "

@@ -33,8 +33,8 @@ from oomkit.errors import OomkitError
 from oomkit.runtime.device import is_out_of_memory
 
 if TYPE_CHECKING:
-    from oomkit.analysis.diagnosis import Diagnosis
-    from oomkit.gpus import GpuSpec
+    from oomkit.diagnose.diagnosis import Diagnosis
+    from oomkit.core.gpus import GpuSpec
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -180,7 +180,7 @@ class TorchCudaRecorder:
 
     def gpu_spec(self, device: int) -> GpuSpec | None:
         from oomkit.errors import UnknownGpuError
-        from oomkit.gpus import get_gpu
+        from oomkit.core.gpus import get_gpu
 
         total = int(self._torch.cuda.get_device_properties(device).total_memory)
         try:
@@ -459,13 +459,13 @@ def diagnose_dump(
     """
     from dataclasses import replace
 
-    from oomkit.analysis.diagnosis import diagnose_oom_text
-    from oomkit.analysis.oom_text import parse_oom_text
-    from oomkit.analysis.snapshot_diagnosis import diagnose_snapshot
+    from oomkit.diagnose.diagnosis import diagnose_oom_text
+    from oomkit.diagnose.oom_text import parse_oom_text
+    from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
 
     fallback_reason = None
     if snapshot_path is not None:
-        from oomkit.snapshot import load_snapshot
+        from oomkit.core.snapshot import load_snapshot
 
         fraction = None
         if gpu is not None and observed is not None:

@@ -1,0 +1,146 @@
+"""Block pools: the ordered sets of free blocks (ref §3.3, CUDACachingAllocator.cpp ``BlockPool``).
+
+PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
+``BlockComparatorSize``: ``(stream, size, address)`` up to early 2026, and
+``(stream, size, registration_counter, address)`` in MAIN26 (§3.6). The simulator stores the
+same order in a shape that makes the best-fit lookup cheap in Python:
+
+* per stream, a plain sorted ``list`` of the distinct free sizes (``bisect`` runs in C), and
+* per (stream, size), a bucket: a list of ``(tie, block)`` sorted by ``tie``, where ``tie`` is
+  the address, or ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the
+  integer orders exactly like the pair).
+
+Walking streams in order, sizes in order and buckets in order gives PyTorch's set order;
+:meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
+
+Unmapped expandable ranges (``BlockPool::unmapped``, ``BlockComparatorAddress``:
+``(stream, address)``) are few and use a ``SortedList``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from sortedcontainers import SortedList
+
+from oomkit.core.allocator.block import Block
+
+if TYPE_CHECKING:
+    from oomkit.core.allocator.private_pools import PrivatePool
+
+__all__ = ["BlockPool", "StreamFreeBlocks"]
+
+
+class StreamFreeBlocks:
+    """The free blocks of one stream in one pool."""
+
+    __slots__ = ("sizes", "buckets")
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.buckets: dict[int, list[tuple[int, Block]]] = {}
+
+    def iter_from(self, size: int) -> Iterator[Block]:
+        """The blocks with ``block.size >= size`` in set order."""
+        sizes = self.sizes
+        buckets = self.buckets
+        for i in range(bisect_left(sizes, size), len(sizes)):
+            for entry in buckets[sizes[i]]:
+                yield entry[1]
+
+    def ordered(self) -> list[Block]:
+        """All blocks in set order."""
+        buckets = self.buckets
+        return [entry[1] for s in self.sizes for entry in buckets[s]]
+
+
+class BlockPool:
+    """The small or the large pool: a default one, or one half of a private pool (§3.5)."""
+
+    __slots__ = ("is_small", "streams", "unmapped", "gc_clock", "by_counter", "count", "owner")
+
+    def __init__(self, is_small: bool, by_counter: bool, owner: PrivatePool | None = None) -> None:
+        self.is_small = is_small
+        # BlockPool::owner_PrivatePool: None for the two default pools.
+        self.owner = owner
+        # stream -> its free blocks (the `blocks` set, split by its first key).
+        self.streams: dict[int, StreamFreeBlocks] = {}
+        self.unmapped: SortedList = SortedList()
+        # BlockPool::get_free_blocks_call_count, the GC clock (§7).
+        self.gc_clock = 0
+        # MAIN26 BlockComparatorSize: registration counter before the address (§3.6).
+        self.by_counter = by_counter
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def tie(self, block: Block) -> int:
+        """The block's position among free blocks of equal stream and size (§3.6)."""
+        if self.by_counter:
+            return (block.segment.counter << 64) | block.ptr
+        return block.ptr
+
+    def insert(self, block: Block) -> None:
+        """BlockPool::insert_into_blocks: add a free block and reset its GC base (§7)."""
+        block.gc_count_base = self.gc_clock
+        entry = ((block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr, block)
+        block.key = entry
+        sf = self.streams.get(block.stream)
+        if sf is None:
+            sf = self.streams[block.stream] = StreamFreeBlocks()
+        bucket = sf.buckets.get(block.size)
+        if bucket is None:
+            sf.buckets[block.size] = [entry]
+            insort(sf.sizes, block.size)
+        else:
+            bucket.insert(bisect_left(bucket, (entry[0],)), entry)
+        self.count += 1
+
+    def remove(self, block: Block) -> None:
+        """Take a free block out of the set (its size must be the one it was inserted with)."""
+        entry = block.key
+        assert entry is not None, "removing a block that is not in the free set"
+        block.key = None
+        sf = self.streams[block.stream]
+        size = block.size
+        bucket = sf.buckets[size]
+        if len(bucket) == 1:
+            del sf.buckets[size]
+            sizes = sf.sizes
+            del sizes[bisect_left(sizes, size)]
+            if not sizes:
+                del self.streams[block.stream]
+        else:
+            del bucket[bisect_left(bucket, (entry[0],))]
+        self.count -= 1
+
+    def ordered(self) -> list[Block]:
+        """Every free block in PyTorch's set order (stream, size, tie-break)."""
+        out: list[Block] = []
+        for stream in sorted(self.streams):
+            out.extend(self.streams[stream].ordered())
+        return out
+
+    def stream_ordered(self, stream: int) -> list[Block]:
+        """The free blocks of one stream in set order."""
+        sf = self.streams.get(stream)
+        return sf.ordered() if sf is not None else []
+
+    def insert_unmapped(self, block: Block) -> None:
+        """Add an unmapped expandable range (BlockComparatorAddress order)."""
+        key = (block.stream, block.ptr, block)
+        block.key = key
+        self.unmapped.add(key)
+
+    def remove_unmapped(self, block: Block) -> None:
+        """Take an unmapped range out of ``unmapped``."""
+        self.unmapped.remove(block.key)
+        block.key = None
+
+    def unmapped_blocks(self) -> Iterator[Block]:
+        """The unmapped ranges in (stream, address) order."""
+        for entry in self.unmapped:
+            yield entry[-1]

@@ -1,0 +1,272 @@
+"""What differs between PyTorch releases, as one frozen record per ``major.minor``.
+
+``behaviour_for("2.4.0+cu121")`` answers every version question the allocator, its config
+parser and the OOM message need, so no other module compares version numbers. The facts come
+from ref/cuda-caching-allocator.md (§0 sources, §3.6, §6, §7, §9, §12, Appendix A); release
+numbers the ref marks "≈" are inferred from PR dates, not read from tags.
+
+Assumption (not verifiable from the stored sources): the 2026 ``main`` changes seen in MAIN26
+(the creation-order tie-break, PR #183591, May 2026; ``large_segment_size_mb``, PR #172056,
+Jan 2026; the per-process fraction rules of §7/§9.5; the MAIN26 env-var order of §9.1) are in
+every release >= 2.12, and in none before. 2.14 is the newest release modelled.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from oomkit.errors import ConfigError
+
+__all__ = [
+    "NEWEST_RELEASED_TORCH",
+    "ConfigParserKind",
+    "OomMessageVariant",
+    "TorchBehaviour",
+    "behaviour_for",
+    "config_key_since",
+    "parse_torch_version",
+]
+
+# torch 2.14.1 is the newest release known to oomkit; ``None`` means this version.
+NEWEST_RELEASED_TORCH = "2.14"
+# What "main" / "nightly" build: one minor past the newest release (same behaviour).
+_MAIN_VERSION = (2, 15)
+# First release assumed to carry the 2026 main (MAIN26) changes; see the module docstring.
+_MAIN26 = (2, 12)
+
+OomMessageVariant = Literal["classic", "v2_1", "v2_2"]
+# "legacy": the lexArgs/consumeToken parser (<= 2.8): separators are checked, only spaces are
+# dropped, integers go through stoi. "tokenizer": ConfigTokenizer (CFG-2.9 and later): separator
+# tokens are not checked (checkToken's result is ignored), all whitespace is dropped, integers
+# go through stoull, common keys are parsed in a pass before the CUDA-specific ones (§9.2).
+ConfigParserKind = Literal["legacy", "tokenizer"]
+
+# §12.3: the documentation link at the end of the >= 2.2 OOM message.
+_OLD_DOCS_URL = "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
+_NEW_DOCS_URL = (
+    "https://docs.pytorch.org/docs/stable/notes/cuda.html"
+    "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
+)
+
+# Config keys by the release that first accepts them (ref §9.3, §9.4, Appendix A).
+_KEYS_SINCE: dict[str, tuple[int, int]] = {
+    # Appendix A: PR #44742 (≈1.10).
+    "max_split_size_mb": (1, 10),
+    # Appendix A: PR #74213 / #73673 (1.12).
+    "roundup_power2_divisions": (1, 12),
+    "garbage_collection_threshold": (1, 12),
+    # Appendix A: backend:cudaMallocAsync (≈1.13 / 2.0).
+    "backend": (2, 0),
+    # Appendix A: expandable_segments (2.1); release_lock / pinned-register options (≈2.1-2.2).
+    "expandable_segments": (2, 1),
+    "release_lock_on_cudamalloc": (2, 1),
+    "release_lock_on_hipmalloc": (2, 1),
+    "pinned_use_cuda_host_register": (2, 1),
+    "pinned_use_hip_host_register": (2, 1),
+    "pinned_num_register_threads": (2, 1),
+    # Not dated by the ref; present in CFG-2.8. Assumed ≈2.5.
+    "pinned_use_background_threads": (2, 5),
+    # §9.3 / Appendix A: PR #136174 (Sep 2024, ≈2.6).
+    "max_non_split_rounding_mb": (2, 6),
+    # §9.3 / Appendix A: ≈2.9+ (PR #149601 onward); pinned_reserve_segment_size_mb is in CUDA-CFG.
+    "per_process_memory_fraction": (2, 9),
+    "graph_capture_record_stream_reuse": (2, 9),
+    "pinned_reserve_segment_size_mb": (2, 9),
+    # §9.3 / §9.4: MAIN26 only (large_segment_size_mb is PR #172056, Jan 2026).
+    "large_segment_size_mb": _MAIN26,
+    "throw_on_cudamalloc_oom": _MAIN26,
+    "pinned_free_catch_all": _MAIN26,
+    "pinned_max_round_threshold_mb": _MAIN26,
+    "pinned_max_cached_size_mb": _MAIN26,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TorchBehaviour:
+    """The allocator-relevant behaviour of one PyTorch ``major.minor`` release.
+
+    Every field is a plain value so hot paths can read it without further version logic.
+    """
+
+    # (major, minor) the behaviour models; "main"/"nightly" is one past NEWEST_RELEASED_TORCH.
+    version: tuple[int, int]
+    # §3.6: equal-size free blocks ordered by segment creation counter (PR #183591, MAIN26);
+    # False: the lowest device address wins.
+    tie_break_by_creation_order: bool
+    # §6 / PR #136174 (≈2.6): max_non_split_rounding_mb exists; else the slack is fixed 20 MiB.
+    configurable_non_split_rounding: bool
+    # §1 / PR #172056 (MAIN26): large_segment_size_mb exists; else kLargeBuffer (20 MiB).
+    configurable_large_segment_size: bool
+    # §9.3 / §13.23: max_split_size_mb (and max_non_split_rounding_mb) must be >= the large
+    # segment size (CFG-2.8 and later); before, > 20.
+    max_split_size_min_inclusive: bool
+    # §9.1: the env vars PyTorch tries, in order; only the first one set is parsed.
+    env_vars: tuple[str, ...]
+    # §9.1 (CFG-2.9, PR #167659): reading these prints "is deprecated, use PYTORCH_ALLOC_CONF".
+    deprecated_env_vars: tuple[str, ...]
+    # §9.1, issue #183387: in 2.9.1 expandable_segments given only through PYTORCH_ALLOC_CONF
+    # was silently ignored for CUDA.
+    alloc_conf_ignores_expandable_segments: bool
+    # §9.2: which parser reads the string (see ConfigParserKind).
+    config_parser: ConfigParserKind
+    # §9.2: unknown keys are always an error; this is the wording PyTorch uses.
+    unknown_key_message: str
+    # §9.3: every key this release accepts.
+    config_keys: frozenset[str]
+    # §9.3 / Appendix A (≈2.0): roundup_power2_divisions accepts the [b:v,...,>:v] form.
+    roundup_bracket_form: bool
+    # §9.3 / §13.22: `>:v` fills the slots after the last listed one (CFG-2.9 and later);
+    # False (<= 2.8): from the last listed slot inclusive, overwriting it.
+    roundup_fill_after_last: bool
+    # §9.1 "Runtime changes": _set_allocator_settings also resets max_non_split_rounding to
+    # large_segment_size (MAIN26 only; it came with PR #172056's parseArgs).
+    runtime_resets_non_split_rounding: bool
+    # §7 / §9.5: a fraction limit exists only for fraction < 1, allowed = round(f * total)
+    # (MAIN26); False: any set_per_process_memory_fraction call sets trunc(f * total) (V24).
+    fraction_limit_only_below_one: bool
+    # §7 / PR #134338 (Aug 2024, ≈2.5): GC and OOM step 8 skip expandable blocks.
+    gc_skips_expandable: bool
+    # §12.3: OOM message wording: "classic" (<= 2.0), "v2_1" ("capacty" typo), "v2_2".
+    oom_message_variant: OomMessageVariant
+    # §12.3: documentation link in the OOM message (docs.pytorch.org in MAIN26; real 2.8+ logs
+    # show it too, as oomkit.core.allocator.rules assumes).
+    oom_docs_url: str
+
+    @property
+    def has_alloc_conf_env(self) -> bool:
+        """§9.1: whether this release reads ``PYTORCH_ALLOC_CONF`` at all (≈2.9+)."""
+        return "PYTORCH_ALLOC_CONF" in self.env_vars
+
+    @property
+    def has_per_process_memory_fraction_key(self) -> bool:
+        """§9.3: whether ``per_process_memory_fraction`` is a config key (≈2.9+)."""
+        return "per_process_memory_fraction" in self.config_keys
+
+
+_VERSION_RE = re.compile(
+    r"^v?(?P<major>\d+)\.(?P<minor>\d+)"
+    r"(?:\.(?P<patch>\d+))?"
+    # pre/dev/local suffixes: 2.6.0a0+git123, 2.4.0+cu121, 2.5.0rc1, 2.6.0.dev20240101
+    r"(?:(?:a|b|rc|alpha|beta|\.?dev|\.post)\d*)*"
+    r"(?:\+[0-9A-Za-z.\-_]+)?$"
+)
+_NEWEST_ALIASES = frozenset({"main", "master", "nightly"})
+
+
+def parse_torch_version(torch_version: str | None) -> tuple[int, int]:
+    """The ``(major, minor)`` a version string names.
+
+    Args:
+        torch_version: ``"2.4"``, ``"2.4.1"``, ``"2.4.0+cu121"``, ``"2.6.0a0+git123"``,
+            ``"main"`` / ``"nightly"`` (newest behaviour), or None (newest release).
+
+    Returns:
+        ``(major, minor)``.
+
+    Raises:
+        ConfigError: the text is not a PyTorch version.
+    """
+    if torch_version is None:
+        return _split(NEWEST_RELEASED_TORCH)
+    if not isinstance(torch_version, str):
+        raise ConfigError(
+            f"torch_version must be a string like '2.4.1'; got {torch_version!r}. "
+            "Example: torch_version=torch.__version__"
+        )
+    text = torch_version.strip()
+    if text.lower() in _NEWEST_ALIASES:
+        return _MAIN_VERSION
+    match = _VERSION_RE.match(text)
+    if match is None:
+        raise ConfigError(
+            f"cannot read PyTorch version {torch_version!r}; expected 'major.minor[.patch]' with "
+            "an optional suffix, or 'main'/'nightly'. Example: torch_version='2.4.0+cu121'"
+        )
+    return int(match["major"]), int(match["minor"])
+
+
+def config_key_since(key: str) -> tuple[int, int] | None:
+    """The first ``(major, minor)`` that accepts a config key (§9.3), or None if none does."""
+    return _KEYS_SINCE.get(key)
+
+
+def _split(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+def behaviour_for(torch_version: str | None) -> TorchBehaviour:
+    """The allocator behaviour of a PyTorch release.
+
+    Args:
+        torch_version: any string ``parse_torch_version`` accepts; None = NEWEST_RELEASED_TORCH.
+
+    Returns:
+        The behaviour of that release's ``major.minor``.
+
+    Raises:
+        ConfigError: the version string cannot be read.
+    """
+    return _behaviour(parse_torch_version(torch_version))
+
+
+@functools.lru_cache(maxsize=64)
+def _behaviour(version: tuple[int, int]) -> TorchBehaviour:
+    main26 = version >= _MAIN26
+    tokenizer = version >= (2, 9)  # §9.2: ConfigTokenizer from CFG-2.9
+    if main26:
+        # §9.1 CFG-main: legacy names first again, no deprecation warning.
+        env_vars: tuple[str, ...] = (
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "PYTORCH_HIP_ALLOC_CONF",
+            "PYTORCH_ALLOC_CONF",
+        )
+        deprecated: tuple[str, ...] = ()
+    elif tokenizer:
+        # §9.1 CFG-2.9 (PR #167659): the unified name first; the device names warn.
+        env_vars = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+        deprecated = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+    else:
+        # §9.1 <= 2.8: only PYTORCH_CUDA_ALLOC_CONF on CUDA builds (HIP name only on ROCm).
+        env_vars = ("PYTORCH_CUDA_ALLOC_CONF",)
+        deprecated = ()
+    if main26:
+        # §9.2 CFG-main: the Accelerator pass rejects unknown keys first.
+        unknown = "Unrecognized key '{key}' in Accelerator allocator config."
+    elif tokenizer:
+        # §9.2 CFG-2.9: the Accelerator pass skips them; the CUDA pass rejects them.
+        unknown = "Unrecognized key '{key}' in CUDA allocator config."
+    else:
+        unknown = "Unrecognized CachingAllocator option: {key}"
+    if version <= (2, 0):
+        variant: OomMessageVariant = "classic"
+    elif version == (2, 1):
+        variant = "v2_1"
+    else:
+        variant = "v2_2"
+    return TorchBehaviour(
+        version=version,
+        tie_break_by_creation_order=main26,
+        configurable_non_split_rounding=version >= _KEYS_SINCE["max_non_split_rounding_mb"],
+        configurable_large_segment_size=main26,
+        # CFG-2.8 parseMaxSplitSize: "must be >= 20"; older CUDAAllocatorConfig: "must be > 20".
+        max_split_size_min_inclusive=version >= (2, 8),
+        env_vars=env_vars,
+        deprecated_env_vars=deprecated,
+        alloc_conf_ignores_expandable_segments=version == (2, 9),
+        config_parser="tokenizer" if tokenizer else "legacy",
+        unknown_key_message=unknown,
+        config_keys=frozenset(k for k, since in _KEYS_SINCE.items() if version >= since),
+        # Appendix A: bracket form with backend:cudaMallocAsync (≈1.13 / 2.0; 2.0 assumed).
+        roundup_bracket_form=version >= (2, 0),
+        # §9.3: "≤ 2.8: from the last listed slot inclusive" (CFG-2.8 vs CFG-2.9).
+        roundup_fill_after_last=tokenizer,
+        runtime_resets_non_split_rounding=main26,
+        fraction_limit_only_below_one=main26,
+        gc_skips_expandable=version >= (2, 5),
+        oom_message_variant=variant,
+        oom_docs_url=_NEW_DOCS_URL if version >= (2, 8) else _OLD_DOCS_URL,
+    )

@@ -1,0 +1,136 @@
+"""Finding a device: ``get_gpu("h100")``, ``get_gpu("24GiB")`` and ``list_gpus()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+
+from oomkit.errors import UnknownGpuError
+from oomkit.core.gpus import overhead
+from oomkit.core.gpus.catalog import CATALOG
+from oomkit.core.gpus.spec import GpuSpec
+from oomkit.units import SizeError, format_bytes, parse_bytes
+
+__all__ = ["UnknownGpuError", "get_gpu", "list_gpus", "normalize_gpu_name"]
+
+# Words that name the vendor or brand rather than the device: "NVIDIA GeForce RTX 4090" as
+# torch.cuda.get_device_name() prints it must find "rtx4090".
+_NOISE_WORDS = frozenset({"nvidia", "geforce", "tesla"})
+# A size needs a unit: a bare "4090" is a GPU name, not 4090 bytes.
+_SIZE_WITH_UNIT_RE = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*[A-Za-z]+\s*$")
+_MAX_SUGGESTIONS = 3
+
+
+def normalize_gpu_name(text: str) -> str:
+    """The lookup key of a name: lowercase, without vendor words, spaces, dashes or dots.
+
+    ``normalize_gpu_name("NVIDIA H100-SXM") == "h100sxm"``.
+    """
+    words = re.split(r"[^0-9a-z]+", text.lower())
+    return "".join(word for word in words if word and word not in _NOISE_WORDS)
+
+
+def _build_index() -> dict[str, GpuSpec]:
+    index: dict[str, GpuSpec] = {}
+    for spec in CATALOG:
+        for key in {normalize_gpu_name(spec.name), *map(normalize_gpu_name, spec.aliases)}:
+            assert index.get(key, spec) is spec, f"alias {key!r} names two GPUs"
+            index[key] = spec
+    return index
+
+
+_INDEX = _build_index()
+
+
+def list_gpus() -> tuple[GpuSpec, ...]:
+    """Every GPU in the built-in catalog, oldest architecture first."""
+    return CATALOG
+
+
+def get_gpu(
+    name_or_size: str | GpuSpec, *, context_overhead_bytes: int | None = None
+) -> GpuSpec:
+    """Look up a GPU by name or alias, or make a generic one from a memory size.
+
+    Names match ignoring case, spaces, dashes, underscores and the words NVIDIA/GeForce/Tesla,
+    so ``"h100"``, ``"H100-SXM"`` and ``"NVIDIA H100 80GB HBM3"`` are the same device. A size
+    with a unit (``"24GiB"``, ``"80GB"``) is taken as the ``total_memory`` PyTorch would
+    report and gets the default context overhead (~400 MiB).
+
+    Args:
+        name_or_size: a catalog name or alias, a size such as ``24GiB``, or a ``GpuSpec``
+            (returned as is, with the override applied).
+        context_overhead_bytes: replaces the spec's estimated CUDA context size, in bytes
+            (e.g. a measurement: ``nvidia-smi`` used minus ``torch.cuda.memory_reserved()``).
+
+    Returns:
+        The matching ``GpuSpec``, with the override applied.
+
+    Raises:
+        UnknownGpuError: the text is neither a known GPU nor a size with a unit.
+        GpuSpecError: the override is negative or not below the total memory.
+    """
+    if isinstance(name_or_size, GpuSpec):
+        spec = name_or_size
+    else:
+        spec = _INDEX.get(normalize_gpu_name(name_or_size))
+        if spec is None:
+            spec = _custom_spec(name_or_size, context_overhead_bytes)
+    if context_overhead_bytes is not None:
+        spec = dataclasses.replace(
+            spec,
+            context_overhead_bytes=context_overhead_bytes,
+            source_notes=(
+                *spec.source_notes,
+                f"context overhead: {format_bytes(context_overhead_bytes)} given by the caller",
+            ),
+        )
+    return spec
+
+
+def _custom_spec(text: str, context_overhead_bytes: int | None = None) -> GpuSpec:
+    if not _SIZE_WITH_UNIT_RE.match(text):
+        raise UnknownGpuError(_unknown_message(text))
+    try:
+        total_bytes = parse_bytes(text)
+    except SizeError:
+        raise UnknownGpuError(_unknown_message(text)) from None
+    return GpuSpec(
+        name=f"custom {format_bytes(total_bytes)}",
+        total_memory_bytes=total_bytes,
+        # The override, where given, is checked against the size here (a small custom size may
+        # be below the default estimate); get_gpu records its note.
+        context_overhead_bytes=(
+            overhead.context_overhead_bytes(None)
+            if context_overhead_bytes is None
+            else context_overhead_bytes
+        ),
+        source_notes=(
+            f"total memory: {text.strip()!r} given by the caller, taken as what "
+            "torch.cuda.get_device_properties().total_memory reports",
+            overhead.context_overhead_note(None),
+        ),
+    )
+
+
+def _unknown_message(text: str) -> str:
+    key = normalize_gpu_name(text)
+    # Family prefixes such as "a100" or "v100" are deliberately not aliases (the variants differ
+    # by up to 40 GiB), so entries whose name starts with the text come first, then near misses.
+    prefixed = [
+        spec.name for spec in CATALOG if key and normalize_gpu_name(spec.name).startswith(key)
+    ]
+    close = [_INDEX[k].name for k in difflib.get_close_matches(key, list(_INDEX), n=10, cutoff=0.6)]
+    names = list(dict.fromkeys([*prefixed, *close]))[: max(_MAX_SUGGESTIONS, len(prefixed))]
+    if names:
+        suggestion = "Did you mean " + ", ".join(repr(name) for name in names) + "?"
+    elif re.fullmatch(r"\s*[0-9.]+\s*", text):
+        suggestion = "A memory size needs a unit."
+    else:
+        suggestion = "No catalog GPU has a similar name."
+    return (
+        f"unknown GPU {text!r}. {suggestion} "
+        "Run `oomkit.core.gpus.list_gpus()` for the catalog, or give the device's memory size "
+        "instead: `--gpu 24GiB` also works."
+    )

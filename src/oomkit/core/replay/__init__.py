@@ -1,0 +1,32 @@
+"""Replaying traces through the simulated allocator.
+
+``simulate_events`` replays a synthetic trace (requests only). ``replay_snapshot`` replays the
+trace of a recorded PyTorch memory snapshot from the state reconstructed at its first event,
+either to verify the simulator against the recording or to ask "what if" under another setting
+or capacity (../shared/ref/cuda-caching-allocator.md §15).
+"""
+
+from __future__ import annotations
+
+from oomkit.core.replay.reconstruct import (
+    SeedBlock,
+    SeedSegment,
+    StartState,
+    reconstruct_start_state,
+)
+from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent
+from oomkit.core.replay.simulate import simulate_events
+from oomkit.core.replay.snapshot_replay import UnknownDeviceError, replay_snapshot
+
+__all__ = [
+    "Divergence",
+    "ReplayResult",
+    "SeedBlock",
+    "SeedSegment",
+    "SegmentEvent",
+    "StartState",
+    "UnknownDeviceError",
+    "reconstruct_start_state",
+    "replay_snapshot",
+    "simulate_events",
+]

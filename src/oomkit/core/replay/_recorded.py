@@ -1,0 +1,112 @@
+"""What a snapshot says about its own recording: setting, version and final segments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.allocator.constants import SIZE_MAX
+from oomkit.errors import ConfigError
+from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment
+from oomkit.core.snapshot import Snapshot, infer_torch_version
+from oomkit.core.trace import TraceEvent
+
+__all__ = [
+    "config_from_settings",
+    "default_pool_events",
+    "final_segments_for",
+    "recorded_torch_version",
+]
+
+# _snapshot()["allocator_settings"]["roundup_power2_divisions"]: keys are the MB interval starts
+# "1", "2", "4", ... "32768", one per slot (§11.2).
+_ROUNDUP_KEYS = tuple(str(1 << k) for k in range(16))
+
+
+def config_from_settings(
+    settings: Mapping | None, torch_version: str | None = None
+) -> tuple[AllocatorConfig, tuple[str, ...]]:
+    """The setting the recording ran under, from the snapshot's ``allocator_settings``.
+
+    The ``PYTORCH_CUDA_ALLOC_CONF`` string gives the options that have no field of their own
+    (``max_non_split_rounding_mb``, ``large_segment_size_mb``, ``per_process_memory_fraction``);
+    the structured fields override it, since they also reflect runtime
+    ``_set_allocator_settings`` calls (§11.2). Absent settings (older files) mean PyTorch's
+    defaults.
+
+    Returns:
+        The config, and warnings about settings that could not be read.
+    """
+    if not settings:
+        return AllocatorConfig(), ()
+    warnings: list[str] = []
+    config = AllocatorConfig()
+    text = settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    if isinstance(text, str) and text.strip():
+        try:
+            config = AllocatorConfig.parse(text, torch_version)
+        except ConfigError as exc:
+            warnings.append(f"the recorded PYTORCH_CUDA_ALLOC_CONF {text!r} was not read: {exc}")
+    changes: dict = {}
+    max_split = settings.get("max_split_size")
+    if isinstance(max_split, int):
+        # memory_stats / allocator_settings show "unlimited" (SIZE_MAX) as -1.
+        changes["max_split_size_bytes"] = max_split if 0 < max_split < SIZE_MAX else None
+    gc = settings.get("garbage_collection_threshold")
+    if isinstance(gc, (int, float)) and not isinstance(gc, bool):
+        changes["garbage_collection_threshold"] = float(gc)
+    for key in ("expandable_segments", "release_lock_on_cudamalloc"):
+        if isinstance(settings.get(key), bool):
+            changes[key] = settings[key]
+    divisions = settings.get("roundup_power2_divisions")
+    if isinstance(divisions, Mapping):
+        changes["roundup_power2_divisions"] = tuple(
+            int(divisions.get(k, 0) or 0) for k in _ROUNDUP_KEYS
+        )
+    try:
+        config = replace(config, **changes)
+    except ConfigError as exc:
+        warnings.append(f"the recorded allocator_settings were not all read: {exc}")
+    return config, tuple(warnings)
+
+
+def recorded_torch_version(snapshot: Snapshot) -> str | None:
+    """The PyTorch version the file's keys point to (§15.6), or None for the newest."""
+    return infer_torch_version(snapshot)
+
+
+def final_segments_for(snapshot: Snapshot, device: int) -> tuple[list[SeedSegment], int]:
+    """The snapshot's final default-pool segments of one device, blocks in address order.
+
+    Returns:
+        The segments, and how many private-pool segments (CUDA graphs, MemPool) were left out:
+        the simulator models the default pools only.
+    """
+    out = []
+    private = 0
+    for seg in snapshot.segments_for(device):
+        if tuple(seg.pool_id) != (0, 0):
+            private += 1
+            continue
+        blocks = tuple(
+            SeedBlock(b.address, b.size, b.requested_size, b.state)  # type: ignore[arg-type]
+            for b in seg.blocks
+        )
+        out.append(
+            SeedSegment(
+                address=seg.address,
+                total_size=seg.total_size,
+                stream=seg.stream,
+                is_small=seg.segment_type == "small",
+                expandable=bool(seg.is_expandable),
+                blocks=tuple(sorted(blocks, key=lambda b: b.address)),
+            )
+        )
+    return out, private
+
+
+def default_pool_events(events: Sequence[TraceEvent]) -> tuple[tuple[TraceEvent, ...], int]:
+    """The trace without entries of private pools (tagged ``pool_id`` by the snapshot reader)."""
+    kept = tuple(ev for ev in events if not any(k == "pool_id" for k, _ in ev.tags))
+    return kept, len(events) - len(kept)

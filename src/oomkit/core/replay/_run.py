@@ -1,0 +1,390 @@
+"""One pass of a recorded trace through the simulator (ref §15), for ``replay_snapshot``.
+
+``_Run`` seeds the reconstructed starting state, answers the allocator's ``device_malloc`` and
+``segment_address`` hooks (from the recording in verify mode, from the capacity and synthetic
+addresses in a what-if), and maps recorded addresses to simulated pointers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.errors import OomkitError
+from oomkit.core.replay._compare import (
+    first_divergence,
+    first_segment_difference,
+    normalise_segments,
+    seed_segments_as_dicts,
+)
+from oomkit.core.replay.reconstruct import SeedSegment, StartState
+from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent, stats_fields
+from oomkit.core.trace import TraceEvent
+
+__all__ = ["Run", "CREATE", "RELEASE", "SEGMENT_ACTIONS"]
+
+# cudaMalloc returns 2 MiB-aligned addresses for these sizes; synthetic segments keep that.
+_SYNTHETIC_ALIGN_BYTES = 2 * 2**20
+
+CREATE = ("segment_alloc", "segment_map")
+RELEASE = ("segment_free", "segment_unmap")
+SEGMENT_ACTIONS = CREATE + RELEASE
+
+
+@dataclass
+class _Outcome:
+    oom_index: int | None = None
+    oom_message: str | None = None
+
+
+class Run:
+    """One pass over a trace: the allocator, its oracle callbacks and the pointer map."""
+
+    def __init__(
+        self,
+        events: Sequence[TraceEvent],
+        start: StartState,
+        config: AllocatorConfig,
+        *,
+        capacity_bytes: int,
+        torch_version: str | None,
+        recorded: Sequence[tuple[int, SegmentEvent]],
+        verify: bool,
+        flipped: frozenset[int] = frozenset(),
+        groups: dict[int, int] | None = None,
+    ) -> None:
+        self.events = events
+        # Ambiguous points (release runs and completion groups, by first trace index) replayed
+        # with their other reading (_verify_run).
+        self.flipped = flipped
+        self.groups = groups or {}
+        # A flipped completion group leaves its frees pending until the next request's Step 9.
+        self._sync_first = False
+        self.problems = 0  # misplaced allocs, served ooms, an early stop
+        self.first_problem_index: int | None = None
+        self.start = start
+        self.config = config
+        self.verify = verify
+        self.torch_version = torch_version
+        self.recorded = [r for _, r in recorded]
+        self.recorded_index = [i for i, _ in recorded]
+        self.warnings: list[str] = []
+        self.current = 0  # trace index of the event being replayed
+        self.misplaced = 0  # allocs the simulator placed elsewhere than the recording
+        self.replayed = 0
+        self.outcome = _Outcome()
+        self.log_index: list[int] = []  # trace index at which each simulated segment event came
+        self._next_synthetic = _synthetic_base(start, events)
+        self.allocator = CachingAllocator(
+            config,
+            capacity_bytes=capacity_bytes,
+            torch_version=torch_version,
+            device_malloc=self._device_malloc if verify else None,
+            segment_address=self._segment_address,
+        )
+        self.ptrs: dict[int, int] = {}  # recorded address -> simulated pointer, live blocks
+        self.pending: dict[int, int] = {}  # freed, waiting for free_completed
+        self._seed()
+
+    # -- oracle callbacks -------------------------------------------------------------------
+
+    def _expected_creation(self) -> SegmentEvent | None:
+        """The recorded creation the simulator should make now, if the recording made one."""
+        k = len(self.allocator.segment_log)
+        if k < len(self.recorded):
+            rec = self.recorded[k]
+            if rec[0] in CREATE and self.recorded_index[k] < self.current:
+                return rec
+        return None
+
+    def _device_malloc(self, size_bytes: int) -> bool:
+        # §15.4: whether a cudaMalloc or page map succeeded is a fact of the recording: it did
+        # when the recording shows a creation for this request that the simulator has not made.
+        if self._sync_first:
+            # The recording completed frees in this request's Step 9: the first attempt failed.
+            self._sync_first = False
+            return False
+        return self._expected_creation() is not None
+
+    def _segment_address(self, size_bytes: int, expandable: bool) -> int:
+        # §15.5: addresses from the trace's segment_alloc (or an expandable reservation's first
+        # segment_map); new segments of a what-if go above every recorded address.
+        if self.verify:
+            rec = self._expected_creation()
+            if rec is not None:
+                return rec[1]
+        address = self._next_synthetic
+        step = -(-size_bytes // _SYNTHETIC_ALIGN_BYTES) * _SYNTHETIC_ALIGN_BYTES
+        self._next_synthetic += step
+        return address
+
+    # -- starting state ---------------------------------------------------------------------
+
+    def _seed(self) -> None:
+        a = self.allocator
+        seeded = []
+        for seg in self.start.segments:
+            try:
+                a.seed_segment(
+                    seg.address,
+                    seg.total_size,
+                    seg.stream,
+                    is_small=seg.is_small,
+                    blocks=[
+                        (b.address, b.size, b.requested_size, b.state != "inactive")
+                        for b in seg.blocks
+                    ],
+                    expandable=seg.expandable,
+                )
+            except OomkitError as exc:
+                self.warnings.append(f"segment at {seg.address:#x} could not be seeded: {exc}")
+                continue
+            seeded.append(seg)
+        for seg in seeded:
+            for b in seg.blocks:
+                if b.state == "active_allocated":
+                    self.ptrs[b.address] = b.address
+                elif b.state == "active_pending_free":
+                    # Seeded allocated, then freed with its completion deferred (§15.8).
+                    a.free(b.address, deferred=True)
+                    self.pending[b.address] = b.address
+
+    # -- the replay -------------------------------------------------------------------------
+
+    def replay(self) -> None:
+        events = self.events
+        a = self.allocator
+        n = len(events)
+        skip = False
+        log = a.segment_log
+        for i, ev in enumerate(events):
+            if skip:
+                skip = False
+                self.replayed = i + 1
+                continue
+            self.current = i
+            logged = len(log)
+            try:
+                skip = self._step(i, ev, n)
+            except SimulatedOutOfMemoryError as exc:
+                self.log_index.extend([i] * (len(log) - logged))
+                if self.verify:
+                    self._problem(i)
+                    self.warnings.append(
+                        f"event {i}: the simulator ran out of memory where the recording did not "
+                        f"({ev.action} of {ev.size:,} B); the replay stopped there"
+                    )
+                else:
+                    self.outcome = _Outcome(i, str(exc))
+                self.replayed = i + 1
+                return
+            except OomkitError as exc:
+                self.log_index.extend([i] * (len(log) - logged))
+                self._problem(i)
+                self.warnings.append(f"event {i}: {exc}; the replay stopped there")
+                self.replayed = i + 1
+                return
+            self.log_index.extend([i] * (len(log) - logged))
+            self.replayed = i + 1
+
+    def _step(self, i: int, ev: TraceEvent, n: int) -> bool:
+        """Replay one event; True when the next event (its free_completed) was consumed too."""
+        action = ev.action
+        a = self.allocator
+        if action == "alloc":
+            ptr = a.malloc(ev.size, ev.stream)
+            self._sync_first = False
+            if self.verify and ptr != ev.address:
+                self.misplaced += 1
+                self._problem(i)
+            if self.misplaced == 1 and not self._misplaced_warned:
+                self._misplaced_warned = True
+                self.warnings.append(
+                    f"event {i}: the simulator placed an alloc of {ev.size:,} B at {ptr:#x}, "
+                    f"the recording at {ev.address:#x}"
+                )
+            self.ptrs[ev.address] = ptr
+        elif action == "free_requested":
+            freed = self.ptrs.pop(ev.address, None)
+            if freed is None:
+                self._unknown(i, ev)
+                return False
+            nxt = self.events[i + 1] if i + 1 < n else None
+            if nxt is not None and nxt.action == "free_completed" and nxt.address == ev.address:
+                if self.groups.get(i + 1, -1) in self.flipped:
+                    # Deferred, and completed by the next request's Step 9 (see _verify_run).
+                    a.free(freed, deferred=True)
+                    self._sync_first = True
+                else:
+                    a.free(freed)
+                return True
+            a.free(freed, deferred=True)
+            self.pending[ev.address] = freed
+        elif action == "free_completed":
+            # §15.8: a deferred free completes here, not at its free_requested.
+            completed = self.pending.pop(ev.address, None)
+            if completed is None:
+                self._unknown(i, ev)
+            elif self.groups.get(i, -1) in self.flipped:
+                # Completed by the next request's Step 9 synchronize (see _verify_run).
+                self._sync_first = True
+            else:
+                a.complete_free(completed)
+        elif action in RELEASE:
+            # §15.3: a run of releases with no request between them is one cache release
+            # (empty_cache or the OOM path); only its first event triggers it.
+            first = i == 0 or self.events[i - 1].action not in RELEASE
+            # After frees that the next request's Step 9 completes, its releases are Step 9's
+            # too: they come after its failed cache lookup, so they are left to its malloc.
+            if first and not self._sync_first and self._left_to_malloc(i) == (i in self.flipped):
+                a.release_cached_blocks()
+        elif action == "oom":
+            # §15.11: the request the program never got. Verify expects it to fail again; a
+            # what-if retries it and, if it is served now, frees it at once.
+            try:
+                ptr = a.malloc(ev.size, ev.stream)
+            except SimulatedOutOfMemoryError:
+                if not self.verify:
+                    raise
+                return False
+            finally:
+                self._sync_first = False
+            a.free(ptr)
+            if self.verify:
+                self._problem(i)
+                self.warnings.append(
+                    f"event {i}: the recording ran out of memory for {ev.size:,} B but the "
+                    "simulator served it"
+                )
+        elif action == "empty_cache":
+            # oomkit's own action (traces from its tracer); PyTorch never records it (§15.3).
+            a.empty_cache()
+        # segment_alloc / segment_map happen inside malloc; "snapshot" carries no request (§15.9).
+        return False
+
+    def _left_to_malloc(self, i: int) -> bool:
+        """Whether the release run at ``i`` is left to the next request's own malloc.
+
+        With ``max_split_size`` set, a release run that ends in a creation or an ``oom`` may be
+        Step 8 freeing only oversize blocks (§15.3); in verify mode the simulator's malloc,
+        refused cudaMalloc until it has released what the recording did, reproduces Step 8 and
+        Step 9 exactly. Everything else is replayed as release_cached_blocks.
+        """
+        if not self.verify or self.config.max_split_size_bytes is None:
+            return False
+        j = i
+        events = self.events
+        while j < len(events) and events[j].action in RELEASE:
+            j += 1
+        return j < len(events) and events[j].action in (*CREATE, "oom")
+
+    _misplaced_warned = False
+    _unknown_warned = False
+
+    def _unknown(self, i: int, ev: TraceEvent) -> None:
+        if not self._unknown_warned:
+            self._unknown_warned = True
+            self.warnings.append(
+                f"event {i}: {ev.action} of {ev.address:#x}, which the replay does not hold live; "
+                "it was skipped"
+            )
+
+    # -- the record ---------------------------------------------------------------------------
+
+    def _problem(self, i: int) -> None:
+        self.problems += 1
+        if self.first_problem_index is None:
+            self.first_problem_index = i
+
+    def final_matches(self, final: Sequence[SeedSegment]) -> bool:
+        """Whether the simulator's segments equal the snapshot's final ones."""
+        return normalise_segments(self.allocator.snapshot()) == normalise_segments(
+            seed_segments_as_dicts(final)
+        )
+
+    def score(self, final: Sequence[SeedSegment]) -> tuple[int, int, bool]:
+        """How well the replay agrees with the recording; higher is better."""
+        matched, _ = self.compare()
+        return matched, -self.problems, self.final_matches(final)
+
+    def first_problem(self, final: Sequence[SeedSegment]) -> int | None:
+        """The trace index where the replay first disagrees with the recording, or None."""
+        _, divergence = self.compare()
+        found = [
+            i
+            for i in (
+                divergence.trace_event_index if divergence is not None else None,
+                self.first_problem_index,
+            )
+            if i is not None
+        ]
+        if found:
+            return min(found)
+        if divergence is None and not self.final_matches(final):
+            return len(self.events) - 1 if self.events else None
+        return None
+
+    def compare(self) -> tuple[int, Divergence | None]:
+        """How many recorded segment events the simulator matched in order, and the first miss."""
+        return first_divergence(
+            self.recorded,
+            self.recorded_index,
+            [tuple(e) for e in self.allocator.segment_log],  # type: ignore[misc]
+            self.log_index,
+            self.events,
+        )
+
+    def result(
+        self,
+        final: Sequence[SeedSegment],
+        recorded_peak: int,
+        warnings: tuple[str, ...],
+        *,
+        compare: bool,
+    ) -> ReplayResult:
+        a = self.allocator
+        stats = a.memory_stats()
+        simulated = tuple(tuple(e) for e in a.segment_log)
+        final_segments = tuple(a.snapshot())
+        verify_fields: dict = {}
+        if self.verify and compare:
+            matched, divergence = self.compare()
+            difference = first_segment_difference(
+                final_segments, seed_segments_as_dicts(final)
+            )
+            if difference is not None:
+                warnings = (*warnings, f"final state differs: {difference}")
+            verify_fields = {
+                "segment_events_recorded": len(self.recorded),
+                "segment_events_matched": matched,
+                "final_state_matches": difference is None,
+                "first_divergence": divergence,
+                "allocs_misplaced": self.misplaced,
+            }
+        return ReplayResult(
+            events=self.replayed,
+            **stats_fields(stats),
+            segment_events=simulated,  # type: ignore[arg-type]
+            final_segments=final_segments,
+            memory_stats=stats,
+            oom=self.outcome.oom_index is not None,
+            oom_event_index=self.outcome.oom_index,
+            oom_message=self.outcome.oom_message,
+            alloc_conf=str(self.config),
+            recorded_peak_reserved_bytes=recorded_peak,
+            torch_version=self.torch_version,
+            warnings=warnings,
+            **verify_fields,
+        )
+
+
+def _synthetic_base(start: StartState, events: Sequence[TraceEvent]) -> int:
+    """The first synthetic segment address: above every recorded address (§15.5)."""
+    top = 0
+    for seg in start.segments:
+        top = max(top, seg.address + seg.total_size)
+    for ev in events:
+        if ev.action != "oom":  # an oom entry's address field is device_free, not an address
+            top = max(top, ev.address + ev.size)
+    return -(-top // _SYNTHETIC_ALIGN_BYTES) * _SYNTHETIC_ALIGN_BYTES + _SYNTHETIC_ALIGN_BYTES

@@ -1,0 +1,311 @@
+"""Reconstruct the allocator state at the first event of a recorded trace.
+
+Most recorded traces begin mid-run: recording started after the model was built, or the ring
+buffer dropped the oldest entries. The state at the first event is rebuilt by walking the trace
+backwards from the snapshot's final ``segments`` (../shared/ref/cuda-caching-allocator.md §15.1),
+then recovering the sizes of blocks that were live before recording began and freed during it,
+which the trace shows only as requested sizes (§15.2).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from oomkit.core.trace import TraceEvent
+
+__all__ = [
+    "BlockState",
+    "SeedBlock",
+    "SeedSegment",
+    "StartState",
+    "reconstruct_start_state",
+    "layout_segment",
+]
+
+BlockState = Literal["active_allocated", "active_pending_free", "inactive"]
+LIVE_STATES = ("active_allocated", "active_pending_free")
+
+# CUDACachingAllocator.cpp kSmallBuffer: every classic small-pool segment is exactly 2 MiB, and no
+# large-pool segment can be (large segments are >= kMinLargeAlloc = 10 MiB), so a released classic
+# segment of 2 MiB was a small one (§15.1).
+SMALL_SEGMENT_BYTES = 2 * 2**20
+# CUDACachingAllocator.cpp should_split: a large-pool classic block is split only when the leftover
+# is > kSmallSize (1 MiB), so every free large-pool classic block is larger than 1 MiB (§4 Step 11).
+LARGE_SPLIT_LEFTOVER_BYTES = 2**20
+# CUDACachingAllocator.cpp kLargeBuffer: page size of large-pool expandable segments (§8.1).
+LARGE_PAGE_BYTES = 20 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class SeedBlock:
+    """One block of a segment, as the snapshot's ``blocks`` list describes it."""
+
+    address: int
+    size: int
+    requested_size: int
+    state: BlockState
+
+
+@dataclass(frozen=True, slots=True)
+class SeedSegment:
+    """One segment (or, for an expandable segment, one contiguous mapped run of it).
+
+    ``blocks`` lists the segment's blocks in address order. Final-state inputs may list only the
+    live ones; :func:`layout_segment` fills the gaps with free blocks.
+    """
+
+    address: int
+    total_size: int
+    stream: int
+    is_small: bool
+    expandable: bool
+    blocks: tuple[SeedBlock, ...]
+
+    @property
+    def end(self) -> int:
+        return self.address + self.total_size
+
+
+@dataclass(frozen=True)
+class StartState:
+    """The reconstructed state at the first trace event.
+
+    ``segments`` tile every block (free gaps included), in address order. ``hidden_blocks`` is
+    the number of live-at-start blocks whose size the trace hid and that were sized from their
+    request (§15.2).
+    """
+
+    segments: tuple[SeedSegment, ...]
+    hidden_blocks: int
+    warnings: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Live:
+    size: int | None  # None: hidden, only the requested size is known
+    requested_size: int
+    state: BlockState
+    completed_at: int | None  # trace index of the first free_completed of this block, if any
+
+
+def reconstruct_start_state(
+    final_segments: Sequence[SeedSegment],
+    events: Sequence[TraceEvent],
+    round_size: Callable[[int], int],
+) -> StartState:
+    """Walk a trace backwards from the final segments to the state at its first event.
+
+    Args:
+        final_segments: the snapshot's segments for one device, blocks in address order.
+        events: that device's trace, oldest first.
+        round_size: ``round_size`` (§2.1) under the setting that was in effect when the blocks
+            live at the start were allocated, i.e. the recorded setting.
+
+    Returns:
+        The starting state; every segment's blocks tile it exactly.
+    """
+    warnings: list[str] = []
+    classic: dict[int, SeedSegment] = {}
+    runs: list[SeedSegment] = []  # expandable mapped runs
+    live: dict[int, _Live] = {}
+    for seg in final_segments:
+        shell = replace(seg, blocks=())
+        if seg.expandable:
+            runs.append(shell)
+        else:
+            classic[seg.address] = shell
+        for b in seg.blocks:
+            if b.state in LIVE_STATES:
+                live[b.address] = _Live(b.size, b.requested_size, b.state, None)
+
+    # §15.1: walk backwards. Segment events add or remove whole segments; request events move a
+    # block between allocated, pending and absent.
+    for index in range(len(events) - 1, -1, -1):
+        ev = events[index]
+        action = ev.action
+        if action == "alloc":
+            if live.pop(ev.address, None) is None:
+                warnings.append(
+                    f"event {index}: alloc at {ev.address:#x} has no matching live block in the "
+                    "later state; the trace may be incomplete"
+                )
+        elif action == "free_completed":
+            prior = live.get(ev.address)
+            if prior is not None and prior.state == "active_pending_free":
+                # A second free_completed without an alloc between: keep the earlier facts.
+                prior.completed_at = index
+            else:
+                live[ev.address] = _Live(None, ev.size, "active_pending_free", index)
+        elif action == "free_requested":
+            block = live.get(ev.address)
+            if block is None:
+                live[ev.address] = _Live(None, ev.size, "active_allocated", None)
+            else:
+                block.state = "active_allocated"
+        elif action == "segment_free":
+            classic[ev.address] = SeedSegment(
+                ev.address, ev.size, ev.stream, ev.size == SMALL_SEGMENT_BYTES, False, ()
+            )
+        elif action == "segment_alloc":
+            if classic.pop(ev.address, None) is None:
+                warnings.append(
+                    f"event {index}: segment_alloc at {ev.address:#x} has no matching segment in "
+                    "the later state; the trace may be incomplete"
+                )
+        elif action == "segment_unmap":
+            runs = _add_run(runs, ev)
+        elif action == "segment_map":
+            runs = _remove_run(runs, ev.address, ev.size)
+        # "oom", "snapshot" and unknown actions carry no state change.
+
+    segments = sorted([*classic.values(), *_merge_runs(runs)], key=lambda s: s.address)
+    starts = [s.address for s in segments]
+    by_segment: dict[int, list[int]] = {s.address: [] for s in segments}
+    for addr in sorted(live):
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or addr >= segments[i].end:
+            warnings.append(
+                f"block at {addr:#x} is live at the start but lies in no segment; it was dropped"
+            )
+            continue
+        by_segment[segments[i].address].append(addr)
+
+    hidden = [a for a, b in live.items() if b.size is None]
+    reveal = _first_alloc_addresses(events, hidden)
+    out: list[SeedSegment] = []
+    hidden_count = 0
+    for seg in segments:
+        addrs = by_segment[seg.address]
+        blocks: list[SeedBlock] = []
+        for k, addr in enumerate(addrs):
+            held = live[addr]
+            limit = addrs[k + 1] if k + 1 < len(addrs) else seg.end
+            if held.size is None:
+                hidden_count += 1
+                size = _recover_size(addr, held, limit, seg, round_size, reveal.get(addr, ()))
+            else:
+                size = held.size
+            if addr + size > limit:
+                warnings.append(
+                    f"block at {addr:#x} ({size} B) overlaps the next block or the segment end; "
+                    f"it was cut to {limit - addr} B"
+                )
+                size = limit - addr
+            blocks.append(SeedBlock(addr, size, held.requested_size, held.state))
+        out.append(layout_segment(replace(seg, blocks=tuple(blocks))))
+    return StartState(tuple(out), hidden_count, tuple(warnings))
+
+
+def layout_segment(segment: SeedSegment) -> SeedSegment:
+    """Fill every gap between a segment's live blocks with one free block.
+
+    Free neighbours always merge (§5.2), so each gap is exactly one inactive block.
+    """
+    blocks: list[SeedBlock] = []
+    cursor = segment.address
+    for b in sorted(segment.blocks, key=lambda b: b.address):
+        if b.state not in LIVE_STATES:
+            continue
+        if b.address > cursor:
+            blocks.append(SeedBlock(cursor, b.address - cursor, 0, "inactive"))
+        blocks.append(b)
+        cursor = b.address + b.size
+    if cursor < segment.end:
+        blocks.append(SeedBlock(cursor, segment.end - cursor, 0, "inactive"))
+    return replace(segment, blocks=tuple(blocks))
+
+
+def _recover_size(
+    addr: int,
+    block: _Live,
+    limit: int,
+    seg: SeedSegment,
+    round_size: Callable[[int], int],
+    later_allocs: Sequence[tuple[int, int]],
+) -> int:
+    """The true size of a live-at-start block whose trace entries show only its request (§15.2)."""
+    size = round_size(max(block.requested_size, 1))
+    if seg.is_small or seg.expandable:
+        # Small-pool and expandable blocks are split whenever the leftover is >= 512 bytes
+        # (should_split), so they are exactly the rounded size.
+        return size
+    end = addr + size
+    # The first later alloc that lands in the gap after the block, while the block is still
+    # live, takes the front of the free block there: that address is where the block really
+    # ends (at ``end`` itself when the rounded size was right).
+    first: tuple[int, int] | None = None
+    for index, a in later_allocs:
+        if end <= a < limit and (block.completed_at is None or index < block.completed_at):
+            if first is None or index < first[0]:
+                first = (index, a)
+    if first is not None:
+        return first[1] - addr
+    # Free large-pool classic blocks are always > 1 MiB, so a smaller gap is the block's own
+    # unsplit leftover (§4 Step 11).
+    if 0 < limit - end <= LARGE_SPLIT_LEFTOVER_BYTES:
+        return limit - addr
+    return size
+
+
+def _first_alloc_addresses(
+    events: Sequence[TraceEvent], hidden: Sequence[int]
+) -> dict[int, tuple[tuple[int, int], ...]]:
+    """For each hidden block, the (trace index, address) of allocs above it, in address order.
+
+    Only allocs up to the next hidden block's address matter; the caller filters by its gap.
+    """
+    if not hidden:
+        return {}
+    allocs = sorted((ev.address, i) for i, ev in enumerate(events) if ev.action == "alloc")
+    addrs = [a for a, _ in allocs]
+    ordered = sorted(hidden)
+    out: dict[int, tuple[tuple[int, int], ...]] = {}
+    for k, h in enumerate(ordered):
+        hi = ordered[k + 1] if k + 1 < len(ordered) else None
+        lo_i = bisect.bisect_right(addrs, h)  # allocs strictly above the block's start
+        hi_i = bisect.bisect_left(addrs, hi) if hi is not None else len(addrs)
+        out[h] = tuple((i, a) for a, i in allocs[lo_i:hi_i])
+    return out
+
+
+def _add_run(runs: list[SeedSegment], ev: TraceEvent) -> list[SeedSegment]:
+    """Backwards over ``segment_unmap``: the range was mapped before it."""
+    is_small = None
+    for r in runs:
+        if r.stream == ev.stream and (r.end == ev.address or ev.address + ev.size == r.address):
+            is_small = r.is_small
+            break
+    if is_small is None:
+        # Unmapped bytes are whole pages: 2 MiB small, 20 MiB large (§8.1, §8.4).
+        is_small = ev.size % LARGE_PAGE_BYTES != 0
+    return [*runs, SeedSegment(ev.address, ev.size, ev.stream, is_small, True, ())]
+
+
+def _remove_run(runs: list[SeedSegment], start: int, size: int) -> list[SeedSegment]:
+    """Backwards over ``segment_map``: the range was unmapped before it."""
+    end = start + size
+    out: list[SeedSegment] = []
+    for r in runs:
+        if r.end <= start or r.address >= end:
+            out.append(r)
+            continue
+        if r.address < start:
+            out.append(replace(r, total_size=start - r.address))
+        if r.end > end:
+            out.append(replace(r, address=end, total_size=r.end - end))
+    return out
+
+
+def _merge_runs(runs: list[SeedSegment]) -> list[SeedSegment]:
+    """Adjacent mapped ranges of one stream form one run (the snapshot reports them that way)."""
+    merged: list[SeedSegment] = []
+    for r in sorted(runs, key=lambda r: r.address):
+        last = merged[-1] if merged else None
+        if last is not None and last.end == r.address and last.stream == r.stream:
+            merged[-1] = replace(last, total_size=last.total_size + r.total_size)
+        else:
+            merged.append(r)
+    return merged

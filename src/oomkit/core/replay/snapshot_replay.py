@@ -1,0 +1,296 @@
+"""Replay a recorded PyTorch memory snapshot: verify the simulator, or ask "what if".
+
+The trace of one device is replayed from the state reconstructed at its first event
+(``reconstruct.py``), following ../shared/ref/cuda-caching-allocator.md §15:
+
+- **verify**: the recorded setting, the recorded outcomes of every cudaMalloc and the recorded
+  segment addresses (§15.4, §15.5). Every segment decision is compared with the recording, and
+  the final state with the snapshot's ``segments``.
+- **what-if**: another setting or capacity (§15.11). New segments get synthetic addresses above
+  every recorded one and cudaMalloc succeeds while the capacity allows.
+
+Where the trace has two readings (a release run: ``empty_cache`` or an OOM path; frees completed
+before a request or by its Step 9), verify mode re-runs with the other reading when that agrees
+better with the recording (``_verify_run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, round_size
+from oomkit.errors import UnknownDeviceError
+from oomkit.core.replay._recorded import (
+    config_from_settings,
+    default_pool_events,
+    final_segments_for,
+    recorded_torch_version,
+)
+from oomkit.core.replay._run import CREATE, RELEASE, SEGMENT_ACTIONS, Run
+from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
+from oomkit.core.replay.result import ReplayResult, SegmentEvent
+from oomkit.core.trace import TraceEvent
+
+if TYPE_CHECKING:
+    from oomkit.core.snapshot import Snapshot
+
+__all__ = ["replay_snapshot", "UnknownDeviceError"]
+
+# DEFAULT_CAPACITY_BYTES (80 GiB) is the what-if capacity when none is given, and the device size
+# from which expandable reservations are sized in verify mode (§15.7: 80 GiB x 1.125 fitted
+# every recording).
+
+# ExpandableSegment: reservation = ceil((T + T/8) / page) pages (§8.1).
+_RESERVE_NUM, _RESERVE_DEN = 9, 8
+# The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
+_LARGE_PAGE_BYTES = 20 * 2**20
+
+
+def replay_snapshot(
+    snapshot: Snapshot,
+    device: int = 0,
+    *,
+    verify: bool = False,
+    config: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    torch_version: str | None = None,
+) -> ReplayResult:
+    """Replay one device's recorded trace through the simulator.
+
+    Args:
+        snapshot: a :class:`oomkit.core.snapshot.Snapshot` (from ``load_snapshot``); never mutated.
+        device: the device index whose trace and segments to replay.
+        verify: replay under the recorded setting with the recorded outcomes and addresses, and
+            compare every segment decision and the final state with the recording.
+        config: a what-if setting; it replaces the recorded one from the first replayed request
+            (the starting state is still reconstructed under the recorded setting). ``None``
+            replays under the recorded setting.
+        capacity_bytes: device memory for a what-if (default 80 GiB); in verify mode it only
+            sizes expandable reservations.
+        torch_version: the PyTorch version whose behaviour to model; default inferred from the
+            file's keys.
+
+    Returns:
+        The replay's record. In verify mode ``segment_events_recorded``, ``_matched``,
+        ``final_state_matches`` and ``first_divergence`` are set; in a what-if, ``oom`` is set
+        when a recorded request no longer fits, and ``recorded_peak_reserved_bytes`` is the
+        recording's own peak.
+
+    Raises:
+        UnknownDeviceError: the snapshot has no such device.
+        ValueError: ``verify`` together with ``config`` (verify uses the recorded setting).
+    """
+    if verify and config is not None:
+        raise ValueError(
+            "verify=True replays under the recorded setting, so config must be None; "
+            "pass config without verify for a what-if replay."
+        )
+    devices = list(snapshot.devices())
+    # A snapshot of an allocator that never held memory lists no device; device 0 is then empty.
+    if device not in devices and not (not devices and device == 0):
+        listed = ", ".join(str(d) for d in devices) or "none"
+        raise UnknownDeviceError(
+            f"the snapshot has no device {device}; it holds device(s) {listed}. "
+            f"Pass one of those (--device {devices[0] if devices else 0})."
+        )
+    events, private_events = default_pool_events(snapshot.trace_for(device))
+    version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
+    recorded_config, settings_warnings = config_from_settings(
+        snapshot.allocator_settings, version
+    )
+    final, private_segments = final_segments_for(snapshot, device)
+    divisions = recorded_config.roundup_power2_divisions
+    start = reconstruct_start_state(final, events, lambda n: round_size(n, divisions))
+
+    warnings = [*settings_warnings, *start.warnings]
+    if private_segments or private_events:
+        warnings.append(
+            f"private pools (CUDA graphs, MemPool) are not modelled: {private_segments} segment(s) "
+            f"and {private_events} trace event(s) of them were left out"
+        )
+    if not events:
+        warnings.append("trace is empty: only the final state was read")
+    if start.hidden_blocks:
+        warnings.append(
+            f"reconstructed {start.hidden_blocks} block(s) whose size was hidden "
+            "(live before recording began; sized from their requests, §15.2)"
+        )
+    recorded = [
+        (i, (ev.action, ev.address, ev.size))
+        for i, ev in enumerate(events)
+        if ev.action in SEGMENT_ACTIONS
+    ]
+    recorded_peak = _recorded_peak_reserved(start, events)
+    if verify or (config is None and capacity_bytes is None):
+        # No what-if asked for: replay the recording as it happened, compared when verifying.
+        run = _verify_run(
+            events,
+            start,
+            recorded_config,
+            capacity_bytes=_verify_capacity(capacity_bytes, start, events, final),
+            torch_version=version,
+            recorded=recorded,
+            final=final,
+        )
+    else:
+        run = Run(
+            events,
+            start,
+            config if config is not None else recorded_config,
+            capacity_bytes=capacity_bytes if capacity_bytes is not None else DEFAULT_CAPACITY_BYTES,
+            torch_version=version,
+            recorded=recorded,
+            verify=False,
+        )
+        run.replay()
+    warnings.extend(run.warnings)
+    return run.result(final, recorded_peak, tuple(warnings), compare=verify)
+
+
+def _verify_run(
+    events: Sequence[TraceEvent],
+    start: StartState,
+    config: AllocatorConfig,
+    *,
+    capacity_bytes: int,
+    torch_version: str | None,
+    recorded: Sequence[tuple[int, SegmentEvent]],
+    final: Sequence[SeedSegment],
+) -> Run:
+    """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
+
+    Two kinds of trace entries have two readings that the trace alone does not tell apart:
+
+    - a run of releases is an ``empty_cache()`` or the OOM path of the next request (§15.3);
+      with ``max_split_size`` set they differ (Step 8 frees oversize blocks only);
+    - ``free_completed`` entries right before a release, a creation or an ``oom`` completed
+      either before the request looked for a free block (process_events, Step 1) or in its
+      Step 9 synchronize, after the lookup failed (§4.2).
+
+    When the replay first goes wrong after such a point, it is re-run with the other reading
+    of the nearest ones, and the re-run is kept if it agrees better with the recording.
+    """
+    groups = _completion_groups(events)
+
+    def replay(flipped: frozenset[int]) -> Run:
+        run = Run(
+            events,
+            start,
+            config,
+            capacity_bytes=capacity_bytes,
+            torch_version=torch_version,
+            recorded=recorded,
+            verify=True,
+            flipped=flipped,
+            groups=groups,
+        )
+        run.replay()
+        return run
+
+    run = replay(frozenset())
+    score = run.score(final)
+    tried: set[int] = set()
+    while (where := run.first_problem(final)) is not None:
+        candidates = [
+            c for c in _decision_points_before(events, groups, where) if c not in tried
+        ]
+        improved = False
+        for candidate in candidates:
+            tried.add(candidate)
+            retry = replay(run.flipped ^ {candidate})
+            retry_score = retry.score(final)
+            if retry_score > score:
+                run, score, improved = retry, retry_score, True
+                break
+        if not improved:
+            break
+    return run
+
+
+def _completion_groups(events: Sequence[TraceEvent]) -> dict[int, int]:
+    """``free_completed`` entries that directly precede a segment event or an ``oom``.
+
+    Returns:
+        trace index of each such entry -> index of the first entry of its group.
+    """
+    groups: dict[int, int] = {}
+    n = len(events)
+    i = 0
+    while i < n:
+        if events[i].action != "free_completed":
+            i += 1
+            continue
+        j = i
+        while j < n and events[j].action == "free_completed":
+            j += 1
+        if j < n and events[j].action in (*SEGMENT_ACTIONS, "oom"):
+            # A free_completed right after its own free_requested is usually a plain free, but
+            # a deferred free that Step 9 completed at once looks the same.
+            for k in range(i, j):
+                groups[k] = i
+        i = j
+    return groups
+
+
+def _decision_points_before(
+    events: Sequence[TraceEvent], groups: dict[int, int], index: int
+) -> list[int]:
+    """The nearest ambiguous points at or before ``index``, nearest first (see _verify_run)."""
+    points: list[int] = []
+    release = _release_run_before(events, index)
+    if release is not None:
+        points.append(release)
+    group_starts = sorted({g for k, g in groups.items() if k <= index}, reverse=True)
+    points.extend(group_starts[:2])
+    return sorted(set(points), reverse=True)
+
+
+def _release_run_before(events: Sequence[TraceEvent], index: int) -> int | None:
+    """The start of the last run of segment releases at or before trace event ``index``."""
+    i = min(index, len(events) - 1)
+    while i >= 0 and events[i].action not in RELEASE:
+        i -= 1
+    if i < 0:
+        return None
+    while i > 0 and events[i - 1].action in RELEASE:
+        i -= 1
+    return i
+
+
+def _recorded_peak_reserved(start: StartState, events: Sequence[TraceEvent]) -> int:
+    """The recording's own reserved peak: the starting reservation plus its segment events."""
+    reserved = sum(s.total_size for s in start.segments)
+    peak = reserved
+    for ev in events:
+        if ev.action in CREATE:
+            reserved += ev.size
+            peak = max(peak, reserved)
+        elif ev.action in RELEASE:
+            reserved -= ev.size
+    return peak
+
+
+def _verify_capacity(
+    capacity_bytes: int | None,
+    start: StartState,
+    events: Sequence[TraceEvent],
+    final: Sequence[SeedSegment],
+) -> int:
+    """The device size that sizes expandable reservations in verify mode (§15.7).
+
+    The user's capacity when given (the real device's makes the reservations exact); else
+    80 GiB, raised if needed so that one reservation holds the largest mapped range seen.
+    """
+    if capacity_bytes is not None:
+        return capacity_bytes
+    largest = 0
+    for seg in (*start.segments, *final):
+        if seg.expandable:
+            largest = max(largest, seg.total_size)
+    for ev in events:
+        if ev.action in ("segment_map", "segment_unmap"):
+            largest = max(largest, ev.size)
+    # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent.
+    needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + _LARGE_PAGE_BYTES if largest else 0
+    return max(DEFAULT_CAPACITY_BYTES, needed)

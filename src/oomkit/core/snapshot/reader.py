@@ -1,0 +1,357 @@
+"""``load_snapshot``: read any generation of PyTorch memory snapshot into normalised records.
+
+Generations handled (ref §11.2, Appendix A):
+
+- a bare list of segments (``torch.cuda.memory_snapshot()``; ``_snapshot()`` up to 1.13);
+- ≈ 2.0 dicts whose blocks carry ``history: [{addr, real_size, frames}]`` and no ``address``;
+- dicts with ``device_traces`` (entries with or without ``time_us``), ``allocator_settings``,
+  ``external_annotations`` and ``user_metadata``, several devices and streams.
+
+Missing fields get the values older PyTorch implied: block addresses from the segment address
+plus the sizes of the blocks before it (blocks tile their segment in address order), a missing
+``requested_size`` is the size, a missing stream is 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from oomkit.errors import SnapshotFormatError
+from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
+from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
+from oomkit.core.trace import Frame, TraceEvent
+
+__all__ = ["load_snapshot", "snapshot_from_data"]
+
+# CUDACachingAllocator.cpp kSmallBuffer: small-pool segments are exactly 2 MiB, and no large-pool
+# segment is (allocation_size gives 20 MiB or a 2 MiB multiple >= 10 MiB, §2.4, §15.1).
+_SMALL_SEGMENT_BYTES = 2 * 2**20
+
+_STATES = {
+    "active_allocated": "active_allocated",
+    "active_pending_free": "active_pending_free",
+    # the docstring's spelling (ref §11.2); PyTorch emits active_pending_free
+    "active_awaiting_free": "active_pending_free",
+    "inactive": "inactive",
+}
+
+_REQUIRED = object()
+
+# Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
+_TAG_FIELDS = ("compile_context", "user_metadata")
+
+
+def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapshot:
+    """Read a PyTorch memory snapshot written by ``torch.cuda.memory._dump_snapshot``.
+
+    The pickle is read with an unpickler that refuses every global, so a hostile file cannot
+    run code; such a file is refused.
+
+    Args:
+        source: the path of the pickle, or its bytes.
+
+    Returns:
+        The normalised snapshot; ``format_generation`` says which layout the file had.
+
+    Raises:
+        SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
+            global, or holds something other than a memory snapshot.
+        OSError: the file cannot be opened.
+    """
+    if isinstance(source, (bytes, bytearray)):
+        name, label = "<bytes>", None
+        data = load_plain_pickle(bytes(source), name)
+    else:
+        path = Path(source)
+        name = label = str(path)
+        with open(path, "rb") as stream:
+            data = load_plain_pickle(stream, name)
+    return snapshot_from_data(data, name=name, source=label)
+
+
+def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
+    """Normalise an already unpickled snapshot (``torch.cuda.memory._snapshot()``'s value).
+
+    Args:
+        data: the dict (or, for old files, the list of segments).
+        name: how to call the input in messages.
+        source: recorded as ``Snapshot.source``.
+
+    Raises:
+        SnapshotFormatError: ``data`` is not a memory snapshot.
+    """
+    return _Normaliser(name).snapshot(data, source)
+
+
+class _Normaliser:
+    """One pass over the unpickled tree; interns frames so repeated stacks are shared."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._frames: dict[tuple[str, int, str], Frame] = {}
+        self._stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+        self.warnings: list[str] = []
+        self._inferred_noted = False
+        self.keys_seen: set[str] = set()
+
+    def fail(self, what: str) -> SnapshotFormatError:
+        return SnapshotFormatError(
+            f"{self.name}: {what}, so this is not a valid memory snapshot. {HOW_TO_RECORD}"
+        )
+
+    # ---------------------------------------------------------------------------- top level
+
+    def snapshot(self, data: Any, source: str | None) -> Snapshot:
+        if isinstance(data, list):
+            segments_raw, top = data, None
+        elif isinstance(data, dict) and isinstance(data.get("segments"), list):
+            segments_raw, top = data["segments"], data
+            self.note("top", data)
+        elif isinstance(data, dict):
+            keys = ", ".join(sorted(map(str, data)))[:200] or "none"
+            raise self.fail(f"the pickle holds a dict without a 'segments' list (keys: {keys})")
+        else:
+            raise self.fail(
+                f"the pickle holds a {type(data).__name__}, not a dict or list of segments"
+            )
+
+        has_history = False
+        segments = []
+        for index, raw in enumerate(segments_raw):
+            segment, used_history = self.segment(index, raw)
+            has_history = has_history or used_history
+            segments.append(segment)
+
+        traces: dict[int, tuple[TraceEvent, ...]] = {}
+        settings = annotations = user_metadata = None
+        if top is not None:
+            raw_traces = top.get("device_traces")
+            if raw_traces is not None:
+                if not isinstance(raw_traces, list):
+                    raise self.fail("'device_traces' is not a list")
+                for device, entries in enumerate(raw_traces):
+                    traces[device] = self.trace(device, entries)
+            settings = top.get("allocator_settings")
+            if settings is not None and not isinstance(settings, dict):
+                raise self.fail("'allocator_settings' is not a dict")
+            self.note("settings", settings or {})
+            annotations = top.get("external_annotations")
+            if annotations is not None and not isinstance(annotations, list):
+                raise self.fail("'external_annotations' is not a list")
+            user_metadata = top.get("user_metadata")
+            if user_metadata is not None and not isinstance(user_metadata, dict):
+                user_metadata = {"value": user_metadata}
+
+        return Snapshot(
+            segments=tuple(segments),
+            device_traces=traces,
+            allocator_settings=settings,
+            external_annotations=tuple(a for a in annotations or () if isinstance(a, Mapping)),
+            user_metadata=user_metadata,
+            format_generation=_generation(top, has_history),
+            source=source,
+            keys_seen=frozenset(self.keys_seen),
+            warnings=tuple(self.warnings),
+        )
+
+    # ---------------------------------------------------------------------------- segments
+
+    def segment(self, index: int, raw: Any) -> tuple[SnapshotSegment, bool]:
+        where = f"segment {index}"
+        if not isinstance(raw, dict):
+            raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
+        self.note("segment", raw)
+        address = self.int_field(raw, "address", where)
+        total_size = self.int_field(raw, "total_size", where)
+        raw_blocks = raw.get("blocks", [])
+        if not isinstance(raw_blocks, list):
+            raise self.fail(f"{where}: 'blocks' is not a list")
+        blocks = []
+        used_history = False
+        # Blocks tile their segment in address order (ref §3.1), so an absent address is the
+        # segment address plus the sizes of the blocks before it (as _memory_viz computes it).
+        next_address = address
+        for b_index, b in enumerate(raw_blocks):
+            block, had_history = self.block(b, next_address, f"{where} block {b_index}")
+            used_history = used_history or had_history
+            if "address" not in b and not self._inferred_noted:
+                self._inferred_noted = True
+                self.warnings.append(
+                    "block addresses were not recorded (older PyTorch); inferred from each "
+                    "segment's address plus the sizes of the blocks before them"
+                )
+            blocks.append(block)
+            next_address = block.address + block.size
+        active = [b for b in blocks if b.state != "inactive"]
+        segment_type = raw.get("segment_type")
+        if segment_type not in ("small", "large"):
+            segment_type = "small" if total_size == _SMALL_SEGMENT_BYTES else "large"
+        pool_id = raw.get("segment_pool_id", (0, 0))
+        if not (isinstance(pool_id, (tuple, list)) and len(pool_id) == 2):
+            pool_id = (0, 0)
+        return (
+            SnapshotSegment(
+                device=self.int_field(raw, "device", where, 0),
+                address=address,
+                total_size=total_size,
+                stream=self.int_field(raw, "stream", where, 0),
+                segment_type=segment_type,
+                allocated_size=self.int_field(
+                    raw,
+                    "allocated_size",
+                    where,
+                    sum(b.size for b in blocks if b.state == "active_allocated"),
+                ),
+                active_size=self.int_field(raw, "active_size", where, sum(b.size for b in active)),
+                requested_size=self.int_field(
+                    raw, "requested_size", where, sum(b.requested_size for b in active)
+                ),
+                is_expandable=bool(raw.get("is_expandable", False)),
+                blocks=tuple(blocks),
+                frames=self.frames(raw.get("frames")),
+                pool_id=(int(pool_id[0]), int(pool_id[1])),
+            ),
+            used_history,
+        )
+
+    def block(self, raw: Any, implied_address: int, where: str) -> tuple[SnapshotBlock, bool]:
+        if not isinstance(raw, dict):
+            raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
+        self.note("block", raw)
+        size = self.int_field(raw, "size", where)
+        history = raw.get("history")
+        frames: tuple[Frame, ...] = ()
+        requested = raw.get("requested_size")
+        if isinstance(history, list) and history and isinstance(history[0], dict):
+            # ≈2.0 layout: _memory_viz._block_extra_legacy reads history[0] for the frames and
+            # real_size of the block's allocation.
+            frames = self.frames(history[0].get("frames"))
+            if requested is None:
+                requested = history[0].get("real_size")
+        else:
+            frames = self.frames(raw.get("frames"))
+        if requested is None:
+            requested = size
+        if type(requested) is not int:
+            raise self.fail(f"{where}: 'requested_size' is {requested!r}, not an int")
+        state = raw.get("state")
+        if state is None and "allocated" in raw:
+            # Before `state` existed, blocks said allocated / active as booleans.
+            if raw.get("allocated"):
+                state = "active_allocated"
+            elif raw.get("active"):
+                state = "active_pending_free"
+            else:
+                state = "inactive"
+        if state not in _STATES:
+            raise self.fail(f"{where}: unknown block state {state!r}")
+        return (
+            SnapshotBlock(
+                address=self.int_field(raw, "address", where, implied_address),
+                size=size,
+                requested_size=requested,
+                state=_STATES[state],
+                frames=frames,
+            ),
+            history is not None,
+        )
+
+    # ---------------------------------------------------------------------------- traces
+
+    def trace(self, device: int, entries: Any) -> tuple[TraceEvent, ...]:
+        if not isinstance(entries, list):
+            raise self.fail(f"device_traces[{device}] is not a list")
+        events = []
+        for index, raw in enumerate(entries):
+            where = f"device_traces[{device}][{index}]"
+            if not isinstance(raw, dict):
+                raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
+            self.note("trace", raw)
+            action = raw.get("action")
+            if not isinstance(action, str):
+                raise self.fail(f"{where} has no 'action' string")
+            # An oom entry records device_free in place of addr (ref §11.2).
+            address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
+            time_us = raw.get("time_us")
+            if time_us is not None and type(time_us) is not int:
+                raise self.fail(f"{where}: 'time_us' is {time_us!r}, not an int")
+            tags = []
+            for key in _TAG_FIELDS:
+                value = raw.get(key)
+                if value not in (None, "", "N/A"):
+                    tags.append((key, str(value)))
+            pool_id = raw.get("pool_id")
+            if isinstance(pool_id, (tuple, list)) and tuple(pool_id) != (0, 0):
+                tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
+            events.append(
+                TraceEvent(
+                    action=action,
+                    address=self.int_field(raw, address_key, where, 0),
+                    size=self.int_field(raw, "size", where, 0),
+                    stream=self.int_field(raw, "stream", where, 0),
+                    time_us=time_us,
+                    frames=self.frames(raw.get("frames")),
+                    tags=tuple(tags),
+                )
+            )
+        return tuple(events)
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def note(self, kind: str, raw: dict) -> None:
+        """Record which keys the file uses (for infer_torch_version)."""
+        seen = self.keys_seen
+        for key in raw:
+            seen.add(f"{kind}:{key}")
+
+    def int_field(self, raw: dict, key: str, where: str, default: Any = _REQUIRED) -> int:
+        value = raw.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.fail(f"{where} has no {key!r}")
+            return default
+        if type(value) is not int:
+            raise self.fail(f"{where}: {key!r} is {value!r}, not an int")
+        return value
+
+    def frames(self, raw: Any) -> tuple[Frame, ...]:
+        if not raw or not isinstance(raw, list):
+            return ()
+        pool = self._frames
+        out = []
+        for f in raw:
+            if not isinstance(f, dict):
+                continue
+            key = (
+                str(f.get("filename", "??")),
+                _as_int(f.get("line", 0)),
+                str(f.get("name", "??")),
+            )
+            frame = pool.get(key)
+            if frame is None:
+                frame = pool[key] = Frame(*key)
+            out.append(frame)
+        stack = tuple(out)
+        return self._stacks.setdefault(stack, stack)
+
+
+def _as_int(value: Any) -> int:
+    return value if type(value) is int else 0
+
+
+def _generation(top: dict | None, has_history: bool) -> str:
+    if top is None:
+        return "list-of-segments"
+    if has_history:
+        return "segments-with-history"
+    if "device_traces" not in top:
+        return "segments-dict"
+    generation = "device-traces"
+    if top.get("allocator_settings") is not None:
+        generation += "+settings"
+    if "external_annotations" in top:
+        generation += "+annotations"
+    return generation

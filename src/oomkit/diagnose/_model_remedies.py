@@ -1,0 +1,436 @@
+"""Remedies that change the model or the training loop, estimated or measured by re-predicting.
+
+Estimates come from memory by category at the OOM (oomkit's tracing categories: ``activation``,
+``gradient``, ``optimizer_state``, ``temporary``, ``input``, ``autocast_cache``...) and are
+marked ``estimate=True``; each is offered only where the evidence supports it:
+
+- mixed precision: autocast keeps the activations saved for backward in bf16/fp16, about half
+  of fp32 activations. Not offered when the trace shows autocast (an ``autocast_cache``
+  category) or the run already uses bf16/fp16.
+- activation checkpointing: only block inputs stay; estimated at three quarters of the
+  activations (the recomputed block's own activations come back one block at a time).
+- optimizer: Adam/AdamW keep two fp32 states per parameter (``exp_avg``, ``exp_avg_sq``);
+  SGD with momentum keeps one, so it saves half the ``optimizer_state`` bytes. ``foreach``
+  implementations (the default on CUDA, torch/optim/adamw.py ``_multi_tensor_adamw``) build
+  per-parameter-group temporaries during ``step()``; ``foreach=False`` or ``fused=True`` avoids
+  most of them (the ``temporary`` category at an OOM in the optimizer step).
+- ``zero_grad(set_to_none=True)`` (the default since PyTorch 2.0, torch/optim/optimizer.py):
+  with ``set_to_none=False`` last step's gradients stay allocated through the next forward.
+- freezing layers (transfer learning): a frozen parameter has no gradient and no optimizer
+  state; estimated for half of the parameters.
+- not keeping the whole dataset on the GPU: ``input`` memory far above one batch.
+- releasing references after a caught OOM: the exception's traceback keeps the failed
+  step's frames, and with them their tensors, alive until the ``except`` block ends.
+
+Where a step is known (a saved prediction of a built-in preset, with its ``workload``), the
+savings of precision, checkpointing, optimizer and batch size are measured instead: the
+predictor runs again with the change applied (``measured_model_remedies``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from oomkit.diagnose.diagnosis import Remedy
+from oomkit.units import format_bytes
+
+__all__ = [
+    "MEASURED_WHY",
+    "caught_oom_remedy",
+    "estimated_model_remedies",
+    "measured_model_remedies",
+    "saved_compute_capability",
+]
+
+MEASURED_WHY = "measured by re-predicting the step with the change applied"
+
+# An input category at least this share of allocated memory looks like a dataset kept on the GPU.
+_DATASET_SHARE = 4
+# The largest batch-halving search the measured batch remedy does.
+_MAX_HALVINGS = 8
+
+_MIXED_CODE = (
+    "# bf16 needs no GradScaler\n"
+    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "loss.backward()\n"
+    "optimizer.step()"
+)
+_FP16_CODE = (
+    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
+    'with torch.autocast("cuda", dtype=torch.float16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "scaler.scale(loss).backward()\n"
+    "scaler.step(optimizer)\n"
+    "scaler.update()"
+)
+# torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere);
+# older GPUs (V100, T4) only emulate it, slowly, so they get fp16 autocast with a GradScaler.
+_NATIVE_BF16_CAPABILITY = (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MixedPrecision:
+    title: str
+    precision: str  # the StepOptions.precision that applies it
+    dtype: str
+    code: str
+
+
+def _mixed_precision_for(compute_capability: tuple[int, int] | None) -> _MixedPrecision:
+    """bf16 autocast where the GPU has native bf16 (or the GPU is unknown), fp16 otherwise."""
+    if compute_capability is not None and tuple(compute_capability) < _NATIVE_BF16_CAPABILITY:
+        return _MixedPrecision(
+            "fp16 mixed precision (autocast + GradScaler)", "fp16-mixed", "fp16", _FP16_CODE
+        )
+    return _MixedPrecision("bf16 mixed precision (autocast)", "bf16-mixed", "bf16", _MIXED_CODE)
+
+
+_CHECKPOINT_CODE = (
+    "from torch.utils.checkpoint import checkpoint\n"
+    "# in the model's forward, around each block:\n"
+    "for block in self.blocks:\n"
+    "    x = checkpoint(block, x, use_reentrant=False)\n"
+    "# Hugging Face models: model.gradient_checkpointing_enable()"
+)
+_SGD_CODE = (
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # one state\n"
+    "# or keep Adam's behaviour with less state (hints, not measured):\n"
+    "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
+    "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
+)
+_FOREACH_CODE = (
+    "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)\n"
+    "# or, where fused is not available: torch.optim.AdamW(..., foreach=False)"
+)
+_ZERO_GRAD_CODE = (
+    "optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward"
+)
+_FREEZE_CODE = (
+    "for param in model.backbone.parameters():  # the pretrained part\n"
+    "    param.requires_grad_(False)\n"
+    "optimizer = torch.optim.AdamW(\n"
+    "    (p for p in model.parameters() if p.requires_grad), lr=1e-4\n"
+    ")"
+)
+_DATASET_CODE = (
+    "loader = DataLoader(dataset, batch_size=32, shuffle=True, pin_memory=True)  # CPU tensors\n"
+    "for inputs, targets in loader:\n"
+    '    inputs = inputs.to("cuda", non_blocking=True)\n'
+    '    targets = targets.to("cuda", non_blocking=True)'
+)
+_CAUGHT_OOM_CODE = (
+    "try:\n"
+    "    loss = train_step(batch)\n"
+    "    failed = False\n"
+    "except torch.OutOfMemoryError:\n"
+    "    failed = True  # do not retry here: the traceback still holds the step's tensors\n"
+    "if failed:\n"
+    "    import gc; gc.collect(); torch.cuda.empty_cache()\n"
+    "    loss = train_step(smaller_batch)"
+)
+
+
+def _is_mixed(precision: str | None, description: str, categories: Mapping[str, int]) -> bool:
+    if categories.get("autocast_cache", 0) > 0:
+        return True
+    if precision is not None:
+        return precision != "fp32"
+    lowered = description.lower()
+    return "bf16" in lowered or "fp16" in lowered
+
+
+def estimated_model_remedies(
+    by_category_bytes: Mapping[str, int],
+    *,
+    training: bool = True,
+    precision: str | None = None,
+    optimizer: str | None = None,
+    checkpointing: bool | None = None,
+    description: str = "",
+    parameter_bytes: int | None = None,
+    compute_capability: tuple[int, int] | None = None,
+) -> list[Remedy]:
+    """Model and loop changes, priced from memory by category at the OOM (estimates).
+
+    Args:
+        by_category_bytes: live bytes by oomkit category at the OOM (or the peak).
+        training: whether the step trains (no gradient/optimizer remedies otherwise).
+        precision: the run's ``StepOptions.precision``, when known.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, when known.
+        checkpointing: whether activation checkpointing is on, when known.
+        description: the prediction's description ("..., bf16-mixed, adamw, train"), read when
+            the options are unknown.
+        parameter_bytes: parameter bytes (defaults to the ``parameter`` category).
+        compute_capability: the GPU's, when known: below 8.0 (no native bf16) the mixed
+            precision remedy is fp16 with a GradScaler instead of bf16.
+
+    Returns:
+        The remedies the categories support, unsorted; every one has ``estimate=True``.
+    """
+    cats = {str(k): int(v) for k, v in by_category_bytes.items()}
+    activation = cats.get("activation", 0)
+    gradient = cats.get("gradient", 0)
+    state = cats.get("optimizer_state", 0)
+    temporary = cats.get("temporary", 0)
+    inputs = cats.get("input", 0)
+    params = parameter_bytes if parameter_bytes is not None else cats.get("parameter", 0)
+    allocated = sum(cats.values())
+    lowered = description.lower()
+    if optimizer is None:
+        optimizer = next((o for o in ("adamw", "adam", "sgd") if o in lowered.split(", ")), None)
+    out: list[Remedy] = []
+
+    if activation > 0 and not _is_mixed(precision, description, cats):
+        mixed = _mixed_precision_for(compute_capability)
+        out.append(
+            Remedy(
+                mixed.title,
+                activation // 2,
+                "medium",
+                mixed.code,
+                f"The {format_bytes(activation)} of activations are fp32; under autocast the "
+                f"ones saved for backward are mostly {mixed.dtype}, about half (an estimate "
+                "from the activation category).",
+            )
+        )
+    if training and activation > 0 and not checkpointing:
+        out.append(
+            Remedy(
+                "activation checkpointing",
+                activation * 3 // 4,
+                "low",
+                _CHECKPOINT_CODE,
+                f"Only each block's input stays of the {format_bytes(activation)} of "
+                "activations; the rest is recomputed in backward (~30% more compute). "
+                "Estimated at three quarters of the activations.",
+            )
+        )
+    if training and state > 0 and optimizer != "sgd":
+        out.append(
+            Remedy(
+                "SGD with momentum instead of Adam (one optimizer state, not two)",
+                state // 2,
+                "medium",
+                _SGD_CODE,
+                f"Adam/AdamW keep two states per parameter ({format_bytes(state)} here); SGD "
+                "with momentum keeps one. Changes training dynamics: retune the learning rate.",
+            )
+        )
+    if training and temporary > 0 and (state > 0 or gradient > 0):
+        out.append(
+            Remedy(
+                "fused (or non-foreach) optimizer step",
+                temporary,
+                "low",
+                _FOREACH_CODE,
+                f"{format_bytes(temporary)} of temporaries were live; the default foreach "
+                "optimizer step builds whole-group temporaries, the fused kernel does not.",
+            )
+        )
+    if training and gradient > 0 and activation > 0:
+        out.append(
+            Remedy(
+                "zero_grad(set_to_none=True)",
+                gradient,
+                "low",
+                _ZERO_GRAD_CODE,
+                f"{format_bytes(gradient)} of gradients were live while activations were being "
+                "built: with set_to_none=False last step's gradients stay through the forward.",
+            )
+        )
+    if training and params > 0 and (gradient > 0 or state > 0):
+        grad_and_state = (gradient or params) + state
+        out.append(
+            Remedy(
+                "freeze pretrained layers (transfer learning)",
+                grad_and_state // 2,
+                "low",
+                _FREEZE_CODE,
+                "A frozen parameter needs no gradient and no optimizer state; estimated for "
+                f"half of the parameters ({format_bytes(grad_and_state)} of gradients and state "
+                "in all).",
+            )
+        )
+    if inputs > 0 and allocated > 0 and inputs * _DATASET_SHARE >= allocated:
+        out.append(
+            Remedy(
+                "keep the dataset on the CPU; move one batch at a time",
+                inputs,
+                "medium",
+                _DATASET_CODE,
+                f"{format_bytes(inputs)} of inputs were on the GPU at once, "
+                f"{100 * inputs // allocated}% of allocated memory: the whole dataset, not one "
+                "batch.",
+            )
+        )
+    return out
+
+
+def caught_oom_remedy(held_bytes: int) -> Remedy:
+    """Leave the ``except`` block before retrying: the traceback holds the failed step's tensors.
+
+    Args:
+        held_bytes: bytes still live at a later OOM that were allocated before the first one.
+    """
+    return Remedy(
+        "release references after a caught OOM",
+        held_bytes,
+        "medium",
+        _CAUGHT_OOM_CODE,
+        f"{format_bytes(held_bytes)} allocated before the first OOM was still live at the next "
+        "one: the exception's traceback keeps the failed step's frames and tensors alive inside "
+        "the except block. Retry after it.",
+    )
+
+
+def _gpu_of(data: Mapping[str, Any]) -> Any:
+    from oomkit.core.gpus import GpuSpec
+
+    gpu = data.get("gpu") or {}
+    cc = gpu.get("compute_capability")
+    return GpuSpec(
+        str(gpu.get("name", "the predicted GPU")),
+        int(data["capacity_bytes"]),
+        int(data["context_overhead_bytes"]),
+        # The saved GPU's compute capability: re-predictions choose the same kernels (SDPA
+        # backend, cuBLAS workspace) as the saved prediction did.
+        compute_capability=(int(cc[0]), int(cc[1])) if isinstance(cc, list | tuple) else None,
+        architecture=gpu.get("architecture"),
+    )
+
+
+def _repredict(data: Mapping[str, Any], workload: Mapping[str, Any], options: Any) -> Any:
+    from oomkit.prediction.predictor import predict
+    from oomkit.prediction.models import build_preset_step
+
+    built = build_preset_step(str(workload["preset"]), options)
+    settings: Any = contextlib.nullcontext()
+    if isinstance(workload.get("cudnn_version"), int):
+        from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+        # `predict --cudnn-version N` saved it: the same SDPA backend as the saved prediction.
+        settings = use_sdpa_settings(SdpaSettings(cudnn_version=int(workload["cudnn_version"])))
+    with settings:
+        return predict(
+            built.step_fn,
+            gpu=_gpu_of(data),
+            alloc_conf=data.get("alloc_conf") or None,
+            steps=int(workload.get("steps", 2)),
+            torch_version=data.get("torch_version"),
+            track=built.track,
+            description=built.description,
+        )
+
+
+def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The saved prediction's GPU compute capability (``gpu.compute_capability``), if any."""
+    gpu = data.get("gpu")
+    cc = gpu.get("compute_capability") if isinstance(gpu, Mapping) else None
+    if isinstance(cc, (list, tuple)) and len(cc) == 2 and all(isinstance(v, int) for v in cc):
+        return (int(cc[0]), int(cc[1]))
+    return None
+
+
+def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list[str]]:
+    """Precision, checkpointing, optimizer and batch-size changes, measured by re-predicting.
+
+    Args:
+        data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset and
+            its ``StepOptions`` (``{"preset": ..., "options": {...}, "steps": N}``).
+
+    Returns:
+        The remedies (``estimate=False``, confidence high, saving = required reserved bytes
+        before minus after) and warnings; empty when the workload is unknown or torch is
+        missing.
+    """
+    workload = data.get("workload")
+    if not isinstance(workload, Mapping) or not isinstance(workload.get("preset"), str):
+        return [], []
+    try:
+        from oomkit.prediction.models import StepOptions
+    except ImportError:
+        return [], ["torch is not installed: model changes were estimated, not re-predicted"]
+    try:
+        base = StepOptions(**dict(workload.get("options") or {}))
+    except (TypeError, ValueError) as exc:
+        return [], [f"the saved workload's options are not StepOptions ({exc}); estimated"]
+    if base.mode != "train":
+        return [], []
+    required = int(data["required_bytes"])
+    usable = int(data["usable_bytes"])
+    changes: list[tuple[str, Any, str]] = []
+    if base.precision == "fp32":
+        mixed = _mixed_precision_for(saved_compute_capability(data))
+        changes.append((mixed.title, {"precision": mixed.precision}, mixed.code))
+    if not base.checkpointing:
+        changes.append(("activation checkpointing", {"checkpointing": True}, _CHECKPOINT_CODE))
+    if base.optimizer != "sgd":
+        changes.append(
+            (
+                "SGD with momentum instead of Adam (one optimizer state, not two)",
+                {"optimizer": "sgd"},
+                _SGD_CODE,
+            )
+        )
+    out: list[Remedy] = []
+    for title, change, code in changes:
+        new = _repredict(data, workload, dataclasses.replace(base, **change))
+        saving = required - new.required_bytes
+        if saving <= 0:
+            continue
+        verdict = "fits" if new.fits else "still does not fit"
+        out.append(
+            Remedy(
+                title,
+                saving,
+                "high",
+                code,
+                f"{MEASURED_WHY}: the step needs {format_bytes(new.required_bytes)} reserved "
+                f"instead of {format_bytes(required)} and {verdict} in the "
+                f"{format_bytes(usable)} usable.",
+                estimate=False,
+            )
+        )
+    batch = _measured_batch(data, workload, base, required)
+    if batch is not None:
+        out.append(batch)
+    return out, []
+
+
+def _measured_batch(
+    data: Mapping[str, Any], workload: Mapping[str, Any], base: Any, required: int
+) -> Remedy | None:
+    """The largest halved batch that fits, with accumulation steps that keep the batch."""
+    size = base.batch_size
+    for _ in range(_MAX_HALVINGS):
+        if size <= 1:
+            return None
+        size = size // 2
+        new = _repredict(data, workload, dataclasses.replace(base, batch_size=size))
+        if new.fits:
+            break
+    else:
+        return None
+    steps = math.ceil(base.batch_size / size)
+    return Remedy(
+        f"batch size {size} with {steps} gradient-accumulation steps",
+        required - new.required_bytes,
+        "high",
+        f"accumulation_steps = {steps}  # {steps} micro-batches of {size} (was one batch of "
+        f"{base.batch_size})\n"
+        f"loader = DataLoader(dataset, batch_size={size}, shuffle=True)\n"
+        "for i, (inputs, targets) in enumerate(loader):\n"
+        "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
+        "    loss.backward()\n"
+        "    if (i + 1) % accumulation_steps == 0:\n"
+        "        optimizer.step()\n"
+        "        optimizer.zero_grad(set_to_none=True)",
+        f"{MEASURED_WHY}: at batch {size} the step needs {format_bytes(new.required_bytes)} "
+        f"reserved and fits; the effective batch is unchanged.",
+        estimate=False,
+    )

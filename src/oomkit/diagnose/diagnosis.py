@@ -1,0 +1,427 @@
+"""Why an out-of-memory error happened, from the figures of its message.
+
+``diagnose_oom_text`` classifies the causes that the numbers of one OOM message can show
+(``shortage``, ``fragmentation``, ``outside_pytorch``, ``fraction_limit``,
+``request_exceeds_device``), strongest first, each with its evidence in bytes, and prices the
+remedies those numbers support. ``leak`` and ``transient_spike`` need a trace over time (a
+snapshot or a prediction); a message alone cannot show them.
+
+The quantities (ref §12.2): ``Q`` requested (for the native allocator the segment size it could
+not get), ``T`` total and ``F`` free device memory, ``A`` allocated, ``R`` reserved,
+``U = R - A - P`` reserved but unallocated, ``O = T - F - R`` held outside this process's caching
+allocator, ``C`` the CUDA context's expected share of ``O`` (oomkit.core.gpus, an estimate), ``L`` the
+memory-fraction limit. The deficit is ``Q - F``: what the device lacked when the request came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from oomkit.diagnose.attribution import Attribution
+from oomkit.diagnose.oom_text import OomText
+from oomkit.core.gpus import CATALOG, DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
+from oomkit.units import format_bytes
+
+__all__ = ["Cause", "CAUSES", "Finding", "Remedy", "Diagnosis", "diagnose_oom_text"]
+
+Cause = Literal[
+    "shortage",
+    "fragmentation",
+    "outside_pytorch",
+    "fraction_limit",
+    "request_exceeds_device",
+    "leak",
+    "transient_spike",
+]
+CAUSES: tuple[Cause, ...] = (
+    "shortage",
+    "fragmentation",
+    "outside_pytorch",
+    "fraction_limit",
+    "request_exceeds_device",
+    "leak",
+    "transient_spike",
+)
+Confidence = Literal["high", "medium", "low"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cause that applies, with the figures that show it.
+
+    Attributes:
+        cause: the cause.
+        explained_bytes: how much of the deficit this cause accounts for; findings are ranked by
+            it (a request larger than the device or a fraction limit with free memory left rank
+            first whatever it is).
+        summary: one sentence with the user's own numbers.
+        evidence_bytes: the figures, by name.
+    """
+
+    cause: Cause
+    explained_bytes: int
+    summary: str
+    evidence_bytes: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One change to try, with what it saves.
+
+    Attributes:
+        title: what to do, in a few words.
+        saving_bytes: bytes it frees for this request; None where the message cannot tell.
+        confidence: how sure the saving is.
+        code: copy-paste code or command.
+        why: one or two sentences.
+        estimate: True when ``saving_bytes`` is estimated rather than computed by replay.
+        lowers_peak: False for a remedy whose bytes go to other processes, not to this one's
+            need (``empty_cache``): it ranks after every remedy that lowers the peak.
+    """
+
+    title: str
+    saving_bytes: int | None
+    confidence: Confidence
+    code: str
+    why: str
+    estimate: bool = True
+    lowers_peak: bool = True
+
+    def rank_key(self) -> tuple[bool, int, bool]:
+        """Sort key: remedies that lower the peak first, then by bytes saved, measured first."""
+        return (not self.lowers_peak, -(self.saving_bytes or 0), self.estimate)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The answer for one OOM: the main cause, every cause that applies, and ranked remedies.
+
+    Attributes:
+        cause: the strongest finding's cause.
+        causes: every cause that applies, strongest first.
+        remedies: what to change, by ``saving_bytes`` (largest first).
+        memory_explained: allocated vs reserved vs nvidia-smi, with the user's numbers.
+        deficit_bytes: what the device lacked when the request came; None where unknown.
+        warnings: what the diagnosis assumed or could not see.
+        source: what was diagnosed: ``"text"`` (an OOM message), ``"snapshot"`` or
+            ``"prediction"``.
+        attribution: what was live at the OOM (or the peak), for snapshots; None otherwise.
+        figures_bytes: the figures at the moment diagnosed (``requested_bytes``,
+            ``allocated_bytes``, ``reserved_bytes``, ``free_bytes``, ``total_bytes``,
+            ``largest_free_block_bytes``...), where known.
+    """
+
+    cause: Cause
+    causes: tuple[Finding, ...]
+    remedies: tuple[Remedy, ...]
+    memory_explained: str
+    deficit_bytes: int | None
+    warnings: tuple[str, ...] = ()
+    source: Literal["text", "snapshot", "prediction"] = "text"
+    attribution: Attribution | None = None
+    figures_bytes: Mapping[str, int | None] = field(default_factory=dict)
+
+
+_DECISIVE = 2**62  # ranks a finding above any byte count
+
+
+def _context_bytes(parsed: OomText, gpu: GpuSpec | None) -> tuple[int, str]:
+    """The expected CUDA-context share of memory outside the allocator, and where it comes from."""
+    if gpu is not None:
+        return gpu.context_overhead_bytes, gpu.name
+    total = parsed.total_bytes
+    if total is not None:
+        # A catalog GPU whose total memory the message's figure matches (to format_size precision).
+        tolerance = parsed.tolerance_bytes.get("total_bytes", 0)
+        for spec in CATALOG:
+            if abs(spec.total_memory_bytes - total) <= tolerance:
+                return spec.context_overhead_bytes, spec.name
+    return DEFAULT_CONTEXT_OVERHEAD_BYTES, "a typical GPU"
+
+
+def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
+    """Classify the causes of the OOM a message describes and price the remedies.
+
+    Args:
+        parsed: the message's figures (``parse_oom_text``).
+        gpu: the device, when known; otherwise one is matched by the message's total memory, for
+            its CUDA-context figure.
+
+    Returns:
+        The diagnosis; its ``cause`` is the strongest finding.
+    """
+    if parsed.variant == "exa" or (
+        parsed.requested_bytes is not None
+        and parsed.total_bytes is not None
+        and parsed.requested_bytes > parsed.total_bytes
+    ):
+        return _exceeds_device(parsed)
+    if parsed.variant == "driver":
+        return _driver_error(parsed)
+    if parsed.variant == "fraction_rejected":
+        return _fraction_rejected(parsed)
+    return _from_figures(parsed, gpu)
+
+
+def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
+    q = parsed.requested_bytes or 0
+    t = parsed.total_bytes or 0
+    f = parsed.free_bytes or 0
+    a = parsed.allocated_bytes or 0
+    # cudaMallocAsync keeps no cache PyTorch sees: treat reserved as allocated.
+    r = parsed.reserved_bytes if parsed.reserved_bytes is not None else a
+    u = max(0, r - a - parsed.private_pool_bytes)
+    o = max(0, t - f - r)
+    context, context_source = _context_bytes(parsed, gpu)
+    excess_outside = max(0, o - context)
+    deficit = max(0, q - f)
+    limit = parsed.allowed_bytes
+    findings: list[Finding] = []
+
+    if limit is not None and limit < t and r + q > limit and f >= q:
+        findings.append(
+            Finding(
+                "fraction_limit",
+                _DECISIVE,
+                f"the per-process limit of {format_bytes(limit)} refused {format_bytes(q)} while "
+                f"the device still had {format_bytes(f)} free",
+                {
+                    "allowed_bytes": limit,
+                    "reserved_bytes": r,
+                    "requested_bytes": q,
+                    "free_bytes": f,
+                },
+            )
+        )
+    if u > 0 and u + f >= q:
+        whole = u >= q
+        findings.append(
+            Finding(
+                "fragmentation",
+                min(u, q),
+                f"{format_bytes(u)} was reserved but unallocated"
+                + (f", more than the {format_bytes(q)} requested" if whole else "")
+                + ", yet no cached block was large enough: the cache is fragmented",
+                {"reserved_unallocated_bytes": u, "requested_bytes": q, "free_bytes": f},
+            )
+        )
+    if excess_outside > 0 and (excess_outside >= deficit > 0 or excess_outside >= t // 10):
+        others = sum(p.used_bytes for p in parsed.processes if p.pid is not None)
+        findings.append(
+            Finding(
+                "outside_pytorch",
+                excess_outside,
+                f"{format_bytes(o)} of the device was held outside this process's PyTorch "
+                f"allocator, {format_bytes(excess_outside)} more than the ~{format_bytes(context)}"
+                f" a CUDA context takes on {context_source}"
+                + (f"; other processes used {format_bytes(others)}" if others else ""),
+                {
+                    "outside_allocator_bytes": o,
+                    "expected_context_bytes": context,
+                    "other_processes_bytes": others,
+                },
+            )
+        )
+    available = (limit if limit is not None and limit < t else t) - context
+    over = a + q - available
+    if over > 0 or not findings:
+        findings.append(
+            Finding(
+                "shortage",
+                max(over, 0),
+                f"tensors held {format_bytes(a)} and the request needs {format_bytes(q)} more: "
+                f"{format_bytes(a + q)} against about {format_bytes(available)} that PyTorch can "
+                "use on this device",
+                {"allocated_bytes": a, "requested_bytes": q, "available_bytes": available},
+            )
+        )
+    findings.sort(key=lambda finding: -finding.explained_bytes)
+    remedies = _remedies(parsed, findings, u=u, excess_outside=excess_outside, over=over, t=t)
+    return Diagnosis(
+        cause=findings[0].cause,
+        causes=tuple(findings),
+        remedies=remedies,
+        memory_explained=_memory_paragraph(parsed, a=a, r=r, u=u, o=o, t=t, f=f, context=context),
+        deficit_bytes=deficit,
+    )
+
+
+def _remedies(
+    parsed: OomText,
+    findings: list[Finding],
+    *,
+    u: int,
+    excess_outside: int,
+    over: int,
+    t: int,
+) -> tuple[Remedy, ...]:
+    causes = {finding.cause for finding in findings}
+    remedies: list[Remedy] = []
+    if "fraction_limit" in causes and parsed.allowed_bytes is not None and t:
+        remedies.append(
+            Remedy(
+                "raise the per-process memory fraction",
+                t - parsed.allowed_bytes,
+                "high",
+                "torch.cuda.set_per_process_memory_fraction(1.0)  # or the share this job may use",
+                "The limit, not the device, refused the request.",
+                estimate=False,
+            )
+        )
+    if "fragmentation" in causes and parsed.variant != "cuda_malloc_async":
+        remedies.append(
+            Remedy(
+                "expandable segments",
+                u,
+                "medium",
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py\n"
+                "# or, before the first CUDA allocation in the script:\n"
+                'torch.cuda.memory._set_allocator_settings("expandable_segments:True")',
+                "Segments that grow in place let the cached-but-unallocated memory serve one "
+                "large request. Replay a snapshot (`oomkit tune`) to measure it exactly.",
+            )
+        )
+    if "outside_pytorch" in causes:
+        remedies.append(
+            Remedy(
+                "free the memory held outside PyTorch",
+                excess_outside,
+                "medium",
+                "nvidia-smi --query-compute-apps=pid,used_memory --format=csv",
+                "Other processes on this GPU (a second job, a notebook kernel, a dataloader that "
+                "touched CUDA) or libraries (NCCL, cuDNN) hold memory PyTorch cannot use.",
+            )
+        )
+    if over > 0:
+        remedies.append(
+            Remedy(
+                "reduce memory per step by at least the shortfall",
+                None,
+                "low",
+                "# smaller batch with gradient accumulation, mixed precision, activation "
+                "checkpointing;\n# `oomkit predict` or `oomkit fit` measure each on your step",
+                f"Tensors need about {format_bytes(over)} more than the device offers; "
+                "only using less memory helps.",
+            )
+        )
+    if u > 0:
+        remedies.append(
+            Remedy(
+                "do not rely on torch.cuda.empty_cache()",
+                0,
+                "high",
+                "# PyTorch already released every unused cached segment and retried before raising",
+                f"The {format_bytes(u)} cached but unallocated sits in segments that also hold "
+                "live tensors; empty_cache() cannot return it and would not have prevented "
+                "this OOM.",
+                estimate=False,
+            )
+        )
+    remedies.sort(key=Remedy.rank_key)
+    return tuple(remedies)
+
+
+def _memory_paragraph(
+    parsed: OomText, *, a: int, r: int, u: int, o: int, t: int, f: int, context: int
+) -> str:
+    if parsed.reserved_bytes is None:
+        return (
+            f"PyTorch's cudaMallocAsync backend had {format_bytes(a)} in live allocations "
+            f"(torch.cuda.memory_allocated). nvidia-smi would show about {format_bytes(t - f)} "
+            "used on the device, the driver's memory pool and every other process included."
+        )
+    return (
+        f"Allocated ({format_bytes(a)}, torch.cuda.memory_allocated) is what live tensors use. "
+        f"Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is what PyTorch's caching "
+        f"allocator holds from the driver: the allocated memory plus {format_bytes(u)} cached "
+        f"for reuse. nvidia-smi shows about {format_bytes(t - f)} used: the reserved memory plus "
+        f"{format_bytes(o)} outside the allocator (the CUDA context, about {format_bytes(context)},"
+        " libraries such as cuBLAS and NCCL, and other processes)."
+    )
+
+
+def _exceeds_device(parsed: OomText) -> Diagnosis:
+    q = parsed.requested_bytes or 0
+    t = parsed.total_bytes
+    summary = (
+        f"one request of {format_bytes(q)} is larger than the whole device"
+        + (f" ({format_bytes(t)})" if t is not None else "")
+        if parsed.variant != "exa"
+        else "one request of more than 1 EB: a size computed from a wrong shape or an overflow"
+    )
+    evidence = {"requested_bytes": q} | ({"total_bytes": t} if t is not None else {})
+    return Diagnosis(
+        cause="request_exceeds_device",
+        causes=(Finding("request_exceeds_device", _DECISIVE, summary, evidence),),
+        remedies=(
+            Remedy(
+                "check the shape of the tensor being created",
+                None,
+                "high",
+                "# print the shapes just before the failing line; a batch dimension multiplied "
+                "twice,\n# an attention matrix over a whole document or a wrong view are typical",
+                "No setting or cache behaviour can serve a request larger than the device.",
+                estimate=False,
+            ),
+        ),
+        memory_explained="",
+        deficit_bytes=None if t is None else q - (parsed.free_bytes or 0),
+    )
+
+
+def _fraction_rejected(parsed: OomText) -> Diagnosis:
+    q = parsed.requested_bytes or 0
+    return Diagnosis(
+        cause="fraction_limit",
+        causes=(
+            Finding(
+                "fraction_limit",
+                _DECISIVE,
+                f"the per-process memory fraction refused {format_bytes(q)} before asking the "
+                "device",
+                {"requested_bytes": q},
+            ),
+        ),
+        remedies=(
+            Remedy(
+                "raise the per-process memory fraction",
+                None,
+                "medium",
+                "torch.cuda.set_per_process_memory_fraction(1.0)",
+                "The limit set by this process, not the device, refused the request.",
+            ),
+        ),
+        memory_explained="",
+        deficit_bytes=None,
+    )
+
+
+def _driver_error(parsed: OomText) -> Diagnosis:
+    return Diagnosis(
+        cause="outside_pytorch",
+        causes=(
+            Finding(
+                "outside_pytorch",
+                0,
+                "a CUDA call outside PyTorch's caching allocator ran out of memory (creating the "
+                "CUDA context, a cuBLAS/cuDNN handle or its workspace, NCCL buffers); the "
+                "message carries no figures",
+            ),
+        ),
+        remedies=(
+            Remedy(
+                "leave room outside the caching allocator",
+                None,
+                "low",
+                "nvidia-smi --query-compute-apps=pid,used_memory --format=csv\n"
+                "torch.cuda.set_per_process_memory_fraction(0.95)  # keeps ~5% for libraries",
+                "The caching allocator may have reserved nearly all memory; libraries that call "
+                "cudaMalloc directly then fail. Check other processes first.",
+            ),
+        ),
+        memory_explained="",
+        deficit_bytes=None,
+        warnings=("the message has no figures; explain a snapshot for a full diagnosis",),
+    )

@@ -1,0 +1,201 @@
+"""Why a predicted step would run out of memory, from a saved ``oomkit predict --json``.
+
+The prediction's ``oom.message`` is the message PyTorch would print on that device, so it goes
+through ``diagnose_oom_text`` with the prediction's GPU (its CUDA-context figure included). The
+prediction adds what the message lacks: memory by category and by module at the OOM, and a
+batch-size remedy estimated from the activation memory (taken to scale with the batch; the
+batch size is read from the description, e.g. "GPT-2 124M, batch 8, ...").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from oomkit.diagnose._model_remedies import (
+    estimated_model_remedies,
+    measured_model_remedies,
+    saved_compute_capability,
+)
+from oomkit.diagnose._remedies import batch_remedy
+from oomkit.diagnose.attribution import AllocationSite, Attribution
+from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
+from oomkit.diagnose.oom_text import parse_oom_text
+from oomkit.errors import OomTextError, PredictionFormatError
+from oomkit.core.gpus import GpuSpec
+from oomkit.units import format_bytes
+
+__all__ = ["diagnose_prediction", "is_prediction"]
+
+# Categories that do not scale with the batch (tracing/categories.py names).
+_STATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "buffer")
+_KEYS = ("oom", "capacity_bytes", "peak_allocated_at", "gpu")
+
+
+def is_prediction(data: object) -> bool:
+    """Whether a JSON value looks like ``oomkit predict --json`` output."""
+    return isinstance(data, Mapping) and all(key in data for key in _KEYS)
+
+
+def _get(data: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = data.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise PredictionFormatError(
+            f"the saved prediction's {key!r} is missing or not a {kind.__name__}; save it again "
+            "with `oomkit predict ... --json > prediction.json`"
+        )
+    return value
+
+
+def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Diagnosis:
+    """Diagnose the OOM a saved prediction predicts.
+
+    Model changes (mixed precision, checkpointing, optimizer, ...) are estimated from memory by
+    category. Where the prediction names a built-in preset (its ``workload``) and ``measure``
+    is true, precision, checkpointing, optimizer and batch size are measured instead by
+    re-predicting the step with each change (a few seconds per change; needs torch).
+
+    Args:
+        data: the object ``oomkit predict --json`` printed.
+        measure: re-predict to measure model changes where the workload is known.
+
+    Returns:
+        The diagnosis (``source == "prediction"``), attribution by category and module.
+
+    Raises:
+        PredictionFormatError: the object is not a prediction, or it predicts no OOM.
+    """
+    if not is_prediction(data):
+        raise PredictionFormatError(
+            "this JSON is not a saved prediction (it lacks oom, capacity_bytes, "
+            "peak_allocated_at or gpu); make one with `oomkit predict ... --json > p.json`"
+        )
+    oom = data["oom"]
+    if oom is None:
+        headroom = data.get("headroom_bytes")
+        room = f" with {format_bytes(headroom)} headroom" if isinstance(headroom, int) else ""
+        raise PredictionFormatError(
+            f"the prediction fits{room}: there is no OOM to explain. Explain the error text or a "
+            "snapshot of a run that failed instead"
+        )
+    if not isinstance(oom, Mapping):
+        raise PredictionFormatError("the saved prediction's 'oom' is not an object")
+    gpu_data = _get(data, "gpu", Mapping)
+    capacity = _get(data, "capacity_bytes", int)
+    context = _get(data, "context_overhead_bytes", int)
+    gpu = GpuSpec(str(gpu_data.get("name", "the predicted GPU")), capacity, context)
+    try:
+        parsed = parse_oom_text(str(oom.get("message", "")))
+    except OomTextError as exc:
+        raise PredictionFormatError(
+            f"the saved prediction's oom.message is not an OOM message ({exc})"
+        ) from exc
+    base = diagnose_oom_text(parsed, gpu)
+    causes = list(base.causes)
+    required, usable = data.get("required_bytes"), data.get("usable_bytes")
+    if isinstance(required, int) and isinstance(usable, int) and required > usable:
+        # The message sees one request; the prediction saw the whole step: what it needs on a
+        # device without limit, against what this one offers.
+        causes = [f for f in causes if f.cause != "shortage"]
+        causes.append(
+            Finding(
+                "shortage",
+                required - usable,
+                f"the step needs about {format_bytes(required)} reserved and the GPU offers "
+                f"{format_bytes(usable)} to PyTorch: {format_bytes(required - usable)} short",
+                {
+                    "required_bytes": required,
+                    "usable_bytes": usable,
+                    "shortfall_bytes": required - usable,
+                },
+            )
+        )
+        causes.sort(key=lambda f: -f.explained_bytes)
+
+    at = _get(data, "peak_allocated_at", Mapping)
+    by_category = {str(k): int(v) for k, v in dict(at.get("by_category_bytes", {})).items()}
+    requested = _get(oom, "requested_bytes", int)
+    allocated = _get(at, "allocated_bytes", int)
+    steady = sum(by_category.get(c, 0) for c in _STATE_CATEGORIES)
+    description = str(data.get("description", ""))
+    warnings = list(base.warnings)
+    if "train" in description and "gradient" not in by_category:
+        # The OOM came before the backward pass: gradients (one per parameter) and the
+        # optimizer's state (Adam/AdamW: two per parameter, SGD without momentum: none) are
+        # still to come and do not scale with the batch.
+        params = by_category.get("parameter", 0)
+        states = 2 if re.search(r"\badam", description) else 0
+        steady += params * (1 + states)
+        warnings.append(
+            "the OOM came before gradients and optimizer state existed; they were estimated "
+            "from the parameter bytes for the batch-size remedy"
+        )
+    batch_match = re.search(r"\bbatch (\d+)\b", description)
+    batch = batch_remedy(
+        need_bytes=_get(data, "required_bytes", int)
+        if isinstance(data.get("required_bytes"), int)
+        else allocated + requested,
+        steady_bytes=steady,
+        available_bytes=_get(data, "usable_bytes", int),
+        batch_size=int(batch_match.group(1)) if batch_match else None,
+        measured_from="the prediction's memory by category",
+    )
+    workload = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
+    options = workload.get("options") if isinstance(workload.get("options"), Mapping) else {}
+    model = estimated_model_remedies(
+        by_category,
+        training="train" in description or options.get("mode") == "train",
+        precision=options.get("precision"),
+        optimizer=options.get("optimizer"),
+        checkpointing=options.get("checkpointing"),
+        description=description,
+        compute_capability=saved_compute_capability(data),
+    )
+    if batch is not None:
+        model.append(batch)
+    if measure and workload:
+        measured, measure_warnings = measured_model_remedies(data)
+        warnings.extend(measure_warnings)
+        if measured:
+            # A measured figure replaces the estimate of the same change.
+            titles = {r.title for r in measured}
+            measured_batch = any(r.title.startswith("batch size") for r in measured)
+            model = [
+                r for r in model if r.title not in titles and not (measured_batch and r is batch)
+            ]
+            model.extend(measured)
+    remedies = list(base.remedies) + model
+    remedies.sort(key=Remedy.rank_key)
+
+    sites = tuple(
+        AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)
+        for m in at.get("top_modules", ())
+        if isinstance(m, Mapping) and "module" in m and "bytes" in m
+    )
+    attribution = Attribution(
+        moment="oom",
+        event_index=oom.get("event_index") if isinstance(oom.get("event_index"), int) else None,
+        allocated_bytes=allocated,
+        by_category_bytes=by_category,
+        top_sites=sites,
+    )
+    figures = {
+        "requested_bytes": requested,
+        "allocated_bytes": allocated,
+        "reserved_bytes": at.get("reserved_bytes"),
+        "total_bytes": capacity,
+        "required_bytes": data.get("required_bytes"),
+        "usable_bytes": data.get("usable_bytes"),
+    }
+    return Diagnosis(
+        cause=causes[0].cause,
+        causes=tuple(causes),
+        remedies=tuple(remedies),
+        memory_explained=base.memory_explained,
+        deficit_bytes=base.deficit_bytes,
+        warnings=tuple(warnings),
+        source="prediction",
+        attribution=attribution,
+        figures_bytes={k: v for k, v in figures.items() if isinstance(v, int) or v is None},
+    )

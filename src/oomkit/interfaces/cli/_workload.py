@@ -1,0 +1,216 @@
+"""What ``oomkit predict`` and ``oomkit fit`` share: naming a workload and building its step.
+
+A workload is a built-in preset, ``path/to/file.py:function`` (see ``_user_function``) or a
+Hugging Face model (``--hf``), shaped by ``--seq``, ``--image-size``, ``--precision``,
+``--optimizer``, ``--checkpointing`` and ``--mode``. ``build_workload`` builds its step at one
+batch size; ``fit`` calls it once per batch size tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomkit.interfaces.cli._common import positive_int, size_arg
+from oomkit.errors import OomkitError, UserCodeError
+
+__all__ = [
+    "MODES",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "Workload",
+    "add_gpu_flags",
+    "add_workload_flags",
+    "build_workload",
+    "kernel_settings",
+    "positive_int",
+    "step_options",
+    "user_code_error",
+    "user_errors",
+]
+
+# The StepOptions vocabulary of oomkit.prediction.models (docs/CONTRACTS.md, "Issue 3").
+PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+MODES = ("train", "inference", "generate")
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...] = MODES) -> None:
+    """TARGET, the shape flags (--seq, --image-size), precision, optimizer, mode and --hf."""
+    parser.add_argument("target", nargs="?", metavar="TARGET", help="PRESET or file.py:function")
+    parser.add_argument("--seq", type=positive_int, metavar="N", help="sequence length")
+    parser.add_argument("--image-size", type=positive_int, metavar="N", help="image size")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing (presets)"
+    )
+    parser.add_argument("--mode", choices=modes, default="train")
+    parser.add_argument(
+        "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
+    )
+
+
+def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
+    """--gpu, --alloc-conf and --context-overhead: the device and allocator simulated."""
+    parser.add_argument(
+        "--gpu", default="h100", metavar="NAME|SIZE", help="GPU name or memory size (default h100)"
+    )
+    parser.add_argument(
+        "--alloc-conf",
+        metavar="STR",
+        help="PYTORCH_CUDA_ALLOC_CONF value to simulate, e.g. expandable_segments:True",
+    )
+    parser.add_argument(
+        "--context-overhead",
+        type=size_arg,
+        metavar="SIZE",
+        help="memory outside PyTorch (CUDA context), e.g. 500MiB (default: the GPU's figure)",
+    )
+    parser.add_argument(
+        "--cudnn-version",
+        type=positive_int,
+        metavar="N",
+        help="the target's torch.backends.cudnn.version(), e.g. 91002 for 9.10.2: from 9.15.1 "
+        "on, H100/B200 run cuDNN attention (default: this torch build's cuDNN, else the one "
+        "this torch version's default PyPI Linux wheel pins, e.g. 92000 for torch 2.13)",
+    )
+
+
+def kernel_settings(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA settings ``--cudnn-version`` names, in effect while the step is traced."""
+    version = getattr(args, "cudnn_version", None)
+    if version is None:
+        return contextlib.nullcontext()
+    from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+    return use_sdpa_settings(SdpaSettings(cudnn_version=version))
+
+
+def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:
+    """The ``StepOptions`` the flags name, at ``batch_size`` (``None``: the default)."""
+    from oomkit.prediction.models import StepOptions
+
+    fields: dict[str, Any] = {
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "checkpointing": args.checkpointing,
+        "mode": args.mode,
+    }
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", args.seq),
+        ("image_size", args.image_size),
+        ("new_tokens", getattr(args, "new_tokens", None)),
+    ):
+        if value is not None:
+            fields[name] = value
+    return StepOptions(**fields)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One built step: what to record, and what the user's code raised while running.
+
+    Attributes:
+        step_fn: one step, to run under the tracer.
+        track: objects recorded as allocated before the first step.
+        description: what it is ("GPT-2 124M, batch 8, ...").
+        raised: exceptions the user's own step raised (empty for presets).
+    """
+
+    step_fn: Any
+    track: tuple[Any, ...]
+    description: str
+    raised: list[BaseException] = field(default_factory=list)
+
+
+def build_workload(args: argparse.Namespace, batch_size: int | None, command: str) -> Workload:
+    """Build the step that TARGET (or ``--hf``) names, at ``batch_size``.
+
+    Raises:
+        OomkitError: no target, both a target and --hf, or a preset option it rejects.
+        UserCodeError: the user's function cannot be loaded or called.
+    """
+    from oomkit.interfaces.cli._user_function import is_user_target, load_user_step
+
+    if args.hf is not None:
+        if args.target is not None:
+            raise OomkitError(
+                f"give either a TARGET or --hf, not both (got {args.target!r} and --hf {args.hf})."
+            )
+        try:
+            from oomkit.prediction.models import build_hf_step
+        except ImportError as exc:
+            if "torch" in str(exc) or "transformers" in str(exc):
+                raise
+            raise OomkitError(
+                "--hf is not available in this build of oomkit (oomkit.prediction.models has no "
+                "build_hf_step); use a preset or path/to/file.py:function."
+            ) from exc
+
+        built = _call_builder(build_hf_step, args.hf, step_options(args, batch_size))
+        return Workload(built.step_fn, tuple(built.track), built.description)
+    if args.target is None:
+        raise OomkitError(
+            f"name what to {command}: a preset (e.g. `oomkit {command} gpt2-124m --gpu rtx4090`), "
+            "path/to/file.py:function, or --hf NAME_OR_PATH."
+        )
+    if is_user_target(args.target):
+        user = load_user_step(
+            args.target, batch_size=batch_size, seq_len=args.seq, image_size=args.image_size
+        )
+        return Workload(user.step_fn, user.track, user.description, user.raised)
+    from oomkit.prediction.models import build_preset_step
+
+    built = _call_builder(build_preset_step, args.target, step_options(args, batch_size))
+    return Workload(built.step_fn, tuple(built.track), built.description)
+
+
+def _call_builder(builder: Any, name: str, options: Any) -> Any:
+    try:
+        return builder(name, options)
+    except OomkitError:
+        raise
+    except ValueError as exc:
+        # UnknownPresetError and option checks are ValueErrors with a message that says what to do.
+        raise OomkitError(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def user_errors(
+    culprit: Callable[[], tuple[str | None, list[BaseException]]],
+) -> Iterator[None]:
+    """Turn an exception the user's own step raised into a one-line ``UserCodeError``; oomkit's
+    errors and anything else pass through unchanged.
+
+    Args:
+        culprit: returns the target and what its step raised, read when an exception arrives
+            (``fit`` builds a new step per batch size, so both change while the block runs).
+    """
+    try:
+        yield
+    except OomkitError:
+        raise
+    except Exception as exc:
+        target, raised = culprit()
+        error = user_code_error(target, exc, raised)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def user_code_error(
+    target: str | None, exc: BaseException, raised: list[BaseException]
+) -> UserCodeError | None:
+    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``."""
+    if not any(exc is e for e in raised):
+        return None
+    return UserCodeError(
+        f"{target}: the step raised {type(exc).__name__}: {exc}. It runs on the meta "
+        "device: code that reads tensor values (.item(), data-dependent shapes) cannot run "
+        "there."
+    )

@@ -1,0 +1,252 @@
+"""``oomkit fit PRESET|file.py:function --gpu NAME``: the largest batch that fits, without a GPU.
+
+Searches over batch size with the predictor (``oomkit.plan.batch_search.max_batch_size``):
+doubling, then bisection, one trace per size. ``--batch N --smallest-gpu`` answers the reverse
+question: the smallest catalog GPU that batch fits on.
+
+Exit codes: 0 a batch was found (or, with ``--smallest-gpu``, a GPU), 1 not even batch 1 fits
+(no GPU of the catalog fits), 2 bad input, 3 torch is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import IO, Any
+
+from oomkit.interfaces.cli._common import add_json_flag, print_json, size_arg, stderr_console, stdout_console
+from oomkit.interfaces.cli._workload import (
+    Workload,
+    add_gpu_flags,
+    add_workload_flags,
+    build_workload,
+    kernel_settings,
+    positive_int,
+    user_errors,
+)
+from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
+
+__all__ = ["add_parser", "run", "progress_enabled"]
+
+# A model's batch is fixed by its training setup; the default bound of the search.
+DEFAULT_MAX_BATCH = 65536
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "fit",
+        help="find the largest batch that fits on a GPU, without a GPU",
+        description="Search over batch size with the predictor (double, then bisect; one "
+        "trace per size, no GPU, no OOMs) for the largest batch whose training step fits on "
+        "--gpu with --margin to spare. Every recorded step counts (the first optimizer step "
+        "too), and --seq is taken as the longest sequence the run will see. With --batch N "
+        "--smallest-gpu, name the smallest catalog GPU that batch fits on instead. Exit code 0 "
+        "when found, 1 when not even batch 1 fits (or no GPU does).",
+    )
+    add_workload_flags(parser, modes=("train", "inference"))
+    add_gpu_flags(parser)
+    parser.add_argument(
+        "--margin",
+        type=size_arg,
+        metavar="SIZE",
+        help="memory to leave unreserved, e.g. 512MiB (default: 2%% of usable, at least 256 MiB)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"largest batch to try (default {DEFAULT_MAX_BATCH})",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        metavar="N",
+        help="with --smallest-gpu: the batch to check; otherwise the first batch tried",
+    )
+    parser.add_argument(
+        "--smallest-gpu",
+        action="store_true",
+        help="check --batch on every catalog GPU and name the smallest it fits on",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="training steps recorded per size (default 2: first optimizer step + steady state)",
+    )
+    parser.add_argument(
+        "--eval",
+        metavar="FILE.PY:FUNCTION",
+        help="an evaluation step (same contract as TARGET) that must fit at the same batch",
+    )
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def progress_enabled(args: argparse.Namespace, stream: IO[str]) -> bool:
+    """Whether to draw the progress bar: not with --json, and only on a terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return not args.json and isatty is not None and bool(isatty())
+
+
+class _Builders:
+    """Batch size -> step for TARGET and --eval, keeping what the user's code raised."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        # The last step built (it is traced before the next is built): its target, and the
+        # list its step appends what it raises to.
+        self.target: str | None = args.target
+        self.raised: list[BaseException] = []
+
+    def _keep(self, target: str | None, workload: Workload) -> Workload:
+        self.target, self.raised = target, workload.raised
+        return workload
+
+    def train(self, batch_size: int) -> Workload:
+        workload = build_workload(self._args, batch_size, "fit")
+        _check_takes_batch(self._args.target, workload)
+        return self._keep(self._args.target, workload)
+
+    def evaluation(self, batch_size: int) -> Workload:
+        from oomkit.interfaces.cli._user_function import load_user_step
+
+        args = self._args
+        user = load_user_step(
+            args.eval, batch_size=batch_size, seq_len=args.seq, image_size=args.image_size
+        )
+        workload = Workload(user.step_fn, user.track, user.description, user.raised)
+        _check_takes_batch(args.eval, workload)
+        return self._keep(args.eval, workload)
+
+
+def _check_takes_batch(target: str | None, workload: Workload) -> None:
+    from oomkit.interfaces.cli._user_function import is_user_target
+
+    # load_user_step describes the call it made: file.py:function(batch_size=8, ...).
+    if target is not None and is_user_target(target) and "batch_size=" not in workload.description:
+        raise UserCodeError(
+            f"{target}: the function has no batch_size parameter, so oomkit fit cannot vary the "
+            "batch. Add one: def build(batch_size, seq_len=1024): ..."
+        )
+
+
+@contextmanager
+def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr_console(), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _validate(args: argparse.Namespace) -> Any:
+    """Cheap checks before any model is built; returns the GPU searched for."""
+    from oomkit.core.allocator import AllocatorConfig
+    from oomkit.interfaces.cli._user_function import is_user_target
+    from oomkit.core.gpus import get_gpu
+
+    gpu = get_gpu(args.gpu, context_overhead_bytes=args.context_overhead)
+    if args.alloc_conf is not None:
+        AllocatorConfig.parse(args.alloc_conf)
+    if args.smallest_gpu and args.batch is None:
+        raise OomkitError(
+            "--smallest-gpu checks one batch size: give it with --batch N, e.g. "
+            "`oomkit fit gpt2-124m --batch 16 --smallest-gpu`."
+        )
+    if not args.smallest_gpu and args.batch is not None and args.batch > args.max_batch:
+        raise OomkitError(
+            f"--batch {args.batch} (the first batch tried) is above --max-batch {args.max_batch}; "
+            "lower --batch or raise --max-batch."
+        )
+    if args.eval is not None and not is_user_target(args.eval):
+        raise OomkitError(
+            f"--eval takes path/to/file.py:function (got {args.eval!r}); the function builds "
+            "the evaluation step as TARGET's builds the training step."
+        )
+    return gpu
+
+
+def run(args: argparse.Namespace) -> int:
+    gpu = _validate(args)
+    builders = _Builders(args)
+    eval_step = None if args.eval is None else builders.evaluation
+    with user_errors(lambda: (builders.target, builders.raised)), kernel_settings(args):
+        if args.smallest_gpu:
+            return _run_smallest(args, builders, eval_step)
+        return _run_search(args, gpu, builders, eval_step)
+
+
+def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_step: Any) -> int:
+    from oomkit.plan.batch_search import max_batch_size
+    from oomkit.interfaces.reports.batch_search import batch_search_to_json, render_batch_search
+
+    what = args.hf or args.target or "the step"
+    if not args.json:
+        stderr_console().print(f"searching the largest batch of {what} that fits on {gpu.name} ...")
+    try:
+        with _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress:
+            result = max_batch_size(
+                builders.train,
+                gpu=gpu,
+                alloc_conf=args.alloc_conf,
+                margin_bytes=args.margin,
+                steps=args.steps,
+                eval_step=eval_step,
+                start_batch=args.batch or 1,
+                max_batch=args.max_batch,
+                progress=progress,
+            )
+    except NoFeasibleBatchSizeError as exc:
+        if args.json:
+            print_json({"batch_size": None, "gpu": gpu.name, "error": str(exc)})
+        else:
+            stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
+        return 1
+    if args.json:
+        print_json(batch_search_to_json(result))
+    else:
+        render_batch_search(result, stdout_console())
+    return 0
+
+
+def _run_smallest(args: argparse.Namespace, builders: _Builders, eval_step: Any) -> int:
+    from oomkit.plan.batch_search import smallest_gpu
+    from oomkit.core.gpus import CATALOG
+    from oomkit.interfaces.reports.batch_search import render_smallest_gpu, smallest_gpu_to_json
+
+    candidates = CATALOG
+    if args.context_overhead is not None:
+        candidates = tuple(replace(g, context_overhead_bytes=args.context_overhead) for g in CATALOG)
+    if not args.json:
+        stderr_console().print(
+            f"checking batch {args.batch} of {args.hf or args.target} on {len(candidates)} GPUs ..."
+        )
+    result = smallest_gpu(
+        builders.train,
+        args.batch,
+        candidates=candidates,
+        alloc_conf=args.alloc_conf,
+        margin_bytes=args.margin,
+        steps=args.steps,
+        eval_step=eval_step,
+    )
+    if args.json:
+        print_json(smallest_gpu_to_json(result))
+    else:
+        render_smallest_gpu(result, stdout_console())
+    return 0 if result.smallest is not None else 1

@@ -1,0 +1,271 @@
+"""``oomkit tune TRACE|SNAPSHOT``: which PYTORCH_CUDA_ALLOC_CONF reserves least for this workload?"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomkit.interfaces.cli._common import add_json_flag, print_json, stderr_console, stdout_console
+from oomkit.errors import OomkitError
+
+__all__ = ["add_parser", "run"]
+
+# Rows of the terminal table; --json lists every candidate.
+_TABLE_ROWS = 10
+_DEFAULT_CAPACITY = "80GiB"
+_SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
+# Pickle protocol 2+ opens with the PROTO opcode (pickletools); oomkit traces are JSON or gzip.
+_PICKLE_PROTO = b"\x80"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "tune",
+        help="find the PYTORCH_CUDA_ALLOC_CONF that reserves least for a trace or snapshot",
+        description="Replay a workload (an oomkit trace file, or a PyTorch memory snapshot from "
+        "torch.cuda.memory._dump_snapshot) under about 25 PYTORCH_CUDA_ALLOC_CONF settings "
+        "(max_split_size_mb, expandable_segments, garbage_collection_threshold, "
+        "roundup_power2_divisions) and rank them by peak reserved memory, then by "
+        "cudaMalloc + cudaFree calls. Settings that run out of memory rank last; settings known "
+        "to misbehave are flagged with the reason.",
+    )
+    parser.add_argument("source", metavar="TRACE|SNAPSHOT", help="an oomkit trace or a snapshot")
+    parser.add_argument(
+        "--capacity",
+        metavar="SIZE",
+        default=_DEFAULT_CAPACITY,
+        help=f"device memory to replay at, e.g. 24GiB (default {_DEFAULT_CAPACITY})",
+    )
+    parser.add_argument(
+        "--device",
+        type=int,
+        default=None,
+        metavar="N",
+        help="snapshot device to replay (default: the first with memory)",
+    )
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from oomkit.plan import tune
+    from oomkit.units import parse_bytes
+
+    path = Path(args.source)
+    if not path.is_file():
+        raise OomkitError(
+            f"{args.source}: no such file. Pass an oomkit trace (.jsonl, .jsonl.gz) or a "
+            f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
+        )
+    capacity = parse_bytes(args.capacity)
+    source, device, torch_version, recorded = _open_source(path, args.device)
+    show_progress = not args.json and sys.stderr.isatty()
+    with _ProgressBar(show_progress) as bar:
+        result = tune(
+            source,
+            capacity,
+            device=device,
+            torch_version=torch_version,
+            progress=bar.update,
+        )
+    if args.json:
+        print_json(_to_json(result, path, device, torch_version, recorded))
+    else:
+        _render(result, path, recorded)
+    return 0
+
+
+def _open_source(path: Path, device: int | None):
+    """The tune() source of a file: its snapshot, or a factory re-reading its trace events."""
+    if _is_snapshot(path):
+        from oomkit.core.snapshot import infer_torch_version, load_snapshot
+
+        snapshot = load_snapshot(path)
+        if device is None:
+            devices = snapshot.devices()
+            device = devices[0] if devices else 0
+        settings = snapshot.allocator_settings or {}
+        recorded = settings.get("PYTORCH_CUDA_ALLOC_CONF") if isinstance(settings, dict) else None
+        return snapshot, device, infer_torch_version(snapshot), recorded or None
+
+    from oomkit.core.trace import read_trace
+
+    header, events = read_trace(path)
+    close = getattr(events, "close", None)  # only the header is needed now
+    if callable(close):
+        close()
+    if device is not None and device != header.device:
+        stderr_console().print(
+            f"[yellow]hint:[/] {path.name} is a trace of device {header.device}; --device "
+            f"{device} applies to snapshots only and is ignored."
+        )
+
+    def factory():
+        return read_trace(path)[1]
+
+    return factory, header.device, header.torch_version, header.allocator_settings or None
+
+
+def _is_snapshot(path: Path) -> bool:
+    if path.suffix.lower() in _SNAPSHOT_SUFFIXES:
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(1) == _PICKLE_PROTO
+    except OSError as exc:
+        raise OomkitError(f"{path}: cannot be read ({exc}). Check its permissions.") from exc
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr driven by tune()'s ``progress(done, total)`` callback."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _ProgressBar:
+        if self._enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("replaying settings"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                console=stderr_console(),
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("tune", total=None)
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _candidate_json(candidate) -> dict:
+    return {
+        "alloc_conf": candidate.alloc_conf,
+        "peak_reserved_bytes": candidate.peak_reserved_bytes,
+        "peak_allocated_bytes": candidate.peak_allocated_bytes,
+        "device_allocs": candidate.device_allocs,
+        "device_frees": candidate.device_frees,
+        "alloc_retries": candidate.alloc_retries,
+        "ooms": candidate.ooms,
+        "flags": list(candidate.flags),
+    }
+
+
+def _to_json(result, path: Path, device: int, torch_version: str | None, recorded) -> dict:
+    from oomkit.plan import FLAG_REASONS
+
+    flags = sorted({f for c in result.candidates for f in c.flags})
+    return {
+        "source": str(path),
+        "device": device,
+        "torch_version": torch_version,
+        "recorded_alloc_conf": recorded,
+        "capacity_bytes": result.capacity_bytes,
+        "baseline": _candidate_json(result.baseline),
+        "candidates": [_candidate_json(c) for c in result.candidates],
+        "best": None if result.best is None else _candidate_json(result.best),
+        "saving_bytes": result.saving_bytes,
+        "flag_reasons": {f: FLAG_REASONS.get(f, f) for f in flags},
+        "warnings": list(result.warnings),
+    }
+
+
+def _setting_label(alloc_conf: str) -> str:
+    # One option per line, split at top-level commas only (the bracket form has its own).
+    if not alloc_conf:
+        return "(default)"
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(alloc_conf):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(alloc_conf[start:i])
+            start = i + 1
+    parts.append(alloc_conf[start:])
+    return ",\n".join(parts)
+
+
+def _render(result, path: Path, recorded: str | None) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from oomkit.plan import FLAG_REASONS
+    from oomkit.units import format_bytes
+
+    console = stdout_console()
+    baseline = result.baseline
+    shown = result.candidates[:_TABLE_ROWS]
+    table = Table(
+        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {escape(path.name)} at "
+        f"{format_bytes(result.capacity_bytes)}",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        show_header=True,
+        header_style="bold",
+    )
+    table.add_column("#", justify="right")
+    # Fold rather than truncate: the setting is what the user copies.
+    table.add_column("setting", overflow="fold", ratio=3)
+    table.add_column("peak\nreserved", justify="right", no_wrap=True)
+    table.add_column("saving vs\ndefault", justify="right", no_wrap=True)
+    table.add_column("cudaMalloc/\ncudaFree", justify="right", no_wrap=True)
+    table.add_column("retries", justify="right", no_wrap=True)
+    table.add_column("flags", overflow="fold", ratio=2)
+    for rank, c in enumerate(shown, start=1):
+        peak = format_bytes(c.peak_reserved_bytes) + (" OOM" if c.ooms else "")
+        saving = baseline.peak_reserved_bytes - c.peak_reserved_bytes
+        table.add_row(
+            str(rank),
+            escape(_setting_label(c.alloc_conf)),
+            peak,
+            "-" if c.ooms or baseline.ooms else format_bytes(saving),
+            f"{c.device_allocs:,} / {c.device_frees:,}",
+            f"{c.alloc_retries:,}",
+            "\n".join(c.flags),
+        )
+    console.print(table)
+    hidden = len(result.candidates) - len(shown)
+    if hidden > 0:
+        console.print(f"{hidden} more setting(s) ranked lower; --json lists them all.")
+    for flag in sorted({f for c in result.candidates for f in c.flags}):
+        console.print(f"[bold]{flag}[/]: {escape(FLAG_REASONS.get(flag, flag))}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    if recorded:
+        console.print(
+            f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={escape(recorded)}."
+        )
+    best = result.best
+    if best is None:
+        console.print(
+            "No setting can be recommended: every candidate runs out of memory or is ruled out."
+        )
+    elif result.default_is_best:
+        console.print(
+            f"Best: the default is already best (peak reserved {format_bytes(baseline.peak_reserved_bytes)})."
+        )
+    else:
+        calls = baseline.device_calls - best.device_calls
+        line = (
+            f"Best: PYTORCH_CUDA_ALLOC_CONF={escape(best.alloc_conf)}  saves "
+            f"{format_bytes(result.saving_bytes)} of peak reserved over the default"
+        )
+        if result.saving_bytes == 0 and calls > 0:
+            line += f" and {calls:,} cudaMalloc/cudaFree call(s)"
+        console.print(line + ".", soft_wrap=True)

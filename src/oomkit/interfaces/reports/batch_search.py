@@ -1,0 +1,193 @@
+"""Rendering of batch-size searches: the memory-vs-batch curve, the verdict line, and JSON.
+
+Also the reverse question's table: which catalog GPUs one batch fits on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.console import Console
+from rich.table import Table
+
+from oomkit.plan.batch_search import BatchProbe, BatchSearchResult, SmallestGpuResult
+from oomkit.units import format_bytes
+
+__all__ = [
+    "batch_search_to_json",
+    "batch_search_verdict",
+    "render_batch_search",
+    "render_smallest_gpu",
+    "smallest_gpu_to_json",
+    "smallest_gpu_verdict",
+]
+
+
+def _margin_text(margin_bytes: int, is_default: bool) -> str:
+    return f"margin {format_bytes(margin_bytes)}" + (" (default)" if is_default else "")
+
+
+def batch_search_verdict(result: BatchSearchResult) -> str:
+    """One line a person reads first.
+
+    ``largest batch that fits on RTX 4090: 12 (peak reserved 21.30 GiB, margin 480.00 MiB,
+    9 traces)``
+    """
+    r = result
+    line = (
+        f"largest batch that fits on {r.gpu.name}: {r.batch_size} (peak reserved "
+        f"{format_bytes(r.peak_reserved_bytes)}, margin {format_bytes(r.margin_bytes)}, "
+        f"{r.traces} trace{'s' if r.traces != 1 else ''})"
+    )
+    if r.first_failing_batch is not None:
+        line += f"; at batch {r.first_failing_batch}, {r.limiting_step} does not fit"
+    else:
+        line += f"; the search stopped at --max-batch {r.max_batch}"
+    return line
+
+
+def _curve_table(result: BatchSearchResult) -> Table:
+    table = Table(title="Memory vs batch size", show_header=True, header_style="bold")
+    table.add_column("batch", justify="right")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("headroom", justify="right")
+    table.add_column("fits")
+    table.add_column("limited by")
+    for probe in result.curve:
+        mark = " <" if probe.batch_size == result.batch_size else ""
+        table.add_row(
+            f"{probe.batch_size}{mark}",
+            format_bytes(probe.peak_reserved_bytes),
+            format_bytes(probe.headroom_bytes),
+            "yes" if probe.fits else "no",
+            probe.limiting_step,
+        )
+    return table
+
+
+def render_batch_search(result: BatchSearchResult, console: Console) -> None:
+    """Print a search: the setting, the curve of every batch tried, the verdict, warnings."""
+    r = result
+    console.print(
+        f"{r.description or 'step'} on {r.gpu.name} ({format_bytes(r.capacity_bytes)} total, "
+        f"{format_bytes(r.context_overhead_bytes)} outside PyTorch, "
+        f"{_margin_text(r.margin_bytes, r.margin_is_default)}, "
+        f"allocator settings: {r.alloc_conf or 'default'}, {r.steps} training steps per probe)"
+    )
+    console.print(_curve_table(r))
+    console.print(f"[bold green]{batch_search_verdict(r)}[/]")
+    for warning in r.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+
+
+def _probe_json(probe: BatchProbe) -> dict:
+    return {
+        "batch_size": probe.batch_size,
+        "fits": probe.fits,
+        "peak_reserved_bytes": probe.peak_reserved_bytes,
+        "peak_allocated_bytes": probe.peak_allocated_bytes,
+        "headroom_bytes": probe.headroom_bytes,
+        "limiting_step": probe.limiting_step,
+    }
+
+
+def batch_search_to_json(result: BatchSearchResult) -> dict:
+    """The search as one JSON-ready object (bytes as ints), with the curve and the verdict.
+
+    The per-probe predictions are left out; ``oomkit predict --batch N`` shows one in full.
+    """
+    r = result
+    return {
+        "batch_size": r.batch_size,
+        "gpu": dataclasses.asdict(r.gpu),
+        "alloc_conf": r.alloc_conf,
+        "capacity_bytes": r.capacity_bytes,
+        "context_overhead_bytes": r.context_overhead_bytes,
+        "usable_bytes": r.usable_bytes,
+        "margin_bytes": r.margin_bytes,
+        "margin_is_default": r.margin_is_default,
+        "peak_reserved_bytes": r.peak_reserved_bytes,
+        "peak_allocated_bytes": r.peak_allocated_bytes,
+        "headroom_bytes": r.headroom_bytes,
+        "limiting_step": r.limiting_step,
+        "first_failing_batch": r.first_failing_batch,
+        "curve": [_probe_json(p) for p in r.curve],
+        "probe_order": list(r.probe_order),
+        "traces": r.traces,
+        "steps": r.steps,
+        "max_batch": r.max_batch,
+        "description": r.description,
+        "warnings": list(r.warnings),
+        "verdict": batch_search_verdict(r),
+    }
+
+
+def smallest_gpu_verdict(result: SmallestGpuResult) -> str:
+    """``smallest GPU batch 16 fits on: T4 (14.76 GiB total, 3.10 GiB headroom)``, or none."""
+    what = "it" if result.batch_size is None else f"batch {result.batch_size}"
+    fit = next((f for f in result.candidates if f.fits), None)
+    if fit is None:
+        largest = result.candidates[-1]
+        return (
+            f"{what} fits on none of the {len(result.candidates)} GPUs checked: on the largest, "
+            f"{largest.gpu.name}, it needs {format_bytes(largest.peak_reserved_bytes)} of "
+            f"{format_bytes(largest.usable_bytes)} usable with a "
+            f"{format_bytes(largest.margin_bytes)} margin"
+        )
+    return (
+        f"smallest GPU {what} fits on: {fit.gpu.name} ({format_bytes(fit.gpu.total_memory_bytes)} "
+        f"total, {format_bytes(fit.headroom_bytes)} headroom, margin {format_bytes(fit.margin_bytes)})"
+    )
+
+
+def render_smallest_gpu(result: SmallestGpuResult, console: Console) -> None:
+    """Print every GPU checked (by memory) with fit and headroom, then the smallest fit."""
+    if result.description:
+        console.print(f"{result.description} on {len(result.candidates)} GPUs")
+    table = Table(title="Fit by GPU", show_header=True, header_style="bold")
+    table.add_column("GPU")
+    table.add_column("total", justify="right")
+    table.add_column("needs", justify="right")
+    table.add_column("headroom", justify="right")
+    table.add_column("margin", justify="right")
+    table.add_column("fits")
+    for fit in result.candidates:
+        table.add_row(
+            fit.gpu.name,
+            format_bytes(fit.gpu.total_memory_bytes),
+            format_bytes(fit.peak_reserved_bytes),
+            format_bytes(fit.headroom_bytes),
+            format_bytes(fit.margin_bytes),
+            "yes" if fit.fits else "no",
+        )
+    console.print(table)
+    style = "bold green" if result.smallest is not None else "bold red"
+    console.print(f"[{style}]{smallest_gpu_verdict(result)}[/]")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+
+
+def smallest_gpu_to_json(result: SmallestGpuResult) -> dict:
+    """The reverse question's answer as one JSON-ready object, with the verdict."""
+    return {
+        "batch_size": result.batch_size,
+        "smallest": None if result.smallest is None else result.smallest.name,
+        "candidates": [
+            {
+                "gpu": fit.gpu.name,
+                "total_memory_bytes": fit.gpu.total_memory_bytes,
+                "usable_bytes": fit.usable_bytes,
+                "fits": fit.fits,
+                "peak_reserved_bytes": fit.peak_reserved_bytes,
+                "headroom_bytes": fit.headroom_bytes,
+                "margin_bytes": fit.margin_bytes,
+                "limiting_step": fit.limiting_step,
+            }
+            for fit in result.candidates
+        ],
+        "margin_bytes": result.margin_bytes,
+        "traces": result.traces,
+        "description": result.description,
+        "warnings": list(result.warnings),
+        "verdict": smallest_gpu_verdict(result),
+    }

@@ -1,0 +1,177 @@
+"""Rendering of ``Prediction`` records: the one-line verdict, rich tables and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+from oomkit.prediction.predictor import PeakBreakdown, Prediction
+from oomkit.units import format_bytes
+
+__all__ = ["kernels_line", "prediction_to_json", "render_prediction", "verdict_line"]
+
+# What a row of the breakdown table calls reserved memory that holds no live tensor.
+CACHED_LABEL = "cached, not allocated"
+
+
+def _module_label(path: str | None) -> str:
+    if path is None:
+        return "(outside any module)"
+    return path or "(root module)"
+
+
+def verdict_line(prediction: Prediction) -> str:
+    """One line a person reads first: fits (with headroom) or where it would OOM.
+
+    ``fits on H100 SXM 80GB: peak reserved 12.30 GiB of 79.11 GiB usable, 66.81 GiB headroom``
+    """
+    p = prediction
+    if p.oom is None:
+        line = (
+            f"fits on {p.gpu.name}: peak reserved {format_bytes(p.peak_reserved_bytes)} of "
+            f"{format_bytes(p.usable_bytes)} usable, {format_bytes(p.headroom_bytes)} headroom"
+        )
+    else:
+        oom = p.oom
+        where = "before the first step" if oom.step is None else f"at step {oom.step}"
+        place = "" if oom.module is None else f" in {_module_label(oom.module)}"
+        op = "" if oom.op is None else f" ({oom.op})"
+        line = (
+            f"would OOM {where}{place}{op} requesting {format_bytes(oom.requested_bytes)} on "
+            f"{p.gpu.name}: the step needs about {format_bytes(p.required_bytes)} reserved, "
+            f"{format_bytes(-p.headroom_bytes)} more than the {format_bytes(p.usable_bytes)} "
+            "usable"
+        )
+    if p.budget_bytes is not None and not p.within_budget:
+        line += f"; over the budget of {format_bytes(p.budget_bytes)}"
+    elif p.budget_bytes is not None:
+        line += f"; within the budget of {format_bytes(p.budget_bytes)}"
+    return line
+
+
+def kernels_line(prediction: Prediction) -> str:
+    """``kernels as on compute capability 9.0, cuDNN 9.20.0 (torch 2.13's default Linux
+    wheel): SDPA cudnn_attention (24 calls)``: what the recording assumed the GPU runs."""
+    major, minor = prediction.gpu.kernel_compute_capability
+    target = ", ".join(
+        [f"compute capability {major}.{minor}"]
+        + [f"{name} {value}" for name, value in prediction.assumptions.items()]
+    )
+    choices = "; ".join(
+        f"{choice} ({count} call{'s' if count != 1 else ''})"
+        for choice, count in prediction.kernel_choices.items()
+    )
+    return f"kernels as on {target}: {choices}"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _breakdown_table(at: PeakBreakdown, title: str) -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("%", justify="right")
+    whole = max(at.reserved_bytes, at.allocated_bytes)
+    for category, nbytes in at.by_category_bytes.items():
+        table.add_row(category, format_bytes(nbytes), _pct(nbytes, whole))
+    cached = at.reserved_bytes - at.allocated_bytes
+    if cached > 0:
+        table.add_row(CACHED_LABEL, format_bytes(cached), _pct(cached, whole))
+    table.add_row("reserved", format_bytes(at.reserved_bytes), _pct(at.reserved_bytes, whole))
+    return table
+
+
+def _modules_table(at: PeakBreakdown) -> Table:
+    table = Table(title="Top modules at peak allocated", show_header=True, header_style="bold")
+    table.add_column("module")
+    table.add_column("bytes", justify="right")
+    table.add_column("% of allocated", justify="right")
+    for path, nbytes in at.top_modules:
+        table.add_row(_module_label(path), format_bytes(nbytes), _pct(nbytes, at.allocated_bytes))
+    if at.unattributed_bytes:
+        table.add_row(
+            "(outside any module)",
+            format_bytes(at.unattributed_bytes),
+            _pct(at.unattributed_bytes, at.allocated_bytes),
+        )
+    return table
+
+
+def _steps_table(prediction: Prediction) -> Table:
+    table = Table(title="Peaks per step", show_header=True, header_style="bold")
+    table.add_column("step", justify="right")
+    table.add_column("peak allocated", justify="right")
+    table.add_column("peak reserved", justify="right")
+    for s in prediction.step_peaks:
+        table.add_row(
+            str(s.step), format_bytes(s.peak_allocated_bytes), format_bytes(s.peak_reserved_bytes)
+        )
+    return table
+
+
+def _is_entry_point(frame: str) -> bool:
+    # A preset has no user frame: the tracer's nearest outside frame is the `oomkit` script.
+    filename = frame.rsplit(":", 1)[0]
+    return filename.replace("\\", "/").rsplit("/", 1)[-1] in ("oomkit", "__main__.py")
+
+
+def render_prediction(prediction: Prediction, console: Console) -> None:
+    """Print a prediction: the setting, the breakdown at peak, top modules, verdict, warnings."""
+    p = prediction
+    head = p.description or "step"
+    console.print(
+        f"{head} on {p.gpu.name} ({format_bytes(p.capacity_bytes)} total, "
+        f"{format_bytes(p.context_overhead_bytes)} outside PyTorch, "
+        f"allocator settings: {p.alloc_conf or 'default'})"
+    )
+    if p.kernel_choices:
+        console.print(kernels_line(p), highlight=False)
+    at = p.peak_allocated_at
+    when = "before the first step" if at.step is None else f"step {at.step}"
+    console.print(_breakdown_table(at, f"Memory at peak allocated ({when})"))
+    if at.top_modules or at.unattributed_bytes:
+        console.print(_modules_table(at))
+    if len(p.step_peaks) > 1:
+        console.print(_steps_table(p))
+    style = "bold green" if p.fits and p.within_budget is not False else "bold red"
+    console.print(f"[{style}]{verdict_line(p)}[/]")
+    if p.oom is not None:
+        if p.oom.frame and not _is_entry_point(p.oom.frame):
+            console.print(f"  from {p.oom.frame}")
+        console.print(f"  {p.oom.message}", soft_wrap=True)
+    for warning in p.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) -> dict:
+    """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict.
+
+    Args:
+        prediction: the prediction.
+        workload: what was predicted, when it can be rebuilt: ``{"preset": NAME, "options":
+            StepOptions fields, "steps": N}``; saved as ``workload`` so that ``oomkit explain``
+            can re-predict with a change applied. None (a user function, --hf): no key.
+    """
+    out = {key: _plain(value) for key, value in dataclasses.asdict(prediction).items()}
+    for key in ("peak_allocated_at", "peak_reserved_at"):
+        out[key]["top_modules"] = [
+            {"module": path, "bytes": nbytes} for path, nbytes in out[key]["top_modules"]
+        ]
+    out["top_modules"] = [{"module": path, "bytes": nbytes} for path, nbytes in out["top_modules"]]
+    out["verdict"] = verdict_line(prediction)
+    if workload is not None:
+        out["workload"] = _plain(workload)
+    return out

@@ -1,0 +1,130 @@
+"""Rendering of ``ReplayResult`` records: JSON objects and rich tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from oomkit.core.replay import ReplayResult
+from oomkit.units import format_bytes
+
+__all__ = ["replay_to_json", "render_replay", "comparison_table"]
+
+
+def _segments_to_json(segments: Sequence[dict]) -> list[dict]:
+    return [
+        {
+            "address": seg["address"],
+            "total_size": seg["total_size"],
+            "stream": seg.get("stream", 0),
+            "segment_type": seg.get("segment_type"),
+            "is_expandable": seg.get("is_expandable", False),
+            "blocks": [
+                {"address": b["address"], "size": b["size"], "state": b["state"]}
+                for b in seg["blocks"]
+            ],
+        }
+        for seg in segments
+    ]
+
+
+def replay_to_json(result: ReplayResult, *, include_segments: bool = True) -> dict:
+    """The replay as one JSON-ready object (the ``--json`` output of replay and simulate)."""
+    divergence = result.first_divergence
+    out: dict = {
+        "events": result.events,
+        "alloc_conf": result.alloc_conf,
+        "torch_version": result.torch_version,
+        "peak_allocated_bytes": result.peak_allocated_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "final_allocated_bytes": result.final_allocated_bytes,
+        "final_reserved_bytes": result.final_reserved_bytes,
+        "num_device_alloc": result.num_device_alloc,
+        "num_device_free": result.num_device_free,
+        "num_alloc_retries": result.num_alloc_retries,
+        "oom": result.oom,
+        "oom_event_index": result.oom_event_index,
+        "oom_message": result.oom_message,
+        "segment_events_recorded": result.segment_events_recorded,
+        "segment_events_matched": result.segment_events_matched,
+        "final_state_matches": result.final_state_matches,
+        "first_divergence": None
+        if divergence is None
+        else {
+            "segment_event_index": divergence.segment_event_index,
+            "trace_event_index": divergence.trace_event_index,
+            "expected": list(divergence.expected) if divergence.expected else None,
+            "actual": list(divergence.actual) if divergence.actual else None,
+            "context": list(divergence.context),
+        },
+        "recorded_peak_reserved_bytes": result.recorded_peak_reserved_bytes,
+        "warnings": list(result.warnings),
+    }
+    if include_segments:
+        out["segment_events"] = [list(e) for e in result.segment_events]
+        out["final_segments"] = _segments_to_json(result.final_segments)
+    return out
+
+
+def render_replay(result: ReplayResult, console: Console, *, title: str = "Replay") -> None:
+    """Print one replay: its verdict line, then a small table of the numbers behind it."""
+    if result.oom:
+        console.print(
+            f"[bold red]OOM[/] at event {result.oom_event_index} "
+            f"under {result.alloc_conf or 'the default settings'}"
+        )
+    if result.segment_events_recorded is not None:
+        matched = result.segment_events_matched
+        recorded = result.segment_events_recorded
+        ok = result.first_divergence is None and result.final_state_matches
+        verdict = "[bold green]reproduced exactly[/]" if ok else "[bold red]diverged[/]"
+        console.print(
+            f"Verify: {verdict}: {matched}/{recorded} segment decisions match, "
+            f"final state {'matches' if result.final_state_matches else 'differs'}."
+        )
+        if result.first_divergence is not None:
+            d = result.first_divergence
+            console.print(
+                f"  first divergence at segment event {d.segment_event_index}"
+                f" (trace event {d.trace_event_index}): recorded {d.expected}, simulated {d.actual}"
+            )
+            for line in d.context:
+                console.print(f"    {line}")
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("events replayed", f"{result.events:,}")
+    table.add_row("peak allocated", format_bytes(result.peak_allocated_bytes))
+    table.add_row("peak reserved", format_bytes(result.peak_reserved_bytes))
+    if result.recorded_peak_reserved_bytes is not None:
+        table.add_row("peak reserved (as recorded)", format_bytes(result.recorded_peak_reserved_bytes))
+    table.add_row("cudaMalloc / cudaFree", f"{result.num_device_alloc:,} / {result.num_device_free:,}")
+    table.add_row("alloc retries", f"{result.num_alloc_retries:,}")
+    console.print(table)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def comparison_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) -> Table:
+    """A table with one column per setting, for side-by-side what-ifs."""
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    for label, _ in results:
+        table.add_column(label, justify="right")
+
+    def row(name: str, fn) -> None:
+        table.add_row(name, *(fn(r) for _, r in results))
+
+    row("peak allocated", lambda r: format_bytes(r.peak_allocated_bytes))
+    row("peak reserved", lambda r: format_bytes(r.peak_reserved_bytes))
+    row(
+        "peak reserved − peak allocated",
+        lambda r: format_bytes(r.peak_reserved_bytes - r.peak_allocated_bytes),
+    )
+    row("cudaMalloc calls", lambda r: f"{r.num_device_alloc:,}")
+    row("cudaFree calls", lambda r: f"{r.num_device_free:,}")
+    row("alloc retries", lambda r: f"{r.num_alloc_retries:,}")
+    row("out of memory", lambda r: "yes" if r.oom else "no")
+    return table

@@ -1,0 +1,249 @@
+"""Hugging Face transformers models as prediction workloads, built from their config only.
+
+transformers is an optional dependency (``pip install oomkit[hf]``), imported when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.prediction.models.options import BuiltStep, StepOptions
+from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
+
+__all__ = ["build_hf_step", "load_hf_config"]
+
+# Default prompt/sequence length when StepOptions.seq_len is None: the model's own limit, capped
+# (a 128K-token context is a deliberate choice, not a default).
+_DEFAULT_SEQ_LEN_CAP = 2048
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TorchRequiredError(
+            "building a Hugging Face model needs transformers; install it with "
+            "`pip install oomkit[hf]`, or use a built-in preset (oomkit.prediction.models.PRESETS)"
+        ) from exc
+    return transformers
+
+
+def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = False) -> Any:
+    """A ``PretrainedConfig`` from a config object, a local directory or a hub name.
+
+    Args:
+        name_or_path_or_config: a ``transformers.PretrainedConfig``; a directory holding
+            ``config.json``; or a hub name such as ``"openai-community/gpt2"``.
+        local_files_only: do not contact the hub (only the local cache), so a missing config
+            fails at once instead of after network retries.
+
+    Raises:
+        OomkitError: the config cannot be found or read (no network, a typo, a gated model).
+    """
+    transformers = _transformers()
+    if isinstance(name_or_path_or_config, transformers.PretrainedConfig):
+        return name_or_path_or_config
+    name = os.fspath(name_or_path_or_config)
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise OomkitError(
+            f"{name} is a directory without config.json; point at a model directory saved with "
+            "save_pretrained(), or pass a transformers config object"
+        )
+    if not os.path.isdir(name) and not local_files_only:
+        # A hub name: the local cache first; then, only if the hub's host resolves, the network
+        # (offline, huggingface_hub would retry for ~40 s before failing).
+        try:
+            return transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            pass
+        host = _hub_host()
+        if not _resolves(host):
+            raise OomkitError(
+                f"could not load the Hugging Face config of {name!r}: it is not in the local "
+                f"cache and {host} cannot be reached (no network?). Pass a local directory "
+                "holding its config.json or a config object (e.g. "
+                "transformers.AutoConfig.for_model('llama', ...))"
+            )
+    try:
+        return transformers.AutoConfig.from_pretrained(name, local_files_only=local_files_only)
+    except (OSError, ValueError, KeyError) as exc:
+        raise OomkitError(
+            f"could not load the Hugging Face config of {name!r} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Without network access, pass a "
+            "local directory holding its config.json or a config object (e.g. "
+            "transformers.AutoConfig.for_model('llama', ...)); check the spelling, and for gated "
+            "models log in with `huggingface-cli login`"
+        ) from exc
+
+
+def _hub_host() -> str:
+    """The host of the Hugging Face endpoint (``HF_ENDPOINT``, else huggingface.co)."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    return urllib.parse.urlparse(endpoint).hostname or "huggingface.co"
+
+
+def _resolves(host: str) -> bool:
+    """Whether ``host`` has an address: a quick check before network retries."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
+_AUTO_CLASSES: tuple[tuple[str, str, Task], ...] = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING", "AutoModelForCausalLM", "causal_lm"),
+    ("MODEL_FOR_MASKED_LM_MAPPING", "AutoModelForMaskedLM", "masked_lm"),
+    (
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING",
+        "AutoModelForImageClassification",
+        "image_classification",
+    ),
+)
+
+
+def _auto_class(transformers: Any, config: Any) -> tuple[Any, Task]:
+    """The auto class that builds ``config`` and the task it implies.
+
+    An encoder such as BERT is known to both the causal-LM and the masked-LM mappings
+    (``BertLMHeadModel`` / ``BertForMaskedLM``); it is built as a masked LM unless its config says
+    ``is_decoder``. Otherwise the first mapping (transformers' auto mappings, keyed by config
+    class) that knows the config wins.
+    """
+    known = [
+        (getattr(transformers, cls_name), task)
+        for mapping, cls_name, task in _AUTO_CLASSES
+        if type(config) in getattr(transformers, mapping)
+    ]
+    if not known:
+        raise OomkitError(
+            f"oomkit cannot build a {type(config).__name__} ({config.model_type}): it supports "
+            "causal language models, masked language models and image classifiers; use a "
+            "built-in preset, or trace your own step with oomkit.prediction.tracing.trace_step"
+        )
+    tasks = [task for _, task in known]
+    if "masked_lm" in tasks and not getattr(config, "is_decoder", False):
+        return known[tasks.index("masked_lm")]
+    return known[0]
+
+
+@contextlib.contextmanager
+def _unpacked_sequences(transformers: Any) -> Iterator[None]:
+    """Tell transformers' mask builder our sequences are not packed, without reading values.
+
+    masking_utils.py ``find_packed_sequence_indices`` (called in training, with no attention mask
+    and no cache) tests ``(mask[:, -1] == 0).all()``, a data-dependent branch meta tensors cannot
+    take. Our position ids are one ``arange`` per row, for which it returns ``None``; return that.
+    """
+    module: Any = getattr(transformers, "masking_utils", None)
+    original = getattr(module, "find_packed_sequence_indices", None)
+    if module is None or original is None:
+        yield
+        return
+    module.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = original
+
+
+def build_hf_step(
+    name_or_path_or_config: Any,
+    options: StepOptions,
+    device: str = "meta",
+    *,
+    local_files_only: bool = False,
+) -> BuiltStep:
+    """Build a transformers model from its config on ``device`` and return its step.
+
+    The model comes from ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
+    ``...ForImageClassification``, whichever knows the config) ``.from_config`` with
+    ``attn_implementation="sdpa"``, under ``torch.device(device)``: no weights are read.
+
+    Args:
+        name_or_path_or_config: a ``PretrainedConfig``, a directory with ``config.json`` or a
+            hub name.
+        options: as for presets. ``seq_len`` defaults to the model's maximum positions capped at
+            2048; ``image_size`` to the config's. ``generate`` uses a ``DynamicCache`` (grows by
+            cat) and greedy decoding.
+        device: where the model and inputs live; ``"meta"`` allocates nothing.
+        local_files_only: for hub names, do not contact the hub.
+
+    Returns:
+        The step, objects to track, a description and the parameter count.
+
+    Raises:
+        TorchRequiredError: transformers is not installed.
+        OomkitError: the config cannot be loaded, the model type is not supported, or the
+            sequence is longer than the model's positions.
+    """
+    transformers = _transformers()
+    config = load_hf_config(name_or_path_or_config, local_files_only=local_files_only)
+    auto_class, task = _auto_class(transformers, config)
+    with torch.device(device):
+        model = auto_class.from_config(config, attn_implementation="sdpa")
+    model = model.to(dtype=model_dtype(options.precision))
+    if options.checkpointing and options.mode == "train":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    max_positions = getattr(text, "max_position_embeddings", None) or getattr(
+        text, "n_positions", None
+    )
+    seq_len = options.seq_len or min(max_positions or _DEFAULT_SEQ_LEN_CAP, _DEFAULT_SEQ_LEN_CAP)
+    total = seq_len + (options.new_tokens if options.mode == "generate" else 0)
+    if task != "image_classification" and max_positions is not None and total > max_positions:
+        raise OomkitError(
+            f"{config.model_type} has {max_positions} positions but the step needs {total} "
+            f"tokens; use StepOptions(seq_len=...) of at most {max_positions} in total"
+        )
+    image_size = options.image_size or getattr(config, "image_size", None) or 224
+    title = _title(name_or_path_or_config, config, model)
+    runner = _runner(transformers, model, task, config, text)
+    return build_step(
+        runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device
+    )
+
+
+def _title(source: Any, config: Any, model: torch.nn.Module) -> str:
+    if isinstance(source, str | os.PathLike):
+        return f"{os.fspath(source)} (Hugging Face)"
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    return f"{type(model).__name__} {millions:.1f}M (Hugging Face {config.model_type})"
+
+
+def _runner(transformers: Any, model: Any, task: Task, config: Any, text: Any) -> ModelRunner:
+    if task == "image_classification":
+        return ModelRunner(
+            model, task, config.num_labels, forward=lambda x: model(pixel_values=x).logits
+        )
+    if task == "masked_lm":
+        return ModelRunner(
+            model, task, text.vocab_size, forward=lambda ids: model(input_ids=ids).logits
+        )
+
+    def new_cache() -> Any:
+        # cache_utils.py DynamicCache: per-layer keys/values grown by torch.cat.
+        return transformers.DynamicCache(config=model.config)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        with _unpacked_sequences(transformers):
+            return model(input_ids=ids, use_cache=False).logits
+
+    return ModelRunner(
+        model,
+        task,
+        text.vocab_size,
+        forward=forward,
+        new_cache=new_cache,
+        decode=lambda ids, cache, keep: (
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+        ),
+    )

@@ -1,0 +1,50 @@
+"""Exact bytes of a preset's model state by arithmetic from its config: no model is built."""
+
+from __future__ import annotations
+
+from oomkit.prediction.models.options import StepOptions
+from oomkit.prediction.models.presets import shaped_preset
+
+__all__ = ["expected_state_bytes"]
+
+# Adam/AdamW keep exp_avg and exp_avg_sq, SGD with momentum one momentum_buffer, each shaped and
+# typed like its parameter (torch/optim/adam.py and sgd.py, _init_group: zeros_like / clone).
+# Adam's per-parameter `step` is a CPU tensor unless capturable or fused (adam.py _init_group),
+# so it takes no GPU memory.
+_STATES_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+def expected_state_bytes(name: str, options: StepOptions) -> dict[str, int]:
+    """Parameter, buffer, gradient and optimizer-state bytes of a preset step, on the device.
+
+    Parameters (and floating-point buffers) are fp32 except in pure ``bf16``, where the whole
+    model is cast; mixed precision keeps fp32 master weights. Gradients have their parameter's
+    dtype; optimizer states too.
+
+    Args:
+        name: a preset name, e.g. ``"gpt2-124m"``.
+        options: precision, optimizer and mode matter; ViT's ``image_size`` sets its position
+            embedding.
+
+    Returns:
+        ``parameter`` (tied weights once), ``buffer`` (BatchNorm running statistics, RoPE
+        ``inv_freq``, BERT's position and token-type ids), ``gradient`` (one step's gradients,
+        alive from backward to ``zero_grad``; 0 unless ``mode="train"``) and ``optimizer_state``
+        (created in the first step and kept; 0 unless ``mode="train"``).
+
+    Raises:
+        UnknownPresetError: ``name`` is not a preset.
+    """
+    preset = shaped_preset(name, options)
+    itemsize = 2 if options.precision == "bf16" else 4
+    parameter_bytes = preset.parameter_count() * itemsize
+    float_buffers, int64_buffers = preset.buffer_count()
+    train = options.mode == "train"
+    return {
+        "parameter": parameter_bytes,
+        "buffer": float_buffers * itemsize + int64_buffers * 8,
+        "gradient": parameter_bytes if train else 0,
+        "optimizer_state": (
+            _STATES_PER_PARAMETER[options.optimizer] * parameter_bytes if train else 0
+        ),
+    }

@@ -1,0 +1,238 @@
+"""Turn a built model into a step function: train, inference or greedy generation.
+
+Shared by the presets and by Hugging Face models; the caller supplies how to run the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from oomkit.errors import OomkitError
+from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
+
+__all__ = ["ModelRunner", "Task", "build_step", "autocast_dtype", "model_dtype"]
+
+Task = Literal["causal_lm", "masked_lm", "image_classification"]
+
+
+@dataclass(frozen=True)
+class ModelRunner:
+    """How to call one model: what the step builder needs besides the model itself.
+
+    Attributes:
+        model: the module, already on its device and in its dtype.
+        task: what its inputs and loss are.
+        classes: vocabulary size (text) or number of classes (images).
+        forward: inputs -> logits.
+        new_cache: a fresh KV cache (``generate`` only).
+        decode: (token ids, cache, logits_to_keep) -> logits, extending the cache (``generate``).
+    """
+
+    model: torch.nn.Module
+    task: Task
+    classes: int
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    new_cache: Callable[[], Any] | None = None
+    decode: Callable[[torch.Tensor, Any, int], torch.Tensor] | None = None
+
+
+def model_dtype(precision: Precision) -> torch.dtype:
+    """Dtype of parameters, gradients and optimizer states: bf16 only for pure ``bf16``."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast_dtype(precision: Precision) -> torch.dtype | None:
+    """The autocast dtype of a mixed precision, else ``None``."""
+    return {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+
+
+@contextlib.contextmanager
+def _autocast(precision: Precision) -> Iterator[None]:
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        yield
+        return
+    # The oomkit tracer emulates CUDA autocast (tracing/autocast.py); a CPU-only torch build
+    # warns that CUDA autocast is disabled, which is expected on the meta device.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        ctx = torch.autocast("cuda", dtype=dtype)
+    with ctx:
+        yield
+
+
+def _optimizer(options: StepOptions, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # foreach=True is what CUDA parameters get by default (torch/optim/optimizer.py,
+    # _default_to_fused_or_foreach); on meta the default would be the per-tensor loop.
+    if options.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if options.optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=True)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=True)
+
+
+def _inputs(
+    runner: ModelRunner, options: StepOptions, seq_len: int, image_size: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = options.batch_size
+    if runner.task == "image_classification":
+        images = torch.randn(
+            batch, 3, image_size, image_size, device=device, dtype=model_dtype(options.precision)
+        )
+        labels = torch.randint(runner.classes, (batch,), device=device)
+        return images, labels
+    ids = torch.randint(runner.classes, (batch, seq_len), device=device)
+    # Labels are the ids shifted left by one (next-token targets; the last one is ignored), made
+    # once so they count as input rather than as a copy inside the step.
+    labels = torch.roll(ids, -1, dims=1)
+    if device != "meta":
+        labels[:, -1] = -100
+    return ids, labels
+
+
+def _loss(loss_fn: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # A loss module rather than F.cross_entropy: the tracer then tags what the loss allocates
+    # (autocast's fp32 copy of the logits, log_softmax, and their backward) "CrossEntropyLoss"
+    # instead of leaving it outside any module. The reshapes are views: nothing is allocated.
+    return loss_fn(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class _GradScalerTensors:
+    """The device tensors of ``torch.amp.GradScaler`` and its in-place kernels (fp16-mixed).
+
+    Mirrors torch/amp/grad_scaler.py: ``_lazy_init_scale_growth_tracker`` (fp32 scale, int32
+    growth tracker, on first ``scale``), ``scale`` (``loss * scale``), ``unscale_`` (``inv_scale =
+    scale.double().reciprocal().float()``, a ``found_inf`` scalar, and
+    ``_amp_foreach_non_finite_check_and_unscale_`` in place on the gradients) and ``update``
+    (``_amp_update_scale_`` in place). Not modelled: skipping ``optimizer.step`` when a gradient is
+    inf/NaN (GradScaler reads ``found_inf.item()``, which meta tensors cannot answer); the step
+    always runs, as it does whenever gradients are finite.
+    """
+
+    def __init__(self) -> None:
+        self.scale: torch.Tensor | None = None
+        self.growth_tracker: torch.Tensor | None = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = torch.full((), 2.0**16, dtype=torch.float32, device=loss.device)
+            self.growth_tracker = torch.full((), 0, dtype=torch.int32, device=loss.device)
+        return loss * self.scale
+
+    def unscale_and_update(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.scale is not None and self.growth_tracker is not None
+        inv_scale = self.scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self.scale.device)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        optimizer.step()
+        # GradScaler defaults: growth_factor 2.0, backoff_factor 0.5, growth_interval 2000.
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
+
+
+def build_step(
+    runner: ModelRunner,
+    options: StepOptions,
+    *,
+    title: str,
+    seq_len: int,
+    image_size: int,
+    device: str,
+) -> BuiltStep:
+    """Make the step function of ``options.mode`` around an already-built model.
+
+    Args:
+        runner: the model and how to call it.
+        options: batch, precision, optimizer, checkpointing, mode.
+        title: model name for the description, e.g. ``"GPT-2 124M"``.
+        seq_len: tokens per sequence (text) after defaults.
+        image_size: pixels per side (vision) after defaults.
+        device: where inputs are created (``"meta"`` to trace).
+
+    Returns:
+        The step; its ``step_fn`` accepts and ignores positional arguments, so
+        ``trace_step(built.step_fn, *built.track)`` works.
+
+    Raises:
+        OomkitError: ``generate`` asked of a model that is not a causal language model.
+    """
+    model = runner.model
+    params = sum(p.numel() for p in model.parameters())
+    inputs, labels = _inputs(runner, options, seq_len, image_size, device)
+    description = _describe(title, options, runner.task, seq_len, image_size)
+    precision = options.precision
+    if options.mode == "train":
+        model.train()
+        optimizer = _optimizer(options, model)
+        scaler = _GradScalerTensors() if precision == "fp16-mixed" else None
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def train_step(*_tracked: object) -> None:
+            with _autocast(precision):
+                loss = _loss(loss_fn, runner.forward(inputs), labels)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale_loss(loss).backward()
+                scaler.unscale_and_update(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+
+        return BuiltStep(train_step, (model, optimizer, inputs, labels), description, params)
+    model.eval()
+    if options.mode == "inference":
+
+        def inference_step(*_tracked: object) -> None:
+            with torch.no_grad(), _autocast(precision):
+                runner.forward(inputs)
+
+        return BuiltStep(inference_step, (model, inputs), description, params)
+    if runner.task != "causal_lm" or runner.decode is None or runner.new_cache is None:
+        raise OomkitError(
+            f"{title} is not a decoder language model, so it cannot generate; use mode "
+            "'train' or 'inference', or a GPT-2 / Llama preset or a causal LM from Hugging Face"
+        )
+    decode, new_cache = runner.decode, runner.new_cache
+
+    def generate_step(*_tracked: object) -> None:
+        # Greedy decoding as transformers' GenerationMixin._sample: the prompt's forward fills
+        # the cache and yields token 1; each later token needs one forward of the previous
+        # token; the last token is appended but never fed back (new_tokens forwards in all).
+        # Logits are kept for the last position only (logits_to_keep=1) and copied to fp32
+        # (`outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)`); ids grow by cat.
+        with torch.no_grad(), _autocast(precision):
+            cache = new_cache()
+            ids = inputs
+            step_ids = inputs
+            for _ in range(options.new_tokens):
+                logits = decode(step_ids, cache, 1)
+                next_logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)
+                del logits
+                step_ids = next_logits.argmax(dim=-1, keepdim=True)
+                ids = torch.cat([ids, step_ids], dim=-1)
+
+    return BuiltStep(generate_step, (model, inputs), description, params)
+
+
+def _describe(title: str, options: StepOptions, task: Task, seq_len: int, image_size: int) -> str:
+    parts = [title, f"batch {options.batch_size}"]
+    if task == "image_classification":
+        parts.append(f"image {image_size}")
+    elif options.mode == "generate":
+        parts.append(f"prompt {seq_len} + {options.new_tokens} new tokens")
+    else:
+        parts.append(f"seq {seq_len}")
+    parts.append(options.precision)
+    if options.mode == "train":
+        parts.append(options.optimizer)
+        if options.checkpointing:
+            parts.append("checkpointing")
+    parts.append(options.mode)
+    return ", ".join(parts)

@@ -1,0 +1,439 @@
+"""Predict a step's peak GPU memory on a named GPU, without a GPU.
+
+``predict_recording`` replays a ``TraceRecording`` (from ``oomkit.prediction.tracing``) through the
+simulated caching allocator of that GPU: capacity is the device's total memory as PyTorch sees
+it, and the CUDA context is held outside the allocator, as on a real device. ``predict`` records
+the step first (``trace_step`` on the meta device) and then does the same.
+
+This module never imports torch itself; ``predict`` imports ``oomkit.prediction.tracing`` when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.prediction._replay import (
+    MAX_TIMELINE_POINTS,
+    StepPeak,
+    TimelinePoint,
+    category_levels,
+    live_breakdown,
+    replay_for_prediction,
+    step_of,
+)
+from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.units import format_bytes
+
+if TYPE_CHECKING:  # oomkit.prediction.tracing imports torch
+    from oomkit.prediction.tracing import TraceRecording
+
+__all__ = [
+    "MAX_TIMELINE_POINTS",
+    "TOP_MODULES",
+    "OomPoint",
+    "PeakBreakdown",
+    "Prediction",
+    "StepPeak",
+    "TimelinePoint",
+    "predict",
+    "predict_recording",
+]
+
+# How many modules a breakdown lists (the largest by live bytes).
+TOP_MODULES = 10
+
+# A device so large that no replay runs out: used to find what a step that OOMs would need.
+_UNLIMITED_BYTES = 2**60 - 2**40
+
+
+@dataclass(frozen=True)
+class OomPoint:
+    """Where a step would run out of memory.
+
+    Attributes:
+        event_index: the failing alloc's index in the recording's events.
+        step: the step it belongs to (0-based); ``None`` before the first step.
+        op: the aten op that allocated (``aten.mm.default``), if known.
+        module: the module path it ran in (``transformer.h.3.attn``; ``""`` is the root
+            module); ``None`` outside any module.
+        category: the allocation's category (``activation``, ``gradient``...).
+        requested_bytes: the request, unrounded.
+        message: PyTorch's ``torch.OutOfMemoryError`` text for this device.
+        frame: the user's own source line that triggered it (``file.py:12 in step``), if known.
+    """
+
+    event_index: int
+    step: int | None
+    op: str | None
+    module: str | None
+    category: str | None
+    requested_bytes: int
+    message: str
+    frame: str | None = None
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    """What was allocated at one moment of the step.
+
+    Attributes:
+        event_index: the moment (index into the recording's events); ``None`` before any.
+        step: its step (0-based); ``None`` before the first step.
+        allocated_bytes: allocated bytes then (block sizes, as ``memory_allocated()``).
+        reserved_bytes: reserved bytes then (as ``memory_reserved()``).
+        by_category_bytes: allocated bytes by category, largest first; sums to
+            ``allocated_bytes``.
+        top_modules: the ``TOP_MODULES`` largest ``(module path, bytes)``, largest first.
+        unattributed_bytes: allocated bytes made outside any module (parameters and inputs
+            tracked before the step, gradients, optimizer state, loss scalars).
+    """
+
+    event_index: int | None
+    step: int | None
+    allocated_bytes: int
+    reserved_bytes: int
+    by_category_bytes: Mapping[str, int]
+    top_modules: tuple[tuple[str, int], ...]
+    unattributed_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A step's predicted memory on one GPU under one allocator setting.
+
+    Attributes:
+        gpu: the device predicted for (its ``context_overhead_bytes`` is the one used).
+        alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` simulated, canonical (``""`` = default).
+        torch_version: the PyTorch version whose allocator was modelled; ``None`` = newest.
+        capacity_bytes: the device's total memory (``cudaMemGetInfo`` total).
+        context_overhead_bytes: memory held outside the allocator (CUDA context, kernels).
+        usable_bytes: ``capacity_bytes - context_overhead_bytes``: the most it may reserve.
+        peak_allocated_bytes: highest ``memory_allocated()`` (up to the OOM, if any).
+        peak_reserved_bytes: highest ``memory_reserved()`` (up to the OOM, if any).
+        required_bytes: reserved memory the step needs under this setting: the peak reserved
+            when it fits; when it does not, the peak reserved of the same replay on a device
+            with unlimited memory (an upper bound: near capacity the allocator frees its cache
+            and retries, so somewhat less may do).
+        fits: the step ran every recorded step without an OOM.
+        headroom_bytes: ``usable_bytes - required_bytes``; negative when it does not fit.
+        by_category_bytes: allocated bytes by category at the peak-allocated moment.
+        top_modules: the largest modules at the peak-allocated moment.
+        peak_allocated_at: the full breakdown at the peak-allocated moment.
+        peak_reserved_at: the full breakdown at the peak-reserved moment.
+        peak_step: the step in which reserved memory peaked (``None``: before the first step).
+        oom: where it would run out of memory, or ``None``.
+        steps: how many steps were recorded.
+        step_starts: index of each step's first event.
+        step_peaks: peak allocated and reserved of each step (up to the OOM).
+        events: events replayed (up to and including an OOM).
+        num_device_alloc: cudaMalloc calls (``num_device_alloc``).
+        num_device_free: cudaFree calls (``num_device_free``).
+        num_alloc_retries: allocations that freed the cache and retried.
+        timeline: at most ``MAX_TIMELINE_POINTS`` points, each the maximum of a run of events.
+        warnings: the recording's warnings (what is not emulated), then the prediction's.
+        budget_bytes: a limit on peak reserved set by the caller (``--budget``), or ``None``.
+        within_budget: ``fits`` and ``required_bytes <= budget_bytes``; ``None`` without one.
+        description: what was predicted ("GPT-2 124M, batch 8, ..."), for reports.
+        kernel_choices: the CUDA kernels the recording assumed for the GPU, with call counts
+            (``{"SDPA flash_attention": 24}``).
+        assumptions: facts about the target those choices rest on (``{"cuDNN": "9.20.0
+            (torch 2.13's default Linux wheel)"}``), from the recording.
+    """
+
+    gpu: GpuSpec
+    alloc_conf: str
+    torch_version: str | None
+    capacity_bytes: int
+    context_overhead_bytes: int
+    usable_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    required_bytes: int
+    fits: bool
+    headroom_bytes: int
+    by_category_bytes: Mapping[str, int]
+    top_modules: tuple[tuple[str, int], ...]
+    peak_allocated_at: PeakBreakdown
+    peak_reserved_at: PeakBreakdown
+    peak_step: int | None
+    oom: OomPoint | None
+    steps: int
+    step_starts: tuple[int, ...]
+    step_peaks: tuple[StepPeak, ...]
+    events: int
+    num_device_alloc: int
+    num_device_free: int
+    num_alloc_retries: int
+    timeline: tuple[TimelinePoint, ...]
+    warnings: tuple[str, ...]
+    budget_bytes: int | None = None
+    within_budget: bool | None = None
+    description: str = ""
+    kernel_choices: Mapping[str, int] = field(default_factory=dict)
+    assumptions: Mapping[str, str] = field(default_factory=dict)
+
+
+def predict_recording(
+    recording: TraceRecording,
+    gpu: str | GpuSpec,
+    alloc_conf: str | AllocatorConfig | None = None,
+    context_overhead_bytes: int | None = None,
+    torch_version: str | None = None,
+    *,
+    budget_bytes: int | None = None,
+    description: str = "",
+) -> Prediction:
+    """Replay a recorded step through the caching allocator of ``gpu``.
+
+    Args:
+        recording: what ``oomkit.prediction.tracing.trace_step`` returned (or any object with
+            ``events``, ``step_starts`` and ``warnings``).
+        gpu: a catalog name (``"h100"``), a size (``"24GiB"``) or a ``GpuSpec``.
+        alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` value or ``AllocatorConfig``; ``None`` is
+            PyTorch's default (the environment is not read).
+        context_overhead_bytes: memory held outside the allocator, in bytes; ``None`` uses the
+            GPU's documented estimate.
+        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
+        budget_bytes: a limit on reserved memory to check (``--budget``), in bytes.
+        description: what was recorded, carried into the result for reports.
+
+    Returns:
+        The prediction.
+
+    Raises:
+        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
+        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
+        GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
+        TraceFormatError: the recording frees an allocation it never made.
+    """
+    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+    config = AllocatorConfig.coerce(alloc_conf, torch_version)
+    events = recording.events
+    step_starts = tuple(recording.step_starts)
+    replay = replay_for_prediction(
+        events,
+        step_starts,
+        config,
+        capacity_bytes=spec.total_memory_bytes,
+        reserved_outside_bytes=spec.context_overhead_bytes,
+        torch_version=torch_version,
+    )
+    usable = spec.usable_bytes()
+    at_alloc = _breakdown(
+        events,
+        step_starts,
+        replay.block_bytes,
+        replay.peak_allocated_index,
+        reserved_bytes=replay.reserved_at_peak_allocated_bytes,
+    )
+    at_reserved = _breakdown(
+        events,
+        step_starts,
+        replay.block_bytes,
+        replay.peak_reserved_index,
+        reserved_bytes=replay.peak_reserved_bytes,
+    )
+    oom = None
+    required = replay.peak_reserved_bytes
+    if replay.oom_index is not None:
+        oom = _oom_point(events, step_starts, replay.oom_index, replay.oom_error)
+        unlimited = replay_for_prediction(
+            events,
+            step_starts,
+            config,
+            capacity_bytes=_UNLIMITED_BYTES,
+            reserved_outside_bytes=0,
+            torch_version=torch_version,
+            max_points=1,
+        )
+        required = unlimited.peak_reserved_bytes
+    fits = oom is None
+    within_budget = None
+    if budget_bytes is not None:
+        within_budget = fits and required <= budget_bytes
+    warnings = [*recording.warnings, *_warnings(events, replay.step_peaks, fits)]
+    return Prediction(
+        gpu=spec,
+        alloc_conf=str(config),
+        torch_version=torch_version,
+        capacity_bytes=spec.total_memory_bytes,
+        context_overhead_bytes=spec.context_overhead_bytes,
+        usable_bytes=usable,
+        peak_allocated_bytes=replay.peak_allocated_bytes,
+        peak_reserved_bytes=replay.peak_reserved_bytes,
+        required_bytes=required,
+        fits=fits,
+        headroom_bytes=usable - required,
+        by_category_bytes=at_alloc.by_category_bytes,
+        top_modules=at_alloc.top_modules,
+        peak_allocated_at=at_alloc,
+        peak_reserved_at=at_reserved,
+        peak_step=at_reserved.step,
+        oom=oom,
+        steps=len(step_starts),
+        step_starts=step_starts,
+        step_peaks=tuple(replay.step_peaks),
+        events=replay.events if oom is None else replay.oom_index + 1,
+        num_device_alloc=replay.num_device_alloc,
+        num_device_free=replay.num_device_free,
+        num_alloc_retries=replay.num_alloc_retries,
+        timeline=tuple(category_levels(events, replay.block_bytes, replay.timeline)),
+        warnings=tuple(warnings),
+        budget_bytes=budget_bytes,
+        within_budget=within_budget,
+        description=description,
+        kernel_choices=dict(recording.kernel_choices),
+        assumptions=dict(recording.assumptions),
+    )
+
+
+def _breakdown(
+    events: Sequence[Any],
+    step_starts: Sequence[int],
+    block_bytes: dict[int, int],
+    index: int | None,
+    *,
+    reserved_bytes: int,
+) -> PeakBreakdown:
+    live = live_breakdown(events, block_bytes, index)
+    return PeakBreakdown(
+        event_index=index,
+        step=None if index is None else step_of(step_starts, index),
+        allocated_bytes=sum(live.by_category_bytes.values()),
+        reserved_bytes=reserved_bytes,
+        by_category_bytes=live.by_category_bytes,
+        top_modules=tuple(list(live.by_module_bytes.items())[:TOP_MODULES]),
+        unattributed_bytes=live.unattributed_bytes,
+    )
+
+
+def _oom_point(
+    events: Sequence[Any], step_starts: Sequence[int], index: int, error: Any
+) -> OomPoint:
+    event = events[index]
+    tags = dict(event.tags)
+    frame = None
+    if event.frames:
+        f = event.frames[0]
+        frame = f"{f.filename}:{f.line} in {f.name}"
+    return OomPoint(
+        event_index=index,
+        step=step_of(step_starts, index),
+        op=tags.get("op"),
+        module=tags.get("module"),
+        category=tags.get("category"),
+        requested_bytes=event.size,
+        message=str(error),
+        frame=frame,
+    )
+
+
+def _warnings(events: Sequence[Any], step_peaks: Sequence[StepPeak], fits: bool) -> list[str]:
+    out = []
+    if not any(e.action == "alloc" and e.size > 0 for e in events):
+        out.append(
+            "the recording holds no device allocations: check that the step creates its tensors "
+            "on the meta device (oomkit runs it under torch.device('meta'))"
+        )
+    if fits and len(step_peaks) >= 2:
+        last, before = step_peaks[-1], step_peaks[-2]
+        once = _made_once_bytes(events, before.first_event_index, last.first_event_index)
+        grew_bytes = last.peak_allocated_bytes - before.peak_allocated_bytes
+        # Optimizer state made by the first optimizer step (Adam's exp_avg/exp_avg_sq) and the
+        # cuBLAS workspace of a handle first used after the step's peak (backward runs on the
+        # autograd thread, which has its own handle) live on into the next step: growth they
+        # explain is not growth later steps repeat.
+        explained = grew_bytes <= once
+        if last.peak_reserved_bytes > before.peak_reserved_bytes and not explained:
+            out.append(
+                f"peak reserved still grew in the last recorded step (step {before.step}: "
+                f"{format_bytes(before.peak_reserved_bytes)}, step {last.step}: "
+                f"{format_bytes(last.peak_reserved_bytes)}); later steps may need more: "
+                "predict with more steps"
+            )
+    return out
+
+
+# Categories whose allocations are made once and kept: optimizer state, cuBLAS workspaces
+# (cached per handle and stream for the process's life, CUDABlas.cpp getCurrentCUDABlasHandle).
+_MADE_ONCE = frozenset({"optimizer_state", "workspace"})
+
+
+def _made_once_bytes(events: Sequence[Any], start: int, stop: int) -> int:
+    """Bytes of made-once categories allocated in ``events[start:stop]``, live at ``stop``."""
+    live: dict[int, int] = {}
+    for event in events[start:stop]:
+        if event.action == "alloc" and dict(event.tags).get("category") in _MADE_ONCE:
+            live[event.address] = event.size
+        elif event.action == "free_completed":
+            live.pop(event.address, None)
+    return sum(live.values())
+
+
+def predict(
+    step_fn: Callable[..., Any],
+    *args: Any,
+    gpu: str | GpuSpec = "h100",
+    alloc_conf: str | AllocatorConfig | None = None,
+    steps: int = 3,
+    context_overhead_bytes: int | None = None,
+    torch_version: str | None = None,
+    budget_bytes: int | None = None,
+    track: Sequence[Any] = (),
+    description: str = "",
+    **kwargs: Any,
+) -> Prediction:
+    """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
+
+    Build the model, optimizer and inputs under ``torch.device("meta")`` first; pass them as
+    ``args`` (they are then also passed to ``step_fn``) or in ``track`` (recorded as allocated
+    before the first step, not passed), so that they count from the start::
+
+        with torch.device("meta"):
+            model = GPT(...); opt = torch.optim.AdamW(model.parameters()); x = ...
+        p = oomkit.predict(train_step, model, opt, x, gpu="rtx4090")
+
+    Args:
+        step_fn: one training or inference step; it must run on meta tensors.
+        args: passed to ``step_fn`` and tracked.
+        gpu: a catalog name (``"h100"``, ``"rtx4090"``), a size (``"24GiB"``) or a ``GpuSpec``.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate; ``None`` is the default.
+        steps: steps to record (3 shows optimizer-state creation and the steady state).
+        context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
+        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
+        budget_bytes: a reserved-memory limit to check, in bytes.
+        track: more objects to record as existing before the first step (not passed).
+        description: what is predicted, for reports.
+        kwargs: passed to ``step_fn`` and tracked.
+
+    Returns:
+        The prediction.
+
+    Raises:
+        TorchRequiredError: torch is not installed.
+        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
+        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
+        UnsupportedOpError: an op of the step cannot run on the meta device.
+        ValueError: ``steps`` is below 1.
+    """
+    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+    AllocatorConfig.coerce(alloc_conf, torch_version)  # fail on a bad setting before tracing
+    from oomkit.prediction.tracing import trace_step
+
+    count = len(args)
+
+    def step(*all_args: Any, **all_kwargs: Any) -> Any:
+        return step_fn(*all_args[:count], **all_kwargs)
+
+    recording = trace_step(step, *args, *track, steps=steps, gpu=spec, **kwargs)
+    return predict_recording(
+        recording,
+        spec,
+        alloc_conf,
+        torch_version=torch_version,
+        budget_bytes=budget_bytes,
+        description=description,
+    )

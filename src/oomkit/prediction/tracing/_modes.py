@@ -1,0 +1,132 @@
+"""The torch modes the recorder installs: one at the aten level, one at the Python API level.
+
+Why a plain ``TorchDispatchMode`` over meta tensors and not ``FakeTensorMode``: the user builds
+the model under ``torch.device("meta")`` and we must see *those* tensors, keeping their identity
+(``param.grad``, ``optimizer.state`` keys) and their reference counts untouched. FakeTensorMode
+would require converting every real/meta input into a FakeTensor (new objects, a memo that keeps
+them alive), caches op results, and adds per-op overhead. Its one advantage, reporting a
+``cuda`` device so CUDA-only code paths run, is what the emulation registry provides per op
+instead. Meta kernels allocate exactly the outputs, which is what we record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.recorder import Tracer
+
+__all__ = ["RecordingDispatchMode", "DivergenceFunctionMode"]
+
+
+class RecordingDispatchMode(TorchDispatchMode):
+    """Sees every aten op after autograd and decompositions: the ops that allocate."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self._tracer = tracer
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self._tracer._run_op(func, args, kwargs or {})
+
+
+class DivergenceFunctionMode(TorchFunctionMode):
+    """Runs Python-level functions whose CUDA memory meta does not reproduce.
+
+    Needed because composite functions such as ``scaled_dot_product_attention`` decompose before
+    they reach the dispatch mode, so their aten name never shows up there. ``on_call(name, func,
+    args, kwargs)`` runs a watched call (an emulation hook, or the function itself while counting
+    it as not emulated) and returns its result.
+    """
+
+    def __init__(
+        self,
+        watched: dict[Callable[..., Any], str],
+        on_call: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+    ):
+        super().__init__()
+        self._watched = watched
+        self._on_call = on_call
+        # reach_backward's wrappers -> the functions they wrap. A Python function such as
+        # F.dropout passes itself, looked up in its module (so the wrapper), to
+        # handle_torch_function; calling the wrapper from here would re-enter this mode.
+        self._originals: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        func = self._originals.get(func, func)
+        name = self._watched.get(func)
+        if name is not None:
+            return self._on_call(name, func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def reach_backward(self) -> Iterator[None]:
+        """While open, a watched function called where this mode is not active enters it.
+
+        The autograd engine does not carry torch-function modes into backward (it carries the
+        dispatch modes), so a function recomputed there by ``torch.utils.checkpoint`` would run
+        unwatched. Each watched function is replaced in its module by a wrapper that enters this
+        mode when the mode is off the current stack; the originals come back on exit.
+        """
+        from torch.overrides import _get_current_function_mode_stack
+
+        patched: list[tuple[Any, str, Any]] = []
+        for func, dotted in self._watched.items():
+            module_name, _, attr = dotted.rpartition(".")
+            owner = sys.modules.get(module_name)
+            if owner is None or getattr(owner, attr, None) is not func:
+                continue
+
+            @functools.wraps(func)
+            def wrapper(*args: Any, _original: Any = func, **kwargs: Any) -> Any:
+                if any(mode is self for mode in _get_current_function_mode_stack()):
+                    return _original(*args, **kwargs)
+                with self:
+                    return _original(*args, **kwargs)
+
+            patched.append((owner, attr, func))
+            self._originals[wrapper] = func
+            setattr(owner, attr, wrapper)
+        try:
+            yield
+        finally:
+            for owner, attr, func in reversed(patched):
+                setattr(owner, attr, func)
+            self._originals.clear()
+
+
+def watched_functions(names: list[str]) -> dict[Callable[..., Any], str]:
+    """Python functions for the dotted names in ``names`` that resolve (``torch.x.y``)."""
+    found: dict[Callable[..., Any], str] = {}
+    for name in names:
+        obj: Any = torch
+        parts = name.split(".")
+        if parts[0] != "torch":
+            continue
+        for part in parts[1:]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None and callable(obj):
+            found[obj] = name
+    return found

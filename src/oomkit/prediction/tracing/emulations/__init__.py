@@ -1,0 +1,97 @@
+"""The CUDA memory emulations that ship with oomkit, one module per concept.
+
+``register_defaults(registry)`` adds them all; ``oomkit.prediction.tracing.emulation.DEFAULT_EMULATIONS``
+is a registry built that way. The SDPA choice follows ``use_sdpa_settings`` (e.g. the target's
+cuDNN version) where the registry was built without settings. To fix a setting for one registry
+(or a ``CUBLAS_WORKSPACE_CONFIG``), build your own::
+
+    registry = EmulationRegistry()
+    register_defaults(registry, sdpa=SdpaSettings(cudnn_version=91501), environ={...})
+    trace_step(step, model, emulations=registry)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from oomkit.prediction.tracing.emulations.batch_norm import register_batch_norm, uses_cudnn
+from oomkit.prediction.tracing.emulations.cublas import (
+    CUBLAS_OPS,
+    cublas_workspace_bytes,
+    cublaslt_unified,
+    cublaslt_workspace_bytes,
+    register_cublas,
+)
+from oomkit.prediction.tracing.emulations.cudnn_builds import (
+    DEFAULT_WHEEL_CUDNN,
+    CudnnBuild,
+    cudnn_build_for,
+    cudnn_version_text,
+    installed_cudnn_build,
+)
+from oomkit.prediction.tracing.emulations.dropout import register_dropout
+from oomkit.prediction.tracing.emulations.embedding import register_embedding
+from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
+from oomkit.prediction.tracing.emulations.sdpa_backend import (
+    SdpaCall,
+    SdpaSettings,
+    SdpBackend,
+    cudnn_version_decides,
+    current_sdpa_settings,
+    default_sdpa_settings,
+    select_sdp_backend,
+    use_sdpa_settings,
+)
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.emulation import EmulationRegistry
+
+__all__ = [
+    "CUBLAS_OPS",
+    "DEFAULT_WHEEL_CUDNN",
+    "CudnnBuild",
+    "SdpBackend",
+    "SdpaCall",
+    "SdpaSettings",
+    "cublas_workspace_bytes",
+    "cublaslt_unified",
+    "cublaslt_workspace_bytes",
+    "cudnn_build_for",
+    "cudnn_version_decides",
+    "cudnn_version_text",
+    "default_sdpa_settings",
+    "installed_cudnn_build",
+    "register_batch_norm",
+    "register_cublas",
+    "register_defaults",
+    "register_dropout",
+    "register_embedding",
+    "register_sdpa",
+    "sdpa_backend_for",
+    "current_sdpa_settings",
+    "select_sdp_backend",
+    "use_sdpa_settings",
+    "uses_cudnn",
+]
+
+
+def register_defaults(
+    registry: EmulationRegistry,
+    *,
+    sdpa: SdpaSettings | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Register every built-in emulation in ``registry``.
+
+    Args:
+        registry: where to register (must not already hold these ops).
+        sdpa: switches for the SDPA backend choice; default: those in effect at each call
+            (``use_sdpa_settings``, else ``default_sdpa_settings()``).
+        environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
+    """
+    register_sdpa(registry, sdpa)
+    register_cublas(registry, environ)
+    register_embedding(registry)
+    register_batch_norm(registry)
+    register_dropout(registry)

@@ -1,0 +1,53 @@
+"""``F.dropout`` as CUDA runs it: the fused kernel's 1-byte mask, not a dtype-sized noise tensor.
+
+aten/src/ATen/native/Dropout.cpp ``dropout``: in training, when ``is_fused_kernel_acceptable``
+(a CUDA input, ``0 < p < 1``, ``numel > 0``), CUDA runs ``native_dropout``, which returns the
+output and a ``bool`` mask (1 byte per element) that autograd saves for
+``native_dropout_backward``. On meta the same composite takes ``_dropout<false>``:
+``empty_like(input).bernoulli_(1 - p)``, a noise tensor of the input's dtype (2 or 4 bytes per
+element) that is saved instead. This hook, run by the tracer's TorchFunctionMode in place of
+``torch.nn.functional.dropout`` (so ``nn.Dropout`` and Hugging Face models are covered), calls
+``native_dropout`` when the fused path applies.
+
+In-place dropout (``inplace=True``, ``dropout_``) is not fused on CUDA either (``_dropout<true>``)
+and is recorded as meta runs it; so are the other dropout variants (``alpha_dropout``,
+``feature_dropout``), which never take the fused kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
+
+__all__ = ["DROPOUT_FUNCTION", "register_dropout"]
+
+DROPOUT_FUNCTION = "torch.nn.functional.dropout"
+_PARAMS = ("input", "p", "training", "inplace")
+
+
+def register_dropout(registry: EmulationRegistry) -> None:
+    """Add the ``F.dropout`` hook to ``registry``."""
+    registry.register(DROPOUT_FUNCTION)(_dropout)
+
+
+def _dropout(ctx: EmulationContext) -> Any:
+    bound: dict[str, Any] = {"p": 0.5, "training": True, "inplace": False}
+    bound.update(zip(_PARAMS, ctx.args, strict=False))
+    bound.update(ctx.kwargs)
+    x, p = bound["input"], float(bound["p"])
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.device.type != "meta"
+        or not bound["training"]
+        or bound["inplace"]
+        # Dropout.cpp is_fused_kernel_acceptable: 0 < p < 1 and a non-empty input; F.dropout
+        # raises for p outside [0, 1], and p == 0 or 1 takes the unfused path.
+        or not 0.0 < p < 1.0
+        or x.numel() == 0
+    ):
+        return ctx.run()
+    return torch.native_dropout(x, p, True)[0]

@@ -1,0 +1,729 @@
+"""Record a training or inference step on the meta device as an allocation trace.
+
+``Tracer`` is the composable recorder; ``trace_step`` is the one-call function over it.
+
+How each fact is observed (all hooks are removed on exit):
+- allocations: a TorchDispatchMode sees every aten op's outputs; a storage not seen before is an
+  allocation of its ``nbytes`` (views share their base's storage; zero-byte storages are none).
+- frees: ``weakref.finalize`` on the storage (see ``storages.py``), so lifetimes follow Python
+  and autograd reference counting exactly.
+- module path: global forward pre/post hooks keep a stack of module calls. In backward, autograd
+  hooks on each call's outputs and inputs say whose backward runs (see ``_backward_modules.py``),
+  so a backward allocation carries the path of the module whose backward made it. A parameter,
+  its gradient and its optimizer state are tagged with the module that owns the parameter.
+- parameters / buffers: registration hooks, the module stack and ``track()``.
+- gradients: ``register_post_accumulate_grad_hook`` on every parameter seen.
+- optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
+- saved activations: ``saved_tensors_hooks`` whose pack hook notes the storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.nn.modules.module as _module_hooks
+import torch.optim.optimizer as _optimizer_hooks
+from torch.utils._pytree import tree_leaves
+
+from oomkit.errors import UnsupportedOpError
+from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.trace import TraceEvent
+from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
+from oomkit.prediction.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
+from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
+from oomkit.prediction.tracing.categories import Category, Phase, Role
+from oomkit.prediction.tracing.emulation import (
+    CUDA_DIVERGENT_OPS,
+    DEFAULT_EMULATIONS,
+    EmulationContext,
+    OpEmulation,
+)
+from oomkit.prediction.tracing.frames import UserFrameFinder
+from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
+from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
+from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.storages import Allocation, StorageTable
+
+__all__ = ["Tracer", "trace_step"]
+
+# Categories tagged with the module that owns their parameter rather than where they were made.
+_OWNED_CATEGORIES: frozenset[Category] = frozenset({"parameter", "gradient", "optimizer_state"})
+
+# The device whose storages stand for CUDA memory. CPU tensors (AdamW's default ``step``
+# counters, ``torch.tensor(1.0)`` scalars) live in host memory on a real GPU run too.
+_DEVICE_TYPE = "meta"
+
+
+@dataclass
+class _ModuleCall:
+    module: torch.nn.Module
+    path: str
+    call_id: int
+    root_call_id: int
+    # Call ids from the outermost call down to this one: how calls nest, for backward.
+    lineage: tuple[int, ...]
+    # Set when the call ran with grad enabled: its record for backward module tracking.
+    backward: BackwardCall | None = None
+
+
+class Tracer:
+    """Records every device storage allocation and free of the code run inside it.
+
+    Use as a context manager; read :attr:`recording` after it exits::
+
+        with Tracer() as tracer:
+            tracer.track(model, optimizer)   # storages that exist already
+            tracer.mark_step()
+            train_step()
+        recording = tracer.recording
+
+    One Tracer records once; tracers do not nest.
+    """
+
+    def __init__(
+        self,
+        *,
+        emulations: Mapping[str, OpEmulation] | None = None,
+        gpu: GpuSpec | None = None,
+    ) -> None:
+        """Create a recorder; nothing is installed until the ``with`` block starts.
+
+        Args:
+            emulations: per-op hooks by aten overload name; default ``DEFAULT_EMULATIONS``.
+            gpu: the target device the CUDA emulations model (its compute capability picks the
+                SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
+        """
+        self._emulations = DEFAULT_EMULATIONS if emulations is None else emulations
+        self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
+        self._emulation_state: dict[str, Any] = {}
+        self._emulated_what: dict[int, str] = {}  # alloc_id -> ("emulated", what) tag
+        self._frames = UserFrameFinder()
+        self._table = StorageTable(self._on_release)
+        self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
+        self._ids = itertools.count(1)
+        self._call_ids = itertools.count(1)
+        self._stack: list[_ModuleCall] = []
+        self._backward_modules = BackwardModules()
+        self._escapes: dict[int, list[Allocation]] = {}
+        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        # One weakref per module, and the path of each, kept after the module dies (a model
+        # built and dropped inside the step still names its parameters' storages at the end).
+        self._module_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._ref_paths: dict[weakref.ref[Any], str] = {}
+        self._roots = 0
+        self._optimizer_depth = 0
+        # By id with a weakref to check identity: tensors compare elementwise, so no WeakSet.
+        self._grad_watched: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._tracked: list[weakref.ref[Any]] = []
+        self._handles: list[Any] = []
+        self._synthetic: dict[int, Allocation] = {}
+        self._divergent_calls: Counter[str] = Counter()
+        self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
+        self._kernel_choices: Counter[str] = Counter()  # e.g. "SDPA flash_attention" -> calls
+        self._assumptions: dict[str, str] = {}  # e.g. "cuDNN" -> "9.20.0 (...)"
+        self._grad_scaler_steps: Counter[str] = Counter()
+        # id(param) -> (param, the module that registered it): tags its storages with that path.
+        self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
+        self._late_first_seen = 0
+        self._late_first_seen_bytes = 0
+        self._exit_stack: contextlib.ExitStack | None = None
+        self._recording: TraceRecording | None = None
+        self.failed_op: tuple[str, BaseException] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def __enter__(self) -> Tracer:
+        if self._exit_stack is not None or self._recording is not None:
+            raise RuntimeError("a Tracer records once; create a new Tracer for a new recording")
+        stack = contextlib.ExitStack()
+        self._handles += [
+            _module_hooks.register_module_forward_pre_hook(self._on_forward_pre),
+            _module_hooks.register_module_forward_hook(self._on_forward_post, always_call=True),
+            _module_hooks.register_module_parameter_registration_hook(self._on_param_registered),
+            _module_hooks.register_module_buffer_registration_hook(self._on_buffer_registered),
+            _optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre),
+            _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
+        ]
+        stack.callback(self._remove_handles)
+        stack.callback(self._backward_modules.close)
+        # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
+        stack.enter_context(cuda_optimizer_defaults())
+        stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
+        stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
+        if watched:
+            function_mode = DivergenceFunctionMode(watched, self._run_function)
+            stack.enter_context(function_mode)
+            # Torch-function modes do not follow into backward, so checkpoint's recomputation
+            # would miss them (and record another SDPA backend than forward did).
+            stack.enter_context(function_mode.reach_backward())
+        stack.enter_context(RecordingDispatchMode(self))
+        self._exit_stack = stack
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._exit_stack is not None, "Tracer.__exit__ without __enter__"
+        self._exit_stack.close()
+        self._final_scan()
+        self._table.close()
+        self._recording = self._build()
+
+    @property
+    def recording(self) -> TraceRecording:
+        """The trace, available once the ``with`` block has exited."""
+        if self._recording is None:
+            raise RuntimeError("the recording is ready once the Tracer's `with` block has exited")
+        return self._recording
+
+    def mark_step(self) -> None:
+        """Start a new step: the next event is the first of the step."""
+        self._log.append(("step",))
+
+    def track(self, *objects: Any) -> None:
+        """Record storages that exist already, as allocated now (before the first step).
+
+        Args:
+            objects: ``nn.Module`` (parameters, buffers, their ``.grad``), ``torch.optim``
+                optimizers (their state) and tensors (inputs), possibly nested in lists, tuples
+                and dicts. Other objects are ignored.
+        """
+        for obj in tree_leaves(list(objects)):
+            if isinstance(obj, torch.nn.Module):
+                self._tracked.append(weakref.ref(obj))
+                self._name_root(obj)
+                self._note_module(obj, recurse=True, first_seen_ok=True)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._tracked.append(weakref.ref(obj))
+                self._note_optimizer(obj, first_seen_ok=True)
+            elif isinstance(obj, torch.Tensor):
+                self._note(obj, "input", first_seen_ok=True)
+
+    # ------------------------------------------------------------------ ops
+
+    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = str(func)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, None, before_op=True)
+        hook = self._emulations.get(name)
+        try:
+            if hook is not None:
+                out = hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
+            else:
+                out = func(*args, **kwargs)
+        except Exception as exc:
+            self.failed_op = (name, exc)
+            raise
+        if hook is None and name in CUDA_DIVERGENT_OPS:
+            self._divergent_calls[name] += 1
+        # Outputs first (in order), then arguments an op may have resized or re-pointed.
+        for leaf in tree_leaves((out, args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, name, before_op=False)
+        return out
+
+    def _record_outputs(self, outputs: Any, op: str) -> None:
+        for leaf in tree_leaves(outputs):
+            if isinstance(leaf, torch.Tensor):
+                self._sync(leaf, op, before_op=False)
+
+    def _sync(self, tensor: torch.Tensor, op: str | None, *, before_op: bool) -> None:
+        if tensor.device.type != _DEVICE_TYPE:
+            return
+        storage = tensor.untyped_storage()
+        size = storage.nbytes()
+        alloc = self._table.lookup(storage)
+        if alloc is not None and alloc.size_bytes == size:
+            return
+        if alloc is None and size == 0:
+            return
+        if alloc is None and before_op:
+            self._first_seen(storage, size, "input", expected=False)
+            return
+        # A new storage, or one that resize_ grew/shrank: CUDA's resize_bytes allocates the new
+        # size, copies, then frees the old block (aten/src/ATen/native/cuda/Resize.cpp).
+        if size > 0:
+            self._table.bind(storage, self._new_alloc(size, op))
+        else:
+            self._table.unbind(storage)
+        if alloc is not None:
+            self._on_release(alloc)
+
+    def _new_alloc(
+        self,
+        size: int,
+        op: str | None,
+        *,
+        phase: Phase | None = None,
+        explicit: Category | None = None,
+    ) -> Allocation:
+        call = self._stack[-1] if self._stack else None
+        phase = phase or self._phase()
+        module = call.path if call else None
+        # Outside any forward call (checkpoint's recomputation is one) backward allocations
+        # belong to the module whose backward runs.
+        if call is None and phase == "backward":
+            backward = self._backward_modules.current
+            module = backward.path if backward else None
+        alloc = Allocation(
+            alloc_id=next(self._ids),
+            size_bytes=size,
+            phase=phase,
+            module=module,
+            op=op,
+            frames=self._frames.find(),
+            root_call=call.root_call_id if call else None,
+            explicit=explicit,
+        )
+        if call is not None:
+            self._escapes.setdefault(call.root_call_id, []).append(alloc)
+        self._log.append(("alloc", alloc))
+        return alloc
+
+    def _first_seen(
+        self, storage: torch.UntypedStorage, size: int, role: Role, *, expected: bool
+    ) -> Allocation:
+        """A storage that was not allocated under this tracer: record it now.
+
+        ``expected`` is False when it shows up in use rather than through ``track()``: then the
+        recording warns, since its allocation time is unknown.
+        """
+        if not expected:
+            self._late_first_seen += 1
+            self._late_first_seen_bytes += size
+        alloc = self._new_alloc(size, None, phase="user")
+        alloc.module = None
+        alloc.roles.add("input")
+        alloc.roles.add(role)
+        self._table.bind(storage, alloc)
+        return alloc
+
+    def _run_function(
+        self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A watched torch function: its emulation hook, or the function counted as divergent."""
+        hook = self._emulations.get(name)
+        if hook is None:
+            if name in CUDA_DIVERGENT_OPS:
+                self._divergent_calls[name] += 1
+            return func(*args, **kwargs)
+        return hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
+
+    def _note_not_emulated(self, op: str, what: str) -> None:
+        self._partial_calls[(op, what)] += 1
+
+    def _note_choice(self, choice: str) -> None:
+        self._kernel_choices[choice] += 1
+
+    def _note_assumption(self, name: str, value: str) -> None:
+        self._assumptions[name] = value
+
+    def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
+        """A weight cast entered autocast's cache: it lives until the outermost region exits."""
+        if cast.device.type == _DEVICE_TYPE:
+            alloc = self._table.lookup(cast.untyped_storage())
+            if alloc is not None:
+                alloc.explicit = "autocast_cache"
+
+    def _phase(self) -> Phase:
+        # The autograd engine sets a graph task id on the thread running backward.
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._optimizer_depth:
+            return "optimizer"
+        if self._stack:
+            return "forward"
+        return "user"
+
+    def _on_release(self, alloc: Allocation) -> None:
+        alloc.live = False
+        self._log.append(("free", alloc, self._frames.find()))
+
+    def _allocate_synthetic(
+        self, size_bytes: int, category: Category, op: str, what: str | None = None
+    ) -> int:
+        alloc = self._new_alloc(size_bytes, op, explicit=category)
+        if what is not None:
+            self._emulated_what[alloc.alloc_id] = what
+        self._synthetic[alloc.alloc_id] = alloc
+        return alloc.alloc_id
+
+    def _free_synthetic(self, alloc_id: int) -> None:
+        alloc = self._synthetic.pop(alloc_id, None)
+        if alloc is None:
+            raise ValueError(f"allocation id {alloc_id} is not a live synthetic allocation")
+        self._on_release(alloc)
+
+    # ------------------------------------------------------------------ roles
+
+    def _note(
+        self,
+        tensor: Any,
+        role: Role,
+        *,
+        first_seen_ok: bool = False,
+        param: torch.Tensor | None = None,
+    ) -> None:
+        """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != _DEVICE_TYPE:
+            return
+        storage = tensor.untyped_storage()
+        alloc = self._table.lookup(storage)
+        if alloc is None:
+            size = storage.nbytes()
+            if size == 0:
+                return
+            alloc = self._first_seen(storage, size, role, expected=first_seen_ok)
+        alloc.roles.add(role)
+        if param is not None and alloc.owner is None:
+            owner = self._owners.get(id(param))
+            if owner is not None and owner[0]() is param:
+                alloc.owner = owner[1]
+
+    def _own(self, module: torch.nn.Module, param: torch.Tensor) -> None:
+        """Record that ``module`` registered ``param`` (the first owner of a shared one wins)."""
+        owner = self._owners.get(id(param))
+        if owner is None or owner[0]() is not param:
+            self._owners[id(param)] = (weakref.ref(param), self._module_ref(module))
+
+    def _note_module(
+        self, module: torch.nn.Module, *, recurse: bool, first_seen_ok: bool = False
+    ) -> None:
+        owners = module.named_modules() if recurse else [("", module)]
+        for _, owner in owners:
+            for param in owner.parameters(recurse=False):
+                self._own(owner, param)
+        for param in module.parameters(recurse=recurse):
+            self._watch_grad(param)
+            self._note(param, "parameter", first_seen_ok=first_seen_ok, param=param)
+            self._note(param.grad, "gradient", first_seen_ok=first_seen_ok, param=param)
+        for buffer in module.buffers(recurse=recurse):
+            self._note(buffer, "buffer", first_seen_ok=first_seen_ok)
+
+    def _note_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, first_seen_ok: bool = False
+    ) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._watch_grad(param)
+                self._note(param, "parameter", first_seen_ok=first_seen_ok, param=param)
+                self._note(param.grad, "gradient", first_seen_ok=first_seen_ok, param=param)
+        self._note_optimizer_state(optimizer, first_seen_ok=first_seen_ok)
+
+    def _note_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, *, first_seen_ok: bool = False
+    ) -> None:
+        for param, state in optimizer.state.items():
+            owner = param if isinstance(param, torch.Tensor) else None
+            for value in tree_leaves(state):
+                self._note(value, "optimizer_state", first_seen_ok=first_seen_ok, param=owner)
+
+    def _watch_grad(self, param: torch.Tensor) -> None:
+        ref = self._grad_watched.get(id(param))
+        if (ref is not None and ref() is param) or not (param.requires_grad and param.is_leaf):
+            return
+        self._grad_watched[id(param)] = weakref.ref(param)
+        self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._note(param.grad, "gradient", param=param)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._note(tensor, "saved")
+        # Return an alias without grad_fn: returning ``tensor`` itself would make a saved output
+        # (sigmoid, exp) reference its own grad_fn, a cycle that outlives the graph until gc.
+        return tensor.detach()
+
+    # ------------------------------------------------------------------ modules and optimizers
+
+    def _module_ref(self, module: torch.nn.Module) -> weakref.ref[Any]:
+        ref = self._module_refs.get(module)
+        if ref is None:
+            ref = self._module_refs[module] = weakref.ref(module)
+        return ref
+
+    def _set_path(self, module: torch.nn.Module, path: str) -> None:
+        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
+        if self._paths.setdefault(module, path) == path:
+            self._ref_paths.setdefault(self._module_ref(module), path)
+
+    def _name_root(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is None:
+            path = "" if self._roots == 0 else type(module).__name__
+            self._roots += 1
+            for name, sub in module.named_modules(prefix=path):
+                self._set_path(sub, name)
+        return path
+
+    def _path_of(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is not None:
+            return path
+        if not self._stack:
+            return self._name_root(module)
+        parent = self._stack[-1]
+        for name, sub in parent.module.named_modules():
+            if sub is module:
+                path = f"{parent.path}.{name}" if parent.path else name
+                break
+        else:
+            path = (
+                f"{parent.path}.{type(module).__name__}" if parent.path else type(module).__name__
+            )
+        for name, sub in module.named_modules(prefix=path):
+            self._set_path(sub, name)
+        return path
+
+    def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        is_root = not self._stack
+        call_id = next(self._call_ids)
+        if not is_root:
+            parent = self._stack[-1]
+            root_call_id, lineage = parent.root_call_id, (*parent.lineage, call_id)
+        else:
+            root_call_id, lineage = call_id, (call_id,)
+            if torch._C._current_graph_task_id() == -1:
+                # Outside backward: a backward that raised may have left calls behind.
+                self._backward_modules.clear()
+            else:
+                # Checkpoint's recomputation: it runs inside the backward of the current call.
+                outer = self._backward_modules.current
+                if outer is not None:
+                    lineage = (*outer.lineage, call_id)
+        call = _ModuleCall(module, self._path_of(module), call_id, root_call_id, lineage)
+        self._stack.append(call)
+        if torch.is_grad_enabled():
+            # Under no_grad / inference_mode there is no backward: no hooks, no cost.
+            call.backward = BackwardCall(call.path, lineage)
+            self._backward_modules.watch_inputs(call.backward, args)
+        self._note_module(module, recurse=False)
+        if is_root:
+            for leaf in tree_leaves(args):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == _DEVICE_TYPE:
+                    alloc = self._table.lookup(leaf.untyped_storage())
+                    if alloc is not None and alloc.phase == "user":
+                        alloc.roles.add("input")
+
+    def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # Pop to this module's call; calls above it whose post hook never ran (an exception
+        # inside a hook) go with it. A module without a matching pre hook pops nothing.
+        for depth in range(len(self._stack) - 1, -1, -1):
+            call = self._stack[depth]
+            if call.module is module:
+                del self._stack[depth:]
+                if call.backward is not None and torch.is_grad_enabled():
+                    self._backward_modules.watch_outputs(call.backward, output)
+                break
+        if not self._stack:
+            for call_id in list(self._escapes):
+                for alloc in self._escapes.pop(call_id):
+                    if alloc.live:
+                        alloc.roles.add("escaped")
+
+    def _on_param_registered(self, module: Any, name: str, param: Any) -> None:
+        if param is not None:
+            self._own(module, param)
+            self._watch_grad(param)
+            self._note(param, "parameter", first_seen_ok=True, param=param)
+
+    def _on_buffer_registered(self, module: Any, name: str, buffer: Any) -> None:
+        self._note(buffer, "buffer", first_seen_ok=True)
+
+    def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        if torch._C._current_graph_task_id() == -1:
+            # Not an optimizer stepped from a gradient hook inside backward: backward is over.
+            self._backward_modules.clear()
+        self._note_optimizer(optimizer)
+
+    def _on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        self._note_optimizer_state(optimizer)
+
+    def _final_scan(self) -> None:
+        for ref in self._tracked:
+            obj = ref()
+            if isinstance(obj, torch.nn.Module):
+                self._note_module(obj, recurse=True)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._note_optimizer(obj)
+        for ref in list(self._grad_watched.values()):
+            param = ref()
+            if param is not None:
+                self._note(param.grad, "gradient", param=param)
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ result
+
+    def _build(self) -> TraceRecording:
+        events: list[TraceEvent] = []
+        step_starts: list[int] = []
+        categories: dict[int, Category] = {}
+        totals: dict[Category, int] = {}
+        for entry in self._log:
+            kind = entry[0]
+            if kind == "step":
+                step_starts.append(len(events))
+                continue
+            alloc: Allocation = entry[1]
+            category = categories.get(alloc.alloc_id)
+            if category is None:
+                category = categories[alloc.alloc_id] = alloc.category
+            if kind == "alloc":
+                totals[category] = totals.get(category, 0) + alloc.size_bytes
+                tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
+                module = self._module_tag(alloc, category)
+                if module is not None:
+                    tags.append(("module", module))
+                if alloc.op is not None:
+                    tags.append(("op", alloc.op))
+                if "saved" in alloc.roles:
+                    tags.append(("saved_for_backward", "true"))
+                what = self._emulated_what.get(alloc.alloc_id)
+                if what is not None:
+                    tags.append(("emulated", what))
+                events.append(
+                    TraceEvent(
+                        "alloc",
+                        alloc.alloc_id,
+                        alloc.size_bytes,
+                        0,
+                        None,
+                        alloc.frames,
+                        tuple(tags),
+                    )
+                )
+            else:
+                frames = entry[2]
+                tags_free = (("category", category),)
+                for action in ("free_requested", "free_completed"):
+                    events.append(
+                        TraceEvent(
+                            action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free
+                        )
+                    )
+        return TraceRecording(
+            events=tuple(events),
+            warnings=tuple(self._warnings()),
+            step_starts=tuple(step_starts),
+            bytes_by_category=totals,
+            kernel_choices=dict(sorted(self._kernel_choices.items())),
+            assumptions=dict(sorted(self._assumptions.items())),
+        )
+
+    def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
+        # A parameter, its gradient and its optimizer state belong to the module owning the
+        # parameter (known once the module has a path: tracked, or called in forward).
+        if alloc.owner is not None and category in _OWNED_CATEGORIES:
+            path = self._ref_paths.get(alloc.owner)
+            if path is not None:
+                return path
+        return alloc.module
+
+    def _warnings(self) -> Iterable[str]:
+        for name, count in sorted(self._divergent_calls.items()):
+            reason = CUDA_DIVERGENT_OPS[name]
+            yield (
+                f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
+                f"({reason}) is not emulated yet"
+            )
+        for (name, what), count in sorted(self._partial_calls.items()):
+            yield (
+                f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
+                "is not included"
+            )
+        for name, count in sorted(self._grad_scaler_steps.items()):
+            yield (
+                f"{name} ran {count} time(s); GradScaler is not modelled: its scale and found_inf "
+                "tensors, unscale_'s temporaries and the optimizer steps it skips when gradients "
+                "overflow (state is then created a step later) are not included"
+            )
+        if self.gpu.compute_capability is None:
+            major, minor = self.gpu.kernel_compute_capability
+            yield (
+                f"{self.gpu.name} is a plain size with no architecture: the SDPA backend and the "
+                f"cuBLAS and attention workspaces were chosen as on compute capability "
+                f"{major}.{minor} (an H100); name the GPU (e.g. rtx4090, a100-40gb) for its own"
+            )
+        if self._late_first_seen:
+            yield (
+                f"{self._late_first_seen} storage(s) ({self._late_first_seen_bytes} bytes) existed "
+                "before tracing and are recorded as allocated when first used; pass the model, "
+                "optimizer and inputs to trace_step() or Tracer.track() to record them up front"
+            )
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def trace_step(
+    fn: Callable[..., Any],
+    *args: Any,
+    steps: int = 1,
+    gpu: GpuSpec | None = None,
+    emulations: Mapping[str, OpEmulation] | None = None,
+    **kwargs: Any,
+) -> TraceRecording:
+    """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
+
+    Modules, optimizers and tensors in ``args``/``kwargs`` are tracked first, so a model built
+    earlier under ``torch.device("meta")`` shows up as allocated before step 0. ``fn``'s return
+    value is dropped at once, so what it returns is freed inside its step.
+
+    Args:
+        fn: one training or inference step; must work on meta tensors.
+        args: passed to ``fn``.
+        steps: how many times to run ``fn``; use 3 to see optimizer state created in the first
+            step and the steady state after it.
+        gpu: the target device the CUDA emulations model; ``None`` means an H100 SXM.
+        emulations: per-op hooks; ``None`` means ``DEFAULT_EMULATIONS``.
+        kwargs: passed to ``fn``.
+
+    Returns:
+        The recording, with ``step_starts`` marking each call of ``fn``.
+
+    Raises:
+        ValueError: ``steps`` is below 1.
+        UnsupportedOpError: an aten op has no meta implementation (or depends on data).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
+    tracer = Tracer(emulations=emulations, gpu=gpu)
+    try:
+        with tracer:
+            tracer.track(args, kwargs)
+            for _ in range(steps):
+                tracer.mark_step()
+                fn(*args, **kwargs)
+    except Exception as exc:
+        failed = tracer.failed_op
+        if failed is not None and failed[1] is exc:
+            raise UnsupportedOpError(
+                f"{failed[0]} failed on the meta device ({exc}); oomkit can only trace ops with a "
+                "meta implementation that do not read tensor values. Move data-dependent code "
+                "(.item(), nonzero, boolean masks) out of the traced step or give it fixed sizes"
+            ) from exc
+        raise
+    return tracer.recording

@@ -1,0 +1,90 @@
+"""The record a trace returns: events in execution order, step boundaries, totals and warnings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from oomkit.core.trace import TraceEvent
+from oomkit.prediction.tracing.categories import Category, Phase
+
+__all__ = ["TraceRecording"]
+
+
+@dataclass(frozen=True)
+class TraceRecording:
+    """An allocation trace of user code run on the meta device.
+
+    Attributes:
+        events: ``alloc`` / ``free_requested`` / ``free_completed`` events in execution order.
+            ``address`` is an opaque allocation id, unique within the recording; ``size`` is the
+            storage's ``nbytes``. Alloc tags: ``category``, ``phase`` and, where known,
+            ``module`` (``named_modules()`` path, ``""`` for the root) and ``op`` (aten
+            overload). Free events carry the allocation's ``category``.
+        warnings: things that ran but are not modelled, one line each.
+        step_starts: index into ``events`` where each step begins; events before the first are
+            storages that existed before tracing (parameters of a model built earlier).
+        bytes_by_category: bytes allocated per category over the whole recording.
+        kernel_choices: the CUDA kernels the emulations chose for the target GPU, with how many
+            calls each (``{"SDPA flash_attention": 24}``).
+        assumptions: facts about the target those choices rest on, e.g. ``{"cuDNN": "9.20.0
+            (torch 2.13's default Linux wheel)"}`` where the cuDNN version picked the kernel.
+    """
+
+    events: tuple[TraceEvent, ...]
+    warnings: tuple[str, ...] = ()
+    step_starts: tuple[int, ...] = ()
+    bytes_by_category: Mapping[Category, int] = field(default_factory=dict)
+    kernel_choices: Mapping[str, int] = field(default_factory=dict)
+    assumptions: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        """How many steps were recorded."""
+        return len(self.step_starts)
+
+    def step_events(self, step: int) -> tuple[TraceEvent, ...]:
+        """The events of one step (0-based), from its start to the next step's start."""
+        start = self.step_starts[step]
+        end = self.step_starts[step + 1] if step + 1 < len(self.step_starts) else len(self.events)
+        return self.events[start:end]
+
+    def allocated_bytes(
+        self,
+        category: Category | None = None,
+        *,
+        phase: Phase | None = None,
+        step: int | None = None,
+    ) -> int:
+        """Bytes allocated (not net of frees), optionally filtered.
+
+        Args:
+            category: only allocations of this category.
+            phase: only allocations made in this phase (``user``, ``forward``, ``backward``,
+                ``optimizer``).
+            step: only allocations made in this step (0-based); ``None`` for the whole trace,
+                including storages that existed before tracing.
+        """
+        events = self.events if step is None else self.step_events(step)
+        total = 0
+        for event in events:
+            if event.action != "alloc":
+                continue
+            tags = dict(event.tags)
+            if category is not None and tags.get("category") != category:
+                continue
+            if phase is not None and tags.get("phase") != phase:
+                continue
+            total += event.size
+        return total
+
+    def peak_allocated_bytes(self) -> int:
+        """The most bytes live at once (before the caching allocator's rounding)."""
+        live = peak = 0
+        for event in self.events:
+            if event.action == "alloc":
+                live += event.size
+                peak = max(peak, live)
+            elif event.action == "free_requested":
+                live -= event.size
+        return peak

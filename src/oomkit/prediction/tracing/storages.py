@@ -1,0 +1,97 @@
+"""Live storages and their lifetimes: one ``Allocation`` per storage, freed when torch frees it.
+
+A meta tensor has no memory, but its ``StorageImpl`` is reference counted exactly as a CUDA one
+is: views, ``nn.Parameter(t)``, autograd's saved variables and ``.grad`` all hold the same
+``StorageImpl``. The Python ``UntypedStorage`` object is *preserved* with its ``StorageImpl``
+(torch/csrc/Storage.cpp with c10/core/impl/PyObjectSlot.h: once created, the PyObject lives
+exactly as long as the C++ storage), so ``weakref.finalize`` on it fires when the storage is
+really released, which is when CUDACachingAllocator would get the block back. Checked on torch
+2.3.1 to 2.13.0; not so in 2.1.2 (``_torch_version.MIN_TORCH`` is 2.5 for other reasons).
+tests/tracing/test_storages.py checks this on the installed torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from oomkit.core.trace import Frame
+from oomkit.prediction.tracing.categories import Category, Phase, Role, infer_category
+
+__all__ = ["Allocation", "StorageTable"]
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One device allocation seen by the recorder; roles keep growing while the step runs."""
+
+    alloc_id: int
+    size_bytes: int
+    phase: Phase
+    module: str | None
+    op: str | None
+    frames: tuple[Frame, ...]
+    root_call: int | None = None
+    roles: set[Role] = field(default_factory=set)
+    explicit: Category | None = None
+    live: bool = True
+    # The module owning the parameter this storage serves (parameter, its grad, its state).
+    owner: weakref.ref[torch.nn.Module] | None = None
+
+    @property
+    def category(self) -> Category:
+        """The category implied by what has been observed so far."""
+        return infer_category(self.roles, self.phase, self.explicit)
+
+
+class StorageTable:
+    """Maps live storages to their current ``Allocation`` and reports when a storage dies."""
+
+    def __init__(self, on_release: Callable[[Allocation], None]) -> None:
+        self._on_release = on_release
+        # Keyed by the StorageImpl address (``UntypedStorage._cdata``): stable while the storage
+        # lives, and the finalizer removes the key before the address can be reused.
+        self._by_key: dict[int, Allocation] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._closed = False
+
+    def lookup(self, storage: torch.UntypedStorage) -> Allocation | None:
+        """The live allocation backing ``storage``, if it is known."""
+        return self._by_key.get(storage._cdata)
+
+    def bind(self, storage: torch.UntypedStorage, alloc: Allocation) -> Allocation | None:
+        """Make ``alloc`` the allocation of ``storage``; returns the one it replaces (resize)."""
+        key = storage._cdata
+        previous = self._by_key.get(key)
+        self._by_key[key] = alloc
+        if key not in self._finalizers:
+            finalizer = weakref.finalize(storage, self._released, key)
+            finalizer.atexit = False
+            self._finalizers[key] = finalizer
+        return previous
+
+    def unbind(self, storage: torch.UntypedStorage) -> Allocation | None:
+        """Forget the allocation of a storage that shrank to zero bytes; returns it."""
+        return self._by_key.pop(storage._cdata, None)
+
+    def live(self) -> Iterator[Allocation]:
+        """Allocations whose storage is still alive."""
+        return iter(list(self._by_key.values()))
+
+    def close(self) -> None:
+        """Stop watching: storages that die from now on are not reported."""
+        self._closed = True
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
+        self._finalizers.clear()
+        self._by_key.clear()
+
+    def _released(self, key: int) -> None:
+        # Runs inside a decref, possibly in the middle of an op: only bookkeeping here.
+        self._finalizers.pop(key, None)
+        alloc = self._by_key.pop(key, None)
+        if alloc is not None and not self._closed:
+            self._on_release(alloc)

@@ -1,0 +1,100 @@
+"""seed_segment and snapshot (ref §11.2, §15.1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomkit.core.allocator import CachingAllocator
+from oomkit.errors import AllocatorUsageError
+
+MiB = 2**20
+BASE = 0x7000_0000_0000
+
+
+def test_seed_classic_segment_counts_in_stats_and_is_reused():
+    """Seeded blocks count in current stats and peaks; free seeded blocks serve requests."""
+    a = CachingAllocator()
+    a.seed_segment(
+        BASE,
+        20 * MiB,
+        0,
+        is_small=False,
+        blocks=[(BASE, 4 * MiB, 4_000_000, True), (BASE + 4 * MiB, 16 * MiB, 0, False)],
+    )
+    s = a.memory_stats()
+    assert s["reserved_bytes.large_pool.current"] == 20 * MiB
+    assert s["reserved_bytes.all.peak"] == 20 * MiB
+    assert s["allocated_bytes.all.current"] == 4 * MiB
+    assert s["requested_bytes.all.current"] == 4_000_000
+    assert s["segment.all.current"] == 1
+    assert s["inactive_split.all.current"] == 1
+    assert s["inactive_split_bytes.all.current"] == 16 * MiB
+    assert a.malloc(3 * MiB) == BASE + 4 * MiB
+    assert a.segment_log == []
+    a.free(BASE)
+    snap = a.snapshot()
+    assert [b["state"] for b in snap[0]["blocks"]] == ["inactive", "active_allocated", "inactive"]
+
+
+def test_synthetic_addresses_stay_above_seeded_segments():
+    """New synthetic segments never overlap seeded ones."""
+    a = CachingAllocator()
+    high = 0x7F10_0000_0000
+    a.seed_segment(high, 2 * MiB, 0, is_small=True, blocks=[(high, 2 * MiB, 0, False)])
+    p = a.malloc(5 * MiB)
+    assert p >= high + 2 * MiB
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [],
+        [(BASE, 2 * MiB, 0, True)],  # does not cover the segment
+        [(BASE + 512, 20 * MiB, 0, True)],  # does not start at the segment
+        [(BASE, 10 * MiB, 0, False), (BASE + 10 * MiB, 10 * MiB, 0, False)],  # unmerged
+    ],
+)
+def test_bad_seed_is_rejected(blocks):
+    """Blocks must tile the segment with free neighbours merged."""
+    a = CachingAllocator()
+    with pytest.raises(AllocatorUsageError, match="seed_segment"):
+        a.seed_segment(BASE, 20 * MiB, 0, is_small=False, blocks=blocks)
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_seed_overlap_is_rejected():
+    """A seeded range may not overlap memory the allocator holds."""
+    a = CachingAllocator()
+    a.seed_segment(BASE, 2 * MiB, 0, is_small=True, blocks=[(BASE, 2 * MiB, 0, False)])
+    with pytest.raises(AllocatorUsageError, match="overlaps"):
+        a.seed_segment(BASE, 2 * MiB, 0, is_small=True, blocks=[(BASE, 2 * MiB, 0, False)])
+
+
+def test_snapshot_shape():
+    """Segment and block dicts carry torch's _snapshot() keys."""
+    a = CachingAllocator()
+    a.malloc(1000, stream=5)
+    (seg,) = a.snapshot()
+    assert {
+        "device",
+        "address",
+        "total_size",
+        "stream",
+        "segment_type",
+        "allocated_size",
+        "active_size",
+        "requested_size",
+        "is_expandable",
+        "blocks",
+    } <= set(seg)
+    assert seg["segment_type"] == "small" and seg["stream"] == 5
+    assert seg["requested_size"] == 1000 and seg["allocated_size"] == 1024
+    assert set(seg["blocks"][0]) >= {"address", "size", "requested_size", "state"}
+
+
+def test_public_names_import():
+    """Every name in oomkit.core.allocator.__all__ imports."""
+    import oomkit.core.allocator as mod
+
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None

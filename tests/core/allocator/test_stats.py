@@ -1,0 +1,74 @@
+"""memory_stats() keys and Stat semantics (ref §10)."""
+
+from __future__ import annotations
+
+from oomkit.core.allocator import STAT_KEYS, CachingAllocator
+
+# torch.cuda.memory_stats() keys (THCPModule_memoryStats, flattened by torch/cuda/memory.py).
+_ARRAYS = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+TORCH_KEYS = sorted(
+    [
+        "num_alloc_retries",
+        "num_ooms",
+        "max_split_size",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+    ]
+    + [
+        f"{a}.{t}.{f}"
+        for a in _ARRAYS
+        for t in ("all", "small_pool", "large_pool")
+        for f in ("current", "peak", "allocated", "freed")
+    ]
+    + [
+        f"{o}.{f}"
+        for o in ("oversize_allocations", "oversize_segments")
+        for f in ("current", "peak", "allocated", "freed")
+    ]
+)
+
+
+def test_keys_equal_torch_list():
+    """The stats dict has exactly torch's keys, sorted (2.4: without num_oom_rejections)."""
+    stats = CachingAllocator(torch_version="2.4").memory_stats()
+    assert list(stats) == TORCH_KEYS
+    assert list(STAT_KEYS) == TORCH_KEYS
+    assert len(stats) == 122
+
+
+def test_newest_versions_add_num_oom_rejections_in_sorted_place():
+    """2.12+ (throw_on_cudamalloc_oom) adds the key torch 2.13 documents, keys still sorted."""
+    stats = CachingAllocator().memory_stats()
+    assert list(stats) == sorted(TORCH_KEYS + ["num_oom_rejections"])
+    assert stats["num_oom_rejections"] == 0
+
+
+def test_fresh_allocator_is_all_zero_but_max_split():
+    """A new allocator reports zeros and max_split_size -1."""
+    stats = CachingAllocator().memory_stats()
+    assert stats.pop("max_split_size") == -1
+    assert set(stats.values()) == {0}
+
+
+def test_allocated_and_freed_accumulate():
+    """§10.1: allocated sums increases, freed sums decreases."""
+    a = CachingAllocator()
+    for _ in range(3):
+        a.free(a.malloc(1000))
+    s = a.memory_stats()
+    assert s["allocation.all.allocated"] == 3
+    assert s["allocation.all.freed"] == 3
+    assert s["allocated_bytes.small_pool.allocated"] == 3 * 1024
+    assert s["requested_bytes.all.freed"] == 3000
+    assert s["allocation.all.peak"] == 1

@@ -1,0 +1,69 @@
+"""Tests for the trace event records."""
+
+import dataclasses
+
+import pytest
+
+import oomkit.core.trace as trace
+from oomkit.core.trace import ACTIONS, TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
+
+
+def test_every_public_name_imports():
+    """Every name in oomkit.core.trace.__all__ exists."""
+    for name in trace.__all__:
+        assert hasattr(trace, name), name
+
+
+def test_event_defaults_and_positional_order():
+    """TraceEvent takes (action, address, size, stream, time_us, frames, tags) with defaults."""
+    ev = TraceEvent("alloc", 1, 1000)
+    assert (ev.stream, ev.time_us, ev.frames, ev.tags) == (0, None, (), ())
+    full = TraceEvent("free_requested", 2, 10, 7, 123, (Frame("a.py", 3, "f"),), (("k", "v"),))
+    assert [f.name for f in dataclasses.fields(full)] == [
+        "action",
+        "address",
+        "size",
+        "stream",
+        "time_us",
+        "frames",
+        "tags",
+    ]
+
+
+def test_records_are_frozen_and_slotted():
+    """Frame and TraceEvent cannot be changed and carry no __dict__."""
+    ev = TraceEvent("alloc", 1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ev.size = 3  # type: ignore[misc]
+    assert not hasattr(ev, "__dict__")
+    assert not hasattr(Frame("a", 1, "b"), "__dict__")
+
+
+def test_actions_cover_the_pytorch_trace_actions():
+    """ACTIONS lists every action of ref §11.2 plus empty_cache."""
+    assert set(ACTIONS) >= {
+        "alloc",
+        "free_requested",
+        "free_completed",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "oom",
+        "snapshot",
+        "empty_cache",
+        "annotate",
+    }
+
+
+def test_header_defaults():
+    """A header needs nothing but has the current format version and empty metadata."""
+    h = TraceHeader(source="tracer")
+    assert h.format_version == TRACE_FORMAT_VERSION == 1
+    assert (h.device, h.torch_version, h.allocator_settings, h.capacity_bytes) == (
+        0,
+        None,
+        None,
+        None,
+    )
+    assert h.metadata == {}

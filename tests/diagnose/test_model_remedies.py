@@ -1,0 +1,274 @@
+"""Model and training-loop remedies: estimated from memory by category, measured by re-predicting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from cases.oom_cases import GPU_8G, GiB, MiB, Recorder
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.diagnose._model_remedies import (
+    MEASURED_WHY,
+    estimated_model_remedies,
+    measured_model_remedies,
+)
+from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
+from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.snapshot import load_snapshot
+
+FULL = {
+    "activation": 4 * GiB,
+    "parameter": GiB,
+    "gradient": GiB,
+    "optimizer_state": 2 * GiB,
+    "temporary": 512 * MiB,
+}
+
+
+def _by_title(remedies):
+    return {r.title: r for r in remedies}
+
+
+def test_fp32_adamw_training_prices_each_change_from_its_category():
+    """Mixed precision halves activations, checkpointing saves 3/4, SGD half the state, ..."""
+    got = {r.title: r.saving_bytes for r in estimated_model_remedies(FULL, precision="fp32")}
+    assert got == {
+        "bf16 mixed precision (autocast)": 2 * GiB,
+        "activation checkpointing": 3 * GiB,
+        "SGD with momentum instead of Adam (one optimizer state, not two)": GiB,
+        "fused (or non-foreach) optimizer step": 512 * MiB,
+        "zero_grad(set_to_none=True)": GiB,
+        "freeze pretrained layers (transfer learning)": 3 * GiB // 2,
+    }
+    assert all(r.estimate for r in estimated_model_remedies(FULL))
+
+
+@pytest.mark.parametrize(
+    ("capability", "title", "needles"),
+    [
+        ((7, 5), "fp16 mixed precision (autocast + GradScaler)", ("float16", "GradScaler()")),
+        ((7, 0), "fp16 mixed precision (autocast + GradScaler)", ("float16", "GradScaler()")),
+        ((8, 0), "bf16 mixed precision (autocast)", ("bfloat16",)),
+        ((9, 0), "bf16 mixed precision (autocast)", ("bfloat16",)),
+    ],
+)
+def test_mixed_precision_remedy_is_fp16_on_gpus_without_native_bf16(capability, title, needles):
+    """T4 (7.5) and V100 (7.0) get fp16 + GradScaler; A100/H100 get bf16; same 2 GiB saving."""
+    got = _by_title(estimated_model_remedies(FULL, precision="fp32", compute_capability=capability))
+    assert got[title].saving_bytes == 2 * GiB
+    assert all(needle in got[title].code for needle in needles)
+    other = {"bf16 mixed precision (autocast)", "fp16 mixed precision (autocast + GradScaler)"}
+    assert not (other - {title}) & set(got)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"precision": "bf16-mixed"},
+        {"description": "GPT-2 124M, batch 8, seq 1024, fp16-mixed, adamw, train"},
+        {"precision": None},  # with an autocast cache in the categories (below)
+    ],
+)
+def test_no_mixed_precision_remedy_when_the_run_already_uses_it(kwargs):
+    """A bf16/fp16 run or an autocast cache in the trace: mixed precision is not offered."""
+    cats = dict(FULL)
+    if kwargs == {"precision": None}:
+        cats["autocast_cache"] = 64 * MiB
+    titles = _by_title(estimated_model_remedies(cats, **kwargs))
+    assert "bf16 mixed precision (autocast)" not in titles
+    assert titles["activation checkpointing"].saving_bytes == 3 * GiB
+
+
+def test_options_already_applied_are_not_offered():
+    """SGD, checkpointing on, or the optimizer read from the description: those are left out."""
+    titles = _by_title(estimated_model_remedies(FULL, optimizer="sgd", checkpointing=True))
+    assert "activation checkpointing" not in titles
+    assert not any(t.startswith("SGD") for t in titles)
+    described = _by_title(
+        estimated_model_remedies(FULL, description="x, batch 2, fp32, sgd, train")
+    )
+    assert not any(t.startswith("SGD") for t in described)
+    assert "activation checkpointing" in described
+
+
+def test_inference_gets_no_training_remedies():
+    """Without training only mixed precision applies: no optimizer, gradient or freezing advice."""
+    got = estimated_model_remedies({"activation": GiB, "parameter": GiB}, training=False)
+    assert [(r.title, r.saving_bytes) for r in got] == [
+        ("bf16 mixed precision (autocast)", GiB // 2)
+    ]
+
+
+def test_dataset_on_the_gpu_is_offered_only_for_a_large_input_share():
+    """Inputs at a quarter or more of allocated memory: load batch by batch, saving them all."""
+    big = _by_title(estimated_model_remedies({"input": 3 * GiB, "parameter": 3 * GiB}))
+    remedy = big["keep the dataset on the CPU; move one batch at a time"]
+    assert remedy.saving_bytes == 3 * GiB
+    assert "DataLoader" in remedy.code
+    small = _by_title(estimated_model_remedies({"input": GiB, "parameter": 4 * GiB}))
+    assert "keep the dataset on the CPU; move one batch at a time" not in small
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["activation", "parameter", "gradient", "optimizer_state", "temporary", "input"]
+        ),
+        st.integers(0, 2**40),
+    )
+)
+def test_estimates_never_exceed_what_was_allocated(cats):
+    """Every estimate is marked as one and saves between 0 and the bytes allocated."""
+    total = sum(cats.values())
+    for remedy in estimated_model_remedies(cats):
+        assert remedy.estimate
+        assert 0 <= remedy.saving_bytes <= total
+
+
+def test_snapshot_with_a_second_oom_after_a_caught_one_offers_releasing_references(tmp_path):
+    """The failed step's 2 GiB still live at the retry's OOM: release references, saving 2 GiB."""
+    rec = Recorder()
+    rec.alloc(2 * GiB, line=3)  # parameters
+    rec.alloc(GiB, line=10)
+    rec.alloc(GiB, line=11)
+    assert rec.alloc(4 * GiB, line=12) is None  # caught; the handler retries, holding the above
+    rec.alloc(GiB, line=10)
+    assert rec.alloc(3 * GiB, line=12) is None
+    diagnosis = diagnose_snapshot(load_snapshot(rec.write(tmp_path / "s.pickle")), gpu=GPU_8G)
+    remedy = _by_title(diagnosis.remedies)["release references after a caught OOM"]
+    assert remedy.saving_bytes == 2 * GiB
+    assert "except torch.OutOfMemoryError" in remedy.code
+
+
+def test_snapshot_with_one_oom_does_not_offer_releasing_references(tmp_path):
+    """One OOM: nothing was caught and retried, so the remedy is not offered."""
+    rec = Recorder()
+    for _ in range(7):
+        rec.alloc(GiB)
+    assert rec.alloc(GiB) is None
+    diagnosis = diagnose_snapshot(load_snapshot(rec.write(tmp_path / "s.pickle")), gpu=GPU_8G)
+    assert "release references after a caught OOM" not in _by_title(diagnosis.remedies)
+
+
+# --- measured by re-predicting a small preset ------------------------------------------------
+
+OPTIONS = {"batch_size": 8, "seq_len": 256}
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """`oomkit predict gpt2-124m --batch 8 --seq 256 --gpu 3GiB --steps 2 --json`, as JSON."""
+    pytest.importorskip("torch")
+    from oomkit.prediction.predictor import predict
+    from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.interfaces.reports.prediction import prediction_to_json
+
+    options = StepOptions(**OPTIONS)
+    built = build_preset_step("gpt2-124m", options)
+    p = predict(
+        built.step_fn, gpu="3GiB", steps=2, track=built.track, description=built.description
+    )
+    spec = {"preset": "gpt2-124m", "options": dataclasses.asdict(options), "steps": 2}
+    return json.loads(json.dumps(prediction_to_json(p, spec)))
+
+
+def _repredicted_required(gpu="3GiB", **change):
+    from oomkit.prediction.predictor import predict
+    from oomkit.prediction.models import StepOptions, build_preset_step
+
+    built = build_preset_step("gpt2-124m", StepOptions(**(OPTIONS | change)))
+    return predict(built.step_fn, gpu=gpu, steps=2, track=built.track).required_bytes
+
+
+def test_saved_prediction_carries_the_workload(saved):
+    """`predict --json` of a preset saves the preset, its StepOptions and the step count."""
+    assert saved["workload"]["preset"] == "gpt2-124m"
+    assert saved["workload"]["options"]["batch_size"] == 8
+    assert saved["workload"]["options"]["precision"] == "fp32"
+    assert saved["workload"]["steps"] == 2
+    assert saved["oom"] is not None
+
+
+def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
+    """Each change's saving is required bytes before minus after re-predicting it (high, exact)."""
+    remedies = _by_title(measured_model_remedies(saved)[0])
+    assert set(remedies) == {
+        "bf16 mixed precision (autocast)",
+        "activation checkpointing",
+        "SGD with momentum instead of Adam (one optimizer state, not two)",
+        "batch size 2 with 4 gradient-accumulation steps",
+    }
+    for remedy in remedies.values():
+        assert (remedy.confidence, remedy.estimate) == ("high", False)
+        assert MEASURED_WHY in remedy.why
+    required = saved["required_bytes"]
+    assert remedies["activation checkpointing"].saving_bytes == required - _repredicted_required(
+        checkpointing=True
+    )
+    assert remedies[
+        "batch size 2 with 4 gradient-accumulation steps"
+    ].saving_bytes == required - _repredicted_required(batch_size=2)
+
+
+def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved):
+    """A saved prediction for a 7.5 GPU re-predicts fp16-mixed, not bf16 (which a T4 emulates)."""
+    on_t4 = json.loads(json.dumps(saved))
+    on_t4["gpu"]["compute_capability"] = [7, 5]
+    remedies = _by_title(measured_model_remedies(on_t4)[0])
+    assert "bf16 mixed precision (autocast)" not in remedies
+    fp16 = remedies["fp16 mixed precision (autocast + GradScaler)"]
+    # Re-predicted with the saved GPU's compute capability: a T4's kernels, not an H100's.
+    t4_sized = GpuSpec(
+        saved["gpu"]["name"],
+        saved["capacity_bytes"],
+        saved["context_overhead_bytes"],
+        compute_capability=(7, 5),
+    )
+    assert fp16.saving_bytes == saved["required_bytes"] - _repredicted_required(
+        t4_sized, precision="fp16-mixed"
+    )
+    assert fp16.saving_bytes != saved["required_bytes"] - _repredicted_required(
+        precision="fp16-mixed"
+    )
+
+
+def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request(saved):
+    """Measured: the batch remedy leads; measure=False keeps estimates only (no re-prediction)."""
+    measured = diagnose_prediction(saved)
+    assert measured.cause == "shortage"
+    top = measured.remedies[0]
+    assert top.title == "batch size 2 with 4 gradient-accumulation steps"
+    assert not top.estimate
+    # a measured figure replaces the estimate of the same change: one of each title
+    titles = [r.title for r in measured.remedies]
+    assert len(titles) == len(set(titles))
+    estimated = diagnose_prediction(saved, measure=False)
+    model = [r for r in estimated.remedies if r.title != "do not rely on torch.cuda.empty_cache()"]
+    assert all(r.estimate for r in model)
+    assert _by_title(estimated.remedies)["activation checkpointing"].confidence == "low"
+
+
+def test_unknown_workload_is_not_measured():
+    """Without a workload (a user function, --hf, an old save) nothing is re-predicted."""
+    assert measured_model_remedies({"required_bytes": 1, "usable_bytes": 0}) == ([], [])
+
+
+def test_explain_cli_measures_by_default_and_not_with_no_measure(saved, tmp_path, capsys):
+    """`oomkit explain p.json` re-predicts (measured top remedy); --no-measure only estimates."""
+    from oomkit.interfaces.cli import main
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(saved))
+    assert main(["explain", str(path), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["remedies"][0]
+    assert measured["title"] == "batch size 2 with 4 gradient-accumulation steps"
+    assert measured["estimate"] is False
+    assert main(["explain", str(path), "--json", "--no-measure"]) == 0
+    remedies = json.loads(capsys.readouterr().out)["remedies"]
+    assert not any(MEASURED_WHY in r["why"] for r in remedies)
+    assert remedies[0]["estimate"] is True

@@ -1,0 +1,203 @@
+"""Parsing PyTorch's out-of-memory error texts (every variant of ref §12) into bytes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator.oom_message import oom_message
+from oomkit.core.allocator.rules import rules_for
+from oomkit.diagnose.oom_text import ProcessMemory, find_oom_texts, parse_oom_text
+from oomkit.errors import OomkitError, OomTextError
+
+MiB = 2**20
+GiB = 2**30
+
+
+def _oom(allocator: CachingAllocator, nbytes: int) -> SimulatedOutOfMemoryError:
+    with pytest.raises(SimulatedOutOfMemoryError) as info:
+        allocator.malloc(nbytes)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "variant", "versions"),
+    [
+        ("2.0", "classic", "1.5-2.0"),
+        ("2.1", "native", "2.1"),
+        ("2.4", "native", ">=2.2"),
+        (None, "native", ">=2.2"),
+    ],
+)
+def test_simulated_messages_parse_back_to_their_figures(torch_version, variant, versions):
+    """The simulator's message for each version parses back to the state that raised it."""
+    a = CachingAllocator(capacity_bytes=GiB, torch_version=torch_version)
+    a.malloc(300 * MiB)
+    a.free(a.malloc(100 * MiB))
+    a.malloc(30 * MiB)  # splits the cached 100 MiB segment: 70 MiB stay reserved, unallocated
+    error = _oom(a, 700 * MiB)
+    parsed = parse_oom_text(f"torch.OutOfMemoryError: {error}")
+    assert parsed.variant == variant
+    assert parsed.torch_versions == versions
+    assert parsed.device == 0
+    assert parsed.requested_bytes == 700 * MiB
+    assert parsed.total_bytes == GiB
+    assert parsed.free_bytes == error.free_bytes
+    assert parsed.allocated_bytes == 330 * MiB
+    assert parsed.reserved_bytes == error.reserved_bytes == 400 * MiB
+    assert parsed.reserved_unallocated_bytes == 70 * MiB
+    assert parsed.outside_allocator_bytes == 0
+
+
+def test_memory_fraction_clause_gives_allowed_bytes():
+    """`set_per_process_memory_fraction` adds "N allowed;" to both message families."""
+    for version, variant in (("2.0", "classic"), (None, "native")):
+        a = CachingAllocator(capacity_bytes=GiB, torch_version=version)
+        a.set_per_process_memory_fraction(0.5)
+        a.malloc(400 * MiB)
+        parsed = parse_oom_text(str(_oom(a, 200 * MiB)))
+        assert (parsed.variant, parsed.allowed_bytes) == (variant, 512 * MiB)
+        assert parsed.allocated_bytes == 400 * MiB
+
+
+def test_private_pools_and_process_sentences():
+    """2.2+: NVML process sentences and the private-pool clause are read, AL excludes P."""
+    text = oom_message(
+        rules_for(None),
+        alloc_size=2 * GiB,
+        device=3,
+        total=80 * GiB,
+        free=GiB,
+        allocated=60 * GiB,
+        reserved=70 * GiB,
+        allowed=None,
+        private_pool_cached=4 * GiB,
+        process_info=(
+            "Including non-PyTorch memory, this process has 71.50 GiB memory in use. "
+            "Process 4242 has 7.25 GiB memory in use. "
+        ),
+    )
+    parsed = parse_oom_text(text)
+    assert parsed.device == 3
+    assert parsed.private_pool_bytes == 4 * GiB
+    assert parsed.allocated_bytes == 60 * GiB
+    assert parsed.reserved_bytes == 70 * GiB
+    assert parsed.reserved_unallocated_bytes == 6 * GiB
+    assert parsed.outside_allocator_bytes == 9 * GiB
+    assert parsed.processes == (
+        ProcessMemory(None, round(71.5 * GiB)),
+        ProcessMemory(4242, round(7.25 * GiB)),
+    )
+
+
+def test_real_classic_message_wrapped_in_a_commented_log():
+    """A 1.x message broken over '#'-commented lines still parses (from a public script)."""
+    text = """# RuntimeError: CUDA out of memory. Tried to allocate 36.00 MiB (GPU 0; 7.93 GiB total
+# capacity; 130.35 MiB already
+# allocated; 47.06 MiB free; 188.00 MiB reserved in total by PyTorch) If reserved memory is
+# >> allocated memory try setting max_split_size_mb to avoid fragmentation."""
+    parsed = parse_oom_text(text)
+    assert parsed.variant == "classic"
+    assert parsed.requested_bytes == 36 * MiB
+    assert parsed.total_bytes == round(7.93 * GiB)
+    assert parsed.allocated_bytes == round(130.35 * MiB)
+    assert parsed.free_bytes == round(47.06 * MiB)
+    assert parsed.reserved_bytes == 188 * MiB
+    assert parsed.tolerance_bytes["total_bytes"] == GiB // 200
+    assert parsed.tolerance_bytes["requested_bytes"] == MiB // 200
+
+
+def test_cached_wording_of_torch_1_4_and_earlier():
+    """<= 1.4 said "cached" for reserved."""
+    parsed = parse_oom_text(
+        "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 10.76 GiB total "
+        "capacity; 9.66 GiB already allocated; 17.56 MiB free; 9.88 GiB cached)"
+    )
+    assert (parsed.variant, parsed.torch_versions) == ("classic", "<=1.4")
+    assert parsed.reserved_bytes == round(9.88 * GiB)
+
+
+def test_cuda_malloc_async_message():
+    """backend:cudaMallocAsync's multi-line message (CUDAMallocAsyncAllocator.cpp mallocAsync)."""
+    text = (
+        "torch.OutOfMemoryError: Allocation on device 1 would exceed allowed memory. "
+        "(out of memory)\nCurrently allocated     : 30.50 GiB\nRequested               : "
+        "2.00 GiB\nDevice limit            : 39.39 GiB\nFree (according to CUDA): 1.12 GiB\n"
+        "PyTorch limit (set by user-supplied memory fraction)\n                        : "
+        "31.51 GiB"
+    )
+    parsed = parse_oom_text(text)
+    assert parsed.variant == "cuda_malloc_async"
+    assert parsed.device == 1
+    assert parsed.allocated_bytes == round(30.5 * GiB)
+    assert parsed.requested_bytes == 2 * GiB
+    assert parsed.total_bytes == round(39.39 * GiB)
+    assert parsed.free_bytes == round(1.12 * GiB)
+    assert parsed.allowed_bytes == round(31.51 * GiB)
+    assert parsed.reserved_bytes is None
+    assert parsed.outside_allocator_bytes is None
+
+
+def test_one_exabyte_preemptive_and_driver_variants():
+    """The figure-less variants are recognised by their fixed wording."""
+    exa = parse_oom_text("CUDA out of memory. Tried to allocate more than 1EB memory.")
+    assert (exa.variant, exa.requested_bytes) == ("exa", 2**60)
+    rejected = parse_oom_text(
+        "CUDA out of memory. Allocation was preemptively rejected because it would exceed "
+        "per_process_memory_fraction limit. Requested size: 512.00 MiB"
+    )
+    assert (rejected.variant, rejected.requested_bytes) == ("fraction_rejected", 512 * MiB)
+    driver = parse_oom_text(
+        "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+        "reported at some other API call"
+    )
+    assert driver.variant == "driver"
+    assert driver.requested_bytes is None
+
+
+def test_several_ranks_in_one_log():
+    """Each rank's message is found, in order; a simulated 1EB request is one too."""
+    a = CachingAllocator(capacity_bytes=GiB)
+    first = str(_oom(a, 2 * GiB))
+    second = str(_oom(a, 2**60))
+    found = find_oom_texts(f"[rank0]: {first}\n[rank1]: {second}\n")
+    assert [f.variant for f in found] == ["native", "exa"]
+    assert found[0].requested_bytes == 2 * GiB
+
+
+@pytest.mark.parametrize("text", ["", "Segmentation fault", "CUDA out of memory. Tried to"])
+def test_text_without_a_message_is_a_clear_error(text):
+    """Garbage gets one OomTextError that says what to paste."""
+    with pytest.raises(OomTextError, match="no CUDA out-of-memory message found.*Paste"):
+        parse_oom_text(text)
+    assert issubclass(OomTextError, OomkitError) and issubclass(OomTextError, ValueError)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**45))
+def test_parsed_size_is_within_its_tolerance(size_bytes):
+    """Any format_size output parses back to within the stated tolerance of the truth."""
+    text = oom_message(
+        rules_for(None),
+        alloc_size=size_bytes,
+        device=0,
+        total=2**46,
+        free=0,
+        allocated=0,
+        reserved=0,
+        allowed=None,
+    )
+    parsed = parse_oom_text(text)
+    assert parsed.requested_bytes is not None
+    assert abs(parsed.requested_bytes - size_bytes) <= parsed.tolerance_bytes["requested_bytes"]
+
+
+def test_expandable_configuration_does_not_change_the_wording():
+    """expandable_segments messages (2.13) parse like any native one."""
+    a = CachingAllocator(AllocatorConfig.parse("expandable_segments:True"), capacity_bytes=GiB)
+    a.malloc(900 * MiB)
+    parsed = parse_oom_text(str(_oom(a, 300 * MiB)))
+    assert parsed.variant == "native"
+    assert parsed.allocated_bytes == 900 * MiB

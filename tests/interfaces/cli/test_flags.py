@@ -1,0 +1,80 @@
+"""The CLI's flags are a deliberate interface: this test lists them."""
+
+import argparse
+
+import pytest
+
+from oomkit.interfaces.cli import build_parser, main
+
+EXPECTED = {
+    "demo": ["--capacity", "--json", "--steps"],
+    "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
+    "fit": [
+        "--alloc-conf",
+        "--batch",
+        "--checkpointing",
+        "--context-overhead",
+        "--cudnn-version",
+        "--eval",
+        "--gpu",
+        "--hf",
+        "--image-size",
+        "--json",
+        "--margin",
+        "--max-batch",
+        "--mode",
+        "--optimizer",
+        "--precision",
+        "--seq",
+        "--smallest-gpu",
+        "--steps",
+    ],
+    "predict": [
+        "--alloc-conf",
+        "--batch",
+        "--budget",
+        "--checkpointing",
+        "--context-overhead",
+        "--cudnn-version",
+        "--gpu",
+        "--hf",
+        "--image-size",
+        "--json",
+        "--mode",
+        "--new-tokens",
+        "--optimizer",
+        "--precision",
+        "--seq",
+        "--steps",
+    ],
+    "run": ["--json", "--max-entries", "--snapshot-dir"],
+    "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],
+    "report": ["--html", "--json", "--png"],
+    "replay": ["--alloc-conf", "--capacity", "--device", "--json", "--torch-version", "--verify"],
+    "simulate": ["--alloc-conf", "--capacity", "--json", "--torch-version"],
+    "tune": ["--capacity", "--device", "--json"],
+}
+
+
+def _subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+@pytest.mark.parametrize("command", sorted(EXPECTED))
+def test_flags(command):
+    """Each subcommand has exactly the listed flags."""
+    flags = sorted(
+        opt
+        for a in _subparsers()[command]._actions
+        for opt in a.option_strings
+        if opt.startswith("--") and opt != "--help"
+    )
+    assert flags == EXPECTED[command]
+
+
+def test_no_command_is_usage_error(capsys):
+    """`oomkit` alone prints help and exits 2."""
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err

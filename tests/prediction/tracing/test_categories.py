@@ -1,0 +1,52 @@
+"""The category inference rule."""
+
+from __future__ import annotations
+
+from oomkit.prediction.tracing import CATEGORIES, infer_category
+
+
+def test_vocabulary():
+    """The nine categories, in a fixed order."""
+    assert CATEGORIES == (
+        "parameter",
+        "buffer",
+        "gradient",
+        "optimizer_state",
+        "activation",
+        "temporary",
+        "input",
+        "autocast_cache",
+        "workspace",
+    )
+
+
+def test_parameter_wins_over_saved():
+    """A parameter that autograd saves (Linear weight) is still a parameter."""
+    assert infer_category({"saved", "parameter"}, "user") == "parameter"
+
+
+def test_input_wins_over_saved():
+    """The batch saved by the first Linear is an input."""
+    assert infer_category({"saved", "input"}, "user") == "input"
+
+
+def test_saved_is_activation_in_any_phase():
+    """Whatever autograd saves is an activation."""
+    assert infer_category({"saved"}, "user") == "activation"
+
+
+def test_escaped_forward_allocation_is_activation():
+    """A forward allocation alive after the root module returned is an activation."""
+    assert infer_category({"escaped"}, "forward") == "activation"
+    assert infer_category(set(), "forward") == "temporary"
+
+
+def test_backward_and_optimizer_scratch_is_temporary():
+    """Allocations that get no role are temporaries."""
+    assert infer_category(set(), "backward") == "temporary"
+    assert infer_category(set(), "optimizer") == "temporary"
+
+
+def test_explicit_category_wins():
+    """An emulation's category (workspace) overrides observed roles."""
+    assert infer_category({"input"}, "forward", "workspace") == "workspace"

@@ -1,0 +1,56 @@
+"""The per-op emulation registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oomkit.prediction.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tracer
+
+
+def test_default_registry_holds_the_builtin_emulations():
+    """SDPA (forward, 2 backwards, 2 cuDNN), 10 cuBLAS ops, embedding, 2 batch norm, dropout."""
+    assert len(DEFAULT_EMULATIONS) == 19
+    assert "aten.native_batch_norm.default" in DEFAULT_EMULATIONS
+    assert "torch.nn.functional.dropout" in DEFAULT_EMULATIONS
+    assert "torch.nn.functional.scaled_dot_product_attention" in DEFAULT_EMULATIONS
+    assert "aten.mm.default" in DEFAULT_EMULATIONS
+    assert "aten.embedding_dense_backward.default" in DEFAULT_EMULATIONS
+
+
+def test_hook_adds_a_workspace_around_the_op():
+    """A hook keyed by overload name can wrap the meta op with a synthetic workspace."""
+    registry = EmulationRegistry()
+
+    @registry.register("aten.mm.default")
+    def mm_with_workspace(ctx):
+        workspace = ctx.allocate(1 << 20, "workspace")
+        out = ctx.run()
+        ctx.free(workspace)
+        return out
+
+    a = torch.randn(8, 8, device="meta")
+    with Tracer(emulations=registry) as tracer:
+        tracer.track(a)
+        out = a @ a
+    summary = [
+        (e.action, e.size, dict(e.tags).get("category"))
+        for e in tracer.recording.events
+        if e.action != "free_completed"
+    ]
+    assert summary == [
+        ("alloc", 256, "input"),
+        ("alloc", 1 << 20, "workspace"),
+        ("free_requested", 1 << 20, "workspace"),
+        ("alloc", 256, "temporary"),
+    ]
+    assert not any("aten.mm.default" in w for w in tracer.recording.warnings)
+    del out
+
+
+def test_registering_twice_is_refused():
+    """One hook per op per registry."""
+    registry = EmulationRegistry()
+    registry.register("aten.mm.default")(lambda ctx: ctx.run())
+    with pytest.raises(ValueError, match="already has an emulation hook"):
+        registry.register("aten.mm.default")(lambda ctx: ctx.run())

@@ -1,0 +1,84 @@
+"""Embedding backward's sort temporaries; cross-entropy as meta records it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from oomkit.prediction.tracing import TraceRecording, trace_step
+
+EMB_BWD = "aten.embedding_dense_backward.default"
+
+
+def _allocs(recording: TraceRecording, op: str) -> list[tuple[int, str | None]]:
+    return [
+        (e.size, dict(e.tags).get("emulated"))
+        for e in recording.events
+        if e.action == "alloc" and dict(e.tags).get("op") == op
+    ]
+
+
+def _embedding_step(embedding: torch.nn.Embedding, indices: torch.Tensor) -> None:
+    embedding(indices).sum().backward()
+
+
+def _embedding(**kwargs) -> torch.nn.Embedding:
+    with torch.device("meta"):
+        return torch.nn.Embedding(100, 16, **kwargs)
+
+
+def test_embedding_backward_small_batch_has_no_sort():
+    """3072 indices or fewer: grad_weight only (100 x 16 fp32), as meta records it."""
+    indices = torch.zeros(3072, dtype=torch.long, device="meta")
+    recording = trace_step(_embedding_step, _embedding(), indices)
+    assert _allocs(recording, EMB_BWD) == [(100 * 16 * 4, None)]
+
+
+def test_embedding_backward_sort_path_temporaries():
+    """3073 indices: sorted and original int64 indices live while grad_weight is allocated."""
+    indices = torch.zeros(3073, dtype=torch.long, device="meta")
+    recording = trace_step(_embedding_step, _embedding(), indices)
+    assert _allocs(recording, EMB_BWD) == [
+        (3073 * 8, "embedding_sorted_indices"),
+        (3073 * 8, "embedding_orig_indices"),
+        (100 * 16 * 4, None),
+    ]
+    freed = [
+        e.size
+        for e in recording.events
+        if e.action == "free_requested" and dict(e.tags)["category"] == "temporary"
+    ][:2]
+    assert freed == [3073 * 8, 3073 * 8]
+
+
+def test_embedding_backward_scale_grad_by_freq_adds_count():
+    """scale_grad_by_freq always sorts and adds a count array, even for few indices."""
+    indices = torch.zeros(10, dtype=torch.long, device="meta")
+    recording = trace_step(_embedding_step, _embedding(scale_grad_by_freq=True), indices)
+    assert [what for _, what in _allocs(recording, EMB_BWD)] == [
+        "embedding_sorted_indices",
+        "embedding_orig_indices",
+        "embedding_count",
+        None,
+    ]
+
+
+def test_cross_entropy_saves_log_softmax_exactly():
+    """Meta already matches CUDA: log_softmax [N, C] is saved; nll_loss makes two scalars."""
+    logits = torch.randn(6, 10, device="meta", requires_grad=True)
+    target = torch.zeros(6, dtype=torch.long, device="meta")
+
+    def step(logits, target):
+        F.cross_entropy(logits, target).backward()
+
+    recording = trace_step(step, logits, target)
+    log_softmax = [
+        e
+        for e in recording.events
+        if e.action == "alloc" and dict(e.tags).get("op") == "aten._log_softmax.default"
+    ]
+    assert [(e.size, dict(e.tags).get("saved_for_backward")) for e in log_softmax] == [
+        (6 * 10 * 4, "true")
+    ]
+    assert _allocs(recording, "aten.nll_loss_forward.default") == [(4, None), (4, None)]
+    assert _allocs(recording, "aten.nll_loss_backward.default") == [(6 * 10 * 4, None)]
