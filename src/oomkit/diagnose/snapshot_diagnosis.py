@@ -41,7 +41,7 @@ from oomkit.diagnose.memory_health import MIN_LEAK_BYTES
 from oomkit.diagnose.oom_text import OomText
 from oomkit.errors import UnknownDeviceError
 from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
-from oomkit.core.replay._recorded import config_from_settings, recorded_torch_version
+from oomkit.core.replay import config_from_settings, recorded_torch_version
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.units import format_bytes
 

@@ -1,8 +1,8 @@
 """The replay behind a prediction: one pass through the simulator, then the live set at a moment.
 
-The pass mirrors ``oomkit.core.replay.simulate_events`` (alloc, free_requested, free_completed) but
-also keeps, for every alloc, the bytes the allocator counted for it (its rounded block size, read
-as the change in ``allocated_bytes.all.current``), where the peaks happened, per-step peaks and a
+The pass is ``oomkit.core.replay``'s engine (as ``simulate_events`` runs it) with hooks that also
+keep, for every alloc, the bytes the allocator counted for it (its rounded block size, read as
+the change in ``allocated_bytes.all.current``), where the peaks happened, per-step peaks and a
 bounded timeline. The breakdown at a moment is computed afterwards by walking the events up to
 it, so the hot loop stays cheap.
 """
@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.errors import TraceFormatError
-from oomkit.core.replay._ids import FreeTracker
+from oomkit.core.replay import ReplayEngine, ReplayHooks
 from oomkit.core.trace import TraceEvent
 
 __all__ = [
@@ -145,72 +144,86 @@ def replay_for_prediction(
         torch_version=torch_version,
     )
     out = ReplayPass()
-    bucket = max(1, -(-len(events) // max(1, max_points)))
-    frees = FreeTracker()
-    live, pending = frees.live, frees.pending  # recording id -> simulated pointer
-    malloc = allocator.malloc
-    free = allocator.free
-    allocated = allocator.memory_allocated
-    reserved = allocator.memory_reserved
-    # Timeline bucket and per-step running maxima.
-    bucket_alloc = bucket_res = 0
-    starts = list(step_starts)
-    next_start = 0
-    step_alloc = step_res = 0
-    step = None
-    for index, event in enumerate(events):
-        if next_start < len(starts) and index == starts[next_start]:
-            if step is not None:
-                out.step_peaks.append(StepPeak(step, starts[step], step_alloc, step_res))
-            step = next_start
-            next_start += 1
-            step_alloc, step_res = allocated(), reserved()
-        action = event.action
-        if action == "alloc":
-            if event.address in live or event.address in pending:
-                raise TraceFormatError(
-                    f"event {index}: id {event.address:#x} is allocated twice without a free; "
-                    "each alloc needs a distinct id while it is live."
-                )
-            before = allocated()
-            try:
-                live[event.address] = malloc(event.size, event.stream)
-            except SimulatedOutOfMemoryError as exc:
-                out.oom_index, out.oom_error = index, exc
-                break
-            now_alloc, now_res = allocated(), reserved()
-            out.block_bytes[index] = now_alloc - before
-            if now_alloc > out.peak_allocated_bytes:
-                out.peak_allocated_bytes, out.peak_allocated_index = now_alloc, index
-                out.reserved_at_peak_allocated_bytes = now_res
-            if now_res > out.peak_reserved_bytes:
-                out.peak_reserved_bytes, out.peak_reserved_index = now_res, index
-        elif action == "free_requested":
-            frees.request(index, event.address)
-        elif action == "free_completed":
-            ptr = frees.complete(index, event.address)
-            if ptr:
-                free(ptr)
-        elif action == "empty_cache":
-            allocator.empty_cache()
-        now_alloc, now_res = allocated(), reserved()
-        bucket_alloc = max(bucket_alloc, now_alloc)
-        bucket_res = max(bucket_res, now_res)
-        step_alloc = max(step_alloc, now_alloc)
-        step_res = max(step_res, now_res)
-        if (index + 1) % bucket == 0 or index + 1 == len(events):
-            out.timeline.append(
-                TimelinePoint(index, step_of(starts, index), bucket_alloc, bucket_res)
-            )
-            bucket_alloc = bucket_res = 0
-        out.events = index + 1
-    if step is not None:
-        out.step_peaks.append(StepPeak(step, starts[step], step_alloc, step_res))
+    hooks = _PredictionHooks(allocator, out, len(events), step_starts, max_points)
+    engine = ReplayEngine(allocator, hooks)
+    engine.run(events)
+    hooks.close_step()
+    out.oom_index, out.oom_error = engine.oom_index, engine.oom_error
+    out.events = engine.replayed if engine.oom_index is None else engine.oom_index
     stats = allocator.memory_stats()
     out.num_device_alloc = stats["num_device_alloc"]
     out.num_device_free = stats["num_device_free"]
     out.num_alloc_retries = stats["num_alloc_retries"]
     return out
+
+
+class _PredictionHooks(ReplayHooks):
+    """The engine's hooks for a prediction: per-alloc bytes, peaks, per-step peaks, a timeline."""
+
+    def __init__(
+        self,
+        allocator: CachingAllocator,
+        out: ReplayPass,
+        num_events: int,
+        step_starts: Sequence[int],
+        max_points: int,
+    ) -> None:
+        self.out = out
+        self.allocated = allocator.memory_allocated
+        self.reserved = allocator.memory_reserved
+        self.num_events = num_events
+        # Timeline buckets: each point is the maximum over its bucket of events.
+        self.bucket = max(1, -(-num_events // max(1, max_points)))
+        self.bucket_alloc = self.bucket_res = 0
+        self.starts = list(step_starts)
+        self.next_start = 0
+        self.step: int | None = None
+        self.step_alloc = self.step_res = 0
+        # allocated_bytes.all.current after the previous event: an alloc's block bytes are the
+        # change from it.
+        self.level = self.allocated()
+        if num_events:
+            self._maybe_open_step(0, self.level, self.reserved())
+
+    def _maybe_open_step(self, index: int, now_alloc: int, now_res: int) -> None:
+        """Start the next step if event ``index`` is its first (levels: just before it)."""
+        starts = self.starts
+        if self.next_start < len(starts) and index == starts[self.next_start]:
+            self.close_step()
+            self.step = self.next_start
+            self.next_start += 1
+            self.step_alloc, self.step_res = now_alloc, now_res
+
+    def close_step(self) -> None:
+        """Record the peaks of the running step, if any."""
+        if self.step is not None:
+            step = self.step
+            self.out.step_peaks.append(
+                StepPeak(step, self.starts[step], self.step_alloc, self.step_res)
+            )
+
+    def after_event(self, index: int, event: TraceEvent) -> None:
+        out = self.out
+        now_alloc, now_res = self.allocated(), self.reserved()
+        if event.action == "alloc":
+            out.block_bytes[index] = now_alloc - self.level
+            if now_alloc > out.peak_allocated_bytes:
+                out.peak_allocated_bytes, out.peak_allocated_index = now_alloc, index
+                out.reserved_at_peak_allocated_bytes = now_res
+            if now_res > out.peak_reserved_bytes:
+                out.peak_reserved_bytes, out.peak_reserved_index = now_res, index
+        self.level = now_alloc
+        self.bucket_alloc = max(self.bucket_alloc, now_alloc)
+        self.bucket_res = max(self.bucket_res, now_res)
+        self.step_alloc = max(self.step_alloc, now_alloc)
+        self.step_res = max(self.step_res, now_res)
+        if (index + 1) % self.bucket == 0 or index + 1 == self.num_events:
+            out.timeline.append(
+                TimelinePoint(index, step_of(self.starts, index), self.bucket_alloc, self.bucket_res)
+            )
+            self.bucket_alloc = self.bucket_res = 0
+        if index + 1 < self.num_events:
+            self._maybe_open_step(index + 1, now_alloc, now_res)
 
 
 def category_levels(

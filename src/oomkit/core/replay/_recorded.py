@@ -7,10 +7,10 @@ from dataclasses import replace
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.constants import SIZE_MAX
-from oomkit.errors import ConfigError
 from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment
 from oomkit.core.snapshot import Snapshot, infer_torch_version
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import ConfigError
 
 __all__ = [
     "config_from_settings",

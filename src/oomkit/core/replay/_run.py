@@ -1,45 +1,37 @@
 """One pass of a recorded trace through the simulator (ref §15), for ``replay_snapshot``.
 
-``_Run`` seeds the reconstructed starting state, answers the allocator's ``device_malloc`` and
-``segment_address`` hooks (from the recording in verify mode, from the capacity and synthetic
-addresses in a what-if), and maps recorded addresses to simulated pointers.
+``Run`` is the :class:`~oomkit.core.replay.engine.ReplayEngine`'s hooks for a recording: it
+seeds the reconstructed starting state, answers the allocator's ``device_malloc`` and
+``segment_address`` callbacks (from the recording in verify mode, from the capacity and synthetic
+addresses in a what-if), replays release runs and ``oom`` entries, and notes where the simulator
+disagrees with the recording.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.errors import OomkitError
 from oomkit.core.replay._compare import (
     first_divergence,
     first_segment_difference,
     normalise_segments,
     seed_segments_as_dicts,
 )
+from oomkit.core.replay.engine import CREATE, RELEASE, ReplayEngine, ReplayHooks
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
-from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent, stats_fields
+from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import OomkitError
 
-__all__ = ["Run", "CREATE", "RELEASE", "SEGMENT_ACTIONS"]
+__all__ = ["Run"]
 
 # cudaMalloc returns 2 MiB-aligned addresses for these sizes; synthetic segments keep that.
 _SYNTHETIC_ALIGN_BYTES = 2 * 2**20
 
-CREATE = ("segment_alloc", "segment_map")
-RELEASE = ("segment_free", "segment_unmap")
-SEGMENT_ACTIONS = CREATE + RELEASE
 
-
-@dataclass
-class _Outcome:
-    oom_index: int | None = None
-    oom_message: str | None = None
-
-
-class Run:
-    """One pass over a trace: the allocator, its oracle callbacks and the pointer map."""
+class Run(ReplayHooks):
+    """One pass over a recorded trace: the allocator, its oracle callbacks and the engine."""
 
     def __init__(
         self,
@@ -72,8 +64,6 @@ class Run:
         self.warnings: list[str] = []
         self.current = 0  # trace index of the event being replayed
         self.misplaced = 0  # allocs the simulator placed elsewhere than the recording
-        self.replayed = 0
-        self.outcome = _Outcome()
         self.log_index: list[int] = []  # trace index at which each simulated segment event came
         self._next_synthetic = _synthetic_base(start, events)
         self.allocator = CachingAllocator(
@@ -83,9 +73,9 @@ class Run:
             device_malloc=self._device_malloc if verify else None,
             segment_address=self._segment_address,
         )
-        self.ptrs: dict[int, int] = {}  # recorded address -> simulated pointer, live blocks
-        self.pending: dict[int, int] = {}  # freed, waiting for free_completed
+        self.engine = ReplayEngine(self.allocator, self, deferred_frees=True)
         self._seed()
+        self._logged = len(self.allocator.segment_log)
 
     # -- oracle callbacks -------------------------------------------------------------------
 
@@ -123,6 +113,7 @@ class Run:
 
     def _seed(self) -> None:
         a = self.allocator
+        live, pending = self.engine.live, self.engine.pending
         seeded = []
         for seg in self.start.segments:
             try:
@@ -144,124 +135,102 @@ class Run:
         for seg in seeded:
             for b in seg.blocks:
                 if b.state == "active_allocated":
-                    self.ptrs[b.address] = b.address
+                    live[b.address] = b.address
                 elif b.state == "active_pending_free":
                     # Seeded allocated, then freed with its completion deferred (§15.8).
                     a.free(b.address, deferred=True)
-                    self.pending[b.address] = b.address
+                    pending[b.address] = b.address
 
-    # -- the replay -------------------------------------------------------------------------
+    # -- the replay: engine hooks -----------------------------------------------------------
 
     def replay(self) -> None:
-        events = self.events
-        a = self.allocator
-        n = len(events)
-        skip = False
-        log = a.segment_log
-        for i, ev in enumerate(events):
-            if skip:
-                skip = False
-                self.replayed = i + 1
-                continue
-            self.current = i
-            logged = len(log)
-            try:
-                skip = self._step(i, ev, n)
-            except SimulatedOutOfMemoryError as exc:
-                self.log_index.extend([i] * (len(log) - logged))
-                if self.verify:
-                    self._problem(i)
-                    self.warnings.append(
-                        f"event {i}: the simulator ran out of memory where the recording did not "
-                        f"({ev.action} of {ev.size:,} B); the replay stopped there"
-                    )
-                else:
-                    self.outcome = _Outcome(i, str(exc))
-                self.replayed = i + 1
-                return
-            except OomkitError as exc:
-                self.log_index.extend([i] * (len(log) - logged))
-                self._problem(i)
-                self.warnings.append(f"event {i}: {exc}; the replay stopped there")
-                self.replayed = i + 1
-                return
-            self.log_index.extend([i] * (len(log) - logged))
-            self.replayed = i + 1
+        self.engine.run(self.events)
 
-    def _step(self, i: int, ev: TraceEvent, n: int) -> bool:
-        """Replay one event; True when the next event (its free_completed) was consumed too."""
-        action = ev.action
-        a = self.allocator
-        if action == "alloc":
-            ptr = a.malloc(ev.size, ev.stream)
-            self._sync_first = False
-            if self.verify and ptr != ev.address:
-                self.misplaced += 1
-                self._problem(i)
-            if self.misplaced == 1 and not self._misplaced_warned:
-                self._misplaced_warned = True
-                self.warnings.append(
-                    f"event {i}: the simulator placed an alloc of {ev.size:,} B at {ptr:#x}, "
-                    f"the recording at {ev.address:#x}"
-                )
-            self.ptrs[ev.address] = ptr
-        elif action == "free_requested":
-            freed = self.ptrs.pop(ev.address, None)
-            if freed is None:
-                self._unknown(i, ev)
-                return False
-            nxt = self.events[i + 1] if i + 1 < n else None
-            if nxt is not None and nxt.action == "free_completed" and nxt.address == ev.address:
-                if self.groups.get(i + 1, -1) in self.flipped:
-                    # Deferred, and completed by the next request's Step 9 (see _verify_run).
-                    a.free(freed, deferred=True)
-                    self._sync_first = True
-                else:
-                    a.free(freed)
-                return True
-            a.free(freed, deferred=True)
-            self.pending[ev.address] = freed
-        elif action == "free_completed":
-            # §15.8: a deferred free completes here, not at its free_requested.
-            completed = self.pending.pop(ev.address, None)
-            if completed is None:
-                self._unknown(i, ev)
-            elif self.groups.get(i, -1) in self.flipped:
-                # Completed by the next request's Step 9 synchronize (see _verify_run).
-                self._sync_first = True
-            else:
-                a.complete_free(completed)
-        elif action in RELEASE:
-            # §15.3: a run of releases with no request between them is one cache release
-            # (empty_cache or the OOM path); only its first event triggers it.
-            first = i == 0 or self.events[i - 1].action not in RELEASE
-            # After frees that the next request's Step 9 completes, its releases are Step 9's
-            # too: they come after its failed cache lookup, so they are left to its malloc.
-            if first and not self._sync_first and self._left_to_malloc(i) == (i in self.flipped):
-                a.release_cached_blocks()
-        elif action == "oom":
-            # §15.11: the request the program never got. Verify expects it to fail again; a
-            # what-if retries it and, if it is served now, frees it at once.
-            try:
-                ptr = a.malloc(ev.size, ev.stream)
-            except SimulatedOutOfMemoryError:
-                if not self.verify:
-                    raise
-                return False
-            finally:
-                self._sync_first = False
-            a.free(ptr)
-            if self.verify:
-                self._problem(i)
-                self.warnings.append(
-                    f"event {i}: the recording ran out of memory for {ev.size:,} B but the "
-                    "simulator served it"
-                )
-        elif action == "empty_cache":
-            # oomkit's own action (traces from its tracer); PyTorch never records it (§15.3).
-            a.empty_cache()
-        # segment_alloc / segment_map happen inside malloc; "snapshot" carries no request (§15.9).
+    def _note_log(self, i: int) -> None:
+        """Segment events the allocator logged during trace event ``i`` came at ``i``."""
+        k = len(self.allocator.segment_log)
+        if k != self._logged:
+            self.log_index.extend([i] * (k - self._logged))
+            self._logged = k
+
+    def after_event(self, index: int, event: TraceEvent) -> None:
+        self._note_log(index)
+        self.current = index + 1
+
+    def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
+        self._sync_first = False
+        if self.verify and ptr != event.address:
+            self.misplaced += 1
+            self._problem(index)
+        if self.misplaced == 1 and not self._misplaced_warned:
+            self._misplaced_warned = True
+            self.warnings.append(
+                f"event {index}: the simulator placed an alloc of {event.size:,} B at {ptr:#x}, "
+                f"the recording at {event.address:#x}"
+            )
+
+    def duplicate_alloc(self, index: int, event: TraceEvent) -> None:
+        # A recorded address names whichever block the recording put there last.
+        pass
+
+    def completes_later(self, index: int) -> bool:
+        if self.groups.get(index, -1) in self.flipped:
+            # Completed by the next request's Step 9 synchronize (see _verify_run).
+            self._sync_first = True
+            return True
         return False
+
+    def segment_release(self, index: int, event: TraceEvent) -> None:
+        # §15.3: a run of releases with no request between them is one cache release
+        # (empty_cache or the OOM path); only its first event triggers it.
+        first = index == 0 or self.events[index - 1].action not in RELEASE
+        # After frees that the next request's Step 9 completes, its releases are Step 9's
+        # too: they come after its failed cache lookup, so they are left to its malloc.
+        if (
+            first
+            and not self._sync_first
+            and self._left_to_malloc(index) == (index in self.flipped)
+        ):
+            self.allocator.release_cached_blocks()
+
+    def oom_event(self, index: int, event: TraceEvent) -> None:
+        # §15.11: the request the program never got. Verify expects it to fail again; a
+        # what-if retries it (running out stops the replay) and, if it is served now, frees it
+        # at once.
+        a = self.allocator
+        try:
+            ptr = a.malloc(event.size, event.stream)
+        except SimulatedOutOfMemoryError:
+            if not self.verify:
+                raise
+            return
+        finally:
+            self._sync_first = False
+        a.free(ptr)
+        if self.verify:
+            self._problem(index)
+            self.warnings.append(
+                f"event {index}: the recording ran out of memory for {event.size:,} B but the "
+                "simulator served it"
+            )
+
+    def out_of_memory(
+        self, index: int, event: TraceEvent, error: SimulatedOutOfMemoryError
+    ) -> bool:
+        self._note_log(index)
+        if not self.verify:
+            return True
+        self._problem(index)
+        self.warnings.append(
+            f"event {index}: the simulator ran out of memory where the recording did not "
+            f"({event.action} of {event.size:,} B); the replay stopped there"
+        )
+        return False
+
+    def failed(self, index: int, event: TraceEvent, error: OomkitError) -> None:
+        self._note_log(index)
+        self._problem(index)
+        self.warnings.append(f"event {index}: {error}; the replay stopped there")
 
     def _left_to_malloc(self, i: int) -> bool:
         """Whether the release run at ``i`` is left to the next request's own malloc.
@@ -282,12 +251,12 @@ class Run:
     _misplaced_warned = False
     _unknown_warned = False
 
-    def _unknown(self, i: int, ev: TraceEvent) -> None:
+    def unknown_id(self, index: int, event: TraceEvent) -> None:
         if not self._unknown_warned:
             self._unknown_warned = True
             self.warnings.append(
-                f"event {i}: {ev.action} of {ev.address:#x}, which the replay does not hold live; "
-                "it was skipped"
+                f"event {index}: {event.action} of {event.address:#x}, which the replay does "
+                "not hold live; it was skipped"
             )
 
     # -- the record ---------------------------------------------------------------------------
@@ -343,15 +312,11 @@ class Run:
         *,
         compare: bool,
     ) -> ReplayResult:
-        a = self.allocator
-        stats = a.memory_stats()
-        simulated = tuple(tuple(e) for e in a.segment_log)
-        final_segments = tuple(a.snapshot())
         verify_fields: dict = {}
         if self.verify and compare:
             matched, divergence = self.compare()
             difference = first_segment_difference(
-                final_segments, seed_segments_as_dicts(final)
+                tuple(self.allocator.snapshot()), seed_segments_as_dicts(final)
             )
             if difference is not None:
                 warnings = (*warnings, f"final state differs: {difference}")
@@ -362,18 +327,10 @@ class Run:
                 "first_divergence": divergence,
                 "allocs_misplaced": self.misplaced,
             }
-        return ReplayResult(
-            events=self.replayed,
-            **stats_fields(stats),
-            segment_events=simulated,  # type: ignore[arg-type]
-            final_segments=final_segments,
-            memory_stats=stats,
-            oom=self.outcome.oom_index is not None,
-            oom_event_index=self.outcome.oom_index,
-            oom_message=self.outcome.oom_message,
+        return self.engine.result(
             alloc_conf=str(self.config),
-            recorded_peak_reserved_bytes=recorded_peak,
             torch_version=self.torch_version,
+            recorded_peak_reserved_bytes=recorded_peak,
             warnings=warnings,
             **verify_fields,
         )

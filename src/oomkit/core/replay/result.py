@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SegmentEvent", "Divergence", "ReplayResult", "stats_fields"]
+__all__ = ["SegmentEvent", "Divergence", "ReplayResult"]
 
 # One allocator segment decision, as PyTorch's trace names them:
 # ("segment_alloc" | "segment_free" | "segment_map" | "segment_unmap", address, size_bytes).
@@ -56,15 +56,3 @@ class ReplayResult:
     torch_version: str | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
-
-def stats_fields(stats: dict[str, int]) -> dict[str, int]:
-    """The ``ReplayResult`` fields read from a final ``memory_stats()`` dict, by field name."""
-    return {
-        "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
-        "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
-        "final_allocated_bytes": stats["allocated_bytes.all.current"],
-        "final_reserved_bytes": stats["reserved_bytes.all.current"],
-        "num_device_alloc": stats["num_device_alloc"],
-        "num_device_free": stats["num_device_free"],
-        "num_alloc_retries": stats["num_alloc_retries"],
-    }

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.errors import TraceFormatError
-from oomkit.core.replay._ids import FreeTracker
-from oomkit.core.replay.result import ReplayResult, stats_fields
+from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, CachingAllocator
+from oomkit.core.replay.engine import ReplayEngine
+from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
 
-__all__ = ["simulate_events", "DEFAULT_CAPACITY_BYTES"]
+__all__ = ["simulate_events"]
 
-# An 80 GB A100/H100 as the default device when the user names none (the what-if capacity of
-# ../shared/ref/cuda-caching-allocator.md §15.7).
-DEFAULT_CAPACITY_BYTES = 80 * 2**30
+# DEFAULT_CAPACITY_BYTES: an 80 GB A100/H100 as the device when the user names none (the
+# what-if capacity of ../shared/ref/cuda-caching-allocator.md §15.7).
 
 
 def simulate_events(
@@ -42,7 +40,9 @@ def simulate_events(
         The replay's record. On an OOM the replay stops at that request and ``oom`` is set.
 
     Raises:
-        TraceFormatError: the trace frees an id it never allocated, or allocates a live id twice.
+        TraceFormatError: the trace frees an id it never allocated, or allocates an id that is
+            still live or awaiting its ``free_completed``; the message names the event's
+            0-based index.
     """
     config = config if config is not None else AllocatorConfig()
     allocator = CachingAllocator(
@@ -51,44 +51,6 @@ def simulate_events(
         reserved_outside_bytes=reserved_outside_bytes,
         torch_version=torch_version,
     )
-    frees = FreeTracker()
-    live = frees.live  # trace id -> simulated pointer
-    malloc = allocator.malloc
-    free = allocator.free
-    count = 0
-    oom_index: int | None = None
-    oom_message: str | None = None
-    for count, event in enumerate(events, start=1):  # noqa: B007 - count is used after the loop
-        action = event.action
-        if action == "alloc":
-            if event.address in live:
-                raise TraceFormatError(
-                    f"event {count}: id {event.address:#x} is allocated twice without a free; "
-                    "each alloc needs a distinct id while it is live."
-                )
-            try:
-                live[event.address] = malloc(event.size, event.stream)
-            except SimulatedOutOfMemoryError as exc:
-                oom_index, oom_message = count - 1, str(exc)
-                break
-        elif action == "free_requested":
-            frees.request(count, event.address)
-        elif action == "free_completed":
-            ptr = frees.complete(count, event.address)
-            if ptr:
-                free(ptr)
-        elif action == "empty_cache":
-            allocator.empty_cache()
-    stats = allocator.memory_stats()
-    return ReplayResult(
-        events=count,
-        **stats_fields(stats),
-        segment_events=tuple(allocator.segment_log),
-        final_segments=tuple(allocator.snapshot()),
-        memory_stats=stats,
-        oom=oom_index is not None,
-        oom_event_index=oom_index,
-        oom_message=oom_message,
-        alloc_conf=str(config),
-        torch_version=torch_version,
-    )
+    engine = ReplayEngine(allocator)
+    engine.run(events)
+    return engine.result(alloc_conf=str(config), torch_version=torch_version)

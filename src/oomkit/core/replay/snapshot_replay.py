@@ -20,17 +20,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, round_size
-from oomkit.errors import UnknownDeviceError
 from oomkit.core.replay._recorded import (
     config_from_settings,
     default_pool_events,
     final_segments_for,
     recorded_torch_version,
 )
-from oomkit.core.replay._run import CREATE, RELEASE, SEGMENT_ACTIONS, Run
+from oomkit.core.replay._run import Run
+from oomkit.core.replay.engine import CREATE, RELEASE, SEGMENT_ACTIONS
 from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import UnknownDeviceError
 
 if TYPE_CHECKING:
     from oomkit.core.snapshot import Snapshot
