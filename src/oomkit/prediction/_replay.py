@@ -213,10 +213,15 @@ class _PredictionHooks(ReplayHooks):
             if now_res > out.peak_reserved_bytes:
                 out.peak_reserved_bytes, out.peak_reserved_index = now_res, index
         self.level = now_alloc
-        self.bucket_alloc = max(self.bucket_alloc, now_alloc)
-        self.bucket_res = max(self.bucket_res, now_res)
-        self.step_alloc = max(self.step_alloc, now_alloc)
-        self.step_res = max(self.step_res, now_res)
+        # Running maxima (comparisons, not max(): this runs once per event).
+        if now_alloc > self.bucket_alloc:
+            self.bucket_alloc = now_alloc
+        if now_res > self.bucket_res:
+            self.bucket_res = now_res
+        if now_alloc > self.step_alloc:
+            self.step_alloc = now_alloc
+        if now_res > self.step_res:
+            self.step_res = now_res
         if (index + 1) % self.bucket == 0 or index + 1 == self.num_events:
             out.timeline.append(
                 TimelinePoint(index, step_of(self.starts, index), self.bucket_alloc, self.bucket_res)

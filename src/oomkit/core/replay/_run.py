@@ -154,7 +154,11 @@ class Run(ReplayHooks):
             self._logged = k
 
     def after_event(self, index: int, event: TraceEvent) -> None:
-        self._note_log(index)
+        # _note_log inlined: this runs once per event.
+        k = len(self.allocator.segment_log)
+        if k != self._logged:
+            self.log_index.extend([index] * (k - self._logged))
+            self._logged = k
         self.current = index + 1
 
     def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
