@@ -63,8 +63,7 @@ def test_completion_without_request_frees_a_live_id_in_one_step():
 
 
 def test_recorded_trace_drops_allocated_at_request_and_reuses_at_completion():
-    """deferred_frees=True (§15.8): allocated drops at free_requested; the block is reused only
-    after free_completed."""
+    """deferred_frees=True (§15.8): allocated drops at request; reuse waits for completion."""
     engine, hooks = _engine(deferred=True)
     events = [_alloc(1, 4 * MiB), _req(1), _alloc(2, 4 * MiB), _done(1), _alloc(3, 4 * MiB)]
     engine.run(events)
@@ -75,8 +74,7 @@ def test_recorded_trace_drops_allocated_at_request_and_reuses_at_completion():
 
 
 def test_request_followed_by_its_completion_is_one_free():
-    """A free_requested directly followed by its own free_completed is one plain free; both
-    events are reported to after_event."""
+    """A request directly followed by its completion is one free; after_event sees both."""
     engine, hooks = _engine(deferred=True)
     engine.run([_alloc(1, 4 * MiB), _req(1), _done(1), _alloc(2, 4 * MiB)])
     assert hooks.levels == [(0, 4 * MiB), (1, 0), (2, 0), (3, 4 * MiB)]
@@ -85,8 +83,7 @@ def test_request_followed_by_its_completion_is_one_free():
 
 
 def test_completes_later_leaves_the_pair_deferred():
-    """completes_later(i) True: the pair frees with deferred=True and the block stays pending
-    inside the allocator until a request synchronizes."""
+    """completes_later True: the pair frees deferred, so the block is not reused at once."""
 
     class Later(_Levels):
         def completes_later(self, index: int) -> bool:
@@ -138,8 +135,7 @@ def test_out_of_memory_stops_the_replay_and_is_its_outcome():
 
 
 def test_out_of_memory_hook_can_decline_the_outcome_and_failed_can_stop_quietly():
-    """out_of_memory returning False leaves oom_index unset; an overridden failed() swallows the
-    error and the replay stops at that event."""
+    """out_of_memory False leaves oom_index unset; an overridden failed() stops quietly."""
     seen: list[tuple[str, int]] = []
 
     class Quiet(ReplayHooks):
