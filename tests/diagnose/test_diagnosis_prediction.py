@@ -68,3 +68,44 @@ def test_a_broken_message_is_refused():
     broken["oom"]["message"] = "hello"
     with pytest.raises(PredictionFormatError, match="not an OOM message"):
         diagnose_prediction(broken)
+
+
+def test_the_saved_workload_record_is_read_not_the_description():
+    """Batch, mode and optimizer come from `workload`, whatever the description says."""
+    saved = copy.deepcopy(PREDICTION) | {
+        "description": "my step",
+        "workload": {
+            "kind": "function",
+            "name": "train.py:build",
+            "options": {"batch_size": 8, "mode": "train", "optimizer": "adamw"},
+            "steps": 3,
+        },
+    }
+    assert diagnose_prediction(saved).remedies[0] == diagnose_prediction(PREDICTION).remedies[0]
+    assert diagnose_prediction(saved).remedies[0].title == (
+        "batch size 1 with 8 gradient-accumulation steps"
+    )
+
+
+def test_a_function_of_unknown_mode_is_priced_from_its_memory():
+    """A file.py:function record (no mode, no optimizer): batch from the record, no Adam state
+    assumed before backward (the step's own optimizer is unknown), no re-prediction."""
+    saved = copy.deepcopy(PREDICTION) | {
+        "description": "train.py:build(batch_size=8)",
+        "workload": {"kind": "function", "name": "train.py:build", "options": {"batch_size": 8}},
+    }
+    d = diagnose_prediction(saved)
+    top = d.remedies[0]
+    # Parameters only (no gradient or optimizer state recorded yet, mode unknown): not training.
+    steady = 498558976
+    activation = 12238979072 - steady
+    new_batch = (3875536896 - steady) * 8 // activation
+    assert new_batch == 2
+    assert top.title == f"batch size {new_batch} with 4 gradient-accumulation steps"
+    assert not any("before gradients" in w for w in d.warnings)
+
+
+def test_an_old_save_without_workload_falls_back_to_the_description():
+    """Documented fallback: PREDICTION (saved before the record) is read from its description."""
+    assert "workload" not in PREDICTION
+    assert any("before gradients" in w for w in diagnose_prediction(PREDICTION).warnings)

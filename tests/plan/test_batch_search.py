@@ -398,3 +398,38 @@ def test_smallest_gpu_needs_a_batch_with_a_builder():
     """A builder without batch_size is a usage error."""
     with pytest.raises(ValueError, match="needs batch_size"):
         smallest_gpu(_linear())
+
+
+def test_max_batch_size_takes_a_target_and_keeps_it():
+    """target= is gpu= plus alloc_conf=: the same search, the target kept (without the margin)."""
+    from oomkit.core.target import Target
+
+    target = Target.resolve(_gpu(100 * MiB), "max_split_size_mb:64")
+    by_target = max_batch_size(_linear(), target=target, margin_bytes=10 * MiB)
+    by_keywords = max_batch_size(
+        _linear(), gpu=_gpu(100 * MiB), alloc_conf="max_split_size_mb:64", margin_bytes=10 * MiB
+    )
+    assert by_target.target == target
+    assert by_target.alloc_conf == "max_split_size_mb:64"
+    assert (by_target.batch_size, by_target.probe_order) == (
+        by_keywords.batch_size,
+        by_keywords.probe_order,
+    )
+    # Each probe is predicted on the target less the margin (held outside the allocator).
+    assert by_target.answer.train.target == target.with_gpu(
+        GpuSpec("test GPU", 100 * MiB, 10 * MiB)
+    )
+    with pytest.raises(ValueError, match="either target= or gpu"):
+        max_batch_size(_linear(), target=target, gpu="h100")
+
+
+def test_smallest_gpu_replaces_only_the_targets_gpu():
+    """smallest_gpu(target=T) replays on each candidate with T's allocator setting and versions."""
+    from oomkit.core.target import Target
+
+    target = Target.resolve("h100", "max_split_size_mb:64", cudnn_version=91002)
+    candidates = [_gpu(100 * MiB, "mid"), _gpu(50 * MiB, "small")]
+    result = smallest_gpu(_linear(), 30, candidates=candidates, margin_bytes=0, target=target)
+    assert [(f.gpu.name, f.fits) for f in result.candidates] == [("small", False), ("mid", True)]
+    with pytest.raises(ValueError, match="either target= or alloc_conf"):
+        smallest_gpu(_linear(), 30, candidates=candidates, target=target, alloc_conf="")

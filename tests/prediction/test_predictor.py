@@ -279,3 +279,58 @@ def test_timeline_points_carry_live_bytes_by_category():
         (4, {"activation": 4 * MiB, "gradient": 2 * MiB}),
     ]
     assert all(sum(c.values()) <= t.allocated_bytes for t in p.timeline for c in [t.by_category_bytes])
+
+
+# --- the Target passed down ---------------------------------------------------------------
+
+
+def _sdpa_step():
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 4, 100, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+
+    return step
+
+
+def test_target_cudnn_version_picks_the_sdpa_backend_explicitly():
+    """A Target's cuDNN version reaches the tracer as an argument: 9.15.1 cuDNN, 9.10.2 flash."""
+    pytest.importorskip("torch")
+    from oomkit.core.target import Target
+    from oomkit.prediction.tracing import trace_step
+    from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+    newer = trace_step(_sdpa_step(), target=Target.resolve("h100", cudnn_version=91501))
+    older = trace_step(_sdpa_step(), target=Target.resolve("h100", cudnn_version=91002))
+    assert newer.kernel_choices == {"SDPA cudnn_attention": 1}
+    assert older.kernel_choices == {"SDPA flash_attention": 1}
+    # The stated version wins over the settings in effect; the other switches still apply.
+    with use_sdpa_settings(SdpaSettings(cudnn_version=91002, flash_enabled=False)):
+        stated = trace_step(_sdpa_step(), target=Target.resolve("h100", cudnn_version=91501))
+        unstated = trace_step(_sdpa_step(), target=Target.resolve("h100"))
+    assert stated.kernel_choices == {"SDPA cudnn_attention": 1}
+    assert unstated.kernel_choices == {"SDPA efficient_attention": 1}
+
+
+def test_predict_with_a_target_equals_the_keywords_and_saves_the_cudnn_traced_with():
+    """predict(target=T) is predict(gpu=..., alloc_conf=...); the result names T and the cuDNN."""
+    pytest.importorskip("torch")
+    from oomkit.core.target import Target
+    from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
+
+    target = Target.resolve("rtx4090", "expandable_segments:True", cudnn_version=91002)
+    by_target = predict(_sdpa_step(), target=target, steps=1)
+    with use_sdpa_settings(SdpaSettings(cudnn_version=91002)):
+        by_keywords = predict(
+            _sdpa_step(), gpu="rtx4090", alloc_conf="expandable_segments:True", steps=1
+        )
+    assert by_target.target == target
+    assert by_keywords.target == target  # the version in effect is filled in
+    assert by_target.peak_reserved_bytes == by_keywords.peak_reserved_bytes
+    assert by_target.alloc_conf == "expandable_segments:True"
+    assert by_target.gpu.name == "RTX 4090"
+    with pytest.raises(ValueError, match="either target= or gpu"):
+        predict(_sdpa_step(), target=target, gpu="h100")

@@ -29,13 +29,15 @@ predictor runs again with the change applied (``measured_model_remedies``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.diagnose.diagnosis import Remedy
+from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "estimated_model_remedies",
     "measured_model_remedies",
     "saved_compute_capability",
+    "saved_target",
 ]
 
 MEASURED_WHY = "measured by re-predicting the step with the change applied"
@@ -288,43 +291,63 @@ def caught_oom_remedy(held_bytes: int) -> Remedy:
     )
 
 
-def _gpu_of(data: Mapping[str, Any]) -> Any:
-    from oomkit.core.gpus import GpuSpec
-
+def _gpu_of(data: Mapping[str, Any]) -> GpuSpec:
     gpu = data.get("gpu") or {}
-    cc = gpu.get("compute_capability")
     return GpuSpec(
         str(gpu.get("name", "the predicted GPU")),
         int(data["capacity_bytes"]),
         int(data["context_overhead_bytes"]),
         # The saved GPU's compute capability: re-predictions choose the same kernels (SDPA
         # backend, cuBLAS workspace) as the saved prediction did.
-        compute_capability=(int(cc[0]), int(cc[1])) if isinstance(cc, list | tuple) else None,
+        compute_capability=saved_compute_capability(data),
         architecture=gpu.get("architecture"),
     )
 
 
-def _repredict(data: Mapping[str, Any], workload: Mapping[str, Any], options: Any) -> Any:
-    from oomkit.prediction.predictor import predict
+def _saved_int(data: Mapping[str, Any], key: str) -> int | None:
+    value = data.get(key) if isinstance(data, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def saved_target(data: Mapping[str, Any]) -> Target:
+    """The target a saved prediction was made for, so that re-predictions model the same
+    machine: its GPU (with compute capability), allocator setting, torch version and the cuDNN
+    version it was traced with (``target.cudnn_version``; older saves kept it only as
+    ``workload.cudnn_version``, and before that not at all: then ``None``, the settings in
+    effect).
+
+    Raises:
+        ConfigError: the saved ``alloc_conf`` is not a setting PyTorch accepts.
+    """
+    saved = data.get("target")
+    saved = saved if isinstance(saved, Mapping) else {}
+    workload = data.get("workload")
+    cudnn = _saved_int(saved, "cudnn_version")
+    if cudnn is None and isinstance(workload, Mapping):
+        cudnn = _saved_int(workload, "cudnn_version")
+    torch_version = data.get("torch_version")
+    cuda_version = saved.get("cuda_version")
+    return Target.resolve(
+        _gpu_of(data),
+        alloc_conf=data.get("alloc_conf") or None,
+        torch_version=torch_version if isinstance(torch_version, str) else None,
+        cudnn_version=cudnn,
+        cuda_version=cuda_version if isinstance(cuda_version, str) else None,
+    )
+
+
+def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) -> Any:
     from oomkit.prediction.models import build_preset_step
+    from oomkit.prediction.predictor import predict
 
-    built = build_preset_step(str(workload["preset"]), options)
-    settings: Any = contextlib.nullcontext()
-    if isinstance(workload.get("cudnn_version"), int):
-        from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
-
-        # `predict --cudnn-version N` saved it: the same SDPA backend as the saved prediction.
-        settings = use_sdpa_settings(SdpaSettings(cudnn_version=int(workload["cudnn_version"])))
-    with settings:
-        return predict(
-            built.step_fn,
-            gpu=_gpu_of(data),
-            alloc_conf=data.get("alloc_conf") or None,
-            steps=int(workload.get("steps", 2)),
-            torch_version=data.get("torch_version"),
-            track=built.track,
-            description=built.description,
-        )
+    built = build_preset_step(workload.name, options)
+    return predict(
+        built.step_fn,
+        target=saved_target(data),
+        steps=workload.steps or 2,
+        track=built.track,
+        description=built.description,
+    )
 
 
 def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -341,22 +364,24 @@ def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list
 
     Args:
         data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset and
-            its ``StepOptions`` (``{"preset": ..., "options": {...}, "steps": N}``).
+            its ``StepOptions`` (``{"kind": "preset", "name": ..., "options": {...}, "steps":
+            N}``; older saves: ``{"preset": ..., "options": ..., "steps": N}``).
 
     Returns:
         The remedies (``estimate=False``, confidence high, saving = required reserved bytes
         before minus after) and warnings; empty when the workload is unknown or torch is
         missing.
     """
-    workload = data.get("workload")
-    if not isinstance(workload, Mapping) or not isinstance(workload.get("preset"), str):
+    workload = workload_from_json(data)
+    if workload is None or workload.kind != "preset":
         return [], []
     try:
         from oomkit.prediction.models import StepOptions
     except ImportError:
         return [], ["torch is not installed: model changes were estimated, not re-predicted"]
+    known = {name: value for name, value in workload.options.items() if value is not None}
     try:
-        base = StepOptions(**dict(workload.get("options") or {}))
+        base = StepOptions(**known)
     except (TypeError, ValueError) as exc:
         return [], [f"the saved workload's options are not StepOptions ({exc}); estimated"]
     if base.mode != "train":
@@ -403,7 +428,7 @@ def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list
 
 
 def _measured_batch(
-    data: Mapping[str, Any], workload: Mapping[str, Any], base: Any, required: int
+    data: Mapping[str, Any], workload: WorkloadSpec, base: Any, required: int
 ) -> Remedy | None:
     """The largest halved batch that fits, with accumulation steps that keep the batch."""
     size = base.batch_size

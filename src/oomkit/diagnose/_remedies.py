@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from oomkit.diagnose.diagnosis import Remedy
-from oomkit.plan.tuning import FLAG_REASONS, tune
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.core.trace import Frame
+from oomkit.diagnose.diagnosis import Remedy
+from oomkit.plan.tuning import FLAG_REASONS, tune
 from oomkit.units import format_bytes
 
 __all__ = [

@@ -3,16 +3,18 @@
 The prediction's ``oom.message`` is the message PyTorch would print on that device, so it goes
 through ``diagnose_oom_text`` with the prediction's GPU (its CUDA-context figure included). The
 prediction adds what the message lacks: memory by category and by module at the OOM, and a
-batch-size remedy estimated from the activation memory (taken to scale with the batch; the
-batch size is read from the description, e.g. "GPT-2 124M, batch 8, ...").
+batch-size remedy estimated from the activation memory (taken to scale with the batch). The
+batch size, mode and optimizer come from the saved ``workload`` record
+(``oomkit.prediction.workload``); a prediction saved before it existed falls back to its
+description ("GPT-2 124M, batch 8, ..., adamw, train": ``workload_from_description``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from oomkit.core.gpus import GpuSpec
 from oomkit.diagnose._model_remedies import (
     estimated_model_remedies,
     measured_model_remedies,
@@ -23,7 +25,7 @@ from oomkit.diagnose.attribution import AllocationSite, Attribution
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
 from oomkit.errors import OomTextError, PredictionFormatError
-from oomkit.core.gpus import GpuSpec
+from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
 __all__ = ["diagnose_prediction", "is_prediction"]
@@ -31,6 +33,16 @@ __all__ = ["diagnose_prediction", "is_prediction"]
 # Categories that do not scale with the batch (tracing/categories.py names).
 _STATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "buffer")
 _KEYS = ("oom", "capacity_bytes", "peak_allocated_at", "gpu")
+# Optimizers that keep two states per parameter (exp_avg, exp_avg_sq: torch/optim/adamw.py).
+_ADAM = ("adam", "adamw")
+
+
+def _training(workload: WorkloadSpec | None, by_category: Mapping[str, int]) -> bool:
+    """Whether the step trains: its mode where known, else whether the memory shows gradients
+    or optimizer state (a ``file.py:function`` step's mode is its own)."""
+    if workload is not None and workload.training is not None:
+        return workload.training
+    return any(by_category.get(c, 0) > 0 for c in ("gradient", "optimizer_state"))
 
 
 def is_prediction(data: object) -> bool:
@@ -119,42 +131,41 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
     allocated = _get(at, "allocated_bytes", int)
     steady = sum(by_category.get(c, 0) for c in _STATE_CATEGORIES)
     description = str(data.get("description", ""))
+    # The workload as data; saves from before the record fall back to reading the description.
+    workload = workload_from_json(data)
+    training = _training(workload, by_category)
     warnings = list(base.warnings)
-    if "train" in description and "gradient" not in by_category:
+    if training and "gradient" not in by_category:
         # The OOM came before the backward pass: gradients (one per parameter) and the
         # optimizer's state (Adam/AdamW: two per parameter, SGD without momentum: none) are
         # still to come and do not scale with the batch.
         params = by_category.get("parameter", 0)
-        states = 2 if re.search(r"\badam", description) else 0
-        steady += params * (1 + states)
+        adam = workload is not None and workload.optimizer in _ADAM
+        steady += params * (1 + (2 if adam else 0))
         warnings.append(
             "the OOM came before gradients and optimizer state existed; they were estimated "
             "from the parameter bytes for the batch-size remedy"
         )
-    batch_match = re.search(r"\bbatch (\d+)\b", description)
+    required = data.get("required_bytes")
     batch = batch_remedy(
-        need_bytes=_get(data, "required_bytes", int)
-        if isinstance(data.get("required_bytes"), int)
-        else allocated + requested,
+        need_bytes=required if isinstance(required, int) else allocated + requested,
         steady_bytes=steady,
         available_bytes=_get(data, "usable_bytes", int),
-        batch_size=int(batch_match.group(1)) if batch_match else None,
+        batch_size=None if workload is None else workload.batch_size,
         measured_from="the prediction's memory by category",
     )
-    workload = data.get("workload") if isinstance(data.get("workload"), Mapping) else {}
-    options = workload.get("options") if isinstance(workload.get("options"), Mapping) else {}
     model = estimated_model_remedies(
         by_category,
-        training="train" in description or options.get("mode") == "train",
-        precision=options.get("precision"),
-        optimizer=options.get("optimizer"),
-        checkpointing=options.get("checkpointing"),
+        training=training,
+        precision=None if workload is None else workload.precision,
+        optimizer=None if workload is None else workload.optimizer,
+        checkpointing=None if workload is None else workload.checkpointing,
         description=description,
         compute_capability=saved_compute_capability(data),
     )
     if batch is not None:
         model.append(batch)
-    if measure and workload:
+    if measure and workload is not None and workload.kind == "preset":
         measured, measure_warnings = measured_model_remedies(data)
         warnings.extend(measure_warnings)
         if measured:

@@ -16,6 +16,7 @@ from oomkit.prediction.predictor import (
     predict,
     predict_recording,
 )
+from oomkit.prediction.workload import WorkloadSpec
 
 __all__ = [
     "OomPoint",
@@ -23,6 +24,7 @@ __all__ = [
     "Prediction",
     "StepPeak",
     "TimelinePoint",
+    "WorkloadSpec",
     "predict",
     "predict_recording",
 ]

@@ -10,11 +10,14 @@ This module never imports torch itself; ``predict`` imports ``oomkit.prediction.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target, resolve_target
 from oomkit.prediction._replay import (
     MAX_TIMELINE_POINTS,
     StepPeak,
@@ -24,7 +27,7 @@ from oomkit.prediction._replay import (
     replay_for_prediction,
     step_of,
 )
-from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:  # oomkit.prediction.tracing imports torch
@@ -141,6 +144,10 @@ class Prediction:
             (``{"SDPA flash_attention": 24}``).
         assumptions: facts about the target those choices rest on (``{"cuDNN": "9.20.0
             (torch 2.13's default Linux wheel)"}``), from the recording.
+        target: the machine predicted for (``gpu``, ``alloc_conf`` and ``torch_version`` are
+            its parts); ``predict`` fills in the cuDNN version the step was traced with.
+        workload: what was recorded, as data (batch size, mode, optimizer...), when the caller
+            said (``oomkit predict`` does); ``None`` otherwise.
     """
 
     gpu: GpuSpec
@@ -174,31 +181,37 @@ class Prediction:
     description: str = ""
     kernel_choices: Mapping[str, int] = field(default_factory=dict)
     assumptions: Mapping[str, str] = field(default_factory=dict)
+    target: Target | None = None
+    workload: WorkloadSpec | None = None
 
 
 def predict_recording(
     recording: TraceRecording,
-    gpu: str | GpuSpec,
+    gpu: str | GpuSpec | None = None,
     alloc_conf: str | AllocatorConfig | None = None,
     context_overhead_bytes: int | None = None,
     torch_version: str | None = None,
     *,
+    target: Target | None = None,
     budget_bytes: int | None = None,
     description: str = "",
+    workload: WorkloadSpec | None = None,
 ) -> Prediction:
     """Replay a recorded step through the caching allocator of ``gpu``.
 
     Args:
         recording: what ``oomkit.prediction.tracing.trace_step`` returned (or any object with
             ``events``, ``step_starts`` and ``warnings``).
-        gpu: a catalog name (``"h100"``), a size (``"24GiB"``) or a ``GpuSpec``.
+        gpu: a catalog name (``"h100"``, the default), a size (``"24GiB"``) or a ``GpuSpec``.
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` value or ``AllocatorConfig``; ``None`` is
             PyTorch's default (the environment is not read).
         context_overhead_bytes: memory held outside the allocator, in bytes; ``None`` uses the
             GPU's documented estimate.
         torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
+        target: the whole target at once, instead of ``gpu`` ... ``torch_version``.
         budget_bytes: a limit on reserved memory to check (``--budget``), in bytes.
         description: what was recorded, carried into the result for reports.
+        workload: what was recorded, as data, carried into the result.
 
     Returns:
         The prediction.
@@ -208,9 +221,16 @@ def predict_recording(
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
         TraceFormatError: the recording frees an allocation it never made.
+        ValueError: both ``target`` and one of ``gpu`` ... ``torch_version`` are given.
     """
-    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
-    config = AllocatorConfig.coerce(alloc_conf, torch_version)
+    target = resolve_target(
+        target,
+        gpu=gpu,
+        alloc_conf=alloc_conf,
+        context_overhead_bytes=context_overhead_bytes,
+        torch_version=torch_version,
+    )
+    spec, config, torch_version = target.gpu, target.allocator_config, target.torch_version
     events = recording.events
     step_starts = tuple(recording.step_starts)
     replay = replay_for_prediction(
@@ -276,7 +296,7 @@ def predict_recording(
         steps=len(step_starts),
         step_starts=step_starts,
         step_peaks=tuple(replay.step_peaks),
-        events=replay.events if oom is None else replay.oom_index + 1,
+        events=replay.events if replay.oom_index is None else replay.oom_index + 1,
         num_device_alloc=replay.num_device_alloc,
         num_device_free=replay.num_device_free,
         num_alloc_retries=replay.num_alloc_retries,
@@ -287,6 +307,8 @@ def predict_recording(
         description=description,
         kernel_choices=dict(recording.kernel_choices),
         assumptions=dict(recording.assumptions),
+        target=target,
+        workload=workload,
     )
 
 
@@ -376,7 +398,7 @@ def _made_once_bytes(events: Sequence[Any], start: int, stop: int) -> int:
 def predict(
     step_fn: Callable[..., Any],
     *args: Any,
-    gpu: str | GpuSpec = "h100",
+    gpu: str | GpuSpec | None = None,
     alloc_conf: str | AllocatorConfig | None = None,
     steps: int = 3,
     context_overhead_bytes: int | None = None,
@@ -384,6 +406,8 @@ def predict(
     budget_bytes: int | None = None,
     track: Sequence[Any] = (),
     description: str = "",
+    target: Target | None = None,
+    workload: WorkloadSpec | None = None,
     **kwargs: Any,
 ) -> Prediction:
     """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
@@ -399,7 +423,8 @@ def predict(
     Args:
         step_fn: one training or inference step; it must run on meta tensors.
         args: passed to ``step_fn`` and tracked.
-        gpu: a catalog name (``"h100"``, ``"rtx4090"``), a size (``"24GiB"``) or a ``GpuSpec``.
+        gpu: a catalog name (``"h100"``, the default; ``"rtx4090"``), a size (``"24GiB"``) or a
+            ``GpuSpec``.
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate; ``None`` is the default.
         steps: steps to record (3 shows optimizer-state creation and the steady state).
         context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
@@ -407,6 +432,12 @@ def predict(
         budget_bytes: a reserved-memory limit to check, in bytes.
         track: more objects to record as existing before the first step (not passed).
         description: what is predicted, for reports.
+        target: the whole target at once (``oomkit.core.target.Target``), instead of ``gpu``,
+            ``alloc_conf``, ``context_overhead_bytes`` and ``torch_version``; its
+            ``cudnn_version``, when stated, picks the SDPA backend (else the settings in effect:
+            ``use_sdpa_settings``, else this torch install's cuDNN).
+        workload: what is predicted, as data, carried into the result (``oomkit explain``
+            reads it).
         kwargs: passed to ``step_fn`` and tracked.
 
     Returns:
@@ -417,23 +448,33 @@ def predict(
         UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
-        ValueError: ``steps`` is below 1.
+        ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
     """
-    spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
-    AllocatorConfig.coerce(alloc_conf, torch_version)  # fail on a bad setting before tracing
+    # Parsed once, before tracing, so that a bad setting fails first.
+    target = resolve_target(
+        target,
+        gpu=gpu,
+        alloc_conf=alloc_conf,
+        context_overhead_bytes=context_overhead_bytes,
+        torch_version=torch_version,
+    )
     from oomkit.prediction.tracing import trace_step
+    from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     count = len(args)
 
     def step(*all_args: Any, **all_kwargs: Any) -> Any:
         return step_fn(*all_args[:count], **all_kwargs)
 
-    recording = trace_step(step, *args, *track, steps=steps, gpu=spec, **kwargs)
+    recording = trace_step(step, *args, *track, steps=steps, target=target, **kwargs)
+    traced = target
+    if traced.cudnn_version is None:
+        # Not stated: the tracer used the settings in effect; the result names that version.
+        traced = dataclasses.replace(traced, cudnn_version=current_sdpa_settings().cudnn_version)
     return predict_recording(
         recording,
-        spec,
-        alloc_conf,
-        torch_version=torch_version,
+        target=traced,
         budget_bytes=budget_bytes,
         description=description,
+        workload=workload,
     )

@@ -255,17 +255,20 @@ def test_smallest_gpu_verdicts_exact():
     )
 
 
-def test_cudnn_version_flag_is_in_effect_while_fit_traces():
-    """--cudnn-version N makes SdpaSettings(cudnn_version=N) current inside kernel_settings only."""
+def test_target_from_args_carries_the_cudnn_version_explicitly():
+    """--cudnn-version lands in the Target passed down (no context variable is set)."""
     import argparse
 
-    from oomkit.interfaces.cli._workload import kernel_settings
+    from oomkit.interfaces.cli._target import target_from_args
     from oomkit.prediction.tracing.emulations import current_sdpa_settings, default_sdpa_settings
 
-    with kernel_settings(argparse.Namespace(cudnn_version=91501)):
-        assert current_sdpa_settings().cudnn_version == 91501
-    with kernel_settings(argparse.Namespace(cudnn_version=None)):
-        assert current_sdpa_settings() == default_sdpa_settings()
+    args = argparse.Namespace(
+        gpu="h100", alloc_conf=None, context_overhead=None, cudnn_version=91501
+    )
+    target = target_from_args(args)
+    assert (target.gpu.name, target.cudnn_version, target.torch_version) == (
+        "H100 SXM 80GB", 91501, None
+    )
     assert current_sdpa_settings() == default_sdpa_settings()
 
 

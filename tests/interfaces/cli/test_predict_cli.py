@@ -297,3 +297,38 @@ def test_default_cudnn_is_this_torch_installs_and_is_saved(capsys):
     assert default["workload"]["cudnn_version"] == build.version
     assert default["kernel_choices"] == {"SDPA cudnn_attention": 12}
     assert default["assumptions"]["cuDNN"].endswith(f"({build.source})")
+
+
+def test_json_saves_the_target_and_the_workload_record(user_file, capsys):
+    """--json keeps every old key and adds `target` and a typed `workload` (a function too)."""
+    argv = ["predict", f"{user_file}:build", "--batch", "2", "--gpu", "rtx4090", "--steps", "1",
+            "--alloc-conf", "expandable_segments:True", "--cudnn-version", "91002", "--json"]
+    assert main(argv) == 0
+    out = _json(capsys)
+    assert out["target"] == {
+        "gpu": "RTX 4090",
+        "alloc_conf": "expandable_segments:True",
+        "context_overhead_bytes": out["context_overhead_bytes"],
+        "usable_bytes": out["usable_bytes"],
+        "torch_version": None,
+        "cudnn_version": 91002,
+        "cuda_version": None,
+        "parallel": None,
+    }
+    assert out["alloc_conf"] == "expandable_segments:True"
+    assert out["workload"] == {
+        "kind": "function",
+        "name": f"{user_file}:build",
+        "options": {
+            "batch_size": 2, "seq_len": None, "image_size": None, "precision": None,
+            "optimizer": None, "checkpointing": None, "mode": None, "new_tokens": None,
+        },
+        "steps": 1,
+        "cudnn_version": 91002,
+    }
+
+
+def test_bad_target_flags_fail_before_any_model_is_built(user_file, capsys):
+    """target_from_args parses --gpu/--alloc-conf once: a typo exits 2 with the parser's message."""
+    assert main(["predict", f"{user_file}:build", "--alloc-conf", "max_split_size_mb:2"]) == 2
+    assert "max_split_size_mb" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +42,14 @@ class UserStep:
         track: objects recorded as allocated before the first step.
         description: ``file.py:function(batch_size=8)``.
         raised: the exceptions the user's step raised (so a caller can tell them from oomkit's).
+        arguments: the size arguments the function was called with (``{"batch_size": 8}``).
     """
 
     step_fn: Callable[[], Any]
     track: tuple[Any, ...]
     description: str
     raised: list[BaseException] = field(default_factory=list)
+    arguments: Mapping[str, int] = field(default_factory=dict)
 
 
 def is_user_target(target: str) -> bool:
@@ -189,8 +191,9 @@ def load_user_step(
             raised.append(exc)
             raise
 
-    shown = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "device")
-    return UserStep(step_fn, track, f"{target}({shown})", raised)
+    arguments = {k: v for k, v in kwargs.items() if k != "device"}
+    shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
+    return UserStep(step_fn, track, f"{target}({shown})", raised, arguments)
 
 
 def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tuple[Any, ...]]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomkit.interfaces.cli._common import positive_int, size_arg
 from oomkit.errors import OomkitError, UserCodeError
+from oomkit.interfaces.cli._common import positive_int, size_arg
+from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
 __all__ = [
     "MODES",
@@ -25,11 +27,11 @@ __all__ = [
     "add_gpu_flags",
     "add_workload_flags",
     "build_workload",
-    "kernel_settings",
     "positive_int",
     "step_options",
     "user_code_error",
     "user_errors",
+    "user_workload_spec",
 ]
 
 # The StepOptions vocabulary of oomkit.prediction.models (docs/CONTRACTS.md, "Issue 3").
@@ -80,16 +82,6 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def kernel_settings(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
-    """The SDPA settings ``--cudnn-version`` names, in effect while the step is traced."""
-    version = getattr(args, "cudnn_version", None)
-    if version is None:
-        return contextlib.nullcontext()
-    from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
-
-    return use_sdpa_settings(SdpaSettings(cudnn_version=version))
-
-
 def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:
     """The ``StepOptions`` the flags name, at ``batch_size`` (``None``: the default)."""
     from oomkit.prediction.models import StepOptions
@@ -120,16 +112,38 @@ class Workload:
         track: objects recorded as allocated before the first step.
         description: what it is ("GPT-2 124M, batch 8, ...").
         raised: exceptions the user's own step raised (empty for presets).
+        spec: the same as data (kind, name, batch size, mode...), saved with a prediction.
     """
 
     step_fn: Any
     track: tuple[Any, ...]
     description: str
     raised: list[BaseException] = field(default_factory=list)
+    spec: WorkloadSpec | None = None
+
+
+def _spec(kind: WorkloadKind, name: str, options: Any, steps: int | None) -> WorkloadSpec:
+    """A preset's or Hugging Face model's workload record: its StepOptions, field by field."""
+    return WorkloadSpec(kind, name, **dataclasses.asdict(options), steps=steps)
+
+
+def user_workload_spec(target: str, user: Any, steps: int | None) -> WorkloadSpec:
+    """A ``file.py:function``'s workload record: the sizes it was called with; its precision,
+    optimizer and mode are its own, so not known."""
+    arguments = dict(user.arguments)
+    return WorkloadSpec(
+        "function",
+        target,
+        batch_size=arguments.get("batch_size"),
+        seq_len=arguments.get("seq_len"),
+        image_size=arguments.get("image_size"),
+        steps=steps,
+    )
 
 
 def build_workload(args: argparse.Namespace, batch_size: int | None, command: str) -> Workload:
-    """Build the step that TARGET (or ``--hf``) names, at ``batch_size``.
+    """Build the step that TARGET (or ``--hf``) names, at ``batch_size``, with its record
+    (recording ``--steps`` steps).
 
     Raises:
         OomkitError: no target, both a target and --hf, or a preset option it rejects.
@@ -137,6 +151,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     """
     from oomkit.interfaces.cli._user_function import is_user_target, load_user_step
 
+    steps = getattr(args, "steps", None)
     if args.hf is not None:
         if args.target is not None:
             raise OomkitError(
@@ -152,8 +167,10 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
                 "build_hf_step); use a preset or path/to/file.py:function."
             ) from exc
 
-        built = _call_builder(build_hf_step, args.hf, step_options(args, batch_size))
-        return Workload(built.step_fn, tuple(built.track), built.description)
+        options = step_options(args, batch_size)
+        built = _call_builder(build_hf_step, args.hf, options)
+        spec = _spec("hf", args.hf, options, steps)
+        return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
     if args.target is None:
         raise OomkitError(
             f"name what to {command}: a preset (e.g. `oomkit {command} gpt2-124m --gpu rtx4090`), "
@@ -163,11 +180,14 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
         user = load_user_step(
             args.target, batch_size=batch_size, seq_len=args.seq, image_size=args.image_size
         )
-        return Workload(user.step_fn, user.track, user.description, user.raised)
+        spec = user_workload_spec(args.target, user, steps)
+        return Workload(user.step_fn, user.track, user.description, user.raised, spec)
     from oomkit.prediction.models import build_preset_step
 
-    built = _call_builder(build_preset_step, args.target, step_options(args, batch_size))
-    return Workload(built.step_fn, tuple(built.track), built.description)
+    options = step_options(args, batch_size)
+    built = _call_builder(build_preset_step, args.target, options)
+    spec = _spec("preset", args.target, options, steps)
+    return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
 
 
 def _call_builder(builder: Any, name: str, options: Any) -> Any:

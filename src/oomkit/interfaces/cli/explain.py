@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from oomkit.interfaces.cli._common import add_json_flag, print_json, stdout_console
 from oomkit.errors import ConfigError
+from oomkit.interfaces.cli._common import add_json_flag, print_json, stdout_console
 
 __all__ = ["add_parser", "run"]
 
@@ -102,19 +104,20 @@ def run(args: argparse.Namespace) -> int:
 
     gpu = None
     if args.gpu is not None:
-        from oomkit.core.gpus import get_gpu
+        from oomkit.interfaces.cli._target import target_from_args
 
-        gpu = get_gpu(args.gpu)
+        gpu = target_from_args(args).gpu
     if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
         raise ConfigError(
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
             "--memory-fraction 0.5"
         )
     source = _read_source(args.source)
-    parsed = snapshot = prediction = None
+    parsed = snapshot = None
+    prediction: Mapping[str, Any] | None = None
     if isinstance(source, Path):
-        from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
         from oomkit.core.snapshot import load_snapshot
+        from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
 
         snapshot = load_snapshot(source)
         diagnosis = diagnose_snapshot(
@@ -123,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
             gpu=gpu,
             memory_fraction=args.memory_fraction,
         )
-    elif (data := _as_json(source)) is not None:
+    elif isinstance(data := _as_json(source), Mapping):
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
         prediction = data
-        diagnosis = diagnose_prediction(data, measure=args.measure)  # type: ignore[arg-type]
+        diagnosis = diagnose_prediction(data, measure=args.measure)
     else:
         parsed = parse_oom_text(source)
         diagnosis = diagnose_oom_text(parsed, gpu)

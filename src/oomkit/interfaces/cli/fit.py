@@ -15,19 +15,28 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from oomkit.interfaces.cli._common import add_json_flag, print_json, size_arg, stderr_console, stdout_console
+from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
+from oomkit.interfaces.cli._common import (
+    add_json_flag,
+    print_json,
+    size_arg,
+    stderr_console,
+    stdout_console,
+)
 from oomkit.interfaces.cli._workload import (
     Workload,
     add_gpu_flags,
     add_workload_flags,
     build_workload,
-    kernel_settings,
     positive_int,
     user_errors,
+    user_workload_spec,
 )
-from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
+
+if TYPE_CHECKING:
+    from oomkit.core.target import Target
 
 __all__ = ["add_parser", "run", "progress_enabled"]
 
@@ -121,7 +130,8 @@ class _Builders:
         user = load_user_step(
             args.eval, batch_size=batch_size, seq_len=args.seq, image_size=args.image_size
         )
-        workload = Workload(user.step_fn, user.track, user.description, user.raised)
+        spec = user_workload_spec(args.eval, user, 1)
+        workload = Workload(user.step_fn, user.track, user.description, user.raised, spec)
         _check_takes_batch(args.eval, workload)
         return self._keep(args.eval, workload)
 
@@ -129,8 +139,9 @@ class _Builders:
 def _check_takes_batch(target: str | None, workload: Workload) -> None:
     from oomkit.interfaces.cli._user_function import is_user_target
 
-    # load_user_step describes the call it made: file.py:function(batch_size=8, ...).
-    if target is not None and is_user_target(target) and "batch_size=" not in workload.description:
+    # A function that declares no batch_size was called without one.
+    takes_batch = workload.spec is not None and workload.spec.batch_size is not None
+    if target is not None and is_user_target(target) and not takes_batch:
         raise UserCodeError(
             f"{target}: the function has no batch_size parameter, so oomkit fit cannot vary the "
             "batch. Add one: def build(batch_size, seq_len=1024): ..."
@@ -154,15 +165,12 @@ def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], Non
         yield update
 
 
-def _validate(args: argparse.Namespace) -> Any:
-    """Cheap checks before any model is built; returns the GPU searched for."""
-    from oomkit.core.allocator import AllocatorConfig
+def _validate(args: argparse.Namespace) -> Target:
+    """Cheap checks before any model is built; returns the target searched for."""
+    from oomkit.interfaces.cli._target import target_from_args
     from oomkit.interfaces.cli._user_function import is_user_target
-    from oomkit.core.gpus import get_gpu
 
-    gpu = get_gpu(args.gpu, context_overhead_bytes=args.context_overhead)
-    if args.alloc_conf is not None:
-        AllocatorConfig.parse(args.alloc_conf)
+    target = target_from_args(args)
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
             "--smallest-gpu checks one batch size: give it with --batch N, e.g. "
@@ -178,23 +186,26 @@ def _validate(args: argparse.Namespace) -> Any:
             f"--eval takes path/to/file.py:function (got {args.eval!r}); the function builds "
             "the evaluation step as TARGET's builds the training step."
         )
-    return gpu
+    return target
 
 
 def run(args: argparse.Namespace) -> int:
-    gpu = _validate(args)
+    target = _validate(args)
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
-    with user_errors(lambda: (builders.target, builders.raised)), kernel_settings(args):
+    with user_errors(lambda: (builders.target, builders.raised)):
         if args.smallest_gpu:
-            return _run_smallest(args, builders, eval_step)
-        return _run_search(args, gpu, builders, eval_step)
+            return _run_smallest(args, target, builders, eval_step)
+        return _run_search(args, target, builders, eval_step)
 
 
-def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_step: Any) -> int:
-    from oomkit.plan.batch_search import max_batch_size
+def _run_search(
+    args: argparse.Namespace, target: Target, builders: _Builders, eval_step: Any
+) -> int:
     from oomkit.interfaces.reports.batch_search import batch_search_to_json, render_batch_search
+    from oomkit.plan.batch_search import max_batch_size
 
+    gpu = target.gpu
     what = args.hf or args.target or "the step"
     if not args.json:
         stderr_console().print(f"searching the largest batch of {what} that fits on {gpu.name} ...")
@@ -202,8 +213,7 @@ def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_st
         with _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress:
             result = max_batch_size(
                 builders.train,
-                gpu=gpu,
-                alloc_conf=args.alloc_conf,
+                target=target,
                 margin_bytes=args.margin,
                 steps=args.steps,
                 eval_step=eval_step,
@@ -224,10 +234,12 @@ def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_st
     return 0
 
 
-def _run_smallest(args: argparse.Namespace, builders: _Builders, eval_step: Any) -> int:
-    from oomkit.plan.batch_search import smallest_gpu
+def _run_smallest(
+    args: argparse.Namespace, target: Target, builders: _Builders, eval_step: Any
+) -> int:
     from oomkit.core.gpus import CATALOG
     from oomkit.interfaces.reports.batch_search import render_smallest_gpu, smallest_gpu_to_json
+    from oomkit.plan.batch_search import smallest_gpu
 
     candidates = CATALOG
     if args.context_overhead is not None:
@@ -240,7 +252,7 @@ def _run_smallest(args: argparse.Namespace, builders: _Builders, eval_step: Any)
         builders.train,
         args.batch,
         candidates=candidates,
-        alloc_conf=args.alloc_conf,
+        target=target,
         margin_bytes=args.margin,
         steps=args.steps,
         eval_step=eval_step,

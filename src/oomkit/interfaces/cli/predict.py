@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from oomkit.interfaces.cli._common import add_json_flag, print_json, size_arg, stderr_console, stdout_console
+from oomkit.interfaces.cli._common import (
+    add_json_flag,
+    print_json,
+    size_arg,
+    stderr_console,
+    stdout_console,
+)
 from oomkit.interfaces.cli._workload import (
     MODES,
     OPTIMIZERS,
@@ -16,9 +22,7 @@ from oomkit.interfaces.cli._workload import (
     add_gpu_flags,
     add_workload_flags,
     build_workload,
-    kernel_settings,
     positive_int,
-    step_options,
     user_errors,
 )
 
@@ -52,52 +56,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def _workload_spec(args: argparse.Namespace) -> dict | None:
-    """A built-in preset and its StepOptions, saved so `oomkit explain` can re-predict them."""
-    import dataclasses
-
-    from oomkit.interfaces.cli._user_function import is_user_target
-
-    if args.hf is not None or args.target is None or is_user_target(args.target):
-        return None
-    options = dataclasses.asdict(step_options(args, args.batch))
-    spec = {"preset": args.target, "options": options, "steps": args.steps}
-    # Saved so re-predictions (`oomkit explain`) pick the same SDPA backend on any machine.
-    version = args.cudnn_version
-    if version is None:
-        from oomkit.prediction.tracing.emulations import installed_cudnn_build
-
-        version = installed_cudnn_build().version
-    if version is not None:
-        spec["cudnn_version"] = version
-    return spec
-
-
 def run(args: argparse.Namespace) -> int:
-    from oomkit.core.allocator import AllocatorConfig
-    from oomkit.prediction.predictor import predict
-    from oomkit.core.gpus import get_gpu
+    from oomkit.interfaces.cli._target import target_from_args
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
+    from oomkit.prediction.predictor import predict
 
     # Cheap checks first, so a typo fails before any model is built.
-    gpu = get_gpu(args.gpu, context_overhead_bytes=args.context_overhead)
-    if args.alloc_conf is not None:
-        AllocatorConfig.parse(args.alloc_conf)
+    target = target_from_args(args)
     workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
-    with user_errors(lambda: (args.target, workload.raised)), kernel_settings(args):
+    with user_errors(lambda: (args.target, workload.raised)):
         prediction = predict(
             workload.step_fn,
-            gpu=gpu,
-            alloc_conf=args.alloc_conf,
+            target=target,
             steps=args.steps,
             budget_bytes=args.budget,
             track=workload.track,
             description=workload.description,
+            workload=workload.spec,
         )
     if args.json:
-        print_json(prediction_to_json(prediction, _workload_spec(args)))
+        print_json(prediction_to_json(prediction))
     else:
         render_prediction(prediction, stdout_console())
     ok = prediction.fits and prediction.within_budget is not False

@@ -8,10 +8,18 @@ from collections.abc import Mapping
 from rich.console import Console
 from rich.table import Table
 
+from oomkit.core.target import Target
 from oomkit.prediction.predictor import PeakBreakdown, Prediction
+from oomkit.prediction.workload import workload_to_json
 from oomkit.units import format_bytes
 
-__all__ = ["kernels_line", "prediction_to_json", "render_prediction", "verdict_line"]
+__all__ = [
+    "kernels_line",
+    "prediction_to_json",
+    "render_prediction",
+    "target_to_json",
+    "verdict_line",
+]
 
 # What a row of the breakdown table calls reserved memory that holds no live tensor.
 CACHED_LABEL = "cached, not allocated"
@@ -156,22 +164,54 @@ def _plain(value: object) -> object:
     return value
 
 
+def _module_rows(rows: object) -> list[dict[str, object]]:
+    assert isinstance(rows, list)  # _plain made the tuples lists
+    return [{"module": path, "bytes": nbytes} for path, nbytes in rows]
+
+
+def target_to_json(target: Target) -> dict[str, object]:
+    """The saved ``target``: the GPU's name, the allocator setting and the versions modelled
+    (the GPU's figures are the prediction's ``gpu``, ``capacity_bytes``... as before)."""
+    return {
+        "gpu": target.gpu.name,
+        "alloc_conf": target.alloc_conf,
+        "context_overhead_bytes": target.context_overhead_bytes,
+        "usable_bytes": target.usable_bytes,
+        "torch_version": target.torch_version,
+        "cudnn_version": target.cudnn_version,
+        "cuda_version": target.cuda_version,
+        "parallel": target.parallel,
+    }
+
+
 def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) -> dict:
     """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict.
 
     Args:
         prediction: the prediction.
-        workload: what was predicted, when it can be rebuilt: ``{"preset": NAME, "options":
-            StepOptions fields, "steps": N}``; saved as ``workload`` so that ``oomkit explain``
-            can re-predict with a change applied. None (a user function, --hf): no key.
+        workload: what was predicted, as a ready-made ``workload`` object; default: the
+            prediction's own ``workload`` record (``workload_to_json``: ``kind``, ``name``,
+            ``options``, ``steps``, and for a preset ``preset``, which ``oomkit explain``
+            re-predicts with a change applied). No key when neither is known.
     """
-    out = {key: _plain(value) for key, value in dataclasses.asdict(prediction).items()}
+    plain = {
+        key: _plain(value)
+        for key, value in dataclasses.asdict(prediction).items()
+        if key not in ("target", "workload")
+    }
+    out: dict[str, object] = dict(plain)
     for key in ("peak_allocated_at", "peak_reserved_at"):
-        out[key]["top_modules"] = [
-            {"module": path, "bytes": nbytes} for path, nbytes in out[key]["top_modules"]
-        ]
-    out["top_modules"] = [{"module": path, "bytes": nbytes} for path, nbytes in out["top_modules"]]
+        at = plain[key]
+        assert isinstance(at, dict)
+        out[key] = at | {"top_modules": _module_rows(at["top_modules"])}
+    out["top_modules"] = _module_rows(plain["top_modules"])
     out["verdict"] = verdict_line(prediction)
+    target = prediction.target
+    if target is not None:
+        out["target"] = target_to_json(target)
+    if workload is None and prediction.workload is not None:
+        cudnn = None if target is None else target.cudnn_version
+        workload = workload_to_json(prediction.workload, cudnn)
     if workload is not None:
         out["workload"] = _plain(workload)
     return out

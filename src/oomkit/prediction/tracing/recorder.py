@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from oomkit.errors import UnsupportedOpError
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.prediction.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
@@ -684,6 +685,7 @@ def trace_step(
     steps: int = 1,
     gpu: GpuSpec | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    target: Target | None = None,
     **kwargs: Any,
 ) -> TraceRecording:
     """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
@@ -699,6 +701,9 @@ def trace_step(
             step and the steady state after it.
         gpu: the target device the CUDA emulations model; ``None`` means an H100 SXM.
         emulations: per-op hooks; ``None`` means ``DEFAULT_EMULATIONS``.
+        target: the target machine, instead of ``gpu``: its GPU, and its cuDNN version when
+            stated (``emulations_for_cudnn``: passed explicitly, not through
+            ``use_sdpa_settings``).
         kwargs: passed to ``fn``.
 
     Returns:
@@ -710,6 +715,12 @@ def trace_step(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
+    if target is not None:
+        gpu = target.gpu
+        if emulations is None and target.cudnn_version is not None:
+            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+
+            emulations = emulations_for_cudnn(target.cudnn_version)
     tracer = Tracer(emulations=emulations, gpu=gpu)
     try:
         with tracer:

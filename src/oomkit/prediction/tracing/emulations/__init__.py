@@ -1,9 +1,11 @@
 """The CUDA memory emulations that ship with oomkit, one module per concept.
 
 ``register_defaults(registry)`` adds them all; ``oomkit.prediction.tracing.emulation.DEFAULT_EMULATIONS``
-is a registry built that way. The SDPA choice follows ``use_sdpa_settings`` (e.g. the target's
-cuDNN version) where the registry was built without settings. To fix a setting for one registry
-(or a ``CUBLAS_WORKSPACE_CONFIG``), build your own::
+is a registry built that way; its SDPA choice follows ``use_sdpa_settings`` (a user-facing
+switch, like ``torch.backends.cuda.sdp_kernel``), else this torch install's cuDNN. A ``Target``
+that states its cuDNN version passes it explicitly: ``trace_step(..., target=t)`` traces with
+``emulations_for_cudnn(t.cudnn_version)``. To fix a setting for one registry (or a
+``CUBLAS_WORKSPACE_CONFIG``), build your own::
 
     registry = EmulationRegistry()
     register_defaults(registry, sdpa=SdpaSettings(cudnn_version=91501), environ={...})
@@ -12,6 +14,7 @@ cuDNN version) where the registry was built without settings. To fix a setting f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -70,6 +73,7 @@ __all__ = [
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
+    "emulations_for_cudnn",
     "select_sdp_backend",
     "use_sdpa_settings",
     "uses_cudnn",
@@ -81,6 +85,7 @@ def register_defaults(
     *,
     sdpa: SdpaSettings | None = None,
     environ: Mapping[str, str] | None = None,
+    cudnn_version: int | None = None,
 ) -> None:
     """Register every built-in emulation in ``registry``.
 
@@ -89,9 +94,22 @@ def register_defaults(
         sdpa: switches for the SDPA backend choice; default: those in effect at each call
             (``use_sdpa_settings``, else ``default_sdpa_settings()``).
         environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
+        cudnn_version: the target's cuDNN version (``Target.cudnn_version``), replacing the
+            one of the SDPA switches; ``None`` keeps theirs.
     """
-    register_sdpa(registry, sdpa)
+    register_sdpa(registry, sdpa, cudnn_version=cudnn_version)
     register_cublas(registry, environ)
     register_embedding(registry)
     register_batch_norm(registry)
     register_dropout(registry)
+
+
+@functools.lru_cache(maxsize=16)
+def emulations_for_cudnn(cudnn_version: int) -> EmulationRegistry:
+    """The built-in emulations for a target whose cuDNN version is stated (``trace_step`` with a
+    ``Target``): the SDPA choice uses that version, the other switches those in effect."""
+    from oomkit.prediction.tracing.emulation import EmulationRegistry
+
+    registry = EmulationRegistry()
+    register_defaults(registry, cudnn_version=cudnn_version)
+    return registry

@@ -31,6 +31,7 @@ import time) and calling it from inside another torch function is not seen.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from oomkit.prediction.tracing.autocast import emulated_autocast_dtype
-from oomkit.prediction.tracing.emulations.cudnn_builds import cudnn_version_text, installed_cudnn_build
+from oomkit.prediction.tracing.emulations.cudnn_builds import (
+    cudnn_version_text,
+    installed_cudnn_build,
+)
 from oomkit.prediction.tracing.emulations.mem_efficient_backward import (
     EfficientBackwardConfig,
     UnresolvedKernel,
@@ -98,18 +102,28 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def register_sdpa(registry: EmulationRegistry, settings: SdpaSettings | None = None) -> None:
+def register_sdpa(
+    registry: EmulationRegistry,
+    settings: SdpaSettings | None = None,
+    *,
+    cudnn_version: int | None = None,
+) -> None:
     """Add the SDPA forward hook and the flash backward workspace hook to ``registry``.
 
     Args:
         registry: where to register.
         settings: process switches that steer the backend choice (cuDNN version, enabled
             backends); default: those in effect at each call (``use_sdpa_settings``, else
-            ``SdpaSettings()``).
+            ``default_sdpa_settings()``).
+        cudnn_version: the target's cuDNN version (``Target.cudnn_version``), replacing the
+            one of the settings above; ``None`` keeps theirs.
     """
 
     def in_effect() -> SdpaSettings:
-        return settings if settings is not None else current_sdpa_settings()
+        chosen = settings if settings is not None else current_sdpa_settings()
+        if cudnn_version is None or chosen.cudnn_version == cudnn_version:
+            return chosen
+        return dataclasses.replace(chosen, cudnn_version=cudnn_version)
 
     def sdpa(ctx: EmulationContext) -> Any:
         return _run_sdpa(ctx, in_effect())

@@ -80,7 +80,8 @@ class SdpaSettings:
 
 
 # The settings a hook registered without its own uses: what ``use_sdpa_settings`` set in this
-# context, else the defaults (as torch.backends.cuda's sdp switches are process state).
+# context, else the defaults (as torch.backends.cuda's sdp switches are process state). A user
+# switch only: oomkit's own callers pass a Target's cuDNN version explicitly (register_sdpa).
 _CURRENT: ContextVar[SdpaSettings | None] = ContextVar("oomkit_sdpa_settings", default=None)
 
 

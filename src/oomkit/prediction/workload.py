@@ -1,0 +1,159 @@
+"""What a prediction recorded, as data: the workload record saved with a prediction.
+
+``oomkit predict`` attaches a ``WorkloadSpec`` to its ``Prediction`` and ``--json`` saves it as
+``workload``, so that ``oomkit explain`` reads the batch size, mode and optimizer from fields
+instead of from the human-readable description, and can re-predict a preset with a change
+applied. ``workload_from_json`` reads it back; predictions saved before the record existed (no
+``workload``, or one without ``kind``) fall back to ``workload_from_description``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "WorkloadKind",
+    "WorkloadSpec",
+    "workload_from_description",
+    "workload_from_json",
+    "workload_to_json",
+]
+
+WorkloadKind = Literal["preset", "function", "hf", "unknown"]
+_KINDS: tuple[WorkloadKind, ...] = ("preset", "function", "hf", "unknown")
+# StepOptions fields (oomkit.prediction.models.options), saved as ``workload.options``.
+_OPTION_FIELDS = (
+    "batch_size",
+    "seq_len",
+    "image_size",
+    "precision",
+    "optimizer",
+    "checkpointing",
+    "mode",
+    "new_tokens",
+)
+_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The step a prediction recorded; ``None`` marks what is not known.
+
+    Attributes:
+        kind: ``"preset"`` (built-in, can be rebuilt), ``"function"`` (``file.py:function``),
+            ``"hf"`` (``--hf``) or ``"unknown"`` (read back from an old save's description).
+        name: the preset name, ``file.py:function`` or the Hugging Face model.
+        batch_size: sequences (images) per step; for a function, the ``batch_size`` it was
+            called with, ``None`` when it takes none.
+        seq_len: tokens per sequence, where given.
+        image_size: image height and width, where given.
+        precision: ``StepOptions.precision`` (``None`` for a function: its own choice).
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``; ``None`` when not known.
+        checkpointing: activation checkpointing; ``None`` when not known.
+        mode: ``"train"``, ``"inference"`` or ``"generate"``; ``None`` when not known.
+        new_tokens: tokens generated (``generate`` only).
+        steps: steps recorded.
+    """
+
+    kind: WorkloadKind
+    name: str
+    batch_size: int | None = None
+    seq_len: int | None = None
+    image_size: int | None = None
+    precision: str | None = None
+    optimizer: str | None = None
+    checkpointing: bool | None = None
+    mode: str | None = None
+    new_tokens: int | None = None
+    steps: int | None = None
+
+    @property
+    def training(self) -> bool | None:
+        """Whether the step trains; ``None`` when the mode is not known."""
+        return None if self.mode is None else self.mode == "train"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The ``StepOptions`` fields, ``None`` where not known (a preset knows them all)."""
+        return {name: getattr(self, name) for name in _OPTION_FIELDS}
+
+
+def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
+    """The saved form: ``kind``, ``name``, ``options`` and ``steps``; a preset also keeps
+    ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
+    with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
+    out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
+    if workload.kind == "preset":
+        out["preset"] = workload.name
+    out["options"] = workload.options
+    out["steps"] = workload.steps
+    if cudnn_version is not None:
+        out["cudnn_version"] = cudnn_version
+    return out
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if isinstance(value, bool) and kind is not bool:
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
+    """The workload of a saved prediction (the ``oomkit predict --json`` object).
+
+    A ``workload`` with ``kind`` is read field by field. Older saves are read too: a
+    ``workload`` with only ``preset``/``options``/``steps`` is a preset; a save without one
+    falls back to ``workload_from_description`` (kind ``"unknown"``), or ``None`` when it has
+    no description either.
+    """
+    saved = data.get("workload")
+    if isinstance(saved, Mapping):
+        options = saved.get("options")
+        options = options if isinstance(options, Mapping) else {}
+        name = saved.get("name", saved.get("preset"))
+        kind = next((k for k in _KINDS if k == saved.get("kind")), None)
+        if kind is None:  # saved before the record had a kind: only presets were saved
+            kind = "preset" if isinstance(saved.get("preset"), str) else "unknown"
+        return WorkloadSpec(
+            kind=kind,
+            name=str(name or ""),
+            batch_size=_typed(options.get("batch_size"), int),
+            seq_len=_typed(options.get("seq_len"), int),
+            image_size=_typed(options.get("image_size"), int),
+            precision=_typed(options.get("precision"), str),
+            optimizer=_typed(options.get("optimizer"), str),
+            checkpointing=_typed(options.get("checkpointing"), bool),
+            mode=_typed(options.get("mode"), str),
+            new_tokens=_typed(options.get("new_tokens"), int),
+            steps=_typed(saved.get("steps"), int),
+        )
+    description = data.get("description")
+    if isinstance(description, str) and description:
+        return workload_from_description(description, steps=_typed(data.get("steps"), int))
+    return None
+
+
+def workload_from_description(description: str, *, steps: int | None = None) -> WorkloadSpec:
+    """The documented fallback for predictions saved without a workload record.
+
+    Reads a preset's description (``"GPT-2 124M, batch 8, seq 1024, fp32, adamw, train"``): the
+    batch size from ``batch N``, the optimizer from an ``adamw`` / ``adam`` / ``sgd`` item, and
+    the mode ``"train"`` when the text says ``train`` (otherwise not known). Anything else stays
+    ``None``.
+    """
+    batch = re.search(r"\bbatch (\d+)\b", description)
+    items = description.lower().split(", ")
+    optimizer = next((o for o in _OPTIMIZERS if o in items), None)
+    if optimizer is None and re.search(r"\badam", description):
+        optimizer = "adam"  # e.g. "..., Adam, ...": what older oomkit took to mean two states
+    return WorkloadSpec(
+        kind="unknown",
+        name=description,
+        batch_size=int(batch.group(1)) if batch else None,
+        optimizer=optimizer,
+        mode="train" if "train" in description else None,
+        steps=steps,
+    )

@@ -1,0 +1,84 @@
+"""Target: the GPU, allocator setting and versions of a prediction, parsed once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.gpus import GpuSpecError, UnknownGpuError, get_gpu
+from oomkit.core.target import Target, resolve_target
+from oomkit.errors import ConfigError
+
+MiB = 2**20
+
+
+def test_resolve_parses_every_part_once():
+    """Target.resolve looks the GPU up, applies the overhead and parses the allocator setting."""
+    t = Target.resolve(
+        "h100",
+        "expandable_segments:True",
+        context_overhead_bytes=600 * MiB,
+        torch_version="2.6",
+        cudnn_version=91002,
+        cuda_version="12.6",
+    )
+    assert t.gpu.name == "H100 SXM 80GB"
+    assert t.gpu.compute_capability == (9, 0)
+    assert t.allocator_config == AllocatorConfig(expandable_segments=True)
+    assert t.alloc_conf == "expandable_segments:True"
+    assert t.context_overhead_bytes == 600 * MiB
+    assert t.capacity_bytes == 85028896768
+    assert t.usable_bytes == 85028896768 - 600 * MiB
+    assert (t.torch_version, t.cudnn_version, t.cuda_version) == ("2.6", 91002, "12.6")
+    assert t.parallel is None
+
+
+def test_defaults_are_pytorchs_and_not_stated():
+    """Without arguments: an H100 with its own overhead, the default allocator, versions unstated."""
+    t = Target.resolve()
+    assert t.gpu == get_gpu("h100")
+    assert t.context_overhead_bytes == 524288000
+    assert t.usable_bytes == 84504608768
+    assert t.allocator_config == AllocatorConfig()
+    assert t.alloc_conf == ""
+    assert (t.torch_version, t.cudnn_version, t.cuda_version) == (None, None, None)
+
+
+def test_target_is_frozen():
+    """A Target is a frozen record: a change makes a new one (with_gpu)."""
+    t = Target.resolve("h100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.cudnn_version = 1  # type: ignore[misc]
+    moved = t.with_gpu(get_gpu("rtx4090"))
+    assert moved.gpu.name == "RTX 4090" and moved.allocator_config is t.allocator_config
+    assert t.gpu.name == "H100 SXM 80GB"
+
+
+def test_bad_parts_raise_the_existing_errors():
+    """Each part fails with the error (and message) its own parser raises."""
+    with pytest.raises(UnknownGpuError):
+        Target.resolve("h1000")
+    with pytest.raises(GpuSpecError):
+        Target.resolve("1GiB", context_overhead_bytes=2**31)
+    with pytest.raises(ConfigError, match="max_split_size_mb"):
+        Target.resolve("h100", "max_split_size_mb:2")
+    with pytest.raises(ValueError, match="cudnn_version=91002"):
+        Target.resolve("h100", cudnn_version=0)
+
+
+def test_torch_version_picks_the_parser():
+    """The allocator setting is parsed as the target's torch release parses it."""
+    with pytest.raises(ConfigError):
+        Target.resolve("h100", "large_segment_size_mb:64", torch_version="2.5")
+
+
+def test_resolve_target_takes_a_target_or_the_keywords_not_both():
+    """resolve_target returns the target given, builds one from keywords, refuses both."""
+    t = Target.resolve("rtx4090")
+    assert resolve_target(t) is t
+    assert resolve_target(None, gpu="24GiB").gpu.total_memory_bytes == 24 * 2**30
+    assert resolve_target(None).gpu.name == "H100 SXM 80GB"
+    with pytest.raises(ValueError, match="either target= or gpu, alloc_conf"):
+        resolve_target(t, gpu="h100", alloc_conf="")
