@@ -103,7 +103,11 @@ def stod(token: str) -> float:
         text = hex_match[1]
         if not re.search(r"[pP]", text):
             text += "p0"
-        value = float.fromhex(text)
+        try:
+            value = float.fromhex(text)
+        except OverflowError:
+            # float.fromhex raises where strtod returns HUGE_VAL with ERANGE.
+            raise NumberError("is out of the range of a double (stod)") from None
         mantissa = text.split("x", 1)[-1].split("X", 1)[-1].split("p")[0].split("P")[0]
     else:
         dec_match = _DEC_FLOAT_RE.match(token)
