@@ -304,9 +304,9 @@ def test_rejection_message_shape():
 
 def test_every_example_in_messages_parses():
     """The examples shown in error messages are themselves valid settings."""
-    from oomkit.core.allocator.config import _EXAMPLES
+    from oomkit.core.allocator._config_parser import EXAMPLES
 
-    for example in _EXAMPLES.values():
+    for example in EXAMPLES.values():
         parse_quiet(example)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from oomkit.core.allocator.rules import rules_for
+from oomkit.core.allocator.rules import AllocatorRules, rules_for
 from oomkit.core.allocator.versions import (
     NEWEST_RELEASED_TORCH,
     TorchBehaviour,
@@ -80,6 +80,12 @@ def test_behaviour_is_frozen():
         ("gc_skips_expandable", "2.4", "2.5"),  # PR #134338
         ("has_alloc_conf_env", "2.8", "2.9"),  # §9.1
         ("has_per_process_memory_fraction_key", "2.8", "2.9"),  # §9.3
+        ("pool_scopes_newest_first", "2.11", "2.12"),  # §3.5 MAIN26 get_pool
+        ("release_skips_only_real_capture", "2.11", "2.12"),  # §4 step 9 / §5.3 MAIN26
+        ("mempool_use_on_oom", "2.7", "2.8"),  # §3.5 / Appendix A (≈2.8)
+        ("mempool_no_split", "2.11", "2.12"),  # §3.5 / §4 step 11 MAIN26
+        ("oom_rejection", "2.11", "2.12"),  # §4 step 6.3 / §12.4 MAIN26
+        ("empty_cache_per_pool", "2.11", "2.12"),  # MAIN26 emptyCache(mempool_id)
     ],
 )
 def test_boolean_fields_switch_at_their_release(field, last_without, first_with):
@@ -175,12 +181,55 @@ def test_unknown_key_has_no_since():
     assert config_key_since("expandable_segments_reserve") is None
 
 
-def test_rules_read_the_behaviour():
-    """oomkit.core.allocator.rules takes its version facts from TorchBehaviour."""
-    for version in ("2.4", "2.10", "2.14"):
-        b = behaviour_for(version)
-        r = rules_for(version)
-        assert isinstance(b, TorchBehaviour)
-        assert r.tie_break_by_creation_order == b.tie_break_by_creation_order
-        assert r.fraction_limit_only_below_one == b.fraction_limit_only_below_one
-        assert r.oom_docs_url == b.oom_docs_url
+def test_rules_for_is_the_one_record():
+    """rules_for / AllocatorRules are behaviour_for / TorchBehaviour: one record per release."""
+    assert AllocatorRules is TorchBehaviour
+    for version in ("2.4", "2.10", "2.14", "main", None):
+        assert rules_for(version) is behaviour_for(version)
+
+
+def test_every_field_is_explicit():
+    """No field has a default: every release states every fact (no getattr fallbacks)."""
+    fields = dataclasses.fields(TorchBehaviour)
+    assert all(f.default is dataclasses.MISSING for f in fields)
+    assert all(f.default_factory is dataclasses.MISSING for f in fields)
+    assert len(fields) == 24
+    # The fields the simulator reads as rules.* (caching_allocator, settings, stats, oom_message).
+    simulator = {
+        "version",
+        "tie_break_by_creation_order",
+        "configurable_non_split_rounding",
+        "configurable_large_segment_size",
+        "fraction_limit_only_below_one",
+        "oom_message_variant",
+        "oom_docs_url",
+        "pool_scopes_newest_first",
+        "release_skips_only_real_capture",
+        "mempool_use_on_oom",
+        "mempool_no_split",
+        "oom_rejection",
+        "empty_cache_per_pool",
+    }
+    assert simulator <= {f.name for f in fields}
+
+
+@pytest.mark.parametrize(
+    ("version", "url"),
+    [
+        ("2.7", "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"),
+        (
+            "2.8",
+            "https://docs.pytorch.org/docs/stable/notes/cuda.html"
+            "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf",
+        ),
+    ],
+)
+def test_oom_docs_url(version, url):
+    """§12.3: the docs.pytorch.org link from 2.8 (real 2.8+ OOM logs show it)."""
+    assert behaviour_for(version).oom_docs_url == url
+
+
+def test_version_text():
+    """Messages name a release as major.minor."""
+    assert behaviour_for("2.4.0+cu121").version_text == "2.4"
+    assert behaviour_for("main").version_text == "2.15"

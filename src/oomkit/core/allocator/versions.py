@@ -1,7 +1,9 @@
 """What differs between PyTorch releases, as one frozen record per ``major.minor``.
 
 ``behaviour_for("2.4.0+cu121")`` answers every version question the allocator, its config
-parser and the OOM message need, so no other module compares version numbers. The facts come
+parser and the OOM message need, so no other module compares version numbers. It is the only
+per-release record: the simulator reads it as ``rules_for`` / ``AllocatorRules``
+(``oomkit.core.allocator.rules``), the same function and class under its names. The facts come
 from ref/cuda-caching-allocator.md (§0 sources, §3.6, §6, §7, §9, §12, Appendix A); release
 numbers the ref marks "≈" are inferred from PR dates, not read from tags.
 
@@ -131,9 +133,29 @@ class TorchBehaviour:
     gc_skips_expandable: bool
     # §12.3: OOM message wording: "classic" (<= 2.0), "v2_1" ("capacty" typo), "v2_2".
     oom_message_variant: OomMessageVariant
-    # §12.3: documentation link in the OOM message (docs.pytorch.org in MAIN26; real 2.8+ logs
-    # show it too, as oomkit.core.allocator.rules assumes).
+    # §12.3: documentation link in the OOM message (docs.pytorch.org in MAIN26; real 2.8+ OOM
+    # logs show it too).
     oom_docs_url: str
+    # §3.5: MAIN26 get_pool searches open allocation scopes newest first (allocation_scopes_,
+    # reversed); V24 get_pool walks captures_underway oldest first.
+    pool_scopes_newest_first: bool
+    # §4 step 9 / §5.3: MAIN26 skips release_cached_blocks only in a real capture
+    # (is_capture_context); V24 skips Step 9 whenever any scope is open, and its emptyCache
+    # fails an internal assert ("captures_underway.empty()").
+    release_skips_only_real_capture: bool
+    # §3.5 / Appendix A (≈2.8-2.9): MemPool(use_on_oom=True) and try_mempool_fallback (Step 7).
+    mempool_use_on_oom: bool
+    # §3.5 / §4 step 11 (MAIN26): MemPool(no_split=True), should_split's no_split_pools.
+    mempool_no_split: bool
+    # §4 step 6.3 / §12.4 (MAIN26): throw_on_cudamalloc_oom's preemptive rejection.
+    oom_rejection: bool
+    # MAIN26 emptyCache(mempool_id): release one freeable private pool.
+    empty_cache_per_pool: bool
+
+    @property
+    def version_text(self) -> str:
+        """``"major.minor"``, as messages name the release (``"2.4"``)."""
+        return f"{self.version[0]}.{self.version[1]}"
 
     @property
     def has_alloc_conf_env(self) -> bool:
@@ -269,4 +291,10 @@ def _behaviour(version: tuple[int, int]) -> TorchBehaviour:
         gc_skips_expandable=version >= (2, 5),
         oom_message_variant=variant,
         oom_docs_url=_NEW_DOCS_URL if version >= (2, 8) else _OLD_DOCS_URL,
+        pool_scopes_newest_first=main26,
+        release_skips_only_real_capture=main26,
+        mempool_use_on_oom=version >= (2, 8),
+        mempool_no_split=main26,
+        oom_rejection=main26,
+        empty_cache_per_pool=main26,
     )
