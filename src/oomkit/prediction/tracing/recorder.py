@@ -37,20 +37,15 @@ from oomkit.errors import UnsupportedOpError
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.trace import TraceEvent
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
-from oomkit.prediction.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
-from oomkit.prediction.tracing.emulation import (
-    CUDA_DIVERGENT_OPS,
-    DEFAULT_EMULATIONS,
-    EmulationContext,
-    OpEmulation,
-)
+from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
+from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.storages import Allocation, StorageTable
+from oomkit.prediction.tracing.storages import Allocation
 
 __all__ = ["Tracer", "trace_step"]
 
@@ -101,12 +96,8 @@ class Tracer:
             gpu: the target device the CUDA emulations model (its compute capability picks the
                 SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
         """
-        self._emulations = DEFAULT_EMULATIONS if emulations is None else emulations
         self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
-        self._emulation_state: dict[str, Any] = {}
-        self._emulated_what: dict[int, str] = {}  # alloc_id -> ("emulated", what) tag
         self._frames = UserFrameFinder()
-        self._table = StorageTable(self._on_release)
         self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
         self._ids = itertools.count(1)
         self._call_ids = itertools.count(1)
@@ -126,11 +117,6 @@ class Tracer:
         self._grad_watched: dict[int, weakref.ref[torch.Tensor]] = {}
         self._tracked: list[weakref.ref[Any]] = []
         self._handles: list[Any] = []
-        self._synthetic: dict[int, Allocation] = {}
-        self._divergent_calls: Counter[str] = Counter()
-        self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
-        self._kernel_choices: Counter[str] = Counter()  # e.g. "SDPA flash_attention" -> calls
-        self._assumptions: dict[str, str] = {}  # e.g. "cuDNN" -> "9.20.0 (...)"
         self._grad_scaler_steps: Counter[str] = Counter()
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
@@ -139,6 +125,15 @@ class Tracer:
         self._exit_stack: contextlib.ExitStack | None = None
         self._recording: TraceRecording | None = None
         self.failed_op: tuple[str, BaseException] | None = None
+        # Runs the ops, applies the CUDA emulations and keeps the live storages (engine.py).
+        self._engine = CudaEmulationEngine(
+            _TracerSink(self),
+            gpu=self.gpu,
+            device_type=_DEVICE_TYPE,
+            emulations=DEFAULT_EMULATIONS if emulations is None else emulations,
+            divergent_ops=CUDA_DIVERGENT_OPS,
+        )
+        self._table = self._engine.table
 
     # ------------------------------------------------------------------ public API
 
@@ -161,14 +156,7 @@ class Tracer:
         stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-        watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
-        if watched:
-            function_mode = DivergenceFunctionMode(watched, self._run_function)
-            stack.enter_context(function_mode)
-            # Torch-function modes do not follow into backward, so checkpoint's recomputation
-            # would miss them (and record another SDPA backend than forward did).
-            stack.enter_context(function_mode.reach_backward())
-        stack.enter_context(RecordingDispatchMode(self))
+        stack.enter_context(self._engine.intercept())
         self._exit_stack = stack
         return self
 
@@ -214,56 +202,7 @@ class Tracer:
             elif isinstance(obj, torch.Tensor):
                 self._note(obj, "input", first_seen_ok=True)
 
-    # ------------------------------------------------------------------ ops
-
-    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = str(func)
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, None, before_op=True)
-        hook = self._emulations.get(name)
-        try:
-            if hook is not None:
-                out = hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
-            else:
-                out = func(*args, **kwargs)
-        except Exception as exc:
-            self.failed_op = (name, exc)
-            raise
-        if hook is None and name in CUDA_DIVERGENT_OPS:
-            self._divergent_calls[name] += 1
-        # Outputs first (in order), then arguments an op may have resized or re-pointed.
-        for leaf in tree_leaves((out, args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, name, before_op=False)
-        return out
-
-    def _record_outputs(self, outputs: Any, op: str) -> None:
-        for leaf in tree_leaves(outputs):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, op, before_op=False)
-
-    def _sync(self, tensor: torch.Tensor, op: str | None, *, before_op: bool) -> None:
-        if tensor.device.type != _DEVICE_TYPE:
-            return
-        storage = tensor.untyped_storage()
-        size = storage.nbytes()
-        alloc = self._table.lookup(storage)
-        if alloc is not None and alloc.size_bytes == size:
-            return
-        if alloc is None and size == 0:
-            return
-        if alloc is None and before_op:
-            self._first_seen(storage, size, "input", expected=False)
-            return
-        # A new storage, or one that resize_ grew/shrank: CUDA's resize_bytes allocates the new
-        # size, copies, then frees the old block (aten/src/ATen/native/cuda/Resize.cpp).
-        if size > 0:
-            self._table.bind(storage, self._new_alloc(size, op))
-        else:
-            self._table.unbind(storage)
-        if alloc is not None:
-            self._on_release(alloc)
+    # ------------------------------------------------------------------ allocations
 
     def _new_alloc(
         self,
@@ -296,10 +235,8 @@ class Tracer:
         self._log.append(("alloc", alloc))
         return alloc
 
-    def _first_seen(
-        self, storage: torch.UntypedStorage, size: int, role: Role, *, expected: bool
-    ) -> Allocation:
-        """A storage that was not allocated under this tracer: record it now.
+    def _first_seen(self, size: int, role: Role, *, expected: bool) -> Allocation:
+        """A storage that was not allocated under this tracer: record it now (caller binds it).
 
         ``expected`` is False when it shows up in use rather than through ``track()``: then the
         recording warns, since its allocation time is unknown.
@@ -311,28 +248,7 @@ class Tracer:
         alloc.module = None
         alloc.roles.add("input")
         alloc.roles.add(role)
-        self._table.bind(storage, alloc)
         return alloc
-
-    def _run_function(
-        self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """A watched torch function: its emulation hook, or the function counted as divergent."""
-        hook = self._emulations.get(name)
-        if hook is None:
-            if name in CUDA_DIVERGENT_OPS:
-                self._divergent_calls[name] += 1
-            return func(*args, **kwargs)
-        return hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
-
-    def _note_not_emulated(self, op: str, what: str) -> None:
-        self._partial_calls[(op, what)] += 1
-
-    def _note_choice(self, choice: str) -> None:
-        self._kernel_choices[choice] += 1
-
-    def _note_assumption(self, name: str, value: str) -> None:
-        self._assumptions[name] = value
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
@@ -355,21 +271,6 @@ class Tracer:
         alloc.live = False
         self._log.append(("free", alloc, self._frames.find()))
 
-    def _allocate_synthetic(
-        self, size_bytes: int, category: Category, op: str, what: str | None = None
-    ) -> int:
-        alloc = self._new_alloc(size_bytes, op, explicit=category)
-        if what is not None:
-            self._emulated_what[alloc.alloc_id] = what
-        self._synthetic[alloc.alloc_id] = alloc
-        return alloc.alloc_id
-
-    def _free_synthetic(self, alloc_id: int) -> None:
-        alloc = self._synthetic.pop(alloc_id, None)
-        if alloc is None:
-            raise ValueError(f"allocation id {alloc_id} is not a live synthetic allocation")
-        self._on_release(alloc)
-
     # ------------------------------------------------------------------ roles
 
     def _note(
@@ -389,7 +290,8 @@ class Tracer:
             size = storage.nbytes()
             if size == 0:
                 return
-            alloc = self._first_seen(storage, size, role, expected=first_seen_ok)
+            alloc = self._first_seen(size, role, expected=first_seen_ok)
+            self._table.bind(storage, alloc)
         alloc.roles.add(role)
         if param is not None and alloc.owner is None:
             owner = self._owners.get(id(param))
@@ -600,9 +502,8 @@ class Tracer:
                     tags.append(("op", alloc.op))
                 if "saved" in alloc.roles:
                     tags.append(("saved_for_backward", "true"))
-                what = self._emulated_what.get(alloc.alloc_id)
-                if what is not None:
-                    tags.append(("emulated", what))
+                if alloc.emulated is not None:
+                    tags.append(("emulated", alloc.emulated))
                 events.append(
                     TraceEvent(
                         "alloc",
@@ -628,8 +529,8 @@ class Tracer:
             warnings=tuple(self._warnings()),
             step_starts=tuple(step_starts),
             bytes_by_category=totals,
-            kernel_choices=dict(sorted(self._kernel_choices.items())),
-            assumptions=dict(sorted(self._assumptions.items())),
+            kernel_choices=dict(sorted(self._engine.kernel_choices.items())),
+            assumptions=dict(sorted(self._engine.assumptions.items())),
         )
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
@@ -642,13 +543,13 @@ class Tracer:
         return alloc.module
 
     def _warnings(self) -> Iterable[str]:
-        for name, count in sorted(self._divergent_calls.items()):
+        for name, count in sorted(self._engine.divergent_calls.items()):
             reason = CUDA_DIVERGENT_OPS[name]
             yield (
                 f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
                 f"({reason}) is not emulated yet"
             )
-        for (name, what), count in sorted(self._partial_calls.items()):
+        for (name, what), count in sorted(self._engine.partial_calls.items()):
             yield (
                 f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
                 "is not included"
@@ -676,6 +577,33 @@ class Tracer:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+class _TracerSink:
+    """The Tracer's side of the engine (``engine.AllocationSink``): it records, never refuses."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+
+    def allocate(self, size_bytes: int, op: str | None, *, first_seen: bool) -> Allocation:
+        if first_seen:
+            return self._tracer._first_seen(size_bytes, "input", expected=False)
+        return self._tracer._new_alloc(size_bytes, op)
+
+    def free(self, alloc: Allocation) -> None:
+        self._tracer._on_release(alloc)
+
+    def storage_released(self, alloc: Allocation) -> None:
+        self._tracer._on_release(alloc)
+
+    def refused(self, error: Exception) -> BaseException:
+        return error  # pragma: no cover - allocate never refuses
+
+    def op_failed(self, op: str, error: BaseException) -> None:
+        self._tracer.failed_op = (op, error)
+
+    def phase(self) -> Phase:
+        return self._tracer._phase()
 
 
 def trace_step(
