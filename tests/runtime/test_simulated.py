@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import STAT_KEYS
-from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.core.replay import replay_snapshot
+from oomkit.core.snapshot import load_snapshot, snapshot_from_data, write_snapshot
+from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.runtime import (
     DeviceMemory,
     SimulatedCudaDevice,
@@ -20,7 +21,6 @@ from oomkit.runtime import (
     is_out_of_memory,
     release_after_oom,
 )
-from oomkit.core.snapshot import load_snapshot, snapshot_from_data, write_snapshot
 
 MiB = 2**20
 # CUDACachingAllocator.cpp kSmallBuffer: requests of at most 1 MiB share 2 MiB small segments.

@@ -29,11 +29,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.core.gpus import GpuSpec, get_gpu
-from oomkit.runtime.device import use_device
 from oomkit.core.snapshot import snapshot_to_data
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.errors import SimulatedDeviceError, TorchRequiredError
+from oomkit.runtime.device import use_device
 
 if TYPE_CHECKING:
     import torch

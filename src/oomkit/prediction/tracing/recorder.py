@@ -33,9 +33,9 @@ import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 from torch.utils._pytree import tree_leaves
 
-from oomkit.errors import UnsupportedOpError
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import UnsupportedOpError
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
