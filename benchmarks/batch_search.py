@@ -235,6 +235,8 @@ def _lightning_module(workload: Workload) -> Any:
             super().__init__()
             built = build_preset_step(workload.preset, workload.step_options(1), device="meta")
             model, _optimizer, inputs, labels = built.track
+            assert isinstance(model, torch.nn.Module)
+            assert isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor)
             self.net = model
             self.shapes = tuple((t.shape[1:], t.dtype) for t in (inputs, labels))
             self.batch_size = 2
@@ -281,7 +283,8 @@ def lightning_search(workload: Workload, mode: str, tmp_dir: str) -> tuple[int, 
             default_root_dir=tmp_dir,
         )
         batch = Tuner(trainer).scale_batch_size(module, mode=mode)
-        return int(batch), device.oom_count
+        assert batch is not None  # None only when the tuner is skipped (fast_dev_run)
+        return batch, device.oom_count
 
 
 # ---------------------------------------------------------------------- report

@@ -34,7 +34,6 @@ import torch.optim.optimizer as _optimizer_hooks
 from torch.utils._pytree import tree_leaves
 
 from oomkit.core.gpus import GpuSpec, get_gpu
-from oomkit.core.trace import TraceEvent
 from oomkit.errors import UnsupportedOpError
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
@@ -43,8 +42,9 @@ from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMUL
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
+from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
-from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.recording import TraceRecording, build_recording
 from oomkit.prediction.tracing.storages import Allocation
 
 __all__ = ["Tracer", "trace_step"]
@@ -104,14 +104,7 @@ class Tracer:
         self._stack: list[_ModuleCall] = []
         self._backward_modules = BackwardModules()
         self._escapes: dict[int, list[Allocation]] = {}
-        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        # One weakref per module, and the path of each, kept after the module dies (a model
-        # built and dropped inside the step still names its parameters' storages at the end).
-        self._module_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._ref_paths: dict[weakref.ref[Any], str] = {}
-        self._roots = 0
+        self._paths = ModulePaths()
         self._optimizer_depth = 0
         # By id with a weakref to check identity: tensors compare elementwise, so no WeakSet.
         self._grad_watched: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -194,7 +187,7 @@ class Tracer:
         for obj in tree_leaves(list(objects)):
             if isinstance(obj, torch.nn.Module):
                 self._tracked.append(weakref.ref(obj))
-                self._name_root(obj)
+                self._paths.name_root(obj)
                 self._note_module(obj, recurse=True, first_seen_ok=True)
             elif isinstance(obj, torch.optim.Optimizer):
                 self._tracked.append(weakref.ref(obj))
@@ -302,7 +295,7 @@ class Tracer:
         """Record that ``module`` registered ``param`` (the first owner of a shared one wins)."""
         owner = self._owners.get(id(param))
         if owner is None or owner[0]() is not param:
-            self._owners[id(param)] = (weakref.ref(param), self._module_ref(module))
+            self._owners[id(param)] = (weakref.ref(param), self._paths.ref(module))
 
     def _note_module(
         self, module: torch.nn.Module, *, recurse: bool, first_seen_ok: bool = False
@@ -354,45 +347,6 @@ class Tracer:
 
     # ------------------------------------------------------------------ modules and optimizers
 
-    def _module_ref(self, module: torch.nn.Module) -> weakref.ref[Any]:
-        ref = self._module_refs.get(module)
-        if ref is None:
-            ref = self._module_refs[module] = weakref.ref(module)
-        return ref
-
-    def _set_path(self, module: torch.nn.Module, path: str) -> None:
-        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
-        if self._paths.setdefault(module, path) == path:
-            self._ref_paths.setdefault(self._module_ref(module), path)
-
-    def _name_root(self, module: torch.nn.Module) -> str:
-        path = self._paths.get(module)
-        if path is None:
-            path = "" if self._roots == 0 else type(module).__name__
-            self._roots += 1
-            for name, sub in module.named_modules(prefix=path):
-                self._set_path(sub, name)
-        return path
-
-    def _path_of(self, module: torch.nn.Module) -> str:
-        path = self._paths.get(module)
-        if path is not None:
-            return path
-        if not self._stack:
-            return self._name_root(module)
-        parent = self._stack[-1]
-        for name, sub in parent.module.named_modules():
-            if sub is module:
-                path = f"{parent.path}.{name}" if parent.path else name
-                break
-        else:
-            path = (
-                f"{parent.path}.{type(module).__name__}" if parent.path else type(module).__name__
-            )
-        for name, sub in module.named_modules(prefix=path):
-            self._set_path(sub, name)
-        return path
-
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         is_root = not self._stack
         call_id = next(self._call_ids)
@@ -409,7 +363,11 @@ class Tracer:
                 outer = self._backward_modules.current
                 if outer is not None:
                     lineage = (*outer.lineage, call_id)
-        call = _ModuleCall(module, self._path_of(module), call_id, root_call_id, lineage)
+        parent_call = self._stack[-1] if self._stack else None
+        path = self._paths.path_of(
+            module, (parent_call.module, parent_call.path) if parent_call else None
+        )
+        call = _ModuleCall(module, path, call_id, root_call_id, lineage)
         self._stack.append(call)
         if torch.is_grad_enabled():
             # Under no_grad / inference_mode there is no backward: no hooks, no cost.
@@ -479,56 +437,10 @@ class Tracer:
     # ------------------------------------------------------------------ result
 
     def _build(self) -> TraceRecording:
-        events: list[TraceEvent] = []
-        step_starts: list[int] = []
-        categories: dict[int, Category] = {}
-        totals: dict[Category, int] = {}
-        for entry in self._log:
-            kind = entry[0]
-            if kind == "step":
-                step_starts.append(len(events))
-                continue
-            alloc: Allocation = entry[1]
-            category = categories.get(alloc.alloc_id)
-            if category is None:
-                category = categories[alloc.alloc_id] = alloc.category
-            if kind == "alloc":
-                totals[category] = totals.get(category, 0) + alloc.size_bytes
-                tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
-                module = self._module_tag(alloc, category)
-                if module is not None:
-                    tags.append(("module", module))
-                if alloc.op is not None:
-                    tags.append(("op", alloc.op))
-                if "saved" in alloc.roles:
-                    tags.append(("saved_for_backward", "true"))
-                if alloc.emulated is not None:
-                    tags.append(("emulated", alloc.emulated))
-                events.append(
-                    TraceEvent(
-                        "alloc",
-                        alloc.alloc_id,
-                        alloc.size_bytes,
-                        0,
-                        None,
-                        alloc.frames,
-                        tuple(tags),
-                    )
-                )
-            else:
-                frames = entry[2]
-                tags_free = (("category", category),)
-                for action in ("free_requested", "free_completed"):
-                    events.append(
-                        TraceEvent(
-                            action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free
-                        )
-                    )
-        return TraceRecording(
-            events=tuple(events),
+        return build_recording(
+            self._log,
+            self._module_tag,
             warnings=tuple(self._warnings()),
-            step_starts=tuple(step_starts),
-            bytes_by_category=totals,
             kernel_choices=dict(sorted(self._engine.kernel_choices.items())),
             assumptions=dict(sorted(self._engine.assumptions.items())),
         )
@@ -537,7 +449,7 @@ class Tracer:
         # A parameter, its gradient and its optimizer state belong to the module owning the
         # parameter (known once the module has a path: tracked, or called in forward).
         if alloc.owner is not None and category in _OWNED_CATEGORIES:
-            path = self._ref_paths.get(alloc.owner)
+            path = self._paths.of_ref(alloc.owner)
             if path is not None:
                 return path
         return alloc.module
