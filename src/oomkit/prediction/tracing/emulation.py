@@ -84,6 +84,9 @@ class EmulationContext:
             size_bytes: the requested size, in bytes.
             category: ``workspace``, ``autocast_cache``, ...
             what: tagged as ``("emulated", what)``, e.g. ``"cublas_workspace"``.
+
+        Raises:
+            torch.OutOfMemoryError: under ``SimulatedCudaDevice``, when it does not fit.
         """
         return self._engine.allocate_synthetic(size_bytes, category, self.op_name, what)
 
