@@ -17,8 +17,10 @@ Every step runs on the meta device under ``SimulatedCudaDevice(device_type="meta
 lifetimes are real, values are not computed, so a step costs no arithmetic. Two things are set as
 CUDA sets them, since meta kernels would otherwise take other paths: ``torch.optim`` uses its
 foreach kernels (the presets ask for them), and ``scaled_dot_product_attention`` runs the fused
-memory-efficient kernel that CUDA picks for fp32 inputs (on meta it would take the math path and
-materialise the attention matrix). Everything else is what the meta kernels allocate.
+kernel CUDA picks (the memory-efficient one for fp32 inputs; on meta it would take the math path
+and materialise the attention matrix), by the SDPA hook of oomkit's tracer, which the simulated
+device runs through the same engine (``emulations=``). Only that forward choice is emulated:
+everything else is what the meta kernels allocate.
 
 Lightning runs on meta through a small accelerator/strategy pair (``_MetaAccelerator``,
 ``_MetaStrategy``) and an iterable dataset of host (CPU) samples that Lightning copies to the
@@ -52,10 +54,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from oomkit.plan.batch_search import max_batch_size
 from oomkit.prediction.models import StepOptions, build_preset_step
+from oomkit.prediction.tracing import DEFAULT_EMULATIONS
+from oomkit.prediction.tracing.emulations.sdpa import SDPA_FUNCTION
 from oomkit.runtime import SimulatedCudaDevice, current_device
 from oomkit.runtime.batch_probe import find_batch_size
 
@@ -92,46 +95,16 @@ WORKLOADS = (
 # ---------------------------------------------------------------------- CUDA kernel choices
 
 
-class _CudaAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` as CUDA runs fp32 inputs: the memory-efficient kernel.
-
-    aten/src/ATen/native/transformers/attention.cpp ``scaled_dot_product_attention``: on CUDA,
-    ``_fused_sdp_choice`` picks flash only for fp16/bf16, so fp32 goes to
-    ``_scaled_dot_product_efficient_attention`` with ``compute_log_sumexp`` when an input
-    requires grad; its meta kernel allocates the output and the fp32 logsumexp, and autograd
-    saves them for ``_scaled_dot_product_efficient_attention_backward``.
-    """
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-        call = dict(zip(names, args, strict=False)) | kwargs
-        q, k, v = call["query"], call["key"], call["value"]
-        if q.dtype != torch.float32 or q.shape[-1] % 8:
-            return func(*args, **kwargs)  # outside what this benchmark models: math path
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q,
-            k,
-            v,
-            call.get("attn_mask"),
-            grad,
-            call.get("dropout_p", 0.0),
-            call.get("is_causal", False),
-            scale=call.get("scale"),
-        )
-        return out[0]
+# sdp_utils.cpp select_sdp_backend: the kernel CUDA runs for scaled_dot_product_attention on the
+# simulated GPU (a plain size picks as an H100 does: the memory-efficient kernel for fp32), whose
+# meta op allocates the output and the fp32 logsumexp that autograd saves for its backward.
+CUDA_ATTENTION = {SDPA_FUNCTION: DEFAULT_EMULATIONS[SDPA_FUNCTION]}
 
 
 @contextlib.contextmanager
 def simulated(gpu: str) -> Iterator[SimulatedCudaDevice]:
     """A fresh simulated GPU for meta tensors, with CUDA's attention kernel."""
-    device = SimulatedCudaDevice(gpu, device_type="meta")
-    with device, _CudaAttention():
+    with SimulatedCudaDevice(gpu, device_type="meta", emulations=CUDA_ATTENTION) as device:
         yield device
 
 
@@ -262,6 +235,8 @@ def _lightning_module(workload: Workload) -> Any:
             super().__init__()
             built = build_preset_step(workload.preset, workload.step_options(1), device="meta")
             model, _optimizer, inputs, labels = built.track
+            assert isinstance(model, torch.nn.Module)
+            assert isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor)
             self.net = model
             self.shapes = tuple((t.shape[1:], t.dtype) for t in (inputs, labels))
             self.batch_size = 2
@@ -308,7 +283,8 @@ def lightning_search(workload: Workload, mode: str, tmp_dir: str) -> tuple[int, 
             default_root_dir=tmp_dir,
         )
         batch = Tuner(trainer).scale_batch_size(module, mode=mode)
-        return int(batch), device.oom_count
+        assert batch is not None  # None only when the tuner is skipped (fast_dev_run)
+        return batch, device.oom_count
 
 
 # ---------------------------------------------------------------------- report

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import STAT_KEYS
-from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.core.replay import replay_snapshot
+from oomkit.core.snapshot import load_snapshot, snapshot_from_data, write_snapshot
+from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.runtime import (
     DeviceMemory,
     SimulatedCudaDevice,
@@ -20,7 +21,6 @@ from oomkit.runtime import (
     is_out_of_memory,
     release_after_oom,
 )
-from oomkit.core.snapshot import load_snapshot, snapshot_from_data, write_snapshot
 
 MiB = 2**20
 # CUDACachingAllocator.cpp kSmallBuffer: requests of at most 1 MiB share 2 MiB small segments.
@@ -547,3 +547,69 @@ def test_random_allocs_and_frees_keep_the_stats_consistent(ops):
         assert device.memory_allocated() == 0
         device.empty_cache()
         assert device.memory_reserved() == 0
+
+
+# ---------------------------------------------------------------------- emulations (shared engine)
+
+
+def _sdpa_step(emulations):
+    from torch.nn import functional as F
+
+    q, k, v = (torch.empty(2, 4, 128, 64, device="meta", requires_grad=True) for _ in range(3))
+    with SimulatedCudaDevice(
+        "1GiB",
+        context_overhead_bytes=0,
+        device_type="meta",
+        emulations=emulations,
+        record_history=True,
+    ) as device:
+        device.track(q, k, v)
+        base = device.memory_allocated()
+        F.scaled_dot_product_attention(q, k, v)
+        sizes = [e.size for e in device.events() if e.action == "alloc"][3:]
+        return sizes, device.max_memory_allocated() - base
+
+
+def test_without_emulations_sdpa_runs_the_meta_math_path():
+    """By default nothing is emulated: meta's math path materialises the 128x128 scores."""
+    sizes, peak = _sdpa_step(None)
+    # scores [2, 4, 128, 128] fp32 = 524288 bytes (twice: matmul, softmax); output 262144.
+    assert sizes == [262144, 262144, 524288, 524288, 262144]
+    assert peak == 1572864
+
+
+def test_emulations_run_the_sdpa_kernel_cuda_picks_through_the_tracers_engine():
+    """With the tracer's SDPA hook, fp32 goes to the memory-efficient kernel, as on CUDA."""
+    from oomkit.prediction.tracing import DEFAULT_EMULATIONS
+    from oomkit.prediction.tracing.emulations.sdpa import SDPA_FUNCTION
+
+    sizes, peak = _sdpa_step({SDPA_FUNCTION: DEFAULT_EMULATIONS[SDPA_FUNCTION]})
+    # Output, fp32 logsumexp [2, 4, 128], philox seed and offset (8 bytes each, 512 rounded).
+    assert sizes == [262144, 4096, 8, 8]
+    assert peak == 262144 + 4096 + 512 + 512
+
+
+def test_an_emulated_workspace_that_does_not_fit_raises_out_of_memory():
+    """A hook's synthetic allocation asks the simulated allocator and can OOM like a storage."""
+
+    def mm_with_workspace(ctx):
+        workspace = ctx.allocate(ctx.state.get("workspace_bytes", 8 * MiB), "workspace")
+        out = ctx.run()
+        ctx.free(workspace)
+        return out
+
+    a = torch.empty(64, 64)
+    with SimulatedCudaDevice(
+        "64MiB", context_overhead_bytes=0, emulations={"aten.mm.default": mm_with_workspace}
+    ) as device:
+        device.track(a)
+        torch.mm(a, a)
+        # `a` and the 8 MiB workspace; the output is accounted when the hook has returned (the
+        # workspace is gone by then: ctx.record_outputs would account it earlier).
+        assert device.max_memory_allocated() == 16384 + 8 * MiB
+        assert device.memory_allocated() == 16384
+        device._engine.state["workspace_bytes"] = 100 * MiB
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 100.00 MiB"):
+            torch.mm(a, a)
+        assert device.oom_count == 1
+        assert device.memory_allocated() == 16384

@@ -9,9 +9,12 @@ the real ``torch.OutOfMemoryError`` with PyTorch's message, so OOM recovery code
 finders and monitors run unchanged on a machine without a GPU. ``use_device(device)`` is
 installed too, so ``oomkit.runtime.current_device()`` answers with the simulated numbers.
 
+The ops run through ``oomkit.prediction.tracing.engine``, the engine the recorder uses: pass
+``emulations`` (e.g. the SDPA hook) to run ops as CUDA would; none by default.
+
 What it does not model: streams (everything is on stream 0, frees complete at once), CUDA
 kernels' own workspaces (cuBLAS, cuDNN, SDPA backends: the CPU kernels allocate what they
-allocate), and host memory: with ``device_type="cpu"`` *every* CPU storage counts, including
+allocate) unless ``emulations`` add them, and host memory: with ``device_type="cpu"`` *every* CPU storage counts, including
 data-loader batches that a real run would keep in host memory until ``.to("cuda")``.
 """
 
@@ -21,21 +24,23 @@ import collections
 import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.errors import SimulatedDeviceError, TorchRequiredError
 from oomkit.core.gpus import GpuSpec, get_gpu
-from oomkit.runtime.device import use_device
 from oomkit.core.snapshot import snapshot_to_data
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.errors import SimulatedDeviceError, TorchRequiredError
+from oomkit.runtime.device import use_device
 
 if TYPE_CHECKING:
     import torch
 
-    from oomkit.runtime._accounting import AccountingMode
+    from oomkit.prediction.tracing.categories import Phase
+    from oomkit.prediction.tracing.emulation import OpEmulation
+    from oomkit.prediction.tracing.engine import CudaEmulationEngine
     from oomkit.prediction.tracing.storages import Allocation
 
 __all__ = ["OomObserver", "SimulatedCudaDevice"]
@@ -87,6 +92,7 @@ class SimulatedCudaDevice:
         record_history: bool = False,
         max_entries: int = sys.maxsize,
         get_time_us: Callable[[], int] | None = None,
+        emulations: Mapping[str, OpEmulation] | None = None,
     ) -> None:
         """Create the device; nothing is installed until the ``with`` block starts.
 
@@ -105,6 +111,9 @@ class SimulatedCudaDevice:
             max_entries: keep at most this many trace events (the newest), as
                 ``_record_memory_history(max_entries=...)``.
             get_time_us: clock for the events' ``time_us``; ``None`` leaves it unset.
+            emulations: CUDA emulation hooks by aten overload or torch function name (see
+                ``oomkit.prediction.tracing.emulation``), run on ``gpu`` in place of the plain
+                op; their synthetic allocations are accounted like storages. ``None``: none.
 
         Raises:
             UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
@@ -123,15 +132,15 @@ class SimulatedCudaDevice:
             )
         try:
             # torch is imported here, not with the module: oomkit.runtime imports without it.
-            from oomkit.runtime import _accounting
+            from oomkit.prediction.tracing import storages
+            from oomkit.prediction.tracing.engine import CudaEmulationEngine
             from oomkit.prediction.tracing.frames import UserFrameFinder
-            from oomkit.prediction.tracing.storages import StorageTable
         except ImportError as exc:
             raise TorchRequiredError(
                 "SimulatedCudaDevice runs PyTorch code and needs torch; install it with "
                 "`pip install oomkit[torch]`"
             ) from exc
-        self._accounting = _accounting
+        self._storages = storages
         self.gpu = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
         self.config = AllocatorConfig.coerce(alloc_conf, torch_version)
         self.torch_version = torch_version
@@ -151,20 +160,27 @@ class SimulatedCudaDevice:
         self._frames = self._frame_finder if record_history else None
         self._events: collections.deque[TraceEvent] = collections.deque(maxlen=max_entries)
         self._observers: list[OomObserver] = []
-        self._table = StorageTable(self._on_release)
+        # Runs the ops (and ``emulations``) and keeps the live storages, as for the recorder.
+        self._engine: CudaEmulationEngine = CudaEmulationEngine(
+            _DeviceSink(self),
+            gpu=self.gpu,
+            device_type=device_type,
+            emulations=emulations or {},
+            divergent_ops={},
+        )
         # Live allocations by block address (frames for the snapshot's blocks).
         self._live: dict[int, Allocation] = {}
         # Frees reported while the allocator is busy (a finalizer run by a gc pass inside
         # malloc, or another thread) wait here; CUDACachingAllocator takes a mutex instead.
         self._pending: collections.deque[Allocation] = collections.deque()
         self._lock = threading.Lock()
-        self._mode: AccountingMode | None = None
+        self._entered = False
         self._stack: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> SimulatedCudaDevice:
-        if self._mode is not None:
+        if self._entered:
             raise SimulatedDeviceError(
                 f"{self.name} is already active; it is not reentrant. Use one `with` block."
             )
@@ -175,10 +191,10 @@ class SimulatedCudaDevice:
             )
         with contextlib.ExitStack() as stack:
             stack.enter_context(use_device(self))
-            stack.enter_context(self._accounting.storage_resize_accounted(self))
-            mode = stack.enter_context(self._accounting.AccountingMode(self))
+            stack.enter_context(self._engine.storage_resize_accounted())
+            stack.enter_context(self._engine.intercept())
             self._stack = stack.pop_all()
-        self._mode = mode
+        self._entered = True
         _active.append(self)
         return self
 
@@ -188,9 +204,9 @@ class SimulatedCudaDevice:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        mode, self._mode = self._mode, None
-        if mode is None:
+        if not self._entered:
             return
+        self._entered = False
         _active.remove(self)
         stack, self._stack = self._stack, None
         assert stack is not None
@@ -199,7 +215,7 @@ class SimulatedCudaDevice:
     @property
     def active(self) -> bool:
         """Whether the ``with`` block is open."""
-        return self._mode is not None
+        return self._entered
 
     # ------------------------------------------------------------------ accounting
 
@@ -214,42 +230,13 @@ class SimulatedCudaDevice:
         Raises:
             torch.OutOfMemoryError: they do not fit on the simulated device.
         """
-        for tensor in self._accounting.tensors_of(objects):
-            storage = self._accounting.tensor_storage(tensor, self.device_type)
+        for tensor in self._storages.tensors_of(objects):
+            storage = self._storages.tensor_storage(tensor, self.device_type)
             if storage is None:
                 continue
-            error = self._sync_storage(storage, None)
+            error = self._engine.sync_storage(storage, None)
             if error is not None:
                 raise self._raise_oom(error)
-
-    def _sync_storage(
-        self, storage: torch.UntypedStorage, op: str | None
-    ) -> SimulatedOutOfMemoryError | None:
-        """Bring the allocator in line with ``storage``; the refused request, if any.
-
-        A storage not seen yet is a new allocation; one whose size changed (``resize_``) gets
-        a block of the new size before the old block is freed, as CUDA's ``resize_bytes``
-        allocates, copies, then frees (aten/src/ATen/native/cuda/Resize.cpp).
-        """
-        alloc = self._table.lookup(storage)
-        size = storage.nbytes()
-        if alloc is not None and alloc.size_bytes == size:
-            return None
-        if alloc is None and size == 0:
-            return None
-        if size == 0:
-            # resize_(0) (FSDP frees parameters this way): the block goes, the storage lives on.
-            assert alloc is not None
-            self._table.unbind(storage)
-            self._release(alloc)
-            return None
-        result = self._malloc(size, op)
-        if isinstance(result, SimulatedOutOfMemoryError):
-            return result
-        self._table.bind(storage, result)
-        if alloc is not None:
-            self._release(alloc)
-        return None
 
     def _malloc(self, size: int, op: str | None) -> Allocation | SimulatedOutOfMemoryError:
         frames = self._frames.find() if self._frames is not None else ()
@@ -272,7 +259,7 @@ class SimulatedCudaDevice:
             else:
                 self._segment_events(mark, frames)
                 self._record("alloc", ptr, size, frames)
-                alloc = self._accounting.Allocation(ptr, size, "user", None, op, frames)
+                alloc = self._storages.Allocation(ptr, size, "user", None, op, frames)
                 self._live[ptr] = alloc
                 self._drain_locked()
                 return alloc
@@ -285,10 +272,11 @@ class SimulatedCudaDevice:
                 observer(self.allocator.device, failure.alloc_size_bytes, total, failure.free_bytes)
         return failure
 
-    def _raise_oom(self, error: SimulatedOutOfMemoryError) -> torch.OutOfMemoryError:
+    def _raise_oom(self, error: Exception) -> torch.OutOfMemoryError:
         """The exception user code sees: torch's own type with the simulator's message."""
         import torch
 
+        assert isinstance(error, SimulatedOutOfMemoryError)
         self.oom_count += 1
         self.last_oom = error
         return torch.OutOfMemoryError(str(error))
@@ -487,3 +475,35 @@ class SimulatedCudaDevice:
             f"SimulatedCudaDevice({self.gpu.name!r}, alloc_conf={str(self.config)!r}, "
             f"device_type={self.device_type!r})"
         )
+
+
+class _DeviceSink:
+    """The device's side of the engine (``engine.AllocationSink``): the simulated allocator."""
+
+    def __init__(self, device: SimulatedCudaDevice) -> None:
+        self._device = device
+
+    def allocate(
+        self, size_bytes: int, op: str | None, *, first_seen: bool
+    ) -> Allocation | SimulatedOutOfMemoryError:
+        # A storage made before the device was entered is allocated when first used.
+        return self._device._malloc(size_bytes, op)
+
+    def free(self, alloc: Allocation) -> None:
+        self._device._release(alloc)
+
+    def storage_released(self, alloc: Allocation) -> None:
+        self._device._on_release(alloc)
+
+    def refused(self, error: Exception) -> BaseException:
+        return self._device._raise_oom(error)
+
+    def op_failed(self, op: str, error: BaseException) -> None:
+        # Nothing kept: holding the error would keep its traceback's tensors alive.
+        pass
+
+    def phase(self) -> Phase:
+        import torch
+
+        # The autograd engine sets a graph task id on the thread running backward.
+        return "backward" if torch._C._current_graph_task_id() != -1 else "user"

@@ -89,9 +89,9 @@ def test_gpt2_124m_peak_is_mostly_attributed_to_modules():
     (a new handle on the backward thread), outside any module until backward was tracked, now
     belongs to ``lm_head``, whose backward makes the first matmul.
     """
-    from oomkit.prediction.predictor import predict_recording
     from oomkit.core.gpus import get_gpu
     from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.predictor import predict_recording
 
     built = build_preset_step("gpt2-124m", StepOptions(batch_size=1, seq_len=16))
     recording = trace_step(built.step_fn, *built.track, steps=2)

@@ -1,4 +1,4 @@
-"""The torch modes the recorder installs: one at the aten level, one at the Python API level.
+"""The torch modes the engine installs: one at the aten level, one at the Python API level.
 
 Why a plain ``TorchDispatchMode`` over meta tensors and not ``FakeTensorMode``: the user builds
 the model under ``torch.device("meta")`` and we must see *those* tensors, keeping their identity
@@ -15,24 +15,26 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if TYPE_CHECKING:
-    from oomkit.prediction.tracing.recorder import Tracer
-
-__all__ = ["RecordingDispatchMode", "DivergenceFunctionMode"]
+__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "watched_functions"]
 
 
-class RecordingDispatchMode(TorchDispatchMode):
-    """Sees every aten op after autograd and decompositions: the ops that allocate."""
+class OpDispatchMode(TorchDispatchMode):
+    """Sees every aten op after autograd and decompositions: the ops that allocate.
 
-    def __init__(self, tracer: Tracer) -> None:
+    ``run_op(func, args, kwargs)`` runs each one (``engine.CudaEmulationEngine.run_op``).
+    """
+
+    def __init__(
+        self, run_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> None:
         super().__init__()
-        self._tracer = tracer
+        self._run_op = run_op
 
     def __torch_dispatch__(
         self,
@@ -41,7 +43,7 @@ class RecordingDispatchMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return self._tracer._run_op(func, args, kwargs or {})
+        return self._run_op(func, args, kwargs or {})
 
 
 class DivergenceFunctionMode(TorchFunctionMode):

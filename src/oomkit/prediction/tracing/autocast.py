@@ -28,7 +28,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.amp.autocast_mode as _autocast_mode
@@ -80,7 +80,7 @@ def emulated_autocast_dtype() -> torch.dtype | None:
     return _autocast_dtype()
 
 
-def _is_eligible(value: Any) -> bool:
+def _is_eligible(value: Any) -> TypeGuard[torch.Tensor]:
     # autocast_mode.h is_eligible: defined, autocast-eligible and not double.
     return (
         isinstance(value, torch.Tensor)
@@ -199,7 +199,9 @@ class CudaAutocastEmulation:
             original_clear()
             self._cache.clear()
 
-        autocast_cls.__init__ = init  # type: ignore[method-assign]
+        # A plain function standing in for the method: mypy cannot match it to the bound
+        # signature (``self`` is positional here), hence the cast.
+        autocast_cls.__init__ = cast(Any, init)  # type: ignore[method-assign]
         stack.callback(setattr, autocast_cls, "__init__", original_init)
         # torch.utils.checkpoint records the autocast state of the inputs' device type and
         # re-enters it for the recomputation in backward (checkpoint.py _get_autocast_kwargs,
@@ -293,7 +295,10 @@ class CudaAutocastEmulation:
             first = bound["self"]
             # type_from_firstarg: float32 when the first argument is eligible, else its dtype.
             bound["dtype"] = torch.float32 if _is_eligible(first) else first.dtype
-            return _resolve(FP32_APPEND_DTYPE_REDISPATCH[name])(**bound)
+            redispatch = _resolve(FP32_APPEND_DTYPE_REDISPATCH[name])
+            # The *_dtype overloads ship with every torch that has the wrapped op.
+            assert redispatch is not None, FP32_APPEND_DTYPE_REDISPATCH[name]
+            return redispatch(**bound)
         if policy == "promote":
             to_dtype = _promote_type(tree_leaves((args, kwargs)))
             args, kwargs = self._cast_all(to_dtype, args, kwargs)

@@ -23,7 +23,7 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.prediction.tracing.categories import Category, Phase
 
 if TYPE_CHECKING:
-    from oomkit.prediction.tracing.recorder import Tracer
+    from oomkit.prediction.tracing.engine import CudaEmulationEngine
 
 __all__ = [
     "EmulationContext",
@@ -48,22 +48,22 @@ class EmulationContext:
     func: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    _tracer: Tracer = field(repr=False)
+    _engine: CudaEmulationEngine = field(repr=False)
     gpu: GpuSpec | None = None
 
     def __post_init__(self) -> None:
         if self.gpu is None:
-            self.gpu = self._tracer.gpu
+            self.gpu = self._engine.gpu
 
     @property
     def phase(self) -> Phase:
         """Where the step is: ``forward``, ``backward`` (autograd's thread on CUDA), ..."""
-        return self._tracer._phase()
+        return self._engine.sink.phase()
 
     @property
     def state(self) -> dict[str, Any]:
-        """Per-Tracer scratch space shared by all hooks (e.g. which cuBLAS handles exist)."""
-        return self._tracer._emulation_state
+        """Per-engine scratch space shared by all hooks (e.g. which cuBLAS handles exist)."""
+        return self._engine.state
 
     def run(self) -> Any:
         """Run the op on meta; its outputs are recorded as usual when the hook returns them."""
@@ -75,7 +75,7 @@ class EmulationContext:
         For a kernel that allocates its outputs before (or while) its workspaces are live, so
         the workspaces' frees come after the outputs, as on CUDA.
         """
-        self._tracer._record_outputs(outputs, self.op_name)
+        self._engine.record_outputs(outputs, self.op_name)
 
     def allocate(self, size_bytes: int, category: Category, what: str | None = None) -> int:
         """Record a synthetic allocation of ``size_bytes``; returns its id for :meth:`free`.
@@ -84,22 +84,25 @@ class EmulationContext:
             size_bytes: the requested size, in bytes.
             category: ``workspace``, ``autocast_cache``, ...
             what: tagged as ``("emulated", what)``, e.g. ``"cublas_workspace"``.
+
+        Raises:
+            torch.OutOfMemoryError: under ``SimulatedCudaDevice``, when it does not fit.
         """
-        return self._tracer._allocate_synthetic(size_bytes, category, self.op_name, what)
+        return self._engine.allocate_synthetic(size_bytes, category, self.op_name, what)
 
     def free(self, alloc_id: int) -> None:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
-        self._tracer._free_synthetic(alloc_id)
+        self._engine.free_synthetic(alloc_id)
 
     def note_choice(self, choice: str) -> None:
         """Count a kernel choice the emulation made (``"SDPA flash_attention"``): the recording
         lists them so a report can say what it assumed."""
-        self._tracer._note_choice(choice)
+        self._engine.kernel_choices[choice] += 1
 
     def note_assumption(self, name: str, value: str) -> None:
         """Record a fact about the target the emulation's choice rests on (``"cuDNN"`` ->
         ``"9.20.0 (torch 2.13's default Linux wheel)"``), so a report can state it."""
-        self._tracer._note_assumption(name, value)
+        self._engine.assumptions[name] = value
 
     def not_emulated(self, what: str) -> None:
         """Count this call as only partly emulated: the recording warns, naming the op and ``what``.
@@ -107,7 +110,7 @@ class EmulationContext:
         Args:
             what: the CUDA memory this hook leaves out, e.g. ``"cuDNN graph workspace"``.
         """
-        self._tracer._note_not_emulated(self.op_name, what)
+        self._engine.partial_calls[(self.op_name, what)] += 1
 
 
 class OpEmulation(Protocol):

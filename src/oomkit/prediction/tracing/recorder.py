@@ -33,25 +33,20 @@ import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 from torch.utils._pytree import tree_leaves
 
-from oomkit.errors import UnsupportedOpError
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.target import Target
-from oomkit.core.trace import TraceEvent
+from oomkit.errors import UnsupportedOpError
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
-from oomkit.prediction.tracing._modes import DivergenceFunctionMode, RecordingDispatchMode, watched_functions
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
-from oomkit.prediction.tracing.emulation import (
-    CUDA_DIVERGENT_OPS,
-    DEFAULT_EMULATIONS,
-    EmulationContext,
-    OpEmulation,
-)
+from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
+from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
+from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
-from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.storages import Allocation, StorageTable
+from oomkit.prediction.tracing.recording import TraceRecording, build_recording
+from oomkit.prediction.tracing.storages import Allocation
 
 __all__ = ["Tracer", "trace_step"]
 
@@ -102,36 +97,20 @@ class Tracer:
             gpu: the target device the CUDA emulations model (its compute capability picks the
                 SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
         """
-        self._emulations = DEFAULT_EMULATIONS if emulations is None else emulations
         self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
-        self._emulation_state: dict[str, Any] = {}
-        self._emulated_what: dict[int, str] = {}  # alloc_id -> ("emulated", what) tag
         self._frames = UserFrameFinder()
-        self._table = StorageTable(self._on_release)
         self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
         self._ids = itertools.count(1)
         self._call_ids = itertools.count(1)
         self._stack: list[_ModuleCall] = []
         self._backward_modules = BackwardModules()
         self._escapes: dict[int, list[Allocation]] = {}
-        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        # One weakref per module, and the path of each, kept after the module dies (a model
-        # built and dropped inside the step still names its parameters' storages at the end).
-        self._module_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._ref_paths: dict[weakref.ref[Any], str] = {}
-        self._roots = 0
+        self._paths = ModulePaths()
         self._optimizer_depth = 0
         # By id with a weakref to check identity: tensors compare elementwise, so no WeakSet.
         self._grad_watched: dict[int, weakref.ref[torch.Tensor]] = {}
         self._tracked: list[weakref.ref[Any]] = []
         self._handles: list[Any] = []
-        self._synthetic: dict[int, Allocation] = {}
-        self._divergent_calls: Counter[str] = Counter()
-        self._partial_calls: Counter[tuple[str, str]] = Counter()  # (op, what is left out)
-        self._kernel_choices: Counter[str] = Counter()  # e.g. "SDPA flash_attention" -> calls
-        self._assumptions: dict[str, str] = {}  # e.g. "cuDNN" -> "9.20.0 (...)"
         self._grad_scaler_steps: Counter[str] = Counter()
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
@@ -140,6 +119,15 @@ class Tracer:
         self._exit_stack: contextlib.ExitStack | None = None
         self._recording: TraceRecording | None = None
         self.failed_op: tuple[str, BaseException] | None = None
+        # Runs the ops, applies the CUDA emulations and keeps the live storages (engine.py).
+        self._engine = CudaEmulationEngine(
+            _TracerSink(self),
+            gpu=self.gpu,
+            device_type=_DEVICE_TYPE,
+            emulations=DEFAULT_EMULATIONS if emulations is None else emulations,
+            divergent_ops=CUDA_DIVERGENT_OPS,
+        )
+        self._table = self._engine.table
 
     # ------------------------------------------------------------------ public API
 
@@ -162,14 +150,7 @@ class Tracer:
         stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-        watched = watched_functions([*CUDA_DIVERGENT_OPS, *self._emulations])
-        if watched:
-            function_mode = DivergenceFunctionMode(watched, self._run_function)
-            stack.enter_context(function_mode)
-            # Torch-function modes do not follow into backward, so checkpoint's recomputation
-            # would miss them (and record another SDPA backend than forward did).
-            stack.enter_context(function_mode.reach_backward())
-        stack.enter_context(RecordingDispatchMode(self))
+        stack.enter_context(self._engine.intercept())
         self._exit_stack = stack
         return self
 
@@ -207,7 +188,7 @@ class Tracer:
         for obj in tree_leaves(list(objects)):
             if isinstance(obj, torch.nn.Module):
                 self._tracked.append(weakref.ref(obj))
-                self._name_root(obj)
+                self._paths.name_root(obj)
                 self._note_module(obj, recurse=True, first_seen_ok=True)
             elif isinstance(obj, torch.optim.Optimizer):
                 self._tracked.append(weakref.ref(obj))
@@ -215,56 +196,7 @@ class Tracer:
             elif isinstance(obj, torch.Tensor):
                 self._note(obj, "input", first_seen_ok=True)
 
-    # ------------------------------------------------------------------ ops
-
-    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = str(func)
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, None, before_op=True)
-        hook = self._emulations.get(name)
-        try:
-            if hook is not None:
-                out = hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
-            else:
-                out = func(*args, **kwargs)
-        except Exception as exc:
-            self.failed_op = (name, exc)
-            raise
-        if hook is None and name in CUDA_DIVERGENT_OPS:
-            self._divergent_calls[name] += 1
-        # Outputs first (in order), then arguments an op may have resized or re-pointed.
-        for leaf in tree_leaves((out, args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, name, before_op=False)
-        return out
-
-    def _record_outputs(self, outputs: Any, op: str) -> None:
-        for leaf in tree_leaves(outputs):
-            if isinstance(leaf, torch.Tensor):
-                self._sync(leaf, op, before_op=False)
-
-    def _sync(self, tensor: torch.Tensor, op: str | None, *, before_op: bool) -> None:
-        if tensor.device.type != _DEVICE_TYPE:
-            return
-        storage = tensor.untyped_storage()
-        size = storage.nbytes()
-        alloc = self._table.lookup(storage)
-        if alloc is not None and alloc.size_bytes == size:
-            return
-        if alloc is None and size == 0:
-            return
-        if alloc is None and before_op:
-            self._first_seen(storage, size, "input", expected=False)
-            return
-        # A new storage, or one that resize_ grew/shrank: CUDA's resize_bytes allocates the new
-        # size, copies, then frees the old block (aten/src/ATen/native/cuda/Resize.cpp).
-        if size > 0:
-            self._table.bind(storage, self._new_alloc(size, op))
-        else:
-            self._table.unbind(storage)
-        if alloc is not None:
-            self._on_release(alloc)
+    # ------------------------------------------------------------------ allocations
 
     def _new_alloc(
         self,
@@ -297,10 +229,8 @@ class Tracer:
         self._log.append(("alloc", alloc))
         return alloc
 
-    def _first_seen(
-        self, storage: torch.UntypedStorage, size: int, role: Role, *, expected: bool
-    ) -> Allocation:
-        """A storage that was not allocated under this tracer: record it now.
+    def _first_seen(self, size: int, role: Role, *, expected: bool) -> Allocation:
+        """A storage that was not allocated under this tracer: record it now (caller binds it).
 
         ``expected`` is False when it shows up in use rather than through ``track()``: then the
         recording warns, since its allocation time is unknown.
@@ -312,28 +242,7 @@ class Tracer:
         alloc.module = None
         alloc.roles.add("input")
         alloc.roles.add(role)
-        self._table.bind(storage, alloc)
         return alloc
-
-    def _run_function(
-        self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """A watched torch function: its emulation hook, or the function counted as divergent."""
-        hook = self._emulations.get(name)
-        if hook is None:
-            if name in CUDA_DIVERGENT_OPS:
-                self._divergent_calls[name] += 1
-            return func(*args, **kwargs)
-        return hook(EmulationContext(name, func, args, kwargs, self, self.gpu))
-
-    def _note_not_emulated(self, op: str, what: str) -> None:
-        self._partial_calls[(op, what)] += 1
-
-    def _note_choice(self, choice: str) -> None:
-        self._kernel_choices[choice] += 1
-
-    def _note_assumption(self, name: str, value: str) -> None:
-        self._assumptions[name] = value
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
@@ -356,21 +265,6 @@ class Tracer:
         alloc.live = False
         self._log.append(("free", alloc, self._frames.find()))
 
-    def _allocate_synthetic(
-        self, size_bytes: int, category: Category, op: str, what: str | None = None
-    ) -> int:
-        alloc = self._new_alloc(size_bytes, op, explicit=category)
-        if what is not None:
-            self._emulated_what[alloc.alloc_id] = what
-        self._synthetic[alloc.alloc_id] = alloc
-        return alloc.alloc_id
-
-    def _free_synthetic(self, alloc_id: int) -> None:
-        alloc = self._synthetic.pop(alloc_id, None)
-        if alloc is None:
-            raise ValueError(f"allocation id {alloc_id} is not a live synthetic allocation")
-        self._on_release(alloc)
-
     # ------------------------------------------------------------------ roles
 
     def _note(
@@ -390,7 +284,8 @@ class Tracer:
             size = storage.nbytes()
             if size == 0:
                 return
-            alloc = self._first_seen(storage, size, role, expected=first_seen_ok)
+            alloc = self._first_seen(size, role, expected=first_seen_ok)
+            self._table.bind(storage, alloc)
         alloc.roles.add(role)
         if param is not None and alloc.owner is None:
             owner = self._owners.get(id(param))
@@ -401,7 +296,7 @@ class Tracer:
         """Record that ``module`` registered ``param`` (the first owner of a shared one wins)."""
         owner = self._owners.get(id(param))
         if owner is None or owner[0]() is not param:
-            self._owners[id(param)] = (weakref.ref(param), self._module_ref(module))
+            self._owners[id(param)] = (weakref.ref(param), self._paths.ref(module))
 
     def _note_module(
         self, module: torch.nn.Module, *, recurse: bool, first_seen_ok: bool = False
@@ -453,45 +348,6 @@ class Tracer:
 
     # ------------------------------------------------------------------ modules and optimizers
 
-    def _module_ref(self, module: torch.nn.Module) -> weakref.ref[Any]:
-        ref = self._module_refs.get(module)
-        if ref is None:
-            ref = self._module_refs[module] = weakref.ref(module)
-        return ref
-
-    def _set_path(self, module: torch.nn.Module, path: str) -> None:
-        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
-        if self._paths.setdefault(module, path) == path:
-            self._ref_paths.setdefault(self._module_ref(module), path)
-
-    def _name_root(self, module: torch.nn.Module) -> str:
-        path = self._paths.get(module)
-        if path is None:
-            path = "" if self._roots == 0 else type(module).__name__
-            self._roots += 1
-            for name, sub in module.named_modules(prefix=path):
-                self._set_path(sub, name)
-        return path
-
-    def _path_of(self, module: torch.nn.Module) -> str:
-        path = self._paths.get(module)
-        if path is not None:
-            return path
-        if not self._stack:
-            return self._name_root(module)
-        parent = self._stack[-1]
-        for name, sub in parent.module.named_modules():
-            if sub is module:
-                path = f"{parent.path}.{name}" if parent.path else name
-                break
-        else:
-            path = (
-                f"{parent.path}.{type(module).__name__}" if parent.path else type(module).__name__
-            )
-        for name, sub in module.named_modules(prefix=path):
-            self._set_path(sub, name)
-        return path
-
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         is_root = not self._stack
         call_id = next(self._call_ids)
@@ -508,7 +364,11 @@ class Tracer:
                 outer = self._backward_modules.current
                 if outer is not None:
                     lineage = (*outer.lineage, call_id)
-        call = _ModuleCall(module, self._path_of(module), call_id, root_call_id, lineage)
+        parent_call = self._stack[-1] if self._stack else None
+        path = self._paths.path_of(
+            module, (parent_call.module, parent_call.path) if parent_call else None
+        )
+        call = _ModuleCall(module, path, call_id, root_call_id, lineage)
         self._stack.append(call)
         if torch.is_grad_enabled():
             # Under no_grad / inference_mode there is no backward: no hooks, no cost.
@@ -578,78 +438,31 @@ class Tracer:
     # ------------------------------------------------------------------ result
 
     def _build(self) -> TraceRecording:
-        events: list[TraceEvent] = []
-        step_starts: list[int] = []
-        categories: dict[int, Category] = {}
-        totals: dict[Category, int] = {}
-        for entry in self._log:
-            kind = entry[0]
-            if kind == "step":
-                step_starts.append(len(events))
-                continue
-            alloc: Allocation = entry[1]
-            category = categories.get(alloc.alloc_id)
-            if category is None:
-                category = categories[alloc.alloc_id] = alloc.category
-            if kind == "alloc":
-                totals[category] = totals.get(category, 0) + alloc.size_bytes
-                tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
-                module = self._module_tag(alloc, category)
-                if module is not None:
-                    tags.append(("module", module))
-                if alloc.op is not None:
-                    tags.append(("op", alloc.op))
-                if "saved" in alloc.roles:
-                    tags.append(("saved_for_backward", "true"))
-                what = self._emulated_what.get(alloc.alloc_id)
-                if what is not None:
-                    tags.append(("emulated", what))
-                events.append(
-                    TraceEvent(
-                        "alloc",
-                        alloc.alloc_id,
-                        alloc.size_bytes,
-                        0,
-                        None,
-                        alloc.frames,
-                        tuple(tags),
-                    )
-                )
-            else:
-                frames = entry[2]
-                tags_free = (("category", category),)
-                for action in ("free_requested", "free_completed"):
-                    events.append(
-                        TraceEvent(
-                            action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free
-                        )
-                    )
-        return TraceRecording(
-            events=tuple(events),
+        return build_recording(
+            self._log,
+            self._module_tag,
             warnings=tuple(self._warnings()),
-            step_starts=tuple(step_starts),
-            bytes_by_category=totals,
-            kernel_choices=dict(sorted(self._kernel_choices.items())),
-            assumptions=dict(sorted(self._assumptions.items())),
+            kernel_choices=dict(sorted(self._engine.kernel_choices.items())),
+            assumptions=dict(sorted(self._engine.assumptions.items())),
         )
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
         # A parameter, its gradient and its optimizer state belong to the module owning the
         # parameter (known once the module has a path: tracked, or called in forward).
         if alloc.owner is not None and category in _OWNED_CATEGORIES:
-            path = self._ref_paths.get(alloc.owner)
+            path = self._paths.of_ref(alloc.owner)
             if path is not None:
                 return path
         return alloc.module
 
     def _warnings(self) -> Iterable[str]:
-        for name, count in sorted(self._divergent_calls.items()):
+        for name, count in sorted(self._engine.divergent_calls.items()):
             reason = CUDA_DIVERGENT_OPS[name]
             yield (
                 f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
                 f"({reason}) is not emulated yet"
             )
-        for (name, what), count in sorted(self._partial_calls.items()):
+        for (name, what), count in sorted(self._engine.partial_calls.items()):
             yield (
                 f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
                 "is not included"
@@ -677,6 +490,33 @@ class Tracer:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+class _TracerSink:
+    """The Tracer's side of the engine (``engine.AllocationSink``): it records, never refuses."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+
+    def allocate(self, size_bytes: int, op: str | None, *, first_seen: bool) -> Allocation:
+        if first_seen:
+            return self._tracer._first_seen(size_bytes, "input", expected=False)
+        return self._tracer._new_alloc(size_bytes, op)
+
+    def free(self, alloc: Allocation) -> None:
+        self._tracer._on_release(alloc)
+
+    def storage_released(self, alloc: Allocation) -> None:
+        self._tracer._on_release(alloc)
+
+    def refused(self, error: Exception) -> BaseException:
+        return error  # pragma: no cover - allocate never refuses
+
+    def op_failed(self, op: str, error: BaseException) -> None:
+        self._tracer.failed_op = (op, error)
+
+    def phase(self) -> Phase:
+        return self._tracer._phase()
 
 
 def trace_step(

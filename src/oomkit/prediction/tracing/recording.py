@@ -1,14 +1,18 @@
-"""The record a trace returns: events in execution order, step boundaries, totals and warnings."""
+"""The record a trace returns (events in order, step boundaries, totals, warnings) and its build."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from oomkit.core.trace import TraceEvent
 from oomkit.prediction.tracing.categories import Category, Phase
 
-__all__ = ["TraceRecording"]
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.storages import Allocation
+
+__all__ = ["TraceRecording", "build_recording"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,65 @@ class TraceRecording:
             elif event.action == "free_requested":
                 live -= event.size
         return peak
+
+
+def build_recording(
+    log: Sequence[tuple[Any, ...]],
+    module_tag: Callable[[Allocation, Category], str | None],
+    *,
+    warnings: tuple[str, ...],
+    kernel_choices: dict[str, int],
+    assumptions: dict[str, str],
+) -> TraceRecording:
+    """The recording of a recorder's log, once the step is over and categories are known.
+
+    Args:
+        log: ``("alloc", alloc)``, ``("free", alloc, frames)`` and ``("step",)`` in order.
+        module_tag: the ``module`` tag of an allocation of a category (None: no tag).
+        warnings: kernel_choices: assumptions: as in :class:`TraceRecording`.
+    """
+    events: list[TraceEvent] = []
+    step_starts: list[int] = []
+    categories: dict[int, Category] = {}
+    totals: dict[Category, int] = {}
+    for entry in log:
+        kind = entry[0]
+        if kind == "step":
+            step_starts.append(len(events))
+            continue
+        alloc: Allocation = entry[1]
+        category = categories.get(alloc.alloc_id)
+        if category is None:
+            category = categories[alloc.alloc_id] = alloc.category
+        if kind == "alloc":
+            totals[category] = totals.get(category, 0) + alloc.size_bytes
+            tags: list[tuple[str, str]] = [("category", category), ("phase", alloc.phase)]
+            module = module_tag(alloc, category)
+            if module is not None:
+                tags.append(("module", module))
+            if alloc.op is not None:
+                tags.append(("op", alloc.op))
+            if "saved" in alloc.roles:
+                tags.append(("saved_for_backward", "true"))
+            if alloc.emulated is not None:
+                tags.append(("emulated", alloc.emulated))
+            events.append(
+                TraceEvent(
+                    "alloc", alloc.alloc_id, alloc.size_bytes, 0, None, alloc.frames, tuple(tags)
+                )
+            )
+        else:
+            frames = entry[2]
+            tags_free = (("category", category),)
+            for action in ("free_requested", "free_completed"):
+                events.append(
+                    TraceEvent(action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free)
+                )
+    return TraceRecording(
+        events=tuple(events),
+        warnings=warnings,
+        step_starts=tuple(step_starts),
+        bytes_by_category=totals,
+        kernel_choices=kernel_choices,
+        assumptions=assumptions,
+    )

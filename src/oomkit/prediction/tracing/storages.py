@@ -15,13 +15,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from oomkit.core.trace import Frame
 from oomkit.prediction.tracing.categories import Category, Phase, Role, infer_category
 
-__all__ = ["Allocation", "StorageTable"]
+__all__ = ["Allocation", "StorageTable", "tensor_storage", "tensors_of"]
 
 
 @dataclass(eq=False)
@@ -40,11 +42,45 @@ class Allocation:
     live: bool = True
     # The module owning the parameter this storage serves (parameter, its grad, its state).
     owner: weakref.ref[torch.nn.Module] | None = None
+    # What an emulation hook allocated it for (``"cublas_workspace"``); None for a storage.
+    emulated: str | None = None
 
     @property
     def category(self) -> Category:
         """The category implied by what has been observed so far."""
         return infer_category(self.roles, self.phase, self.explicit)
+
+
+def tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage | None:
+    """The storage of ``tensor`` if it lives on ``device_type`` and has one, else None."""
+    if tensor.device.type != device_type or tensor.is_sparse:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        # Tensors without a storage (nested, some wrapper subclasses) hold no device memory
+        # of their own here; what they wrap is seen when the wrapped tensors are.
+        return None
+
+
+def tensors_of(objects: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Every tensor held by modules, optimizers and (nested) tensors, in a stable order."""
+    found: list[torch.Tensor] = []
+    for obj in tree_leaves(list(objects)):
+        if isinstance(obj, torch.nn.Module):
+            for param in obj.parameters():
+                found.append(param)
+                if param.grad is not None:
+                    found.append(param.grad)
+            found.extend(obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                found.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+            for state in obj.state.values():
+                found.extend(v for v in tree_leaves(state) if isinstance(v, torch.Tensor))
+        elif isinstance(obj, torch.Tensor):
+            found.append(obj)
+    return found
 
 
 class StorageTable:

@@ -1,0 +1,73 @@
+"""Module paths for the recorder: each module's ``named_modules()`` path, kept after it dies."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["ModulePaths"]
+
+
+class ModulePaths:
+    """Names modules by their path in the model they were first seen in.
+
+    One weakref per module, and the path of each, kept after the module dies (a model built and
+    dropped inside the step still names its parameters' storages at the end).
+    """
+
+    def __init__(self) -> None:
+        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._module_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._ref_paths: dict[weakref.ref[Any], str] = {}
+        self._roots = 0
+
+    def ref(self, module: torch.nn.Module) -> weakref.ref[Any]:
+        """The one weakref to ``module`` (its path can be read through it after it dies)."""
+        ref = self._module_refs.get(module)
+        if ref is None:
+            ref = self._module_refs[module] = weakref.ref(module)
+        return ref
+
+    def of_ref(self, ref: weakref.ref[Any]) -> str | None:
+        """The path of the module behind :meth:`ref`'s ``ref``, if it was named."""
+        return self._ref_paths.get(ref)
+
+    def name_root(self, module: torch.nn.Module) -> str:
+        """Name a root module and its submodules: ``""`` for the first root, else its type."""
+        path = self._paths.get(module)
+        if path is None:
+            path = "" if self._roots == 0 else type(module).__name__
+            self._roots += 1
+            for name, sub in module.named_modules(prefix=path):
+                self._set(sub, name)
+        return path
+
+    def path_of(self, module: torch.nn.Module, parent: tuple[torch.nn.Module, str] | None) -> str:
+        """The path of ``module`` called inside ``parent`` (module, path), or as a root if None.
+
+        A module the parent does not hold is named ``<parent path>.<type name>``.
+        """
+        path = self._paths.get(module)
+        if path is not None:
+            return path
+        if parent is None:
+            return self.name_root(module)
+        parent_module, parent_path = parent
+        for name, sub in parent_module.named_modules():
+            if sub is module:
+                path = f"{parent_path}.{name}" if parent_path else name
+                break
+        else:
+            path = f"{parent_path}.{type(module).__name__}" if parent_path else type(module).__name__
+        for name, sub in module.named_modules(prefix=path):
+            self._set(sub, name)
+        return path
+
+    def _set(self, module: torch.nn.Module, path: str) -> None:
+        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
+        if self._paths.setdefault(module, path) == path:
+            self._ref_paths.setdefault(self.ref(module), path)
