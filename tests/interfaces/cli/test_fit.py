@@ -210,7 +210,6 @@ def test_no_target_exits_2(capsys):
 
 def test_preset_search_on_small_gpu(capsys):
     """GPT-2 124M at seq 64 on 4 GiB: batches 1 and 2 fit (--max-batch 2), two traces."""
-    pytest.importorskip("oomkit.prediction.models")
     code = main(["fit", "gpt2-124m", "--seq", "64", "--gpu", "4GiB", "--max-batch", "2", "--json"])
     out = _json(capsys)
     assert code == 0

@@ -212,8 +212,7 @@ def test_missing_torch_exits_3(user_file):
 
 
 def test_preset_json():
-    """A built-in preset predicts without a GPU (needs oomkit.prediction.models)."""
-    pytest.importorskip("oomkit.prediction.models")
+    """A built-in preset predicts without a GPU."""
     proc_out = []
     import contextlib
     import io
@@ -259,7 +258,6 @@ def test_verdict_lines_exact():
 
 def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
     """--cudnn-version on an H100: 9.15.1 runs cuDNN attention, 9.10.2 flash; saved for explain."""
-    pytest.importorskip("oomkit.prediction.models")
     argv = ["predict", "gpt2-124m", "--batch", "1", "--seq", "64", "--steps", "1",
             "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
     assert main([*argv, "--cudnn-version", "91501"]) == 0
@@ -284,7 +282,6 @@ def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
 
 def test_default_cudnn_is_this_torch_installs_and_is_saved(capsys):
     """Without the flag: the install's cuDNN (torch 2.13's wheel pins 9.20.0: cuDNN attention)."""
-    pytest.importorskip("oomkit.prediction.models")
     from oomkit.prediction.tracing.emulations import installed_cudnn_build
 
     build = installed_cudnn_build()
