@@ -53,7 +53,7 @@ def _one_line_error(capsys) -> str:
 
 
 def test_tune_flags():
-    """`tune` has exactly --capacity, --device and --json."""
+    """`tune` has exactly --gpu (alias --capacity), --device and --json."""
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = sorted(
         opt
@@ -61,7 +61,7 @@ def test_tune_flags():
         for opt in a.option_strings
         if opt.startswith("--") and opt != "--help"
     )
-    assert flags == ["--capacity", "--device", "--json"]
+    assert flags == ["--capacity", "--device", "--gpu", "--json"]
 
 
 def test_tune_json_on_a_trace(tmp_path, capsys):

@@ -162,7 +162,7 @@ def _validate(args: argparse.Namespace) -> Any:
 
     gpu = get_gpu(args.gpu, context_overhead_bytes=args.context_overhead)
     if args.alloc_conf is not None:
-        AllocatorConfig.parse(args.alloc_conf)
+        AllocatorConfig.parse(args.alloc_conf, torch_version=args.torch_version)
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
             "--smallest-gpu checks one batch size: give it with --batch N, e.g. "
@@ -204,6 +204,7 @@ def _run_search(args: argparse.Namespace, gpu: Any, builders: _Builders, eval_st
                 builders.train,
                 gpu=gpu,
                 alloc_conf=args.alloc_conf,
+                torch_version=args.torch_version,
                 margin_bytes=args.margin,
                 steps=args.steps,
                 eval_step=eval_step,
@@ -241,6 +242,7 @@ def _run_smallest(args: argparse.Namespace, builders: _Builders, eval_step: Any)
         args.batch,
         candidates=candidates,
         alloc_conf=args.alloc_conf,
+        torch_version=args.torch_version,
         margin_bytes=args.margin,
         steps=args.steps,
         eval_step=eval_step,

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     # Cheap checks first, so a typo fails before any model is built.
     gpu = get_gpu(args.gpu, context_overhead_bytes=args.context_overhead)
     if args.alloc_conf is not None:
-        AllocatorConfig.parse(args.alloc_conf)
+        AllocatorConfig.parse(args.alloc_conf, torch_version=args.torch_version)
     workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             workload.step_fn,
             gpu=gpu,
             alloc_conf=args.alloc_conf,
+            torch_version=args.torch_version,
             steps=args.steps,
             budget_bytes=args.budget,
             track=workload.track,
