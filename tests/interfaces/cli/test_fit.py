@@ -333,3 +333,33 @@ def test_smallest_gpu_report_golden(user_file, capsys, monkeypatch):
     assert main(["fit", "steps.py:build", "--batch", "40", "--smallest-gpu"]) == 0
     out = capsys.readouterr().out
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SMALLEST_GPU_GOLDEN
+
+
+def test_torch_version_reaches_the_search(user_file, capsys, monkeypatch):
+    """--torch-version reaches max_batch_size and smallest_gpu; 2.0 rejects expandable segments."""
+    import oomkit.plan.batch_search as batch_search
+
+    versions = []
+    real_max, real_smallest = batch_search.max_batch_size, batch_search.smallest_gpu
+
+    def spy_max(*args, **kwargs):
+        versions.append(("max_batch_size", kwargs["torch_version"]))
+        return real_max(*args, **kwargs)
+
+    def spy_smallest(*args, **kwargs):
+        versions.append(("smallest_gpu", kwargs["torch_version"]))
+        return real_smallest(*args, **kwargs)
+
+    monkeypatch.setattr(batch_search, "max_batch_size", spy_max)
+    monkeypatch.setattr(batch_search, "smallest_gpu", spy_smallest)
+    target = f"{user_file}:build"
+    argv = ["fit", target, *SMALL, "--margin", "0", "--max-batch", "4", "--json"]
+    assert main([*argv, "--torch-version", "2.5"]) == 0
+    assert _json(capsys)["batch_size"] == 4
+    assert main(["fit", target, "--batch", "2", "--smallest-gpu", "--torch-version", "2.4",
+                 "--json"]) == 0
+    capsys.readouterr()
+    assert versions == [("max_batch_size", "2.5"), ("smallest_gpu", "2.4")]
+    argv = ["fit", target, *SMALL, "--alloc-conf", "expandable_segments:True"]
+    assert main([*argv, "--torch-version", "2.0"]) == 2
+    assert "(torch 2.0 rules)" in capsys.readouterr().err

@@ -294,3 +294,34 @@ def test_default_cudnn_is_this_torch_installs_and_is_saved(capsys):
     assert default["workload"]["cudnn_version"] == build.version
     assert default["kernel_choices"] == {"SDPA cudnn_attention": 12}
     assert default["assumptions"]["cuDNN"].endswith(f"({build.source})")
+
+
+def test_torch_version_rules_the_alloc_conf_check(user_file, capsys):
+    """--torch-version 2.0 rejects expandable_segments (added in 2.1) before anything is traced."""
+    argv = ["predict", f"{user_file}:build", "--batch", "2", "--gpu", "rtx4090",
+            "--alloc-conf", "expandable_segments:True", "--json"]
+    assert main([*argv, "--torch-version", "2.0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "invalid allocator setting 'expandable_segments:True' (torch 2.0 rules)" in captured.err
+    assert main([*argv, "--torch-version", "2.1"]) == 0
+    assert _json(capsys)["alloc_conf"] == "expandable_segments:True"
+
+
+def test_torch_version_reaches_predict(user_file, capsys, monkeypatch):
+    """The version --torch-version names is the one predict() models (None without the flag)."""
+    import oomkit.prediction.predictor as predictor
+
+    versions = []
+    real = predictor.predict
+
+    def spy(*args, **kwargs):
+        versions.append(kwargs["torch_version"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predictor, "predict", spy)
+    argv = ["predict", f"{user_file}:build", "--batch", "2", "--gpu", "rtx4090", "--json"]
+    assert main([*argv, "--torch-version", "2.5"]) == 0
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert versions == ["2.5", None]
