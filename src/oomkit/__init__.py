@@ -18,7 +18,7 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
-from oomkit.interfaces.reports.monitor_live import monitor
+from oomkit.interfaces.reports.monitor_live import live_monitor
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient
@@ -44,8 +44,8 @@ __all__ = [
     "UnsupportedOpError",
     "find_batch_size",
     "format_bytes",
+    "live_monitor",
     "max_batch_size",
-    "monitor",
     "parse_bytes",
     "predict",
     "predict_recording",
