@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -19,6 +17,8 @@ from oomkit.errors import (
     UnsupportedOpError,
 )
 from oomkit.interfaces.reports.monitor_live import live_monitor
+from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
+from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient

@@ -235,9 +235,9 @@ def test_smallest_gpu_verdicts_exact():
     """The reverse question's verdict names the smallest fit, or the largest GPU when none fits."""
     import torch
 
-    from oomkit.plan.batch_search import smallest_gpu
     from oomkit.core.gpus import GpuSpec
     from oomkit.interfaces.reports.batch_search import smallest_gpu_verdict
+    from oomkit.plan.batch_search import smallest_gpu
 
     def build(batch):
         return lambda: torch.empty((batch + 4) * 2 * MiB, dtype=torch.uint8)

@@ -230,10 +230,10 @@ def test_preset_json():
 
 def test_verdict_lines_exact():
     """The verdict reads as documented, for a fit and for an OOM."""
-    from oomkit.prediction import predict_recording
     from oomkit.core.gpus import GpuSpec
-    from oomkit.interfaces.reports.prediction import verdict_line
     from oomkit.core.trace import TraceEvent
+    from oomkit.interfaces.reports.prediction import verdict_line
+    from oomkit.prediction import predict_recording
     from oomkit.prediction.tracing import TraceRecording
 
     events = (

@@ -2,8 +2,8 @@
 
 import json
 
-from oomkit.interfaces.cli import main
 from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
+from oomkit.interfaces.cli import main
 
 MiB = 2**20
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from oomkit.interfaces.cli import build_parser, main
 from oomkit.core.replay import simulate_events
 from oomkit.core.snapshot import write_snapshot
 from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
+from oomkit.interfaces.cli import build_parser, main
 
 MiB = 2**20
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomkit.errors import OomkitError, UserCodeError
 from oomkit.interfaces.cli._common import (
     add_alloc_conf_flag,
     add_gpu_flag,
@@ -21,7 +22,6 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
-from oomkit.errors import OomkitError, UserCodeError
 
 __all__ = [
     "MODES",

@@ -37,9 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.allocator import AllocatorConfig
     from oomkit.core.replay import simulate_events
+    from oomkit.core.workloads import TrainingWorkload, training_events
     from oomkit.interfaces.reports import comparison_table, replay_to_json
     from oomkit.units import format_bytes
-    from oomkit.core.workloads import TrainingWorkload, training_events
 
     capacity = capacity_bytes(args.gpu)
     workload = TrainingWorkload(steps=args.steps)

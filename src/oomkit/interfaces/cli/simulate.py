@@ -37,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.replay import simulate_events
-    from oomkit.interfaces.reports import render_replay, replay_to_json
     from oomkit.core.trace import read_trace
+    from oomkit.interfaces.reports import render_replay, replay_to_json
 
     capacity = capacity_bytes(args.gpu)
     header, events = read_trace(args.trace)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
     add_capacity_flag,
     add_json_flag,
@@ -15,7 +16,6 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
-from oomkit.errors import OomkitError
 
 __all__ = ["add_parser", "run"]
 
