@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -18,7 +16,9 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
-from oomkit.interfaces.reports.monitor_live import monitor
+from oomkit.interfaces.reports.monitor_live import live_monitor
+from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
+from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient
@@ -44,8 +44,8 @@ __all__ = [
     "UnsupportedOpError",
     "find_batch_size",
     "format_bytes",
+    "live_monitor",
     "max_batch_size",
-    "monitor",
     "parse_bytes",
     "predict",
     "predict_recording",

@@ -2,6 +2,7 @@
 
 import pickle
 
+from oomkit.core.allocator import CachingAllocator
 from oomkit.core.snapshot import load_snapshot, snapshot_to_data, write_snapshot
 from oomkit.core.snapshot.unpickler import load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent
@@ -145,12 +146,6 @@ def test_sums_are_computed_when_absent():
 
 def test_allocator_snapshot_shape_round_trips(tmp_path):
     """CachingAllocator.snapshot() output writes and loads with the same blocks."""
-    try:
-        from oomkit.core.allocator import CachingAllocator
-    except ImportError as exc:  # the allocator is developed alongside; skip if it is broken
-        import pytest
-
-        pytest.skip(f"oomkit.core.allocator unavailable: {exc}")
     alloc = CachingAllocator()
     ptr = alloc.malloc(1000)
     alloc.malloc(5 * MiB)

@@ -23,3 +23,14 @@ def test_demo_human_output_names_the_setting(capsys):
     out = capsys.readouterr().out
     assert "Default vs expandable_segments:True" in out
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
+
+
+def test_demo_gpu_and_capacity_name_the_device(capsys):
+    """--gpu rtx4090 is its total memory; --capacity 24GiB still works; the default is 80 GiB."""
+    for argv, capacity in (
+        (["--gpu", "rtx4090"], 25_756_696_576),
+        (["--capacity", "24GiB"], 24 * 2**30),
+        ([], 80 * 2**30),
+    ):
+        assert main(["demo", "--steps", "2", "--json", *argv]) == 0
+        assert json.loads(capsys.readouterr().out)["capacity_bytes"] == capacity

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import oomkit.runtime.experiment as experiment
+from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
 from oomkit.interfaces.cli import main
 from oomkit.runtime.experiment import DEFAULT_CONFIGS, ExperimentResult, Trial
-from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
 
 MiB = 2**20
 

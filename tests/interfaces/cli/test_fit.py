@@ -210,7 +210,6 @@ def test_no_target_exits_2(capsys):
 
 def test_preset_search_on_small_gpu(capsys):
     """GPT-2 124M at seq 64 on 4 GiB: batches 1 and 2 fit (--max-batch 2), two traces."""
-    pytest.importorskip("oomkit.prediction.models")
     code = main(["fit", "gpt2-124m", "--seq", "64", "--gpu", "4GiB", "--max-batch", "2", "--json"])
     out = _json(capsys)
     assert code == 0
@@ -236,9 +235,9 @@ def test_smallest_gpu_verdicts_exact():
     """The reverse question's verdict names the smallest fit, or the largest GPU when none fits."""
     import torch
 
-    from oomkit.plan.batch_search import smallest_gpu
     from oomkit.core.gpus import GpuSpec
     from oomkit.interfaces.reports.batch_search import smallest_gpu_verdict
+    from oomkit.plan.batch_search import smallest_gpu
 
     def build(batch):
         return lambda: torch.empty((batch + 4) * 2 * MiB, dtype=torch.uint8)
@@ -337,3 +336,33 @@ def test_smallest_gpu_report_golden(user_file, capsys, monkeypatch):
     assert main(["fit", "steps.py:build", "--batch", "40", "--smallest-gpu"]) == 0
     out = capsys.readouterr().out
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SMALLEST_GPU_GOLDEN
+
+
+def test_torch_version_reaches_the_search(user_file, capsys, monkeypatch):
+    """--torch-version reaches max_batch_size and smallest_gpu; 2.0 rejects expandable segments."""
+    import oomkit.plan.batch_search as batch_search
+
+    versions = []
+    real_max, real_smallest = batch_search.max_batch_size, batch_search.smallest_gpu
+
+    def spy_max(*args, **kwargs):
+        versions.append(("max_batch_size", kwargs["target"].torch_version))
+        return real_max(*args, **kwargs)
+
+    def spy_smallest(*args, **kwargs):
+        versions.append(("smallest_gpu", kwargs["target"].torch_version))
+        return real_smallest(*args, **kwargs)
+
+    monkeypatch.setattr(batch_search, "max_batch_size", spy_max)
+    monkeypatch.setattr(batch_search, "smallest_gpu", spy_smallest)
+    target = f"{user_file}:build"
+    argv = ["fit", target, *SMALL, "--margin", "0", "--max-batch", "4", "--json"]
+    assert main([*argv, "--torch-version", "2.5"]) == 0
+    assert _json(capsys)["batch_size"] == 4
+    assert main(["fit", target, "--batch", "2", "--smallest-gpu", "--torch-version", "2.4",
+                 "--json"]) == 0
+    capsys.readouterr()
+    assert versions == [("max_batch_size", "2.5"), ("smallest_gpu", "2.4")]
+    argv = ["fit", target, *SMALL, "--alloc-conf", "expandable_segments:True"]
+    assert main([*argv, "--torch-version", "2.0"]) == 2
+    assert "(torch 2.0 rules)" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
-    "demo": ["--capacity", "--json", "--steps"],
+    "demo": ["--capacity", "--gpu", "--json", "--steps"],
     "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
         "--alloc-conf",
@@ -28,6 +28,7 @@ EXPECTED = {
         "--seq",
         "--smallest-gpu",
         "--steps",
+        "--torch-version",
     ],
     "predict": [
         "--alloc-conf",
@@ -46,13 +47,22 @@ EXPECTED = {
         "--precision",
         "--seq",
         "--steps",
+        "--torch-version",
     ],
     "run": ["--json", "--max-entries", "--snapshot-dir"],
     "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],
     "report": ["--html", "--json", "--png"],
-    "replay": ["--alloc-conf", "--capacity", "--device", "--json", "--torch-version", "--verify"],
-    "simulate": ["--alloc-conf", "--capacity", "--json", "--torch-version"],
-    "tune": ["--capacity", "--device", "--json"],
+    "replay": [
+        "--alloc-conf",
+        "--capacity",
+        "--device",
+        "--gpu",
+        "--json",
+        "--torch-version",
+        "--verify",
+    ],
+    "simulate": ["--alloc-conf", "--capacity", "--gpu", "--json", "--torch-version"],
+    "tune": ["--capacity", "--device", "--gpu", "--json"],
 }
 
 

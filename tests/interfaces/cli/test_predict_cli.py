@@ -212,8 +212,7 @@ def test_missing_torch_exits_3(user_file):
 
 
 def test_preset_json():
-    """A built-in preset predicts without a GPU (needs oomkit.prediction.models)."""
-    pytest.importorskip("oomkit.prediction.models")
+    """A built-in preset predicts without a GPU."""
     proc_out = []
     import contextlib
     import io
@@ -231,10 +230,10 @@ def test_preset_json():
 
 def test_verdict_lines_exact():
     """The verdict reads as documented, for a fit and for an OOM."""
-    from oomkit.prediction import predict_recording
     from oomkit.core.gpus import GpuSpec
-    from oomkit.interfaces.reports.prediction import verdict_line
     from oomkit.core.trace import TraceEvent
+    from oomkit.interfaces.reports.prediction import verdict_line
+    from oomkit.prediction import predict_recording
     from oomkit.prediction.tracing import TraceRecording
 
     events = (
@@ -259,7 +258,6 @@ def test_verdict_lines_exact():
 
 def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
     """--cudnn-version on an H100: 9.15.1 runs cuDNN attention, 9.10.2 flash; saved for explain."""
-    pytest.importorskip("oomkit.prediction.models")
     argv = ["predict", "gpt2-124m", "--batch", "1", "--seq", "64", "--steps", "1",
             "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
     assert main([*argv, "--cudnn-version", "91501"]) == 0
@@ -284,7 +282,6 @@ def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
 
 def test_default_cudnn_is_this_torch_installs_and_is_saved(capsys):
     """Without the flag: the install's cuDNN (torch 2.13's wheel pins 9.20.0: cuDNN attention)."""
-    pytest.importorskip("oomkit.prediction.models")
     from oomkit.prediction.tracing.emulations import installed_cudnn_build
 
     build = installed_cudnn_build()
@@ -332,3 +329,34 @@ def test_bad_target_flags_fail_before_any_model_is_built(user_file, capsys):
     """target_from_args parses --gpu/--alloc-conf once: a typo exits 2 with the parser's message."""
     assert main(["predict", f"{user_file}:build", "--alloc-conf", "max_split_size_mb:2"]) == 2
     assert "max_split_size_mb" in capsys.readouterr().err
+
+
+def test_torch_version_rules_the_alloc_conf_check(user_file, capsys):
+    """--torch-version 2.0 rejects expandable_segments (added in 2.1) before anything is traced."""
+    argv = ["predict", f"{user_file}:build", "--batch", "2", "--gpu", "rtx4090",
+            "--alloc-conf", "expandable_segments:True", "--json"]
+    assert main([*argv, "--torch-version", "2.0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "invalid allocator setting 'expandable_segments:True' (torch 2.0 rules)" in captured.err
+    assert main([*argv, "--torch-version", "2.1"]) == 0
+    assert _json(capsys)["alloc_conf"] == "expandable_segments:True"
+
+
+def test_torch_version_reaches_predict(user_file, capsys, monkeypatch):
+    """The version --torch-version names is the one predict() models (None without the flag)."""
+    import oomkit.prediction.predictor as predictor
+
+    versions = []
+    real = predictor.predict
+
+    def spy(*args, **kwargs):
+        versions.append(kwargs["target"].torch_version)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predictor, "predict", spy)
+    argv = ["predict", f"{user_file}:build", "--batch", "2", "--gpu", "rtx4090", "--json"]
+    assert main([*argv, "--torch-version", "2.5"]) == 0
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert versions == ["2.5", None]

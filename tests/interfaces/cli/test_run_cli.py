@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
+from oomkit.core.snapshot import load_snapshot
+from oomkit.errors import OomkitError
 from oomkit.interfaces.cli import main
 from oomkit.interfaces.cli.run import split_python_command
-from oomkit.errors import OomkitError
-from oomkit.core.snapshot import load_snapshot
 
 PY = sys.executable
 

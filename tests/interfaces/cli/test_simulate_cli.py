@@ -2,8 +2,8 @@
 
 import json
 
-from oomkit.interfaces.cli import main
 from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
+from oomkit.interfaces.cli import main
 
 MiB = 2**20
 
@@ -95,3 +95,25 @@ def test_simulate_human_output_golden(tmp_path, capsys, monkeypatch):
     assert main(["simulate", "t.jsonl", "--capacity", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SIMULATE_GOLDEN
+
+
+def test_simulate_gpu_is_the_capacity(tmp_path, capsys, monkeypatch):
+    """--gpu rtx4090 replays at its 25,756,696,576 total bytes; --gpu 16MiB OOMs as --capacity."""
+    import oomkit.core.replay as replay_module
+
+    capacities = []
+    real = replay_module.simulate_events
+
+    def spy(events, config, **kwargs):
+        capacities.append(kwargs["capacity_bytes"])
+        return real(events, config, **kwargs)
+
+    monkeypatch.setattr(replay_module, "simulate_events", spy)
+    path = _trace(tmp_path, [TraceEvent("alloc", 1, 30 * MiB)], name="big.jsonl")
+    assert main(["simulate", str(path), "--gpu", "rtx4090", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["oom"] is False
+    assert main(["simulate", str(path), "--gpu", "16MiB", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["oom"] is True
+    assert main(["simulate", str(path), "--json"]) == 0
+    capsys.readouterr()
+    assert capacities == [25_756_696_576, 16 * MiB, 80 * 2**30]

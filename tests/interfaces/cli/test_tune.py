@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from oomkit.interfaces.cli import build_parser, main
 from oomkit.core.replay import simulate_events
 from oomkit.core.snapshot import write_snapshot
 from oomkit.core.trace import TraceEvent, TraceHeader, write_trace
+from oomkit.interfaces.cli import build_parser, main
 
 MiB = 2**20
 
@@ -53,7 +53,7 @@ def _one_line_error(capsys) -> str:
 
 
 def test_tune_flags():
-    """`tune` has exactly --capacity, --device and --json."""
+    """`tune` has exactly --gpu (alias --capacity), --device and --json."""
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = sorted(
         opt
@@ -61,7 +61,7 @@ def test_tune_flags():
         for opt in a.option_strings
         if opt.startswith("--") and opt != "--help"
     )
-    assert flags == ["--capacity", "--device", "--json"]
+    assert flags == ["--capacity", "--device", "--gpu", "--json"]
 
 
 def test_tune_json_on_a_trace(tmp_path, capsys):
@@ -241,3 +241,13 @@ def test_tune_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert main(["tune", str(path)]) == 0
     assert seen[0] == (0, 24) and seen[-1] == (24, 24)
     assert "Best: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().out
+
+
+def test_tune_gpu_name_is_its_total_memory(tmp_path, capsys):
+    """--gpu rtx4090 ranks at the 4090's total memory, the same as --capacity of those bytes."""
+    path = _trace(tmp_path)
+    assert main(["tune", str(path), "--gpu", "rtx4090", "--json"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    assert by_name["capacity_bytes"] == 25_756_696_576
+    assert main(["tune", str(path), "--capacity", "25756696576", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_name

@@ -243,20 +243,30 @@ def test_live_sink_prints_at_most_once_per_interval_but_always_on_trouble():
     assert printed == ["oomkit step 0", "oomkit step 3", "oomkit step 4"]
 
 
-def test_monitor_facade_wires_the_live_line(tmp_path):
-    """oomkit.monitor(...) returns a Monitor whose records reach the console."""
+def test_live_monitor_facade_wires_the_live_line(tmp_path):
+    """oomkit.live_monitor(...) returns a Monitor whose records reach the console."""
     import oomkit
 
     out = io.StringIO()
     device = ScriptedDevice([(4 * MiB, 20 * MiB, 0), (5 * MiB, 20 * MiB, 0)])
-    with oomkit.monitor(
+    with oomkit.live_monitor(
         device=device, console=Console(file=out, width=200, color_system=None), min_interval_s=0
     ) as mon:
         mon.step()
         mon.step()
     assert isinstance(mon, oomkit.Monitor)
     assert len(out.getvalue().splitlines()) == 2
-    assert oomkit.monitor(device=device, live=False).sink is None
+    assert oomkit.live_monitor(device=device, live=False).sink is None
+
+
+def test_live_monitor_and_monitor_differ_by_more_than_case():
+    """The facade is oomkit.live_monitor; oomkit.monitor is gone; oomkit.Monitor is the class."""
+    import oomkit
+
+    assert "live_monitor" in oomkit.__all__ and "Monitor" in oomkit.__all__
+    assert "monitor" not in oomkit.__all__
+    assert not hasattr(oomkit, "monitor")
+    assert isinstance(oomkit.Monitor, type)
 
 
 def test_report_names_a_leak_from_the_log(tmp_path, parse_html):

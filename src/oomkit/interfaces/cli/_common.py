@@ -1,4 +1,4 @@
-"""Small helpers shared by the subcommands: consoles, size and setting arguments, JSON output."""
+"""Small helpers shared by the subcommands: consoles, the shared flags, JSON output."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from oomkit.errors import OomkitError
-from oomkit.units import parse_bytes
+from oomkit.errors import ConfigError, OomkitError
+from oomkit.units import SizeError, parse_bytes
 
 __all__ = [
     "stdout_console",
@@ -21,7 +21,13 @@ __all__ = [
     "add_json_flag",
     "add_script_command",
     "positive_int",
-    "add_alloc_conf_flags",
+    "add_alloc_conf_flag",
+    "add_capacity_flag",
+    "add_gpu_flag",
+    "add_torch_version_flag",
+    "torch_version_arg",
+    "capacity_bytes",
+    "capacity_from_args",
     "config_from_args",
 ]
 
@@ -84,25 +90,108 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object for scripts")
 
 
-def add_alloc_conf_flags(parser: argparse.ArgumentParser, *, capacity_default: str | None) -> None:
+def add_gpu_flag(
+    parser: argparse.ArgumentParser,
+    *,
+    default: str | None,
+    help: str,
+    capacity_alias: bool = False,
+) -> None:
+    """The one ``--gpu NAME|SIZE`` flag (dest ``gpu``, kept as text until the command reads it).
+
+    Args:
+        parser: the subcommand's parser.
+        default: the GPU when the flag is absent (a name or a size; ``None``: none).
+        help: what the GPU means to this command (a capacity, or usable memory).
+        capacity_alias: also accept ``--capacity``, the name the replaying commands used first.
+    """
+    names = ("--gpu", "--capacity") if capacity_alias else ("--gpu",)
+    parser.add_argument(*names, dest="gpu", default=default, metavar="NAME|SIZE", help=help)
+
+
+def add_capacity_flag(parser: argparse.ArgumentParser, *, default: str | None) -> None:
+    """``--gpu NAME|SIZE`` (alias ``--capacity``) for a command that replays at a capacity.
+
+    The capacity is what ``cudaMemGetInfo`` reports as total, as ``explain SNAPSHOT --gpu``
+    takes a catalog GPU's total memory: nothing is subtracted for the CUDA context (the replay
+    models no memory outside PyTorch), unlike ``predict --gpu``, whose allocator may reserve
+    only the total less ``--context-overhead``. See ``capacity_bytes``.
+    """
+    add_gpu_flag(
+        parser,
+        default=default,
+        capacity_alias=True,
+        help="the device to replay at: a catalog GPU (e.g. rtx4090; its total memory as "
+        "cudaMemGetInfo reports it, nothing subtracted for the CUDA context) or a size (e.g. "
+        "24GiB); --capacity is an alias"
+        + ("" if default is None else f" (default {default})"),
+    )
+
+
+def add_alloc_conf_flag(parser: argparse.ArgumentParser) -> None:
+    """The one ``--alloc-conf STR`` flag (dest ``alloc_conf``)."""
     parser.add_argument(
         "--alloc-conf",
         metavar="STR",
         help="PYTORCH_CUDA_ALLOC_CONF value to simulate, e.g. expandable_segments:True",
     )
-    parser.add_argument(
-        "--capacity",
-        metavar="SIZE",
-        type=size_arg,
-        default=None if capacity_default is None else parse_bytes(capacity_default),
-        help="device memory, e.g. 24GiB"
-        + ("" if capacity_default is None else f" (default {capacity_default})"),
-    )
+
+
+def add_torch_version_flag(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """The one ``--torch-version X.Y`` flag (dest ``torch_version``).
+
+    Args:
+        parser: the subcommand's parser.
+        default: what the command models without the flag, for the help text.
+    """
     parser.add_argument(
         "--torch-version",
-        metavar="VER",
-        help="model this PyTorch version's allocator (default: the newest release)",
+        metavar="X.Y",
+        type=torch_version_arg,
+        help=f"the PyTorch version whose allocator rules to model, e.g. 2.6 (default: {default})",
     )
+
+
+def torch_version_arg(text: str) -> str:
+    """argparse type for a PyTorch version (``2.6``, ``2.6.0+cu124``, ``nightly``), kept as text."""
+    from oomkit.core.allocator.versions import parse_torch_version
+
+    try:
+        parse_torch_version(text)
+    except OomkitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def capacity_bytes(text: str) -> int:
+    """The device capacity ``--gpu``/``--capacity`` names, in bytes.
+
+    A size (``24GiB``, or plain bytes) is taken as it is; a catalog GPU gives its total memory,
+    what ``cudaMemGetInfo`` reports as total (``GpuSpec.total_memory_bytes``), CUDA context
+    included.
+
+    Raises:
+        ConfigError: the size is zero.
+        UnknownGpuError: the text is neither a size nor a catalog GPU (the message lists near
+            names).
+    """
+    try:
+        size = parse_bytes(text)
+    except SizeError:
+        from oomkit.core.gpus import get_gpu
+
+        return get_gpu(text).total_memory_bytes
+    if size <= 0:
+        raise ConfigError(
+            f"the device capacity must be above zero; got {text!r}. Give a size such as 24GiB or "
+            "a GPU name such as rtx4090."
+        )
+    return size
+
+
+def capacity_from_args(args: argparse.Namespace) -> int | None:
+    """The capacity ``--gpu`` names, in bytes (``None`` when the flag is absent, no default)."""
+    return None if args.gpu is None else capacity_bytes(args.gpu)
 
 
 def config_from_args(args: argparse.Namespace):

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomkit.errors import OomkitError, UserCodeError
-from oomkit.interfaces.cli._common import positive_int, size_arg
+from oomkit.interfaces.cli._common import (
+    add_alloc_conf_flag,
+    add_gpu_flag,
+    add_torch_version_flag,
+    positive_int,
+    size_arg,
+)
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
 __all__ = [
@@ -57,15 +63,16 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
-    """--gpu, --alloc-conf and --context-overhead: the device and allocator simulated."""
-    parser.add_argument(
-        "--gpu", default="h100", metavar="NAME|SIZE", help="GPU name or memory size (default h100)"
+    """--gpu, --alloc-conf, --torch-version, --context-overhead and --cudnn-version: the target
+    machine (``interfaces/cli/_target.py`` reads them by these dest names)."""
+    add_gpu_flag(
+        parser,
+        default="h100",
+        help="a catalog GPU (e.g. rtx4090) or its total memory (e.g. 24GiB); the allocator may "
+        "reserve that less --context-overhead (default h100)",
     )
-    parser.add_argument(
-        "--alloc-conf",
-        metavar="STR",
-        help="PYTORCH_CUDA_ALLOC_CONF value to simulate, e.g. expandable_segments:True",
-    )
+    add_alloc_conf_flag(parser)
+    add_torch_version_flag(parser, default="the newest release")
     parser.add_argument(
         "--context-overhead",
         type=size_arg,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from oomkit.interfaces.cli._common import add_json_flag, print_json, size_arg, stdout_console
+from oomkit.interfaces.cli._common import (
+    add_capacity_flag,
+    add_json_flag,
+    capacity_bytes,
+    print_json,
+    stdout_console,
+)
 
 __all__ = ["add_parser", "run", "DEMO_SETTINGS"]
 
@@ -21,9 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "transformer trained with AdamW on varying sequence lengths) under PyTorch's default "
         "allocator settings and under expandable_segments:True, and compare. No GPU needed.",
     )
-    parser.add_argument(
-        "--capacity", type=size_arg, default=size_arg("80GiB"), help="device memory (default 80GiB)"
-    )
+    add_capacity_flag(parser, default="80GiB")
     parser.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
     add_json_flag(parser)
     parser.set_defaults(run=run)
@@ -33,22 +37,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.allocator import AllocatorConfig
     from oomkit.core.replay import simulate_events
+    from oomkit.core.workloads import TrainingWorkload, training_events
     from oomkit.interfaces.reports import comparison_table, replay_to_json
     from oomkit.units import format_bytes
-    from oomkit.core.workloads import TrainingWorkload, training_events
 
+    capacity = capacity_bytes(args.gpu)
     workload = TrainingWorkload(steps=args.steps)
     results = []
     for setting in DEMO_SETTINGS:
         config = AllocatorConfig.parse(setting)
         results.append(
-            (setting or "default", simulate_events(training_events(workload), config, args.capacity))
+            (setting or "default", simulate_events(training_events(workload), config, capacity))
         )
     if args.json:
         print_json(
             {
                 "workload": workload.__dict__,
-                "capacity_bytes": args.capacity,
+                "capacity_bytes": capacity,
                 "results": {label: replay_to_json(r, include_segments=False) for label, r in results},
             }
         )
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"Built-in workload: {workload.layers}-layer transformer, hidden {workload.hidden}, "
         f"batch {workload.batch}, {workload.steps} steps with sequence lengths "
-        f"{workload.min_seq}-{workload.max_seq}; device {format_bytes(args.capacity)}."
+        f"{workload.min_seq}-{workload.max_seq}; device {format_bytes(capacity)}."
     )
     console.print(comparison_table(results, title="Default vs expandable_segments:True"))
     if saving > 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
     add_json_flag,
     add_script_command,
@@ -22,7 +23,6 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stderr_console,
 )
-from oomkit.errors import OomkitError
 
 __all__ = ["FROM_TUNE_LIMIT", "add_parser", "run"]
 
@@ -110,8 +110,8 @@ def _gpu_list(text: str) -> tuple[str, ...]:
 
 def _from_tune(path: Path) -> list[str]:
     """The recommendable settings `oomkit tune PATH` ranks first, best first, the default left out."""
-    from oomkit.plan import tune
     from oomkit.interfaces.cli.tune import _DEFAULT_CAPACITY, _open_source
+    from oomkit.plan import tune
     from oomkit.units import parse_bytes
 
     source, device, torch_version, _ = _open_source(path, None)

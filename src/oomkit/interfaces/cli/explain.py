@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from oomkit.errors import ConfigError
-from oomkit.interfaces.cli._common import add_json_flag, print_json, stdout_console
+from oomkit.interfaces.cli._common import add_gpu_flag, add_json_flag, print_json, stdout_console
 
 __all__ = ["add_parser", "run"]
 
@@ -35,11 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="TEXT|FILE|-",
         help="the error text, a file holding it, a snapshot, a prediction JSON, or - for stdin",
     )
-    parser.add_argument(
-        "--gpu",
-        metavar="NAME",
-        help="the GPU it ran on, for its CUDA-context figure (default: matched by total memory; "
-        "snapshots do not record it)",
+    add_gpu_flag(
+        parser,
+        default=None,
+        help="the GPU it ran on (a catalog name, or its total memory such as 24GiB), for its "
+        "total memory and CUDA-context figure (default: matched by total memory; snapshots do "
+        "not record it)",
     )
     parser.add_argument(
         "--device",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from oomkit.errors import ConfigError
 from oomkit.interfaces.cli._common import (
-    add_alloc_conf_flags,
+    add_alloc_conf_flag,
+    add_capacity_flag,
     add_json_flag,
+    add_torch_version_flag,
+    capacity_from_args,
     config_from_args,
     existing_file,
     print_json,
@@ -22,9 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="replay a snapshot from torch.cuda.memory._dump_snapshot",
         description="Replay the allocation requests recorded in a PyTorch memory snapshot "
         "(torch.cuda.memory._record_memory_history + _dump_snapshot). With --verify, compare "
-        "every recorded segment decision with the simulator's (exit 1 on a divergence). With "
-        "--alloc-conf, replay the same requests under other settings (exit 1 if it would OOM "
-        "at --capacity).",
+        "every recorded segment decision with the simulator's (exit 1 on a divergence; --gpu "
+        "then sizes expandable reservations as on that device). With --alloc-conf or --gpu "
+        "alone, replay the same requests under other settings or on another device (exit 1 if "
+        "it would OOM; default device 80GiB). --verify replays the recorded setting, so it "
+        "cannot be combined with --alloc-conf (exit 2).",
     )
     parser.add_argument("snapshot", type=existing_file, metavar="SNAPSHOT")
     parser.add_argument("--device", type=int, default=None, help="device index (default: the first)")
@@ -33,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="check the simulator reproduces every recorded segment decision",
     )
-    add_alloc_conf_flags(parser, capacity_default=None)
+    add_alloc_conf_flag(parser)
+    add_capacity_flag(parser, default=None)
+    add_torch_version_flag(parser, default="read from the snapshot")
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -41,20 +49,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.replay import replay_snapshot
-    from oomkit.interfaces.reports import render_replay, replay_to_json
     from oomkit.core.snapshot import load_snapshot
+    from oomkit.interfaces.reports import render_replay, replay_to_json
 
+    if args.verify and args.alloc_conf is not None:
+        # replay_snapshot(verify=True) compares with the recording, made under its own setting.
+        raise ConfigError(
+            "--verify replays the snapshot under the setting it was recorded with, so it cannot "
+            "take --alloc-conf. Run `oomkit replay SNAPSHOT --verify` to check the simulator, "
+            "and `oomkit replay SNAPSHOT --alloc-conf ...` (no --verify) for the what-if."
+        )
+    capacity = capacity_from_args(args)
+    config = config_from_args(args)
     snapshot = load_snapshot(args.snapshot)
     devices = snapshot.devices()
     device = args.device if args.device is not None else (devices[0] if devices else 0)
-    config = config_from_args(args)
-    what_if = config is not None or args.capacity is not None
+    what_if = not args.verify and (config is not None or capacity is not None)
     result = replay_snapshot(
         snapshot,
         device,
         verify=not what_if,
         config=config,
-        capacity_bytes=args.capacity,
+        capacity_bytes=capacity,
         torch_version=args.torch_version,
     )
     if args.json:

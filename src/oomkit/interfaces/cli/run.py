@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import oomkit
+from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
     add_json_flag,
     add_script_command,
@@ -27,7 +28,6 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stderr_console,
 )
-from oomkit.errors import OomkitError
 
 __all__ = ["add_parser", "run", "split_python_command"]
 

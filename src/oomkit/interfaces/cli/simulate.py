@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 
 from oomkit.interfaces.cli._common import (
-    add_alloc_conf_flags,
+    add_alloc_conf_flag,
+    add_capacity_flag,
     add_json_flag,
+    add_torch_version_flag,
+    capacity_bytes,
     config_from_args,
     existing_file,
     print_json,
@@ -24,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "CUDA caching allocator. Exit code 1 when it would run out of memory.",
     )
     parser.add_argument("trace", type=existing_file, metavar="TRACE")
-    add_alloc_conf_flags(parser, capacity_default="80GiB")
+    add_alloc_conf_flag(parser)
+    add_capacity_flag(parser, default="80GiB")
+    add_torch_version_flag(parser, default="the trace's, else the newest release")
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -32,9 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.replay import simulate_events
-    from oomkit.interfaces.reports import render_replay, replay_to_json
     from oomkit.core.trace import read_trace
+    from oomkit.interfaces.reports import render_replay, replay_to_json
 
+    capacity = capacity_bytes(args.gpu)
     header, events = read_trace(args.trace)
     config = config_from_args(args)
     if config is None and header.allocator_settings:
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     result = simulate_events(
         events,
         config,
-        capacity_bytes=args.capacity,
+        capacity_bytes=capacity,
         torch_version=args.torch_version or header.torch_version,
     )
     if args.json:

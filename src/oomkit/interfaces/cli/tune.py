@@ -7,8 +7,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomkit.interfaces.cli._common import add_json_flag, print_json, stderr_console, stdout_console
 from oomkit.errors import OomkitError
+from oomkit.interfaces.cli._common import (
+    add_capacity_flag,
+    add_json_flag,
+    capacity_bytes,
+    print_json,
+    stderr_console,
+    stdout_console,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -32,12 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "to misbehave are flagged with the reason.",
     )
     parser.add_argument("source", metavar="TRACE|SNAPSHOT", help="an oomkit trace or a snapshot")
-    parser.add_argument(
-        "--capacity",
-        metavar="SIZE",
-        default=_DEFAULT_CAPACITY,
-        help=f"device memory to replay at, e.g. 24GiB (default {_DEFAULT_CAPACITY})",
-    )
+    add_capacity_flag(parser, default=_DEFAULT_CAPACITY)
     parser.add_argument(
         "--device",
         type=int,
@@ -52,7 +54,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.plan import tune
-    from oomkit.units import parse_bytes
 
     path = Path(args.source)
     if not path.is_file():
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.source}: no such file. Pass an oomkit trace (.jsonl, .jsonl.gz) or a "
             f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
         )
-    capacity = parse_bytes(args.capacity)
+    capacity = capacity_bytes(args.gpu)
     source, device, torch_version, recorded = _open_source(path, args.device)
     show_progress = not args.json and sys.stderr.isatty()
     with _ProgressBar(show_progress) as bar:

@@ -1,8 +1,9 @@
-"""A compact live status line for :class:`~oomkit.runtime.monitor.Monitor`, and ``oomkit.monitor``.
+"""A live status line for :class:`~oomkit.runtime.monitor.Monitor`, and ``oomkit.live_monitor``.
 
 The monitor itself never prints; :func:`live_line_sink` is the ``sink`` that does, on stderr,
 at most once per ``min_interval_s`` (and at once when a retry or an OOM happened), so it does
-not flood a training log. :func:`monitor` is the one-call facade: a Monitor with that sink.
+not flood a training log. :func:`live_monitor` is the one-call facade: a Monitor with that
+sink (named apart from ``oomkit.Monitor``, the class it returns, not just by case).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from oomkit.runtime.device import DeviceMemory
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.units import format_bytes
 
-__all__ = ["format_live_line", "live_line_sink", "monitor"]
+__all__ = ["format_live_line", "live_line_sink", "live_monitor"]
 
 
 def format_live_line(record: StepRecord) -> str:
@@ -73,7 +74,7 @@ def live_line_sink(
     return sink
 
 
-def monitor(
+def live_monitor(
     *,
     log_path: str | os.PathLike[str] | None = None,
     every: int = 1,
@@ -88,7 +89,7 @@ def monitor(
 
     Example::
 
-        with oomkit.monitor(log_path="memory.jsonl") as mon:
+        with oomkit.live_monitor(log_path="memory.jsonl") as mon:
             for batch in loader:
                 train_step(batch)
                 mon.step()

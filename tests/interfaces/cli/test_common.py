@@ -1,0 +1,100 @@
+"""The shared flags of `_common`: one --gpu (alias --capacity), --alloc-conf and --torch-version."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from oomkit.core.gpus import get_gpu
+from oomkit.errors import ConfigError, UnknownGpuError
+from oomkit.interfaces.cli import build_parser
+from oomkit.interfaces.cli._common import capacity_bytes, torch_version_arg
+
+GiB = 2**30
+# What torch.cuda.get_device_properties().total_memory reports on an RTX 4090 (the catalog).
+RTX4090_TOTAL_BYTES = 25_756_696_576
+
+
+@pytest.fixture(autouse=True)
+def _in_a_dir_with_a_file_x(tmp_path, monkeypatch):
+    # replay and simulate check that their input file exists while parsing.
+    (tmp_path / "x").write_text("")
+    monkeypatch.chdir(tmp_path)
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def test_capacity_of_a_gpu_name_is_its_total_memory():
+    """A catalog GPU's capacity is its total memory, the CUDA context not subtracted."""
+    assert capacity_bytes("rtx4090") == RTX4090_TOTAL_BYTES
+    assert capacity_bytes("RTX 4090") == get_gpu("rtx4090").total_memory_bytes
+    assert capacity_bytes("rtx4090") > get_gpu("rtx4090").usable_bytes()
+
+
+def test_capacity_of_a_size_is_the_size():
+    """A size is taken as it is, with or without a unit, however small."""
+    assert capacity_bytes("24GiB") == 24 * GiB
+    assert capacity_bytes("16MiB") == 16 * 2**20
+    assert capacity_bytes("1048576") == 2**20
+
+
+def test_capacity_of_zero_is_refused():
+    """A zero capacity says what to give instead."""
+    with pytest.raises(ConfigError, match="must be above zero; got '0GiB'. Give a size"):
+        capacity_bytes("0GiB")
+
+
+def test_capacity_of_an_unknown_name_suggests_one():
+    """A typo names the catalog GPUs it is close to."""
+    with pytest.raises(UnknownGpuError, match="unknown GPU 'rtx4091'. Did you mean 'RTX 4090'"):
+        capacity_bytes("rtx4091")
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate", "tune", "demo"])
+def test_capacity_is_an_alias_of_gpu(command):
+    """--capacity and --gpu set the same value on every replaying command."""
+    parser = _subparser(command)
+    positional = [] if command == "demo" else ["x"]
+    assert parser.parse_args([*positional, "--capacity", "24GiB"]).gpu == "24GiB"
+    assert parser.parse_args([*positional, "--gpu", "rtx4090"]).gpu == "rtx4090"
+
+
+@pytest.mark.parametrize(
+    ("command", "default"),
+    [("replay", None), ("simulate", "80GiB"), ("tune", "80GiB"), ("demo", "80GiB"),
+     ("predict", "h100"), ("fit", "h100"), ("explain", None)],
+)
+def test_gpu_defaults(command, default):
+    """Each command's --gpu default: 80GiB replays, an H100 prediction, none for replay/explain."""
+    positional = ["x"] if command in ("replay", "simulate", "tune") else []
+    assert _subparser(command).parse_args(positional).gpu == default
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate", "predict", "fit"])
+def test_torch_version_flag_everywhere(command):
+    """--torch-version X.Y has dest torch_version wherever allocator rules are modelled."""
+    positional = ["x"] if command in ("replay", "simulate") else []
+    parser = _subparser(command)
+    assert parser.parse_args([*positional, "--torch-version", "2.6"]).torch_version == "2.6"
+    assert parser.parse_args(positional).torch_version is None
+
+
+def test_torch_version_arg_keeps_the_text():
+    """A readable version is kept as given; anything else is a usage error that says the form."""
+    assert torch_version_arg("2.4.0+cu121") == "2.4.0+cu121"
+    assert torch_version_arg("nightly") == "nightly"
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot read PyTorch version 'two'"):
+        torch_version_arg("two")
+
+
+def test_bad_torch_version_is_a_usage_error(capsys):
+    """`--torch-version two` exits 2 before anything runs, naming the expected form."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["simulate", "x", "--torch-version", "two"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --torch-version: cannot read PyTorch version 'two'" in err

@@ -1,0 +1,43 @@
+"""House rules for every module: a one-line summary docstring, and no module over 600 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import oomkit
+
+SRC = Path(oomkit.__file__).parent
+MAX_LINES = 600
+
+
+def _modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_there_are_modules_to_check():
+    """The checks below see the whole package (not 0 of 0)."""
+    assert len(_modules()) > 100
+
+
+def test_every_module_says_what_it_is_for_in_one_line():
+    """Each module's docstring opens with a one-line summary, followed by a blank line or nothing."""
+    offences = []
+    for path in _modules():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        rel = path.relative_to(SRC).as_posix()
+        if not doc:
+            offences.append(f"{rel}: no module docstring")
+        elif "\n" in doc.split("\n\n")[0].strip():
+            offences.append(f"{rel}: the summary is more than one line")
+    assert offences == []
+
+
+def test_no_module_is_over_600_lines():
+    """Split a module by concept before it passes 600 lines."""
+    long = {
+        path.relative_to(SRC).as_posix(): n
+        for path in _modules()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
