@@ -89,7 +89,7 @@ def rules_for(torch_version: str | None) -> AllocatorRules:
         configurable_non_split_rounding=bool(b.configurable_non_split_rounding),
         configurable_large_segment_size=bool(b.configurable_large_segment_size),
         fraction_limit_only_below_one=bool(_field(b, "fraction_limit_only_below_one", main26)),
-        oom_message_variant=variant,  # type: ignore[arg-type]
+        oom_message_variant=variant,
         oom_docs_url=str(url),
         pool_scopes_newest_first=bool(_field(b, "pool_scopes_newest_first", main26)),
         release_skips_only_real_capture=bool(_field(b, "release_skips_only_real_capture", main26)),
