@@ -22,8 +22,11 @@ demo: $(BIN)/oomkit
 test: $(BIN)/oomkit
 	$(BIN)/python -m pytest
 
+# ruff (with each layer folder's ruff.toml banning imports that go up a layer) and mypy (its
+# files and settings are in pyproject.toml); both must report nothing.
 lint: $(BIN)/oomkit
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 
 bench: $(BIN)/oomkit
 	$(BIN)/python benchmarks/replay_speed.py

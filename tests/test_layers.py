@@ -11,14 +11,17 @@ import importlib
 import pkgutil
 from pathlib import Path
 
+import pytest
+
 import oomkit
 
 SRC = Path(oomkit.__file__).parent
 
 # Rank of each unit: a top-level module or package, or a subpackage of the layered folders.
 RANK = {
-    # base: the error family, then unit conversions; every layer uses them
+    # base: the error family and the installed version, then unit conversions; every layer uses them
     "errors": 0,
+    "_version": 0,
     "units": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
@@ -142,3 +145,98 @@ def test_every_public_name_imports():
             continue
         for public in getattr(package, "__all__", []):
             assert hasattr(package, public), f"{package.__name__}.{public}"
+
+
+# The facade and the entry point are above everything; ruff cannot ban them without banning
+# `oomkit` itself (banned-api matches a module and every submodule of it).
+_FACADE = {"__init__", "__main__"}
+
+
+def _folder_units() -> list[str]:
+    """The units that are folders: each needs a ruff.toml of its own."""
+    return sorted(
+        unit
+        for unit in RANK
+        if unit not in _FACADE and (SRC / unit.replace(".", "/")).is_dir()
+    )
+
+
+def _own_modules(unit: str) -> set[str]:
+    """The modules and subpackages directly in a folder unit that belong to the unit itself."""
+    names = {p.name.removesuffix(".py") for p in (SRC / unit.replace(".", "/")).iterdir()}
+    names -= {"__init__", "__pycache__", "ruff.toml"}
+    return {f"{unit}.{name}" for name in names if unit_of(f"{unit}.{name}") == unit}
+
+
+def expected_bans(folder: str) -> set[str]:
+    """What the folder's ruff.toml must ban (TID251), by the rule test_imports_only_go_down checks.
+
+    A unit of a higher rank is banned; so is another unit of the same rank, except the folder's
+    own ancestors and descendants. An ancestor of a higher rank (``prediction`` above
+    ``prediction.tracing``) cannot be banned whole (that would ban the folder itself): its own
+    modules are. A ban covers its submodules, so a unit inside a banned one is not listed.
+    Below the interfaces, the interface-only packages are banned too.
+    """
+    rank = RANK[folder]
+    bans: set[str] = set()
+    for unit, other in RANK.items():
+        if unit in _FACADE or unit == folder:
+            continue
+        if folder.startswith(unit + "."):  # an ancestor
+            if other > rank:
+                bans |= _own_modules(unit)
+        elif unit.startswith(folder + "."):  # a descendant
+            if other > rank:
+                bans.add(unit)
+        elif other >= rank:
+            bans.add(unit)
+    bans = {b for b in bans if not any(b.startswith(p + ".") for p in bans)}
+    names = {f"oomkit.{b}" for b in bans}
+    return names | (INTERFACE_ONLY if rank < INTERFACES else set())
+
+
+def test_every_layer_folder_bans_the_layers_above_it():
+    """Each layer folder's ruff.toml bans exactly what RANK puts at or above it (no drift)."""
+    tomllib = pytest.importorskip("tomllib")
+    for folder in _folder_units():
+        expected = expected_bans(folder)
+        path = SRC / folder.replace(".", "/") / "ruff.toml"
+        # Even a folder that bans nothing needs one: ruff would apply its parent folder's.
+        assert path.is_file(), f"{folder} needs a ruff.toml banning {sorted(expected)}"
+        config = tomllib.loads(path.read_text())
+        assert (SRC.parents[1] / "pyproject.toml").samefile(path.parent / config["extend"])
+        banned = config.get("lint", {}).get("flake8-tidy-imports", {}).get("banned-api", {})
+        assert set(banned) == expected, folder
+        assert all(entry["msg"] for entry in banned.values())
+
+
+def test_the_ban_rule_on_two_folders():
+    """The rule, spelled out: core/trace bans its siblings and everything above core."""
+    assert expected_bans("core.trace") == {
+        "oomkit.core.allocator",
+        "oomkit.core.gpus",
+        "oomkit.core.snapshot",
+        "oomkit.core.workloads",
+        "oomkit.core.target",
+        "oomkit.core.replay",
+        "oomkit.prediction",
+        "oomkit.plan",
+        "oomkit.diagnose",
+        "oomkit.runtime",
+        "oomkit.interfaces",
+        *INTERFACE_ONLY,
+    }
+    assert expected_bans("prediction.tracing") == {
+        "oomkit.prediction.models",
+        "oomkit.prediction.predictor",
+        "oomkit.prediction._replay",
+        "oomkit.plan",
+        "oomkit.diagnose",
+        "oomkit.runtime",
+        "oomkit.interfaces",
+        *INTERFACE_ONLY,
+    }
+    assert expected_bans("interfaces.reports") == {
+        "oomkit.interfaces.integrations",
+        "oomkit.interfaces.cli",
+    }

@@ -23,9 +23,8 @@ from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient
 from oomkit.runtime.watch import watch
+from oomkit._version import __version__
 from oomkit.units import format_bytes, parse_bytes
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from oomkit.core.snapshot import SnapshotSegment
 from oomkit.core.trace import Frame, TraceEvent
@@ -163,6 +164,22 @@ class Attribution:
     largest_tensors: tuple[LiveTensor, ...] = ()
 
 
+class _RecordFields(TypedDict):
+    """An ``AllocationRecord`` while the walk still fills it in (its size and free event)."""
+
+    alloc_index: int
+    address: int
+    size_bytes: int
+    requested_bytes: int
+    freed_index: int | None
+    frames: tuple[Frame, ...]
+    tags: tuple[tuple[str, str], ...]
+
+
+# An allocation site's key: file, line, function and module tag (AllocationSite's first fields).
+_SiteKey = tuple[str | None, int | None, str | None, str | None]
+
+
 def _is_internal(frame: Frame) -> bool:
     name = frame.filename
     if not name.endswith(".py") or frame.line <= 0:
@@ -202,15 +219,15 @@ def trace_history(
     final_blocks = {
         b.address: b for seg in final_segments for b in seg.blocks if b.state == "active_allocated"
     }
-    open_records: dict[int, dict] = {}
-    done: list[dict] = []
-    before: list[dict] = []
+    open_records: dict[int, _RecordFields] = {}
+    done: list[_RecordFields] = []
+    before: list[_RecordFields] = []
     alloc_delta = [0] * len(events)
     reserved_delta = [0] * len(events)
     for i, ev in enumerate(events):
         action = ev.action
         if action == "alloc":
-            rec = {
+            rec: _RecordFields = {
                 "alloc_index": i,
                 "address": ev.address,
                 "size_bytes": round_size(ev.size) if ev.size > 0 else 0,
@@ -226,8 +243,10 @@ def trace_history(
             open_records[ev.address] = rec
             done.append(rec)
         elif action == "free_requested":
-            rec = open_records.pop(ev.address, None)
-            if rec is None:  # allocated before the trace began (ring buffer or late start)
+            known = open_records.pop(ev.address, None)
+            if known is not None:
+                rec = known
+            else:  # allocated before the trace began (ring buffer or late start)
                 rec = {
                     "alloc_index": -1,
                     "address": ev.address,
@@ -304,7 +323,7 @@ def attribute(history: TraceHistory, index: int | None, moment: str) -> Attribut
     at = len(history.events) if index is None else index
     live = [r for r in history.records if r.live_at(at)]
     by_category: dict[str, int] = {}
-    sites: dict[tuple, list[int]] = {}
+    sites: dict[_SiteKey, list[int]] = {}
     tensors: list[LiveTensor] = []
     for rec in live:
         tags = dict(rec.tags)
@@ -312,7 +331,7 @@ def attribute(history: TraceHistory, index: int | None, moment: str) -> Attribut
         if category is not None:
             by_category[category] = by_category.get(category, 0) + rec.size_bytes
         frame = site_of(rec.frames)
-        key = (
+        key: _SiteKey = (
             frame.filename if frame else None,
             frame.line if frame else None,
             frame.name if frame else None,

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from oomkit.core.allocator import round_size
+from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
+from oomkit.core.replay import config_from_settings, recorded_torch_version
+from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.diagnose._model_remedies import caught_oom_remedy, estimated_model_remedies
 from oomkit.diagnose._remedies import (
     allocator_remedies,
@@ -40,9 +43,6 @@ from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_t
 from oomkit.diagnose.memory_health import MIN_LEAK_BYTES
 from oomkit.diagnose.oom_text import OomText
 from oomkit.errors import UnknownDeviceError
-from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
-from oomkit.core.replay import config_from_settings, recorded_torch_version
-from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.units import format_bytes
 
 __all__ = ["Iterations", "diagnose_snapshot", "find_iterations", "leak_finding", "spike_finding"]
@@ -317,6 +317,7 @@ def diagnose_snapshot(
     oom_index = next((i for i in range(len(events) - 1, -1, -1) if events[i].action == "oom"), None)
     last = len(events) - 1
 
+    index: int | None  # the moment diagnosed: the OOM, else the peak (None: no trace)
     if oom_index is not None:
         ev = events[oom_index]
         q, f = ev.size, ev.address
@@ -424,8 +425,9 @@ def diagnose_snapshot(
         lowest = _steady_level(history, iterations, upto)
         if oom_index is not None and lowest is not None:
             available = r + events[oom_index].address
-            if figures.get("allowed_bytes"):
-                available = min(available, figures["allowed_bytes"])
+            allowed_bytes = figures.get("allowed_bytes")
+            if allowed_bytes:
+                available = min(available, allowed_bytes)
             batch = batch_remedy(
                 need_bytes=a + request,
                 steady_bytes=lowest,

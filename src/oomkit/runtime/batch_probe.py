@@ -193,11 +193,12 @@ def find_batch_size(
         )
         lo, hi = 0, safer
     else:
-        lo, hi = _bracket(prober, start, max_batch_size)
-        if hi is None:
+        lo, failed = _bracket(prober, start, max_batch_size)
+        if failed is None:
             if lo == max_batch_size and lo != start:
                 warnings.append(f"max_batch_size {max_batch_size} ran; larger sizes not tried")
             return _result(lo, "search", guess, prober, warnings)
+        hi = failed
 
     if lo == 0:
         lo, hi = _descend(prober, hi)

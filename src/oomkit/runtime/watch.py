@@ -33,8 +33,8 @@ from oomkit.errors import OomkitError
 from oomkit.runtime.device import is_out_of_memory
 
 if TYPE_CHECKING:
-    from oomkit.diagnose.diagnosis import Diagnosis
     from oomkit.core.gpus import GpuSpec
+    from oomkit.diagnose.diagnosis import Diagnosis
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -157,7 +157,9 @@ class TorchCudaRecorder:
         cls = type(self)
         with cls._lock:
             if not cls._dispatcher_attached:
-                self._torch._C._cuda_attach_out_of_memory_observer(cls._dispatch)
+                # The binding (torch/csrc/cuda/Module.cpp) is missing from torch/_C/__init__.pyi.
+                torch_c: Any = self._torch._C
+                torch_c._cuda_attach_out_of_memory_observer(cls._dispatch)
                 cls._dispatcher_attached = True
             cls._observers.append(observer)
 
@@ -179,8 +181,8 @@ class TorchCudaRecorder:
         self._torch.cuda.memory._dump_snapshot(str(path))
 
     def gpu_spec(self, device: int) -> GpuSpec | None:
-        from oomkit.errors import UnknownGpuError
         from oomkit.core.gpus import get_gpu
+        from oomkit.errors import UnknownGpuError
 
         total = int(self._torch.cuda.get_device_properties(device).total_memory)
         try:

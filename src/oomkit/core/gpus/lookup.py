@@ -6,10 +6,10 @@ import dataclasses
 import difflib
 import re
 
-from oomkit.errors import UnknownGpuError
 from oomkit.core.gpus import overhead
 from oomkit.core.gpus.catalog import CATALOG
 from oomkit.core.gpus.spec import GpuSpec
+from oomkit.errors import UnknownGpuError
 from oomkit.units import SizeError, format_bytes, parse_bytes
 
 __all__ = ["UnknownGpuError", "get_gpu", "list_gpus", "normalize_gpu_name"]
@@ -74,9 +74,8 @@ def get_gpu(
     if isinstance(name_or_size, GpuSpec):
         spec = name_or_size
     else:
-        spec = _INDEX.get(normalize_gpu_name(name_or_size))
-        if spec is None:
-            spec = _custom_spec(name_or_size, context_overhead_bytes)
+        known = _INDEX.get(normalize_gpu_name(name_or_size))
+        spec = known if known is not None else _custom_spec(name_or_size, context_overhead_bytes)
     if context_overhead_bytes is not None:
         spec = dataclasses.replace(
             spec,

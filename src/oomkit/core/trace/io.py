@@ -204,7 +204,7 @@ def _open_for_reading(path: Path) -> IO[str]:
     with open(path, "rb") as sniff:
         magic = sniff.read(2)
     binary = gzip.open(path, "rb") if magic == _GZIP_MAGIC else open(path, "rb")
-    return io.TextIOWrapper(binary, encoding="utf-8", newline="\n")  # type: ignore[arg-type]
+    return io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
 
 
 def _not_a_trace_hint() -> str:

@@ -43,7 +43,7 @@ def _subcommands() -> list:
 
 def build_parser() -> argparse.ArgumentParser:
     """The root parser with every subcommand registered."""
-    from oomkit import __version__
+    from oomkit._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="oomkit",

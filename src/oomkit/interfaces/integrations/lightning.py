@@ -16,21 +16,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.interfaces.integrations._common import EventCursor, choose_batch_size
 from oomkit.runtime.batch_probe import BatchSizeResult
 from oomkit.runtime.resilient import Resilient
 
-try:
+# mypy checks against ``lightning.pytorch``; the standalone package has the same API under its
+# own class names, which mypy would see as different types.
+if TYPE_CHECKING:
     from lightning.pytorch import Callback
     from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
-except ImportError:  # the standalone package
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
-    from pytorch_lightning.utilities.parsing import (  # type: ignore[no-redef]
-        lightning_hasattr,
-        lightning_setattr,
-    )
+else:
+    try:
+        from lightning.pytorch import Callback
+        from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+    except ImportError:  # the standalone package
+        from pytorch_lightning import Callback
+        from pytorch_lightning.utilities.parsing import lightning_hasattr, lightning_setattr
 
 __all__ = ["OomkitCallback"]
 
@@ -104,5 +107,6 @@ class OomkitCallback(Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Log the OOMs the resilient step recovered from during this batch."""
-        if self._cursor.new_events():
-            pl_module.log("oomkit/oom_count", float(self._cursor.wrapped.oom_count))
+        wrapped = self._cursor.wrapped
+        if self._cursor.new_events() and wrapped is not None:
+            pl_module.log("oomkit/oom_count", float(wrapped.oom_count))

@@ -12,14 +12,19 @@ Importing this module imports Lightning (``lightning.pytorch``, else ``pytorch_l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.runtime.monitor import Monitor, MonitorSummary
 
-try:
+# mypy checks against ``lightning.pytorch``; the standalone package has the same API under its
+# own class name, which mypy would see as a different type.
+if TYPE_CHECKING:
     from lightning.pytorch import Callback
-except ImportError:  # the standalone package
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
+else:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the standalone package
+        from pytorch_lightning import Callback
 
 __all__ = ["OomkitMonitorCallback"]
 

@@ -225,7 +225,7 @@ def _series(log: MonitorLog) -> list[ChartSeries]:
     ]
     used = tuple((r.step, r.device_used_bytes) for r in recs if r.device_used_bytes is not None)
     if used:
-        series.append(ChartSeries("device used (NVML)", used))  # type: ignore[arg-type]
+        series.append(ChartSeries("device used (NVML)", used))
     return series
 
 
