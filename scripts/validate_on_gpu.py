@@ -166,8 +166,8 @@ def summarize(runs: Sequence[Mapping]) -> dict:
 
 def match_gpu(device_name: str, total_memory_bytes: int):
     """The catalog ``GpuSpec`` of a device: by name, else by exact total memory, else a size."""
-    from oomkit.errors import UnknownGpuError
     from oomkit.core.gpus import get_gpu, list_gpus
+    from oomkit.errors import UnknownGpuError
 
     try:
         return get_gpu(device_name)

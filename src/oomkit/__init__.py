@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from oomkit._version import __version__
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -23,7 +24,6 @@ from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.monitor import Monitor, StepRecord
 from oomkit.runtime.resilient import resilient
 from oomkit.runtime.watch import watch
-from oomkit._version import __version__
 from oomkit.units import format_bytes, parse_bytes
 
 __all__ = [

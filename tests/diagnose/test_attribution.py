@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import round_size
-from oomkit.diagnose.attribution import attribute, site_of, trace_history
 from oomkit.core.snapshot import SnapshotBlock, SnapshotSegment
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.diagnose.attribution import attribute, site_of, trace_history
 
 MiB = 2**20
 

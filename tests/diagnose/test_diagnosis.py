@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, get_gpu
 from oomkit.diagnose.diagnosis import CAUSES, diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
-from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, get_gpu
 
 MiB = 2**20
 GiB = 2**30

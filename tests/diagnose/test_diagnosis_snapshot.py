@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from cases.oom_cases import CASES, CONTEXT, GPU_8G, GiB, MiB, Recorder
 
-from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
-from oomkit.errors import UnknownDeviceError
 from oomkit.core.snapshot import load_snapshot, write_snapshot
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+from oomkit.errors import UnknownDeviceError
 
 SHARED = Path("/work/shared/snapshots")
 REAL = sorted(SHARED.glob("*/*.p*")) if SHARED.is_dir() else []

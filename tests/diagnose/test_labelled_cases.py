@@ -16,10 +16,10 @@ from cases.oom_cases import CASES as SNAPSHOT_CASES
 from cases.oom_cases import GPU_8G
 from cases.prediction_cases import PREDICTION_CASES
 
+from oomkit.core.snapshot import load_snapshot
 from oomkit.diagnose.diagnosis import CAUSES, diagnose_oom_text
 from oomkit.diagnose.oom_text import OomTextVariant, parse_oom_text
 from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
-from oomkit.core.snapshot import load_snapshot
 
 
 @pytest.mark.parametrize("case", MESSAGE_CASES, ids=lambda c: c.name)

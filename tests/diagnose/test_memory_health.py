@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oomkit.core.trace import Frame, TraceEvent
 from oomkit.diagnose._trend import bin_minima, trend
 from oomkit.diagnose.memory_health import (
     MIN_LEAK_BYTES,
@@ -28,7 +29,6 @@ from oomkit.diagnose.memory_health import (
     samples_from_records,
 )
 from oomkit.errors import MemoryHealthError, OomkitError
-from oomkit.core.trace import Frame, TraceEvent
 
 KiB = 2**10
 MiB = 2**20

@@ -10,6 +10,8 @@ from cases.oom_cases import GPU_8G, GiB, MiB, Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.snapshot import load_snapshot
 from oomkit.diagnose._model_remedies import (
     MEASURED_WHY,
     estimated_model_remedies,
@@ -17,8 +19,6 @@ from oomkit.diagnose._model_remedies import (
 )
 from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
-from oomkit.core.gpus import GpuSpec
-from oomkit.core.snapshot import load_snapshot
 
 FULL = {
     "activation": 4 * GiB,
@@ -164,9 +164,9 @@ OPTIONS = {"batch_size": 8, "seq_len": 256}
 def saved():
     """`oomkit predict gpt2-124m --batch 8 --seq 256 --gpu 3GiB --steps 2 --json`, as JSON."""
     pytest.importorskip("torch")
-    from oomkit.prediction.predictor import predict
-    from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.interfaces.reports.prediction import prediction_to_json
+    from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.predictor import predict
 
     options = StepOptions(**OPTIONS)
     built = build_preset_step("gpt2-124m", options)
@@ -178,8 +178,8 @@ def saved():
 
 
 def _repredicted_required(gpu="3GiB", **change):
-    from oomkit.prediction.predictor import predict
     from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.predictor import predict
 
     built = build_preset_step("gpt2-124m", StepOptions(**(OPTIONS | change)))
     return predict(built.step_fn, gpu=gpu, steps=2, track=built.track).required_bytes

@@ -6,14 +6,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from oomkit.core.gpus import CATALOG, GpuSpec
+from oomkit.errors import NoFeasibleBatchSizeError, UserCodeError
 from oomkit.plan.batch_search import (
     MIN_DEFAULT_MARGIN_BYTES,
     default_margin_bytes,
     max_batch_size,
     smallest_gpu,
 )
-from oomkit.errors import NoFeasibleBatchSizeError, UserCodeError
-from oomkit.core.gpus import CATALOG, GpuSpec
 
 torch = pytest.importorskip("torch")
 

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
+from oomkit.core.replay import replay_snapshot
+from oomkit.core.trace import TraceEvent
+from oomkit.errors import AllocatorUsageError, ConfigError, TraceFormatError
 from oomkit.plan import (
     DEFAULT_GRID,
     FLAG_REASONS,
@@ -15,9 +18,6 @@ from oomkit.plan import (
     TuningCandidate,
     tune,
 )
-from oomkit.errors import AllocatorUsageError, ConfigError, TraceFormatError
-from oomkit.core.replay import replay_snapshot
-from oomkit.core.trace import TraceEvent
 
 MiB = 2**20
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from oomkit.prediction import Prediction, predict, predict_recording
-from oomkit.prediction._replay import MAX_TIMELINE_POINTS
-from oomkit.errors import ConfigError, TraceFormatError, UnknownGpuError
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.errors import ConfigError, TraceFormatError, UnknownGpuError
+from oomkit.prediction import Prediction, predict, predict_recording
+from oomkit.prediction._replay import MAX_TIMELINE_POINTS
 
 torch = pytest.importorskip("torch")
 from oomkit.prediction.tracing import TraceRecording  # noqa: E402

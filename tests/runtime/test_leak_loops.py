@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from oomkit.core.trace import TraceEvent  # noqa: E402
 from oomkit.diagnose.memory_health import (  # noqa: E402
     LeakFinding,
     MemorySample,
@@ -29,7 +30,6 @@ from oomkit.diagnose.memory_health import (  # noqa: E402
     memory_findings,
 )
 from oomkit.runtime import SimulatedCudaDevice  # noqa: E402
-from oomkit.core.trace import TraceEvent  # noqa: E402
 
 STEPS = 24
 SEEDS = range(10)

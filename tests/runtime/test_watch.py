@@ -11,6 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oomkit.core.snapshot import load_snapshot, write_snapshot
+from oomkit.core.trace import TraceEvent
 from oomkit.errors import OomkitError
 from oomkit.runtime.simulated import SimulatedCudaDevice
 from oomkit.runtime.watch import (
@@ -24,8 +26,6 @@ from oomkit.runtime.watch import (
     verdict_line,
     watch,
 )
-from oomkit.core.snapshot import load_snapshot, write_snapshot
-from oomkit.core.trace import TraceEvent
 
 MiB = 2**20
 OOM_TEXT = (

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from statistics import median
 from typing import TYPE_CHECKING, Literal
 
+from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._trend import LEAK_Z, trend
 from oomkit.plan.tuning import TuningResult, tune
-from oomkit.core.trace import TraceEvent
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:

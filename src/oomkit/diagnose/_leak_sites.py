@@ -17,10 +17,10 @@ from statistics import median
 from typing import Literal
 
 from oomkit.core.allocator import round_size
+from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._trend import LEAK_Z, detect_warmup_steps, trend
 from oomkit.diagnose.attribution import site_of
 from oomkit.errors import MemoryHealthError
-from oomkit.core.trace import TraceEvent
 
 __all__ = [
     "LeakCause",

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from oomkit.core.gpus import CATALOG, DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
 from oomkit.diagnose.attribution import Attribution
 from oomkit.diagnose.oom_text import OomText
-from oomkit.core.gpus import CATALOG, DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
 from oomkit.units import format_bytes
 
 __all__ = ["Cause", "CAUSES", "Finding", "Remedy", "Diagnosis", "diagnose_oom_text"]

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._fragmentation import FragmentationFinding, detect_fragmentation
 from oomkit.diagnose._leak_sites import (
     LeakCause,
@@ -32,7 +33,6 @@ from oomkit.diagnose._leak_sites import (
 )
 from oomkit.diagnose._trend import LEAK_Z, Trend, detect_warmup_steps, trend
 from oomkit.errors import MemoryHealthError
-from oomkit.core.trace import TraceEvent
 from oomkit.units import format_bytes
 
 __all__ = [

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, CachingAllocator
-from oomkit.errors import AllocatorUsageError, ConfigError
 from oomkit.core.replay import ReplayResult, replay_snapshot, simulate_events
 from oomkit.core.snapshot import Snapshot
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import AllocatorUsageError, ConfigError
 
 __all__ = [
     "DEFAULT_GRID",

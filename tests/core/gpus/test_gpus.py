@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 import oomkit.core.gpus as gpus
-from oomkit.errors import OomkitError
 from oomkit.core.gpus import (
     CATALOG,
     DEFAULT_CONTEXT_OVERHEAD_BYTES,
@@ -18,6 +17,7 @@ from oomkit.core.gpus import (
     list_gpus,
     normalize_gpu_name,
 )
+from oomkit.errors import OomkitError
 from oomkit.units import GiB, MiB
 
 # --- exact figures -------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import pickle
 import pytest
 
 import oomkit.core.snapshot as snapshot_pkg
-from oomkit.errors import SnapshotFormatError
 from oomkit.core.snapshot import Snapshot, SnapshotBlock, infer_torch_version, load_snapshot
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.errors import SnapshotFormatError
 
 MiB = 2**20
 FRAMES = [{"filename": "model.py", "line": 12, "name": "forward"}]

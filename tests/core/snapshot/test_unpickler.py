@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from oomkit.errors import SnapshotFormatError
 from oomkit.core.snapshot import load_snapshot, write_snapshot
+from oomkit.errors import SnapshotFormatError
 
 HOW = r"_record_memory_history\(\).*_dump_snapshot"
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomkit.errors import TraceFormatError
 from oomkit.core.trace import Frame, TraceEvent, TraceHeader, read_trace, write_trace
+from oomkit.errors import TraceFormatError
 
 STACK_A = (Frame("model.py", 10, "forward"), Frame("train.py", 3, "<module>"))
 STACK_B = (Frame("optim.py", 7, "step"),)

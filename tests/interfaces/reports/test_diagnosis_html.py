@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oomkit.core.snapshot import snapshot_from_data
 from oomkit.diagnose.diagnosis import diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
 from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
@@ -22,7 +23,6 @@ from oomkit.interfaces.reports.diagnosis_html import (
 )
 from oomkit.interfaces.reports.html import BlockRun
 from oomkit.runtime.simulated import SimulatedCudaDevice
-from oomkit.core.snapshot import snapshot_from_data
 
 MiB = 2**20
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -130,8 +130,8 @@ def test_page_loads_in_chromium(oom_snapshot, tmp_path, parse_html):
 
 def test_explain_html_flag(oom_snapshot, tmp_path, capsys, parse_html):
     """`oomkit explain SNAPSHOT --html FILE` writes the page beside the terminal report."""
-    from oomkit.interfaces.cli import main
     from oomkit.core.snapshot import write_snapshot
+    from oomkit.interfaces.cli import main
 
     snap = write_snapshot(
         tmp_path / "oom.pickle",

@@ -12,11 +12,11 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parents[2] / "diagnose"))
 from cases.oom_cases import fragmented_oom_message  # noqa: E402
 
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.trace import Frame, TraceEvent
 from oomkit.diagnose.diagnosis import diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
-from oomkit.core.gpus import GpuSpec
 from oomkit.interfaces.reports.diagnosis import render_diagnosis
-from oomkit.core.trace import Frame, TraceEvent
 
 MiB = 2**20
 GiB = 2**30
@@ -70,8 +70,8 @@ warning: an example warning
 def test_prediction_report_golden():
     """Header, category and module tables at the peak, peaks per step, verdict, warnings."""
     pytest.importorskip("torch")
-    from oomkit.prediction import predict_recording
     from oomkit.interfaces.reports.prediction import render_prediction
+    from oomkit.prediction import predict_recording
     from oomkit.prediction.tracing import TraceRecording
 
     gelu = Frame("train.py", 12, "step")
@@ -123,9 +123,9 @@ def test_kernels_line_names_what_the_recording_assumed():
     pytest.importorskip("torch")
     import dataclasses
 
-    from oomkit.prediction import predict_recording
     from oomkit.core.gpus import get_gpu
     from oomkit.interfaces.reports.prediction import kernels_line
+    from oomkit.prediction import predict_recording
     from oomkit.prediction.tracing import TraceRecording
 
     recording = TraceRecording(

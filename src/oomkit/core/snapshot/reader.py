@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oomkit.errors import SnapshotFormatError
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
 from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent
+from oomkit.errors import SnapshotFormatError
 
 __all__ = ["load_snapshot", "snapshot_from_data"]
 

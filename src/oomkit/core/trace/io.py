@@ -27,8 +27,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from oomkit.errors import TraceFormatError
 from oomkit.core.trace.events import TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
+from oomkit.errors import TraceFormatError
 
 __all__ = ["TRACE_FORMAT_NAME", "read_trace", "write_trace"]
 

@@ -14,11 +14,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomkit.diagnose.diagnosis import Diagnosis
-from oomkit.prediction.predictor import TimelinePoint
-from oomkit.interfaces.reports.diagnosis import REMEDIES_HEADING, remedy_headline, remedy_saving, verdict_label
-from oomkit.interfaces.reports.html import BlockRun, ChartSeries, HtmlPage, block_map_svg, line_chart_svg
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
+from oomkit.diagnose.diagnosis import Diagnosis
+from oomkit.interfaces.reports.diagnosis import (
+    REMEDIES_HEADING,
+    remedy_headline,
+    remedy_saving,
+    verdict_label,
+)
+from oomkit.interfaces.reports.html import (
+    BlockRun,
+    ChartSeries,
+    HtmlPage,
+    block_map_svg,
+    line_chart_svg,
+)
+from oomkit.prediction.predictor import TimelinePoint
 from oomkit.units import format_bytes
 
 __all__ = [

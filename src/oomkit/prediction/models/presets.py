@@ -14,9 +14,19 @@ import torch
 from oomkit.errors import OomkitError, UnknownPresetError
 from oomkit.prediction.models.bert import Bert, BertShape, bert_buffer_count, bert_parameter_count
 from oomkit.prediction.models.gpt2 import GPT2, GPT2Shape, gpt2_parameter_count
-from oomkit.prediction.models.llama import Llama, LlamaShape, llama_buffer_count, llama_parameter_count
+from oomkit.prediction.models.llama import (
+    Llama,
+    LlamaShape,
+    llama_buffer_count,
+    llama_parameter_count,
+)
 from oomkit.prediction.models.options import BuiltStep, StepOptions
-from oomkit.prediction.models.resnet import ResNet, ResNetShape, resnet_buffer_count, resnet_parameter_count
+from oomkit.prediction.models.resnet import (
+    ResNet,
+    ResNetShape,
+    resnet_buffer_count,
+    resnet_parameter_count,
+)
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 from oomkit.prediction.models.vit import ViT, ViTShape, vit_parameter_count
 
