@@ -164,7 +164,7 @@ def _folder_units() -> list[str]:
 def _own_modules(unit: str) -> set[str]:
     """The modules and subpackages directly in a folder unit that belong to the unit itself."""
     names = {p.name.removesuffix(".py") for p in (SRC / unit.replace(".", "/")).iterdir()}
-    names -= {"__init__", "__pycache__", "ruff.toml"}
+    names = {n for n in names if not n.startswith(".")} - {"__init__", "__pycache__", "ruff.toml"}
     return {f"{unit}.{name}" for name in names if unit_of(f"{unit}.{name}") == unit}
 
 
