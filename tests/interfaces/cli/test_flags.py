@@ -88,3 +88,14 @@ def test_no_command_is_usage_error(capsys):
     """`oomkit` alone prints help and exits 2."""
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    """`experiment --gpu 0` is not a shortened `--gpus 0`: an unknown flag, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["experiment", "--gpu", "0", "--", "python", "train.py"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --gpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["predict", "gpt2-124m", "--bat", "2"])
+    assert "unrecognized arguments: --bat" in capsys.readouterr().err

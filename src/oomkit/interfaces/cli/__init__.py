@@ -48,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oomkit",
         description="Predict, explain and prevent CUDA out-of-memory errors in PyTorch.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"oomkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _subcommands():
         module.add_parser(subparsers)
+    # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
+    for subparser in subparsers.choices.values():
+        subparser.allow_abbrev = False
     return parser
 
 
