@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.errors import ConfigError
 
 __all__ = ["Target", "resolve_target"]
 
@@ -96,15 +97,15 @@ class Target:
         Raises:
             UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
             GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
-            ConfigError: ``alloc_conf`` is a setting that PyTorch release would reject.
-            ValueError: ``cudnn_version`` is not a positive whole number.
+            ConfigError: ``alloc_conf`` is a setting that PyTorch release would reject, or
+                ``cudnn_version`` is not a positive whole number.
         """
         spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
         config = AllocatorConfig.coerce(alloc_conf, torch_version)
         if cudnn_version is not None and (
             not isinstance(cudnn_version, int) or isinstance(cudnn_version, bool) or cudnn_version < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"cudnn_version must be a positive whole number as torch.backends.cudnn.version() "
                 f"reports it; got {cudnn_version!r}. Example: cudnn_version=91002 for cuDNN 9.10.2"
             )
@@ -132,7 +133,7 @@ def resolve_target(
         ``target`` as given, else ``Target.resolve`` of the keywords.
 
     Raises:
-        ValueError: ``target`` and one of the keywords are both given.
+        ConfigError: ``target`` and one of the keywords are both given.
         UnknownGpuError, GpuSpecError, ConfigError: as ``Target.resolve``.
     """
     if target is None:
@@ -150,7 +151,7 @@ def resolve_target(
         if value is not None
     ]
     if given:
-        raise ValueError(
+        raise ConfigError(
             f"give either target= or {', '.join(given)}, not both: the target already names the "
             "GPU, allocator setting and versions. Example: "
             "target=Target.resolve('h100', alloc_conf='expandable_segments:True')"
