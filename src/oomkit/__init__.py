@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from oomkit._version import __version__
+from oomkit.core.target import Target
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -38,6 +39,7 @@ __all__ = [
     "Prediction",
     "SnapshotFormatError",
     "StepRecord",
+    "Target",
     "TorchRequiredError",
     "TraceFormatError",
     "UnsupportedOpError",
