@@ -19,8 +19,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from oomkit.core.allocator.best_fit import checked_free_block, find_free_block
+from oomkit.core.allocator.best_fit import checked_free_block
 from oomkit.core.allocator.block import Block
+from oomkit.core.allocator.cache_miss import CacheMiss
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.core.allocator.constants import (
     MIN_BLOCK_SIZE,
@@ -28,20 +29,21 @@ from oomkit.core.allocator.constants import (
     SIZE_MAX,
     SMALL_SIZE,
 )
-from oomkit.core.allocator.device_memory import SYNTHETIC_ADDRESS_BASE, DeviceMemory
-from oomkit.core.allocator.events import PendingFrees
+from oomkit.core.allocator.device_memory import (
+    SYNTHETIC_ADDRESS_BASE,
+    DeviceMemory,
+    check_capacity,
+)
+from oomkit.core.allocator.events import PendingFrees, not_live_message
 from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.oom_message import (
     ONE_EXA_MESSAGE,
-    SimulatedOutOfMemoryError,
-    oom_message,
     process_memory_info,
-    rejection_message,
 )
 from oomkit.core.allocator.pools import BlockPool
-from oomkit.core.allocator.private_pools import MempoolId, PrivatePool, PrivatePools, StreamFilter
+from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamFilter
 from oomkit.core.allocator.release import CacheRelease
-from oomkit.core.allocator.rounding import allocation_size, round_size
+from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
 from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
@@ -122,16 +124,7 @@ class CachingAllocator:
         process_memory: Callable[[], Sequence[tuple[int, int]]] | None = None,
         pid: int | None = None,
     ) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise AllocatorUsageError(
-                f"capacity_bytes must be a non-negative int of bytes; got {capacity_bytes!r}. "
-                "Example: capacity_bytes=80 * 2**30 for an 80 GiB device."
-            )
-        if not isinstance(reserved_outside_bytes, int) or reserved_outside_bytes < 0:
-            raise AllocatorUsageError(
-                "reserved_outside_bytes must be a non-negative int of bytes; got "
-                f"{reserved_outside_bytes!r}."
-            )
+        check_capacity(capacity_bytes, reserved_outside_bytes)
         self.config = config if config is not None else AllocatorConfig()
         self.torch_version = torch_version
         self.rules = rules = rules_for(torch_version)
@@ -145,7 +138,6 @@ class CachingAllocator:
         )
         self.segment_log = self._device.segment_log
         self._expandable = ExpandableSegments(self._device, stats, settings)
-        self._release = CacheRelease(self._device, self._expandable, settings)
         self._private = PrivatePools(rules)
         # The open allocation scopes (changed in place by PrivatePools).
         self._scopes = self._private.scopes
@@ -154,11 +146,26 @@ class CachingAllocator:
         self._large = BlockPool(False, by_counter)
         # active_blocks: allocated blocks and blocks whose free waits on events, by address.
         self._active: dict[int, Block] = {}
-        self._events = PendingFrees()
+        self._events = PendingFrees(self._active, self._free_block, stats)
+        self._release = CacheRelease(
+            (self._small, self._large),
+            self._active,
+            (settings, self._device, self._expandable, self._private, self._events),
+        )
         self._process_memory = process_memory
         self.pid = os.getpid() if pid is None else pid
-        # Whether this malloc was rejected by throw_on_cudamalloc_oom (§4 step 6.3).
-        self._rejected = False
+        parts = (settings, stats, self._device, self._expandable, self._release, self._private)
+        self._miss = CacheMiss(rules, device, parts, self.process_memory_info)
+        self._seed_target = SeedTarget(
+            self._small,
+            self._large,
+            self._active,
+            self._device,
+            self._expandable,
+            stats,
+            settings,
+            self._held_blocks,
+        )
         # DeviceCachingAllocator ctor: stats.max_split_size is captured once (§10.2, §13.26).
         self._max_split_stat = -1 if settings.max_split == SIZE_MAX else settings.max_split
 
@@ -198,7 +205,7 @@ class CachingAllocator:
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
         if nbytes >= ONE_EXA_BYTES:
             # NativeCachingAllocator::malloc: fails before the device allocator (§12.4).
-            raise self._oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)
+            raise self._miss.oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)
         # Step 1 (process_events): events complete only at synchronize()/complete_free() or in
         # the Step 9 release here, so there is nothing to reap.
         # Step 2: round, choose the pool, size a new segment (§2).
@@ -251,7 +258,7 @@ class CachingAllocator:
                     block.key = None
         if block is None:
             # Step 4 (free-memory callbacks) frees nothing in a single simulated process.
-            block = self._malloc_new(pool, size, nbytes, stream)
+            block = self._miss.new_block(pool, size, nbytes, stream)
             if block.segment.pool is not pool:
                 # Step 7 served it from a use_on_oom pool: try_mempool_fallback's params carry
                 # that pool and is_expandable_segments_active = false.
@@ -273,18 +280,8 @@ class CachingAllocator:
         classic = not block.segment.expandable
         if split:
             already_split = block.prev is not None or block.next is not None
-            # The allocation takes the front of the block; the old block is the remainder.
-            new = Block(block.ptr, size, stream, block.segment)
-            prev = block.prev
-            new.prev = prev
-            if prev is not None:
-                prev.next = new
-            new.next = block
-            block.prev = new
-            block.ptr += size
-            block.size = remaining
-            # insert_into_blocks: the remainder goes back with a fresh GC base.
-            pool.insert(block)
+            # The allocation takes the front; the remainder goes back into the pool.
+            new = pool.split_front(block, size)
             if classic:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
@@ -342,56 +339,6 @@ class CachingAllocator:
             self._stats.up_all(OVERSIZE_ALLOCATIONS, 1)
         return ptr
 
-    def _malloc_new(self, pool: BlockPool, size: int, nbytes: int, stream: int) -> Block:
-        """Steps 5-10: GC, new segment, Step 7 (use_on_oom), Step 8, Step 9 (retry), or OOM."""
-        settings = self._settings
-        alloc_size = allocation_size(size, settings.large_segment_size)
-        self._rejected = False
-        if settings.gc_enabled:
-            # Step 5: garbage_collect_cached_blocks.
-            self._release.garbage_collect(self._large)
-        block = self._alloc_block(pool, size, alloc_size, stream, False)
-        # A throw_on_cudamalloc_oom rejection skips the retry chain (MAIN26 malloc).
-        if block is None and not self._rejected:
-            if self.rules.mempool_use_on_oom and pool.owner is None:
-                # Step 7: try_mempool_fallback (only for default-pool requests).
-                for half in self._private.use_on_oom_pools(size):
-                    block = find_free_block(settings, half, size, stream, expandable_active=False)
-                    if block is not None:
-                        break
-            if block is None and self._release.release_available(pool, size, stream):
-                # Step 8: release_available_cached_blocks, then alloc_block(isRetry=false).
-                block = self._alloc_block(pool, size, alloc_size, stream, False)
-            if block is None and not self._private.capture_blocks_release(stream):
-                # Step 9: release_cached_blocks, then alloc_block(isRetry=true); skipped
-                # while a capture is underway.
-                self._release_cached_blocks(None, stream)
-                block = self._alloc_block(pool, size, alloc_size, stream, True)
-        if block is None:
-            if self._rejected:
-                # NativeCachingAllocator::malloc: a rejected request raises its own message
-                # (§12.4); no num_ooms increment.
-                self._rejected = False
-                error = self._oom_error(rejection_message(nbytes), nbytes, size, alloc_size, stream)
-                error.rejected = True
-                raise error
-            # Step 10: OOM; nothing freed above is rolled back.
-            self._stats.num_ooms += 1
-            message = oom_message(
-                self.rules,
-                alloc_size=alloc_size,
-                device=self.device,
-                total=self.capacity_bytes,
-                free=self.device_free_bytes,
-                allocated=self._stats.current(ALLOCATED_BYTES),
-                reserved=self._stats.current(RESERVED_BYTES),
-                allowed=settings.limit,
-                private_pool_cached=self.private_pool_cached_bytes(),
-                process_info=self.process_memory_info(),
-            )
-            raise self._oom_error(message, nbytes, size, alloc_size, stream)
-        return block
-
     def process_memory_info(self) -> str:
         """The OOM message's per-process sentences (reportProcessMemoryInfo, §12.2 PROC).
 
@@ -405,48 +352,6 @@ class CachingAllocator:
     def device_free_bytes(self) -> int:
         """What cudaMemGetInfo would report as free: capacity minus everything reserved."""
         return self._device.free_bytes
-
-    def _oom_error(
-        self, message: str, nbytes: int, size: int, alloc_size: int, stream: int
-    ) -> SimulatedOutOfMemoryError:
-        return SimulatedOutOfMemoryError(
-            message,
-            requested_bytes=nbytes,
-            rounded_bytes=size,
-            alloc_size_bytes=alloc_size,
-            allocated_bytes=self._stats.current(ALLOCATED_BYTES),
-            reserved_bytes=self._stats.current(RESERVED_BYTES),
-            capacity_bytes=self.capacity_bytes,
-            free_bytes=self.device_free_bytes,
-            allowed_bytes=self._settings.limit,
-            stream=stream,
-        )
-
-    def _alloc_block(
-        self, pool: BlockPool, size: int, alloc_size: int, stream: int, is_retry: bool
-    ) -> Block | None:
-        """alloc_block (§4 step 6): a new segment (or expandable pages), or None."""
-        settings = self._settings
-        total = self._device.total_bytes
-        if is_retry:
-            # Step 6.1: counted at call time, whatever the outcome.
-            self._stats.num_alloc_retries += 1
-        if settings.limit is not None and total + alloc_size > settings.limit:
-            # Step 6.2: the fraction limit is tested against alloc_size; no cudaMalloc.
-            return None
-        if settings.reject_limit is not None and total + alloc_size > settings.reject_limit:
-            # Step 6.3 (MAIN26 throw_on_cudamalloc_oom): reject instead of trying cudaMalloc.
-            self._stats.num_oom_rejections += 1
-            self._rejected = True
-            return None
-        if settings.expandable:
-            # Step 6.4: the expandable path gets the rounded size, not alloc_size.
-            block = self._expandable.try_allocate(pool, size, stream)
-            if block is not None and pool.owner is not None:
-                # alloc_block: one cudaMalloc_count per expandable allocation that succeeded.
-                pool.owner.segment_count += 1
-            return block
-        return self._device.malloc_segment(pool, alloc_size, stream)
 
     # ------------------------------------------------------------------ free
 
@@ -466,7 +371,7 @@ class CachingAllocator:
         if block is None or not block.allocated:
             if ptr == 0 and type(ptr) is int:
                 return
-            raise AllocatorUsageError(self._not_live(ptr, "free"))
+            raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
         block.allocated = False
         stats = self._stat_lists
         size = block.size
@@ -484,18 +389,6 @@ class CachingAllocator:
         else:
             self._free_block(block)
 
-    def _not_live(self, ptr: object, what: str) -> str:
-        if isinstance(ptr, int) and ptr in self._active:
-            return (
-                f"{what}: address {ptr:#x} was already freed (its free is still pending). "
-                "Each allocation may be freed once."
-            )
-        shown = f"{ptr:#x}" if isinstance(ptr, int) else repr(ptr)
-        return (
-            f"{what}: {shown} is not an address this allocator handed out, or it was already "
-            "freed (PyTorch: 'invalid device pointer'). Pass the value malloc() returned."
-        )
-
     def _free_block(self, block: Block) -> None:
         """free_block (§5.2): merge with free neighbours and return the block to its pool."""
         segment = block.segment
@@ -504,9 +397,15 @@ class CachingAllocator:
         original_size = block.size
         requested = block.requested_size
         del self._active[block.ptr]
-        # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
-        net_blocks = -pool.merge_free_neighbours(block)
-        net_bytes = original_size - block.size
+        prev = block.prev
+        nxt = block.next
+        if (prev is not None and not prev.allocated) or (nxt is not None and not nxt.allocated):
+            # try_merge_blocks with prev, then with next (skipped when neither can merge).
+            net_blocks = -pool.merge_free_neighbours(block)
+            net_bytes = original_size - block.size
+        else:
+            net_blocks = net_bytes = 0
+        # insert_into_blocks resets the GC base.
         pool.insert(block)
         stats = self._stat_lists
         sa = stats[ALL]
@@ -543,18 +442,7 @@ class CachingAllocator:
         Raises:
             AllocatorUsageError: ``ptr`` is not a live allocation, or ``stream`` is not an int.
         """
-        block = self._active.get(ptr)
-        if block is None or not block.allocated:
-            raise AllocatorUsageError(self._not_live(ptr, "record_stream"))
-        if type(stream) is not int:
-            raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
-        if stream == block.stream:
-            # Uses on the allocation stream need no synchronization.
-            return
-        if block.stream_uses is None:
-            block.stream_uses = {stream}
-        else:
-            block.stream_uses.add(stream)
+        self._events.record_stream(ptr, stream)
 
     def complete_free(self, ptr: int) -> None:
         """All events of a pending free completed (the trace's ``free_completed``).
@@ -562,15 +450,7 @@ class CachingAllocator:
         Raises:
             AllocatorUsageError: ``ptr`` has no pending free.
         """
-        block = self._active.get(ptr)
-        if block is None or block.allocated or not block.event_count:
-            shown = f"{ptr:#x}" if isinstance(ptr, int) else repr(ptr)
-            raise AllocatorUsageError(
-                f"complete_free: {shown} has no pending free. Call free(ptr, deferred=True) "
-                "or record_stream() before free() first."
-            )
-        self._events.complete(block)
-        self._free_block(block)
+        self._events.complete_free(ptr)
 
     def synchronize(self) -> None:
         """The device is idle: every outstanding event completes and its free finishes.
@@ -579,22 +459,7 @@ class CachingAllocator:
         device synchronize. Unlike :meth:`empty_cache` this does not count in
         ``num_sync_all_streams``.
         """
-        self._complete_all_events()
-
-    def _complete_all_events(self) -> None:
-        for block in self._events.complete_all():
-            self._free_block(block)
-
-    def _synchronize_and_free_events(self) -> None:
-        """synchronize_and_free_events (§4 step 9.1)."""
-        self._stats.num_sync_all_streams += 1
-        self._complete_all_events()
-
-    def _synchronize_pool_events(self, pool: PrivatePool) -> None:
-        """synchronize_and_free_events(context, pool): only the events of this pool's blocks."""
-        self._stats.num_sync_all_streams += 1
-        for block in self._events.complete_pool(pool):
-            self._free_block(block)
+        self._events.complete_all()
 
     # ------------------------------------------------------------------ releasing memory
 
@@ -612,18 +477,7 @@ class CachingAllocator:
                 internal assert ``captures_underway.empty()``), or a pool id where the modelled
                 version has no per-pool emptyCache.
         """
-        if pool_id is not None and not self.rules.empty_cache_per_pool:
-            raise AllocatorUsageError(
-                "empty_cache(pool_id) is modelled from 2026 main (torch >= 2.12); call "
-                "empty_cache() for this torch_version."
-            )
-        if pool_id is None and self._scopes and not self.rules.release_skips_only_real_capture:
-            raise AllocatorUsageError(
-                "empty_cache() while an allocation scope is open: this torch version fails "
-                "the internal assert 'captures_underway.empty()'. Call end_allocate_to_pool "
-                "first."
-            )
-        self._release_cached_blocks(pool_id, None)
+        self._release.empty_cache(pool_id)
 
     def release_cached_blocks(self, *, synchronize: bool = False) -> None:
         """Release every releasable cached block, large pool then small pool (§4 step 9.2-9.3).
@@ -637,30 +491,8 @@ class CachingAllocator:
             synchronize: first complete all outstanding events (synchronize_and_free_events).
         """
         if synchronize:
-            self._synchronize_and_free_events()
-        # release_cached_blocks after its event sync: default large, default small, then the
-        # freeable private pools.
-        self._release.release_blocks(self._large)
-        self._release.release_blocks(self._small)
-        self._release_freeable_pools(None)
-
-    def _release_cached_blocks(self, pool_id: MempoolId | None, stream: int | None) -> None:
-        """release_cached_blocks (§4 step 9, §5.3).
-
-        ``pool_id`` None: synchronize events and release the default pools (unless a capture
-        forbids it), then every freeable private pool. A pool id (MAIN26 emptyCache(id)):
-        synchronize that pool's events and release only it, if it is freeable.
-        """
-        if pool_id is None and not self._private.capture_blocks_release(stream):
-            self._synchronize_and_free_events()
-            self._release.release_blocks(self._large)
-            self._release.release_blocks(self._small)
-        self._release_freeable_pools(pool_id)
-
-    def _release_freeable_pools(self, pool_id: MempoolId | None) -> None:
-        self._private.release_freeable(
-            pool_id, self._release.release_blocks, self._synchronize_pool_events, self._active
-        )
+            self._events.synchronize_and_free()
+        self._release.release_synchronized()
 
     # ------------------------------------------------------------------ settings
 
@@ -810,18 +642,8 @@ class CachingAllocator:
             AllocatorUsageError: the blocks do not tile the segment, two free blocks touch,
                 or the range overlaps memory the allocator already holds.
         """
-        target = SeedTarget(
-            self._small,
-            self._large,
-            self._active,
-            self._device,
-            self._expandable,
-            self._stats,
-            self._settings,
-            self._held_blocks,
-        )
         seed_segment(
-            target,
+            self._seed_target,
             address,
             total_size,
             stream,

@@ -22,12 +22,31 @@ from oomkit.core.allocator.stats import (
     SMALL_POOL,
     AllocatorStats,
 )
+from oomkit.errors import AllocatorUsageError
 
-__all__ = ["DeviceMemory", "SYNTHETIC_ADDRESS_BASE"]
+__all__ = ["DeviceMemory", "SYNTHETIC_ADDRESS_BASE", "check_capacity"]
 
 # First synthetic segment address: a typical CUDA VA region, 2 MiB aligned.
 SYNTHETIC_ADDRESS_BASE = 0x7F00_0000_0000
 _ADDRESS_ALIGN = SMALL_BUFFER
+
+
+def check_capacity(capacity_bytes: object, reserved_outside_bytes: object) -> None:
+    """Validate the device sizes a :class:`DeviceMemory` is made with.
+
+    Raises:
+        AllocatorUsageError: a negative or non-integer capacity or outside reservation.
+    """
+    if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+        raise AllocatorUsageError(
+            f"capacity_bytes must be a non-negative int of bytes; got {capacity_bytes!r}. "
+            "Example: capacity_bytes=80 * 2**30 for an 80 GiB device."
+        )
+    if not isinstance(reserved_outside_bytes, int) or reserved_outside_bytes < 0:
+        raise AllocatorUsageError(
+            "reserved_outside_bytes must be a non-negative int of bytes; got "
+            f"{reserved_outside_bytes!r}."
+        )
 
 
 class DeviceMemory:

@@ -1,9 +1,9 @@
 """Releasing cached memory (ref §4 steps 5, 8, 9; §4.1; §5.3; §7).
 
-``release_blocks`` (cudaFree of whole free classic segments and unmapping of free expandable
-pages), ``release_available_cached_blocks`` (Step 8) and ``garbage_collect_cached_blocks`` (§7)
-of CUDACachingAllocator.cpp, as :class:`CacheRelease` over the allocator's device memory and
-expandable segments.
+``release_cached_blocks`` (§4 step 9, §5.3), ``release_blocks`` (cudaFree of whole free classic
+segments and unmapping of free expandable pages), ``release_available_cached_blocks`` (Step 8)
+and ``garbage_collect_cached_blocks`` (§7) of CUDACachingAllocator.cpp, as :class:`CacheRelease`
+over the allocator's pools, device memory, expandable segments and pending frees.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from bisect import bisect_left
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.constants import SIZE_MAX
 from oomkit.core.allocator.device_memory import DeviceMemory
+from oomkit.core.allocator.events import PendingFrees
 from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.allocator.private_pools import MempoolId, PrivatePools
 from oomkit.core.allocator.settings import AllocatorSettings
+from oomkit.errors import AllocatorUsageError
 
 __all__ = ["CacheRelease"]
 
@@ -32,16 +35,85 @@ def _releasable(block: Block) -> bool:
 
 
 class CacheRelease:
-    """The paths that give cached memory back to the (simulated) driver."""
+    """The paths that give cached memory back to the (simulated) driver.
 
-    __slots__ = ("_device", "_expandable", "_settings")
+    Args:
+        default_pools: the default (small, large) pools.
+        active: the allocator's active blocks (a freeable private pool holding none is deleted).
+        parts: the allocator's settings, device memory, expandable segments, private pools
+            and pending frees.
+    """
+
+    __slots__ = (
+        "_small",
+        "_large",
+        "_active",
+        "_settings",
+        "_device",
+        "_expandable",
+        "_private",
+        "_events",
+    )
 
     def __init__(
-        self, device: DeviceMemory, expandable: ExpandableSegments, settings: AllocatorSettings
+        self,
+        default_pools: tuple[BlockPool, BlockPool],
+        active: dict[int, Block],
+        parts: tuple[
+            AllocatorSettings, DeviceMemory, ExpandableSegments, PrivatePools, PendingFrees
+        ],
     ) -> None:
-        self._device = device
-        self._expandable = expandable
-        self._settings = settings
+        self._small, self._large = default_pools
+        self._active = active
+        self._settings, self._device, self._expandable, self._private, self._events = parts
+
+    def release_cached_blocks(self, pool_id: MempoolId | None, stream: int | None) -> None:
+        """release_cached_blocks (§4 step 9, §5.3).
+
+        ``pool_id`` None: synchronize events and release the default pools (unless a capture
+        on ``stream`` forbids it; None: any capture), then every freeable private pool. A pool
+        id (MAIN26 emptyCache(id)): synchronize that pool's events and release only it, if it
+        is freeable.
+        """
+        if pool_id is None and not self._private.capture_blocks_release(stream):
+            self._events.synchronize_and_free()
+            self.release_blocks(self._large)
+            self.release_blocks(self._small)
+        self._release_freeable_pools(pool_id)
+
+    def empty_cache(self, pool_id: MempoolId | None) -> None:
+        """torch.cuda.empty_cache: release_cached_blocks for every pool, or one (§5.3).
+
+        Raises:
+            AllocatorUsageError: V24 rules with an allocation scope open (PyTorch fails the
+                internal assert ``captures_underway.empty()``), or a pool id where the modelled
+                version has no per-pool emptyCache.
+        """
+        rules = self._private.rules
+        if pool_id is not None and not rules.empty_cache_per_pool:
+            raise AllocatorUsageError(
+                "empty_cache(pool_id) is modelled from 2026 main (torch >= 2.12); call "
+                "empty_cache() for this torch_version."
+            )
+        if pool_id is None and self._private.scopes and not rules.release_skips_only_real_capture:
+            raise AllocatorUsageError(
+                "empty_cache() while an allocation scope is open: this torch version fails "
+                "the internal assert 'captures_underway.empty()'. Call end_allocate_to_pool "
+                "first."
+            )
+        self.release_cached_blocks(pool_id, None)
+
+    def release_synchronized(self) -> None:
+        """release_cached_blocks after its event sync: default large, default small, then the
+        freeable private pools."""
+        self.release_blocks(self._large)
+        self.release_blocks(self._small)
+        self._release_freeable_pools(None)
+
+    def _release_freeable_pools(self, pool_id: MempoolId | None) -> None:
+        self._private.release_freeable(
+            pool_id, self.release_blocks, self._events.synchronize_pool, self._active
+        )
 
     def release_blocks(self, pool: BlockPool) -> None:
         """release_blocks: cudaFree unsplit classic blocks; unmap free expandable pages."""
@@ -84,8 +156,9 @@ class CacheRelease:
             i -= 1
         return released >= key_size
 
-    def garbage_collect(self, pool: BlockPool) -> None:
-        """garbage_collect_cached_blocks (§7): free aged unsplit large blocks."""
+    def garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks (§7): free aged unsplit blocks of the default large pool."""
+        pool = self._large
         limit = self._settings.limit
         assert limit is not None
         gc_threshold = int(self._settings.gc_threshold * float(limit))
