@@ -1,15 +1,13 @@
 """The simulator: a pure-Python ``DeviceCachingAllocator`` (ref §4-§7, §10, §12).
 
 Every decision mirrors ``c10/cuda/CUDACachingAllocator.cpp``; comments name the function and
-the ref section each rule comes from. The allocator is composed of parts with small interfaces:
-``AllocatorSettings`` (settings.py), ``AllocatorStats`` (stats.py), ``DeviceMemory``
-(device_memory.py: cudaMalloc/cudaFree), ``ExpandableSegments`` (expandable.py, §8),
-``CacheRelease`` (release.py), ``PrivatePools`` (private_pools.py, §3.5) and ``PendingFrees``
-(events.py); snapshots and seeding are in state.py. This module holds malloc and free.
+the ref section each rule comes from. This module holds malloc and free; the allocator's parts
+(settings, stats, device memory, expandable segments, releases, the cache-miss path, private
+pools, pending frees, state) live in their own modules with small interfaces.
 
 Performance: malloc and free are written out by hand (no per-call objects apart from the
 blocks PyTorch itself creates, stats as flat list slots bound to locals) because a replay runs
-them millions of times; the parts are reached only on the slow paths.
+them millions of times; the parts are reached only off the common path.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from oomkit.core.allocator import stats as st
 from oomkit.core.allocator.best_fit import checked_free_block
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.cache_miss import CacheMiss
@@ -47,23 +46,7 @@ from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
 from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
-from oomkit.core.allocator.stats import (
-    ACTIVE,
-    ACTIVE_BYTES,
-    ALL,
-    ALLOCATED_BYTES,
-    ALLOCATION,
-    FREED,
-    INACTIVE_SPLIT,
-    INACTIVE_SPLIT_BYTES,
-    LARGE_POOL,
-    OVERSIZE_ALLOCATIONS,
-    PEAK,
-    REQUESTED_BYTES,
-    RESERVED_BYTES,
-    SMALL_POOL,
-    AllocatorStats,
-)
+from oomkit.core.allocator.stats import ALL, LARGE_POOL, SMALL_POOL, AllocatorStats
 from oomkit.errors import AllocatorUsageError
 
 __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE"]
@@ -72,13 +55,15 @@ __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE
 DEFAULT_CAPACITY_BYTES = 80 * 2**30
 
 # Slots the hot paths touch (stats.py layout: CUR, PEAK, FREED per stat).
-_A, _AP, _AF = ALLOCATION, ALLOCATION + PEAK, ALLOCATION + FREED
-_ACT, _ACTP, _ACTF = ACTIVE, ACTIVE + PEAK, ACTIVE + FREED
-_AB, _ABP, _ABF = ALLOCATED_BYTES, ALLOCATED_BYTES + PEAK, ALLOCATED_BYTES + FREED
-_XB, _XBP, _XBF = ACTIVE_BYTES, ACTIVE_BYTES + PEAK, ACTIVE_BYTES + FREED
-_RQ, _RQP, _RQF = REQUESTED_BYTES, REQUESTED_BYTES + PEAK, REQUESTED_BYTES + FREED
-_IS, _ISP, _ISF = INACTIVE_SPLIT, INACTIVE_SPLIT + PEAK, INACTIVE_SPLIT + FREED
-_ISB, _ISBP, _ISBF = INACTIVE_SPLIT_BYTES, INACTIVE_SPLIT_BYTES + PEAK, INACTIVE_SPLIT_BYTES + FREED
+_P, _F = st.PEAK, st.FREED
+_A, _AP, _AF = st.ALLOCATION, st.ALLOCATION + _P, st.ALLOCATION + _F
+_ACT, _ACTP, _ACTF = st.ACTIVE, st.ACTIVE + _P, st.ACTIVE + _F
+_AB, _ABP, _ABF = st.ALLOCATED_BYTES, st.ALLOCATED_BYTES + _P, st.ALLOCATED_BYTES + _F
+_XB, _XBP, _XBF = st.ACTIVE_BYTES, st.ACTIVE_BYTES + _P, st.ACTIVE_BYTES + _F
+_RQ, _RQP, _RQF = st.REQUESTED_BYTES, st.REQUESTED_BYTES + _P, st.REQUESTED_BYTES + _F
+_IS, _ISP, _ISF = st.INACTIVE_SPLIT, st.INACTIVE_SPLIT + _P, st.INACTIVE_SPLIT + _F
+_ISB, _ISBP = st.INACTIVE_SPLIT_BYTES, st.INACTIVE_SPLIT_BYTES + _P
+_ISBF = st.INACTIVE_SPLIT_BYTES + _F
 
 
 class CachingAllocator:
@@ -104,9 +89,6 @@ class CachingAllocator:
     :meth:`create_pool`, :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool` and
     :meth:`release_pool` (see ``oomkit.core.allocator.private_pools``).
 
-    Hot state (the default pools, the active blocks, the stat lists, the settings and the open
-    scopes) is held directly so that malloc and free bind it to locals.
-
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
     """
@@ -130,14 +112,15 @@ class CachingAllocator:
         self.rules = rules = rules_for(torch_version)
         self.device = device
         self._stats = stats = AllocatorStats()
-        # The same lists as stats.lists (never replaced), for the hot paths.
+        # Hot state (stat lists, pools, active blocks, settings, scopes) is held directly so that
+        # malloc and free bind it to locals; the lists are stats.lists (never replaced).
         self._stat_lists = stats.lists
         self._settings = settings = AllocatorSettings(self.config, rules, capacity_bytes)
-        self._device = DeviceMemory(
+        self._device = dev = DeviceMemory(
             capacity_bytes, reserved_outside_bytes, stats, settings, device_malloc, segment_address
         )
-        self.segment_log = self._device.segment_log
-        self._expandable = ExpandableSegments(self._device, stats, settings)
+        self.segment_log = dev.segment_log
+        self._expandable = exp = ExpandableSegments(dev, stats, settings)
         self._private = PrivatePools(rules)
         # The open allocation scopes (changed in place by PrivatePools).
         self._scopes = self._private.scopes
@@ -147,24 +130,14 @@ class CachingAllocator:
         # active_blocks: allocated blocks and blocks whose free waits on events, by address.
         self._active: dict[int, Block] = {}
         self._events = PendingFrees(self._active, self._free_block, stats)
-        self._release = CacheRelease(
-            (self._small, self._large),
-            self._active,
-            (settings, self._device, self._expandable, self._private, self._events),
-        )
+        release_parts = (settings, dev, exp, self._private, self._events)
+        self._release = CacheRelease((self._small, self._large), self._active, release_parts)
         self._process_memory = process_memory
         self.pid = os.getpid() if pid is None else pid
-        parts = (settings, stats, self._device, self._expandable, self._release, self._private)
-        self._miss = CacheMiss(rules, device, parts, self.process_memory_info)
+        miss_parts = (settings, stats, dev, exp, self._release, self._private)
+        self._miss = CacheMiss(rules, device, miss_parts, self.process_memory_info)
         self._seed_target = SeedTarget(
-            self._small,
-            self._large,
-            self._active,
-            self._device,
-            self._expandable,
-            stats,
-            settings,
-            self._held_blocks,
+            self._small, self._large, self._active, dev, exp, stats, settings, self._held_blocks
         )
         # DeviceCachingAllocator ctor: stats.max_split_size is captured once (§10.2, §13.26).
         self._max_split_stat = -1 if settings.max_split == SIZE_MAX else settings.max_split
@@ -336,7 +309,7 @@ class CachingAllocator:
             if c > s[_RQP]:
                 s[_RQP] = c
         if bsize >= max_split:
-            self._stats.up_all(OVERSIZE_ALLOCATIONS, 1)
+            self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
         return ptr
 
     def process_memory_info(self) -> str:
@@ -383,7 +356,7 @@ class CachingAllocator:
             s[_ABF] += size
         if size >= self._settings.max_split:
             # Uses the current setting, as PyTorch does (§5.1 step 5).
-            self._stats.down_all(OVERSIZE_ALLOCATIONS, 1)
+            self._stats.down_all(st.OVERSIZE_ALLOCATIONS, 1)
         if block.stream_uses or deferred:
             self._events.insert(block, deferred)
         else:
@@ -417,13 +390,13 @@ class CachingAllocator:
                 net_bytes += block.size
             # The net change is applied as one increase or one decrease.
             if net_blocks > 0:
-                self._stats.up(kind, INACTIVE_SPLIT, net_blocks)
+                self._stats.up(kind, st.INACTIVE_SPLIT, net_blocks)
             elif net_blocks < 0:
                 for s in (sa, sp):
                     s[_IS] += net_blocks
                     s[_ISF] -= net_blocks
             if net_bytes > 0:
-                self._stats.up(kind, INACTIVE_SPLIT_BYTES, net_bytes)
+                self._stats.up(kind, st.INACTIVE_SPLIT_BYTES, net_bytes)
             elif net_bytes < 0:
                 for s in (sa, sp):
                     s[_ISB] += net_bytes
@@ -455,9 +428,7 @@ class CachingAllocator:
     def synchronize(self) -> None:
         """The device is idle: every outstanding event completes and its free finishes.
 
-        Blocks are freed stream by stream in event order, as process_events would after a
-        device synchronize. Unlike :meth:`empty_cache` this does not count in
-        ``num_sync_all_streams``.
+        Stream by stream in event order; not counted in ``num_sync_all_streams``.
         """
         self._events.complete_all()
 
@@ -473,9 +444,7 @@ class CachingAllocator:
                 that pool's events and release only that pool, if it is freeable.
 
         Raises:
-            AllocatorUsageError: V24 rules with an allocation scope open (PyTorch fails the
-                internal assert ``captures_underway.empty()``), or a pool id where the modelled
-                version has no per-pool emptyCache.
+            AllocatorUsageError: see :meth:`CacheRelease.empty_cache`.
         """
         self._release.empty_cache(pool_id)
 
@@ -497,25 +466,14 @@ class CachingAllocator:
     # ------------------------------------------------------------------ settings
 
     def set_per_process_memory_fraction(self, fraction: float) -> None:
-        """Like ``torch.cuda.set_per_process_memory_fraction`` (§9.5, §4 step 6.2).
-
-        Args:
-            fraction: the share of ``capacity_bytes`` this allocator may reserve, in [0, 1].
-
-        Raises:
-            AllocatorUsageError: not a number in [0, 1].
-        """
+        """Like ``torch.cuda.set_per_process_memory_fraction``: see :func:`check_fraction`."""
         self._settings.apply_fraction(check_fraction(fraction))
 
     def set_allocator_settings(self, text: str) -> None:
         """Like ``torch.cuda.memory._set_allocator_settings`` (§9.1 "Runtime changes").
 
-        Unmentioned ``max_split_size``, roundup divisions and GC threshold go back to their
-        defaults (AllocatorConfig.runtime_update); ``memory_stats()["max_split_size"]`` keeps
-        the value from creation.
-
-        Raises:
-            ConfigError: the settings string is invalid.
+        See ``AllocatorConfig.runtime_update`` (ConfigError); ``memory_stats()["max_split_size"]``
+        keeps the value from creation.
         """
         self.config = self.config.runtime_update(text, self.torch_version)
         self._settings.apply_config(self.config)
@@ -554,19 +512,19 @@ class CachingAllocator:
 
     def memory_allocated(self) -> int:
         """``allocated_bytes.all.current``."""
-        return self._stats.current(ALLOCATED_BYTES)
+        return self._stats.current(st.ALLOCATED_BYTES)
 
     def memory_reserved(self) -> int:
         """``reserved_bytes.all.current``."""
-        return self._stats.current(RESERVED_BYTES)
+        return self._stats.current(st.RESERVED_BYTES)
 
     def max_memory_allocated(self) -> int:
         """``allocated_bytes.all.peak``."""
-        return self._stats.peak(ALLOCATED_BYTES)
+        return self._stats.peak(st.ALLOCATED_BYTES)
 
     def max_memory_reserved(self) -> int:
         """``reserved_bytes.all.peak``."""
-        return self._stats.peak(RESERVED_BYTES)
+        return self._stats.peak(st.RESERVED_BYTES)
 
     # ------------------------------------------------------------------ private pools
 
@@ -636,18 +594,6 @@ class CachingAllocator:
     ) -> None:
         """Add a segment that existed before the replayed trace began (ref §15.1).
 
-        See :func:`oomkit.core.allocator.state.seed_segment` for the arguments.
-
-        Raises:
-            AllocatorUsageError: the blocks do not tile the segment, two free blocks touch,
-                or the range overlaps memory the allocator already holds.
+        See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
         """
-        seed_segment(
-            self._seed_target,
-            address,
-            total_size,
-            stream,
-            is_small=is_small,
-            blocks=blocks,
-            expandable=expandable,
-        )
+        seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)

@@ -105,7 +105,13 @@ class AllocatorSettings:
 
 
 def check_fraction(fraction: object) -> float:
-    """Validate a ``set_per_process_memory_fraction`` argument.
+    """Validate a ``set_per_process_memory_fraction`` argument (§9.5, §4 step 6.2).
+
+    Args:
+        fraction: the share of ``capacity_bytes`` the allocator may reserve, in [0, 1].
+
+    Returns:
+        The fraction as a float.
 
     Raises:
         AllocatorUsageError: not a number in [0, 1].

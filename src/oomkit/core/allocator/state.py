@@ -141,7 +141,6 @@ def seed_segment(
     address: int,
     total_size: int,
     stream: int,
-    *,
     is_small: bool,
     blocks: Sequence[SeedBlock],
     expandable: bool = False,
