@@ -33,12 +33,12 @@ from oomkit.core.allocator.device_memory import (
     DeviceMemory,
     check_capacity,
 )
-from oomkit.core.allocator.events import PendingFrees, not_live_message
 from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.oom_message import (
     ONE_EXA_MESSAGE,
     process_memory_info,
 )
+from oomkit.core.allocator.pending_frees import PendingFrees, not_live_message
 from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamFilter
 from oomkit.core.allocator.release import CacheRelease

@@ -91,10 +91,11 @@ class BlockPool:
         sf = self.streams.get(block.stream)
         if sf is None:
             sf = self.streams[block.stream] = StreamFreeBlocks()
-        bucket = sf.buckets.get(block.size)
+        size = block.size
+        bucket = sf.buckets.get(size)
         if bucket is None:
-            sf.buckets[block.size] = [entry]
-            insort(sf.sizes, block.size)
+            sf.buckets[size] = [entry]
+            insort(sf.sizes, size)
         else:
             bucket.insert(bisect_left(bucket, (entry[0],)), entry)
         self.count += 1

@@ -13,8 +13,8 @@ from bisect import bisect_left
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.constants import SIZE_MAX
 from oomkit.core.allocator.device_memory import DeviceMemory
-from oomkit.core.allocator.events import PendingFrees
 from oomkit.core.allocator.expandable import ExpandableSegments
+from oomkit.core.allocator.pending_frees import PendingFrees
 from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import MempoolId, PrivatePools
 from oomkit.core.allocator.settings import AllocatorSettings

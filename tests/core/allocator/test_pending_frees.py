@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.allocator.block import Block, Segment
-from oomkit.core.allocator.events import PendingFrees
+from oomkit.core.allocator.pending_frees import PendingFrees
 from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import PrivatePool
 from oomkit.core.allocator.stats import AllocatorStats
