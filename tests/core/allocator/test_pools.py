@@ -1,4 +1,4 @@
-"""BlockPool: the free-block set order, split_front and merge_free_neighbours (ref §3.3, §5.2)."""
+"""BlockPool: the free-block set order and merge_free_neighbours (ref §3.3, §5.2)."""
 
 from __future__ import annotations
 
@@ -51,20 +51,6 @@ def test_by_counter_orders_equal_sizes_by_creation():
     pool.insert(new_low)
     pool.insert(old_high)
     assert pool.ordered() == [old_high, new_low]
-
-
-def test_split_front_links_and_reinserts_the_remainder():
-    """The new block takes the front; the remainder keeps its neighbours and goes back free."""
-    pool = BlockPool(True, by_counter=False)
-    pool.gc_clock = 3
-    segment = _segment(pool, 0x10000, 2 * MiB)
-    (whole,) = _chain(segment, [2 * MiB])
-    new = pool.split_front(whole, 512)
-    assert (new.ptr, new.size, new.prev, new.next) == (0x10000, 512, None, whole)
-    assert (whole.ptr, whole.size, whole.prev) == (0x10000 + 512, 2 * MiB - 512, new)
-    assert pool.ordered() == [whole]
-    assert whole.gc_count_base == 3
-    assert not new.allocated
 
 
 def test_merge_free_neighbours_absorbs_both_sides():

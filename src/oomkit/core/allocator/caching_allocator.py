@@ -1,13 +1,9 @@
 """The simulator: a pure-Python ``DeviceCachingAllocator`` (ref §4-§7, §10, §12).
 
 Every decision mirrors ``c10/cuda/CUDACachingAllocator.cpp``; comments name the function and
-the ref section each rule comes from. This module holds malloc and free; the allocator's parts
-(settings, stats, device memory, expandable segments, releases, the cache-miss path, private
-pools, pending frees, state) live in their own modules with small interfaces.
-
-Performance: malloc and free are written out by hand (no per-call objects apart from the
-blocks PyTorch itself creates, stats as flat list slots bound to locals) because a replay runs
-them millions of times; the parts are reached only off the common path.
+the ref section. This module holds malloc and free (written out by hand, stats as flat list
+slots bound to locals: a replay runs them millions of times); the allocator's other parts live
+in their own modules with small interfaces and are reached only off the common path.
 """
 
 from __future__ import annotations
@@ -85,9 +81,8 @@ class CachingAllocator:
             read when an OOM message is built (§12.2 PROC); None = no NVML, no sentences.
         pid: this process's id for those sentences; None = ``os.getpid()``.
 
-    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5) are driven through
-    :meth:`create_pool`, :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool` and
-    :meth:`release_pool` (see ``oomkit.core.allocator.private_pools``).
+    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5): :meth:`create_pool`,
+    :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool`, :meth:`release_pool`.
 
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
@@ -112,8 +107,7 @@ class CachingAllocator:
         self.rules = rules = rules_for(torch_version)
         self.device = device
         self._stats = stats = AllocatorStats()
-        # Hot state (stat lists, pools, active blocks, settings, scopes) is held directly so that
-        # malloc and free bind it to locals; the lists are stats.lists (never replaced).
+        # Hot state is held directly for malloc/free; these are stats.lists (never replaced).
         self._stat_lists = stats.lists
         self._settings = settings = AllocatorSettings(self.config, rules, capacity_bytes)
         self._device = dev = DeviceMemory(
@@ -253,8 +247,17 @@ class CachingAllocator:
         classic = not block.segment.expandable
         if split:
             already_split = block.prev is not None or block.next is not None
-            # The allocation takes the front; the remainder goes back into the pool.
-            new = pool.split_front(block, size)
+            # The allocation takes the front of the block; the old block is the remainder.
+            new = Block(block.ptr, size, stream, block.segment)
+            prev = new.prev = block.prev
+            if prev is not None:
+                prev.next = new
+            new.next = block
+            block.prev = new
+            block.ptr += size
+            block.size = remaining
+            # insert_into_blocks: the remainder goes back with a fresh GC base.
+            pool.insert(block)
             if classic:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
@@ -313,10 +316,7 @@ class CachingAllocator:
         return ptr
 
     def process_memory_info(self) -> str:
-        """The OOM message's per-process sentences (reportProcessMemoryInfo, §12.2 PROC).
-
-        Empty without a ``process_memory`` provider (no NVML).
-        """
+        """The OOM message's per-process sentences (§12.2 PROC); empty without NVML."""
         if self._process_memory is None:
             return ""
         return process_memory_info(self._process_memory(), self.pid)
@@ -346,24 +346,21 @@ class CachingAllocator:
                 return
             raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
         block.allocated = False
-        stats = self._stat_lists
         size = block.size
-        # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
-        for s in (stats[ALL], stats[SMALL_POOL if block.segment.is_small else LARGE_POOL]):
-            s[_A] -= 1
-            s[_AF] += 1
-            s[_AB] -= size
-            s[_ABF] += size
         if size >= self._settings.max_split:
             # Uses the current setting, as PyTorch does (§5.1 step 5).
             self._stats.down_all(st.OVERSIZE_ALLOCATIONS, 1)
         if block.stream_uses or deferred:
+            # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
+            kind = SMALL_POOL if block.segment.is_small else LARGE_POOL
+            self._stats.down(kind, _A, 1)
+            self._stats.down(kind, _AB, size)
             self._events.insert(block, deferred)
         else:
-            self._free_block(block)
+            self._free_block(block, size)
 
-    def _free_block(self, block: Block) -> None:
-        """free_block (§5.2): merge with free neighbours and return the block to its pool."""
+    def _free_block(self, block: Block, allocated_size: int = 0) -> None:
+        """free_block (§5.2); ``allocated_size``: from free(), whose allocation stats drop here."""
         segment = block.segment
         pool = segment.pool
         kind = SMALL_POOL if segment.is_small else LARGE_POOL
@@ -390,13 +387,21 @@ class CachingAllocator:
                 net_bytes += block.size
             # The net change is applied as one increase or one decrease.
             if net_blocks > 0:
-                self._stats.up(kind, st.INACTIVE_SPLIT, net_blocks)
+                for s in (sa, sp):
+                    c = s[_IS] + net_blocks
+                    s[_IS] = c
+                    if c > s[_ISP]:
+                        s[_ISP] = c
             elif net_blocks < 0:
                 for s in (sa, sp):
                     s[_IS] += net_blocks
                     s[_ISF] -= net_blocks
             if net_bytes > 0:
-                self._stats.up(kind, st.INACTIVE_SPLIT_BYTES, net_bytes)
+                for s in (sa, sp):
+                    c = s[_ISB] + net_bytes
+                    s[_ISB] = c
+                    if c > s[_ISBP]:
+                        s[_ISBP] = c
             elif net_bytes < 0:
                 for s in (sa, sp):
                     s[_ISB] += net_bytes
@@ -408,6 +413,12 @@ class CachingAllocator:
             s[_XBF] += original_size
             s[_RQ] -= requested
             s[_RQF] += requested
+            if allocated_size:
+                # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
+                s[_A] -= 1
+                s[_AF] += 1
+                s[_AB] -= allocated_size
+                s[_ABF] += allocated_size
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """recordStream: the block was used on ``stream``; its free will wait for it (§5.1).
@@ -426,18 +437,13 @@ class CachingAllocator:
         self._events.complete_free(ptr)
 
     def synchronize(self) -> None:
-        """The device is idle: every outstanding event completes and its free finishes.
-
-        Stream by stream in event order; not counted in ``num_sync_all_streams``.
-        """
+        """The device is idle: every event completes (not counted in num_sync_all_streams)."""
         self._events.complete_all()
 
     # ------------------------------------------------------------------ releasing memory
 
     def empty_cache(self, pool_id: MempoolId | None = None) -> None:
         """torch.cuda.empty_cache (§5.3): synchronize events, then release_cached_blocks.
-
-        Also releases every freeable private pool (use_count 0) and deletes those left empty.
 
         Args:
             pool_id: MAIN26 ``emptyCache(mempool_id)`` (``MemPool`` teardown): synchronize only
@@ -449,12 +455,10 @@ class CachingAllocator:
         self._release.empty_cache(pool_id)
 
     def release_cached_blocks(self, *, synchronize: bool = False) -> None:
-        """Release every releasable cached block, large pool then small pool (§4 step 9.2-9.3).
+        """Release every releasable cached block: large, small, then freeable private pools.
 
-        Freeable private pools are released after the default pools, as in PyTorch.
-
-        This is what :meth:`empty_cache` does after synchronizing; replay uses it for cache
-        releases that the trace shows but does not name (ref §15.3).
+        :meth:`empty_cache` after its sync (§4 step 9.2-9.3); replay uses it for cache releases
+        that the trace shows but does not name (ref §15.3).
 
         Args:
             synchronize: first complete all outstanding events (synchronize_and_free_events).
@@ -470,10 +474,9 @@ class CachingAllocator:
         self._settings.apply_fraction(check_fraction(fraction))
 
     def set_allocator_settings(self, text: str) -> None:
-        """Like ``torch.cuda.memory._set_allocator_settings`` (§9.1 "Runtime changes").
+        """``torch.cuda.memory._set_allocator_settings`` (§9.1): AllocatorConfig.runtime_update.
 
-        See ``AllocatorConfig.runtime_update`` (ConfigError); ``memory_stats()["max_split_size"]``
-        keeps the value from creation.
+        Raises ConfigError; ``memory_stats()["max_split_size"]`` keeps the creation value.
         """
         self.config = self.config.runtime_update(text, self.torch_version)
         self._settings.apply_config(self.config)
@@ -491,10 +494,7 @@ class CachingAllocator:
     # ------------------------------------------------------------------ stats
 
     def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()`` for this device: the same keys and semantics (§10).
-
-        Versions with throw_on_cudamalloc_oom (2.12+) add ``num_oom_rejections``.
-        """
+        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
         return self._stats.memory_stats(self.rules, self._max_split_stat)
 
     def reset_peak_memory_stats(self) -> None:

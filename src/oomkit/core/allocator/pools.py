@@ -100,24 +100,6 @@ class BlockPool:
             bucket.insert(bisect_left(bucket, (entry[0],)), entry)
         self.count += 1
 
-    def split_front(self, block: Block, size: int) -> Block:
-        """alloc_found_block's split: a new block takes the first ``size`` bytes of ``block``.
-
-        ``block`` (already out of the free set) keeps the rest and goes back into this pool
-        with a fresh GC base (insert_into_blocks). Returns the new block.
-        """
-        new = Block(block.ptr, size, block.stream, block.segment)
-        prev = block.prev
-        new.prev = prev
-        if prev is not None:
-            prev.next = new
-        new.next = block
-        block.prev = new
-        block.ptr += size
-        block.size -= size
-        self.insert(block)
-        return new
-
     def merge_free_neighbours(self, block: Block) -> int:
         """try_merge_blocks with the previous, then the next block; returns how many merged.
 
