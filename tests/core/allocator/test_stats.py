@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from oomkit.core.allocator import STAT_KEYS, CachingAllocator
+from oomkit.core.allocator.rules import rules_for
+from oomkit.core.allocator.stats import (
+    ALL,
+    ALLOCATED_BYTES,
+    OVERSIZE_SEGMENTS,
+    SMALL_POOL,
+    AllocatorStats,
+)
 
 # torch.cuda.memory_stats() keys (THCPModule_memoryStats, flattened by torch/cuda/memory.py).
 _ARRAYS = (
@@ -72,3 +80,29 @@ def test_allocated_and_freed_accumulate():
     assert s["allocated_bytes.small_pool.allocated"] == 3 * 1024
     assert s["requested_bytes.all.freed"] == 3000
     assert s["allocation.all.peak"] == 1
+
+
+def test_allocator_stats_up_down_keep_peaks_and_reset():
+    """increase_stat moves the peak at once; decrease_stat counts freed; resets as PyTorch."""
+    stats = AllocatorStats()
+    stats.up(SMALL_POOL, ALLOCATED_BYTES, 300)
+    stats.down(SMALL_POOL, ALLOCATED_BYTES, 100)
+    stats.up(SMALL_POOL, ALLOCATED_BYTES, 50)
+    stats.up_all(OVERSIZE_SEGMENTS, 2)
+    stats.down_all(OVERSIZE_SEGMENTS, 1)
+    stats.num_ooms = 3
+    assert (stats.current(ALLOCATED_BYTES), stats.peak(ALLOCATED_BYTES)) == (250, 300)
+    out = stats.memory_stats(rules_for(None), -1)
+    assert out["allocated_bytes.small_pool.allocated"] == 350
+    assert out["allocated_bytes.small_pool.freed"] == 100
+    assert out["allocated_bytes.large_pool.current"] == 0
+    assert (out["oversize_segments.current"], out["oversize_segments.peak"]) == (1, 2)
+    assert (out["num_ooms"], out["num_oom_rejections"], out["max_split_size"]) == (3, 0, -1)
+    assert "num_oom_rejections" not in stats.memory_stats(rules_for("2.4"), -1)
+    stats.reset_peaks()
+    assert stats.peak(ALLOCATED_BYTES) == 250
+    stats.reset_accumulated()
+    out = stats.memory_stats(rules_for(None), -1)
+    assert (out["allocated_bytes.all.allocated"], out["allocated_bytes.all.freed"]) == (0, 0)
+    assert (out["allocated_bytes.all.current"], out["num_ooms"]) == (250, 0)
+    assert stats.lists[ALL][ALLOCATED_BYTES] == 250

@@ -42,7 +42,8 @@ class Segment:
         counter: int,
         expandable: bool = False,
         page_size: int = 0,
-        pool: BlockPool | None = None,
+        *,
+        pool: BlockPool,
     ) -> None:
         self.address = address
         self.size = size

@@ -1,91 +1,68 @@
 """The simulator: a pure-Python ``DeviceCachingAllocator`` (ref §4-§7, §10, §12).
 
 Every decision mirrors ``c10/cuda/CUDACachingAllocator.cpp``; comments name the function and
-the ref section each rule comes from. Expandable segments (§8) live in ``expandable.py``,
-seeding and snapshots in ``state.py``; this module holds malloc, free, the release paths, GC
-and the stats.
-
-Performance: malloc and free are written out by hand (no per-call objects apart from the
-blocks PyTorch itself creates, stats as flat list slots) because a replay runs them millions
-of times.
+the ref section. This module holds malloc and free (written out by hand, stats as flat list
+slots bound to locals: a replay runs them millions of times); the allocator's other parts live
+in their own modules with small interfaces and are reached only off the common path.
 """
 
 from __future__ import annotations
 
 import os
-from bisect import bisect_left, insort
-from collections.abc import Callable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from oomkit.core.allocator.block import Block, Segment
+from oomkit.core.allocator import stats as st
+from oomkit.core.allocator.best_fit import checked_free_block
+from oomkit.core.allocator.block import Block
+from oomkit.core.allocator.cache_miss import CacheMiss
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.core.allocator.constants import (
     MIN_BLOCK_SIZE,
     ONE_EXA_BYTES,
     SIZE_MAX,
-    SMALL_BUFFER,
     SMALL_SIZE,
 )
-from oomkit.core.allocator.expandable import ExpandableMixin
+from oomkit.core.allocator.device_memory import (
+    SYNTHETIC_ADDRESS_BASE,
+    DeviceMemory,
+    check_capacity,
+)
+from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.oom_message import (
     ONE_EXA_MESSAGE,
-    SimulatedOutOfMemoryError,
-    oom_message,
     process_memory_info,
-    rejection_message,
 )
-from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks
-from oomkit.core.allocator.private_pools import MempoolId, PrivatePoolMixin
-from oomkit.core.allocator.release import ReleaseMixin
-from oomkit.core.allocator.rounding import allocation_size, round_size
+from oomkit.core.allocator.pending_frees import PendingFrees, not_live_message
+from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamFilter
+from oomkit.core.allocator.release import CacheRelease
+from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.rules import rules_for
-from oomkit.core.allocator.settings import SettingsMixin
-from oomkit.core.allocator.state import StateMixin
-from oomkit.core.allocator.stats import (
-    ACTIVE,
-    ACTIVE_BYTES,
-    ALL,
-    ALLOCATED_BYTES,
-    ALLOCATION,
-    FREED,
-    INACTIVE_SPLIT,
-    INACTIVE_SPLIT_BYTES,
-    LARGE_POOL,
-    OVERSIZE_ALLOCATIONS,
-    OVERSIZE_SEGMENTS,
-    PEAK,
-    REQUESTED_BYTES,
-    RESERVED_BYTES,
-    SEGMENT,
-    SMALL_POOL,
-    StatsMixin,
-    new_stat_lists,
-)
+from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
+from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
+from oomkit.core.allocator.stats import ALL, LARGE_POOL, SMALL_POOL, AllocatorStats
 from oomkit.errors import AllocatorUsageError
 
 __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE"]
 
 # An 80 GB device as the default (ref §15.7).
 DEFAULT_CAPACITY_BYTES = 80 * 2**30
-# First synthetic segment address: a typical CUDA VA region, 2 MiB aligned.
-SYNTHETIC_ADDRESS_BASE = 0x7F00_0000_0000
-_ADDRESS_ALIGN = SMALL_BUFFER
-
-# Key of the event queue that holds deferred frees (free(ptr, deferred=True)).
-_DEFERRED = object()
 
 # Slots the hot paths touch (stats.py layout: CUR, PEAK, FREED per stat).
-_A, _AP, _AF = ALLOCATION, ALLOCATION + PEAK, ALLOCATION + FREED
-_ACT, _ACTP, _ACTF = ACTIVE, ACTIVE + PEAK, ACTIVE + FREED
-_AB, _ABP, _ABF = ALLOCATED_BYTES, ALLOCATED_BYTES + PEAK, ALLOCATED_BYTES + FREED
-_XB, _XBP, _XBF = ACTIVE_BYTES, ACTIVE_BYTES + PEAK, ACTIVE_BYTES + FREED
-_RQ, _RQP, _RQF = REQUESTED_BYTES, REQUESTED_BYTES + PEAK, REQUESTED_BYTES + FREED
-_IS, _ISP, _ISF = INACTIVE_SPLIT, INACTIVE_SPLIT + PEAK, INACTIVE_SPLIT + FREED
-_ISB, _ISBP, _ISBF = INACTIVE_SPLIT_BYTES, INACTIVE_SPLIT_BYTES + PEAK, INACTIVE_SPLIT_BYTES + FREED
+_P, _F = st.PEAK, st.FREED
+_A, _AP, _AF = st.ALLOCATION, st.ALLOCATION + _P, st.ALLOCATION + _F
+_ACT, _ACTP, _ACTF = st.ACTIVE, st.ACTIVE + _P, st.ACTIVE + _F
+_AB, _ABP, _ABF = st.ALLOCATED_BYTES, st.ALLOCATED_BYTES + _P, st.ALLOCATED_BYTES + _F
+_XB, _XBP, _XBF = st.ACTIVE_BYTES, st.ACTIVE_BYTES + _P, st.ACTIVE_BYTES + _F
+_RQ, _RQP, _RQF = st.REQUESTED_BYTES, st.REQUESTED_BYTES + _P, st.REQUESTED_BYTES + _F
+_IS, _ISP, _ISF = st.INACTIVE_SPLIT, st.INACTIVE_SPLIT + _P, st.INACTIVE_SPLIT + _F
+_ISB, _ISBP = st.INACTIVE_SPLIT_BYTES, st.INACTIVE_SPLIT_BYTES + _P
+_ISBF = st.INACTIVE_SPLIT_BYTES + _F
 
 
-class CachingAllocator(
-    SettingsMixin, StatsMixin, PrivatePoolMixin, ReleaseMixin, ExpandableMixin, StateMixin
-):
+class CachingAllocator:
     """A simulated PyTorch native CUDA caching allocator for one device.
 
     Args:
@@ -104,9 +81,8 @@ class CachingAllocator(
             read when an OOM message is built (§12.2 PROC); None = no NVML, no sentences.
         pid: this process's id for those sentences; None = ``os.getpid()``.
 
-    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5) are driven through
-    :meth:`create_pool`, :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool` and
-    :meth:`release_pool` (see ``oomkit.core.allocator.private_pools``).
+    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5): :meth:`create_pool`,
+    :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool`, :meth:`release_pool`.
 
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
@@ -125,85 +101,50 @@ class CachingAllocator(
         process_memory: Callable[[], Sequence[tuple[int, int]]] | None = None,
         pid: int | None = None,
     ) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise AllocatorUsageError(
-                f"capacity_bytes must be a non-negative int of bytes; got {capacity_bytes!r}. "
-                "Example: capacity_bytes=80 * 2**30 for an 80 GiB device."
-            )
-        if not isinstance(reserved_outside_bytes, int) or reserved_outside_bytes < 0:
-            raise AllocatorUsageError(
-                "reserved_outside_bytes must be a non-negative int of bytes; got "
-                f"{reserved_outside_bytes!r}."
-            )
+        check_capacity(capacity_bytes, reserved_outside_bytes)
         self.config = config if config is not None else AllocatorConfig()
         self.torch_version = torch_version
-        self.rules = rules_for(torch_version)
-        self.capacity_bytes = capacity_bytes
-        self.reserved_outside_bytes = reserved_outside_bytes
+        self.rules = rules = rules_for(torch_version)
         self.device = device
-        by_counter = self.rules.tie_break_by_creation_order
+        self._stats = stats = AllocatorStats()
+        # Hot state is held directly for malloc/free; these are stats.lists (never replaced).
+        self._stat_lists = stats.lists
+        self._settings = settings = AllocatorSettings(self.config, rules, capacity_bytes)
+        self._device = dev = DeviceMemory(
+            capacity_bytes, reserved_outside_bytes, stats, settings, device_malloc, segment_address
+        )
+        self.segment_log = dev.segment_log
+        self._expandable = exp = ExpandableSegments(dev, stats, settings)
+        self._private = PrivatePools(rules)
+        # The open allocation scopes (changed in place by PrivatePools).
+        self._scopes = self._private.scopes
+        by_counter = rules.tie_break_by_creation_order
         self._small = BlockPool(True, by_counter)
         self._large = BlockPool(False, by_counter)
         # active_blocks: allocated blocks and blocks whose free waits on events, by address.
         self._active: dict[int, Block] = {}
-        # cuda_events: per stream, the blocks waiting on an event recorded there (FIFO).
-        self._events: dict[object, dict[int, Block]] = {}
-        # Classic segments by base address; expandable reservations in creation order.
-        self._segments: dict[int, Segment] = {}
-        self._expandable_segments: list[Segment] = []
-        self._stats = new_stat_lists()
-        self._num_alloc_retries = 0
-        self._num_ooms = 0
-        self._num_sync_all_streams = 0
-        self._num_device_alloc = 0
-        self._num_device_free = 0
-        # total_allocated_memory (§3.7): always equal to reserved_bytes.all.current.
-        self._total = 0
-        # Bytes of expandable pages created by an unfinished map call (default device_malloc).
-        self._pending_map = 0
-        # allowed_memory_maximum when a fraction limit is set (set_fraction), else None.
-        self._limit: int | None = None
-        # MAIN26 registration_counter: next segment creation ordinal (§3.6).
-        self._next_counter = 0
-        self._next_address = SYNTHETIC_ADDRESS_BASE
-        self._device_malloc = device_malloc if device_malloc is not None else self._fits
-        self._segment_address = (
-            segment_address if segment_address is not None else self._synthetic_address
-        )
-        self.segment_log: list[tuple[str, int, int]] = []
+        self._events = PendingFrees(self._active, self._free_block, stats)
+        release_parts = (settings, dev, exp, self._private, self._events)
+        self._release = CacheRelease((self._small, self._large), self._active, release_parts)
         self._process_memory = process_memory
         self.pid = os.getpid() if pid is None else pid
-        self._init_private_pools()
-        # MAIN26 num_oom_rejections, and whether this malloc was rejected (§4 step 6.3).
-        self._num_oom_rejections = 0
-        self._rejected = False
-        self._apply_config()
+        miss_parts = (settings, stats, dev, exp, self._release, self._private)
+        self._miss = CacheMiss(rules, device, miss_parts, self.process_memory_info)
+        self._seed_target = SeedTarget(
+            self._small, self._large, self._active, dev, exp, stats, settings, self._held_blocks
+        )
         # DeviceCachingAllocator ctor: stats.max_split_size is captured once (§10.2, §13.26).
-        self._max_split_stat = -1 if self._max_split == SIZE_MAX else self._max_split
-        if self.config.per_process_memory_fraction is not None:
-            # per_process_memory_fraction config: applied when the device allocator is created.
-            self._apply_fraction(float(self.config.per_process_memory_fraction))
+        self._max_split_stat = -1 if settings.max_split == SIZE_MAX else settings.max_split
 
-    # ------------------------------------------------------------------ hooks' defaults
+    @property
+    def capacity_bytes(self) -> int:
+        """Device total memory (cudaMemGetInfo total)."""
+        return self._device.capacity_bytes
 
-    def _fits(self, nbytes: int) -> bool:
-        # Our convention: cudaMalloc succeeds iff everything reserved on the device fits.
-        return (
-            self._total + self._pending_map + self.reserved_outside_bytes + nbytes
-            <= self.capacity_bytes
-        )
-
-    def _synthetic_address(self, size: int, expandable: bool) -> int:
-        address = self._next_address
-        self._next_address = (
-            address + (size + _ADDRESS_ALIGN - 1) // _ADDRESS_ALIGN * _ADDRESS_ALIGN
-        )
-        return address
-
-    def _new_counter(self) -> int:
-        counter = self._next_counter
-        self._next_counter = counter + 1
-        return counter
+    @property
+    def reserved_outside_bytes(self) -> int:
+        """Device memory used outside this allocator."""
+        return self._device.reserved_outside_bytes
 
     # ------------------------------------------------------------------ malloc
 
@@ -231,16 +172,17 @@ class CachingAllocator(
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
         if nbytes >= ONE_EXA_BYTES:
             # NativeCachingAllocator::malloc: fails before the device allocator (§12.4).
-            raise self._oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)
+            raise self._miss.oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)
         # Step 1 (process_events): events complete only at synchronize()/complete_free() or in
         # the Step 9 release here, so there is nothing to reap.
         # Step 2: round, choose the pool, size a new segment (§2).
+        settings = self._settings
         if nbytes < MIN_BLOCK_SIZE:
             size = MIN_BLOCK_SIZE
-        elif self._divisions is None:
+        elif settings.divisions is None:
             size = (nbytes + MIN_BLOCK_SIZE - 1) & ~(MIN_BLOCK_SIZE - 1)
         else:
-            size = round_size(nbytes, self._divisions)
+            size = round_size(nbytes, settings.divisions)
         if size <= SMALL_SIZE:
             pool = self._small
             kind = SMALL_POOL
@@ -248,15 +190,16 @@ class CachingAllocator(
             pool = self._large
             kind = LARGE_POOL
         # should_split's inputs: is_expandable_segments_active and the pool's no_split flag.
-        expandable_active = self._expandable
+        expandable_active = settings.expandable
         no_split = False
         if self._scopes:
             # get_pool: an open allocation scope diverts the request to a private pool (§3.5).
-            pool = self._scoped_pool(size, stream, pool)
+            pool = self._private.scoped_pool(size, stream, pool)
             no_split = pool.owner is not None and pool.owner.no_split
         # Step 3: get_free_block, with its common case written out.
         block: Block | None = None
-        if self._limit is not None and self._gc_threshold > 0.0:
+        max_split = settings.max_split
+        if settings.limit is not None and settings.gc_threshold > 0.0:
             # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
             pool.gc_clock += 1
         sf = pool.streams.get(stream)
@@ -267,8 +210,8 @@ class CachingAllocator(
                 bsize = sizes[i]
                 bucket = sf.buckets[bsize]
                 block = bucket[0][1]
-                if block.segment.expandable or self._max_split != SIZE_MAX:
-                    block = self._checked_free_block(pool, sf, block, size)
+                if block.segment.expandable or max_split != SIZE_MAX:
+                    block = checked_free_block(settings, pool, sf, block, size)
                 else:
                     # Take the best fit out of the set.
                     if len(bucket) == 1:
@@ -282,15 +225,14 @@ class CachingAllocator(
                     block.key = None
         if block is None:
             # Step 4 (free-memory callbacks) frees nothing in a single simulated process.
-            block = self._malloc_new(pool, size, nbytes, stream)
+            block = self._miss.new_block(pool, size, nbytes, stream)
             if block.segment.pool is not pool:
                 # Step 7 served it from a use_on_oom pool: try_mempool_fallback's params carry
                 # that pool and is_expandable_segments_active = false.
                 pool = block.segment.pool
                 expandable_active = False
-                no_split = pool.owner.no_split
+                no_split = pool.owner is not None and pool.owner.no_split
         # Step 11: alloc_found_block with should_split.
-        max_split = self._max_split
         remaining = block.size - size
         if no_split:
             # MAIN26 should_split: a no_split pool never splits.
@@ -299,7 +241,7 @@ class CachingAllocator(
             split = remaining >= MIN_BLOCK_SIZE
         else:
             split = size < max_split and remaining > SMALL_SIZE
-        stats = self._stats
+        stats = self._stat_lists
         sa = stats[ALL]
         sp = stats[kind]
         classic = not block.segment.expandable
@@ -307,32 +249,15 @@ class CachingAllocator(
             already_split = block.prev is not None or block.next is not None
             # The allocation takes the front of the block; the old block is the remainder.
             new = Block(block.ptr, size, stream, block.segment)
-            prev = block.prev
-            new.prev = prev
+            prev = new.prev = block.prev
             if prev is not None:
                 prev.next = new
             new.next = block
             block.prev = new
             block.ptr += size
             block.size = remaining
-            # insert_into_blocks: the remainder goes back with a fresh GC base (pools.py
-            # BlockPool.insert, written out).
-            block.gc_count_base = pool.gc_clock
-            entry = (
-                (block.segment.counter << 64) | block.ptr if pool.by_counter else block.ptr,
-                block,
-            )
-            block.key = entry
-            sf = pool.streams.get(stream)
-            if sf is None:
-                sf = pool.streams[stream] = StreamFreeBlocks()
-            remainder_bucket = sf.buckets.get(remaining)
-            if remainder_bucket is None:
-                sf.buckets[remaining] = [entry]
-                insort(sf.sizes, remaining)
-            else:
-                remainder_bucket.insert(bisect_left(remainder_bucket, (entry[0],)), entry)
-            pool.count += 1
+            # insert_into_blocks: the remainder goes back with a fresh GC base.
+            pool.insert(block)
             if classic:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
@@ -387,111 +312,11 @@ class CachingAllocator(
             if c > s[_RQP]:
                 s[_RQP] = c
         if bsize >= max_split:
-            self._up_all(OVERSIZE_ALLOCATIONS, 1)
+            self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
         return ptr
 
-    def _checked_free_block(
-        self,
-        pool: BlockPool,
-        sf: StreamFreeBlocks,
-        block: Block,
-        size: int,
-        expandable_active: bool | None = None,
-    ) -> Block | None:
-        """get_free_block (§4 step 3.3-3.6) for expandable blocks and oversize rules.
-
-        ``expandable_active`` None means the config's setting (Step 7 passes False).
-        """
-        if expandable_active is None:
-            expandable_active = self._expandable
-        if block.segment.expandable:
-            if expandable_active:
-                # Step 3.3: prefer a slightly larger interior block over the growable tail;
-                # expandable_size counts the unmapped space right after a block.
-                def expandable_size(b: Block) -> int:
-                    nxt = b.next
-                    return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
-
-                candidates = sf.iter_from(size)
-                next(candidates)
-                for nxt_block in candidates:
-                    if not block.segment.expandable:
-                        break
-                    if expandable_size(nxt_block) >= expandable_size(block):
-                        break
-                    block = nxt_block
-            else:
-                # Expandable segments turned off: skip every expandable block of this stream.
-                found = None
-                for candidate in sf.iter_from(size):
-                    if not candidate.segment.expandable:
-                        found = candidate
-                        break
-                if found is None:
-                    return None
-                block = found
-        max_split = self._max_split
-        if max_split != SIZE_MAX:
-            # Step 3.4, oversize rule 1: a small request never takes an oversize block.
-            if size < max_split and block.size >= max_split:
-                return None
-            # Step 3.5, oversize rule 2: a large request takes a block only within the slack.
-            if size >= max_split and block.size >= size + self._non_split_rounding:
-                return None
-        pool.remove(block)
-        return block
-
-    def _malloc_new(self, pool: BlockPool, size: int, nbytes: int, stream: int) -> Block:
-        """Steps 5-10: GC, new segment, Step 7 (use_on_oom), Step 8, Step 9 (retry), or OOM."""
-        alloc_size = allocation_size(size, self._large_segment_size)
-        self._rejected = False
-        if self._limit is not None and self._gc_threshold > 0.0:
-            # Step 5: garbage_collect_cached_blocks.
-            self._garbage_collect_cached_blocks()
-        block = self._alloc_block(pool, size, alloc_size, stream, False)
-        # A throw_on_cudamalloc_oom rejection skips the retry chain (MAIN26 malloc).
-        if block is None and not self._rejected:
-            if self.rules.mempool_use_on_oom and pool.owner is None:
-                # Step 7: try_mempool_fallback (only for default-pool requests).
-                block = self._mempool_fallback(size, stream)
-            if block is None and self._release_available_cached_blocks(pool, size, stream):
-                # Step 8: release_available_cached_blocks, then alloc_block(isRetry=false).
-                block = self._alloc_block(pool, size, alloc_size, stream, False)
-            if block is None and not self._capture_blocks_release(stream):
-                # Step 9: release_cached_blocks, then alloc_block(isRetry=true); skipped
-                # while a capture is underway.
-                self._release_cached_blocks(None, stream)
-                block = self._alloc_block(pool, size, alloc_size, stream, True)
-        if block is None:
-            if self._rejected:
-                # NativeCachingAllocator::malloc: a rejected request raises its own message
-                # (§12.4); no num_ooms increment.
-                self._rejected = False
-                error = self._oom_error(rejection_message(nbytes), nbytes, size, alloc_size, stream)
-                error.rejected = True
-                raise error
-            # Step 10: OOM; nothing freed above is rolled back.
-            self._num_ooms += 1
-            message = oom_message(
-                self.rules,
-                alloc_size=alloc_size,
-                device=self.device,
-                total=self.capacity_bytes,
-                free=self.device_free_bytes,
-                allocated=self._stats[ALL][ALLOCATED_BYTES],
-                reserved=self._stats[ALL][RESERVED_BYTES],
-                allowed=self._limit,
-                private_pool_cached=self.private_pool_cached_bytes(),
-                process_info=self.process_memory_info(),
-            )
-            raise self._oom_error(message, nbytes, size, alloc_size, stream)
-        return block
-
     def process_memory_info(self) -> str:
-        """The OOM message's per-process sentences (reportProcessMemoryInfo, §12.2 PROC).
-
-        Empty without a ``process_memory`` provider (no NVML).
-        """
+        """The OOM message's per-process sentences (§12.2 PROC); empty without NVML."""
         if self._process_memory is None:
             return ""
         return process_memory_info(self._process_memory(), self.pid)
@@ -499,95 +324,7 @@ class CachingAllocator(
     @property
     def device_free_bytes(self) -> int:
         """What cudaMemGetInfo would report as free: capacity minus everything reserved."""
-        return max(0, self.capacity_bytes - self.reserved_outside_bytes - self._total)
-
-    def _oom_error(
-        self, message: str, nbytes: int, size: int, alloc_size: int, stream: int
-    ) -> SimulatedOutOfMemoryError:
-        return SimulatedOutOfMemoryError(
-            message,
-            requested_bytes=nbytes,
-            rounded_bytes=size,
-            alloc_size_bytes=alloc_size,
-            allocated_bytes=self._stats[ALL][ALLOCATED_BYTES],
-            reserved_bytes=self._stats[ALL][RESERVED_BYTES],
-            capacity_bytes=self.capacity_bytes,
-            free_bytes=self.device_free_bytes,
-            allowed_bytes=self._limit,
-            stream=stream,
-        )
-
-    def _alloc_block(
-        self, pool: BlockPool, size: int, alloc_size: int, stream: int, is_retry: bool
-    ) -> Block | None:
-        """alloc_block (§4 step 6): a new segment (or expandable pages), or None."""
-        if is_retry:
-            # Step 6.1: counted at call time, whatever the outcome.
-            self._num_alloc_retries += 1
-        if self._limit is not None and self._total + alloc_size > self._limit:
-            # Step 6.2: the fraction limit is tested against alloc_size; no cudaMalloc.
-            return None
-        if self._reject_limit is not None and self._total + alloc_size > self._reject_limit:
-            # Step 6.3 (MAIN26 throw_on_cudamalloc_oom): reject instead of trying cudaMalloc.
-            self._num_oom_rejections += 1
-            self._rejected = True
-            return None
-        owner = pool.owner
-        if self._expandable:
-            # Step 6.4: the expandable path gets the rounded size, not alloc_size.
-            block = self._try_allocate_expandable_block(pool, size, stream)
-            if block is not None and owner is not None:
-                # alloc_block: one cudaMalloc_count per expandable allocation that succeeded.
-                owner.segment_count += 1
-            return block
-        if not self._device_malloc(alloc_size):
-            return None
-        if owner is not None:
-            owner.segment_count += 1
-        ptr = self._segment_address(alloc_size, False)
-        segment = Segment(ptr, alloc_size, stream, pool.is_small, self._new_counter(), pool=pool)
-        self._segments[ptr] = segment
-        block = Block(ptr, alloc_size, stream, segment)
-        self._total += alloc_size
-        kind = SMALL_POOL if pool.is_small else LARGE_POOL
-        self._up(kind, SEGMENT, 1)
-        self._up(kind, RESERVED_BYTES, alloc_size)
-        if alloc_size >= self._max_split:
-            self._up_all(OVERSIZE_SEGMENTS, 1)
-        self._num_device_alloc += 1
-        self.segment_log.append(("segment_alloc", ptr, alloc_size))
-        return block
-
-    # ------------------------------------------------------------------ stats helpers
-
-    def _up(self, kind: int, i: int, amount: int) -> None:
-        # increase_stat on `all` and the pool kind: current and peak (allocated is derived).
-        stats = self._stats
-        for s in (stats[ALL], stats[kind]):
-            c = s[i] + amount
-            s[i] = c
-            if c > s[i + PEAK]:
-                s[i + PEAK] = c
-
-    def _down(self, kind: int, i: int, amount: int) -> None:
-        # decrease_stat on `all` and the pool kind.
-        stats = self._stats
-        for s in (stats[ALL], stats[kind]):
-            s[i] -= amount
-            s[i + FREED] += amount
-
-    def _up_all(self, i: int, amount: int) -> None:
-        # increase_stat on a single Stat (the oversize stats).
-        s = self._stats[ALL]
-        c = s[i] + amount
-        s[i] = c
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
-
-    def _down_all(self, i: int, amount: int) -> None:
-        s = self._stats[ALL]
-        s[i] -= amount
-        s[i + FREED] += amount
+        return self._device.free_bytes
 
     # ------------------------------------------------------------------ free
 
@@ -607,114 +344,40 @@ class CachingAllocator(
         if block is None or not block.allocated:
             if ptr == 0 and type(ptr) is int:
                 return
-            raise AllocatorUsageError(self._not_live(ptr, "free"))
+            raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
         block.allocated = False
-        stats = self._stats
         size = block.size
-        # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
-        for s in (stats[ALL], stats[SMALL_POOL if block.segment.is_small else LARGE_POOL]):
-            s[_A] -= 1
-            s[_AF] += 1
-            s[_AB] -= size
-            s[_ABF] += size
-        if size >= self._max_split:
+        if size >= self._settings.max_split:
             # Uses the current setting, as PyTorch does (§5.1 step 5).
-            self._down_all(OVERSIZE_ALLOCATIONS, 1)
+            self._stats.down_all(st.OVERSIZE_ALLOCATIONS, 1)
         if block.stream_uses or deferred:
-            self._insert_events(block, deferred)
+            # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
+            kind = SMALL_POOL if block.segment.is_small else LARGE_POOL
+            self._stats.down(kind, _A, 1)
+            self._stats.down(kind, _AB, size)
+            self._events.insert(block, deferred)
         else:
-            self._free_block(block)
+            self._free_block(block, size)
 
-    def _not_live(self, ptr: object, what: str) -> str:
-        if isinstance(ptr, int) and ptr in self._active:
-            return (
-                f"{what}: address {ptr:#x} was already freed (its free is still pending). "
-                "Each allocation may be freed once."
-            )
-        shown = f"{ptr:#x}" if isinstance(ptr, int) else repr(ptr)
-        return (
-            f"{what}: {shown} is not an address this allocator handed out, or it was already "
-            "freed (PyTorch: 'invalid device pointer'). Pass the value malloc() returned."
-        )
-
-    def _insert_events(self, block: Block, deferred: bool) -> None:
-        """insert_events: one event per stream in stream_uses, plus one for a deferred free."""
-        uses = block.stream_uses
-        block.stream_uses = None
-        events = self._events
-        ptr = block.ptr
-        if uses:
-            for st in sorted(uses):
-                events.setdefault(st, {})[ptr] = block
-                block.event_count += 1
-        if deferred:
-            events.setdefault(_DEFERRED, {})[ptr] = block
-            block.event_count += 1
-
-    def _free_block(self, block: Block) -> None:
-        """free_block (§5.2): merge with free neighbours and return the block to its pool."""
+    def _free_block(self, block: Block, allocated_size: int = 0) -> None:
+        """free_block (§5.2); ``allocated_size``: from free(), whose allocation stats drop here."""
         segment = block.segment
         pool = segment.pool
         kind = SMALL_POOL if segment.is_small else LARGE_POOL
         original_size = block.size
         requested = block.requested_size
         del self._active[block.ptr]
-        net_blocks = 0
-        net_bytes = 0
-        # try_merge_blocks with prev, then with next.
-        src = block.prev
-        if (
-            src is not None
-            and not src.allocated
-            and not src.event_count
-            and not src.stream_uses
-            and src.mapped == block.mapped
-        ):
-            if src.mapped:
-                pool.remove(src)
-            else:
-                pool.remove_unmapped(src)
-            block.ptr = src.ptr
-            block.prev = src.prev
-            if src.prev is not None:
-                src.prev.next = block
-            block.size += src.size
-            net_blocks -= 1
-            net_bytes -= src.size
-        src = block.next
-        if (
-            src is not None
-            and not src.allocated
-            and not src.event_count
-            and not src.stream_uses
-            and src.mapped == block.mapped
-        ):
-            if src.mapped:
-                pool.remove(src)
-            else:
-                pool.remove_unmapped(src)
-            block.next = src.next
-            if src.next is not None:
-                src.next.prev = block
-            block.size += src.size
-            net_blocks -= 1
-            net_bytes -= src.size
-        # insert_into_blocks resets the GC base (pools.py BlockPool.insert, written out).
-        block.gc_count_base = pool.gc_clock
-        entry = ((segment.counter << 64) | block.ptr if pool.by_counter else block.ptr, block)
-        block.key = entry
-        bsize = block.size
-        sf = pool.streams.get(block.stream)
-        if sf is None:
-            sf = pool.streams[block.stream] = StreamFreeBlocks()
-        bucket = sf.buckets.get(bsize)
-        if bucket is None:
-            sf.buckets[bsize] = [entry]
-            insort(sf.sizes, bsize)
+        prev = block.prev
+        nxt = block.next
+        if (prev is not None and not prev.allocated) or (nxt is not None and not nxt.allocated):
+            # try_merge_blocks with prev, then with next (skipped when neither can merge).
+            net_blocks = -pool.merge_free_neighbours(block)
+            net_bytes = original_size - block.size
         else:
-            bucket.insert(bisect_left(bucket, (entry[0],)), entry)
-        pool.count += 1
-        stats = self._stats
+            net_blocks = net_bytes = 0
+        # insert_into_blocks resets the GC base.
+        pool.insert(block)
+        stats = self._stat_lists
         sa = stats[ALL]
         sp = stats[kind]
         if not segment.expandable:
@@ -724,13 +387,21 @@ class CachingAllocator(
                 net_bytes += block.size
             # The net change is applied as one increase or one decrease.
             if net_blocks > 0:
-                self._up(kind, INACTIVE_SPLIT, net_blocks)
+                for s in (sa, sp):
+                    c = s[_IS] + net_blocks
+                    s[_IS] = c
+                    if c > s[_ISP]:
+                        s[_ISP] = c
             elif net_blocks < 0:
                 for s in (sa, sp):
                     s[_IS] += net_blocks
                     s[_ISF] -= net_blocks
             if net_bytes > 0:
-                self._up(kind, INACTIVE_SPLIT_BYTES, net_bytes)
+                for s in (sa, sp):
+                    c = s[_ISB] + net_bytes
+                    s[_ISB] = c
+                    if c > s[_ISBP]:
+                        s[_ISBP] = c
             elif net_bytes < 0:
                 for s in (sa, sp):
                     s[_ISB] += net_bytes
@@ -742,6 +413,12 @@ class CachingAllocator(
             s[_XBF] += original_size
             s[_RQ] -= requested
             s[_RQF] += requested
+            if allocated_size:
+                # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
+                s[_A] -= 1
+                s[_AF] += 1
+                s[_AB] -= allocated_size
+                s[_ABF] += allocated_size
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """recordStream: the block was used on ``stream``; its free will wait for it (§5.1).
@@ -749,18 +426,7 @@ class CachingAllocator(
         Raises:
             AllocatorUsageError: ``ptr`` is not a live allocation, or ``stream`` is not an int.
         """
-        block = self._active.get(ptr)
-        if block is None or not block.allocated:
-            raise AllocatorUsageError(self._not_live(ptr, "record_stream"))
-        if type(stream) is not int:
-            raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
-        if stream == block.stream:
-            # Uses on the allocation stream need no synchronization.
-            return
-        if block.stream_uses is None:
-            block.stream_uses = {stream}
-        else:
-            block.stream_uses.add(stream)
+        self._events.record_stream(ptr, stream)
 
     def complete_free(self, ptr: int) -> None:
         """All events of a pending free completed (the trace's ``free_completed``).
@@ -768,83 +434,166 @@ class CachingAllocator(
         Raises:
             AllocatorUsageError: ``ptr`` has no pending free.
         """
-        block = self._active.get(ptr)
-        if block is None or block.allocated or not block.event_count:
-            shown = f"{ptr:#x}" if isinstance(ptr, int) else repr(ptr)
-            raise AllocatorUsageError(
-                f"complete_free: {shown} has no pending free. Call free(ptr, deferred=True) "
-                "or record_stream() before free() first."
-            )
-        for key in list(self._events):
-            queue = self._events[key]
-            if queue.pop(ptr, None) is not None and not queue:
-                del self._events[key]
-        block.event_count = 0
-        self._free_block(block)
+        self._events.complete_free(ptr)
 
     def synchronize(self) -> None:
-        """The device is idle: every outstanding event completes and its free finishes.
-
-        Blocks are freed stream by stream in event order, as process_events would after a
-        device synchronize. Unlike :meth:`empty_cache` this does not count in
-        ``num_sync_all_streams``.
-        """
-        self._complete_all_events()
-
-    def _complete_all_events(self) -> None:
-        events = self._events
-        self._events = {}
-        for queue in events.values():
-            for block in queue.values():
-                block.event_count -= 1
-                if block.event_count == 0:
-                    self._free_block(block)
-
-    def _synchronize_and_free_events(self) -> None:
-        """synchronize_and_free_events (§4 step 9.1)."""
-        self._num_sync_all_streams += 1
-        self._complete_all_events()
+        """The device is idle: every event completes (not counted in num_sync_all_streams)."""
+        self._events.complete_all()
 
     # ------------------------------------------------------------------ releasing memory
 
     def empty_cache(self, pool_id: MempoolId | None = None) -> None:
         """torch.cuda.empty_cache (§5.3): synchronize events, then release_cached_blocks.
 
-        Also releases every freeable private pool (use_count 0) and deletes those left empty.
-
         Args:
             pool_id: MAIN26 ``emptyCache(mempool_id)`` (``MemPool`` teardown): synchronize only
                 that pool's events and release only that pool, if it is freeable.
 
         Raises:
-            AllocatorUsageError: V24 rules with an allocation scope open (PyTorch fails the
-                internal assert ``captures_underway.empty()``), or a pool id where the modelled
-                version has no per-pool emptyCache.
+            AllocatorUsageError: see :meth:`CacheRelease.empty_cache`.
         """
-        if pool_id is not None and not self.rules.empty_cache_per_pool:
-            raise AllocatorUsageError(
-                "empty_cache(pool_id) is modelled from 2026 main (torch >= 2.12); call "
-                "empty_cache() for this torch_version."
-            )
-        if pool_id is None and self._scopes and not self.rules.release_skips_only_real_capture:
-            raise AllocatorUsageError(
-                "empty_cache() while an allocation scope is open: this torch version fails "
-                "the internal assert 'captures_underway.empty()'. Call end_allocate_to_pool "
-                "first."
-            )
-        self._release_cached_blocks(pool_id, None)
+        self._release.empty_cache(pool_id)
 
     def release_cached_blocks(self, *, synchronize: bool = False) -> None:
-        """Release every releasable cached block, large pool then small pool (§4 step 9.2-9.3).
+        """Release every releasable cached block: large, small, then freeable private pools.
 
-        Freeable private pools are released after the default pools, as in PyTorch.
-
-        This is what :meth:`empty_cache` does after synchronizing; replay uses it for cache
-        releases that the trace shows but does not name (ref §15.3).
+        :meth:`empty_cache` after its sync (§4 step 9.2-9.3); replay uses it for cache releases
+        that the trace shows but does not name (ref §15.3).
 
         Args:
             synchronize: first complete all outstanding events (synchronize_and_free_events).
         """
         if synchronize:
-            self._synchronize_and_free_events()
-        self._release_pools()
+            self._events.synchronize_and_free()
+        self._release.release_synchronized()
+
+    # ------------------------------------------------------------------ settings
+
+    def set_per_process_memory_fraction(self, fraction: float) -> None:
+        """Like ``torch.cuda.set_per_process_memory_fraction``: see :func:`check_fraction`."""
+        self._settings.apply_fraction(check_fraction(fraction))
+
+    def set_allocator_settings(self, text: str) -> None:
+        """``torch.cuda.memory._set_allocator_settings`` (§9.1): AllocatorConfig.runtime_update.
+
+        Raises ConfigError; ``memory_stats()["max_split_size"]`` keeps the creation value.
+        """
+        self.config = self.config.runtime_update(text, self.torch_version)
+        self._settings.apply_config(self.config)
+
+    @property
+    def allowed_memory_maximum(self) -> int | None:
+        """The per-process limit in bytes, or None when no fraction limit is set."""
+        return self._settings.limit
+
+    @property
+    def gc_enabled(self) -> bool:
+        """GC runs only with a fraction limit and a threshold > 0 (§7)."""
+        return self._settings.gc_enabled
+
+    # ------------------------------------------------------------------ stats
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
+        return self._stats.memory_stats(self.rules, self._max_split_stat)
+
+    def reset_peak_memory_stats(self) -> None:
+        """resetPeakStats: every peak becomes the current value."""
+        self._stats.reset_peaks()
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
+        self._stats.reset_accumulated()
+
+    @property
+    def num_oom_rejections(self) -> int:
+        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2)."""
+        return self._stats.num_oom_rejections
+
+    def memory_allocated(self) -> int:
+        """``allocated_bytes.all.current``."""
+        return self._stats.current(st.ALLOCATED_BYTES)
+
+    def memory_reserved(self) -> int:
+        """``reserved_bytes.all.current``."""
+        return self._stats.current(st.RESERVED_BYTES)
+
+    def max_memory_allocated(self) -> int:
+        """``allocated_bytes.all.peak``."""
+        return self._stats.peak(st.ALLOCATED_BYTES)
+
+    def max_memory_reserved(self) -> int:
+        """``reserved_bytes.all.peak``."""
+        return self._stats.peak(st.RESERVED_BYTES)
+
+    # ------------------------------------------------------------------ private pools
+
+    def create_pool(
+        self,
+        pool_id: MempoolId | None = None,
+        *,
+        use_on_oom: bool = False,
+        no_split: bool = False,
+    ) -> MempoolId:
+        """``torch.cuda.MemPool(...)``: see :meth:`PrivatePools.create_pool`."""
+        return self._private.create_pool(pool_id, use_on_oom=use_on_oom, no_split=no_split)
+
+    def release_pool(self, pool_id: MempoolId) -> None:
+        """releasePool: see :meth:`PrivatePools.release_pool`."""
+        self._private.release_pool(pool_id)
+
+    def pool_use_count(self, pool_id: MempoolId) -> int:
+        """getPoolUseCount (``MemPool.use_count()``): see :meth:`PrivatePools.pool_use_count`."""
+        return self._private.pool_use_count(pool_id)
+
+    @property
+    def private_pool_ids(self) -> tuple[MempoolId, ...]:
+        """Ids of the private pools that exist (graph_pools), in creation order."""
+        return self._private.private_pool_ids
+
+    def begin_allocate_to_pool(
+        self,
+        pool_id: MempoolId,
+        stream_filter: StreamFilter | None = None,
+        *,
+        capture: bool = False,
+    ) -> None:
+        """beginAllocateToPool: see :meth:`PrivatePools.begin_allocate_to_pool`."""
+        self._private.begin_allocate_to_pool(pool_id, stream_filter, capture=capture)
+
+    def end_allocate_to_pool(self, pool_id: MempoolId) -> None:
+        """endAllocateToPool: see :meth:`PrivatePools.end_allocate_to_pool`."""
+        self._private.end_allocate_to_pool(pool_id)
+
+    def private_pool_cached_bytes(self) -> int:
+        """Free cached bytes in every private pool: the OOM message's "allocated in private pools"."""
+        return self._private.cached_free_bytes()
+
+    # ------------------------------------------------------------------ state
+
+    def _held_blocks(self) -> Iterator[Block]:
+        return all_blocks(self._small, self._large, self._private.pools.values(), self._active)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The segments as ``torch.cuda.memory._snapshot()["segments"]`` lists them (§11.2).
+
+        Sorted by address. An expandable segment is one entry per contiguous mapped run.
+        Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
+        """
+        return snapshot(self._held_blocks(), self.device)
+
+    def seed_segment(
+        self,
+        address: int,
+        total_size: int,
+        stream: int,
+        *,
+        is_small: bool,
+        blocks: Sequence[SeedBlock],
+        expandable: bool = False,
+    ) -> None:
+        """Add a segment that existed before the replayed trace began (ref §15.1).
+
+        See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
+        """
+        seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)

@@ -2,23 +2,20 @@
 
 Mirrors ``ExpandableSegment`` (map / unmap page math) and the DeviceCachingAllocator methods
 ``find_expandable_block``, ``map_block``, ``try_allocate_expandable_block``, ``unmap_block``
-and ``release_expandable_segment`` of CUDACachingAllocator.cpp. A mixin of
-:class:`~oomkit.core.allocator.caching_allocator.CachingAllocator`; it uses that class's state.
+and ``release_expandable_segment`` of CUDACachingAllocator.cpp, as :class:`ExpandableSegments`,
+which maps its pages through the allocator's :class:`~oomkit.core.allocator.device_memory.DeviceMemory`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from oomkit.core.allocator.block import Block, Segment
 from oomkit.core.allocator.constants import EXPANDABLE_RESERVE_DENOMINATOR, SMALL_BUFFER
+from oomkit.core.allocator.device_memory import DeviceMemory
 from oomkit.core.allocator.pools import BlockPool
-from oomkit.core.allocator.stats import LARGE_POOL, RESERVED_BYTES, SMALL_POOL
+from oomkit.core.allocator.settings import AllocatorSettings
+from oomkit.core.allocator.stats import AllocatorStats
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-__all__ = ["ExpandableMixin", "expandable_reserve_size"]
+__all__ = ["ExpandableSegments", "expandable_reserve_size"]
 
 
 def expandable_reserve_size(capacity_bytes: int, page_bytes: int) -> int:
@@ -31,57 +28,44 @@ def expandable_reserve_size(capacity_bytes: int, page_bytes: int) -> int:
     return pages * page_bytes
 
 
-class ExpandableMixin:
-    """Expandable-segment operations of the simulated allocator."""
+class ExpandableSegments:
+    """The expandable reservations of one allocator, in creation order, and their operations."""
 
-    if TYPE_CHECKING:
+    __slots__ = ("segments", "_device", "_stats", "_settings")
 
-        def _new_counter(self) -> int:  # pragma: no cover - provided by CachingAllocator
-            ...
+    def __init__(
+        self, device: DeviceMemory, stats: AllocatorStats, settings: AllocatorSettings
+    ) -> None:
+        self.segments: list[Segment] = []
+        self._device = device
+        self._stats = stats
+        self._settings = settings
 
-        def _up(self, kind: int, i: int, amount: int) -> None:  # pragma: no cover
-            ...
-
-        def _down(self, kind: int, i: int, amount: int) -> None:  # pragma: no cover
-            ...
-
-    # Provided by CachingAllocator.
-    capacity_bytes: int
-    segment_log: list[tuple[str, int, int]]
-    _expandable_segments: list[Segment]
-    _total: int
-    _pending_map: int
-    _num_device_alloc: int
-    _num_device_free: int
-    _large_segment_size: int
-    _device_malloc: Callable[[int], bool]
-    _segment_address: Callable[[int, bool], int]
-
-    def _page_size(self, pool: BlockPool) -> int:
+    def page_size(self, pool: BlockPool) -> int:
         # ExpandableSegment: 2 MiB pages for the small pool, large_segment_size for the large.
-        return SMALL_BUFFER if pool.is_small else self._large_segment_size
+        return SMALL_BUFFER if pool.is_small else self._settings.large_segment_size
 
-    def _new_expandable_segment(
+    def new_segment(
         self, pool: BlockPool, stream: int, base: int | None, size: int | None = None
     ) -> Block:
         """A fresh reservation as one unmapped block (find_expandable_block, §8.3 step 2)."""
-        page = self._page_size(pool)
+        page = self.page_size(pool)
         if size is None:
-            size = expandable_reserve_size(self.capacity_bytes, page)
+            size = expandable_reserve_size(self._device.capacity_bytes, page)
         if base is None:
-            base = self._segment_address(size, True)
+            base = self._device.segment_address(size, True)
         # MAIN26 gives each new expandable segment a fresh registration counter (§3.6).
         segment = Segment(
             base,
             size,
             stream,
             pool.is_small,
-            self._new_counter(),
+            self._device.new_counter(),
             expandable=True,
             page_size=page,
             pool=pool,
         )
-        self._expandable_segments.append(segment)
+        self.segments.append(segment)
         block = Block(base, size, stream, segment)
         block.mapped = False
         pool.insert_unmapped(block)
@@ -114,7 +98,7 @@ class ExpandableMixin:
             if has_space(c):
                 return c
             i += 1
-        return self._new_expandable_segment(pool, stream, None)
+        return self.new_segment(pool, stream, None)
 
     def _map_pages(self, segment: Segment, offset: int, nbytes: int) -> int:
         """ExpandableSegment::map: create and map whole pages; 0 if any creation fails."""
@@ -125,17 +109,18 @@ class ExpandableMixin:
         assert pages is not None
         if end > len(pages):
             return 0
+        device = self._device
         created = 0
         try:
             for i in range(begin, end):
                 assert not pages[i], "mapping a page that is already mapped"
                 # cuMemCreate per page; an OOM releases the pages created in this call.
-                if not self._device_malloc(page):
+                if not device.device_malloc(page):
                     return 0
                 created += 1
-                self._pending_map += page
+                device.pending_map_bytes += page
         finally:
-            self._pending_map = 0
+            device.pending_map_bytes = 0
         for i in range(begin, end):
             pages[i] = 1
         return (end - begin) * page
@@ -160,44 +145,14 @@ class ExpandableMixin:
             pool.insert_unmapped(remaining)
             to_map.size = mapped
         map_ptr = to_map.ptr
-        self._try_merge(to_map, to_map.prev, pool)
-        self._try_merge(to_map, to_map.next, pool)
+        pool.merge_free_neighbours(to_map)
         pool.insert(to_map)
-        self._total += mapped
-        self._up(SMALL_POOL if pool.is_small else LARGE_POOL, RESERVED_BYTES, mapped)
-        self._num_device_alloc += 1
-        self.segment_log.append(("segment_map", map_ptr, mapped))
+        self._device.add_reserved(pool, mapped)
+        self._stats.num_device_alloc += 1
+        self._device.segment_log.append(("segment_map", map_ptr, mapped))
         return True
 
-    def _try_merge(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
-        """try_merge_blocks: absorb a free neighbour with the same mapped state."""
-        if (
-            src is None
-            or src.allocated
-            or src.event_count
-            or src.stream_uses
-            or src.mapped != dst.mapped
-        ):
-            return 0
-        if dst.prev is src:
-            dst.ptr = src.ptr
-            dst.prev = src.prev
-            if src.prev is not None:
-                src.prev.next = dst
-        else:
-            dst.next = src.next
-            if src.next is not None:
-                src.next.prev = dst
-        dst.size += src.size
-        if src.mapped:
-            pool.remove(src)
-        else:
-            pool.remove_unmapped(src)
-        return src.size
-
-    def _try_allocate_expandable_block(
-        self, pool: BlockPool, size: int, stream: int
-    ) -> Block | None:
+    def try_allocate(self, pool: BlockPool, size: int, stream: int) -> Block | None:
         """try_allocate_expandable_block (§8.3): grow a segment to hold ``size`` bytes."""
         candidate = self._find_expandable_block(pool, stream, size)
         if candidate.size < size and candidate.next is None and not candidate.mapped:
@@ -229,7 +184,7 @@ class ExpandableMixin:
             pages[i] = 0
         return begin * page, (end - begin) * page
 
-    def _unmap_block(self, block: Block, pool: BlockPool) -> None:
+    def unmap_block(self, block: Block, pool: BlockPool) -> None:
         """unmap_block (§8.4): unmap the whole pages of a free expandable block."""
         segment = block.segment
         offset, unmapped = self._unmap_pages(segment, block.ptr - segment.address, block.size)
@@ -260,19 +215,17 @@ class ExpandableMixin:
         block.ptr = unmapped_ptr
         block.size = unmapped
         block.mapped = False
-        self._try_merge(block, block.prev, pool)
-        self._try_merge(block, block.next, pool)
+        pool.merge_free_neighbours(block)
         pool.insert_unmapped(block)
-        self._total -= unmapped
-        self._down(SMALL_POOL if pool.is_small else LARGE_POOL, RESERVED_BYTES, unmapped)
+        self._device.remove_reserved(pool, unmapped)
         if pool.owner is not None and pool.owner.segment_count > 0:
             # unmap_block: every unmap counts down the private pool's cudaMalloc_count
             # (PyTorch asserts it is > 0 first).
             pool.owner.segment_count -= 1
-        self._num_device_free += 1
-        self.segment_log.append(("segment_unmap", unmapped_ptr, unmapped))
+        self._stats.num_device_free += 1
+        self._device.segment_log.append(("segment_unmap", unmapped_ptr, unmapped))
 
-    def _release_expandable_segment(self, block: Block, pool: BlockPool) -> None:
+    def release_segment(self, block: Block, pool: BlockPool) -> None:
         """release_expandable_segment: free a fully unmapped reservation (no trace entry)."""
         pool.remove_unmapped(block)
-        self._expandable_segments.remove(block.segment)
+        self.segments.remove(block.segment)

@@ -91,13 +91,47 @@ class BlockPool:
         sf = self.streams.get(block.stream)
         if sf is None:
             sf = self.streams[block.stream] = StreamFreeBlocks()
-        bucket = sf.buckets.get(block.size)
+        size = block.size
+        bucket = sf.buckets.get(size)
         if bucket is None:
-            sf.buckets[block.size] = [entry]
-            insort(sf.sizes, block.size)
+            sf.buckets[size] = [entry]
+            insort(sf.sizes, size)
         else:
             bucket.insert(bisect_left(bucket, (entry[0],)), entry)
         self.count += 1
+
+    def merge_free_neighbours(self, block: Block) -> int:
+        """try_merge_blocks with the previous, then the next block; returns how many merged.
+
+        A neighbour merges when it is free (not allocated, no pending events or stream uses)
+        and has the same mapped state; it leaves this pool's sets and ``block`` grows over it.
+        """
+        merged = 0
+        for src in (block.prev, block.next):
+            if (
+                src is None
+                or src.allocated
+                or src.event_count
+                or src.stream_uses
+                or src.mapped != block.mapped
+            ):
+                continue
+            if src.mapped:
+                self.remove(src)
+            else:
+                self.remove_unmapped(src)
+            if src is block.prev:
+                block.ptr = src.ptr
+                before = block.prev = src.prev
+                if before is not None:
+                    before.next = block
+            else:
+                after = block.next = src.next
+                if after is not None:
+                    after.prev = block
+            block.size += src.size
+            merged += 1
+        return merged
 
     def remove(self, block: Block) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with)."""

@@ -21,7 +21,6 @@ How PyTorch drives this API (torch/cuda/graphs.py, torch/cuda/memory.py):
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,10 +30,9 @@ from oomkit.errors import AllocatorUsageError
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.block import Block
-    from oomkit.core.allocator.pools import StreamFreeBlocks
     from oomkit.core.allocator.rules import AllocatorRules
 
-__all__ = ["MempoolId", "PrivatePool", "PrivatePoolMixin"]
+__all__ = ["MempoolId", "PrivatePool", "PrivatePools"]
 
 # MempoolId_t: (graph pool uid, 0) for CUDA graphs, (0, user uid) for torch.cuda.MemPool.
 MempoolId = tuple[int, int]
@@ -88,47 +86,24 @@ def _check_id(pool_id: object) -> MempoolId:
     return pool_id
 
 
-class PrivatePoolMixin:
-    """Private-pool scopes, lifetimes and releases of the simulated allocator."""
+class PrivatePools:
+    """The private pools of one allocator: lifetimes, allocation scopes and their releases.
 
-    if TYPE_CHECKING:
+    Args:
+        rules: the modelled torch version's rules.
+    """
 
-        def _release_blocks(self, pool: BlockPool) -> None:  # pragma: no cover
-            ...
+    __slots__ = ("rules", "pools", "freeable", "scopes", "_next_user_pool")
 
-        def _synchronize_and_free_events(self) -> None:  # pragma: no cover
-            ...
-
-        def _free_block(self, block: Block) -> None:  # pragma: no cover
-            ...
-
-        def _checked_free_block(
-            self,
-            pool: BlockPool,
-            sf: StreamFreeBlocks,
-            block: Block,
-            size: int,
-            expandable_active: bool | None = None,
-        ) -> Block | None:  # pragma: no cover
-            ...
-
-    # Provided by CachingAllocator.
-    rules: AllocatorRules
-    _small: BlockPool
-    _large: BlockPool
-    _limit: int | None
-    _gc_threshold: float
-    _events: dict[object, dict[int, Block]]
-    _active: dict[int, Block]
-    _num_sync_all_streams: int
-
-    def _init_private_pools(self) -> None:
+    def __init__(self, rules: AllocatorRules) -> None:
+        self.rules = rules
         # graph_pools, in creation order.
-        self._pools: dict[MempoolId, PrivatePool] = {}
+        self.pools: dict[MempoolId, PrivatePool] = {}
         # graph_pools_freeable, in the order releasePool made them freeable.
-        self._freeable: dict[MempoolId, PrivatePool] = {}
+        self.freeable: dict[MempoolId, PrivatePool] = {}
         # allocation_scopes_ (MAIN26) / captures_underway (V24): (id, filter, capture, pool).
-        self._scopes: list[tuple[MempoolId, StreamFilter | None, bool, PrivatePool]] = []
+        # Changed in place only: the allocator's malloc binds this list.
+        self.scopes: list[tuple[MempoolId, StreamFilter | None, bool, PrivatePool]] = []
         self._next_user_pool = 1
 
     # ------------------------------------------------------------------ lifetime
@@ -170,7 +145,7 @@ class PrivatePoolMixin:
                 "newer torch_version or drop no_split."
             )
         if pool_id is None:
-            while (0, self._next_user_pool) in self._pools:
+            while (0, self._next_user_pool) in self.pools:
                 self._next_user_pool += 1
             pool_id = (0, self._next_user_pool)
             self._next_user_pool += 1
@@ -183,10 +158,10 @@ class PrivatePoolMixin:
 
     def _create_or_incref(self, pool_id: MempoolId) -> PrivatePool:
         # create_or_incref_pool: a new pool has use_count 1; an existing one must be live.
-        pool = self._pools.get(pool_id)
+        pool = self.pools.get(pool_id)
         if pool is None:
             pool = PrivatePool(pool_id, self.rules.tie_break_by_creation_order)
-            self._pools[pool_id] = pool
+            self.pools[pool_id] = pool
             return pool
         if pool.use_count <= 0:
             raise AllocatorUsageError(
@@ -205,7 +180,7 @@ class PrivatePoolMixin:
         Raises:
             AllocatorUsageError: no such pool, or its use_count is already 0.
         """
-        pool = self._pools.get(_check_id(pool_id))
+        pool = self.pools.get(_check_id(pool_id))
         if pool is None or pool.use_count <= 0:
             raise AllocatorUsageError(
                 f"release_pool: private pool {pool_id} is not live (never created, or already "
@@ -214,7 +189,7 @@ class PrivatePoolMixin:
             )
         pool.use_count -= 1
         if pool.use_count == 0:
-            self._freeable[pool_id] = pool
+            self.freeable[pool_id] = pool
             # MAIN26 releasePool: the pool leaves no_split_pools.
             pool.no_split = False
 
@@ -224,7 +199,7 @@ class PrivatePoolMixin:
         Raises:
             AllocatorUsageError: no such pool.
         """
-        pool = self._pools.get(_check_id(pool_id))
+        pool = self.pools.get(_check_id(pool_id))
         if pool is None:
             raise AllocatorUsageError(
                 f"pool_use_count: no private pool {pool_id}; it was never created or has been "
@@ -235,7 +210,7 @@ class PrivatePoolMixin:
     @property
     def private_pool_ids(self) -> tuple[MempoolId, ...]:
         """Ids of the private pools that exist (graph_pools), in creation order."""
-        return tuple(self._pools)
+        return tuple(self.pools)
 
     # ------------------------------------------------------------------ scopes
 
@@ -266,14 +241,14 @@ class PrivatePoolMixin:
             raise AllocatorUsageError(
                 f"stream_filter must be callable (stream -> bool) or None; got {stream_filter!r}."
             )
-        if any(scope[0] == pool_id for scope in self._scopes):
+        if any(scope[0] == pool_id for scope in self.scopes):
             # beginAllocateToPool: TORCH_CHECK "already recording to mempool_id".
             raise AllocatorUsageError(
                 f"beginAllocateToPool: already recording to mempool_id {pool_id}. Call "
                 "end_allocate_to_pool first."
             )
         pool = self._create_or_incref(pool_id)
-        self._scopes.append((pool_id, stream_filter, bool(capture), pool))
+        self.scopes.append((pool_id, stream_filter, bool(capture), pool))
 
     def end_allocate_to_pool(self, pool_id: MempoolId) -> None:
         """endAllocateToPool: close the scope (the pool's use_count is unchanged).
@@ -281,18 +256,18 @@ class PrivatePoolMixin:
         Raises:
             AllocatorUsageError: no scope is open for this pool.
         """
-        for i, scope in enumerate(self._scopes):
+        for i, scope in enumerate(self.scopes):
             if scope[0] == pool_id:
-                del self._scopes[i]
+                del self.scopes[i]
                 return
         raise AllocatorUsageError(
             f"endAllocatePool: not currently recording to mempool_id {pool_id!r}. Open it with "
             "begin_allocate_to_pool first."
         )
 
-    def _scoped_pool(self, size: int, stream: int, default: BlockPool) -> BlockPool:
+    def scoped_pool(self, size: int, stream: int, default: BlockPool) -> BlockPool:
         """get_pool with open scopes: the matching scope's small or large pool, else ``default``."""
-        scopes = self._scopes
+        scopes = self.scopes
         # MAIN26 get_pool walks allocation_scopes_ newest first; V24 walks captures_underway
         # oldest first.
         order = reversed(scopes) if self.rules.pool_scopes_newest_first else iter(scopes)
@@ -301,120 +276,76 @@ class PrivatePoolMixin:
                 return pool.small if size <= SMALL_SIZE else pool.large
         return default
 
-    def _capture_blocks_release(self, stream: int | None) -> bool:
+    def capture_blocks_release(self, stream: int | None) -> bool:
         """Whether a capture in progress forbids release_cached_blocks for the default pools.
 
         V24: any open scope (``captures_underway`` non-empty). MAIN26 ``is_capture_context``:
         a real capture (``capture=True``) on the caller's stream; ``stream`` None (empty_cache)
         means any open capture.
         """
-        if not self._scopes:
+        if not self.scopes:
             return False
         if not self.rules.release_skips_only_real_capture:
             return True
-        for _pool_id, stream_filter, capture, _pool in self._scopes:
+        for _pool_id, stream_filter, capture, _pool in self.scopes:
             if capture and (stream is None or stream_filter is None or stream_filter(stream)):
                 return True
         return False
 
     # ------------------------------------------------------------------ OOM-path helpers
 
-    def _mempool_fallback(self, size: int, stream: int) -> Block | None:
-        """try_mempool_fallback (§4 step 7): a free block from a ``use_on_oom`` pool, or None.
+    def use_on_oom_pools(self, size: int) -> list[BlockPool]:
+        """try_mempool_fallback's candidates (§4 step 7): the ``size``'s half of each live pool
+        with ``use_on_oom``, in creation order (PyTorch keeps an unordered set)."""
+        return [
+            pool.small if size <= SMALL_SIZE else pool.large
+            for pool in self.pools.values()
+            if pool.use_on_oom and pool.use_count > 0
+        ]
 
-        Each pool is searched like a scope (its use_count goes up and back down), with
-        expandable segments inactive, in creation order (PyTorch keeps an unordered set).
-        Pools already released to use_count 0 are skipped.
-        """
-        for pool in list(self._pools.values()):
-            if not pool.use_on_oom or pool.use_count <= 0:
-                continue
-            half = pool.small if size <= SMALL_SIZE else pool.large
-            block = self._find_free_block(half, size, stream, expandable_active=False)
-            if block is not None:
-                return block
-        return None
-
-    def _find_free_block(
-        self, pool: BlockPool, size: int, stream: int, *, expandable_active: bool
-    ) -> Block | None:
-        """get_free_block (§4 step 3) on any pool, for the slow paths."""
-        if self._limit is not None and self._gc_threshold > 0.0:
-            pool.gc_clock += 1
-        sf = pool.streams.get(stream)
-        if sf is None:
-            return None
-        sizes = sf.sizes
-        i = bisect_left(sizes, size)
-        if i == len(sizes):
-            return None
-        block = sf.buckets[sizes[i]][0][1]
-        return self._checked_free_block(pool, sf, block, size, expandable_active)
-
-    def private_pool_cached_bytes(self) -> int:
+    def cached_free_bytes(self) -> int:
         """Free cached bytes in every private pool: the OOM message's "allocated in private pools".
 
         malloc's OOM branch sums ``pool.blocks`` of every entry of graph_pools (§12.2).
         """
-        return sum(pool.cached_free_bytes() for pool in self._pools.values())
+        return sum(pool.cached_free_bytes() for pool in self.pools.values())
 
     # ------------------------------------------------------------------ releasing
 
-    def _release_cached_blocks(self, pool_id: MempoolId | None, stream: int | None) -> None:
-        """release_cached_blocks (§4 step 9, §5.3).
-
-        ``pool_id`` None: synchronize events and release the default pools (unless a capture
-        forbids it), then every freeable private pool. A pool id (MAIN26 emptyCache(id)):
-        synchronize that pool's events and release only it, if it is freeable.
-        """
-        if pool_id is None and not self._capture_blocks_release(stream):
-            self._synchronize_and_free_events()
-            self._release_blocks(self._large)
-            self._release_blocks(self._small)
-        self._release_freeable_pools(pool_id)
-
-    def _release_freeable_pools(self, pool_id: MempoolId | None) -> None:
+    def release_freeable(
+        self,
+        pool_id: MempoolId | None,
+        release_blocks: Callable[[BlockPool], None],
+        synchronize_pool_events: Callable[[PrivatePool], None],
+        active: dict[int, Block],
+    ) -> None:
         """The private part of release_cached_blocks: freeable pools (or just ``pool_id``).
 
         PyTorch walks graph_pools_freeable (an unordered map); this walks them in the order
         they became freeable. A pool with no segments left is deleted.
         """
-        if not self._freeable:
+        if not self.freeable:
             return
-        for pid, pool in list(self._freeable.items()):
+        for pid, pool in list(self.freeable.items()):
             if pool_id is not None:
                 if pid != pool_id:
                     continue
-                self._synchronize_pool_events(pool)
+                synchronize_pool_events(pool)
             # Private pools release small before large (release_cached_blocks).
-            self._release_blocks(pool.small)
-            self._release_blocks(pool.large)
-            if pool.segment_count <= 0 and self._holds_nothing(pool):
-                del self._pools[pid]
-                del self._freeable[pid]
+            release_blocks(pool.small)
+            release_blocks(pool.large)
+            if pool.segment_count <= 0 and _holds_nothing(pool, active):
+                del self.pools[pid]
+                del self.freeable[pid]
 
-    def _holds_nothing(self, pool: PrivatePool) -> bool:
-        """No block of any kind is left in the pool (guards the deletion of a freeable pool).
 
-        PyTorch deletes at ``cudaMalloc_count == 0``; with expandable segments that count moves
-        by one per allocation and per unmap, so the simulator also checks for leftover blocks.
-        """
-        if pool.small.count or pool.large.count or pool.small.unmapped or pool.large.unmapped:
-            return False
-        halves = (pool.small, pool.large)
-        return not any(b.segment.pool in halves for b in self._active.values())
+def _holds_nothing(pool: PrivatePool, active: dict[int, Block]) -> bool:
+    """No block of any kind is left in the pool (guards the deletion of a freeable pool).
 
-    def _synchronize_pool_events(self, pool: PrivatePool) -> None:
-        """synchronize_and_free_events(context, pool): only the events of this pool's blocks."""
-        self._num_sync_all_streams += 1
-        for key in list(self._events):
-            queue = self._events[key]
-            for ptr, block in list(queue.items()):
-                if block.segment.pool is None or block.segment.pool.owner is not pool:
-                    continue
-                del queue[ptr]
-                block.event_count -= 1
-                if block.event_count == 0:
-                    self._free_block(block)
-            if not queue:
-                del self._events[key]
+    PyTorch deletes at ``cudaMalloc_count == 0``; with expandable segments that count moves
+    by one per allocation and per unmap, so the simulator also checks for leftover blocks.
+    """
+    if pool.small.count or pool.large.count or pool.small.unmapped or pool.large.unmapped:
+        return False
+    halves = (pool.small, pool.large)
+    return not any(b.segment.pool in halves for b in active.values())

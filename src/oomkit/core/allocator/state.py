@@ -2,17 +2,21 @@
 
 ``snapshot()`` returns segment dicts shaped like ``torch.cuda.memory._snapshot()["segments"]``.
 ``seed_segment`` rebuilds a segment that existed before a recorded trace began (ref §15.1).
-A mixin of :class:`~oomkit.core.allocator.caching_allocator.CachingAllocator`.
+Functions over the allocator's parts, which :class:`CachingAllocator` calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator.block import Block, Segment
 from oomkit.core.allocator.constants import SMALL_BUFFER
+from oomkit.core.allocator.device_memory import DeviceMemory
+from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.allocator.settings import AllocatorSettings
 from oomkit.core.allocator.stats import (
     ACTIVE,
     ACTIVE_BYTES,
@@ -24,334 +28,317 @@ from oomkit.core.allocator.stats import (
     OVERSIZE_ALLOCATIONS,
     OVERSIZE_SEGMENTS,
     REQUESTED_BYTES,
-    RESERVED_BYTES,
     SEGMENT,
     SMALL_POOL,
+    AllocatorStats,
 )
 from oomkit.errors import AllocatorUsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from oomkit.core.allocator.private_pools import PrivatePool
 
-__all__ = ["StateMixin", "SeedBlock"]
+__all__ = ["SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "snapshot"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
 
 
-class StateMixin:
-    """Snapshot and seeding for the simulated allocator."""
+# ------------------------------------------------------------------ snapshot
 
-    if TYPE_CHECKING:
 
-        def _new_counter(self) -> int:  # pragma: no cover - provided by CachingAllocator
-            ...
+def all_blocks(
+    small: BlockPool,
+    large: BlockPool,
+    private_pools: Iterable[PrivatePool],
+    active: dict[int, Block],
+) -> Iterator[Block]:
+    """get_all_blocks: default pools, every private pool (§3.5), then the active blocks."""
+    for pool in (small, large):
+        yield from pool.ordered()
+    for private in private_pools:
+        yield from private.small.ordered()
+        yield from private.large.ordered()
+    yield from active.values()
 
-        def _up(self, kind: int, i: int, amount: int) -> None:  # pragma: no cover
-            ...
 
-        def _up_all(self, i: int, amount: int) -> None:  # pragma: no cover
-            ...
+def snapshot(held: Iterable[Block], device: int) -> list[dict[str, Any]]:
+    """The segments of the ``held`` blocks as ``torch.cuda.memory._snapshot()["segments"]`` lists them (§11.2).
 
-        def _new_expandable_segment(
-            self, pool: BlockPool, stream: int, base: int | None, size: int | None = None
-        ) -> Block:  # pragma: no cover
-            ...
-
-        def _page_size(self, pool: BlockPool) -> int:  # pragma: no cover
-            ...
-
-    # Provided by CachingAllocator / ExpandableMixin.
-    device: int
-    capacity_bytes: int
-    _small: BlockPool
-    _large: BlockPool
-    _pools: dict[tuple[int, int], PrivatePool]
-    _active: dict[int, Block]
-    _segments: dict[int, Segment]
-    _expandable_segments: list[Segment]
-    _total: int
-    _max_split: int
-    _next_address: int
-    _large_segment_size: int
-
-    # ------------------------------------------------------------------ snapshot
-
-    def _all_blocks(self) -> Iterator[Block]:
-        # get_all_blocks: default pools, every private pool (§3.5), then the active blocks.
-        for pool in (self._small, self._large):
-            yield from pool.ordered()
-        for private in self._pools.values():
-            yield from private.small.ordered()
-            yield from private.large.ordered()
-        yield from self._active.values()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The segments as ``torch.cuda.memory._snapshot()["segments"]`` lists them (§11.2).
-
-        Sorted by address. An expandable segment is one entry per contiguous mapped run.
-        Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
-        """
-        result: list[dict[str, Any]] = []
-        for head in self._all_blocks():
-            # DeviceCachingAllocator::snapshot: one entry per head of a mapped run.
-            if head.prev is not None and head.prev.mapped:
-                continue
-            segment = head.segment
-            info: dict[str, Any] = {
-                "device": self.device,
-                "address": head.ptr,
-                "total_size": 0,
-                "stream": head.stream,
-                "segment_type": "small" if segment.is_small else "large",
-                # SegmentInfo::owner_private_pool_id: (0, 0) for the default pools.
-                "segment_pool_id": owner.id
-                if (owner := segment.pool.owner) is not None
-                else (0, 0),
-                "allocated_size": 0,
-                "active_size": 0,
-                "requested_size": 0,
-                "is_expandable": segment.expandable,
-                "frames": [],
-                "blocks": [],
-            }
-            blocks: list[dict[str, Any]] = info["blocks"]
-            block: Block | None = head
-            while block is not None and block.mapped:
-                active = block.allocated or block.event_count > 0 or bool(block.stream_uses)
-                if block.allocated:
-                    state = "active_allocated"
-                elif active:
-                    state = "active_pending_free"
-                else:
-                    state = "inactive"
-                blocks.append(
-                    {
-                        "address": block.ptr,
-                        "size": block.size,
-                        "requested_size": block.requested_size,
-                        "state": state,
-                        "frames": [],
-                    }
-                )
-                info["total_size"] += block.size
-                if block.allocated:
-                    info["allocated_size"] += block.size
-                if active:
-                    info["active_size"] += block.size
-                    info["requested_size"] += block.requested_size
-                block = block.next
-            result.append(info)
-        result.sort(key=lambda seg: seg["address"])
-        return result
-
-    # ------------------------------------------------------------------ seeding
-
-    def seed_segment(
-        self,
-        address: int,
-        total_size: int,
-        stream: int,
-        *,
-        is_small: bool,
-        blocks: Sequence[SeedBlock],
-        expandable: bool = False,
-    ) -> None:
-        """Add a segment that existed before the replayed trace began (ref §15.1).
-
-        Seeded memory counts in the current stats (reserved, allocated, active, segment,
-        inactive_split, ...) and their peaks; no trace entry is logged.
-
-        Args:
-            address: the segment's (or, for expandable, the mapped run's) first address.
-            total_size: its size in bytes.
-            stream: the stream it belongs to.
-            is_small: a small-pool segment (2 MiB classic segments are small, ref §15.1).
-            blocks: ``(address, size, requested_size, allocated)`` tiling the segment in
-                address order; free neighbours must already be merged.
-            expandable: the range is the mapped part of an expandable reservation.
-
-        Raises:
-            AllocatorUsageError: the blocks do not tile the segment, two free blocks touch,
-                or the range overlaps memory the allocator already holds.
-        """
-        self._check_seed(address, total_size, stream, blocks)
-        pool = self._small if is_small else self._large
-        if expandable:
-            segment, before, after = self._seed_reservation(pool, address, total_size, stream)
-        else:
-            segment = Segment(address, total_size, stream, is_small, self._new_counter(), pool=pool)
-            before = after = None
-        chain: list[Block] = []
-        for ptr, size, requested, allocated in blocks:
-            block = Block(ptr, size, stream, segment)
-            block.requested_size = requested
-            block.allocated = bool(allocated)
-            chain.append(block)
-        for left, right in zip(chain, chain[1:], strict=False):
-            left.next = right
-            right.prev = left
-        if before is not None:
-            before.next = chain[0]
-            chain[0].prev = before
-        if after is not None:
-            after.prev = chain[-1]
-            chain[-1].next = after
-        kind = SMALL_POOL if is_small else LARGE_POOL
-        self._total += total_size
-        self._up(kind, RESERVED_BYTES, total_size)
-        if not expandable:
-            self._segments[address] = segment
-            self._up(kind, SEGMENT, 1)
-            if total_size >= self._max_split:
-                self._up_all(OVERSIZE_SEGMENTS, 1)
-        split = len(chain) > 1
-        for block in chain:
+    Sorted by address. An expandable segment is one entry per contiguous mapped run.
+    Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
+    """
+    result: list[dict[str, Any]] = []
+    for head in held:
+        # DeviceCachingAllocator::snapshot: one entry per head of a mapped run.
+        if head.prev is not None and head.prev.mapped:
+            continue
+        segment = head.segment
+        info: dict[str, Any] = {
+            "device": device,
+            "address": head.ptr,
+            "total_size": 0,
+            "stream": head.stream,
+            "segment_type": "small" if segment.is_small else "large",
+            # SegmentInfo::owner_private_pool_id: (0, 0) for the default pools.
+            "segment_pool_id": owner.id if (owner := segment.pool.owner) is not None else (0, 0),
+            "allocated_size": 0,
+            "active_size": 0,
+            "requested_size": 0,
+            "is_expandable": segment.expandable,
+            "frames": [],
+            "blocks": [],
+        }
+        blocks: list[dict[str, Any]] = info["blocks"]
+        block: Block | None = head
+        while block is not None and block.mapped:
+            active = block.allocated or block.event_count > 0 or bool(block.stream_uses)
             if block.allocated:
-                self._active[block.ptr] = block
-                for i in (ALLOCATION, ACTIVE):
-                    self._up(kind, i, 1)
-                for i in (ALLOCATED_BYTES, ACTIVE_BYTES):
-                    self._up(kind, i, block.size)
-                self._up(kind, REQUESTED_BYTES, block.requested_size)
-                if block.size >= self._max_split:
-                    self._up_all(OVERSIZE_ALLOCATIONS, 1)
+                state = "active_allocated"
+            elif active:
+                state = "active_pending_free"
             else:
-                pool.insert(block)
-                if split and not expandable:
-                    self._up(kind, INACTIVE_SPLIT, 1)
-                    self._up(kind, INACTIVE_SPLIT_BYTES, block.size)
-        end = segment.address + segment.size
-        if end > self._next_address:
-            # Synthetic addresses stay above everything seeded.
-            self._next_address = (end + SMALL_BUFFER - 1) // SMALL_BUFFER * SMALL_BUFFER
+                state = "inactive"
+            blocks.append(
+                {
+                    "address": block.ptr,
+                    "size": block.size,
+                    "requested_size": block.requested_size,
+                    "state": state,
+                    "frames": [],
+                }
+            )
+            info["total_size"] += block.size
+            if block.allocated:
+                info["allocated_size"] += block.size
+            if active:
+                info["active_size"] += block.size
+                info["requested_size"] += block.requested_size
+            block = block.next
+        result.append(info)
+    result.sort(key=lambda seg: seg["address"])
+    return result
 
-    def _check_seed(
-        self, address: int, total_size: int, stream: int, blocks: Sequence[SeedBlock]
-    ) -> None:
-        if not isinstance(address, int) or address <= 0:
-            raise AllocatorUsageError(
-                f"seed_segment: address must be a positive int; got {address!r}."
-            )
-        if not isinstance(total_size, int) or total_size <= 0:
-            raise AllocatorUsageError(
-                f"seed_segment: total_size must be a positive int; got {total_size!r}."
-            )
-        if not isinstance(stream, int):
-            raise AllocatorUsageError(f"seed_segment: stream must be an int; got {stream!r}.")
-        if not blocks:
-            raise AllocatorUsageError(
-                "seed_segment: blocks is empty; give the blocks that tile the segment, "
-                "with free gaps as (address, size, requested_size, False)."
-            )
-        expected = address
-        prev_free = False
-        for entry in blocks:
-            ptr, size, _requested, allocated = entry
-            if ptr != expected or not isinstance(size, int) or size <= 0:
-                raise AllocatorUsageError(
-                    f"seed_segment: blocks must tile [{address:#x}, +{total_size}) in address "
-                    f"order; block {entry!r} does not start at {expected:#x} or has no size."
-                )
-            if not allocated and prev_free:
-                raise AllocatorUsageError(
-                    f"seed_segment: free block at {ptr:#x} follows another free block; free "
-                    "neighbours always merge, so give them as one block."
-                )
-            prev_free = not allocated
-            expected = ptr + size
-        if expected != address + total_size:
-            raise AllocatorUsageError(
-                f"seed_segment: the blocks cover {expected - address} bytes but total_size is "
-                f"{total_size}; they must tile the segment exactly."
-            )
-        end = address + total_size
-        for block in self._all_blocks():
-            if block.ptr < end and address < block.ptr + block.size:
-                raise AllocatorUsageError(
-                    f"seed_segment: [{address:#x}, +{total_size}) overlaps a block the "
-                    f"allocator already holds at {block.ptr:#x}."
-                )
 
-    def _seed_reservation(
-        self, pool: BlockPool, address: int, total_size: int, stream: int
-    ) -> tuple[Segment, Block | None, Block | None]:
-        """Place a mapped run inside the (stream, pool kind) reservation, creating it if needed.
+# ------------------------------------------------------------------ seeding
 
-        Returns the segment and the unmapped blocks left before and after the run.
-        """
-        segment = None
-        for seg in self._expandable_segments:
-            if (
-                seg.stream == stream
-                and seg.pool is pool
-                and seg.address <= address < seg.address + seg.size
-            ):
-                segment = seg
-                break
-        if segment is None:
-            # The reservation base is the first run seen (ref §15.5); keep it clear of any
-            # other reservation that starts above it.
-            limit = None
-            for seg in self._expandable_segments:
-                if seg.address > address and (limit is None or seg.address < limit):
-                    limit = seg.address
-            page = self._page_size(pool)
-            size = None
-            if limit is not None:
-                size = (limit - address) // page * page
-            unmapped_block = self._new_expandable_segment(pool, stream, address, size)
-            segment = unmapped_block.segment
-        page = segment.page_size
-        offset = address - segment.address
-        if (
-            offset % page
-            or total_size % page
-            or address + total_size > segment.address + segment.size
-        ):
-            raise AllocatorUsageError(
-                f"seed_segment: expandable range [{address:#x}, +{total_size}) is not whole "
-                f"{page}-byte pages of its reservation at {segment.address:#x}."
-            )
-        # Find the unmapped block that contains the run and cut the run out of it.
-        holder = None
-        for entry in pool.unmapped:
-            b = entry[-1]
-            if b.segment is segment and b.ptr <= address and address + total_size <= b.ptr + b.size:
-                holder = b
-                break
-        if holder is None:
-            raise AllocatorUsageError(
-                f"seed_segment: expandable range [{address:#x}, +{total_size}) overlaps a "
-                "mapped range seeded before."
-            )
-        pool.remove_unmapped(holder)
+
+@dataclass(frozen=True)
+class SeedTarget:
+    """The parts of an allocator that seeding writes to."""
+
+    small: BlockPool
+    large: BlockPool
+    active: dict[int, Block]
+    device: DeviceMemory
+    expandable: ExpandableSegments
+    stats: AllocatorStats
+    settings: AllocatorSettings
+    held_blocks: Callable[[], Iterator[Block]]
+
+
+def seed_segment(
+    target: SeedTarget,
+    address: int,
+    total_size: int,
+    stream: int,
+    is_small: bool,
+    blocks: Sequence[SeedBlock],
+    expandable: bool = False,
+) -> None:
+    """Add a segment that existed before the replayed trace began (ref §15.1).
+
+    Seeded memory counts in the current stats (reserved, allocated, active, segment,
+    inactive_split, ...) and their peaks; no trace entry is logged.
+
+    Args:
+        target: the allocator's parts the segment is added to.
+        address: the segment's (or, for expandable, the mapped run's) first address.
+        total_size: its size in bytes.
+        stream: the stream it belongs to.
+        is_small: a small-pool segment (2 MiB classic segments are small, ref §15.1).
+        blocks: ``(address, size, requested_size, allocated)`` tiling the segment in
+            address order; free neighbours must already be merged.
+        expandable: the range is the mapped part of an expandable reservation.
+
+    Raises:
+        AllocatorUsageError: the blocks do not tile the segment, two free blocks touch,
+            or the range overlaps memory the allocator already holds.
+    """
+    _check_seed(target.held_blocks(), address, total_size, stream, blocks)
+    pool = target.small if is_small else target.large
+    device = target.device
+    stats = target.stats
+    max_split = target.settings.max_split
+    if expandable:
+        segment, before, after = _seed_reservation(
+            target.expandable, pool, address, total_size, stream
+        )
+    else:
+        segment = Segment(address, total_size, stream, is_small, device.new_counter(), pool=pool)
         before = after = None
-        prev, nxt = holder.prev, holder.next
-        if address > holder.ptr:
-            before = Block(holder.ptr, address - holder.ptr, stream, segment)
-            before.mapped = False
-            before.prev = prev
-            if prev is not None:
-                prev.next = before
-            pool.insert_unmapped(before)
-        elif prev is not None:
-            before = prev
-        run_end = address + total_size
-        holder_end = holder.ptr + holder.size
-        if run_end < holder_end:
-            after = Block(run_end, holder_end - run_end, stream, segment)
-            after.mapped = False
-            after.next = nxt
-            if nxt is not None:
-                nxt.prev = after
-            pool.insert_unmapped(after)
-        elif nxt is not None:
-            after = nxt
-        pages = segment.mapped_pages
-        assert pages is not None
-        for i in range(offset // page, (offset + total_size) // page):
-            pages[i] = 1
-        return segment, before, after
+    chain: list[Block] = []
+    for ptr, size, requested, allocated in blocks:
+        block = Block(ptr, size, stream, segment)
+        block.requested_size = requested
+        block.allocated = bool(allocated)
+        chain.append(block)
+    for left, right in zip(chain, chain[1:], strict=False):
+        left.next = right
+        right.prev = left
+    if before is not None:
+        before.next = chain[0]
+        chain[0].prev = before
+    if after is not None:
+        after.prev = chain[-1]
+        chain[-1].next = after
+    kind = SMALL_POOL if is_small else LARGE_POOL
+    device.add_reserved(pool, total_size)
+    if not expandable:
+        device.segments[address] = segment
+        stats.up(kind, SEGMENT, 1)
+        if total_size >= max_split:
+            stats.up_all(OVERSIZE_SEGMENTS, 1)
+    split = len(chain) > 1
+    for block in chain:
+        if block.allocated:
+            target.active[block.ptr] = block
+            for i in (ALLOCATION, ACTIVE):
+                stats.up(kind, i, 1)
+            for i in (ALLOCATED_BYTES, ACTIVE_BYTES):
+                stats.up(kind, i, block.size)
+            stats.up(kind, REQUESTED_BYTES, block.requested_size)
+            if block.size >= max_split:
+                stats.up_all(OVERSIZE_ALLOCATIONS, 1)
+        else:
+            pool.insert(block)
+            if split and not expandable:
+                stats.up(kind, INACTIVE_SPLIT, 1)
+                stats.up(kind, INACTIVE_SPLIT_BYTES, block.size)
+    end = segment.address + segment.size
+    if end > device.next_address:
+        # Synthetic addresses stay above everything seeded.
+        device.next_address = (end + SMALL_BUFFER - 1) // SMALL_BUFFER * SMALL_BUFFER
+
+
+def _check_seed(
+    held: Iterable[Block], address: int, total_size: int, stream: int, blocks: Sequence[SeedBlock]
+) -> None:
+    if not isinstance(address, int) or address <= 0:
+        raise AllocatorUsageError(f"seed_segment: address must be a positive int; got {address!r}.")
+    if not isinstance(total_size, int) or total_size <= 0:
+        raise AllocatorUsageError(
+            f"seed_segment: total_size must be a positive int; got {total_size!r}."
+        )
+    if not isinstance(stream, int):
+        raise AllocatorUsageError(f"seed_segment: stream must be an int; got {stream!r}.")
+    if not blocks:
+        raise AllocatorUsageError(
+            "seed_segment: blocks is empty; give the blocks that tile the segment, "
+            "with free gaps as (address, size, requested_size, False)."
+        )
+    expected = address
+    prev_free = False
+    for entry in blocks:
+        ptr, size, _requested, allocated = entry
+        if ptr != expected or not isinstance(size, int) or size <= 0:
+            raise AllocatorUsageError(
+                f"seed_segment: blocks must tile [{address:#x}, +{total_size}) in address "
+                f"order; block {entry!r} does not start at {expected:#x} or has no size."
+            )
+        if not allocated and prev_free:
+            raise AllocatorUsageError(
+                f"seed_segment: free block at {ptr:#x} follows another free block; free "
+                "neighbours always merge, so give them as one block."
+            )
+        prev_free = not allocated
+        expected = ptr + size
+    if expected != address + total_size:
+        raise AllocatorUsageError(
+            f"seed_segment: the blocks cover {expected - address} bytes but total_size is "
+            f"{total_size}; they must tile the segment exactly."
+        )
+    end = address + total_size
+    for block in held:
+        if block.ptr < end and address < block.ptr + block.size:
+            raise AllocatorUsageError(
+                f"seed_segment: [{address:#x}, +{total_size}) overlaps a block the "
+                f"allocator already holds at {block.ptr:#x}."
+            )
+
+
+def _seed_reservation(
+    expandable: ExpandableSegments, pool: BlockPool, address: int, total_size: int, stream: int
+) -> tuple[Segment, Block | None, Block | None]:
+    """Place a mapped run inside the (stream, pool kind) reservation, creating it if needed.
+
+    Returns the segment and the unmapped blocks left before and after the run.
+    """
+    segment = None
+    for seg in expandable.segments:
+        if (
+            seg.stream == stream
+            and seg.pool is pool
+            and seg.address <= address < seg.address + seg.size
+        ):
+            segment = seg
+            break
+    if segment is None:
+        # The reservation base is the first run seen (ref §15.5); keep it clear of any
+        # other reservation that starts above it.
+        limit = None
+        for seg in expandable.segments:
+            if seg.address > address and (limit is None or seg.address < limit):
+                limit = seg.address
+        page = expandable.page_size(pool)
+        size = None
+        if limit is not None:
+            size = (limit - address) // page * page
+        unmapped_block = expandable.new_segment(pool, stream, address, size)
+        segment = unmapped_block.segment
+    page = segment.page_size
+    offset = address - segment.address
+    if offset % page or total_size % page or address + total_size > segment.address + segment.size:
+        raise AllocatorUsageError(
+            f"seed_segment: expandable range [{address:#x}, +{total_size}) is not whole "
+            f"{page}-byte pages of its reservation at {segment.address:#x}."
+        )
+    # Find the unmapped block that contains the run and cut the run out of it.
+    holder = None
+    for entry in pool.unmapped:
+        b = entry[-1]
+        if b.segment is segment and b.ptr <= address and address + total_size <= b.ptr + b.size:
+            holder = b
+            break
+    if holder is None:
+        raise AllocatorUsageError(
+            f"seed_segment: expandable range [{address:#x}, +{total_size}) overlaps a "
+            "mapped range seeded before."
+        )
+    pool.remove_unmapped(holder)
+    before = after = None
+    prev, nxt = holder.prev, holder.next
+    if address > holder.ptr:
+        before = Block(holder.ptr, address - holder.ptr, stream, segment)
+        before.mapped = False
+        before.prev = prev
+        if prev is not None:
+            prev.next = before
+        pool.insert_unmapped(before)
+    elif prev is not None:
+        before = prev
+    run_end = address + total_size
+    holder_end = holder.ptr + holder.size
+    if run_end < holder_end:
+        after = Block(run_end, holder_end - run_end, stream, segment)
+        after.mapped = False
+        after.next = nxt
+        if nxt is not None:
+            nxt.prev = after
+        pool.insert_unmapped(after)
+    elif nxt is not None:
+        after = nxt
+    pages = segment.mapped_pages
+    assert pages is not None
+    for i in range(offset // page, (offset + total_size) // page):
+        pages[i] = 1
+    return segment, before, after

@@ -44,7 +44,7 @@ __all__ = [
     "build_memory_stats",
     "reset_peaks",
     "reset_accumulated",
-    "StatsMixin",
+    "AllocatorStats",
 ]
 
 # DeviceStats array members, in the order THCPModule_memoryStats emits them.
@@ -154,81 +154,103 @@ def reset_accumulated(stats: list[list[int]]) -> None:
             slots[i + ORIGIN] = slots[i + CUR]
 
 
-class StatsMixin:
-    """The stats API of :class:`~oomkit.core.allocator.caching_allocator.CachingAllocator`."""
+class AllocatorStats:
+    """``DeviceStats``: the per-type stat lists and the scalar counters (§10).
 
-    # Provided by CachingAllocator.
-    _stats: list[list[int]]
-    _max_split_stat: int
-    _num_alloc_retries: int
-    _num_ooms: int
-    _num_sync_all_streams: int
-    _num_device_alloc: int
-    _num_device_free: int
-    _num_oom_rejections: int
-    rules: AllocatorRules
+    ``lists`` is never replaced, so hot paths may bind it (or one of its lists) to a local.
+    """
 
-    def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()`` for this device: the same keys and semantics (§10).
+    __slots__ = (
+        "lists",
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "num_oom_rejections",
+    )
+
+    def __init__(self) -> None:
+        self.lists = new_stat_lists()
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_sync_all_streams = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+        # MAIN26 num_oom_rejections (§10.2).
+        self.num_oom_rejections = 0
+
+    def up(self, kind: int, i: int, amount: int) -> None:
+        """increase_stat on ``all`` and the pool kind: current and peak."""
+        lists = self.lists
+        for s in (lists[ALL], lists[kind]):
+            c = s[i] + amount
+            s[i] = c
+            if c > s[i + PEAK]:
+                s[i + PEAK] = c
+
+    def down(self, kind: int, i: int, amount: int) -> None:
+        """decrease_stat on ``all`` and the pool kind."""
+        lists = self.lists
+        for s in (lists[ALL], lists[kind]):
+            s[i] -= amount
+            s[i + FREED] += amount
+
+    def up_all(self, i: int, amount: int) -> None:
+        """increase_stat on a single Stat (the oversize stats)."""
+        s = self.lists[ALL]
+        c = s[i] + amount
+        s[i] = c
+        if c > s[i + PEAK]:
+            s[i + PEAK] = c
+
+    def down_all(self, i: int, amount: int) -> None:
+        """decrease_stat on a single Stat (the oversize stats)."""
+        s = self.lists[ALL]
+        s[i] -= amount
+        s[i + FREED] += amount
+
+    def current(self, i: int) -> int:
+        """``<stat>.all.current`` of the stat at slot ``i``."""
+        return self.lists[ALL][i + CUR]
+
+    def peak(self, i: int) -> int:
+        """``<stat>.all.peak`` of the stat at slot ``i``."""
+        return self.lists[ALL][i + PEAK]
+
+    def memory_stats(self, rules: AllocatorRules, max_split_size: int) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: the same keys and semantics (§10).
 
         Versions with throw_on_cudamalloc_oom (2.12+; torch 2.13's ``memory_stats`` docstring
         lists the key) add ``num_oom_rejections``; torch returns the keys sorted.
         """
-        stats = self._base_memory_stats()
-        if self.rules.oom_rejection:
-            stats["num_oom_rejections"] = self._num_oom_rejections
+        stats = build_memory_stats(
+            self.lists,
+            {
+                "num_alloc_retries": self.num_alloc_retries,
+                "num_ooms": self.num_ooms,
+                "num_sync_all_streams": self.num_sync_all_streams,
+                "num_device_alloc": self.num_device_alloc,
+                "num_device_free": self.num_device_free,
+            },
+            max_split_size,
+        )
+        if rules.oom_rejection:
+            stats["num_oom_rejections"] = self.num_oom_rejections
             stats = dict(sorted(stats.items()))
         return stats
 
-    def _base_memory_stats(self) -> dict[str, int]:
-        return build_memory_stats(
-            self._stats,
-            {
-                "num_alloc_retries": self._num_alloc_retries,
-                "num_ooms": self._num_ooms,
-                "num_sync_all_streams": self._num_sync_all_streams,
-                "num_device_alloc": self._num_device_alloc,
-                "num_device_free": self._num_device_free,
-            },
-            self._max_split_stat,
-        )
-
-    def reset_peak_memory_stats(self) -> None:
+    def reset_peaks(self) -> None:
         """resetPeakStats: every peak becomes the current value."""
-        reset_peaks(self._stats)
+        reset_peaks(self.lists)
 
-    def reset_accumulated_memory_stats(self) -> None:
+    def reset_accumulated(self) -> None:
         """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
-        reset_accumulated(self._stats)
-        self._num_alloc_retries = 0
-        self._num_ooms = 0
-        self._num_sync_all_streams = 0
-        self._num_device_alloc = 0
-        self._num_device_free = 0
+        reset_accumulated(self.lists)
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_sync_all_streams = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
         # MAIN26 resetAccumulatedStats also zeroes num_oom_rejections.
-        self._num_oom_rejections = 0
-
-    @property
-    def num_oom_rejections(self) -> int:
-        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2).
-
-        torch 2.13 documents it as a ``memory_stats()`` key; the simulator keeps the key set of
-        STAT_KEYS and reports it here.
-        """
-        return self._num_oom_rejections
-
-    def memory_allocated(self) -> int:
-        """``allocated_bytes.all.current``."""
-        return self._stats[ALL][ALLOCATED_BYTES + CUR]
-
-    def memory_reserved(self) -> int:
-        """``reserved_bytes.all.current``."""
-        return self._stats[ALL][RESERVED_BYTES + CUR]
-
-    def max_memory_allocated(self) -> int:
-        """``allocated_bytes.all.peak``."""
-        return self._stats[ALL][ALLOCATED_BYTES + PEAK]
-
-    def max_memory_reserved(self) -> int:
-        """``reserved_bytes.all.peak``."""
-        return self._stats[ALL][RESERVED_BYTES + PEAK]
+        self.num_oom_rejections = 0

@@ -1,0 +1,98 @@
+"""BlockPool: the free-block set order and merge_free_neighbours (ref §3.3, §5.2)."""
+
+from __future__ import annotations
+
+from oomkit.core.allocator.block import Block, Segment
+from oomkit.core.allocator.pools import BlockPool
+
+MiB = 2**20
+
+
+def _segment(pool: BlockPool, address: int, size: int, counter: int = 0) -> Segment:
+    return Segment(address, size, 0, pool.is_small, counter, pool=pool)
+
+
+def _chain(segment: Segment, sizes: list[int]) -> list[Block]:
+    blocks = []
+    ptr = segment.address
+    for size in sizes:
+        blocks.append(Block(ptr, size, segment.stream, segment))
+        ptr += size
+    for left, right in zip(blocks, blocks[1:], strict=False):
+        left.next = right
+        right.prev = left
+    return blocks
+
+
+def test_insert_orders_by_size_then_address_and_resets_gc_base():
+    """insert_into_blocks: (stream, size, address) order; the block takes the pool's GC clock."""
+    pool = BlockPool(False, by_counter=False)
+    pool.gc_clock = 7
+    a = Block(0x3000, 4 * MiB, 0, _segment(pool, 0x3000, 4 * MiB))
+    b = Block(0x1000, 4 * MiB, 0, _segment(pool, 0x1000, 4 * MiB))
+    c = Block(0x2000, 2 * MiB, 0, _segment(pool, 0x2000, 2 * MiB))
+    d = Block(0x0500, 2 * MiB, 1, _segment(pool, 0x0500, 2 * MiB))
+    for block in (a, b, c, d):
+        pool.insert(block)
+    assert pool.ordered() == [c, b, a, d]
+    assert len(pool) == 4
+    assert {blk.gc_count_base for blk in (a, b, c, d)} == {7}
+    pool.remove(b)
+    assert pool.ordered() == [c, a, d]
+    assert b.key is None
+    assert len(pool) == 3
+
+
+def test_by_counter_orders_equal_sizes_by_creation():
+    """MAIN26 BlockComparatorSize: registration counter before the address (§3.6)."""
+    pool = BlockPool(False, by_counter=True)
+    old_high = Block(0x9000, MiB, 0, _segment(pool, 0x9000, MiB, counter=0))
+    new_low = Block(0x1000, MiB, 0, _segment(pool, 0x1000, MiB, counter=1))
+    pool.insert(new_low)
+    pool.insert(old_high)
+    assert pool.ordered() == [old_high, new_low]
+
+
+def test_merge_free_neighbours_absorbs_both_sides():
+    """try_merge_blocks with prev then next: one block spans all three, both leave the set."""
+    pool = BlockPool(False, by_counter=False)
+    left, mid, right, tail = _chain(
+        _segment(pool, 0x100000, 10 * MiB), [MiB, 2 * MiB, 3 * MiB, 4 * MiB]
+    )
+    tail.allocated = True
+    pool.insert(left)
+    pool.insert(right)
+    assert pool.merge_free_neighbours(mid) == 2
+    assert (mid.ptr, mid.size) == (0x100000, 6 * MiB)
+    assert mid.prev is None
+    assert mid.next is tail
+    assert tail.prev is mid
+    assert len(pool) == 0
+
+
+def test_merge_free_neighbours_skips_busy_and_unmapped_neighbours():
+    """Allocated, event-pending, stream-used or differently mapped neighbours stay apart."""
+    pool = BlockPool(False, by_counter=False)
+    for busy in ("allocated", "event_count", "stream_uses", "mapped"):
+        left, mid = _chain(_segment(pool, 0x100000, 3 * MiB), [MiB, 2 * MiB])
+        if busy == "allocated":
+            left.allocated = True
+        elif busy == "event_count":
+            left.event_count = 1
+        elif busy == "stream_uses":
+            left.stream_uses = {2}
+        else:
+            left.mapped = False
+        assert pool.merge_free_neighbours(mid) == 0, busy
+        assert (mid.ptr, mid.size, mid.prev) == (0x100000 + MiB, 2 * MiB, left)
+
+
+def test_merge_free_neighbours_joins_unmapped_ranges():
+    """Two unmapped neighbours merge; the absorbed one leaves ``unmapped``."""
+    pool = BlockPool(False, by_counter=False)
+    left, mid = _chain(_segment(pool, 0x100000, 40 * MiB), [20 * MiB, 20 * MiB])
+    left.mapped = mid.mapped = False
+    pool.insert_unmapped(left)
+    assert pool.merge_free_neighbours(mid) == 1
+    assert (mid.ptr, mid.size) == (0x100000, 40 * MiB)
+    assert list(pool.unmapped_blocks()) == []
