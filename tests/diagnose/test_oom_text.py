@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.allocator.oom_message import oom_message
-from oomkit.core.allocator.rules import rules_for
+from oomkit.core.allocator.versions import behaviour_for
 from oomkit.diagnose.oom_text import ProcessMemory, find_oom_texts, parse_oom_text
 from oomkit.errors import OomkitError, OomTextError
 
@@ -65,7 +65,7 @@ def test_memory_fraction_clause_gives_allowed_bytes():
 def test_private_pools_and_process_sentences():
     """2.2+: NVML process sentences and the private-pool clause are read, AL excludes P."""
     text = oom_message(
-        rules_for(None),
+        behaviour_for(None),
         alloc_size=2 * GiB,
         device=3,
         total=80 * GiB,
@@ -180,7 +180,7 @@ def test_text_without_a_message_is_a_clear_error(text):
 def test_parsed_size_is_within_its_tolerance(size_bytes):
     """Any format_size output parses back to within the stated tolerance of the truth."""
     text = oom_message(
-        rules_for(None),
+        behaviour_for(None),
         alloc_size=size_bytes,
         device=0,
         total=2**46,

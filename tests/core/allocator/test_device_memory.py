@@ -7,7 +7,6 @@ import pytest
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.device_memory import SYNTHETIC_ADDRESS_BASE, DeviceMemory, check_capacity
 from oomkit.core.allocator.pools import BlockPool
-from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.settings import AllocatorSettings
 from oomkit.core.allocator.stats import (
     ALL,
@@ -18,6 +17,7 @@ from oomkit.core.allocator.stats import (
     SEGMENT,
     AllocatorStats,
 )
+from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
@@ -25,7 +25,7 @@ MiB = 2**20
 
 def _device(capacity_bytes: int, outside: int = 0, config: str = "", **hooks):
     stats = AllocatorStats()
-    settings = AllocatorSettings(AllocatorConfig.parse(config), rules_for(None), capacity_bytes)
+    settings = AllocatorSettings(AllocatorConfig.parse(config), behaviour_for(None), capacity_bytes)
     device_malloc = hooks.get("device_malloc")
     segment_address = hooks.get("segment_address")
     memory = DeviceMemory(capacity_bytes, outside, stats, settings, device_malloc, segment_address)

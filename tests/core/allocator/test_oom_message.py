@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.allocator.oom_message import format_size, oom_message
-from oomkit.core.allocator.rules import rules_for
+from oomkit.core.allocator.versions import behaviour_for
 
 MiB = 2**20
 
@@ -32,7 +32,7 @@ def test_format_size(n, text):
 def test_private_pool_figure():
     """§12.3: P > 0 adds the private-pool clause and shifts the split."""
     text = oom_message(
-        rules_for("2.4"),
+        behaviour_for("2.4"),
         alloc_size=2 * MiB,
         device=1,
         total=10 * MiB,

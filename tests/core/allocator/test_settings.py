@@ -6,15 +6,15 @@ import pytest
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.constants import LARGE_BUFFER, SIZE_MAX
-from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
+from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
 
 
 def _settings(text: str, version: str | None = None, capacity: int = 1000 * MiB):
-    return AllocatorSettings(AllocatorConfig.parse(text), rules_for(version), capacity)
+    return AllocatorSettings(AllocatorConfig.parse(text), behaviour_for(version), capacity)
 
 
 def test_defaults():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from oomkit.core.allocator import STAT_KEYS, CachingAllocator
-from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.stats import (
     ALL,
     ALLOCATED_BYTES,
@@ -11,6 +10,7 @@ from oomkit.core.allocator.stats import (
     SMALL_POOL,
     AllocatorStats,
 )
+from oomkit.core.allocator.versions import behaviour_for
 
 # torch.cuda.memory_stats() keys (THCPModule_memoryStats, flattened by torch/cuda/memory.py).
 _ARRAYS = (
@@ -92,17 +92,17 @@ def test_allocator_stats_up_down_keep_peaks_and_reset():
     stats.down_all(OVERSIZE_SEGMENTS, 1)
     stats.num_ooms = 3
     assert (stats.current(ALLOCATED_BYTES), stats.peak(ALLOCATED_BYTES)) == (250, 300)
-    out = stats.memory_stats(rules_for(None), -1)
+    out = stats.memory_stats(behaviour_for(None), -1)
     assert out["allocated_bytes.small_pool.allocated"] == 350
     assert out["allocated_bytes.small_pool.freed"] == 100
     assert out["allocated_bytes.large_pool.current"] == 0
     assert (out["oversize_segments.current"], out["oversize_segments.peak"]) == (1, 2)
     assert (out["num_ooms"], out["num_oom_rejections"], out["max_split_size"]) == (3, 0, -1)
-    assert "num_oom_rejections" not in stats.memory_stats(rules_for("2.4"), -1)
+    assert "num_oom_rejections" not in stats.memory_stats(behaviour_for("2.4"), -1)
     stats.reset_peaks()
     assert stats.peak(ALLOCATED_BYTES) == 250
     stats.reset_accumulated()
-    out = stats.memory_stats(rules_for(None), -1)
+    out = stats.memory_stats(behaviour_for(None), -1)
     assert (out["allocated_bytes.all.allocated"], out["allocated_bytes.all.freed"]) == (0, 0)
     assert (out["allocated_bytes.all.current"], out["num_ooms"]) == (250, 0)
     assert stats.lists[ALL][ALLOCATED_BYTES] == 250

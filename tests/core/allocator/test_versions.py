@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from oomkit.core.allocator.rules import AllocatorRules, rules_for
 from oomkit.core.allocator.versions import (
     NEWEST_RELEASED_TORCH,
     TorchBehaviour,
@@ -135,7 +134,7 @@ def test_env_var_order(version, env_vars, deprecated):
 def test_oom_message_variant(version, variant):
     """§12.3: classic <= 2.0, the 'capacty' text in 2.1, the current text from 2.2."""
     assert behaviour_for(version).oom_message_variant == variant
-    assert rules_for(version).oom_message_variant == variant
+    assert behaviour_for(version).oom_message_variant == variant
 
 
 @pytest.mark.parametrize(
@@ -181,11 +180,11 @@ def test_unknown_key_has_no_since():
     assert config_key_since("expandable_segments_reserve") is None
 
 
-def test_rules_for_is_the_one_record():
-    """rules_for / AllocatorRules are behaviour_for / TorchBehaviour: one record per release."""
-    assert AllocatorRules is TorchBehaviour
+def test_one_record_per_release_is_cached():
+    """behaviour_for builds each release's record once: the simulator and parser share it."""
     for version in ("2.4", "2.10", "2.14", "main", None):
-        assert rules_for(version) is behaviour_for(version)
+        assert behaviour_for(version) is behaviour_for(version)
+    assert behaviour_for("2.4.0+cu121") is behaviour_for("2.4")
 
 
 def test_every_field_is_explicit():

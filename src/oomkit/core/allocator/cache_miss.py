@@ -23,9 +23,9 @@ from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import PrivatePools
 from oomkit.core.allocator.release import CacheRelease
 from oomkit.core.allocator.rounding import allocation_size
-from oomkit.core.allocator.rules import AllocatorRules
 from oomkit.core.allocator.settings import AllocatorSettings
 from oomkit.core.allocator.stats import ALLOCATED_BYTES, RESERVED_BYTES, AllocatorStats
+from oomkit.core.allocator.versions import TorchBehaviour
 
 __all__ = ["CacheMiss"]
 
@@ -56,7 +56,7 @@ class CacheMiss:
 
     def __init__(
         self,
-        rules: AllocatorRules,
+        rules: TorchBehaviour,
         device_index: int,
         parts: tuple[
             AllocatorSettings,

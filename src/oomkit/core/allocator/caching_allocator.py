@@ -39,10 +39,10 @@ from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamFilter
 from oomkit.core.allocator.release import CacheRelease
 from oomkit.core.allocator.rounding import round_size
-from oomkit.core.allocator.rules import rules_for
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
 from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
 from oomkit.core.allocator.stats import ALL, LARGE_POOL, SMALL_POOL, AllocatorStats
+from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
 
 __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE"]
@@ -104,7 +104,7 @@ class CachingAllocator:
         check_capacity(capacity_bytes, reserved_outside_bytes)
         self.config = config if config is not None else AllocatorConfig()
         self.torch_version = torch_version
-        self.rules = rules = rules_for(torch_version)
+        self.rules = rules = behaviour_for(torch_version)
         self.device = device
         self._stats = stats = AllocatorStats()
         # Hot state is held directly for malloc/free; these are stats.lists (never replaced).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from oomkit.core.allocator.rules import AllocatorRules
+from oomkit.core.allocator.versions import TorchBehaviour
 from oomkit.errors import OomkitError
 
 __all__ = [
@@ -62,7 +62,7 @@ def process_memory_info(processes: Iterable[tuple[int, int]], self_pid: int) -> 
 
 
 def oom_message(
-    rules: AllocatorRules,
+    rules: TorchBehaviour,
     *,
     alloc_size: int,
     device: int,

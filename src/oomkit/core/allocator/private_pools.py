@@ -30,7 +30,7 @@ from oomkit.errors import AllocatorUsageError
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.block import Block
-    from oomkit.core.allocator.rules import AllocatorRules
+    from oomkit.core.allocator.versions import TorchBehaviour
 
 __all__ = ["MempoolId", "PrivatePool", "PrivatePools"]
 
@@ -95,7 +95,7 @@ class PrivatePools:
 
     __slots__ = ("rules", "pools", "freeable", "scopes", "_next_user_pool")
 
-    def __init__(self, rules: AllocatorRules) -> None:
+    def __init__(self, rules: TorchBehaviour) -> None:
         self.rules = rules
         # graph_pools, in creation order.
         self.pools: dict[MempoolId, PrivatePool] = {}

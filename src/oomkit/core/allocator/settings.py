@@ -11,7 +11,7 @@ import math
 
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.core.allocator.constants import LARGE_BUFFER, SIZE_MAX
-from oomkit.core.allocator.rules import AllocatorRules
+from oomkit.core.allocator.versions import TorchBehaviour
 from oomkit.errors import AllocatorUsageError
 
 __all__ = ["AllocatorSettings", "check_fraction"]
@@ -44,7 +44,7 @@ class AllocatorSettings:
         "limit",
     )
 
-    def __init__(self, config: AllocatorConfig, rules: AllocatorRules, capacity_bytes: int) -> None:
+    def __init__(self, config: AllocatorConfig, rules: TorchBehaviour, capacity_bytes: int) -> None:
         self.rules = rules
         self.capacity_bytes = capacity_bytes
         self.limit: int | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from oomkit.core.allocator.rules import AllocatorRules
+    from oomkit.core.allocator.versions import TorchBehaviour
 
 __all__ = [
     "ARRAY_STATS",
@@ -218,7 +218,7 @@ class AllocatorStats:
         """``<stat>.all.peak`` of the stat at slot ``i``."""
         return self.lists[ALL][i + PEAK]
 
-    def memory_stats(self, rules: AllocatorRules, max_split_size: int) -> dict[str, int]:
+    def memory_stats(self, rules: TorchBehaviour, max_split_size: int) -> dict[str, int]:
         """``torch.cuda.memory_stats()``: the same keys and semantics (§10).
 
         Versions with throw_on_cudamalloc_oom (2.12+; torch 2.13's ``memory_stats`` docstring

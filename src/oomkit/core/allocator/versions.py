@@ -2,8 +2,7 @@
 
 ``behaviour_for("2.4.0+cu121")`` answers every version question the allocator, its config
 parser and the OOM message need, so no other module compares version numbers. It is the only
-per-release record: the simulator reads it as ``rules_for`` / ``AllocatorRules``
-(``oomkit.core.allocator.rules``), the same function and class under its names. The facts come
+per-release record: the simulator, the config parser and the OOM message all read it. The facts come
 from ref/cuda-caching-allocator.md (§0 sources, §3.6, §6, §7, §9, §12, Appendix A); release
 numbers the ref marks "≈" are inferred from PR dates, not read from tags.
 
