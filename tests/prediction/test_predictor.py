@@ -334,3 +334,17 @@ def test_predict_with_a_target_equals_the_keywords_and_saves_the_cudnn_traced_wi
     assert by_target.gpu.name == "RTX 4090"
     with pytest.raises(ValueError, match="either target= or gpu"):
         predict(_sdpa_step(), target=target, gpu="h100")
+
+
+def test_required_bytes_with_expandable_segments_after_an_oom():
+    """The unlimited re-run maps pages of a huge reservation without a table of its size.
+
+    Small pool: one 2 MiB page for the 1024-B block; large pool: one expandable segment whose
+    20 MiB pages grow to cover 3 MiB + 30 MiB + 512 B, so 2 pages: 2 + 40 MiB in all.
+    """
+    p = predict_recording(
+        _recording(THREE), _gpu(40 * MiB, 10 * MiB), "expandable_segments:True"
+    )
+    assert p.fits is False
+    assert p.oom is not None and p.oom.requested_bytes == 30 * MiB + 1
+    assert p.required_bytes == 42 * MiB

@@ -143,3 +143,19 @@ def test_seed_expandable_range():
     p = a.malloc(20 * MiB)  # tail 15 MiB + one new page
     assert p == base + 25 * MiB
     assert a.segment_log == [("segment_map", base + 40 * MiB, 20 * MiB)]
+
+
+def test_an_exabyte_device_maps_pages_without_a_table_of_its_size():
+    """The page flags grow as pages map: a 2**60-byte device's reservation costs no 2**39 table."""
+    a = CachingAllocator(EXP, capacity_bytes=2**60)
+    p = a.malloc(5 * MiB)
+    q = a.malloc(30 * MiB)
+    (seg,) = a.snapshot()
+    assert seg["is_expandable"] and seg["total_size"] == 40 * MiB
+    assert q == p + 5 * MiB
+    a.free(q)
+    a.free(p)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    a.malloc(45 * MiB)
+    assert a.memory_stats()["reserved_bytes.all.current"] == 60 * MiB

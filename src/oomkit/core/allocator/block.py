@@ -53,7 +53,9 @@ class Segment:
         # MAIN26 registration_counter: creation ordinal used by the 2026 tie-break (§3.6).
         self.counter = counter
         self.page_size = page_size
-        self.mapped_pages: bytearray | None = bytearray(size // page_size) if expandable else None
+        # One flag per page, grown as pages are mapped (pages past its end are unmapped): a
+        # reservation of 1.125 x the device's memory (§1) may be huge on an "unlimited" device.
+        self.mapped_pages: bytearray | None = bytearray() if expandable else None
         # Block::pool: the BlockPool (default or private, §3.5) every block of the segment uses.
         self.pool = pool
 

@@ -107,8 +107,10 @@ class ExpandableSegments:
         end = (offset + nbytes + page - 1) // page
         pages = segment.mapped_pages
         assert pages is not None
-        if end > len(pages):
+        if end > segment.size // page:
             return 0
+        if end > len(pages):
+            pages.extend(bytes(end - len(pages)))
         device = self._device
         created = 0
         try:
@@ -180,7 +182,7 @@ class ExpandableSegments:
             return offset, 0
         pages = segment.mapped_pages
         assert pages is not None
-        for i in range(begin, end):
+        for i in range(begin, min(end, len(pages))):
             pages[i] = 0
         return begin * page, (end - begin) * page
 

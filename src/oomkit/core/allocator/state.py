@@ -339,6 +339,9 @@ def _seed_reservation(
         after = nxt
     pages = segment.mapped_pages
     assert pages is not None
-    for i in range(offset // page, (offset + total_size) // page):
+    end = (offset + total_size) // page
+    if end > len(pages):
+        pages.extend(bytes(end - len(pages)))
+    for i in range(offset // page, end):
         pages[i] = 1
     return segment, before, after
