@@ -156,8 +156,13 @@ def load_user_step(
             "oomkit predict runs your code on the meta device and needs torch; install it with "
             "`pip install oomkit[torch]`"
         ) from exc
+    from oomkit.prediction.tracing import cuda_autocast_construction
+
     path_text, _, name = target.rpartition(":")
-    module = _load_module(Path(path_text), target)
+    # The file and the builder run as on a CUDA machine: an autocast("cuda") they build once and
+    # the step reuses (nanoGPT's ctx) is built enabled, not disabled for want of a GPU.
+    with cuda_autocast_construction():
+        module = _load_module(Path(path_text), target)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(
@@ -172,7 +177,7 @@ def load_user_step(
         fn, target, {"batch_size": batch_size, "seq_len": seq_len, "image_size": image_size}, device
     )
     try:
-        with device:
+        with device, cuda_autocast_construction():
             result = fn(**kwargs)
     except Exception as exc:
         raise UserCodeError(

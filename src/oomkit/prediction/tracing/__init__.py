@@ -9,7 +9,11 @@ from __future__ import annotations
 
 # First: an unsupported torch fails here with what to do, not deep inside a trace.
 from oomkit.prediction.tracing._torch_version import MIN_TORCH
-from oomkit.prediction.tracing.autocast import CudaAutocastEmulation, emulated_autocast_dtype
+from oomkit.prediction.tracing.autocast import (
+    CudaAutocastEmulation,
+    cuda_autocast_construction,
+    emulated_autocast_dtype,
+)
 from oomkit.prediction.tracing.autocast_policy import (
     CAST_POLICIES,
     CUDA_AUTOCAST_POLICY,
@@ -35,6 +39,7 @@ __all__ = [
     "CUDA_AUTOCAST_POLICY",
     "CastPolicy",
     "CudaAutocastEmulation",
+    "cuda_autocast_construction",
     "cuda_autocast_policy",
     "cuda_cast_policy",
     "cuda_optimizer_defaults",

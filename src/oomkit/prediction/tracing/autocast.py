@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, TypeGuard, cast
 
@@ -42,7 +42,7 @@ from oomkit.prediction.tracing.autocast_policy import (
     cuda_autocast_policy,
 )
 
-__all__ = ["CudaAutocastEmulation", "emulated_autocast_dtype"]
+__all__ = ["CudaAutocastEmulation", "cuda_autocast_construction", "emulated_autocast_dtype"]
 
 _KEY = torch._C.DispatchKey.AutocastCUDA
 _KEYSET = torch._C.DispatchKeySet(_KEY)
@@ -125,6 +125,8 @@ class CudaAutocastEmulation:
         # reference to the source and a strong one to the cast.
         self._cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self._stack: contextlib.ExitStack | None = None
+        # CUDA autocast regions entered disabled because the object was built without CUDA.
+        self.disabled_entries = 0
 
     @property
     def cached_bytes(self) -> int:
@@ -173,36 +175,25 @@ class CudaAutocastEmulation:
 
     def _patch_autocast(self, stack: contextlib.ExitStack) -> None:
         autocast_cls = _autocast_mode.autocast
-        original_init = autocast_cls.__init__
         original_clear = torch.clear_autocast_cache
+        stack.enter_context(cuda_autocast_construction())
+        original_enter = autocast_cls.__enter__
 
-        def init(
-            ac: Any,
-            device_type: str,
-            dtype: torch.dtype | None = None,
-            enabled: bool = True,
-            cache_enabled: bool | None = None,
-        ) -> None:
-            # Meta tensors stand for CUDA ones: model code that takes the autocast device from a
-            # tensor (transformers 4.x rotary embeddings: ``torch.autocast(x.device.type,
-            # enabled=False)`` to force fp32) names "cuda" on the GPU; "meta" has no autocast
-            # state at all (torch.get_autocast_dtype("meta") raises).
-            if device_type == "meta":
-                device_type = "cuda"
-            if device_type == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
-                with _cuda_amp_reported_available():
-                    original_init(ac, device_type, dtype, enabled, cache_enabled)
-            else:
-                original_init(ac, device_type, dtype, enabled, cache_enabled)
+        def enter(ac: Any) -> Any:
+            # An autocast("cuda") built where CUDA was unavailable and outside the construction
+            # emulation (at module level before the trace, say) was disabled by torch when it was
+            # built; entering it records fp32. Count it, so that this is never silent.
+            if ac.device == "cuda" and not ac._enabled and not getattr(ac, _BUILT_AS_CUDA, False):
+                self.disabled_entries += 1
+            return original_enter(ac)
+
+        autocast_cls.__enter__ = enter  # type: ignore[method-assign]
+        stack.callback(setattr, autocast_cls, "__enter__", original_enter)
 
         def clear_autocast_cache() -> None:
             original_clear()
             self._cache.clear()
 
-        # A plain function standing in for the method: mypy cannot match it to the bound
-        # signature (``self`` is positional here), hence the cast.
-        autocast_cls.__init__ = cast(Any, init)  # type: ignore[method-assign]
-        stack.callback(setattr, autocast_cls, "__init__", original_init)
         # torch.utils.checkpoint records the autocast state of the inputs' device type and
         # re-enters it for the recomputation in backward (checkpoint.py _get_autocast_kwargs,
         # recompute_fn / CheckpointFunction.backward). Meta tensors stand for CUDA ones here, so
@@ -326,6 +317,57 @@ def _promote_type(leaves: list[Any]) -> torch.dtype:
         elif not (current == lower and leaf.dtype == lower):
             raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
     return current
+
+
+# Set on autocast objects built under cuda_autocast_construction (as a CUDA build builds them).
+_BUILT_AS_CUDA = "_oomkit_built_as_cuda"
+
+
+@contextlib.contextmanager
+def cuda_autocast_construction() -> Iterator[None]:
+    """While open, ``torch.autocast("cuda")`` (and ``torch.cuda.amp.autocast``) builds as on CUDA.
+
+    Without a GPU torch builds a CUDA autocast disabled ("CUDA is not available ... Disabling
+    autocast"), so one made once and reused (nanoGPT's ``ctx = torch.amp.autocast(...)``) would
+    record an fp32 step. The recorder opens this while it traces; ``oomkit predict
+    file.py:function`` also imports the file and calls the builder under it. From the Python
+    API, build such objects under it (or inside the step). Nested use is a no-op.
+    """
+    autocast_cls = _autocast_mode.autocast
+    original_init = autocast_cls.__init__
+    if getattr(original_init, _BUILT_AS_CUDA, False):
+        yield
+        return
+
+    def init(
+        ac: Any,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        # Meta tensors stand for CUDA ones: model code that takes the autocast device from a
+        # tensor (transformers 4.x rotary embeddings: ``torch.autocast(x.device.type,
+        # enabled=False)`` to force fp32) names "cuda" on the GPU; "meta" has no autocast
+        # state at all (torch.get_autocast_dtype("meta") raises).
+        if device_type == "meta":
+            device_type = "cuda"
+        if device_type == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
+            with _cuda_amp_reported_available():
+                original_init(ac, device_type, dtype, enabled, cache_enabled)
+        else:
+            original_init(ac, device_type, dtype, enabled, cache_enabled)
+        if device_type == "cuda":
+            setattr(ac, _BUILT_AS_CUDA, True)
+
+    setattr(init, _BUILT_AS_CUDA, True)
+    # A plain function standing in for the method: mypy cannot match it to the bound
+    # signature (``self`` is positional here), hence the cast.
+    autocast_cls.__init__ = cast(Any, init)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        autocast_cls.__init__ = original_init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

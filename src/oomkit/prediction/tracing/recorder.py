@@ -112,6 +112,7 @@ class Tracer:
         self._tracked: list[weakref.ref[Any]] = []
         self._handles: list[Any] = []
         self._grad_scaler_steps: Counter[str] = Counter()
+        self._autocast: CudaAutocastEmulation | None = None
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
         self._late_first_seen = 0
@@ -147,7 +148,7 @@ class Tracer:
         stack.callback(self._backward_modules.close)
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
-        stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
+        self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         stack.enter_context(self._engine.intercept())
@@ -466,6 +467,15 @@ class Tracer:
             yield (
                 f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
                 "is not included"
+            )
+        if self._autocast is not None and self._autocast.disabled_entries:
+            yield (
+                f"torch.autocast('cuda') was entered {self._autocast.disabled_entries} time(s) "
+                "disabled, so those regions were recorded in fp32: it was built where CUDA is "
+                "unavailable (e.g. at module level before the trace), and torch disabled it then. "
+                "Build it in the builder or the step, or under "
+                "oomkit.prediction.tracing.cuda_autocast_construction(); ignore this only if you "
+                "passed enabled=False on purpose"
             )
         for name, count in sorted(self._grad_scaler_steps.items()):
             yield (
