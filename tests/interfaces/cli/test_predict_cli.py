@@ -360,3 +360,37 @@ def test_torch_version_reaches_predict(user_file, capsys, monkeypatch):
     assert main(argv) == 0
     capsys.readouterr()
     assert versions == ["2.5", None]
+
+
+PRINTING_FILE = """
+import torch
+
+print("imported the training script")
+
+def build(batch_size):
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(batch_size, 64)
+    print(f"number of parameters: {sum(p.numel() for p in model.parameters())}")
+
+    def step():
+        print("step")
+        model(x).sum().backward()
+
+    return step, (model, x)
+"""
+
+
+def test_json_is_one_object_whatever_the_user_code_prints(tmp_path, capsys):
+    """The script's prints (import, builder, steps) go to stderr; stdout is the JSON alone."""
+    path = tmp_path / "printing.py"
+    path.write_text(textwrap.dedent(PRINTING_FILE))
+    assert main(["predict", f"{path}:build", "--batch", "2", "--steps", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["workload"]["name"] == f"{path}:build"
+    assert "imported the training script\nnumber of parameters: 4160\n" in captured.err
+    assert captured.err.count("step\n") == 2
+    assert main(["fit", f"{path}:build", "--gpu", "1GiB", "--steps", "1", "--max-batch", "4",
+                 "--margin", "0", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["batch_size"] == 4
+    assert "number of parameters: 4160" in captured.err

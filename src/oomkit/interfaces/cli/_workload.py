@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "step_options",
     "user_code_error",
     "user_errors",
+    "user_output_to_stderr",
     "user_workload_spec",
 ]
 
@@ -205,6 +207,15 @@ def _call_builder(builder: Any, name: str, options: Any) -> Any:
     except ValueError as exc:
         # UnknownPresetError and option checks are ValueErrors with a message that says what to do.
         raise OomkitError(str(exc)) from exc
+
+
+def user_output_to_stderr() -> contextlib.AbstractContextManager[Any]:
+    """While the user's code runs (import, builder, steps), its prints go to stderr.
+
+    stdout is oomkit's: `--json` must stay one JSON object, and a report one report, whatever
+    the script prints while it builds (nanoGPT prints its parameter count).
+    """
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 @contextlib.contextmanager

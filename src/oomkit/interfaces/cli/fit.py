@@ -32,6 +32,7 @@ from oomkit.interfaces.cli._workload import (
     build_workload,
     positive_int,
     user_errors,
+    user_output_to_stderr,
     user_workload_spec,
 )
 
@@ -210,7 +211,10 @@ def _run_search(
     if not args.json:
         stderr_console().print(f"searching the largest batch of {what} that fits on {gpu.name} ...")
     try:
-        with _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress:
+        with (
+            _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress,
+            user_output_to_stderr(),
+        ):
             result = max_batch_size(
                 builders.train,
                 target=target,
@@ -248,15 +252,16 @@ def _run_smallest(
         stderr_console().print(
             f"checking batch {args.batch} of {args.hf or args.target} on {len(candidates)} GPUs ..."
         )
-    result = smallest_gpu(
-        builders.train,
-        args.batch,
-        candidates=candidates,
-        target=target,
-        margin_bytes=args.margin,
-        steps=args.steps,
-        eval_step=eval_step,
-    )
+    with user_output_to_stderr():
+        result = smallest_gpu(
+            builders.train,
+            args.batch,
+            candidates=candidates,
+            target=target,
+            margin_bytes=args.margin,
+            steps=args.steps,
+            eval_step=eval_step,
+        )
     if args.json:
         print_json(smallest_gpu_to_json(result))
     else:

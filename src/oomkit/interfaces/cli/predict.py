@@ -24,6 +24,7 @@ from oomkit.interfaces.cli._workload import (
     build_workload,
     positive_int,
     user_errors,
+    user_output_to_stderr,
 )
 
 __all__ = ["add_parser", "run", "PRECISIONS", "OPTIMIZERS", "MODES"]
@@ -63,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
 
     # Cheap checks first, so a typo fails before any model is built.
     target = target_from_args(args)
-    workload = build_workload(args, args.batch, "predict")
+    with user_output_to_stderr():
+        workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
-    with user_errors(lambda: (args.target, workload.raised)):
+    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
         prediction = predict(
             workload.step_fn,
             target=target,
