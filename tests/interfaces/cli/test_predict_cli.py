@@ -394,3 +394,18 @@ def test_json_is_one_object_whatever_the_user_code_prints(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["batch_size"] == 4
     assert "number of parameters: 4160" in captured.err
+
+
+def test_preset_flags_on_a_user_function_are_refused_by_name(user_file, capsys):
+    """--precision/--optimizer/--checkpointing/--mode would change nothing there: exit 2."""
+    target = f"{user_file}:build"
+    argv = ["predict", target, "--batch", "2", "--precision", "fp32", "--optimizer", "sgd"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--precision and --optimizer apply to presets and --hf only: {target} runs" in err
+    assert "then drop them." in err
+    assert main(["fit", target, "--checkpointing"]) == 2
+    assert "--checkpointing applies to presets and --hf only" in capsys.readouterr().err
+    assert main(["predict", target, "--batch", "2", "--mode", "inference", "--json"]) == 2
+    assert "then drop it." in capsys.readouterr().err
+    assert main(["predict", target, "--batch", "2", "--json"]) == 0

@@ -53,12 +53,16 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     parser.add_argument("target", nargs="?", metavar="TARGET", help="PRESET or file.py:function")
     parser.add_argument("--seq", type=positive_int, metavar="N", help="sequence length")
     parser.add_argument("--image-size", type=positive_int, metavar="N", help="image size")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    # Defaults None: a file.py:function target refuses these flags when given (presets and --hf
+    # get StepOptions' defaults: fp32, adamw, train).
     parser.add_argument(
-        "--checkpointing", action="store_true", help="activation checkpointing (presets)"
+        "--precision", choices=PRECISIONS, help="presets and --hf (default fp32)"
     )
-    parser.add_argument("--mode", choices=modes, default="train")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="presets and --hf (default adamw)")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
+    )
+    parser.add_argument("--mode", choices=modes, help="presets and --hf (default train)")
     parser.add_argument(
         "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
     )
@@ -95,13 +99,11 @@ def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:
     """The ``StepOptions`` the flags name, at ``batch_size`` (``None``: the default)."""
     from oomkit.prediction.models import StepOptions
 
-    fields: dict[str, Any] = {
-        "precision": args.precision,
-        "optimizer": args.optimizer,
-        "checkpointing": args.checkpointing,
-        "mode": args.mode,
-    }
+    fields: dict[str, Any] = {"checkpointing": args.checkpointing}
     for name, value in (
+        ("precision", args.precision),
+        ("optimizer", args.optimizer),
+        ("mode", args.mode),
         ("batch_size", batch_size),
         ("seq_len", args.seq),
         ("image_size", args.image_size),
@@ -186,6 +188,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
             "path/to/file.py:function, or --hf NAME_OR_PATH."
         )
     if is_user_target(args.target):
+        _refuse_preset_flags(args)
         user = load_user_step(
             args.target, batch_size=batch_size, seq_len=args.seq, image_size=args.image_size
         )
@@ -197,6 +200,30 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     built = _call_builder(build_preset_step, args.target, options)
     spec = _spec("preset", args.target, options, steps)
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
+
+
+def _refuse_preset_flags(args: argparse.Namespace) -> None:
+    """A file.py:function step runs as written: the flags that change how a preset is built
+    would be silently ignored, so they are refused, by name."""
+    given = [
+        flag
+        for flag, value in (
+            ("--precision", args.precision),
+            ("--optimizer", args.optimizer),
+            ("--checkpointing", args.checkpointing or None),
+            ("--mode", args.mode),
+            ("--new-tokens", getattr(args, "new_tokens", None)),
+        )
+        if value is not None
+    ]
+    if given:
+        raise OomkitError(
+            f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to presets and "
+            f"--hf only: {args.target} runs your step "
+            "as written. Set them in your builder instead (torch.autocast for precision, your "
+            "optimizer, torch.utils.checkpoint, model.eval() / torch.no_grad()), then drop "
+            f"{'it' if len(given) == 1 else 'them'}."
+        )
 
 
 def _call_builder(builder: Any, name: str, options: Any) -> Any:
