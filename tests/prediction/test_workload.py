@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from oomkit.prediction.workload import (
     WorkloadSpec,
     workload_from_description,
@@ -85,3 +87,15 @@ def test_malformed_fields_are_unknown():
     data = {"workload": {"kind": "hf", "name": "gpt2", "options": {"batch_size": "8", "mode": 1}}}
     spec = workload_from_json(data)
     assert spec == WorkloadSpec("hf", "gpt2")
+
+
+def test_the_torch_free_mirrors_match_step_options():
+    """workload.py cannot import the presets (they need torch): its copies of their names match."""
+    import dataclasses
+
+    pytest.importorskip("torch")
+    from oomkit.prediction import workload
+    from oomkit.prediction.models.options import OPTIMIZERS, StepOptions
+
+    assert workload._OPTION_FIELDS == tuple(f.name for f in dataclasses.fields(StepOptions))
+    assert set(workload._OPTIMIZERS) == set(OPTIMIZERS)

@@ -116,8 +116,8 @@ def smallest_gpu(
     Raises:
         ValueError: no candidates, a builder without ``batch_size``, or a negative margin.
         UserCodeError: a builder returned something that is not a step.
-        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
-        ValueError: ``target`` and ``alloc_conf`` or ``torch_version`` are both given.
+        ConfigError: ``alloc_conf`` is a setting PyTorch would reject, or ``target`` and
+            ``alloc_conf`` or ``torch_version`` are both given.
     """
     ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
     if not ordered:

@@ -221,7 +221,7 @@ def predict_recording(
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
         TraceFormatError: the recording frees an allocation it never made.
-        ValueError: both ``target`` and one of ``gpu`` ... ``torch_version`` are given.
+        ConfigError: both ``target`` and one of ``gpu`` ... ``torch_version`` are given.
     """
     target = resolve_target(
         target,
