@@ -127,6 +127,47 @@ def test_cache_disabled_makes_the_weight_cast_a_temporary():
     assert freed < _mark_index(recording, START_MARK)
 
 
+def test_installed_torch_skips_the_cache_under_inference_mode():
+    """torch 2.13's cached_cast has !InferenceMode::is_enabled(): the probe reads it so."""
+    from oomkit.prediction.tracing.autocast import cache_skips_inference_mode
+
+    # Checked on the dev pin (2.13); which release first added the condition is left to the probe.
+    if torch.__version__ >= "2.13":
+        assert cache_skips_inference_mode() is True
+    else:  # pragma: no cover - older torch
+        assert isinstance(cache_skips_inference_mode(), bool)
+
+
+@pytest.mark.parametrize(
+    ("grad_context", "cached_bytes"),
+    [
+        # no_grad keeps the cache: can_try_cache reads requires_grad, not GradMode.
+        (torch.no_grad, (WEIGHT_BYTES + BIAS_BYTES) // 2),
+        # inference_mode: nothing is cached; each cast is a temporary of its op.
+        (torch.inference_mode, 0),
+    ],
+)
+def test_weight_cast_cache_under_no_grad_and_inference_mode(grad_context, cached_bytes):
+    """Two calls of one Linear: cached casts are made once, uncached ones per call."""
+    from oomkit.prediction.tracing.autocast import cache_skips_inference_mode
+
+    if grad_context is torch.inference_mode and not cache_skips_inference_mode():
+        cached_bytes = (WEIGHT_BYTES + BIAS_BYTES) // 2  # pragma: no cover - an older torch
+
+    def body(model, x, seen):
+        with grad_context(), torch.autocast("cuda", dtype=torch.bfloat16):
+            seen["out"] = model(x)
+            seen["again"] = model(x)
+
+    recording, seen = _record(body)
+    assert seen["again"].dtype == torch.bfloat16
+    assert recording.bytes_by_category.get("autocast_cache", 0) == cached_bytes
+    weight_casts = [
+        e for e in recording.events if e.action == "alloc" and e.size == WEIGHT_BYTES // 2
+    ]
+    assert len(weight_casts) == (1 if cached_bytes else 2)
+
+
 def test_nested_regions_keep_the_cache_until_the_outermost_exit():
     """Inner exits do not clear the cache; a second call reuses it; the outer exit frees it."""
 
@@ -441,3 +482,30 @@ def test_other_releases_lists_follow_their_headers():
     assert cuda_autocast_policy("2.13.0+cpu") == dict(CUDA_AUTOCAST_POLICY)
     assert "softmax.Dimname" not in CUDA_AUTOCAST_POLICY
     assert len(cuda_autocast_policy("2.5.1")) == len(CUDA_AUTOCAST_POLICY) - 1 + 7
+
+
+@pytest.mark.parametrize(
+    ("make_weight", "cached"),
+    [
+        (lambda w: w, True),  # fp32 leaf that requires grad: the one cached case
+        (lambda w: w.detach(), False),  # requires_grad() false
+        (lambda w: w * 1, False),  # not a leaf
+        (lambda w: w[:, :16], False),  # a view (is_view())
+        (lambda w: w.detach().half().requires_grad_(), False),  # fp16 source: not kFloat
+    ],
+    ids=["weight", "no-grad", "non-leaf", "view", "fp16"],
+)
+def test_each_condition_of_can_try_cache(make_weight, cached):
+    """autocast_mode.cpp cached_cast: to_type is the lower dtype, source kFloat, requires_grad,
+    is_leaf, not a view, cache enabled (and not inference mode: tested above)."""
+
+    def body(model, x, seen):
+        weight = make_weight(model.weight)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            seen["out"] = torch.nn.functional.linear(x[:, : weight.shape[1]], weight)
+
+    recording, seen = _record(body)
+    assert seen["out"].dtype == torch.bfloat16
+    cached_sizes = [e.size for e in _allocs(recording, "autocast_cache")]
+    expected = WEIGHT_BYTES // 2 if cached else None
+    assert cached_sizes == ([expected] if cached else [])

@@ -18,12 +18,16 @@ How it works (all undone on exit):
   the dtype the op ran in; backward then runs outside autocast in the dtypes forward chose.
 - ``cached_cast`` keeps the lower-precision copies of fp32 leaf tensors that require grad (the
   weights) until ``torch.clear_autocast_cache()``, which autocast's ``__exit__`` calls when the
-  nesting level returns to 0 (autocast_mode.cpp ``cached_cast`` / ``clear_cache``).
+  nesting level returns to 0 (autocast_mode.cpp ``cached_cast`` / ``clear_cache``). Under
+  ``torch.inference_mode()`` newer releases cache nothing (pytorch/pytorch#158232 added
+  ``!InferenceMode::is_enabled()`` to ``can_try_cache``); whether this torch does is asked of
+  its own ``cached_cast`` (``cache_skips_inference_mode``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,7 +46,12 @@ from oomkit.prediction.tracing.autocast_policy import (
     cuda_autocast_policy,
 )
 
-__all__ = ["CudaAutocastEmulation", "cuda_autocast_construction", "emulated_autocast_dtype"]
+__all__ = [
+    "CudaAutocastEmulation",
+    "cache_skips_inference_mode",
+    "cuda_autocast_construction",
+    "emulated_autocast_dtype",
+]
 
 _KEY = torch._C.DispatchKey.AutocastCUDA
 _KEYSET = torch._C.DispatchKeySet(_KEY)
@@ -54,6 +63,35 @@ _HALF_TO_FLOAT: dict[str, Any] = {
     "softmax.int": torch.ops.aten._softmax.default,
     "log_softmax.int": torch.ops.aten._log_softmax.default,
 }
+
+
+@functools.cache
+def cache_skips_inference_mode() -> bool:
+    """Whether this torch's autocast weight-cast cache is off under ``torch.inference_mode()``.
+
+    autocast_mode.cpp ``cached_cast`` is one C++ function for every device type, and
+    pytorch/pytorch#158232 added ``!c10::InferenceMode::is_enabled()`` to its ``can_try_cache``
+    in some release; rather than guess which, the installed torch is asked: a CPU-autocast
+    matmul with the same fp32 weight twice under ``inference_mode`` casts the weight twice when
+    the cache is off, once when it is on (a tiny CPU probe: two 1x1 products).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype):
+                _CountCasts.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.ones(1, 1, requires_grad=True)
+    value = torch.ones(1, 1)
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16), _CountCasts():
+        torch.mm(value, weight)
+        torch.mm(value, weight)
+    # Cached: the weight once and the input twice (3); not cached: 4.
+    return _CountCasts.casts >= 4
 
 
 def _autocast_dtype() -> torch.dtype:
@@ -136,6 +174,8 @@ class CudaAutocastEmulation:
     def __enter__(self) -> CudaAutocastEmulation:
         if self._stack is not None:
             raise RuntimeError("CudaAutocastEmulation is not reentrant; create a new one")
+        # Asked once, before any kernel or mode of ours is in place, so the probe sees plain torch.
+        cache_skips_inference_mode()
         stack = contextlib.ExitStack()
         try:
             self._register_kernels(stack)
@@ -225,6 +265,7 @@ class CudaAutocastEmulation:
             and value.is_leaf
             and not value._is_view()
             and torch.is_autocast_cache_enabled()
+            and not (torch.is_inference_mode_enabled() and cache_skips_inference_mode())
         )
         if not can_cache:
             return torch.ops.aten.to.dtype(value, to_dtype)
