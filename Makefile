@@ -5,12 +5,21 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+# Where torch comes from. PyPI's Linux wheel is the multi-GB CUDA build; PyTorch's CPU-only index
+# (about 200 MB) is enough for everything here, GPU-free prediction included. It is used when
+# pip can reach it; otherwise pip's own configuration decides (a local mirror, PyPI). Override
+# with `make TORCH_INDEX=...`, or `make TORCH_INDEX=` to always use pip's configuration.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint bench clean
 
 $(BIN)/oomkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH_PIN)
+	if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python scripts/index_reachable.py "$(TORCH_INDEX)"; then \
+		$(BIN)/pip install -q --index-url "$(TORCH_INDEX)" $(TORCH_PIN); \
+	else \
+		$(BIN)/pip install -q $(TORCH_PIN); \
+	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(BIN)/oomkit
 

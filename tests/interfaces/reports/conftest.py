@@ -1,7 +1,9 @@
-"""Shared helpers for the HTML report tests: a page parsed into tags and text."""
+"""Shared helpers for the HTML report tests: a page parsed into tags and text; headless Chromium."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from html.parser import HTMLParser
 
 import pytest
@@ -39,3 +41,15 @@ def outline(page: str) -> Outline:
 def parse_html():
     """The page parser: ``parse_html(text).of("section")``, ``.text``, ``.tags``."""
     return outline
+
+
+@pytest.fixture
+def chromium() -> str:
+    """The Chromium binary for browser tests. Skipped where it is missing, except under CI
+    (``.ci/run`` installs it and sets ``OOMKIT_REQUIRE_CHROMIUM=1``), where missing is a failure."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("OOMKIT_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("OOMKIT_REQUIRE_CHROMIUM=1 but chromium is not installed")
+        pytest.skip("chromium is not installed")
+    return found

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,6 @@ from oomkit.interfaces.reports.html import BlockRun
 from oomkit.runtime.simulated import SimulatedCudaDevice
 
 MiB = 2**20
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TEXT = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
     "capacity of 23.65 GiB of which 1.20 GiB is free. Of the allocated memory 17.00 GiB is "
@@ -108,13 +106,12 @@ def test_text_page_has_no_plots(parse_html):
     assert "Cause: fragmentation of PyTorch's cache" in "".join(page.text)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
-def test_page_loads_in_chromium(oom_snapshot, tmp_path, parse_html):
+def test_page_loads_in_chromium(chromium, oom_snapshot, tmp_path, parse_html):
     """Headless Chromium loads the page and its DOM holds the verdict and both plots."""
     diagnosis = diagnose_snapshot(oom_snapshot)
     path = write_diagnosis_html(tmp_path / "oom.html", diagnosis, snapshot=oom_snapshot)
     done = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
         capture_output=True,
         text=True,
         timeout=120,

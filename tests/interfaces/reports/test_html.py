@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import struct
 import subprocess
 import zlib
@@ -21,7 +20,6 @@ from oomkit.interfaces.reports.html import (
 )
 
 MiB = 2**20
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _page() -> HtmlPage:
@@ -164,8 +162,7 @@ def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
     return width, height, rows
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
-def test_charts_render_in_chromium(tmp_path):
+def test_charts_render_in_chromium(chromium, tmp_path):
     """Headless Chromium paints both chart series and the segment map's colours."""
     page = HtmlPage("chart")
     page.section("c").figure(
@@ -186,7 +183,7 @@ def test_charts_render_in_chromium(tmp_path):
     shot = tmp_path / "shot.png"
     subprocess.run(
         [
-            CHROMIUM,
+            chromium,
             "--headless",
             "--no-sandbox",
             "--disable-gpu",

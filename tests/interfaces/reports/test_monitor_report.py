@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 
 import pytest
@@ -21,7 +20,6 @@ from oomkit.interfaces.reports.monitor import (
 from oomkit.runtime.monitor import Monitor
 
 MiB = 2**20
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 class ScriptedDevice:
@@ -172,8 +170,7 @@ def test_html_page_has_verdict_table_and_timeline(tmp_path, parse_html):
     assert "peak reserved 22.00 MiB of 64.00 MiB" in "".join(dom.text)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
-def test_html_page_loads_in_chromium(tmp_path, parse_html):
+def test_html_page_loads_in_chromium(chromium, tmp_path, parse_html):
     """Headless Chromium loads the page; its DOM holds a chart per rank log."""
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -181,7 +178,7 @@ def test_html_page_loads_in_chromium(tmp_path, parse_html):
     _rank_log(logs / "r1.jsonl", 1, [(4 * MiB, 30 * MiB, 0), (9 * MiB, 30 * MiB, 0)])
     page = write_monitor_html(tmp_path / "report.html", build_monitor_report([logs]))
     done = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
         capture_output=True,
         text=True,
         timeout=120,
