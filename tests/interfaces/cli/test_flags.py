@@ -8,6 +8,7 @@ from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
     "demo": ["--capacity", "--gpu", "--json", "--steps"],
+    "diff": ["--device", "--force", "--html", "--json"],
     "doctor": ["--json", "--no-live", "--torch-version"],
     "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
