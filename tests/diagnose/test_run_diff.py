@@ -91,6 +91,7 @@ def test_snapshot_peak_is_the_first_allocation_at_peak_reserved():
     assert a.peak_at == 1
     assert a.by_site_bytes == {"train.py:10 in step": 8 * MiB}
     assert a.site_kind == "frame"
+    assert a.segments_at_peak == {20 * MiB: 1}
 
 
 def test_snapshot_diff_parts_add_up_with_sites_and_divergence():
@@ -110,6 +111,11 @@ def test_snapshot_diff_parts_add_up_with_sites_and_divergence():
     d = diff.divergence
     assert d is not None and (d.index, d.matched, d.unit) == (0, 0, "allocation")
     assert d.a == f"alloc {8 * MiB} B at train.py:10 in step"
+    # Segment decisions at each peak: A holds one 20 MiB segment, B two.
+    assert (run_memory_from_snapshot(snapshot_b()).segments_at_peak) == {20 * MiB: 2}
+    assert [(s.name, s.a_bytes, s.b_bytes) for s in diff.segment_deltas] == [
+        ("20.00 MiB segments", 20 * MiB, 40 * MiB)
+    ]
 
 
 def test_same_program_diverges_where_an_allocation_changes():

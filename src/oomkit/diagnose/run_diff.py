@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from oomkit.core.allocator import round_size
@@ -26,6 +26,7 @@ from oomkit.core.replay import config_from_settings, recorded_torch_version
 from oomkit.core.snapshot import Snapshot
 from oomkit.diagnose.attribution import site_of, trace_history
 from oomkit.errors import DiffInputError, PredictionFormatError
+from oomkit.units import format_bytes
 
 __all__ = [
     "DiffDivergence",
@@ -68,6 +69,8 @@ class RunMemory:
         timeline_unit: "trace event" or "step".
         sequence: comparable items in order (allocations with their size and site, or per-step
             peaks), for finding where two runs of one program diverge.
+        segments_at_peak: classic segment size -> how many were live at the peak, for
+            snapshots (the allocator's segment decisions up to then); empty otherwise.
         notes: what the reduction assumed.
     """
 
@@ -84,6 +87,7 @@ class RunMemory:
     timeline: tuple[tuple[float, int, int], ...]
     timeline_unit: str
     sequence: tuple[str, ...]
+    segments_at_peak: Mapping[int, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
     @property
@@ -137,6 +141,7 @@ class RunDiff:
     by_category: tuple[SiteDelta, ...]
     top_sites: tuple[SiteDelta, ...]
     divergence: DiffDivergence | None
+    segment_deltas: tuple[SiteDelta, ...] = ()
     notes: tuple[str, ...] = ()
 
     @property
@@ -236,6 +241,7 @@ def run_memory_from_snapshot(
         has_frames = has_frames or bool(rec.frames)
         label = _site_label(rec.frames, tags)
         by_site[label] = by_site.get(label, 0) + rec.size_bytes
+    segments_at_peak = _segments_live_at(events, segments, at)
     sequence = []
     for ev in events:
         if ev.action == "alloc":
@@ -257,8 +263,29 @@ def run_memory_from_snapshot(
         timeline=timeline,
         timeline_unit="trace event",
         sequence=tuple(sequence),
+        segments_at_peak=segments_at_peak,
         notes=tuple(notes),
     )
+
+
+def _segments_live_at(
+    events: Sequence[Any], final_segments: Sequence[Any], at: int
+) -> dict[int, int]:
+    """Classic segment sizes live just after event ``at`` -> how many (expandable ones skipped).
+
+    The final segments, with every segment_alloc / segment_free after the moment undone (§11.2;
+    expandable segments map and unmap pages instead, §8.2, and are not counted here).
+    """
+    live = {seg.address: seg.total_size for seg in final_segments if not seg.is_expandable}
+    for ev in reversed(events[at + 1 :]):
+        if ev.action == "segment_alloc":
+            live.pop(ev.address, None)
+        elif ev.action == "segment_free":
+            live[ev.address] = ev.size
+    counts: dict[int, int] = {}
+    for size in live.values():
+        counts[size] = counts.get(size, 0) + 1
+    return counts
 
 
 def _need(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], name: str) -> Any:
@@ -353,6 +380,13 @@ def _divergence(a: RunMemory, b: RunMemory) -> DiffDivergence | None:
     )
 
 
+def _segment_bytes(run: RunMemory) -> dict[str, int]:
+    """Bytes held in classic segments of each size at the peak, keyed by the size."""
+    return {
+        f"{format_bytes(size)} segments": size * n for size, n in run.segments_at_peak.items()
+    }
+
+
 def diff_runs(a: RunMemory, b: RunMemory, *, force: bool = False) -> RunDiff:
     """B minus A, in parts that add up exactly.
 
@@ -388,5 +422,6 @@ def diff_runs(a: RunMemory, b: RunMemory, *, force: bool = False) -> RunDiff:
         by_category=_deltas(a.by_category_bytes, b.by_category_bytes),
         top_sites=_deltas(a.by_site_bytes, b.by_site_bytes),
         divergence=_divergence(a, b),
+        segment_deltas=_deltas(_segment_bytes(a), _segment_bytes(b)),
         notes=tuple(notes),
     )

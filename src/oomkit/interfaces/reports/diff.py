@@ -99,6 +99,8 @@ def render_diff(diff: RunDiff, console: Console) -> None:
         console.print(_delta_table("By category, at each peak", diff.by_category))
     if diff.top_sites:
         console.print(_delta_table("By allocation site, at each peak", diff.top_sites))
+    if diff.segment_deltas:
+        console.print(_delta_table("Segments held at each peak (placement)", diff.segment_deltas))
     line = _divergence_line(diff)
     if line:
         console.print(escape(line))
@@ -141,6 +143,7 @@ def diff_to_json(diff: RunDiff) -> dict[str, Any]:
         "top_frames": _rows(diff.top_sites),
         "site_kind": diff.b.site_kind or diff.a.site_kind,
         "by_category": _rows(diff.by_category),
+        "segments": _rows(diff.segment_deltas),
         "divergence": None
         if d is None
         else {"index": d.index, "matched": d.matched, "a": d.a, "b": d.b, "unit": d.unit},
@@ -220,6 +223,7 @@ def diff_html(diff: RunDiff) -> str:
     for title, rows, sid in (
         ("By category, at each peak", diff.by_category, "categories"),
         ("By allocation site, at each peak", diff.top_sites, "sites"),
+        ("Segments held at each peak (placement)", diff.segment_deltas, "segments"),
     ):
         if rows:
             page.section(title, sid).table(
