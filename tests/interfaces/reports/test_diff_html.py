@@ -54,3 +54,37 @@ def test_diff_page_loads_in_chromium(tmp_path, chromium):
     assert done.returncode == 0
     assert done.stdout.count('class="part"') == 4
     assert "allocated +4.00 MiB" in done.stdout
+
+
+def test_envelope_page_loads_in_chromium(tmp_path, chromium):
+    """The envelope page of a hand-built creeping run: the verdict and the worst-step marker."""
+    from oomkit.core.gpus import GpuSpec
+    from oomkit.core.target import Target
+    from oomkit.interfaces.reports.envelope import write_envelope_html
+    from oomkit.prediction.envelope import predict_envelope
+    from oomkit.prediction.tracing.recording import TraceRecording
+
+    def synthetic(length_mib):
+        act = length_mib * MiB
+        cat = (("category", "activation"),)
+        events = (
+            TraceEvent("alloc", 1, 4096, tags=(("category", "parameter"),)),
+            TraceEvent("alloc", 2, act, tags=cat),
+            TraceEvent("free_requested", 2, act, tags=cat),
+            TraceEvent("free_completed", 2, act, tags=cat),
+            TraceEvent("alloc", 3, act, tags=cat),
+            TraceEvent("free_requested", 3, act, tags=cat),
+            TraceEvent("free_completed", 3, act, tags=cat),
+        )
+        return TraceRecording(events=events, step_starts=(1, 4))
+
+    target = Target.resolve(GpuSpec("test GPU", 8 * 2**30, 0))
+    env = predict_envelope(synthetic, [12, 14, 16], target)
+    page = write_envelope_html(tmp_path / "env.html", env)
+    done = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0
+    assert "worst step 3 of 3 (length 16)" in done.stdout
+    assert "worst: step 3" in done.stdout
