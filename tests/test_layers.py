@@ -230,6 +230,8 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.models",
         "oomkit.prediction.predictor",
         "oomkit.prediction._replay",
+        "oomkit.prediction.envelope",
+        "oomkit.prediction.lengths",
         "oomkit.prediction.workload",
         "oomkit.plan",
         "oomkit.diagnose",

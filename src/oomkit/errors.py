@@ -26,6 +26,7 @@ __all__ = [
     "SimulatedDeviceError",
     "MonitorLogError",
     "MemoryHealthError",
+    "DiffInputError",
 ]
 
 
@@ -103,3 +104,7 @@ class MonitorLogError(OomkitError, ValueError):
 
 class MemoryHealthError(OomkitError, ValueError):
     """Memory samples or step traces that leak/fragmentation detection cannot use."""
+
+
+class DiffInputError(OomkitError, ValueError):
+    """Two inputs that ``oomkit diff`` cannot compare as given (other kinds, other GPUs)."""

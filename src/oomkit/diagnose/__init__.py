@@ -25,6 +25,13 @@ from oomkit.diagnose.memory_health import (
 )
 from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
 from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
+from oomkit.diagnose.settings_doctor import (
+    LiveAllocator,
+    SettingsFinding,
+    SettingsReport,
+    doctor_environment,
+    doctor_snapshot,
+)
 from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
 
 __all__ = [
@@ -38,17 +45,22 @@ __all__ = [
     "LeakCause",
     "LeakFinding",
     "LeakSite",
+    "LiveAllocator",
     "LiveTensor",
     "MemorySample",
     "OomText",
     "ProcessMemory",
     "Remedy",
+    "SettingsFinding",
+    "SettingsReport",
     "attribute_leak",
     "detect_fragmentation",
     "detect_leak",
     "diagnose_oom_text",
     "diagnose_prediction",
     "diagnose_snapshot",
+    "doctor_environment",
+    "doctor_snapshot",
     "explain_leak",
     "find_oom_texts",
     "memory_findings",

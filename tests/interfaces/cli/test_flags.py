@@ -8,6 +8,8 @@ from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
     "demo": ["--capacity", "--gpu", "--json", "--steps"],
+    "diff": ["--device", "--force", "--html", "--json"],
+    "doctor": ["--json", "--no-live", "--torch-version"],
     "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
         "--alloc-conf",
@@ -39,12 +41,16 @@ EXPECTED = {
         "--cudnn-version",
         "--gpu",
         "--hf",
+        "--html",
         "--image-size",
         "--json",
+        "--lengths",
         "--mode",
         "--new-tokens",
         "--optimizer",
+        "--pad-to",
         "--precision",
+        "--seed",
         "--seq",
         "--steps",
         "--torch-version",

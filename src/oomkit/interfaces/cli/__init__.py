@@ -27,6 +27,8 @@ def _subcommands() -> list:
     # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy.
     from oomkit.interfaces.cli import (
         demo,
+        diff,
+        doctor,
         experiment,
         explain,
         fit,
@@ -38,7 +40,7 @@ def _subcommands() -> list:
         tune,
     )
 
-    return [predict, explain, demo, replay, simulate, tune, run, fit, experiment, report]
+    return [predict, explain, demo, replay, simulate, tune, run, fit, experiment, report, doctor, diff]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
     add_json_flag,
     print_json,
@@ -15,6 +16,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
 from oomkit.interfaces.cli._workload import (
     MODES,
     OPTIMIZERS,
@@ -46,12 +48,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--new-tokens", type=positive_int, metavar="N", help="tokens generated (--mode generate)"
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=3, metavar="N", help="steps to record (default 3)"
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help="steps to record (default 3); with --lengths, steps to run (default: one pass)",
     )
     add_gpu_flags(parser)
     parser.add_argument(
         "--budget", type=size_arg, metavar="SIZE", help="exit 1 when peak reserved exceeds SIZE"
     )
+    add_envelope_flags(parser)
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -64,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     # Cheap checks first, so a typo fails before any model is built.
     target = target_from_args(args)
+    if args.lengths is not None:
+        return run_envelope(args, target)
+    if args.html is not None or args.seed is not None or args.pad_to != 1:
+        raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
+    if args.steps is None:
+        args.steps = 3
     with user_output_to_stderr():
         workload = build_workload(args, args.batch, "predict")
     if not args.json:

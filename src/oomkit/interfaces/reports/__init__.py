@@ -12,6 +12,7 @@ from oomkit.interfaces.reports.batch_search import (
 )
 from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 from oomkit.interfaces.reports.diagnosis_html import diagnosis_html, write_diagnosis_html
+from oomkit.interfaces.reports.doctor import render_settings_report, settings_report_to_json
 from oomkit.interfaces.reports.experiment import experiment_to_json, render_experiment
 from oomkit.interfaces.reports.html import HtmlPage, HtmlSection
 from oomkit.interfaces.reports.monitor import (
@@ -44,6 +45,8 @@ __all__ = [
     "render_diagnosis",
     "render_prediction",
     "render_replay",
+    "render_settings_report",
+    "settings_report_to_json",
     "replay_to_json",
     "build_monitor_report",
     "experiment_to_json",

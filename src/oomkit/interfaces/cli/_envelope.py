@@ -1,0 +1,98 @@
+"""``predict --lengths FILE``: the epoch envelope of a run of variable-length steps."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+from oomkit.errors import OomkitError
+from oomkit.interfaces.cli._common import positive_int, print_json, stderr_console, stdout_console
+
+__all__ = ["add_envelope_flags", "run_envelope"]
+
+
+def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
+    """--lengths, --pad-to, --seed and --html (the envelope page)."""
+    parser.add_argument(
+        "--lengths",
+        type=Path,
+        metavar="FILE",
+        help="per-step sequence lengths (one a line, 'length,count' rows, or a JSON list): "
+        "replay the whole run, so the cache carries across steps as on a GPU (the epoch envelope)",
+    )
+    parser.add_argument(
+        "--pad-to", type=positive_int, default=1, metavar="N",
+        help="with --lengths: pad each length up to a multiple of N (default 1: no padding)",
+    )
+    parser.add_argument(
+        "--seed", type=int, metavar="N",
+        help="with --lengths: shuffle the steps with this seed (default: the file's order)",
+    )
+    parser.add_argument(
+        "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
+    )
+
+
+def run_envelope(args: argparse.Namespace, target: object) -> int:
+    """Record each distinct length once, replay the run, print the envelope; 1 if it OOMs."""
+    from oomkit.core.target import Target
+    from oomkit.interfaces.cli._workload import build_workload, user_errors, user_output_to_stderr
+    from oomkit.interfaces.reports.envelope import (
+        envelope_to_json,
+        render_envelope,
+        write_envelope_html,
+    )
+    from oomkit.interfaces.reports.prediction import prediction_to_json
+    from oomkit.prediction.envelope import predict_envelope
+    from oomkit.prediction.lengths import read_lengths
+    from oomkit.prediction.tracing import trace_step
+
+    assert isinstance(target, Target)
+    if args.hf is None and args.target in ("resnet50", "vit-b16"):
+        raise OomkitError(f"--lengths varies the sequence length; {args.target} takes images")
+    if args.seq is not None:
+        raise OomkitError("give --lengths or --seq, not both: --lengths sets every step's length")
+    if args.html is not None and args.html.resolve() == args.lengths.resolve():
+        raise OomkitError(f"--html {args.html} is the lengths file; choose another path")
+    lengths = read_lengths(args.lengths)
+    say = (lambda line: stderr_console().print(line)) if not args.json else None
+    description = ""
+    raised: list[BaseException] = []
+
+    def record(length: int):  # noqa: ANN202 - a TraceRecording
+        nonlocal description
+        shaped = copy.copy(args)
+        shaped.seq = length
+        with user_output_to_stderr():
+            workload = build_workload(shaped, args.batch, "predict")
+        raised[:] = workload.raised
+        description = workload.description.replace(f"seq {length}", "variable seq")
+        step_fn = workload.step_fn
+
+        def step(*_tracked: object) -> object:
+            return step_fn()  # the tracked objects are passed only to be recorded (as predict does)
+
+        with user_output_to_stderr():
+            return trace_step(step, *workload.track, steps=2, target=target)
+
+    with user_errors(lambda: (args.target, raised)):
+        env = predict_envelope(
+            record,
+            lengths,
+            target,
+            steps=args.steps,
+            pad_to=args.pad_to,
+            seed=args.seed,
+            description=lambda: description,
+            progress=say,
+        )
+    if args.html is not None:
+        write_envelope_html(args.html, env)
+    if args.json:
+        out = prediction_to_json(env.prediction)
+        out["envelope"] = envelope_to_json(env)
+        print_json(out)
+    else:
+        render_envelope(env, stdout_console())
+    return 1 if env.first_oom_step is not None else 0

@@ -1,0 +1,91 @@
+"""``oomkit diff A B``: why peak memory moved between two runs (snapshots, predictions, logs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from oomkit.errors import DiffInputError
+from oomkit.interfaces.cli._common import (
+    add_json_flag,
+    existing_file,
+    print_json,
+    stdout_console,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "diff",
+        help="split the change in peak memory between two runs into allocated and placement",
+        description="Compare two snapshots, two saved predictions (predict --json) or two "
+        "monitor logs: the change in peak reserved memory, B minus A, split into allocated "
+        "bytes at each peak and placement (cache and fragmentation), by category and allocation "
+        "site, and where the two runs first diverge.",
+    )
+    parser.add_argument("a", type=existing_file, metavar="A")
+    parser.add_argument("b", type=existing_file, metavar="B")
+    parser.add_argument("--device", type=int, help="snapshots: the device to compare (default: the first used)")
+    parser.add_argument(
+        "--force", action="store_true", help="compare inputs of different kinds or GPUs anyway"
+    )
+    parser.add_argument("--html", type=Path, metavar="OUT", help="also write a self-contained page")
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _kind_of(path: Path) -> str:
+    with path.open("rb") as f:
+        head = f.read(4096)
+    stripped = head.lstrip()
+    if stripped.startswith(b"{"):
+        first_line = stripped.split(b"\n", 1)[0]
+        if b"oomkit_monitor" in first_line:
+            return "monitor"
+        return "prediction"
+    return "snapshot"
+
+
+def _load(path: Path, device: int | None) -> Any:
+    kind = _kind_of(path)
+    if kind == "monitor":
+        from oomkit.runtime._monitor_log import load_monitor_log
+        from oomkit.runtime.monitor_memory import run_memory_from_monitor_log
+
+        return run_memory_from_monitor_log(load_monitor_log(path))
+    if kind == "prediction":
+        from oomkit.diagnose.run_diff import run_memory_from_prediction
+        from oomkit.errors import PredictionFormatError
+
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise PredictionFormatError(f"{path}: not JSON ({exc})") from exc
+        return run_memory_from_prediction(data, name=path.name)
+    from oomkit.core.snapshot import load_snapshot
+    from oomkit.diagnose.run_diff import run_memory_from_snapshot
+
+    return run_memory_from_snapshot(load_snapshot(path), device=device)
+
+
+def run(args: argparse.Namespace) -> int:
+    from oomkit.diagnose.run_diff import diff_runs
+    from oomkit.interfaces.reports.diff import diff_to_json, render_diff, write_diff_html
+
+    if args.html is not None:
+        out = args.html.resolve()
+        if out in (args.a.resolve(), args.b.resolve()):
+            raise DiffInputError(f"--html {args.html} is one of the inputs; choose another path")
+    diff = diff_runs(_load(args.a, args.device), _load(args.b, args.device), force=args.force)
+    if args.html is not None:
+        write_diff_html(args.html, diff)
+    if args.json:
+        print_json(diff_to_json(diff))
+    else:
+        render_diff(diff, stdout_console())
+    return 0

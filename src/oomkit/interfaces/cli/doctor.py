@@ -1,0 +1,81 @@
+"""``oomkit doctor [SNAPSHOT]``: the allocator settings actually in effect, and what misfires."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from oomkit.interfaces.cli._common import (
+    add_json_flag,
+    add_torch_version_flag,
+    existing_file,
+    print_json,
+    stdout_console,
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="show which allocator settings are in effect (environment or snapshot)",
+        description="Without SNAPSHOT: which of PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF / "
+        "PYTORCH_HIP_ALLOC_CONF this torch reads, how it parses, and what the running allocator "
+        "reports (on a GPU machine). With SNAPSHOT: the settings it recorded, else what its trace "
+        "implies. Flags combinations that are ignored or do not do what they are set for. Exit "
+        "code 1 when a setting is not applied (an error finding).",
+    )
+    parser.add_argument("snapshot", type=existing_file, metavar="SNAPSHOT", nargs="?")
+    add_torch_version_flag(
+        parser, default="the installed torch's (SNAPSHOT: the file's), else the newest release"
+    )
+    parser.add_argument(
+        "--no-live",
+        action="store_true",
+        help="do not ask the running torch about its allocator (which initialises CUDA)",
+    )
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _installed_torch_version() -> str | None:
+    """The installed torch's version from its metadata (torch is not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from oomkit.diagnose.settings_doctor import doctor_environment, doctor_snapshot
+    from oomkit.interfaces.reports.doctor import render_settings_report, settings_report_to_json
+
+    if args.snapshot is not None:
+        from oomkit.core.snapshot import load_snapshot
+
+        report = doctor_snapshot(load_snapshot(args.snapshot), args.torch_version)
+    else:
+        installed = _installed_torch_version()
+        if args.torch_version:
+            version, version_from = args.torch_version, "--torch-version"
+        elif installed:
+            version, version_from = installed, "installed torch"
+        else:
+            version, version_from = None, "newest release (no torch installed)"
+        live = None
+        if installed and not args.no_live and not args.torch_version:
+            from oomkit.runtime.allocator_probe import read_live_allocator
+
+            live = read_live_allocator()
+        report = doctor_environment(
+            os.environ, version, torch_version_from=version_from, live=live
+        )
+    if args.json:
+        print_json(settings_report_to_json(report))
+    else:
+        render_settings_report(report, stdout_console())
+    return 1 if report.worst == "error" else 0
