@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from oomkit.units import SizeError, parse_bytes
 
 __all__ = [
     "stdout_console",
+    "output_width",
+    "PIPE_WIDTH_COLUMNS",
     "stderr_console",
     "print_json",
     "size_arg",
@@ -32,9 +35,30 @@ __all__ = [
 ]
 
 
+# The width of the results when stdout is not a terminal (a pipe, a file, a CI log). rich would
+# take 80 columns there, wrapping tables and splitting setting names (`tune`'s
+# "expandable_segments:True" came out in 9-character pieces); nothing the reports print is wider
+# than this, so a pipe gets each table row and each sentence on one line.
+PIPE_WIDTH_COLUMNS = 1000
+
+
+def output_width(stream: object, environ: dict[str, str] | None = None) -> int | None:
+    """The width to render results at on ``stream``: ``None`` (rich's own choice: the terminal's
+    width, or ``$COLUMNS`` when set) on a terminal or when ``$COLUMNS`` is set, else
+    ``PIPE_WIDTH_COLUMNS``."""
+    env = os.environ if environ is None else environ
+    isatty = getattr(stream, "isatty", None)
+    if (isatty is not None and isatty()) or env.get("COLUMNS"):
+        return None
+    return PIPE_WIDTH_COLUMNS
+
+
 def stdout_console() -> Console:
-    """The console for results (plain when not a terminal, so output pipes cleanly)."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    """The console for results: plain and unwrapped when not a terminal, so output pipes
+    cleanly (see ``PIPE_WIDTH_COLUMNS``)."""
+    return Console(
+        file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout)
+    )
 
 
 def stderr_console() -> Console:

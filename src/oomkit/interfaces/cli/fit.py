@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
 from oomkit.interfaces.cli._common import (
@@ -25,6 +23,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._workload import (
     Workload,
     add_gpu_flags,
@@ -99,12 +98,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def progress_enabled(args: argparse.Namespace, stream: IO[str]) -> bool:
-    """Whether to draw the progress bar: not with --json, and only on a terminal."""
-    isatty = getattr(stream, "isatty", None)
-    return not args.json and isatty is not None and bool(isatty())
-
-
 class _Builders:
     """Batch size -> step for TARGET and --eval, keeping what the user's code raised."""
 
@@ -149,23 +142,6 @@ def _check_takes_batch(target: str | None, workload: Workload) -> None:
         )
 
 
-@contextmanager
-def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=stderr_console(), transient=True) as bar:
-        task = bar.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
 def _validate(args: argparse.Namespace) -> Target:
     """Cheap checks before any model is built; returns the target searched for."""
     from oomkit.interfaces.cli._target import target_from_args
@@ -191,7 +167,10 @@ def _validate(args: argparse.Namespace) -> Target:
 
 
 def run(args: argparse.Namespace) -> int:
+    from oomkit.interfaces.cli._torch import require_torch
+
     target = _validate(args)
+    require_torch("oomkit fit", extra="torch" if args.hf is None else "hf")
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
     with user_errors(lambda: (builders.target, builders.raised)):
@@ -212,7 +191,7 @@ def _run_search(
         stderr_console().print(f"searching the largest batch of {what} that fits on {gpu.name} ...")
     try:
         with (
-            _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress,
+            progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress,
             user_output_to_stderr(),
         ):
             result = max_batch_size(

@@ -7,6 +7,7 @@ Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds th
 from __future__ import annotations
 
 import argparse
+import sys
 
 from oomkit.interfaces.cli._common import (
     add_json_flag,
@@ -15,6 +16,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import progress_enabled, step_progress
 from oomkit.interfaces.cli._workload import (
     MODES,
     OPTIMIZERS,
@@ -59,18 +61,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.interfaces.cli._torch import require_torch
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
-    from oomkit.prediction.predictor import predict
 
     # Cheap checks first, so a typo fails before any model is built.
     target = target_from_args(args)
+    if args.hf is not None:
+        require_torch("oomkit predict --hf", extra="hf")
+    else:
+        require_torch("oomkit predict")
+    from oomkit.prediction.predictor import predict
+
     with user_output_to_stderr():
         workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
-    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
+    with (
+        step_progress(progress_enabled(args, sys.stderr), args.steps) as progress,
+        user_errors(lambda: (args.target, workload.raised)),
+        user_output_to_stderr(),
+    ):
         prediction = predict(
-            workload.step_fn,
+            progress.wrap(workload.step_fn),
             target=target,
             steps=args.steps,
             budget_bytes=args.budget,
