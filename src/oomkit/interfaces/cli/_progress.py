@@ -106,6 +106,6 @@ def step_progress(enabled: bool, steps: int) -> Iterator[StepProgress]:
         task = bar.add_task("recording", total=steps)
 
         def update(text: str, done: int) -> None:
-            bar.update(task, description=text, completed=done)
+            bar.update(task, description=text, completed=done, refresh=True)
 
         yield StepProgress(update, steps)
