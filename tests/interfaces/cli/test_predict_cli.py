@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from oomkit.interfaces.cli import main
+from oomkit.interfaces.cli._target import installed_torch_version
 from oomkit.interfaces.cli._user_function import is_user_target
 
 pytest.importorskip("torch")
@@ -347,7 +348,7 @@ def test_json_saves_the_target_and_the_workload_record(user_file, capsys):
         "alloc_conf": "expandable_segments:True",
         "context_overhead_bytes": out["context_overhead_bytes"],
         "usable_bytes": out["usable_bytes"],
-        "torch_version": None,
+        "torch_version": installed_torch_version(),
         "cudnn_version": 91002,
         "cuda_version": None,
         "parallel": None,
@@ -384,7 +385,8 @@ def test_torch_version_rules_the_alloc_conf_check(user_file, capsys):
 
 
 def test_torch_version_reaches_predict(user_file, capsys, monkeypatch):
-    """The version --torch-version names is the one predict() models (None without the flag)."""
+    """The version --torch-version names is the one predict() models; without the flag, the
+    installed torch's, which records the step (issue 16 item 15: not the newest release)."""
     import oomkit.prediction.predictor as predictor
 
     versions = []
@@ -399,7 +401,9 @@ def test_torch_version_reaches_predict(user_file, capsys, monkeypatch):
     assert main([*argv, "--torch-version", "2.5"]) == 0
     assert main(argv) == 0
     capsys.readouterr()
-    assert versions == ["2.5", None]
+    import torch
+
+    assert versions == ["2.5", ".".join(torch.__version__.split(".")[:2])]
 
 
 PRINTING_FILE = """

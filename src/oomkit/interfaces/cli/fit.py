@@ -29,6 +29,7 @@ from oomkit.interfaces.cli._workload import (
     add_gpu_flags,
     add_workload_flags,
     build_workload,
+    catalog_epilog,
     positive_int,
     user_errors,
     user_output_to_stderr,
@@ -54,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "too), and --seq is taken as the longest sequence the run will see. With --batch N "
         "--smallest-gpu, name the smallest catalog GPU that batch fits on instead. Exit code 0 "
         "when found, 1 when not even batch 1 fits (or no GPU does).",
+        epilog=catalog_epilog(),
     )
     add_workload_flags(parser, modes=("train", "inference"))
     add_gpu_flags(parser)
@@ -144,10 +146,10 @@ def _check_takes_batch(target: str | None, workload: Workload) -> None:
 
 def _validate(args: argparse.Namespace) -> Target:
     """Cheap checks before any model is built; returns the target searched for."""
-    from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
     from oomkit.interfaces.cli._user_function import is_user_target
 
-    target = target_from_args(args)
+    target = target_from_args(args, default_torch_version=installed_torch_version())
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
             "--smallest-gpu checks one batch size: give it with --batch N, e.g. "

@@ -22,6 +22,7 @@ from oomkit.interfaces.cli._workload import (
     OPTIMIZERS,
     PRECISIONS,
     add_gpu_flags,
+    catalog_epilog,
     add_workload_flags,
     build_workload,
     positive_int,
@@ -39,13 +40,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Record one training or inference step on the meta device (no GPU, no "
         "weights) and replay it through the simulated CUDA caching allocator of a GPU. TARGET "
         "is a built-in preset (gpt2-124m, llama-8b, bert-base, vit-b16, resnet50, ...) or "
-        "path/to/file.py:function (see the README for that function's contract). Exit code 0 "
-        "when it fits, 1 when it would OOM or exceed --budget.",
+        "path/to/file.py:function (see the README for that function's contract). Without "
+        "flags a preset runs one training step (AdamW) at its defaults: batch 8 (4 for Llama), "
+        "bf16-mixed for GPT-2 and Llama (fp32 for the others), on an H100. Exit code 0 "
+        "when it fits, 1 when it would OOM or exceed --budget, 2 bad input, 3 torch missing.",
+        epilog=catalog_epilog(),
     )
     add_workload_flags(parser)
-    parser.add_argument("--batch", type=positive_int, metavar="N", help="batch size")
     parser.add_argument(
-        "--new-tokens", type=positive_int, metavar="N", help="tokens generated (--mode generate)"
+        "--batch",
+        type=positive_int,
+        metavar="N",
+        help="batch size (default: 8 for a preset or --hf, 4 for the Llama presets)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        metavar="N",
+        help="tokens generated (--mode generate; default 128)",
     )
     parser.add_argument(
         "--steps", type=positive_int, default=3, metavar="N", help="steps to record (default 3)"
@@ -60,12 +72,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
     from oomkit.interfaces.cli._torch import require_torch
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
 
     # Cheap checks first, so a typo fails before any model is built.
-    target = target_from_args(args)
+    target = target_from_args(args, default_torch_version=installed_torch_version())
     if args.hf is not None:
         require_torch("oomkit predict --hf", extra="hf")
     else:
