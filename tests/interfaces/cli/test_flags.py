@@ -8,6 +8,8 @@ from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
     "demo": ["--capacity", "--gpu", "--json", "--steps"],
+    "gpus": ["--json"],
+    "presets": ["--json"],
     "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
         "--alloc-conf",

@@ -313,8 +313,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         # bytes) is taken. Measure it with torch.cuda.mem_get_info() where it matters.
         total_memory_bytes=47_576_711_168,
         source="derived",
-        memory_note="derived: the L40S's deviceQuery total 47576711168 (driver 12.4); nvidia-smi "
-        "shows 46068 MiB for both the L40 and the L40S",
+        memory_note="derived: a sibling's figure, the L40S's deviceQuery total 47576711168 (driver "
+        "12.4); nvidia-smi shows 46068 MiB for both the L40 and the L40S",
         compute_capability=(8, 9),
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=864.0,
@@ -423,8 +423,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         # that figure is taken.
         total_memory_bytes=143_156 * 2**20,
         source="derived",
-        memory_note="derived: the H200's 143156 * 2**20 (torch print total_memory=143156MB); "
-        "nvidia-smi shows 143771 MiB for both the H200 and the H200 NVL",
+        memory_note="derived: a sibling's figure, the H200's 143156 * 2**20 (torch print "
+        "total_memory=143156MB); nvidia-smi shows 143771 MiB for both the H200 and the H200 NVL",
         compute_capability=(9, 0),
         architecture="Hopper",
         bandwidth_gb_per_s=4800.0,

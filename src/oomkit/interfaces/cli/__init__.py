@@ -30,7 +30,9 @@ def _subcommands() -> list:
         experiment,
         explain,
         fit,
+        gpus,
         predict,
+        presets,
         replay,
         report,
         run,
@@ -38,7 +40,20 @@ def _subcommands() -> list:
         tune,
     )
 
-    return [predict, explain, demo, replay, simulate, tune, run, fit, experiment, report]
+    return [
+        predict,
+        explain,
+        demo,
+        replay,
+        simulate,
+        tune,
+        run,
+        fit,
+        experiment,
+        report,
+        gpus,
+        presets,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

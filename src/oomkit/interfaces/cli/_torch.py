@@ -15,7 +15,12 @@ __all__ = ["require_torch", "NUMPY_WARNING"]
 NUMPY_WARNING = r"Failed to initialize NumPy"
 
 
-def require_torch(command: str, *, extra: str = "torch") -> None:
+def require_torch(
+    command: str,
+    *,
+    extra: str = "torch",
+    why: str = "records the step on PyTorch's meta device",
+) -> None:
     """Import torch for ``command`` (e.g. ``"oomkit predict"``), or say how to install it
     (``pip install oomkit[EXTRA]``).
 
@@ -32,7 +37,7 @@ def require_torch(command: str, *, extra: str = "torch") -> None:
             import torch  # noqa: F401  (imported for its side effect: loaded once, quietly)
     except ImportError as exc:
         raise TorchRequiredError(
-            f"{command} records the step on PyTorch's meta device and needs torch; install it "
+            f"{command} {why} and needs torch; install it "
             f"with `pip install oomkit[{extra}]` (replay, simulate, tune, demo and explain need "
             "none)"
         ) from exc
