@@ -85,3 +85,16 @@ def test_predict_draws_nothing_in_a_pipe_or_with_json(user_file, monkeypatch, ca
     assert tty.getvalue() == ""
     # CUDACachingAllocator.cpp get_allocation_size: 1-10 MiB requests get a 20 MiB segment.
     assert json.loads(capsys.readouterr().out)["peak_reserved_bytes"] == 20 * MiB
+
+
+def test_smallest_gpu_draws_a_bar_per_compute_capability(user_file, monkeypatch):
+    """fit --smallest-gpu on a terminal counts its traces, one per compute capability."""
+    from oomkit.core.gpus import CATALOG
+
+    traces = len({g.kernel_compute_capability for g in CATALOG})
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["fit", user_file, "--batch", "2", "--smallest-gpu", "--steps", "1"]) == 0
+    text = err.getvalue()
+    assert "tracing per compute capability" in text
+    assert f"{traces}/{traces}" in text

@@ -53,7 +53,7 @@ def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None
         task = bar.add_task(what, total=None)
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, refresh=True)
 
         yield update
 

@@ -233,9 +233,23 @@ def _run_smallest(
         stderr_console().print(
             f"checking batch {args.batch} of {args.hf or args.target} on {len(candidates)} GPUs ..."
         )
-    with user_output_to_stderr():
+    # The step is traced once per compute capability (kernels differ by architecture).
+    traces = len({g.kernel_compute_capability for g in candidates})
+    with (
+        progress_bar(progress_enabled(args, sys.stderr), "tracing per compute capability") as bar,
+        user_output_to_stderr(),
+    ):
+        built = 0
+
+        def train(batch_size: int) -> Workload:
+            nonlocal built
+            built += 1
+            if bar is not None:
+                bar(built, max(built, traces))
+            return builders.train(batch_size)
+
         result = smallest_gpu(
-            builders.train,
+            train,
             args.batch,
             candidates=candidates,
             target=target,
