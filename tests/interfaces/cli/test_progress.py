@@ -98,3 +98,59 @@ def test_smallest_gpu_draws_a_bar_per_compute_capability(user_file, monkeypatch)
     text = err.getvalue()
     assert "tracing per compute capability" in text
     assert f"{traces}/{traces}" in text
+
+
+def test_step_progress_counts_generate_tokens():
+    """With tokens_per_step, each forward of the model advances the bar by one token."""
+
+    class Model:
+        """A module stand-in: register_forward_pre_hook returns a removable handle."""
+
+        def __init__(self):
+            self.hooks = []
+
+        def register_forward_pre_hook(self, hook):
+            self.hooks.append(hook)
+            model = self
+
+            class Handle:
+                def remove(self):
+                    model.hooks.remove(hook)
+
+            return Handle()
+
+        def __call__(self):
+            for hook in list(self.hooks):
+                hook(self, ())
+
+    shown: list[tuple[str, int]] = []
+    progress = StepProgress(lambda text, done: shown.append((text, done)), 1, tokens_per_step=2)
+    model = Model()
+
+    def generate():
+        model()
+        model()
+
+    with progress.count_forwards(model):
+        progress.wrap(generate)()
+    assert model.hooks == []
+    assert progress.total == 2
+    assert shown == [
+        ("recording step 1 of 1 on the meta device, token 1 of 2", 0),
+        ("recording step 1 of 1 on the meta device, token 1 of 2", 0),
+        ("recording step 1 of 1 on the meta device, token 2 of 2", 1),
+        ("replaying the recording through the simulated allocator", 2),
+    ]
+
+
+def test_predict_generate_counts_tokens_on_a_terminal(monkeypatch, capsys):
+    """predict --mode generate on a terminal shows the token being recorded (issue 16 item 13)."""
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    argv = ["predict", "gpt2-124m", "--mode", "generate", "--batch", "1", "--seq", "8",
+            "--new-tokens", "3", "--steps", "1"]
+    assert main(argv) == 0
+    text = err.getvalue()
+    for token in (1, 2, 3):
+        assert f"recording step 1 of 1 on the meta device, token {token} of 3" in text
+    assert "replaying the recording through the simulated allocator" in text

@@ -63,13 +63,27 @@ class StepProgress:
 
     ``wrap(step_fn)`` returns the step with a count after each call; the recorder calls the
     step once per ``--steps``, and after the last one oomkit replays the recording through the
-    simulated allocator (the bar then says so, its clock still running).
+    simulated allocator (the bar then says so, its clock still running). A ``generate`` step
+    runs one forward per new token: with ``tokens_per_step`` set, ``count_forwards(model)``
+    advances the bar once per forward of the model, token by token.
     """
 
-    def __init__(self, update: Callable[[str, int], None] | None, steps: int) -> None:
+    def __init__(
+        self,
+        update: Callable[[str, int], None] | None,
+        steps: int,
+        tokens_per_step: int | None = None,
+    ) -> None:
         self._update = update
         self.steps = steps
+        self.tokens_per_step = tokens_per_step
         self.done = 0
+        self.tokens = 0
+
+    @property
+    def total(self) -> int:
+        """The bar's length: steps, or forwards when counting tokens."""
+        return self.steps * (self.tokens_per_step or 1)
 
     def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``step_fn`` with the bar advanced after each call (itself when there is no bar)."""
@@ -80,32 +94,62 @@ class StepProgress:
         def counted(*args: Any, **kwargs: Any) -> Any:
             result = step_fn(*args, **kwargs)
             self.done += 1
+            self.tokens = 0
             self._show()
             return result
 
         return counted
 
+    @contextmanager
+    def count_forwards(self, model: Any) -> Iterator[None]:
+        """While the block runs, each forward of ``model`` (an ``nn.Module``) is one token;
+        nothing is registered without a bar or ``tokens_per_step``."""
+        register = getattr(model, "register_forward_pre_hook", None)
+        if self._update is None or self.tokens_per_step is None or register is None:
+            yield
+            return
+
+        def on_forward(*_: Any) -> None:
+            self.tokens += 1
+            self._show()
+
+        handle = register(on_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     def _show(self) -> None:
         assert self._update is not None
+        per_step = self.tokens_per_step or 1
         if self.done < self.steps:
             text = f"recording step {self.done + 1} of {self.steps} on the meta device"
+            if self.tokens_per_step is not None:
+                text += f", token {max(self.tokens, 1)} of {self.tokens_per_step}"
         else:
             text = "replaying the recording through the simulated allocator"
-        self._update(text, self.done)
+        # At a forward's pre-hook, the forwards before it are done.
+        completed = self.done * per_step + min(max(self.tokens - 1, 0), per_step)
+        self._update(text, min(completed, self.total))
 
 
 @contextmanager
-def step_progress(enabled: bool, steps: int) -> Iterator[StepProgress]:
-    """A ``StepProgress`` over ``steps`` steps, drawn on stderr when ``enabled``."""
+def step_progress(
+    enabled: bool, steps: int, tokens_per_step: int | None = None
+) -> Iterator[StepProgress]:
+    """A ``StepProgress`` over ``steps`` steps (of ``tokens_per_step`` forwards each, for
+    ``generate``), drawn on stderr when ``enabled``."""
     if not enabled:
-        yield StepProgress(None, steps)
+        yield StepProgress(None, steps, tokens_per_step)
         return
     from rich.progress import Progress
 
     with Progress(*_columns(), console=stderr_console(), transient=True) as bar:
-        task = bar.add_task("recording", total=steps)
+        progress = StepProgress(None, steps, tokens_per_step)
+        task = bar.add_task("recording", total=progress.total)
 
         def update(text: str, done: int) -> None:
             bar.update(task, description=text, completed=done, refresh=True)
 
-        yield StepProgress(update, steps)
+        progress._update = update
+        yield progress

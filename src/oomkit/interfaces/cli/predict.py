@@ -88,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
         workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
+    # A generate step runs one forward of the model per new token: the bar counts them.
+    spec = workload.spec
+    generating = spec is not None and spec.mode == "generate" and bool(workload.track)
+    tokens = spec.new_tokens if generating and spec is not None else None
+    model = workload.track[0] if generating else None
     with (
-        step_progress(progress_enabled(args, sys.stderr), args.steps) as progress,
+        step_progress(progress_enabled(args, sys.stderr), args.steps, tokens) as progress,
+        progress.count_forwards(model),
         user_errors(lambda: (args.target, workload.raised)),
         user_output_to_stderr(),
     ):
