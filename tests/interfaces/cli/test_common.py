@@ -98,3 +98,18 @@ def test_bad_torch_version_is_a_usage_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --torch-version: cannot read PyTorch version 'two'" in err
+
+
+def test_output_width_wide_only_for_pipes():
+    """Results render at rich's width on a terminal or with $COLUMNS set, else unwrapped."""
+    import io
+
+    from oomkit.interfaces.cli._common import PIPE_WIDTH_COLUMNS, output_width
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert output_width(Tty(), {}) is None
+    assert output_width(io.StringIO(), {"COLUMNS": "100"}) is None
+    assert output_width(io.StringIO(), {}) == PIPE_WIDTH_COLUMNS == 1000

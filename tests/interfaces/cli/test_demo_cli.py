@@ -34,3 +34,27 @@ def test_demo_gpu_and_capacity_name_the_device(capsys):
     ):
         assert main(["demo", "--steps", "2", "--json", *argv]) == 0
         assert json.loads(capsys.readouterr().out)["capacity_bytes"] == capacity
+
+
+def test_demo_says_default_ooms_and_expandable_fits(capsys):
+    """At 8 GiB the default settings OOM and expandable_segments:True fits: the verdict says so,
+    not "does not lower peak reserved memory" (issue 16 item 7)."""
+    assert main(["demo", "--capacity", "8GiB", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert results["default"]["oom"] and not results["expandable_segments:True"]["oom"]
+    assert main(["demo", "--capacity", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does not lower" not in out
+    assert out.splitlines()[-1] == (
+        "The default settings run out of memory on this device and expandable_segments:True "
+        "does not (peak reserved 7.44 GiB): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+
+
+def test_demo_says_when_both_settings_oom(capsys):
+    """At 7 GiB both settings OOM: the verdict says expandable does not rescue it."""
+    assert main(["demo", "--capacity", "7GiB"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "Both settings run out of memory on this device: expandable_segments:True does not "
+        "rescue it. Give a larger --capacity, or fewer --steps."
+    )

@@ -154,9 +154,9 @@ def test_smallest_gpu_json(user_file, capsys):
     assert code == 0
     assert out["smallest"] == "RTX 3080"  # the catalog's smallest memory
     totals = [c["total_memory_bytes"] for c in out["candidates"]]
-    assert totals == sorted(totals) and len(totals) == 20
+    assert totals == sorted(totals) and len(totals) == 28
     assert all(c["peak_reserved_bytes"] == 98 * MiB for c in out["candidates"])
-    assert out["traces"] == 7  # one per compute capability in the catalog
+    assert out["traces"] == 9  # one per compute capability in the catalog
 
 
 def test_smallest_gpu_none_fits_exits_1(user_file, capsys):
@@ -164,7 +164,7 @@ def test_smallest_gpu_none_fits_exits_1(user_file, capsys):
     code = main(["fit", f"{user_file}:build", "--batch", "100000", "--smallest-gpu"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "batch 100000 fits on none of the 20 GPUs checked: on the largest, B200" in " ".join(
+    assert "batch 100000 fits on none of the 28 GPUs checked: on the largest, B200" in " ".join(
         out.split()
     )
 
@@ -214,7 +214,8 @@ def test_preset_search_on_small_gpu(capsys):
     out = _json(capsys)
     assert code == 0
     assert out["batch_size"] == 2 and out["traces"] == 2
-    assert out["description"] == "GPT-2 124M, batch 2, seq 64, fp32, adamw, train"
+    # The GPT-2 presets default to bf16-mixed (issue 16 item 15).
+    assert out["description"] == "GPT-2 124M, batch 2, seq 64, bf16-mixed, adamw, train"
     assert out["margin_bytes"] == 256 * MiB and out["margin_is_default"] is True
 
 
@@ -299,30 +300,38 @@ def test_terminal_report_golden(user_file, capsys, monkeypatch):
 
 
 SMALLEST_GPU_GOLDEN = """\
-steps.py:build(batch_size=40) on 20 GPUs
+steps.py:build(batch_size=40) on 28 GPUs
                                  Fit by GPU
 ┏━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━┓
 ┃ GPU            ┃      total ┃     needs ┃   headroom ┃     margin ┃ fits ┃
 ┡━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━┩
 │ RTX 3080       │  10.00 GiB │ 98.00 MiB │   9.51 GiB │ 256.00 MiB │ yes  │
+│ RTX 3060 12GB  │  12.00 GiB │ 98.00 MiB │  11.51 GiB │ 256.00 MiB │ yes  │
 │ T4             │  14.76 GiB │ 98.00 MiB │  14.37 GiB │ 296.00 MiB │ yes  │
 │ RTX 4080       │  15.67 GiB │ 98.00 MiB │  15.16 GiB │ 312.00 MiB │ yes  │
 │ V100 16GB      │  15.77 GiB │ 98.00 MiB │  15.38 GiB │ 316.00 MiB │ yes  │
+│ P100 16GB      │  15.90 GiB │ 98.00 MiB │  15.51 GiB │ 318.00 MiB │ yes  │
 │ L4             │  21.99 GiB │ 98.00 MiB │  21.48 GiB │ 440.00 MiB │ yes  │
 │ A10G           │  22.06 GiB │ 98.00 MiB │  21.57 GiB │ 442.00 MiB │ yes  │
 │ A10            │  22.07 GiB │ 98.00 MiB │  21.58 GiB │ 442.00 MiB │ yes  │
 │ RTX 3090       │  23.70 GiB │ 98.00 MiB │  23.21 GiB │ 476.00 MiB │ yes  │
 │ RTX 4090       │  23.99 GiB │ 98.00 MiB │  23.47 GiB │ 482.00 MiB │ yes  │
+│ RTX 5090       │  31.35 GiB │ 98.00 MiB │  30.72 GiB │ 630.00 MiB │ yes  │
 │ V100 32GB      │  31.75 GiB │ 98.00 MiB │  31.36 GiB │ 644.00 MiB │ yes  │
 │ A100 40GB      │  39.39 GiB │ 98.00 MiB │  38.91 GiB │ 798.00 MiB │ yes  │
+│ L40            │  44.31 GiB │ 98.00 MiB │  43.79 GiB │ 898.00 MiB │ yes  │
 │ L40S           │  44.31 GiB │ 98.00 MiB │  43.79 GiB │ 898.00 MiB │ yes  │
+│ A40            │  44.34 GiB │ 98.00 MiB │  43.85 GiB │ 900.00 MiB │ yes  │
 │ RTX 6000 Ada   │  47.37 GiB │ 98.00 MiB │  46.86 GiB │ 960.00 MiB │ yes  │
 │ RTX A6000      │  47.65 GiB │ 98.00 MiB │  47.16 GiB │ 966.00 MiB │ yes  │
 │ H100 PCIe      │  79.11 GiB │ 98.00 MiB │  78.53 GiB │   1.57 GiB │ yes  │
 │ A100 80GB PCIe │  79.14 GiB │ 98.00 MiB │  78.65 GiB │   1.57 GiB │ yes  │
 │ H100 SXM 80GB  │  79.19 GiB │ 98.00 MiB │  78.61 GiB │   1.57 GiB │ yes  │
 │ A100 80GB SXM  │  79.21 GiB │ 98.00 MiB │  78.72 GiB │   1.58 GiB │ yes  │
+│ H100 NVL       │  93.10 GiB │ 98.00 MiB │  92.51 GiB │   1.85 GiB │ yes  │
+│ GH200 96GB     │  95.00 GiB │ 98.00 MiB │  94.42 GiB │   1.89 GiB │ yes  │
 │ H200           │ 139.80 GiB │ 98.00 MiB │ 139.22 GiB │   2.79 GiB │ yes  │
+│ H200 NVL       │ 139.80 GiB │ 98.00 MiB │ 139.22 GiB │   2.79 GiB │ yes  │
 │ B200           │ 178.36 GiB │ 98.00 MiB │ 177.73 GiB │   3.55 GiB │ yes  │
 └────────────────┴────────────┴───────────┴────────────┴────────────┴──────┘
 smallest GPU batch 40 fits on: RTX 3080 (10.00 GiB total, 9.51 GiB headroom, margin 256.00 MiB)

@@ -10,6 +10,8 @@ EXPECTED = {
     "demo": ["--capacity", "--gpu", "--json", "--steps"],
     "diff": ["--device", "--force", "--html", "--json"],
     "doctor": ["--json", "--no-live", "--torch-version"],
+    "gpus": ["--json"],
+    "presets": ["--json"],
     "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
     "fit": [
         "--alloc-conf",

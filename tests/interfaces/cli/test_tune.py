@@ -251,3 +251,17 @@ def test_tune_gpu_name_is_its_total_memory(tmp_path, capsys):
     assert by_name["capacity_bytes"] == 25_756_696_576
     assert main(["tune", str(path), "--capacity", "25756696576", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == by_name
+
+
+def test_tune_piped_keeps_setting_names_whole(tmp_path, capsys, monkeypatch):
+    """Piped (not a terminal, no $COLUMNS), the setting names are never folded into pieces and
+    no sentence wraps at 80 columns (issue 16 item 15)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    path = _trace(tmp_path)
+    assert main(["tune", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.lstrip().startswith("1 "))
+    assert row.split()[:2] == ["1", "expandable_segments:True"]
+    assert any(len(line) > 80 for line in lines)
+    reason = next(line for line in lines if line.startswith("max-split-with-expandable:"))
+    assert reason.endswith("(PyTorch issue #123548); use one or the other")

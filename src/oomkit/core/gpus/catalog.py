@@ -1,4 +1,4 @@
-"""The built-in device catalog: 20 NVIDIA GPUs as PyTorch sees them.
+"""The built-in device catalog: 28 NVIDIA GPUs as PyTorch sees them.
 
 ``total_memory_bytes`` is ``torch.cuda.get_device_properties(0).total_memory``. It is not the
 marketing size (an "80GB" A100 reports 79.21 GiB) and it moves by up to a few hundred MiB with the
@@ -9,7 +9,12 @@ it. Sources, in order of preference:
   PyTorch reports, byte-exact ("Total amount of global memory: N MBytes (B bytes)");
 - mem_get_info: the total half of ``torch.cuda.mem_get_info()`` (``cudaMemGetInfo``), byte-exact;
 - derived: only a ``_CudaDeviceProperties(... total_memory=NMB)`` print was found; PyTorch prints
-  ``total_memory // 2**20`` there, so the figure is N * 2**20, at most 1 MiB low.
+  ``total_memory // 2**20`` there, so the figure is N * 2**20, at most 1 MiB low. Two entries
+  (L40, H200 NVL) carry over a sibling's CUDA figure: no CUDA output was found for them, and
+  ``nvidia-smi`` reports the same total for both devices of each pair (same memory chips and
+  size); their notes say so.
+
+AMD GPUs (MI300X) are not in the catalog: see ``lookup.NOT_MODELLED``.
 
 Outputs quoted from public GitHub files found by code search carry the quoted line; GitHub issue
 and pull request threads carry their address. Bandwidths are peak DRAM figures in GB/s from
@@ -55,6 +60,21 @@ def _gpu(
 
 
 CATALOG: tuple[GpuSpec, ...] = (
+    # --- Pascal (sm_60) ------------------------------------------------------------------------
+    _gpu(
+        "P100 16GB",
+        aliases=("p100", "p100-16gb", "p100-pcie-16gb", "tesla p100-pcie-16gb"),
+        # deviceQuery "Tesla P100-PCIE-16GB", drivers 10.2 and 11.4: "16281 MBytes
+        # (17071734784 bytes)"; Colab's torch prints total_memory=16280MB, the same figure.
+        total_memory_bytes=17_071_734_784,
+        source="cudaDeviceProp",
+        memory_note='deviceQuery "Tesla P100-PCIE-16GB", drivers 10.2 and 11.4: 16281 MBytes '
+        "(17071734784 bytes); Colab's get_device_properties prints total_memory=16280MB",
+        compute_capability=(6, 0),
+        architecture="Pascal",
+        bandwidth_gb_per_s=732.0,
+        bandwidth_note="NVIDIA Tesla P100 datasheet, 732 GB/s (16GB)",
+    ),
     # --- Volta (sm_70) -------------------------------------------------------------------------
     _gpu(
         "V100 16GB",
@@ -215,6 +235,35 @@ CATALOG: tuple[GpuSpec, ...] = (
         bandwidth_gb_per_s=768.0,
         bandwidth_note="NVIDIA RTX A6000 datasheet, 768 GB/s",
     ),
+    _gpu(
+        "RTX 3060 12GB",
+        aliases=("rtx3060", "rtx-3060", "3060", "rtx3060-12gb", "nvidia geforce rtx 3060"),
+        # deviceQuery "NVIDIA GeForce RTX 3060", drivers 12.0, 12.6 and 12.8: "12288 MBytes
+        # (12884377600 bytes)" (three independent outputs); a host with a display attached
+        # showed 12044 MBytes (12629508096 bytes) under driver 12.2.
+        total_memory_bytes=12_884_377_600,
+        source="cudaDeviceProp",
+        memory_note='deviceQuery "NVIDIA GeForce RTX 3060", drivers 12.0/12.6/12.8: 12288 MBytes '
+        "(12884377600 bytes); 12629508096 on a driver 12.2 host",
+        compute_capability=(8, 6),
+        architecture="Ampere",
+        bandwidth_gb_per_s=360.0,
+        bandwidth_note="derived: 15 Gbps GDDR6 x 192-bit / 8 (NVIDIA GeForce RTX 3060 specifications)",
+    ),
+    _gpu(
+        "A40",
+        aliases=("a40", "nvidia a40"),
+        # deviceQuery "NVIDIA A40", driver 12.4 / runtime 12.4: "45403 MBytes (47608692736
+        # bytes)"; another host's torch printed total_memory=45416MB.
+        total_memory_bytes=47_608_692_736,
+        source="cudaDeviceProp",
+        memory_note='deviceQuery "NVIDIA A40", driver 12.4: 45403 MBytes (47608692736 bytes); '
+        "another host printed total_memory=45416MB",
+        compute_capability=(8, 6),
+        architecture="Ampere",
+        bandwidth_gb_per_s=696.0,
+        bandwidth_note="NVIDIA A40 datasheet, 696 GB/s",
+    ),
     # --- Ada Lovelace (sm_89) ------------------------------------------------------------------
     _gpu(
         "L4",
@@ -254,6 +303,22 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=1008.0,
         bandwidth_note="NVIDIA Ada GPU architecture whitepaper, 1,008 GB/s",
+    ),
+    _gpu(
+        "L40",
+        aliases=("l40", "nvidia l40"),
+        # No CUDA output found for the L40. nvidia-smi reports "NVIDIA L40, 46068 MiB" (several
+        # hosts) and "NVIDIA L40S, 46068 MiB" (modal-labs/modal-client#2797 and others): the
+        # same 48 GB GDDR6 with ECC, so the L40S's deviceQuery total (driver 12.4, 47576711168
+        # bytes) is taken. Measure it with torch.cuda.mem_get_info() where it matters.
+        total_memory_bytes=47_576_711_168,
+        source="derived",
+        memory_note="derived: a sibling's figure, the L40S's deviceQuery total 47576711168 (driver "
+        "12.4); nvidia-smi shows 46068 MiB for both the L40 and the L40S",
+        compute_capability=(8, 9),
+        architecture="Ada Lovelace",
+        bandwidth_gb_per_s=864.0,
+        bandwidth_note="NVIDIA L40 datasheet, 864 GB/s",
     ),
     _gpu(
         "L40S",
@@ -321,6 +386,22 @@ CATALOG: tuple[GpuSpec, ...] = (
         bandwidth_note="NVIDIA H100 datasheet, 3.35 TB/s (SXM)",
     ),
     _gpu(
+        "H100 NVL",
+        aliases=("h100nvl", "h100-nvl", "h100-94gb", "nvidia h100 nvl"),
+        # A GPU benchmark report's cudaDeviceProp dump (driver 12.8, nvcc 12.9):
+        # "totalGlobalMem | 99960750080 bytes" for "NVIDIA H100 NVL" (95330 MiB); fastfetch
+        # issue #1658 shows a DRM total of 99961274368 for the same device.
+        total_memory_bytes=99_960_750_080,
+        source="cudaDeviceProp",
+        memory_note='cudaDeviceProp.totalGlobalMem 99960750080 bytes for "NVIDIA H100 NVL", driver '
+        "12.8 (a public GPU benchmark report); DRM reports 99961274368 "
+        "(https://github.com/fastfetch-cli/fastfetch/issues/1658)",
+        compute_capability=(9, 0),
+        architecture="Hopper",
+        bandwidth_gb_per_s=3900.0,
+        bandwidth_note="NVIDIA H100 datasheet, 3.9 TB/s (H100 NVL)",
+    ),
+    _gpu(
         "H200",
         aliases=("h200", "h200-sxm", "h200-141gb", "nvidia h200"),
         # _CudaDeviceProperties(name='NVIDIA H200', major=9, minor=0, total_memory=143156MB,
@@ -332,6 +413,36 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=4800.0,
         bandwidth_note="NVIDIA H200 datasheet, 4.8 TB/s",
+    ),
+    _gpu(
+        "H200 NVL",
+        aliases=("h200nvl", "h200-nvl", "nvidia h200 nvl"),
+        # No CUDA output found for the H200 NVL. nvidia-smi reports 143771 MiB for it (several
+        # hosts: "NVIDIA H200 NVL (143771 MiB, driver 570.195.03)") and the same 143771 MiB for
+        # the H200 SXM, whose torch print is total_memory=143156MB: the same 141 GB HBM3e, so
+        # that figure is taken.
+        total_memory_bytes=143_156 * 2**20,
+        source="derived",
+        memory_note="derived: a sibling's figure, the H200's 143156 * 2**20 (torch print "
+        "total_memory=143156MB); nvidia-smi shows 143771 MiB for both the H200 and the H200 NVL",
+        compute_capability=(9, 0),
+        architecture="Hopper",
+        bandwidth_gb_per_s=4800.0,
+        bandwidth_note="NVIDIA H200 datasheet, 4.8 TB/s (H200 NVL)",
+    ),
+    _gpu(
+        "GH200 96GB",
+        aliases=("gh200", "gh200-96gb", "gh200-480gb", "nvidia gh200 480gb"),
+        # deviceQuery "NVIDIA GH200 480GB" (the 96 GB HBM3 Grace Hopper superchip; 480GB is the
+        # Grace side's LPDDR5X), driver 12.2 / runtime 12.4: "97280 MBytes (102005473280 bytes)".
+        total_memory_bytes=102_005_473_280,
+        source="cudaDeviceProp",
+        memory_note='deviceQuery "NVIDIA GH200 480GB", driver 12.2: 97280 MBytes (102005473280 '
+        "bytes); the 144 GB HBM3e GH200 is a different device",
+        compute_capability=(9, 0),
+        architecture="Hopper",
+        bandwidth_gb_per_s=4000.0,
+        bandwidth_note="NVIDIA GH200 Grace Hopper Superchip datasheet, 4 TB/s (96GB HBM3)",
     ),
     # --- Blackwell (sm_100) --------------------------------------------------------------------
     _gpu(
@@ -347,5 +458,21 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Blackwell",
         bandwidth_gb_per_s=8000.0,
         bandwidth_note="NVIDIA HGX B200 datasheet, 8 TB/s per GPU",
+    ),
+    # --- Blackwell, GeForce (sm_120) -----------------------------------------------------------
+    _gpu(
+        "RTX 5090",
+        aliases=("rtx5090", "rtx-5090", "5090", "nvidia geforce rtx 5090"),
+        # deviceQuery "NVIDIA GeForce RTX 5090", driver 13.0 / runtime 12.8: "32101 MBytes
+        # (33660534784 bytes)" (two files of one project); another host: 32109 MBytes
+        # (33668857856 bytes).
+        total_memory_bytes=33_660_534_784,
+        source="cudaDeviceProp",
+        memory_note='deviceQuery "NVIDIA GeForce RTX 5090", driver 13.0: 32101 MBytes '
+        "(33660534784 bytes); another host 33668857856",
+        compute_capability=(12, 0),
+        architecture="Blackwell",
+        bandwidth_gb_per_s=1792.0,
+        bandwidth_note="derived: 28 Gbps GDDR7 x 512-bit / 8 (NVIDIA GeForce RTX 5090 specifications)",
     ),
 )

@@ -12,7 +12,7 @@ from oomkit.core.gpus.spec import GpuSpec
 from oomkit.errors import UnknownGpuError
 from oomkit.units import SizeError, format_bytes, parse_bytes
 
-__all__ = ["UnknownGpuError", "get_gpu", "list_gpus", "normalize_gpu_name"]
+__all__ = ["NOT_MODELLED", "UnknownGpuError", "get_gpu", "list_gpus", "normalize_gpu_name"]
 
 # Words that name the vendor or brand rather than the device: "NVIDIA GeForce RTX 4090" as
 # torch.cuda.get_device_name() prints it must find "rtx4090".
@@ -20,6 +20,27 @@ _NOISE_WORDS = frozenset({"nvidia", "geforce", "tesla"})
 # A size needs a unit: a bare "4090" is a GPU name, not 4090 bytes.
 _SIZE_WITH_UNIT_RE = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*[A-Za-z]+\s*$")
 _MAX_SUGGESTIONS = 3
+
+_ROCM_REASON = (
+    "is an AMD GPU, which oomkit does not model. PyTorch's ROCm build runs the same caching "
+    "allocator (c10/cuda/CUDACachingAllocator.cpp, hipified into HIPCachingAllocator), with "
+    "ROCm-specific branches (`USE_ROCM`: its CUDA driver-API paths are compiled out), and the "
+    "recorder emulates what CUDA libraries allocate "
+    "(cuBLAS/cuBLASLt workspaces, flash/cuDNN attention, the CUDA context), where ROCm runs "
+    "hipBLASLt, AOTriton and Composable Kernel with workspaces of their own: a prediction would "
+    "not be faithful. Replaying a snapshot recorded on it (`oomkit replay/simulate/tune "
+    "--gpu SIZE`) uses the allocator alone: give its memory size, e.g. --gpu 192GB."
+)
+# Names users give that the catalog deliberately leaves out, with why (normalized name -> reason).
+NOT_MODELLED: dict[str, str] = {
+    key: f"{name} {_ROCM_REASON}"
+    for name, keys in (
+        ("MI300X", ("mi300x", "amdinstinctmi300x", "instinctmi300x")),
+        ("MI250X", ("mi250x", "amdinstinctmi250x")),
+        ("MI325X", ("mi325x", "amdinstinctmi325x")),
+    )
+    for key in keys
+}
 
 
 def normalize_gpu_name(text: str) -> str:
@@ -68,13 +89,17 @@ def get_gpu(
         The matching ``GpuSpec``, with the override applied.
 
     Raises:
-        UnknownGpuError: the text is neither a known GPU nor a size with a unit.
+        UnknownGpuError: the text is neither a known GPU nor a size with a unit, or names a GPU
+            oomkit does not model (``NOT_MODELLED``: AMD GPUs; the message says why).
         GpuSpecError: the override is negative or not below the total memory.
     """
     if isinstance(name_or_size, GpuSpec):
         spec = name_or_size
     else:
-        known = _INDEX.get(normalize_gpu_name(name_or_size))
+        key = normalize_gpu_name(name_or_size)
+        if key in NOT_MODELLED:
+            raise UnknownGpuError(NOT_MODELLED[key])
+        known = _INDEX.get(key)
         spec = known if known is not None else _custom_spec(name_or_size, context_overhead_bytes)
     if context_overhead_bytes is not None:
         spec = dataclasses.replace(
@@ -130,6 +155,6 @@ def _unknown_message(text: str) -> str:
         suggestion = "No catalog GPU has a similar name."
     return (
         f"unknown GPU {text!r}. {suggestion} "
-        "Run `oomkit.core.gpus.list_gpus()` for the catalog, or give the device's memory size "
-        "instead: `--gpu 24GiB` also works."
+        "`oomkit gpus` lists the catalog (Python: oomkit.core.gpus.list_gpus()); or give the "
+        "device's memory size instead: `--gpu 24GiB` also works."
     )

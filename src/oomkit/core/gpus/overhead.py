@@ -38,6 +38,7 @@ _HOPPER_BYTES = 500 * MiB
 _BLACKWELL_BYTES = 550 * MiB
 
 CONTEXT_OVERHEAD_BYTES: dict[Architecture, int] = {
+    "Pascal": _PRE_AMPERE_BYTES,
     "Volta": _PRE_AMPERE_BYTES,
     "Turing": _PRE_AMPERE_BYTES,
     "Ampere": _AMPERE_BYTES,
@@ -51,6 +52,7 @@ CONTEXT_OVERHEAD_BYTES: dict[Architecture, int] = {
 DEFAULT_CONTEXT_OVERHEAD_BYTES = 400 * MiB
 
 _NOTES: dict[Architecture, str] = {
+    "Pascal": "context overhead: estimate ~300 MiB as for Volta (pytorch/pytorch#107667, PR #86509)",
     "Volta": "context overhead: estimate ~300 MiB (pytorch/pytorch#107667, PR #86509)",
     "Turing": "context overhead: estimate ~300 MiB (pytorch/pytorch#107667, PR #86509)",
     "Ampere": "context overhead: estimate ~400 MiB (pytorch/pytorch#109888)",

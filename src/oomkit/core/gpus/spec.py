@@ -24,14 +24,16 @@ __all__ = [
     "MemorySource",
 ]
 
-Architecture = Literal["Volta", "Turing", "Ampere", "Ada Lovelace", "Hopper", "Blackwell"]
+Architecture = Literal["Pascal", "Volta", "Turing", "Ampere", "Ada Lovelace", "Hopper", "Blackwell"]
 
 # How total_memory_bytes was obtained:
 # - "cudaDeviceProp": a byte-exact totalGlobalMem, from CUDA's deviceQuery sample output
 #   ("Total amount of global memory: N MBytes (B bytes)") or get_device_properties().total_memory;
 # - "cudaMemGetInfo": the total half of torch.cuda.mem_get_info(), byte-exact;
 # - "derived": only a MiB-rounded print was found (_CudaDeviceProperties(... total_memory=NMB)
-#   prints total_memory // 2**20), so the figure is N * 2**20, at most 1 MiB below the truth.
+#   prints total_memory // 2**20), so the figure is N * 2**20, at most 1 MiB below the truth; or,
+#   where no CUDA output was found, a sibling device's figure (same nvidia-smi total), as the
+#   entry's note says.
 MemorySource = Literal["cudaDeviceProp", "cudaMemGetInfo", "derived"]
 
 

@@ -32,7 +32,9 @@ def _subcommands() -> list:
         experiment,
         explain,
         fit,
+        gpus,
         predict,
+        presets,
         replay,
         report,
         run,
@@ -40,7 +42,22 @@ def _subcommands() -> list:
         tune,
     )
 
-    return [predict, explain, demo, replay, simulate, tune, run, fit, experiment, report, doctor, diff]
+    return [
+        predict,
+        explain,
+        demo,
+        replay,
+        simulate,
+        tune,
+        run,
+        fit,
+        experiment,
+        report,
+        gpus,
+        presets,
+        doctor,
+        diff,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from oomkit.units import SizeError, parse_bytes
 
 __all__ = [
     "stdout_console",
+    "output_width",
+    "PIPE_WIDTH_COLUMNS",
     "stderr_console",
     "print_json",
     "size_arg",
@@ -32,9 +35,30 @@ __all__ = [
 ]
 
 
+# The width of the results when stdout is not a terminal (a pipe, a file, a CI log). rich would
+# take 80 columns there, wrapping tables and splitting setting names (`tune`'s
+# "expandable_segments:True" came out in 9-character pieces); nothing the reports print is wider
+# than this, so a pipe gets each table row and each sentence on one line.
+PIPE_WIDTH_COLUMNS = 1000
+
+
+def output_width(stream: object, environ: dict[str, str] | None = None) -> int | None:
+    """The width to render results at on ``stream``: ``None`` (rich's own choice: the terminal's
+    width, or ``$COLUMNS`` when set) on a terminal or when ``$COLUMNS`` is set, else
+    ``PIPE_WIDTH_COLUMNS``."""
+    env = os.environ if environ is None else environ
+    isatty = getattr(stream, "isatty", None)
+    if (isatty is not None and isatty()) or env.get("COLUMNS"):
+        return None
+    return PIPE_WIDTH_COLUMNS
+
+
 def stdout_console() -> Console:
-    """The console for results (plain when not a terminal, so output pipes cleanly)."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    """The console for results: plain and unwrapped when not a terminal, so output pipes
+    cleanly (see ``PIPE_WIDTH_COLUMNS``)."""
+    return Console(
+        file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout)
+    )
 
 
 def stderr_console() -> Console:
@@ -47,12 +71,29 @@ def print_json(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+# A size without a unit is bytes; below this, it is almost surely a forgotten unit (`--capacity
+# 24` meant 24 GiB, not 24 bytes), so it is refused (0 stays valid: `--margin 0`).
+_MIN_UNITLESS_BYTES = 2**20
+
+
+def _check_unit(text: str, size: int) -> None:
+    """Refuse a bare number between 1 and 1 MiB - 1: ask for the unit it surely meant."""
+    stripped = text.strip()
+    if stripped.replace(".", "", 1).isdigit() and 0 < size < _MIN_UNITLESS_BYTES:
+        raise SizeError(
+            f"{text!r} has no unit, so it would mean {size} bytes; give the unit, e.g. "
+            f"{stripped}GiB or {stripped}MiB (a number alone counts bytes only from 1048576 on)."
+        )
+
+
 def size_arg(text: str) -> int:
-    """argparse type for sizes such as ``24GiB``."""
+    """argparse type for sizes such as ``24GiB`` (a bare number below 1 MiB is refused)."""
     try:
-        return parse_bytes(text)
+        size = parse_bytes(text)
+        _check_unit(text, size)
     except OomkitError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+    return size
 
 
 def existing_file(text: str) -> Path:
@@ -166,12 +207,13 @@ def torch_version_arg(text: str) -> str:
 def capacity_bytes(text: str) -> int:
     """The device capacity ``--gpu``/``--capacity`` names, in bytes.
 
-    A size (``24GiB``, or plain bytes) is taken as it is; a catalog GPU gives its total memory,
-    what ``cudaMemGetInfo`` reports as total (``GpuSpec.total_memory_bytes``), CUDA context
-    included.
+    A size (``24GiB``, or plain bytes from 1 MiB on) is taken as it is; a catalog GPU gives its
+    total memory, what ``cudaMemGetInfo`` reports as total (``GpuSpec.total_memory_bytes``),
+    CUDA context included.
 
     Raises:
-        ConfigError: the size is zero.
+        ConfigError: the size is zero, or a number without a unit below 1 MiB (``24``: surely
+            24 GiB, not 24 bytes).
         UnknownGpuError: the text is neither a size nor a catalog GPU (the message lists near
             names).
     """
@@ -181,6 +223,10 @@ def capacity_bytes(text: str) -> int:
         from oomkit.core.gpus import get_gpu
 
         return get_gpu(text).total_memory_bytes
+    try:
+        _check_unit(text, size)
+    except SizeError as exc:
+        raise ConfigError(f"--gpu/--capacity {exc}") from None
     if size <= 0:
         raise ConfigError(
             f"the device capacity must be above zero; got {text!r}. Give a size such as 24GiB or "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ __all__ = [
     "MODES",
     "OPTIMIZERS",
     "PRECISIONS",
+    "PRESET_NAMES",
+    "VISION_PRESETS",
+    "catalog_epilog",
     "Workload",
     "add_gpu_flags",
     "add_workload_flags",
@@ -46,17 +50,59 @@ __all__ = [
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 MODES = ("train", "inference", "generate")
+# oomkit.prediction.models.PRESETS' names, for --help without importing torch (a test pins them
+# to the presets' own); the vision ones take --image-size, the others --seq.
+PRESET_NAMES = (
+    "gpt2-124m",
+    "gpt2-355m",
+    "gpt2-774m",
+    "gpt2-1.5b",
+    "llama-1b",
+    "llama-3b",
+    "llama-8b",
+    "llama-13b",
+    "bert-base",
+    "bert-large",
+    "vit-b16",
+    "resnet50",
+)
+VISION_PRESETS = ("vit-b16", "resnet50")
+
+
+def catalog_epilog() -> str:
+    """The presets and catalog GPUs, for the end of ``predict --help`` and ``fit --help``."""
+    from oomkit.core.gpus import CATALOG
+
+    gpus = ", ".join(spec.aliases[0] if spec.aliases else spec.name for spec in CATALOG)
+    return (
+        f"Presets: {', '.join(PRESET_NAMES)} (`oomkit presets` shows their sizes and defaults). "
+        f"GPUs: {gpus}, or a size such as 24GiB (`oomkit gpus` shows their memory)."
+    )
 
 
 def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...] = MODES) -> None:
     """TARGET, the shape flags (--seq, --image-size), precision, optimizer, mode and --hf."""
     parser.add_argument("target", nargs="?", metavar="TARGET", help="PRESET or file.py:function")
-    parser.add_argument("--seq", type=positive_int, metavar="N", help="sequence length")
-    parser.add_argument("--image-size", type=positive_int, metavar="N", help="image size")
-    # Defaults None: a file.py:function target refuses these flags when given (presets and --hf
-    # get StepOptions' defaults: fp32, adamw, train).
     parser.add_argument(
-        "--precision", choices=PRECISIONS, help="presets and --hf (default fp32)"
+        "--seq",
+        type=positive_int,
+        metavar="N",
+        help="sequence length of a text model (default: the preset's, 1024 for GPT-2, 2048 "
+        "for Llama, 512 for BERT)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=positive_int,
+        metavar="N",
+        help=f"image size of a vision model ({', '.join(VISION_PRESETS)}; default 224)",
+    )
+    # Defaults None: a file.py:function target refuses these flags when given (presets get their
+    # own default precision, --hf StepOptions' fp32; both adamw, train).
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="presets and --hf (default: bf16-mixed for the GPT-2 and Llama presets, fp32 for "
+        "the others and --hf)",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="presets and --hf (default adamw)")
     parser.add_argument(
@@ -78,7 +124,7 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         "reserve that less --context-overhead (default h100)",
     )
     add_alloc_conf_flag(parser)
-    add_torch_version_flag(parser, default="the newest release")
+    add_torch_version_flag(parser, default="the installed torch's, which records the step")
     parser.add_argument(
         "--context-overhead",
         type=size_arg,
@@ -95,13 +141,25 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:
-    """The ``StepOptions`` the flags name, at ``batch_size`` (``None``: the default)."""
+def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any = None) -> Any:
+    """The ``StepOptions`` the flags name, at ``batch_size`` (``None``: the default).
+
+    Args:
+        args: the parsed flags.
+        batch_size: the batch; ``None`` takes the preset's default batch (else StepOptions').
+        preset: the ``ModelPreset`` built, whose default precision and batch apply where the
+            flags name none; ``None`` (``--hf``) keeps StepOptions' defaults.
+    """
     from oomkit.prediction.models import StepOptions
 
     fields: dict[str, Any] = {"checkpointing": args.checkpointing}
+    precision = args.precision
+    if precision is None and preset is not None:
+        precision = preset.default_precision
+    if batch_size is None and preset is not None:
+        batch_size = preset.default_batch_size
     for name, value in (
-        ("precision", args.precision),
+        ("precision", precision),
         ("optimizer", args.optimizer),
         ("mode", args.mode),
         ("batch_size", batch_size),
@@ -194,9 +252,16 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
         )
         spec = user_workload_spec(args.target, user, steps)
         return Workload(user.step_fn, user.track, user.description, user.raised, spec)
-    from oomkit.prediction.models import build_preset_step
+    from oomkit.prediction.models import build_preset_step, get_preset
 
-    options = step_options(args, batch_size)
+    try:
+        preset = get_preset(args.target)
+    except OomkitError:
+        raise
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+    _refuse_shape_flags(args, preset)
+    options = step_options(args, batch_size, preset)
     built = _call_builder(build_preset_step, args.target, options)
     spec = _spec("preset", args.target, options, steps)
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
@@ -226,14 +291,51 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
         )
 
 
+def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
+    """--seq on a vision preset and --image-size on a text one would change nothing: refused,
+    by name (exit 2)."""
+    vision = preset.task == "image_classification"
+    flag, value = ("--seq", args.seq) if vision else ("--image-size", args.image_size)
+    if value is None:
+        return
+    kind, other = ("a vision model", "--image-size") if vision else ("a text model", "--seq")
+    raise OomkitError(
+        f"{flag} does not apply to {preset.name}: {preset.title} is {kind}, so {flag} {value} "
+        f"would change nothing. Use {other} instead, or drop {flag}."
+    )
+
+
+# A library message names the Python API (StepOptions(seq_len=...)); the CLI names its flags.
+_CLI_FLAGS = {"seq_len": "--seq", "image_size": "--image-size", "new_tokens": "--new-tokens",
+              "batch_size": "--batch"}
+_STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
+
+
+def cli_wording(message: str) -> str:
+    """``message`` with each ``StepOptions(field=value)`` written as the flag that sets it
+    (``StepOptions(seq_len=...)`` -> ``--seq N``)."""
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        if name not in _CLI_FLAGS:
+            return match.group(0)
+        return f"{_CLI_FLAGS[name]} {'N' if value == '...' else value}"
+
+    return _STEP_OPTIONS_RE.sub(flag, message)
+
+
 def _call_builder(builder: Any, name: str, options: Any) -> Any:
     try:
         return builder(name, options)
-    except OomkitError:
-        raise
+    except OomkitError as exc:
+        # Presets and Hugging Face models word their option errors for the Python API.
+        worded = cli_wording(str(exc))
+        if worded == str(exc):
+            raise  # kept as it is (TorchRequiredError must still exit 3)
+        raise OomkitError(worded) from exc
     except ValueError as exc:
         # UnknownPresetError and option checks are ValueErrors with a message that says what to do.
-        raise OomkitError(str(exc)) from exc
+        raise OomkitError(cli_wording(str(exc))) from exc
 
 
 def user_output_to_stderr() -> contextlib.AbstractContextManager[Any]:

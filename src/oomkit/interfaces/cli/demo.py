@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from oomkit.interfaces.cli._common import (
     add_capacity_flag,
@@ -12,7 +13,10 @@ from oomkit.interfaces.cli._common import (
     stdout_console,
 )
 
-__all__ = ["add_parser", "run", "DEMO_SETTINGS"]
+if TYPE_CHECKING:
+    from oomkit.core.replay import ReplayResult
+
+__all__ = ["add_parser", "run", "demo_verdict", "DEMO_SETTINGS"]
 
 # The two settings the demo compares: PyTorch's default and the setting its own OOM message
 # suggests against fragmentation (CUDACachingAllocator.cpp OOM message, ref §12).
@@ -60,19 +64,43 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console = stdout_console()
     (_, base), (_, expandable) = results
-    saving = base.peak_reserved_bytes - expandable.peak_reserved_bytes
     console.print(
         f"Built-in workload: {workload.layers}-layer transformer, hidden {workload.hidden}, "
         f"batch {workload.batch}, {workload.steps} steps with sequence lengths "
         f"{workload.min_seq}-{workload.max_seq}; device {format_bytes(capacity)}."
     )
     console.print(comparison_table(results, title="Default vs expandable_segments:True"))
-    if saving > 0:
-        console.print(
-            f"expandable_segments:True reserves {format_bytes(saving)} less at peak "
-            f"({100 * saving / base.peak_reserved_bytes:.1f}%): "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-        )
-    else:
-        console.print("expandable_segments:True does not lower peak reserved memory here.")
+    console.print(demo_verdict(base, expandable))
     return 0
+
+
+def demo_verdict(base: ReplayResult, expandable: ReplayResult) -> str:
+    """One line on what ``expandable_segments:True`` changed: an OOM avoided (or not) first,
+    then the peak reserved memory it saves (or costs)."""
+    from oomkit.units import format_bytes
+
+    setting = "expandable_segments:True"
+    if base.oom and expandable.oom:
+        return (
+            f"Both settings run out of memory on this device: {setting} does not rescue it. "
+            "Give a larger --capacity, or fewer --steps."
+        )
+    if base.oom:
+        return (
+            f"The default settings run out of memory on this device and {setting} does not "
+            f"(peak reserved {format_bytes(expandable.peak_reserved_bytes)}): "
+            f"PYTORCH_CUDA_ALLOC_CONF={setting}"
+        )
+    if expandable.oom:
+        return (
+            f"{setting} runs out of memory on this device and the default settings do not "
+            f"(peak reserved {format_bytes(base.peak_reserved_bytes)}): keep the default."
+        )
+    saving = base.peak_reserved_bytes - expandable.peak_reserved_bytes
+    if saving > 0:
+        return (
+            f"{setting} reserves {format_bytes(saving)} less at peak "
+            f"({100 * saving / base.peak_reserved_bytes:.1f}%): "
+            f"PYTORCH_CUDA_ALLOC_CONF={setting}"
+        )
+    return f"{setting} does not lower peak reserved memory here."

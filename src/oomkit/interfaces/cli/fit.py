@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
 from oomkit.interfaces.cli._common import (
@@ -25,11 +23,13 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._workload import (
     Workload,
     add_gpu_flags,
     add_workload_flags,
     build_workload,
+    catalog_epilog,
     positive_int,
     user_errors,
     user_output_to_stderr,
@@ -55,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "too), and --seq is taken as the longest sequence the run will see. With --batch N "
         "--smallest-gpu, name the smallest catalog GPU that batch fits on instead. Exit code 0 "
         "when found, 1 when not even batch 1 fits (or no GPU does).",
+        epilog=catalog_epilog(),
     )
     add_workload_flags(parser, modes=("train", "inference"))
     add_gpu_flags(parser)
@@ -97,12 +98,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
-
-
-def progress_enabled(args: argparse.Namespace, stream: IO[str]) -> bool:
-    """Whether to draw the progress bar: not with --json, and only on a terminal."""
-    isatty = getattr(stream, "isatty", None)
-    return not args.json and isatty is not None and bool(isatty())
 
 
 class _Builders:
@@ -149,29 +144,12 @@ def _check_takes_batch(target: str | None, workload: Workload) -> None:
         )
 
 
-@contextmanager
-def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=stderr_console(), transient=True) as bar:
-        task = bar.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
 def _validate(args: argparse.Namespace) -> Target:
     """Cheap checks before any model is built; returns the target searched for."""
-    from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
     from oomkit.interfaces.cli._user_function import is_user_target
 
-    target = target_from_args(args)
+    target = target_from_args(args, default_torch_version=installed_torch_version())
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
             "--smallest-gpu checks one batch size: give it with --batch N, e.g. "
@@ -191,7 +169,10 @@ def _validate(args: argparse.Namespace) -> Target:
 
 
 def run(args: argparse.Namespace) -> int:
+    from oomkit.interfaces.cli._torch import require_torch
+
     target = _validate(args)
+    require_torch("oomkit fit", extra="torch" if args.hf is None else "hf")
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
     with user_errors(lambda: (builders.target, builders.raised)):
@@ -212,7 +193,7 @@ def _run_search(
         stderr_console().print(f"searching the largest batch of {what} that fits on {gpu.name} ...")
     try:
         with (
-            _progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress,
+            progress_bar(progress_enabled(args, sys.stderr), "tracing batch sizes") as progress,
             user_output_to_stderr(),
         ):
             result = max_batch_size(
@@ -252,9 +233,23 @@ def _run_smallest(
         stderr_console().print(
             f"checking batch {args.batch} of {args.hf or args.target} on {len(candidates)} GPUs ..."
         )
-    with user_output_to_stderr():
+    # The step is traced once per compute capability (kernels differ by architecture).
+    traces = len({g.kernel_compute_capability for g in candidates})
+    with (
+        progress_bar(progress_enabled(args, sys.stderr), "tracing per compute capability") as bar,
+        user_output_to_stderr(),
+    ):
+        built = 0
+
+        def train(batch_size: int) -> Workload:
+            nonlocal built
+            built += 1
+            if bar is not None:
+                bar(built, max(built, traces))
+            return builders.train(batch_size)
+
         result = smallest_gpu(
-            builders.train,
+            train,
             args.batch,
             candidates=candidates,
             target=target,

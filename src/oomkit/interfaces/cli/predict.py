@@ -7,6 +7,7 @@ Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds th
 from __future__ import annotations
 
 import argparse
+import sys
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
@@ -17,6 +18,7 @@ from oomkit.interfaces.cli._common import (
     stdout_console,
 )
 from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
+from oomkit.interfaces.cli._progress import progress_enabled, step_progress
 from oomkit.interfaces.cli._workload import (
     MODES,
     OPTIMIZERS,
@@ -24,6 +26,7 @@ from oomkit.interfaces.cli._workload import (
     add_gpu_flags,
     add_workload_flags,
     build_workload,
+    catalog_epilog,
     positive_int,
     user_errors,
     user_output_to_stderr,
@@ -39,13 +42,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Record one training or inference step on the meta device (no GPU, no "
         "weights) and replay it through the simulated CUDA caching allocator of a GPU. TARGET "
         "is a built-in preset (gpt2-124m, llama-8b, bert-base, vit-b16, resnet50, ...) or "
-        "path/to/file.py:function (see the README for that function's contract). Exit code 0 "
-        "when it fits, 1 when it would OOM or exceed --budget.",
+        "path/to/file.py:function (see the README for that function's contract). Without "
+        "flags a preset runs one training step (AdamW) at its defaults: batch 8 (4 for Llama), "
+        "bf16-mixed for GPT-2 and Llama (fp32 for the others), on an H100. Exit code 0 "
+        "when it fits, 1 when it would OOM or exceed --budget, 2 bad input, 3 torch missing.",
+        epilog=catalog_epilog(),
     )
     add_workload_flags(parser)
-    parser.add_argument("--batch", type=positive_int, metavar="N", help="batch size")
     parser.add_argument(
-        "--new-tokens", type=positive_int, metavar="N", help="tokens generated (--mode generate)"
+        "--batch",
+        type=positive_int,
+        metavar="N",
+        help="batch size (default: 8 for a preset or --hf, 4 for the Llama presets)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        metavar="N",
+        help="tokens generated (--mode generate; default 128)",
     )
     parser.add_argument(
         "--steps",
@@ -64,25 +78,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
+    from oomkit.interfaces.cli._torch import require_torch
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
-    from oomkit.prediction.predictor import predict
 
     # Cheap checks first, so a typo fails before any model is built.
-    target = target_from_args(args)
+    target = target_from_args(args, default_torch_version=installed_torch_version())
+    if args.hf is not None:
+        require_torch("oomkit predict --hf", extra="hf")
+    else:
+        require_torch("oomkit predict")
     if args.lengths is not None:
         return run_envelope(args, target)
     if args.html is not None or args.seed is not None or args.pad_to != 1:
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
     if args.steps is None:
         args.steps = 3
+    from oomkit.prediction.predictor import predict
+
     with user_output_to_stderr():
         workload = build_workload(args, args.batch, "predict")
     if not args.json:
         stderr_console().print(f"recording {workload.description} on the meta device ...")
-    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
+    # A generate step runs one forward of the model per new token: the bar counts them.
+    spec = workload.spec
+    generating = spec is not None and spec.mode == "generate" and bool(workload.track)
+    tokens = spec.new_tokens if generating and spec is not None else None
+    model = workload.track[0] if generating else None
+    with (
+        step_progress(progress_enabled(args, sys.stderr), args.steps, tokens) as progress,
+        progress.count_forwards(model),
+        user_errors(lambda: (args.target, workload.raised)),
+        user_output_to_stderr(),
+    ):
         prediction = predict(
-            workload.step_fn,
+            progress.wrap(workload.step_fn),
             target=target,
             steps=args.steps,
             budget_bytes=args.budget,

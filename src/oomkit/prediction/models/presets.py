@@ -20,7 +20,7 @@ from oomkit.prediction.models.llama import (
     llama_buffer_count,
     llama_parameter_count,
 )
-from oomkit.prediction.models.options import BuiltStep, StepOptions
+from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.resnet import (
     ResNet,
     ResNetShape,
@@ -62,6 +62,12 @@ class ModelPreset:
         shape: the family's shape record (``GPT2Shape``, ``LlamaShape``, ...).
         default_seq_len: tokens per sequence when ``StepOptions.seq_len`` is ``None`` (text).
         source: where the shape comes from.
+        default_precision: the precision ``oomkit predict``/``fit`` use without
+            ``--precision``: ``bf16-mixed`` for the decoder LLMs (GPT-2, Llama), as they are
+            trained today, ``fp32`` for the others. ``StepOptions`` itself defaults to fp32.
+        default_batch_size: the batch ``oomkit predict`` uses without ``--batch``: 4 for Llama
+            (batch 8 of Llama 3.2 1B at seq 2048 leaves under 1 GiB on an H100), else
+            ``StepOptions``' 8.
     """
 
     name: str
@@ -69,6 +75,8 @@ class ModelPreset:
     shape: Any
     default_seq_len: int | None
     source: str
+    default_precision: Precision = "fp32"
+    default_batch_size: int = 8
 
     @property
     def task(self) -> Task:
@@ -90,7 +98,14 @@ class ModelPreset:
 
 def _gpt2(name: str, title: str, hf_name: str, hidden: int, layers: int, heads: int) -> ModelPreset:
     shape = GPT2Shape(hidden=hidden, layers=layers, heads=heads)
-    return ModelPreset(name, title, shape, 1024, f"{hf_name} config.json on the Hugging Face hub")
+    return ModelPreset(
+        name,
+        title,
+        shape,
+        1024,
+        f"{hf_name} config.json on the Hugging Face hub",
+        default_precision="bf16-mixed",
+    )
 
 
 # Llama shapes from the published config.json files on the Hugging Face hub. Llama 3.x also has
@@ -100,7 +115,15 @@ _LLAMA3 = {"vocab": 128256, "positions": 131072, "rope_theta": 500000.0, "rms_ep
 
 def _llama(name: str, title: str, hf_name: str, **sizes: Any) -> ModelPreset:
     shape = LlamaShape(**sizes)
-    return ModelPreset(name, title, shape, 2048, f"{hf_name} config.json on the Hugging Face hub")
+    return ModelPreset(
+        name,
+        title,
+        shape,
+        2048,
+        f"{hf_name} config.json on the Hugging Face hub",
+        default_precision="bf16-mixed",
+        default_batch_size=4,
+    )
 
 
 _ALL: tuple[ModelPreset, ...] = (
