@@ -35,6 +35,12 @@ from oomkit.prediction.tracing.emulations.cudnn_builds import (
 )
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
+from oomkit.prediction.tracing.emulations.inplace_backward import (
+    INPLACE_BRANCHES,
+    NOT_EMULATED_BRANCHES,
+    InPlaceBranch,
+    register_inplace_backward,
+)
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
     SdpaCall,
@@ -53,7 +59,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CUBLAS_OPS",
     "DEFAULT_WHEEL_CUDNN",
+    "INPLACE_BRANCHES",
+    "NOT_EMULATED_BRANCHES",
     "CudnnBuild",
+    "InPlaceBranch",
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
@@ -70,6 +79,7 @@ __all__ = [
     "register_defaults",
     "register_dropout",
     "register_embedding",
+    "register_inplace_backward",
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
@@ -102,6 +112,7 @@ def register_defaults(
     register_embedding(registry)
     register_batch_norm(registry)
     register_dropout(registry)
+    register_inplace_backward(registry)
 
 
 @functools.lru_cache(maxsize=16)
