@@ -33,6 +33,11 @@ from oomkit.prediction.tracing.emulations.cudnn_builds import (
     cudnn_version_text,
     installed_cudnn_build,
 )
+from oomkit.prediction.tracing.emulations.cudnn_workspace import (
+    conv_runs_cudnn,
+    conv_workspace_cap_bytes,
+    register_cudnn_workspace,
+)
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
 from oomkit.prediction.tracing.emulations.inplace_backward import (
@@ -69,6 +74,8 @@ __all__ = [
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
+    "conv_runs_cudnn",
+    "conv_workspace_cap_bytes",
     "cudnn_build_for",
     "cudnn_version_decides",
     "cudnn_version_text",
@@ -76,6 +83,7 @@ __all__ = [
     "installed_cudnn_build",
     "register_batch_norm",
     "register_cublas",
+    "register_cudnn_workspace",
     "register_defaults",
     "register_dropout",
     "register_embedding",
@@ -103,7 +111,8 @@ def register_defaults(
         registry: where to register (must not already hold these ops).
         sdpa: switches for the SDPA backend choice; default: those in effect at each call
             (``use_sdpa_settings``, else ``default_sdpa_settings()``).
-        environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
+        environ: environment the cuBLAS and cuDNN workspace hooks read
+            (``CUBLAS_WORKSPACE_CONFIG``, ``CUDNN_CONV_WSCAP_DBG``, ...); default ``os.environ``.
         cudnn_version: the target's cuDNN version (``Target.cudnn_version``), replacing the
             one of the SDPA switches; ``None`` keeps theirs.
     """
@@ -113,6 +122,7 @@ def register_defaults(
     register_batch_norm(registry)
     register_dropout(registry)
     register_inplace_backward(registry)
+    register_cudnn_workspace(registry, environ)
 
 
 @functools.lru_cache(maxsize=16)

@@ -38,7 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
+    from oomkit.prediction.tracing.emulation import (
+        EmulationContext,
+        EmulationRegistry,
+        OpEmulation,
+    )
 
 __all__ = [
     "INPLACE_BRANCHES",
@@ -216,9 +220,7 @@ def register_inplace_backward(registry: EmulationRegistry) -> None:
         registry.register(op)(_make_hook(by_op.get(op, {}), warned_by_op.get(op, {})))
 
 
-def _make_hook(
-    branches: dict[str, InPlaceBranch], warned: dict[str, str]
-) -> Callable[[EmulationContext], Any]:
+def _make_hook(branches: dict[str, InPlaceBranch], warned: dict[str, str]) -> OpEmulation:
     def hook(ctx: EmulationContext) -> Any:
         node = _current_node()
         if node is None:
