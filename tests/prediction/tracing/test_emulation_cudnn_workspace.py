@@ -77,6 +77,7 @@ def test_conv_net_records_one_capped_workspace_per_cudnn_call():
     assert recording.assumptions["cuDNN convolution workspace"] == (
         "heuristic mode; at most 64 MiB per call (CUDNN_CONV_WSCAP_DBG), recorded"
     )
+    assert recording.kernel_choices == {"cuDNN convolution": 5}
     assert recording.warnings == ()
 
 
@@ -136,6 +137,7 @@ def test_depthwise_fp32_runs_pytorchs_own_kernel_without_workspace():
     x = torch.randn(2, 8, 16, 16, device="meta")
     recording = trace_step(_train_step, conv, x, emulations=_registry({"CUDNN_CONV_WSCAP_DBG": "64"}))
     assert recording.allocated_bytes("workspace") == 0
+    assert recording.kernel_choices == {"CUDA depthwise convolution": 2}
     assert recording.warnings == ()
 
 

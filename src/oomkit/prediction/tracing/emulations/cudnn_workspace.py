@@ -186,12 +186,16 @@ def _note_not_cudnn(ctx: EmulationContext) -> None:
     # Depthwise convs on PyTorch's own kernels need nothing extra; with cuDNN disabled, CUDA's
     # slow_conv2d / slow_conv_dilated2d allocate im2col columns oomkit does not model.
     if not torch.backends.cudnn.enabled:
+        ctx.note_choice("non-cuDNN convolution")
         ctx.not_emulated(_SLOW_WHAT)
+    else:
+        ctx.note_choice("CUDA depthwise convolution")
 
 
 def _transient_workspace(ctx: EmulationContext, cap: int | None) -> None:
     # Conv_v8.cpp run_conv_plan: allocate(workspace_size) before cudnnBackendExecute, freed when
     # the DataPtr goes out of scope at return. allocate(0) makes no block.
+    ctx.note_choice("cuDNN convolution")
     if cap is not None and cap > 0:
         ctx.free(ctx.allocate(cap, "workspace", "cudnn_conv_workspace"))
 
@@ -258,6 +262,7 @@ def _rnn(ctx: EmulationContext) -> Any:
         and input.device.type == "meta"
         and torch.backends.cudnn.enabled
     ):
+        ctx.note_choice("cuDNN RNN")
         ctx.not_emulated(_RNN_WHAT)
         ctx.note_assumption(
             "cuDNN RNN",
