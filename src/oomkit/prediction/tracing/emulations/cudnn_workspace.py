@@ -1,11 +1,12 @@
 """cuDNN convolution and RNN workspaces: what PyTorch lets cuDNN take, and where oomkit cannot know.
 
-**Convolutions** (aten/src/ATen/native/cudnn/Conv_v8.cpp, pytorch/pytorch 06ca69c; torch 2.13
-runs the same v8-API code). Every cuDNN convolution call (``run_single_conv``: one per forward,
-one each for the input and the weight gradient in backward) executes an engine plan. Before it
-runs, the call takes ``plan.getWorkspaceSize()`` bytes from the caching allocator
-(``run_conv_plan``: ``CUDACachingAllocator::get()->allocate(workspace_size)``) and frees them on
-return. Which plan runs:
+**Convolutions** (aten/src/ATen/native/cudnn/Conv_v8.cpp, read at pytorch/pytorch 06ca69c; that
+the 2.13 revision keeps this structure is assumed, not checked on a GPU). Every cuDNN convolution
+call (``run_single_conv``: one per forward, one each for the input and the weight gradient in
+backward) executes an engine plan. Before it runs, the call takes ``plan.getWorkspaceSize()``
+bytes from the caching allocator (``run_conv_plan``:
+``CUDACachingAllocator::get()->allocate(workspace_size)``) and frees them on return. Which plan
+runs:
 
 - ``torch.backends.cudnn.benchmark = False`` (PyTorch's default, "heuristic mode"):
   ``get_configs_from_heuristics`` lists cuDNN's heuristic engine configs, and ``try_configs``

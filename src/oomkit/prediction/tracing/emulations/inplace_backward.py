@@ -8,9 +8,9 @@ other branch, which writes into a temporary the formula has just made instead of
 output. Each hook below runs inside the named autograd node (``torch._C._current_autograd_node``)
 and does what the CUDA branch does: the in-place op on its first argument, returned as the result,
 so no new buffer is recorded. The full audit (every branch, whether it differs, what is emulated)
-is docs/META_VS_CUDA.md; sources are torch/csrc/autograd/FunctionsManual.cpp and
-aten/src/ATen/native/TensorAdvancedIndexing.cpp (pytorch/pytorch 002ca67, the same code as torch
-2.13's) and the node's formula in tools/autograd/derivatives.yaml (torch 2.13's packaged copy,
+is docs/META_VS_CUDA.md. Sources: torch/csrc/autograd/FunctionsManual.cpp and
+aten/src/ATen/native/TensorAdvancedIndexing.cpp (read at pytorch/pytorch 002ca67, functions named),
+and the node's formula in tools/autograd/derivatives.yaml (torch 2.13's packaged copy,
 torchgen/packaged/autograd/derivatives.yaml, line given per branch).
 
 A hook applies only when
