@@ -249,48 +249,94 @@ def test_prod_backward_warns_that_its_branch_depends_on_the_data():
     assert any("prod backward" in w for w in recording.warnings)
 
 
-def test_inplace_branch_gives_correct_gradients_on_real_tensors():
-    """On CPU tensors under the engine (SimulatedCudaDevice's path) the in-place branch computes
-    the same gradient as plain autograd."""
+class _PhaseSink:
+    """An allocation sink that, like SimulatedCudaDevice's, says "backward" on autograd's thread."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.ops: list[str | None] = []
+
+    def allocate(self, size_bytes, op, *, first_seen):
+        from oomkit.prediction.tracing.storages import Allocation
+
+        self.next_id += 1
+        self.ops.append(op)
+        return Allocation(self.next_id, size_bytes, self.phase(), None, op, ())
+
+    def free(self, alloc):
+        pass
+
+    def storage_released(self, alloc):
+        pass
+
+    def refused(self, error):
+        return error
+
+    def op_failed(self, op, error):
+        pass
+
+    def phase(self):
+        return "backward" if torch._C._current_graph_task_id() != -1 else "user"
+
+
+def _grads_with_engine(loss_fn, *tensors):
     from oomkit.core.gpus import get_gpu
     from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
-    from oomkit.prediction.tracing.storages import Allocation
 
-    class Sink:
-        def __init__(self) -> None:
-            self.next_id = 0
-
-        def allocate(self, size_bytes, op, *, first_seen):
-            self.next_id += 1
-            return Allocation(self.next_id, size_bytes, "backward", None, op, ())
-
-        def free(self, alloc):
-            pass
-
-        def storage_released(self, alloc):
-            pass
-
-        def refused(self, error):
-            return error
-
-        def op_failed(self, op, error):
-            pass
-
-        def phase(self):
-            return "backward"
-
-    x = torch.randn(3, 5, requires_grad=True)
-    idx = torch.tensor([[4], [0], [4]])
+    sink = _PhaseSink()
     engine = CudaEmulationEngine(
-        Sink(), gpu=get_gpu("h100-sxm"), device_type="cpu", emulations=DEFAULT_EMULATIONS,
+        sink,
+        gpu=get_gpu("h100-sxm"),
+        device_type="cpu",
+        emulations=DEFAULT_EMULATIONS,
         divergent_ops={},
     )
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     with engine.intercept():
-        (x.gather(1, idx) * torch.tensor([[1.0], [2.0], [3.0]])).sum().backward()
-    expected = torch.zeros(3, 5)
-    expected[0, 4], expected[1, 0], expected[2, 4] = 1.0, 2.0, 3.0
-    assert torch.equal(x.grad, expected)
+        loss_fn(*leaves).backward()
+    return [t.grad for t in leaves if t.requires_grad], sink.ops
+
+
+_IDX = torch.tensor([4, 0, 4])
+_GEN = torch.Generator().manual_seed(1)
+_TARGET, _WEIGHT = torch.rand(5, 5, generator=_GEN), torch.rand(5, generator=_GEN)
+_POS_WEIGHT = torch.full((5, 5), 2.0)  # full shape: only its phase keeps it from being written
+# name -> (loss, the out-of-place op the in-place branch replaces)
+_REAL_CASES = {
+    "gather": (
+        lambda x: (x.gather(1, torch.tensor([[4], [0], [4], [1], [2]])) * 2.0).sum(),
+        "aten.scatter_add.default",
+    ),
+    "index": (lambda x: (x[_IDX] * torch.arange(5.0)).sum(), "aten.index_put.default"),
+    "index_select": (lambda x: (x.index_select(0, _IDX) ** 2).sum(), "aten.index_add.default"),
+    "take": (lambda x: (x.take(_IDX) * 3.0).sum(), "aten.put.default"),
+    "clamp": (
+        lambda x: x.clamp(torch.full_like(x, -0.5), torch.full_like(x, 0.5)).sum(),
+        "aten.logical_and.default",
+    ),
+    "max": (lambda x: x.max() * 2.0, "aten.logical_and.default"),
+    "bce_logits_pos_weight": (
+        lambda x: F.binary_cross_entropy_with_logits(
+            x, _TARGET, weight=_WEIGHT, pos_weight=_POS_WEIGHT
+        ),
+        "aten.sub.Tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REAL_CASES))
+def test_inplace_branch_gives_correct_gradients_on_real_tensors(name):
+    """On CPU tensors under the engine (SimulatedCudaDevice's path) CUDA's in-place branch
+    computes the same gradient as plain autograd (a pos_weight made before backward is never
+    written)."""
+    loss_fn, replaced_op = _REAL_CASES[name]
+    x = torch.randn(5, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    (expected,) = torch.autograd.grad(loss_fn(x), x)
+    (got,), ops = _grads_with_engine(loss_fn, x)
+    torch.testing.assert_close(got, expected)
+    assert replaced_op not in ops
+    assert torch.equal(_POS_WEIGHT, torch.full((5, 5), 2.0))
 
 
 def test_every_branch_names_its_source():
