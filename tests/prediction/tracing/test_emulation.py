@@ -9,8 +9,12 @@ from oomkit.prediction.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tra
 
 
 def test_default_registry_holds_the_builtin_emulations():
-    """SDPA (forward, 2 backwards, 2 cuDNN), 10 cuBLAS ops, embedding, 2 batch norm, dropout."""
-    assert len(DEFAULT_EMULATIONS) == 19
+    """SDPA (forward, 2 backwards, 2 cuDNN), 10 cuBLAS ops, embedding, 2 batch norm, dropout,
+    12 ops of backward formulas' in-place branches, 2 convolution ops and 4 RNN functions."""
+    assert len(DEFAULT_EMULATIONS) == 37
+    assert "aten.convolution_backward.default" in DEFAULT_EMULATIONS
+    assert "torch._VF.lstm" in DEFAULT_EMULATIONS
+    assert "aten.scatter_add.default" in DEFAULT_EMULATIONS
     assert "aten.native_batch_norm.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.dropout" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.scaled_dot_product_attention" in DEFAULT_EMULATIONS

@@ -94,6 +94,17 @@ class EmulationContext:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
         self._engine.free_synthetic(alloc_id)
 
+    def allocation_phase(self, tensor: Any) -> Phase | None:
+        """The phase in which ``tensor``'s storage was allocated; None when it is not accounted
+        (another device, no storage, not seen yet)."""
+        from oomkit.prediction.tracing.storages import tensor_storage
+
+        storage = tensor_storage(tensor, self._engine.device_type)
+        if storage is None:
+            return None
+        alloc = self._engine.table.lookup(storage)
+        return None if alloc is None else alloc.phase
+
     def note_choice(self, choice: str) -> None:
         """Count a kernel choice the emulation made (``"SDPA flash_attention"``): the recording
         lists them so a report can say what it assumed."""

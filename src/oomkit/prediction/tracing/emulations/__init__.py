@@ -33,8 +33,19 @@ from oomkit.prediction.tracing.emulations.cudnn_builds import (
     cudnn_version_text,
     installed_cudnn_build,
 )
+from oomkit.prediction.tracing.emulations.cudnn_workspace import (
+    conv_runs_cudnn,
+    conv_workspace_cap_bytes,
+    register_cudnn_workspace,
+)
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
+from oomkit.prediction.tracing.emulations.inplace_backward import (
+    INPLACE_BRANCHES,
+    NOT_EMULATED_BRANCHES,
+    InPlaceBranch,
+    register_inplace_backward,
+)
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
     SdpaCall,
@@ -53,13 +64,18 @@ if TYPE_CHECKING:
 __all__ = [
     "CUBLAS_OPS",
     "DEFAULT_WHEEL_CUDNN",
+    "INPLACE_BRANCHES",
+    "NOT_EMULATED_BRANCHES",
     "CudnnBuild",
+    "InPlaceBranch",
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
+    "conv_runs_cudnn",
+    "conv_workspace_cap_bytes",
     "cudnn_build_for",
     "cudnn_version_decides",
     "cudnn_version_text",
@@ -67,9 +83,11 @@ __all__ = [
     "installed_cudnn_build",
     "register_batch_norm",
     "register_cublas",
+    "register_cudnn_workspace",
     "register_defaults",
     "register_dropout",
     "register_embedding",
+    "register_inplace_backward",
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
@@ -93,7 +111,8 @@ def register_defaults(
         registry: where to register (must not already hold these ops).
         sdpa: switches for the SDPA backend choice; default: those in effect at each call
             (``use_sdpa_settings``, else ``default_sdpa_settings()``).
-        environ: environment the cuBLAS hooks read; default ``os.environ`` at first use.
+        environ: environment the cuBLAS and cuDNN workspace hooks read
+            (``CUBLAS_WORKSPACE_CONFIG``, ``CUDNN_CONV_WSCAP_DBG``, ...); default ``os.environ``.
         cudnn_version: the target's cuDNN version (``Target.cudnn_version``), replacing the
             one of the SDPA switches; ``None`` keeps theirs.
     """
@@ -102,6 +121,8 @@ def register_defaults(
     register_embedding(registry)
     register_batch_norm(registry)
     register_dropout(registry)
+    register_inplace_backward(registry)
+    register_cudnn_workspace(registry, environ)
 
 
 @functools.lru_cache(maxsize=16)
