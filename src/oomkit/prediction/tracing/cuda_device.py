@@ -184,13 +184,17 @@ class _CudaOnMeta(TorchFunctionMode):
             return result
         elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory) and on_meta:
             return self_tensor
+        if func in _FROM_PYTHON and args and isinstance(args[0], (int, float, bool)):
+            if kwargs.get("device") == _META:
+                # As on CUDA: made on the CPU, then copied to the device (a copy the recorder
+                # sees allocate, where a meta factory from Python data does not pass its hooks).
+                value = func(*args, **{**kwargs, "device": "cpu"})
+                result = value.to(_META)
+                self._remember(result, value)
+                return result
         result = func(*args, **kwargs)
         if isinstance(result, torch.Tensor) and result.device.type == "meta":
-            if func in _FROM_PYTHON and args and isinstance(args[0], (int, float, bool)):
-                # Made on the CPU explicitly: the step runs under torch.device("meta").
-                cpu_kwargs = {**kwargs, "device": "cpu"}
-                self._remember(result, func(args[0], **cpu_kwargs))
-            elif result.numel() <= _MAX_KNOWN_NUMEL:
+            if result.numel() <= _MAX_KNOWN_NUMEL:
                 self._remember(result, self._known_result(func, args, kwargs))
             if func in (torch.isnan, torch.isinf, torch.Tensor.isnan, torch.Tensor.isinf):
                 if result.numel() == 1 and id(result) not in self._known:

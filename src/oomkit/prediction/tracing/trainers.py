@@ -22,9 +22,8 @@ over; each call starts a new pass over the data):
   once and its answer is reused, as one fit uses one optimizer. Strategy teardown's moves to the
   CPU leave the meta tensors in place.
 - Hugging Face: ``Trainer.train()`` again with a callback that stops it after one optimizer step
-  (the Trainer keeps ``self.optimizer`` between calls); the model's ``forward``, which
-  accelerate wraps in autocast on each ``train()``, is restored after each call, so it is
-  wrapped once, as in one run.
+  (the Trainer keeps ``self.optimizer`` between calls; accelerate marks the model prepared and
+  wraps its ``forward`` in autocast once, as in one run).
 
 What does not run, while oomkit runs the trainer (restored after each call):
 - no files are written: Lightning's loggers and checkpoint callbacks are detached, and the
@@ -38,10 +37,9 @@ DeepSpeed or FSDP in a Hugging Face Trainer (``TrainerRefusedError``, saying wha
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,11 +232,10 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
             control.should_evaluate = False
 
     def step() -> None:
-        model = trainer.model
         callback = _OneStep()
         trainer.add_callback(callback)
         try:
-            with _forward_restored(model), as_one_cuda_gpu():
+            with as_one_cuda_gpu():
                 trainer.train()
         finally:
             trainer.remove_callback(callback)
@@ -249,22 +246,3 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         + (f", clip {args.max_grad_norm}" if args.max_grad_norm else "")
     )
     return TrainerStep(step, (trainer.model,), "transformers", summary)
-
-
-@contextlib.contextmanager
-def _forward_restored(model: Any) -> Iterator[None]:
-    """``model.forward`` and ``_original_forward`` as they were before the block.
-
-    accelerate's ``prepare_model`` (accelerator.py) wraps ``model.forward`` in autocast and an
-    fp32 conversion of its outputs on every ``Trainer.train()``; a run prepares it once.
-    """
-    names = ("forward", "_original_forward")
-    saved = {name: vars(model)[name] for name in names if name in vars(model)}
-    try:
-        yield
-    finally:
-        for name in names:
-            if name in saved:
-                setattr(model, name, saved[name])
-            elif name in vars(model):
-                delattr(model, name)
