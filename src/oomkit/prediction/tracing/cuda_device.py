@@ -173,10 +173,10 @@ class _CudaOnMeta(TorchFunctionMode):
         if func is torch.Tensor.to:
             args = tuple(_META if _is_cuda(a) else a for a in args)
             if on_meta:
-                # A meta tensor sent to the CPU stays: only the device argument is dropped.
-                args = tuple(a for a in args if not _is_cpu(a))
+                # A meta tensor sent to the CPU stays: the CPU is read as its own device.
+                args = tuple(_META if _is_cpu(a) else a for a in args)
                 if _is_cpu(kwargs.get("device")):
-                    del kwargs["device"]
+                    kwargs["device"] = _META
         elif func is torch.Tensor.cuda:
             assert self_tensor is not None
             result = self_tensor.to(_META, non_blocking=bool(kwargs.get("non_blocking", False)))

@@ -1,0 +1,95 @@
+"""Lightning's Trainer.fit and transformers' Trainer run as a step: same bytes as a plain loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomkit.interfaces.cli._user_function import load_user_step
+from oomkit.prediction.predictor import predict
+from oomkit.prediction.tracing.trainers import TrainerRefusedError
+
+BUILDERS = Path(__file__).parent / "trainer_builders" / "builders.py"
+BATCH, SEQ = 8, 128
+# One small block: what a scalar the trainer keeps on the device takes (CUDACachingAllocator.cpp
+# round_size: kMinBlockSize = 512).
+SCALAR_BYTES = 512
+
+
+def _peaks(function: str) -> tuple[int, int, list[int]]:
+    user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
+    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    steps = [s.peak_allocated_bytes for s in prediction.step_peaks]
+    return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes, steps
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[int, int, list[int]]:
+    return _peaks("plain")
+
+
+def test_lightning_fit_matches_the_plain_loop_plus_its_logged_results(plain):
+    """Trainer.fit (bf16-mixed, clipping, self.log) = the plain loop + Lightning's result scalars."""
+    pytest.importorskip("lightning")
+    allocated, reserved, steps = _peaks("lightning_fit")
+    unlogged, unlogged_reserved, _ = _peaks("lightning_fit_unlogged")
+    # Without self.log, Trainer.fit adds two scalars to the plain loop at its peak: the loss
+    # divided by accumulate_grad_batches and its detached clone
+    # (loops/optimization/automatic.py ClosureResult.from_training_step_output).
+    assert unlogged - plain[0] == 2 * SCALAR_BYTES
+    assert unlogged_reserved == plain[1]
+    # self.log("train_loss", ...) keeps the _ResultCollection's one-element tensors on the
+    # device (logger_connector/result.py ResultMetric: value and cumulated_batch_size, their
+    # reset defaults, the forward cache), each in its own small block.
+    assert allocated - unlogged == 4 * SCALAR_BYTES
+    assert reserved == plain[1]
+    # Steps after the first carry the optimizer state: the run continues, it does not restart.
+    assert steps[1] == steps[2] > steps[0]
+    assert abs(allocated - plain[0]) / plain[0] < 0.05
+
+
+def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain):
+    """transformers' Trainer(bf16=True) = the plain loop + accelerate's fp32 outputs + a scalar."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    allocated, reserved, steps = _peaks("hf_trainer")
+    converted, converted_reserved, _ = _peaks("plain_fp32_outputs")
+    # accelerate converts the bf16 logits to fp32 after the autocast forward: a copy the plain
+    # loop does not make, alive with the loss's temporaries.
+    assert converted > plain[0]
+    # What is left is the Trainer's running loss total (trainer.py _tr_loss, one fp32 scalar).
+    assert allocated - converted == SCALAR_BYTES
+    assert reserved == converted_reserved
+    assert steps[1] == steps[2] > steps[0]
+    assert abs(allocated - converted) / converted < 0.05
+
+
+def test_hf_trainer_built_with_bf16_constructs_and_picks_cuda():
+    """TrainingArguments(bf16=True) builds (no "doesn't support bf16/gpu") on cuda:0 -> meta."""
+    pytest.importorskip("transformers")
+    user = load_user_step(f"{BUILDERS}:hf_trainer", batch_size=BATCH, seq_len=SEQ)
+    model = user.track[0]
+    assert next(model.parameters()).device.type == "meta"
+    assert "Hugging Face Trainer.train, bf16, accumulate 1, clip 1.0" in user.description
+
+
+def test_lightning_trainer_alone_is_refused_with_what_to_return():
+    """A Lightning Trainer without its module: the message says to return (trainer, module)."""
+    pytest.importorskip("lightning")
+    with pytest.raises(TrainerRefusedError, match=r"return \(trainer, module\) or"):
+        load_user_step(f"{BUILDERS}:lightning_trainer_alone")
+
+
+def test_lightning_ddp_is_refused_naming_the_strategy():
+    """A DDP Lightning trainer is refused: oomkit predicts one GPU."""
+    pytest.importorskip("lightning")
+    with pytest.raises(TrainerRefusedError, match=r"uses DDPStrategy on 1 devices; oomkit predicts"):
+        load_user_step(f"{BUILDERS}:lightning_ddp", batch_size=BATCH, seq_len=SEQ)
+
+
+def test_hf_trainer_on_cpu_is_refused():
+    """TrainingArguments(use_cpu=True) is refused: the step would not run on a GPU."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TrainerRefusedError, match=r"runs on cpu, not on a GPU"):
+        load_user_step(f"{BUILDERS}:hf_trainer_on_cpu", batch_size=BATCH, seq_len=SEQ)
