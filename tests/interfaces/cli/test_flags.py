@@ -29,6 +29,7 @@ EXPECTED = {
         "--smallest-gpu",
         "--steps",
         "--torch-version",
+        "--value",
     ],
     "predict": [
         "--alloc-conf",
@@ -48,6 +49,7 @@ EXPECTED = {
         "--seq",
         "--steps",
         "--torch-version",
+        "--value",
     ],
     "run": ["--json", "--max-entries", "--snapshot-dir"],
     "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],

@@ -35,10 +35,12 @@ __all__ = [
     "add_workload_flags",
     "build_workload",
     "positive_int",
+    "stated_value",
     "step_options",
     "user_code_error",
     "user_errors",
     "user_output_to_stderr",
+    "user_values",
     "user_workload_spec",
 ]
 
@@ -66,6 +68,46 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     parser.add_argument(
         "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
     )
+    parser.add_argument(
+        "--value",
+        type=stated_value,
+        action="append",
+        metavar="FILE:LINE=NUMBER",
+        help="the value a tensor read (.item(), bool(), int()) at FILE:LINE returns while "
+        "tracing, e.g. --value train.py:42=1024 (repeatable)",
+    )
+
+
+def stated_value(text: str) -> tuple[str, float]:
+    """``--value FILE:LINE=NUMBER`` -> ``("FILE:LINE", NUMBER)`` (an int when it is one)."""
+    key, sep, number = text.rpartition("=")
+    path, colon, line = key.rpartition(":")
+    if not sep or not colon or not path or not line.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected FILE:LINE=NUMBER, the line that reads the value and the value; got "
+            f"{text!r}. Example: --value train.py:42=1024"
+        )
+    try:
+        value: float = int(number)
+    except ValueError:
+        try:
+            value = float(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"the value in {text!r} is not a number. Example: --value train.py:42=1024"
+            ) from None
+    return key, value
+
+
+def user_values(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """While open (around building and tracing the step), tensor values are followed and
+    reads answered, stated (``--value``) or given stand-ins (``value_reads.value_tracking``);
+    a no-op where torch is not installed (the step then fails to load first)."""
+    try:
+        from oomkit.prediction.tracing import value_tracking
+    except ImportError:
+        return contextlib.nullcontext()
+    return value_tracking(dict(getattr(args, "value", None) or ()))
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from oomkit.interfaces.cli._workload import (
     positive_int,
     user_errors,
     user_output_to_stderr,
+    user_values,
     user_workload_spec,
 )
 
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     target = _validate(args)
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
-    with user_errors(lambda: (builders.target, builders.raised)):
+    with user_errors(lambda: (builders.target, builders.raised)), user_values(args):
         if args.smallest_gpu:
             return _run_smallest(args, target, builders, eval_step)
         return _run_search(args, target, builders, eval_step)

@@ -25,6 +25,7 @@ from oomkit.interfaces.cli._workload import (
     positive_int,
     user_errors,
     user_output_to_stderr,
+    user_values,
 )
 
 __all__ = ["add_parser", "run", "PRECISIONS", "OPTIMIZERS", "MODES"]
@@ -64,20 +65,23 @@ def run(args: argparse.Namespace) -> int:
 
     # Cheap checks first, so a typo fails before any model is built.
     target = target_from_args(args)
-    with user_output_to_stderr():
-        workload = build_workload(args, args.batch, "predict")
-    if not args.json:
-        stderr_console().print(f"recording {workload.description} on the meta device ...")
-    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
-        prediction = predict(
-            workload.step_fn,
-            target=target,
-            steps=args.steps,
-            budget_bytes=args.budget,
-            track=workload.track,
-            description=workload.description,
-            workload=workload.spec,
-        )
+    # Values are followed from the import and the builder on (a mask made there with
+    # torch.ones is known when the step reads it), and --value states the others.
+    with user_values(args):
+        with user_output_to_stderr():
+            workload = build_workload(args, args.batch, "predict")
+        if not args.json:
+            stderr_console().print(f"recording {workload.description} on the meta device ...")
+        with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
+            prediction = predict(
+                workload.step_fn,
+                target=target,
+                steps=args.steps,
+                budget_bytes=args.budget,
+                track=workload.track,
+                description=workload.description,
+                workload=workload.spec,
+            )
     if args.json:
         print_json(prediction_to_json(prediction))
     else:
