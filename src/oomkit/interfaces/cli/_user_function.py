@@ -184,7 +184,7 @@ def load_user_step(
     )
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
-        with device, cuda_autocast_construction(), as_one_cuda_gpu(stand_ins=False):
+        with device, cuda_autocast_construction(), as_one_cuda_gpu():
             result = fn(**kwargs)
     except Exception as exc:
         raise UserCodeError(
@@ -192,9 +192,9 @@ def load_user_step(
             "code that reads tensor values (.item(), data-dependent shapes) cannot run there."
         ) from exc
     trainer = trainer_step(result, target)
-    # A trainer runs its own loop, with CPU-side work (samplers, seeds) on the CPU, as on a GPU
-    # machine; a step function runs with meta as the default device (the contract).
     user_step, track = (trainer.step_fn, trainer.track) if trainer else _unpack(result, target, name)
+    # The contract: a step runs with meta as the default device. A trainer's loop keeps its
+    # CPU-side work (samplers, seeds) on the CPU, as on a GPU machine (trainers.py).
     step_device = contextlib.nullcontext() if trainer else device
     raised: list[BaseException] = []
 

@@ -37,11 +37,14 @@ DeepSpeed or FSDP in a Hugging Face Trainer (``TrainerRefusedError``, saying wha
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from oomkit.errors import UserCodeError
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
@@ -118,6 +121,19 @@ def trainer_step(result: Any, where: str) -> TrainerStep | None:
     return None
 
 
+def _on_one_gpu() -> contextlib.ExitStack:
+    """The trainer's loop on one emulated GPU, with the CPU as the default device.
+
+    The recorder runs a step under ``torch.device("meta")``; a trainer's own CPU work (the
+    sampler's ``randperm`` and its ``tolist()``, the loader's seed) must stay on the CPU, as on a
+    GPU machine, where it has values. Its device tensors go to ``cuda``, which lands on meta.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(as_one_cuda_gpu())
+    stack.enter_context(torch.device("cpu"))
+    return stack
+
+
 # ---------------------------------------------------------------------- Lightning
 
 
@@ -174,7 +190,7 @@ def _lightning_step(package: Any, trainer: Any, module: Any, data: Any, where: s
         loop.max_epochs = trainer.current_epoch + 1
         module.configure_optimizers = configure_once
         try:
-            with as_one_cuda_gpu():
+            with _on_one_gpu():
                 trainer.fit(module, **fit_kwargs)
         finally:
             del module.configure_optimizers
@@ -235,7 +251,7 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         callback = _OneStep()
         trainer.add_callback(callback)
         try:
-            with as_one_cuda_gpu():
+            with _on_one_gpu():
                 trainer.train()
         finally:
             trainer.remove_callback(callback)

@@ -5,6 +5,9 @@ Loaded by path, as ``oomkit predict file.py:function`` loads a user's file.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -84,7 +87,8 @@ def hf_trainer(batch_size: int = 8, seq_len: int = 128, use_cpu: bool = False):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir="oomkit-test-never-written",
+        # Trainer.__init__ creates output_dir (trainer.py, "Hub & output"); nothing is saved in it.
+        output_dir=str(Path(tempfile.gettempdir()) / "oomkit-trainer-test"),
         bf16=True,
         use_cpu=use_cpu,
         per_device_train_batch_size=batch_size,
