@@ -86,6 +86,9 @@ class _CudaOnMeta(TorchFunctionMode):
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_meta = self_tensor is not None and self_tensor.device.type == "meta"
         if func is torch.Tensor.to:
+            moved = _cpu_to_meta(args, kwargs)
+            if moved is not None:
+                return moved
             args = tuple(_META if _is_cuda(a) else a for a in args)
             if on_meta:
                 # A meta tensor sent to the CPU stays: the CPU is read as its own device.
@@ -100,6 +103,27 @@ class _CudaOnMeta(TorchFunctionMode):
         elif func in _FROM_PYTHON and kwargs.get("device") == _META:
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``cpu_tensor.to("cuda")`` as CUDA does it: allocate on the device, copy into it.
+
+    ``empty_like`` + ``copy_`` rather than one ``_to_copy``: the copy overwrites the new tensor
+    with a CPU tensor's values, which ``values.py`` follows, so a batch's attention mask built
+    on the CPU by a collator stays known on the device (transformers' mask checks read it).
+    Only a plain device move; a move that also casts or changes layout goes the usual way.
+    """
+    tensor = args[0]
+    rest = args[1:]
+    if tensor.device.type != "cpu" or not rest or not _is_cuda(rest[0]):
+        return None
+    if len(rest) > 2 or (len(rest) == 2 and not isinstance(rest[1], bool)):
+        return None
+    if set(kwargs) - {"non_blocking"}:
+        return None
+    out = torch.empty_like(tensor, device=_META)
+    out.copy_(tensor)
+    return out
 
 
 def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
