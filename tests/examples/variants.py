@@ -103,9 +103,8 @@ def small_hf_trainer(batch_size: int, seq_len: int):
 
 def plain_hf_trainer(batch_size: int, seq_len: int):
     """The same Llama in a plain loop: bf16 autocast forward, accelerate's fp32 outputs."""
-    from transformers import AutoModelForCausalLM
-
     import hf_trainer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_trainer.llama_config(seq_len, **LLAMA))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)

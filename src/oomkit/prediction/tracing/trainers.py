@@ -235,7 +235,7 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
             f"{where}: the Hugging Face Trainer has no train_dataset; pass one to Trainer(...)."
         )
 
-    class _OneStep(TrainerCallback):  # type: ignore[misc]
+    class _OneStep(TrainerCallback):
         """Stops after one optimizer step; cancels saves and evaluations (no files, no eval)."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
