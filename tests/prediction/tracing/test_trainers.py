@@ -29,24 +29,31 @@ def plain() -> tuple[int, int, list[int]]:
     return _peaks("plain")
 
 
-def test_lightning_fit_matches_the_plain_loop_plus_its_logged_results(plain):
-    """Trainer.fit (bf16-mixed, clipping, self.log) = the plain loop + Lightning's result scalars."""
+@pytest.fixture(scope="module")
+def lightning_unlogged() -> tuple[int, int, list[int]]:
     pytest.importorskip("lightning")
-    allocated, reserved, steps = _peaks("lightning_fit")
-    unlogged, unlogged_reserved, _ = _peaks("lightning_fit_unlogged")
-    # Without self.log, Trainer.fit adds two scalars to the plain loop at its peak: the loss
-    # divided by accumulate_grad_batches and its detached clone
-    # (loops/optimization/automatic.py ClosureResult.from_training_step_output).
+    return _peaks("lightning_fit_unlogged")
+
+
+def test_lightning_fit_matches_the_plain_loop_plus_the_closures_scalars(plain, lightning_unlogged):
+    """Trainer.fit (bf16-mixed, clipping, no self.log) = the plain loop + two scalars."""
+    unlogged, unlogged_reserved, steps = lightning_unlogged
+    # At its peak Trainer.fit holds the loss divided by accumulate_grad_batches and its
+    # detached clone (loops/optimization/automatic.py ClosureResult.from_training_step_output).
     assert unlogged - plain[0] == 2 * SCALAR_BYTES
     assert unlogged_reserved == plain[1]
-    # self.log("train_loss", ...) keeps the _ResultCollection's one-element tensors on the
-    # device (logger_connector/result.py ResultMetric: value and cumulated_batch_size, their
-    # reset defaults, the forward cache), each in its own small block.
-    assert allocated - unlogged == 4 * SCALAR_BYTES
-    assert reserved == plain[1]
     # Steps after the first carry the optimizer state: the run continues, it does not restart.
     assert steps[1] == steps[2] > steps[0]
-    assert abs(allocated - plain[0]) / plain[0] < 0.05
+    assert abs(unlogged - plain[0]) / plain[0] < 0.05
+
+
+def test_lightning_self_log_adds_its_result_collection(plain, lightning_unlogged):
+    """self.log("train_loss", ...) adds the _ResultCollection's device scalars, and no more."""
+    allocated, reserved, _ = _peaks("lightning_fit")
+    # logger_connector/result.py ResultMetric: value and cumulated_batch_size, their reset
+    # defaults and the forward cache, each a one-element tensor in its own small block.
+    assert allocated - lightning_unlogged[0] == 4 * SCALAR_BYTES
+    assert reserved == plain[1]
 
 
 def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain):
