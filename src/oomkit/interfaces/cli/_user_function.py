@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomkit.errors import UserCodeError
+from oomkit.errors import OomkitError, UserCodeError
 
 __all__ = ["UserStep", "is_user_target", "load_user_step", "SIZE_PARAMETERS"]
 
@@ -179,11 +179,15 @@ def load_user_step(
     try:
         with device, cuda_autocast_construction():
             result = fn(**kwargs)
+    except OomkitError as exc:
+        raise type(exc)(f"{target}: {name}(): {exc}") from exc
     except Exception as exc:
-        raise UserCodeError(
-            f"{target}: {name}() raised {type(exc).__name__}: {exc}. It runs on the meta device: "
-            "code that reads tensor values (.item(), data-dependent shapes) cannot run there."
-        ) from exc
+        from oomkit.prediction.tracing.step_failure import failure_text
+
+        detail = failure_text(exc)
+        for said in ("the step failed", "the step raised"):
+            detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
+        raise UserCodeError(f"{target}: {detail}") from exc
     user_step, track = _unpack(result, target, name)
     raised: list[BaseException] = []
 

@@ -21,6 +21,11 @@ __all__ = [
     "verdict_line",
 ]
 
+# The start of the recording's warning for compiled code run eagerly (the same text as
+# oomkit.prediction.tracing.read_report.COMPILED_EAGERLY, which imports torch; a test keeps
+# them equal): the verdict says so too.
+COMPILED_EAGERLY = "torch.compile: traced eagerly"
+
 # What a row of the breakdown table calls reserved memory that holds no live tensor.
 CACHED_LABEL = "cached, not allocated"
 
@@ -57,6 +62,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += f"; over the budget of {format_bytes(p.budget_bytes)}"
     elif p.budget_bytes is not None:
         line += f"; within the budget of {format_bytes(p.budget_bytes)}"
+    if any(w.startswith(COMPILED_EAGERLY) for w in p.warnings):
+        line += " (torch.compile traced eagerly)"
     return line
 
 

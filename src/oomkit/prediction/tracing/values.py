@@ -15,11 +15,11 @@ what the user passed: ``torch.ones`` for a padding mask, ``torch.arange`` for po
 - the copy belongs to the *storage* (an attribute of the preserved ``UntypedStorage`` object), so
   views alias it as they alias the storage, and an in-place op on one view updates the others. An
   in-place op with an unknown input makes the storage unknown.
+- ``torch.tensor(data)`` on meta is known from ``data`` (``value_reads.ValueReads`` sees the
+  call: torch copies the data to meta below the dispatcher).
 - an op with no meta kernel or a data-dependent output shape (``aten.equal``, ``nonzero``,
   ``_local_scalar_dense``) whose inputs are known runs on the copies; its tensor outputs become
   meta tensors of the same size and strides, known.
-- ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor are answered as for finite values
-  (a training run that proceeds has a finite loss); each use is counted (``assumed_finite``).
 
 Copies larger than ``MAX_KNOWN_BYTES`` are not kept (the value is then unknown), so memory and
 time stay bounded.
@@ -27,7 +27,6 @@ time stay bounded.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["MAX_KNOWN_BYTES", "KnownValue", "KnownValues", "known_value"]
+__all__ = ["MAX_KNOWN_BYTES", "KnownValue", "KnownValues", "known_value", "remember_value"]
 
 # A storage's CPU copy is kept up to this size (a 4096 x 4096 fp32 causal mask is 64 MiB).
 MAX_KNOWN_BYTES = 64 << 20
@@ -59,14 +58,6 @@ _UNINITIALISED = frozenset(
 )
 # In-place ops that overwrite every element of their first argument whatever it held.
 _OVERWRITES = frozenset({"aten::fill_", "aten::zero_", "aten::copy_"})
-# Finiteness tests answered for unknown inputs as for finite values: name -> the answer.
-_FINITE_ANSWERS = {
-    "aten::isnan": False,
-    "aten::isinf": False,
-    "aten::isposinf": False,
-    "aten::isneginf": False,
-    "aten::isfinite": True,
-}
 
 
 @dataclass(frozen=True)
@@ -149,6 +140,16 @@ def _set_known(tensor: torch.Tensor, value: torch.Tensor, origins: frozenset[str
     setattr(storage, _ATTR, _Copy(cpu_storage, origins))
 
 
+def remember_value(tensor: torch.Tensor, value: torch.Tensor, origin: str) -> None:
+    """Record that meta ``tensor`` holds ``value`` (a CPU tensor of its size), made by ``origin``.
+
+    For values given from Python data (``torch.tensor([...], device="meta")``), which torch
+    copies to the meta device below the dispatcher, where no mode sees them.
+    """
+    if tensor.is_meta and value.device.type == "cpu" and value.size() == tensor.size():
+        _set_known(tensor, value.to(tensor.dtype), frozenset({origin}))
+
+
 def _forget(tensor: Any) -> None:
     if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
         storage = tensor.untyped_storage()
@@ -172,15 +173,7 @@ def _to_cpu_args(tree: Any) -> Any:
 
 
 class KnownValues(TorchDispatchMode):
-    """While active, follows the values of meta tensors that are determined (module docstring).
-
-    Attributes:
-        assumed_finite: unknown tensors' finiteness tests answered as finite, by op name.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.assumed_finite: Counter[str] = Counter()
+    """While active, follows the values of meta tensors that are determined (module docstring)."""
 
     def __torch_dispatch__(
         self,
@@ -209,13 +202,6 @@ class KnownValues(TorchDispatchMode):
                 raise
             # No meta kernel, or a data-dependent shape: the copies answer it.
             return self._run_on_copies(func, known, name)
-        if name in _FINITE_ANSWERS and isinstance(out, torch.Tensor):
-            inputs = self._inputs_known(func, flat, spec, name)
-            if inputs is None:
-                self.assumed_finite[name] += 1
-                value = torch.full(out.shape, _FINITE_ANSWERS[name], dtype=out.dtype)
-                _set_known(out, value, frozenset({"assumed finite"}))
-                return out
         if self._deterministic(func, name):
             inputs = self._inputs_known(func, flat, spec, name)
             if inputs is not None:
