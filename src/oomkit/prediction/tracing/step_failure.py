@@ -18,7 +18,12 @@ import types
 from dataclasses import dataclass
 
 from oomkit.errors import UnsupportedOpError
-from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file, shown_path
+from oomkit.prediction.tracing.stand_ins import (
+    is_hidden_file,
+    is_library_file,
+    is_torch_plumbing,
+    shown_path,
+)
 
 __all__ = ["FailureSite", "failure_site", "failure_text", "step_failure"]
 
@@ -52,7 +57,7 @@ def failure_site(exc: BaseException) -> FailureSite:
     while tb is not None:
         frame, line = tb.tb_frame, tb.tb_lineno
         filename = frame.f_code.co_filename
-        if not is_hidden_file(filename):
+        if not (is_hidden_file(filename) or is_torch_plumbing(filename)):
             base = filename.replace("\\", "/").rsplit("/", 1)[-1]
             if is_library_file(filename):
                 library, key = _where(frame, line), f"{base}:{line}"
@@ -90,10 +95,10 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
     op = f"{failed_op} " if failed_op else ""
     if site.library is not None:
         advice = (
-            f"This read of tensor values is inside a library, not yours to move. State the "
-            f"value it reads with --value {site.key}=NUMBER (values={{{site.key!r}: NUMBER}} "
-            "in oomkit.predict), or pass inputs whose values oomkit can follow (masks made "
-            "with torch.ones / torch.full / torch.triu in the builder or the step)"
+            "This read of tensor values is inside a library, not yours to move: pass it "
+            "inputs whose values oomkit can follow (masks made with torch.ones / torch.full / "
+            "torch.triu in the builder or the step, not random or loaded), or predict without "
+            "the feature that reads them"
         )
     else:
         advice = (
