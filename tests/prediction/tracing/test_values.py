@@ -9,7 +9,9 @@ torch = pytest.importorskip("torch")
 from oomkit.prediction.tracing.value_reads import value_tracking  # noqa: E402
 from oomkit.prediction.tracing.values import (  # noqa: E402
     MAX_KNOWN_BYTES,
+    MAX_TOTAL_KNOWN_BYTES,
     KnownValues,
+    known_bytes,
     known_value,
 )
 
@@ -98,6 +100,20 @@ def test_copies_above_the_size_limit_are_not_kept():
     assert known_value(small) is not None
 
 
+def test_all_copies_together_stay_under_the_total_limit():
+    """zeros_like of many 32 MiB tensors (optimizer state): copies stop at the total, and a
+    storage's bytes are given back when it dies."""
+    before = known_bytes()
+    chunk = 32 << 20
+    with KnownValues(), torch.device("meta"):
+        states = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(12)]
+        kept = sum(known_value(t) is not None for t in states)
+        assert kept == (MAX_TOTAL_KNOWN_BYTES - before) // chunk
+        assert known_bytes() <= MAX_TOTAL_KNOWN_BYTES
+        del states
+    assert known_bytes() == before
+
+
 def test_finiteness_of_unknown_tensors_is_assumed_and_counted():
     """isnan/isfinite of an unknown tensor answer as for finite values, counted by op."""
     with value_tracking() as (_, reads), torch.device("meta"):
@@ -106,3 +122,14 @@ def test_finiteness_of_unknown_tensors_is_assumed_and_counted():
         finite = bool(loss.isfinite())
     assert (nan, finite) == (False, True)
     assert dict(reads.assumed_finite) == {"torch.isnan": 1, "torch.isfinite": 1}
+
+
+def test_grad_scaler_inf_check_of_unknown_gradients_finds_none():
+    """_amp_foreach_non_finite_check_and_unscale_ on unknown grads leaves found_inf at 0."""
+    with KnownValues() as known, torch.device("meta"):
+        grads = [torch.randn(8), torch.randn(3)]
+        found_inf = torch.full((), 0.0)
+        inv_scale = torch.full((), 0.5)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    assert _values(found_inf) == 0.0
+    assert dict(known.assumed_finite) == {"torch._amp_foreach_non_finite_check_and_unscale_": 1}

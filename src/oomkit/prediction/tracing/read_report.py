@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from oomkit.prediction.tracing.value_reads import ValueReads
+from oomkit.prediction.tracing.values import KnownValues
 
 __all__ = ["COMPILED_EAGERLY", "read_assumptions", "read_warnings"]
 
@@ -16,7 +17,7 @@ __all__ = ["COMPILED_EAGERLY", "read_assumptions", "read_warnings"]
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
 
 
-def read_assumptions(reads: ValueReads) -> dict[str, str]:
+def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
     """``{"read at masking_utils.py:292 in _ignore_causal_mask_sdpa": "bool() = True, ..."}``."""
     out: dict[str, str] = {}
     for record in reads.records.values():
@@ -31,8 +32,9 @@ def read_assumptions(reads: ValueReads) -> dict[str, str]:
             ) + ")"
         text = f"{record.kind} = {record.value}, {how}; {record.count} time(s)"
         out[key] = f"{out[key]}; {text}" if key in out else text
-    if reads.assumed_finite:
-        ops = ", ".join(f"{name} x{n}" for name, n in sorted(reads.assumed_finite.items()))
+    finite = reads.assumed_finite + known.assumed_finite
+    if finite:
+        ops = ", ".join(f"{name} x{n}" for name, n in sorted(finite.items()))
         out["finite values"] = (
             f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
             "training run that proceeds"

@@ -462,8 +462,8 @@ class Tracer:
         assumptions = dict(sorted(self._engine.assumptions.items()))
         warnings = list(self._warnings())
         if self._value_modes is not None:
-            reads = self._value_modes[1]
-            assumptions.update(read_assumptions(reads))
+            known, reads = self._value_modes
+            assumptions.update(read_assumptions(reads, known))
             warnings += read_warnings(reads, self._compiled)
         return build_recording(
             self._log,
