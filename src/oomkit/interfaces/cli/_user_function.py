@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomkit.errors import UserCodeError
+from oomkit.errors import OomkitError, UserCodeError
 
 __all__ = ["UserStep", "is_user_target", "load_user_step", "SIZE_PARAMETERS"]
 
@@ -186,11 +186,15 @@ def load_user_step(
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
         with device, cuda_autocast_construction(), as_one_cuda_gpu():
             result = fn(**kwargs)
+    except OomkitError as exc:
+        raise type(exc)(f"{target}: {name}(): {exc}") from exc
     except Exception as exc:
-        raise UserCodeError(
-            f"{target}: {name}() raised {type(exc).__name__}: {exc}. It runs on the meta device: "
-            "code that reads tensor values (.item(), data-dependent shapes) cannot run there."
-        ) from exc
+        from oomkit.prediction.tracing.step_failure import failure_text
+
+        detail = failure_text(exc)
+        for said in ("the step failed", "the step raised"):
+            detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
+        raise UserCodeError(f"{target}: {detail}") from exc
     trainer = trainer_step(result, target)
     user_step, track = (trainer.step_fn, trainer.track) if trainer else _unpack(result, target, name)
     # The contract: a step runs with meta as the default device. A trainer's loop keeps its
@@ -222,5 +226,7 @@ def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tup
         return result[0], (track,)
     raise UserCodeError(
         f"{target}: {name}() returned {type(result).__name__}; it must return a zero-argument "
-        "step function, or (step_fn, objects_to_track) with the model, optimizer and inputs."
+        "step function, (step_fn, objects_to_track) with the model, optimizer and inputs, or a "
+        "trainer: (lightning_trainer, module[, datamodule_or_dataloader]) or a "
+        "transformers.Trainer."
     )

@@ -300,8 +300,13 @@ def user_errors(
     """
     try:
         yield
-    except OomkitError:
-        raise
+    except OomkitError as exc:
+        target, raised = culprit()
+        mine = any(exc is e or exc.__cause__ is e for e in raised)
+        if target is None or not mine or str(exc).startswith(target):
+            raise
+        # Raised inside the user's step (a value it reads, an op meta cannot run): say whose.
+        raise type(exc)(f"{target}: {exc}") from exc
     except Exception as exc:
         target, raised = culprit()
         error = user_code_error(target, exc, raised)
@@ -313,11 +318,10 @@ def user_errors(
 def user_code_error(
     target: str | None, exc: BaseException, raised: list[BaseException]
 ) -> UserCodeError | None:
-    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``."""
+    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``:
+    the user's line, the library line below it, and advice that fits the failure."""
     if not any(exc is e for e in raised):
         return None
-    return UserCodeError(
-        f"{target}: the step raised {type(exc).__name__}: {exc}. It runs on the meta "
-        "device: code that reads tensor values (.item(), data-dependent shapes) cannot run "
-        "there."
-    )
+    from oomkit.prediction.tracing.step_failure import failure_text
+
+    return UserCodeError(f"{target}: {failure_text(exc)}")

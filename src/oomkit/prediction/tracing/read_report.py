@@ -32,8 +32,9 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
             ) + ")"
         text = f"{record.kind} = {record.value}, {how}; {record.count} time(s)"
         out[key] = f"{out[key]}; {text}" if key in out else text
-    if known.assumed_finite:
-        ops = ", ".join(f"{name.split('::')[-1]} x{n}" for name, n in sorted(known.assumed_finite.items()))
+    finite = reads.assumed_finite + known.assumed_finite
+    if finite:
+        ops = ", ".join(f"{name} x{n}" for name, n in sorted(finite.items()))
         out["finite values"] = (
             f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
             "training run that proceeds"
@@ -48,12 +49,21 @@ def read_warnings(reads: ValueReads, compiled: Counter[str]) -> list[str]:
         if record.outcome != "stand-in":
             continue
         key = record.site.key
+        if record.kind == "float()":
+            fate = (
+                "it got nan, a plain float (Python does not keep a checked stand-in through "
+                "float()), so oomkit cannot tell whether it decided a size or a branch; read "
+                "it with .item() to have that checked"
+            )
+        else:
+            fate = (
+                "it got a stand-in (nan), which was only printed, logged or passed on, never "
+                "used as a size, a loop bound or a condition"
+            )
         out.append(
             f"{record.site.describe()}: {record.kind} read a tensor value that oomkit cannot know "
-            f"on the meta device ({record.count} time(s)); it got a stand-in (nan), which was "
-            "only printed, logged or passed on, never used as a size, a loop bound or a "
-            f"condition. If it matters, state it: --value {key}=NUMBER (values={{{key!r}: "
-            "NUMBER} in oomkit.predict)"
+            f"on the meta device ({record.count} time(s)); {fate}. If it matters, state it: "
+            f"--value {key}=NUMBER (values={{{key!r}: NUMBER}} in oomkit.predict)"
         )
     for key in reads.unused_stated():
         out.append(

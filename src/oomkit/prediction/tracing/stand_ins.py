@@ -28,6 +28,7 @@ __all__ = [
     "StandIn",
     "is_hidden_file",
     "is_library_file",
+    "is_torch_plumbing",
     "read_site",
     "refuse_unknown",
     "shown_path",
@@ -124,32 +125,43 @@ def is_library_file(filename: str) -> bool:
     return _in_site_packages(filename) or filename.startswith(_library_prefixes())
 
 
-# torch's own plumbing between a read and its caller: Tensor methods written in Python
-# (``Tensor.__format__`` calls ``item``), torch-function modes (``torch.device("meta")``'s
-# DeviceContext), the overrides machinery and OpOverload calls.
-_TORCH_PLUMBING = ("_tensor.py", "overrides.py", "_ops.py", os.path.join("utils", "_device.py"))
+# torch's own plumbing between a read and its caller: private modules (``torch/_tensor.py``'s
+# ``Tensor.__format__`` calls ``item``; ``_ops.py``, ``_meta_registrations.py``, ``_refs``,
+# ``utils/_device.py``'s DeviceContext mode), ``torch/__init__.py`` and ``overrides.py``.
+# Public modules (``torch/nn``, ``torch/optim``, ``torch/utils/checkpoint.py``) are library code.
 _MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
 
 
 @functools.cache
-def _plumbing_files() -> tuple[str, ...]:
+def _torch_root() -> Path:
     import torch
 
-    root = Path(torch.__file__).parent
-    return tuple(str(root / name) for name in _TORCH_PLUMBING)
+    return Path(torch.__file__).parent
+
+
+@functools.cache
+def is_torch_plumbing(filename: str) -> bool:
+    """Whether ``filename`` is one of torch's private modules (see ``_MODE_HANDLERS`` above)."""
+    try:
+        parts = Path(filename).relative_to(_torch_root()).parts
+    except ValueError:
+        return False
+    return (
+        parts in (("__init__.py",), ("overrides.py",))
+        or any(part.startswith("_") and part != "__init__.py" for part in parts)
+    )
 
 
 def stack_frames(skip: int = 1) -> list[types.FrameType]:
     """The current stack, innermost first, without oomkit's, the standard library's and torch's
-    plumbing frames (``_TORCH_PLUMBING``, mode handlers)."""
+    plumbing frames (``is_torch_plumbing``, mode handlers)."""
     frames = []
-    plumbing = _plumbing_files()
     frame: types.FrameType | None = sys._getframe(skip)
     while frame is not None:
         code = frame.f_code
         if not (
             is_hidden_file(code.co_filename)
-            or code.co_filename in plumbing
+            or is_torch_plumbing(code.co_filename)
             or code.co_name in _MODE_HANDLERS
         ):
             frames.append(frame)

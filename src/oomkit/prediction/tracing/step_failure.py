@@ -18,9 +18,14 @@ import types
 from dataclasses import dataclass
 
 from oomkit.errors import UnsupportedOpError
-from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file, shown_path
+from oomkit.prediction.tracing.stand_ins import (
+    is_hidden_file,
+    is_library_file,
+    is_torch_plumbing,
+    shown_path,
+)
 
-__all__ = ["FailureSite", "failure_site", "step_failure"]
+__all__ = ["FailureSite", "failure_site", "failure_text", "step_failure"]
 
 _DEVICE_MOVE = "Cannot copy out of meta tensor"
 
@@ -52,7 +57,7 @@ def failure_site(exc: BaseException) -> FailureSite:
     while tb is not None:
         frame, line = tb.tb_frame, tb.tb_lineno
         filename = frame.f_code.co_filename
-        if not is_hidden_file(filename):
+        if not (is_hidden_file(filename) or is_torch_plumbing(filename)):
             base = filename.replace("\\", "/").rsplit("/", 1)[-1]
             if is_library_file(filename):
                 library, key = _where(frame, line), f"{base}:{line}"
@@ -62,33 +67,38 @@ def failure_site(exc: BaseException) -> FailureSite:
     return FailureSite(user, library, key)
 
 
-def step_failure(exc: BaseException, failed_op: str | None) -> UnsupportedOpError:
-    """An ``UnsupportedOpError`` saying where ``exc`` stopped the step and what to do.
+def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
+    """Where ``exc`` stopped the step, what it was, and the advice that fits (module docstring).
 
     Args:
         exc: what the step raised.
-        failed_op: the aten op that raised it on the meta device, if one did.
+        failed_op: the aten op that raised it on the meta device, if one did; without one, an
+            exception whose message mentions the meta device gets the same advice (torch has no
+            exception type for "this needs values"; the text is the only sign).
     """
     site = failure_site(exc)
-    where = f"the step failed at {site.user or 'a line oomkit could not find'}"
+    at = f"at {site.user or 'a line oomkit could not find'}"
     if site.library is not None:
-        where += f" (inside {site.library})"
+        at += f" (inside {site.library})"
+    where = f"the step failed {at}"
     text = f"{type(exc).__name__}: {exc}".strip()
     if _DEVICE_MOVE in str(exc):
-        return UnsupportedOpError(
+        return (
             f"{where}: a device move ({text}). Moving a tensor to the CPU or to CUDA (.cpu(), "
             ".to('cuda'), .numpy(), device='cuda') copies its values, and the meta device has "
             "none. Do not move tensors inside the step: create the model, optimizer and "
             "inputs on the default device (oomkit makes it meta; leave device= out). To log a "
             "value, .item() is enough: it gets a stand-in"
         )
+    if failed_op is None and "meta" not in str(exc).lower():
+        return f"the step raised {text}, {at}"
     op = f"{failed_op} " if failed_op else ""
     if site.library is not None:
         advice = (
-            f"This read of tensor values is inside a library, not yours to move. State the "
-            f"value it reads with --value {site.key}=NUMBER (values={{{site.key!r}: NUMBER}} "
-            "in oomkit.predict), or pass inputs whose values oomkit can follow (masks made "
-            "with torch.ones / torch.full / torch.triu in the builder or the step)"
+            "This read of tensor values is inside a library, not yours to move: pass it "
+            "inputs whose values oomkit can follow (masks made with torch.ones / torch.full / "
+            "torch.triu in the builder or the step, not random or loaded), or predict without "
+            "the feature that reads them"
         )
     else:
         advice = (
@@ -96,7 +106,17 @@ def step_failure(exc: BaseException, failed_op: str | None) -> UnsupportedOpErro
             "out of the step or give it fixed sizes; a value that is only logged may be read "
             "with .item() (it gets a stand-in)"
         )
-    return UnsupportedOpError(
+    return (
         f"{where}: {op}cannot run on the meta device ({text}): its result depends on tensor "
         f"values, which meta tensors do not have. {advice}"
     )
+
+
+def step_failure(exc: BaseException, failed_op: str | None) -> UnsupportedOpError:
+    """An ``UnsupportedOpError`` saying where ``exc`` stopped the step and what to do.
+
+    Args:
+        exc: what the step raised.
+        failed_op: the aten op that raised it on the meta device, if one did.
+    """
+    return UnsupportedOpError(failure_text(exc, failed_op))

@@ -9,7 +9,11 @@ tensor's value: ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``, ``__i
    ``oomkit.predict(..., values={"file.py:42": 1024})``);
 2. answered: the tensor's values are known (a mask made with ``torch.ones``); the read returns
    what CUDA would return;
-3. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` (NaN) that
+   ``float()`` gets a plain NaN: Python does not keep a float subclass through ``float()``, so
+   its later use cannot be checked (its warning says so: use ``.item()``);
+3. ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor answer as for finite values
+   (counted in ``assumed_finite``);
+4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` (NaN) that
    raises if it is later used as a size or a condition; ``bool`` / ``int`` / ``index`` /
    ``torch.equal`` are such uses themselves and raise ``DataDependentValueError`` at once.
 
@@ -19,6 +23,8 @@ Every read is recorded by site (:class:`ReadRecord`) for the prediction's assump
 from __future__ import annotations
 
 import contextlib
+import math
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +41,7 @@ from oomkit.prediction.tracing.stand_ins import (
     refuse_unknown,
     stack_frames,
 )
-from oomkit.prediction.tracing.values import KnownValues, known_value
+from oomkit.prediction.tracing.values import KnownValues, known_value, remember_value
 
 __all__ = ["ReadRecord", "ValueReads", "parse_stated_values", "value_tracking"]
 
@@ -121,6 +127,8 @@ class ValueReads(TorchFunctionMode):
         self.stated = dict(stated)
         self.used_stated: set[tuple[str, int]] = set()
         self.records: dict[tuple[str, int, str, Outcome], ReadRecord] = {}
+        # Finiteness tests of unknown tensors answered as for finite values, by function.
+        self.assumed_finite: Counter[str] = Counter()
 
     def __torch_function__(
         self,
@@ -130,6 +138,10 @@ class ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _FROM_DATA:
+            return _from_data(func, args, kwargs)
+        if func in _FINITE_ANSWERS:
+            return self._finiteness(func, args, kwargs)
         kind = _READS.get(func)
         tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
         if kind is None or not any(t.is_meta for t in tensors):
@@ -160,9 +172,30 @@ class ValueReads(TorchFunctionMode):
             return func(*args, **kwargs)  # a meta tensor's own text: no value read
         elif func is torch.Tensor.__format__:
             result = format(StandIn(site), *args[1:2])
+        elif func is torch.Tensor.__float__:
+            # float() turns a float subclass into a plain float (and warns that returning one
+            # is deprecated): the NaN cannot stay checked. The warning says so.
+            result = math.nan
         else:
             result = StandIn(site)
         return self._record(site, kind, "stand-in", result, ())
+
+    def _finiteness(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """isnan/isinf/isfinite of an unknown tensor: as for finite values (and counted)."""
+        result = func(*args, **kwargs)
+        tensor = args[0] if args else None
+        if (
+            isinstance(result, torch.Tensor)
+            and result.is_meta
+            and isinstance(tensor, torch.Tensor)
+            and known_value(tensor) is None
+        ):
+            name = f"torch.{func.__name__}"
+            self.assumed_finite[name] += 1
+            with torch._C.DisableTorchFunction():
+                value = torch.full(result.shape, _FINITE_ANSWERS[func], dtype=result.dtype)
+            remember_value(result, value, "assumed finite")
+        return result
 
     def _stated(self, frames: list[Any]) -> float | None:
         if not self.stated:
@@ -190,6 +223,33 @@ class ValueReads(TorchFunctionMode):
     def unused_stated(self) -> list[str]:
         """Stated values no read used (``file.py:42``), in the order given."""
         return [f"{path}:{line}" for path, line in self.stated if (path, line) not in self.used_stated]
+
+
+# Finiteness tests answered for unknown tensors as for finite values (a training run that
+# proceeds has a finite loss; the HF Trainer skips logging a nan/inf loss this way).
+_FINITE_ANSWERS = {
+    torch.isnan: False,
+    torch.Tensor.isnan: False,
+    torch.isinf: False,
+    torch.Tensor.isinf: False,
+    torch.isposinf: False,
+    torch.isneginf: False,
+    torch.isfinite: True,
+    torch.Tensor.isfinite: True,
+}
+# Tensors made from Python data: their values are the data's.
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor})
+
+
+def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = func(*args, **kwargs)
+    data = args[0] if args else kwargs.get("data")
+    if isinstance(result, torch.Tensor) and result.is_meta and not isinstance(data, torch.Tensor):
+        with torch._C.DisableTorchFunction():
+            value = func(*args, **{**kwargs, "device": "cpu"})
+        if value.numel() * value.element_size() <= 1 << 20:
+            remember_value(result, value, f"torch.{func.__name__}")
+    return result
 
 
 def _short(value: Any) -> str:

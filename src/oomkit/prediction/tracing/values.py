@@ -15,18 +15,20 @@ what the user passed: ``torch.ones`` for a padding mask, ``torch.arange`` for po
 - the copy belongs to the *storage* (an attribute of the preserved ``UntypedStorage`` object), so
   views alias it as they alias the storage, and an in-place op on one view updates the others. An
   in-place op with an unknown input makes the storage unknown.
+- ``torch.tensor(data)`` on meta is known from ``data`` (``value_reads.ValueReads`` sees the
+  call: torch copies the data to meta below the dispatcher).
 - an op with no meta kernel or a data-dependent output shape (``aten.equal``, ``nonzero``,
   ``_local_scalar_dense``) whose inputs are known runs on the copies; its tensor outputs become
   meta tensors of the same size and strides, known.
-- ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor are answered as for finite values
-  (a training run that proceeds has a finite loss); each use is counted (``assumed_finite``).
 
-Copies larger than ``MAX_KNOWN_BYTES`` are not kept (the value is then unknown), so memory and
-time stay bounded.
+Copies larger than ``MAX_KNOWN_BYTES``, or that would take all copies past
+``MAX_TOTAL_KNOWN_BYTES``, are not kept (the value is then unknown), so memory and time stay
+bounded.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,10 +38,40 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["MAX_KNOWN_BYTES", "KnownValue", "KnownValues", "known_value"]
+__all__ = [
+    "MAX_KNOWN_BYTES",
+    "MAX_TOTAL_KNOWN_BYTES",
+    "KnownValue",
+    "KnownValues",
+    "known_bytes",
+    "known_value",
+    "remember_value",
+]
 
 # A storage's CPU copy is kept up to this size (a 4096 x 4096 fp32 causal mask is 64 MiB).
 MAX_KNOWN_BYTES = 64 << 20
+# All live copies together stay under this (optimizer state starts as zeros_like of every
+# parameter: known zeros until the first update, gigabytes for a large model).
+MAX_TOTAL_KNOWN_BYTES = 256 << 20
+
+# Bytes of the live copies, by meta storage (``_cdata``); a finalizer drops a storage's entry.
+_live_bytes: dict[int, int] = {}
+
+
+def known_bytes() -> int:
+    """Bytes held by the CPU copies of known values now."""
+    return sum(_live_bytes.values())
+
+
+def _fits(extra_bytes: int) -> bool:
+    return known_bytes() + extra_bytes <= MAX_TOTAL_KNOWN_BYTES
+
+
+def _account(storage: torch.UntypedStorage, nbytes: int) -> None:
+    key = storage._cdata
+    if key not in _live_bytes:
+        weakref.finalize(storage, _live_bytes.pop, key, None).atexit = False
+    _live_bytes[key] = nbytes
 
 _ATTR = "_oomkit_known_value"
 _aten = torch.ops.aten
@@ -57,16 +89,10 @@ _UNINITIALISED = frozenset(
         "aten::set_",
     }
 )
+# GradScaler's check for inf/nan gradients: writes found_inf (its second argument).
+_INF_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 # In-place ops that overwrite every element of their first argument whatever it held.
 _OVERWRITES = frozenset({"aten::fill_", "aten::zero_", "aten::copy_"})
-# Finiteness tests answered for unknown inputs as for finite values: name -> the answer.
-_FINITE_ANSWERS = {
-    "aten::isnan": False,
-    "aten::isinf": False,
-    "aten::isposinf": False,
-    "aten::isneginf": False,
-    "aten::isfinite": True,
-}
 
 
 @dataclass(frozen=True)
@@ -133,7 +159,8 @@ def _set_known(tensor: torch.Tensor, value: torch.Tensor, origins: frozenset[str
         and value.storage_offset() == tensor.storage_offset()
         and value.untyped_storage().nbytes() == nbytes
     )
-    if nbytes > MAX_KNOWN_BYTES:
+    held = _live_bytes.get(storage._cdata, 0)
+    if nbytes > MAX_KNOWN_BYTES or not _fits(nbytes - held):
         _forget(tensor)
         return
     if layout_matches:
@@ -147,6 +174,17 @@ def _set_known(tensor: torch.Tensor, value: torch.Tensor, origins: frozenset[str
             )
             target.copy_(value)
     setattr(storage, _ATTR, _Copy(cpu_storage, origins))
+    _account(storage, nbytes)
+
+
+def remember_value(tensor: torch.Tensor, value: torch.Tensor, origin: str) -> None:
+    """Record that meta ``tensor`` holds ``value`` (a CPU tensor of its size), made by ``origin``.
+
+    For values given from Python data (``torch.tensor([...], device="meta")``), which torch
+    copies to the meta device below the dispatcher, where no mode sees them.
+    """
+    if tensor.is_meta and value.device.type == "cpu" and value.size() == tensor.size():
+        _set_known(tensor, value.to(tensor.dtype), frozenset({origin}))
 
 
 def _forget(tensor: Any) -> None:
@@ -154,6 +192,7 @@ def _forget(tensor: Any) -> None:
         storage = tensor.untyped_storage()
         if hasattr(storage, _ATTR):
             delattr(storage, _ATTR)
+            _live_bytes.pop(storage._cdata, None)
 
 
 def _factory_name(func: Any) -> str:
@@ -175,7 +214,8 @@ class KnownValues(TorchDispatchMode):
     """While active, follows the values of meta tensors that are determined (module docstring).
 
     Attributes:
-        assumed_finite: unknown tensors' finiteness tests answered as finite, by op name.
+        assumed_finite: GradScaler's inf checks of unknown gradients answered "none found"
+            (``found_inf`` stays 0, as in a run whose gradients are finite), by op.
     """
 
     def __init__(self) -> None:
@@ -209,13 +249,16 @@ class KnownValues(TorchDispatchMode):
                 raise
             # No meta kernel, or a data-dependent shape: the copies answer it.
             return self._run_on_copies(func, known, name)
-        if name in _FINITE_ANSWERS and isinstance(out, torch.Tensor):
-            inputs = self._inputs_known(func, flat, spec, name)
-            if inputs is None:
-                self.assumed_finite[name] += 1
-                value = torch.full(out.shape, _FINITE_ANSWERS[name], dtype=out.dtype)
-                _set_known(out, value, frozenset({"assumed finite"}))
-                return out
+        if name == _INF_CHECK and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            # GradScaler.unscale_ (torch/amp/grad_scaler.py _unscale_grads_): found_inf is
+            # set to 1 only by a non-finite gradient; the scaler then reads it to skip the step.
+            found_inf = args[1]
+            unknown_grads = self._inputs_known(func, flat, spec, name) is None
+            if known_value(found_inf) is not None and unknown_grads:
+                self.assumed_finite["torch._amp_foreach_non_finite_check_and_unscale_"] += 1
+                for grad in _tensors(args[0]):  # unscaled in place: unknown now
+                    _forget(grad)
+                return out  # found_inf keeps its (known) value
         if self._deterministic(func, name):
             inputs = self._inputs_known(func, flat, spec, name)
             if inputs is not None:
@@ -266,7 +309,8 @@ class KnownValues(TorchDispatchMode):
     ) -> None:
         """Run ``func`` on the copies and make the results the values of ``out``'s tensors."""
         outs = [t for t in _tensors(out) if t.is_meta]
-        if any(t.untyped_storage().nbytes() > MAX_KNOWN_BYTES for t in outs):
+        sizes = [t.untyped_storage().nbytes() for t in outs]
+        if any(n > MAX_KNOWN_BYTES for n in sizes) or not _fits(sum(sizes)):
             self._forget_mutated(func, cpu_args, cpu_kwargs, also=outs)
             return
         cpu_args = _to_cpu_args(cpu_args)
