@@ -37,7 +37,9 @@ def build(
     )
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 names it activation_checkpointing_enable; 4.x gradient_checkpointing_enable.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
     batch = {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), device=device)}

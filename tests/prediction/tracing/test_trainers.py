@@ -56,6 +56,18 @@ def test_lightning_self_log_adds_its_result_collection(plain, lightning_unlogged
     assert reserved == plain[1]
 
 
+def test_lightning_fp16_mixed_runs_with_its_grad_scaler_answered(plain):
+    """precision="16-mixed": fp16 autocast and GradScaler; its overflow check reads "none"."""
+    pytest.importorskip("lightning")
+    user = load_user_step(f"{BUILDERS}:lightning_fit_fp16", batch_size=BATCH, seq_len=SEQ)
+    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    assert "precision 16-mixed" in user.description
+    assert any("grad_scaler.py" in read for read in prediction.assumptions)
+    assert "finite values" in prediction.assumptions
+    # fp16 activations cost what bf16 ones do: the same peak as the bf16 plain loop, within 5%.
+    assert abs(prediction.peak_allocated_bytes - plain[0]) / plain[0] < 0.05
+
+
 def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain):
     """transformers' Trainer(bf16=True) = the plain loop + accelerate's fp32 outputs + a scalar."""
     pytest.importorskip("transformers")

@@ -126,7 +126,13 @@ def _lightning_module(log: bool):
     return Module()
 
 
-def lightning_fit(batch_size: int = 8, seq_len: int = 128, log: bool = True, strategy: str = "auto"):
+def lightning_fit(
+    batch_size: int = 8,
+    seq_len: int = 128,
+    log: bool = True,
+    strategy: str = "auto",
+    precision: str = "bf16-mixed",
+):
     """The same model as a LightningModule through Trainer.fit, bf16-mixed, clipping at 1.0."""
     import lightning as L
 
@@ -134,7 +140,7 @@ def lightning_fit(batch_size: int = 8, seq_len: int = 128, log: bool = True, str
         accelerator="gpu",
         devices=1,
         strategy=strategy,
-        precision="bf16-mixed",
+        precision=precision,
         gradient_clip_val=1.0,
         max_epochs=1,
         enable_model_summary=False,
@@ -147,6 +153,11 @@ def lightning_fit(batch_size: int = 8, seq_len: int = 128, log: bool = True, str
 def lightning_fit_unlogged(batch_size: int = 8, seq_len: int = 128):
     """Trainer.fit with a training_step that logs nothing."""
     return lightning_fit(batch_size, seq_len, log=False)
+
+
+def lightning_fit_fp16(batch_size: int = 8, seq_len: int = 128):
+    """Trainer.fit with precision="16-mixed": fp16 autocast and a GradScaler."""
+    return lightning_fit(batch_size, seq_len, precision="16-mixed")
 
 
 def lightning_ddp(batch_size: int = 8, seq_len: int = 128):
