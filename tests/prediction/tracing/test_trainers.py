@@ -24,6 +24,11 @@ def _peaks(function: str) -> tuple[int, int, list[int]]:
     return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes, steps
 
 
+def _prediction(function: str):
+    user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
+    return predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+
+
 @pytest.fixture(scope="module")
 def plain() -> tuple[int, int, list[int]]:
     return _peaks("plain")
@@ -68,11 +73,17 @@ def test_lightning_fp16_mixed_runs_with_its_grad_scaler_answered(plain):
     assert abs(prediction.peak_allocated_bytes - plain[0]) / plain[0] < 0.05
 
 
-def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain):
-    """transformers' Trainer(bf16=True) = the plain loop + accelerate's fp32 outputs + a scalar."""
+@pytest.fixture(scope="module")
+def hf_single():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    allocated, reserved, steps = _peaks("hf_trainer")
+    return _prediction("hf_trainer")
+
+
+def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain, hf_single):
+    """transformers' Trainer(bf16=True) = the plain loop + accelerate's fp32 outputs + a scalar."""
+    allocated, reserved = hf_single.peak_allocated_bytes, hf_single.peak_reserved_bytes
+    steps = [s.peak_allocated_bytes for s in hf_single.step_peaks]
     converted, converted_reserved, _ = _peaks("plain_fp32_outputs")
     # accelerate converts the bf16 logits to fp32 after the autocast forward: a copy the plain
     # loop does not make, alive with the loss's temporaries.
@@ -112,3 +123,25 @@ def test_hf_trainer_on_cpu_is_refused():
     pytest.importorskip("transformers")
     with pytest.raises(TrainerRefusedError, match=r"runs on cpu, not on a GPU"):
         load_user_step(f"{BUILDERS}:hf_trainer_on_cpu", batch_size=BATCH, seq_len=SEQ)
+
+
+def test_lightning_accumulation_keeps_the_gradients_through_the_second_micro_batch(
+    lightning_unlogged,
+):
+    """accumulate_grad_batches=2: the second micro-batch's forward runs with the gradients held."""
+    pytest.importorskip("lightning")
+    accumulated = _prediction("lightning_fit_accumulate")
+    gradient_bytes = accumulated.by_category_bytes["parameter"]  # fp32 grads, one per parameter
+    assert accumulated.peak_allocated_bytes - lightning_unlogged[0] == gradient_bytes
+
+
+def test_hf_accumulation_holds_gradients_and_prefetches_every_micro_batch(hf_single):
+    """gradient_accumulation_steps=2: gradients held, and both micro-batches loaded up front."""
+    single = hf_single
+    accumulated = _prediction("hf_trainer_accumulate")
+    gradient_bytes = accumulated.by_category_bytes["parameter"]
+    extra = accumulated.peak_allocated_bytes - single.peak_allocated_bytes - gradient_bytes
+    # trainer.py _run_epoch: get_batch_samples loads gradient_accumulation_steps batches before
+    # the first forward: one more micro-batch's input_ids and labels (int64) on the device.
+    batch_bytes = 2 * BATCH * SEQ * 8
+    assert batch_bytes <= extra <= batch_bytes + SCALAR_BYTES

@@ -168,3 +168,28 @@ def lightning_ddp(batch_size: int = 8, seq_len: int = 128):
 def lightning_trainer_alone():
     """A Lightning Trainer returned without its module: refused."""
     return lightning_fit()[0]
+
+
+def lightning_fit_accumulate(batch_size: int = 8, seq_len: int = 128):
+    """Trainer.fit with accumulate_grad_batches=2: two micro-batches per optimizer step."""
+    import lightning as L
+
+    trainer, module, loader = lightning_fit(batch_size, seq_len, log=False)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        gradient_clip_val=1.0,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    return trainer, module, loader
+
+
+def hf_trainer_accumulate(batch_size: int = 8, seq_len: int = 128):
+    """The HF Trainer with gradient_accumulation_steps=2."""
+    trainer = hf_trainer(batch_size, seq_len)
+    trainer.args.gradient_accumulation_steps = 2
+    return trainer
