@@ -3,6 +3,8 @@ answered from what the user passed, with the same bytes as the path they pick.""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -131,3 +133,35 @@ def test_the_user_loop_matches_the_hf_builder_on_the_same_config():
     (user_allocated, user_reserved), (hf_allocated, hf_reserved) = _peaks(user), _peaks(hf)
     assert user_allocated == hf_allocated + 4 * 128 * 8
     assert user_reserved == hf_reserved
+
+
+def test_a_mask_made_outside_tracking_is_refused_then_answered_by_a_stated_value():
+    """oomkit.predict with a mask it cannot follow: refused naming transformers' line; with
+    values={'masking_utils.py:LINE': 1} it predicts the bytes of a followed mask."""
+    import oomkit
+    from oomkit.errors import DataDependentValueError
+
+    def build(tracked: bool):
+        with value_tracking() if tracked else contextlib.nullcontext(), torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                _llama_config(), attn_implementation="sdpa"
+            )
+            ids = torch.randint(0, 512, (2, 64))
+            mask = torch.ones(2, 64, dtype=torch.long)
+        return model, ids, mask
+
+    def step(model, ids, mask):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+    with pytest.raises(DataDependentValueError) as raised:
+        oomkit.predict(step, *build(tracked=False), steps=1)
+    message = str(raised.value)
+    assert "masking_utils.py:" in message and "in _ignore_causal_mask_sdpa" in message
+    assert "The read is inside a library, not yours to move" in message
+    key = message.split("--value ")[1].split("=NUMBER")[0]
+    stated = oomkit.predict(step, *build(tracked=False), steps=1, values={key: 1})
+    followed = oomkit.predict(step, *build(tracked=True), steps=1)
+    assert stated.peak_allocated_bytes == followed.peak_allocated_bytes
+    assert stated.assumptions[f"read at {key} in _ignore_causal_mask_sdpa"] == (
+        "bool() = True, as stated (--value / values=); 1 time(s)"
+    )

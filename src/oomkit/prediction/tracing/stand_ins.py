@@ -197,7 +197,8 @@ def _advice(site: ReadSite, what: str) -> str:
         return (
             f"The read is inside a library, not yours to move; {state}, or pass inputs whose "
             "values oomkit can follow (masks made with torch.ones / torch.full / torch.triu "
-            "in the builder or the step, not loaded or random)."
+            "in the builder or the step, not loaded or random; from Python, made inside the "
+            "step or under oomkit.prediction.tracing.value_tracking())."
         )
     return (
         f"To predict anyway, {state}, or compute {what} from sizes you know (shapes, "
