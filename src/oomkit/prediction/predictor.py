@@ -408,6 +408,7 @@ def predict(
     description: str = "",
     target: Target | None = None,
     workload: WorkloadSpec | None = None,
+    values: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> Prediction:
     """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
@@ -438,6 +439,9 @@ def predict(
             ``use_sdpa_settings``, else this torch install's cuDNN).
         workload: what is predicted, as data, carried into the result (``oomkit explain``
             reads it).
+        values: tensor values the step reads, by the line that reads them
+            (``{"train.py:42": 1024}``, as ``--value``); other reads are answered from known
+            values or get a stand-in (README, "Predicting your own step").
         kwargs: passed to ``step_fn`` and tracked.
 
     Returns:
@@ -448,6 +452,9 @@ def predict(
         UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
+        DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
+        EmptyRecordingError: the model is not on the meta device, or the step allocated
+            nothing there (it ran on the CPU, for real).
         ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
     """
     # Parsed once, before tracing, so that a bad setting fails first.
@@ -466,7 +473,16 @@ def predict(
     def step(*all_args: Any, **all_kwargs: Any) -> Any:
         return step_fn(*all_args[:count], **all_kwargs)
 
-    recording = trace_step(step, *args, *track, steps=steps, target=target, **kwargs)
+    recording = trace_step(
+        step,
+        *args,
+        *track,
+        steps=steps,
+        target=target,
+        values=values,
+        require_allocations=True,
+        **kwargs,
+    )
     traced = target
     if traced.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.

@@ -33,6 +33,7 @@ EXPECTED = {
         "--smallest-gpu",
         "--steps",
         "--torch-version",
+        "--value",
     ],
     "predict": [
         "--alloc-conf",
@@ -56,6 +57,7 @@ EXPECTED = {
         "--seq",
         "--steps",
         "--torch-version",
+        "--value",
     ],
     "run": ["--json", "--max-entries", "--snapshot-dir"],
     "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],

@@ -39,10 +39,12 @@ __all__ = [
     "add_workload_flags",
     "build_workload",
     "positive_int",
+    "stated_value",
     "step_options",
     "user_code_error",
     "user_errors",
     "user_output_to_stderr",
+    "user_values",
     "user_workload_spec",
 ]
 
@@ -112,6 +114,46 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     parser.add_argument(
         "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
     )
+    parser.add_argument(
+        "--value",
+        type=stated_value,
+        action="append",
+        metavar="FILE:LINE=NUMBER",
+        help="the value a tensor read (.item(), bool(), int()) at FILE:LINE returns while "
+        "tracing, e.g. --value train.py:42=1024 (repeatable)",
+    )
+
+
+def stated_value(text: str) -> tuple[str, float]:
+    """``--value FILE:LINE=NUMBER`` -> ``("FILE:LINE", NUMBER)`` (an int when it is one)."""
+    key, sep, number = text.rpartition("=")
+    path, colon, line = key.rpartition(":")
+    if not sep or not colon or not path or not line.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected FILE:LINE=NUMBER, the line that reads the value and the value; got "
+            f"{text!r}. Example: --value train.py:42=1024"
+        )
+    try:
+        value: float = int(number)
+    except ValueError:
+        try:
+            value = float(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"the value in {text!r} is not a number. Example: --value train.py:42=1024"
+            ) from None
+    return key, value
+
+
+def user_values(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """While open (around building and tracing the step), tensor values are followed and
+    reads answered, stated (``--value``) or given stand-ins (``value_reads.value_tracking``);
+    a no-op where torch is not installed (the step then fails to load first)."""
+    try:
+        from oomkit.prediction.tracing import value_tracking
+    except ImportError:
+        return contextlib.nullcontext()
+    return value_tracking(dict(getattr(args, "value", None) or ()))
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
@@ -360,8 +402,13 @@ def user_errors(
     """
     try:
         yield
-    except OomkitError:
-        raise
+    except OomkitError as exc:
+        target, raised = culprit()
+        mine = any(exc is e or exc.__cause__ is e for e in raised)
+        if target is None or not mine or str(exc).startswith(target):
+            raise
+        # Raised inside the user's step (a value it reads, an op meta cannot run): say whose.
+        raise type(exc)(f"{target}: {exc}") from exc
     except Exception as exc:
         target, raised = culprit()
         error = user_code_error(target, exc, raised)
@@ -373,11 +420,10 @@ def user_errors(
 def user_code_error(
     target: str | None, exc: BaseException, raised: list[BaseException]
 ) -> UserCodeError | None:
-    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``."""
+    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``:
+    the user's line, the library line below it, and advice that fits the failure."""
     if not any(exc is e for e in raised):
         return None
-    return UserCodeError(
-        f"{target}: the step raised {type(exc).__name__}: {exc}. It runs on the meta "
-        "device: code that reads tensor values (.item(), data-dependent shapes) cannot run "
-        "there."
-    )
+    from oomkit.prediction.tracing.step_failure import failure_text
+
+    return UserCodeError(f"{target}: {failure_text(exc)}")

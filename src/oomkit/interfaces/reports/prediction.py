@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from oomkit.core.target import Target
@@ -20,6 +21,11 @@ __all__ = [
     "target_to_json",
     "verdict_line",
 ]
+
+# The start of the recording's warning for compiled code run eagerly (the same text as
+# oomkit.prediction.tracing.read_report.COMPILED_EAGERLY, which imports torch; a test keeps
+# them equal): the verdict says so too.
+COMPILED_EAGERLY = "torch.compile: traced eagerly"
 
 # What a row of the breakdown table calls reserved memory that holds no live tensor.
 CACHED_LABEL = "cached, not allocated"
@@ -57,6 +63,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += f"; over the budget of {format_bytes(p.budget_bytes)}"
     elif p.budget_bytes is not None:
         line += f"; within the budget of {format_bytes(p.budget_bytes)}"
+    if any(w.startswith(COMPILED_EAGERLY) for w in p.warnings):
+        line += " (torch.compile traced eagerly)"
     return line
 
 
@@ -66,13 +74,22 @@ def kernels_line(prediction: Prediction) -> str:
     major, minor = prediction.gpu.kernel_compute_capability
     target = ", ".join(
         [f"compute capability {major}.{minor}"]
-        + [f"{name} {value}" for name, value in prediction.assumptions.items()]
+        + [
+            f"{name} {value}"
+            for name, value in prediction.assumptions.items()
+            if not _is_value_assumption(name)
+        ]
     )
     choices = "; ".join(
         f"{choice} ({count} call{'s' if count != 1 else ''})"
         for choice, count in prediction.kernel_choices.items()
     )
     return f"kernels as on {target}: {choices}"
+
+
+def _is_value_assumption(name: str) -> bool:
+    # Tensor values the trace answered (oomkit.prediction.tracing.read_report): their own lines.
+    return name.startswith("read at ") or name == "finite values"
 
 
 def _pct(part: int, whole: int) -> str:
@@ -152,6 +169,9 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         if p.oom.frame and not _is_entry_point(p.oom.frame):
             console.print(f"  from {p.oom.frame}")
         console.print(f"  {p.oom.message}", soft_wrap=True)
+    for name, value in p.assumptions.items():
+        if _is_value_assumption(name):
+            console.print(f"assumed: {escape(name)}: {escape(value)}", soft_wrap=True)
     for warning in p.warnings:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
 
