@@ -228,8 +228,10 @@ def test_the_ban_rule_on_two_folders():
     }
     assert expected_bans("prediction.tracing") == {
         "oomkit.prediction.models",
+        "oomkit.prediction.module_groups",
         "oomkit.prediction.predictor",
         "oomkit.prediction._replay",
+        "oomkit.prediction.summary",
         "oomkit.prediction.workload",
         "oomkit.plan",
         "oomkit.diagnose",
