@@ -318,3 +318,31 @@ def test_cli_verdict_names_the_precision_and_its_source(tmp_path, capsys):
     assert out["verdict"].startswith(
         "fits on RTX 4090 (bf16, from the config's torch_dtype): peak reserved "
     )
+
+
+def test_given_bf16_on_a_config_without_dtype_builds_bf16_parameters():
+    """GPT-2's config names no dtype; --precision bf16 still builds bf16 (from_config dtype=)."""
+    import torch
+
+    built = build_hf_step(_gpt2_config(), StepOptions(batch_size=1, seq_len=8, precision="bf16"))
+    assert {p.dtype for p in built.track[0].parameters()} == {torch.bfloat16}
+    assert built.precision_source is None
+    recording = trace_step(built.step_fn, *built.track)
+    assert recording.allocated_bytes("parameter") == 2 * _gpt2_params()
+
+
+def test_config_dtype_the_recorder_does_not_model_is_built_in_fp32():
+    """A float64 config gets fp32, and the source says the config's dtype was not modelled."""
+    import torch
+
+    from oomkit.prediction.models.hf import config_precision
+
+    config = _llama_config()
+    config.dtype = torch.float64
+    assert config_precision(config) == (
+        "fp32",
+        "the default: the config's torch_dtype torch.float64 is not modelled",
+    )
+    built = build_hf_step(config, StepOptions(batch_size=1, seq_len=8, mode="inference"))
+    assert {p.dtype for p in built.track[0].parameters()} == {torch.float32}
+    assert config.dtype == torch.float64

@@ -159,17 +159,26 @@ def config_precision(config: Any) -> tuple[Precision, str]:
 
     Returns:
         ``("bf16", "from the config's torch_dtype")`` for a bfloat16 config; ``("fp32", "the
-        default: ...")`` when it names none (or one oomkit has no precision for).
+        default: ...")`` when it names none, or one oomkit has no precision for (``float64``:
+        the model is then built in fp32, and the source says so).
     """
-    dtype = getattr(config, "dtype", None)  # transformers >= 4.56
+    dtype = _config_dtype(config)
     if dtype is None:
-        dtype = getattr(config, "torch_dtype", None)  # older transformers
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    precision = _PRECISION_OF_DTYPE.get(dtype) if isinstance(dtype, torch.dtype) else None
-    if precision is None:
         return "fp32", NO_CONFIG_DTYPE
+    precision = _PRECISION_OF_DTYPE.get(dtype)
+    if precision is None:
+        return "fp32", f"the default: the config's torch_dtype {dtype} is not modelled"
     return precision, FROM_CONFIG
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a config names (``dtype`` from transformers 4.56, ``torch_dtype`` before)."""
+    dtype = getattr(config, "dtype", None)
+    if dtype is None:
+        dtype = getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)  # "bfloat16"; "auto" is no dtype
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _dtype_keyword(transformers: Any) -> str:
@@ -246,10 +255,12 @@ def build_hf_step(
     if options.precision is None:
         precision, source = config_precision(config)
         options = dataclasses.replace(options, precision=precision)
-    else:
-        # As `from_config(config, dtype=...)` builds it (buffers such as RoPE's inv_freq are
-        # made as transformers makes them, not cast afterwards). _from_config sets the dtype on
-        # the config it is given: a copy, so that the caller's config is left as it was.
+    # from_config builds in the config's dtype, else torch's default dtype.
+    if (_config_dtype(config) or torch.get_default_dtype()) != model_dtype(options.precision):
+        # Another precision: as `from_config(config, dtype=...)` builds it (buffers such as
+        # RoPE's inv_freq are made as transformers makes them, not cast afterwards).
+        # _from_config sets the dtype on the config it is given: a copy, so that the caller's
+        # config is left as it was.
         config = copy.deepcopy(config)
         build_kwargs[_dtype_keyword(transformers)] = model_dtype(options.precision)
     with torch.device(device):
