@@ -108,3 +108,43 @@ def test_renderers_are_public():
         {"module": "h.0.mlp", "bytes": 2 * MiB},
     ]
     assert len(data["peak_allocated_at"]["modules"]) == 13
+
+
+def test_a_model_left_on_the_cpu_is_refused_before_the_step_runs():
+    """oomkit.predict with a CPU nn.Module (in args, track or a dict) raises, naming the fix."""
+    from oomkit.errors import UserCodeError
+
+    ran = []
+    model = torch.nn.Linear(4, 4)  # on the CPU: a mistake
+
+    def step(model):
+        ran.append(True)
+        model(torch.ones(2, 4)).sum().backward()
+
+    with pytest.raises(UserCodeError, match="a Linear passed to oomkit.predict .or tracked by a builder. has its parameters on"):
+        oomkit.predict(step, model, gpu="rtx4090")
+    with pytest.raises(UserCodeError, match="Build it on the meta device"):
+        oomkit.predict(lambda: None, track=[{"model": model}], gpu="rtx4090")
+    assert ran == []
+    # A host batch that the step moves to the device is not a mistake.
+    with torch.device("meta"):
+        meta_model = torch.nn.Linear(4, 4)
+    host_batch = torch.ones(2, 4)
+    p = oomkit.predict(lambda m, x: m(x.to("meta")).sum().backward(), meta_model, host_batch,
+                       gpu="rtx4090", steps=1)
+    assert p.peak_allocated_bytes > 0
+
+
+def test_cli_exits_2_on_a_step_that_allocated_nothing(tmp_path, capsys):
+    """`oomkit predict file.py:function` whose step runs on the CPU is not a fit: exit 2."""
+    from oomkit.interfaces.cli import main
+
+    (tmp_path / "cpu.py").write_text(
+        "import torch\n\n"
+        "def build():\n"
+        "    return lambda: torch.ones(64, device='cpu') * 2\n"
+    )
+    code = main(["predict", f"{tmp_path / 'cpu.py'}:build", "--gpu", "rtx4090", "--steps", "1"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "NOTHING PREDICTED" in captured.out + captured.err or "nothing" in captured.err

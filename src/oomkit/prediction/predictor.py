@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target, resolve_target
+from oomkit.errors import UserCodeError
 from oomkit.prediction._replay import (
     MAX_TIMELINE_POINTS,
     StepPeak,
@@ -429,6 +430,40 @@ def _made_once_bytes(
     return sum(live.values())
 
 
+def _refuse_modules_on_the_host(objects: Sequence[Any]) -> None:
+    """A module among ``objects`` (or in a list, tuple or dict of them) with a tensor on the CPU
+    is a model left there by mistake: say so before running anything (issue 22 item 11).
+
+    Host tensors that are not a module's (a batch a step moves to the device) are fine.
+    Duck-typed (``parameters``/``buffers``): this module does not import torch.
+    """
+    pending = list(objects)
+    for _ in range(10_000):  # nested containers, bounded
+        if not pending:
+            return
+        obj = pending.pop()
+        if isinstance(obj, dict):
+            pending.extend(obj.values())
+            continue
+        if isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+            continue
+        parameters, buffers = getattr(obj, "parameters", None), getattr(obj, "buffers", None)
+        if not (callable(parameters) and callable(buffers)):
+            continue
+        for tensor in (*parameters(), *buffers()):
+            device = getattr(tensor, "device", None)
+            if getattr(device, "type", None) == "cpu":
+                raise UserCodeError(
+                    f"a {type(obj).__name__} passed to oomkit.predict (or tracked by a builder) "
+                    "has its parameters on the CPU: the step would run there for real and "
+                    "allocate nothing on the traced "
+                    "GPU, so there would be nothing to predict. Build it on the meta device "
+                    "(`with torch.device('meta'): model = ...`, or `device='meta'`) and predict "
+                    "again."
+                )
+
+
 def predict(
     step_fn: Callable[..., Any],
     *args: Any,
@@ -482,6 +517,9 @@ def predict(
         UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
+        UserCodeError: a module passed (in ``args``, ``track`` or ``kwargs``) has its
+            parameters or buffers on the CPU: a model left there by mistake would run the
+            step on the CPU for real and allocate nothing on the traced device.
         ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
     """
     # Parsed once, before tracing, so that a bad setting fails first.
@@ -492,6 +530,7 @@ def predict(
         context_overhead_bytes=context_overhead_bytes,
         torch_version=torch_version,
     )
+    _refuse_modules_on_the_host((*args, *track, *kwargs.values()))
     from oomkit.prediction.tracing import trace_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 

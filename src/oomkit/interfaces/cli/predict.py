@@ -1,7 +1,8 @@
 """``oomkit predict PRESET|file.py:function``: peak GPU memory of a step, without a GPU.
 
 Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds the budget,
-2 bad input, 3 torch (or transformers, for ``--hf``) is not installed.
+2 bad input (a step that allocated nothing on the traced device included: nothing was
+predicted), 3 torch (or transformers, for ``--hf``) is not installed.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from oomkit.interfaces.cli._target import target_from_args
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
     from oomkit.prediction.predictor import predict
+    from oomkit.prediction.summary import nothing_recorded
 
     # Cheap checks first, so a typo fails before any model is built.
     target = target_from_args(args)
@@ -82,5 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(prediction_to_json(prediction))
     else:
         render_prediction(prediction, stdout_console())
+    if nothing_recorded(prediction):
+        return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
     ok = prediction.fits and prediction.within_budget is not False
     return 0 if ok else 1
