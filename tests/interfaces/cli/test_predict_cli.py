@@ -87,6 +87,11 @@ def test_user_function_json_has_every_field(user_file, capsys):
     # x: 2 x 16 x 32 fp32 = 4 KiB.
     assert out["by_category_bytes"]["input"] == 4096
     assert out["verdict"].startswith("fits on RTX 4090: peak reserved ")
+    # Steps count from 1 in the JSON, as in the tables (issue 16 item 12).
+    assert [s["step"] for s in out["step_peaks"]] == [1, 2, 3]
+    assert out["peak_step"] in (1, 2, 3)
+    assert {p["step"] for p in out["timeline"]} <= {None, 1, 2, 3}
+    assert out["timeline"][-1]["step"] == 3
 
 
 def test_function_without_track_and_default_batch(user_file, capsys):
