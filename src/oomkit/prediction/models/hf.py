@@ -173,8 +173,11 @@ def config_precision(config: Any) -> tuple[Precision, str]:
 
 def _config_dtype(config: Any) -> torch.dtype | None:
     """The dtype a config names (``dtype`` from transformers 4.56, ``torch_dtype`` before)."""
-    dtype = getattr(config, "dtype", None)
-    if dtype is None:
+    # Newer configs read an older config.json's torch_dtype into `dtype`, and reading their
+    # `torch_dtype` logs a deprecation: read it only where `dtype` does not exist.
+    if hasattr(config, "dtype"):
+        dtype = config.dtype
+    else:
         dtype = getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)  # "bfloat16"; "auto" is no dtype
