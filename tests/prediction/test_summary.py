@@ -148,3 +148,20 @@ def test_cli_exits_2_on_a_step_that_allocated_nothing(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2
     assert "NOTHING PREDICTED" in captured.out + captured.err or "nothing" in captured.err
+
+
+def test_terminal_module_table_merges_layers_and_counts_rows_left_out():
+    """The report's module table: one row for h.0-h.11, numeric order, a row for the rest."""
+    from rich.console import Console
+
+    events = [_alloc(i, 2 * MiB, "activation", f"h.{i}.mlp") for i in range(12)]
+    # Eleven distinct modules of decreasing size: ten rows fit, so one is left out.
+    events += [_alloc(100 + k, (11 - k) * 512 * 1024, "activation", f"head{k}") for k in range(11)]
+    p = predict_recording(TraceRecording(events=tuple(events), step_starts=(0,)), GPU)
+    out = io.StringIO()
+    oomkit.render_prediction(p, Console(file=out, width=120, no_color=True))
+    text = out.getvalue()
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ h")]
+    assert rows[0] == "h.0-h.11.mlp (12 layers, 2.00 MiB each)"
+    assert "│ (2 more rows: 2 modules left out)" in text
+    assert "h.10.mlp " not in text and "h.2.mlp " not in text
