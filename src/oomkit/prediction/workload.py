@@ -56,6 +56,9 @@ class WorkloadSpec:
         mode: ``"train"``, ``"inference"`` or ``"generate"``; ``None`` when not known.
         new_tokens: tokens generated (``generate`` only).
         steps: steps recorded.
+        precision_source: where ``precision`` came from when it was not asked for (``"from the
+            config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
+            not known). The verdict names it.
     """
 
     kind: WorkloadKind
@@ -69,6 +72,7 @@ class WorkloadSpec:
     mode: str | None = None
     new_tokens: int | None = None
     steps: int | None = None
+    precision_source: str | None = None
 
     @property
     def training(self) -> bool | None:
@@ -82,7 +86,8 @@ class WorkloadSpec:
 
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
-    """The saved form: ``kind``, ``name``, ``options`` and ``steps``; a preset also keeps
+    """The saved form: ``kind``, ``name``, ``options`` and ``steps`` (and ``precision_source``
+    when set); a preset also keeps
     ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
     with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
     out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
@@ -90,6 +95,8 @@ def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -
         out["preset"] = workload.name
     out["options"] = workload.options
     out["steps"] = workload.steps
+    if workload.precision_source is not None:
+        out["precision_source"] = workload.precision_source
     if cudnn_version is not None:
         out["cudnn_version"] = cudnn_version
     return out
@@ -129,6 +136,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             mode=_typed(options.get("mode"), str),
             new_tokens=_typed(options.get("new_tokens"), int),
             steps=_typed(saved.get("steps"), int),
+            precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")
     if isinstance(description, str) and description:

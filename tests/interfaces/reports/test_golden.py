@@ -38,7 +38,7 @@ def _alloc(ident, size, category, module, op=None, frames=()):
 PREDICTION_GOLDEN = """\
 a test workload on test GPU (1.00 GiB total, 100.00 MiB outside PyTorch, allocator settings:
 default)
-      Memory at peak allocated (step 0)
+      Memory at peak allocated (step 1)
 ┏━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━┓
 ┃ category              ┃     bytes ┃      % ┃
 ┡━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━┩
@@ -59,8 +59,8 @@ default)
 ┏━━━━━━┳━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━┓
 ┃ step ┃ peak allocated ┃ peak reserved ┃
 ┡━━━━━━╇━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━┩
-│    0 │      33.00 MiB │     54.00 MiB │
 │    1 │      33.00 MiB │     54.00 MiB │
+│    2 │      33.00 MiB │     54.00 MiB │
 └──────┴────────────────┴───────────────┘
 fits on test GPU: peak reserved 54.00 MiB of 924.00 MiB usable, 870.00 MiB headroom
 warning: an example warning

@@ -99,12 +99,12 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         help=f"image size of a vision model ({', '.join(VISION_PRESETS)}; default 224)",
     )
     # Defaults None: a file.py:function target refuses these flags when given (presets get their
-    # own default precision, --hf StepOptions' fp32; both adamw, train).
+    # own default precision, --hf the config's torch_dtype; both adamw, train).
     parser.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="presets and --hf (default: bf16-mixed for the GPT-2 and Llama presets, fp32 for "
-        "the others and --hf)",
+        "the others; for --hf the config's torch_dtype)",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="presets and --hf (default adamw)")
     parser.add_argument(
@@ -233,9 +233,17 @@ class Workload:
     spec: WorkloadSpec | None = None
 
 
-def _spec(kind: WorkloadKind, name: str, options: Any, steps: int | None) -> WorkloadSpec:
-    """A preset's or Hugging Face model's workload record: its StepOptions, field by field."""
-    return WorkloadSpec(kind, name, **dataclasses.asdict(options), steps=steps)
+def _spec(kind: WorkloadKind, name: str, options: Any, steps: int | None, built: Any) -> WorkloadSpec:
+    """A preset's or Hugging Face model's workload record: its StepOptions as built (defaults
+    resolved: an HF model's precision from its config), field by field."""
+    resolved = getattr(built, "options", None) or options
+    return WorkloadSpec(
+        kind,
+        name,
+        **dataclasses.asdict(resolved),
+        steps=steps,
+        precision_source=getattr(built, "precision_source", None),
+    )
 
 
 def user_workload_spec(target: str, user: Any, steps: int | None) -> WorkloadSpec:
@@ -280,7 +288,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
 
         options = step_options(args, batch_size)
         built = _call_builder(build_hf_step, args.hf, options)
-        spec = _spec("hf", args.hf, options, steps)
+        spec = _spec("hf", args.hf, options, steps, built)
         return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
     if args.target is None:
         raise OomkitError(
@@ -305,7 +313,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     _refuse_shape_flags(args, preset)
     options = step_options(args, batch_size, preset)
     built = _call_builder(build_preset_step, args.target, options)
-    spec = _spec("preset", args.target, options, steps)
+    spec = _spec("preset", args.target, options, steps, built)
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
 
 

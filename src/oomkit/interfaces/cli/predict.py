@@ -1,7 +1,8 @@
 """``oomkit predict PRESET|file.py:function``: peak GPU memory of a step, without a GPU.
 
 Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds the budget,
-2 bad input, 3 torch (or transformers, for ``--hf``) is not installed.
+2 bad input (a step that allocated nothing on the traced device included: nothing was
+predicted), 3 torch (or transformers, for ``--hf``) is not installed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is None:
             args.steps = 3
         from oomkit.prediction.predictor import predict
+        from oomkit.prediction.summary import nothing_recorded
 
         with user_output_to_stderr():
             workload = build_workload(args, args.batch, "predict")
@@ -128,5 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(prediction_to_json(prediction))
     else:
         render_prediction(prediction, stdout_console())
+    if nothing_recorded(prediction):
+        return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
     ok = prediction.fits and prediction.within_budget is not False
     return 0 if ok else 1
