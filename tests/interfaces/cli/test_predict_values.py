@@ -142,7 +142,7 @@ def test_a_logged_loss_item_costs_nothing_and_is_listed(script, capsys):
     line = _line("# LOGGED")
     (warning,) = [w for w in logged["warnings"] if "Tensor.item() read" in w]
     assert warning.startswith(f"nano.py:{line} in step: Tensor.item() read a tensor value")
-    assert "(2 time(s)); it got a stand-in (nan)" in warning
+    assert "(2 time(s)); it got a stand-in (printed as nan" in warning
     assert "iter: loss nan" in err  # the user's print went to stderr, with the stand-in
     assert not any("torch.autocast('cuda') was entered" in w for w in logged["warnings"])
 

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from oomkit.errors import ConfigError, DataDependentValueError  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
 from oomkit.prediction.tracing import StandIn, trace_step  # noqa: E402
+from oomkit.prediction.tracing.stand_ins import STAND_IN_VALUE  # noqa: E402
 from oomkit.prediction.tracing.value_reads import parse_stated_values  # noqa: E402
 
 HERE = Path(__file__).name  # how --value names a line
@@ -57,14 +58,15 @@ def test_a_logged_item_gets_a_stand_in_and_is_listed_with_its_line():
     without = trace_step(plain, *_model(), steps=2)
     assert _peak(with_read) == _peak(without)
     lossf, text, formatted, as_float = seen[0]
-    assert isinstance(lossf, StandIn) and math.isnan(lossf)
+    # Shown as nan, finite as a number (math.isfinite holds, as the finite-values assumption).
+    assert isinstance(lossf, StandIn) and math.isfinite(lossf) and str(lossf) == "nan"
     assert (text, formatted) == ("nan", "nan")
-    assert math.isnan(as_float) and not isinstance(as_float, StandIn)  # Python's float()
+    assert as_float == STAND_IN_VALUE and not isinstance(as_float, StandIn)  # Python's float()
     line = _line_of(logged, "lossf = loss.item()")
     read = [w for w in with_read.warnings if f"{SHOWN}:{line} in logged" in w]
     assert len(read) == 1
     assert "Tensor.item() read a tensor value that oomkit cannot know" in read[0]
-    assert "(2 time(s)); it got a stand-in (nan)" in read[0]
+    assert "(2 time(s)); it got a stand-in (printed as nan; 1.0, finite, as a number)" in read[0]
     assert f"--value {HERE}:{line}=NUMBER" in read[0]
     (by_float,) = [w for w in with_read.warnings if "float() read" in w]
     assert "cannot tell whether it decided a size or a branch" in by_float

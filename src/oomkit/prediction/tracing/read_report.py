@@ -51,14 +51,14 @@ def read_warnings(reads: ValueReads, compiled: Counter[str]) -> list[str]:
         key = record.site.key
         if record.kind == "float()":
             fate = (
-                "it got nan, a plain float (Python does not keep a checked stand-in through "
+                "it got 1.0, a plain float (Python does not keep a checked stand-in through "
                 "float()), so oomkit cannot tell whether it decided a size or a branch; read "
                 "it with .item() to have that checked"
             )
         else:
             fate = (
-                "it got a stand-in (nan), which was only printed, logged or passed on, never "
-                "used as a size, a loop bound or a condition"
+                "it got a stand-in (printed as nan; 1.0, finite, as a number), which was only "
+                "printed, logged or passed on, never used as a size, a loop bound or a condition"
             )
         out.append(
             f"{record.site.describe()}: {record.kind} read a tensor value that oomkit cannot know "

@@ -2,8 +2,11 @@
 
 The rule (README, "Predicting your own step"): a read of a meta tensor's value that oomkit cannot
 know (``loss.item()``, ``float(loss)``, ``f"{loss:.3f}"``, ``loss.tolist()``) returns a
-:class:`StandIn`: a ``float`` that is NaN and remembers the line that read it. Logging,
-printing, formatting and arithmetic work on it (arithmetic gives another stand-in). Using it where
+:class:`StandIn`: a ``float`` that remembers the line that read it. It prints and formats as
+``nan`` (so a logged stand-in is not mistaken for a real loss), and is 1.0 as a number, finite,
+as the finite-values assumption has it (``math.isfinite(loss.item())`` holds, as in a run that
+proceeds). Logging, printing, formatting and arithmetic work on it (arithmetic gives another
+stand-in). Using it where
 the value could change what the step allocates raises :class:`DataDependentValueError`, naming
 both lines: as a size or index (``int()``, ``__index__``: ``torch.zeros(n)``, ``range(n)``), as a
 condition (``if``, ``while``, ``and``/``or``), or in a comparison. ``bool()`` / ``int()`` of
@@ -25,6 +28,7 @@ from oomkit.errors import DataDependentValueError
 
 __all__ = [
     "ReadSite",
+    "STAND_IN_VALUE",
     "StandIn",
     "is_hidden_file",
     "is_library_file",
@@ -216,8 +220,13 @@ def refuse_unknown(kind: str, use: str, site: ReadSite | None) -> NoReturn:
     )
 
 
+# The number a stand-in is: finite, and no divisor of zero.
+STAND_IN_VALUE = 1.0
+
+
 class StandIn(float):
-    """A NaN standing in for a tensor value oomkit cannot know; remembers where it was read.
+    """Stands in for a tensor value oomkit cannot know (1.0, shown as ``nan``); remembers where
+    it was read.
 
     Arithmetic gives another stand-in; use as a size, index, condition or in a comparison raises
     :class:`DataDependentValueError` naming the read and the use.
@@ -227,12 +236,17 @@ class StandIn(float):
     site: ReadSite | None
 
     def __new__(cls, site: ReadSite | None) -> StandIn:
-        obj = super().__new__(cls, math.nan)
+        obj = super().__new__(cls, STAND_IN_VALUE)
         obj.site = site
         return obj
 
     def __repr__(self) -> str:
         return "nan"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(math.nan, spec)
 
     def _refuse(self, use: str) -> NoReturn:
         used = read_site(stack_frames(3))
@@ -240,8 +254,8 @@ class StandIn(float):
         at = f"{used.location}: " if used is not None else ""
         raise DataDependentValueError(
             f"{at}a tensor value read at {read} is used as {use}, which can change what the step "
-            "allocates; on the meta device oomkit does not know it (the read got a stand-in, "
-            "nan, that may only be logged or printed). "
+            "allocates; on the meta device oomkit does not know it (the read got a stand-in "
+            "that may only be logged or printed). "
             + (_advice(self.site, "it") if self.site is not None else "")
         )
 

@@ -9,11 +9,11 @@ tensor's value: ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``, ``__i
    ``oomkit.predict(..., values={"file.py:42": 1024})``);
 2. answered: the tensor's values are known (a mask made with ``torch.ones``); the read returns
    what CUDA would return;
-   ``float()`` gets a plain NaN: Python does not keep a float subclass through ``float()``, so
-   its later use cannot be checked (its warning says so: use ``.item()``);
+   ``float()`` gets a plain ``STAND_IN_VALUE``: Python does not keep a float subclass through
+   ``float()``, so its later use cannot be checked (its warning says so: use ``.item()``);
 3. ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor answer as for finite values
    (counted in ``assumed_finite``);
-4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` (NaN) that
+4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` that
    raises if it is later used as a size or a condition; ``bool`` / ``int`` / ``index`` /
    ``torch.equal`` are such uses themselves and raise ``DataDependentValueError`` at once.
 
@@ -23,7 +23,6 @@ Every read is recorded by site (:class:`ReadRecord`) for the prediction's assump
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.stand_ins import (
+    STAND_IN_VALUE,
     ReadSite,
     StandIn,
     read_site,
@@ -174,8 +174,8 @@ class ValueReads(TorchFunctionMode):
             result = format(StandIn(site), *args[1:2])
         elif func is torch.Tensor.__float__:
             # float() turns a float subclass into a plain float (and warns that returning one
-            # is deprecated): the NaN cannot stay checked. The warning says so.
-            result = math.nan
+            # is deprecated): the value cannot stay checked. The warning says so.
+            result = STAND_IN_VALUE
         else:
             result = StandIn(site)
         return self._record(site, kind, "stand-in", result, ())

@@ -95,6 +95,12 @@ _INF_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 _OVERWRITES = frozenset({"aten::fill_", "aten::zero_", "aten::copy_"})
 
 
+# Tensor types whose values are their storage's (subclasses such as DTensor wrap others).
+_PLAIN_TENSORS = tuple(
+    t for t in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if t
+)
+
+
 @dataclass(frozen=True)
 class _Copy:
     """The CPU copy of one meta storage and the factories its values come from."""
@@ -131,7 +137,7 @@ def known_value(tensor: Any) -> KnownValue | None:
     :class:`KnownValues` could follow them; ``None`` otherwise."""
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_nested:
         return None
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+    if type(tensor) not in _PLAIN_TENSORS:
         return None
     device = tensor.device.type
     if device == "cpu":
@@ -230,7 +236,10 @@ class KnownValues(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        name = func._schema.name
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # not an aten overload (a higher-order op): values not followed
+            return func(*args, **kwargs)
+        name = schema.name
         flat, spec = tree_flatten((args, kwargs))
         metas = [leaf for leaf in flat if isinstance(leaf, torch.Tensor) and leaf.is_meta]
         if not metas and not any(isinstance(leaf, torch.Tensor) for leaf in flat):
