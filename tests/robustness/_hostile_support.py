@@ -75,7 +75,8 @@ def assert_within_bounds(result: Bounded, memory_bytes: int = MEMORY_LIMIT_BYTES
 
 
 def base_snapshot() -> dict[str, Any]:
-    """A valid snapshot: one 20 MiB segment, a live 12 MiB block, a trace of 4 events."""
+    """A valid snapshot: one 20 MiB segment, a live 5 MiB block; the trace made it (5 events,
+    a 4 MiB block allocated and freed): peak 9 MiB allocated, 20 MiB reserved."""
     frames = (Frame("/home/user/train.py", 7, "step"),)
     a = BASE_ADDRESS
     segments = [
@@ -83,16 +84,16 @@ def base_snapshot() -> dict[str, Any]:
             "address": a,
             "total_size": 20 * MiB,
             "blocks": [
-                {"address": a, "size": 12 * MiB, "state": "active_allocated", "frames": frames},
-                {"address": a + 12 * MiB, "size": 8 * MiB, "state": "inactive"},
+                {"address": a, "size": 5 * MiB, "state": "active_allocated", "frames": frames},
+                {"address": a + 5 * MiB, "size": 15 * MiB, "state": "inactive"},
             ],
         }
     ]
     events = [
         TraceEvent("segment_alloc", a, 20 * MiB, frames=frames),
-        TraceEvent("alloc", a, 12 * MiB, frames=frames),
-        TraceEvent("alloc", a + 12 * MiB, 4 * MiB, frames=frames),
-        TraceEvent("free_requested", a + 12 * MiB, 4 * MiB, frames=frames),
-        TraceEvent("free_completed", a + 12 * MiB, 4 * MiB, frames=frames),
+        TraceEvent("alloc", a, 5 * MiB, frames=frames),
+        TraceEvent("alloc", a + 5 * MiB, 4 * MiB, frames=frames),
+        TraceEvent("free_requested", a + 5 * MiB, 4 * MiB, frames=frames),
+        TraceEvent("free_completed", a + 5 * MiB, 4 * MiB, frames=frames),
     ]
     return snapshot_to_data(segments, {0: events})

@@ -259,7 +259,7 @@ class _Normaliser:
                 state = "active_pending_free"
             else:
                 state = "inactive"
-        if state not in _STATES:
+        if type(state) is not str or state not in _STATES:
             raise self.fail(f"{where}: unknown block state {show(state)}")
         return (
             SnapshotBlock(
