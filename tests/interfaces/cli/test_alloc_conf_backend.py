@@ -71,3 +71,20 @@ def test_api_refuses_cudamallocasync():
 
     with pytest.raises(OomkitError, match="does not simulate"):
         simulate_events([TraceEvent("alloc", 1, 10)], AllocatorConfig(backend="cudaMallocAsync"))
+
+
+@pytest.mark.parametrize("command", ["predict", "fit"])
+def test_predict_and_fit_refuse_cudamallocasync_before_any_work(capsys, command):
+    """predict/fit --alloc-conf backend:cudaMallocAsync: exit 2 before a model is built."""
+    assert main([command, "gpt2-124m", "--alloc-conf", "backend:cudaMallocAsync"]) == 2
+    _refused(capsys)
+
+
+def test_target_refuses_cudamallocasync():
+    """Target.resolve (what oomkit.predict(alloc_conf=...) builds) raises ConfigError."""
+    from oomkit.core.target import Target
+    from oomkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not simulate"):
+        Target.resolve("h100", alloc_conf="backend:cudaMallocAsync")
+    assert Target.resolve("h100", alloc_conf="backend:native").allocator_config.backend == "native"
