@@ -274,7 +274,7 @@ def predict_recording(
     within_budget = None
     if budget_bytes is not None:
         within_budget = fits and required <= budget_bytes
-    warnings = [*recording.warnings, *_warnings(events, replay.step_peaks, fits)]
+    warnings = [*target.warnings, *recording.warnings, *_warnings(events, replay.step_peaks, fits)]
     return Prediction(
         gpu=spec,
         alloc_conf=str(config),

@@ -24,6 +24,7 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
+from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
 __all__ = [
@@ -69,8 +70,9 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
-    """--gpu, --alloc-conf, --torch-version, --context-overhead and --cudnn-version: the target
-    machine (``interfaces/cli/_target.py`` reads them by these dest names)."""
+    """--gpu, --alloc-conf, --torch-version, --context-overhead, --cudnn-version and
+    --cuda-version: the target machine (``interfaces/cli/_target.py`` reads them by these dest
+    names)."""
     add_gpu_flag(
         parser,
         default="h100",
@@ -93,6 +95,7 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         "on, H100/B200 run cuDNN attention (default: this torch build's cuDNN, else the one "
         "this torch version's default PyPI Linux wheel pins, e.g. 92000 for torch 2.13)",
     )
+    add_cuda_version_flag(parser)
 
 
 def step_options(args: argparse.Namespace, batch_size: int | None) -> Any:

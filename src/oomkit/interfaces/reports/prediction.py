@@ -137,6 +137,8 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         f"{format_bytes(p.context_overhead_bytes)} outside PyTorch, "
         f"allocator settings: {p.alloc_conf or 'default'})"
     )
+    if p.target is not None:
+        console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
@@ -180,6 +182,10 @@ def target_to_json(target: Target) -> dict[str, object]:
         "torch_version": target.torch_version,
         "cudnn_version": target.cudnn_version,
         "cuda_version": target.cuda_version,
+        "cuda_module_loading": (
+            None if target.cuda_context is None else target.cuda_context.module_loading
+        ),
+        "cuda_context": target.context_description,
         "parallel": target.parallel,
     }
 
