@@ -26,6 +26,7 @@ from oomkit.core.gpus.cuda_versions import (
 )
 from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, module_loading_for
 from oomkit.errors import ConfigError
+from oomkit.units import format_bytes
 
 __all__ = ["Target", "resolve_target"]
 
@@ -88,7 +89,7 @@ class Target:
     def context_description(self) -> str:
         """Which CUDA context was assumed, in words (CUDA version, loading mode, figure)."""
         if self.cuda_context is None:
-            return f"{self.context_overhead_bytes:,} bytes outside PyTorch, given by the caller"
+            return f"{format_bytes(self.context_overhead_bytes)} outside PyTorch, given by the caller"
         return self.cuda_context.describe()
 
     def with_gpu(self, gpu: GpuSpec) -> Target:
@@ -158,7 +159,9 @@ class Target:
                 f"{cuda_module_loading!r}. Example: cuda_module_loading='eager'"
             )
         context = None
-        if context_overhead_bytes is None:
+        # A spec that carries a context of its own (a GpuSpec built by the caller, a measurement)
+        # keeps it; a catalog entry or a size gets the model's figure for this CUDA.
+        if context_overhead_bytes is None and spec.context_overhead_bytes == _catalog_context(spec):
             loading, reason = (
                 module_loading_for(build.cuda_version)
                 if cuda_module_loading is None

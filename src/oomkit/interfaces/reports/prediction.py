@@ -137,7 +137,7 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         f"{format_bytes(p.context_overhead_bytes)} outside PyTorch, "
         f"allocator settings: {p.alloc_conf or 'default'})"
     )
-    if p.target is not None:
+    if p.target is not None and p.target.cuda_context is not None:
         console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
