@@ -9,7 +9,8 @@ message variant PyTorch has printed is recognised (../shared/ref/cuda-caching-al
   optional NVML process sentences, the ``allowed`` (memory fraction) clause and the private-pool
   clause; 2.1 writes ``capacty``.
 - ``classic``: <= 2.0 ``(GPU 0; ... total capacity; ... already allocated; ... free; [... allowed;]
-  ... reserved in total by PyTorch)``; <= 1.4 said ``cached`` instead of ``reserved in total``.
+  ... reserved in total by PyTorch)``; <= 1.4 said ``... cached``: reserved minus allocated up to
+  1.3, the reserved total in 1.4 (``_classic`` tells them apart where the numbers can).
 - ``exa``: a request of 2^60 bytes or more (NativeCachingAllocator / CudaMallocAsyncAllocator
   ``allocate``).
 - ``cuda_malloc_async``: ``backend:cudaMallocAsync`` (CUDAMallocAsyncAllocator.cpp mallocAsync:
@@ -152,7 +153,8 @@ _CLASSIC = re.compile(
     + r" already allocated; "
     + _SIZE
     + r" free; "
-    r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)"
+    # A copy-paste often loses the closing parenthesis.
+    r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)?"
 )
 _EXA = re.compile(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
 _ASYNC = re.compile(
@@ -238,16 +240,31 @@ def _classic(m: re.Match[str]) -> OomText:
     g = m.groups()
     f = _Figures()
     cached = g[13] == "cached"
+    allocated = f.take("allocated_bytes", g[5], g[6])
+    last = f.take("reserved_bytes", g[11], g[12])
+    assert allocated is not None and last is not None
+    total = f.take("total_bytes", g[3], g[4])
+    assert total is not None
+    if cached and allocated + last <= total + f.tolerance["total_bytes"]:
+        # "N cached" meant two things. THCCachingAllocator (1.0-1.3) printed the memory the
+        # allocator holds but the program does not use (pytorch/pytorch PR #13751, which wrote
+        # the message: '"cached": memory held by the allocator but not used by the program'),
+        # i.e. reserved - allocated: real messages read "6.64 GiB already allocated; 21.00 MiB
+        # free; 150.86 MiB cached". 1.4's rewritten allocator printed its reserved total under
+        # the same word. Reserved - allocated is read unless allocated + cached would exceed the
+        # device (then only the 1.4 reading fits).
+        last += allocated
+        f.tolerance["reserved_bytes"] += f.tolerance["allocated_bytes"]
     return OomText(
         variant="classic",
         text=m.group(0),
         device=int(g[2]),
         requested_bytes=f.take("requested_bytes", g[0], g[1]),
-        total_bytes=f.take("total_bytes", g[3], g[4]),
-        allocated_bytes=f.take("allocated_bytes", g[5], g[6]),
+        total_bytes=total,
+        allocated_bytes=allocated,
         free_bytes=f.take("free_bytes", g[7], g[8]),
         allowed_bytes=f.take("allowed_bytes", g[9], g[10]),
-        reserved_bytes=f.take("reserved_bytes", g[11], g[12]),
+        reserved_bytes=last,
         torch_versions="<=1.4" if cached else "1.5-2.0",
         tolerance_bytes=f.tolerance,
     )
