@@ -84,8 +84,9 @@ def test_a_small_cache_and_a_shortage_lead_with_the_shortage(version):
     assert diagnosis.cause == "shortage"
     assert "outside_pytorch" not in [c.cause for c in diagnosis.causes]
     shortfall = diagnosis.causes[0].evidence_bytes["shortfall_bytes"]
-    # Q - F - U exactly (format_size rounds each figure to two decimals of its unit).
-    assert abs(shortfall - (2 * GiB - 400 * MiB - 100 * MiB)) <= 3 * GiB // 200
+    # Q - F exactly: a 100 MiB cache (under 5% of reserved) is ordinary overhead, counted as
+    # held (format_size rounds each figure to two decimals of its unit).
+    assert abs(shortfall - (2 * GiB - 400 * MiB)) <= 3 * GiB // 200
     assert diagnosis.remedies[0].title == "reduce memory per step by at least the shortfall"
 
 

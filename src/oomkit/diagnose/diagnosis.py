@@ -141,6 +141,11 @@ _DECISIVE = 2**62  # ranks a finding above any byte count
 # Memory outside the allocator above the context's upper bound is named only from this much on,
 # unless freeing it alone would have let the request succeed.
 _OUTSIDE_NOTABLE_BYTES = 256 * 2**20
+# The cache (reserved but unallocated) is fragmentation only from 5% of reserved memory or 1 GiB
+# on: below both it is the ordinary overhead of rounding and per-size pools (a full GPU with a
+# 1-3% cache is a shortage, not fragmentation; issue 14 item 5's real messages).
+_CACHE_SHARE = 0.05
+_CACHE_NOTABLE_BYTES = 2**30
 
 
 def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
@@ -173,7 +178,8 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
     The deficit ``Q - F`` splits exactly into three parts: the cache held but unusable
     (``U``), memory clearly held by others (``E``: outside the allocator above this process's
     context and libraries) and the rest, ``over = A + P + Q - (T - context)``: what the
-    process's own tensors lacked even with a perfect cache and the device to itself. A positive
+    process's own tensors lacked even with a perfect cache and the device to itself. A cache
+    below 5% of reserved memory (and 1 GiB) is ordinary overhead and counts as held. A positive
     ``over`` is a shortage and leads (neither defragmenting nor freeing others would do);
     otherwise the parts that alone would have covered the deficit rank first.
     """
@@ -201,7 +207,10 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
         else None
     )
     available = t - context_used if limit is None else min(t - context_used, limit)
-    over = a + p + q - available
+    # A cache below both marks is what a healthy caching allocator keeps (block rounding, the
+    # small and large pools, split remainders): it counts as held, not as fragmentation.
+    cache_matters = u >= _CACHE_SHARE * r or u >= _CACHE_NOTABLE_BYTES
+    over = a + p + q - available + (0 if cache_matters else u)
     findings: list[Finding] = []
     sufficient: set[Cause] = set()
 
@@ -241,7 +250,7 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
                 },
             )
         )
-    if u > 0 and (u + f >= q or (over <= 0 and deficit > 0)):
+    if cache_matters and u > 0 and (u + f >= q or (over <= 0 and deficit > 0)):
         if u + f >= q:
             sufficient.add("fragmentation")
         findings.append(
