@@ -138,8 +138,8 @@ class Diagnosis:
 
 
 _DECISIVE = 2**62  # ranks a finding above any byte count
-# Memory outside the allocator above the context's upper bound is named only from this much on,
-# unless freeing it alone would have let the request succeed.
+# Memory outside the allocator above the context's upper bound is named only from this much on;
+# less is counted with the context (issue 14 item 5: only what clearly exceeds it is a cause).
 _OUTSIDE_NOTABLE_BYTES = 256 * 2**20
 # The cache (reserved but unallocated) is fragmentation only from 5% of reserved memory or 1 GiB
 # on: below both it is the ordinary overhead of rounding and per-size pools (a full GPU with a
@@ -197,8 +197,13 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
     others = sum(pm.used_bytes for pm in parsed.processes if pm.pid is not None)
     # This process's own non-PyTorch memory (NVML's sentence, when printed) or, without it, all
     # outside memory up to the context's upper bound, is its context and libraries: not freeable.
-    own_outside = o if own is None else max(0, own - r)
+    # NVML's own sentence below the reserved memory ("this process has 0 bytes memory in use",
+    # in containers) cannot be true: it is ignored.
+    own_outside = o if own is None or own < r else own - r
     context_used = min(o, own_outside, context.high_bytes)
+    if o - context_used < _OUTSIDE_NOTABLE_BYTES:
+        # Not clearly someone else's (a desktop, a driver's pages): counted with the context.
+        context_used = o
     excess_outside = o - context_used
     deficit = max(0, q - f)
     limit = (
@@ -263,7 +268,7 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
                 {"reserved_unallocated_bytes": u, "requested_bytes": q, "free_bytes": f},
             )
         )
-    if excess_outside > 0 and (excess_outside + f >= q or excess_outside >= _OUTSIDE_NOTABLE_BYTES):
+    if excess_outside > 0:
         if excess_outside + f >= q:
             sufficient.add("outside_pytorch")
         findings.append(

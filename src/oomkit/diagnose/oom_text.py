@@ -127,8 +127,9 @@ class OomText:
 
 # --- one pattern per variant, over whitespace-collapsed text -----------------------------------
 
+# ROCm builds print the same text with "HIP" for "CUDA" (hipify of CUDACachingAllocator.cpp).
 _NATIVE = re.compile(
-    r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
     r"(capacity|capacty) of " + _SIZE + r" of which " + _SIZE + r" is free\. "
     r"(?P<procs>(?:(?:Including non-PyTorch memory, this process|Process \d+) has "
     + _ANY_SIZE
@@ -144,7 +145,7 @@ _PROCESS = re.compile(
     + r" memory in use\."
 )
 _CLASSIC = re.compile(
-    r"CUDA out of memory\. Tried to allocate "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate "
     + _SIZE
     + r" \(GPU (\d+); "
     + _SIZE
