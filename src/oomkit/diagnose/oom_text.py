@@ -181,8 +181,14 @@ _DRIVER = re.compile(r"CUDA error: out of memory")
 _LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
 
 
+# Terminal escapes a coloured log keeps (ECMA-48 CSI and OSC sequences, and two-byte escapes).
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_SPACES = re.compile(r"\s+")
+
+
 def _normalise(text: str) -> str:
-    return " ".join(_LINE_PREFIX.sub("", text).split())
+    # Regex passes, not str.split(): a 50 MB log must not become millions of word objects.
+    return _SPACES.sub(" ", _LINE_PREFIX.sub("", _ANSI.sub("", text))).strip()
 
 
 class _Figures:
@@ -311,20 +317,45 @@ _PARSERS = (
 )
 
 
-def find_oom_texts(text: str) -> list[OomText]:
-    """Every out-of-memory message in ``text``, in order of appearance.
+# Every message holds one of these; only the text around them is normalised and matched, so a
+# 50 MB log costs one fast scan (the pattern starts with a literal) instead of six full ones.
+_ANCHOR = re.compile(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+_BEFORE_CHARS = 400  # "Allocation on device N would " precedes its anchor; escapes and prefixes too
+_AFTER_CHARS = 8000  # the figures, NVML's process sentences and the async message's lines
 
-    A log of several ranks holds several messages. A bare ``CUDA error: out of memory`` counts
-    only where no richer message covers the same place.
-    """
-    flat = _normalise(text)
+
+def _windows(text: str) -> list[tuple[int, int]]:
+    """The stretches of ``text`` around each anchor, overlapping ones merged, in order."""
+    spans: list[tuple[int, int]] = []
+    for m in _ANCHOR.finditer(text):
+        start, end = max(0, m.start() - _BEFORE_CHARS), m.end() + _AFTER_CHARS
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def _find_in(flat: str) -> list[tuple[int, int, OomText]]:
     found: list[tuple[int, int, OomText]] = []
     for pattern, build in _PARSERS:
         for m in pattern.finditer(flat):
             if any(start <= m.start() < end for start, end, _ in found):
                 continue
             found.append((m.start(), m.end(), build(m)))
-    return [parsed for _, _, parsed in sorted(found, key=lambda item: item[0])]
+    return sorted(found, key=lambda item: item[0])
+
+
+def find_oom_texts(text: str) -> list[OomText]:
+    """Every out-of-memory message in ``text``, in order of appearance.
+
+    A log of several ranks holds several messages. A bare ``CUDA error: out of memory`` counts
+    only where no richer message covers the same place.
+    """
+    out: list[OomText] = []
+    for start, end in _windows(text):
+        out.extend(parsed for _, _, parsed in _find_in(_normalise(text[start:end])))
+    return out
 
 
 def parse_oom_text(text: str) -> OomText:
@@ -335,7 +366,7 @@ def parse_oom_text(text: str) -> OomText:
     """
     found = find_oom_texts(text)
     if not found:
-        snippet = " ".join(text.split())[:80]
+        snippet = " ".join(text[:4000].split())[:80]  # repr() below shows escapes as written
         raise OomTextError(
             "no CUDA out-of-memory message found in the text"
             + (f" (it begins {snippet!r})" if snippet else " (it is empty)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -99,6 +100,10 @@ def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
     """Stdin's text; on a terminal, first says on stderr what it waits for."""
     if _is_terminal(stdin):
         print(STDIN_PROMPT, file=stderr, flush=True)
+    raw = getattr(stdin, "buffer", None)
+    if raw is not None:
+        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log.
+        return str(raw.read().decode("utf-8", errors="replace"))
     return stdin.read()
 
 
@@ -136,7 +141,7 @@ def _read_source(source: str) -> str | Path:
         magic = head.read(1)
     if magic == _PICKLE_MAGIC:
         return path
-    return path.read_text(errors="replace")
+    return path.read_text(encoding="utf-8", errors="replace")
 
 
 @contextmanager
@@ -174,7 +179,7 @@ def _as_json(text: str) -> object | None:
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.diagnose.diagnosis import diagnose_oom_text
-    from oomkit.diagnose.oom_text import parse_oom_text
+    from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
@@ -209,8 +214,21 @@ def run(args: argparse.Namespace) -> int:
         with _progress_bar(show, "measuring remedies by re-predicting") as progress:
             diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
-        parsed = parse_oom_text(source)
+        found = find_oom_texts(source)
+        parsed = found[0] if found else parse_oom_text(source)  # raises: none found
         diagnosis = diagnose_oom_text(parsed, gpu)
+        if len(found) > 1:
+            devices = sorted({str(m.device) for m in found if m.device is not None})
+            diagnosis = dataclasses.replace(
+                diagnosis,
+                warnings=(
+                    *diagnosis.warnings,
+                    f"the text holds {len(found)} out-of-memory messages"
+                    + (f" (devices {', '.join(devices)})" if devices else "")
+                    + "; this explains the first. Pass one message (or one rank's log) to "
+                    "explain another",
+                ),
+            )
     if args.html is not None:
         from oomkit.interfaces.reports.diagnosis_html import write_diagnosis_html
 
