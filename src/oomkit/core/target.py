@@ -89,7 +89,9 @@ class Target:
     def context_description(self) -> str:
         """Which CUDA context was assumed, in words (CUDA version, loading mode, figure)."""
         if self.cuda_context is None:
-            return f"{format_bytes(self.context_overhead_bytes)} outside PyTorch, given by the caller"
+            return (
+                f"{format_bytes(self.context_overhead_bytes)} outside PyTorch, given by the caller"
+            )
         return self.cuda_context.describe()
 
     def with_gpu(self, gpu: GpuSpec) -> Target:

@@ -263,7 +263,11 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
                 "fragmentation",
                 min(u, deficit) if deficit else u,
                 f"{format_bytes(u)} was reserved but unallocated"
-                + (f", more than the {format_bytes(q)} requested" if u >= q else "")
+                + (
+                    f", {'more than' if u > q else 'as much as'} the {format_bytes(q)} requested"
+                    if u >= q
+                    else ""
+                )
                 + ", yet no cached block was large enough: the cache is fragmented",
                 {"reserved_unallocated_bytes": u, "requested_bytes": q, "free_bytes": f},
             )
