@@ -294,6 +294,7 @@ def predict_recording(
     if budget_bytes is not None:
         within_budget = fits and required <= budget_bytes
     warnings = [
+        *target.warnings,
         *recording.warnings,
         *_warnings(events, replay.block_bytes, replay.step_peaks, fits),
     ]

@@ -356,9 +356,13 @@ def test_json_saves_the_target_and_the_workload_record(user_file, capsys):
         "usable_bytes": out["usable_bytes"],
         "torch_version": installed_torch_version(),
         "cudnn_version": 91002,
-        "cuda_version": None,
+        "cuda_version": out["target"]["cuda_version"],
+        "cuda_module_loading": "lazy",
+        "cuda_context": out["target"]["cuda_context"],
         "parallel": None,
     }
+    assert out["target"]["cuda_version"] == "13.0"  # torch 2.13's default wheel (a CPU build here)
+    assert "for Ada Lovelace, CUDA 13.0, lazy module loading" in out["target"]["cuda_context"]
     assert out["alloc_conf"] == "expandable_segments:True"
     assert out["workload"] == {
         "kind": "function",

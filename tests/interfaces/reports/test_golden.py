@@ -106,8 +106,8 @@ cannot return it and would not have prevented this OOM.
 Allocated (4.10 GiB, torch.cuda.memory_allocated) is what live tensors use. Reserved (7.00 GiB,
 torch.cuda.memory_reserved) is what PyTorch's caching allocator holds from the driver: the allocated
 memory plus 2.90 GiB cached for reuse. nvidia-smi shows about 7.39 GiB used: the reserved memory
-plus 400.00 MiB outside the allocator (the CUDA context, about 400.00 MiB, libraries such as cuBLAS
-and NCCL, and other processes).
+plus 400.00 MiB outside the allocator (the CUDA context and libraries such as cuBLAS and NCCL,
+~400.00 MiB (256.00 MiB-1.17 GiB) on a typical GPU, lazy module loading, and any other process).
 """
 
 

@@ -25,6 +25,7 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
+from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
 __all__ = [
@@ -157,8 +158,9 @@ def user_values(args: argparse.Namespace) -> contextlib.AbstractContextManager[A
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
-    """--gpu, --alloc-conf, --torch-version, --context-overhead and --cudnn-version: the target
-    machine (``interfaces/cli/_target.py`` reads them by these dest names)."""
+    """--gpu, --alloc-conf, --torch-version, --context-overhead, --cudnn-version and
+    --cuda-version: the target machine (``interfaces/cli/_target.py`` reads them by these dest
+    names)."""
     add_gpu_flag(
         parser,
         default="h100",
@@ -181,6 +183,7 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         "on, H100/B200 run cuDNN attention (default: this torch build's cuDNN, else the one "
         "this torch version's default PyPI Linux wheel pins, e.g. 92000 for torch 2.13)",
     )
+    add_cuda_version_flag(parser)
 
 
 def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any = None) -> Any:

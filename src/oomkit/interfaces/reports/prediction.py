@@ -144,6 +144,8 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
     """
     p = prediction
     console.print(header_line(p), markup=False)
+    if p.target is not None and p.target.cuda_context is not None:
+        console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
@@ -191,6 +193,10 @@ def target_to_json(target: Target) -> dict[str, object]:
         "torch_version": target.torch_version,
         "cudnn_version": target.cudnn_version,
         "cuda_version": target.cuda_version,
+        "cuda_module_loading": (
+            None if target.cuda_context is None else target.cuda_context.module_loading
+        ),
+        "cuda_context": target.context_description,
         "parallel": target.parallel,
     }
 
