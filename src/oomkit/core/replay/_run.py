@@ -254,6 +254,8 @@ class Run(ReplayHooks):
 
     _misplaced_warned = False
     _unknown_warned = False
+    _final_matches: tuple[Sequence[SeedSegment], bool] | None = None
+    _snapshot: list[dict] | None = None
 
     def unknown_id(self, index: int, event: TraceEvent) -> None:
         if not self._unknown_warned:
@@ -271,10 +273,23 @@ class Run(ReplayHooks):
             self.first_problem_index = i
 
     def final_matches(self, final: Sequence[SeedSegment]) -> bool:
-        """Whether the simulator's segments equal the snapshot's final ones."""
-        return normalise_segments(self.allocator.snapshot()) == normalise_segments(
-            seed_segments_as_dicts(final)
-        )
+        """Whether the simulator's segments equal the snapshot's final ones.
+
+        Asked once the replay has ended (``score``, ``first_problem``, ``result``), so the answer
+        is kept: normalising thousands of segments twice per run cost more than the replay.
+        """
+        if self._final_matches is None or self._final_matches[0] is not final:
+            matches = normalise_segments(self.final_snapshot()) == normalise_segments(
+                seed_segments_as_dicts(final)
+            )
+            self._final_matches = (final, matches)
+        return self._final_matches[1]
+
+    def final_snapshot(self) -> list[dict]:
+        """``allocator.snapshot()`` once the replay has ended, computed once."""
+        if self._snapshot is None:
+            self._snapshot = self.allocator.snapshot()
+        return self._snapshot
 
     def score(self, final: Sequence[SeedSegment]) -> tuple[int, int, bool]:
         """How well the replay agrees with the recording; higher is better."""
@@ -319,8 +334,12 @@ class Run(ReplayHooks):
         verify_fields: dict = {}
         if self.verify and compare:
             matched, divergence = self.compare()
-            difference = first_segment_difference(
-                tuple(self.allocator.snapshot()), seed_segments_as_dicts(final)
+            difference = (
+                None
+                if self.final_matches(final)
+                else first_segment_difference(
+                    tuple(self.final_snapshot()), seed_segments_as_dicts(final)
+                )
             )
             if difference is not None:
                 warnings = (*warnings, f"final state differs: {difference}")
@@ -332,6 +351,7 @@ class Run(ReplayHooks):
                 "allocs_misplaced": self.misplaced,
             }
         return self.engine.result(
+            final_segments=self.final_snapshot(),
             alloc_conf=str(self.config),
             torch_version=self.torch_version,
             recorded_peak_reserved_bytes=recorded_peak,

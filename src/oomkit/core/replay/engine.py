@@ -202,9 +202,21 @@ class ReplayEngine:
             hooks.failed(index, event, exc)
         self.replayed = index + 1
 
-    def result(self, *, alloc_conf: str, torch_version: str | None, **fields: Any) -> ReplayResult:
-        """The replay's record from the allocator's final state; ``fields`` adds the rest."""
+    def result(
+        self,
+        *,
+        alloc_conf: str,
+        torch_version: str | None,
+        final_segments: list[dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> ReplayResult:
+        """The replay's record from the allocator's final state; ``fields`` adds the rest.
+
+        ``final_segments``: ``allocator.snapshot()`` when the caller already took it.
+        """
         allocator = self.allocator
+        if final_segments is None:
+            final_segments = allocator.snapshot()
         stats = allocator.memory_stats()
         return ReplayResult(
             events=self.replayed,
@@ -216,7 +228,7 @@ class ReplayEngine:
             num_device_free=stats["num_device_free"],
             num_alloc_retries=stats["num_alloc_retries"],
             segment_events=tuple((e[0], e[1], e[2]) for e in allocator.segment_log),
-            final_segments=tuple(allocator.snapshot()),
+            final_segments=tuple(final_segments),
             memory_stats=stats,
             oom=self.oom_index is not None,
             oom_event_index=self.oom_index,
