@@ -62,8 +62,7 @@ class Run(ReplayHooks):
         self.recorded = [r for _, r in recorded]
         self.recorded_index = [i for i, _ in recorded]
         self.warnings: list[str] = []
-        self.current = 0  # trace index of the event being replayed
-        self.misplaced = 0  # allocs the simulator placed elsewhere than the recording
+        self.misplaced_count = 0  # allocs the simulator placed elsewhere than the recording
         self.log_index: list[int] = []  # trace index at which each simulated segment event came
         self._next_synthetic = _synthetic_base(start, events)
         self.allocator = CachingAllocator(
@@ -73,9 +72,14 @@ class Run(ReplayHooks):
             device_malloc=self._device_malloc if verify else None,
             segment_address=self._segment_address,
         )
-        self.engine = ReplayEngine(self.allocator, self, deferred_frees=True)
+        self.engine = ReplayEngine(
+            self.allocator,
+            self,
+            deferred_frees=True,
+            check_addresses=verify,
+            log_index=self.log_index,
+        )
         self._seed()
-        self._logged = len(self.allocator.segment_log)
 
     # -- oracle callbacks -------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class Run(ReplayHooks):
         k = len(self.allocator.segment_log)
         if k < len(self.recorded):
             rec = self.recorded[k]
-            if rec[0] in CREATE and self.recorded_index[k] < self.current:
+            if rec[0] in CREATE and self.recorded_index[k] < self.engine.current:
                 return rec
         return None
 
@@ -146,27 +150,22 @@ class Run(ReplayHooks):
     def replay(self) -> None:
         self.engine.run(self.events)
 
-    def _note_log(self, i: int) -> None:
-        """Segment events the allocator logged during trace event ``i`` came at ``i``."""
-        k = len(self.allocator.segment_log)
-        if k != self._logged:
-            self.log_index.extend([i] * (k - self._logged))
-            self._logged = k
-
-    def after_event(self, index: int, event: TraceEvent) -> None:
-        # _note_log inlined: this runs once per event.
-        k = len(self.allocator.segment_log)
-        if k != self._logged:
-            self.log_index.extend([index] * (k - self._logged))
-            self._logged = k
-        self.current = index + 1
+    def uses(self, name: str) -> bool:
+        # The engine keeps log_index and checks addresses itself; the per-alloc and per-free
+        # hooks matter only when a completion group is replayed with its other reading.
+        if name == "after_event":
+            return False
+        if name in ("after_alloc", "completes_later"):
+            return bool(self.flipped)
+        return super().uses(name)
 
     def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
         self._sync_first = False
-        if self.verify and ptr != event.address:
-            self.misplaced += 1
-            self._problem(index)
-        if self.misplaced == 1 and not self._misplaced_warned:
+
+    def misplaced(self, index: int, event: TraceEvent, ptr: int) -> None:
+        self.misplaced_count += 1
+        self._problem(index)
+        if not self._misplaced_warned:
             self._misplaced_warned = True
             self.warnings.append(
                 f"event {index}: the simulator placed an alloc of {event.size:,} B at {ptr:#x}, "
@@ -221,7 +220,6 @@ class Run(ReplayHooks):
     def out_of_memory(
         self, index: int, event: TraceEvent, error: SimulatedOutOfMemoryError
     ) -> bool:
-        self._note_log(index)
         if not self.verify:
             return True
         self._problem(index)
@@ -232,7 +230,6 @@ class Run(ReplayHooks):
         return False
 
     def failed(self, index: int, event: TraceEvent, error: OomkitError) -> None:
-        self._note_log(index)
         self._problem(index)
         self.warnings.append(f"event {index}: {error}; the replay stopped there")
 
@@ -348,7 +345,7 @@ class Run(ReplayHooks):
                 "segment_events_matched": matched,
                 "final_state_matches": difference is None,
                 "first_divergence": divergence,
-                "allocs_misplaced": self.misplaced,
+                "allocs_misplaced": self.misplaced_count,
             }
         return self.engine.result(
             final_segments=self.final_snapshot(),
