@@ -272,7 +272,7 @@ class _Normaliser:
     def trace(self, device: int, entries: Any) -> tuple[TraceEvent, ...]:
         if not isinstance(entries, list):
             raise self.fail(f"device_traces[{device}] is not a list")
-        events = []
+        events: list[TraceEvent] = []
         append = events.append
         keys: set[str] = set()
         note_keys = keys.update
@@ -284,7 +284,7 @@ class _Normaliser:
                 where = f"device_traces[{device}][{index}]"
                 raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
             note_keys(raw)
-            action = raw.get("action")
+            action: Any = raw.get("action")
             # An oom entry records device_free in place of addr (ref §11.2).
             if "addr" in raw or "device_free" not in raw:
                 address = raw.get("addr")
@@ -384,7 +384,7 @@ class _Normaliser:
         return stack
 
     def _read_frames(self, raw: list) -> tuple[Frame, ...]:
-        keys = []
+        keys: list[tuple[str, int, str]] = []
         append = keys.append
         for f in raw:
             if type(f) is not dict:
