@@ -99,7 +99,7 @@ def test_seed_overlap_index_decides_as_a_plain_scan(ops):
         elif op == "empty_cache":
             a.empty_cache()
     held = sorted((b.ptr, b.ptr + b.size) for b in a._held_blocks())
-    for (start, end), (nxt, _) in zip(held, held[1:], strict=False):
+    for (_start, end), (nxt, _) in zip(held, held[1:], strict=False):
         assert end <= nxt  # never two holders of one byte
     accepted = [d for d in decisions if d[2]]
     for address, size, _ in accepted:
