@@ -6,8 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from oomkit.errors import ConfigError, OomkitError
 from oomkit.units import SizeError, parse_bytes
@@ -32,13 +31,22 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
 def stdout_console() -> Console:
     """The console for results (plain when not a terminal, so output pipes cleanly)."""
+    # rich is imported when something is rendered, not at start-up (--json never needs it).
+    from rich.console import Console
+
     return Console(file=sys.stdout, highlight=False, soft_wrap=False)
 
 
 def stderr_console() -> Console:
     """The console for progress and hints."""
+    from rich.console import Console
+
     return Console(file=sys.stderr, highlight=False)
 
 
