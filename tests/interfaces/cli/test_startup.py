@@ -69,8 +69,8 @@ def test_facade_names_resolve_lazily():
 
 
 def test_replay_file_imports_only_core_and_its_report(tmp_path):
-    """``oomkit replay FILE --verify --json`` imports no torch, predictor, runtime, planner or
-    report module but the replay one."""
+    """``oomkit replay FILE --verify --json`` imports no torch, rich, predictor, runtime, planner
+    or report module but the replay one."""
     path = tmp_path / "s.pickle"
     a = 0x7000_0000_0000
     write_snapshot(
@@ -85,7 +85,7 @@ def test_replay_file_imports_only_core_and_its_report(tmp_path):
         setup="from oomkit.interfaces.cli import main",
     )
     assert rc is None  # main returned (0) instead of exiting
-    for name in (*HEAVY, "oomkit.diagnose"):
+    for name in (*HEAVY, "oomkit.diagnose", "rich"):
         assert _loaded(modules, name) == [], name
     assert _loaded(modules, "oomkit.interfaces.reports") == [
         "oomkit.interfaces.reports",
