@@ -363,6 +363,7 @@ def _synthetic_base(start: StartState, events: Sequence[TraceEvent]) -> int:
     for seg in start.segments:
         top = max(top, seg.address + seg.total_size)
     for ev in events:
-        if ev.action != "oom":  # an oom entry's address field is device_free, not an address
-            top = max(top, ev.address + ev.size)
+        # An oom entry's address field is device_free, not an address. (No max(): per event.)
+        if ev.action != "oom" and ev.address + ev.size > top:
+            top = ev.address + ev.size
     return -(-top // _SYNTHETIC_ALIGN_BYTES) * _SYNTHETIC_ALIGN_BYTES + _SYNTHETIC_ALIGN_BYTES
