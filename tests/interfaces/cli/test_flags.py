@@ -74,7 +74,7 @@ EXPECTED = {
         "--verify",
     ],
     "simulate": ["--alloc-conf", "--capacity", "--gpu", "--json", "--torch-version"],
-    "tune": ["--capacity", "--device", "--gpu", "--json"],
+    "tune": ["--capacity", "--device", "--gpu", "--jobs", "--json"],
 }
 
 
