@@ -12,7 +12,15 @@ EXPECTED = {
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
     "presets": ["--json"],
-    "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
+    "explain": [
+        "--alloc-conf",
+        "--device",
+        "--gpu",
+        "--html",
+        "--json",
+        "--memory-fraction",
+        "--no-measure",
+    ],
     "fit": [
         "--alloc-conf",
         "--batch",
