@@ -46,7 +46,7 @@ from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
-from oomkit.prediction.tracing.storages import Allocation
+from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 
 __all__ = ["Tracer", "trace_step"]
 
@@ -120,6 +120,8 @@ class Tracer:
         self._exit_stack: contextlib.ExitStack | None = None
         self._recording: TraceRecording | None = None
         self.failed_op: tuple[str, BaseException] | None = None
+        # The CUDA stream an allocation is made on (distributed.py follows FSDP2's streams).
+        self.current_stream: Callable[[], int] = _default_stream
         # Runs the ops, applies the CUDA emulations and keeps the live storages (engine.py).
         self._engine = CudaEmulationEngine(
             _TracerSink(self),
@@ -152,6 +154,8 @@ class Tracer:
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         stack.enter_context(self._engine.intercept())
+        # FSDP frees and refills parameters with UntypedStorage.resize_, which no aten op shows.
+        stack.enter_context(self._engine.storage_resize_accounted())
         self._exit_stack = stack
         return self
 
@@ -197,6 +201,10 @@ class Tracer:
             elif isinstance(obj, torch.Tensor):
                 self._note(obj, "input", first_seen_ok=True)
 
+    def add_role(self, tensor: Any, role: Role) -> None:
+        """Add ``role`` to the allocation backing ``tensor`` (``distributed.FsdpBufferRoles``)."""
+        self._note(tensor, role)
+
     # ------------------------------------------------------------------ allocations
 
     def _new_alloc(
@@ -224,6 +232,7 @@ class Tracer:
             frames=self._frames.find(),
             root_call=call.root_call_id if call else None,
             explicit=explicit,
+            stream=self.current_stream(),
         )
         if call is not None:
             self._escapes.setdefault(call.root_call_id, []).append(alloc)
@@ -247,8 +256,9 @@ class Tracer:
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
-        if cast.device.type == _DEVICE_TYPE:
-            alloc = self._table.lookup(cast.untyped_storage())
+        storage = tensor_storage(cast, _DEVICE_TYPE)
+        if storage is not None:
+            alloc = self._table.lookup(storage)
             if alloc is not None:
                 alloc.explicit = "autocast_cache"
 
@@ -277,9 +287,11 @@ class Tracer:
         param: torch.Tensor | None = None,
     ) -> None:
         """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != _DEVICE_TYPE:
+        if not isinstance(tensor, torch.Tensor):
             return
-        storage = tensor.untyped_storage()
+        storage = tensor_storage(tensor, _DEVICE_TYPE)
+        if storage is None:
+            return
         alloc = self._table.lookup(storage)
         if alloc is None:
             size = storage.nbytes()
@@ -378,8 +390,9 @@ class Tracer:
         self._note_module(module, recurse=False)
         if is_root:
             for leaf in tree_leaves(args):
-                if isinstance(leaf, torch.Tensor) and leaf.device.type == _DEVICE_TYPE:
-                    alloc = self._table.lookup(leaf.untyped_storage())
+                storage = tensor_storage(leaf, _DEVICE_TYPE) if isinstance(leaf, torch.Tensor) else None
+                if storage is not None:
+                    alloc = self._table.lookup(storage)
                     if alloc is not None and alloc.phase == "user":
                         alloc.roles.add("input")
 
@@ -496,6 +509,10 @@ class Tracer:
                 "before tracing and are recorded as allocated when first used; pass the model, "
                 "optimizer and inputs to trace_step() or Tracer.track() to record them up front"
             )
+
+
+def _default_stream() -> int:
+    return 0
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
