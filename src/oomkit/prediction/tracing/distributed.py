@@ -102,6 +102,7 @@ class EmulatedStreams:
         self._ids: dict[int, int] = {}
         self._streams: list[Any] = []  # keeps ids stable: a stream's id() is not reused
         self._stack: list[int] = [0]
+        self._objects: list[Any] = [None]  # the stream objects of ``_stack``; None: default
 
     def current(self) -> int:
         """The id of the stream allocations are made on now (0: the default stream)."""
@@ -123,25 +124,37 @@ class EmulatedStreams:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """While open, ``torch.cpu.stream(s)`` makes ``s`` the current stream in its block."""
-        original = torch.cpu.stream
-        default = torch.cpu.current_stream()
+        """While open, ``torch.cpu.stream(s)`` makes ``s`` current in its block, as on CUDA.
+
+        ``torch.cpu.current_stream()`` answers the stream made current (c10/cuda/CUDAStream.h
+        ``getCurrentCUDAStream``; torch.cuda.StreamContext sets it for its block).
+        """
+        original_stream, original_current = torch.cpu.stream, torch.cpu.current_stream
+        default = original_current()
         streams = self
 
         @contextlib.contextmanager
         def stream(stream: Any) -> Iterator[None]:
             streams._stack.append(streams._id_of(stream, default))
+            streams._objects.append(stream)
             try:
-                with original(stream):
+                with original_stream(stream):
                     yield
             finally:
                 streams._stack.pop()
+                streams._objects.pop()
+
+        def current_stream(device: Any = None) -> Any:
+            found = streams._objects[-1]
+            return default if found is None else found
 
         torch.cpu.stream = stream  # type: ignore[assignment]
+        torch.cpu.current_stream = current_stream  # type: ignore[assignment]
         try:
             yield
         finally:
-            torch.cpu.stream = original
+            torch.cpu.stream = original_stream
+            torch.cpu.current_stream = original_current
 
 
 class FsdpBufferRoles:
