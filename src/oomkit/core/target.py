@@ -17,7 +17,31 @@ from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
 
-__all__ = ["Target", "resolve_target"]
+__all__ = ["ParallelLayout", "Target", "resolve_target"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the step is spread over GPUs; the prediction is for rank 0 of it.
+
+    Attributes:
+        fsdp: ranks FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state
+            over (1: no sharding).
+    """
+
+    fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or self.fsdp < 1:
+            raise ConfigError(
+                f"the FSDP world size must be a whole number of at least 1; got {self.fsdp!r}. "
+                "Example: --fsdp 8"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all (the product of the parallel degrees)."""
+        return self.fsdp
 
 
 @dataclass(frozen=True)
@@ -34,8 +58,8 @@ class Target:
             uses the SDPA settings in effect: ``use_sdpa_settings``, else this torch install's).
         cuda_version: the CUDA runtime of the target's torch (``"12.8"``); ``None``: not stated.
             Recorded for reports; no emulation reads it yet.
-        parallel: the parallel layout (data/tensor/pipeline ranks) the distributed issue adds;
-            always ``None`` until then (a single process on one GPU).
+        parallel: how the step is spread over GPUs (``--fsdp N``), predicted for rank 0;
+            ``None``: a single process on one GPU.
     """
 
     gpu: GpuSpec
@@ -43,7 +67,7 @@ class Target:
     torch_version: str | None = None
     cudnn_version: int | None = None
     cuda_version: str | None = None
-    parallel: None = None
+    parallel: ParallelLayout | None = None
 
     @property
     def context_overhead_bytes(self) -> int:

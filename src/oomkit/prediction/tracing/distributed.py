@@ -33,8 +33,8 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
-from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, OpEmulation
-from oomkit.prediction.tracing.fake_storages import HOST_TENSOR_EMULATIONS
+from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
+from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EmulatedStreams",
     "FsdpBufferRoles",
+    "HOST_TENSOR_EMULATIONS",
     "fake_process_group",
     "trace_distributed_step",
 ]
@@ -56,6 +57,22 @@ _NOT_MODELLED = (
     "the CUDA context are not included; collectives complete at once, so frees that wait on "
     "a collective's event on a real GPU happen at the same point of the Python program here"
 )
+
+
+def _python_data_on_host(ctx: EmulationContext) -> Any:
+    """``aten.lift_fresh``: ``torch.tensor(data)`` made on the host; its storage is not device."""
+    out = ctx.run()
+    if isinstance(out, torch.Tensor):
+        mark_host(out)
+    return out
+
+
+# torch/csrc/utils/tensor_new.cpp internal_new_from_data: torch.tensor(data) builds the tensor
+# on the CPU, then lifts it (aten.lift_fresh) into the active mode.
+HOST_TENSOR_EMULATIONS: dict[str, OpEmulation] = {
+    "aten.lift_fresh.default": _python_data_on_host,
+    "aten.lift_fresh_copy.default": _python_data_on_host,
+}
 
 
 @contextlib.contextmanager
@@ -207,7 +224,7 @@ class FsdpBufferRoles:
             tag(out[0], "reduce_scatter_buffer")  # the reduce-scatter input, held by FSDP2
             return out
 
-        wrappers = dict(zip(names, (all_gather, all_gather_copy_out, reduce_scatter)))
+        wrappers = dict(zip(names, (all_gather, all_gather_copy_out, reduce_scatter), strict=True))
         for name, wrapper in wrappers.items():
             setattr(group_module, name, wrapper)
         self.wrapped = True

@@ -16,7 +16,11 @@ Two rules make a fake world look like one CUDA device's memory:
 - Tensors made from Python data (``torch.tensor(0.0)``: ``aten.lift_fresh``) are host memory, as
   they are on a CUDA run unless given ``device="cuda"`` (AdamW's ``step`` counters:
   torch/optim/adam.py ``_init_group``, "Deliberately host `step` on CPU"). In a fake world every
-  tensor shares one fake device, so :data:`HOST_TENSOR_EMULATIONS` marks those storages as host.
+  tensor shares one fake device, so ``distributed.HOST_TENSOR_EMULATIONS`` marks those storages
+  as host (:func:`mark_host`).
+
+The CUDA emulations (``emulations/``) apply to tensors that :func:`stands_for_cuda`: meta
+tensors, and fake tensors that are not host memory.
 """
 
 from __future__ import annotations
@@ -27,13 +31,28 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
-
-__all__ = ["HOST_TENSOR_EMULATIONS", "fake_tensor_storage", "is_fake_or_wrapper"]
+__all__ = ["fake_tensor_storage", "is_fake_or_wrapper", "mark_host", "stands_for_cuda"]
 
 # Set on the (preserved) Python storage object of a host tensor; see storages.py for why the
 # object lives exactly as long as its StorageImpl.
 _HOST_ATTR = "_oomkit_host_memory"
+
+
+def mark_host(tensor: torch.Tensor) -> None:
+    """Record that the fake ``tensor``'s storage is host memory, not device memory."""
+    if isinstance(tensor, FakeTensor):
+        setattr(tensor.untyped_storage(), _HOST_ATTR, True)
+
+
+def stands_for_cuda(tensor: Any) -> bool:
+    """Whether ``tensor`` stands for CUDA memory while tracing: meta, or fake and not host."""
+    device = getattr(tensor, "device", None)
+    if device is not None and device.type == "meta":
+        return True
+    if isinstance(tensor, FakeTensor):
+        storage = tensor.untyped_storage()
+        return storage.device.type == "meta" and not getattr(storage, _HOST_ATTR, False)
+    return False
 
 
 def is_fake_or_wrapper(tensor: torch.Tensor) -> bool:
@@ -64,19 +83,3 @@ def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.Untyped
     if len(tensors) != 1 or not is_fake_or_wrapper(tensors[0]):
         return None
     return fake_tensor_storage(tensors[0], device_type)
-
-
-def _python_data_on_host(ctx: EmulationContext) -> Any:
-    """``aten.lift_fresh``: ``torch.tensor(data)`` made on the host; its storage is not device."""
-    out = ctx.run()
-    if isinstance(out, FakeTensor):
-        setattr(out.untyped_storage(), _HOST_ATTR, True)
-    return out
-
-
-# torch/csrc/utils/tensor_new.cpp internal_new_from_data: torch.tensor(data) builds the tensor
-# on the CPU, then lifts it (aten.lift_fresh) into the active mode.
-HOST_TENSOR_EMULATIONS: dict[str, OpEmulation] = {
-    "aten.lift_fresh.default": _python_data_on_host,
-    "aten.lift_fresh_copy.default": _python_data_on_host,
-}

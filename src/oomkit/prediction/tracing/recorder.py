@@ -120,8 +120,7 @@ class Tracer:
         self._exit_stack: contextlib.ExitStack | None = None
         self._recording: TraceRecording | None = None
         self.failed_op: tuple[str, BaseException] | None = None
-        # The CUDA stream an allocation is made on (distributed.py follows FSDP2's streams).
-        self.current_stream: Callable[[], int] = _default_stream
+        self.current_stream: Callable[[], int] = lambda: 0  # stream of new allocations
         # Runs the ops, applies the CUDA emulations and keeps the live storages (engine.py).
         self._engine = CudaEmulationEngine(
             _TracerSink(self),
@@ -287,8 +286,6 @@ class Tracer:
         param: torch.Tensor | None = None,
     ) -> None:
         """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
-        if not isinstance(tensor, torch.Tensor):
-            return
         storage = tensor_storage(tensor, _DEVICE_TYPE)
         if storage is None:
             return
@@ -390,7 +387,7 @@ class Tracer:
         self._note_module(module, recurse=False)
         if is_root:
             for leaf in tree_leaves(args):
-                storage = tensor_storage(leaf, _DEVICE_TYPE) if isinstance(leaf, torch.Tensor) else None
+                storage = tensor_storage(leaf, _DEVICE_TYPE)
                 if storage is not None:
                     alloc = self._table.lookup(storage)
                     if alloc is not None and alloc.phase == "user":
@@ -509,10 +506,6 @@ class Tracer:
                 "before tracing and are recorded as allocated when first used; pass the model, "
                 "optimizer and inputs to trace_step() or Tracer.track() to record them up front"
             )
-
-
-def _default_stream() -> int:
-    return 0
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,14 @@ class Allocation:
         return infer_category(self.roles, self.phase, self.explicit)
 
 
-def tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage | None:
-    """The storage of ``tensor`` if it lives on ``device_type`` and has one, else None.
+def tensor_storage(tensor: object, device_type: str) -> torch.UntypedStorage | None:
+    """The storage of ``tensor`` if it is a tensor on ``device_type`` with one, else None.
 
     A FakeTensor's storage is on meta whatever device it reports, and a DTensor's is its local
     tensor's (``fake_storages.py``).
     """
+    if not isinstance(tensor, torch.Tensor):
+        return None
     if type(tensor) is not torch.Tensor and is_fake_or_wrapper(tensor):
         return fake_tensor_storage(tensor, device_type)
     if tensor.device.type != device_type or tensor.is_sparse:
