@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
-from oomkit.core.target import Target
+from oomkit.core.target import ParallelLayout, Target
 
-__all__ = ["installed_torch_version", "target_from_args"]
+__all__ = ["add_parallel_flags", "installed_torch_version", "target_from_args"]
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """``--fsdp N``: predict rank 0 of N ranks sharding with FSDP2 (``Target.parallel``)."""
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="N",
+        help="shard the GPT-2/Llama preset with FSDP2 over N GPUs (per block + root, as "
+        "torchtitan) and predict rank 0; --batch is then the per-rank batch",
+    )
 
 
 def installed_torch_version() -> str | None:
@@ -31,7 +43,8 @@ def target_from_args(
     args: argparse.Namespace, *, default_torch_version: str | None = None
 ) -> Target:
     """The ``Target`` of ``--gpu``, ``--alloc-conf``, ``--context-overhead``,
-    ``--torch-version`` and ``--cudnn-version``; a command without one of them gets its default.
+    ``--torch-version``, ``--cudnn-version`` and ``--fsdp`` (``Target.parallel``); a command
+    without one of them gets its default.
 
     Args:
         args: the parsed flags.
@@ -41,12 +54,17 @@ def target_from_args(
     Raises:
         UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
         GpuSpecError: ``--context-overhead`` is not below the GPU's total memory.
-        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject.
+        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject, or ``--fsdp`` is
+            below 1.
     """
-    return Target.resolve(
+    target = Target.resolve(
         getattr(args, "gpu", None) or "h100",
         alloc_conf=getattr(args, "alloc_conf", None),
         context_overhead_bytes=getattr(args, "context_overhead", None),
         torch_version=getattr(args, "torch_version", None) or default_torch_version,
         cudnn_version=getattr(args, "cudnn_version", None),
     )
+    fsdp = getattr(args, "fsdp", None)
+    if fsdp is None:
+        return target
+    return dataclasses.replace(target, parallel=ParallelLayout(fsdp=fsdp))

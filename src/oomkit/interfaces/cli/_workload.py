@@ -267,6 +267,60 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
 
 
+@dataclass
+class ShardedWorkload:
+    """A preset to build inside the fake process group (``--fsdp``), and its record.
+
+    Attributes:
+        build: ``build(mesh) -> (step_fn, track)`` for ``trace_distributed_step``.
+        spec: the workload record (the per-rank batch).
+        descriptions: filled by ``build`` with the built step's description.
+    """
+
+    build: Callable[[Any], tuple[Any, tuple[Any, ...]]]
+    spec: WorkloadSpec
+    descriptions: list[str] = field(default_factory=list)
+
+
+def build_sharded_workload(args: argparse.Namespace, batch_size: int | None) -> ShardedWorkload:
+    """The preset TARGET names, to shard with FSDP2 over ``--fsdp`` ranks (batch: per rank).
+
+    Raises:
+        OomkitError: no preset (``--hf`` and ``file.py:function`` are not sharded yet), or a
+            preset option it rejects.
+    """
+    from oomkit.interfaces.cli._user_function import is_user_target
+
+    if args.hf is not None or args.target is None or is_user_target(args.target):
+        raise OomkitError(
+            "--fsdp shards a GPT-2 or Llama preset (e.g. `oomkit predict llama-8b --fsdp 8`); "
+            "--hf models and file.py:function steps are not sharded by oomkit yet"
+        )
+    from oomkit.prediction.models import get_preset
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+
+    try:
+        preset = get_preset(args.target)
+    except OomkitError:
+        raise
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+    _refuse_shape_flags(args, preset)
+    options = step_options(args, batch_size, preset)
+    spec = _spec("preset", args.target, options, getattr(args, "steps", None))
+    workload = ShardedWorkload(lambda mesh: (None, ()), spec)
+
+    def build(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+        built = _call_builder(
+            lambda name, opts: build_fsdp_preset_step(name, opts, mesh), args.target, options
+        )
+        workload.descriptions.append(built.description)
+        return built.step_fn, tuple(built.track)
+
+    workload.build = build
+    return workload
+
+
 def _refuse_preset_flags(args: argparse.Namespace) -> None:
     """A file.py:function step runs as written: the flags that change how a preset is built
     would be silently ignored, so they are refused, by name."""

@@ -180,7 +180,7 @@ def target_to_json(target: Target) -> dict[str, object]:
         "torch_version": target.torch_version,
         "cudnn_version": target.cudnn_version,
         "cuda_version": target.cuda_version,
-        "parallel": target.parallel,
+        "parallel": None if target.parallel is None else dataclasses.asdict(target.parallel),
     }
 
 

@@ -52,10 +52,10 @@ __all__ = [
 
 # What the fake run leaves out, said with every distributed recording.
 _NOT_MODELLED = (
-    "distributed: rank 0 of a fake process group; NCCL's own buffers (allocated by NCCL, "
-    "outside PyTorch's caching allocator: typically a few hundred MiB per communicator) and "
-    "the CUDA context are not included; collectives complete at once, so frees that wait on "
-    "a collective's event on a real GPU happen at the same point of the Python program here"
+    "distributed: rank 0 of a fake process group; the memory NCCL allocates for its "
+    "communicators (outside PyTorch's caching allocator, sized by NCCL at run time) is not "
+    "included; collectives complete at once, so frees that wait on a collective's event on a "
+    "real GPU happen at the same point of the Python program here"
 )
 
 
@@ -270,6 +270,10 @@ def trace_distributed_step(
         raise ValueError(f"steps must be at least 1; got {steps}")
     if target is not None:
         gpu = target.gpu
+        if emulations is None and target.cudnn_version is not None:
+            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+
+            emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
     tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS}, gpu=gpu)
     streams = EmulatedStreams()
