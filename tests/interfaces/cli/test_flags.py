@@ -41,6 +41,7 @@ EXPECTED = {
         "--checkpointing",
         "--context-overhead",
         "--cudnn-version",
+        "--fsdp",
         "--gpu",
         "--hf",
         "--html",

@@ -165,8 +165,8 @@ class EmulatedStreams:
             found = streams._objects[-1]
             return default if found is None else found
 
-        torch.cpu.stream = stream  # type: ignore[assignment]
-        torch.cpu.current_stream = current_stream  # type: ignore[assignment]
+        torch.cpu.stream = stream
+        torch.cpu.current_stream = current_stream
         try:
             yield
         finally:

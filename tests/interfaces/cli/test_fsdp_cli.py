@@ -1,0 +1,81 @@
+"""`oomkit predict PRESET --fsdp N`: rank 0 of an FSDP2-sharded preset, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import main
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def gpt2_fsdp2_json():
+    """GPT-2 124M sharded over 2 ranks, one step, as --json prints it."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            ["predict", "gpt2-124m", "--fsdp", "2", "--batch", "1", "--seq", "16", "--steps", "1",
+             "--json"]
+        )
+    return code, json.loads(out.getvalue())
+
+
+def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
+    """The result names the layout, the per-rank batch and FSDP2's units; it fits an H100."""
+    import torch.distributed as dist
+
+    code, data = gpt2_fsdp2_json
+    assert code == 0
+    assert data["target"]["parallel"] == {"fsdp": 2}
+    assert data["workload"]["options"]["batch_size"] == 1
+    assert data["description"] == (
+        "GPT-2 124M, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
+        "(13 units: per block + root), rank 0"
+    )
+    assert any("rank 0 of a fake process group" in w for w in data["warnings"])
+    assert not dist.is_initialized()
+
+
+def test_fsdp_prediction_matches_the_api(gpt2_fsdp2_json):
+    """The CLI's peaks are those of trace_distributed_step + predict_recording, to the byte."""
+    from oomkit.core.target import Target
+    from oomkit.prediction.models import StepOptions
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    _, data = gpt2_fsdp2_json
+    options = StepOptions(batch_size=1, seq_len=16, precision="bf16-mixed")
+
+    def build(mesh):
+        built = build_fsdp_preset_step("gpt2-124m", options, mesh)
+        return built.step_fn, tuple(built.track)
+
+    recording = trace_distributed_step(build, world_size=2, steps=1)
+    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
+    prediction = predict_recording(recording, target=target)
+    assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
+    assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "gpt2-124m", "--fsdp", "0"], "at least 1"),
+        (["predict", "bert-base", "--fsdp", "2"], "modelled for the GPT-2 and Llama presets"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--precision", "fp16-mixed"], "ShardedGradScaler"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--hf", "gpt2"], "--fsdp shards a GPT-2"),
+        (["predict", "x.py:build", "--fsdp", "2"], "--fsdp shards a GPT-2"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--lengths", "l.txt"], "--lengths"),
+    ],
+)
+def test_fsdp_refusals_exit_2(argv, message, capsys):
+    """What --fsdp does not model is refused with exit 2 and says what to do."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
