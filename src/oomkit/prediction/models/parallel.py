@@ -55,6 +55,29 @@ def shard_blocks_and_root(
     return len(blocks) + 1
 
 
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake tensors: floating parameters and buffers, tied ones once.
+
+    ``Module._apply`` swaps a FakeTensor parameter in place (torch/nn/modules/module.py
+    ``_apply``: ``isinstance(param, FakeTensor)`` -> ``swap_tensors``), which refuses a
+    parameter that two modules hold (GPT-2's tied ``wte`` / ``lm_head``); so each distinct
+    parameter is cast once and set on every module that holds it.
+    """
+    cast_params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            new = cast_params.get(id(param))
+            if new is None:
+                new = torch.nn.Parameter(param.detach().to(dtype), param.requires_grad)
+                cast_params[id(param)] = new
+            module._parameters[name] = new
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+
+
 def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
     """Build preset ``name`` sharded over ``mesh`` and return rank 0's step for ``options``.
 
@@ -91,7 +114,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
     with torch.device(device):
         model = preset.build()
     if options.precision == "bf16":
-        model = model.to(dtype=model_dtype(options.precision))
+        _cast_floating(model, model_dtype(options.precision))
     if options.checkpointing:
         cast(Any, model).checkpointing = True  # every preset module reads this flag
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, options.precision)
