@@ -183,3 +183,21 @@ def test_emulated_streams_follow_stream_contexts():
             assert streams.current() == 0
     assert streams.streams_used == 2
     assert torch.cpu.current_stream() is default
+
+
+def test_side_streams_reserve_their_own_segments(recorded):
+    """Replayed, each side stream that allocates (1 and 3) gets its own 2 MiB small segment."""
+    import dataclasses
+
+    from oomkit.prediction.predictor import predict_recording
+
+    _, recording = recorded
+    assert {e.stream for e in recording.events} == {0, 1, 3}
+    one_stream = dataclasses.replace(
+        recording, events=tuple(dataclasses.replace(e, stream=0) for e in recording.events)
+    )
+    with_streams = predict_recording(recording, gpu="h100")
+    without = predict_recording(one_stream, gpu="h100")
+    assert with_streams.peak_allocated_bytes == without.peak_allocated_bytes
+    # CUDACachingAllocator.cpp kSmallBuffer: a small-pool segment is 2 MiB, per stream.
+    assert with_streams.peak_reserved_bytes - without.peak_reserved_bytes == 2 * 2 * 1024 * 1024
