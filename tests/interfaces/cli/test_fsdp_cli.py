@@ -70,8 +70,8 @@ def test_fsdp_prediction_matches_the_api(gpt2_fsdp2_json):
         (["predict", "gpt2-124m", "--fsdp", "0"], "at least 1"),
         (["predict", "bert-base", "--fsdp", "2"], "modelled for the GPT-2 and Llama presets"),
         (["predict", "gpt2-124m", "--fsdp", "2", "--precision", "fp16-mixed"], "ShardedGradScaler"),
-        (["predict", "gpt2-124m", "--fsdp", "2", "--hf", "gpt2"], "--fsdp shards a GPT-2"),
-        (["predict", "x.py:build", "--fsdp", "2"], "--fsdp shards a GPT-2"),
+        (["predict", "--fsdp", "2", "--hf", "gpt2"], "--hf models are not sharded"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--optimizer", "sgd", "--hf", "x"], "--hf"),
         (["predict", "gpt2-124m", "--fsdp", "2", "--lengths", "l.txt"], "--lengths"),
     ],
 )
@@ -79,3 +79,54 @@ def test_fsdp_refusals_exit_2(argv, message, capsys):
     """What --fsdp does not model is refused with exit 2 and says what to do."""
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+_USER_FILE = """
+import torch
+from torch.distributed.fsdp import fully_shard
+
+
+def build(mesh, world_size, batch_size=4):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+    )
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(batch_size, 64)
+    assert world_size == mesh.size()
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+
+
+def unsharded(batch_size=4):
+    model = torch.nn.Linear(64, 64)
+    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
+"""
+
+
+def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
+    """A file.py:function gets mesh and world_size; rank 0 holds half of each fp32 weight."""
+    path = tmp_path / "sharded.py"
+    path.write_text(_USER_FILE)
+    code = main(["predict", f"{path}:build", "--fsdp", "2", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["description"] == f"{path}:build(batch_size=2), FSDP2 over 2 ranks, rank 0"
+    assert data["target"]["parallel"] == {"fsdp": 2}
+    # Two 64x64 fp32 weights, 32 rows each on rank 0: 8 KiB apiece (512-byte multiples).
+    assert data["by_category_bytes"]["parameter"] == 2 * 32 * 64 * 4
+
+
+def test_user_function_that_does_not_shard_is_refused(tmp_path, capsys):
+    """--fsdp with a function whose model is not sharded exits 2 saying to call fully_shard."""
+    path = tmp_path / "sharded.py"
+    path.write_text(_USER_FILE)
+    assert main(["predict", f"{path}:unsharded", "--fsdp", "2"]) == 2
+    assert "call fully_shard(block, mesh=mesh)" in capsys.readouterr().err

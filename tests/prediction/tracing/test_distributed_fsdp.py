@@ -43,7 +43,7 @@ def _build(mesh, *, reshard_after_forward: bool = True):
     optimizer = torch.optim.AdamW(model.parameters())
     batch = torch.randn(3, 8)
 
-    def step(model, optimizer, batch):
+    def step():
         model(batch).sum().backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -154,9 +154,10 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
         stderr_console().print(
             f"recording rank 0 of {target.parallel.world_size} (FSDP2) on a fake process group ..."
         )
-    recording = trace_distributed_step(
-        workload.build, world_size=target.parallel.world_size, steps=args.steps, target=target
-    )
+    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
+        recording = trace_distributed_step(
+            workload.build, world_size=target.parallel.world_size, steps=args.steps, target=target
+        )
     if target.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.
         target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)

@@ -248,8 +248,8 @@ def trace_distributed_step(
 
     ``build`` runs inside the fake process group and ``FakeTensorMode``; it builds the model
     (calling ``fully_shard(..., mesh=mesh)``), the optimizer and the inputs, and returns
-    ``(step_fn, args)``. Modules, optimizers and tensors in ``args`` are recorded as allocated
-    before step 0; ``step_fn(*args)`` runs ``steps`` times.
+    ``(step_fn, track)``. Modules, optimizers and tensors in ``track`` are recorded as allocated
+    before step 0; ``step_fn()`` runs ``steps`` times.
 
     Args:
         build: makes the step for the given mesh.
@@ -279,15 +279,15 @@ def trace_distributed_step(
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     with fake_process_group(world_size) as mesh, FakeTensorMode():
-        step_fn, args = build(mesh)
+        step_fn, track = build(mesh)
         try:
             with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"):
-                    tracer.track(args)
+                    tracer.track(track)
                     for _ in range(steps):
                         tracer.mark_step()
-                        step_fn(*args)
+                        step_fn()
         except Exception as exc:
             failed = tracer.failed_op
             if failed is not None and failed[1] is exc:
@@ -296,7 +296,7 @@ def trace_distributed_step(
                     "ops that do not read tensor values"
                 ) from exc
             raise
-        del step_fn, args
+        del step_fn, track
     recording = tracer.recording
     notes = (_NOT_MODELLED + f"; world size {world_size}, {streams.streams_used} side stream(s)",)
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
