@@ -130,9 +130,18 @@ def test_optimizer_state_is_sharded_and_step_counters_stay_on_host(recorded):
 def test_recording_warns_what_is_not_modelled(recorded):
     """The recording says it is rank 0 of a fake group and that NCCL's buffers are left out."""
     world_size, recording = recorded
-    note = recording.warnings[-1]
+    note = recording.warnings[-2]
     assert "rank 0 of a fake process group" in note
     assert f"world size {world_size}, 3 side stream(s)" in note
+
+
+def test_uneven_shards_say_ranks_differ(recorded):
+    """5 rows over N ranks: the smallest rank holds 1 (N=2) or 2 (N=4) rows less of 5x16 + 5."""
+    world_size, recording = recorded
+    short_rows = {2: 1, 4: 2}[world_size]
+    note = recording.warnings[-1]
+    assert note.startswith(f"ranks differ: 2 sharded parameter(s) have rows that {world_size}")
+    assert f"up to {short_rows * (16 + 1) * 4} bytes less" in note
 
 
 def test_reshard_after_forward_false_keeps_unsharded_parameters():

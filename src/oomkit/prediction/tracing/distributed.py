@@ -280,6 +280,7 @@ def trace_distributed_step(
     tracer.current_stream = streams.current
     with fake_process_group(world_size) as mesh, FakeTensorMode():
         step_fn, track = build(mesh)
+        uneven_bytes = _uneven_shard_bytes(track, world_size)
         try:
             with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
@@ -298,5 +299,40 @@ def trace_distributed_step(
             raise
         del step_fn, track
     recording = tracer.recording
-    notes = (_NOT_MODELLED + f"; world size {world_size}, {streams.streams_used} side stream(s)",)
+    layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
+    notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    if uneven_bytes:
+        notes += (
+            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {world_size} "
+            f"ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
+            f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
+            "state (AdamW has two); rank 0, always a full shard, is the largest",
+        )
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
+
+
+def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
+    """(parameters, bytes) by which the smallest rank's unpadded shards fall short of rank 0's.
+
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``: rank r's shard
+    is ``torch.chunk(param, world_size)[r]`` (chunks of ``ceil(rows / N)`` rows, the last ones
+    shorter or absent), padded to chunk 0's size for the all-gather only.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    count, short_bytes = 0, 0
+    seen: set[int] = set()
+    for obj in tree_leaves(list(track)):
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for param in obj.parameters():
+            if id(param) in seen or param.dim() == 0:
+                continue
+            seen.add(id(param))
+            rows = param.shape[0]
+            chunk = -(-rows // world_size)
+            last = max(0, rows - chunk * (world_size - 1))
+            if last != chunk:
+                count += 1
+                short_bytes += (chunk - last) * (param.numel() // rows) * param.element_size()
+    return (count, short_bytes) if count else None
