@@ -8,7 +8,7 @@ import pytest
 
 from oomkit.interfaces.cli import main
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
@@ -40,28 +40,6 @@ def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
     )
     assert any("rank 0 of a fake process group" in w for w in data["warnings"])
     assert not dist.is_initialized()
-
-
-def test_fsdp_prediction_matches_the_api(gpt2_fsdp2_json):
-    """The CLI's peaks are those of trace_distributed_step + predict_recording, to the byte."""
-    from oomkit.core.target import Target
-    from oomkit.prediction.models import StepOptions
-    from oomkit.prediction.models.parallel import build_fsdp_preset_step
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
-
-    _, data = gpt2_fsdp2_json
-    options = StepOptions(batch_size=1, seq_len=16, precision="bf16-mixed")
-
-    def build(mesh):
-        built = build_fsdp_preset_step("gpt2-124m", options, mesh)
-        return built.step_fn, tuple(built.track)
-
-    recording = trace_distributed_step(build, world_size=2, steps=1)
-    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
-    prediction = predict_recording(recording, target=target)
-    assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
-    assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
 
 
 @pytest.mark.parametrize(
@@ -130,3 +108,31 @@ def test_user_function_that_does_not_shard_is_refused(tmp_path, capsys):
     path.write_text(_USER_FILE)
     assert main(["predict", f"{path}:unsharded", "--fsdp", "2"]) == 2
     assert "call fully_shard(block, mesh=mesh)" in capsys.readouterr().err
+
+
+def test_user_function_prediction_matches_the_api(tmp_path, capsys):
+    """The CLI's peaks are those of trace_distributed_step + predict_recording, to the byte."""
+    import importlib.util
+
+    from oomkit.core.target import Target
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    path = tmp_path / "sharded_api.py"
+    path.write_text(_USER_FILE)
+    assert main(["predict", f"{path}:build", "--fsdp", "4", "--batch", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = importlib.util.spec_from_file_location("sharded_api", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def build(mesh):
+        with torch.device("cpu"):
+            return module.build(mesh, mesh.size(), batch_size=3)
+
+    recording = trace_distributed_step(build, world_size=4, steps=3)
+    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
+    prediction = predict_recording(recording, target=target)
+    assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
+    assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
+    assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each
