@@ -55,6 +55,7 @@ EXPECTED = {
         "--context-overhead",
         "--cuda-version",
         "--cudnn-version",
+        "--fsdp",
         "--gpu",
         "--hf",
         "--html",
