@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import positive_int, print_json, stderr_console, stdout_console
+
+if TYPE_CHECKING:
+    from oomkit.core.target import Target
 
 __all__ = ["add_envelope_flags", "add_lengths_flags", "run_envelope", "run_fit_envelope"]
 
@@ -42,7 +46,7 @@ def add_lengths_flags(parser: argparse.ArgumentParser) -> None:
 def run_envelope(args: argparse.Namespace, target: object) -> int:
     """Record each distinct length once, replay the run, print the envelope; 1 if it OOMs."""
     from oomkit.core.target import Target
-    from oomkit.interfaces.cli._workload import build_workload, user_errors, user_output_to_stderr
+    from oomkit.interfaces.cli._workload import user_errors
     from oomkit.interfaces.reports.envelope import (
         envelope_to_json,
         render_envelope,
@@ -51,7 +55,6 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     from oomkit.interfaces.reports.prediction import prediction_to_json
     from oomkit.prediction.envelope import predict_envelope
     from oomkit.prediction.lengths import read_lengths
-    from oomkit.prediction.tracing import trace_step
 
     assert isinstance(target, Target)
     _refuse_shape_flags(args)
@@ -62,21 +65,12 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     description = ""
     raised: list[BaseException] = []
 
+    record_at = _recorder(args, target, "predict", raised)
+
     def record(length: int):  # noqa: ANN202 - a TraceRecording
         nonlocal description
-        shaped = copy.copy(args)
-        shaped.seq = length
-        with user_output_to_stderr():
-            workload = build_workload(shaped, args.batch, "predict")
-        raised[:] = workload.raised
-        description = workload.description.replace(f"seq {length}", "variable seq")
-        step_fn = workload.step_fn
-
-        def step(*_tracked: object) -> object:
-            return step_fn()  # the tracked objects are passed only to be recorded (as predict does)
-
-        with user_output_to_stderr():
-            return trace_step(step, *workload.track, steps=2, target=target)
+        recording, description = record_at(args.batch, length)
+        return recording
 
     with user_errors(lambda: (args.target, raised)):
         env = predict_envelope(
@@ -100,6 +94,30 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     return 1 if env.first_oom_step is not None else 0
 
 
+def _recorder(args: argparse.Namespace, target: Target, command: str, raised: list) -> Any:
+    """``(batch, length) -> (two-step recording, description)`` of TARGET; what the user's code
+    raised is kept in ``raised`` for the error message."""
+    from oomkit.interfaces.cli._workload import build_workload, user_output_to_stderr
+    from oomkit.prediction.tracing import trace_step
+
+    def record(batch: int | None, length: int) -> tuple[Any, str]:
+        shaped = copy.copy(args)
+        shaped.seq = length
+        with user_output_to_stderr():
+            workload = build_workload(shaped, batch, command)
+        raised[:] = workload.raised
+        step_fn = workload.step_fn
+
+        def step(*_tracked: object) -> object:
+            return step_fn()  # the tracked objects are passed only to be recorded (as predict)
+
+        with user_output_to_stderr():
+            recording = trace_step(step, *workload.track, steps=2, target=target)
+        return recording, workload.description.replace(f"seq {length}", "variable seq")
+
+    return record
+
+
 def _refuse_shape_flags(args: argparse.Namespace) -> None:
     if args.hf is None and args.target in ("resnet50", "vit-b16"):
         raise OomkitError(f"--lengths varies the sequence length; {args.target} takes images")
@@ -111,11 +129,10 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
     """``fit --lengths``: the largest batch whose whole run fits; 1 if not even batch 1 does."""
     from oomkit.core.target import Target
     from oomkit.errors import NoFeasibleBatchSizeError
-    from oomkit.interfaces.cli._workload import build_workload, user_errors, user_output_to_stderr
+    from oomkit.interfaces.cli._workload import user_errors
     from oomkit.interfaces.reports.envelope import envelope_to_json, envelope_verdict
     from oomkit.plan.envelope_fit import max_batch_for_run
     from oomkit.prediction.lengths import read_lengths
-    from oomkit.prediction.tracing import trace_step
     from oomkit.units import format_bytes
 
     assert isinstance(target, Target)
@@ -124,19 +141,10 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
     say = (lambda line: stderr_console().print(line)) if not args.json else None
     raised: list[BaseException] = []
 
+    record_at = _recorder(args, target, "fit", raised)
+
     def record(batch: int, length: int):  # noqa: ANN202 - a TraceRecording
-        shaped = copy.copy(args)
-        shaped.seq = length
-        with user_output_to_stderr():
-            workload = build_workload(shaped, batch, "fit")
-        raised[:] = workload.raised
-        step_fn = workload.step_fn
-
-        def step(*_tracked: object) -> object:
-            return step_fn()
-
-        with user_output_to_stderr():
-            return trace_step(step, *workload.track, steps=2, target=target)
+        return record_at(batch, length)[0]
 
     try:
         with user_errors(lambda: (args.target, raised)):

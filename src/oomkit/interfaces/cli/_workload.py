@@ -305,16 +305,9 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
         )
         spec = user_workload_spec(args.target, user, steps)
         return Workload(user.step_fn, user.track, user.description, user.raised, spec)
-    from oomkit.prediction.models import build_preset_step, get_preset
+    from oomkit.prediction.models import build_preset_step
 
-    try:
-        preset = get_preset(args.target)
-    except OomkitError:
-        raise
-    except ValueError as exc:
-        raise OomkitError(str(exc)) from exc
-    _refuse_shape_flags(args, preset)
-    options = step_options(args, batch_size, preset)
+    options = _preset_options(args, batch_size)
     built = _call_builder(build_preset_step, args.target, options)
     spec = _spec("preset", args.target, options, steps, built)
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
@@ -356,17 +349,9 @@ def build_sharded_workload(args: argparse.Namespace, batch_size: int | None) -> 
     steps = getattr(args, "steps", None)
     if is_user_target(args.target):
         return _sharded_user_workload(args, batch_size, steps)
-    from oomkit.prediction.models import get_preset
     from oomkit.prediction.models.parallel import build_fsdp_preset_step
 
-    try:
-        preset = get_preset(args.target)
-    except OomkitError:
-        raise
-    except ValueError as exc:
-        raise OomkitError(str(exc)) from exc
-    _refuse_shape_flags(args, preset)
-    options = step_options(args, batch_size, preset)
+    options = _preset_options(args, batch_size)
     spec = _spec("preset", args.target, options, steps, None)
     workload = ShardedWorkload(lambda mesh: (None, ()), spec)
 
@@ -443,6 +428,24 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             "optimizer, torch.utils.checkpoint, model.eval() / torch.no_grad()), then drop "
             f"{'it' if len(given) == 1 else 'them'}."
         )
+
+
+def _preset_options(args: argparse.Namespace, batch_size: int | None) -> Any:
+    """The StepOptions of TARGET (a preset) at ``batch_size``, its shape flags checked.
+
+    Raises:
+        OomkitError: an unknown preset, or a shape flag of the other kind of model.
+    """
+    from oomkit.prediction.models import get_preset
+
+    try:
+        preset = get_preset(args.target)
+    except OomkitError:
+        raise
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+    _refuse_shape_flags(args, preset)
+    return step_options(args, batch_size, preset)
 
 
 def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
