@@ -48,6 +48,7 @@ def max_batch_for_run(
     steps: int | None = None,
     pad_to: int = 1,
     seed: int | None = None,
+    max_length: int | None = None,
     margin_bytes: int | None = None,
     start_batch: int = 1,
     max_batch: int = 65536,
@@ -62,6 +63,7 @@ def max_batch_for_run(
         target: the GPU and allocator setting.
         pad_to: pad each length up to a multiple of this.
         seed: shuffle the steps with this seed (None: the file's order).
+        max_length: the model's longest sequence; a longer (padded) length is an error.
         margin_bytes: reserved memory to leave unused at the worst step; None: ``fit``'s
             default (``default_margin_bytes``: 2% of usable, at least 256 MiB).
         start_batch: the first batch size tried.
@@ -85,6 +87,7 @@ def max_batch_for_run(
             steps=steps,
             pad_to=pad_to,
             seed=seed,
+            max_length=max_length,
             remedies=False,
         )
         ok = (

@@ -138,3 +138,13 @@ def test_fit_seed_without_lengths_is_refused(step_file, capsys):
     """--seed alone changes nothing: exit 2 naming --lengths."""
     assert main(["fit", f"{step_file}:build", "--seed", "1", "--gpu", "1GiB"]) == 2
     assert "go with --lengths FILE" in capsys.readouterr().err
+
+
+def test_a_length_past_the_presets_positions_is_refused_before_recording(tmp_path, capsys):
+    """GPT-2 has 1024 positions: a 4096 length exits 2 at once, naming the maximum."""
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("512\n4096\n")
+    assert main(["predict", "gpt2-124m", "--lengths", str(lengths), "--gpu", "rtx4090"]) == 2
+    captured = capsys.readouterr()
+    assert "longer than the model's maximum, 1024" in captured.err
+    assert "recording a step" not in captured.err

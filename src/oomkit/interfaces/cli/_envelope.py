@@ -80,6 +80,7 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
             steps=args.steps,
             pad_to=args.pad_to,
             seed=args.seed,
+            max_length=_max_length(args),
             description=lambda: description,
             progress=say,
         )
@@ -116,6 +117,23 @@ def _recorder(args: argparse.Namespace, target: Target, command: str, raised: li
         return recording, workload.description.replace(f"seq {length}", "variable seq")
 
     return record
+
+
+def _max_length(args: argparse.Namespace) -> int | None:
+    """A preset's positions (the longest sequence it takes), to refuse a longer length before
+    anything is recorded; None for --hf and file.py:function targets (their builders check)."""
+    from oomkit.interfaces.cli._user_function import is_user_target
+
+    if args.hf is not None or args.target is None or is_user_target(args.target):
+        return None
+    from oomkit.prediction.models import get_preset
+
+    try:
+        shape = get_preset(args.target).shape
+    except ValueError:
+        return None  # an unknown preset: build_workload says so
+    positions = getattr(shape, "positions", None)
+    return positions if isinstance(positions, int) else None
 
 
 def _refuse_shape_flags(args: argparse.Namespace) -> None:
@@ -155,6 +173,7 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
                 steps=args.steps,
                 pad_to=args.pad_to,
                 seed=args.seed,
+                max_length=_max_length(args),
                 margin_bytes=args.margin,
                 start_batch=args.batch or 1,
                 max_batch=args.max_batch,
