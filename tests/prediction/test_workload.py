@@ -41,6 +41,8 @@ def test_preset_saves_the_old_keys_and_the_new():
             "checkpointing": False,
             "mode": "train",
             "new_tokens": 128,
+            "lora": None,
+            "optimizer_impl": None,
         },
         "steps": 2,
         "cudnn_version": 92000,

@@ -34,8 +34,10 @@ _OPTION_FIELDS = (
     "checkpointing",
     "mode",
     "new_tokens",
+    "lora",
+    "optimizer_impl",
 )
-_OPTIMIZERS = ("adamw", "adam", "sgd")
+_OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class WorkloadSpec:
         mode: ``"train"``, ``"inference"`` or ``"generate"``; ``None`` when not known.
         new_tokens: tokens generated (``generate`` only).
         steps: steps recorded.
+        lora: ``StepOptions.lora`` as a mapping of ``LoraOptions``' fields (r, alpha, targets,
+            dropout, modules_to_save, dora); ``None``: no LoRA, or not known.
+        optimizer_impl: ``StepOptions.optimizer_impl`` (``foreach``, ``fused``, ``for-loop``).
     """
 
     kind: WorkloadKind
@@ -69,6 +74,8 @@ class WorkloadSpec:
     mode: str | None = None
     new_tokens: int | None = None
     steps: int | None = None
+    lora: Mapping[str, Any] | None = None
+    optimizer_impl: str | None = None
 
     @property
     def training(self) -> bool | None:
@@ -129,6 +136,8 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             mode=_typed(options.get("mode"), str),
             new_tokens=_typed(options.get("new_tokens"), int),
             steps=_typed(saved.get("steps"), int),
+            lora=_typed(options.get("lora"), Mapping),
+            optimizer_impl=_typed(options.get("optimizer_impl"), str),
         )
     description = data.get("description")
     if isinstance(description, str) and description:

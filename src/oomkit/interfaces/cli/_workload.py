@@ -48,7 +48,8 @@ __all__ = [
 
 # The StepOptions vocabulary of oomkit.prediction.models (docs/CONTRACTS.md, "Issue 3").
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 MODES = ("train", "inference", "generate")
 # oomkit.prediction.models.PRESETS' names, for --help without importing torch (a test pins them
 # to the presets' own); the vision ones take --image-size, the others --seq.
@@ -104,7 +105,20 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         help="presets and --hf (default: bf16-mixed for the GPT-2 and Llama presets, fp32 for "
         "the others and --hf)",
     )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="presets and --hf (default adamw)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="presets and --hf (default adamw); adamw8bit / paged-adamw8bit: bitsandbytes' "
+        "8-bit states (emulated; paged states are unified memory, not counted on the GPU); "
+        "adafactor: transformers' Adafactor as the HF Trainer sets it up",
+    )
+    parser.add_argument(
+        "--optimizer-impl",
+        choices=OPTIMIZER_IMPLS,
+        help="torch.optim's kernels: foreach (default, as on CUDA), fused (adamw, adam) or "
+        "for-loop (adamw, adam, sgd)",
+    )
+    add_lora_flags(parser)
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
     )
@@ -112,6 +126,87 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     parser.add_argument(
         "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
     )
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), e.g. 0.05; got {text!r}")
+    return value
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """--lora R and its options: peft LoRA adapters on a preset or --hf model."""
+    parser.add_argument(
+        "--lora",
+        type=positive_int,
+        metavar="R",
+        help="train LoRA adapters of rank R (peft) instead of the whole model: base weights "
+        "frozen, no gradients or optimizer states for them (presets, --hf)",
+    )
+    parser.add_argument(
+        "--lora-alpha", type=positive_int, metavar="N", help="lora_alpha (default 8, peft's)"
+    )
+    parser.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated modules to adapt, e.g. q_proj,v_proj (default: peft's for the "
+        "architecture)",
+    )
+    parser.add_argument(
+        "--lora-dropout", type=_probability, metavar="P", help="lora_dropout (default 0)"
+    )
+    parser.add_argument(
+        "--lora-modules-to-save",
+        metavar="NAMES",
+        help="comma-separated modules trained in full beside the adapters, e.g. lm_head",
+    )
+    parser.add_argument("--dora", action="store_true", help="DoRA (LoraConfig use_dora=True)")
+
+
+def _lora_options(args: argparse.Namespace) -> Any:
+    """The ``LoraOptions`` of --lora and its options; ``None`` without --lora.
+
+    Raises:
+        OomkitError: a LoRA option without --lora.
+    """
+    given: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("alpha", getattr(args, "lora_alpha", None)),
+            ("targets", getattr(args, "lora_targets", None)),
+            ("dropout", getattr(args, "lora_dropout", None)),
+            ("modules_to_save", getattr(args, "lora_modules_to_save", None)),
+            ("dora", getattr(args, "dora", False) or None),
+        )
+        if value is not None
+    }
+    if getattr(args, "lora", None) is None:
+        if given:
+            flags = ", ".join(_LORA_FLAGS[name] for name in given)
+            raise OomkitError(
+                f"{flags} {'configures' if len(given) == 1 else 'configure'} LoRA: add --lora R "
+                "(e.g. --lora 16), or drop it."
+            )
+        return None
+    from oomkit.prediction.models.lora_options import LoraOptions
+
+    try:
+        return LoraOptions(r=args.lora, **given)
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+
+
+_LORA_FLAGS = {
+    "alpha": "--lora-alpha",
+    "targets": "--lora-targets",
+    "dropout": "--lora-dropout",
+    "modules_to_save": "--lora-modules-to-save",
+    "dora": "--dora",
+}
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
@@ -166,10 +261,15 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
         ("seq_len", args.seq),
         ("image_size", args.image_size),
         ("new_tokens", getattr(args, "new_tokens", None)),
+        ("optimizer_impl", getattr(args, "optimizer_impl", None)),
+        ("lora", _lora_options(args)),
     ):
         if value is not None:
             fields[name] = value
-    return StepOptions(**fields)
+    try:
+        return StepOptions(**fields)
+    except ValueError as exc:  # a combination the flags' choices cannot rule out
+        raise OomkitError(cli_wording(str(exc))) from exc
 
 
 @dataclass(frozen=True)
@@ -278,6 +378,8 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--checkpointing", args.checkpointing or None),
             ("--mode", args.mode),
             ("--new-tokens", getattr(args, "new_tokens", None)),
+            ("--optimizer-impl", getattr(args, "optimizer_impl", None)),
+            ("--lora", getattr(args, "lora", None)),
         )
         if value is not None
     ]
@@ -307,7 +409,7 @@ def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
 
 # A library message names the Python API (StepOptions(seq_len=...)); the CLI names its flags.
 _CLI_FLAGS = {"seq_len": "--seq", "image_size": "--image-size", "new_tokens": "--new-tokens",
-              "batch_size": "--batch"}
+              "batch_size": "--batch", "lora": "--lora"}
 _STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
 
 

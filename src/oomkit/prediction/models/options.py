@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-__all__ = ["BuiltStep", "Mode", "OptimizerName", "Precision", "StepOptions"]
+from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
+
+__all__ = ["BuiltStep", "Mode", "OptimizerImpl", "OptimizerName", "Precision", "StepOptions"]
 
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
-OptimizerName = Literal["adamw", "adam", "sgd"]
+OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor"]
+OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Mode = Literal["train", "inference", "generate"]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 MODES: tuple[Mode, ...] = get_args(Mode)
+OPTIMIZER_IMPLS: tuple[OptimizerImpl, ...] = get_args(OptimizerImpl)
 
 
 @dataclass(frozen=True)
@@ -29,13 +33,23 @@ class StepOptions:
         precision: ``fp32``; ``fp16-mixed`` / ``bf16-mixed`` (fp32 weights and optimizer states,
             forward and loss under ``torch.autocast("cuda", dtype)``; fp16 adds GradScaler's
             tensors); ``bf16`` (model, gradients and optimizer states all in bf16).
-        optimizer: ``adamw`` / ``adam`` (two states per parameter) or ``sgd`` (momentum 0.9, one).
+        optimizer: ``adamw`` / ``adam`` (two states per parameter), ``sgd`` (momentum 0.9, one),
+            ``adamw8bit`` / ``paged-adamw8bit`` or ``adafactor`` (see ``optimizer_impl``).
         checkpointing: recompute each block in backward (``torch.utils.checkpoint``,
             ``use_reentrant=False``) instead of keeping its activations.
         mode: ``train`` (forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``),
             ``inference`` (forward under ``torch.no_grad``) or ``generate`` (greedy decoding with a
             KV cache; decoder models only).
         new_tokens: ``generate`` only: tokens produced after the prompt.
+        lora: LoRA adapters injected with peft (``LoraOptions``; a mapping of its fields is
+            accepted too); the base weights are then frozen. ``None``: full fine-tuning.
+        optimizer_impl: ``foreach`` (CUDA's default), ``fused`` (``adamw`` / ``adam``: torch
+            has no meta kernel for fused SGD) or ``for-loop`` (torch's ``adamw`` / ``adam`` /
+            ``sgd``). The optimizers beyond torch's (their states are
+            in ``oomkit.prediction.models.optimizers``): ``adamw8bit`` / ``paged-adamw8bit``
+            (bitsandbytes' 8-bit states, emulated; paged states are unified memory, not counted
+            on the device) and ``adafactor`` (transformers' ``Adafactor`` as the HF Trainer
+            configures it).
     """
 
     batch_size: int = 8
@@ -46,11 +60,26 @@ class StepOptions:
     checkpointing: bool = False
     mode: Mode = "train"
     new_tokens: int = 128
+    lora: LoraOptions | None = None
+    optimizer_impl: OptimizerImpl = "foreach"
 
     def __post_init__(self) -> None:
+        lora: Any = self.lora
+        object.__setattr__(self, "lora", lora_options_from(lora))
         _check_choice("precision", self.precision, PRECISIONS, "bf16-mixed")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS, "adamw")
         _check_choice("mode", self.mode, MODES, "train")
+        _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS, "fused")
+        # torch 2.13 has no meta kernel for _fused_sgd_, so fused applies to Adam/AdamW only.
+        allowed = {"foreach": OPTIMIZERS, "for-loop": ("adamw", "adam", "sgd")}.get(
+            self.optimizer_impl, ("adamw", "adam")
+        )
+        if self.optimizer not in allowed:
+            raise ValueError(
+                f"StepOptions.optimizer_impl {self.optimizer_impl!r} applies to "
+                f"{', '.join(allowed)} only, not {self.optimizer!r}. Example: "
+                "StepOptions(optimizer='adamw', optimizer_impl='fused')"
+            )
         for field_name, example in (("batch_size", 8), ("new_tokens", 128)):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 1:
