@@ -97,6 +97,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraOptions) -> torch.nn.Module:
             # peft/tuners/lora/model.py _create_new_module: a transformers Conv1D (GPT-2) is
             # adapted with fan_in_fan_out=True, which it sets itself after warning.
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            # peft asks transformers 5 for the deprecated is_gradient_checkpointing.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
             peft_model: torch.nn.Module = peft.get_peft_model(model, config)
     except ValueError as exc:
         raise OomkitError(
