@@ -36,7 +36,19 @@ _OPTION_FIELDS = (
     "new_tokens",
     "lora",
     "optimizer_impl",
+    "quantize",
+    "double_quant",
+    "compute_dtype",
 )
+# The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
+# not known), so that saves of other workloads keep the keys older oomkit wrote.
+_OMITTED_AT_DEFAULT: dict[str, object] = {
+    "lora": None,
+    "optimizer_impl": "foreach",
+    "quantize": None,
+    "double_quant": False,
+    "compute_dtype": None,
+}
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
 
@@ -61,6 +73,9 @@ class WorkloadSpec:
         lora: ``StepOptions.lora`` as a mapping of ``LoraOptions``' fields (r, alpha, targets,
             dropout, modules_to_save, dora); ``None``: no LoRA, or not known.
         optimizer_impl: ``StepOptions.optimizer_impl`` (``foreach``, ``fused``, ``for-loop``).
+        quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
+        double_quant: ``StepOptions.double_quant``.
+        compute_dtype: ``StepOptions.compute_dtype``.
     """
 
     kind: WorkloadKind
@@ -76,6 +91,9 @@ class WorkloadSpec:
     steps: int | None = None
     lora: Mapping[str, Any] | None = None
     optimizer_impl: str | None = None
+    quantize: str | None = None
+    double_quant: bool | None = None
+    compute_dtype: str | None = None
 
     @property
     def training(self) -> bool | None:
@@ -89,13 +107,18 @@ class WorkloadSpec:
 
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
-    """The saved form: ``kind``, ``name``, ``options`` and ``steps``; a preset also keeps
+    """The saved form: ``kind``, ``name``, ``options`` (the fine-tuning ones only when set) and
+    ``steps``; a preset also keeps
     ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
     with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
     out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
     if workload.kind == "preset":
         out["preset"] = workload.name
-    out["options"] = workload.options
+    out["options"] = {
+        name: value
+        for name, value in workload.options.items()
+        if name not in _OMITTED_AT_DEFAULT or value not in (None, _OMITTED_AT_DEFAULT[name])
+    }
     out["steps"] = workload.steps
     if cudnn_version is not None:
         out["cudnn_version"] = cudnn_version
@@ -138,6 +161,9 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             steps=_typed(saved.get("steps"), int),
             lora=_typed(options.get("lora"), Mapping),
             optimizer_impl=_typed(options.get("optimizer_impl"), str),
+            quantize=_typed(options.get("quantize"), str),
+            double_quant=_typed(options.get("double_quant"), bool),
+            compute_dtype=_typed(options.get("compute_dtype"), str),
         )
     description = data.get("description")
     if isinstance(description, str) and description:

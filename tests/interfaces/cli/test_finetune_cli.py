@@ -87,3 +87,32 @@ def test_fit_searches_a_lora_batch(capsys):
     assert main([*args, "--gpu", "2GiB", "--max-batch", "2", "--json"]) in (0, 1)
     out = json.loads(capsys.readouterr().out)
     assert "LoRA r8" in json.dumps(out)
+
+
+def test_predict_qlora_saves_quantize_options(capsys):
+    """--quantize nf4 --double-quant --compute-dtype bf16 with --lora: saved, described."""
+    args = ["predict", "gpt2-124m", "--quantize", "nf4", "--double-quant", "--compute-dtype"]
+    argv = [*args, "bf16", "--lora", "8", "--precision", "bf16", "--batch", "1", "--seq", "16"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    options = out["workload"]["options"]
+    assert (options["quantize"], options["double_quant"], options["compute_dtype"]) == (
+        "nf4",
+        True,
+        "bf16",
+    )
+    assert out["description"].startswith("GPT-2 124M + nf4 double-quant + LoRA r8, batch 1")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--double-quant"], "add quantize, e.g. --quantize nf4"),
+        (["--quantize", "nf4"], "needs LoRA adapters: add --lora N"),
+        (["--quantize", "fp4", "--mode", "generate"], "gemv_4bit"),
+    ],
+)
+def test_bad_quantize_flags_exit_2(extra, message, capsys):
+    """Quantize options without --quantize, 4-bit training without LoRA, generate: exit 2."""
+    assert main(["predict", "gpt2-124m", "--batch", "1", "--seq", "16", *extra]) == 2
+    assert message in capsys.readouterr().err

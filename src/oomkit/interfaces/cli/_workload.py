@@ -119,6 +119,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         "for-loop (adamw, adam, sgd)",
     )
     add_lora_flags(parser)
+    add_quantize_flags(parser)
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
     )
@@ -165,6 +166,24 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
         help="comma-separated modules trained in full beside the adapters, e.g. lm_head",
     )
     parser.add_argument("--dora", action="store_true", help="DoRA (LoraConfig use_dora=True)")
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
+    """--quantize and its options: bitsandbytes 4-bit base weights (QLoRA), emulated."""
+    parser.add_argument(
+        "--quantize",
+        choices=("nf4", "fp4"),
+        help="store every Linear but the output layer as bitsandbytes Linear4bit (QLoRA; "
+        "training needs --lora)",
+    )
+    parser.add_argument(
+        "--double-quant", action="store_true", help="bnb_4bit_use_double_quant (with --quantize)"
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="bnb_4bit_compute_dtype (with --quantize; default: the model's parameter dtype)",
+    )
 
 
 def _lora_options(args: argparse.Namespace) -> Any:
@@ -263,6 +282,9 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
         ("new_tokens", getattr(args, "new_tokens", None)),
         ("optimizer_impl", getattr(args, "optimizer_impl", None)),
         ("lora", _lora_options(args)),
+        ("quantize", getattr(args, "quantize", None)),
+        ("double_quant", getattr(args, "double_quant", False) or None),
+        ("compute_dtype", getattr(args, "compute_dtype", None)),
     ):
         if value is not None:
             fields[name] = value
@@ -380,6 +402,7 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--new-tokens", getattr(args, "new_tokens", None)),
             ("--optimizer-impl", getattr(args, "optimizer_impl", None)),
             ("--lora", getattr(args, "lora", None)),
+            ("--quantize", getattr(args, "quantize", None)),
         )
         if value is not None
     ]
@@ -409,7 +432,8 @@ def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
 
 # A library message names the Python API (StepOptions(seq_len=...)); the CLI names its flags.
 _CLI_FLAGS = {"seq_len": "--seq", "image_size": "--image-size", "new_tokens": "--new-tokens",
-              "batch_size": "--batch", "lora": "--lora"}
+              "batch_size": "--batch", "lora": "--lora", "quantize": "--quantize",
+              "double_quant": "--double-quant", "compute_dtype": "--compute-dtype"}
 _STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
 
 
@@ -421,7 +445,7 @@ def cli_wording(message: str) -> str:
         name, value = match.group(1), match.group(2)
         if name not in _CLI_FLAGS:
             return match.group(0)
-        return f"{_CLI_FLAGS[name]} {'N' if value == '...' else value}"
+        return f"{_CLI_FLAGS[name]} {'N' if value == '...' else value.strip(chr(39))}"
 
     return _STEP_OPTIONS_RE.sub(flag, message)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from oomkit.errors import OomkitError, TorchRequiredError
-from oomkit.prediction.models.lora import apply_lora
+from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
@@ -207,9 +207,7 @@ def build_hf_step(
         )
     image_size = options.image_size or getattr(config, "image_size", None) or 224
     title = _title(name_or_path_or_config, config, model)
-    if options.lora is not None:  # peft replaces the targeted layers in place
-        apply_lora(model, options.lora)
-        title = f"{title} + {options.lora.describe()}"
+    title = prepare_finetune(model, options, title)  # quantize, LoRA
     runner = _runner(transformers, model, task, config, text)
     return build_step(
         runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device

@@ -23,8 +23,10 @@ from oomkit.prediction.models.bert import Bert
 from oomkit.prediction.models.gpt2 import GPT2
 from oomkit.prediction.models.llama import Llama
 from oomkit.prediction.models.lora_options import LoraOptions
+from oomkit.prediction.models.options import StepOptions
+from oomkit.prediction.models.quantized import Linear4bitStorage, lora_layer_class, quantize_linears
 
-__all__ = ["apply_lora"]
+__all__ = ["apply_lora", "prepare_finetune"]
 
 # The presets whose module names match their Hugging Face counterpart's, so that peft's default
 # targets for that model type (peft/utils/constants.py
@@ -92,6 +94,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraOptions) -> torch.nn.Module:
         modules_to_save=list(lora.modules_to_save) or None,
         use_dora=lora.dora,
     )
+    if any(isinstance(m, Linear4bitStorage) for m in model.modules()):
+        # peft/tuners/lora/model.py: custom modules are dispatched first.
+        config._register_custom_module({Linear4bitStorage: lora_layer_class()})
     try:
         with warnings.catch_warnings():
             # peft/tuners/lora/model.py _create_new_module: a transformers Conv1D (GPT-2) is
@@ -107,3 +112,28 @@ def apply_lora(model: torch.nn.Module, lora: LoraOptions) -> torch.nn.Module:
             "StepOptions(lora=LoraOptions(targets=('q_proj', 'v_proj'))) (CLI: --lora-targets)"
         ) from exc
     return peft_model
+
+
+_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def prepare_finetune(model: torch.nn.Module, options: StepOptions, title: str) -> str:
+    """Quantize (``options.quantize``), then add LoRA (``options.lora``), in place.
+
+    Returns:
+        ``title`` with what was done, e.g. ``"Llama 3.1 8B + nf4 + LoRA r16"``.
+    """
+    if options.quantize is not None:
+        dtype = next(model.parameters()).dtype
+        compute = _COMPUTE_DTYPES[options.compute_dtype] if options.compute_dtype else dtype
+        quantize_linears(
+            model,
+            quant_type=options.quantize,
+            double_quant=options.double_quant,
+            compute_dtype=compute,
+        )
+        title = f"{title} + {options.quantize}{' double-quant' if options.double_quant else ''}"
+    if options.lora is not None:  # peft replaces the targeted layers in place
+        apply_lora(model, options.lora)
+        title = f"{title} + {options.lora.describe()}"
+    return title

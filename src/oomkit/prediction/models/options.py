@@ -8,17 +8,30 @@ from typing import Any, Literal, get_args
 
 from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
 
-__all__ = ["BuiltStep", "Mode", "OptimizerImpl", "OptimizerName", "Precision", "StepOptions"]
+__all__ = [
+    "BuiltStep",
+    "ComputeDtype",
+    "Mode",
+    "OptimizerImpl",
+    "OptimizerName",
+    "Precision",
+    "Quantize",
+    "StepOptions",
+]
 
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
+Quantize = Literal["nf4", "fp4"]
+ComputeDtype = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["train", "inference", "generate"]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 MODES: tuple[Mode, ...] = get_args(Mode)
 OPTIMIZER_IMPLS: tuple[OptimizerImpl, ...] = get_args(OptimizerImpl)
+QUANTIZE: tuple[Quantize, ...] = get_args(Quantize)
+COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,13 @@ class StepOptions:
             (bitsandbytes' 8-bit states, emulated; paged states are unified memory, not counted
             on the device) and ``adafactor`` (transformers' ``Adafactor`` as the HF Trainer
             configures it).
+        quantize: ``nf4`` / ``fp4``: every ``nn.Linear`` but the output layer stored as
+            bitsandbytes ``Linear4bit`` stores it (QLoRA; emulated, see
+            ``oomkit.prediction.models.quantized``); training then needs ``lora``. ``None``: no
+            quantization.
+        double_quant: ``bnb_4bit_use_double_quant`` (``quantize`` only).
+        compute_dtype: ``bnb_4bit_compute_dtype`` (``quantize`` only); ``None``: the model's
+            parameter dtype (bf16 for ``precision="bf16"``, else fp32).
     """
 
     batch_size: int = 8
@@ -62,6 +82,9 @@ class StepOptions:
     new_tokens: int = 128
     lora: LoraOptions | None = None
     optimizer_impl: OptimizerImpl = "foreach"
+    quantize: Quantize | None = None
+    double_quant: bool = False
+    compute_dtype: ComputeDtype | None = None
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -80,6 +103,7 @@ class StepOptions:
                 f"{', '.join(allowed)} only, not {self.optimizer!r}. Example: "
                 "StepOptions(optimizer='adamw', optimizer_impl='fused')"
             )
+        self._check_quantize()
         for field_name, example in (("batch_size", 8), ("new_tokens", 128)):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 1:
@@ -94,6 +118,30 @@ class StepOptions:
                     f"StepOptions.{field_name} must be a positive integer or None (the preset's "
                     f"default); got {value!r}. Example: StepOptions({field_name}={example})"
                 )
+
+
+    def _check_quantize(self) -> None:
+        if self.quantize is None:
+            if self.double_quant or self.compute_dtype is not None:
+                raise ValueError(
+                    "StepOptions.double_quant and compute_dtype configure 4-bit weights; add "
+                    "quantize, e.g. StepOptions(quantize='nf4')"
+                )
+            return
+        _check_choice("quantize", self.quantize, QUANTIZE, "nf4")
+        if self.compute_dtype is not None:
+            _check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, "bf16")
+        if self.mode == "train" and self.lora is None:
+            raise ValueError(
+                "4-bit weights are frozen (bitsandbytes Params4bit has no gradient): training "
+                "a quantized model needs LoRA adapters: add StepOptions(lora=...), or use mode "
+                "'inference'"
+            )
+        if self.mode == "generate":
+            raise ValueError(
+                "generating with 4-bit weights takes bitsandbytes' gemv_4bit path, which oomkit "
+                "does not model; use mode 'train' (with LoRA) or 'inference'"
+            )
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...], example: str) -> None:

@@ -20,7 +20,7 @@ from oomkit.prediction.models.llama import (
     llama_buffer_count,
     llama_parameter_count,
 )
-from oomkit.prediction.models.lora import apply_lora
+from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.resnet import (
     ResNet,
@@ -255,10 +255,7 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     model = model.to(dtype=model_dtype(options.precision))
     if options.checkpointing:
         cast(Any, model).checkpointing = True  # every preset module reads this flag
-    title = preset.title
-    if options.lora is not None:  # peft replaces the targeted layers in place
-        apply_lora(model, options.lora)
-        title = f"{title} + {options.lora.describe()}"
+    title = prepare_finetune(model, options, preset.title)  # quantize, LoRA
     runner = _runner(preset, model)
     return build_step(
         runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device
