@@ -136,3 +136,16 @@ def test_optimizer_impl_refusals():
         StepOptions(optimizer_impl="capturable")
     with pytest.raises(Exception, match="unknown optimizer 'lion'"):
         make_optimizer("lion", [])
+
+
+def test_expected_state_bytes_refuses_what_it_does_not_count():
+    """The preset arithmetic covers adamw/adam/sgd full training only: others are refused."""
+    from oomkit.errors import OomkitError
+    from oomkit.prediction.models import expected_state_bytes
+
+    for options in (StepOptions(optimizer="adamw8bit"), StepOptions(lora=LoraOptions())):
+        with pytest.raises(OomkitError, match="expected_state_bytes covers full training"):
+            expected_state_bytes("gpt2-124m", options)
+    assert expected_state_bytes("gpt2-124m", StepOptions(optimizer="sgd"))["optimizer_state"] == (
+        4 * 124_439_808
+    )
