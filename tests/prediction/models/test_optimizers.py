@@ -65,6 +65,8 @@ def test_paged_adamw8bit_keeps_large_states_off_the_device():
     assert optimizer.paged_state_bytes == 2 * 2 * 131072
     paged = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, PagedStateBuffer)]
     assert [(b.numel, b.dtype) for b in paged] == [(131072, torch.uint8)] * 4
+    # said where the report shows it, counted before the first step (4 x 131072 = 512 KiB)
+    assert "(512.00 KiB of paged optimizer states off the device)" in built.description
 
 
 def test_adafactor_factored_states():

@@ -23,8 +23,10 @@ from oomkit.prediction.models.bert import Bert
 from oomkit.prediction.models.gpt2 import GPT2
 from oomkit.prediction.models.llama import Llama
 from oomkit.prediction.models.lora_options import LoraOptions
+from oomkit.prediction.models.optimizers import paged_state_bytes
 from oomkit.prediction.models.options import StepOptions
 from oomkit.prediction.models.quantized import Linear4bitStorage, lora_layer_class, quantize_linears
+from oomkit.units import format_bytes
 
 __all__ = ["apply_lora", "prepare_finetune"]
 
@@ -121,7 +123,9 @@ def prepare_finetune(model: torch.nn.Module, options: StepOptions, title: str) -
     """Quantize (``options.quantize``), then add LoRA (``options.lora``), in place.
 
     Returns:
-        ``title`` with what was done, e.g. ``"Llama 3.1 8B + nf4 + LoRA r16"``.
+        ``title`` with what was done, e.g. ``"Llama 3.1 8B + nf4 + LoRA r16"``; with
+        ``paged-adamw8bit`` also how many bytes of its states will live in unified memory,
+        which the prediction does not count on the device.
     """
     if options.quantize is not None:
         dtype = next(model.parameters()).dtype
@@ -136,4 +140,7 @@ def prepare_finetune(model: torch.nn.Module, options: StepOptions, title: str) -
     if options.lora is not None:  # peft replaces the targeted layers in place
         apply_lora(model, options.lora)
         title = f"{title} + {options.lora.describe()}"
+    if options.optimizer == "paged-adamw8bit" and options.mode == "train":
+        paged = paged_state_bytes(p for p in model.parameters() if p.requires_grad)
+        title = f"{title} ({format_bytes(paged)} of paged optimizer states off the device)"
     return title

@@ -22,6 +22,7 @@ __all__ = [
     "Adam8bitStates",
     "PagedStateBuffer",
     "make_optimizer",
+    "paged_state_bytes",
     "BNB_BLOCK_SIZE",
     "BNB_MIN_8BIT_SIZE",
     "BNB_PAGED_MIN_NUMEL",
@@ -148,6 +149,19 @@ class Adam8bitStates(torch.optim.Optimizer):
         blocks = -(-p.numel() // BNB_BLOCK_SIZE)
         state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
         state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+
+
+def paged_state_bytes(params: Iterable[torch.Tensor], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE) -> int:
+    """Unified-memory bytes ``PagedAdamW8bit`` will page for ``params`` (their first step).
+
+    ``state1`` and ``state2`` of each parameter of at least 100,000 elements: uint8 (fp32 below
+    ``min_8bit_size``, which a paged parameter never is with the default 4096).
+    """
+    total = 0
+    for p in params:
+        if p.numel() >= BNB_PAGED_MIN_NUMEL:
+            total += 2 * p.numel() * (1 if p.numel() >= min_8bit_size else 4)
+    return total
 
 
 def _adafactor(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
