@@ -75,11 +75,14 @@ def test_lora_dropout_must_be_a_probability(capsys):
 
 
 def test_user_function_refuses_lora(tmp_path, capsys):
-    """A file.py:function step runs as written: --lora is refused by name."""
+    """A file.py:function step runs as written: --lora and its options are refused by name."""
     script = tmp_path / "step.py"
     script.write_text("def build(batch_size):\n    return (lambda: None), []\n")
     assert main(["predict", f"{script}:build", "--lora", "8"]) == 2
     assert "--lora applies to presets and --hf only" in capsys.readouterr().err
+    argv = ["predict", f"{script}:build", "--lora-targets", "q", "--quantize", "nf4", "--dora"]
+    assert main(argv) == 2
+    assert "--lora-targets and --dora and --quantize apply to presets" in capsys.readouterr().err
 
 
 def test_fit_searches_a_lora_batch(capsys):

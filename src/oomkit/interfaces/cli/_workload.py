@@ -219,6 +219,14 @@ def _lora_options(args: argparse.Namespace) -> Any:
         raise OomkitError(str(exc)) from exc
 
 
+# The LoRA options' flags by argparse dest, for refusing them on a file.py:function target.
+_FINETUNE_OPTION_FLAGS = (
+    ("lora_alpha", "--lora-alpha"),
+    ("lora_targets", "--lora-targets"),
+    ("lora_dropout", "--lora-dropout"),
+    ("lora_modules_to_save", "--lora-modules-to-save"),
+)
+
 _LORA_FLAGS = {
     "alpha": "--lora-alpha",
     "targets": "--lora-targets",
@@ -402,7 +410,11 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--new-tokens", getattr(args, "new_tokens", None)),
             ("--optimizer-impl", getattr(args, "optimizer_impl", None)),
             ("--lora", getattr(args, "lora", None)),
+            *((flag, getattr(args, name, None)) for name, flag in _FINETUNE_OPTION_FLAGS),
+            ("--dora", getattr(args, "dora", False) or None),
             ("--quantize", getattr(args, "quantize", None)),
+            ("--double-quant", getattr(args, "double_quant", False) or None),
+            ("--compute-dtype", getattr(args, "compute_dtype", None)),
         )
         if value is not None
     ]
