@@ -5,8 +5,14 @@ monitor (so drift and noise of a shared machine hit both alike), and the best pe
 of each is compared. Monitor variants: in memory only, with a JSONL log, and ``every=10``.
 
 1. **CPU, simulated device**: the step runs under ``SimulatedCudaDevice`` (oomkit's allocator
-   accounts every storage), and the monitor reads the simulated ``memory_stats()``.
-2. **GPU** (when CUDA is available): the same loop on ``cuda`` with a wider MLP; the monitor
+   accounts every storage), and the monitor reads the simulated ``memory_stats()``. The
+   simulator itself slows the step (every storage goes through the simulated allocator), so the
+   "off" time here is not a real CPU step's.
+2. **CPU, real step**: the same loop on plain CPU, no simulator, so the step takes what it takes
+   in PyTorch; the monitor reads a device whose ``memory_stats()`` hands back a copy of a fixed
+   dict with the keys of ``torch.cuda.memory_stats()``: what is timed is the monitor's own cost
+   (its bookkeeping, record and log line), against a real step.
+3. **GPU** (when CUDA is available): the same loop on ``cuda`` with a wider MLP; the monitor
    reads ``torch.cuda.memory_stats()`` (and NVML in a thread when nvidia-ml-py is installed).
 
 Prints a table per device and, last, one JSON line with every figure.
@@ -133,6 +139,55 @@ def cpu_simulated(steps: int, blocks: int, width: int, batch: int) -> dict:
     return {"seconds_per_step": result, "step_call_us": calls}
 
 
+class _FixedStatsDevice:
+    """A ``DeviceMemory`` with fixed counters: reading it costs a dict copy, as little as a
+    device can, so the monitor's own work is what is left to time."""
+
+    name = "fixed counters (no device)"
+
+    def __init__(self, stats: dict[str, int], total_bytes: int) -> None:
+        self._stats = stats
+        self._total_bytes = total_bytes
+
+    def memory_stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self._total_bytes - self._stats["reserved_bytes.all.current"], self._total_bytes
+
+
+def _fixed_variants(tmp: Path, device: _FixedStatsDevice) -> dict[str, Callable[[], Monitor]]:
+    return {
+        "monitor": lambda: Monitor(device=device),
+        "monitor+log": lambda: Monitor(device=device, log_path=tmp / "m.jsonl", keep_records=False),
+        "monitor every=10": lambda: Monitor(device=device, every=10),
+    }
+
+
+def cpu_real(steps: int, blocks: int, width: int, batch: int) -> dict:
+    """A real CPU step (no simulator); the monitor reads fixed counters (its own cost only)."""
+    # The key set torch.cuda.memory_stats() returns, taken once from the simulated allocator.
+    with SimulatedCudaDevice("24GiB", context_overhead_bytes=0) as simulated:
+        stats = dict(simulated.memory_stats())
+    device = _FixedStatsDevice(stats, 24 * 2**30)
+    with tempfile.TemporaryDirectory() as t:
+        model, opt = _mlp(width, 4, "cpu")
+        x = torch.randn(batch, width)
+
+        def step() -> None:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        variants = _fixed_variants(Path(t), device)
+        result = measure(step, steps=steps, blocks=blocks, sync=lambda: None, make_monitors=variants)
+        calls = {name: step_call_us(make) for name, make in variants.items()}
+    return {"seconds_per_step": result, "step_call_us": calls, "stats_keys": len(stats)}
+
+
 def gpu(steps: int, blocks: int, width: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as t:
         model, opt = _mlp(width, 8, "cuda")
@@ -172,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.blocks} blocks of {args.steps} steps"
     )
     out["cpu_simulated"] = _print(title, cpu)
+    real = cpu_real(args.steps, args.blocks, args.cpu_width, args.cpu_batch)
+    title = (
+        f"CPU, real step (no simulator; the monitor reads fixed counters): MLP "
+        f"4x{args.cpu_width}, batch {args.cpu_batch}, {args.blocks} blocks of {args.steps} steps"
+    )
+    out["cpu_real"] = _print(title, real)
     if torch.cuda.is_available():
         result = gpu(args.steps, args.blocks, args.gpu_width, args.gpu_batch)
         title = (

@@ -228,10 +228,12 @@ def test_the_ban_rule_on_two_folders():
     }
     assert expected_bans("prediction.tracing") == {
         "oomkit.prediction.models",
+        "oomkit.prediction.module_groups",
         "oomkit.prediction.predictor",
         "oomkit.prediction._replay",
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
+        "oomkit.prediction.summary",
         "oomkit.prediction.workload",
         "oomkit.plan",
         "oomkit.diagnose",

@@ -19,6 +19,12 @@ from oomkit.errors import (
     UnsupportedOpError,
 )
 from oomkit.interfaces.reports.monitor_live import live_monitor
+from oomkit.interfaces.reports.prediction import (
+    prediction_summary,
+    prediction_to_json,
+    render_prediction,
+    verdict_line,
+)
 from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
 from oomkit.prediction.predictor import Prediction, predict, predict_recording
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
@@ -50,7 +56,11 @@ __all__ = [
     "parse_bytes",
     "predict",
     "predict_recording",
+    "prediction_summary",
+    "prediction_to_json",
+    "render_prediction",
     "resilient",
     "smallest_gpu",
+    "verdict_line",
     "watch",
 ]

@@ -14,6 +14,8 @@ __all__ = [
     "AllocatorUsageError",
     "TorchRequiredError",
     "UnsupportedOpError",
+    "DataDependentValueError",
+    "EmptyRecordingError",
     "NoFeasibleBatchSizeError",
     "UnknownDeviceError",
     "UnknownGpuError",
@@ -56,6 +58,14 @@ class TorchRequiredError(OomkitError, ImportError):
 
 class UnsupportedOpError(OomkitError, ValueError):
     """An operation that oomkit cannot model."""
+
+
+class DataDependentValueError(UnsupportedOpError):
+    """A tensor value oomkit cannot know on the meta device decides a size, a loop or a branch."""
+
+
+class EmptyRecordingError(OomkitError, ValueError):
+    """A traced step allocated nothing on the device oomkit watches (it ran elsewhere, for real)."""
 
 
 class NoFeasibleBatchSizeError(OomkitError, ValueError):

@@ -43,7 +43,10 @@ def test_defaults_are_pytorchs_and_not_stated():
     assert t.usable_bytes == 84504608768
     assert t.allocator_config == AllocatorConfig()
     assert t.alloc_conf == ""
-    assert (t.torch_version, t.cudnn_version, t.cuda_version) == (None, None, None)
+    assert (t.torch_version, t.cudnn_version) == (None, None)
+    # The CUDA is the installed torch's: a CPU build takes its release's default wheel's.
+    assert Target.resolve(installed_torch=lambda: "2.13.0+cpu").cuda_version == "13.0"
+    assert Target.resolve(installed_torch=lambda: "2.6.0+cu118").cuda_version == "11.8"
 
 
 def test_target_is_frozen():

@@ -23,7 +23,8 @@ def test_shortage_of_the_whole_step_comes_first():
         "usable_bytes": 3875536896,
         "shortfall_bytes": 12238979072 - 3875536896,
     }
-    assert [f.cause for f in d.causes] == ["shortage", "fragmentation"]
+    # The OOM point's 58.40 MiB cache (1.6% of reserved) is ordinary overhead, not a cause.
+    assert [f.cause for f in d.causes] == ["shortage"]
 
 
 def test_batch_remedy_uses_the_batch_size():

@@ -21,6 +21,7 @@ EXPECTED_EVIDENCE = {
         "allocated_bytes": 7 * GiB,
         "requested_bytes": GiB,
         "available_bytes": 8 * GiB - CONTEXT,
+        "shortfall_bytes": CONTEXT,
     },
     "fragmentation": {
         "reserved_unallocated_bytes": 7 * 424 * MiB,
@@ -31,6 +32,7 @@ EXPECTED_EVIDENCE = {
     "outside_pytorch": {
         "outside_allocator_bytes": 8 * GiB - 624 * MiB - 4 * GiB,
         "expected_context_bytes": CONTEXT,
+        "context_high_bytes": CONTEXT + 800 * MiB,
         "other_processes_bytes": 0,
     },
     "fraction_limit": {

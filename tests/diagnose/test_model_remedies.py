@@ -173,7 +173,8 @@ def saved():
     p = predict(
         built.step_fn, gpu="3GiB", steps=2, track=built.track, description=built.description
     )
-    spec = {"preset": "gpt2-124m", "options": dataclasses.asdict(options), "steps": 2}
+    # As the CLI saves it: the options as built (precision resolved to the preset's fp32).
+    spec = {"preset": "gpt2-124m", "options": dataclasses.asdict(built.options), "steps": 2}
     return json.loads(json.dumps(prediction_to_json(p, spec)))
 
 

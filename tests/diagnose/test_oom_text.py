@@ -110,7 +110,7 @@ def test_real_classic_message_wrapped_in_a_commented_log():
 
 
 def test_cached_wording_of_torch_1_4_and_earlier():
-    """<= 1.4 said "cached" for reserved."""
+    """1.4 said "cached" for reserved: 9.66 GiB allocated + 9.88 GiB cannot fit 10.76 GiB."""
     parsed = parse_oom_text(
         "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 10.76 GiB total "
         "capacity; 9.66 GiB already allocated; 17.56 MiB free; 9.88 GiB cached)"
@@ -201,3 +201,25 @@ def test_expandable_configuration_does_not_change_the_wording():
     parsed = parse_oom_text(str(_oom(a, 300 * MiB)))
     assert parsed.variant == "native"
     assert parsed.allocated_bytes == 900 * MiB
+
+
+def test_cached_wording_up_to_torch_1_3_is_the_cache_not_the_total():
+    """Up to 1.3 "N cached" was reserved minus allocated (PR #13751): 6.64 GiB allocated with
+    150.86 MiB cached is 6.79 GiB reserved (ryujaehun/pytorch-gpu-benchmark#1)."""
+    parsed = parse_oom_text(
+        "RuntimeError: CUDA out of memory. Tried to allocate 32.00 MiB (GPU 0; 7.79 GiB total "
+        "capacity; 6.64 GiB already allocated; 21.00 MiB free; 150.86 MiB cached)"
+    )
+    assert parsed.reserved_bytes == round(6.64 * GiB) + round(150.86 * MiB)
+    assert parsed.reserved_unallocated_bytes == round(150.86 * MiB)
+    assert parsed.tolerance_bytes["reserved_bytes"] == GiB // 200 + MiB // 200
+
+
+def test_classic_message_without_its_closing_parenthesis():
+    """A copy-paste that lost the ')' is still read (singhsourabh/Resume-NER#4)."""
+    parsed = parse_oom_text(
+        "RuntimeError: CUDA out of memory. Tried to allocate 92.00 MiB (GPU 0; 1.96 GiB total "
+        "capacity; 1.46 GiB already allocated; 16.38 MiB free; 1.51 GiB reserved in total by "
+        "PyTorch"
+    )
+    assert parsed.reserved_bytes == round(1.51 * GiB)

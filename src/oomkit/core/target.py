@@ -1,8 +1,9 @@
 """The machine a prediction is for: GPU, allocator setting and software versions, parsed once.
 
 A ``Target`` is made once at the interface (``Target.resolve`` from the ``--gpu``,
-``--alloc-conf``, ``--context-overhead``, ``--torch-version`` and ``--cudnn-version`` flags, or
-the keyword arguments of ``oomkit.predict``) and passed down unchanged: the predictor replays on
+``--alloc-conf``, ``--context-overhead``, ``--torch-version``, ``--cudnn-version`` and
+``--cuda-version`` flags, or the keyword arguments of ``oomkit.predict``) and passed down
+unchanged: the predictor replays on
 its GPU with its allocator setting, the tracer picks kernels for its compute capability and
 cuDNN version, and a saved prediction keeps it so that re-predictions (``oomkit explain``) model
 the same machine.
@@ -11,11 +12,21 @@ the same machine.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.gpus.cuda_versions import (
+    CudaBuild,
+    cuda_build_for,
+    installed_cuda_build,
+    installed_torch_version,
+)
+from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, module_loading_for
 from oomkit.errors import ConfigError
+from oomkit.units import format_bytes
 
 __all__ = ["Target", "resolve_target"]
 
@@ -32,10 +43,16 @@ class Target:
         cudnn_version: ``torch.backends.cudnn.version()`` on the target (``92000`` for 9.20.0),
             which steers the SDPA backend on sm90/sm100; ``None``: not stated (the tracer then
             uses the SDPA settings in effect: ``use_sdpa_settings``, else this torch install's).
-        cuda_version: the CUDA runtime of the target's torch (``"12.8"``); ``None``: not stated.
-            Recorded for reports; no emulation reads it yet.
+        cuda_version: the CUDA runtime of the target's torch (``"12.8"``): as given, else the
+            installed torch build's, else its release's default PyPI wheel's; ``None`` only
+            where none is known (a ROCm build). It sets the CUDA context's loading mode.
         parallel: the parallel layout (data/tensor/pipeline ranks) the distributed issue adds;
             always ``None`` until then (a single process on one GPU).
+        cuda_context: the CUDA context assumed (figure, range, CUDA version, loading mode);
+            ``None`` where the caller gave ``context_overhead_bytes`` instead.
+        cuda_version_source: where ``cuda_version`` comes from, for reports.
+        warnings: what may differ from the real machine (a torch version other than the
+            installed one).
     """
 
     gpu: GpuSpec
@@ -44,6 +61,9 @@ class Target:
     cudnn_version: int | None = None
     cuda_version: str | None = None
     parallel: None = None
+    cuda_context: CudaContext | None = None
+    cuda_version_source: str = "not stated"
+    warnings: tuple[str, ...] = ()
 
     @property
     def context_overhead_bytes(self) -> int:
@@ -65,8 +85,31 @@ class Target:
         """The allocator setting as canonical ``PYTORCH_CUDA_ALLOC_CONF`` text (``""``: default)."""
         return str(self.allocator_config)
 
+    @property
+    def context_description(self) -> str:
+        """Which CUDA context was assumed, in words (CUDA version, loading mode, figure)."""
+        if self.cuda_context is None:
+            return (
+                f"{format_bytes(self.context_overhead_bytes)} outside PyTorch, given by the caller"
+            )
+        return self.cuda_context.describe()
+
     def with_gpu(self, gpu: GpuSpec) -> Target:
-        """The same machine with another device (a catalog candidate, or less usable memory)."""
+        """The same machine with another device (a catalog candidate, or less usable memory).
+
+        A catalog candidate that carries its architecture's default (lazy-loading) context gets
+        this target's context model instead (its CUDA version and loading mode); a spec whose
+        context the caller changed (a margin, a measurement) is kept as given.
+        """
+        if self.cuda_context is not None and gpu.context_overhead_bytes == _catalog_context(gpu):
+            context = dataclasses.replace(
+                cuda_context(
+                    gpu.compute_capability, self.cuda_version, self.cuda_context.module_loading
+                ),
+                loading_reason=self.cuda_context.loading_reason,
+            )
+            gpu = dataclasses.replace(gpu, context_overhead_bytes=context.expected_bytes)
+            return dataclasses.replace(self, gpu=gpu, cuda_context=context)
         return dataclasses.replace(self, gpu=gpu)
 
     @classmethod
@@ -78,6 +121,8 @@ class Target:
         torch_version: str | None = None,
         cudnn_version: int | None = None,
         cuda_version: str | None = None,
+        cuda_module_loading: ModuleLoading | None = None,
+        installed_torch: Callable[[], str | None] = installed_torch_version,
     ) -> Target:
         """Parse and check every part of a target once.
 
@@ -89,7 +134,13 @@ class Target:
                 the GPU's documented estimate.
             torch_version: the PyTorch release to model (``"2.6"``); ``None`` is the newest.
             cudnn_version: the target's ``torch.backends.cudnn.version()``; ``None``: not stated.
-            cuda_version: the target's CUDA runtime (``"12.8"``); ``None``: not stated.
+            cuda_version: the target's CUDA runtime (``"12.8"``); ``None``: the installed torch
+                build's (``torch.version.cuda``), or, for a CPU build, absent torch or a
+                ``torch_version`` other than the installed one, that release's default PyPI
+                wheel's.
+            cuda_module_loading: ``"lazy"`` or ``"eager"`` (``CUDA_MODULE_LOADING``); ``None``:
+                eager below CUDA 11.7, else lazy (PyTorch's default).
+            installed_torch: returns the installed torch's version or ``None`` (a provider).
 
         Returns:
             The target.
@@ -97,19 +148,101 @@ class Target:
         Raises:
             UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
             GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
-            ConfigError: ``alloc_conf`` is a setting that PyTorch release would reject, or
-                ``cudnn_version`` is not a positive whole number.
+            ConfigError: ``alloc_conf`` is a setting that PyTorch release would reject,
+                ``cudnn_version`` is not a positive whole number, or ``cuda_version`` is not
+                ``MAJOR.MINOR`` or ``cuda_module_loading`` not lazy/eager.
         """
         spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+        installed = installed_torch()
+        build = _cuda_build(cuda_version, torch_version, installed)
+        if cuda_module_loading not in (None, "lazy", "eager"):
+            raise ConfigError(
+                f"cuda_module_loading must be 'lazy' or 'eager' (CUDA_MODULE_LOADING); got "
+                f"{cuda_module_loading!r}. Example: cuda_module_loading='eager'"
+            )
+        context = None
+        # A spec that carries a context of its own (a GpuSpec built by the caller, a measurement)
+        # keeps it; a catalog entry or a size gets the model's figure for this CUDA.
+        if context_overhead_bytes is None and spec.context_overhead_bytes == _catalog_context(spec):
+            loading, reason = (
+                module_loading_for(build.cuda_version)
+                if cuda_module_loading is None
+                else module_loading_for(
+                    build.cuda_version, {"CUDA_MODULE_LOADING": cuda_module_loading}
+                )
+            )
+            context = dataclasses.replace(
+                cuda_context(spec.compute_capability, build.cuda_version, loading),
+                loading_reason=reason,
+            )
+            if context.expected_bytes != spec.context_overhead_bytes:
+                spec = dataclasses.replace(spec, context_overhead_bytes=context.expected_bytes)
         config = AllocatorConfig.coerce(alloc_conf, torch_version)
         if cudnn_version is not None and (
-            not isinstance(cudnn_version, int) or isinstance(cudnn_version, bool) or cudnn_version < 1
+            not isinstance(cudnn_version, int)
+            or isinstance(cudnn_version, bool)
+            or cudnn_version < 1
         ):
             raise ConfigError(
                 f"cudnn_version must be a positive whole number as torch.backends.cudnn.version() "
                 f"reports it; got {cudnn_version!r}. Example: cudnn_version=91002 for cuDNN 9.10.2"
             )
-        return cls(spec, config, torch_version, cudnn_version, cuda_version)
+        return cls(
+            spec,
+            config,
+            torch_version,
+            cudnn_version,
+            build.cuda_version,
+            cuda_context=context,
+            cuda_version_source=build.source,
+            warnings=_version_warnings(torch_version, installed, build),
+        )
+
+
+_CUDA_VERSION = re.compile(r"\d+\.\d+")
+
+
+def _cuda_build(
+    cuda_version: str | None, torch_version: str | None, installed: str | None
+) -> CudaBuild:
+    """The CUDA assumed: as given, else the torch predicted for's (installed or not)."""
+    if cuda_version is not None:
+        if not isinstance(cuda_version, str) or not _CUDA_VERSION.fullmatch(cuda_version.strip()):
+            raise ConfigError(
+                f"cuda_version must be MAJOR.MINOR as torch.version.cuda reports it; got "
+                f"{cuda_version!r}. Example: --cuda-version 12.8"
+            )
+        return CudaBuild(cuda_version.strip(), "given")
+    if torch_version is not None and not _same_minor(torch_version, installed):
+        return cuda_build_for(torch_version)
+    return installed_cuda_build(lambda: installed)
+
+
+def _same_minor(a: str, b: str | None) -> bool:
+    """Whether two torch versions are the same release (``"2.13"`` and ``"2.13.0+cpu"``)."""
+    first = re.match(r"\d+\.\d+", a)
+    second = re.match(r"\d+\.\d+", b or "")
+    return first is not None and second is not None and first.group(0) == second.group(0)
+
+
+def _version_warnings(
+    torch_version: str | None, installed: str | None, build: CudaBuild
+) -> tuple[str, ...]:
+    """What may differ when predicting for a torch version other than the installed one."""
+    if torch_version is None or installed is None or _same_minor(torch_version, installed):
+        return ()
+    return (
+        f"predicting for torch {torch_version} with torch {installed} installed: the allocator's "
+        f"rules and the CUDA context (CUDA {build.cuda_version or 'unknown'}, {build.source}) "
+        f"are {torch_version}'s, but the step is recorded by the installed torch, so its "
+        "operators, autograd formulas, autocast policy and attention-kernel choice are "
+        f"{installed}'s and may differ; install torch {torch_version} to record with its own",
+    )
+
+
+def _catalog_context(gpu: GpuSpec) -> int:
+    """The context the catalog gives a GPU of this capability (lazy loading)."""
+    return cuda_context(gpu.compute_capability, module_loading="lazy").expected_bytes
 
 
 def resolve_target(

@@ -88,6 +88,10 @@ class FragmentationFinding:
     recommendations: tuple[str, ...]
     tuning: TuningResult | None = None
 
+    def __str__(self) -> str:
+        """One line: what (fragmentation) and how much (``summary``), for printing."""
+        return "fragmentation: " + " ".join(self.summary.split())
+
     @property
     def summary(self) -> str:
         """One sentence with the numbers behind each signal."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
@@ -359,13 +359,17 @@ def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list[str]]:
+def measured_model_remedies(
+    data: Mapping[str, Any], progress: Callable[[int, int], None] | None = None
+) -> tuple[list[Remedy], list[str]]:
     """Precision, checkpointing, optimizer and batch-size changes, measured by re-predicting.
 
     Args:
         data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset and
             its ``StepOptions`` (``{"kind": "preset", "name": ..., "options": {...}, "steps":
             N}``; older saves: ``{"preset": ..., "options": ..., "steps": N}``).
+        progress: called as ``progress(done, total)`` after each change is measured (the
+            batch-size search counts as one), for a progress bar.
 
     Returns:
         The remedies (``estimate=False``, confidence high, saving = required reserved bytes
@@ -403,8 +407,13 @@ def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list
             )
         )
     out: list[Remedy] = []
-    for title, change, code in changes:
+    total = len(changes) + 1
+    if progress is not None:
+        progress(0, total)
+    for done, (title, change, code) in enumerate(changes, 1):
         new = _repredict(data, workload, dataclasses.replace(base, **change))
+        if progress is not None:
+            progress(done, total)
         saving = required - new.required_bytes
         if saving <= 0:
             continue
@@ -422,6 +431,8 @@ def measured_model_remedies(data: Mapping[str, Any]) -> tuple[list[Remedy], list
             )
         )
     batch = _measured_batch(data, workload, base, required)
+    if progress is not None:
+        progress(total, total)
     if batch is not None:
         out.append(batch)
     return out, []
@@ -436,7 +447,12 @@ def _measured_batch(
         if size <= 1:
             return None
         size = size // 2
-        new = _repredict(data, workload, dataclasses.replace(base, batch_size=size))
+        try:
+            new = _repredict(data, workload, dataclasses.replace(base, batch_size=size))
+        except ValueError:
+            # The model refuses the smaller batch (BatchNorm needs more than one value per
+            # channel in training, torch.nn.functional._verify_batch_size): no batch remedy.
+            return None
         if new.fits:
             break
     else:

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from oomkit.core.gpus import CATALOG, DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
+from oomkit.core.gpus import GpuSpec
+from oomkit.diagnose._context import ContextRange, context_range
 from oomkit.diagnose.attribution import Attribution
 from oomkit.diagnose.oom_text import OomText
 from oomkit.units import format_bytes
@@ -78,7 +79,8 @@ class Remedy:
         why: one or two sentences.
         estimate: True when ``saving_bytes`` is estimated rather than computed by replay.
         lowers_peak: False for a remedy whose bytes go to other processes, not to this one's
-            need (``empty_cache``): it ranks after every remedy that lowers the peak.
+            need (``empty_cache``), and for one that saves nothing (``saving_bytes == 0``: advice
+            against a change): it ranks after every remedy that lowers the peak.
     """
 
     title: str
@@ -89,9 +91,20 @@ class Remedy:
     estimate: bool = True
     lowers_peak: bool = True
 
-    def rank_key(self) -> tuple[bool, int, bool]:
-        """Sort key: remedies that lower the peak first, then by bytes saved, measured first."""
-        return (not self.lowers_peak, -(self.saving_bytes or 0), self.estimate)
+    def __post_init__(self) -> None:
+        # A remedy that saves nothing cannot lower the peak (issue 16 item 8).
+        if self.saving_bytes == 0 and self.lowers_peak:
+            object.__setattr__(self, "lowers_peak", False)
+
+    def rank_key(self) -> tuple[bool, bool, int, bool]:
+        """Sort key: remedies that lower the peak first, then by bytes saved (an unknown saving
+        before none at all), measured first."""
+        return (
+            not self.lowers_peak,
+            self.saving_bytes == 0,
+            -(self.saving_bytes or 0),
+            self.estimate,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,20 +138,14 @@ class Diagnosis:
 
 
 _DECISIVE = 2**62  # ranks a finding above any byte count
-
-
-def _context_bytes(parsed: OomText, gpu: GpuSpec | None) -> tuple[int, str]:
-    """The expected CUDA-context share of memory outside the allocator, and where it comes from."""
-    if gpu is not None:
-        return gpu.context_overhead_bytes, gpu.name
-    total = parsed.total_bytes
-    if total is not None:
-        # A catalog GPU whose total memory the message's figure matches (to format_size precision).
-        tolerance = parsed.tolerance_bytes.get("total_bytes", 0)
-        for spec in CATALOG:
-            if abs(spec.total_memory_bytes - total) <= tolerance:
-                return spec.context_overhead_bytes, spec.name
-    return DEFAULT_CONTEXT_OVERHEAD_BYTES, "a typical GPU"
+# Memory outside the allocator above the context's upper bound is named only from this much on;
+# less is counted with the context (issue 14 item 5: only what clearly exceeds it is a cause).
+_OUTSIDE_NOTABLE_BYTES = 256 * 2**20
+# The cache (reserved but unallocated) is fragmentation only from 5% of reserved memory or 1 GiB
+# on: below both it is the ordinary overhead of rounding and per-size pools (a full GPU with a
+# 1-3% cache is a shortage, not fragmentation; issue 14 item 5's real messages).
+_CACHE_SHARE = 0.05
+_CACHE_NOTABLE_BYTES = 2**30
 
 
 def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
@@ -147,7 +154,7 @@ def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
     Args:
         parsed: the message's figures (``parse_oom_text``).
         gpu: the device, when known; otherwise one is matched by the message's total memory, for
-            its CUDA-context figure.
+            its CUDA-context range.
 
     Returns:
         The diagnosis; its ``cause`` is the strongest finding.
@@ -166,21 +173,53 @@ def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
 
 
 def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
+    """Causes ranked by what would have let the request succeed.
+
+    The deficit ``Q - F`` splits exactly into three parts: the cache held but unusable
+    (``U``), memory clearly held by others (``E``: outside the allocator above this process's
+    context and libraries) and the rest, ``over = A + P + Q - (T - context)``: what the
+    process's own tensors lacked even with a perfect cache and the device to itself. A cache
+    below 5% of reserved memory (and 1 GiB) is ordinary overhead and counts as held. A positive
+    ``over`` is a shortage and leads (neither defragmenting nor freeing others would do);
+    otherwise the parts that alone would have covered the deficit rank first.
+    """
     q = parsed.requested_bytes or 0
     t = parsed.total_bytes or 0
     f = parsed.free_bytes or 0
     a = parsed.allocated_bytes or 0
+    p = parsed.private_pool_bytes
     # cudaMallocAsync keeps no cache PyTorch sees: treat reserved as allocated.
     r = parsed.reserved_bytes if parsed.reserved_bytes is not None else a
-    u = max(0, r - a - parsed.private_pool_bytes)
+    u = max(0, r - a - p)
     o = max(0, t - f - r)
-    context, context_source = _context_bytes(parsed, gpu)
-    excess_outside = max(0, o - context)
+    context = context_range(parsed, gpu)
+    own = next((pm.used_bytes for pm in parsed.processes if pm.pid is None), None)
+    others = sum(pm.used_bytes for pm in parsed.processes if pm.pid is not None)
+    # This process's own non-PyTorch memory (NVML's sentence, when printed) or, without it, all
+    # outside memory up to the context's upper bound, is its context and libraries: not freeable.
+    # NVML's own sentence below the reserved memory ("this process has 0 bytes memory in use",
+    # in containers) cannot be true: it is ignored.
+    own_outside = o if own is None or own < r else own - r
+    context_used = min(o, own_outside, context.high_bytes)
+    if o - context_used < _OUTSIDE_NOTABLE_BYTES:
+        # Not clearly someone else's (a desktop, a driver's pages): counted with the context.
+        context_used = o
+    excess_outside = o - context_used
     deficit = max(0, q - f)
-    limit = parsed.allowed_bytes
+    limit = (
+        parsed.allowed_bytes
+        if parsed.allowed_bytes is not None and parsed.allowed_bytes < t
+        else None
+    )
+    available = t - context_used if limit is None else min(t - context_used, limit)
+    # A cache below both marks is what a healthy caching allocator keeps (block rounding, the
+    # small and large pools, split remainders): it counts as held, not as fragmentation.
+    cache_matters = u >= _CACHE_SHARE * r or u >= _CACHE_NOTABLE_BYTES
+    over = a + p + q - available + (0 if cache_matters else u)
     findings: list[Finding] = []
+    sufficient: set[Cause] = set()
 
-    if limit is not None and limit < t and r + q > limit and f >= q:
+    if limit is not None and r + q > limit and f >= q:
         findings.append(
             Finding(
                 "fraction_limit",
@@ -195,49 +234,92 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
                 },
             )
         )
-    if u > 0 and u + f >= q:
-        whole = u >= q
+    if over > 0:
+        findings.append(
+            Finding(
+                "shortage",
+                over,
+                f"tensors held {format_bytes(a + p)} and the request needs {format_bytes(q)} more: "
+                f"{format_bytes(a + p + q)} against about {format_bytes(available)} that PyTorch "
+                f"can use on this device ({format_bytes(t)} less "
+                f"{format_bytes(context_used)} outside the allocator for the CUDA context and "
+                f"libraries), {format_bytes(over)} short even with a perfect cache"
+                + (
+                    f" and the other {format_bytes(excess_outside)} freed" if excess_outside else ""
+                ),
+                {
+                    "allocated_bytes": a + p,
+                    "requested_bytes": q,
+                    "available_bytes": available,
+                    "shortfall_bytes": over,
+                },
+            )
+        )
+    if cache_matters and u > 0 and (u + f >= q or (over <= 0 and deficit > 0)):
+        if u + f >= q:
+            sufficient.add("fragmentation")
         findings.append(
             Finding(
                 "fragmentation",
-                min(u, q),
+                min(u, deficit) if deficit else u,
                 f"{format_bytes(u)} was reserved but unallocated"
-                + (f", more than the {format_bytes(q)} requested" if whole else "")
+                + (
+                    f", {'more than' if u > q else 'as much as'} the {format_bytes(q)} requested"
+                    if u >= q
+                    else ""
+                )
                 + ", yet no cached block was large enough: the cache is fragmented",
                 {"reserved_unallocated_bytes": u, "requested_bytes": q, "free_bytes": f},
             )
         )
-    if excess_outside > 0 and (excess_outside >= deficit > 0 or excess_outside >= t // 10):
-        others = sum(p.used_bytes for p in parsed.processes if p.pid is not None)
+    if excess_outside > 0:
+        if excess_outside + f >= q:
+            sufficient.add("outside_pytorch")
         findings.append(
             Finding(
                 "outside_pytorch",
-                excess_outside,
+                min(excess_outside, deficit) if deficit else excess_outside,
                 f"{format_bytes(o)} of the device was held outside this process's PyTorch "
-                f"allocator, {format_bytes(excess_outside)} more than the ~{format_bytes(context)}"
-                f" a CUDA context takes on {context_source}"
+                f"allocator, {format_bytes(excess_outside)} more than this process's CUDA context "
+                f"and libraries take (at most {format_bytes(context.high_bytes)}; "
+                f"{context.describe()})"
                 + (f"; other processes used {format_bytes(others)}" if others else ""),
                 {
                     "outside_allocator_bytes": o,
-                    "expected_context_bytes": context,
+                    "expected_context_bytes": context.expected_bytes,
+                    "context_high_bytes": context.high_bytes,
                     "other_processes_bytes": others,
                 },
             )
         )
-    available = (limit if limit is not None and limit < t else t) - context
-    over = a + q - available
-    if over > 0 or not findings:
+    warnings: list[str] = []
+    if not findings:
+        # The figures show room for the request: the memory went between the failed cudaMalloc
+        # and the message (another process), or the driver's granularity refused it.
         findings.append(
             Finding(
                 "shortage",
-                max(over, 0),
-                f"tensors held {format_bytes(a)} and the request needs {format_bytes(q)} more: "
-                f"{format_bytes(a + q)} against about {format_bytes(available)} that PyTorch can "
-                "use on this device",
-                {"allocated_bytes": a, "requested_bytes": q, "available_bytes": available},
+                0,
+                f"tensors held {format_bytes(a + p)} and the request needs {format_bytes(q)} more; "
+                f"the figures show {format_bytes(f)} free, so the memory was taken between the "
+                "failed allocation and the message, most likely by another process",
+                {"allocated_bytes": a + p, "requested_bytes": q, "available_bytes": available},
             )
         )
-    findings.sort(key=lambda finding: -finding.explained_bytes)
+        warnings.append(
+            "the message's own figures leave room for the request; check other processes "
+            "on the GPU (nvidia-smi) at the time of the error"
+        )
+    # What would have let the request succeed ranks first: the fraction limit (the device had
+    # room), a shortage (nothing else would do), then what alone covers the deficit, by bytes.
+    first: set[Cause] = {"fraction_limit", "shortage"}
+    findings.sort(
+        key=lambda finding: (
+            0 if finding.cause in first else 1 if finding.cause in sufficient else 2,
+            finding.cause != "fraction_limit",
+            -finding.explained_bytes,
+        )
+    )
     remedies = _remedies(parsed, findings, u=u, excess_outside=excess_outside, over=over, t=t)
     return Diagnosis(
         cause=findings[0].cause,
@@ -245,6 +327,7 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
         remedies=remedies,
         memory_explained=_memory_paragraph(parsed, a=a, r=r, u=u, o=o, t=t, f=f, context=context),
         deficit_bytes=deficit,
+        warnings=tuple(warnings),
     )
 
 
@@ -317,6 +400,7 @@ def _remedies(
                 "live tensors; empty_cache() cannot return it and would not have prevented "
                 "this OOM.",
                 estimate=False,
+                lowers_peak=False,
             )
         )
     remedies.sort(key=Remedy.rank_key)
@@ -324,7 +408,7 @@ def _remedies(
 
 
 def _memory_paragraph(
-    parsed: OomText, *, a: int, r: int, u: int, o: int, t: int, f: int, context: int
+    parsed: OomText, *, a: int, r: int, u: int, o: int, t: int, f: int, context: ContextRange
 ) -> str:
     if parsed.reserved_bytes is None:
         return (
@@ -337,8 +421,8 @@ def _memory_paragraph(
         f"Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is what PyTorch's caching "
         f"allocator holds from the driver: the allocated memory plus {format_bytes(u)} cached "
         f"for reuse. nvidia-smi shows about {format_bytes(t - f)} used: the reserved memory plus "
-        f"{format_bytes(o)} outside the allocator (the CUDA context, about {format_bytes(context)},"
-        " libraries such as cuBLAS and NCCL, and other processes)."
+        f"{format_bytes(o)} outside the allocator (the CUDA context and libraries such as cuBLAS "
+        f"and NCCL, {context.describe()}, and any other process)."
     )
 
 

@@ -166,6 +166,10 @@ class LeakFinding:
     late_growth_bytes_per_step: int
     sites: tuple[LeakSite, ...] = ()
 
+    def __str__(self) -> str:
+        """One line: what (a leak) and how much (``summary``), for ``print(mon.findings)``."""
+        return "leak: " + " ".join(self.summary.split())
+
     @property
     def summary(self) -> str:
         """One sentence with the numbers and, when known, the growing site and its likely cause."""

@@ -9,7 +9,8 @@ message variant PyTorch has printed is recognised (../shared/ref/cuda-caching-al
   optional NVML process sentences, the ``allowed`` (memory fraction) clause and the private-pool
   clause; 2.1 writes ``capacty``.
 - ``classic``: <= 2.0 ``(GPU 0; ... total capacity; ... already allocated; ... free; [... allowed;]
-  ... reserved in total by PyTorch)``; <= 1.4 said ``cached`` instead of ``reserved in total``.
+  ... reserved in total by PyTorch)``; <= 1.4 said ``... cached``: reserved minus allocated up to
+  1.3, the reserved total in 1.4 (``_classic`` tells them apart where the numbers can).
 - ``exa``: a request of 2^60 bytes or more (NativeCachingAllocator / CudaMallocAsyncAllocator
   ``allocate``).
 - ``cuda_malloc_async``: ``backend:cudaMallocAsync`` (CUDAMallocAsyncAllocator.cpp mallocAsync:
@@ -126,8 +127,9 @@ class OomText:
 
 # --- one pattern per variant, over whitespace-collapsed text -----------------------------------
 
+# ROCm builds print the same text with "HIP" for "CUDA" (hipify of CUDACachingAllocator.cpp).
 _NATIVE = re.compile(
-    r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
     r"(capacity|capacty) of " + _SIZE + r" of which " + _SIZE + r" is free\. "
     r"(?P<procs>(?:(?:Including non-PyTorch memory, this process|Process \d+) has "
     + _ANY_SIZE
@@ -143,7 +145,7 @@ _PROCESS = re.compile(
     + r" memory in use\."
 )
 _CLASSIC = re.compile(
-    r"CUDA out of memory\. Tried to allocate "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate "
     + _SIZE
     + r" \(GPU (\d+); "
     + _SIZE
@@ -152,7 +154,8 @@ _CLASSIC = re.compile(
     + r" already allocated; "
     + _SIZE
     + r" free; "
-    r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)"
+    # A copy-paste often loses the closing parenthesis.
+    r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)?"
 )
 _EXA = re.compile(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
 _ASYNC = re.compile(
@@ -178,8 +181,14 @@ _DRIVER = re.compile(r"CUDA error: out of memory")
 _LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
 
 
+# Terminal escapes a coloured log keeps (ECMA-48 CSI and OSC sequences, and two-byte escapes).
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_SPACES = re.compile(r"\s+")
+
+
 def _normalise(text: str) -> str:
-    return " ".join(_LINE_PREFIX.sub("", text).split())
+    # Regex passes, not str.split(): a 50 MB log must not become millions of word objects.
+    return _SPACES.sub(" ", _LINE_PREFIX.sub("", _ANSI.sub("", text))).strip()
 
 
 class _Figures:
@@ -238,16 +247,31 @@ def _classic(m: re.Match[str]) -> OomText:
     g = m.groups()
     f = _Figures()
     cached = g[13] == "cached"
+    allocated = f.take("allocated_bytes", g[5], g[6])
+    last = f.take("reserved_bytes", g[11], g[12])
+    assert allocated is not None and last is not None
+    total = f.take("total_bytes", g[3], g[4])
+    assert total is not None
+    if cached and allocated + last <= total + f.tolerance["total_bytes"]:
+        # "N cached" meant two things. THCCachingAllocator (1.0-1.3) printed the memory the
+        # allocator holds but the program does not use (pytorch/pytorch PR #13751, which wrote
+        # the message: '"cached": memory held by the allocator but not used by the program'),
+        # i.e. reserved - allocated: real messages read "6.64 GiB already allocated; 21.00 MiB
+        # free; 150.86 MiB cached". 1.4's rewritten allocator printed its reserved total under
+        # the same word. Reserved - allocated is read unless allocated + cached would exceed the
+        # device (then only the 1.4 reading fits).
+        last += allocated
+        f.tolerance["reserved_bytes"] += f.tolerance["allocated_bytes"]
     return OomText(
         variant="classic",
         text=m.group(0),
         device=int(g[2]),
         requested_bytes=f.take("requested_bytes", g[0], g[1]),
-        total_bytes=f.take("total_bytes", g[3], g[4]),
-        allocated_bytes=f.take("allocated_bytes", g[5], g[6]),
+        total_bytes=total,
+        allocated_bytes=allocated,
         free_bytes=f.take("free_bytes", g[7], g[8]),
         allowed_bytes=f.take("allowed_bytes", g[9], g[10]),
-        reserved_bytes=f.take("reserved_bytes", g[11], g[12]),
+        reserved_bytes=last,
         torch_versions="<=1.4" if cached else "1.5-2.0",
         tolerance_bytes=f.tolerance,
     )
@@ -293,20 +317,45 @@ _PARSERS = (
 )
 
 
-def find_oom_texts(text: str) -> list[OomText]:
-    """Every out-of-memory message in ``text``, in order of appearance.
+# Every message holds one of these; only the text around them is normalised and matched, so a
+# 50 MB log costs one fast scan (the pattern starts with a literal) instead of six full ones.
+_ANCHOR = re.compile(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+_BEFORE_CHARS = 400  # "Allocation on device N would " precedes its anchor; escapes and prefixes too
+_AFTER_CHARS = 8000  # the figures, NVML's process sentences and the async message's lines
 
-    A log of several ranks holds several messages. A bare ``CUDA error: out of memory`` counts
-    only where no richer message covers the same place.
-    """
-    flat = _normalise(text)
+
+def _windows(text: str) -> list[tuple[int, int]]:
+    """The stretches of ``text`` around each anchor, overlapping ones merged, in order."""
+    spans: list[tuple[int, int]] = []
+    for m in _ANCHOR.finditer(text):
+        start, end = max(0, m.start() - _BEFORE_CHARS), m.end() + _AFTER_CHARS
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def _find_in(flat: str) -> list[tuple[int, int, OomText]]:
     found: list[tuple[int, int, OomText]] = []
     for pattern, build in _PARSERS:
         for m in pattern.finditer(flat):
             if any(start <= m.start() < end for start, end, _ in found):
                 continue
             found.append((m.start(), m.end(), build(m)))
-    return [parsed for _, _, parsed in sorted(found, key=lambda item: item[0])]
+    return sorted(found, key=lambda item: item[0])
+
+
+def find_oom_texts(text: str) -> list[OomText]:
+    """Every out-of-memory message in ``text``, in order of appearance.
+
+    A log of several ranks holds several messages. A bare ``CUDA error: out of memory`` counts
+    only where no richer message covers the same place.
+    """
+    out: list[OomText] = []
+    for start, end in _windows(text):
+        out.extend(parsed for _, _, parsed in _find_in(_normalise(text[start:end])))
+    return out
 
 
 def parse_oom_text(text: str) -> OomText:
@@ -317,7 +366,7 @@ def parse_oom_text(text: str) -> OomText:
     """
     found = find_oom_texts(text)
     if not found:
-        snippet = " ".join(text.split())[:80]
+        snippet = " ".join(text[:4000].split())[:80]  # repr() below shows escapes as written
         raise OomTextError(
             "no CUDA out-of-memory message found in the text"
             + (f" (it begins {snippet!r})" if snippet else " (it is empty)")

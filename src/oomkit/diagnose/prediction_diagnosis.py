@@ -11,7 +11,7 @@ description ("GPT-2 124M, batch 8, ..., adamw, train": ``workload_from_descripti
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
@@ -60,7 +60,12 @@ def _get(data: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Diagnosis:
+def diagnose_prediction(
+    data: Mapping[str, Any],
+    *,
+    measure: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Diagnosis:
     """Diagnose the OOM a saved prediction predicts.
 
     Model changes (mixed precision, checkpointing, optimizer, ...) are estimated from memory by
@@ -71,6 +76,7 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
     Args:
         data: the object ``oomkit predict --json`` printed.
         measure: re-predict to measure model changes where the workload is known.
+        progress: called as ``progress(done, total)`` while measuring (a progress bar).
 
     Returns:
         The diagnosis (``source == "prediction"``), attribution by category and module.
@@ -166,7 +172,7 @@ def diagnose_prediction(data: Mapping[str, Any], *, measure: bool = True) -> Dia
     if batch is not None:
         model.append(batch)
     if measure and workload is not None and workload.kind == "preset":
-        measured, measure_warnings = measured_model_remedies(data)
+        measured, measure_warnings = measured_model_remedies(data, progress)
         warnings.extend(measure_warnings)
         if measured:
             # A measured figure replaces the estimate of the same change.

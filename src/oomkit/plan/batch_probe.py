@@ -188,7 +188,8 @@ def less_margin(target: Target, margin_bytes: int) -> Target | None:
 def _train_label(prediction: Prediction) -> str:
     """Which training step limits: the one that would OOM, else the one with the highest peak."""
     step = prediction.oom.step if prediction.oom is not None else prediction.peak_step
-    return "before train step 1" if step is None else f"train step {step + 1}"
+    # Prediction steps count from 1, as this label does.
+    return "before train step 1" if step is None else f"train step {step}"
 
 
 def probe_record(

@@ -7,6 +7,7 @@ torch and are imported only when used; importing this package does not import to
 
 from __future__ import annotations
 
+from oomkit.prediction.module_groups import ModuleGroup, group_modules
 from oomkit.prediction.predictor import (
     OomPoint,
     PeakBreakdown,
@@ -16,15 +17,20 @@ from oomkit.prediction.predictor import (
     predict,
     predict_recording,
 )
+from oomkit.prediction.summary import prediction_summary, verdict_line
 from oomkit.prediction.workload import WorkloadSpec
 
 __all__ = [
+    "ModuleGroup",
     "OomPoint",
     "PeakBreakdown",
     "Prediction",
     "StepPeak",
     "TimelinePoint",
     "WorkloadSpec",
+    "group_modules",
     "predict",
     "predict_recording",
+    "prediction_summary",
+    "verdict_line",
 ]

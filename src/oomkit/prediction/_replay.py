@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay import ReplayEngine, ReplayHooks
 from oomkit.core.trace import TraceEvent
+from oomkit.prediction.module_groups import natural_key
 
 __all__ = [
     "MAX_TIMELINE_POINTS",
@@ -44,7 +45,8 @@ class TimelinePoint:
 
     Attributes:
         event_index: the last event of the run (index into the recording's events).
-        step: the step of that event (0-based); ``None`` before the first step.
+        step: the step of that event, counted from 1 as users count; ``None`` before the first
+            step.
         allocated_bytes: the highest ``allocated_bytes.all.current`` over the run.
         reserved_bytes: the highest ``reserved_bytes.all.current`` over the run.
         by_category_bytes: allocated block bytes by category tag just after ``event_index``
@@ -63,7 +65,7 @@ class StepPeak:
     """The peaks of one recorded step.
 
     Attributes:
-        step: 0-based step number.
+        step: the step's number, counted from 1 (the first recorded step is step 1).
         first_event_index: index of the step's first event.
         peak_allocated_bytes: highest allocated bytes during the step.
         peak_reserved_bytes: highest reserved bytes during the step.
@@ -105,9 +107,10 @@ class ReplayPass:
 
 
 def step_of(step_starts: Sequence[int], index: int) -> int | None:
-    """The 0-based step that event ``index`` belongs to; ``None`` before the first step."""
-    step = bisect_right(step_starts, index) - 1
-    return None if step < 0 else step
+    """The step that event ``index`` belongs to, counted from 1 as users count (the first
+    recorded step is step 1, as ``oomkit fit`` and the reports say); ``None`` before it."""
+    step = bisect_right(step_starts, index)
+    return None if step == 0 else step
 
 
 def replay_for_prediction(
@@ -197,9 +200,9 @@ class _PredictionHooks(ReplayHooks):
     def close_step(self) -> None:
         """Record the peaks of the running step, if any."""
         if self.step is not None:
-            step = self.step
+            step = self.step  # an index into the step starts; the record counts from 1
             self.out.step_peaks.append(
-                StepPeak(step, self.starts[step], self.step_alloc, self.step_res)
+                StepPeak(step + 1, self.starts[step], self.step_alloc, self.step_res)
             )
 
     def after_event(self, index: int, event: TraceEvent) -> None:
@@ -305,4 +308,5 @@ def live_breakdown(
 
 
 def _sorted(counts: dict[str, int]) -> dict[str, int]:
-    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+    # Largest first; ties in numeric order of the names (h.2 before h.10).
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], natural_key(item[0]))))

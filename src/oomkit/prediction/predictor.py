@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target, resolve_target
+from oomkit.errors import UserCodeError
 from oomkit.prediction._replay import (
     MAX_TIMELINE_POINTS,
     StepPeak,
@@ -27,6 +28,7 @@ from oomkit.prediction._replay import (
     replay_for_prediction,
     step_of,
 )
+from oomkit.prediction.summary import prediction_summary, verdict_line
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
 
@@ -58,7 +60,8 @@ class OomPoint:
 
     Attributes:
         event_index: the failing alloc's index in the recording's events.
-        step: the step it belongs to (0-based); ``None`` before the first step.
+        step: the step it belongs to, counted from 1 (the first recorded step is step 1);
+            ``None`` before the first step.
         op: the aten op that allocated (``aten.mm.default``), if known.
         module: the module path it ran in (``transformer.h.3.attn``; ``""`` is the root
             module); ``None`` outside any module.
@@ -84,7 +87,7 @@ class PeakBreakdown:
 
     Attributes:
         event_index: the moment (index into the recording's events); ``None`` before any.
-        step: its step (0-based); ``None`` before the first step.
+        step: its step, counted from 1; ``None`` before the first step.
         allocated_bytes: allocated bytes then (block sizes, as ``memory_allocated()``).
         reserved_bytes: reserved bytes then (as ``memory_reserved()``).
         by_category_bytes: allocated bytes by category, largest first; sums to
@@ -92,6 +95,9 @@ class PeakBreakdown:
         top_modules: the ``TOP_MODULES`` largest ``(module path, bytes)``, largest first.
         unattributed_bytes: allocated bytes made outside any module (parameters and inputs
             tracked before the step, gradients, optimizer state, loss scalars).
+        modules: every module's ``(path, bytes)``, largest first, ties in numeric path order
+            (``h.2`` before ``h.10``); ``top_modules`` is its head. Reports merge repeated layers
+            with ``oomkit.prediction.module_groups.group_modules``.
     """
 
     event_index: int | None
@@ -101,9 +107,10 @@ class PeakBreakdown:
     by_category_bytes: Mapping[str, int]
     top_modules: tuple[tuple[str, int], ...]
     unattributed_bytes: int
+    modules: tuple[tuple[str, int], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Prediction:
     """A step's predicted memory on one GPU under one allocator setting.
 
@@ -126,7 +133,8 @@ class Prediction:
         top_modules: the largest modules at the peak-allocated moment.
         peak_allocated_at: the full breakdown at the peak-allocated moment.
         peak_reserved_at: the full breakdown at the peak-reserved moment.
-        peak_step: the step in which reserved memory peaked (``None``: before the first step).
+        peak_step: the step in which reserved memory peaked, counted from 1 (``None``: before
+            the first step).
         oom: where it would run out of memory, or ``None``.
         steps: how many steps were recorded.
         step_starts: index of each step's first event.
@@ -183,6 +191,17 @@ class Prediction:
     assumptions: Mapping[str, str] = field(default_factory=dict)
     target: Target | None = None
     workload: WorkloadSpec | None = None
+
+    def __str__(self) -> str:
+        """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,
+        the verdict, the largest categories and modules at the peak, the warnings. The full
+        reports are ``oomkit.render_prediction`` (terminal) and ``oomkit.prediction_to_json``."""
+        return prediction_summary(self)
+
+    def __repr__(self) -> str:
+        """``<Prediction: fits on RTX 4090: peak reserved 9.72 GiB of ...>``: the verdict; the
+        fields are attributes, ``str()`` gives the summary."""
+        return f"<Prediction: {verdict_line(self)}>"
 
 
 def predict_recording(
@@ -274,7 +293,11 @@ def predict_recording(
     within_budget = None
     if budget_bytes is not None:
         within_budget = fits and required <= budget_bytes
-    warnings = [*recording.warnings, *_warnings(events, replay.step_peaks, fits)]
+    warnings = [
+        *target.warnings,
+        *recording.warnings,
+        *_warnings(events, replay.block_bytes, replay.step_peaks, fits),
+    ]
     return Prediction(
         gpu=spec,
         alloc_conf=str(config),
@@ -329,6 +352,7 @@ def _breakdown(
         by_category_bytes=live.by_category_bytes,
         top_modules=tuple(list(live.by_module_bytes.items())[:TOP_MODULES]),
         unattributed_bytes=live.unattributed_bytes,
+        modules=tuple(live.by_module_bytes.items()),
     )
 
 
@@ -353,7 +377,12 @@ def _oom_point(
     )
 
 
-def _warnings(events: Sequence[Any], step_peaks: Sequence[StepPeak], fits: bool) -> list[str]:
+def _warnings(
+    events: Sequence[Any],
+    block_bytes: Mapping[int, int],
+    step_peaks: Sequence[StepPeak],
+    fits: bool,
+) -> list[str]:
     out = []
     if not any(e.action == "alloc" and e.size > 0 for e in events):
         out.append(
@@ -362,12 +391,16 @@ def _warnings(events: Sequence[Any], step_peaks: Sequence[StepPeak], fits: bool)
         )
     if fits and len(step_peaks) >= 2:
         last, before = step_peaks[-1], step_peaks[-2]
-        once = _made_once_bytes(events, before.first_event_index, last.first_event_index)
+        once = _made_once_bytes(
+            events, block_bytes, before.first_event_index, last.first_event_index
+        )
         grew_bytes = last.peak_allocated_bytes - before.peak_allocated_bytes
         # Optimizer state made by the first optimizer step (Adam's exp_avg/exp_avg_sq) and the
         # cuBLAS workspace of a handle first used after the step's peak (backward runs on the
         # autograd thread, which has its own handle) live on into the next step: growth they
-        # explain is not growth later steps repeat.
+        # explain is not growth later steps repeat. Both sides count block bytes (the allocator's
+        # rounded sizes, as the step peaks do): against requested sizes, the rounding of Adam's
+        # state blocks alone (a GPT-2 step: 18 MB) made explained growth look unexplained.
         explained = grew_bytes <= once
         if last.peak_reserved_bytes > before.peak_reserved_bytes and not explained:
             out.append(
@@ -384,15 +417,52 @@ def _warnings(events: Sequence[Any], step_peaks: Sequence[StepPeak], fits: bool)
 _MADE_ONCE = frozenset({"optimizer_state", "workspace"})
 
 
-def _made_once_bytes(events: Sequence[Any], start: int, stop: int) -> int:
-    """Bytes of made-once categories allocated in ``events[start:stop]``, live at ``stop``."""
+def _made_once_bytes(
+    events: Sequence[Any], block_bytes: Mapping[int, int], start: int, stop: int
+) -> int:
+    """Block bytes of made-once categories allocated in ``events[start:stop]``, live at ``stop``."""
     live: dict[int, int] = {}
-    for event in events[start:stop]:
+    for index in range(start, stop):
+        event = events[index]
         if event.action == "alloc" and dict(event.tags).get("category") in _MADE_ONCE:
-            live[event.address] = event.size
+            live[event.address] = block_bytes.get(index, 0)
         elif event.action == "free_completed":
             live.pop(event.address, None)
     return sum(live.values())
+
+
+def _refuse_modules_on_the_host(objects: Sequence[Any]) -> None:
+    """A module among ``objects`` (or in a list, tuple or dict of them) with a tensor on the CPU
+    is a model left there by mistake: say so before running anything (issue 22 item 11).
+
+    Host tensors that are not a module's (a batch a step moves to the device) are fine.
+    Duck-typed (``parameters``/``buffers``): this module does not import torch.
+    """
+    pending = list(objects)
+    for _ in range(10_000):  # nested containers, bounded
+        if not pending:
+            return
+        obj = pending.pop()
+        if isinstance(obj, dict):
+            pending.extend(obj.values())
+            continue
+        if isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+            continue
+        parameters, buffers = getattr(obj, "parameters", None), getattr(obj, "buffers", None)
+        if not (callable(parameters) and callable(buffers)):
+            continue
+        for tensor in (*parameters(), *buffers()):
+            device = getattr(tensor, "device", None)
+            if getattr(device, "type", None) == "cpu":
+                raise UserCodeError(
+                    f"a {type(obj).__name__} passed to oomkit.predict (or tracked by a builder) "
+                    "has its parameters on the CPU: the step would run there for real and "
+                    "allocate nothing on the traced "
+                    "GPU, so there would be nothing to predict. Build it on the meta device "
+                    "(`with torch.device('meta'): model = ...`, or `device='meta'`) and predict "
+                    "again."
+                )
 
 
 def predict(
@@ -408,6 +478,7 @@ def predict(
     description: str = "",
     target: Target | None = None,
     workload: WorkloadSpec | None = None,
+    values: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> Prediction:
     """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
@@ -438,6 +509,9 @@ def predict(
             ``use_sdpa_settings``, else this torch install's cuDNN).
         workload: what is predicted, as data, carried into the result (``oomkit explain``
             reads it).
+        values: tensor values the step reads, by the line that reads them
+            (``{"train.py:42": 1024}``, as ``--value``); other reads are answered from known
+            values or get a stand-in (README, "Predicting your own step").
         kwargs: passed to ``step_fn`` and tracked.
 
     Returns:
@@ -448,6 +522,15 @@ def predict(
         UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
+<<<<<<< HEAD
+        DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
+        EmptyRecordingError: the model is not on the meta device, or the step allocated
+            nothing there (it ran on the CPU, for real).
+=======
+        UserCodeError: a module passed (in ``args``, ``track`` or ``kwargs``) has its
+            parameters or buffers on the CPU: a model left there by mistake would run the
+            step on the CPU for real and allocate nothing on the traced device.
+>>>>>>> h-models
         ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
     """
     # Parsed once, before tracing, so that a bad setting fails first.
@@ -458,6 +541,7 @@ def predict(
         context_overhead_bytes=context_overhead_bytes,
         torch_version=torch_version,
     )
+    _refuse_modules_on_the_host((*args, *track, *kwargs.values()))
     from oomkit.prediction.tracing import trace_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
@@ -466,7 +550,16 @@ def predict(
     def step(*all_args: Any, **all_kwargs: Any) -> Any:
         return step_fn(*all_args[:count], **all_kwargs)
 
-    recording = trace_step(step, *args, *track, steps=steps, target=target, **kwargs)
+    recording = trace_step(
+        step,
+        *args,
+        *track,
+        steps=steps,
+        target=target,
+        values=values,
+        require_allocations=True,
+        **kwargs,
+    )
     traced = target
     if traced.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.

@@ -76,6 +76,9 @@ class WorkloadSpec:
         quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
         double_quant: ``StepOptions.double_quant``.
         compute_dtype: ``StepOptions.compute_dtype``.
+        precision_source: where ``precision`` came from when it was not asked for (``"from the
+            config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
+            not known). The verdict names it.
     """
 
     kind: WorkloadKind
@@ -94,6 +97,7 @@ class WorkloadSpec:
     quantize: str | None = None
     double_quant: bool | None = None
     compute_dtype: str | None = None
+    precision_source: str | None = None
 
     @property
     def training(self) -> bool | None:
@@ -108,7 +112,7 @@ class WorkloadSpec:
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
     """The saved form: ``kind``, ``name``, ``options`` (the fine-tuning ones only when set) and
-    ``steps``; a preset also keeps
+    ``steps`` (and ``precision_source`` when set); a preset also keeps
     ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
     with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
     out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
@@ -120,6 +124,8 @@ def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -
         if name not in _OMITTED_AT_DEFAULT or value not in (None, _OMITTED_AT_DEFAULT[name])
     }
     out["steps"] = workload.steps
+    if workload.precision_source is not None:
+        out["precision_source"] = workload.precision_source
     if cudnn_version is not None:
         out["cudnn_version"] = cudnn_version
     return out
@@ -164,6 +170,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             quantize=_typed(options.get("quantize"), str),
             double_quant=_typed(options.get("double_quant"), bool),
             compute_dtype=_typed(options.get("compute_dtype"), str),
+            precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")
     if isinstance(description, str) and description:

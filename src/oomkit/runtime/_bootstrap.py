@@ -10,7 +10,9 @@ The script runs as ``python script.py ARGS`` would run it: ``sys.argv`` is ``[sc
 ``sys.path[0]`` is the script's directory, its module is ``__main__``; an uncaught exception
 prints its traceback (without this file's frames) through ``sys.excepthook`` and exits 1, and
 ``sys.exit`` codes pass through. The outcome goes to ``CONFIG["result_path"]`` as JSON for the
-parent, which diagnoses the snapshot and prints the report.
+parent, which diagnoses the snapshot and prints the report. Where ``import torch`` (or oomkit
+itself) fails with ImportError, the script still runs, unwatched, after a one-line note on
+stderr, and its own exit code is the result.
 
 Testing only: with ``OOMKIT_RUN_SIMULATED_GPU=<gpu>`` (e.g. ``1GiB``) in the environment the
 script runs inside ``SimulatedCudaDevice(gpu, context_overhead_bytes=0)`` so that CPU tensors
@@ -101,6 +103,31 @@ def _gpu_json(recorder: Any, device: int) -> dict[str, Any] | None:
     }
 
 
+def _watch_unavailable() -> str | None:
+    """Why the script cannot be watched here (torch or oomkit not importable), or None.
+
+    Only ImportError counts: any other failure of ``import torch`` is the install's, and shows.
+    """
+    try:
+        import torch  # noqa: F401 - recording memory needs it; the script itself may not
+    except ImportError as exc:
+        return f"torch is not importable by {sys.executable} ({exc})"
+    try:
+        import oomkit.runtime.watch  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"oomkit cannot be imported by {sys.executable} ({exc}); install oomkit in the "
+            "interpreter that runs the script"
+        )
+    return None
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    from oomkit.runtime.device import is_out_of_memory
+
+    return is_out_of_memory(exc)
+
+
 def main(argv: list[str]) -> int:
     """Run the target named by ``argv`` (``[CONFIG, script, *args]`` or ``[CONFIG, -m, mod, ...]``).
 
@@ -122,8 +149,12 @@ def main(argv: list[str]) -> int:
         sys.argv = [module, *user_args]  # run_module(alter_sys=True) sets argv[0] to its file
         sys.path[0] = os.getcwd()
 
-    from oomkit.runtime.device import is_out_of_memory
-    from oomkit.runtime.watch import Watch, default_recorder
+    unwatched = _watch_unavailable()
+    if unwatched is not None:
+        # The script may not need torch (or oomkit's own dependencies): run it as plain Python
+        # would, and say once, before its output, why memory is not recorded.
+        sys.stderr.write(f"oomkit: {unwatched}; running the script without memory recording.\n")
+        sys.stderr.flush()
 
     result: dict[str, Any] = {
         "format_version": RESULT_FORMAT_VERSION,
@@ -137,17 +168,21 @@ def main(argv: list[str]) -> int:
         "observed_ooms": [],
         "error": None,
         "gpu": None,
+        "unwatched_reason": unwatched,
     }
-    watcher: Watch | None = None
+    watcher: Any = None
     recorder = None
     try:
         with contextlib.ExitStack() as stack:
-            simulated = simulated_device_from_env(
-                record_history=True, max_entries=config["max_entries"]
-            )
-            if simulated is not None:
-                stack.enter_context(simulated)
-            recorder = default_recorder()
+            if unwatched is None:
+                from oomkit.runtime.watch import Watch, default_recorder
+
+                simulated = simulated_device_from_env(
+                    record_history=True, max_entries=config["max_entries"]
+                )
+                if simulated is not None:
+                    stack.enter_context(simulated)
+                recorder = default_recorder()
             if recorder is not None:  # without a GPU the script just runs; the parent says so
                 watcher = Watch(
                     config["snapshot_dir"], config["max_entries"], diagnose=False, recorder=recorder
@@ -171,7 +206,7 @@ def main(argv: list[str]) -> int:
         result["outcome"] = "exception"
         result["exit_code"] = 1
         result["exception_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        result["oom"] = is_out_of_memory(exc)
+        result["oom"] = unwatched is None and _is_out_of_memory(exc)
         result["message"] = str(exc.args[0]) if exc.args else str(exc)
         # The default hook prints exc.__traceback__ whatever tb it is given: trim that.
         exc.__traceback__ = user_traceback(exc.__traceback__, globals())

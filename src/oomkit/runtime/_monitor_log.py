@@ -25,6 +25,7 @@ __all__ = [
     "MonitorLog",
     "MonitorSummary",
     "StepRecord",
+    "is_monitor_log",
     "load_monitor_log",
     "read_monitor_log",
     "summarize",
@@ -205,7 +206,13 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
             f"{path}: not an oomkit monitor log (the first line must be a JSON object with "
             f"{HEADER_KEY!r}); write one with oomkit.Monitor(log_path=...)"
         )
-    if header[HEADER_KEY] > LOG_FORMAT_VERSION:
+    version = header[HEADER_KEY]
+    if type(version) is not int or version < 1:
+        raise MonitorLogError(
+            f"{path}: the header's {HEADER_KEY!r} is {version!r}, not a format version (a "
+            "whole number); the log is damaged or was not written by oomkit.Monitor"
+        )
+    if version > LOG_FORMAT_VERSION:
         raise MonitorLogError(
             f"{path}: log format {header[HEADER_KEY]} is newer than this oomkit reads "
             f"({LOG_FORMAT_VERSION}); upgrade oomkit"
@@ -231,6 +238,27 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
             continue
         records.append(StepRecord.from_json(data))
     return MonitorLog(path, header, tuple(records), gathered, truncated)
+
+
+# How much of a file's first line is read to tell a monitor log from other JSONL.
+_HEADER_PROBE_BYTES = 1 << 16
+
+
+def is_monitor_log(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts with a monitor log's header line (reads at most 64 KiB).
+
+    Lets ``oomkit report DIR`` pass over other ``*.jsonl`` files in a directory of logs.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as stream:
+        first = stream.readline(_HEADER_PROBE_BYTES)
+    try:
+        header = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(header, dict) and HEADER_KEY in header
 
 
 def read_monitor_log(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[StepRecord]]:

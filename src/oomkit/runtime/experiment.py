@@ -348,7 +348,7 @@ def run_experiment(
             continue
         seen.add(text)
         try:
-            AllocatorConfig.parse(text, torch_version)
+            AllocatorConfig.parse(text, torch_version, native_only=False)
         except ConfigError as exc:
             planned.append((text, str(exc)))
         else:

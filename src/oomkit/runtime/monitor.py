@@ -39,6 +39,7 @@ from oomkit.runtime._monitor_log import (
     MonitorLog,
     MonitorSummary,
     StepRecord,
+    is_monitor_log,
     load_monitor_log,
     read_monitor_log,
     summarize,
@@ -47,11 +48,13 @@ from oomkit.runtime._nvml import BackgroundSampler, open_nvml
 from oomkit.runtime.device import DeviceMemory, TorchCudaDevice, current_device
 
 __all__ = [
+    "Findings",
     "LOG_FORMAT_VERSION",
     "Monitor",
     "MonitorLog",
     "MonitorSummary",
     "StepRecord",
+    "is_monitor_log",
     "load_monitor_log",
     "read_monitor_log",
     "summarize",
@@ -104,6 +107,16 @@ def _alloc_conf(device: DeviceMemory) -> str | None:
 
 
 UsedMemory = Callable[[], int]
+
+
+class Findings(list):
+    """``Monitor.findings``: a list of ``LeakFinding`` / ``FragmentationFinding`` that prints
+    one readable line per finding (what, and how much) instead of the records' reprs."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "no memory leak or fragmentation found"
+        return "\n".join(str(finding) for finding in self)
 
 
 class Monitor:
@@ -435,7 +448,7 @@ class Monitor:
         return summaries
 
     @property
-    def findings(self) -> list[Any]:
+    def findings(self) -> Findings:
         """Leak and fragmentation findings over the records so far (computed on demand).
 
         ``oomkit.diagnose.memory_health.memory_findings`` on :attr:`records`; on a device that
@@ -449,7 +462,7 @@ class Monitor:
         from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 
         if not self.records:
-            return []
+            return Findings()
         by_step = self._events_by_step
         if by_step is not None and len(by_step) != len(self.records):
             by_step = None  # keep_records=False or a record taken before the trace started
@@ -460,4 +473,4 @@ class Monitor:
         )
         if not self.detect_leaks:
             found = [f for f in found if not isinstance(f, LeakFinding)]
-        return found
+        return Findings(found)

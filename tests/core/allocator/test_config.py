@@ -22,7 +22,7 @@ DOC_EXAMPLE = "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
 def parse_quiet(text, version=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AllocatorConfig.parse(text, version)
+        return AllocatorConfig.parse(text, version, native_only=False)  # the grammar PyTorch reads
 
 
 # ---------------------------------------------------------------------- defaults and values
@@ -339,7 +339,7 @@ def test_cudamallocasync_warning(text, version, warns):
     """parseArgs warns when cudaMallocAsync meets an option its parser counts as native-only."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c = AllocatorConfig.parse(text, version)
+        c = AllocatorConfig.parse(text, version, native_only=False)
     hits = [w for w in caught if "cudaMallocAsync ignores" in str(w.message)]
     assert len(hits) == (1 if warns else 0)
     assert c.backend in ("native", "cudaMallocAsync")
@@ -361,7 +361,6 @@ def test_cudamallocasync_warning(text, version, warns):
         ("roundup_power2_divisions:[1:4]", "roundup_power2_divisions:[1:4,2:0,>:0]"),
         (DOC_EXAMPLE, "roundup_power2_divisions:[256:1,512:2,1024:4,2048:8,>:8]"),
         ("roundup_power2_divisions:[32768:4]", "roundup_power2_divisions:4"),
-        ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
         ("large_segment_size_mb:20", ""),
         ("garbage_collection_threshold:0.60", "garbage_collection_threshold:0.6"),
         ("per_process_memory_fraction:1", "per_process_memory_fraction:1.0"),
@@ -665,7 +664,7 @@ def test_runtime_update_backend_cannot_change(version):
     assert native.runtime_update("backend:native", version).backend == "native"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        asynch = AllocatorConfig.parse("backend:cudaMallocAsync", version)
+        asynch = AllocatorConfig.parse("backend:cudaMallocAsync", version, native_only=False)
         assert asynch.runtime_update("", version).backend == "cudaMallocAsync"
 
 
@@ -782,3 +781,53 @@ def test_coerce_reads_none_strings_and_configs():
     assert AllocatorConfig.coerce("max_split_size_mb:128").max_split_size_bytes == 128 * 2**20
     with pytest.raises(ConfigError, match="max_split_size_mb"):
         AllocatorConfig.coerce("max_split_size_mb:2")
+
+
+# ---------------------------------------------------------------------- backends (issue 16 item 6)
+
+
+@pytest.mark.parametrize("version", [None, "2.0", "2.4", "2.8", "2.9", "2.13"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "backend:cudaMallocAsync",
+        "max_split_size_mb:128,backend:cudaMallocAsync",
+        " backend : cudaMallocAsync ",
+    ],
+)
+def test_cudamallocasync_is_refused_for_simulation(text, version):
+    """backend:cudaMallocAsync is refused by name: oomkit would simulate the native allocator."""
+    with pytest.raises(ConfigError, match=r"backend:cudaMallocAsync, which oomkit does not simulate.*Remove backend:cudaMallocAsync"):
+        AllocatorConfig.parse(text, version)
+
+
+def test_cudamallocasync_is_refused_from_the_environment():
+    """from_env reads the variable for a simulation, so it refuses cudaMallocAsync too."""
+    with pytest.raises(ConfigError, match="does not simulate"):
+        AllocatorConfig.from_env({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+
+
+@pytest.mark.parametrize("version", [None, "2.4", "2.9"])
+def test_backend_native_is_accepted_and_the_default(version):
+    """backend:native is what PyTorch runs without the key: it parses to the default config."""
+    assert AllocatorConfig.parse("backend:native", version) == AllocatorConfig()
+    assert AllocatorConfig().backend == "native"
+    assert AllocatorConfig.parse("backend:native,expandable_segments:True", version) == (
+        AllocatorConfig(expandable_segments=True)
+    )
+
+
+def test_native_only_false_accepts_what_pytorch_accepts():
+    """native_only=False (a real process will run it) keeps cudaMallocAsync as PyTorch reads it."""
+    assert AllocatorConfig.parse("backend:cudaMallocAsync", native_only=False).backend == (
+        "cudaMallocAsync"
+    )
+
+
+def test_the_simulator_refuses_a_cudamallocasync_record():
+    """A record built with backend='cudaMallocAsync' is refused by the simulator, not run as native."""
+    from oomkit.core.allocator import CachingAllocator
+
+    config = AllocatorConfig(backend="cudaMallocAsync")
+    with pytest.raises(ConfigError, match="does not simulate"):
+        CachingAllocator(config)

@@ -81,13 +81,13 @@ def classic_v2_0() -> str:
 
 
 def classic_v1_4_cached() -> str:
-    """<= 1.4 said "cached" (CUDACachingAllocator.cpp of 1.4): the same fragmented state."""
+    """<= 1.4 said "N cached", reserved minus allocated (PR #13751): the same fragmented state."""
     e = _fragmented("2.0")
     return (
         f"RuntimeError: CUDA out of memory. Tried to allocate {format_size(e.alloc_size_bytes)} "
         f"(GPU 0; {format_size(e.capacity_bytes)} total capacity; "
         f"{format_size(e.allocated_bytes)} already allocated; {format_size(e.free_bytes)} free; "
-        f"{format_size(e.reserved_bytes)} cached)"
+        f"{format_size(e.reserved_bytes - e.allocated_bytes)} cached)"
     )
 
 

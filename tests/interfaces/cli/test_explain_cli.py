@@ -144,3 +144,61 @@ def test_unknown_gpu_is_exit_2(capsys):
     """--gpu with an unknown name: exit 2 with close matches."""
     assert main(["explain", _fragmented_message(), "--gpu", "h1000"]) == 2
     assert "h1000" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal (a fake tty for the prompt and the progress bar)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_missing_file_or_directory_is_no_such_file(tmp_path, capsys):
+    """Issue 16 item 11: a path-like argument that does not exist, or a directory: exit 2."""
+    assert main(["explain", str(tmp_path / "nosuchfile.log")]) == 2
+    err = capsys.readouterr().err
+    assert "nosuchfile.log: no such file" in err
+    assert "no CUDA out-of-memory message" not in err
+    assert main(["explain", "nosuchfile.log"]) == 2
+    assert "nosuchfile.log: no such file" in capsys.readouterr().err
+    assert main(["explain", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    # Text with spaces is still error text.
+    assert main(["explain", "Segmentation fault"]) == 2
+    assert "no CUDA out-of-memory message found" in capsys.readouterr().err
+
+
+def test_stdin_on_a_terminal_says_what_it_waits_for(monkeypatch, capsys):
+    """Issue 16 item 13: on a terminal, stdin's prompt goes to stderr; piped stdin gets none."""
+    monkeypatch.setattr("sys.stdin", _Terminal(_fragmented_message()))
+    assert main(["explain", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "paste the CUDA out-of-memory error" in captured.err
+    assert "Ctrl-D" in captured.err
+    assert json.loads(captured.out)["cause"] == "fragmentation"
+    monkeypatch.setattr("sys.stdin", io.StringIO(_fragmented_message()))
+    assert main(["explain", "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_measuring_a_prediction_shows_progress_only_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """Issue 16 item 13: explain p.json draws a progress bar on a terminal's stderr, nothing
+    otherwise; a batch BatchNorm refuses (1 per channel) leaves the batch remedy out."""
+    import pytest
+
+    pytest.importorskip("torch")
+    argv = ["predict", "resnet50", "--gpu", "600MiB", "--steps", "1", "--batch", "2",
+            "--image-size", "32", "--json"]
+    assert main(argv) == 1
+    path = tmp_path / "p.json"
+    path.write_text(capsys.readouterr().out)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["explain", str(path)]) == 0
+    assert "measuring remedies by re-predicting" in terminal.getvalue()
+    out = capsys.readouterr().out
+    assert out.startswith("Cause: a real shortage of memory")
+    assert "gradient-accumulation" not in out  # batch 1 cannot train with BatchNorm
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert main(["explain", str(path)]) == 0
+    assert "measuring" not in sys.stderr.getvalue()

@@ -136,7 +136,8 @@ def test_preset_names_match_the_presets():
 
 @needs_torch
 def test_hf_keeps_step_options_defaults():
-    """--hf has no preset: StepOptions' fp32 and batch 8 apply."""
+    """--hf has no preset: StepOptions' defaults apply (batch 8; precision None = the config's
+    torch_dtype, decided when the model is built)."""
     from oomkit.interfaces.cli._workload import step_options
 
     args = argparse.Namespace(
@@ -144,4 +145,4 @@ def test_hf_keeps_step_options_defaults():
         image_size=None, new_tokens=None,
     )
     options = step_options(args, None)
-    assert (options.precision, options.batch_size) == ("fp32", 8)
+    assert (options.precision, options.batch_size) == (None, 8)

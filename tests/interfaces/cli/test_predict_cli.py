@@ -88,10 +88,15 @@ def test_user_function_json_has_every_field(user_file, capsys):
     # x: 2 x 16 x 32 fp32 = 4 KiB.
     assert out["by_category_bytes"]["input"] == 4096
     assert out["verdict"].startswith("fits on RTX 4090: peak reserved ")
+    # Steps count from 1 in the JSON, as in the tables (issue 16 item 12).
+    assert [s["step"] for s in out["step_peaks"]] == [1, 2, 3]
+    assert out["peak_step"] in (1, 2, 3)
+    assert {p["step"] for p in out["timeline"]} <= {None, 1, 2, 3}
+    assert out["timeline"][-1]["step"] == 3
 
 
 def test_function_without_track_and_default_batch(user_file, capsys):
-    """A function returning a bare step works; tensors it built are first seen in step 0."""
+    """A function returning a bare step works; tensors it built are first seen in step 1."""
     assert main(["predict", f"{user_file}:plain", "--gpu", "24GiB", "--steps", "1", "--json"]) == 0
     out = _json(capsys)
     assert out["steps"] == 1
@@ -108,11 +113,12 @@ def test_does_not_fit_exits_1(user_file, capsys):
     assert code == 1
     assert out["fits"] is False
     # x is 256 MiB; the ReLU's 512 MiB output is the first request that cannot be served.
-    assert (out["oom"]["step"], out["oom"]["module"]) == (0, "1")
+    # Steps count from 1 in the JSON as in the verdict (issue 16 item 12).
+    assert (out["oom"]["step"], out["oom"]["module"]) == (1, "1")
     assert out["oom"]["requested_bytes"] == 2048 * 1024 * 64 * 4
     assert out["oom"]["message"].startswith("CUDA out of memory.")
     assert out["headroom_bytes"] < 0
-    assert out["verdict"].startswith("would OOM at step 0 in 1 (")
+    assert out["verdict"].startswith("would OOM at step 1 in 1 (")
 
 
 def test_budget_exceeded_exits_1(user_file, capsys):
@@ -291,7 +297,7 @@ def test_verdict_lines_exact():
     )
     oom = predict_recording(rec, GpuSpec("Small", 40 * MiB, 10 * MiB), budget_bytes=16 * MiB)
     assert verdict_line(oom) == (
-        "would OOM at step 0 in h.3.attn (aten.mm.default) requesting 30.00 MiB on Small: the "
+        "would OOM at step 1 in h.3.attn (aten.mm.default) requesting 30.00 MiB on Small: the "
         "step needs about 50.00 MiB reserved, 20.00 MiB more than the 30.00 MiB usable; over the "
         "budget of 16.00 MiB"
     )
@@ -350,9 +356,13 @@ def test_json_saves_the_target_and_the_workload_record(user_file, capsys):
         "usable_bytes": out["usable_bytes"],
         "torch_version": installed_torch_version(),
         "cudnn_version": 91002,
-        "cuda_version": None,
+        "cuda_version": out["target"]["cuda_version"],
+        "cuda_module_loading": "lazy",
+        "cuda_context": out["target"]["cuda_context"],
         "parallel": None,
     }
+    assert out["target"]["cuda_version"] == "13.0"  # torch 2.13's default wheel (a CPU build here)
+    assert "for Ada Lovelace, CUDA 13.0, lazy module loading" in out["target"]["cuda_context"]
     assert out["alloc_conf"] == "expandable_segments:True"
     assert out["workload"] == {
         "kind": "function",

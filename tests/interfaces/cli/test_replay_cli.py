@@ -25,7 +25,8 @@ def _snapshot(directory: Path) -> Path:
 
 
 REPLAY_GOLDEN = """\
-Verify: reproduced exactly: 3/3 segment decisions match, final state matches.
+Verify: reproduced exactly: 3/3 segment decisions, 4/4 block placements match.
+  final state matches; readings of the trace tried: 1 (the best is kept).
              Replay of s.pickle
 ┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━┓
 ┃ metric                      ┃      value ┃

@@ -38,7 +38,7 @@ def _alloc(ident, size, category, module, op=None, frames=()):
 PREDICTION_GOLDEN = """\
 a test workload on test GPU (1.00 GiB total, 100.00 MiB outside PyTorch, allocator settings:
 default)
-      Memory at peak allocated (step 0)
+      Memory at peak allocated (step 1)
 ┏━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━┓
 ┃ category              ┃     bytes ┃      % ┃
 ┡━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━┩
@@ -59,8 +59,8 @@ default)
 ┏━━━━━━┳━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━┓
 ┃ step ┃ peak allocated ┃ peak reserved ┃
 ┡━━━━━━╇━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━┩
-│    0 │      33.00 MiB │     54.00 MiB │
 │    1 │      33.00 MiB │     54.00 MiB │
+│    2 │      33.00 MiB │     54.00 MiB │
 └──────┴────────────────┴───────────────┘
 fits on test GPU: peak reserved 54.00 MiB of 924.00 MiB usable, 870.00 MiB headroom
 warning: an example warning
@@ -106,8 +106,8 @@ cannot return it and would not have prevented this OOM.
 Allocated (4.10 GiB, torch.cuda.memory_allocated) is what live tensors use. Reserved (7.00 GiB,
 torch.cuda.memory_reserved) is what PyTorch's caching allocator holds from the driver: the allocated
 memory plus 2.90 GiB cached for reuse. nvidia-smi shows about 7.39 GiB used: the reserved memory
-plus 400.00 MiB outside the allocator (the CUDA context, about 400.00 MiB, libraries such as cuBLAS
-and NCCL, and other processes).
+plus 400.00 MiB outside the allocator (the CUDA context and libraries such as cuBLAS and NCCL,
+~400.00 MiB (256.00 MiB-1.17 GiB) on a typical GPU, lazy module loading, and any other process).
 """
 
 

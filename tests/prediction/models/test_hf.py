@@ -142,3 +142,207 @@ def test_offline_hub_name_fails_at_once_without_network_retries(monkeypatch):
     with pytest.raises(OomkitError, match="hub.example.org cannot be reached"):
         build_hf_step("oomkit-tests/no-such-model", StepOptions())
     assert calls == [True]  # the local cache only: no online attempt, so no retries
+
+
+# --- --hf does what transformers does (issue 22 item 7) -------------------------------------
+
+
+def _saved_llama(path, **extra):
+    """A small Llama config saved with save_pretrained(), as a model directory holds it."""
+    config = _llama_config()
+    for key, value in extra.items():
+        setattr(config, key, value)
+    config.save_pretrained(path)
+    return path
+
+
+def _users_loop(config_dir, batch, seq, *, build_dtype=None, autocast=None, gpu="rtx4090"):
+    """The same model in a user's own loop, through oomkit.predict: from_config, AdamW
+    (foreach, as on CUDA), `outputs = model(input_ids=..., labels=...)`, backward, step."""
+    import torch
+
+    import oomkit
+
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    kwargs = {} if build_dtype is None else {"dtype": build_dtype}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        ids = torch.randint(config.vocab_size, (batch, seq))
+        labels = ids.clone()
+
+    def step(model, optimizer, ids, labels):
+        if autocast is None:
+            outputs = model(input_ids=ids, labels=labels)
+        else:
+            with torch.autocast("cuda", dtype=autocast):
+                outputs = model(input_ids=ids, labels=labels)
+        outputs.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return oomkit.predict(step, model, optimizer, ids, labels, gpu=gpu)
+
+
+def _hf(config_dir, options, gpu="rtx4090"):
+    import oomkit
+
+    built = build_hf_step(config_dir, options)
+    return built, oomkit.predict(built.step_fn, track=built.track, gpu=gpu)
+
+
+def _figures(p):
+    return (
+        p.peak_allocated_bytes,
+        p.peak_reserved_bytes,
+        [(s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks],
+        dict(p.by_category_bytes),
+        p.events,
+    )
+
+
+def test_bf16_config_builds_in_bf16_and_equals_the_users_loop(tmp_path):
+    """No precision: the config's torch_dtype (bf16), said so; bytes equal a user's own loop."""
+    import torch
+
+    path = _saved_llama(tmp_path, dtype="bfloat16")
+    built, hf = _hf(path, StepOptions(batch_size=2, seq_len=32))
+    assert built.options.precision == "bf16"
+    assert built.precision_source == "from the config's torch_dtype"
+    assert ", bf16 (from the config's torch_dtype), adamw, train" in built.description
+    assert {p.dtype for p in built.track[0].parameters()} == {torch.bfloat16}
+    assert _figures(hf) == _figures(_users_loop(path, 2, 32))
+
+
+def test_config_without_dtype_is_fp32_and_equals_the_users_loop(tmp_path):
+    """GPT-2's config names no dtype: fp32 (the default, said so), equal to a user's loop."""
+    _gpt2_config().save_pretrained(tmp_path)
+    built, hf = _hf(tmp_path, StepOptions(batch_size=2, seq_len=32))
+    assert (built.options.precision, built.precision_source) == (
+        "fp32",
+        "the default: the config names no torch_dtype",
+    )
+    assert _figures(hf) == _figures(_users_loop(tmp_path, 2, 32))
+
+
+def test_bf16_mixed_given_equals_the_users_autocast_loop(tmp_path):
+    """--precision bf16-mixed: fp32 weights (from_config dtype=float32), forward under autocast."""
+    import torch
+
+    path = _saved_llama(tmp_path, dtype="bfloat16")
+    built, hf = _hf(path, StepOptions(batch_size=2, seq_len=32, precision="bf16-mixed"))
+    assert built.precision_source is None
+    user = _users_loop(path, 2, 32, build_dtype=torch.float32, autocast=torch.bfloat16)
+    assert _figures(hf) == _figures(user)
+
+
+def test_loss_upcasts_the_logits_to_fp32_as_transformers_does():
+    """Pure bf16: ForCausalLMLoss copies the logits to fp32 (2 x 32 x 1000 x 4 bytes), and the
+    outputs' bf16 logits stay alive through the optimizer step, as in a training loop."""
+    built = build_hf_step(_llama_config(), StepOptions(batch_size=2, seq_len=32, precision="bf16"))
+    events = trace_step(built.step_fn, *built.track, steps=2).events
+    upcasts = [
+        e
+        for e in events
+        if e.action == "alloc"
+        and e.size == 2 * 32 * 1000 * 4
+        and dict(e.tags).get("op") == "aten._to_copy.default"
+    ]
+    assert len(upcasts) == 2  # one a step
+    last_logits = [
+        e
+        for e in events
+        if e.action == "alloc"
+        and e.size == 2 * 32 * 1000 * 2
+        and dict(e.tags).get("module") == "lm_head"
+        and dict(e.tags).get("category") == "activation"
+    ][-1]
+    freed_at = next(
+        i
+        for i, e in enumerate(events)
+        if e.action == "free_completed" and e.address == last_logits.address
+    )
+    last_optimizer_alloc = max(
+        i
+        for i, e in enumerate(events)
+        if e.action == "alloc" and dict(e.tags).get("phase") == "optimizer"
+    )
+    assert freed_at > last_optimizer_alloc
+
+
+def test_float16_config_trains_in_pure_fp16(tmp_path):
+    """A float16 config (older configs' torch_dtype key) builds fp16 parameters, states too."""
+    import json
+
+    path = _saved_llama(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data.pop("dtype", None)
+    data["torch_dtype"] = "float16"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    built = build_hf_step(path, StepOptions(batch_size=1, seq_len=16))
+    assert (built.options.precision, built.precision_source) == (
+        "fp16",
+        "from the config's torch_dtype",
+    )
+    recording = trace_step(built.step_fn, *built.track, steps=2)
+    params = _llama_params()
+    assert recording.allocated_bytes("parameter") == 2 * params
+    assert recording.allocated_bytes("optimizer_state") == 2 * 2 * params
+
+
+def test_given_precision_leaves_the_callers_config_alone():
+    """Building at a given precision does not change the caller's config object's dtype."""
+    import torch
+
+    config = _llama_config()
+    config.dtype = torch.bfloat16
+    built = build_hf_step(config, StepOptions(batch_size=1, seq_len=8, precision="fp32"))
+    assert config.dtype == torch.bfloat16
+    assert next(built.track[0].parameters()).dtype == torch.float32
+
+
+def test_cli_verdict_names_the_precision_and_its_source(tmp_path, capsys):
+    """`oomkit predict --hf DIR` without --precision: the JSON and verdict say bf16, from where."""
+    import json
+
+    from oomkit.interfaces.cli import main
+
+    path = _saved_llama(tmp_path, dtype="bfloat16")
+    code = main(["predict", "--hf", str(path), "--batch", "1", "--seq", "16", "--steps", "1",
+                 "--gpu", "rtx4090", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["workload"]["options"]["precision"] == "bf16"
+    assert out["workload"]["precision_source"] == "from the config's torch_dtype"
+    assert out["verdict"].startswith(
+        "fits on RTX 4090 (bf16, from the config's torch_dtype): peak reserved "
+    )
+
+
+def test_given_bf16_on_a_config_without_dtype_builds_bf16_parameters():
+    """GPT-2's config names no dtype; --precision bf16 still builds bf16 (from_config dtype=)."""
+    import torch
+
+    built = build_hf_step(_gpt2_config(), StepOptions(batch_size=1, seq_len=8, precision="bf16"))
+    assert {p.dtype for p in built.track[0].parameters()} == {torch.bfloat16}
+    assert built.precision_source is None
+    recording = trace_step(built.step_fn, *built.track)
+    assert recording.allocated_bytes("parameter") == 2 * _gpt2_params()
+
+
+def test_config_dtype_the_recorder_does_not_model_is_built_in_fp32():
+    """A float64 config gets fp32, and the source says the config's dtype was not modelled."""
+    import torch
+
+    from oomkit.prediction.models.hf import config_precision
+
+    config = _llama_config()
+    config.dtype = torch.float64
+    assert config_precision(config) == (
+        "fp32",
+        "the default: the config's torch_dtype torch.float64 is not modelled",
+    )
+    built = build_hf_step(config, StepOptions(batch_size=1, seq_len=8, mode="inference"))
+    assert {p.dtype for p in built.track[0].parameters()} == {torch.float32}
+    assert config.dtype == torch.float64

@@ -65,7 +65,7 @@ def test_storage_bytes_of_one_weight():
     }
 
 
-@pytest.mark.parametrize(("double_quant", "buffer_bytes"), [(False, 5536), (True, 16528)])
+@pytest.mark.parametrize(("double_quant", "buffer_bytes"), [(False, 5568), (True, 16560)])
 def test_quantized_llama_parameters_and_buffers_by_hand(double_quant, buffer_bytes):
     """Packed weights, bf16 embedding/lm_head/norms and fp32 adapters; the quant states."""
     built, recording = _trace(double_quant=double_quant)
@@ -73,7 +73,7 @@ def test_quantized_llama_parameters_and_buffers_by_hand(double_quant, buffer_byt
     bf16 = 2 * (256 * 64) * 2 + 5 * 64 * 2  # embedding, lm_head (not quantized), 5 norms
     adapters = 2 * 8 * ((64 + 64) + (64 + 32)) * 4
     assert recording.allocated_bytes("parameter") == packed + bf16 + adapters == 117_376
-    rope = 8 * 4  # inv_freq of head_dim 16
+    rope = 2 * 8 * 4  # inv_freq and original_inv_freq of head_dim 16, fp32 as from_config makes them
     if double_quant:  # per Linear code 64 + nested absmax 4 + nested code 1024 + offset 4
         states = 2 * (BLOCKS_PER_LAYER + 7 * (64 + 4 + 1024 + 4))
     else:  # per Linear code 64, fp32 absmax per block

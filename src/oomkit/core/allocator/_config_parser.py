@@ -33,7 +33,20 @@ if TYPE_CHECKING:
     # config.py imports the parsers; the parsers build its record from the base they are given.
     from oomkit.core.allocator.config import AllocatorConfig
 
-__all__ = ["BOOL_FIELDS", "EXAMPLES", "ConfigParser"]
+__all__ = ["ASYNC_REFUSED", "BOOL_FIELDS", "EXAMPLES", "ConfigParser"]
+
+# backend:cudaMallocAsync hands allocation to the CUDA driver's stream-ordered pool
+# (c10/cuda/CUDAMallocAsyncAllocator.cpp, cudaMallocAsync / cudaMemPool*): none of the native
+# allocator's blocks, splits, rounding or caching applies, so simulating it as native would give
+# a wrong answer. Refused wherever a setting is read for a simulation.
+ASYNC_REFUSED = (
+    "allocator setting {text!r} selects backend:cudaMallocAsync, which oomkit does not "
+    "simulate: oomkit models PyTorch's native caching allocator only, and cudaMallocAsync "
+    "leaves caching to the CUDA driver's memory pool (CUDAMallocAsyncAllocator.cpp), so its "
+    "peaks and out-of-memory points differ. Remove backend:cudaMallocAsync (or write "
+    "backend:native) to see what the native allocator would do; measure cudaMallocAsync on a "
+    "GPU with `oomkit experiment`."
+)
 
 # lexArgs / ConfigTokenizer: these characters are tokens of their own (§9.2).
 _SEPARATORS = frozenset(",:[]")
@@ -45,7 +58,7 @@ EXAMPLES = {
     "large_segment_size_mb": "large_segment_size_mb:32",
     "garbage_collection_threshold": "garbage_collection_threshold:0.6",
     "roundup_power2_divisions": "roundup_power2_divisions:[256:1,512:2,>:8]",
-    "backend": "backend:cudaMallocAsync",
+    "backend": "backend:native",
     "per_process_memory_fraction": "per_process_memory_fraction:0.8",
     "pinned_num_register_threads": "pinned_num_register_threads:8",
     "pinned_reserve_segment_size_mb": "pinned_reserve_segment_size_mb:64",
@@ -81,6 +94,7 @@ class ConfigParser(ABC):
         env_var: str,
         *,
         runtime: bool = False,
+        native_only: bool = True,
     ) -> None:
         if not isinstance(text, str):
             raise ConfigError(
@@ -91,6 +105,7 @@ class ConfigParser(ABC):
         self.b = behaviour
         self.env_var = env_var
         self.runtime = runtime
+        self.native_only = native_only
         self.base = base
         self.tokens = self._tokenize(text)
         self.values: dict[str, object] = {
@@ -293,6 +308,8 @@ class ConfigParser(ABC):
                 f"{token}); set it in {self.env_var} before the process starts",
                 key,
             )
+        if token == "cudaMallocAsync" and self.native_only:
+            raise ConfigError(ASYNC_REFUSED.format(text=self.text))
         self.used_async = token == "cudaMallocAsync"
         self.values["backend"] = token
         return j

@@ -255,22 +255,28 @@ class AllocatorConfig:
         return cls.parse(value, torch_version=torch_version)
 
     @classmethod
-    def parse(cls, text: str, torch_version: str | None = None) -> AllocatorConfig:
+    def parse(
+        cls, text: str, torch_version: str | None = None, *, native_only: bool = True
+    ) -> AllocatorConfig:
         """Read a ``PYTORCH_CUDA_ALLOC_CONF`` string the way a PyTorch release reads it.
 
         Args:
             text: e.g. ``"max_split_size_mb:128,expandable_segments:True"``; ``""`` = defaults.
             torch_version: the release whose parser to mirror; None = newest released.
+            native_only: refuse ``backend:cudaMallocAsync``, which oomkit cannot simulate (the
+                default: every setting read for a simulation). ``False`` accepts what PyTorch
+                accepts, to check a setting a real process will run (``oomkit experiment``).
 
         Returns:
             The configuration the allocator would run with.
 
         Raises:
             ConfigError: PyTorch would reject the string (the message says why, with an
-                example), or the version string cannot be read.
+                example), the version string cannot be read, or the string selects
+                ``backend:cudaMallocAsync`` with ``native_only``.
         """
         b = behaviour_for(torch_version)
-        return _PARSERS[b.config_parser](text, b, cls(), _ENV_VAR).run()
+        return _PARSERS[b.config_parser](text, b, cls(), _ENV_VAR, native_only=native_only).run()
 
     @classmethod
     def from_env(

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 
+from oomkit.core.allocator._config_parser import ASYNC_REFUSED
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.core.allocator.constants import LARGE_BUFFER, SIZE_MAX
 from oomkit.core.allocator.versions import TorchBehaviour
-from oomkit.errors import AllocatorUsageError
+from oomkit.errors import AllocatorUsageError, ConfigError
 
 __all__ = ["AllocatorSettings", "check_fraction"]
 
@@ -45,6 +46,10 @@ class AllocatorSettings:
     )
 
     def __init__(self, config: AllocatorConfig, rules: TorchBehaviour, capacity_bytes: int) -> None:
+        if config.backend != "native":
+            # A record built with backend="cudaMallocAsync" (parse refuses the string): the
+            # simulator would answer for the native allocator instead.
+            raise ConfigError(ASYNC_REFUSED.format(text=str(config)))
         self.rules = rules
         self.capacity_bytes = capacity_bytes
         self.limit: int | None = None

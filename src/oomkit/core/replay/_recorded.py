@@ -61,9 +61,14 @@ def config_from_settings(
             changes[key] = settings[key]
     divisions = settings.get("roundup_power2_divisions")
     if isinstance(divisions, Mapping):
-        changes["roundup_power2_divisions"] = tuple(
-            int(divisions.get(k, 0) or 0) for k in _ROUNDUP_KEYS
-        )
+        values = [divisions.get(k, 0) or 0 for k in _ROUNDUP_KEYS]
+        if all(type(v) is int for v in values):
+            changes["roundup_power2_divisions"] = tuple(values)
+        else:
+            warnings.append(
+                "the recorded roundup_power2_divisions hold values that are not whole numbers; "
+                "they were not read (PyTorch's defaults are used)"
+            )
     try:
         config = replace(config, **changes)
     except ConfigError as exc:

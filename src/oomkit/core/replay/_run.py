@@ -64,6 +64,8 @@ class Run(ReplayHooks):
         self.warnings: list[str] = []
         self.current = 0  # trace index of the event being replayed
         self.misplaced = 0  # allocs the simulator placed elsewhere than the recording
+        self.allocs_checked = 0  # allocs whose placement was compared with the recording
+        self.readings_tried = 1  # replays _verify_run ran to pick this one (itself included)
         self.log_index: list[int] = []  # trace index at which each simulated segment event came
         self._next_synthetic = _synthetic_base(start, events)
         self.allocator = CachingAllocator(
@@ -163,9 +165,11 @@ class Run(ReplayHooks):
 
     def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
         self._sync_first = False
-        if self.verify and ptr != event.address:
-            self.misplaced += 1
-            self._problem(index)
+        if self.verify:
+            self.allocs_checked += 1
+            if ptr != event.address:
+                self.misplaced += 1
+                self._problem(index)
         if self.misplaced == 1 and not self._misplaced_warned:
             self._misplaced_warned = True
             self.warnings.append(
@@ -330,6 +334,8 @@ class Run(ReplayHooks):
                 "final_state_matches": difference is None,
                 "first_divergence": divergence,
                 "allocs_misplaced": self.misplaced,
+                "allocs_checked": self.allocs_checked,
+                "readings_tried": self.readings_tried,
             }
         return self.engine.result(
             alloc_conf=str(self.config),

@@ -52,7 +52,29 @@ class ReplayResult:
     first_divergence: Divergence | None = None
     # Recorded allocs that the simulator served at another address (verify mode).
     allocs_misplaced: int | None = None
+    # Recorded allocs whose block address the simulator's placement was checked against.
+    allocs_checked: int | None = None
+    # How many readings of the trace's ambiguous points verify replayed, keeping the best.
+    readings_tried: int | None = None
     recorded_peak_reserved_bytes: int | None = None
     torch_version: str | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def verified(self) -> bool | None:
+        """Whether verify mode checked anything: ``False`` when the trace held no segment
+        decision and no block placement to compare (0 of 0 is not a match); ``None`` outside
+        verify mode."""
+        if self.segment_events_recorded is None:
+            return None
+        return self.segment_events_recorded + (self.allocs_checked or 0) > 0
+
+    @property
+    def reproduced(self) -> bool:
+        """Verify checked something and every decision, placement and the final state matched."""
+        return (
+            self.verified is True
+            and self.first_divergence is None
+            and self.final_state_matches is not False
+            and not self.allocs_misplaced
+        )

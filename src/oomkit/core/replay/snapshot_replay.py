@@ -192,6 +192,7 @@ def _verify_run(
     run = replay(frozenset())
     score = run.score(final)
     tried: set[int] = set()
+    replays = 1
     while (where := run.first_problem(final)) is not None:
         candidates = [
             c for c in _decision_points_before(events, groups, where) if c not in tried
@@ -199,6 +200,7 @@ def _verify_run(
         improved = False
         for candidate in candidates:
             tried.add(candidate)
+            replays += 1
             retry = replay(run.flipped ^ {candidate})
             retry_score = retry.score(final)
             if retry_score > score:
@@ -206,6 +208,7 @@ def _verify_run(
                 break
         if not improved:
             break
+    run.readings_tried = replays
     return run
 
 

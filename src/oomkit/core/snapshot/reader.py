@@ -19,6 +19,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from oomkit.core.snapshot._validate import (
+    layout_problem,
+    show,
+    trace_problem,
+    unknown_actions,
+)
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
 from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent
@@ -111,7 +117,7 @@ class _Normaliser:
             segments_raw, top = data["segments"], data
             self.note("top", data)
         elif isinstance(data, dict):
-            keys = ", ".join(sorted(map(str, data)))[:200] or "none"
+            keys = ", ".join(sorted(_key_text(k) for k in list(data)[:20]))[:200] or "none"
             raise self.fail(f"the pickle holds a dict without a 'segments' list (keys: {keys})")
         else:
             raise self.fail(
@@ -133,7 +139,7 @@ class _Normaliser:
                 if not isinstance(raw_traces, list):
                     raise self.fail("'device_traces' is not a list")
                 for device, entries in enumerate(raw_traces):
-                    traces[device] = self.trace(device, entries)
+                    traces[device] = self.checked_trace(device, self.trace(device, entries))
             settings = top.get("allocator_settings")
             if settings is not None and not isinstance(settings, dict):
                 raise self.fail("'allocator_settings' is not a dict")
@@ -145,6 +151,9 @@ class _Normaliser:
             if user_metadata is not None and not isinstance(user_metadata, dict):
                 user_metadata = {"value": user_metadata}
 
+        problem = layout_problem(segments)
+        if problem is not None:
+            raise self.fail(problem)
         return Snapshot(
             segments=tuple(segments),
             device_traces=traces,
@@ -190,7 +199,11 @@ class _Normaliser:
         if segment_type not in ("small", "large"):
             segment_type = "small" if total_size == _SMALL_SEGMENT_BYTES else "large"
         pool_id = raw.get("segment_pool_id", (0, 0))
-        if not (isinstance(pool_id, (tuple, list)) and len(pool_id) == 2):
+        if not (
+            isinstance(pool_id, (tuple, list))
+            and len(pool_id) == 2
+            and all(type(p) is int for p in pool_id)
+        ):
             pool_id = (0, 0)
         return (
             SnapshotSegment(
@@ -236,7 +249,7 @@ class _Normaliser:
         if requested is None:
             requested = size
         if type(requested) is not int:
-            raise self.fail(f"{where}: 'requested_size' is {requested!r}, not an int")
+            raise self.fail(f"{where}: 'requested_size' is {show(requested)}, not an int")
         state = raw.get("state")
         if state is None and "allocated" in raw:
             # Before `state` existed, blocks said allocated / active as booleans.
@@ -246,8 +259,8 @@ class _Normaliser:
                 state = "active_pending_free"
             else:
                 state = "inactive"
-        if state not in _STATES:
-            raise self.fail(f"{where}: unknown block state {state!r}")
+        if type(state) is not str or state not in _STATES:
+            raise self.fail(f"{where}: unknown block state {show(state)}")
         return (
             SnapshotBlock(
                 address=self.int_field(raw, "address", where, implied_address),
@@ -277,14 +290,18 @@ class _Normaliser:
             address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
             time_us = raw.get("time_us")
             if time_us is not None and type(time_us) is not int:
-                raise self.fail(f"{where}: 'time_us' is {time_us!r}, not an int")
+                raise self.fail(f"{where}: 'time_us' is {show(time_us)}, not an int")
             tags = []
             for key in _TAG_FIELDS:
                 value = raw.get(key)
                 if value not in (None, "", "N/A"):
-                    tags.append((key, str(value)))
+                    tags.append((key, value if type(value) is str else show(value)))
             pool_id = raw.get("pool_id")
-            if isinstance(pool_id, (tuple, list)) and tuple(pool_id) != (0, 0):
+            if (
+                isinstance(pool_id, (tuple, list))
+                and all(type(p) is int for p in pool_id)
+                and tuple(pool_id) != (0, 0)
+            ):
                 tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
             events.append(
                 TraceEvent(
@@ -299,13 +316,30 @@ class _Normaliser:
             )
         return tuple(events)
 
+    def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
+        """Refuse negative sizes or addresses; warn of actions oomkit does not know (they pass
+        through unchanged, so a newer PyTorch's file still loads; the replay skips them)."""
+        problem = trace_problem(device, events)
+        if problem is not None:
+            raise self.fail(problem)
+        unknown = unknown_actions(events)
+        if not unknown:
+            return events
+        listed = ", ".join(f"{show(a)} x{n}" for a, n in sorted(unknown.items())[:5])
+        self.warnings.append(
+            f"device_traces[{device}]: {sum(unknown.values())} entries with an action oomkit does "
+            f"not know ({listed}); the replay skips them"
+        )
+        return events
+
     # ---------------------------------------------------------------------------- helpers
 
     def note(self, kind: str, raw: dict) -> None:
         """Record which keys the file uses (for infer_torch_version)."""
         seen = self.keys_seen
         for key in raw:
-            seen.add(f"{kind}:{key}")
+            if type(key) is str:  # PyTorch's keys are; str() of another key may never end
+                seen.add(f"{kind}:{key}")
 
     def int_field(self, raw: dict, key: str, where: str, default: Any = _REQUIRED) -> int:
         value = raw.get(key)
@@ -314,7 +348,7 @@ class _Normaliser:
                 raise self.fail(f"{where} has no {key!r}")
             return default
         if type(value) is not int:
-            raise self.fail(f"{where}: {key!r} is {value!r}, not an int")
+            raise self.fail(f"{where}: {key!r} is {show(value)}, not an int")
         return value
 
     def frames(self, raw: Any) -> tuple[Frame, ...]:
@@ -326,9 +360,9 @@ class _Normaliser:
             if not isinstance(f, dict):
                 continue
             key = (
-                str(f.get("filename", "??")),
+                _as_text(f.get("filename")),
                 _as_int(f.get("line", 0)),
-                str(f.get("name", "??")),
+                _as_text(f.get("name")),
             )
             frame = pool.get(key)
             if frame is None:
@@ -340,6 +374,16 @@ class _Normaliser:
 
 def _as_int(value: Any) -> int:
     return value if type(value) is int else 0
+
+
+def _key_text(key: Any) -> str:
+    return key if type(key) is str else show(key)
+
+
+def _as_text(value: Any) -> str:
+    # PyTorch records frame names as str; str() of anything else (a shared nested list) may
+    # never finish, so it is shown as unknown.
+    return value if type(value) is str else "??"
 
 
 def _generation(top: dict | None, has_history: bool) -> str:

@@ -30,7 +30,7 @@ from typing import IO, Any
 from oomkit.core.trace.events import TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
 from oomkit.errors import TraceFormatError
 
-__all__ = ["TRACE_FORMAT_NAME", "read_trace", "write_trace"]
+__all__ = ["MAX_LINE_CHARS", "TRACE_FORMAT_NAME", "read_trace", "write_trace"]
 
 TRACE_FORMAT_NAME = "oomkit-trace"
 
@@ -40,6 +40,10 @@ _GZIP_LEVEL = 6
 _HOW_TO_WRITE = "Write trace files with oomkit.core.trace.write_trace()."
 # Bound on the writer's identity cache of frame tuples (see write_trace); it only saves hashing.
 _STACK_ID_CACHE_MAX = 1 << 16
+# The longest line a reader accepts, in characters. write_trace's longest lines are stack lines
+# (~100 characters a frame), so 16 Mi characters is ~100,000 frames; a longer line is damage or
+# a decompression bomb (a gzip of one endless line), refused before it is held in memory.
+MAX_LINE_CHARS = 1 << 24
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 
@@ -166,7 +170,8 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[TraceHeader, Iterator[Trac
     path = Path(path)
     stream = _open_for_reading(path)
     try:
-        first = stream.readline()
+        first = stream.readline(MAX_LINE_CHARS + 1)
+        _check_length(path, 1, first)
         header = _parse_header(path, first)
     except TraceFormatError:
         stream.close()
@@ -207,6 +212,17 @@ def _open_for_reading(path: Path) -> IO[str]:
     return io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
 
 
+def _check_length(path: Path, lineno: int, line: str) -> None:
+    if len(line) > MAX_LINE_CHARS:
+        raise _format_error(
+            path,
+            lineno,
+            f"is longer than {MAX_LINE_CHARS:,} characters, more than any line write_trace "
+            "writes: the file is damaged or a decompression bomb",
+            "Write the trace again. " + _HOW_TO_WRITE,
+        )
+
+
 def _not_a_trace_hint() -> str:
     return (
         'An oomkit trace starts with a line {"format": "oomkit-trace", "version": ...}. '
@@ -223,7 +239,7 @@ def _parse_header(path: Path, line: str) -> TraceHeader:
         raise _format_error(path, 1, "the file is empty, not an oomkit trace", _HOW_TO_WRITE)
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _format_error(
             path, 1, "is not JSON, so this is not an oomkit trace file", _not_a_trace_hint()
         ) from None
@@ -286,10 +302,15 @@ def _iter_events(path: Path, stream: IO[str]) -> Iterator[TraceEvent]:
     count = 0
     end_count: int | None = None
     corrupt = "The file is corrupt; write it again. " + _HOW_TO_WRITE
+    readline = stream.readline
     try:
         with stream:
-            for line in stream:
+            # readline with a limit (not `for line in stream`): a line never grows past
+            # MAX_LINE_CHARS in memory, however far a gzip bomb would expand it.
+            while line := readline(MAX_LINE_CHARS + 1):
                 lineno += 1
+                if len(line) > MAX_LINE_CHARS:
+                    _check_length(path, lineno, line)
                 if end_count is not None:
                     raise _format_error(path, lineno, "data follows the end-of-trace line", corrupt)
                 try:
@@ -297,7 +318,7 @@ def _iter_events(path: Path, stream: IO[str]) -> Iterator[TraceEvent]:
                     if end != len(line) and not line[end:].isspace():
                         raise ValueError("extra data after the JSON value")
                     action = obj["a"]
-                except (ValueError, StopIteration):
+                except (ValueError, StopIteration, RecursionError):
                     raise _format_error(
                         path, lineno, f"is not valid JSON ({_preview(line)})", corrupt
                     ) from None

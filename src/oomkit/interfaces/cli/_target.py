@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from collections.abc import Mapping
 
 from oomkit.core.target import Target
 
-__all__ = ["installed_torch_version", "target_from_args"]
+__all__ = ["add_cuda_version_flag", "installed_torch_version", "target_from_args"]
+
+
+def add_cuda_version_flag(parser: argparse.ArgumentParser) -> None:
+    """The one ``--cuda-version X.Y`` flag (dest ``cuda_version``), for predict and fit."""
+    parser.add_argument(
+        "--cuda-version",
+        metavar="X.Y",
+        help="the CUDA of the target's torch (torch.version.cuda), e.g. 12.8; below 11.7 the "
+        "CUDA context loads every kernel eagerly (~1 GiB more), as does CUDA_MODULE_LOADING=EAGER "
+        "in the environment (default: the installed torch build's CUDA, else the CUDA of that "
+        "torch release's default PyPI wheel, e.g. 13.0 for torch 2.13)",
+    )
+
+
+def _module_loading(environ: Mapping[str, str]) -> str | None:
+    """``CUDA_MODULE_LOADING`` of the job's environment, when it names a mode."""
+    setting = environ.get("CUDA_MODULE_LOADING", "").strip().upper()
+    return {"EAGER": "eager", "LAZY": "lazy"}.get(setting)
 
 
 def installed_torch_version() -> str | None:
@@ -28,10 +48,15 @@ def installed_torch_version() -> str | None:
 
 
 def target_from_args(
-    args: argparse.Namespace, *, default_torch_version: str | None = None
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    *,
+    default_torch_version: str | None = None,
 ) -> Target:
     """The ``Target`` of ``--gpu``, ``--alloc-conf``, ``--context-overhead``,
-    ``--torch-version`` and ``--cudnn-version``; a command without one of them gets its default.
+    ``--torch-version``, ``--cudnn-version`` and ``--cuda-version`` (with
+    ``CUDA_MODULE_LOADING`` from ``environ``, default ``os.environ``); a command without one of
+    them gets its default.
 
     Args:
         args: the parsed flags.
@@ -41,12 +66,16 @@ def target_from_args(
     Raises:
         UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
         GpuSpecError: ``--context-overhead`` is not below the GPU's total memory.
-        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject.
+        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject, or ``--cuda-version``
+            is not X.Y.
     """
+    loading = _module_loading(os.environ if environ is None else environ)
     return Target.resolve(
         getattr(args, "gpu", None) or "h100",
         alloc_conf=getattr(args, "alloc_conf", None),
         context_overhead_bytes=getattr(args, "context_overhead", None),
         torch_version=getattr(args, "torch_version", None) or default_torch_version,
         cudnn_version=getattr(args, "cudnn_version", None),
+        cuda_version=getattr(args, "cuda_version", None),
+        cuda_module_loading=loading,  # type: ignore[arg-type]
     )

@@ -12,11 +12,15 @@ The contract (documented in the README, "Predicting your own step"):
   device land on the meta device and cost nothing.
 - It returns either a zero-argument callable that runs one step, or a pair
   ``(step_fn, objects_to_track)`` where ``objects_to_track`` are the model, optimizer and inputs
-  (nested lists/tuples/dicts are fine) to be recorded as allocated before the first step.
+  (nested lists/tuples/dicts are fine) to be recorded as allocated before the first step, or a
+  trainer: ``(lightning_trainer, module[, data])`` or a ``transformers.Trainer``, run one
+  optimizer step per step (``oomkit.prediction.tracing.trainers``).
+- The builder runs on one emulated CUDA GPU (``tracing.cuda_device``), so trainers pick CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomkit.errors import UserCodeError
+from oomkit.errors import OomkitError, UserCodeError
 
 __all__ = ["UserStep", "is_user_target", "load_user_step", "SIZE_PARAMETERS"]
 
@@ -157,6 +161,8 @@ def load_user_step(
             "`pip install oomkit[torch]`"
         ) from exc
     from oomkit.prediction.tracing import cuda_autocast_construction
+    from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+    from oomkit.prediction.tracing.trainers import trainer_step
 
     path_text, _, name = target.rpartition(":")
     # The file and the builder run as on a CUDA machine: an autocast("cuda") they build once and
@@ -177,20 +183,28 @@ def load_user_step(
         fn, target, {"batch_size": batch_size, "seq_len": seq_len, "image_size": image_size}, device
     )
     try:
-        with device, cuda_autocast_construction():
+        # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
+        with device, cuda_autocast_construction(), as_one_cuda_gpu():
             result = fn(**kwargs)
+    except OomkitError as exc:
+        raise type(exc)(f"{target}: {name}(): {exc}") from exc
     except Exception as exc:
-        raise UserCodeError(
-            f"{target}: {name}() raised {type(exc).__name__}: {exc}. It runs on the meta device: "
-            "code that reads tensor values (.item(), data-dependent shapes) cannot run there."
-        ) from exc
-    user_step, track = _unpack(result, target, name)
+        from oomkit.prediction.tracing.step_failure import failure_text
+
+        detail = failure_text(exc)
+        for said in ("the step failed", "the step raised"):
+            detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
+        raise UserCodeError(f"{target}: {detail}") from exc
+    trainer = trainer_step(result, target)
+    user_step, track = (trainer.step_fn, trainer.track) if trainer else _unpack(result, target, name)
+    # The contract: a step runs with meta as the default device. A trainer's loop keeps its
+    # CPU-side work (samplers, seeds) on the CPU, as on a GPU machine (trainers.py).
+    step_device = contextlib.nullcontext() if trainer else device
     raised: list[BaseException] = []
 
     def step_fn() -> Any:
-        # The contract: the step, too, runs with meta as the default device.
         try:
-            with device:
+            with step_device:
                 return user_step()
         except Exception as exc:
             raised.append(exc)
@@ -198,7 +212,8 @@ def load_user_step(
 
     arguments = {k: v for k, v in kwargs.items() if k != "device"}
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
-    return UserStep(step_fn, track, f"{target}({shown})", raised, arguments)
+    description = f"{target}({shown})" + (f" [{trainer.summary}]" if trainer else "")
+    return UserStep(step_fn, track, description, raised, arguments)
 
 
 def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tuple[Any, ...]]:
@@ -211,5 +226,7 @@ def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tup
         return result[0], (track,)
     raise UserCodeError(
         f"{target}: {name}() returned {type(result).__name__}; it must return a zero-argument "
-        "step function, or (step_fn, objects_to_track) with the model, optimizer and inputs."
+        "step function, (step_fn, objects_to_track) with the model, optimizer and inputs, or a "
+        "trainer: (lightning_trainer, module[, datamodule_or_dataloader]) or a "
+        "transformers.Trainer."
     )

@@ -25,6 +25,7 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
+from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
 __all__ = [
@@ -39,10 +40,12 @@ __all__ = [
     "add_workload_flags",
     "build_workload",
     "positive_int",
+    "stated_value",
     "step_options",
     "user_code_error",
     "user_errors",
     "user_output_to_stderr",
+    "user_values",
     "user_workload_spec",
 ]
 
@@ -98,12 +101,12 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         help=f"image size of a vision model ({', '.join(VISION_PRESETS)}; default 224)",
     )
     # Defaults None: a file.py:function target refuses these flags when given (presets get their
-    # own default precision, --hf StepOptions' fp32; both adamw, train).
+    # own default precision, --hf the config's torch_dtype; both adamw, train).
     parser.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="presets and --hf (default: bf16-mixed for the GPT-2 and Llama presets, fp32 for "
-        "the others and --hf)",
+        "the others; for --hf the config's torch_dtype)",
     )
     parser.add_argument(
         "--optimizer",
@@ -127,6 +130,46 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     parser.add_argument(
         "--hf", metavar="NAME_OR_PATH", help="a Hugging Face model (config only, no weights)"
     )
+    parser.add_argument(
+        "--value",
+        type=stated_value,
+        action="append",
+        metavar="FILE:LINE=NUMBER",
+        help="the value a tensor read (.item(), bool(), int()) at FILE:LINE returns while "
+        "tracing, e.g. --value train.py:42=1024 (repeatable)",
+    )
+
+
+def stated_value(text: str) -> tuple[str, float]:
+    """``--value FILE:LINE=NUMBER`` -> ``("FILE:LINE", NUMBER)`` (an int when it is one)."""
+    key, sep, number = text.rpartition("=")
+    path, colon, line = key.rpartition(":")
+    if not sep or not colon or not path or not line.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected FILE:LINE=NUMBER, the line that reads the value and the value; got "
+            f"{text!r}. Example: --value train.py:42=1024"
+        )
+    try:
+        value: float = int(number)
+    except ValueError:
+        try:
+            value = float(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"the value in {text!r} is not a number. Example: --value train.py:42=1024"
+            ) from None
+    return key, value
+
+
+def user_values(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """While open (around building and tracing the step), tensor values are followed and
+    reads answered, stated (``--value``) or given stand-ins (``value_reads.value_tracking``);
+    a no-op where torch is not installed (the step then fails to load first)."""
+    try:
+        from oomkit.prediction.tracing import value_tracking
+    except ImportError:
+        return contextlib.nullcontext()
+    return value_tracking(dict(getattr(args, "value", None) or ()))
 
 
 def _probability(text: str) -> float:
@@ -237,8 +280,9 @@ _LORA_FLAGS = {
 
 
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
-    """--gpu, --alloc-conf, --torch-version, --context-overhead and --cudnn-version: the target
-    machine (``interfaces/cli/_target.py`` reads them by these dest names)."""
+    """--gpu, --alloc-conf, --torch-version, --context-overhead, --cudnn-version and
+    --cuda-version: the target machine (``interfaces/cli/_target.py`` reads them by these dest
+    names)."""
     add_gpu_flag(
         parser,
         default="h100",
@@ -261,6 +305,7 @@ def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
         "on, H100/B200 run cuDNN attention (default: this torch build's cuDNN, else the one "
         "this torch version's default PyPI Linux wheel pins, e.g. 92000 for torch 2.13)",
     )
+    add_cuda_version_flag(parser)
 
 
 def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any = None) -> Any:
@@ -321,9 +366,17 @@ class Workload:
     spec: WorkloadSpec | None = None
 
 
-def _spec(kind: WorkloadKind, name: str, options: Any, steps: int | None) -> WorkloadSpec:
-    """A preset's or Hugging Face model's workload record: its StepOptions, field by field."""
-    return WorkloadSpec(kind, name, **dataclasses.asdict(options), steps=steps)
+def _spec(kind: WorkloadKind, name: str, options: Any, steps: int | None, built: Any) -> WorkloadSpec:
+    """A preset's or Hugging Face model's workload record: its StepOptions as built (defaults
+    resolved: an HF model's precision from its config), field by field."""
+    resolved = getattr(built, "options", None) or options
+    return WorkloadSpec(
+        kind,
+        name,
+        **dataclasses.asdict(resolved),
+        steps=steps,
+        precision_source=getattr(built, "precision_source", None),
+    )
 
 
 def user_workload_spec(target: str, user: Any, steps: int | None) -> WorkloadSpec:
@@ -368,7 +421,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
 
         options = step_options(args, batch_size)
         built = _call_builder(build_hf_step, args.hf, options)
-        spec = _spec("hf", args.hf, options, steps)
+        spec = _spec("hf", args.hf, options, steps, built)
         return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
     if args.target is None:
         raise OomkitError(
@@ -393,7 +446,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     _refuse_shape_flags(args, preset)
     options = step_options(args, batch_size, preset)
     built = _call_builder(build_preset_step, args.target, options)
-    spec = _spec("preset", args.target, options, steps)
+    spec = _spec("preset", args.target, options, steps, built)
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
 
 
@@ -498,8 +551,13 @@ def user_errors(
     """
     try:
         yield
-    except OomkitError:
-        raise
+    except OomkitError as exc:
+        target, raised = culprit()
+        mine = any(exc is e or exc.__cause__ is e for e in raised)
+        if target is None or not mine or str(exc).startswith(target):
+            raise
+        # Raised inside the user's step (a value it reads, an op meta cannot run): say whose.
+        raise type(exc)(f"{target}: {exc}") from exc
     except Exception as exc:
         target, raised = culprit()
         error = user_code_error(target, exc, raised)
@@ -511,11 +569,10 @@ def user_errors(
 def user_code_error(
     target: str | None, exc: BaseException, raised: list[BaseException]
 ) -> UserCodeError | None:
-    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``."""
+    """A one-line ``UserCodeError`` when ``exc`` came from the user's own step, else ``None``:
+    the user's line, the library line below it, and advice that fits the failure."""
     if not any(exc is e for e in raised):
         return None
-    return UserCodeError(
-        f"{target}: the step raised {type(exc).__name__}: {exc}. It runs on the meta "
-        "device: code that reads tensor values (.item(), data-dependent shapes) cannot run "
-        "there."
-    )
+    from oomkit.prediction.tracing.step_failure import failure_text
+
+    return UserCodeError(f"{target}: {failure_text(exc)}")

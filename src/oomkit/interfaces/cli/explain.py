@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from oomkit.errors import ConfigError
-from oomkit.interfaces.cli._common import add_gpu_flag, add_json_flag, print_json, stdout_console
+from oomkit.errors import ConfigError, OomTextError
+from oomkit.interfaces.cli._common import (
+    add_gpu_flag,
+    add_json_flag,
+    print_json,
+    stderr_console,
+    stdout_console,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -72,20 +80,91 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+# What explain says on a terminal before it waits for pasted text (issue 16 item 13).
+STDIN_PROMPT = (
+    "oomkit explain: paste the CUDA out-of-memory error (the whole traceback is fine), then press "
+    "Ctrl-D on a new line (Ctrl-Z then Enter on Windows). Or pass a file: oomkit explain "
+    "error.log"
+)
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return isatty is not None and bool(isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
+    """Stdin's text; on a terminal, first says on stderr what it waits for."""
+    if _is_terminal(stdin):
+        print(STDIN_PROMPT, file=stderr, flush=True)
+    raw = getattr(stdin, "buffer", None)
+    if raw is not None:
+        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log.
+        return str(raw.read().decode("utf-8", errors="replace"))
+    return stdin.read()
+
+
+def _looks_like_path(source: str) -> bool:
+    """An argument without whitespace is a file name: every OOM message has spaces."""
+    return bool(source) and len(source) < 4096 and not any(c.isspace() for c in source)
+
+
 def _read_source(source: str) -> str | Path:
-    """The text to explain, or the path of a snapshot (a pickle) to load."""
+    """The text to explain, or the path of a snapshot (a pickle) to load.
+
+    Raises:
+        OomTextError: the argument names a file that does not exist, or a directory.
+    """
     if source == "-":
-        return sys.stdin.read()
+        return _read_stdin(sys.stdin, sys.stderr)
     path = Path(source)
     try:
-        is_file = path.is_file()
-    except OSError:  # a long pasted message is not a valid path
-        is_file = False
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError):  # a long pasted message is not a valid path
+        is_file = is_dir = False
+    if is_dir:
+        raise OomTextError(
+            f"{source}: is a directory, not a file. Pass the log, snapshot or prediction file "
+            "inside it, e.g. oomkit explain logs/train.log"
+        )
     if not is_file:
+        if _looks_like_path(source):
+            raise OomTextError(
+                f"{source}: no such file. Pass an existing log, snapshot (.pickle) or prediction "
+                "(.json), the error text in quotes, or - to read it from stdin"
+            )
         return source
-    if path.read_bytes()[:1] == _PICKLE_MAGIC:
+    with path.open("rb") as head:
+        magic = head.read(1)
+    if magic == _PICKLE_MAGIC:
         return path
-    return path.read_text(errors="replace")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@contextmanager
+def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr driven by ``progress(done, total)``; None when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=stderr_console(), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 def _as_json(text: str) -> object | None:
@@ -100,7 +179,7 @@ def _as_json(text: str) -> object | None:
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.diagnose.diagnosis import diagnose_oom_text
-    from oomkit.diagnose.oom_text import parse_oom_text
+    from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
@@ -131,10 +210,25 @@ def run(args: argparse.Namespace) -> int:
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
         prediction = data
-        diagnosis = diagnose_prediction(data, measure=args.measure)
+        show = args.measure and not args.json and _is_terminal(sys.stderr)
+        with _progress_bar(show, "measuring remedies by re-predicting") as progress:
+            diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
-        parsed = parse_oom_text(source)
+        found = find_oom_texts(source)
+        parsed = found[0] if found else parse_oom_text(source)  # raises: none found
         diagnosis = diagnose_oom_text(parsed, gpu)
+        if len(found) > 1:
+            devices = sorted({str(m.device) for m in found if m.device is not None})
+            diagnosis = dataclasses.replace(
+                diagnosis,
+                warnings=(
+                    *diagnosis.warnings,
+                    f"the text holds {len(found)} out-of-memory messages"
+                    + (f" (devices {', '.join(devices)})" if devices else "")
+                    + "; this explains the first. Pass one message (or one rank's log) to "
+                    "explain another",
+                ),
+            )
     if args.html is not None:
         from oomkit.interfaces.reports.diagnosis_html import write_diagnosis_html
 

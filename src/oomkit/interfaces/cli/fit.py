@@ -33,6 +33,7 @@ from oomkit.interfaces.cli._workload import (
     positive_int,
     user_errors,
     user_output_to_stderr,
+    user_values,
     user_workload_spec,
 )
 
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch("oomkit fit", extra="torch" if args.hf is None else "hf")
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
-    with user_errors(lambda: (builders.target, builders.raised)):
+    with user_errors(lambda: (builders.target, builders.raised)), user_values(args):
         if args.smallest_gpu:
             return _run_smallest(args, target, builders, eval_step)
         return _run_search(args, target, builders, eval_step)

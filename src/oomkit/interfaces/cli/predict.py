@@ -1,7 +1,8 @@
 """``oomkit predict PRESET|file.py:function``: peak GPU memory of a step, without a GPU.
 
 Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds the budget,
-2 bad input, 3 torch (or transformers, for ``--hf``) is not installed.
+2 bad input (a step that allocated nothing on the traced device included: nothing was
+predicted), 3 torch (or transformers, for ``--hf``) is not installed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from oomkit.interfaces.cli._workload import (
     positive_int,
     user_errors,
     user_output_to_stderr,
+    user_values,
 )
 
 __all__ = ["add_parser", "run", "PRECISIONS", "OPTIMIZERS", "MODES"]
@@ -88,41 +90,47 @@ def run(args: argparse.Namespace) -> int:
         require_torch("oomkit predict --hf", extra="hf")
     else:
         require_torch("oomkit predict")
-    if args.lengths is not None:
-        return run_envelope(args, target)
-    if args.html is not None or args.seed is not None or args.pad_to != 1:
+    if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
-    if args.steps is None:
-        args.steps = 3
-    from oomkit.prediction.predictor import predict
+    # Values are followed from the import and the builder on (a mask made there with
+    # torch.ones is known when the step reads it), and --value states the others.
+    with user_values(args):
+        if args.lengths is not None:
+            return run_envelope(args, target)
+        if args.steps is None:
+            args.steps = 3
+        from oomkit.prediction.predictor import predict
+        from oomkit.prediction.summary import nothing_recorded
 
-    with user_output_to_stderr():
-        workload = build_workload(args, args.batch, "predict")
-    if not args.json:
-        stderr_console().print(f"recording {workload.description} on the meta device ...")
-    # A generate step runs one forward of the model per new token: the bar counts them.
-    spec = workload.spec
-    generating = spec is not None and spec.mode == "generate" and bool(workload.track)
-    tokens = spec.new_tokens if generating and spec is not None else None
-    model = workload.track[0] if generating else None
-    with (
-        step_progress(progress_enabled(args, sys.stderr), args.steps, tokens) as progress,
-        progress.count_forwards(model),
-        user_errors(lambda: (args.target, workload.raised)),
-        user_output_to_stderr(),
-    ):
-        prediction = predict(
-            progress.wrap(workload.step_fn),
-            target=target,
-            steps=args.steps,
-            budget_bytes=args.budget,
-            track=workload.track,
-            description=workload.description,
-            workload=workload.spec,
-        )
+        with user_output_to_stderr():
+            workload = build_workload(args, args.batch, "predict")
+        if not args.json:
+            stderr_console().print(f"recording {workload.description} on the meta device ...")
+        # A generate step runs one forward of the model per new token: the bar counts them.
+        spec = workload.spec
+        generating = spec is not None and spec.mode == "generate" and bool(workload.track)
+        tokens = spec.new_tokens if generating and spec is not None else None
+        model = workload.track[0] if generating else None
+        with (
+            step_progress(progress_enabled(args, sys.stderr), args.steps, tokens) as progress,
+            progress.count_forwards(model),
+            user_errors(lambda: (args.target, workload.raised)),
+            user_output_to_stderr(),
+        ):
+            prediction = predict(
+                progress.wrap(workload.step_fn),
+                target=target,
+                steps=args.steps,
+                budget_bytes=args.budget,
+                track=workload.track,
+                description=workload.description,
+                workload=workload.spec,
+            )
     if args.json:
         print_json(prediction_to_json(prediction))
     else:
         render_prediction(prediction, stdout_console())
+    if nothing_recorded(prediction):
+        return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
     ok = prediction.fits and prediction.within_budget is not False
     return 0 if ok else 1

@@ -17,7 +17,10 @@ from oomkit.interfaces.cli._common import (
     stdout_console,
 )
 
-__all__ = ["add_parser", "run"]
+__all__ = ["EXIT_NOTHING_TO_VERIFY", "add_parser", "run"]
+
+# --verify on a trace with no segment decision and no allocation: 0 of 0 is not a success.
+EXIT_NOTHING_TO_VERIFY = 4
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="replay a snapshot from torch.cuda.memory._dump_snapshot",
         description="Replay the allocation requests recorded in a PyTorch memory snapshot "
         "(torch.cuda.memory._record_memory_history + _dump_snapshot). With --verify, compare "
-        "every recorded segment decision with the simulator's (exit 1 on a divergence; --gpu "
-        "then sizes expandable reservations as on that device). With --alloc-conf or --gpu "
+        "every recorded segment decision and block placement with the simulator's (exit 1 on a "
+        "divergence, 4 when the trace holds nothing to compare; --gpu then sizes expandable "
+        "reservations as on that device). With --alloc-conf or --gpu "
         "alone, replay the same requests under other settings or on another device (exit 1 if "
         "it would OOM; default device 80GiB). --verify replays the recorded setting, so it "
         "cannot be combined with --alloc-conf (exit 2).",
@@ -37,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="check the simulator reproduces every recorded segment decision",
+        help="check the simulator reproduces every recorded segment decision and block "
+        "placement (exit 1: diverged, 4: nothing to verify)",
     )
     add_alloc_conf_flag(parser)
     add_capacity_flag(parser, default=None)
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if what_if:
         return 1 if result.oom else 0
     if args.verify:
-        reproduced = result.first_divergence is None and result.final_state_matches is not False
-        return 0 if reproduced else 1
+        if result.verified is False:
+            return EXIT_NOTHING_TO_VERIFY
+        return 0 if result.reproduced else 1
     return 0

@@ -221,6 +221,7 @@ def _report(result: dict | None, exit_code: int, *, json_output: bool) -> int:
                 "outcome": None if result is None else result["outcome"],
                 "oom": bool(result and result["oom"]),
                 "recording": bool(result and result["recording"]),
+                "unwatched_reason": None if result is None else result.get("unwatched_reason"),
                 "snapshot_path": None if result is None else result["snapshot_path"],
                 "observed_ooms": [] if result is None else result["observed_ooms"],
                 "diagnosis": None if diagnosis is None else diagnosis_to_json(diagnosis),
@@ -248,6 +249,8 @@ def _report(result: dict | None, exit_code: int, *, json_output: bool) -> int:
                 f"(oomkit explain {result['snapshot_path']}; pytorch.org/memory_viz opens it)",
                 soft_wrap=True,
             )
+    elif result.get("unwatched_reason"):
+        pass  # the bootstrap said why before the script's first line
     elif not result["recording"]:
         console.print("oomkit: no CUDA device; the script ran without memory recording")
     elif result["observed_ooms"]:

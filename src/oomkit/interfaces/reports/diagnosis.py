@@ -10,6 +10,7 @@ from rich.table import Table
 from oomkit.diagnose.attribution import Attribution
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
 from oomkit.diagnose.oom_text import OomText
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -118,20 +119,20 @@ def remedy_headline(number: int, remedy: Remedy) -> str:
 def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
     """Print the verdict, the causes with their evidence, the remedies and the memory paragraph."""
     top = diagnosis.causes[0]
-    console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {top.summary}.")
+    console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {as_written(top.summary)}.")
     if len(diagnosis.causes) > 1:
         causes = Table(title="Every cause that applies, strongest first", title_justify="left")
         causes.add_column("cause")
         causes.add_column("evidence")
         for finding in diagnosis.causes:
-            causes.add_row(finding.cause, finding.summary)
+            causes.add_row(finding.cause, as_written(finding.summary))
         console.print(causes)
     if diagnosis.remedies:
         # A list, not a table: code must stay whole so that it can be copied.
         console.print(f"[bold]{REMEDIES_HEADING}[/bold]")
         for i, remedy in enumerate(diagnosis.remedies, 1):
             console.print(remedy_headline(i, remedy))
-            console.print(f"   [dim]{remedy.why}[/dim]")
+            console.print(f"   [dim]{as_written(remedy.why)}[/dim]")
             for line in remedy.code.splitlines():
                 console.print(f"     {line}", markup=False, highlight=False, soft_wrap=True)
     if diagnosis.attribution is not None:
@@ -139,7 +140,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
     if diagnosis.memory_explained:
         console.print(diagnosis.memory_explained)
     for warning in diagnosis.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(f"[yellow]warning:[/yellow] {as_written(warning)}")
 
 
 _MOMENT_WORDS = {"oom": "at the OOM", "peak": "at the peak", "final": "at the end"}
@@ -174,12 +175,14 @@ def _render_attribution(attribution: Attribution, console: Console) -> None:
         table.add_column("live", justify="right")
         table.add_column("tensors", justify="right")
         for site in attribution.top_sites:
-            table.add_row(_short_site(site.label), format_bytes(site.live_bytes), str(site.count))
+            table.add_row(
+                as_written(_short_site(site.label)), format_bytes(site.live_bytes), str(site.count)
+            )
         console.print(table)
     if attribution.largest_tensors:
         table = Table(title=f"Largest live tensors {when}", title_justify="left")
         table.add_column("size", justify="right")
         table.add_column("allocated at")
         for tensor in attribution.largest_tensors:
-            table.add_row(format_bytes(tensor.size_bytes), _short_site(tensor.site))
+            table.add_row(format_bytes(tensor.size_bytes), as_written(_short_site(tensor.site)))
         console.print(table)

@@ -146,8 +146,9 @@ def diagnosis_html(
     top = diagnosis.causes[0]
     verdict = page.section("Verdict", "verdict")
     verdict.verdict(f"{verdict_label(diagnosis)} — {top.summary}.")
-    if diagnosis.remedies:
-        first = diagnosis.remedies[0]
+    # Only a remedy that lowers the peak is worth trying first (issue 16 item 8).
+    first = next((r for r in diagnosis.remedies if r.lowers_peak), None)
+    if first is not None:
         verdict.paragraph(f"Try first: {first.title} ({remedy_saving(first)}).")
 
     causes = page.section("Causes, strongest first", "causes")

@@ -19,7 +19,7 @@ from rich.table import Table
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
-from oomkit.runtime.monitor import MonitorLog, MonitorSummary, load_monitor_log
+from oomkit.runtime.monitor import MonitorLog, MonitorSummary, is_monitor_log, load_monitor_log
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -60,21 +60,51 @@ def find_monitor_logs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     Raises:
         MonitorLogError: a path does not exist or a directory holds no ``*.jsonl`` file.
     """
-    out: list[Path] = []
+    return [path for path, _ in _find_logs(paths)]
+
+
+def _find_logs(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[Path, bool]]:
+    """``(file, found in a directory)`` for each file to read (see find_monitor_logs)."""
+    out: list[tuple[Path, bool]] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found = sorted(path.glob("*.jsonl"))
+            found = sorted(p for p in path.glob("*.jsonl") if p.is_file())
             if not found:
                 raise MonitorLogError(
                     f"{path}: no *.jsonl monitor logs in this directory; pass the log files"
                 )
-            out.extend(found)
+            out.extend((p, True) for p in found)
         elif path.is_file():
-            out.append(path)
+            out.append((path, False))
         else:
             raise MonitorLogError(f"{path}: no such file or directory")
     return out
+
+
+def _load_logs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[MonitorLog], list[str]]:
+    """The monitor logs at ``paths``; other ``*.jsonl`` files of a directory are skipped with
+    a note. A file named on its own must be a monitor log.
+
+    Raises:
+        MonitorLogError: a named file is not a monitor log, or no monitor log was found.
+    """
+    logs: list[MonitorLog] = []
+    notes: list[str] = []
+    skipped: list[str] = []
+    for path, in_directory in _find_logs(paths):
+        if in_directory and not is_monitor_log(path):
+            skipped.append(str(path))
+            notes.append(f"{path}: skipped, not an oomkit monitor log")
+            continue
+        logs.append(load_monitor_log(path))
+    if not logs:
+        raise MonitorLogError(
+            f"no oomkit monitor log found: {', '.join(skipped)} "
+            f"{'is' if len(skipped) == 1 else 'are'} not monitor logs (the first line of one is "
+            "a JSON object with 'oomkit_monitor'); write one with oomkit.Monitor(log_path=...)"
+        )
+    return logs, notes
 
 
 def _rank_key(summary: MonitorSummary) -> int:
@@ -87,8 +117,8 @@ def build_monitor_report(paths: Sequence[str | os.PathLike[str]]) -> MonitorRepo
     Raises:
         MonitorLogError: a path is missing or not a monitor log.
     """
-    logs = tuple(load_monitor_log(p) for p in find_monitor_logs(paths))
-    warnings: list[str] = []
+    loaded, warnings = _load_logs(paths)
+    logs = tuple(loaded)
     own: dict[int | None, MonitorSummary] = {}
     order: list[MonitorSummary] = []
     for log in logs:

@@ -1,4 +1,8 @@
-"""Rendering of ``Prediction`` records: the one-line verdict, rich tables and JSON."""
+"""Rendering of ``Prediction`` records: the one-line verdict, rich tables and JSON.
+
+The verdict and the plain-text summary (``str(prediction)``) live below, in
+``oomkit.prediction.summary``, so that a ``Prediction`` prints itself without this layer.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,27 @@ import dataclasses
 from collections.abc import Mapping
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from oomkit.core.target import Target
-from oomkit.prediction.predictor import PeakBreakdown, Prediction
+from oomkit.prediction.module_groups import group_modules
+from oomkit.prediction.predictor import TOP_MODULES, PeakBreakdown, Prediction
+from oomkit.prediction.summary import (
+    COMPILED_EAGERLY,
+    header_line,
+    module_label,
+    nothing_recorded,
+    prediction_summary,
+    verdict_line,
+)
 from oomkit.prediction.workload import workload_to_json
 from oomkit.units import format_bytes
 
 __all__ = [
+    "COMPILED_EAGERLY",
     "kernels_line",
+    "prediction_summary",
     "prediction_to_json",
     "render_prediction",
     "target_to_json",
@@ -25,54 +41,28 @@ __all__ = [
 CACHED_LABEL = "cached, not allocated"
 
 
-def _module_label(path: str | None) -> str:
-    if path is None:
-        return "(outside any module)"
-    return path or "(root module)"
-
-
-def verdict_line(prediction: Prediction) -> str:
-    """One line a person reads first: fits (with headroom) or where it would OOM.
-
-    ``fits on H100 SXM 80GB: peak reserved 12.30 GiB of 79.11 GiB usable, 66.81 GiB headroom``
-    """
-    p = prediction
-    if p.oom is None:
-        line = (
-            f"fits on {p.gpu.name}: peak reserved {format_bytes(p.peak_reserved_bytes)} of "
-            f"{format_bytes(p.usable_bytes)} usable, {format_bytes(p.headroom_bytes)} headroom"
-        )
-    else:
-        oom = p.oom
-        where = "before the first step" if oom.step is None else f"at step {oom.step}"
-        place = "" if oom.module is None else f" in {_module_label(oom.module)}"
-        op = "" if oom.op is None else f" ({oom.op})"
-        line = (
-            f"would OOM {where}{place}{op} requesting {format_bytes(oom.requested_bytes)} on "
-            f"{p.gpu.name}: the step needs about {format_bytes(p.required_bytes)} reserved, "
-            f"{format_bytes(-p.headroom_bytes)} more than the {format_bytes(p.usable_bytes)} "
-            "usable"
-        )
-    if p.budget_bytes is not None and not p.within_budget:
-        line += f"; over the budget of {format_bytes(p.budget_bytes)}"
-    elif p.budget_bytes is not None:
-        line += f"; within the budget of {format_bytes(p.budget_bytes)}"
-    return line
-
-
 def kernels_line(prediction: Prediction) -> str:
     """``kernels as on compute capability 9.0, cuDNN 9.20.0 (torch 2.13's default Linux
     wheel): SDPA cudnn_attention (24 calls)``: what the recording assumed the GPU runs."""
     major, minor = prediction.gpu.kernel_compute_capability
     target = ", ".join(
         [f"compute capability {major}.{minor}"]
-        + [f"{name} {value}" for name, value in prediction.assumptions.items()]
+        + [
+            f"{name} {value}"
+            for name, value in prediction.assumptions.items()
+            if not _is_value_assumption(name)
+        ]
     )
     choices = "; ".join(
         f"{choice} ({count} call{'s' if count != 1 else ''})"
         for choice, count in prediction.kernel_choices.items()
     )
     return f"kernels as on {target}: {choices}"
+
+
+def _is_value_assumption(name: str) -> bool:
+    # Tensor values the trace answered (oomkit.prediction.tracing.read_report): their own lines.
+    return name.startswith("read at ") or name == "finite values"
 
 
 def _pct(part: int, whole: int) -> str:
@@ -95,12 +85,30 @@ def _breakdown_table(at: PeakBreakdown, title: str) -> Table:
 
 
 def _modules_table(at: PeakBreakdown) -> Table:
+    """The largest modules at the peak, repeated layers merged into one row
+    (``h.0-h.11.mlp.c_fc (12 layers, 91.54 MiB each)``), and a row counting what is left out."""
     table = Table(title="Top modules at peak allocated", show_header=True, header_style="bold")
     table.add_column("module")
     table.add_column("bytes", justify="right")
     table.add_column("% of allocated", justify="right")
-    for path, nbytes in at.top_modules:
-        table.add_row(_module_label(path), format_bytes(nbytes), _pct(nbytes, at.allocated_bytes))
+    groups = group_modules(at.modules or at.top_modules)
+    for group in groups[:TOP_MODULES]:
+        label = group.describe() if group.layers > 1 else module_label(group.label)
+        table.add_row(
+            escape(label),
+            format_bytes(group.total_bytes),
+            _pct(group.total_bytes, at.allocated_bytes),
+        )
+    left_out = groups[TOP_MODULES:]
+    if left_out:
+        nbytes = sum(g.total_bytes for g in left_out)
+        modules = sum(g.layers for g in left_out)
+        table.add_row(
+            f"({len(left_out)} more row{'s' if len(left_out) != 1 else ''}: "
+            f"{modules} module{'s' if modules != 1 else ''} left out)",
+            format_bytes(nbytes),
+            _pct(nbytes, at.allocated_bytes),
+        )
     if at.unattributed_bytes:
         table.add_row(
             "(outside any module)",
@@ -129,14 +137,15 @@ def _is_entry_point(frame: str) -> bool:
 
 
 def render_prediction(prediction: Prediction, console: Console) -> None:
-    """Print a prediction: the setting, the breakdown at peak, top modules, verdict, warnings."""
+    """Print a prediction: the setting, the breakdown at peak, top modules, verdict, warnings.
+
+    ``oomkit.render_prediction(p, rich.console.Console())`` prints what ``oomkit predict``
+    prints; ``print(p)`` prints the shorter ``prediction_summary``.
+    """
     p = prediction
-    head = p.description or "step"
-    console.print(
-        f"{head} on {p.gpu.name} ({format_bytes(p.capacity_bytes)} total, "
-        f"{format_bytes(p.context_overhead_bytes)} outside PyTorch, "
-        f"allocator settings: {p.alloc_conf or 'default'})"
-    )
+    console.print(header_line(p), markup=False)
+    if p.target is not None and p.target.cuda_context is not None:
+        console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
@@ -146,14 +155,18 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         console.print(_modules_table(at))
     if len(p.step_peaks) > 1:
         console.print(_steps_table(p))
-    style = "bold green" if p.fits and p.within_budget is not False else "bold red"
-    console.print(f"[{style}]{verdict_line(p)}[/]")
+    good = p.fits and p.within_budget is not False and not nothing_recorded(p)
+    style = "bold green" if good else "bold red"
+    console.print(f"[{style}]{escape(verdict_line(p))}[/]")
     if p.oom is not None:
         if p.oom.frame and not _is_entry_point(p.oom.frame):
-            console.print(f"  from {p.oom.frame}")
-        console.print(f"  {p.oom.message}", soft_wrap=True)
+            console.print(f"  from {escape(p.oom.frame)}")
+        console.print(f"  {escape(p.oom.message)}", soft_wrap=True)
+    for name, value in p.assumptions.items():
+        if _is_value_assumption(name):
+            console.print(f"assumed: {escape(name)}: {escape(value)}", soft_wrap=True)
     for warning in p.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
 
 
 def _plain(value: object) -> object:
@@ -180,6 +193,10 @@ def target_to_json(target: Target) -> dict[str, object]:
         "torch_version": target.torch_version,
         "cudnn_version": target.cudnn_version,
         "cuda_version": target.cuda_version,
+        "cuda_module_loading": (
+            None if target.cuda_context is None else target.cuda_context.module_loading
+        ),
+        "cuda_context": target.context_description,
         "parallel": target.parallel,
     }
 
@@ -203,7 +220,10 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
     for key in ("peak_allocated_at", "peak_reserved_at"):
         at = plain[key]
         assert isinstance(at, dict)
-        out[key] = at | {"top_modules": _module_rows(at["top_modules"])}
+        out[key] = at | {
+            "top_modules": _module_rows(at["top_modules"]),
+            "modules": _module_rows(at["modules"]),
+        }
     out["top_modules"] = _module_rows(plain["top_modules"])
     out["verdict"] = verdict_line(prediction)
     target = prediction.target

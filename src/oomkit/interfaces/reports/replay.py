@@ -47,8 +47,13 @@ def replay_to_json(result: ReplayResult, *, include_segments: bool = True) -> di
         "oom": result.oom,
         "oom_event_index": result.oom_event_index,
         "oom_message": result.oom_message,
+        "verified": result.verified,
+        "reproduced": result.reproduced if result.verified else None,
         "segment_events_recorded": result.segment_events_recorded,
         "segment_events_matched": result.segment_events_matched,
+        "allocs_checked": result.allocs_checked,
+        "allocs_misplaced": result.allocs_misplaced,
+        "readings_tried": result.readings_tried,
         "final_state_matches": result.final_state_matches,
         "first_divergence": None
         if divergence is None
@@ -75,14 +80,29 @@ def render_replay(result: ReplayResult, console: Console, *, title: str = "Repla
             f"[bold red]OOM[/] at event {result.oom_event_index} "
             f"under {result.alloc_conf or 'the default settings'}"
         )
-    if result.segment_events_recorded is not None:
+    if result.verified is False:
+        console.print(
+            "Verify: [bold yellow]nothing to verify[/]: the trace holds no segment decision and "
+            "no allocation to compare (0 checked), so the simulator was not tested. Record the "
+            "steps themselves: call torch.cuda.memory._record_memory_history() before them and "
+            "_dump_snapshot after."
+        )
+    elif result.verified:
         matched = result.segment_events_matched
         recorded = result.segment_events_recorded
-        ok = result.first_divergence is None and result.final_state_matches
-        verdict = "[bold green]reproduced exactly[/]" if ok else "[bold red]diverged[/]"
+        checked = result.allocs_checked or 0
+        placed = checked - (result.allocs_misplaced or 0)
+        verdict = (
+            "[bold green]reproduced exactly[/]" if result.reproduced else "[bold red]diverged[/]"
+        )
+        tried = result.readings_tried or 1
         console.print(
-            f"Verify: {verdict}: {matched}/{recorded} segment decisions match, "
-            f"final state {'matches' if result.final_state_matches else 'differs'}."
+            f"Verify: {verdict}: {matched}/{recorded} segment decisions, {placed}/{checked} "
+            "block placements match."
+        )
+        console.print(
+            f"  final state {'matches' if result.final_state_matches else 'differs'}; "
+            f"readings of the trace tried: {tried} (the best is kept)."
         )
         if result.first_divergence is not None:
             d = result.first_divergence

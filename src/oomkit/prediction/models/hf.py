@@ -6,6 +6,9 @@ transformers is an optional dependency (``pip install oomkit[hf]``), imported wh
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import inspect
 import os
 import socket
 import urllib.parse
@@ -16,10 +19,10 @@ import torch
 
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.models.lora import prepare_finetune
-from oomkit.prediction.models.options import BuiltStep, StepOptions
+from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
-__all__ = ["build_hf_step", "load_hf_config"]
+__all__ = ["build_hf_step", "config_precision", "load_hf_config"]
 
 # Default prompt/sequence length when StepOptions.seq_len is None: the model's own limit, capped
 # (a 128K-token context is a deliberate choice, not a default).
@@ -136,6 +139,62 @@ def _auto_class(transformers: Any, config: Any) -> tuple[Any, Task]:
     return known[0]
 
 
+# The precision of a model whose config names this dtype: from_config builds every parameter in
+# it, and a training loop then keeps gradients and optimizer states in it too.
+_PRECISION_OF_DTYPE: dict[torch.dtype, Precision] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+FROM_CONFIG = "from the config's torch_dtype"
+NO_CONFIG_DTYPE = "the default: the config names no torch_dtype"
+
+
+def config_precision(config: Any) -> tuple[Precision, str]:
+    """The precision ``from_config`` builds ``config`` in, and where that came from.
+
+    modeling_utils.py ``PreTrainedModel._from_config``: the model is built under the config's
+    dtype (``config.dtype``, from transformers 4.56; ``config.torch_dtype`` before, still read
+    from older ``config.json`` files) as the default dtype; without one, under torch's default
+    (fp32).
+
+    Returns:
+        ``("bf16", "from the config's torch_dtype")`` for a bfloat16 config; ``("fp32", "the
+        default: ...")`` when it names none, or one oomkit has no precision for (``float64``:
+        the model is then built in fp32, and the source says so).
+    """
+    dtype = _config_dtype(config)
+    if dtype is None:
+        return "fp32", NO_CONFIG_DTYPE
+    precision = _PRECISION_OF_DTYPE.get(dtype)
+    if precision is None:
+        return "fp32", f"the default: the config's torch_dtype {dtype} is not modelled"
+    return precision, FROM_CONFIG
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a config names (``dtype`` from transformers 4.56, ``torch_dtype`` before)."""
+    # Newer configs read an older config.json's torch_dtype into `dtype`, and reading their
+    # `torch_dtype` logs a deprecation: read it only where `dtype` does not exist.
+    if hasattr(config, "dtype"):
+        dtype = config.dtype
+    else:
+        dtype = getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)  # "bfloat16"; "auto" is no dtype
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _dtype_keyword(transformers: Any) -> str:
+    """``from_config``'s dtype keyword: ``dtype`` from transformers 4.56 on, ``torch_dtype``
+    before (modeling_utils.py ``_from_config``; the old name now logs a deprecation)."""
+    try:
+        major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    except ValueError:
+        return "dtype"
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 @contextlib.contextmanager
 def _unpacked_sequences(transformers: Any) -> Iterator[None]:
     """Tell transformers' mask builder our sequences are not packed, without reading values.
@@ -167,14 +226,20 @@ def build_hf_step(
 
     The model comes from ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
     ``...ForImageClassification``, whichever knows the config) ``.from_config`` with
-    ``attn_implementation="sdpa"``, under ``torch.device(device)``: no weights are read.
+    ``attn_implementation="sdpa"``, under ``torch.device(device)``: no weights are read. With
+    no ``options.precision`` it is built as ``from_config`` builds it, in the config's
+    ``torch_dtype`` (``config_precision``; the description and ``BuiltStep.precision_source``
+    say so); a precision given is passed as ``from_config``'s dtype. A training step calls the
+    model with ``labels=`` and takes ``outputs.loss`` (transformers' own loss: the logits
+    upcast to fp32 by ``ForCausalLMLoss``), keeping ``outputs`` alive to the end of the step,
+    as a training loop does.
 
     Args:
         name_or_path_or_config: a ``PretrainedConfig``, a directory with ``config.json`` or a
             hub name.
-        options: as for presets. ``seq_len`` defaults to the model's maximum positions capped at
-            2048; ``image_size`` to the config's. ``generate`` uses a ``DynamicCache`` (grows by
-            cat) and greedy decoding.
+        options: as for presets. ``precision`` defaults to the config's ``torch_dtype``;
+            ``seq_len`` to the model's maximum positions capped at 2048; ``image_size`` to the
+            config's. ``generate`` uses a ``DynamicCache`` (grows by cat) and greedy decoding.
         device: where the model and inputs live; ``"meta"`` allocates nothing.
         local_files_only: for hub names, do not contact the hub.
 
@@ -189,9 +254,21 @@ def build_hf_step(
     transformers = _transformers()
     config = load_hf_config(name_or_path_or_config, local_files_only=local_files_only)
     auto_class, task = _auto_class(transformers, config)
+    source = None
+    build_kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+    if options.precision is None:
+        precision, source = config_precision(config)
+        options = dataclasses.replace(options, precision=precision)
+    # from_config builds in the config's dtype, else torch's default dtype.
+    if (_config_dtype(config) or torch.get_default_dtype()) != model_dtype(options.precision):
+        # Another precision: as `from_config(config, dtype=...)` builds it (buffers such as
+        # RoPE's inv_freq are made as transformers makes them, not cast afterwards).
+        # _from_config sets the dtype on the config it is given: a copy, so that the caller's
+        # config is left as it was.
+        config = copy.deepcopy(config)
+        build_kwargs[_dtype_keyword(transformers)] = model_dtype(options.precision)
     with torch.device(device):
-        model = auto_class.from_config(config, attn_implementation="sdpa")
-    model = model.to(dtype=model_dtype(options.precision))
+        model = auto_class.from_config(config, **build_kwargs)
     if options.checkpointing and options.mode == "train":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -210,7 +287,13 @@ def build_hf_step(
     title = prepare_finetune(model, options, title)  # quantize, LoRA
     runner = _runner(transformers, model, task, config, text)
     return build_step(
-        runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device
+        runner,
+        options,
+        title=title,
+        seq_len=seq_len,
+        image_size=image_size,
+        device=device,
+        precision_source=source,
     )
 
 
@@ -222,14 +305,28 @@ def _title(source: Any, config: Any, model: torch.nn.Module) -> str:
 
 
 def _runner(transformers: Any, model: Any, task: Task, config: Any, text: Any) -> ModelRunner:
+    # Training goes through the model's own loss (`labels=`), as transformers users train.
     if task == "image_classification":
         return ModelRunner(
-            model, task, config.num_labels, forward=lambda x: model(pixel_values=x).logits
+            model,
+            task,
+            config.num_labels,
+            forward=lambda x: model(pixel_values=x).logits,
+            train_outputs=lambda x, labels: model(pixel_values=x, labels=labels),
         )
     if task == "masked_lm":
         return ModelRunner(
-            model, task, text.vocab_size, forward=lambda ids: model(input_ids=ids).logits
+            model,
+            task,
+            text.vocab_size,
+            forward=lambda ids: model(input_ids=ids).logits,
+            train_outputs=lambda ids, labels: model(input_ids=ids, labels=labels),
         )
+
+    # The cache's keyword: `cache` in newer transformers (`past_key_values` is deprecated there,
+    # modeling_llama.py LlamaForCausalLM.forward), `past_key_values` before.
+    forward_parameters = inspect.signature(model.forward).parameters
+    cache_keyword = "cache" if "cache" in forward_parameters else "past_key_values"
 
     def new_cache() -> Any:
         # cache_utils.py DynamicCache: per-layer keys/values grown by torch.cat.
@@ -239,13 +336,20 @@ def _runner(transformers: Any, model: Any, task: Task, config: Any, text: Any) -
         with _unpacked_sequences(transformers):
             return model(input_ids=ids, use_cache=False).logits
 
+    def train_outputs(ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        # `outputs = model(input_ids=..., labels=...)` with the model's own use_cache default,
+        # as a training loop calls it.
+        with _unpacked_sequences(transformers):
+            return model(input_ids=ids, labels=labels)
+
     return ModelRunner(
         model,
         task,
         text.vocab_size,
         forward=forward,
+        train_outputs=train_outputs,
         new_cache=new_cache,
         decode=lambda ids, cache, keep: (
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
-        ),
+            model(input_ids=ids, **{cache_keyword: cache}, use_cache=True, logits_to_keep=keep)
+        ).logits,
     )

@@ -19,7 +19,7 @@ __all__ = [
     "StepOptions",
 ]
 
-Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
+Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Quantize = Literal["nf4", "fp4"]
@@ -45,7 +45,11 @@ class StepOptions:
         image_size: image height and width in pixels for vision models; ``None`` means 224.
         precision: ``fp32``; ``fp16-mixed`` / ``bf16-mixed`` (fp32 weights and optimizer states,
             forward and loss under ``torch.autocast("cuda", dtype)``; fp16 adds GradScaler's
-            tensors); ``bf16`` (model, gradients and optimizer states all in bf16).
+            tensors); ``bf16`` / ``fp16`` (model, gradients and optimizer states all in that
+            dtype, no autocast, no scaler). ``None`` (the default): the model's own, i.e.
+            ``fp32`` for a preset, and for a Hugging Face model the dtype its config names
+            (``torch_dtype``, ``dtype`` in newer transformers), which ``from_config`` builds it
+            in (``bfloat16`` -> ``bf16``; no dtype -> ``fp32``).
         optimizer: ``adamw`` / ``adam`` (two states per parameter), ``sgd`` (momentum 0.9, one),
             ``adamw8bit`` / ``paged-adamw8bit`` or ``adafactor`` (see ``optimizer_impl``).
         checkpointing: recompute each block in backward (``torch.utils.checkpoint``,
@@ -75,7 +79,7 @@ class StepOptions:
     batch_size: int = 8
     seq_len: int | None = None
     image_size: int | None = None
-    precision: Precision = "fp32"
+    precision: Precision | None = None
     optimizer: OptimizerName = "adamw"
     checkpointing: bool = False
     mode: Mode = "train"
@@ -89,7 +93,8 @@ class StepOptions:
     def __post_init__(self) -> None:
         lora: Any = self.lora
         object.__setattr__(self, "lora", lora_options_from(lora))
-        _check_choice("precision", self.precision, PRECISIONS, "bf16-mixed")
+        if self.precision is not None:
+            _check_choice("precision", self.precision, PRECISIONS, "bf16-mixed")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS, "adamw")
         _check_choice("mode", self.mode, MODES, "train")
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS, "fused")
@@ -162,9 +167,15 @@ class BuiltStep:
             ``trace_step(step_fn, *track)`` or ``Tracer.track`` so they count from the start.
         description: one line, e.g. ``"GPT-2 124M, batch 8, seq 1024, bf16-mixed, adamw, train"``.
         parameter_count: parameters of the model (tied weights once).
+        options: the options as built, defaults resolved (``precision`` is never ``None``
+            here); ``None`` only from code that builds a ``BuiltStep`` by hand.
+        precision_source: where ``options.precision`` came from when the caller gave none
+            (``"from the config's torch_dtype"``); ``None`` when it was given.
     """
 
     step_fn: Callable[[], object]
     track: tuple[object, ...]
     description: str
     parameter_count: int
+    options: StepOptions | None = None
+    precision_source: str | None = None

@@ -246,6 +246,8 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
         OomkitError: the options do not fit the model (a sequence longer than its positions,
             ``generate`` on an encoder or vision model).
     """
+    if options.precision is None:  # a preset's own precision is fp32
+        options = dataclasses.replace(options, precision="fp32")
     preset = shaped_preset(name, options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     image_size = options.image_size or 224

@@ -18,9 +18,9 @@ _STATES_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 1}
 def expected_state_bytes(name: str, options: StepOptions) -> dict[str, int]:
     """Parameter, buffer, gradient and optimizer-state bytes of a preset step, on the device.
 
-    Parameters (and floating-point buffers) are fp32 except in pure ``bf16``, where the whole
-    model is cast; mixed precision keeps fp32 master weights. Gradients have their parameter's
-    dtype; optimizer states too.
+    Parameters (and floating-point buffers) are fp32 except in pure ``bf16`` or ``fp16``, where
+    the whole model is cast; mixed precision keeps fp32 master weights. Gradients have their
+    parameter's dtype; optimizer states too.
 
     Args:
         name: a preset name, e.g. ``"gpt2-124m"``.
@@ -50,7 +50,7 @@ def expected_state_bytes(name: str, options: StepOptions) -> dict[str, int]:
             "test_optimizers.py counts them by hand)"
         )
     preset = shaped_preset(name, options)
-    itemsize = 2 if options.precision == "bf16" else 4
+    itemsize = 2 if options.precision in ("bf16", "fp16") else 4
     parameter_bytes = preset.parameter_count() * itemsize
     float_buffers, int64_buffers = preset.buffer_count()
     train = options.mode == "train"

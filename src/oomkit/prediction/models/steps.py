@@ -6,6 +6,7 @@ Shared by the presets and by Hugging Face models; the caller supplies how to run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,12 @@ class ModelRunner:
         forward: inputs -> logits.
         new_cache: a fresh KV cache (``generate`` only).
         decode: (token ids, cache, logits_to_keep) -> logits, extending the cache (``generate``).
+        train_outputs: (inputs, labels) -> the model's outputs with their ``loss``, computed by
+            the model itself (a Hugging Face model's ``labels=`` path: ``ForCausalLMLoss``
+            upcasts the logits to fp32 and shifts the labels). The training step keeps the
+            outputs (logits included) alive until it ends, as a training loop's ``outputs``
+            variable does. ``None``: ``forward`` then ``CrossEntropyLoss``, as a plain-torch
+            loop computes the loss.
     """
 
     model: torch.nn.Module
@@ -41,20 +48,22 @@ class ModelRunner:
     forward: Callable[[torch.Tensor], torch.Tensor]
     new_cache: Callable[[], Any] | None = None
     decode: Callable[[torch.Tensor, Any, int], torch.Tensor] | None = None
+    train_outputs: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
 
 
-def model_dtype(precision: Precision) -> torch.dtype:
-    """Dtype of parameters, gradients and optimizer states: bf16 only for pure ``bf16``."""
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+def model_dtype(precision: Precision | None) -> torch.dtype:
+    """Dtype of parameters, gradients and optimizer states: bf16 / fp16 only for pure ``bf16`` /
+    ``fp16``; fp32 otherwise (mixed precision keeps fp32 master weights; ``None`` is fp32)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "fp32", torch.float32)
 
 
-def autocast_dtype(precision: Precision) -> torch.dtype | None:
+def autocast_dtype(precision: Precision | None) -> torch.dtype | None:
     """The autocast dtype of a mixed precision, else ``None``."""
-    return {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+    return {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision or "")
 
 
 @contextlib.contextmanager
-def _autocast(precision: Precision) -> Iterator[None]:
+def _autocast(precision: Precision | None) -> Iterator[None]:
     dtype = autocast_dtype(precision)
     if dtype is None:
         yield
@@ -86,6 +95,10 @@ def _inputs(
         labels = torch.randint(runner.classes, (batch,), device=device)
         return images, labels
     ids = torch.randint(runner.classes, (batch, seq_len), device=device)
+    if runner.train_outputs is not None:
+        # A Hugging Face model shifts the labels itself (ForCausalLMLoss); its collators pass a
+        # copy of the ids (DataCollatorForLanguageModeling: labels = input_ids.clone()).
+        return ids, ids.clone()
     # Labels are the ids shifted left by one (next-token targets; the last one is ignored), made
     # once so they count as input rather than as a copy inside the step.
     labels = torch.roll(ids, -1, dims=1)
@@ -142,6 +155,7 @@ def build_step(
     seq_len: int,
     image_size: int,
     device: str,
+    precision_source: str | None = None,
 ) -> BuiltStep:
     """Make the step function of ``options.mode`` around an already-built model.
 
@@ -152,6 +166,8 @@ def build_step(
         seq_len: tokens per sequence (text) after defaults.
         image_size: pixels per side (vision) after defaults.
         device: where inputs are created (``"meta"`` to trace).
+        precision_source: where ``options.precision`` came from when not given, for the
+            description and ``BuiltStep.precision_source``.
 
     Returns:
         The step; its ``step_fn`` accepts and ignores positional arguments, so
@@ -160,20 +176,34 @@ def build_step(
     Raises:
         OomkitError: ``generate`` asked of a model that is not a causal language model.
     """
+    if options.precision is None:
+        options = dataclasses.replace(options, precision="fp32")
     model = runner.model
     params = sum(p.numel() for p in model.parameters())
     inputs, labels = _inputs(runner, options, seq_len, image_size, device)
-    description = _describe(title, options, runner.task, seq_len, image_size)
+    description = _describe(title, options, runner.task, seq_len, image_size, precision_source)
     precision = options.precision
+
+    def built(step_fn: Callable[..., None], track: tuple[object, ...]) -> BuiltStep:
+        return BuiltStep(step_fn, track, description, params, options, precision_source)
+
     if options.mode == "train":
         model.train()
         optimizer = _optimizer(options, model)
         scaler = _GradScalerTensors() if precision == "fp16-mixed" else None
         loss_fn = torch.nn.CrossEntropyLoss()
+        train_outputs = runner.train_outputs
 
         def train_step(*_tracked: object) -> None:
+            outputs = None
             with _autocast(precision):
-                loss = _loss(loss_fn, runner.forward(inputs), labels)
+                if train_outputs is None:
+                    loss = _loss(loss_fn, runner.forward(inputs), labels)
+                else:
+                    # `outputs = model(**batch, labels=...)`: outputs (its logits) stay alive
+                    # through backward and the optimizer step, as in a training loop.
+                    outputs = train_outputs(inputs, labels)
+                    loss = outputs.loss
             if scaler is None:
                 loss.backward()
                 optimizer.step()
@@ -181,8 +211,9 @@ def build_step(
                 scaler.scale_loss(loss).backward()
                 scaler.unscale_and_update(optimizer)
             optimizer.zero_grad(set_to_none=True)
+            del outputs  # the end of the loop body: the outputs die with the step
 
-        return BuiltStep(train_step, (model, optimizer, inputs, labels), description, params)
+        return built(train_step, (model, optimizer, inputs, labels))
     model.eval()
     if options.mode == "inference":
 
@@ -190,7 +221,7 @@ def build_step(
             with torch.no_grad(), _autocast(precision):
                 runner.forward(inputs)
 
-        return BuiltStep(inference_step, (model, inputs), description, params)
+        return built(inference_step, (model, inputs))
     if runner.task != "causal_lm" or runner.decode is None or runner.new_cache is None:
         raise OomkitError(
             f"{title} is not a decoder language model, so it cannot generate; use mode "
@@ -215,10 +246,17 @@ def build_step(
                 step_ids = next_logits.argmax(dim=-1, keepdim=True)
                 ids = torch.cat([ids, step_ids], dim=-1)
 
-    return BuiltStep(generate_step, (model, inputs), description, params)
+    return built(generate_step, (model, inputs))
 
 
-def _describe(title: str, options: StepOptions, task: Task, seq_len: int, image_size: int) -> str:
+def _describe(
+    title: str,
+    options: StepOptions,
+    task: Task,
+    seq_len: int,
+    image_size: int,
+    precision_source: str | None = None,
+) -> str:
     parts = [title, f"batch {options.batch_size}"]
     if task == "image_classification":
         parts.append(f"image {image_size}")
@@ -226,7 +264,12 @@ def _describe(title: str, options: StepOptions, task: Task, seq_len: int, image_
         parts.append(f"prompt {seq_len} + {options.new_tokens} new tokens")
     else:
         parts.append(f"seq {seq_len}")
-    parts.append(options.precision)
+    assert options.precision is not None  # build_step resolved it
+    parts.append(
+        options.precision
+        if precision_source is None
+        else f"{options.precision} ({precision_source})"
+    )
     if options.mode == "train":
         parts.append(options.optimizer)
         if options.checkpointing:

@@ -30,8 +30,12 @@ from oomkit.prediction.tracing.emulation import (
     OpEmulation,
 )
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
-from oomkit.prediction.tracing.recorder import Tracer, trace_step
+from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.stand_ins import ReadSite, StandIn
+from oomkit.prediction.tracing.step_runner import trace_step
+from oomkit.prediction.tracing.value_reads import value_tracking
+from oomkit.prediction.tracing.values import KnownValue, known_value
 
 __all__ = [
     "MIN_TORCH",
@@ -53,8 +57,13 @@ __all__ = [
     "OpEmulation",
     "PHASES",
     "Phase",
+    "KnownValue",
+    "ReadSite",
+    "StandIn",
     "TraceRecording",
     "Tracer",
     "infer_category",
+    "known_value",
     "trace_step",
+    "value_tracking",
 ]

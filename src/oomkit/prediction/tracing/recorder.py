@@ -1,6 +1,7 @@
 """Record a training or inference step on the meta device as an allocation trace.
 
-``Tracer`` is the composable recorder; ``trace_step`` is the one-call function over it.
+``Tracer`` is the composable recorder; ``trace_step`` (``step_runner.py``) is the one-call
+function over it.
 
 How each fact is observed (all hooks are removed on exit):
 - allocations: a TorchDispatchMode sees every aten op's outputs; a storage not seen before is an
@@ -15,6 +16,8 @@ How each fact is observed (all hooks are removed on exit):
 - gradients: ``register_post_accumulate_grad_hook`` on every parameter seen.
 - optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
 - saved activations: ``saved_tensors_hooks`` whose pack hook notes the storage.
+- values read (``.item()``, ``bool()``): ``value_reads.value_tracking``; compiled code runs
+  eagerly (``compiled.py``); both are listed in the recording's assumptions and warnings.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import contextlib
 import itertools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -34,21 +37,23 @@ import torch.optim.optimizer as _optimizer_hooks
 from torch.utils._pytree import tree_leaves
 
 from oomkit.core.gpus import GpuSpec, get_gpu
-from oomkit.core.target import Target
-from oomkit.errors import UnsupportedOpError
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
+from oomkit.prediction.tracing.compiled import compiled_code_eager
 from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
+from oomkit.prediction.tracing.read_report import read_assumptions, read_warnings
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
 from oomkit.prediction.tracing.storages import Allocation
+from oomkit.prediction.tracing.value_reads import ValueReads, value_tracking
+from oomkit.prediction.tracing.values import KnownValues
 
-__all__ = ["Tracer", "trace_step"]
+__all__ = ["Tracer"]
 
 # Categories tagged with the module that owns their parameter rather than where they were made.
 _OWNED_CATEGORIES: frozenset[Category] = frozenset({"parameter", "gradient", "optimizer_state"})
@@ -89,6 +94,7 @@ class Tracer:
         *,
         emulations: Mapping[str, OpEmulation] | None = None,
         gpu: GpuSpec | None = None,
+        values: Mapping[str, Any] | None = None,
     ) -> None:
         """Create a recorder; nothing is installed until the ``with`` block starts.
 
@@ -96,6 +102,8 @@ class Tracer:
             emulations: per-op hooks by aten overload name; default ``DEFAULT_EMULATIONS``.
             gpu: the target device the CUDA emulations model (its compute capability picks the
                 SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
+            values: tensor values read in the step, stated by the line that reads them
+                (``{"train.py:42": 1024}``; ``value_reads.value_tracking``).
         """
         self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
         self._frames = UserFrameFinder()
@@ -113,6 +121,9 @@ class Tracer:
         self._handles: list[Any] = []
         self._grad_scaler_steps: Counter[str] = Counter()
         self._autocast: CudaAutocastEmulation | None = None
+        self._values = values
+        self._value_modes: tuple[KnownValues, ValueReads] | None = None
+        self._compiled: Counter[str] = Counter()
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
         self._late_first_seen = 0
@@ -151,6 +162,10 @@ class Tracer:
         self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        stack.enter_context(compiled_code_eager(self._compiled))
+        # Below the engine's modes: the engine sees each op first, and the values are followed
+        # in the op's own call (an op meta cannot run, with known inputs, is answered there).
+        self._value_modes = stack.enter_context(value_tracking(self._values))
         stack.enter_context(self._engine.intercept())
         self._exit_stack = stack
         return self
@@ -438,13 +453,24 @@ class Tracer:
 
     # ------------------------------------------------------------------ result
 
+    @property
+    def allocated_anything(self) -> bool:
+        """Whether any device storage has been recorded (tracked or made) so far."""
+        return any(entry[0] == "alloc" for entry in self._log)
+
     def _build(self) -> TraceRecording:
+        assumptions = dict(sorted(self._engine.assumptions.items()))
+        warnings = list(self._warnings())
+        if self._value_modes is not None:
+            known, reads = self._value_modes
+            assumptions.update(read_assumptions(reads, known))
+            warnings += read_warnings(reads, self._compiled)
         return build_recording(
             self._log,
             self._module_tag,
-            warnings=tuple(self._warnings()),
+            warnings=tuple(warnings),
             kernel_choices=dict(sorted(self._engine.kernel_choices.items())),
-            assumptions=dict(sorted(self._engine.assumptions.items())),
+            assumptions=assumptions,
         )
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
@@ -527,64 +553,3 @@ class _TracerSink:
 
     def phase(self) -> Phase:
         return self._tracer._phase()
-
-
-def trace_step(
-    fn: Callable[..., Any],
-    *args: Any,
-    steps: int = 1,
-    gpu: GpuSpec | None = None,
-    emulations: Mapping[str, OpEmulation] | None = None,
-    target: Target | None = None,
-    **kwargs: Any,
-) -> TraceRecording:
-    """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
-
-    Modules, optimizers and tensors in ``args``/``kwargs`` are tracked first, so a model built
-    earlier under ``torch.device("meta")`` shows up as allocated before step 0. ``fn``'s return
-    value is dropped at once, so what it returns is freed inside its step.
-
-    Args:
-        fn: one training or inference step; must work on meta tensors.
-        args: passed to ``fn``.
-        steps: how many times to run ``fn``; use 3 to see optimizer state created in the first
-            step and the steady state after it.
-        gpu: the target device the CUDA emulations model; ``None`` means an H100 SXM.
-        emulations: per-op hooks; ``None`` means ``DEFAULT_EMULATIONS``.
-        target: the target machine, instead of ``gpu``: its GPU, and its cuDNN version when
-            stated (``emulations_for_cudnn``: passed explicitly, not through
-            ``use_sdpa_settings``).
-        kwargs: passed to ``fn``.
-
-    Returns:
-        The recording, with ``step_starts`` marking each call of ``fn``.
-
-    Raises:
-        ValueError: ``steps`` is below 1.
-        UnsupportedOpError: an aten op has no meta implementation (or depends on data).
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
-    if target is not None:
-        gpu = target.gpu
-        if emulations is None and target.cudnn_version is not None:
-            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
-
-            emulations = emulations_for_cudnn(target.cudnn_version)
-    tracer = Tracer(emulations=emulations, gpu=gpu)
-    try:
-        with tracer:
-            tracer.track(args, kwargs)
-            for _ in range(steps):
-                tracer.mark_step()
-                fn(*args, **kwargs)
-    except Exception as exc:
-        failed = tracer.failed_op
-        if failed is not None and failed[1] is exc:
-            raise UnsupportedOpError(
-                f"{failed[0]} failed on the meta device ({exc}); oomkit can only trace ops with a "
-                "meta implementation that do not read tensor values. Move data-dependent code "
-                "(.item(), nonzero, boolean masks) out of the traced step or give it fixed sizes"
-            ) from exc
-        raise
-    return tracer.recording

@@ -1,0 +1,23 @@
+"""Text that came from input (file and function names, messages) made safe to print with rich."""
+
+from __future__ import annotations
+
+import re
+
+from rich.markup import escape
+
+__all__ = ["as_written"]
+
+# C0 and C1 control characters other than tab and newline: a terminal would act on them (an
+# ESC sequence recolours or moves the cursor), so they are shown as \xNN instead.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def as_written(text: str) -> str:
+    """``text`` for ``console.print``: rich markup escaped, control characters as ``\\xNN``.
+
+    A frame named ``[bold]x[/bold]`` or holding ``\\x1b[31m`` is then printed as the file says,
+    neither styled nor acted on by the terminal.
+    """
+    shown = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return escape(shown)

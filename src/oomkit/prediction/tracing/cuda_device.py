@@ -1,0 +1,198 @@
+"""One CUDA GPU, as training frameworks see it, whose tensors land on the meta device.
+
+Why it is needed: Lightning and Hugging Face trainers choose their device, precision and
+autocast from what ``torch.cuda`` reports. Without a GPU they pick the CPU: Lightning's
+``Trainer(accelerator="gpu")`` and transformers' ``TrainingArguments(bf16=True)`` refuse to build,
+``precision="bf16-mixed"`` becomes CPU autocast (which casts nothing on meta tensors, a silent
+fp32 step), and ``Trainer.fit`` moves the meta model to the CPU ("Cannot copy out of meta
+tensor"). Inside ``as_one_cuda_gpu()`` they choose what they choose on a one-GPU machine
+instead, and every tensor they put on ``cuda`` is put on ``meta``, the recorder's stand-in for it.
+
+What it changes while open (all undone on exit):
+- ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
+  ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
+  bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
+  ``synchronize`` and ``empty_cache`` do nothing (there is no device to act on), and the
+  memory counters read 0 (the recorder, not the code under it, measures memory).
+- A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
+  ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
+  back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
+  fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
+  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself.
+- Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
+  ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
+  values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
+
+Where it may differ: code that reads other GPU properties than those above, or calls CUDA
+functions not listed (``torch.cuda.get_rng_state``), still sees no CUDA and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from oomkit.core.gpus import GpuSpec, get_gpu
+
+__all__ = ["as_one_cuda_gpu"]
+
+_META = torch.device("meta")
+# torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on.
+_BF16_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class _DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` reports that frameworks read."""
+
+    name: str
+    total_memory: int
+    major: int
+    minor: int
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+def _is_cpu(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
+
+
+# Factory functions whose value is the Python number they are given.
+_FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor})
+
+
+class _CudaOnMeta(TorchFunctionMode):
+    """Puts tensors bound for ``cuda`` on ``meta``; keeps meta tensors sent to the CPU."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _META
+        self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_meta = self_tensor is not None and self_tensor.device.type == "meta"
+        if func is torch.Tensor.to:
+            moved = _cpu_to_meta(args, kwargs)
+            if moved is not None:
+                return moved
+            args = tuple(_META if _is_cuda(a) else a for a in args)
+            if on_meta:
+                # A meta tensor sent to the CPU stays: the CPU is read as its own device.
+                args = tuple(_META if _is_cpu(a) else a for a in args)
+                if _is_cpu(kwargs.get("device")):
+                    kwargs["device"] = _META
+        elif func is torch.Tensor.cuda:
+            assert self_tensor is not None
+            return self_tensor.to(_META, non_blocking=bool(kwargs.get("non_blocking", False)))
+        elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory) and on_meta:
+            return self_tensor
+        elif func in _FROM_PYTHON and kwargs.get("device") == _META:
+            return _from_python(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``cpu_tensor.to("cuda")`` as CUDA does it: allocate on the device, copy into it.
+
+    ``empty_like`` + ``copy_`` rather than one ``_to_copy``: the copy overwrites the new tensor
+    with a CPU tensor's values, which ``values.py`` follows, so a batch's attention mask built
+    on the CPU by a collator stays known on the device (transformers' mask checks read it).
+    Only a plain device move; a move that also casts or changes layout goes the usual way.
+    """
+    tensor = args[0]
+    rest = args[1:]
+    if tensor.device.type != "cpu" or not rest or not _is_cuda(rest[0]):
+        return None
+    if len(rest) > 2 or (len(rest) == 2 and not isinstance(rest[1], bool)):
+        return None
+    if set(kwargs) - {"non_blocking"}:
+        return None
+    out = torch.empty_like(tensor, device=_META)
+    out.copy_(tensor)
+    return out
+
+
+def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``torch.tensor(data, device="cuda")`` on meta, as an allocation the recorder sees.
+
+    A number becomes ``torch.full((), number)``, a factory whose value ``values.py`` follows
+    (so Lightning's ``reduce(torch.tensor(len(loader))) == 0`` is answered); other data is made
+    on the CPU and copied, as CUDA does (its values are then not followed).
+    """
+    data = args[0] if args else kwargs.get("data")
+    if isinstance(data, (bool, int, float)) and len(args) <= 1:
+        # torch.tensor's dtype inference for a Python scalar (torch/csrc/utils/tensor_new.cpp
+        # infer_scalar_type): bool -> bool, int -> int64, float -> the default dtype.
+        inferred = (
+            torch.bool
+            if isinstance(data, bool)
+            else torch.int64
+            if isinstance(data, int)
+            else torch.get_default_dtype()
+        )
+        return torch.full(
+            (),
+            data,
+            dtype=kwargs.get("dtype") or inferred,
+            device=_META,
+            requires_grad=bool(kwargs.get("requires_grad", False)),
+        )
+    return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
+
+
+@contextlib.contextmanager
+def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
+    """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
+    major, minor = gpu.compute_capability or (9, 0)
+    properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor)
+    answers: dict[str, Any] = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "get_device_name": lambda device=None: gpu.name,
+        "get_device_capability": lambda device=None: (major, minor),
+        "get_device_properties": lambda device=None: properties,
+        "is_bf16_supported": lambda including_emulation=True: (major, minor)
+        >= _BF16_MIN_CAPABILITY,
+        "memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+    saved = {name: getattr(torch.cuda, name) for name in answers}
+    for name, answer in answers.items():
+        setattr(torch.cuda, name, answer)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.cuda, name, original)
+
+
+@contextlib.contextmanager
+def as_one_cuda_gpu(gpu: GpuSpec | None = None) -> Iterator[None]:
+    """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
+
+    Args:
+        gpu: the GPU reported; ``None`` means an H100 SXM (the recorder's default).
+    """
+    with _torch_cuda_reports(get_gpu("h100-sxm") if gpu is None else gpu), _CudaOnMeta():
+        yield

@@ -1,0 +1,82 @@
+"""What a recording says about the values it read and the compiled code it ran eagerly.
+
+Answered and stated reads are assumptions the prediction rests on (``assumptions``: one entry
+per site); stand-ins, stated values never read and ``torch.compile`` are warnings, one line each.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from oomkit.prediction.tracing.value_reads import ValueReads
+from oomkit.prediction.tracing.values import KnownValues
+
+__all__ = ["COMPILED_EAGERLY", "read_assumptions", "read_warnings"]
+
+# The start of the warning for compiled code (reports mark the verdict with it).
+COMPILED_EAGERLY = "torch.compile: traced eagerly"
+
+
+def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
+    """``{"read at masking_utils.py:292 in _ignore_causal_mask_sdpa": "bool() = True, ..."}``."""
+    out: dict[str, str] = {}
+    for record in reads.records.values():
+        if record.outcome == "stand-in":
+            continue
+        key = f"read at {record.site.key} in {record.site.function}"
+        if record.outcome == "stated":
+            how = "as stated (--value / values=)"
+        else:
+            how = "computed from the values your tensors were created with (" + ", ".join(
+                sorted(record.origins)
+            ) + ")"
+        text = f"{record.kind} = {record.value}, {how}; {record.count} time(s)"
+        out[key] = f"{out[key]}; {text}" if key in out else text
+    finite = reads.assumed_finite + known.assumed_finite
+    if finite:
+        ops = ", ".join(f"{name} x{n}" for name, n in sorted(finite.items()))
+        out["finite values"] = (
+            f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
+            "training run that proceeds"
+        )
+    return out
+
+
+def read_warnings(reads: ValueReads, compiled: Counter[str]) -> list[str]:
+    """One line per stand-in site, per stated value never read, and one for torch.compile."""
+    out = []
+    for record in reads.records.values():
+        if record.outcome != "stand-in":
+            continue
+        key = record.site.key
+        if record.kind == "float()":
+            fate = (
+                "it got 1.0, a plain float (Python does not keep a checked stand-in through "
+                "float()), so oomkit cannot tell whether it decided a size or a branch; read "
+                "it with .item() to have that checked"
+            )
+        else:
+            fate = (
+                "it got a stand-in (printed as nan; 1.0, finite, as a number), which was only "
+                "printed, logged or passed on, never used as a size, a loop bound or a condition"
+            )
+        out.append(
+            f"{record.site.describe()}: {record.kind} read a tensor value that oomkit cannot know "
+            f"on the meta device ({record.count} time(s)); {fate}. If it matters, state it: "
+            f"--value {key}=NUMBER (values={{{key!r}: NUMBER}} in oomkit.predict)"
+        )
+    for key in reads.unused_stated():
+        out.append(
+            f"the value stated for {key} was never used: no tensor value was read at that line "
+            "(name the line of the .item() / float() / bool() call, or a line of a library "
+            "function on the stack when it reads)"
+        )
+    if compiled:
+        sites = ", ".join(f"{where} ({n}x)" for where, n in sorted(compiled.items()))
+        out.append(
+            f"{COMPILED_EAGERLY}: compiled code was entered {sum(compiled.values())} time(s) "
+            f"({sites}) and recorded as eager PyTorch runs it. Inductor's fused kernels (fewer "
+            "tensors saved for backward, intermediates never materialised) and CUDA graphs' "
+            "private pools are not modelled, so the compiled step's memory may differ"
+        )
+    return out

@@ -1,0 +1,122 @@
+"""Why a traced step failed, said where it happened and with advice that fits the failure.
+
+A failure names the user's own line (the innermost frame outside torch, installed libraries,
+oomkit and the standard library) and, when the exception came from deeper, the library frame it
+came from. The advice depends on what failed:
+
+- ``Cannot copy out of meta tensor``: a device move (``.cpu()``, ``.to("cuda")``, ``.numpy()``)
+  copies values the meta device does not have; create tensors on the default device instead.
+- an op that reads tensor values (``.item()`` in C++, ``nonzero``, boolean-mask indexing,
+  ops with no meta kernel): in the user's code, move it out or give it fixed sizes; inside torch
+  or a library, it is not the user's to move: state the value or pass inputs oomkit can follow.
+- anything else: the exception as raised, at its lines.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+from oomkit.errors import UnsupportedOpError
+from oomkit.prediction.tracing.stand_ins import (
+    is_hidden_file,
+    is_library_file,
+    is_torch_plumbing,
+    shown_path,
+)
+
+__all__ = ["FailureSite", "failure_site", "failure_text", "step_failure"]
+
+_DEVICE_MOVE = "Cannot copy out of meta tensor"
+
+
+@dataclass(frozen=True)
+class FailureSite:
+    """Where an exception was raised: the user's line and the library line below it.
+
+    Attributes:
+        user: ``path/file.py:42 in step``: the innermost frame of the user's own code.
+        library: the innermost frame outside oomkit and the standard library when that is
+            library code (torch, transformers); ``None`` when the user's line raised itself.
+        key: ``file.py:42`` of the library frame, else of the user's (how ``--value`` names it).
+    """
+
+    user: str | None
+    library: str | None
+    key: str | None
+
+
+def _where(frame: types.FrameType, line: int) -> str:
+    return f"{shown_path(frame.f_code.co_filename)}:{line} in {frame.f_code.co_name}"
+
+
+def failure_site(exc: BaseException) -> FailureSite:
+    """The user's and the library's lines of ``exc``'s traceback."""
+    user = library = key = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, line = tb.tb_frame, tb.tb_lineno
+        filename = frame.f_code.co_filename
+        if not (is_hidden_file(filename) or is_torch_plumbing(filename)):
+            base = filename.replace("\\", "/").rsplit("/", 1)[-1]
+            if is_library_file(filename):
+                library, key = _where(frame, line), f"{base}:{line}"
+            else:
+                user, library, key = _where(frame, line), None, f"{base}:{line}"
+        tb = tb.tb_next
+    return FailureSite(user, library, key)
+
+
+def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
+    """Where ``exc`` stopped the step, what it was, and the advice that fits (module docstring).
+
+    Args:
+        exc: what the step raised.
+        failed_op: the aten op that raised it on the meta device, if one did; without one, an
+            exception whose message mentions the meta device gets the same advice (torch has no
+            exception type for "this needs values"; the text is the only sign).
+    """
+    site = failure_site(exc)
+    at = f"at {site.user or 'a line oomkit could not find'}"
+    if site.library is not None:
+        at += f" (inside {site.library})"
+    where = f"the step failed {at}"
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if _DEVICE_MOVE in str(exc):
+        return (
+            f"{where}: a device move ({text}). Moving a tensor to the CPU or to CUDA (.cpu(), "
+            ".to('cuda'), .numpy(), device='cuda') copies its values, and the meta device has "
+            "none. Do not move tensors inside the step: create the model, optimizer and "
+            "inputs on the default device (oomkit makes it meta; leave device= out). To log a "
+            "value, .item() is enough: it gets a stand-in"
+        )
+    if failed_op is None and "meta" not in str(exc).lower():
+        return f"the step raised {text}, {at}"
+    op = f"{failed_op} " if failed_op else ""
+    if site.library is not None:
+        advice = (
+            "This read of tensor values is inside a library, not yours to move: pass it "
+            "inputs whose values oomkit can follow (masks made with torch.ones / torch.full / "
+            "torch.triu in the builder or the step, not random or loaded), or predict without "
+            "the feature that reads them"
+        )
+    else:
+        advice = (
+            "Move data-dependent code (.item() used as a size, nonzero, boolean-mask indexing) "
+            "out of the step or give it fixed sizes; a value that is only logged may be read "
+            "with .item() (it gets a stand-in)"
+        )
+    return (
+        f"{where}: {op}cannot run on the meta device ({text}): its result depends on tensor "
+        f"values, which meta tensors do not have. {advice}"
+    )
+
+
+def step_failure(exc: BaseException, failed_op: str | None) -> UnsupportedOpError:
+    """An ``UnsupportedOpError`` saying where ``exc`` stopped the step and what to do.
+
+    Args:
+        exc: what the step raised.
+        failed_op: the aten op that raised it on the meta device, if one did.
+    """
+    return UnsupportedOpError(failure_text(exc, failed_op))

@@ -1,0 +1,319 @@
+"""Reads of tensor values during a trace: answered, stated by the user, or given a stand-in.
+
+:func:`value_tracking` opens :class:`~oomkit.prediction.tracing.values.KnownValues` (what values
+are determined) and :class:`ValueReads`, a ``TorchFunctionMode`` that sees every read of a meta
+tensor's value: ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``,
+``__format__``, ``tolist`` and ``torch.equal``. Each read is, in this order:
+
+1. stated: the user gave its value for a line on the stack (``--value file.py:42=1024``,
+   ``oomkit.predict(..., values={"file.py:42": 1024})``);
+2. answered: the tensor's values are known (a mask made with ``torch.ones``); the read returns
+   what CUDA would return;
+   ``float()`` gets a plain ``STAND_IN_VALUE``: Python does not keep a float subclass through
+   ``float()``, so its later use cannot be checked (its warning says so: use ``.item()``);
+3. ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor answer as for finite values
+   (counted in ``assumed_finite``);
+4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` that
+   raises if it is later used as a size or a condition; ``bool`` / ``int`` / ``index`` /
+   ``torch.equal`` are such uses themselves and raise ``DataDependentValueError`` at once.
+
+Every read is recorded by site (:class:`ReadRecord`) for the prediction's assumptions and warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.stand_ins import (
+    STAND_IN_VALUE,
+    ReadSite,
+    StandIn,
+    read_site,
+    refuse_unknown,
+    stack_frames,
+)
+from oomkit.prediction.tracing.values import KnownValues, known_value, remember_value
+
+__all__ = ["ReadRecord", "ValueReads", "parse_stated_values", "value_tracking"]
+
+Outcome = Literal["answered", "stated", "stand-in"]
+# tolist() of an unknown tensor gives one stand-in per element, up to this many.
+_MAX_STAND_IN_ELEMENTS = 1 << 16
+
+
+@dataclass
+class ReadRecord:
+    """The reads at one site with one outcome.
+
+    Attributes:
+        site: where (file, line, function; library or the user's own).
+        kind: the read (``Tensor.item()``, ``bool()``...).
+        outcome: ``answered`` (known values), ``stated`` (given by the user) or ``stand-in``.
+        value: the value returned (last one), as text; ``nan`` for stand-ins.
+        origins: for ``answered``, the factories the values came from.
+        count: how many times.
+    """
+
+    site: ReadSite
+    kind: str
+    outcome: Outcome
+    value: str
+    origins: frozenset[str]
+    count: int = 1
+
+
+_READS = {
+    torch.Tensor.item: "Tensor.item()",
+    torch.Tensor.__float__: "float()",
+    torch.Tensor.__format__: "format()",
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.__bool__: "bool()",
+    torch.Tensor.__int__: "int()",
+    torch.Tensor.__index__: "an index",
+    torch.equal: "torch.equal()",
+}
+# Reads whose result is itself a size or a branch: an unknown value cannot be stood in for.
+_DECIDING = {
+    torch.Tensor.__bool__: "a condition",
+    torch.Tensor.__int__: "an integer (a size, an index or a loop bound)",
+    torch.Tensor.__index__: "an integer (a size, an index or a loop bound)",
+    torch.equal: "a condition",
+}
+
+
+def parse_stated_values(values: Mapping[str, Any] | None) -> dict[tuple[str, int], float]:
+    """``{"file.py:42": 1024}`` -> ``{("file.py", 42): 1024}``, checked.
+
+    Raises:
+        ConfigError: a key is not ``FILE:LINE`` or a value is not a number.
+    """
+    parsed: dict[tuple[str, int], float] = {}
+    for key, value in (values or {}).items():
+        path, sep, line = str(key).rpartition(":")
+        if not sep or not path or not line.isdigit() or int(line) < 1:
+            raise ConfigError(
+                f"a stated value is named FILE:LINE, the line that reads it; got {key!r}. "
+                "Example: --value train.py:42=1024 (values={'train.py:42': 1024})"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(
+                f"the value stated for {key} must be a number; got {value!r}. "
+                "Example: --value train.py:42=1024"
+            )
+        parsed[(path.replace("\\", "/"), int(line))] = value
+    return parsed
+
+
+def _matches(path: str, filename: str) -> bool:
+    wanted = Path(path).parts
+    have = Path(filename).parts
+    return len(wanted) <= len(have) and have[len(have) - len(wanted) :] == wanted
+
+
+class ValueReads(TorchFunctionMode):
+    """Answers reads of meta tensors' values (module docstring); records them by site."""
+
+    def __init__(self, stated: Mapping[tuple[str, int], float]) -> None:
+        super().__init__()
+        self.stated = dict(stated)
+        self.used_stated: set[tuple[str, int]] = set()
+        self.records: dict[tuple[str, int, str, Outcome], ReadRecord] = {}
+        # Finiteness tests of unknown tensors answered as for finite values, by function.
+        self.assumed_finite: Counter[str] = Counter()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _FROM_DATA:
+            return _from_data(func, args, kwargs)
+        if func in _FINITE_ANSWERS:
+            return self._finiteness(func, args, kwargs)
+        kind = _READS.get(func)
+        tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        if kind is None or not any(t.is_meta for t in tensors):
+            return func(*args, **kwargs)
+        frames = stack_frames(2)
+        site = read_site(frames)
+        if site is None:  # oomkit's own read
+            return func(*args, **kwargs)
+        stated = self._stated(frames)
+        if stated is not None and func is not torch.equal:
+            return self._record(site, kind, "stated", _convert(func, args, kwargs, stated), ())
+        known = [known_value(t) for t in tensors]
+        if all(k is not None for k in known):
+            values = [k.tensor for k in known if k is not None]
+            origins = frozenset().union(*(k.origins for k in known if k is not None))
+            with torch._C.DisableTorchFunction():
+                result = func(*values, *args[len(values) :], **kwargs)
+            return self._record(site, kind, "answered", result, origins)
+        deciding = _DECIDING.get(func)
+        if deciding is not None:
+            refuse_unknown(kind, deciding, site)
+        tensor = tensors[0]
+        if func is torch.Tensor.tolist:
+            if tensor.numel() > _MAX_STAND_IN_ELEMENTS:
+                refuse_unknown(kind, f"a list of {tensor.numel()} numbers", site)
+            result = _nested(StandIn(site), list(tensor.shape))
+        elif func is torch.Tensor.__format__ and tensor.dim() != 0:
+            return func(*args, **kwargs)  # a meta tensor's own text: no value read
+        elif func is torch.Tensor.__format__:
+            result = format(StandIn(site), *args[1:2])
+        elif func is torch.Tensor.__float__:
+            # float() turns a float subclass into a plain float (and warns that returning one
+            # is deprecated): the value cannot stay checked. The warning says so.
+            result = STAND_IN_VALUE
+        else:
+            result = StandIn(site)
+        return self._record(site, kind, "stand-in", result, ())
+
+    def _finiteness(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """isnan/isinf/isfinite of an unknown tensor: as for finite values (and counted)."""
+        result = func(*args, **kwargs)
+        tensor = args[0] if args else None
+        if (
+            isinstance(result, torch.Tensor)
+            and result.is_meta
+            and isinstance(tensor, torch.Tensor)
+            and known_value(tensor) is None
+        ):
+            name = f"torch.{func.__name__}"
+            self.assumed_finite[name] += 1
+            with torch._C.DisableTorchFunction():
+                value = torch.full(result.shape, _FINITE_ANSWERS[func], dtype=result.dtype)
+            remember_value(result, value, "assumed finite")
+        return result
+
+    def _stated(self, frames: list[Any]) -> float | None:
+        if not self.stated:
+            return None
+        for frame in frames:
+            for (path, line), value in self.stated.items():
+                if frame.f_lineno == line and _matches(path, frame.f_code.co_filename):
+                    self.used_stated.add((path, line))
+                    return value
+        return None
+
+    def _record(
+        self, site: ReadSite, kind: str, outcome: Outcome, result: Any, origins: Any
+    ) -> Any:
+        key = (site.filename, site.line, kind, outcome)
+        record = self.records.get(key)
+        shown = "nan" if outcome == "stand-in" else _short(result)
+        if record is None:
+            self.records[key] = ReadRecord(site, kind, outcome, shown, frozenset(origins))
+        else:
+            record.count += 1
+            record.value = shown
+        return result
+
+    def unused_stated(self) -> list[str]:
+        """Stated values no read used (``file.py:42``), in the order given."""
+        return [f"{path}:{line}" for path, line in self.stated if (path, line) not in self.used_stated]
+
+
+# Finiteness tests answered for unknown tensors as for finite values (a training run that
+# proceeds has a finite loss; the HF Trainer skips logging a nan/inf loss this way).
+_FINITE_ANSWERS = {
+    torch.isnan: False,
+    torch.Tensor.isnan: False,
+    torch.isinf: False,
+    torch.Tensor.isinf: False,
+    torch.isposinf: False,
+    torch.isneginf: False,
+    torch.isfinite: True,
+    torch.Tensor.isfinite: True,
+}
+# Tensors made from Python data: their values are the data's.
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor})
+
+
+def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = func(*args, **kwargs)
+    data = args[0] if args else kwargs.get("data")
+    if isinstance(result, torch.Tensor) and result.is_meta and not isinstance(data, torch.Tensor):
+        with torch._C.DisableTorchFunction():
+            value = func(*args, **{**kwargs, "device": "cpu"})
+        if value.numel() * value.element_size() <= 1 << 20:
+            remember_value(result, value, f"torch.{func.__name__}")
+    return result
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _nested(value: Any, shape: list[int]) -> Any:
+    if not shape:
+        return value
+    return [_nested(value, shape[1:]) for _ in range(shape[0])]
+
+
+def _convert(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], value: float) -> Any:
+    """The stated ``value`` as the read returns it (an int for an integer tensor's item)."""
+    tensor = args[0]
+    if func is torch.Tensor.__bool__:
+        return bool(value)
+    if func in (torch.Tensor.__int__, torch.Tensor.__index__):
+        return int(value)
+    if func is torch.Tensor.__float__:
+        return float(value)
+    if tensor.dtype == torch.bool:
+        scalar: Any = bool(value)
+    elif tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        scalar = float(value)
+    else:
+        scalar = int(value)
+    if func is torch.Tensor.tolist:
+        return _nested(scalar, list(tensor.shape))
+    if func is torch.Tensor.__format__:
+        return format(scalar, *args[1:2])
+    return scalar
+
+
+_active: list[tuple[KnownValues, ValueReads]] = []
+
+
+@contextlib.contextmanager
+def value_tracking(
+    values: Mapping[str, Any] | None = None,
+) -> Iterator[tuple[KnownValues, ValueReads]]:
+    """While open, meta tensors' determined values are followed and value reads answered.
+
+    Open it around code that builds inputs before a trace (``oomkit predict file.py:function``
+    opens it around the import, the builder and the trace), so that a mask made there with
+    ``torch.ones`` is known when the step reads it. Nested, the outer one is used.
+
+    Args:
+        values: stated values by ``FILE:LINE`` (the line that reads them).
+
+    Raises:
+        ConfigError: a stated value is malformed (see :func:`parse_stated_values`).
+    """
+    stated = parse_stated_values(values)
+    if _active:
+        known, reads = _active[-1]
+        reads.stated.update(stated)
+        yield known, reads
+        return
+    known, reads = KnownValues(), ValueReads(stated)
+    _active.append((known, reads))
+    try:
+        with known, reads:
+            yield known, reads
+    finally:
+        _active.pop()

@@ -1,0 +1,71 @@
+"""One emulated CUDA GPU: torch.cuda's answers, cuda tensors on meta, meta kept off the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from oomkit.core.gpus import get_gpu
+from oomkit.prediction.tracing import trace_step
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.values import known_value
+
+
+def test_torch_cuda_reports_one_gpu_of_the_target_and_is_restored():
+    """is_available/device_count/capability/name answer for the GPU; all undone on exit."""
+    before = torch.cuda.is_available()
+    with as_one_cuda_gpu(get_gpu("a100-80gb")):
+        assert torch.cuda.is_available() is True
+        assert torch.cuda.device_count() == 1
+        assert torch.cuda.get_device_capability() == (8, 0)
+        assert torch.cuda.get_device_properties(0).total_memory == get_gpu("a100-80gb").total_memory_bytes
+        assert torch.cuda.is_bf16_supported() is True
+        torch.cuda.set_device(0)  # nothing to act on: no error
+    with as_one_cuda_gpu(get_gpu("v100-16gb")):
+        # torch/cuda/__init__.py is_bf16_supported: sm >= 8.0 only.
+        assert torch.cuda.is_bf16_supported() is False
+    assert torch.cuda.is_available() is before
+
+
+def test_tensors_bound_for_cuda_land_on_meta():
+    """device="cuda", .to("cuda:0"), .cuda() and Module.to("cuda") give meta tensors."""
+    with as_one_cuda_gpu():
+        made = torch.zeros(4, 4, device="cuda")
+        moved = torch.ones(3).to("cuda:0", non_blocking=True)
+        copied = torch.ones(3).cuda()
+        module = torch.nn.Linear(2, 2, device="cpu").to(torch.device("cuda"))
+    assert {made.device.type, moved.device.type, copied.device.type} == {"meta"}
+    assert module.weight.device.type == "meta"
+
+
+def test_meta_tensors_sent_to_the_cpu_stay_on_meta():
+    """Strategy teardown's model.cpu() / .to("cpu") of meta tensors keep them (no copy error)."""
+    module = torch.nn.Linear(2, 2, device="meta")
+    with as_one_cuda_gpu():
+        module.cpu()
+        module.to("cpu", torch.float32, False)
+        kept = torch.empty(2, device="meta").to("cpu")
+    assert module.weight.device.type == "meta"
+    assert kept.device.type == "meta"
+
+
+def test_copies_and_python_numbers_are_recorded_and_keep_known_values():
+    """A CPU mask moved to cuda and tensor(len, device=cuda) allocate on meta with their values."""
+    seen = {}
+
+    def step() -> None:
+        with as_one_cuda_gpu(), torch.device("cpu"):
+            mask = torch.ones(2, 8, dtype=torch.long).to("cuda")
+            length = torch.tensor(125, device="cuda")
+            seen["mask"] = known_value(mask)
+            seen["length"] = known_value(length)
+            seen["empty"] = bool(length == 0)
+            del mask, length
+
+    recording = trace_step(step)
+    assert seen["mask"] is not None and bool(seen["mask"].tensor.eq(1).all())
+    assert seen["length"] is not None and int(seen["length"].tensor) == 125
+    assert seen["empty"] is False
+    # The mask (2 x 8 int64 = 128 bytes), the int64 scalar (8 bytes) and the comparison's bool
+    # (1 byte) were allocated.
+    sizes = sorted(e.size for e in recording.events if e.action == "alloc")
+    assert sizes == [1, 8, 128]

@@ -1,0 +1,120 @@
+"""A failing step names the user's line and the library's, with advice that fits the failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from oomkit.errors import DataDependentValueError, UnsupportedOpError  # noqa: E402
+from oomkit.prediction.tracing import trace_step  # noqa: E402
+from oomkit.prediction.tracing.stand_ins import shown_path  # noqa: E402
+
+SHOWN = os.path.relpath(__file__)
+
+
+def _meta_input():
+    with torch.device("meta"):
+        return torch.randn(4, 8)
+
+
+def _line(text):
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if text in line)
+
+
+def test_a_device_move_is_said_to_be_one():
+    """.cpu() inside the step: 'a device move', the user's line, advice to create on meta."""
+
+    def step(x):
+        x.cpu()  # moves to host
+
+    with pytest.raises(UnsupportedOpError) as raised:
+        trace_step(step, _meta_input())
+    message = str(raised.value)
+    assert message.startswith(f"the step failed at {SHOWN}:{_line('x.cpu()  # moves')} in step: ")
+    assert "a device move (NotImplementedError: Cannot copy out of meta tensor" in message
+    assert "Do not move tensors inside the step" in message
+    assert ".item()" not in message.split("To log a value")[0]
+
+
+def test_a_data_dependent_op_in_user_code_is_the_users_to_move():
+    """x[x > 0] in the step: the user's line, no library frame, advice to move it out."""
+
+    def step(x):
+        x[x > 0].sum()  # boolean mask
+
+    with pytest.raises(UnsupportedOpError) as raised:
+        trace_step(step, _meta_input())
+    message = str(raised.value)
+    assert message.startswith(f"the step failed at {SHOWN}:{_line('x[x > 0].sum()')} in step: ")
+    assert "(inside" not in message
+    assert "Move data-dependent code" in message
+
+
+def _fake_library(tmp_path):
+    """A module installed under site-packages: library code, not the user's."""
+    folder = tmp_path / "site-packages" / "fakelib"
+    folder.mkdir(parents=True)
+    path = folder / "reads.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            def positives(x):
+                return x[x > 0]
+
+            def scaled(x):
+                return x * x.abs().max().item()
+
+            def size_of(x):
+                return int(x.sum().item())
+            """
+        )
+    )
+    spec = importlib.util.spec_from_file_location("fakelib_reads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_a_data_dependent_op_inside_a_library_names_both_lines(tmp_path):
+    """Inside a library: the user's line, then 'inside' the library's, advice not to move it."""
+    lib, path = _fake_library(tmp_path)
+
+    def step(x):
+        lib.positives(x)  # calls the library
+
+    with pytest.raises(UnsupportedOpError) as raised:
+        trace_step(step, _meta_input())
+    message = str(raised.value)
+    user = f"{SHOWN}:{_line('lib.positives(x)  # calls')} in step"
+    assert message.startswith(f"the step failed at {user} (inside {shown_path(str(path))}:3 ")
+    assert "inside a library, not yours to move" in message
+
+
+def test_a_logged_item_inside_a_library_gets_a_stand_in_and_names_the_caller(tmp_path):
+    """.item() in a library used as a multiplier only: a stand-in, listed with the user's line."""
+    lib, path = _fake_library(tmp_path)
+
+    def step(x):
+        lib.scaled(x)  # the library reads a value
+
+    recording = trace_step(step, _meta_input())
+    (warning,) = [w for w in recording.warnings if "Tensor.item() read" in w]
+    caller = f"{SHOWN}:{_line('lib.scaled(x)  # the library')} in step"
+    assert warning.startswith(f"{shown_path(str(path))}:6 in scaled (called from {caller})")
+
+
+def test_a_deciding_item_inside_a_library_is_refused_with_library_advice(tmp_path):
+    """int(x.sum().item()) in a library: refused, advice to state it by the library's line."""
+    lib, _ = _fake_library(tmp_path)
+
+    with pytest.raises(DataDependentValueError) as raised:
+        trace_step(lambda x: lib.size_of(x), _meta_input())
+    message = str(raised.value)
+    assert "The read is inside a library, not yours to move" in message
+    assert "--value reads.py:9=NUMBER" in message

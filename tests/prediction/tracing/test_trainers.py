@@ -1,0 +1,147 @@
+"""Lightning's Trainer.fit and transformers' Trainer run as a step: same bytes as a plain loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomkit.interfaces.cli._user_function import load_user_step
+from oomkit.prediction.predictor import predict
+from oomkit.prediction.tracing.trainers import TrainerRefusedError
+
+BUILDERS = Path(__file__).parent / "trainer_builders" / "builders.py"
+BATCH, SEQ = 8, 128
+# One small block: what a scalar the trainer keeps on the device takes (CUDACachingAllocator.cpp
+# round_size: kMinBlockSize = 512).
+SCALAR_BYTES = 512
+
+
+def _peaks(function: str) -> tuple[int, int, list[int]]:
+    user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
+    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    steps = [s.peak_allocated_bytes for s in prediction.step_peaks]
+    return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes, steps
+
+
+def _prediction(function: str):
+    user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
+    return predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[int, int, list[int]]:
+    return _peaks("plain")
+
+
+@pytest.fixture(scope="module")
+def lightning_unlogged() -> tuple[int, int, list[int]]:
+    pytest.importorskip("lightning")
+    return _peaks("lightning_fit_unlogged")
+
+
+def test_lightning_fit_matches_the_plain_loop_plus_the_closures_scalars(plain, lightning_unlogged):
+    """Trainer.fit (bf16-mixed, clipping, no self.log) = the plain loop + two scalars."""
+    unlogged, unlogged_reserved, steps = lightning_unlogged
+    # At its peak Trainer.fit holds the loss divided by accumulate_grad_batches and its
+    # detached clone (loops/optimization/automatic.py ClosureResult.from_training_step_output).
+    assert unlogged - plain[0] == 2 * SCALAR_BYTES
+    assert unlogged_reserved == plain[1]
+    # Steps after the first carry the optimizer state: the run continues, it does not restart.
+    assert steps[1] == steps[2] > steps[0]
+    assert abs(unlogged - plain[0]) / plain[0] < 0.05
+
+
+def test_lightning_self_log_adds_its_result_collection(plain, lightning_unlogged):
+    """self.log("train_loss", ...) adds the _ResultCollection's device scalars, and no more."""
+    allocated, reserved, _ = _peaks("lightning_fit")
+    # logger_connector/result.py ResultMetric: value and cumulated_batch_size, their reset
+    # defaults and the forward cache, each a one-element tensor in its own small block.
+    assert allocated - lightning_unlogged[0] == 4 * SCALAR_BYTES
+    assert reserved == plain[1]
+
+
+def test_lightning_fp16_mixed_runs_with_its_grad_scaler_answered(plain):
+    """precision="16-mixed": fp16 autocast and GradScaler; its overflow check reads "none"."""
+    pytest.importorskip("lightning")
+    user = load_user_step(f"{BUILDERS}:lightning_fit_fp16", batch_size=BATCH, seq_len=SEQ)
+    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    assert "precision 16-mixed" in user.description
+    assert any("grad_scaler.py" in read for read in prediction.assumptions)
+    assert "finite values" in prediction.assumptions
+    # fp16 activations cost what bf16 ones do: the same peak as the bf16 plain loop, within 5%.
+    assert abs(prediction.peak_allocated_bytes - plain[0]) / plain[0] < 0.05
+
+
+@pytest.fixture(scope="module")
+def hf_single():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return _prediction("hf_trainer")
+
+
+def test_hf_trainer_matches_the_plain_loop_plus_accelerates_fp32_outputs(plain, hf_single):
+    """transformers' Trainer(bf16=True) = the plain loop + accelerate's fp32 outputs + a scalar."""
+    allocated, reserved = hf_single.peak_allocated_bytes, hf_single.peak_reserved_bytes
+    steps = [s.peak_allocated_bytes for s in hf_single.step_peaks]
+    converted, converted_reserved, _ = _peaks("plain_fp32_outputs")
+    # accelerate converts the bf16 logits to fp32 after the autocast forward: a copy the plain
+    # loop does not make, alive with the loss's temporaries.
+    assert converted > plain[0]
+    # What is left is the Trainer's running loss total (trainer.py _tr_loss, one fp32 scalar).
+    assert allocated - converted == SCALAR_BYTES
+    assert reserved == converted_reserved
+    assert steps[1] == steps[2] > steps[0]
+    assert abs(allocated - converted) / converted < 0.05
+
+
+def test_hf_trainer_built_with_bf16_constructs_and_picks_cuda():
+    """TrainingArguments(bf16=True) builds (no "doesn't support bf16/gpu") on cuda:0 -> meta."""
+    pytest.importorskip("transformers")
+    user = load_user_step(f"{BUILDERS}:hf_trainer", batch_size=BATCH, seq_len=SEQ)
+    model = user.track[0]
+    assert next(model.parameters()).device.type == "meta"
+    assert "Hugging Face Trainer.train, bf16, accumulate 1, clip 1.0" in user.description
+
+
+def test_lightning_trainer_alone_is_refused_with_what_to_return():
+    """A Lightning Trainer without its module: the message says to return (trainer, module)."""
+    pytest.importorskip("lightning")
+    with pytest.raises(TrainerRefusedError, match=r"return \(trainer, module\) or"):
+        load_user_step(f"{BUILDERS}:lightning_trainer_alone")
+
+
+def test_lightning_ddp_is_refused_naming_the_strategy():
+    """A DDP Lightning trainer is refused: oomkit predicts one GPU."""
+    pytest.importorskip("lightning")
+    with pytest.raises(TrainerRefusedError, match=r"uses DDPStrategy on 1 devices; oomkit predicts"):
+        load_user_step(f"{BUILDERS}:lightning_ddp", batch_size=BATCH, seq_len=SEQ)
+
+
+def test_hf_trainer_on_cpu_is_refused():
+    """TrainingArguments(use_cpu=True) is refused: the step would not run on a GPU."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TrainerRefusedError, match=r"runs on cpu, not on a GPU"):
+        load_user_step(f"{BUILDERS}:hf_trainer_on_cpu", batch_size=BATCH, seq_len=SEQ)
+
+
+def test_lightning_accumulation_keeps_the_gradients_through_the_second_micro_batch(
+    lightning_unlogged,
+):
+    """accumulate_grad_batches=2: the second micro-batch's forward runs with the gradients held."""
+    pytest.importorskip("lightning")
+    accumulated = _prediction("lightning_fit_accumulate")
+    gradient_bytes = accumulated.by_category_bytes["parameter"]  # fp32 grads, one per parameter
+    assert accumulated.peak_allocated_bytes - lightning_unlogged[0] == gradient_bytes
+
+
+def test_hf_accumulation_holds_gradients_and_prefetches_every_micro_batch(hf_single):
+    """gradient_accumulation_steps=2: gradients held, and both micro-batches loaded up front."""
+    single = hf_single
+    accumulated = _prediction("hf_trainer_accumulate")
+    gradient_bytes = accumulated.by_category_bytes["parameter"]
+    extra = accumulated.peak_allocated_bytes - single.peak_allocated_bytes - gradient_bytes
+    # trainer.py _run_epoch: get_batch_samples loads gradient_accumulation_steps batches before
+    # the first forward: one more micro-batch's input_ids and labels (int64) on the device.
+    batch_bytes = 2 * BATCH * SEQ * 8
+    assert batch_bytes <= extra <= batch_bytes + SCALAR_BYTES

@@ -1,0 +1,135 @@
+"""KnownValues follows the values of meta tensors that what the user passed determines."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from oomkit.prediction.tracing.value_reads import value_tracking  # noqa: E402
+from oomkit.prediction.tracing.values import (  # noqa: E402
+    MAX_KNOWN_BYTES,
+    MAX_TOTAL_KNOWN_BYTES,
+    KnownValues,
+    known_bytes,
+    known_value,
+)
+
+
+def _values(tensor):
+    known = known_value(tensor)
+    return None if known is None else known.tensor.tolist()
+
+
+def test_factories_and_ops_on_them_are_known_with_their_origins():
+    """torch.ones and what is computed from it hold the values CUDA would; origins are named."""
+    with KnownValues(), torch.device("meta"):
+        mask = torch.ones(2, 3, dtype=torch.long)
+        all_ones = mask.sum() == mask.numel()  # transformers' fast_all
+        positions = torch.arange(4).unsqueeze(0).expand(2, -1)
+    assert _values(mask) == [[1, 1, 1], [1, 1, 1]]
+    assert _values(all_ones) is True
+    assert _values(positions) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert known_value(all_ones).origins == frozenset({"torch.ones"})
+
+
+def test_random_and_uninitialised_values_and_what_follows_are_unknown():
+    """randn, empty and anything computed from them stay unknown (weights, activations, loss)."""
+    with KnownValues(), torch.device("meta"):
+        noise = torch.randn(3)
+        blank = torch.empty(3)
+        mixed = noise + torch.ones(3)
+    assert (known_value(noise), known_value(blank), known_value(mixed)) == (None, None, None)
+
+
+def test_a_causal_mask_is_recognised_by_torch_equal_and_all():
+    """triu(full(-inf), 1) equals torch's own causal mask: equal() and all() answer True."""
+    with KnownValues(), torch.device("meta"):
+        mask = torch.triu(torch.full((4, 4), float("-inf")), diagonal=1)
+        reference = torch.nn.Transformer.generate_square_subsequent_mask(4)
+        same = bool((mask == reference).all())
+        equal = torch.equal(mask, reference)
+        shifted = torch.equal(mask, torch.triu(torch.full((4, 4), float("-inf")), diagonal=2))
+    assert (same, equal, shifted) == (True, True, False)
+
+
+def test_data_dependent_shapes_of_known_tensors_are_answered():
+    """torch.tensor(data) is known; nonzero of it has the size CUDA would give: 3 ones, 3 rows."""
+    with value_tracking(), torch.device("meta"):
+        flags = torch.tensor([1, 0, 1, 1])
+        where = flags.nonzero()
+    assert where.is_meta
+    assert tuple(where.shape) == (3, 1)
+    assert _values(where) == [[0], [2], [3]]
+
+
+def test_views_share_values_and_in_place_ops_update_them():
+    """An in-place op on a view changes the base's values, as it changes its memory."""
+    with KnownValues(), torch.device("meta"):
+        base = torch.zeros(4)
+        view = base[1:3]
+        view.add_(5)
+    assert _values(base) == [0.0, 5.0, 5.0, 0.0]
+
+
+def test_an_in_place_op_with_an_unknown_input_forgets_every_view():
+    """base += randn makes base and its views unknown: no stale value is ever answered."""
+    with KnownValues(), torch.device("meta"):
+        base = torch.zeros(4)
+        view = base[1:3]
+        base.add_(torch.randn(4))
+    assert (known_value(base), known_value(view)) == (None, None)
+
+
+def test_fill_of_a_whole_uninitialised_storage_makes_it_known_but_not_a_slice():
+    """empty().fill_(2) is known; filling a slice of an empty tensor leaves it unknown."""
+    with KnownValues(), torch.device("meta"):
+        whole = torch.empty(3).fill_(2.0)
+        part = torch.empty(6)
+        part[2:].fill_(1.0)
+    assert _values(whole) == [2.0, 2.0, 2.0]
+    assert known_value(part) is None
+
+
+def test_copies_above_the_size_limit_are_not_kept():
+    """A known tensor larger than MAX_KNOWN_BYTES is not copied (memory stays bounded)."""
+    with KnownValues(), torch.device("meta"):
+        big = torch.ones(MAX_KNOWN_BYTES + 1, dtype=torch.uint8)
+        small = torch.ones(MAX_KNOWN_BYTES, dtype=torch.uint8)
+    assert known_value(big) is None
+    assert known_value(small) is not None
+
+
+def test_all_copies_together_stay_under_the_total_limit():
+    """zeros_like of many 32 MiB tensors (optimizer state): copies stop at the total, and a
+    storage's bytes are given back when it dies."""
+    before = known_bytes()
+    chunk = 32 << 20
+    with KnownValues(), torch.device("meta"):
+        states = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(12)]
+        kept = sum(known_value(t) is not None for t in states)
+        assert kept == (MAX_TOTAL_KNOWN_BYTES - before) // chunk
+        assert known_bytes() <= MAX_TOTAL_KNOWN_BYTES
+        del states
+    assert known_bytes() == before
+
+
+def test_finiteness_of_unknown_tensors_is_assumed_and_counted():
+    """isnan/isfinite of an unknown tensor answer as for finite values, counted by op."""
+    with value_tracking() as (_, reads), torch.device("meta"):
+        loss = torch.randn(())
+        nan = bool(torch.isnan(loss))
+        finite = bool(loss.isfinite())
+    assert (nan, finite) == (False, True)
+    assert dict(reads.assumed_finite) == {"torch.isnan": 1, "torch.isfinite": 1}
+
+
+def test_grad_scaler_inf_check_of_unknown_gradients_finds_none():
+    """_amp_foreach_non_finite_check_and_unscale_ on unknown grads leaves found_inf at 0."""
+    with KnownValues() as known, torch.device("meta"):
+        grads = [torch.randn(8), torch.randn(3)]
+        found_inf = torch.full((), 0.0)
+        inv_scale = torch.full((), 0.5)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    assert _values(found_inf) == 0.0
+    assert dict(known.assumed_finite) == {"torch._amp_foreach_non_finite_check_and_unscale_": 1}
