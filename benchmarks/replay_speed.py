@@ -1,27 +1,66 @@
-"""Replay speed of the simulator on a 1,000,000-event training-like trace.
+"""Replay speed on what users run: real snapshots with --verify, and how the cost scales.
 
-Prints a line per setting, then, last, one JSON line:
-{"events": N, "events_per_second": {"default": ..., "expandable_segments:True": ...},
- "peak_rss_mb": ...}
+Three parts, each figure printed with the machine it was measured on (cores, load average):
 
-Targets (issue 2, on a 2-core machine): >= 500,000 events/s for the default setting, and peak
-process memory under 500 MB.
+1. **Real traces**: the largest recorded snapshots in ``../shared/snapshots`` (or ``--snapshots``),
+   each loaded (load time), replayed with verify under its recorded setting (as
+   ``oomkit replay FILE --verify``), and replayed as a what-if under ``expandable_segments:True``.
+2. **Synthetic**: a 1,000,000-event PyTorch-style recording (``_recording.py``: it starts
+   mid-run with 1,000 segments already allocated), replayed with verify, default and expandable.
+3. **Scaling**: recordings of 10k, 100k, 1M and 10M events (``--quick`` stops at 1M), and of
+   100, 1k and 10k seeded segments: the cost per event must stay flat.
+
+Events/s is trace events divided by the CPU time (``time.process_time``) of
+``replay_snapshot(...)``: reconstructing the start state, seeding it, the replay and the
+comparison with the recording. CPU time, because the machine may be shared: wall time is printed
+beside it. The last line is one JSON object with every figure.
+
+Targets (issue 19, on a 2-core machine when quiet): >= 500,000 events/s on real traces with
+verify, no trace slower than the synthetic figure by more than 2x, per-event cost flat.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import os
+import platform
 import resource
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-from oomkit.core.allocator import AllocatorConfig
-from oomkit.core.replay import simulate_events
-from oomkit.core.workloads import TrainingWorkload, training_events
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SETTINGS = {"default": "", "expandable_segments:True": "expandable_segments:True"}
+from _recording import make_recording  # noqa: E402
+
+from oomkit.core.allocator import AllocatorConfig  # noqa: E402
+from oomkit.core.replay import replay_snapshot  # noqa: E402
+from oomkit.core.snapshot import load_snapshot, snapshot_from_data, snapshot_to_data  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SNAPSHOTS = REPO.parent / "shared" / "snapshots"
+EXPANDABLE = "expandable_segments:True"
+
+
+def machine() -> dict[str, Any]:
+    """Cores, load average and the rest of what a figure depends on, measured now."""
+    load = os.getloadavg()
+    return {
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in load],
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_note() -> str:
+    m = machine()
+    return f"[{m['cores']} cores, load {m['load_average'][0]:.2f}]"
 
 
 def peak_rss_mb() -> float:
@@ -29,30 +68,151 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=1, help="best of N runs per setting")
-    args = parser.parse_args()
+def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[Any, float, float]:
+    """``fn()``'s result and its best CPU and wall seconds over ``repeat`` runs."""
+    best_cpu = best_wall = float("inf")
+    result = None
+    for _ in range(repeat):
+        cpu, wall = time.process_time(), time.perf_counter()
+        result = fn()
+        best_cpu = min(best_cpu, time.process_time() - cpu)
+        best_wall = min(best_wall, time.perf_counter() - wall)
+    return result, best_cpu, best_wall
 
-    # Enough steps for the requested number of events, then cut to exactly that many.
-    workload = TrainingWorkload(steps=10_000, seed=1)
-    events = list(itertools.islice(training_events(workload), args.events))
-    rates = {}
-    for label, setting in SETTINGS.items():
-        config = AllocatorConfig.parse(setting)
-        best = float("inf")
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            result = simulate_events(events, config)
-            best = min(best, time.perf_counter() - start)
-        rates[label] = round(len(events) / best)
+
+def rate(events: int, seconds: float) -> int:
+    return round(events / seconds) if seconds > 0 else 0
+
+
+def replay_figures(snapshot: Any, device: int, events: int, repeat: int) -> dict[str, Any]:
+    """Verify (recorded setting) and an expandable what-if of one device's trace."""
+    verify, cpu, wall = timed(lambda: replay_snapshot(snapshot, device, verify=True), repeat)
+    reproduced = verify.first_divergence is None and verify.final_state_matches is not False
+    row: dict[str, Any] = {
+        "events": events,
+        "segments_at_end": len(verify.final_segments),
+        "verify_cpu_s": round(cpu, 4),
+        "verify_wall_s": round(wall, 4),
+        "verify_events_per_s": rate(events, cpu),
+        "reproduced": reproduced,
+        "machine": machine_note(),
+    }
+    config = AllocatorConfig.parse(EXPANDABLE)
+    _, cpu, wall = timed(lambda: replay_snapshot(snapshot, device, config=config), repeat)
+    row.update(
+        expandable_cpu_s=round(cpu, 4),
+        expandable_wall_s=round(wall, 4),
+        expandable_events_per_s=rate(events, cpu),
+    )
+    return row
+
+
+def real_traces(directory: Path, count: int, repeat: int) -> dict[str, dict[str, Any]]:
+    """The ``count`` real snapshots with the most trace events, loaded and replayed."""
+    files = sorted(p for p in directory.glob("*/*") if p.suffix in (".pickle", ".pkl"))
+    sized = []
+    for path in files:
+        snapshot = load_snapshot(path)
+        devices = snapshot.devices()
+        if not devices:
+            continue
+        events = len(snapshot.trace_for(devices[0]))
+        sized.append((events, len(snapshot.segments), path))
+    # Most events first; among traces with none, the most segments (seeding cost).
+    sized.sort(key=lambda t: (t[0], t[1]), reverse=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for events, _segments, path in sized[:count]:
+        snapshot, load_cpu, load_wall = timed(lambda p=path: load_snapshot(p), repeat)
+        device = snapshot.devices()[0]
+        row = {
+            "file_mb": round(path.stat().st_size / 2**20, 2),
+            "load_cpu_s": round(load_cpu, 4),
+            "load_wall_s": round(load_wall, 4),
+            **replay_figures(snapshot, device, events, repeat),
+        }
+        name = f"{path.parent.name}/{path.name}"
+        rows[name] = row
         print(
-            f"{label:>26}: {len(events):,} events in {best:.2f} s = {rates[label]:,} events/s; "
-            f"peak reserved {result.peak_reserved_bytes / 2**30:.2f} GiB",
-            file=sys.stdout,
+            f"{name}\n    {events:,} events, {row['segments_at_end']} segments, "
+            f"{row['file_mb']} MB: load {load_wall:.3f} s; verify "
+            f"{row['verify_events_per_s']:,} events/s ({row['verify_cpu_s']:.3f} s CPU, "
+            f"reproduced={row['reproduced']}); expandable what-if "
+            f"{row['expandable_events_per_s']:,} events/s {row['machine']}",
+            flush=True,
         )
-    print(json.dumps({"events": len(events), "events_per_second": rates, "peak_rss_mb": round(peak_rss_mb(), 1)}))
+    return rows
+
+
+def synthetic(events: int, segments: int, repeat: int, expandable: bool = False) -> dict[str, Any]:
+    """A synthetic recording of ``events`` events and ``segments`` seeded segments, replayed."""
+    recording, gen_cpu, _ = timed(lambda: make_recording(events, segments, expandable=expandable))
+    data = snapshot_to_data(
+        recording.segments, [recording.events], allocator_settings=recording.settings
+    )
+    snapshot = snapshot_from_data(data)
+    del data
+    row = {"generate_cpu_s": round(gen_cpu, 2)}
+    row.update(replay_figures(snapshot, 0, len(recording.events), repeat))
+    row["us_per_event"] = round(row["verify_cpu_s"] / max(1, row["events"]) * 1e6, 3)
+    return row
+
+
+def print_synthetic(label: str, row: dict[str, Any]) -> None:
+    print(
+        f"{label:>34}: {row['events']:>10,} events: verify {row['verify_events_per_s']:>9,} "
+        f"events/s ({row['us_per_event']:.2f} us/event, reproduced={row['reproduced']}); "
+        f"expandable what-if {row['expandable_events_per_s']:>9,} events/s "
+        f"{row['machine']}",
+        flush=True,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--snapshots", type=Path, default=DEFAULT_SNAPSHOTS)
+    parser.add_argument("--real", type=int, default=6, help="how many real traces (largest)")
+    parser.add_argument("--repeat", type=int, default=1, help="best of N runs per figure")
+    parser.add_argument("--quick", action="store_true", help="skip the 10M-event recording")
+    parser.add_argument(
+        "--part",
+        choices=("all", "real", "synthetic", "scaling"),
+        default="all",
+        help="run one part only",
+    )
+    args = parser.parse_args()
+    print(f"machine: {json.dumps(machine())}", flush=True)
+    out: dict[str, Any] = {"machine": machine()}
+
+    if args.part in ("all", "real"):
+        if args.snapshots.is_dir():
+            print(f"\nReal traces ({args.snapshots}):", flush=True)
+            out["real"] = real_traces(args.snapshots, args.real, args.repeat)
+        else:
+            print(f"\nReal traces: {args.snapshots} not found; skipped", flush=True)
+
+    if args.part in ("all", "synthetic"):
+        print("\nSynthetic recording (1,000 seeded segments):", flush=True)
+        row = synthetic(1_000_000, 1_000, args.repeat)
+        print_synthetic("1M events", row)
+        out["synthetic"] = row
+
+    if args.part in ("all", "scaling"):
+        print("\nScaling (cost per event should stay flat):", flush=True)
+        scaling: dict[str, Any] = {}
+        sizes = [10_000, 100_000, 1_000_000] + ([] if args.quick else [10_000_000])
+        for n in sizes:
+            row = synthetic(n, 1_000, args.repeat)
+            scaling[f"events={n}"] = row
+            print_synthetic(f"{n:,} events, 1,000 segments", row)
+        for segments in (100, 1_000, 10_000):
+            row = synthetic(100_000, segments, args.repeat)
+            scaling[f"segments={segments}"] = row
+            print_synthetic(f"100,000 events, {segments:,} segments", row)
+        out["scaling"] = scaling
+
+    out["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    print(f"\npeak RSS {out['peak_rss_mb']} MB {machine_note()}")
+    print(json.dumps(out))
     return 0
 
 

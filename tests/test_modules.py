@@ -41,3 +41,24 @@ def test_no_module_is_over_600_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_no_merge_conflict_markers_are_left_in_the_tree():
+    """No line of the sources, tests, docs or README starts a git conflict marker (a marker
+    inside a docstring passes ruff and mypy, so only this catches it)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    markers = ("<" * 7 + " ", ">" * 7 + " ", "=" * 7 + "\n")
+    found = []
+    for folder in ("src", "tests", "docs", "benchmarks", "examples", "scripts"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix not in (".py", ".md", ".toml", ".txt") or not path.is_file():
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(True), 1):
+                if line.startswith(markers):
+                    found.append(f"{path.relative_to(root)}:{number}")
+    for number, line in enumerate((root / "README.md").read_text(encoding="utf-8").splitlines(True), 1):
+        if line.startswith(markers):
+            found.append(f"README.md:{number}")
+    assert found == []

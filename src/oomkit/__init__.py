@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from oomkit._version import __version__
-from oomkit.core.target import Target
 from oomkit.errors import (
     AllocatorUsageError,
     ConfigError,
@@ -18,20 +20,61 @@ from oomkit.errors import (
     TraceFormatError,
     UnsupportedOpError,
 )
-from oomkit.interfaces.reports.monitor_live import live_monitor
-from oomkit.interfaces.reports.prediction import (
-    prediction_summary,
-    prediction_to_json,
-    render_prediction,
-    verdict_line,
-)
-from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-from oomkit.prediction.predictor import Prediction, predict, predict_recording
-from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
-from oomkit.runtime.monitor import Monitor, StepRecord
-from oomkit.runtime.resilient import resilient
-from oomkit.runtime.watch import watch
 from oomkit.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from oomkit.core.target import Target
+    from oomkit.interfaces.reports.monitor_live import live_monitor
+    from oomkit.interfaces.reports.prediction import (
+        prediction_summary,
+        prediction_to_json,
+        render_prediction,
+        verdict_line,
+    )
+    from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
+    from oomkit.prediction.predictor import Prediction, predict, predict_recording
+    from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
+    from oomkit.runtime.monitor import Monitor, StepRecord
+    from oomkit.runtime.resilient import resilient
+    from oomkit.runtime.watch import watch
+
+# The rest of the API is imported on first use (PEP 562), so that ``import oomkit`` and the
+# CLI's start-up load only what a command uses (issue 19 item 4: `oomkit replay FILE` needs no
+# predictor, runtime or reports). Every name here is also in ``__all__``.
+_LAZY: dict[str, str] = {
+    "Target": "oomkit.core.target",
+    "live_monitor": "oomkit.interfaces.reports.monitor_live",
+    "prediction_summary": "oomkit.interfaces.reports.prediction",
+    "prediction_to_json": "oomkit.interfaces.reports.prediction",
+    "render_prediction": "oomkit.interfaces.reports.prediction",
+    "verdict_line": "oomkit.interfaces.reports.prediction",
+    "BatchSearchResult": "oomkit.plan.batch_search",
+    "max_batch_size": "oomkit.plan.batch_search",
+    "smallest_gpu": "oomkit.plan.batch_search",
+    "Prediction": "oomkit.prediction.predictor",
+    "predict": "oomkit.prediction.predictor",
+    "predict_recording": "oomkit.prediction.predictor",
+    "BatchSizeResult": "oomkit.runtime.batch_probe",
+    "find_batch_size": "oomkit.runtime.batch_probe",
+    "Monitor": "oomkit.runtime.monitor",
+    "StepRecord": "oomkit.runtime.monitor",
+    "resilient": "oomkit.runtime.resilient",
+    "watch": "oomkit.runtime.watch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'oomkit' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # imported once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",

@@ -8,7 +8,7 @@ import pytest
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpecError, UnknownGpuError, get_gpu
-from oomkit.core.target import Target, resolve_target
+from oomkit.core.target import ParallelLayout, Target, resolve_target
 from oomkit.errors import ConfigError
 
 MiB = 2**20
@@ -85,3 +85,13 @@ def test_resolve_target_takes_a_target_or_the_keywords_not_both():
     assert resolve_target(None).gpu.name == "H100 SXM 80GB"
     with pytest.raises(ValueError, match="either target= or gpu, alloc_conf"):
         resolve_target(t, gpu="h100", alloc_conf="")
+
+
+def test_parallel_layout_is_validated_and_carried():
+    """--fsdp N becomes Target.parallel; 0, negatives and booleans are ConfigErrors."""
+    target = dataclasses.replace(Target.resolve("h100"), parallel=ParallelLayout(fsdp=8))
+    assert target.parallel is not None and target.parallel.world_size == 8
+    assert Target.resolve("h100").parallel is None
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ConfigError, match="at least 1"):
+            ParallelLayout(fsdp=bad)

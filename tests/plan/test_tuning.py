@@ -439,3 +439,53 @@ def test_settings_an_older_torch_rejects_are_skipped():
     assert len(result.warnings) == 1
     assert result.warnings[0].startswith("skipped 3 setting(s) that torch 2.3 rejects")
     assert result.best.alloc_conf == "expandable_segments:True"
+
+
+# ------------------------------------------------------------------ parallel sweeps
+
+
+def test_parallel_sweep_of_a_snapshot_equals_the_serial_one():
+    """jobs=2 replays the settings in two processes and gives the serial result, field for field."""
+    from oomkit.core.snapshot import load_snapshot
+
+    root = _shared_snapshots()
+    name = "HugePandaCoder__octree-nca-groupeq/d47727a245__my_snapshot.pickle"
+    if root is None or not (root / name).is_file():
+        pytest.skip("the shared snapshots are not available (set OOMKIT_SHARED_SNAPSHOTS)")
+    snapshot = load_snapshot(root / name)
+    grid = ["", "expandable_segments:True", "max_split_size_mb:64", "roundup_power2_divisions:4"]
+    serial = tune(snapshot, 8 * 2**30, device=snapshot.devices()[0], candidates=grid, jobs=1)
+    seen = []
+    parallel = tune(
+        snapshot,
+        8 * 2**30,
+        device=snapshot.devices()[0],
+        candidates=grid,
+        jobs=2,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert parallel == serial
+    assert [c.alloc_conf for c in parallel.candidates] == [c.alloc_conf for c in serial.candidates]
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_parallel_sweep_of_a_trace_factory_equals_the_serial_one():
+    """A lambda factory (not picklable) works in the pool: workers inherit it by fork."""
+    events = FRAGMENTING + SPLITTING[:0]
+    serial = tune(lambda: iter(events), 2**30, candidates=list(DEFAULT_GRID[:6]), jobs=1)
+    parallel = tune(lambda: iter(events), 2**30, candidates=list(DEFAULT_GRID[:6]), jobs=3)
+    assert parallel == serial
+
+
+def test_parallel_sweep_raises_the_first_failing_settings_error():
+    """A bad trace fails the same way in the pool as one at a time."""
+    bad = [TraceEvent("free_completed", 7, 0)]
+    with pytest.raises(TraceFormatError, match="not live"):
+        tune(bad, 2**30, candidates=["", "expandable_segments:True"], jobs=2)
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_bad_jobs_is_rejected(jobs):
+    """jobs must be a positive int (or None for one per core)."""
+    with pytest.raises(AllocatorUsageError, match="jobs"):
+        tune([TraceEvent("alloc", 1, 512)], 2**30, jobs=jobs)

@@ -282,7 +282,8 @@ def test_expandable_segments_reserve_less_on_a_fragmenting_script(tmp_path, sim_
 
 
 def test_a_trial_that_runs_out_of_memory(tmp_path, sim_env):
-    """torch.OutOfMemoryError at step 3 is status oom at step 3, measured up to it."""
+    """torch.OutOfMemoryError in the loop's fourth step (i == 3, after 3 completed) is status
+    oom at step 4, counted from 1, measured up to it."""
     trial = run_trial(
         sys.executable,
         [_script(tmp_path, OOM_AT_STEP_3)],
@@ -292,7 +293,7 @@ def test_a_trial_that_runs_out_of_memory(tmp_path, sim_env):
         environ=sim_env,
     )
     assert trial.status == "oom"
-    assert trial.oom_step == 3
+    assert trial.oom_step == 4
     assert trial.steps == 3
     assert trial.exit_code == 1
     assert trial.error.startswith("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -76,7 +76,7 @@ def test_training_loop_exact_bytes_per_step(simulated_device):
         assert r.device_used_bytes is None and r.rank is None
     assert idle.peak_allocated_bytes == 6 * MiB
     assert idle.peak_reserved_bytes == 22 * MiB
-    assert [r.step for r in monitor.records] == [0, 1, 2]
+    assert [r.step for r in monitor.records] == [1, 2, 3]
     assert [r.time_s for r in monitor.records] == [0.5, 1.0, 1.5]
     assert [r.step_time_s for r in monitor.records] == [None, 0.5, 0.5]
 
@@ -124,7 +124,7 @@ def test_every_records_each_nth_step_with_mean_step_time(simulated_device):
     with Monitor(every=3, get_time=lambda: next(times)) as monitor:
         returned = [monitor.step() for _ in range(7)]
     assert [r is None for r in returned] == [False, True, True, False, True, True, False]
-    assert [r.step for r in monitor.records] == [0, 3, 6]
+    assert [r.step for r in monitor.records] == [1, 4, 7]
     assert [r.step_time_s for r in monitor.records] == [None, 1.0, 2.0]
 
 
@@ -144,7 +144,7 @@ def test_auto_step_counts_optimizer_steps_of_the_first_optimizer(simulated_devic
             _train_step(model, opt, x)
             other.step()
     opt.step()  # after the with block: the hook is gone
-    assert [r.step for r in monitor.records] == [0, 1, 2]
+    assert [r.step for r in monitor.records] == [1, 2, 3]
 
 
 def test_sink_gets_every_record_and_a_failing_sink_is_dropped_once(simulated_device, caplog):
@@ -166,7 +166,7 @@ def test_sink_gets_every_record_and_a_failing_sink_is_dropped_once(simulated_dev
         with Monitor(sink=broken) as monitor:
             monitor.step()
             monitor.step()
-    assert calls == [0]
+    assert calls == [1]  # the first step, counted from 1
     assert len(monitor.records) == 2
     assert monitor.unavailable == ["the live display failed (RuntimeError: terminal closed)"]
     assert len([r for r in caplog.records if "live display" in r.getMessage()]) == 1
@@ -269,7 +269,7 @@ def test_step_without_with_starts_the_monitor(simulated_device):
     """step() before start() starts it; close() twice is fine."""
     simulated_device("64MiB")
     monitor = Monitor()
-    assert monitor.step().step == 0
+    assert monitor.step().step == 1
     monitor.close()
     monitor.close()
 

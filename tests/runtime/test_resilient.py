@@ -311,7 +311,7 @@ def test_decorator_form_keeps_the_function_name_and_logs(caplog):
         train_step(torch.ones(8, 2))
     assert train_step.__name__ == "train_step"
     assert [r.getMessage() for r in caplog.records] == [
-        "CUDA OOM in train step 0 (batch 8, micro-batch 8); retrying with micro-batch 4"
+        "CUDA OOM in train step 1 (batch 8, micro-batch 8); retrying with micro-batch 4"
     ]
 
 

@@ -28,7 +28,31 @@ from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, 
 from oomkit.errors import ConfigError
 from oomkit.units import format_bytes
 
-__all__ = ["Target", "resolve_target"]
+__all__ = ["ParallelLayout", "Target", "resolve_target"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the step is spread over GPUs; the prediction is for rank 0 of it.
+
+    Attributes:
+        fsdp: ranks FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state
+            over (1: no sharding).
+    """
+
+    fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or self.fsdp < 1:
+            raise ConfigError(
+                f"the FSDP world size must be a whole number of at least 1; got {self.fsdp!r}. "
+                "Example: --fsdp 8"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all (the product of the parallel degrees)."""
+        return self.fsdp
 
 
 @dataclass(frozen=True)
@@ -46,8 +70,8 @@ class Target:
         cuda_version: the CUDA runtime of the target's torch (``"12.8"``): as given, else the
             installed torch build's, else its release's default PyPI wheel's; ``None`` only
             where none is known (a ROCm build). It sets the CUDA context's loading mode.
-        parallel: the parallel layout (data/tensor/pipeline ranks) the distributed issue adds;
-            always ``None`` until then (a single process on one GPU).
+        parallel: how the step is spread over GPUs (``--fsdp N``), predicted for rank 0;
+            ``None``: a single process on one GPU.
         cuda_context: the CUDA context assumed (figure, range, CUDA version, loading mode);
             ``None`` where the caller gave ``context_overhead_bytes`` instead.
         cuda_version_source: where ``cuda_version`` comes from, for reports.
@@ -60,7 +84,7 @@ class Target:
     torch_version: str | None = None
     cudnn_version: int | None = None
     cuda_version: str | None = None
-    parallel: None = None
+    parallel: ParallelLayout | None = None
     cuda_context: CudaContext | None = None
     cuda_version_source: str = "not stated"
     warnings: tuple[str, ...] = ()

@@ -148,13 +148,19 @@ _CACHE_SHARE = 0.05
 _CACHE_NOTABLE_BYTES = 2**30
 
 
-def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
+def diagnose_oom_text(
+    parsed: OomText, gpu: GpuSpec | None = None, *, expandable_segments: bool | None = None
+) -> Diagnosis:
     """Classify the causes of the OOM a message describes and price the remedies.
 
     Args:
         parsed: the message's figures (``parse_oom_text``).
         gpu: the device, when known; otherwise one is matched by the message's total memory, for
             its CUDA-context range.
+        expandable_segments: whether the failing run already had ``expandable_segments:True``
+            (a snapshot's recorded settings, or ``explain --alloc-conf``); None: not known.
+            PyTorch's message always suggests it; when it was on, the diagnosis says so instead
+            of offering it.
 
     Returns:
         The diagnosis; its ``cause`` is the strongest finding.
@@ -169,10 +175,12 @@ def diagnose_oom_text(parsed: OomText, gpu: GpuSpec | None = None) -> Diagnosis:
         return _driver_error(parsed)
     if parsed.variant == "fraction_rejected":
         return _fraction_rejected(parsed)
-    return _from_figures(parsed, gpu)
+    return _from_figures(parsed, gpu, expandable_segments)
 
 
-def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
+def _from_figures(
+    parsed: OomText, gpu: GpuSpec | None, expandable_segments: bool | None = None
+) -> Diagnosis:
     """Causes ranked by what would have let the request succeed.
 
     The deficit ``Q - F`` splits exactly into three parts: the cache held but unusable
@@ -320,7 +328,29 @@ def _from_figures(parsed: OomText, gpu: GpuSpec | None) -> Diagnosis:
             -finding.explained_bytes,
         )
     )
-    remedies = _remedies(parsed, findings, u=u, excess_outside=excess_outside, over=over, t=t)
+    remedies = _remedies(
+        parsed,
+        findings,
+        u=u,
+        excess_outside=excess_outside,
+        over=over,
+        t=t,
+        expandable_on=bool(expandable_segments),
+    )
+    if expandable_segments and parsed.variant != "cuda_malloc_async":
+        # ref §8: the message's "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        # is printed whatever the setting (CUDACachingAllocator.cpp malloc's OOM text).
+        warnings.append(
+            "PyTorch's message suggests PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, but "
+            "this run already had it on"
+            + (
+                f": the {format_bytes(u)} cached but unallocated is held in partly used pages "
+                "of expandable segments, which only empty_cache() or the OOM path unmaps"
+                if u > 0
+                else ""
+            )
+            + " (`oomkit doctor` shows the settings in effect)"
+        )
     return Diagnosis(
         cause=findings[0].cause,
         causes=tuple(findings),
@@ -339,6 +369,7 @@ def _remedies(
     excess_outside: int,
     over: int,
     t: int,
+    expandable_on: bool = False,
 ) -> tuple[Remedy, ...]:
     causes = {finding.cause for finding in findings}
     remedies: list[Remedy] = []
@@ -353,7 +384,7 @@ def _remedies(
                 estimate=False,
             )
         )
-    if "fragmentation" in causes and parsed.variant != "cuda_malloc_async":
+    if "fragmentation" in causes and parsed.variant != "cuda_malloc_async" and not expandable_on:
         remedies.append(
             Remedy(
                 "expandable segments",

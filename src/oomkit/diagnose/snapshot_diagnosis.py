@@ -349,11 +349,13 @@ def diagnose_snapshot(
             reserved_bytes=r,
             allowed_bytes=allowed,
         )
-        base = diagnose_oom_text(parsed, spec)
+        base = diagnose_oom_text(parsed, spec, expandable_segments=config.expandable_segments)
         largest_free = _largest_free_at(segments, history, oom_index)
         findings = [_with_largest_free(x, largest_free) for x in base.causes]
         # The text diagnosis estimates expandable segments; the replay below prices it.
         remedies = [x for x in base.remedies if x.title != "expandable segments"]
+        # Its note that the run already had expandable segments on (the recorded settings).
+        warnings += [w for w in base.warnings if "already had it on" in w]
         memory = base.memory_explained + (
             "" if gpu is not None else " (The GPU is not recorded: the context figure is typical.)"
         )

@@ -11,7 +11,10 @@ Rules referenced below are from ../shared/ref/cuda-caching-allocator.md.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -174,6 +177,7 @@ def tune(
     torch_version: str | None = None,
     candidates: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    jobs: int | None = 1,
 ) -> TuningResult:
     """Replay a workload under each candidate setting and rank the settings.
 
@@ -190,6 +194,10 @@ def tune(
             the default setting ``""`` is always replayed first, as the baseline.
         progress: called as ``progress(done, total)`` with ``done`` = 0 before the first replay
             and after each replay.
+        jobs: replay this many settings at once, each in its own process (None: one per CPU
+            core). The results are those of the one-at-a-time sweep: every replay is
+            deterministic and they are ranked in the same order. Needs the ``fork`` start
+            method (Linux); elsewhere the settings are replayed one at a time.
 
     Returns:
         The ranked candidates, the best recommendable one and its saving over the default.
@@ -217,11 +225,16 @@ def tune(
     total = len(settings)
     if progress is not None:
         progress(0, total)
-    results: list[tuple[str, AllocatorConfig, ReplayResult]] = []
-    for done, (text, config) in enumerate(settings, start=1):
-        results.append((text, config, replay(config)))
-        if progress is not None:
-            progress(done, total)
+    workers = _worker_count(jobs, total)
+    if workers > 1:
+        replayed = _replay_in_parallel(replay, [c for _, c in settings], workers, progress)
+    else:
+        replayed = []
+        for done, (_, config) in enumerate(settings, start=1):
+            replayed.append(replay(config))
+            if progress is not None:
+                progress(done, total)
+    results = [(text, config, r) for (text, config), r in zip(settings, replayed, strict=True)]
 
     baseline_result = results[0][2]
     gc_enabled = {
@@ -319,6 +332,48 @@ def _replayer(
                 close()
 
     return replay_events
+
+
+def _worker_count(jobs: int | None, settings: int) -> int:
+    """How many processes replay the settings: 1 unless asked and ``fork`` is available."""
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise AllocatorUsageError(f"jobs must be a positive int or None; got {jobs!r}.")
+    wanted = (os.cpu_count() or 1) if jobs is None else jobs
+    if wanted <= 1 or settings <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return min(wanted, settings)
+
+
+# The replay function of the sweep, in a worker process (inherited through fork, never pickled:
+# a trace factory may be a lambda).
+_WORKER_REPLAY: Callable[[AllocatorConfig], ReplayResult] | None = None
+
+
+def _init_worker(replay: Callable[[AllocatorConfig], ReplayResult]) -> None:
+    global _WORKER_REPLAY
+    _WORKER_REPLAY = replay
+
+
+def _replay_one(config: AllocatorConfig) -> ReplayResult:
+    assert _WORKER_REPLAY is not None
+    return _WORKER_REPLAY(config)
+
+
+def _replay_in_parallel(
+    replay: Callable[[AllocatorConfig], ReplayResult],
+    configs: list[AllocatorConfig],
+    workers: int,
+    progress: Callable[[int, int], None] | None,
+) -> list[ReplayResult]:
+    """Every config replayed in a pool of forked processes; results in ``configs`` order."""
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(replay,)) as pool:
+        futures = [pool.submit(_replay_one, config) for config in configs]
+        if progress is not None:
+            for done, _ in enumerate(as_completed(futures), start=1):
+                progress(done, len(configs))
+        # In order, so the first failing setting's error is raised, as one at a time.
+        return [future.result() for future in futures]
 
 
 def _valid_settings(

@@ -522,15 +522,12 @@ def predict(
         UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
         ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
-<<<<<<< HEAD
-        DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
-        EmptyRecordingError: the model is not on the meta device, or the step allocated
-            nothing there (it ran on the CPU, for real).
-=======
         UserCodeError: a module passed (in ``args``, ``track`` or ``kwargs``) has its
             parameters or buffers on the CPU: a model left there by mistake would run the
             step on the CPU for real and allocate nothing on the traced device.
->>>>>>> h-models
+        DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
+        EmptyRecordingError: the model is not on the meta device, or the step allocated
+            nothing there (it ran on the CPU, for real).
         ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
     """
     # Parsed once, before tracing, so that a bad setting fails first.

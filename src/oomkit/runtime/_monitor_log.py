@@ -43,7 +43,8 @@ class StepRecord:
     """Memory of one training step, as ``torch.cuda.memory_stats()`` tells it.
 
     Attributes:
-        step: 0-based index of the ``step()`` call this record was taken at.
+        step: the ``step()`` call this record was taken at, counted from 1 (logs written
+            before oomkit 0.1's step renumbering counted from 0).
         time_s: seconds since the monitor started (its ``get_time`` clock).
         step_time_s: mean seconds per step since the previous record (with ``every=1``: since
             the previous ``step()``); None for the first record.

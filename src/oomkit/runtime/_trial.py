@@ -66,7 +66,8 @@ class Trial:
         steps_per_s: throughput over the steps after the first (None with fewer than 2).
         alloc_retries: mallocs that freed the cache and retried (cumulative at the last step).
         device_allocs: cudaMalloc calls (cumulative at the last step).
-        oom_step: the 0-based step that ran out of memory (status ``oom``).
+        oom_step: the step that ran out of memory, counted from 1 (status ``oom``): the one
+            after the last completed optimizer step.
         exit_code: the child's exit code (negative: killed by that signal); None if not run.
         error: why it did not complete: the last line the script wrote on stderr, the
             setting's error, or the timeout.
@@ -311,7 +312,7 @@ def finish_trial(run: Running, *, timed_out: bool, get_time: Callable[[], float]
         status = result["outcome"]
     elif result is not None and result["outcome"] == "oom":
         status = "oom"
-        oom_step = result["steps"]
+        oom_step = result["steps"] + 1  # the step after the last completed one, from 1
         error = result["message"]
     else:
         status = "crashed"

@@ -359,7 +359,7 @@ class Monitor:
         self._last_record_step = index
         get = stats.get
         record = StepRecord(
-            step=index,
+            step=index + 1,  # counted from 1, as users count (issue 16 item 12)
             time_s=now - self._t0,
             step_time_s=step_time,
             allocated_bytes=int(get(_ALLOCATED, 0)),

@@ -382,7 +382,7 @@ class Resilient:
             logger.warning(
                 "CUDA OOM in %s step %d (batch %d, micro-batch %d%s); retrying with micro-batch %d",
                 event.phase,
-                event.step_index,
+                event.step_index + 1,  # steps counted from 1 in messages, as users count
                 event.batch_size,
                 event.failed_micro_batch_size,
                 "" if event.micro_batch_index is not None else ", on another rank",

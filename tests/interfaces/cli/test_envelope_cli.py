@@ -115,3 +115,26 @@ def test_images_preset_refuses_lengths(tmp_path, capsys):
     lengths.write_text("64\n")
     assert main(["predict", "resnet50", "--lengths", str(lengths)]) == 2
     assert "takes images" in capsys.readouterr().err
+
+
+def test_fit_lengths_finds_the_batch_of_the_whole_run(step_file, tmp_path, capsys):
+    """fit --lengths: the batch found runs the whole file; the next one tried does not fit."""
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("32\n64\n")
+    code = main(
+        ["fit", f"{step_file}:build", "--lengths", str(lengths), "--gpu", "1GiB",
+         "--max-batch", "64", "--json"]
+    )
+    assert code == 0
+    out = _json(capsys)
+    best = out["batch_size"]
+    assert out["envelope"]["first_oom_step"] is None and out["envelope"]["lengths"] == [32, 64]
+    fits = {p["batch_size"]: p["fits"] for p in out["probes"]}
+    assert fits[best] is True
+    assert best == 64 or fits.get(best + 1) is False
+
+
+def test_fit_seed_without_lengths_is_refused(step_file, capsys):
+    """--seed alone changes nothing: exit 2 naming --lengths."""
+    assert main(["fit", f"{step_file}:build", "--seed", "1", "--gpu", "1GiB"]) == 2
+    assert "go with --lengths FILE" in capsys.readouterr().err

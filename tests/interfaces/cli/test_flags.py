@@ -12,7 +12,15 @@ EXPECTED = {
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
     "presets": ["--json"],
-    "explain": ["--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure"],
+    "explain": [
+        "--alloc-conf",
+        "--device",
+        "--gpu",
+        "--html",
+        "--json",
+        "--memory-fraction",
+        "--no-measure",
+    ],
     "fit": [
         "--alloc-conf",
         "--batch",
@@ -28,6 +36,7 @@ EXPECTED = {
         "--hf",
         "--image-size",
         "--json",
+        "--lengths",
         "--lora",
         "--lora-alpha",
         "--lora-dropout",
@@ -38,8 +47,10 @@ EXPECTED = {
         "--mode",
         "--optimizer",
         "--optimizer-impl",
+        "--pad-to",
         "--precision",
         "--quantize",
+        "--seed",
         "--seq",
         "--smallest-gpu",
         "--steps",
@@ -57,6 +68,7 @@ EXPECTED = {
         "--cudnn-version",
         "--dora",
         "--double-quant",
+        "--fsdp",
         "--gpu",
         "--hf",
         "--html",
@@ -94,7 +106,7 @@ EXPECTED = {
         "--verify",
     ],
     "simulate": ["--alloc-conf", "--capacity", "--gpu", "--json", "--torch-version"],
-    "tune": ["--capacity", "--device", "--gpu", "--json"],
+    "tune": ["--capacity", "--device", "--gpu", "--jobs", "--json"],
 }
 
 

@@ -61,7 +61,7 @@ def test_tune_flags():
         for opt in a.option_strings
         if opt.startswith("--") and opt != "--help"
     )
-    assert flags == ["--capacity", "--device", "--gpu", "--json"]
+    assert flags == ["--capacity", "--device", "--gpu", "--jobs", "--json"]
 
 
 def test_tune_json_on_a_trace(tmp_path, capsys):
@@ -265,3 +265,24 @@ def test_tune_piped_keeps_setting_names_whole(tmp_path, capsys, monkeypatch):
     assert any(len(line) > 80 for line in lines)
     reason = next(line for line in lines if line.startswith("max-split-with-expandable:"))
     assert reason.endswith("(PyTorch issue #123548); use one or the other")
+
+
+@pytest.mark.parametrize("kind", ["trace", "snapshot"])
+def test_tune_jobs_gives_the_serial_output(tmp_path, capsys, kind):
+    """`--jobs 2` (a process pool) prints exactly what `--jobs 1` prints."""
+    path = _trace(tmp_path) if kind == "trace" else _snapshot(tmp_path, "s.pickle")
+    outputs = []
+    for jobs in ("1", "2"):
+        assert main(["tune", str(path), "--capacity", "1GiB", "--json", "--jobs", jobs]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["best"]["alloc_conf"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2", "many"])
+def test_tune_bad_jobs_is_a_usage_error(tmp_path, capsys, jobs):
+    """--jobs takes a positive number of processes."""
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(_trace(tmp_path)), "--jobs", jobs])
+    assert exc.value.code == 2
+    assert "positive number of processes" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def test_records_each_optimizer_step_and_logs_figures(tmp_path):
     )
     trainer.train()
     records = callback.monitor.records
-    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert [r.step for r in records] == [1, 2, 3, 4]
     assert [r.allocated_bytes for r in records] == [MiB, 2 * MiB, 3 * MiB, 4 * MiB]
     step_logs = [log for log in capture.logs if "loss" in log]
     assert [log["oomkit/allocated_bytes"] for log in step_logs] == [2 * MiB, 4 * MiB]

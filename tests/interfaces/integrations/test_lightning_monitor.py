@@ -50,7 +50,7 @@ def test_one_record_per_optimizer_step_with_accumulation(tmp_path):
     callback = OomkitMonitorCallback(device=GrowingDevice(), log_path=tmp_path / "m_{rank}.jsonl")
     _fit(callback, max_steps=3, accumulate_grad_batches=2)
     records = callback.monitor.records
-    assert [r.step for r in records] == [0, 1, 2]
+    assert [r.step for r in records] == [1, 2, 3]
     assert [r.allocated_bytes for r in records] == [MiB, 2 * MiB, 3 * MiB]
     header, from_log = read_monitor_log(tmp_path / "m_0.jsonl")
     assert from_log == records and header["device"] == "fake"

@@ -86,7 +86,7 @@ def test_single_log_summary(tmp_path):
     )
     report = build_monitor_report([path])
     (summary,) = report.summaries
-    assert summary.steps == 3 and summary.last_step == 2
+    assert summary.steps == 3 and summary.last_step == 3
     assert summary.peak_allocated_bytes == 7 * MiB
     assert summary.peak_reserved_bytes == 22 * MiB
     assert summary.max_inactive_split_bytes == 5 * MiB

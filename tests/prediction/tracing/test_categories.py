@@ -6,7 +6,7 @@ from oomkit.prediction.tracing import CATEGORIES, infer_category
 
 
 def test_vocabulary():
-    """The nine categories, in a fixed order."""
+    """The eleven categories, in a fixed order (FSDP2's two buffer kinds last)."""
     assert CATEGORIES == (
         "parameter",
         "buffer",
@@ -17,7 +17,19 @@ def test_vocabulary():
         "input",
         "autocast_cache",
         "workspace",
+        "allgather_buffer",
+        "reduce_scatter_buffer",
     )
+
+
+def test_allgather_buffer_wins_over_parameter():
+    """An unsharded FSDP2 parameter (a view of its all-gather buffer) is that buffer."""
+    assert infer_category({"parameter", "allgather_buffer"}, "forward") == "allgather_buffer"
+
+
+def test_gradient_wins_over_reduce_scatter_buffer():
+    """A reduce-scatter output that becomes the sharded gradient is a gradient."""
+    assert infer_category({"reduce_scatter_buffer", "gradient"}, "backward") == "gradient"
 
 
 def test_parameter_wins_over_saved():

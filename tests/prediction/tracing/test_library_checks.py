@@ -78,7 +78,8 @@ def _llama_config():
 
 
 def _llama_step(*, mask: bool, checkpointing: bool, batch: int = 4, seq: int = 128):
-    """A user's loop as the --hf step runs it: CrossEntropyLoss on the logits, AdamW."""
+    """A user's loop as the --hf step runs it: the model's own labels= loss, outputs kept to
+    the end of the step, AdamW."""
     with value_tracking(), torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
             _llama_config(), attn_implementation="sdpa"
@@ -92,16 +93,14 @@ def _llama_step(*, mask: bool, checkpointing: bool, batch: int = 4, seq: int = 1
         ids = torch.randint(0, 512, (batch, seq))
         labels = torch.randint(0, 512, (batch, seq))
         attention_mask = torch.ones(batch, seq, dtype=torch.long)
-        loss_fn = torch.nn.CrossEntropyLoss()
 
     def step(*_tracked):
         extra = {"attention_mask": attention_mask} if mask else {}
-        logits = model(input_ids=ids, use_cache=False, **extra).logits
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        del logits  # as --hf's step: the logits are not kept through backward
-        loss.backward()
+        outputs = model(input_ids=ids, labels=labels, **extra)  # ForCausalLMLoss inside
+        outputs.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        del outputs  # as --hf's step: the outputs live to the end of the step
 
     return trace_step(step, model, optimizer, ids, labels, attention_mask, steps=3)
 
@@ -122,8 +121,9 @@ def test_an_all_ones_attention_mask_takes_the_no_mask_path(checkpointing):
 def test_the_user_loop_matches_the_hf_builder_on_the_same_config():
     """The user's from_config loop with an all-ones mask gives --hf's bytes plus its mask.
 
-    Same loss path as the --hf step (CrossEntropyLoss on the logits, logits not kept): the one
-    difference is the user's attention mask, an int64 input of batch x seq (4 x 128 x 8 bytes).
+    Same loss path as the --hf step (the model's labels= loss, outputs kept to the end of the
+    step): the one difference is the user's attention mask, an int64 input of batch x seq
+    (4 x 128 x 8 bytes).
     """
     from oomkit.prediction.models import StepOptions, build_hf_step
 

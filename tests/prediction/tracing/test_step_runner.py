@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import oomkit  # noqa: E402
-from oomkit.errors import EmptyRecordingError  # noqa: E402
+from oomkit.errors import EmptyRecordingError, UserCodeError  # noqa: E402
 from oomkit.interfaces.reports.prediction import COMPILED_EAGERLY, verdict_line  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
 from oomkit.prediction.tracing import trace_step  # noqa: E402
@@ -43,8 +43,13 @@ def test_predict_refuses_a_model_left_on_the_cpu():
         ran.append(1)
         model(torch.randn(2, 4, device="cpu"))
 
-    with pytest.raises(EmptyRecordingError, match=r"2 parameter\(s\) passed in \(80 bytes\) are on cpu"):
+    # predict's own check (the module's parameters) refuses it first, with what to do.
+    with pytest.raises(UserCodeError, match="a Linear passed to oomkit.predict .* on the CPU"):
         oomkit.predict(step, model)
+    assert ran == []
+    # trace_step alone (no module check there) refuses it as an empty recording, still unrun.
+    with pytest.raises(EmptyRecordingError, match=r"2 parameter\(s\) passed in \(80 bytes\) are on cpu"):
+        trace_step(step, model, require_allocations=True)
     assert ran == []
 
 

@@ -63,8 +63,7 @@ class Run(ReplayHooks):
         self.recorded_index = [i for i, _ in recorded]
         self.warnings: list[str] = []
         self.current = 0  # trace index of the event being replayed
-        self.misplaced = 0  # allocs the simulator placed elsewhere than the recording
-        self.allocs_checked = 0  # allocs whose placement was compared with the recording
+        self.misplaced_count = 0  # allocs the simulator placed elsewhere than the recording
         self.readings_tried = 1  # replays _verify_run ran to pick this one (itself included)
         self.log_index: list[int] = []  # trace index at which each simulated segment event came
         self._next_synthetic = _synthetic_base(start, events)
@@ -75,9 +74,14 @@ class Run(ReplayHooks):
             device_malloc=self._device_malloc if verify else None,
             segment_address=self._segment_address,
         )
-        self.engine = ReplayEngine(self.allocator, self, deferred_frees=True)
+        self.engine = ReplayEngine(
+            self.allocator,
+            self,
+            deferred_frees=True,
+            check_addresses=verify,
+            log_index=self.log_index,
+        )
         self._seed()
-        self._logged = len(self.allocator.segment_log)
 
     # -- oracle callbacks -------------------------------------------------------------------
 
@@ -86,7 +90,7 @@ class Run(ReplayHooks):
         k = len(self.allocator.segment_log)
         if k < len(self.recorded):
             rec = self.recorded[k]
-            if rec[0] in CREATE and self.recorded_index[k] < self.current:
+            if rec[0] in CREATE and self.recorded_index[k] < self.engine.current:
                 return rec
         return None
 
@@ -148,29 +152,22 @@ class Run(ReplayHooks):
     def replay(self) -> None:
         self.engine.run(self.events)
 
-    def _note_log(self, i: int) -> None:
-        """Segment events the allocator logged during trace event ``i`` came at ``i``."""
-        k = len(self.allocator.segment_log)
-        if k != self._logged:
-            self.log_index.extend([i] * (k - self._logged))
-            self._logged = k
-
-    def after_event(self, index: int, event: TraceEvent) -> None:
-        # _note_log inlined: this runs once per event.
-        k = len(self.allocator.segment_log)
-        if k != self._logged:
-            self.log_index.extend([index] * (k - self._logged))
-            self._logged = k
-        self.current = index + 1
+    def uses(self, name: str) -> bool:
+        # The engine keeps log_index and checks addresses itself; the per-alloc and per-free
+        # hooks matter only when a completion group is replayed with its other reading.
+        if name == "after_event":
+            return False
+        if name in ("after_alloc", "completes_later"):
+            return bool(self.flipped)
+        return super().uses(name)
 
     def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
         self._sync_first = False
-        if self.verify:
-            self.allocs_checked += 1
-            if ptr != event.address:
-                self.misplaced += 1
-                self._problem(index)
-        if self.misplaced == 1 and not self._misplaced_warned:
+
+    def misplaced(self, index: int, event: TraceEvent, ptr: int) -> None:
+        self.misplaced_count += 1
+        self._problem(index)
+        if not self._misplaced_warned:
             self._misplaced_warned = True
             self.warnings.append(
                 f"event {index}: the simulator placed an alloc of {event.size:,} B at {ptr:#x}, "
@@ -225,7 +222,6 @@ class Run(ReplayHooks):
     def out_of_memory(
         self, index: int, event: TraceEvent, error: SimulatedOutOfMemoryError
     ) -> bool:
-        self._note_log(index)
         if not self.verify:
             return True
         self._problem(index)
@@ -236,7 +232,6 @@ class Run(ReplayHooks):
         return False
 
     def failed(self, index: int, event: TraceEvent, error: OomkitError) -> None:
-        self._note_log(index)
         self._problem(index)
         self.warnings.append(f"event {index}: {error}; the replay stopped there")
 
@@ -258,6 +253,8 @@ class Run(ReplayHooks):
 
     _misplaced_warned = False
     _unknown_warned = False
+    _final_matches: tuple[Sequence[SeedSegment], bool] | None = None
+    _snapshot: list[dict] | None = None
 
     def unknown_id(self, index: int, event: TraceEvent) -> None:
         if not self._unknown_warned:
@@ -275,10 +272,23 @@ class Run(ReplayHooks):
             self.first_problem_index = i
 
     def final_matches(self, final: Sequence[SeedSegment]) -> bool:
-        """Whether the simulator's segments equal the snapshot's final ones."""
-        return normalise_segments(self.allocator.snapshot()) == normalise_segments(
-            seed_segments_as_dicts(final)
-        )
+        """Whether the simulator's segments equal the snapshot's final ones.
+
+        Asked once the replay has ended (``score``, ``first_problem``, ``result``), so the answer
+        is kept: normalising thousands of segments twice per run cost more than the replay.
+        """
+        if self._final_matches is None or self._final_matches[0] is not final:
+            matches = normalise_segments(self.final_snapshot()) == normalise_segments(
+                seed_segments_as_dicts(final)
+            )
+            self._final_matches = (final, matches)
+        return self._final_matches[1]
+
+    def final_snapshot(self) -> list[dict]:
+        """``allocator.snapshot()`` once the replay has ended, computed once."""
+        if self._snapshot is None:
+            self._snapshot = self.allocator.snapshot()
+        return self._snapshot
 
     def score(self, final: Sequence[SeedSegment]) -> tuple[int, int, bool]:
         """How well the replay agrees with the recording; higher is better."""
@@ -323,8 +333,12 @@ class Run(ReplayHooks):
         verify_fields: dict = {}
         if self.verify and compare:
             matched, divergence = self.compare()
-            difference = first_segment_difference(
-                tuple(self.allocator.snapshot()), seed_segments_as_dicts(final)
+            difference = (
+                None
+                if self.final_matches(final)
+                else first_segment_difference(
+                    tuple(self.final_snapshot()), seed_segments_as_dicts(final)
+                )
             )
             if difference is not None:
                 warnings = (*warnings, f"final state differs: {difference}")
@@ -333,11 +347,15 @@ class Run(ReplayHooks):
                 "segment_events_matched": matched,
                 "final_state_matches": difference is None,
                 "first_divergence": divergence,
-                "allocs_misplaced": self.misplaced,
-                "allocs_checked": self.allocs_checked,
+                "allocs_misplaced": self.misplaced_count,
+                # Every alloc replayed had its placement compared (the engine's check_addresses).
+                "allocs_checked": sum(
+                    1 for ev in self.events[: self.engine.replayed] if ev.action == "alloc"
+                ),
                 "readings_tried": self.readings_tried,
             }
         return self.engine.result(
+            final_segments=self.final_snapshot(),
             alloc_conf=str(self.config),
             torch_version=self.torch_version,
             recorded_peak_reserved_bytes=recorded_peak,
@@ -352,6 +370,7 @@ def _synthetic_base(start: StartState, events: Sequence[TraceEvent]) -> int:
     for seg in start.segments:
         top = max(top, seg.address + seg.total_size)
     for ev in events:
-        if ev.action != "oom":  # an oom entry's address field is device_free, not an address
-            top = max(top, ev.address + ev.size)
+        # An oom entry's address field is device_free, not an address. (No max(): per event.)
+        if ev.action != "oom" and ev.address + ev.size > top:
+            top = ev.address + ev.size
     return -(-top // _SYNTHETIC_ALIGN_BYTES) * _SYNTHETIC_ALIGN_BYTES + _SYNTHETIC_ALIGN_BYTES

@@ -31,9 +31,19 @@ class ReplayHooks:
     The defaults replay a request-only trace strictly: an id that is not live, or an alloc of a
     live id, raises ``TraceFormatError``; segment and ``oom`` entries are decisions, not
     requests, and are skipped; an out-of-memory stops the replay and is its outcome.
-    ``after_alloc`` and ``after_event`` are called only when a subclass overrides them, so a
-    replay without them pays nothing per event.
+    ``after_alloc``, ``after_event`` and ``completes_later`` are called only when
+    :meth:`uses` says so (by default: when a subclass overrides them), so a replay without them
+    pays nothing per event.
     """
+
+    def uses(self, name: str) -> bool:
+        """Whether the engine must call the per-event hook ``name`` (``after_alloc``,
+        ``after_event`` or ``completes_later``); default: when a subclass overrides it."""
+        return getattr(type(self), name) is not getattr(ReplayHooks, name)
+
+    def misplaced(self, index: int, event: TraceEvent, ptr: int) -> None:
+        """With ``check_addresses``: the alloc at ``index`` was served at ``ptr``, not at the
+        recorded ``event.address``."""
 
     def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
         """An ``alloc`` at trace ``index`` was served at simulated pointer ``ptr``."""
@@ -85,11 +95,11 @@ class ReplayHooks:
         raise error
 
 
-def _overridden(hooks: ReplayHooks, name: str) -> Callable[..., None] | None:
-    """The hook's bound method, or None when it is ReplayHooks' no-op (bound once, not per event)."""
-    if getattr(type(hooks), name) is getattr(ReplayHooks, name):
+def _overridden(hooks: ReplayHooks, name: str) -> Callable[..., Any] | None:
+    """The hook's bound method, or None when the hooks do not use it (bound once, not per event)."""
+    if not hooks.uses(name):
         return None
-    method: Callable[..., None] = getattr(hooks, name)
+    method: Callable[..., Any] = getattr(hooks, name)
     return method
 
 
@@ -104,6 +114,12 @@ class ReplayEngine:
       ``deferred=True`` (allocated drops now) and ``free_completed`` makes the block reusable;
       a request directly followed by its own completion is one plain free. Needs a sequence
       of events (it looks one event ahead).
+
+    Two per-event duties are done in the loop itself rather than through a hook call (a replay
+    runs them millions of times): with ``check_addresses`` an alloc served elsewhere than its
+    recorded address calls ``hooks.misplaced``; with ``log_index`` the trace index at which
+    each new entry of the allocator's ``segment_log`` came is appended to it. ``current`` is
+    the index of the event being fed (read by allocator callbacks during it).
     """
 
     def __init__(
@@ -112,10 +128,15 @@ class ReplayEngine:
         hooks: ReplayHooks | None = None,
         *,
         deferred_frees: bool = False,
+        check_addresses: bool = False,
+        log_index: list[int] | None = None,
     ) -> None:
         self.allocator = allocator
         self.hooks = hooks if hooks is not None else ReplayHooks()
         self.deferred_frees = deferred_frees
+        self.check_addresses = check_addresses
+        self.log_index = log_index
+        self.current = 0
         self.live: dict[int, int] = {}  # trace id -> simulated pointer, live blocks
         self.pending: dict[int, int] = {}  # freed, waiting for free_completed
         self.replayed = 0  # events fed, the one that stopped the replay included
@@ -127,7 +148,12 @@ class ReplayEngine:
         hooks = self.hooks
         after_alloc = _overridden(hooks, "after_alloc")
         after_event = _overridden(hooks, "after_event")
+        completes_later = _overridden(hooks, "completes_later")
+        check = self.check_addresses
+        log_index = self.log_index
         allocator = self.allocator
+        segment_log = allocator.segment_log
+        logged = len(segment_log)
         malloc, free, complete_free = allocator.malloc, allocator.free, allocator.complete_free
         live, pending = self.live, self.pending
         deferred = self.deferred_frees
@@ -140,6 +166,7 @@ class ReplayEngine:
         ptr: int | None
         try:
             for index, event in numbered:
+                self.current = index
                 action = event.action
                 if action == "alloc":
                     address = event.address
@@ -147,6 +174,8 @@ class ReplayEngine:
                         hooks.duplicate_alloc(index, event)
                     ptr = malloc(event.size, event.stream)
                     live[address] = ptr
+                    if check and ptr != address:
+                        hooks.misplaced(index, event, ptr)
                     if after_alloc is not None:
                         after_alloc(index, event, ptr)
                 elif action == "free_requested":
@@ -162,10 +191,17 @@ class ReplayEngine:
                     ):
                         # Its own completion comes next: one free, unless that completion is
                         # left to the next request's Step 9 (then deferred, completed there).
-                        free(ptr, deferred=hooks.completes_later(index + 1))
+                        if completes_later is None:
+                            free(ptr)
+                        else:
+                            free(ptr, deferred=completes_later(index + 1))
+                        if log_index is not None and len(segment_log) != logged:
+                            log_index.extend([index] * (len(segment_log) - logged))
+                            logged = len(segment_log)
                         if after_event is not None:
                             after_event(index, event)
                         index, event = next(numbered)
+                        self.current = index
                     else:
                         free(ptr, deferred=True)
                         pending[event.address] = ptr
@@ -174,7 +210,7 @@ class ReplayEngine:
                     if deferred:
                         if ptr is None:
                             hooks.unknown_id(index, event)
-                        elif not hooks.completes_later(index):
+                        elif completes_later is None or not completes_later(index):
                             # §15.8: a deferred free completes here, not at its free_requested.
                             complete_free(ptr)
                     else:
@@ -193,18 +229,41 @@ class ReplayEngine:
                     hooks.oom_event(index, event)
                 # segment_alloc / segment_map happen inside malloc; "snapshot" carries no
                 # request (§15.9).
+                if log_index is not None and len(segment_log) != logged:
+                    log_index.extend([index] * (len(segment_log) - logged))
+                    logged = len(segment_log)
                 if after_event is not None:
                     after_event(index, event)
         except SimulatedOutOfMemoryError as exc:
+            self._note_log(index, logged)
             if hooks.out_of_memory(index, event, exc):
                 self.oom_index, self.oom_error = index, exc
         except OomkitError as exc:
+            self._note_log(index, logged)
             hooks.failed(index, event, exc)
         self.replayed = index + 1
 
-    def result(self, *, alloc_conf: str, torch_version: str | None, **fields: Any) -> ReplayResult:
-        """The replay's record from the allocator's final state; ``fields`` adds the rest."""
+    def _note_log(self, index: int, logged: int) -> None:
+        """Segment events logged during the event that stopped the replay came at ``index``."""
+        log = self.allocator.segment_log
+        if self.log_index is not None and len(log) != logged:
+            self.log_index.extend([index] * (len(log) - logged))
+
+    def result(
+        self,
+        *,
+        alloc_conf: str,
+        torch_version: str | None,
+        final_segments: list[dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> ReplayResult:
+        """The replay's record from the allocator's final state; ``fields`` adds the rest.
+
+        ``final_segments``: ``allocator.snapshot()`` when the caller already took it.
+        """
         allocator = self.allocator
+        if final_segments is None:
+            final_segments = allocator.snapshot()
         stats = allocator.memory_stats()
         return ReplayResult(
             events=self.replayed,
@@ -216,7 +275,7 @@ class ReplayEngine:
             num_device_free=stats["num_device_free"],
             num_alloc_retries=stats["num_alloc_retries"],
             segment_events=tuple((e[0], e[1], e[2]) for e in allocator.segment_log),
-            final_segments=tuple(allocator.snapshot()),
+            final_segments=tuple(final_segments),
             memory_stats=stats,
             oom=self.oom_index is not None,
             oom_event_index=self.oom_index,

@@ -112,7 +112,8 @@ def reconstruct_start_state(
     runs: list[SeedSegment] = []  # expandable mapped runs
     live: dict[int, _Live] = {}
     for seg in final_segments:
-        shell = replace(seg, blocks=())
+        # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
+        shell = SeedSegment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ())
         if seg.expandable:
             runs.append(shell)
         else:
@@ -195,18 +196,22 @@ def reconstruct_start_state(
                 )
                 size = limit - addr
             blocks.append(SeedBlock(addr, size, held.requested_size, held.state))
-        out.append(layout_segment(replace(seg, blocks=tuple(blocks))))
+        out.append(layout_segment(seg, blocks))
     return StartState(tuple(out), hidden_count, tuple(warnings))
 
 
-def layout_segment(segment: SeedSegment) -> SeedSegment:
+def layout_segment(segment: SeedSegment, live: Sequence[SeedBlock] | None = None) -> SeedSegment:
     """Fill every gap between a segment's live blocks with one free block.
 
     Free neighbours always merge (§5.2), so each gap is exactly one inactive block.
+
+    Args:
+        segment: the segment; its ``blocks`` are the live ones unless ``live`` is given.
+        live: the live blocks, replacing ``segment.blocks``.
     """
     blocks: list[SeedBlock] = []
     cursor = segment.address
-    for b in sorted(segment.blocks, key=lambda b: b.address):
+    for b in sorted(segment.blocks if live is None else live, key=_address):
         if b.state not in LIVE_STATES:
             continue
         if b.address > cursor:
@@ -215,7 +220,18 @@ def layout_segment(segment: SeedSegment) -> SeedSegment:
         cursor = b.address + b.size
     if cursor < segment.end:
         blocks.append(SeedBlock(cursor, segment.end - cursor, 0, "inactive"))
-    return replace(segment, blocks=tuple(blocks))
+    return SeedSegment(
+        segment.address,
+        segment.total_size,
+        segment.stream,
+        segment.is_small,
+        segment.expandable,
+        tuple(blocks),
+    )
+
+
+def _address(block: SeedBlock) -> int:
+    return block.address
 
 
 def _recover_size(

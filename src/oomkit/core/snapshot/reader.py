@@ -14,6 +14,7 @@ plus the sizes of the blocks before it (blocks tile their segment in address ord
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,6 +49,9 @@ _REQUIRED = object()
 
 # Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
 _TAG_FIELDS = ("compile_context", "user_metadata")
+# Stacks looked up by the identity of their frame dicts, at most (each holds its dicts alive;
+# files whose frame dicts are not shared fill it and then read every stack by value).
+_STACK_ID_CACHE_MAX = 20_000
 
 
 def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapshot:
@@ -67,15 +71,25 @@ def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapsho
             global, or holds something other than a memory snapshot.
         OSError: the file cannot be opened.
     """
-    if isinstance(source, (bytes, bytearray)):
-        name, label = "<bytes>", None
-        data = load_plain_pickle(bytes(source), name)
-    else:
-        path = Path(source)
-        name = label = str(path)
-        with open(path, "rb") as stream:
-            data = load_plain_pickle(stream, name)
-    return snapshot_from_data(data, name=name, source=label)
+    # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
+    # millions of new dicts it runs over and over, each full pass walking everything built so
+    # far: paused while reading (a 5M-event file loads several times faster).
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            name, label = "<bytes>", None
+            data = load_plain_pickle(bytes(source), name)
+        else:
+            path = Path(source)
+            name = label = str(path)
+            with open(path, "rb") as stream:
+                data = load_plain_pickle(stream, name)
+        # The tree is this function's own: the normaliser frees each trace entry once read.
+        return _Normaliser(name, consume=True).snapshot(data, label)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
@@ -95,10 +109,13 @@ def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = 
 class _Normaliser:
     """One pass over the unpickled tree; interns frames so repeated stacks are shared."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, consume: bool = False) -> None:
         self.name = name
+        # Whether the unpickled tree is ours to take apart while it is read (load_snapshot).
+        self.consume = consume
         self._frames: dict[tuple[str, int, str], Frame] = {}
-        self._stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+        self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
+        self._stacks_by_ids: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[Frame, ...]]] = {}
         self.warnings: list[str] = []
         self._inferred_noted = False
         self.keys_seen: set[str] = set()
@@ -277,43 +294,56 @@ class _Normaliser:
     def trace(self, device: int, entries: Any) -> tuple[TraceEvent, ...]:
         if not isinstance(entries, list):
             raise self.fail(f"device_traces[{device}] is not a list")
-        events = []
+        events: list[TraceEvent] = []
+        append = events.append
+        keys: set[str] = set()
+        note_keys = keys.update
+        frames_of = self.frames
+        tag_fields = _TAG_FIELDS
+        consume = self.consume
         for index, raw in enumerate(entries):
-            where = f"device_traces[{device}][{index}]"
-            if not isinstance(raw, dict):
+            if type(raw) is not dict:
+                where = f"device_traces[{device}][{index}]"
                 raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
-            self.note("trace", raw)
-            action = raw.get("action")
-            if not isinstance(action, str):
-                raise self.fail(f"{where} has no 'action' string")
+            note_keys(raw)
+            action: Any = raw.get("action")
             # An oom entry records device_free in place of addr (ref §11.2).
-            address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
+            if "addr" in raw or "device_free" not in raw:
+                address = raw.get("addr")
+            else:
+                address = raw["device_free"]
+            size = raw.get("size")
+            stream = raw.get("stream")
+            # An absent (or None) number reads as 0, as int_field does.
+            if address is None:
+                address = 0
+            if size is None:
+                size = 0
+            if stream is None:
+                stream = 0
             time_us = raw.get("time_us")
-            if time_us is not None and type(time_us) is not int:
-                raise self.fail(f"{where}: 'time_us' is {show(time_us)}, not an int")
-            tags = []
-            for key in _TAG_FIELDS:
-                value = raw.get(key)
-                if value not in (None, "", "N/A"):
-                    tags.append((key, value if type(value) is str else show(value)))
-            pool_id = raw.get("pool_id")
             if (
-                isinstance(pool_id, (tuple, list))
-                and all(type(p) is int for p in pool_id)
-                and tuple(pool_id) != (0, 0)
+                type(action) is not str
+                or type(address) is not int
+                or type(size) is not int
+                or type(stream) is not int
+                or (time_us is not None and type(time_us) is not int)
             ):
-                tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
-            events.append(
+                self._bad_entry(device, index, raw)
+            tags: tuple[tuple[str, str], ...] = ()
+            if "compile_context" in raw or "user_metadata" in raw or "pool_id" in raw:
+                tags = self._tags(raw, tag_fields)
+            frames = raw.get("frames")
+            append(
                 TraceEvent(
-                    action=action,
-                    address=self.int_field(raw, address_key, where, 0),
-                    size=self.int_field(raw, "size", where, 0),
-                    stream=self.int_field(raw, "stream", where, 0),
-                    time_us=time_us,
-                    frames=self.frames(raw.get("frames")),
-                    tags=tuple(tags),
+                    action, address, size, stream, time_us, frames_of(frames) if frames else (), tags
                 )
             )
+            if consume:
+                # load_snapshot's own tree: drop each raw entry once read, so the raw trace and
+                # its records are never both held in full (issue 19 item 3).
+                entries[index] = None
+        self.keys_seen.update(f"trace:{key}" for key in keys)
         return tuple(events)
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
@@ -331,6 +361,35 @@ class _Normaliser:
             f"not know ({listed}); the replay skips them"
         )
         return events
+
+    def _bad_entry(self, device: int, index: int, raw: dict) -> None:
+        """Raise the message for the first malformed field of trace entry ``index``."""
+        where = f"device_traces[{device}][{index}]"
+        if not isinstance(raw.get("action"), str):
+            raise self.fail(f"{where} has no 'action' string")
+        time_us = raw.get("time_us")
+        if time_us is not None and type(time_us) is not int:
+            raise self.fail(f"{where}: 'time_us' is {show(time_us)}, not an int")
+        address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
+        for key in (address_key, "size", "stream"):
+            self.int_field(raw, key, where, 0)
+
+    @staticmethod
+    def _tags(raw: dict, tag_fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+        tags = []
+        for key in tag_fields:
+            value = raw.get(key)
+            if value not in (None, "", "N/A"):
+                # Bounded: str() of an untrusted nested value (a memo bomb) may never end.
+                tags.append((key, value if type(value) is str else show(value)))
+        pool_id = raw.get("pool_id")
+        if (
+            isinstance(pool_id, (tuple, list))
+            and all(type(p) is int for p in pool_id)
+            and tuple(pool_id) != (0, 0)
+        ):
+            tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
+        return tuple(tags)
 
     # ---------------------------------------------------------------------------- helpers
 
@@ -354,26 +413,52 @@ class _Normaliser:
     def frames(self, raw: Any) -> tuple[Frame, ...]:
         if not raw or not isinstance(raw, list):
             return ()
-        pool = self._frames
-        out = []
+        # PyTorch pickles each distinct frame dict once and refers to it from every stack (a
+        # real 19,136-event file: 607,330 frame references, 629 frame dicts), so a stack of the
+        # same dict objects is the same stack: look it up by their ids first. The cache keeps
+        # the dicts alive, so an id cannot be reused by another object while it is cached.
+        by_ids = self._stacks_by_ids
+        ids = tuple(map(id, raw))
+        hit = by_ids.get(ids)
+        if hit is not None:
+            return hit[1]
+        stack = self._read_frames(raw)
+        if len(by_ids) < _STACK_ID_CACHE_MAX:
+            by_ids[ids] = (tuple(raw), stack)
+        return stack
+
+    def _read_frames(self, raw: list) -> tuple[Frame, ...]:
+        keys: list[tuple[str, int, str]] = []
+        append = keys.append
         for f in raw:
-            if not isinstance(f, dict):
+            if type(f) is not dict and not isinstance(f, dict):
                 continue
-            key = (
-                _as_text(f.get("filename")),
-                _as_int(f.get("line", 0)),
-                _as_text(f.get("name")),
-            )
-            frame = pool.get(key)
-            if frame is None:
-                frame = pool[key] = Frame(*key)
-            out.append(frame)
-        stack = tuple(out)
-        return self._stacks.setdefault(stack, stack)
-
-
-def _as_int(value: Any) -> int:
-    return value if type(value) is int else 0
+            filename = f.get("filename")
+            line = f.get("line", 0)
+            name = f.get("name")
+            # PyTorch records str names and int lines; anything else is shown as unknown
+            # (str() of a shared nested list, a memo bomb, may never finish).
+            if type(filename) is not str:
+                filename = _as_text(filename)
+            if type(line) is not int:
+                line = 0
+            if type(name) is not str:
+                name = _as_text(name)
+            append((filename, line, name))
+        # Stacks repeat (every step allocates from the same places): intern whole stacks by
+        # their plain-tuple key, so a repeated stack costs one lookup and no Frame hashing.
+        key = tuple(keys)
+        stack = self._stacks.get(key)
+        if stack is None:
+            pool = self._frames
+            out = []
+            for k in keys:
+                frame = pool.get(k)
+                if frame is None:
+                    frame = pool[k] = Frame(*k)
+                out.append(frame)
+            stack = self._stacks[key] = tuple(out)
+        return stack
 
 
 def _key_text(key: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import import_module
 
 from oomkit.errors import OomkitError, TorchRequiredError
 
@@ -23,45 +24,35 @@ EXIT_USAGE = 2
 EXIT_MISSING_DEPENDENCY = 3
 
 
-def _subcommands() -> list:
-    # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy.
-    from oomkit.interfaces.cli import (
-        demo,
-        diff,
-        doctor,
-        experiment,
-        explain,
-        fit,
-        gpus,
-        predict,
-        presets,
-        replay,
-        report,
-        run,
-        simulate,
-        tune,
-    )
-
-    return [
-        predict,
-        explain,
-        demo,
-        replay,
-        simulate,
-        tune,
-        run,
-        fit,
-        experiment,
-        report,
-        gpus,
-        presets,
-        doctor,
-        diff,
-    ]
+# The subcommands in help order, by module name under oomkit.interfaces.cli.
+_COMMANDS = (
+    "predict",
+    "explain",
+    "demo",
+    "replay",
+    "simulate",
+    "tune",
+    "run",
+    "fit",
+    "experiment",
+    "report",
+    "gpus",
+    "presets",
+    "doctor",
+    "diff",
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every subcommand registered."""
+def _subcommands(only: str | None = None) -> list:
+    # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy; with
+    # ``only``, just that subcommand's module (issue 19 item 4: `oomkit replay FILE` does not
+    # import the predictor that `fit` needs).
+    names = _COMMANDS if only is None else (only,)
+    return [import_module(f"oomkit.interfaces.cli.{name}") for name in names]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The root parser with every subcommand registered (or just ``only``, a subcommand name)."""
     from oomkit._version import __version__
 
     parser = argparse.ArgumentParser(
@@ -71,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"oomkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in _subcommands():
+    for module in _subcommands(only):
         module.add_parser(subparsers)
     # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
     for subparser in subparsers.choices.values():
@@ -79,10 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs, when its first word names one; None otherwise."""
+    if argv and argv[0] in _COMMANDS:
+        return argv[0]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Only the named subcommand's parser is built (and its module imported); `oomkit`,
+    # `oomkit --help` and unknown words get the full parser, which lists every subcommand.
+    parser = build_parser(_command_named(words))
+    args = parser.parse_args(words)
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

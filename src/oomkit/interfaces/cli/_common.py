@@ -7,8 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from oomkit.errors import ConfigError, OomkitError
 from oomkit.units import SizeError, parse_bytes
@@ -35,6 +34,10 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
 # The width of the results when stdout is not a terminal (a pipe, a file, a CI log). rich would
 # take 80 columns there, wrapping tables and splitting setting names (`tune`'s
 # "expandable_segments:True" came out in 9-character pieces); nothing the reports print is wider
@@ -56,6 +59,9 @@ def output_width(stream: object, environ: dict[str, str] | None = None) -> int |
 def stdout_console() -> Console:
     """The console for results: plain and unwrapped when not a terminal, so output pipes
     cleanly (see ``PIPE_WIDTH_COLUMNS``)."""
+    # rich is imported when something is rendered, not at start-up (--json never needs it).
+    from rich.console import Console
+
     return Console(
         file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout)
     )
@@ -63,6 +69,8 @@ def stdout_console() -> Console:
 
 def stderr_console() -> Console:
     """The console for progress and hints."""
+    from rich.console import Console
+
     return Console(file=sys.stderr, highlight=False)
 
 

@@ -9,11 +9,19 @@ from pathlib import Path
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import positive_int, print_json, stderr_console, stdout_console
 
-__all__ = ["add_envelope_flags", "run_envelope"]
+__all__ = ["add_envelope_flags", "add_lengths_flags", "run_envelope", "run_fit_envelope"]
 
 
 def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
     """--lengths, --pad-to, --seed and --html (the envelope page)."""
+    add_lengths_flags(parser)
+    parser.add_argument(
+        "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
+    )
+
+
+def add_lengths_flags(parser: argparse.ArgumentParser) -> None:
+    """--lengths, --pad-to and --seed (``predict`` and ``fit``)."""
     parser.add_argument(
         "--lengths",
         type=Path,
@@ -28,9 +36,6 @@ def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, metavar="N",
         help="with --lengths: shuffle the steps with this seed (default: the file's order)",
-    )
-    parser.add_argument(
-        "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
 
 
@@ -49,10 +54,7 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     from oomkit.prediction.tracing import trace_step
 
     assert isinstance(target, Target)
-    if args.hf is None and args.target in ("resnet50", "vit-b16"):
-        raise OomkitError(f"--lengths varies the sequence length; {args.target} takes images")
-    if args.seq is not None:
-        raise OomkitError("give --lengths or --seq, not both: --lengths sets every step's length")
+    _refuse_shape_flags(args)
     if args.html is not None and args.html.resolve() == args.lengths.resolve():
         raise OomkitError(f"--html {args.html} is the lengths file; choose another path")
     lengths = read_lengths(args.lengths)
@@ -96,3 +98,97 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     else:
         render_envelope(env, stdout_console())
     return 1 if env.first_oom_step is not None else 0
+
+
+def _refuse_shape_flags(args: argparse.Namespace) -> None:
+    if args.hf is None and args.target in ("resnet50", "vit-b16"):
+        raise OomkitError(f"--lengths varies the sequence length; {args.target} takes images")
+    if args.seq is not None:
+        raise OomkitError("give --lengths or --seq, not both: --lengths sets every step's length")
+
+
+def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
+    """``fit --lengths``: the largest batch whose whole run fits; 1 if not even batch 1 does."""
+    from oomkit.core.target import Target
+    from oomkit.errors import NoFeasibleBatchSizeError
+    from oomkit.interfaces.cli._workload import build_workload, user_errors, user_output_to_stderr
+    from oomkit.interfaces.reports.envelope import envelope_to_json, envelope_verdict
+    from oomkit.plan.envelope_fit import max_batch_for_run
+    from oomkit.prediction.lengths import read_lengths
+    from oomkit.prediction.tracing import trace_step
+    from oomkit.units import format_bytes
+
+    assert isinstance(target, Target)
+    _refuse_shape_flags(args)
+    lengths = read_lengths(args.lengths)
+    say = (lambda line: stderr_console().print(line)) if not args.json else None
+    raised: list[BaseException] = []
+
+    def record(batch: int, length: int):  # noqa: ANN202 - a TraceRecording
+        shaped = copy.copy(args)
+        shaped.seq = length
+        with user_output_to_stderr():
+            workload = build_workload(shaped, batch, "fit")
+        raised[:] = workload.raised
+        step_fn = workload.step_fn
+
+        def step(*_tracked: object) -> object:
+            return step_fn()
+
+        with user_output_to_stderr():
+            return trace_step(step, *workload.track, steps=2, target=target)
+
+    try:
+        with user_errors(lambda: (args.target, raised)):
+            found = max_batch_for_run(
+                record,
+                lengths,
+                target,
+                steps=args.steps,
+                pad_to=args.pad_to,
+                seed=args.seed,
+                margin_bytes=args.margin,
+                start_batch=args.batch or 1,
+                max_batch=args.max_batch,
+                progress=say,
+            )
+    except NoFeasibleBatchSizeError as exc:
+        if args.json:
+            print_json({"batch_size": None, "gpu": target.gpu.name, "error": str(exc)})
+        else:
+            stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
+        return 1
+    if args.json:
+        print_json(
+            {
+                "batch_size": found.batch_size,
+                "gpu": target.gpu.name,
+                "margin_bytes": found.margin_bytes,
+                "probes": [
+                    {
+                        "batch_size": p.batch_size,
+                        "fits": p.fits,
+                        "worst_peak_reserved_bytes": p.worst_peak_reserved_bytes,
+                        "first_oom_step": p.first_oom_step,
+                    }
+                    for p in found.probes
+                ],
+                "envelope": envelope_to_json(found.envelope),
+            }
+        )
+        return 0
+    console = stdout_console()
+    for p in found.probes:
+        state = "fits" if p.fits else (
+            f"OOM at step {p.first_oom_step}" if p.first_oom_step else "over the margin"
+        )
+        console.print(
+            f"batch {p.batch_size}: worst step {format_bytes(p.worst_peak_reserved_bytes)} "
+            f"reserved, {state}"
+        )
+    console.print(
+        f"largest batch whose whole run of {found.envelope.steps} steps fits on "
+        f"{target.gpu.name}: {found.batch_size} ({envelope_verdict(found.envelope)})",
+        markup=False,
+    )
+    return 0

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
 
-from oomkit.core.target import Target
+from oomkit.core.target import ParallelLayout, Target
 
-__all__ = ["add_cuda_version_flag", "installed_torch_version", "target_from_args"]
+__all__ = [
+    "add_cuda_version_flag",
+    "add_parallel_flags",
+    "installed_torch_version",
+    "target_from_args",
+]
 
 
 def add_cuda_version_flag(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +34,17 @@ def _module_loading(environ: Mapping[str, str]) -> str | None:
     """``CUDA_MODULE_LOADING`` of the job's environment, when it names a mode."""
     setting = environ.get("CUDA_MODULE_LOADING", "").strip().upper()
     return {"EAGER": "eager", "LAZY": "lazy"}.get(setting)
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """``--fsdp N``: predict rank 0 of N ranks sharding with FSDP2 (``Target.parallel``)."""
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="N",
+        help="shard the GPT-2/Llama preset with FSDP2 over N GPUs (per block + root, as "
+        "torchtitan) and predict rank 0; --batch is then the per-rank batch",
+    )
 
 
 def installed_torch_version() -> str | None:
@@ -54,9 +71,9 @@ def target_from_args(
     default_torch_version: str | None = None,
 ) -> Target:
     """The ``Target`` of ``--gpu``, ``--alloc-conf``, ``--context-overhead``,
-    ``--torch-version``, ``--cudnn-version`` and ``--cuda-version`` (with
-    ``CUDA_MODULE_LOADING`` from ``environ``, default ``os.environ``); a command without one of
-    them gets its default.
+    ``--torch-version``, ``--cudnn-version``, ``--cuda-version`` (with ``CUDA_MODULE_LOADING``
+    from ``environ``, default ``os.environ``) and ``--fsdp`` (``Target.parallel``); a command
+    without one of them gets its default.
 
     Args:
         args: the parsed flags.
@@ -66,11 +83,11 @@ def target_from_args(
     Raises:
         UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
         GpuSpecError: ``--context-overhead`` is not below the GPU's total memory.
-        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject, or ``--cuda-version``
-            is not X.Y.
+        ConfigError: ``--alloc-conf`` is a setting PyTorch would reject, ``--cuda-version``
+            is not X.Y, or ``--fsdp`` is below 1.
     """
     loading = _module_loading(os.environ if environ is None else environ)
-    return Target.resolve(
+    target = Target.resolve(
         getattr(args, "gpu", None) or "h100",
         alloc_conf=getattr(args, "alloc_conf", None),
         context_overhead_bytes=getattr(args, "context_overhead", None),
@@ -79,3 +96,7 @@ def target_from_args(
         cuda_version=getattr(args, "cuda_version", None),
         cuda_module_loading=loading,  # type: ignore[arg-type]
     )
+    fsdp = getattr(args, "fsdp", None)
+    if fsdp is None:
+        return target
+    return dataclasses.replace(target, parallel=ParallelLayout(fsdp=fsdp))

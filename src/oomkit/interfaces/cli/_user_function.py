@@ -91,7 +91,11 @@ def _load_module(path: Path, target: str) -> Any:
 
 
 def _arguments(
-    fn: Callable[..., Any], target: str, sizes: dict[str, int | None], device: Any
+    fn: Callable[..., Any],
+    target: str,
+    sizes: dict[str, int | None],
+    device: Any,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
     try:
         signature = inspect.signature(fn)
@@ -116,13 +120,16 @@ def _arguments(
         kwargs[name] = value
     if "device" in params or takes_any:
         kwargs["device"] = device
+    for name, value in extra.items():
+        if name in params or takes_any:
+            kwargs[name] = value
     for name, param in params.items():
         if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         if name not in kwargs and param.default is inspect.Parameter.empty:
             raise UserCodeError(
                 f"{target}: the function has a parameter {name!r} without a default that oomkit "
-                f"cannot fill; it passes only {', '.join([*SIZE_PARAMETERS, 'device'])}. Give "
+                f"cannot fill; it passes only {', '.join([*SIZE_PARAMETERS, 'device', *extra])}. Give "
                 f"{name!r} a default."
             )
     return kwargs
@@ -134,6 +141,8 @@ def load_user_step(
     batch_size: int | None = None,
     seq_len: int | None = None,
     image_size: int | None = None,
+    device: Any = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> UserStep:
     """Load ``file.py:function``, call it on the meta device, and return the step it built.
 
@@ -142,6 +151,9 @@ def load_user_step(
         batch_size: ``--batch``, passed when the function declares ``batch_size``.
         seq_len: ``--seq``, passed when the function declares ``seq_len``.
         image_size: ``--image-size``, passed when the function declares ``image_size``.
+        device: the default device while it runs; ``None`` is ``torch.device("meta")``.
+        extra: more keyword arguments, passed where declared (``--fsdp``: ``mesh``,
+            ``world_size``).
 
     Returns:
         The step, the objects to track, and a description (``file.py:function(batch_size=8)``).
@@ -178,10 +190,9 @@ def load_user_step(
             f"{target}: {path_text} has no function {name!r}. Functions there: "
             f"{', '.join(found) or 'none'}."
         )
-    device = torch.device("meta")
-    kwargs = _arguments(
-        fn, target, {"batch_size": batch_size, "seq_len": seq_len, "image_size": image_size}, device
-    )
+    device = torch.device("meta") if device is None else device
+    sizes = {"batch_size": batch_size, "seq_len": seq_len, "image_size": image_size}
+    kwargs = _arguments(fn, target, sizes, device, extra or {})
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
         with device, cuda_autocast_construction(), as_one_cuda_gpu():
@@ -210,7 +221,7 @@ def load_user_step(
             raised.append(exc)
             raise
 
-    arguments = {k: v for k, v in kwargs.items() if k != "device"}
+    arguments = {k: v for k, v in kwargs.items() if k in SIZE_PARAMETERS}
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
     description = f"{target}({shown})" + (f" [{trainer.summary}]" if trainer else "")
     return UserStep(step_fn, track, description, raised, arguments)

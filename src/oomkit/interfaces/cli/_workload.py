@@ -25,6 +25,12 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
+from oomkit.interfaces.cli._finetune_flags import (
+    FINETUNE_OPTION_FLAGS,
+    add_lora_flags,
+    add_quantize_flags,
+    lora_options,
+)
 from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
@@ -172,113 +178,6 @@ def user_values(args: argparse.Namespace) -> contextlib.AbstractContextManager[A
     return value_tracking(dict(getattr(args, "value", None) or ()))
 
 
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), e.g. 0.05; got {text!r}")
-    return value
-
-
-def add_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """--lora R and its options: peft LoRA adapters on a preset or --hf model."""
-    parser.add_argument(
-        "--lora",
-        type=positive_int,
-        metavar="R",
-        help="train LoRA adapters of rank R (peft) instead of the whole model: base weights "
-        "frozen, no gradients or optimizer states for them (presets, --hf)",
-    )
-    parser.add_argument(
-        "--lora-alpha", type=positive_int, metavar="N", help="lora_alpha (default 8, peft's)"
-    )
-    parser.add_argument(
-        "--lora-targets",
-        metavar="NAMES",
-        help="comma-separated modules to adapt, e.g. q_proj,v_proj (default: peft's for the "
-        "architecture)",
-    )
-    parser.add_argument(
-        "--lora-dropout", type=_probability, metavar="P", help="lora_dropout (default 0)"
-    )
-    parser.add_argument(
-        "--lora-modules-to-save",
-        metavar="NAMES",
-        help="comma-separated modules trained in full beside the adapters, e.g. lm_head",
-    )
-    parser.add_argument("--dora", action="store_true", help="DoRA (LoraConfig use_dora=True)")
-
-
-def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
-    """--quantize and its options: bitsandbytes 4-bit base weights (QLoRA), emulated."""
-    parser.add_argument(
-        "--quantize",
-        choices=("nf4", "fp4"),
-        help="store every Linear but the output layer as bitsandbytes Linear4bit (QLoRA; "
-        "training needs --lora)",
-    )
-    parser.add_argument(
-        "--double-quant", action="store_true", help="bnb_4bit_use_double_quant (with --quantize)"
-    )
-    parser.add_argument(
-        "--compute-dtype",
-        choices=("fp32", "bf16", "fp16"),
-        help="bnb_4bit_compute_dtype (with --quantize; default: the model's parameter dtype)",
-    )
-
-
-def _lora_options(args: argparse.Namespace) -> Any:
-    """The ``LoraOptions`` of --lora and its options; ``None`` without --lora.
-
-    Raises:
-        OomkitError: a LoRA option without --lora.
-    """
-    given: dict[str, Any] = {
-        name: value
-        for name, value in (
-            ("alpha", getattr(args, "lora_alpha", None)),
-            ("targets", getattr(args, "lora_targets", None)),
-            ("dropout", getattr(args, "lora_dropout", None)),
-            ("modules_to_save", getattr(args, "lora_modules_to_save", None)),
-            ("dora", getattr(args, "dora", False) or None),
-        )
-        if value is not None
-    }
-    if getattr(args, "lora", None) is None:
-        if given:
-            flags = ", ".join(_LORA_FLAGS[name] for name in given)
-            raise OomkitError(
-                f"{flags} {'configures' if len(given) == 1 else 'configure'} LoRA: add --lora R "
-                "(e.g. --lora 16), or drop it."
-            )
-        return None
-    from oomkit.prediction.models.lora_options import LoraOptions
-
-    try:
-        return LoraOptions(r=args.lora, **given)
-    except ValueError as exc:
-        raise OomkitError(str(exc)) from exc
-
-
-# The LoRA options' flags by argparse dest, for refusing them on a file.py:function target.
-_FINETUNE_OPTION_FLAGS = (
-    ("lora_alpha", "--lora-alpha"),
-    ("lora_targets", "--lora-targets"),
-    ("lora_dropout", "--lora-dropout"),
-    ("lora_modules_to_save", "--lora-modules-to-save"),
-)
-
-_LORA_FLAGS = {
-    "alpha": "--lora-alpha",
-    "targets": "--lora-targets",
-    "dropout": "--lora-dropout",
-    "modules_to_save": "--lora-modules-to-save",
-    "dora": "--dora",
-}
-
-
 def add_gpu_flags(parser: argparse.ArgumentParser) -> None:
     """--gpu, --alloc-conf, --torch-version, --context-overhead, --cudnn-version and
     --cuda-version: the target machine (``interfaces/cli/_target.py`` reads them by these dest
@@ -334,7 +233,7 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
         ("image_size", args.image_size),
         ("new_tokens", getattr(args, "new_tokens", None)),
         ("optimizer_impl", getattr(args, "optimizer_impl", None)),
-        ("lora", _lora_options(args)),
+        ("lora", lora_options(args)),
         ("quantize", getattr(args, "quantize", None)),
         ("double_quant", getattr(args, "double_quant", False) or None),
         ("compute_dtype", getattr(args, "compute_dtype", None)),
@@ -450,6 +349,107 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
     return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
 
 
+@dataclass
+class ShardedWorkload:
+    """A preset to build inside the fake process group (``--fsdp``), and its record.
+
+    Attributes:
+        build: ``build(mesh) -> (step_fn, track)`` for ``trace_distributed_step``.
+        spec: the workload record (the per-rank batch).
+        descriptions: filled by ``build`` with the built step's description.
+        raised: what a ``file.py:function`` step raised (for ``user_errors``).
+    """
+
+    build: Callable[[Any], tuple[Any, tuple[Any, ...]]]
+    spec: WorkloadSpec
+    descriptions: list[str] = field(default_factory=list)
+    raised: list[BaseException] = field(default_factory=list)
+
+
+def build_sharded_workload(args: argparse.Namespace, batch_size: int | None) -> ShardedWorkload:
+    """The preset TARGET names, to shard with FSDP2 over ``--fsdp`` ranks (batch: per rank), or
+    the ``file.py:function`` that shards itself, given ``mesh`` and/or ``world_size``.
+
+    Raises:
+        OomkitError: ``--hf`` (not sharded yet), a function that takes neither ``mesh`` nor
+            ``world_size``, or a preset option it rejects.
+    """
+    from oomkit.interfaces.cli._user_function import is_user_target
+
+    if args.hf is not None or args.target is None:
+        raise OomkitError(
+            "--fsdp shards a GPT-2 or Llama preset (e.g. `oomkit predict llama-8b --fsdp 8`) or "
+            "runs a file.py:function that takes `mesh` and calls fully_shard; --hf models are "
+            "not sharded by oomkit yet"
+        )
+    steps = getattr(args, "steps", None)
+    if is_user_target(args.target):
+        return _sharded_user_workload(args, batch_size, steps)
+    from oomkit.prediction.models import get_preset
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+
+    try:
+        preset = get_preset(args.target)
+    except OomkitError:
+        raise
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+    _refuse_shape_flags(args, preset)
+    options = step_options(args, batch_size, preset)
+    spec = _spec("preset", args.target, options, steps, None)
+    workload = ShardedWorkload(lambda mesh: (None, ()), spec)
+
+    def build(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+        built = _call_builder(
+            lambda name, opts: build_fsdp_preset_step(name, opts, mesh), args.target, options
+        )
+        workload.descriptions.append(built.description)
+        return built.step_fn, tuple(built.track)
+
+    workload.build = build
+    return workload
+
+
+def _sharded_user_workload(
+    args: argparse.Namespace, batch_size: int | None, steps: int | None
+) -> ShardedWorkload:
+    """``file.py:function`` under ``--fsdp``: called with the mesh's device as default device
+    and ``mesh`` / ``world_size`` where it declares them; it calls ``fully_shard`` itself."""
+    from oomkit.interfaces.cli._user_function import load_user_step
+
+    _refuse_preset_flags(args)
+    workload = ShardedWorkload(lambda mesh: (None, ()), WorkloadSpec("function", args.target))
+
+    def build(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+        import torch
+
+        extra = {"mesh": mesh, "world_size": mesh.size()}
+        user = load_user_step(
+            args.target,
+            batch_size=batch_size,
+            seq_len=args.seq,
+            image_size=args.image_size,
+            device=torch.device(mesh.device_type),
+            extra=extra,
+        )
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in user.track if isinstance(m, torch.nn.Module)]
+        if not any(isinstance(sub, FSDPModule) for m in modules for sub in m.modules()):
+            raise OomkitError(
+                f"--fsdp: {args.target} returned no model sharded with fully_shard among the "
+                "objects to track; take a `mesh` parameter, call fully_shard(block, mesh=mesh) "
+                "per block and on the root, and return (step_fn, (model, optimizer, inputs))"
+            )
+        workload.raised = user.raised
+        workload.spec = user_workload_spec(args.target, user, steps)
+        workload.descriptions.append(f"{user.description}, FSDP2 over {mesh.size()} ranks, rank 0")
+        return user.step_fn, user.track
+
+    workload.build = build
+    return workload
+
+
 def _refuse_preset_flags(args: argparse.Namespace) -> None:
     """A file.py:function step runs as written: the flags that change how a preset is built
     would be silently ignored, so they are refused, by name."""
@@ -463,7 +463,7 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--new-tokens", getattr(args, "new_tokens", None)),
             ("--optimizer-impl", getattr(args, "optimizer_impl", None)),
             ("--lora", getattr(args, "lora", None)),
-            *((flag, getattr(args, name, None)) for name, flag in _FINETUNE_OPTION_FLAGS),
+            *((flag, getattr(args, name, None)) for name, flag in FINETUNE_OPTION_FLAGS),
             ("--dora", getattr(args, "dora", False) or None),
             ("--quantize", getattr(args, "quantize", None)),
             ("--double-quant", getattr(args, "double_quant", False) or None),

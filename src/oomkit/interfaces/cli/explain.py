@@ -63,6 +63,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="snapshot: the set_per_process_memory_fraction in effect (snapshots do not record it)",
     )
     parser.add_argument(
+        "--alloc-conf",
+        metavar="STR",
+        help="the PYTORCH_CUDA_ALLOC_CONF the failing run used, for a pasted message (a snapshot "
+        "records its own): with expandable_segments:True on, explain says so instead of "
+        "repeating PyTorch's advice to turn it on",
+    )
+    parser.add_argument(
         "--no-measure",
         dest="measure",
         action="store_false",
@@ -193,6 +200,12 @@ def run(args: argparse.Namespace) -> int:
             "--memory-fraction 0.5"
         )
     source = _read_source(args.source)
+    data = None if isinstance(source, Path) else _as_json(source)
+    if args.alloc_conf is not None and (isinstance(source, Path) or isinstance(data, Mapping)):
+        raise ConfigError(
+            "--alloc-conf describes the run behind a pasted message; a snapshot records its own "
+            "settings and a prediction names its own (drop --alloc-conf)"
+        )
     parsed = snapshot = None
     prediction: Mapping[str, Any] | None = None
     if isinstance(source, Path):
@@ -206,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             gpu=gpu,
             memory_fraction=args.memory_fraction,
         )
-    elif isinstance(data := _as_json(source), Mapping):
+    elif isinstance(data, Mapping):
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
         prediction = data
@@ -216,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         found = find_oom_texts(source)
         parsed = found[0] if found else parse_oom_text(source)  # raises: none found
-        diagnosis = diagnose_oom_text(parsed, gpu)
+        expandable = None
+        if args.alloc_conf is not None:
+            from oomkit.core.allocator import AllocatorConfig
+
+            expandable = AllocatorConfig.parse(args.alloc_conf).expandable_segments
+        diagnosis = diagnose_oom_text(parsed, gpu, expandable_segments=expandable)
         if len(found) > 1:
             devices = sorted({str(m.device) for m in found if m.device is not None})
             diagnosis = dataclasses.replace(

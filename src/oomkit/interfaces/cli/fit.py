@@ -23,6 +23,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._envelope import add_lengths_flags, run_fit_envelope
 from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._workload import (
     Workload,
@@ -87,15 +88,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--steps",
         type=positive_int,
-        default=2,
         metavar="N",
-        help="training steps recorded per size (default 2: first optimizer step + steady state)",
+        help="training steps recorded per size (default 2: first optimizer step + steady state); "
+        "with --lengths, steps of the run (default: one pass over the file)",
     )
     parser.add_argument(
         "--eval",
         metavar="FILE.PY:FUNCTION",
         help="an evaluation step (same contract as TARGET) that must fit at the same batch",
     )
+    add_lengths_flags(parser)
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -177,6 +179,14 @@ def run(args: argparse.Namespace) -> int:
     builders = _Builders(args)
     eval_step = None if args.eval is None else builders.evaluation
     with user_errors(lambda: (builders.target, builders.raised)), user_values(args):
+        if args.lengths is not None:
+            if args.smallest_gpu or args.eval is not None:
+                raise OomkitError("--lengths searches the batch of one run: drop --smallest-gpu/--eval")
+            return run_fit_envelope(args, target)
+        if args.seed is not None or args.pad_to != 1:
+            raise OomkitError("--seed and --pad-to go with --lengths FILE (the epoch envelope)")
+        if args.steps is None:
+            args.steps = 2
         if args.smallest_gpu:
             return _run_smallest(args, target, builders, eval_step)
         return _run_search(args, target, builders, eval_step)

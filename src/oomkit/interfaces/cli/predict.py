@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
@@ -20,6 +21,7 @@ from oomkit.interfaces.cli._common import (
 )
 from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
 from oomkit.interfaces.cli._progress import progress_enabled, step_progress
+from oomkit.interfaces.cli._target import add_parallel_flags
 from oomkit.interfaces.cli._workload import (
     MODES,
     OPTIMIZERS,
@@ -70,6 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="steps to record (default 3); with --lengths, steps to run (default: one pass)",
     )
     add_gpu_flags(parser)
+    add_parallel_flags(parser)
     parser.add_argument(
         "--budget", type=size_arg, metavar="SIZE", help="exit 1 when peak reserved exceeds SIZE"
     )
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         require_torch("oomkit predict")
     if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
+    if args.lengths is not None and target.parallel is not None:
+        raise OomkitError("--fsdp does not go with --lengths yet: predict one length at a time")
     # Values are followed from the import and the builder on (a mask made there with
     # torch.ones is known when the step reads it), and --value states the others.
     with user_values(args):
@@ -99,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
             return run_envelope(args, target)
         if args.steps is None:
             args.steps = 3
+        if target.parallel is not None:
+            prediction = _predict_sharded(args, target)
+            if args.json:
+                print_json(prediction_to_json(prediction))
+            else:
+                render_prediction(prediction, stdout_console())
+            return 0 if prediction.fits and prediction.within_budget is not False else 1
         from oomkit.prediction.predictor import predict
         from oomkit.prediction.summary import nothing_recorded
 
@@ -134,3 +146,33 @@ def run(args: argparse.Namespace) -> int:
         return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
     ok = prediction.fits and prediction.within_budget is not False
     return 0 if ok else 1
+
+
+def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
+    """``--fsdp N``: rank 0 of the preset sharded with FSDP2, recorded on a fake process group."""
+    import dataclasses
+
+    from oomkit.interfaces.cli._workload import build_sharded_workload
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+    from oomkit.prediction.tracing.emulations import current_sdpa_settings
+
+    workload = build_sharded_workload(args, args.batch)
+    if not args.json:
+        stderr_console().print(
+            f"recording rank 0 of {target.parallel.world_size} (FSDP2) on a fake process group ..."
+        )
+    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
+        recording = trace_distributed_step(
+            workload.build, world_size=target.parallel.world_size, steps=args.steps, target=target
+        )
+    if target.cudnn_version is None:
+        # Not stated: the tracer used the settings in effect; the result names that version.
+        target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)
+    return predict_recording(
+        recording,
+        target=target,
+        budget_bytes=args.budget,
+        description=workload.descriptions[0] if workload.descriptions else "",
+        workload=workload.spec,
+    )

@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from oomkit.core.replay import replay_snapshot
     from oomkit.core.snapshot import load_snapshot
-    from oomkit.interfaces.reports import render_replay, replay_to_json
+    from oomkit.interfaces.reports.replay import render_replay, replay_to_json
 
     if args.verify and args.alloc_conf is not None:
         # replay_snapshot(verify=True) compares with the recording, made under its own setting.

@@ -61,7 +61,7 @@ class EventCursor:
             logger.info(
                 "recovered CUDA OOM in %s step %d: micro-batch %d -> %s",
                 event.phase,
-                event.step_index,
+                event.step_index + 1,  # counted from 1 in messages (step_index is 0-based)
                 event.failed_micro_batch_size,
                 event.next_micro_batch_size,
             )

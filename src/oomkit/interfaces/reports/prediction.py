@@ -197,7 +197,7 @@ def target_to_json(target: Target) -> dict[str, object]:
             None if target.cuda_context is None else target.cuda_context.module_loading
         ),
         "cuda_context": target.context_description,
-        "parallel": target.parallel,
+        "parallel": None if target.parallel is None else dataclasses.asdict(target.parallel),
     }
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from oomkit.core.replay import ReplayResult
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    # rich is imported by the renderers only: `oomkit replay --json` never loads it.
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["replay_to_json", "render_replay", "comparison_table"]
 
@@ -112,6 +115,8 @@ def render_replay(result: ReplayResult, console: Console, *, title: str = "Repla
             )
             for line in d.context:
                 console.print(f"    {line}")
+    from rich.table import Table
+
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -129,6 +134,8 @@ def render_replay(result: ReplayResult, console: Console, *, title: str = "Repla
 
 def comparison_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) -> Table:
     """A table with one column per setting, for side-by-side what-ifs."""
+    from rich.table import Table
+
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     for label, _ in results:

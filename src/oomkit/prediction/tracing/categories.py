@@ -23,6 +23,8 @@ Category = Literal[
     "input",
     "autocast_cache",
     "workspace",
+    "allgather_buffer",
+    "reduce_scatter_buffer",
 ]
 CATEGORIES: tuple[Category, ...] = get_args(Category)
 
@@ -37,14 +39,30 @@ PHASES: tuple[Phase, ...] = get_args(Phase)
 #   input: it existed before tracing, or user code passed it into a root module's forward
 #   saved: autograd saved it for backward (a pack hook saw it)
 #   escaped: allocated inside a module forward and still alive when the root module returned
-Role = Literal["parameter", "buffer", "gradient", "optimizer_state", "input", "saved", "escaped"]
+#   allgather_buffer: FSDP2's all-gather output or an unsharded parameter filled from it
+#   reduce_scatter_buffer: FSDP2's reduce-scatter input (padded unsharded gradients)
+Role = Literal[
+    "parameter",
+    "buffer",
+    "gradient",
+    "optimizer_state",
+    "input",
+    "saved",
+    "escaped",
+    "allgather_buffer",
+    "reduce_scatter_buffer",
+]
 
 # Most specific first: a parameter that autograd also saves (Linear's weight) is a parameter.
+# An unsharded FSDP2 parameter is a view of an all-gather buffer: the buffer it is. A
+# reduce-scatter output that becomes the sharded gradient is a gradient.
 _ROLE_PRECEDENCE: tuple[tuple[Role, Category], ...] = (
+    ("allgather_buffer", "allgather_buffer"),
     ("parameter", "parameter"),
     ("buffer", "buffer"),
     ("gradient", "gradient"),
     ("optimizer_state", "optimizer_state"),
+    ("reduce_scatter_buffer", "reduce_scatter_buffer"),
     ("input", "input"),
     ("saved", "activation"),
 )

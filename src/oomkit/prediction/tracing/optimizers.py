@@ -35,20 +35,25 @@ __all__ = ["EMULATED_DEVICE", "cuda_optimizer_defaults"]
 EMULATED_DEVICE = "meta"
 
 
-def _with_emulated(original: Callable[..., list[str]]) -> Callable[..., list[str]]:
+def _with_emulated(
+    original: Callable[..., list[str]], emulated: str
+) -> Callable[..., list[str]]:
     def devices(*args: object, **kwargs: object) -> list[str]:
         # A fresh list per call: _device_dtype_check_for_fused removes "cuda" from it in place.
         found = list(original(*args, **kwargs))
-        if "cuda" in found and EMULATED_DEVICE not in found:
-            found.append(EMULATED_DEVICE)
+        if "cuda" in found and emulated not in found:
+            found.append(emulated)
         return found
 
     return devices
 
 
 @contextlib.contextmanager
-def cuda_optimizer_defaults() -> Iterator[None]:
+def cuda_optimizer_defaults(emulated: str = EMULATED_DEVICE) -> Iterator[None]:
     """While active, optimizers and ``clip_grad_norm_`` treat meta tensors as CUDA tensors.
+
+    ``emulated`` names another device type to treat so (``"cpu"`` for fake tensors on a fake
+    process group, ``distributed.py``).
 
     Patches the device-list functions in the module namespaces that read them at call time
     (``torch.optim.optimizer`` and ``torch.utils._foreach_utils``) and restores them on exit.
@@ -63,7 +68,7 @@ def cuda_optimizer_defaults() -> Iterator[None]:
     originals = [(module, name, getattr(module, name)) for module, name in patches]
     try:
         for module, name, original in originals:
-            setattr(module, name, _with_emulated(original))
+            setattr(module, name, _with_emulated(original, emulated))
         yield
     finally:
         for module, name, original in originals:

@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -49,7 +49,7 @@ from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.read_report import read_assumptions, read_warnings
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
-from oomkit.prediction.tracing.storages import Allocation
+from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 from oomkit.prediction.tracing.value_reads import ValueReads, value_tracking
 from oomkit.prediction.tracing.values import KnownValues
 
@@ -131,6 +131,7 @@ class Tracer:
         self._exit_stack: contextlib.ExitStack | None = None
         self._recording: TraceRecording | None = None
         self.failed_op: tuple[str, BaseException] | None = None
+        self.current_stream: Callable[[], int] = lambda: 0  # stream of new allocations
         # Runs the ops, applies the CUDA emulations and keeps the live storages (engine.py).
         self._engine = CudaEmulationEngine(
             _TracerSink(self),
@@ -167,6 +168,8 @@ class Tracer:
         # in the op's own call (an op meta cannot run, with known inputs, is answered there).
         self._value_modes = stack.enter_context(value_tracking(self._values))
         stack.enter_context(self._engine.intercept())
+        # FSDP frees and refills parameters with UntypedStorage.resize_, which no aten op shows.
+        stack.enter_context(self._engine.storage_resize_accounted())
         self._exit_stack = stack
         return self
 
@@ -212,6 +215,10 @@ class Tracer:
             elif isinstance(obj, torch.Tensor):
                 self._note(obj, "input", first_seen_ok=True)
 
+    def add_role(self, tensor: Any, role: Role) -> None:
+        """Add ``role`` to the allocation backing ``tensor`` (``distributed.FsdpBufferRoles``)."""
+        self._note(tensor, role)
+
     # ------------------------------------------------------------------ allocations
 
     def _new_alloc(
@@ -239,6 +246,7 @@ class Tracer:
             frames=self._frames.find(),
             root_call=call.root_call_id if call else None,
             explicit=explicit,
+            stream=self.current_stream(),
         )
         if call is not None:
             self._escapes.setdefault(call.root_call_id, []).append(alloc)
@@ -262,8 +270,9 @@ class Tracer:
 
     def _on_autocast_cached_cast(self, cast: torch.Tensor) -> None:
         """A weight cast entered autocast's cache: it lives until the outermost region exits."""
-        if cast.device.type == _DEVICE_TYPE:
-            alloc = self._table.lookup(cast.untyped_storage())
+        storage = tensor_storage(cast, _DEVICE_TYPE)
+        if storage is not None:
+            alloc = self._table.lookup(storage)
             if alloc is not None:
                 alloc.explicit = "autocast_cache"
 
@@ -292,9 +301,9 @@ class Tracer:
         param: torch.Tensor | None = None,
     ) -> None:
         """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != _DEVICE_TYPE:
+        storage = tensor_storage(tensor, _DEVICE_TYPE)
+        if storage is None:
             return
-        storage = tensor.untyped_storage()
         alloc = self._table.lookup(storage)
         if alloc is None:
             size = storage.nbytes()
@@ -393,8 +402,9 @@ class Tracer:
         self._note_module(module, recurse=False)
         if is_root:
             for leaf in tree_leaves(args):
-                if isinstance(leaf, torch.Tensor) and leaf.device.type == _DEVICE_TYPE:
-                    alloc = self._table.lookup(leaf.untyped_storage())
+                storage = tensor_storage(leaf, _DEVICE_TYPE)
+                if storage is not None:
+                    alloc = self._table.lookup(storage)
                     if alloc is not None and alloc.phase == "user":
                         alloc.roles.add("input")
 

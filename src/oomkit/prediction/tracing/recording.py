@@ -136,7 +136,7 @@ def build_recording(
                 tags.append(("emulated", alloc.emulated))
             events.append(
                 TraceEvent(
-                    "alloc", alloc.alloc_id, alloc.size_bytes, 0, None, alloc.frames, tuple(tags)
+                    "alloc", alloc.alloc_id, alloc.size_bytes, alloc.stream, None, alloc.frames, tuple(tags)
                 )
             )
         else:
@@ -144,7 +144,9 @@ def build_recording(
             tags_free = (("category", category),)
             for action in ("free_requested", "free_completed"):
                 events.append(
-                    TraceEvent(action, alloc.alloc_id, alloc.size_bytes, 0, None, frames, tags_free)
+                    TraceEvent(
+                        action, alloc.alloc_id, alloc.size_bytes, alloc.stream, None, frames, tags_free
+                    )
                 )
     return TraceRecording(
         events=tuple(events),

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from oomkit.core.trace import Frame
 from oomkit.prediction.tracing.categories import Category, Phase, Role, infer_category
+from oomkit.prediction.tracing.fake_storages import fake_tensor_storage, is_fake_or_wrapper
 
 __all__ = ["Allocation", "StorageTable", "tensor_storage", "tensors_of"]
 
@@ -44,6 +45,8 @@ class Allocation:
     owner: weakref.ref[torch.nn.Module] | None = None
     # What an emulation hook allocated it for (``"cublas_workspace"``); None for a storage.
     emulated: str | None = None
+    # The CUDA stream it was allocated on; its block goes back to that stream's pool.
+    stream: int = 0
 
     @property
     def category(self) -> Category:
@@ -51,8 +54,16 @@ class Allocation:
         return infer_category(self.roles, self.phase, self.explicit)
 
 
-def tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage | None:
-    """The storage of ``tensor`` if it lives on ``device_type`` and has one, else None."""
+def tensor_storage(tensor: object, device_type: str) -> torch.UntypedStorage | None:
+    """The storage of ``tensor`` if it is a tensor on ``device_type`` with one, else None.
+
+    A FakeTensor's storage is on meta whatever device it reports, and a DTensor's is its local
+    tensor's (``fake_storages.py``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if type(tensor) is not torch.Tensor and is_fake_or_wrapper(tensor):
+        return fake_tensor_storage(tensor, device_type)
     if tensor.device.type != device_type or tensor.is_sparse:
         return None
     try:

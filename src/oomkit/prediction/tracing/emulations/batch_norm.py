@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
@@ -105,7 +107,7 @@ def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
 def _batch_norm(ctx: EmulationContext) -> Any:
     # Schema: (input, weight, bias, running_mean, running_var, training, momentum, eps).
     input, weight, bias, running_mean, running_var, training = ctx.args[:6]
-    if input.device.type != "meta" or not training or input.numel() == 0:
+    if not stands_for_cuda(input) or not training or input.numel() == 0:
         return ctx.run()
     if not uses_cudnn(input, weight, bias, running_mean, running_var, training):
         # Normalization.cu batch_norm_cuda: output and two [C] accumulate-type statistics, as
@@ -124,7 +126,7 @@ def _batch_norm_backward(ctx: EmulationContext) -> Any:
     grad_out, input, weight, running_mean, running_var = ctx.args[:5]
     train = bool(ctx.args[7])
     if (
-        input.device.type != "meta"
+        not stands_for_cuda(input)
         or not train
         or input.numel() == 0
         or not uses_cudnn(input, weight, weight, running_mean, running_var, train)

@@ -28,6 +28,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
 if TYPE_CHECKING:
     from oomkit.core.gpus import GpuSpec
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -139,7 +141,7 @@ def _uses_lt(ctx: EmulationContext) -> bool:
 
 def _ensure_workspace(ctx: EmulationContext, environ: Mapping[str, str] | None) -> None:
     leaves = [a for a in ctx.args if hasattr(a, "device")]
-    if not leaves or any(a.device.type != "meta" for a in leaves):
+    if not leaves or any(not stands_for_cuda(a) for a in leaves):
         return
     assert ctx.gpu is not None
     env = os.environ if environ is None else environ

@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
@@ -205,7 +207,7 @@ def _convolution(ctx: EmulationContext, environ: Mapping[str, str] | None) -> An
     # Schema: (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups).
     input, weight = ctx.args[0], ctx.args[1]
     transposed, groups = bool(ctx.args[6]), int(ctx.args[8])
-    if input.device.type != "meta":
+    if not stands_for_cuda(input):
         return ctx.run()
     if not conv_runs_cudnn(input, weight, groups, transposed):
         _note_not_cudnn(ctx)
@@ -229,7 +231,7 @@ def _convolution_backward(ctx: EmulationContext, environ: Mapping[str, str] | No
     grad_output, input, weight = ctx.args[0], ctx.args[1], ctx.args[2]
     transposed, groups = bool(ctx.args[7]), int(ctx.args[9])
     mask = list(ctx.args[10])
-    if input.device.type != "meta":
+    if not stands_for_cuda(input):
         return ctx.run()
     if not conv_runs_cudnn(input, weight, groups, transposed):
         _note_not_cudnn(ctx)
@@ -260,7 +262,7 @@ def _rnn(ctx: EmulationContext) -> Any:
     input = ctx.args[0] if ctx.args else None
     if (
         isinstance(input, torch.Tensor)
-        and input.device.type == "meta"
+        and stands_for_cuda(input)
         and torch.backends.cudnn.enabled
     ):
         ctx.note_choice("cuDNN RNN")

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
@@ -41,7 +43,7 @@ def _dropout(ctx: EmulationContext) -> Any:
     x, p = bound["input"], float(bound["p"])
     if (
         not isinstance(x, torch.Tensor)
-        or x.device.type != "meta"
+        or not stands_for_cuda(x)
         or not bound["training"]
         or bound["inplace"]
         # Dropout.cpp is_fused_kernel_acceptable: 0 < p < 1 and a non-empty input; F.dropout

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
@@ -39,7 +41,7 @@ def _embedding_dense_backward(ctx: EmulationContext) -> Any:
     scale_grad_by_freq = bool(ctx.args[4]) if len(ctx.args) > 4 else False
     scale_grad_by_freq = bool(ctx.kwargs.get("scale_grad_by_freq", scale_grad_by_freq))
     num_indices = indices.numel()
-    if indices.device.type != "meta" or (
+    if not stands_for_cuda(indices) or (
         num_indices <= SMALL_PATH_MAX_INDICES and not scale_grad_by_freq
     ):
         return ctx.run()

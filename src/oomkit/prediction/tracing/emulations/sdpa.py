@@ -56,6 +56,7 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     current_sdpa_settings,
     select_sdp_backend,
 )
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -179,7 +180,7 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     p = _bind(ctx.args, ctx.kwargs)
     q, k, v, mask = p["query"], p["key"], p["value"], p["attn_mask"]
     tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
-    if len(tensors) < 3 or any(t.device.type != "meta" for t in tensors):
+    if len(tensors) < 3 or any(not stands_for_cuda(t) for t in tensors):
         return ctx.run()
     assert ctx.gpu is not None
     cc = ctx.gpu.kernel_compute_capability  # a custom size picks kernels as an H100 does
@@ -289,7 +290,7 @@ def _flash_backward(ctx: EmulationContext) -> Any:
     """flash_api.cpp mha_bwd: softmax_d, dq_accum and, for grouped-query attention, dk/dv
     expanded to the query's heads; all freed when the op returns."""
     query, key = ctx.args[1], ctx.args[2]
-    if query.device.type != "meta":
+    if not stands_for_cuda(query):
         return ctx.run()
     batch, heads, seq_q, head_dim = query.shape  # (B, H, L, D) as the aten op receives them
     heads_k, seq_k = key.shape[1], key.shape[2]
@@ -326,7 +327,7 @@ def _efficient_backward(ctx: EmulationContext) -> Any:
     # Schema: (grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
     #          philox_offset, dropout_p, grad_input_mask, is_causal, scale); (B, H, M, K) views.
     grad_out, query, key, value = ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3]
-    if query.device.type != "meta" or not isinstance(grad_out, torch.Tensor):
+    if not stands_for_cuda(query) or not isinstance(grad_out, torch.Tensor):
         return ctx.run()
     batch, heads, seq_q, _ = query.shape
     config = _efficient_kernel_config(ctx, query, key, value)
@@ -440,7 +441,7 @@ def _cudnn_forward(ctx: EmulationContext) -> Any:
     for this graph (no ALiBi), the engine's is unknown and warned about."""
     out = ctx.run()
     query = ctx.args[0]
-    if isinstance(query, torch.Tensor) and query.device.type == "meta":
+    if isinstance(query, torch.Tensor) and stands_for_cuda(query):
         ctx.not_emulated(_CUDNN_WORKSPACE_WHAT)
     return out
 
@@ -452,7 +453,7 @@ def _cudnn_backward(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     # Schema: (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
     #          attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale).
     grad_out, query, out = ctx.args[0], ctx.args[1], ctx.args[4]
-    if not isinstance(query, torch.Tensor) or query.device.type != "meta":
+    if not isinstance(query, torch.Tensor) or not stands_for_cuda(query):
         return ctx.run()
     # dq, dk, dv = at::empty_like(query / key / value): the op's outputs.
     result = ctx.run()

@@ -1,0 +1,139 @@
+"""Presets sharded with FSDP2 as torchtitan shards them: one unit per transformer block + root.
+
+``build_fsdp_preset_step(name, options, mesh)`` runs inside a (fake) process group and
+``FakeTensorMode`` (``oomkit.prediction.tracing.distributed.trace_distributed_step``): it builds
+the preset on the mesh's device, calls ``fully_shard`` on every transformer block and then on
+the root (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``), and makes the usual
+step around it, so the optimizer holds the sharded parameters.
+
+Precision as torchtitan does it: ``bf16-mixed`` keeps fp32 parameters and optimizer state and
+gives FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (torchtitan's
+``mixed_precision_param = "bfloat16"``, ``mixed_precision_reduce = "float32"``), without
+``torch.autocast``; ``fp32`` and ``bf16`` shard the parameters as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from oomkit.errors import ConfigError
+from oomkit.prediction.models.options import BuiltStep, StepOptions
+from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
+from oomkit.prediction.models.steps import _describe, build_step, model_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FSDP_FAMILIES", "build_fsdp_preset_step", "shard_blocks_and_root"]
+
+# The preset families whose blocks are known: the ModuleList attribute holding them.
+FSDP_FAMILIES: dict[str, str] = {"GPT2": "h", "Llama": "layers"}
+
+
+def shard_blocks_and_root(
+    model: torch.nn.Module, blocks: torch.nn.ModuleList, mesh: DeviceMesh, precision: str
+) -> int:
+    """``fully_shard`` each block, then the root; returns the number of FSDP units.
+
+    Args:
+        model: the root module.
+        blocks: its transformer blocks.
+        mesh: the 1-D mesh to shard over.
+        precision: a ``StepOptions.precision``; ``bf16-mixed`` gets a MixedPrecisionPolicy.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return len(blocks) + 1
+
+
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake tensors: floating parameters and buffers, tied ones once.
+
+    ``Module._apply`` swaps a FakeTensor parameter in place (torch/nn/modules/module.py
+    ``_apply``: ``isinstance(param, FakeTensor)`` -> ``swap_tensors``), which refuses a
+    parameter that two modules hold (GPT-2's tied ``wte`` / ``lm_head``); so each distinct
+    parameter is cast once and set on every module that holds it.
+    """
+    cast_params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            new = cast_params.get(id(param))
+            if new is None:
+                new = torch.nn.Parameter(param.detach().to(dtype), param.requires_grad)
+                cast_params[id(param)] = new
+            module._parameters[name] = new
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+
+
+def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
+    """Build preset ``name`` sharded over ``mesh`` and return rank 0's step for ``options``.
+
+    Args:
+        name: a GPT-2 or Llama preset.
+        options: the per-rank (local) batch, lengths, precision, optimizer, checkpointing, mode.
+        mesh: the mesh FSDP2 shards over (``fake_process_group``'s).
+
+    Returns:
+        The step, with the sharded model, optimizer and inputs to track.
+
+    Raises:
+        UnknownPresetError: ``name`` is not a preset.
+        ConfigError: a preset FSDP2 is not modelled for, ``fp16-mixed`` or ``generate``.
+    """
+    preset = shaped_preset(name, options)
+    family = type(preset.shape).__name__.removesuffix("Shape")
+    attribute = FSDP_FAMILIES.get(family)
+    if attribute is None:
+        raise ConfigError(
+            f"--fsdp is modelled for the GPT-2 and Llama presets; {name} is {preset.title}. "
+            "Example: oomkit predict llama-8b --fsdp 8"
+        )
+    if options.precision == "fp16-mixed":
+        raise ConfigError(
+            "--fsdp with fp16-mixed needs ShardedGradScaler, which oomkit does not model; use "
+            "--precision bf16-mixed (FSDP2's MixedPrecisionPolicy), bf16 or fp32"
+        )
+    if options.mode == "generate":
+        raise ConfigError("--fsdp predicts train and inference steps; use --mode train|inference")
+    seq_len = options.seq_len or preset.default_seq_len or 0
+    _check_lengths(preset, options, seq_len)
+    device = mesh.device_type
+    with torch.device(device):
+        model = preset.build()
+    if options.precision == "bf16":
+        _cast_floating(model, model_dtype(options.precision))
+    if options.checkpointing:
+        cast(Any, model).checkpointing = True  # every preset module reads this flag
+    # None: the preset's own precision, fp32 (StepOptions.precision).
+    precision = options.precision or "fp32"
+    units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)
+    # bf16-mixed: FSDP2's policy casts; the step runs without autocast (torchtitan).
+    step_options = options
+    if options.precision == "bf16-mixed":
+        step_options = dataclasses.replace(options, precision="fp32")
+    built = build_step(
+        _runner(preset, model),
+        step_options,
+        title=preset.title,
+        seq_len=seq_len,
+        image_size=224,
+        device=device,
+    )
+    description = (
+        f"{_describe(preset.title, options, preset.task, seq_len, 224)}, FSDP2 over "
+        f"{mesh.size()} ranks ({units} units: per block + root), rank 0"
+    )
+    return dataclasses.replace(built, description=description)

@@ -1,0 +1,338 @@
+"""Record rank 0 of a torch.distributed step GPU-free: a fake process group, fake tensors, streams.
+
+``torch.distributed`` runs its real code path with no GPU and no peers on the ``"fake"`` backend
+(torch/testing/_internal/distributed/fake_pg.py: every collective returns at once, leaving its
+output as allocated), with the model under ``FakeTensorMode`` (FSDP2 refuses meta parameters).
+The recorder accounts fake tensors by their meta storages (``fake_storages.py``), so FSDP2's own
+sharding, all-gather and reduce-scatter buffers, prefetching and resharding are recorded as they
+happen, by lifetime.
+
+Streams. On CUDA an allocation belongs to the stream current when it is made, and its block
+goes back to that stream's pool (CUDACachingAllocator.cpp ``malloc``: blocks are looked up by
+``(size, stream)``). FSDP2 picks its streams itself through ``device_handle.stream(s)``
+(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: ``foreach_all_gather`` allocates the
+copy-in buffer and the all-gather output under ``all_gather_copy_in_stream``; ``foreach_reduce``
+allocates the reduce-scatter output under ``reduce_scatter_stream``); with a ``cpu`` mesh the
+device handle is ``torch.cpu`` (torch/distributed/device_mesh.py ``_get_device_handle``), whose
+stream contexts do nothing. :class:`EmulatedStreams` follows those contexts and numbers the
+streams (0: the default stream; 1, 2, ...: FSDP2's, in order of first use). FSDP2 calls no
+``record_stream`` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, "[Note:
+Overlapping all-gather copy-in and all-gather]": it keeps references and waits on events
+instead), so every free is an ordinary free into the block's own stream pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
+from oomkit.errors import ConfigError, UnsupportedOpError
+from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
+from oomkit.prediction.tracing.fake_storages import mark_host
+from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
+from oomkit.prediction.tracing.recorder import Tracer
+from oomkit.prediction.tracing.recording import TraceRecording
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "EmulatedStreams",
+    "FsdpBufferRoles",
+    "HOST_TENSOR_EMULATIONS",
+    "fake_process_group",
+    "trace_distributed_step",
+]
+
+# What the fake run leaves out, said with every distributed recording.
+_NOT_MODELLED = (
+    "distributed: rank 0 of a fake process group; the memory NCCL allocates for its "
+    "communicators (outside PyTorch's caching allocator, sized by NCCL at run time) is not "
+    "included; collectives complete at once, so frees that wait on a collective's event on a "
+    "real GPU happen at the same point of the Python program here"
+)
+
+
+def _python_data_on_host(ctx: EmulationContext) -> Any:
+    """``aten.lift_fresh``: ``torch.tensor(data)`` made on the host; its storage is not device."""
+    out = ctx.run()
+    if isinstance(out, torch.Tensor):
+        mark_host(out)
+    return out
+
+
+# torch/csrc/utils/tensor_new.cpp internal_new_from_data: torch.tensor(data) builds the tensor
+# on the CPU, then lifts it (aten.lift_fresh) into the active mode.
+HOST_TENSOR_EMULATIONS: dict[str, OpEmulation] = {
+    "aten.lift_fresh.default": _python_data_on_host,
+    "aten.lift_fresh_copy.default": _python_data_on_host,
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[DeviceMesh]:
+    """A fake process group of ``world_size`` ranks and a 1-D ``cpu`` mesh over it.
+
+    The group is destroyed on exit, so nothing leaks into code that runs afterwards.
+
+    Args:
+        world_size: ranks in the group (at least 1).
+        rank: the rank this process plays.
+
+    Yields:
+        The device mesh, created outside any fake mode (as ``fully_shard`` needs it).
+
+    Raises:
+        ConfigError: a bad size, or a process group is already initialised.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(
+            f"world size must be at least 1 and rank in [0, world size); got world size "
+            f"{world_size}, rank {rank}. Example: --fsdp 8"
+        )
+    if dist.is_initialized():
+        raise ConfigError(
+            "a torch.distributed process group is already initialised in this process; oomkit "
+            "records a rank on its own fake group: call dist.destroy_process_group() first"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+class EmulatedStreams:
+    """Follows ``torch.cpu.stream(s)`` contexts as CUDA's current stream; see the module doc."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, int] = {}
+        self._streams: list[Any] = []  # keeps ids stable: a stream's id() is not reused
+        self._stack: list[int] = [0]
+        self._objects: list[Any] = [None]  # the stream objects of ``_stack``; None: default
+
+    def current(self) -> int:
+        """The id of the stream allocations are made on now (0: the default stream)."""
+        return self._stack[-1]
+
+    @property
+    def streams_used(self) -> int:
+        """Non-default streams seen so far."""
+        return len(self._streams)
+
+    def _id_of(self, stream: Any, default: Any) -> int:
+        if stream is None or stream is default or stream == default:
+            return 0
+        found = self._ids.get(id(stream))
+        if found is None:
+            self._streams.append(stream)
+            found = self._ids[id(stream)] = len(self._streams)
+        return found
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """While open, ``torch.cpu.stream(s)`` makes ``s`` current in its block, as on CUDA.
+
+        ``torch.cpu.current_stream()`` answers the stream made current (c10/cuda/CUDAStream.h
+        ``getCurrentCUDAStream``; torch.cuda.StreamContext sets it for its block).
+        """
+        original_stream, original_current = torch.cpu.stream, torch.cpu.current_stream
+        default = original_current()
+        streams = self
+
+        @contextlib.contextmanager
+        def stream(stream: Any) -> Iterator[None]:
+            streams._stack.append(streams._id_of(stream, default))
+            streams._objects.append(stream)
+            try:
+                with original_stream(stream):
+                    yield
+            finally:
+                streams._stack.pop()
+                streams._objects.pop()
+
+        def current_stream(device: Any = None) -> Any:
+            found = streams._objects[-1]
+            return default if found is None else found
+
+        torch.cpu.stream = stream
+        torch.cpu.current_stream = current_stream
+        try:
+            yield
+        finally:
+            torch.cpu.stream = original_stream
+            torch.cpu.current_stream = original_current
+
+
+class FsdpBufferRoles:
+    """Tags FSDP2's communication buffers with roles, by wrapping its collective functions.
+
+    ``_fsdp_param_group.py`` calls ``foreach_all_gather``, ``foreach_all_gather_copy_out`` and
+    ``foreach_reduce`` (``_fsdp_collectives.py``) through its own module namespace; the wrappers
+    tag what each returns or fills: the all-gather output and the unsharded parameters
+    (``allgather_buffer``), the reduce-scatter input (``reduce_scatter_buffer``). The
+    reduce-scatter output becomes the sharded gradient when the reduce dtype is the parameter's
+    (``foreach_reduce`` views it as ``sharded_param.grad``), so that role wins there.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        self.wrapped = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """While open, FSDP2's collectives tag their buffers (nothing if FSDP2 is absent)."""
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            yield
+            return
+        names = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+        originals = {name: getattr(group_module, name, None) for name in names}
+        if any(original is None for original in originals.values()):
+            yield  # pragma: no cover - another FSDP2 layout: buffers stay untagged
+            return
+        tag = self._tracer.add_role
+        gather, copy_out, reduce = (originals[name] for name in names)
+        assert gather is not None and copy_out is not None and reduce is not None
+
+        def all_gather(*args: Any, **kwargs: Any) -> Any:
+            result = gather(*args, **kwargs)
+            if result is not None:
+                tag(result.all_gather_output, "allgather_buffer")
+            return result
+
+        def all_gather_copy_out(result: Any, fsdp_params: Any, *args: Any, **kwargs: Any) -> Any:
+            out = copy_out(result, fsdp_params, *args, **kwargs)
+            for fsdp_param in fsdp_params:
+                for tensor in fsdp_param.all_gather_outputs:
+                    tag(tensor, "allgather_buffer")
+            return out
+
+        def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+            out = reduce(*args, **kwargs)
+            tag(out[0], "reduce_scatter_buffer")  # the reduce-scatter input, held by FSDP2
+            return out
+
+        wrappers = dict(zip(names, (all_gather, all_gather_copy_out, reduce_scatter), strict=True))
+        for name, wrapper in wrappers.items():
+            setattr(group_module, name, wrapper)
+        self.wrapped = True
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(group_module, name, original)
+
+
+def trace_distributed_step(
+    build: Callable[[DeviceMesh], tuple[Callable[..., Any], tuple[Any, ...]]],
+    *,
+    world_size: int,
+    steps: int = 1,
+    gpu: GpuSpec | None = None,
+    target: Target | None = None,
+    emulations: Mapping[str, OpEmulation] | None = None,
+) -> TraceRecording:
+    """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
+
+    ``build`` runs inside the fake process group and ``FakeTensorMode``; it builds the model
+    (calling ``fully_shard(..., mesh=mesh)``), the optimizer and the inputs, and returns
+    ``(step_fn, track)``. Modules, optimizers and tensors in ``track`` are recorded as allocated
+    before step 0; ``step_fn()`` runs ``steps`` times.
+
+    Args:
+        build: makes the step for the given mesh.
+        world_size: ranks in the fake group.
+        steps: how many times to run the step.
+        gpu: target: emulations: as in ``trace_step``.
+
+    Returns:
+        Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
+
+    Raises:
+        ConfigError: a bad world size or an initialised process group.
+        UnsupportedOpError: an op has no fake/meta implementation.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    if target is not None:
+        gpu = target.gpu
+        if emulations is None and target.cudnn_version is not None:
+            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+
+            emulations = emulations_for_cudnn(target.cudnn_version)
+    base = DEFAULT_EMULATIONS if emulations is None else emulations
+    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS}, gpu=gpu)
+    streams = EmulatedStreams()
+    tracer.current_stream = streams.current
+    with fake_process_group(world_size) as mesh, FakeTensorMode():
+        step_fn, track = build(mesh)
+        uneven_bytes = _uneven_shard_bytes(track, world_size)
+        try:
+            with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
+                # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
+                with cuda_optimizer_defaults("cpu"):
+                    tracer.track(track)
+                    for _ in range(steps):
+                        tracer.mark_step()
+                        step_fn()
+        except Exception as exc:
+            failed = tracer.failed_op
+            if failed is not None and failed[1] is exc:
+                raise UnsupportedOpError(
+                    f"{failed[0]} failed under FakeTensorMode ({exc}); oomkit can only trace "
+                    "ops that do not read tensor values"
+                ) from exc
+            raise
+        del step_fn, track
+    recording = tracer.recording
+    layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
+    notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    if uneven_bytes:
+        notes += (
+            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {world_size} "
+            f"ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
+            f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
+            "state (AdamW has two); rank 0, always a full shard, is the largest",
+        )
+    return dataclasses.replace(recording, warnings=recording.warnings + notes)
+
+
+def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
+    """(parameters, bytes) by which the smallest rank's unpadded shards fall short of rank 0's.
+
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``: rank r's shard
+    is ``torch.chunk(param, world_size)[r]`` (chunks of ``ceil(rows / N)`` rows, the last ones
+    shorter or absent), padded to chunk 0's size for the all-gather only.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    count, short_bytes = 0, 0
+    seen: set[int] = set()
+    for obj in tree_leaves(list(track)):
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for param in obj.parameters():
+            if id(param) in seen or param.dim() == 0:
+                continue
+            seen.add(id(param))
+            rows = param.shape[0]
+            chunk = -(-rows // world_size)
+            last = max(0, rows - chunk * (world_size - 1))
+            if last != chunk:
+                count += 1
+                short_bytes += (chunk - last) * (param.numel() // rows) * param.element_size()
+    return (count, short_bytes) if count else None

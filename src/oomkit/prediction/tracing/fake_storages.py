@@ -1,0 +1,85 @@
+"""Fake tensors' storages as device memory: what the recorder accounts under ``FakeTensorMode``.
+
+``torch.distributed`` cannot run on the meta device (FSDP2 refuses meta parameters at lazy init,
+torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``reset_sharded_param``), but it runs under
+``FakeTensorMode`` on a fake process group. A ``FakeTensor`` reports its fake device (``cpu``
+here) while its ``StorageImpl`` lives on the meta device (torch/_subclasses/fake_tensor.py
+``FakeTensor.__new__`` wraps a meta ``elem``), and that storage is reference counted exactly as a
+meta tensor's: views, ``.grad``, autograd's saved variables all hold it. So the recorder accounts
+fake tensors through the same storage table, by their meta storage, allocations and frees by
+lifetime as for meta tensors (``storages.py``).
+
+Two rules make a fake world look like one CUDA device's memory:
+- A wrapper subclass with one inner tensor (DTensor: ``_local_tensor``) holds no memory of its
+  own; its inner tensor's storage is what the rank holds (torch/distributed/tensor/_api.py
+  ``DTensor.__tensor_flatten__``).
+- Tensors made from Python data (``torch.tensor(0.0)``: ``aten.lift_fresh``) are host memory, as
+  they are on a CUDA run unless given ``device="cuda"`` (AdamW's ``step`` counters:
+  torch/optim/adam.py ``_init_group``, "Deliberately host `step` on CPU"). In a fake world every
+  tensor shares one fake device, so ``distributed.HOST_TENSOR_EMULATIONS`` marks those storages
+  as host (:func:`mark_host`).
+
+The CUDA emulations (``emulations/``) apply to tensors that :func:`stands_for_cuda`: meta
+tensors, and fake tensors that are not host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["fake_tensor_storage", "is_fake_or_wrapper", "mark_host", "stands_for_cuda"]
+
+# Set on the (preserved) Python storage object of a host tensor; see storages.py for why the
+# object lives exactly as long as its StorageImpl.
+_HOST_ATTR = "_oomkit_host_memory"
+
+
+def mark_host(tensor: torch.Tensor) -> None:
+    """Record that the fake ``tensor``'s storage is host memory, not device memory."""
+    if isinstance(tensor, FakeTensor):
+        setattr(tensor.untyped_storage(), _HOST_ATTR, True)
+
+
+def stands_for_cuda(tensor: Any) -> bool:
+    """Whether ``tensor`` stands for CUDA memory while tracing: meta, or fake and not host."""
+    device = getattr(tensor, "device", None)
+    if device is not None and device.type == "meta":
+        return True
+    if isinstance(tensor, FakeTensor):
+        storage = tensor.untyped_storage()
+        return storage.device.type == "meta" and not getattr(storage, _HOST_ATTR, False)
+    return False
+
+
+def is_fake_or_wrapper(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a FakeTensor or a wrapper subclass (DTensor): see this module."""
+    return isinstance(tensor, FakeTensor) or is_traceable_wrapper_subclass(tensor)
+
+
+def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage | None:
+    """The device storage a FakeTensor or a one-tensor wrapper subclass stands for, if any.
+
+    Args:
+        tensor: a tensor for which :func:`is_fake_or_wrapper` holds.
+        device_type: the device whose storages stand for CUDA memory (``"meta"``).
+
+    Returns:
+        The meta storage of the fake tensor (of the wrapped one for DTensor); None for host
+        tensors made from Python data, wrappers of several tensors and other devices.
+    """
+    if isinstance(tensor, FakeTensor):
+        storage = tensor.untyped_storage()
+        if storage.device.type != device_type or getattr(storage, _HOST_ATTR, False):
+            return None
+        return storage
+    # torch 2.13's DTensor also lists its (opaque) device mesh among the inner attributes.
+    inner_names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(tensor, name) for name in inner_names]
+    tensors = [t for t in inner if isinstance(t, torch.Tensor)]
+    if len(tensors) != 1 or not is_fake_or_wrapper(tensors[0]):
+        return None
+    return fake_tensor_storage(tensors[0], device_type)

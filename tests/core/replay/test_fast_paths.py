@@ -1,0 +1,218 @@
+"""The optimised replay paths against plain ones: every segment decision must be the same.
+
+Two optimisations of issue 19 are checked against straightforward versions written here:
+the address-ordered index that seeding uses for its overlap check (against a scan of every held
+block), and the engine's in-loop bookkeeping (against the per-event hooks it replaced).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator
+from oomkit.core.replay._run import Run
+from oomkit.core.replay.engine import ReplayHooks
+from oomkit.core.replay.snapshot_replay import replay_snapshot
+from oomkit.core.snapshot import load_snapshot
+from oomkit.core.trace import TraceEvent
+from oomkit.errors import AllocatorUsageError
+
+MiB = 2**20
+BASE = 0x7000_0000_0000
+
+
+def _shared_files() -> list[Path]:
+    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
+    folder = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("*/*") if p.suffix in (".pickle", ".pkl"))
+
+
+SHARED_FILES = _shared_files()
+needs_shared = pytest.mark.skipif(
+    not SHARED_FILES, reason="the shared snapshots are not available (set OOMKIT_SHARED_SNAPSHOTS)"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeding: index vs a plain scan
+
+
+def _plain_overlap(allocator: CachingAllocator, address: int, size: int) -> bool:
+    """The straightforward check: does [address, +size) overlap any block the allocator holds?"""
+    end = address + size
+    return any(b.ptr < end and address < b.ptr + b.size for b in allocator._held_blocks())
+
+
+def _seed(allocator: CachingAllocator, address: int, size: int, small: bool) -> bool:
+    try:
+        allocator.seed_segment(
+            address, size, 0, is_small=small, blocks=[(address, size, size // 2, True)]
+        )
+    except AllocatorUsageError as exc:
+        assert "overlaps" in str(exc)
+        return False
+    return True
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["seed", "malloc", "free", "empty_cache"]),
+            st.integers(0, 63),  # 2 MiB slot
+            st.integers(1, 6),  # length in slots
+        ),
+        max_size=40,
+    )
+)
+def test_seed_overlap_index_decides_as_a_plain_scan(ops):
+    """Seeding accepts and refuses exactly the ranges a scan of every held block would, even
+    with mallocs, frees and releases between seeds (the index is rebuilt after them)."""
+    # New segments go to the lowest free addresses of the seeded range (as cudaMalloc reuses
+    # freed ranges), so seeds and segments interleave.
+    def place(size: int, expandable: bool) -> int:
+        address = BASE
+        while _plain_overlap(a, address, size):
+            address += 2 * MiB
+        return address
+
+    a = CachingAllocator(capacity_bytes=2**40, segment_address=place)
+    live: list[int] = []
+    decisions = []
+    for op, slot, length in ops:
+        if op == "seed":
+            address, size = BASE + slot * 2 * MiB, length * 2 * MiB
+            expected = not _plain_overlap(a, address, size)
+            decisions.append((address, size, expected))
+            assert _seed(a, address, size, small=False) == expected
+        elif op == "malloc":
+            live.append(a.malloc(length * 3 * MiB))
+        elif op == "free" and live:
+            a.free(live.pop(slot % len(live)))
+        elif op == "empty_cache":
+            a.empty_cache()
+    held = sorted((b.ptr, b.ptr + b.size) for b in a._held_blocks())
+    for (_start, end), (nxt, _) in zip(held, held[1:], strict=False):
+        assert end <= nxt  # never two holders of one byte
+    accepted = [d for d in decisions if d[2]]
+    for address, size, _ in accepted:
+        assert any(s <= address and address + size <= e for s, e in _runs(held))
+
+
+def _runs(held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for start, end in held:
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def test_seeding_many_segments_visits_no_held_block_per_segment():
+    """Seeding 2,000 segments never walks the held blocks (the quadratic scan of issue 19)."""
+    a = CachingAllocator(capacity_bytes=2**44)
+    walks = [0]
+    held = a._seed_target.held_blocks
+
+    def counting():
+        walks[0] += 1
+        return held()
+
+    object.__setattr__(a._seed_target, "held_blocks", counting)
+    for k in range(2_000):
+        address = BASE + k * 4 * MiB
+        a.seed_segment(address, 2 * MiB, 0, is_small=True, blocks=[(address, 2 * MiB, 0, False)])
+    assert walks[0] == 1
+    assert a.memory_stats()["segment.all.current"] == 2_000
+    with pytest.raises(AllocatorUsageError, match=f"at {BASE + 1_000 * 4 * MiB:#x}"):
+        a.seed_segment(BASE + 1_000 * 4 * MiB + MiB, MiB, 0, is_small=True,
+                       blocks=[(BASE + 1_000 * 4 * MiB + MiB, MiB, 0, True)])
+    a.malloc(30 * MiB)  # a new segment: the next seed rebuilds the index once
+    a.seed_segment(BASE - 2 * MiB, 2 * MiB, 0, is_small=True, blocks=[(BASE - 2 * MiB, 2 * MiB, 0, False)])
+    assert walks[0] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: in-loop bookkeeping vs the per-event hooks
+
+
+class _PlainRun(Run):
+    """Run with the engine's in-loop duties done the plain way: a hook call per event."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine.log_index = None
+        self.engine.check_addresses = False
+        self._logged = len(self.allocator.segment_log)
+
+    def uses(self, name: str) -> bool:
+        return ReplayHooks.uses(self, name)
+
+    def _plain_note(self, index: int) -> None:
+        k = len(self.allocator.segment_log)
+        self.log_index.extend([index] * (k - self._logged))
+        self._logged = k
+
+    def after_event(self, index: int, event: TraceEvent) -> None:
+        self._plain_note(index)
+
+    def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
+        self._sync_first = False
+        if self.verify and ptr != event.address:
+            self.misplaced(index, event, ptr)
+
+    def completes_later(self, index: int) -> bool:
+        return super().completes_later(index)
+
+    def out_of_memory(self, index, event, error):
+        self._plain_note(index)
+        return super().out_of_memory(index, event, error)
+
+    def failed(self, index, event, error):
+        self._plain_note(index)
+        super().failed(index, event, error)
+
+
+def _both(monkeypatch, path: Path, **kwargs):
+    from oomkit.core.replay import snapshot_replay
+
+    snapshot = load_snapshot(path)
+    device = snapshot.devices()[0] if snapshot.devices() else 0
+    runs = {}
+    for label, cls in (("fast", Run), ("plain", _PlainRun)):
+        made: list[Run] = []
+
+        def factory(*a, _cls=cls, _made=made, **k):
+            run = _cls(*a, **k)
+            _made.append(run)
+            return run
+
+        monkeypatch.setattr(snapshot_replay, "Run", factory)
+        result = replay_snapshot(snapshot, device, **kwargs)
+        runs[label] = (result, made)
+    return runs
+
+
+@needs_shared
+@pytest.mark.parametrize("path", SHARED_FILES, ids=lambda p: p.name)
+def test_fast_and_plain_engine_make_every_segment_decision_alike(monkeypatch, path):
+    """Verify and an expandable what-if of every shared snapshot: the same segment decisions,
+    at the same trace indices, the same misplaced allocs, warnings and final state."""
+    for kwargs in ({"verify": True}, {"config": AllocatorConfig.parse("expandable_segments:True")}):
+        runs = _both(monkeypatch, path, **kwargs)
+        (fast, fast_runs), (plain, plain_runs) = runs["fast"], runs["plain"]
+        assert len(fast_runs) == len(plain_runs) >= 1
+        for f, p in zip(fast_runs, plain_runs, strict=True):
+            assert f.allocator.segment_log == p.allocator.segment_log
+            assert f.log_index == p.log_index
+            assert len(f.log_index) == len(f.allocator.segment_log)
+            assert (f.misplaced_count, f.problems) == (p.misplaced_count, p.problems)
+        assert fast == plain

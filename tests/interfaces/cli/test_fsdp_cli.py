@@ -1,0 +1,138 @@
+"""`oomkit predict PRESET --fsdp N`: rank 0 of an FSDP2-sharded preset, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import main
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def gpt2_fsdp2_json():
+    """GPT-2 124M sharded over 2 ranks, one step, as --json prints it."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            ["predict", "gpt2-124m", "--fsdp", "2", "--batch", "1", "--seq", "16", "--steps", "1",
+             "--json"]
+        )
+    return code, json.loads(out.getvalue())
+
+
+def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
+    """The result names the layout, the per-rank batch and FSDP2's units; it fits an H100."""
+    import torch.distributed as dist
+
+    code, data = gpt2_fsdp2_json
+    assert code == 0
+    assert data["target"]["parallel"] == {"fsdp": 2}
+    assert data["workload"]["options"]["batch_size"] == 1
+    assert data["description"] == (
+        "GPT-2 124M, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
+        "(13 units: per block + root), rank 0"
+    )
+    assert any("rank 0 of a fake process group" in w for w in data["warnings"])
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "gpt2-124m", "--fsdp", "0"], "at least 1"),
+        (["predict", "bert-base", "--fsdp", "2"], "modelled for the GPT-2 and Llama presets"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--precision", "fp16-mixed"], "ShardedGradScaler"),
+        (["predict", "--fsdp", "2", "--hf", "gpt2"], "--hf models are not sharded"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--optimizer", "sgd", "--hf", "x"], "--hf"),
+        (["predict", "gpt2-124m", "--fsdp", "2", "--lengths", "l.txt"], "--lengths"),
+    ],
+)
+def test_fsdp_refusals_exit_2(argv, message, capsys):
+    """What --fsdp does not model is refused with exit 2 and says what to do."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+_USER_FILE = """
+import torch
+from torch.distributed.fsdp import fully_shard
+
+
+def build(mesh, world_size, batch_size=4):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+    )
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(batch_size, 64)
+    assert world_size == mesh.size()
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+
+
+def unsharded(batch_size=4):
+    model = torch.nn.Linear(64, 64)
+    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
+"""
+
+
+def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
+    """A file.py:function gets mesh and world_size; rank 0 holds half of each fp32 weight."""
+    path = tmp_path / "sharded.py"
+    path.write_text(_USER_FILE)
+    code = main(["predict", f"{path}:build", "--fsdp", "2", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["description"] == f"{path}:build(batch_size=2), FSDP2 over 2 ranks, rank 0"
+    assert data["target"]["parallel"] == {"fsdp": 2}
+    # Two 64x64 fp32 weights, 32 rows each on rank 0: 8 KiB apiece (512-byte multiples).
+    assert data["by_category_bytes"]["parameter"] == 2 * 32 * 64 * 4
+
+
+def test_user_function_that_does_not_shard_is_refused(tmp_path, capsys):
+    """--fsdp with a function whose model is not sharded exits 2 saying to call fully_shard."""
+    path = tmp_path / "sharded.py"
+    path.write_text(_USER_FILE)
+    assert main(["predict", f"{path}:unsharded", "--fsdp", "2"]) == 2
+    assert "call fully_shard(block, mesh=mesh)" in capsys.readouterr().err
+
+
+def test_user_function_prediction_matches_the_api(tmp_path, capsys):
+    """The CLI's peaks are those of trace_distributed_step + predict_recording, to the byte."""
+    import importlib.util
+
+    from oomkit.core.target import Target
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    path = tmp_path / "sharded_api.py"
+    path.write_text(_USER_FILE)
+    assert main(["predict", f"{path}:build", "--fsdp", "4", "--batch", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = importlib.util.spec_from_file_location("sharded_api", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def build(mesh):
+        with torch.device("cpu"):
+            return module.build(mesh, mesh.size(), batch_size=3)
+
+    recording = trace_distributed_step(build, world_size=4, steps=3)
+    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
+    prediction = predict_recording(recording, target=target)
+    assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
+    assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
+    assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each

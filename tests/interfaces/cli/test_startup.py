@@ -1,0 +1,122 @@
+"""Start-up imports only what a command uses (issue 19): checked by module names, not timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomkit.core.snapshot import write_snapshot
+from oomkit.core.trace import TraceEvent
+
+REPO = Path(__file__).resolve().parents[3]
+
+# Run in a fresh interpreter; prints the exit code and the imported module names as JSON.
+_PROBE = """
+import contextlib, io, json, sys
+{setup}
+rc = None
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        {call}
+    except SystemExit as exc:
+        rc = exc.code
+print(json.dumps({{"rc": rc, "modules": sorted(sys.modules)}}))
+"""
+
+# Never imported by the file commands: torch, and the layers they do not use.
+HEAVY = ("torch", "oomkit.prediction", "oomkit.runtime", "oomkit.plan")
+
+
+def _modules(call: str, setup: str = "") -> tuple[object, set[str]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(setup=setup, call=call)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return data["rc"], set(data["modules"])
+
+
+def _loaded(modules: set[str], prefix: str) -> list[str]:
+    return sorted(m for m in modules if m == prefix or m.startswith(prefix + "."))
+
+
+def test_import_oomkit_imports_no_torch_rich_or_upper_layers():
+    """``import oomkit`` loads errors, units and the version only; the API loads on first use."""
+    _, modules = _modules("import oomkit")
+    for name in (*HEAVY, "rich", "oomkit.interfaces", "oomkit.diagnose", "oomkit.core.replay"):
+        assert _loaded(modules, name) == [], name
+
+
+def test_facade_names_resolve_lazily():
+    """Every name in ``oomkit.__all__`` resolves, and only then is its module imported."""
+    rc, modules = _modules(
+        "import oomkit; missing = [n for n in oomkit.__all__ if getattr(oomkit, n, None) is None]; "
+        "assert not missing, missing; assert 'predict' in dir(oomkit); rc = 0"
+    )
+    assert rc == 0
+    assert "oomkit.prediction.predictor" in modules
+    assert "torch" not in modules  # predict imports torch only when it runs
+
+
+def test_replay_file_imports_only_core_and_its_report(tmp_path):
+    """``oomkit replay FILE --verify --json`` imports no torch, rich, predictor, runtime, planner
+    or report module but the replay one."""
+    path = tmp_path / "s.pickle"
+    a = 0x7000_0000_0000
+    write_snapshot(
+        path,
+        [{"address": a, "total_size": 2**21, "segment_type": "small", "blocks": [
+            {"address": a, "size": 2**21, "state": "inactive"}]}],
+        [[TraceEvent("alloc", a, 512), TraceEvent("free_requested", a, 512),
+          TraceEvent("free_completed", a, 512)]],
+    )
+    rc, modules = _modules(
+        f"main(['replay', {str(path)!r}, '--verify', '--json'])",
+        setup="from oomkit.interfaces.cli import main",
+    )
+    assert rc is None  # main returned (0) instead of exiting
+    for name in (*HEAVY, "oomkit.diagnose", "rich"):
+        assert _loaded(modules, name) == [], name
+    assert _loaded(modules, "oomkit.interfaces.reports") == [
+        "oomkit.interfaces.reports",
+        "oomkit.interfaces.reports.replay",
+    ]
+    assert _loaded(modules, "oomkit.interfaces.cli") == [
+        "oomkit.interfaces.cli",
+        "oomkit.interfaces.cli._common",
+        "oomkit.interfaces.cli.replay",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["explain", "CUDA out of memory. Tried to allocate 2.00 GiB"]],
+    ids=["help", "explain"],
+)
+def test_help_and_explain_never_import_torch(argv):
+    """``oomkit --help`` and ``oomkit explain TEXT`` run without importing torch."""
+    rc, modules = _modules(f"main({argv!r})", setup="from oomkit.interfaces.cli import main")
+    assert rc in (0, None)
+    assert _loaded(modules, "torch") == []
+
+
+def test_explain_builds_only_its_own_parser():
+    """``oomkit explain TEXT`` imports its own subcommand module, not the other nine."""
+    _, modules = _modules(
+        "main(['explain', 'CUDA out of memory. Tried to allocate 2.00 GiB'])",
+        setup="from oomkit.interfaces.cli import main",
+    )
+    commands = {m.rsplit(".", 1)[1] for m in _loaded(modules, "oomkit.interfaces.cli")}
+    assert "explain" in commands
+    assert not commands & {"predict", "demo", "replay", "simulate", "tune", "run", "fit",
+                           "experiment", "report"}
