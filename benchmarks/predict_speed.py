@@ -2,7 +2,9 @@
 
 Each case runs in its own child process, so its peak RSS (``ru_maxrss``) is its own:
 - GPT-2 124M training step, batch 8, seq 1024 (target: < 5 s, < 2 GB);
-- Llama-8B-shaped training step, batch 1, seq 2048 (target: < 60 s, < 2 GB).
+- Llama-8B-shaped training step, batch 1, seq 2048 (target: < 60 s, < 2 GB);
+- the same with LoRA r=16 on peft's default targets (q_proj, v_proj) (target: < 60 s, < 2 GB);
+- QLoRA: the same LoRA on nf4 base weights with double quantization (target: < 60 s, < 2 GB).
 Both record 3 steps (the CLI default), bf16-mixed with AdamW, on an H100 SXM.
 
 Prints a line per case, then, last, one JSON line:
@@ -23,7 +25,13 @@ import time
 CASES = {
     "gpt2-124m": ("gpt2-124m", 8, 1024, 5.0, 2000.0),
     "llama-8b": ("llama-8b", 1, 2048, 60.0, 2000.0),
+    "llama-8b-lora": ("llama-8b", 1, 2048, 60.0, 2000.0),
+    "llama-8b-qlora": ("llama-8b", 1, 2048, 60.0, 2000.0),
 }
+# name -> LoRA rank, for the cases that train adapters (peft) instead of the whole model.
+LORA_RANKS = {"llama-8b-lora": 16, "llama-8b-qlora": 16}
+# name -> 4-bit base weights (bitsandbytes nf4 with double quantization, emulated).
+QUANTIZED = {"llama-8b-qlora"}
 GPU = "h100"
 PRECISION = "bf16-mixed"
 STEPS = 3
@@ -38,12 +46,21 @@ def run_case(name: str) -> dict:
     """Build, record and predict one case in this process; return its figures."""
     from oomkit.prediction import predict
     from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.models.lora_options import LoraOptions
 
     preset, batch, seq, _, _ = CASES[name]
+    lora = LoraOptions(r=LORA_RANKS[name]) if name in LORA_RANKS else None
     start = time.perf_counter()
-    built = build_preset_step(
-        preset, StepOptions(batch_size=batch, seq_len=seq, precision=PRECISION, optimizer="adamw")
+    quantize = {"quantize": "nf4", "double_quant": True} if name in QUANTIZED else {}
+    options = StepOptions(
+        batch_size=batch,
+        seq_len=seq,
+        precision=PRECISION,
+        optimizer="adamw",
+        lora=lora,
+        **quantize,
     )
+    built = build_preset_step(preset, options)
     p = predict(built.step_fn, gpu=GPU, steps=STEPS, track=built.track)
     seconds = time.perf_counter() - start
     return {
@@ -75,7 +92,7 @@ def main() -> int:
         results[name] = result
         ok = result["seconds"] < target_s and result["peak_rss_mb"] < target_mb
         print(
-            f"{name:>10} (batch {batch}, seq {seq}, {PRECISION}, {STEPS} steps on {GPU}): "
+            f"{name:>14} (batch {batch}, seq {seq}, {PRECISION}, {STEPS} steps on {GPU}): "
             f"{result['seconds']:.2f} s, peak RSS {result['peak_rss_mb']:.0f} MB, "
             f"{result['events']:,} events, peak reserved "
             f"{result['peak_reserved_bytes'] / 2**30:.2f} GiB "

@@ -48,6 +48,21 @@ def test_preset_saves_the_old_keys_and_the_new():
     assert workload_from_json({"workload": saved}) == PRESET
 
 
+def test_finetune_options_are_saved_only_when_set():
+    """LoRA, quantization and a non-default optimizer_impl are saved; their defaults are not."""
+    import dataclasses
+
+    tuned = dataclasses.replace(
+        PRESET, lora={"r": 16}, optimizer_impl="foreach", quantize="nf4", double_quant=False
+    )
+    options = workload_to_json(tuned)["options"]
+    assert options["lora"] == {"r": 16} and options["quantize"] == "nf4"
+    assert "optimizer_impl" not in options and "double_quant" not in options
+    assert workload_from_json({"workload": workload_to_json(tuned)}) == dataclasses.replace(
+        tuned, optimizer_impl=None, double_quant=None
+    )
+
+
 def test_a_function_has_no_preset_key_and_unknown_mode():
     """file.py:function saves the sizes it was called with; mode and optimizer stay unknown."""
     spec = WorkloadSpec("function", "train.py:build", batch_size=4, steps=3)

@@ -34,8 +34,22 @@ _OPTION_FIELDS = (
     "checkpointing",
     "mode",
     "new_tokens",
+    "lora",
+    "optimizer_impl",
+    "quantize",
+    "double_quant",
+    "compute_dtype",
 )
-_OPTIMIZERS = ("adamw", "adam", "sgd")
+# The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
+# not known), so that saves of other workloads keep the keys older oomkit wrote.
+_OMITTED_AT_DEFAULT: dict[str, object] = {
+    "lora": None,
+    "optimizer_impl": "foreach",
+    "quantize": None,
+    "double_quant": False,
+    "compute_dtype": None,
+}
+_OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,12 @@ class WorkloadSpec:
         mode: ``"train"``, ``"inference"`` or ``"generate"``; ``None`` when not known.
         new_tokens: tokens generated (``generate`` only).
         steps: steps recorded.
+        lora: ``StepOptions.lora`` as a mapping of ``LoraOptions``' fields (r, alpha, targets,
+            dropout, modules_to_save, dora); ``None``: no LoRA, or not known.
+        optimizer_impl: ``StepOptions.optimizer_impl`` (``foreach``, ``fused``, ``for-loop``).
+        quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
+        double_quant: ``StepOptions.double_quant``.
+        compute_dtype: ``StepOptions.compute_dtype``.
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -72,6 +92,11 @@ class WorkloadSpec:
     mode: str | None = None
     new_tokens: int | None = None
     steps: int | None = None
+    lora: Mapping[str, Any] | None = None
+    optimizer_impl: str | None = None
+    quantize: str | None = None
+    double_quant: bool | None = None
+    compute_dtype: str | None = None
     precision_source: str | None = None
 
     @property
@@ -86,14 +111,18 @@ class WorkloadSpec:
 
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
-    """The saved form: ``kind``, ``name``, ``options`` and ``steps`` (and ``precision_source``
-    when set); a preset also keeps
+    """The saved form: ``kind``, ``name``, ``options`` (the fine-tuning ones only when set) and
+    ``steps`` (and ``precision_source`` when set); a preset also keeps
     ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
     with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
     out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
     if workload.kind == "preset":
         out["preset"] = workload.name
-    out["options"] = workload.options
+    out["options"] = {
+        name: value
+        for name, value in workload.options.items()
+        if name not in _OMITTED_AT_DEFAULT or value not in (None, _OMITTED_AT_DEFAULT[name])
+    }
     out["steps"] = workload.steps
     if workload.precision_source is not None:
         out["precision_source"] = workload.precision_source
@@ -136,6 +165,11 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             mode=_typed(options.get("mode"), str),
             new_tokens=_typed(options.get("new_tokens"), int),
             steps=_typed(saved.get("steps"), int),
+            lora=_typed(options.get("lora"), Mapping),
+            optimizer_impl=_typed(options.get("optimizer_impl"), str),
+            quantize=_typed(options.get("quantize"), str),
+            double_quant=_typed(options.get("double_quant"), bool),
+            compute_dtype=_typed(options.get("compute_dtype"), str),
             precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")

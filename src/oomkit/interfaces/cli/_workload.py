@@ -25,6 +25,12 @@ from oomkit.interfaces.cli._common import (
     positive_int,
     size_arg,
 )
+from oomkit.interfaces.cli._finetune_flags import (
+    FINETUNE_OPTION_FLAGS,
+    add_lora_flags,
+    add_quantize_flags,
+    lora_options,
+)
 from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
 
@@ -51,7 +57,8 @@ __all__ = [
 
 # The StepOptions vocabulary of oomkit.prediction.models (docs/CONTRACTS.md, "Issue 3").
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 MODES = ("train", "inference", "generate")
 # oomkit.prediction.models.PRESETS' names, for --help without importing torch (a test pins them
 # to the presets' own); the vision ones take --image-size, the others --seq.
@@ -107,7 +114,21 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         help="presets and --hf (default: bf16-mixed for the GPT-2 and Llama presets, fp32 for "
         "the others; for --hf the config's torch_dtype)",
     )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="presets and --hf (default adamw)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="presets and --hf (default adamw); adamw8bit / paged-adamw8bit: bitsandbytes' "
+        "8-bit states (emulated; paged states are unified memory, not counted on the GPU); "
+        "adafactor: transformers' Adafactor as the HF Trainer sets it up",
+    )
+    parser.add_argument(
+        "--optimizer-impl",
+        choices=OPTIMIZER_IMPLS,
+        help="torch.optim's kernels: foreach (default, as on CUDA), fused (adamw, adam) or "
+        "for-loop (adamw, adam, sgd)",
+    )
+    add_lora_flags(parser)
+    add_quantize_flags(parser)
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
     )
@@ -211,10 +232,18 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
         ("seq_len", args.seq),
         ("image_size", args.image_size),
         ("new_tokens", getattr(args, "new_tokens", None)),
+        ("optimizer_impl", getattr(args, "optimizer_impl", None)),
+        ("lora", lora_options(args)),
+        ("quantize", getattr(args, "quantize", None)),
+        ("double_quant", getattr(args, "double_quant", False) or None),
+        ("compute_dtype", getattr(args, "compute_dtype", None)),
     ):
         if value is not None:
             fields[name] = value
-    return StepOptions(**fields)
+    try:
+        return StepOptions(**fields)
+    except ValueError as exc:  # a combination the flags' choices cannot rule out
+        raise OomkitError(cli_wording(str(exc))) from exc
 
 
 @dataclass(frozen=True)
@@ -417,6 +446,13 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--checkpointing", args.checkpointing or None),
             ("--mode", args.mode),
             ("--new-tokens", getattr(args, "new_tokens", None)),
+            ("--optimizer-impl", getattr(args, "optimizer_impl", None)),
+            ("--lora", getattr(args, "lora", None)),
+            *((flag, getattr(args, name, None)) for name, flag in FINETUNE_OPTION_FLAGS),
+            ("--dora", getattr(args, "dora", False) or None),
+            ("--quantize", getattr(args, "quantize", None)),
+            ("--double-quant", getattr(args, "double_quant", False) or None),
+            ("--compute-dtype", getattr(args, "compute_dtype", None)),
         )
         if value is not None
     ]
@@ -464,7 +500,8 @@ def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
 
 # A library message names the Python API (StepOptions(seq_len=...)); the CLI names its flags.
 _CLI_FLAGS = {"seq_len": "--seq", "image_size": "--image-size", "new_tokens": "--new-tokens",
-              "batch_size": "--batch"}
+              "batch_size": "--batch", "lora": "--lora", "quantize": "--quantize",
+              "double_quant": "--double-quant", "compute_dtype": "--compute-dtype"}
 _STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
 
 
@@ -476,7 +513,7 @@ def cli_wording(message: str) -> str:
         name, value = match.group(1), match.group(2)
         if name not in _CLI_FLAGS:
             return match.group(0)
-        return f"{_CLI_FLAGS[name]} {'N' if value == '...' else value}"
+        return f"{_CLI_FLAGS[name]} {'N' if value == '...' else value.strip(chr(39))}"
 
     return _STEP_OPTIONS_RE.sub(flag, message)
 

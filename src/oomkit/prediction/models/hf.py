@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
@@ -283,6 +284,7 @@ def build_hf_step(
         )
     image_size = options.image_size or getattr(config, "image_size", None) or 224
     title = _title(name_or_path_or_config, config, model)
+    title = prepare_finetune(model, options, title)  # quantize, LoRA
     runner = _runner(transformers, model, task, config, text)
     return build_step(
         runner,

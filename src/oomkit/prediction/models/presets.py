@@ -20,6 +20,7 @@ from oomkit.prediction.models.llama import (
     llama_buffer_count,
     llama_parameter_count,
 )
+from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.resnet import (
     ResNet,
@@ -256,9 +257,10 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     model = model.to(dtype=model_dtype(options.precision))
     if options.checkpointing:
         cast(Any, model).checkpointing = True  # every preset module reads this flag
+    title = prepare_finetune(model, options, preset.title)  # quantize, LoRA
     runner = _runner(preset, model)
     return build_step(
-        runner, options, title=preset.title, seq_len=seq_len, image_size=image_size, device=device
+        runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from oomkit.errors import OomkitError
 from oomkit.prediction.models.options import StepOptions
 from oomkit.prediction.models.presets import shaped_preset
 
@@ -34,7 +35,20 @@ def expected_state_bytes(name: str, options: StepOptions) -> dict[str, int]:
 
     Raises:
         UnknownPresetError: ``name`` is not a preset.
+        OomkitError: LoRA, quantized weights or an optimizer other than adamw/adam/sgd, whose
+            bytes this arithmetic does not cover.
     """
+    if (
+        options.lora is not None
+        or options.quantize is not None
+        or options.optimizer not in _STATES_PER_PARAMETER
+    ):
+        raise OomkitError(
+            "expected_state_bytes covers full training with adamw, adam or sgd; for LoRA, 4-bit "
+            "weights or the adamw8bit/paged-adamw8bit/adafactor states, trace the step and read "
+            "recording.allocated_bytes('optimizer_state') (tests/prediction/models/"
+            "test_optimizers.py counts them by hand)"
+        )
     preset = shaped_preset(name, options)
     itemsize = 2 if options.precision in ("bf16", "fp16") else 4
     parameter_bytes = preset.parameter_count() * itemsize

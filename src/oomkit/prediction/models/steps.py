@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from oomkit.errors import OomkitError
+from oomkit.prediction.models.optimizers import make_optimizer
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 
 __all__ = ["ModelRunner", "Task", "build_step", "autocast_dtype", "model_dtype"]
@@ -80,11 +81,7 @@ def _optimizer(options: StepOptions, model: torch.nn.Module) -> torch.optim.Opti
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach=True is what CUDA parameters get by default (torch/optim/optimizer.py,
     # _default_to_fused_or_foreach); on meta the default would be the per-tensor loop.
-    if options.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    if options.optimizer == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=True)
-    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=True)
+    return make_optimizer(options.optimizer, params, options.optimizer_impl)
 
 
 def _inputs(

@@ -1,0 +1,118 @@
+"""The fine-tuning flags of ``predict`` and ``fit``: --lora, --quantize and their options."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from oomkit.errors import OomkitError
+from oomkit.interfaces.cli._common import positive_int
+
+__all__ = ["FINETUNE_OPTION_FLAGS", "add_lora_flags", "add_quantize_flags", "lora_options"]
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), e.g. 0.05; got {text!r}")
+    return value
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """--lora R and its options: peft LoRA adapters on a preset or --hf model."""
+    parser.add_argument(
+        "--lora",
+        type=positive_int,
+        metavar="R",
+        help="train LoRA adapters of rank R (peft) instead of the whole model: base weights "
+        "frozen, no gradients or optimizer states for them (presets, --hf)",
+    )
+    parser.add_argument(
+        "--lora-alpha", type=positive_int, metavar="N", help="lora_alpha (default 8, peft's)"
+    )
+    parser.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated modules to adapt, e.g. q_proj,v_proj (default: peft's for the "
+        "architecture)",
+    )
+    parser.add_argument(
+        "--lora-dropout", type=_probability, metavar="P", help="lora_dropout (default 0)"
+    )
+    parser.add_argument(
+        "--lora-modules-to-save",
+        metavar="NAMES",
+        help="comma-separated modules trained in full beside the adapters, e.g. lm_head",
+    )
+    parser.add_argument("--dora", action="store_true", help="DoRA (LoraConfig use_dora=True)")
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
+    """--quantize and its options: bitsandbytes 4-bit base weights (QLoRA), emulated."""
+    parser.add_argument(
+        "--quantize",
+        choices=("nf4", "fp4"),
+        help="store every Linear but the output layer as bitsandbytes Linear4bit (QLoRA; "
+        "training needs --lora)",
+    )
+    parser.add_argument(
+        "--double-quant", action="store_true", help="bnb_4bit_use_double_quant (with --quantize)"
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="bnb_4bit_compute_dtype (with --quantize; default: the model's parameter dtype)",
+    )
+
+
+def lora_options(args: argparse.Namespace) -> Any:
+    """The ``LoraOptions`` of --lora and its options; ``None`` without --lora.
+
+    Raises:
+        OomkitError: a LoRA option without --lora.
+    """
+    given: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("alpha", getattr(args, "lora_alpha", None)),
+            ("targets", getattr(args, "lora_targets", None)),
+            ("dropout", getattr(args, "lora_dropout", None)),
+            ("modules_to_save", getattr(args, "lora_modules_to_save", None)),
+            ("dora", getattr(args, "dora", False) or None),
+        )
+        if value is not None
+    }
+    if getattr(args, "lora", None) is None:
+        if given:
+            flags = ", ".join(_LORA_FLAGS[name] for name in given)
+            raise OomkitError(
+                f"{flags} {'configures' if len(given) == 1 else 'configure'} LoRA: add --lora R "
+                "(e.g. --lora 16), or drop it."
+            )
+        return None
+    from oomkit.prediction.models.lora_options import LoraOptions
+
+    try:
+        return LoraOptions(r=args.lora, **given)
+    except ValueError as exc:
+        raise OomkitError(str(exc)) from exc
+
+
+# The LoRA options' flags by argparse dest, for refusing them on a file.py:function target.
+FINETUNE_OPTION_FLAGS = (
+    ("lora_alpha", "--lora-alpha"),
+    ("lora_targets", "--lora-targets"),
+    ("lora_dropout", "--lora-dropout"),
+    ("lora_modules_to_save", "--lora-modules-to-save"),
+)
+
+_LORA_FLAGS = {
+    "alpha": "--lora-alpha",
+    "targets": "--lora-targets",
+    "dropout": "--lora-dropout",
+    "modules_to_save": "--lora-modules-to-save",
+    "dora": "--dora",
+}

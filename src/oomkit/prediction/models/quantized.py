@@ -1,0 +1,257 @@
+"""4-bit base weights as bitsandbytes stores and runs them (QLoRA), emulated on the meta device.
+
+bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsandbytes: each
+``nn.Linear`` (but the output layer, as transformers' ``get_keys_to_not_convert`` leaves
+``lm_head`` alone) is replaced by :class:`Linear4bitStorage`, which holds exactly the tensors
+``functional.quantize_4bit`` leaves on the device and whose forward allocates what
+``bnb.matmul_4bit`` / ``MatMul4Bit`` allocate on CUDA:
+
+- storage (``quantize_4bit``, blocksize 64, ``quant_storage=torch.uint8``): the packed weight,
+  ``((n + 1) // 2, 1)`` uint8 for ``n = out * in``; the 16-entry fp32 code of nf4/fp4
+  (``get_4bit_type``); ``absmax``, one fp32 per block of 64. With double quantization
+  (``compress_statistics=True``): ``absmax`` becomes uint8 (``quantize_blockwise`` of
+  ``absmax - offset`` with blocksize 256), plus ``state2.absmax`` (fp32, one per 256 blocks),
+  ``state2.code`` (the 256-entry fp32 dynamic map copied to the device) and ``offset``
+  (``absmax.mean()``, a 0-d fp32 tensor).
+- forward (``Linear4bit.forward``): ``x.to(compute_dtype)`` (a copy when the dtypes differ);
+  ``MatMul4Bit.forward``: ``dequantize_4bit`` (with double quantization first
+  ``dequantize_blockwise`` of ``absmax``: fp32 ``[blocks]``, ``+= offset`` in place) into an
+  ``[out, in]`` tensor of the dtype the weight was quantized from, ``.to(x.dtype)``, then
+  ``F.linear``; the weight temporaries are freed after the matmul. Nothing of ``x`` is saved
+  (``ctx.tensors = (None, B)``).
+- backward (``MatMul4Bit.backward``): ``grad_output @ dequantize_4bit(B).to(grad.dtype).t()``:
+  the same dequantized temporary again.
+
+Not modelled: the load-time peak (transformers quantizes each weight on the GPU from its 16-bit
+copy), the single-token inference ``gemv_4bit`` path (it reads the packed weight without a
+temporary: generation is refused with 4-bit weights), and ``Linear8bitLt`` (``int8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oomkit.errors import OomkitError
+
+__all__ = [
+    "Linear4bitStorage",
+    "QuantType",
+    "quantize_linears",
+    "storage_bytes_4bit",
+    "BNB_4BIT_BLOCKSIZE",
+    "BNB_NESTED_BLOCKSIZE",
+]
+
+QuantType = Literal["nf4", "fp4"]
+
+# bitsandbytes/nn/modules.py Params4bit: blocksize 64 on CUDA; functional.py quantize_4bit with
+# compress_statistics quantizes absmax with quantize_blockwise(..., blocksize=256).
+BNB_4BIT_BLOCKSIZE = 64
+BNB_NESTED_BLOCKSIZE = 256
+# functional.py get_4bit_type: 16 fp32 values (nf4 or fp4); create_dynamic_map: 256 fp32 values.
+_CODE_4BIT_ENTRIES = 16
+_DYNAMIC_MAP_ENTRIES = 256
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def storage_bytes_4bit(numel: int, *, double_quant: bool) -> dict[str, int]:
+    """Bytes of one 4-bit weight of ``numel`` elements as ``quantize_4bit`` stores it.
+
+    Returns:
+        ``weight`` (packed, 2 per byte), ``code`` (16 fp32), ``absmax`` (fp32 per 64, or uint8
+        with double quantization) and, with double quantization, ``nested_absmax`` (fp32 per 256
+        blocks), ``nested_code`` (256 fp32) and ``offset`` (one fp32).
+    """
+    blocks = _ceil_div(numel, BNB_4BIT_BLOCKSIZE)
+    sizes = {"weight": (numel + 1) // 2, "code": 4 * _CODE_4BIT_ENTRIES}
+    if not double_quant:
+        sizes["absmax"] = 4 * blocks
+        return sizes
+    sizes["absmax"] = blocks
+    sizes["nested_absmax"] = 4 * _ceil_div(blocks, BNB_NESTED_BLOCKSIZE)
+    sizes["nested_code"] = 4 * _DYNAMIC_MAP_ENTRIES
+    sizes["offset"] = 4
+    return sizes
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """bitsandbytes/autograd/_functions.py ``MatMul4Bit``: dequantize, matmul, free."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: Linear4bitStorage, bias: Any) -> torch.Tensor:
+        weight = layer.dequantize().to(x.dtype)
+        out = F.linear(x, weight, bias)
+        del weight
+        ctx.layer = layer
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+        layer: Linear4bitStorage = ctx.layer
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad, layer.dequantize().to(grad.dtype))
+        return grad_x, None, None
+
+
+class Linear4bitStorage(nn.Linear):
+    """A frozen ``nn.Linear`` stored as bitsandbytes ``Linear4bit`` stores it (see the module).
+
+    An ``nn.Linear`` subclass, so that peft adapts it; its LoRA layer then runs peft's 4-bit
+    forward (peft/tuners/lora/bnb.py ``Linear4bit.forward``), see :func:`quantize_linears`.
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        *,
+        quant_type: QuantType,
+        double_quant: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.quant_type = quant_type
+        self.double_quant = double_quant
+        self.compute_dtype = compute_dtype
+        self.quant_dtype = linear.weight.dtype  # QuantState.dtype: the weight's before quantizing
+        device = linear.weight.device
+        numel = self.in_features * self.out_features
+        blocks = _ceil_div(numel, BNB_4BIT_BLOCKSIZE)
+        self.weight = nn.Parameter(
+            torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=device),
+            requires_grad=False,
+        )
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+        def buffer(name: str, size: tuple[int, ...], dtype: torch.dtype) -> None:
+            self.register_buffer(name, torch.empty(size, dtype=dtype, device=device))
+
+        buffer("code", (_CODE_4BIT_ENTRIES,), torch.float32)
+        if double_quant:
+            buffer("absmax", (blocks,), torch.uint8)
+            buffer("nested_absmax", (_ceil_div(blocks, BNB_NESTED_BLOCKSIZE),), torch.float32)
+            buffer("nested_code", (_DYNAMIC_MAP_ENTRIES,), torch.float32)
+            buffer("offset", (), torch.float32)
+        else:
+            buffer("absmax", (blocks,), torch.float32)
+
+    def dequantize(self) -> torch.Tensor:
+        """``functional.dequantize_4bit``: the ``[out, in]`` weight in the quantized dtype."""
+        if self.double_quant:
+            # dequantize_blockwise(quant_state.absmax, quant_state.state2) + offset, in place.
+            stored = cast(torch.Tensor, self.absmax)
+            offset = cast(torch.Tensor, self.offset)
+            absmax = torch.empty(stored.shape, dtype=torch.float32, device=stored.device)
+            absmax += offset
+        out = torch.empty(
+            (self.out_features, self.in_features), dtype=self.quant_dtype, device=self.weight.device
+        )
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        # bitsandbytes/nn/modules.py Linear4bit.forward.
+        inp_dtype = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        out: torch.Tensor = _MatMul4bit.apply(x, self, bias)
+        return out.to(inp_dtype)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"quant_type={self.quant_type}, double_quant={self.double_quant}"
+        )
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        found = get()
+        if isinstance(found, nn.Module):
+            return found
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def quantize_linears(
+    model: nn.Module,
+    *,
+    quant_type: QuantType = "nf4",
+    double_quant: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> int:
+    """Replace every ``nn.Linear`` of ``model`` but its output layer by 4-bit storage, in place.
+
+    Args:
+        model: a built model (on meta), in the dtype its weights are quantized from.
+        quant_type: ``nf4`` or ``fp4`` (the same storage; the code's values differ).
+        double_quant: ``bnb_4bit_use_double_quant``.
+        compute_dtype: ``bnb_4bit_compute_dtype``: inputs are cast to it for the matmul.
+
+    Returns:
+        How many layers were replaced.
+
+    Raises:
+        OomkitError: the model has no ``nn.Linear`` to quantize.
+    """
+    skip = _output_layer(model)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child is not skip:
+                storage = Linear4bitStorage(
+                    child, quant_type=quant_type, double_quant=double_quant,
+                    compute_dtype=compute_dtype,
+                )
+                setattr(parent, name, storage)
+                replaced += 1
+    if replaced == 0:
+        raise OomkitError(
+            f"{type(model).__name__} has no nn.Linear layers to quantize (transformers' GPT-2 "
+            "uses Conv1D, which bitsandbytes does not quantize either); drop quantize"
+        )
+    return replaced
+
+
+def lora_layer_class() -> Callable[..., nn.Module]:
+    """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes ``Linear4bit`` layer.
+
+    peft dispatches a real ``bnb.nn.Linear4bit`` to ``peft/tuners/lora/bnb.py Linear4bit``,
+    whose forward differs from the plain layer's: it clones the base output ("defensively",
+    per Tim Dettmers) and, outside autocast, casts the adapter's output to the result's dtype
+    before adding. That class only exists when bitsandbytes is installed, so this one mirrors it.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class Lora4bitLinear(LoraLinear):
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = self.base_layer(x, *args, **kwargs).clone()
+            for active_adapter in self.active_adapters:
+                if active_adapter not in self.lora_A:
+                    continue
+                lora_a: Any = self.lora_A[active_adapter]
+                lora_b: Any = self.lora_B[active_adapter]
+                dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
+                convert = not torch.is_autocast_enabled()
+                expected_dtype = result.dtype
+                if convert:
+                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
+                output = lora_b(lora_a(dropout(x))) * scaling
+                if convert:
+                    output = output.to(expected_dtype)
+                result = result + output
+            return result
+
+    return Lora4bitLinear

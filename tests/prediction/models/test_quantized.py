@@ -1,0 +1,130 @@
+"""QLoRA: bitsandbytes 4-bit storage byte for byte and the dequantized weight of each matmul."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from oomkit.errors import OomkitError  # noqa: E402
+from oomkit.prediction.models import StepOptions, build_hf_step  # noqa: E402
+from oomkit.prediction.models.lora_options import LoraOptions  # noqa: E402
+from oomkit.prediction.models.quantized import Linear4bitStorage, storage_bytes_4bit  # noqa: E402
+from oomkit.prediction.tracing import TraceRecording, trace_step  # noqa: E402
+
+# Per layer the Linears hold q 4096, k 2048, v 2048, o 4096, gate/up/down 8192 elements, i.e.
+# 64 + 32 + 32 + 64 + 128 * 3 = 576 blocks of 64; 7 Linears; 2 layers.
+BLOCKS_PER_LAYER = 576
+
+
+def _config() -> object:
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+
+
+def _trace(**kwargs: object) -> tuple[object, TraceRecording]:
+    options = StepOptions(
+        batch_size=2, seq_len=16, precision="bf16", quantize="nf4", lora=LoraOptions(), **kwargs
+    )
+    built = build_hf_step(_config(), options)
+    return built, trace_step(built.step_fn, *built.track, steps=2)
+
+
+def _allocs(recording: TraceRecording, module: str, phase: str) -> list[tuple[int, str | None]]:
+    return [
+        (e.size, dict(e.tags).get("op"))
+        for e in recording.step_events(1)
+        if e.action == "alloc"
+        and dict(e.tags).get("module") == module
+        and dict(e.tags).get("phase") == phase
+    ]
+
+
+def test_storage_bytes_of_one_weight():
+    """quantize_4bit: 2 weights a byte, fp32 absmax per 64; double quant: uint8 absmax + nested."""
+    assert storage_bytes_4bit(4097, double_quant=False) == {
+        "weight": 2049,
+        "code": 64,
+        "absmax": 4 * 65,
+    }
+    assert storage_bytes_4bit(64 * 300, double_quant=True) == {
+        "weight": 9600,
+        "code": 64,
+        "absmax": 300,
+        "nested_absmax": 8,  # 300 blocks -> 2 nested blocks of 256
+        "nested_code": 1024,
+        "offset": 4,
+    }
+
+
+@pytest.mark.parametrize(("double_quant", "buffer_bytes"), [(False, 5568), (True, 16560)])
+def test_quantized_llama_parameters_and_buffers_by_hand(double_quant, buffer_bytes):
+    """Packed weights, bf16 embedding/lm_head/norms and fp32 adapters; the quant states."""
+    built, recording = _trace(double_quant=double_quant)
+    packed = 2 * (2048 + 1024 + 1024 + 2048 + 4096 * 3)
+    bf16 = 2 * (256 * 64) * 2 + 5 * 64 * 2  # embedding, lm_head (not quantized), 5 norms
+    adapters = 2 * 8 * ((64 + 64) + (64 + 32)) * 4
+    assert recording.allocated_bytes("parameter") == packed + bf16 + adapters == 117_376
+    rope = 2 * 8 * 4  # inv_freq and original_inv_freq of head_dim 16, fp32 as from_config makes them
+    if double_quant:  # per Linear code 64 + nested absmax 4 + nested code 1024 + offset 4
+        states = 2 * (BLOCKS_PER_LAYER + 7 * (64 + 4 + 1024 + 4))
+    else:  # per Linear code 64, fp32 absmax per block
+        states = 2 * (BLOCKS_PER_LAYER * 4 + 7 * 64)
+    assert recording.allocated_bytes("buffer") == states + rope == buffer_bytes
+    assert recording.allocated_bytes("gradient", step=1) == adapters
+    model = built.track[0]
+    assert not isinstance(model.lm_head, Linear4bitStorage)
+    assert isinstance(model.model.layers[1].mlp.down_proj, Linear4bitStorage)
+
+
+def test_each_matmul_dequantizes_its_weight_forward_and_backward():
+    """q_proj (64x64, bf16): an [out, in] temporary per matmul; double quant first the absmax."""
+    _, recording = _trace()
+    module = "model.layers.1.self_attn.q_proj.base_layer"
+    assert _allocs(recording, module, "forward") == [
+        (64 * 64 * 2, "aten.empty.memory_format"),  # dequantize_4bit's output
+        (2 * 16 * 64 * 2, "aten.mm.default"),  # F.linear's output
+    ]
+    assert _allocs(recording, module, "backward")[0] == (64 * 64 * 2, "aten.empty.memory_format")
+    _, nested = _trace(double_quant=True)
+    assert _allocs(nested, module, "forward")[:2] == [
+        (64 * 4, "aten.empty.memory_format"),  # dequantize_blockwise(absmax): 64 fp32
+        (64 * 64 * 2, "aten.empty.memory_format"),
+    ]
+
+
+def test_fp32_compute_dtype_casts_input_and_weight():
+    """compute_dtype fp32 on a bf16 model: x.to(fp32), then the bf16 weight .to(fp32) copy."""
+    _, recording = _trace(compute_dtype="fp32")
+    sizes = [size for size, _ in _allocs(recording, "model.layers.1.self_attn.q_proj.base_layer",
+                                          "forward")]
+    assert sizes[:3] == [2 * 16 * 64 * 4, 64 * 64 * 2, 64 * 64 * 4]
+
+
+def test_peft_4bit_layer_clones_the_base_output():
+    """peft's bnb Linear4bit forward clones the base output once per adapted layer."""
+    _, recording = _trace()
+    clones = _allocs(recording, "model.layers.1.self_attn.q_proj", "forward")
+    assert (2 * 16 * 64 * 2, "aten.clone.default") in clones
+
+
+def test_quantize_refusals():
+    """Training without LoRA, generating, options without quantize, no Linear: clear errors."""
+    with pytest.raises(ValueError, match="training a quantized model needs LoRA"):
+        StepOptions(quantize="nf4")
+    with pytest.raises(ValueError, match="gemv_4bit"):
+        StepOptions(quantize="fp4", mode="generate")
+    with pytest.raises(ValueError, match="configure 4-bit weights; add quantize"):
+        StepOptions(double_quant=True)
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    options = StepOptions(batch_size=1, seq_len=8, quantize="nf4", mode="inference")
+    with pytest.raises(OomkitError, match="no nn.Linear layers to quantize"):
+        build_hf_step(gpt2, options)
