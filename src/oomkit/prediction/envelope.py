@@ -180,13 +180,20 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
         else:
             freed(ev, ids[ev.address])
     step_starts = [first.step_starts[0]]
+    # What is live when each length's steady step starts, found once per length (a run
+    # repeats its lengths many times).
+    steady: dict[int, tuple[dict[int, TraceEvent], dict[_Key, list[int]]]] = {}
+    for length in dict.fromkeys(order[1:]):
+        rec = recordings[length]
+        live = _live_at(rec.events, rec.step_starts[1])
+        steady[length] = (live, _grouped(live))
     for length in order[1:]:
         rec = recordings[length]
         start = rec.step_starts[1]
         end = rec.step_starts[2] if len(rec.step_starts) > 2 else len(rec.events)
-        their_live = _live_at(rec.events, start)
-        theirs = _grouped(their_live)
-        for keys, what in ((theirs.keys() - state.keys(), "appears"), (state.keys() - theirs.keys(), "disappears")):
+        their_live, theirs = steady[length]
+        changes = ((theirs.keys() - state.keys(), "appears"), (state.keys() - theirs.keys(), "disappears"))
+        for keys, what in changes:
             for key in sorted(keys):
                 if key[0] not in SWAPPED_CATEGORIES:
                     raise ConfigError(_state_error(length, key, what))

@@ -33,7 +33,7 @@ from oomkit.core.allocator._config_parser import ConfigParser
 from oomkit.core.allocator._legacy_parser import LegacyParser
 from oomkit.core.allocator._tokenizer_parser import TokenizerParser
 from oomkit.core.allocator.constants import ROUNDUP_POWER2_INTERVALS, SIZE_MAX
-from oomkit.core.allocator.versions import ConfigParserKind, behaviour_for
+from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES, ConfigParserKind, behaviour_for
 from oomkit.errors import ConfigError
 
 __all__ = ["AllocatorConfig", "Backend"]
@@ -300,52 +300,50 @@ class AllocatorConfig:
         """
         env: Mapping[str, str] = os.environ if environ is None else environ
         b = behaviour_for(torch_version)
-        known = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-        for name in b.env_vars:
-            text = env.get(name)
-            if text is None:
-                continue
-            for other in known:
-                if other != name and env.get(other) not in (None, text):
+        name = b.variable_read(env)
+        if name is None:
+            for unread in ALLOC_CONF_VARIABLES:
+                if unread in env:
                     warnings.warn(
-                        f"{other} is ignored: torch {b.version_text} reads only the first of "
-                        f"{', '.join(b.env_vars)} that is set, here {name}. Put every "
-                        f"setting in {name}.",
+                        f"{unread} is set but torch {b.version_text} does not read it (it reads "
+                        f"{', '.join(b.env_vars)}); modelling the default settings.",
                         UserWarning,
                         stacklevel=2,
                     )
-            if name in b.deprecated_env_vars:
-                # CFG-2.9 C10_ALLOCATOR_CONFIG_PARSE_ENV: TORCH_WARN_ONCE (PR #167659).
+            return cls()
+        text = env[name]
+        for other in ALLOC_CONF_VARIABLES:
+            if other != name and env.get(other) not in (None, text):
                 warnings.warn(
-                    f"torch {b.version_text} prints '{name} is deprecated, use PYTORCH_ALLOC_CONF instead'.",
+                    f"{other} is ignored: torch {b.version_text} reads only the first of "
+                    f"{', '.join(b.env_vars)} that is set, here {name}. Put every "
+                    f"setting in {name}.",
                     UserWarning,
                     stacklevel=2,
                 )
-            config = _PARSERS[b.config_parser](text, b, cls(), name).run()
-            if (
-                b.alloc_conf_ignores_expandable_segments
-                and name == "PYTORCH_ALLOC_CONF"
-                and config.expandable_segments
-            ):
-                # §9.1, issue #183387: torch 2.9 ignores expandable_segments given this way.
-                warnings.warn(
-                    f"torch {b.version_text} ignores expandable_segments set only through "
-                    "PYTORCH_ALLOC_CONF (pytorch issue #183387); modelling it as off. Set "
-                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                config = dataclasses.replace(config, expandable_segments=False)
-            return config
-        for name in known:
-            if name in env:
-                warnings.warn(
-                    f"{name} is set but torch {b.version_text} does not read it (it reads "
-                    f"{', '.join(b.env_vars)}); modelling the default settings.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        return cls()
+        if name in b.deprecated_env_vars:
+            # CFG-2.9 C10_ALLOCATOR_CONFIG_PARSE_ENV: TORCH_WARN_ONCE (PR #167659).
+            warnings.warn(
+                f"torch {b.version_text} prints '{name} is deprecated, use PYTORCH_ALLOC_CONF instead'.",
+                UserWarning,
+                stacklevel=2,
+            )
+        config = _PARSERS[b.config_parser](text, b, cls(), name).run()
+        if (
+            b.alloc_conf_ignores_expandable_segments
+            and name == "PYTORCH_ALLOC_CONF"
+            and config.expandable_segments
+        ):
+            # §9.1, issue #183387: torch 2.9 ignores expandable_segments given this way.
+            warnings.warn(
+                f"torch {b.version_text} ignores expandable_segments set only through "
+                "PYTORCH_ALLOC_CONF (pytorch issue #183387); modelling it as off. Set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+            config = dataclasses.replace(config, expandable_segments=False)
+        return config
 
     def runtime_update(self, text: str, torch_version: str | None = None) -> AllocatorConfig:
         """The config after ``torch.cuda.memory._set_allocator_settings(text)`` (§9.1, §13.21).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oomkit.core.allocator.config import AllocatorConfig
-from oomkit.core.allocator.versions import behaviour_for
+from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES, behaviour_for
 from oomkit.errors import ConfigError
 
 __all__ = [
@@ -26,8 +26,6 @@ __all__ = [
     "settings_from_environ",
 ]
 
-# §9.1: every name some release reads the device allocator's settings from.
-ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 # §9.1 "Other environment variables": any value bypasses the cache (the HIP name: MAIN26).
 NO_CACHING_VARIABLES = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "PYTORCH_NO_HIP_MEMORY_CACHING")
 
@@ -116,7 +114,7 @@ def settings_from_environ(
         ConfigError: the version string cannot be read.
     """
     b = behaviour_for(torch_version)
-    read_from = next((name for name in b.env_vars if environ.get(name) is not None), None)
+    read_from = b.variable_read(environ)
     variables: list[EnvVariable] = []
     for name in b.env_vars + tuple(n for n in ALLOC_CONF_VARIABLES if n not in b.env_vars):
         value = environ.get(name)

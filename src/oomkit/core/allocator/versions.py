@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from oomkit.errors import ConfigError
 
 __all__ = [
+    "ALLOC_CONF_VARIABLES",
     "NEWEST_RELEASED_TORCH",
     "ConfigParserKind",
     "OomMessageVariant",
@@ -30,6 +32,9 @@ __all__ = [
     "config_key_since",
     "parse_torch_version",
 ]
+
+# §9.1: every name some release reads the device allocator's settings from.
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 # torch 2.14.1 is the newest release known to oomkit; ``None`` means this version.
 NEWEST_RELEASED_TORCH = "2.14"
@@ -155,6 +160,11 @@ class TorchBehaviour:
     def version_text(self) -> str:
         """``"major.minor"``, as messages name the release (``"2.4"``)."""
         return f"{self.version[0]}.{self.version[1]}"
+
+    def variable_read(self, environ: Mapping[str, str]) -> str | None:
+        """§9.1: the one variable this release parses, the first of ``env_vars`` that is set
+        (even to ""); the others are never merged in. None when none is set."""
+        return next((name for name in self.env_vars if environ.get(name) is not None), None)
 
     @property
     def has_alloc_conf_env(self) -> bool:
