@@ -95,3 +95,16 @@ def test_parallel_layout_is_validated_and_carried():
     for bad in (0, -2, True, 2.0):
         with pytest.raises(ConfigError, match="at least 1"):
             ParallelLayout(fsdp=bad)
+
+
+def test_parallel_layout_world_size_and_mesh_shape():
+    """World size is the product of the degrees; the mesh keeps dp, fsdp, tp order, drops 1s."""
+    layout = ParallelLayout(fsdp=4, tp=8, dp=2)
+    assert layout.world_size == 64
+    assert layout.mesh_shape == ((2, 4, 8), ("dp", "fsdp", "tp"))
+    assert ParallelLayout(fsdp=8).mesh_shape == ((8,), ("fsdp",))
+    assert ParallelLayout(tp=2).mesh_shape == ((2,), ("tp",))
+    assert ParallelLayout().mesh_shape == ((1,), ("fsdp",))
+    for name in ("tp", "dp"):
+        with pytest.raises(ConfigError, match=f"--{name} 8"):
+            ParallelLayout(**{name: 0})

@@ -38,21 +38,39 @@ class ParallelLayout:
     Attributes:
         fsdp: ranks FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state
             over (1: no sharding).
+        tp: ranks tensor parallelism (DTensor ``parallelize_module``) splits each layer over
+            (1: none).
+        dp: DDP replicas (``DistributedDataParallel``), each holding the whole model (1: none).
     """
 
     fsdp: int = 1
+    tp: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or self.fsdp < 1:
-            raise ConfigError(
-                f"the FSDP world size must be a whole number of at least 1; got {self.fsdp!r}. "
-                "Example: --fsdp 8"
-            )
+        for name in ("fsdp", "tp", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"the {name.upper()} degree must be a whole number of at least 1; got "
+                    f"{value!r}. Example: --{name} 8"
+                )
 
     @property
     def world_size(self) -> int:
         """Ranks in all (the product of the parallel degrees)."""
-        return self.fsdp
+        return self.fsdp * self.tp * self.dp
+
+    @property
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The device mesh's sizes and dimension names, outermost first, as torchtitan orders
+        them (``dp_replicate``, ``dp_shard``, ``tp``; torchtitan/distributed/parallel_dims.py
+        ``build_mesh``): only the degrees above 1, and ``(("fsdp",) 1)`` for a single rank."""
+        degrees = ((self.dp, "dp"), (self.fsdp, "fsdp"), (self.tp, "tp"))
+        dims = [(size, name) for size, name in degrees if size > 1]
+        if not dims:
+            dims = [(1, "fsdp")]
+        return tuple(size for size, _ in dims), tuple(name for _, name in dims)
 
 
 @dataclass(frozen=True)

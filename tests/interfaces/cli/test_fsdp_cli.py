@@ -32,7 +32,7 @@ def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
 
     code, data = gpt2_fsdp2_json
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1}
     assert data["workload"]["options"]["batch_size"] == 1
     assert data["description"] == (
         "GPT-2 124M, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
@@ -97,7 +97,7 @@ def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["description"] == f"{path}:build(batch_size=2), FSDP2 over 2 ranks, rank 0"
-    assert data["target"]["parallel"] == {"fsdp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1}
     # Two 64x64 fp32 weights, 32 rows each on rank 0: 8 KiB apiece (512-byte multiples).
     assert data["by_category_bytes"]["parameter"] == 2 * 32 * 64 * 4
 
@@ -136,3 +136,12 @@ def test_user_function_prediction_matches_the_api(tmp_path, capsys):
     assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
     assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
     assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each
+
+
+def test_tp_and_dp_are_refused_until_modelled(capsys):
+    """--tp/--dp parse into the layout but predict says plainly they are not modelled yet."""
+    from oomkit.interfaces.cli import main
+
+    code = main(["predict", "gpt2", "--tp", "2", "--batch", "1", "--seq", "16"])
+    assert code == 2
+    assert "--tp and --dp are not modelled yet" in capsys.readouterr().err

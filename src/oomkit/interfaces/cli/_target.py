@@ -37,13 +37,27 @@ def _module_loading(environ: Mapping[str, str]) -> str | None:
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """``--fsdp N``: predict rank 0 of N ranks sharding with FSDP2 (``Target.parallel``)."""
+    """``--fsdp N``, ``--tp N``, ``--dp N``: predict rank 0 of their product of ranks
+    (``Target.parallel``)."""
     parser.add_argument(
         "--fsdp",
         type=int,
         metavar="N",
         help="shard the GPT-2/Llama preset with FSDP2 over N GPUs (per block + root, as "
         "torchtitan) and predict rank 0; --batch is then the per-rank batch",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="split each layer over N GPUs with tensor parallelism (DTensor); world size is "
+        "the product of --dp, --fsdp and --tp",
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        metavar="N",
+        help="N DDP replicas, each holding the whole model (or its FSDP shard group)",
     )
 
 
@@ -72,7 +86,8 @@ def target_from_args(
 ) -> Target:
     """The ``Target`` of ``--gpu``, ``--alloc-conf``, ``--context-overhead``,
     ``--torch-version``, ``--cudnn-version``, ``--cuda-version`` (with ``CUDA_MODULE_LOADING``
-    from ``environ``, default ``os.environ``) and ``--fsdp`` (``Target.parallel``); a command
+    from ``environ``, default ``os.environ``) and ``--fsdp``/``--tp``/``--dp``
+    (``Target.parallel``); a command
     without one of them gets its default.
 
     Args:
@@ -84,7 +99,7 @@ def target_from_args(
         UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
         GpuSpecError: ``--context-overhead`` is not below the GPU's total memory.
         ConfigError: ``--alloc-conf`` is a setting PyTorch would reject, ``--cuda-version``
-            is not X.Y, or ``--fsdp`` is below 1.
+            is not X.Y, or a parallel degree is below 1.
     """
     loading = _module_loading(os.environ if environ is None else environ)
     target = Target.resolve(
@@ -96,7 +111,8 @@ def target_from_args(
         cuda_version=getattr(args, "cuda_version", None),
         cuda_module_loading=loading,  # type: ignore[arg-type]
     )
-    fsdp = getattr(args, "fsdp", None)
-    if fsdp is None:
+    degrees = {name: getattr(args, name, None) for name in ("fsdp", "tp", "dp")}
+    given = {name: value for name, value in degrees.items() if value is not None}
+    if not given:
         return target
-    return dataclasses.replace(target, parallel=ParallelLayout(fsdp=fsdp))
+    return dataclasses.replace(target, parallel=ParallelLayout(**given))

@@ -157,6 +157,11 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     from oomkit.prediction.tracing.distributed import trace_distributed_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
+    layout = target.parallel
+    if layout.tp > 1 or layout.dp > 1:
+        raise OomkitError(
+            "--tp and --dp are not modelled yet: predict FSDP2 alone with --fsdp N (issue 13)"
+        )
     workload = build_sharded_workload(args, args.batch)
     if not args.json:
         stderr_console().print(
@@ -164,7 +169,11 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
         )
     with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
         recording = trace_distributed_step(
-            workload.build, world_size=target.parallel.world_size, steps=args.steps, target=target
+            workload.build,
+            world_size=layout.world_size,
+            mesh_shape=layout.mesh_shape,
+            steps=args.steps,
+            target=target,
         )
     if target.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -76,14 +77,24 @@ HOST_TENSOR_EMULATIONS: dict[str, OpEmulation] = {
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[DeviceMesh]:
-    """A fake process group of ``world_size`` ranks and a 1-D ``cpu`` mesh over it.
+def fake_process_group(
+    world_size: int,
+    *,
+    rank: int = 0,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> Iterator[DeviceMesh]:
+    """A fake process group of ``world_size`` ranks and a ``cpu`` mesh over it (1-D unless
+    ``mesh_shape`` says otherwise).
 
     The group is destroyed on exit, so nothing leaks into code that runs afterwards.
 
     Args:
         world_size: ranks in the group (at least 1).
         rank: the rank this process plays.
+        mesh_shape: the mesh's sizes, outermost first (their product is ``world_size``);
+            ``None``: ``(world_size,)``.
+        mesh_dim_names: a name per mesh dimension (``("fsdp", "tp")``), or ``None``.
 
     Yields:
         The device mesh, created outside any fake mode (as ``fully_shard`` needs it).
@@ -100,6 +111,9 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[DeviceMesh
             f"world size must be at least 1 and rank in [0, world size); got world size "
             f"{world_size}, rank {rank}. Example: --fsdp 8"
         )
+    shape = (world_size,) if mesh_shape is None else tuple(mesh_shape)
+    if math.prod(shape) != world_size:
+        raise ConfigError(f"a mesh of shape {shape} does not have {world_size} ranks")
     if dist.is_initialized():
         raise ConfigError(
             "a torch.distributed process group is already initialised in this process; oomkit "
@@ -107,7 +121,7 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[DeviceMesh
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
     finally:
         dist.destroy_process_group()
 
@@ -239,6 +253,7 @@ def trace_distributed_step(
     build: Callable[[DeviceMesh], tuple[Callable[..., Any], tuple[Any, ...]]],
     *,
     world_size: int,
+    mesh_shape: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
     steps: int = 1,
     gpu: GpuSpec | None = None,
     target: Target | None = None,
@@ -254,6 +269,8 @@ def trace_distributed_step(
     Args:
         build: makes the step for the given mesh.
         world_size: ranks in the fake group.
+        mesh_shape: the mesh's sizes and dimension names (``ParallelLayout.mesh_shape``);
+            ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
 
@@ -278,7 +295,9 @@ def trace_distributed_step(
     tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS}, gpu=gpu)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
-    with fake_process_group(world_size) as mesh, FakeTensorMode():
+    shape, names = mesh_shape if mesh_shape is not None else (None, None)
+    group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
+    with group as mesh, FakeTensorMode():
         step_fn, track = build(mesh)
         uneven_bytes = _uneven_shard_bytes(track, world_size)
         try:
