@@ -81,6 +81,10 @@ def test_a_step_that_allocated_nothing_is_not_a_fit():
     oomkit.render_prediction(p, Console(file=out, width=200, force_terminal=True))
     # The verdict is printed in bold red, not green.
     assert "\x1b[1;31mNOTHING PREDICTED" in out.getvalue()
+    # JSON for scripts says the same: not a fit, and why.
+    data = oomkit.prediction_to_json(p)
+    assert data["fits"] is False and data["nothing_recorded"] is True
+    assert oomkit.prediction_to_json(predict_recording(_blocks_recording(), GPU))["fits"] is True
 
 
 def test_precision_named_with_its_source_in_the_verdict():

@@ -225,6 +225,10 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
             "modules": _module_rows(at["modules"]),
         }
     out["top_modules"] = _module_rows(plain["top_modules"])
+    # A step that allocated nothing on the device did not "fit": nothing was predicted.
+    empty = nothing_recorded(prediction)
+    out["nothing_recorded"] = empty
+    out["fits"] = prediction.fits and not empty
     out["verdict"] = verdict_line(prediction)
     target = prediction.target
     if target is not None:
