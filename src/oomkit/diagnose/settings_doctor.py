@@ -152,12 +152,7 @@ def doctor_environment(
                 "ref §9.2-9.3 (the config parser of this release)",
             )
         )
-    if (
-        b.alloc_conf_ignores_expandable_segments
-        and env.read_from == "PYTORCH_ALLOC_CONF"
-        and config is not None
-        and config.expandable_segments
-    ):
+    if config is not None and b.drops_expandable_segments(env.read_from, config.expandable_segments):
         # What runs is the string without expandable segments: show that as in effect.
         config = dataclasses.replace(config, expandable_segments=False)
         findings.append(

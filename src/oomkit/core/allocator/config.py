@@ -329,11 +329,7 @@ class AllocatorConfig:
                 stacklevel=2,
             )
         config = _PARSERS[b.config_parser](text, b, cls(), name).run()
-        if (
-            b.alloc_conf_ignores_expandable_segments
-            and name == "PYTORCH_ALLOC_CONF"
-            and config.expandable_segments
-        ):
+        if b.drops_expandable_segments(name, config.expandable_segments):
             # §9.1, issue #183387: torch 2.9 ignores expandable_segments given this way.
             warnings.warn(
                 f"torch {b.version_text} ignores expandable_segments set only through "

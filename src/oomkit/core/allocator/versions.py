@@ -166,6 +166,16 @@ class TorchBehaviour:
         (even to ""); the others are never merged in. None when none is set."""
         return next((name for name in self.env_vars if environ.get(name) is not None), None)
 
+    def drops_expandable_segments(self, variable: str | None, expandable: bool) -> bool:
+        """§9.1, pytorch/pytorch#183387: whether this release runs without expandable segments
+        although the string read from ``variable`` asks for them (2.9.1 ignores the setting
+        when it comes only through ``PYTORCH_ALLOC_CONF``)."""
+        return (
+            self.alloc_conf_ignores_expandable_segments
+            and variable == "PYTORCH_ALLOC_CONF"
+            and expandable
+        )
+
     @property
     def has_alloc_conf_env(self) -> bool:
         """§9.1: whether this release reads ``PYTORCH_ALLOC_CONF`` at all (≈2.9+)."""
