@@ -200,6 +200,22 @@ def site_of(frames: Sequence[Frame]) -> Frame | None:
     return candidates[0] if candidates else None
 
 
+def thin_timeline(
+    points: Sequence[tuple[float, int, int]], max_points: int
+) -> tuple[tuple[float, int, int], ...]:
+    """At most ``max_points`` ``(x, allocated, reserved)`` points: consecutive points merged
+    into one at the run's last x with the run's highest levels, so no peak is lost."""
+    count = len(points)
+    if count <= max_points:
+        return tuple(points)
+    per = -(-count // max_points)
+    out = []
+    for start in range(0, count, per):
+        run = points[start : start + per]
+        out.append((run[-1][0], max(p[1] for p in run), max(p[2] for p in run)))
+    return tuple(out)
+
+
 def trace_history(
     events: Sequence[TraceEvent],
     final_segments: Sequence[SnapshotSegment],

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from oomkit.core.allocator import round_size
 from oomkit.core.replay import config_from_settings, recorded_torch_version
 from oomkit.core.snapshot import Snapshot
-from oomkit.diagnose.attribution import site_of, trace_history
+from oomkit.diagnose.attribution import site_of, thin_timeline, trace_history
 from oomkit.errors import DiffInputError, PredictionFormatError
 from oomkit.units import format_bytes
 
@@ -155,18 +155,6 @@ class RunDiff:
         return self.peak_reserved_delta_bytes + self.outside_delta_bytes
 
 
-def _thin(points: Sequence[tuple[float, int, int]]) -> tuple[tuple[float, int, int], ...]:
-    """At most ``MAX_TIMELINE_POINTS``, each the maximum of a run, so no peak is lost."""
-    if len(points) <= MAX_TIMELINE_POINTS:
-        return tuple(points)
-    per = -(-len(points) // MAX_TIMELINE_POINTS)
-    out = []
-    for start in range(0, len(points), per):
-        chunk = points[start : start + per]
-        out.append((chunk[0][0], max(p[1] for p in chunk), max(p[2] for p in chunk)))
-    return tuple(out)
-
-
 def _site_label(frames: Sequence[Any], tags: Mapping[str, str]) -> str:
     frame = site_of(frames)
     if frame is None:
@@ -248,7 +236,9 @@ def run_memory_from_snapshot(
             sequence.append(f"alloc {ev.size} B at {_site_label(ev.frames, dict(ev.tags))}")
         elif ev.action == "free_requested":
             sequence.append(f"free {ev.size} B")
-    timeline = _thin([(float(i), a, r) for i, (a, r) in enumerate(levels)])
+    timeline = thin_timeline(
+        [(float(i), a, r) for i, (a, r) in enumerate(levels)], MAX_TIMELINE_POINTS
+    )
     return RunMemory(
         kind="snapshot",
         name=name,
@@ -346,7 +336,7 @@ def run_memory_from_prediction(data: Mapping[str, Any], *, name: str) -> RunMemo
         by_site_bytes={},
         site_kind=None,
         peak_at=at.get("event_index") if isinstance(at.get("event_index"), int) else None,
-        timeline=_thin(timeline),
+        timeline=thin_timeline(timeline, MAX_TIMELINE_POINTS),
         timeline_unit="trace event",
         sequence=sequence,
     )

@@ -79,27 +79,19 @@ def snapshot_timeline(
         when the snapshot has no trace.
     """
     from oomkit.core.allocator import round_size
-    from oomkit.diagnose.attribution import trace_history
+    from oomkit.diagnose.attribution import thin_timeline, trace_history
 
     device = _device_of(snapshot, device)
     events = snapshot.trace_for(device)
     if not events:
         return ()
     history = trace_history(events, snapshot.segments_for(device), round_size)
-    count = len(events)
-    per_point = max(1, -(-count // max_points))
-    points = []
-    for start in range(0, count, per_point):
-        end = min(count, start + per_point)
-        points.append(
-            TimelinePoint(
-                event_index=end - 1,
-                step=None,
-                allocated_bytes=max(history.allocated_bytes[start:end]),
-                reserved_bytes=max(history.reserved_bytes[start:end]),
-            )
-        )
-    return tuple(points)
+    levels = zip(history.allocated_bytes, history.reserved_bytes, strict=True)
+    points = thin_timeline([(i, a, r) for i, (a, r) in enumerate(levels)], max_points)
+    return tuple(
+        TimelinePoint(event_index=int(x), step=None, allocated_bytes=a, reserved_bytes=r)
+        for x, a, r in points
+    )
 
 
 def segment_runs(segments: Sequence[SnapshotSegment]) -> tuple[BlockRun, ...]:
