@@ -280,8 +280,12 @@ def build_hf_step(
     if options.checkpointing and options.mode == "train":
         # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
         # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
+        # (transformers 5 renamed it activation_checkpointing_enable; the old name warns.)
         reentrant = {"use_reentrant": options.checkpoint_reentrant}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(
         text, "n_positions", None
