@@ -197,6 +197,18 @@ class TrainerSettings:
             notes["trainer args ignored"] = (
                 ", ".join(self.ignored) + " (they do not change a step's memory)"
             )
+        notes["trainer args loop"] = (
+            "recorded as Trainer.training_step runs it: model.train(), each micro-batch's "
+            "loss / gradient_accumulation_steps, clip_grad_norm_, optimizer.step(), zero_grad; "
+            "not added: the Trainer's running-loss scalar and the micro-batches it prefetches "
+            "(their token ids)"
+        )
+        if self.mixed_precision is not None and model_precision != self.mixed_precision:
+            notes["trainer args outputs"] = (
+                "accelerate's fp32 copy of the model's outputs under autocast "
+                "(convert_outputs_to_fp32: batch x seq x vocab x 4 bytes for a causal LM, "
+                "freed with the outputs) is not added"
+            )
         if (
             self.mixed_precision is not None
             and model_precision == self.mixed_precision
