@@ -75,6 +75,7 @@ def bnb_step_fields(config: Any) -> dict[str, Any]:
     """
     data = _as_mapping(config)
     method = data.get("quant_method", "bitsandbytes")
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     if method != "bitsandbytes":
         raise ConfigError(
             f"quantization_config quant_method {method!r} is not modelled; oomkit emulates "
