@@ -10,8 +10,8 @@ from oomkit.errors import ConfigError
 from oomkit.prediction.models import StepOptions
 from oomkit.prediction.models.lora_options import LoraOptions
 from oomkit.prediction.models.trainer_args import (
-    OPTIM_NAMES,
     MAX_FILE_BYTES,
+    OPTIM_NAMES,
     TrainerSettings,
     read_trainer_args,
     trainer_step_options,

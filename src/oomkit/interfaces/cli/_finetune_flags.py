@@ -154,7 +154,7 @@ def trainer_fields(args: argparse.Namespace, explicit: dict[str, Any], preset: A
     from oomkit.prediction.models.trainer_args import read_trainer_args
 
     settings = read_trainer_args(args.trainer_args)
-    model_precision = "fp32"  # a preset is built in fp32
+    model_precision: str | None = "fp32"  # a preset is built in fp32
     if preset is None and settings.mixed_precision is not None and "precision" not in explicit:
         # --hf: the model is built in its config's dtype; bf16=True over bf16 weights.
         from oomkit.prediction.models.hf import config_precision, load_hf_config

@@ -25,7 +25,7 @@ __all__ = ["bnb_step_fields"]
 # BitsAndBytesConfig's compute dtype names (its to_dict() writes `str(dtype).split(".")[1]`).
 _COMPUTE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # transformers' get_keys_to_not_convert leaves the output layer alone, as quantize_linears does.
-_DEFAULT_SKIPPED = (None, [], ["lm_head"])
+_DEFAULT_SKIPPED: tuple[object, ...] = (None, [], ["lm_head"])
 
 
 def _as_mapping(config: Any) -> Mapping[str, Any]:
