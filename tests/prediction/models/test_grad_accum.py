@@ -134,3 +134,24 @@ def test_bad_training_loop_options_are_refused(fields, message):
     """Each bad value says what is wrong and how to fix it."""
     with pytest.raises(ValueError, match=message):
         StepOptions(**fields)  # type: ignore[arg-type]
+
+
+def test_fp16_clipping_unscales_first_and_keeps_found_inf_until_the_update():
+    """fp16-mixed + clip: GradScaler.unscale_ (inv_scale freed), clip, then step and update."""
+    recording = _trace(lora=LoraOptions(r=8), precision="fp16-mixed", max_grad_norm=1.0)
+    events = [e for e in recording.step_events(1) if e.action != "free_requested"]
+    ops = [str(dict(e.tags).get("op")) for e in events]
+    first_norm = ops.index("aten._foreach_norm.Scalar")
+    found_inf = next(
+        e for e in reversed(events[:first_norm]) if dict(e.tags).get("op") == "aten.full.default"
+    )
+    inv_scale = next(  # scale.double().reciprocal().float(): the 4-byte fp32 copy
+        e
+        for e in reversed(events[:first_norm])
+        if dict(e.tags).get("op") == "aten._to_copy.default" and e.size == 4
+    )
+    freed = [(e.address, i) for i, e in enumerate(events) if e.action == "free_completed"]
+    freed_at = dict(freed)
+    assert freed_at[inv_scale.address] < first_norm  # unscale_ returned before clipping
+    assert freed_at[found_inf.address] > ops.index("aten.clamp.default")  # kept to update()
+    assert found_inf.size == 4
