@@ -144,3 +144,15 @@ def test_fit_searches_the_batch_under_trainer_args(tmp_path, capsys):
     assert code == 0, out
     assert out["batch_size"] == 2
     assert "accumulate 2, clip 0.5" in json.dumps(out)
+
+
+def test_a_config_dirs_quantization_config_applies_on_the_cli(offline, capsys):
+    """--hf DIR with a bnb quantization_config: 4-bit, so training asks for --lora; with it, nf4."""
+    quantized = str(CONFIGS / "tiny-llama-4bit")
+    assert main(["predict", "--hf", quantized, *SMALL]) == 2
+    assert "needs LoRA adapters: add --lora N" in capsys.readouterr().err
+    assert main(["predict", "--hf", quantized, "--lora", "8", *SMALL, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "+ nf4 double-quant + LoRA r8" in out["description"]
+    assert out["workload"]["options"]["quantize"] == "nf4"
+    assert out["workload"]["options"]["compute_dtype"] == "bf16"
