@@ -39,6 +39,9 @@ _OPTION_FIELDS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "grad_accum",
+    "max_grad_norm",
+    "checkpoint_reentrant",
 )
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
@@ -48,6 +51,9 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "quantize": None,
     "double_quant": False,
     "compute_dtype": None,
+    "grad_accum": 1,
+    "max_grad_norm": None,
+    "checkpoint_reentrant": False,
 }
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
@@ -76,6 +82,9 @@ class WorkloadSpec:
         quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
         double_quant: ``StepOptions.double_quant``.
         compute_dtype: ``StepOptions.compute_dtype``.
+        grad_accum: ``StepOptions.grad_accum`` (micro-batches per optimizer step).
+        max_grad_norm: ``StepOptions.max_grad_norm`` (``None``: no clipping, or not known).
+        checkpoint_reentrant: ``StepOptions.checkpoint_reentrant``.
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -97,6 +106,9 @@ class WorkloadSpec:
     quantize: str | None = None
     double_quant: bool | None = None
     compute_dtype: str | None = None
+    grad_accum: int | None = None
+    max_grad_norm: float | None = None
+    checkpoint_reentrant: bool | None = None
     precision_source: str | None = None
 
     @property
@@ -137,6 +149,12 @@ def _typed(value: Any, kind: type) -> Any:
     return value if isinstance(value, kind) else None
 
 
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
 def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
     """The workload of a saved prediction (the ``oomkit predict --json`` object).
 
@@ -170,6 +188,9 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             quantize=_typed(options.get("quantize"), str),
             double_quant=_typed(options.get("double_quant"), bool),
             compute_dtype=_typed(options.get("compute_dtype"), str),
+            grad_accum=_typed(options.get("grad_accum"), int),
+            max_grad_norm=_number(options.get("max_grad_norm")),
+            checkpoint_reentrant=_typed(options.get("checkpoint_reentrant"), bool),
             precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")

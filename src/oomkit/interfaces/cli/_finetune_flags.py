@@ -1,4 +1,4 @@
-"""The fine-tuning flags of ``predict`` and ``fit``: --lora, --quantize and their options."""
+"""The fine-tuning flags of ``predict`` and ``fit``: --lora, --quantize, --grad-accum, --trainer-args."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from typing import Any
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import positive_int
 
-__all__ = ["FINETUNE_OPTION_FLAGS", "add_lora_flags", "add_quantize_flags", "lora_options"]
+__all__ = [
+    "FINETUNE_OPTION_FLAGS",
+    "add_lora_flags",
+    "add_quantize_flags",
+    "add_trainer_flags",
+    "lora_options",
+    "trainer_fields",
+]
 
 
 def _probability(text: str) -> float:
@@ -116,3 +123,45 @@ _LORA_FLAGS = {
     "modules_to_save": "--lora-modules-to-save",
     "dora": "--dora",
 }
+
+
+def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
+    """--grad-accum and --trainer-args: the training loop as the HF Trainer runs it."""
+    parser.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        metavar="N",
+        help="gradient accumulation: N micro-batches of --batch per optimizer step, each "
+        "forward and backward recorded (presets, --hf)",
+    )
+    parser.add_argument(
+        "--trainer-args",
+        metavar="FILE",
+        help="a transformers TrainingArguments (or TRL SFTConfig) JSON: its batch, "
+        "accumulation, checkpointing, bf16/fp16, optim, max_grad_norm and max_length; flags "
+        "given override it (presets, --hf)",
+    )
+
+
+def trainer_fields(args: argparse.Namespace, explicit: dict[str, Any], preset: Any) -> dict[str, Any]:
+    """The StepOptions fields of ``--trainer-args FILE`` with the flags given (``explicit``)
+    winning; what was read, overridden or ignored goes to ``args.trainer_notes`` (the
+    prediction's assumptions).
+
+    Raises:
+        ConfigError: a bad file (exit 2), see ``read_trainer_args``.
+    """
+    from oomkit.prediction.models.trainer_args import read_trainer_args
+
+    settings = read_trainer_args(args.trainer_args)
+    model_precision: str | None = "fp32"  # a preset is built in fp32
+    if preset is None and settings.mixed_precision is not None and "precision" not in explicit:
+        # --hf: the model is built in its config's dtype; bf16=True over bf16 weights.
+        from oomkit.prediction.models.hf import config_precision, load_hf_config
+
+        model_precision = config_precision(load_hf_config(args.hf))[0]
+    elif preset is None:
+        model_precision = None  # --hf: the config's own dtype, as from_config builds it
+    fields, notes = settings.step_fields(explicit, model_precision)
+    args.trainer_notes = {"trainer args": args.trainer_args, **notes}
+    return fields

@@ -29,7 +29,9 @@ from oomkit.interfaces.cli._finetune_flags import (
     FINETUNE_OPTION_FLAGS,
     add_lora_flags,
     add_quantize_flags,
+    add_trainer_flags,
     lora_options,
+    trainer_fields,
 )
 from oomkit.interfaces.cli._target import add_cuda_version_flag
 from oomkit.prediction.workload import WorkloadKind, WorkloadSpec
@@ -129,6 +131,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     )
     add_lora_flags(parser)
     add_quantize_flags(parser)
+    add_trainer_flags(parser)
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
     )
@@ -218,14 +221,11 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
     """
     from oomkit.prediction.models import StepOptions
 
-    fields: dict[str, Any] = {"checkpointing": args.checkpointing}
-    precision = args.precision
-    if precision is None and preset is not None:
-        precision = preset.default_precision
-    if batch_size is None and preset is not None:
-        batch_size = preset.default_batch_size
+    fields: dict[str, Any] = {}
     for name, value in (
-        ("precision", precision),
+        ("checkpointing", args.checkpointing or None),
+        ("grad_accum", getattr(args, "grad_accum", None)),
+        ("precision", args.precision),
         ("optimizer", args.optimizer),
         ("mode", args.mode),
         ("batch_size", batch_size),
@@ -240,6 +240,11 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
     ):
         if value is not None:
             fields[name] = value
+    if getattr(args, "trainer_args", None) is not None:  # its values, under the flags given
+        fields = trainer_fields(args, fields, preset)
+    elif preset is not None:
+        fields.setdefault("precision", preset.default_precision)
+        fields.setdefault("batch_size", preset.default_batch_size)
     try:
         return StepOptions(**fields)
     except ValueError as exc:  # a combination the flags' choices cannot rule out
@@ -453,6 +458,8 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
             ("--quantize", getattr(args, "quantize", None)),
             ("--double-quant", getattr(args, "double_quant", False) or None),
             ("--compute-dtype", getattr(args, "compute_dtype", None)),
+            ("--grad-accum", getattr(args, "grad_accum", None)),
+            ("--trainer-args", getattr(args, "trainer_args", None)),
         )
         if value is not None
     ]
@@ -501,7 +508,8 @@ def _refuse_shape_flags(args: argparse.Namespace, preset: Any) -> None:
 # A library message names the Python API (StepOptions(seq_len=...)); the CLI names its flags.
 _CLI_FLAGS = {"seq_len": "--seq", "image_size": "--image-size", "new_tokens": "--new-tokens",
               "batch_size": "--batch", "lora": "--lora", "quantize": "--quantize",
-              "double_quant": "--double-quant", "compute_dtype": "--compute-dtype"}
+              "double_quant": "--double-quant", "compute_dtype": "--compute-dtype",
+              "grad_accum": "--grad-accum"}
 _STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
 
 

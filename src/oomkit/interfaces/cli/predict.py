@@ -138,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
                 description=workload.description,
                 workload=workload.spec,
             )
+    notes = getattr(args, "trainer_notes", None)
+    if notes:  # --trainer-args: what was read from it, overridden and ignored
+        import dataclasses
+
+        assumptions = {**prediction.assumptions, **notes}
+        prediction = dataclasses.replace(prediction, assumptions=assumptions)
     if args.json:
         print_json(prediction_to_json(prediction))
     else:

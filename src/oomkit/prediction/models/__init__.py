@@ -11,10 +11,12 @@ Needs torch; the rest of oomkit imports this package lazily.
 from __future__ import annotations
 
 from oomkit.errors import UnknownPresetError
-from oomkit.prediction.models.hf import build_hf_step
+from oomkit.prediction.models.bnb_config import bnb_step_fields
+from oomkit.prediction.models.hf import build_hf_step, config_precision, load_hf_config
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.presets import PRESETS, ModelPreset, build_preset_step, get_preset
 from oomkit.prediction.models.state_bytes import expected_state_bytes
+from oomkit.prediction.models.trainer_args import read_trainer_args, trainer_step_options
 
 __all__ = [
     "BuiltStep",
@@ -22,8 +24,13 @@ __all__ = [
     "PRESETS",
     "StepOptions",
     "UnknownPresetError",
+    "bnb_step_fields",
     "build_hf_step",
     "build_preset_step",
+    "config_precision",
     "expected_state_bytes",
     "get_preset",
+    "load_hf_config",
+    "read_trainer_args",
+    "trainer_step_options",
 ]

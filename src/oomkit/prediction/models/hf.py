@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
+from oomkit.prediction.models.bnb_config import bnb_step_fields
 from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
@@ -221,6 +222,7 @@ def build_hf_step(
     device: str = "meta",
     *,
     local_files_only: bool = False,
+    quantization_config: Any = None,
 ) -> BuiltStep:
     """Build a transformers model from its config on ``device`` and return its step.
 
@@ -242,6 +244,11 @@ def build_hf_step(
             config's. ``generate`` uses a ``DynamicCache`` (grows by cat) and greedy decoding.
         device: where the model and inputs live; ``"meta"`` allocates nothing.
         local_files_only: for hub names, do not contact the hub.
+        quantization_config: a ``transformers.BitsAndBytesConfig`` (or its dict) the model is
+            loaded with: its 4-bit settings become ``options.quantize``, ``double_quant`` and
+            ``compute_dtype`` (``bnb_config.bnb_step_fields``). Without it, a config that
+            carries a ``quantization_config`` (a saved quantized model's ``config.json``) is
+            read the same way, unless ``options.quantize`` is set.
 
     Returns:
         The step, objects to track, a description and the parameter count.
@@ -253,6 +260,7 @@ def build_hf_step(
     """
     transformers = _transformers()
     config = load_hf_config(name_or_path_or_config, local_files_only=local_files_only)
+    options = _quantization(options, config, quantization_config)
     auto_class, task = _auto_class(transformers, config)
     source = None
     build_kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
@@ -270,7 +278,14 @@ def build_hf_step(
     with torch.device(device):
         model = auto_class.from_config(config, **build_kwargs)
     if options.checkpointing and options.mode == "train":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
+        # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
+        # (transformers 5 renamed it activation_checkpointing_enable; the old name warns.)
+        reentrant = {"use_reentrant": options.checkpoint_reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(
         text, "n_positions", None
@@ -295,6 +310,31 @@ def build_hf_step(
         device=device,
         precision_source=source,
     )
+
+
+def _quantization(options: StepOptions, config: Any, given: Any) -> StepOptions:
+    """``options`` with the 4-bit settings of ``given`` or of the config's own
+    ``quantization_config`` (transformers' ``BitsAndBytesConfig``).
+
+    Raises:
+        ConfigError: ``given`` together with ``options.quantize``, or settings not modelled.
+    """
+    if given is not None and options.quantize is not None:
+        raise ConfigError(
+            "give the quantization once: a quantization_config or StepOptions(quantize=...), "
+            "not both"
+        )
+    if given is None:
+        if options.quantize is not None:
+            return options  # stated: it wins over the config's own
+        given = getattr(config, "quantization_config", None)
+        if given is None:
+            return options
+    fields = bnb_step_fields(given)
+    try:
+        return dataclasses.replace(options, **fields)
+    except ValueError as exc:
+        raise ConfigError(f"the quantization_config {fields} does not apply: {exc}") from exc
 
 
 def _title(source: Any, config: Any, model: torch.nn.Module) -> str:

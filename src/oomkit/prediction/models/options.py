@@ -74,6 +74,16 @@ class StepOptions:
         double_quant: ``bnb_4bit_use_double_quant`` (``quantize`` only).
         compute_dtype: ``bnb_4bit_compute_dtype`` (``quantize`` only); ``None``: the model's
             parameter dtype (bf16 for ``precision="bf16"``, else fp32).
+        grad_accum: gradient accumulation (``train`` only): each step runs this many
+            micro-batches of ``batch_size``, forward and backward each, the loss divided by it
+            as the HF Trainer does (gradients are made by the first backward and added to in
+            place by the later ones), then one optimizer step and ``zero_grad``.
+        max_grad_norm: clip the gradients' total norm to this before the optimizer step
+            (``torch.nn.utils.clip_grad_norm_``, foreach as on CUDA; the HF Trainer's
+            ``max_grad_norm``, 1.0 by default there); ``None``: no clipping.
+        checkpoint_reentrant: with ``checkpointing``, ``use_reentrant=True`` (torch's
+            reentrant ``CheckpointFunction``) instead of the non-reentrant default (Hugging Face
+            models only: ``gradient_checkpointing_kwargs={"use_reentrant": True}``).
     """
 
     batch_size: int = 8
@@ -89,6 +99,9 @@ class StepOptions:
     quantize: Quantize | None = None
     double_quant: bool = False
     compute_dtype: ComputeDtype | None = None
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    checkpoint_reentrant: bool = False
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -109,9 +122,10 @@ class StepOptions:
                 "StepOptions(optimizer='adamw', optimizer_impl='fused')"
             )
         self._check_quantize()
-        for field_name, example in (("batch_size", 8), ("new_tokens", 128)):
+        self._check_training_loop()
+        for field_name, example in (("batch_size", 8), ("new_tokens", 128), ("grad_accum", 4)):
             value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"StepOptions.{field_name} must be a positive integer; got {value!r}. "
                     f"Example: StepOptions({field_name}={example})"
@@ -124,6 +138,25 @@ class StepOptions:
                     f"default); got {value!r}. Example: StepOptions({field_name}={example})"
                 )
 
+    def _check_training_loop(self) -> None:
+        norm = self.max_grad_norm
+        if norm is not None and (
+            isinstance(norm, bool) or not isinstance(norm, int | float) or not norm > 0
+        ):
+            raise ValueError(
+                f"StepOptions.max_grad_norm must be a positive number or None (no clipping); got "
+                f"{norm!r}. Example: StepOptions(max_grad_norm=1.0)"
+            )
+        if self.checkpoint_reentrant and not self.checkpointing:
+            raise ValueError(
+                "StepOptions.checkpoint_reentrant picks how checkpointing recomputes; add "
+                "StepOptions(checkpointing=True), or drop it"
+            )
+        if self.mode != "train" and (self.grad_accum != 1 or norm is not None):
+            raise ValueError(
+                "gradient accumulation and clipping apply to training steps; use "
+                "StepOptions(mode='train'), or drop grad_accum and max_grad_norm"
+            )
 
     def _check_quantize(self) -> None:
         if self.quantize is None:

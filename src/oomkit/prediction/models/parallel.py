@@ -101,6 +101,14 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
             f"--fsdp is modelled for the GPT-2 and Llama presets; {name} is {preset.title}. "
             "Example: oomkit predict llama-8b --fsdp 8"
         )
+    if options.grad_accum != 1 or options.max_grad_norm is not None or options.checkpoint_reentrant:
+        # FSDP2 reduce-scatters in every backward unless told not to
+        # (set_requires_gradient_sync), and clips DTensors: neither is modelled yet.
+        raise ConfigError(
+            "--fsdp does not model gradient accumulation, clipping or reentrant checkpointing "
+            "yet; drop --grad-accum / --trainer-args' gradient_accumulation_steps, "
+            "max_grad_norm (set it to 0) and use_reentrant"
+        )
     if options.precision == "fp16-mixed":
         raise ConfigError(
             "--fsdp with fp16-mixed needs ShardedGradScaler, which oomkit does not model; use "

@@ -248,6 +248,12 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     """
     if options.precision is None:  # a preset's own precision is fp32
         options = dataclasses.replace(options, precision="fp32")
+    if options.checkpoint_reentrant:
+        raise OomkitError(
+            "the presets checkpoint with use_reentrant=False only; reentrant checkpointing is "
+            "modelled for Hugging Face models (build_hf_step, --hf). Drop "
+            "StepOptions(checkpoint_reentrant=True)"
+        )
     preset = shaped_preset(name, options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     image_size = options.image_size or 224

@@ -146,6 +146,22 @@ class _GradScalerTensors:
         # GradScaler defaults: growth_factor 2.0, backoff_factor 0.5, growth_interval 2000.
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``GradScaler.unscale_`` alone (before clipping): ``inv_scale`` dies on return, the
+        ``found_inf`` it returns is kept (``_per_optimizer_states``) until ``update``."""
+        assert self.scale is not None
+        inv_scale = self.scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self.scale.device)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return found_inf
+
+    def step_and_update(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """``GradScaler.step`` (already unscaled) then ``update``."""
+        assert self.scale is not None and self.growth_tracker is not None
+        optimizer.step()
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
+
 
 def build_step(
     runner: ModelRunner,
@@ -194,22 +210,47 @@ def build_step(
         loss_fn = torch.nn.CrossEntropyLoss()
         train_outputs = runner.train_outputs
 
+        accumulate, max_norm = options.grad_accum, options.max_grad_norm
+
         def train_step(*_tracked: object) -> None:
             outputs = None
-            with _autocast(precision):
-                if train_outputs is None:
-                    loss = _loss(loss_fn, runner.forward(inputs), labels)
+            # Gradient accumulation as a training loop (and transformers' Trainer, trainer.py
+            # _inner_training_loop / training_step) runs it: `accumulate` forward+backward
+            # passes, the loss divided by their number (training_step: `loss / self.current_
+            # gradient_accumulation_steps`); the first backward allocates each .grad, the later
+            # ones add into it in place (torch/csrc/autograd/input_buffer.cpp accumulate). The
+            # previous micro-batch's `outputs` lives until the next forward reassigns it. Every
+            # micro-batch reads the one tracked batch (a loader would hold the next one too).
+            for _micro in range(accumulate):
+                with _autocast(precision):
+                    if train_outputs is None:
+                        loss = _loss(loss_fn, runner.forward(inputs), labels)
+                    else:
+                        # `outputs = model(**batch, labels=...)`: outputs (its logits) stay
+                        # alive through backward and the optimizer step, as in a training loop.
+                        outputs = train_outputs(inputs, labels)
+                        loss = outputs.loss
+                if accumulate > 1:
+                    loss = loss / accumulate
+                if scaler is None:
+                    loss.backward()
                 else:
-                    # `outputs = model(**batch, labels=...)`: outputs (its logits) stay alive
-                    # through backward and the optimizer step, as in a training loop.
-                    outputs = train_outputs(inputs, labels)
-                    loss = outputs.loss
+                    scaler.scale_loss(loss).backward()
+            found_inf = None
+            if scaler is not None and max_norm is not None:
+                # torch/amp/grad_scaler.py: unscale_ before clipping, then step and update.
+                found_inf = scaler.unscale(optimizer)
+            if max_norm is not None:
+                # torch/nn/utils/clip_grad.py clip_grad_norm_: on CUDA foreach is the default
+                # (_has_foreach_support); on meta it must be asked for, as here.
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
             if scaler is None:
-                loss.backward()
                 optimizer.step()
-            else:
-                scaler.scale_loss(loss).backward()
+            elif found_inf is None:
                 scaler.unscale_and_update(optimizer)
+            else:
+                scaler.step_and_update(optimizer, found_inf)
+            del found_inf
             optimizer.zero_grad(set_to_none=True)
             del outputs  # the end of the loop body: the outputs die with the step
 
@@ -273,6 +314,10 @@ def _describe(
     if options.mode == "train":
         parts.append(options.optimizer)
         if options.checkpointing:
-            parts.append("checkpointing")
+            parts.append("checkpointing" + (" (reentrant)" if options.checkpoint_reentrant else ""))
+        if options.grad_accum > 1:
+            parts.append(f"accumulate {options.grad_accum}")
+        if options.max_grad_norm is not None:
+            parts.append(f"clip {options.max_grad_norm:g}")
     parts.append(options.mode)
     return ", ".join(parts)
