@@ -255,7 +255,7 @@ def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request
 
 
 def test_unknown_workload_is_not_measured():
-    """Without a workload (a user function, --hf, an old save) nothing is re-predicted."""
+    """Without a rebuildable workload (a user function, an old save) nothing is re-predicted."""
     assert measured_model_remedies({"required_bytes": 1, "usable_bytes": 0}) == ([], [])
 
 
