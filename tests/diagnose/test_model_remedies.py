@@ -203,6 +203,10 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
         "activation checkpointing",
         "SGD with momentum instead of Adam (one optimizer state, not two)",
         "batch size 2 with 4 gradient-accumulation steps",
+        # the fine-tuning remedies (diagnose/_finetune_remedies.py) apply to GPT-2 too
+        "LoRA adapters (peft, r8) instead of full fine-tuning",
+        "QLoRA: 4-bit nf4 base weights + LoRA adapters (peft, r8)",
+        "8-bit AdamW (bitsandbytes AdamW8bit)",
     }
     for remedy in remedies.values():
         assert (remedy.confidence, remedy.estimate) == ("high", False)
