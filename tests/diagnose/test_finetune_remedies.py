@@ -127,3 +127,17 @@ def test_unreadable_hf_workload_is_estimated_with_a_warning(lora, tmp_path):
     remedies, warnings = measured_model_remedies(moved)
     assert remedies == []
     assert len(warnings) == 1 and "could not be rebuilt to re-predict" in warnings[0]
+
+
+def test_fused_adamw_save_re_predicts_sgd_with_foreach():
+    """A fused-AdamW run's SGD change is foreach SGD (fused SGD was a ValueError before)."""
+    saved = {
+        "required_bytes": 2, "usable_bytes": 1,
+        "workload": {"kind": "preset", "name": "not-a-preset", "steps": 2, "options": {
+            "batch_size": 1, "precision": "bf16", "checkpointing": True, "mode": "train",
+            "optimizer": "adamw", "optimizer_impl": "fused",
+        }},
+    }
+    remedies, warnings = measured_model_remedies(saved)
+    # The SGD change was built and rebuilding was tried: the preset is unknown.
+    assert remedies == [] and "unknown model preset 'not-a-preset'" in warnings[0]

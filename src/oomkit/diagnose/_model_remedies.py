@@ -419,7 +419,9 @@ def measured_model_remedies(
         changes.append(
             (
                 "SGD with momentum instead of Adam (one optimizer state, not two)",
-                {"optimizer": "sgd"},
+                # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
+                {"optimizer": "sgd"}
+                | ({"optimizer_impl": "foreach"} if base.optimizer_impl == "fused" else {}),
                 _SGD_CODE,
             )
         )
