@@ -4,7 +4,8 @@ Each case runs in its own child process, so its peak RSS (``ru_maxrss``) is its 
 - GPT-2 124M training step, batch 8, seq 1024 (target: < 5 s, < 2 GB);
 - Llama-8B-shaped training step, batch 1, seq 2048 (target: < 60 s, < 2 GB);
 - the same with LoRA r=16 on peft's default targets (q_proj, v_proj) (target: < 60 s, < 2 GB);
-- QLoRA: the same LoRA on nf4 base weights with double quantization (target: < 60 s, < 2 GB).
+- QLoRA: the same LoRA on nf4 base weights with double quantization (target: < 60 s, < 2 GB);
+- the same LoRA on int8 base weights (bitsandbytes Linear8bitLt) (target: < 60 s, < 2 GB).
 Both record 3 steps (the CLI default), bf16-mixed with AdamW, on an H100 SXM.
 
 Prints a line per case, then, last, one JSON line:
@@ -27,11 +28,15 @@ CASES = {
     "llama-8b": ("llama-8b", 1, 2048, 60.0, 2000.0),
     "llama-8b-lora": ("llama-8b", 1, 2048, 60.0, 2000.0),
     "llama-8b-qlora": ("llama-8b", 1, 2048, 60.0, 2000.0),
+    "llama-8b-int8-lora": ("llama-8b", 1, 2048, 60.0, 2000.0),
 }
 # name -> LoRA rank, for the cases that train adapters (peft) instead of the whole model.
-LORA_RANKS = {"llama-8b-lora": 16, "llama-8b-qlora": 16}
-# name -> 4-bit base weights (bitsandbytes nf4 with double quantization, emulated).
-QUANTIZED = {"llama-8b-qlora"}
+LORA_RANKS = {"llama-8b-lora": 16, "llama-8b-qlora": 16, "llama-8b-int8-lora": 16}
+# name -> quantized base weights (bitsandbytes nf4 with double quantization, or int8; emulated).
+QUANTIZED: dict[str, dict[str, object]] = {
+    "llama-8b-qlora": {"quantize": "nf4", "double_quant": True},
+    "llama-8b-int8-lora": {"quantize": "int8"},
+}
 GPU = "h100"
 PRECISION = "bf16-mixed"
 STEPS = 3
@@ -51,7 +56,7 @@ def run_case(name: str) -> dict:
     preset, batch, seq, _, _ = CASES[name]
     lora = LoraOptions(r=LORA_RANKS[name]) if name in LORA_RANKS else None
     start = time.perf_counter()
-    quantize = {"quantize": "nf4", "double_quant": True} if name in QUANTIZED else {}
+    quantize = QUANTIZED.get(name, {})
     options = StepOptions(
         batch_size=batch,
         seq_len=seq,
@@ -92,7 +97,7 @@ def main() -> int:
         results[name] = result
         ok = result["seconds"] < target_s and result["peak_rss_mb"] < target_mb
         print(
-            f"{name:>14} (batch {batch}, seq {seq}, {PRECISION}, {STEPS} steps on {GPU}): "
+            f"{name:>18} (batch {batch}, seq {seq}, {PRECISION}, {STEPS} steps on {GPU}): "
             f"{result['seconds']:.2f} s, peak RSS {result['peak_rss_mb']:.0f} MB, "
             f"{result['events']:,} events, peak reserved "
             f"{result['peak_reserved_bytes'] / 2**30:.2f} GiB "

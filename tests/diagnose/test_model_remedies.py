@@ -203,6 +203,10 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
         "activation checkpointing",
         "SGD with momentum instead of Adam (one optimizer state, not two)",
         "batch size 2 with 4 gradient-accumulation steps",
+        # the fine-tuning remedies (diagnose/_finetune_remedies.py) apply to GPT-2 too
+        "LoRA adapters (peft, r8) instead of full fine-tuning",
+        "QLoRA: 4-bit nf4 base weights + LoRA adapters (peft, r8)",
+        "8-bit AdamW (bitsandbytes AdamW8bit)",
     }
     for remedy in remedies.values():
         assert (remedy.confidence, remedy.estimate) == ("high", False)
@@ -255,7 +259,7 @@ def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request
 
 
 def test_unknown_workload_is_not_measured():
-    """Without a workload (a user function, --hf, an old save) nothing is re-predicted."""
+    """Without a rebuildable workload (a user function, an old save) nothing is re-predicted."""
     assert measured_model_remedies({"required_bytes": 1, "usable_bytes": 0}) == ([], [])
 
 

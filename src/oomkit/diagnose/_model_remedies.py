@@ -22,9 +22,12 @@ marked ``estimate=True``; each is offered only where the evidence supports it:
 - releasing references after a caught OOM: the exception's traceback keeps the failed
   step's frames, and with them their tensors, alive until the ``except`` block ends.
 
-Where a step is known (a saved prediction of a built-in preset, with its ``workload``), the
-savings of precision, checkpointing, optimizer and batch size are measured instead: the
-predictor runs again with the change applied (``measured_model_remedies``).
+Where a step is known (a saved prediction of a built-in preset or a ``--hf`` model, with its
+``workload``), the savings of precision, checkpointing, optimizer and batch size are measured
+instead: the predictor runs again with the change applied (``measured_model_remedies``); so are
+the fine-tuning changes, which are never estimated (``_finetune_remedies``: LoRA, QLoRA, 8-bit
+AdamW). Under LoRA the batch remedy is measured only: the saved categories cannot say which
+parameters train.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from typing import Any
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose.diagnosis import Remedy
+from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
@@ -157,6 +162,7 @@ def estimated_model_remedies(
     description: str = "",
     parameter_bytes: int | None = None,
     compute_capability: tuple[int, int] | None = None,
+    frozen_base: bool = False,
 ) -> list[Remedy]:
     """Model and loop changes, priced from memory by category at the OOM (estimates).
 
@@ -171,6 +177,7 @@ def estimated_model_remedies(
         parameter_bytes: parameter bytes (defaults to the ``parameter`` category).
         compute_capability: the GPU's, when known: below 8.0 (no native bf16) the mixed
             precision remedy is fp16 with a GradScaler instead of bf16.
+        frozen_base: the base weights are frozen already (LoRA): no freezing remedy.
 
     Returns:
         The remedies the categories support, unsorted; every one has ``estimate=True``.
@@ -246,7 +253,7 @@ def estimated_model_remedies(
                 "built: with set_to_none=False last step's gradients stay through the forward.",
             )
         )
-    if training and params > 0 and (gradient > 0 or state > 0):
+    if training and not frozen_base and params > 0 and (gradient > 0 or state > 0):
         grad_and_state = (gradient or params) + state
         out.append(
             Remedy(
@@ -336,11 +343,19 @@ def saved_target(data: Mapping[str, Any]) -> Target:
     )
 
 
+# The workloads oomkit can rebuild from their saved record: presets, and --hf models (from the
+# same directory, or the hub name's config in the local cache: explain never goes online).
+_REBUILDABLE = ("preset", "hf")
+
+
 def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) -> Any:
-    from oomkit.prediction.models import build_preset_step
+    from oomkit.prediction.models import build_hf_step, build_preset_step
     from oomkit.prediction.predictor import predict
 
-    built = build_preset_step(workload.name, options)
+    if workload.kind == "hf":
+        built = build_hf_step(workload.name, options, local_files_only=True)
+    else:
+        built = build_preset_step(workload.name, options)
     return predict(
         built.step_fn,
         target=saved_target(data),
@@ -362,12 +377,14 @@ def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
 def measured_model_remedies(
     data: Mapping[str, Any], progress: Callable[[int, int], None] | None = None
 ) -> tuple[list[Remedy], list[str]]:
-    """Precision, checkpointing, optimizer and batch-size changes, measured by re-predicting.
+    """Precision, checkpointing, optimizer, fine-tuning (LoRA, QLoRA, 8-bit AdamW) and
+    batch-size changes, measured by re-predicting.
 
     Args:
-        data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset and
-            its ``StepOptions`` (``{"kind": "preset", "name": ..., "options": {...}, "steps":
-            N}``; older saves: ``{"preset": ..., "options": ..., "steps": N}``).
+        data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset or a
+            ``--hf`` model and its ``StepOptions`` (``{"kind": "preset", "name": ...,
+            "options": {...}, "steps": N}``; older saves: ``{"preset": ..., "options": ...,
+            "steps": N}``).
         progress: called as ``progress(done, total)`` after each change is measured (the
             batch-size search counts as one), for a progress bar.
 
@@ -377,7 +394,7 @@ def measured_model_remedies(
         missing.
     """
     workload = workload_from_json(data)
-    if workload is None or workload.kind != "preset":
+    if workload is None or workload.kind not in _REBUILDABLE:
         return [], []
     try:
         from oomkit.prediction.models import StepOptions
@@ -402,18 +419,33 @@ def measured_model_remedies(
         changes.append(
             (
                 "SGD with momentum instead of Adam (one optimizer state, not two)",
-                {"optimizer": "sgd"},
+                # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
+                {"optimizer": "sgd"}
+                | ({"optimizer_impl": "foreach"} if base.optimizer_impl == "fused" else {}),
                 _SGD_CODE,
             )
         )
+    # Changes a model may not take (no default LoRA targets, nothing to quantize): left out.
+    optional = {title for title, _, _ in finetune_changes(base)}
+    changes.extend(finetune_changes(base))
     out: list[Remedy] = []
+    warnings: list[str] = []
     total = len(changes) + 1
     if progress is not None:
         progress(0, total)
     for done, (title, change, code) in enumerate(changes, 1):
-        new = _repredict(data, workload, dataclasses.replace(base, **change))
-        if progress is not None:
-            progress(done, total)
+        try:
+            new = _repredict(data, workload, dataclasses.replace(base, **change))
+        except TorchRequiredError as exc:  # peft (or transformers) is not installed
+            warnings.append(f"{title}: not measured ({exc})")
+            continue
+        except OomkitError as exc:
+            if title not in optional:
+                return [], [_not_rebuilt(workload, exc)]
+            continue
+        finally:
+            if progress is not None:
+                progress(done, total)
         saving = required - new.required_bytes
         if saving <= 0:
             continue
@@ -430,12 +462,22 @@ def measured_model_remedies(
                 estimate=False,
             )
         )
-    batch = _measured_batch(data, workload, base, required)
+    try:
+        batch = _measured_batch(data, workload, base, required)
+    except OomkitError as exc:
+        return [], [_not_rebuilt(workload, exc)]
     if progress is not None:
         progress(total, total)
     if batch is not None:
         out.append(batch)
-    return out, []
+    return out, warnings
+
+
+def _not_rebuilt(workload: WorkloadSpec, exc: OomkitError) -> str:
+    return (
+        f"{workload.name} could not be rebuilt to re-predict it ({exc}); model changes were "
+        "estimated (run explain where the model's config is, or with its config in the cache)"
+    )
 
 
 def _measured_batch(

@@ -69,9 +69,10 @@ def diagnose_prediction(
     """Diagnose the OOM a saved prediction predicts.
 
     Model changes (mixed precision, checkpointing, optimizer, ...) are estimated from memory by
-    category. Where the prediction names a built-in preset (its ``workload``) and ``measure``
-    is true, precision, checkpointing, optimizer and batch size are measured instead by
-    re-predicting the step with each change (a few seconds per change; needs torch).
+    category. Where the prediction names a built-in preset or a ``--hf`` model (its
+    ``workload``) and ``measure`` is true, precision, checkpointing, optimizer and batch size
+    are measured instead by re-predicting the step with each change, and LoRA, QLoRA and 8-bit
+    AdamW are offered, measured the same way (a few seconds per change; needs torch).
 
     Args:
         data: the object ``oomkit predict --json`` printed.
@@ -141,7 +142,15 @@ def diagnose_prediction(
     workload = workload_from_json(data)
     training = _training(workload, by_category)
     warnings = list(base.warnings)
-    if training and "gradient" not in by_category:
+    # Under LoRA only the adapters train: the parameter bytes say nothing of their gradients
+    # and optimizer states, so the batch remedy is re-predicted, never scaled from them.
+    lora = workload is not None and workload.lora is not None
+    if training and "gradient" not in by_category and lora:
+        warnings.append(
+            "the OOM came before gradients existed, and under LoRA only the adapters get "
+            "gradients and optimizer state: the batch-size remedy is re-predicted, not estimated"
+        )
+    elif training and "gradient" not in by_category:
         # The OOM came before the backward pass: gradients (one per parameter) and the
         # optimizer's state (Adam/AdamW: two per parameter, SGD without momentum: none) are
         # still to come and do not scale with the batch.
@@ -153,13 +162,15 @@ def diagnose_prediction(
             "from the parameter bytes for the batch-size remedy"
         )
     required = data.get("required_bytes")
-    batch = batch_remedy(
-        need_bytes=required if isinstance(required, int) else allocated + requested,
-        steady_bytes=steady,
-        available_bytes=_get(data, "usable_bytes", int),
-        batch_size=None if workload is None else workload.batch_size,
-        measured_from="the prediction's memory by category",
-    )
+    batch = None
+    if not (lora and training and "gradient" not in by_category):
+        batch = batch_remedy(
+            need_bytes=required if isinstance(required, int) else allocated + requested,
+            steady_bytes=steady,
+            available_bytes=_get(data, "usable_bytes", int),
+            batch_size=None if workload is None else workload.batch_size,
+            measured_from="the prediction's memory by category",
+        )
     model = estimated_model_remedies(
         by_category,
         training=training,
@@ -168,10 +179,11 @@ def diagnose_prediction(
         checkpointing=None if workload is None else workload.checkpointing,
         description=description,
         compute_capability=saved_compute_capability(data),
+        frozen_base=lora,
     )
     if batch is not None:
         model.append(batch)
-    if measure and workload is not None and workload.kind == "preset":
+    if measure and workload is not None and workload.kind in ("preset", "hf"):
         measured, measure_warnings = measured_model_remedies(data, progress)
         warnings.extend(measure_warnings)
         if measured:

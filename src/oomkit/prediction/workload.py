@@ -79,7 +79,8 @@ class WorkloadSpec:
         lora: ``StepOptions.lora`` as a mapping of ``LoraOptions``' fields (r, alpha, targets,
             dropout, modules_to_save, dora); ``None``: no LoRA, or not known.
         optimizer_impl: ``StepOptions.optimizer_impl`` (``foreach``, ``fused``, ``for-loop``).
-        quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
+        quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``, ``int8``); ``None``: none or not
+            known.
         double_quant: ``StepOptions.double_quant``.
         compute_dtype: ``StepOptions.compute_dtype``.
         grad_accum: ``StepOptions.grad_accum`` (micro-batches per optimizer step).

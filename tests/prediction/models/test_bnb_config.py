@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
 
 import pytest
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.bnb_config import bnb_step_fields
-from oomkit.prediction.models.options import Quantize
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -40,13 +38,15 @@ def test_bitsandbytes_defaults_are_fp4_single_quant_fp32_compute():
     }
 
 
-def test_load_in_8bit_maps_to_int8_only_where_it_is_modelled():
-    """load_in_8bit: quantize int8 when StepOptions knows it, else a clear refusal."""
-    if "int8" in get_args(Quantize):
-        assert bnb_step_fields({"load_in_8bit": True}) == {"quantize": "int8"}
-    else:
-        with pytest.raises(ConfigError, match="load_in_8bit .* is not modelled"):
-            bnb_step_fields({"load_in_8bit": True})
+def test_load_in_8bit_maps_to_int8_with_bitsandbytes_defaults_only():
+    """load_in_8bit is quantize int8; a threshold or fp16 weights other than the default: refused."""
+    assert bnb_step_fields({"load_in_8bit": True}) == {"quantize": "int8"}
+    assert bnb_step_fields({"load_in_8bit": True, "llm_int8_threshold": 6.0}) == {
+        "quantize": "int8"
+    }
+    for extra in ({"llm_int8_threshold": 0.0}, {"llm_int8_has_fp16_weight": True}):
+        with pytest.raises(ConfigError, match="load_in_8bit with llm_int8_threshold"):
+            bnb_step_fields({"load_in_8bit": True, **extra})
 
 
 @pytest.mark.parametrize(

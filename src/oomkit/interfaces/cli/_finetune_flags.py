@@ -58,20 +58,24 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
-    """--quantize and its options: bitsandbytes 4-bit base weights (QLoRA), emulated."""
+    """--quantize and its options: bitsandbytes 4-bit or 8-bit base weights, emulated."""
     parser.add_argument(
         "--quantize",
-        choices=("nf4", "fp4"),
-        help="store every Linear but the output layer as bitsandbytes Linear4bit (QLoRA; "
-        "training needs --lora)",
+        choices=("nf4", "fp4", "int8"),
+        help="store every Linear but the output layer as bitsandbytes Linear4bit (nf4, fp4: "
+        "QLoRA) or Linear8bitLt (int8: LLM.int8(), threshold 6.0, no outlier columns assumed); "
+        "training needs --lora",
     )
     parser.add_argument(
-        "--double-quant", action="store_true", help="bnb_4bit_use_double_quant (with --quantize)"
+        "--double-quant",
+        action="store_true",
+        help="bnb_4bit_use_double_quant (with --quantize nf4|fp4)",
     )
     parser.add_argument(
         "--compute-dtype",
         choices=("fp32", "bf16", "fp16"),
-        help="bnb_4bit_compute_dtype (with --quantize; default: the model's parameter dtype)",
+        help="bnb_4bit_compute_dtype (with --quantize nf4|fp4; default: the model's parameter "
+        "dtype)",
     )
 
 

@@ -15,10 +15,9 @@ Pure logic, no torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any
 
 from oomkit.errors import ConfigError
-from oomkit.prediction.models.options import Quantize
 
 __all__ = ["bnb_step_fields"]
 
@@ -65,11 +64,11 @@ def bnb_step_fields(config: Any) -> dict[str, Any]:
 
     Returns:
         ``{"quantize": "nf4", "double_quant": True, "compute_dtype": "bf16"}`` for 4-bit;
-        ``{"quantize": "int8"}`` for ``load_in_8bit`` where oomkit models 8-bit weights.
+        ``{"quantize": "int8"}`` for ``load_in_8bit``.
 
     Raises:
         ConfigError: another quantization method (GPTQ, AWQ, ...), neither ``load_in_4bit`` nor
-            ``load_in_8bit``, ``load_in_8bit`` while 8-bit weights are not modelled, or a
+            ``load_in_8bit``, ``load_in_8bit`` with a threshold or fp16 weights not modelled, or a
             setting that changes the storage in a way not modelled (``bnb_4bit_quant_storage``
             other than uint8, ``llm_int8_skip_modules`` beyond the output layer).
     """
@@ -93,10 +92,15 @@ def bnb_step_fields(config: Any) -> dict[str, Any]:
     if four and eight:
         raise ConfigError("quantization_config sets both load_in_4bit and load_in_8bit; choose one")
     if eight:
-        if "int8" not in get_args(Quantize):
+        # oomkit.prediction.models.int8 emulates Linear8bitLt as BitsAndBytesConfig's defaults
+        # build it: llm_int8_threshold 6.0, llm_int8_has_fp16_weight False.
+        threshold = data.get("llm_int8_threshold", 6.0)
+        if threshold != 6.0 or _flag(data, "llm_int8_has_fp16_weight"):
             raise ConfigError(
-                "quantization_config load_in_8bit (bitsandbytes Linear8bitLt) is not modelled "
-                "by this oomkit; use load_in_4bit (nf4/fp4), or remove quantization_config"
+                f"quantization_config load_in_8bit with llm_int8_threshold={threshold!r} and "
+                f"llm_int8_has_fp16_weight={data.get('llm_int8_has_fp16_weight')!r} is not "
+                "modelled: oomkit emulates Linear8bitLt with threshold 6.0 and int8 weights "
+                "(the defaults); drop those keys"
             )
         return {"quantize": "int8"}
     if not four:

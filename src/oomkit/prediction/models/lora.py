@@ -21,6 +21,7 @@ import torch
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.models.bert import Bert
 from oomkit.prediction.models.gpt2 import GPT2
+from oomkit.prediction.models.int8 import Linear8bitLtStorage, lora_8bit_layer_class
 from oomkit.prediction.models.llama import Llama
 from oomkit.prediction.models.lora_options import LoraOptions
 from oomkit.prediction.models.optimizers import paged_state_bytes
@@ -96,9 +97,15 @@ def apply_lora(model: torch.nn.Module, lora: LoraOptions) -> torch.nn.Module:
         modules_to_save=list(lora.modules_to_save) or None,
         use_dora=lora.dora,
     )
+    # peft/tuners/lora/model.py: custom modules are dispatched first; peft/tuners/lora/bnb.py
+    # has one LoRA layer per bitsandbytes layer.
+    custom: dict[type, Any] = {}
     if any(isinstance(m, Linear4bitStorage) for m in model.modules()):
-        # peft/tuners/lora/model.py: custom modules are dispatched first.
-        config._register_custom_module({Linear4bitStorage: lora_layer_class()})
+        custom[Linear4bitStorage] = lora_layer_class()
+    if any(isinstance(m, Linear8bitLtStorage) for m in model.modules()):
+        custom[Linear8bitLtStorage] = lora_8bit_layer_class()
+    if custom:
+        config._register_custom_module(custom)
     try:
         with warnings.catch_warnings():
             # peft/tuners/lora/model.py _create_new_module: a transformers Conv1D (GPT-2) is

@@ -22,7 +22,7 @@ __all__ = [
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
-Quantize = Literal["nf4", "fp4"]
+Quantize = Literal["nf4", "fp4", "int8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["train", "inference", "generate"]
 
@@ -69,8 +69,9 @@ class StepOptions:
             configures it).
         quantize: ``nf4`` / ``fp4``: every ``nn.Linear`` but the output layer stored as
             bitsandbytes ``Linear4bit`` stores it (QLoRA; emulated, see
-            ``oomkit.prediction.models.quantized``); training then needs ``lora``. ``None``: no
-            quantization.
+            ``oomkit.prediction.models.quantized``); ``int8``: as ``Linear8bitLt`` (LLM.int8(),
+            threshold 6.0; ``oomkit.prediction.models.int8``); training then needs ``lora``.
+            ``None``: no quantization.
         double_quant: ``bnb_4bit_use_double_quant`` (``quantize`` only).
         compute_dtype: ``bnb_4bit_compute_dtype`` (``quantize`` only); ``None``: the model's
             parameter dtype (bf16 for ``precision="bf16"``, else fp32).
@@ -167,15 +168,21 @@ class StepOptions:
                 )
             return
         _check_choice("quantize", self.quantize, QUANTIZE, "nf4")
+        if self.quantize == "int8" and (self.double_quant or self.compute_dtype is not None):
+            raise ValueError(
+                "StepOptions.double_quant and compute_dtype configure 4-bit weights; int8 "
+                "(Linear8bitLt) has neither: drop them, or use StepOptions(quantize='nf4')"
+            )
         if self.compute_dtype is not None:
             _check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, "bf16")
         if self.mode == "train" and self.lora is None:
             raise ValueError(
-                "4-bit weights are frozen (bitsandbytes Params4bit has no gradient): training "
+                "quantized weights are frozen (bitsandbytes Params4bit / Int8Params have no "
+                "gradient): training "
                 "a quantized model needs LoRA adapters: add StepOptions(lora=...), or use mode "
                 "'inference'"
             )
-        if self.mode == "generate":
+        if self.mode == "generate" and self.quantize != "int8":
             raise ValueError(
                 "generating with 4-bit weights takes bitsandbytes' gemv_4bit path, which oomkit "
                 "does not model; use mode 'train' (with LoRA) or 'inference'"

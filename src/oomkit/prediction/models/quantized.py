@@ -24,7 +24,8 @@ bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsa
 
 Not modelled: the load-time peak (transformers quantizes each weight on the GPU from its 16-bit
 copy), the single-token inference ``gemv_4bit`` path (it reads the packed weight without a
-temporary: generation is refused with 4-bit weights), and ``Linear8bitLt`` (``int8``).
+temporary: generation is refused with 4-bit weights). ``int8`` (``Linear8bitLt``) is in
+``oomkit.prediction.models.int8``; :func:`quantize_linears` builds either.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oomkit.errors import OomkitError
+from oomkit.prediction.models.int8 import Linear8bitLtStorage
 
 __all__ = [
     "Linear4bitStorage",
@@ -188,17 +190,20 @@ def _output_layer(model: nn.Module) -> nn.Module | None:
 def quantize_linears(
     model: nn.Module,
     *,
-    quant_type: QuantType = "nf4",
+    quant_type: QuantType | Literal["int8"] = "nf4",
     double_quant: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> int:
-    """Replace every ``nn.Linear`` of ``model`` but its output layer by 4-bit storage, in place.
+    """Replace every ``nn.Linear`` of ``model`` but its output layer by quantized storage, in place.
 
     Args:
         model: a built model (on meta), in the dtype its weights are quantized from.
-        quant_type: ``nf4`` or ``fp4`` (the same storage; the code's values differ).
-        double_quant: ``bnb_4bit_use_double_quant``.
-        compute_dtype: ``bnb_4bit_compute_dtype``: inputs are cast to it for the matmul.
+        quant_type: ``nf4`` or ``fp4`` (4-bit; the same storage, the code's values differ), or
+            ``int8`` (``Linear8bitLt`` with transformers' default threshold 6.0, see
+            ``oomkit.prediction.models.int8``).
+        double_quant: ``bnb_4bit_use_double_quant`` (4-bit only).
+        compute_dtype: ``bnb_4bit_compute_dtype``: inputs are cast to it for the matmul (4-bit
+            only).
 
     Returns:
         How many layers were replaced.
@@ -211,10 +216,14 @@ def quantize_linears(
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child is not skip:
-                storage = Linear4bitStorage(
-                    child, quant_type=quant_type, double_quant=double_quant,
-                    compute_dtype=compute_dtype,
-                )
+                storage: nn.Linear
+                if quant_type == "int8":
+                    storage = Linear8bitLtStorage(child)
+                else:
+                    storage = Linear4bitStorage(
+                        child, quant_type=quant_type, double_quant=double_quant,
+                        compute_dtype=compute_dtype,
+                    )
                 setattr(parent, name, storage)
                 replaced += 1
     if replaced == 0:
