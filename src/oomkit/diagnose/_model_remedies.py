@@ -264,6 +264,7 @@ def estimated_model_remedies(
                 "A frozen parameter needs no gradient and no optimizer state; estimated for "
                 f"half of the parameters ({format_bytes(grad_and_state)} of gradients and state "
                 "in all).",
+                changes_training=True,
             )
         )
     if inputs > 0 and allocated > 0 and inputs * _DATASET_SHARE >= allocated:
@@ -460,6 +461,8 @@ def measured_model_remedies(
                 f"instead of {format_bytes(required)} and {verdict} in the "
                 f"{format_bytes(usable)} usable.",
                 estimate=False,
+                # Adapters on frozen (or 4-bit) base weights train another model than before.
+                changes_training=bool(change.keys() & {"lora", "quantize"}),
             )
         )
     try:

@@ -81,6 +81,9 @@ class Remedy:
         lowers_peak: False for a remedy whose bytes go to other processes, not to this one's
             need (``empty_cache``), and for one that saves nothing (``saving_bytes == 0``: advice
             against a change): it ranks after every remedy that lowers the peak.
+        changes_training: True for a change to what is trained (LoRA, QLoRA, frozen layers):
+            among the remedies that are enough, it ranks after those that keep the run's
+            training as it is.
     """
 
     title: str
@@ -90,19 +93,25 @@ class Remedy:
     why: str
     estimate: bool = True
     lowers_peak: bool = True
+    changes_training: bool = False
 
     def __post_init__(self) -> None:
         # A remedy that saves nothing cannot lower the peak (issue 16 item 8).
         if self.saving_bytes == 0 and self.lowers_peak:
             object.__setattr__(self, "lowers_peak", False)
 
-    def rank_key(self) -> tuple[bool, bool, int, bool]:
-        """Sort key: remedies that lower the peak first, then by bytes saved (an unknown saving
-        before none at all), measured first."""
+    def rank_key(self, deficit_bytes: int | None = None) -> tuple[bool, bool, bool, bool, int, bool]:
+        """Sort key: remedies that lower the peak first; then those that save at least
+        ``deficit_bytes`` (every one, where it is not known), keeping the run's training before
+        changing it; then by bytes saved (an unknown saving before none at all), measured first."""
+        saving = self.saving_bytes
+        enough = deficit_bytes is None or saving is None or saving >= deficit_bytes
         return (
             not self.lowers_peak,
-            self.saving_bytes == 0,
-            -(self.saving_bytes or 0),
+            saving == 0,
+            not enough,
+            self.changes_training,
+            -(saving or 0),
             self.estimate,
         )
 

@@ -22,7 +22,7 @@ from oomkit.diagnose._model_remedies import (
 )
 from oomkit.diagnose._remedies import batch_remedy
 from oomkit.diagnose.attribution import AllocationSite, Attribution
-from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
+from oomkit.diagnose.diagnosis import Diagnosis, Finding, diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
 from oomkit.errors import OomTextError, PredictionFormatError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
@@ -195,7 +195,7 @@ def diagnose_prediction(
             ]
             model.extend(measured)
     remedies = list(base.remedies) + model
-    remedies.sort(key=Remedy.rank_key)
+    remedies.sort(key=lambda remedy: remedy.rank_key(base.deficit_bytes))
 
     sites = tuple(
         AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)
