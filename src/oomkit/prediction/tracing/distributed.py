@@ -343,6 +343,7 @@ def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
     is ``torch.chunk(param, world_size)[r]`` (chunks of ``ceil(rows / N)`` rows, the last ones
     shorter or absent), padded to chunk 0's size for the all-gather only.
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.utils._pytree import tree_leaves
 
     count, short_bytes = 0, 0
@@ -350,6 +351,8 @@ def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
     for obj in tree_leaves(list(track)):
         if not isinstance(obj, torch.nn.Module):
             continue
+        if not any(isinstance(module, FSDPModule) for module in obj.modules()):
+            continue  # DDP replicas and unsharded modules hold whole parameters
         for param in obj.parameters():
             if id(param) in seen or param.dim() == 0:
                 continue
