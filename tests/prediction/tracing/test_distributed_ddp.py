@@ -1,0 +1,130 @@
+"""Rank 0 of DDP recorded on a fake process group: its buckets, rebuild and checks, in exact bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oomkit.errors import ConfigError
+from oomkit.prediction.models.data_parallel import DdpOptions
+from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+# Three Linear(512, 512): a 1 MiB weight and a 2 KiB bias each, fp32.
+_WEIGHT = 512 * 512 * 4
+_BIAS = 512 * 4
+_LAYER = _WEIGHT + _BIAS
+
+
+def _build(**ddp_kwargs):
+    def build(mesh):
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 512)
+        wrapped = []
+
+        def setup():
+            wrapped.append(torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs))
+
+        def step():
+            wrapped[0](batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch), setup
+
+    return build
+
+
+def _allocs(events, category=None):
+    return [
+        e.size
+        for e in events
+        if e.action == "alloc" and (category is None or dict(e.tags)["category"] == category)
+    ]
+
+
+@pytest.fixture(scope="module")
+def default_ddp():
+    """Rank 0 of 2 replicas with DDP's defaults, two steps (the buckets are rebuilt in step 2)."""
+    return trace_distributed_step(_build(), world_size=2, steps=2)
+
+
+def test_constructor_allocates_one_bucket_after_its_checks_and_broadcast(default_ddp):
+    """Before step 1: the shape check's device tensors, the parameter broadcast, one bucket.
+
+    distributed.py compute_bucket_size_limits: without find_unused_parameters every parameter
+    starts in one bucket (sys.maxsize); reducer.cpp verify_params_across_processes makes the
+    count (int64), one gather output per rank and 2 * dims int64 of shapes and strides.
+    """
+    recording = default_ddp
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "parameter") == [_WEIGHT, _BIAS] * 3
+    dims = 3 * (2 + 1)
+    assert _allocs(before, "temporary") == [8, 8, 8, 8 * 2 * dims, 3 * _LAYER]
+    assert _allocs(before, "ddp_bucket") == [3 * _LAYER]
+    frees = [e.size for e in before if e.action == "free_completed"]
+    assert sorted(frees) == sorted([8, 8, 8, 8 * 2 * dims, 3 * _LAYER])
+
+
+def test_rebuild_makes_a_1_mib_first_bucket_in_gradient_order(default_ddp):
+    """Step 2 rebuilds: the last layer's gradients arrive first and fill the 1 MiB first bucket.
+
+    reducer.cpp rebuild_buckets: limits (first_bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES,
+    bucket_bytes_cap = 25 MiB); a bucket closes once it reaches its limit. sync_bucket_indices
+    broadcasts the indices (7 int32) and the bucket sizes (2 int32) from device copies.
+    """
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+    recording = default_ddp
+    step_1 = recording.step_events(0)
+    step_2 = recording.step_events(1)
+    assert _allocs(step_1, "ddp_bucket") == []
+    assert _allocs(step_2, "ddp_bucket") == [_LAYER, 2 * _LAYER]
+    frees = [e.size for e in step_2 if e.action == "free_completed"]
+    assert 3 * _LAYER in frees  # the constructor's bucket
+    bucket_at = next(i for i, e in enumerate(step_2) if e.size == _LAYER and e.action == "alloc")
+    assert _allocs(step_2[:bucket_at], "temporary")[-2:] == [4 * 7, 4 * 2]
+
+
+def test_bucket_cap_caps_the_first_bucket_too():
+    """bucket_cap_mb=1: every bucket, the first included, closes at 1 MiB (one layer each)."""
+    recording = trace_distributed_step(_build(bucket_cap_mb=1), world_size=2, steps=2)
+    assert _allocs(recording.step_events(1), "ddp_bucket") == [_LAYER] * 3
+
+
+def test_gradient_as_bucket_view_makes_the_buckets_the_gradients():
+    """gradient_as_bucket_view: the grads become bucket views; the buckets count as gradients
+    and the separate gradients AccumulateGrad made in step 1 are freed in it (reducer.cpp
+    mark_variable_ready_dense: ``grad = bucket_view``)."""
+    recording = trace_distributed_step(
+        _build(gradient_as_bucket_view=True), world_size=2, steps=2
+    )
+    categories = {dict(e.tags)["category"] for e in recording.events}
+    assert "ddp_bucket" not in categories
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "gradient") == [3 * _LAYER]
+    # Each separate gradient AccumulateGrad made is freed once copied into its bucket view.
+    step_1 = recording.step_events(0)
+    grads = [e for e in step_1 if dict(e.tags)["category"] == "gradient"]
+    assert sorted(e.size for e in grads if e.action == "alloc") == sorted([_WEIGHT, _BIAS] * 3)
+    assert sorted(e.size for e in grads if e.action == "free_completed") == sorted(
+        [_WEIGHT, _BIAS] * 3
+    )
+
+
+def test_world_size_sets_the_gather_outputs_and_patches_are_restored():
+    """4 ranks: four int64 gather outputs; DDP's constructor and reducer are restored after."""
+    init, rebuild = torch.nn.parallel.DistributedDataParallel.__init__, dist.Reducer._rebuild_buckets
+    recording = trace_distributed_step(_build(), world_size=4, steps=1)
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "temporary")[:5] == [8, 8, 8, 8, 8]
+    assert torch.nn.parallel.DistributedDataParallel.__init__ is init
+    assert dist.Reducer._rebuild_buckets is rebuild
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, True])
+def test_bad_bucket_cap(cap):
+    """A bucket cap that is not above 0 MiB is refused."""
+    with pytest.raises(ConfigError, match="above 0 MiB"):
+        DdpOptions(bucket_cap_mb=cap)
