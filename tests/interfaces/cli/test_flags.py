@@ -60,6 +60,7 @@ EXPECTED = {
     "predict": [
         "--alloc-conf",
         "--batch",
+        "--bucket-cap-mb",
         "--budget",
         "--checkpointing",
         "--compute-dtype",
@@ -71,6 +72,7 @@ EXPECTED = {
         "--dp",
         "--fsdp",
         "--gpu",
+        "--gradient-as-bucket-view",
         "--hf",
         "--html",
         "--image-size",

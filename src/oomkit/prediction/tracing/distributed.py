@@ -35,7 +35,7 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
-from oomkit.prediction.tracing.fake_ddp import FakeDdp
+from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
@@ -326,6 +326,8 @@ def trace_distributed_step(
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
     notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    if ddp.wrapped:
+        notes += (DDP_NOTE,)
     if uneven_bytes:
         notes += (
             f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {world_size} "

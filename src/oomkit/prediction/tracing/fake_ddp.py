@@ -44,7 +44,15 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FakeDdp", "in_place_allreduce_hook"]
+__all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
+
+# Said with every recording in which a DDP module was made.
+DDP_NOTE = (
+    "DDP: every replica holds the same parameters, gradients, buckets and optimizer state, so "
+    "rank 0 stands for all ranks; the reducer's allreduce runs as an in-place comm hook (no "
+    "allocation, as NCCL's); a rebuilt bucket's old buffer is freed at once, where NCCL's "
+    "record_stream may keep it until its last allreduce has finished"
+)
 
 
 class _HookState:
