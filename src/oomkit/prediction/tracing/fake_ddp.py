@@ -165,9 +165,9 @@ class FakeDdp:
             mode.device_copies.clear()
             return bool(rebuilt)
 
-        DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+        DistributedDataParallel.__init__ = init  # type: ignore[method-assign,assignment]
         dist._verify_params_across_processes = _verify_params_allocations
-        dist.Reducer._rebuild_buckets = rebuild  # type: ignore[method-assign]
+        dist.Reducer._rebuild_buckets = rebuild  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:
