@@ -98,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
     if args.lengths is not None and target.parallel is not None:
-        raise OomkitError("--fsdp does not go with --lengths yet: predict one length at a time")
+        raise OomkitError(
+            "--fsdp and --dp do not go with --lengths yet: predict one length at a time"
+        )
     # Values are followed from the import and the builder on (a mask made there with
     # torch.ones is known when the step reads it), and --value states the others.
     with user_values(args):
