@@ -128,3 +128,32 @@ def test_bad_bucket_cap(cap):
     """A bucket cap that is not above 0 MiB is refused."""
     with pytest.raises(ConfigError, match="above 0 MiB"):
         DdpOptions(bucket_cap_mb=cap)
+
+
+def test_hsdp_rank_holds_what_fsdp_over_its_shard_group_holds():
+    """fully_shard on a 2-D (dp, fsdp) mesh is HSDP: its all-reduce across replicas is in
+    place (_fsdp_collectives.py foreach_reduce), so rank 0 of 2 x 2 allocates, event for event,
+    what rank 0 of FSDP2 over 2 ranks does; ranks are counted over the shard group."""
+
+    def build(mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 5))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = torch.randn(8, 64)
+
+        def step():
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch)
+
+    fsdp = trace_distributed_step(build, world_size=2, mesh_shape=((2,), ("fsdp",)), steps=2)
+    hsdp = trace_distributed_step(build, world_size=4, mesh_shape=((2, 2), ("dp", "fsdp")), steps=2)
+    assert [(e.action, e.size) for e in hsdp.events] == [(e.action, e.size) for e in fsdp.events]
+    # 5 rows over the 2 shards (not 4 ranks): 3 and 2 rows.
+    assert any("rows that 2 ranks do not divide" in w for w in hsdp.warnings)

@@ -303,7 +303,10 @@ def trace_distributed_step(
     ddp = FakeDdp(tracer.add_role)
     with group as mesh, FakeTensorMode(), ddp.installed():
         step_fn, track, *setup = build(mesh)
-        uneven_bytes = _uneven_shard_bytes(track, world_size)
+        # FSDP2 shards over the "fsdp" dimension (HSDP: replicas x shards), else the last.
+        dims = list(mesh.mesh_dim_names or ())
+        shard_ranks = mesh.size(dims.index("fsdp") if "fsdp" in dims else mesh.ndim - 1)
+        uneven_bytes = _uneven_shard_bytes(track, shard_ranks)
         try:
             with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
@@ -330,7 +333,7 @@ def trace_distributed_step(
         notes += (DDP_NOTE,)
     if uneven_bytes:
         notes += (
-            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {world_size} "
+            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {shard_ranks} "
             f"ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
             f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
             "state (AdamW has two); rank 0, always a full shard, is the largest",
