@@ -157,3 +157,48 @@ def test_hsdp_rank_holds_what_fsdp_over_its_shard_group_holds():
     assert [(e.action, e.size) for e in hsdp.events] == [(e.action, e.size) for e in fsdp.events]
     # 5 rows over the 2 shards (not 4 ranks): 3 and 2 rows.
     assert any("rows that 2 ranks do not divide" in w for w in hsdp.warnings)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two Linear layers recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        self.out = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.out(checkpoint(self.inner, x, use_reentrant=False))
+
+
+def test_checkpoint_recomputes_under_cuda_autocast_with_fake_tensors():
+    """CUDA autocast casts fake tensors that stand for CUDA memory (they report cpu), and
+    checkpoint re-enters it for the recomputation (checkpoint.py _infer_device_type), else the
+    recomputation runs in fp32 and checkpoint refuses what it saved."""
+
+    def build(mesh):
+        model = _Checkpointed()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 64)
+        wrapped = []
+
+        def setup():
+            wrapped.append(torch.nn.parallel.DistributedDataParallel(model))
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = wrapped[0](batch).float().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch), setup
+
+    recording = trace_distributed_step(build, world_size=2, steps=2)
+    # autocast's cached bf16 weights and biases: inner and out in forward, inner again in the
+    # recomputation (autocast_mode.cpp cached_cast; the cache is cleared when forward's region
+    # exits), all in bf16 because fake tensors that stand for CUDA memory are cast.
+    inner, out = [64 * 64 * 2, 64 * 2], [8 * 64 * 2, 8 * 2]
+    assert _allocs(recording.step_events(1), "autocast_cache") == inner + out + inner
