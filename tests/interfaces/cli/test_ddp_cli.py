@@ -53,7 +53,7 @@ def test_ddp_prediction_is_rank_0_with_gradient_buckets(resnet_ddp_json):
     [
         (["predict", "gpt2-124m", "--dp", "2", "--fsdp", "2"], "HSDP"),
         (["predict", "gpt2-124m", "--bucket-cap-mb", "5"], "go with --dp N"),
-        (["predict", "gpt2-124m", "--gradient-as-bucket-view", "--dp", "1"], "go with --dp N"),
+        (["predict", "gpt2-124m", "--gradient-as-bucket-view", "--fsdp", "2"], "go with --dp N"),
         (["predict", "gpt2-124m", "--dp", "2", "--mode", "inference"], "--mode train"),
         (["predict", "--dp", "2", "--hf", "gpt2"], "not wrapped yet"),
         (["predict", "steps.py:build", "--dp", "2"], "not wrapped yet"),

@@ -41,8 +41,8 @@ def ddp_bucket_cap_mb(args: argparse.Namespace) -> float | None:
     cap = getattr(args, "bucket_cap_mb", None)
     view = getattr(args, "gradient_as_bucket_view", False)
     parallel = getattr(args, "dp", None)
-    if (cap is not None or view) and (parallel is None or parallel < 2):
-        raise OomkitError("--bucket-cap-mb and --gradient-as-bucket-view go with --dp N (N >= 2)")
+    if (cap is not None or view) and (parallel is None or getattr(args, "fsdp", None)):
+        raise OomkitError("--bucket-cap-mb and --gradient-as-bucket-view go with --dp N alone")
     return cap
 
 

@@ -170,7 +170,8 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
             "--dp with --fsdp (HSDP: replicas of FSDP2 shard groups) is not modelled yet: "
             "predict --fsdp N or --dp N alone"
         )
-    if layout.dp > 1:
+    # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU).
+    if layout.dp > 1 or (args.dp is not None and args.fsdp is None and layout.tp == 1):
         from oomkit.interfaces.cli._data_parallel import build_ddp_workload
 
         workload = build_ddp_workload(args, args.batch)

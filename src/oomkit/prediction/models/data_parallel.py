@@ -130,7 +130,6 @@ def build_ddp_preset_step(
     )
     view = ", gradient_as_bucket_view" if ddp.gradient_as_bucket_view else ""
     cap = "25 MiB (first 1 MiB)" if ddp.bucket_cap_mb is None else f"{ddp.bucket_cap_mb:g} MiB"
-    description = (
-        f"{built.description}, DDP over {mesh.size()} replicas (buckets {cap}{view}), rank 0"
-    )
+    replicas = f"{mesh.size()} replica" + ("s" if mesh.size() != 1 else "")
+    description = f"{built.description}, DDP over {replicas} (buckets {cap}{view}), rank 0"
     return DdpStep(dataclasses.replace(built, description=description), setup)
