@@ -202,3 +202,13 @@ def test_checkpoint_recomputes_under_cuda_autocast_with_fake_tensors():
     # exits), all in bf16 because fake tensors that stand for CUDA memory are cast.
     inner, out = [64 * 64 * 2, 64 * 2], [8 * 64 * 2, 8 * 2]
     assert _allocs(recording.step_events(1), "autocast_cache") == inner + out + inner
+
+
+def test_one_replica_still_has_its_buckets():
+    """World size 1 (--dp 1): DDP keeps its reducer, so the bucket and the one-output shape
+    check are there as on N replicas."""
+    recording = trace_distributed_step(_build(), world_size=1, steps=2)
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "temporary")[:3] == [8, 8, 8 * 2 * 3 * 3]
+    assert _allocs(before, "ddp_bucket") == [3 * _LAYER]
+    assert _allocs(recording.step_events(1), "ddp_bucket") == [_LAYER, 2 * _LAYER]
