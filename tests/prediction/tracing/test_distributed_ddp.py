@@ -212,3 +212,30 @@ def test_one_replica_still_has_its_buckets():
     assert _allocs(before, "temporary")[:3] == [8, 8, 8 * 2 * 3 * 3]
     assert _allocs(before, "ddp_bucket") == [3 * _LAYER]
     assert _allocs(recording.step_events(1), "ddp_bucket") == [_LAYER, 2 * _LAYER]
+
+
+def test_replica_holds_the_single_gpu_states_plus_its_buckets():
+    """A DDP rank's parameters, gradients and optimizer state are one GPU's (the same step
+    recorded on the meta device); DDP adds its buckets: the constructor's and the rebuilt."""
+    from oomkit.prediction.tracing import trace_step
+
+    def states(recording):
+        return {
+            category: sorted(_allocs(recording.events, category))
+            for category in ("parameter", "gradient", "optimizer_state")
+        }
+
+    ddp = trace_distributed_step(_build(), world_size=2, steps=2)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
+        batch = torch.randn(4, 512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(*_):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    single = trace_step(step, model, optimizer, batch, steps=2)
+    assert states(ddp) == states(single)
+    assert sum(_allocs(ddp.events, "ddp_bucket")) == 3 * _LAYER + 3 * _LAYER
