@@ -62,6 +62,7 @@ EXPECTED = {
     "predict": [
         "--alloc-conf",
         "--batch",
+        "--bucket-cap-mb",
         "--budget",
         "--checkpointing",
         "--compute-dtype",
@@ -74,6 +75,7 @@ EXPECTED = {
         "--fsdp",
         "--gpu",
         "--grad-accum",
+        "--gradient-as-bucket-view",
         "--hf",
         "--html",
         "--image-size",

@@ -6,7 +6,7 @@ from oomkit.prediction.tracing import CATEGORIES, infer_category
 
 
 def test_vocabulary():
-    """The eleven categories, in a fixed order (FSDP2's two buffer kinds last)."""
+    """The twelve categories, in a fixed order (FSDP2's two buffer kinds, then DDP's buckets)."""
     assert CATEGORIES == (
         "parameter",
         "buffer",
@@ -19,6 +19,7 @@ def test_vocabulary():
         "workspace",
         "allgather_buffer",
         "reduce_scatter_buffer",
+        "ddp_bucket",
     )
 
 
@@ -30,6 +31,12 @@ def test_allgather_buffer_wins_over_parameter():
 def test_gradient_wins_over_reduce_scatter_buffer():
     """A reduce-scatter output that becomes the sharded gradient is a gradient."""
     assert infer_category({"reduce_scatter_buffer", "gradient"}, "backward") == "gradient"
+
+
+def test_gradient_wins_over_ddp_bucket():
+    """A DDP bucket whose views are the gradients (gradient_as_bucket_view) is the gradients."""
+    assert infer_category({"ddp_bucket", "gradient"}, "user") == "gradient"
+    assert infer_category({"ddp_bucket"}, "forward") == "ddp_bucket"
 
 
 def test_parameter_wins_over_saved():

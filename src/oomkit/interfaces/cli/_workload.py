@@ -352,13 +352,13 @@ class ShardedWorkload:
     """A preset to build inside the fake process group (``--fsdp``), and its record.
 
     Attributes:
-        build: ``build(mesh) -> (step_fn, track)`` for ``trace_distributed_step``.
+        build: ``build(mesh) -> (step_fn, track[, setup])`` for ``trace_distributed_step``.
         spec: the workload record (the per-rank batch).
         descriptions: filled by ``build`` with the built step's description.
         raised: what a ``file.py:function`` step raised (for ``user_errors``).
     """
 
-    build: Callable[[Any], tuple[Any, tuple[Any, ...]]]
+    build: Callable[[Any], tuple[Any, ...]]
     spec: WorkloadSpec
     descriptions: list[str] = field(default_factory=list)
     raised: list[BaseException] = field(default_factory=list)

@@ -19,6 +19,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._data_parallel import add_ddp_flags, ddp_bucket_cap_mb
 from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
 from oomkit.interfaces.cli._progress import progress_enabled, step_progress
 from oomkit.interfaces.cli._target import add_parallel_flags
@@ -73,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_gpu_flags(parser)
     add_parallel_flags(parser)
+    add_ddp_flags(parser)
     parser.add_argument(
         "--budget", type=size_arg, metavar="SIZE", help="exit 1 when peak reserved exceeds SIZE"
     )
@@ -96,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
     if args.lengths is not None and target.parallel is not None:
-        raise OomkitError("--fsdp does not go with --lengths yet: predict one length at a time")
+        raise OomkitError(
+            "--fsdp and --dp do not go with --lengths yet: predict one length at a time"
+        )
     # Values are followed from the import and the builder on (a mask made there with
     # torch.ones is known when the step reads it), and --value states the others.
     with user_values(args):
@@ -104,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             return run_envelope(args, target)
         if args.steps is None:
             args.steps = 3
+        ddp_bucket_cap_mb(args)  # the DDP flags need --dp
         if target.parallel is not None:
             prediction = _predict_sharded(args, target)
             if args.json:
@@ -164,14 +169,25 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     layout = target.parallel
-    if layout.tp > 1 or layout.dp > 1:
+    if layout.tp > 1:
+        raise OomkitError("--tp is not modelled yet: predict FSDP2 alone with --fsdp N (issue 13)")
+    if layout.dp > 1 and layout.fsdp > 1:
         raise OomkitError(
-            "--tp and --dp are not modelled yet: predict FSDP2 alone with --fsdp N (issue 13)"
+            "--dp with --fsdp (HSDP: replicas of FSDP2 shard groups) is not modelled yet: "
+            "predict --fsdp N or --dp N alone"
         )
-    workload = build_sharded_workload(args, args.batch)
+    # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU).
+    if layout.dp > 1 or (args.dp is not None and args.fsdp is None and layout.tp == 1):
+        from oomkit.interfaces.cli._data_parallel import build_ddp_workload
+
+        workload = build_ddp_workload(args, args.batch)
+        kind = "DDP"
+    else:
+        workload = build_sharded_workload(args, args.batch)
+        kind = "FSDP2"
     if not args.json:
         stderr_console().print(
-            f"recording rank 0 of {target.parallel.world_size} (FSDP2) on a fake process group ..."
+            f"recording rank 0 of {layout.world_size} ({kind}) on a fake process group ..."
         )
     with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
         recording = trace_distributed_step(

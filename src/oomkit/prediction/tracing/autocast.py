@@ -45,6 +45,7 @@ from oomkit.prediction.tracing.autocast_policy import (
     CastPolicy,
     cuda_autocast_policy,
 )
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 __all__ = [
     "CudaAutocastEmulation",
@@ -118,11 +119,17 @@ def emulated_autocast_dtype() -> torch.dtype | None:
     return _autocast_dtype()
 
 
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    """On a device CUDA autocast casts for: meta stands for CUDA, and so does a fake tensor
+    (DDP on a fake process group) that is not host memory (``fake_storages.stands_for_cuda``)."""
+    return tensor.device.type in _ELIGIBLE_DEVICES or stands_for_cuda(tensor)
+
+
 def _is_eligible(value: Any) -> TypeGuard[torch.Tensor]:
     # autocast_mode.h is_eligible: defined, autocast-eligible and not double.
     return (
         isinstance(value, torch.Tensor)
-        and value.device.type in _ELIGIBLE_DEVICES
+        and _on_cuda(value)
         and value.is_floating_point()
         and value.dtype != torch.float64
     )
@@ -239,11 +246,15 @@ class CudaAutocastEmulation:
         # recompute_fn / CheckpointFunction.backward). Meta tensors stand for CUDA ones here, so
         # checkpoint must see "cuda": on "meta" (no autocast) the recomputation ran in fp32 and
         # failed checkpoint's check that it saves what forward saved. No RNG state is touched:
-        # get_device_states skips meta tensors.
+        # get_device_states skips meta (and cpu) tensors.
         original_infer = _checkpoint._infer_device_type
 
         def infer_device_type(*args: Any) -> str:
             device_type = original_infer(*args)
+            if device_type == "cpu":  # fake tensors (DDP on a fake group) report cpu
+                tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+                if any(stands_for_cuda(t) for t in tensors):
+                    return "cuda"
             return "cuda" if device_type == "meta" else device_type
 
         _checkpoint._infer_device_type = infer_device_type
@@ -347,7 +358,7 @@ def _promote_type(leaves: list[Any]) -> torch.dtype:
     for leaf in leaves:
         if not (
             isinstance(leaf, torch.Tensor)
-            and leaf.device.type in _ELIGIBLE_DEVICES
+            and _on_cuda(leaf)
             and leaf.is_floating_point()
         ):
             continue

@@ -25,6 +25,7 @@ Category = Literal[
     "workspace",
     "allgather_buffer",
     "reduce_scatter_buffer",
+    "ddp_bucket",
 ]
 CATEGORIES: tuple[Category, ...] = get_args(Category)
 
@@ -41,6 +42,7 @@ PHASES: tuple[Phase, ...] = get_args(Phase)
 #   escaped: allocated inside a module forward and still alive when the root module returned
 #   allgather_buffer: FSDP2's all-gather output or an unsharded parameter filled from it
 #   reduce_scatter_buffer: FSDP2's reduce-scatter input (padded unsharded gradients)
+#   ddp_bucket: a DDP gradient bucket (the reducer's flat allreduce buffer)
 Role = Literal[
     "parameter",
     "buffer",
@@ -51,16 +53,19 @@ Role = Literal[
     "escaped",
     "allgather_buffer",
     "reduce_scatter_buffer",
+    "ddp_bucket",
 ]
 
 # Most specific first: a parameter that autograd also saves (Linear's weight) is a parameter.
 # An unsharded FSDP2 parameter is a view of an all-gather buffer: the buffer it is. A
-# reduce-scatter output that becomes the sharded gradient is a gradient.
+# reduce-scatter output that becomes the sharded gradient is a gradient. A DDP bucket that the
+# gradients are views of (gradient_as_bucket_view=True) is the gradients.
 _ROLE_PRECEDENCE: tuple[tuple[Role, Category], ...] = (
     ("allgather_buffer", "allgather_buffer"),
     ("parameter", "parameter"),
     ("buffer", "buffer"),
     ("gradient", "gradient"),
+    ("ddp_bucket", "ddp_bucket"),
     ("optimizer_state", "optimizer_state"),
     ("reduce_scatter_buffer", "reduce_scatter_buffer"),
     ("input", "input"),

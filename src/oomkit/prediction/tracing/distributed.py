@@ -35,6 +35,7 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
+from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
@@ -250,7 +251,7 @@ class FsdpBufferRoles:
 
 
 def trace_distributed_step(
-    build: Callable[[DeviceMesh], tuple[Callable[..., Any], tuple[Any, ...]]],
+    build: Callable[[DeviceMesh], tuple[Any, ...]],
     *,
     world_size: int,
     mesh_shape: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
@@ -263,8 +264,10 @@ def trace_distributed_step(
 
     ``build`` runs inside the fake process group and ``FakeTensorMode``; it builds the model
     (calling ``fully_shard(..., mesh=mesh)``), the optimizer and the inputs, and returns
-    ``(step_fn, track)``. Modules, optimizers and tensors in ``track`` are recorded as allocated
-    before step 0; ``step_fn()`` runs ``steps`` times.
+    ``(step_fn, track)`` or ``(step_fn, track, setup)``. Modules, optimizers and tensors in
+    ``track`` are recorded as allocated before step 0; ``setup()`` then runs under the recorder
+    before step 0 (wrapping in ``DistributedDataParallel``, whose constructor allocates the
+    gradient buckets: ``fake_ddp.py``); ``step_fn()`` runs ``steps`` times.
 
     Args:
         build: makes the step for the given mesh.
@@ -297,14 +300,20 @@ def trace_distributed_step(
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
-    with group as mesh, FakeTensorMode():
-        step_fn, track = build(mesh)
-        uneven_bytes = _uneven_shard_bytes(track, world_size)
+    ddp = FakeDdp(tracer.add_role)
+    with group as mesh, FakeTensorMode(), ddp.installed():
+        step_fn, track, *setup = build(mesh)
+        # FSDP2 shards over the "fsdp" dimension (HSDP: replicas x shards), else the last.
+        dims = list(mesh.mesh_dim_names or ())
+        shard_ranks = mesh.size(dims.index("fsdp") if "fsdp" in dims else mesh.ndim - 1)
+        uneven_bytes = _uneven_shard_bytes(track, shard_ranks)
         try:
             with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"):
                     tracer.track(track)
+                    for run_setup in setup:
+                        run_setup()  # before step 0: DDP's constructor (fake_ddp.py)
                     for _ in range(steps):
                         tracer.mark_step()
                         step_fn()
@@ -316,13 +325,15 @@ def trace_distributed_step(
                     "ops that do not read tensor values"
                 ) from exc
             raise
-        del step_fn, track
+        del step_fn, track, setup
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
     notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    if ddp.wrapped:
+        notes += (DDP_NOTE,)
     if uneven_bytes:
         notes += (
-            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {world_size} "
+            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {shard_ranks} "
             f"ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
             f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
             "state (AdamW has two); rank 0, always a full shard, is the largest",
@@ -337,6 +348,7 @@ def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
     is ``torch.chunk(param, world_size)[r]`` (chunks of ``ceil(rows / N)`` rows, the last ones
     shorter or absent), padded to chunk 0's size for the all-gather only.
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.utils._pytree import tree_leaves
 
     count, short_bytes = 0, 0
@@ -344,6 +356,8 @@ def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
     for obj in tree_leaves(list(track)):
         if not isinstance(obj, torch.nn.Module):
             continue
+        if not any(isinstance(module, FSDPModule) for module in obj.modules()):
+            continue  # DDP replicas and unsharded modules hold whole parameters
         for param in obj.parameters():
             if id(param) in seen or param.dim() == 0:
                 continue

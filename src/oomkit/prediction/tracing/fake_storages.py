@@ -68,8 +68,9 @@ def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.Untyped
         device_type: the device whose storages stand for CUDA memory (``"meta"``).
 
     Returns:
-        The meta storage of the fake tensor (of the wrapped one for DTensor); None for host
-        tensors made from Python data, wrappers of several tensors and other devices.
+        The meta storage of the fake tensor (of the wrapped one for DTensor, or the wrapped real
+        tensor's storage on ``device_type``); None for host tensors made from Python data,
+        wrappers of several tensors and other devices.
     """
     if isinstance(tensor, FakeTensor):
         storage = tensor.untyped_storage()
@@ -80,6 +81,11 @@ def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.Untyped
     inner_names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = [getattr(tensor, name) for name in inner_names]
     tensors = [t for t in inner if isinstance(t, torch.Tensor)]
-    if len(tensors) != 1 or not is_fake_or_wrapper(tensors[0]):
+    if len(tensors) != 1:
         return None
-    return fake_tensor_storage(tensors[0], device_type)
+    if is_fake_or_wrapper(tensors[0]):
+        return fake_tensor_storage(tensors[0], device_type)
+    # A real DTensor (SimulatedCudaDevice running FSDP2 on gloo): its local tensor's storage.
+    if tensors[0].device.type != device_type:
+        return None
+    return tensors[0].untyped_storage()

@@ -1,0 +1,85 @@
+"""``predict PRESET --dp N``: the DDP flags and the workload that wraps a preset in DDP."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from oomkit.errors import OomkitError
+
+__all__ = ["add_ddp_flags", "build_ddp_workload", "ddp_bucket_cap_mb"]
+
+
+def _positive_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of MiB above 0, e.g. 25; got {text!r}")
+    return value
+
+
+def add_ddp_flags(parser: argparse.ArgumentParser) -> None:
+    """``--bucket-cap-mb MB`` and ``--gradient-as-bucket-view`` (with ``--dp N``)."""
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=_positive_mib,
+        metavar="MB",
+        help="--dp: DDP's bucket_cap_mb (default: DDP's 25, with a 1 MiB first bucket; given, "
+        "every bucket is capped at MB)",
+    )
+    parser.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="--dp: DDP's gradient_as_bucket_view=True (gradients are views of the buckets)",
+    )
+
+
+def ddp_bucket_cap_mb(args: argparse.Namespace) -> float | None:
+    """The bucket cap asked for; refuses the DDP flags without ``--dp``."""
+    cap = getattr(args, "bucket_cap_mb", None)
+    view = getattr(args, "gradient_as_bucket_view", False)
+    parallel = getattr(args, "dp", None)
+    if (cap is not None or view) and (parallel is None or getattr(args, "fsdp", None)):
+        raise OomkitError("--bucket-cap-mb and --gradient-as-bucket-view go with --dp N alone")
+    return cap
+
+
+def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
+    """The preset TARGET names, replicated with DDP over ``--dp`` ranks (batch: per rank).
+
+    Returns:
+        A ``ShardedWorkload`` whose ``build(mesh)`` returns ``(step_fn, track, setup)``.
+
+    Raises:
+        OomkitError: ``--hf`` or a ``file.py:function`` (not wrapped by oomkit yet).
+    """
+    from oomkit.interfaces.cli._user_function import is_user_target
+    from oomkit.interfaces.cli._workload import (
+        ShardedWorkload,
+        _call_builder,
+        _preset_options,
+        _spec,
+    )
+    from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
+
+    if args.hf is not None or args.target is None or is_user_target(args.target):
+        raise OomkitError(
+            "--dp wraps a built-in preset in DistributedDataParallel (e.g. `oomkit predict "
+            "gpt2-124m --dp 8`); --hf models and file.py:function steps are not wrapped yet"
+        )
+    ddp = DdpOptions(ddp_bucket_cap_mb(args), bool(args.gradient_as_bucket_view))
+    options = _preset_options(args, batch_size)
+    spec = _spec("preset", args.target, options, getattr(args, "steps", None), None)
+    workload = ShardedWorkload(lambda mesh: (None, ()), spec)
+
+    def build(mesh: Any) -> tuple[Any, ...]:
+        step = _call_builder(
+            lambda name, opts: build_ddp_preset_step(name, opts, mesh, ddp), args.target, options
+        )
+        workload.descriptions.append(step.built.description)
+        return step.built.step_fn, tuple(step.built.track), step.setup
+
+    workload.build = build
+    return workload

@@ -1,0 +1,74 @@
+"""`oomkit predict PRESET --dp N`: rank 0 of a preset replicated with DDP, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import main
+
+torch = pytest.importorskip("torch")
+
+# torchvision's ResNet-50: 25,557,032 parameters, all fp32 here.
+_RESNET50_PARAMETERS = 25_557_032
+
+
+@pytest.fixture(scope="module")
+def resnet_ddp_json():
+    """ResNet-50 over 2 DDP replicas, two steps (the buckets are rebuilt in the second)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            ["predict", "resnet50", "--dp", "2", "--batch", "2", "--image-size", "32",
+             "--steps", "2", "--json"]
+        )
+    return code, json.loads(out.getvalue())
+
+
+def test_ddp_prediction_is_rank_0_with_gradient_buckets(resnet_ddp_json):
+    """The result names the layout and the buckets; the buckets hold every fp32 gradient."""
+    import torch.distributed as dist
+
+    code, data = resnet_ddp_json
+    assert code == 0
+    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2}
+    assert data["description"] == (
+        "ResNet-50, batch 2, image 32, fp32, adamw, train, DDP over 2 replicas "
+        "(buckets 25 MiB (first 1 MiB)), rank 0"
+    )
+    bucket_bytes = data["by_category_bytes"]["ddp_bucket"]
+    # Each of the ~5 buckets is one block; at most 2 MiB of rounding in all.
+    assert 4 * _RESNET50_PARAMETERS <= bucket_bytes <= 4 * _RESNET50_PARAMETERS + 2 * 2**20
+    assert any(w.startswith("DDP: every replica holds") for w in data["warnings"])
+    assert not any("ranks differ" in w for w in data["warnings"])
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "gpt2-124m", "--dp", "2", "--fsdp", "2"], "HSDP"),
+        (["predict", "gpt2-124m", "--bucket-cap-mb", "5"], "go with --dp N"),
+        (["predict", "gpt2-124m", "--gradient-as-bucket-view", "--fsdp", "2"], "go with --dp N"),
+        (["predict", "gpt2-124m", "--dp", "2", "--mode", "inference"], "--mode train"),
+        (["predict", "--dp", "2", "--hf", "gpt2"], "not wrapped yet"),
+        (["predict", "steps.py:build", "--dp", "2"], "not wrapped yet"),
+    ],
+)
+def test_ddp_refusals_exit_2(argv, message, capsys):
+    """What --dp does not model is refused with exit 2 and says what to do."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap", ["0", "-3", "inf", "nan", "x"])
+def test_bad_bucket_cap_is_a_usage_error(cap, capsys):
+    """--bucket-cap-mb takes a number of MiB above 0; anything else is argparse's exit 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", "gpt2-124m", "--dp", "2", "--bucket-cap-mb", cap])
+    assert exited.value.code == 2
+    assert "expected a number of MiB above 0" in capsys.readouterr().err

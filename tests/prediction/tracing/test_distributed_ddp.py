@@ -1,0 +1,241 @@
+"""Rank 0 of DDP recorded on a fake process group: its buckets, rebuild and checks, in exact bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oomkit.errors import ConfigError
+from oomkit.prediction.models.data_parallel import DdpOptions
+from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+# Three Linear(512, 512): a 1 MiB weight and a 2 KiB bias each, fp32.
+_WEIGHT = 512 * 512 * 4
+_BIAS = 512 * 4
+_LAYER = _WEIGHT + _BIAS
+
+
+def _build(**ddp_kwargs):
+    def build(mesh):
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 512)
+        wrapped = []
+
+        def setup():
+            wrapped.append(torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs))
+
+        def step():
+            wrapped[0](batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch), setup
+
+    return build
+
+
+def _allocs(events, category=None):
+    return [
+        e.size
+        for e in events
+        if e.action == "alloc" and (category is None or dict(e.tags)["category"] == category)
+    ]
+
+
+@pytest.fixture(scope="module")
+def default_ddp():
+    """Rank 0 of 2 replicas with DDP's defaults, two steps (the buckets are rebuilt in step 2)."""
+    return trace_distributed_step(_build(), world_size=2, steps=2)
+
+
+def test_constructor_allocates_one_bucket_after_its_checks_and_broadcast(default_ddp):
+    """Before step 1: the shape check's device tensors, the parameter broadcast, one bucket.
+
+    distributed.py compute_bucket_size_limits: without find_unused_parameters every parameter
+    starts in one bucket (sys.maxsize); reducer.cpp verify_params_across_processes makes the
+    count (int64), one gather output per rank and 2 * dims int64 of shapes and strides.
+    """
+    recording = default_ddp
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "parameter") == [_WEIGHT, _BIAS] * 3
+    dims = 3 * (2 + 1)
+    assert _allocs(before, "temporary") == [8, 8, 8, 8 * 2 * dims, 3 * _LAYER]
+    assert _allocs(before, "ddp_bucket") == [3 * _LAYER]
+    frees = [e.size for e in before if e.action == "free_completed"]
+    assert sorted(frees) == sorted([8, 8, 8, 8 * 2 * dims, 3 * _LAYER])
+
+
+def test_rebuild_makes_a_1_mib_first_bucket_in_gradient_order(default_ddp):
+    """Step 2 rebuilds: the last layer's gradients arrive first and fill the 1 MiB first bucket.
+
+    reducer.cpp rebuild_buckets: limits (first_bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES,
+    bucket_bytes_cap = 25 MiB); a bucket closes once it reaches its limit. sync_bucket_indices
+    broadcasts the indices (7 int32) and the bucket sizes (2 int32) from device copies.
+    """
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+    recording = default_ddp
+    step_1 = recording.step_events(0)
+    step_2 = recording.step_events(1)
+    assert _allocs(step_1, "ddp_bucket") == []
+    assert _allocs(step_2, "ddp_bucket") == [_LAYER, 2 * _LAYER]
+    frees = [e.size for e in step_2 if e.action == "free_completed"]
+    assert 3 * _LAYER in frees  # the constructor's bucket
+    bucket_at = next(i for i, e in enumerate(step_2) if e.size == _LAYER and e.action == "alloc")
+    assert _allocs(step_2[:bucket_at], "temporary")[-2:] == [4 * 7, 4 * 2]
+
+
+def test_bucket_cap_caps_the_first_bucket_too():
+    """bucket_cap_mb=1: every bucket, the first included, closes at 1 MiB (one layer each)."""
+    recording = trace_distributed_step(_build(bucket_cap_mb=1), world_size=2, steps=2)
+    assert _allocs(recording.step_events(1), "ddp_bucket") == [_LAYER] * 3
+
+
+def test_gradient_as_bucket_view_makes_the_buckets_the_gradients():
+    """gradient_as_bucket_view: the grads become bucket views; the buckets count as gradients
+    and the separate gradients AccumulateGrad made in step 1 are freed in it (reducer.cpp
+    mark_variable_ready_dense: ``grad = bucket_view``)."""
+    recording = trace_distributed_step(
+        _build(gradient_as_bucket_view=True), world_size=2, steps=2
+    )
+    categories = {dict(e.tags)["category"] for e in recording.events}
+    assert "ddp_bucket" not in categories
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "gradient") == [3 * _LAYER]
+    # Each separate gradient AccumulateGrad made is freed once copied into its bucket view.
+    step_1 = recording.step_events(0)
+    grads = [e for e in step_1 if dict(e.tags)["category"] == "gradient"]
+    assert sorted(e.size for e in grads if e.action == "alloc") == sorted([_WEIGHT, _BIAS] * 3)
+    assert sorted(e.size for e in grads if e.action == "free_completed") == sorted(
+        [_WEIGHT, _BIAS] * 3
+    )
+
+
+def test_world_size_sets_the_gather_outputs_and_patches_are_restored():
+    """4 ranks: four int64 gather outputs; DDP's constructor and reducer are restored after."""
+    init, rebuild = torch.nn.parallel.DistributedDataParallel.__init__, dist.Reducer._rebuild_buckets
+    recording = trace_distributed_step(_build(), world_size=4, steps=1)
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "temporary")[:5] == [8, 8, 8, 8, 8]
+    assert torch.nn.parallel.DistributedDataParallel.__init__ is init
+    assert dist.Reducer._rebuild_buckets is rebuild
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, True])
+def test_bad_bucket_cap(cap):
+    """A bucket cap that is not above 0 MiB is refused."""
+    with pytest.raises(ConfigError, match="above 0 MiB"):
+        DdpOptions(bucket_cap_mb=cap)
+
+
+def test_hsdp_rank_holds_what_fsdp_over_its_shard_group_holds():
+    """fully_shard on a 2-D (dp, fsdp) mesh is HSDP: its all-reduce across replicas is in
+    place (_fsdp_collectives.py foreach_reduce), so rank 0 of 2 x 2 allocates, event for event,
+    what rank 0 of FSDP2 over 2 ranks does; ranks are counted over the shard group."""
+
+    def build(mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 5))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = torch.randn(8, 64)
+
+        def step():
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch)
+
+    fsdp = trace_distributed_step(build, world_size=2, mesh_shape=((2,), ("fsdp",)), steps=2)
+    hsdp = trace_distributed_step(build, world_size=4, mesh_shape=((2, 2), ("dp", "fsdp")), steps=2)
+    assert [(e.action, e.size) for e in hsdp.events] == [(e.action, e.size) for e in fsdp.events]
+    # 5 rows over the 2 shards (not 4 ranks): 3 and 2 rows.
+    assert any("rows that 2 ranks do not divide" in w for w in hsdp.warnings)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two Linear layers recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        self.out = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.out(checkpoint(self.inner, x, use_reentrant=False))
+
+
+def test_checkpoint_recomputes_under_cuda_autocast_with_fake_tensors():
+    """CUDA autocast casts fake tensors that stand for CUDA memory (they report cpu), and
+    checkpoint re-enters it for the recomputation (checkpoint.py _infer_device_type), else the
+    recomputation runs in fp32 and checkpoint refuses what it saved."""
+
+    def build(mesh):
+        model = _Checkpointed()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 64)
+        wrapped = []
+
+        def setup():
+            wrapped.append(torch.nn.parallel.DistributedDataParallel(model))
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = wrapped[0](batch).float().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, (model, optimizer, batch), setup
+
+    recording = trace_distributed_step(build, world_size=2, steps=2)
+    # autocast's cached bf16 weights and biases: inner and out in forward, inner again in the
+    # recomputation (autocast_mode.cpp cached_cast; the cache is cleared when forward's region
+    # exits), all in bf16 because fake tensors that stand for CUDA memory are cast.
+    inner, out = [64 * 64 * 2, 64 * 2], [8 * 64 * 2, 8 * 2]
+    assert _allocs(recording.step_events(1), "autocast_cache") == inner + out + inner
+
+
+def test_one_replica_still_has_its_buckets():
+    """World size 1 (--dp 1): DDP keeps its reducer, so the bucket and the one-output shape
+    check are there as on N replicas."""
+    recording = trace_distributed_step(_build(), world_size=1, steps=2)
+    before = recording.events[: recording.step_starts[0]]
+    assert _allocs(before, "temporary")[:3] == [8, 8, 8 * 2 * 3 * 3]
+    assert _allocs(before, "ddp_bucket") == [3 * _LAYER]
+    assert _allocs(recording.step_events(1), "ddp_bucket") == [_LAYER, 2 * _LAYER]
+
+
+def test_replica_holds_the_single_gpu_states_plus_its_buckets():
+    """A DDP rank's parameters, gradients and optimizer state are one GPU's (the same step
+    recorded on the meta device); DDP adds its buckets: the constructor's and the rebuilt."""
+    from oomkit.prediction.tracing import trace_step
+
+    def states(recording):
+        return {
+            category: sorted(_allocs(recording.events, category))
+            for category in ("parameter", "gradient", "optimizer_state")
+        }
+
+    ddp = trace_distributed_step(_build(), world_size=2, steps=2)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
+        batch = torch.randn(4, 512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(*_):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    single = trace_step(step, model, optimizer, batch, steps=2)
+    assert states(ddp) == states(single)
+    assert sum(_allocs(ddp.events, "ddp_bucket")) == 3 * _LAYER + 3 * _LAYER
