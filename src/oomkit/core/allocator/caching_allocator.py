@@ -367,16 +367,9 @@ class CachingAllocator:
         original_size = block.size
         requested = block.requested_size
         del self._active[block.ptr]
-        prev = block.prev
-        nxt = block.next
-        if (prev is not None and not prev.allocated) or (nxt is not None and not nxt.allocated):
-            # try_merge_blocks with prev, then with next (skipped when neither can merge).
-            net_blocks = -pool.merge_free_neighbours(block)
-            net_bytes = original_size - block.size
-        else:
-            net_blocks = net_bytes = 0
-        # insert_into_blocks resets the GC base.
-        pool.insert(block)
+        # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
+        net_blocks = -pool.merge_and_insert(block)
+        net_bytes = original_size - block.size
         stats = self._stat_lists
         sa = stats[ALL]
         sp = stats[kind]

@@ -113,7 +113,7 @@ def reconstruct_start_state(
     # During the walk a held block is a list [size, requested_size, state, completed_at] (a
     # _Live per block, made and dropped for every block the trace frees and allocates, cost more
     # than the walk itself); the blocks still held at the start become _Live afterwards.
-    held: dict[int, list] = {}
+    walked: dict[int, list] = {}
     for seg in final_segments:
         # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
         shell = SeedSegment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ())
@@ -123,12 +123,12 @@ def reconstruct_start_state(
             classic[seg.address] = shell
         for b in seg.blocks:
             if b.state in LIVE_STATES:
-                held[b.address] = [b.size, b.requested_size, b.state, None]
+                walked[b.address] = [b.size, b.requested_size, b.state, None]
 
     # §15.1: walk backwards. Segment events add or remove whole segments; request events move a
     # block between allocated, pending and absent.
-    pop = held.pop
-    get = held.get
+    pop = walked.pop
+    get = walked.get
     index = len(events)
     for ev in reversed(events):
         index -= 1
@@ -139,7 +139,7 @@ def reconstruct_start_state(
                 # A second free_completed without an alloc between: keep the earlier facts.
                 prior[3] = index
             else:
-                held[ev.address] = [None, ev.size, "active_pending_free", index]
+                walked[ev.address] = [None, ev.size, "active_pending_free", index]
         elif action == "alloc":
             if pop(ev.address, None) is None:
                 warnings.append(
@@ -149,7 +149,7 @@ def reconstruct_start_state(
         elif action == "free_requested":
             block = get(ev.address)
             if block is None:
-                held[ev.address] = [None, ev.size, "active_allocated", None]
+                walked[ev.address] = [None, ev.size, "active_allocated", None]
             else:
                 block[2] = "active_allocated"
         elif action == "segment_free":
@@ -167,7 +167,7 @@ def reconstruct_start_state(
         elif action == "segment_map":
             runs = _remove_run(runs, ev.address, ev.size)
         # "oom", "snapshot" and unknown actions carry no state change.
-    live = {addr: _Live(*facts) for addr, facts in held.items()}
+    live = {addr: _Live(*facts) for addr, facts in walked.items()}
 
     segments = sorted([*classic.values(), *_merge_runs(runs)], key=lambda s: s.address)
     starts = [s.address for s in segments]
