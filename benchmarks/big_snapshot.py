@@ -40,7 +40,16 @@ _SITES = 400
 
 
 def _machine() -> dict[str, Any]:
-    return {"cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    from types import FunctionType
+
+    from oomkit.core.allocator import CachingAllocator
+
+    compiled = not isinstance(CachingAllocator.__dict__["malloc"], FunctionType)
+    return {
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "allocator": "compiled (mypyc)" if compiled else "pure Python",
+    }
 
 
 def write_big_snapshot(path: Path, events: int, frames: int) -> dict[str, Any]:

@@ -46,10 +46,21 @@ DEFAULT_SNAPSHOTS = REPO.parent / "shared" / "snapshots"
 EXPANDABLE = "expandable_segments:True"
 
 
+def allocator_build() -> str:
+    """Which allocator core runs: the pure-Python modules, or scripts/compile_allocator.py's."""
+    from types import FunctionType
+
+    from oomkit.core.allocator import CachingAllocator
+
+    malloc = CachingAllocator.__dict__["malloc"]
+    return "pure Python" if isinstance(malloc, FunctionType) else "compiled (mypyc)"
+
+
 def machine() -> dict[str, Any]:
     """Cores, load average and the rest of what a figure depends on, measured now."""
     load = os.getloadavg()
     return {
+        "allocator": allocator_build(),
         "cores": os.cpu_count(),
         "load_average": [round(x, 2) for x in load],
         "python": platform.python_version(),
@@ -60,7 +71,7 @@ def machine() -> dict[str, Any]:
 
 def machine_note() -> str:
     m = machine()
-    return f"[{m['cores']} cores, load {m['load_average'][0]:.2f}]"
+    return f"[{m['cores']} cores, load {m['load_average'][0]:.2f}, {m['allocator']}]"
 
 
 def peak_rss_mb() -> float:
@@ -167,12 +178,30 @@ def print_synthetic(label: str, row: dict[str, Any]) -> None:
     )
 
 
+def _counts(text: str) -> list[int]:
+    """``"10000,1000000"`` -> ``[10000, 1000000]`` (``""``: none)."""
+    return [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--snapshots", type=Path, default=DEFAULT_SNAPSHOTS)
     parser.add_argument("--real", type=int, default=6, help="how many real traces (largest)")
     parser.add_argument("--repeat", type=int, default=1, help="best of N runs per figure")
     parser.add_argument("--quick", action="store_true", help="skip the 10M-event recording")
+    parser.add_argument(
+        "--events-series",
+        type=_counts,
+        default=None,
+        help="the scaling series' event counts, comma-separated (default 10k,100k,1M,10M)",
+    )
+    parser.add_argument(
+        "--segments-series",
+        type=_counts,
+        default=[100, 1_000, 10_000],
+        help="the seeded-segment counts of the 100,000-event rows (default 100,1000,10000; "
+        "'' for none)",
+    )
     parser.add_argument(
         "--part",
         choices=("all", "real", "synthetic", "scaling"),
@@ -199,12 +228,14 @@ def main() -> int:
     if args.part in ("all", "scaling"):
         print("\nScaling (cost per event should stay flat):", flush=True)
         scaling: dict[str, Any] = {}
-        sizes = [10_000, 100_000, 1_000_000] + ([] if args.quick else [10_000_000])
+        sizes = args.events_series or (
+            [10_000, 100_000, 1_000_000] + ([] if args.quick else [10_000_000])
+        )
         for n in sizes:
             row = synthetic(n, 1_000, args.repeat)
             scaling[f"events={n}"] = row
             print_synthetic(f"{n:,} events, 1,000 segments", row)
-        for segments in (100, 1_000, 10_000):
+        for segments in args.segments_series:
             row = synthetic(100_000, segments, args.repeat)
             scaling[f"segments={segments}"] = row
             print_synthetic(f"100,000 events, {segments:,} segments", row)

@@ -1,8 +1,11 @@
 """The optimised replay paths against plain ones: every segment decision must be the same.
 
-Two optimisations of issue 19 are checked against straightforward versions written here:
+The optimisations of issue 19 are checked against straightforward versions written here:
 the address-ordered index that seeding uses for its overlap check (against a scan of every held
-block), and the engine's in-loop bookkeeping (against the per-event hooks it replaced).
+block), the engine's in-loop bookkeeping (against the per-event hooks it replaced),
+replay_snapshot's one-pass bookkeeping (completion groups, the allocs above hidden blocks, the
+final-state keys) against scans of the whole trace, and the allocator's written-out malloc and
+free against the plain paths.
 """
 
 from __future__ import annotations
@@ -15,9 +18,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
+from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.replay._compare import (
+    normalise_segments,
+    seed_segment_keys,
+    seed_segments_as_dicts,
+    simulated_segment_keys,
+)
+from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
-from oomkit.core.replay.engine import ReplayHooks
-from oomkit.core.replay.snapshot_replay import replay_snapshot
+from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
+from oomkit.core.replay.reconstruct import _first_alloc_addresses
+from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError
@@ -216,3 +228,137 @@ def test_fast_and_plain_engine_make_every_segment_decision_alike(monkeypatch, pa
             assert len(f.log_index) == len(f.allocator.segment_log)
             assert (f.misplaced_count, f.problems) == (p.misplaced_count, p.problems)
         assert fast == plain
+
+
+# ---------------------------------------------------------------------------------------------
+# One-pass bookkeeping of replay_snapshot vs plain scans of the whole trace
+
+
+def _plain_completion_groups(events: list[TraceEvent]) -> dict[int, int]:
+    """The straightforward scan: every run of free_completed followed by a segment event/oom."""
+    groups: dict[int, int] = {}
+    i = 0
+    while i < len(events):
+        if events[i].action != "free_completed":
+            i += 1
+            continue
+        j = i
+        while j < len(events) and events[j].action == "free_completed":
+            j += 1
+        if j < len(events) and events[j].action in (*SEGMENT_ACTIONS, "oom"):
+            for k in range(i, j):
+                groups[k] = i
+        i = j
+    return groups
+
+
+def _plain_later_allocs(events: list[TraceEvent], hidden: list[int]) -> dict[int, set]:
+    """For each hidden block, every (index, address) of an alloc strictly above it and below the
+    next hidden block: a scan of every alloc per block."""
+    ordered = sorted(hidden)
+    out = {}
+    for k, h in enumerate(ordered):
+        hi = ordered[k + 1] if k + 1 < len(ordered) else None
+        out[h] = {
+            (i, ev.address)
+            for i, ev in enumerate(events)
+            if ev.action == "alloc" and ev.address > h and (hi is None or ev.address < hi)
+        }
+    return out
+
+
+_ACTIONS = ["alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_ACTIONS), st.integers(0, 40)), max_size=60))
+def test_completion_groups_from_marks_equal_a_plain_scan(entries):
+    """The completion groups found by walking back from each segment event or oom are exactly
+    those of a forward scan of the whole trace."""
+    events = [TraceEvent(a, 512 * k, 512) for a, k in entries]
+    assert _completion_groups(events) == _plain_completion_groups(events)
+    marks = [i for i, ev in enumerate(events) if ev.action in (*SEGMENT_ACTIONS, "oom")]
+    assert _completion_groups(events, marks) == _plain_completion_groups(events)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_ACTIONS), st.integers(0, 40)), max_size=60),
+    st.lists(st.integers(0, 40), max_size=8, unique=True),
+)
+def test_later_allocs_by_bisect_equal_a_plain_scan(entries, hidden_slots):
+    """The allocs listed above each hidden block (one bisect per alloc) are those a scan of
+    every alloc per block finds, in trace order."""
+    events = [TraceEvent(a, 512 * k, 512) for a, k in entries]
+    hidden = [512 * k for k in hidden_slots]
+    found = _first_alloc_addresses(events, hidden)
+    plain = _plain_later_allocs(events, hidden) if hidden else {}
+    assert {h: set(v) for h, v in found.items()} == plain
+    for listed in found.values():
+        assert [i for i, _ in listed] == sorted(i for i, _ in listed)
+
+
+@needs_shared
+@pytest.mark.parametrize("path", SHARED_FILES, ids=lambda p: p.name)
+def test_final_state_keys_equal_the_normalised_dicts(path):
+    """The verify's final-state keys (no dicts, no conversions) equal normalise_segments of the
+    dicts, for the simulator's final state and for the recorded one."""
+    snapshot = load_snapshot(path)
+    device = snapshot.devices()[0] if snapshot.devices() else 0
+    final, _ = final_segments_for(snapshot, device)
+    assert seed_segment_keys(final) == normalise_segments(seed_segments_as_dicts(final))
+    result = replay_snapshot(snapshot, device, verify=True)
+    simulated = [dict(seg) for seg in result.final_segments]
+    assert simulated_segment_keys(simulated) == normalise_segments(simulated)
+    if final:
+        assert len(seed_segment_keys(final)) == len(final)
+
+
+# ---------------------------------------------------------------------------------------------
+# The allocator's written-out free (merge and insert in one pool call) vs the plain calls
+
+
+def _plain_merge_and_insert(pool: BlockPool, block) -> int:
+    """free_block's pool work as separate calls: merge_free_neighbours, then insert."""
+    merged = pool.merge_free_neighbours(block)
+    pool.insert(block)
+    return merged
+
+
+def _run_ops(config: str, ops) -> tuple:
+    a = CachingAllocator(AllocatorConfig.parse(config), capacity_bytes=2**36)
+    live: list[int] = []
+    for op, k, size in ops:
+        if op == "malloc":
+            live.append(a.malloc(size))
+        elif op in ("free", "deferred") and live:
+            ptr = live.pop(k % len(live))
+            a.free(ptr, deferred=op == "deferred")
+            if op == "deferred" and k % 2:
+                a.complete_free(ptr)
+        elif op == "empty_cache":
+            a.empty_cache()
+    a.synchronize()
+    return a.snapshot(), a.memory_stats(), list(a.segment_log)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:40"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["malloc", "malloc", "free", "deferred", "empty_cache"]),
+            st.integers(0, 30),
+            st.sampled_from([512, 4_000, 700_000, 1_500_000, 3 * MiB, 12 * MiB, 50 * MiB]),
+        ),
+        max_size=50,
+    ),
+)
+def test_written_out_free_decides_as_the_plain_calls(config, ops):
+    """Frees through BlockPool.merge_and_insert leave the same blocks, stats and segment
+    decisions as merge_free_neighbours followed by insert (classic, expandable, oversize)."""
+    fast = _run_ops(config, ops)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BlockPool, "merge_and_insert", _plain_merge_and_insert)
+        plain = _run_ops(config, ops)
+    assert fast == plain

@@ -11,29 +11,17 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 from oomkit.core.allocator import stats as st
 from oomkit.core.allocator.best_fit import checked_free_block
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.cache_miss import CacheMiss
 from oomkit.core.allocator.config import AllocatorConfig
-from oomkit.core.allocator.constants import (
-    MIN_BLOCK_SIZE,
-    ONE_EXA_BYTES,
-    SIZE_MAX,
-    SMALL_SIZE,
-)
-from oomkit.core.allocator.device_memory import (
-    SYNTHETIC_ADDRESS_BASE,
-    DeviceMemory,
-    check_capacity,
-)
+from oomkit.core.allocator.constants import MIN_BLOCK_SIZE, ONE_EXA_BYTES, SIZE_MAX, SMALL_SIZE
+from oomkit.core.allocator.device_memory import SYNTHETIC_ADDRESS_BASE, DeviceMemory, check_capacity
 from oomkit.core.allocator.expandable import ExpandableSegments
-from oomkit.core.allocator.oom_message import (
-    ONE_EXA_MESSAGE,
-    process_memory_info,
-)
+from oomkit.core.allocator.oom_message import ONE_EXA_MESSAGE, process_memory_info
 from oomkit.core.allocator.pending_frees import PendingFrees, not_live_message
 from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamFilter
@@ -41,25 +29,40 @@ from oomkit.core.allocator.release import CacheRelease
 from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
 from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
-from oomkit.core.allocator.stats import ALL, LARGE_POOL, SMALL_POOL, AllocatorStats
+from oomkit.core.allocator.stats import (
+    _A,
+    _AB,
+    _ABF,
+    _ABP,
+    _ACT,
+    _ACTF,
+    _ACTP,
+    _AF,
+    _AP,
+    _IS,
+    _ISB,
+    _ISBF,
+    _ISBP,
+    _ISF,
+    _ISP,
+    _RQ,
+    _RQF,
+    _RQP,
+    _XB,
+    _XBF,
+    _XBP,
+    ALL,
+    LARGE_POOL,
+    SMALL_POOL,
+    AllocatorStats,
+)
 from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
 
 __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE"]
 
 # An 80 GB device as the default (ref §15.7).
-DEFAULT_CAPACITY_BYTES = 80 * 2**30
-
-# Slots the hot paths touch (stats.py layout: CUR, PEAK, FREED per stat).
-_P, _F = st.PEAK, st.FREED
-_A, _AP, _AF = st.ALLOCATION, st.ALLOCATION + _P, st.ALLOCATION + _F
-_ACT, _ACTP, _ACTF = st.ACTIVE, st.ACTIVE + _P, st.ACTIVE + _F
-_AB, _ABP, _ABF = st.ALLOCATED_BYTES, st.ALLOCATED_BYTES + _P, st.ALLOCATED_BYTES + _F
-_XB, _XBP, _XBF = st.ACTIVE_BYTES, st.ACTIVE_BYTES + _P, st.ACTIVE_BYTES + _F
-_RQ, _RQP, _RQF = st.REQUESTED_BYTES, st.REQUESTED_BYTES + _P, st.REQUESTED_BYTES + _F
-_IS, _ISP, _ISF = st.INACTIVE_SPLIT, st.INACTIVE_SPLIT + _P, st.INACTIVE_SPLIT + _F
-_ISB, _ISBP = st.INACTIVE_SPLIT_BYTES, st.INACTIVE_SPLIT_BYTES + _P
-_ISBF = st.INACTIVE_SPLIT_BYTES + _F
+DEFAULT_CAPACITY_BYTES: Final = 80 * 2**30
 
 
 class CachingAllocator:
@@ -367,16 +370,9 @@ class CachingAllocator:
         original_size = block.size
         requested = block.requested_size
         del self._active[block.ptr]
-        prev = block.prev
-        nxt = block.next
-        if (prev is not None and not prev.allocated) or (nxt is not None and not nxt.allocated):
-            # try_merge_blocks with prev, then with next (skipped when neither can merge).
-            net_blocks = -pool.merge_free_neighbours(block)
-            net_bytes = original_size - block.size
-        else:
-            net_blocks = net_bytes = 0
-        # insert_into_blocks resets the GC base.
-        pool.insert(block)
+        # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
+        net_blocks = -pool.merge_and_insert(block)
+        net_bytes = original_size - block.size
         stats = self._stat_lists
         sa = stats[ALL]
         sp = stats[kind]

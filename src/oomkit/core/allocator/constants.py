@@ -6,6 +6,8 @@ copies moved them to ``c10/core/AllocatorConfig.h``); see ref/cuda-caching-alloc
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = [
     "MIN_BLOCK_SIZE",
     "SMALL_SIZE",
@@ -21,24 +23,24 @@ __all__ = [
 ]
 
 # CUDACachingAllocator.cpp kMinBlockSize: every size is rounded up to a multiple of 512 bytes.
-MIN_BLOCK_SIZE = 512
+MIN_BLOCK_SIZE: Final = 512
 # CUDACachingAllocator.cpp kSmallSize: a rounded size <= 1 MiB goes to the small pool.
-SMALL_SIZE = 1 << 20
+SMALL_SIZE: Final = 1 << 20
 # CUDACachingAllocator.cpp kSmallBuffer: small-pool segments (and small expandable pages) are 2 MiB.
-SMALL_BUFFER = 2 << 20
+SMALL_BUFFER: Final = 2 << 20
 # CUDACachingAllocator.cpp kLargeBuffer: segment for 1-10 MiB requests, large expandable page,
 # and (before PR #136174) the fixed oversize slack of get_free_block.
-LARGE_BUFFER = 20 << 20
+LARGE_BUFFER: Final = 20 << 20
 # CUDACachingAllocator.cpp kMinLargeAlloc: large requests < 10 MiB get a kLargeBuffer segment.
-MIN_LARGE_ALLOC = 10 << 20
+MIN_LARGE_ALLOC: Final = 10 << 20
 # CUDACachingAllocator.cpp kRoundLarge: segments for requests >= 10 MiB are 2 MiB multiples.
-ROUND_LARGE = 2 << 20
+ROUND_LARGE: Final = 2 << 20
 # NativeCachingAllocator::malloc one_exa_bytes: requests at or above 1 EB fail before the cache.
-ONE_EXA_BYTES = 1 << 60
+ONE_EXA_BYTES: Final = 1 << 60
 # std::numeric_limits<size_t>::max(): "unlimited" max_split_size; memory_stats shows it as -1.
-SIZE_MAX = (1 << 64) - 1
+SIZE_MAX: Final = (1 << 64) - 1
 # CUDAAllocatorConfig kRoundUpPowerOfTwoIntervals: slots from 1 MiB to 64 GiB (§2.2).
-ROUNDUP_POWER2_INTERVALS = 16
+ROUNDUP_POWER2_INTERVALS: Final = 16
 # ExpandableSegment ctor: the VA reservation covers totalGlobalMem + totalGlobalMem / 8.
-EXPANDABLE_RESERVE_NUMERATOR = 9
-EXPANDABLE_RESERVE_DENOMINATOR = 8
+EXPANDABLE_RESERVE_NUMERATOR: Final = 9
+EXPANDABLE_RESERVE_DENOMINATOR: Final = 8

@@ -133,6 +133,73 @@ class BlockPool:
             merged += 1
         return merged
 
+    def merge_and_insert(self, block: Block) -> int:
+        """free_block's pool work in one call: try_merge_blocks with the previous, then the next
+        block (as :meth:`merge_free_neighbours`), then insert_into_blocks (as :meth:`insert`).
+
+        Written out (no per-neighbour calls): every free of a replay runs it (issue 19).
+        Returns how many neighbours merged.
+        """
+        merged = 0
+        mapped = block.mapped
+        streams = self.streams
+        for src in (block.prev, block.next):
+            if (
+                src is None
+                or src.allocated
+                or src.event_count
+                or src.stream_uses
+                or src.mapped != mapped
+            ):
+                continue
+            if mapped:
+                # remove(src), written out.
+                entry = src.key
+                assert entry is not None, "removing a block that is not in the free set"
+                src.key = None
+                sf = streams[src.stream]
+                size = src.size
+                bucket = sf.buckets[size]
+                if len(bucket) == 1:
+                    del sf.buckets[size]
+                    sizes = sf.sizes
+                    del sizes[bisect_left(sizes, size)]
+                    if not sizes:
+                        del streams[src.stream]
+                else:
+                    del bucket[bisect_left(bucket, (entry[0],))]
+                self.count -= 1
+            else:
+                self.remove_unmapped(src)
+            if src is block.prev:
+                block.ptr = src.ptr
+                before = block.prev = src.prev
+                if before is not None:
+                    before.next = block
+            else:
+                after = block.next = src.next
+                if after is not None:
+                    after.prev = block
+            block.size += src.size
+            merged += 1
+        # insert(block), written out.
+        block.gc_count_base = self.gc_clock
+        tie = (block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr
+        added = (tie, block)
+        block.key = added
+        into = streams.get(block.stream)
+        if into is None:
+            into = streams[block.stream] = StreamFreeBlocks()
+        total = block.size
+        same = into.buckets.get(total)
+        if same is None:
+            into.buckets[total] = [added]
+            insort(into.sizes, total)
+        else:
+            same.insert(bisect_left(same, (tie,)), added)
+        self.count += 1
+        return merged
+
     def remove(self, block: Block) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with)."""
         entry = block.key

@@ -11,7 +11,7 @@ the ``all`` list only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.versions import TorchBehaviour
@@ -61,7 +61,9 @@ ARRAY_STATS = (
 )
 # StatType: AGGREGATE, SMALL_POOL, LARGE_POOL.
 STAT_TYPES = ("all", "small_pool", "large_pool")
-ALL, SMALL_POOL, LARGE_POOL = 0, 1, 2
+ALL: Final = 0
+SMALL_POOL: Final = 1
+LARGE_POOL: Final = 2
 # DeviceStats scalar counters.
 COUNTERS = (
     "num_alloc_retries",
@@ -72,21 +74,48 @@ COUNTERS = (
 )
 
 # Offsets inside one Stat's four slots.
-CUR, PEAK, FREED, ORIGIN = 0, 1, 2, 3
+CUR: Final = 0
+PEAK: Final = 1
+FREED: Final = 2
+ORIGIN: Final = 3
 
 # First slot of each stat inside a stat-type list.
-ALLOCATION = 0
-SEGMENT = 4
-ACTIVE = 8
-INACTIVE_SPLIT = 12
-ALLOCATED_BYTES = 16
-RESERVED_BYTES = 20
-ACTIVE_BYTES = 24
-INACTIVE_SPLIT_BYTES = 28
-REQUESTED_BYTES = 32
-OVERSIZE_ALLOCATIONS = 36  # "all" list only
-OVERSIZE_SEGMENTS = 40  # "all" list only
-TYPE_SLOTS = 44
+ALLOCATION: Final = 0
+SEGMENT: Final = 4
+ACTIVE: Final = 8
+INACTIVE_SPLIT: Final = 12
+ALLOCATED_BYTES: Final = 16
+RESERVED_BYTES: Final = 20
+ACTIVE_BYTES: Final = 24
+INACTIVE_SPLIT_BYTES: Final = 28
+REQUESTED_BYTES: Final = 32
+OVERSIZE_ALLOCATIONS: Final = 36  # "all" list only
+OVERSIZE_SEGMENTS: Final = 40  # "all" list only
+TYPE_SLOTS: Final = 44
+
+# The slots malloc and free touch (a stat's first slot, +PEAK, +FREED), written as literals and
+# Final so that a compiled build (scripts/compile_allocator.py) inlines them.
+_A: Final = 0
+_AP: Final = 1
+_AF: Final = 2
+_ACT: Final = 8
+_ACTP: Final = 9
+_ACTF: Final = 10
+_IS: Final = 12
+_ISP: Final = 13
+_ISF: Final = 14
+_AB: Final = 16
+_ABP: Final = 17
+_ABF: Final = 18
+_XB: Final = 24
+_XBP: Final = 25
+_XBF: Final = 26
+_ISB: Final = 28
+_ISBP: Final = 29
+_ISBF: Final = 30
+_RQ: Final = 32
+_RQP: Final = 33
+_RQF: Final = 34
 
 _STAT_FIELDS = ("current", "peak", "allocated", "freed")
 

@@ -13,7 +13,9 @@ __all__ = [
     "first_segment_difference",
     "format_event",
     "normalise_segments",
+    "seed_segment_keys",
     "seed_segments_as_dicts",
+    "simulated_segment_keys",
 ]
 
 # Trace events shown before and after a divergence.
@@ -100,6 +102,41 @@ def normalise_segments(segments: Iterable[Mapping]) -> list[SegmentKey]:
             )
         )
     return sorted(out)
+
+
+def simulated_segment_keys(segments: Iterable[Mapping]) -> list[SegmentKey]:
+    """``normalise_segments`` of ``CachingAllocator.snapshot()``'s own dicts, whose fields are
+    already ints, strs and bools: no conversions (this runs on every verify, issue 19)."""
+    return sorted(
+        [
+            (
+                seg["address"],
+                seg["total_size"],
+                seg["stream"],
+                seg["segment_type"],
+                seg["is_expandable"],
+                tuple([(b["address"], b["size"], b["state"]) for b in seg["blocks"]]),
+            )
+            for seg in segments
+        ]
+    )
+
+
+def seed_segment_keys(segments: Iterable[SeedSegment]) -> list[SegmentKey]:
+    """``normalise_segments(seed_segments_as_dicts(segments))`` without building the dicts."""
+    return sorted(
+        [
+            (
+                s.address,
+                s.total_size,
+                s.stream,
+                "small" if s.is_small else "large",
+                s.expandable,
+                tuple([(b.address, b.size, b.state) for b in s.blocks]),
+            )
+            for s in segments
+        ]
+    )
 
 
 def first_segment_difference(

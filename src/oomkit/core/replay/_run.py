@@ -10,13 +10,15 @@ disagrees with the recording.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay._compare import (
     first_divergence,
     first_segment_difference,
-    normalise_segments,
+    seed_segment_keys,
     seed_segments_as_dicts,
+    simulated_segment_keys,
 )
 from oomkit.core.replay.engine import CREATE, RELEASE, ReplayEngine, ReplayHooks
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
@@ -28,6 +30,7 @@ __all__ = ["Run"]
 
 # cudaMalloc returns 2 MiB-aligned addresses for these sizes; synthetic segments keep that.
 _SYNTHETIC_ALIGN_BYTES = 2 * 2**20
+_ACTION = attrgetter("action")
 
 
 class Run(ReplayHooks):
@@ -66,7 +69,9 @@ class Run(ReplayHooks):
         self.misplaced_count = 0  # allocs the simulator placed elsewhere than the recording
         self.readings_tried = 1  # replays _verify_run ran to pick this one (itself included)
         self.log_index: list[int] = []  # trace index at which each simulated segment event came
-        self._next_synthetic = _synthetic_base(start, events)
+        # The first synthetic address, found when a segment first needs one (a verify run that
+        # follows its recording never does; finding it reads the whole trace).
+        self._next_synthetic: int | None = None
         self.allocator = CachingAllocator(
             config,
             capacity_bytes=capacity_bytes,
@@ -111,8 +116,10 @@ class Run(ReplayHooks):
             if rec is not None:
                 return rec[1]
         address = self._next_synthetic
+        if address is None:
+            address = _synthetic_base(self.start, self.events)
         step = -(-size_bytes // _SYNTHETIC_ALIGN_BYTES) * _SYNTHETIC_ALIGN_BYTES
-        self._next_synthetic += step
+        self._next_synthetic = address + step
         return address
 
     # -- starting state ---------------------------------------------------------------------
@@ -278,9 +285,7 @@ class Run(ReplayHooks):
         is kept: normalising thousands of segments twice per run cost more than the replay.
         """
         if self._final_matches is None or self._final_matches[0] is not final:
-            matches = normalise_segments(self.final_snapshot()) == normalise_segments(
-                seed_segments_as_dicts(final)
-            )
+            matches = simulated_segment_keys(self.final_snapshot()) == seed_segment_keys(final)
             self._final_matches = (final, matches)
         return self._final_matches[1]
 
@@ -349,9 +354,9 @@ class Run(ReplayHooks):
                 "first_divergence": divergence,
                 "allocs_misplaced": self.misplaced_count,
                 # Every alloc replayed had its placement compared (the engine's check_addresses).
-                "allocs_checked": sum(
-                    1 for ev in self.events[: self.engine.replayed] if ev.action == "alloc"
-                ),
+                "allocs_checked": list(
+                    map(_ACTION, self.events[: self.engine.replayed])
+                ).count("alloc"),
                 "readings_tried": self.readings_tried,
             }
         return self.engine.result(

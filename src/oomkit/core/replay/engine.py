@@ -119,7 +119,9 @@ class ReplayEngine:
     runs them millions of times): with ``check_addresses`` an alloc served elsewhere than its
     recorded address calls ``hooks.misplaced``; with ``log_index`` the trace index at which
     each new entry of the allocator's ``segment_log`` came is appended to it. ``current`` is
-    the index of the event being fed (read by allocator callbacks during it).
+    the index of the event being fed, for allocator callbacks during it: set before every event
+    that may call into them (an alloc, a release, an ``oom``, ``empty_cache``; a free never
+    obtains memory), not per free, which is most of a trace.
     """
 
     def __init__(
@@ -166,9 +168,9 @@ class ReplayEngine:
         ptr: int | None
         try:
             for index, event in numbered:
-                self.current = index
                 action = event.action
                 if action == "alloc":
+                    self.current = index
                     address = event.address
                     if address in live or address in pending:
                         hooks.duplicate_alloc(index, event)
@@ -201,7 +203,6 @@ class ReplayEngine:
                         if after_event is not None:
                             after_event(index, event)
                         index, event = next(numbered)
-                        self.current = index
                     else:
                         free(ptr, deferred=True)
                         pending[event.address] = ptr
@@ -220,13 +221,15 @@ class ReplayEngine:
                             hooks.unknown_id(index, event)
                         else:
                             free(ptr)
-                elif action == "empty_cache":
-                    # oomkit's own action (traces from its tracer); PyTorch never records it.
-                    allocator.empty_cache()
-                elif action in RELEASE:
-                    hooks.segment_release(index, event)
-                elif action == "oom":
-                    hooks.oom_event(index, event)
+                else:
+                    self.current = index
+                    if action == "empty_cache":
+                        # oomkit's own action (traces from its tracer); PyTorch never records it.
+                        allocator.empty_cache()
+                    elif action in RELEASE:
+                        hooks.segment_release(index, event)
+                    elif action == "oom":
+                        hooks.oom_event(index, event)
                 # segment_alloc / segment_map happen inside malloc; "snapshot" carries no
                 # request (§15.9).
                 if log_index is not None and len(segment_log) != logged:
@@ -242,6 +245,7 @@ class ReplayEngine:
             self._note_log(index, logged)
             hooks.failed(index, event, exc)
         self.replayed = index + 1
+        self.current = max(index, 0)
 
     def _note_log(self, index: int, logged: int) -> None:
         """Segment events logged during the event that stopped the replay came at ``index``."""

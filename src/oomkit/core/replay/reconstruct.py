@@ -110,7 +110,10 @@ def reconstruct_start_state(
     warnings: list[str] = []
     classic: dict[int, SeedSegment] = {}
     runs: list[SeedSegment] = []  # expandable mapped runs
-    live: dict[int, _Live] = {}
+    # During the walk a held block is a list [size, requested_size, state, completed_at] (a
+    # _Live per block, made and dropped for every block the trace frees and allocates, cost more
+    # than the walk itself); the blocks still held at the start become _Live afterwards.
+    walked: dict[int, list] = {}
     for seg in final_segments:
         # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
         shell = SeedSegment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ())
@@ -120,32 +123,35 @@ def reconstruct_start_state(
             classic[seg.address] = shell
         for b in seg.blocks:
             if b.state in LIVE_STATES:
-                live[b.address] = _Live(b.size, b.requested_size, b.state, None)
+                walked[b.address] = [b.size, b.requested_size, b.state, None]
 
     # §15.1: walk backwards. Segment events add or remove whole segments; request events move a
     # block between allocated, pending and absent.
-    for index in range(len(events) - 1, -1, -1):
-        ev = events[index]
+    pop = walked.pop
+    get = walked.get
+    index = len(events)
+    for ev in reversed(events):
+        index -= 1
         action = ev.action
-        if action == "alloc":
-            if live.pop(ev.address, None) is None:
+        if action == "free_completed":
+            prior = get(ev.address)
+            if prior is not None and prior[2] == "active_pending_free":
+                # A second free_completed without an alloc between: keep the earlier facts.
+                prior[3] = index
+            else:
+                walked[ev.address] = [None, ev.size, "active_pending_free", index]
+        elif action == "alloc":
+            if pop(ev.address, None) is None:
                 warnings.append(
                     f"event {index}: alloc at {ev.address:#x} has no matching live block in the "
                     "later state; the trace may be incomplete"
                 )
-        elif action == "free_completed":
-            prior = live.get(ev.address)
-            if prior is not None and prior.state == "active_pending_free":
-                # A second free_completed without an alloc between: keep the earlier facts.
-                prior.completed_at = index
-            else:
-                live[ev.address] = _Live(None, ev.size, "active_pending_free", index)
         elif action == "free_requested":
-            block = live.get(ev.address)
+            block = get(ev.address)
             if block is None:
-                live[ev.address] = _Live(None, ev.size, "active_allocated", None)
+                walked[ev.address] = [None, ev.size, "active_allocated", None]
             else:
-                block.state = "active_allocated"
+                block[2] = "active_allocated"
         elif action == "segment_free":
             classic[ev.address] = SeedSegment(
                 ev.address, ev.size, ev.stream, ev.size == SMALL_SEGMENT_BYTES, False, ()
@@ -161,6 +167,7 @@ def reconstruct_start_state(
         elif action == "segment_map":
             runs = _remove_run(runs, ev.address, ev.size)
         # "oom", "snapshot" and unknown actions carry no state change.
+    live = {addr: _Live(*facts) for addr, facts in walked.items()}
 
     segments = sorted([*classic.values(), *_merge_runs(runs)], key=lambda s: s.address)
     starts = [s.address for s in segments]
@@ -268,22 +275,28 @@ def _recover_size(
 
 def _first_alloc_addresses(
     events: Sequence[TraceEvent], hidden: Sequence[int]
-) -> dict[int, tuple[tuple[int, int], ...]]:
-    """For each hidden block, the (trace index, address) of allocs above it, in address order.
+) -> dict[int, list[tuple[int, int]]]:
+    """For each hidden block, the (trace index, address) of the allocs above it, in trace order.
 
-    Only allocs up to the next hidden block's address matter; the caller filters by its gap.
+    Only allocs below the next hidden block's address are listed; the caller filters by its gap.
+    One bisect per alloc into the hidden addresses (no sort of every alloc, issue 19).
     """
     if not hidden:
         return {}
-    allocs = sorted((ev.address, i) for i, ev in enumerate(events) if ev.action == "alloc")
-    addrs = [a for a, _ in allocs]
     ordered = sorted(hidden)
-    out: dict[int, tuple[tuple[int, int], ...]] = {}
-    for k, h in enumerate(ordered):
-        hi = ordered[k + 1] if k + 1 < len(ordered) else None
-        lo_i = bisect.bisect_right(addrs, h)  # allocs strictly above the block's start
-        hi_i = bisect.bisect_left(addrs, hi) if hi is not None else len(addrs)
-        out[h] = tuple((i, a) for a, i in allocs[lo_i:hi_i])
+    out: dict[int, list[tuple[int, int]]] = {h: [] for h in ordered}
+    lowest = ordered[0]
+    find = bisect.bisect_right
+    index = -1
+    for ev in events:
+        index += 1
+        if ev.action == "alloc":
+            a = ev.address
+            # Allocs strictly above a hidden block's start, and below the next one's.
+            if a > lowest:
+                h = ordered[find(ordered, a) - 1]
+                if h != a:
+                    out[h].append((index, a))
     return out
 
 

@@ -46,6 +46,8 @@ __all__ = ["replay_snapshot", "UnknownDeviceError"]
 _RESERVE_NUM, _RESERVE_DEN = 9, 8
 # The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
 _LARGE_PAGE_BYTES = 20 * 2**20
+# Trace entries whose positions replay_snapshot notes once: segment decisions and oom entries.
+_MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
 
 
 def replay_snapshot(
@@ -117,22 +119,26 @@ def replay_snapshot(
             f"reconstructed {start.hidden_blocks} block(s) whose size was hidden "
             "(live before recording began; sized from their requests, §15.2)"
         )
+    # One pass finds the segment decisions and the oom entries; the passes below read these
+    # few positions instead of the whole trace again (issue 19).
+    marks = [i for i, ev in enumerate(events) if ev.action in _MARKED]
     recorded = [
         (i, (ev.action, ev.address, ev.size))
-        for i, ev in enumerate(events)
-        if ev.action in SEGMENT_ACTIONS
+        for i in marks
+        if (ev := events[i]).action in SEGMENT_ACTIONS
     ]
-    recorded_peak = _recorded_peak_reserved(start, events)
+    recorded_peak = _recorded_peak_reserved(start, recorded)
     if verify or (config is None and capacity_bytes is None):
         # No what-if asked for: replay the recording as it happened, compared when verifying.
         run = _verify_run(
             events,
             start,
             recorded_config,
-            capacity_bytes=_verify_capacity(capacity_bytes, start, events, final),
+            capacity_bytes=_verify_capacity(capacity_bytes, start, recorded, final),
             torch_version=version,
             recorded=recorded,
             final=final,
+            marks=marks,
         )
     else:
         run = Run(
@@ -158,6 +164,7 @@ def _verify_run(
     torch_version: str | None,
     recorded: Sequence[tuple[int, SegmentEvent]],
     final: Sequence[SeedSegment],
+    marks: Sequence[int] | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -172,7 +179,7 @@ def _verify_run(
     When the replay first goes wrong after such a point, it is re-run with the other reading
     of the nearest ones, and the re-run is kept if it agrees better with the recording.
     """
-    groups = _completion_groups(events)
+    groups = _completion_groups(events, marks)
 
     def replay(flipped: frozenset[int]) -> Run:
         run = Run(
@@ -212,28 +219,30 @@ def _verify_run(
     return run
 
 
-def _completion_groups(events: Sequence[TraceEvent]) -> dict[int, int]:
+def _completion_groups(
+    events: Sequence[TraceEvent], marks: Sequence[int] | None = None
+) -> dict[int, int]:
     """``free_completed`` entries that directly precede a segment event or an ``oom``.
+
+    Args:
+        events: the trace.
+        marks: the trace indices of its segment events and ``oom`` entries, in order (found
+            here when not given); each group is found by walking back from one of them.
 
     Returns:
         trace index of each such entry -> index of the first entry of its group.
     """
+    if marks is None:
+        marks = [i for i, ev in enumerate(events) if ev.action in _MARKED]
     groups: dict[int, int] = {}
-    n = len(events)
-    i = 0
-    while i < n:
-        if events[i].action != "free_completed":
-            i += 1
-            continue
-        j = i
-        while j < n and events[j].action == "free_completed":
-            j += 1
-        if j < n and events[j].action in (*SEGMENT_ACTIONS, "oom"):
-            # A free_completed right after its own free_requested is usually a plain free, but
-            # a deferred free that Step 9 completed at once looks the same.
-            for k in range(i, j):
-                groups[k] = i
+    for j in marks:
         i = j
+        while i > 0 and events[i - 1].action == "free_completed":
+            i -= 1
+        # A free_completed right after its own free_requested is usually a plain free, but
+        # a deferred free that Step 9 completed at once looks the same.
+        for k in range(i, j):
+            groups[k] = i
     return groups
 
 
@@ -262,23 +271,25 @@ def _release_run_before(events: Sequence[TraceEvent], index: int) -> int | None:
     return i
 
 
-def _recorded_peak_reserved(start: StartState, events: Sequence[TraceEvent]) -> int:
+def _recorded_peak_reserved(
+    start: StartState, recorded: Sequence[tuple[int, SegmentEvent]]
+) -> int:
     """The recording's own reserved peak: the starting reservation plus its segment events."""
     reserved = sum(s.total_size for s in start.segments)
     peak = reserved
-    for ev in events:
-        if ev.action in CREATE:
-            reserved += ev.size
+    for _, (action, _address, size) in recorded:
+        if action in CREATE:
+            reserved += size
             peak = max(peak, reserved)
-        elif ev.action in RELEASE:
-            reserved -= ev.size
+        elif action in RELEASE:
+            reserved -= size
     return peak
 
 
 def _verify_capacity(
     capacity_bytes: int | None,
     start: StartState,
-    events: Sequence[TraceEvent],
+    recorded: Sequence[tuple[int, SegmentEvent]],
     final: Sequence[SeedSegment],
 ) -> int:
     """The device size that sizes expandable reservations in verify mode (§15.7).
@@ -292,9 +303,9 @@ def _verify_capacity(
     for seg in (*start.segments, *final):
         if seg.expandable:
             largest = max(largest, seg.total_size)
-    for ev in events:
-        if ev.action in ("segment_map", "segment_unmap"):
-            largest = max(largest, ev.size)
+    for _, (action, _address, size) in recorded:
+        if action in ("segment_map", "segment_unmap"):
+            largest = max(largest, size)
     # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent.
     needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + _LARGE_PAGE_BYTES if largest else 0
     return max(DEFAULT_CAPACITY_BYTES, needed)

@@ -1,0 +1,120 @@
+"""Build the optional compiled allocator core with mypyc (issue 19 item 2); ``--clean`` removes it.
+
+The default install is pure Python and needs no compiler. This script compiles the modules that
+every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats and
+settings) into C extensions placed beside their sources in ``src/``; Python then imports them in
+place of the ``.py`` files, and removing them (``--clean``) brings the pure-Python modules back.
+The tests pass on both (run them after building to check a build).
+
+mypyc type-checks what it compiles and everything that imports; the package's ``__init__``
+names the whole API for type checkers (torch included), so the allocator is compiled in a copy
+of the tree that holds only ``oomkit.errors`` and ``oomkit.core.allocator`` (it imports nothing
+else), and the built extensions are copied back.
+
+Compiled code checks argument types where it is called (``malloc(1.5)`` would raise TypeError
+before the method's own check). So that bad input gets the same ``AllocatorUsageError`` /
+``ConfigError`` as in pure Python, the copy's ``CachingAllocator`` methods that users call take
+``Any`` arguments (their own checks run first); the sources in ``src/`` are not changed.
+
+Needs ``mypy`` (which ships mypyc) and a C compiler: ``pip install mypy``, then
+``python scripts/compile_allocator.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "oomkit" / "core" / "allocator"
+# The modules of the hot path, compiled together (a final constant of one is inlined in another).
+MODULES = (
+    "block",
+    "pools",
+    "best_fit",
+    "caching_allocator",
+    "constants",
+    "stats",
+    "settings",
+)
+_MYPY_CONFIG = """[mypy]
+python_version = {version}
+[mypy-sortedcontainers.*]
+ignore_missing_imports = True
+[mypy-sortedcontainers]
+ignore_missing_imports = True
+"""
+
+
+def _public_arguments_any(path: Path) -> None:
+    """Rewrite ``path`` (the copy of caching_allocator.py) so the public methods of
+    ``CachingAllocator`` (and its constructor) take ``Any`` arguments."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "CachingAllocator":
+            for item in node.body:
+                if not isinstance(item, ast.FunctionDef):
+                    continue
+                if item.name.startswith("_") and item.name != "__init__":
+                    continue
+                args = item.args
+                for arg in (*args.posonlyargs, *args.args[1:], *args.kwonlyargs):
+                    arg.annotation = ast.Name(id="Any", ctx=ast.Load())
+    path.write_text(ast.unparse(tree) + "\n")
+
+
+def built() -> list[Path]:
+    """The compiled files this script placed in ``src/`` (the extensions and mypyc's runtime)."""
+    return sorted([*PACKAGE.glob("*.so"), *PACKAGE.glob("*.pyd"), *SRC.glob("*__mypyc*")])
+
+
+def clean() -> int:
+    for path in built():
+        path.unlink()
+        print(f"removed {path.relative_to(SRC.parent)}")
+    return 0
+
+
+def build() -> int:
+    clean()
+    with tempfile.TemporaryDirectory(prefix="oomkit-mypyc-") as tmp:
+        root = Path(tmp)
+        package = root / "oomkit"
+        (package / "core").mkdir(parents=True)
+        (package / "__init__.py").write_text('"""oomkit (the allocator only, to compile it)."""\n')
+        (package / "core" / "__init__.py").write_text('"""oomkit.core."""\n')
+        shutil.copy(SRC / "oomkit" / "errors.py", package / "errors.py")
+        shutil.copytree(PACKAGE, package / "core" / "allocator", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        _public_arguments_any(package / "core" / "allocator" / "caching_allocator.py")
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        (root / "mypy.ini").write_text(_MYPY_CONFIG.format(version=version))
+        files = [f"oomkit/core/allocator/{name}.py" for name in MODULES]
+        done = subprocess.run(
+            [sys.executable, "-m", "mypyc", "--config-file", "mypy.ini", *files], cwd=root
+        )
+        if done.returncode != 0:
+            print("mypyc failed; nothing was installed (the pure-Python modules stay in use)")
+            return done.returncode
+        for ext in (*root.glob("*__mypyc*.so"), *root.glob("*__mypyc*.pyd")):
+            shutil.copy(ext, SRC / ext.name)
+        for ext in (*(package / "core" / "allocator").glob("*.so"), *(package / "core" / "allocator").glob("*.pyd")):
+            shutil.copy(ext, PACKAGE / ext.name)
+    for path in built():
+        print(f"built {path.relative_to(SRC.parent)}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clean", action="store_true", help="remove the compiled modules")
+    args = parser.parse_args()
+    return clean() if args.clean else build()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
