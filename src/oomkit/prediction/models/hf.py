@@ -20,6 +20,7 @@ import torch
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
+from oomkit.prediction.models.selective_ac import selective_op_context
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
 __all__ = ["build_hf_step", "config_precision", "load_hf_config"]
@@ -269,8 +270,11 @@ def build_hf_step(
         build_kwargs[_dtype_keyword(transformers)] = model_dtype(options.precision)
     with torch.device(device):
         model = auto_class.from_config(config, **build_kwargs)
-    if options.checkpointing and options.mode == "train":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if options.checkpointing != "none" and options.mode == "train":
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if options.checkpointing == "selective-op":  # the policy per checkpointed layer call
+            kwargs.update(context_fn=selective_op_context, preserve_rng_state=False)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(
         text, "n_positions", None

@@ -272,7 +272,9 @@ def _describe(
     )
     if options.mode == "train":
         parts.append(options.optimizer)
-        if options.checkpointing:
+        if options.checkpointing == "full":
             parts.append("checkpointing")
+        elif options.checkpointing == "selective-op":
+            parts.append("selective-op checkpointing")
     parts.append(options.mode)
     return ", ".join(parts)
