@@ -17,7 +17,13 @@ from oomkit.prediction.predictor import predict_recording
 from oomkit.prediction.tracing import trace_step
 
 TINY = LlamaShape(
-    hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=2, vocab=512, tied=False,
+    hidden=256,
+    intermediate=1024,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    vocab=512,
+    tied=False,
     positions=4096,
 )
 
