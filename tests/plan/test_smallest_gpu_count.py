@@ -61,14 +61,15 @@ def test_table_names_the_fewest_gpus_of_each_kind():
     target = Target.resolve(gpu="h100")
     calls: list[tuple[int, int]] = []
 
+    recorded = {n: _record(n, GLOBAL_BATCH // n, target) for n in (1, 2, 4)}
+
     def record(count, per_rank, on):
         calls.append((count, per_rank))
-        return _record(count, per_rank, on)
+        assert on == target
+        return recorded[count]
 
     peaks = {
-        n: predict_recording(_record(n, GLOBAL_BATCH // n, target)[0], target=target)
-        .peak_reserved_bytes
-        for n in (1, 2, 4)
+        n: predict_recording(recorded[n][0], target=target).peak_reserved_bytes for n in (1, 2, 4)
     }
     assert peaks[1] > peaks[2] > peaks[4]
     h100 = get_gpu("h100")
