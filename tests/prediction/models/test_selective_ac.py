@@ -141,3 +141,40 @@ def test_selective_op_under_fsdp2_saves_the_same_ops_in_bf16():
         ("layers.0.mlp.down_proj", "mm.default", tokens * hidden * 2, 0),
         ("layers.0", "add.Tensor", tokens * hidden * 2, 0),  # bf16: FSDP2 casts the inputs
     ]
+
+
+def test_hf_layers_take_the_policy_as_their_context_fn():
+    """A small Hugging Face Llama (bf16, 2 x 32 tokens): layer 0 keeps the same ops as the
+    preset, through gradient_checkpointing_enable's context_fn."""
+    transformers = pytest.importorskip("transformers")
+    from oomkit.prediction.models import build_hf_step
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, bos_token_id=0,
+        eos_token_id=0,
+    )
+    options = StepOptions(batch_size=2, seq_len=32, checkpointing="selective-op", precision="bf16")
+    built = build_hf_step(config, options)
+    assert built.description.endswith("adamw, selective-op checkpointing, train")
+    recording = trace_step(built.step_fn, *built.track, target=Target.resolve(gpu="h100"))
+    kept = [
+        (dict(e.tags)["module"].removeprefix("model.layers.0"), e.size)
+        for e in recording.events
+        if e.action == "alloc"
+        and dict(e.tags).get("phase") == "forward"
+        and dict(e.tags).get("category") == "activation"
+        and dict(e.tags).get("module", "").startswith("model.layers.0")
+    ]
+    tokens = 2 * 32
+    assert kept == [
+        (".self_attn.q_proj", tokens * 64 * 2),
+        (".self_attn.v_proj", tokens * 32 * 2),
+        (".self_attn", tokens * 64 * 2),  # cuDNN attention's output
+        (".self_attn", 2 * 4 * 32 * 4),  # its fp32 logsumexp
+        (".self_attn", 8),
+        (".self_attn", 8),
+        (".mlp.gate_proj", tokens * 128 * 2),
+        (".mlp.down_proj", tokens * 64 * 2),
+        ("", tokens * 64 * 2),  # layer 1's checkpointed input
+    ]
