@@ -89,6 +89,6 @@ def test_table_names_the_fewest_gpus_of_each_kind():
     assert table == [[False, False, True], [False, True, True], [True, True, True]]
     assert result.fewest == {"big": 1, "mid": 2, "small": 4}
     assert [fit.headroom_bytes for fit in result.rows[2].candidates][0] == 2 * MiB
-    best = min(((n * (peaks[n] + 2 * MiB), n) for n in (1, 2, 4)))
+    best = min((n * (peaks[n] + 2 * MiB), n) for n in (1, 2, 4))
     assert result.least_memory is not None and result.least_memory[0] == best[1]
     assert any("recorded once with H100 SXM 80GB's kernels" in w for w in result.warnings)
