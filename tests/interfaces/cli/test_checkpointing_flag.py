@@ -33,4 +33,5 @@ def test_unknown_mode_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as raised:
         build_parser().parse_args(["predict", "gpt2-124m", "--checkpointing", "op"])
     assert raised.value.code == 2
-    assert "choose from 'none', 'full', 'selective-op'" in capsys.readouterr().err
+    err = capsys.readouterr().err  # Python 3.12.8+ drops the quotes around the choices
+    assert "invalid choice: 'op'" in err and "selective-op" in err
