@@ -178,3 +178,15 @@ def test_hf_layers_take_the_policy_as_their_context_fn():
         (".mlp.down_proj", tokens * 64 * 2),
         ("", tokens * 64 * 2),  # layer 1's checkpointed input
     ]
+
+
+def test_inference_is_not_checkpointed():
+    """Checkpointing changes only what backward needs: an inference step records the same
+    allocations with selective-op as without."""
+    sizes = {}
+    for mode in ("none", "selective-op"):
+        options = StepOptions(batch_size=1, seq_len=32, mode="inference", checkpointing=mode)
+        built = build_preset_step("llama-1b", options)
+        recording = trace_step(built.step_fn, *built.track)
+        sizes[mode] = [(e.action, e.size) for e in recording.events]
+    assert sizes["selective-op"] == sizes["none"] and len(sizes["none"]) > 100

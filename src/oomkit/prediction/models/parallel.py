@@ -116,7 +116,8 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
-    apply_checkpointing(model, options.checkpointing)  # before FSDP2, as torchtitan
+    # Before FSDP2, as torchtitan applies AC before fully_shard.
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)

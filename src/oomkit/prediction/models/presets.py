@@ -256,7 +256,7 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     with torch.device(device):
         model = preset.build()
     model = model.to(dtype=model_dtype(options.precision))
-    apply_checkpointing(model, options.checkpointing)
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     title = prepare_finetune(model, options, preset.title)  # quantize, LoRA
     runner = _runner(preset, model)
     return build_step(

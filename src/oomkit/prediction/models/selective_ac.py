@@ -109,18 +109,20 @@ def selective_op_context() -> Any:
     return create_selective_checkpoint_contexts(selective_op_policy(defaultdict(int)))
 
 
-def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing) -> None:
+def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing, *, train: bool = True) -> None:
     """Make ``model`` (a preset) checkpoint its blocks as ``mode`` says, before any sharding.
 
     ``full`` sets the flag every preset's forward reads (``checkpoint(block, ...)`` per block);
     ``selective-op`` replaces each block of its :data:`BLOCK_LISTS` list by torch's
     ``checkpoint_wrapper`` with :func:`selective_op_context` (torchtitan ``apply_ac``), so FSDP2
-    applied afterwards shards the wrappers, as torchtitan's order (AC, then FSDP) does.
+    applied afterwards shards the wrappers, as torchtitan's order (AC, then FSDP) does. A step
+    that does not train (``train=False``) is left as it is: checkpointing only changes what
+    backward needs (the presets' own ``full`` path checks ``self.training`` likewise).
 
     Raises:
         ConfigError: ``selective-op`` on a model whose blocks are not known.
     """
-    if mode == "none":
+    if mode == "none" or not train:
         return
     if mode == "full":
         model.checkpointing = True  # type: ignore[assignment]  # every preset reads this flag
