@@ -18,7 +18,7 @@ PRESET = WorkloadSpec(
     seq_len=256,
     precision="fp32",
     optimizer="adamw",
-    checkpointing=False,
+    checkpointing="none",
     mode="train",
     new_tokens=128,
     steps=2,
@@ -38,7 +38,7 @@ def test_preset_saves_the_old_keys_and_the_new():
             "image_size": None,
             "precision": "fp32",
             "optimizer": "adamw",
-            "checkpointing": False,
+            "checkpointing": "none",
             "mode": "train",
             "new_tokens": 128,
         },
@@ -46,6 +46,17 @@ def test_preset_saves_the_old_keys_and_the_new():
         "cudnn_version": 92000,
     }
     assert workload_from_json({"workload": saved}) == PRESET
+
+
+@pytest.mark.parametrize(
+    ("saved", "read"),
+    [(True, "full"), (False, "none"), ("selective-op", "selective-op"), (3, None)],
+)
+def test_checkpointing_reads_old_booleans_as_modes(saved, read):
+    """Older saves kept checkpointing as a boolean: true is full, false none; junk is unknown."""
+    data = workload_to_json(PRESET)
+    data["options"]["checkpointing"] = saved
+    assert workload_from_json({"workload": data}).checkpointing == read
 
 
 def test_finetune_options_are_saved_only_when_set():

@@ -158,7 +158,7 @@ def estimated_model_remedies(
     training: bool = True,
     precision: str | None = None,
     optimizer: str | None = None,
-    checkpointing: bool | None = None,
+    checkpointing: bool | str | None = None,
     description: str = "",
     parameter_bytes: int | None = None,
     compute_capability: tuple[int, int] | None = None,
@@ -171,7 +171,8 @@ def estimated_model_remedies(
         training: whether the step trains (no gradient/optimizer remedies otherwise).
         precision: the run's ``StepOptions.precision``, when known.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, when known.
-        checkpointing: whether activation checkpointing is on, when known.
+        checkpointing: whether activation checkpointing is on, when known: a
+            ``StepOptions.checkpointing`` mode (``"none"`` is off) or a boolean.
         description: the prediction's description ("..., bf16-mixed, adamw, train"), read when
             the options are unknown.
         parameter_bytes: parameter bytes (defaults to the ``parameter`` category).
@@ -208,7 +209,7 @@ def estimated_model_remedies(
                 "from the activation category).",
             )
         )
-    if training and activation > 0 and not checkpointing:
+    if training and activation > 0 and checkpointing in (None, False, "none"):
         out.append(
             Remedy(
                 "activation checkpointing",
@@ -414,8 +415,8 @@ def measured_model_remedies(
     if base.precision == "fp32":
         mixed = _mixed_precision_for(saved_compute_capability(data))
         changes.append((mixed.title, {"precision": mixed.precision}, mixed.code))
-    if not base.checkpointing:
-        changes.append(("activation checkpointing", {"checkpointing": True}, _CHECKPOINT_CODE))
+    if base.checkpointing == "none":
+        changes.append(("activation checkpointing", {"checkpointing": "full"}, _CHECKPOINT_CODE))
     if base.optimizer != "sgd":
         changes.append(
             (

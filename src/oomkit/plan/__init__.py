@@ -2,7 +2,8 @@
 
 ``tune`` sweeps ``PYTORCH_CUDA_ALLOC_CONF`` settings over a trace or snapshot and ranks them;
 ``max_batch_size`` and ``smallest_gpu`` search predictions for the largest batch / smallest GPU
-that fits. Takes records, returns records; never prints.
+that fits; ``smallest_gpu_count`` how many GPUs of which kind a global batch needs under FSDP2.
+Takes records, returns records; never prints.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from oomkit.plan.batch_search import (
     max_batch_size,
     smallest_gpu,
 )
+from oomkit.plan.smallest_gpu import GpuCountResult, GpuCountRow, smallest_gpu_count
 from oomkit.plan.tuning import (
     DEFAULT_GRID,
     FLAG_REASONS,
@@ -31,6 +33,8 @@ __all__ = [
     "BatchSearchResult",
     "DEFAULT_GRID",
     "FLAG_REASONS",
+    "GpuCountResult",
+    "GpuCountRow",
     "GpuFit",
     "NOT_RECOMMENDED_FLAGS",
     "SmallestGpuResult",
@@ -40,5 +44,6 @@ __all__ = [
     "default_margin_bytes",
     "max_batch_size",
     "smallest_gpu",
+    "smallest_gpu_count",
     "tune",
 ]

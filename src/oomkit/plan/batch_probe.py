@@ -26,6 +26,7 @@ __all__ = [
     "MIN_DEFAULT_MARGIN_BYTES",
     "BatchProbe",
     "Progress",
+    "RecordingBuilder",
     "StepBuilder",
     "check_positive",
     "dedupe",
@@ -118,6 +119,21 @@ def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
     return margin_bytes
 
 
+@dataclass(frozen=True)
+class RecordingBuilder:
+    """A builder that records its own step, for steps the meta-device tracer cannot run alone:
+    a sharded step recorded on a fake process group (``oomkit fit --fsdp N``).
+
+    Attributes:
+        record: (batch size, target, steps) -> (the ``TraceRecording``, its description).
+    """
+
+    record: Callable[[int, Target, int], tuple[Any, str]]
+
+    def __call__(self, batch_size: int) -> Any:
+        raise TypeError("a RecordingBuilder records its step: call record_step with it")
+
+
 def _unpack_built(built: Any, what: str, batch_size: int) -> tuple[Callable[[], Any], tuple[Any, ...], str]:
     """(step_fn, objects to track, description) from what a builder returned."""
     step_fn = getattr(built, "step_fn", None)
@@ -145,6 +161,8 @@ def record_step(
     Returns:
         The ``TraceRecording`` and the builder's description of the step.
     """
+    if isinstance(builder, RecordingBuilder):
+        return builder.record(batch_size, target, steps)
     import torch  # the caller's builder needs torch anyway; imported here to keep oomkit light
 
     from oomkit.prediction.tracing import trace_step

@@ -5,13 +5,18 @@ safety margin (``batch_probe``) and names the smallest it fits on. The recording
 GPU only through its compute capability, so a step is traced once per capability and replayed
 on each candidate.
 
+``smallest_gpu_count`` answers "how many GPUs of which kind" for a fixed global batch trained
+with FSDP2: for each GPU count N (1, 2, 4, ... up to a maximum) that divides the global batch,
+rank 0's step at per-rank batch global / N is recorded once (on the target's GPU) and replayed
+on every candidate GPU.
+
 This module never imports torch at import time; a probe imports ``oomkit.prediction.tracing``
 when it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +34,18 @@ from oomkit.plan.batch_probe import (
 )
 from oomkit.prediction.predictor import predict_recording
 
-__all__ = ["GpuFit", "SmallestGpuResult", "smallest_gpu"]
+__all__ = [
+    "GpuCountResult",
+    "GpuCountRow",
+    "GpuFit",
+    "SmallestGpuResult",
+    "gpu_counts",
+    "smallest_gpu",
+    "smallest_gpu_count",
+]
+
+# (GPU count, per-rank batch, target) -> (rank 0's TraceRecording, its description).
+CountRecorder = Callable[[int, int, Target], tuple[Any, str]]
 
 
 @dataclass(frozen=True)
@@ -196,3 +212,161 @@ def smallest_gpu(
         warnings=tuple(dedupe(warnings[shown])),
     )
 
+
+
+@dataclass(frozen=True)
+class GpuCountRow:
+    """One GPU count of the table: rank 0's per-rank batch and its fit on every candidate.
+
+    Attributes:
+        gpu_count: GPUs (FSDP2 ranks).
+        per_rank_batch: the global batch divided by ``gpu_count``.
+        candidates: every GPU checked, as in ``SmallestGpuResult.candidates``.
+        description: what was recorded for this count.
+    """
+
+    gpu_count: int
+    per_rank_batch: int
+    candidates: tuple[GpuFit, ...]
+    description: str
+
+    @property
+    def smallest(self) -> GpuSpec | None:
+        """The GPU with the least memory that fits at this count; ``None`` if none."""
+        return next((fit.gpu for fit in self.candidates if fit.fits), None)
+
+
+@dataclass(frozen=True)
+class GpuCountResult:
+    """How many GPUs of which kind a global batch needs under FSDP2.
+
+    Attributes:
+        global_batch: the batch over all ranks.
+        rows: one per GPU count checked, fewest GPUs first.
+        skipped_counts: counts up to the maximum that do not divide ``global_batch``.
+        fewest: per catalog GPU name, the fewest GPUs of it that fit (GPUs no count fits on
+            are left out).
+        least_memory: ``(count, gpu)`` of the fitting configuration with the least total memory
+            (count x the GPU's memory; ties: fewer GPUs); ``None`` when nothing fits.
+        traces: recordings made (one per count: replayed on every GPU).
+        margin_bytes: the margin asked for; ``None``: each GPU's default margin.
+        warnings: what the predictions do not model, and where the table may differ.
+    """
+
+    global_batch: int
+    rows: tuple[GpuCountRow, ...]
+    skipped_counts: tuple[int, ...]
+    fewest: dict[str, int]
+    least_memory: tuple[int, GpuSpec] | None
+    traces: int
+    margin_bytes: int | None
+    warnings: tuple[str, ...]
+
+
+def gpu_counts(global_batch: int, max_gpus: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the powers of two up to ``max_gpus`` that divide ``global_batch``, those that do not)."""
+    check_positive("global_batch", global_batch, "smallest_gpu_count(record, 64)")
+    check_positive("max_gpus", max_gpus, "smallest_gpu_count(record, 64, max_gpus=64)")
+    counts = [1 << k for k in range(max_gpus.bit_length()) if 1 << k <= max_gpus]
+    return (
+        tuple(n for n in counts if global_batch % n == 0),
+        tuple(n for n in counts if global_batch % n),
+    )
+
+
+def smallest_gpu_count(
+    record: CountRecorder,
+    global_batch: int,
+    *,
+    max_gpus: int = 64,
+    candidates: Sequence[GpuSpec] = CATALOG,
+    margin_bytes: int | None = None,
+    target: Target | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> GpuCountResult:
+    """For each GPU count dividing ``global_batch``, which candidate GPUs rank 0 fits on.
+
+    Rank 0's step at per-rank batch ``global_batch // count`` is recorded once per count, for
+    ``target``'s GPU, and replayed on every candidate with its margin (as ``smallest_gpu`` does).
+    The recording's kernels are those of ``target``'s GPU: on a GPU of another compute
+    capability the SDPA backend (what attention saves) and the cuBLAS workspace may differ.
+
+    Args:
+        record: (GPU count, per-rank batch, target) -> (rank 0's recording, description).
+        global_batch: the batch over all ranks.
+        max_gpus: the largest count tried (counts are 1, 2, 4, ... up to it).
+        candidates: the GPUs to check; the catalog by default.
+        margin_bytes: memory to leave unreserved per GPU; ``None``: each GPU's default.
+        target: the allocator setting, versions and GPU to record for (default: an H100).
+        progress: called after each recording with (recordings made, recordings to make).
+
+    Raises:
+        ValueError: no candidates, a count or batch below 1, or no count divides the batch.
+    """
+    ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
+    if not ordered:
+        raise ValueError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
+    counts, skipped = gpu_counts(global_batch, max_gpus)
+    if not counts:  # unreachable: 1 divides every batch
+        raise ValueError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")
+    base = resolve_target(target)
+    rows: list[GpuCountRow] = []
+    warnings: list[str] = []
+    for done, count in enumerate(counts, start=1):
+        per_rank = global_batch // count
+        recording, description = record(count, per_rank, base)
+        if progress is not None:
+            progress(done, len(counts))
+        fits: list[GpuFit] = []
+        for spec in ordered:
+            on_spec = base.with_gpu(spec)
+            margin = resolve_margin(margin_bytes, spec.usable_bytes())
+            searched = less_margin(on_spec, margin)
+            replayed = on_spec if searched is None else searched
+            train = predict_recording(recording, target=replayed, description=description)
+            probe = probe_record(
+                per_rank, train, None, spec.usable_bytes(), feasible=searched is not None
+            )
+            if spec is ordered[-1]:  # alike on every GPU, with its figures: the largest's
+                warnings.extend(train.warnings)
+            fits.append(
+                GpuFit(
+                    gpu=spec,
+                    fits=probe.fits,
+                    headroom_bytes=probe.headroom_bytes,
+                    peak_reserved_bytes=probe.peak_reserved_bytes,
+                    usable_bytes=spec.usable_bytes(),
+                    margin_bytes=margin,
+                    limiting_step=probe.limiting_step,
+                )
+            )
+        rows.append(GpuCountRow(count, per_rank, tuple(fits), description))
+        del recording
+    fewest: dict[str, int] = {}
+    for row in rows:
+        for fit in row.candidates:
+            if fit.fits:
+                fewest.setdefault(fit.gpu.name, row.gpu_count)
+    options = [
+        (row.gpu_count * fit.gpu.total_memory_bytes, row.gpu_count, fit.gpu)
+        for row in rows
+        for fit in row.candidates
+        if fit.fits
+    ]
+    best = min(options, key=lambda o: (o[0], o[1], o[2].name), default=None)
+    kernels = base.gpu.name
+    warnings.append(
+        f"each count was recorded once with {kernels}'s kernels and replayed on every GPU; on a "
+        "GPU of another compute capability the attention backend (what it saves for backward) "
+        "and the cuBLAS workspace may differ"
+    )
+    return GpuCountResult(
+        global_batch=global_batch,
+        rows=tuple(rows),
+        skipped_counts=skipped,
+        fewest=fewest,
+        least_memory=None if best is None else (best[1], best[2]),
+        traces=len(counts),
+        margin_bytes=margin_bytes,
+        warnings=tuple(dedupe(warnings)),
+    )

@@ -79,11 +79,13 @@ class StepPeak:
 
 @dataclass(frozen=True)
 class LiveBreakdown:
-    """What was allocated at one moment, by category and by module (block sizes, rounded)."""
+    """What was allocated at one moment, by category, by module and by CUDA stream id (block
+    sizes, rounded)."""
 
     by_category_bytes: dict[str, int]
     by_module_bytes: dict[str, int]
     unattributed_bytes: int
+    by_stream_category_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -291,6 +293,7 @@ def live_breakdown(
                 live.pop(event.address, None)
     by_category: dict[str, int] = {}
     by_module: dict[str, int] = {}
+    by_stream: dict[int, dict[str, int]] = {}
     unattributed = 0
     for index in live.values():
         nbytes = block_bytes.get(index, 0)
@@ -298,13 +301,20 @@ def live_breakdown(
             continue
         tags = dict(events[index].tags)
         category = tags.get("category", _NO_CATEGORY)
+        on_stream = by_stream.setdefault(events[index].stream, {})
+        on_stream[category] = on_stream.get(category, 0) + nbytes
         by_category[category] = by_category.get(category, 0) + nbytes
         module = tags.get("module")
         if module is None:
             unattributed += nbytes
         else:
             by_module[module] = by_module.get(module, 0) + nbytes
-    return LiveBreakdown(_sorted(by_category), _sorted(by_module), unattributed)
+    return LiveBreakdown(
+        _sorted(by_category),
+        _sorted(by_module),
+        unattributed,
+        {stream: _sorted(by_stream[stream]) for stream in sorted(by_stream)},
+    )
 
 
 def _sorted(counts: dict[str, int]) -> dict[str, int]:

@@ -98,6 +98,9 @@ class PeakBreakdown:
         modules: every module's ``(path, bytes)``, largest first, ties in numeric path order
             (``h.2`` before ``h.10``); ``top_modules`` is its head. Reports merge repeated layers
             with ``oomkit.prediction.module_groups.group_modules``.
+        by_stream_category_bytes: allocated bytes by the CUDA stream each block was allocated
+            on, then by category (stream 0: the default stream; FSDP2's all-gather and
+            reduce-scatter streams are 1, 2, ... in the order the recording first used them).
     """
 
     event_index: int | None
@@ -108,6 +111,7 @@ class PeakBreakdown:
     top_modules: tuple[tuple[str, int], ...]
     unattributed_bytes: int
     modules: tuple[tuple[str, int], ...] = ()
+    by_stream_category_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, repr=False)
@@ -353,6 +357,7 @@ def _breakdown(
         top_modules=tuple(list(live.by_module_bytes.items())[:TOP_MODULES]),
         unattributed_bytes=live.unattributed_bytes,
         modules=tuple(live.by_module_bytes.items()),
+        by_stream_category_bytes=live.by_stream_category_bytes,
     )
 
 

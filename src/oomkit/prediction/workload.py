@@ -72,7 +72,8 @@ class WorkloadSpec:
         image_size: image height and width, where given.
         precision: ``StepOptions.precision`` (``None`` for a function: its own choice).
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``; ``None`` when not known.
-        checkpointing: activation checkpointing; ``None`` when not known.
+        checkpointing: activation checkpointing, ``"none"``, ``"full"`` or ``"selective-op"``
+            (``StepOptions.checkpointing``); ``None`` when not known.
         mode: ``"train"``, ``"inference"`` or ``"generate"``; ``None`` when not known.
         new_tokens: tokens generated (``generate`` only).
         steps: steps recorded.
@@ -98,7 +99,7 @@ class WorkloadSpec:
     image_size: int | None = None
     precision: str | None = None
     optimizer: str | None = None
-    checkpointing: bool | None = None
+    checkpointing: str | None = None
     mode: str | None = None
     new_tokens: int | None = None
     steps: int | None = None
@@ -180,7 +181,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             image_size=_typed(options.get("image_size"), int),
             precision=_typed(options.get("precision"), str),
             optimizer=_typed(options.get("optimizer"), str),
-            checkpointing=_typed(options.get("checkpointing"), bool),
+            checkpointing=_checkpointing(options.get("checkpointing")),
             mode=_typed(options.get("mode"), str),
             new_tokens=_typed(options.get("new_tokens"), int),
             steps=_typed(saved.get("steps"), int),
@@ -198,6 +199,13 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
     if isinstance(description, str) and description:
         return workload_from_description(description, steps=_typed(data.get("steps"), int))
     return None
+
+
+def _checkpointing(value: object) -> str | None:
+    """A saved ``checkpointing`` option: a mode, or older oomkit's boolean (full / none)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value if isinstance(value, str) else None
 
 
 def workload_from_description(description: str, *, steps: int | None = None) -> WorkloadSpec:

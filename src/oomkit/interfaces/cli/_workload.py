@@ -133,7 +133,13 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
     add_quantize_flags(parser)
     add_trainer_flags(parser)
     parser.add_argument(
-        "--checkpointing", action="store_true", help="activation checkpointing (presets, --hf)"
+        "--checkpointing",
+        nargs="?",
+        const="full",
+        default=None,
+        choices=("none", "full", "selective-op"),
+        help="activation checkpointing of each block (presets, --hf): none (default), full "
+        "(a bare --checkpointing) or selective-op (torchtitan's per-op policy)",
     )
     parser.add_argument("--mode", choices=modes, help="presets and --hf (default train)")
     parser.add_argument(
@@ -448,7 +454,7 @@ def _refuse_preset_flags(args: argparse.Namespace) -> None:
         for flag, value in (
             ("--precision", args.precision),
             ("--optimizer", args.optimizer),
-            ("--checkpointing", args.checkpointing or None),
+            ("--checkpointing", args.checkpointing),
             ("--mode", args.mode),
             ("--new-tokens", getattr(args, "new_tokens", None)),
             ("--optimizer-impl", getattr(args, "optimizer_impl", None)),

@@ -2,7 +2,10 @@
 
 Searches over batch size with the predictor (``oomkit.plan.batch_search.max_batch_size``):
 doubling, then bisection, one trace per size. ``--batch N --smallest-gpu`` answers the reverse
-question: the smallest catalog GPU that batch fits on.
+question: the smallest catalog GPU that batch fits on. ``--fsdp N`` searches rank 0's per-rank
+batch of the preset sharded with FSDP2 (recorded on a fake process group, as ``oomkit predict
+--fsdp``), and ``--smallest-gpu --global-batch B`` tabulates GPU counts 1, 2, 4, ... (up to
+``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind.
 
 Exit codes: 0 a batch was found (or, with ``--smallest-gpu``, a GPU), 1 not even batch 1 fits
 (no GPU of the catalog fits), 2 bad input, 3 torch is not installed.
@@ -25,6 +28,7 @@ from oomkit.interfaces.cli._common import (
 )
 from oomkit.interfaces.cli._envelope import add_lengths_flags, run_fit_envelope
 from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
+from oomkit.interfaces.cli._target import add_parallel_flags
 from oomkit.interfaces.cli._workload import (
     Workload,
     add_gpu_flags,
@@ -37,6 +41,7 @@ from oomkit.interfaces.cli._workload import (
     user_values,
     user_workload_spec,
 )
+from oomkit.plan.batch_probe import RecordingBuilder
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
@@ -45,6 +50,8 @@ __all__ = ["add_parser", "run", "progress_enabled"]
 
 # A model's batch is fixed by its training setup; the default bound of the search.
 DEFAULT_MAX_BATCH = 65536
+# The largest GPU count --smallest-gpu --global-batch tabulates by default.
+DEFAULT_MAX_GPUS = 64
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -61,6 +68,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_workload_flags(parser, modes=("train", "inference"))
     add_gpu_flags(parser)
+    add_parallel_flags(parser)
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        metavar="B",
+        help="with --smallest-gpu: the batch over all GPUs; tabulate GPU counts 1, 2, 4, ... "
+        "(per-rank batch B / N, FSDP2 for N > 1) x catalog GPUs",
+    )
+    parser.add_argument(
+        "--max-gpus",
+        type=positive_int,
+        default=DEFAULT_MAX_GPUS,
+        metavar="N",
+        help=f"with --global-batch: the largest GPU count tried (default {DEFAULT_MAX_GPUS})",
+    )
     parser.add_argument(
         "--margin",
         type=size_arg,
@@ -153,6 +175,25 @@ def _validate(args: argparse.Namespace) -> Target:
     from oomkit.interfaces.cli._user_function import is_user_target
 
     target = target_from_args(args, default_torch_version=installed_torch_version())
+    if args.global_batch is not None:
+        if not args.smallest_gpu or target.parallel is not None or args.batch is not None:
+            raise OomkitError(
+                "--global-batch goes with --smallest-gpu alone (it tries GPU counts itself, with "
+                "per-rank batch B / N): e.g. `oomkit fit llama3-8b --smallest-gpu --global-batch "
+                "64`; drop --fsdp/--tp/--dp and --batch"
+            )
+        return target
+    if target.parallel is not None:
+        layout = target.parallel
+        if layout.tp > 1 or layout.dp > 1:
+            raise OomkitError(
+                "oomkit fit models --fsdp N alone; --tp and --dp are not searched yet"
+            )
+        if args.smallest_gpu or args.eval is not None:
+            raise OomkitError(
+                "--fsdp searches rank 0's per-rank batch; for how many GPUs of which kind use "
+                "--smallest-gpu --global-batch B (without --fsdp); --eval is not sharded"
+            )
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
             "--smallest-gpu checks one batch size: give it with --batch N, e.g. "
@@ -187,13 +228,84 @@ def run(args: argparse.Namespace) -> int:
             raise OomkitError("--seed and --pad-to go with --lengths FILE (the epoch envelope)")
         if args.steps is None:
             args.steps = 2
+        if args.global_batch is not None:
+            return _run_gpu_counts(args, target, builders)
         if args.smallest_gpu:
             return _run_smallest(args, target, builders, eval_step)
-        return _run_search(args, target, builders, eval_step)
+        if target.parallel is not None:
+            sharded = _sharded_recorder(args, target.parallel.fsdp)
+            return _run_search(args, target, RecordingBuilder(sharded), None)
+        return _run_search(args, target, builders.train, eval_step)
+
+
+def _sharded_recorder(args: argparse.Namespace, world_size: int) -> Any:
+    """(per-rank batch, target, steps) -> rank 0's recording of the preset under FSDP2 over
+    ``world_size`` fake ranks (as ``oomkit predict --fsdp``), and its description."""
+
+    def record(batch_size: int, target: Target, steps: int) -> tuple[Any, str]:
+        from oomkit.core.target import ParallelLayout
+        from oomkit.interfaces.cli._workload import build_sharded_workload
+        from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+        layout = ParallelLayout(fsdp=world_size)
+        workload = build_sharded_workload(args, batch_size)
+        recording = trace_distributed_step(
+            workload.build,
+            world_size=layout.world_size,
+            mesh_shape=layout.mesh_shape,
+            steps=steps,
+            target=target,
+        )
+        return recording, workload.descriptions[0] if workload.descriptions else ""
+
+    return record
+
+
+def _run_gpu_counts(args: argparse.Namespace, target: Target, builders: _Builders) -> int:
+    """``--smallest-gpu --global-batch B``: GPU counts x catalog GPUs, one recording per count."""
+    from oomkit.core.gpus import CATALOG
+    from oomkit.interfaces.reports.gpu_count import gpu_count_to_json, render_gpu_count
+    from oomkit.plan.batch_probe import record_step
+    from oomkit.plan.smallest_gpu import gpu_counts, smallest_gpu_count
+
+    candidates = CATALOG
+    if args.context_overhead is not None:
+        candidates = tuple(replace(g, context_overhead_bytes=args.context_overhead) for g in CATALOG)
+    counts, _ = gpu_counts(args.global_batch, args.max_gpus)
+    if not args.json:
+        stderr_console().print(
+            f"global batch {args.global_batch} of {args.hf or args.target}: recording rank 0 at "
+            f"{len(counts)} GPU count(s) ({', '.join(map(str, counts))}), replaying on "
+            f"{len(candidates)} GPUs ..."
+        )
+
+    def record(count: int, per_rank: int, on: Target) -> tuple[Any, str]:
+        if count == 1:  # one GPU trains without FSDP
+            return record_step(builders.train, "train step", per_rank, target=on, steps=args.steps)
+        return _sharded_recorder(args, count)(per_rank, on, args.steps)
+
+    with (
+        progress_bar(progress_enabled(args, sys.stderr), "recording per GPU count") as bar,
+        user_output_to_stderr(),
+    ):
+        result = smallest_gpu_count(
+            record,
+            args.global_batch,
+            max_gpus=args.max_gpus,
+            candidates=candidates,
+            margin_bytes=args.margin,
+            target=target,
+            progress=bar,
+        )
+    if args.json:
+        print_json(gpu_count_to_json(result))
+    else:
+        render_gpu_count(result, stdout_console())
+    return 0 if result.least_memory is not None else 1
 
 
 def _run_search(
-    args: argparse.Namespace, target: Target, builders: _Builders, eval_step: Any
+    args: argparse.Namespace, target: Target, train: Any, eval_step: Any
 ) -> int:
     from oomkit.interfaces.reports.batch_search import batch_search_to_json, render_batch_search
     from oomkit.plan.batch_search import max_batch_size
@@ -208,7 +320,7 @@ def _run_search(
             user_output_to_stderr(),
         ):
             result = max_batch_size(
-                builders.train,
+                train,
                 target=target,
                 margin_bytes=args.margin,
                 steps=args.steps,

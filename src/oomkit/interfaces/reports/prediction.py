@@ -29,9 +29,11 @@ from oomkit.units import format_bytes
 
 __all__ = [
     "COMPILED_EAGERLY",
+    "RANK_GROUPS",
     "kernels_line",
     "prediction_summary",
     "prediction_to_json",
+    "rank_memory",
     "render_prediction",
     "target_to_json",
     "verdict_line",
@@ -39,6 +41,88 @@ __all__ = [
 
 # What a row of the breakdown table calls reserved memory that holds no live tensor.
 CACHED_LABEL = "cached, not allocated"
+
+# The per-rank view of a distributed prediction groups the recorder's categories
+# (prediction/tracing/categories.py CATEGORIES); what none names is "other" (buffers, cuBLAS
+# and cuDNN workspaces, autocast's weight casts).
+RANK_GROUPS: dict[str, tuple[str, ...]] = {
+    # FSDP2 holds these as 1/N shards (DTensor local shards, padded); DDP replicates them.
+    "states": ("parameter", "gradient", "optimizer_state"),
+    # FSDP2's unsharded all-gather outputs and its reduce-scatter inputs/outputs.
+    "collective_buffers": ("allgather_buffer", "reduce_scatter_buffer"),
+    "activations": ("activation", "temporary", "input"),
+}
+_GROUP_TITLES = {
+    "states": "model states (parameters, gradients, optimizer; sharded under FSDP)",
+    "collective_buffers": "unsharded all-gather / reduce-scatter buffers",
+    "activations": "activations, temporaries and inputs",
+    "other": "other (buffers, workspaces, autocast casts)",
+}
+
+
+def rank_memory(prediction: Prediction) -> dict[str, object] | None:
+    """Rank 0's memory at the peak-allocated moment of a distributed prediction.
+
+    Returns:
+        ``None`` for a one-GPU prediction; else ``rank`` (0), ``world_size``, ``fsdp`` /
+        ``tp`` / ``dp``, ``allocated_bytes`` and ``reserved_bytes`` at the peak,
+        ``by_group_bytes`` (:data:`RANK_GROUPS` and ``other``, summing to ``allocated_bytes``)
+        and ``by_stream``: per CUDA stream id (0: the default stream), its allocated bytes and
+        their categories.
+    """
+    target = prediction.target
+    if target is None or target.parallel is None:
+        return None
+    at = prediction.peak_allocated_at
+    groups = {name: 0 for name in (*RANK_GROUPS, "other")}
+    for category, nbytes in at.by_category_bytes.items():
+        group = next((g for g, names in RANK_GROUPS.items() if category in names), "other")
+        groups[group] += nbytes
+    layout = target.parallel
+    return {
+        "rank": 0,
+        "world_size": layout.world_size,
+        "fsdp": layout.fsdp,
+        "tp": layout.tp,
+        "dp": layout.dp,
+        "allocated_bytes": at.allocated_bytes,
+        "reserved_bytes": at.reserved_bytes,
+        "by_group_bytes": groups,
+        "by_stream": [
+            {
+                "stream": stream,
+                "allocated_bytes": sum(categories.values()),
+                "by_category_bytes": dict(categories),
+            }
+            for stream, categories in at.by_stream_category_bytes.items()
+        ],
+    }
+
+
+def _rank_tables(memory: Mapping[str, object]) -> tuple[Table, Table]:
+    groups = memory["by_group_bytes"]
+    streams = memory["by_stream"]
+    assert isinstance(groups, dict) and isinstance(streams, list)
+    allocated = int(str(memory["allocated_bytes"]))
+    title = f"Rank 0 of {memory['world_size']} at peak allocated, by kind"
+    kinds = Table(title=title, show_header=True, header_style="bold")
+    kinds.add_column("memory")
+    kinds.add_column("bytes", justify="right")
+    kinds.add_column("% of allocated", justify="right")
+    for group, nbytes in groups.items():
+        kinds.add_row(_GROUP_TITLES[group], format_bytes(nbytes), _pct(nbytes, allocated))
+    by_stream = Table(
+        title="Rank 0 at peak allocated, by CUDA stream", show_header=True, header_style="bold"
+    )
+    by_stream.add_column("stream")
+    by_stream.add_column("category")
+    by_stream.add_column("bytes", justify="right")
+    for row in streams:
+        name = "0 (default)" if row["stream"] == 0 else str(row["stream"])
+        by_stream.add_row(name, "all", format_bytes(row["allocated_bytes"]), style="bold")
+        for category, nbytes in row["by_category_bytes"].items():
+            by_stream.add_row("", category, format_bytes(nbytes))
+    return kinds, by_stream
 
 
 def kernels_line(prediction: Prediction) -> str:
@@ -151,6 +235,10 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
     at = p.peak_allocated_at
     when = "before the first step" if at.step is None else f"step {at.step}"
     console.print(_breakdown_table(at, f"Memory at peak allocated ({when})"))
+    memory = rank_memory(p)
+    if memory is not None:
+        for table in _rank_tables(memory):
+            console.print(table)
     if at.top_modules or at.unattributed_bytes:
         console.print(_modules_table(at))
     if len(p.step_peaks) > 1:
@@ -230,6 +318,9 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
     out["nothing_recorded"] = empty
     out["fits"] = prediction.fits and not empty
     out["verdict"] = verdict_line(prediction)
+    memory = rank_memory(prediction)
+    if memory is not None:
+        out["per_rank"] = memory
     target = prediction.target
     if target is not None:
         out["target"] = target_to_json(target)

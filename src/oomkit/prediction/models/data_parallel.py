@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,7 @@ from oomkit.errors import ConfigError
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import _cast_floating
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
+from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import ModelRunner, build_step, model_dtype
 
 if TYPE_CHECKING:
@@ -102,8 +103,7 @@ def build_ddp_preset_step(
     dtype = model_dtype(options.precision)
     if dtype != torch.float32:
         _cast_floating(model, dtype)
-    if options.checkpointing:
-        cast(Any, model).checkpointing = True  # every preset module reads this flag
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     wrapped: list[torch.nn.Module] = []
 
     def setup() -> None:

@@ -21,6 +21,7 @@ from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
 from oomkit.prediction.models.bnb_config import bnb_step_fields
 from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
+from oomkit.prediction.models.selective_ac import selective_op_context
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
 __all__ = ["build_hf_step", "config_precision", "load_hf_config"]
@@ -277,15 +278,17 @@ def build_hf_step(
         build_kwargs[_dtype_keyword(transformers)] = model_dtype(options.precision)
     with torch.device(device):
         model = auto_class.from_config(config, **build_kwargs)
-    if options.checkpointing and options.mode == "train":
+    if options.checkpointing != "none" and options.mode == "train":
         # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
         # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
         # (transformers 5 renamed it activation_checkpointing_enable; the old name warns.)
-        reentrant = {"use_reentrant": options.checkpoint_reentrant}
+        kwargs: dict[str, Any] = {"use_reentrant": options.checkpoint_reentrant}
+        if options.checkpointing == "selective-op":  # the policy per checkpointed layer call
+            kwargs.update(context_fn=selective_op_context, preserve_rng_state=False)
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(
         text, "n_positions", None

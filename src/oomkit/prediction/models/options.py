@@ -9,7 +9,9 @@ from typing import Any, Literal, get_args
 from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
 
 __all__ = [
+    "CHECKPOINTING_MODES",
     "BuiltStep",
+    "Checkpointing",
     "ComputeDtype",
     "Mode",
     "OptimizerImpl",
@@ -25,6 +27,7 @@ OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Quantize = Literal["nf4", "fp4", "int8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["train", "inference", "generate"]
+Checkpointing = Literal["none", "full", "selective-op"]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
@@ -32,6 +35,7 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 OPTIMIZER_IMPLS: tuple[OptimizerImpl, ...] = get_args(OptimizerImpl)
 QUANTIZE: tuple[Quantize, ...] = get_args(Quantize)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
+CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,13 @@ class StepOptions:
             in (``bfloat16`` -> ``bf16``; no dtype -> ``fp32``).
         optimizer: ``adamw`` / ``adam`` (two states per parameter), ``sgd`` (momentum 0.9, one),
             ``adamw8bit`` / ``paged-adamw8bit`` or ``adafactor`` (see ``optimizer_impl``).
-        checkpointing: recompute each block in backward (``torch.utils.checkpoint``,
-            ``use_reentrant=False``) instead of keeping its activations.
+        checkpointing: activation checkpointing of each transformer (or residual) block:
+            ``none``; ``full`` (recompute the whole block in backward,
+            ``torch.utils.checkpoint`` with ``use_reentrant=False``); ``selective-op``
+            (torchtitan's per-op policy: the block's matmul, attention and reduce-scatter
+            outputs are saved, every second ``mm`` and everything else recomputed; see
+            ``oomkit.prediction.models.selective_ac``). ``True`` / ``False`` are read as
+            ``full`` / ``none``.
         mode: ``train`` (forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``),
             ``inference`` (forward under ``torch.no_grad``) or ``generate`` (greedy decoding with a
             KV cache; decoder models only).
@@ -92,7 +101,7 @@ class StepOptions:
     image_size: int | None = None
     precision: Precision | None = None
     optimizer: OptimizerName = "adamw"
-    checkpointing: bool = False
+    checkpointing: Checkpointing = "none"
     mode: Mode = "train"
     new_tokens: int = 128
     lora: LoraOptions | None = None
@@ -107,6 +116,10 @@ class StepOptions:
     def __post_init__(self) -> None:
         lora: Any = self.lora
         object.__setattr__(self, "lora", lora_options_from(lora))
+        checkpointing: object = self.checkpointing
+        if isinstance(checkpointing, bool):  # the boolean field of older oomkit
+            object.__setattr__(self, "checkpointing", "full" if checkpointing else "none")
+        _check_choice("checkpointing", self.checkpointing, CHECKPOINTING_MODES, "selective-op")
         if self.precision is not None:
             _check_choice("precision", self.precision, PRECISIONS, "bf16-mixed")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS, "adamw")
@@ -148,10 +161,16 @@ class StepOptions:
                 f"StepOptions.max_grad_norm must be a positive number or None (no clipping); got "
                 f"{norm!r}. Example: StepOptions(max_grad_norm=1.0)"
             )
-        if self.checkpoint_reentrant and not self.checkpointing:
+        if self.checkpoint_reentrant and self.checkpointing == "none":
             raise ValueError(
                 "StepOptions.checkpoint_reentrant picks how checkpointing recomputes; add "
-                "StepOptions(checkpointing=True), or drop it"
+                "StepOptions(checkpointing='full'), or drop it"
+            )
+        if self.checkpoint_reentrant and self.checkpointing == "selective-op":
+            # torch/utils/checkpoint.py: use_reentrant=True takes no context_fn (the policy).
+            raise ValueError(
+                "selective-op checkpointing needs use_reentrant=False (torch's reentrant "
+                "checkpoint takes no policy); drop checkpoint_reentrant or use 'full'"
             )
         if self.mode != "train" and (self.grad_accum != 1 or norm is not None):
             raise ValueError(

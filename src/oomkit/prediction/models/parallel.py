@@ -15,13 +15,14 @@ gives FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (torch
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
+from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import _describe, build_step, model_dtype
 
 if TYPE_CHECKING:
@@ -123,8 +124,8 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
-    if options.checkpointing:
-        cast(Any, model).checkpointing = True  # every preset module reads this flag
+    # Before FSDP2, as torchtitan applies AC before fully_shard.
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)

@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -28,6 +28,7 @@ from oomkit.prediction.models.resnet import (
     resnet_buffer_count,
     resnet_parameter_count,
 )
+from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 from oomkit.prediction.models.vit import ViT, ViTShape, vit_parameter_count
 
@@ -261,8 +262,7 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     with torch.device(device):
         model = preset.build()
     model = model.to(dtype=model_dtype(options.precision))
-    if options.checkpointing:
-        cast(Any, model).checkpointing = True  # every preset module reads this flag
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     title = prepare_finetune(model, options, preset.title)  # quantize, LoRA
     runner = _runner(preset, model)
     return build_step(

@@ -313,8 +313,9 @@ def _describe(
     )
     if options.mode == "train":
         parts.append(options.optimizer)
-        if options.checkpointing:
-            parts.append("checkpointing" + (" (reentrant)" if options.checkpoint_reentrant else ""))
+        if options.checkpointing != "none":
+            mode = "checkpointing" if options.checkpointing == "full" else "selective-op checkpointing"
+            parts.append(mode + (" (reentrant)" if options.checkpoint_reentrant else ""))
         if options.grad_accum > 1:
             parts.append(f"accumulate {options.grad_accum}")
         if options.max_grad_norm is not None:

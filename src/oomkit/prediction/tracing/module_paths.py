@@ -68,6 +68,13 @@ class ModulePaths:
         return path
 
     def _set(self, module: torch.nn.Module, path: str) -> None:
-        """Name ``module`` unless it has a name (the first path of a shared module wins)."""
+        """Name ``module`` unless it has a name (the first path of a shared module wins).
+
+        torch's ``checkpoint_wrapper`` (selective AC) holds the block as
+        ``_checkpoint_wrapped_module``; the name is dropped as torch drops it from parameter
+        and state-dict names (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py
+        ``_CHECKPOINT_PREFIX``), so a wrapped block keeps its path (``layers.0.mlp``).
+        """
+        path = path.replace("._checkpoint_wrapped_module", "")
         if self._paths.setdefault(module, path) == path:
             self._ref_paths.setdefault(self.ref(module), path)

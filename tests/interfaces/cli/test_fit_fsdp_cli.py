@@ -1,0 +1,68 @@
+"""`oomkit fit --fsdp N` (rank 0's per-rank batch) and `fit --smallest-gpu --global-batch B`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import main
+
+torch = pytest.importorskip("torch")
+
+
+def _json(argv: list[str]) -> tuple[int, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, json.loads(out.getvalue())
+
+
+def test_fit_fsdp_searches_the_per_rank_batch_of_rank_0():
+    """GPT-2 124M over 2 FSDP2 ranks: batch 2 per rank (the bound) fits an H100, and the answer
+    is rank 0's sharded step."""
+    code, data = _json(
+        ["fit", "gpt2-124m", "--fsdp", "2", "--seq", "16", "--batch", "2", "--max-batch", "2",
+         "--steps", "1", "--json"]
+    )
+    assert code == 0
+    assert data["batch_size"] == 2
+    assert data["description"] == (
+        "GPT-2 124M, batch 2, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
+        "(13 units: per block + root), rank 0"
+    )
+    assert any("rank 0 of a fake process group" in w for w in data["warnings"])
+
+
+def test_smallest_gpu_global_batch_tabulates_counts():
+    """Global batch 2 up to 4 GPUs: counts 1 and 2 recorded once each, 4 skipped; GPT-2 fits
+    the smallest catalog GPU at one GPU already."""
+    code, data = _json(
+        ["fit", "gpt2-124m", "--smallest-gpu", "--global-batch", "2", "--max-gpus", "4",
+         "--seq", "16", "--steps", "1", "--json"]
+    )
+    assert code == 0
+    assert [(r["gpu_count"], r["per_rank_batch"]) for r in data["rows"]] == [(1, 2), (2, 1)]
+    assert data["skipped_counts"] == [4] and data["traces"] == 2
+    assert "FSDP2 over 2 ranks" in data["rows"][1]["description"]
+    assert data["least_memory"]["gpu_count"] == 1
+    smallest = data["rows"][0]["candidates"][0]
+    assert smallest["fits"] and data["least_memory"]["gpu"] == smallest["gpu"]
+    assert len(data["rows"][0]["candidates"]) == len(data["rows"][1]["candidates"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fit", "gpt2-124m", "--global-batch", "8"], "--global-batch goes with --smallest-gpu"),
+        (["fit", "gpt2-124m", "--smallest-gpu", "--global-batch", "8", "--fsdp", "2"], "drop"),
+        (["fit", "gpt2-124m", "--fsdp", "2", "--smallest-gpu", "--batch", "2"], "--global-batch"),
+        (["fit", "gpt2-124m", "--fsdp", "2", "--tp", "2"], "--tp and --dp are not searched"),
+    ],
+)
+def test_refusals_exit_2(argv, message, capsys):
+    """Flag combinations fit cannot answer are refused before anything is recorded."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,192 @@
+"""Selective per-op activation checkpointing (torchtitan's policy) recorded for real."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oomkit.core.target import Target
+from oomkit.prediction.models import StepOptions, build_preset_step
+from oomkit.prediction.models.llama import Llama, LlamaShape
+from oomkit.prediction.models.selective_ac import apply_checkpointing, selective_op_policy
+from oomkit.prediction.models.steps import ModelRunner, build_step
+from oomkit.prediction.predictor import predict_recording
+from oomkit.prediction.tracing import trace_step
+
+TINY = LlamaShape(
+    hidden=256,
+    intermediate=1024,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    vocab=512,
+    tied=False,
+    positions=4096,
+)
+
+
+def _tiny_peak(mode: str) -> int:
+    with torch.device("meta"):
+        model = Llama(TINY)
+    apply_checkpointing(model, mode)  # type: ignore[arg-type]
+    options = StepOptions(batch_size=4, seq_len=1024, checkpointing=mode)  # type: ignore[arg-type]
+    runner = ModelRunner(model, "causal_lm", TINY.vocab, forward=model)
+    built = build_step(runner, options, title="tiny", seq_len=1024, image_size=224, device="meta")
+    target = Target.resolve(gpu="h100")
+    recording = trace_step(built.step_fn, *built.track, steps=2, target=target)
+    return predict_recording(recording, target=target).peak_allocated_bytes
+
+
+def test_options_read_booleans_and_refuse_unknown_modes():
+    """True/False from older callers mean full/none; an unknown mode is refused by name."""
+    assert StepOptions(checkpointing=True).checkpointing == "full"  # type: ignore[arg-type]
+    assert StepOptions(checkpointing=False).checkpointing == "none"  # type: ignore[arg-type]
+    assert StepOptions(checkpointing="selective-op").checkpointing == "selective-op"
+    with pytest.raises(ValueError, match="checkpointing must be one of none, full, selective-op"):
+        StepOptions(checkpointing="op")  # type: ignore[arg-type]
+
+
+def test_policy_saves_every_other_mm_counting_forward_and_recompute_apart():
+    """Forward's 1st and 3rd mm are saved, the 2nd and 4th recomputed; recomputation counts
+    its own mms from zero; SDPA outputs are saved, other ops recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    counts: dict[str, int] = defaultdict(int)
+    policy = selective_op_policy(counts)
+    forward = SimpleNamespace(is_recompute=False)
+    recompute = SimpleNamespace(is_recompute=True)
+    mm = torch.ops.aten.mm.default
+    got = [policy(forward, mm) for _ in range(4)]
+    assert got == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] * 2
+    assert policy(recompute, mm) == CheckpointPolicy.MUST_SAVE  # its own count: 1
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    assert policy(forward, flash) == CheckpointPolicy.MUST_SAVE
+    assert policy(forward, torch.ops.aten.addmm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert dict(counts) == {"forward_mm_count": 4, "recompute_mm_count": 1}
+
+
+def test_selective_op_saves_what_the_policy_saves_in_one_block():
+    """Llama 3.2 1B bf16-mixed on an H100: block 0 keeps q, v, gate and down projections
+    (mm 1, 3, 5, 7), cuDNN attention's outputs and the block's output; exact bytes."""
+    options = StepOptions(
+        batch_size=1, seq_len=32, checkpointing="selective-op", precision="bf16-mixed"
+    )
+    built = build_preset_step("llama-1b", options)
+    recording = trace_step(built.step_fn, *built.track, target=Target.resolve(gpu="h100"))
+    kept = [
+        (dict(e.tags)["module"], dict(e.tags)["op"], e.size)
+        for e in recording.events
+        if e.action == "alloc"
+        and dict(e.tags).get("phase") == "forward"
+        and dict(e.tags).get("category") == "activation"
+        and dict(e.tags).get("module", "").split(".")[:2] == ["layers", "0"]
+    ]
+    tokens, hidden, kv, ffn, heads = 32, 2048, 512, 8192, 32
+    cudnn = "aten._scaled_dot_product_cudnn_attention.default"
+    assert kept == [
+        ("layers.0.self_attn.q_proj", "aten.mm.default", tokens * hidden * 2),
+        ("layers.0.self_attn.v_proj", "aten.mm.default", tokens * kv * 2),
+        ("layers.0.self_attn", cudnn, tokens * hidden * 2),  # output, bf16
+        ("layers.0.self_attn", cudnn, heads * tokens * 4),  # logsumexp, fp32
+        ("layers.0.self_attn", cudnn, 8),  # philox seed
+        ("layers.0.self_attn", cudnn, 8),  # philox offset
+        ("layers.0.mlp.gate_proj", "aten.mm.default", tokens * ffn * 2),
+        ("layers.0.mlp.down_proj", "aten.mm.default", tokens * hidden * 2),
+        ("layers.0", "aten.add.Tensor", tokens * hidden * 4),  # block 1's checkpointed input
+    ]
+
+
+def test_selective_op_peak_lies_between_full_and_none():
+    """A tiny Llama's peak: full checkpointing < selective-op < none."""
+    peaks = {mode: _tiny_peak(mode) for mode in ("none", "full", "selective-op")}
+    assert peaks["full"] < peaks["selective-op"] < peaks["none"]
+
+
+def test_selective_op_under_fsdp2_saves_the_same_ops_in_bf16():
+    """Llama 3.2 1B under FSDP2 over 4 fake ranks (bf16 MixedPrecisionPolicy): block 0, as a
+    checkpoint_wrapper sharded by fully_shard, keeps the policy's outputs, exact bytes."""
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    options = StepOptions(
+        batch_size=1, seq_len=32, checkpointing="selective-op", precision="bf16-mixed"
+    )
+
+    def build(mesh):
+        built = build_fsdp_preset_step("llama-1b", options, mesh)
+        return built.step_fn, tuple(built.track)
+
+    recording = trace_distributed_step(build, world_size=4, target=Target.resolve(gpu="h100"))
+    kept = [
+        (dict(e.tags)["module"], dict(e.tags)["op"].removeprefix("aten."), e.size, e.stream)
+        for e in recording.events
+        if e.action == "alloc"
+        and dict(e.tags).get("phase") == "forward"
+        and dict(e.tags).get("category") == "activation"
+        and dict(e.tags).get("module", "").split(".")[:2] == ["layers", "0"]
+    ]
+    tokens, hidden, kv, ffn, heads = 32, 2048, 512, 8192, 32
+    cudnn = "_scaled_dot_product_cudnn_attention.default"
+    assert kept == [
+        ("layers.0.self_attn.q_proj", "mm.default", tokens * hidden * 2, 0),
+        ("layers.0.self_attn.v_proj", "mm.default", tokens * kv * 2, 0),
+        ("layers.0.self_attn", cudnn, tokens * hidden * 2, 0),
+        ("layers.0.self_attn", cudnn, heads * tokens * 4, 0),
+        ("layers.0.self_attn", cudnn, 8, 0),
+        ("layers.0.self_attn", cudnn, 8, 0),
+        ("layers.0.mlp.gate_proj", "mm.default", tokens * ffn * 2, 0),
+        ("layers.0.mlp.down_proj", "mm.default", tokens * hidden * 2, 0),
+        ("layers.0", "add.Tensor", tokens * hidden * 2, 0),  # bf16: FSDP2 casts the inputs
+    ]
+
+
+def test_hf_layers_take_the_policy_as_their_context_fn():
+    """A small Hugging Face Llama (bf16, 2 x 32 tokens): layer 0 keeps the same ops as the
+    preset, through gradient_checkpointing_enable's context_fn."""
+    transformers = pytest.importorskip("transformers")
+    from oomkit.prediction.models import build_hf_step
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, bos_token_id=0,
+        eos_token_id=0,
+    )
+    options = StepOptions(batch_size=2, seq_len=32, checkpointing="selective-op", precision="bf16")
+    built = build_hf_step(config, options)
+    assert built.description.endswith("adamw, selective-op checkpointing, train")
+    recording = trace_step(built.step_fn, *built.track, target=Target.resolve(gpu="h100"))
+    kept = [
+        (dict(e.tags)["module"].removeprefix("model.layers.0"), e.size)
+        for e in recording.events
+        if e.action == "alloc"
+        and dict(e.tags).get("phase") == "forward"
+        and dict(e.tags).get("category") == "activation"
+        and dict(e.tags).get("module", "").startswith("model.layers.0")
+    ]
+    tokens = 2 * 32
+    assert kept == [
+        (".self_attn.q_proj", tokens * 64 * 2),
+        (".self_attn.v_proj", tokens * 32 * 2),
+        (".self_attn", tokens * 64 * 2),  # cuDNN attention's output
+        (".self_attn", 2 * 4 * 32 * 4),  # its fp32 logsumexp
+        (".self_attn", 8),
+        (".self_attn", 8),
+        (".mlp.gate_proj", tokens * 128 * 2),
+        (".mlp.down_proj", tokens * 64 * 2),
+        ("", tokens * 64 * 2),  # layer 1's checkpointed input
+    ]
+
+
+def test_inference_is_not_checkpointed():
+    """Checkpointing changes only what backward needs: an inference step records the same
+    allocations with selective-op as without."""
+    sizes = {}
+    for mode in ("none", "selective-op"):
+        options = StepOptions(batch_size=1, seq_len=32, mode="inference", checkpointing=mode)
+        built = build_preset_step("llama-1b", options)
+        recording = trace_step(built.step_fn, *built.track)
+        sizes[mode] = [(e.action, e.size) for e in recording.events]
+    assert sizes["selective-op"] == sizes["none"] and len(sizes["none"]) > 100
