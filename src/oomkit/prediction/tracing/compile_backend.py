@@ -74,15 +74,17 @@ class PlannedGraph:
         env: dict[str, Any] = {}
         keep: dict[BufferKey, Any] = {}
         held: dict[BufferKey, Allocation] = {}
-        placeholders = iter(list(args))
+        # Taken one by one, so that no list holds an input past its last use.
+        placeholders = args[::-1]
         args.clear()
         result: list[Any] = []
         with _disable_current_modes():
             for i, node in enumerate(self._nodes):
                 if node.op == "placeholder":
-                    value = next(placeholders)
+                    value = placeholders.pop()
                     env[node.name] = value
                     keep[(node.name, 0)] = value
+                    del value
                 elif node.op == "output":
                     result = list(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))
                     break

@@ -234,7 +234,7 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
             parent = node.args[0]
             assert isinstance(parent, torch.fx.Node)
             index = node.args[1]
-            key = (parent.name, int(index))  # type: ignore[call-overload]
+            key = (parent.name, int(index))
             plan.bases[node.name] = (key,) if key in plan.buffers else ()
             reads[node.name] = frozenset(plan.bases[node.name])
             opcount[node.name] = 0
@@ -287,7 +287,16 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
 def _plan_reuse(
     plan: BufferPlan, nodes: list[torch.fx.Node], reads: dict[str, frozenset[BufferKey]]
 ) -> None:
-    """wrapper.py MemoryPlanningState: in-place and pooled reuse, in kernel order."""
+    """wrapper.py MemoryPlanningState: in-place and pooled reuse, in kernel order.
+
+    A pooled buffer is taken only by the next kernel, or when holding it until then keeps the
+    graph under its estimated peak (wrapper.py ``AllocateLine.should_reuse_buffer`` with
+    ``EfficientPeakEstimate``): a reused buffer is never freed, so it stays allocated between.
+    """
+    kernels = [i for i, n in enumerate(nodes) if n.name in plan.materialised]
+    position = {i: k for k, i in enumerate(kernels)}
+    live = _live_by_kernel(plan, kernels)
+    overall_peak = max(live, default=0)
     dying: dict[int, list[Buffer]] = {}
     for buf in plan.buffers.values():
         if not buf.is_output and buf.last_use >= 0:
@@ -301,17 +310,50 @@ def _plan_reuse(
                 if buf.made_at != i:
                     continue
                 donor = _in_place_donor(plan, buf, node, kernel_reads, i)
-                if donor is None:
-                    stack = pool.get((buf.dtype, buf.nbytes))
-                    donor = stack.pop() if stack else None
-                else:
+                if donor is not None:
                     buf.in_place = True
+                else:
+                    donor = _pooled_donor(pool, buf, position, live, overall_peak)
                 if donor is not None:
                     buf.reuses = donor.key
                     donor.reused_later = True
         for buf in dying.get(i, ()):
             if not buf.is_input and not buf.reused_later:
                 pool.setdefault((buf.dtype, buf.nbytes), []).append(buf)
+
+
+def _live_by_kernel(plan: BufferPlan, kernels: list[int]) -> list[int]:
+    """Bytes alive while each kernel runs, before reuse (memory.py ``estimate_peak_memory``)."""
+    live = [0] * len(kernels)
+    last = kernels[-1] if kernels else -1
+    for buf in plan.buffers.values():
+        end = last if buf.is_output or buf.last_use < 0 else buf.last_use
+        for k, i in enumerate(kernels):
+            if buf.made_at <= i <= end:
+                live[k] += buf.nbytes
+    return live
+
+
+def _pooled_donor(
+    pool: dict[tuple[Any, int], list[Buffer]],
+    buf: Buffer,
+    position: dict[int, int],
+    live: list[int],
+    overall_peak: int,
+) -> Buffer | None:
+    stack = pool.get((buf.dtype, buf.nbytes))
+    if not stack:
+        return None
+    donor = stack.pop()
+    start, end = position[donor.last_use] + 1, position[buf.made_at] - 1
+    if start > end:  # the next kernel: always reused
+        return donor
+    if buf.nbytes + max(live[start : end + 1]) <= overall_peak:
+        for k in range(start, end + 1):  # EfficientPeakEstimate.update_peak_between
+            live[k] += buf.nbytes
+        return donor
+    stack.append(donor)
+    return None
 
 
 def _kernel_reads(node: torch.fx.Node, reads: dict[str, frozenset[BufferKey]]) -> frozenset[BufferKey]:

@@ -93,7 +93,7 @@ def compiled_code_recorded(
     stand_in = InductorStandIn(engine)
     original_compile_fx = compile_fx_module.compile_fx
     original_stance = eval_frame._callback_from_stance
-    mode_classes = (OpDispatchMode, KnownValues)
+    mode_classes: tuple[type[Any], ...] = (OpDispatchMode, KnownValues)
     saved = [cls.__dict__.get("ignore_compile_internals") for cls in mode_classes]
 
     def callback_from_stance(callback: Any) -> Any:
@@ -104,16 +104,16 @@ def compiled_code_recorded(
     torch._dynamo.reset()
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
     eval_frame._callback_from_stance = callback_from_stance
-    for cls in mode_classes:
-        cls.ignore_compile_internals = classmethod(lambda cls: True)  # type: ignore[method-assign,assignment]
+    for mode_class in mode_classes:
+        mode_class.ignore_compile_internals = classmethod(lambda cls: True)
     try:
         yield stand_in
     finally:
-        for cls, before in zip(mode_classes, saved, strict=True):
+        for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
-                del cls.ignore_compile_internals
+                del mode_class.ignore_compile_internals
             else:  # pragma: no cover - neither class defines it today
-                cls.ignore_compile_internals = before  # type: ignore[method-assign]
+                mode_class.ignore_compile_internals = before
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
