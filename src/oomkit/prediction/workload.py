@@ -39,6 +39,7 @@ _OPTION_FIELDS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "compile",
 )
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
@@ -48,6 +49,7 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "quantize": None,
     "double_quant": False,
     "compute_dtype": None,
+    "compile": False,
 }
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
@@ -76,6 +78,7 @@ class WorkloadSpec:
         quantize: ``StepOptions.quantize`` (``nf4``, ``fp4``); ``None``: none or not known.
         double_quant: ``StepOptions.double_quant``.
         compute_dtype: ``StepOptions.compute_dtype``.
+        compile: ``StepOptions.compile`` (the forward wrapped in ``torch.compile``).
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -97,6 +100,7 @@ class WorkloadSpec:
     quantize: str | None = None
     double_quant: bool | None = None
     compute_dtype: str | None = None
+    compile: bool | None = None
     precision_source: str | None = None
 
     @property
@@ -170,6 +174,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             quantize=_typed(options.get("quantize"), str),
             double_quant=_typed(options.get("double_quant"), bool),
             compute_dtype=_typed(options.get("compute_dtype"), str),
+            compile=_typed(options.get("compile"), bool),
             precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")

@@ -62,6 +62,7 @@ EXPECTED = {
         "--batch",
         "--budget",
         "--checkpointing",
+        "--compile",
         "--compute-dtype",
         "--context-overhead",
         "--cuda-version",

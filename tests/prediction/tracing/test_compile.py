@@ -67,3 +67,69 @@ def test_compiled_gpt2_step_is_below_eager_and_says_how():
     assert any(COMPILED in w for w in compiled.warnings)
     assert COMPILED in compiled.assumptions["torch.compile"]
     assert not any("traced eagerly" in w for w in compiled.warnings)
+
+
+def _mlp():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+        )
+        x = torch.randn(32, 64)
+    return model, x
+
+
+def _partitioner_saved_bytes(model, x):
+    """Bytes of the non-input tensors the real min-cut partitioner saves for backward."""
+    import functools
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(
+        fw_compiler=keep,
+        bw_compiler=keep,
+        decompositions=select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend)(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    output = next(n for n in graphs[0].graph.nodes if n.op == "output")
+    saved = output.args[0][1:]  # after the one user output
+    return sum(
+        n.meta["val"].untyped_storage().nbytes() for n in saved if n.op != "placeholder"
+    ), len(saved)
+
+
+def test_saved_for_backward_is_what_the_partitioner_saves():
+    """The compiled forward's saved activations are exactly the real partitioner's choice."""
+    model, x = _mlp()
+    expected_bytes, saved_count = _partitioner_saved_bytes(model, x)
+    # The first Linear's output and the GELU output (32 x 256 fp32 each); x and the weight
+    # are inputs, already counted.
+    assert (expected_bytes, saved_count) == (2 * 32 * 256 * 4, 4)
+    compiled = torch.compile(model)
+
+    def step(*_tracked):
+        compiled(x).sum().backward()
+
+    recording = trace_step(step, model, x, compile=True)
+    saved_in_forward = sum(
+        event.size
+        for event in recording.events
+        if event.action == "alloc"
+        and dict(event.tags).get("phase") == "forward"
+        and dict(event.tags).get("saved_for_backward") == "true"
+    )
+    assert saved_in_forward == expected_bytes

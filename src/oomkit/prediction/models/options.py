@@ -74,6 +74,9 @@ class StepOptions:
         double_quant: ``bnb_4bit_use_double_quant`` (``quantize`` only).
         compute_dtype: ``bnb_4bit_compute_dtype`` (``quantize`` only); ``None``: the model's
             parameter dtype (bf16 for ``precision="bf16"``, else fp32).
+        compile: wrap the model's forward in ``torch.compile`` (default Inductor mode); record
+            with ``compile=True`` (``predict(..., compile=True)``) so that it is recorded as
+            compiled (``train`` and ``inference`` modes).
     """
 
     batch_size: int = 8
@@ -89,6 +92,7 @@ class StepOptions:
     quantize: Quantize | None = None
     double_quant: bool = False
     compute_dtype: ComputeDtype | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -109,6 +113,12 @@ class StepOptions:
                 "StepOptions(optimizer='adamw', optimizer_impl='fused')"
             )
         self._check_quantize()
+        if self.compile and self.mode == "generate":
+            raise ValueError(
+                "StepOptions.compile applies to mode 'train' and 'inference': a generate step's "
+                "growing KV cache would recompile on every token. Example: "
+                "StepOptions(mode='train', compile=True)"
+            )
         for field_name, example in (("batch_size", 8), ("new_tokens", 128)):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 1:

@@ -187,6 +187,8 @@ def build_step(
     def built(step_fn: Callable[..., None], track: tuple[object, ...]) -> BuiltStep:
         return BuiltStep(step_fn, track, description, params, options, precision_source)
 
+    if options.compile:
+        runner = _compiled(runner)
     if options.mode == "train":
         model.train()
         optimizer = _optimizer(options, model)
@@ -249,6 +251,16 @@ def build_step(
     return built(generate_step, (model, inputs))
 
 
+def _compiled(runner: ModelRunner) -> ModelRunner:
+    """The runner with its forward (and loss-computing forward) wrapped in ``torch.compile``."""
+    train_outputs = runner.train_outputs
+    return dataclasses.replace(
+        runner,
+        forward=torch.compile(runner.forward),
+        train_outputs=None if train_outputs is None else torch.compile(train_outputs),
+    )
+
+
 def _describe(
     title: str,
     options: StepOptions,
@@ -274,5 +286,7 @@ def _describe(
         parts.append(options.optimizer)
         if options.checkpointing:
             parts.append("checkpointing")
+    if options.compile:
+        parts.append("torch.compile")
     parts.append(options.mode)
     return ", ".join(parts)
