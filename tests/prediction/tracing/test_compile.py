@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from oomkit.prediction import predict_recording
+from oomkit.prediction.models import StepOptions
 from oomkit.prediction.models.gpt2 import GPT2, GPT2Shape
+from oomkit.prediction.summary import COMPILED_RECORDED, verdict_line
 from oomkit.prediction.tracing.compile_plan import plan_graph
-from oomkit.prediction.tracing.read_report import COMPILED
+from oomkit.prediction.tracing.read_report import COMPILED, COMPILED_WARNING
 from oomkit.prediction.tracing.step_runner import trace_step
 
 
@@ -67,6 +71,19 @@ def test_compiled_gpt2_step_is_below_eager_and_says_how():
     assert any(COMPILED in w for w in compiled.warnings)
     assert COMPILED in compiled.assumptions["torch.compile"]
     assert not any("traced eagerly" in w for w in compiled.warnings)
+    verdict = verdict_line(predict_recording(compiled, "h100"))
+    assert verdict.endswith(" (torch.compile: compiled, Inductor fusion emulated)")
+
+
+def test_the_report_and_the_recorder_name_a_compiled_recording_alike():
+    """The torch-free verdict finds the recorder's own warning for a compiled recording."""
+    assert COMPILED_RECORDED == COMPILED_WARNING
+
+
+def test_compile_refuses_generate_mode():
+    """A generate step would recompile per token: StepOptions refuses compile there."""
+    with pytest.raises(ValueError, match="compile applies to mode 'train' and 'inference'"):
+        StepOptions(mode="generate", compile=True)
 
 
 def _mlp():

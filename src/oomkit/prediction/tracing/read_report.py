@@ -14,6 +14,7 @@ from oomkit.prediction.tracing.values import KnownValues
 __all__ = [
     "COMPILED",
     "COMPILED_EAGERLY",
+    "COMPILED_WARNING",
     "compile_assumptions",
     "read_assumptions",
     "read_warnings",
@@ -23,6 +24,8 @@ __all__ = [
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
 # How a step recorded with compile=True was recorded (its assumption and warning say so).
 COMPILED = "compiled (AOTAutograd partitioner real, Inductor fusion emulated)"
+# The start of that step's warning (reports mark the verdict with it).
+COMPILED_WARNING = f"torch.compile: {COMPILED}"
 
 
 def compile_assumptions(graphs: Counter[str]) -> dict[str, str]:
@@ -102,7 +105,7 @@ def read_warnings(
     if compiled and compiled_recorded:
         sites = ", ".join(f"{where} ({n}x)" for where, n in sorted(compiled.items()))
         out.append(
-            f"torch.compile: {COMPILED}; compiled code was entered {sum(compiled.values())} "
+            f"{COMPILED_WARNING}; compiled code was entered {sum(compiled.values())} "
             f"time(s) ({sites}). Inductor cannot lower for CUDA without a GPU and Triton, so "
             "which intermediates its fused kernels materialise and how its wrapper reuses "
             "buffers follow its rules, not its scheduler: the compiled regions' transient "
@@ -117,6 +120,7 @@ def read_warnings(
             f"{COMPILED_EAGERLY}: compiled code was entered {sum(compiled.values())} time(s) "
             f"({sites}) and recorded as eager PyTorch runs it. Inductor's fused kernels (fewer "
             "tensors saved for backward, intermediates never materialised) and CUDA graphs' "
-            "private pools are not modelled, so the compiled step's memory may differ"
+            "private pools are not modelled, so the compiled step's memory may differ; record "
+            "it as compiled with --compile (compile=True in oomkit.predict)"
         )
     return out
