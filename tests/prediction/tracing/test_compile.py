@@ -44,6 +44,25 @@ def test_dead_buffer_of_same_size_is_reused():
     assert plan.allocated_bytes() == 2 * 64 * 64 * 4
 
 
+def test_pooled_buffer_is_not_held_across_the_peak():
+    """A dead buffer is not kept for a later allocation if holding it would raise the graph's
+    peak (wrapper.py should_reuse_buffer): the later mm gets a fresh buffer."""
+    x = torch.empty(64, 64, device="meta")
+    y = torch.empty(256, 256, device="meta")
+
+    def fn(a, b):
+        small = torch.mm(a, a)
+        small_sum = small.sum()
+        big = torch.mm(b, b)
+        big_sum = big.sum()
+        return small_sum, big_sum, torch.mm(a, a)
+
+    plan = plan_graph(_graph(fn, x, y))
+    assert plan.buffers[("mm", 0)].last_use < plan.buffers[("mm_1", 0)].made_at
+    assert plan.buffers[("mm_2", 0)].reuses is None
+    assert plan.allocated_bytes() == 2 * 64 * 64 * 4 + 256 * 256 * 4 + 2 * 4
+
+
 def _gpt2_step():
     with torch.device("meta"):
         model = GPT2(GPT2Shape(hidden=128, layers=2, heads=4, vocab=512, positions=256))

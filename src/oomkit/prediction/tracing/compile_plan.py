@@ -42,6 +42,8 @@ applied; buffers padded for alignment (``config.comprehensive_padding``) are not
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -313,7 +315,7 @@ def _plan_reuse(
                 if donor is not None:
                     buf.in_place = True
                 else:
-                    donor = _pooled_donor(pool, buf, position, live, overall_peak)
+                    donor = _pooled_donor(pool, buf, kernels, position, live, overall_peak)
                 if donor is not None:
                     buf.reuses = donor.key
                     donor.reused_later = True
@@ -324,19 +326,23 @@ def _plan_reuse(
 
 def _live_by_kernel(plan: BufferPlan, kernels: list[int]) -> list[int]:
     """Bytes alive while each kernel runs, before reuse (memory.py ``estimate_peak_memory``)."""
-    live = [0] * len(kernels)
-    last = kernels[-1] if kernels else -1
+    delta = [0] * (len(kernels) + 1)
     for buf in plan.buffers.values():
-        end = last if buf.is_output or buf.last_use < 0 else buf.last_use
-        for k, i in enumerate(kernels):
-            if buf.made_at <= i <= end:
-                live[k] += buf.nbytes
-    return live
+        first = bisect.bisect_left(kernels, buf.made_at)  # inputs (made_at -1): from the start
+        if buf.is_output or buf.last_use < 0:
+            last = len(kernels) - 1
+        else:
+            last = bisect.bisect_right(kernels, buf.last_use) - 1
+        if first <= last:
+            delta[first] += buf.nbytes
+            delta[last + 1] -= buf.nbytes
+    return list(itertools.accumulate(delta[:-1]))
 
 
 def _pooled_donor(
     pool: dict[tuple[Any, int], list[Buffer]],
     buf: Buffer,
+    kernels: list[int],
     position: dict[int, int],
     live: list[int],
     overall_peak: int,
@@ -345,7 +351,9 @@ def _pooled_donor(
     if not stack:
         return None
     donor = stack.pop()
-    start, end = position[donor.last_use] + 1, position[buf.made_at] - 1
+    # Kernels strictly between the donor's last reader and this buffer's kernel.
+    start = bisect.bisect_right(kernels, donor.last_use)
+    end = position[buf.made_at] - 1
     if start > end:  # the next kernel: always reused
         return donor
     if buf.nbytes + max(live[start : end + 1]) <= overall_peak:
