@@ -169,3 +169,25 @@ def test_saved_for_backward_is_what_the_partitioner_saves():
         and dict(event.tags).get("saved_for_backward") == "true"
     )
     assert saved_in_forward == expected_bytes
+
+
+def test_a_graph_the_plan_cannot_handle_is_recorded_eagerly_and_said(monkeypatch):
+    """If planning a graph fails, it runs eagerly under the recorder and a warning says why."""
+    import oomkit.prediction.tracing.compile_backend as backend
+
+    def refuse(gm):
+        raise NotImplementedError("no plan for this graph")
+
+    monkeypatch.setattr(backend, "plan_graph", refuse)
+    model, x = _mlp()
+    compiled = torch.compile(model)
+
+    def step(*_tracked):
+        compiled(x).sum().backward()
+
+    recording = trace_step(step, model, x, compile=True)
+    (warning,) = [w for w in recording.warnings if "could not be compiled" in w]
+    assert "2 captured graph(s)" in warning and "no plan for this graph" in warning
+    # Run as captured: GELU's decomposition allocates its intermediates (erf, add, mul...).
+    ops = {dict(e.tags).get("op") for e in recording.events if e.action == "alloc"}
+    assert {"aten.erf.default", "aten.mul.Tensor"} <= ops

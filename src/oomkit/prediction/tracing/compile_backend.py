@@ -152,15 +152,20 @@ def _element(out: Any, index: int) -> Any:
 class InductorStandIn:
     """Takes the place of ``torch._inductor.compile_fx.compile_fx`` while a step is recorded.
 
+    A captured graph that AOTAutograd or the plan cannot handle runs as dynamo captured it
+    (eagerly, each op recorded as in an eager step), and is counted in ``failed``.
+
     Attributes:
         plans: ``(kind, plan)`` per compiled graph: ``forward``, ``backward`` or ``inference``.
         graphs: compiled graphs by kind.
+        failed: captured graphs recorded eagerly instead, by the error that stopped them.
     """
 
     def __init__(self, engine: CudaEmulationEngine) -> None:
         self._engine = engine
         self.plans: list[tuple[str, BufferPlan]] = []
         self.graphs: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **_options: Any) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -179,16 +184,41 @@ class InductorStandIn:
             ),
             keep_inference_input_mutations=True,
         )
-        return backend(gm, example_inputs)
+        try:
+            return backend(gm, example_inputs)
+        except Exception as exc:  # noqa: BLE001 - any failure: record the graph eagerly, and say so
+            self.failed[_reason(exc)] += 1
+            return gm.forward
 
     def _compiler(self, kind: str) -> Callable[[torch.fx.GraphModule, Any], PlannedGraph]:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> PlannedGraph:
-            plan = plan_graph(gm)
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            try:
+                plan = plan_graph(gm)
+            except Exception as exc:  # noqa: BLE001 - run this graph eagerly, and say so
+                self.failed[_reason(exc)] += 1
+                return _eager(gm)
             self.plans.append((kind, plan))
             self.graphs[kind] += 1
             return PlannedGraph(gm, plan, self._engine)
 
         return compile_graph
+
+
+def _reason(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _eager(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """A boxed runner of ``gm`` as it is: its ops run through the recorder as eager ops."""
+
+    def run(args: list[Any]) -> Any:
+        values = list(args)
+        args.clear()
+        return gm(*values)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _fused_sdpa_in(gm: torch.fx.GraphModule, engine: CudaEmulationEngine) -> None:

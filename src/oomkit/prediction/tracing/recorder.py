@@ -502,6 +502,11 @@ class Tracer:
             warnings += read_warnings(reads, self._compiled, compiled_recorded=self._compile)
         if self._stand_in is not None:
             assumptions.update(compile_assumptions(self._stand_in.graphs))
+            warnings += [
+                f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) "
+                "and were recorded eagerly"
+                for why, n in sorted(self._stand_in.failed.items())
+            ]
         return build_recording(
             self._log,
             self._module_tag,
