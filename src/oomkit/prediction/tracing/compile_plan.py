@@ -223,14 +223,11 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
             reads[node.name] = frozenset({key})
             opcount[node.name] = 0
             continue
-        if kind in ("view", "mutation") or (kind == "view" and node.target is operator.getitem):
+        if kind in ("view", "mutation"):
             base = inputs[0] if inputs else None
             plan.bases[node.name] = plan.bases.get(base.name, ()) if base is not None else ()
             reads[node.name] = frozenset().union(*(reads.get(n.name, frozenset()) for n in inputs))
             opcount[node.name] = sum(opcount.get(n.name, 0) for n in inputs)
-            if kind == "mutation":
-                # The written values are computed into the target: its sources fold in.
-                plan.bases[node.name] = plan.bases.get(inputs[0].name, ()) if inputs else ()
             continue
         if kind == "element":
             parent = node.args[0]
@@ -267,7 +264,8 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
         opcount[node.name] = 0
         # The kernel reads its inputs' buffers (inlined producers read theirs).
         for key in inlined_reads:
-            plan.buffers[key].last_use = max(plan.buffers[key].last_use, i) if key in plan.buffers else -1
+            if key in plan.buffers:  # not a SymInt input
+                plan.buffers[key].last_use = max(plan.buffers[key].last_use, i)
     for node in nodes:
         if kinds[node.name] == "output":
             for value in node.all_input_nodes:
