@@ -109,10 +109,11 @@ def read_warnings(
             f"time(s) ({sites}). Inductor cannot lower for CUDA without a GPU and Triton, so "
             "which intermediates its fused kernels materialise and how its wrapper reuses "
             "buffers follow its rules, not its scheduler: the compiled regions' transient "
-            "memory may differ by a few fused intermediates (estimated within 5% of the step's "
-            "peak on transformer steps; not measured on a GPU here); the tensors saved for "
-            "backward are the partitioner's own. Joint-graph pattern rewrites, max-autotune "
-            "and CUDA graphs (mode='reduce-overhead') are not modelled"
+            "memory (never the tensors saved for backward, which are the partitioner's own) "
+            "may differ by the intermediates its scheduler fuses differently, at most those "
+            "regions' fused pointwise/reduction buffers; not yet measured against a GPU. "
+            "Joint-graph pattern rewrites, max-autotune and CUDA graphs "
+            "(mode='reduce-overhead') are not modelled"
         )
     elif compiled:
         sites = ", ".join(f"{where} ({n}x)" for where, n in sorted(compiled.items()))
