@@ -484,6 +484,7 @@ def predict(
     target: Target | None = None,
     workload: WorkloadSpec | None = None,
     values: Mapping[str, float] | None = None,
+    compile: bool = False,
     **kwargs: Any,
 ) -> Prediction:
     """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
@@ -517,6 +518,9 @@ def predict(
         values: tensor values the step reads, by the line that reads them
             (``{"train.py:42": 1024}``, as ``--value``); other reads are answered from known
             values or get a stand-in (README, "Predicting your own step").
+        compile: record code compiled with ``torch.compile`` (Inductor) as compiled: dynamo
+            and AOTAutograd's partitioner run for real, Inductor's fusion and buffer reuse are
+            emulated (``--compile``); else it runs eagerly, with a warning.
         kwargs: passed to ``step_fn`` and tracked.
 
     Returns:
@@ -560,6 +564,7 @@ def predict(
         target=target,
         values=values,
         require_allocations=True,
+        compile=compile,
         **kwargs,
     )
     traced = target

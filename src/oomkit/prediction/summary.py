@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # predictor.py imports this module
 
 __all__ = [
     "COMPILED_EAGERLY",
+    "COMPILED_RECORDED",
     "SUMMARY_ROWS",
     "header_line",
     "module_label",
@@ -29,6 +30,8 @@ __all__ = [
 # oomkit.prediction.tracing.read_report.COMPILED_EAGERLY, which imports torch; a test keeps
 # them equal): the verdict says so too.
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
+# The start of the warning of a step recorded with compile=True (read_report.COMPILED_WARNING).
+COMPILED_RECORDED = "torch.compile: compiled (AOTAutograd partitioner real, Inductor fusion emulated)"
 
 # Rows of each list (categories, modules) that the summary shows; the rest are counted.
 SUMMARY_ROWS = 5
@@ -99,6 +102,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += f"; within the budget of {format_bytes(p.budget_bytes)}"
     if any(w.startswith(COMPILED_EAGERLY) for w in p.warnings):
         line += " (torch.compile traced eagerly)"
+    elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
+        line += " (torch.compile: compiled, Inductor fusion emulated)"
     return line
 
 

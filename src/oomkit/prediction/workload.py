@@ -42,6 +42,7 @@ _OPTION_FIELDS = (
     "grad_accum",
     "max_grad_norm",
     "checkpoint_reentrant",
+    "compile",
 )
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
@@ -54,6 +55,7 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "grad_accum": 1,
     "max_grad_norm": None,
     "checkpoint_reentrant": False,
+    "compile": False,
 }
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
 
@@ -87,6 +89,7 @@ class WorkloadSpec:
         grad_accum: ``StepOptions.grad_accum`` (micro-batches per optimizer step).
         max_grad_norm: ``StepOptions.max_grad_norm`` (``None``: no clipping, or not known).
         checkpoint_reentrant: ``StepOptions.checkpoint_reentrant``.
+        compile: ``StepOptions.compile`` (the forward wrapped in ``torch.compile``).
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -111,6 +114,7 @@ class WorkloadSpec:
     grad_accum: int | None = None
     max_grad_norm: float | None = None
     checkpoint_reentrant: bool | None = None
+    compile: bool | None = None
     precision_source: str | None = None
 
     @property
@@ -193,6 +197,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             grad_accum=_typed(options.get("grad_accum"), int),
             max_grad_norm=_number(options.get("max_grad_norm")),
             checkpoint_reentrant=_typed(options.get("checkpoint_reentrant"), bool),
+            compile=_typed(options.get("compile"), bool),
             precision_source=_typed(saved.get("precision_source"), str),
         )
     description = data.get("description")

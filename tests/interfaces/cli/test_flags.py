@@ -70,6 +70,7 @@ EXPECTED = {
         "--bucket-cap-mb",
         "--budget",
         "--checkpointing",
+        "--compile",
         "--compute-dtype",
         "--context-overhead",
         "--cuda-version",

@@ -243,6 +243,7 @@ def step_options(args: argparse.Namespace, batch_size: int | None, preset: Any =
         ("quantize", getattr(args, "quantize", None)),
         ("double_quant", getattr(args, "double_quant", False) or None),
         ("compute_dtype", getattr(args, "compute_dtype", None)),
+        ("compile", getattr(args, "compile", False) or None),
     ):
         if value is not None:
             fields[name] = value

@@ -19,6 +19,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._compile_flag import add_compile_flag
 from oomkit.interfaces.cli._data_parallel import add_ddp_flags, ddp_bucket_cap_mb
 from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
 from oomkit.interfaces.cli._progress import progress_enabled, step_progress
@@ -54,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=catalog_epilog(),
     )
     add_workload_flags(parser)
+    add_compile_flag(parser)
     parser.add_argument(
         "--batch",
         type=positive_int,
@@ -97,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         require_torch("oomkit predict")
     if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
+    if args.compile and (args.lengths is not None or target.parallel is not None):
+        raise OomkitError(
+            "--compile does not go with --lengths or --fsdp yet: predict one compiled step "
+            "without them"
+        )
     if args.lengths is not None and target.parallel is not None:
         raise OomkitError(
             "--fsdp and --dp do not go with --lengths yet: predict one length at a time"
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 track=workload.track,
                 description=workload.description,
                 workload=workload.spec,
+                compile=args.compile,
             )
     notes = getattr(args, "trainer_notes", None)
     if notes:  # --trainer-args: what was read from it, overridden and ignored

@@ -94,6 +94,9 @@ class StepOptions:
         checkpoint_reentrant: with ``checkpointing``, ``use_reentrant=True`` (torch's
             reentrant ``CheckpointFunction``) instead of the non-reentrant default (Hugging Face
             models only: ``gradient_checkpointing_kwargs={"use_reentrant": True}``).
+        compile: wrap the model's forward in ``torch.compile`` (default Inductor mode); record
+            with ``compile=True`` (``predict(..., compile=True)``) so that it is recorded as
+            compiled (``train`` and ``inference`` modes).
     """
 
     batch_size: int = 8
@@ -112,6 +115,7 @@ class StepOptions:
     grad_accum: int = 1
     max_grad_norm: float | None = None
     checkpoint_reentrant: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -137,6 +141,12 @@ class StepOptions:
             )
         self._check_quantize()
         self._check_training_loop()
+        if self.compile and self.mode == "generate":
+            raise ValueError(
+                "StepOptions.compile applies to mode 'train' and 'inference': a generate step's "
+                "growing KV cache would recompile on every token. Example: "
+                "StepOptions(mode='train', compile=True)"
+            )
         for field_name, example in (("batch_size", 8), ("new_tokens", 128), ("grad_accum", 4)):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

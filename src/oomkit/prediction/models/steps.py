@@ -203,6 +203,8 @@ def build_step(
     def built(step_fn: Callable[..., None], track: tuple[object, ...]) -> BuiltStep:
         return BuiltStep(step_fn, track, description, params, options, precision_source)
 
+    if options.compile:
+        runner = _compiled(runner)
     if options.mode == "train":
         model.train()
         optimizer = _optimizer(options, model)
@@ -290,6 +292,16 @@ def build_step(
     return built(generate_step, (model, inputs))
 
 
+def _compiled(runner: ModelRunner) -> ModelRunner:
+    """The runner with its forward (and loss-computing forward) wrapped in ``torch.compile``."""
+    train_outputs = runner.train_outputs
+    return dataclasses.replace(
+        runner,
+        forward=torch.compile(runner.forward),
+        train_outputs=None if train_outputs is None else torch.compile(train_outputs),
+    )
+
+
 def _describe(
     title: str,
     options: StepOptions,
@@ -320,5 +332,7 @@ def _describe(
             parts.append(f"accumulate {options.grad_accum}")
         if options.max_grad_norm is not None:
             parts.append(f"clip {options.max_grad_norm:g}")
+    if options.compile:
+        parts.append("torch.compile")
     parts.append(options.mode)
     return ", ".join(parts)

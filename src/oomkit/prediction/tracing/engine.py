@@ -192,6 +192,10 @@ class CudaEmulationEngine:
             raise self.sink.refused(error)
         return out
 
+    def has_emulation(self, name: str) -> bool:
+        """Whether ``name`` (an aten overload or torch function name) has an emulation hook."""
+        return name in self._emulations
+
     def run_function(
         self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:

@@ -11,10 +11,35 @@ from collections import Counter
 from oomkit.prediction.tracing.value_reads import ValueReads
 from oomkit.prediction.tracing.values import KnownValues
 
-__all__ = ["COMPILED_EAGERLY", "read_assumptions", "read_warnings"]
+__all__ = [
+    "COMPILED",
+    "COMPILED_EAGERLY",
+    "COMPILED_WARNING",
+    "compile_assumptions",
+    "read_assumptions",
+    "read_warnings",
+]
 
 # The start of the warning for compiled code (reports mark the verdict with it).
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
+# How a step recorded with compile=True was recorded (its assumption and warning say so).
+COMPILED = "compiled (AOTAutograd partitioner real, Inductor fusion emulated)"
+# The start of that step's warning (reports mark the verdict with it).
+COMPILED_WARNING = f"torch.compile: {COMPILED}"
+
+
+def compile_assumptions(graphs: Counter[str]) -> dict[str, str]:
+    """What a step recorded with ``compile=True`` rests on, as one assumption."""
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(graphs.items())) or "no graphs"
+    return {
+        "torch.compile": (
+            f"{COMPILED}: dynamo graph capture and AOTAutograd's min-cut partitioner with "
+            "Inductor's decompositions ran for real on the meta tensors (" + counts + "); "
+            "Inductor's lowering, fusion and buffer reuse are emulated from its rules "
+            "(compile_plan.py), SDPA as the fused kernel the target GPU picks, default mode "
+            "(no CUDA graphs)"
+        )
+    }
 
 
 def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
@@ -42,8 +67,14 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
     return out
 
 
-def read_warnings(reads: ValueReads, compiled: Counter[str]) -> list[str]:
-    """One line per stand-in site, per stated value never read, and one for torch.compile."""
+def read_warnings(
+    reads: ValueReads, compiled: Counter[str], *, compiled_recorded: bool = False
+) -> list[str]:
+    """One line per stand-in site, per stated value never read, and one for torch.compile.
+
+    ``compiled_recorded``: compiled code was recorded as compiled (``compile=True``), not
+    eagerly; the line then says what of it is emulated and by how much it may differ.
+    """
     out = []
     for record in reads.records.values():
         if record.outcome != "stand-in":
@@ -71,12 +102,26 @@ def read_warnings(reads: ValueReads, compiled: Counter[str]) -> list[str]:
             "(name the line of the .item() / float() / bool() call, or a line of a library "
             "function on the stack when it reads)"
         )
-    if compiled:
+    if compiled and compiled_recorded:
+        sites = ", ".join(f"{where} ({n}x)" for where, n in sorted(compiled.items()))
+        out.append(
+            f"{COMPILED_WARNING}; compiled code was entered {sum(compiled.values())} "
+            f"time(s) ({sites}). Inductor cannot lower for CUDA without a GPU and Triton, so "
+            "which intermediates its fused kernels materialise and how its wrapper reuses "
+            "buffers follow its rules, not its scheduler: the compiled regions' transient "
+            "memory (never the tensors saved for backward, which are the partitioner's own) "
+            "may differ by the intermediates its scheduler fuses differently, at most those "
+            "regions' fused pointwise/reduction buffers; not yet measured against a GPU. "
+            "Joint-graph pattern rewrites, max-autotune and CUDA graphs "
+            "(mode='reduce-overhead') are not modelled"
+        )
+    elif compiled:
         sites = ", ".join(f"{where} ({n}x)" for where, n in sorted(compiled.items()))
         out.append(
             f"{COMPILED_EAGERLY}: compiled code was entered {sum(compiled.values())} time(s) "
             f"({sites}) and recorded as eager PyTorch runs it. Inductor's fused kernels (fewer "
             "tensors saved for backward, intermediates never materialised) and CUDA graphs' "
-            "private pools are not modelled, so the compiled step's memory may differ"
+            "private pools are not modelled, so the compiled step's memory may differ; record "
+            "it as compiled with --compile (compile=True in oomkit.predict)"
         )
     return out

@@ -17,7 +17,8 @@ How each fact is observed (all hooks are removed on exit):
 - optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
 - saved activations: ``saved_tensors_hooks`` whose pack hook notes the storage.
 - values read (``.item()``, ``bool()``): ``value_reads.value_tracking``; compiled code runs
-  eagerly (``compiled.py``); both are listed in the recording's assumptions and warnings.
+  eagerly, or with ``compile=True`` compiled with Inductor's memory emulated (``compiled.py``);
+  both are listed in the recording's assumptions and warnings.
 """
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
-from oomkit.prediction.tracing.compiled import compiled_code_eager
+from oomkit.prediction.tracing.compile_backend import InductorStandIn
+from oomkit.prediction.tracing.compiled import compiled_code_eager, compiled_code_recorded
 from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.prediction.tracing.module_paths import ModulePaths
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
-from oomkit.prediction.tracing.read_report import read_assumptions, read_warnings
+from oomkit.prediction.tracing.read_report import (
+    compile_assumptions,
+    read_assumptions,
+    read_warnings,
+)
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
 from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 from oomkit.prediction.tracing.value_reads import ValueReads, value_tracking
@@ -95,6 +101,7 @@ class Tracer:
         emulations: Mapping[str, OpEmulation] | None = None,
         gpu: GpuSpec | None = None,
         values: Mapping[str, Any] | None = None,
+        compile: bool = False,
     ) -> None:
         """Create a recorder; nothing is installed until the ``with`` block starts.
 
@@ -104,6 +111,9 @@ class Tracer:
                 SDPA backend and the cuBLAS workspace size); ``None`` means an H100 SXM.
             values: tensor values read in the step, stated by the line that reads them
                 (``{"train.py:42": 1024}``; ``value_reads.value_tracking``).
+            compile: record ``torch.compile``d code as compiled (real dynamo and AOTAutograd
+                partitioner, Inductor's fusion and buffer reuse emulated; ``compiled.py``)
+                rather than running it eagerly.
         """
         self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
         self._frames = UserFrameFinder()
@@ -124,6 +134,8 @@ class Tracer:
         self._values = values
         self._value_modes: tuple[KnownValues, ValueReads] | None = None
         self._compiled: Counter[str] = Counter()
+        self._compile = compile
+        self._stand_in: InductorStandIn | None = None
         # id(param) -> (param, the module that registered it): tags its storages with that path.
         self._owners: dict[int, tuple[weakref.ref[Any], weakref.ref[torch.nn.Module]]] = {}
         self._late_first_seen = 0
@@ -163,7 +175,12 @@ class Tracer:
         self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-        stack.enter_context(compiled_code_eager(self._compiled))
+        if self._compile:
+            self._stand_in = stack.enter_context(
+                compiled_code_recorded(self._engine, self._compiled)
+            )
+        else:
+            stack.enter_context(compiled_code_eager(self._compiled))
         # Below the engine's modes: the engine sees each op first, and the values are followed
         # in the op's own call (an op meta cannot run, with known inputs, is answered there).
         self._value_modes = stack.enter_context(value_tracking(self._values))
@@ -374,6 +391,8 @@ class Tracer:
     # ------------------------------------------------------------------ modules and optimizers
 
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo traces the global hooks: keep them out of its graph
         is_root = not self._stack
         call_id = next(self._call_ids)
         if not is_root:
@@ -409,6 +428,8 @@ class Tracer:
                         alloc.roles.add("input")
 
     def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo traces the global hooks: keep them out of its graph
         # Pop to this module's call; calls above it whose post hook never ran (an exception
         # inside a hook) go with it. A module without a matching pre hook pops nothing.
         for depth in range(len(self._stack) - 1, -1, -1):
@@ -425,12 +446,16 @@ class Tracer:
                         alloc.roles.add("escaped")
 
     def _on_param_registered(self, module: Any, name: str, param: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo traces the global hooks: keep them out of its graph
         if param is not None:
             self._own(module, param)
             self._watch_grad(param)
             self._note(param, "parameter", first_seen_ok=True, param=param)
 
     def _on_buffer_registered(self, module: Any, name: str, buffer: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo traces the global hooks: keep them out of its graph
         self._note(buffer, "buffer", first_seen_ok=True)
 
     def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -474,7 +499,14 @@ class Tracer:
         if self._value_modes is not None:
             known, reads = self._value_modes
             assumptions.update(read_assumptions(reads, known))
-            warnings += read_warnings(reads, self._compiled)
+            warnings += read_warnings(reads, self._compiled, compiled_recorded=self._compile)
+        if self._stand_in is not None:
+            assumptions.update(compile_assumptions(self._stand_in.graphs))
+            warnings += [
+                f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) "
+                "and were recorded eagerly"
+                for why, n in sorted(self._stand_in.failed.items())
+            ]
         return build_recording(
             self._log,
             self._module_tag,

@@ -41,6 +41,7 @@ def trace_step(
     target: Target | None = None,
     values: Mapping[str, Any] | None = None,
     require_allocations: bool = False,
+    compile: bool = False,
     **kwargs: Any,
 ) -> TraceRecording:
     """Run ``fn(*args, **kwargs)`` ``steps`` times on meta tensors and record its allocations.
@@ -65,6 +66,9 @@ def trace_step(
             (``value_reads``).
         require_allocations: refuse a first step that records no device allocation
             (``oomkit.predict`` does: such a step ran elsewhere, for real).
+        compile: record code the step compiles with ``torch.compile`` as compiled (real
+            dynamo and AOTAutograd partitioner, Inductor's fusion and buffer reuse emulated)
+            rather than eagerly.
         kwargs: passed to ``fn``.
 
     Returns:
@@ -90,7 +94,7 @@ def trace_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     _refuse_host_modules((args, kwargs))
-    tracer = Tracer(emulations=emulations, gpu=gpu, values=values)
+    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
     try:
         with tracer, torch.device("meta"):
             tracer.track(args, kwargs)

@@ -1,0 +1,251 @@
+"""``torch.compile`` recorded GPU-free: real dynamo and AOTAutograd, Inductor's memory emulated.
+
+What runs for real: dynamo captures the graph on the step's meta tensors, and AOTAutograd traces
+it with Inductor's own decomposition table (torch/_inductor/decomposition.py
+``select_decomp_table``) and partitions it with the min-cut partitioner exactly as Inductor asks
+(torch/_inductor/compile_fx.py ``partition_fn``: ``min_cut_rematerialization_partition(...,
+compiler="inductor")``), so what is saved for backward is what a GPU run saves. The partitioner
+is device independent. Inductor's joint-graph pattern passes are not run: on meta tensors their
+constant folding replaces every value by an empty tensor (checked on torch 2.13).
+
+What is emulated: Inductor itself. Lowering for CUDA needs Triton, which CPU torch wheels do not
+ship (``import triton`` fails), so each forward/backward graph is executed by
+:class:`PlannedGraph`, which follows ``compile_plan.plan_graph``: fused values are computed on
+meta but never recorded, buffers are recorded when their kernel runs and freed after their last
+reader, and reused buffers keep one allocation. Extern kernels with a CUDA emulation (cuBLAS
+workspace, SDPA backward temporaries) run through the engine's hooks. SDPA calls in the
+captured graph are replaced, before AOTAutograd traces them, by the fused kernel CUDA would pick
+on the target GPU (``emulations/sdpa.py``), as Inductor keeps it as an extern kernel: on meta
+the composite would take the math path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, plan_graph
+from oomkit.prediction.tracing.emulation import EmulationContext
+from oomkit.prediction.tracing.storages import Allocation, tensor_storage
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.engine import CudaEmulationEngine
+
+__all__ = ["InductorStandIn", "PlannedGraph"]
+
+_SDPA_NAME = "torch.nn.functional.scaled_dot_product_attention"
+
+
+class PlannedGraph:
+    """Runs one AOTAutograd graph on meta as Inductor's wrapper would allocate for it.
+
+    Called by AOTAutograd's runtime with a boxed argument list (``_boxed_call``), which it
+    clears, as Inductor's generated ``call(args)`` does, so inputs die after their last use.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: BufferPlan, engine: CudaEmulationEngine):
+        # An instance attribute: dynamo's disable wrapper copies the instance __dict__ only.
+        self._boxed_call = True
+        self.gm = gm
+        self.plan = plan
+        self._engine = engine
+        self._nodes = list(gm.graph.nodes)
+        index = {n.name: i for i, n in enumerate(self._nodes)}
+        # Python references: an env entry goes after its last user runs (FX's own rule).
+        self._drop_after: dict[int, list[str]] = {}
+        for i, node in enumerate(self._nodes):
+            last = max((index[u.name] for u in node.users), default=i)
+            self._drop_after.setdefault(last, []).append(node.name)
+        # Buffers: kept alive until their last reading kernel, then freed or handed on.
+        self._dying: dict[int, list[BufferKey]] = {}
+        for buf in plan.buffers.values():
+            if not buf.is_output and buf.last_use >= 0:
+                self._dying.setdefault(buf.last_use, []).append(buf.key)
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        engine = self._engine
+        plan = self.plan
+        env: dict[str, Any] = {}
+        keep: dict[BufferKey, Any] = {}
+        held: dict[BufferKey, Allocation] = {}
+        # Taken one by one, so that no list holds an input past its last use.
+        placeholders = args[::-1]
+        args.clear()
+        result: list[Any] = []
+        with _disable_current_modes():
+            for i, node in enumerate(self._nodes):
+                if node.op == "placeholder":
+                    value = placeholders.pop()
+                    env[node.name] = value
+                    keep[(node.name, 0)] = value
+                    del value
+                elif node.op == "output":
+                    result = list(torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]))
+                    break
+                else:
+                    env[node.name] = self._run(node, i, env, keep, held)
+                for key in self._dying.get(i, ()):
+                    value = keep.pop(key, None)
+                    if plan.buffers[key].reused_later and value is not None:
+                        storage = tensor_storage(value, engine.device_type)
+                        alloc = engine.table.unbind(storage) if storage is not None else None
+                        if alloc is not None:
+                            held[key] = alloc
+                    del value
+                for name in self._drop_after.get(i, ()):
+                    env.pop(name, None)
+            env.clear()
+            keep.clear()
+        for alloc in held.values():  # pragma: no cover - every held buffer is reused in plan
+            engine.sink.free(alloc)
+        return result
+
+    def _run(
+        self,
+        node: torch.fx.Node,
+        i: int,
+        env: dict[str, Any],
+        keep: dict[BufferKey, Any],
+        held: dict[BufferKey, Allocation],
+    ) -> Any:
+        engine = self._engine
+        plan = self.plan
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        name = str(node.target)
+        made = [plan.buffers[k] for k in plan.bases.get(node.name, ()) if plan.buffers[k].made_at == i]
+        if plan.kinds[node.name] == "extern" and engine.has_emulation(name):
+            # A kernel with CUDA workspaces: its hook allocates them around a fresh output.
+            for buf in made:
+                if buf.reuses is not None and buf.reuses in held:
+                    engine.sink.free(held.pop(buf.reuses))
+            out = engine.run_op(node.target, tuple(args), dict(kwargs))
+            for buf in made:
+                keep[buf.key] = _element(out, buf.key[1])
+            return out
+        out = node.target(*args, **kwargs)  # type: ignore[operator]
+        for buf in made:
+            tensor = _element(out, buf.key[1])
+            keep[buf.key] = tensor
+            storage = tensor_storage(tensor, engine.device_type)
+            if storage is None:
+                continue
+            donor = held.pop(buf.reuses, None) if buf.reuses is not None else None
+            if donor is not None:
+                engine.table.bind(storage, donor)
+            else:
+                error = engine.sync_storage(storage, name)
+                if error is not None:
+                    raise engine.sink.refused(error)
+        return out
+
+
+def _element(out: Any, index: int) -> Any:
+    return out[index] if isinstance(out, (list, tuple)) else out
+
+
+class InductorStandIn:
+    """Takes the place of ``torch._inductor.compile_fx.compile_fx`` while a step is recorded.
+
+    A captured graph that AOTAutograd or the plan cannot handle runs as dynamo captured it
+    (eagerly, each op recorded as in an eager step), and is counted in ``failed``.
+
+    Attributes:
+        plans: ``(kind, plan)`` per compiled graph: ``forward``, ``backward`` or ``inference``.
+        graphs: compiled graphs by kind.
+        failed: captured graphs recorded eagerly instead, by the error that stopped them.
+    """
+
+    def __init__(self, engine: CudaEmulationEngine) -> None:
+        self._engine = engine
+        self.plans: list[tuple[str, BufferPlan]] = []
+        self.graphs: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **_options: Any) -> Any:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.decomposition import select_decomp_table
+
+        _fused_sdpa_in(gm, self._engine)
+        backend = aot_autograd(
+            fw_compiler=self._compiler("forward"),
+            bw_compiler=self._compiler("backward"),
+            inference_compiler=self._compiler("inference"),
+            decompositions=select_decomp_table(),
+            # compile_fx.py partition_fn: the partitioner Inductor asks for.
+            partition_fn=functools.partial(
+                min_cut_rematerialization_partition, compiler="inductor"
+            ),
+            keep_inference_input_mutations=True,
+        )
+        try:
+            return backend(gm, example_inputs)
+        except Exception as exc:  # noqa: BLE001 - any failure: record the graph eagerly, and say so
+            self.failed[_reason(exc)] += 1
+            return gm.forward
+
+    def _compiler(self, kind: str) -> Callable[[torch.fx.GraphModule, Any], PlannedGraph]:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            try:
+                plan = plan_graph(gm)
+            except Exception as exc:  # noqa: BLE001 - run this graph eagerly, and say so
+                self.failed[_reason(exc)] += 1
+                return _eager(gm)
+            self.plans.append((kind, plan))
+            self.graphs[kind] += 1
+            return PlannedGraph(gm, plan, self._engine)
+
+        return compile_graph
+
+
+def _reason(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _eager(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """A boxed runner of ``gm`` as it is: its ops run through the recorder as eager ops."""
+
+    def run(args: list[Any]) -> Any:
+        values = list(args)
+        args.clear()
+        return gm(*values)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _fused_sdpa_in(gm: torch.fx.GraphModule, engine: CudaEmulationEngine) -> None:
+    """Point SDPA calls of the captured graph at the fused kernel CUDA picks for them."""
+    hook = _cuda_sdpa(engine)
+    changed = False
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and (
+            target is torch._C._nn.scaled_dot_product_attention
+            or getattr(target, "__name__", None) == "scaled_dot_product_attention"
+        ):
+            node.target = hook
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _cuda_sdpa(engine: CudaEmulationEngine) -> Callable[..., Any]:
+    from oomkit.prediction.tracing.emulations.sdpa import _run_sdpa
+    from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
+
+    def fused_sdpa(*args: Any, **kwargs: Any) -> Any:
+        ctx = EmulationContext(
+            _SDPA_NAME, torch._C._nn.scaled_dot_product_attention, args, kwargs, engine
+        )
+        return _run_sdpa(ctx, current_sdpa_settings())
+
+    fused_sdpa.__name__ = "oomkit_fused_sdpa"
+    return fused_sdpa

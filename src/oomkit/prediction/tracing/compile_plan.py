@@ -1,0 +1,387 @@
+"""Inductor's memory plan for one AOTAutograd graph, emulated: which values get a buffer, when.
+
+AOTAutograd hands Inductor a forward or backward FX graph of aten ops (after its decompositions
+and the min-cut partitioner). Inductor then decides, per value, whether it is *materialised* (a
+buffer in the generated wrapper) or computed inside a fused kernel and never stored, and the
+wrapper allocates each buffer before the kernel that writes it and frees it after the last kernel
+that reads it, reusing freed buffers of the same size instead of allocating. Running Inductor
+itself needs a GPU target and Triton (absent from CPU torch wheels), so this module applies the
+rules below to the FX graph; each rule names the Inductor code it mirrors.
+
+Which values are buffers (torch/_inductor/lowering.py and ir.py):
+- Extern kernels materialise their outputs: every op without a pointwise or reduction lowering
+  (``mm``/``addmm``/``bmm``, convolution, SDPA, sorting, scatter with accumulate, ...) is a
+  fallback or template kernel (lowering.py ``make_fallback``, ``ir.ExternKernel``), and its
+  tensor inputs are realised (``ExternKernel.realize_input``).
+- Pointwise ops (``torch.Tag.pointwise``, constants, ``clone``/``_to_copy``, indexing, ``cat``,
+  padding) are inlined into their consumers' loaders, so they are not buffers, except when: the
+  value is a graph output (a result, or a tensor saved for backward), an extern kernel reads it,
+  or it has several consumers and reads more than ``realize_reads_threshold`` (4) buffers or
+  inlines more than ``realize_opcount_threshold`` (30) ops (ir.py
+  ``StorageBox.should_realize_on_reuse``; counted here as aten nodes, not Inductor's ops).
+- Reductions are realised (lowering.py ``make_reduction``); the scheduler may later drop a
+  reduction buffer read only inside its fused kernel (a softmax's max and sum), which is kept
+  here: reduced tensors are small, so this over-counts little.
+- Views (``view``, ``permute``, ``split``, ...) alias their base; a value is freed after the last
+  kernel that reads it through any view.
+
+The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, ``AllocateLine``,
+``FreeIfNotReusedLine``, ``ReuseLine``; scheduler.py ``decide_inplace_update``):
+- A buffer that dies is pushed on a pool keyed by (dtype, bytes); the next allocation with that
+  key pops it (last in, first out) and reuses it, so neither the free nor the allocation reaches
+  the allocator. A buffer never reused is freed where it died.
+- A fused kernel whose input buffer dies in it and has its output's dtype and size writes its
+  output in place (``config.inplace_buffers``).
+- Graph inputs are dropped after their last use (``del``) and never enter the pool.
+
+Where it may differ from real Inductor: the scheduler's fusion choices are not run (two
+realised pointwise nodes may share a kernel and drop a buffer, and Inductor's own op counts
+differ from aten node counts); pattern rewrites of the joint-graph and post-grad passes are not
+applied; buffers padded for alignment (``config.comprehensive_padding``) are not padded here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["BufferPlan", "Buffer", "plan_graph", "REALIZE_READS_THRESHOLD"]
+
+# torch/_inductor/config.py realize_reads_threshold and _realize_opcount_threshold_default.
+REALIZE_READS_THRESHOLD = 4
+REALIZE_OPCOUNT_THRESHOLD = 30
+
+# Ops without a pointwise tag that Inductor still lowers to loaders inlined into consumers
+# (lowering.py: constants, copies, indexing, cat, padding, random via inductor_random).
+_INLINED_OPS: frozenset[str] = frozenset(
+    {
+        "clone", "_to_copy", "convert_element_type", "full", "full_like", "zeros", "zeros_like",
+        "ones", "ones_like", "scalar_tensor", "iota", "arange", "rand", "rand_like", "randn",
+        "randn_like", "embedding", "index", "gather", "cat", "constant_pad_nd", "slice_scatter",
+        "select_scatter", "diagonal_scatter", "where", "masked_fill", "fill", "lift_fresh_copy",
+        "expand_copy", "permute_copy", "view_copy", "_unsafe_view", "repeat", "tril", "triu",
+        "flip", "roll", "bernoulli",
+    }
+)  # fmt: skip
+# Reductions (lowering.py make_reduction / var_mean lowering).
+_REDUCTION_OPS: frozenset[str] = frozenset(
+    {
+        "sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "std", "prod", "any",
+        "all", "argmax", "argmin", "logsumexp", "_log_softmax", "_softmax", "cumsum",
+    }
+)  # fmt: skip
+
+# A buffer is (the node that produced it, the output index); graph inputs have index 0.
+BufferKey = tuple[str, int]
+
+
+@dataclass
+class Buffer:
+    """One buffer of the plan: who made it, its size, and how its memory comes and goes."""
+
+    key: BufferKey
+    nbytes: int
+    dtype: torch.dtype | None
+    is_input: bool = False
+    made_at: int = -1  # node index whose kernel writes it
+    last_use: int = -1  # node index of the last kernel reading it; -1: never read
+    is_output: bool = False
+    reuses: BufferKey | None = None  # takes this dead buffer's memory (pool or in place)
+    in_place: bool = False
+    reused_later: bool = False  # its memory goes to a later buffer: no free
+
+
+@dataclass
+class BufferPlan:
+    """The emulated plan of one graph: kinds per node and the buffers in allocation order."""
+
+    kinds: dict[str, str] = field(default_factory=dict)  # node -> placeholder/view/extern/...
+    materialised: set[str] = field(default_factory=set)
+    buffers: dict[BufferKey, Buffer] = field(default_factory=dict)
+    # node name -> the buffers (node, index) it aliases (views) or is (materialised).
+    bases: dict[str, tuple[BufferKey, ...]] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def inlined(self) -> list[str]:
+        """Nodes computed inside fused kernels, never stored."""
+        return [n for n, k in self.kinds.items() if k in ("pointwise",) and n not in self.materialised]
+
+    def allocated_bytes(self) -> int:
+        """Bytes the wrapper asks the allocator for (reused buffers excluded)."""
+        return sum(b.nbytes for b in self.buffers.values() if not b.is_input and b.reuses is None)
+
+    def kept_after(self) -> list[Buffer]:
+        """Intermediate buffers alive when the graph returns (its outputs)."""
+        return [b for b in self.buffers.values() if b.is_output and not b.is_input]
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _classify(node: torch.fx.Node) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
+    if node.op == "output":
+        return "output"
+    if node.op != "call_function":
+        return "extern"
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        aliased = [r.alias_info for r in returns if r.alias_info is not None]
+        if aliased:
+            # Views alias their input; out-of-graph writes (copy_ into an input) write it.
+            return "view" if not any(a.is_write for a in aliased) else "mutation"
+        name = _op_name(node)
+        if name in _REDUCTION_OPS:
+            return "reduction"
+        if torch.Tag.pointwise in target.tags or name in _INLINED_OPS:
+            return "pointwise"
+    return "extern"
+
+
+def _tensors(val: Any) -> list[tuple[int, Any]]:
+    if isinstance(val, torch.Tensor):
+        return [(0, val)]
+    if isinstance(val, (list, tuple)):
+        return [(i, v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _nbytes(val: Any) -> int:
+    try:
+        return int(val.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return int(val.numel() * val.element_size())
+
+
+def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [n for n in node.all_input_nodes]
+
+
+def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
+    """Emulate Inductor's buffers and wrapper memory plan for ``gm`` (nodes carry ``meta['val']``).
+
+    Args:
+        gm: an AOTAutograd forward, backward or inference graph of aten ops.
+
+    Returns:
+        The plan: which nodes are buffers, each buffer's size, last use and reuse.
+    """
+    plan = BufferPlan()
+    nodes = list(gm.graph.nodes)
+    plan.order = {n.name: i for i, n in enumerate(nodes)}
+    kinds = plan.kinds
+    for node in nodes:
+        kinds[node.name] = _classify(node)
+    # getitem takes its parent's kind: an element of a view op's list (split) is a view.
+    for node in nodes:
+        if kinds[node.name] == "getitem":
+            parent = node.args[0]
+            assert isinstance(parent, torch.fx.Node)
+            kinds[node.name] = "view" if kinds[parent.name] == "view" else "element"
+
+    def consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+        """Non-view users, looking through views and list elements of view ops."""
+        out: list[torch.fx.Node] = []
+        for user in node.users:
+            if kinds[user.name] == "view":
+                out.extend(consumers(user))
+            else:
+                out.append(user)
+        return out
+
+    # Reads of each node's value when inlined: the buffers its loader reads, and its op count.
+    reads: dict[str, frozenset[BufferKey]] = {}
+    opcount: dict[str, int] = {}
+    materialised = plan.materialised
+    for i, node in enumerate(nodes):
+        kind = kinds[node.name]
+        if kind == "output":
+            continue
+        inputs = _input_nodes(node)
+        if kind == "placeholder":
+            key = (node.name, 0)
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                plan.buffers[key] = Buffer(key, _nbytes(val), val.dtype, is_input=True, made_at=-1)
+            plan.bases[node.name] = (key,)
+            reads[node.name] = frozenset({key})
+            opcount[node.name] = 0
+            continue
+        if kind in ("view", "mutation"):
+            base = inputs[0] if inputs else None
+            plan.bases[node.name] = plan.bases.get(base.name, ()) if base is not None else ()
+            reads[node.name] = frozenset().union(*(reads.get(n.name, frozenset()) for n in inputs))
+            opcount[node.name] = sum(opcount.get(n.name, 0) for n in inputs)
+            continue
+        if kind == "element":
+            parent = node.args[0]
+            assert isinstance(parent, torch.fx.Node)
+            index = node.args[1]
+            key = (parent.name, int(index))
+            plan.bases[node.name] = (key,) if key in plan.buffers else ()
+            reads[node.name] = frozenset(plan.bases[node.name])
+            opcount[node.name] = 0
+            continue
+        inlined_reads = frozenset().union(*(reads.get(n.name, frozenset()) for n in inputs))
+        users = consumers(node)
+        must = kind in ("extern", "reduction") or any(
+            kinds[u.name] in ("extern", "output", "mutation") or kinds[u.name] == "element"
+            for u in users
+        )
+        ops = 1 + sum(opcount.get(n.name, 0) for n in inputs if n.name not in materialised)
+        if not must and len({u.name for u in users}) > 1:
+            # ir.py StorageBox.should_realize_on_reuse (graph fan-out).
+            must = len(inlined_reads) > REALIZE_READS_THRESHOLD or ops > REALIZE_OPCOUNT_THRESHOLD
+        if not must:
+            reads[node.name] = inlined_reads
+            opcount[node.name] = ops
+            plan.bases[node.name] = ()
+            continue
+        materialised.add(node.name)
+        keys: list[BufferKey] = []
+        for index, val in _tensors(node.meta.get("val")):
+            key = (node.name, index)
+            plan.buffers[key] = Buffer(key, _nbytes(val), val.dtype, made_at=i)
+            keys.append(key)
+        plan.bases[node.name] = tuple(keys)
+        reads[node.name] = frozenset(keys)
+        opcount[node.name] = 0
+        # The kernel reads its inputs' buffers (inlined producers read theirs).
+        for key in inlined_reads:
+            if key in plan.buffers:  # not a SymInt input
+                plan.buffers[key].last_use = max(plan.buffers[key].last_use, i)
+    for node in nodes:
+        if kinds[node.name] == "output":
+            for value in node.all_input_nodes:
+                for key in plan.bases.get(value.name, ()):
+                    if key in plan.buffers:
+                        plan.buffers[key].is_output = True
+            # Mutations at the end write their targets: their sources are read there.
+            break
+    for node in nodes:
+        if kinds[node.name] == "mutation":
+            i = plan.order[node.name]
+            for key in reads.get(node.name, frozenset()):
+                if key in plan.buffers:
+                    plan.buffers[key].last_use = max(plan.buffers[key].last_use, i)
+    _plan_reuse(plan, nodes, reads)
+    return plan
+
+
+def _plan_reuse(
+    plan: BufferPlan, nodes: list[torch.fx.Node], reads: dict[str, frozenset[BufferKey]]
+) -> None:
+    """wrapper.py MemoryPlanningState: in-place and pooled reuse, in kernel order.
+
+    A pooled buffer is taken only by the next kernel, or when holding it until then keeps the
+    graph under its estimated peak (wrapper.py ``AllocateLine.should_reuse_buffer`` with
+    ``EfficientPeakEstimate``): a reused buffer is never freed, so it stays allocated between.
+    """
+    kernels = [i for i, n in enumerate(nodes) if n.name in plan.materialised]
+    position = {i: k for k, i in enumerate(kernels)}
+    live = _live_by_kernel(plan, kernels)
+    overall_peak = max(live, default=0)
+    dying: dict[int, list[Buffer]] = {}
+    for buf in plan.buffers.values():
+        if not buf.is_output and buf.last_use >= 0:
+            dying.setdefault(buf.last_use, []).append(buf)
+    pool: dict[tuple[Any, int], list[Buffer]] = {}
+    for i, node in enumerate(nodes):
+        if node.name in plan.materialised:
+            kernel_reads = _kernel_reads(node, reads)
+            for key in plan.bases.get(node.name, ()):
+                buf = plan.buffers[key]
+                if buf.made_at != i:
+                    continue
+                donor = _in_place_donor(plan, buf, node, kernel_reads, i)
+                if donor is not None:
+                    buf.in_place = True
+                else:
+                    donor = _pooled_donor(pool, buf, kernels, position, live, overall_peak)
+                if donor is not None:
+                    buf.reuses = donor.key
+                    donor.reused_later = True
+        for buf in dying.get(i, ()):
+            if not buf.is_input and not buf.reused_later:
+                pool.setdefault((buf.dtype, buf.nbytes), []).append(buf)
+
+
+def _live_by_kernel(plan: BufferPlan, kernels: list[int]) -> list[int]:
+    """Bytes alive while each kernel runs, before reuse (memory.py ``estimate_peak_memory``)."""
+    delta = [0] * (len(kernels) + 1)
+    for buf in plan.buffers.values():
+        first = bisect.bisect_left(kernels, buf.made_at)  # inputs (made_at -1): from the start
+        if buf.is_output or buf.last_use < 0:
+            last = len(kernels) - 1
+        else:
+            last = bisect.bisect_right(kernels, buf.last_use) - 1
+        if first <= last:
+            delta[first] += buf.nbytes
+            delta[last + 1] -= buf.nbytes
+    return list(itertools.accumulate(delta[:-1]))
+
+
+def _pooled_donor(
+    pool: dict[tuple[Any, int], list[Buffer]],
+    buf: Buffer,
+    kernels: list[int],
+    position: dict[int, int],
+    live: list[int],
+    overall_peak: int,
+) -> Buffer | None:
+    stack = pool.get((buf.dtype, buf.nbytes))
+    if not stack:
+        return None
+    donor = stack.pop()
+    # Kernels strictly between the donor's last reader and this buffer's kernel.
+    start = bisect.bisect_right(kernels, donor.last_use)
+    end = position[buf.made_at] - 1
+    if start > end:  # the next kernel: always reused
+        return donor
+    if buf.nbytes + max(live[start : end + 1]) <= overall_peak:
+        for k in range(start, end + 1):  # EfficientPeakEstimate.update_peak_between
+            live[k] += buf.nbytes
+        return donor
+    stack.append(donor)
+    return None
+
+
+def _kernel_reads(node: torch.fx.Node, reads: dict[str, frozenset[BufferKey]]) -> frozenset[BufferKey]:
+    return frozenset().union(*(reads.get(n.name, frozenset()) for n in node.all_input_nodes))
+
+
+def _in_place_donor(
+    plan: BufferPlan, buf: Buffer, node: torch.fx.Node, kernel_reads: Iterable[BufferKey], i: int
+) -> Buffer | None:
+    """scheduler.py decide_inplace_update: a fused kernel's dying input of the same layout."""
+    if plan.kinds[node.name] not in ("pointwise",):
+        return None
+    for key in sorted(kernel_reads):
+        donor = plan.buffers.get(key)
+        if (
+            donor is not None
+            and not donor.is_input
+            and not donor.is_output
+            and not donor.reused_later
+            and donor.last_use == i
+            and donor.dtype == buf.dtype
+            and donor.nbytes == buf.nbytes
+        ):
+            return donor
+    return None

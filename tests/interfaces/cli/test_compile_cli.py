@@ -1,0 +1,49 @@
+"""``oomkit predict --compile``: compiled steps recorded as compiled, from the command line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+from oomkit.interfaces.cli import main  # noqa: E402
+
+_STEP = textwrap.dedent(
+    """
+    import torch
+
+    def build(batch_size=16):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+        )
+        x = torch.randn(batch_size, 64)
+        compiled = torch.compile(model)
+
+        def step():
+            compiled(x).sum().backward()
+
+        return step, (model, x)
+    """
+)
+
+
+def test_user_step_that_compiles_is_recorded_compiled(tmp_path, capsys):
+    """With --compile a file.py:function step's own torch.compile is recorded as compiled."""
+    path = tmp_path / "compiled_step.py"
+    path.write_text(_STEP)
+    code = main(["predict", f"{path}:build", "--compile", "--steps", "1", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    warnings = out["warnings"]
+    assert any(w.startswith("torch.compile: compiled (AOTAutograd partitioner real") for w in warnings)
+    assert not any("traced eagerly" in w for w in warnings)
+
+
+@pytest.mark.parametrize("extra", [["--fsdp", "2"], ["--lengths", "lengths.txt"]])
+def test_compile_refuses_fsdp_and_lengths(extra, capsys):
+    """--compile with --fsdp or --lengths exits 2, saying to predict without them."""
+    assert main(["predict", "gpt2-124m", "--compile", *extra]) == 2
+    assert "--compile does not go with --lengths or --fsdp yet" in capsys.readouterr().err
