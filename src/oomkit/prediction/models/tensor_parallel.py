@@ -28,7 +28,9 @@ attention does; so heads, KV heads, the FFN width and the sequence must divide b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -163,6 +165,33 @@ def apply_llama_tensor_parallel(
         llama.lm_head.weight = llama.embed_tokens.weight
 
 
+@contextlib.contextmanager
+def _meshes_made_outside_fake_mode() -> Iterator[None]:
+    """While open, ``DeviceMesh._concatenate`` builds its mesh with the fake mode paused.
+
+    ``fully_shard`` on a TP DTensor parameter joins the FSDP and TP meshes
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharding_spec_tp``), and the
+    new ``DeviceMesh`` computes its rank tensor from the real rank map
+    (torch/distributed/device_mesh.py ``DeviceMesh.__init__`` -> ``mesh``), which
+    ``FakeTensorMode`` refuses as a real input. The mesh is host bookkeeping, not device
+    memory, so it is made as it would be outside the fake mode.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return cast(DeviceMesh, original.__func__(meshes))
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original  # type: ignore[method-assign]
+
+
 def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
     """Llama preset ``name`` tensor-parallel on ``mesh["tp"]`` (then FSDP2 on ``mesh["fsdp"]``).
 
@@ -222,7 +251,9 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
     step_options = options
     if "fsdp" in names:
         fsdp_mesh = mesh["fsdp"]
-        units = shard_blocks_and_root(model, cast(Any, model).layers, fsdp_mesh, options.precision)
+        with _meshes_made_outside_fake_mode():
+            blocks = cast(Any, model).layers
+            units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision)
         layout += f", FSDP2 over {fsdp_mesh.size()} ranks ({units} units: per block + root)"
         if options.precision == "bf16-mixed":  # FSDP2's policy casts; no autocast (torchtitan)
             step_options = dataclasses.replace(options, precision="fp32")
