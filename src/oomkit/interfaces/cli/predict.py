@@ -152,20 +152,28 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     """``--fsdp N``: rank 0 of the preset sharded with FSDP2, recorded on a fake process group."""
     import dataclasses
 
+    from oomkit.interfaces.cli._tensor_parallel import (
+        describe_layout,
+        refuse_tp_target,
+        tp_notes,
+    )
     from oomkit.interfaces.cli._workload import build_sharded_workload
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.tracing.distributed import trace_distributed_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     layout = target.parallel
-    if layout.tp > 1 or layout.dp > 1:
+    if layout.dp > 1:
         raise OomkitError(
-            "--tp and --dp are not modelled yet: predict FSDP2 alone with --fsdp N (issue 13)"
+            "--dp is not modelled yet: predict FSDP2 with --fsdp N and/or TP with --tp N (issue 13)"
         )
+    if layout.tp > 1:
+        refuse_tp_target(args)
     workload = build_sharded_workload(args, args.batch)
     if not args.json:
         stderr_console().print(
-            f"recording rank 0 of {target.parallel.world_size} (FSDP2) on a fake process group ..."
+            f"recording rank 0 of {layout.world_size} ({describe_layout(layout)}) on a fake "
+            "process group ..."
         )
     with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
         recording = trace_distributed_step(
@@ -175,6 +183,7 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
             steps=args.steps,
             target=target,
         )
+    recording = dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))
     if target.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.
         target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)
