@@ -34,6 +34,7 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
+from oomkit.prediction.tracing.collectives import COLLECTIVE_EMULATIONS
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
@@ -292,7 +293,7 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS}, gpu=gpu)
+    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)

@@ -1,0 +1,37 @@
+"""Functional collectives as CUDA runs them: ``wait_tensor`` hands back its input, not a copy.
+
+torch/csrc/distributed/c10d/Functional.cpp registers ``_c10d_functional::wait_tensor`` with
+``c10d::wait_tensor``, which waits on the work registered for the tensor and returns the same
+tensor (torch/csrc/distributed/c10d/FunctionalRegistry.cpp ``wait_tensor``: ``return
+tensor;``). Its meta kernel, which a fake run executes, returns ``torch.empty_like(self)``
+instead (torch/distributed/_functional_collectives.py ``_wait_tensor_meta``): a new storage
+the size of every collective's output, which no GPU allocates. DTensor waits on every
+redistribution (sequence-parallel all-gathers, reduce-scatters, all-reduces), so without this
+each would be counted twice while both are alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
+
+__all__ = ["COLLECTIVE_EMULATIONS"]
+
+
+def _wait_tensor_returns_its_input(ctx: EmulationContext) -> Any:
+    """``_c10d_functional.wait_tensor``: the output shares the input's storage, as on CUDA."""
+    out = ctx.run()
+    source = ctx.args[0] if ctx.args else None
+    if isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor):
+        # set_ points the output at the input's storage before the engine sees the output,
+        # so the meta kernel's empty_like storage is never recorded.
+        out.set_(source)
+    return out
+
+
+COLLECTIVE_EMULATIONS: dict[str, OpEmulation] = {
+    "_c10d_functional.wait_tensor.default": _wait_tensor_returns_its_input,
+}
