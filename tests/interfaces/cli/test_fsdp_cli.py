@@ -138,10 +138,10 @@ def test_user_function_prediction_matches_the_api(tmp_path, capsys):
     assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each
 
 
-def test_tp_and_dp_are_refused_until_modelled(capsys):
-    """--tp/--dp parse into the layout but predict says plainly they are not modelled yet."""
+def test_dp_is_refused_until_modelled(capsys):
+    """--dp parses into the layout but predict says plainly it is not modelled yet."""
     from oomkit.interfaces.cli import main
 
-    code = main(["predict", "gpt2", "--tp", "2", "--batch", "1", "--seq", "16"])
+    code = main(["predict", "gpt2-124m", "--dp", "2", "--batch", "1", "--seq", "16"])
     assert code == 2
-    assert "--tp and --dp are not modelled yet" in capsys.readouterr().err
+    assert "--dp is not modelled yet" in capsys.readouterr().err

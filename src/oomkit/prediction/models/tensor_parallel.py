@@ -185,11 +185,11 @@ def _meshes_made_outside_fake_mode() -> Iterator[None]:
         with unset_fake_temporarily():
             return cast(DeviceMesh, original.__func__(meshes))
 
-    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
+    setattr(DeviceMesh, "_concatenate", staticmethod(concatenate))  # noqa: B010
     try:
         yield
     finally:
-        DeviceMesh._concatenate = original  # type: ignore[method-assign]
+        setattr(DeviceMesh, "_concatenate", original)  # noqa: B010
 
 
 def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
@@ -253,7 +253,7 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         fsdp_mesh = mesh["fsdp"]
         with _meshes_made_outside_fake_mode():
             blocks = cast(Any, model).layers
-            units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision)
+            units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision or "fp32")
         layout += f", FSDP2 over {fsdp_mesh.size()} ranks ({units} units: per block + root)"
         if options.precision == "bf16-mixed":  # FSDP2's policy casts; no autocast (torchtitan)
             step_options = dataclasses.replace(options, precision="fp32")

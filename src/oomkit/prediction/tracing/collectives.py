@@ -12,7 +12,7 @@ each would be counted twice while both are alive.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def _wait_tensor_returns_its_input(ctx: EmulationContext) -> Any:
     if isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor):
         # set_ points the output at the input's storage before the engine sees the output,
         # so the meta kernel's empty_like storage is never recorded.
-        out.set_(source)
+        cast(Any, out).set_(source)
     return out
 
 
