@@ -21,7 +21,21 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "watched_functions"]
+__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "untraced", "watched_functions"]
+
+# > 0 while code that makes no device memory runs (DTensor's sharding propagation on global
+# fake shapes): OpDispatchMode then runs ops without recording them.
+_untraced_depth = [0]
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """While open, ops run unrecorded: for host bookkeeping that only derives shapes."""
+    _untraced_depth[0] += 1
+    try:
+        yield
+    finally:
+        _untraced_depth[0] -= 1
 
 
 class OpDispatchMode(TorchDispatchMode):
@@ -41,6 +55,8 @@ class OpDispatchMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if _untraced_depth[0]:
+            return func(*args, **(kwargs or {}))
         if any(map(is_traceable_wrapper_subclass_type, types)):
             # A DTensor op: let DTensor dispatch it (its redistributions and collectives, then
             # the op on local shards), with this mode still on the stack for the inner ops

@@ -34,7 +34,10 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
-from oomkit.prediction.tracing.collectives import COLLECTIVE_EMULATIONS
+from oomkit.prediction.tracing.collectives import (
+    COLLECTIVE_EMULATIONS,
+    sharding_propagation_untraced,
+)
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
@@ -302,7 +305,8 @@ def trace_distributed_step(
         step_fn, track = build(mesh)
         uneven_bytes = _uneven_shard_bytes(track, world_size)
         try:
-            with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
+            roles = FsdpBufferRoles(tracer).installed()
+            with tracer, streams.installed(), roles, sharding_propagation_untraced():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"):
                     tracer.track(track)
