@@ -217,3 +217,19 @@ def test_attention_views_take_the_local_heads(tiny):
     local_heads = _SHAPE.heads // 2
     assert _BATCH * local_heads * _SEQ * head_dim * 4 in sizes
     assert _BATCH * _SHAPE.heads * _SEQ * head_dim * 4 not in sizes
+
+
+def test_sharding_propagation_allocates_nothing(tp2_recording):
+    """DTensor's shape propagation on global fake tensors is not device memory: the optimizer
+    step allocates AdamW's two states and one sqrt temporary per local shard, and only DTensor's
+    own redistributions besides (norm-gradient all-reduces, a replicate-to-shard copy)."""
+    by_op: dict[str, int] = {}
+    for event in tp2_recording.step_events(0):
+        tags = dict(event.tags)
+        if event.action == "alloc" and tags.get("phase") == "optimizer":
+            by_op[tags["op"]] = by_op.get(tags["op"], 0) + event.size
+    local_bytes = 4 * _local_parameter_numel(_SHAPE, 2)
+    assert by_op.pop("aten.zeros_like.default") == 2 * local_bytes
+    assert by_op.pop("aten._foreach_sqrt.default") == local_bytes
+    assert "aten.empty_strided.default" not in by_op
+    assert set(by_op) <= {"_c10d_functional.all_reduce.default", "aten.clone.default"}
