@@ -138,10 +138,11 @@ def test_user_function_prediction_matches_the_api(tmp_path, capsys):
     assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each
 
 
-def test_tp_is_refused_until_modelled(capsys):
-    """--tp parses into the layout but predict says plainly it is not modelled yet."""
+def test_dp_with_fsdp_or_tp_is_refused_until_modelled(capsys):
+    """--dp with --fsdp (HSDP) or --tp parses into the layout but predict refuses it plainly."""
     from oomkit.interfaces.cli import main
 
-    code = main(["predict", "gpt2", "--tp", "2", "--batch", "1", "--seq", "16"])
-    assert code == 2
-    assert "--tp is not modelled yet" in capsys.readouterr().err
+    for extra in (["--fsdp", "2"], ["--tp", "2"]):
+        code = main(["predict", "llama3-8b", "--dp", "2", *extra, "--batch", "1", "--seq", "16"])
+        assert code == 2
+        assert "is not modelled yet" in capsys.readouterr().err

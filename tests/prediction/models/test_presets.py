@@ -17,6 +17,9 @@ PUBLISHED = {
     "llama-1b": 1_235_814_400,  # Llama 3.2 1B
     "llama-3b": 3_212_749_824,  # Llama 3.2 3B
     "llama-8b": 8_030_261_248,  # Llama 3.1 8B
+    "llama3-8b": 8_030_261_248,  # Llama 3.1 8B under torchtitan's name
+    "llama3-70b": 70_553_706_496,  # Llama 3.1 70B
+    "llama3-405b": 405_853_388_800,  # Llama 3.1 405B
     "llama-13b": 13_015_864_320,  # Llama 2 13B
     "bert-base": 109_514_298,  # BertForMaskedLM bert-base-uncased (~110M)
     "bert-large": 335_174_458,  # BertForMaskedLM bert-large-uncased (~340M)
@@ -26,7 +29,7 @@ PUBLISHED = {
 
 
 def test_catalog_names():
-    """The catalog holds exactly the twelve presets of the contract."""
+    """The catalog holds exactly the fifteen presets of the contract."""
     assert set(PRESETS) == set(PUBLISHED)
 
 

@@ -171,18 +171,21 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     """``--fsdp N``: rank 0 of the preset sharded with FSDP2, recorded on a fake process group."""
     import dataclasses
 
+    from oomkit.interfaces.cli._tensor_parallel import (
+        describe_layout,
+        refuse_tp_target,
+        tp_notes,
+    )
     from oomkit.interfaces.cli._workload import build_sharded_workload
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.tracing.distributed import trace_distributed_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     layout = target.parallel
-    if layout.tp > 1:
-        raise OomkitError("--tp is not modelled yet: predict FSDP2 alone with --fsdp N (issue 13)")
-    if layout.dp > 1 and layout.fsdp > 1:
+    if layout.dp > 1 and (layout.fsdp > 1 or layout.tp > 1):
         raise OomkitError(
-            "--dp with --fsdp (HSDP: replicas of FSDP2 shard groups) is not modelled yet: "
-            "predict --fsdp N or --dp N alone"
+            "--dp with --fsdp (HSDP: replicas of FSDP2 shard groups) or with --tp is not "
+            "modelled yet: predict --dp N alone, or --fsdp N and/or --tp N"
         )
     # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU).
     if layout.dp > 1 or (args.dp is not None and args.fsdp is None and layout.tp == 1):
@@ -191,8 +194,10 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
         workload = build_ddp_workload(args, args.batch)
         kind = "DDP"
     else:
+        if layout.tp > 1:
+            refuse_tp_target(args)
         workload = build_sharded_workload(args, args.batch)
-        kind = "FSDP2"
+        kind = describe_layout(layout)
     if not args.json:
         stderr_console().print(
             f"recording rank 0 of {layout.world_size} ({kind}) on a fake process group ..."
@@ -205,6 +210,7 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
             steps=args.steps,
             target=target,
         )
+    recording = dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))
     if target.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.
         target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)

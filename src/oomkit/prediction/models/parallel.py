@@ -94,6 +94,10 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         UnknownPresetError: ``name`` is not a preset.
         ConfigError: a preset FSDP2 is not modelled for, ``fp16-mixed`` or ``generate``.
     """
+    if "tp" in (mesh.mesh_dim_names or ()):  # TP first, then FSDP on mesh["fsdp"] (torchtitan)
+        from oomkit.prediction.models.tensor_parallel import build_tp_preset_step
+
+        return build_tp_preset_step(name, options, mesh)
     preset = shaped_preset(name, options)
     family = type(preset.shape).__name__.removesuffix("Shape")
     attribute = FSDP_FAMILIES.get(family)

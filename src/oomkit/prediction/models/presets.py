@@ -169,6 +169,48 @@ _ALL: tuple[ModelPreset, ...] = (
         tied=False,
         **_LLAMA3,
     ),
+    # The Llama 3.1 family under torchtitan's names (torchtitan/models/llama3/__init__.py
+    # llama3_configs "8B", "70B", "405B": dim, n_layers, n_heads, n_kv_heads, and the FFN width
+    # compute_ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier) gives: 4096/1024/1.3 ->
+    # 14336, 8192/4096/1.3 -> 28672, 16384/4096/1.2 -> 53248; vocab_size 128256, rope theta
+    # 500000, max_seq_len 131072), equal to meta-llama/Llama-3.1-{8B,70B,405B} config.json.
+    # llama3-8b is llama-8b under torchtitan's name.
+    _llama(
+        "llama3-8b",
+        "Llama 3.1 8B",
+        "meta-llama/Llama-3.1-8B",
+        hidden=4096,
+        intermediate=14336,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        tied=False,
+        **_LLAMA3,
+    ),
+    _llama(
+        "llama3-70b",
+        "Llama 3.1 70B",
+        "meta-llama/Llama-3.1-70B",
+        hidden=8192,
+        intermediate=28672,
+        layers=80,
+        heads=64,
+        kv_heads=8,
+        tied=False,
+        **_LLAMA3,
+    ),
+    _llama(
+        "llama3-405b",
+        "Llama 3.1 405B",
+        "meta-llama/Llama-3.1-405B",
+        hidden=16384,
+        intermediate=53248,
+        layers=126,
+        heads=128,
+        kv_heads=8,
+        tied=False,
+        **_LLAMA3,
+    ),
     _llama(
         "llama-13b",
         "Llama 2 13B",

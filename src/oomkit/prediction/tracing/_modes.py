@@ -19,9 +19,23 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "watched_functions"]
+__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "untraced", "watched_functions"]
+
+# > 0 while code that makes no device memory runs (DTensor's sharding propagation on global
+# fake shapes): OpDispatchMode then runs ops without recording them.
+_untraced_depth = [0]
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """While open, ops run unrecorded: for host bookkeeping that only derives shapes."""
+    _untraced_depth[0] += 1
+    try:
+        yield
+    finally:
+        _untraced_depth[0] -= 1
 
 
 class OpDispatchMode(TorchDispatchMode):
@@ -30,9 +44,7 @@ class OpDispatchMode(TorchDispatchMode):
     ``run_op(func, args, kwargs)`` runs each one (``engine.CudaEmulationEngine.run_op``).
     """
 
-    def __init__(
-        self, run_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-    ) -> None:
+    def __init__(self, run_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
         super().__init__()
         self._run_op = run_op
 
@@ -43,6 +55,14 @@ class OpDispatchMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if _untraced_depth[0]:
+            return func(*args, **(kwargs or {}))
+        if any(map(is_traceable_wrapper_subclass_type, types)):
+            # A DTensor op: let DTensor dispatch it (its redistributions and collectives, then
+            # the op on local shards), with this mode still on the stack for the inner ops
+            # (torch/csrc/utils/python_arg_parser.cpp handle_torch_function_no_python_arg_parser:
+            # a mode that answers NotImplemented is restored before the subclasses' turn).
+            return NotImplemented
         return self._run_op(func, args, kwargs or {})
 
 

@@ -34,6 +34,10 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
+from oomkit.prediction.tracing.collectives import (
+    COLLECTIVE_EMULATIONS,
+    sharding_propagation_untraced,
+)
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
@@ -295,7 +299,7 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS}, gpu=gpu)
+    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
@@ -308,7 +312,8 @@ def trace_distributed_step(
         shard_ranks = mesh.size(dims.index("fsdp") if "fsdp" in dims else mesh.ndim - 1)
         uneven_bytes = _uneven_shard_bytes(track, shard_ranks)
         try:
-            with tracer, streams.installed(), FsdpBufferRoles(tracer).installed():
+            roles = FsdpBufferRoles(tracer).installed()
+            with tracer, streams.installed(), roles, sharding_propagation_untraced():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"):
                     tracer.track(track)
