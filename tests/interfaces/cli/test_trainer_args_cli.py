@@ -64,7 +64,7 @@ def test_hf_dir_with_lora_and_trainer_args_predicts_offline(offline, tmp_path, c
         "batch_size": 2,
         "seq_len": 32,
         "grad_accum": 2,
-        "checkpointing": True,
+        "checkpointing": "full",
         "optimizer": "adamw8bit",
         "max_grad_norm": 1.0,
         "precision": "bf16",  # bf16=True over the config's bf16 weights

@@ -126,7 +126,7 @@ def test_presets_refuse_reentrant_checkpointing():
         ({"grad_accum": 0}, "grad_accum must be a positive integer"),
         ({"grad_accum": True}, "grad_accum must be a positive integer"),
         ({"max_grad_norm": 0.0}, "max_grad_norm must be a positive number"),
-        ({"checkpoint_reentrant": True}, "add StepOptions\\(checkpointing=True\\)"),
+        ({"checkpoint_reentrant": True}, "add StepOptions\\(checkpointing='full'\\)"),
         ({"grad_accum": 2, "mode": "inference"}, "apply to training steps"),
     ],
 )
