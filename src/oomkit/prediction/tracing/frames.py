@@ -48,9 +48,16 @@ class UserFrameFinder:
 
     def find(self) -> tuple[Frame, ...]:
         """The innermost user frame as a one-element tuple, or ``()`` when there is none."""
+        # Called once per allocation with dozens of library frames above it: the cached verdict
+        # is read inline, without a method call per frame (issue 19 item 6).
+        is_user = self._is_user
         frame: types.FrameType | None = sys._getframe(1)
         while frame is not None:
-            if self._user_code(frame.f_code):
-                return (Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name),)
+            code = frame.f_code
+            verdict = is_user.get(code)
+            if verdict is None:
+                verdict = self._user_code(code)
+            if verdict:
+                return (Frame(code.co_filename, frame.f_lineno, code.co_name),)
             frame = frame.f_back
         return ()
