@@ -13,7 +13,9 @@ All record 3 steps (the CLI default), bf16-mixed with AdamW, on an H100 SXM.
 calls with the same arguments). Each phase is timed both by the wall clock and by the process's
 CPU time (``time.process_time``): on a shared machine the CPU time is the figure that does not
 move with the load. The phases:
-- ``import``: importing torch and oomkit's predictor (paid once per process);
+- ``import``: importing torch (with torch._dynamo, which torch imports on the first call of a
+  dynamo-disabled function, i.e. while building any model) and oomkit's predictor: paid once
+  per process, and not in ``seconds``;
 - ``build``: the model, optimizer and inputs on the meta device;
 - ``trace``: running the steps under the recorder (meta kernels, storage accounting, frames),
   less ``emulation``;
@@ -104,7 +106,8 @@ class _TimedHooks(dict):
 def run_case(name: str) -> dict:
     """Build, record and predict one case in this process; return its figures."""
     clock = _Clock()
-    import torch  # noqa: F401  (timed: every `oomkit predict` pays it)
+    import torch
+    import torch._dynamo  # noqa: F401  (torch imports it on first use: building any model)
 
     from oomkit.core.target import resolve_target
     from oomkit.prediction import predict_recording

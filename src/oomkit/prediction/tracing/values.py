@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from oomkit.prediction.tracing._leaves import leaves, tensor_leaves
+from oomkit.prediction.tracing.meta_memo import SHARED_MEMO
 
 __all__ = [
     "MAX_KNOWN_BYTES",
@@ -256,7 +257,9 @@ class KnownValues(TorchDispatchMode):
         if not metas:
             return func(*args, **kwargs)
         try:
-            out = func(*args, **kwargs)
+            # A repeat of an op on the same metadata gets its outputs' layout from memory
+            # instead of running the meta kernel again (meta_memo.py; issue 19 item 6).
+            out = SHARED_MEMO.run(func, args, kwargs, lambda: func(*args, **kwargs))
         except Exception:
             known = self._inputs_known(func, flat, tree, name)
             if known is None or not self._deterministic(func, name):
