@@ -83,3 +83,15 @@ def test_memo_and_plain_path_record_the_same_events():
     assert memo.step_starts == plain.step_starts
     assert dict(memo.bytes_by_category) == dict(plain.bytes_by_category)
     assert dict(memo.kernel_choices) == dict(plain.kernel_choices)
+
+
+def test_a_full_memo_runs_new_keys_and_still_answers_old_ones():
+    """Past ``max_entries`` a new key runs every time; a remembered one is still answered."""
+    memo = MetaMemo(max_entries=1)
+    a, b = _meta(2, 3), _meta(3, 5)
+    memo.run(aten.mm.default, (a, b), {}, lambda: aten.mm.default(a, b))
+    for _ in range(2):
+        memo.run(aten.mm.default, (b.t(), a.t()), {}, lambda: aten.mm.default(b.t(), a.t()))
+    out = memo.run(aten.mm.default, (a, b), {}, lambda: pytest.fail("ran the kernel again"))
+    assert out.shape == (2, 5)
+    assert (memo.hits, memo.misses) == (1, 3)

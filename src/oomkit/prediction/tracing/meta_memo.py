@@ -31,8 +31,10 @@ import torch
 
 __all__ = ["MAX_ENTRIES", "SHARED_MEMO", "MetaMemo"]
 
-# Enough for every distinct (op, shapes) of a few models; each entry is a few small tuples.
-MAX_ENTRIES = 200_000
+# A GPT-2 training step has under 100 distinct (op, metadata) keys and a whole `fit` search about
+# 1,000; an entry is a few hundred bytes of small tuples, so the cap keeps a long session that
+# predicts many models under ~25 MB. Past it, new keys are run, not remembered.
+MAX_ENTRIES = 50_000
 
 _VALUE_TYPES = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
