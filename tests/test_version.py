@@ -1,38 +1,40 @@
-"""oomkit's version: read from the package metadata, with a fallback for an uninstalled tree."""
+"""oomkit's version: one constant in _version.py, which setuptools reads for the package metadata."""
 
 from __future__ import annotations
 
-import re
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 import oomkit
-from oomkit._version import UNKNOWN_VERSION, installed_version
 from oomkit.interfaces.cli import main
 
-PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
+ROOT = Path(__file__).parents[1]
 
 
-def _pyproject_version() -> str:
-    match = re.search(r'^version = "([^"]+)"$', PYPROJECT.read_text(), re.MULTILINE)
-    assert match is not None
-    return match.group(1)
+def test_pyproject_reads_the_version_from_the_constant():
+    """pyproject.toml writes no second version: setuptools reads ``oomkit._version.__version__``."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    setuptools_expand = pytest.importorskip("setuptools.config.expand")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert project["project"]["dynamic"] == ["version"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "oomkit._version.__version__"
+    # The same call setuptools makes when it builds the metadata (it reads the module statically).
+    read = setuptools_expand.read_attr(attr, package_dir={"": "src"}, root_dir=ROOT)
+    assert read == oomkit.__version__ == "0.1.0"
 
 
-def test_version_is_the_installed_metadata():
-    """``oomkit.__version__`` is what pip recorded from pyproject.toml, not a second literal."""
+def test_version_matches_the_installed_metadata():
+    """When pip installed oomkit, its metadata records the same version ``oomkit.__version__``
+    says."""
     try:
         installed = metadata.version("oomkit")
     except metadata.PackageNotFoundError:
         pytest.skip("oomkit is not installed (a source tree on PYTHONPATH)")
-    assert oomkit.__version__ == installed == _pyproject_version()
-
-
-def test_an_uninstalled_distribution_reads_as_unknown():
-    """Without metadata (a source tree that was never pip-installed) the version is 0+unknown."""
-    assert installed_version("oomkit-no-such-distribution") == UNKNOWN_VERSION == "0+unknown"
+    assert oomkit.__version__ == installed
 
 
 def test_cli_version_flag_prints_the_version(capsys):

@@ -1,29 +1,11 @@
-"""The installed oomkit's version, read from its package metadata (pyproject.toml ``version``)."""
+"""The oomkit version: the one place it is written (pyproject.toml reads it, ``dynamic``)."""
 
 from __future__ import annotations
 
-from importlib import metadata
+__all__ = ["__version__"]
 
-__all__ = ["UNKNOWN_VERSION", "__version__", "installed_version"]
-
-# PEP 440 local version for a source tree imported without being installed (``PYTHONPATH=src``):
-# there is no metadata to read; ``pip install -e .`` writes it.
-UNKNOWN_VERSION = "0+unknown"
-
-
-def installed_version(distribution: str = "oomkit") -> str:
-    """The version pip installed ``distribution`` at, or ``UNKNOWN_VERSION`` when not installed.
-
-    Args:
-        distribution: the distribution's name in the package metadata.
-
-    Returns:
-        The metadata's ``Version`` (pyproject.toml ``[project] version``), e.g. ``"0.1.0"``.
-    """
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return UNKNOWN_VERSION
-
-
-__version__ = installed_version()
+# A constant, not importlib.metadata: reading the package metadata cost ~25 ms of every CLI
+# start-up (it imports email, zipfile, csv, pathlib; issue 19 item 4). setuptools reads this line
+# for the distribution's version (pyproject.toml [tool.setuptools.dynamic] version attr), so the
+# installed metadata and ``oomkit.__version__`` cannot differ.
+__version__ = "0.1.0"

@@ -8,31 +8,93 @@ for all) judge a monitored run's per-step memory.
 
 from __future__ import annotations
 
-from oomkit.diagnose.attribution import AllocationSite, Attribution, LiveTensor
-from oomkit.diagnose.diagnosis import CAUSES, Cause, Diagnosis, Finding, Remedy, diagnose_oom_text
-from oomkit.diagnose.memory_health import (
-    FragmentationFinding,
-    LeakCause,
-    LeakFinding,
-    LeakSite,
-    MemorySample,
-    attribute_leak,
-    detect_fragmentation,
-    detect_leak,
-    explain_leak,
-    memory_findings,
-    samples_from_records,
-)
-from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
-from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
-from oomkit.diagnose.settings_doctor import (
-    LiveAllocator,
-    SettingsFinding,
-    SettingsReport,
-    doctor_environment,
-    doctor_snapshot,
-)
-from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oomkit.diagnose.attribution import AllocationSite, Attribution, LiveTensor
+    from oomkit.diagnose.diagnosis import (
+        CAUSES,
+        Cause,
+        Diagnosis,
+        Finding,
+        Remedy,
+        diagnose_oom_text,
+    )
+    from oomkit.diagnose.memory_health import (
+        FragmentationFinding,
+        LeakCause,
+        LeakFinding,
+        LeakSite,
+        MemorySample,
+        attribute_leak,
+        detect_fragmentation,
+        detect_leak,
+        explain_leak,
+        memory_findings,
+        samples_from_records,
+    )
+    from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
+    from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
+    from oomkit.diagnose.settings_doctor import (
+        LiveAllocator,
+        SettingsFinding,
+        SettingsReport,
+        doctor_environment,
+        doctor_snapshot,
+    )
+    from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+
+# Imported on first use (PEP 562): `oomkit explain TEXT` needs the OOM-text parser and its
+# diagnosis, not the leak and fragmentation judges (which import the planner) nor the snapshot
+# diagnosis (issue 19 item 4: start-up).
+_LAZY: dict[str, str] = {
+    "AllocationSite": "oomkit.diagnose.attribution",
+    "Attribution": "oomkit.diagnose.attribution",
+    "LiveTensor": "oomkit.diagnose.attribution",
+    "CAUSES": "oomkit.diagnose.diagnosis",
+    "Cause": "oomkit.diagnose.diagnosis",
+    "Diagnosis": "oomkit.diagnose.diagnosis",
+    "Finding": "oomkit.diagnose.diagnosis",
+    "Remedy": "oomkit.diagnose.diagnosis",
+    "diagnose_oom_text": "oomkit.diagnose.diagnosis",
+    "FragmentationFinding": "oomkit.diagnose.memory_health",
+    "LeakCause": "oomkit.diagnose.memory_health",
+    "LeakFinding": "oomkit.diagnose.memory_health",
+    "LeakSite": "oomkit.diagnose.memory_health",
+    "MemorySample": "oomkit.diagnose.memory_health",
+    "attribute_leak": "oomkit.diagnose.memory_health",
+    "detect_fragmentation": "oomkit.diagnose.memory_health",
+    "detect_leak": "oomkit.diagnose.memory_health",
+    "explain_leak": "oomkit.diagnose.memory_health",
+    "memory_findings": "oomkit.diagnose.memory_health",
+    "samples_from_records": "oomkit.diagnose.memory_health",
+    "OomText": "oomkit.diagnose.oom_text",
+    "ProcessMemory": "oomkit.diagnose.oom_text",
+    "find_oom_texts": "oomkit.diagnose.oom_text",
+    "parse_oom_text": "oomkit.diagnose.oom_text",
+    "diagnose_prediction": "oomkit.diagnose.prediction_diagnosis",
+    "LiveAllocator": "oomkit.diagnose.settings_doctor",
+    "SettingsFinding": "oomkit.diagnose.settings_doctor",
+    "SettingsReport": "oomkit.diagnose.settings_doctor",
+    "doctor_environment": "oomkit.diagnose.settings_doctor",
+    "doctor_snapshot": "oomkit.diagnose.settings_doctor",
+    "diagnose_snapshot": "oomkit.diagnose.snapshot_diagnosis",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # imported once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AllocationSite",

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.diagnose._context import ContextRange, context_range
-from oomkit.diagnose.attribution import Attribution
 from oomkit.diagnose.oom_text import OomText
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    # Annotations only: `oomkit explain TEXT` never attributes, and attribution imports the
+    # snapshot reader (issue 19 item 4: start-up).
+    from oomkit.diagnose.attribution import Attribution
 
 __all__ = ["Cause", "CAUSES", "Finding", "Remedy", "Diagnosis", "diagnose_oom_text"]
 

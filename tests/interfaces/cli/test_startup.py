@@ -28,6 +28,14 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
 print(json.dumps({{"rc": rc, "modules": sorted(sys.modules)}}))
 """
 
+# A whole OOM message as PyTorch 2.x prints it (c10/cuda/CUDACachingAllocator.cpp's OOM text).
+_OOM_TEXT = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+    "capacity of 23.65 GiB of which 1.13 GiB is free. Including non-PyTorch memory, this process "
+    "has 22.51 GiB memory in use. Of the allocated memory 21.90 GiB is allocated by PyTorch, and "
+    "151.04 MiB is reserved by PyTorch but unallocated."
+)
+
 # Never imported by the file commands: torch, and the layers they do not use.
 HEAVY = ("torch", "oomkit.prediction", "oomkit.runtime", "oomkit.plan")
 
@@ -120,3 +128,40 @@ def test_explain_builds_only_its_own_parser():
     assert "explain" in commands
     assert not commands & {"predict", "demo", "replay", "simulate", "tune", "run", "fit",
                            "experiment", "report"}
+
+
+def test_help_imports_no_subcommand_module():
+    """``oomkit --help`` lists the subcommands without importing any of their modules, nor rich,
+    the version's package metadata (importlib.metadata) or any layer but errors and units."""
+    rc, modules = _modules("main(['--help'])", setup="from oomkit.interfaces.cli import main")
+    assert rc == 0
+    assert _loaded(modules, "oomkit.interfaces.cli") == ["oomkit.interfaces.cli"]
+    for name in (*HEAVY, "rich", "importlib.metadata", "oomkit.core", "oomkit.diagnose"):
+        assert _loaded(modules, name) == [], name
+
+
+def test_summary_help_is_the_full_parsers_help():
+    """The summary parser's ``--help`` is character for character the full parser's: each
+    one-line summary is the one the subcommand's ``add_parser`` registers."""
+    from oomkit.interfaces.cli import build_parser, summary_parser
+
+    assert summary_parser().format_help() == build_parser().format_help()
+
+
+def test_explain_text_imports_only_the_text_diagnosis():
+    """``oomkit explain TEXT`` imports the OOM-text diagnosis and its report (rich's console and
+    table), not the snapshot or leak diagnoses, the planner, the predictor or rich's progress."""
+    rc, modules = _modules(f"main(['explain', {_OOM_TEXT!r}])",
+                           setup="from oomkit.interfaces.cli import main")
+    assert rc is None  # main returned (0): a diagnosis was rendered
+    for name in (*HEAVY, "importlib.metadata", "oomkit.core.replay", "oomkit.core.allocator",
+                 "oomkit.diagnose.memory_health", "oomkit.diagnose.snapshot_diagnosis",
+                 "rich.progress", "rich.live"):
+        assert _loaded(modules, name) == [], name
+    assert "oomkit.diagnose.diagnosis" in modules
+    assert "rich.console" in modules
+    assert _loaded(modules, "oomkit.interfaces.reports") == [
+        "oomkit.interfaces.reports",
+        "oomkit.interfaces.reports._untrusted",  # escapes the error text's markup
+        "oomkit.interfaces.reports.diagnosis",
+    ]

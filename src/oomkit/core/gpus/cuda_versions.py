@@ -9,7 +9,6 @@ installs on Linux (``CUDA_STABLE`` in that release's
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +78,10 @@ def cuda_build_for(torch_version: str) -> CudaBuild:
 
 def installed_torch_version() -> str | None:
     """The installed torch's version from its package metadata (``None`` without torch)."""
+    # Imported here: importlib.metadata costs ~20 ms of start-up (email, zipfile, csv), and
+    # `oomkit explain TEXT` imports this module without asking for torch's version (issue 19).
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

@@ -16,7 +16,15 @@ from importlib import import_module
 
 from oomkit.errors import OomkitError, TorchRequiredError
 
-__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_NO_FIT", "EXIT_USAGE", "EXIT_MISSING_DEPENDENCY"]
+__all__ = [
+    "main",
+    "build_parser",
+    "summary_parser",
+    "EXIT_OK",
+    "EXIT_NO_FIT",
+    "EXIT_USAGE",
+    "EXIT_MISSING_DEPENDENCY",
+]
 
 EXIT_OK = 0
 EXIT_NO_FIT = 1
@@ -24,35 +32,39 @@ EXIT_USAGE = 2
 EXIT_MISSING_DEPENDENCY = 3
 
 
-# The subcommands in help order, by module name under oomkit.interfaces.cli.
-_COMMANDS = (
-    "predict",
-    "explain",
-    "demo",
-    "replay",
-    "simulate",
-    "tune",
-    "run",
-    "fit",
-    "experiment",
-    "report",
-    "gpus",
-    "presets",
-    "doctor",
-    "diff",
-)
+# The subcommands in help order (module name under oomkit.interfaces.cli) with the one line
+# `oomkit --help` lists for each. `oomkit` and `oomkit --help` list them from here without
+# importing the fourteen modules (issue 19 item 4); tests/interfaces/cli/test_startup.py checks
+# that each line is the one the module's own ``add_parser`` registers.
+_SUMMARIES: dict[str, str] = {
+    "predict": "predict a step's peak GPU memory on a named GPU, without a GPU",
+    "explain": "explain an OOM error: its cause, the evidence and ranked remedies",
+    "demo": "replay the built-in training-like workload under two allocator settings",
+    "replay": "replay a snapshot from torch.cuda.memory._dump_snapshot",
+    "simulate": "replay an oomkit trace file through the simulated allocator",
+    "tune": "find the PYTORCH_CUDA_ALLOC_CONF that reserves least for a trace or snapshot",
+    "run": "run a Python script with OOM snapshots and diagnosis: oomkit run -- python train.py",
+    "fit": "find the largest batch that fits on a GPU, without a GPU",
+    "experiment": "run a script once per PYTORCH_CUDA_ALLOC_CONF and compare peak memory and "
+    "speed",
+    "report": "summarise oomkit.Monitor logs: peaks, fragmentation, retries, OOMs per rank",
+    "gpus": "list the GPUs --gpu can name, with their memory",
+    "presets": "list the built-in models predict and fit take, with their defaults",
+    "doctor": "show which allocator settings are in effect (environment or snapshot)",
+    "diff": "split the change in peak memory between two runs into allocated and placement",
+}
+_COMMANDS = tuple(_SUMMARIES)
 
 
 def _subcommands(only: str | None = None) -> list:
-    # Imported here so that `oomkit --help` stays fast and optional dependencies stay lazy; with
-    # ``only``, just that subcommand's module (issue 19 item 4: `oomkit replay FILE` does not
-    # import the predictor that `fit` needs).
+    # Imported here so that optional dependencies stay lazy; with ``only``, just that
+    # subcommand's module (issue 19 item 4: `oomkit replay FILE` does not import the predictor
+    # that `fit` needs).
     names = _COMMANDS if only is None else (only,)
     return [import_module(f"oomkit.interfaces.cli.{name}") for name in names]
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The root parser with every subcommand registered (or just ``only``, a subcommand name)."""
+def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from oomkit._version import __version__
 
     parser = argparse.ArgumentParser(
@@ -61,12 +73,27 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"oomkit {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser, parser.add_subparsers(dest="command", metavar="COMMAND")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The root parser with every subcommand registered (or just ``only``, a subcommand name)."""
+    parser, subparsers = _root_parser()
     for module in _subcommands(only):
         module.add_parser(subparsers)
     # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
     for subparser in subparsers.choices.values():
         subparser.allow_abbrev = False
+    return parser
+
+
+def summary_parser() -> argparse.ArgumentParser:
+    """The root parser that lists every subcommand by its one-line summary without importing the
+    subcommand modules: what `oomkit`, `oomkit --help` and an unknown command word get. Its help
+    text is ``build_parser()``'s; its subcommands take no arguments of their own."""
+    parser, subparsers = _root_parser()
+    for name, summary in _SUMMARIES.items():
+        subparsers.add_parser(name, help=summary)
     return parser
 
 
@@ -81,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
     # Only the named subcommand's parser is built (and its module imported); `oomkit`,
-    # `oomkit --help` and unknown words get the full parser, which lists every subcommand.
-    parser = build_parser(_command_named(words))
+    # `oomkit --help` and unknown words get the summary parser, which lists every subcommand.
+    command = _command_named(words)
+    parser = summary_parser() if command is None else build_parser(command)
     args = parser.parse_args(words)
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
-from oomkit.diagnose.attribution import Attribution
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
 from oomkit.diagnose.oom_text import OomText
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    # Annotations only; rich is imported when something is rendered (`--json` never renders)
+    # and attribution only comes with a snapshot (issue 19 item 4: start-up).
+    from rich.console import Console
+
+    from oomkit.diagnose.attribution import Attribution
 
 __all__ = [
     "REMEDIES_HEADING",
@@ -118,6 +122,8 @@ def remedy_headline(number: int, remedy: Remedy) -> str:
 
 def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
     """Print the verdict, the causes with their evidence, the remedies and the memory paragraph."""
+    from rich.table import Table
+
     top = diagnosis.causes[0]
     console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {as_written(top.summary)}.")
     if len(diagnosis.causes) > 1:
@@ -161,6 +167,8 @@ def _short_site(label: str) -> str:
 
 def _render_attribution(attribution: Attribution, console: Console) -> None:
     """Tables of what was live: by category, by allocation site, the largest tensors."""
+    from rich.table import Table
+
     when = _MOMENT_WORDS.get(attribution.moment, attribution.moment)
     if attribution.by_category_bytes:
         table = Table(title=f"Memory {when} by category", title_justify="left")

@@ -17,9 +17,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.prediction.tracing._leaves import tensor_leaves
 from oomkit.prediction.tracing._modes import (
     DivergenceFunctionMode,
     OpDispatchMode,
@@ -217,13 +217,12 @@ class CudaEmulationEngine:
 
     def _sync_all(self, tree: Any, op: str | None, *, before_op: bool) -> Exception | None:
         device_type = self.device_type
-        for leaf in tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                storage = tensor_storage(leaf, device_type)
-                if storage is not None:
-                    error = self.sync_storage(storage, op, before_op=before_op)
-                    if error is not None:
-                        return error
+        for leaf in tensor_leaves(tree):
+            storage = tensor_storage(leaf, device_type)
+            if storage is not None:
+                error = self.sync_storage(storage, op, before_op=before_op)
+                if error is not None:
+                    return error
         return None
 
     def sync_storage(

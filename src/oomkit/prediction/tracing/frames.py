@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import sysconfig
@@ -12,6 +13,8 @@ from pathlib import Path
 from oomkit.core.trace import Frame
 
 __all__ = ["library_prefixes", "UserFrameFinder"]
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def library_prefixes() -> tuple[str, ...]:
@@ -37,6 +40,21 @@ class UserFrameFinder:
     def __init__(self, prefixes: Sequence[str] | None = None) -> None:
         self._prefixes = tuple(prefixes) if prefixes is not None else library_prefixes()
         self._is_user: dict[types.CodeType, bool] = {}
+        # A frame that stays on the stack while every op of a recording runs (the frame that
+        # entered the Tracer), and the answer for the frames above it: those are suspended in
+        # their calls, so their lines cannot change until it returns (``hold``).
+        self._held: types.FrameType | None = None
+        self._above_held: tuple[Frame, ...] = ()
+
+    def hold(self, frame: types.FrameType | None) -> None:
+        """Walk no further than ``frame`` while it is on the stack: the frames above it are
+        answered once (issue 19 item 6: the walk was up to the interpreter's first frame, per
+        allocation). ``None`` lets go (call it before ``frame`` returns)."""
+        if frame is not None and frame.f_code.co_flags & _SUSPENDABLE:
+            # A generator's frame can be resumed from elsewhere, under other frames: no hold.
+            frame = None
+        self._held = frame
+        self._above_held = () if frame is None else self._walk(frame.f_back, None)
 
     def _user_code(self, code: types.CodeType) -> bool:
         verdict = self._is_user.get(code)
@@ -48,9 +66,22 @@ class UserFrameFinder:
 
     def find(self) -> tuple[Frame, ...]:
         """The innermost user frame as a one-element tuple, or ``()`` when there is none."""
-        frame: types.FrameType | None = sys._getframe(1)
+        return self._walk(sys._getframe(1), self._held)
+
+    def _walk(
+        self, frame: types.FrameType | None, held: types.FrameType | None
+    ) -> tuple[Frame, ...]:
+        # Called once per allocation with dozens of library frames above it: the cached verdict
+        # is read inline, without a method call per frame (issue 19 item 6).
+        is_user = self._is_user
         while frame is not None:
-            if self._user_code(frame.f_code):
-                return (Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name),)
+            code = frame.f_code
+            verdict = is_user.get(code)
+            if verdict is None:
+                verdict = self._user_code(code)
+            if verdict:
+                return (Frame(code.co_filename, frame.f_lineno, code.co_name),)
+            if frame is held:
+                return self._above_held
             frame = frame.f_back
         return ()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -187,6 +188,10 @@ class Tracer:
         stack.enter_context(self._engine.intercept())
         # FSDP frees and refills parameters with UntypedStorage.resize_, which no aten op shows.
         stack.enter_context(self._engine.storage_resize_accounted())
+        # Every op of the recording runs below the frame that entered the tracer, which stays
+        # suspended until the `with` block ends: the frames above it are looked up once.
+        self._frames.hold(sys._getframe(1))
+        stack.callback(self._frames.hold, None)
         self._exit_stack = stack
         return self
 

@@ -38,6 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from oomkit.prediction.tracing._leaves import leaves, tensor_leaves
+from oomkit.prediction.tracing.meta_memo import SHARED_MEMO
+
 __all__ = [
     "MAX_KNOWN_BYTES",
     "MAX_TOTAL_KNOWN_BYTES",
@@ -240,7 +243,10 @@ class KnownValues(TorchDispatchMode):
         if schema is None:  # not an aten overload (a higher-order op): values not followed
             return func(*args, **kwargs)
         name = schema.name
-        flat, spec = tree_flatten((args, kwargs))
+        # pytree's leaves, in its order; its spec is built only when every input is known and
+        # the arguments are rebuilt around their values (issue 19 item 6: per-op cost).
+        tree = (args, kwargs)
+        flat = leaves(tree)
         metas = [leaf for leaf in flat if isinstance(leaf, torch.Tensor) and leaf.is_meta]
         if not metas and not any(isinstance(leaf, torch.Tensor) for leaf in flat):
             # A factory: known from its arguments unless it is random or uninitialised.
@@ -251,9 +257,11 @@ class KnownValues(TorchDispatchMode):
         if not metas:
             return func(*args, **kwargs)
         try:
-            out = func(*args, **kwargs)
+            # A repeat of an op on the same metadata gets its outputs' layout from memory
+            # instead of running the meta kernel again (meta_memo.py; issue 19 item 6).
+            out = SHARED_MEMO.run(func, args, kwargs, lambda: func(*args, **kwargs))
         except Exception:
-            known = self._inputs_known(func, flat, spec, name)
+            known = self._inputs_known(func, flat, tree, name)
             if known is None or not self._deterministic(func, name):
                 raise
             # No meta kernel, or a data-dependent shape: the copies answer it.
@@ -262,14 +270,14 @@ class KnownValues(TorchDispatchMode):
             # GradScaler.unscale_ (torch/amp/grad_scaler.py _unscale_grads_): found_inf is
             # set to 1 only by a non-finite gradient; the scaler then reads it to skip the step.
             found_inf = args[1]
-            unknown_grads = self._inputs_known(func, flat, spec, name) is None
+            unknown_grads = self._inputs_known(func, flat, tree, name) is None
             if known_value(found_inf) is not None and unknown_grads:
                 self.assumed_finite["torch._amp_foreach_non_finite_check_and_unscale_"] += 1
                 for grad in _tensors(args[0]):  # unscaled in place: unknown now
                     _forget(grad)
                 return out  # found_inf keeps its (known) value
         if self._deterministic(func, name):
-            inputs = self._inputs_known(func, flat, spec, name)
+            inputs = self._inputs_known(func, flat, tree, name)
             if inputs is not None:
                 self._follow(func, *inputs[0], out, inputs[1])
                 return out
@@ -284,7 +292,7 @@ class KnownValues(TorchDispatchMode):
 
     @staticmethod
     def _inputs_known(
-        func: Any, flat: list[Any], spec: Any, name: str
+        func: Any, flat: list[Any], tree: Any, name: str
     ) -> tuple[tuple[Any, Any], frozenset[str]] | None:
         """The op's arguments with every tensor replaced by its CPU values, or None."""
         origins: set[str] = set()
@@ -305,6 +313,7 @@ class KnownValues(TorchDispatchMode):
             if fresh is None:
                 return None
             replaced.append(fresh)
+        _, spec = tree_flatten(tree)
         cpu_args, cpu_kwargs = tree_unflatten(replaced, spec)
         return (tuple(_to_cpu_args(cpu_args)), _to_cpu_args(cpu_kwargs)), frozenset(origins)
 
@@ -375,8 +384,7 @@ class KnownValues(TorchDispatchMode):
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(tree)
-    return [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+    return tensor_leaves(tree)
 
 
 def _fresh(tensor: torch.Tensor) -> torch.Tensor | None:
