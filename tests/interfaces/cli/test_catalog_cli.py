@@ -169,3 +169,11 @@ def test_help_lists_presets_gpus_and_defaults(command):
     assert "default h100" in text
     assert "default adamw" in text and "default train" in text
     assert "default: the installed torch's" in text
+
+
+def test_help_never_breaks_a_hyphenated_name():
+    """Every help line ends at a space: no preset, flag or setting is split at its hyphen."""
+    action = next(a for a in build_parser()._actions if a.dest == "command")
+    for command, parser in action.choices.items():
+        for line in parser.format_help().splitlines():
+            assert not line.rstrip().endswith("-") or line.strip() in ("-", "--"), (command, line)

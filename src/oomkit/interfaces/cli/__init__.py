@@ -64,6 +64,25 @@ def _subcommands(only: str | None = None) -> list:
     return [import_module(f"oomkit.interfaces.cli.{name}") for name in names]
 
 
+class _WholeWordsFormatter(argparse.HelpFormatter):
+    """argparse's help layout, but a line never breaks inside a hyphenated word: preset names
+    (``bert-large``), flags and settings stay whole, so they can be copied from the help."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        text = " ".join(text.split())
+        return textwrap.fill(
+            text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
+
+
 def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from oomkit._version import __version__
 
@@ -71,6 +90,7 @@ def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         prog="oomkit",
         description="Predict, explain and prevent CUDA out-of-memory errors in PyTorch.",
         allow_abbrev=False,
+        formatter_class=_WholeWordsFormatter,
     )
     parser.add_argument("--version", action="version", version=f"oomkit {__version__}")
     return parser, parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -84,6 +104,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
     for subparser in subparsers.choices.values():
         subparser.allow_abbrev = False
+        subparser.formatter_class = _WholeWordsFormatter
     return parser
 
 
