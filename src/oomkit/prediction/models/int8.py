@@ -224,6 +224,16 @@ class Linear8bitLtStorage(nn.Linear):
             "SCB", torch.empty((self.out_features,), dtype=torch.float32, device=device)
         )
 
+    def dequantize(self) -> torch.Tensor:
+        """``functional.int8_vectorwise_dequant(CB, SCB)``: the fp32 ``[out, in]`` weight.
+
+        What peft's ``dequantize_bnb_weight`` returns for DoRA (bitsandbytes/_ops.py default
+        kernel ``A * stats.view(-1, 1) * 7.874015718698502e-3``: two fp32 ``[out, in]``
+        products, the first freed as the second is made).
+        """
+        scb = cast(torch.Tensor, self.SCB)
+        return self.weight * scb.view(-1, 1) * _INV_127
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         # bitsandbytes/nn/modules.py Linear8bitLt.forward: the bias is cast to the input's dtype
         # in place of the old one ("weights are cast automatically ... the bias manually").
@@ -243,29 +253,8 @@ def lora_8bit_layer_class() -> Any:
     """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes ``Linear8bitLt`` layer.
 
     peft/tuners/lora/bnb.py ``Linear8bitLt.forward``: the base output is not cloned (unlike the
-    4-bit layer's); outside autocast the input is cast to the adapter's dtype and the adapter's
-    output back to the result's dtype before the sum. That class only exists when bitsandbytes
-    is installed, so this one mirrors it.
+    4-bit layer's); LoRA and DoRA as ``oomkit.prediction.models.quantized_lora`` describes.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    from oomkit.prediction.models.quantized_lora import quantized_lora_class
 
-    class Lora8bitLinear(LoraLinear):
-        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            result = self.base_layer(x, *args, **kwargs)
-            for active_adapter in self.active_adapters:
-                if active_adapter not in self.lora_A:
-                    continue
-                lora_a: Any = self.lora_A[active_adapter]
-                lora_b: Any = self.lora_B[active_adapter]
-                dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-                convert = not torch.is_autocast_enabled()
-                expected_dtype = result.dtype
-                if convert:
-                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
-                output = lora_b(lora_a(dropout(x))) * scaling
-                if convert:
-                    output = output.to(expected_dtype)
-                result = result + output
-            return result
-
-    return Lora8bitLinear
+    return quantized_lora_class(clone_base_output=False)

@@ -237,30 +237,10 @@ def quantize_linears(
 def lora_layer_class() -> Callable[..., nn.Module]:
     """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes ``Linear4bit`` layer.
 
-    peft dispatches a real ``bnb.nn.Linear4bit`` to ``peft/tuners/lora/bnb.py Linear4bit``,
-    whose forward differs from the plain layer's: it clones the base output ("defensively",
-    per Tim Dettmers) and, outside autocast, casts the adapter's output to the result's dtype
-    before adding. That class only exists when bitsandbytes is installed, so this one mirrors it.
+    peft/tuners/lora/bnb.py ``Linear4bit.forward`` clones the base output; LoRA and DoRA as
+    ``oomkit.prediction.models.quantized_lora.quantized_lora_class`` describes.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    from oomkit.prediction.models.quantized_lora import quantized_lora_class
 
-    class Lora4bitLinear(LoraLinear):
-        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            result = self.base_layer(x, *args, **kwargs).clone()
-            for active_adapter in self.active_adapters:
-                if active_adapter not in self.lora_A:
-                    continue
-                lora_a: Any = self.lora_A[active_adapter]
-                lora_b: Any = self.lora_B[active_adapter]
-                dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-                convert = not torch.is_autocast_enabled()
-                expected_dtype = result.dtype
-                if convert:
-                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
-                output = lora_b(lora_a(dropout(x))) * scaling
-                if convert:
-                    output = output.to(expected_dtype)
-                result = result + output
-            return result
-
-    return Lora4bitLinear
+    layer_class: Callable[..., nn.Module] = quantized_lora_class(clone_base_output=True)
+    return layer_class
