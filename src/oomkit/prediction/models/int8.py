@@ -195,29 +195,35 @@ class Linear8bitLtStorage(nn.Linear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         *,
         threshold: float = BNB_INT8_THRESHOLD,
         outlier_columns: int = 0,
     ) -> None:
         nn.Module.__init__(self)
-        if threshold < 0.0 or outlier_columns < 0 or outlier_columns > linear.in_features:
+        # An nn.Linear, or a transformers Conv1D (weight [in, out], replace_with_bnb_linear).
+        source_weight = cast(torch.Tensor, linear.weight)
+        if isinstance(linear, nn.Linear):
+            in_features, out_features = linear.in_features, linear.out_features
+        else:
+            in_features, out_features = (int(n) for n in source_weight.shape)
+        if threshold < 0.0 or outlier_columns < 0 or outlier_columns > in_features:
             raise ValueError(
                 f"Linear8bitLtStorage needs threshold >= 0 and 0 <= outlier_columns <= "
-                f"{linear.in_features}; got {threshold!r} and {outlier_columns!r}. "
+                f"{in_features}; got {threshold!r} and {outlier_columns!r}. "
                 "Example: Linear8bitLtStorage(linear, threshold=6.0, outlier_columns=0)"
             )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = in_features, out_features
         self.threshold = float(threshold)
         self.outlier_columns = outlier_columns if threshold > 0.0 else 0
         self.idx: torch.Tensor | None = None
-        device = linear.weight.device
+        device = source_weight.device
         # Int8Params(requires_grad=has_fp16_weights=False): the data is CB.
         self.weight = nn.Parameter(
             torch.empty((self.out_features, self.in_features), dtype=torch.int8, device=device),
             requires_grad=False,
         )
-        self.bias = linear.bias
+        self.bias = cast(nn.Parameter, linear.bias)  # None when the layer has none
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.register_buffer(

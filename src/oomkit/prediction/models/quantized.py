@@ -43,6 +43,8 @@ from oomkit.prediction.models.int8 import Linear8bitLtStorage
 __all__ = [
     "Linear4bitStorage",
     "QuantType",
+    "is_quantizable",
+    "linear_features",
     "quantize_linears",
     "storage_bytes_4bit",
     "BNB_4BIT_BLOCKSIZE",
@@ -62,6 +64,39 @@ _DYNAMIC_MAP_ENTRIES = 256
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    conv1d: type = Conv1D
+    return conv1d
+
+
+def is_quantizable(module: nn.Module) -> bool:
+    """Whether transformers' ``replace_with_bnb_linear`` converts ``module``.
+
+    transformers/integrations/bitsandbytes.py ``replace_with_bnb_linear``: ``type(module) is
+    nn.Linear`` (not subclasses) or ``isinstance(module, Conv1D)`` (GPT-2's layers).
+    """
+    conv1d = _conv1d_class()
+    return type(module) is nn.Linear or (conv1d is not None and isinstance(module, conv1d))
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a transformers ``Conv1D``.
+
+    transformers/integrations/bitsandbytes.py ``replace_with_bnb_linear``: a ``Conv1D`` keeps its
+    weight as ``[in, out]`` (``nx, nf``), so ``in_features, out_features = module.weight.shape``;
+    the bitsandbytes layer built from it stores the transposed ``[out, in]`` weight (its
+    converter transposes the checkpoint's, ``Bnb4bitQuantize.convert``), as for a Linear.
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    in_features, out_features = cast(torch.Tensor, module.weight).shape
+    return int(in_features), int(out_features)
 
 
 def storage_bytes_4bit(numel: int, *, double_quant: bool) -> dict[str, int]:
@@ -106,7 +141,7 @@ class _MatMul4bit(torch.autograd.Function):
 
 
 class Linear4bitStorage(nn.Linear):
-    """A frozen ``nn.Linear`` stored as bitsandbytes ``Linear4bit`` stores it (see the module).
+    """A frozen ``nn.Linear`` (or ``Conv1D``) stored as bitsandbytes ``Linear4bit`` stores it.
 
     An ``nn.Linear`` subclass, so that peft adapts it; its LoRA layer then runs peft's 4-bit
     forward (peft/tuners/lora/bnb.py ``Linear4bit.forward``), see :func:`quantize_linears`.
@@ -114,26 +149,27 @@ class Linear4bitStorage(nn.Linear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         *,
         quant_type: QuantType,
         double_quant: bool,
         compute_dtype: torch.dtype,
     ) -> None:
         nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = linear_features(linear)
+        source_weight = cast(torch.Tensor, linear.weight)
         self.quant_type = quant_type
         self.double_quant = double_quant
         self.compute_dtype = compute_dtype
-        self.quant_dtype = linear.weight.dtype  # QuantState.dtype: the weight's before quantizing
-        device = linear.weight.device
+        self.quant_dtype = source_weight.dtype  # QuantState.dtype: the weight's before quantizing
+        device = source_weight.device
         numel = self.in_features * self.out_features
         blocks = _ceil_div(numel, BNB_4BIT_BLOCKSIZE)
         self.weight = nn.Parameter(
             torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=device),
             requires_grad=False,
         )
-        self.bias = linear.bias
+        self.bias = cast(nn.Parameter, linear.bias)  # None when the layer has none
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
@@ -194,7 +230,10 @@ def quantize_linears(
     double_quant: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> int:
-    """Replace every ``nn.Linear`` of ``model`` but its output layer by quantized storage, in place.
+    """Replace each ``nn.Linear`` / ``Conv1D`` of ``model`` but its output layer by quantized storage.
+
+    In place, as transformers' ``replace_with_bnb_linear`` converts them (see
+    :func:`is_quantizable`; a ``Conv1D`` becomes an ``[out, in]`` layer, :func:`linear_features`).
 
     Args:
         model: a built model (on meta), in the dtype its weights are quantized from.
@@ -215,7 +254,7 @@ def quantize_linears(
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child is not skip:
+            if is_quantizable(child) and child is not skip:
                 storage: nn.Linear
                 if quant_type == "int8":
                     storage = Linear8bitLtStorage(child)
@@ -228,8 +267,8 @@ def quantize_linears(
                 replaced += 1
     if replaced == 0:
         raise OomkitError(
-            f"{type(model).__name__} has no nn.Linear layers to quantize (transformers' GPT-2 "
-            "uses Conv1D, which bitsandbytes does not quantize either); drop quantize"
+            f"{type(model).__name__} has no nn.Linear (or transformers Conv1D) layers besides its "
+            "output layer to quantize; drop quantize"
         )
     return replaced
 
