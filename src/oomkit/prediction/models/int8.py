@@ -1,7 +1,8 @@
 """8-bit base weights as bitsandbytes ``Linear8bitLt`` (LLM.int8()) stores and runs them, emulated.
 
-bitsandbytes has no meta kernels, and oomkit does not need it: each ``nn.Linear`` (but the output
-layer, as transformers' ``get_keys_to_not_convert`` leaves ``lm_head`` alone) becomes
+bitsandbytes has no meta kernels, and oomkit does not need it: each ``nn.Linear`` or transformers
+``Conv1D`` (but the output layer, as transformers' ``get_keys_to_not_convert`` leaves ``lm_head``
+alone) becomes
 :class:`Linear8bitLtStorage`, which holds the tensors ``Int8Params._quantize`` leaves on the
 device and whose forward and backward allocate what bitsandbytes 0.50's CUDA path allocates
 (transformers' ``load_in_8bit``: ``has_fp16_weights=False``, ``threshold=llm_int8_threshold``,

@@ -1,8 +1,8 @@
 """4-bit base weights as bitsandbytes stores and runs them (QLoRA), emulated on the meta device.
 
 bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsandbytes: each
-``nn.Linear`` (but the output layer, as transformers' ``get_keys_to_not_convert`` leaves
-``lm_head`` alone) is replaced by :class:`Linear4bitStorage`, which holds exactly the tensors
+``nn.Linear`` or transformers ``Conv1D`` (but the output layer, as transformers'
+``get_keys_to_not_convert`` leaves ``lm_head`` alone) is replaced by :class:`Linear4bitStorage`, which holds exactly the tensors
 ``functional.quantize_4bit`` leaves on the device and whose forward allocates what
 ``bnb.matmul_4bit`` / ``MatMul4Bit`` allocate on CUDA:
 
@@ -25,7 +25,8 @@ bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsa
 Not modelled: the load-time peak (transformers quantizes each weight on the GPU from its 16-bit
 copy), the single-token inference ``gemv_4bit`` path (it reads the packed weight without a
 temporary: generation is refused with 4-bit weights). ``int8`` (``Linear8bitLt``) is in
-``oomkit.prediction.models.int8``; :func:`quantize_linears` builds either.
+``oomkit.prediction.models.int8``; :func:`quantize_linears` builds either. peft's LoRA / DoRA
+layers over them are in ``oomkit.prediction.models.quantized_lora``.
 """
 
 from __future__ import annotations
