@@ -186,3 +186,22 @@ def test_gpt2_conv1d_nf4_dequantizes_an_out_in_weight():
         (96 * 32 * 2, "aten.empty.memory_format"),
         (2 * 16 * 96 * 2, "aten.addmm.default"),
     ]
+
+
+def test_cli_hf_gpt2_config_nf4_lora(capsys):
+    """`predict --hf tiny-gpt2 --quantize nf4 --lora 8`: exit 0, the exact 4-bit storage bytes."""
+    import json
+
+    from oomkit.interfaces.cli import main
+
+    args = ["predict", "--hf", str(TINY_GPT2), "--quantize", "nf4", "--lora", "8"]
+    assert main([*args, "--batch", "2", "--seq", "16", "--precision", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The report counts allocator blocks (each tensor rounded up to 512 bytes): wte 8192, wpe
+    # 4096, 10 norm tensors 512 each; packed c_attn 1536, c_proj 512, c_fc and mlp c_proj 2048
+    # each; 4 biases 512 each; lora_A 1024 and lora_B 3072; two layers.
+    per_layer = (1536 + 512 + 2048 * 2) + 4 * 512 + (1024 + 3072)
+    assert out["by_category_bytes"]["parameter"] == 8192 + 4096 + 10 * 512 + 2 * per_layer
+    # code (64 bytes) and absmax (192, 64, 256, 256 bytes) of 4 layers a block each, twice.
+    assert out["by_category_bytes"]["buffer"] == 2 * 8 * 512
+    assert "+ nf4 + LoRA r8" in out["description"]
