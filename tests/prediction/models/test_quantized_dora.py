@@ -30,10 +30,9 @@ def _config() -> object:
     )
 
 
-def _trace(**kwargs: object) -> TraceRecording:
-    options = StepOptions(
-        batch_size=2, seq_len=16, precision="bf16", lora=LoraOptions(dora=True), **kwargs
-    )
+def _trace(dropout: float = 0.0, **kwargs: object) -> TraceRecording:
+    lora = LoraOptions(dora=True, dropout=dropout)
+    options = StepOptions(batch_size=2, seq_len=16, precision="bf16", lora=lora, **kwargs)
     built = build_hf_step(_config(), options)
     return trace_step(built.step_fn, *built.track, steps=2)
 
@@ -95,3 +94,13 @@ def test_int8_dora_dequantizes_to_fp32_without_a_cast(plain):
         *plain[2:],
     ]
     assert recording.allocated_bytes("gradient", step=1) == ADAPTERS + MAGNITUDES
+
+
+def test_nf4_dora_with_dropout_runs_the_base_matmul_again_on_the_dequantized_weight():
+    """lora_dropout > 0 in training: F.linear(dropped x, W) inside DoRA, W dequantized first."""
+    plain = _dora_allocs(_trace(dropout=0.1))
+    # The unquantized layer: F.linear(x, weight) on the fp32 copy of W: a [32 rows, 64] product.
+    assert (32 * 64 * 4, "aten.mm.default") in plain
+    assert _dora_allocs(_trace(dropout=0.1, quantize="nf4")) == [
+        *plain[:1], (W_BF16, "aten.empty.memory_format"), *plain[1:]
+    ]
