@@ -17,6 +17,7 @@ its cast are what the quantization adds.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ from torch import nn
 __all__ = ["quantized_dora_variant", "quantized_lora_class"]
 
 
+@functools.cache
 def quantized_dora_variant() -> Any:
-    """peft's ``DoraLinearVariant`` whose DoRA layer dequantizes an emulated storage.
+    """peft's ``DoraLinearVariant`` whose DoRA layer dequantizes an emulated storage (stateless).
 
     Returned by the quantized LoRA layers' ``resolve_lora_variant`` when ``use_dora`` is set
     (peft/tuners/lora/bnb.py ``Linear4bit`` / ``Linear8bitLt.resolve_lora_variant`` return
@@ -110,6 +112,7 @@ def quantized_dora_variant() -> Any:
     return QuantizedDoraLinearVariant()
 
 
+@functools.cache
 def quantized_lora_class(*, clone_base_output: bool) -> Any:
     """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes layer (LoRA or DoRA).
 
