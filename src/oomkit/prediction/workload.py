@@ -57,7 +57,7 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "checkpoint_reentrant": False,
     "compile": False,
 }
-_OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
+_OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -10,12 +13,17 @@ transformers = pytest.importorskip("transformers")
 from oomkit.errors import OomkitError  # noqa: E402
 from oomkit.prediction.models import StepOptions, build_hf_step  # noqa: E402
 from oomkit.prediction.models.lora_options import LoraOptions  # noqa: E402
-from oomkit.prediction.models.quantized import Linear4bitStorage, storage_bytes_4bit  # noqa: E402
+from oomkit.prediction.models.quantized import (  # noqa: E402
+    Linear4bitStorage,
+    quantize_linears,
+    storage_bytes_4bit,
+)
 from oomkit.prediction.tracing import TraceRecording, trace_step  # noqa: E402
 
 # Per layer the Linears hold q 4096, k 2048, v 2048, o 4096, gate/up/down 8192 elements, i.e.
 # 64 + 32 + 32 + 64 + 128 * 3 = 576 blocks of 64; 7 Linears; 2 layers.
 BLOCKS_PER_LAYER = 576
+TINY_GPT2 = Path(__file__).parent / "configs" / "tiny-gpt2"
 
 
 def _config() -> object:
@@ -124,7 +132,76 @@ def test_quantize_refusals():
         StepOptions(quantize="fp4", mode="generate")
     with pytest.raises(ValueError, match="configure 4-bit weights; add quantize"):
         StepOptions(double_quant=True)
-    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    options = StepOptions(batch_size=1, seq_len=8, quantize="nf4", mode="inference")
-    with pytest.raises(OomkitError, match="no nn.Linear layers to quantize"):
-        build_hf_step(gpt2, options)
+    with pytest.raises(OomkitError, match=r"no nn.Linear \(or transformers Conv1D\) layers"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4)))
+
+
+def _trace_gpt2(quantize: str) -> tuple[object, TraceRecording]:
+    options = StepOptions(
+        batch_size=2, seq_len=16, precision="bf16", quantize=quantize, lora=LoraOptions()
+    )
+    built = build_hf_step(TINY_GPT2, options)
+    return built, trace_step(built.step_fn, *built.track, steps=2)
+
+
+# tiny-gpt2 (n_embd 32, 2 layers): per layer Conv1D c_attn 32->96, attn.c_proj 32->32, c_fc
+# 32->128, mlp.c_proj 128->32: 3072 + 1024 + 4096 + 4096 = 12288 weights, 288 bf16 bias values.
+GPT2_WEIGHTS_PER_LAYER, GPT2_BIASES_PER_LAYER = 12288, 288
+# wte 128x32 + wpe 64x32 + ln_1/ln_2 (2 x 64 per layer) + ln_f 64, bf16 (lm_head is wte, tied).
+GPT2_BF16_REST = 2 * (128 * 32 + 64 * 32 + 2 * 128 + 64)
+# LoRA r8 on c_attn (peft's gpt2 default), fp32: A 8x32 + B 96x8 per layer.
+GPT2_ADAPTERS = 2 * (8 * 32 + 96 * 8) * 4
+
+
+@pytest.mark.parametrize(
+    ("quantize", "weight_bytes", "buffer_bytes"),
+    [
+        # nf4: 2 weights a byte; 16 fp32 code + fp32 absmax per 64 (48 + 16 + 64 + 64 blocks).
+        ("nf4", 2 * GPT2_WEIGHTS_PER_LAYER // 2, 2 * (4 * 64 + 4 * 192)),
+        # int8: one byte a weight; SCB one fp32 per output row (96 + 32 + 128 + 32).
+        ("int8", 2 * GPT2_WEIGHTS_PER_LAYER, 2 * 4 * 288),
+    ],
+)
+def test_gpt2_conv1d_quantized_as_transformers_converts_it(quantize, weight_bytes, buffer_bytes):
+    """replace_with_bnb_linear turns GPT-2's Conv1D into [out, in] bnb layers: exact storage."""
+    built, recording = _trace_gpt2(quantize)
+    biases = 2 * GPT2_BIASES_PER_LAYER * 2
+    assert recording.allocated_bytes("parameter") == (
+        weight_bytes + biases + GPT2_BF16_REST + GPT2_ADAPTERS
+    )
+    assert recording.allocated_bytes("buffer") == buffer_bytes
+    assert recording.allocated_bytes("gradient", step=1) == GPT2_ADAPTERS
+    assert recording.allocated_bytes("optimizer_state", step=0) == 2 * GPT2_ADAPTERS
+    model = built.track[0]
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert (c_attn.base_layer.in_features, c_attn.base_layer.out_features) == (32, 96)
+    assert tuple(c_attn.lora_B["default"].weight.shape) == (96, 8)
+    assert f"+ {quantize}" in built.description
+
+
+def test_gpt2_conv1d_nf4_dequantizes_an_out_in_weight():
+    """c_attn's forward dequantizes a bf16 [96, 32] weight, then the [32 rows, 96] product."""
+    _, recording = _trace_gpt2("nf4")
+    assert _allocs(recording, "transformer.h.1.attn.c_attn.base_layer", "forward") == [
+        (96 * 32 * 2, "aten.empty.memory_format"),
+        (2 * 16 * 96 * 2, "aten.addmm.default"),
+    ]
+
+
+def test_cli_hf_gpt2_config_nf4_lora(capsys):
+    """`predict --hf tiny-gpt2 --quantize nf4 --lora 8`: exit 0, the exact 4-bit storage bytes."""
+    import json
+
+    from oomkit.interfaces.cli import main
+
+    args = ["predict", "--hf", str(TINY_GPT2), "--quantize", "nf4", "--lora", "8"]
+    assert main([*args, "--batch", "2", "--seq", "16", "--precision", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The report counts allocator blocks (each tensor rounded up to 512 bytes): wte 8192, wpe
+    # 4096, 10 norm tensors 512 each; packed c_attn 1536, c_proj 512, c_fc and mlp c_proj 2048
+    # each; 4 biases 512 each; lora_A 1024 and lora_B 3072; two layers.
+    per_layer = (1536 + 512 + 2048 * 2) + 4 * 512 + (1024 + 3072)
+    assert out["by_category_bytes"]["parameter"] == 8192 + 4096 + 10 * 512 + 2 * per_layer
+    # code (64 bytes) and absmax (192, 64, 256, 256 bytes) of 4 layers a block each, twice.
+    assert out["by_category_bytes"]["buffer"] == 2 * 8 * 512
+    assert "+ nf4 + LoRA r8" in out["description"]

@@ -59,7 +59,7 @@ __all__ = [
 
 # The StepOptions vocabulary of oomkit.prediction.models (docs/CONTRACTS.md, "Issue 3").
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 MODES = ("train", "inference", "generate")
 # oomkit.prediction.models.PRESETS' names, for --help without importing torch (a test pins them
@@ -124,13 +124,14 @@ def add_workload_flags(parser: argparse.ArgumentParser, *, modes: tuple[str, ...
         choices=OPTIMIZERS,
         help="presets and --hf (default adamw); adamw8bit / paged-adamw8bit: bitsandbytes' "
         "8-bit states (emulated; paged states are unified memory, not counted on the GPU); "
-        "adafactor: transformers' Adafactor as the HF Trainer sets it up",
+        "adafactor: transformers' Adafactor as the HF Trainer sets it up; torch-adafactor: "
+        "torch.optim.Adafactor (foreach, or --optimizer-impl for-loop)",
     )
     parser.add_argument(
         "--optimizer-impl",
         choices=OPTIMIZER_IMPLS,
         help="torch.optim's kernels: foreach (default, as on CUDA), fused (adamw, adam) or "
-        "for-loop (adamw, adam, sgd)",
+        "for-loop (adamw, adam, sgd, torch-adafactor)",
     )
     add_lora_flags(parser)
     add_quantize_flags(parser)

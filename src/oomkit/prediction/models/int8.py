@@ -1,7 +1,8 @@
 """8-bit base weights as bitsandbytes ``Linear8bitLt`` (LLM.int8()) stores and runs them, emulated.
 
-bitsandbytes has no meta kernels, and oomkit does not need it: each ``nn.Linear`` (but the output
-layer, as transformers' ``get_keys_to_not_convert`` leaves ``lm_head`` alone) becomes
+bitsandbytes has no meta kernels, and oomkit does not need it: each ``nn.Linear`` or transformers
+``Conv1D`` (but the output layer, as transformers' ``get_keys_to_not_convert`` leaves ``lm_head``
+alone) becomes
 :class:`Linear8bitLtStorage`, which holds the tensors ``Int8Params._quantize`` leaves on the
 device and whose forward and backward allocate what bitsandbytes 0.50's CUDA path allocates
 (transformers' ``load_in_8bit``: ``has_fp16_weights=False``, ``threshold=llm_int8_threshold``,
@@ -195,34 +196,50 @@ class Linear8bitLtStorage(nn.Linear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         *,
         threshold: float = BNB_INT8_THRESHOLD,
         outlier_columns: int = 0,
     ) -> None:
         nn.Module.__init__(self)
-        if threshold < 0.0 or outlier_columns < 0 or outlier_columns > linear.in_features:
+        # An nn.Linear, or a transformers Conv1D (weight [in, out], replace_with_bnb_linear).
+        source_weight = cast(torch.Tensor, linear.weight)
+        if isinstance(linear, nn.Linear):
+            in_features, out_features = linear.in_features, linear.out_features
+        else:
+            in_features, out_features = (int(n) for n in source_weight.shape)
+        if threshold < 0.0 or outlier_columns < 0 or outlier_columns > in_features:
             raise ValueError(
                 f"Linear8bitLtStorage needs threshold >= 0 and 0 <= outlier_columns <= "
-                f"{linear.in_features}; got {threshold!r} and {outlier_columns!r}. "
+                f"{in_features}; got {threshold!r} and {outlier_columns!r}. "
                 "Example: Linear8bitLtStorage(linear, threshold=6.0, outlier_columns=0)"
             )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = in_features, out_features
         self.threshold = float(threshold)
         self.outlier_columns = outlier_columns if threshold > 0.0 else 0
         self.idx: torch.Tensor | None = None
-        device = linear.weight.device
+        device = source_weight.device
         # Int8Params(requires_grad=has_fp16_weights=False): the data is CB.
         self.weight = nn.Parameter(
             torch.empty((self.out_features, self.in_features), dtype=torch.int8, device=device),
             requires_grad=False,
         )
-        self.bias = linear.bias
+        self.bias = cast(nn.Parameter, linear.bias)  # None when the layer has none
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.register_buffer(
             "SCB", torch.empty((self.out_features,), dtype=torch.float32, device=device)
         )
+
+    def dequantize(self) -> torch.Tensor:
+        """``functional.int8_vectorwise_dequant(CB, SCB)``: the fp32 ``[out, in]`` weight.
+
+        What peft's ``dequantize_bnb_weight`` returns for DoRA (bitsandbytes/_ops.py default
+        kernel ``A * stats.view(-1, 1) * 7.874015718698502e-3``: two fp32 ``[out, in]``
+        products, the first freed as the second is made).
+        """
+        scb = cast(torch.Tensor, self.SCB)
+        return self.weight * scb.view(-1, 1) * _INV_127
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         # bitsandbytes/nn/modules.py Linear8bitLt.forward: the bias is cast to the input's dtype
@@ -243,29 +260,8 @@ def lora_8bit_layer_class() -> Any:
     """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes ``Linear8bitLt`` layer.
 
     peft/tuners/lora/bnb.py ``Linear8bitLt.forward``: the base output is not cloned (unlike the
-    4-bit layer's); outside autocast the input is cast to the adapter's dtype and the adapter's
-    output back to the result's dtype before the sum. That class only exists when bitsandbytes
-    is installed, so this one mirrors it.
+    4-bit layer's); LoRA and DoRA as ``oomkit.prediction.models.quantized_lora`` describes.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    from oomkit.prediction.models.quantized_lora import quantized_lora_class
 
-    class Lora8bitLinear(LoraLinear):
-        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            result = self.base_layer(x, *args, **kwargs)
-            for active_adapter in self.active_adapters:
-                if active_adapter not in self.lora_A:
-                    continue
-                lora_a: Any = self.lora_A[active_adapter]
-                lora_b: Any = self.lora_B[active_adapter]
-                dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-                convert = not torch.is_autocast_enabled()
-                expected_dtype = result.dtype
-                if convert:
-                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
-                output = lora_b(lora_a(dropout(x))) * scaling
-                if convert:
-                    output = output.to(expected_dtype)
-                result = result + output
-            return result
-
-    return Lora8bitLinear
+    return quantized_lora_class(clone_base_output=False)

@@ -1,4 +1,4 @@
-"""The optimizers of a built-in step: torch.optim, bitsandbytes' 8-bit Adam, transformers' Adafactor.
+"""The optimizers of a built-in step: torch.optim, bitsandbytes' 8-bit Adam, both Adafactors.
 
 bitsandbytes is not required: its CUDA kernels cannot run on meta tensors, so ``Adam8bitStates``
 allocates exactly the state tensors that bitsandbytes' ``Optimizer2State.init_state`` allocates
@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.models.options import OptimizerImpl
 
 __all__ = [
     "Adam8bitStates",
+    "TorchAdafactor",
     "PagedStateBuffer",
     "make_optimizer",
     "paged_state_bytes",
@@ -180,16 +182,83 @@ def _adafactor(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     return optimizer
 
 
+# What a value read oomkit cannot know stands for (tracing/stand_ins.py STAND_IN_VALUE: 1.0, as
+# a finite number); a plain float here, as it only reaches max() and a multiplier.
+_RMS_ANSWER = 1.0
+
+
+class _RmsReads(TorchFunctionMode):
+    """Answers ``Tensor.item()`` of a 0-d floating meta tensor with ``_RMS_ANSWER``.
+
+    Inside ``TorchAdafactor.step`` those are only the two RMS reads: the ``step`` counters are
+    host tensors (read for real), and the parameters, gradients and states are unknown.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        tensor = args[0] if args else None
+        if (
+            func is torch.Tensor.item
+            and isinstance(tensor, torch.Tensor)
+            and tensor.is_meta
+            and tensor.dim() == 0
+            and tensor.dtype.is_floating_point
+        ):
+            self.answered += 1
+            return _RMS_ANSWER
+        return func(*args, **(kwargs or {}))
+
+
+class TorchAdafactor(torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` (``foreach`` or the for-loop), runnable on meta tensors.
+
+    Its states are torch's own (``Adafactor._init_group``, run unchanged): for a gradient of 2 or
+    more dimensions a row factor ``row_var`` (the shape with the last dimension 1) and a column
+    factor ``col_var`` (the second-to-last dimension 1), in the gradient's dtype; for a vector a
+    full ``variance``; the ``step`` is a CPU tensor (no device memory: torch makes it with no
+    device, and a CUDA run has no default device; the tracer's default meta device is set aside
+    for it) whose ``.item()`` reads are real. Its update (``_single_tensor_adafactor`` / ``_multi_tensor_adafactor``) reads two values
+    with ``.item()`` per parameter: the RMS of the parameter (``alpha = max(eps2, RMS(p)) *
+    rho_t``) and of the update (``denom = max(1, RMS(u) / d)``). Those are data, unknown on meta,
+    and oomkit's stand-ins refuse ``max()``; they only scale the in-place ``param.add_`` (or
+    ``_foreach_mul_`` by Python floats) and allocate nothing, so inside ``step`` they are
+    answered with 1.0 (``reads_answered`` counts them). The ``norm`` each read is taken of is
+    recorded as on CUDA.
+    """
+
+    reads_answered = 0
+
+    def _init_group(self, group: Any, *lists: Any) -> bool:
+        # _adafactor.py _init_group makes ``step`` with torch.tensor(0.0) and no device: host
+        # memory on a CUDA run (no default device), not the tracer's default meta device. The
+        # states are made with new_zeros / zeros_like of the gradient, on its device.
+        with torch.device("cpu"):
+            has_complex: bool = super()._init_group(group, *lists)
+        return has_complex
+
+    def step(self, closure: Any = None) -> Any:  # noqa: D102
+        reads = _RmsReads()
+        with reads:
+            loss = super().step(closure)
+        self.reads_answered += reads.answered
+        return loss
+
+
 def make_optimizer(
     name: str, params: Sequence[torch.Tensor], impl: OptimizerImpl = "foreach"
 ) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``params`` (the trainable ones).
 
     Args:
-        name: ``adamw``, ``adam``, ``sgd`` (momentum 0.9), ``adamw8bit``, ``paged-adamw8bit`` or
-            ``adafactor``.
+        name: ``adamw``, ``adam``, ``sgd`` (momentum 0.9), ``adamw8bit``, ``paged-adamw8bit``,
+            ``adafactor`` (transformers') or ``torch-adafactor`` (``torch.optim.Adafactor``).
         params: the parameters to optimize.
-        impl: for ``adamw``/``adam``/``sgd``: ``foreach`` (what CUDA parameters get by default,
+        impl: for ``adamw``/``adam``/``sgd`` (``torch-adafactor``: not ``fused``): ``foreach`` (what CUDA parameters get by default,
             torch/optim/optimizer.py ``_default_to_fused_or_foreach``), ``fused`` or
             ``for-loop`` (``foreach=False``: one parameter at a time).
 
@@ -204,6 +273,14 @@ def make_optimizer(
         if name == "adam":
             return torch.optim.Adam(params, lr=1e-4, foreach=foreach, fused=fused)
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach, fused=fused)
+    if name == "torch-adafactor":
+        # torch/optim/_adafactor.py: foreach (CUDA's default) or the for-loop; no fused kernel.
+        if impl == "fused":
+            raise OomkitError(
+                "torch.optim.Adafactor has no fused kernel; use optimizer_impl 'foreach' (the "
+                "default) or 'for-loop' (CLI: --optimizer-impl for-loop)"
+            )
+        return TorchAdafactor(params, lr=1e-2, foreach=impl == "foreach")
     if impl != "foreach":
         raise OomkitError(
             f"optimizer_impl {impl!r} applies to torch's adamw, adam and sgd only; {name} has its "
@@ -214,5 +291,6 @@ def make_optimizer(
     if name == "adafactor":
         return _adafactor(params)
     raise OomkitError(
-        f"unknown optimizer {name!r}; use adamw, adam, sgd, adamw8bit, paged-adamw8bit or adafactor"
+        f"unknown optimizer {name!r}; use adamw, adam, sgd, adamw8bit, paged-adamw8bit, adafactor "
+        "or torch-adafactor"
     )

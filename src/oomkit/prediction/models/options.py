@@ -22,7 +22,9 @@ __all__ = [
 ]
 
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16"]
-OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor"]
+OptimizerName = Literal[
+    "adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor"
+]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Quantize = Literal["nf4", "fp4", "int8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
@@ -55,7 +57,8 @@ class StepOptions:
             (``torch_dtype``, ``dtype`` in newer transformers), which ``from_config`` builds it
             in (``bfloat16`` -> ``bf16``; no dtype -> ``fp32``).
         optimizer: ``adamw`` / ``adam`` (two states per parameter), ``sgd`` (momentum 0.9, one),
-            ``adamw8bit`` / ``paged-adamw8bit`` or ``adafactor`` (see ``optimizer_impl``).
+            ``adamw8bit`` / ``paged-adamw8bit``, ``adafactor`` (transformers') or
+            ``torch-adafactor`` (``torch.optim.Adafactor``) (see ``optimizer_impl``).
         checkpointing: activation checkpointing of each transformer (or residual) block:
             ``none``; ``full`` (recompute the whole block in backward,
             ``torch.utils.checkpoint`` with ``use_reentrant=False``); ``selective-op``
@@ -130,7 +133,8 @@ class StepOptions:
         _check_choice("mode", self.mode, MODES, "train")
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS, "fused")
         # torch 2.13 has no meta kernel for _fused_sgd_, so fused applies to Adam/AdamW only.
-        allowed = {"foreach": OPTIMIZERS, "for-loop": ("adamw", "adam", "sgd")}.get(
+        for_loop = ("adamw", "adam", "sgd", "torch-adafactor")
+        allowed = {"foreach": OPTIMIZERS, "for-loop": for_loop}.get(
             self.optimizer_impl, ("adamw", "adam")
         )
         if self.optimizer not in allowed:

@@ -1,8 +1,8 @@
 """4-bit base weights as bitsandbytes stores and runs them (QLoRA), emulated on the meta device.
 
 bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsandbytes: each
-``nn.Linear`` (but the output layer, as transformers' ``get_keys_to_not_convert`` leaves
-``lm_head`` alone) is replaced by :class:`Linear4bitStorage`, which holds exactly the tensors
+``nn.Linear`` or transformers ``Conv1D`` (but the output layer, as transformers'
+``get_keys_to_not_convert`` leaves ``lm_head`` alone) is replaced by :class:`Linear4bitStorage`, which holds exactly the tensors
 ``functional.quantize_4bit`` leaves on the device and whose forward allocates what
 ``bnb.matmul_4bit`` / ``MatMul4Bit`` allocate on CUDA:
 
@@ -25,7 +25,8 @@ bitsandbytes' ``Linear4bit`` has no meta kernels, and oomkit does not need bitsa
 Not modelled: the load-time peak (transformers quantizes each weight on the GPU from its 16-bit
 copy), the single-token inference ``gemv_4bit`` path (it reads the packed weight without a
 temporary: generation is refused with 4-bit weights). ``int8`` (``Linear8bitLt``) is in
-``oomkit.prediction.models.int8``; :func:`quantize_linears` builds either.
+``oomkit.prediction.models.int8``; :func:`quantize_linears` builds either. peft's LoRA / DoRA
+layers over them are in ``oomkit.prediction.models.quantized_lora``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from oomkit.prediction.models.int8 import Linear8bitLtStorage
 __all__ = [
     "Linear4bitStorage",
     "QuantType",
+    "is_quantizable",
+    "linear_features",
     "quantize_linears",
     "storage_bytes_4bit",
     "BNB_4BIT_BLOCKSIZE",
@@ -62,6 +65,39 @@ _DYNAMIC_MAP_ENTRIES = 256
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    conv1d: type = Conv1D
+    return conv1d
+
+
+def is_quantizable(module: nn.Module) -> bool:
+    """Whether transformers' ``replace_with_bnb_linear`` converts ``module``.
+
+    transformers/integrations/bitsandbytes.py ``replace_with_bnb_linear``: ``type(module) is
+    nn.Linear`` (not subclasses) or ``isinstance(module, Conv1D)`` (GPT-2's layers).
+    """
+    conv1d = _conv1d_class()
+    return type(module) is nn.Linear or (conv1d is not None and isinstance(module, conv1d))
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a transformers ``Conv1D``.
+
+    transformers/integrations/bitsandbytes.py ``replace_with_bnb_linear``: a ``Conv1D`` keeps its
+    weight as ``[in, out]`` (``nx, nf``), so ``in_features, out_features = module.weight.shape``;
+    the bitsandbytes layer built from it stores the transposed ``[out, in]`` weight (its
+    converter transposes the checkpoint's, ``Bnb4bitQuantize.convert``), as for a Linear.
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    in_features, out_features = cast(torch.Tensor, module.weight).shape
+    return int(in_features), int(out_features)
 
 
 def storage_bytes_4bit(numel: int, *, double_quant: bool) -> dict[str, int]:
@@ -106,7 +142,7 @@ class _MatMul4bit(torch.autograd.Function):
 
 
 class Linear4bitStorage(nn.Linear):
-    """A frozen ``nn.Linear`` stored as bitsandbytes ``Linear4bit`` stores it (see the module).
+    """A frozen ``nn.Linear`` (or ``Conv1D``) stored as bitsandbytes ``Linear4bit`` stores it.
 
     An ``nn.Linear`` subclass, so that peft adapts it; its LoRA layer then runs peft's 4-bit
     forward (peft/tuners/lora/bnb.py ``Linear4bit.forward``), see :func:`quantize_linears`.
@@ -114,26 +150,27 @@ class Linear4bitStorage(nn.Linear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         *,
         quant_type: QuantType,
         double_quant: bool,
         compute_dtype: torch.dtype,
     ) -> None:
         nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = linear_features(linear)
+        source_weight = cast(torch.Tensor, linear.weight)
         self.quant_type = quant_type
         self.double_quant = double_quant
         self.compute_dtype = compute_dtype
-        self.quant_dtype = linear.weight.dtype  # QuantState.dtype: the weight's before quantizing
-        device = linear.weight.device
+        self.quant_dtype = source_weight.dtype  # QuantState.dtype: the weight's before quantizing
+        device = source_weight.device
         numel = self.in_features * self.out_features
         blocks = _ceil_div(numel, BNB_4BIT_BLOCKSIZE)
         self.weight = nn.Parameter(
             torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device=device),
             requires_grad=False,
         )
-        self.bias = linear.bias
+        self.bias = cast(nn.Parameter, linear.bias)  # None when the layer has none
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
@@ -194,7 +231,10 @@ def quantize_linears(
     double_quant: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> int:
-    """Replace every ``nn.Linear`` of ``model`` but its output layer by quantized storage, in place.
+    """Replace each ``nn.Linear`` / ``Conv1D`` of ``model`` but its output layer by quantized storage.
+
+    In place, as transformers' ``replace_with_bnb_linear`` converts them (see
+    :func:`is_quantizable`; a ``Conv1D`` becomes an ``[out, in]`` layer, :func:`linear_features`).
 
     Args:
         model: a built model (on meta), in the dtype its weights are quantized from.
@@ -215,7 +255,7 @@ def quantize_linears(
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child is not skip:
+            if is_quantizable(child) and child is not skip:
                 storage: nn.Linear
                 if quant_type == "int8":
                     storage = Linear8bitLtStorage(child)
@@ -228,8 +268,8 @@ def quantize_linears(
                 replaced += 1
     if replaced == 0:
         raise OomkitError(
-            f"{type(model).__name__} has no nn.Linear layers to quantize (transformers' GPT-2 "
-            "uses Conv1D, which bitsandbytes does not quantize either); drop quantize"
+            f"{type(model).__name__} has no nn.Linear (or transformers Conv1D) layers besides its "
+            "output layer to quantize; drop quantize"
         )
     return replaced
 
@@ -237,30 +277,10 @@ def quantize_linears(
 def lora_layer_class() -> Callable[..., nn.Module]:
     """peft's LoRA ``Linear`` with the forward of peft's bitsandbytes ``Linear4bit`` layer.
 
-    peft dispatches a real ``bnb.nn.Linear4bit`` to ``peft/tuners/lora/bnb.py Linear4bit``,
-    whose forward differs from the plain layer's: it clones the base output ("defensively",
-    per Tim Dettmers) and, outside autocast, casts the adapter's output to the result's dtype
-    before adding. That class only exists when bitsandbytes is installed, so this one mirrors it.
+    peft/tuners/lora/bnb.py ``Linear4bit.forward`` clones the base output; LoRA and DoRA as
+    ``oomkit.prediction.models.quantized_lora.quantized_lora_class`` describes.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    from oomkit.prediction.models.quantized_lora import quantized_lora_class
 
-    class Lora4bitLinear(LoraLinear):
-        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            result = self.base_layer(x, *args, **kwargs).clone()
-            for active_adapter in self.active_adapters:
-                if active_adapter not in self.lora_A:
-                    continue
-                lora_a: Any = self.lora_A[active_adapter]
-                lora_b: Any = self.lora_B[active_adapter]
-                dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-                convert = not torch.is_autocast_enabled()
-                expected_dtype = result.dtype
-                if convert:
-                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
-                output = lora_b(lora_a(dropout(x))) * scaling
-                if convert:
-                    output = output.to(expected_dtype)
-                result = result + output
-            return result
-
-    return Lora4bitLinear
+    layer_class: Callable[..., nn.Module] = quantized_lora_class(clone_base_output=True)
+    return layer_class
