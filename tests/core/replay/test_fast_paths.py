@@ -28,7 +28,7 @@ from oomkit.core.replay._compare import (
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
-from oomkit.core.replay.reconstruct import _first_alloc_addresses
+from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs
 from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.core.trace import TraceEvent
@@ -362,3 +362,22 @@ def test_written_out_free_decides_as_the_plain_calls(config, ops):
         patch.setattr(BlockPool, "merge_and_insert", _plain_merge_and_insert)
         plain = _run_ops(config, ops)
     assert fast == plain
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_ACTIONS), st.integers(0, 40)), max_size=60),
+    st.integers(0, 42),
+    st.integers(0, 42),
+)
+def test_earliest_alloc_in_a_gap_equals_a_plain_scan(entries, lo_slot, hi_slot):
+    """_FirstAllocs.earliest_in (first index per address, one bisect) finds the alloc a scan of
+    every alloc in trace order finds first in [start, end)."""
+    events = [TraceEvent(a, 512 * k, 512) for a, k in entries]
+    start, end = 512 * min(lo_slot, hi_slot), 512 * max(lo_slot, hi_slot)
+    plain = next(
+        ((i, ev.address) for i, ev in enumerate(events)
+         if ev.action == "alloc" and start <= ev.address < end),
+        None,
+    )
+    assert _FirstAllocs(events).earliest_in(start, end) == plain
