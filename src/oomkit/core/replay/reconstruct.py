@@ -286,7 +286,7 @@ class _FirstAllocs:
         # Built back to front, so each address keeps its smallest index (C loops, no Python one).
         indices.reverse()
         addresses.reverse()
-        self.first_index: dict[int, int] = dict(zip(addresses, indices))
+        self.first_index: dict[int, int] = dict(zip(addresses, indices, strict=True))
         self.addresses = sorted(self.first_index)
 
     def earliest_in(self, start: int, end: int) -> tuple[int, int] | None:
