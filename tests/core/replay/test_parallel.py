@@ -50,6 +50,11 @@ def test_parallel_results_equal_serial_on_a_real_snapshot():
     assert parallel == serial
     assert [r.segment_events for r in parallel] == [r.segment_events for r in serial]
     assert all(r.events > 0 for r in serial)
+    # The inputs prepared once for this snapshot object give what a freshly loaded copy gives.
+    fresh = load_snapshot(SNAPSHOT)
+    assert replay(configs[1]) == replay_snapshot(
+        fresh, device, verify=False, config=configs[1], capacity_bytes=2**34
+    )
 
 
 def test_progress_counts_every_setting_in_both_modes():
@@ -108,3 +113,26 @@ def _tiny_snapshot():
         {"action": "free_completed", "addr": base, "size": 5 * MiB, "stream": 0, "frames": []},
     ]
     return snapshot_from_data({"segments": [], "device_traces": [trace]})
+
+
+def test_replay_inputs_are_prepared_once_per_snapshot_and_dropped_with_it():
+    """A second replay of the same snapshot object reuses its reconstructed start state (the
+    same object), gives the same result as a fresh copy of the snapshot, and the cached inputs
+    go when the snapshot does."""
+    import gc
+
+    from oomkit.core.replay import _prepared
+
+    snapshot = _tiny_snapshot()
+    config = AllocatorConfig.parse("expandable_segments:True")
+    first = replay_snapshot(snapshot, 0, config=config)
+    inputs = _prepared.prepared(snapshot, 0, None)
+    second = replay_snapshot(snapshot, 0, config=config)
+    assert _prepared.prepared(snapshot, 0, None) is inputs
+    assert second == first == replay_snapshot(_tiny_snapshot(), 0, config=config)
+    assert replay_snapshot(snapshot, 0, verify=True) == replay_snapshot(_tiny_snapshot(), 0, verify=True)
+    key = id(snapshot)
+    assert key in _prepared._CACHE
+    del snapshot, inputs
+    gc.collect()
+    assert key not in _prepared._CACHE
