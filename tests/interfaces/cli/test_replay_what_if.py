@@ -106,3 +106,28 @@ def test_jobs_must_be_positive(tmp_path, capsys):
         main(["replay", str(path), "--what-if", "", "--jobs", "0"])
     assert exc.value.code == 2
     assert "positive number of processes" in capsys.readouterr().err
+
+
+def test_progress_bar_counts_every_setting_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """On a terminal (no --json) the shared progress bar is drawn and advanced to 3 of 3."""
+    from contextlib import contextmanager
+
+    from oomkit.interfaces.cli import replay as replay_cli
+
+    seen: list[tuple[str, bool, list[tuple[int, int]]]] = []
+
+    @contextmanager
+    def spy_bar(enabled, what):
+        updates: list[tuple[int, int]] = []
+        seen.append((what, enabled, updates))
+        yield lambda done, total: updates.append((done, total))
+
+    monkeypatch.setattr(replay_cli, "progress_enabled", lambda args, stream: not args.json)
+    monkeypatch.setattr(replay_cli, "progress_bar", spy_bar)
+    path = _snapshot(tmp_path)
+    argv = ["replay", str(path), "--jobs", "1"]
+    for setting in SETTINGS:
+        argv += ["--what-if", setting]
+    assert main(argv) == 0
+    assert seen == [("replaying settings", True, [(0, 3), (1, 3), (2, 3), (3, 3)])]
+    capsys.readouterr()
