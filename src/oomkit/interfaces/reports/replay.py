@@ -200,7 +200,7 @@ def what_if_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) ->
     from oomkit.interfaces.reports._untrusted import as_written
 
     table = Table(title=title, show_header=True, header_style="bold")
-    table.add_column("PYTORCH_CUDA_ALLOC_CONF")
+    table.add_column("PYTORCH_CUDA_ALLOC_CONF", overflow="fold")
     table.add_column("peak reserved", justify="right")
     table.add_column("peak allocated", justify="right")
     table.add_column("fragmentation", justify="right")
