@@ -11,15 +11,12 @@ Rules referenced below are from ../shared/ref/cuda-caching-allocator.md.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, CachingAllocator
-from oomkit.core.replay import ReplayResult, replay_snapshot, simulate_events
+from oomkit.core.replay import ReplayResult, replay_settings, replay_snapshot, simulate_events
 from oomkit.core.snapshot import Snapshot
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError, ConfigError
@@ -222,18 +219,9 @@ def tune(
     settings = _valid_settings(
         DEFAULT_GRID if candidates is None else candidates, torch_version, warnings
     )
-    total = len(settings)
-    if progress is not None:
-        progress(0, total)
-    workers = _worker_count(jobs, total)
-    if workers > 1:
-        replayed = _replay_in_parallel(replay, [c for _, c in settings], workers, progress)
-    else:
-        replayed = []
-        for done, (_, config) in enumerate(settings, start=1):
-            replayed.append(replay(config))
-            if progress is not None:
-                progress(done, total)
+    replayed = replay_settings(
+        replay, [c for _, c in settings], jobs=jobs, progress=progress
+    )
     results = [(text, config, r) for (text, config), r in zip(settings, replayed, strict=True)]
 
     baseline_result = results[0][2]
@@ -332,48 +320,6 @@ def _replayer(
                 close()
 
     return replay_events
-
-
-def _worker_count(jobs: int | None, settings: int) -> int:
-    """How many processes replay the settings: 1 unless asked and ``fork`` is available."""
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise AllocatorUsageError(f"jobs must be a positive int or None; got {jobs!r}.")
-    wanted = (os.cpu_count() or 1) if jobs is None else jobs
-    if wanted <= 1 or settings <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    return min(wanted, settings)
-
-
-# The replay function of the sweep, in a worker process (inherited through fork, never pickled:
-# a trace factory may be a lambda).
-_WORKER_REPLAY: Callable[[AllocatorConfig], ReplayResult] | None = None
-
-
-def _init_worker(replay: Callable[[AllocatorConfig], ReplayResult]) -> None:
-    global _WORKER_REPLAY
-    _WORKER_REPLAY = replay
-
-
-def _replay_one(config: AllocatorConfig) -> ReplayResult:
-    assert _WORKER_REPLAY is not None
-    return _WORKER_REPLAY(config)
-
-
-def _replay_in_parallel(
-    replay: Callable[[AllocatorConfig], ReplayResult],
-    configs: list[AllocatorConfig],
-    workers: int,
-    progress: Callable[[int, int], None] | None,
-) -> list[ReplayResult]:
-    """Every config replayed in a pool of forked processes; results in ``configs`` order."""
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(replay,)) as pool:
-        futures = [pool.submit(_replay_one, config) for config in configs]
-        if progress is not None:
-            for done, _ in enumerate(as_completed(futures), start=1):
-                progress(done, len(configs))
-        # In order, so the first failing setting's error is raised, as one at a time.
-        return [future.result() for future in futures]
 
 
 def _valid_settings(

@@ -28,7 +28,7 @@ from oomkit.core.replay._compare import (
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
-from oomkit.core.replay.reconstruct import _first_alloc_addresses
+from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs
 from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.core.trace import TraceEvent
@@ -362,3 +362,85 @@ def test_written_out_free_decides_as_the_plain_calls(config, ops):
         patch.setattr(BlockPool, "merge_and_insert", _plain_merge_and_insert)
         plain = _run_ops(config, ops)
     assert fast == plain
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_ACTIONS), st.integers(0, 40)), max_size=60),
+    st.integers(0, 42),
+    st.integers(0, 42),
+)
+def test_earliest_alloc_in_a_gap_equals_a_plain_scan(entries, lo_slot, hi_slot):
+    """_FirstAllocs.earliest_in (first index per address, one bisect) finds the alloc a scan of
+    every alloc in trace order finds first in [start, end)."""
+    events = [TraceEvent(a, 512 * k, 512) for a, k in entries]
+    start, end = 512 * min(lo_slot, hi_slot), 512 * max(lo_slot, hi_slot)
+    plain = next(
+        ((i, ev.address) for i, ev in enumerate(events)
+         if ev.action == "alloc" and start <= ev.address < end),
+        None,
+    )
+    assert _FirstAllocs(events).earliest_in(start, end) == plain
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeding: one stats increase per segment vs one per block
+
+
+def _plain_seed_stats(segments, max_split: int) -> dict[str, int]:
+    """The seeded stats as a per-block loop of increase_stat gives them (current and peak)."""
+    from oomkit.core.allocator import stats as st
+
+    stats = st.AllocatorStats()
+    for small, blocks in segments:
+        kind = st.SMALL_POOL if small else st.LARGE_POOL
+        stats.up(kind, st.SEGMENT, 1)
+        if sum(b[1] for b in blocks) >= max_split:
+            stats.up_all(st.OVERSIZE_SEGMENTS, 1)
+        for _ptr, size, requested, allocated in blocks:
+            if allocated:
+                for i in (st.ALLOCATION, st.ACTIVE):
+                    stats.up(kind, i, 1)
+                for i in (st.ALLOCATED_BYTES, st.ACTIVE_BYTES):
+                    stats.up(kind, i, size)
+                stats.up(kind, st.REQUESTED_BYTES, requested)
+                if size >= max_split:
+                    stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
+            elif len(blocks) > 1:
+                stats.up(kind, st.INACTIVE_SPLIT, 1)
+                stats.up(kind, st.INACTIVE_SPLIT_BYTES, size)
+    out = st.build_memory_stats(stats.lists, dict.fromkeys(st.COUNTERS, 0), -1)
+    return {k: v for k, v in out.items() if k.endswith((".current", ".peak")) and "reserved" not in k}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_size=5)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from(["", "max_split_size_mb:24"]),
+)
+def test_seeded_stats_equal_a_per_block_loop(layout, setting):
+    """Seeding counts allocated, active, requested, inactive-split and oversize stats (current
+    and peak) exactly as one increase per block does."""
+    allocator = CachingAllocator(AllocatorConfig.parse(setting))
+    segments = []
+    address = BASE
+    for small, parts in layout:
+        unit = 512 if small else MiB * 2
+        blocks, ptr, prev_free = [], address, False
+        for units, allocated in parts:
+            if not allocated and prev_free:
+                allocated = True  # free neighbours are always merged
+            blocks.append((ptr, units * unit, units * unit - 1, allocated))
+            ptr += units * unit
+            prev_free = not allocated
+        total = ptr - address
+        allocator.seed_segment(address, total, 0, is_small=small, blocks=blocks)
+        segments.append((small, blocks))
+        address += -(-total // (20 * MiB)) * 20 * MiB
+    max_split = 24 * MiB if setting else 2**64
+    got = {k: v for k, v in allocator.memory_stats().items() if k in _plain_seed_stats(segments, max_split)}
+    assert got == _plain_seed_stats(segments, max_split)

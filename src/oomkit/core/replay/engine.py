@@ -161,7 +161,8 @@ class ReplayEngine:
         deferred = self.deferred_frees
         if deferred and not isinstance(events, Sequence):
             events = tuple(events)
-        n = len(events) if isinstance(events, Sequence) else 0
+        seq: Sequence[TraceEvent] = events if isinstance(events, Sequence) else ()
+        n = len(seq)
         numbered = enumerate(events)
         index = -1
         event: Any = None
@@ -188,7 +189,7 @@ class ReplayEngine:
                         pending[event.address] = ptr
                     elif (
                         index + 1 < n
-                        and (nxt := events[index + 1]).action == "free_completed"  # type: ignore[index]
+                        and (nxt := seq[index + 1]).action == "free_completed"
                         and nxt.address == event.address
                     ):
                         # Its own completion comes next: one free, unless that completion is

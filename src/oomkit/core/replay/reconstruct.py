@@ -181,8 +181,7 @@ def reconstruct_start_state(
             continue
         by_segment[segments[i].address].append(addr)
 
-    hidden = [a for a, b in live.items() if b.size is None]
-    reveal = _first_alloc_addresses(events, hidden)
+    first_allocs = _FirstAllocs(events) if any(b.size is None for b in live.values()) else None
     out: list[SeedSegment] = []
     hidden_count = 0
     for seg in segments:
@@ -193,7 +192,8 @@ def reconstruct_start_state(
             limit = addrs[k + 1] if k + 1 < len(addrs) else seg.end
             if held.size is None:
                 hidden_count += 1
-                size = _recover_size(addr, held, limit, seg, round_size, reveal.get(addr, ()))
+                assert first_allocs is not None
+                size = _recover_size(addr, held, limit, seg, round_size, first_allocs)
             else:
                 size = held.size
             if addr + size > limit:
@@ -247,7 +247,7 @@ def _recover_size(
     limit: int,
     seg: SeedSegment,
     round_size: Callable[[int], int],
-    later_allocs: Sequence[tuple[int, int]],
+    first_allocs: _FirstAllocs,
 ) -> int:
     """The true size of a live-at-start block whose trace entries show only its request (§15.2)."""
     size = round_size(max(block.requested_size, 1))
@@ -259,12 +259,8 @@ def _recover_size(
     # The first later alloc that lands in the gap after the block, while the block is still
     # live, takes the front of the free block there: that address is where the block really
     # ends (at ``end`` itself when the rounded size was right).
-    first: tuple[int, int] | None = None
-    for index, a in later_allocs:
-        if end <= a < limit and (block.completed_at is None or index < block.completed_at):
-            if first is None or index < first[0]:
-                first = (index, a)
-    if first is not None:
+    first = first_allocs.earliest_in(end, limit)
+    if first is not None and (block.completed_at is None or first[0] < block.completed_at):
         return first[1] - addr
     # Free large-pool classic blocks are always > 1 MiB, so a smaller gap is the block's own
     # unsplit leftover (§4 Step 11).
@@ -273,13 +269,44 @@ def _recover_size(
     return size
 
 
+class _FirstAllocs:
+    """The trace's allocs by address: where each address was first allocated, for the gap
+    queries of :func:`_recover_size` (issue 19: one index of the trace, then one bisect per
+    hidden block, instead of a list of allocs per hidden block scanned in full).
+
+    The earliest alloc in an address range is the smallest first-alloc index of the addresses
+    in it; if that one is too late for a block, every alloc in the range is.
+    """
+
+    __slots__ = ("addresses", "first_index")
+
+    def __init__(self, events: Sequence[TraceEvent]) -> None:
+        indices = [i for i, ev in enumerate(events) if ev.action == "alloc"]
+        addresses = [events[i].address for i in indices]
+        # Built back to front, so each address keeps its smallest index (C loops, no Python one).
+        indices.reverse()
+        addresses.reverse()
+        self.first_index: dict[int, int] = dict(zip(addresses, indices, strict=True))
+        self.addresses = sorted(self.first_index)
+
+    def earliest_in(self, start: int, end: int) -> tuple[int, int] | None:
+        """The (trace index, address) of the earliest alloc at an address in [start, end)."""
+        addresses = self.addresses
+        lo = bisect.bisect_left(addresses, start)
+        hi = bisect.bisect_left(addresses, end, lo)
+        if lo == hi:
+            return None
+        first_index = self.first_index
+        return min((first_index[a], a) for a in addresses[lo:hi])
+
+
 def _first_alloc_addresses(
     events: Sequence[TraceEvent], hidden: Sequence[int]
 ) -> dict[int, list[tuple[int, int]]]:
     """For each hidden block, the (trace index, address) of the allocs above it, in trace order.
 
-    Only allocs below the next hidden block's address are listed; the caller filters by its gap.
-    One bisect per alloc into the hidden addresses (no sort of every alloc, issue 19).
+    Only allocs below the next hidden block's address are listed. The plain form of what
+    :class:`_FirstAllocs` answers (tests compare the two).
     """
     if not hidden:
         return {}

@@ -19,16 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, round_size
-from oomkit.core.replay._recorded import (
-    config_from_settings,
-    default_pool_events,
-    final_segments_for,
-    recorded_torch_version,
-)
+from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
+from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
-from oomkit.core.replay.engine import CREATE, RELEASE, SEGMENT_ACTIONS
-from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
+from oomkit.core.replay.engine import CREATE, RELEASE
+from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import UnknownDeviceError
@@ -47,7 +42,7 @@ _RESERVE_NUM, _RESERVE_DEN = 9, 8
 # The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
 _LARGE_PAGE_BYTES = 20 * 2**20
 # Trace entries whose positions replay_snapshot notes once: segment decisions and oom entries.
-_MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
+_MARKED = MARKED
 
 
 def replay_snapshot(
@@ -97,20 +92,17 @@ def replay_snapshot(
             f"the snapshot has no device {device}; it holds device(s) {listed}. "
             f"Pass one of those (--device {devices[0] if devices else 0})."
         )
-    events, private_events = default_pool_events(snapshot.trace_for(device))
-    version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
-    recorded_config, settings_warnings = config_from_settings(
-        snapshot.allocator_settings, version
-    )
-    final, private_segments = final_segments_for(snapshot, device)
-    divisions = recorded_config.roundup_power2_divisions
-    start = reconstruct_start_state(final, events, lambda n: round_size(n, divisions))
+    # Computed at the first replay of this snapshot's device, reused by the next (tune and
+    # --what-if replay one snapshot under many settings).
+    inputs = prepared(snapshot, device, torch_version)
+    events, version, recorded_config = inputs.events, inputs.version, inputs.recorded_config
+    final, start, marks, recorded = inputs.final, inputs.start, inputs.marks, inputs.recorded
 
-    warnings = [*settings_warnings, *start.warnings]
-    if private_segments or private_events:
+    warnings = [*inputs.settings_warnings, *start.warnings]
+    if inputs.private_segments or inputs.private_events:
         warnings.append(
-            f"private pools (CUDA graphs, MemPool) are not modelled: {private_segments} segment(s) "
-            f"and {private_events} trace event(s) of them were left out"
+            f"private pools (CUDA graphs, MemPool) are not modelled: {inputs.private_segments} "
+            f"segment(s) and {inputs.private_events} trace event(s) of them were left out"
         )
     if not events:
         warnings.append("trace is empty: only the final state was read")
@@ -119,14 +111,6 @@ def replay_snapshot(
             f"reconstructed {start.hidden_blocks} block(s) whose size was hidden "
             "(live before recording began; sized from their requests, §15.2)"
         )
-    # One pass finds the segment decisions and the oom entries; the passes below read these
-    # few positions instead of the whole trace again (issue 19).
-    marks = [i for i, ev in enumerate(events) if ev.action in _MARKED]
-    recorded = [
-        (i, (ev.action, ev.address, ev.size))
-        for i in marks
-        if (ev := events[i]).action in SEGMENT_ACTIONS
-    ]
     recorded_peak = _recorded_peak_reserved(start, recorded)
     if verify or (config is None and capacity_bytes is None):
         # No what-if asked for: replay the recording as it happened, compared when verifying.

@@ -13,7 +13,30 @@ from typing import IO, Any
 
 from oomkit.interfaces.cli._common import stderr_console
 
-__all__ = ["progress_enabled", "progress_bar", "StepProgress", "step_progress"]
+__all__ = ["add_jobs_flag", "progress_enabled", "progress_bar", "StepProgress", "step_progress"]
+
+
+def add_jobs_flag(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """The one ``--jobs N`` flag (dest ``jobs``, default None: one process per CPU core) of the
+    commands that replay several settings at once (``tune``, ``replay --what-if``)."""
+    parser.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help=f"replay N {what} at once, one process each (default: one per CPU core; "
+        "1: one at a time). The results are the same either way.",
+    )
+
+
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of processes; got {text!r}")
+    return jobs
 
 
 def progress_enabled(args: argparse.Namespace, stream: IO[str]) -> bool:

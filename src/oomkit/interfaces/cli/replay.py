@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from oomkit.errors import ConfigError
 from oomkit.interfaces.cli._common import (
@@ -16,6 +17,7 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
 
 __all__ = ["EXIT_NOTHING_TO_VERIFY", "add_parser", "run"]
 
@@ -34,7 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "reservations as on that device). With --alloc-conf or --gpu "
         "alone, replay the same requests under other settings or on another device (exit 1 if "
         "it would OOM; default device 80GiB). --verify replays the recorded setting, so it "
-        "cannot be combined with --alloc-conf (exit 2).",
+        "cannot be combined with --alloc-conf (exit 2). --what-if SETTING, repeated, replays "
+        "the same requests under each setting (in parallel, --jobs) and compares them in one "
+        "table (exit 1 if any would OOM).",
     )
     parser.add_argument("snapshot", type=existing_file, metavar="SNAPSHOT")
     parser.add_argument("--device", type=int, default=None, help="device index (default: the first)")
@@ -45,6 +49,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "placement (exit 1: diverged, 4: nothing to verify)",
     )
     add_alloc_conf_flag(parser)
+    parser.add_argument(
+        "--what-if",
+        action="append",
+        default=None,
+        metavar="SETTING",
+        help="a PYTORCH_CUDA_ALLOC_CONF value to replay the trace under; repeat it to compare "
+        "several settings side by side (use '' for the default setting)",
+    )
+    add_jobs_flag(parser, what="--what-if settings")
     add_capacity_flag(parser, default=None)
     add_torch_version_flag(parser, default="read from the snapshot")
     add_json_flag(parser)
@@ -64,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             "take --alloc-conf. Run `oomkit replay SNAPSHOT --verify` to check the simulator, "
             "and `oomkit replay SNAPSHOT --alloc-conf ...` (no --verify) for the what-if."
         )
+    if args.what_if is not None:
+        return _run_what_ifs(args)
     capacity = capacity_from_args(args)
     config = config_from_args(args)
     snapshot = load_snapshot(args.snapshot)
@@ -90,3 +105,57 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_TO_VERIFY
         return 0 if result.reproduced else 1
     return 0
+
+
+def _run_what_ifs(args: argparse.Namespace) -> int:
+    """``--what-if A --what-if B ...``: one replay per setting, in parallel, in one table."""
+    from oomkit.core.allocator import AllocatorConfig
+    from oomkit.core.replay import replay_settings, replay_snapshot
+    from oomkit.core.snapshot import load_snapshot
+    from oomkit.interfaces.reports.replay import what_if_table, what_if_to_json
+
+    if args.verify or args.alloc_conf is not None:
+        raise ConfigError(
+            "--what-if replays the trace under the settings it names, so it cannot take "
+            f"{'--verify' if args.verify else '--alloc-conf'}. Give every setting with --what-if, "
+            "e.g. `oomkit replay SNAPSHOT --what-if '' --what-if expandable_segments:True`."
+        )
+    texts = [text.strip() for text in args.what_if]
+    # Parsed up front: a setting the modelled PyTorch rejects stops the command (exit 2)
+    # before any replay runs.
+    configs = [AllocatorConfig.parse(text, torch_version=args.torch_version) for text in texts]
+    capacity = capacity_from_args(args)
+    snapshot = load_snapshot(args.snapshot)
+    devices = snapshot.devices()
+    device = args.device if args.device is not None else (devices[0] if devices else 0)
+
+    def replay(config: AllocatorConfig):
+        # An explicit config is a what-if from the first request, as --alloc-conf.
+        return replay_snapshot(
+            snapshot,
+            device,
+            verify=False,
+            config=config,
+            capacity_bytes=capacity,
+            torch_version=args.torch_version,
+        )
+
+    with progress_bar(progress_enabled(args, sys.stderr), "replaying settings") as update:
+        results = replay_settings(replay, configs, jobs=args.jobs, progress=update)
+    rows = list(zip(texts, results, strict=True))
+    if args.json:
+        print_json(
+            {
+                "snapshot": args.snapshot.name,
+                "device": device,
+                "capacity_bytes": capacity,
+                "settings": what_if_to_json(rows),
+            }
+        )
+    else:
+        console = stdout_console()
+        console.print(what_if_table(rows, title=f"What-if replays of {args.snapshot.name}"))
+        warnings = dict.fromkeys(w for _, r in rows for w in r.warnings)
+        for warning in warnings:
+            console.print(f"[yellow]warning:[/] {warning}")
+    return 1 if any(r.oom for r in results) else 0

@@ -16,6 +16,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import add_jobs_flag
 
 __all__ = ["add_parser", "run"]
 
@@ -47,14 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="N",
         help="snapshot device to replay (default: the first with memory)",
     )
-    parser.add_argument(
-        "--jobs",
-        type=_jobs,
-        default=None,
-        metavar="N",
-        help="replay N settings at once, one process each (default: one per CPU core; "
-        "1: one at a time). The ranking is the same either way.",
-    )
+    add_jobs_flag(parser, what="settings")
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -86,16 +80,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render(result, path, recorded)
     return 0
-
-
-def _jobs(text: str) -> int:
-    try:
-        jobs = int(text)
-    except ValueError:
-        jobs = 0
-    if jobs < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of processes; got {text!r}")
-    return jobs
 
 
 def _open_source(path: Path, device: int | None):

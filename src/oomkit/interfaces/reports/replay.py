@@ -13,7 +13,13 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["replay_to_json", "render_replay", "comparison_table"]
+__all__ = [
+    "comparison_table",
+    "render_replay",
+    "replay_to_json",
+    "what_if_table",
+    "what_if_to_json",
+]
 
 
 def _segments_to_json(segments: Sequence[dict]) -> list[dict]:
@@ -154,4 +160,60 @@ def comparison_table(results: Sequence[tuple[str, ReplayResult]], *, title: str)
     row("cudaFree calls", lambda r: f"{r.num_device_free:,}")
     row("alloc retries", lambda r: f"{r.num_alloc_retries:,}")
     row("out of memory", lambda r: "yes" if r.oom else "no")
+    return table
+
+
+def _unused_at_peak_pct(result: ReplayResult) -> float:
+    """Peak reserved memory not allocated, in percent of peak reserved: the fragmentation a
+    setting leaves at its worst (0 when nothing was reserved)."""
+    reserved = result.peak_reserved_bytes
+    if reserved <= 0:
+        return 0.0
+    return 100.0 * (reserved - result.peak_allocated_bytes) / reserved
+
+
+def what_if_to_json(results: Sequence[tuple[str, ReplayResult]]) -> list[dict]:
+    """One JSON object per setting of ``replay --what-if``, in the order given."""
+    return [
+        {
+            "alloc_conf": label,
+            "events": r.events,
+            "peak_allocated_bytes": r.peak_allocated_bytes,
+            "peak_reserved_bytes": r.peak_reserved_bytes,
+            "fragmentation_bytes": r.peak_reserved_bytes - r.peak_allocated_bytes,
+            "fragmentation_pct": round(_unused_at_peak_pct(r), 2),
+            "num_device_alloc": r.num_device_alloc,
+            "num_device_free": r.num_device_free,
+            "num_alloc_retries": r.num_alloc_retries,
+            "oom": r.oom,
+            "oom_event_index": r.oom_event_index,
+            "warnings": list(r.warnings),
+        }
+        for label, r in results
+    ]
+
+
+def what_if_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) -> Table:
+    """One row per setting of ``replay --what-if``: peak reserved, fragmentation, OOM or not."""
+    from rich.table import Table
+
+    from oomkit.interfaces.reports._untrusted import as_written
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("PYTORCH_CUDA_ALLOC_CONF", overflow="fold")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("peak allocated", justify="right")
+    table.add_column("fragmentation", justify="right")
+    table.add_column("cudaMalloc", justify="right")
+    table.add_column("OOM", justify="right")
+    for label, r in results:
+        frag = r.peak_reserved_bytes - r.peak_allocated_bytes
+        table.add_row(
+            as_written(label) if label else "(default)",
+            format_bytes(r.peak_reserved_bytes),
+            format_bytes(r.peak_allocated_bytes),
+            f"{format_bytes(frag)} ({_unused_at_peak_pct(r):.1f}%)",
+            f"{r.num_device_alloc:,}",
+            f"at event {r.oom_event_index}" if r.oom else "no",
+        )
     return table

@@ -1,0 +1,117 @@
+"""What every replay of one snapshot's device starts from, computed once per snapshot object.
+
+``tune`` and ``replay --what-if`` replay one snapshot under many settings. The trace without
+private-pool entries, the recorded setting, the final segments, the reconstructed start state
+and the positions of the segment decisions do not depend on the setting replayed, so they are
+computed at the first replay and reused by the next ones (and, computed before the process pool
+forks, by its workers). They are kept while the snapshot object lives (by identity: a snapshot
+is never mutated) and dropped with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from oomkit.core.allocator import AllocatorConfig, round_size
+from oomkit.core.replay._recorded import (
+    config_from_settings,
+    default_pool_events,
+    final_segments_for,
+    recorded_torch_version,
+)
+from oomkit.core.replay.engine import SEGMENT_ACTIONS
+from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
+from oomkit.core.replay.result import SegmentEvent
+from oomkit.core.trace import TraceEvent
+
+if TYPE_CHECKING:
+    from oomkit.core.snapshot import Snapshot
+
+__all__ = ["Prepared", "prepared"]
+
+# Trace entries whose positions are noted once: segment decisions and oom entries.
+MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One device's replay inputs that no replayed setting or capacity changes."""
+
+    events: tuple[TraceEvent, ...]
+    private_events: int
+    version: str | None
+    recorded_config: AllocatorConfig
+    settings_warnings: tuple[str, ...]
+    final: tuple[SeedSegment, ...]
+    private_segments: int
+    start: StartState
+    # Trace indices of the segment decisions and oom entries, and the decisions themselves.
+    marks: tuple[int, ...]
+    recorded: tuple[tuple[int, SegmentEvent], ...]
+
+
+# id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
+_CACHE: dict[int, tuple[weakref.ref[Snapshot], dict[tuple[int, str | None], Prepared]]] = {}
+
+
+def prepared(snapshot: Snapshot, device: int, torch_version: str | None) -> Prepared:
+    """The replay inputs of ``snapshot``'s ``device`` (cached while the snapshot lives).
+
+    Args:
+        snapshot: the loaded snapshot (never mutated).
+        device: a device it holds (the caller checked it).
+        torch_version: the version to model; None reads it from the snapshot's keys.
+    """
+    key = id(snapshot)
+    entry = _CACHE.get(key)
+    if entry is None or entry[0]() is not snapshot:
+        ref = weakref.ref(snapshot, _forget(key))
+        entry = _CACHE[key] = (ref, {})
+    by_device = entry[1]
+    found = by_device.get((device, torch_version))
+    if found is None:
+        found = by_device[(device, torch_version)] = _prepare(snapshot, device, torch_version)
+    return found
+
+
+def _forget(key: int) -> Callable[[weakref.ref[Snapshot]], None]:
+    """The weak reference's callback: drop the snapshot's entry when it dies."""
+
+    def forget(_ref: weakref.ref[Snapshot]) -> None:
+        _CACHE.pop(key, None)
+
+    return forget
+
+
+def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prepared:
+    events, private_events = default_pool_events(snapshot.trace_for(device))
+    version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
+    recorded_config, settings_warnings = config_from_settings(
+        snapshot.allocator_settings, version
+    )
+    final, private_segments = final_segments_for(snapshot, device)
+    divisions = recorded_config.roundup_power2_divisions
+    start = reconstruct_start_state(final, events, lambda n: round_size(n, divisions))
+    # One pass finds the segment decisions and the oom entries; the passes of a replay read
+    # these few positions instead of the whole trace again (issue 19).
+    marks = tuple(i for i, ev in enumerate(events) if ev.action in MARKED)
+    recorded = tuple(
+        (i, (ev.action, ev.address, ev.size))
+        for i in marks
+        if (ev := events[i]).action in SEGMENT_ACTIONS
+    )
+    return Prepared(
+        events=events,
+        private_events=private_events,
+        version=version,
+        recorded_config=recorded_config,
+        settings_warnings=tuple(settings_warnings),
+        final=tuple(final),
+        private_segments=private_segments,
+        start=start,
+        marks=marks,
+        recorded=recorded,
+    )

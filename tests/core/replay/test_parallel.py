@@ -1,0 +1,138 @@
+"""replay_settings: several settings replayed in forked processes give the one-at-a-time results."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.replay import replay_settings, replay_snapshot, worker_count
+from oomkit.core.snapshot import load_snapshot
+from oomkit.errors import AllocatorUsageError
+
+SETTINGS = (
+    "",
+    "expandable_segments:True",
+    "max_split_size_mb:64",
+    "max_split_size_mb:128,garbage_collection_threshold:0.6",
+    "roundup_power2_divisions:4",
+)
+
+
+def _largest_shared_snapshot() -> Path | None:
+    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
+    folder = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
+    files = [p for p in folder.glob("*/*") if p.suffix in (".pickle", ".pkl")] if folder.is_dir() else []
+    # The largest file below 2 MB: a real trace with thousands of events that replays in < 1 s.
+    small = [p for p in files if p.stat().st_size < 2_000_000]
+    return max(small, key=lambda p: p.stat().st_size) if small else None
+
+
+SNAPSHOT = _largest_shared_snapshot()
+
+
+@pytest.mark.skipif(SNAPSHOT is None, reason="the shared snapshots are not available")
+def test_parallel_results_equal_serial_on_a_real_snapshot():
+    """Every field of every ReplayResult (segment decisions, peaks, final state) is the same with
+    jobs=2 as one at a time, in the settings' order."""
+    snapshot = load_snapshot(SNAPSHOT)
+    device = snapshot.devices()[0]
+    configs = [AllocatorConfig.parse(text) for text in SETTINGS]
+
+    def replay(config):
+        return replay_snapshot(snapshot, device, verify=False, config=config, capacity_bytes=2**34)
+
+    serial = replay_settings(replay, configs, jobs=1)
+    parallel = replay_settings(replay, configs, jobs=2)
+    assert [r.alloc_conf for r in parallel] == list(SETTINGS)
+    assert parallel == serial
+    assert [r.segment_events for r in parallel] == [r.segment_events for r in serial]
+    assert all(r.events > 0 for r in serial)
+    # The inputs prepared once for this snapshot object give what a freshly loaded copy gives.
+    fresh = load_snapshot(SNAPSHOT)
+    assert replay(configs[1]) == replay_snapshot(
+        fresh, device, verify=False, config=configs[1], capacity_bytes=2**34
+    )
+
+
+def test_progress_counts_every_setting_in_both_modes():
+    """progress(0, n) first, then n more calls ending at (n, n), one at a time and in a pool."""
+    configs = [AllocatorConfig.parse(text) for text in SETTINGS[:3]]
+
+    def replay(config):
+        return replay_snapshot(_tiny_snapshot(), 0, verify=False, config=config)
+
+    for jobs in (1, 2):
+        calls: list[tuple[int, int]] = []
+
+        def record(done: int, total: int, calls: list[tuple[int, int]] = calls) -> None:
+            calls.append((done, total))
+
+        results = replay_settings(replay, configs, jobs=jobs, progress=record)
+        assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+        assert len(results) == 3
+
+
+def test_the_first_failing_setting_raises_as_one_at_a_time():
+    """A setting whose replay raises stops the sweep with that error, in a pool too."""
+
+    def replay(config):
+        if config.max_split_size_bytes is not None:
+            raise AllocatorUsageError("boom at the max_split_size setting")
+        return replay_snapshot(_tiny_snapshot(), 0, verify=False, config=config)
+
+    configs = [AllocatorConfig.parse(text) for text in ("", "max_split_size_mb:64")]
+    for jobs in (1, 2):
+        with pytest.raises(AllocatorUsageError, match="boom"):
+            replay_settings(replay, configs, jobs=jobs)
+
+
+def test_worker_count_rules():
+    """One process for one setting or jobs=1; never more than the settings; bad jobs refused."""
+    assert worker_count(1, 10) == 1
+    assert worker_count(4, 1) == 1
+    assert worker_count(8, 3) == 3
+    assert worker_count(2, 5) == 2
+    assert worker_count(None, 64) == min(os.cpu_count() or 1, 64)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(AllocatorUsageError, match="jobs must be a positive int"):
+            worker_count(bad, 4)  # type: ignore[arg-type]
+
+
+def _tiny_snapshot():
+    from oomkit.core.snapshot import snapshot_from_data
+
+    MiB = 2**20
+    base = 0x7F00_0000_0000
+    trace = [
+        {"action": "segment_alloc", "addr": base, "size": 20 * MiB, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": base, "size": 5 * MiB, "stream": 0, "frames": []},
+        {"action": "free_requested", "addr": base, "size": 5 * MiB, "stream": 0, "frames": []},
+        {"action": "free_completed", "addr": base, "size": 5 * MiB, "stream": 0, "frames": []},
+    ]
+    return snapshot_from_data({"segments": [], "device_traces": [trace]})
+
+
+def test_replay_inputs_are_prepared_once_per_snapshot_and_dropped_with_it():
+    """A second replay of the same snapshot object reuses its reconstructed start state (the
+    same object), gives the same result as a fresh copy of the snapshot, and the cached inputs
+    go when the snapshot does."""
+    import gc
+
+    from oomkit.core.replay import _prepared
+
+    snapshot = _tiny_snapshot()
+    config = AllocatorConfig.parse("expandable_segments:True")
+    first = replay_snapshot(snapshot, 0, config=config)
+    inputs = _prepared.prepared(snapshot, 0, None)
+    second = replay_snapshot(snapshot, 0, config=config)
+    assert _prepared.prepared(snapshot, 0, None) is inputs
+    assert second == first == replay_snapshot(_tiny_snapshot(), 0, config=config)
+    assert replay_snapshot(snapshot, 0, verify=True) == replay_snapshot(_tiny_snapshot(), 0, verify=True)
+    key = id(snapshot)
+    assert key in _prepared._CACHE
+    del snapshot, inputs
+    gc.collect()
+    assert key not in _prepared._CACHE
