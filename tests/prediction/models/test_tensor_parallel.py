@@ -257,3 +257,19 @@ def test_fsdp_x_tp_uneven_shards_count_tp_local_rows_over_the_fsdp_degree(monkey
         # One row of 64 fp32 values short on the last FSDP rank, per parameter.
         assert found[0].startswith(note)
         assert "up to 512 bytes less" in found[0]
+
+
+def test_tp_checkpointing_follows_the_mode(tiny):
+    """--tp with --checkpointing none recomputes nothing, full recomputes each block's matmuls
+    and attention, selective-op (torchtitan's op policy) every other matmul and no attention;
+    applied after the TP plan, as torchtitan's parallelize_llama does (before: a bare truth
+    test on the mode made "none" checkpoint fully)."""
+    counts = {}
+    for mode in ("none", "full", "selective-op"):
+        recording = _record(
+            ((2,), ("tp",)), _options(precision="bf16-mixed", checkpointing=mode), steps=2
+        )
+        ops = [dict(e.tags).get("op") or "" for e in recording.step_events(1) if e.action == "alloc"]
+        counts[mode] = (sum("mm" in op for op in ops), sum("scaled_dot" in op for op in ops))
+    # 2 blocks: full re-runs 6 matmul outputs and 4 attention allocations per block.
+    assert counts == {"none": (46, 16), "full": (58, 24), "selective-op": (52, 16)}

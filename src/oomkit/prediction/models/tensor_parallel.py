@@ -40,6 +40,7 @@ from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import _cast_floating, fsdp_words, shard_blocks_and_root
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
+from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import _describe, build_step, model_dtype
 
 if TYPE_CHECKING:
@@ -249,9 +250,10 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
-    if options.checkpointing:
-        cast(Any, model).checkpointing = True  # every preset module reads this flag
     apply_llama_tensor_parallel(model, tp_mesh)
+    # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
+    # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
+    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     layout = f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
     layout += "parallel, loss parallel)"
     step_options = options
