@@ -298,3 +298,45 @@ def test_hsdp_all_reduce_is_in_place_and_casts_gradients_on_its_own_stream():
     # The all-reduce allocates nothing: the same allocations, by size, as FSDP over 2.
     sizes = sorted(e.size for e in fsdp.events if e.action == "alloc")
     assert sorted(e.size for e in hsdp.events if e.action == "alloc") == sizes
+
+
+def _ddp_build(mesh, *, wrap_in_build):
+    """Linear 64->256->5 in DDP with a 1 MiB cap, wrapped by build itself or by its setup."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 5))
+    batch = torch.randn(8, 64)
+    wrapped = []
+
+    def wrap():
+        wrapped.append(torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1))
+
+    if wrap_in_build:
+        wrap()
+    optimizer = torch.optim.AdamW((wrapped[0] if wrapped else model).parameters())
+
+    def step():
+        wrapped[0](batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if wrap_in_build:
+        return step, (wrapped[0], optimizer, batch)
+    return step, (model, optimizer, batch), wrap
+
+
+def test_ddp_made_by_build_is_constructed_under_the_recorder():
+    """A builder that wraps its model in DDP itself records what one wrapping in setup does,
+    event for event: the constructor (broadcast, first buckets) runs under the recorder."""
+    in_setup = trace_distributed_step(
+        lambda mesh: _ddp_build(mesh, wrap_in_build=False), world_size=2, steps=2
+    )
+    in_build = trace_distributed_step(
+        lambda mesh: _ddp_build(mesh, wrap_in_build=True), world_size=2, steps=2
+    )
+    buckets = [e.size for e in in_build.events if e.action == "alloc"
+               and dict(e.tags)["category"] == "ddp_bucket"]
+    assert buckets  # the constructor's bucket and the rebuilt ones are recorded
+    assert [(e.action, e.size, dict(e.tags)["category"]) for e in in_build.events] == [
+        (e.action, e.size, dict(e.tags)["category"]) for e in in_setup.events
+    ]
+    assert any(w.startswith("DDP: every replica") for w in in_build.warnings)
+    assert torch.nn.parallel.DistributedDataParallel.__init__.__name__ != "init"

@@ -271,7 +271,9 @@ def trace_distributed_step(
     ``(step_fn, track)`` or ``(step_fn, track, setup)``. Modules, optimizers and tensors in
     ``track`` are recorded as allocated before step 0; ``setup()`` then runs under the recorder
     before step 0 (wrapping in ``DistributedDataParallel``, whose constructor allocates the
-    gradient buckets: ``fake_ddp.py``); ``step_fn()`` runs ``steps`` times.
+    gradient buckets: ``fake_ddp.py``); ``step_fn()`` runs ``steps`` times. A
+    ``DistributedDataParallel`` that ``build`` itself makes is constructed there too: its
+    constructor is deferred to that point (:func:`_ddp_constructed_under_the_recorder`).
 
     Args:
         build: makes the step for the given mesh.
@@ -306,7 +308,9 @@ def trace_distributed_step(
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
     with group as mesh, FakeTensorMode(), ddp.installed():
-        step_fn, track, *setup = build(mesh)
+        with _ddp_constructed_under_the_recorder() as deferred:
+            step_fn, track, *setup = build(mesh)
+        setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
         try:
             roles = FsdpBufferRoles(tracer).installed()
@@ -341,6 +345,41 @@ def trace_distributed_step(
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
+
+
+@contextlib.contextmanager
+def _ddp_constructed_under_the_recorder() -> Iterator[list[Callable[[], None]]]:
+    """While open, ``DistributedDataParallel(module, ...)`` makes the object at once but defers
+    its constructor: the list yielded gets a call that runs it later, under the recorder.
+
+    DDP's constructor allocates on the device (the parameters' broadcast, the first gradient
+    buckets: torch/nn/parallel/distributed.py ``__init__`` -> ``_sync_module_states``,
+    ``_ddp_init_helper`` -> reducer.cpp ``initialize_buckets``), so a step builder that wraps
+    its model itself would make them before anything is recorded. Until then the object is a
+    plain module holding ``module`` (so ``ddp.parameters()`` gives the optimizer the model's
+    parameters, as DDP's do); the deferred call runs DDP's real ``__init__`` on that same
+    object, which the step closes over.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    deferred: list[Callable[[], None]] = []
+
+    def init(ddp: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        torch.nn.Module.__init__(ddp)
+        ddp.module = module
+
+        def construct() -> None:
+            # DistributedDataParallel.__init__ as patched now (fake_ddp.py's, with its hook).
+            DistributedDataParallel.__init__(ddp, module, *args, **kwargs)
+
+        deferred.append(construct)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield deferred
+    finally:
+        DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
 
 
 def _uneven_shard_bytes(track: Any) -> tuple[int, int, int] | None:
