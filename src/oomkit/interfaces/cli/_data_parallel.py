@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from oomkit.errors import OomkitError
@@ -75,6 +76,10 @@ def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
     ddp = DdpOptions(ddp_bucket_cap_mb(args), bool(args.gradient_as_bucket_view))
     options = _preset_options(args, batch_size)
     spec = _spec("preset", args.target, options, getattr(args, "steps", None), None)
+    # Saved with the prediction, so that explain re-predicts the same buckets.
+    spec = dataclasses.replace(
+        spec, ddp_bucket_cap_mb=ddp.bucket_cap_mb, ddp_gradient_as_bucket_view=ddp.gradient_as_bucket_view
+    )
     workload = ShardedWorkload(lambda mesh: (None, ()), spec)
 
     def build(mesh: Any) -> tuple[Any, ...]:
