@@ -375,7 +375,7 @@ def _ddp_constructed_under_the_recorder() -> Iterator[list[Callable[[], None]]]:
 
         deferred.append(construct)
 
-    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign,assignment]
     try:
         yield deferred
     finally:
