@@ -91,3 +91,41 @@ def test_hsdp_refusals_exit_2(argv, message, capsys):
     """DDP with TP alone (torchtitan refuses it too) and DDP's bucket flags with --fsdp."""
     assert main(["predict", *argv, "--batch", "1", "--seq", "16"]) == 2
     assert message in capsys.readouterr().err
+
+
+_USER_FILE = """
+import torch
+from torch.distributed.fsdp import fully_shard
+
+
+def build(mesh, world_size, batch_size=4):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+    )
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(batch_size, 64)
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+"""
+
+
+def test_user_function_gets_the_2d_mesh_for_hsdp(tmp_path, capsys):
+    """--dp 2 --fsdp 2 with a file.py:function: its fully_shard on the (dp, fsdp) mesh is HSDP,
+    so rank 0 of 4 holds half (not a quarter) of each fp32 weight."""
+    path = tmp_path / "hsdp_step.py"
+    path.write_text(_USER_FILE)
+    code = main(["predict", f"{path}:build", "--dp", "2", "--fsdp", "2", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["description"] == (
+        f"{path}:build(batch_size=2), HSDP: FSDP2 over 2 ranks x 2 replicas, rank 0"
+    )
+    assert data["by_category_bytes"]["parameter"] == 2 * 32 * 64 * 4
