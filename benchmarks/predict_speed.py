@@ -12,6 +12,8 @@ Sharded cases (SHARDED_CASES, rank 0 recorded on a fake process group, as `oomki
 --fsdp N`; ``--sharded-only`` runs them alone) report wall and CPU seconds:
 - Llama-3.1-8B FSDP2 over 8 ranks, per-rank batch 2, seq 8192, selective-op activation
   checkpointing (target: < 60 s, < 2 GB).
+- Llama-3.1-70B FSDP2 over 32 ranks x TP 8 (rank 0 of 256), per-rank batch 1, seq 8192,
+  selective-op activation checkpointing (target: < 3 minutes, < 2 GB).
 
 ``seconds`` is what `oomkit predict` costs once torch is imported: build + trace + replay
 (``predict()`` itself, run as its parts: ``trace_step`` then ``predict_recording``, the same
@@ -65,9 +67,10 @@ QUANTIZED: dict[str, dict[str, object]] = {
     "llama-8b-qlora": {"quantize": "nf4", "double_quant": True},
     "llama-8b-int8-lora": {"quantize": "int8"},
 }
-# name -> (preset, per-rank batch, seq, FSDP ranks, checkpointing, target s, target RSS MB)
+# name -> (preset, per-rank batch, seq, (FSDP, TP) ranks, checkpointing, target s, target RSS MB)
 SHARDED_CASES = {
-    "llama-8b-fsdp8-seq8192": ("llama-8b", 2, 8192, 8, "selective-op", 60.0, 2000.0),
+    "llama-8b-fsdp8-seq8192": ("llama-8b", 2, 8192, (8, 1), "selective-op", 60.0, 2000.0),
+    "llama3-70b-fsdp32-tp8": ("llama3-70b", 1, 8192, (32, 8), "selective-op", 180.0, 2000.0),
 }
 GPU = "h100"
 PRECISION = "bf16-mixed"
@@ -202,7 +205,7 @@ def run_sharded_case(name: str) -> dict:
     options = StepOptions(
         batch_size=batch, seq_len=seq, precision=PRECISION, checkpointing=checkpointing
     )
-    layout = ParallelLayout(fsdp=ranks)
+    layout = ParallelLayout(fsdp=ranks[0], tp=ranks[1])
     target = dataclasses.replace(Target.resolve(gpu=GPU), parallel=layout)
 
     def build(mesh):
@@ -217,6 +220,8 @@ def run_sharded_case(name: str) -> dict:
     return {
         "seconds": round(time.perf_counter() - start, 2),
         "cpu_seconds": round(cpu_seconds() - cpu_start, 2),
+        # The machine's 1-minute load average at the end: wall time on a shared machine.
+        "load_average": round(os.getloadavg()[0], 2),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "events": p.events,
         "peak_allocated_bytes": p.peak_allocated_bytes,
@@ -236,10 +241,11 @@ def _run_sharded_cases(results: dict) -> int:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         results[name] = result
         ok = result["seconds"] < target_s and result["peak_rss_mb"] < target_mb
+        ways = f"FSDP2 x{ranks[0]}" + (f" x TP {ranks[1]}" if ranks[1] > 1 else "")
         print(
-            f"{name:>14} (FSDP2 x{ranks}, batch {batch}/rank, seq {seq}, {ckpt} checkpointing, "
+            f"{name:>14} ({ways}, batch {batch}/rank, seq {seq}, {ckpt} checkpointing, "
             f"{PRECISION}, {STEPS} steps on {GPU}, rank 0): {result['seconds']:.2f} s "
-            f"({result['cpu_seconds']:.2f} s CPU), peak RSS {result['peak_rss_mb']:.0f} MB, "
+            f"({result['cpu_seconds']:.2f} s CPU, load {result['load_average']:.1f}), peak RSS {result['peak_rss_mb']:.0f} MB, "
             f"{result['events']:,} events, peak reserved "
             f"{result['peak_reserved_bytes'] / 2**30:.2f} GiB "
             f"({'within' if ok else 'OVER'} target {target_s:.0f} s / {target_mb:.0f} MB)"

@@ -38,10 +38,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import Target
+from oomkit.core.target import ParallelLayout, Target
 from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose.diagnosis import Remedy
-from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
@@ -51,6 +51,7 @@ __all__ = [
     "estimated_model_remedies",
     "measured_model_remedies",
     "saved_compute_capability",
+    "saved_parallel",
     "saved_target",
 ]
 
@@ -350,10 +351,63 @@ def saved_target(data: Mapping[str, Any]) -> Target:
 _REBUILDABLE = ("preset", "hf")
 
 
+def saved_parallel(data: Mapping[str, Any]) -> ParallelLayout | None:
+    """The saved prediction's parallel layout (``target.parallel``); ``None``: one GPU.
+
+    Raises:
+        ConfigError: a saved layout that is not one (re-predicting it as one GPU would be wrong).
+    """
+    saved = data.get("target")
+    parallel = saved.get("parallel") if isinstance(saved, Mapping) else None
+    if parallel is None:
+        return None
+    if not isinstance(parallel, Mapping) or not set(parallel) <= {"fsdp", "tp", "dp"}:
+        raise ConfigError(f"the saved target.parallel is not a layout: {parallel!r}")
+    return ParallelLayout(**parallel)
+
+
+def _repredict_parallel(
+    data: Mapping[str, Any], workload: WorkloadSpec, options: Any, layout: ParallelLayout
+) -> Any:
+    """Rank 0 of the saved layout, rebuilt as ``oomkit predict --fsdp/--tp/--dp`` builds it
+    (interfaces/cli/predict.py ``_predict_sharded``), with the saved DDP bucket options."""
+    from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    target = dataclasses.replace(saved_target(data), parallel=layout)
+    ddp_alone = layout.dp > 1 or workload.ddp_gradient_as_bucket_view is not None
+    if layout.fsdp == 1 and layout.tp == 1 and ddp_alone:
+        ddp = DdpOptions(workload.ddp_bucket_cap_mb, bool(workload.ddp_gradient_as_bucket_view))
+
+        def build(mesh: Any) -> tuple[Any, ...]:
+            step = build_ddp_preset_step(workload.name, options, mesh, ddp)
+            return step.built.step_fn, tuple(step.built.track), step.setup
+
+    else:
+
+        def build(mesh: Any) -> tuple[Any, ...]:
+            built = build_fsdp_preset_step(workload.name, options, mesh)
+            return built.step_fn, tuple(built.track)
+
+    recording = trace_distributed_step(
+        build,
+        world_size=layout.world_size,
+        mesh_shape=layout.mesh_shape,
+        steps=workload.steps or 2,
+        target=target,
+    )
+    return predict_recording(recording, target=target)
+
+
 def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) -> Any:
     from oomkit.prediction.models import build_hf_step, build_preset_step
     from oomkit.prediction.predictor import predict
 
+    layout = saved_parallel(data)
+    if layout is not None:  # rank 0 of the same layout, not one GPU
+        return _repredict_parallel(data, workload, options, layout)
     if workload.kind == "hf":
         built = build_hf_step(workload.name, options, local_files_only=True)
     else:

@@ -93,6 +93,10 @@ class WorkloadSpec:
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
+        ddp_bucket_cap_mb: ``--dp``'s ``--bucket-cap-mb`` (DDP's ``bucket_cap_mb``); ``None``:
+            DDP's default, or not DDP.
+        ddp_gradient_as_bucket_view: ``--gradient-as-bucket-view``; ``None``: not DDP (or an
+            older save).
     """
 
     kind: WorkloadKind
@@ -116,6 +120,8 @@ class WorkloadSpec:
     checkpoint_reentrant: bool | None = None
     compile: bool | None = None
     precision_source: str | None = None
+    ddp_bucket_cap_mb: float | None = None
+    ddp_gradient_as_bucket_view: bool | None = None
 
     @property
     def training(self) -> bool | None:
@@ -130,7 +136,7 @@ class WorkloadSpec:
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
     """The saved form: ``kind``, ``name``, ``options`` (the fine-tuning ones only when set) and
-    ``steps`` (and ``precision_source`` when set); a preset also keeps
+    ``steps`` (and ``precision_source`` when set, ``ddp`` for a ``--dp`` run); a preset also keeps
     ``preset`` (the key older oomkit read), and ``cudnn_version`` the cuDNN the step was traced
     with (older saves' only record of it; new ones also have ``target.cudnn_version``)."""
     out: dict[str, Any] = {"kind": workload.kind, "name": workload.name}
@@ -144,6 +150,11 @@ def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -
     out["steps"] = workload.steps
     if workload.precision_source is not None:
         out["precision_source"] = workload.precision_source
+    if workload.ddp_gradient_as_bucket_view is not None:  # a --dp run: DDP's bucket options
+        out["ddp"] = {
+            "bucket_cap_mb": workload.ddp_bucket_cap_mb,
+            "gradient_as_bucket_view": workload.ddp_gradient_as_bucket_view,
+        }
     if cudnn_version is not None:
         out["cudnn_version"] = cudnn_version
     return out
@@ -175,6 +186,8 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
         options = options if isinstance(options, Mapping) else {}
         name = saved.get("name", saved.get("preset"))
         kind = next((k for k in _KINDS if k == saved.get("kind")), None)
+        ddp = saved.get("ddp")
+        ddp = ddp if isinstance(ddp, Mapping) else {}
         if kind is None:  # saved before the record had a kind: only presets were saved
             kind = "preset" if isinstance(saved.get("preset"), str) else "unknown"
         return WorkloadSpec(
@@ -199,6 +212,8 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             checkpoint_reentrant=_typed(options.get("checkpoint_reentrant"), bool),
             compile=_typed(options.get("compile"), bool),
             precision_source=_typed(saved.get("precision_source"), str),
+            ddp_bucket_cap_mb=_number(ddp.get("bucket_cap_mb")),
+            ddp_gradient_as_bucket_view=_typed(ddp.get("gradient_as_bucket_view"), bool),
         )
     description = data.get("description")
     if isinstance(description, str) and description:

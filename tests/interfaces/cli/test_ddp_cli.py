@@ -51,12 +51,11 @@ def test_ddp_prediction_is_rank_0_with_gradient_buckets(resnet_ddp_json):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["predict", "gpt2-124m", "--dp", "2", "--fsdp", "2"], "HSDP"),
+        (["predict", "llama3-8b", "--dp", "2", "--tp", "2"], "HSDP x TP"),
         (["predict", "gpt2-124m", "--bucket-cap-mb", "5"], "go with --dp N"),
         (["predict", "gpt2-124m", "--gradient-as-bucket-view", "--fsdp", "2"], "go with --dp N"),
         (["predict", "gpt2-124m", "--dp", "2", "--mode", "inference"], "--mode train"),
         (["predict", "--dp", "2", "--hf", "gpt2"], "not wrapped yet"),
-        (["predict", "steps.py:build", "--dp", "2"], "not wrapped yet"),
     ],
 )
 def test_ddp_refusals_exit_2(argv, message, capsys):

@@ -66,7 +66,7 @@ def test_fsdp_by_tp_halves_the_tp_shards(tiny_llama, capsys):
         (["--tp", "2", "--hf", "gpt2"], "a --hf model has no plan in oomkit"),
         (["gpt2-124m", "--tp", "2"], "modelled for the Llama presets"),
         (["llama3-8b", "--tp", "3"], "--tp 3 must divide Llama 3.1 8B's"),
-        (["llama3-8b", "--tp", "2", "--dp", "2"], "or with --tp is not"),
+        (["llama3-8b", "--tp", "2", "--dp", "2"], "add --fsdp S"),
     ],
 )
 def test_tp_refusals_exit_2(argv, message, capsys):

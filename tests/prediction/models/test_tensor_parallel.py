@@ -233,3 +233,43 @@ def test_sharding_propagation_allocates_nothing(tp2_recording):
     assert by_op.pop("aten._foreach_sqrt.default") == local_bytes
     assert "aten.empty_strided.default" not in by_op
     assert set(by_op) <= {"_c10d_functional.all_reduce.default", "aten.clone.default"}
+
+
+@pytest.mark.parametrize(
+    ("vocab", "note"),
+    [
+        # 260 / tp 2 = 130 local rows: FSDP over 2 divides them (world size 4 would not).
+        (260, None),
+        # 258 / tp 2 = 129 local rows: 65 and 64 over FSDP 2, though 258 global rows divide.
+        (258, "ranks differ: 2 sharded parameter(s) have rows that 2 ranks do not divide"),
+    ],
+)
+def test_fsdp_x_tp_uneven_shards_count_tp_local_rows_over_the_fsdp_degree(monkeypatch, vocab, note):
+    """FSDP2 shards a TP DTensor's local rows over the FSDP degree (_fsdp_param.py
+    _init_sharding_spec_tp): the embedding and LM head hold vocab / tp rows each."""
+    shape = dataclasses.replace(_SHAPE, vocab=vocab)
+    monkeypatch.setattr(tensor_parallel, "shaped_preset", lambda name, options: _tiny(shape))
+    recording = _record(((2, 2), ("fsdp", "tp")), _options(precision="bf16-mixed"))
+    found = [w for w in recording.warnings if w.startswith("ranks differ")]
+    if note is None:
+        assert found == []
+    else:
+        # One row of 64 fp32 values short on the last FSDP rank, per parameter.
+        assert found[0].startswith(note)
+        assert "up to 512 bytes less" in found[0]
+
+
+def test_tp_checkpointing_follows_the_mode(tiny):
+    """--tp with --checkpointing none recomputes nothing, full recomputes each block's matmuls
+    and attention, selective-op (torchtitan's op policy) every other matmul and no attention;
+    applied after the TP plan, as torchtitan's parallelize_llama does (before: a bare truth
+    test on the mode made "none" checkpoint fully)."""
+    counts = {}
+    for mode in ("none", "full", "selective-op"):
+        recording = _record(
+            ((2,), ("tp",)), _options(precision="bf16-mixed", checkpointing=mode), steps=2
+        )
+        ops = [dict(e.tags).get("op") or "" for e in recording.step_events(1) if e.action == "alloc"]
+        counts[mode] = (sum("mm" in op for op in ops), sum("scaled_dot" in op for op in ops))
+    # 2 blocks: full re-runs 6 matmul outputs and 4 attention allocations per block.
+    assert counts == {"none": (46, 16), "full": (58, 24), "selective-op": (52, 16)}

@@ -239,3 +239,104 @@ def test_replica_holds_the_single_gpu_states_plus_its_buckets():
     single = trace_step(step, model, optimizer, batch, steps=2)
     assert states(ddp) == states(single)
     assert sum(_allocs(ddp.events, "ddp_bucket")) == 3 * _LAYER + 3 * _LAYER
+
+
+def _mixed_build(mesh):
+    """Two fp32 Linear units under FSDP2 with bf16 parameters and a bf16 reduce dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(8, 64)
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+
+
+def test_hsdp_all_reduce_is_in_place_and_casts_gradients_on_its_own_stream():
+    """HSDP with a reduce dtype other than the parameters': _fsdp_collectives.py foreach_reduce
+    all-reduces the bf16 reduce-scatter output in place (nothing allocated), casts it to the fp32
+    gradient on the all-reduce stream (FSDP: on the reduce-scatter stream), and
+    FSDPParamGroup._all_reduce_state keeps each bf16 output until backward ends (FSDP frees it
+    at once)."""
+
+    def grads_and_outputs(recording):
+        events = list(recording.step_events(1))
+        grads = [(i, e) for i, e in enumerate(events) if e.action == "alloc"
+                 and dict(e.tags)["category"] == "gradient"]
+        # The bf16 reduce-scatter outputs: 2,056 bytes (4,112 fp32 / 2) and 16,640 (33,280 / 2).
+        outputs = {e.size: i for i, e in enumerate(events) if e.action == "alloc"
+                   and e.size in (2056, 16640)}
+        frees = {e.size: i for i, e in enumerate(events) if e.action == "free_requested"
+                 and e.size in (2056, 16640)}
+        return events, grads, outputs, frees
+
+    fsdp = trace_distributed_step(_mixed_build, world_size=2, steps=2)
+    hsdp = trace_distributed_step(
+        _mixed_build, world_size=4, mesh_shape=((2, 2), ("dp", "fsdp")), steps=2
+    )
+    events, grads, outputs, frees = grads_and_outputs(fsdp)
+    assert [e.size for _, e in grads] == [4112, 33280]  # fp32 shards of 8x256+8, 128x64+128
+    output_stream = events[outputs[2056]].stream
+    assert {e.stream for _, e in grads} == {output_stream}
+    assert frees[2056] < grads[1][0]  # freed before the next unit reduces
+    events, grads, outputs, frees = grads_and_outputs(hsdp)
+    assert [e.size for _, e in grads] == [4112, 33280]
+    output_stream = events[outputs[2056]].stream
+    grad_streams = {e.stream for _, e in grads}
+    assert len(grad_streams) == 1 and grad_streams != {output_stream} and 0 not in grad_streams
+    assert frees[2056] > grads[1][0] and frees[16640] > grads[1][0]  # held to backward's end
+    assert any("4 side stream(s)" in w for w in hsdp.warnings)
+    # The all-reduce allocates nothing: the same allocations, by size, as FSDP over 2.
+    sizes = sorted(e.size for e in fsdp.events if e.action == "alloc")
+    assert sorted(e.size for e in hsdp.events if e.action == "alloc") == sizes
+
+
+def _ddp_build(mesh, *, wrap_in_build):
+    """Linear 64->256->5 in DDP with a 1 MiB cap, wrapped by build itself or by its setup."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 5))
+    batch = torch.randn(8, 64)
+    wrapped = []
+
+    def wrap():
+        wrapped.append(torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1))
+
+    if wrap_in_build:
+        wrap()
+    optimizer = torch.optim.AdamW((wrapped[0] if wrapped else model).parameters())
+
+    def step():
+        wrapped[0](batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if wrap_in_build:
+        return step, (wrapped[0], optimizer, batch)
+    return step, (model, optimizer, batch), wrap
+
+
+def test_ddp_made_by_build_is_constructed_under_the_recorder():
+    """A builder that wraps its model in DDP itself records what one wrapping in setup does,
+    event for event: the constructor (broadcast, first buckets) runs under the recorder."""
+    in_setup = trace_distributed_step(
+        lambda mesh: _ddp_build(mesh, wrap_in_build=False), world_size=2, steps=2
+    )
+    in_build = trace_distributed_step(
+        lambda mesh: _ddp_build(mesh, wrap_in_build=True), world_size=2, steps=2
+    )
+    buckets = [e.size for e in in_build.events if e.action == "alloc"
+               and dict(e.tags)["category"] == "ddp_bucket"]
+    assert buckets  # the constructor's bucket and the rebuilt ones are recorded
+    assert [(e.action, e.size, dict(e.tags)["category"]) for e in in_build.events] == [
+        (e.action, e.size, dict(e.tags)["category"]) for e in in_setup.events
+    ]
+    assert any(w.startswith("DDP: every replica") for w in in_build.warnings)
+    assert torch.nn.parallel.DistributedDataParallel.__init__.__name__ != "init"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from oomkit.errors import OomkitError
@@ -53,7 +54,7 @@ def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
         A ``ShardedWorkload`` whose ``build(mesh)`` returns ``(step_fn, track, setup)``.
 
     Raises:
-        OomkitError: ``--hf`` or a ``file.py:function`` (not wrapped by oomkit yet).
+        OomkitError: ``--hf`` (not wrapped by oomkit yet).
     """
     from oomkit.interfaces.cli._user_function import is_user_target
     from oomkit.interfaces.cli._workload import (
@@ -64,14 +65,21 @@ def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
     )
     from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
 
-    if args.hf is not None or args.target is None or is_user_target(args.target):
+    if args.hf is not None or args.target is None:
         raise OomkitError(
             "--dp wraps a built-in preset in DistributedDataParallel (e.g. `oomkit predict "
-            "gpt2-124m --dp 8`); --hf models and file.py:function steps are not wrapped yet"
+            "gpt2-124m --dp 8`) or runs a file.py:function that wraps its model in DDP itself; "
+            "--hf models are not wrapped yet"
         )
+    if is_user_target(args.target):
+        return _ddp_user_workload(args, batch_size)
     ddp = DdpOptions(ddp_bucket_cap_mb(args), bool(args.gradient_as_bucket_view))
     options = _preset_options(args, batch_size)
     spec = _spec("preset", args.target, options, getattr(args, "steps", None), None)
+    # Saved with the prediction, so that explain re-predicts the same buckets.
+    spec = dataclasses.replace(
+        spec, ddp_bucket_cap_mb=ddp.bucket_cap_mb, ddp_gradient_as_bucket_view=ddp.gradient_as_bucket_view
+    )
     workload = ShardedWorkload(lambda mesh: (None, ()), spec)
 
     def build(mesh: Any) -> tuple[Any, ...]:
@@ -80,6 +88,60 @@ def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
         )
         workload.descriptions.append(step.built.description)
         return step.built.step_fn, tuple(step.built.track), step.setup
+
+    workload.build = build
+    return workload
+
+
+def _ddp_user_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
+    """``file.py:function`` under ``--dp``: called as under ``--fsdp`` (``mesh``,
+    ``world_size``, the mesh's device as default device); it wraps its model in
+    ``DistributedDataParallel`` itself, whose constructor then runs under the recorder
+    (``trace_distributed_step`` defers it to before step 0)."""
+    import torch
+
+    from oomkit.interfaces.cli._user_function import load_user_step
+    from oomkit.interfaces.cli._workload import (
+        ShardedWorkload,
+        _refuse_preset_flags,
+        user_workload_spec,
+    )
+    from oomkit.prediction.workload import WorkloadSpec
+
+    if ddp_bucket_cap_mb(args) is not None or args.gradient_as_bucket_view:
+        raise OomkitError(
+            f"--bucket-cap-mb and --gradient-as-bucket-view wrap a preset; {args.target} makes "
+            "its own DistributedDataParallel: pass bucket_cap_mb / gradient_as_bucket_view there"
+        )
+    _refuse_preset_flags(args)
+    workload = ShardedWorkload(lambda mesh: (None, ()), WorkloadSpec("function", args.target))
+
+    def build(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+        user = load_user_step(
+            args.target,
+            batch_size=batch_size,
+            seq_len=args.seq,
+            image_size=args.image_size,
+            device=torch.device(mesh.device_type),
+            extra={"mesh": mesh, "world_size": mesh.size()},
+        )
+        wrapped = [
+            m
+            for m in user.track
+            if isinstance(m, torch.nn.parallel.DistributedDataParallel)
+        ]
+        if not wrapped:
+            raise OomkitError(
+                f"--dp: {args.target} returned no DistributedDataParallel model among the objects "
+                "to track; wrap the model (`model = DistributedDataParallel(model)`) and return "
+                "(step_fn, (model, optimizer, inputs))"
+            )
+        workload.raised = user.raised
+        workload.spec = user_workload_spec(args.target, user, getattr(args, "steps", None))
+        workload.descriptions.append(
+            f"{user.description}, DDP over {mesh.size()} replicas, rank 0"
+        )
+        return user.step_fn, user.track
 
     workload.build = build
     return workload

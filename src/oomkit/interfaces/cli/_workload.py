@@ -444,7 +444,9 @@ def _sharded_user_workload(
             )
         workload.raised = user.raised
         workload.spec = user_workload_spec(args.target, user, steps)
-        workload.descriptions.append(f"{user.description}, FSDP2 over {mesh.size()} ranks, rank 0")
+        from oomkit.prediction.models.parallel import fsdp_words  # HSDP on a 2-D mesh
+
+        workload.descriptions.append(f"{user.description}, {fsdp_words(mesh)}, rank 0")
         return user.step_fn, user.track
 
     workload.build = build

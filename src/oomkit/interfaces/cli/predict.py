@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
-    """``--fsdp N``: rank 0 of the preset sharded with FSDP2, recorded on a fake process group."""
+    """``--fsdp``/``--tp``/``--dp``: rank 0 of the preset (FSDP2, HSDP, TP, DDP) recorded on a
+    fake process group."""
     import dataclasses
 
     from oomkit.interfaces.cli._tensor_parallel import (
@@ -182,13 +183,16 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     layout = target.parallel
-    if layout.dp > 1 and (layout.fsdp > 1 or layout.tp > 1):
+    if layout.dp > 1 and layout.tp > 1 and layout.fsdp == 1:
+        # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
         raise OomkitError(
-            "--dp with --fsdp (HSDP: replicas of FSDP2 shard groups) or with --tp is not "
-            "modelled yet: predict --dp N alone, or --fsdp N and/or --tp N"
+            "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not modelled: "
+            "add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or predict --fsdp and/or --tp"
         )
-    # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU).
-    if layout.dp > 1 or (args.dp is not None and args.fsdp is None and layout.tp == 1):
+    # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU);
+    # --dp R with --fsdp S is HSDP: fully_shard on the 2-D (dp, fsdp) mesh.
+    ddp_alone = layout.dp > 1 or (args.dp is not None and args.fsdp is None)
+    if layout.fsdp == 1 and layout.tp == 1 and ddp_alone:
         from oomkit.interfaces.cli._data_parallel import build_ddp_workload
 
         workload = build_ddp_workload(args, args.batch)

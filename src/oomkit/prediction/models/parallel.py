@@ -28,10 +28,19 @@ from oomkit.prediction.models.steps import _describe, build_step, model_dtype
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP_FAMILIES", "build_fsdp_preset_step", "shard_blocks_and_root"]
+__all__ = ["FSDP_FAMILIES", "build_fsdp_preset_step", "fsdp_words", "shard_blocks_and_root"]
 
 # The preset families whose blocks are known: the ModuleList attribute holding them.
 FSDP_FAMILIES: dict[str, str] = {"GPT2": "h", "Llama": "layers"}
+
+
+def fsdp_words(mesh: DeviceMesh) -> str:
+    """What ``fully_shard`` on ``mesh`` does, in words: ``"FSDP2 over 8 ranks"``, or for a 2-D
+    mesh ``"HSDP: FSDP2 over 8 ranks x 4 replicas"`` (torch/distributed/fsdp/_fully_shard/
+    _fully_shard.py ``fully_shard``: a 2-D mesh replicates over dim 0 and shards over dim 1)."""
+    if mesh.ndim == 2:
+        return f"HSDP: FSDP2 over {mesh.size(1)} ranks x {mesh.size(0)} replicas"
+    return f"FSDP2 over {mesh.size()} ranks"
 
 
 def shard_blocks_and_root(
@@ -42,7 +51,7 @@ def shard_blocks_and_root(
     Args:
         model: the root module.
         blocks: its transformer blocks.
-        mesh: the 1-D mesh to shard over.
+        mesh: the 1-D mesh to shard over, or a 2-D (replicas, shards) mesh for HSDP.
         precision: a ``StepOptions.precision``; ``bf16-mixed`` gets a MixedPrecisionPolicy.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -85,7 +94,8 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
     Args:
         name: a GPT-2 or Llama preset.
         options: the per-rank (local) batch, lengths, precision, optimizer, checkpointing, mode.
-        mesh: the mesh FSDP2 shards over (``fake_process_group``'s).
+        mesh: the mesh FSDP2 shards over (``fake_process_group``'s); a 2-D ``("dp", "fsdp")``
+            mesh is HSDP: FSDP2 over ``fsdp`` ranks, replicated ``dp`` times.
 
     Returns:
         The step, with the sharded model, optimizer and inputs to track.
@@ -146,7 +156,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         device=device,
     )
     description = (
-        f"{_describe(preset.title, options, preset.task, seq_len, 224)}, FSDP2 over "
-        f"{mesh.size()} ranks ({units} units: per block + root), rank 0"
+        f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {fsdp_words(mesh)} "
+        f"({units} units: per block + root), rank 0"
     )
     return dataclasses.replace(built, description=description)

@@ -2,7 +2,7 @@
 
 ``build_tp_preset_step(name, options, mesh)`` runs inside the fake process group and
 ``FakeTensorMode`` (``trace_distributed_step``) with a mesh that has a ``"tp"`` dimension (and
-maybe ``"fsdp"``): it builds the preset, applies torchtitan's Llama plan on ``mesh["tp"]``
+maybe ``"fsdp"``, and ``"dp"`` before it for HSDP): it builds the preset, applies torchtitan's Llama plan on ``mesh["tp"]``
 (torchtitan/models/llama3/infra/parallelize.py ``apply_tp``, mapped onto our module names:
 ``tok_embeddings`` -> ``embed_tokens``, ``attention`` -> ``self_attn``, ``wq/wk/wv/wo`` ->
 ``q_proj/k_proj/v_proj/o_proj``, ``feed_forward.w1/w3/w2`` -> ``mlp.gate_proj/up_proj/down_proj``,
@@ -38,7 +38,7 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
-from oomkit.prediction.models.parallel import _cast_floating, shard_blocks_and_root
+from oomkit.prediction.models.parallel import _cast_floating, fsdp_words, shard_blocks_and_root
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import _describe, build_step, model_dtype
@@ -205,15 +205,16 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
     Args:
         name: a Llama preset.
         options: the per-rank (local) batch, lengths, precision, optimizer, checkpointing, mode.
-        mesh: the fake group's mesh, with a ``"tp"`` dimension and maybe ``"fsdp"``.
+        mesh: the fake group's mesh, with a ``"tp"`` dimension and maybe ``"fsdp"`` (and
+            ``"dp"`` with it: HSDP replicas).
 
     Returns:
         Rank 0's step, with the sharded model, optimizer and inputs to track.
 
     Raises:
         UnknownPresetError: ``name`` is not a preset.
-        ConfigError: not a Llama preset, ``fp16-mixed``, ``generate``, a DDP dimension, or a
-            size that tp does not divide.
+        ConfigError: not a Llama preset, ``fp16-mixed``, ``generate``, a DDP dimension
+            without an FSDP one, or a size that tp does not divide.
     """
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -226,8 +227,13 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
             f"--tp is modelled for the Llama presets (torchtitan's Llama plan); {name} is "
             f"{preset.title}. Example: oomkit predict llama3-8b --tp 2"
         )
-    if "dp" in names:
-        raise ConfigError("--tp with --dp (DDP replicas) is not modelled; use --fsdp with --tp")
+    if "dp" in names and "fsdp" not in names:
+        # torchtitan/models/llama3/infra/parallelize.py parallelize_llama: DDP refuses a mesh
+        # of more than one dimension ("DDP has not supported > 1D parallelism").
+        raise ConfigError(
+            "--tp with --dp alone (DDP replicas) is not modelled (torchtitan refuses DDP with "
+            "TP too); use --fsdp with --tp, or --dp R --fsdp S --tp N (HSDP x TP)"
+        )
     if options.precision == "fp16-mixed":
         raise ConfigError(
             "--tp with fp16-mixed needs a sharded grad scaler, which oomkit does not model; use "
@@ -245,17 +251,20 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
     apply_llama_tensor_parallel(model, tp_mesh)
-    # torchtitan's parallelize_llama order: TP, then activation checkpointing, then FSDP.
+    # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
+    # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     layout = f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
     layout += "parallel, loss parallel)"
     step_options = options
     if "fsdp" in names:
-        fsdp_mesh = mesh["fsdp"]
+        # torchtitan apply_fsdp: with replicas, fully_shard on the 2-D (dp_replicate, dp_shard)
+        # mesh, which FSDP2 takes as HSDP (replicate over dim 0, shard over dim 1).
+        fsdp_mesh = mesh["dp", "fsdp"] if "dp" in names else mesh["fsdp"]
         with _meshes_made_outside_fake_mode():
             blocks = cast(Any, model).layers
             units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision or "fp32")
-        layout += f", FSDP2 over {fsdp_mesh.size()} ranks ({units} units: per block + root)"
+        layout += f", {fsdp_words(fsdp_mesh)} ({units} units: per block + root)"
         if options.precision == "bf16-mixed":  # FSDP2's policy casts; no autocast (torchtitan)
             step_options = dataclasses.replace(options, precision="fp32")
     built = build_step(

@@ -271,7 +271,9 @@ def trace_distributed_step(
     ``(step_fn, track)`` or ``(step_fn, track, setup)``. Modules, optimizers and tensors in
     ``track`` are recorded as allocated before step 0; ``setup()`` then runs under the recorder
     before step 0 (wrapping in ``DistributedDataParallel``, whose constructor allocates the
-    gradient buckets: ``fake_ddp.py``); ``step_fn()`` runs ``steps`` times.
+    gradient buckets: ``fake_ddp.py``); ``step_fn()`` runs ``steps`` times. A
+    ``DistributedDataParallel`` that ``build`` itself makes is constructed there too: its
+    constructor is deferred to that point (:func:`_ddp_constructed_under_the_recorder`).
 
     Args:
         build: makes the step for the given mesh.
@@ -306,11 +308,10 @@ def trace_distributed_step(
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
     with group as mesh, FakeTensorMode(), ddp.installed():
-        step_fn, track, *setup = build(mesh)
-        # FSDP2 shards over the "fsdp" dimension (HSDP: replicas x shards), else the last.
-        dims = list(mesh.mesh_dim_names or ())
-        shard_ranks = mesh.size(dims.index("fsdp") if "fsdp" in dims else mesh.ndim - 1)
-        uneven_bytes = _uneven_shard_bytes(track, shard_ranks)
+        with _ddp_constructed_under_the_recorder() as deferred:
+            step_fn, track, *setup = build(mesh)
+        setup = [*deferred, *setup]
+        uneven_bytes = _uneven_shard_bytes(track)
         try:
             roles = FsdpBufferRoles(tracer).installed()
             with tracer, streams.installed(), roles, sharding_propagation_untraced():
@@ -338,39 +339,99 @@ def trace_distributed_step(
         notes += (DDP_NOTE,)
     if uneven_bytes:
         notes += (
-            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that {shard_ranks} "
-            f"ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
+            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that "
+            f"{uneven_bytes[2]} ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
             f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
 
 
-def _uneven_shard_bytes(track: Any, world_size: int) -> tuple[int, int] | None:
-    """(parameters, bytes) by which the smallest rank's unpadded shards fall short of rank 0's.
+@contextlib.contextmanager
+def _ddp_constructed_under_the_recorder() -> Iterator[list[Callable[[], None]]]:
+    """While open, ``DistributedDataParallel(module, ...)`` makes the object at once but defers
+    its constructor: the list yielded gets a call that runs it later, under the recorder.
+
+    DDP's constructor allocates on the device (the parameters' broadcast, the first gradient
+    buckets: torch/nn/parallel/distributed.py ``__init__`` -> ``_sync_module_states``,
+    ``_ddp_init_helper`` -> reducer.cpp ``initialize_buckets``), so a step builder that wraps
+    its model itself would make them before anything is recorded. Until then the object is a
+    plain module holding ``module`` (so ``ddp.parameters()`` gives the optimizer the model's
+    parameters, as DDP's do); the deferred call runs DDP's real ``__init__`` on that same
+    object, which the step closes over.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    deferred: list[Callable[[], None]] = []
+
+    def init(ddp: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        torch.nn.Module.__init__(ddp)
+        ddp.module = module
+
+        def construct() -> None:
+            # DistributedDataParallel.__init__ as patched now (fake_ddp.py's, with its hook).
+            DistributedDataParallel.__init__(ddp, module, *args, **kwargs)
+
+        deferred.append(construct)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign,assignment]
+    try:
+        yield deferred
+    finally:
+        DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
+
+
+def _uneven_shard_bytes(track: Any) -> tuple[int, int, int] | None:
+    """(parameters, bytes, shard ranks) by which the smallest rank's unpadded shards fall short
+    of rank 0's.
 
     torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``: rank r's shard
-    is ``torch.chunk(param, world_size)[r]`` (chunks of ``ceil(rows / N)`` rows, the last ones
-    shorter or absent), padded to chunk 0's size for the all-gather only.
+    is ``torch.chunk(data, shard_world_size)[r]`` along the FSDP placement's dimension (chunks
+    of ``ceil(rows / N)`` rows, the last ones shorter or absent), padded to chunk 0's size for
+    the all-gather only. ``data`` is the parameter as FSDP2 finds it: a TP DTensor's local
+    tensor (``_init_sharding_spec_tp``), so its rows are the TP-local rows; and ``N`` is the
+    FSDP degree (``FSDPMeshInfo.shard_mesh_size``: the mesh's shard dimension; with HSDP, not
+    the replicas), read from FSDP2's own ``FSDPParam`` records (``_orig_size``).
     """
-    from torch.distributed.fsdp import FSDPModule
     from torch.utils._pytree import tree_leaves
 
-    count, short_bytes = 0, 0
+    count, short_bytes, ranks = 0, 0, 0
     seen: set[int] = set()
     for obj in tree_leaves(list(track)):
         if not isinstance(obj, torch.nn.Module):
-            continue
-        if not any(isinstance(module, FSDPModule) for module in obj.modules()):
             continue  # DDP replicas and unsharded modules hold whole parameters
-        for param in obj.parameters():
-            if id(param) in seen or param.dim() == 0:
+        for fsdp_param in _fsdp_params(obj):
+            if id(fsdp_param) in seen:
                 continue
-            seen.add(id(param))
-            rows = param.shape[0]
-            chunk = -(-rows // world_size)
-            last = max(0, rows - chunk * (world_size - 1))
+            seen.add(id(fsdp_param))
+            size = tuple(fsdp_param._orig_size)
+            dim = fsdp_param.fsdp_placement.dim
+            shard_ranks = fsdp_param.mesh_info.shard_mesh_size
+            if not size or size[dim] == 0:
+                continue
+            rows = size[dim]
+            chunk = -(-rows // shard_ranks)
+            last = max(0, rows - chunk * (shard_ranks - 1))
             if last != chunk:
                 count += 1
-                short_bytes += (chunk - last) * (param.numel() // rows) * param.element_size()
-    return (count, short_bytes) if count else None
+                ranks = shard_ranks
+                itemsize = fsdp_param._sharded_param_data.element_size()
+                short_bytes += (chunk - last) * (math.prod(size) // rows) * itemsize
+    return (count, short_bytes, ranks) if count else None
+
+
+def _fsdp_params(root: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's ``FSDPParam`` records under ``root`` (each FSDP unit's parameter groups)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # pragma: no cover - torch before per-parameter meshes
+            group = state._fsdp_param_group
+            groups = [] if group is None else [group]
+        for group in groups:
+            yield from group.fsdp_params
