@@ -102,8 +102,10 @@ def test_replay_file_imports_only_core_and_its_report(tmp_path):
     assert _loaded(modules, "oomkit.interfaces.cli") == [
         "oomkit.interfaces.cli",
         "oomkit.interfaces.cli._common",
+        "oomkit.interfaces.cli._progress",  # --jobs for --what-if; rich.progress stays unloaded
         "oomkit.interfaces.cli.replay",
     ]
+    assert _loaded(modules, "rich.progress") == []
 
 
 @pytest.mark.parametrize(

@@ -56,13 +56,9 @@ def build_ddp_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
     Raises:
         OomkitError: ``--hf`` (not wrapped by oomkit yet).
     """
+    from oomkit.interfaces.cli._sharded import ShardedWorkload
     from oomkit.interfaces.cli._user_function import is_user_target
-    from oomkit.interfaces.cli._workload import (
-        ShardedWorkload,
-        _call_builder,
-        _preset_options,
-        _spec,
-    )
+    from oomkit.interfaces.cli._workload import _call_builder, _preset_options, _spec
     from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
 
     if args.hf is not None or args.target is None:
@@ -100,12 +96,9 @@ def _ddp_user_workload(args: argparse.Namespace, batch_size: int | None) -> Any:
     (``trace_distributed_step`` defers it to before step 0)."""
     import torch
 
+    from oomkit.interfaces.cli._sharded import ShardedWorkload
     from oomkit.interfaces.cli._user_function import load_user_step
-    from oomkit.interfaces.cli._workload import (
-        ShardedWorkload,
-        _refuse_preset_flags,
-        user_workload_spec,
-    )
+    from oomkit.interfaces.cli._workload import _refuse_preset_flags, user_workload_spec
     from oomkit.prediction.workload import WorkloadSpec
 
     if ddp_bucket_cap_mb(args) is not None or args.gradient_as_bucket_view:

@@ -244,7 +244,7 @@ def _sharded_recorder(args: argparse.Namespace, world_size: int) -> Any:
 
     def record(batch_size: int, target: Target, steps: int) -> tuple[Any, str]:
         from oomkit.core.target import ParallelLayout
-        from oomkit.interfaces.cli._workload import build_sharded_workload
+        from oomkit.interfaces.cli._sharded import build_sharded_workload
         from oomkit.prediction.tracing.distributed import trace_distributed_step
 
         layout = ParallelLayout(fsdp=world_size)

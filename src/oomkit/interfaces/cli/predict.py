@@ -172,12 +172,12 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     fake process group."""
     import dataclasses
 
+    from oomkit.interfaces.cli._sharded import build_sharded_workload
     from oomkit.interfaces.cli._tensor_parallel import (
         describe_layout,
         refuse_tp_target,
         tp_notes,
     )
-    from oomkit.interfaces.cli._workload import build_sharded_workload
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.tracing.distributed import trace_distributed_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings

@@ -1,13 +1,11 @@
 """Record a training or inference step on the meta device as an allocation trace.
 
-``Tracer`` is the composable recorder; ``trace_step`` (``step_runner.py``) is the one-call
-function over it.
+``Tracer`` is the composable recorder; ``trace_step`` (``step_runner.py``) runs it once.
 
 How each fact is observed (all hooks are removed on exit):
 - allocations: a TorchDispatchMode sees every aten op's outputs; a storage not seen before is an
   allocation of its ``nbytes`` (views share their base's storage; zero-byte storages are none).
-- frees: ``weakref.finalize`` on the storage (see ``storages.py``), so lifetimes follow Python
-  and autograd reference counting exactly.
+- frees: ``weakref.finalize`` on the storage (``storages.py``): lifetimes follow refcounts.
 - module path: global forward pre/post hooks keep a stack of module calls. In backward, autograd
   hooks on each call's outputs and inputs say whose backward runs (see ``_backward_modules.py``),
   so a backward allocation carries the path of the module whose backward made it. A parameter,
@@ -17,8 +15,7 @@ How each fact is observed (all hooks are removed on exit):
 - optimizer state: global optimizer step pre/post hooks read ``optimizer.state``.
 - saved activations: ``saved_tensors_hooks`` whose pack hook notes the storage.
 - values read (``.item()``, ``bool()``): ``value_reads.value_tracking``; compiled code runs
-  eagerly, or with ``compile=True`` compiled with Inductor's memory emulated (``compiled.py``);
-  both are listed in the recording's assumptions and warnings.
+  eagerly, or compiled with Inductor's memory emulated (``compiled.py``); both are reported.
 """
 
 from __future__ import annotations
