@@ -43,6 +43,7 @@ _OPTION_FIELDS = (
     "max_grad_norm",
     "checkpoint_reentrant",
     "compile",
+    "trainer_mixed_precision",
 )
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
@@ -56,6 +57,7 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "max_grad_norm": None,
     "checkpoint_reentrant": False,
     "compile": False,
+    "trainer_mixed_precision": None,
 }
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor")
 
@@ -90,6 +92,9 @@ class WorkloadSpec:
         max_grad_norm: ``StepOptions.max_grad_norm`` (``None``: no clipping, or not known).
         checkpoint_reentrant: ``StepOptions.checkpoint_reentrant``.
         compile: ``StepOptions.compile`` (the forward wrapped in ``torch.compile``).
+        trainer_mixed_precision: ``StepOptions.trainer_mixed_precision`` (the HF Trainer's
+            loop, with its Accelerator's ``mixed_precision``); ``None``: a plain loop, or not
+            known.
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -119,6 +124,7 @@ class WorkloadSpec:
     max_grad_norm: float | None = None
     checkpoint_reentrant: bool | None = None
     compile: bool | None = None
+    trainer_mixed_precision: str | None = None
     precision_source: str | None = None
     ddp_bucket_cap_mb: float | None = None
     ddp_gradient_as_bucket_view: bool | None = None
@@ -211,6 +217,7 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             max_grad_norm=_number(options.get("max_grad_norm")),
             checkpoint_reentrant=_typed(options.get("checkpoint_reentrant"), bool),
             compile=_typed(options.get("compile"), bool),
+            trainer_mixed_precision=_typed(options.get("trainer_mixed_precision"), str),
             precision_source=_typed(saved.get("precision_source"), str),
             ddp_bucket_cap_mb=_number(ddp.get("bucket_cap_mb")),
             ddp_gradient_as_bucket_view=_typed(ddp.get("gradient_as_bucket_view"), bool),

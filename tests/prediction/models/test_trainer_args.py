@@ -118,6 +118,7 @@ def test_trainer_step_options_equal_the_same_options_given_by_hand():
         optimizer="adamw8bit",
         max_grad_norm=1.0,
         lora=LoraOptions(r=16),
+        trainer_mixed_precision="no",
     )
     assert notes["trainer args ignored"].startswith("dataset_text_field")
 

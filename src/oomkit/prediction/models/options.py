@@ -19,6 +19,7 @@ __all__ = [
     "Precision",
     "Quantize",
     "StepOptions",
+    "TrainerMixedPrecision",
 ]
 
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16"]
@@ -30,6 +31,7 @@ Quantize = Literal["nf4", "fp4", "int8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["train", "inference", "generate"]
 Checkpointing = Literal["none", "full", "selective-op"]
+TrainerMixedPrecision = Literal["no", "bf16", "fp16"]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
@@ -38,6 +40,7 @@ OPTIMIZER_IMPLS: tuple[OptimizerImpl, ...] = get_args(OptimizerImpl)
 QUANTIZE: tuple[Quantize, ...] = get_args(Quantize)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
+TRAINER_MIXED_PRECISIONS: tuple[TrainerMixedPrecision, ...] = get_args(TrainerMixedPrecision)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,14 @@ class StepOptions:
         compile: wrap the model's forward in ``torch.compile`` (default Inductor mode); record
             with ``compile=True`` (``predict(..., compile=True)``) so that it is recorded as
             compiled (``train`` and ``inference`` modes).
+        trainer_mixed_precision: the step is the Hugging Face Trainer's ``training_step``, whose
+            Accelerator was built with this ``mixed_precision`` (``"no"``, ``"bf16"``,
+            ``"fp16"``; ``trainer_step_options`` sets it from ``bf16`` / ``fp16``): the
+            model's outputs are dropped when ``compute_loss`` returns (before backward), the
+            running-loss scalar ``tr_loss`` is kept and added to, and with ``bf16`` / ``fp16``
+            a Hugging Face model's forward is wrapped as accelerate's ``prepare_model`` wraps
+            it (autocast, then ``convert_outputs_to_fp32``), whatever its weights' dtype.
+            ``None``: a plain training loop (``train`` only).
     """
 
     batch_size: int = 8
@@ -119,6 +130,7 @@ class StepOptions:
     max_grad_norm: float | None = None
     checkpoint_reentrant: bool = False
     compile: bool = False
+    trainer_mixed_precision: TrainerMixedPrecision | None = None
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -186,10 +198,17 @@ class StepOptions:
                 "selective-op checkpointing needs use_reentrant=False (torch's reentrant "
                 "checkpoint takes no policy); drop checkpoint_reentrant or use 'full'"
             )
-        if self.mode != "train" and (self.grad_accum != 1 or norm is not None):
+        if self.trainer_mixed_precision is not None:
+            _check_choice(
+                "trainer_mixed_precision", self.trainer_mixed_precision, TRAINER_MIXED_PRECISIONS, "bf16"
+            )
+        if self.mode != "train" and (
+            self.grad_accum != 1 or norm is not None or self.trainer_mixed_precision is not None
+        ):
             raise ValueError(
-                "gradient accumulation and clipping apply to training steps; use "
-                "StepOptions(mode='train'), or drop grad_accum and max_grad_norm"
+                "gradient accumulation, clipping and the Trainer's loop apply to training steps; "
+                "use StepOptions(mode='train'), or drop grad_accum, max_grad_norm and "
+                "trainer_mixed_precision"
             )
 
     def _check_quantize(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -213,6 +214,12 @@ def build_step(
         train_outputs = runner.train_outputs
 
         accumulate, max_norm = options.grad_accum, options.max_grad_norm
+        trainer = options.trainer_mixed_precision
+        if trainer in ("bf16", "fp16") and train_outputs is not None:
+            train_outputs = _accelerate_forward(train_outputs, trainer)
+        # trainer.py _inner_training_loop: `self._tr_loss = torch.tensor(0.0, device=args.
+        # device)` before the first step, kept across steps (tracked, like the inputs).
+        tr_loss = None if trainer is None else torch.tensor(0.0, device=device)
 
         def train_step(*_tracked: object) -> None:
             outputs = None
@@ -232,12 +239,20 @@ def build_step(
                         # alive through backward and the optimizer step, as in a training loop.
                         outputs = train_outputs(inputs, labels)
                         loss = outputs.loss
+                        if trainer is not None:
+                            # trainer.py compute_loss returns the loss alone: its `outputs`
+                            # (the logits, accelerate's fp32 copy) die before the backward.
+                            outputs = None
                 if accumulate > 1:
                     loss = loss / accumulate
                 if scaler is None:
                     loss.backward()
                 else:
                     scaler.scale_loss(loss).backward()
+                if tr_loss is not None:
+                    # _inner_training_loop: `self._tr_loss += tr_loss_step` (training_step
+                    # returns `loss.detach()`, a view): in place, nothing allocated.
+                    tr_loss.add_(loss.detach())
             found_inf = None
             if scaler is not None and max_norm is not None:
                 # torch/amp/grad_scaler.py: unscale_ before clipping, then step and update.
@@ -256,7 +271,8 @@ def build_step(
             optimizer.zero_grad(set_to_none=True)
             del outputs  # the end of the loop body: the outputs die with the step
 
-        return built(train_step, (model, optimizer, inputs, labels))
+        track = (model, optimizer, inputs, labels)
+        return built(train_step, track if tr_loss is None else (*track, tr_loss))
     model.eval()
     if options.mode == "inference":
 
@@ -290,6 +306,36 @@ def build_step(
                 ids = torch.cat([ids, step_ids], dim=-1)
 
     return built(generate_step, (model, inputs))
+
+
+def _accelerate_forward(
+    train_outputs: Callable[[torch.Tensor, torch.Tensor], Any], mixed_precision: str
+) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """The model's forward as accelerate's ``Accelerator.prepare_model`` wraps it with
+    ``mixed_precision`` bf16 / fp16 (``native_amp``; accelerate/accelerator.py): under autocast,
+    then ``convert_outputs_to_fp32`` (accelerate/utils/operations.py: every bf16 / fp16 tensor
+    of the outputs, the logits among them, copied by ``.float()`` after autocast exits).
+    accelerate's own function is called; without accelerate the forward is left as it is (the
+    assumptions then list the copy as not added)."""
+    try:  # accelerate ships no type information: imported by name, as Any
+        operations = importlib.import_module("accelerate.utils")
+    except ImportError:
+        return train_outputs
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+
+    def autocast_forward(inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        # accelerate/utils/modeling.py get_mixed_precision_context_manager: torch.autocast on
+        # the device's type with the mixed precision's dtype (the tracer emulates CUDA's).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+            ctx = torch.autocast("cuda", dtype=dtype)
+        with ctx:
+            return train_outputs(inputs, labels)
+
+    wrapped: Callable[[torch.Tensor, torch.Tensor], Any] = operations.convert_outputs_to_fp32(
+        autocast_forward
+    )
+    return wrapped
 
 
 def _compiled(runner: ModelRunner) -> ModelRunner:

@@ -8,7 +8,10 @@ with the Trainer's own defaults for those not given (transformers/training_args.
 into ``StepOptions`` fields, the caller's explicit ones winning. What the Trainer's loop does with
 them (transformers/trainer.py ``_inner_training_loop`` and ``training_step``): ``model.train()``,
 ``gradient_accumulation_steps`` micro-batches each divided by their number, clipping with
-``max_grad_norm`` before ``optimizer.step()``, ``model.zero_grad()``; ``build_step`` records that.
+``max_grad_norm`` before ``optimizer.step()``, ``model.zero_grad()``, the outputs dropped when
+``compute_loss`` returns and the running-loss scalar ``tr_loss``; with ``bf16`` / ``fp16`` the
+model's forward as accelerate wraps it (autocast, ``convert_outputs_to_fp32``: the
+``trainer_mixed_precision`` field); ``build_step`` records that.
 
 Pure logic: no torch; transformers only to check a key's name against ``TrainingArguments``.
 """
@@ -16,6 +19,7 @@ Pure logic: no torch; transformers only to check a key's name against ``Training
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -179,6 +183,7 @@ class TrainerSettings:
             "optimizer_impl": self.optimizer_impl,
             "max_grad_norm": self.max_grad_norm,
             "mode": "train",
+            "trainer_mixed_precision": self._accelerator_precision(explicit.get("precision")),
         }
         if self.seq_len is not None:
             mine["seq_len"] = self.seq_len
@@ -199,27 +204,44 @@ class TrainerSettings:
             )
         notes["trainer args loop"] = (
             "recorded as Trainer.training_step runs it: model.train(), each micro-batch's "
-            "loss / gradient_accumulation_steps, clip_grad_norm_, optimizer.step(), zero_grad; "
-            "not added: the Trainer's running-loss scalar and the micro-batches it prefetches "
-            "(their token ids)"
+            "outputs dropped when compute_loss returns (before backward), its loss / "
+            "gradient_accumulation_steps added to the running-loss scalar tr_loss, "
+            "clip_grad_norm_, optimizer.step(), zero_grad; not added: the micro-batches it "
+            "prefetches (their token ids)"
         )
-        if self.mixed_precision is not None and model_precision != self.mixed_precision:
+        accelerator = mine["trainer_mixed_precision"]
+        if accelerator != "no":
             notes["trainer args outputs"] = (
-                "accelerate's fp32 copy of the model's outputs under autocast "
-                "(convert_outputs_to_fp32: batch x seq x vocab x 4 bytes for a causal LM, "
-                "freed with the outputs) is not added"
+                f"accelerate's mixed_precision={accelerator!r} forward (autocast, then "
+                "convert_outputs_to_fp32: batch x seq x vocab x 4 bytes for a causal LM's "
+                "logits, freed with the outputs) is recorded for a Hugging Face model (--hf), "
+                "not added for a preset"
+                if _accelerate_installed()
+                else "accelerate is not installed: its fp32 copy of the model's outputs under "
+                "autocast (convert_outputs_to_fp32: batch x seq x vocab x 4 bytes for a causal "
+                "LM, freed with the outputs) is not added"
             )
-        if (
-            self.mixed_precision is not None
-            and model_precision == self.mixed_precision
-            and "precision" not in explicit
-        ):
+        if accelerator != "no" and model_precision == accelerator and "precision" not in explicit:
             notes["trainer args precision"] = (
-                f"{self.mixed_precision}=True over {model_precision} weights: recorded as "
-                f"pure {model_precision} (autocast's fp32 ops and accelerate's fp32 copy of the "
-                "outputs are not added)"
+                f"{accelerator}=True over {model_precision} weights: recorded as pure "
+                f"{model_precision} weights, gradients and optimizer states"
+                + (
+                    ", the forward under accelerate's autocast as the Trainer runs it"
+                    if _accelerate_installed()
+                    else " (autocast's fp32 ops are not added)"
+                )
             )
         return {**mine, **explicit}, notes
+
+    def _accelerator_precision(self, explicit_precision: Any) -> str:
+        """The ``mixed_precision`` the Trainer's Accelerator gets (training_args.py
+        ``__post_init__``: ``"fp16"`` for fp16, ``"bf16"`` for bf16, else ``"no"``), under an
+        explicit ``precision``: ``X-mixed`` is X's; ``fp32`` is ``"no"``."""
+        if isinstance(explicit_precision, str) and explicit_precision.endswith("-mixed"):
+            return explicit_precision.removesuffix("-mixed")
+        if explicit_precision == "fp32":
+            return "no"
+        return self.mixed_precision or "no"
 
 
 def trainer_step_options(
@@ -309,6 +331,11 @@ def _load_json(path: str) -> Mapping[str, Any]:
             '{"per_device_train_batch_size": 4}; got a JSON ' + type(data).__name__
         )
     return data
+
+
+def _accelerate_installed() -> bool:
+    """Whether accelerate (which the Trainer needs) can be imported, without importing it."""
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def _known_keys() -> frozenset[str] | None:
