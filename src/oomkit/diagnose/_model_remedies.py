@@ -468,7 +468,10 @@ def measured_model_remedies(
     changes: list[tuple[str, Any, str]] = []
     if base.precision == "fp32":
         mixed = _mixed_precision_for(saved_compute_capability(data))
-        changes.append((mixed.title, {"precision": mixed.precision}, mixed.code))
+        change: dict[str, Any] = {"precision": mixed.precision}
+        if base.trainer_mixed_precision is not None:  # the Trainer's bf16/fp16: accelerate's too
+            change["trainer_mixed_precision"] = mixed.precision.removesuffix("-mixed")
+        changes.append((mixed.title, change, mixed.code))
     if base.checkpointing == "none":
         changes.append(("activation checkpointing", {"checkpointing": "full"}, _CHECKPOINT_CODE))
     if base.optimizer != "sgd":

@@ -156,3 +156,28 @@ def test_a_config_dirs_quantization_config_applies_on_the_cli(offline, capsys):
     assert "+ nf4 double-quant + LoRA r8" in out["description"]
     assert out["workload"]["options"]["quantize"] == "nf4"
     assert out["workload"]["options"]["compute_dtype"] == "bf16"
+
+
+def test_mixed_precision_remedy_of_a_trainer_run_turns_on_the_trainers_bf16(
+    tmp_path, capsys, monkeypatch
+):
+    """explain's mixed-precision remedy for an fp32 Trainer run re-predicts the Trainer with
+    bf16 (accelerate's autocast and fp32 output copy included), not a plain bf16-mixed loop."""
+    from oomkit.diagnose import _model_remedies
+
+    args_file = _args_file(tmp_path, per_device_train_batch_size=2, max_length=16)
+    code = main(["predict", "--hf", TINY_LLAMA, "--trainer-args", args_file, "--precision",
+                 "fp32", "--steps", "1", "--gpu", "450MiB", "--json"])
+    saved = json.loads(capsys.readouterr().out)
+    assert code == 1 and saved["workload"]["options"]["trainer_mixed_precision"] == "no"
+    seen = []
+    real = _model_remedies._repredict
+
+    def spy(data, workload, options):
+        seen.append(options)
+        return real(data, workload, options)
+
+    monkeypatch.setattr(_model_remedies, "_repredict", spy)
+    _model_remedies.measured_model_remedies(saved)
+    mixed = [o for o in seen if o.precision != "fp32"]
+    assert mixed and all(o.trainer_mixed_precision == o.precision.split("-")[0] for o in mixed)
