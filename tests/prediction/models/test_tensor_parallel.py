@@ -165,7 +165,7 @@ def test_description_names_the_layout(tiny):
         (((4,), ("tp",)), {}, "--tp 4 must divide Tiny Llama's KV heads 2"),
         (((2,), ("tp",)), {"seq_len": 15}, "sequence length 15"),
         (((2,), ("tp",)), {"mode": "generate"}, "train and inference"),
-        (((2,), ("tp",)), {"precision": "fp16-mixed"}, "grad scaler"),
+        (((2,), ("tp",)), {"precision": "fp16-mixed"}, "ShardedGradScaler"),
         (((2, 2), ("dp", "tp")), {}, "--tp with --dp"),
     ],
 )

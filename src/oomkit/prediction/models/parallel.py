@@ -28,7 +28,13 @@ from oomkit.prediction.models.steps import _describe, build_step, model_dtype
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP_FAMILIES", "build_fsdp_preset_step", "fsdp_words", "shard_blocks_and_root"]
+__all__ = [
+    "FSDP_FAMILIES",
+    "build_fsdp_preset_step",
+    "fsdp_words",
+    "refuse_unsharded_modes",
+    "shard_blocks_and_root",
+]
 
 # The preset families whose blocks are known: the ModuleList attribute holding them.
 FSDP_FAMILIES: dict[str, str] = {"GPT2": "h", "Llama": "layers"}
@@ -88,6 +94,22 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 module._buffers[name] = buffer.to(dtype)
 
 
+def refuse_unsharded_modes(options: StepOptions, flag: str) -> None:
+    """What no sharded layout models yet: fp16-mixed (it needs torch's ``ShardedGradScaler``)
+    and generation.
+
+    Raises:
+        ConfigError: naming ``flag`` (``--fsdp``, ``--tp``) and what to use instead.
+    """
+    if options.precision == "fp16-mixed":
+        raise ConfigError(
+            f"{flag} with fp16-mixed needs ShardedGradScaler, which oomkit does not model; use "
+            "--precision bf16-mixed (FSDP2's MixedPrecisionPolicy), bf16 or fp32"
+        )
+    if options.mode == "generate":
+        raise ConfigError(f"{flag} predicts train and inference steps; use --mode train|inference")
+
+
 def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
     """Build preset ``name`` sharded over ``mesh`` and return rank 0's step for ``options``.
 
@@ -124,13 +146,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
             "yet; drop --grad-accum / --trainer-args' gradient_accumulation_steps, "
             "max_grad_norm (set it to 0) and use_reentrant"
         )
-    if options.precision == "fp16-mixed":
-        raise ConfigError(
-            "--fsdp with fp16-mixed needs ShardedGradScaler, which oomkit does not model; use "
-            "--precision bf16-mixed (FSDP2's MixedPrecisionPolicy), bf16 or fp32"
-        )
-    if options.mode == "generate":
-        raise ConfigError("--fsdp predicts train and inference steps; use --mode train|inference")
+    refuse_unsharded_modes(options, "--fsdp")
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     device = mesh.device_type

@@ -128,6 +128,19 @@ def _llama(name: str, title: str, hf_name: str, **sizes: Any) -> ModelPreset:
     )
 
 
+_LLAMA_8B = _llama(
+    "llama-8b",
+    "Llama 3.1 8B",
+    "meta-llama/Llama-3.1-8B",
+    hidden=4096,
+    intermediate=14336,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    tied=False,
+    **_LLAMA3,
+)
+
 _ALL: tuple[ModelPreset, ...] = (
     _gpt2("gpt2-124m", "GPT-2 124M", "openai-community/gpt2", 768, 12, 12),
     _gpt2("gpt2-355m", "GPT-2 355M", "openai-community/gpt2-medium", 1024, 24, 16),
@@ -157,36 +170,14 @@ _ALL: tuple[ModelPreset, ...] = (
         tied=True,
         **_LLAMA3,
     ),
-    _llama(
-        "llama-8b",
-        "Llama 3.1 8B",
-        "meta-llama/Llama-3.1-8B",
-        hidden=4096,
-        intermediate=14336,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        tied=False,
-        **_LLAMA3,
-    ),
+    _LLAMA_8B,
     # The Llama 3.1 family under torchtitan's names (torchtitan/models/llama3/__init__.py
     # llama3_configs "8B", "70B", "405B": dim, n_layers, n_heads, n_kv_heads, and the FFN width
     # compute_ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier) gives: 4096/1024/1.3 ->
     # 14336, 8192/4096/1.3 -> 28672, 16384/4096/1.2 -> 53248; vocab_size 128256, rope theta
     # 500000, max_seq_len 131072), equal to meta-llama/Llama-3.1-{8B,70B,405B} config.json.
     # llama3-8b is llama-8b under torchtitan's name.
-    _llama(
-        "llama3-8b",
-        "Llama 3.1 8B",
-        "meta-llama/Llama-3.1-8B",
-        hidden=4096,
-        intermediate=14336,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        tied=False,
-        **_LLAMA3,
-    ),
+    dataclasses.replace(_LLAMA_8B, name="llama3-8b"),
     _llama(
         "llama3-70b",
         "Llama 3.1 70B",

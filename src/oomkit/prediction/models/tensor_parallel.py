@@ -38,7 +38,12 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
-from oomkit.prediction.models.parallel import _cast_floating, fsdp_words, shard_blocks_and_root
+from oomkit.prediction.models.parallel import (
+    _cast_floating,
+    fsdp_words,
+    refuse_unsharded_modes,
+    shard_blocks_and_root,
+)
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import _describe, build_step, model_dtype
@@ -234,13 +239,7 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
             "--tp with --dp alone (DDP replicas) is not modelled (torchtitan refuses DDP with "
             "TP too); use --fsdp with --tp, or --dp R --fsdp S --tp N (HSDP x TP)"
         )
-    if options.precision == "fp16-mixed":
-        raise ConfigError(
-            "--tp with fp16-mixed needs a sharded grad scaler, which oomkit does not model; use "
-            "--precision bf16-mixed, bf16 or fp32"
-        )
-    if options.mode == "generate":
-        raise ConfigError("--tp predicts train and inference steps; use --mode train|inference")
+    refuse_unsharded_modes(options, "--tp")
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     tp_mesh = mesh["tp"]
