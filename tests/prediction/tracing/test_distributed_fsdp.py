@@ -32,7 +32,7 @@ def _unit_shard_numel(unit: int, world_size: int) -> int:
     return sum(_shard_numel(shape, world_size) for shape in _SHAPES[unit])
 
 
-def _build(mesh, *, reshard_after_forward: bool = True):
+def _build(mesh, *, reshard_after_forward: bool | int = True):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))
@@ -151,6 +151,32 @@ def test_reshard_after_forward_false_keeps_unsharded_parameters():
     )
     outputs = [2 * 2 * _unit_shard_numel(u, 2) for u in (0, 1)]
     assert _allocs(recording, 0, "allgather_buffer", stream=1) == outputs
+
+
+def _copy_in_sizes(recording):
+    """Sizes of the all-gather copy-in buffers (empty on the all-gather stream) in step 1."""
+    return [
+        e.size
+        for e in recording.step_events(0)
+        if e.action == "alloc"
+        and e.stream == 1
+        and dict(e.tags)["category"] == "temporary"
+        and dict(e.tags).get("op") == "aten.empty.memory_format"
+    ]
+
+
+def test_reshard_after_forward_to_two_ranks_keeps_half_shards_for_backward():
+    """reshard_after_forward=2 on 4 ranks: FSDP2 reshards to 2-way shards after forward, so the
+    backward all-gathers copy in 2-way shards (twice the 4-way forward ones), and the 2-way
+    shards are freed in backward."""
+    full = trace_distributed_step(lambda mesh: _build(mesh), world_size=4, steps=1)
+    half = trace_distributed_step(
+        lambda mesh: _build(mesh, reshard_after_forward=2), world_size=4, steps=1
+    )
+    # bf16 copy-in of rank 0's shard: unit 0 (4 of 16 rows + bias) then unit 1 (2 of 8 padded)
+    forward = [2 * _unit_shard_numel(0, 4), 2 * _unit_shard_numel(1, 4)]
+    assert _copy_in_sizes(full) == forward + forward[::-1]
+    assert _copy_in_sizes(half) == forward + [2 * size for size in forward[::-1]]
 
 
 def test_fake_process_group_is_destroyed_and_refuses_nesting():

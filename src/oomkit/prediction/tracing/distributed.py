@@ -307,7 +307,7 @@ def trace_distributed_step(
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
-    with group as mesh, FakeTensorMode(), ddp.installed():
+    with group as mesh, FakeTensorMode(), ddp.installed(), _post_forward_meshes_on_the_host():
         with _ddp_constructed_under_the_recorder() as deferred:
             step_fn, track, *setup = build(mesh)
         setup = [*deferred, *setup]
@@ -345,6 +345,29 @@ def trace_distributed_step(
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
+
+
+@contextlib.contextmanager
+def _post_forward_meshes_on_the_host() -> Iterator[None]:
+    """``fully_shard(..., reshard_after_forward=N)`` with the fake mode paused while FSDP2 makes
+    its post-forward mesh: torch/distributed/fsdp/_fully_shard/_fsdp_init.py
+    ``_get_post_forward_mesh_info`` views the mesh's real rank tensor (``mesh.view(-1, N)``),
+    which ``FakeTensorMode`` refuses as a real input. The mesh is host bookkeeping, not device
+    memory; the N-way shards FSDP2 keeps after forward are recorded as usual."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    original = _fully_shard._get_post_forward_mesh_info
+
+    def post_forward_mesh_info(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = post_forward_mesh_info
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = original
 
 
 @contextlib.contextmanager
