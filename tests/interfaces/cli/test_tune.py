@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -230,13 +231,20 @@ def test_tune_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
     seen = []
     from oomkit.interfaces.cli import tune as tune_cli
 
-    original = tune_cli._ProgressBar.update
+    original = tune_cli.progress_bar
 
-    def spy(self, done, total):
-        seen.append((done, total))
-        original(self, done, total)
+    @contextlib.contextmanager
+    def spy(enabled, what):
+        assert enabled and what == "replaying settings"
+        with original(enabled, what) as update:
 
-    monkeypatch.setattr(tune_cli._ProgressBar, "update", spy)
+            def counted(done, total):
+                seen.append((done, total))
+                update(done, total)
+
+            yield counted
+
+    monkeypatch.setattr(tune_cli, "progress_bar", spy)
     path = _trace(tmp_path)
     assert main(["tune", str(path)]) == 0
     assert seen[0] == (0, 24) and seen[-1] == (24, 24)

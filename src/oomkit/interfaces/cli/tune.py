@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
@@ -16,7 +15,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
-from oomkit.interfaces.cli._progress import add_jobs_flag
+from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
 
 __all__ = ["add_parser", "run"]
 
@@ -65,14 +64,13 @@ def run(args: argparse.Namespace) -> int:
         )
     capacity = capacity_bytes(args.gpu)
     source, device, torch_version, recorded = _open_source(path, args.device)
-    show_progress = not args.json and sys.stderr.isatty()
-    with _ProgressBar(show_progress) as bar:
+    with progress_bar(progress_enabled(args, sys.stderr), "replaying settings") as update:
         result = tune(
             source,
             capacity,
             device=device,
             torch_version=torch_version,
-            progress=bar.update,
+            progress=update,
             jobs=args.jobs,
         )
     if args.json:
@@ -121,38 +119,6 @@ def _is_snapshot(path: Path) -> bool:
             return f.read(1) == _PICKLE_PROTO
     except OSError as exc:
         raise OomkitError(f"{path}: cannot be read ({exc}). Check its permissions.") from exc
-
-
-class _ProgressBar:
-    """A rich progress bar on stderr driven by tune()'s ``progress(done, total)`` callback."""
-
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled
-        self._progress: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> _ProgressBar:
-        if self._enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self._progress = Progress(
-                TextColumn("replaying settings"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                console=stderr_console(),
-                transient=True,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("tune", total=None)
-        return self
-
-    def update(self, done: int, total: int) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=done, total=total)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 def _candidate_json(candidate) -> dict:
