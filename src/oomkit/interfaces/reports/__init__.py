@@ -35,6 +35,8 @@ if TYPE_CHECKING:
         comparison_table,
         render_replay,
         replay_to_json,
+        what_if_table,
+        what_if_to_json,
     )
 
 # Imported on first use (PEP 562): a command imports the one report module it renders with,
@@ -67,6 +69,8 @@ _LAZY: dict[str, str] = {
     "comparison_table": "oomkit.interfaces.reports.replay",
     "render_replay": "oomkit.interfaces.reports.replay",
     "replay_to_json": "oomkit.interfaces.reports.replay",
+    "what_if_table": "oomkit.interfaces.reports.replay",
+    "what_if_to_json": "oomkit.interfaces.reports.replay",
 }
 
 
@@ -102,6 +106,8 @@ __all__ = [
     "render_settings_report",
     "settings_report_to_json",
     "replay_to_json",
+    "what_if_table",
+    "what_if_to_json",
     "build_monitor_report",
     "experiment_to_json",
     "live_line_sink",
