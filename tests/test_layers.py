@@ -22,6 +22,7 @@ RANK = {
     # base: the error family and the installed version, then unit conversions; every layer uses them
     "errors": 0,
     "_version": 0,
+    "_lazy": 0,
     "units": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
