@@ -1,4 +1,4 @@
-"""Run a worker script as 2 torch.distributed ranks (gloo, on CPU) and collect their JSON results."""
+"""Run a worker script as torch.distributed ranks (gloo, on CPU) and collect their JSON results."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from pathlib import Path
 
 
 def run_two_ranks(root: Path, worker_source: str, *extra_args: str, timeout_s: float = 90) -> list:
-    """Run ``worker_source`` as ranks 0 and 1; each gets ``rank store *extra_args`` as argv.
+    """``run_ranks`` with ranks 0 and 1."""
+    return run_ranks(root, worker_source, *extra_args, ranks=2, timeout_s=timeout_s)
+
+
+def run_ranks(
+    root: Path, worker_source: str, *extra_args: str, ranks: int, timeout_s: float = 90
+) -> list:
+    """Run ``worker_source`` as ranks 0 .. ranks-1; each gets ``rank store *extra_args`` as argv.
 
     ``store`` is a file for ``init_method=f"file://{store}"``: a file rendezvous has no
     free-port race between finding a port and binding it. Each rank must print one JSON line
@@ -28,7 +35,7 @@ def run_two_ranks(root: Path, worker_source: str, *extra_args: str, timeout_s: f
             text=True,
             env=env,
         )
-        for rank in range(2)
+        for rank in range(ranks)
     ]
     outputs = []
     try:

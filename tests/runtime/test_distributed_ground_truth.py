@@ -15,14 +15,11 @@ prediction it is compared with has its events moved there (FSDP2's two side stre
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _gloo import run_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -101,31 +98,8 @@ _WORKER = _MODEL + textwrap.dedent(
 def _run_ranks(root: Path, world_sizes: tuple[int, ...], timeout_s: float = 120) -> list[dict]:
     """Launch ``max(world_sizes)`` gloo ranks once (file rendezvous); each runs every world
     size it belongs to, largest first, and prints its peaks by ``"kind world"``."""
-    script = root / "worker.py"
-    script.write_text(_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     worlds = ",".join(str(w) for w in sorted(world_sizes, reverse=True))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(root / "store"), worlds],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(max(world_sizes))
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-            assert proc.returncode == 0, stderr
-            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return outputs
+    return run_ranks(root, _WORKER, worlds, ranks=max(world_sizes), timeout_s=timeout_s)
 
 
 def _predicted_peaks(kind: str, world_size: int) -> tuple[int, int, int]:
