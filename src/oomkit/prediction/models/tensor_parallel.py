@@ -28,9 +28,7 @@ attention does; so heads, KV heads, the FFN width and the sequence must divide b
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -171,33 +169,6 @@ def apply_llama_tensor_parallel(
         llama.lm_head.weight = llama.embed_tokens.weight
 
 
-@contextlib.contextmanager
-def _meshes_made_outside_fake_mode() -> Iterator[None]:
-    """While open, ``DeviceMesh._concatenate`` builds its mesh with the fake mode paused.
-
-    ``fully_shard`` on a TP DTensor parameter joins the FSDP and TP meshes
-    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharding_spec_tp``), and the
-    new ``DeviceMesh`` computes its rank tensor from the real rank map
-    (torch/distributed/device_mesh.py ``DeviceMesh.__init__`` -> ``mesh``), which
-    ``FakeTensorMode`` refuses as a real input. The mesh is host bookkeeping, not device
-    memory, so it is made as it would be outside the fake mode.
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    original = DeviceMesh.__dict__["_concatenate"]
-
-    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
-        with unset_fake_temporarily():
-            return cast(DeviceMesh, original.__func__(meshes))
-
-    setattr(DeviceMesh, "_concatenate", staticmethod(concatenate))  # noqa: B010
-    try:
-        yield
-    finally:
-        setattr(DeviceMesh, "_concatenate", original)  # noqa: B010
-
-
 def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
     """Llama preset ``name`` tensor-parallel on ``mesh["tp"]`` (then FSDP2 on ``mesh["fsdp"]``).
 
@@ -260,9 +231,10 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         # torchtitan apply_fsdp: with replicas, fully_shard on the 2-D (dp_replicate, dp_shard)
         # mesh, which FSDP2 takes as HSDP (replicate over dim 0, shard over dim 1).
         fsdp_mesh = mesh["dp", "fsdp"] if "dp" in names else mesh["fsdp"]
-        with _meshes_made_outside_fake_mode():
-            blocks = cast(Any, model).layers
-            units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision or "fp32")
+        # Its joined FSDP x TP meshes are made on the host (tracing/distributed.py
+        # fake_process_group).
+        blocks = cast(Any, model).layers
+        units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision or "fp32")
         layout += f", {fsdp_words(fsdp_mesh)} ({units} units: per block + root)"
         if options.precision == "bf16-mixed":  # FSDP2's policy casts; no autocast (torchtitan)
             step_options = dataclasses.replace(options, precision="fp32")

@@ -92,7 +92,8 @@ def fake_process_group(
     """A fake process group of ``world_size`` ranks and a ``cpu`` mesh over it (1-D unless
     ``mesh_shape`` says otherwise).
 
-    The group is destroyed on exit, so nothing leaks into code that runs afterwards.
+    The group is destroyed on exit, so nothing leaks into code that runs afterwards; while it
+    is open, the meshes FSDP2 makes for itself are built on the host (``_meshes_on_the_host``).
 
     Args:
         world_size: ranks in the group (at least 1).
@@ -126,7 +127,8 @@ def fake_process_group(
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
+        with _meshes_on_the_host():
+            yield init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
     finally:
         dist.destroy_process_group()
 
@@ -307,7 +309,7 @@ def trace_distributed_step(
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
-    with group as mesh, FakeTensorMode(), ddp.installed(), _post_forward_meshes_on_the_host():
+    with group as mesh, FakeTensorMode(), ddp.installed():
         with _ddp_constructed_under_the_recorder() as deferred:
             step_fn, track, *setup = build(mesh)
         setup = [*deferred, *setup]
@@ -348,26 +350,39 @@ def trace_distributed_step(
 
 
 @contextlib.contextmanager
-def _post_forward_meshes_on_the_host() -> Iterator[None]:
-    """``fully_shard(..., reshard_after_forward=N)`` with the fake mode paused while FSDP2 makes
-    its post-forward mesh: torch/distributed/fsdp/_fully_shard/_fsdp_init.py
-    ``_get_post_forward_mesh_info`` views the mesh's real rank tensor (``mesh.view(-1, N)``),
-    which ``FakeTensorMode`` refuses as a real input. The mesh is host bookkeeping, not device
-    memory; the N-way shards FSDP2 keeps after forward are recorded as usual."""
+def _meshes_on_the_host() -> Iterator[None]:
+    """While open, the meshes FSDP2 makes for itself are built with the fake mode paused.
+
+    A new ``DeviceMesh`` computes its rank tensor from the real rank map
+    (torch/distributed/device_mesh.py ``DeviceMesh.__init__`` -> ``mesh``), which
+    ``FakeTensorMode`` refuses as a real input. FSDP2 makes two: ``fully_shard`` on a TP DTensor
+    parameter joins the FSDP and TP meshes (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+    ``_init_sharding_spec_tp`` -> ``DeviceMesh._concatenate``), and ``reshard_after_forward=N``
+    views the mesh for its post-forward mesh (``_fsdp_init.py`` ``_get_post_forward_mesh_info``:
+    ``mesh.view(-1, N)``). A mesh is host bookkeeping, not device memory; what FSDP2 allocates on
+    it is recorded as usual.
+    """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
-    original = _fully_shard._get_post_forward_mesh_info
+    concatenate = DeviceMesh.__dict__["_concatenate"]
+    post_forward_mesh_info = _fully_shard._get_post_forward_mesh_info
 
-    def post_forward_mesh_info(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
+    def on_the_host(make: Callable[..., Any]) -> Callable[..., Any]:
+        def made(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return make(*args, **kwargs)
 
-    _fully_shard._get_post_forward_mesh_info = post_forward_mesh_info
+        return made
+
+    setattr(DeviceMesh, "_concatenate", staticmethod(on_the_host(concatenate.__func__)))  # noqa: B010
+    _fully_shard._get_post_forward_mesh_info = on_the_host(post_forward_mesh_info)
     try:
         yield
     finally:
-        _fully_shard._get_post_forward_mesh_info = original
+        setattr(DeviceMesh, "_concatenate", concatenate)  # noqa: B010
+        _fully_shard._get_post_forward_mesh_info = post_forward_mesh_info
 
 
 @contextlib.contextmanager
