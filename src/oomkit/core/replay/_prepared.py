@@ -80,8 +80,10 @@ def prepared(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
 def _forget(key: int) -> Callable[[weakref.ref[Snapshot]], None]:
     """The weak reference's callback: drop the snapshot's entry when it dies."""
 
-    def forget(_ref: weakref.ref[Snapshot]) -> None:
-        _CACHE.pop(key, None)
+    def forget(ref: weakref.ref[Snapshot]) -> None:
+        entry = _CACHE.get(key)
+        if entry is not None and entry[0] is ref:  # not a later snapshot given the same id
+            del _CACHE[key]
 
     return forget
 
