@@ -54,18 +54,22 @@ class Run:
     optimizer: str = "adamw"
     mode: str = "train"
     checkpointing: bool = False
+    compile: bool = False  # torch.compile (Inductor) on the GPU; `predict --compile` on meta
 
     @property
     def label(self) -> str:
         size = f"seq{self.seq_len}" if self.seq_len else f"img{self.image_size or 224}"
         ckpt = "-ckpt" if self.checkpointing else ""
+        compiled = "-compile" if self.compile else ""
         return (
             f"{self.preset}-b{self.batch_size}-{size}-{self.precision}-{self.optimizer}-"
-            f"{self.mode}{ckpt}"
+            f"{self.mode}{ckpt}{compiled}"
         )
 
     def options(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "preset" and v is not None}
+        if not self.compile:
+            del out["compile"]  # StepOptions of older checkouts have no such field
         return out
 
 
@@ -83,6 +87,10 @@ RUNS: tuple[Run, ...] = (
     Run("vit-b16", 8, image_size=224, precision="bf16-mixed"),
     Run("resnet50", 16, image_size=224),
     Run("resnet50", 16, image_size=224, optimizer="sgd", precision="fp16-mixed"),
+    # Issue 14 item 4: a compiled GPT-2 step (Inductor for real on the GPU; the AOTAutograd
+    # partitioner for real and Inductor's memory plan emulated on meta), beside its eager twin.
+    Run("gpt2-124m", 4, seq_len=512, precision="bf16-mixed", compile=True),
+    Run("llama-1b", 1, seq_len=512, precision="bf16-mixed", compile=True),
 )
 
 
@@ -229,7 +237,9 @@ def _predict(
     gpu = dataclasses.replace(gpu, context_overhead_bytes=context_bytes)
     built = build_preset_step(run.preset, StepOptions(**run.options()))
     with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
-        p = predict(built.step_fn, gpu=gpu, steps=steps, track=built.track)
+        p = predict(
+            built.step_fn, gpu=gpu, steps=steps, track=built.track, compile=run.compile
+        )
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,
         "peak_reserved_bytes": p.peak_reserved_bytes,

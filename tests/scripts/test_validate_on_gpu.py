@@ -108,3 +108,16 @@ def test_prediction_side_uses_the_devices_cudnn_for_the_sdpa_backend():
     assert any("cuDNN attention engine" in w for w in newer["warnings"])
     assert not any("cuDNN attention" in w for w in older["warnings"])
     assert older["peak_reserved_bytes"] > 0 and older["fits"] is True
+
+
+def test_compiled_runs_are_labelled_and_pass_compile_to_step_options():
+    """A compile run says so in its label and hands compile=True to StepOptions; eager ones don't."""
+    from oomkit.prediction.models import StepOptions
+
+    compiled = [r for r in validate.RUNS if r.compile]
+    assert {r.preset for r in compiled} == {"gpt2-124m", "llama-1b"}
+    for run in compiled:
+        assert run.label.endswith("-compile")
+        assert StepOptions(**run.options()).compile is True
+    eager = validate.Run("gpt2-124m", 4, seq_len=512)
+    assert "compile" not in eager.options() and not eager.label.endswith("-compile")
