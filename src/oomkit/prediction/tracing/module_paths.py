@@ -54,6 +54,13 @@ class ModulePaths:
         path = self._paths.get(module)
         if path is not None:
             return path
+        original = _compiled_original(module)
+        if original is not None:
+            # torch.compile(model) wraps the model in an OptimizedModule that calls it: the
+            # wrapper is the model itself, so it takes the model's path (no "OptimizedModule").
+            path = self.path_of(original, parent)
+            self._set(module, path)
+            return path
         if parent is None:
             return self.name_root(module)
         parent_module, parent_path = parent
@@ -70,11 +77,24 @@ class ModulePaths:
     def _set(self, module: torch.nn.Module, path: str) -> None:
         """Name ``module`` unless it has a name (the first path of a shared module wins).
 
+        An ``OptimizedModule``'s ``_orig_mod`` component is dropped, as the wrapper is.
+
         torch's ``checkpoint_wrapper`` (selective AC) holds the block as
         ``_checkpoint_wrapped_module``; the name is dropped as torch drops it from parameter
         and state-dict names (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py
         ``_CHECKPOINT_PREFIX``), so a wrapped block keeps its path (``layers.0.mlp``).
         """
         path = path.replace("._checkpoint_wrapped_module", "")
+        # torch.compile's OptimizedModule holds the model as ``_orig_mod``
+        # (torch/_dynamo/eval_frame.py OptimizedModule.__init__): the wrapper is transparent.
+        path = ".".join(part for part in path.split(".") if part != "_orig_mod")
         if self._paths.setdefault(module, path) == path:
             self._ref_paths.setdefault(self.ref(module), path)
+
+
+def _compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``) calls; None for others."""
+    original = module.__dict__.get("_modules", {}).get("_orig_mod")
+    if original is not None and type(module).__name__ == "OptimizedModule":
+        return original
+    return None

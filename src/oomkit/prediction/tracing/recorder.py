@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -167,6 +168,14 @@ class Tracer:
             _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
         ]
         stack.callback(self._remove_handles)
+        # torch warns on every call of a torch.compile'd module while global module hooks exist
+        # (torch/_dynamo/eval_frame.py OptimizedModule): those hooks are the recorder's, which
+        # skip compiled code and see the wrapper as the model (module_paths.py), so the
+        # warning says nothing about the user's step.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks"
+        )
         stack.callback(self._backward_modules.close)
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
