@@ -68,7 +68,8 @@ def test_fit_compile_answer_fits_compiled_and_the_next_batch_does_not(tiny, caps
 def test_compile_with_lengths_gives_each_length_its_compiled_peaks(tiny, tmp_path, capsys):
     """predict --compile --lengths: step 1 (length 256) has predict --compile --seq 256's peaks,
     step 2 (length 512) the steady step's peak allocated of --seq 512, whose two steps alone give
-    the envelope's longest-alone figure; the envelope states the per-length static compile."""
+    the envelope's longest-alone figure (and fit --compile --lengths' run of 512 alone); both
+    state the per-length static compile they assumed."""
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("256\n512\n")  # multiples of 256: no padding remedy records another length
     run = _json(["predict", tiny, "--compile", "--batch", "1", "--lengths", str(lengths), "--json"], capsys)
@@ -88,6 +89,13 @@ def test_compile_with_lengths_gives_each_length_its_compiled_peaks(tiny, tmp_pat
     assert run["envelope"]["longest_alone_peak_reserved_bytes"] == long["peak_reserved_bytes"]
     eager = _json(["predict", tiny, "--batch", "1", "--lengths", str(lengths), "--json"], capsys)
     assert eager["step_peaks"][1]["peak_allocated_bytes"] != step_2["peak_allocated_bytes"]
+    # fit --compile --lengths: a run of two steps at 512 is exactly its two compiled steps.
+    lengths.write_text("512\n512\n")
+    found = _json(
+        ["fit", tiny, "--compile", "--lengths", str(lengths), "--max-batch", "1", "--json"], capsys
+    )
+    assert found["probes"][0]["worst_peak_reserved_bytes"] == long["peak_reserved_bytes"]
+    assert "torch.compile lengths" in found["assumptions"]
 
 
 def test_compile_with_generate_is_refused_with_the_reason(capsys):
