@@ -179,10 +179,10 @@ def _validate(args: argparse.Namespace) -> Target:
     target = target_from_args(args, default_torch_version=installed_torch_version())
     if args.compile and (target.parallel is not None or args.global_batch is not None):
         raise OomkitError(
-            "--compile is not modelled for sharded steps (--fsdp, --global-batch's GPU counts "
-            "above 1): the recorder of a fake process group runs compiled code eagerly. Search "
-            "one GPU's compiled batch (drop --fsdp/--global-batch), or the sharded batch eagerly "
-            "(drop --compile)"
+            "--compile is not modelled for sharded steps (--fsdp, and --global-batch, whose GPU "
+            "counts above 1 are FSDP2): the recorder of a fake process group runs compiled code "
+            "eagerly. Search one GPU's compiled batch (drop --fsdp/--global-batch), or the "
+            "sharded batch eagerly (drop --compile)"
         )
     if args.global_batch is not None:
         if not args.smallest_gpu or target.parallel is not None or args.batch is not None:
