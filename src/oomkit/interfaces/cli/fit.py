@@ -5,7 +5,9 @@ doubling, then bisection, one trace per size. ``--batch N --smallest-gpu`` answe
 question: the smallest catalog GPU that batch fits on. ``--fsdp N`` searches rank 0's per-rank
 batch of the preset sharded with FSDP2 (recorded on a fake process group, as ``oomkit predict
 --fsdp``), and ``--smallest-gpu --global-batch B`` tabulates GPU counts 1, 2, 4, ... (up to
-``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind.
+``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind. ``--compile``
+records every batch tried (and ``--lengths``' every length) with ``torch.compile`` compiled, as
+``oomkit predict --compile``: each its own compile, dynamo's caches reset per recording.
 
 Exit codes: 0 a batch was found (or, with ``--smallest-gpu``, a GPU), 1 not even batch 1 fits
 (no GPU of the catalog fits), 2 bad input, 3 torch is not installed.
