@@ -418,6 +418,9 @@ def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) ->
         steps=workload.steps or 2,
         track=built.track,
         description=built.description,
+        # A saved --compile prediction (workload.options.compile): its changes are re-predicted
+        # compiled too, or each would be compared eager against the compiled original.
+        compile=bool(options.compile),
     )
 
 

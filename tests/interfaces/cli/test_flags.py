@@ -25,6 +25,7 @@ EXPECTED = {
         "--alloc-conf",
         "--batch",
         "--checkpointing",
+        "--compile",
         "--compute-dtype",
         "--context-overhead",
         "--cuda-version",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 
+import pytest
+
+from oomkit.core.trace import Frame
 from oomkit.prediction.tracing.frames import UserFrameFinder
 
 HERE = __file__
@@ -75,3 +79,19 @@ def test_a_generator_frame_is_not_held():
     found = next(g)
     assert finder._held is None
     assert found[0].name == "gen"
+
+
+def test_a_code_object_with_an_unhashable_constant_is_walked_not_raised():
+    """A frame running bytecode with a dict constant (as dynamo's transformed code can hold)
+    cannot be a cache key; the walk still judges it (before: TypeError unhashable 'dict')."""
+    finder = UserFrameFinder(prefixes=("/nonexistent-library/",))
+
+    def probe():
+        return finder.find()
+
+    code = probe.__code__
+    odd = code.replace(co_consts=(*code.co_consts, {"a": 1}))
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(odd)
+    run = types.FunctionType(odd, probe.__globals__, "probe", None, probe.__closure__)
+    assert run() == run() == (Frame(HERE, code.co_firstlineno + 1, "probe"),)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,31 @@ from oomkit.interfaces.cli._common import positive_int, print_json, stderr_conso
 if TYPE_CHECKING:
     from oomkit.core.target import Target
 
-__all__ = ["add_envelope_flags", "add_lengths_flags", "run_envelope", "run_fit_envelope"]
+__all__ = [
+    "COMPILED_LENGTHS",
+    "add_envelope_flags",
+    "add_lengths_flags",
+    "run_envelope",
+    "run_fit_envelope",
+]
+
+# What --compile with --lengths assumes, said in the envelope's assumptions. A real run's
+# torch.compile (dynamic=None, the default) compiles the first length static; at the second
+# length a guard on that size fails and, with torch/_dynamo/config.py
+# automatic_dynamic_shapes (True by default), dynamo recompiles once with the sequence
+# dimension symbolic, a graph every later length runs. oomkit's Inductor emulation plans
+# static sizes, so each distinct length is recorded with its own static compile (dynamo's
+# caches reset per length: prediction/tracing/compiled.py compiled_code_recorded), as
+# torch.compile(dynamic=False) runs each length (up to recompile_limit, 8 distinct lengths).
+COMPILED_LENGTHS = (
+    "each distinct length recorded with its own static compile (as torch.compile("
+    "dynamic=False) runs it); a default run (automatic_dynamic_shapes) runs every length after "
+    "the second shape in one dynamic-shape graph instead, which may differ where Inductor's "
+    "buffer reuse compares symbolic sizes (codegen/wrapper.py buffer_reuse_key: two buffers of "
+    "equal size but different size expressions are not reused) and where the min-cut "
+    "partitioner weighs tensors by the size hints of the length it compiled at; with "
+    "dynamic=False, lengths beyond the 8th distinct one (recompile_limit) run eagerly"
+)
 
 
 def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +137,14 @@ def _recorder(args: argparse.Namespace, target: Target, command: str, raised: li
         def step(*_tracked: object) -> object:
             return step_fn()  # the tracked objects are passed only to be recorded (as predict)
 
+        compiled = bool(getattr(args, "compile", False))
         with user_output_to_stderr():
-            recording = trace_step(step, *workload.track, steps=2, target=target)
+            recording = trace_step(
+                step, *workload.track, steps=2, target=target, compile=compiled
+            )
+        if compiled:
+            assumptions = {**recording.assumptions, "torch.compile lengths": COMPILED_LENGTHS}
+            recording = dataclasses.replace(recording, assumptions=assumptions)
         return recording, workload.description.replace(f"seq {length}", "variable seq")
 
     return record
@@ -185,6 +216,7 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
         else:
             stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
         return 1
+    assumptions = found.envelope.prediction.assumptions
     if args.json:
         print_json(
             {
@@ -201,10 +233,16 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
                     for p in found.probes
                 ],
                 "envelope": envelope_to_json(found.envelope),
+                # as predict --compile's JSON: what the compiled recordings rest on
+                **({"assumptions": dict(assumptions)} if args.compile else {}),
             }
         )
         return 0
     console = stdout_console()
+    if args.compile:
+        for name in ("torch.compile", "torch.compile lengths"):
+            if name in assumptions:
+                console.print(f"{name}: {assumptions[name]}", markup=False)
     for p in found.probes:
         state = "fits" if p.fits else (
             f"OOM at step {p.first_oom_step}" if p.first_oom_step else "over the margin"

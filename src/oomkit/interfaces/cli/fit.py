@@ -5,7 +5,9 @@ doubling, then bisection, one trace per size. ``--batch N --smallest-gpu`` answe
 question: the smallest catalog GPU that batch fits on. ``--fsdp N`` searches rank 0's per-rank
 batch of the preset sharded with FSDP2 (recorded on a fake process group, as ``oomkit predict
 --fsdp``), and ``--smallest-gpu --global-batch B`` tabulates GPU counts 1, 2, 4, ... (up to
-``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind.
+``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind. ``--compile``
+records every batch tried (and ``--lengths``' every length) with ``torch.compile`` compiled, as
+``oomkit predict --compile``: each its own compile, dynamo's caches reset per recording.
 
 Exit codes: 0 a batch was found (or, with ``--smallest-gpu``, a GPU), 1 not even batch 1 fits
 (no GPU of the catalog fits), 2 bad input, 3 torch is not installed.
@@ -26,6 +28,7 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
+from oomkit.interfaces.cli._compile_flag import add_compile_flag
 from oomkit.interfaces.cli._envelope import add_lengths_flags, run_fit_envelope
 from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._target import add_parallel_flags
@@ -67,6 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=catalog_epilog(),
     )
     add_workload_flags(parser, modes=("train", "inference"))
+    add_compile_flag(parser)
     add_gpu_flags(parser)
     add_parallel_flags(parser)
     parser.add_argument(
@@ -175,6 +179,13 @@ def _validate(args: argparse.Namespace) -> Target:
     from oomkit.interfaces.cli._user_function import is_user_target
 
     target = target_from_args(args, default_torch_version=installed_torch_version())
+    if args.compile and (target.parallel is not None or args.global_batch is not None):
+        raise OomkitError(
+            "--compile is not modelled for sharded steps (--fsdp, and --global-batch, whose GPU "
+            "counts above 1 are FSDP2): the recorder of a fake process group runs compiled code "
+            "eagerly. Search one GPU's compiled batch (drop --fsdp/--global-batch), or the "
+            "sharded batch eagerly (drop --compile)"
+        )
     if args.global_batch is not None:
         if not args.smallest_gpu or target.parallel is not None or args.batch is not None:
             raise OomkitError(
@@ -218,7 +229,11 @@ def run(args: argparse.Namespace) -> int:
     target = _validate(args)
     require_torch("oomkit fit", extra="torch" if args.hf is None else "hf")
     builders = _Builders(args)
-    eval_step = None if args.eval is None else builders.evaluation
+    train: Any = builders.train
+    eval_step: Any = None if args.eval is None else builders.evaluation
+    if args.compile:  # every probe recorded with its torch.compile regions compiled
+        train = _compiled_recorder(train)
+        eval_step = None if eval_step is None else _compiled_recorder(eval_step)
     with user_errors(lambda: (builders.target, builders.raised)), user_values(args):
         if args.lengths is not None:
             if args.smallest_gpu or args.eval is not None:
@@ -235,7 +250,33 @@ def run(args: argparse.Namespace) -> int:
         if target.parallel is not None:
             sharded = _sharded_recorder(args, target.parallel.fsdp)
             return _run_search(args, target, RecordingBuilder(sharded), None)
-        return _run_search(args, target, builders.train, eval_step)
+        return _run_search(args, target, train, eval_step)
+
+
+def _compiled_recorder(builder: Any) -> RecordingBuilder:
+    """``builder`` (batch size -> ``Workload``) as a ``RecordingBuilder`` whose recordings run
+    ``torch.compile`` regions compiled (``trace_step(compile=True)``, as ``predict --compile``):
+    each probe is built, then recorded with dynamo's caches reset (``compiled_code_recorded``),
+    so each batch size gets its own compile, as a run at that batch does."""
+
+    def record(batch_size: int, target: Target, steps: int) -> tuple[Any, str]:
+        import torch
+
+        from oomkit.prediction.tracing import trace_step
+
+        meta = torch.device("meta")
+        with meta:
+            workload = builder(batch_size)
+        step_fn = workload.step_fn
+
+        def step(*_tracked: Any) -> Any:
+            with meta:  # as record_step runs a built step
+                return step_fn()
+
+        recording = trace_step(step, *workload.track, steps=steps, target=target, compile=True)
+        return recording, workload.description
+
+    return RecordingBuilder(record)
 
 
 def _sharded_recorder(args: argparse.Namespace, world_size: int) -> Any:
@@ -336,7 +377,10 @@ def _run_search(
             stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
         return 1
     if args.json:
-        print_json(batch_search_to_json(result))
+        out = batch_search_to_json(result)
+        if args.compile:  # as predict --compile's JSON: what the compiled recording rests on
+            out["assumptions"] = dict(result.answer.train.assumptions)
+        print_json(out)
     else:
         render_batch_search(result, stdout_console())
     return 0
@@ -372,7 +416,7 @@ def _run_smallest(
             return builders.train(batch_size)
 
         result = smallest_gpu(
-            train,
+            _compiled_recorder(train) if args.compile else train,
             args.batch,
             candidates=candidates,
             target=target,

@@ -99,10 +99,19 @@ def run(args: argparse.Namespace) -> int:
         require_torch("oomkit predict")
     if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
         raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
-    if args.compile and (args.lengths is not None or target.parallel is not None):
+    if args.compile and target.parallel is not None:
         raise OomkitError(
-            "--compile does not go with --lengths or --fsdp yet: predict one compiled step "
-            "without them"
+            "--compile is not modelled for sharded steps (--fsdp, --tp, --dp): the recorder of "
+            "a fake process group runs compiled code eagerly. Predict one GPU's compiled step "
+            "(drop --fsdp/--tp/--dp), or the sharded step eagerly (drop --compile)"
+        )
+    if args.compile and args.mode == "generate":
+        from oomkit.prediction.models.options import GENERATE_COMPILE_REASON
+
+        raise OomkitError(
+            f"--compile with --mode generate is not modelled: {GENERATE_COMPILE_REASON}. Drop "
+            "--compile to predict the generate step eagerly, or predict the compiled forward "
+            "at the longest length: --mode inference --compile --seq PROMPT+NEW_TOKENS"
         )
     if args.lengths is not None and target.parallel is not None:
         raise OomkitError(

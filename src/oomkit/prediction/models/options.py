@@ -10,6 +10,7 @@ from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
 
 __all__ = [
     "CHECKPOINTING_MODES",
+    "GENERATE_COMPILE_REASON",
     "BuiltStep",
     "Checkpointing",
     "ComputeDtype",
@@ -41,6 +42,20 @@ QUANTIZE: tuple[Quantize, ...] = get_args(Quantize)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
 TRAINER_MIXED_PRECISIONS: tuple[TrainerMixedPrecision, ...] = get_args(TrainerMixedPrecision)
+
+# Why a compiled generate step is refused rather than predicted. The preset's loop (and
+# transformers' DynamicCache) grows the KV cache by one token per step, so a compiled decode
+# recompiles at the second shape with the cache length symbolic (torch/_dynamo/config.py
+# automatic_dynamic_shapes); transformers compiles generation only with a static cache and its
+# CompileConfig's default mode "reduce-overhead" (generation/configuration_utils.py), i.e. CUDA
+# graphs. Neither is what tracing/compile_plan.py emulates (static sizes, default mode).
+GENERATE_COMPILE_REASON = (
+    "a compiled generate loop runs its decode step as one dynamic-shape graph (the KV cache "
+    "grows a token per step, so dynamo's automatic_dynamic_shapes makes its length symbolic "
+    "after the second shape), or, with Hugging Face's static cache, under CUDA graphs "
+    "(transformers' CompileConfig default mode 'reduce-overhead'); oomkit's Inductor emulation "
+    "plans static sizes only and does not model CUDA graph pools"
+)
 
 
 @dataclass(frozen=True)
@@ -159,9 +174,10 @@ class StepOptions:
         self._check_training_loop()
         if self.compile and self.mode == "generate":
             raise ValueError(
-                "StepOptions.compile applies to mode 'train' and 'inference': a generate step's "
-                "growing KV cache would recompile on every token. Example: "
-                "StepOptions(mode='train', compile=True)"
+                "StepOptions.compile applies to mode 'train' and 'inference', not 'generate': "
+                f"{GENERATE_COMPILE_REASON}. Predict the generate step eagerly (compile=False), "
+                "or the compiled forward at the longest length (prompt + new tokens). Example: "
+                "StepOptions(mode='inference', seq_len=1152, compile=True)"
             )
         for field_name, example in (("batch_size", 8), ("new_tokens", 128), ("grad_accum", 4)):
             value = getattr(self, field_name)

@@ -78,7 +78,9 @@ _REFUSED: dict[str, str] = {
     "deepspeed": "oomkit predicts one GPU without DeepSpeed; drop deepspeed",
     "fsdp": "for FSDP2 use a preset with --fsdp N; drop fsdp",
     "fsdp_config": "for FSDP2 use a preset with --fsdp N; drop fsdp_config",
-    "torch_compile": "return the Trainer from a file.py:function to record torch.compile",
+    # accelerate/accelerator.py prepare_model: torch.compile(model, **dynamo_plugin.to_kwargs()).
+    "torch_compile": "drop torch_compile and add --compile (the model's forward compiled, "
+    "default Inductor mode, as accelerate's prepare_model compiles it)",
     "use_cpu": "oomkit predicts a GPU; drop use_cpu",
     "torch_empty_cache_steps": "empty_cache between steps is not modelled; drop it",
     "label_smoothing_factor": "the LabelSmoother's loss is not modelled; set it to 0",

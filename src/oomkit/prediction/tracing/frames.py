@@ -57,11 +57,12 @@ class UserFrameFinder:
         self._above_held = () if frame is None else self._walk(frame.f_back, None)
 
     def _user_code(self, code: types.CodeType) -> bool:
-        verdict = self._is_user.get(code)
-        if verdict is None:
-            filename = code.co_filename
-            verdict = not (filename.startswith(self._prefixes) or filename.startswith("<frozen"))
+        filename = code.co_filename
+        verdict = not (filename.startswith(self._prefixes) or filename.startswith("<frozen"))
+        try:
             self._is_user[code] = verdict
+        except TypeError:  # unhashable constants (see _walk): judged again next time
+            pass
         return verdict
 
     def find(self) -> tuple[Frame, ...]:
@@ -76,7 +77,12 @@ class UserFrameFinder:
         is_user = self._is_user
         while frame is not None:
             code = frame.f_code
-            verdict = is_user.get(code)
+            try:
+                verdict = is_user.get(code)
+            except TypeError:
+                # A code object hashes its constants; bytecode dynamo rewrote (a frame it runs
+                # transformed, e.g. under --compile with checkpointing) can hold a dict there.
+                verdict = None
             if verdict is None:
                 verdict = self._user_code(code)
             if verdict:
