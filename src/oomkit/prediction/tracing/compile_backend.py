@@ -136,6 +136,10 @@ class PlannedGraph:
             if storage is None:
                 continue
             donor = held.pop(buf.reuses, None) if buf.reuses is not None else None
+            if donor is None and buf.in_place and buf.reuses in keep:
+                # scheduler.py decide_inplace_update: the kernel writes into its dying input,
+                # which dies at this very kernel: its allocation passes to the output now.
+                donor = _take_allocation(engine, keep[buf.reuses])
             if donor is not None:
                 engine.table.bind(storage, donor)
             else:
@@ -143,6 +147,12 @@ class PlannedGraph:
                 if error is not None:
                     raise engine.sink.refused(error)
         return out
+
+
+def _take_allocation(engine: CudaEmulationEngine, value: Any) -> Allocation | None:
+    """Unbind ``value``'s storage from its allocation and return it (None when untracked)."""
+    storage = tensor_storage(value, engine.device_type)
+    return engine.table.unbind(storage) if storage is not None else None
 
 
 def _element(out: Any, index: int) -> Any:
