@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
@@ -39,6 +40,7 @@ from oomkit.plan.batch_probe import (
     dedupe,
     default_margin_bytes,
     less_margin,
+    new_model_cache,
     predict_built,
     probe_record,
     resolve_margin,
@@ -143,6 +145,8 @@ class _Prober:
         self.probes: dict[int, BatchProbe] = {}
         self.order: list[int] = []
         self.traces = 0
+        # The model is built once for the whole search (model_cache.py); made at the first probe.
+        self.models: Any = None
 
     def fits(self, batch_size: int, remaining: int) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
@@ -160,15 +164,22 @@ class _Prober:
 
     def _probe(self, batch_size: int) -> BatchProbe:
         target = self._target
+        if self.models is None:
+            self.models = new_model_cache()
         train = predict_built(
-            self._build_step, "train step", batch_size, target=target, steps=self._steps
+            self._build_step,
+            "train step",
+            batch_size,
+            target=target,
+            steps=self._steps,
+            models=self.models,
         )
         self.traces += 1
         evaluation = None
         # A batch whose training step does not fit fails whatever its evaluation needs.
         if self._eval_step is not None and train.fits:
             evaluation = predict_built(
-                self._eval_step, "eval step", batch_size, target=target, steps=1
+                self._eval_step, "eval step", batch_size, target=target, steps=1, models=self.models
             )
             self.traces += 1
         return probe_record(batch_size, train, evaluation, self._usable_bytes)
