@@ -1,7 +1,7 @@
 """What a `fit` search costs next to its first probe: with the model and meta-kernel caches, and without.
 
 `oomkit fit gpt2-124m --gpu h100` (seq 1024, bf16-mixed, AdamW, 2 steps a probe, the default
-margin) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
+margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
 process per setting so that each starts cold (torch imported, nothing remembered):
 - ``cached``: as shipped: the search builds the model once and its probes share it
   (prediction/models/model_cache.py), and they share the meta-kernel memo
@@ -33,13 +33,19 @@ import sys
 import time
 from typing import Any
 
-PRESET, SEQ, GPU = "gpt2-124m", 1024, "h100"
+# --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
+# `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
+# (peft wrapping every attention projection) costs more than GPT-2's.
+CASES = {
+    "gpt2": ("gpt2-124m", 1024, "h100", None),
+    "llama-8b-lora": ("llama-8b", 2048, "h100", 16),
+}
 
 
 SETTINGS = ("cached", "memo-only", "plain")
 
 
-def run_setting(setting: str) -> dict:
+def run_setting(setting: str, case: str) -> dict:
     """One search in this process; its per-probe CPU seconds, where they went, and its answer."""
     import torch
     import torch._dynamo  # noqa: F401  (imported by torch on first use: not a probe's cost)
@@ -50,9 +56,11 @@ def run_setting(setting: str) -> dict:
     import oomkit.prediction.tracing as tracing
     from oomkit.plan.batch_search import max_batch_size
     from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.models.lora_options import LoraOptions
     from oomkit.prediction.tracing.meta_memo import SHARED_MEMO
 
     del torch
+    preset, seq, gpu, rank = CASES[case]
     SHARED_MEMO.enabled = setting != "plain"
     if setting != "cached":  # a probe finds no cache and builds its own model
         batch_search.new_model_cache = lambda: None  # type: ignore[attr-defined]
@@ -82,12 +90,12 @@ def run_setting(setting: str) -> dict:
     batch_probe.predict_recording = timed("replay", batch_probe.predict_recording)  # type: ignore[attr-defined]
 
     def build(batch_size: int) -> object:
-        options = StepOptions(batch_size=batch_size, seq_len=SEQ, precision="bf16-mixed",
-                              optimizer="adamw")
-        return build_preset_step(PRESET, options)
+        options = StepOptions(batch_size=batch_size, seq_len=seq, precision="bf16-mixed",
+                              optimizer="adamw", lora=None if rank is None else LoraOptions(r=rank))
+        return build_preset_step(preset, options)
 
     start_cpu, start_wall = time.process_time(), time.perf_counter()
-    result = max_batch_size(timed("build", build), gpu=GPU, steps=2, progress=progress)
+    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress)
     search_cpu_s = time.process_time() - start_cpu
     later = {name: round(sum(p.get(name, 0.0) for p in phases[1:-1]), 2)
              for name in ("build", "model", "trace", "replay")}
@@ -109,16 +117,18 @@ def run_setting(setting: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=tuple(CASES), default="gpt2", help="what to search")
     parser.add_argument("--setting", choices=SETTINGS, help="run one here (internal)")
     parser.add_argument("--write", metavar="PATH", help="also write the JSON result to PATH")
     args = parser.parse_args()
     if args.setting:
-        print(json.dumps(run_setting(args.setting)))
+        print(json.dumps(run_setting(args.setting, args.case)))
         return 0
-    state = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
+    state = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
+             "case": args.case}
     settings = {}
     for setting in SETTINGS:
-        proc = subprocess.run([sys.executable, __file__, "--setting", setting],
+        proc = subprocess.run([sys.executable, __file__, "--setting", setting, "--case", args.case],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)
