@@ -85,3 +85,26 @@ def test_builders_outside_a_search_build_a_model_each_time(gpt2_builds):
     second = build_preset_step("gpt2-124m", options)
     assert gpt2_builds[0] == 2
     assert first.track[0] is not second.track[0]
+
+
+def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
+    """smallest_gpu traces once per compute capability (RTX 4090 sm_89, A100 sm_80) with one
+    shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU."""
+    from oomkit.core.gpus import get_gpu
+    from oomkit.core.target import resolve_target
+    from oomkit.plan.batch_search import smallest_gpu
+
+    options = StepOptions(batch_size=2, seq_len=32, precision="bf16-mixed")
+
+    def build(batch):
+        return build_preset_step("gpt2-124m", dataclasses.replace(options, batch_size=batch))
+
+    candidates = (get_gpu("rtx4090"), get_gpu("a100-40gb"))
+    result = smallest_gpu(build, 2, candidates=candidates, margin_bytes=0)
+    assert result.traces == 2 and gpt2_builds[0] == 1
+    for fit in result.candidates:
+        fresh = predict_built(
+            build, "train step", 2, target=resolve_target(None, gpu=fit.gpu), steps=2
+        )
+        assert fit.peak_reserved_bytes == fresh.required_bytes, fit.gpu.name
+    assert gpt2_builds[0] == 3

@@ -10,6 +10,12 @@ as well as the steady state) and the evaluation step, if one is given, run witho
 GPU with ``margin_bytes`` less usable memory, as if something outside the prediction held the
 margin (near the limit the allocator frees its cache and retries there, as PyTorch would).
 
+What does not depend on the batch is not redone per probe: the presets and Hugging Face models
+a builder makes (``build_preset_step``, ``build_hf_step``) are built once per search and shared
+by its probes (``oomkit.prediction.models.model_cache``: each probe still gets a new optimizer,
+new inputs and no ``.grad``), and the meta-kernel memo (``prediction/tracing/meta_memo.py``)
+answers the ops an earlier probe ran on the same shapes.
+
 ``smallest_gpu`` (smallest_gpu.py) answers the reverse question: for one batch, which catalog
 GPUs it fits on and the smallest of them; ``batch_probe.py`` holds what both repeat per batch
 size. Their names are importable from here too.
@@ -221,7 +227,8 @@ def max_batch_size(
     tried by doubling from ``start_batch`` until one does not fit (or ``max_batch`` fits), then
     by bisection; each size is predicted at most once. Bisection assumes memory grows with the
     batch; when the curve shows otherwise, the result warns. The answer is always a size that
-    was predicted to fit.
+    was predicted to fit. A preset or Hugging Face model the builder makes is built once for
+    the whole search and shared by its probes (``oomkit.prediction.models.model_cache``).
 
     Build the worst case: the longest sequence (largest image) the run will see. ::
 
