@@ -108,3 +108,27 @@ def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
         )
         assert fit.peak_reserved_bytes == fresh.required_bytes, fit.gpu.name
     assert gpt2_builds[0] == 3
+
+
+def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
+    """A step with a policy and a frozen reference copy of one preset (DPO-style) records two
+    models in every probe: the search builds two, and its peaks equal fresh builds'."""
+
+    def build(batch):
+        options = StepOptions(batch_size=batch, seq_len=16)
+        policy = build_preset_step("gpt2-124m", options)
+        reference = build_preset_step("gpt2-124m", options).track[0]
+        reference.requires_grad_(False)
+        return policy.step_fn, (*policy.track, reference)
+
+    result = max_batch_size(build, gpu="6GiB", margin_bytes=0, start_batch=4, max_batch=5)
+    # Built once per probe each, and the reference frozen after the build: the cache sees the
+    # changed signature and rebuilds it, so its requires_grad starts as a fresh build's.
+    assert result.probe_order == (4, 5)
+    assert gpt2_builds[0] == 3  # the policy once, the reference (changed by the builder) twice
+    searched = less_margin(result.target, result.margin_bytes)
+    for probe in result.curve:
+        fresh = predict_built(build, "train step", probe.batch_size, target=searched, steps=2)
+        assert probe.train.required_bytes == fresh.required_bytes
+        assert probe.train.peak_allocated_bytes == fresh.peak_allocated_bytes
+    assert probe.train.peak_allocated_bytes > 4 * 124_000_000 * 2  # two models' fp32 weights

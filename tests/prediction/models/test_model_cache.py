@@ -30,18 +30,38 @@ def _linear_builder(made):
     return build
 
 
+def _probe(cache, key, made):
+    """One probe's request: the cache opened, one model asked for."""
+    with cache.active():
+        return cache.get(key, _linear_builder(made))
+
+
 def test_a_key_is_built_once_and_reused_with_fresh_grads():
-    """Two gets of one key build once; the second hands back the same module, grads cleared."""
+    """Two probes asking for one key build once; the second gets the same module, grads cleared."""
     made = []
     cache = ModelCache()
-    model, title = cache.get("k", _linear_builder(made))
+    model, title = _probe(cache, "k", made)
     model.weight.grad = torch.empty(4, 4, device="meta")
-    again, again_title = cache.get("k", _linear_builder(made))
+    again, again_title = _probe(cache, "k", made)
     assert again is model and (title, again_title) == ("linear", "linear")
     assert model.weight.grad is None
     assert (cache.builds, cache.reuses, len(made)) == (1, 1, 1)
-    other, _ = cache.get("other", _linear_builder(made))
+    other, _ = _probe(cache, "other", made)
     assert other is not model and cache.builds == 2
+
+
+def test_two_alike_models_in_one_probe_stay_two():
+    """A builder that makes two models with the same key in one probe (a DPO policy and its
+    reference) gets two distinct modules, and the same two again in the next probe."""
+    made = []
+    cache = ModelCache()
+    with cache.active():
+        first = cache.get("k", _linear_builder(made))[0]
+        second = cache.get("k", _linear_builder(made))[0]
+    assert first is not second and cache.builds == 2
+    with cache.active():
+        again = (cache.get("k", _linear_builder(made))[0], cache.get("k", _linear_builder(made))[0])
+    assert again == (first, second) and (cache.builds, cache.reuses) == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -60,11 +80,11 @@ def test_a_model_changed_since_it_was_built_is_built_again(change):
     the model differs from a fresh build, so the next get builds a new one."""
     made = []
     cache = ModelCache()
-    model, _ = cache.get("k", _linear_builder(made))
+    model, _ = _probe(cache, "k", made)
     change(model)
-    rebuilt, _ = cache.get("k", _linear_builder(made))
+    rebuilt, _ = _probe(cache, "k", made)
     assert rebuilt is not model and (cache.builds, cache.reuses) == (2, 0)
-    assert cache.get("k", _linear_builder(made))[0] is rebuilt  # the new one is kept
+    assert _probe(cache, "k", made)[0] is rebuilt  # the new one is kept
 
 
 def test_keys_leave_out_the_batch_and_refuse_what_cannot_be_shared():
@@ -87,8 +107,9 @@ def test_cached_model_uses_the_active_cache_only_while_open():
     with cache.active():
         assert active_model_cache() is cache
         first, _ = cached_model("k", _linear_builder(made))
-        second, _ = cached_model("k", _linear_builder(made))
         cached_model(None, _linear_builder(made))  # no key: never shared
+    with cache.active():
+        second, _ = cached_model("k", _linear_builder(made))
     assert active_model_cache() is None
     assert first is second and len(made) == 3 and cache.builds == 1
 

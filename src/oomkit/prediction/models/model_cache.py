@@ -54,14 +54,19 @@ class ModelCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[Hashable, _Entry] = {}
+        # Per key, the models built for it: a builder that makes two alike (a DPO policy and
+        # its reference model) gets two, the first and the second, in every probe.
+        self._entries: dict[Hashable, list[_Entry]] = {}
+        self._taken: dict[Hashable, int] = {}  # per key, models handed out since active()
         self.builds = 0
         self.reuses = 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[ModelCache]:
-        """While open, ``build_preset_step`` and ``build_hf_step`` share models through this
-        cache (``cached_model``)."""
+        """While open (around one probe's builder), ``build_preset_step`` and ``build_hf_step``
+        share models through this cache (``cached_model``); within one opening a model is
+        handed out once."""
+        self._taken.clear()
         token = _ACTIVE.set(self)
         try:
             yield self
@@ -71,20 +76,28 @@ class ModelCache:
     def clear(self) -> None:
         """Forget every model (they are freed when nothing else holds them)."""
         self._entries.clear()
+        self._taken.clear()
 
     def get(self, key: Hashable, build: Callable[[], tuple[torch.nn.Module, T]]) -> tuple[torch.nn.Module, T]:
         """The model (and what ``build`` returned beside it) built for ``key``: built now when
-        there is none or when the one held changed since it was built; else the one held, with
-        every ``.grad`` set to ``None``."""
-        entry = self._entries.get(key)
-        if entry is not None and _signature(entry.model) == entry.signature:
+        there is none not yet handed out since ``active()``, or when the one held changed since
+        it was built; else the one held, with every ``.grad`` set to ``None``."""
+        index = self._taken.get(key, 0)
+        self._taken[key] = index + 1
+        entries = self._entries.setdefault(key, [])
+        if index < len(entries) and _signature(entries[index].model) == entries[index].signature:
+            entry = entries[index]
             for parameter in entry.model.parameters():
                 parameter.grad = None
             self.reuses += 1
             return entry.model, entry.extra
         model, extra = build()
         self.builds += 1
-        self._entries[key] = _Entry(model, extra, _signature(model))
+        entry = _Entry(model, extra, _signature(model))
+        if index < len(entries):
+            entries[index] = entry
+        else:
+            entries.append(entry)
         return model, extra
 
 
