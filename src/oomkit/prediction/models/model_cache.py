@@ -4,8 +4,9 @@ A ``fit`` search (``oomkit.plan.batch_search.max_batch_size``) builds the step a
 it tries. The model itself does not depend on the batch: ``build_preset_step`` and
 ``build_hf_step`` build it from the preset (or config) and the other ``StepOptions`` fields, then
 wrap it (checkpointing, quantization, LoRA). While a ``ModelCache`` is active (``with
-cache.active():``), they build each distinct model once and hand the same module to every later
-probe (issue 19 item 6). Only meta-device models are shared: a meta parameter holds no data, so
+cache.active():``, opened around each probe's builder), they build each distinct model once
+and hand the same module to every later probe (issue 19 item 6). Within one probe a model is
+handed out once: a builder that makes two alike (a DPO policy and its reference) gets two. Only meta-device models are shared: a meta parameter holds no data, so
 the optimizer steps an earlier probe recorded left nothing in it.
 
 A shared model must start each probe as a fresh build would. The step builder makes a new
