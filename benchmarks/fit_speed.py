@@ -1,19 +1,26 @@
-"""What a `fit` search costs next to its first probe, with the meta-kernel memo and without.
+"""What a `fit` search costs next to its first probe: with the model and meta-kernel caches, and without.
 
 `oomkit fit gpt2-124m --gpu h100` (seq 1024, bf16-mixed, AdamW, 2 steps a probe, the default
-margin) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
+margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
 process per setting so that each starts cold (torch imported, nothing remembered):
-- ``memo``: as shipped: the meta-kernel memo (prediction/tracing/meta_memo.py) is shared by
-  the probes, so a probe re-runs no meta kernel an earlier one ran on the same shapes (the
-  optimizer's ops on the parameters, every op of a layer after the first);
-- ``plain``: the memo turned off (``SHARED_MEMO.enabled = False``): every op's kernel runs.
+- ``cached``: as shipped: the search builds the model once and its probes share it
+  (prediction/models/model_cache.py), and they share the meta-kernel memo
+  (prediction/tracing/meta_memo.py), so a probe re-runs no meta kernel an earlier one ran on the
+  same shapes (the optimizer's ops on the parameters, every op of a layer after the first);
+- ``memo-only``: the memo, but a model built afresh for every probe (the model cache off);
+- ``plain``: neither: every probe builds its model and runs every op's kernel.
 Each probe is timed by the CPU time (``time.process_time``) between the search's progress
-callbacks; on a shared machine CPU time is the figure that does not move with the load. The
-search's answer is checked to be the same with and without the memo.
+callbacks; on a shared machine CPU time is the figure that does not move with the load. Where a
+probe's time goes is split into ``build`` (the builder: the model under ``torch.device("meta")``,
+of it ``model`` the model alone, found in the cache or built, and the optimizer and inputs),
+``trace`` (recording the 2 steps, the CUDA emulations included) and ``replay`` (the simulated
+allocator), summed over the probes after the first. The search's answer, and every probe's peaks,
+are checked to be the same in every setting.
 
-Prints a line per setting, then, last, one JSON line:
-{"settings": {"memo": {"probes": [...], "first_probe_cpu_s": ..., "search_cpu_s": ...,
- "batch_size": ...}, "plain": {...}}, "machine": {...}}
+Prints a line per setting with the ratio "search / first probe", then, last, one JSON line:
+{"settings": {"cached": {"probes": [...], "first_probe_cpu_s": ..., "search_cpu_s": ...,
+ "search_over_first_probe": ..., "later_probes_cpu_s": {"build": ..., "model": ..., ...},
+ "batch_size": ...}, "memo-only": {...}, "plain": {...}}, "machine": {...}}
 """
 
 from __future__ import annotations
@@ -24,43 +31,85 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
-PRESET, SEQ, GPU = "gpt2-124m", 1024, "h100"
+# --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
+# `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
+# (peft wrapping every attention projection) costs more than GPT-2's.
+CASES = {
+    "gpt2": ("gpt2-124m", 1024, "h100", None),
+    "llama-8b-lora": ("llama-8b", 2048, "h100", 16),
+}
 
 
-def run_setting(memo: bool) -> dict:
-    """One search in this process; its per-probe CPU seconds and its answer."""
+SETTINGS = ("cached", "memo-only", "plain")
+
+
+def run_setting(setting: str, case: str) -> dict:
+    """One search in this process; its per-probe CPU seconds, where they went, and its answer."""
     import torch
     import torch._dynamo  # noqa: F401  (imported by torch on first use: not a probe's cost)
 
+    import oomkit.plan.batch_probe as batch_probe
+    import oomkit.plan.batch_search as batch_search
+    import oomkit.prediction.models.presets as presets
+    import oomkit.prediction.tracing as tracing
     from oomkit.plan.batch_search import max_batch_size
     from oomkit.prediction.models import StepOptions, build_preset_step
+    from oomkit.prediction.models.lora_options import LoraOptions
     from oomkit.prediction.tracing.meta_memo import SHARED_MEMO
 
     del torch
-    SHARED_MEMO.enabled = memo
+    preset, seq, gpu, rank = CASES[case]
+    SHARED_MEMO.enabled = setting != "plain"
+    if setting != "cached":  # a probe finds no cache and builds its own model
+        batch_search.new_model_cache = lambda: None  # type: ignore[attr-defined]
     laps: list[float] = []
+    phases: list[dict[str, float]] = [{}]
     mark = [time.process_time()]
 
     def progress(done: int, total: int) -> None:
         now = time.process_time()
         laps.append(now - mark[0])
         mark[0] = now
+        phases.append({})
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                part = phases[-1]
+                part[name] = part.get(name, 0.0) + time.process_time() - start
+
+        return run
+
+    presets.cached_model = timed("model", presets.cached_model)  # type: ignore[attr-defined]
+    tracing.trace_step = timed("trace", tracing.trace_step)  # type: ignore[attr-defined]
+    batch_probe.predict_recording = timed("replay", batch_probe.predict_recording)  # type: ignore[attr-defined]
 
     def build(batch_size: int) -> object:
-        options = StepOptions(batch_size=batch_size, seq_len=SEQ, precision="bf16-mixed",
-                              optimizer="adamw")
-        return build_preset_step(PRESET, options)
+        options = StepOptions(batch_size=batch_size, seq_len=seq, precision="bf16-mixed",
+                              optimizer="adamw", lora=None if rank is None else LoraOptions(r=rank))
+        return build_preset_step(preset, options)
 
     start_cpu, start_wall = time.process_time(), time.perf_counter()
-    result = max_batch_size(build, gpu=GPU, steps=2, progress=progress)
+    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress)
+    search_cpu_s = time.process_time() - start_cpu
+    later = {name: round(sum(p.get(name, 0.0) for p in phases[1:-1]), 2)
+             for name in ("build", "model", "trace", "replay")}
     return {
         "batch_size": result.batch_size,
         "probes": [round(lap, 2) for lap in laps],
         "sizes": list(result.probe_order),
+        "peaks": [[p.batch_size, p.peak_allocated_bytes, p.peak_reserved_bytes]
+                  for p in result.curve],
         "first_probe_cpu_s": round(laps[0], 2) if laps else None,
-        "search_cpu_s": round(time.process_time() - start_cpu, 2),
+        "search_cpu_s": round(search_cpu_s, 2),
+        "search_over_first_probe": round(search_cpu_s / laps[0], 2) if laps else None,
         "search_wall_s": round(time.perf_counter() - start_wall, 2),
+        "later_probes_cpu_s": later,
         "memo_hits": SHARED_MEMO.hits,
         "memo_misses": SHARED_MEMO.misses,
     }
@@ -68,27 +117,36 @@ def run_setting(memo: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setting", choices=("memo", "plain"), help="run one here (internal)")
+    parser.add_argument("--case", choices=tuple(CASES), default="gpt2", help="what to search")
+    parser.add_argument("--setting", choices=SETTINGS, help="run one here (internal)")
     parser.add_argument("--write", metavar="PATH", help="also write the JSON result to PATH")
     args = parser.parse_args()
     if args.setting:
-        print(json.dumps(run_setting(args.setting == "memo")))
+        print(json.dumps(run_setting(args.setting, args.case)))
         return 0
-    state = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
+    state = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
+             "case": args.case}
     settings = {}
-    for setting in ("memo", "plain"):
-        proc = subprocess.run([sys.executable, __file__, "--setting", setting],
+    for setting in SETTINGS:
+        proc = subprocess.run([sys.executable, __file__, "--setting", setting, "--case", args.case],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)
             return proc.returncode
         result = settings[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{setting:>5}: batch {result['batch_size']} after {len(result['probes'])} probes "
+        later = result["later_probes_cpu_s"]
+        print(f"{setting:>9}: batch {result['batch_size']} after {len(result['probes'])} probes "
               f"({result['sizes']}): first probe {result['first_probe_cpu_s']:.2f} s CPU, whole "
-              f"search {result['search_cpu_s']:.2f} s CPU ({result['search_wall_s']:.2f} s wall)")
-    if settings["memo"]["batch_size"] != settings["plain"]["batch_size"]:
-        print("the memo changed the answer", file=sys.stderr)
-        return 1
+              f"search {result['search_cpu_s']:.2f} s CPU ({result['search_wall_s']:.2f} s "
+              f"wall); search / first probe {result['search_over_first_probe']:.1f}; probes "
+              f"after the first: build {later['build']:.2f} s (model {later['model']:.2f}), "
+              f"trace {later['trace']:.2f} s, replay {later['replay']:.2f} s "
+              f"(load average {os.getloadavg()[0]:.2f})")
+    reference = settings["plain"]
+    for setting, result in settings.items():
+        if (result["batch_size"], result["peaks"]) != (reference["batch_size"], reference["peaks"]):
+            print(f"{setting} changed the answer or a probe's peaks", file=sys.stderr)
+            return 1
     state["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     line = json.dumps({"settings": settings, "machine": state})
     print(line)

@@ -11,6 +11,7 @@ when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "dedupe",
     "default_margin_bytes",
     "less_margin",
+    "new_model_cache",
     "predict_built",
     "probe_record",
     "record_step",
@@ -153,10 +155,21 @@ def _unpack_built(built: Any, what: str, batch_size: int) -> tuple[Callable[[], 
 
 
 def record_step(
-    builder: StepBuilder, what: str, batch_size: int, *, target: Target, steps: int
+    builder: StepBuilder,
+    what: str,
+    batch_size: int,
+    *,
+    target: Target,
+    steps: int,
+    models: Any = None,
 ) -> tuple[Any, str]:
     """Build the step at ``batch_size`` under ``torch.device("meta")`` and record it for
     ``target`` (its GPU's compute capability and its cuDNN version pick the kernels).
+
+    Args:
+        models: a ``oomkit.prediction.models.model_cache.ModelCache`` active while the builder
+            runs: the presets and Hugging Face models it builds are then built once per cache
+            and shared by the probes (``new_model_cache``); ``None`` builds afresh.
 
     Returns:
         The ``TraceRecording`` and the builder's description of the step.
@@ -168,7 +181,7 @@ def record_step(
     from oomkit.prediction.tracing import trace_step
 
     meta = torch.device("meta")
-    with meta:
+    with meta, contextlib.nullcontext() if models is None else models.active():
         built = builder(batch_size)
     step_fn, track, description = _unpack_built(built, what, batch_size)
 
@@ -187,10 +200,21 @@ def predict_built(
     *,
     target: Target,
     steps: int,
+    models: Any = None,
 ) -> Prediction:
-    """Build, record and predict the step at ``batch_size`` on ``target``."""
-    recording, description = record_step(builder, what, batch_size, target=target, steps=steps)
+    """Build, record and predict the step at ``batch_size`` on ``target`` (``models``: as
+    for ``record_step``)."""
+    recording, description = record_step(
+        builder, what, batch_size, target=target, steps=steps, models=models
+    )
     return predict_recording(recording, target=target, description=description)
+
+
+def new_model_cache() -> Any:
+    """A ``ModelCache`` for the probes of one search (imports torch: call it when probing)."""
+    from oomkit.prediction.models.model_cache import ModelCache
+
+    return ModelCache()
 
 
 def less_margin(target: Target, margin_bytes: int) -> Target | None:

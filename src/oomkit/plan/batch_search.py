@@ -10,6 +10,12 @@ as well as the steady state) and the evaluation step, if one is given, run witho
 GPU with ``margin_bytes`` less usable memory, as if something outside the prediction held the
 margin (near the limit the allocator frees its cache and retries there, as PyTorch would).
 
+What does not depend on the batch is not redone per probe: the presets and Hugging Face models
+a builder makes (``build_preset_step``, ``build_hf_step``) are built once per search and shared
+by its probes (``oomkit.prediction.models.model_cache``: each probe still gets a new optimizer,
+new inputs and no ``.grad``), and the meta-kernel memo (``prediction/tracing/meta_memo.py``)
+answers the ops an earlier probe ran on the same shapes.
+
 ``smallest_gpu`` (smallest_gpu.py) answers the reverse question: for one batch, which catalog
 GPUs it fits on and the smallest of them; ``batch_probe.py`` holds what both repeat per batch
 size. Their names are importable from here too.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
@@ -39,6 +46,7 @@ from oomkit.plan.batch_probe import (
     dedupe,
     default_margin_bytes,
     less_margin,
+    new_model_cache,
     predict_built,
     probe_record,
     resolve_margin,
@@ -143,6 +151,8 @@ class _Prober:
         self.probes: dict[int, BatchProbe] = {}
         self.order: list[int] = []
         self.traces = 0
+        # The model is built once for the whole search (model_cache.py); made at the first probe.
+        self.models: Any = None
 
     def fits(self, batch_size: int, remaining: int) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
@@ -160,15 +170,22 @@ class _Prober:
 
     def _probe(self, batch_size: int) -> BatchProbe:
         target = self._target
+        if self.models is None:
+            self.models = new_model_cache()
         train = predict_built(
-            self._build_step, "train step", batch_size, target=target, steps=self._steps
+            self._build_step,
+            "train step",
+            batch_size,
+            target=target,
+            steps=self._steps,
+            models=self.models,
         )
         self.traces += 1
         evaluation = None
         # A batch whose training step does not fit fails whatever its evaluation needs.
         if self._eval_step is not None and train.fits:
             evaluation = predict_built(
-                self._eval_step, "eval step", batch_size, target=target, steps=1
+                self._eval_step, "eval step", batch_size, target=target, steps=1, models=self.models
             )
             self.traces += 1
         return probe_record(batch_size, train, evaluation, self._usable_bytes)
@@ -210,7 +227,8 @@ def max_batch_size(
     tried by doubling from ``start_batch`` until one does not fit (or ``max_batch`` fits), then
     by bisection; each size is predicted at most once. Bisection assumes memory grows with the
     batch; when the curve shows otherwise, the result warns. The answer is always a size that
-    was predicted to fit.
+    was predicted to fit. A preset or Hugging Face model the builder makes is built once for
+    the whole search and shared by its probes (``oomkit.prediction.models.model_cache``).
 
     Build the worst case: the longest sequence (largest image) the run will see. ::
 

@@ -28,6 +28,7 @@ from oomkit.plan.batch_probe import (
     check_positive,
     dedupe,
     less_margin,
+    new_model_cache,
     probe_record,
     record_step,
     resolve_margin,
@@ -151,6 +152,7 @@ def smallest_gpu(
     # The recording depends on the GPU only through its compute capability (the SDPA backend,
     # the cuBLAS workspace size: tracing/emulations), so trace once per capability.
     recorded: dict[tuple[int, int] | None, tuple[Any, Any, str]] = {}
+    models: Any = None
     traces = 0
     fits: list[GpuFit] = []
     warnings: list[tuple[str, ...]] = []  # per candidate
@@ -165,13 +167,15 @@ def smallest_gpu(
             assert batch_size is not None
             key = spec.compute_capability
             if key not in recorded:
+                if models is None:  # one model for every capability (model_cache.py)
+                    models = new_model_cache()
                 first, described = record_step(
-                    source, "train step", batch_size, target=on_spec, steps=steps
+                    source, "train step", batch_size, target=on_spec, steps=steps, models=models
                 )
                 second = None
                 if eval_step is not None:
                     second, _ = record_step(
-                        eval_step, "eval step", batch_size, target=on_spec, steps=1
+                        eval_step, "eval step", batch_size, target=on_spec, steps=1, models=models
                     )
                 recorded[key] = (first, second, described)
                 traces += 1 + (second is not None)

@@ -20,6 +20,7 @@ import torch
 from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
 from oomkit.prediction.models.bnb_config import bnb_step_fields
 from oomkit.prediction.models.lora import prepare_finetune
+from oomkit.prediction.models.model_cache import cached_model, model_cache_key
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.selective_ac import selective_op_context
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
@@ -276,19 +277,33 @@ def build_hf_step(
         # config is left as it was.
         config = copy.deepcopy(config)
         build_kwargs[_dtype_keyword(transformers)] = model_dtype(options.precision)
-    with torch.device(device):
-        model = auto_class.from_config(config, **build_kwargs)
-    if options.checkpointing != "none" and options.mode == "train":
-        # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
-        # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
-        # (transformers 5 renamed it activation_checkpointing_enable; the old name warns.)
-        kwargs: dict[str, Any] = {"use_reentrant": options.checkpoint_reentrant}
-        if options.checkpointing == "selective-op":  # the policy per checkpointed layer call
-            kwargs.update(context_fn=selective_op_context, preserve_rng_state=False)
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def build() -> tuple[torch.nn.Module, str]:
+        with torch.device(device):
+            model = auto_class.from_config(config, **build_kwargs)
+        if options.checkpointing != "none" and options.mode == "train":
+            # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
+            # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
+            # (transformers 5 renamed it activation_checkpointing_enable; the old name warns.)
+            kwargs: dict[str, Any] = {"use_reentrant": options.checkpoint_reentrant}
+            if options.checkpointing == "selective-op":  # the policy per checkpointed layer call
+                kwargs.update(context_fn=selective_op_context, preserve_rng_state=False)
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        title = _title(name_or_path_or_config, config, model)
+        return model, prepare_finetune(model, options, title)  # quantize, LoRA
+
+    # Within a batch search, built once and shared by its probes (model_cache.py): keyed by the
+    # config's contents, as from_config reads them.
+    contents = _config_contents(config)
+    named = name_or_path_or_config
+    source_name = os.fspath(named) if isinstance(named, str | os.PathLike) else None
+    key = None if contents is None else model_cache_key(
+        "hf", (source_name, contents), options, device, auto_class, tuple(build_kwargs.items())
+    )
+    model, title = cached_model(key, build)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(
         text, "n_positions", None
@@ -301,8 +316,6 @@ def build_hf_step(
             f"tokens; use StepOptions(seq_len=...) of at most {max_positions} in total"
         )
     image_size = options.image_size or getattr(config, "image_size", None) or 224
-    title = _title(name_or_path_or_config, config, model)
-    title = prepare_finetune(model, options, title)  # quantize, LoRA
     runner = _runner(transformers, model, task, config, text)
     return build_step(
         runner,
@@ -338,6 +351,15 @@ def _quantization(options: StepOptions, config: Any, given: Any) -> StepOptions:
         return dataclasses.replace(options, **fields)
     except ValueError as exc:
         raise ConfigError(f"the quantization_config {fields} does not apply: {exc}") from exc
+
+
+def _config_contents(config: Any) -> str | None:
+    """Every value of ``config`` as JSON (what ``from_config`` reads), or ``None`` when it
+    cannot be written so (the model is then built afresh each time)."""
+    try:
+        return str(config.to_json_string(use_diff=False))
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _title(source: Any, config: Any, model: torch.nn.Module) -> str:

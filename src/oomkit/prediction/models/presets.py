@@ -21,6 +21,7 @@ from oomkit.prediction.models.llama import (
     llama_parameter_count,
 )
 from oomkit.prediction.models.lora import prepare_finetune
+from oomkit.prediction.models.model_cache import cached_model, model_cache_key
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 from oomkit.prediction.models.resnet import (
     ResNet,
@@ -292,11 +293,16 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
     seq_len = options.seq_len or preset.default_seq_len or 0
     image_size = options.image_size or 224
     _check_lengths(preset, options, seq_len)
-    with torch.device(device):
-        model = preset.build()
-    model = model.to(dtype=model_dtype(options.precision))
-    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    title = prepare_finetune(model, options, preset.title)  # quantize, LoRA
+
+    def build() -> tuple[torch.nn.Module, str]:
+        with torch.device(device):
+            model = preset.build()
+        model = model.to(dtype=model_dtype(options.precision))
+        apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+        return model, prepare_finetune(model, options, preset.title)  # quantize, LoRA
+
+    # Within a batch search, built once and shared by its probes (model_cache.py).
+    model, title = cached_model(model_cache_key("preset", preset, options, device), build)
     runner = _runner(preset, model)
     return build_step(
         runner, options, title=title, seq_len=seq_len, image_size=image_size, device=device
