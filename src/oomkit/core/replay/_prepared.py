@@ -23,7 +23,7 @@ from oomkit.core.replay._recorded import (
     recorded_torch_version,
 )
 from oomkit.core.replay.engine import SEGMENT_ACTIONS
-from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
+from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
 
@@ -51,6 +51,7 @@ class Prepared:
     # Trace indices of the segment decisions and oom entries, and the decisions themselves.
     marks: tuple[int, ...]
     recorded: tuple[tuple[int, SegmentEvent], ...]
+    allocs: int  # alloc entries in ``events``
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -96,10 +97,11 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
     )
     final, private_segments = final_segments_for(snapshot, device)
     divisions = recorded_config.roundup_power2_divisions
-    start = reconstruct_start_state(final, events, lambda n: round_size(n, divisions))
-    # One pass finds the segment decisions and the oom entries; the passes of a replay read
-    # these few positions instead of the whole trace again (issue 19).
-    marks = tuple(i for i, ev in enumerate(events) if ev.action in MARKED)
+    start, walk = reconstruct_walked(final, events, lambda n: round_size(n, divisions))
+    # The reconstruction's walk over the trace also found the segment decisions and the oom
+    # entries; the passes of a replay read these few positions instead of the whole trace
+    # again (issue 19).
+    marks = tuple(reversed(walk.marks))
     recorded = tuple(
         (i, (ev.action, ev.address, ev.size))
         for i in marks
@@ -116,4 +118,5 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         start=start,
         marks=marks,
         recorded=recorded,
+        allocs=walk.allocs,
     )
