@@ -55,6 +55,7 @@ from oomkit.core.allocator.stats import (
     LARGE_POOL,
     SMALL_POOL,
     AllocatorStats,
+    StatsApi,
 )
 from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
@@ -65,7 +66,7 @@ __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE
 DEFAULT_CAPACITY_BYTES: Final = 80 * 2**30
 
 
-class CachingAllocator:
+class CachingAllocator(StatsApi):
     """A simulated PyTorch native CUDA caching allocator for one device.
 
     Args:
@@ -86,6 +87,7 @@ class CachingAllocator:
 
     Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5): :meth:`create_pool`,
     :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool`, :meth:`release_pool`.
+    The ``torch.cuda`` stats functions (:meth:`memory_stats`, ...) come from :class:`StatsApi`.
 
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
@@ -269,10 +271,19 @@ class CachingAllocator:
                     sp[_ISB] -= size
                     sp[_ISBF] += size
                 else:
-                    # A new split inactive block of `remaining` bytes appears (the first split
-                    # of a whole block: rarer than the rest of this path).
-                    self._stats.up(kind, _ISB, remaining)
-                    self._stats.up(kind, _IS, 1)
+                    # A new split inactive block of `remaining` bytes appears.
+                    c = sp[_ISB] + remaining
+                    sp[_ISB] = c
+                    if c > sp[_ISBP]:
+                        sp[_ISBP] = c
+                    if c + so[_ISB] > sa[_ISBP]:
+                        sa[_ISBP] = c + so[_ISB]
+                    c = sp[_IS] + 1
+                    sp[_IS] = c
+                    if c > sp[_ISP]:
+                        sp[_ISP] = c
+                    if c + so[_IS] > sa[_ISP]:
+                        sa[_ISP] = c + so[_IS]
             block = new
         elif classic and (block.prev is not None or block.next is not None):
             # An already-split block becomes active whole.
@@ -488,41 +499,6 @@ class CachingAllocator:
     def gc_enabled(self) -> bool:
         """GC runs only with a fraction limit and a threshold > 0 (§7)."""
         return self._settings.gc_enabled
-
-    # ------------------------------------------------------------------ stats
-
-    def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
-        return self._stats.memory_stats(self.rules, self._max_split_stat)
-
-    def reset_peak_memory_stats(self) -> None:
-        """resetPeakStats: every peak becomes the current value."""
-        self._stats.reset_peaks()
-
-    def reset_accumulated_memory_stats(self) -> None:
-        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
-        self._stats.reset_accumulated()
-
-    @property
-    def num_oom_rejections(self) -> int:
-        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2)."""
-        return self._stats.num_oom_rejections
-
-    def memory_allocated(self) -> int:
-        """``allocated_bytes.all.current``."""
-        return self._stats.current(st.ALLOCATED_BYTES)
-
-    def memory_reserved(self) -> int:
-        """``reserved_bytes.all.current``."""
-        return self._stats.current(st.RESERVED_BYTES)
-
-    def max_memory_allocated(self) -> int:
-        """``allocated_bytes.all.peak``."""
-        return self._stats.peak(st.ALLOCATED_BYTES)
-
-    def max_memory_reserved(self) -> int:
-        """``reserved_bytes.all.peak``."""
-        return self._stats.peak(st.RESERVED_BYTES)
 
     # ------------------------------------------------------------------ private pools
 

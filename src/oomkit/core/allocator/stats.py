@@ -50,6 +50,7 @@ __all__ = [
     "reset_peaks",
     "reset_accumulated",
     "AllocatorStats",
+    "StatsApi",
 ]
 
 # DeviceStats array members, in the order THCPModule_memoryStats emits them.
@@ -311,3 +312,48 @@ class AllocatorStats:
         self.num_device_free = 0
         # MAIN26 resetAccumulatedStats also zeroes num_oom_rejections.
         self.num_oom_rejections = 0
+
+
+class StatsApi:
+    """The ``torch.cuda`` memory-stats functions of an allocator (a base of CachingAllocator).
+
+    The subclass sets ``_stats``, ``rules`` and ``_max_split_stat`` (the ``max_split_size``
+    captured at creation, -1 when unlimited).
+    """
+
+    _stats: AllocatorStats
+    rules: TorchBehaviour
+    _max_split_stat: int
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
+        return self._stats.memory_stats(self.rules, self._max_split_stat)
+
+    def reset_peak_memory_stats(self) -> None:
+        """resetPeakStats: every peak becomes the current value."""
+        self._stats.reset_peaks()
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
+        self._stats.reset_accumulated()
+
+    @property
+    def num_oom_rejections(self) -> int:
+        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2)."""
+        return self._stats.num_oom_rejections
+
+    def memory_allocated(self) -> int:
+        """``allocated_bytes.all.current``."""
+        return self._stats.current(ALLOCATED_BYTES)
+
+    def memory_reserved(self) -> int:
+        """``reserved_bytes.all.current``."""
+        return self._stats.current(RESERVED_BYTES)
+
+    def max_memory_allocated(self) -> int:
+        """``allocated_bytes.all.peak``."""
+        return self._stats.peak(ALLOCATED_BYTES)
+
+    def max_memory_reserved(self) -> int:
+        """``reserved_bytes.all.peak``."""
+        return self._stats.peak(RESERVED_BYTES)
