@@ -96,7 +96,10 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         snapshot.allocator_settings, version
     )
     final, private_segments = final_segments_for(snapshot, device)
-    divisions = recorded_config.roundup_power2_divisions
+    divisions: tuple[int, ...] | None = recorded_config.roundup_power2_divisions
+    if not any(d > 1 for d in divisions or ()):
+        # round_size divides only with divisions > 1: None is the same rounding, sooner.
+        divisions = None
     start, walk = reconstruct_walked(final, events, lambda n: round_size(n, divisions))
     # The reconstruction's walk over the trace also found the segment decisions and the oom
     # entries; the passes of a replay read these few positions instead of the whole trace

@@ -136,7 +136,7 @@ def reconstruct_walked(
         blocks: list[SeedBlock] = []
         end = seg.address + seg.total_size
         for k, addr in enumerate(addrs):
-            size, requested, state, completed_at = live[addr]
+            size, requested, state, completed_at, final_block = live[addr]
             limit = addrs[k + 1] if k + 1 < len(addrs) else end
             if size is None:
                 hidden_count += 1
@@ -150,7 +150,16 @@ def reconstruct_walked(
                     f"it was cut to {limit - addr} B"
                 )
                 size = limit - addr
-            blocks.append(SeedBlock(addr, size, requested, state))
+            if (
+                final_block is not None
+                and size == final_block.size
+                and requested == final_block.requested_size
+                and state == final_block.state
+            ):
+                # Live at both ends with the same facts: the final record serves as it is.
+                blocks.append(final_block)
+            else:
+                blocks.append(SeedBlock(addr, size, requested, state))
         out.append(_layout_ordered(seg, blocks))
     return StartState(tuple(out), hidden_count, tuple(warnings)), walk
 
@@ -164,7 +173,8 @@ class _Walk:
         self.classic: dict[int, SeedSegment] = {}  # classic segments by address
         self.runs: list[SeedSegment] = []  # expandable mapped runs
         # Blocks held at the start: address -> [size (None: hidden, only the requested size is
-        # known), requested_size, state, trace index of its first free_completed or None].
+        # known), requested_size, state, trace index of its first free_completed or None, the
+        # final SeedBlock it started from or None].
         # Lists, not objects: one is made and dropped for every block the trace frees and
         # allocates, and the walk runs over every event of every replay (issue 19).
         self.held: dict[int, list] = {}
@@ -192,7 +202,7 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
             classic[seg.address] = shell
         for b in seg.blocks:
             if b.state in LIVE_STATES:
-                walked[b.address] = [b.size, b.requested_size, b.state, None]
+                walked[b.address] = [b.size, b.requested_size, b.state, None, b]
 
     pop = walked.pop
     get = walked.get
@@ -206,7 +216,7 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
                 # A second free_completed without an alloc between: keep the earlier facts.
                 prior[3] = index
             else:
-                walked[ev.address] = [None, ev.size, "active_pending_free", index]
+                walked[ev.address] = [None, ev.size, "active_pending_free", index, None]
         elif action == "alloc":
             address = ev.address
             first_alloc[address] = index
@@ -219,7 +229,7 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
         elif action == "free_requested":
             block = get(ev.address)
             if block is None:
-                walked[ev.address] = [None, ev.size, "active_allocated", None]
+                walked[ev.address] = [None, ev.size, "active_allocated", None, None]
             else:
                 block[2] = "active_allocated"
         elif action == "segment_free":
