@@ -90,7 +90,14 @@ def _forget(key: int) -> Callable[[weakref.ref[Snapshot]], None]:
 
 
 def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prepared:
-    events, private_events = default_pool_events(snapshot.trace_for(device))
+    keys = snapshot.keys_seen
+    if keys and "trace:pool_id" not in keys:
+        # The reader notes every key of every trace entry it read, and tags an entry with its
+        # private pool only from a "pool_id" key: without one no entry needs dropping, and the
+        # trace is not read again (issue 19). A snapshot built otherwise notes no keys.
+        events, private_events = snapshot.trace_for(device), 0
+    else:
+        events, private_events = default_pool_events(snapshot.trace_for(device))
     version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
     recorded_config, settings_warnings = config_from_settings(
         snapshot.allocator_settings, version
