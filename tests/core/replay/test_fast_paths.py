@@ -465,3 +465,25 @@ def test_walk_notes_marks_allocs_and_first_allocs_as_plain_scans(entries):
     assert walk.first_alloc == _FirstAllocs(events).first_index
     made = _FirstAllocs.from_first_index(walk.first_alloc)
     assert made.addresses == _FirstAllocs(events).addresses
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**48),
+    st.integers(1, 2**40),
+    st.integers(0, 2**40),
+    st.sampled_from(["active_allocated", "active_pending_free", "inactive"]),
+)
+def test_new_seed_block_is_the_dataclass_record(address, size, requested, state):
+    """new_seed_block (slots set directly) makes the record SeedBlock(...) makes: equal, same
+    hash and repr, and still frozen."""
+    import dataclasses
+
+    from oomkit.core.replay.reconstruct import SeedBlock, new_seed_block
+
+    fast, plain = new_seed_block(address, size, requested, state), SeedBlock(address, size, requested, state)
+    assert type(fast) is SeedBlock
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert dataclasses.astuple(fast) == (address, size, requested, state)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.size = 1  # type: ignore[misc]

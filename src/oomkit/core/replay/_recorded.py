@@ -8,7 +8,7 @@ from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.constants import SIZE_MAX
-from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment
+from oomkit.core.replay.reconstruct import SeedSegment, new_seed_block
 from oomkit.core.snapshot import Snapshot, infer_torch_version
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import ConfigError
@@ -98,7 +98,7 @@ def final_segments_for(snapshot: Snapshot, device: int) -> tuple[list[SeedSegmen
             private += 1
             continue
         blocks = [
-            SeedBlock(b.address, b.size, b.requested_size, b.state)  # type: ignore[arg-type]
+            new_seed_block(b.address, b.size, b.requested_size, b.state)  # type: ignore[arg-type]
             for b in seg.blocks
         ]
         blocks.sort(key=_ADDRESS)
