@@ -487,3 +487,20 @@ def test_new_seed_block_is_the_dataclass_record(address, size, requested, state)
     assert dataclasses.astuple(fast) == (address, size, requested, state)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.size = 1  # type: ignore[misc]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 2**48), st.integers(1, 2**40), st.integers(0, 8), st.booleans(), st.booleans())
+def test_new_seed_segment_is_the_dataclass_record(address, total, stream, small, expandable):
+    """new_seed_segment makes the record SeedSegment(...) makes: equal, same hash, frozen."""
+    import dataclasses
+
+    from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment, new_seed_segment
+
+    blocks = (SeedBlock(address, total, 0, "inactive"),)
+    fast = new_seed_segment(address, total, stream, small, expandable, blocks)
+    plain = SeedSegment(address, total, stream, small, expandable, blocks)
+    assert type(fast) is SeedSegment and fast == plain and hash(fast) == hash(plain)
+    assert fast.end == address + total
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.stream = 1  # type: ignore[misc]

@@ -8,7 +8,7 @@ from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.constants import SIZE_MAX
-from oomkit.core.replay.reconstruct import SeedSegment, new_seed_block
+from oomkit.core.replay.reconstruct import SeedSegment, new_seed_block, new_seed_segment
 from oomkit.core.snapshot import Snapshot, infer_torch_version
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import ConfigError
@@ -103,7 +103,7 @@ def final_segments_for(snapshot: Snapshot, device: int) -> tuple[list[SeedSegmen
         ]
         blocks.sort(key=_ADDRESS)
         out.append(
-            SeedSegment(
+            new_seed_segment(
                 seg.address,
                 seg.total_size,
                 seg.stream,

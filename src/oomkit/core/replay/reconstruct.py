@@ -89,6 +89,32 @@ class SeedSegment:
         return self.address + self.total_size
 
 
+_SEGMENT_SLOTS = tuple(
+    SeedSegment.__dict__[name].__set__
+    for name in ("address", "total_size", "stream", "is_small", "expandable", "blocks")
+)
+
+
+def new_seed_segment(
+    address: int,
+    total_size: int,
+    stream: int,
+    is_small: bool,
+    expandable: bool,
+    blocks: tuple[SeedBlock, ...],
+) -> SeedSegment:
+    """``SeedSegment(...)``, made as :func:`new_seed_block` makes a block (the same record)."""
+    segment: SeedSegment = _NEW(SeedSegment)
+    set_address, set_total, set_stream, set_small, set_expandable, set_blocks = _SEGMENT_SLOTS
+    set_address(segment, address)
+    set_total(segment, total_size)
+    set_stream(segment, stream)
+    set_small(segment, is_small)
+    set_expandable(segment, expandable)
+    set_blocks(segment, blocks)
+    return segment
+
+
 @dataclass(frozen=True)
 class StartState:
     """The reconstructed state at the first trace event.
@@ -215,7 +241,9 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
     allocs = 0
     for seg in final_segments:
         # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
-        shell = SeedSegment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ())
+        shell = new_seed_segment(
+            seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ()
+        )
         if seg.expandable:
             walk.runs.append(shell)
         else:
@@ -320,7 +348,7 @@ def _layout_ordered(segment: SeedSegment, live: list[SeedBlock]) -> SeedSegment:
     end = segment.address + segment.total_size
     if cursor < end:
         blocks.append(new_seed_block(cursor, end - cursor, 0, "inactive"))
-    return SeedSegment(
+    return new_seed_segment(
         segment.address,
         segment.total_size,
         segment.stream,
