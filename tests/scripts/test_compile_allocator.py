@@ -52,10 +52,33 @@ def test_public_methods_take_any_private_ones_keep_their_types(tmp_path):
 
 
 def test_the_compiled_modules_are_the_hot_path():
-    """The modules compiled are the ones every malloc and free runs, and all exist."""
+    """The modules compiled are the ones every malloc and free runs, and every replay's seeding
+    and snapshot (state), and all exist."""
     script = _script()
     assert set(script.MODULES) == {
-        "block", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings"
+        "block", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings",
+        "state",
     }
     for name in script.MODULES:
         assert (script.PACKAGE / f"{name}.py").is_file()
+
+
+def test_seed_segment_and_its_check_take_any_in_the_copy(tmp_path):
+    """The copy of state.py to compile: seed_segment (but its first argument, the allocator's
+    parts) and _check_seed take Any, so a bad address raises AllocatorUsageError, not TypeError;
+    other functions keep their types."""
+    script = _script()
+    copy = tmp_path / "state.py"
+    shutil.copy(script.PACKAGE / "state.py", copy)
+    script._function_arguments_any(copy, ("seed_segment", "_check_seed"))
+    tree = ast.parse(copy.read_text())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = {
+                a.arg: ast.unparse(a.annotation) if a.annotation else "" for a in node.args.args
+            }
+    assert found["seed_segment"]["target"] == "SeedTarget"
+    assert found["seed_segment"]["address"] == found["seed_segment"]["is_small"] == "Any"
+    assert set(found["_check_seed"].values()) == {"Any"}
+    assert found["snapshot"]["device"] == "int"

@@ -98,3 +98,22 @@ def test_public_names_import():
 
     for name in mod.__all__:
         assert getattr(mod, name) is not None
+
+
+@pytest.mark.parametrize(
+    ("address", "total_size", "stream", "message"),
+    [
+        ("0x7000", 2 * MiB, 0, "address must be a positive int; got '0x7000'"),
+        (BASE, 2.0 * MiB, 0, "total_size must be a positive int; got 2097152.0"),
+        (BASE, 2 * MiB, "0", "stream must be an int; got '0'"),
+    ],
+)
+def test_seed_segment_of_the_wrong_type_is_a_usage_error(address, total_size, stream, message):
+    """Arguments of the wrong type get seed_segment's own AllocatorUsageError, on the compiled
+    build too (scripts/compile_allocator.py gives the compiled copy Any arguments there)."""
+    a = CachingAllocator()
+    with pytest.raises(AllocatorUsageError, match=message.replace(".", r"\.")):
+        a.seed_segment(
+            address, total_size, stream, is_small=True, blocks=[(BASE, 2 * MiB, 0, False)]
+        )
+    assert a.memory_stats()["segment.all.current"] == 0

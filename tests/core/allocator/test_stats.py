@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from oomkit.core.allocator import STAT_KEYS, CachingAllocator
 from oomkit.core.allocator.stats import (
     ALL,
     ALLOCATED_BYTES,
+    LARGE_POOL,
     OVERSIZE_SEGMENTS,
     SMALL_POOL,
     AllocatorStats,
@@ -105,4 +109,72 @@ def test_allocator_stats_up_down_keep_peaks_and_reset():
     out = stats.memory_stats(behaviour_for(None), -1)
     assert (out["allocated_bytes.all.allocated"], out["allocated_bytes.all.freed"]) == (0, 0)
     assert (out["allocated_bytes.all.current"], out["num_ooms"]) == (250, 0)
-    assert stats.lists[ALL][ALLOCATED_BYTES] == 250
+    assert stats.lists[SMALL_POOL][ALLOCATED_BYTES] == 250
+    # all keeps only its peaks; its current is the pools' sum (stats.py).
+    assert stats.lists[ALL][ALLOCATED_BYTES] == 0
+
+
+class _PlainStat:
+    """PyTorch's Stat as CachingDeviceAllocator.h writes it: all four fields stored."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def increase(self, amount: int) -> None:
+        self.current += amount
+        self.peak = max(self.peak, self.current)
+        self.allocated += amount
+
+    def decrease(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def reset_accumulated(self) -> None:
+        self.allocated = self.freed = 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["up", "down", "reset_peaks", "reset_accumulated"]),
+            st.sampled_from([SMALL_POOL, LARGE_POOL]),
+            st.integers(0, 1_000),
+        ),
+        max_size=60,
+    )
+)
+def test_all_as_the_pools_sum_equals_updating_all_with_every_pool(ops):
+    """Stats whose ``all`` keeps only its peaks (current, freed, origin summed from the pools)
+    report every ``allocated_bytes`` key exactly as PyTorch's update_stat_array, which updates
+    AGGREGATE with every pool update, across peak and accumulated resets."""
+    stats = AllocatorStats()
+    plain = {t: _PlainStat() for t in ("all", "small_pool", "large_pool")}
+    names = {SMALL_POOL: "small_pool", LARGE_POOL: "large_pool"}
+    for op, kind, amount in ops:
+        pair = (plain["all"], plain[names[kind]])
+        if op == "up":
+            stats.up(kind, ALLOCATED_BYTES, amount)
+            for s in pair:
+                s.increase(amount)
+        elif op == "down":
+            stats.down(kind, ALLOCATED_BYTES, amount)
+            for s in pair:
+                s.decrease(amount)
+        elif op == "reset_peaks":
+            stats.reset_peaks()
+            for s in plain.values():
+                s.reset_peak()
+        else:
+            stats.reset_accumulated()
+            for s in plain.values():
+                s.reset_accumulated()
+    out = stats.memory_stats(behaviour_for(None), -1)
+    for t, s in plain.items():
+        for field in ("current", "peak", "allocated", "freed"):
+            assert out[f"allocated_bytes.{t}.{field}"] == getattr(s, field), (t, field)
+    assert stats.current(ALLOCATED_BYTES) == plain["all"].current
+    assert stats.peak(ALLOCATED_BYTES) == plain["all"].peak

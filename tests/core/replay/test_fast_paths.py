@@ -28,7 +28,7 @@ from oomkit.core.replay._compare import (
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
-from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs
+from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs, _walk
 from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.core.trace import TraceEvent
@@ -444,3 +444,63 @@ def test_seeded_stats_equal_a_per_block_loop(layout, setting):
     max_split = 24 * MiB if setting else 2**64
     got = {k: v for k, v in allocator.memory_stats().items() if k in _plain_seed_stats(segments, max_split)}
     assert got == _plain_seed_stats(segments, max_split)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reconstruction's backward walk: what it notes on the way vs plain forward scans
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([*_ACTIONS, "segment_map", "segment_unmap", "snapshot"]),
+                          st.integers(0, 40)), max_size=80))
+def test_walk_notes_marks_allocs_and_first_allocs_as_plain_scans(entries):
+    """The backward walk's segment/oom positions, alloc count and first-alloc index equal a
+    forward scan for each (what _prepare and the hidden-block queries read instead of passes
+    over the whole trace)."""
+    events = [TraceEvent(a, 2 * MiB * k, 2 * MiB) for a, k in entries]
+    walk = _walk((), events)
+    marked = (*SEGMENT_ACTIONS, "oom")
+    assert list(reversed(walk.marks)) == [i for i, ev in enumerate(events) if ev.action in marked]
+    assert walk.allocs == sum(ev.action == "alloc" for ev in events)
+    assert walk.first_alloc == _FirstAllocs(events).first_index
+    made = _FirstAllocs.from_first_index(walk.first_alloc)
+    assert made.addresses == _FirstAllocs(events).addresses
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**48),
+    st.integers(1, 2**40),
+    st.integers(0, 2**40),
+    st.sampled_from(["active_allocated", "active_pending_free", "inactive"]),
+)
+def test_new_seed_block_is_the_dataclass_record(address, size, requested, state):
+    """new_seed_block (slots set directly) makes the record SeedBlock(...) makes: equal, same
+    hash and repr, and still frozen."""
+    import dataclasses
+
+    from oomkit.core.replay.reconstruct import SeedBlock, new_seed_block
+
+    fast, plain = new_seed_block(address, size, requested, state), SeedBlock(address, size, requested, state)
+    assert type(fast) is SeedBlock
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert dataclasses.astuple(fast) == (address, size, requested, state)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.size = 1  # type: ignore[misc]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 2**48), st.integers(1, 2**40), st.integers(0, 8), st.booleans(), st.booleans())
+def test_new_seed_segment_is_the_dataclass_record(address, total, stream, small, expandable):
+    """new_seed_segment makes the record SeedSegment(...) makes: equal, same hash, frozen."""
+    import dataclasses
+
+    from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment, new_seed_segment
+
+    blocks = (SeedBlock(address, total, 0, "inactive"),)
+    fast = new_seed_segment(address, total, stream, small, expandable, blocks)
+    plain = SeedSegment(address, total, stream, small, expandable, blocks)
+    assert type(fast) is SeedSegment and fast == plain and hash(fast) == hash(plain)
+    assert fast.end == address + total
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.stream = 1  # type: ignore[misc]

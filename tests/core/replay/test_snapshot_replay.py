@@ -619,3 +619,37 @@ def test_verify_with_a_config_is_refused(tmp_path):
     snapshot = rec.snapshot(tmp_path)
     with pytest.raises(ValueError, match="config must be None"):
         replay_snapshot(snapshot, verify=True, config=AllocatorConfig())
+
+
+def _private_pool_trace() -> list[TraceEvent]:
+    base = 0x7F00_0000_0000
+    return [
+        TraceEvent("alloc", base, 4_000),
+        TraceEvent("alloc", base + 2**30, 3 * 2**20, tags=(("pool_id", "1,0"),)),
+        TraceEvent("free_requested", base, 4_000),
+        TraceEvent("free_completed", base, 4_000),
+    ]
+
+
+def test_private_pool_entries_are_left_out_of_a_snapshot_read_from_data():
+    """An entry with a private pool_id is dropped from the replay of a snapshot the reader built
+    (whose noted keys include "trace:pool_id"); a file without that key keeps every entry."""
+    from oomkit.core.snapshot import Snapshot, snapshot_from_data, snapshot_to_data
+
+    events = _private_pool_trace()
+    data = snapshot_to_data([], {0: [ev for ev in events if not ev.tags]})
+    data["device_traces"][0].insert(1, dict(data["device_traces"][0][0], pool_id=(1, 0)))
+    read = snapshot_from_data(data)
+    assert "trace:pool_id" in read.keys_seen
+    result = replay_snapshot(read, 0, config=AllocatorConfig())
+    assert result.events == 3
+    assert any("1 trace event(s) of them were left out" in w for w in result.warnings)
+    plain = snapshot_from_data(snapshot_to_data([], {0: [ev for ev in events if not ev.tags]}))
+    assert "trace:pool_id" not in plain.keys_seen and plain.keys_seen
+    result = replay_snapshot(plain, 0, config=AllocatorConfig())
+    assert result.events == 3 and not any("left out" in w for w in result.warnings)
+    # Built directly (no keys noted): the tagged entry is found by reading the events.
+    built = Snapshot(segments=(), device_traces={0: tuple(events)})
+    result = replay_snapshot(built, 0, config=AllocatorConfig())
+    assert result.events == 3
+    assert any("1 trace event(s) of them were left out" in w for w in result.warnings)

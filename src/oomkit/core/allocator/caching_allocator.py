@@ -55,6 +55,7 @@ from oomkit.core.allocator.stats import (
     LARGE_POOL,
     SMALL_POOL,
     AllocatorStats,
+    StatsApi,
 )
 from oomkit.core.allocator.versions import behaviour_for
 from oomkit.errors import AllocatorUsageError
@@ -65,7 +66,7 @@ __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE
 DEFAULT_CAPACITY_BYTES: Final = 80 * 2**30
 
 
-class CachingAllocator:
+class CachingAllocator(StatsApi):
     """A simulated PyTorch native CUDA caching allocator for one device.
 
     Args:
@@ -86,6 +87,7 @@ class CachingAllocator:
 
     Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5): :meth:`create_pool`,
     :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool`, :meth:`release_pool`.
+    The ``torch.cuda`` stats functions (:meth:`memory_stats`, ...) come from :class:`StatsApi`.
 
     Raises:
         AllocatorUsageError: a negative capacity or outside reservation.
@@ -244,9 +246,11 @@ class CachingAllocator:
             split = remaining >= MIN_BLOCK_SIZE
         else:
             split = size < max_split and remaining > SMALL_SIZE
+        # The pool kind's stats, and all's peaks: all's current is both pools' sum (stats.py).
         stats = self._stat_lists
         sa = stats[ALL]
         sp = stats[kind]
+        so = stats[3 - kind]
         classic = not block.segment.expandable
         if split:
             already_split = block.prev is not None or block.next is not None
@@ -264,56 +268,66 @@ class CachingAllocator:
             if classic:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
-                    for s in (sa, sp):
-                        s[_ISB] -= size
-                        s[_ISBF] += size
+                    sp[_ISB] -= size
+                    sp[_ISBF] += size
                 else:
                     # A new split inactive block of `remaining` bytes appears.
-                    for s in (sa, sp):
-                        c = s[_ISB] + remaining
-                        s[_ISB] = c
-                        if c > s[_ISBP]:
-                            s[_ISBP] = c
-                        c = s[_IS] + 1
-                        s[_IS] = c
-                        if c > s[_ISP]:
-                            s[_ISP] = c
+                    c = sp[_ISB] + remaining
+                    sp[_ISB] = c
+                    if c > sp[_ISBP]:
+                        sp[_ISBP] = c
+                    if c + so[_ISB] > sa[_ISBP]:
+                        sa[_ISBP] = c + so[_ISB]
+                    c = sp[_IS] + 1
+                    sp[_IS] = c
+                    if c > sp[_ISP]:
+                        sp[_ISP] = c
+                    if c + so[_IS] > sa[_ISP]:
+                        sa[_ISP] = c + so[_IS]
             block = new
         elif classic and (block.prev is not None or block.next is not None):
             # An already-split block becomes active whole.
             bsize = block.size
-            for s in (sa, sp):
-                s[_ISB] -= bsize
-                s[_ISBF] += bsize
-                s[_IS] -= 1
-                s[_ISF] += 1
+            sp[_ISB] -= bsize
+            sp[_ISBF] += bsize
+            sp[_IS] -= 1
+            sp[_ISF] += 1
         block.allocated = True
         block.requested_size = nbytes
         ptr = block.ptr
         self._active[ptr] = block
         bsize = block.size
         # alloc_found_block: allocation, allocated_bytes, active, active_bytes, requested_bytes.
-        for s in (sa, sp):
-            c = s[_A] + 1
-            s[_A] = c
-            if c > s[_AP]:
-                s[_AP] = c
-            c = s[_AB] + bsize
-            s[_AB] = c
-            if c > s[_ABP]:
-                s[_ABP] = c
-            c = s[_ACT] + 1
-            s[_ACT] = c
-            if c > s[_ACTP]:
-                s[_ACTP] = c
-            c = s[_XB] + bsize
-            s[_XB] = c
-            if c > s[_XBP]:
-                s[_XBP] = c
-            c = s[_RQ] + nbytes
-            s[_RQ] = c
-            if c > s[_RQP]:
-                s[_RQP] = c
+        c = sp[_A] + 1
+        sp[_A] = c
+        if c > sp[_AP]:
+            sp[_AP] = c
+        if c + so[_A] > sa[_AP]:
+            sa[_AP] = c + so[_A]
+        c = sp[_AB] + bsize
+        sp[_AB] = c
+        if c > sp[_ABP]:
+            sp[_ABP] = c
+        if c + so[_AB] > sa[_ABP]:
+            sa[_ABP] = c + so[_AB]
+        c = sp[_ACT] + 1
+        sp[_ACT] = c
+        if c > sp[_ACTP]:
+            sp[_ACTP] = c
+        if c + so[_ACT] > sa[_ACTP]:
+            sa[_ACTP] = c + so[_ACT]
+        c = sp[_XB] + bsize
+        sp[_XB] = c
+        if c > sp[_XBP]:
+            sp[_XBP] = c
+        if c + so[_XB] > sa[_XBP]:
+            sa[_XBP] = c + so[_XB]
+        c = sp[_RQ] + nbytes
+        sp[_RQ] = c
+        if c > sp[_RQP]:
+            sp[_RQP] = c
+        if c + so[_RQ] > sa[_RQP]:
+            sa[_RQP] = c + so[_RQ]
         if bsize >= max_split:
             self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
         return ptr
@@ -374,47 +388,46 @@ class CachingAllocator:
         net_blocks = -pool.merge_and_insert(block)
         net_bytes = original_size - block.size
         stats = self._stat_lists
-        sa = stats[ALL]
         sp = stats[kind]
         if not segment.expandable:
             # inactive_split excludes expandable segments.
             if block.prev is not None or block.next is not None:
                 net_blocks += 1
                 net_bytes += block.size
-            # The net change is applied as one increase or one decrease.
+            # The net change is applied as one increase or one decrease (all's current is the
+            # pools' sum: only an increase touches all, for its peak).
             if net_blocks > 0:
-                for s in (sa, sp):
-                    c = s[_IS] + net_blocks
-                    s[_IS] = c
-                    if c > s[_ISP]:
-                        s[_ISP] = c
+                c = sp[_IS] + net_blocks
+                sp[_IS] = c
+                if c > sp[_ISP]:
+                    sp[_ISP] = c
+                if c + stats[3 - kind][_IS] > stats[ALL][_ISP]:
+                    stats[ALL][_ISP] = c + stats[3 - kind][_IS]
             elif net_blocks < 0:
-                for s in (sa, sp):
-                    s[_IS] += net_blocks
-                    s[_ISF] -= net_blocks
+                sp[_IS] += net_blocks
+                sp[_ISF] -= net_blocks
             if net_bytes > 0:
-                for s in (sa, sp):
-                    c = s[_ISB] + net_bytes
-                    s[_ISB] = c
-                    if c > s[_ISBP]:
-                        s[_ISBP] = c
+                c = sp[_ISB] + net_bytes
+                sp[_ISB] = c
+                if c > sp[_ISBP]:
+                    sp[_ISBP] = c
+                if c + stats[3 - kind][_ISB] > stats[ALL][_ISBP]:
+                    stats[ALL][_ISBP] = c + stats[3 - kind][_ISB]
             elif net_bytes < 0:
-                for s in (sa, sp):
-                    s[_ISB] += net_bytes
-                    s[_ISBF] -= net_bytes
-        for s in (sa, sp):
-            s[_ACT] -= 1
-            s[_ACTF] += 1
-            s[_XB] -= original_size
-            s[_XBF] += original_size
-            s[_RQ] -= requested
-            s[_RQF] += requested
-            if allocated_size:
-                # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
-                s[_A] -= 1
-                s[_AF] += 1
-                s[_AB] -= allocated_size
-                s[_ABF] += allocated_size
+                sp[_ISB] += net_bytes
+                sp[_ISBF] -= net_bytes
+        sp[_ACT] -= 1
+        sp[_ACTF] += 1
+        sp[_XB] -= original_size
+        sp[_XBF] += original_size
+        sp[_RQ] -= requested
+        sp[_RQF] += requested
+        if allocated_size:
+            # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
+            sp[_A] -= 1
+            sp[_AF] += 1
+            sp[_AB] -= allocated_size
+            sp[_ABF] += allocated_size
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """recordStream: the block was used on ``stream``; its free will wait for it (§5.1).
@@ -486,41 +499,6 @@ class CachingAllocator:
     def gc_enabled(self) -> bool:
         """GC runs only with a fraction limit and a threshold > 0 (§7)."""
         return self._settings.gc_enabled
-
-    # ------------------------------------------------------------------ stats
-
-    def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
-        return self._stats.memory_stats(self.rules, self._max_split_stat)
-
-    def reset_peak_memory_stats(self) -> None:
-        """resetPeakStats: every peak becomes the current value."""
-        self._stats.reset_peaks()
-
-    def reset_accumulated_memory_stats(self) -> None:
-        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
-        self._stats.reset_accumulated()
-
-    @property
-    def num_oom_rejections(self) -> int:
-        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2)."""
-        return self._stats.num_oom_rejections
-
-    def memory_allocated(self) -> int:
-        """``allocated_bytes.all.current``."""
-        return self._stats.current(st.ALLOCATED_BYTES)
-
-    def memory_reserved(self) -> int:
-        """``reserved_bytes.all.current``."""
-        return self._stats.current(st.RESERVED_BYTES)
-
-    def max_memory_allocated(self) -> int:
-        """``allocated_bytes.all.peak``."""
-        return self._stats.peak(st.ALLOCATED_BYTES)
-
-    def max_memory_reserved(self) -> int:
-        """``reserved_bytes.all.peak``."""
-        return self._stats.peak(st.RESERVED_BYTES)
 
     # ------------------------------------------------------------------ private pools
 

@@ -143,15 +143,16 @@ class BlockPool:
         merged = 0
         mapped = block.mapped
         streams = self.streams
-        for src in (block.prev, block.next):
-            if (
-                src is None
-                or src.allocated
-                or src.event_count
-                or src.stream_uses
-                or src.mapped != mapped
-            ):
-                continue
+        # The previous neighbour, then the next one (two copies, not a loop over both: most
+        # neighbours are allocated and fail the first tests).
+        src = block.prev
+        if (
+            src is not None
+            and not src.allocated
+            and not src.event_count
+            and not src.stream_uses
+            and src.mapped == mapped
+        ):
             if mapped:
                 # remove(src), written out.
                 entry = src.key
@@ -171,15 +172,42 @@ class BlockPool:
                 self.count -= 1
             else:
                 self.remove_unmapped(src)
-            if src is block.prev:
-                block.ptr = src.ptr
-                before = block.prev = src.prev
-                if before is not None:
-                    before.next = block
+            block.ptr = src.ptr
+            before = block.prev = src.prev
+            if before is not None:
+                before.next = block
+            block.size += src.size
+            merged = 1
+        src = block.next
+        if (
+            src is not None
+            and not src.allocated
+            and not src.event_count
+            and not src.stream_uses
+            and src.mapped == mapped
+        ):
+            if mapped:
+                # remove(src), written out.
+                entry = src.key
+                assert entry is not None, "removing a block that is not in the free set"
+                src.key = None
+                sf = streams[src.stream]
+                size = src.size
+                bucket = sf.buckets[size]
+                if len(bucket) == 1:
+                    del sf.buckets[size]
+                    sizes = sf.sizes
+                    del sizes[bisect_left(sizes, size)]
+                    if not sizes:
+                        del streams[src.stream]
+                else:
+                    del bucket[bisect_left(bucket, (entry[0],))]
+                self.count -= 1
             else:
-                after = block.next = src.next
-                if after is not None:
-                    after.prev = block
+                self.remove_unmapped(src)
+            after = block.next = src.next
+            if after is not None:
+                after.prev = block
             block.size += src.size
             merged += 1
         # insert(block), written out.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator.block import Block, Segment
@@ -42,6 +43,7 @@ __all__ = ["HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment"
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
+_ADDRESS_KEY = itemgetter("address")
 
 
 # ------------------------------------------------------------------ snapshot
@@ -74,49 +76,52 @@ def snapshot(held: Iterable[Block], device: int) -> list[dict[str, Any]]:
         if head.prev is not None and head.prev.mapped:
             continue
         segment = head.segment
-        info: dict[str, Any] = {
-            "device": device,
-            "address": head.ptr,
-            "total_size": 0,
-            "stream": head.stream,
-            "segment_type": "small" if segment.is_small else "large",
-            # SegmentInfo::owner_private_pool_id: (0, 0) for the default pools.
-            "segment_pool_id": owner.id if (owner := segment.pool.owner) is not None else (0, 0),
-            "allocated_size": 0,
-            "active_size": 0,
-            "requested_size": 0,
-            "is_expandable": segment.expandable,
-            "frames": [],
-            "blocks": [],
-        }
-        blocks: list[dict[str, Any]] = info["blocks"]
+        blocks: list[dict[str, Any]] = []
+        # The sizes are summed in locals, not in the dict (every verify runs this, issue 19).
+        total = allocated = active = requested = 0
         block: Block | None = head
         while block is not None and block.mapped:
-            active = block.allocated or block.event_count > 0 or bool(block.stream_uses)
+            size = block.size
+            total += size
             if block.allocated:
                 state = "active_allocated"
-            elif active:
+                allocated += size
+                active += size
+                requested += block.requested_size
+            elif block.event_count > 0 or block.stream_uses:
                 state = "active_pending_free"
+                active += size
+                requested += block.requested_size
             else:
                 state = "inactive"
             blocks.append(
                 {
                     "address": block.ptr,
-                    "size": block.size,
+                    "size": size,
                     "requested_size": block.requested_size,
                     "state": state,
                     "frames": [],
                 }
             )
-            info["total_size"] += block.size
-            if block.allocated:
-                info["allocated_size"] += block.size
-            if active:
-                info["active_size"] += block.size
-                info["requested_size"] += block.requested_size
             block = block.next
-        result.append(info)
-    result.sort(key=lambda seg: seg["address"])
+        result.append(
+            {
+                "device": device,
+                "address": head.ptr,
+                "total_size": total,
+                "stream": head.stream,
+                "segment_type": "small" if segment.is_small else "large",
+                # SegmentInfo::owner_private_pool_id: (0, 0) for the default pools.
+                "segment_pool_id": owner.id if (owner := segment.pool.owner) is not None else (0, 0),
+                "allocated_size": allocated,
+                "active_size": active,
+                "requested_size": requested,
+                "is_expandable": segment.expandable,
+                "frames": [],
+                "blocks": blocks,
+            }
+        )
+    result.sort(key=_ADDRESS_KEY)
     return result
 
 

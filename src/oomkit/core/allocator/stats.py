@@ -7,6 +7,11 @@ derived as ``current - origin + freed``, where ``origin`` is ``current`` at the 
 ``reset_accumulated_memory_stats``. Increases move the peak at once (``increase_stat``), as
 PyTorch does, so peaks match exactly. The two oversize stats are single ``Stat``s and live in
 the ``all`` list only.
+
+PyTorch updates the aggregate with every pool update (``update_stat_array``: AGGREGATE plus one
+pool type), so ``all``'s current, freed and origin are always small + large; only its peak is
+not. The ``all`` list therefore keeps only the peaks of the array stats (their other slots stay
+0) and the rest is summed when read: a free then writes one list, not two (issue 19).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ __all__ = [
     "reset_peaks",
     "reset_accumulated",
     "AllocatorStats",
+    "StatsApi",
 ]
 
 # DeviceStats array members, in the order THCPModule_memoryStats emits them.
@@ -148,21 +154,32 @@ def _put(out: dict[str, int], prefix: str, slots: list[int], i: int) -> None:
     out[prefix + "freed"] = freed
 
 
+def _aggregate(stats: list[list[int]]) -> list[int]:
+    """The ``all`` stat type in full: small + large, with ``all``'s own peaks and oversize stats."""
+    out = [s + large for s, large in zip(stats[SMALL_POOL], stats[LARGE_POOL], strict=True)]
+    own = stats[ALL]
+    for i in range(PEAK, OVERSIZE_ALLOCATIONS, 4):
+        out[i] = own[i]
+    out[OVERSIZE_ALLOCATIONS:] = own[OVERSIZE_ALLOCATIONS:]
+    return out
+
+
 def build_memory_stats(
     stats: list[list[int]], counters: dict[str, int], max_split_size: int
 ) -> dict[str, int]:
     """The flat ``torch.cuda.memory_stats()`` dict (THCPModule_memoryStats + memory.py).
 
     Args:
-        stats: the per-type stat lists.
+        stats: the per-type stat lists (``all`` holding its peaks only, see above).
         counters: the values of COUNTERS.
         max_split_size: ``stats.max_split_size`` (-1 when unlimited).
     """
     out: dict[str, int] = dict(counters)
     out["max_split_size"] = max_split_size
+    full = [_aggregate(stats), stats[SMALL_POOL], stats[LARGE_POOL]]
     for s, name in enumerate(ARRAY_STATS):
         for t, tname in enumerate(STAT_TYPES):
-            _put(out, f"{name}.{tname}.", stats[t], s * 4)
+            _put(out, f"{name}.{tname}.", full[t], s * 4)
     _put(out, "oversize_allocations.", stats[ALL], OVERSIZE_ALLOCATIONS)
     _put(out, "oversize_segments.", stats[ALL], OVERSIZE_SEGMENTS)
     return {k: out[k] for k in STAT_KEYS}
@@ -170,13 +187,18 @@ def build_memory_stats(
 
 def reset_peaks(stats: list[list[int]]) -> None:
     """resetPeakStats: ``peak = current`` for every array stat and both oversize stats."""
-    for slots in stats:
+    aggregate = _aggregate(stats)
+    for slots in stats[SMALL_POOL], stats[LARGE_POOL]:
         for i in range(0, TYPE_SLOTS, 4):
             slots[i + PEAK] = slots[i + CUR]
+    own = stats[ALL]
+    for i in range(0, TYPE_SLOTS, 4):
+        own[i + PEAK] = aggregate[i + CUR]
 
 
 def reset_accumulated(stats: list[list[int]]) -> None:
-    """resetAccumulatedStats: ``allocated`` and ``freed`` become 0 for every stat."""
+    """resetAccumulatedStats: ``allocated`` and ``freed`` become 0 for every stat (``all``'s
+    array stats follow from the pools')."""
     for slots in stats:
         for i in range(0, TYPE_SLOTS, 4):
             slots[i + FREED] = 0
@@ -210,20 +232,24 @@ class AllocatorStats:
         self.num_oom_rejections = 0
 
     def up(self, kind: int, i: int, amount: int) -> None:
-        """increase_stat on ``all`` and the pool kind: current and peak."""
+        """increase_stat on the pool kind (current and peak) and on ``all`` (its peak)."""
         lists = self.lists
-        for s in (lists[ALL], lists[kind]):
-            c = s[i] + amount
-            s[i] = c
-            if c > s[i + PEAK]:
-                s[i + PEAK] = c
+        s = lists[kind]
+        c = s[i] + amount
+        s[i] = c
+        if c > s[i + PEAK]:
+            s[i + PEAK] = c
+        # all's current is the two pools' sum (SMALL_POOL + LARGE_POOL - kind: the other one).
+        c += lists[3 - kind][i]
+        s = lists[ALL]
+        if c > s[i + PEAK]:
+            s[i + PEAK] = c
 
     def down(self, kind: int, i: int, amount: int) -> None:
-        """decrease_stat on ``all`` and the pool kind."""
-        lists = self.lists
-        for s in (lists[ALL], lists[kind]):
-            s[i] -= amount
-            s[i + FREED] += amount
+        """decrease_stat on the pool kind (``all`` is the pools' sum)."""
+        s = self.lists[kind]
+        s[i] -= amount
+        s[i + FREED] += amount
 
     def up_all(self, i: int, amount: int) -> None:
         """increase_stat on a single Stat (the oversize stats)."""
@@ -241,7 +267,10 @@ class AllocatorStats:
 
     def current(self, i: int) -> int:
         """``<stat>.all.current`` of the stat at slot ``i``."""
-        return self.lists[ALL][i + CUR]
+        lists = self.lists
+        if i >= OVERSIZE_ALLOCATIONS:
+            return lists[ALL][i + CUR]
+        return lists[SMALL_POOL][i + CUR] + lists[LARGE_POOL][i + CUR]
 
     def peak(self, i: int) -> int:
         """``<stat>.all.peak`` of the stat at slot ``i``."""
@@ -283,3 +312,48 @@ class AllocatorStats:
         self.num_device_free = 0
         # MAIN26 resetAccumulatedStats also zeroes num_oom_rejections.
         self.num_oom_rejections = 0
+
+
+class StatsApi:
+    """The ``torch.cuda`` memory-stats functions of an allocator (a base of CachingAllocator).
+
+    The subclass sets ``_stats``, ``rules`` and ``_max_split_stat`` (the ``max_split_size``
+    captured at creation, -1 when unlimited).
+    """
+
+    _stats: AllocatorStats
+    rules: TorchBehaviour
+    _max_split_stat: int
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
+        return self._stats.memory_stats(self.rules, self._max_split_stat)
+
+    def reset_peak_memory_stats(self) -> None:
+        """resetPeakStats: every peak becomes the current value."""
+        self._stats.reset_peaks()
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """resetAccumulatedStats: zero ``allocated``/``freed`` and the event counters."""
+        self._stats.reset_accumulated()
+
+    @property
+    def num_oom_rejections(self) -> int:
+        """MAIN26 ``num_oom_rejections``: throw_on_cudamalloc_oom rejections (§10.2)."""
+        return self._stats.num_oom_rejections
+
+    def memory_allocated(self) -> int:
+        """``allocated_bytes.all.current``."""
+        return self._stats.current(ALLOCATED_BYTES)
+
+    def memory_reserved(self) -> int:
+        """``reserved_bytes.all.current``."""
+        return self._stats.current(RESERVED_BYTES)
+
+    def max_memory_allocated(self) -> int:
+        """``allocated_bytes.all.peak``."""
+        return self._stats.peak(ALLOCATED_BYTES)
+
+    def max_memory_reserved(self) -> int:
+        """``reserved_bytes.all.peak``."""
+        return self._stats.peak(RESERVED_BYTES)

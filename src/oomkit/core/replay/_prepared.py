@@ -23,7 +23,7 @@ from oomkit.core.replay._recorded import (
     recorded_torch_version,
 )
 from oomkit.core.replay.engine import SEGMENT_ACTIONS
-from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_start_state
+from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
 
@@ -51,6 +51,7 @@ class Prepared:
     # Trace indices of the segment decisions and oom entries, and the decisions themselves.
     marks: tuple[int, ...]
     recorded: tuple[tuple[int, SegmentEvent], ...]
+    allocs: int  # alloc entries in ``events``
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -89,17 +90,28 @@ def _forget(key: int) -> Callable[[weakref.ref[Snapshot]], None]:
 
 
 def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prepared:
-    events, private_events = default_pool_events(snapshot.trace_for(device))
+    keys = snapshot.keys_seen
+    if keys and "trace:pool_id" not in keys:
+        # The reader notes every key of every trace entry it read, and tags an entry with its
+        # private pool only from a "pool_id" key: without one no entry needs dropping, and the
+        # trace is not read again (issue 19). A snapshot built otherwise notes no keys.
+        events, private_events = snapshot.trace_for(device), 0
+    else:
+        events, private_events = default_pool_events(snapshot.trace_for(device))
     version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
     recorded_config, settings_warnings = config_from_settings(
         snapshot.allocator_settings, version
     )
     final, private_segments = final_segments_for(snapshot, device)
-    divisions = recorded_config.roundup_power2_divisions
-    start = reconstruct_start_state(final, events, lambda n: round_size(n, divisions))
-    # One pass finds the segment decisions and the oom entries; the passes of a replay read
-    # these few positions instead of the whole trace again (issue 19).
-    marks = tuple(i for i, ev in enumerate(events) if ev.action in MARKED)
+    divisions: tuple[int, ...] | None = recorded_config.roundup_power2_divisions
+    if not any(d > 1 for d in divisions or ()):
+        # round_size divides only with divisions > 1: None is the same rounding, sooner.
+        divisions = None
+    start, walk = reconstruct_walked(final, events, lambda n: round_size(n, divisions))
+    # The reconstruction's walk over the trace also found the segment decisions and the oom
+    # entries; the passes of a replay read these few positions instead of the whole trace
+    # again (issue 19).
+    marks = tuple(reversed(walk.marks))
     recorded = tuple(
         (i, (ev.action, ev.address, ev.size))
         for i in marks
@@ -116,4 +128,5 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         start=start,
         marks=marks,
         recorded=recorded,
+        allocs=walk.allocs,
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.constants import SIZE_MAX
-from oomkit.core.replay.reconstruct import SeedBlock, SeedSegment
+from oomkit.core.replay.reconstruct import SeedSegment, new_seed_block, new_seed_segment
 from oomkit.core.snapshot import Snapshot, infer_torch_version
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import ConfigError
@@ -22,6 +23,8 @@ __all__ = [
 # _snapshot()["allocator_settings"]["roundup_power2_divisions"]: keys are the MB interval starts
 # "1", "2", "4", ... "32768", one per slot (§11.2).
 _ROUNDUP_KEYS = tuple(str(1 << k) for k in range(16))
+_ADDRESS = attrgetter("address")
+_TAGS = attrgetter("tags")
 
 
 def config_from_settings(
@@ -94,18 +97,19 @@ def final_segments_for(snapshot: Snapshot, device: int) -> tuple[list[SeedSegmen
         if tuple(seg.pool_id) != (0, 0):
             private += 1
             continue
-        blocks = tuple(
-            SeedBlock(b.address, b.size, b.requested_size, b.state)  # type: ignore[arg-type]
+        blocks = [
+            new_seed_block(b.address, b.size, b.requested_size, b.state)  # type: ignore[arg-type]
             for b in seg.blocks
-        )
+        ]
+        blocks.sort(key=_ADDRESS)
         out.append(
-            SeedSegment(
-                address=seg.address,
-                total_size=seg.total_size,
-                stream=seg.stream,
-                is_small=seg.segment_type == "small",
-                expandable=bool(seg.is_expandable),
-                blocks=tuple(sorted(blocks, key=lambda b: b.address)),
+            new_seed_segment(
+                seg.address,
+                seg.total_size,
+                seg.stream,
+                seg.segment_type == "small",
+                bool(seg.is_expandable),
+                tuple(blocks),
             )
         )
     return out, private
@@ -113,6 +117,9 @@ def final_segments_for(snapshot: Snapshot, device: int) -> tuple[list[SeedSegmen
 
 def default_pool_events(events: Sequence[TraceEvent]) -> tuple[tuple[TraceEvent, ...], int]:
     """The trace without entries of private pools (tagged ``pool_id`` by the snapshot reader)."""
-    # Most events carry no tags: test that first (this runs once per event of every replay).
+    # Most traces carry no tags at all: that is checked in C (map, any) before any Python loop
+    # over the events (this runs for every replay, issue 19).
+    if not any(map(_TAGS, events)):
+        return tuple(events), 0
     kept = tuple(ev for ev in events if not ev.tags or not any(k == "pool_id" for k, _ in ev.tags))
     return kept, len(events) - len(kept)

@@ -48,8 +48,10 @@ class Run(ReplayHooks):
         verify: bool,
         flipped: frozenset[int] = frozenset(),
         groups: dict[int, int] | None = None,
+        allocs: int | None = None,
     ) -> None:
         self.events = events
+        self.allocs = allocs  # alloc entries in events, when the caller counted them
         # Ambiguous points (release runs and completion groups, by first trace index) replayed
         # with their other reading (_verify_run).
         self.flipped = flipped
@@ -327,6 +329,13 @@ class Run(ReplayHooks):
             self.events,
         )
 
+    def _allocs_replayed(self) -> int:
+        """How many alloc entries the replay fed (counted by the caller when it fed them all)."""
+        replayed = self.engine.replayed
+        if self.allocs is not None and replayed == len(self.events):
+            return self.allocs
+        return list(map(_ACTION, self.events[:replayed])).count("alloc")
+
     def result(
         self,
         final: Sequence[SeedSegment],
@@ -354,9 +363,7 @@ class Run(ReplayHooks):
                 "first_divergence": divergence,
                 "allocs_misplaced": self.misplaced_count,
                 # Every alloc replayed had its placement compared (the engine's check_addresses).
-                "allocs_checked": list(
-                    map(_ACTION, self.events[: self.engine.replayed])
-                ).count("alloc"),
+                "allocs_checked": self._allocs_replayed(),
                 "readings_tried": self.readings_tried,
             }
         return self.engine.result(

@@ -201,8 +201,11 @@ class ReplayEngine:
                         if log_index is not None and len(segment_log) != logged:
                             log_index.extend([index] * (len(segment_log) - logged))
                             logged = len(segment_log)
-                        if after_event is not None:
-                            after_event(index, event)
+                        if after_event is None:
+                            # The completion changes nothing: the checks below are done.
+                            index, event = next(numbered)
+                            continue
+                        after_event(index, event)
                         index, event = next(numbered)
                     else:
                         free(ptr, deferred=True)

@@ -49,6 +49,26 @@ class SeedBlock:
     state: BlockState
 
 
+# SeedBlock's slots, set directly: a frozen dataclass's __init__ goes through object.__setattr__
+# per field (about twice the time), and the final segments and the reconstruction make one
+# record per block of every replay (issue 19).
+_NEW = object.__new__
+_SET_ADDRESS = SeedBlock.__dict__["address"].__set__
+_SET_SIZE = SeedBlock.__dict__["size"].__set__
+_SET_REQUESTED = SeedBlock.__dict__["requested_size"].__set__
+_SET_STATE = SeedBlock.__dict__["state"].__set__
+
+
+def new_seed_block(address: int, size: int, requested_size: int, state: BlockState) -> SeedBlock:
+    """``SeedBlock(address, size, requested_size, state)``, made faster (the same record)."""
+    block: SeedBlock = _NEW(SeedBlock)
+    _SET_ADDRESS(block, address)
+    _SET_SIZE(block, size)
+    _SET_REQUESTED(block, requested_size)
+    _SET_STATE(block, state)
+    return block
+
+
 @dataclass(frozen=True, slots=True)
 class SeedSegment:
     """One segment (or, for an expandable segment, one contiguous mapped run of it).
@@ -69,6 +89,32 @@ class SeedSegment:
         return self.address + self.total_size
 
 
+_SEGMENT_SLOTS = tuple(
+    SeedSegment.__dict__[name].__set__
+    for name in ("address", "total_size", "stream", "is_small", "expandable", "blocks")
+)
+
+
+def new_seed_segment(
+    address: int,
+    total_size: int,
+    stream: int,
+    is_small: bool,
+    expandable: bool,
+    blocks: tuple[SeedBlock, ...],
+) -> SeedSegment:
+    """``SeedSegment(...)``, made as :func:`new_seed_block` makes a block (the same record)."""
+    segment: SeedSegment = _NEW(SeedSegment)
+    set_address, set_total, set_stream, set_small, set_expandable, set_blocks = _SEGMENT_SLOTS
+    set_address(segment, address)
+    set_total(segment, total_size)
+    set_stream(segment, stream)
+    set_small(segment, is_small)
+    set_expandable(segment, expandable)
+    set_blocks(segment, blocks)
+    return segment
+
+
 @dataclass(frozen=True)
 class StartState:
     """The reconstructed state at the first trace event.
@@ -81,14 +127,6 @@ class StartState:
     segments: tuple[SeedSegment, ...]
     hidden_blocks: int
     warnings: tuple[str, ...]
-
-
-@dataclass(slots=True)
-class _Live:
-    size: int | None  # None: hidden, only the requested size is known
-    requested_size: int
-    state: BlockState
-    completed_at: int | None  # trace index of the first free_completed of this block, if any
 
 
 def reconstruct_start_state(
@@ -107,26 +145,113 @@ def reconstruct_start_state(
     Returns:
         The starting state; every segment's blocks tile it exactly.
     """
-    warnings: list[str] = []
-    classic: dict[int, SeedSegment] = {}
-    runs: list[SeedSegment] = []  # expandable mapped runs
-    # During the walk a held block is a list [size, requested_size, state, completed_at] (a
-    # _Live per block, made and dropped for every block the trace frees and allocates, cost more
-    # than the walk itself); the blocks still held at the start become _Live afterwards.
-    walked: dict[int, list] = {}
+    return reconstruct_walked(final_segments, events, round_size)[0]
+
+
+def reconstruct_walked(
+    final_segments: Sequence[SeedSegment],
+    events: Sequence[TraceEvent],
+    round_size: Callable[[int], int],
+) -> tuple[StartState, _Walk]:
+    """:func:`reconstruct_start_state`, and its walk: what else the pass over the trace noted
+    (the positions of the segment decisions and ``oom`` entries, the number of allocs)."""
+    walk = _walk(final_segments, events)
+    warnings = walk.warnings
+    live = walk.held
+
+    segments = sorted([*walk.classic.values(), *_merge_runs(walk.runs)], key=_address)
+    starts = [s.address for s in segments]
+    by_segment: dict[int, list[int]] = {s.address: [] for s in segments}
+    for addr in sorted(live):
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or addr >= segments[i].end:
+            warnings.append(
+                f"block at {addr:#x} is live at the start but lies in no segment; it was dropped"
+            )
+            continue
+        by_segment[segments[i].address].append(addr)
+
+    # The walk noted where each address was first allocated: the gap queries of hidden blocks
+    # need no other pass over the trace.
+    hidden = any(facts[0] is None for facts in live.values())
+    first_allocs = _FirstAllocs.from_first_index(walk.first_alloc) if hidden else None
+    out: list[SeedSegment] = []
+    hidden_count = 0
+    for seg in segments:
+        addrs = by_segment[seg.address]
+        blocks: list[SeedBlock] = []
+        end = seg.address + seg.total_size
+        for k, addr in enumerate(addrs):
+            size, requested, state, completed_at, final_block = live[addr]
+            limit = addrs[k + 1] if k + 1 < len(addrs) else end
+            if size is None:
+                hidden_count += 1
+                assert first_allocs is not None
+                size = _recover_size(
+                    addr, requested, completed_at, limit, seg, round_size, first_allocs
+                )
+            if addr + size > limit:
+                warnings.append(
+                    f"block at {addr:#x} ({size} B) overlaps the next block or the segment end; "
+                    f"it was cut to {limit - addr} B"
+                )
+                size = limit - addr
+            if (
+                final_block is not None
+                and size == final_block.size
+                and requested == final_block.requested_size
+                and state == final_block.state
+            ):
+                # Live at both ends with the same facts: the final record serves as it is.
+                blocks.append(final_block)
+            else:
+                blocks.append(new_seed_block(addr, size, requested, state))
+        out.append(_layout_ordered(seg, blocks))
+    return StartState(tuple(out), hidden_count, tuple(warnings)), walk
+
+
+class _Walk:
+    """What the backward walk of a trace leaves: the state at its first event, before layout."""
+
+    __slots__ = ("classic", "runs", "held", "first_alloc", "warnings", "marks", "allocs")
+
+    def __init__(self) -> None:
+        self.classic: dict[int, SeedSegment] = {}  # classic segments by address
+        self.runs: list[SeedSegment] = []  # expandable mapped runs
+        # Blocks held at the start: address -> [size (None: hidden, only the requested size is
+        # known), requested_size, state, trace index of its first free_completed or None, the
+        # final SeedBlock it started from or None].
+        # Lists, not objects: one is made and dropped for every block the trace frees and
+        # allocates, and the walk runs over every event of every replay (issue 19).
+        self.held: dict[int, list] = {}
+        # address -> the trace index of its first alloc (the walk sees the earliest last).
+        self.first_alloc: dict[int, int] = {}
+        self.warnings: list[str] = []
+        # Trace indices of the segment events and oom entries, last first.
+        self.marks: list[int] = []
+        self.allocs = 0  # alloc entries
+
+
+def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -> _Walk:
+    """§15.1: walk backwards from the final segments. Segment events add or remove whole
+    segments; request events move a block between allocated, pending and absent."""
+    walk = _Walk()
+    classic, walked, first_alloc, warnings = walk.classic, walk.held, walk.first_alloc, walk.warnings
+    marks = walk.marks
+    allocs = 0
     for seg in final_segments:
         # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
-        shell = SeedSegment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ())
+        shell = new_seed_segment(
+            seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ()
+        )
         if seg.expandable:
-            runs.append(shell)
+            walk.runs.append(shell)
         else:
             classic[seg.address] = shell
         for b in seg.blocks:
             if b.state in LIVE_STATES:
-                walked[b.address] = [b.size, b.requested_size, b.state, None]
+                walked[b.address] = [b.size, b.requested_size, b.state, None, b]
 
-    # §15.1: walk backwards. Segment events add or remove whole segments; request events move a
-    # block between allocated, pending and absent.
     pop = walked.pop
     get = walked.get
     index = len(events)
@@ -139,72 +264,46 @@ def reconstruct_start_state(
                 # A second free_completed without an alloc between: keep the earlier facts.
                 prior[3] = index
             else:
-                walked[ev.address] = [None, ev.size, "active_pending_free", index]
+                walked[ev.address] = [None, ev.size, "active_pending_free", index, None]
         elif action == "alloc":
-            if pop(ev.address, None) is None:
+            address = ev.address
+            first_alloc[address] = index
+            allocs += 1
+            if pop(address, None) is None:
                 warnings.append(
-                    f"event {index}: alloc at {ev.address:#x} has no matching live block in the "
+                    f"event {index}: alloc at {address:#x} has no matching live block in the "
                     "later state; the trace may be incomplete"
                 )
         elif action == "free_requested":
             block = get(ev.address)
             if block is None:
-                walked[ev.address] = [None, ev.size, "active_allocated", None]
+                walked[ev.address] = [None, ev.size, "active_allocated", None, None]
             else:
                 block[2] = "active_allocated"
         elif action == "segment_free":
+            marks.append(index)
             classic[ev.address] = SeedSegment(
                 ev.address, ev.size, ev.stream, ev.size == SMALL_SEGMENT_BYTES, False, ()
             )
         elif action == "segment_alloc":
+            marks.append(index)
             if classic.pop(ev.address, None) is None:
                 warnings.append(
                     f"event {index}: segment_alloc at {ev.address:#x} has no matching segment in "
                     "the later state; the trace may be incomplete"
                 )
         elif action == "segment_unmap":
-            runs = _add_run(runs, ev)
+            marks.append(index)
+            walk.runs = _add_run(walk.runs, ev)
         elif action == "segment_map":
-            runs = _remove_run(runs, ev.address, ev.size)
-        # "oom", "snapshot" and unknown actions carry no state change.
-    live = {addr: _Live(*facts) for addr, facts in walked.items()}
-
-    segments = sorted([*classic.values(), *_merge_runs(runs)], key=lambda s: s.address)
-    starts = [s.address for s in segments]
-    by_segment: dict[int, list[int]] = {s.address: [] for s in segments}
-    for addr in sorted(live):
-        i = bisect.bisect_right(starts, addr) - 1
-        if i < 0 or addr >= segments[i].end:
-            warnings.append(
-                f"block at {addr:#x} is live at the start but lies in no segment; it was dropped"
-            )
-            continue
-        by_segment[segments[i].address].append(addr)
-
-    first_allocs = _FirstAllocs(events) if any(b.size is None for b in live.values()) else None
-    out: list[SeedSegment] = []
-    hidden_count = 0
-    for seg in segments:
-        addrs = by_segment[seg.address]
-        blocks: list[SeedBlock] = []
-        for k, addr in enumerate(addrs):
-            held = live[addr]
-            limit = addrs[k + 1] if k + 1 < len(addrs) else seg.end
-            if held.size is None:
-                hidden_count += 1
-                assert first_allocs is not None
-                size = _recover_size(addr, held, limit, seg, round_size, first_allocs)
-            else:
-                size = held.size
-            if addr + size > limit:
-                warnings.append(
-                    f"block at {addr:#x} ({size} B) overlaps the next block or the segment end; "
-                    f"it was cut to {limit - addr} B"
-                )
-                size = limit - addr
-            blocks.append(SeedBlock(addr, size, held.requested_size, held.state))
-        out.append(layout_segment(seg, blocks))
-    return StartState(tuple(out), hidden_count, tuple(warnings))
+            marks.append(index)
+            walk.runs = _remove_run(walk.runs, ev.address, ev.size)
+        elif action == "oom":
+            # Carries no state change, but its position is noted (as a segment event's).
+            marks.append(index)
+        # "snapshot" and unknown actions carry no state change.
+    walk.allocs = allocs
+    return walk
 
 
 def layout_segment(segment: SeedSegment, live: Sequence[SeedBlock] | None = None) -> SeedSegment:
@@ -237,20 +336,46 @@ def layout_segment(segment: SeedSegment, live: Sequence[SeedBlock] | None = None
     )
 
 
-def _address(block: SeedBlock) -> int:
-    return block.address
+def _layout_ordered(segment: SeedSegment, live: list[SeedBlock]) -> SeedSegment:
+    """:func:`layout_segment` of live blocks already in address order (the reconstruction's)."""
+    blocks: list[SeedBlock] = []
+    cursor = segment.address
+    for b in live:
+        if b.address > cursor:
+            blocks.append(new_seed_block(cursor, b.address - cursor, 0, "inactive"))
+        blocks.append(b)
+        cursor = b.address + b.size
+    end = segment.address + segment.total_size
+    if cursor < end:
+        blocks.append(new_seed_block(cursor, end - cursor, 0, "inactive"))
+    return new_seed_segment(
+        segment.address,
+        segment.total_size,
+        segment.stream,
+        segment.is_small,
+        segment.expandable,
+        tuple(blocks),
+    )
+
+
+def _address(item: SeedBlock | SeedSegment) -> int:
+    return item.address
 
 
 def _recover_size(
     addr: int,
-    block: _Live,
+    requested_size: int,
+    completed_at: int | None,
     limit: int,
     seg: SeedSegment,
     round_size: Callable[[int], int],
     first_allocs: _FirstAllocs,
 ) -> int:
-    """The true size of a live-at-start block whose trace entries show only its request (§15.2)."""
-    size = round_size(max(block.requested_size, 1))
+    """The true size of a live-at-start block whose trace entries show only its request (§15.2).
+
+    ``completed_at``: the trace index of the block's first ``free_completed``, if any.
+    """
+    size = round_size(max(requested_size, 1))
     if seg.is_small or seg.expandable:
         # Small-pool and expandable blocks are split whenever the leftover is >= 512 bytes
         # (should_split), so they are exactly the rounded size.
@@ -260,7 +385,7 @@ def _recover_size(
     # live, takes the front of the free block there: that address is where the block really
     # ends (at ``end`` itself when the rounded size was right).
     first = first_allocs.earliest_in(end, limit)
-    if first is not None and (block.completed_at is None or first[0] < block.completed_at):
+    if first is not None and (completed_at is None or first[0] < completed_at):
         return first[1] - addr
     # Free large-pool classic blocks are always > 1 MiB, so a smaller gap is the block's own
     # unsplit leftover (§4 Step 11).
@@ -288,6 +413,14 @@ class _FirstAllocs:
         addresses.reverse()
         self.first_index: dict[int, int] = dict(zip(addresses, indices, strict=True))
         self.addresses = sorted(self.first_index)
+
+    @classmethod
+    def from_first_index(cls, first_index: dict[int, int]) -> _FirstAllocs:
+        """The index from ``address -> trace index of its first alloc`` (the backward walk's)."""
+        made = cls.__new__(cls)
+        made.first_index = first_index
+        made.addresses = sorted(first_index)
+        return made
 
     def earliest_in(self, start: int, end: int) -> tuple[int, int] | None:
         """The (trace index, address) of the earliest alloc at an address in [start, end)."""

@@ -123,6 +123,7 @@ def replay_snapshot(
             recorded=recorded,
             final=final,
             marks=marks,
+            allocs=inputs.allocs,
         )
     else:
         run = Run(
@@ -133,6 +134,7 @@ def replay_snapshot(
             torch_version=version,
             recorded=recorded,
             verify=False,
+            allocs=inputs.allocs,
         )
         run.replay()
     warnings.extend(run.warnings)
@@ -149,6 +151,7 @@ def _verify_run(
     recorded: Sequence[tuple[int, SegmentEvent]],
     final: Sequence[SeedSegment],
     marks: Sequence[int] | None = None,
+    allocs: int | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -176,6 +179,7 @@ def _verify_run(
             verify=True,
             flipped=flipped,
             groups=groups,
+            allocs=allocs,
         )
         run.replay()
         return run
