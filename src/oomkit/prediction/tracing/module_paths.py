@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["ModulePaths"]
+__all__ = ["ModulePaths", "wrapper_hook_warning_silenced"]
 
 
 class ModulePaths:
@@ -98,3 +101,19 @@ def _compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     if original is not None and type(module).__name__ == "OptimizedModule":
         return original
     return None
+
+
+@contextlib.contextmanager
+def wrapper_hook_warning_silenced() -> Iterator[None]:
+    """While open, torch's warning about global module hooks on a compiled module is silenced.
+
+    torch warns on every call of a ``torch.compile``d module while global module hooks exist
+    (torch/_dynamo/eval_frame.py ``OptimizedModule``): under the recorder those hooks are its
+    own, which skip compiled code and see the wrapper as the model (:class:`ModulePaths`), so
+    the warning says nothing about the user's step.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks"
+        )
+        yield

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -46,7 +45,7 @@ from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMUL
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
-from oomkit.prediction.tracing.module_paths import ModulePaths
+from oomkit.prediction.tracing.module_paths import ModulePaths, wrapper_hook_warning_silenced
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.read_report import (
     compile_assumptions,
@@ -168,14 +167,7 @@ class Tracer:
             _optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post),
         ]
         stack.callback(self._remove_handles)
-        # torch warns on every call of a torch.compile'd module while global module hooks exist
-        # (torch/_dynamo/eval_frame.py OptimizedModule): those hooks are the recorder's, which
-        # skip compiled code and see the wrapper as the model (module_paths.py), so the
-        # warning says nothing about the user's step.
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings(
-            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks"
-        )
+        stack.enter_context(wrapper_hook_warning_silenced())  # the hooks above are ours
         stack.callback(self._backward_modules.close)
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
