@@ -495,7 +495,9 @@ def _result(
     max_batch: int,
 ) -> BatchSearchResult:
     answer = prober.probes[batch_size]
-    curve = tuple(prober.probes[b] for b in sorted(prober.probes))
+    # The sizes of the last search (confirmations of an earlier one's answer it did not try
+    # are left out: traced, but not part of this search).
+    curve = tuple(prober.probes[b] for b in sorted(prober.order))
     limiting = answer.limiting_step
     if first_failing is not None:
         limiting = prober.probes[first_failing].limiting_step
