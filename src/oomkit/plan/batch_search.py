@@ -15,10 +15,11 @@ a builder makes (``build_preset_step``, ``build_hf_step``) are built once per se
 by its probes (``oomkit.prediction.models.model_cache``: each probe still gets a new optimizer,
 new inputs and no ``.grad``), and the meta-kernel memo (``prediction/tracing/meta_memo.py``)
 answers the ops an earlier probe ran on the same shapes. Most sizes are not traced at all: once
-the last three traced sizes recorded the same events with sizes affine in the batch, the
-recording of any other size is synthesized and replayed (``trace_interpolation.py``), and the
-search's answer and the size above it are then traced to confirm it (recording for recording; a
-difference redoes the search with traces only). ``interpolate=False`` traces every size.
+three traced sizes next to one another recorded the same events with sizes affine in the batch,
+the recording of a size beside them is synthesized and replayed (``trace_interpolation.py``),
+and the search's answer and the size above it are then traced to confirm it (recording for
+recording; a difference runs the search again, learning from those traces too, and the third
+search traces every size). ``interpolate=False`` traces every size.
 
 ``smallest_gpu`` (smallest_gpu.py) answers the reverse question: for one batch, which catalog
 GPUs it fits on and the smallest of them; ``batch_probe.py`` holds what both repeat per batch
@@ -142,10 +143,11 @@ class BatchSearchResult:
 class _Prober:
     """Predicts batch sizes once each, counting traces and reporting progress.
 
-    With ``interpolate``, a part (training or evaluation step) whose last three traced batches
-    recorded one structure with sizes affine in the batch is not traced again: its recording is
+    With ``interpolate``, a part (training or evaluation step) at a batch beside three traced
+    ones of one structure with sizes affine in the batch is not traced: its recording is
     synthesized (``trace_interpolation.TraceInterpolator``) and replayed. ``confirm`` then traces
-    the batches an answer rests on, and ``fall_back`` forgets every synthesized probe.
+    the batches an answer rests on; ``forget_synthesized`` and ``fall_back`` (which also stops
+    the interpolation) drop every synthesized probe for a search again.
     """
 
     def __init__(
@@ -398,11 +400,12 @@ def max_batch_size(
         target: the whole target at once, instead of ``gpu``, ``alloc_conf``,
             ``context_overhead_bytes`` and ``torch_version``; its cuDNN version, when stated,
             picks the SDPA backend.
-        interpolate: once the last three traced sizes recorded one step structure with sizes
-            affine in the batch, synthesize the recordings of other sizes instead of tracing
-            them (``trace_interpolation.py``); the answer and the size above it are then traced
-            for real, and if either recording differs from the synthesized one the search is
-            redone with traces only. ``False`` traces every size.
+        interpolate: once three traced sizes next to one another recorded one step structure
+            with sizes affine in the batch, synthesize the recordings of sizes beside them
+            instead of tracing them (``trace_interpolation.py``); the answer and the size above
+            it are then traced for real, and if either recording differs from the synthesized
+            one the search runs again (learning from them; the third search traces every
+            size). ``False`` traces every size.
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the
