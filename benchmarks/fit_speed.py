@@ -1,10 +1,14 @@
-"""What a `fit` search costs next to its first probe: with the model and meta-kernel caches, and without.
+"""What a `fit` search costs next to its first probe: with interpolation, the model and meta-kernel caches, and without.
 
 `oomkit fit gpt2-124m --gpu h100` (seq 1024, bf16-mixed, AdamW, 2 steps a probe, the default
 margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
 process per setting so that each starts cold (torch imported, nothing remembered):
-- ``cached``: as shipped: the search builds the model once and its probes share it
-  (prediction/models/model_cache.py), and they share the meta-kernel memo
+- ``interpolated``: as shipped: the caches below, and most sizes not traced at all: once three
+  traced sizes recorded one structure with sizes affine in the batch, the recordings of other
+  sizes are synthesized and replayed (plan/trace_interpolation.py), and the answer and the size
+  above it are traced to confirm them;
+- ``cached``: ``interpolate=False``, every size traced; the search builds the model once and its
+  probes share it (prediction/models/model_cache.py), and they share the meta-kernel memo
   (prediction/tracing/meta_memo.py), so a probe re-runs no meta kernel an earlier one ran on the
   same shapes (the optimizer's ops on the parameters, every op of a layer after the first);
 - ``memo-only``: the memo, but a model built afresh for every probe (the model cache off);
@@ -13,14 +17,17 @@ Each probe is timed by the CPU time (``time.process_time``) between the search's
 callbacks; on a shared machine CPU time is the figure that does not move with the load. Where a
 probe's time goes is split into ``build`` (the builder: the model under ``torch.device("meta")``,
 of it ``model`` the model alone, found in the cache or built, and the optimizer and inputs),
-``trace`` (recording the 2 steps, the CUDA emulations included) and ``replay`` (the simulated
-allocator), summed over the probes after the first. The search's answer, and every probe's peaks,
-are checked to be the same in every setting.
+``trace`` (recording the 2 steps, the CUDA emulations included), ``replay`` (the simulated
+allocator), ``synthesize`` and ``learn`` (the interpolation: making a recording, and taking in a
+traced one with its structure), summed over the probes after the first; ``traces`` and ``synthesized`` count the
+recordings traced and synthesized. The search's answer, and every probe's peaks, are checked to be
+the same in every setting.
 
 Prints a line per setting with the ratio "search / first probe", then, last, one JSON line:
-{"settings": {"cached": {"probes": [...], "first_probe_cpu_s": ..., "search_cpu_s": ...,
- "search_over_first_probe": ..., "later_probes_cpu_s": {"build": ..., "model": ..., ...},
- "batch_size": ...}, "memo-only": {...}, "plain": {...}}, "machine": {...}}
+{"settings": {"interpolated": {"probes": [...], "traces": ..., "synthesized": ...,
+ "first_probe_cpu_s": ..., "search_cpu_s": ..., "search_over_first_probe": ..., "later_probes_cpu_s": {"build": ..., "model": ..., ...},
+ "batch_size": ...}, "cached": {...}, "memo-only": {...}, "plain": {...}},
+ "machine": {...}}
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ CASES = {
 }
 
 
-SETTINGS = ("cached", "memo-only", "plain")
+SETTINGS = ("interpolated", "cached", "memo-only", "plain")
 
 
 def run_setting(setting: str, case: str) -> dict:
@@ -52,6 +59,7 @@ def run_setting(setting: str, case: str) -> dict:
 
     import oomkit.plan.batch_probe as batch_probe
     import oomkit.plan.batch_search as batch_search
+    import oomkit.plan.trace_interpolation as interpolation
     import oomkit.prediction.models.presets as presets
     import oomkit.prediction.tracing as tracing
     from oomkit.plan.batch_search import max_batch_size
@@ -62,7 +70,7 @@ def run_setting(setting: str, case: str) -> dict:
     del torch
     preset, seq, gpu, rank = CASES[case]
     SHARED_MEMO.enabled = setting != "plain"
-    if setting != "cached":  # a probe finds no cache and builds its own model
+    if setting in ("memo-only", "plain"):  # a probe finds no cache and builds its own model
         batch_search.new_model_cache = lambda: None  # type: ignore[attr-defined]
     laps: list[float] = []
     phases: list[dict[str, float]] = [{}]
@@ -88,6 +96,10 @@ def run_setting(setting: str, case: str) -> dict:
     presets.cached_model = timed("model", presets.cached_model)  # type: ignore[attr-defined]
     tracing.trace_step = timed("trace", tracing.trace_step)  # type: ignore[attr-defined]
     batch_probe.predict_recording = timed("replay", batch_probe.predict_recording)  # type: ignore[attr-defined]
+    batch_search.predict_recording = timed("replay", batch_search.predict_recording)  # type: ignore[attr-defined]
+    interpolator = interpolation.TraceInterpolator
+    interpolator.synthesize = timed("synthesize", interpolator.synthesize)  # type: ignore[method-assign]
+    interpolator.add = timed("learn", interpolator.add)  # type: ignore[method-assign]
 
     def build(batch_size: int) -> object:
         options = StepOptions(batch_size=batch_size, seq_len=seq, precision="bf16-mixed",
@@ -95,14 +107,17 @@ def run_setting(setting: str, case: str) -> dict:
         return build_preset_step(preset, options)
 
     start_cpu, start_wall = time.process_time(), time.perf_counter()
-    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress)
+    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress,
+                            interpolate=setting == "interpolated")
     search_cpu_s = time.process_time() - start_cpu
     later = {name: round(sum(p.get(name, 0.0) for p in phases[1:-1]), 2)
-             for name in ("build", "model", "trace", "replay")}
+             for name in ("build", "model", "trace", "replay", "synthesize", "learn")}
     return {
         "batch_size": result.batch_size,
         "probes": [round(lap, 2) for lap in laps],
         "sizes": list(result.probe_order),
+        "traces": result.traces,
+        "synthesized": result.synthesized,
         "peaks": [[p.batch_size, p.peak_allocated_bytes, p.peak_reserved_bytes]
                   for p in result.curve],
         "first_probe_cpu_s": round(laps[0], 2) if laps else None,
@@ -135,12 +150,14 @@ def main() -> int:
             return proc.returncode
         result = settings[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
         later = result["later_probes_cpu_s"]
-        print(f"{setting:>9}: batch {result['batch_size']} after {len(result['probes'])} probes "
-              f"({result['sizes']}): first probe {result['first_probe_cpu_s']:.2f} s CPU, whole "
+        print(f"{setting:>12}: batch {result['batch_size']} after {len(result['sizes'])} sizes "
+              f"({result['sizes']}; {result['traces']} traced, {result['synthesized']} "
+              f"synthesized): first probe {result['first_probe_cpu_s']:.2f} s CPU, whole "
               f"search {result['search_cpu_s']:.2f} s CPU ({result['search_wall_s']:.2f} s "
               f"wall); search / first probe {result['search_over_first_probe']:.1f}; probes "
               f"after the first: build {later['build']:.2f} s (model {later['model']:.2f}), "
-              f"trace {later['trace']:.2f} s, replay {later['replay']:.2f} s "
+              f"trace {later['trace']:.2f} s, replay {later['replay']:.2f} s, synthesize "
+              f"{later['synthesize']:.2f} s, learn {later['learn']:.2f} s "
               f"(load average {os.getloadavg()[0]:.2f})")
     reference = settings["plain"]
     for setting, result in settings.items():

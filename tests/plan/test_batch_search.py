@@ -58,7 +58,10 @@ def _true_max(capacity_bytes, margin_bytes, max_batch, extra=4, per_batch=1):
 def test_bracket_then_bisect_probes_exact_sizes():
     """Doubling from 1 to the first misfit (64), then bisection: 12 probes, answer 41."""
     calls = []
-    result = max_batch_size(_linear(calls), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    # interpolate=False: every size traced (test_fit_interpolation.py has the interpolated search).
+    result = max_batch_size(
+        _linear(calls), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, interpolate=False
+    )
     assert result.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41)
     assert result.batch_size == 41
     assert result.traces == 12
@@ -144,7 +147,11 @@ def test_default_margin_applies_and_is_stated():
 def test_eval_step_can_limit_the_batch():
     """An eval step needing 3x the memory per sample caps the batch at 15, named as the limit."""
     result = max_batch_size(
-        _linear(), gpu=_gpu(100 * MiB), margin_bytes=0, eval_step=_linear(per_batch=3)
+        _linear(),
+        gpu=_gpu(100 * MiB),
+        margin_bytes=0,
+        eval_step=_linear(per_batch=3),
+        interpolate=False,  # every size traced, to count them
     )
     assert result.probe_order == (1, 2, 4, 8, 16, 12, 14, 15)
     assert result.batch_size == 15
@@ -157,7 +164,11 @@ def test_eval_step_can_limit_the_batch():
 def test_eval_is_skipped_where_training_already_fails():
     """A batch whose training step does not fit costs one trace, not two."""
     result = max_batch_size(
-        _linear(per_batch=3), gpu=_gpu(100 * MiB), margin_bytes=0, eval_step=_linear()
+        _linear(per_batch=3),
+        gpu=_gpu(100 * MiB),
+        margin_bytes=0,
+        eval_step=_linear(),
+        interpolate=False,  # every size traced, to count them
     )
     # Training: (3b + 4) * 2 MiB <= 100 MiB -> 15; the eval step (b + 4) fits wherever it does.
     assert result.batch_size == 15
@@ -299,7 +310,11 @@ def test_progress_reports_each_probe_with_a_closing_total():
     """progress gets (probes made, probes expected) once per probe; the last says n of n."""
     seen = []
     result = max_batch_size(
-        _linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, progress=lambda d, t: seen.append((d, t))
+        _linear(),
+        gpu=_gpu(100 * MiB),
+        margin_bytes=10 * MiB,
+        progress=lambda d, t: seen.append((d, t)),
+        interpolate=False,  # one call per probe; test_fit_interpolation.py counts confirmations
     )
     assert [d for d, _ in seen] == list(range(1, 13))
     assert all(t >= d for d, t in seen)

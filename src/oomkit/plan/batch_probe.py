@@ -89,6 +89,8 @@ class BatchProbe:
             ``gpu.context_overhead_bytes`` includes the margin).
         eval: the prediction of the evaluation step; ``None`` without one, or when the training
             step already does not fit (it is then not predicted).
+        synthesized: a prediction of it replayed a recording synthesized from the recordings of
+            other batch sizes (``trace_interpolation.py``) instead of one traced at this size.
     """
 
     batch_size: int
@@ -99,14 +101,13 @@ class BatchProbe:
     limiting_step: str
     train: Prediction
     eval: Prediction | None = None
+    synthesized: bool = False
 
 
 def check_positive(name: str, value: int, example: str) -> None:
     """Raise ``ValueError`` (saying ``example``) unless ``value`` is a whole number >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a whole number of at least 1; got {value!r}. Example: {example}")
-
-
 
 
 def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
@@ -241,6 +242,7 @@ def probe_record(
     usable_bytes: int,
     *,
     feasible: bool = True,
+    synthesized: bool = False,
 ) -> BatchProbe:
     """A probe from predictions made on the GPU less the margin (``usable_bytes``: without)."""
     train_fits = feasible and train.fits
@@ -262,6 +264,7 @@ def probe_record(
         limiting_step=worst[1],
         train=train,
         eval=evaluation,
+        synthesized=synthesized,
     )
 
 

@@ -14,7 +14,12 @@ What does not depend on the batch is not redone per probe: the presets and Huggi
 a builder makes (``build_preset_step``, ``build_hf_step``) are built once per search and shared
 by its probes (``oomkit.prediction.models.model_cache``: each probe still gets a new optimizer,
 new inputs and no ``.grad``), and the meta-kernel memo (``prediction/tracing/meta_memo.py``)
-answers the ops an earlier probe ran on the same shapes.
+answers the ops an earlier probe ran on the same shapes. Most sizes are not traced at all: once
+three traced sizes next to one another recorded the same events with sizes affine in the batch,
+the recording of a size beside them is synthesized and replayed (``trace_interpolation.py``),
+and the search's answer and the size above it are then traced to confirm it (recording for
+recording; a difference runs the search again, learning from those traces too, and the third
+search traces every size). ``interpolate=False`` traces every size.
 
 ``smallest_gpu`` (smallest_gpu.py) answers the reverse question: for one batch, which catalog
 GPUs it fits on and the smallest of them; ``batch_probe.py`` holds what both repeat per batch
@@ -47,11 +52,13 @@ from oomkit.plan.batch_probe import (
     default_margin_bytes,
     less_margin,
     new_model_cache,
-    predict_built,
     probe_record,
+    record_step,
     resolve_margin,
 )
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
+from oomkit.plan.trace_interpolation import TraceInterpolator, same_recording
+from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -91,8 +98,11 @@ class BatchSearchResult:
             batch tried fits (the search stopped at ``max_batch``).
         curve: every batch tried, by batch size.
         probe_order: the batch sizes in the order they were tried.
-        traces: predictions made (a trace and a replay each; training and evaluation count
-            one each).
+        traces: recordings traced for real (each replayed; training and evaluation count one
+            each), confirmations of synthesized probes included.
+        synthesized: recordings synthesized from traced ones and replayed instead of traced
+            (``interpolate``; not in ``traces``); the probes they made are marked
+            ``BatchProbe.synthesized``. The answer and the first failing batch never are.
         steps: training steps recorded per prediction.
         max_batch: the largest batch the search would try.
         description: what was searched ("GPT-2 124M, batch 12, ...", at the answer).
@@ -122,6 +132,7 @@ class BatchSearchResult:
     description: str
     warnings: tuple[str, ...]
     target: Target | None = None
+    synthesized: int = 0
 
     @property
     def answer(self) -> BatchProbe:
@@ -130,7 +141,14 @@ class BatchSearchResult:
 
 
 class _Prober:
-    """Predicts batch sizes once each, counting traces and reporting progress."""
+    """Predicts batch sizes once each, counting traces and reporting progress.
+
+    With ``interpolate``, a part (training or evaluation step) at a batch beside three traced
+    ones of one structure with sizes affine in the batch is not traced: its recording is
+    synthesized (``trace_interpolation.TraceInterpolator``) and replayed. ``confirm`` then traces
+    the batches an answer rests on; ``forget_synthesized`` and ``fall_back`` (which also stops
+    the interpolation) drop every synthesized probe for a search again.
+    """
 
     def __init__(
         self,
@@ -141,6 +159,7 @@ class _Prober:
         steps: int,
         usable_bytes: int,
         progress: Progress | None,
+        interpolate: bool,
     ) -> None:
         self._build_step = build_step
         self._eval_step = eval_step
@@ -150,45 +169,164 @@ class _Prober:
         self._progress = progress
         self.probes: dict[int, BatchProbe] = {}
         self.order: list[int] = []
-        self.traces = 0
+        self.traces = 0  # recordings traced for real
+        self.synthesized = 0  # recordings synthesized instead (trace_interpolation.py)
+        self._made = 0  # predictions of a batch made (probes and confirmations), for progress
+        self._closed = True  # the last progress call said (made, made)
+        self._interpolators: dict[str, TraceInterpolator] | None = (
+            {"train step": TraceInterpolator(), "eval step": TraceInterpolator()}
+            if interpolate
+            else None
+        )
         # The model is built once for the whole search (model_cache.py); made at the first probe.
         self.models: Any = None
+
+    @property
+    def interpolating(self) -> bool:
+        """Whether probes may still be synthesized."""
+        return self._interpolators is not None
 
     def fits(self, batch_size: int, remaining: int) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
 
         ``remaining`` is how many more probes the search may make after this one, for progress.
         """
+        if batch_size not in self.order:
+            self.order.append(batch_size)
         probe = self.probes.get(batch_size)
         if probe is None:
-            probe = self._probe(batch_size)
+            probe, _ = self._probe(batch_size, synthesize=True)
             self.probes[batch_size] = probe
-            self.order.append(batch_size)
-            if self._progress is not None:
-                self._progress(len(self.order), len(self.order) + remaining)
+            # Confirming an interpolated answer traces up to 2 more batches.
+            self._report(remaining + (2 if self.interpolating else 0))
         return probe.fits
 
-    def _probe(self, batch_size: int) -> BatchProbe:
-        target = self._target
+    def confirm(self, batch_sizes: Sequence[int]) -> bool:
+        """Trace the synthesized probes among ``batch_sizes`` for real; whether each traced
+        recording is the synthesized one (so its prediction is too: same fits, same peaks).
+
+        Each traced probe replaces the synthesized one, and its recordings are learned from
+        (so a search after a difference interpolates from them too).
+        """
+        confirmed = True
+        for batch_size in batch_sizes:
+            synthesized = self.probes.get(batch_size)
+            if synthesized is None or not synthesized.synthesized:
+                continue
+            traced, differs = self._probe(batch_size, synthesize=False)
+            self._report(0)
+            self.probes[batch_size] = traced
+            confirmed = confirmed and not differs and _same_verdict(traced, synthesized)
+        return confirmed
+
+    def forget_synthesized(self) -> None:
+        """Forget every synthesized probe; the search starts over (traced probes are kept)."""
+        self.probes = {b: p for b, p in self.probes.items() if not p.synthesized}
+        self.order = []
+
+    def fall_back(self) -> None:
+        """Forget every synthesized probe and synthesize no more; the search starts over."""
+        self._interpolators = None
+        self.forget_synthesized()
+
+    def close(self) -> None:
+        """Tell progress the last prediction was made."""
+        if self._progress is not None and not self._closed:
+            self._progress(self._made, self._made)
+            self._closed = True
+
+    def _report(self, remaining: int) -> None:
+        self._made += 1
+        self._closed = remaining == 0
+        if self._progress is not None:
+            self._progress(self._made, self._made + remaining)
+
+    def _probe(self, batch_size: int, *, synthesize: bool) -> tuple[BatchProbe, bool]:
+        """(the probe at ``batch_size``, whether a part traced for real differs from the
+        recording the interpolation would have synthesized there)."""
         if self.models is None:
             self.models = new_model_cache()
-        train = predict_built(
-            self._build_step,
-            "train step",
-            batch_size,
-            target=target,
-            steps=self._steps,
-            models=self.models,
+        train, train_synthesized, train_differs = self._predict(
+            self._build_step, "train step", batch_size, self._steps, synthesize
         )
-        self.traces += 1
-        evaluation = None
+        evaluation, eval_synthesized, eval_differs = None, False, False
         # A batch whose training step does not fit fails whatever its evaluation needs.
         if self._eval_step is not None and train.fits:
-            evaluation = predict_built(
-                self._eval_step, "eval step", batch_size, target=target, steps=1, models=self.models
+            evaluation, eval_synthesized, eval_differs = self._predict(
+                self._eval_step, "eval step", batch_size, 1, synthesize
             )
-            self.traces += 1
-        return probe_record(batch_size, train, evaluation, self._usable_bytes)
+        probe = probe_record(
+            batch_size,
+            train,
+            evaluation,
+            self._usable_bytes,
+            synthesized=train_synthesized or eval_synthesized,
+        )
+        return probe, train_differs or eval_differs
+
+    def _predict(
+        self, builder: StepBuilder, what: str, batch_size: int, steps: int, synthesize: bool
+    ) -> tuple[Prediction, bool, bool]:
+        """(the prediction of one part, whether its recording was synthesized, whether the
+        recording traced differs from the one that would have been synthesized)."""
+        interpolator = None if self._interpolators is None else self._interpolators[what]
+        if interpolator is not None and synthesize:
+            recording = interpolator.synthesize(batch_size)
+            if recording is not None:
+                self.synthesized += 1
+                basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
+                description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
+                prediction = predict_recording(recording, target=self._target, description=description)
+                return prediction, True, False
+        recording, description = record_step(
+            builder, what, batch_size, target=self._target, steps=steps, models=self.models
+        )
+        self.traces += 1
+        differs = False
+        if interpolator is not None:
+            expected = interpolator.synthesize(batch_size)
+            differs = expected is not None and not same_recording(recording, expected)
+            interpolator.add(batch_size, recording)
+        prediction = predict_recording(recording, target=self._target, description=description)
+        return prediction, False, differs
+
+
+def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:
+    """Whether two probes of one batch agree on the fit and the peaks."""
+    return (traced.fits, traced.peak_reserved_bytes, traced.peak_allocated_bytes) == (
+        synthesized.fits,
+        synthesized.peak_reserved_bytes,
+        synthesized.peak_allocated_bytes,
+    )
+
+
+# Searches with interpolation before one with traces only: each difference found adds traces
+# on the far side of a change of code path, so a second search rarely differs again.
+_SEARCHES = 3
+
+
+def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int | None]:
+    """(largest size found to fit, 0 for none; smallest found not to, None for none)."""
+    # Bracket: double from start_batch until a size does not fit or max_batch fits.
+    lo, hi = 0, None  # lo: largest size known to fit (0: none); hi: smallest known not to
+    batch = start_batch
+    while True:
+        if prober.fits(batch, _doubling_probes(batch, max_batch) + (batch - 1).bit_length()):
+            lo = batch
+            if batch >= max_batch:
+                break
+            batch = min(2 * batch, max_batch)
+        else:
+            hi = batch
+            break
+    # Bisect the open interval (lo, hi).
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if prober.fits(mid, _bisect_probes(lo, hi) - 1):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
 
 
 def _bisect_probes(lo: int, hi: int) -> int:
@@ -219,13 +357,15 @@ def max_batch_size(
     torch_version: str | None = None,
     progress: Progress | None = None,
     target: Target | None = None,
+    interpolate: bool = True,
 ) -> BatchSearchResult:
     """The largest batch size whose step fits on ``gpu``, found by prediction.
 
     Every probe calls ``build_step(batch_size)`` under ``torch.device("meta")`` and predicts
     the step it returns (``steps`` training steps, then ``eval_step`` alone if given). Sizes are
     tried by doubling from ``start_batch`` until one does not fit (or ``max_batch`` fits), then
-    by bisection; each size is predicted at most once. Bisection assumes memory grows with the
+    by bisection; each size is predicted at most once (an interpolated one traced once more to
+    confirm it). Bisection assumes memory grows with the
     batch; when the curve shows otherwise, the result warns. The answer is always a size that
     was predicted to fit. A preset or Hugging Face model the builder makes is built once for
     the whole search and shared by its probes (``oomkit.prediction.models.model_cache``).
@@ -260,10 +400,16 @@ def max_batch_size(
         target: the whole target at once, instead of ``gpu``, ``alloc_conf``,
             ``context_overhead_bytes`` and ``torch_version``; its cuDNN version, when stated,
             picks the SDPA backend.
+        interpolate: once three traced sizes next to one another recorded one step structure
+            with sizes affine in the batch, synthesize the recordings of sizes beside them
+            instead of tracing them (``trace_interpolation.py``); the answer and the size above
+            it are then traced for real, and if either recording differs from the synthesized
+            one the search runs again (learning from them; the third search traces every
+            size). ``False`` traces every size.
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the
-        number of traces made.
+        number of traces made and of recordings synthesized.
 
     Raises:
         NoFeasibleBatchSizeError: not even batch 1 fits with the margin (or the margin is
@@ -308,27 +454,22 @@ def max_batch_size(
         steps=steps,
         usable_bytes=usable,
         progress=progress,
+        interpolate=interpolate,
     )
 
-    # Bracket: double from start_batch until a size does not fit or max_batch fits.
-    lo, hi = 0, None  # lo: largest size known to fit (0: none); hi: smallest known not to
-    batch = start_batch
-    while True:
-        if prober.fits(batch, _doubling_probes(batch, max_batch) + (batch - 1).bit_length()):
-            lo = batch
-            if batch >= max_batch:
-                break
-            batch = min(2 * batch, max_batch)
+    lo, hi = _search(prober, start_batch, max_batch)
+    # The answer rests on lo fitting and hi not: trace them if they were synthesized. Where a
+    # traced recording is not the synthesized one, search again, learning from it too; after
+    # _SEARCHES searches, with traces only.
+    searches = 1
+    while prober.interpolating and not prober.confirm([b for b in (lo, hi) if b]):
+        searches += 1
+        if searches < _SEARCHES:
+            prober.forget_synthesized()
         else:
-            hi = batch
-            break
-    # Bisect the open interval (lo, hi).
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if prober.fits(mid, _bisect_probes(lo, hi) - 1):
-            lo = mid
-        else:
-            hi = mid
+            prober.fall_back()
+        lo, hi = _search(prober, start_batch, max_batch)
+    prober.close()
     if lo == 0:
         raise NoFeasibleBatchSizeError(_infeasible_message(prober.probes[1], spec, margin))
     return _result(prober, lo, hi, target, margin, margin_bytes is None, steps, max_batch)
@@ -357,7 +498,9 @@ def _result(
     max_batch: int,
 ) -> BatchSearchResult:
     answer = prober.probes[batch_size]
-    curve = tuple(prober.probes[b] for b in sorted(prober.probes))
+    # The sizes of the last search (confirmations of an earlier one's answer it did not try
+    # are left out: traced, but not part of this search).
+    curve = tuple(prober.probes[b] for b in sorted(prober.order))
     limiting = answer.limiting_step
     if first_failing is not None:
         limiting = prober.probes[first_failing].limiting_step
@@ -379,6 +522,7 @@ def _result(
         curve=curve,
         probe_order=tuple(prober.order),
         traces=prober.traces,
+        synthesized=prober.synthesized,
         steps=steps,
         max_batch=max_batch,
         description=answer.train.description,

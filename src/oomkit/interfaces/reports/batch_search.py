@@ -31,13 +31,14 @@ def batch_search_verdict(result: BatchSearchResult) -> str:
     """One line a person reads first.
 
     ``largest batch that fits on RTX 4090: 12 (peak reserved 21.30 GiB, margin 480.00 MiB,
-    9 traces)``
+    7 traces, 9 interpolated)``
     """
     r = result
+    interpolated = f", {r.synthesized} interpolated" if r.synthesized else ""
     line = (
         f"largest batch that fits on {r.gpu.name}: {r.batch_size} (peak reserved "
         f"{format_bytes(r.peak_reserved_bytes)}, margin {format_bytes(r.margin_bytes)}, "
-        f"{r.traces} trace{'s' if r.traces != 1 else ''})"
+        f"{r.traces} trace{'s' if r.traces != 1 else ''}{interpolated})"
     )
     if r.first_failing_batch is not None:
         line += f"; at batch {r.first_failing_batch}, {r.limiting_step} does not fit"
@@ -88,6 +89,7 @@ def _probe_json(probe: BatchProbe) -> dict:
         "peak_allocated_bytes": probe.peak_allocated_bytes,
         "headroom_bytes": probe.headroom_bytes,
         "limiting_step": probe.limiting_step,
+        "synthesized": probe.synthesized,
     }
 
 
@@ -114,6 +116,7 @@ def batch_search_to_json(result: BatchSearchResult) -> dict:
         "curve": [_probe_json(p) for p in r.curve],
         "probe_order": list(r.probe_order),
         "traces": r.traces,
+        "synthesized": r.synthesized,
         "steps": r.steps,
         "max_batch": r.max_batch,
         "description": r.description,

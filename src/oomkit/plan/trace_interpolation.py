@@ -1,0 +1,234 @@
+"""A batch-linear step's recording at any batch, synthesized from recordings traced at three.
+
+A training step whose tensors scale with the batch records the same events at every batch size:
+the same allocations and frees in the same order, from the same code, with the same tags; only
+the sizes differ, and each is an affine function of the batch (``size = a + b * batch``: a weight
+or an optimizer state is the ``a``, an activation of shape ``(batch, seq, hidden)`` the ``b``).
+The sizes are the requested ones (``TraceEvent.size`` of a recording); the caching allocator's
+rounding happens later, in the replay, so it does not break the affinity.
+
+``TraceInterpolator`` learns this from real recordings of one builder: once three traced batches
+next to one another give recordings of one structure (``recording_structure``) whose every size
+is exactly affine in the batch with a whole-number slope (fitted on two, checked on the third),
+it synthesizes the recording at other batch sizes beside them, to be replayed instead of traced.
+It refuses (``None``) when a size would be negative. What it cannot see (a kernel choice that changes with
+the size, a workspace capped at some size) the caller must catch by tracing the batches its
+answer rests on and comparing (``same_recording``); ``max_batch_size`` (batch_search.py) does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from oomkit.core.trace import TraceEvent
+
+__all__ = [
+    "AffineSizes",
+    "TraceInterpolator",
+    "affine_sizes",
+    "recording_structure",
+    "same_recording",
+    "synthesize_sizes",
+]
+
+# The recording fields that may change with the batch: the events' sizes (compared apart) and
+# the bytes per category (sums of those sizes). Every other field must be equal at every batch.
+_SIZED_FIELDS = ("events", "bytes_by_category")
+
+# Intercepts and slopes, one pair per value: value(batch) = intercepts[i] + slopes[i] * batch.
+AffineSizes = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def recording_structure(recording: Any) -> tuple[Any, ...] | None:
+    """What must be equal between two recordings for one to be the other at another batch.
+
+    Every event's action, address (renumbered by first appearance: ids are opaque), stream,
+    time, frames and tags, and every field of the recording but the sizes (step boundaries,
+    warnings, kernel choices, assumptions, ...). ``None`` for something that is not a dataclass
+    recording with ``events`` (it is then never interpolated).
+    """
+    if not dataclasses.is_dataclass(recording) or not hasattr(recording, "events"):
+        return None
+    ids: dict[int, int] = {}
+    events = tuple(
+        (e.action, ids.setdefault(e.address, len(ids)), e.stream, e.time_us, e.frames, e.tags)
+        for e in recording.events
+    )
+    others = tuple(
+        (f.name, _frozen(getattr(recording, f.name)))
+        for f in dataclasses.fields(recording)
+        if f.name not in _SIZED_FIELDS
+    )
+    categories = tuple(sorted(getattr(recording, "bytes_by_category", {}) or {}))
+    return (type(recording), events, others, categories)
+
+
+def _frozen(value: Any) -> Any:
+    """A comparable form of a field (mappings as sorted items)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def _sizes(recording: Any) -> tuple[int, ...]:
+    """The recording's event sizes, then its bytes per category (sorted by category)."""
+    by_category = getattr(recording, "bytes_by_category", {}) or {}
+    return (
+        *(e.size for e in recording.events),
+        *(by_category[k] for k in sorted(by_category)),
+    )
+
+
+def same_recording(first: Any, second: Any) -> bool:
+    """Whether two recordings are one up to their allocation ids: same structure, same sizes."""
+    structure = recording_structure(first)
+    return (
+        structure is not None
+        and structure == recording_structure(second)
+        and _sizes(first) == _sizes(second)
+    )
+
+
+def affine_sizes(points: Sequence[tuple[int, Sequence[int]]]) -> AffineSizes | None:
+    """Per value, the whole-number intercept and slope through every (batch, values) point.
+
+    Fitted on the first two points and checked on the rest; ``None`` when the points are fewer
+    than two, share a batch, differ in length, or a value is not exactly affine in the batch
+    with a whole-number slope.
+    """
+    if len(points) < 2 or len({batch for batch, _ in points}) != len(points):
+        return None
+    (b0, v0), (b1, v1) = points[0], points[1]
+    if any(len(values) != len(v0) for _, values in points):
+        return None
+    span = b1 - b0
+    intercepts: list[int] = []
+    slopes: list[int] = []
+    for x0, x1 in zip(v0, v1, strict=True):
+        slope, rest = divmod(x1 - x0, span)
+        if rest:
+            return None
+        slopes.append(slope)
+        intercepts.append(x0 - slope * b0)
+    for batch, values in points[2:]:
+        if any(a + b * batch != x for a, b, x in zip(intercepts, slopes, values, strict=True)):
+            return None
+    return tuple(intercepts), tuple(slopes)
+
+
+def synthesize_sizes(affine: AffineSizes, batch_size: int) -> tuple[int, ...] | None:
+    """The values at ``batch_size``; ``None`` when one would be negative (not a size)."""
+    intercepts, slopes = affine
+    values = tuple(a + b * batch_size for a, b in zip(intercepts, slopes, strict=True))
+    if any(value < 0 for value in values):
+        return None
+    return values
+
+
+class TraceInterpolator:
+    """Learns one builder's recordings from traced batches and synthesizes them at others.
+
+    Every traced recording is kept with its structure. The recording at a batch ``B`` that was
+    not traced comes from a *run*: traced batches next to one another (in batch order, none of
+    another structure between them) that share a structure. Between two traced batches it is
+    their run, if they share one; above every traced batch, the run of the largest; below
+    every traced batch, the run of the smallest. The run must hold ``points`` batches or more
+    and its sizes must be exactly affine in the batch (fitted on the two traced batches nearest
+    ``B``, checked on the others). So a step that takes another code path above some size (the
+    embedding backward sorting its indices above 3,072 of them, a kernel chosen by size) is
+    learned again, from traces, on each side of the change.
+
+    Args:
+        points: traced batches one run needs before it synthesizes: 3 (two to fit the sizes,
+            one to check them), at least 2.
+    """
+
+    def __init__(self, points: int = 3) -> None:
+        if points < 2:
+            raise ValueError(f"an affine fit needs at least 2 points; got {points}")
+        self._needed = points
+        self._structures: list[tuple[Any, ...]] = []  # distinct structures; ids index it
+        self._traced: dict[int, tuple[int, tuple[int, ...], Any]] = {}  # batch: (id, sizes, rec)
+        self._fits: dict[tuple[int, ...], AffineSizes | None] = {}  # by (nearest two, *run)
+
+    @property
+    def traced_batches(self) -> tuple[int, ...]:
+        """Every batch traced so far, in order."""
+        return tuple(sorted(self._traced))
+
+    def add(self, batch_size: int, recording: Any) -> None:
+        """Learn from ``recording``, traced for real at ``batch_size`` (not a dataclass
+        recording with ``events``: it is not learned from)."""
+        structure = recording_structure(recording)
+        if structure is None:
+            return
+        if structure in self._structures:
+            index = self._structures.index(structure)
+        else:
+            index = len(self._structures)
+            self._structures.append(structure)
+        self._traced[batch_size] = (index, _sizes(recording), recording)
+        self._fits.clear()
+
+    def basis(self, batch_size: int) -> tuple[int, ...] | None:
+        """The traced batches the recording at ``batch_size`` would be synthesized from (the
+        run, nearest two first); ``None`` when there is no run of enough batches there."""
+        batches = sorted(self._traced)
+        below = [b for b in batches if b < batch_size]
+        above = [b for b in batches if b > batch_size]
+        if batch_size in self._traced or not batches:
+            return None
+        if below and above:
+            if self._id(below[-1]) != self._id(above[0]):
+                return None
+            start = below[-1]
+        else:
+            start = below[-1] if below else above[0]
+        structure = self._id(start)
+        i = j = batches.index(start)
+        while i > 0 and self._id(batches[i - 1]) == structure:
+            i -= 1
+        while j + 1 < len(batches) and self._id(batches[j + 1]) == structure:
+            j += 1
+        run = batches[i : j + 1]
+        if len(run) < self._needed:
+            return None
+        nearest = sorted(run, key=lambda b: (abs(b - batch_size), b))
+        return tuple(nearest)
+
+    def synthesize(self, batch_size: int) -> Any:
+        """The recording at ``batch_size``, or ``None`` when ``basis`` has none, the run's sizes
+        are not affine, or a size would be negative.
+
+        Its events are those of the run's traced recording nearest ``batch_size``, with sizes
+        ``a + b * batch_size``; its bytes per category likewise; every other field is that
+        recording's.
+        """
+        basis = self.basis(batch_size)
+        if basis is None:
+            return None
+        if basis not in self._fits:
+            self._fits[basis] = affine_sizes([(b, self._traced[b][1]) for b in basis])
+        affine = self._fits[basis]
+        if affine is None:
+            return None
+        values = synthesize_sizes(affine, batch_size)
+        if values is None:
+            return None
+        template = self._traced[basis[0]][2]
+        events = template.events
+        count = len(events)
+        new_events = tuple(
+            e if e.size == size else TraceEvent(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
+            for e, size in zip(events, values[:count], strict=True)
+        )
+        changes: dict[str, Any] = {"events": new_events}
+        by_category = getattr(template, "bytes_by_category", None)
+        if by_category:
+            changes["bytes_by_category"] = dict(zip(sorted(by_category), values[count:], strict=True))
+        return dataclasses.replace(template, **changes)
+
+    def _id(self, batch_size: int) -> int:
+        return self._traced[batch_size][0]
