@@ -14,6 +14,8 @@ private pool). Dynamo enters compiled code through one function of torch/_dynamo
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -64,10 +66,12 @@ def compiled_code_recorded(
     """While open, ``torch.compile`` (Inductor backend) compiles through :class:`InductorStandIn`.
 
     Dynamo skips compiling while a dispatch mode that does not ignore compile internals is on
-    the stack (torch/_dynamo/convert_frame.py ``ConvertFrame.__call__``), so the recorder's
-    modes say they ignore them (torch/utils/_python_dispatch.py ``ignore_compile_internals``):
-    they are off while dynamo and AOTAutograd trace, and on while the compiled graphs run.
-    Inductor is reached through ``torch._inductor.compile_fx.compile_fx`` (the default backend's
+    the stack (torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__``), so the
+    recorder's dispatch modes say they ignore them (torch/utils/_python_dispatch.py
+    ``ignore_compile_internals``); their ``__torch_dispatch__`` runs with dynamo disabled
+    (``TorchDispatchMode.__init_subclass__`` wraps it in ``torch._dynamo.disable``). The
+    recorder itself is never compiled (:func:`_recorder_never_compiled`). Inductor is reached
+    through ``torch._inductor.compile_fx.compile_fx`` (the default backend's
     ``_TorchCompileInductorWrapper`` and ``backend="inductor"`` both look it up when they
     compile), which is replaced. Dynamo's caches are reset on entry and exit, so no compiled code
     made for another recording (or holding this one) is run. Other backends run as they are.
@@ -107,7 +111,8 @@ def compiled_code_recorded(
     for mode_class in mode_classes:
         mode_class.ignore_compile_internals = classmethod(lambda cls: True)
     try:
-        yield stand_in
+        with _recorder_never_compiled(), _meta_dispatched_as_cuda():
+            yield stand_in
     finally:
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
@@ -117,6 +122,184 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
+
+
+# The recorder's packages: no frame of theirs is ever compiled (models/ is the user's code).
+_RECORDER_PACKAGE = "oomkit.prediction.tracing"
+
+
+@contextlib.contextmanager
+def _recorder_never_compiled() -> Iterator[None]:
+    """While open, dynamo never compiles the recorder, and traces its function modes as no-ops.
+
+    Two ways dynamo meets the recorder inside a compiled region:
+
+    - It *traces through* the recorder's torch-function modes (torch/_dynamo/variables/
+      torch_function.py ``SymbolicTorchFunctionState.call_torch_function_mode`` inlines every
+      mode's ``__torch_function__``) and its global module hooks. While dynamo traces,
+      ``torch.compiler.is_compiling()`` is True, so the modes' ``__torch_function__`` is
+      replaced by one that then only calls the function (the hooks already return): the
+      captured graph holds the user's ops, as on a GPU without oomkit.
+    - After a graph break, every Python frame that starts is offered to dynamo's frame callback
+      (torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__``), a mode's
+      ``__torch_function__`` or a hook included, which would compile its eager path (or, with
+      ``is_compiling()`` folded to True, skip it). Each code object of the recorder is marked
+      to be skipped when offered (torch/_dynamo/eval_frame.py ``skip_code``:
+      ``FrameExecStrategy(SKIP, DEFAULT)``, checked in C before the callback), which does not
+      stop dynamo from tracing through it: only ``_torchdynamo_disable`` does that
+      (variables/functions.py), which is why ``torch._dynamo.skip``/``disable`` are not used on
+      them. torch's own Python functions the recorder calls are skipped by dynamo's trace rules
+      (torch/_dynamo/trace_rules.py ``MOD_SKIPLIST``), so the recorder's work runs eagerly.
+
+    ``trace_rules.add`` (skip whole files) is not used: it also stops dynamo tracing through the
+    module hooks (``check_file`` applies to inlined calls), a graph break per module call.
+    """
+    import torch._dynamo.eval_frame as eval_frame
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    from oomkit.prediction.tracing._modes import DivergenceFunctionMode
+    from oomkit.prediction.tracing.value_reads import ValueReads
+
+    modes: tuple[type[Any], ...] = (ValueReads, DivergenceFunctionMode)
+    originals = [mode.__dict__["__torch_function__"] for mode in modes]
+    for mode, original in zip(modes, originals, strict=True):
+        mode.__torch_function__ = _traced_as_the_function(original)
+    codes = _recorder_code()
+    never = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in codes:
+        eval_frame.set_code_exec_strategy(code, never)
+    try:
+        yield
+    finally:
+        default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+        for code in codes:
+            eval_frame.set_code_exec_strategy(code, default)
+        for mode, original in zip(modes, originals, strict=True):
+            mode.__torch_function__ = original
+
+
+@contextlib.contextmanager
+def _meta_dispatched_as_cuda() -> Iterator[None]:
+    """While open, the Python dispatcher sends an op to autograd on meta as it does on CUDA.
+
+    torch/_meta_registrations.py ``activate_meta`` registers a Python ``Meta`` kernel for every
+    op with a decomposition, CompositeImplicitAutograd ones included (``nll_loss``,
+    ``var_mean``, ``std``, ``where``, ``dropout``...). Under the Python dispatcher, which dynamo
+    and AOTAutograd enable while they trace (torch/_functorch/_aot_autograd/graph_capture.py
+    ``_create_graph``), torch/_ops.py ``resolve_key`` then finds a "backend kernel" for
+    ``AutogradMeta`` and skips CompositeImplicitAutograd, so the op reaches autograd's
+    not-implemented fallback: its output has no grad_fn and AOTAutograd marks it as needing
+    none (a compiled ``cross_entropy`` loss cannot be backpropagated). ``AutogradCUDA`` has no
+    such kernel and decomposes. Those ``Meta`` kernels are set aside while this is open.
+    """
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+
+    import torch
+
+    ops = {
+        op
+        for table in global_decomposition_table.values()
+        for op in table
+        if isinstance(op, torch._ops.OpOverload)
+        and DispatchKey.Meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), DispatchKey.CompositeImplicitAutograd
+        )
+    }
+    kernels = {op: op.py_kernels.pop(DispatchKey.Meta) for op in ops}
+    for op in ops:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in kernels.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+_NONE: dict[Any, Any] = {}
+
+
+def _traced_as_the_function(original: Any) -> Any:
+    """A mode's ``__torch_function__`` that dynamo traces as the call of ``func`` alone."""
+    import torch
+
+    def __torch_function__(
+        self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if torch.compiler.is_compiling():
+            # A function DivergenceFunctionMode.reach_backward replaced in its module comes back
+            # here as that wrapper: call what it wraps (the wrapper would enter the mode again).
+            func = getattr(self, "_originals", _NONE).get(func, func)
+            return _as_on_the_gpu(func, args, kwargs or {})
+        return original(self, func, types, args, kwargs)
+
+    return __torch_function__
+
+
+def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``, traced by dynamo; a tensor made from data on meta made on the CPU.
+
+    ``torch.tensor(data, device="meta")`` takes a shortcut that returns a plain meta tensor,
+    with the fake-tensor key excluded and no ``lift_fresh`` (torch/csrc/utils/tensor_new.cpp
+    ``internal_new_from_data``: "If the device is Meta, take the shortcut"), so dynamo's fake
+    run fails on it ("Please convert all Tensors to FakeTensors first"). On CUDA the data is
+    made on the CPU, lifted and moved, which is what is traced here: the graph gets a CPU
+    constant (no device memory) and its copy to the device, a pointwise copy Inductor inlines
+    into its reader or writes once as a buffer; on CUDA the constant is inlined as well (at
+    most 8 elements, torch/_inductor/graph.py ``GraphLowering.get_attr``) or a buffer the
+    compiled module holds: a larger constant is counted per call here, not once.
+    """
+    import torch
+
+    if func in (torch.tensor, torch.as_tensor) and not isinstance(
+        args[0] if args else kwargs.get("data"), torch.Tensor
+    ):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            return func(*args, **{**kwargs, "device": "cpu"}).to(device)
+    return func(*args, **kwargs)
+
+
+def _recorder_code() -> list[types.CodeType]:
+    """Every code object of the recorder's loaded modules: functions, methods, nested ones."""
+    found: dict[int, types.CodeType] = {}
+
+    def add_code(code: types.CodeType) -> None:
+        if id(code) in found:
+            return
+        found[id(code)] = code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                add_code(const)
+
+    def add_object(obj: Any, module_name: str) -> None:
+        for _ in range(8):  # decorators' wrappers (functools.wraps) down to the function
+            if isinstance(obj, (staticmethod, classmethod)):
+                obj = obj.__func__
+            elif isinstance(obj, property):
+                for part in (obj.fget, obj.fset, obj.fdel):
+                    if part is not None:
+                        add_object(part, module_name)
+                return
+            elif isinstance(obj, types.FunctionType):
+                if obj.__module__ == module_name:
+                    add_code(obj.__code__)
+                obj = getattr(obj, "__wrapped__", None)
+            else:
+                return
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == _RECORDER_PACKAGE or name.startswith(_RECORDER_PACKAGE + ".")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                for member in list(vars(value).values()):
+                    add_object(member, name)
+            else:
+                add_object(value, name)
+    return list(found.values())
 
 
 def _site() -> str:
