@@ -22,6 +22,7 @@ the composite would take the math path.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, plan_graph
+from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, fetch_attr, plan_graph
 from oomkit.prediction.tracing.emulation import EmulationContext
 from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 
@@ -67,6 +68,8 @@ class PlannedGraph:
         for buf in plan.buffers.values():
             if not buf.is_output and buf.last_use >= 0:
                 self._dying.setdefault(buf.last_use, []).append(buf.key)
+        # Device copies of CPU constants the compiled module holds: made on the first call.
+        self._held_constants: list[int] | None = None
 
     def __call__(self, args: list[Any]) -> list[Any]:
         engine = self._engine
@@ -78,6 +81,8 @@ class PlannedGraph:
         placeholders = args[::-1]
         args.clear()
         result: list[Any] = []
+        if self._held_constants is None:
+            self._hold_constants()
         with _disable_current_modes():
             for i, node in enumerate(self._nodes):
                 if node.op == "placeholder":
@@ -106,6 +111,17 @@ class PlannedGraph:
             engine.sink.free(alloc)
         return result
 
+    def _hold_constants(self) -> None:
+        """Allocate the device copies of constants once, for as long as this graph lives."""
+        engine = self._engine
+        ids = [
+            engine.allocate_synthetic(nbytes, "buffer", "torch.compile constant", what=name)
+            for name, nbytes in self.plan.held_constants.items()
+        ]
+        self._held_constants = ids
+        if ids:
+            weakref.finalize(self, _free_synthetic, engine, ids)
+
     def _run(
         self,
         node: torch.fx.Node,
@@ -116,6 +132,16 @@ class PlannedGraph:
     ) -> Any:
         engine = self._engine
         plan = self.plan
+        if node.op == "get_attr":
+            value = self._call(node, (), {})
+            for key in plan.bases.get(node.name, ()):
+                # A device constant held by the compiled module: recorded once, when first read.
+                keep[key] = value
+                storage = tensor_storage(value, engine.device_type)
+                error = None if storage is None else engine.sync_storage(storage, "constant")
+                if error is not None:
+                    raise engine.sink.refused(error)
+            return value
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         name = str(node.target)
         made = [plan.buffers[k] for k in plan.bases.get(node.name, ()) if plan.buffers[k].made_at == i]
@@ -128,7 +154,7 @@ class PlannedGraph:
             for buf in made:
                 keep[buf.key] = _element(out, buf.key[1])
             return out
-        out = node.target(*args, **kwargs)  # type: ignore[operator]
+        out = self._call(node, args, kwargs)
         for buf in made:
             tensor = _element(out, buf.key[1])
             keep[buf.key] = tensor
@@ -143,6 +169,24 @@ class PlannedGraph:
                 if error is not None:
                     raise engine.sink.refused(error)
         return out
+
+
+    def _call(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+        """The node's value, by its FX op (torch/fx/interpreter.py ``Interpreter`` semantics)."""
+        if node.op == "get_attr":
+            # A constant of the graph module (graph.py GraphLowering.get_attr): not made per call.
+            return fetch_attr(self.gm, str(node.target))
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, str(node.target))(*rest, **kwargs)
+        if node.op == "call_module":
+            return self.gm.get_submodule(str(node.target))(*args, **kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _free_synthetic(engine: CudaEmulationEngine, ids: list[int]) -> None:
+    for alloc_id in ids:
+        engine.free_synthetic(alloc_id)
 
 
 def _element(out: Any, index: int) -> Any:
