@@ -201,7 +201,8 @@ class InductorStandIn:
 
     Attributes:
         plans: ``(kind, plan)`` per compiled graph: ``forward``, ``backward`` or ``inference``.
-        graphs: compiled graphs by kind.
+        graphs: compiled graphs by kind (and, once recorded, dynamo's graph breaks:
+            ``compiled.GRAPH_BREAKS``).
         failed: captured graphs recorded eagerly instead, by the error that stopped them.
     """
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
 
-__all__ = ["compiled_code_eager", "compiled_code_recorded"]
+__all__ = ["GRAPH_BREAKS", "compiled_code_eager", "compiled_code_recorded"]
 
 
 @contextlib.contextmanager
@@ -86,6 +86,7 @@ def compiled_code_recorded(
     try:
         import torch._dynamo
         import torch._dynamo.eval_frame as eval_frame
+        import torch._dynamo.utils
         import torch._inductor.compile_fx as compile_fx_module
     except ImportError:  # pragma: no cover - a torch without dynamo
         yield None
@@ -106,6 +107,7 @@ def compiled_code_recorded(
         return original_stance(callback)
 
     torch._dynamo.reset()
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
     eval_frame._callback_from_stance = callback_from_stance
     for mode_class in mode_classes:
@@ -114,6 +116,11 @@ def compiled_code_recorded(
         with _recorder_never_compiled(), _meta_dispatched_as_cuda():
             yield stand_in
     finally:
+        # Each graph break leaves code between captured graphs that runs (and is recorded)
+        # eagerly; dynamo counts them (torch/_dynamo/utils.py counters, kept across resets).
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        if breaks:
+            stand_in.graphs[GRAPH_BREAKS] += breaks
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
                 del mode_class.ignore_compile_internals
@@ -124,6 +131,8 @@ def compiled_code_recorded(
         torch._dynamo.reset()
 
 
+# The count of dynamo's graph breaks in InductorStandIn.graphs (the assumption lists it).
+GRAPH_BREAKS = "graph break(s), the code between graphs recorded eagerly"
 # The recorder's packages: no frame of theirs is ever compiled (models/ is the user's code).
 _RECORDER_PACKAGE = "oomkit.prediction.tracing"
 
