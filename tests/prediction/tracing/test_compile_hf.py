@@ -169,3 +169,22 @@ def test_hf_llama_train_step_compiles_and_backpropagates():
     assert not any("could not be compiled" in w for w in recording.warnings)
     phases = {dict(e.tags).get("phase") for e in recording.events if e.action == "alloc"}
     assert {"backward", "optimizer"} <= phases
+
+
+def test_a_mode_entered_before_the_recording_does_not_recompile_every_step():
+    """value_tracking opened around the builder (as the CLI does) set dynamo's "inside a mode"
+    flag before the recorder's modes said they ignore compile internals, so each step
+    recompiled: two steps compile one forward and one backward graph."""
+    from oomkit.prediction.tracing import value_tracking
+
+    with value_tracking({}):
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+            x = torch.randn(4, 16)
+        compiled = torch.compile(model)
+
+        def step(*_tracked):
+            compiled(x).sum().backward()
+
+        recording = trace_step(step, model, x, compile=True, steps=2)
+    assert "(1 backward, 1 forward)" in recording.assumptions["torch.compile"]

@@ -88,6 +88,7 @@ def compiled_code_recorded(
         import torch._dynamo.eval_frame as eval_frame
         import torch._dynamo.utils
         import torch._inductor.compile_fx as compile_fx_module
+        import torch.utils._python_dispatch as python_dispatch
     except ImportError:  # pragma: no cover - a torch without dynamo
         yield None
         return
@@ -112,6 +113,19 @@ def compiled_code_recorded(
     eval_frame._callback_from_stance = callback_from_stance
     for mode_class in mode_classes:
         mode_class.ignore_compile_internals = classmethod(lambda cls: True)
+    # A mode entered before this (value_tracking opened around the builder, as the CLI does)
+    # set the flag "in a mode without ignore_compile_internals" when it was entered
+    # (TorchDispatchMode.__enter__), and dynamo's C++ guards fail while it is set, so every call
+    # recompiled ("runtime guards failed even though they passed during recompilation-reason
+    # analysis"). Recomputed from the modes on the stack now; restored on exit.
+    flag_before = python_dispatch._is_in_any_mode_without_ignore_compile_internals
+    _set_ignore_flag(
+        python_dispatch,
+        any(
+            not python_dispatch._get_dispatch_stack_at(i).ignore_compile_internals()
+            for i in range(torch._C._len_torch_dispatch_stack())
+        ),
+    )
     try:
         with _recorder_never_compiled(), _meta_dispatched_as_cuda():
             yield stand_in
@@ -121,6 +135,7 @@ def compiled_code_recorded(
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
         if breaks:
             stand_in.graphs[GRAPH_BREAKS] += breaks
+        _set_ignore_flag(python_dispatch, flag_before)
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
                 del mode_class.ignore_compile_internals
@@ -129,6 +144,15 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
+
+
+def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:
+    """torch/utils/_python_dispatch.py's flag and its copy in dynamo's C++ guards, as
+    ``TorchDispatchMode.__enter__`` sets them."""
+    from torch._C._dynamo.guards import set_is_in_mode_without_ignore_compile_internals
+
+    python_dispatch._is_in_any_mode_without_ignore_compile_internals = value
+    set_is_in_mode_without_ignore_compile_internals(value)
 
 
 # The count of dynamo's graph breaks in InductorStandIn.graphs (the assumption lists it).
