@@ -141,6 +141,7 @@ def test_hf_gpt2_inference_compiles_in_one_graph():
     """A tiny HF GPT-2 inference step compiles whole (one inference graph, no break), and costs
     less than eager."""
     from transformers import GPT2Config
+
     from oomkit.prediction.models.hf import build_hf_step
 
     config = GPT2Config(n_embd=32, n_head=2, n_layer=1, n_positions=64, vocab_size=128)
@@ -158,8 +159,9 @@ def test_hf_gpt2_inference_compiles_in_one_graph():
 def test_hf_llama_train_step_compiles_and_backpropagates():
     """A tiny HF Llama train step compiles forward and backward (its loss keeps autograd on meta,
     which the Meta kernels of CompositeImplicitAutograd ops would break) and records a backward."""
-    from oomkit.prediction.models.hf import build_hf_step
     from pathlib import Path
+
+    from oomkit.prediction.models.hf import build_hf_step
 
     config = Path(__file__).parents[1] / "models" / "configs" / "tiny-llama"
     options = StepOptions(batch_size=1, seq_len=8, precision="bf16-mixed", mode="train", compile=True)

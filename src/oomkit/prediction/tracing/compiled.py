@@ -225,10 +225,9 @@ def _meta_dispatched_as_cuda() -> Iterator[None]:
     none (a compiled ``cross_entropy`` loss cannot be backpropagated). ``AutogradCUDA`` has no
     such kernel and decomposes. Those ``Meta`` kernels are set aside while this is open.
     """
+    import torch
     from torch._C import DispatchKey
     from torch._decomp import global_decomposition_table
-
-    import torch
 
     ops = {
         op
@@ -324,7 +323,8 @@ def _recorder_code() -> list[types.CodeType]:
                 return
 
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == _RECORDER_PACKAGE or name.startswith(_RECORDER_PACKAGE + ".")):
+        inside = name == _RECORDER_PACKAGE or name.startswith(_RECORDER_PACKAGE + ".")
+        if module is None or not inside:
             continue
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == name:
