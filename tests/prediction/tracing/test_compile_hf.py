@@ -190,3 +190,28 @@ def test_a_mode_entered_before_the_recording_does_not_recompile_every_step():
 
         recording = trace_step(step, model, x, compile=True, steps=2)
     assert "(1 backward, 1 forward)" in recording.assumptions["torch.compile"]
+
+
+def test_a_buffer_written_in_place_takes_its_dying_inputs_block():
+    """relu is planned in place of the mm output it reads last (scheduler.py
+    decide_inplace_update): at run time it takes that block instead of allocating, so the graph
+    holds two 16 KiB buffers at most, not three (the donor was leaked to the graph's end)."""
+    with torch.device("meta"):
+        a = torch.randn(64, 64)
+
+    def chain(x):
+        b = torch.mm(x, x)
+        c = torch.mm(torch.relu(b), x)
+        return torch.mm(c, x)
+
+    compiled = torch.compile(chain)
+
+    def step(*_tracked):
+        with torch.no_grad():
+            compiled(a)
+
+    recording = trace_step(step, a, compile=True)
+    assert _allocs(recording, "aten.relu.default") == []
+    buffer = 64 * 64 * F32
+    cublas_workspace = 32 * 2**20  # the emulated cuBLAS workspace of the first mm (H100)
+    assert recording.peak_allocated_bytes() == buffer + cublas_workspace + 2 * buffer

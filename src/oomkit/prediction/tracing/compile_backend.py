@@ -162,6 +162,12 @@ class PlannedGraph:
             if storage is None:
                 continue
             donor = held.pop(buf.reuses, None) if buf.reuses is not None else None
+            if donor is None and buf.in_place and buf.reuses in keep:
+                # Written in place of an input that dies in this kernel (scheduler.py
+                # decide_inplace_update): the input's block, taken now; it is not yet in `held`,
+                # which gets a buffer only after the kernel that last reads it.
+                dying = tensor_storage(keep.pop(buf.reuses), engine.device_type)
+                donor = engine.table.unbind(dying) if dying is not None else None
             if donor is not None:
                 engine.table.bind(storage, donor)
             else:
