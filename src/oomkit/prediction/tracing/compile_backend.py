@@ -12,7 +12,9 @@ What is emulated: Inductor itself. Lowering for CUDA needs Triton, which CPU tor
 ship (``import triton`` fails), so each forward/backward graph is executed by
 :class:`PlannedGraph`, which follows ``compile_plan.plan_graph``: fused values are computed on
 meta but never recorded, buffers are recorded when their kernel runs and freed after their last
-reader, and reused buffers keep one allocation. Extern kernels with a CUDA emulation (cuBLAS
+reader, and reused buffers keep one allocation. Constants (``get_attr`` nodes) are read from the
+graph module, never made per call; the device copies the compiled graph holds are allocated on
+its first call and freed when it dies. Extern kernels with a CUDA emulation (cuBLAS
 workspace, SDPA backward temporaries) run through the engine's hooks. SDPA calls in the
 captured graph are replaced, before AOTAutograd traces them, by the fused kernel CUDA would pick
 on the target GPU (``emulations/sdpa.py``), as Inductor keeps it as an extern kernel: on meta

@@ -278,10 +278,11 @@ def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     ``internal_new_from_data``: "If the device is Meta, take the shortcut"), so dynamo's fake
     run fails on it ("Please convert all Tensors to FakeTensors first"). On CUDA the data is
     made on the CPU, lifted and moved, which is what is traced here: the graph gets a CPU
-    constant (no device memory) and its copy to the device, a pointwise copy Inductor inlines
-    into its reader or writes once as a buffer; on CUDA the constant is inlined as well (at
-    most 8 elements, torch/_inductor/graph.py ``GraphLowering.get_attr``) or a buffer the
-    compiled module holds: a larger constant is counted per call here, not once.
+    constant (no device memory) and its move to the device, which ``compile_plan`` treats as
+    Inductor treats a device copy of constants (ir.py ``DeviceCopy.create``:
+    ``constant_to_device``): inlined into its readers, and, past 8 elements
+    (torch/_inductor/graph.py ``GraphLowering.get_attr``), copied to the device once and held
+    by the compiled graph, as a constant made on CUDA is.
     """
     import torch
 
