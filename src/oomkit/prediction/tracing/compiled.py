@@ -176,13 +176,16 @@ def _recorder_never_compiled() -> Iterator[None]:
     - After a graph break, every Python frame that starts is offered to dynamo's frame callback
       (torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__``), a mode's
       ``__torch_function__`` or a hook included, which would compile its eager path (or, with
-      ``is_compiling()`` folded to True, skip it). Each code object of the recorder is marked
-      to be skipped when offered (torch/_dynamo/eval_frame.py ``skip_code``:
-      ``FrameExecStrategy(SKIP, DEFAULT)``, checked in C before the callback), which does not
-      stop dynamo from tracing through it: only ``_torchdynamo_disable`` does that
-      (variables/functions.py), which is why ``torch._dynamo.skip``/``disable`` are not used on
-      them. torch's own Python functions the recorder calls are skipped by dynamo's trace rules
-      (torch/_dynamo/trace_rules.py ``MOD_SKIPLIST``), so the recorder's work runs eagerly.
+      ``is_compiling()`` folded to True, skip it). Each code object of the recorder gets the
+      frame strategy ``FrameExecStrategy(SKIP, SKIP)`` (torch/_dynamo/eval_frame.py
+      ``set_code_exec_strategy``, as ``skip_code`` sets ``(SKIP, DEFAULT)``): checked in C
+      before the callback, it runs the frame and everything it calls with the callback off
+      (torch/csrc/dynamo/eval_frame_cpp.cpp ``dynamo__custom_eval_frame``: a SKIP recursive
+      action makes the recursive callback None), so the recorder's work runs eagerly. It does
+      not stop dynamo from tracing through that code: only ``_torchdynamo_disable`` does
+      (variables/functions.py), which is why ``torch._dynamo.skip``/``disable`` are not used.
+      A ``torch.compile``d function called from there still compiles (its wrapper sets the
+      callback itself).
 
     ``trace_rules.add`` (skip whole files) is not used: it also stops dynamo tracing through the
     module hooks (``check_file`` applies to inlined calls), a graph break per module call.
