@@ -12,7 +12,9 @@ What is emulated: Inductor itself. Lowering for CUDA needs Triton, which CPU tor
 ship (``import triton`` fails), so each forward/backward graph is executed by
 :class:`PlannedGraph`, which follows ``compile_plan.plan_graph``: fused values are computed on
 meta but never recorded, buffers are recorded when their kernel runs and freed after their last
-reader, and reused buffers keep one allocation. Extern kernels with a CUDA emulation (cuBLAS
+reader, and reused buffers keep one allocation. Constants (``get_attr`` nodes) are read from the
+graph module, never made per call; the device copies the compiled graph holds are allocated on
+its first call and freed when it dies. Extern kernels with a CUDA emulation (cuBLAS
 workspace, SDPA backward temporaries) run through the engine's hooks. SDPA calls in the
 captured graph are replaced, before AOTAutograd traces them, by the fused kernel CUDA would pick
 on the target GPU (``emulations/sdpa.py``), as Inductor keeps it as an extern kernel: on meta
@@ -22,6 +24,7 @@ the composite would take the math path.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, plan_graph
+from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, fetch_attr, plan_graph
 from oomkit.prediction.tracing.emulation import EmulationContext
 from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 
@@ -67,6 +70,8 @@ class PlannedGraph:
         for buf in plan.buffers.values():
             if not buf.is_output and buf.last_use >= 0:
                 self._dying.setdefault(buf.last_use, []).append(buf.key)
+        # Device copies of CPU constants the compiled module holds: made on the first call.
+        self._held_constants: list[int] | None = None
 
     def __call__(self, args: list[Any]) -> list[Any]:
         engine = self._engine
@@ -78,6 +83,8 @@ class PlannedGraph:
         placeholders = args[::-1]
         args.clear()
         result: list[Any] = []
+        if self._held_constants is None:
+            self._hold_constants()
         with _disable_current_modes():
             for i, node in enumerate(self._nodes):
                 if node.op == "placeholder":
@@ -106,6 +113,17 @@ class PlannedGraph:
             engine.sink.free(alloc)
         return result
 
+    def _hold_constants(self) -> None:
+        """Allocate the device copies of constants once, for as long as this graph lives."""
+        engine = self._engine
+        ids = [
+            engine.allocate_synthetic(nbytes, "buffer", "torch.compile constant", what=name)
+            for name, nbytes in self.plan.held_constants.items()
+        ]
+        self._held_constants = ids
+        if ids:
+            weakref.finalize(self, _free_synthetic, engine, ids)
+
     def _run(
         self,
         node: torch.fx.Node,
@@ -116,6 +134,16 @@ class PlannedGraph:
     ) -> Any:
         engine = self._engine
         plan = self.plan
+        if node.op == "get_attr":
+            value = self._call(node, (), {})
+            for key in plan.bases.get(node.name, ()):
+                # A device constant held by the compiled module: recorded once, when first read.
+                keep[key] = value
+                storage = tensor_storage(value, engine.device_type)
+                error = None if storage is None else engine.sync_storage(storage, "constant")
+                if error is not None:
+                    raise engine.sink.refused(error)
+            return value
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         name = str(node.target)
         made = [plan.buffers[k] for k in plan.bases.get(node.name, ()) if plan.buffers[k].made_at == i]
@@ -128,7 +156,7 @@ class PlannedGraph:
             for buf in made:
                 keep[buf.key] = _element(out, buf.key[1])
             return out
-        out = node.target(*args, **kwargs)  # type: ignore[operator]
+        out = self._call(node, args, kwargs)
         for buf in made:
             tensor = _element(out, buf.key[1])
             keep[buf.key] = tensor
@@ -137,9 +165,11 @@ class PlannedGraph:
                 continue
             donor = held.pop(buf.reuses, None) if buf.reuses is not None else None
             if donor is None and buf.in_place and buf.reuses in keep:
-                # scheduler.py decide_inplace_update: the kernel writes into its dying input,
-                # which dies at this very kernel: its allocation passes to the output now.
-                donor = _take_allocation(engine, keep[buf.reuses])
+                # Written in place of an input that dies in this kernel (scheduler.py
+                # decide_inplace_update): the input's block, taken now; it is not yet in `held`,
+                # which gets a buffer only after the kernel that last reads it.
+                dying = tensor_storage(keep.pop(buf.reuses), engine.device_type)
+                donor = engine.table.unbind(dying) if dying is not None else None
             if donor is not None:
                 engine.table.bind(storage, donor)
             else:
@@ -149,10 +179,22 @@ class PlannedGraph:
         return out
 
 
-def _take_allocation(engine: CudaEmulationEngine, value: Any) -> Allocation | None:
-    """Unbind ``value``'s storage from its allocation and return it (None when untracked)."""
-    storage = tensor_storage(value, engine.device_type)
-    return engine.table.unbind(storage) if storage is not None else None
+    def _call(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+        """The node's value, by its FX op (torch/fx/interpreter.py ``Interpreter`` semantics)."""
+        if node.op == "get_attr":
+            # A constant of the graph module (graph.py GraphLowering.get_attr): not made per call.
+            return fetch_attr(self.gm, str(node.target))
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, str(node.target))(*rest, **kwargs)
+        if node.op == "call_module":
+            return self.gm.get_submodule(str(node.target))(*args, **kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _free_synthetic(engine: CudaEmulationEngine, ids: list[int]) -> None:
+    for alloc_id in ids:
+        engine.free_synthetic(alloc_id)
 
 
 def _element(out: Any, index: int) -> Any:
@@ -167,7 +209,8 @@ class InductorStandIn:
 
     Attributes:
         plans: ``(kind, plan)`` per compiled graph: ``forward``, ``backward`` or ``inference``.
-        graphs: compiled graphs by kind.
+        graphs: compiled graphs by kind (and, once recorded, dynamo's graph breaks:
+            ``compiled.GRAPH_BREAKS``).
         failed: captured graphs recorded eagerly instead, by the error that stopped them.
     """
 

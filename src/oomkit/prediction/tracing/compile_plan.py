@@ -24,6 +24,17 @@ Which values are buffers (torch/_inductor/lowering.py and ir.py):
   here: reduced tensors are small, so this over-counts little.
 - Views (``view``, ``permute``, ``split``, ...) alias their base; a value is freed after the last
   kernel that reads it through any view.
+- Constants (``get_attr`` nodes: tensors lifted out of the traced code, ``torch.tensor(...)``)
+  are not made per call (graph.py ``GraphLowering.get_attr``): a 0-d one is a scalar and a 1-D
+  one of at most 8 elements is inlined (lowering.py ``tensor``), so both act as pointwise
+  leaves; a larger one is a ``ConstantBuffer`` the compiled module holds, allocated once. A
+  CPU constant moved to the device (``device_put``, what a ``torch.tensor`` made on the meta
+  device is traced as, ``compiled.py``) is copied to the device once at compile time
+  (ir.py ``DeviceCopy.create``: a value that reads only constants becomes
+  ``constant_to_device``), so the move is inlined and the device copy, if not itself inlined,
+  is held once.
+- ``call_module`` and ``call_method`` nodes (never in AOTAutograd's aten graphs) are extern
+  kernels.
 
 The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, ``AllocateLine``,
 ``FreeIfNotReusedLine``, ``ReuseLine``; scheduler.py ``decide_inplace_update``):
@@ -52,7 +63,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["BufferPlan", "Buffer", "plan_graph", "REALIZE_READS_THRESHOLD"]
+__all__ = ["BufferPlan", "Buffer", "fetch_attr", "plan_graph", "REALIZE_READS_THRESHOLD"]
 
 # torch/_inductor/config.py realize_reads_threshold and _realize_opcount_threshold_default.
 REALIZE_READS_THRESHOLD = 4
@@ -93,6 +104,7 @@ class Buffer:
     made_at: int = -1  # node index whose kernel writes it
     last_use: int = -1  # node index of the last kernel reading it; -1: never read
     is_output: bool = False
+    constant: bool = False  # a constant the compiled module holds: made once, never freed here
     reuses: BufferKey | None = None  # takes this dead buffer's memory (pool or in place)
     in_place: bool = False
     reused_later: bool = False  # its memory goes to a later buffer: no free
@@ -108,6 +120,8 @@ class BufferPlan:
     # node name -> the buffers (node, index) it aliases (views) or is (materialised).
     bases: dict[str, tuple[BufferKey, ...]] = field(default_factory=dict)
     order: dict[str, int] = field(default_factory=dict)
+    # device_put nodes of CPU constants -> bytes of the device copy the compiled module holds.
+    held_constants: dict[str, int] = field(default_factory=dict)
 
     @property
     def inlined(self) -> list[str]:
@@ -135,7 +149,9 @@ def _classify(node: torch.fx.Node) -> str:
         return "placeholder"
     if node.op == "output":
         return "output"
-    if node.op != "call_function":
+    if node.op == "get_attr":
+        return "constant"
+    if node.op != "call_function":  # call_module / call_method: run as they are, materialised
         return "extern"
     target = node.target
     if target is operator.getitem:
@@ -171,6 +187,19 @@ def _nbytes(val: Any) -> int:
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for n in node.all_input_nodes]
+
+
+def fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    """The value of a ``get_attr`` node: the dotted attribute of the graph module."""
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _inlined_constant(value: torch.Tensor) -> bool:
+    """graph.py get_attr: a 0-d constant is a scalar, a 1-D one of <= 8 elements is inlined."""
+    return value.dim() == 0 or (value.dim() == 1 and value.shape[0] <= 8)
 
 
 def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
@@ -209,11 +238,48 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
     reads: dict[str, frozenset[BufferKey]] = {}
     opcount: dict[str, int] = {}
     materialised = plan.materialised
+    values: dict[str, Any] = {}  # get_attr values, for nodes without meta['val']
+    # Nodes whose value reads CPU constants only (and their bytes, for a device copy).
+    constant_bytes: dict[str, int] = {}
     for i, node in enumerate(nodes):
         kind = kinds[node.name]
         if kind == "output":
             continue
         inputs = _input_nodes(node)
+        if kind == "constant":
+            value = values[node.name] = fetch_attr(gm, str(node.target))
+            plan.bases[node.name] = ()
+            reads[node.name] = frozenset()
+            opcount[node.name] = 0
+            if not isinstance(value, torch.Tensor):
+                continue  # a subgraph or script object: no device memory
+            if value.device.type == "cpu":
+                constant_bytes[node.name] = 0 if _inlined_constant(value) else _nbytes(value)
+                continue
+            if _inlined_constant(value):
+                kinds[node.name] = kind = "pointwise"  # inlined like any pointwise value
+            else:
+                key = (node.name, 0)
+                plan.buffers[key] = Buffer(
+                    key, _nbytes(value), value.dtype, is_input=True, constant=True
+                )
+                plan.bases[node.name] = (key,)
+                reads[node.name] = frozenset({key})
+                continue
+        elif inputs and all(n.name in constant_bytes for n in inputs):
+            if kind in ("pointwise", "view", "element"):
+                constant_bytes[node.name] = max(constant_bytes[n.name] for n in inputs)
+                kinds[node.name] = "constant"
+                plan.bases[node.name] = ()
+                reads[node.name] = frozenset()
+                opcount[node.name] = 0
+                continue
+            if _op_name(node) == "device_put":
+                # ir.py DeviceCopy.create -> constant_to_device: copied once, read inlined.
+                held = max(constant_bytes[n.name] for n in inputs)
+                if held:
+                    plan.held_constants[node.name] = held
+                kinds[node.name] = kind = "pointwise"
         if kind == "placeholder":
             key = (node.name, 0)
             val = node.meta.get("val")
@@ -255,7 +321,7 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
             continue
         materialised.add(node.name)
         keys: list[BufferKey] = []
-        for index, val in _tensors(node.meta.get("val")):
+        for index, val in _tensors(node.meta.get("val", values.get(node.name))):
             key = (node.name, index)
             plan.buffers[key] = Buffer(key, _nbytes(val), val.dtype, made_at=i)
             keys.append(key)

@@ -14,6 +14,8 @@ private pool). Dynamo enters compiled code through one function of torch/_dynamo
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
 
-__all__ = ["compiled_code_eager", "compiled_code_recorded"]
+__all__ = ["GRAPH_BREAKS", "compiled_code_eager", "compiled_code_recorded"]
 
 
 @contextlib.contextmanager
@@ -64,10 +66,12 @@ def compiled_code_recorded(
     """While open, ``torch.compile`` (Inductor backend) compiles through :class:`InductorStandIn`.
 
     Dynamo skips compiling while a dispatch mode that does not ignore compile internals is on
-    the stack (torch/_dynamo/convert_frame.py ``ConvertFrame.__call__``), so the recorder's
-    modes say they ignore them (torch/utils/_python_dispatch.py ``ignore_compile_internals``):
-    they are off while dynamo and AOTAutograd trace, and on while the compiled graphs run.
-    Inductor is reached through ``torch._inductor.compile_fx.compile_fx`` (the default backend's
+    the stack (torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__``), so the
+    recorder's dispatch modes say they ignore them (torch/utils/_python_dispatch.py
+    ``ignore_compile_internals``); their ``__torch_dispatch__`` runs with dynamo disabled
+    (``TorchDispatchMode.__init_subclass__`` wraps it in ``torch._dynamo.disable``). The
+    recorder itself is never compiled (:func:`_recorder_never_compiled`). Inductor is reached
+    through ``torch._inductor.compile_fx.compile_fx`` (the default backend's
     ``_TorchCompileInductorWrapper`` and ``backend="inductor"`` both look it up when they
     compile), which is replaced. Dynamo's caches are reset on entry and exit, so no compiled code
     made for another recording (or holding this one) is run. Other backends run as they are.
@@ -82,7 +86,9 @@ def compiled_code_recorded(
     try:
         import torch._dynamo
         import torch._dynamo.eval_frame as eval_frame
+        import torch._dynamo.utils
         import torch._inductor.compile_fx as compile_fx_module
+        import torch.utils._python_dispatch as python_dispatch
     except ImportError:  # pragma: no cover - a torch without dynamo
         yield None
         return
@@ -102,13 +108,34 @@ def compiled_code_recorded(
         return original_stance(callback)
 
     torch._dynamo.reset()
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
     eval_frame._callback_from_stance = callback_from_stance
     for mode_class in mode_classes:
         mode_class.ignore_compile_internals = classmethod(lambda cls: True)
+    # A mode entered before this (value_tracking opened around the builder, as the CLI does)
+    # set the flag "in a mode without ignore_compile_internals" when it was entered
+    # (TorchDispatchMode.__enter__), and dynamo's C++ guards fail while it is set, so every call
+    # recompiled ("runtime guards failed even though they passed during recompilation-reason
+    # analysis"). Recomputed from the modes on the stack now; restored on exit.
+    flag_before = python_dispatch._is_in_any_mode_without_ignore_compile_internals
+    _set_ignore_flag(
+        python_dispatch,
+        any(
+            not python_dispatch._get_dispatch_stack_at(i).ignore_compile_internals()
+            for i in range(torch._C._len_torch_dispatch_stack())
+        ),
+    )
     try:
-        yield stand_in
+        with _recorder_never_compiled(), _meta_dispatched_as_cuda():
+            yield stand_in
     finally:
+        # Each graph break leaves code between captured graphs that runs (and is recorded)
+        # eagerly; dynamo counts them (torch/_dynamo/utils.py counters, kept across resets).
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        if breaks:
+            stand_in.graphs[GRAPH_BREAKS] += breaks
+        _set_ignore_flag(python_dispatch, flag_before)
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
                 del mode_class.ignore_compile_internals
@@ -117,6 +144,199 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
+
+
+def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:
+    """torch/utils/_python_dispatch.py's flag and its copy in dynamo's C++ guards, as
+    ``TorchDispatchMode.__enter__`` sets them."""
+    from torch._C._dynamo.guards import set_is_in_mode_without_ignore_compile_internals
+
+    python_dispatch._is_in_any_mode_without_ignore_compile_internals = value
+    set_is_in_mode_without_ignore_compile_internals(value)
+
+
+# The count of dynamo's graph breaks in InductorStandIn.graphs (the assumption lists it).
+GRAPH_BREAKS = "graph break(s), the code between graphs recorded eagerly"
+# The recorder's packages: no frame of theirs is ever compiled (models/ is the user's code).
+_RECORDER_PACKAGE = "oomkit.prediction.tracing"
+
+
+@contextlib.contextmanager
+def _recorder_never_compiled() -> Iterator[None]:
+    """While open, dynamo never compiles the recorder, and traces its function modes as no-ops.
+
+    Two ways dynamo meets the recorder inside a compiled region:
+
+    - It *traces through* the recorder's torch-function modes (torch/_dynamo/variables/
+      torch_function.py ``SymbolicTorchFunctionState.call_torch_function_mode`` inlines every
+      mode's ``__torch_function__``) and its global module hooks. While dynamo traces,
+      ``torch.compiler.is_compiling()`` is True, so the modes' ``__torch_function__`` is
+      replaced by one that then only calls the function (the hooks already return): the
+      captured graph holds the user's ops, as on a GPU without oomkit.
+    - After a graph break, every Python frame that starts is offered to dynamo's frame callback
+      (torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__``), a mode's
+      ``__torch_function__`` or a hook included, which would compile its eager path (or, with
+      ``is_compiling()`` folded to True, skip it). Each code object of the recorder gets the
+      frame strategy ``FrameExecStrategy(SKIP, SKIP)`` (torch/_dynamo/eval_frame.py
+      ``set_code_exec_strategy``, as ``skip_code`` sets ``(SKIP, DEFAULT)``): checked in C
+      before the callback, it runs the frame and everything it calls with the callback off
+      (torch/csrc/dynamo/eval_frame_cpp.cpp ``dynamo__custom_eval_frame``: a SKIP recursive
+      action makes the recursive callback None), so the recorder's work runs eagerly. It does
+      not stop dynamo from tracing through that code: only ``_torchdynamo_disable`` does
+      (variables/functions.py), which is why ``torch._dynamo.skip``/``disable`` are not used.
+      A ``torch.compile``d function called from there still compiles (its wrapper sets the
+      callback itself).
+
+    ``trace_rules.add`` (skip whole files) is not used: it also stops dynamo tracing through the
+    module hooks (``check_file`` applies to inlined calls), a graph break per module call.
+    """
+    import torch._dynamo.eval_frame as eval_frame
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    from oomkit.prediction.tracing._modes import DivergenceFunctionMode
+    from oomkit.prediction.tracing.value_reads import ValueReads
+
+    modes: tuple[type[Any], ...] = (ValueReads, DivergenceFunctionMode)
+    originals = [mode.__dict__["__torch_function__"] for mode in modes]
+    for mode, original in zip(modes, originals, strict=True):
+        mode.__torch_function__ = _traced_as_the_function(original)
+    codes = _recorder_code()
+    never = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in codes:
+        eval_frame.set_code_exec_strategy(code, never)
+    try:
+        yield
+    finally:
+        default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+        for code in codes:
+            eval_frame.set_code_exec_strategy(code, default)
+        for mode, original in zip(modes, originals, strict=True):
+            mode.__torch_function__ = original
+
+
+@contextlib.contextmanager
+def _meta_dispatched_as_cuda() -> Iterator[None]:
+    """While open, the Python dispatcher sends an op to autograd on meta as it does on CUDA.
+
+    torch/_meta_registrations.py ``activate_meta`` registers a Python ``Meta`` kernel for every
+    op with a decomposition, CompositeImplicitAutograd ones included (``nll_loss``,
+    ``var_mean``, ``std``, ``where``, ``dropout``...). Under the Python dispatcher, which dynamo
+    and AOTAutograd enable while they trace (torch/_functorch/_aot_autograd/graph_capture.py
+    ``_create_graph``), torch/_ops.py ``resolve_key`` then finds a "backend kernel" for
+    ``AutogradMeta`` and skips CompositeImplicitAutograd, so the op reaches autograd's
+    not-implemented fallback: its output has no grad_fn and AOTAutograd marks it as needing
+    none (a compiled ``cross_entropy`` loss cannot be backpropagated). ``AutogradCUDA`` has no
+    such kernel and decomposes. Those ``Meta`` kernels are set aside while this is open.
+    """
+    import torch
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+
+    ops = {
+        op
+        for table in global_decomposition_table.values()
+        for op in table
+        if isinstance(op, torch._ops.OpOverload)
+        and DispatchKey.Meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), DispatchKey.CompositeImplicitAutograd
+        )
+    }
+    kernels = {op: op.py_kernels.pop(DispatchKey.Meta) for op in ops}
+    for op in ops:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in kernels.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+_NONE: dict[Any, Any] = {}
+
+
+def _traced_as_the_function(original: Any) -> Any:
+    """A mode's ``__torch_function__`` that dynamo traces as the call of ``func`` alone."""
+    import torch
+
+    def __torch_function__(
+        self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if torch.compiler.is_compiling():
+            # A function DivergenceFunctionMode.reach_backward replaced in its module comes back
+            # here as that wrapper: call what it wraps (the wrapper would enter the mode again).
+            func = getattr(self, "_originals", _NONE).get(func, func)
+            return _as_on_the_gpu(func, args, kwargs or {})
+        return original(self, func, types, args, kwargs)
+
+    return __torch_function__
+
+
+def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``, traced by dynamo; a tensor made from data on meta made on the CPU.
+
+    ``torch.tensor(data, device="meta")`` takes a shortcut that returns a plain meta tensor,
+    with the fake-tensor key excluded and no ``lift_fresh`` (torch/csrc/utils/tensor_new.cpp
+    ``internal_new_from_data``: "If the device is Meta, take the shortcut"), so dynamo's fake
+    run fails on it ("Please convert all Tensors to FakeTensors first"). On CUDA the data is
+    made on the CPU, lifted and moved, which is what is traced here: the graph gets a CPU
+    constant (no device memory) and its move to the device, which ``compile_plan`` treats as
+    Inductor treats a device copy of constants (ir.py ``DeviceCopy.create``:
+    ``constant_to_device``): inlined into its readers, and, past 8 elements
+    (torch/_inductor/graph.py ``GraphLowering.get_attr``), copied to the device once and held
+    by the compiled graph, as a constant made on CUDA is.
+    """
+    import torch
+
+    if func in (torch.tensor, torch.as_tensor) and not isinstance(
+        args[0] if args else kwargs.get("data"), torch.Tensor
+    ):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            return func(*args, **{**kwargs, "device": "cpu"}).to(device)
+    return func(*args, **kwargs)
+
+
+def _recorder_code() -> list[types.CodeType]:
+    """Every code object of the recorder's loaded modules: functions, methods, nested ones."""
+    found: dict[int, types.CodeType] = {}
+
+    def add_code(code: types.CodeType) -> None:
+        if id(code) in found:
+            return
+        found[id(code)] = code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                add_code(const)
+
+    def add_object(obj: Any, module_name: str) -> None:
+        for _ in range(8):  # decorators' wrappers (functools.wraps) down to the function
+            if isinstance(obj, (staticmethod, classmethod)):
+                obj = obj.__func__
+            elif isinstance(obj, property):
+                for part in (obj.fget, obj.fset, obj.fdel):
+                    if part is not None:
+                        add_object(part, module_name)
+                return
+            elif isinstance(obj, types.FunctionType):
+                if obj.__module__ == module_name:
+                    add_code(obj.__code__)
+                obj = getattr(obj, "__wrapped__", None)
+            else:
+                return
+
+    for name, module in list(sys.modules.items()):
+        inside = name == _RECORDER_PACKAGE or name.startswith(_RECORDER_PACKAGE + ".")
+        if module is None or not inside:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                for member in list(vars(value).values()):
+                    add_object(member, name)
+            else:
+                add_object(value, name)
+    return list(found.values())
 
 
 def _site() -> str:
