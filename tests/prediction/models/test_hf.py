@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,17 +25,7 @@ def _gpt2_config():
 
 
 def _llama_config():
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    return tiny_llama_config(bos_token_id=0, eos_token_id=0)
 
 
 def _gpt2_params(h: int = 64, layers: int = 2, vocab: int = 1000, positions: int = 128) -> int:

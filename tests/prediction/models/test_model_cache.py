@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 
@@ -147,20 +148,10 @@ def test_bert_fp16_clipped_records_identically_when_shared():
 def test_hf_lora_model_from_a_config_records_identically_when_shared():
     """A Hugging Face Llama (a config built anew for every probe) with LoRA: one build, and
     recordings equal to fresh builds'."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
 
     def config():
-        return transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1000,
-            max_position_embeddings=256,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        return tiny_llama_config(bos_token_id=0, eos_token_id=0)
 
     options = dict(seq_len=32, precision="bf16-mixed", lora=LoraOptions(r=4))
     cache = _same_recordings(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama_config
 
 from oomkit.prediction.models import StepOptions, build_hf_step
 from oomkit.prediction.models.lora_options import LoraOptions
@@ -19,15 +20,7 @@ PARAMETERS = 2 * (4096 * 2 + 2048 * 2 + 8192 * 3 + 64 * 2) + 131072 * 2 + 64
 
 
 def _config() -> object:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2048,
-        max_position_embeddings=64,
-    )
+    return tiny_llama_config(vocab_size=2048, max_position_embeddings=64)
 
 
 def _trace(options: StepOptions) -> tuple[object, TraceRecording]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama_config
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -27,15 +28,7 @@ TINY_GPT2 = Path(__file__).parent / "configs" / "tiny-gpt2"
 
 
 def _config() -> object:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
+    return tiny_llama_config(vocab_size=256, max_position_embeddings=64)
 
 
 def _trace(**kwargs: object) -> tuple[object, TraceRecording]:

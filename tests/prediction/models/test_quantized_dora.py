@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama_config
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -19,15 +20,7 @@ ADAPTERS, MAGNITUDES = 2 * 8 * ((64 + 64) + (64 + 32)) * 4, 2 * (64 + 32) * 4
 
 
 def _config() -> object:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
+    return tiny_llama_config(vocab_size=256, max_position_embeddings=64)
 
 
 def _trace(dropout: float = 0.0, **kwargs: object) -> TraceRecording:

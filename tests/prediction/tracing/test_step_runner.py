@@ -84,8 +84,7 @@ def test_compiled_code_is_traced_eagerly_and_said_so():
 
     eager = predict_recording(trace_step(step, *fresh()), "h100")
     model, x = fresh()
-    with pytest.warns(UserWarning, match="global hooks on modules"):  # torch's, for the tracer
-        traced = trace_step(step, torch.compile(model), x)
+    traced = trace_step(step, torch.compile(model), x)  # torch's hook warning: silenced
     got = predict_recording(traced, "h100")
     assert got.peak_allocated_bytes == eager.peak_allocated_bytes
     (warning,) = [w for w in got.warnings if w.startswith(COMPILED_EAGERLY)]
