@@ -53,3 +53,24 @@ def test_a_traced_compiled_model_has_no_wrapper_path_and_no_hook_warning():
     assert not any("OptimizedModule" in (m or "") or "_orig_mod" in (m or "") for m in modules)
     assert {"0", "2"} <= modules
     assert not [w for w in caught if "global hooks" in str(w.message)]
+
+
+def test_a_presets_compiled_region_is_named_by_the_preset_step_not_the_launcher():
+    """With no user frame, the site is the preset step's line, never `bin/oomkit` or torch's."""
+    from oomkit.prediction.models import StepOptions, build_preset_step
+
+    built = build_preset_step("gpt2-124m", StepOptions(batch_size=1, seq_len=16, compile=True))
+    recording = trace_step(built.step_fn, *built.track, steps=1)
+    (warning,) = [w for w in recording.warnings if "compiled code was entered" in w]
+    assert "(oomkit/prediction/models/steps.py:" in warning
+    assert " in train_step (1x)" in warning
+
+
+def test_the_oomkit_console_script_is_hidden_but_a_users_file_of_that_name_is_not():
+    """pip's `bin/oomkit` launcher is oomkit's; a user's `oomkit` file elsewhere is theirs."""
+    from oomkit.prediction.tracing.stand_ins import is_hidden_file
+
+    assert is_hidden_file("/home/me/.venv/bin/oomkit")
+    assert is_hidden_file("C:/env/Scripts/oomkit")
+    assert not is_hidden_file("/home/me/project/oomkit")
+    assert not is_hidden_file("/home/me/.venv/bin/train.py")

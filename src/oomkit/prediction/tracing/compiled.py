@@ -20,7 +20,12 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from oomkit.prediction.tracing.stand_ins import read_site
+from oomkit.prediction.tracing.stand_ins import (
+    is_hidden_file,
+    is_library_file,
+    is_torch_plumbing,
+    read_site,
+)
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
@@ -340,8 +345,22 @@ def _recorder_code() -> list[types.CodeType]:
 
 
 def _site() -> str:
+    """The line that entered compiled code: the innermost frame of the user's, or of a preset's
+    or ``--hf`` model's step (oomkit's own ``prediction/models``), whichever is closer."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        models = filename.replace("\\", "/").find(_MODELS_PATH)
+        if models >= 0:
+            return f"{filename[models + 1 :]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if not (
+            is_hidden_file(filename) or is_library_file(filename) or is_torch_plumbing(filename)
+        ):
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
     site = read_site()
-    if site is None:
-        return "compiled code"
-    user = site.user
-    return f"{user[0]}:{user[1]} in {user[2]}" if user else site.location
+    return site.location if site is not None else "compiled code"
+
+
+# Where the preset and Hugging Face steps live (a compiled region they enter is named by them).
+_MODELS_PATH = "/oomkit/prediction/models/"

@@ -109,6 +109,9 @@ def is_hidden_file(filename: str) -> bool:
     own, stdlib = _oomkit_and_stdlib()
     if filename.startswith(own) or filename.startswith("<frozen"):
         return True
+    path = Path(filename)
+    if path.name == "oomkit" and path.parent.name in ("bin", "Scripts"):
+        return True  # pip's console-script launcher of the `oomkit` command
     return filename.startswith(stdlib) and not _in_site_packages(filename)
 
 
