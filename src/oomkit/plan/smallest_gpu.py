@@ -33,7 +33,7 @@ from oomkit.plan.batch_probe import (
     record_step,
     resolve_margin,
 )
-from oomkit.prediction.predictor import predict_recording
+from oomkit.prediction.predictor import Prediction, predict_recording
 
 __all__ = [
     "GpuCountResult",
@@ -180,29 +180,12 @@ def smallest_gpu(
                 recorded[key] = (first, second, described)
                 traces += 1 + (second is not None)
             train_recording, eval_recording, described = recorded[key]
-        # Replayed on the GPU less the margin; a margin that leaves nothing fails outright.
-        searched = less_margin(on_spec, margin)
-        replayed = on_spec if searched is None else searched
-        train = predict_recording(train_recording, target=replayed, description=described)
-        evaluation = None
-        if eval_recording is not None:
-            evaluation = predict_recording(eval_recording, target=replayed)
-        probe = probe_record(
-            batch_size or 0, train, evaluation, spec.usable_bytes(), feasible=searched is not None
+        fit, train, evaluation = _fit_on(
+            on_spec, margin, batch_size or 0, train_recording, eval_recording, described
         )
         description = description or described
         warnings.append((*train.warnings, *(() if evaluation is None else evaluation.warnings)))
-        fits.append(
-            GpuFit(
-                gpu=spec,
-                fits=probe.fits,
-                headroom_bytes=probe.headroom_bytes,
-                peak_reserved_bytes=probe.peak_reserved_bytes,
-                usable_bytes=spec.usable_bytes(),
-                margin_bytes=margin,
-                limiting_step=probe.limiting_step,
-            )
-        )
+        fits.append(fit)
     # The same recording warns alike on every device, with that device's figures: keep the
     # warnings of the smallest fit (or, when none fits, of the largest GPU).
     shown = next((i for i, f in enumerate(fits) if f.fits), len(fits) - 1)
@@ -267,6 +250,40 @@ class GpuCountResult:
     warnings: tuple[str, ...]
 
 
+def _fit_on(
+    on_spec: Target,
+    margin: int,
+    batch_size: int,
+    train_recording: Any,
+    eval_recording: Any,
+    description: str,
+) -> tuple[GpuFit, Prediction, Prediction | None]:
+    """Replay the recordings on ``on_spec``'s GPU less ``margin``: its fit and the predictions.
+
+    A margin that leaves nothing fails outright (``less_margin`` returns None).
+    """
+    spec = on_spec.gpu
+    searched = less_margin(on_spec, margin)
+    replayed = on_spec if searched is None else searched
+    train = predict_recording(train_recording, target=replayed, description=description)
+    evaluation = None
+    if eval_recording is not None:
+        evaluation = predict_recording(eval_recording, target=replayed)
+    probe = probe_record(
+        batch_size, train, evaluation, spec.usable_bytes(), feasible=searched is not None
+    )
+    fit = GpuFit(
+        gpu=spec,
+        fits=probe.fits,
+        headroom_bytes=probe.headroom_bytes,
+        peak_reserved_bytes=probe.peak_reserved_bytes,
+        usable_bytes=spec.usable_bytes(),
+        margin_bytes=margin,
+        limiting_step=probe.limiting_step,
+    )
+    return fit, train, evaluation
+
+
 def gpu_counts(global_batch: int, max_gpus: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the powers of two up to ``max_gpus`` that divide ``global_batch``, those that do not)."""
     check_positive("global_batch", global_batch, "smallest_gpu_count(record, 64)")
@@ -323,27 +340,13 @@ def smallest_gpu_count(
             progress(done, len(counts))
         fits: list[GpuFit] = []
         for spec in ordered:
-            on_spec = base.with_gpu(spec)
             margin = resolve_margin(margin_bytes, spec.usable_bytes())
-            searched = less_margin(on_spec, margin)
-            replayed = on_spec if searched is None else searched
-            train = predict_recording(recording, target=replayed, description=description)
-            probe = probe_record(
-                per_rank, train, None, spec.usable_bytes(), feasible=searched is not None
+            fit, train, _ = _fit_on(
+                base.with_gpu(spec), margin, per_rank, recording, None, description
             )
             if spec is ordered[-1]:  # alike on every GPU, with its figures: the largest's
                 warnings.extend(train.warnings)
-            fits.append(
-                GpuFit(
-                    gpu=spec,
-                    fits=probe.fits,
-                    headroom_bytes=probe.headroom_bytes,
-                    peak_reserved_bytes=probe.peak_reserved_bytes,
-                    usable_bytes=spec.usable_bytes(),
-                    margin_bytes=margin,
-                    limiting_step=probe.limiting_step,
-                )
-            )
+            fits.append(fit)
         rows.append(GpuCountRow(count, per_rank, tuple(fits), description))
         del recording
     fewest: dict[str, int] = {}
