@@ -82,6 +82,26 @@ def test_synthesis_at_a_traced_batch_reproduces_it_exactly(lines, batches):
         assert interpolator.synthesize(held_out) == recordings[held_out]
 
 
+def test_add_says_whether_a_trace_differs_from_its_synthesis():
+    """Learned on 1, 2, 4 (size 8 + 2b): a trace at 10 of 28 bytes is what synthesis gives, one
+    of 29 bytes or with another tag is not; with nothing to synthesize from, never differs."""
+    def learned():
+        interpolator = TraceInterpolator()
+        assert interpolator.add(1, _recording([10])) is False  # nothing learned yet
+        assert interpolator.add(2, _recording([12])) is False
+        assert interpolator.add(4, _recording([16])) is False  # a run of 2 is not enough
+        return interpolator
+
+    interpolator = learned()
+    assert interpolator.add(10, _recording([28], first_id=50)) is False
+    assert interpolator.add(12, _recording([33])) is True  # 32 expected
+    assert interpolator.traced_batches == (1, 2, 4, 10, 12)
+    # 20 lies above the run 1, 2, 4, 10, 12, whose sizes are no longer affine: nothing to
+    # compare with.
+    assert interpolator.add(20, _recording([48])) is False
+    assert learned().add(20, _recording([48], tag="temporary")) is True  # another structure
+
+
 def test_a_change_of_structure_is_learned_again_on_its_side():
     """Above batch 8 an extra allocation: batches 2..8 and 16..64 are two runs, none across."""
 
@@ -131,7 +151,8 @@ def _curve(result):
 
 
 def test_interpolated_search_traces_five_and_finds_the_same_answer():
-    """1, 2, 4 traced to learn, 41 and 42 to confirm; the 9 others synthesized, same curve."""
+    """1 and 2 traced to learn; 41, the last size bisection tries, traced at once (the answer
+    rests on it either way) and 42 traced to confirm; the 9 others synthesized, same curve."""
     from oomkit.plan.batch_search import max_batch_size
 
     calls = []
@@ -139,30 +160,31 @@ def test_interpolated_search_traces_five_and_finds_the_same_answer():
     plain = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, interpolate=False)
     assert result.probe_order == plain.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41)
     assert (result.batch_size, result.first_failing_batch) == (plain.batch_size, 42) == (41, 42)
-    assert (result.traces, result.synthesized) == (5, 9)
+    assert (result.traces, result.synthesized) == (4, 9)
     assert (plain.traces, plain.synthesized) == (12, 0)
-    assert calls == [1, 2, 4, 41, 42]  # the builder runs only for the traced sizes
+    assert calls == [1, 2, 41, 42]  # the builder runs only for the traced sizes
     assert _curve(result) == _curve(plain)
-    assert [p.batch_size for p in result.curve if not p.synthesized] == [1, 2, 4, 41, 42]
+    assert [p.batch_size for p in result.curve if not p.synthesized] == [1, 2, 41, 42]
     assert not result.answer.synthesized and result.answer.train.description == ""
     assert result.warnings == plain.warnings
 
 
 def test_progress_counts_the_confirmations():
-    """12 probes then 2 confirmations: progress reaches 14 of 14, never done above total."""
+    """12 probes (each but the last counting 2 confirmations to come) then 1 confirmation
+    (the last probe, 41, was traced): progress reaches 13 of 13, never done above total."""
     from oomkit.plan.batch_search import max_batch_size
 
     seen = []
     result = max_batch_size(
         _linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, progress=lambda d, t: seen.append((d, t))
     )
-    assert [d for d, _ in seen] == list(range(1, 15))
-    assert all(t >= d for d, t in seen) and seen[-1] == (14, 14)
-    assert result.traces + result.synthesized == 14
+    assert [d for d, _ in seen] == list(range(1, 14))
+    assert all(t >= d for d, t in seen) and seen[-1] == (13, 13)
+    assert result.traces + result.synthesized == 13
 
 
 def test_eval_steps_are_interpolated_and_confirmed_too():
-    """An eval step at 3 x the batch caps at 15: train and eval traced at 1, 2, 4, 15, 16."""
+    """An eval step at 3 x the batch caps at 15: train and eval traced at 1, 2, 15, 16."""
     from oomkit.plan.batch_search import max_batch_size
 
     kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=0, eval_step=_linear(per_batch=3))
@@ -171,14 +193,16 @@ def test_eval_steps_are_interpolated_and_confirmed_too():
     assert (result.batch_size, result.limiting_step) == (plain.batch_size, "eval") == (15, "eval")
     assert result.probe_order == plain.probe_order == (1, 2, 4, 8, 16, 12, 14, 15)
     assert _curve(result) == _curve(plain)
-    # Traced: train and eval at 1, 2, 4, 15, 16. Synthesized: both at 8, 12, 14 and the
-    # first 15 and 16.
-    assert (result.traces, result.synthesized, plain.traces) == (10, 10, 16)
+    # Traced: train and eval at 1, 2, 15 (the last size bisection tries), 16. Synthesized:
+    # both at 4, 8, 12, 14 and the first 16.
+    assert (result.traces, result.synthesized, plain.traces) == (8, 10, 16)
+    assert [p.batch_size for p in result.curve if p.synthesized] == [4, 8, 12, 14]
 
 
 def test_a_code_path_that_changes_above_the_learned_sizes_is_caught_and_searched_again():
-    """20 MiB more from batch 30 on: the first answer (41) is not confirmed; the search then
-    learns the new path from its traces and finds the plain answer, 31, confirmed."""
+    """20 MiB more from batch 30 on: the first search's 41, traced as its last size, does not
+    fit, and its answer, 40, is not confirmed; the search then learns the new path from its
+    traces and finds the plain answer, 31, confirmed."""
     from oomkit.plan.batch_search import max_batch_size
 
     kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
@@ -191,12 +215,12 @@ def test_a_code_path_that_changes_above_the_learned_sizes_is_caught_and_searched
     assert result.probe_order == plain.probe_order
     assert not result.answer.synthesized
     assert not next(p for p in result.curve if p.batch_size == 32).synthesized
-    # Learned from 1, 2, 4; 41 and 42 (the new path) differ from their synthesis. Searched
-    # again: 8, 16, 32, 24, 28, 30 each lie between sizes of two paths (traced), 31 between 30
-    # and 32 of the new path (synthesized, then traced to confirm). A change of path just
-    # under the answer is the worst case: the two confirmations that differed are extra.
-    assert calls == [1, 2, 4, 41, 42, 8, 16, 32, 24, 28, 30, 31]
-    assert (result.traces, result.synthesized) == (12, 10) and plain.traces == 10
+    # Learned from 1, 2; 41 (the new path: it does not fit) and 40, traced to confirm the
+    # answer 40, differ from their synthesis. Searched again: 4, 8, 16, 32, 24, 28, 30 each lie
+    # between sizes of two paths (traced), 31 is the last size (traced). A change of path just
+    # under the answer is the worst case: the two traces of the first search are extra.
+    assert calls == [1, 2, 41, 40, 4, 8, 16, 32, 24, 28, 30, 31]
+    assert (result.traces, result.synthesized) == (12, 9) and plain.traces == 10
 
 
 def _powers_of_two_cheaper(calls):
@@ -216,8 +240,9 @@ def _powers_of_two_cheaper(calls):
 
 
 def test_sizes_off_the_learned_line_are_caught_by_the_confirmation():
-    """Learned on 1, 2, 4, the synthesized 41 and 42 are 6 MiB short: traced, they differ;
-    the search again gives the plain answer, 38."""
+    """Learned on 1, 2, the synthesized sizes are 6 MiB short: 41, traced as the last size,
+    does not fit and 40, traced to confirm the answer, differs; the search again (reusing the
+    trace of 40) gives the plain answer, 38."""
     from oomkit.plan.batch_search import max_batch_size
 
     kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
@@ -226,12 +251,12 @@ def test_sizes_off_the_learned_line_are_caught_by_the_confirmation():
     result = max_batch_size(_powers_of_two_cheaper(calls), **kwargs)
     assert result.batch_size == plain.batch_size == 38
     assert _curve(result) == _curve(plain) and result.probe_order == plain.probe_order
-    assert calls == [1, 2, 4, 41, 42, 8, 16, 32, 64, 48, 40, 36, 38, 39]
+    assert calls == [1, 2, 41, 40, 4, 8, 16, 32, 64, 48, 36, 38, 39]
 
 
 def test_after_the_last_search_with_interpolation_every_size_is_traced(monkeypatch):
     """With one search allowed before traces only, a difference drops every synthesized probe
-    and the plain search runs, reusing the traces made: 3 + 2 + 9 traces, answer 38."""
+    and the plain search runs, reusing the traces made: 2 + 2 + 9 traces, answer 38."""
     from oomkit.plan import batch_search
 
     monkeypatch.setattr(batch_search, "_SEARCHES", 2)
@@ -242,13 +267,15 @@ def test_after_the_last_search_with_interpolation_every_size_is_traced(monkeypat
     assert result.batch_size == 38
     assert all(not p.synthesized for p in result.curve)
     assert result.synthesized == 9  # made by the first search, then forgotten
-    assert calls == [1, 2, 4, 41, 42, 8, 16, 32, 64, 48, 40, 36, 38, 39]
-    assert result.traces == len(calls) == len(result.probe_order) + 2
+    assert calls == [1, 2, 41, 40, 4, 8, 16, 32, 64, 48, 36, 38, 39]
+    # Every size of the plain search (40 among them, traced by the first) and 41.
+    assert result.traces == len(calls) == len(result.probe_order) + 1
 
 
 def test_gpt2_preset_search_synthesizes_the_traced_bytes():
-    """GPT-2 124M at seq 128 on 4 GiB: batch 14 in 5 traces (8 without interpolation); each
-    of the 5 synthesized probes has the bytes and verdict of the same batch traced."""
+    """GPT-2 124M at seq 128 on 4 GiB: batch 14 in 4 traces (8 without interpolation: 1, 2 to
+    learn, 15 as the last size, 14 to confirm); each of the synthesized probes left in the
+    curve has the bytes and verdict of the same batch traced."""
     from oomkit.core.target import resolve_target
     from oomkit.plan.batch_probe import less_margin, predict_built
     from oomkit.plan.batch_search import max_batch_size
@@ -261,8 +288,8 @@ def test_gpt2_preset_search_synthesizes_the_traced_bytes():
     result = max_batch_size(build, gpu="4GiB")
     assert result.batch_size == 14
     assert result.probe_order == (1, 2, 4, 8, 16, 12, 14, 15)
-    assert (result.traces, result.synthesized) == (5, 5)
-    assert [p.batch_size for p in result.curve if p.synthesized] == [8, 12, 16]
+    assert (result.traces, result.synthesized) == (4, 5)
+    assert [p.batch_size for p in result.curve if p.synthesized] == [4, 8, 12, 16]
     searched = less_margin(resolve_target(None, gpu="4GiB"), result.margin_bytes)
     assert searched is not None
     for probe in result.curve:

@@ -15,11 +15,14 @@ a builder makes (``build_preset_step``, ``build_hf_step``) are built once per se
 by its probes (``oomkit.prediction.models.model_cache``: each probe still gets a new optimizer,
 new inputs and no ``.grad``), and the meta-kernel memo (``prediction/tracing/meta_memo.py``)
 answers the ops an earlier probe ran on the same shapes. Most sizes are not traced at all: once
-three traced sizes next to one another recorded the same events with sizes affine in the batch,
-the recording of a size beside them is synthesized and replayed (``trace_interpolation.py``),
-and the search's answer and the size above it are then traced to confirm it (recording for
-recording; a difference runs the search again, learning from those traces too, and the third
-search traces every size). ``interpolate=False`` traces every size.
+two traced sizes next to one another recorded the same events with sizes affine in the batch,
+the recording of a size beside them is synthesized and replayed (``trace_interpolation.py``).
+The sizes the answer rests on are traced: the last size bisection tries and ``max_batch`` at
+once, the answer and the size above it, if synthesized, to confirm them. Each such trace is
+compared with its synthesis, recording for recording (the check a third learned size would
+make); a difference runs the search again, learning from those traces too, and the third
+search traces every size. ``interpolate=False`` traces every size. While a search runs, the
+objects earlier probes made are kept out of Python's garbage collections (``frozen_heap.py``).
 
 ``smallest_gpu`` (smallest_gpu.py) answers the reverse question: for one batch, which catalog
 GPUs it fits on and the smallest of them; ``batch_probe.py`` holds what both repeat per batch
@@ -33,7 +36,7 @@ This module never imports torch at import time; a probe imports ``oomkit.predict
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +59,9 @@ from oomkit.plan.batch_probe import (
     record_step,
     resolve_margin,
 )
+from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
-from oomkit.plan.trace_interpolation import TraceInterpolator, same_recording
+from oomkit.plan.trace_interpolation import TraceInterpolator
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.units import format_bytes
 
@@ -143,7 +147,7 @@ class BatchSearchResult:
 class _Prober:
     """Predicts batch sizes once each, counting traces and reporting progress.
 
-    With ``interpolate``, a part (training or evaluation step) at a batch beside three traced
+    With ``interpolate``, a part (training or evaluation step) at a batch beside two traced
     ones of one structure with sizes affine in the batch is not traced: its recording is
     synthesized (``trace_interpolation.TraceInterpolator``) and replayed. ``confirm`` then traces
     the batches an answer rests on; ``forget_synthesized`` and ``fall_back`` (which also stops
@@ -174,28 +178,39 @@ class _Prober:
         self._made = 0  # predictions of a batch made (probes and confirmations), for progress
         self._closed = True  # the last progress call said (made, made)
         self._interpolators: dict[str, TraceInterpolator] | None = (
-            {"train step": TraceInterpolator(), "eval step": TraceInterpolator()}
+            # Two traced sizes of one structure are enough to synthesize from: the search traces
+            # the sizes its answer rests on and compares them with their synthesis, which is the
+            # check a third learned size would have made (trace_interpolation.py).
+            {"train step": TraceInterpolator(points=2), "eval step": TraceInterpolator(points=2)}
             if interpolate
             else None
         )
         # The model is built once for the whole search (model_cache.py); made at the first probe.
         self.models: Any = None
+        # Called before each probe: keeps the collector off what earlier ones made (frozen_heap.py).
+        self.freeze: Callable[[], None] = lambda: None
+        self._differed = False  # a size traced in this search differed from its synthesis
 
     @property
     def interpolating(self) -> bool:
         """Whether probes may still be synthesized."""
         return self._interpolators is not None
 
-    def fits(self, batch_size: int, remaining: int) -> bool:
+    def fits(self, batch_size: int, remaining: int, *, synthesize: bool = True) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
 
         ``remaining`` is how many more probes the search may make after this one, for progress.
+        ``synthesize=False`` traces it even where it could be synthesized: a size the answer
+        will rest on either way, which ``confirm`` would trace anyway.
         """
         if batch_size not in self.order:
             self.order.append(batch_size)
         probe = self.probes.get(batch_size)
         if probe is None:
-            probe, _ = self._probe(batch_size, synthesize=True)
+            probe, differs = self._probe(batch_size, synthesize=synthesize)
+            # A size traced where it could have been synthesized, and not as synthesis would
+            # have made it: the sizes this search synthesized may be wrong too.
+            self._differed = self._differed or differs
             self.probes[batch_size] = probe
             # Confirming an interpolated answer traces up to 2 more batches.
             self._report(remaining + (2 if self.interpolating else 0))
@@ -203,12 +218,13 @@ class _Prober:
 
     def confirm(self, batch_sizes: Sequence[int]) -> bool:
         """Trace the synthesized probes among ``batch_sizes`` for real; whether each traced
-        recording is the synthesized one (so its prediction is too: same fits, same peaks).
+        recording is the synthesized one (so its prediction is too: same fits, same peaks) and
+        no size this search traced differed from its synthesis either.
 
         Each traced probe replaces the synthesized one, and its recordings are learned from
         (so a search after a difference interpolates from them too).
         """
-        confirmed = True
+        confirmed = not self._differed
         for batch_size in batch_sizes:
             synthesized = self.probes.get(batch_size)
             if synthesized is None or not synthesized.synthesized:
@@ -223,6 +239,9 @@ class _Prober:
         """Forget every synthesized probe; the search starts over (traced probes are kept)."""
         self.probes = {b: p for b, p in self.probes.items() if not p.synthesized}
         self.order = []
+        self._differed = False
+        for interpolator in (self._interpolators or {}).values():
+            interpolator.forget_synthesized()
 
     def fall_back(self) -> None:
         """Forget every synthesized probe and synthesize no more; the search starts over."""
@@ -246,6 +265,7 @@ class _Prober:
         recording the interpolation would have synthesized there)."""
         if self.models is None:
             self.models = new_model_cache()
+        self.freeze()
         train, train_synthesized, train_differs = self._predict(
             self._build_step, "train step", batch_size, self._steps, synthesize
         )
@@ -282,11 +302,8 @@ class _Prober:
             builder, what, batch_size, target=self._target, steps=steps, models=self.models
         )
         self.traces += 1
-        differs = False
-        if interpolator is not None:
-            expected = interpolator.synthesize(batch_size)
-            differs = expected is not None and not same_recording(recording, expected)
-            interpolator.add(batch_size, recording)
+        # Learned from; `add` says whether it differs from what would have been synthesized.
+        differs = interpolator is not None and interpolator.add(batch_size, recording)
         prediction = predict_recording(recording, target=self._target, description=description)
         return prediction, False, differs
 
@@ -311,7 +328,10 @@ def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int
     lo, hi = 0, None  # lo: largest size known to fit (0: none); hi: smallest known not to
     batch = start_batch
     while True:
-        if prober.fits(batch, _doubling_probes(batch, max_batch) + (batch - 1).bit_length()):
+        # max_batch, when it fits, is the answer: traced straight away, like the last size
+        # bisection tries (below).
+        remaining = _doubling_probes(batch, max_batch) + (batch - 1).bit_length()
+        if prober.fits(batch, remaining, synthesize=batch < max_batch):
             lo = batch
             if batch >= max_batch:
                 break
@@ -322,7 +342,9 @@ def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int
     # Bisect the open interval (lo, hi).
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
-        if prober.fits(mid, _bisect_probes(lo, hi) - 1):
+        # The last size bisection tries becomes the answer or the size above it: traced
+        # straight away, as confirming a synthesized one would trace it anyway.
+        if prober.fits(mid, _bisect_probes(lo, hi) - 1, synthesize=hi - lo > 2):
             lo = mid
         else:
             hi = mid
@@ -400,12 +422,12 @@ def max_batch_size(
         target: the whole target at once, instead of ``gpu``, ``alloc_conf``,
             ``context_overhead_bytes`` and ``torch_version``; its cuDNN version, when stated,
             picks the SDPA backend.
-        interpolate: once three traced sizes next to one another recorded one step structure
+        interpolate: once two traced sizes next to one another recorded one step structure
             with sizes affine in the batch, synthesize the recordings of sizes beside them
-            instead of tracing them (``trace_interpolation.py``); the answer and the size above
-            it are then traced for real, and if either recording differs from the synthesized
-            one the search runs again (learning from them; the third search traces every
-            size). ``False`` traces every size.
+            instead of tracing them (``trace_interpolation.py``); the last size bisection
+            tries, and the answer and the size above it, are traced for real, and if one
+            recording differs from its synthesis the search runs again (learning from them;
+            the third search traces every size). ``False`` traces every size.
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the
@@ -457,18 +479,19 @@ def max_batch_size(
         interpolate=interpolate,
     )
 
-    lo, hi = _search(prober, start_batch, max_batch)
-    # The answer rests on lo fitting and hi not: trace them if they were synthesized. Where a
-    # traced recording is not the synthesized one, search again, learning from it too; after
-    # _SEARCHES searches, with traces only.
-    searches = 1
-    while prober.interpolating and not prober.confirm([b for b in (lo, hi) if b]):
-        searches += 1
-        if searches < _SEARCHES:
-            prober.forget_synthesized()
-        else:
-            prober.fall_back()
+    with frozen_heap() as prober.freeze:
         lo, hi = _search(prober, start_batch, max_batch)
+        # The answer rests on lo fitting and hi not: trace them if they were synthesized. Where
+        # a traced recording is not the synthesized one, search again, learning from it too;
+        # after _SEARCHES searches, with traces only.
+        searches = 1
+        while prober.interpolating and not prober.confirm([b for b in (lo, hi) if b]):
+            searches += 1
+            if searches < _SEARCHES:
+                prober.forget_synthesized()
+            else:
+                prober.fall_back()
+            lo, hi = _search(prober, start_batch, max_batch)
     prober.close()
     if lo == 0:
         raise NoFeasibleBatchSizeError(_infeasible_message(prober.probes[1], spec, margin))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import resolve_margin
+from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.prediction.envelope import Envelope, predict_envelope
 from oomkit.prediction.tracing.recording import TraceRecording
 
@@ -80,6 +81,7 @@ def max_batch_for_run(
 
     def fits(batch: int) -> bool:
         say(f"batch {batch}: replaying the whole run")
+        freeze()  # the collector skips what earlier probes made (frozen_heap.py)
         env = predict_envelope(
             lambda n: record(batch, n),
             lengths,
@@ -100,7 +102,21 @@ def max_batch_for_run(
         envelopes[batch] = env
         return ok
 
-    low, high = 0, None  # the largest batch known to fit; the smallest known not to
+    with frozen_heap() as freeze:
+        low, high = _search(fits, start_batch, max_batch)
+    if low == 0:
+        raise NoFeasibleBatchSizeError(
+            f"not even batch 1 runs the whole run on {target.gpu.name}: its worst step needs "
+            f"{probes[-1].worst_peak_reserved_bytes} B reserved of {target.usable_bytes} B usable"
+        )
+    return EnvelopeFit(low, envelopes[low], tuple(probes), margin)
+
+
+def _search(fits: Callable[[int], bool], start_batch: int, max_batch: int) -> tuple[int, int | None]:
+    """(the largest batch found to fit, 0 for none; the smallest found not to, None for none):
+    from ``start_batch`` halving until one fits, then doubling until one does not, then
+    bisecting."""
+    low, high = 0, None
     batch = min(start_batch, max_batch)
     while batch >= 1 and low == 0:
         if fits(batch):
@@ -109,10 +125,7 @@ def max_batch_for_run(
             high = batch
             batch //= 2
     if low == 0:
-        raise NoFeasibleBatchSizeError(
-            f"not even batch 1 runs the whole run on {target.gpu.name}: its worst step needs "
-            f"{probes[-1].worst_peak_reserved_bytes} B reserved of {target.usable_bytes} B usable"
-        )
+        return low, high
     while high is None and low < max_batch:
         batch = min(low * 2, max_batch)
         if fits(batch):
@@ -125,4 +138,4 @@ def max_batch_for_run(
             low = middle
         else:
             high = middle
-    return EnvelopeFit(low, envelopes[low], tuple(probes), margin)
+    return low, high

@@ -1,4 +1,4 @@
-"""A batch-linear step's recording at any batch, synthesized from recordings traced at three.
+"""A batch-linear step's recording at any batch, synthesized from recordings traced at others.
 
 A training step whose tensors scale with the batch records the same events at every batch size:
 the same allocations and frees in the same order, from the same code, with the same tags; only
@@ -7,13 +7,15 @@ or an optimizer state is the ``a``, an activation of shape ``(batch, seq, hidden
 The sizes are the requested ones (``TraceEvent.size`` of a recording); the caching allocator's
 rounding happens later, in the replay, so it does not break the affinity.
 
-``TraceInterpolator`` learns this from real recordings of one builder: once three traced batches
-next to one another give recordings of one structure (``recording_structure``) whose every size
-is exactly affine in the batch with a whole-number slope (fitted on two, checked on the third),
-it synthesizes the recording at other batch sizes beside them, to be replayed instead of traced.
-It refuses (``None``) when a size would be negative. What it cannot see (a kernel choice that changes with
-the size, a workspace capped at some size) the caller must catch by tracing the batches its
-answer rests on and comparing (``same_recording``); ``max_batch_size`` (batch_search.py) does.
+``TraceInterpolator`` learns this from real recordings of one builder: once enough traced batches
+next to one another (three by default: fitted on two, checked on the third; ``points``) give
+recordings of one structure (``recording_structure``) whose every size is exactly affine in the
+batch with a whole-number slope, it synthesizes the recording at other batch sizes beside them,
+to be replayed instead of traced. It refuses (``None``) when a size would be negative. What it
+cannot see (a kernel choice that changes with the size, a workspace capped at some size) the
+caller must catch by tracing the batches its answer rests on and comparing them with their
+synthesis (``add`` says whether they differ); ``max_batch_size`` (batch_search.py) does, and so
+learns from two.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class TraceInterpolator:
 
     Args:
         points: traced batches one run needs before it synthesizes: 3 (two to fit the sizes,
-            one to check them), at least 2.
+            one to check them), at least 2 (for a caller that checks what it synthesizes
+            against traces of its own).
     """
 
     def __init__(self, points: int = 3) -> None:
@@ -152,25 +155,37 @@ class TraceInterpolator:
         self._structures: list[tuple[Any, ...]] = []  # distinct structures; ids index it
         self._traced: dict[int, tuple[int, tuple[int, ...], Any]] = {}  # batch: (id, sizes, rec)
         self._fits: dict[tuple[int, ...], AffineSizes | None] = {}  # by (nearest two, *run)
+        # What synthesize made, by batch: (structure id, sizes, nearest traced batch).
+        self._made: dict[int, tuple[int, tuple[int, ...], int]] = {}
 
     @property
     def traced_batches(self) -> tuple[int, ...]:
         """Every batch traced so far, in order."""
         return tuple(sorted(self._traced))
 
-    def add(self, batch_size: int, recording: Any) -> None:
+    def add(self, batch_size: int, recording: Any) -> bool:
         """Learn from ``recording``, traced for real at ``batch_size`` (not a dataclass
-        recording with ``events``: it is not learned from)."""
+        recording with ``events``: it is not learned from).
+
+        Returns:
+            Whether it differs (``same_recording``, found from its structure and sizes) from the
+            recording synthesized at ``batch_size``: the last one ``synthesize`` made there, or
+            else the one it would make now; ``False`` when there is none.
+        """
         structure = recording_structure(recording)
         if structure is None:
-            return
+            return False
         if structure in self._structures:
             index = self._structures.index(structure)
         else:
             index = len(self._structures)
             self._structures.append(structure)
-        self._traced[batch_size] = (index, _sizes(recording), recording)
+        sizes = _sizes(recording)
+        expected = self._made.pop(batch_size, None) or self._synthesized_sizes(batch_size)
+        differs = expected is not None and (expected[0] != index or expected[1] != sizes)
+        self._traced[batch_size] = (index, sizes, recording)
         self._fits.clear()
+        return differs
 
     def basis(self, batch_size: int) -> tuple[int, ...] | None:
         """The traced batches the recording at ``batch_size`` would be synthesized from (the
@@ -198,6 +213,11 @@ class TraceInterpolator:
         nearest = sorted(run, key=lambda b: (abs(b - batch_size), b))
         return tuple(nearest)
 
+    def forget_synthesized(self) -> None:
+        """Forget what ``synthesize`` made: ``add`` compares a trace with what it would make
+        now (a search that starts over uses none of its earlier syntheses)."""
+        self._made.clear()
+
     def synthesize(self, batch_size: int) -> Any:
         """The recording at ``batch_size``, or ``None`` when ``basis`` has none, the run's sizes
         are not affine, or a size would be negative.
@@ -206,18 +226,12 @@ class TraceInterpolator:
         ``a + b * batch_size``; its bytes per category likewise; every other field is that
         recording's.
         """
-        basis = self.basis(batch_size)
-        if basis is None:
+        made = self._synthesized_sizes(batch_size)
+        if made is None:
             return None
-        if basis not in self._fits:
-            self._fits[basis] = affine_sizes([(b, self._traced[b][1]) for b in basis])
-        affine = self._fits[basis]
-        if affine is None:
-            return None
-        values = synthesize_sizes(affine, batch_size)
-        if values is None:
-            return None
-        template = self._traced[basis[0]][2]
+        self._made[batch_size] = made
+        _, values, nearest = made
+        template = self._traced[nearest][2]
         events = template.events
         count = len(events)
         new_events = tuple(
@@ -229,6 +243,22 @@ class TraceInterpolator:
         if by_category:
             changes["bytes_by_category"] = dict(zip(sorted(by_category), values[count:], strict=True))
         return dataclasses.replace(template, **changes)
+
+    def _synthesized_sizes(self, batch_size: int) -> tuple[int, tuple[int, ...], int] | None:
+        """(structure id, sizes, nearest traced batch) of the recording ``synthesize`` would
+        make at ``batch_size``; ``None`` where it would make none."""
+        basis = self.basis(batch_size)
+        if basis is None:
+            return None
+        if basis not in self._fits:
+            self._fits[basis] = affine_sizes([(b, self._traced[b][1]) for b in basis])
+        affine = self._fits[basis]
+        if affine is None:
+            return None
+        values = synthesize_sizes(affine, batch_size)
+        if values is None:
+            return None
+        return self._id(basis[0]), values, basis[0]
 
     def _id(self, batch_size: int) -> int:
         return self._traced[batch_size][0]

@@ -61,23 +61,24 @@ def _json(capsys):
 
 
 def test_json_has_answer_curve_and_traces(user_file, capsys):
-    """Exactly 41 fits with no margin: 12 sizes tried, 5 traced (1, 2, 4 to learn the affine
-    step, 41 and 42 to confirm) and 9 interpolated; the JSON carries the whole curve."""
+    """Exactly 41 fits with no margin: 12 sizes tried, 4 traced (1, 2 to learn the affine
+    step, 41 as the last size bisection tries and 42 to confirm) and 9 interpolated; the JSON
+    carries the whole curve."""
     code = main(["fit", f"{user_file}:build", *SMALL, "--margin", "0", "--json"])
     out = _json(capsys)
     assert code == 0
     assert out["batch_size"] == 41
     assert out["peak_reserved_bytes"] == 100 * MiB
     assert out["margin_bytes"] == 0 and out["margin_is_default"] is False
-    assert out["traces"] == 5 and out["synthesized"] == 9
+    assert out["traces"] == 4 and out["synthesized"] == 9
     assert out["probe_order"] == [1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41]
     traced = [p["batch_size"] for p in out["curve"] if not p["synthesized"]]
-    assert traced == [1, 2, 4, 41, 42]
+    assert traced == [1, 2, 41, 42]
     assert [p["batch_size"] for p in out["curve"]] == sorted(out["probe_order"])
     assert out["first_failing_batch"] == 42
     assert out["verdict"] == (
         "largest batch that fits on custom 100.00 MiB: 41 (peak reserved 100.00 MiB, margin "
-        "0 B, 5 traces, 9 interpolated); at batch 42, train step 1 does not fit"
+        "0 B, 4 traces, 9 interpolated); at batch 42, train step 1 does not fit"
     )
 
 
