@@ -36,13 +36,22 @@ from oomkit.runtime.monitor import Monitor
 from oomkit.runtime.simulated import SimulatedCudaDevice
 
 
-def _mlp(width: int, depth: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _mlp_step(width: int, depth: int, batch: int, device: str) -> Callable[[], None]:
+    """One AdamW training step of a seeded ``depth``-layer GELU MLP on a fixed random batch."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
     model = torch.nn.Sequential(*layers).to(device)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=device)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
 
 
 def _block(
@@ -124,14 +133,7 @@ def _print(title: str, measured: dict) -> dict:
 
 def cpu_simulated(steps: int, blocks: int, width: int, batch: int) -> dict:
     with SimulatedCudaDevice("24GiB", context_overhead_bytes=0), tempfile.TemporaryDirectory() as t:
-        model, opt = _mlp(width, 4, "cpu")
-        x = torch.randn(batch, width)
-
-        def step() -> None:
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
+        step = _mlp_step(width, 4, batch, "cpu")
         result = measure(
             step, steps=steps, blocks=blocks, sync=lambda: None, make_monitors=_variants(Path(t))
         )
@@ -174,14 +176,7 @@ def cpu_real(steps: int, blocks: int, width: int, batch: int) -> dict:
         stats = dict(simulated.memory_stats())
     device = _FixedStatsDevice(stats, 24 * 2**30)
     with tempfile.TemporaryDirectory() as t:
-        model, opt = _mlp(width, 4, "cpu")
-        x = torch.randn(batch, width)
-
-        def step() -> None:
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
+        step = _mlp_step(width, 4, batch, "cpu")
         variants = _fixed_variants(Path(t), device)
         result = measure(step, steps=steps, blocks=blocks, sync=lambda: None, make_monitors=variants)
         calls = {name: step_call_us(make) for name, make in variants.items()}
@@ -190,14 +185,7 @@ def cpu_real(steps: int, blocks: int, width: int, batch: int) -> dict:
 
 def gpu(steps: int, blocks: int, width: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as t:
-        model, opt = _mlp(width, 8, "cuda")
-        x = torch.randn(batch, width, device="cuda")
-
-        def step() -> None:
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
+        step = _mlp_step(width, 8, batch, "cuda")
         result = measure(
             step,
             steps=steps,

@@ -123,5 +123,5 @@ def test_the_torch_free_mirrors_match_step_options():
     from oomkit.prediction import workload
     from oomkit.prediction.models.options import OPTIMIZERS, StepOptions
 
-    assert workload._OPTION_FIELDS == tuple(f.name for f in dataclasses.fields(StepOptions))
+    assert tuple(workload._OPTION_TYPES) == tuple(f.name for f in dataclasses.fields(StepOptions))
     assert set(workload._OPTIMIZERS) == set(OPTIMIZERS)

@@ -91,6 +91,14 @@ def _mlp(out_features: int = CLASSES) -> torch.nn.Module:
     )
 
 
+def _encoder_and_head(
+    encoder: torch.nn.Module,
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """``encoder``, a Linear head on its HIDDEN features, and one SGD over both."""
+    head = torch.nn.Linear(HIDDEN, CLASSES)
+    return encoder, head, torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.01)
+
+
 def _batch(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, IN_FEATURES), torch.randint(0, CLASSES, (size,))
 
@@ -129,9 +137,7 @@ def loop_outputs_in_list(rec: _Recorder) -> None:
 
 def loop_retain_graph(rec: _Recorder) -> None:
     """A running feature average carried across steps without detach, backward(retain_graph)."""
-    encoder = torch.nn.Linear(IN_FEATURES, HIDDEN)
-    head = torch.nn.Linear(HIDDEN, CLASSES)
-    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.01)
+    encoder, head, opt = _encoder_and_head(torch.nn.Linear(IN_FEATURES, HIDDEN))
     h = torch.zeros(BATCH, HIDDEN)
     for step in range(STEPS):
         x, y = _batch()
@@ -149,9 +155,9 @@ _FEATURE_CACHE: dict[int, torch.Tensor] = {}
 def loop_global_cache(rec: _Recorder) -> None:
     """Encoder features stored in a module-level dict keyed by step, never evicted."""
     _FEATURE_CACHE.clear()
-    encoder = torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU())
-    head = torch.nn.Linear(HIDDEN, CLASSES)
-    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.01)
+    encoder, head, opt = _encoder_and_head(
+        torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU())
+    )
     for step in range(STEPS):
         x, y = _batch()
         opt.zero_grad()
@@ -220,9 +226,7 @@ def loop_clean_noisy_batches(rec: _Recorder) -> None:
 
 def loop_clean_detached_state(rec: _Recorder) -> None:
     """The running feature average of the retain_graph loop, detached each step (truncated BPTT)."""
-    encoder = torch.nn.Linear(IN_FEATURES, HIDDEN)
-    head = torch.nn.Linear(HIDDEN, CLASSES)
-    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.01)
+    encoder, head, opt = _encoder_and_head(torch.nn.Linear(IN_FEATURES, HIDDEN))
     h = torch.zeros(BATCH, HIDDEN)
     for step in range(STEPS):
         x, y = _batch()
@@ -235,9 +239,9 @@ def loop_clean_detached_state(rec: _Recorder) -> None:
 
 def loop_clean_bounded_cache(rec: _Recorder) -> None:
     """A feature cache that keeps the last 4 steps: it fills, then stays level."""
-    encoder = torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU())
-    head = torch.nn.Linear(HIDDEN, CLASSES)
-    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.01)
+    encoder, head, opt = _encoder_and_head(
+        torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU())
+    )
     cache: dict[int, torch.Tensor] = {}
     for step in range(STEPS):
         x, y = _batch()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.diagnose._context import ContextRange, context_range
@@ -40,15 +40,7 @@ Cause = Literal[
     "leak",
     "transient_spike",
 ]
-CAUSES: tuple[Cause, ...] = (
-    "shortage",
-    "fragmentation",
-    "outside_pytorch",
-    "fraction_limit",
-    "request_exceeds_device",
-    "leak",
-    "transient_spike",
-)
+CAUSES: tuple[Cause, ...] = get_args(Cause)
 Confidence = Literal["high", "medium", "low"]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "WorkloadKind",
@@ -23,28 +23,30 @@ __all__ = [
 ]
 
 WorkloadKind = Literal["preset", "function", "hf", "unknown"]
-_KINDS: tuple[WorkloadKind, ...] = ("preset", "function", "hf", "unknown")
-# StepOptions fields (oomkit.prediction.models.options), saved as ``workload.options``.
-_OPTION_FIELDS = (
-    "batch_size",
-    "seq_len",
-    "image_size",
-    "precision",
-    "optimizer",
-    "checkpointing",
-    "mode",
-    "new_tokens",
-    "lora",
-    "optimizer_impl",
-    "quantize",
-    "double_quant",
-    "compute_dtype",
-    "grad_accum",
-    "max_grad_norm",
-    "checkpoint_reentrant",
-    "compile",
-    "trainer_mixed_precision",
-)
+_KINDS: tuple[WorkloadKind, ...] = get_args(WorkloadKind)
+# StepOptions fields (oomkit.prediction.models.options), saved as ``workload.options``, with the
+# type ``workload_from_json`` reads each back as (``float``: any number; ``checkpointing``: also
+# older oomkit's boolean). A saved value of another type reads as not known.
+_OPTION_TYPES: dict[str, type] = {
+    "batch_size": int,
+    "seq_len": int,
+    "image_size": int,
+    "precision": str,
+    "optimizer": str,
+    "checkpointing": str,
+    "mode": str,
+    "new_tokens": int,
+    "lora": Mapping,
+    "optimizer_impl": str,
+    "quantize": str,
+    "double_quant": bool,
+    "compute_dtype": str,
+    "grad_accum": int,
+    "max_grad_norm": float,
+    "checkpoint_reentrant": bool,
+    "compile": bool,
+    "trainer_mixed_precision": str,
+}
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
 _OMITTED_AT_DEFAULT: dict[str, object] = {
@@ -137,7 +139,7 @@ class WorkloadSpec:
     @property
     def options(self) -> dict[str, Any]:
         """The ``StepOptions`` fields, ``None`` where not known (a preset knows them all)."""
-        return {name: getattr(self, name) for name in _OPTION_FIELDS}
+        return {name: getattr(self, name) for name in _OPTION_TYPES}
 
 
 def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -> dict[str, Any]:
@@ -167,15 +169,13 @@ def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -
 
 
 def _typed(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (a bool is no number), else ``None``; for ``float``, any
+    number, as a float."""
     if isinstance(value, bool) and kind is not bool:
         return None
+    if kind is float:
+        return float(value) if isinstance(value, int | float) else None
     return value if isinstance(value, kind) else None
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
@@ -196,31 +196,16 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
         ddp = ddp if isinstance(ddp, Mapping) else {}
         if kind is None:  # saved before the record had a kind: only presets were saved
             kind = "preset" if isinstance(saved.get("preset"), str) else "unknown"
+        read = {field: _typed(options.get(field), type_) for field, type_ in _OPTION_TYPES.items()}
+        read["checkpointing"] = _checkpointing(options.get("checkpointing"))
         return WorkloadSpec(
             kind=kind,
             name=str(name or ""),
-            batch_size=_typed(options.get("batch_size"), int),
-            seq_len=_typed(options.get("seq_len"), int),
-            image_size=_typed(options.get("image_size"), int),
-            precision=_typed(options.get("precision"), str),
-            optimizer=_typed(options.get("optimizer"), str),
-            checkpointing=_checkpointing(options.get("checkpointing")),
-            mode=_typed(options.get("mode"), str),
-            new_tokens=_typed(options.get("new_tokens"), int),
             steps=_typed(saved.get("steps"), int),
-            lora=_typed(options.get("lora"), Mapping),
-            optimizer_impl=_typed(options.get("optimizer_impl"), str),
-            quantize=_typed(options.get("quantize"), str),
-            double_quant=_typed(options.get("double_quant"), bool),
-            compute_dtype=_typed(options.get("compute_dtype"), str),
-            grad_accum=_typed(options.get("grad_accum"), int),
-            max_grad_norm=_number(options.get("max_grad_norm")),
-            checkpoint_reentrant=_typed(options.get("checkpoint_reentrant"), bool),
-            compile=_typed(options.get("compile"), bool),
-            trainer_mixed_precision=_typed(options.get("trainer_mixed_precision"), str),
             precision_source=_typed(saved.get("precision_source"), str),
-            ddp_bucket_cap_mb=_number(ddp.get("bucket_cap_mb")),
+            ddp_bucket_cap_mb=_typed(ddp.get("bucket_cap_mb"), float),
             ddp_gradient_as_bucket_view=_typed(ddp.get("gradient_as_bucket_view"), bool),
+            **read,
         )
     description = data.get("description")
     if isinstance(description, str) and description:

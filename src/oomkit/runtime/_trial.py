@@ -8,6 +8,7 @@ file (completed, finished, oom) and the monitor's JSONL log, summarised by ``sum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -372,41 +373,29 @@ def run_trial(
     Raises:
         OomkitError: the interpreter could not be started.
     """
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="oomkit-experiment-") as tmp:
-            return run_trial(
-                python,
-                target,
-                alloc_conf,
-                interpreter_options=interpreter_options,
-                steps=steps,
-                timeout_s=timeout_s,
-                baseline=baseline,
-                environ=environ,
-                workdir=tmp,
-                get_time=get_time,
-                gpu=gpu,
-            )
-    run = start_trial(
-        python,
-        target,
-        alloc_conf,
-        interpreter_options=interpreter_options,
-        steps=steps,
-        timeout_s=timeout_s,
-        baseline=baseline,
-        environ=os.environ if environ is None else environ,
-        workdir=Path(workdir),
-        get_time=get_time,
-        gpu=gpu,
-    )
-    timed_out = False
-    try:
-        run.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_group(run.proc)
-    except BaseException:
-        kill_group(run.proc)
-        raise
-    return finish_trial(run, timed_out=timed_out, get_time=get_time)
+    with contextlib.ExitStack() as stack:
+        if workdir is None:  # the files live as long as the trial runs and is read
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="oomkit-experiment-"))
+        run = start_trial(
+            python,
+            target,
+            alloc_conf,
+            interpreter_options=interpreter_options,
+            steps=steps,
+            timeout_s=timeout_s,
+            baseline=baseline,
+            environ=os.environ if environ is None else environ,
+            workdir=Path(workdir),
+            get_time=get_time,
+            gpu=gpu,
+        )
+        timed_out = False
+        try:
+            run.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(run.proc)
+        except BaseException:
+            kill_group(run.proc)
+            raise
+        return finish_trial(run, timed_out=timed_out, get_time=get_time)

@@ -245,6 +245,26 @@ def test_entry_extras_become_tags_and_annotate_passes_through():
     assert infer_torch_version(snap) is None  # annotate: newest release
 
 
+# PyTorch's trace entry actions (ref §11.2 table; CUDACachingAllocator.h TraceEntry::Action).
+PYTORCH_ACTIONS = (
+    "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map", "segment_unmap", "oom", "snapshot", "annotate",
+)
+
+
+def test_every_pytorch_trace_action_is_known():
+    """A trace holding each of PyTorch's actions loads with them all, in order, and no warning
+    that oomkit does not know one (an unknown action is warned of and skipped by the replay)."""
+    data = _modern()
+    data["device_traces"][0] = [
+        {"action": action, "addr": 1, "size": 2, "stream": 0, "time_us": i}
+        for i, action in enumerate(PYTORCH_ACTIONS)
+    ]
+    snap = _load(data)
+    assert [e.action for e in snap.trace_for(0)] == list(PYTORCH_ACTIONS)
+    assert not [w for w in snap.warnings if "does not know" in w]
+
+
 def test_devices_ignores_snapshot_only_traces():
     """A device whose trace has only 'snapshot' markers and no segments is not listed."""
     data = _modern()

@@ -175,25 +175,31 @@ def test_corrupt_event_line_names_its_line(tmp_path):
         next(events)
 
 
-def test_wrong_field_type_is_refused(tmp_path):
-    """An event whose size is not an int is corrupt."""
+@pytest.mark.parametrize(
+    ("event_line", "end_line", "error"),
+    [
+        pytest.param(
+            '{"a":"alloc","p":1,"s":"big"}', '{"end":1}',
+            r"line 2: an event field has the wrong type", id="size-not-an-int",
+        ),
+        pytest.param(
+            '{"a":"alloc","p":1,"s":2,"f":3}', '{"end":1}',
+            r"line 2: .*unknown stack", id="stack-never-defined",
+        ),
+        pytest.param(
+            '{"a":"alloc","p":1,"s":2}', '{"end":5}',
+            r"line 3: the end line says 5 events but 1", id="end-count-disagrees",
+        ),
+    ],
+)
+def test_corrupt_event_or_end_line_is_refused(tmp_path, event_line, end_line, error):
+    """A size that is not an int, a stack never defined, or an end line whose count disagrees
+    with the events read: corrupt, at the line that shows it."""
     path = _write_lines(
-        tmp_path / "w.jsonl",
-        ['{"format":"oomkit-trace","version":1}', '{"a":"alloc","p":1,"s":"big"}', '{"end":1}'],
+        tmp_path / "c.jsonl", ['{"format":"oomkit-trace","version":1}', event_line, end_line]
     )
     _, events = read_trace(path)
-    with pytest.raises(TraceFormatError, match=r"line 2: an event field has the wrong type"):
-        list(events)
-
-
-def test_unknown_stack_is_refused(tmp_path):
-    """An event naming a stack that was never defined is corrupt."""
-    path = _write_lines(
-        tmp_path / "s.jsonl",
-        ['{"format":"oomkit-trace","version":1}', '{"a":"alloc","p":1,"s":2,"f":3}', '{"end":1}'],
-    )
-    _, events = read_trace(path)
-    with pytest.raises(TraceFormatError, match=r"line 2: .*unknown stack"):
+    with pytest.raises(TraceFormatError, match=error):
         list(events)
 
 
@@ -205,17 +211,6 @@ def test_missing_end_line_means_truncated(tmp_path):
     _write_lines(path, lines)
     _, events = read_trace(path)
     with pytest.raises(TraceFormatError, match=r"t\.jsonl: line 4: .*truncated"):
-        list(events)
-
-
-def test_wrong_end_count_is_refused(tmp_path):
-    """An end line whose count disagrees with the events read is corrupt."""
-    path = _write_lines(
-        tmp_path / "e.jsonl",
-        ['{"format":"oomkit-trace","version":1}', '{"a":"alloc","p":1,"s":2}', '{"end":5}'],
-    )
-    _, events = read_trace(path)
-    with pytest.raises(TraceFormatError, match=r"line 3: the end line says 5 events but 1"):
         list(events)
 
 

@@ -9,7 +9,7 @@ import pytest
 from oomkit.core.gpus import get_gpu
 from oomkit.errors import ConfigError, UnknownGpuError
 from oomkit.interfaces.cli import build_parser
-from oomkit.interfaces.cli._common import capacity_bytes, torch_version_arg
+from oomkit.interfaces.cli._common import capacity_bytes, float_arg, torch_version_arg
 
 GiB = 2**30
 # What torch.cuda.get_device_properties().total_memory reports on an RTX 4090 (the catalog).
@@ -113,3 +113,18 @@ def test_output_width_wide_only_for_pipes():
     assert output_width(Tty(), {}) is None
     assert output_width(io.StringIO(), {"COLUMNS": "100"}) is None
     assert output_width(io.StringIO(), {}) == PIPE_WIDTH_COLUMNS == 1000
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("0.05", 0.05), ("0", 0.0), ("1e-3", 0.001), (" 0.5 ", 0.5)]
+)
+def test_float_arg_returns_an_admitted_number(text, value):
+    """A number the check admits comes back as a float (float()'s own syntax, spaces included)."""
+    assert float_arg(text, lambda p: 0.0 <= p < 1.0, "expected a probability") == value
+
+
+@pytest.mark.parametrize("text", ["1", "-0.1", "abc", "", "nan", "inf"])
+def test_float_arg_refuses_what_the_check_does_not_admit(text):
+    """Out of range, not a number, or NaN: argparse's usage error, naming what was expected."""
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"^expected a probability; got '{text}'$"):
+        float_arg(text, lambda p: 0.0 <= p < 1.0, "expected a probability")

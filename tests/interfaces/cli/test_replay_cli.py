@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
+
+from _replay_snapshot import MiB, replay_snapshot
 
 from oomkit.interfaces.cli import main
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "diagnose"))
-from cases.oom_cases import GiB, MiB, Recorder  # noqa: E402
-
-
-def _snapshot(directory: Path) -> Path:
-    """300 MiB (its own segment), 5 MiB (a 20 MiB segment), free the 300 MiB, 200 MiB (split
-    from the cached 300 MiB block), 1000 B (a 2 MiB small segment): 3 cudaMallocs, 322 MiB."""
-    recorder = Recorder(capacity_bytes=GiB, outside_bytes=0)
-    first = recorder.alloc(300 * MiB)
-    recorder.alloc(5 * MiB)
-    recorder.free(first)
-    recorder.alloc(200 * MiB)
-    recorder.alloc(1000)
-    return recorder.write(directory / "s.pickle")
-
 
 REPLAY_GOLDEN = """\
 Verify: reproduced exactly: 3/3 segment decisions, 4/4 block placements match.
@@ -45,7 +29,7 @@ def test_replay_verify_human_output_golden(tmp_path, capsys, monkeypatch):
     """100 columns, no colour: the verify line, then the replay table."""
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.chdir(tmp_path)
-    _snapshot(tmp_path)
+    replay_snapshot(tmp_path)
     assert main(["replay", "s.pickle", "--verify"]) == 0
     out = capsys.readouterr().out
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == REPLAY_GOLDEN
@@ -53,7 +37,7 @@ def test_replay_verify_human_output_golden(tmp_path, capsys, monkeypatch):
 
 def test_replay_json_exact_bytes(tmp_path, capsys):
     """Peak 300 + 5 MiB allocated; 300 + 20 + 2 MiB reserved; at the end 200 MiB + 5 MiB + 1 KiB."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     assert main(["replay", str(path), "--verify", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["peak_allocated_bytes"] == 305 * MiB
@@ -96,7 +80,7 @@ def _spy_replay(monkeypatch) -> list[dict]:
 
 def test_replay_verify_with_alloc_conf_is_refused(tmp_path, capsys):
     """--verify replays the recorded setting: with --alloc-conf it exits 2 with one line."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     code = main(["replay", str(path), "--verify", "--alloc-conf", "expandable_segments:True"])
     assert code == 2
     captured = capsys.readouterr()
@@ -110,7 +94,7 @@ def test_replay_verify_with_alloc_conf_is_refused(tmp_path, capsys):
 
 def test_replay_gpu_name_equals_capacity_of_its_total_bytes(tmp_path, capsys, monkeypatch):
     """`--gpu rtx4090` is a what-if at the 4090's total memory, as `--capacity <those bytes>`."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     calls = _spy_replay(monkeypatch)
     assert main(["replay", str(path), "--gpu", "rtx4090", "--json"]) == 0
     by_name = capsys.readouterr().out
@@ -122,7 +106,7 @@ def test_replay_gpu_name_equals_capacity_of_its_total_bytes(tmp_path, capsys, mo
 
 def test_replay_gpu_size_and_capacity_alias_agree(tmp_path, capsys):
     """At 320 MiB the 322 MiB replay runs out of memory (exit 1), by either flag; at 400 it fits."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     assert main(["replay", str(path), "--gpu", "320MiB", "--json"]) == 1
     by_gpu = json.loads(capsys.readouterr().out)
     assert main(["replay", str(path), "--capacity", "320MiB", "--json"]) == 1
@@ -134,7 +118,7 @@ def test_replay_gpu_size_and_capacity_alias_agree(tmp_path, capsys):
 
 def test_replay_verify_with_gpu_verifies_at_its_capacity(tmp_path, capsys, monkeypatch):
     """--verify --gpu still verifies (3/3 decisions), sizing reservations by that GPU's memory."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     calls = _spy_replay(monkeypatch)
     assert main(["replay", str(path), "--verify", "--gpu", "rtx4090", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -145,7 +129,7 @@ def test_replay_verify_with_gpu_verifies_at_its_capacity(tmp_path, capsys, monke
 
 def test_replay_unknown_gpu_is_one_line_exit_2(tmp_path, capsys):
     """A GPU name with a typo exits 2 and names the catalog GPU it is close to."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     assert main(["replay", str(path), "--gpu", "rtx4091"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("oomkit: error: unknown GPU 'rtx4091'. Did you mean 'RTX 4090'")

@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _replay_snapshot import MiB, replay_snapshot
 
 from oomkit.interfaces.cli import main
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "diagnose"))
-from cases.oom_cases import GiB, MiB, Recorder  # noqa: E402
-
 SETTINGS = ["", "expandable_segments:True", "max_split_size_mb:100"]
-
-
-def _snapshot(directory: Path) -> Path:
-    """300 MiB, 5 MiB, free the 300 MiB, 200 MiB (split from the cached 300 MiB block), 1000 B."""
-    recorder = Recorder(capacity_bytes=GiB, outside_bytes=0)
-    first = recorder.alloc(300 * MiB)
-    recorder.alloc(5 * MiB)
-    recorder.free(first)
-    recorder.alloc(200 * MiB)
-    recorder.alloc(1000)
-    return recorder.write(directory / "s.pickle")
 
 
 def _what_if(path: Path, capsys, *extra: str) -> tuple[int, dict]:
@@ -39,7 +25,7 @@ def test_what_if_json_exact_bytes_per_setting(tmp_path, capsys):
     """Default: 300 + 20 + 2 MiB reserved. max_split_size_mb:100 cannot split the cached 300 MiB
     block for the 200 MiB request (oversize blocks are not split), so it cudaMallocs a fourth
     segment: 522 MiB reserved, 217 MiB of it unused at the peak."""
-    rc, out = _what_if(_snapshot(tmp_path), capsys, "--jobs", "1")
+    rc, out = _what_if(replay_snapshot(tmp_path), capsys, "--jobs", "1")
     assert rc == 0
     rows = out["settings"]
     assert [r["alloc_conf"] for r in rows] == SETTINGS
@@ -53,7 +39,7 @@ def test_what_if_json_exact_bytes_per_setting(tmp_path, capsys):
 
 def test_what_if_exit_1_when_a_setting_would_oom(tmp_path, capsys):
     """At 320 MiB the default OOMs at the 1000 B request (event 8); the other two fit."""
-    rc, out = _what_if(_snapshot(tmp_path), capsys, "--capacity", "320MiB", "--jobs", "1")
+    rc, out = _what_if(replay_snapshot(tmp_path), capsys, "--capacity", "320MiB", "--jobs", "1")
     assert rc == 1
     rows = out["settings"]
     assert [r["oom"] for r in rows] == [True, False, False]
@@ -63,7 +49,7 @@ def test_what_if_exit_1_when_a_setting_would_oom(tmp_path, capsys):
 
 def test_what_if_jobs_2_identical_to_jobs_1(tmp_path, capsys):
     """The process pool gives the serial run's JSON, byte for byte, in the settings' order."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     serial = _what_if(path, capsys, "--capacity", "320MiB", "--jobs", "1")
     parallel = _what_if(path, capsys, "--capacity", "320MiB", "--jobs", "2")
     assert parallel == serial
@@ -72,7 +58,7 @@ def test_what_if_jobs_2_identical_to_jobs_1(tmp_path, capsys):
 def test_what_if_table(tmp_path, capsys, monkeypatch):
     """The terminal table: one row per setting with peak reserved, fragmentation and OOM."""
     monkeypatch.setenv("COLUMNS", "160")
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     argv = ["replay", str(path), "--capacity", "320MiB", "--jobs", "1"]
     for setting in SETTINGS:
         argv += ["--what-if", setting]
@@ -94,14 +80,14 @@ def test_what_if_table(tmp_path, capsys, monkeypatch):
 )
 def test_what_if_refusals_exit_2(tmp_path, capsys, extra, message):
     """--what-if with --verify or --alloc-conf, or a setting PyTorch rejects: exit 2, explained."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     assert main(["replay", str(path), "--what-if", "", *extra]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_jobs_must_be_positive(tmp_path, capsys):
     """--jobs 0 is a usage error from argparse (exit 2)."""
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     with pytest.raises(SystemExit) as exc:
         main(["replay", str(path), "--what-if", "", "--jobs", "0"])
     assert exc.value.code == 2
@@ -124,7 +110,7 @@ def test_progress_bar_counts_every_setting_on_a_terminal(tmp_path, capsys, monke
 
     monkeypatch.setattr(replay_cli, "progress_enabled", lambda args, stream: not args.json)
     monkeypatch.setattr(replay_cli, "progress_bar", spy_bar)
-    path = _snapshot(tmp_path)
+    path = replay_snapshot(tmp_path)
     argv = ["replay", str(path), "--jobs", "1"]
     for setting in SETTINGS:
         argv += ["--what-if", setting]

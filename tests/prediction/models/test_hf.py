@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _tiny_llama import tiny_llama_config
+from _tiny_hf import tiny_gpt2_config, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -13,15 +13,7 @@ from oomkit.prediction.tracing import trace_step  # noqa: E402
 
 
 def _gpt2_config():
-    return transformers.GPT2Config(
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        vocab_size=1000,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    return tiny_gpt2_config()
 
 
 def _llama_config():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _tiny_llama import tiny_llama_config
+from _tiny_hf import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny_llama import tiny_llama_config
+from _tiny_hf import tiny_llama_config
 
 from oomkit.prediction.models import StepOptions, build_hf_step
 from oomkit.prediction.models.lora_options import LoraOptions

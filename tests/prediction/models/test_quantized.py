@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_llama import tiny_llama_config
+from _tiny_hf import tiny_llama_config
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _tiny_hf import tiny_llama_config
 
 from oomkit.core.target import Target
 from oomkit.prediction.models import StepOptions, build_preset_step
@@ -38,6 +39,44 @@ def _tiny_peak(mode: str) -> int:
     target = Target.resolve(gpu="h100")
     recording = trace_step(built.step_fn, *built.track, steps=2, target=target)
     return predict_recording(recording, target=target).peak_allocated_bytes
+
+
+def _kept_in_block(recording, block: str) -> list[tuple[str, str, int, int]]:
+    """The forward allocations of module ``block`` and below that are kept as activations:
+    (module below ``block``, op without ``aten.``, bytes, stream), in order."""
+    kept = []
+    for event in recording.events:
+        tags = dict(event.tags)
+        module = tags.get("module", "")
+        if (
+            event.action == "alloc"
+            and tags.get("phase") == "forward"
+            and tags.get("category") == "activation"
+            and (module == block or module.startswith(block + "."))
+        ):
+            op = tags["op"].removeprefix("aten.")
+            kept.append((module.removeprefix(block), op, event.size, event.stream))
+    return kept
+
+
+def _policy_outputs(
+    *, tokens: int, hidden: int, kv: int, ffn: int, heads: int, next_input_bytes: int
+) -> list[tuple[str, str, int, int]]:
+    """What selective_op_policy keeps of one Llama block, as ``_kept_in_block`` lists it: q and v
+    projections (mm 1 and 3), cuDNN attention's output, fp32 logsumexp and philox seed and offset,
+    the gate and down projections (mm 5 and 7), and the next block's checkpointed input."""
+    cudnn = "_scaled_dot_product_cudnn_attention.default"
+    return [
+        (".self_attn.q_proj", "mm.default", tokens * hidden * 2, 0),
+        (".self_attn.v_proj", "mm.default", tokens * kv * 2, 0),
+        (".self_attn", cudnn, tokens * hidden * 2, 0),  # output, bf16
+        (".self_attn", cudnn, heads * tokens * 4, 0),  # logsumexp, fp32
+        (".self_attn", cudnn, 8, 0),  # philox seed
+        (".self_attn", cudnn, 8, 0),  # philox offset
+        (".mlp.gate_proj", "mm.default", tokens * ffn * 2, 0),
+        (".mlp.down_proj", "mm.default", tokens * hidden * 2, 0),
+        ("", "add.Tensor", next_input_bytes, 0),
+    ]
 
 
 def test_options_read_booleans_and_refuse_unknown_modes():
@@ -76,27 +115,11 @@ def test_selective_op_saves_what_the_policy_saves_in_one_block():
     )
     built = build_preset_step("llama-1b", options)
     recording = trace_step(built.step_fn, *built.track, target=Target.resolve(gpu="h100"))
-    kept = [
-        (dict(e.tags)["module"], dict(e.tags)["op"], e.size)
-        for e in recording.events
-        if e.action == "alloc"
-        and dict(e.tags).get("phase") == "forward"
-        and dict(e.tags).get("category") == "activation"
-        and dict(e.tags).get("module", "").split(".")[:2] == ["layers", "0"]
-    ]
-    tokens, hidden, kv, ffn, heads = 32, 2048, 512, 8192, 32
-    cudnn = "aten._scaled_dot_product_cudnn_attention.default"
-    assert kept == [
-        ("layers.0.self_attn.q_proj", "aten.mm.default", tokens * hidden * 2),
-        ("layers.0.self_attn.v_proj", "aten.mm.default", tokens * kv * 2),
-        ("layers.0.self_attn", cudnn, tokens * hidden * 2),  # output, bf16
-        ("layers.0.self_attn", cudnn, heads * tokens * 4),  # logsumexp, fp32
-        ("layers.0.self_attn", cudnn, 8),  # philox seed
-        ("layers.0.self_attn", cudnn, 8),  # philox offset
-        ("layers.0.mlp.gate_proj", "aten.mm.default", tokens * ffn * 2),
-        ("layers.0.mlp.down_proj", "aten.mm.default", tokens * hidden * 2),
-        ("layers.0", "aten.add.Tensor", tokens * hidden * 4),  # block 1's checkpointed input
-    ]
+    tokens, hidden = 32, 2048
+    assert _kept_in_block(recording, "layers.0") == _policy_outputs(
+        tokens=tokens, hidden=hidden, kv=512, ffn=8192, heads=32,
+        next_input_bytes=tokens * hidden * 4,  # fp32: autocast leaves the residual adds alone
+    )
 
 
 def test_selective_op_peak_lies_between_full_and_none():
@@ -120,64 +143,28 @@ def test_selective_op_under_fsdp2_saves_the_same_ops_in_bf16():
         return built.step_fn, tuple(built.track)
 
     recording = trace_distributed_step(build, world_size=4, target=Target.resolve(gpu="h100"))
-    kept = [
-        (dict(e.tags)["module"], dict(e.tags)["op"].removeprefix("aten."), e.size, e.stream)
-        for e in recording.events
-        if e.action == "alloc"
-        and dict(e.tags).get("phase") == "forward"
-        and dict(e.tags).get("category") == "activation"
-        and dict(e.tags).get("module", "").split(".")[:2] == ["layers", "0"]
-    ]
-    tokens, hidden, kv, ffn, heads = 32, 2048, 512, 8192, 32
-    cudnn = "_scaled_dot_product_cudnn_attention.default"
-    assert kept == [
-        ("layers.0.self_attn.q_proj", "mm.default", tokens * hidden * 2, 0),
-        ("layers.0.self_attn.v_proj", "mm.default", tokens * kv * 2, 0),
-        ("layers.0.self_attn", cudnn, tokens * hidden * 2, 0),
-        ("layers.0.self_attn", cudnn, heads * tokens * 4, 0),
-        ("layers.0.self_attn", cudnn, 8, 0),
-        ("layers.0.self_attn", cudnn, 8, 0),
-        ("layers.0.mlp.gate_proj", "mm.default", tokens * ffn * 2, 0),
-        ("layers.0.mlp.down_proj", "mm.default", tokens * hidden * 2, 0),
-        ("layers.0", "add.Tensor", tokens * hidden * 2, 0),  # bf16: FSDP2 casts the inputs
-    ]
+    tokens, hidden = 32, 2048
+    assert _kept_in_block(recording, "layers.0") == _policy_outputs(
+        tokens=tokens, hidden=hidden, kv=512, ffn=8192, heads=32,
+        next_input_bytes=tokens * hidden * 2,  # bf16: FSDP2 casts the inputs
+    )
 
 
 def test_hf_layers_take_the_policy_as_their_context_fn():
     """A small Hugging Face Llama (bf16, 2 x 32 tokens): layer 0 keeps the same ops as the
     preset, through gradient_checkpointing_enable's context_fn."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from oomkit.prediction.models import build_hf_step
 
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_llama_config(bos_token_id=0, eos_token_id=0)
     options = StepOptions(batch_size=2, seq_len=32, checkpointing="selective-op", precision="bf16")
     built = build_hf_step(config, options)
     assert built.description.endswith("adamw, selective-op checkpointing, train")
     recording = trace_step(built.step_fn, *built.track, target=Target.resolve(gpu="h100"))
-    kept = [
-        (dict(e.tags)["module"].removeprefix("model.layers.0"), e.size)
-        for e in recording.events
-        if e.action == "alloc"
-        and dict(e.tags).get("phase") == "forward"
-        and dict(e.tags).get("category") == "activation"
-        and dict(e.tags).get("module", "").startswith("model.layers.0")
-    ]
     tokens = 2 * 32
-    assert kept == [
-        (".self_attn.q_proj", tokens * 64 * 2),
-        (".self_attn.v_proj", tokens * 32 * 2),
-        (".self_attn", tokens * 64 * 2),  # cuDNN attention's output
-        (".self_attn", 2 * 4 * 32 * 4),  # its fp32 logsumexp
-        (".self_attn", 8),
-        (".self_attn", 8),
-        (".mlp.gate_proj", tokens * 128 * 2),
-        (".mlp.down_proj", tokens * 64 * 2),
-        ("", tokens * 64 * 2),  # layer 1's checkpointed input
-    ]
+    assert _kept_in_block(recording, "model.layers.0") == _policy_outputs(
+        tokens=tokens, hidden=64, kv=32, ffn=128, heads=4, next_input_bytes=tokens * 64 * 2
+    )
 
 
 def test_inference_is_not_checkpointed():

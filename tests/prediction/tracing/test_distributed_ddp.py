@@ -136,21 +136,7 @@ def test_hsdp_rank_holds_what_fsdp_over_its_shard_group_holds():
     what rank 0 of FSDP2 over 2 ranks does; ranks are counted over the shard group."""
 
     def build(mesh):
-        from torch.distributed.fsdp import fully_shard
-
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 5))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters())
-        batch = torch.randn(8, 64)
-
-        def step():
-            model(batch).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return step, (model, optimizer, batch)
+        return _fsdp_linears(mesh, out_features=5)
 
     fsdp = trace_distributed_step(build, world_size=2, mesh_shape=((2,), ("fsdp",)), steps=2)
     hsdp = trace_distributed_step(build, world_size=4, mesh_shape=((2, 2), ("dp", "fsdp")), steps=2)
@@ -241,15 +227,15 @@ def test_replica_holds_the_single_gpu_states_plus_its_buckets():
     assert sum(_allocs(ddp.events, "ddp_bucket")) == 3 * _LAYER + 3 * _LAYER
 
 
-def _mixed_build(mesh):
-    """Two fp32 Linear units under FSDP2 with bf16 parameters and a bf16 reduce dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fsdp_linears(mesh, *, out_features: int, **fully_shard_kwargs):
+    """Two fp32 Linear units (64 -> 256 -> ``out_features``), each and the whole under
+    fully_shard, AdamW, a batch of 8: ``(step, tracked)`` for trace_distributed_step."""
+    from torch.distributed.fsdp import fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, out_features))
     for layer in model:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     optimizer = torch.optim.AdamW(model.parameters())
     batch = torch.randn(8, 64)
 
@@ -259,6 +245,14 @@ def _mixed_build(mesh):
         optimizer.zero_grad()
 
     return step, (model, optimizer, batch)
+
+
+def _mixed_build(mesh):
+    """Two fp32 Linear units under FSDP2 with bf16 parameters and a bf16 reduce dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return _fsdp_linears(mesh, out_features=8, mp_policy=policy)
 
 
 def test_hsdp_all_reduce_is_in_place_and_casts_gradients_on_its_own_stream():

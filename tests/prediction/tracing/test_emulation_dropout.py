@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiny_hf import tiny_gpt2_config
 
 from oomkit.prediction.tracing import TraceRecording, trace_step
 
@@ -66,16 +67,7 @@ def test_fused_path_only_where_cuda_takes_it(kwargs, fused):
 def test_hf_gpt2_dropout_masks_are_one_byte_per_element():
     """HF GPT-2 (2 layers, 64 wide) in training: every dropout keeps a numel*1 bool mask."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        vocab_size=1000,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="sdpa",
-    )
+    config = tiny_gpt2_config(attn_implementation="sdpa")
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     model.train()

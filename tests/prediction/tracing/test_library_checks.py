@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from _tiny_hf import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 
@@ -66,15 +67,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama_config():
-    return transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    return tiny_llama_config(vocab_size=512)
 
 
 def _llama_step(*, mask: bool, checkpointing: bool, batch: int = 4, seq: int = 128):

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ __all__ = [
     "add_json_flag",
     "add_script_command",
     "positive_int",
+    "float_arg",
     "add_alloc_conf_flag",
     "add_capacity_flag",
     "add_gpu_flag",
@@ -122,6 +124,23 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def float_arg(text: str, accepts: Callable[[float], bool], expected: str) -> float:
+    """argparse type helper: ``text`` as a number that ``accepts`` admits.
+
+    Text that is no number reads as NaN, which every range check refuses.
+
+    Raises:
+        argparse.ArgumentTypeError: ``"{expected}; got 'TEXT'"`` (a usage error, exit 2).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not accepts(value):
+        raise argparse.ArgumentTypeError(f"{expected}; got {text!r}")
     return value
 
 

@@ -86,7 +86,6 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
     if args.html is not None and args.html.resolve() == args.lengths.resolve():
         raise OomkitError(f"--html {args.html} is the lengths file; choose another path")
     lengths = read_lengths(args.lengths)
-    say = (lambda line: stderr_console().print(line)) if not args.json else None
     description = ""
     raised: list[BaseException] = []
 
@@ -99,15 +98,7 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
 
     with user_errors(lambda: (args.target, raised)):
         env = predict_envelope(
-            record,
-            lengths,
-            target,
-            steps=args.steps,
-            pad_to=args.pad_to,
-            seed=args.seed,
-            max_length=_max_length(args),
-            description=lambda: description,
-            progress=say,
+            record, lengths, target, description=lambda: description, **_run_options(args)
         )
     if args.html is not None:
         write_envelope_html(args.html, env)
@@ -150,6 +141,19 @@ def _recorder(args: argparse.Namespace, target: Target, command: str, raised: li
     return record
 
 
+def _run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What both runs over --lengths (``predict_envelope``, ``max_batch_for_run``) take from the
+    flags: the steps, their padding and order, the longest length allowed, and the progress lines
+    (to stderr, none with --json)."""
+    return {
+        "steps": args.steps,
+        "pad_to": args.pad_to,
+        "seed": args.seed,
+        "max_length": _max_length(args),
+        "progress": (lambda line: stderr_console().print(line)) if not args.json else None,
+    }
+
+
 def _max_length(args: argparse.Namespace) -> int | None:
     """A preset's positions (the longest sequence it takes), to refuse a longer length before
     anything is recorded; None for --hf and file.py:function targets (their builders check)."""
@@ -187,7 +191,6 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
     assert isinstance(target, Target)
     _refuse_shape_flags(args)
     lengths = read_lengths(args.lengths)
-    say = (lambda line: stderr_console().print(line)) if not args.json else None
     raised: list[BaseException] = []
 
     record_at = _recorder(args, target, "fit", raised)
@@ -201,14 +204,10 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
                 record,
                 lengths,
                 target,
-                steps=args.steps,
-                pad_to=args.pad_to,
-                seed=args.seed,
-                max_length=_max_length(args),
                 margin_bytes=args.margin,
                 start_batch=args.batch or 1,
                 max_batch=args.max_batch,
-                progress=say,
+                **_run_options(args),
             )
     except NoFeasibleBatchSizeError as exc:
         if args.json:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from oomkit.errors import OomkitError
-from oomkit.interfaces.cli._common import positive_int
+from oomkit.interfaces.cli._common import float_arg, positive_int
 
 __all__ = [
     "FINETUNE_OPTION_FLAGS",
@@ -19,13 +19,7 @@ __all__ = [
 
 
 def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), e.g. 0.05; got {text!r}")
-    return value
+    return float_arg(text, lambda p: 0.0 <= p < 1.0, "expected a probability in [0, 1), e.g. 0.05")
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:

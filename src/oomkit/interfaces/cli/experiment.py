@@ -19,6 +19,7 @@ from oomkit.interfaces.cli._common import (
     add_json_flag,
     add_script_command,
     existing_file,
+    float_arg,
     positive_int,
     print_json,
     stderr_console,
@@ -88,13 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds; got {text!r}")
-    return value
+    return float_arg(text, lambda seconds: seconds > 0, "must be a positive number of seconds")
 
 
 def _gpu_list(text: str) -> tuple[str, ...]:
