@@ -31,7 +31,7 @@ def batch_search_verdict(result: BatchSearchResult) -> str:
     """One line a person reads first.
 
     ``largest batch that fits on RTX 4090: 12 (peak reserved 21.30 GiB, margin 480.00 MiB,
-    7 traces, 9 interpolated)``
+    5 traces, 12 interpolated)``
     """
     r = result
     interpolated = f", {r.synthesized} interpolated" if r.synthesized else ""
