@@ -258,7 +258,7 @@ def category_levels(
             if event.action == "alloc":
                 nbytes = block_bytes.get(index, 0)
                 if nbytes:
-                    category = dict(event.tags).get("category", _NO_CATEGORY)
+                    category = event.tag("category", _NO_CATEGORY)
                     live[event.address] = (category, nbytes)
                     levels[category] = levels.get(category, 0) + nbytes
             elif event.action == "free_completed" and event.address in live:

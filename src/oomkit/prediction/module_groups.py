@@ -13,6 +13,7 @@ prediction) show the largest groups and say how many rows they left out.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ SAME_BYTES_RATIO = 1.05
 _NUMBER = re.compile(r"(\d+)")
 
 
+@functools.lru_cache(maxsize=4096)  # every breakdown of a prediction sorts the same names
 def natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
     """A sort key that orders the numbers inside ``path`` by value: ``h.2`` before ``h.10``."""
     return tuple(

@@ -429,7 +429,7 @@ def _made_once_bytes(
     live: dict[int, int] = {}
     for index in range(start, stop):
         event = events[index]
-        if event.action == "alloc" and dict(event.tags).get("category") in _MADE_ONCE:
+        if event.action == "alloc" and event.tag("category") in _MADE_ONCE:
             live[event.address] = block_bytes.get(index, 0)
         elif event.action == "free_completed":
             live.pop(event.address, None)

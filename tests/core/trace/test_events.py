@@ -57,3 +57,17 @@ def test_header_defaults():
         None,
     )
     assert h.metadata == {}
+
+
+def test_tag_reads_one_tag_as_a_dict_of_the_tags_would():
+    """The value of a key (the last one, as dict(tags) keeps), else the default."""
+    event = TraceEvent(
+        "alloc",
+        1,
+        512,
+        tags=(("category", "activation"), ("module", "h.0"), ("category", "temporary")),
+    )
+    assert event.tag("category") == dict(event.tags)["category"] == "temporary"
+    assert event.tag("module") == "h.0"
+    assert event.tag("op") is None and event.tag("op", "unknown") == "unknown"
+    assert TraceEvent("free_completed", 1, 512).tag("category", "x") == "x"

@@ -69,6 +69,15 @@ class TraceEvent:
     frames: tuple[Frame, ...] = ()
     tags: tuple[tuple[str, str], ...] = ()
 
+    def tag(self, key: str, default: str | None = None) -> str | None:
+        """The value of tag ``key`` (the last, as ``dict(tags)`` keeps), else ``default``;
+        without building that dict, for loops over every event."""
+        value = default
+        for name, text in self.tags:
+            if name == key:
+                value = text
+        return value
+
 
 @dataclass(frozen=True)
 class TraceHeader:
