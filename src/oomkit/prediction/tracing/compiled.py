@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from oomkit.prediction.tracing._from_data import built_on, from_python_data, made_on
 from oomkit.prediction.tracing.stand_ins import (
     is_hidden_file,
     is_library_file,
@@ -281,7 +282,8 @@ def _traced_as_the_function(original: Any) -> Any:
 def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, traced by dynamo; a tensor made from data on meta made on the CPU.
 
-    ``torch.tensor(data, device="meta")`` takes a shortcut that returns a plain meta tensor,
+    ``torch.tensor(data, device="meta")`` (and ``as_tensor``, ``asarray``, ``new_tensor`` of a
+    meta tensor: ``_from_data.py``) takes a shortcut that returns a plain meta tensor,
     with the fake-tensor key excluded and no ``lift_fresh`` (torch/csrc/utils/tensor_new.cpp
     ``internal_new_from_data``: "If the device is Meta, take the shortcut"), so dynamo's fake
     run fails on it ("Please convert all Tensors to FakeTensors first"). On CUDA the data is
@@ -292,14 +294,10 @@ def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     (torch/_inductor/graph.py ``GraphLowering.get_attr``), copied to the device once and held
     by the compiled graph, as a constant made on CUDA is.
     """
-    import torch
-
-    if func in (torch.tensor, torch.as_tensor) and not isinstance(
-        args[0] if args else kwargs.get("data"), torch.Tensor
-    ):
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "meta":
-            return func(*args, **{**kwargs, "device": "cpu"}).to(device)
+    if from_python_data(func, args, kwargs):
+        device = built_on(func, args, kwargs)
+        if device is not None and device.type == "meta":
+            return made_on(func, args, kwargs, "cpu").to(device)
     return func(*args, **kwargs)
 
 
