@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["built_on", "from_python_data", "made_on"]
+__all__ = ["DATA_CONSTRUCTORS", "built_on", "from_python_data", "made_on"]
+
+# The four, for a membership test before the call to from_python_data: dynamo traces the
+# compiled-code recorder's modes for every torch call, and a test of one tuple is a few steps
+# where inlining a call is dozens.
+DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
 
 
 def from_python_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

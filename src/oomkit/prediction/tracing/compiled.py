@@ -20,7 +20,12 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from oomkit.prediction.tracing._from_data import built_on, from_python_data, made_on
+from oomkit.prediction.tracing._from_data import (
+    DATA_CONSTRUCTORS,
+    built_on,
+    from_python_data,
+    made_on,
+)
 from oomkit.prediction.tracing.stand_ins import (
     is_hidden_file,
     is_library_file,
@@ -273,7 +278,9 @@ def _traced_as_the_function(original: Any) -> Any:
             # A function DivergenceFunctionMode.reach_backward replaced in its module comes back
             # here as that wrapper: call what it wraps (the wrapper would enter the mode again).
             func = getattr(self, "_originals", _NONE).get(func, func)
-            return _as_on_the_gpu(func, args, kwargs or {})
+            if func in DATA_CONSTRUCTORS:  # tested here: dynamo traces this for every torch call
+                return _as_on_the_gpu(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
         return original(self, func, types, args, kwargs)
 
     return __torch_function__
