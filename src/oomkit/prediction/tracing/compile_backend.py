@@ -50,8 +50,8 @@ __all__ = ["DYNAMIC_SHAPES", "InductorStandIn", "PlannedGraph"]
 # symbolic (pgo.py update_automatic_dynamic), unless torch.compile(dynamic=False) or
 # mark_static keeps them static.
 DYNAMIC_SHAPES = (
-    "of them with dynamic shapes, whose sizes dynamo made symbolic where they changed between "
-    "calls, as on a GPU; buffers reused only for equal symbolic sizes"
+    "of them with dynamic shapes, sizes dynamo made symbolic as it does on a GPU (by default "
+    "those that changed between calls); a buffer is reused only for an equal symbolic size"
 )
 
 _SDPA_NAME = "torch.nn.functional.scaled_dot_product_attention"
