@@ -88,18 +88,23 @@ def _count_rows(mask):
     return mask.sum(dim=1).max()
 
 
-def test_a_value_computed_by_a_compiled_graph_is_followed():
-    """A compiled function's result made from known values (torch.ones) is known: the eager
-    code's int() of it is answered (8), and the buffer it sizes is recorded at 8 x 16 floats."""
+def _sized_by_a_compiled_count(make_mask):
+    """A step whose buffer is sized by a count a compiled function computes from a 4 x 8 mask."""
     compiled = torch.compile(_count_rows)
 
     def step(*_tracked):
         with torch.device("meta"):
-            mask = torch.ones(4, 8)
+            mask = make_mask(4, 8)
         n = compiled(mask)
         return torch.empty(int(n), 16, device="meta")
 
-    recording = trace_step(step, compile=True)
+    return step
+
+
+def test_a_value_computed_by_a_compiled_graph_is_followed():
+    """A compiled function's result made from known values (torch.ones) is known: the eager
+    code's int() of it is answered (8), and the buffer it sizes is recorded at 8 x 16 floats."""
+    recording = trace_step(_sized_by_a_compiled_count(torch.ones), compile=True)
     sizes = [e.size for e in recording.events if e.action == "alloc"]
     assert 8 * 16 * 4 in sizes
     (read,) = [v for k, v in recording.assumptions.items() if k.startswith("read at")]
@@ -131,13 +136,6 @@ def test_a_value_through_a_compiled_training_graph_is_followed():
 def test_an_unknown_value_from_a_compiled_graph_says_how_to_state_it():
     """A compiled result made from random values is unknown: using it as a size is refused
     with the line to state it at (--value / values=), not guessed."""
-    compiled = torch.compile(_count_rows)
-
-    def step(*_tracked):
-        with torch.device("meta"):
-            mask = torch.randn(4, 8)
-        n = compiled(mask)
-        return torch.empty(int(n), 16, device="meta")
-
+    step = _sized_by_a_compiled_count(torch.randn)
     with pytest.raises(DataDependentValueError, match=r"--value test_compile_values\.py:\d+=NUMBER"):
         trace_step(step, compile=True)

@@ -1,6 +1,6 @@
-"""Calls that build a tensor from Python data: ``torch.tensor``, ``as_tensor``, ``asarray`` and
-``Tensor.new_tensor``, read alike by the value tracking and by the compiled-code recorder.
+"""Calls that build a tensor from Python data, read alike by value tracking and compiled code.
 
+The four are ``torch.tensor``, ``as_tensor``, ``asarray`` and ``Tensor.new_tensor``.
 torch/csrc/utils/tensor_new.cpp builds all four from ``data`` with ``internal_new_from_data``
 (``asarray`` for data that is not a tensor, an array or a buffer), whose meta-device shortcut
 makes a plain meta tensor below the dispatcher ("If the device is Meta, take the shortcut").
