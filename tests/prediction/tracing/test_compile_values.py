@@ -71,7 +71,8 @@ def test_a_positional_device_is_torchs_own_type_error():
 
 @pytest.mark.parametrize("form", sorted(_FROM_DATA))
 def test_the_values_of_a_tensor_from_data_are_known_eagerly(form):
-    """Each constructor's values are the data's: a size read from one is answered (66 = sum)."""
+    """Each constructor's values are the data's: a size read from one is answered (66 = sum),
+    and the assumption names the constructor."""
     seen = []
 
     def step(*_tracked):
@@ -80,8 +81,11 @@ def test_the_values_of_a_tensor_from_data_are_known_eagerly(form):
         total = _FROM_DATA[form](anchor).sum()
         seen.append(torch.empty(int(total), device="meta").shape[0])
 
-    trace_step(step)
+    recording = trace_step(step)
     assert seen == [66]
+    (read,) = [v for k, v in recording.assumptions.items() if k.startswith("read at")]
+    origin = form.split(" ")[0]
+    assert read.startswith(f"int() = 66, computed from the values your tensors were created with ({origin})")
 
 
 def _count_rows(mask):

@@ -40,8 +40,9 @@ The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, 
 ``FreeIfNotReusedLine``, ``ReuseLine``; scheduler.py ``decide_inplace_update``):
 - A buffer that dies is pushed on a pool keyed by (dtype, bytes) (``buffer_reuse_key``; in a
   graph compiled with dynamic shapes the bytes are a symbolic expression, ``2048*s27``, and
-  only buffers of the same expression share a key); the next allocation with that key pops it (last in, first out) and reuses it, so neither the free nor the allocation reaches
-  the allocator. A buffer never reused is freed where it died.
+  only buffers of the same expression share a key); the next allocation with that key pops it
+  (last in, first out) and reuses it, so neither the free nor the allocation reaches the
+  allocator. A buffer never reused is freed where it died.
 - A fused kernel whose input buffer dies in it and has its output's dtype and size writes its
   output in place (``config.inplace_buffers``).
 - Graph inputs are dropped after their last use (``del``) and never enter the pool.
@@ -115,6 +116,10 @@ class Buffer:
     # Its bytes as an expression: ``"65536"``, or ``"2048*s27"`` in a dynamic-shape graph.
     size_expr: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.size_expr:  # a static size given as bytes only
+            self.size_expr = str(self.nbytes)
+
 
 @dataclass
 class BufferPlan:
@@ -137,7 +142,7 @@ class BufferPlan:
     @property
     def symbolic(self) -> bool:
         """Some buffer's size is symbolic: dynamo compiled the graph with dynamic shapes."""
-        return any(not b.size_expr.isdigit() for b in self.buffers.values() if b.size_expr)
+        return any(not b.size_expr.isdigit() for b in self.buffers.values())
 
     def allocated_bytes(self) -> int:
         """Bytes the wrapper asks the allocator for (reused buffers excluded)."""

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
-from oomkit.prediction.tracing._from_data import from_python_data, made_on
+from oomkit.prediction.tracing._from_data import DATA_CONSTRUCTORS, from_python_data, made_on
 from oomkit.prediction.tracing.stand_ins import (
     STAND_IN_VALUE,
     ReadSite,
@@ -145,7 +145,7 @@ class ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if from_python_data(func, args, kwargs):
+        if func in DATA_CONSTRUCTORS and from_python_data(func, args, kwargs):
             return _from_data(func, args, kwargs)
         if func in _FINITE_ANSWERS:
             return self._finiteness(func, args, kwargs)
@@ -244,6 +244,8 @@ _FINITE_ANSWERS = {
     torch.isfinite: True,
     torch.Tensor.isfinite: True,
 }
+
+
 def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A tensor made from Python data (``_from_data.py``): its values are the data's."""
     result = func(*args, **kwargs)
@@ -251,7 +253,8 @@ def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with torch._C.DisableTorchFunction():
             value = made_on(func, args, kwargs, "cpu")
         if value.numel() * value.element_size() <= 1 << 20:
-            remember_value(result, value, f"torch.{func.__name__}")
+            owner = "Tensor" if func is torch.Tensor.new_tensor else "torch"
+            remember_value(result, value, f"{owner}.{func.__name__}")
     return result
 
 
