@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from oomkit.prediction.tracing.compile_backend import DYNAMIC_SHAPES
 from oomkit.prediction.tracing.compile_plan import plan_graph
+from oomkit.prediction.tracing.compiled import RECOMPILE_LIMIT
 from oomkit.prediction.tracing.step_runner import trace_step
 
 LENGTHS = (16, 32, 64, 128)
@@ -102,3 +103,14 @@ def test_sizes_computed_in_a_dynamic_graph_are_not_kernels(monkeypatch):
     sizes = [name for name, kind in plan.kinds.items() if kind == "size"]
     assert sizes and not set(sizes) & plan.materialised
     assert sorted(plan.materialised) == ["addmm", "le", "sum_1"]
+
+
+def test_a_function_past_the_recompile_limit_runs_eagerly_and_is_counted():
+    """dynamic=False over ten lengths: dynamo compiles eight (recompile_limit) and runs the
+    function eagerly from then on, as on a GPU; the assumption counts the function."""
+    lengths = tuple(range(16, 96, 8))  # ten distinct lengths
+    recording = _over_lengths(lengths, dynamic=False)
+    assumption = recording.assumptions["torch.compile"]
+    assert f"(8 backward, 8 forward, 1 {RECOMPILE_LIMIT})" in assumption
+    # Every length still ran its Linear, the last two eagerly.
+    assert _addmm_bytes(recording) == [8 * length * 64 * 4 for length in lengths]

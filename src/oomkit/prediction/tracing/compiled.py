@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
 
-__all__ = ["GRAPH_BREAKS", "compiled_code_eager", "compiled_code_recorded"]
+__all__ = ["GRAPH_BREAKS", "RECOMPILE_LIMIT", "compiled_code_eager", "compiled_code_recorded"]
 
 
 @contextlib.contextmanager
@@ -120,6 +120,7 @@ def compiled_code_recorded(
 
     torch._dynamo.reset()
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+    limits_before = _recompile_limits_hit(torch._dynamo.utils.counters)
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
     eval_frame._callback_from_stance = callback_from_stance
     for mode_class in mode_classes:
@@ -146,6 +147,9 @@ def compiled_code_recorded(
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
         if breaks:
             stand_in.graphs[GRAPH_BREAKS] += breaks
+        limits = _recompile_limits_hit(torch._dynamo.utils.counters) - limits_before
+        if limits:
+            stand_in.graphs[RECOMPILE_LIMIT] += limits
         _set_ignore_flag(python_dispatch, flag_before)
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
@@ -168,6 +172,23 @@ def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:
 
 # The count of dynamo's graph breaks in InductorStandIn.graphs (the assumption lists it).
 GRAPH_BREAKS = "graph break(s), the code between graphs recorded eagerly"
+# The count of compiled functions that hit dynamo's recompile_limit (8 compiles of one code
+# object: a new static shape per call under dynamic=False or mark_static, say). Dynamo then
+# runs them eagerly on a GPU too (convert_frame.py: "Dynamo recompile limit exceeded"), and
+# so they are recorded.
+RECOMPILE_LIMIT = (
+    "function(s) past dynamo's recompile_limit, run eagerly from then on, as on a GPU"
+)
+
+
+def _recompile_limits_hit(counters: Any) -> int:
+    """How many times dynamo gave up on a function at its recompile limit, by its counters
+    (``unimplemented``; named ``cache_size_limit`` before torch 2.7)."""
+    return sum(
+        n
+        for reason, n in counters["unimplemented"].items()
+        if "recompile limit" in reason.lower() or "cache_size_limit" in reason.lower()
+    )
 # The recorder's packages: no frame of theirs is ever compiled (models/ is the user's code).
 _RECORDER_PACKAGE = "oomkit.prediction.tracing"
 
