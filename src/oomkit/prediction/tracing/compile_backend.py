@@ -36,11 +36,23 @@ from torch.utils._python_dispatch import _disable_current_modes
 from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, fetch_attr, plan_graph
 from oomkit.prediction.tracing.emulation import EmulationContext
 from oomkit.prediction.tracing.storages import Allocation, tensor_storage
+from oomkit.prediction.tracing.value_reads import active_known_values
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
+    from oomkit.prediction.tracing.values import KnownValues
 
-__all__ = ["InductorStandIn", "PlannedGraph"]
+__all__ = ["DYNAMIC_SHAPES", "InductorStandIn", "PlannedGraph"]
+
+# The count of compiled graphs with symbolic sizes in InductorStandIn.graphs (the assumption
+# lists it after the graphs' kinds). Dynamo decides which: torch/_dynamo/config.py
+# automatic_dynamic_shapes recompiles a frame whose input sizes changed with those sizes
+# symbolic (pgo.py update_automatic_dynamic), unless torch.compile(dynamic=False) or
+# mark_static keeps them static.
+DYNAMIC_SHAPES = (
+    "of them with dynamic shapes, sizes dynamo made symbolic as it does on a GPU (by default "
+    "those that changed between calls); a buffer is reused only for an equal symbolic size"
+)
 
 _SDPA_NAME = "torch.nn.functional.scaled_dot_product_attention"
 
@@ -72,6 +84,9 @@ class PlannedGraph:
                 self._dying.setdefault(buf.last_use, []).append(buf.key)
         # Device copies of CPU constants the compiled module holds: made on the first call.
         self._held_constants: list[int] | None = None
+        # The open value tracking, per call: kernels run with the modes off, so the values
+        # they compute are followed here (a count the eager code then reads as a size).
+        self._known: KnownValues | None = None
 
     def __call__(self, args: list[Any]) -> list[Any]:
         engine = self._engine
@@ -85,6 +100,7 @@ class PlannedGraph:
         result: list[Any] = []
         if self._held_constants is None:
             self._hold_constants()
+        self._known = active_known_values()
         with _disable_current_modes():
             for i, node in enumerate(self._nodes):
                 if node.op == "placeholder":
@@ -153,10 +169,12 @@ class PlannedGraph:
                 if buf.reuses is not None and buf.reuses in held:
                     engine.sink.free(held.pop(buf.reuses))
             out = engine.run_op(node.target, tuple(args), dict(kwargs))
+            self._follow_values(node, args, kwargs, out)
             for buf in made:
                 keep[buf.key] = _element(out, buf.key[1])
             return out
         out = self._call(node, args, kwargs)
+        self._follow_values(node, args, kwargs, out)
         for buf in made:
             tensor = _element(out, buf.key[1])
             keep[buf.key] = tensor
@@ -178,6 +196,10 @@ class PlannedGraph:
                     raise engine.sink.refused(error)
         return out
 
+
+    def _follow_values(self, node: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> None:
+        if self._known is not None and node.op == "call_function":
+            self._known.follow(node.target, tuple(args), dict(kwargs), out)
 
     def _call(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         """The node's value, by its FX op (torch/fx/interpreter.py ``Interpreter`` semantics)."""
@@ -252,6 +274,8 @@ class InductorStandIn:
                 return _eager(gm)
             self.plans.append((kind, plan))
             self.graphs[kind] += 1
+            if plan.symbolic:
+                self.graphs[DYNAMIC_SHAPES] += 1
             return PlannedGraph(gm, plan, self._engine)
 
         return compile_graph

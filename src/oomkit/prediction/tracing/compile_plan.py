@@ -38,9 +38,11 @@ Which values are buffers (torch/_inductor/lowering.py and ir.py):
 
 The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, ``AllocateLine``,
 ``FreeIfNotReusedLine``, ``ReuseLine``; scheduler.py ``decide_inplace_update``):
-- A buffer that dies is pushed on a pool keyed by (dtype, bytes); the next allocation with that
-  key pops it (last in, first out) and reuses it, so neither the free nor the allocation reaches
-  the allocator. A buffer never reused is freed where it died.
+- A buffer that dies is pushed on a pool keyed by (dtype, bytes) (``buffer_reuse_key``; in a
+  graph compiled with dynamic shapes the bytes are a symbolic expression, ``2048*s27``, and
+  only buffers of the same expression share a key); the next allocation with that key pops it
+  (last in, first out) and reuses it, so neither the free nor the allocation reaches the
+  allocator. A buffer never reused is freed where it died.
 - A fused kernel whose input buffer dies in it and has its output's dtype and size writes its
   output in place (``config.inplace_buffers``).
 - Graph inputs are dropped after their last use (``del``) and never enter the pool.
@@ -89,6 +91,9 @@ _REDUCTION_OPS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 
+# Values of nodes that compute sizes, not tensors (symbolic in a dynamic-shape graph).
+_SIZE_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
 # A buffer is (the node that produced it, the output index); graph inputs have index 0.
 BufferKey = tuple[str, int]
 
@@ -98,7 +103,7 @@ class Buffer:
     """One buffer of the plan: who made it, its size, and how its memory comes and goes."""
 
     key: BufferKey
-    nbytes: int
+    nbytes: int  # in a dynamic-shape graph, at the sizes it was compiled for (a size hint)
     dtype: torch.dtype | None
     is_input: bool = False
     made_at: int = -1  # node index whose kernel writes it
@@ -108,6 +113,12 @@ class Buffer:
     reuses: BufferKey | None = None  # takes this dead buffer's memory (pool or in place)
     in_place: bool = False
     reused_later: bool = False  # its memory goes to a later buffer: no free
+    # Its bytes as an expression: ``"65536"``, or ``"2048*s27"`` in a dynamic-shape graph.
+    size_expr: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.size_expr:  # a static size given as bytes only
+            self.size_expr = str(self.nbytes)
 
 
 @dataclass
@@ -127,6 +138,11 @@ class BufferPlan:
     def inlined(self) -> list[str]:
         """Nodes computed inside fused kernels, never stored."""
         return [n for n, k in self.kinds.items() if k in ("pointwise",) and n not in self.materialised]
+
+    @property
+    def symbolic(self) -> bool:
+        """Some buffer's size is symbolic: dynamo compiled the graph with dynamic shapes."""
+        return any(not b.size_expr.isdigit() for b in self.buffers.values())
 
     def allocated_bytes(self) -> int:
         """Bytes the wrapper asks the allocator for (reused buffers excluded)."""
@@ -153,6 +169,13 @@ def _classify(node: torch.fx.Node) -> str:
         return "constant"
     if node.op != "call_function":  # call_module / call_method: run as they are, materialised
         return "extern"
+    if isinstance(node.meta.get("val"), _SIZE_VALUES) and not any(
+        isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes
+    ):
+        # A size computed from sizes (8 * s27) in a dynamic-shape graph: the wrapper evaluates
+        # it in Python (its symbolic size expressions), no kernel, no buffer. A scalar read
+        # from a tensor (_local_scalar_dense) stays a kernel that reads its input's buffer.
+        return "size"
     target = node.target
     if target is operator.getitem:
         return "getitem"
@@ -178,11 +201,33 @@ def _tensors(val: Any) -> list[tuple[int, Any]]:
     return []
 
 
-def _nbytes(val: Any) -> int:
+def _sized(val: Any) -> tuple[int, str]:
+    """A tensor's storage bytes: its size hint and its expression, without guarding on either.
+
+    In a graph dynamo compiled with dynamic shapes the sizes are symbolic; ``int()`` of one
+    would add a guard that specialises the graph to this call's sizes (so every new size
+    recompiled static). Inductor plans with the symbolic size (wrapper.py ``buffer_reuse_key``:
+    ``sympy_str(sizevars.simplify(storage_size))``, "so that we don't try to reuse a buffer for
+    s0 for s1, just because they happen to share the same size hint") and weighs peaks by
+    size hints (``EfficientPeakEstimate._get_size``: ``optimization_hint(..., fallback=0)``).
+    """
     try:
-        return int(val.untyped_storage().nbytes())
+        size = val.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
-        return int(val.numel() * val.element_size())
+        size = val.numel() * val.element_size()
+    if isinstance(size, torch.SymInt):
+        shape_env, expr = size.node.shape_env, size.node.expr
+        if hasattr(shape_env, "optimization_hint"):  # torch >= 2.12: size_hint is deprecated
+            hint = shape_env.optimization_hint(expr, fallback=0)
+        else:  # ShapeEnv.size_hint "does not introduce a guard"
+            hint = shape_env.size_hint(expr, allow_none=True)
+        return (0 if hint is None else int(hint)), str(shape_env.simplify(expr))
+    return int(size), str(int(size))
+
+
+def _buffer(key: BufferKey, val: Any, **fields: Any) -> Buffer:
+    nbytes, size_expr = _sized(val)
+    return Buffer(key, nbytes, val.dtype, size_expr=size_expr, **fields)
 
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -254,15 +299,13 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
             if not isinstance(value, torch.Tensor):
                 continue  # a subgraph or script object: no device memory
             if value.device.type == "cpu":
-                constant_bytes[node.name] = 0 if _inlined_constant(value) else _nbytes(value)
+                constant_bytes[node.name] = 0 if _inlined_constant(value) else _sized(value)[0]
                 continue
             if _inlined_constant(value):
                 kinds[node.name] = kind = "pointwise"  # inlined like any pointwise value
             else:
                 key = (node.name, 0)
-                plan.buffers[key] = Buffer(
-                    key, _nbytes(value), value.dtype, is_input=True, constant=True
-                )
+                plan.buffers[key] = _buffer(key, value, is_input=True, constant=True)
                 plan.bases[node.name] = (key,)
                 reads[node.name] = frozenset({key})
                 continue
@@ -280,11 +323,16 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
                 if held:
                     plan.held_constants[node.name] = held
                 kinds[node.name] = kind = "pointwise"
+        if kind == "size":
+            plan.bases[node.name] = ()
+            reads[node.name] = frozenset()
+            opcount[node.name] = 0
+            continue
         if kind == "placeholder":
             key = (node.name, 0)
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
-                plan.buffers[key] = Buffer(key, _nbytes(val), val.dtype, is_input=True, made_at=-1)
+                plan.buffers[key] = _buffer(key, val, is_input=True, made_at=-1)
             plan.bases[node.name] = (key,)
             reads[node.name] = frozenset({key})
             opcount[node.name] = 0
@@ -323,7 +371,7 @@ def plan_graph(gm: torch.fx.GraphModule) -> BufferPlan:
         keys: list[BufferKey] = []
         for index, val in _tensors(node.meta.get("val", values.get(node.name))):
             key = (node.name, index)
-            plan.buffers[key] = Buffer(key, _nbytes(val), val.dtype, made_at=i)
+            plan.buffers[key] = _buffer(key, val, made_at=i)
             keys.append(key)
         plan.bases[node.name] = tuple(keys)
         reads[node.name] = frozenset(keys)
@@ -367,7 +415,8 @@ def _plan_reuse(
     for buf in plan.buffers.values():
         if not buf.is_output and buf.last_use >= 0:
             dying.setdefault(buf.last_use, []).append(buf)
-    pool: dict[tuple[Any, int], list[Buffer]] = {}
+    # Keyed as wrapper.py buffer_reuse_key: dtype and the symbolic size, not its hint.
+    pool: dict[tuple[Any, str], list[Buffer]] = {}
     for i, node in enumerate(nodes):
         if node.name in plan.materialised:
             kernel_reads = _kernel_reads(node, reads)
@@ -385,7 +434,7 @@ def _plan_reuse(
                     donor.reused_later = True
         for buf in dying.get(i, ()):
             if not buf.is_input and not buf.reused_later:
-                pool.setdefault((buf.dtype, buf.nbytes), []).append(buf)
+                pool.setdefault((buf.dtype, buf.size_expr), []).append(buf)
 
 
 def _live_by_kernel(plan: BufferPlan, kernels: list[int]) -> list[int]:
@@ -404,14 +453,14 @@ def _live_by_kernel(plan: BufferPlan, kernels: list[int]) -> list[int]:
 
 
 def _pooled_donor(
-    pool: dict[tuple[Any, int], list[Buffer]],
+    pool: dict[tuple[Any, str], list[Buffer]],
     buf: Buffer,
     kernels: list[int],
     position: dict[int, int],
     live: list[int],
     overall_peak: int,
 ) -> Buffer | None:
-    stack = pool.get((buf.dtype, buf.nbytes))
+    stack = pool.get((buf.dtype, buf.size_expr))
     if not stack:
         return None
     donor = stack.pop()
@@ -447,7 +496,8 @@ def _in_place_donor(
             and not donor.reused_later
             and donor.last_use == i
             and donor.dtype == buf.dtype
-            and donor.nbytes == buf.nbytes
+            # wrapper.py can_match_buffer_size: the symbolic sizes' text, not their hints.
+            and donor.size_expr == buf.size_expr
         ):
             return donor
     return None

@@ -20,6 +20,12 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from oomkit.prediction.tracing._from_data import (
+    DATA_CONSTRUCTORS,
+    built_on,
+    from_python_data,
+    made_on,
+)
 from oomkit.prediction.tracing.stand_ins import (
     is_hidden_file,
     is_library_file,
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
 
-__all__ = ["GRAPH_BREAKS", "compiled_code_eager", "compiled_code_recorded"]
+__all__ = ["GRAPH_BREAKS", "RECOMPILE_LIMIT", "compiled_code_eager", "compiled_code_recorded"]
 
 
 @contextlib.contextmanager
@@ -114,6 +120,7 @@ def compiled_code_recorded(
 
     torch._dynamo.reset()
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+    limits_before = _recompile_limits_hit(torch._dynamo.utils.counters)
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
     eval_frame._callback_from_stance = callback_from_stance
     for mode_class in mode_classes:
@@ -140,6 +147,9 @@ def compiled_code_recorded(
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
         if breaks:
             stand_in.graphs[GRAPH_BREAKS] += breaks
+        limits = _recompile_limits_hit(torch._dynamo.utils.counters) - limits_before
+        if limits:
+            stand_in.graphs[RECOMPILE_LIMIT] += limits
         _set_ignore_flag(python_dispatch, flag_before)
         for mode_class, before in zip(mode_classes, saved, strict=True):
             if before is None:
@@ -162,6 +172,23 @@ def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:
 
 # The count of dynamo's graph breaks in InductorStandIn.graphs (the assumption lists it).
 GRAPH_BREAKS = "graph break(s), the code between graphs recorded eagerly"
+# The count of compiled functions that hit dynamo's recompile_limit (8 compiles of one code
+# object: a new static shape per call under dynamic=False or mark_static, say). Dynamo then
+# runs them eagerly on a GPU too (convert_frame.py: "Dynamo recompile limit exceeded"), and
+# so they are recorded.
+RECOMPILE_LIMIT = (
+    "function(s) past dynamo's recompile_limit, run eagerly from then on, as on a GPU"
+)
+
+
+def _recompile_limits_hit(counters: Any) -> int:
+    """How many times dynamo gave up on a function at its recompile limit, by its counters
+    (``unimplemented``; named ``cache_size_limit`` before torch 2.7)."""
+    return sum(
+        n
+        for reason, n in counters["unimplemented"].items()
+        if "recompile limit" in reason.lower() or "cache_size_limit" in reason.lower()
+    )
 # The recorder's packages: no frame of theirs is ever compiled (models/ is the user's code).
 _RECORDER_PACKAGE = "oomkit.prediction.tracing"
 
@@ -272,7 +299,9 @@ def _traced_as_the_function(original: Any) -> Any:
             # A function DivergenceFunctionMode.reach_backward replaced in its module comes back
             # here as that wrapper: call what it wraps (the wrapper would enter the mode again).
             func = getattr(self, "_originals", _NONE).get(func, func)
-            return _as_on_the_gpu(func, args, kwargs or {})
+            if func in DATA_CONSTRUCTORS:  # tested here: dynamo traces this for every torch call
+                return _as_on_the_gpu(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
         return original(self, func, types, args, kwargs)
 
     return __torch_function__
@@ -281,7 +310,8 @@ def _traced_as_the_function(original: Any) -> Any:
 def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, traced by dynamo; a tensor made from data on meta made on the CPU.
 
-    ``torch.tensor(data, device="meta")`` takes a shortcut that returns a plain meta tensor,
+    ``torch.tensor(data, device="meta")`` (and ``as_tensor``, ``asarray``, ``new_tensor`` of a
+    meta tensor: ``_from_data.py``) takes a shortcut that returns a plain meta tensor,
     with the fake-tensor key excluded and no ``lift_fresh`` (torch/csrc/utils/tensor_new.cpp
     ``internal_new_from_data``: "If the device is Meta, take the shortcut"), so dynamo's fake
     run fails on it ("Please convert all Tensors to FakeTensors first"). On CUDA the data is
@@ -292,14 +322,10 @@ def _as_on_the_gpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     (torch/_inductor/graph.py ``GraphLowering.get_attr``), copied to the device once and held
     by the compiled graph, as a constant made on CUDA is.
     """
-    import torch
-
-    if func in (torch.tensor, torch.as_tensor) and not isinstance(
-        args[0] if args else kwargs.get("data"), torch.Tensor
-    ):
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "meta":
-            return func(*args, **{**kwargs, "device": "cpu"}).to(device)
+    if from_python_data(func, args, kwargs):
+        device = built_on(func, args, kwargs)
+        if device is not None and device.type == "meta":
+            return made_on(func, args, kwargs, "cpu").to(device)
     return func(*args, **kwargs)
 
 

@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.tracing._from_data import DATA_CONSTRUCTORS, from_python_data, made_on
 from oomkit.prediction.tracing.stand_ins import (
     STAND_IN_VALUE,
     ReadSite,
@@ -43,7 +44,13 @@ from oomkit.prediction.tracing.stand_ins import (
 )
 from oomkit.prediction.tracing.values import KnownValues, known_value, remember_value
 
-__all__ = ["ReadRecord", "ValueReads", "parse_stated_values", "value_tracking"]
+__all__ = [
+    "ReadRecord",
+    "ValueReads",
+    "active_known_values",
+    "parse_stated_values",
+    "value_tracking",
+]
 
 Outcome = Literal["answered", "stated", "stand-in"]
 # tolist() of an unknown tensor gives one stand-in per element, up to this many.
@@ -138,7 +145,7 @@ class ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _FROM_DATA:
+        if func in DATA_CONSTRUCTORS and from_python_data(func, args, kwargs):
             return _from_data(func, args, kwargs)
         if func in _FINITE_ANSWERS:
             return self._finiteness(func, args, kwargs)
@@ -237,18 +244,17 @@ _FINITE_ANSWERS = {
     torch.isfinite: True,
     torch.Tensor.isfinite: True,
 }
-# Tensors made from Python data: their values are the data's.
-_FROM_DATA = frozenset({torch.tensor, torch.as_tensor})
 
 
 def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A tensor made from Python data (``_from_data.py``): its values are the data's."""
     result = func(*args, **kwargs)
-    data = args[0] if args else kwargs.get("data")
-    if isinstance(result, torch.Tensor) and result.is_meta and not isinstance(data, torch.Tensor):
+    if isinstance(result, torch.Tensor) and result.is_meta:
         with torch._C.DisableTorchFunction():
-            value = func(*args, **{**kwargs, "device": "cpu"})
+            value = made_on(func, args, kwargs, "cpu")
         if value.numel() * value.element_size() <= 1 << 20:
-            remember_value(result, value, f"torch.{func.__name__}")
+            owner = "Tensor" if func is torch.Tensor.new_tensor else "torch"
+            remember_value(result, value, f"{owner}.{func.__name__}")
     return result
 
 
@@ -286,6 +292,11 @@ def _convert(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], value: fl
 
 
 _active: list[tuple[KnownValues, ValueReads]] = []
+
+
+def active_known_values() -> KnownValues | None:
+    """The known values of the open :func:`value_tracking`, or None when none is open."""
+    return _active[-1][0] if _active else None
 
 
 @contextlib.contextmanager

@@ -249,10 +249,8 @@ class KnownValues(TorchDispatchMode):
         flat = leaves(tree)
         metas = [leaf for leaf in flat if isinstance(leaf, torch.Tensor) and leaf.is_meta]
         if not metas and not any(isinstance(leaf, torch.Tensor) for leaf in flat):
-            # A factory: known from its arguments unless it is random or uninitialised.
             out = func(*args, **kwargs)
-            if self._deterministic(func, name):
-                self._follow(func, args, kwargs, out, frozenset({_factory_name(func)}))
+            self._after(func, name, flat, tree, out)
             return out
         if not metas:
             return func(*args, **kwargs)
@@ -276,13 +274,30 @@ class KnownValues(TorchDispatchMode):
                 for grad in _tensors(args[0]):  # unscaled in place: unknown now
                     _forget(grad)
                 return out  # found_inf keeps its (known) value
+        self._after(func, name, flat, tree, out)
+        return out
+
+    def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Follow the values through ``func``, which ran outside this mode: a kernel of a
+        compiled graph (``compile_backend.PlannedGraph`` runs them with the modes off)."""
+        schema = getattr(func, "_schema", None)
+        if schema is not None:  # an aten overload (not operator.getitem or a size)
+            tree = (args, kwargs)
+            self._after(func, schema.name, leaves(tree), tree, out)
+
+    def _after(self, func: Any, name: str, flat: list[Any], tree: Any, out: Any) -> None:
+        """``out`` is known if ``func`` is deterministic and its inputs are known (a factory
+        from its arguments); otherwise what it wrote to is unknown now."""
+        args, kwargs = tree
         if self._deterministic(func, name):
+            if not any(isinstance(leaf, torch.Tensor) for leaf in flat):
+                self._follow(func, args, kwargs, out, frozenset({_factory_name(func)}))
+                return
             inputs = self._inputs_known(func, flat, tree, name)
             if inputs is not None:
                 self._follow(func, *inputs[0], out, inputs[1])
-                return out
+                return
         self._forget_mutated(func, args, kwargs)
-        return out
 
     # ------------------------------------------------------------------ helpers
 
