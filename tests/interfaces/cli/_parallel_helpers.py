@@ -85,6 +85,26 @@ def api_prediction(data: dict, recording: Any) -> Any:
     return predict_recording(recording, target=target)
 
 
+# What both steps below end with: AdamW over the model, a batch of 64-wide rows, the step;
+# and a plain model that neither shards nor wraps (the refused case).
+_TRAIN_AND_PLAIN = """
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(batch_size, 64)
+    assert world_size == mesh.size()
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+
+
+def plain(batch_size=4):
+    model = torch.nn.Linear(64, 8)
+    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
+"""
+
 # build(mesh, world_size, batch_size): two 64x64 bias-free Linears, fully_shard per layer + root.
 FSDP_STEP = """
 import torch
@@ -97,23 +117,7 @@ def build(mesh, world_size, batch_size=4):
     )
     for layer in model:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(batch_size, 64)
-    assert world_size == mesh.size()
-
-    def step():
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step, (model, optimizer, batch)
-
-
-def unsharded(batch_size=4):
-    model = torch.nn.Linear(64, 64)
-    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
-"""
+    fully_shard(model, mesh=mesh)""" + _TRAIN_AND_PLAIN
 
 # build(mesh, world_size, batch_size): a 64-256-8 MLP the function wraps in DDP itself.
 DDP_STEP = """
@@ -123,20 +127,4 @@ from torch.nn.parallel import DistributedDataParallel
 
 def build(mesh, world_size, batch_size=4):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
-    model = DistributedDataParallel(model, bucket_cap_mb=1)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(batch_size, 64)
-    assert world_size == mesh.size()
-
-    def step():
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step, (model, optimizer, batch)
-
-
-def unwrapped(batch_size=4):
-    model = torch.nn.Linear(64, 8)
-    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
-"""
+    model = DistributedDataParallel(model, bucket_cap_mb=1)""" + _TRAIN_AND_PLAIN

@@ -36,7 +36,7 @@ def test_user_ddp_is_recorded_with_its_buckets(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("function", "extra", "message"),
     [
-        ("unwrapped", [], "returned no DistributedDataParallel model"),
+        ("plain", [], "returned no DistributedDataParallel model"),
         ("build", ["--bucket-cap-mb", "5"], "pass bucket_cap_mb / gradient_as_bucket_view there"),
         ("build", ["--precision", "fp32"], "--precision"),
     ],

@@ -75,7 +75,7 @@ def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
 def test_user_function_that_does_not_shard_is_refused(tmp_path, capsys):
     """--fsdp with a function whose model is not sharded exits 2 saying to call fully_shard."""
     path = write_step(tmp_path, "sharded", FSDP_STEP)
-    assert main(["predict", f"{path}:unsharded", "--fsdp", "2"]) == 2
+    assert main(["predict", f"{path}:plain", "--fsdp", "2"]) == 2
     assert "call fully_shard(block, mesh=mesh)" in capsys.readouterr().err
 
 
