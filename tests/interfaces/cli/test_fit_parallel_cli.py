@@ -4,7 +4,7 @@ predicts, checked against predict at the answer and one above, and what fit refu
 from __future__ import annotations
 
 import pytest
-from _parallel_helpers import FSDP_STEP, cli_json, write_step
+from _parallel_helpers import DDP_STEP, FSDP_STEP, cli_json, write_step
 
 from oomkit.interfaces.cli import main
 
@@ -182,3 +182,12 @@ def test_api_searches_the_same_tp_batch(tiny_llama):
     assert [(p.peak_reserved_bytes, p.peak_allocated_bytes) for p in result.curve] == [
         (p["peak_reserved_bytes"], p["peak_allocated_bytes"]) for p in cli["curve"]
     ]
+
+
+def test_fit_dp_of_a_function_without_batch_size_is_refused(tmp_path, capsys):
+    """A sharded file.py:function that takes no batch_size cannot vary the batch: exit 2 after
+    its first recording, not a search of a constant step up to --max-batch."""
+    source = DDP_STEP.replace("def build(mesh, world_size, batch_size=4):", "def build(mesh, world_size):")
+    path = write_step(tmp_path, "ddp_fixed", source.replace("batch_size, 64)", "4, 64)", 1))
+    assert main(["fit", f"{path}:build", "--dp", "2", "--steps", "1"]) == 2
+    assert "has no batch_size parameter, so oomkit fit cannot vary the batch" in capsys.readouterr().err

@@ -177,7 +177,7 @@ class _Builders:
         return self._keep(args.eval, workload)
 
 
-def _check_takes_batch(target: str | None, workload: Workload) -> None:
+def _check_takes_batch(target: str | None, workload: Workload | ShardedWorkload) -> None:
     from oomkit.interfaces.cli._user_function import is_user_target
 
     # A function that declares no batch_size was called without one.
@@ -306,6 +306,8 @@ def _parallel_recorder(layout: ParallelLayout, builders: _Builders) -> Recording
 
         workload = builders.parallel(layout, batch_size)
         recording = record_rank_0(workload, layout, steps=steps, target=target)
+        # A file.py:function's spec is known once it was called on the mesh.
+        _check_takes_batch(builders.target, workload)
         return recording, workload.description
 
     return RecordingBuilder(record)
