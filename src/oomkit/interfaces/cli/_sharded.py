@@ -1,8 +1,8 @@
-"""``--fsdp`` / ``--tp`` / ``--dp`` workloads: a preset or function built inside the fake
-process group, and rank 0's recording of it (``predict`` and ``fit`` alike).
+"""``--fsdp`` / ``--tp`` / ``--dp`` workloads built in the fake process group, for predict and fit.
 
-``trace_distributed_step`` records rank 0 of the layout; ``--dp`` (DDP) workloads are built by
-``_data_parallel.py`` on the same ``ShardedWorkload`` record; ``parallel_workload`` picks which.
+A preset or function is built inside the fake process group and ``trace_distributed_step``
+records rank 0 of the layout (``predict`` and ``fit`` alike); ``--dp`` (DDP) workloads are built
+by ``_data_parallel.py`` on the same ``ShardedWorkload`` record; ``parallel_workload`` picks which.
 """
 
 from __future__ import annotations
