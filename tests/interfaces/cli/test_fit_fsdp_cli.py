@@ -24,6 +24,9 @@ def test_fit_fsdp_searches_the_per_rank_batch_of_rank_0():
         "(13 units: per block + root), rank 0"
     )
     assert any("rank 0 of a fake process group" in w for w in data["warnings"])
+    assert data["parallel"]["layout"] == "FSDP2 2"
+    assert data["parallel"]["global_batch_size"] == 4
+    assert data["verdict"].endswith("global batch 4 over 2 data-parallel ranks")
 
 
 def test_smallest_gpu_global_batch_tabulates_counts():
