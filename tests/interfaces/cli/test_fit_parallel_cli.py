@@ -191,3 +191,13 @@ def test_fit_dp_of_a_function_without_batch_size_is_refused(tmp_path, capsys):
     path = write_step(tmp_path, "ddp_fixed", source.replace("batch_size, 64)", "4, 64)", 1))
     assert main(["fit", f"{path}:build", "--dp", "2", "--steps", "1"]) == 2
     assert "has no batch_size parameter, so oomkit fit cannot vary the batch" in capsys.readouterr().err
+
+
+def test_fit_takes_predicts_ddp_flags(tiny_llama):
+    """--bucket-cap-mb and --gradient-as-bucket-view reach fit's DDP probes as predict's."""
+    code, fit = cli_json(
+        ["fit", "llama3-8b", "--dp", "2", *_ON, "--gpu", "69MiB", "--margin", "0", "--batch", "8",
+         "--max-batch", "8", "--bucket-cap-mb", "5", "--gradient-as-bucket-view", "--json"]
+    )
+    assert code == 0
+    assert "DDP over 2 replicas (buckets 5 MiB, gradient_as_bucket_view), rank 0" in fit["description"]

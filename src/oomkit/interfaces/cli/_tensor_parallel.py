@@ -19,7 +19,8 @@ def describe_layout(layout: ParallelLayout) -> str:
         for label, degree in ((replicas, layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
         if degree > 1
     ]
-    return " x ".join(parts) or "1 rank"
+    # All degrees 1 and not DDP: the 1-rank mesh is FSDP2's (mesh_shape's ("fsdp",) dimension).
+    return " x ".join(parts) or "FSDP2 1"
 
 
 def refuse_tp_target(args: argparse.Namespace, command: str = "predict") -> None:
