@@ -39,7 +39,8 @@ __all__ = [
 
 @dataclass
 class ShardedWorkload:
-    """A preset to build inside the fake process group (``--fsdp``), and its record.
+    """A preset or function to build inside the fake process group (``--fsdp``, ``--tp``,
+    ``--dp``), and its record.
 
     Attributes:
         build: ``build(mesh) -> (step_fn, track[, setup])`` for ``trace_distributed_step``.
@@ -83,7 +84,7 @@ def _is_ddp(args: argparse.Namespace, layout: ParallelLayout) -> bool:
     ``--dp R`` with ``--fsdp S`` is HSDP: ``fully_shard`` on the 2-D (dp, fsdp) mesh."""
     if layout.fsdp > 1 or layout.tp > 1:
         return False
-    return layout.dp > 1 or (getattr(args, "dp", None) is not None and args.fsdp is None)
+    return layout.dp > 1 or (args.dp is not None and args.fsdp is None)
 
 
 def layout_words(args: argparse.Namespace, layout: ParallelLayout) -> str:

@@ -397,12 +397,12 @@ def _run_search(
             out["assumptions"] = dict(result.answer.train.assumptions)
         if per_rank is not None:
             out["parallel"] = per_rank
-            out["verdict"] += f"; {_per_rank_words(per_rank)}"
+            out["verdict"] += f"; {_per_rank_words(per_rank, result.batch_size)}"
         print_json(out)
     else:
         render_batch_search(result, stdout_console())
         if per_rank is not None:
-            stdout_console().print(f"[bold green]{_per_rank_words(per_rank)}[/]")
+            stdout_console().print(f"[bold green]{_per_rank_words(per_rank, result.batch_size)}[/]")
     return 0
 
 
@@ -410,8 +410,8 @@ def _per_rank(args: argparse.Namespace, layout: ParallelLayout, batch_size: int)
     """What a sharded search's batch is: rank 0's per-rank (local) batch under ``layout``.
 
     The global batch is the per-rank batch times the data-parallel ranks, the DDP (or HSDP)
-    replicas times the FSDP2 shards: the TP ranks of a group share one batch (torchtitan
-    docs/performance.md: global batch = local batch x the FSDP ranks, under FSDP2 x TP too).
+    replicas times the FSDP2 shards; the TP ranks of a group read one batch (torchtitan
+    docs/performance.md: "global batch size = local batch size 2 * number of FSDP ranks").
     """
     from oomkit.interfaces.cli._sharded import layout_words
 
@@ -429,12 +429,12 @@ def _per_rank(args: argparse.Namespace, layout: ParallelLayout, batch_size: int)
     }
 
 
-def _per_rank_words(per_rank: dict[str, Any]) -> str:
+def _per_rank_words(per_rank: dict[str, Any], batch_size: int) -> str:
     """``batch 8 is per rank (rank 0 of 4: FSDP2 2 x TP 2); global batch 16 over 2
     data-parallel ranks``."""
     ranks = per_rank["data_parallel_ranks"]
     return (
-        f"batch {per_rank['global_batch_size'] // ranks} is per rank (rank 0 of "
+        f"batch {batch_size} is per rank (rank 0 of "
         f"{per_rank['world_size']}: {per_rank['layout']}); global batch "
         f"{per_rank['global_batch_size']} over {ranks} data-parallel rank{'s' if ranks != 1 else ''}"
     )
