@@ -125,7 +125,9 @@ def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
 @dataclass(frozen=True)
 class RecordingBuilder:
     """A builder that records its own step, for steps the meta-device tracer cannot run alone:
-    a sharded step recorded on a fake process group (``oomkit fit --fsdp N``).
+    rank 0 of a parallel layout recorded on a fake process group (``oomkit fit --fsdp/--tp/--dp``:
+    ``record`` calls ``trace_distributed_step`` with ``ParallelLayout.mesh_shape``; the batch
+    is then rank 0's per-rank batch).
 
     Attributes:
         record: (batch size, target, steps) -> (the ``TraceRecording``, its description).

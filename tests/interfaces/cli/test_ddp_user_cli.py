@@ -2,50 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from _parallel_helpers import DDP_STEP, api_prediction, record_user_step, write_step
 
 from oomkit.interfaces.cli import main
 
 torch = pytest.importorskip("torch")
 
-_USER_FILE = """
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
-
-def build(mesh, world_size, batch_size=4):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
-    model = DistributedDataParallel(model, bucket_cap_mb=1)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(batch_size, 64)
-    assert world_size == mesh.size()
-
-    def step():
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step, (model, optimizer, batch)
-
-
-def unwrapped(batch_size=4):
-    model = torch.nn.Linear(64, 8)
-    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
-"""
-
-
 def test_user_ddp_is_recorded_with_its_buckets(tmp_path, capsys):
     """--dp 2 runs the function's own DDP: its buckets are recorded (the constructor under the
     recorder), and the CLI equals trace_distributed_step + predict_recording to the byte."""
-    from oomkit.core.target import Target
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
-
-    path = tmp_path / "ddp_step.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "ddp_step", DDP_STEP)
     code = main(["predict", f"{path}:build", "--dp", "2", "--batch", "4", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -56,17 +25,10 @@ def test_user_ddp_is_recorded_with_its_buckets(tmp_path, capsys):
     assert data["by_category_bytes"]["ddp_bucket"] == -(-numel * 4 // 512) * 512
     assert any(w.startswith("DDP: every replica") for w in data["warnings"])
 
-    spec = importlib.util.spec_from_file_location("ddp_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-    def build(mesh):
-        with torch.device("cpu"):
-            return module.build(mesh, mesh.size(), batch_size=4)
-
-    recording = trace_distributed_step(build, world_size=2, mesh_shape=((2,), ("dp",)), steps=3)
-    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
-    prediction = predict_recording(recording, target=target)
+    recording = record_user_step(
+        path, ranks=2, mesh_shape=((2,), ("dp",)), world_size=2, batch_size=4
+    )
+    prediction = api_prediction(data, recording)
     assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
     assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
 
@@ -74,14 +36,13 @@ def test_user_ddp_is_recorded_with_its_buckets(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("function", "extra", "message"),
     [
-        ("unwrapped", [], "returned no DistributedDataParallel model"),
+        ("plain", [], "returned no DistributedDataParallel model"),
         ("build", ["--bucket-cap-mb", "5"], "pass bucket_cap_mb / gradient_as_bucket_view there"),
         ("build", ["--precision", "fp32"], "--precision"),
     ],
 )
 def test_user_ddp_refusals_exit_2(tmp_path, capsys, function, extra, message):
     """A function with no DDP model, or preset-only flags, exits 2 saying what to do."""
-    path = tmp_path / "ddp_step.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "ddp_step", DDP_STEP)
     assert main(["predict", f"{path}:{function}", "--dp", "2", *extra]) == 2
     assert message in capsys.readouterr().err

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-
 import pytest
+from _parallel_helpers import cli_json
 
 from oomkit.interfaces.cli import main
 
 torch = pytest.importorskip("torch")
 
 
-def _json(argv: list[str]) -> tuple[int, dict]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(argv)
-    return code, json.loads(out.getvalue())
-
-
 def test_fit_fsdp_searches_the_per_rank_batch_of_rank_0():
     """GPT-2 124M over 2 FSDP2 ranks: batch 2 per rank (the bound) fits an H100, and the answer
     is rank 0's sharded step."""
-    code, data = _json(
+    code, data = cli_json(
         ["fit", "gpt2-124m", "--fsdp", "2", "--seq", "16", "--batch", "2", "--max-batch", "2",
          "--steps", "1", "--json"]
     )
@@ -34,12 +24,15 @@ def test_fit_fsdp_searches_the_per_rank_batch_of_rank_0():
         "(13 units: per block + root), rank 0"
     )
     assert any("rank 0 of a fake process group" in w for w in data["warnings"])
+    assert data["parallel"]["layout"] == "FSDP2 2"
+    assert data["parallel"]["global_batch_size"] == 4
+    assert data["verdict"].endswith("global batch 4 over 2 data-parallel ranks")
 
 
 def test_smallest_gpu_global_batch_tabulates_counts():
     """Global batch 2 up to 4 GPUs: counts 1 and 2 recorded once each, 4 skipped; GPT-2 fits
     the smallest catalog GPU at one GPU already."""
-    code, data = _json(
+    code, data = cli_json(
         ["fit", "gpt2-124m", "--smallest-gpu", "--global-batch", "2", "--max-gpus", "4",
          "--seq", "16", "--steps", "1", "--json"]
     )
@@ -59,7 +52,7 @@ def test_smallest_gpu_global_batch_tabulates_counts():
         (["fit", "gpt2-124m", "--global-batch", "8"], "--global-batch goes with --smallest-gpu"),
         (["fit", "gpt2-124m", "--smallest-gpu", "--global-batch", "8", "--fsdp", "2"], "drop"),
         (["fit", "gpt2-124m", "--fsdp", "2", "--smallest-gpu", "--batch", "2"], "--global-batch"),
-        (["fit", "gpt2-124m", "--fsdp", "2", "--tp", "2"], "--tp and --dp are not searched"),
+        (["fit", "gpt2-124m", "--fsdp", "2", "--tp", "2"], "--tp is modelled for the Llama presets"),
     ],
 )
 def test_refusals_exit_2(argv, message, capsys):

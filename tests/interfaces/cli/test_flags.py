@@ -24,6 +24,7 @@ EXPECTED = {
     "fit": [
         "--alloc-conf",
         "--batch",
+        "--bucket-cap-mb",
         "--checkpointing",
         "--compile",
         "--compute-dtype",
@@ -38,6 +39,7 @@ EXPECTED = {
         "--global-batch",
         "--gpu",
         "--grad-accum",
+        "--gradient-as-bucket-view",
         "--hf",
         "--image-size",
         "--json",

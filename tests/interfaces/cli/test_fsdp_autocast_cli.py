@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from _parallel_helpers import api_prediction, record_user_step, write_step
 
 from oomkit.interfaces.cli import main
 
@@ -41,26 +41,13 @@ def test_cuda_autocast_in_a_sharded_user_step_records_bf16(tmp_path, capsys):
     """FSDP2's unsharded fp32 weights (fake tensors that report cpu) are cast by CUDA autocast:
     the matmuls allocate bf16 outputs, the bf16 weight copies are autocast's cache, and the CLI
     predicts what that recording gives, to the byte."""
-    from oomkit.core.target import Target
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
-
-    path = tmp_path / "autocast_step.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "autocast_step", _USER_FILE)
     assert main(["predict", f"{path}:build", "--fsdp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     # At the peak (backward), the saved output of the second matmul: 8 x 64 bf16.
     assert data["peak_allocated_at"]["by_category_bytes"]["activation"] == 8 * 64 * 2
 
-    spec = importlib.util.spec_from_file_location("autocast_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-    def build(mesh):
-        with torch.device("cpu"):
-            return module.build(mesh)
-
-    recording = trace_distributed_step(build, world_size=2, steps=3)
+    recording = record_user_step(path, ranks=2)
     forward = [
         (e.size, dict(e.tags)["category"])
         for e in recording.step_events(1)
@@ -73,7 +60,6 @@ def test_cuda_autocast_in_a_sharded_user_step_records_bf16(tmp_path, capsys):
         (64 * 256 * 2, "autocast_cache"),
         (8 * 64 * 2, "activation"),
     ]
-    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
-    prediction = predict_recording(recording, target=target)
+    prediction = api_prediction(data, recording)
     assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
     assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes

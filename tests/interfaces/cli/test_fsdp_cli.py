@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _parallel_helpers import FSDP_STEP, api_prediction, record_user_step, write_step
 
 from oomkit.interfaces.cli import main
 
@@ -59,40 +60,9 @@ def test_fsdp_refusals_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-_USER_FILE = """
-import torch
-from torch.distributed.fsdp import fully_shard
-
-
-def build(mesh, world_size, batch_size=4):
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
-    )
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(batch_size, 64)
-    assert world_size == mesh.size()
-
-    def step():
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step, (model, optimizer, batch)
-
-
-def unsharded(batch_size=4):
-    model = torch.nn.Linear(64, 64)
-    return (lambda: model(torch.randn(batch_size, 64)).sum()), (model,)
-"""
-
-
 def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
     """A file.py:function gets mesh and world_size; rank 0 holds half of each fp32 weight."""
-    path = tmp_path / "sharded.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "sharded", FSDP_STEP)
     code = main(["predict", f"{path}:build", "--fsdp", "2", "--batch", "2", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -104,35 +74,18 @@ def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
 
 def test_user_function_that_does_not_shard_is_refused(tmp_path, capsys):
     """--fsdp with a function whose model is not sharded exits 2 saying to call fully_shard."""
-    path = tmp_path / "sharded.py"
-    path.write_text(_USER_FILE)
-    assert main(["predict", f"{path}:unsharded", "--fsdp", "2"]) == 2
+    path = write_step(tmp_path, "sharded", FSDP_STEP)
+    assert main(["predict", f"{path}:plain", "--fsdp", "2"]) == 2
     assert "call fully_shard(block, mesh=mesh)" in capsys.readouterr().err
 
 
 def test_user_function_prediction_matches_the_api(tmp_path, capsys):
     """The CLI's peaks are those of trace_distributed_step + predict_recording, to the byte."""
-    import importlib.util
-
-    from oomkit.core.target import Target
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
-
-    path = tmp_path / "sharded_api.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "sharded_api", FSDP_STEP)
     assert main(["predict", f"{path}:build", "--fsdp", "4", "--batch", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    spec = importlib.util.spec_from_file_location("sharded_api", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-    def build(mesh):
-        with torch.device("cpu"):
-            return module.build(mesh, mesh.size(), batch_size=3)
-
-    recording = trace_distributed_step(build, world_size=4, steps=3)
-    target = Target.resolve("h100", torch_version=data["target"]["torch_version"])
-    prediction = predict_recording(recording, target=target)
+    recording = record_user_step(path, ranks=4, world_size=4, batch_size=3)
+    prediction = api_prediction(data, recording)
     assert data["peak_allocated_bytes"] == prediction.peak_allocated_bytes
     assert data["peak_reserved_bytes"] == prediction.peak_reserved_bytes
     assert data["by_category_bytes"]["parameter"] == 2 * 16 * 64 * 4  # 16 of 64 rows each

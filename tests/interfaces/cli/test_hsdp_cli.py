@@ -5,34 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from _parallel_helpers import FSDP_STEP, MATRIX_NUMEL, write_step
 
 from oomkit.interfaces.cli import main
 
 torch = pytest.importorskip("torch")
-
-# Tiny Llama: hidden 64, 4 heads (2 KV heads of 16), FFN 128, vocabulary 256, 2 blocks, untied.
-_HIDDEN, _KV, _FFN, _VOCAB, _LAYERS = 64, 32, 128, 256, 2
-# Every weight but the five RMSNorm weights (2 per block + the final one), in elements.
-_MATRIX_NUMEL = 2 * _VOCAB * _HIDDEN + _LAYERS * (
-    2 * _HIDDEN * _HIDDEN + 2 * _KV * _HIDDEN + 3 * _HIDDEN * _FFN
-)
-
-
-@pytest.fixture
-def tiny_llama(monkeypatch):
-    """The FSDP and TP builders get a tiny Llama for any preset name."""
-    from oomkit.prediction.models import parallel, tensor_parallel
-    from oomkit.prediction.models.llama import LlamaShape
-    from oomkit.prediction.models.presets import ModelPreset
-
-    shape = LlamaShape(
-        hidden=_HIDDEN, intermediate=_FFN, layers=_LAYERS, heads=4, kv_heads=2, vocab=_VOCAB,
-        tied=False, positions=128,
-    )
-    preset = ModelPreset("llama3-8b", "Tiny Llama", shape, 16, "test", "bf16-mixed")
-    monkeypatch.setattr(parallel, "shaped_preset", lambda name, options: preset)
-    monkeypatch.setattr(tensor_parallel, "shaped_preset", lambda name, options: preset)
-
 
 def _predict(argv, capsys):
     code = main(["predict", *argv, "--batch", "1", "--seq", "16", "--steps", "2", "--json"])
@@ -56,7 +33,7 @@ def test_hsdp_rank_holds_one_shard_group_s_share(tiny_llama, capsys):
         "HSDP: FSDP2 over 2 ranks x 2 replicas (3 units: per block + root), rank 0"
     )
     # The five 64-wide norm weights: 32 fp32 each (128 bytes), in 512-byte blocks.
-    assert _parameter_bytes(data) == _MATRIX_NUMEL * 4 // 2 + 5 * 512
+    assert _parameter_bytes(data) == MATRIX_NUMEL * 4 // 2 + 5 * 512
     assert any("world size 4, 4 side stream(s)" in w for w in data["warnings"])
     assert not any("ranks differ" in w for w in data["warnings"])
     _, fsdp = _predict(["llama3-8b", "--fsdp", "2"], capsys)
@@ -75,7 +52,7 @@ def test_hsdp_by_tp_is_three_dimensional(tiny_llama, capsys):
         "HSDP: FSDP2 over 2 ranks x 2 replicas (3 units: per block + root), rank 0 of 8"
     )
     # Matrices / tp / fsdp; norm weights replicated by TP, / 2 by FSDP2: 128 bytes in 512.
-    assert _parameter_bytes(data) == _MATRIX_NUMEL * 4 // 4 + 5 * 512
+    assert _parameter_bytes(data) == MATRIX_NUMEL * 4 // 4 + 5 * 512
     _, two_d = _predict(["llama3-8b", "--fsdp", "2", "--tp", "2"], capsys)
     assert data["peak_allocated_bytes"] == two_d["peak_allocated_bytes"]
 
@@ -93,35 +70,10 @@ def test_hsdp_refusals_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-_USER_FILE = """
-import torch
-from torch.distributed.fsdp import fully_shard
-
-
-def build(mesh, world_size, batch_size=4):
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
-    )
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(batch_size, 64)
-
-    def step():
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step, (model, optimizer, batch)
-"""
-
-
 def test_user_function_gets_the_2d_mesh_for_hsdp(tmp_path, capsys):
     """--dp 2 --fsdp 2 with a file.py:function: its fully_shard on the (dp, fsdp) mesh is HSDP,
     so rank 0 of 4 holds half (not a quarter) of each fp32 weight."""
-    path = tmp_path / "hsdp_step.py"
-    path.write_text(_USER_FILE)
+    path = write_step(tmp_path, "hsdp_step", FSDP_STEP)
     code = main(["predict", f"{path}:build", "--dp", "2", "--fsdp", "2", "--batch", "2", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0

@@ -11,21 +11,6 @@ from oomkit.interfaces.cli import main
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def tiny_llama(monkeypatch):
-    """The TP builder gets a tiny Llama for any preset name (hidden 64, 4 heads, FFN 128)."""
-    from oomkit.prediction.models import tensor_parallel
-    from oomkit.prediction.models.llama import LlamaShape
-    from oomkit.prediction.models.presets import ModelPreset
-
-    shape = LlamaShape(
-        hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256, tied=False,
-        positions=128,
-    )
-    preset = ModelPreset("llama3-8b", "Tiny Llama", shape, 16, "test", "bf16-mixed")
-    monkeypatch.setattr(tensor_parallel, "shaped_preset", lambda name, options: preset)
-
-
 def _predict(argv, capsys):
     code = main(["predict", *argv, "--batch", "1", "--seq", "16", "--steps", "1", "--json"])
     return code, json.loads(capsys.readouterr().out)

@@ -1,15 +1,17 @@
-"""``--fsdp`` / ``--tp`` workloads: a preset or function built inside the fake process group.
+"""``--fsdp`` / ``--tp`` / ``--dp`` workloads built in the fake process group, for predict and fit.
 
-``trace_distributed_step`` records rank 0 of the layout; ``--dp`` (DDP) workloads are built by
-``_data_parallel.py`` on the same ``ShardedWorkload`` record.
+A preset or function is built inside the fake process group and ``trace_distributed_step``
+records rank 0 of the layout (``predict`` and ``fit`` alike); ``--dp`` (DDP) workloads are built
+by ``_data_parallel.py`` on the same ``ShardedWorkload`` record; ``parallel_workload`` picks which.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._workload import (
@@ -21,12 +23,24 @@ from oomkit.interfaces.cli._workload import (
 )
 from oomkit.prediction.workload import WorkloadSpec
 
-__all__ = ["ShardedWorkload", "build_sharded_workload"]
+if TYPE_CHECKING:
+    from oomkit.core.target import ParallelLayout, Target
+    from oomkit.prediction.tracing.recording import TraceRecording
+
+__all__ = [
+    "ShardedWorkload",
+    "build_sharded_workload",
+    "layout_words",
+    "parallel_workload",
+    "record_rank_0",
+    "refuse_layout",
+]
 
 
 @dataclass
 class ShardedWorkload:
-    """A preset to build inside the fake process group (``--fsdp``), and its record.
+    """A preset or function to build inside the fake process group (``--fsdp``, ``--tp``,
+    ``--dp``), and its record.
 
     Attributes:
         build: ``build(mesh) -> (step_fn, track[, setup])`` for ``trace_distributed_step``.
@@ -39,6 +53,80 @@ class ShardedWorkload:
     spec: WorkloadSpec
     descriptions: list[str] = field(default_factory=list)
     raised: list[BaseException] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        """The built step's description (``""`` before ``build`` ran)."""
+        return self.descriptions[0] if self.descriptions else ""
+
+
+def refuse_layout(args: argparse.Namespace, layout: ParallelLayout, command: str) -> None:
+    """What ``predict`` and ``fit`` refuse of a layout before anything is built.
+
+    Raises:
+        OomkitError: ``--dp`` with ``--tp`` but no ``--fsdp``; ``--tp`` with ``--hf`` or a
+            ``file.py:function``.
+    """
+    from oomkit.interfaces.cli._tensor_parallel import refuse_tp_target
+
+    if layout.dp > 1 and layout.tp > 1 and layout.fsdp == 1:
+        # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
+        raise OomkitError(
+            "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not modelled: "
+            f"add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or {command} --fsdp and/or --tp"
+        )
+    if layout.tp > 1:
+        refuse_tp_target(args, command)
+
+
+def _is_ddp(args: argparse.Namespace, layout: ParallelLayout) -> bool:
+    """``--dp N`` alone is DDP, ``--dp 1`` included (one replica: DDP's own buckets on one GPU);
+    ``--dp R`` with ``--fsdp S`` is HSDP: ``fully_shard`` on the 2-D (dp, fsdp) mesh."""
+    if layout.fsdp > 1 or layout.tp > 1:
+        return False
+    return layout.dp > 1 or (args.dp is not None and args.fsdp is None)
+
+
+def layout_words(args: argparse.Namespace, layout: ParallelLayout) -> str:
+    """The layout in words, outermost first: ``"DDP 2"``, ``"FSDP2 4 x TP 2"``."""
+    from oomkit.interfaces.cli._tensor_parallel import describe_layout
+
+    return f"DDP {layout.dp}" if _is_ddp(args, layout) else describe_layout(layout)
+
+
+def parallel_workload(
+    args: argparse.Namespace, layout: ParallelLayout, batch_size: int | None
+) -> ShardedWorkload:
+    """TARGET under ``layout`` at the per-rank ``batch_size``: wrapped in DDP (``--dp`` alone),
+    else sharded (FSDP2, HSDP, TP and their products: ``build_sharded_workload``).
+
+    Raises:
+        OomkitError: as ``build_sharded_workload`` and ``build_ddp_workload``.
+    """
+    if _is_ddp(args, layout):
+        from oomkit.interfaces.cli._data_parallel import build_ddp_workload
+
+        workload: ShardedWorkload = build_ddp_workload(args, batch_size)
+        return workload
+    return build_sharded_workload(args, batch_size)
+
+
+def record_rank_0(
+    workload: ShardedWorkload, layout: ParallelLayout, *, steps: int, target: Target
+) -> TraceRecording:
+    """Rank 0's recording of ``workload`` on a fake process group of ``layout``'s mesh, with
+    what a tensor-parallel recording leaves out among its warnings."""
+    from oomkit.interfaces.cli._tensor_parallel import tp_notes
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    recording = trace_distributed_step(
+        workload.build,
+        world_size=layout.world_size,
+        mesh_shape=layout.mesh_shape,
+        steps=steps,
+        target=target,
+    )
+    return dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))
 
 
 def build_sharded_workload(args: argparse.Namespace, batch_size: int | None) -> ShardedWorkload:

@@ -11,17 +11,24 @@ __all__ = ["describe_layout", "refuse_tp_target", "tp_notes"]
 
 
 def describe_layout(layout: ParallelLayout) -> str:
-    """The parallel layout in words, outermost first: ``"FSDP2 4 x TP 2"``."""
+    """The parallel layout in words, outermost first: ``"FSDP2 4 x TP 2"``; replicas of FSDP2
+    shard groups are HSDP's (``"HSDP replicas 2 x FSDP2 4"``), not DDP's."""
+    replicas = "DDP" if layout.fsdp == 1 else "HSDP replicas"
     parts = [
         f"{label} {degree}"
-        for label, degree in (("DDP", layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
+        for label, degree in ((replicas, layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
         if degree > 1
     ]
-    return " x ".join(parts) or "1 rank"
+    # All degrees 1 and not DDP: the 1-rank mesh is FSDP2's (mesh_shape's ("fsdp",) dimension).
+    return " x ".join(parts) or "FSDP2 1"
 
 
-def refuse_tp_target(args: argparse.Namespace) -> None:
+def refuse_tp_target(args: argparse.Namespace, command: str = "predict") -> None:
     """``--tp`` applies oomkit's tensor-parallel plan, written for the Llama presets.
+
+    Args:
+        args: the parsed flags.
+        command: the subcommand (``"predict"``, ``"fit"``), for the messages' examples.
 
     Raises:
         OomkitError: ``--hf`` or ``file.py:function`` with ``--tp``: neither is given a plan.
@@ -31,14 +38,14 @@ def refuse_tp_target(args: argparse.Namespace) -> None:
     if args.hf is not None:
         raise OomkitError(
             "--tp is modelled for the Llama presets (torchtitan's tensor-parallel plan, e.g. "
-            "`oomkit predict llama3-8b --tp 2`); a --hf model has no plan in oomkit: predict "
-            "it with --fsdp N alone, or without --tp"
+            f"`oomkit {command} llama3-8b --tp 2`); a --hf model has no plan in oomkit: "
+            f"{command} it with --fsdp N alone, or without --tp"
         )
     if args.target is not None and is_user_target(args.target):
         raise OomkitError(
-            f"--tp is modelled for the Llama presets (e.g. `oomkit predict llama3-8b --tp 2`); "
+            f"--tp is modelled for the Llama presets (e.g. `oomkit {command} llama3-8b --tp 2`); "
             f"{args.target} is a file.py:function step, which oomkit does not parallelize: "
-            "predict it with --fsdp N (the function then takes `mesh` and calls fully_shard)"
+            f"{command} it with --fsdp N (the function then takes `mesh` and calls fully_shard)"
         )
 
 

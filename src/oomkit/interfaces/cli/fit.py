@@ -2,9 +2,10 @@
 
 Searches over batch size with the predictor (``oomkit.plan.batch_search.max_batch_size``):
 doubling, then bisection, one trace per size. ``--batch N --smallest-gpu`` answers the reverse
-question: the smallest catalog GPU that batch fits on. ``--fsdp N`` searches rank 0's per-rank
-batch of the preset sharded with FSDP2 (recorded on a fake process group, as ``oomkit predict
---fsdp``), and ``--smallest-gpu --global-batch B`` tabulates GPU counts 1, 2, 4, ... (up to
+question: the smallest catalog GPU that batch fits on. ``--fsdp N``, ``--tp N`` and ``--dp N``
+search rank 0's per-rank batch of every layout ``oomkit predict`` predicts (FSDP2, DDP, HSDP,
+TP, FSDP2 x TP; recorded on a fake process group, as ``oomkit predict --fsdp/--tp/--dp``), and
+``--smallest-gpu --global-batch B`` tabulates GPU counts 1, 2, 4, ... (up to
 ``--max-gpus``) x catalog GPUs for a global batch B: how many GPUs of which kind. ``--compile``
 records every batch tried (and ``--lengths``' every length) with ``torch.compile`` compiled, as
 ``oomkit predict --compile``: each its own compile, dynamo's caches reset per recording.
@@ -29,6 +30,7 @@ from oomkit.interfaces.cli._common import (
     stdout_console,
 )
 from oomkit.interfaces.cli._compile_flag import add_compile_flag
+from oomkit.interfaces.cli._data_parallel import add_ddp_flags, ddp_bucket_cap_mb
 from oomkit.interfaces.cli._envelope import add_lengths_flags, run_fit_envelope
 from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._target import add_parallel_flags
@@ -47,7 +49,8 @@ from oomkit.interfaces.cli._workload import (
 from oomkit.plan.batch_probe import RecordingBuilder
 
 if TYPE_CHECKING:
-    from oomkit.core.target import Target
+    from oomkit.core.target import ParallelLayout, Target
+    from oomkit.interfaces.cli._sharded import ShardedWorkload
 
 __all__ = ["add_parser", "run", "progress_enabled"]
 
@@ -73,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_compile_flag(parser)
     add_gpu_flags(parser)
     add_parallel_flags(parser)
+    add_ddp_flags(parser)
     parser.add_argument(
         "--global-batch",
         type=positive_int,
@@ -135,13 +139,25 @@ class _Builders:
     def __init__(self, args: argparse.Namespace) -> None:
         self._args = args
         # The last step built (it is traced before the next is built): its target, and the
-        # list its step appends what it raises to.
+        # workload whose step appends what it raises to its ``raised`` (a sharded one sets
+        # that list while it is recorded, so it is read when an error arrives).
         self.target: str | None = args.target
-        self.raised: list[BaseException] = []
+        self._built: Workload | ShardedWorkload | None = None
 
-    def _keep(self, target: str | None, workload: Workload) -> Workload:
-        self.target, self.raised = target, workload.raised
+    @property
+    def raised(self) -> list[BaseException]:
+        """What the last step built raised from the user's code."""
+        return [] if self._built is None else self._built.raised
+
+    def _keep(self, target: str | None, workload: Any) -> Any:
+        self.target, self._built = target, workload
         return workload
+
+    def parallel(self, layout: ParallelLayout, batch_size: int) -> ShardedWorkload:
+        """TARGET under ``layout`` at the per-rank ``batch_size`` (as ``predict --fsdp/--tp/--dp``)."""
+        from oomkit.interfaces.cli._sharded import parallel_workload
+
+        return self._keep(self._args.target, parallel_workload(self._args, layout, batch_size))
 
     def train(self, batch_size: int) -> Workload:
         workload = build_workload(self._args, batch_size, "fit")
@@ -161,7 +177,7 @@ class _Builders:
         return self._keep(args.eval, workload)
 
 
-def _check_takes_batch(target: str | None, workload: Workload) -> None:
+def _check_takes_batch(target: str | None, workload: Workload | ShardedWorkload) -> None:
     from oomkit.interfaces.cli._user_function import is_user_target
 
     # A function that declares no batch_size was called without one.
@@ -179,12 +195,13 @@ def _validate(args: argparse.Namespace) -> Target:
     from oomkit.interfaces.cli._user_function import is_user_target
 
     target = target_from_args(args, default_torch_version=installed_torch_version())
+    ddp_bucket_cap_mb(args)  # the DDP flags need --dp
     if args.compile and (target.parallel is not None or args.global_batch is not None):
         raise OomkitError(
-            "--compile is not modelled for sharded steps (--fsdp, and --global-batch, whose GPU "
-            "counts above 1 are FSDP2): the recorder of a fake process group runs compiled code "
-            "eagerly. Search one GPU's compiled batch (drop --fsdp/--global-batch), or the "
-            "sharded batch eagerly (drop --compile)"
+            "--compile is not modelled for sharded steps (--fsdp, --tp, --dp, and --global-batch, "
+            "whose GPU counts above 1 are FSDP2): the recorder of a fake process group runs "
+            "compiled code eagerly. Search one GPU's compiled batch (drop --fsdp/--tp/--dp/"
+            "--global-batch), or the sharded batch eagerly (drop --compile)"
         )
     if args.global_batch is not None:
         if not args.smallest_gpu or target.parallel is not None or args.batch is not None:
@@ -195,15 +212,15 @@ def _validate(args: argparse.Namespace) -> Target:
             )
         return target
     if target.parallel is not None:
-        layout = target.parallel
-        if layout.tp > 1 or layout.dp > 1:
+        from oomkit.interfaces.cli._sharded import refuse_layout
+
+        refuse_layout(args, target.parallel, "fit")
+        if args.smallest_gpu or args.eval is not None or args.lengths is not None:
             raise OomkitError(
-                "oomkit fit models --fsdp N alone; --tp and --dp are not searched yet"
-            )
-        if args.smallest_gpu or args.eval is not None:
-            raise OomkitError(
-                "--fsdp searches rank 0's per-rank batch; for how many GPUs of which kind use "
-                "--smallest-gpu --global-batch B (without --fsdp); --eval is not sharded"
+                "--fsdp/--tp/--dp search rank 0's per-rank batch of one --seq: for how many GPUs "
+                "of which kind use --smallest-gpu --global-batch B (without --fsdp/--tp/--dp); "
+                "--eval is not sharded, and --lengths is not searched sharded yet (give the "
+                "longest length as --seq)"
             )
     if args.smallest_gpu and args.batch is None:
         raise OomkitError(
@@ -248,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         if args.smallest_gpu:
             return _run_smallest(args, target, builders, eval_step)
         if target.parallel is not None:
-            sharded = _sharded_recorder(args, target.parallel.fsdp)
-            return _run_search(args, target, RecordingBuilder(sharded), None)
+            recorder = _parallel_recorder(target.parallel, builders)
+            return _run_search(args, target, recorder, None)
         return _run_search(args, target, train, eval_step)
 
 
@@ -279,32 +296,27 @@ def _compiled_recorder(builder: Any) -> RecordingBuilder:
     return RecordingBuilder(record)
 
 
-def _sharded_recorder(args: argparse.Namespace, world_size: int) -> Any:
-    """(per-rank batch, target, steps) -> rank 0's recording of the preset under FSDP2 over
-    ``world_size`` fake ranks (as ``oomkit predict --fsdp``), and its description."""
+def _parallel_recorder(layout: ParallelLayout, builders: _Builders) -> RecordingBuilder:
+    """(per-rank batch, target, steps) -> rank 0's recording of TARGET under ``layout`` (FSDP2,
+    DDP, HSDP, TP and their products) on a fake process group, as ``oomkit predict`` records it
+    with the same flags, and its description."""
 
     def record(batch_size: int, target: Target, steps: int) -> tuple[Any, str]:
-        from oomkit.core.target import ParallelLayout
-        from oomkit.interfaces.cli._sharded import build_sharded_workload
-        from oomkit.prediction.tracing.distributed import trace_distributed_step
+        from oomkit.interfaces.cli._sharded import record_rank_0
 
-        layout = ParallelLayout(fsdp=world_size)
-        workload = build_sharded_workload(args, batch_size)
-        recording = trace_distributed_step(
-            workload.build,
-            world_size=layout.world_size,
-            mesh_shape=layout.mesh_shape,
-            steps=steps,
-            target=target,
-        )
-        return recording, workload.descriptions[0] if workload.descriptions else ""
+        workload = builders.parallel(layout, batch_size)
+        recording = record_rank_0(workload, layout, steps=steps, target=target)
+        # A file.py:function's spec is known once it was called on the mesh.
+        _check_takes_batch(builders.target, workload)
+        return recording, workload.description
 
-    return record
+    return RecordingBuilder(record)
 
 
 def _run_gpu_counts(args: argparse.Namespace, target: Target, builders: _Builders) -> int:
     """``--smallest-gpu --global-batch B``: GPU counts x catalog GPUs, one recording per count."""
     from oomkit.core.gpus import CATALOG
+    from oomkit.core.target import ParallelLayout
     from oomkit.interfaces.reports.gpu_count import gpu_count_to_json, render_gpu_count
     from oomkit.plan.batch_probe import record_step
     from oomkit.plan.smallest_gpu import gpu_counts, smallest_gpu_count
@@ -323,7 +335,9 @@ def _run_gpu_counts(args: argparse.Namespace, target: Target, builders: _Builder
     def record(count: int, per_rank: int, on: Target) -> tuple[Any, str]:
         if count == 1:  # one GPU trains without FSDP
             return record_step(builders.train, "train step", per_rank, target=on, steps=args.steps)
-        return _sharded_recorder(args, count)(per_rank, on, args.steps)
+        return _parallel_recorder(ParallelLayout(fsdp=count), builders).record(
+            per_rank, on, args.steps
+        )
 
     with (
         progress_bar(progress_enabled(args, sys.stderr), "recording per GPU count") as bar,
@@ -376,14 +390,54 @@ def _run_search(
         else:
             stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
         return 1
+    per_rank = None if target.parallel is None else _per_rank(args, target.parallel, result.batch_size)
     if args.json:
         out = batch_search_to_json(result)
         if args.compile:  # as predict --compile's JSON: what the compiled recording rests on
             out["assumptions"] = dict(result.answer.train.assumptions)
+        if per_rank is not None:
+            out["parallel"] = per_rank
+            out["verdict"] += f"; {_per_rank_words(per_rank, result.batch_size)}"
         print_json(out)
     else:
         render_batch_search(result, stdout_console())
+        if per_rank is not None:
+            stdout_console().print(f"[bold green]{_per_rank_words(per_rank, result.batch_size)}[/]")
     return 0
+
+
+def _per_rank(args: argparse.Namespace, layout: ParallelLayout, batch_size: int) -> dict[str, Any]:
+    """What a sharded search's batch is: rank 0's per-rank (local) batch under ``layout``.
+
+    The global batch is the per-rank batch times the data-parallel ranks, the DDP (or HSDP)
+    replicas times the FSDP2 shards; the TP ranks of a group read one batch (torchtitan
+    docs/performance.md: "global batch size = local batch size 2 * number of FSDP ranks").
+    """
+    from oomkit.interfaces.cli._sharded import layout_words
+
+    data_ranks = layout.dp * layout.fsdp
+    return {
+        "layout": layout_words(args, layout),
+        "fsdp": layout.fsdp,
+        "tp": layout.tp,
+        "dp": layout.dp,
+        "world_size": layout.world_size,
+        "rank": 0,
+        "batch_is_per_rank": True,
+        "data_parallel_ranks": data_ranks,
+        "global_batch_size": batch_size * data_ranks,
+    }
+
+
+def _per_rank_words(per_rank: dict[str, Any], batch_size: int) -> str:
+    """``batch 8 is per rank (rank 0 of 4: FSDP2 2 x TP 2); global batch 16 over 2
+    data-parallel ranks``."""
+    ranks = per_rank["data_parallel_ranks"]
+    return (
+        f"batch {batch_size} is per rank (rank 0 of "
+        f"{per_rank['world_size']}: {per_rank['layout']}); global batch "
+        f"{per_rank['global_batch_size']} over {ranks} data-parallel rank{'s' if ranks != 1 else ''}"
+    )
 
 
 def _run_smallest(

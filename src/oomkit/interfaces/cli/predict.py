@@ -181,49 +181,25 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
     fake process group."""
     import dataclasses
 
-    from oomkit.interfaces.cli._sharded import build_sharded_workload
-    from oomkit.interfaces.cli._tensor_parallel import (
-        describe_layout,
-        refuse_tp_target,
-        tp_notes,
+    from oomkit.interfaces.cli._sharded import (
+        layout_words,
+        parallel_workload,
+        record_rank_0,
+        refuse_layout,
     )
     from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
     layout = target.parallel
-    if layout.dp > 1 and layout.tp > 1 and layout.fsdp == 1:
-        # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
-        raise OomkitError(
-            "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not modelled: "
-            "add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or predict --fsdp and/or --tp"
-        )
-    # --dp N alone is DDP, --dp 1 included (one replica: DDP's own buckets on one GPU);
-    # --dp R with --fsdp S is HSDP: fully_shard on the 2-D (dp, fsdp) mesh.
-    ddp_alone = layout.dp > 1 or (args.dp is not None and args.fsdp is None)
-    if layout.fsdp == 1 and layout.tp == 1 and ddp_alone:
-        from oomkit.interfaces.cli._data_parallel import build_ddp_workload
-
-        workload = build_ddp_workload(args, args.batch)
-        kind = "DDP"
-    else:
-        if layout.tp > 1:
-            refuse_tp_target(args)
-        workload = build_sharded_workload(args, args.batch)
-        kind = describe_layout(layout)
+    refuse_layout(args, layout, "predict")
+    workload = parallel_workload(args, layout, args.batch)
     if not args.json:
         stderr_console().print(
-            f"recording rank 0 of {layout.world_size} ({kind}) on a fake process group ..."
+            f"recording rank 0 of {layout.world_size} ({layout_words(args, layout)}) on a fake "
+            "process group ..."
         )
     with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
-        recording = trace_distributed_step(
-            workload.build,
-            world_size=layout.world_size,
-            mesh_shape=layout.mesh_shape,
-            steps=args.steps,
-            target=target,
-        )
-    recording = dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))
+        recording = record_rank_0(workload, layout, steps=args.steps, target=target)
     if target.cudnn_version is None:
         # Not stated: the tracer used the settings in effect; the result names that version.
         target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)
@@ -231,6 +207,6 @@ def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
         recording,
         target=target,
         budget_bytes=args.budget,
-        description=workload.descriptions[0] if workload.descriptions else "",
+        description=workload.description,
         workload=workload.spec,
     )

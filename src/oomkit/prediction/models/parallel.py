@@ -28,6 +28,8 @@ from oomkit.prediction.models.steps import _describe, build_step, model_dtype
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from oomkit.prediction.models.presets import ModelPreset
+
 __all__ = [
     "FSDP_FAMILIES",
     "build_fsdp_preset_step",
@@ -159,9 +161,29 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)
-    # bf16-mixed: FSDP2's policy casts; the step runs without autocast (torchtitan).
+    where = f"{fsdp_words(mesh)} ({units} units: per block + root), rank 0"
+    return _sharded_step(preset, model, options, seq_len, device, fsdp_casts=True, where=where)
+
+
+def _sharded_step(
+    preset: ModelPreset,
+    model: torch.nn.Module,
+    options: StepOptions,
+    seq_len: int,
+    device: str,
+    *,
+    fsdp_casts: bool,
+    where: str,
+) -> BuiltStep:
+    """The preset's usual step around its sharded ``model`` (FSDP2, TP or both), described as
+    the preset at ``options``, then ``where`` (the layout and the rank).
+
+    Args:
+        fsdp_casts: FSDP2 shards the model: with ``bf16-mixed`` its ``MixedPrecisionPolicy``
+            casts, so the step runs without autocast (torchtitan's ``maybe_enable_amp``).
+    """
     step_options = options
-    if options.precision == "bf16-mixed":
+    if fsdp_casts and options.precision == "bf16-mixed":
         step_options = dataclasses.replace(options, precision="fp32")
     built = build_step(
         _runner(preset, model),
@@ -171,8 +193,5 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         image_size=224,
         device=device,
     )
-    description = (
-        f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {fsdp_words(mesh)} "
-        f"({units} units: per block + root), rank 0"
-    )
+    description = f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {where}"
     return dataclasses.replace(built, description=description)

@@ -38,13 +38,14 @@ from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import (
     _cast_floating,
+    _sharded_step,
     fsdp_words,
     refuse_unsharded_modes,
     shard_blocks_and_root,
 )
-from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
+from oomkit.prediction.models.presets import _check_lengths, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
-from oomkit.prediction.models.steps import _describe, build_step, model_dtype
+from oomkit.prediction.models.steps import model_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -226,7 +227,6 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     layout = f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
     layout += "parallel, loss parallel)"
-    step_options = options
     if "fsdp" in names:
         # torchtitan apply_fsdp: with replicas, fully_shard on the 2-D (dp_replicate, dp_shard)
         # mesh, which FSDP2 takes as HSDP (replicate over dim 0, shard over dim 1).
@@ -236,15 +236,14 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         blocks = cast(Any, model).layers
         units = shard_blocks_and_root(model, blocks, fsdp_mesh, options.precision or "fp32")
         layout += f", {fsdp_words(fsdp_mesh)} ({units} units: per block + root)"
-        if options.precision == "bf16-mixed":  # FSDP2's policy casts; no autocast (torchtitan)
-            step_options = dataclasses.replace(options, precision="fp32")
-    built = build_step(
-        _runner(preset, model),
-        step_options,
-        title=preset.title,
-        seq_len=seq_len,
-        image_size=224,
-        device=device,
+    built = _sharded_step(
+        preset,
+        model,
+        options,
+        seq_len,
+        device,
+        fsdp_casts="fsdp" in names,
+        where=f"{layout}, rank 0 of {mesh.size()}",
     )
     inner = built.step_fn
 
@@ -252,8 +251,4 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         with loss_parallel():
             return inner()
 
-    description = (
-        f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {layout}, rank 0 of "
-        f"{mesh.size()}"
-    )
-    return dataclasses.replace(built, step_fn=step, description=description)
+    return dataclasses.replace(built, step_fn=step)
