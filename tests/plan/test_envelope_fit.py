@@ -65,3 +65,65 @@ def test_nothing_fits_raises():
     """A 20 MiB device: batch 1's third step asks 40 MiB: NoFeasibleBatchSizeError."""
     with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1"):
         max_batch_for_run(synthetic, [12, 14, 40], _target(20), margin_bytes=0)
+
+
+def _counted(calls, extra_above=None):
+    """``synthetic``, noting each (batch, length) traced; from batch ``extra_above`` on, a 3 MiB
+    workspace more per step (another code path above some size)."""
+
+    def record(batch: int, length_mib: int) -> TraceRecording:
+        calls.append((batch, length_mib))
+        recording = synthetic(batch, length_mib)
+        if extra_above is not None and batch >= extra_above:
+            cat = (("category", "workspace"),)
+            extra = (
+                TraceEvent("alloc", 9, 3 * MiB, tags=cat),
+                TraceEvent("free_requested", 9, 3 * MiB, tags=cat),
+                TraceEvent("free_completed", 9, 3 * MiB, tags=cat),
+            )
+            recording = TraceRecording(events=recording.events + extra, step_starts=(1, 4))
+        return recording
+
+    return record
+
+
+def test_interpolated_search_traces_two_batches_a_length_and_the_answers():
+    """Lengths 12, 14 MiB per sample on 400 MiB: batch 28 fits (worst step 394 MiB), 29 and 30
+    run out of memory. Traced at both lengths: 1 and 2 to learn, 29 (the last size bisection
+    tries) and 28 (the answer, synthesized first, then confirmed); 4, 8, 16, 32, 24 and 30 are
+    synthesized. Every probe and the answer's envelope equal those of tracing every batch."""
+    calls = []
+    found = max_batch_for_run(_counted(calls), [12, 14], _target(400), margin_bytes=0)
+    plain_calls = []
+    plain = max_batch_for_run(
+        _counted(plain_calls), [12, 14], _target(400), margin_bytes=0, interpolate=False
+    )
+    assert found.batch_size == plain.batch_size == 28
+    strip = [(p.batch_size, p.fits, p.worst_peak_reserved_bytes) for p in found.probes]
+    assert strip == [(p.batch_size, p.fits, p.worst_peak_reserved_bytes) for p in plain.probes]
+    assert [p.batch_size for p in found.probes] == [1, 2, 4, 8, 16, 32, 24, 28, 30, 29]
+    assert found.probes[7].worst_peak_reserved_bytes == 394 * MiB
+    assert calls == [(1, 12), (1, 14), (2, 12), (2, 14), (29, 12), (29, 14), (28, 12), (28, 14)]
+    assert (found.traces, found.synthesized) == (8, 14)
+    assert (plain.traces, plain.synthesized) == (20, 0) == (len(plain_calls), 0)
+    assert [p.batch_size for p in found.probes if p.synthesized] == [4, 8, 16, 32, 24, 30]
+    assert found.envelope.per_step_peak_reserved_bytes == plain.envelope.per_step_peak_reserved_bytes
+
+
+def test_a_path_that_changes_above_the_learned_batches_is_caught():
+    """A 3 MiB workspace per step from batch 20 on: 29 and 28, traced, differ from their
+    synthesis from 1 and 2; the search runs again, tracing the sizes between the two code paths
+    (4, 8, 16, 24) and synthesizing 30 and 32 from 28 and 29: the plain probes and answer."""
+    kwargs = dict(margin_bytes=0)
+    plain = max_batch_for_run(
+        _counted([], extra_above=20), [12, 14], _target(400), interpolate=False, **kwargs
+    )
+    calls = []
+    found = max_batch_for_run(_counted(calls, extra_above=20), [12, 14], _target(400), **kwargs)
+    assert found.batch_size == plain.batch_size
+    assert [(p.batch_size, p.fits, p.worst_peak_reserved_bytes) for p in found.probes] == [
+        (p.batch_size, p.fits, p.worst_peak_reserved_bytes) for p in plain.probes
+    ]
+    assert not next(p for p in found.probes if p.batch_size == found.batch_size).synthesized
+    assert sorted({batch for batch, _ in calls}) == [1, 2, 4, 8, 16, 24, 28, 29]
+    assert (found.traces, plain.traces) == (16, 20)

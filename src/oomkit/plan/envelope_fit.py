@@ -2,8 +2,16 @@
 
 Each probe is an epoch envelope (:func:`oomkit.prediction.envelope.predict_envelope`): every
 distinct length recorded at that batch size and the run replayed in order, so the cache's creep
-across steps counts, not just the longest step. The search doubles from the first batch until a
-run does not fit, then bisects, as ``max_batch_size`` does for one step.
+across steps counts, not just the longest step. The search halves from the first batch until a
+run fits, doubles until one does not, then bisects, as ``max_batch_size`` does for one step.
+
+Most recordings are not traced: at one length a step records the same events at every batch,
+with sizes affine in it, so once two batches were traced at a length its recordings at other
+batches are synthesized (``trace_interpolation.TraceInterpolator``, one per length) and the
+probe replays those, as ``max_batch_size`` does. The answer rests on traces: the last size
+bisection tries is traced at every length straight away, and the answer and the size above it,
+where synthesized, are traced again at every length; each traced recording must equal its
+synthesis, else the search runs again, learning from them (the third traces everything).
 """
 
 from __future__ import annotations
@@ -15,30 +23,78 @@ from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import resolve_margin
 from oomkit.plan.frozen_heap import frozen_heap
+from oomkit.plan.trace_interpolation import TraceInterpolator
 from oomkit.prediction.envelope import Envelope, predict_envelope
 from oomkit.prediction.tracing.recording import TraceRecording
 
 __all__ = ["EnvelopeFit", "EnvelopeProbe", "max_batch_for_run"]
 
+# Searches with interpolation before one with traces only (as batch_search._SEARCHES).
+_SEARCHES = 3
+
 
 @dataclass(frozen=True)
 class EnvelopeProbe:
-    """One batch size tried: the run's worst step and whether the whole run fits."""
+    """One batch size tried: the run's worst step and whether the whole run fits.
+
+    ``synthesized``: a recording it replayed was synthesized from other batches' (not traced).
+    """
 
     batch_size: int
     fits: bool
     worst_peak_reserved_bytes: int
     first_oom_step: int | None
+    synthesized: bool = False
 
 
 @dataclass(frozen=True)
 class EnvelopeFit:
-    """The largest batch whose run fits, its envelope, and every probe in the order tried."""
+    """The largest batch whose run fits, its envelope, and every probe in the order tried.
+
+    ``traces`` and ``synthesized`` count the recordings (one batch at one length) traced and
+    synthesized over the whole search; ``probes`` are those of its last search.
+    """
 
     batch_size: int
     envelope: Envelope
     probes: tuple[EnvelopeProbe, ...]
     margin_bytes: int
+    traces: int = 0
+    synthesized: int = 0
+
+
+class _Recordings:
+    """The recording of a batch at a length: synthesized where the length's interpolator can,
+    else traced (and learned from); counts both, and whether a trace differed from its
+    synthesis."""
+
+    def __init__(self, record: Callable[[int, int], TraceRecording], interpolate: bool) -> None:
+        self._record = record
+        self.interpolating = interpolate
+        self._learned: dict[int, TraceInterpolator] = {}
+        self.traces = self.synthesized = 0
+        self.differed = False
+
+    def at(self, batch: int, length: int, synthesize: bool) -> tuple[TraceRecording, bool]:
+        """(the recording, whether it was synthesized)."""
+        learned = self._learned.setdefault(length, TraceInterpolator(points=2))
+        if self.interpolating and synthesize:
+            made = learned.synthesize(batch)
+            if made is not None:
+                self.synthesized += 1
+                return made, True
+        recording = self._record(batch, length)
+        self.traces += 1
+        if self.interpolating:
+            self.differed = learned.add(batch, recording) or self.differed
+        return recording, False
+
+    def start_over(self, interpolate: bool) -> None:
+        """A new search: nothing synthesized so far is compared with later traces."""
+        self.interpolating = interpolate
+        self.differed = False
+        for learned in self._learned.values():
+            learned.forget_synthesized()
 
 
 def max_batch_for_run(
@@ -54,6 +110,7 @@ def max_batch_for_run(
     start_batch: int = 1,
     max_batch: int = 65536,
     progress: Callable[[str], None] | None = None,
+    interpolate: bool = True,
 ) -> EnvelopeFit:
     """The largest batch size (<= ``max_batch``) whose whole run fits with ``margin_bytes`` spare.
 
@@ -70,20 +127,31 @@ def max_batch_for_run(
         start_batch: the first batch size tried.
         max_batch: the largest batch size tried.
         progress: called with a short line before each probe.
+        interpolate: synthesize the recordings of a length at batches beside two traced ones
+            (see the module); ``False`` traces every batch at every length.
 
     Raises:
         NoFeasibleBatchSizeError: not even ``start_batch`` (nor batch 1 below it) fits.
     """
     say = progress or (lambda _line: None)
     margin = resolve_margin(margin_bytes, target.usable_bytes)
-    probes: list[EnvelopeProbe] = []
+    recordings = _Recordings(record, interpolate)
+    probes: dict[int, EnvelopeProbe] = {}
+    order: list[int] = []
     envelopes: dict[int, Envelope] = {}
 
-    def fits(batch: int) -> bool:
+    def probe(batch: int, synthesize: bool = True) -> EnvelopeProbe:
         say(f"batch {batch}: replaying the whole run")
         freeze()  # the collector skips what earlier probes made (frozen_heap.py)
+        made_up = []
+
+        def at_length(length: int) -> TraceRecording:
+            recording, synthesized = recordings.at(batch, length, synthesize)
+            made_up.append(synthesized)
+            return recording
+
         env = predict_envelope(
-            lambda n: record(batch, n),
+            at_length,
             lengths,
             target,
             steps=steps,
@@ -96,30 +164,69 @@ def max_batch_for_run(
             env.first_oom_step is None
             and env.worst_peak_reserved_bytes + margin <= target.usable_bytes
         )
-        probes.append(
-            EnvelopeProbe(batch, ok, env.worst_peak_reserved_bytes, env.first_oom_step)
-        )
         envelopes[batch] = env
-        return ok
+        return EnvelopeProbe(
+            batch, ok, env.worst_peak_reserved_bytes, env.first_oom_step, any(made_up)
+        )
+
+    def fits(batch: int, synthesize: bool) -> bool:
+        if batch not in order:
+            order.append(batch)
+        if batch not in probes:
+            probes[batch] = probe(batch, synthesize)
+        return probes[batch].fits
+
+    def confirmed(batches: Sequence[int]) -> bool:
+        """Trace the synthesized probes among ``batches`` at every length; whether each
+        recording and verdict is the synthesized one."""
+        same = True
+        for batch in batches:
+            synthesized = probes.get(batch)
+            if synthesized is None or not synthesized.synthesized:
+                continue
+            traced = probes[batch] = probe(batch, synthesize=False)
+            same = same and (traced.fits, traced.worst_peak_reserved_bytes) == (
+                synthesized.fits,
+                synthesized.worst_peak_reserved_bytes,
+            )
+        return same and not recordings.differed
 
     with frozen_heap() as freeze:
         low, high = _search(fits, start_batch, max_batch)
+        searches = 1
+        while recordings.interpolating and not confirmed([b for b in (low, high) if b]):
+            searches += 1
+            recordings.start_over(interpolate=searches < _SEARCHES)
+            for batch in [b for b, p in probes.items() if p.synthesized]:
+                del probes[batch]
+            order.clear()
+            low, high = _search(fits, start_batch, max_batch)
     if low == 0:
+        worst = probes[order[-1]].worst_peak_reserved_bytes
         raise NoFeasibleBatchSizeError(
             f"not even batch 1 runs the whole run on {target.gpu.name}: its worst step needs "
-            f"{probes[-1].worst_peak_reserved_bytes} B reserved of {target.usable_bytes} B usable"
+            f"{worst} B reserved of {target.usable_bytes} B usable"
         )
-    return EnvelopeFit(low, envelopes[low], tuple(probes), margin)
+    return EnvelopeFit(
+        low,
+        envelopes[low],
+        tuple(probes[b] for b in order),
+        margin,
+        traces=recordings.traces,
+        synthesized=recordings.synthesized,
+    )
 
 
-def _search(fits: Callable[[int], bool], start_batch: int, max_batch: int) -> tuple[int, int | None]:
+def _search(
+    fits: Callable[[int, bool], bool], start_batch: int, max_batch: int
+) -> tuple[int, int | None]:
     """(the largest batch found to fit, 0 for none; the smallest found not to, None for none):
     from ``start_batch`` halving until one fits, then doubling until one does not, then
     bisecting."""
     low, high = 0, None
     batch = min(start_batch, max_batch)
     while batch >= 1 and low == 0:
-        if fits(batch):
+        if fits(batch, True):
             low = batch
         else:
             high = batch
@@ -128,13 +235,15 @@ def _search(fits: Callable[[int], bool], start_batch: int, max_batch: int) -> tu
         return low, high
     while high is None and low < max_batch:
         batch = min(low * 2, max_batch)
-        if fits(batch):
+        if fits(batch, True):
             low = batch
         else:
             high = batch
     while high is not None and high - low > 1:
         middle = (low + high) // 2
-        if fits(middle):
+        # The last size bisection tries becomes the answer or the size above it: traced
+        # straight away, as confirming a synthesized one would trace it anyway.
+        if fits(middle, high - low > 2):
             low = middle
         else:
             high = middle

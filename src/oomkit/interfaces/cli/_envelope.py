@@ -228,9 +228,13 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
                         "fits": p.fits,
                         "worst_peak_reserved_bytes": p.worst_peak_reserved_bytes,
                         "first_oom_step": p.first_oom_step,
+                        "synthesized": p.synthesized,
                     }
                     for p in found.probes
                 ],
+                # recordings (one batch at one length): traced, and synthesized instead
+                "traces": found.traces,
+                "synthesized": found.synthesized,
                 "envelope": envelope_to_json(found.envelope),
                 # as predict --compile's JSON: what the compiled recordings rest on
                 **({"assumptions": dict(assumptions)} if args.compile else {}),
@@ -250,9 +254,11 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
             f"batch {p.batch_size}: worst step {format_bytes(p.worst_peak_reserved_bytes)} "
             f"reserved, {state}"
         )
+    interpolated = f", {found.synthesized} interpolated" if found.synthesized else ""
     console.print(
         f"largest batch whose whole run of {found.envelope.steps} steps fits on "
-        f"{target.gpu.name}: {found.batch_size} ({envelope_verdict(found.envelope)})",
+        f"{target.gpu.name}: {found.batch_size} ({envelope_verdict(found.envelope)}; "
+        f"{found.traces} recordings traced{interpolated})",
         markup=False,
     )
     return 0
