@@ -207,9 +207,10 @@ def test_bad_input_exits_2(user_file, capsys, argv, message):
 
 
 def test_no_target_exits_2(capsys):
-    """`oomkit fit` alone says what to give."""
+    """`oomkit fit` alone says what to give, and only that: no "searching ..." line first."""
     assert main(["fit", "--gpu", "rtx4090"]) == 2
-    assert "name what to fit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "name what to fit" in err and "searching" not in err
 
 
 def test_preset_search_on_small_gpu(capsys):

@@ -42,12 +42,13 @@ __all__ = [
     "PRECISIONS",
     "PRESET_NAMES",
     "VISION_PRESETS",
-    "catalog_epilog",
     "Workload",
     "add_gpu_flags",
     "add_workload_flags",
     "build_workload",
+    "catalog_epilog",
     "positive_int",
+    "require_target",
     "stated_value",
     "step_options",
     "user_code_error",
@@ -338,11 +339,7 @@ def build_workload(args: argparse.Namespace, batch_size: int | None, command: st
         built = _call_builder(build_hf_step, args.hf, options)
         spec = _spec("hf", args.hf, options, steps, built)
         return Workload(built.step_fn, tuple(built.track), built.description, spec=spec)
-    if args.target is None:
-        raise OomkitError(
-            f"name what to {command}: a preset (e.g. `oomkit {command} gpt2-124m --gpu rtx4090`), "
-            "path/to/file.py:function, or --hf NAME_OR_PATH."
-        )
+    require_target(args, command)
     if is_user_target(args.target):
         _refuse_preset_flags(args)
         user = load_user_step(
@@ -505,3 +502,12 @@ def user_code_error(
     from oomkit.prediction.tracing.step_failure import failure_text
 
     return UserCodeError(f"{target}: {failure_text(exc)}")
+
+
+def require_target(args: argparse.Namespace, command: str) -> None:
+    """Refuse a command line that names nothing to ``command`` (no TARGET, no --hf)."""
+    if args.target is None and getattr(args, "hf", None) is None:
+        raise OomkitError(
+            f"name what to {command}: a preset (e.g. `oomkit {command} gpt2-124m --gpu rtx4090`), "
+            "path/to/file.py:function, or --hf NAME_OR_PATH."
+        )

@@ -41,6 +41,7 @@ from oomkit.interfaces.cli._workload import (
     build_workload,
     catalog_epilog,
     positive_int,
+    require_target,
     user_errors,
     user_output_to_stderr,
     user_values,
@@ -194,6 +195,7 @@ def _validate(args: argparse.Namespace) -> Target:
     from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
     from oomkit.interfaces.cli._user_function import is_user_target
 
+    require_target(args, "fit")  # before the search says what it searches
     target = target_from_args(args, default_torch_version=installed_torch_version())
     ddp_bucket_cap_mb(args)  # the DDP flags need --dp
     if args.compile and (target.parallel is not None or args.global_batch is not None):

@@ -1,0 +1,107 @@
+"""What `oomkit fit --lengths` costs with and without interpolating recordings across batches.
+
+`oomkit fit gpt2-124m --lengths FILE --gpu rtx4090 --precision bf16-mixed` over a run of 200
+steps whose lengths are drawn (seed 0) from 64, 96, ..., 1024 (31 distinct lengths; a dataset
+bucketed by 32), run as ``oomkit.plan.envelope_fit.max_batch_for_run`` with the CLI's recorder,
+in a child process per setting so that each starts cold:
+- ``interpolated``: as shipped: a length's recordings at other batches synthesized from two
+  traced ones, the answers traced at every length to confirm (plan/envelope_fit.py);
+- ``traced``: ``interpolate=False``, every length traced at every batch tried.
+Each is timed in CPU seconds (``time.process_time``; on a shared machine the figure that moves
+least with the load) and wall seconds, with the recordings traced and synthesized. The answer
+and every probe's worst step are checked to be the same in both.
+
+Prints a line per setting, then one JSON line: {"settings": {"interpolated": {...}, "traced":
+{...}}, "machine": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+SETTINGS = ("interpolated", "traced")
+STEPS = 200
+LENGTHS = tuple(range(64, 1025, 32))
+
+
+def run_setting(setting: str) -> dict:
+    """One search in this process."""
+    import torch._dynamo  # noqa: F401  (imported by torch on first use: not the search's cost)
+
+    from oomkit.interfaces.cli import build_parser
+    from oomkit.interfaces.cli._envelope import _recorder
+    from oomkit.interfaces.cli._target import target_from_args
+    from oomkit.plan.envelope_fit import max_batch_for_run
+
+    rng = random.Random(0)
+    lengths = [rng.choice(LENGTHS) for _ in range(STEPS)]
+    args = build_parser().parse_args(
+        ["fit", "gpt2-124m", "--gpu", "rtx4090", "--precision", "bf16-mixed", "--lengths", "-"]
+    )
+    target = target_from_args(args)
+    record_at = _recorder(args, target, "fit", [])
+    start_cpu, start_wall = time.process_time(), time.perf_counter()
+    found = max_batch_for_run(
+        lambda batch, length: record_at(batch, length)[0],
+        lengths,
+        target,
+        max_length=1024,
+        interpolate=setting == "interpolated",
+    )
+    return {
+        "batch_size": found.batch_size,
+        "probes": [[p.batch_size, p.fits, p.worst_peak_reserved_bytes] for p in found.probes],
+        "traces": found.traces,
+        "synthesized": found.synthesized,
+        "distinct_lengths": len(set(lengths)),
+        "cpu_s": round(time.process_time() - start_cpu, 2),
+        "wall_s": round(time.perf_counter() - start_wall, 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", choices=SETTINGS, help="run one here (internal)")
+    parser.add_argument("--write", metavar="PATH", help="also write the JSON result to PATH")
+    args = parser.parse_args()
+    if args.setting:
+        print(json.dumps(run_setting(args.setting)))
+        return 0
+    machine = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
+    settings = {}
+    for setting in SETTINGS:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--setting", setting],
+            capture_output=True, text=True, check=False,
+        )
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)
+            return proc.returncode
+        result = settings[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(
+            f"{setting:>12}: batch {result['batch_size']} after {len(result['probes'])} probes, "
+            f"{result['traces']} recordings traced, {result['synthesized']} synthesized "
+            f"({result['distinct_lengths']} lengths): {result['cpu_s']:.1f} s CPU, "
+            f"{result['wall_s']:.1f} s wall (load average {os.getloadavg()[0]:.2f})"
+        )
+    one, other = settings["interpolated"], settings["traced"]
+    if (one["batch_size"], one["probes"]) != (other["batch_size"], other["probes"]):
+        print("interpolation changed the answer or a probe's worst step", file=sys.stderr)
+        return 1
+    machine["load_average_1m_after"] = round(os.getloadavg()[0], 2)
+    line = json.dumps({"settings": settings, "machine": machine})
+    print(line)
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as out:
+            out.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
