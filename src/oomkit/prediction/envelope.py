@@ -184,14 +184,19 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
     # What is live when each length's steady step starts, found once per length (a run
     # repeats its lengths many times).
     steady: dict[int, tuple[dict[int, TraceEvent], dict[_Key, list[int]]]] = {}
+    # Each length's steady step, its allocations' keys found once: (event, key or None).
+    steps_of: dict[int, list[tuple[TraceEvent, _Key | None]]] = {}
     for length in dict.fromkeys(order[1:]):
         rec = recordings[length]
         live = _live_at(rec.events, rec.step_starts[1])
         steady[length] = (live, _grouped(live))
-    for length in order[1:]:
-        rec = recordings[length]
-        start = rec.step_starts[1]
         end = rec.step_starts[2] if len(rec.step_starts) > 2 else len(rec.events)
+        steps_of[length] = [
+            (ev, _key(ev) if ev.action == "alloc" else None)
+            for ev in rec.events[rec.step_starts[1] : end]
+        ]
+    append = events.append
+    for length in order[1:]:
         their_live, theirs = steady[length]
         changes = ((theirs.keys() - state.keys(), "appears"), (state.keys() - theirs.keys(), "disappears"))
         for keys, what in changes:
@@ -217,16 +222,32 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
             tags = (("category", key_of[ident][0]),)
             freed(TraceEvent("free_requested", ident, size, tags=tags), ident)
             freed(TraceEvent("free_completed", ident, size, tags=tags), ident)
-        for ev in rec.events[start:end]:
-            if ev.action == "alloc":
-                local[ev.address] = made(ev)
-            elif ev.address in local:
-                freed(ev, local[ev.address])
+        # made() and freed() written out: this loop runs once per event of every step.
+        for ev, made_key in steps_of[length]:
+            if made_key is not None:
+                ident = next(counter)
+                same = state.get(made_key)
+                if same is None:
+                    state[made_key] = [ident]
+                else:
+                    same.append(ident)
+                key_of[ident] = made_key
+                local[ev.address] = ident
             else:
-                raise ConfigError(
-                    f"the step at length {length} frees a tensor made before the recording "
-                    "began; record it with its model and optimizer tracked"
-                )
+                found = local.get(ev.address)
+                if found is None:
+                    raise ConfigError(
+                        f"the step at length {length} frees a tensor made before the recording "
+                        "began; record it with its model and optimizer tracked"
+                    )
+                ident = found
+                if ev.action == "free_requested":
+                    freed_key = key_of.pop(ident)
+                    members = state[freed_key]
+                    members.remove(ident)
+                    if not members:
+                        del state[freed_key]
+            append(TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags))
     return TraceRecording(
         events=tuple(events),
         warnings=first.warnings,
