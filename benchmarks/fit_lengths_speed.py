@@ -78,7 +78,9 @@ def main() -> int:
     for setting in SETTINGS:
         proc = subprocess.run(
             [sys.executable, __file__, "--setting", setting],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)

@@ -100,6 +100,34 @@ def test_envelope_reports_worst_step_creep_and_remedies():
     assert not any(r.name.startswith("max length") for r in env.remedies)
 
 
+def test_remedies_replayed_in_forked_processes_are_the_one_at_a_time_ones():
+    """jobs=2: every remedy (allocator settings, largest first, --pad-to, the 95th-percentile
+    cap) is the same as one at a time, in the same order; each length is recorded once, here."""
+    lengths = [12, 14, 16, 18] * 5 + [40]
+    recorded = []
+
+    def record(length):
+        recorded.append(length)
+        return synthetic(length)
+
+    serial = predict_envelope(record, lengths, _target(), jobs=1)
+    forked = predict_envelope(record, lengths, _target(), jobs=2)
+    assert sorted(r.name for r in serial.remedies) == [
+        "--pad-to 256",
+        "--pad-to 64",
+        "expandable_segments:True",
+        "garbage_collection_threshold:0.8,per_process_memory_fraction:0.99",
+        "largest batch first",
+        "max length 18",
+        "max_split_size_mb:128",
+        "max_split_size_mb:512",
+    ]
+    assert forked.remedies == serial.remedies
+    assert forked.per_step_peak_reserved_bytes == serial.per_step_peak_reserved_bytes
+    assert sorted(recorded[: len(recorded) // 2]) == sorted(recorded[len(recorded) // 2 :])
+    assert len(set(recorded)) == len(recorded) // 2  # each length once per envelope
+
+
 def test_first_oom_step_is_counted_from_1():
     """Usable 50 MiB: a 100 MiB step (the third) runs out of memory; the replay stops there."""
     env = predict_envelope(synthetic, [12, 14, 100], _target(50), remedies=False)

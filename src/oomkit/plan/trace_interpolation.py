@@ -235,13 +235,17 @@ class TraceInterpolator:
         events = template.events
         count = len(events)
         new_events = tuple(
-            e if e.size == size else TraceEvent(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
+            e
+            if e.size == size
+            else TraceEvent(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
             for e, size in zip(events, values[:count], strict=True)
         )
         changes: dict[str, Any] = {"events": new_events}
         by_category = getattr(template, "bytes_by_category", None)
         if by_category:
-            changes["bytes_by_category"] = dict(zip(sorted(by_category), values[count:], strict=True))
+            changes["bytes_by_category"] = dict(
+                zip(sorted(by_category), values[count:], strict=True)
+            )
         return dataclasses.replace(template, **changes)
 
     def _synthesized_sizes(self, batch_size: int) -> tuple[int, tuple[int, ...], int] | None:

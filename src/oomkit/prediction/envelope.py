@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -162,7 +163,9 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
         key = _key(ev)
         state.setdefault(key, []).append(ident)
         key_of[ident] = key
-        events.append(TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags))
+        events.append(
+            TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags)
+        )
         return ident
 
     def freed(ev: TraceEvent, ident: int) -> None:
@@ -171,7 +174,9 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
             state[key].remove(ident)
             if not state[key]:
                 del state[key]
-        events.append(TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags))
+        events.append(
+            TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags)
+        )
 
     first = recordings[order[0]]
     ids: dict[int, int] = {}
@@ -198,7 +203,10 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
     append = events.append
     for length in order[1:]:
         their_live, theirs = steady[length]
-        changes = ((theirs.keys() - state.keys(), "appears"), (state.keys() - theirs.keys(), "disappears"))
+        changes = (
+            (theirs.keys() - state.keys(), "appears"),
+            (state.keys() - theirs.keys(), "disappears"),
+        )
         for keys, what in changes:
             for key in sorted(keys):
                 if key[0] not in SWAPPED_CATEGORIES:
@@ -215,7 +223,9 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
                 for ident in group:  # the next batch, made before the last one is released
                     local[ident] = made(their_live[ident])
             else:
-                raise ConfigError(_state_error(length, key, f"counts {len(group)}, not {len(mine)}"))
+                raise ConfigError(
+                    _state_error(length, key, f"counts {len(group)}, not {len(mine)}")
+                )
         old_batch.extend(i for k in state.keys() - theirs.keys() for i in state[k])
         for ident in old_batch:
             size = key_of[ident][2]
@@ -328,6 +338,7 @@ def predict_envelope(
     remedies: bool = True,
     description: str | Callable[[], str] = "",
     progress: Callable[[str], None] | None = None,
+    jobs: int | None = 1,
 ) -> Envelope:
     """Record each distinct padded length once, replay the whole run, and price remedies.
 
@@ -345,6 +356,8 @@ def predict_envelope(
         description: what is predicted, for reports (or a function giving it once the first
             length is recorded).
         progress: called with a short line before each recording and replay.
+        jobs: processes that replay the remedies (None: one per CPU core; 1: one at a time,
+            here); forked after every length they need is recorded, with the same results.
 
     Raises:
         ConfigError: a bad lengths list, steps or pad_to, or a length above ``max_length``.
@@ -370,14 +383,15 @@ def predict_envelope(
     # The last run spliced: the allocator-setting remedies replay the run itself again.
     last: list[tuple[tuple[int, ...], TraceRecording]] = []
 
-    def run(run_order_: Sequence[int], tgt: Target) -> Prediction:
+    def run(run_order_: Sequence[int], tgt: Target, quiet: bool = False) -> Prediction:
         key = tuple(run_order_)
         if last and last[0][0] == key:
             spliced = last[0][1]
         else:
             spliced = splice_run(recorded(run_order_), run_order_)
             last[:] = [(key, spliced)]
-        say(f"replaying {len(run_order_)} steps ({tgt.alloc_conf or 'default settings'})")
+        if not quiet:
+            say(f"replaying {len(run_order_)} steps ({tgt.alloc_conf or 'default settings'})")
         text = description() if callable(description) else description
         return predict_recording(spliced, target=tgt, description=text)
 
@@ -393,17 +407,26 @@ def predict_envelope(
 
     if remedies:
         from oomkit.core.allocator import AllocatorConfig
+        from oomkit.core.replay.parallel import run_forked
 
+        # Each remedy: (name, note, run order, target). Found first, their lengths recorded
+        # here, then the runs replayed, in forked processes when jobs allows (tracing stays in
+        # this one).
+        runs: list[tuple[str, str, tuple[int, ...], Target]] = []
         for setting in REMEDY_SETTINGS:
             text = ",".join(x for x in (target.alloc_conf, setting) if x)
             try:
                 config = AllocatorConfig.parse(text, torch_version=target.torch_version)
             except ConfigError:
                 continue  # not a setting this release accepts (or not with the user's)
-            priced(setting, run(order, dataclasses.replace(target, allocator_config=config)))
+            runs.append(
+                (setting, "", tuple(order), dataclasses.replace(target, allocator_config=config))
+            )
         first = run_order(lengths, steps=steps, pad_to=pad_to, seed=seed, largest_first=True)
         if first != order:
-            priced("largest batch first", run(first, target), "moves the longest step to the front")
+            runs.append(
+                ("largest batch first", "moves the longest step to the front", tuple(first), target)
+            )
         for bucket in REMEDY_PAD_TO:
             if bucket <= pad_to:
                 continue
@@ -413,17 +436,24 @@ def predict_envelope(
             new = set(bucketed) - set(recordings)
             if len(new) > MAX_NEW_RECORDINGS:
                 continue
-            priced(f"--pad-to {bucket}", run(bucketed, target), f"{len(set(bucketed))} shapes")
+            recorded(bucketed)
+            runs.append(
+                (f"--pad-to {bucket}", f"{len(set(bucketed))} shapes", tuple(bucketed), target)
+            )
         ranked = sorted(order)
         cap = ranked[min(len(ranked) - 1, int(CAP_PERCENTILE * len(ranked)))]
         if cap < longest:
             capped = tuple(min(n, cap) for n in order)
             cut = sum(1 for n in order if n > cap)
-            priced(
-                f"max length {cap}",
-                run(capped, target),
-                f"truncates {cut} of {len(order)} steps (the longest {100 - int(CAP_PERCENTILE * 100)}%)",
-            )
+            note = f"truncates {cut} of {len(order)} steps (the longest {100 - int(CAP_PERCENTILE * 100)}%)"
+            runs.append((f"max length {cap}", note, capped, target))
+        say(f"replaying {len(runs)} remedies over {len(order)} steps")
+        predictions = run_forked(
+            [functools.partial(run, run_order_, tgt, quiet=True) for _, _, run_order_, tgt in runs],
+            jobs=jobs,
+        )
+        for (name, note, _, _), pred in zip(runs, predictions, strict=True):
+            priced(name, pred, note)
     return envelope_from_prediction(
         order,
         prediction,

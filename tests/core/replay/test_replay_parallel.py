@@ -136,3 +136,23 @@ def test_replay_inputs_are_prepared_once_per_snapshot_and_dropped_with_it():
     del snapshot, inputs
     gc.collect()
     assert key not in _prepared._CACHE
+
+
+def test_run_forked_returns_the_one_at_a_time_results_and_errors():
+    """Closures (never pickled) run in 2 forked workers: results in task order, each from its
+    own process; the first failing task in order raises its own error."""
+    from oomkit.core.replay.parallel import run_forked
+
+    base = [10]  # reaches the workers through fork
+    tasks = [lambda i=i: (base[0] + i, os.getpid()) for i in range(5)]
+    serial = run_forked(tasks, jobs=1)
+    forked = run_forked(tasks, jobs=2)
+    assert [r for r, _ in serial] == [r for r, _ in forked] == [10, 11, 12, 13, 14]
+    assert {pid for _, pid in serial} == {os.getpid()}
+    assert os.getpid() not in {pid for _, pid in forked}
+
+    def fails(message):
+        raise ValueError(message)
+
+    with pytest.raises(ValueError, match="first"):
+        run_forked([lambda: 1, lambda: fails("first"), lambda: fails("second")], jobs=2)

@@ -88,6 +88,7 @@ EXPECTED = {
         "--hf",
         "--html",
         "--image-size",
+        "--jobs",
         "--json",
         "--lengths",
         "--lora",

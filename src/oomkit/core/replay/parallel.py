@@ -1,8 +1,9 @@
 """Replaying one workload under several allocator settings, across processes when asked.
 
-``tune`` and ``replay --what-if`` replay the same trace under many settings. Each replay is
-deterministic and independent of the others, so they can run in a pool of forked processes
-and give exactly the one-at-a-time results, in the same order.
+``tune`` and ``replay --what-if`` replay the same trace under many settings, and an epoch
+envelope (``predict --lengths``) replays its run once per remedy. Each replay is deterministic
+and independent of the others, so they can run in a pool of forked processes and give exactly
+the one-at-a-time results, in the same order (``run_forked``; ``replay_settings`` for settings).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from functools import partial
+from typing import Any, TypeVar
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.replay.result import ReplayResult
 from oomkit.errors import AllocatorUsageError
 
-__all__ = ["replay_settings", "worker_count"]
+__all__ = ["replay_settings", "run_forked", "worker_count"]
 
 ReplayFunction = Callable[[AllocatorConfig], ReplayResult]
 Progress = Callable[[int, int], None]
+T = TypeVar("T")
 
 
 def worker_count(jobs: int | None, settings: int) -> int:
@@ -63,46 +67,62 @@ def replay_settings(
         AllocatorUsageError: ``jobs`` is not a positive int or None.
         OomkitError: the first failing setting's error (in ``configs`` order), as one at a time.
     """
-    total = len(configs)
+    return run_forked([partial(replay, config) for config in configs], jobs=jobs, progress=progress)
+
+
+def run_forked(
+    tasks: Sequence[Callable[[], T]], *, jobs: int | None = 1, progress: Progress | None = None
+) -> list[T]:
+    """``[task() for task in tasks]``, run ``jobs`` at a time in forked processes.
+
+    Args:
+        tasks: the work, each a function of no arguments; they reach the workers through
+            ``fork``, never pickled (closures are fine); what they return is pickled back.
+        jobs: processes to use (None: one per CPU core; 1: one at a time in this process).
+        progress: called as ``progress(done, total)``, with ``done`` = 0 before the first
+            task and after each one finishes.
+
+    Returns:
+        One result per task, in ``tasks`` order: the results of the one-at-a-time loop.
+
+    Raises:
+        AllocatorUsageError: ``jobs`` is not a positive int or None.
+        Exception: the first failing task's error (in ``tasks`` order), as one at a time.
+    """
+    total = len(tasks)
     workers = worker_count(jobs, total)
     if progress is not None:
         progress(0, total)
     if workers > 1:
-        return _replay_in_pool(replay, list(configs), workers, progress)
+        return _run_in_pool(list(tasks), workers, progress)
     results = []
-    for done, config in enumerate(configs, start=1):
-        results.append(replay(config))
+    for done, task in enumerate(tasks, start=1):
+        results.append(task())
         if progress is not None:
             progress(done, total)
     return results
 
 
-# The replay function, in a worker process: inherited through fork, never pickled.
-_WORKER_REPLAY: ReplayFunction | None = None
+# The tasks, in a worker process: inherited through fork, never pickled.
+_WORKER_TASKS: list[Callable[[], Any]] = []
 
 
-def _init_worker(replay: ReplayFunction) -> None:
-    global _WORKER_REPLAY
-    _WORKER_REPLAY = replay
+def _init_worker(tasks: list[Callable[[], Any]]) -> None:
+    _WORKER_TASKS[:] = tasks
 
 
-def _replay_one(config: AllocatorConfig) -> ReplayResult:
-    assert _WORKER_REPLAY is not None, "the worker was started without its replay function"
-    return _WORKER_REPLAY(config)
+def _run_one(index: int) -> Any:
+    assert _WORKER_TASKS, "the worker was started without its tasks"
+    return _WORKER_TASKS[index]()
 
 
-def _replay_in_pool(
-    replay: ReplayFunction,
-    configs: list[AllocatorConfig],
-    workers: int,
-    progress: Progress | None,
-) -> list[ReplayResult]:
-    """Every config replayed in a pool of forked processes; results in ``configs`` order."""
+def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress | None) -> list[T]:
+    """Every task run in a pool of forked processes; results in ``tasks`` order."""
     context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(replay,)) as pool:
-        futures = [pool.submit(_replay_one, config) for config in configs]
+    with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(tasks,)) as pool:
+        futures = [pool.submit(_run_one, index) for index in range(len(tasks))]
         if progress is not None:
             for done, _ in enumerate(as_completed(futures), start=1):
-                progress(done, len(configs))
-        # In order, so the first failing setting's error is raised, as one at a time.
+                progress(done, len(tasks))
+        # In order, so the first failing task's error is raised, as one at a time.
         return [future.result() for future in futures]

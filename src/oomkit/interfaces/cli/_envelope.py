@@ -42,11 +42,14 @@ COMPILED_LENGTHS = (
 
 
 def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
-    """--lengths, --pad-to, --seed and --html (the envelope page)."""
+    """--lengths, --pad-to, --seed, --html (the envelope page) and --jobs (its remedies)."""
+    from oomkit.interfaces.cli._progress import add_jobs_flag
+
     add_lengths_flags(parser)
     parser.add_argument(
         "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
+    add_jobs_flag(parser, what="remedies of --lengths (each a replay of the whole run)")
 
 
 def add_lengths_flags(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +101,12 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
 
     with user_errors(lambda: (args.target, raised)):
         env = predict_envelope(
-            record, lengths, target, description=lambda: description, **_run_options(args)
+            record,
+            lengths,
+            target,
+            description=lambda: description,
+            jobs=args.jobs,
+            **_run_options(args),
         )
     if args.html is not None:
         write_envelope_html(args.html, env)

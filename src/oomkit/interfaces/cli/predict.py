@@ -97,8 +97,12 @@ def run(args: argparse.Namespace) -> int:
         require_torch("oomkit predict --hf", extra="hf")
     else:
         require_torch("oomkit predict")
-    if args.lengths is None and (args.html is not None or args.seed is not None or args.pad_to != 1):
-        raise OomkitError("--html, --seed and --pad-to go with --lengths FILE (the epoch envelope)")
+    if args.lengths is None and (
+        args.html is not None or args.seed is not None or args.pad_to != 1 or args.jobs is not None
+    ):
+        raise OomkitError(
+            "--html, --seed, --pad-to and --jobs go with --lengths FILE (the epoch envelope)"
+        )
     if args.compile and target.parallel is not None:
         raise OomkitError(
             "--compile is not modelled for sharded steps (--fsdp, --tp, --dp): the recorder of "
