@@ -107,7 +107,7 @@ class Envelope:
 
 
 def _key(event: TraceEvent) -> _Key:
-    return (event.tag("category", "") or "", event.tag("module", "") or "", event.size)
+    return (event.tag("category", ""), event.tag("module", ""), event.size)
 
 
 def _live_at(events: Sequence[TraceEvent], stop: int) -> dict[int, TraceEvent]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, overload
 
 __all__ = [
     "ACTIONS",
@@ -68,6 +68,12 @@ class TraceEvent:
     time_us: int | None = None
     frames: tuple[Frame, ...] = ()
     tags: tuple[tuple[str, str], ...] = ()
+
+    @overload
+    def tag(self, key: str) -> str | None: ...
+
+    @overload
+    def tag(self, key: str, default: str) -> str: ...
 
     def tag(self, key: str, default: str | None = None) -> str | None:
         """The value of tag ``key`` (the last, as ``dict(tags)`` keeps), else ``default``;
