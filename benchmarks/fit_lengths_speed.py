@@ -21,9 +21,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
+
+from _children import ChildFailed, emit, run_child
 
 SETTINGS = ("interpolated", "traced")
 STEPS = 200
@@ -76,16 +77,10 @@ def main() -> int:
     machine = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
     settings = {}
     for setting in SETTINGS:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--setting", setting],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr)
-            return proc.returncode
-        result = settings[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            result = settings[setting] = run_child(__file__, "--setting", setting)
+        except ChildFailed as failed:
+            return failed.returncode
         print(
             f"{setting:>12}: batch {result['batch_size']} after {len(result['probes'])} probes, "
             f"{result['traces']} recordings traced, {result['synthesized']} synthesized "
@@ -97,11 +92,7 @@ def main() -> int:
         print("interpolation changed the answer or a probe's worst step", file=sys.stderr)
         return 1
     machine["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    line = json.dumps({"settings": settings, "machine": machine})
-    print(line)
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as out:
-            out.write(line + "\n")
+    emit({"settings": settings, "machine": machine}, args.write)
     return 0
 
 

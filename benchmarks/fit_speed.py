@@ -35,10 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
+
+from _children import ChildFailed, emit, run_child
 
 # --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
 # `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
@@ -143,12 +144,10 @@ def main() -> int:
              "case": args.case}
     settings = {}
     for setting in SETTINGS:
-        proc = subprocess.run([sys.executable, __file__, "--setting", setting, "--case", args.case],
-                              capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr)
-            return proc.returncode
-        result = settings[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            result = settings[setting] = run_child(__file__, "--setting", setting, "--case", args.case)
+        except ChildFailed as failed:
+            return failed.returncode
         later = result["later_probes_cpu_s"]
         print(f"{setting:>12}: batch {result['batch_size']} after {len(result['sizes'])} sizes "
               f"({result['sizes']}; {result['traces']} traced, {result['synthesized']} "
@@ -165,11 +164,7 @@ def main() -> int:
             print(f"{setting} changed the answer or a probe's peaks", file=sys.stderr)
             return 1
     state["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    line = json.dumps({"settings": settings, "machine": state})
-    print(line)
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as out:
-            out.write(line + "\n")
+    emit({"settings": settings, "machine": state}, args.write)
     return 0
 
 
