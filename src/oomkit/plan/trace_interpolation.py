@@ -155,8 +155,10 @@ class TraceInterpolator:
         self._structures: list[tuple[Any, ...]] = []  # distinct structures; ids index it
         self._traced: dict[int, tuple[int, tuple[int, ...], Any]] = {}  # batch: (id, sizes, rec)
         self._fits: dict[tuple[int, ...], AffineSizes | None] = {}  # by (nearest two, *run)
-        # What synthesize made, by batch: (structure id, sizes, nearest traced batch).
-        self._made: dict[int, tuple[int, tuple[int, ...], int]] = {}
+        # What synthesize made, by batch: (structure id, the affine sizes it used), shared by
+        # every batch synthesized from one fit (not each batch's sizes: a long search makes many).
+        self._made: dict[int, tuple[int, AffineSizes]] = {}
+        self._nearest: dict[int, int] = {}  # the template of the last fit found, by batch
 
     @property
     def traced_batches(self) -> tuple[int, ...]:
@@ -181,8 +183,11 @@ class TraceInterpolator:
             index = len(self._structures)
             self._structures.append(structure)
         sizes = _sizes(recording)
-        expected = self._made.pop(batch_size, None) or self._synthesized_sizes(batch_size)
-        differs = expected is not None and (expected[0] != index or expected[1] != sizes)
+        differs = False
+        made = self._made.pop(batch_size, None) or self._fit_at(batch_size)
+        if made is not None:
+            expected = synthesize_sizes(made[1], batch_size)
+            differs = expected is not None and (made[0] != index or expected != sizes)
         self._traced[batch_size] = (index, sizes, recording)
         self._fits.clear()
         return differs
@@ -226,12 +231,12 @@ class TraceInterpolator:
         ``a + b * batch_size``; its bytes per category likewise; every other field is that
         recording's.
         """
-        made = self._synthesized_sizes(batch_size)
-        if made is None:
+        made = self._fit_at(batch_size)
+        values = None if made is None else synthesize_sizes(made[1], batch_size)
+        if made is None or values is None:
             return None
         self._made[batch_size] = made
-        _, values, nearest = made
-        template = self._traced[nearest][2]
+        template = self._traced[self._nearest[batch_size]][2]
         events = template.events
         count = len(events)
         new_events = tuple(
@@ -248,9 +253,9 @@ class TraceInterpolator:
             )
         return dataclasses.replace(template, **changes)
 
-    def _synthesized_sizes(self, batch_size: int) -> tuple[int, tuple[int, ...], int] | None:
-        """(structure id, sizes, nearest traced batch) of the recording ``synthesize`` would
-        make at ``batch_size``; ``None`` where it would make none."""
+    def _fit_at(self, batch_size: int) -> tuple[int, AffineSizes] | None:
+        """(structure id, affine sizes) ``synthesize`` would use at ``batch_size``; ``None``
+        where there is no run or its sizes are not affine. Notes the nearest traced batch."""
         basis = self.basis(batch_size)
         if basis is None:
             return None
@@ -259,10 +264,8 @@ class TraceInterpolator:
         affine = self._fits[basis]
         if affine is None:
             return None
-        values = synthesize_sizes(affine, batch_size)
-        if values is None:
-            return None
-        return self._id(basis[0]), values, basis[0]
+        self._nearest[batch_size] = basis[0]
+        return self._id(basis[0]), affine
 
     def _id(self, batch_size: int) -> int:
         return self._traced[batch_size][0]
