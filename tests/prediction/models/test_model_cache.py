@@ -89,11 +89,15 @@ def test_a_model_changed_since_it_was_built_is_built_again(change):
 
 
 def test_keys_leave_out_the_batch_and_refuse_what_cannot_be_shared():
-    """The batch is not part of the key; off the meta device or under torch.compile: no key."""
+    """The batch and the sequence length are not part of the key (the image size and the mode
+    are); off the meta device or under torch.compile: no key."""
     a = model_cache_key("preset", "gpt2-124m", StepOptions(batch_size=2), "meta")
     b = model_cache_key("preset", "gpt2-124m", StepOptions(batch_size=64), "meta")
     assert a is not None and a == b
-    assert a != model_cache_key("preset", "gpt2-124m", StepOptions(batch_size=2, seq_len=8), "meta")
+    assert a == model_cache_key("preset", "gpt2-124m", StepOptions(batch_size=2, seq_len=8), "meta")
+    assert a != model_cache_key("preset", "vit-b16", StepOptions(image_size=384), "meta")
+    assert a != model_cache_key("preset", "gpt2-124m", StepOptions(image_size=384), "meta")
+    assert a != model_cache_key("preset", "gpt2-124m", StepOptions(mode="inference"), "meta")
     assert model_cache_key("preset", "gpt2-124m", StepOptions(batch_size=2), "cpu") is None
     assert model_cache_key("preset", "gpt2-124m", StepOptions(compile=True), "meta") is None
     assert model_cache_key("preset", ["unhashable"], StepOptions(), "meta") is None
@@ -125,6 +129,34 @@ def _same_recordings(build, batches):
         )
         assert shared == fresh, batch
     return cache
+
+
+def test_steps_of_other_lengths_share_one_model_and_record_as_fresh_builds():
+    """GPT-2 (the preset) and a Llama from a config at seq 16, 48, 32 (as --lengths records
+    them): one model each, every recording event for event a fresh build's."""
+    pytest.importorskip("transformers")
+    builders = {
+        "preset": lambda s: build_preset_step(
+            "gpt2-124m", StepOptions(batch_size=2, seq_len=s, precision="bf16-mixed")
+        ),
+        "hf": lambda s: build_hf_step(
+            tiny_llama_config(bos_token_id=0, eos_token_id=0),
+            StepOptions(batch_size=2, seq_len=s, precision="bf16-mixed"),
+        ),
+    }
+    for name, build in builders.items():
+        cache = ModelCache()
+        for length in (16, 48, 32):
+
+            def at_length(_batch, seq=length, make=build):
+                return make(seq)
+
+            shared, fresh = (
+                record_step(at_length, "train step", 2, target=H100, steps=2, models=m)[0]
+                for m in (cache, None)
+            )
+            assert shared == fresh, (name, length)
+        assert (cache.builds, cache.reuses) == (1, 2), name
 
 
 def test_resnet_with_batchnorm_buffers_records_identically_when_shared():

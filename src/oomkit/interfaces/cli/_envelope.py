@@ -123,12 +123,16 @@ def _recorder(args: argparse.Namespace, target: Target, command: str, raised: li
     """``(batch, length) -> (two-step recording, description)`` of TARGET; what the user's code
     raised is kept in ``raised`` for the error message."""
     from oomkit.interfaces.cli._workload import build_workload, user_output_to_stderr
+    from oomkit.plan.batch_probe import new_model_cache
     from oomkit.prediction.tracing import trace_step
+
+    # One model for every length and batch recorded (model_cache.py: its key leaves both out).
+    models = new_model_cache()
 
     def record(batch: int | None, length: int) -> tuple[Any, str]:
         shaped = copy.copy(args)
         shaped.seq = length
-        with user_output_to_stderr():
+        with user_output_to_stderr(), models.active():
             workload = build_workload(shaped, batch, command)
         raised[:] = workload.raised
         step_fn = workload.step_fn

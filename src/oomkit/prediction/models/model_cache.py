@@ -108,12 +108,14 @@ def active_model_cache() -> ModelCache | None:
 
 
 def model_cache_key(kind: str, name: Any, options: Any, device: str, *extra: Any) -> Hashable | None:
-    """What a model depends on: everything that builds it but the batch; ``None`` (do not
-    share) off the meta device, under ``torch.compile`` (dynamo keeps per-module guards and may
-    recompile a shared module with a dynamic batch) or when a part cannot be hashed."""
+    """What a model depends on: everything that builds it but the batch and the sequence length
+    (they size the inputs: neither a preset's build nor ``from_config`` reads them, so the runs of
+    ``--lengths`` share one model too); ``None`` (do not share) off the meta device, under
+    ``torch.compile`` (dynamo keeps per-module guards and may recompile a shared module with a
+    dynamic batch) or when a part cannot be hashed."""
     if device != "meta" or getattr(options, "compile", False):
         return None
-    key = (kind, name, dataclasses.replace(options, batch_size=1), device, *extra)
+    key = (kind, name, dataclasses.replace(options, batch_size=1, seq_len=None), device, *extra)
     try:
         hash(key)
     except TypeError:
