@@ -61,7 +61,7 @@ from oomkit.plan.batch_probe import (
 )
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
-from oomkit.plan.trace_interpolation import TraceInterpolator
+from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpolator
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.units import format_bytes
 
@@ -317,9 +317,8 @@ def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:
     )
 
 
-# Searches with interpolation before one with traces only: each difference found adds traces
-# on the far side of a change of code path, so a second search rarely differs again.
-_SEARCHES = 3
+# Searches with interpolation before one with traces only (a name of its own: tests lower it).
+_SEARCHES = INTERPOLATED_SEARCHES
 
 
 def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int | None]:

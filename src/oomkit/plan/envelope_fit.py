@@ -23,14 +23,11 @@ from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import resolve_margin
 from oomkit.plan.frozen_heap import frozen_heap
-from oomkit.plan.trace_interpolation import TraceInterpolator
+from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpolator
 from oomkit.prediction.envelope import Envelope, predict_envelope
 from oomkit.prediction.tracing.recording import TraceRecording
 
 __all__ = ["EnvelopeFit", "EnvelopeProbe", "max_batch_for_run"]
-
-# Searches with interpolation before one with traces only (as batch_search._SEARCHES).
-_SEARCHES = 3
 
 
 @dataclass(frozen=True)
@@ -196,7 +193,7 @@ def max_batch_for_run(
         searches = 1
         while recordings.interpolating and not confirmed([b for b in (low, high) if b]):
             searches += 1
-            recordings.start_over(interpolate=searches < _SEARCHES)
+            recordings.start_over(interpolate=searches < INTERPOLATED_SEARCHES)
             for batch in [b for b, p in probes.items() if p.synthesized]:
                 del probes[batch]
             order.clear()

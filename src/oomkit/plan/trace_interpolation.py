@@ -27,6 +27,7 @@ from typing import Any
 from oomkit.core.trace import TraceEvent
 
 __all__ = [
+    "INTERPOLATED_SEARCHES",
     "AffineSizes",
     "TraceInterpolator",
     "affine_sizes",
@@ -38,6 +39,11 @@ __all__ = [
 # The recording fields that may change with the batch: the events' sizes (compared apart) and
 # the bytes per category (sums of those sizes). Every other field must be equal at every batch.
 _SIZED_FIELDS = ("events", "bytes_by_category")
+
+# Searches a caller runs with synthesized recordings before one with traces only: each difference
+# found adds traces on the far side of a change of code path, so a second search rarely differs
+# again (max_batch_size, max_batch_for_run).
+INTERPOLATED_SEARCHES = 3
 
 # Intercepts and slopes, one pair per value: value(batch) = intercepts[i] + slopes[i] * batch.
 AffineSizes = tuple[tuple[int, ...], tuple[int, ...]]
@@ -158,7 +164,6 @@ class TraceInterpolator:
         # What synthesize made, by batch: (structure id, the affine sizes it used), shared by
         # every batch synthesized from one fit (not each batch's sizes: a long search makes many).
         self._made: dict[int, tuple[int, AffineSizes]] = {}
-        self._nearest: dict[int, int] = {}  # the template of the last fit found, by batch
 
     @property
     def traced_batches(self) -> tuple[int, ...]:
@@ -184,7 +189,10 @@ class TraceInterpolator:
             self._structures.append(structure)
         sizes = _sizes(recording)
         differs = False
-        made = self._made.pop(batch_size, None) or self._fit_at(batch_size)
+        made = self._made.pop(batch_size, None)
+        if made is None:
+            fit = self._fit_at(batch_size)
+            made = None if fit is None else (fit[0], fit[1])
         if made is not None:
             expected = synthesize_sizes(made[1], batch_size)
             differs = expected is not None and (made[0] != index or expected != sizes)
@@ -231,12 +239,15 @@ class TraceInterpolator:
         ``a + b * batch_size``; its bytes per category likewise; every other field is that
         recording's.
         """
-        made = self._fit_at(batch_size)
-        values = None if made is None else synthesize_sizes(made[1], batch_size)
-        if made is None or values is None:
+        fit = self._fit_at(batch_size)
+        if fit is None:
             return None
-        self._made[batch_size] = made
-        template = self._traced[self._nearest[batch_size]][2]
+        index, affine, nearest = fit
+        values = synthesize_sizes(affine, batch_size)
+        if values is None:
+            return None
+        self._made[batch_size] = (index, affine)
+        template = self._traced[nearest][2]
         events = template.events
         count = len(events)
         new_events = tuple(
@@ -253,9 +264,9 @@ class TraceInterpolator:
             )
         return dataclasses.replace(template, **changes)
 
-    def _fit_at(self, batch_size: int) -> tuple[int, AffineSizes] | None:
-        """(structure id, affine sizes) ``synthesize`` would use at ``batch_size``; ``None``
-        where there is no run or its sizes are not affine. Notes the nearest traced batch."""
+    def _fit_at(self, batch_size: int) -> tuple[int, AffineSizes, int] | None:
+        """(structure id, affine sizes, nearest traced batch) ``synthesize`` would use at
+        ``batch_size``; ``None`` where there is no run or its sizes are not affine."""
         basis = self.basis(batch_size)
         if basis is None:
             return None
@@ -264,8 +275,7 @@ class TraceInterpolator:
         affine = self._fits[basis]
         if affine is None:
             return None
-        self._nearest[batch_size] = basis[0]
-        return self._id(basis[0]), affine
+        return self._id(basis[0]), affine, basis[0]
 
     def _id(self, batch_size: int) -> int:
         return self._traced[batch_size][0]

@@ -110,6 +110,14 @@ def _key(event: TraceEvent) -> _Key:
     return (event.tag("category", ""), event.tag("module", ""), event.size)
 
 
+def _renumbered(event: TraceEvent, ident: int) -> TraceEvent:
+    """``event`` under the run's id ``ident`` (built directly: ``dataclasses.replace`` per event
+    of a hundreds-of-steps run cost more than its replay)."""
+    return TraceEvent(
+        event.action, ident, event.size, event.stream, event.time_us, event.frames, event.tags
+    )
+
+
 def _live_at(events: Sequence[TraceEvent], stop: int) -> dict[int, TraceEvent]:
     """id -> its alloc event, for every allocation live before ``events[stop]``."""
     live: dict[int, TraceEvent] = {}
@@ -156,16 +164,12 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
     state: dict[_Key, list[int]] = {}
     key_of: dict[int, _Key] = {}
 
-    # The events under their run ids (built directly: dataclasses.replace per event of a
-    # hundreds-of-steps run cost more than its replay).
     def made(ev: TraceEvent) -> int:
         ident = next(counter)
         key = _key(ev)
         state.setdefault(key, []).append(ident)
         key_of[ident] = key
-        events.append(
-            TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags)
-        )
+        events.append(_renumbered(ev, ident))
         return ident
 
     def freed(ev: TraceEvent, ident: int) -> None:
@@ -174,9 +178,7 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
             state[key].remove(ident)
             if not state[key]:
                 del state[key]
-        events.append(
-            TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags)
-        )
+        events.append(_renumbered(ev, ident))
 
     first = recordings[order[0]]
     ids: dict[int, int] = {}
@@ -257,7 +259,7 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
                     members.remove(ident)
                     if not members:
                         del state[freed_key]
-            append(TraceEvent(ev.action, ident, ev.size, ev.stream, ev.time_us, ev.frames, ev.tags))
+            append(_renumbered(ev, ident))
     return TraceRecording(
         events=tuple(events),
         warnings=first.warnings,
