@@ -43,19 +43,64 @@ def test_other_strides_or_arguments_are_other_keys():
     assert (memo.hits, memo.misses) == (0, 5)
 
 
-def test_views_inplace_ops_and_padded_buffers_are_never_remembered():
-    """Outputs that alias an input, mutated arguments and a result larger than its extent run
-    every time."""
+def test_views_out_variants_and_padded_buffers_are_never_remembered():
+    """Outputs that alias an input, an ``out=`` argument written and a result larger than its
+    extent run every time."""
     memo = MetaMemo()
-    a = _meta(4, 4)
+    a, out = _meta(4, 4), _meta(4, 4)
     for _ in range(2):
         view = memo.run(aten.view.default, (a, [16]), {}, lambda: aten.view.default(a, [16]))
         assert view.untyped_storage()._cdata == a.untyped_storage()._cdata
-        memo.run(aten.add_.Tensor, (a, a), {}, lambda: aten.add_.Tensor(a, a))
+        written = memo.run(aten.add.out, (a, a), {"out": out}, lambda: aten.add.out(a, a, out=out))
+        assert written is out
         # A kernel that returns the front of a bigger buffer: remade, the storage would shrink.
         padded = memo.run(aten.clone.default, (a,), {}, lambda: _meta(32)[:16].view(4, 4))
         assert padded.untyped_storage().nbytes() == 128
-    assert memo.hits == 0
+    # Only the clone was a candidate: run twice, remembered as not to be remembered.
+    assert (memo.hits, memo.misses) == (0, 2)
+
+
+def test_an_inplace_repeat_returns_its_first_argument_without_the_kernel():
+    """``add_`` returns ``self``, ``_foreach_addcdiv_`` nothing: a repeat on the same metadata
+    answers the same without running the kernel, for another tensor of that layout too."""
+    memo = MetaMemo()
+    a, b = _meta(4, 4), _meta(4, 4)
+    assert memo.run(aten.add_.Tensor, (a, a), {}, lambda: aten.add_.Tensor(a, a)) is a
+    again = memo.run(aten.add_.Tensor, (b, b), {}, lambda: pytest.fail("ran the kernel again"))
+    assert again is b
+    params, grads = [_meta(3), _meta(2, 5)], [_meta(3), _meta(2, 5)]
+    op = aten._foreach_addcdiv_.Scalar
+    call = (params, grads, grads, 0.5)
+    assert memo.run(op, call, {}, lambda: op(*call)) is None
+    assert memo.run(op, call, {}, lambda: pytest.fail("ran the kernel again")) is None
+    # Another scalar is another key: it runs.
+    other = (params, grads, grads, 0.25)
+    memo.run(op, other, {}, lambda: op(*other))
+    assert (memo.hits, memo.misses) == (2, 3)
+
+
+def test_an_inplace_op_that_changes_its_argument_or_raises_is_not_remembered():
+    """A kernel that changes the layout of what it writes (here one that resizes it) and an
+    in-place broadcast that cannot write its result (it raises) run again every time."""
+    memo = MetaMemo()
+    ran = []
+
+    def resizing(tensor: torch.Tensor) -> torch.Tensor:
+        ran.append("resize")
+        return tensor.resize_(8)
+
+    def broadcast(small: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+        ran.append("add_")
+        return aten.add_.Tensor(small, big)
+
+    for _ in range(2):
+        a = _meta(4)
+        assert memo.run(aten.add_.Tensor, (a, a), {}, lambda a=a: resizing(a)).shape == (8,)
+        small, big = _meta(4, 1), _meta(4, 4)
+        with pytest.raises(RuntimeError):
+            memo.run(aten.add_.Tensor, (small, big), {}, lambda s=small, b=big: broadcast(s, b))
+    assert ran == ["resize", "add_"] * 2
+    assert (memo.hits, memo.misses) == (0, 2)
 
 
 def _recording(enabled: bool):

@@ -19,6 +19,17 @@ Only what the kernel's result cannot depend on anything but the key is remembere
 - the outputs are a tensor or a tuple/list of tensors (or None), each a fresh, strided, contiguous
   storage of exactly its extent (offset 0, not shared with an input or another output); a
   result that is not like this is never remembered, and its op key is then always run.
+
+An in-place op (``add_``, ``copy_``, the optimizers' ``_foreach_addcdiv_``, ...) is remembered too
+when its meta kernel only checks its arguments: the schema writes only its first argument (a
+tensor or a list of them; no ``out=``, no ``inplace_view`` tag) and returns that argument or
+nothing, and the call returned exactly that (``self``, or None) with every written tensor's
+sizes, strides, offset, dtype and storage unchanged (``resize_`` to another size is not). A
+repeat returns ``self`` (or None) without running the kernel: on meta such a kernel allocates
+nothing the recorder sees, and the version counter is bumped above it (ADInplaceOrView). These
+were the optimizer step's costliest kernels: torch's meta ``_foreach_*_`` ops run the Python
+out-of-place kernel of every parameter (torch/_meta_registrations.py ``_register_inplace_meta``)
+and throw the results away.
 What a kernel raises is never remembered: the op runs again and raises again.
 """
 
@@ -51,6 +62,9 @@ _SKIP_TAGS = tuple(
     if tag is not None
 )
 _NOT_REMEMBERED = object()
+# What a remembered in-place op returned: its first argument, or nothing.
+_RETURNS_SELF = ("returns self",)
+_RETURNS_NONE = ("returns none",)
 
 
 class _Unkeyable(Exception):
@@ -85,14 +99,52 @@ def _key(value: Any) -> Any:
     raise _Unkeyable
 
 
-def _rememberable(func: Any) -> bool:
+# How an op may be remembered: its outputs' layouts, or (in place) what it returned.
+_OUT_OF_PLACE = "out of place"
+_IN_PLACE = "in place"
+
+
+def _rememberable(func: Any) -> str | None:
+    """``_OUT_OF_PLACE``, ``_IN_PLACE`` (writes only its first argument and returns it or
+    nothing), or None (never remembered)."""
     schema = getattr(func, "_schema", None)
-    if schema is None or schema.is_mutable:
-        return False
-    if any(r.alias_info is not None for r in schema.returns):
-        return False
+    if schema is None:
+        return None
     tags = getattr(func, "tags", ())
-    return not any(tag in tags for tag in _SKIP_TAGS)
+    if any(tag in tags for tag in _SKIP_TAGS):
+        return None
+    if not schema.is_mutable:
+        if any(r.alias_info is not None for r in schema.returns):
+            return None
+        return _OUT_OF_PLACE
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    first = schema.arguments[0] if schema.arguments else None
+    if first is None or written != [first] or first.kwarg_only:
+        return None
+    returns = schema.returns
+    if not returns:
+        return _IN_PLACE
+    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+        return _IN_PLACE
+    return None
+
+
+def _written_layout(value: Any) -> Any:
+    """What an in-place kernel must leave as it was: each written tensor's metadata and storage."""
+    tensors = value if type(value) in (list, tuple) else (value,)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return tuple(
+        (
+            tuple(t.shape),
+            t.stride(),
+            t.storage_offset(),
+            t.dtype,
+            t.untyped_storage()._cdata,
+            t.untyped_storage().nbytes(),
+        )
+        for t in tensors
+    )
 
 
 def _layout(out: Any, inputs: set[int]) -> Any:
@@ -168,7 +220,7 @@ class MetaMemo:
         self.enabled = True
         self._max_entries = max_entries
         self._results: dict[Any, Any] = {}
-        self._ops: dict[Any, bool] = {}
+        self._ops: dict[Any, str | None] = {}  # op: _rememberable's answer
         self.hits = 0
         self.misses = 0
 
@@ -183,10 +235,10 @@ class MetaMemo:
         meta tensors laid out as the remembered result of the same op on the same metadata."""
         if not self.enabled:
             return run()
-        rememberable = self._ops.get(func)
-        if rememberable is None:
-            rememberable = self._ops[func] = _rememberable(func)
-        if not rememberable:
+        kind = self._ops.get(func, False)
+        if kind is False:
+            kind = self._ops[func] = _rememberable(func)
+        if kind is None or (kind == _IN_PLACE and not args):
             return run()
         try:
             key = (func, _key(args), _key(tuple(kwargs.items())) if kwargs else None)
@@ -195,16 +247,41 @@ class MetaMemo:
         layout = self._results.get(key)
         if layout is not None and layout is not _NOT_REMEMBERED:
             self.hits += 1
+            if layout is _RETURNS_SELF:
+                return args[0]
+            if layout is _RETURNS_NONE:
+                return None
             # Made with no torch-function mode watching (the caller's dispatch mode is already
             # off the stack): the engine accounts the outputs when they are returned.
             with torch._C.DisableTorchFunction():
                 return _remake(layout)
+        remember = layout is None and len(self._results) < self._max_entries
+        if kind == _IN_PLACE:
+            before = _written_layout(args[0]) if remember else None
+            remember = remember and before is not None
+            out = run()
+            self.misses += 1
+            if remember:
+                self._results[key] = _in_place_result(out, args[0], before)
+            return out
         out = run()
         self.misses += 1
-        if layout is None and len(self._results) < self._max_entries:
+        if remember:
             inputs = {t.untyped_storage()._cdata for t in _input_tensors(args, kwargs)}
             self._results[key] = _layout(out, inputs)
         return out
+
+
+def _in_place_result(out: Any, written: Any, before: Any) -> Any:
+    """What to answer a repeat of an in-place op with, or ``_NOT_REMEMBERED`` when the kernel
+    returned something else or changed what it wrote to (its layout or storage)."""
+    if out is written:
+        returned = _RETURNS_SELF
+    elif out is None:
+        returned = _RETURNS_NONE
+    else:
+        return _NOT_REMEMBERED
+    return returned if _written_layout(written) == before else _NOT_REMEMBERED
 
 
 # One memo for the process: results depend only on the key, so predictions and a fit search's
