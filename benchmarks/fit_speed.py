@@ -3,10 +3,13 @@
 `oomkit fit gpt2-124m --gpu h100` (seq 1024, bf16-mixed, AdamW, 2 steps a probe, the default
 margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
 process per setting so that each starts cold (torch imported, nothing remembered):
-- ``interpolated``: as shipped: the caches below, and most sizes not traced at all: once three
+- ``parallel``: as `oomkit fit` runs a preset: ``interpolated``, with the sizes the search traces
+  next traced ahead in forked processes, one per CPU core (``max_batch_size(jobs=None)``): the
+  second size it learns from beside the first, the sizes its answer rests on beside each other;
+- ``interpolated``: the caches below, and most sizes not traced at all: once two
   traced sizes recorded one structure with sizes affine in the batch, the recordings of other
   sizes are synthesized and replayed (plan/trace_interpolation.py), and the answer and the size
-  above it are traced to confirm them;
+  above it are traced to confirm them; one process (``jobs=1``, the Python API's default);
 - ``cached``: ``interpolate=False``, every size traced; the search builds the model once and its
   probes share it (prediction/models/model_cache.py), and they share the meta-kernel memo
   (prediction/tracing/meta_memo.py), so a probe re-runs no meta kernel an earlier one ran on the
@@ -14,7 +17,10 @@ process per setting so that each starts cold (torch imported, nothing remembered
 - ``memo-only``: the memo, but a model built afresh for every probe (the model cache off);
 - ``plain``: neither: every probe builds its model and runs every op's kernel.
 Each probe is timed by the CPU time (``time.process_time``) between the search's progress
-callbacks; on a shared machine CPU time is the figure that does not move with the load. Where a
+callbacks; on a shared machine CPU time is the figure that does not move with the load. The
+whole search is timed in wall seconds too, and with ``parallel`` the CPU seconds of the forked
+processes (``os.times`` of the reaped children) are added to the search's CPU time; the wall
+ratio "search / first probe" is what a user waits for, the CPU ratio what the search costs. Where a
 probe's time goes is split into ``build`` (the builder: the model under ``torch.device("meta")``,
 of it ``model`` the model alone, found in the cache or built, and the optimizer and inputs),
 ``trace`` (recording the 2 steps, the CUDA emulations included), ``replay`` (the simulated
@@ -50,7 +56,7 @@ CASES = {
 }
 
 
-SETTINGS = ("interpolated", "cached", "memo-only", "plain")
+SETTINGS = ("parallel", "interpolated", "cached", "memo-only", "plain")
 
 
 def run_setting(setting: str, case: str) -> dict:
@@ -59,7 +65,7 @@ def run_setting(setting: str, case: str) -> dict:
     import torch._dynamo  # noqa: F401  (imported by torch on first use: not a probe's cost)
 
     import oomkit.plan.batch_probe as batch_probe
-    import oomkit.plan.batch_search as batch_search
+    import oomkit.plan.batch_prober as batch_prober
     import oomkit.plan.trace_interpolation as interpolation
     import oomkit.prediction.models.presets as presets
     import oomkit.prediction.tracing as tracing
@@ -72,15 +78,17 @@ def run_setting(setting: str, case: str) -> dict:
     preset, seq, gpu, rank = CASES[case]
     SHARED_MEMO.enabled = setting != "plain"
     if setting in ("memo-only", "plain"):  # a probe finds no cache and builds its own model
-        batch_search.new_model_cache = lambda: None  # type: ignore[attr-defined]
+        batch_prober.new_model_cache = lambda: None  # type: ignore[attr-defined]
     laps: list[float] = []
+    wall_laps: list[float] = []
     phases: list[dict[str, float]] = [{}]
-    mark = [time.process_time()]
+    mark = [time.process_time(), time.perf_counter()]
 
     def progress(done: int, total: int) -> None:
-        now = time.process_time()
+        now, wall = time.process_time(), time.perf_counter()
         laps.append(now - mark[0])
-        mark[0] = now
+        wall_laps.append(wall - mark[1])
+        mark[:] = [now, wall]
         phases.append({})
 
     def timed(name: str, fn: Any) -> Any:
@@ -97,7 +105,7 @@ def run_setting(setting: str, case: str) -> dict:
     presets.cached_model = timed("model", presets.cached_model)  # type: ignore[attr-defined]
     tracing.trace_step = timed("trace", tracing.trace_step)  # type: ignore[attr-defined]
     batch_probe.predict_recording = timed("replay", batch_probe.predict_recording)  # type: ignore[attr-defined]
-    batch_search.predict_recording = timed("replay", batch_search.predict_recording)  # type: ignore[attr-defined]
+    batch_prober.predict_recording = timed("replay", batch_prober.predict_recording)  # type: ignore[attr-defined]
     interpolator = interpolation.TraceInterpolator
     interpolator.synthesize = timed("synthesize", interpolator.synthesize)  # type: ignore[method-assign]
     interpolator.add = timed("learn", interpolator.add)  # type: ignore[method-assign]
@@ -108,9 +116,14 @@ def run_setting(setting: str, case: str) -> dict:
         return build_preset_step(preset, options)
 
     start_cpu, start_wall = time.process_time(), time.perf_counter()
+    start_children = _children_cpu_s()
+    mark[:] = [start_cpu, start_wall]
     result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress,
-                            interpolate=setting == "interpolated")
-    search_cpu_s = time.process_time() - start_cpu
+                            interpolate=setting in ("interpolated", "parallel"),
+                            jobs=None if setting == "parallel" else 1)
+    search_wall_s = time.perf_counter() - start_wall
+    children_cpu_s = _children_cpu_s() - start_children
+    search_cpu_s = time.process_time() - start_cpu + children_cpu_s
     later = {name: round(sum(p.get(name, 0.0) for p in phases[1:-1]), 2)
              for name in ("build", "model", "trace", "replay", "synthesize", "learn")}
     return {
@@ -124,11 +137,21 @@ def run_setting(setting: str, case: str) -> dict:
         "first_probe_cpu_s": round(laps[0], 2) if laps else None,
         "search_cpu_s": round(search_cpu_s, 2),
         "search_over_first_probe": round(search_cpu_s / laps[0], 2) if laps else None,
-        "search_wall_s": round(time.perf_counter() - start_wall, 2),
+        "children_cpu_s": round(children_cpu_s, 2),
+        "unused_ahead": result.unused_ahead,
+        "first_probe_wall_s": round(wall_laps[0], 2) if wall_laps else None,
+        "search_wall_s": round(search_wall_s, 2),
+        "search_wall_over_first_probe": round(search_wall_s / wall_laps[0], 2) if wall_laps else None,
         "later_probes_cpu_s": later,
         "memo_hits": SHARED_MEMO.hits,
         "memo_misses": SHARED_MEMO.misses,
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the forked processes this one has reaped (user and system)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def main() -> int:
@@ -152,8 +175,10 @@ def main() -> int:
         print(f"{setting:>12}: batch {result['batch_size']} after {len(result['sizes'])} sizes "
               f"({result['sizes']}; {result['traces']} traced, {result['synthesized']} "
               f"synthesized): first probe {result['first_probe_cpu_s']:.2f} s CPU, whole "
-              f"search {result['search_cpu_s']:.2f} s CPU ({result['search_wall_s']:.2f} s "
-              f"wall); search / first probe {result['search_over_first_probe']:.1f}; probes "
+              f"search {result['search_cpu_s']:.2f} s CPU, of it {result['children_cpu_s']:.2f} s "
+              f"in forked processes ({result['search_wall_s']:.2f} s wall); search / first "
+              f"probe {result['search_over_first_probe']:.1f} CPU, "
+              f"{result['search_wall_over_first_probe']:.1f} wall; probes "
               f"after the first: build {later['build']:.2f} s (model {later['model']:.2f}), "
               f"trace {later['trace']:.2f} s, replay {later['replay']:.2f} s, synthesize "
               f"{later['synthesize']:.2f} s, learn {later['learn']:.2f} s "

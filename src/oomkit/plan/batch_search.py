@@ -36,12 +36,12 @@ This module never imports torch at import time; a probe imports ``oomkit.predict
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.replay.parallel import process_count
 from oomkit.core.target import Target, resolve_target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import (
@@ -54,15 +54,12 @@ from oomkit.plan.batch_probe import (
     dedupe,
     default_margin_bytes,
     less_margin,
-    new_model_cache,
-    probe_record,
-    record_step,
     resolve_margin,
 )
+from oomkit.plan.batch_prober import BatchProber
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
-from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpolator
-from oomkit.prediction.predictor import Prediction, predict_recording
+from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -107,6 +104,8 @@ class BatchSearchResult:
         synthesized: recordings synthesized from traced ones and replayed instead of traced
             (``interpolate``; not in ``traces``); the probes they made are marked
             ``BatchProbe.synthesized``. The answer and the first failing batch never are.
+        unused_ahead: training steps started ahead in forked processes (``jobs``) that the
+            search did not need (stopped or thrown away; not in ``traces``).
         steps: training steps recorded per prediction.
         max_batch: the largest batch the search would try.
         description: what was searched ("GPT-2 124M, batch 12, ...", at the answer).
@@ -137,6 +136,7 @@ class BatchSearchResult:
     warnings: tuple[str, ...]
     target: Target | None = None
     synthesized: int = 0
+    unused_ahead: int = 0
 
     @property
     def answer(self) -> BatchProbe:
@@ -144,184 +144,11 @@ class BatchSearchResult:
         return next(p for p in self.curve if p.batch_size == self.batch_size)
 
 
-class _Prober:
-    """Predicts batch sizes once each, counting traces and reporting progress.
-
-    With ``interpolate``, a part (training or evaluation step) at a batch beside two traced
-    ones of one structure with sizes affine in the batch is not traced: its recording is
-    synthesized (``trace_interpolation.TraceInterpolator``) and replayed. ``confirm`` then traces
-    the batches an answer rests on; ``forget_synthesized`` and ``fall_back`` (which also stops
-    the interpolation) drop every synthesized probe for a search again.
-    """
-
-    def __init__(
-        self,
-        build_step: StepBuilder,
-        eval_step: StepBuilder | None,
-        *,
-        target: Target,
-        steps: int,
-        usable_bytes: int,
-        progress: Progress | None,
-        interpolate: bool,
-    ) -> None:
-        self._build_step = build_step
-        self._eval_step = eval_step
-        self._target = target  # the GPU less the margin
-        self._steps = steps
-        self._usable_bytes = usable_bytes
-        self._progress = progress
-        self.probes: dict[int, BatchProbe] = {}
-        self.order: list[int] = []
-        self.traces = 0  # recordings traced for real
-        self.synthesized = 0  # recordings synthesized instead (trace_interpolation.py)
-        self._made = 0  # predictions of a batch made (probes and confirmations), for progress
-        self._closed = True  # the last progress call said (made, made)
-        self._interpolators: dict[str, TraceInterpolator] | None = (
-            # Two traced sizes of one structure are enough to synthesize from: the search traces
-            # the sizes its answer rests on and compares them with their synthesis, which is the
-            # check a third learned size would have made (trace_interpolation.py).
-            {"train step": TraceInterpolator(points=2), "eval step": TraceInterpolator(points=2)}
-            if interpolate
-            else None
-        )
-        # The model is built once for the whole search (model_cache.py); made at the first probe.
-        self.models: Any = None
-        # Called before each probe: keeps the collector off what earlier ones made (frozen_heap.py).
-        self.freeze: Callable[[], None] = lambda: None
-        self._differed = False  # a size traced in this search differed from its synthesis
-
-    @property
-    def interpolating(self) -> bool:
-        """Whether probes may still be synthesized."""
-        return self._interpolators is not None
-
-    def fits(self, batch_size: int, remaining: int, *, synthesize: bool = True) -> bool:
-        """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
-
-        ``remaining`` is how many more probes the search may make after this one, for progress.
-        ``synthesize=False`` traces it even where it could be synthesized: a size the answer
-        will rest on either way, which ``confirm`` would trace anyway.
-        """
-        if batch_size not in self.order:
-            self.order.append(batch_size)
-        probe = self.probes.get(batch_size)
-        if probe is None:
-            probe, differs = self._probe(batch_size, synthesize=synthesize)
-            # A size traced where it could have been synthesized, and not as synthesis would
-            # have made it: the sizes this search synthesized may be wrong too.
-            self._differed = self._differed or differs
-            self.probes[batch_size] = probe
-            # Confirming an interpolated answer traces up to 2 more batches.
-            self._report(remaining + (2 if self.interpolating else 0))
-        return probe.fits
-
-    def confirm(self, batch_sizes: Sequence[int]) -> bool:
-        """Trace the synthesized probes among ``batch_sizes`` for real; whether each traced
-        recording is the synthesized one (so its prediction is too: same fits, same peaks) and
-        no size this search traced differed from its synthesis either.
-
-        Each traced probe replaces the synthesized one, and its recordings are learned from
-        (so a search after a difference interpolates from them too).
-        """
-        confirmed = not self._differed
-        for batch_size in batch_sizes:
-            synthesized = self.probes.get(batch_size)
-            if synthesized is None or not synthesized.synthesized:
-                continue
-            traced, differs = self._probe(batch_size, synthesize=False)
-            self._report(0)
-            self.probes[batch_size] = traced
-            confirmed = confirmed and not differs and _same_verdict(traced, synthesized)
-        return confirmed
-
-    def forget_synthesized(self) -> None:
-        """Forget every synthesized probe; the search starts over (traced probes are kept)."""
-        self.probes = {b: p for b, p in self.probes.items() if not p.synthesized}
-        self.order = []
-        self._differed = False
-        for interpolator in (self._interpolators or {}).values():
-            interpolator.forget_synthesized()
-
-    def fall_back(self) -> None:
-        """Forget every synthesized probe and synthesize no more; the search starts over."""
-        self._interpolators = None
-        self.forget_synthesized()
-
-    def close(self) -> None:
-        """Tell progress the last prediction was made."""
-        if self._progress is not None and not self._closed:
-            self._progress(self._made, self._made)
-            self._closed = True
-
-    def _report(self, remaining: int) -> None:
-        self._made += 1
-        self._closed = remaining == 0
-        if self._progress is not None:
-            self._progress(self._made, self._made + remaining)
-
-    def _probe(self, batch_size: int, *, synthesize: bool) -> tuple[BatchProbe, bool]:
-        """(the probe at ``batch_size``, whether a part traced for real differs from the
-        recording the interpolation would have synthesized there)."""
-        if self.models is None:
-            self.models = new_model_cache()
-        self.freeze()
-        train, train_synthesized, train_differs = self._predict(
-            self._build_step, "train step", batch_size, self._steps, synthesize
-        )
-        evaluation, eval_synthesized, eval_differs = None, False, False
-        # A batch whose training step does not fit fails whatever its evaluation needs.
-        if self._eval_step is not None and train.fits:
-            evaluation, eval_synthesized, eval_differs = self._predict(
-                self._eval_step, "eval step", batch_size, 1, synthesize
-            )
-        probe = probe_record(
-            batch_size,
-            train,
-            evaluation,
-            self._usable_bytes,
-            synthesized=train_synthesized or eval_synthesized,
-        )
-        return probe, train_differs or eval_differs
-
-    def _predict(
-        self, builder: StepBuilder, what: str, batch_size: int, steps: int, synthesize: bool
-    ) -> tuple[Prediction, bool, bool]:
-        """(the prediction of one part, whether its recording was synthesized, whether the
-        recording traced differs from the one that would have been synthesized)."""
-        interpolator = None if self._interpolators is None else self._interpolators[what]
-        if interpolator is not None and synthesize:
-            recording = interpolator.synthesize(batch_size)
-            if recording is not None:
-                self.synthesized += 1
-                basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
-                description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
-                prediction = predict_recording(recording, target=self._target, description=description)
-                return prediction, True, False
-        recording, description = record_step(
-            builder, what, batch_size, target=self._target, steps=steps, models=self.models
-        )
-        self.traces += 1
-        # Learned from; `add` says whether it differs from what would have been synthesized.
-        differs = interpolator is not None and interpolator.add(batch_size, recording)
-        prediction = predict_recording(recording, target=self._target, description=description)
-        return prediction, False, differs
-
-
-def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:
-    """Whether two probes of one batch agree on the fit and the peaks."""
-    return (traced.fits, traced.peak_reserved_bytes, traced.peak_allocated_bytes) == (
-        synthesized.fits,
-        synthesized.peak_reserved_bytes,
-        synthesized.peak_allocated_bytes,
-    )
-
-
 # Searches with interpolation before one with traces only (a name of its own: tests lower it).
 _SEARCHES = INTERPOLATED_SEARCHES
 
 
-def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int | None]:
+def _search(prober: BatchProber, start_batch: int, max_batch: int) -> tuple[int, int | None]:
     """(largest size found to fit, 0 for none; smallest found not to, None for none)."""
     # Bracket: double from start_batch until a size does not fit or max_batch fits.
     lo, hi = 0, None  # lo: largest size known to fit (0: none); hi: smallest known not to
@@ -330,6 +157,10 @@ def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int
         # max_batch, when it fits, is the answer: traced straight away, like the last size
         # bisection tries (below).
         remaining = _doubling_probes(batch, max_batch) + (batch - 1).bit_length()
+        if batch < max_batch and (not prober.interpolating or not prober.traced_any):
+            # The next size is traced too if this one fits: every size without interpolation,
+            # and the second of the two sizes it learns from with it.
+            prober.trace_ahead([min(2 * batch, max_batch)])
         if prober.fits(batch, remaining, synthesize=batch < max_batch):
             lo = batch
             if batch >= max_batch:
@@ -342,8 +173,14 @@ def _search(prober: _Prober, start_batch: int, max_batch: int) -> tuple[int, int
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         # The last size bisection tries becomes the answer or the size above it: traced
-        # straight away, as confirming a synthesized one would trace it anyway.
-        if prober.fits(mid, _bisect_probes(lo, hi) - 1, synthesize=hi - lo > 2):
+        # straight away, as confirming a synthesized one would trace it anyway; the size on
+        # either side of it is confirmed next, so both are traced ahead meanwhile.
+        last = hi - lo <= 2
+        if last and prober.interpolating and not prober.traced(mid):
+            # Whichever of the two the synthesis of mid says the answer needs, first.
+            pair = [hi, lo] if prober.likely_fits(mid) else [lo, hi]
+            prober.trace_ahead(b for b in pair if b)
+        if prober.fits(mid, _bisect_probes(lo, hi) - 1, synthesize=not last):
             lo = mid
         else:
             hi = mid
@@ -379,6 +216,7 @@ def max_batch_size(
     progress: Progress | None = None,
     target: Target | None = None,
     interpolate: bool = True,
+    jobs: int | None = 1,
 ) -> BatchSearchResult:
     """The largest batch size whose step fits on ``gpu``, found by prediction.
 
@@ -427,6 +265,13 @@ def max_batch_size(
             tries, and the answer and the size above it, are traced for real, and if one
             recording differs from its synthesis the search runs again (learning from them;
             the third search traces every size). ``False`` traces every size.
+        jobs: processes that trace at once (None: one per CPU core; 1, the default: all in
+            this one). Above 1, the training step of sizes the search will trace next is
+            traced ahead in forked processes (the second size learned from, the other sizes an
+            answer rests on; without ``interpolate``, the next size doubling tries): the
+            answer, every probe and ``traces`` are the one-at-a-time ones, in less wall time.
+            The builder then runs in those processes too (a builder with side effects outside
+            its process, such as files it writes, should keep 1).
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the
@@ -441,11 +286,13 @@ def max_batch_size(
         UnsupportedOpError: an op of the step cannot run on the meta device.
         ValueError: ``steps``, ``start_batch`` or ``max_batch`` is below 1, ``start_batch``
             is above ``max_batch`` or ``margin_bytes`` is negative, or ``target`` and ``gpu``
-            (...) are both given.
+            (...) are both given (``AllocatorUsageError``, a ValueError: ``jobs`` is not a
+            positive int or None).
     """
     check_positive("steps", steps, "max_batch_size(build, gpu='rtx4090', steps=2)")
     check_positive("start_batch", start_batch, "max_batch_size(build, gpu='rtx4090', start_batch=8)")
     check_positive("max_batch", max_batch, "max_batch_size(build, gpu='rtx4090', max_batch=4096)")
+    processes = process_count(jobs)
     if start_batch > max_batch:
         raise ValueError(
             f"start_batch ({start_batch}) is above max_batch ({max_batch}); lower start_batch or "
@@ -468,7 +315,7 @@ def max_batch_size(
             f"{format_bytes(usable)} usable. Give a smaller margin (margin_bytes, --margin) or a "
             "GPU with more memory."
         )
-    prober = _Prober(
+    prober = BatchProber(
         build_step,
         eval_step,
         target=searched,
@@ -476,21 +323,25 @@ def max_batch_size(
         usable_bytes=usable,
         progress=progress,
         interpolate=interpolate,
+        jobs=processes,
     )
 
     with frozen_heap() as prober.freeze:
-        lo, hi = _search(prober, start_batch, max_batch)
-        # The answer rests on lo fitting and hi not: trace them if they were synthesized. Where
-        # a traced recording is not the synthesized one, search again, learning from it too;
-        # after _SEARCHES searches, with traces only.
-        searches = 1
-        while prober.interpolating and not prober.confirm([b for b in (lo, hi) if b]):
-            searches += 1
-            if searches < _SEARCHES:
-                prober.forget_synthesized()
-            else:
-                prober.fall_back()
+        try:
             lo, hi = _search(prober, start_batch, max_batch)
+            # The answer rests on lo fitting and hi not: trace them if they were synthesized.
+            # Where a traced recording is not the synthesized one, search again, learning from
+            # it too; after _SEARCHES searches, with traces only.
+            searches = 1
+            while prober.interpolating and not prober.confirm([b for b in (lo, hi) if b]):
+                searches += 1
+                if searches < _SEARCHES:
+                    prober.forget_synthesized()
+                else:
+                    prober.fall_back()
+                lo, hi = _search(prober, start_batch, max_batch)
+        finally:
+            prober.stop_ahead()
     prober.close()
     if lo == 0:
         raise NoFeasibleBatchSizeError(_infeasible_message(prober.probes[1], spec, margin))
@@ -510,7 +361,7 @@ def _infeasible_message(probe: BatchProbe, spec: GpuSpec, margin: int) -> str:
 
 
 def _result(
-    prober: _Prober,
+    prober: BatchProber,
     batch_size: int,
     first_failing: int | None,
     target: Target,
@@ -545,6 +396,7 @@ def _result(
         probe_order=tuple(prober.order),
         traces=prober.traces,
         synthesized=prober.synthesized,
+        unused_ahead=prober.unused_ahead,
         steps=steps,
         max_batch=max_batch,
         description=answer.train.description,

@@ -3,7 +3,8 @@
 ``smallest_gpu`` predicts one batch on every candidate GPU (the catalog by default) with a
 safety margin (``batch_probe``) and names the smallest it fits on. The recording depends on a
 GPU only through its compute capability, so a step is traced once per capability and replayed
-on each candidate.
+on each candidate; with ``jobs``, the capabilities are traced in forked processes at once
+(``core/replay/parallel.py run_forked``).
 
 ``smallest_gpu_count`` answers "how many GPUs of which kind" for a fixed global batch trained
 with FSDP2: for each GPU count N (1, 2, 4, ... up to a maximum) that divides the global batch,
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import CATALOG, GpuSpec
+from oomkit.core.replay.parallel import process_count, run_forked
 from oomkit.core.target import Target, resolve_target
 from oomkit.plan.batch_probe import (
     StepBuilder,
@@ -109,6 +112,7 @@ def smallest_gpu(
     eval_step: StepBuilder | None = None,
     torch_version: str | None = None,
     target: Target | None = None,
+    jobs: int | None = 1,
 ) -> SmallestGpuResult:
     """Check one batch on every candidate GPU and name the smallest it fits on.
 
@@ -126,6 +130,9 @@ def smallest_gpu(
         target: the allocator setting and versions at once, instead of ``alloc_conf`` and
             ``torch_version`` (its GPU is replaced by each candidate; its cuDNN version, when
             stated, picks the SDPA backend).
+        jobs: processes that trace the compute capabilities at once (None: one per CPU core;
+            1, the default: one at a time here; the result is the same). Where one of them
+            fails, every capability is traced here, so an error is raised as one at a time.
 
     Returns:
         Every candidate with its fit and headroom, by total memory, and the smallest fit.
@@ -152,8 +159,16 @@ def smallest_gpu(
     # The recording depends on the GPU only through its compute capability (the SDPA backend,
     # the cuBLAS workspace size: tracing/emulations), so trace once per capability.
     recorded: dict[tuple[int, int] | None, tuple[Any, Any, str]] = {}
-    models: Any = None
     traces = 0
+    if recording is None:
+        assert batch_size is not None
+        firsts: dict[tuple[int, int] | None, Target] = {}  # capability: its first candidate
+        for spec in ordered:
+            firsts.setdefault(spec.compute_capability, base.with_gpu(spec))
+        recorded = _record_capabilities(
+            source, eval_step, batch_size, firsts, steps=steps, jobs=process_count(jobs)
+        )
+        traces = sum(1 + (second is not None) for _, second, _ in recorded.values())
     fits: list[GpuFit] = []
     warnings: list[tuple[str, ...]] = []  # per candidate
     description = ""
@@ -164,22 +179,7 @@ def smallest_gpu(
             train_recording, eval_recording = recording, None
             described = ""
         else:
-            assert batch_size is not None
-            key = spec.compute_capability
-            if key not in recorded:
-                if models is None:  # one model for every capability (model_cache.py)
-                    models = new_model_cache()
-                first, described = record_step(
-                    source, "train step", batch_size, target=on_spec, steps=steps, models=models
-                )
-                second = None
-                if eval_step is not None:
-                    second, _ = record_step(
-                        eval_step, "eval step", batch_size, target=on_spec, steps=1, models=models
-                    )
-                recorded[key] = (first, second, described)
-                traces += 1 + (second is not None)
-            train_recording, eval_recording, described = recorded[key]
+            train_recording, eval_recording, described = recorded[spec.compute_capability]
         fit, train, evaluation = _fit_on(
             on_spec, margin, batch_size or 0, train_recording, eval_recording, described
         )
@@ -295,6 +295,49 @@ def gpu_counts(global_batch: int, max_gpus: int) -> tuple[tuple[int, ...], tuple
     )
 
 
+def _after_start(
+    progress: Callable[[int, int], None] | None,
+) -> Callable[[int, int], None] | None:
+    """``progress`` without ``run_forked``'s call before anything is done (done = 0)."""
+    if progress is None:
+        return None
+    return lambda done, total: progress(done, total) if done else None
+
+
+def _record_capabilities(
+    source: StepBuilder,
+    eval_step: StepBuilder | None,
+    batch_size: int,
+    targets: dict[tuple[int, int] | None, Target],
+    *,
+    steps: int,
+    jobs: int,
+) -> dict[tuple[int, int] | None, tuple[Any, Any, str]]:
+    """Per compute capability, (the training recording, the evaluation recording or None, the
+    description), each recorded on that capability's target; ``jobs`` of them at once."""
+    models = new_model_cache()  # one model for every capability traced here (model_cache.py)
+
+    def record(on: Target) -> tuple[Any, Any, str]:
+        first, described = record_step(
+            source, "train step", batch_size, target=on, steps=steps, models=models
+        )
+        second = None
+        if eval_step is not None:
+            second, _ = record_step(eval_step, "eval step", batch_size, target=on, steps=1, models=models)
+        return first, second, described
+
+    tasks = [partial(record, on) for on in targets.values()]
+    results = None
+    if jobs > 1 and len(tasks) > 1:
+        try:
+            results = run_forked(tasks, jobs=jobs)
+        except Exception:  # noqa: BLE001 - traced here below: its error is raised as one at a time
+            results = None
+    if results is None:
+        results = [task() for task in tasks]
+    return dict(zip(targets, results, strict=True))
+
+
 def smallest_gpu_count(
     record: CountRecorder,
     global_batch: int,
@@ -304,6 +347,7 @@ def smallest_gpu_count(
     margin_bytes: int | None = None,
     target: Target | None = None,
     progress: Callable[[int, int], None] | None = None,
+    jobs: int | None = 1,
 ) -> GpuCountResult:
     """For each GPU count dividing ``global_batch``, which candidate GPUs rank 0 fits on.
 
@@ -320,6 +364,9 @@ def smallest_gpu_count(
         margin_bytes: memory to leave unreserved per GPU; ``None``: each GPU's default.
         target: the allocator setting, versions and GPU to record for (default: an H100).
         progress: called after each recording with (recordings made, recordings to make).
+        jobs: processes that record and replay the counts at once (None: one per CPU core; 1,
+            the default: one at a time here; the result is the same). Where one of them fails,
+            the counts are done here, so an error is raised as one at a time.
 
     Raises:
         ValueError: no candidates, a count or batch below 1, or no count divides the batch.
@@ -331,24 +378,38 @@ def smallest_gpu_count(
     if not counts:  # unreachable: 1 divides every batch
         raise ValueError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")
     base = resolve_target(target)
-    rows: list[GpuCountRow] = []
-    warnings: list[str] = []
-    for done, count in enumerate(counts, start=1):
+
+    def row_of(count: int) -> tuple[GpuCountRow, tuple[str, ...]]:
+        """The count's row, and the warnings of its prediction on the largest candidate."""
         per_rank = global_batch // count
         recording, description = record(count, per_rank, base)
-        if progress is not None:
-            progress(done, len(counts))
         fits: list[GpuFit] = []
+        shown: tuple[str, ...] = ()
         for spec in ordered:
             margin = resolve_margin(margin_bytes, spec.usable_bytes())
             fit, train, _ = _fit_on(
                 base.with_gpu(spec), margin, per_rank, recording, None, description
             )
             if spec is ordered[-1]:  # alike on every GPU, with its figures: the largest's
-                warnings.extend(train.warnings)
+                shown = tuple(train.warnings)
             fits.append(fit)
-        rows.append(GpuCountRow(count, per_rank, tuple(fits), description))
-        del recording
+        return GpuCountRow(count, per_rank, tuple(fits), description), shown
+
+    tasks = [partial(row_of, count) for count in counts]
+    done = None
+    if process_count(jobs) > 1 and len(tasks) > 1:
+        try:
+            done = run_forked(tasks, jobs=jobs, progress=_after_start(progress))
+        except Exception:  # noqa: BLE001 - done here below: its error is raised as one at a time
+            done = None
+    if done is None:  # one at a time: each recording dropped before the next is made
+        done = []
+        for made, task in enumerate(tasks, start=1):
+            done.append(task())
+            if progress is not None:
+                progress(made, len(tasks))
+    rows = [row for row, _ in done]
+    warnings = [line for _, shown in done for line in shown]
     fewest: dict[str, int] = {}
     for row in rows:
         for fit in row.candidates:

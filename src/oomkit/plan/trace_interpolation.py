@@ -231,9 +231,10 @@ class TraceInterpolator:
         now (a search that starts over uses none of its earlier syntheses)."""
         self._made.clear()
 
-    def synthesize(self, batch_size: int) -> Any:
+    def synthesize(self, batch_size: int, *, keep: bool = True) -> Any:
         """The recording at ``batch_size``, or ``None`` when ``basis`` has none, the run's sizes
-        are not affine, or a size would be negative.
+        are not affine, or a size would be negative. ``keep=False``: not remembered as made
+        (``add`` then compares a trace there with what it would make at that time).
 
         Its events are those of the run's traced recording nearest ``batch_size``, with sizes
         ``a + b * batch_size``; its bytes per category likewise; every other field is that
@@ -246,7 +247,8 @@ class TraceInterpolator:
         values = synthesize_sizes(affine, batch_size)
         if values is None:
             return None
-        self._made[batch_size] = (index, affine)
+        if keep:
+            self._made[batch_size] = (index, affine)
         template = self._traced[nearest][2]
         events = template.events
         count = len(events)

@@ -156,3 +156,65 @@ def test_run_forked_returns_the_one_at_a_time_results_and_errors():
 
     with pytest.raises(ValueError, match="first"):
         run_forked([lambda: 1, lambda: fails("first"), lambda: fails("second")], jobs=2)
+
+
+# ForkedCall: one function in a forked process while the caller goes on.
+
+
+def test_a_forked_call_returns_what_the_function_returned_in_another_process():
+    """The function runs in a forked process (another pid), reaches it unpickled (a closure),
+    and its result comes back pickled."""
+    from oomkit.core.replay.parallel import ForkedCall
+
+    parent = os.getpid()
+    seen = {"n": 3}
+    call = ForkedCall(lambda: (os.getpid(), [seen["n"]] * 2))
+    pid, value = call.result()
+    assert pid != parent and value == [3, 3]
+
+
+def test_a_forked_call_that_raises_or_dies_is_a_forked_call_failed():
+    """What the function raised comes back as text in ForkedCallFailed; a process that exits
+    without an answer says so with its exit code."""
+    from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+
+    def boom():
+        raise KeyError("no such layer")
+
+    with pytest.raises(ForkedCallFailed, match="KeyError: 'no such layer'"):
+        ForkedCall(boom).result()
+    with pytest.raises(ForkedCallFailed, match="exit code 7"):
+        ForkedCall(lambda: os._exit(7)).result()
+
+
+def test_a_forked_call_that_gives_no_answer_in_time_is_stopped():
+    """A process still working at the timeout is killed and the wait ends there."""
+    import time
+
+    from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+
+    call = ForkedCall(lambda: time.sleep(30))
+    start = time.monotonic()
+    with pytest.raises(ForkedCallFailed, match="no answer within 0 s"):
+        call.result(timeout_s=0.2)
+    assert time.monotonic() - start < 5
+    assert not call._process.is_alive()
+    other = ForkedCall(lambda: time.sleep(30))
+    other.cancel()
+    assert other._process.exitcode is not None
+
+
+def test_a_forked_process_writes_its_own_output_once_and_none_of_the_callers(capfd):
+    """Text the caller had buffered is not written again by the process (flushed before the
+    fork, and the process leaves by os._exit); the process's own prints come through."""
+    import sys
+
+    from oomkit.core.replay.parallel import ForkedCall
+
+    sys.stdout.write("caller before\n")
+    ForkedCall(lambda: print("from the process")).result()
+    sys.stdout.write("caller after\n")
+    sys.stdout.flush()
+    out = capfd.readouterr().out
+    assert out.count("caller before") == 1 and out.count("caller after") == 1
+    assert out.count("from the process") == 1

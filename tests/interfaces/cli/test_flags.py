@@ -42,6 +42,7 @@ EXPECTED = {
         "--gradient-as-bucket-view",
         "--hf",
         "--image-size",
+        "--jobs",
         "--json",
         "--lengths",
         "--lora",

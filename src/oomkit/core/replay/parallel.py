@@ -4,22 +4,34 @@
 envelope (``predict --lengths``) replays its run once per remedy. Each replay is deterministic
 and independent of the others, so they can run in a pool of forked processes and give exactly
 the one-at-a-time results, in the same order (``run_forked``; ``replay_settings`` for settings).
+``ForkedCall`` runs one function in a forked process while the caller goes on, for work whose
+need is known ahead (a batch search traces the sizes its next decision will ask for).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.replay.result import ReplayResult
 from oomkit.errors import AllocatorUsageError
 
-__all__ = ["replay_settings", "run_forked", "worker_count"]
+__all__ = [
+    "ForkedCall",
+    "ForkedCallFailed",
+    "fork_available",
+    "process_count",
+    "replay_settings",
+    "run_forked",
+    "worker_count",
+]
 
 ReplayFunction = Callable[[AllocatorConfig], ReplayResult]
 Progress = Callable[[int, int], None]
@@ -27,8 +39,18 @@ T = TypeVar("T")
 
 
 def worker_count(jobs: int | None, settings: int) -> int:
-    """How many processes replay ``settings`` settings: 1 unless asked for more (None: one per
-    CPU core) and the ``fork`` start method is available (Linux).
+    """How many processes replay ``settings`` settings: ``process_count(jobs)``, at most one
+    per setting.
+
+    Raises:
+        AllocatorUsageError: ``jobs`` is not a positive int or None.
+    """
+    return max(1, min(process_count(jobs), settings))
+
+
+def process_count(jobs: int | None) -> int:
+    """How many processes to run at once for ``jobs``: that many (None: one per CPU core), or 1
+    where the ``fork`` start method is not available (Windows).
 
     Raises:
         AllocatorUsageError: ``jobs`` is not a positive int or None.
@@ -38,9 +60,12 @@ def worker_count(jobs: int | None, settings: int) -> int:
             f"jobs must be a positive int or None (one per CPU core); got {jobs!r}."
         )
     wanted = (os.cpu_count() or 1) if jobs is None else jobs
-    if wanted <= 1 or settings <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    return min(wanted, settings)
+    return wanted if wanted > 1 and fork_available() else 1
+
+
+def fork_available() -> bool:
+    """Whether processes can be forked here (Linux, macOS; not Windows)."""
+    return "fork" in multiprocessing.get_all_start_methods()
 
 
 def replay_settings(
@@ -108,6 +133,7 @@ _WORKER_TASKS: list[Callable[[], Any]] = []
 
 
 def _init_worker(tasks: list[Callable[[], Any]]) -> None:
+    _own_streams()
     _WORKER_TASKS[:] = tasks
 
 
@@ -119,6 +145,8 @@ def _run_one(index: int) -> Any:
 def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress | None) -> list[T]:
     """Every task run in a pool of forked processes; results in ``tasks`` order."""
     context = multiprocessing.get_context("fork")
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written again there
+        stream.flush()
     with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(tasks,)) as pool:
         futures = [pool.submit(_run_one, index) for index in range(len(tasks))]
         if progress is not None:
@@ -126,3 +154,102 @@ def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress 
                 progress(done, len(tasks))
         # In order, so the first failing task's error is raised, as one at a time.
         return [future.result() for future in futures]
+
+
+class ForkedCallFailed(Exception):
+    """A ``ForkedCall`` that gave no result: its function raised (the message says what), or its
+    process died. The caller runs the work itself to get the real error."""
+
+
+class ForkedCall(Generic[T]):
+    """``fn()`` running in a forked process from now on; ``result()`` waits for what it returned.
+
+    The function reaches the process through ``fork`` (never pickled: a closure is fine); what it
+    returns is pickled back. The process writes nothing of this one's buffered output again
+    (buffers are flushed before the fork, and the child leaves by ``os._exit``).
+
+    Raises:
+        OSError: the process could not be started (``fork_available()`` is False, no memory).
+    """
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self._process = context.Process(target=_call_and_send, args=(fn, send), daemon=True)
+        self._process.start()
+        send.close()  # the child's end: EOF here once the child is gone
+
+    def result(self, timeout_s: float | None = None) -> T:
+        """What ``fn()`` returned, once it has (waits for it, at most ``timeout_s`` seconds).
+
+        Raises:
+            ForkedCallFailed: ``fn()`` raised, the process ended without an answer, or it gave
+                none within ``timeout_s`` (it is then stopped).
+        """
+        if timeout_s is not None and not self._receive.poll(timeout_s):
+            self.cancel()
+            raise ForkedCallFailed(f"the forked process gave no answer within {timeout_s:.0f} s")
+        try:
+            try:
+                status, payload = self._receive.recv()
+            except (EOFError, OSError) as exc:
+                self._process.join()
+                raise ForkedCallFailed(
+                    f"the forked process ended without an answer (exit code {self._process.exitcode})"
+                ) from exc
+        finally:
+            self._receive.close()
+        self._process.join()
+        if status != "ok":
+            raise ForkedCallFailed(payload)
+        result: T = payload
+        return result
+
+    def cancel(self) -> None:
+        """Stop the process, whatever it is doing; its result is never read."""
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
+        self._receive.close()
+
+
+def _call_and_send(fn: Callable[[], Any], send: Any) -> None:
+    """In the forked process: ``fn()``, its result (or what it raised) sent back, then exit."""
+    code = 0
+    try:
+        _own_streams()
+        try:
+            message: tuple[str, Any] = ("ok", fn())
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back as text
+            message = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            send.send(message)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable result
+            send.send(("error", f"its result could not be sent back: {type(exc).__name__}: {exc}"))
+    except BaseException:  # noqa: BLE001 - the parent went away: nothing to tell
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed stream: nothing to flush
+                pass
+        # Leave without the interpreter's exit (atexit handlers, buffers copied from the parent).
+        os._exit(code)
+
+
+def _own_streams() -> None:
+    """Give the forked process new ``sys.stdout``/``sys.stderr`` on the file descriptors the
+    parent's write to: a stream the parent wraps (rich's live display, ``redirect_stdout``) may
+    hold a lock another of its threads had at the fork, which nothing here would ever release.
+    A stream with no descriptor (a test's capture) leaves it as it was."""
+    for name in ("stdout", "stderr"):
+        try:
+            fd = getattr(sys, name).fileno()
+        except (AttributeError, OSError, ValueError):
+            continue
+        setattr(sys, name, io.TextIOWrapper(
+            io.FileIO(os.dup(fd), "w"), line_buffering=True, errors="backslashreplace"
+        ))

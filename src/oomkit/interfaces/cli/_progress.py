@@ -16,16 +16,19 @@ from oomkit.interfaces.cli._common import stderr_console
 __all__ = ["add_jobs_flag", "progress_enabled", "progress_bar", "StepProgress", "step_progress"]
 
 
-def add_jobs_flag(parser: argparse.ArgumentParser, *, what: str) -> None:
+def add_jobs_flag(
+    parser: argparse.ArgumentParser, *, what: str, verb: str = "replay", default: str | None = None
+) -> None:
     """The one ``--jobs N`` flag (dest ``jobs``, default None: one process per CPU core) of the
-    commands that replay several settings at once (``tune``, ``replay --what-if``)."""
+    commands that replay several settings at once (``tune``, ``replay --what-if``) or trace
+    several batch sizes (``fit``); ``default`` words a default other than one per core."""
     parser.add_argument(
         "--jobs",
         type=_jobs,
         default=None,
         metavar="N",
-        help=f"replay N {what} at once, one process each (default: one per CPU core; "
-        "1: one at a time). The results are the same either way.",
+        help=f"{verb} N {what} at once, one process each (default: "
+        f"{default or 'one per CPU core'}; 1: one at a time). The results are the same either way.",
     )
 
 

@@ -1,0 +1,285 @@
+"""The probes of one batch search: each batch size predicted once, traced or synthesized.
+
+``BatchProber`` is what ``max_batch_size`` (batch_search.py) asks "does this batch fit?": it
+predicts each size once (``batch_probe.py``), counts traces, reports progress, synthesizes the
+recordings of sizes beside two traced ones of one structure (``trace_interpolation.py``), traces
+the sizes an answer rests on to confirm them, and, with ``jobs`` above 1, traces the sizes the
+search asks for next ahead of it in forked processes (``core/replay/parallel.py ForkedCall``).
+
+This module never imports torch at import time; a probe imports ``oomkit.prediction.tracing``
+when it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+from oomkit.core.target import Target
+from oomkit.plan.batch_probe import (
+    BatchProbe,
+    Progress,
+    StepBuilder,
+    new_model_cache,
+    probe_record,
+    record_step,
+)
+from oomkit.plan.trace_interpolation import TraceInterpolator
+from oomkit.prediction.predictor import Prediction, predict_recording
+
+__all__ = ["BatchProber"]
+
+
+class BatchProber:
+    """Predicts batch sizes once each, counting traces and reporting progress.
+
+    With ``interpolate``, a part (training or evaluation step) at a batch beside two traced
+    ones of one structure with sizes affine in the batch is not traced: its recording is
+    synthesized (``trace_interpolation.TraceInterpolator``) and replayed. ``confirm`` then traces
+    the batches an answer rests on; ``forget_synthesized`` and ``fall_back`` (which also stops
+    the interpolation) drop every synthesized probe for a search again.
+
+    With ``jobs`` above 1, ``trace_ahead`` starts the training step of sizes the search will
+    trace next in forked processes (``core/replay/parallel.py ForkedCall``), up to ``jobs - 1``
+    at once, while this process traces its own; a probe takes up the recording made ahead for
+    its size, learned from and replayed here in the search's order, so every decision is the
+    one-at-a-time one. A process that fails (the step raised, it died, it gave no answer in
+    time) is not believed: the size is traced here, so an error is raised as one at a time.
+    """
+
+    def __init__(
+        self,
+        build_step: StepBuilder,
+        eval_step: StepBuilder | None,
+        *,
+        target: Target,
+        steps: int,
+        usable_bytes: int,
+        progress: Progress | None,
+        interpolate: bool,
+        jobs: int = 1,
+    ) -> None:
+        self._build_step = build_step
+        self._eval_step = eval_step
+        self._target = target  # the GPU less the margin
+        self._steps = steps
+        self._usable_bytes = usable_bytes
+        self._progress = progress
+        self.probes: dict[int, BatchProbe] = {}
+        self.order: list[int] = []
+        self.traces = 0  # recordings traced for real
+        self.synthesized = 0  # recordings synthesized instead (trace_interpolation.py)
+        self._made = 0  # predictions of a batch made (probes and confirmations), for progress
+        self._closed = True  # the last progress call said (made, made)
+        self._interpolators: dict[str, TraceInterpolator] | None = (
+            # Two traced sizes of one structure are enough to synthesize from: the search traces
+            # the sizes its answer rests on and compares them with their synthesis, which is the
+            # check a third learned size would have made (trace_interpolation.py).
+            {"train step": TraceInterpolator(points=2), "eval step": TraceInterpolator(points=2)}
+            if interpolate
+            else None
+        )
+        # The model is built once for the whole search (model_cache.py); made at the first probe.
+        self.models: Any = None
+        # Called before each probe: keeps the collector off what earlier ones made (frozen_heap.py).
+        self.freeze: Callable[[], None] = lambda: None
+        self._differed = False  # a size traced in this search differed from its synthesis
+        self._jobs = jobs  # processes tracing at once, this one included
+        self._ahead: dict[int, ForkedCall[tuple[Any, str]]] = {}  # training steps, by batch
+        self.unused_ahead = 0  # started ahead and not needed
+        self._trace_wall_s = 0.0  # the longest trace made here, to bound a wait for one ahead
+
+    @property
+    def interpolating(self) -> bool:
+        """Whether probes may still be synthesized."""
+        return self._interpolators is not None
+
+    @property
+    def traced_any(self) -> bool:
+        """Whether a training step was traced (here or ahead) or is being traced ahead."""
+        return self.traces > 0 or bool(self._ahead)
+
+    def traced(self, batch_size: int) -> bool:
+        """Whether ``batch_size`` was predicted from a trace (not synthesized)."""
+        probe = self.probes.get(batch_size)
+        return probe is not None and not probe.synthesized
+
+    def likely_fits(self, batch_size: int) -> bool:
+        """Whether the training step at ``batch_size`` fits by its synthesis (True when it
+        cannot be synthesized): a guess of which size the search asks for next, never a probe."""
+        interpolator = None if self._interpolators is None else self._interpolators["train step"]
+        recording = None if interpolator is None else interpolator.synthesize(batch_size, keep=False)
+        if recording is None:
+            return True
+        return predict_recording(recording, target=self._target).fits
+
+    def trace_ahead(self, batch_sizes: Iterable[int]) -> None:
+        """Start tracing the training step at those of ``batch_sizes`` not traced yet, each in
+        a forked process, while at most ``jobs - 1`` are: sizes the search will trace next."""
+        for batch_size in batch_sizes:
+            if len(self._ahead) >= self._jobs - 1:
+                return
+            if batch_size in self._ahead or self.traced(batch_size):
+                continue
+            if self.models is None:
+                self.models = new_model_cache()
+            self.freeze()  # what exists now is shared with the process, never copied
+            record = partial(
+                record_step,
+                self._build_step,
+                "train step",
+                batch_size,
+                target=self._target,
+                steps=self._steps,
+                models=self.models,
+            )
+            try:
+                self._ahead[batch_size] = ForkedCall(record)
+            except OSError:  # no process to be had (memory, a process limit): trace here
+                self._jobs = 1
+                return
+
+    def stop_ahead(self) -> None:
+        """Stop every process still tracing ahead; their sizes count as ``unused_ahead``."""
+        for call in self._ahead.values():
+            call.cancel()
+        self.unused_ahead += len(self._ahead)
+        self._ahead.clear()
+
+    def fits(self, batch_size: int, remaining: int, *, synthesize: bool = True) -> bool:
+        """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
+
+        ``remaining`` is how many more probes the search may make after this one, for progress.
+        ``synthesize=False`` traces it even where it could be synthesized: a size the answer
+        will rest on either way, which ``confirm`` would trace anyway.
+        """
+        if batch_size not in self.order:
+            self.order.append(batch_size)
+        probe = self.probes.get(batch_size)
+        if probe is None:
+            probe, differs = self._probe(batch_size, synthesize=synthesize)
+            # A size traced where it could have been synthesized, and not as synthesis would
+            # have made it: the sizes this search synthesized may be wrong too.
+            self._differed = self._differed or differs
+            self.probes[batch_size] = probe
+            # Confirming an interpolated answer traces up to 2 more batches.
+            self._report(remaining + (2 if self.interpolating else 0))
+        return probe.fits
+
+    def confirm(self, batch_sizes: Sequence[int]) -> bool:
+        """Trace the synthesized probes among ``batch_sizes`` for real; whether each traced
+        recording is the synthesized one (so its prediction is too: same fits, same peaks) and
+        no size this search traced differed from its synthesis either.
+
+        Each traced probe replaces the synthesized one, and its recordings are learned from
+        (so a search after a difference interpolates from them too).
+        """
+        confirmed = not self._differed
+        for batch_size in batch_sizes:
+            synthesized = self.probes.get(batch_size)
+            if synthesized is None or not synthesized.synthesized:
+                continue
+            # The other sizes to confirm are traced ahead meanwhile.
+            self.trace_ahead(b for b in batch_sizes if b != batch_size)
+            traced, differs = self._probe(batch_size, synthesize=False)
+            self._report(0)
+            self.probes[batch_size] = traced
+            confirmed = confirmed and not differs and _same_verdict(traced, synthesized)
+        return confirmed
+
+    def forget_synthesized(self) -> None:
+        """Forget every synthesized probe; the search starts over (traced probes are kept)."""
+        self.probes = {b: p for b, p in self.probes.items() if not p.synthesized}
+        self.order = []
+        self._differed = False
+        for interpolator in (self._interpolators or {}).values():
+            interpolator.forget_synthesized()
+
+    def fall_back(self) -> None:
+        """Forget every synthesized probe and synthesize no more; the search starts over."""
+        self._interpolators = None
+        self.forget_synthesized()
+
+    def close(self) -> None:
+        """Tell progress the last prediction was made."""
+        if self._progress is not None and not self._closed:
+            self._progress(self._made, self._made)
+            self._closed = True
+
+    def _report(self, remaining: int) -> None:
+        self._made += 1
+        self._closed = remaining == 0
+        if self._progress is not None:
+            self._progress(self._made, self._made + remaining)
+
+    def _probe(self, batch_size: int, *, synthesize: bool) -> tuple[BatchProbe, bool]:
+        """(the probe at ``batch_size``, whether a part traced for real differs from the
+        recording the interpolation would have synthesized there)."""
+        if self.models is None:
+            self.models = new_model_cache()
+        self.freeze()
+        train, train_synthesized, train_differs = self._predict(
+            self._build_step, "train step", batch_size, self._steps, synthesize
+        )
+        evaluation, eval_synthesized, eval_differs = None, False, False
+        # A batch whose training step does not fit fails whatever its evaluation needs.
+        if self._eval_step is not None and train.fits:
+            evaluation, eval_synthesized, eval_differs = self._predict(
+                self._eval_step, "eval step", batch_size, 1, synthesize
+            )
+        probe = probe_record(
+            batch_size,
+            train,
+            evaluation,
+            self._usable_bytes,
+            synthesized=train_synthesized or eval_synthesized,
+        )
+        return probe, train_differs or eval_differs
+
+    def _predict(
+        self, builder: StepBuilder, what: str, batch_size: int, steps: int, synthesize: bool
+    ) -> tuple[Prediction, bool, bool]:
+        """(the prediction of one part, whether its recording was synthesized, whether the
+        recording traced differs from the one that would have been synthesized)."""
+        interpolator = None if self._interpolators is None else self._interpolators[what]
+        if interpolator is not None and synthesize:
+            recording = interpolator.synthesize(batch_size)
+            if recording is not None:
+                self.synthesized += 1
+                basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
+                description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
+                prediction = predict_recording(recording, target=self._target, description=description)
+                return prediction, True, False
+        ahead = self._ahead.pop(batch_size, None) if what == "train step" else None
+        recorded = None
+        if ahead is not None:
+            try:
+                # Traced ahead: wait for it (a process that hangs is given up on, and the size
+                # traced here: a trace there may take a cold start's time, never this long).
+                recorded = ahead.result(timeout_s=60 + 10 * self._trace_wall_s)
+            except ForkedCallFailed:
+                recorded = None
+        if recorded is None:
+            start = time.perf_counter()
+            recorded = record_step(
+                builder, what, batch_size, target=self._target, steps=steps, models=self.models
+            )
+            self._trace_wall_s = max(self._trace_wall_s, time.perf_counter() - start)
+        recording, description = recorded
+        self.traces += 1
+        # Learned from; `add` says whether it differs from what would have been synthesized.
+        differs = interpolator is not None and interpolator.add(batch_size, recording)
+        prediction = predict_recording(recording, target=self._target, description=description)
+        return prediction, False, differs
+
+
+def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:
+    """Whether two probes of one batch agree on the fit and the peaks."""
+    return (traced.fits, traced.peak_reserved_bytes, traced.peak_allocated_bytes) == (
+        synthesized.fits,
+        synthesized.peak_reserved_bytes,
+        synthesized.peak_allocated_bytes,
+    )

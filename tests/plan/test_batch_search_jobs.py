@@ -1,0 +1,178 @@
+"""max_batch_size and smallest_gpu with jobs > 1: sizes traced ahead in forked processes give the
+one-at-a-time search, decision for decision, and a failing process is never believed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.errors import AllocatorUsageError, UserCodeError
+from oomkit.plan.batch_search import max_batch_size, smallest_gpu
+
+torch = pytest.importorskip("torch")
+
+MiB = 2**20
+
+
+def _gpu(total_bytes, name="test GPU"):
+    return GpuSpec(name=name, total_memory_bytes=total_bytes, context_overhead_bytes=0)
+
+
+def _builder(log: Path, *, path_change_at=None, per_batch=1, in_child=None):
+    """A step reserving (per_batch * b + 4) * 2 MiB (20 MiB more from ``path_change_at`` on);
+    each build appends "pid batch" to ``log``. ``in_child(batch)`` runs when the build happens
+    in another process than the test's (a size traced ahead)."""
+    parent = os.getpid()
+
+    def build(batch):
+        with log.open("a") as out:
+            out.write(f"{os.getpid()} {batch}\n")
+        if in_child is not None and os.getpid() != parent:
+            in_child(batch)
+
+        def step():
+            kept = torch.empty((per_batch * batch + 4) * 2 * MiB, dtype=torch.uint8)
+            if path_change_at is not None and batch >= path_change_at:
+                torch.empty(20 * MiB, dtype=torch.uint8)
+            del kept
+
+        return step
+
+    return build
+
+
+def _builds(log: Path) -> list[tuple[bool, int]]:
+    """(built in the test's own process, batch) per build, in order of the log."""
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [(int(pid) == os.getpid(), int(batch)) for pid, batch in rows]
+
+
+def _outcome(result):
+    """Everything a search decided: answer, order, counts, every probe's fit and peaks."""
+    curve = [
+        (p.batch_size, p.fits, p.peak_reserved_bytes, p.peak_allocated_bytes, p.synthesized)
+        for p in result.curve
+    ]
+    return (
+        result.batch_size,
+        result.first_failing_batch,
+        result.probe_order,
+        result.traces,
+        result.synthesized,
+        curve,
+        result.warnings,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "traced_ahead", "unused"),
+    [
+        # Learned from 1 and 2 (2 ahead); 41, the last size bisection tries, fits by its
+        # synthesis, so 42 goes ahead, and confirms the answer 41.
+        ({}, [2, 42], 0),
+        # 2 MiB less usable: 41 does not fit by its synthesis, so 40 goes ahead: answer 40.
+        ({"margin_mib": 12}, [2, 40], 0),
+        # The path changes at 30: 41's synthesis (the old path) fits, 42 goes ahead, but 41's
+        # trace does not fit (unused 42); 40, traced to confirm, and the sizes between the two
+        # paths of the second search are traced one at a time.
+        ({"path_change_at": 30}, [2, 42], 1),
+        # Every size traced: the next doubling size ahead of each (128 unused: 64 does not fit).
+        ({"interpolate": False}, [2, 8, 32, 128], 1),
+    ],
+)
+def test_a_search_with_jobs_is_the_one_at_a_time_search(tmp_path, options, traced_ahead, unused):
+    """With jobs=2 the answer, the sizes tried in order, the traces and syntheses and every
+    probe's peaks equal jobs=1's, and the sizes named were built in another process."""
+    options = dict(options)
+    interpolate = options.pop("interpolate", True)
+    margin = options.pop("margin_mib", 10) * MiB
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=margin, interpolate=interpolate)
+    serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
+    serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
+    parallel = max_batch_size(_builder(parallel_log, **options), jobs=2, **kwargs)
+    assert _outcome(parallel) == _outcome(serial)
+    assert (serial.unused_ahead, parallel.unused_ahead) == (0, unused)
+    assert all(here for here, _ in _builds(serial_log))
+    assert sorted(b for here, b in _builds(parallel_log) if not here) == traced_ahead
+    # Every size built one at a time was built once with jobs=2 too, here or ahead.
+    built = sorted(b for _, b in _builds(parallel_log))
+    assert len(built) == len(_builds(serial_log)) + unused
+    assert set(built) >= {b for _, b in _builds(serial_log)}
+
+
+def test_an_eval_step_is_recorded_here_after_a_training_step_traced_ahead(tmp_path):
+    """Train traced ahead, eval after it here: the same search as one at a time (eval caps
+    the batch at 15)."""
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=0)
+    serial = max_batch_size(
+        _builder(tmp_path / "a"), eval_step=_builder(tmp_path / "b", per_batch=3), **kwargs
+    )
+    parallel = max_batch_size(
+        _builder(tmp_path / "c"), eval_step=_builder(tmp_path / "d", per_batch=3), jobs=2, **kwargs
+    )
+    assert _outcome(parallel) == _outcome(serial)
+    assert (parallel.batch_size, parallel.limiting_step) == (15, "eval")
+    assert any(not here for here, _ in _builds(tmp_path / "c"))
+    assert all(here for here, _ in _builds(tmp_path / "d"))
+
+
+def _raise(batch):
+    raise RuntimeError(f"only in the process ahead, batch {batch}")
+
+
+def _exit(batch):
+    os._exit(3)
+
+
+@pytest.mark.parametrize("in_child", [_raise, _exit], ids=["raises", "dies"])
+def test_a_size_whose_process_fails_is_traced_here(tmp_path, in_child):
+    """A process ahead that raised or died is not believed: its size is traced here, and the
+    search is the one-at-a-time one."""
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    serial = max_batch_size(_builder(tmp_path / "serial"), **kwargs)
+    log = tmp_path / "parallel"
+    parallel = max_batch_size(_builder(log, in_child=in_child), jobs=2, **kwargs)
+    assert _outcome(parallel) == _outcome(serial)
+    built_here = [b for here, b in _builds(log) if here]
+    assert built_here == [1, 2, 41, 42]  # every traced size, as one at a time
+
+
+def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):
+    """A builder that returns no step at batch 2: jobs=2 raises jobs=1's UserCodeError."""
+
+    def build(batch):
+        return 42 if batch == 2 else _builder(tmp_path / "log")(batch)
+
+    errors = []
+    for jobs in (1, 2):
+        with pytest.raises(UserCodeError) as caught:
+            max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, jobs=jobs)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] and "returned int for batch 2" in errors[0]
+
+
+def test_bad_jobs_are_refused():
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(AllocatorUsageError, match="jobs must be a positive int"):
+            max_batch_size(_builder(Path(os.devnull)), gpu=_gpu(100 * MiB), jobs=bad)
+
+
+def test_smallest_gpu_traces_each_compute_capability_in_its_own_process(tmp_path):
+    """Three GPUs of two capabilities: two traces, made in forked processes with jobs=2, and
+    the same fits and headroom as one at a time; a failing process is done again here."""
+    candidates = [
+        GpuSpec(name=n, total_memory_bytes=t * MiB, context_overhead_bytes=0, compute_capability=cc)
+        for n, t, cc in (("small", 40, (8, 0)), ("mid", 60, (9, 0)), ("big", 90, (8, 0)))
+    ]
+    kwargs = dict(candidates=candidates, margin_bytes=4 * MiB)
+    serial = smallest_gpu(_builder(tmp_path / "serial"), 16, **kwargs)
+    parallel = smallest_gpu(_builder(tmp_path / "parallel"), 16, jobs=2, **kwargs)
+    assert parallel == serial
+    assert (serial.smallest.name, serial.traces) == ("mid", 2)
+    assert [here for here, _ in _builds(tmp_path / "parallel")] == [False, False]
+    failing = smallest_gpu(_builder(tmp_path / "failing", in_child=_raise), 16, jobs=2, **kwargs)
+    assert failing == serial
+    assert [here for here, _ in _builds(tmp_path / "failing")][-2:] == [True, True]
