@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay import ReplayEngine, ReplayHooks
@@ -252,6 +252,9 @@ def category_levels(
     levels: dict[str, int] = {}
     out: list[TimelinePoint] = []
     index = 0
+    # The levels as a point shows them; points between which nothing changed share one.
+    shown: dict[str, int] = {}
+    changed = True
     for point in points:
         while index <= point.event_index and index < len(events):
             event = events[index]
@@ -261,11 +264,20 @@ def category_levels(
                     category = event.tag("category", _NO_CATEGORY)
                     live[event.address] = (category, nbytes)
                     levels[category] = levels.get(category, 0) + nbytes
+                    changed = True
             elif event.action == "free_completed" and event.address in live:
                 category, nbytes = live.pop(event.address)
                 levels[category] -= nbytes
+                changed = True
             index += 1
-        out.append(replace(point, by_category_bytes=_sorted({k: v for k, v in levels.items() if v})))
+        if changed:
+            shown = _sorted({k: v for k, v in levels.items() if v})
+            changed = False
+        out.append(
+            TimelinePoint(
+                point.event_index, point.step, point.allocated_bytes, point.reserved_bytes, shown
+            )
+        )
     return out
 
 
