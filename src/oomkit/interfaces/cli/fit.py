@@ -133,8 +133,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         what="batch sizes (the sizes the search traces next, ahead of it; with --smallest-gpu "
         "the GPUs' compute capabilities, with --global-batch the GPU counts)",
         verb="trace",
-        default="one per CPU core for a preset or --hf model; 1 for a file.py:function, which "
-        "may write files or hold threads, and with --compile",
+        default="one per CPU core for a preset or --hf model on Linux; 1 for a file.py:function, "
+        "which may write files or hold threads, with --compile, and off Linux",
     )
     add_lengths_flags(parser)
     add_json_flag(parser)
@@ -144,14 +144,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _jobs(args: argparse.Namespace) -> int | None:
     """``--jobs``, or its default: one process per core (None) for oomkit's own builders (a
-    preset, ``--hf``), 1 for the user's code (``file.py:function``, ``--eval``), whose builder
-    may have effects outside its process, and for ``--compile``."""
+    preset, ``--hf``) on Linux, 1 for the user's code (``file.py:function``, ``--eval``), whose
+    builder may have effects outside its process, for ``--compile``, and off Linux (macOS's
+    system libraries are not safe to fork with torch loaded: Python's multiprocessing docs)."""
     from oomkit.interfaces.cli._user_function import is_user_target
 
     if args.jobs is not None:
         return int(args.jobs)
     users = args.eval is not None or (args.target is not None and is_user_target(args.target))
-    return 1 if users or args.compile else None
+    return 1 if users or args.compile or not sys.platform.startswith("linux") else None
 
 
 class _Builders:

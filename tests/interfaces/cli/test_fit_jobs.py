@@ -1,0 +1,103 @@
+"""`oomkit fit --jobs N`: sizes traced ahead in forked processes, the same answer as one at a time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from oomkit.interfaces.cli import main
+from oomkit.interfaces.cli.fit import _jobs
+
+pytest.importorskip("torch")
+
+# One request of (batch + 4) * 2 MiB a step, as test_fit.py's; every build logs "pid batch".
+USER_FILE = """
+import os
+import torch
+
+MiB = 2**20
+LOG = os.path.join(os.path.dirname(__file__), "builds.log")
+
+def build(batch_size, seq_len=16):
+    with open(LOG, "a") as out:
+        out.write(f"{os.getpid()} {batch_size}\\n")
+
+    def step():
+        torch.empty((batch_size + 4) * 2 * MiB, dtype=torch.uint8)
+
+    return step
+"""
+
+SMALL = ["--gpu", "100MiB", "--context-overhead", "0", "--margin", "0", "--json"]
+
+
+def _fit(capsys, *argv):
+    code = main(["fit", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_jobs_2_traces_ahead_and_answers_as_jobs_1(tmp_path, capsys):
+    """A file.py:function with --jobs 2: the JSON of --jobs 1 (answer 46, the curve, 4 traces),
+    with 2 and 46 built in forked processes (47, the last size bisection tries, does not fit by
+    its synthesis, so 46 is traced ahead beside it)."""
+    path = tmp_path / "steps.py"
+    path.write_text(textwrap.dedent(USER_FILE))
+    log = tmp_path / "builds.log"
+    code_1, one = _fit(capsys, f"{path}:build", *SMALL, "--jobs", "1")
+    one_pids = {line.split()[0] for line in log.read_text().splitlines()}
+    log.unlink()
+    code_2, two = _fit(capsys, f"{path}:build", *SMALL, "--jobs", "2")
+    assert code_1 == code_2 == 0
+    assert two == one and one["batch_size"] == 46 and one["traces"] == 4
+    assert one_pids == {str(os.getpid())}
+    ahead = sorted(int(b) for pid, b in map(str.split, log.read_text().splitlines())
+                   if pid != str(os.getpid()))
+    assert ahead == [2, 46]
+
+
+def test_a_preset_searched_on_every_core_answers_as_one_at_a_time(capsys):
+    """GPT-2 at seq 64 on 4 GiB, traced ahead by default (a preset), and with --jobs 1: the
+    same JSON."""
+    argv = ["gpt2-124m", "--seq", "64", "--gpu", "4GiB", "--max-batch", "8", "--json"]
+    code, default = _fit(capsys, *argv)
+    code_1, one = _fit(capsys, *argv, "--jobs", "1")
+    assert code == code_1 == 0
+    assert default == one and one["traces"] >= 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_bad_jobs_count_exits_2(capsys, value):
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "gpt2-124m", "--gpu", "4GiB", "--jobs", value])
+    assert exited.value.code == 2
+    assert "expected a positive number of processes" in capsys.readouterr().err
+
+
+def test_jobs_with_lengths_exits_2(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("64\n")
+    assert main(["fit", "gpt2-124m", "--gpu", "4GiB", "--lengths", str(lengths), "--jobs", "2"]) == 2
+    assert "--jobs is not used by fit --lengths" in capsys.readouterr().err
+
+
+def _args(target, **flags):
+    return argparse.Namespace(**{"jobs": None, "eval": None, "compile": False, **flags, "target": target})
+
+
+def test_jobs_default_to_every_core_for_oomkits_own_builders_only(monkeypatch):
+    """None (one per core) for a preset on Linux; 1 for a file.py:function, --eval, --compile
+    and off Linux; --jobs as given."""
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert _jobs(_args("gpt2-124m")) is None
+    assert _jobs(_args(None)) is None  # --hf
+    assert _jobs(_args("train.py:build")) == 1
+    assert _jobs(_args("gpt2-124m", eval="e.py:build")) == 1
+    assert _jobs(_args("gpt2-124m", compile=True)) == 1
+    assert _jobs(_args("train.py:build", jobs=3)) == 3
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert _jobs(_args("gpt2-124m")) == 1
