@@ -107,6 +107,11 @@ class BatchProber:
         probe = self.probes.get(batch_size)
         return probe is not None and not probe.synthesized
 
+    @property
+    def traces_ahead(self) -> bool:
+        """Whether sizes may be traced ahead (``jobs`` above 1 and processes to be had)."""
+        return self._jobs > 1
+
     def likely_fits(self, batch_size: int) -> bool:
         """Whether the training step at ``batch_size`` fits by its synthesis (True when it
         cannot be synthesized): a guess of which size the search asks for next, never a probe."""

@@ -176,7 +176,7 @@ def _search(prober: BatchProber, start_batch: int, max_batch: int) -> tuple[int,
         # straight away, as confirming a synthesized one would trace it anyway; the size on
         # either side of it is confirmed next, so both are traced ahead meanwhile.
         last = hi - lo <= 2
-        if last and prober.interpolating and not prober.traced(mid):
+        if last and prober.traces_ahead and prober.interpolating and not prober.traced(mid):
             # Whichever of the two the synthesis of mid says the answer needs, first.
             pair = [hi, lo] if prober.likely_fits(mid) else [lo, hi]
             prober.trace_ahead(b for b in pair if b)
