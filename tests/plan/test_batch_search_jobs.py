@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _steps import linear_step
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.errors import AllocatorUsageError, UserCodeError
@@ -32,14 +33,7 @@ def _builder(log: Path, *, path_change_at=None, per_batch=1, in_child=None):
             out.write(f"{os.getpid()} {batch}\n")
         if in_child is not None and os.getpid() != parent:
             in_child(batch)
-
-        def step():
-            kept = torch.empty((per_batch * batch + 4) * 2 * MiB, dtype=torch.uint8)
-            if path_change_at is not None and batch >= path_change_at:
-                torch.empty(20 * MiB, dtype=torch.uint8)
-            del kept
-
-        return step
+        return linear_step(batch, per_batch, path_change_at)
 
     return build
 

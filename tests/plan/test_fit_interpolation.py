@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _steps import linear_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,20 +127,13 @@ def _gpu(total_bytes):
 
 
 def _linear(calls=None, per_batch=1, path_change_at=None):
-    """A step reserving (per_batch * b + 4) * 2 MiB; from ``path_change_at`` on, 20 MiB more
-    held beside it (another code path above some batch size)."""
+    """Batch -> ``_steps.linear_step`` (exact MiB; 20 MiB more from ``path_change_at`` on),
+    noting each batch built in ``calls``."""
 
     def build(batch):
         if calls is not None:
             calls.append(batch)
-
-        def step():
-            kept = torch.empty((per_batch * batch + 4) * 2 * MiB, dtype=torch.uint8)
-            if path_change_at is not None and batch >= path_change_at:
-                torch.empty(20 * MiB, dtype=torch.uint8)
-            del kept
-
-        return step
+        return linear_step(batch, per_batch, path_change_at)
 
     return build
 
