@@ -127,3 +127,38 @@ def test_a_path_that_changes_above_the_learned_batches_is_caught():
     assert not next(p for p in found.probes if p.batch_size == found.batch_size).synthesized
     assert sorted({batch for batch, _ in calls}) == [1, 2, 4, 8, 16, 24, 28, 29]
     assert (found.traces, plain.traces) == (16, 20)
+
+
+def test_jobs_trace_a_probes_lengths_in_forked_processes_with_the_same_search(tmp_path):
+    """jobs=2: the batch, every probe and the trace counts of jobs=1; the lengths a probe
+    traces (three at batches 1 and 2, before anything can be synthesized) come from other
+    processes, and a process that fails is traced here."""
+    import os
+
+    log = tmp_path / "log"
+    parent = os.getpid()
+
+    def record(batch: int, length_mib: int, fail_ahead: bool = False) -> TraceRecording:
+        with log.open("a") as out:
+            out.write(f"{os.getpid()} {batch} {length_mib}\n")
+        if fail_ahead and os.getpid() != parent:
+            raise RuntimeError("only in a forked process")
+        return synthetic(batch, length_mib)
+
+    def outcome(found):
+        probes = [(p.batch_size, p.fits, p.worst_peak_reserved_bytes, p.synthesized) for p in found.probes]
+        return found.batch_size, probes, found.traces, found.synthesized
+
+    kwargs = dict(lengths=[12, 14, 13], target=_target(100), margin_bytes=0)
+    serial = max_batch_for_run(record, **kwargs)
+    assert all(int(line.split()[0]) == parent for line in log.read_text().splitlines())
+    log.unlink()
+    parallel = max_batch_for_run(record, jobs=2, **kwargs)
+    assert outcome(parallel) == outcome(serial)
+    rows = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    ahead = sorted((b, n) for pid, b, n in rows if pid != parent)
+    assert ahead[:6] == [(1, 12), (1, 13), (1, 14), (2, 12), (2, 13), (2, 14)]
+    assert all(pid != parent for pid, b, _ in rows if b in (1, 2))
+    log.unlink()
+    failing = max_batch_for_run(lambda b, n: record(b, n, fail_ahead=True), jobs=2, **kwargs)
+    assert outcome(failing) == outcome(serial)

@@ -12,19 +12,25 @@ probe replays those, as ``max_batch_size`` does. The answer rests on traces: the
 bisection tries is traced at every length straight away, and the answer and the size above it,
 where synthesized, are traced again at every length; each traced recording must equal its
 synthesis, else the search runs again, learning from them (the third traces everything).
+With ``jobs`` above 1, the lengths a probe traces are traced in forked processes at once
+(``core/replay/parallel.py run_forked``) before its run is replayed, and learned from in the
+run's order, so the search is the one-at-a-time one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
+from oomkit.core.replay.parallel import process_count, run_forked
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import resolve_margin
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpolator
 from oomkit.prediction.envelope import Envelope, predict_envelope
+from oomkit.prediction.lengths import run_order
 from oomkit.prediction.tracing.recording import TraceRecording
 
 __all__ = ["EnvelopeFit", "EnvelopeProbe", "max_batch_for_run"]
@@ -65,22 +71,53 @@ class _Recordings:
     else traced (and learned from); counts both, and whether a trace differed from its
     synthesis."""
 
-    def __init__(self, record: Callable[[int, int], TraceRecording], interpolate: bool) -> None:
+    def __init__(
+        self, record: Callable[[int, int], TraceRecording], interpolate: bool, jobs: int = 1
+    ) -> None:
         self._record = record
         self.interpolating = interpolate
         self._learned: dict[int, TraceInterpolator] = {}
         self.traces = self.synthesized = 0
         self.differed = False
+        self._jobs = jobs
+        self._ready: dict[tuple[int, int], TraceRecording] = {}  # (batch, length): traced ahead
+
+    def _learner(self, length: int) -> TraceInterpolator:
+        return self._learned.setdefault(length, TraceInterpolator(points=2))
+
+    def prepare(
+        self, batch: int, lengths: Sequence[int], synthesize: bool, say: Callable[[str], None]
+    ) -> None:
+        """Trace the recordings ``at`` would trace at ``batch`` for ``lengths``, ``jobs`` at once
+        in forked processes; ``at`` takes them up. Where one fails, none is kept: ``at`` traces
+        them one at a time, so an error is raised as then."""
+        if self._jobs <= 1:
+            return
+        needed = [
+            length
+            for length in dict.fromkeys(lengths)
+            if not (self.interpolating and synthesize and self._learner(length).can_synthesize(batch))
+        ]
+        if len(needed) < 2:
+            return
+        say(f"batch {batch}: tracing {len(needed)} lengths, {self._jobs} at once")
+        try:
+            made = run_forked([partial(self._record, batch, n) for n in needed], jobs=self._jobs)
+        except Exception:  # noqa: BLE001 - traced one at a time by `at`
+            return
+        self._ready.update(((batch, n), recording) for n, recording in zip(needed, made, strict=True))
 
     def at(self, batch: int, length: int, synthesize: bool) -> tuple[TraceRecording, bool]:
         """(the recording, whether it was synthesized)."""
-        learned = self._learned.setdefault(length, TraceInterpolator(points=2))
+        learned = self._learner(length)
         if self.interpolating and synthesize:
             made = learned.synthesize(batch)
             if made is not None:
                 self.synthesized += 1
                 return made, True
-        recording = self._record(batch, length)
+        recording = self._ready.pop((batch, length), None)
+        if recording is None:
+            recording = self._record(batch, length)
         self.traces += 1
         if self.interpolating:
             self.differed = learned.add(batch, recording) or self.differed
@@ -108,6 +145,7 @@ def max_batch_for_run(
     max_batch: int = 65536,
     progress: Callable[[str], None] | None = None,
     interpolate: bool = True,
+    jobs: int | None = 1,
 ) -> EnvelopeFit:
     """The largest batch size (<= ``max_batch``) whose whole run fits with ``margin_bytes`` spare.
 
@@ -126,13 +164,21 @@ def max_batch_for_run(
         progress: called with a short line before each probe.
         interpolate: synthesize the recordings of a length at batches beside two traced ones
             (see the module); ``False`` traces every batch at every length.
+        jobs: processes that trace a probe's lengths at once (None: one per CPU core; 1, the
+            default: one at a time here; the result is the same).
 
     Raises:
         NoFeasibleBatchSizeError: not even ``start_batch`` (nor batch 1 below it) fits.
     """
     say = progress or (lambda _line: None)
     margin = resolve_margin(margin_bytes, target.usable_bytes)
-    recordings = _Recordings(record, interpolate)
+    recordings = _Recordings(record, interpolate, process_count(jobs))
+    # The lengths every probe records, in the order the run first needs them.
+    distinct = [
+        n
+        for n in dict.fromkeys(run_order(lengths, steps=steps, pad_to=pad_to, seed=seed))
+        if max_length is None or n <= max_length
+    ]
     probes: dict[int, EnvelopeProbe] = {}
     order: list[int] = []
     envelopes: dict[int, Envelope] = {}
@@ -140,6 +186,7 @@ def max_batch_for_run(
     def probe(batch: int, synthesize: bool = True) -> EnvelopeProbe:
         say(f"batch {batch}: replaying the whole run")
         freeze()  # the collector skips what earlier probes made (frozen_heap.py)
+        recordings.prepare(batch, distinct, synthesize, say)
         made_up = []
 
         def at_length(length: int) -> TraceRecording:

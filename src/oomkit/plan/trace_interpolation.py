@@ -226,6 +226,11 @@ class TraceInterpolator:
         nearest = sorted(run, key=lambda b: (abs(b - batch_size), b))
         return tuple(nearest)
 
+    def can_synthesize(self, batch_size: int) -> bool:
+        """Whether ``synthesize(batch_size)`` would make a recording (not ``None``)."""
+        fit = self._fit_at(batch_size)
+        return fit is not None and synthesize_sizes(fit[1], batch_size) is not None
+
     def forget_synthesized(self) -> None:
         """Forget what ``synthesize`` made: ``add`` compares a trace with what it would make
         now (a search that starts over uses none of its earlier syntheses)."""

@@ -78,11 +78,44 @@ def test_a_bad_jobs_count_exits_2(capsys, value):
     assert "expected a positive number of processes" in capsys.readouterr().err
 
 
-def test_jobs_with_lengths_exits_2(tmp_path, capsys):
-    lengths = tmp_path / "lengths.txt"
-    lengths.write_text("64\n")
-    assert main(["fit", "gpt2-124m", "--gpu", "4GiB", "--lengths", str(lengths), "--jobs", "2"]) == 2
-    assert "--jobs is not used by fit --lengths" in capsys.readouterr().err
+LENGTHS_STEP = """
+import os
+import torch
+
+LOG = os.path.join(os.path.dirname(__file__), "builds.log")
+
+def build(batch_size=2, seq_len=64):
+    with open(LOG, "a") as out:
+        out.write(f"{os.getpid()} {batch_size} {seq_len}\\n")
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 100))
+    opt = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, 100, (batch_size, seq_len))
+
+    def step():
+        model(tokens).float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt, tokens)
+"""
+
+
+def test_fit_lengths_with_jobs_traces_a_probes_lengths_at_once(tmp_path, capsys):
+    """fit --lengths --jobs 2: the JSON of --jobs 1; the lengths of a probe that are traced
+    (both, at 1 and 2: nothing to synthesize from yet) are traced in forked processes."""
+    path = tmp_path / "tiny.py"
+    path.write_text(textwrap.dedent(LENGTHS_STEP))
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("32\n48\n")
+    argv = [f"{path}:build", "--lengths", str(lengths), "--gpu", "1GiB", "--max-batch", "16"]
+    code_1, one = _fit(capsys, *argv, "--json", "--jobs", "1")
+    (tmp_path / "builds.log").unlink()
+    code_2, two = _fit(capsys, *argv, "--json", "--jobs", "2")
+    assert code_1 == code_2 == 0
+    assert two == one and one["traces"] >= 4
+    rows = [line.split() for line in (tmp_path / "builds.log").read_text().splitlines()]
+    ahead = sorted((int(b), int(n)) for pid, b, n in rows if pid != str(os.getpid()))
+    assert ahead[:4] == [(1, 32), (1, 48), (2, 32), (2, 48)]
 
 
 def _args(target, **flags):

@@ -190,8 +190,9 @@ def _refuse_shape_flags(args: argparse.Namespace) -> None:
         raise OomkitError("give --lengths or --seq, not both: --lengths sets every step's length")
 
 
-def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
-    """``fit --lengths``: the largest batch whose whole run fits; 1 if not even batch 1 does."""
+def run_fit_envelope(args: argparse.Namespace, target: object, jobs: int | None = 1) -> int:
+    """``fit --lengths``: the largest batch whose whole run fits; 1 if not even batch 1 does.
+    ``jobs``: processes that trace a probe's lengths at once (``fit --jobs``)."""
     from oomkit.core.target import Target
     from oomkit.errors import NoFeasibleBatchSizeError
     from oomkit.interfaces.cli._workload import user_errors
@@ -219,6 +220,7 @@ def run_fit_envelope(args: argparse.Namespace, target: object) -> int:
                 margin_bytes=args.margin,
                 start_batch=args.batch or 1,
                 max_batch=args.max_batch,
+                jobs=jobs,
                 **_run_options(args),
             )
     except NoFeasibleBatchSizeError as exc:

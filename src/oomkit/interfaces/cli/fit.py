@@ -130,8 +130,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_jobs_flag(
         parser,
-        what="batch sizes (the sizes the search traces next, ahead of it; with --smallest-gpu "
-        "the GPUs' compute capabilities, with --global-batch the GPU counts)",
+        what="batch sizes (the sizes the search traces next, ahead of it; with --lengths a "
+        "probe's lengths, with --smallest-gpu the GPUs' compute capabilities, with "
+        "--global-batch the GPU counts)",
         verb="trace",
         default="one per CPU core for a preset or --hf model on Linux; 1 for a file.py:function, "
         "which may write files or hold threads, with --compile, and off Linux",
@@ -278,12 +279,7 @@ def run(args: argparse.Namespace) -> int:
         if args.lengths is not None:
             if args.smallest_gpu or args.eval is not None:
                 raise OomkitError("--lengths searches the batch of one run: drop --smallest-gpu/--eval")
-            if args.jobs is not None:
-                raise OomkitError(
-                    "--jobs is not used by fit --lengths yet (it traces one size at a time): "
-                    "drop --jobs"
-                )
-            return run_fit_envelope(args, target)
+            return run_fit_envelope(args, target, jobs=_jobs(args))
         if args.seed is not None or args.pad_to != 1:
             raise OomkitError("--seed and --pad-to go with --lengths FILE (the epoch envelope)")
         if args.steps is None:
