@@ -128,6 +128,40 @@ def test_remedies_replayed_in_forked_processes_are_the_one_at_a_time_ones():
     assert len(set(recorded)) == len(recorded) // 2  # each length once per envelope
 
 
+def test_lengths_recorded_in_forked_processes_give_the_one_at_a_time_envelope(tmp_path):
+    """record_jobs=2: the first length is recorded here, the others in forked processes; the
+    envelope is the one-at-a-time one; a failing process is redone here."""
+    import os
+
+    log = tmp_path / "log"
+    parent = os.getpid()
+
+    def record(length, fail_ahead=False):
+        with log.open("a") as out:
+            out.write(f"{os.getpid()} {length}\n")
+        if fail_ahead and os.getpid() != parent:
+            raise RuntimeError("only in a forked process")
+        return synthetic(length)
+
+    def where():
+        rows = [line.split() for line in log.read_text().splitlines()]
+        log.unlink()
+        return [(int(pid) == parent, int(n)) for pid, n in rows]
+
+    lengths = [14, 12, 18, 16, 12]
+    serial = predict_envelope(record, lengths, _target(), remedies=False, record_jobs=1)
+    assert where() == [(True, 14), (True, 12), (True, 18), (True, 16)]
+    forked = predict_envelope(record, lengths, _target(), remedies=False, record_jobs=2)
+    assert forked == serial
+    made = where()
+    assert made[0] == (True, 14) and sorted(made[1:]) == [(False, 12), (False, 16), (False, 18)]
+    failing = predict_envelope(
+        lambda n: record(n, fail_ahead=True), lengths, _target(), remedies=False, record_jobs=2
+    )
+    assert failing == serial
+    assert [here for here, _ in where()][-3:] == [True, True, True]
+
+
 def test_first_oom_step_is_counted_from_1():
     """Usable 50 MiB: a 100 MiB step (the third) runs out of memory; the replay stops there."""
     env = predict_envelope(synthetic, [12, 14, 100], _target(50), remedies=False)

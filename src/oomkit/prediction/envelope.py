@@ -341,6 +341,7 @@ def predict_envelope(
     description: str | Callable[[], str] = "",
     progress: Callable[[str], None] | None = None,
     jobs: int | None = 1,
+    record_jobs: int | None = 1,
 ) -> Envelope:
     """Record each distinct padded length once, replay the whole run, and price remedies.
 
@@ -360,6 +361,11 @@ def predict_envelope(
         progress: called with a short line before each recording and replay.
         jobs: processes that replay the remedies (None: one per CPU core; 1: one at a time,
             here); forked after every length they need is recorded, with the same results.
+        record_jobs: processes that record the lengths (None: one per CPU core; 1, the
+            default: one at a time, here). The first length is recorded here (so ``record``'s
+            effects here, such as a description it notes, happen), the others in forked
+            processes at once; where one fails they are all recorded here, so an error is
+            raised as one at a time.
 
     Raises:
         ConfigError: a bad lengths list, steps or pad_to, or a length above ``max_length``.
@@ -374,9 +380,23 @@ def predict_envelope(
         )
     say = progress or (lambda _line: None)
     recordings: dict[int, TraceRecording] = {}
+    from oomkit.core.replay.parallel import process_count, run_forked
+
+    recorders = process_count(record_jobs)
 
     def recorded(wanted: Sequence[int]) -> dict[int, TraceRecording]:
-        for length in dict.fromkeys(wanted):
+        new = [length for length in dict.fromkeys(wanted) if length not in recordings]
+        if recorders > 1 and len(new) > 2:
+            say(f"recording a step at length {new[0]}")
+            recordings[new[0]] = record(new[0])
+            say(f"recording a step at {len(new) - 1} more lengths, {recorders} at once")
+            try:
+                made = run_forked([functools.partial(record, n) for n in new[1:]], jobs=recorders)
+            except Exception:  # noqa: BLE001 - recorded one at a time below: its error, as then
+                made = []
+            if made:
+                recordings.update(zip(new[1:], made, strict=True))
+        for length in new:
             if length not in recordings:
                 say(f"recording a step at length {length}")
                 recordings[length] = record(length)
@@ -409,7 +429,6 @@ def predict_envelope(
 
     if remedies:
         from oomkit.core.allocator import AllocatorConfig
-        from oomkit.core.replay.parallel import run_forked
 
         # Each remedy: (name, note, run order, target). Found first, their lengths recorded
         # here, then the runs replayed, in forked processes when jobs allows (tracing stays in

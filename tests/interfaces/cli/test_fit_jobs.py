@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from oomkit.interfaces.cli import main
-from oomkit.interfaces.cli.fit import _jobs
+from oomkit.interfaces.cli._progress import tracing_jobs as _jobs
 
 pytest.importorskip("torch")
 

@@ -49,7 +49,13 @@ def add_envelope_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
-    add_jobs_flag(parser, what="remedies of --lengths (each a replay of the whole run)")
+    add_jobs_flag(
+        parser,
+        what="remedies of --lengths (each a replay of the whole run), and record its lengths as "
+        "many at once",
+        default="one per CPU core; the lengths one at a time for a file.py:function, with "
+        "--compile, and off Linux",
+    )
 
 
 def add_lengths_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +80,7 @@ def add_lengths_flags(parser: argparse.ArgumentParser) -> None:
 def run_envelope(args: argparse.Namespace, target: object) -> int:
     """Record each distinct length once, replay the run, print the envelope; 1 if it OOMs."""
     from oomkit.core.target import Target
+    from oomkit.interfaces.cli._progress import tracing_jobs
     from oomkit.interfaces.cli._workload import user_errors
     from oomkit.interfaces.reports.envelope import (
         envelope_to_json,
@@ -106,6 +113,7 @@ def run_envelope(args: argparse.Namespace, target: object) -> int:
             target,
             description=lambda: description,
             jobs=args.jobs,
+            record_jobs=tracing_jobs(args),
             **_run_options(args),
         )
     if args.html is not None:

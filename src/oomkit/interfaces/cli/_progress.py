@@ -7,13 +7,21 @@ output stay clean. rich is imported only when a bar is drawn.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
 from oomkit.interfaces.cli._common import stderr_console
 
-__all__ = ["add_jobs_flag", "progress_enabled", "progress_bar", "StepProgress", "step_progress"]
+__all__ = [
+    "add_jobs_flag",
+    "progress_enabled",
+    "progress_bar",
+    "StepProgress",
+    "step_progress",
+    "tracing_jobs",
+]
 
 
 def add_jobs_flag(
@@ -30,6 +38,22 @@ def add_jobs_flag(
         help=f"{verb} N {what} at once, one process each (default: "
         f"{default or 'one per CPU core'}; 1: one at a time). The results are the same either way.",
     )
+
+
+def tracing_jobs(args: argparse.Namespace) -> int | None:
+    """Processes that trace at once (``fit``; ``predict --lengths``' recordings): ``--jobs``,
+    or by default one per core (None) for oomkit's own builders (a preset, ``--hf``) on Linux,
+    and 1 for the user's code (``file.py:function``, ``--eval``), whose builder may have
+    effects outside its process, for ``--compile``, and off Linux (macOS's system libraries
+    are not safe to fork with torch loaded: Python's multiprocessing docs)."""
+    from oomkit.interfaces.cli._user_function import is_user_target
+
+    if args.jobs is not None:
+        return int(args.jobs)
+    target = getattr(args, "target", None)
+    users = getattr(args, "eval", None) is not None or (target is not None and is_user_target(target))
+    compiled = getattr(args, "compile", False)
+    return 1 if users or compiled or not sys.platform.startswith("linux") else None
 
 
 def _jobs(text: str) -> int:

@@ -32,7 +32,12 @@ from oomkit.interfaces.cli._common import (
 from oomkit.interfaces.cli._compile_flag import add_compile_flag
 from oomkit.interfaces.cli._data_parallel import add_ddp_flags, ddp_bucket_cap_mb
 from oomkit.interfaces.cli._envelope import add_lengths_flags, run_fit_envelope
-from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
+from oomkit.interfaces.cli._progress import (
+    add_jobs_flag,
+    progress_bar,
+    progress_enabled,
+    tracing_jobs,
+)
 from oomkit.interfaces.cli._target import add_parallel_flags
 from oomkit.interfaces.cli._workload import (
     Workload,
@@ -141,19 +146,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
-
-
-def _jobs(args: argparse.Namespace) -> int | None:
-    """``--jobs``, or its default: one process per core (None) for oomkit's own builders (a
-    preset, ``--hf``) on Linux, 1 for the user's code (``file.py:function``, ``--eval``), whose
-    builder may have effects outside its process, for ``--compile``, and off Linux (macOS's
-    system libraries are not safe to fork with torch loaded: Python's multiprocessing docs)."""
-    from oomkit.interfaces.cli._user_function import is_user_target
-
-    if args.jobs is not None:
-        return int(args.jobs)
-    users = args.eval is not None or (args.target is not None and is_user_target(args.target))
-    return 1 if users or args.compile or not sys.platform.startswith("linux") else None
 
 
 class _Builders:
@@ -279,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         if args.lengths is not None:
             if args.smallest_gpu or args.eval is not None:
                 raise OomkitError("--lengths searches the batch of one run: drop --smallest-gpu/--eval")
-            return run_fit_envelope(args, target, jobs=_jobs(args))
+            return run_fit_envelope(args, target, jobs=tracing_jobs(args))
         if args.seed is not None or args.pad_to != 1:
             raise OomkitError("--seed and --pad-to go with --lengths FILE (the epoch envelope)")
         if args.steps is None:
@@ -375,7 +367,7 @@ def _run_gpu_counts(args: argparse.Namespace, target: Target, builders: _Builder
             margin_bytes=args.margin,
             target=target,
             progress=bar,
-            jobs=_jobs(args),
+            jobs=tracing_jobs(args),
         )
     if args.json:
         print_json(gpu_count_to_json(result))
@@ -408,7 +400,7 @@ def _run_search(
                 start_batch=args.batch or 1,
                 max_batch=args.max_batch,
                 progress=progress,
-                jobs=_jobs(args),
+                jobs=tracing_jobs(args),
             )
     except NoFeasibleBatchSizeError as exc:
         if args.json:
@@ -503,7 +495,7 @@ def _run_smallest(
             margin_bytes=args.margin,
             steps=args.steps,
             eval_step=eval_step,
-            jobs=_jobs(args),
+            jobs=tracing_jobs(args),
         )
     if args.json:
         print_json(smallest_gpu_to_json(result))
