@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from oomkit.core.replay.parallel import process_count, run_forked
+from oomkit.core.replay.parallel import process_count, run_forked_or_here
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import resolve_margin
@@ -89,8 +89,8 @@ class _Recordings:
         self, batch: int, lengths: Sequence[int], synthesize: bool, say: Callable[[str], None]
     ) -> None:
         """Trace the recordings ``at`` would trace at ``batch`` for ``lengths``, ``jobs`` at once
-        in forked processes; ``at`` takes them up. Where one fails, none is kept: ``at`` traces
-        them one at a time, so an error is raised as then."""
+        in forked processes (where one fails, all here, in order: an error is raised as one at
+        a time); ``at`` takes them up."""
         if self._jobs <= 1:
             return
         needed = [
@@ -101,10 +101,7 @@ class _Recordings:
         if len(needed) < 2:
             return
         say(f"batch {batch}: tracing {len(needed)} lengths, {self._jobs} at once")
-        try:
-            made = run_forked([partial(self._record, batch, n) for n in needed], jobs=self._jobs)
-        except Exception:  # noqa: BLE001 - traced one at a time by `at`
-            return
+        made = run_forked_or_here([partial(self._record, batch, n) for n in needed], jobs=self._jobs)
         self._ready.update(((batch, n), recording) for n, recording in zip(needed, made, strict=True))
 
     def at(self, batch: int, length: int, synthesize: bool) -> tuple[TraceRecording, bool]:

@@ -4,7 +4,7 @@
 safety margin (``batch_probe``) and names the smallest it fits on. The recording depends on a
 GPU only through its compute capability, so a step is traced once per capability and replayed
 on each candidate; with ``jobs``, the capabilities are traced in forked processes at once
-(``core/replay/parallel.py run_forked``).
+(``core/replay/parallel.py run_forked_or_here``).
 
 ``smallest_gpu_count`` answers "how many GPUs of which kind" for a fixed global batch trained
 with FSDP2: for each GPU count N (1, 2, 4, ... up to a maximum) that divides the global batch,
@@ -24,7 +24,7 @@ from typing import Any
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import CATALOG, GpuSpec
-from oomkit.core.replay.parallel import process_count, run_forked
+from oomkit.core.replay.parallel import run_forked_or_here
 from oomkit.core.target import Target, resolve_target
 from oomkit.plan.batch_probe import (
     StepBuilder,
@@ -166,7 +166,7 @@ def smallest_gpu(
         for spec in ordered:
             firsts.setdefault(spec.compute_capability, base.with_gpu(spec))
         recorded = _record_capabilities(
-            source, eval_step, batch_size, firsts, steps=steps, jobs=process_count(jobs)
+            source, eval_step, batch_size, firsts, steps=steps, jobs=jobs
         )
         traces = sum(1 + (second is not None) for _, second, _ in recorded.values())
     fits: list[GpuFit] = []
@@ -311,7 +311,7 @@ def _record_capabilities(
     targets: dict[tuple[int, int] | None, Target],
     *,
     steps: int,
-    jobs: int,
+    jobs: int | None,
 ) -> dict[tuple[int, int] | None, tuple[Any, Any, str]]:
     """Per compute capability, (the training recording, the evaluation recording or None, the
     description), each recorded on that capability's target; ``jobs`` of them at once."""
@@ -326,15 +326,7 @@ def _record_capabilities(
             second, _ = record_step(eval_step, "eval step", batch_size, target=on, steps=1, models=models)
         return first, second, described
 
-    tasks = [partial(record, on) for on in targets.values()]
-    results = None
-    if jobs > 1 and len(tasks) > 1:
-        try:
-            results = run_forked(tasks, jobs=jobs)
-        except Exception:  # noqa: BLE001 - traced here below: its error is raised as one at a time
-            results = None
-    if results is None:
-        results = [task() for task in tasks]
+    results = run_forked_or_here([partial(record, on) for on in targets.values()], jobs=jobs)
     return dict(zip(targets, results, strict=True))
 
 
@@ -395,19 +387,10 @@ def smallest_gpu_count(
             fits.append(fit)
         return GpuCountRow(count, per_rank, tuple(fits), description), shown
 
-    tasks = [partial(row_of, count) for count in counts]
-    done = None
-    if process_count(jobs) > 1 and len(tasks) > 1:
-        try:
-            done = run_forked(tasks, jobs=jobs, progress=_after_start(progress))
-        except Exception:  # noqa: BLE001 - done here below: its error is raised as one at a time
-            done = None
-    if done is None:  # one at a time: each recording dropped before the next is made
-        done = []
-        for made, task in enumerate(tasks, start=1):
-            done.append(task())
-            if progress is not None:
-                progress(made, len(tasks))
+    # One at a time, each recording is dropped before the next is made (a row keeps none).
+    done = run_forked_or_here(
+        [partial(row_of, count) for count in counts], jobs=jobs, progress=_after_start(progress)
+    )
     rows = [row for row, _ in done]
     warnings = [line for _, shown in done for line in shown]
     fewest: dict[str, int] = {}

@@ -380,7 +380,7 @@ def predict_envelope(
         )
     say = progress or (lambda _line: None)
     recordings: dict[int, TraceRecording] = {}
-    from oomkit.core.replay.parallel import process_count, run_forked
+    from oomkit.core.replay.parallel import process_count, run_forked, run_forked_or_here
 
     recorders = process_count(record_jobs)
 
@@ -390,12 +390,10 @@ def predict_envelope(
             say(f"recording a step at length {new[0]}")
             recordings[new[0]] = record(new[0])
             say(f"recording a step at {len(new) - 1} more lengths, {recorders} at once")
-            try:
-                made = run_forked([functools.partial(record, n) for n in new[1:]], jobs=recorders)
-            except Exception:  # noqa: BLE001 - recorded one at a time below: its error, as then
-                made = []
-            if made:
-                recordings.update(zip(new[1:], made, strict=True))
+            made = run_forked_or_here(
+                [functools.partial(record, n) for n in new[1:]], jobs=recorders
+            )
+            recordings.update(zip(new[1:], made, strict=True))
         for length in new:
             if length not in recordings:
                 say(f"recording a step at length {length}")

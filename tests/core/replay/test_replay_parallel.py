@@ -218,3 +218,27 @@ def test_a_forked_process_writes_its_own_output_once_and_none_of_the_callers(cap
     out = capfd.readouterr().out
     assert out.count("caller before") == 1 and out.count("caller after") == 1
     assert out.count("from the process") == 1
+
+
+def test_run_forked_or_here_does_every_task_here_when_one_fails_in_a_worker():
+    """A task that fails only in a forked worker: all tasks run again here, in order, with
+    their one-at-a-time results; a task that fails here too raises its own error."""
+    from oomkit.core.replay.parallel import run_forked_or_here
+
+    parent = os.getpid()
+    ran_here = []
+
+    def task(n, always=False):
+        if os.getpid() == parent:
+            ran_here.append(n)
+        elif n == 2:
+            raise RuntimeError("only in a worker")
+        if always and n == 2:
+            raise KeyError("here too")
+        return n * 10
+
+    tasks = [lambda n=n: task(n) for n in range(4)]
+    assert run_forked_or_here(tasks, jobs=2) == [0, 10, 20, 30]
+    assert ran_here == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="here too"):
+        run_forked_or_here([lambda n=n: task(n, always=True) for n in range(4)], jobs=2)

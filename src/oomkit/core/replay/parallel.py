@@ -30,6 +30,7 @@ __all__ = [
     "process_count",
     "replay_settings",
     "run_forked",
+    "run_forked_or_here",
     "worker_count",
 ]
 
@@ -126,6 +127,25 @@ def run_forked(
         if progress is not None:
             progress(done, total)
     return results
+
+
+def run_forked_or_here(
+    tasks: Sequence[Callable[[], T]], *, jobs: int | None = 1, progress: Progress | None = None
+) -> list[T]:
+    """``run_forked``, and where a task fails in a forked process (it raised, its process died,
+    its result could not come back), every task again one at a time here: an error is then
+    raised as one at a time raises it, never a worker's copy of it.
+
+    Raises:
+        AllocatorUsageError: ``jobs`` is not a positive int or None.
+        Exception: the first failing task's error (in ``tasks`` order), as one at a time.
+    """
+    if process_count(jobs) > 1 and len(tasks) > 1:
+        try:
+            return run_forked(tasks, jobs=jobs, progress=progress)
+        except Exception:  # noqa: BLE001, S110 - done again here below
+            pass
+    return run_forked(tasks, jobs=1, progress=progress)
 
 
 # The tasks, in a worker process: inherited through fork, never pickled.
