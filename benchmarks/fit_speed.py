@@ -59,7 +59,7 @@ CASES = {
 SETTINGS = ("parallel", "interpolated", "cached", "memo-only", "plain")
 
 
-def run_setting(setting: str, case: str) -> dict:
+def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
     """One search in this process; its per-probe CPU seconds, where they went, and its answer."""
     import torch
     import torch._dynamo  # noqa: F401  (imported by torch on first use: not a probe's cost)
@@ -120,7 +120,7 @@ def run_setting(setting: str, case: str) -> dict:
     mark[:] = [start_cpu, start_wall]
     result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress,
                             interpolate=setting in ("interpolated", "parallel"),
-                            jobs=None if setting == "parallel" else 1)
+                            jobs=jobs if setting == "parallel" else 1)
     search_wall_s = time.perf_counter() - start_wall
     children_cpu_s = _children_cpu_s() - start_children
     search_cpu_s = time.process_time() - start_cpu + children_cpu_s
@@ -159,16 +159,28 @@ def main() -> int:
     parser.add_argument("--case", choices=tuple(CASES), default="gpt2", help="what to search")
     parser.add_argument("--setting", choices=SETTINGS, help="run one here (internal)")
     parser.add_argument("--write", metavar="PATH", help="also write the JSON result to PATH")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="which settings to run, comma-separated (default: all)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes of the parallel setting (default: one per CPU core; 3 or "
+                        "more also traces ahead the size a second search would trace first)")
     args = parser.parse_args()
     if args.setting:
-        print(json.dumps(run_setting(args.setting, args.case)))
+        print(json.dumps(run_setting(args.setting, args.case, args.jobs)))
         return 0
+    chosen = [name.strip() for name in args.settings.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in SETTINGS]
+    if unknown or not chosen:
+        parser.error(f"--settings: choose from {', '.join(SETTINGS)}; got {args.settings!r}")
     state = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
-             "case": args.case}
+             "case": args.case, "parallel_jobs": args.jobs}
     settings = {}
-    for setting in SETTINGS:
+    for setting in chosen:
+        extra = () if args.jobs is None else ("--jobs", str(args.jobs))
         try:
-            result = settings[setting] = run_child(__file__, "--setting", setting, "--case", args.case)
+            result = settings[setting] = run_child(
+                __file__, "--setting", setting, "--case", args.case, *extra
+            )
         except ChildFailed as failed:
             return failed.returncode
         later = result["later_probes_cpu_s"]
@@ -183,7 +195,7 @@ def main() -> int:
               f"trace {later['trace']:.2f} s, replay {later['replay']:.2f} s, synthesize "
               f"{later['synthesize']:.2f} s, learn {later['learn']:.2f} s "
               f"(load average {os.getloadavg()[0]:.2f})")
-    reference = settings["plain"]
+    reference = next(iter(settings.values()))
     for setting, result in settings.items():
         if (result["batch_size"], result["peaks"]) != (reference["batch_size"], reference["peaks"]):
             print(f"{setting} changed the answer or a probe's peaks", file=sys.stderr)

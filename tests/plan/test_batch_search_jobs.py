@@ -97,6 +97,36 @@ def test_a_search_with_jobs_is_the_one_at_a_time_search(tmp_path, options, trace
     assert set(built) >= {b for _, b in _builds(serial_log)}
 
 
+@pytest.mark.parametrize(
+    ("options", "traced_ahead", "unused"),
+    [
+        # No difference: 4, the first size synthesized, is traced ahead and never asked for.
+        ({}, [2, 4, 42], 1),
+        # The path changes at 30: the second search traces 4 first, and takes it from ahead
+        # (42 is the unused one, as with jobs=2).
+        ({"path_change_at": 30}, [2, 4, 42], 1),
+    ],
+)
+def test_a_process_to_spare_traces_ahead_what_a_second_search_traces_first(
+    tmp_path, options, traced_ahead, unused
+):
+    """With jobs=3 one process is left for the sizes an answer rests on, and the other traces
+    the first synthesized size ahead: the search is still the one-at-a-time one."""
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
+    serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
+    parallel = max_batch_size(_builder(parallel_log, **options), jobs=3, **kwargs)
+    assert _outcome(parallel) == _outcome(serial)
+    assert parallel.unused_ahead == unused
+    assert sorted(b for here, b in _builds(parallel_log) if not here) == traced_ahead
+    built = sorted(b for _, b in _builds(parallel_log))
+    assert len(built) == len(_builds(serial_log)) + unused
+    if options:
+        # The second search's first trace: built once, in the process ahead.
+        assert [b for here, b in _builds(parallel_log) if b == 4] == [4]
+        assert (False, 4) in _builds(parallel_log) and 4 in [b for _, b in _builds(serial_log)]
+
+
 def test_an_eval_step_is_recorded_here_after_a_training_step_traced_ahead(tmp_path):
     """Train traced ahead, eval after it here: the same search as one at a time (eval caps
     the batch at 15)."""

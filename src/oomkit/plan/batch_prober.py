@@ -48,6 +48,8 @@ class BatchProber:
     its size, learned from and replayed here in the search's order, so every decision is the
     one-at-a-time one. A process that fails (the step raised, it died, it gave no answer in
     time) is not believed: the size is traced here, so an error is raised as one at a time.
+    Where ``jobs`` leaves a process to spare beside the one kept for the sizes to confirm (3
+    or more), the first size synthesized is traced ahead too (``_speculate``).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class BatchProber:
         self._ahead: dict[int, ForkedCall[tuple[Any, str]]] = {}  # training steps, by batch
         self.unused_ahead = 0  # started ahead and not needed
         self._trace_wall_s = 0.0  # the longest trace made here, to bound a wait for one ahead
+        self._speculated = False  # the first synthesized size was offered to _speculate
 
     @property
     def interpolating(self) -> bool:
@@ -127,25 +130,44 @@ class BatchProber:
         for batch_size in batch_sizes:
             if len(self._ahead) >= self._jobs - 1:
                 return
-            if batch_size in self._ahead or self.traced(batch_size):
-                continue
-            if self.models is None:
-                self.models = new_model_cache()
-            self.freeze()  # what exists now is shared with the process, never copied
-            record = partial(
-                record_step,
-                self._build_step,
-                "train step",
-                batch_size,
-                target=self._target,
-                steps=self._steps,
-                models=self.models,
-            )
-            try:
-                self._ahead[batch_size] = ForkedCall(record)
-            except OSError:  # no process to be had (memory, a process limit): trace here
-                self._jobs = 1
+            if not self._start_ahead(batch_size):
                 return
+
+    def _speculate(self, batch_size: int) -> None:
+        """Trace ahead a size a later search would trace first, where a process is to spare.
+
+        The first size a search synthesizes is the first a search after a difference traces
+        (between the sizes learned first and the ones confirmed, of two structures, nothing is
+        synthesized). Started only while a process stays free for the sizes this search will
+        confirm (``jobs`` of 3 or more): on 2 cores it would slow them. A search with no
+        difference never asks for it (``unused_ahead``).
+        """
+        if len(self._ahead) < self._jobs - 2:
+            self._start_ahead(batch_size)
+
+    def _start_ahead(self, batch_size: int) -> bool:
+        """Start tracing ``batch_size`` in a forked process unless it is traced or being
+        traced; False when no process could be started (all is traced here from then on)."""
+        if batch_size in self._ahead or self.traced(batch_size):
+            return True
+        if self.models is None:
+            self.models = new_model_cache()
+        self.freeze()  # what exists now is shared with the process, never copied
+        record = partial(
+            record_step,
+            self._build_step,
+            "train step",
+            batch_size,
+            target=self._target,
+            steps=self._steps,
+            models=self.models,
+        )
+        try:
+            self._ahead[batch_size] = ForkedCall(record)
+        except OSError:  # no process to be had (memory, a process limit): trace here
+            self._jobs = 1
+            return False
+        return True
 
     def stop_ahead(self) -> None:
         """Stop every process still tracing ahead; their sizes count as ``unused_ahead``."""
@@ -254,6 +276,9 @@ class BatchProber:
             recording = interpolator.synthesize(batch_size)
             if recording is not None:
                 self.synthesized += 1
+                if what == "train step" and not self._speculated:
+                    self._speculated = True
+                    self._speculate(batch_size)
                 basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
                 description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
                 prediction = predict_recording(recording, target=self._target, description=description)

@@ -270,8 +270,11 @@ def max_batch_size(
             traced ahead in forked processes (the second size learned from, the other sizes an
             answer rests on; without ``interpolate``, the next size doubling tries): the
             answer, every probe and ``traces`` are the one-at-a-time ones, in less wall time.
-            The builder then runs in those processes too (a builder with side effects outside
-            its process, such as files it writes, should keep 1).
+            From 3 on, a process to spare also traces the first size the search synthesizes,
+            the first a search after a difference traces (GPT-2's embedding backward changes
+            path at batch 4: its second search starts there). The builder then runs in those
+            processes too (a builder with side effects outside its process, such as files it
+            writes, should keep 1).
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the

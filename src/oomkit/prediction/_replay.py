@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator.stats import ALLOCATED_BYTES, CUR, RESERVED_BYTES
 from oomkit.core.replay import ReplayEngine, ReplayHooks
 from oomkit.core.trace import TraceEvent
 from oomkit.prediction.module_groups import natural_key
@@ -37,6 +38,10 @@ MAX_TIMELINE_POINTS = 1000
 # Where a module tag is absent (parameters tracked before the step, gradients accumulated by
 # autograd, optimizer state) the bytes are not attributed to a module.
 _NO_CATEGORY = "unknown"
+
+# The current-value slots of the two levels in a pool's stat list (stats.py).
+_ALLOCATED = ALLOCATED_BYTES + CUR
+_RESERVED = RESERVED_BYTES + CUR
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,9 @@ class ReplayPass:
     peak_reserved_bytes: int = 0
     peak_reserved_index: int | None = None
     block_bytes: dict[int, int] = field(default_factory=dict)  # alloc event index -> bytes
-    timeline: list[TimelinePoint] = field(default_factory=list)
+    # (last event index, allocated, reserved) per timeline bucket: category_levels makes them
+    # TimelinePoints (with the step and the categories).
+    timeline: list[tuple[int, int, int]] = field(default_factory=list)
     step_peaks: list[StepPeak] = field(default_factory=list)
     oom_index: int | None = None
     oom_error: SimulatedOutOfMemoryError | None = None
@@ -163,7 +170,20 @@ def replay_for_prediction(
 
 
 class _PredictionHooks(ReplayHooks):
-    """The engine's hooks for a prediction: per-alloc bytes, peaks, per-step peaks, a timeline."""
+    """The engine's hooks for a prediction: per-alloc bytes, peaks, per-step peaks, a timeline.
+
+    ``after_event`` runs for every event, so most events take a short path (issue 19: the hooks
+    cost as much as the allocator did). Only an ``alloc`` raises ``allocated_bytes`` or
+    ``reserved_bytes`` (a free lowers allocated and leaves reserved; ``empty_cache`` lowers
+    reserved): after any other event the levels are no higher than after the event before it.
+    So such an event cannot raise a peak or a running maximum, unless it is the first of a
+    timeline bucket (whose maxima start from nothing); a step's maxima start from the levels
+    just before its first event, which it cannot exceed either. Those events only note the
+    allocated level (the next alloc's block bytes are the change from it), except at a *mark*:
+    a bucket's first or last event, the event before a step's first, or the trace's last
+    event, where the whole bookkeeping runs. ``tests/prediction/test_replay_hooks.py`` compares
+    every field with the plain every-event bookkeeping.
+    """
 
     def __init__(
         self,
@@ -174,8 +194,8 @@ class _PredictionHooks(ReplayHooks):
         max_points: int,
     ) -> None:
         self.out = out
-        self.allocated = allocator.memory_allocated
-        self.reserved = allocator.memory_reserved
+        # allocated_bytes.all.current is small[ALLOCATED] + large[ALLOCATED] (stats.py).
+        self.small, self.large = allocator.pool_stat_lists()
         self.num_events = num_events
         # Timeline buckets: each point is the maximum over its bucket of events.
         self.bucket = max(1, -(-num_events // max(1, max_points)))
@@ -186,9 +206,14 @@ class _PredictionHooks(ReplayHooks):
         self.step_alloc = self.step_res = 0
         # allocated_bytes.all.current after the previous event: an alloc's block bytes are the
         # change from it.
-        self.level = self.allocated()
+        self.level = allocator.memory_allocated()
+        # The events that take the whole bookkeeping whatever their action, in order, and the
+        # next of them (-1: none left).
+        self.marks = _marks(num_events, self.bucket, self.starts)
+        self.marked = 0
+        self.mark = self.marks[0] if self.marks else -1
         if num_events:
-            self._maybe_open_step(0, self.level, self.reserved())
+            self._maybe_open_step(0, self.level, allocator.memory_reserved())
 
     def _maybe_open_step(self, index: int, now_alloc: int, now_res: int) -> None:
         """Start the next step if event ``index`` is its first (levels: just before it)."""
@@ -208,9 +233,15 @@ class _PredictionHooks(ReplayHooks):
             )
 
     def after_event(self, index: int, event: TraceEvent) -> None:
-        out = self.out
-        now_alloc, now_res = self.allocated(), self.reserved()
-        if event.action == "alloc":
+        small, large = self.small, self.large
+        now_alloc = small[_ALLOCATED] + large[_ALLOCATED]
+        is_alloc = event.action == "alloc"
+        if not is_alloc and index != self.mark:
+            self.level = now_alloc
+            return
+        now_res = small[_RESERVED] + large[_RESERVED]
+        if is_alloc:
+            out = self.out
             out.block_bytes[index] = now_alloc - self.level
             if now_alloc > out.peak_allocated_bytes:
                 out.peak_allocated_bytes, out.peak_allocated_index = now_alloc, index
@@ -218,7 +249,7 @@ class _PredictionHooks(ReplayHooks):
             if now_res > out.peak_reserved_bytes:
                 out.peak_reserved_bytes, out.peak_reserved_index = now_res, index
         self.level = now_alloc
-        # Running maxima (comparisons, not max(): this runs once per event).
+        # Running maxima (comparisons, not max(): this runs for most events).
         if now_alloc > self.bucket_alloc:
             self.bucket_alloc = now_alloc
         if now_res > self.bucket_res:
@@ -227,55 +258,95 @@ class _PredictionHooks(ReplayHooks):
             self.step_alloc = now_alloc
         if now_res > self.step_res:
             self.step_res = now_res
-        if (index + 1) % self.bucket == 0 or index + 1 == self.num_events:
-            out.timeline.append(
-                TimelinePoint(index, step_of(self.starts, index), self.bucket_alloc, self.bucket_res)
-            )
+        if index == self.mark:
+            self._at_mark(index, now_alloc, now_res)
+
+    def _at_mark(self, index: int, now_alloc: int, now_res: int) -> None:
+        """A mark's bookkeeping beyond the maxima: the timeline point, the next step."""
+        after = index + 1
+        if after % self.bucket == 0 or after == self.num_events:
+            # (event index, allocated, reserved): category_levels makes the TimelinePoint.
+            self.out.timeline.append((index, self.bucket_alloc, self.bucket_res))
             self.bucket_alloc = self.bucket_res = 0
-        if index + 1 < self.num_events:
-            self._maybe_open_step(index + 1, now_alloc, now_res)
+        if self.next_start < len(self.starts) and after == self.starts[self.next_start]:
+            self._maybe_open_step(after, now_alloc, now_res)
+        self.marked += 1
+        self.mark = self.marks[self.marked] if self.marked < len(self.marks) else -1
+
+
+def _marks(num_events: int, bucket: int, step_starts: Sequence[int]) -> list[int]:
+    """The events after which a prediction's hooks do all their bookkeeping, in order: each
+    timeline bucket's first event (its maxima start from nothing) and last (its point is
+    taken), the event before each step's first (the step opens with the levels after it) and
+    the trace's last event."""
+    if num_events <= 0:
+        return []
+    marks = {num_events - 1}
+    for first in range(0, num_events, bucket):
+        marks.add(first)
+        marks.add(min(first + bucket, num_events) - 1)
+    marks.update(start - 1 for start in step_starts if 0 < start <= num_events)
+    return sorted(marks)
 
 
 def category_levels(
-    events: Sequence[TraceEvent], block_bytes: dict[int, int], points: Sequence[TimelinePoint]
+    events: Sequence[TraceEvent],
+    block_bytes: dict[int, int],
+    points: Sequence[tuple[int, int, int]],
+    step_starts: Sequence[int],
 ) -> list[TimelinePoint]:
-    """The timeline points with the live bytes of each category just after their event.
+    """The timeline points, each with its step and the live bytes of each category just after
+    its event.
 
     One pass over the events (as :func:`live_breakdown` walks them, but once for every point).
 
     Args:
         events: the recording's events.
         block_bytes: per alloc event index, the bytes the allocator counted (``ReplayPass``).
-        points: timeline points in event order.
+        points: ``ReplayPass.timeline``: (event index, allocated, reserved), in event order.
+        step_starts: index of each step's first event.
     """
     live: dict[int, tuple[str, int]] = {}  # recording id -> (category, block bytes)
     levels: dict[str, int] = {}
     out: list[TimelinePoint] = []
     index = 0
+    count = len(events)
     # The levels as a point shows them; points between which nothing changed share one.
     shown: dict[str, int] = {}
     changed = True
-    for point in points:
-        while index <= point.event_index and index < len(events):
+    # Written out (no per-event calls): a prediction runs it over every event (issue 19).
+    for event_index, allocated_bytes, reserved_bytes in points:
+        stop = min(event_index + 1, count)
+        while index < stop:
             event = events[index]
-            if event.action == "alloc":
+            action = event.action
+            if action == "alloc":
                 nbytes = block_bytes.get(index, 0)
                 if nbytes:
-                    category = event.tag("category", _NO_CATEGORY)
+                    category = _NO_CATEGORY
+                    for name, text in event.tags:  # event.tag("category"): the last one
+                        if name == "category":
+                            category = text
                     live[event.address] = (category, nbytes)
                     levels[category] = levels.get(category, 0) + nbytes
                     changed = True
-            elif event.action == "free_completed" and event.address in live:
+            elif action == "free_completed" and event.address in live:
                 category, nbytes = live.pop(event.address)
                 levels[category] -= nbytes
                 changed = True
             index += 1
         if changed:
-            shown = _sorted({k: v for k, v in levels.items() if v})
+            # _sorted's order (largest first, ties by natural_key), its key made once per item.
+            ranked = sorted([(-v, natural_key(k), k) for k, v in levels.items() if v])
+            shown = {k: -negative for negative, _, k in ranked}
             changed = False
         out.append(
             TimelinePoint(
-                point.event_index, point.step, point.allocated_bytes, point.reserved_bytes, shown
+                event_index,
+                step_of(step_starts, event_index),
+                allocated_bytes,
+                reserved_bytes,
+                shown,
             )
         )
     return out

@@ -327,7 +327,9 @@ def predict_recording(
         num_device_alloc=replay.num_device_alloc,
         num_device_free=replay.num_device_free,
         num_alloc_retries=replay.num_alloc_retries,
-        timeline=tuple(category_levels(events, replay.block_bytes, replay.timeline)),
+        timeline=tuple(
+            category_levels(events, replay.block_bytes, replay.timeline, step_starts)
+        ),
         warnings=tuple(warnings),
         budget_bytes=budget_bytes,
         within_budget=within_budget,

@@ -167,3 +167,28 @@ def test_all_as_the_pools_sum_equals_updating_all_with_every_pool(ops):
             assert out[f"allocated_bytes.{t}.{field}"] == getattr(s, field), (t, field)
     assert stats.current(ALLOCATED_BYTES) == plain["all"].current
     assert stats.peak(ALLOCATED_BYTES) == plain["all"].peak
+
+
+def test_pool_stat_lists_are_live_and_sum_to_the_all_levels():
+    """pool_stat_lists(): the same list objects for the allocator's life, whose small + large
+    current slots are memory_allocated() and memory_reserved() after every call."""
+    from oomkit.core.allocator.stats import CUR, RESERVED_BYTES
+
+    a = CachingAllocator(capacity_bytes=2**30)
+    small, large = a.pool_stat_lists()
+
+    def levels():
+        return (
+            small[ALLOCATED_BYTES + CUR] + large[ALLOCATED_BYTES + CUR],
+            small[RESERVED_BYTES + CUR] + large[RESERVED_BYTES + CUR],
+        )
+
+    p = a.malloc(1000)  # small pool: a 512-byte multiple in a 2 MiB segment
+    q = a.malloc(3 * 2**20)  # large pool: a 20 MiB segment
+    assert levels() == (1024 + 3 * 2**20, 2 * 2**20 + 20 * 2**20)
+    assert levels() == (a.memory_allocated(), a.memory_reserved())
+    a.free(p)
+    a.free(q)
+    a.empty_cache()
+    assert levels() == (0, 0) == (a.memory_allocated(), a.memory_reserved())
+    assert a.pool_stat_lists()[0] is small and a.pool_stat_lists()[1] is large

@@ -350,6 +350,18 @@ class StatsApi:
         """``reserved_bytes.all.current``."""
         return self._stats.current(RESERVED_BYTES)
 
+    def pool_stat_lists(self) -> tuple[list[int], list[int]]:
+        """The small and the large pool's stat lists, live: read them, never write them.
+
+        For a stat both pools keep (``ALLOCATED_BYTES``, ``RESERVED_BYTES``, ... below
+        ``OVERSIZE_ALLOCATIONS``), ``small[i + CUR] + large[i + CUR]`` is always
+        ``<stat>.all.current`` (what :meth:`memory_allocated` returns): a replay hook that reads
+        the levels after every event reads them so, without two calls per event (issue 19).
+        The lists are the same objects for the allocator's whole life.
+        """
+        lists = self._stats.lists
+        return lists[SMALL_POOL], lists[LARGE_POOL]
+
     def max_memory_allocated(self) -> int:
         """``allocated_bytes.all.peak``."""
         return self._stats.peak(ALLOCATED_BYTES)

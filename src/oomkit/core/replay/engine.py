@@ -194,13 +194,12 @@ class ReplayEngine:
                     ):
                         # Its own completion comes next: one free, unless that completion is
                         # left to the next request's Step 9 (then deferred, completed there).
+                        # (A free never logs a segment event: memory is only released by
+                        # malloc's Step 9 and empty_cache, so no log_index check here.)
                         if completes_later is None:
                             free(ptr)
                         else:
                             free(ptr, deferred=completes_later(index + 1))
-                        if log_index is not None and len(segment_log) != logged:
-                            log_index.extend([index] * (len(segment_log) - logged))
-                            logged = len(segment_log)
                         if after_event is None:
                             # The completion changes nothing: the checks below are done.
                             index, event = next(numbered)

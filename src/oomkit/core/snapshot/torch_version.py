@@ -9,12 +9,15 @@ as the older release: pass the real version (``--torch-version``) when you know 
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from oomkit.core.snapshot.model import Snapshot
 
 __all__ = ["infer_torch_version"]
 
 # Versions returned are "major.minor" strings, as oomkit.core.allocator.versions.behaviour_for takes.
-_NEWEST_FEATURE_ACTIONS = ("annotate",)  # MAIN26 (2026): `annotate` trace action
+_NEWEST_FEATURE_ACTIONS = ("annotate",)
+_ACTION = attrgetter("action")  # MAIN26 (2026): `annotate` trace action
 
 
 def infer_torch_version(snapshot: Snapshot) -> str | None:
@@ -39,7 +42,10 @@ def infer_torch_version(snapshot: Snapshot) -> str | None:
         A ``"major.minor"`` string, or None when the file points at the newest release.
     """
     keys = snapshot.keys_seen
-    actions = {ev.action for events in snapshot.device_traces.values() for ev in events}
+    # Every event's action, gathered in C (map, not a comprehension): it runs for every replay.
+    actions: set[str] = set()
+    for events in snapshot.device_traces.values():
+        actions.update(map(_ACTION, events))
     if actions.intersection(_NEWEST_FEATURE_ACTIONS):
         return None
     if "settings:graph_capture_record_stream_reuse" in keys:
