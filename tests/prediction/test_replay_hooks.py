@@ -187,3 +187,20 @@ def test_every_field_equals_the_plain_bookkeeping(ops, max_points, step_every, c
             events.append(TraceEvent("empty_cache", 0, 0))
     starts = tuple(range(0, len(events), step_every)) or (0,)
     _same(events, starts, capacity_mib * MiB, max_points)
+
+
+def test_category_levels_order_is_the_breakdowns_order():
+    """Largest first; equal bytes in the numbers' order (h.2 before h.10), then as first seen
+    (h.01 and h.1 have one natural key): the order _sorted gives a breakdown."""
+    from oomkit.prediction._replay import _sorted, category_levels
+
+    tags = ["h.10", "h.2", "h.1", "h.01", "big"]
+    events = [
+        TraceEvent("alloc", i, 512, tags=(("category", name),)) for i, name in enumerate(tags)
+    ]
+    block_bytes = {0: 512, 1: 512, 2: 512, 3: 512, 4: 2048}
+    (point,) = category_levels(events, block_bytes, [(4, 4096, 2 * MiB)], (0,))
+    expected = _sorted({name: block_bytes[i] for i, name in enumerate(tags)})
+    assert list(point.by_category_bytes.items()) == list(expected.items())
+    assert list(point.by_category_bytes) == ["big", "h.1", "h.01", "h.2", "h.10"]
+    assert (point.event_index, point.step, point.allocated_bytes) == (4, 1, 4096)

@@ -336,9 +336,12 @@ def category_levels(
                 changed = True
             index += 1
         if changed:
-            # _sorted's order (largest first, ties by natural_key), its key made once per item.
-            ranked = sorted([(-v, natural_key(k), k) for k, v in levels.items() if v])
-            shown = {k: -negative for negative, _, k in ranked}
+            # _sorted's order (largest first, ties by natural_key, then as inserted: its sort
+            # is stable), each key made once per item.
+            ranked = sorted(
+                [(-v, natural_key(k), i, k) for i, (k, v) in enumerate(levels.items()) if v]
+            )
+            shown = {k: -negative for negative, _, _, k in ranked}
             changed = False
         out.append(
             TimelinePoint(
