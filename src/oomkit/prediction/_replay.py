@@ -209,9 +209,8 @@ class _PredictionHooks(ReplayHooks):
         self.level = allocator.memory_allocated()
         # The events that take the whole bookkeeping whatever their action, in order, and the
         # next of them (-1: none left).
-        self.marks = _marks(num_events, self.bucket, self.starts)
-        self.marked = 0
-        self.mark = self.marks[0] if self.marks else -1
+        self.marks = iter(_marks(num_events, self.bucket, self.starts))
+        self.mark = next(self.marks, -1)
         if num_events:
             self._maybe_open_step(0, self.level, allocator.memory_reserved())
 
@@ -268,10 +267,9 @@ class _PredictionHooks(ReplayHooks):
             # (event index, allocated, reserved): category_levels makes the TimelinePoint.
             self.out.timeline.append((index, self.bucket_alloc, self.bucket_res))
             self.bucket_alloc = self.bucket_res = 0
-        if self.next_start < len(self.starts) and after == self.starts[self.next_start]:
+        if after < self.num_events:
             self._maybe_open_step(after, now_alloc, now_res)
-        self.marked += 1
-        self.mark = self.marks[self.marked] if self.marked < len(self.marks) else -1
+        self.mark = next(self.marks, -1)
 
 
 def _marks(num_events: int, bucket: int, step_starts: Sequence[int]) -> list[int]:
@@ -285,7 +283,7 @@ def _marks(num_events: int, bucket: int, step_starts: Sequence[int]) -> list[int
     for first in range(0, num_events, bucket):
         marks.add(first)
         marks.add(min(first + bucket, num_events) - 1)
-    marks.update(start - 1 for start in step_starts if 0 < start <= num_events)
+    marks.update(start - 1 for start in step_starts if 0 < start < num_events)
     return sorted(marks)
 
 

@@ -18,7 +18,14 @@ from oomkit.core.allocator.best_fit import checked_free_block
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.cache_miss import CacheMiss
 from oomkit.core.allocator.config import AllocatorConfig
-from oomkit.core.allocator.constants import MIN_BLOCK_SIZE, ONE_EXA_BYTES, SIZE_MAX, SMALL_SIZE
+from oomkit.core.allocator.constants import (
+    MIN_BLOCK_MASK,
+    MIN_BLOCK_ROUND_UP,
+    MIN_BLOCK_SIZE,
+    ONE_EXA_BYTES,
+    SIZE_MAX,
+    SMALL_SIZE,
+)
 from oomkit.core.allocator.device_memory import SYNTHETIC_ADDRESS_BASE, DeviceMemory, check_capacity
 from oomkit.core.allocator.expandable import ExpandableSegments
 from oomkit.core.allocator.oom_message import ONE_EXA_MESSAGE, process_memory_info
@@ -64,10 +71,6 @@ __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE
 
 # An 80 GB device as the default (ref §15.7).
 DEFAULT_CAPACITY_BYTES: Final = 80 * 2**30
-# round_size without roundup_power2_divisions: up to a multiple of kMinBlockSize (§2.1), with
-# the two constants folded (malloc runs it for every request).
-_ROUND_UP: Final = MIN_BLOCK_SIZE - 1
-_ROUND_MASK: Final = ~(MIN_BLOCK_SIZE - 1)
 
 
 class CachingAllocator(StatsApi):
@@ -189,7 +192,8 @@ class CachingAllocator(StatsApi):
         if nbytes < MIN_BLOCK_SIZE:
             size = MIN_BLOCK_SIZE
         elif settings.divisions is None:
-            size = (nbytes + _ROUND_UP) & _ROUND_MASK  # a multiple of kMinBlockSize
+            # round_size without divisions (§2.1), inlined: a multiple of kMinBlockSize.
+            size = (nbytes + MIN_BLOCK_ROUND_UP) & MIN_BLOCK_MASK
         else:
             size = round_size(nbytes, settings.divisions)
         if size <= SMALL_SIZE:

@@ -10,6 +10,8 @@ from typing import Final
 
 __all__ = [
     "MIN_BLOCK_SIZE",
+    "MIN_BLOCK_ROUND_UP",
+    "MIN_BLOCK_MASK",
     "SMALL_SIZE",
     "SMALL_BUFFER",
     "LARGE_BUFFER",
@@ -24,6 +26,10 @@ __all__ = [
 
 # CUDACachingAllocator.cpp kMinBlockSize: every size is rounded up to a multiple of 512 bytes.
 MIN_BLOCK_SIZE: Final = 512
+# round_size's last step, (size + kMinBlockSize - 1) & ~(kMinBlockSize - 1), its two constants
+# folded: malloc inlines that step for every request (caching_allocator.py, rounding.py).
+MIN_BLOCK_ROUND_UP: Final = MIN_BLOCK_SIZE - 1
+MIN_BLOCK_MASK: Final = ~(MIN_BLOCK_SIZE - 1)
 # CUDACachingAllocator.cpp kSmallSize: a rounded size <= 1 MiB goes to the small pool.
 SMALL_SIZE: Final = 1 << 20
 # CUDACachingAllocator.cpp kSmallBuffer: small-pool segments (and small expandable pages) are 2 MiB.

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from oomkit.core.allocator.constants import (
     LARGE_BUFFER,
+    MIN_BLOCK_MASK,
+    MIN_BLOCK_ROUND_UP,
     MIN_BLOCK_SIZE,
     MIN_LARGE_ALLOC,
     ROUND_LARGE,
@@ -74,7 +76,7 @@ def round_size(size_bytes: int, divisions: Sequence[int] | None = None) -> int:
         # round_size: power-of-two rounding only when divisions > 1 and size > 512 * divisions.
         if d > 1 and size_bytes > MIN_BLOCK_SIZE * d:
             return roundup_power2_next_division(size_bytes, d)
-    return (size_bytes + MIN_BLOCK_SIZE - 1) & ~(MIN_BLOCK_SIZE - 1)
+    return (size_bytes + MIN_BLOCK_ROUND_UP) & MIN_BLOCK_MASK
 
 
 def is_small_size(rounded_bytes: int) -> bool:

@@ -165,8 +165,7 @@ def _run_one(index: int) -> Any:
 def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress | None) -> list[T]:
     """Every task run in a pool of forked processes; results in ``tasks`` order."""
     context = multiprocessing.get_context("fork")
-    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written again there
-        stream.flush()
+    _flush_before_fork()
     with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(tasks,)) as pool:
         futures = [pool.submit(_run_one, index) for index in range(len(tasks))]
         if progress is not None:
@@ -195,8 +194,7 @@ class ForkedCall(Generic[T]):
     def __init__(self, fn: Callable[[], T]) -> None:
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+        _flush_before_fork()
         self._process = context.Process(target=_call_and_send, args=(fn, send), daemon=True)
         self._process.start()
         send.close()  # the child's end: EOF here once the child is gone
@@ -258,6 +256,12 @@ def _call_and_send(fn: Callable[[], Any], send: Any) -> None:
                 pass
         # Leave without the interpreter's exit (atexit handlers, buffers copied from the parent).
         os._exit(code)
+
+
+def _flush_before_fork() -> None:
+    """Flush this process's output, so nothing buffered here is written again by a child."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
 
 
 def _own_streams() -> None:
