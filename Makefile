@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 # with `make TORCH_INDEX=...`, or `make TORCH_INDEX=` to always use pip's configuration.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-compiled lint bench clean
 
 $(BIN)/oomkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,23 @@ demo: $(BIN)/oomkit
 test: $(BIN)/oomkit
 	$(BIN)/python -m pytest
 
+# CI also runs the allocator and replay tests on the compiled core that `pip install .` gives: a
+# wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed
+# into build/compiled-site, which PYTHONPATH puts before the editable install's sources.
+COMPILED_TESTS := tests/core tests/prediction/test_replay_hooks.py \
+	tests/interfaces/cli/test_replay_cli.py tests/interfaces/cli/test_tune.py \
+	tests/interfaces/cli/test_simulate_cli.py tests/interfaces/reports/test_golden.py
+test-compiled: $(BIN)/oomkit
+	rm -rf build/compiled-wheel build/compiled-site
+	OOMKIT_REQUIRE_COMPILED=1 $(BIN)/pip wheel -q --no-deps -w build/compiled-wheel .
+	$(BIN)/pip install -q --no-deps --target build/compiled-site build/compiled-wheel/oomkit-*.whl
+	OOMKIT_EXPECT_COMPILED=1 PYTHONPATH=build/compiled-site $(BIN)/python -m pytest \
+		-p no:cacheprovider $(COMPILED_TESTS)
+
 # ruff (with each layer folder's ruff.toml banning imports that go up a layer) and mypy (its
 # files and settings are in pyproject.toml); both must report nothing.
 lint: $(BIN)/oomkit
-	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks scripts setup.py
 	$(BIN)/mypy
 
 bench: $(BIN)/oomkit

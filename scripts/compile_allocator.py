@@ -1,6 +1,8 @@
-"""Build the optional compiled allocator core with mypyc (issue 19 item 2); ``--clean`` removes it.
+"""Build the compiled allocator core with mypyc in place (issue 19 item 2); ``--clean`` removes it.
 
-The default install is pure Python and needs no compiler. This script compiles the modules that
+A wheel built from this repository (``pip install .``, ``pip wheel .``) is compiled by
+``setup.py``, which calls :func:`compile_core` on the wheel's build folder; the editable install
+of the dev set-up stays pure Python. This script compiles the modules that
 every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats and
 settings) and the seeding and ``snapshot()`` of every replay (state) into C extensions placed
 beside their sources in ``src/``; Python then imports them in
@@ -89,9 +91,15 @@ def _function_arguments_any(path: Path, names: tuple[str, ...]) -> None:
     path.write_text(ast.unparse(tree) + "\n")
 
 
-def built() -> list[Path]:
-    """The compiled files this script placed in ``src/`` (the extensions and mypyc's runtime)."""
-    return sorted([*PACKAGE.glob("*.so"), *PACKAGE.glob("*.pyd"), *SRC.glob("*__mypyc*")])
+class CompileError(RuntimeError):
+    """mypyc could not compile the allocator core (no compiler, a type error, ...)."""
+
+
+def built(root: Path = SRC) -> list[Path]:
+    """The compiled files under ``root`` (a folder holding ``oomkit/``): the extensions and
+    mypyc's runtime."""
+    package = root / "oomkit" / "core" / "allocator"
+    return sorted([*package.glob("*.so"), *package.glob("*.pyd"), *root.glob("*__mypyc*")])
 
 
 def clean() -> int:
@@ -101,16 +109,31 @@ def clean() -> int:
     return 0
 
 
-def build() -> int:
-    clean()
+def compile_core(source: Path, dest: Path) -> list[Path]:
+    """Compile the allocator core of the ``oomkit`` package under ``source`` and place the
+    extensions under ``dest`` (``src/`` for this script; a wheel's build folder for
+    ``setup.py``), beside their ``.py`` sources; mypyc's runtime goes to ``dest``'s top.
+
+    Returns:
+        The files placed.
+
+    Raises:
+        CompileError: mypyc failed (nothing is placed).
+    """
+    package_source = source / "oomkit" / "core" / "allocator"
+    package_dest = dest / "oomkit" / "core" / "allocator"
     with tempfile.TemporaryDirectory(prefix="oomkit-mypyc-") as tmp:
         root = Path(tmp)
         package = root / "oomkit"
         (package / "core").mkdir(parents=True)
         (package / "__init__.py").write_text('"""oomkit (the allocator only, to compile it)."""\n')
         (package / "core" / "__init__.py").write_text('"""oomkit.core."""\n')
-        shutil.copy(SRC / "oomkit" / "errors.py", package / "errors.py")
-        shutil.copytree(PACKAGE, package / "core" / "allocator", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        shutil.copy(source / "oomkit" / "errors.py", package / "errors.py")
+        shutil.copytree(
+            package_source,
+            package / "core" / "allocator",
+            ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"),
+        )
         _public_arguments_any(package / "core" / "allocator" / "caching_allocator.py")
         _function_arguments_any(
             package / "core" / "allocator" / "state.py", ("seed_segment", "_check_seed")
@@ -122,12 +145,23 @@ def build() -> int:
             [sys.executable, "-m", "mypyc", "--config-file", "mypy.ini", *files], cwd=root
         )
         if done.returncode != 0:
-            print("mypyc failed; nothing was installed (the pure-Python modules stay in use)")
-            return done.returncode
+            raise CompileError(f"mypyc exited with status {done.returncode}")
+        placed = []
         for ext in (*root.glob("*__mypyc*.so"), *root.glob("*__mypyc*.pyd")):
-            shutil.copy(ext, SRC / ext.name)
-        for ext in (*(package / "core" / "allocator").glob("*.so"), *(package / "core" / "allocator").glob("*.pyd")):
-            shutil.copy(ext, PACKAGE / ext.name)
+            placed.append(Path(shutil.copy(ext, dest / ext.name)))
+        compiled = package / "core" / "allocator"
+        for ext in (*compiled.glob("*.so"), *compiled.glob("*.pyd")):
+            placed.append(Path(shutil.copy(ext, package_dest / ext.name)))
+    return sorted(placed)
+
+
+def build() -> int:
+    clean()
+    try:
+        compile_core(SRC, SRC)
+    except CompileError as exc:
+        print(f"{exc}; nothing was installed (the pure-Python modules stay in use)")
+        return 1
     for path in built():
         print(f"built {path.relative_to(SRC.parent)}")
     return 0
