@@ -40,15 +40,12 @@ _SITES = 400
 
 
 def _machine() -> dict[str, Any]:
-    from types import FunctionType
+    from oomkit._build import allocator_core
 
-    from oomkit.core.allocator import CachingAllocator
-
-    compiled = not isinstance(CachingAllocator.__dict__["malloc"], FunctionType)
     return {
         "cores": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        "allocator": "compiled (mypyc)" if compiled else "pure Python",
+        "allocator": allocator_core(),
     }
 
 

@@ -48,13 +48,11 @@ EXPANDABLE = "expandable_segments:True"
 
 
 def allocator_build() -> str:
-    """Which allocator core runs: the pure-Python modules, or scripts/compile_allocator.py's."""
-    from types import FunctionType
+    """Which allocator core runs: the pure-Python modules, or the compiled ones (a wheel that
+    setup.py built, or scripts/compile_allocator.py's in-place build)."""
+    from oomkit._build import allocator_core
 
-    from oomkit.core.allocator import CachingAllocator
-
-    malloc = CachingAllocator.__dict__["malloc"]
-    return "pure Python" if isinstance(malloc, FunctionType) else "compiled (mypyc)"
+    return allocator_core()
 
 
 def machine() -> dict[str, Any]:

@@ -23,6 +23,8 @@ RANK = {
     "errors": 0,
     "_version": 0,
     "_lazy": 0,
+    # which allocator core is installed (compiled or pure), read from the file system
+    "_build": 0,
     "units": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an

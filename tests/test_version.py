@@ -37,9 +37,16 @@ def test_version_matches_the_installed_metadata():
     assert oomkit.__version__ == installed
 
 
-def test_cli_version_flag_prints_the_version(capsys):
-    """``oomkit --version`` prints ``oomkit <__version__>`` and exits 0."""
+def test_cli_version_flag_prints_the_version_and_the_allocator_core(capsys):
+    """``oomkit --version`` prints ``oomkit <__version__> (allocator core: ...)`` and exits 0;
+    the core named is the one the allocator's import loads."""
+    from types import FunctionType
+
+    from oomkit.core.allocator import CachingAllocator
+
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
-    assert capsys.readouterr().out == f"oomkit {oomkit.__version__}\n"
+    pure = isinstance(CachingAllocator.__dict__["malloc"], FunctionType)
+    core = "pure Python" if pure else "compiled (mypyc)"
+    assert capsys.readouterr().out == f"oomkit {oomkit.__version__} (allocator core: {core})\n"

@@ -48,3 +48,26 @@ def test_malloc_is_a_python_function_only_in_the_pure_build():
     # benchmarks/replay_speed.py names the build from this same test.
     malloc = CachingAllocator.__dict__["malloc"]
     assert isinstance(malloc, FunctionType) is not _expect_compiled()
+
+
+def test_allocator_core_names_the_build_without_importing_it():
+    """oomkit._build.allocator_core (``oomkit --version``) asks the import system's path finder,
+    so it names the build the allocator's import loaded."""
+    from oomkit._build import COMPILED, PURE_PYTHON, allocator_core
+
+    assert allocator_core() == (COMPILED if _expect_compiled() else PURE_PYTHON)
+
+
+def test_allocator_core_prefers_an_extension_as_import_does(tmp_path, monkeypatch):
+    """In a copy of the package folder, an extension beside caching_allocator.py is what the
+    finder (and import) picks."""
+    import oomkit._build as build
+
+    package = tmp_path / "oomkit"
+    (package / "core" / "allocator").mkdir(parents=True)
+    (package / "core" / "allocator" / "caching_allocator.py").write_text("")
+    monkeypatch.setattr(build, "__file__", str(package / "_build.py"))
+    assert build.allocator_core() == build.PURE_PYTHON
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    (package / "core" / "allocator" / f"caching_allocator{suffix}").write_bytes(b"")
+    assert build.allocator_core() == build.COMPILED

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from importlib import import_module
+from typing import Any
 
 from oomkit.errors import OomkitError, TorchRequiredError
 
@@ -92,8 +93,30 @@ def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         allow_abbrev=False,
         formatter_class=_WholeWordsFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"oomkit {__version__}")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        version=f"oomkit {__version__}",
+        help="show the version and which allocator core runs (compiled or pure Python), and exit",
+    )
     return parser, parser.add_subparsers(dest="command", metavar="COMMAND")
+
+
+class _VersionAction(argparse._VersionAction):
+    """``--version``: the version, then the allocator core this installation imports (looked up
+    only when asked: it reads the file system)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        from oomkit._build import allocator_core
+
+        self.version = f"{self.version} (allocator core: {allocator_core()})"
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
