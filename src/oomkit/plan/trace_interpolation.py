@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from oomkit.core.trace import TraceEvent
+from oomkit.core.trace import new_trace_event
 
 __all__ = [
     "INTERPOLATED_SEARCHES",
@@ -260,7 +260,7 @@ class TraceInterpolator:
         new_events = tuple(
             e
             if e.size == size
-            else TraceEvent(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
+            else new_trace_event(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
             for e, size in zip(events, values[:count], strict=True)
         )
         changes: dict[str, Any] = {"events": new_events}

@@ -3,9 +3,18 @@
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oomkit.core.trace as trace
-from oomkit.core.trace import ACTIONS, TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
+from oomkit.core.trace import (
+    ACTIONS,
+    TRACE_FORMAT_VERSION,
+    Frame,
+    TraceEvent,
+    TraceHeader,
+    new_trace_event,
+)
 
 
 def test_every_public_name_imports():
@@ -71,3 +80,27 @@ def test_tag_reads_one_tag_as_a_dict_of_the_tags_would():
     assert event.tag("module") == "h.0"
     assert event.tag("op") is None and event.tag("op", "unknown") == "unknown"
     assert TraceEvent("free_completed", 1, 512).tag("category", "x") == "x"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    action=st.sampled_from(["alloc", "free_requested", "free_completed", "segment_alloc", "oom"]),
+    address=st.integers(min_value=0, max_value=2**64),
+    size=st.integers(min_value=0, max_value=2**50),
+    stream=st.integers(min_value=0, max_value=2**32),
+    time_us=st.none() | st.integers(min_value=0, max_value=2**62),
+    frames=st.lists(
+        st.builds(Frame, st.text(max_size=8), st.integers(0, 10**6), st.text(max_size=8)),
+        max_size=3,
+    ).map(tuple),
+    tags=st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), max_size=3).map(tuple),
+)
+def test_new_trace_event_is_the_same_record(action, address, size, stream, time_us, frames, tags):
+    """new_trace_event (the loader's and the recorder's faster constructor) makes the record
+    TraceEvent(...) makes: equal, same hash and repr, still frozen."""
+    fast = new_trace_event(action, address, size, stream, time_us, frames, tags)
+    plain = TraceEvent(action, address, size, stream, time_us, frames, tags)
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert type(fast) is TraceEvent
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.size = size + 1  # type: ignore[misc]

@@ -28,7 +28,7 @@ from oomkit.core.snapshot._validate import (
 )
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
 from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
-from oomkit.core.trace import Frame, TraceEvent
+from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
 __all__ = ["load_snapshot", "snapshot_from_data"]
@@ -301,6 +301,7 @@ class _Normaliser:
         frames_of = self.frames
         tag_fields = _TAG_FIELDS
         consume = self.consume
+        new_event = new_trace_event
         for index, raw in enumerate(entries):
             if type(raw) is not dict:
                 where = f"device_traces[{device}][{index}]"
@@ -335,7 +336,7 @@ class _Normaliser:
                 tags = self._tags(raw, tag_fields)
             frames = raw.get("frames")
             append(
-                TraceEvent(
+                new_event(
                     action, address, size, stream, time_us, frames_of(frames) if frames else (), tags
                 )
             )

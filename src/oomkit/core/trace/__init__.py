@@ -14,6 +14,7 @@ from oomkit.core.trace.events import (
     TraceEvent,
     TraceHeader,
     TraceSource,
+    new_trace_event,
 )
 from oomkit.core.trace.io import TRACE_FORMAT_NAME, read_trace, write_trace
 
@@ -26,6 +27,7 @@ __all__ = [
     "TraceEvent",
     "TraceHeader",
     "TraceSource",
+    "new_trace_event",
     "read_trace",
     "write_trace",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oomkit.core.trace import TraceEvent
+from oomkit.core.trace import TraceEvent, new_trace_event
 from oomkit.prediction.tracing.categories import Category, Phase
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def build_recording(
             if alloc.emulated is not None:
                 tags.append(("emulated", alloc.emulated))
             events.append(
-                TraceEvent(
+                new_trace_event(
                     "alloc", alloc.alloc_id, alloc.size_bytes, alloc.stream, None, alloc.frames, tuple(tags)
                 )
             )
@@ -144,7 +144,7 @@ def build_recording(
             tags_free = (("category", category),)
             for action in ("free_requested", "free_completed"):
                 events.append(
-                    TraceEvent(
+                    new_trace_event(
                         action, alloc.alloc_id, alloc.size_bytes, alloc.stream, None, frames, tags_free
                     )
                 )
