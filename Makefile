@@ -28,8 +28,12 @@ $(BIN)/oomkit: pyproject.toml
 demo: $(BIN)/oomkit
 	$(BIN)/oomkit predict gpt2-124m --batch 8 --seq 1024 --gpu rtx4090 --precision bf16-mixed
 
+# The tests run in parallel (pytest-xdist), one worker per core, at most 4: each worker imports
+# torch (about 0.5 GB), and the tests that fork process pools take cores of their own.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+
 test: $(BIN)/oomkit
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # CI also runs the allocator and replay tests on the compiled core that `pip install .` gives: a
 # wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed
@@ -42,7 +46,7 @@ test-compiled: $(BIN)/oomkit
 	OOMKIT_REQUIRE_COMPILED=1 $(BIN)/pip wheel -q --no-deps -w build/compiled-wheel .
 	$(BIN)/pip install -q --no-deps --target build/compiled-site build/compiled-wheel/oomkit-*.whl
 	OOMKIT_EXPECT_COMPILED=1 PYTHONPATH=build/compiled-site $(BIN)/python -m pytest \
-		-p no:cacheprovider $(COMPILED_TESTS)
+		-n $(TEST_WORKERS) -p no:cacheprovider $(COMPILED_TESTS)
 
 # ruff (with each layer folder's ruff.toml banning imports that go up a layer) and mypy (its
 # files and settings are in pyproject.toml); both must report nothing.

@@ -1,0 +1,15 @@
+"""Fixtures for every test."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _terminal_size_not_inherited(monkeypatch):
+    """The CLI sizes its tables from ``$COLUMNS`` when it is set, and a pipe otherwise gets
+    unwrapped rows (``interfaces/cli/_common.py``); tests assert those layouts. A parent
+    process may set the variables (pytest-xdist's workers get COLUMNS=80, LINES=24), so they
+    are removed; a test about them sets its own."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
