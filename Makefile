@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 # with `make TORCH_INDEX=...`, or `make TORCH_INDEX=` to always use pip's configuration.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test test-compiled lint bench clean
+.PHONY: demo test test-compiled compiled-site lint bench bench-compiled clean
 
 $(BIN)/oomkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,10 +41,12 @@ test: $(BIN)/oomkit
 COMPILED_TESTS := tests/core tests/prediction/test_replay_hooks.py \
 	tests/interfaces/cli/test_replay_cli.py tests/interfaces/cli/test_tune.py \
 	tests/interfaces/cli/test_simulate_cli.py tests/interfaces/reports/test_golden.py
-test-compiled: $(BIN)/oomkit
+compiled-site: $(BIN)/oomkit
 	rm -rf build/compiled-wheel build/compiled-site
 	OOMKIT_REQUIRE_COMPILED=1 $(BIN)/pip wheel -q --no-deps -w build/compiled-wheel .
 	$(BIN)/pip install -q --no-deps --target build/compiled-site build/compiled-wheel/oomkit-*.whl
+
+test-compiled: compiled-site
 	OOMKIT_EXPECT_COMPILED=1 PYTHONPATH=build/compiled-site $(BIN)/python -m pytest \
 		-n $(TEST_WORKERS) -p no:cacheprovider $(COMPILED_TESTS)
 
@@ -57,6 +59,12 @@ lint: $(BIN)/oomkit
 bench: $(BIN)/oomkit
 	$(BIN)/python benchmarks/replay_speed.py
 	$(BIN)/python benchmarks/predict_speed.py
+
+# The replay benchmark's real traces on the core a user installs (the wheel setup.py compiles)
+# and on the pure-Python sources, one after the other.
+bench-compiled: compiled-site
+	PYTHONPATH=build/compiled-site $(BIN)/python benchmarks/replay_speed.py --part real
+	$(BIN)/python benchmarks/replay_speed.py --part real
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
