@@ -35,12 +35,14 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=
 test: $(BIN)/oomkit
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# CI also runs the allocator and replay tests on the compiled core that `pip install .` gives: a
+# CI also runs the allocator, replay and hostile-input tests on the compiled core that `pip install .` gives: a
 # wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed
 # into build/compiled-site, which PYTHONPATH puts before the editable install's sources.
 COMPILED_TESTS := tests/core tests/prediction/test_replay_hooks.py \
 	tests/interfaces/cli/test_replay_cli.py tests/interfaces/cli/test_tune.py \
-	tests/interfaces/cli/test_simulate_cli.py tests/interfaces/reports/test_golden.py
+	tests/interfaces/cli/test_simulate_cli.py tests/interfaces/reports/test_golden.py \
+	tests/robustness/test_hostile_snapshots.py tests/robustness/test_hostile_traces.py \
+	tests/robustness/test_hostile_pickles.py
 compiled-site: $(BIN)/oomkit
 	rm -rf build/compiled-wheel build/compiled-site
 	OOMKIT_REQUIRE_COMPILED=1 $(BIN)/pip wheel -q --no-deps -w build/compiled-wheel .
