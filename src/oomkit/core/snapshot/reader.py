@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,13 @@ from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["load_snapshot", "snapshot_from_data"]
+__all__ = ["LoadProgress", "load_snapshot", "snapshot_from_data"]
+
+# Called with (what is being read, done, total) while a snapshot loads: "reading the file" in
+# bytes, then "reading device N's trace" in entries (about four fifths of a large file's load).
+LoadProgress = Callable[[str, int, int], None]
+# Trace entries between two progress calls.
+_PROGRESS_ENTRIES = 1 << 16
 
 # CUDACachingAllocator.cpp kSmallBuffer: small-pool segments are exactly 2 MiB, and no large-pool
 # segment is (allocation_size gives 20 MiB or a 2 MiB multiple >= 10 MiB, §2.4, §15.1).
@@ -54,7 +60,9 @@ _TAG_FIELDS = ("compile_context", "user_metadata")
 _STACK_ID_CACHE_MAX = 20_000
 
 
-def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapshot:
+def load_snapshot(
+    source: str | os.PathLike[str] | bytes | bytearray, *, progress: LoadProgress | None = None
+) -> Snapshot:
     """Read a PyTorch memory snapshot written by ``torch.cuda.memory._dump_snapshot``.
 
     The pickle is read with an unpickler that refuses every global, so a hostile file cannot
@@ -62,6 +70,9 @@ def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapsho
 
     Args:
         source: the path of the pickle, or its bytes.
+        progress: called with (what, done, total) as the load goes on (for a progress bar):
+            ``"reading the file"`` in bytes (a file with a framed pickle, as PyTorch writes),
+            then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end.
 
     Returns:
         The normalised snapshot; ``format_generation`` says which layout the file had.
@@ -84,12 +95,22 @@ def load_snapshot(source: str | os.PathLike[str] | bytes | bytearray) -> Snapsho
             path = Path(source)
             name = label = str(path)
             with open(path, "rb") as stream:
-                data = load_plain_pickle(stream, name)
+                data = load_plain_pickle(stream, name, _file_progress(progress))
         # The tree is this function's own: the normaliser frees each trace entry once read.
-        return _Normaliser(name, consume=True).snapshot(data, label)
+        return _Normaliser(name, consume=True, progress=progress).snapshot(data, label)
     finally:
         if paused:
             gc.enable()
+
+
+def _file_progress(progress: LoadProgress | None) -> Callable[[int, int], None] | None:
+    if progress is None:
+        return None
+
+    def report(done: int, total: int) -> None:
+        progress("reading the file", done, total)
+
+    return report
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
@@ -109,10 +130,13 @@ def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = 
 class _Normaliser:
     """One pass over the unpickled tree; interns frames so repeated stacks are shared."""
 
-    def __init__(self, name: str, consume: bool = False) -> None:
+    def __init__(
+        self, name: str, consume: bool = False, progress: LoadProgress | None = None
+    ) -> None:
         self.name = name
         # Whether the unpickled tree is ours to take apart while it is read (load_snapshot).
         self.consume = consume
+        self.progress = progress
         self._frames: dict[tuple[str, int, str], Frame] = {}
         self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         self._stacks_by_ids: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[Frame, ...]]] = {}
@@ -302,7 +326,12 @@ class _Normaliser:
         tag_fields = _TAG_FIELDS
         consume = self.consume
         new_event = new_trace_event
+        report = self.progress
+        what = f"reading device {device}'s trace"
+        total = len(entries)
         for index, raw in enumerate(entries):
+            if report is not None and not index % _PROGRESS_ENTRIES:
+                report(what, index, total)
             if type(raw) is not dict:
                 where = f"device_traces[{device}][{index}]"
                 raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
@@ -345,6 +374,8 @@ class _Normaliser:
                 # its records are never both held in full (issue 19 item 3).
                 entries[index] = None
         self.keys_seen.update(f"trace:{key}" for key in keys)
+        if report is not None:
+            report(what, total, total)
         return tuple(events)
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:

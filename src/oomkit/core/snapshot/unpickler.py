@@ -9,12 +9,17 @@ looked up. Persistent ids (``torch.save``'s tensor storages) are refused the sam
 from __future__ import annotations
 
 import io
+import os
 import pickle
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["HOW_TO_RECORD", "RestrictedUnpickler", "load_plain_pickle"]
+__all__ = ["HOW_TO_RECORD", "ByteProgress", "RestrictedUnpickler", "load_plain_pickle"]
+
+# Called with (bytes read, file size) while a file is unpickled.
+ByteProgress = Callable[[int, int], None]
 
 HOW_TO_RECORD = (
     "Produce a valid snapshot with: torch.cuda.memory._record_memory_history(); <run the code>; "
@@ -39,12 +44,48 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"the pickle refers to an external object (persistent id {pid!r})")
 
 
-def load_plain_pickle(source: bytes | BinaryIO, name: str) -> Any:
+class _CountingReader:
+    """A binary file for the unpickler that reports how far it has read.
+
+    Used only for framed pickles (protocol 4 and later, what ``_dump_snapshot`` writes): the C
+    unpickler then reads a whole frame (up to 64 KiB) per ``read`` call, so the Python-level
+    calls here are few. An unframed pickle is read an opcode at a time, and is not wrapped.
+    """
+
+    def __init__(self, stream: Any, total: int, progress: ByteProgress) -> None:
+        self._stream = stream  # a buffered binary file (read, readinto, readline, tell)
+        self._total = total
+        self._progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._progress(self._stream.tell(), self._total)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        count = self._stream.readinto(buffer)
+        self._progress(self._stream.tell(), self._total)
+        return count
+
+    def readline(self, size: int = -1) -> bytes:
+        return self._stream.readline(size)
+
+
+def _framed(start: bytes) -> bool:
+    """Whether a pickle starting with ``start`` uses frames: PROTO 4 or later (pickle.py)."""
+    return len(start) >= 2 and start[0] == pickle.PROTO[0] and start[1] >= 4
+
+
+def load_plain_pickle(
+    source: bytes | BinaryIO, name: str, progress: ByteProgress | None = None
+) -> Any:
     """Unpickle plain data, refusing globals; every failure becomes one SnapshotFormatError.
 
     Args:
         source: the pickle bytes, or a binary file positioned at its start.
         name: how to call the input in messages (a path, or ``"<bytes>"``).
+        progress: called with (bytes read, file size) as a file (not bytes) with a framed
+            pickle is read; not called otherwise.
 
     Returns:
         The unpickled tree of dicts, lists, tuples, strings and numbers.
@@ -69,8 +110,16 @@ def load_plain_pickle(source: bytes | BinaryIO, name: str) -> Any:
         raise SnapshotFormatError(
             f"{name}: this looks like JSON text, not a memory snapshot pickle. {HOW_TO_RECORD}"
         )
+    reader: Any = stream
+    if progress is not None and not isinstance(source, (bytes, bytearray)) and _framed(start):
+        try:
+            total = os.fstat(stream.fileno()).st_size
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            total = 0
+        if total > 0:
+            reader = _CountingReader(stream, total, progress)
     try:
-        return RestrictedUnpickler(stream).load()
+        return RestrictedUnpickler(reader).load()
     except _RefusedGlobal as exc:
         raise SnapshotFormatError(
             f"{name}: refused to load: {exc}. A memory snapshot is plain data (dicts, lists, "

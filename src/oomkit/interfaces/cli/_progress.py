@@ -1,4 +1,5 @@
-"""Progress bars on stderr for the long commands (``predict``, ``fit``): only on a terminal.
+"""Progress bars on stderr for the long commands (``predict``, ``fit``, loading and replaying a
+snapshot): only on a terminal.
 
 A bar is drawn when stderr is a terminal and ``--json`` is not given, so pipes, logs and JSON
 output stay clean. rich is imported only when a bar is drawn.
@@ -18,6 +19,8 @@ __all__ = [
     "add_jobs_flag",
     "progress_enabled",
     "progress_bar",
+    "SnapshotProgress",
+    "snapshot_progress",
     "StepProgress",
     "step_progress",
     "tracing_jobs",
@@ -203,3 +206,95 @@ def step_progress(
 
         progress._update = update
         yield progress
+
+
+class SnapshotProgress:
+    """What ``replay``, ``tune`` and ``explain`` show while a snapshot loads and replays.
+
+    ``loading`` is the ``progress`` callback for ``load_snapshot`` (``None`` without a bar):
+    the file's bytes read, then its trace entries (about four fifths of a large file's load).
+    ``phase(text)`` then names what follows (the replay), whose length is not known ahead: the
+    bar pulses and its clock runs. The file name is shown as written (no rich markup).
+    """
+
+    def __init__(self, name: str, update: Callable[[str, int, int | None, bool], None] | None):
+        self._name = _shortened(name, _NAME_CHARS)
+        self._update = update
+
+    @property
+    def loading(self) -> Callable[[str, int, int], None] | None:
+        """``load_snapshot``'s ``progress`` callback, or None without a bar."""
+        return self._load if self._update is not None else None
+
+    def _load(self, what: str, done: int, total: int) -> None:
+        assert self._update is not None
+        self._update(f"{self._name}: {what}", done, total, what == "reading the file")
+
+    def phase(self, text: str) -> None:
+        """What follows the load, of a length not known ahead ("replaying 5,000,001 events"):
+        the bar pulses and its clock restarts (nothing without a bar)."""
+        if self._update is not None:
+            self._update(f"{self._name}: {text}", 0, None, False)
+
+
+# A long file name would squeeze the bar and its amounts out of an 80-column terminal.
+_NAME_CHARS = 32
+
+
+def _shortened(name: str, limit: int) -> str:
+    """``name`` with its middle elided when longer than ``limit`` characters."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return f"{name[:head]}…{name[len(name) - (limit - 1 - head):]}"
+
+
+def _amount_column() -> Any:
+    """Done / total: bytes for the file, a count for trace entries; nothing while unknown."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from oomkit.units import format_bytes
+
+    class AmountColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            if task.total is None:
+                return Text("")
+            if task.fields.get("in_bytes"):
+                return Text(f"{format_bytes(int(task.completed))} / {format_bytes(int(task.total))}")
+            return Text(f"{int(task.completed):,}/{int(task.total):,}")
+
+    return AmountColumn()
+
+
+@contextmanager
+def snapshot_progress(enabled: bool, name: str) -> Iterator[SnapshotProgress]:
+    """A ``SnapshotProgress`` for the snapshot called ``name``, drawn on stderr when
+    ``enabled`` and removed when the block ends."""
+    if not enabled:
+        yield SnapshotProgress(name, None)
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        _amount_column(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=stderr_console(), transient=True) as bar:
+        tasks = [bar.add_task(_shortened(name, _NAME_CHARS), total=None, in_bytes=False)]
+
+        def update(text: str, done: int, total: int | None, in_bytes: bool) -> None:
+            if total is None:
+                # An amount no longer known (rich's update cannot unset a total): a new,
+                # pulsing task in place of the old one, with its own clock.
+                bar.update(tasks[-1], visible=False)
+                tasks.append(bar.add_task(text, total=None, in_bytes=False))
+                return
+            # No refresh here: a large file reports thousands of times; the bar redraws itself
+            # ten times a second.
+            bar.update(tasks[-1], description=text, completed=done, total=total, in_bytes=in_bytes)
+
+        yield SnapshotProgress(name, update)

@@ -211,14 +211,18 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(source, Path):
         from oomkit.core.snapshot import load_snapshot
         from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+        from oomkit.interfaces.cli._progress import snapshot_progress
 
-        snapshot = load_snapshot(source)
-        diagnosis = diagnose_snapshot(
-            snapshot,
-            device=args.device,
-            gpu=gpu,
-            memory_fraction=args.memory_fraction,
-        )
+        show = not args.json and _is_terminal(sys.stderr)
+        with snapshot_progress(show, source.name) as progress:
+            snapshot = load_snapshot(source, progress=progress.loading)
+            progress.phase("diagnosing (replaying the trace)")
+            diagnosis = diagnose_snapshot(
+                snapshot,
+                device=args.device,
+                gpu=gpu,
+                memory_fraction=args.memory_fraction,
+            )
     elif isinstance(data, Mapping):
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 

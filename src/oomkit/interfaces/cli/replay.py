@@ -17,7 +17,12 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stdout_console,
 )
-from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
+from oomkit.interfaces.cli._progress import (
+    add_jobs_flag,
+    progress_bar,
+    progress_enabled,
+    snapshot_progress,
+)
 
 __all__ = ["EXIT_NOTHING_TO_VERIFY", "add_parser", "run"]
 
@@ -81,18 +86,20 @@ def run(args: argparse.Namespace) -> int:
         return _run_what_ifs(args)
     capacity = capacity_from_args(args)
     config = config_from_args(args)
-    snapshot = load_snapshot(args.snapshot)
-    devices = snapshot.devices()
-    device = args.device if args.device is not None else (devices[0] if devices else 0)
-    what_if = not args.verify and (config is not None or capacity is not None)
-    result = replay_snapshot(
-        snapshot,
-        device,
-        verify=not what_if,
-        config=config,
-        capacity_bytes=capacity,
-        torch_version=args.torch_version,
-    )
+    with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
+        snapshot = load_snapshot(args.snapshot, progress=progress.loading)
+        devices = snapshot.devices()
+        device = args.device if args.device is not None else (devices[0] if devices else 0)
+        what_if = not args.verify and (config is not None or capacity is not None)
+        progress.phase(f"replaying {len(snapshot.trace_for(device)):,} events")
+        result = replay_snapshot(
+            snapshot,
+            device,
+            verify=not what_if,
+            config=config,
+            capacity_bytes=capacity,
+            torch_version=args.torch_version,
+        )
     if args.json:
         print_json(replay_to_json(result))
     else:
@@ -125,7 +132,8 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
     # before any replay runs.
     configs = [AllocatorConfig.parse(text, torch_version=args.torch_version) for text in texts]
     capacity = capacity_from_args(args)
-    snapshot = load_snapshot(args.snapshot)
+    with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
+        snapshot = load_snapshot(args.snapshot, progress=progress.loading)
     devices = snapshot.devices()
     device = args.device if args.device is not None else (devices[0] if devices else 0)
 

@@ -15,7 +15,12 @@ from oomkit.interfaces.cli._common import (
     stderr_console,
     stdout_console,
 )
-from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
+from oomkit.interfaces.cli._progress import (
+    add_jobs_flag,
+    progress_bar,
+    progress_enabled,
+    snapshot_progress,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -63,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
             f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
         )
     capacity = capacity_bytes(args.gpu)
-    source, device, torch_version, recorded = _open_source(path, args.device)
+    source, device, torch_version, recorded = _open_source(
+        path, args.device, progress_enabled(args, sys.stderr)
+    )
     with progress_bar(progress_enabled(args, sys.stderr), "replaying settings") as update:
         result = tune(
             source,
@@ -80,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_source(path: Path, device: int | None):
-    """The tune() source of a file: its snapshot, or a factory re-reading its trace events."""
+def _open_source(path: Path, device: int | None, show_progress: bool = False):
+    """The tune() source of a file: its snapshot (loaded under a progress bar when
+    ``show_progress``), or a factory re-reading its trace events."""
     if _is_snapshot(path):
         from oomkit.core.snapshot import infer_torch_version, load_snapshot
 
-        snapshot = load_snapshot(path)
+        with snapshot_progress(show_progress, path.name) as progress:
+            snapshot = load_snapshot(path, progress=progress.loading)
         if device is None:
             devices = snapshot.devices()
             device = devices[0] if devices else 0
