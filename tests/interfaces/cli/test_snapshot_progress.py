@@ -55,6 +55,24 @@ def test_tune_shows_the_load_on_a_terminal(snapshot_file, monkeypatch, capsys):
     assert "300/300" in text
 
 
+def test_doctor_shows_the_load_on_a_terminal(snapshot_file, monkeypatch):
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    main(["doctor", str(snapshot_file)])
+    assert "[bold]run[red].pickle: reading device 0's trace" in err.getvalue()
+
+
+def test_diff_shows_each_load_on_a_terminal(snapshot_file, tmp_path, monkeypatch):
+    other = tmp_path / "other.pickle"
+    other.write_bytes(snapshot_file.read_bytes())
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    main(["diff", str(snapshot_file), str(other)])
+    text = err.getvalue()
+    assert "[bold]run[red].pickle: reading its memory over the run" in text
+    assert "other.pickle: reading its memory over the run" in text
+
+
 def test_explain_shows_the_load_then_the_diagnosis_on_a_terminal(snapshot_file, monkeypatch):
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
@@ -69,6 +87,8 @@ def test_explain_shows_the_load_then_the_diagnosis_on_a_terminal(snapshot_file, 
         ["replay", "{file}", "--what-if", "expandable_segments:True", "--jobs", "1"],
         ["tune", "{file}", "--jobs", "1"],
         ["explain", "{file}"],
+        ["doctor", "{file}"],
+        ["diff", "{file}", "{file}"],
     ],
 )
 def test_nothing_is_drawn_in_a_pipe(argv, snapshot_file, capsys):
@@ -77,12 +97,12 @@ def test_nothing_is_drawn_in_a_pipe(argv, snapshot_file, capsys):
     assert "reading" not in err and "replaying" not in err and "diagnosing" not in err
 
 
-@pytest.mark.parametrize("command", ["replay", "tune", "explain"])
+@pytest.mark.parametrize("command", ["replay", "tune", "explain", "doctor", "diff"])
 def test_nothing_is_drawn_with_json_on_a_terminal(command, snapshot_file, monkeypatch):
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
-    extra = ["--verify"] if command == "replay" else ["--jobs", "1"] if command == "tune" else []
-    main([command, str(snapshot_file), *extra, "--json"])
+    extra = {"replay": ["--verify"], "tune": ["--jobs", "1"], "diff": [str(snapshot_file)]}
+    main([command, str(snapshot_file), *extra.get(command, []), "--json"])
     assert "reading" not in err.getvalue() and "replaying" not in err.getvalue()
 
 

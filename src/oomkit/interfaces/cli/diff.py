@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def _kind_of(path: Path) -> str:
     return "snapshot"
 
 
-def _load(path: Path, device: int | None) -> Any:
+def _load(path: Path, device: int | None, show_progress: bool = False) -> Any:
     kind = _kind_of(path)
     if kind == "monitor":
         from oomkit.runtime._monitor_log import load_monitor_log
@@ -69,8 +70,12 @@ def _load(path: Path, device: int | None) -> Any:
         return run_memory_from_prediction(data, name=path.name)
     from oomkit.core.snapshot import load_snapshot
     from oomkit.diagnose.run_diff import run_memory_from_snapshot
+    from oomkit.interfaces.cli._progress import snapshot_progress
 
-    return run_memory_from_snapshot(load_snapshot(path), device=device)
+    with snapshot_progress(show_progress, path.name) as progress:
+        snapshot = load_snapshot(path, progress=progress.loading)
+        progress.phase("reading its memory over the run")
+        return run_memory_from_snapshot(snapshot, device=device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
         out = args.html.resolve()
         if out in (args.a.resolve(), args.b.resolve()):
             raise DiffInputError(f"--html {args.html} is one of the inputs; choose another path")
-    diff = diff_runs(_load(args.a, args.device), _load(args.b, args.device), force=args.force)
+    from oomkit.interfaces.cli._progress import progress_enabled
+
+    show = progress_enabled(args, sys.stderr)
+    diff = diff_runs(
+        _load(args.a, args.device, show), _load(args.b, args.device, show), force=args.force
+    )
     if args.html is not None:
         write_diff_html(args.html, diff)
     if args.json:

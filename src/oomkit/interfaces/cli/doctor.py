@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from oomkit.interfaces.cli._common import (
     add_json_flag,
@@ -56,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.snapshot is not None:
         from oomkit.core.snapshot import load_snapshot
+        from oomkit.interfaces.cli._progress import progress_enabled, snapshot_progress
 
-        report = doctor_snapshot(load_snapshot(args.snapshot), args.torch_version)
+        with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
+            snapshot = load_snapshot(args.snapshot, progress=progress.loading)
+        report = doctor_snapshot(snapshot, args.torch_version)
     else:
         installed = _installed_torch_version()
         if args.torch_version:
