@@ -1,5 +1,7 @@
-"""Progress bars on stderr for the long commands (``predict``, ``fit``, loading and replaying a
-snapshot): only on a terminal.
+"""Progress bars on stderr for the long commands (predict, fit, snapshots): only on a terminal.
+
+``predict`` and ``fit`` count steps and probes; ``replay``, ``tune``, ``explain``, ``doctor`` and
+``diff`` show a snapshot's load and what follows it (``snapshot_progress``).
 
 A bar is drawn when stderr is a terminal and ``--json`` is not given, so pipes, logs and JSON
 output stay clean. rich is imported only when a bar is drawn.
