@@ -36,48 +36,33 @@ def snapshot_file(tmp_path):
     return path
 
 
-def test_replay_shows_the_load_then_the_replay_on_a_terminal(snapshot_file, monkeypatch, capsys):
-    err = Tty()
-    monkeypatch.setattr(sys, "stderr", err)
-    assert main(["replay", str(snapshot_file), "--verify"]) == 0
-    text = err.getvalue()
-    # The bar's last state before it is removed: the replay, the file name as written.
-    assert "[bold]run[red].pickle: replaying 300 events" in text
-    assert "Replay of" in capsys.readouterr().out
+NAME = "[bold]run[red].pickle"
 
 
-def test_tune_shows_the_load_on_a_terminal(snapshot_file, monkeypatch, capsys):
-    err = Tty()
-    monkeypatch.setattr(sys, "stderr", err)
-    assert main(["tune", str(snapshot_file), "--jobs", "1"]) == 0
-    text = err.getvalue()
-    assert "[bold]run[red].pickle: reading device 0's trace" in text
-    assert "300/300" in text
-
-
-def test_doctor_shows_the_load_on_a_terminal(snapshot_file, monkeypatch):
-    err = Tty()
-    monkeypatch.setattr(sys, "stderr", err)
-    main(["doctor", str(snapshot_file)])
-    assert "[bold]run[red].pickle: reading device 0's trace" in err.getvalue()
-
-
-def test_diff_shows_each_load_on_a_terminal(snapshot_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        # The bar's last state before it is removed, the file name as written.
+        (["replay", "{file}", "--verify"], [f"{NAME}: replaying 300 events"]),
+        (["tune", "{file}", "--jobs", "1"], [f"{NAME}: reading device 0's trace", "300/300"]),
+        (["doctor", "{file}"], [f"{NAME}: reading device 0's trace"]),
+        (["explain", "{file}"], [f"{NAME}: diagnosing (replaying the trace)"]),
+        (
+            ["diff", "{file}", "{other}"],
+            [f"{NAME}: reading its memory over the run", "other.pickle: reading its memory"],
+        ),
+    ],
+)
+def test_a_terminal_shows_the_load_and_what_follows(
+    argv, shown, snapshot_file, tmp_path, monkeypatch
+):
     other = tmp_path / "other.pickle"
     other.write_bytes(snapshot_file.read_bytes())
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
-    main(["diff", str(snapshot_file), str(other)])
-    text = err.getvalue()
-    assert "[bold]run[red].pickle: reading its memory over the run" in text
-    assert "other.pickle: reading its memory over the run" in text
-
-
-def test_explain_shows_the_load_then_the_diagnosis_on_a_terminal(snapshot_file, monkeypatch):
-    err = Tty()
-    monkeypatch.setattr(sys, "stderr", err)
-    main(["explain", str(snapshot_file)])
-    assert "[bold]run[red].pickle: diagnosing (replaying the trace)" in err.getvalue()
+    main([a.format(file=snapshot_file, other=other) for a in argv])
+    for text in shown:
+        assert text in err.getvalue()
 
 
 @pytest.mark.parametrize(
