@@ -15,7 +15,12 @@ from oomkit.core.snapshot.model import (
     SnapshotBlock,
     SnapshotSegment,
 )
-from oomkit.core.snapshot.reader import LoadProgress, load_snapshot, snapshot_from_data
+from oomkit.core.snapshot.reader import (
+    READING_FILE,
+    LoadProgress,
+    load_snapshot,
+    snapshot_from_data,
+)
 from oomkit.core.snapshot.torch_version import infer_torch_version
 from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, RestrictedUnpickler
 from oomkit.core.snapshot.writer import snapshot_to_data, write_snapshot
@@ -25,6 +30,7 @@ __all__ = [
     "FORMAT_GENERATIONS",
     "HOW_TO_RECORD",
     "LoadProgress",
+    "READING_FILE",
     "RestrictedUnpickler",
     "SegmentType",
     "Snapshot",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,12 @@ from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["LoadProgress", "load_snapshot", "snapshot_from_data"]
+__all__ = ["READING_FILE", "LoadProgress", "load_snapshot", "snapshot_from_data"]
 
-# Called with (what is being read, done, total) while a snapshot loads: "reading the file" in
-# bytes, then "reading device N's trace" in entries (about four fifths of a large file's load).
+# Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
+# then "reading device N's trace" in entries (about four fifths of a large file's load).
 LoadProgress = Callable[[str, int, int], None]
+READING_FILE = "reading the file"
 # Trace entries between two progress calls.
 _PROGRESS_ENTRIES = 1 << 16
 
@@ -71,7 +73,7 @@ def load_snapshot(
     Args:
         source: the path of the pickle, or its bytes.
         progress: called with (what, done, total) as the load goes on (for a progress bar):
-            ``"reading the file"`` in bytes (a file with a framed pickle, as PyTorch writes),
+            ``READING_FILE`` in bytes (a file with a framed pickle, as PyTorch writes),
             then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end.
 
     Returns:
@@ -95,22 +97,13 @@ def load_snapshot(
             path = Path(source)
             name = label = str(path)
             with open(path, "rb") as stream:
-                data = load_plain_pickle(stream, name, _file_progress(progress))
+                in_bytes = None if progress is None else partial(progress, READING_FILE)
+                data = load_plain_pickle(stream, name, in_bytes)
         # The tree is this function's own: the normaliser frees each trace entry once read.
         return _Normaliser(name, consume=True, progress=progress).snapshot(data, label)
     finally:
         if paused:
             gc.enable()
-
-
-def _file_progress(progress: LoadProgress | None) -> Callable[[int, int], None] | None:
-    if progress is None:
-        return None
-
-    def report(done: int, total: int) -> None:
-        progress("reading the file", done, total)
-
-    return report
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:

@@ -16,8 +16,8 @@ from oomkit.core.snapshot.model import Snapshot
 __all__ = ["infer_torch_version"]
 
 # Versions returned are "major.minor" strings, as oomkit.core.allocator.versions.behaviour_for takes.
-_NEWEST_FEATURE_ACTIONS = ("annotate",)
-_ACTION = attrgetter("action")  # MAIN26 (2026): `annotate` trace action
+_NEWEST_FEATURE_ACTIONS = ("annotate",)  # MAIN26 (2026): `annotate` trace action
+_ACTION = attrgetter("action")
 
 
 def infer_torch_version(snapshot: Snapshot) -> str | None:

@@ -211,7 +211,8 @@ def step_progress(
 
 
 class SnapshotProgress:
-    """What ``replay``, ``tune`` and ``explain`` show while a snapshot loads and replays.
+    """What ``replay``, ``tune``, ``explain``, ``doctor`` and ``diff`` show while a snapshot
+    loads and what follows.
 
     ``loading`` is the ``progress`` callback for ``load_snapshot`` (``None`` without a bar):
     the file's bytes read, then its trace entries (about four fifths of a large file's load).
@@ -220,8 +221,11 @@ class SnapshotProgress:
     """
 
     def __init__(self, name: str, update: Callable[[str, int, int | None, bool], None] | None):
+        from oomkit.core.snapshot import READING_FILE
+
         self._name = _shortened(name, _NAME_CHARS)
         self._update = update
+        self._in_bytes = READING_FILE  # the phase whose amounts are bytes
 
     @property
     def loading(self) -> Callable[[str, int, int], None] | None:
@@ -230,7 +234,7 @@ class SnapshotProgress:
 
     def _load(self, what: str, done: int, total: int) -> None:
         assert self._update is not None
-        self._update(f"{self._name}: {what}", done, total, what == "reading the file")
+        self._update(f"{self._name}: {what}", done, total, what == self._in_bytes)
 
     def phase(self, text: str) -> None:
         """What follows the load, of a length not known ahead ("replaying 5,000,001 events"):
