@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from _steps import linear_step
 
+import oomkit.plan.batch_prober as batch_prober
 from oomkit.core.gpus import GpuSpec
 from oomkit.errors import AllocatorUsageError, UserCodeError
 from oomkit.plan.batch_search import max_batch_size, smallest_gpu
@@ -61,25 +62,48 @@ def _outcome(result):
     )
 
 
+def _wait_for_the_background(monkeypatch):
+    """Wait as long as it takes for a size traced in the background: with the tests' other
+    workers busy, a process at nice 19 may take longer than the least wait of a search."""
+    monkeypatch.setattr(batch_prober, "_BACKGROUND_WAIT_MIN_S", 60.0)
+
+
+def _ahead_needed(log: Path, background: int | None) -> list[int]:
+    """The sizes built in another process, less ``background``: a size traced in the
+    background that the search never asked for, which may be stopped before its build ran
+    (at nice 19 on a busy machine). It was built at most once."""
+    ahead = sorted(b for here, b in _builds(log) if not here)
+    if background is not None:
+        assert ahead.count(background) <= 1
+        ahead = [b for b in ahead if b != background]
+    return ahead
+
+
 @pytest.mark.parametrize(
-    ("options", "traced_ahead", "unused"),
+    ("options", "traced_ahead", "background", "unused"),
     [
-        # Learned from 1 and 2 (2 ahead); 41, the last size bisection tries, fits by its
+        # Learned from 1 and 2 (2 ahead); 4, the first size synthesized, is traced in the
+        # background and never asked for; 41, the last size bisection tries, fits by its
         # synthesis, so 42 goes ahead, and confirms the answer 41.
-        ({}, [2, 42], 0),
+        ({}, [2, 42], 4, 1),
         # 2 MiB less usable: 41 does not fit by its synthesis, so 40 goes ahead: answer 40.
-        ({"margin_mib": 12}, [2, 40], 0),
+        ({"margin_mib": 12}, [2, 40], 4, 1),
         # The path changes at 30: 41's synthesis (the old path) fits, 42 goes ahead, but 41's
         # trace does not fit (unused 42); 40, traced to confirm, and the sizes between the two
-        # paths of the second search are traced one at a time.
-        ({"path_change_at": 30}, [2, 42], 1),
-        # Every size traced: the next doubling size ahead of each (128 unused: 64 does not fit).
-        ({"interpolate": False}, [2, 8, 32, 128], 1),
+        # paths of the second search are traced one at a time, the first of them (4) taken
+        # from the background.
+        ({"path_change_at": 30}, [2, 4, 42], None, 1),
+        # Every size traced: the next doubling size ahead of each (128 unused: 64 does not
+        # fit); nothing is synthesized, so nothing goes to the background.
+        ({"interpolate": False}, [2, 8, 32, 128], None, 1),
     ],
 )
-def test_a_search_with_jobs_is_the_one_at_a_time_search(tmp_path, options, traced_ahead, unused):
+def test_a_search_with_jobs_is_the_one_at_a_time_search(
+    tmp_path, monkeypatch, options, traced_ahead, background, unused
+):
     """With jobs=2 the answer, the sizes tried in order, the traces and syntheses and every
     probe's peaks equal jobs=1's, and the sizes named were built in another process."""
+    _wait_for_the_background(monkeypatch)
     options = dict(options)
     interpolate = options.pop("interpolate", True)
     margin = options.pop("margin_mib", 10) * MiB
@@ -90,41 +114,81 @@ def test_a_search_with_jobs_is_the_one_at_a_time_search(tmp_path, options, trace
     assert _outcome(parallel) == _outcome(serial)
     assert (serial.unused_ahead, parallel.unused_ahead) == (0, unused)
     assert all(here for here, _ in _builds(serial_log))
-    assert sorted(b for here, b in _builds(parallel_log) if not here) == traced_ahead
+    assert _ahead_needed(parallel_log, background) == traced_ahead
     # Every size built one at a time was built once with jobs=2 too, here or ahead.
-    built = sorted(b for _, b in _builds(parallel_log))
-    assert len(built) == len(_builds(serial_log)) + unused
+    built = sorted(b for here, b in _builds(parallel_log) if here) + traced_ahead
+    assert len(built) == len(_builds(serial_log)) + unused - (background is not None)
     assert set(built) >= {b for _, b in _builds(serial_log)}
 
 
 @pytest.mark.parametrize(
-    ("options", "traced_ahead", "unused"),
+    ("options", "traced_ahead", "background", "unused"),
     [
-        # No difference: 4, the first size synthesized, is traced ahead and never asked for.
-        ({}, [2, 4, 42], 1),
-        # The path changes at 30: the second search traces 4 first, and takes it from ahead
-        # (42 is the unused one, as with jobs=2).
-        ({"path_change_at": 30}, [2, 4, 42], 1),
+        # No difference: 4 (the background) and 40 (the side of 41 its synthesis did not
+        # point to) are never asked for.
+        ({}, [2, 40, 42], 4, 2),
+        # The path changes at 30: 41's trace does not fit, so 40 is asked for and 42 is not;
+        # the second search traces 4 first and takes it from the background.
+        ({"path_change_at": 30}, [2, 4, 40, 42], None, 1),
     ],
 )
-def test_a_process_to_spare_traces_ahead_what_a_second_search_traces_first(
-    tmp_path, options, traced_ahead, unused
+def test_with_jobs_3_both_sides_of_the_last_size_go_ahead(
+    tmp_path, monkeypatch, options, traced_ahead, background, unused
 ):
-    """With jobs=3 one process is left for the sizes an answer rests on, and the other traces
-    the first synthesized size ahead: the search is still the one-at-a-time one."""
+    """With jobs=3 both sizes beside the last one bisection tries are traced ahead beside it,
+    and the background process beside them: the search is still the one-at-a-time one."""
+    _wait_for_the_background(monkeypatch)
     kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
     serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
     serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
     parallel = max_batch_size(_builder(parallel_log, **options), jobs=3, **kwargs)
     assert _outcome(parallel) == _outcome(serial)
     assert parallel.unused_ahead == unused
-    assert sorted(b for here, b in _builds(parallel_log) if not here) == traced_ahead
-    built = sorted(b for _, b in _builds(parallel_log))
-    assert len(built) == len(_builds(serial_log)) + unused
+    assert _ahead_needed(parallel_log, background) == traced_ahead
     if options:
         # The second search's first trace: built once, in the process ahead.
         assert [b for here, b in _builds(parallel_log) if b == 4] == [4]
         assert (False, 4) in _builds(parallel_log) and 4 in [b for _, b in _builds(serial_log)]
+
+
+def test_the_first_synthesized_size_is_traced_at_the_lowest_priority(tmp_path, monkeypatch):
+    """The size a second search traces first goes to a process at nice 19, outside the jobs;
+    the sizes the search asks for next keep this process's priority (the path changes at 30,
+    so the second search asks for 4, and its build always runs)."""
+    _wait_for_the_background(monkeypatch)
+    nice_log = tmp_path / "nice"
+    mine = str(os.nice(0))
+
+    def note_priority(batch):
+        with nice_log.open("a") as out:
+            out.write(f"{batch} {os.nice(0)}\n")
+
+    builder = _builder(tmp_path / "log", path_change_at=30, in_child=note_priority)
+    result = max_batch_size(builder, gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, jobs=2)
+    assert (result.batch_size, result.unused_ahead) == (31, 1)
+    priorities = dict(line.split() for line in nice_log.read_text().splitlines())
+    assert (priorities["2"], priorities["4"]) == (mine, "19")
+    assert priorities.get("42", mine) == mine  # unused: stopped, perhaps before it built
+
+
+def test_a_size_the_background_does_not_give_in_time_is_traced_here(tmp_path):
+    """The background process for 4 hangs (as one a busy machine never runs): the second search
+    waits for it no longer than the least wait, traces 4 here, and answers as one at a time."""
+    import time
+
+    def hang_at_4(batch):
+        if batch == 4:
+            time.sleep(60)
+
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    serial = max_batch_size(_builder(tmp_path / "serial", path_change_at=30), **kwargs)
+    log = tmp_path / "parallel"
+    start = time.monotonic()
+    builder = _builder(log, path_change_at=30, in_child=hang_at_4)
+    parallel = max_batch_size(builder, jobs=2, **kwargs)
+    assert time.monotonic() - start < 30
+    assert _outcome(parallel) == _outcome(serial)
+    assert (True, 4) in _builds(log) and (False, 4) in _builds(log)
 
 
 def test_an_eval_step_is_recorded_here_after_a_training_step_traced_ahead(tmp_path):

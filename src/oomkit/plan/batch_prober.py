@@ -32,6 +32,12 @@ from oomkit.prediction.predictor import Prediction, predict_recording
 
 __all__ = ["BatchProber"]
 
+# The least time a search waits for a size traced in the background before tracing it here:
+# its process runs at the lowest priority, so a machine whose cores are all busy may hardly
+# run it. The wait is as long as the longest trace made here, and at least this: waiting costs
+# at most about one trace more than tracing here at once (a name of its own: tests raise it).
+_BACKGROUND_WAIT_MIN_S = 1.0
+
 
 class BatchProber:
     """Predicts batch sizes once each, counting traces and reporting progress.
@@ -48,8 +54,8 @@ class BatchProber:
     its size, learned from and replayed here in the search's order, so every decision is the
     one-at-a-time one. A process that fails (the step raised, it died, it gave no answer in
     time) is not believed: the size is traced here, so an error is raised as one at a time.
-    Where ``jobs`` leaves a process to spare beside the one kept for the sizes to confirm (3
-    or more), the first size synthesized is traced ahead too (``_speculate``).
+    The first size synthesized is traced ahead too, in the background (``_speculate``): a
+    search after a difference traces it first.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class BatchProber:
         self._differed = False  # a size traced in this search differed from its synthesis
         self._jobs = jobs  # processes tracing at once, this one included
         self._ahead: dict[int, ForkedCall[tuple[Any, str]]] = {}  # training steps, by batch
+        self._background: set[int] = set()  # of those, sizes traced at the lowest priority
         self.unused_ahead = 0  # started ahead and not needed
         self._trace_wall_s = 0.0  # the longest trace made here, to bound a wait for one ahead
         self._speculated = False  # the first synthesized size was offered to _speculate
@@ -128,26 +135,29 @@ class BatchProber:
         """Start tracing the training step at those of ``batch_sizes`` not traced yet, each in
         a forked process, while at most ``jobs - 1`` are: sizes the search will trace next."""
         for batch_size in batch_sizes:
-            if len(self._ahead) >= self._jobs - 1:
+            busy = sum(1 for b in self._ahead if b not in self._background)
+            if busy >= self._jobs - 1:
                 return
             if not self._start_ahead(batch_size):
                 return
 
     def _speculate(self, batch_size: int) -> None:
-        """Trace ahead a size a later search would trace first, where a process is to spare.
+        """Trace ahead, in the background, a size a later search would trace first.
 
         The first size a search synthesizes is the first a search after a difference traces
         (between the sizes learned first and the ones confirmed, of two structures, nothing is
-        synthesized). Started only while a process stays free for the sizes this search will
-        confirm (``jobs`` of 3 or more): on 2 cores it would slow them. A search with no
-        difference never asks for it (``unused_ahead``).
+        synthesized). Its process runs at the lowest CPU priority and takes no process of
+        ``jobs``: it uses the core this search leaves idle while it synthesizes (with 2 cores,
+        one), and gives way to the sizes traced ahead to confirm an answer, which it never
+        slows. A search with no difference never asks for it (``unused_ahead``).
         """
-        if len(self._ahead) < self._jobs - 2:
-            self._start_ahead(batch_size)
+        if self._jobs > 1:
+            self._start_ahead(batch_size, background=True)
 
-    def _start_ahead(self, batch_size: int) -> bool:
+    def _start_ahead(self, batch_size: int, *, background: bool = False) -> bool:
         """Start tracing ``batch_size`` in a forked process unless it is traced or being
-        traced; False when no process could be started (all is traced here from then on)."""
+        traced; False when no process could be started (all is traced here from then on).
+        ``background``: at the lowest CPU priority (``ForkedCall``), outside the ``jobs``."""
         if batch_size in self._ahead or self.traced(batch_size):
             return True
         if self.models is None:
@@ -163,10 +173,12 @@ class BatchProber:
             models=self.models,
         )
         try:
-            self._ahead[batch_size] = ForkedCall(record)
+            self._ahead[batch_size] = ForkedCall(record, background=background)
         except OSError:  # no process to be had (memory, a process limit): trace here
             self._jobs = 1
             return False
+        if background:
+            self._background.add(batch_size)
         return True
 
     def stop_ahead(self) -> None:
@@ -175,6 +187,7 @@ class BatchProber:
             call.cancel()
         self.unused_ahead += len(self._ahead)
         self._ahead.clear()
+        self._background.clear()
 
     def fits(self, batch_size: int, remaining: int, *, synthesize: bool = True) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
@@ -284,12 +297,18 @@ class BatchProber:
                 prediction = predict_recording(recording, target=self._target, description=description)
                 return prediction, True, False
         ahead = self._ahead.pop(batch_size, None) if what == "train step" else None
+        background = batch_size in self._background
+        self._background.discard(batch_size)
         recorded = None
         if ahead is not None:
+            # Traced ahead: wait for it (a process that hangs is given up on, and the size
+            # traced here: a trace there may take a cold start's time, never this long); one
+            # in the background, for as long as a trace here takes (_BACKGROUND_WAIT_MIN_S).
+            timeout_s = 60 + 10 * self._trace_wall_s
+            if background:
+                timeout_s = max(_BACKGROUND_WAIT_MIN_S, self._trace_wall_s)
             try:
-                # Traced ahead: wait for it (a process that hangs is given up on, and the size
-                # traced here: a trace there may take a cold start's time, never this long).
-                recorded = ahead.result(timeout_s=60 + 10 * self._trace_wall_s)
+                recorded = ahead.result(timeout_s=timeout_s)
             except ForkedCallFailed:
                 recorded = None
         if recorded is None:

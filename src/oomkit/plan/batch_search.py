@@ -104,8 +104,9 @@ class BatchSearchResult:
         synthesized: recordings synthesized from traced ones and replayed instead of traced
             (``interpolate``; not in ``traces``); the probes they made are marked
             ``BatchProbe.synthesized``. The answer and the first failing batch never are.
-        unused_ahead: training steps started ahead in forked processes (``jobs``) that the
-            search did not need (stopped or thrown away; not in ``traces``).
+        unused_ahead: training steps started ahead in forked processes (``jobs``, the one in
+            the background included) that the search did not need (stopped or thrown away;
+            not in ``traces``).
         steps: training steps recorded per prediction.
         max_batch: the largest batch the search would try.
         description: what was searched ("GPT-2 124M, batch 12, ...", at the answer).
@@ -270,9 +271,10 @@ def max_batch_size(
             traced ahead in forked processes (the second size learned from, the other sizes an
             answer rests on; without ``interpolate``, the next size doubling tries): the
             answer, every probe and ``traces`` are the one-at-a-time ones, in less wall time.
-            From 3 on, a process to spare also traces the first size the search synthesizes,
-            the first a search after a difference traces (GPT-2's embedding backward changes
-            path at batch 4: its second search starts there). The builder then runs in those
+            One more process, at the lowest CPU priority, also traces the first size the
+            search synthesizes, the first a search after a difference traces (GPT-2's embedding
+            backward changes path at batch 4: its second search starts there), on the core
+            left idle while the search synthesizes. The builder then runs in those
             processes too (a builder with side effects outside its process, such as files it
             writes, should keep 1).
 

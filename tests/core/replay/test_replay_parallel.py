@@ -173,6 +173,17 @@ def test_a_forked_call_returns_what_the_function_returned_in_another_process():
     assert pid != parent and value == [3, 3]
 
 
+def test_a_background_forked_call_runs_at_the_lowest_priority():
+    """background=True: the process runs at nice 19 (this one's priority is left as it was);
+    a plain call keeps this process's priority."""
+    from oomkit.core.replay.parallel import ForkedCall
+
+    mine = os.nice(0)
+    assert ForkedCall(lambda: os.nice(0), background=True).result() == 19
+    assert ForkedCall(lambda: os.nice(0)).result() == mine
+    assert os.nice(0) == mine
+
+
 def test_a_forked_call_that_raises_or_dies_is_a_forked_call_failed():
     """What the function raised comes back as text in ForkedCallFailed; a process that exits
     without an answer says so with its exit code."""

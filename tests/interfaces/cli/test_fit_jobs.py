@@ -44,7 +44,7 @@ def _fit(capsys, *argv):
 def test_jobs_2_traces_ahead_and_answers_as_jobs_1(tmp_path, capsys):
     """A file.py:function with --jobs 2: the JSON of --jobs 1 (answer 46, the curve, 4 traces),
     with 2 and 46 built in forked processes (47, the last size bisection tries, does not fit by
-    its synthesis, so 46 is traced ahead beside it)."""
+    its synthesis, so 46 is traced ahead beside it), and 4 perhaps in the background."""
     path = tmp_path / "steps.py"
     path.write_text(textwrap.dedent(USER_FILE))
     log = tmp_path / "builds.log"
@@ -57,7 +57,9 @@ def test_jobs_2_traces_ahead_and_answers_as_jobs_1(tmp_path, capsys):
     assert one_pids == {str(os.getpid())}
     ahead = sorted(int(b) for pid, b in map(str.split, log.read_text().splitlines())
                    if pid != str(os.getpid()))
-    assert ahead == [2, 46]
+    # 4, the first size synthesized, goes to the background and is never asked for: stopped
+    # at the end, perhaps before its build ran.
+    assert ahead.count(4) <= 1 and [b for b in ahead if b != 4] == [2, 46]
 
 
 def test_a_preset_searched_on_every_core_answers_as_one_at_a_time(capsys):

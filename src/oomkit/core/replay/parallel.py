@@ -187,15 +187,22 @@ class ForkedCall(Generic[T]):
     returns is pickled back. The process writes nothing of this one's buffered output again
     (buffers are flushed before the fork, and the child leaves by ``os._exit``).
 
+    ``background=True`` runs it at the lowest CPU priority (``os.nice(19)``): work that may not
+    be needed, done on a core nothing else wants. Linux's scheduler then gives it about 1.5% of
+    a core that a process of normal priority also wants (CFS weight 15 against 1024,
+    kernel/sched/core.c ``sched_prio_to_weight``), so it never slows the work that is needed.
+
     Raises:
         OSError: the process could not be started (``fork_available()`` is False, no memory).
     """
 
-    def __init__(self, fn: Callable[[], T]) -> None:
+    def __init__(self, fn: Callable[[], T], *, background: bool = False) -> None:
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         _flush_before_fork()
-        self._process = context.Process(target=_call_and_send, args=(fn, send), daemon=True)
+        self._process = context.Process(
+            target=_call_and_send, args=(fn, send, background), daemon=True
+        )
         self._process.start()
         send.close()  # the child's end: EOF here once the child is gone
 
@@ -233,10 +240,13 @@ class ForkedCall(Generic[T]):
         self._receive.close()
 
 
-def _call_and_send(fn: Callable[[], Any], send: Any) -> None:
-    """In the forked process: ``fn()``, its result (or what it raised) sent back, then exit."""
+def _call_and_send(fn: Callable[[], Any], send: Any, background: bool = False) -> None:
+    """In the forked process: ``fn()``, its result (or what it raised) sent back, then exit;
+    at the lowest CPU priority when ``background``."""
     code = 0
     try:
+        if background:
+            _lowest_priority()
         _own_streams()
         try:
             message: tuple[str, Any] = ("ok", fn())
@@ -256,6 +266,15 @@ def _call_and_send(fn: Callable[[], Any], send: Any) -> None:
                 pass
         # Leave without the interpreter's exit (atexit handlers, buffers copied from the parent).
         os._exit(code)
+
+
+def _lowest_priority() -> None:
+    """Lower this process to the lowest CPU priority (nice 19); where it cannot be lowered, it
+    runs as it is (the result is the same, only sooner or later)."""
+    try:
+        os.nice(19 - os.nice(0))
+    except OSError:
+        pass
 
 
 def _flush_before_fork() -> None:
