@@ -264,6 +264,9 @@ class BatchProber:
         train, train_synthesized, train_differs = self._predict(
             self._build_step, "train step", batch_size, self._steps, synthesize
         )
+        if train_synthesized and not self._speculated:
+            self._speculated = True
+            self._speculate(batch_size)
         evaluation, eval_synthesized, eval_differs = None, False, False
         # A batch whose training step does not fit fails whatever its evaluation needs.
         if self._eval_step is not None and train.fits:
@@ -289,9 +292,6 @@ class BatchProber:
             recording = interpolator.synthesize(batch_size)
             if recording is not None:
                 self.synthesized += 1
-                if what == "train step" and not self._speculated:
-                    self._speculated = True
-                    self._speculate(batch_size)
                 basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
                 description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
                 prediction = predict_recording(recording, target=self._target, description=description)

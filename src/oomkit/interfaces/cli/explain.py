@@ -6,8 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -16,7 +15,6 @@ from oomkit.interfaces.cli._common import (
     add_gpu_flag,
     add_json_flag,
     print_json,
-    stderr_console,
     stdout_console,
 )
 
@@ -151,29 +149,6 @@ def _read_source(source: str) -> str | Path:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-@contextmanager
-def _progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr driven by ``progress(done, total)``; None when disabled."""
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=stderr_console(), transient=True) as bar:
-        task = bar.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
 def _as_json(text: str) -> object | None:
     """The JSON value of a text that is one JSON object, else None (then it is error text)."""
     if not text.lstrip().startswith("{"):
@@ -227,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
         prediction = data
+        from oomkit.interfaces.cli._progress import progress_bar
+
         show = args.measure and not args.json and _is_terminal(sys.stderr)
-        with _progress_bar(show, "measuring remedies by re-predicting") as progress:
+        with progress_bar(show, "measuring remedies by re-predicting") as progress:
             diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
         found = find_oom_texts(source)
