@@ -37,6 +37,11 @@ __all__ = ["BatchProber"]
 # run it. The wait is as long as the longest trace made here, and at least this: waiting costs
 # at most about one trace more than tracing here at once (a name of its own: tests raise it).
 _BACKGROUND_WAIT_MIN_S = 1.0
+# The wait looks this often at the CPU the process gets (where Linux says): one that got less
+# than this share of a core while this process waited is starved by other work, and its size
+# is traced here at once.
+_BACKGROUND_LOOK_S = 0.1
+_STARVED_CPU_SHARE = 0.5
 
 
 class BatchProber:
@@ -183,8 +188,8 @@ class BatchProber:
 
     def stop_ahead(self) -> None:
         """Stop every process still tracing ahead; their sizes count as ``unused_ahead``."""
-        for call in self._ahead.values():
-            call.cancel()
+        for batch_size, call in self._ahead.items():
+            call.cancel(wait=batch_size not in self._background)
         self.unused_ahead += len(self._ahead)
         self._ahead.clear()
         self._background.clear()
@@ -300,15 +305,13 @@ class BatchProber:
         background = batch_size in self._background
         self._background.discard(batch_size)
         recorded = None
-        if ahead is not None:
-            # Traced ahead: wait for it (a process that hangs is given up on, and the size
-            # traced here: a trace there may take a cold start's time, never this long); one
-            # in the background, for as long as a trace here takes (_BACKGROUND_WAIT_MIN_S).
-            timeout_s = 60 + 10 * self._trace_wall_s
-            if background:
-                timeout_s = max(_BACKGROUND_WAIT_MIN_S, self._trace_wall_s)
+        if ahead is not None and background:
+            recorded = _background_result(ahead, self._trace_wall_s)
+        elif ahead is not None:
             try:
-                recorded = ahead.result(timeout_s=timeout_s)
+                # Traced ahead: wait for it (a process that hangs is given up on, and the size
+                # traced here: a trace there may take a cold start's time, never this long).
+                recorded = ahead.result(timeout_s=60 + 10 * self._trace_wall_s)
             except ForkedCallFailed:
                 recorded = None
         if recorded is None:
@@ -323,6 +326,31 @@ class BatchProber:
         differs = interpolator is not None and interpolator.add(batch_size, recording)
         prediction = predict_recording(recording, target=self._target, description=description)
         return prediction, False, differs
+
+
+def _background_result(call: ForkedCall[tuple[Any, str]], trace_wall_s: float) -> tuple[Any, str] | None:
+    """What a size traced in the background gave, or ``None``: trace it here.
+
+    Waited for while it computes, as long as a trace here takes (``trace_wall_s``, at least
+    ``_BACKGROUND_WAIT_MIN_S``), and given up on at once when, over a look of
+    ``_BACKGROUND_LOOK_S``, it used less than half that time in CPU (``_STARVED_CPU_SHARE``;
+    ``ForkedCall.cpu_seconds``): other work holds the cores, and a nice-19 process would take
+    far longer than a trace here. Where its CPU time cannot be read (not Linux), the plain wait.
+    """
+    deadline = time.perf_counter() + max(_BACKGROUND_WAIT_MIN_S, trace_wall_s)
+    cpu, at = call.cpu_seconds(), time.perf_counter()
+    while not call.done(_BACKGROUND_LOOK_S):
+        now = time.perf_counter()
+        used = call.cpu_seconds()
+        starved = cpu is not None and used is not None and used - cpu < _STARVED_CPU_SHARE * (now - at)
+        if starved or now >= deadline:
+            call.cancel(wait=False)
+            return None
+        cpu, at = used, now
+    try:
+        return call.result()
+    except ForkedCallFailed:  # it raised or died: traced here, to raise as one at a time
+        return None
 
 
 def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:

@@ -184,6 +184,34 @@ def test_a_background_forked_call_runs_at_the_lowest_priority():
     assert os.nice(0) == mine
 
 
+def _spin():
+    while True:
+        pass
+
+
+def test_a_forked_calls_cpu_seconds_and_done():
+    """cpu_seconds: what the process used (Linux's /proc), growing while it computes and not
+    while it sleeps; done: whether result() would wait."""
+    import time
+
+    from oomkit.core.replay.parallel import ForkedCall
+
+    spinning, sleeping = ForkedCall(_spin), ForkedCall(lambda: time.sleep(30))
+    try:
+        if spinning.cpu_seconds() is None:
+            pytest.skip("no /proc here: cpu_seconds is None off Linux")
+        time.sleep(0.5)
+        assert spinning.cpu_seconds() >= 0.2
+        assert sleeping.cpu_seconds() <= 0.1
+        assert not spinning.done() and not sleeping.done(0.05)
+    finally:
+        spinning.cancel()
+        sleeping.cancel()
+    finished = ForkedCall(lambda: 5)
+    assert finished.done(10)
+    assert finished.result() == 5
+
+
 def test_a_forked_call_that_raises_or_dies_is_a_forked_call_failed():
     """What the function raised comes back as text in ForkedCallFailed; a process that exits
     without an answer says so with its exit code."""

@@ -232,11 +232,37 @@ class ForkedCall(Generic[T]):
         result: T = payload
         return result
 
-    def cancel(self) -> None:
-        """Stop the process, whatever it is doing; its result is never read."""
+    def done(self, wait_s: float = 0.0) -> bool:
+        """Whether its answer (or its end) has come, waiting at most ``wait_s`` seconds for it:
+        ``result()`` would then not wait."""
+        return self._receive.closed or self._receive.poll(wait_s)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the process has used so far (user and system), read from Linux's
+        ``/proc/PID/stat`` (fields 14 and 15, utime and stime, in clock ticks: proc(5));
+        ``None`` where that cannot be read (another OS, the process already gone)."""
+        pid = self._process.pid
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                text = stat.read().decode("ascii", "replace")
+            # The command name (field 2) is in parentheses and may hold spaces: split after it.
+            fields = text[text.rindex(")") + 2 :].split()
+            ticks = int(fields[11]) + int(fields[12])  # fields 14 and 15 of the whole line
+            return ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def cancel(self, *, wait: bool = True) -> None:
+        """Stop the process, whatever it is doing; its result is never read.
+
+        ``wait=False`` sends the kill and goes on: a process at the lowest priority on a busy
+        machine may take a few tenths of a second to be scheduled and exit; multiprocessing
+        reaps it later (when the next process starts, or at exit).
+        """
         if self._process.is_alive():
             self._process.kill()
-        self._process.join()
+        if wait:
+            self._process.join()
         self._receive.close()
 
 
