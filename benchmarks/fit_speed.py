@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -122,6 +123,10 @@ def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
                             interpolate=setting in ("interpolated", "parallel"),
                             jobs=jobs if setting == "parallel" else 1)
     search_wall_s = time.perf_counter() - start_wall
+    # A process stopped at the end of the search (the background one, unused) is left to exit
+    # and reaped later: wait for it here, so its CPU seconds are counted.
+    for child in multiprocessing.active_children():
+        child.join()
     children_cpu_s = _children_cpu_s() - start_children
     search_cpu_s = time.process_time() - start_cpu + children_cpu_s
     later = {name: round(sum(p.get(name, 0.0) for p in phases[1:-1]), 2)
