@@ -194,6 +194,29 @@ def test_a_size_the_background_does_not_give_in_time_is_traced_here(tmp_path):
     assert (True, 4) in _builds(log) and _builds(log).count((False, 4)) <= 1
 
 
+def test_a_size_in_the_background_is_traced_again_at_full_priority_when_needed(tmp_path):
+    """12 MiB a batch: 1 and 2 are learned from, 4 (synthesized: it does not fit) goes to the
+    background, and bisection's last size, 3, needs 4 beside it: 4 is traced again at this
+    process's priority (the background one stopped, unused), and confirms the answer 3."""
+    nice_log = tmp_path / "nice"
+    mine = str(os.nice(0))
+
+    def note_priority(batch):
+        with nice_log.open("a") as out:
+            out.write(f"{batch} {os.nice(0)}\n")
+
+    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    serial = max_batch_size(_builder(tmp_path / "serial", per_batch=12), **kwargs)
+    log = tmp_path / "parallel"
+    builder = _builder(log, per_batch=12, in_child=note_priority)
+    parallel = max_batch_size(builder, jobs=2, **kwargs)
+    assert _outcome(parallel) == _outcome(serial)
+    assert (parallel.batch_size, parallel.probe_order, parallel.unused_ahead) == (3, (1, 2, 4, 3), 1)
+    at_4 = [nice for batch, nice in map(str.split, nice_log.read_text().splitlines()) if batch == "4"]
+    assert mine in at_4 and set(at_4) <= {mine, "19"}
+    assert [b for here, b in _builds(log) if here] == [1, 3]
+
+
 def _spin_then(value, seconds):
     import time
 

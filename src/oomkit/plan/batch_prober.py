@@ -138,11 +138,21 @@ class BatchProber:
 
     def trace_ahead(self, batch_sizes: Iterable[int]) -> None:
         """Start tracing the training step at those of ``batch_sizes`` not traced yet, each in
-        a forked process, while at most ``jobs - 1`` are: sizes the search will trace next."""
+        a forked process, while at most ``jobs - 1`` are: sizes the search will trace next.
+
+        A size being traced in the background is traced again at this process's priority (the
+        background one is stopped, ``unused_ahead``): at nice 19 it would give way to the very
+        traces it is needed beside (it had started when the search first synthesized, a few
+        replays ago).
+        """
         for batch_size in batch_sizes:
             busy = sum(1 for b in self._ahead if b not in self._background)
             if busy >= self._jobs - 1:
                 return
+            if batch_size in self._background:
+                self._background.discard(batch_size)
+                self._ahead.pop(batch_size).cancel(wait=False)
+                self.unused_ahead += 1
             if not self._start_ahead(batch_size):
                 return
 
