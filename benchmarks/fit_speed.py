@@ -1,7 +1,8 @@
 """What a `fit` search costs next to its first probe: with interpolation, the model and meta-kernel caches, and without.
 
 `oomkit fit gpt2-124m --gpu h100` (seq 1024, bf16-mixed, AdamW, 2 steps a probe, the default
-margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
+margin; ``--case llama-8b-lora``: Llama 3.1 8B, seq 2048, LoRA r 16; ``--case llama-1b``: Llama 3.2 1B,
+seq 2048, every weight trained) is run as ``oomkit.plan.batch_search.max_batch_size`` with the preset builder, in a child
 process per setting so that each starts cold (torch imported, nothing remembered):
 - ``parallel``: as `oomkit fit` runs a preset: ``interpolated``, with the sizes the search traces
   next traced ahead in forked processes, one per CPU core (``max_batch_size(jobs=None)``): the
@@ -50,10 +51,13 @@ from _children import ChildFailed, emit, run_child
 
 # --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
 # `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
-# (peft wrapping every attention projection) costs more than GPT-2's.
+# (peft wrapping every attention projection) costs more than GPT-2's; `llama-1b` is `oomkit fit
+# llama-1b --gpu h100` (seq 2048, every weight trained), whose embedding backward changes path
+# between the two sizes learned first (2,048 indices at batch 1, 4,096 at batch 2).
 CASES = {
     "gpt2": ("gpt2-124m", 1024, "h100", None),
     "llama-8b-lora": ("llama-8b", 2048, "h100", 16),
+    "llama-1b": ("llama-1b", 2048, "h100", None),
 }
 
 

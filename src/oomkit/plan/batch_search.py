@@ -265,15 +265,17 @@ def max_batch_size(
             instead of tracing them (``trace_interpolation.py``); the last size bisection
             tries, and the answer and the size above it, are traced for real, and if one
             recording differs from its synthesis the search runs again (learning from them;
-            the third search traces every size). ``False`` traces every size.
+            the third search traces every size). An emulated kernel that picks its path by a
+            size (the embedding backward above 3,072 indices) is synthesized on either path
+            from sizes on one (``oomkit.prediction.tracing.emulation_sites``). ``False``
+            traces every size.
         jobs: processes that trace at once (None: one per CPU core; 1, the default: all in
             this one). Above 1, the training step of sizes the search will trace next is
             traced ahead in forked processes (the second size learned from, the other sizes an
             answer rests on; without ``interpolate``, the next size doubling tries): the
             answer, every probe and ``traces`` are the one-at-a-time ones, in less wall time.
             One more process, at the lowest CPU priority, also traces the first size the
-            search synthesizes, the first a search after a difference traces (GPT-2's embedding
-            backward changes path at batch 4: its second search starts there), on the core
+            search synthesizes, the first a search after a difference traces, on the core
             left idle while the search synthesizes. The builder then runs in those
             processes too (a builder with side effects outside its process, such as files it
             writes, should keep 1).

@@ -16,15 +16,30 @@ cannot see (a kernel choice that changes with the size, a workspace capped at so
 caller must catch by tracing the batches its answer rests on and comparing them with their
 synthesis (``add`` says whether they differ); ``max_batch_size`` (batch_search.py) does, and so
 learns from two.
+
+A kernel the recorder emulates may pick its path by a size, and allocate temporaries on one
+path only (GPT-2's embedding backward sorts its indices from batch 4 at seq 1024, from batch 2
+at seq 2048). The recording notes each such call as a site (``TraceRecording.sites``,
+``oomkit.prediction.tracing.emulation_sites``) with the integers the choice rests on. Before two
+recordings are compared, each site's temporaries are taken out, and the site's integers become
+values like the sizes (``_Normalized``): recordings made on either side of the size are then of
+one structure, and a synthesized recording gets, at each site, the temporaries its plan gives
+for the integers at that batch. A recording whose temporaries are not what its plan gives is
+taken as it is (its temporaries events like any other), so it is never synthesized from
+across the size that picks the path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from oomkit.core.trace import new_trace_event
+from oomkit.core.trace import TraceEvent, new_trace_event
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.emulation_sites import EmulationSite
 
 __all__ = [
     "INTERPOLATED_SEARCHES",
@@ -36,9 +51,10 @@ __all__ = [
     "synthesize_sizes",
 ]
 
-# The recording fields that may change with the batch: the events' sizes (compared apart) and
-# the bytes per category (sums of those sizes). Every other field must be equal at every batch.
-_SIZED_FIELDS = ("events", "bytes_by_category")
+# The recording fields that may change with the batch: the events' sizes (compared apart), the
+# bytes per category (sums of those sizes), the sites' integers, and (with a site's temporaries)
+# where the events and steps fall. Every other field must be equal at every batch.
+_SIZED_FIELDS = ("events", "bytes_by_category", "sites", "step_starts")
 
 # Searches a caller runs with synthesized recordings before one with traces only: each difference
 # found adds traces on the far side of a change of code path, so a second search rarely differs
@@ -49,28 +65,198 @@ INTERPOLATED_SEARCHES = 3
 AffineSizes = tuple[tuple[int, ...], tuple[int, ...]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Normalized:
+    """A recording with its sites' temporaries taken out (``_normalize``).
+
+    Attributes:
+        events: the events but the temporaries.
+        step_starts: each step's first event among ``events``.
+        sites: (kind, index of the anchor in ``events``, params) of each site.
+        by_category: the bytes per category, less the temporaries'.
+        stripped: whether temporaries were taken out (False: the recording as it is, its
+            temporaries events like any other).
+    """
+
+    events: tuple[TraceEvent, ...]
+    step_starts: tuple[int, ...]
+    sites: tuple[EmulationSite, ...]
+    by_category: Mapping[str, int]
+    stripped: bool
+
+
+def _normalize(recording: Any) -> _Normalized:
+    """``recording`` without its sites' temporaries, if putting them back (``_restore``) with
+    its own integers gives it back exactly; else as it is."""
+    events = tuple(recording.events)
+    by_category = dict(getattr(recording, "bytes_by_category", {}) or {})
+    step_starts = tuple(getattr(recording, "step_starts", ()))
+    sites = tuple(getattr(recording, "sites", ()) or ())
+    plain = _Normalized(events, step_starts, sites, by_category, stripped=False)
+    if not sites:
+        return plain
+    # Imported here: a recording with sites was made by the tracer, so torch is loaded already
+    # (this module is imported without it).
+    from oomkit.prediction.tracing.emulation_sites import SITE_PLANS, EmulationSite
+
+    if any(site.kind not in SITE_PLANS for site in sites):
+        return plain
+    dropped: set[int] = set()
+    for site in sites:
+        names = SITE_PLANS[site.kind].names
+        index = site.anchor - 1
+        while index >= 0 and events[index].action == "alloc" and events[index].tag("emulated") in names:
+            dropped.add(events[index].address)
+            index -= 1
+    kept: list[int] = [i for i, e in enumerate(events) if e.address not in dropped]
+    position = {old: new for new, old in enumerate(kept)}
+    if any(site.anchor not in position for site in sites):
+        return plain
+    less = dict(by_category)
+    for event in events:
+        if event.action == "alloc" and event.address in dropped:
+            category = event.tag("category", "")
+            less[category] = less.get(category, 0) - event.size
+    normalized = _Normalized(
+        events=tuple(events[i] for i in kept),
+        step_starts=tuple(bisect_left(kept, start) for start in step_starts),
+        sites=tuple(EmulationSite(s.kind, position[s.anchor], s.params) for s in sites),
+        by_category={k: v for k, v in less.items() if v or k not in by_category or not by_category[k]},
+        stripped=True,
+    )
+    restored = _restore(
+        normalized,
+        tuple(e.size for e in normalized.events),
+        tuple(site.params for site in normalized.sites),
+        normalized.by_category,
+        next_id=max((e.address for e in events), default=0) + 1,
+    )
+    if _raw_key(restored, recording, events_only=True) != _raw_key(recording, recording, events_only=True):
+        return plain
+    return normalized
+
+
+def _restore(
+    normalized: _Normalized,
+    sizes: Sequence[int],
+    params: Sequence[tuple[int, ...]],
+    by_category: Mapping[str, int],
+    *,
+    next_id: int,
+) -> tuple[tuple[TraceEvent, ...], tuple[int, ...], tuple[EmulationSite, ...], dict[str, int]]:
+    """(events, step starts, sites, bytes per category) with ``sizes`` for the normalized
+    events and, at each site, the temporaries its plan gives for ``params``: allocated just
+    before its anchor, freed just after it (last first), with the anchor's frames and stream
+    and its tags (the plan's category and op, an ``emulated`` tag); new ids from ``next_id``."""
+    from oomkit.prediction.tracing.emulation_sites import SITE_PLANS, EmulationSite
+
+    events = normalized.events
+    inserts: dict[int, tuple[list[TraceEvent], list[TraceEvent]]] = {}
+    totals = dict(by_category)
+    for site, values in zip(normalized.sites, params, strict=True):
+        plan = SITE_PLANS[site.kind]
+        anchor = events[site.anchor]
+        base = tuple(
+            (name, plan.category if name == "category" else text)
+            for name, text in anchor.tags
+            if name not in ("saved_for_backward", "emulated")
+        )
+        before: list[TraceEvent] = []
+        after: list[TraceEvent] = []
+        for what, nbytes in plan.temporaries(values):
+            address, next_id = next_id, next_id + 1
+            tags = (*base, ("emulated", what))
+            before.append(
+                new_trace_event("alloc", address, nbytes, anchor.stream, None, anchor.frames, tags)
+            )
+            totals[plan.category] = totals.get(plan.category, 0) + nbytes
+            free_tags = (("category", plan.category),)
+            after[:0] = [
+                new_trace_event(action, address, nbytes, anchor.stream, None, anchor.frames, free_tags)
+                for action in ("free_requested", "free_completed")
+            ]
+        inserts[site.anchor] = (before, after)
+    out: list[TraceEvent] = []
+    moved: list[int] = []  # new index of each normalized event
+    for index, (event, size) in enumerate(zip(events, sizes, strict=True)):
+        if event.size != size:
+            event = new_trace_event(
+                event.action, event.address, size, event.stream, event.time_us, event.frames, event.tags
+            )
+        around = inserts.get(index)
+        if around is not None:
+            out.extend(around[0])
+        moved.append(len(out))
+        out.append(event)
+        if around is not None:
+            out.extend(around[1])
+    count = len(out)
+    step_starts = tuple(moved[i] if i < len(moved) else count for i in normalized.step_starts)
+    sites = tuple(
+        EmulationSite(site.kind, moved[site.anchor], values)
+        for site, values in zip(normalized.sites, params, strict=True)
+    )
+    return tuple(out), step_starts, sites, totals
+
+
+def _raw_key(restored: Any, recording: Any, *, events_only: bool = False) -> tuple[Any, ...]:
+    """What must be equal for two recordings to be one up to their allocation ids: the events
+    (ids renumbered by first appearance), step starts, sites and bytes per category, and
+    (unless ``events_only``, for a restored tuple against its recording) every other field."""
+    if isinstance(restored, tuple):
+        events, step_starts, sites, by_category = restored
+    else:
+        events, step_starts = restored.events, tuple(restored.step_starts)
+        sites = tuple(getattr(restored, "sites", ()) or ())
+        by_category = dict(getattr(restored, "bytes_by_category", {}) or {})
+    ids: dict[int, int] = {}
+    key = (
+        tuple(
+            (e.action, ids.setdefault(e.address, len(ids)), e.size, e.stream, e.time_us, e.frames, e.tags)
+            for e in events
+        ),
+        tuple(step_starts),
+        tuple(sites),
+        tuple(sorted(by_category.items())),
+    )
+    if events_only:
+        return key
+    others = tuple(
+        (f.name, _frozen(getattr(recording, f.name)))
+        for f in dataclasses.fields(recording)
+        if f.name not in _SIZED_FIELDS
+    )
+    return (type(recording), key, others)
+
+
 def recording_structure(recording: Any) -> tuple[Any, ...] | None:
     """What must be equal between two recordings for one to be the other at another batch.
 
     Every event's action, address (renumbered by first appearance: ids are opaque), stream,
-    time, frames and tags, and every field of the recording but the sizes (step boundaries,
-    warnings, kernel choices, assumptions, ...). ``None`` for something that is not a dataclass
-    recording with ``events`` (it is then never interpolated).
+    time, frames and tags, the step boundaries and the sites (their kinds and anchors), and
+    every other field of the recording but the sizes (warnings, kernel choices, assumptions,
+    ...), with the sites' temporaries taken out (``_normalize``). ``None`` for something that
+    is not a dataclass recording with ``events`` (it is then never interpolated).
     """
     if not dataclasses.is_dataclass(recording) or not hasattr(recording, "events"):
         return None
+    return _structure(recording, _normalize(recording))
+
+
+def _structure(recording: Any, normalized: _Normalized) -> tuple[Any, ...]:
     ids: dict[int, int] = {}
     events = tuple(
         (e.action, ids.setdefault(e.address, len(ids)), e.stream, e.time_us, e.frames, e.tags)
-        for e in recording.events
+        for e in normalized.events
     )
     others = tuple(
         (f.name, _frozen(getattr(recording, f.name)))
         for f in dataclasses.fields(recording)
         if f.name not in _SIZED_FIELDS
     )
-    categories = tuple(sorted(getattr(recording, "bytes_by_category", {}) or {}))
-    return (type(recording), events, others, categories)
+    sites = tuple((site.kind, site.anchor, len(site.params)) for site in normalized.sites)
+    categories = tuple(sorted(normalized.by_category))
+    return (type(recording), events, normalized.step_starts, sites, others, categories)
 
 
 def _frozen(value: Any) -> Any:
@@ -80,23 +266,26 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _sizes(recording: Any) -> tuple[int, ...]:
-    """The recording's event sizes, then its bytes per category (sorted by category)."""
-    by_category = getattr(recording, "bytes_by_category", {}) or {}
+def _sizes(normalized: _Normalized) -> tuple[int, ...]:
+    """The values that may change with the batch: the normalized events' sizes, the sites'
+    integers, then the bytes per category (sorted by category)."""
+    by_category = normalized.by_category
+    params = [value for site in normalized.sites for value in site.params]
     return (
-        *(e.size for e in recording.events),
+        *(e.size for e in normalized.events),
+        *params,
         *(by_category[k] for k in sorted(by_category)),
     )
 
 
 def same_recording(first: Any, second: Any) -> bool:
-    """Whether two recordings are one up to their allocation ids: same structure, same sizes."""
-    structure = recording_structure(first)
-    return (
-        structure is not None
-        and structure == recording_structure(second)
-        and _sizes(first) == _sizes(second)
-    )
+    """Whether two recordings are one up to their allocation ids: the same events (ids aside)
+    with the same sizes, step starts, sites, bytes per category and every other field."""
+    if not dataclasses.is_dataclass(first) or not hasattr(first, "events"):
+        return False
+    if not dataclasses.is_dataclass(second) or not hasattr(second, "events"):
+        return False
+    return _raw_key(first, first) == _raw_key(second, second)
 
 
 def affine_sizes(points: Sequence[tuple[int, Sequence[int]]]) -> AffineSizes | None:
@@ -159,7 +348,8 @@ class TraceInterpolator:
             raise ValueError(f"an affine fit needs at least 2 points; got {points}")
         self._needed = points
         self._structures: list[tuple[Any, ...]] = []  # distinct structures; ids index it
-        self._traced: dict[int, tuple[int, tuple[int, ...], Any]] = {}  # batch: (id, sizes, rec)
+        # batch: (structure id, sizes, the recording, its normalized form)
+        self._traced: dict[int, tuple[int, tuple[int, ...], Any, _Normalized]] = {}
         self._fits: dict[tuple[int, ...], AffineSizes | None] = {}  # by (nearest two, *run)
         # What synthesize made, by batch: (structure id, the affine sizes it used), shared by
         # every batch synthesized from one fit (not each batch's sizes: a long search makes many).
@@ -179,15 +369,16 @@ class TraceInterpolator:
             recording synthesized at ``batch_size``: the last one ``synthesize`` made there, or
             else the one it would make now; ``False`` when there is none.
         """
-        structure = recording_structure(recording)
-        if structure is None:
+        if not dataclasses.is_dataclass(recording) or not hasattr(recording, "events"):
             return False
+        normalized = _normalize(recording)
+        structure = _structure(recording, normalized)
         if structure in self._structures:
             index = self._structures.index(structure)
         else:
             index = len(self._structures)
             self._structures.append(structure)
-        sizes = _sizes(recording)
+        sizes = _sizes(normalized)
         differs = False
         made = self._made.pop(batch_size, None)
         if made is None:
@@ -196,7 +387,7 @@ class TraceInterpolator:
         if made is not None:
             expected = synthesize_sizes(made[1], batch_size)
             differs = expected is not None and (made[0] != index or expected != sizes)
-        self._traced[batch_size] = (index, sizes, recording)
+        self._traced[batch_size] = (index, sizes, recording, normalized)
         self._fits.clear()
         return differs
 
@@ -242,8 +433,9 @@ class TraceInterpolator:
         (``add`` then compares a trace there with what it would make at that time).
 
         Its events are those of the run's traced recording nearest ``batch_size``, with sizes
-        ``a + b * batch_size``; its bytes per category likewise; every other field is that
-        recording's.
+        ``a + b * batch_size``; its bytes per category and its sites' integers likewise, and at
+        each site the temporaries its plan gives for those integers (``_restore``); every other
+        field is that recording's.
         """
         fit = self._fit_at(batch_size)
         if fit is None:
@@ -254,20 +446,39 @@ class TraceInterpolator:
             return None
         if keep:
             self._made[batch_size] = (index, affine)
-        template = self._traced[nearest][2]
-        events = template.events
-        count = len(events)
+        _, _, template, normalized = self._traced[nearest]
+        count = len(normalized.events)
+        params: list[tuple[int, ...]] = []
+        for site in normalized.sites:
+            params.append(tuple(values[count : count + len(site.params)]))
+            count += len(site.params)
+        by_category = dict(zip(sorted(normalized.by_category), values[count:], strict=True))
+        sizes = values[: len(normalized.events)]
+        if normalized.stripped:
+            next_id = max((e.address for e in template.events), default=0) + 1
+            events, step_starts, sites, totals = _restore(
+                normalized, sizes, params, by_category, next_id=next_id
+            )
+            return dataclasses.replace(
+                template,
+                events=events,
+                step_starts=step_starts,
+                sites=sites,
+                bytes_by_category=totals,
+            )
         new_events = tuple(
             e
             if e.size == size
             else new_trace_event(e.action, e.address, size, e.stream, e.time_us, e.frames, e.tags)
-            for e, size in zip(events, values[:count], strict=True)
+            for e, size in zip(normalized.events, sizes, strict=True)
         )
         changes: dict[str, Any] = {"events": new_events}
-        by_category = getattr(template, "bytes_by_category", None)
-        if by_category:
-            changes["bytes_by_category"] = dict(
-                zip(sorted(by_category), values[count:], strict=True)
+        if getattr(template, "bytes_by_category", None):
+            changes["bytes_by_category"] = by_category
+        if normalized.sites:  # a recording taken as it is: its temporaries are events like any
+            changes["sites"] = tuple(
+                dataclasses.replace(site, params=values)
+                for site, values in zip(normalized.sites, params, strict=True)
             )
         return dataclasses.replace(template, **changes)
 

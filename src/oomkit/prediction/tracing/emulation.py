@@ -110,6 +110,13 @@ class EmulationContext:
         lists them so a report can say what it assumed."""
         self._engine.kernel_choices[choice] += 1
 
+    def note_site(self, kind: str, params: tuple[int, ...], output: Any) -> None:
+        """Note that this call's temporaries depend on sizes (``params``), by the plan of
+        ``kind`` (``oomkit.prediction.tracing.emulation_sites.SITE_PLANS``), around the allocation of
+        ``output`` (recorded already: ``record_outputs``). A batch search then synthesizes
+        them at batches on the other side of the size that picks the path."""
+        self._engine.note_site(kind, params, output)
+
     def note_assumption(self, name: str, value: str) -> None:
         """Record a fact about the target the emulation's choice rests on (``"cuDNN"`` ->
         ``"9.20.0 (torch 2.13's default Linux wheel)"``), so a report can state it."""

@@ -76,6 +76,8 @@ class CudaEmulationEngine:
         partial_calls: (op, what is left out) -> calls only partly emulated.
         kernel_choices: kernel choices the hooks made (``"SDPA flash_attention"``) -> calls.
         assumptions: facts about the target the choices rest on (``"cuDNN"`` -> version).
+        sites: (kind, params, the allocation id of the op's output) of each call whose
+            temporaries depend on a size (``oomkit.prediction.tracing.emulation_sites``), in order.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class CudaEmulationEngine:
         self.partial_calls: Counter[tuple[str, str]] = Counter()
         self.kernel_choices: Counter[str] = Counter()
         self.assumptions: dict[str, str] = {}
+        self.sites: list[tuple[str, tuple[int, ...], int]] = []
 
     # ------------------------------------------------------------------ interception
 
@@ -191,6 +194,15 @@ class CudaEmulationEngine:
             del out
             raise self.sink.refused(error)
         return out
+
+    def note_site(self, kind: str, params: tuple[int, ...], output: Any) -> None:
+        """Note a site (``emulation_sites.EmulationSite``) anchored at ``output``'s allocation,
+        which must be accounted already (``record_outputs``); not noted when it is not (a
+        tensor on another device, no storage)."""
+        storage = tensor_storage(output, self.device_type)
+        alloc = None if storage is None else self.table.lookup(storage)
+        if alloc is not None:
+            self.sites.append((kind, params, alloc.alloc_id))
 
     def has_emulation(self, name: str) -> bool:
         """Whether ``name`` (an aten overload or torch function name) has an emulation hook."""

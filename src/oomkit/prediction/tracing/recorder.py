@@ -510,13 +510,9 @@ class Tracer:
                 "and were recorded eagerly"
                 for why, n in sorted(self._stand_in.failed.items())
             ]
-        return build_recording(
-            self._log,
-            self._module_tag,
-            warnings=tuple(warnings),
-            kernel_choices=dict(sorted(self._engine.kernel_choices.items())),
-            assumptions=assumptions,
-        )
+        choices = dict(sorted(self._engine.kernel_choices.items()))
+        return build_recording(self._log, self._module_tag, warnings=tuple(warnings),
+                               kernel_choices=choices, assumptions=assumptions, sites=self._engine.sites)
 
     def _module_tag(self, alloc: Allocation, category: Category) -> str | None:
         # A parameter, its gradient and its optimizer state belong to the module owning the

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomkit.core.trace import TraceEvent, new_trace_event
 from oomkit.prediction.tracing.categories import Category, Phase
+from oomkit.prediction.tracing.emulation_sites import EmulationSite
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.storages import Allocation
@@ -33,6 +34,9 @@ class TraceRecording:
             calls each (``{"SDPA flash_attention": 24}``).
         assumptions: facts about the target those choices rest on, e.g. ``{"cuDNN": "9.20.0
             (torch 2.13's default Linux wheel)"}`` where the cuDNN version picked the kernel.
+        sites: the calls of emulated kernels whose temporaries depend on a size, in order
+            (``oomkit.prediction.tracing.emulation_sites``): a batch search synthesizes them at other
+            batches.
     """
 
     events: tuple[TraceEvent, ...]
@@ -41,6 +45,7 @@ class TraceRecording:
     bytes_by_category: Mapping[Category, int] = field(default_factory=dict)
     kernel_choices: Mapping[str, int] = field(default_factory=dict)
     assumptions: Mapping[str, str] = field(default_factory=dict)
+    sites: tuple[EmulationSite, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -101,6 +106,7 @@ def build_recording(
     warnings: tuple[str, ...],
     kernel_choices: dict[str, int],
     assumptions: dict[str, str],
+    sites: Sequence[tuple[str, tuple[int, ...], int]] = (),
 ) -> TraceRecording:
     """The recording of a recorder's log, once the step is over and categories are known.
 
@@ -108,6 +114,8 @@ def build_recording(
         log: ``("alloc", alloc)``, ``("free", alloc, frames)`` and ``("step",)`` in order.
         module_tag: the ``module`` tag of an allocation of a category (None: no tag).
         warnings: kernel_choices: assumptions: as in :class:`TraceRecording`.
+        sites: (kind, params, the allocation id of its anchor) of each site
+            (``CudaEmulationEngine.sites``); one whose anchor was not recorded is left out.
     """
     events: list[TraceEvent] = []
     step_starts: list[int] = []
@@ -148,6 +156,7 @@ def build_recording(
                         action, alloc.alloc_id, alloc.size_bytes, alloc.stream, None, frames, tags_free
                     )
                 )
+    alloc_index = {e.address: i for i, e in enumerate(events) if e.action == "alloc"}
     return TraceRecording(
         events=tuple(events),
         warnings=warnings,
@@ -155,4 +164,9 @@ def build_recording(
         bytes_by_category=totals,
         kernel_choices=kernel_choices,
         assumptions=assumptions,
+        sites=tuple(
+            EmulationSite(kind, alloc_index[alloc_id], params)
+            for kind, params, alloc_id in sites
+            if alloc_id in alloc_index
+        ),
     )

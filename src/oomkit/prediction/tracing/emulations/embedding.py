@@ -18,6 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from oomkit.prediction.tracing.emulation_sites import (
+    EMBEDDING_BACKWARD_SITE,
+    EMBEDDING_SMALL_PATH_MAX_INDICES,
+    SITE_PLANS,
+)
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -25,9 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EMBEDDING_BACKWARD_OP", "SMALL_PATH_MAX_INDICES", "register_embedding"]
 
-EMBEDDING_BACKWARD_OP = "aten.embedding_dense_backward.default"
+EMBEDDING_BACKWARD_OP = SITE_PLANS[EMBEDDING_BACKWARD_SITE].op
 # Embedding.cu embedding_dense_backward_cuda: the direct (unsorted) kernel's limit.
-SMALL_PATH_MAX_INDICES = 3072
+SMALL_PATH_MAX_INDICES = EMBEDDING_SMALL_PATH_MAX_INDICES
 
 
 def register_embedding(registry: EmulationRegistry) -> None:
@@ -40,21 +45,17 @@ def _embedding_dense_backward(ctx: EmulationContext) -> Any:
     indices = ctx.args[1]
     scale_grad_by_freq = bool(ctx.args[4]) if len(ctx.args) > 4 else False
     scale_grad_by_freq = bool(ctx.kwargs.get("scale_grad_by_freq", scale_grad_by_freq))
-    num_indices = indices.numel()
-    if not stands_for_cuda(indices) or (
-        num_indices <= SMALL_PATH_MAX_INDICES and not scale_grad_by_freq
-    ):
+    if not stands_for_cuda(indices):
         return ctx.run()
-    index_bytes = num_indices * indices.element_size()
-    ids = [
-        ctx.allocate(index_bytes, "temporary", "embedding_sorted_indices"),
-        ctx.allocate(index_bytes, "temporary", "embedding_orig_indices"),
-    ]
-    if scale_grad_by_freq:
-        ids.append(ctx.allocate(index_bytes, "temporary", "embedding_count"))
+    # The path and its temporaries, from the sizes (emulation_sites.py), noted as a site on
+    # either path so that a batch search can synthesize the other one.
+    params = (indices.numel(), indices.element_size(), int(scale_grad_by_freq))
+    plan = SITE_PLANS[EMBEDDING_BACKWARD_SITE]
+    ids = [ctx.allocate(nbytes, "temporary", what) for what, nbytes in plan.temporaries(params)]
     # embedding_backward_cuda_kernel allocates grad_weight last, while the indices still live.
     out = ctx.run()
     ctx.record_outputs(out)
+    ctx.note_site(EMBEDDING_BACKWARD_SITE, params, out)
     for alloc_id in reversed(ids):
         ctx.free(alloc_id)
     return out

@@ -1,0 +1,219 @@
+"""Emulation sites (prediction/tracing/emulation_sites.py): a kernel that picks its path by a size
+is noted in the recording, and plan/trace_interpolation.py synthesizes either path from
+recordings made on the other."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.core.trace import Frame, TraceEvent
+from oomkit.plan.trace_interpolation import (
+    TraceInterpolator,
+    _normalize,
+    recording_structure,
+    same_recording,
+)
+from oomkit.prediction.tracing.emulation_sites import (
+    EMBEDDING_BACKWARD_SITE,
+    SITE_PLANS,
+    EmulationSite,
+    embedding_backward_temporaries,
+)
+from oomkit.prediction.tracing.recording import TraceRecording
+
+torch = pytest.importorskip("torch")
+
+_OP = SITE_PLANS[EMBEDDING_BACKWARD_SITE].op
+_FRAMES = (Frame("train.py", 12, "step"),)
+
+
+def test_the_embedding_backward_plan_is_embedding_cu():
+    """Embedding.cu: up to 3,072 indices, no temporaries; above, sorted and original indices
+    (empty_like(indices) each); with scale_grad_by_freq, a count too, whatever the number."""
+    assert embedding_backward_temporaries((3072, 8, 0)) == ()
+    assert embedding_backward_temporaries((3073, 8, 0)) == (
+        ("embedding_sorted_indices", 24584),
+        ("embedding_orig_indices", 24584),
+    )
+    assert embedding_backward_temporaries((10, 4, 1)) == (
+        ("embedding_sorted_indices", 40),
+        ("embedding_orig_indices", 40),
+        ("embedding_count", 40),
+    )
+
+
+def _step(batch, *, seq=1024, tamper=0):
+    """A recording as the tracer makes one: an activation of ``batch * 4096`` bytes, then the
+    embedding backward's output (``grad_weight``, 1 MiB) with the temporaries its plan gives
+    for ``batch * seq`` int64 indices around it (``tamper`` bytes more on the first), then
+    the activation freed; two steps."""
+    events, sites, next_id = [], [], 0
+    temporary = 0
+    step_starts = []
+    anchor_tags = (("category", "gradient"), ("phase", "backward"), ("module", "wte"), ("op", _OP))
+    for _ in range(2):
+        step_starts.append(len(events))
+        act = next_id
+        next_id += 1
+        events.append(TraceEvent("alloc", act, batch * 4096, 0, None, _FRAMES, (("category", "activation"),)))
+        params = (batch * seq, 8, 0)
+        temporaries = embedding_backward_temporaries(params)
+        ids = []
+        for k, (what, nbytes) in enumerate(temporaries):
+            nbytes += tamper if k == 0 else 0
+            tags = (("category", "temporary"), ("phase", "backward"), ("module", "wte"), ("op", _OP),
+                    ("emulated", what))
+            events.append(TraceEvent("alloc", next_id, nbytes, 0, None, _FRAMES, tags))
+            ids.append((next_id, nbytes))
+            temporary += nbytes
+            next_id += 1
+        sites.append(EmulationSite(EMBEDDING_BACKWARD_SITE, len(events), params))
+        events.append(TraceEvent("alloc", next_id, 2**20, 0, None, _FRAMES, anchor_tags))
+        next_id += 1
+        for address, nbytes in reversed(ids):
+            for action in ("free_requested", "free_completed"):
+                events.append(TraceEvent(action, address, nbytes, 0, None, _FRAMES, (("category", "temporary"),)))
+        for action in ("free_requested", "free_completed"):
+            events.append(TraceEvent(action, act, batch * 4096, 0, None, _FRAMES, (("category", "activation"),)))
+    totals = {"activation": 2 * batch * 4096, "gradient": 2 * 2**20}
+    if temporary:
+        totals["temporary"] = temporary
+    return TraceRecording(
+        events=tuple(events), step_starts=tuple(step_starts), bytes_by_category=totals,
+        sites=tuple(sites),
+    )
+
+
+def test_both_paths_are_one_structure_and_each_is_synthesized_from_the_other():
+    """Batches 1-3 (up to 3,072 indices) take the direct path, 4 on the sort path: one
+    structure once the temporaries are taken out; learned from 1 and 2, batch 5 comes out with
+    its temporaries, and learned from 4 and 6, batch 2 without, event for event."""
+    assert len(_step(4).events) == len(_step(3).events) + 12  # 2 temporaries a step, 3 events each
+    assert recording_structure(_step(2)) == recording_structure(_step(4))
+    small = TraceInterpolator(points=2)
+    small.add(1, _step(1))
+    small.add(2, _step(2))
+    assert same_recording(small.synthesize(5), _step(5))
+    assert same_recording(small.synthesize(3), _step(3))
+    large = TraceInterpolator(points=2)
+    large.add(4, _step(4))
+    large.add(6, _step(6))
+    assert same_recording(large.synthesize(2), _step(2))
+    assert dict(large.synthesize(2).bytes_by_category) == dict(_step(2).bytes_by_category)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.integers(1, 20),
+    gap=st.integers(1, 20),
+    target=st.integers(1, 64),
+    seq=st.sampled_from([256, 1024, 2048, 3072, 4096]),
+)
+def test_any_batch_is_synthesized_as_built_from_any_two(first, gap, target, seq):
+    """Whichever two batches are learned from, on either path, the recording at any other batch
+    is synthesized as the tracer builds it: events, step starts, sites and totals."""
+    interpolator = TraceInterpolator(points=2)
+    assert interpolator.add(first, _step(first, seq=seq)) is False
+    interpolator.add(first + gap, _step(first + gap, seq=seq))
+    if target in (first, first + gap):
+        return
+    synthesized = interpolator.synthesize(target)
+    built = _step(target, seq=seq)
+    assert same_recording(synthesized, built)
+    assert synthesized.sites == built.sites and synthesized.step_starts == built.step_starts
+
+
+def test_a_recording_whose_temporaries_are_not_its_plans_is_taken_as_it_is():
+    """8 bytes more on a temporary than the plan gives: not normalized, so not of the direct
+    path's structure, and a batch between the two is not synthesized from them."""
+    tampered = _step(4, tamper=8)
+    assert not _normalize(tampered).stripped and _normalize(_step(4)).stripped
+    assert recording_structure(tampered) != recording_structure(_step(2))
+    interpolator = TraceInterpolator(points=2)
+    interpolator.add(2, _step(2))
+    interpolator.add(4, tampered)
+    assert interpolator.synthesize(3) is None
+    # Taken as it is, it still learns a run of its own: the same tampering at 6 is affine.
+    interpolator.add(6, _step(6, tamper=8))
+    assert same_recording(interpolator.synthesize(5), _step(5, tamper=8))
+
+
+def test_add_says_a_trace_differs_when_its_temporaries_are_not_the_synthesized_ones():
+    """Learned from 1 and 2, batch 4 is synthesized with the plan's temporaries: a trace at 4
+    with the plan's temporaries is the same, one with another size on one differs."""
+    interpolator = TraceInterpolator(points=2)
+    interpolator.add(1, _step(1))
+    interpolator.add(2, _step(2))
+    interpolator.synthesize(4)
+    assert interpolator.add(4, _step(4)) is False
+    other = TraceInterpolator(points=2)
+    other.add(1, _step(1))
+    other.add(2, _step(2))
+    other.synthesize(4)
+    assert other.add(4, _step(4, tamper=8)) is True
+
+
+def _gpt2_builder(seq=1024):
+    from oomkit.prediction.models import StepOptions, build_preset_step
+
+    def build(batch):
+        options = StepOptions(batch_size=batch, seq_len=seq, precision="bf16-mixed", optimizer="adamw")
+        return build_preset_step("gpt2-124m", options)
+
+    return build
+
+
+def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path():
+    """GPT-2 at seq 1024 sorts its embedding indices from batch 4 on (4,096 > 3,072): traced at
+    1 and 2 (direct path), the recordings at 4 and 12 are synthesized equal to their traces,
+    event for event, with the temporaries (2 a step), and replay to the same bytes."""
+    from oomkit.core.target import resolve_target
+    from oomkit.plan.batch_probe import new_model_cache, record_step
+    from oomkit.prediction.predictor import predict_recording
+
+    build, target, models = _gpt2_builder(), resolve_target(None, gpu="h100"), new_model_cache()
+    traced = {
+        b: record_step(build, "train step", b, target=target, steps=2, models=models)[0]
+        for b in (1, 2, 4, 12)
+    }
+    # Per step: the position embedding (1,024 indices whatever the batch), then the token one.
+    assert [s.params for s in traced[4].sites] == [(1024, 8, 0), (4096, 8, 0)] * 2
+    emulated = [e for e in traced[4].events if e.tag("emulated", "").startswith("embedding_")]
+    assert len(emulated) == 4 and {e.size for e in emulated} == {4096 * 8}
+    assert not [e for e in traced[2].events if e.tag("emulated", "").startswith("embedding_")]
+    assert recording_structure(traced[2]) == recording_structure(traced[4])
+    interpolator = TraceInterpolator(points=2)
+    interpolator.add(1, traced[1])
+    interpolator.add(2, traced[2])
+    for batch in (4, 12):
+        synthesized = interpolator.synthesize(batch)
+        assert same_recording(synthesized, traced[batch])
+        by_synthesis = predict_recording(synthesized, target=target)
+        by_trace = predict_recording(traced[batch], target=target)
+        assert (by_synthesis.peak_reserved_bytes, by_synthesis.peak_allocated_bytes) == (
+            by_trace.peak_reserved_bytes,
+            by_trace.peak_allocated_bytes,
+        )
+
+
+def test_gpt2_search_across_the_embedding_path_runs_once():
+    """`fit gpt2-124m --gpu h100`: learned from 1 and 2, the sizes from 4 on synthesized on the
+    sort path, and 75 and 76 traced to confirm: 4 traces, 11 syntheses, one search (it was 5
+    and 20, two searches, before the site); a synthesized size has its trace's bytes."""
+    from oomkit.plan.batch_probe import less_margin, predict_built
+    from oomkit.plan.batch_search import max_batch_size
+
+    build = _gpt2_builder()
+    result = max_batch_size(build, gpu="h100")
+    assert (result.batch_size, result.traces, result.synthesized) == (75, 4, 11)
+    assert result.probe_order == (1, 2, 4, 8, 16, 32, 64, 128, 96, 80, 72, 76, 74, 75)
+    searched = less_margin(result.target, result.margin_bytes)
+    probe = next(p for p in result.curve if p.batch_size == 8)
+    assert probe.synthesized
+    traced = predict_built(build, "train step", 8, target=searched, steps=2)
+    assert (traced.peak_reserved_bytes, traced.peak_allocated_bytes) == (
+        probe.train.peak_reserved_bytes,
+        probe.train.peak_allocated_bytes,
+    )
