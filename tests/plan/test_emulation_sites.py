@@ -140,6 +140,19 @@ def test_a_recording_whose_temporaries_are_not_its_plans_is_taken_as_it_is():
     assert same_recording(interpolator.synthesize(5), _step(5, tamper=8))
 
 
+def test_a_site_that_points_past_the_events_or_at_an_unknown_plan_is_taken_as_it_is():
+    """Sites that do not fit the events (a recording edited by hand) or name no plan: the
+    recording is compared as it is, never an IndexError."""
+    import dataclasses
+
+    built = _step(4)
+    past = dataclasses.replace(built, sites=(EmulationSite(EMBEDDING_BACKWARD_SITE, 10**6, (4096, 8, 0)),))
+    unknown = dataclasses.replace(built, sites=(EmulationSite("no such kernel", 3, (1,)),))
+    for recording in (past, unknown):
+        normalized = _normalize(recording)
+        assert not normalized.stripped and normalized.events == built.events
+
+
 def test_add_says_a_trace_differs_when_its_temporaries_are_not_the_synthesized_ones():
     """Learned from 1 and 2, batch 4 is synthesized with the plan's temporaries: a trace at 4
     with the plan's temporaries is the same, one with another size on one differs."""

@@ -99,7 +99,7 @@ def _normalize(recording: Any) -> _Normalized:
     # (this module is imported without it).
     from oomkit.prediction.tracing.emulation_sites import SITE_PLANS, EmulationSite
 
-    if any(site.kind not in SITE_PLANS for site in sites):
+    if any(site.kind not in SITE_PLANS or not 0 <= site.anchor < len(events) for site in sites):
         return plain
     dropped: set[int] = set()
     for site in sites:
