@@ -171,8 +171,9 @@ def main() -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help="which settings to run, comma-separated (default: all)")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="processes of the parallel setting (default: one per CPU core; 3 or "
-                        "more also traces ahead the size a second search would trace first)")
+                        help="processes of the parallel setting (default: one per CPU core; the "
+                        "size a second search would trace first is traced in the background "
+                        "beside them)")
     args = parser.parse_args()
     if args.setting:
         print(json.dumps(run_setting(args.setting, args.case, args.jobs)))
