@@ -121,7 +121,8 @@ def _normalize(recording: Any) -> _Normalized:
         events=tuple(events[i] for i in kept),
         step_starts=tuple(bisect_left(kept, start) for start in step_starts),
         sites=tuple(EmulationSite(s.kind, position[s.anchor], s.params) for s in sites),
-        by_category={k: v for k, v in less.items() if v or k not in by_category or not by_category[k]},
+        # A category only the temporaries had is left out, as a recording without them has it.
+        by_category={k: v for k, v in less.items() if v or not by_category.get(k)},
         stripped=True,
     )
     restored = _restore(
