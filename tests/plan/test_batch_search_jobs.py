@@ -240,7 +240,8 @@ def test_a_background_process_is_waited_for_unless_it_is_starved(monkeypatch):
 
     if ForkedCall(lambda: None).cpu_seconds() is None:
         pytest.skip("no /proc here: the plain wait is the only one")
-    assert _background_result(ForkedCall(lambda: _spin_then("traced", 0.4)), 0.0) == "traced"
+    # (A trace here took 10 s: the wait allows for the tests' other workers on the cores.)
+    assert _background_result(ForkedCall(lambda: _spin_then("traced", 0.4)), 10.0) == "traced"
     starved = ForkedCall(lambda: time.sleep(30))
     start = time.monotonic()
     assert _background_result(starved, 20.0) is None
