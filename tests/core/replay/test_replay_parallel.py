@@ -200,8 +200,10 @@ def test_a_forked_calls_cpu_seconds_and_done():
     try:
         if spinning.cpu_seconds() is None:
             pytest.skip("no /proc here: cpu_seconds is None off Linux")
-        time.sleep(0.5)
-        assert spinning.cpu_seconds() >= 0.2
+        deadline = time.monotonic() + 20  # the tests' other workers may hold the cores
+        while spinning.cpu_seconds() < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spinning.cpu_seconds() >= 0.3
         assert sleeping.cpu_seconds() <= 0.1
         assert not spinning.done() and not sleeping.done(0.05)
     finally:
