@@ -102,7 +102,6 @@ class BatchProber:
         self._differed = False  # a size traced in this search differed from its synthesis
         self._jobs = jobs  # processes tracing at once, this one included
         self._ahead: dict[int, ForkedCall[tuple[Any, str]]] = {}  # training steps, by batch
-        self._background: set[int] = set()  # of those, sizes traced at the lowest priority
         self.unused_ahead = 0  # started ahead and not needed
         self._trace_wall_s = 0.0  # the longest trace made here, to bound a wait for one ahead
         self._speculated = False  # the first synthesized size was offered to _speculate
@@ -146,12 +145,13 @@ class BatchProber:
         replays ago).
         """
         for batch_size in batch_sizes:
-            busy = sum(1 for b in self._ahead if b not in self._background)
+            busy = sum(1 for call in self._ahead.values() if not call.background)
             if busy >= self._jobs - 1:
                 return
-            if batch_size in self._background:
-                self._background.discard(batch_size)
-                self._ahead.pop(batch_size).cancel(wait=False)
+            running = self._ahead.get(batch_size)
+            if running is not None and running.background:
+                del self._ahead[batch_size]
+                running.cancel(wait=False)
                 self.unused_ahead += 1
             if not self._start_ahead(batch_size):
                 return
@@ -192,17 +192,14 @@ class BatchProber:
         except OSError:  # no process to be had (memory, a process limit): trace here
             self._jobs = 1
             return False
-        if background:
-            self._background.add(batch_size)
         return True
 
     def stop_ahead(self) -> None:
         """Stop every process still tracing ahead; their sizes count as ``unused_ahead``."""
-        for batch_size, call in self._ahead.items():
-            call.cancel(wait=batch_size not in self._background)
+        for call in self._ahead.values():
+            call.cancel(wait=not call.background)
         self.unused_ahead += len(self._ahead)
         self._ahead.clear()
-        self._background.clear()
 
     def fits(self, batch_size: int, remaining: int, *, synthesize: bool = True) -> bool:
         """Whether ``batch_size`` fits (predicted once; later calls reuse the result).
@@ -312,10 +309,8 @@ class BatchProber:
                 prediction = predict_recording(recording, target=self._target, description=description)
                 return prediction, True, False
         ahead = self._ahead.pop(batch_size, None) if what == "train step" else None
-        background = batch_size in self._background
-        self._background.discard(batch_size)
         recorded = None
-        if ahead is not None and background:
+        if ahead is not None and ahead.background:
             recorded = _background_result(ahead, self._trace_wall_s)
         elif ahead is not None:
             try:

@@ -222,12 +222,21 @@ def _raw_key(restored: Any, recording: Any, *, events_only: bool = False) -> tup
     )
     if events_only:
         return key
-    others = tuple(
+    return (type(recording), key, _other_fields(recording))
+
+
+def _is_recording(value: Any) -> bool:
+    """Whether ``value`` is a dataclass recording with ``events`` (else never interpolated)."""
+    return dataclasses.is_dataclass(value) and hasattr(value, "events")
+
+
+def _other_fields(recording: Any) -> tuple[Any, ...]:
+    """Every field but those that may change with the batch (``_SIZED_FIELDS``), comparable."""
+    return tuple(
         (f.name, _frozen(getattr(recording, f.name)))
         for f in dataclasses.fields(recording)
         if f.name not in _SIZED_FIELDS
     )
-    return (type(recording), key, others)
 
 
 def recording_structure(recording: Any) -> tuple[Any, ...] | None:
@@ -239,7 +248,7 @@ def recording_structure(recording: Any) -> tuple[Any, ...] | None:
     ...), with the sites' temporaries taken out (``_normalize``). ``None`` for something that
     is not a dataclass recording with ``events`` (it is then never interpolated).
     """
-    if not dataclasses.is_dataclass(recording) or not hasattr(recording, "events"):
+    if not _is_recording(recording):
         return None
     return _structure(recording, _normalize(recording))
 
@@ -250,13 +259,9 @@ def _structure(recording: Any, normalized: _Normalized) -> tuple[Any, ...]:
         (e.action, ids.setdefault(e.address, len(ids)), e.stream, e.time_us, e.frames, e.tags)
         for e in normalized.events
     )
-    others = tuple(
-        (f.name, _frozen(getattr(recording, f.name)))
-        for f in dataclasses.fields(recording)
-        if f.name not in _SIZED_FIELDS
-    )
     sites = tuple((site.kind, site.anchor, len(site.params)) for site in normalized.sites)
     categories = tuple(sorted(normalized.by_category))
+    others = _other_fields(recording)
     return (type(recording), events, normalized.step_starts, sites, others, categories)
 
 
@@ -282,9 +287,7 @@ def _sizes(normalized: _Normalized) -> tuple[int, ...]:
 def same_recording(first: Any, second: Any) -> bool:
     """Whether two recordings are one up to their allocation ids: the same events (ids aside)
     with the same sizes, step starts, sites, bytes per category and every other field."""
-    if not dataclasses.is_dataclass(first) or not hasattr(first, "events"):
-        return False
-    if not dataclasses.is_dataclass(second) or not hasattr(second, "events"):
+    if not _is_recording(first) or not _is_recording(second):
         return False
     return _raw_key(first, first) == _raw_key(second, second)
 
@@ -370,7 +373,7 @@ class TraceInterpolator:
             recording synthesized at ``batch_size``: the last one ``synthesize`` made there, or
             else the one it would make now; ``False`` when there is none.
         """
-        if not dataclasses.is_dataclass(recording) or not hasattr(recording, "events"):
+        if not _is_recording(recording):
             return False
         normalized = _normalize(recording)
         structure = _structure(recording, normalized)

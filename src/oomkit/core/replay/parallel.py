@@ -187,7 +187,8 @@ class ForkedCall(Generic[T]):
     returns is pickled back. The process writes nothing of this one's buffered output again
     (buffers are flushed before the fork, and the child leaves by ``os._exit``).
 
-    ``background=True`` runs it at the lowest CPU priority (``os.nice(19)``): work that may not
+    ``background=True`` (kept as ``background``) runs it at the lowest CPU priority
+    (``os.nice(19)``): work that may not
     be needed, done on a core nothing else wants. Linux's scheduler then gives it about 1.5% of
     a core that a process of normal priority also wants (CFS weight 15 against 1024,
     kernel/sched/core.c ``sched_prio_to_weight``), so it never slows the work that is needed.
@@ -197,6 +198,7 @@ class ForkedCall(Generic[T]):
     """
 
     def __init__(self, fn: Callable[[], T], *, background: bool = False) -> None:
+        self.background = background
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         _flush_before_fork()

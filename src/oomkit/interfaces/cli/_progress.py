@@ -19,6 +19,7 @@ from oomkit.interfaces.cli._common import stderr_console
 
 __all__ = [
     "add_jobs_flag",
+    "is_terminal",
     "progress_enabled",
     "progress_bar",
     "SnapshotProgress",
@@ -73,8 +74,16 @@ def _jobs(text: str) -> int:
 
 def progress_enabled(args: argparse.Namespace, stream: IO[str]) -> bool:
     """Whether to draw a progress bar on ``stream``: not with --json, and only on a terminal."""
+    return not getattr(args, "json", False) and is_terminal(stream)
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal (False for a stream without ``isatty``, or closed)."""
     isatty = getattr(stream, "isatty", None)
-    return not getattr(args, "json", False) and isatty is not None and bool(isatty())
+    try:
+        return isatty is not None and bool(isatty())
+    except ValueError:  # a closed stream
+        return False
 
 
 def _columns() -> tuple[Any, ...]:

@@ -17,6 +17,12 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stdout_console,
 )
+from oomkit.interfaces.cli._progress import (
+    is_terminal,
+    progress_bar,
+    progress_enabled,
+    snapshot_progress,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -93,17 +99,9 @@ STDIN_PROMPT = (
 )
 
 
-def _is_terminal(stream: IO[str]) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return isatty is not None and bool(isatty())
-    except ValueError:  # a closed stream
-        return False
-
-
 def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
     """Stdin's text; on a terminal, first says on stderr what it waits for."""
-    if _is_terminal(stdin):
+    if is_terminal(stdin):
         print(STDIN_PROMPT, file=stderr, flush=True)
     raw = getattr(stdin, "buffer", None)
     if raw is not None:
@@ -186,10 +184,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(source, Path):
         from oomkit.core.snapshot import load_snapshot
         from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
-        from oomkit.interfaces.cli._progress import snapshot_progress
-
-        show = not args.json and _is_terminal(sys.stderr)
-        with snapshot_progress(show, source.name) as progress:
+        with snapshot_progress(progress_enabled(args, sys.stderr), source.name) as progress:
             snapshot = load_snapshot(source, progress=progress.loading)
             progress.phase("diagnosing (replaying the trace)")
             diagnosis = diagnose_snapshot(
@@ -202,9 +197,7 @@ def run(args: argparse.Namespace) -> int:
         from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
         prediction = data
-        from oomkit.interfaces.cli._progress import progress_bar
-
-        show = args.measure and not args.json and _is_terminal(sys.stderr)
+        show = args.measure and progress_enabled(args, sys.stderr)
         with progress_bar(show, "measuring remedies by re-predicting") as progress:
             diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:

@@ -68,10 +68,9 @@ def run(args: argparse.Namespace) -> int:
             f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
         )
     capacity = capacity_bytes(args.gpu)
-    source, device, torch_version, recorded = _open_source(
-        path, args.device, progress_enabled(args, sys.stderr)
-    )
-    with progress_bar(progress_enabled(args, sys.stderr), "replaying settings") as update:
+    show = progress_enabled(args, sys.stderr)
+    source, device, torch_version, recorded = _open_source(path, args.device, show)
+    with progress_bar(show, "replaying settings") as update:
         result = tune(
             source,
             capacity,

@@ -18,21 +18,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from oomkit.prediction.tracing.emulation_sites import (
-    EMBEDDING_BACKWARD_SITE,
-    EMBEDDING_SMALL_PATH_MAX_INDICES,
-    SITE_PLANS,
-)
+from oomkit.prediction.tracing.emulation_sites import EMBEDDING_BACKWARD_SITE, SITE_PLANS
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["EMBEDDING_BACKWARD_OP", "SMALL_PATH_MAX_INDICES", "register_embedding"]
+__all__ = ["EMBEDDING_BACKWARD_OP", "register_embedding"]
 
+# The path's limit (3,072 indices, Embedding.cu) is emulation_sites.py's, with its temporaries.
 EMBEDDING_BACKWARD_OP = SITE_PLANS[EMBEDDING_BACKWARD_SITE].op
-# Embedding.cu embedding_dense_backward_cuda: the direct (unsorted) kernel's limit.
-SMALL_PATH_MAX_INDICES = EMBEDDING_SMALL_PATH_MAX_INDICES
 
 
 def register_embedding(registry: EmulationRegistry) -> None:
