@@ -4,7 +4,8 @@ Everything about the package is in ``pyproject.toml``; this file only adds one b
 setuptools copies the sources into the wheel's build folder, the allocator's hot modules there
 are compiled with mypyc (``scripts/compile_allocator.py``'s ``compile_core``) into extensions
 beside their ``.py`` files, which Python imports in their place; the wheel is then tagged for
-this interpreter and platform. ``pip install .`` therefore gives the compiled core (624k-779k
+this interpreter and platform (a build that compiled nothing is tagged ``py3-none-any``: the tag
+is decided after the compile, ``BdistWheelTagged``). ``pip install .`` therefore gives the compiled core (624k-779k
 events/s on real traces with verify, against 443k-542k pure: README "Performance").
 
 - ``OOMKIT_PURE_PYTHON=1`` builds a pure-Python wheel (no compiler needed).
@@ -24,6 +25,11 @@ from types import ModuleType
 
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools before 70.1: the wheel package's (a build requirement)
+    from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent
 COMPILER_SCRIPT = ROOT / "scripts" / "compile_allocator.py"
@@ -57,6 +63,7 @@ class BuildPyCompiled(build_py):
         compiler = _compiler()
         for stale in compiler.built(build_lib):  # an earlier build's, in a reused build folder
             stale.unlink()
+        _set_compiled(self.distribution, False)  # until the compile below succeeds
         if not _compiling():
             return
         try:
@@ -74,17 +81,44 @@ class BuildPyCompiled(build_py):
                 file=sys.stderr,
             )
             return
+        _set_compiled(self.distribution, bool(placed))
         for path in placed:
             print(f"oomkit: compiled {path.relative_to(build_lib)}")
 
 
+def _set_compiled(distribution: Distribution, compiled: bool) -> None:
+    if isinstance(distribution, CompiledDistribution):
+        distribution.compiled_core = compiled
+
+
 class CompiledDistribution(Distribution):
-    """Tells bdist_wheel that the wheel holds extensions (a cpXY-platform tag, not py3-none-any)
-    unless a pure-Python build was asked for."""
+    """Tells bdist_wheel whether the wheel holds extensions (a cpXY-platform tag, not
+    py3-none-any): once ``build_py`` ran, whether it compiled the core; before, whether it will
+    try (no ``OOMKIT_PURE_PYTHON``), which is what ``build`` picks its folder by."""
+
+    compiled_core: bool | None = None  # set by BuildPyCompiled.run
 
     def has_ext_modules(self) -> bool:
+        if self.compiled_core is not None:
+            return self.compiled_core
         return _compiling()
 
 
+class BdistWheelTagged(bdist_wheel):
+    """``bdist_wheel`` that compiles (``build_py``) before it decides the wheel's tag: setuptools
+    decides it from ``has_ext_modules`` when its options are finalized, before anything is
+    built, so a build whose compile failed and fell back was tagged for this interpreter and
+    platform although it held pure Python only."""
+
+    def run(self) -> None:
+        if not self.skip_build:
+            self.run_command("build_py")  # compiles, or falls back; `build` then skips it
+        self.root_is_pure = not self.distribution.has_ext_modules()
+        super().run()
+
+
 if __name__ == "__main__":  # setuptools' build backend runs this file as __main__
-    setup(cmdclass={"build_py": BuildPyCompiled}, distclass=CompiledDistribution)
+    setup(
+        cmdclass={"build_py": BuildPyCompiled, "bdist_wheel": BdistWheelTagged},
+        distclass=CompiledDistribution,
+    )

@@ -1,5 +1,5 @@
 """``python -m oomkit`` runs the CLI."""
 
-from oomkit.interfaces.cli import main
+from oomkit.interfaces.cli import console_main
 
-raise SystemExit(main())
+console_main()

@@ -55,6 +55,7 @@ def _run_build_py(setup, tmp_path, monkeypatch, compiler, *, editable=False):
     command.editable_mode = editable
     command.ensure_finalized()
     command.run()
+    _run_build_py.distribution = dist  # type: ignore[attr-defined]
     return build_lib
 
 
@@ -66,6 +67,7 @@ def test_the_build_compiles_the_copied_core(tmp_path, monkeypatch, capsys):
     assert compiler.compiled == [build_lib]
     assert "oomkit: compiled oomkit/core/allocator/block.cpython-test.so" in capsys.readouterr().out
     assert setup.CompiledDistribution().has_ext_modules() is True
+    assert _run_build_py.distribution.has_ext_modules() is True
 
 
 def test_a_failed_compile_falls_back_to_pure_python_and_says_so(tmp_path, monkeypatch, capsys):
@@ -77,6 +79,8 @@ def test_a_failed_compile_falls_back_to_pure_python_and_says_so(tmp_path, monkey
     assert "compiling the allocator core failed (mypyc exited with status 1)" in err
     assert "this build is pure Python" in err and "OOMKIT_PURE_PYTHON=1" in err
     assert list((build_lib / "oomkit" / "core" / "allocator").glob("*.so")) == []
+    # The wheel is then tagged as pure Python (BdistWheelTagged reads this after the build).
+    assert _run_build_py.distribution.has_ext_modules() is False
 
 
 def test_require_compiled_turns_the_fallback_into_an_error(tmp_path, monkeypatch):
@@ -107,9 +111,7 @@ def test_the_editable_install_is_never_compiled(tmp_path, monkeypatch):
     assert compiler.compiled == []
 
 
-def test_a_pure_wheel_is_tagged_for_any_platform_and_holds_no_extension(tmp_path):
-    """A real build (pip, this environment's setuptools) of a copy of the repository with
-    OOMKIT_PURE_PYTHON=1 and a stale extension in its build folder."""
+def _repository_copy(tmp_path: Path) -> Path:
     copy = tmp_path / "repo"
     copy.mkdir()
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
@@ -118,21 +120,51 @@ def test_a_pure_wheel_is_tagged_for_any_platform_and_holds_no_extension(tmp_path
     shutil.copytree(
         REPO / "src", copy / "src", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
     )
+    return copy
+
+
+def _wheel_of(copy: Path, out: Path, env: dict[str, str]) -> Path:
+    """Build a wheel of ``copy`` with pip and this environment's setuptools; its path."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(copy)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+def test_a_pure_wheel_is_tagged_for_any_platform_and_holds_no_extension(tmp_path):
+    """A real build (pip, this environment's setuptools) of a copy of the repository with
+    OOMKIT_PURE_PYTHON=1 and a stale extension in its build folder."""
+    copy = _repository_copy(tmp_path)
     stale = copy / "build" / "lib" / "oomkit" / "core" / "allocator" / "block.cpython-old.so"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"old")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "wheels"), str(copy)],
-        env={**_base_env(), "OOMKIT_PURE_PYTHON": "1"},
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    (wheel,) = (tmp_path / "wheels").glob("*.whl")
+    wheel = _wheel_of(copy, tmp_path / "wheels", {**_base_env(), "OOMKIT_PURE_PYTHON": "1"})
     assert wheel.name.endswith("-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "oomkit/core/allocator/caching_allocator.py" in names
     assert [n for n in names if n.endswith(".so")] == []
+
+
+def test_a_wheel_whose_compile_failed_is_tagged_as_pure_python(tmp_path):
+    """A real build where compiling fails (the copy's compiler script raises, as mypyc does
+    without a C compiler): the fallback wheel holds no extension and says so in its tag and its
+    WHEEL file, instead of claiming this interpreter and platform."""
+    copy = _repository_copy(tmp_path)
+    (copy / "scripts" / "compile_allocator.py").write_text(
+        "def built(root):\n    return []\n\n\n"
+        "def compile_core(source, dest):\n    raise RuntimeError('no C compiler here')\n"
+    )
+    wheel = _wheel_of(copy, tmp_path / "wheels", _base_env())
+    assert wheel.name.endswith("-py3-none-any.whl")
+    archive = zipfile.ZipFile(wheel)
+    assert [n for n in archive.namelist() if n.endswith(".so")] == []
+    (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/WHEEL")]
+    text = archive.read(metadata).decode()
+    assert "Root-Is-Purelib: true" in text and "Tag: py3-none-any" in text
 
 
 def _base_env() -> dict[str, str]:

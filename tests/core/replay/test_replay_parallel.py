@@ -184,6 +184,32 @@ def test_a_background_forked_call_runs_at_the_lowest_priority():
     assert os.nice(0) == mine
 
 
+def test_forked_processes_run_torch_kernels_after_the_caller_ran_parallel_ones():
+    """Once this process ran a CPU kernel on several threads, GNU OpenMP keeps a thread pool
+    that fork does not copy: a forked process's next parallel kernel waited forever for it
+    (`oomkit fit llama-1b` waited 83 s for its confirming traces, then traced them again).
+    Forked processes run torch's kernels on one thread, in a ForkedCall and in a pool."""
+    torch = pytest.importorskip("torch")
+    from oomkit.core.replay.parallel import ForkedCall, run_forked
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.ones(64, 128, 128)
+        x @ x  # a parallel region here: its pool of threads now exists in this process
+        call = ForkedCall(lambda: (torch.get_num_threads(), float((x @ x).sum())))
+        answer = call.result(timeout_s=60)
+        # A pool's workers too (asked for their thread count only: a worker that hung in a
+        # kernel would hang this test with no time limit).
+        pooled = run_forked([torch.get_num_threads] * 2, jobs=2)
+        assert torch.get_num_threads() == 2  # this process keeps its threads
+    finally:
+        torch.set_num_threads(before)
+    # Every entry of x @ x is 128 (a row of 128 ones times a column of 128 ones).
+    assert answer == (1, 64 * 128 * 128 * 128.0)
+    assert pooled == [1, 1]
+
+
 def _spin():
     while True:
         pass

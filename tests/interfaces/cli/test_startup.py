@@ -167,3 +167,45 @@ def test_explain_text_imports_only_the_text_diagnosis():
         "oomkit.interfaces.reports._untrusted",  # escapes the error text's markup
         "oomkit.interfaces.reports.diagnosis",
     ]
+
+
+# console_main: what the `oomkit` command and `python -m oomkit` run.
+
+
+def test_console_main_exits_with_mains_code_and_freezes_what_is_alive(monkeypatch):
+    """The exit code is main's; every object alive is frozen out of the collections Python's
+    shut-down runs (with torch imported they cost 0.5-0.8 s of a command's wall time)."""
+    import gc
+
+    import oomkit.interfaces.cli as cli
+
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.console_main()
+        assert exited.value.code == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_the_oomkit_command_runs_console_main_and_keeps_its_exit_code(tmp_path):
+    """`python -m oomkit` (as the installed script) exits with the command's code, its output
+    whole, and what atexit handlers do still happens after the freeze."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    marker = tmp_path / "atexit-ran"
+    code = (
+        "import atexit, pathlib, runpy, sys; "
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes'); "
+        "sys.argv = ['oomkit', 'gpus', '--json']; runpy.run_module('oomkit', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert any(gpu["name"] == "H100 SXM 80GB" for gpu in json.loads(done.stdout)["gpus"])
+    assert marker.read_text() == "yes"
+    bad = subprocess.run([sys.executable, "-m", "oomkit", "predict", "no-such-preset"],
+                         capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert bad.returncode == 2
+    assert "no-such-preset" in bad.stderr

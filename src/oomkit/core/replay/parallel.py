@@ -154,6 +154,7 @@ _WORKER_TASKS: list[Callable[[], Any]] = []
 
 def _init_worker(tasks: list[Callable[[], Any]]) -> None:
     _own_streams()
+    _one_kernel_thread()
     _WORKER_TASKS[:] = tasks
 
 
@@ -276,6 +277,7 @@ def _call_and_send(fn: Callable[[], Any], send: Any, background: bool = False) -
         if background:
             _lowest_priority()
         _own_streams()
+        _one_kernel_thread()
         try:
             message: tuple[str, Any] = ("ok", fn())
         except BaseException as exc:  # noqa: BLE001 - every failure goes back as text
@@ -303,6 +305,23 @@ def _lowest_priority() -> None:
         os.nice(19 - os.nice(0))
     except OSError:
         pass
+
+
+def _one_kernel_thread() -> None:
+    """In a forked process: torch's CPU kernels on one thread, where torch is loaded.
+
+    torch's CPU build runs parallel regions on GNU OpenMP (libgomp), which keeps the thread
+    pool a parent's first parallel region started; fork copies only the forking thread, so a
+    child's next parallel region waits forever for threads it does not have (seen: a real CPU
+    ``bmm`` of a Llama trace in the parent, then every process forked after it stuck in
+    ``gomp_team_barrier_wait_end``). With one thread a parallel region runs inline. torch's
+    DataLoader workers do the same (torch/utils/data/_utils/worker.py ``_worker_loop``:
+    ``torch.set_num_threads(1)``); a forked process here is one of a process per core anyway.
+    torch is never imported here: a process without it has no such pool.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _flush_before_fork() -> None:
