@@ -278,17 +278,53 @@ def _exit(batch):
     os._exit(3)
 
 
-@pytest.mark.parametrize("in_child", [_raise, _exit], ids=["raises", "dies"])
-def test_a_size_whose_process_fails_is_traced_here(tmp_path, in_child):
-    """A process ahead that raised or died is not believed: its size is traced here, and the
-    search is the one-at-a-time one."""
+def _stuck(batch):
+    """Wait forever using no CPU, as a process deadlocked on a lock it inherited held."""
+    import threading
+
+    threading.Event().wait()
+
+
+@pytest.mark.parametrize("in_child", [_raise, _exit, _stuck], ids=["raises", "dies", "stuck"])
+def test_a_size_whose_process_fails_is_traced_here(tmp_path, in_child, monkeypatch):
+    """A process ahead that raised, died or is stuck is not believed: its size is traced here,
+    and the search is the one-at-a-time one. A stuck one is given up on once it used no CPU
+    over a look (0.5 s here, 2 s in a search), not at the 60 s time limit."""
+    import time
+
+    monkeypatch.setattr(batch_prober, "_STUCK_LOOK_S", 0.5)
     kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
     serial = max_batch_size(_builder(tmp_path / "serial"), **kwargs)
     log = tmp_path / "parallel"
+    start = time.monotonic()
     parallel = max_batch_size(_builder(log, in_child=in_child), jobs=2, **kwargs)
+    assert time.monotonic() - start < 30
     assert _outcome(parallel) == _outcome(serial)
     built_here = [b for here, b in _builds(log) if here]
     assert built_here == [1, 2, 41, 42]  # every traced size, as one at a time
+
+
+def test_a_process_ahead_is_waited_for_while_it_computes_and_not_once_it_is_stuck():
+    """_awaited: a process using CPU is waited for past a look; one using none over a look is
+    stopped and gives None; one that outlives the wait is stopped at the deadline."""
+    import time
+
+    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.plan.batch_prober import _awaited
+
+    if ForkedCall(lambda: None).cpu_seconds() is None:
+        pytest.skip("no /proc here: the plain wait is the only one")
+    wait = dict(wait_s=60.0, look_s=0.5, min_cpu_share=0.02)
+    assert _awaited(ForkedCall(lambda: _spin_then("traced", 1.5)), **wait) == "traced"
+    stuck = ForkedCall(lambda: _stuck(0))
+    start = time.monotonic()
+    assert _awaited(stuck, **wait) is None
+    assert time.monotonic() - start < 10
+    stuck._process.join(10)
+    assert stuck._process.exitcode == -9  # stopped (SIGKILL)
+    start = time.monotonic()
+    assert _awaited(ForkedCall(lambda: _spin_then("late", 30)), **{**wait, "wait_s": 1.0}) is None
+    assert 0.9 < time.monotonic() - start < 10
 
 
 def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
 from oomkit.core.target import Target
@@ -32,6 +32,8 @@ from oomkit.prediction.predictor import Prediction, predict_recording
 
 __all__ = ["BatchProber"]
 
+T = TypeVar("T")
+
 # The least time a search waits for a size traced in the background before tracing it here:
 # its process runs at the lowest priority, so a machine whose cores are all busy may hardly
 # run it. The wait is as long as the longest trace made here, and at least this: waiting costs
@@ -42,6 +44,13 @@ _BACKGROUND_WAIT_MIN_S = 1.0
 # is traced here at once.
 _BACKGROUND_LOOK_S = 0.1
 _STARVED_CPU_SHARE = 0.5
+# A size traced ahead at normal priority is waited for up to 60 s and 10 traces' time, and given
+# up on at once when its process is stuck: over this long it used less than this share of a core
+# (a deadlocked process uses none; one of normal priority gets a fair share however busy the
+# machine is). A size forked after torch's OpenMP threads had started once waited out the whole
+# time limit (core/replay/parallel.py _one_kernel_thread); a stuck process now costs this long.
+_STUCK_LOOK_S = 2.0
+_STUCK_CPU_SHARE = 0.02
 
 
 class BatchProber:
@@ -57,8 +66,9 @@ class BatchProber:
     trace next in forked processes (``core/replay/parallel.py ForkedCall``), up to ``jobs - 1``
     at once, while this process traces its own; a probe takes up the recording made ahead for
     its size, learned from and replayed here in the search's order, so every decision is the
-    one-at-a-time one. A process that fails (the step raised, it died, it gave no answer in
-    time) is not believed: the size is traced here, so an error is raised as one at a time.
+    one-at-a-time one. A process that fails (the step raised, it died, it is stuck: no CPU used
+    over ``_STUCK_LOOK_S``, or it gave no answer in time) is not believed: the size is traced
+    here, so an error is raised as one at a time.
     The first size synthesized is traced ahead too, in the background (``_speculate``): a
     search after a difference traces it first.
     """
@@ -313,12 +323,14 @@ class BatchProber:
         if ahead is not None and ahead.background:
             recorded = _background_result(ahead, self._trace_wall_s)
         elif ahead is not None:
-            try:
-                # Traced ahead: wait for it (a process that hangs is given up on, and the size
-                # traced here: a trace there may take a cold start's time, never this long).
-                recorded = ahead.result(timeout_s=60 + 10 * self._trace_wall_s)
-            except ForkedCallFailed:
-                recorded = None
+            # Traced ahead: wait for it (a process that hangs is given up on, and the size
+            # traced here: a trace there may take a cold start's time, never this long).
+            recorded = _awaited(
+                ahead,
+                wait_s=60 + 10 * self._trace_wall_s,
+                look_s=_STUCK_LOOK_S,
+                min_cpu_share=_STUCK_CPU_SHARE,
+            )
         if recorded is None:
             start = time.perf_counter()
             recorded = record_step(
@@ -338,23 +350,40 @@ def _background_result(call: ForkedCall[tuple[Any, str]], trace_wall_s: float) -
 
     Waited for while it computes, as long as a trace here takes (``trace_wall_s``, at least
     ``_BACKGROUND_WAIT_MIN_S``), and given up on at once when, over a look of
-    ``_BACKGROUND_LOOK_S``, it used less than half that time in CPU (``_STARVED_CPU_SHARE``;
-    ``ForkedCall.cpu_seconds``): other work holds the cores, and a nice-19 process would take
-    far longer than a trace here. Where its CPU time cannot be read (not Linux), the plain wait.
+    ``_BACKGROUND_LOOK_S``, it used less than half that time in CPU (``_STARVED_CPU_SHARE``):
+    other work holds the cores, and a nice-19 process would take far longer than a trace here.
     """
-    deadline = time.perf_counter() + max(_BACKGROUND_WAIT_MIN_S, trace_wall_s)
+    return _awaited(
+        call,
+        wait_s=max(_BACKGROUND_WAIT_MIN_S, trace_wall_s),
+        look_s=_BACKGROUND_LOOK_S,
+        min_cpu_share=_STARVED_CPU_SHARE,
+    )
+
+
+def _awaited(call: ForkedCall[T], *, wait_s: float, look_s: float, min_cpu_share: float) -> T | None:
+    """What ``call`` gave, or ``None`` (the caller does the work itself): waited for at most
+    ``wait_s`` seconds, and given up on at once when, over a look of ``look_s`` seconds, its
+    process used less than ``min_cpu_share`` of that time in CPU (``ForkedCall.cpu_seconds``;
+    where that cannot be read, not Linux, the plain wait). A process given up on is stopped;
+    one that raised or died gives ``None`` too, so the work is redone here and raises here."""
+    deadline = time.perf_counter() + wait_s
     cpu, at = call.cpu_seconds(), time.perf_counter()
-    while not call.done(_BACKGROUND_LOOK_S):
+    while not call.done(min(look_s, _BACKGROUND_LOOK_S)):
         now = time.perf_counter()
+        if now >= deadline:
+            call.cancel(wait=False)
+            return None
+        if now - at < look_s:
+            continue
         used = call.cpu_seconds()
-        starved = cpu is not None and used is not None and used - cpu < _STARVED_CPU_SHARE * (now - at)
-        if starved or now >= deadline:
+        if cpu is not None and used is not None and used - cpu < min_cpu_share * (now - at):
             call.cancel(wait=False)
             return None
         cpu, at = used, now
     try:
         return call.result()
-    except ForkedCallFailed:  # it raised or died: traced here, to raise as one at a time
+    except ForkedCallFailed:
         return None
 
 
