@@ -86,7 +86,9 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
-def _columns() -> tuple[Any, ...]:
+def _columns(amount: Any = None) -> tuple[Any, ...]:
+    """A bar's columns: spinner, description (shown as written: a file name's brackets are not
+    rich markup), bar, ``amount`` (default: done/total), time elapsed."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -97,9 +99,9 @@ def _columns() -> tuple[Any, ...]:
 
     return (
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
-        MofNCompleteColumn(),
+        MofNCompleteColumn() if amount is None else amount,
         TimeElapsedColumn(),
     )
 
@@ -289,16 +291,9 @@ def snapshot_progress(enabled: bool, name: str) -> Iterator[SnapshotProgress]:
     if not enabled:
         yield SnapshotProgress(name, None)
         return
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress
 
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}", markup=False),
-        BarColumn(),
-        _amount_column(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=stderr_console(), transient=True) as bar:
+    with Progress(*_columns(_amount_column()), console=stderr_console(), transient=True) as bar:
         tasks = [bar.add_task(_shortened(name, _NAME_CHARS), total=None, in_bytes=False)]
 
         def update(text: str, done: int, total: int | None, in_bytes: bool) -> None:

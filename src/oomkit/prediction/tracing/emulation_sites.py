@@ -32,6 +32,12 @@ __all__ = [
 EMBEDDING_BACKWARD_SITE = "embedding_dense_backward"
 # Embedding.cu embedding_dense_backward_cuda: the direct (unsorted) kernel's limit.
 EMBEDDING_SMALL_PATH_MAX_INDICES = 3072
+# The `emulated` tags of the sort path's temporaries (one place: the plan's names are these).
+_SORTED_INDICES, _ORIG_INDICES, _COUNT = (
+    "embedding_sorted_indices",
+    "embedding_orig_indices",
+    "embedding_count",
+)
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,9 @@ def embedding_backward_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, 
     if num_indices <= EMBEDDING_SMALL_PATH_MAX_INDICES and not scale_grad_by_freq:
         return ()
     nbytes = num_indices * index_bytes
-    out = [("embedding_sorted_indices", nbytes), ("embedding_orig_indices", nbytes)]
+    out = [(_SORTED_INDICES, nbytes), (_ORIG_INDICES, nbytes)]
     if scale_grad_by_freq:
-        out.append(("embedding_count", nbytes))
+        out.append((_COUNT, nbytes))
     return tuple(out)
 
 
@@ -91,7 +97,7 @@ SITE_PLANS: Mapping[str, SitePlan] = {
     EMBEDDING_BACKWARD_SITE: SitePlan(
         op="aten.embedding_dense_backward.default",
         category="temporary",
-        names=frozenset({"embedding_sorted_indices", "embedding_orig_indices", "embedding_count"}),
+        names=frozenset({_SORTED_INDICES, _ORIG_INDICES, _COUNT}),
         temporaries=embedding_backward_temporaries,
     ),
 }
