@@ -89,8 +89,12 @@ def test_the_first_failing_setting_raises_as_one_at_a_time():
             replay_settings(replay, configs, jobs=jobs)
 
 
-def test_worker_count_rules():
-    """One process for one setting or jobs=1; never more than the settings; bad jobs refused."""
+def test_worker_count_rules(monkeypatch):
+    """One process for one setting or jobs=1; never more than the settings, nor than memory
+    holds; bad jobs refused."""
+    import oomkit.core.replay.parallel as parallel
+
+    monkeypatch.setattr(parallel, "memory_worker_cap", lambda: None)  # figures not readable
     assert worker_count(1, 10) == 1
     assert worker_count(4, 1) == 1
     assert worker_count(8, 3) == 3
@@ -99,6 +103,38 @@ def test_worker_count_rules():
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(AllocatorUsageError, match="jobs must be a positive int"):
             worker_count(bad, 4)  # type: ignore[arg-type]
+    monkeypatch.setattr(parallel, "memory_worker_cap", lambda: 3)
+    assert worker_count(8, 10) == 3
+    assert worker_count(2, 10) == 2
+    assert worker_count(8, 1) == 1
+
+
+def test_memory_worker_cap_is_available_memory_over_this_process(monkeypatch):
+    """MemAvailable over VmRSS, at least 1; None where either figure is missing."""
+    import oomkit.core.replay.parallel as parallel
+
+    figures = {"/proc/meminfo": 10 * 2**20, "/proc/self/status": 4 * 2**20}  # kiB: 10 and 4 GiB
+    monkeypatch.setattr(parallel, "_proc_kib", lambda path, key: figures[path])
+    assert parallel.memory_worker_cap() == 2
+    figures["/proc/meminfo"] = 2**20  # 1 GiB available: still one process, this one
+    assert parallel.memory_worker_cap() == 1
+    figures["/proc/self/status"] = None  # type: ignore[assignment]
+    assert parallel.memory_worker_cap() is None
+
+
+def test_memory_worker_cap_reads_linux_figures(tmp_path):
+    """The real figures, where Linux gives them; a file without the key reads as None."""
+    import oomkit.core.replay.parallel as parallel
+
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc here")
+    cap = parallel.memory_worker_cap()
+    assert isinstance(cap, int) and cap >= 1
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmRSS:\t  123456 kB\n")
+    assert parallel._proc_kib(str(status), "VmRSS:") == 123456
+    assert parallel._proc_kib(str(status), "VmHWM:") is None
+    assert parallel._proc_kib(str(tmp_path / "missing"), "VmRSS:") is None
 
 
 def _tiny_snapshot():

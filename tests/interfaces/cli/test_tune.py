@@ -294,3 +294,23 @@ def test_tune_bad_jobs_is_a_usage_error(tmp_path, capsys, jobs):
         main(["tune", str(_trace(tmp_path)), "--jobs", jobs])
     assert exc.value.code == 2
     assert "positive number of processes" in capsys.readouterr().err
+
+
+def test_tune_replays_no_more_settings_at_once_than_memory_holds(tmp_path, capsys, monkeypatch):
+    """With memory for one process like this one, `--jobs 4` replays one setting at a time,
+    says so on stderr, and prints what `--jobs 1` prints."""
+    import oomkit.core.replay.parallel as parallel
+
+    path = _snapshot(tmp_path, "s.pickle")
+    assert main(["tune", str(path), "--capacity", "1GiB", "--json", "--jobs", "1"]) == 0
+    serial = capsys.readouterr()
+    assert "setting(s) at once" not in serial.err
+    monkeypatch.setattr(parallel, "memory_worker_cap", lambda: 1)
+    pools = []
+    real_pool = parallel._run_in_pool
+    monkeypatch.setattr(parallel, "_run_in_pool", lambda *a: pools.append(a[1]) or real_pool(*a))
+    assert main(["tune", str(path), "--capacity", "1GiB", "--json", "--jobs", "4"]) == 0
+    capped = capsys.readouterr()
+    assert json.loads(capped.out) == json.loads(serial.out)
+    assert pools == []  # one at a time, in this process
+    assert "replaying 1 setting(s) at once, not 4: a process may come to hold as much memory" in capped.err

@@ -27,6 +27,7 @@ __all__ = [
     "StepProgress",
     "step_progress",
     "tracing_jobs",
+    "note_memory_cap",
 ]
 
 
@@ -44,6 +45,22 @@ def add_jobs_flag(
         help=f"{verb} N {what} at once, one process each (default: "
         f"{default or 'one per CPU core'}; 1: one at a time). The results are the same either way.",
     )
+
+
+def note_memory_cap(jobs: int | None, settings: int) -> None:
+    """Say on stderr when the memory available holds fewer processes than would replay
+    ``settings`` settings at once for ``jobs`` (``core/replay/parallel.py memory_worker_cap``:
+    that many then replay at once, with the same results)."""
+    from oomkit.core.replay.parallel import memory_worker_cap, process_count
+
+    wanted = min(process_count(jobs), settings)
+    cap = memory_worker_cap()
+    if cap is not None and cap < wanted:
+        print(
+            f"oomkit: replaying {cap} setting(s) at once, not {wanted}: a process may come to "
+            f"hold as much memory as this one, and the memory available holds {cap}",
+            file=sys.stderr,
+        )
 
 
 def tracing_jobs(args: argparse.Namespace) -> int | None:

@@ -19,6 +19,7 @@ from oomkit.interfaces.cli._common import (
 )
 from oomkit.interfaces.cli._progress import (
     add_jobs_flag,
+    note_memory_cap,
     progress_bar,
     progress_enabled,
     snapshot_progress,
@@ -148,6 +149,7 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             torch_version=args.torch_version,
         )
 
+    note_memory_cap(args.jobs, len(configs))
     with progress_bar(progress_enabled(args, sys.stderr), "replaying settings") as update:
         results = replay_settings(replay, configs, jobs=args.jobs, progress=update)
     rows = list(zip(texts, results, strict=True))

@@ -17,6 +17,7 @@ from oomkit.interfaces.cli._common import (
 )
 from oomkit.interfaces.cli._progress import (
     add_jobs_flag,
+    note_memory_cap,
     progress_bar,
     progress_enabled,
     snapshot_progress,
@@ -60,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.plan import tune
+    from oomkit.plan.tuning import DEFAULT_GRID
 
     path = Path(args.source)
     if not path.is_file():
@@ -70,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     capacity = capacity_bytes(args.gpu)
     show = progress_enabled(args, sys.stderr)
     source, device, torch_version, recorded = _open_source(path, args.device, show)
+    # The snapshot is loaded: this process is as large as it gets before the settings replay.
+    note_memory_cap(args.jobs, len(DEFAULT_GRID))
     with progress_bar(show, "replaying settings") as update:
         result = tune(
             source,
