@@ -345,3 +345,90 @@ def test_run_forked_or_here_does_every_task_here_when_one_fails_in_a_worker():
     assert ran_here == [0, 1, 2, 3]
     with pytest.raises(KeyError, match="here too"):
         run_forked_or_here([lambda n=n: task(n, always=True) for n in range(4)], jobs=2)
+
+
+def _pool_with_a_stuck_task():
+    """run_forked over 3 tasks of which the second waits forever in a worker (no CPU: a lock
+    held at the fork); (results, tasks run here, progress calls, children left)."""
+    import multiprocessing
+    import threading
+
+    import oomkit.core.replay.parallel as parallel
+
+    here = os.getpid()
+    ran_here = []
+
+    def task(n):
+        if os.getpid() == here:
+            ran_here.append(n)
+        elif n == 1:
+            threading.Event().wait()
+        return n * 10
+
+    calls = []
+    results = parallel.run_forked([lambda n=n: task(n) for n in range(3)], jobs=2,
+                                  progress=lambda done, total: calls.append((done, total)))
+    return results, ran_here, calls, len(multiprocessing.active_children())
+
+
+def _in_a_process_of_its_own(fn, timeout_s):
+    """``fn()`` in a forked process that may start processes of its own (a ForkedCall's is a
+    daemon: it may not); failed after ``timeout_s`` seconds without an answer."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=lambda: send.send(fn()), daemon=False)
+    process.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            # Its own processes too: left behind, they would hold the test run's output open.
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+            for pid in children.read_text().split() if children.exists() else ():
+                os.kill(int(pid), 9)
+            pytest.fail(f"no answer within {timeout_s} s")
+        return receive.recv()
+    finally:
+        process.kill()
+        process.join()
+
+
+def test_a_stuck_pool_is_stopped_and_every_task_runs_here(monkeypatch):
+    """Once the pool used no CPU for a look (0.5 s here), its processes are stopped and every
+    task runs here, in order, with the one-at-a-time results; progress starts over. (Run in a
+    forked process of its own with a time limit: without the check it would wait forever.)"""
+    import time
+
+    import oomkit.core.replay.parallel as parallel
+
+    if parallel._cpu_seconds(os.getpid()) is None:
+        pytest.skip("no /proc here: a pool is waited for as it is")
+    monkeypatch.setattr(parallel, "_POOL_LOOK_S", 0.5)
+    start = time.monotonic()
+    results, ran_here, calls, left = _in_a_process_of_its_own(_pool_with_a_stuck_task, 60)
+    assert time.monotonic() - start < 30
+    assert results == [0, 10, 20]
+    assert ran_here == [0, 1, 2]
+    assert calls[-4:] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert left == 0  # the pool's processes were stopped
+
+
+def test_a_pool_computing_longer_than_a_look_is_not_stuck(monkeypatch):
+    """Tasks that compute for longer than a look finish in the pool, not here."""
+    import oomkit.core.replay.parallel as parallel
+
+    if parallel._cpu_seconds(os.getpid()) is None:
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(parallel, "_POOL_LOOK_S", 0.3)
+    parent = os.getpid()
+
+    def spin(n):
+        import time
+
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            pass
+        return (n, os.getpid() != parent)
+
+    assert parallel.run_forked([lambda n=n: spin(n) for n in range(2)], jobs=2) == [(0, True), (1, True)]

@@ -14,8 +14,9 @@ import io
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from functools import partial
 from typing import Any, Generic, TypeVar
 
@@ -144,6 +145,11 @@ def run_forked(
     Returns:
         One result per task, in ``tasks`` order: the results of the one-at-a-time loop.
 
+    A pool whose processes are stuck (together they used under 2% of a core for
+    ``_POOL_LOOK_S`` while a task was unfinished: a process that waits forever, on a lock a
+    library held when it was forked, uses none) is stopped, and every task is run here instead,
+    one at a time: never a wait with no end that one at a time would not have had.
+
     Raises:
         AllocatorUsageError: ``jobs`` is not a positive int or None.
         Exception: the first failing task's error (in ``tasks`` order), as one at a time.
@@ -153,7 +159,11 @@ def run_forked(
     if progress is not None:
         progress(0, total)
     if workers > 1:
-        return _run_in_pool(list(tasks), workers, progress)
+        try:
+            return _run_in_pool(list(tasks), workers, progress)
+        except _PoolStuck:  # every task again, one at a time here: as one at a time would
+            if progress is not None:
+                progress(0, total)
     results = []
     for done, task in enumerate(tasks, start=1):
         results.append(task())
@@ -196,17 +206,86 @@ def _run_one(index: int) -> Any:
     return _WORKER_TASKS[index]()
 
 
+# A pool whose processes together used less than this share of a core over this long, with a
+# task unfinished, is stuck (run_forked). A task is a replay or a trace: CPU all along.
+_POOL_LOOK_S = 5.0
+_STUCK_CPU_SHARE = 0.02
+
+
+class _PoolStuck(Exception):
+    """The pool's processes stopped using CPU with tasks unfinished (they were stopped)."""
+
+
 def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress | None) -> list[T]:
-    """Every task run in a pool of forked processes; results in ``tasks`` order."""
+    """Every task run in a pool of forked processes; results in ``tasks`` order.
+
+    Raises:
+        _PoolStuck: the pool's processes stopped using CPU with tasks unfinished.
+        Exception: the first failing task's error (in ``tasks`` order).
+    """
     context = multiprocessing.get_context("fork")
     _flush_before_fork()
-    with ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(tasks,)) as pool:
+    before = {child.pid for child in multiprocessing.active_children()}
+    pool = ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(tasks,))
+    try:
         futures = [pool.submit(_run_one, index) for index in range(len(tasks))]
-        if progress is not None:
-            for done, _ in enumerate(as_completed(futures), start=1):
-                progress(done, len(tasks))
+        _wait_unless_stuck(futures, progress, before)
         # In order, so the first failing task's error is raised, as one at a time.
         return [future.result() for future in futures]
+    except _PoolStuck:
+        for child in multiprocessing.active_children():
+            if child.pid not in before:
+                child.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _wait_unless_stuck(futures: list[Future[Any]], progress: Progress | None, others: set[int | None]) -> None:
+    """Wait for every future, calling ``progress`` as each finishes; raise ``_PoolStuck`` when
+    the processes started since ``others`` (the pool's) use no CPU over ``_POOL_LOOK_S``."""
+    pending = set(futures)
+    done = 0
+    cpu, at = _pool_cpu_seconds(others), time.monotonic()
+    while pending:
+        finished, pending = wait(pending, timeout=_POOL_LOOK_S, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        if finished:
+            for _ in finished:
+                done += 1
+                if progress is not None:
+                    progress(done, len(futures))
+            cpu, at = _pool_cpu_seconds(others), now
+            continue
+        used = _pool_cpu_seconds(others)
+        if cpu is not None and used is not None and used - cpu < _STUCK_CPU_SHARE * (now - at):
+            raise _PoolStuck(f"no CPU used for {now - at:.1f} s with {len(pending)} task(s) unfinished")
+        cpu, at = used, now
+
+
+def _pool_cpu_seconds(others: set[int | None]) -> float | None:
+    """CPU seconds used so far by this process's children not in ``others``; None where one
+    cannot be read (not Linux) or there are none yet."""
+    pids = [child.pid for child in multiprocessing.active_children() if child.pid not in others]
+    seconds = [_cpu_seconds(pid) for pid in pids if pid is not None]
+    if not seconds or any(value is None for value in seconds):
+        return None
+    return sum(value for value in seconds if value is not None)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used so far (user and system), read from Linux's
+    ``/proc/PID/stat`` (fields 14 and 15, utime and stime, in clock ticks: proc(5));
+    ``None`` where that cannot be read (another OS, the process already gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read().decode("ascii", "replace")
+        # The command name (field 2) is in parentheses and may hold spaces: split after it.
+        fields = text[text.rindex(")") + 2 :].split()
+        ticks = int(fields[11]) + int(fields[12])  # fields 14 and 15 of the whole line
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ForkedCallFailed(Exception):
@@ -274,19 +353,10 @@ class ForkedCall(Generic[T]):
         return self._receive.closed or self._receive.poll(wait_s)
 
     def cpu_seconds(self) -> float | None:
-        """CPU seconds the process has used so far (user and system), read from Linux's
-        ``/proc/PID/stat`` (fields 14 and 15, utime and stime, in clock ticks: proc(5));
+        """CPU seconds the process has used so far (user and system, ``_cpu_seconds``);
         ``None`` where that cannot be read (another OS, the process already gone)."""
         pid = self._process.pid
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                text = stat.read().decode("ascii", "replace")
-            # The command name (field 2) is in parentheses and may hold spaces: split after it.
-            fields = text[text.rindex(")") + 2 :].split()
-            ticks = int(fields[11]) + int(fields[12])  # fields 14 and 15 of the whole line
-            return ticks / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            return None
+        return None if pid is None else _cpu_seconds(pid)
 
     def cancel(self, *, wait: bool = True) -> None:
         """Stop the process, whatever it is doing; its result is never read.
