@@ -69,7 +69,26 @@ class EmptyRecordingError(OomkitError, ValueError):
 
 
 class NoFeasibleBatchSizeError(OomkitError, ValueError):
-    """Not even the smallest batch size fits."""
+    """Not even the smallest batch size fits.
+
+    Attributes (``None`` where the search did not get that far, or measured on a real GPU):
+        needed_reserved_bytes: what the smallest batch tried needs reserved at its worst step.
+        usable_bytes: what the GPU lets the allocator reserve (its memory less the context).
+        margin_bytes: what of that had to stay free.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed_reserved_bytes: int | None = None,
+        usable_bytes: int | None = None,
+        margin_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.needed_reserved_bytes = needed_reserved_bytes
+        self.usable_bytes = usable_bytes
+        self.margin_bytes = margin_bytes
 
 
 class UnknownDeviceError(OomkitError, ValueError):

@@ -253,8 +253,12 @@ def test_max_batch_stops_the_search_with_a_warning():
 
 def test_batch_one_not_fitting_raises_with_advice():
     """Not even batch 1 fits in 9 MiB: NoFeasibleBatchSizeError says what to try."""
-    with pytest.raises(NoFeasibleBatchSizeError, match=r"not even batch 1 fits.*--checkpointing"):
+    with pytest.raises(NoFeasibleBatchSizeError, match=r"not even batch 1 fits.*--checkpointing") as raised:
         max_batch_size(_linear(), gpu=_gpu(9 * MiB), margin_bytes=0)
+    # The figures of the message, as numbers: batch 1 reserves more than the 9 MiB usable.
+    error = raised.value
+    assert (error.usable_bytes, error.margin_bytes) == (9 * MiB, 0)
+    assert error.needed_reserved_bytes is not None and error.needed_reserved_bytes > 9 * MiB
 
 
 def test_margin_not_below_usable_raises_before_tracing():

@@ -63,8 +63,26 @@ def test_margin_counts_the_cache_the_run_keeps():
 
 def test_nothing_fits_raises():
     """A 20 MiB device: batch 1's third step asks 40 MiB: NoFeasibleBatchSizeError."""
-    with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1"):
+    with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1") as raised:
         max_batch_for_run(synthetic, [12, 14, 40], _target(20), margin_bytes=0)
+    # The replay stops at the OOM: the message says where, not a peak that is not the need.
+    error = raised.value
+    assert "its step 3 runs out of memory (16.00 MiB reserved before it did), and of the " \
+        "20.00 MiB usable" in str(error)
+    assert "--checkpointing" in str(error)
+    assert (error.needed_reserved_bytes, error.usable_bytes, error.margin_bytes) == (None, 20 * MiB, 0)
+
+
+def test_a_run_that_fits_only_without_the_margin_says_what_its_worst_step_needs():
+    """No OOM at batch 1, but its worst step (16 MiB) leaves less than the 10 MiB margin of 20."""
+    with pytest.raises(NoFeasibleBatchSizeError) as raised:
+        max_batch_for_run(synthetic, [12, 14], _target(20), margin_bytes=10 * MiB)
+    error = raised.value
+    assert "its worst step needs 16.00 MiB reserved, and of the 20.00 MiB usable a margin of " \
+        "10.00 MiB must stay free" in str(error)
+    assert (error.needed_reserved_bytes, error.usable_bytes, error.margin_bytes) == (
+        16 * MiB, 20 * MiB, 10 * MiB
+    )
 
 
 def _counted(calls, extra_above=None):

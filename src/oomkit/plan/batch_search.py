@@ -320,7 +320,9 @@ def max_batch_size(
         raise NoFeasibleBatchSizeError(
             f"nothing fits on {spec.name}: the margin of {format_bytes(margin)} is not below the "
             f"{format_bytes(usable)} usable. Give a smaller margin (margin_bytes, --margin) or a "
-            "GPU with more memory."
+            "GPU with more memory.",
+            usable_bytes=usable,
+            margin_bytes=margin,
         )
     prober = BatchProber(
         build_step,
@@ -351,7 +353,13 @@ def max_batch_size(
             prober.stop_ahead()
     prober.close()
     if lo == 0:
-        raise NoFeasibleBatchSizeError(_infeasible_message(prober.probes[1], spec, margin))
+        first = prober.probes[1]
+        raise NoFeasibleBatchSizeError(
+            _infeasible_message(first, spec, margin),
+            needed_reserved_bytes=first.peak_reserved_bytes,
+            usable_bytes=spec.usable_bytes(),
+            margin_bytes=margin,
+        )
     return _result(prober, lo, hi, target, margin, margin_bytes is None, steps, max_batch)
 
 

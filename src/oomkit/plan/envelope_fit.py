@@ -32,6 +32,7 @@ from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpol
 from oomkit.prediction.envelope import Envelope, predict_envelope
 from oomkit.prediction.lengths import run_order
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.units import format_bytes
 
 __all__ = ["EnvelopeFit", "EnvelopeProbe", "max_batch_for_run"]
 
@@ -64,6 +65,26 @@ class EnvelopeFit:
     margin_bytes: int
     traces: int = 0
     synthesized: int = 0
+
+
+def _infeasible(probe: EnvelopeProbe, target: Target, margin: int) -> NoFeasibleBatchSizeError:
+    """Not even ``probe``'s batch (1) runs the whole run: what it needs, or where it runs out."""
+    worst = format_bytes(probe.worst_peak_reserved_bytes)
+    if probe.first_oom_step is not None:
+        # The replay stops at the OOM: what it reserved by then is not what the step needs.
+        what = f"its step {probe.first_oom_step} runs out of memory ({worst} reserved before it did)"
+    else:
+        what = f"its worst step needs {worst} reserved"
+    return NoFeasibleBatchSizeError(
+        f"not even batch 1 runs the whole run on {target.gpu.name}: {what}, and of the "
+        f"{format_bytes(target.usable_bytes)} usable a margin of {format_bytes(margin)} must stay "
+        "free. Try a GPU with more memory, mixed precision (--precision bf16-mixed), activation "
+        "checkpointing (--checkpointing), shorter sequences (truncate the longest the run will "
+        "see), or a smaller margin (--margin).",
+        needed_reserved_bytes=None if probe.first_oom_step is not None else probe.worst_peak_reserved_bytes,
+        usable_bytes=target.usable_bytes,
+        margin_bytes=margin,
+    )
 
 
 class _Recordings:
@@ -243,11 +264,7 @@ def max_batch_for_run(
             order.clear()
             low, high = _search(fits, start_batch, max_batch)
     if low == 0:
-        worst = probes[order[-1]].worst_peak_reserved_bytes
-        raise NoFeasibleBatchSizeError(
-            f"not even batch 1 runs the whole run on {target.gpu.name}: its worst step needs "
-            f"{worst} B reserved of {target.usable_bytes} B usable"
-        )
+        raise _infeasible(probes[order[-1]], target, margin)
     return EnvelopeFit(
         low,
         envelopes[low],

@@ -97,6 +97,13 @@ def test_batch_one_not_fitting_exits_1(user_file, capsys):
     assert code == 1
     assert "not even batch 1 fits on custom 100.00 MiB: train step 1 needs 20.00 MiB" in captured
     assert "a margin of 85.00 MiB must stay free" in captured
+    # --json: the same figures as numbers, for scripts.
+    assert main(["fit", f"{user_file}:build", *SMALL, "--margin", "85MiB", "--json"]) == 1
+    out = _json(capsys)
+    assert out["batch_size"] is None and out["error"].startswith("not even batch 1 fits")
+    assert (out["needed_reserved_bytes"], out["usable_bytes"], out["margin_bytes"]) == (
+        20 * MiB, 100 * MiB, 85 * MiB
+    )
 
 
 def test_default_margin_above_usable_json(user_file, capsys):
@@ -105,6 +112,8 @@ def test_default_margin_above_usable_json(user_file, capsys):
     out = _json(capsys)
     assert out["batch_size"] is None
     assert out["error"].startswith("nothing fits on custom 100.00 MiB: the margin of 256.00 MiB")
+    assert (out["usable_bytes"], out["margin_bytes"]) == (100 * MiB, 256 * MiB)
+    assert "needed_reserved_bytes" not in out  # nothing was traced
 
 
 def test_eval_step_limits(user_file, capsys):

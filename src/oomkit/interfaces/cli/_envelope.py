@@ -233,7 +233,9 @@ def run_fit_envelope(args: argparse.Namespace, target: object, jobs: int | None 
             )
     except NoFeasibleBatchSizeError as exc:
         if args.json:
-            print_json({"batch_size": None, "gpu": target.gpu.name, "error": str(exc)})
+            from oomkit.interfaces.reports.batch_search import infeasible_to_json
+
+            print_json(infeasible_to_json(exc, target.gpu.name))
         else:
             stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
         return 1

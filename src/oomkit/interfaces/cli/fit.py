@@ -379,7 +379,11 @@ def _run_gpu_counts(args: argparse.Namespace, target: Target, builders: _Builder
 def _run_search(
     args: argparse.Namespace, target: Target, train: Any, eval_step: Any
 ) -> int:
-    from oomkit.interfaces.reports.batch_search import batch_search_to_json, render_batch_search
+    from oomkit.interfaces.reports.batch_search import (
+        batch_search_to_json,
+        infeasible_to_json,
+        render_batch_search,
+    )
     from oomkit.plan.batch_search import max_batch_size
 
     gpu = target.gpu
@@ -404,7 +408,7 @@ def _run_search(
             )
     except NoFeasibleBatchSizeError as exc:
         if args.json:
-            print_json({"batch_size": None, "gpu": gpu.name, "error": str(exc)})
+            print_json(infeasible_to_json(exc, gpu.name))
         else:
             stderr_console().print(f"[bold red]{exc}[/]", soft_wrap=True)
         return 1

@@ -10,17 +10,30 @@ import dataclasses
 from rich.console import Console
 from rich.table import Table
 
+from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_search import BatchProbe, BatchSearchResult, SmallestGpuResult
 from oomkit.units import format_bytes
 
 __all__ = [
     "batch_search_to_json",
     "batch_search_verdict",
+    "infeasible_to_json",
     "render_batch_search",
     "render_smallest_gpu",
     "smallest_gpu_to_json",
     "smallest_gpu_verdict",
 ]
+
+
+def infeasible_to_json(error: NoFeasibleBatchSizeError, gpu_name: str) -> dict[str, object]:
+    """`fit --json` when not even the smallest batch fits: ``batch_size`` null, the message,
+    and the figures it gives (what that batch needs reserved, what is usable, the margin)."""
+    out: dict[str, object] = {"batch_size": None, "gpu": gpu_name, "error": str(error)}
+    for name in ("needed_reserved_bytes", "usable_bytes", "margin_bytes"):
+        value = getattr(error, name, None)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _margin_text(margin_bytes: int, is_default: bool) -> str:
