@@ -30,6 +30,9 @@ traced one with its structure), summed over the probes after the first; ``traces
 recordings traced and synthesized. The search's answer, and every probe's peaks, are checked to be
 the same in every setting.
 
+This times the search inside one warm process; ``fit_cli_speed.py`` times the command a user
+runs, start-up and shut-down included, with its first probe and a `predict` of one size.
+
 Prints a line per setting with the ratio "search / first probe", then, last, one JSON line:
 {"settings": {"interpolated": {"probes": [...], "traces": ..., "synthesized": ...,
  "first_probe_cpu_s": ..., "search_cpu_s": ..., "search_over_first_probe": ..., "later_probes_cpu_s": {"build": ..., "model": ..., ...},
