@@ -223,3 +223,31 @@ def test_classic_message_without_its_closing_parenthesis():
         "PyTorch"
     )
     assert parsed.reserved_bytes == round(1.51 * GiB)
+
+
+def test_a_message_cut_after_its_first_sentences_says_so_with_its_figures():
+    """A paste of a native message's first line: the error says what it holds and what is
+    missing, instead of "no message found"; a request above the device's total says so."""
+    head = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 23.65 GiB of which 1.13 GiB is free."
+    )
+    with pytest.raises(OomTextError) as raised:
+        parse_oom_text(f"Traceback (most recent call last):\n  ...\n{head}\n")
+    message = str(raised.value)
+    assert message.startswith(
+        "the out-of-memory message is cut short: it says a request of 2.00 GiB failed on GPU 0 "
+        "with 1.13 GiB free of 23.65 GiB, but not how much of the device PyTorch had allocated"
+    )
+    assert "up to '... is reserved by PyTorch but unallocated.'" in message
+    with pytest.raises(OomTextError, match=r"cut short: it says a request of 512.00 MiB failed, but"):
+        parse_oom_text("RuntimeError: CUDA out of memory. Tried to allocate 512.00 MiB.")
+    with pytest.raises(OomTextError, match="a request larger than the whole device"):
+        parse_oom_text(head.replace("2.00 GiB.", "30.00 GiB."))
+    # The whole message is parsed as before.
+    whole = head + (
+        " Including non-PyTorch memory, this process has 22.51 GiB memory in use. Of the "
+        "allocated memory 21.90 GiB is allocated by PyTorch, and 151.04 MiB is reserved by "
+        "PyTorch but unallocated."
+    )
+    assert parse_oom_text(whole).variant == "native"

@@ -176,6 +176,14 @@ _REJECTED = re.compile(
     r"per_process_memory_fraction limit\. Requested size: " + _SIZE
 )
 _DRIVER = re.compile(r"CUDA error: out of memory")
+# The first sentences of a native message (2.1+), which a paste of its first line keeps: without
+# the rest, how the device's memory splits between PyTorch's tensors, its cache and everything
+# else is not known, and that split is the diagnosis (parse_oom_text says so).
+_NATIVE_HEAD = re.compile(
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\."
+    r"(?: GPU (\d+) has a total (?:capacity|capacty) of " + _SIZE + r" of which " + _SIZE
+    + r" is free\.)?"
+)
 
 # Log decorations at the start of a line that a copy-paste keeps: comment marks and quotes.
 _LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
@@ -366,6 +374,9 @@ def parse_oom_text(text: str) -> OomText:
     """
     found = find_oom_texts(text)
     if not found:
+        cut = _cut_message(text)
+        if cut is not None:
+            raise OomTextError(cut)
         snippet = " ".join(text[:4000].split())[:80]  # repr() below shows escapes as written
         raise OomTextError(
             "no CUDA out-of-memory message found in the text"
@@ -374,3 +385,34 @@ def parse_oom_text(text: str) -> OomText:
             "end of that message, or explain a snapshot file instead"
         )
     return found[0]
+
+
+def _cut_message(text: str) -> str | None:
+    """What to say of a native message cut after its first sentences; None where there is none."""
+    for start, end in _windows(text):
+        m = _NATIVE_HEAD.search(_normalise(text[start:end]))
+        if m is None:
+            continue
+        said = f"a request of {m.group(1)} {m.group(2)} failed"
+        if m.group(3) is not None:
+            said += (
+                f" on GPU {m.group(3)} with {m.group(6)} {m.group(7)} free of "
+                f"{m.group(4)} {m.group(5)}"
+            )
+            requested, _ = _size(m.group(1), m.group(2))
+            total, _ = _size(m.group(4), m.group(5))
+            if requested > total:
+                return (
+                    f"the out-of-memory message is cut short, but what it keeps shows the cause: "
+                    f"{said}, a request larger than the whole device, which no setting or cache "
+                    "behaviour can serve. Check the shape of the tensor being created (a batch "
+                    "dimension multiplied twice, an attention matrix over a whole document, a "
+                    "wrong view); paste the whole message for the full report"
+                )
+        return (
+            f"the out-of-memory message is cut short: it says {said}, but not how much of the "
+            "device PyTorch had allocated and reserved, which is what tells a real shortage from "
+            "fragmentation or memory held outside PyTorch. Paste the whole message, up to '... "
+            "is reserved by PyTorch but unallocated.', or explain a snapshot file instead"
+        )
+    return None
