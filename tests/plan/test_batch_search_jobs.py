@@ -305,25 +305,25 @@ def test_a_size_whose_process_fails_is_traced_here(tmp_path, in_child, monkeypat
 
 
 def test_a_process_ahead_is_waited_for_while_it_computes_and_not_once_it_is_stuck():
-    """_awaited: a process using CPU is waited for past a look; one using none over a look is
+    """ForkedCall.result_unless_stalled (a size traced ahead is waited for by it): a process
+    using CPU is waited for past a look; one using none over a look is
     stopped and gives None; one that outlives the wait is stopped at the deadline."""
     import time
 
     from oomkit.core.replay.parallel import ForkedCall
-    from oomkit.plan.batch_prober import _awaited
-
     if ForkedCall(lambda: None).cpu_seconds() is None:
         pytest.skip("no /proc here: the plain wait is the only one")
     wait = dict(wait_s=60.0, look_s=0.5, min_cpu_share=0.02)
-    assert _awaited(ForkedCall(lambda: _spin_then("traced", 1.5)), **wait) == "traced"
+    assert ForkedCall(lambda: _spin_then("traced", 1.5)).result_unless_stalled(**wait) == "traced"
     stuck = ForkedCall(lambda: _stuck(0))
     start = time.monotonic()
-    assert _awaited(stuck, **wait) is None
+    assert stuck.result_unless_stalled(**wait) is None
     assert time.monotonic() - start < 10
     stuck._process.join(10)
     assert stuck._process.exitcode == -9  # stopped (SIGKILL)
     start = time.monotonic()
-    assert _awaited(ForkedCall(lambda: _spin_then("late", 30)), **{**wait, "wait_s": 1.0}) is None
+    late = ForkedCall(lambda: _spin_then("late", 30))
+    assert late.result_unless_stalled(**{**wait, "wait_s": 1.0}) is None
     assert 0.9 < time.monotonic() - start < 10
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
-from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+from oomkit.core.replay.parallel import ForkedCall
 from oomkit.core.target import Target
 from oomkit.plan.batch_probe import (
     BatchProbe,
@@ -31,8 +31,6 @@ from oomkit.plan.trace_interpolation import TraceInterpolator
 from oomkit.prediction.predictor import Prediction, predict_recording
 
 __all__ = ["BatchProber"]
-
-T = TypeVar("T")
 
 # The least time a search waits for a size traced in the background before tracing it here:
 # its process runs at the lowest priority, so a machine whose cores are all busy may hardly
@@ -325,8 +323,7 @@ class BatchProber:
         elif ahead is not None:
             # Traced ahead: wait for it (a process that hangs is given up on, and the size
             # traced here: a trace there may take a cold start's time, never this long).
-            recorded = _awaited(
-                ahead,
+            recorded = ahead.result_unless_stalled(
                 wait_s=60 + 10 * self._trace_wall_s,
                 look_s=_STUCK_LOOK_S,
                 min_cpu_share=_STUCK_CPU_SHARE,
@@ -353,38 +350,11 @@ def _background_result(call: ForkedCall[tuple[Any, str]], trace_wall_s: float) -
     ``_BACKGROUND_LOOK_S``, it used less than half that time in CPU (``_STARVED_CPU_SHARE``):
     other work holds the cores, and a nice-19 process would take far longer than a trace here.
     """
-    return _awaited(
-        call,
+    return call.result_unless_stalled(
         wait_s=max(_BACKGROUND_WAIT_MIN_S, trace_wall_s),
         look_s=_BACKGROUND_LOOK_S,
         min_cpu_share=_STARVED_CPU_SHARE,
     )
-
-
-def _awaited(call: ForkedCall[T], *, wait_s: float, look_s: float, min_cpu_share: float) -> T | None:
-    """What ``call`` gave, or ``None`` (the caller does the work itself): waited for at most
-    ``wait_s`` seconds, and given up on at once when, over a look of ``look_s`` seconds, its
-    process used less than ``min_cpu_share`` of that time in CPU (``ForkedCall.cpu_seconds``;
-    where that cannot be read, not Linux, the plain wait). A process given up on is stopped;
-    one that raised or died gives ``None`` too, so the work is redone here and raises here."""
-    deadline = time.perf_counter() + wait_s
-    cpu, at = call.cpu_seconds(), time.perf_counter()
-    while not call.done(min(look_s, _BACKGROUND_LOOK_S)):
-        now = time.perf_counter()
-        if now >= deadline:
-            call.cancel(wait=False)
-            return None
-        if now - at < look_s:
-            continue
-        used = call.cpu_seconds()
-        if cpu is not None and used is not None and used - cpu < min_cpu_share * (now - at):
-            call.cancel(wait=False)
-            return None
-        cpu, at = used, now
-    try:
-        return call.result()
-    except ForkedCallFailed:
-        return None
 
 
 def _same_verdict(traced: BatchProbe, synthesized: BatchProbe) -> bool:

@@ -357,7 +357,7 @@ def max_batch_size(
         raise NoFeasibleBatchSizeError(
             _infeasible_message(first, spec, margin),
             needed_reserved_bytes=first.peak_reserved_bytes,
-            usable_bytes=spec.usable_bytes(),
+            usable_bytes=usable,
             margin_bytes=margin,
         )
     return _result(prober, lo, hi, target, margin, margin_bytes is None, steps, max_batch)

@@ -210,6 +210,8 @@ def _run_one(index: int) -> Any:
 # task unfinished, is stuck (run_forked). A task is a replay or a trace: CPU all along.
 _POOL_LOOK_S = 5.0
 _STUCK_CPU_SHARE = 0.02
+# How often ForkedCall.result_unless_stalled looks whether the answer came.
+_POLL_S = 0.1
 
 
 class _PoolStuck(Exception):
@@ -246,21 +248,49 @@ def _wait_unless_stuck(futures: list[Future[Any]], progress: Progress | None, ot
     the processes started since ``others`` (the pool's) use no CPU over ``_POOL_LOOK_S``."""
     pending = set(futures)
     done = 0
-    cpu, at = _pool_cpu_seconds(others), time.monotonic()
+    watch = _CpuWatch(partial(_pool_cpu_seconds, others), _POOL_LOOK_S, _STUCK_CPU_SHARE)
     while pending:
         finished, pending = wait(pending, timeout=_POOL_LOOK_S, return_when=FIRST_COMPLETED)
-        now = time.monotonic()
         if finished:
             for _ in finished:
                 done += 1
                 if progress is not None:
                     progress(done, len(futures))
-            cpu, at = _pool_cpu_seconds(others), now
-            continue
-        used = _pool_cpu_seconds(others)
-        if cpu is not None and used is not None and used - cpu < _STUCK_CPU_SHARE * (now - at):
-            raise _PoolStuck(f"no CPU used for {now - at:.1f} s with {len(pending)} task(s) unfinished")
-        cpu, at = used, now
+            watch.restart()
+        elif watch.starved():
+            raise _PoolStuck(f"no CPU used with {len(pending)} task(s) unfinished")
+
+
+class _CpuWatch:
+    """Whether processes doing work stopped getting the CPU it takes.
+
+    ``read()`` gives the CPU seconds they used so far (None where that cannot be read: the
+    watch then never calls them starved). ``starved()``, asked as often as the caller likes,
+    is True once, over a look of at least ``look_s`` seconds, they used less than
+    ``min_share`` of that time: a process deadlocked in a wait uses none, one of normal
+    priority gets its fair share of a core however busy the machine is, and one at the lowest
+    priority gets little where other work holds the cores.
+    """
+
+    def __init__(self, read: Callable[[], float | None], look_s: float, min_share: float) -> None:
+        self._read = read
+        self._look_s = look_s
+        self._min_share = min_share
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new look from now (the work made progress another way)."""
+        self._cpu, self._at = self._read(), time.monotonic()
+
+    def starved(self) -> bool:
+        now = time.monotonic()
+        if now - self._at < self._look_s:
+            return False
+        used = self._read()
+        if self._cpu is not None and used is not None and used - self._cpu < self._min_share * (now - self._at):
+            return True
+        self._cpu, self._at = used, now
+        return False
 
 
 def _pool_cpu_seconds(others: set[int | None]) -> float | None:
@@ -346,6 +376,24 @@ class ForkedCall(Generic[T]):
             raise ForkedCallFailed(payload)
         result: T = payload
         return result
+
+    def result_unless_stalled(self, *, wait_s: float, look_s: float, min_cpu_share: float) -> T | None:
+        """What ``fn()`` returned, or ``None`` (the caller does the work itself): waited for at
+        most ``wait_s`` seconds, and given up on at once when, over a look of ``look_s``
+        seconds, the process used less than ``min_cpu_share`` of that time in CPU (stuck, or
+        starved by other work; where its CPU time cannot be read, not Linux, the plain wait).
+        A process given up on is stopped, without waiting for it to exit; one whose ``fn()``
+        raised or that died gives ``None`` too, so the work is redone, and raises, there."""
+        deadline = time.monotonic() + wait_s
+        watch = _CpuWatch(self.cpu_seconds, look_s, min_cpu_share)
+        while not self.done(min(look_s, _POLL_S)):
+            if time.monotonic() >= deadline or watch.starved():
+                self.cancel(wait=False)
+                return None
+        try:
+            return self.result()
+        except ForkedCallFailed:
+            return None
 
     def done(self, wait_s: float = 0.0) -> bool:
         """Whether its answer (or its end) has come, waiting at most ``wait_s`` seconds for it:

@@ -156,7 +156,7 @@ def build_recording(
                         action, alloc.alloc_id, alloc.size_bytes, alloc.stream, None, frames, tags_free
                     )
                 )
-    alloc_index = {e.address: i for i, e in enumerate(events) if e.action == "alloc"}
+    alloc_index = {e.address: i for i, e in enumerate(events) if e.action == "alloc"} if sites else {}
     return TraceRecording(
         events=tuple(events),
         warnings=warnings,
