@@ -45,8 +45,10 @@ RANK = {
     "plan": 7,
     # diagnose: causes and ranked remedies, priced with plan's searches and re-predictions
     "diagnose": 8,
-    # runtime: code that runs inside the user's CUDA process
+    # runtime: code that runs inside the user's CUDA process; scenario: the typed request and
+    # the library every way in calls (predict, fit), above plan and diagnose
     "runtime": 9,
+    "scenario": 9,
     # interfaces: reports and callbacks, then the CLI, then the Python API facade
     "interfaces": 10,
     "interfaces.reports": 10,
@@ -226,6 +228,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",
+        "oomkit.scenario",
         "oomkit.interfaces",
         *INTERFACE_ONLY,
     }
@@ -241,6 +244,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",
+        "oomkit.scenario",
         "oomkit.interfaces",
         *INTERFACE_ONLY,
     }

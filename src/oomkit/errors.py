@@ -29,6 +29,7 @@ __all__ = [
     "MonitorLogError",
     "MemoryHealthError",
     "DiffInputError",
+    "ScenarioError",
 ]
 
 
@@ -137,3 +138,8 @@ class MemoryHealthError(OomkitError, ValueError):
 
 class DiffInputError(OomkitError, ValueError):
     """Two inputs that ``oomkit diff`` cannot compare as given (other kinds, other GPUs)."""
+
+
+class ScenarioError(OomkitError, ValueError):
+    """A scenario (the Python API's keywords, a config file, CLI flags or an MCP call) with a
+    field of the wrong type or range, an unknown key, or a combination that cannot run."""

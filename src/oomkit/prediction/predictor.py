@@ -160,6 +160,9 @@ class Prediction:
             its parts); ``predict`` fills in the cuDNN version the step was traced with.
         workload: what was recorded, as data (batch size, mode, optimizer...), when the caller
             said (``oomkit predict`` does); ``None`` otherwise.
+        scenario: the request that made it, as plain data (``oomkit.scenario``'s JSON form),
+            when it was predicted from a scenario; saved with ``--json`` so that ``explain``
+            re-predicts from it.
     """
 
     gpu: GpuSpec
@@ -195,6 +198,7 @@ class Prediction:
     assumptions: Mapping[str, str] = field(default_factory=dict)
     target: Target | None = None
     workload: WorkloadSpec | None = None
+    scenario: Mapping[str, Any] | None = None
 
     def __str__(self) -> str:
         """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from oomkit.interfaces.cli._user_function import load_user_step
+from oomkit.scenario.user_function import load_user_step
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.tracing.trainers import TrainerRefusedError
 

@@ -164,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
 
     gpu = None
     if args.gpu is not None:
-        from oomkit.interfaces.cli._target import target_from_args
+        from oomkit.core.target import Target
 
-        gpu = target_from_args(args).gpu
+        gpu = Target.resolve(args.gpu).gpu  # the one target path (oomkit.scenario.target)
     if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
         raise ConfigError(
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "

@@ -1,4 +1,4 @@
-"""Loading the user's own step for ``oomkit predict path/to/file.py:function``.
+"""Loading the user's own step for ``oomkit predict path/to/file.py:function`` (``model.function``).
 
 The contract (documented in the README, "Predicting your own step"):
 
