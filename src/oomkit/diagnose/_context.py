@@ -1,4 +1,5 @@
-"""The CUDA context an OOM message's process likely had: a range, not a point (issue 14 item 5).
+"""What an OOM message says of memory outside the allocator: the CUDA context's likely range
+(issue 14 item 5), the GPU matched by its total, and whose NVML process lines are whose.
 
 Memory outside the caching allocator (``total - free - reserved``) holds this process's CUDA
 context and the libraries it loaded (cuBLAS, cuDNN, NCCL) before anything else; only what lies
@@ -17,7 +18,13 @@ from oomkit.core.gpus.overhead import cuda_context
 from oomkit.diagnose.oom_text import OomText
 from oomkit.units import format_bytes
 
-__all__ = ["ContextRange", "context_range"]
+__all__ = [
+    "ContextRange",
+    "context_range",
+    "matched_gpu",
+    "memory_paragraph",
+    "own_and_others",
+]
 
 
 @dataclass(frozen=True)
@@ -47,23 +54,30 @@ class ContextRange:
         )
 
 
-def _device(parsed: OomText, gpu: GpuSpec | None) -> GpuSpec | None:
+# How far a message's total may sit from the catalog's figure and still be that GPU: the total
+# a driver reports moves with its version (core/gpus/catalog.py T4 note: 14918-15110 MiB across
+# drivers, a 192 MiB spread; Colab's T4 prints "14.75 GiB" against the catalog's 14.76 GiB).
+_TOTAL_MATCH_BYTES = 200 * 2**20
+
+
+def matched_gpu(parsed: OomText, gpu: GpuSpec | None = None) -> GpuSpec | None:
+    """``gpu`` if given, else the catalog GPU whose total memory is nearest the message's.
+
+    Only a GPU within 200 MiB (plus the message's rounding) matches; None otherwise.
+    """
     if gpu is not None:
         return gpu
     total = parsed.total_bytes
     if total is None:
         return None
-    # A catalog GPU whose total memory the message's figure matches (to format_size precision).
-    tolerance = parsed.tolerance_bytes.get("total_bytes", 0)
-    for spec in CATALOG:
-        if abs(spec.total_memory_bytes - total) <= tolerance:
-            return spec
-    return None
+    tolerance = parsed.tolerance_bytes.get("total_bytes", 0) + _TOTAL_MATCH_BYTES
+    nearest = min(CATALOG, key=lambda spec: abs(spec.total_memory_bytes - total))
+    return nearest if abs(nearest.total_memory_bytes - total) <= tolerance else None
 
 
 def context_range(parsed: OomText, gpu: GpuSpec | None = None) -> ContextRange:
     """The context range for the message's device (given, else matched by total memory)."""
-    spec = _device(parsed, gpu)
+    spec = matched_gpu(parsed, gpu)
     capability = None if spec is None else spec.compute_capability
     lazy = cuda_context(capability, module_loading="lazy")
     eager = cuda_context(capability, module_loading="eager")
@@ -86,3 +100,47 @@ def context_range(parsed: OomText, gpu: GpuSpec | None = None) -> ContextRange:
     else:
         name = "a typical GPU" if spec is None else spec.name
     return ContextRange(low, expected, high, name, loading)
+
+
+def own_and_others(parsed: OomText, r: int) -> tuple[int | None, int]:
+    """(this process's NVML figure, None where not printed; what other processes used).
+
+    CUDACachingAllocator.cpp reportProcessMemoryInfo prints "Including non-PyTorch memory, this
+    process has ..." for the NVML process whose pid is getpid(), "Process N has ..." for the
+    others. In a container NVML reports the host's pid, so this process gets a "Process N" line
+    too. When no line is this process's own and the lines plus its reserved memory exceed what
+    the device has in use (total - free), one of them is this process: the smallest that holds
+    at least its reserved memory.
+    """
+    own = next((pm.used_bytes for pm in parsed.processes if pm.pid is None), None)
+    lines = [pm.used_bytes for pm in parsed.processes if pm.pid is not None]
+    if own is None and lines and parsed.total_bytes is not None and parsed.free_bytes is not None:
+        slack = parsed.tolerance_bytes.get("total_bytes", 0) + parsed.tolerance_bytes.get(
+            "free_bytes", 0
+        )
+        tolerance = parsed.tolerance_bytes.get("reserved_bytes", 0)
+        if r + sum(lines) > parsed.total_bytes - parsed.free_bytes + slack:
+            holding = [used for used in lines if used + tolerance >= r]
+            if holding:
+                own = min(holding)
+                lines.remove(own)
+    return own, sum(lines)
+
+
+def memory_paragraph(
+    parsed: OomText, *, a: int, r: int, u: int, o: int, t: int, f: int, context: ContextRange
+) -> str:
+    if parsed.reserved_bytes is None:
+        return (
+            f"PyTorch's cudaMallocAsync backend had {format_bytes(a)} in live allocations "
+            f"(torch.cuda.memory_allocated). nvidia-smi would show about {format_bytes(t - f)} "
+            "used on the device, the driver's memory pool and every other process included."
+        )
+    return (
+        f"Allocated ({format_bytes(a)}, torch.cuda.memory_allocated) is what live tensors use. "
+        f"Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is what PyTorch's caching "
+        f"allocator holds from the driver: the allocated memory plus {format_bytes(u)} cached "
+        f"for reuse. nvidia-smi shows about {format_bytes(t - f)} used: the reserved memory plus "
+        f"{format_bytes(o)} outside the allocator (the CUDA context and libraries such as cuBLAS "
+        f"and NCCL, {context.describe()}, and any other process)."
+    )

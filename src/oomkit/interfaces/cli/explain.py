@@ -160,6 +160,7 @@ def _as_json(text: str) -> object | None:
 def run(args: argparse.Namespace) -> int:
     from oomkit.diagnose.diagnosis import diagnose_oom_text
     from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
+    from oomkit.diagnose.oom_traceback import find_oom_location
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
@@ -208,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
             from oomkit.core.allocator import AllocatorConfig
 
             expandable = AllocatorConfig.parse(args.alloc_conf).expandable_segments
-        diagnosis = diagnose_oom_text(parsed, gpu, expandable_segments=expandable)
+        diagnosis = diagnose_oom_text(
+            parsed, gpu, expandable_segments=expandable, location=find_oom_location(source)
+        )
         if len(found) > 1:
             devices = sorted({str(m.device) for m in found if m.device is not None})
             diagnosis = dataclasses.replace(

@@ -70,6 +70,8 @@ def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> di
         "source": diagnosis.source,
         "figures": dict(diagnosis.figures_bytes),
         "attribution": _attribution_json(diagnosis.attribution),
+        "location": None if diagnosis.location is None else asdict(diagnosis.location),
+        "gpu": diagnosis.gpu_name,
     }
     if parsed is not None:
         out["message"] = {
@@ -126,6 +128,10 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
 
     top = diagnosis.causes[0]
     console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {as_written(top.summary)}.")
+    location = diagnosis.location
+    if location is not None:
+        phase = f", in the {location.phase}" if location.phase is not None else ""
+        console.print(f"Where: {as_written(location.label)}{phase}")
     if len(diagnosis.causes) > 1:
         causes = Table(title="Every cause that applies, strongest first", title_justify="left")
         causes.add_column("cause")
@@ -145,6 +151,8 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         _render_attribution(diagnosis.attribution, console)
     if diagnosis.memory_explained:
         console.print(diagnosis.memory_explained)
+    if diagnosis.gpu_name is not None and diagnosis.source == "text":
+        console.print(f"GPU: {diagnosis.gpu_name}, matched by the message's total memory")
     for warning in diagnosis.warnings:
         console.print(f"[yellow]warning:[/yellow] {as_written(warning)}")
 
