@@ -84,10 +84,11 @@ def _frames(block: str) -> list[_Frame]:
         if m is None:
             continue
         source = ""
-        if i + 1 < len(lines) and _FRAME.match(lines[i + 1]) is None:
+        # The source line is indented under its frame; the exception line that ends the
+        # traceback is not. Python 3.11+ marks the failing span with ^^^ / ~~~ below it.
+        if i + 1 < len(lines) and lines[i + 1][:1].isspace():
             following = lines[i + 1].strip()
-            # Python 3.11+ marks the failing span with ^^^ / ~~~ under the source line.
-            if following and not set(following) <= set("^~ ") and "Error" not in following:
+            if _FRAME.match(lines[i + 1]) is None and not set(following) <= set("^~ "):
                 source = following
         frames.append(
             _Frame(m.group("path"), int(m.group("line")), m.group("func").strip(), source)
