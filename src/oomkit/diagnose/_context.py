@@ -1,5 +1,7 @@
-"""What an OOM message says of memory outside the allocator: the CUDA context's likely range
-(issue 14 item 5), the GPU matched by its total, and whose NVML process lines are whose.
+"""What an OOM message says of memory outside the allocator and of the GPU it came from.
+
+The CUDA context's likely range (issue 14 item 5), the GPU matched by its total memory, whose
+NVML process lines are whose, and figures that cannot be true together.
 
 Memory outside the caching allocator (``total - free - reserved``) holds this process's CUDA
 context and the libraries it loaded (cuBLAS, cuDNN, NCCL) before anything else; only what lies
@@ -22,6 +24,7 @@ __all__ = [
     "ContextRange",
     "context_range",
     "matched_gpu",
+    "inconsistency",
     "memory_paragraph",
     "own_and_others",
 ]
@@ -144,3 +147,52 @@ def memory_paragraph(
         f"{format_bytes(o)} outside the allocator (the CUDA context and libraries such as cuBLAS "
         f"and NCCL, {context.describe()}, and any other process)."
     )
+
+
+# Boards that run only in TCC mode or on Linux, where cudaMalloc never pages device memory out to
+# system memory: PyTorch's reserved memory cannot exceed their total. (Windows' WDDM mode, which
+# consumer and some workstation boards run, lets allocations spill into "shared GPU memory";
+# real messages show 13.98 GiB allocated on an 8.00 GiB card.)
+_NO_SHARED_MEMORY = ("A100", "H100", "H200", "B200", "GH200", "V100", "P100")
+# WDDM's shared GPU memory is half the system RAM; Windows 10/11 Pro address at most 2 TiB.
+_MAX_SHARED_BYTES = 2**40
+
+
+def inconsistency(parsed: OomText, gpu: GpuSpec | None = None) -> str | None:
+    """What makes the message's figures impossible together; None where they can be true."""
+    total, free = parsed.total_bytes, parsed.free_bytes
+    tol = parsed.tolerance_bytes
+    if total is None:
+        return None
+    if free is not None and free > total + tol.get("total_bytes", 0) + tol.get("free_bytes", 0):
+        return (
+            f"it says {format_bytes(free)} is free on a GPU with {format_bytes(total)} in total"
+        )
+    reserved = parsed.reserved_bytes
+    allocated = parsed.allocated_bytes
+    if (
+        parsed.variant == "classic"
+        and parsed.torch_versions == "1.5-2.0"
+        and allocated is not None
+        and reserved is not None
+        and allocated > reserved + tol.get("allocated_bytes", 0) + tol.get("reserved_bytes", 0)
+    ):
+        return (
+            f"it says {format_bytes(allocated)} is allocated but only {format_bytes(reserved)} "
+            "reserved, and PyTorch allocates only from what it reserves"
+        )
+    held = max(reserved or 0, allocated or 0)
+    slack = tol.get("total_bytes", 0) + tol.get("reserved_bytes", 0)
+    spec = matched_gpu(parsed, gpu)
+    if spec is not None and spec.name.startswith(_NO_SHARED_MEMORY) and held > total + slack:
+        return (
+            f"it says PyTorch holds {format_bytes(held)} on a GPU with {format_bytes(total)} in "
+            f"total (matched to the {spec.name}, a board that cannot page device memory out to "
+            "system memory)"
+        )
+    if held > total + _MAX_SHARED_BYTES:
+        return (
+            f"it says PyTorch holds {format_bytes(held)} on a GPU with {format_bytes(total)} in "
+            "total, more than even Windows' shared GPU memory could add"
+        )
+    return None

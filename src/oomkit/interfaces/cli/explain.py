@@ -105,8 +105,11 @@ def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
         print(STDIN_PROMPT, file=stderr, flush=True)
     raw = getattr(stdin, "buffer", None)
     if raw is not None:
-        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log.
-        return str(raw.read().decode("utf-8", errors="replace"))
+        from oomkit.diagnose.oom_text import decode_log
+
+        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log, and a UTF-16
+        # one (PowerShell's redirect) is read as UTF-16.
+        return decode_log(raw.read())
     return stdin.read()
 
 
@@ -144,7 +147,9 @@ def _read_source(source: str) -> str | Path:
         magic = head.read(1)
     if magic == _PICKLE_MAGIC:
         return path
-    return path.read_text(encoding="utf-8", errors="replace")
+    from oomkit.diagnose.oom_text import decode_log
+
+    return decode_log(path.read_bytes())
 
 
 def _as_json(text: str) -> object | None:
