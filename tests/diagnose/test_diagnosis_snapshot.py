@@ -305,6 +305,7 @@ def test_verdict_says_when_a_snapshot_recorded_no_oom(tmp_path):
     assert d.attribution.moment in ("peak", "final")
     # 1 GiB held on a 64 GiB device, nothing short-lived or fragmented: no risk to name.
     assert verdict_label(d) == "No OOM in this snapshot and no risk found"
+    assert d.attribution.moment == "peak"
     assert d.causes[0].summary == (
-        f"at the {d.attribution.moment} tensors held 1.00 GiB and PyTorch reserved 1.00 GiB"
+        "at the peak of allocated memory tensors held 1.00 GiB and PyTorch reserved 1.00 GiB"
     )

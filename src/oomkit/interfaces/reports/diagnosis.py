@@ -45,7 +45,7 @@ def verdict_label(diagnosis: Diagnosis) -> str:
         if diagnosis.cause == "shortage" and diagnosis.causes[0].explained_bytes == 0:
             # Nothing stands out: the finding only states what its peak (or end) held.
             return "No OOM in this snapshot and no risk found"
-        when = "its peak" if moment == "peak" else "its end"
+        when = "its peak of allocated memory" if moment == "peak" else "its end"
         return f"No OOM in this snapshot; the main risk at {when}: {words}"
     return f"Cause: {words}"
 
@@ -157,7 +157,11 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         console.print(f"[yellow]warning:[/yellow] {as_written(warning)}")
 
 
-_MOMENT_WORDS = {"oom": "at the OOM", "peak": "at the peak", "final": "at the end"}
+_MOMENT_WORDS = {
+    "oom": "at the OOM",
+    "peak": "at the peak of allocated memory",
+    "final": "at the end",
+}
 
 
 def _short_site(label: str) -> str:
