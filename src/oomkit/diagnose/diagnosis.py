@@ -122,7 +122,9 @@ def diagnose_oom_text(
             has, more held than a device that cannot page to system memory has): it was
             edited or corrupted, and a diagnosis of it would be a confident wrong answer.
     """
-    wrong = inconsistency(parsed, gpu)
+    # Only a message read from text is checked: figures built from a snapshot's trace (its
+    # ``text`` is empty) come from one allocator's own accounting.
+    wrong = inconsistency(parsed, gpu) if parsed.text else None
     if wrong is not None:
         raise OomTextError(
             f"the out-of-memory message is inconsistent: {wrong}. It was edited or corrupted; "
@@ -306,9 +308,9 @@ def _from_figures(
     # What would have let the request succeed ranks first: the fraction limit (the device had
     # room), a cache that held the request's bytes (only its layout failed), a shortage
     # (nothing else would do), then what alone covers the deficit, by bytes.
-    first: set[Cause] = {"fraction_limit", "shortage"} | (
-        {"fragmentation"} if cache_covers else set()
-    )
+    first: set[Cause] = {"fraction_limit", "shortage"}
+    if cache_covers:
+        first.add("fragmentation")
     findings.sort(
         key=lambda finding: (
             0 if finding.cause in first else 1 if finding.cause in sufficient else 2,
