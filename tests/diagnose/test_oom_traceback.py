@@ -142,3 +142,12 @@ def test_explain_reports_where_and_the_phase(tmp_path, capsys):
         "phase": "backward",
     }
     assert data["gpu"] == "T4"
+
+
+def test_the_html_report_says_where(tmp_path):
+    """--html: the verdict section carries the same 'Where:' line as the terminal."""
+    log = tmp_path / "train.log"
+    log.write_text(BACKWARD)
+    page = tmp_path / "oom.html"
+    assert main(["explain", str(log), "--html", str(page)]) == 0
+    assert "Where: loss.backward() at train.py:180, in the backward" in page.read_text()

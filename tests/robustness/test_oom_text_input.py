@@ -281,3 +281,11 @@ def test_decode_log_keeps_utf8_that_starts_with_a_utf16_mark():
     assert SHORTAGE in decode_log(data)
     assert decode_log(SHORTAGE.encode("utf-16")) == SHORTAGE
     assert decode_log(b"") == ""
+
+
+def test_utf16_stdin_is_read(monkeypatch, capsys):
+    """PowerShell piping a UTF-16 log into stdin: the OOM is found."""
+    data = ("log line\r\n" + SHORTAGE + "\r\n").encode("utf-16")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    assert main(["explain", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cause"] == "shortage"

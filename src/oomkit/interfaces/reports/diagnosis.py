@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
 from oomkit.diagnose.oom_text import OomText
+from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REMEDIES_HEADING",
     "diagnosis_to_json",
+    "location_line",
     "remedy_headline",
     "remedy_saving",
     "render_diagnosis",
@@ -48,6 +50,12 @@ def verdict_label(diagnosis: Diagnosis) -> str:
         when = "its peak of allocated memory" if moment == "peak" else "its end"
         return f"No OOM in this snapshot; the main risk at {when}: {words}"
     return f"Cause: {words}"
+
+
+def location_line(location: OomLocation) -> str:
+    """``Where: loss.backward() at train.py:180, in the backward``."""
+    phase = f", in the {location.phase}" if location.phase is not None else ""
+    return f"Where: {location.label}{phase}"
 
 
 def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> dict:
@@ -128,10 +136,8 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
 
     top = diagnosis.causes[0]
     console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {as_written(top.summary)}.")
-    location = diagnosis.location
-    if location is not None:
-        phase = f", in the {location.phase}" if location.phase is not None else ""
-        console.print(f"Where: {as_written(location.label)}{phase}")
+    if diagnosis.location is not None:
+        console.print(as_written(location_line(diagnosis.location)))
     if len(diagnosis.causes) > 1:
         causes = Table(title="Every cause that applies, strongest first", title_justify="left")
         causes.add_column("cause")
