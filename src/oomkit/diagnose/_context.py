@@ -23,6 +23,7 @@ from oomkit.units import format_bytes
 __all__ = [
     "ContextRange",
     "context_range",
+    "figure_warnings",
     "matched_gpu",
     "inconsistency",
     "memory_paragraph",
@@ -196,3 +197,34 @@ def inconsistency(parsed: OomText, gpu: GpuSpec | None = None) -> str | None:
             "total, more than even Windows' shared GPU memory could add"
         )
     return None
+
+
+def figure_warnings(
+    parsed: OomText, *, held_bytes: int, cached_bytes: int, expandable_segments: bool | None
+) -> list[str]:
+    """What the figures say beside the causes: WDDM's shared memory, expandable segments on."""
+    warnings: list[str] = []
+    t = parsed.total_bytes or 0
+    if t and held_bytes > t + parsed.tolerance_bytes.get("total_bytes", 0):
+        warnings.append(
+            f"PyTorch holds {format_bytes(held_bytes)}, more than the device's "
+            f"{format_bytes(t)}: only Windows' WDDM driver allows that, by spilling into "
+            "'shared GPU memory' (system RAM over PCIe, many times slower); the device itself "
+            "is full"
+        )
+    if expandable_segments and parsed.variant != "cuda_malloc_async":
+        # The message's "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" is
+        # printed whatever the setting (CUDACachingAllocator.cpp malloc's OOM text).
+        warnings.append(
+            "PyTorch's message suggests PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, but "
+            "this run already had it on"
+            + (
+                f": the {format_bytes(cached_bytes)} cached but unallocated is held in partly "
+                "used pages of expandable segments, which only empty_cache() or the OOM path "
+                "unmaps"
+                if cached_bytes > 0
+                else ""
+            )
+            + " (`oomkit doctor` shows the settings in effect)"
+        )
+    return warnings
