@@ -207,7 +207,7 @@ def test_700_gib_allocated_on_a_79_gib_gpu_is_inconsistent(tmp_path):
     path = tmp_path / "oom.log"
     path.write_text(_message(allocated="700.00 GiB"))
     proc = _explain(path)
-    _refused(proc, "the out-of-memory message is inconsistent: it says PyTorch holds 700.02 GiB")
+    _refused(proc, "the out-of-memory message is inconsistent: it says 700.02 GiB is in use")
     assert "matched to the H100 PCIe" in proc.stderr
 
 
@@ -289,3 +289,12 @@ def test_utf16_stdin_is_read(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
     assert main(["explain", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cause"] == "shortage"
+
+
+def test_a_process_line_larger_than_an_h100_is_exit_2(tmp_path):
+    """NVML saying one process holds 700 GiB of a 79.11 GiB GPU: inconsistent."""
+    path = tmp_path / "oom.log"
+    path.write_text(
+        _message().replace("is free. ", "is free. Process 7 has 700.00 GiB memory in use. ")
+    )
+    _refused(_explain(path), "it says 700.00 GiB is in use on a GPU with 79.11 GiB")

@@ -182,18 +182,19 @@ def inconsistency(parsed: OomText, gpu: GpuSpec | None = None) -> str | None:
             f"it says {format_bytes(allocated)} is allocated but only {format_bytes(reserved)} "
             "reserved, and PyTorch allocates only from what it reserves"
         )
-    held = max(reserved or 0, allocated or 0)
+    # NVML's per-process figures are device memory too (this process's includes its context).
+    held = max([reserved or 0, allocated or 0, *(pm.used_bytes for pm in parsed.processes)])
     slack = tol.get("total_bytes", 0) + tol.get("reserved_bytes", 0)
     spec = matched_gpu(parsed, gpu)
     if spec is not None and spec.name.startswith(_NO_SHARED_MEMORY) and held > total + slack:
         return (
-            f"it says PyTorch holds {format_bytes(held)} on a GPU with {format_bytes(total)} in "
+            f"it says {format_bytes(held)} is in use on a GPU with {format_bytes(total)} in "
             f"total (matched to the {spec.name}, a board that cannot page device memory out to "
             "system memory)"
         )
     if held > total + _MAX_SHARED_BYTES:
         return (
-            f"it says PyTorch holds {format_bytes(held)} on a GPU with {format_bytes(total)} in "
+            f"it says {format_bytes(held)} is in use on a GPU with {format_bytes(total)} in "
             "total, more than even Windows' shared GPU memory could add"
         )
     return None
