@@ -151,3 +151,20 @@ def test_the_html_report_says_where(tmp_path):
     page = tmp_path / "oom.html"
     assert main(["explain", str(log), "--html", str(page)]) == 0
     assert "Where: loss.backward() at train.py:180, in the backward" in page.read_text()
+
+
+def test_a_forward_pass_inside_an_optimizer_closure_is_forward():
+    """Lightning runs training_step inside optimizer.step(closure): the innermost phase wins."""
+    location = find_oom_location(
+        _traceback(
+            ("train.py", 40, "<module>", "trainer.fit(model, data)"),
+            (f"{SP}/torch/optim/optimizer.py", 493, "wrapper", "out = func(*args, **kwargs)"),
+            (f"{SP}/torch/optim/adamw.py", 209, "step", "loss = closure()"),
+            (f"{SP}/lightning/pytorch/loops/optimization/automatic.py", 146, "__call__", ""),
+            ("model.py", 88, "training_step", "logits = self.net(x)"),
+            (f"{SP}/torch/nn/modules/module.py", 1751, "_wrapped_call_impl", "return ..."),
+            (f"{SP}/torch/nn/modules/linear.py", 125, "forward", "return F.linear(...)"),
+        )
+    )
+    assert location is not None
+    assert (location.phase, location.label) == ("forward", "logits = self.net(x) at model.py:88")

@@ -16,6 +16,8 @@ standard library) and the phase the frames show, from the PyTorch functions on t
 - ``loss``: torch/nn/modules/loss.py or the loss functions of torch/nn/functional.py;
 - ``forward``: torch/nn/modules/module.py ``_call_impl`` / ``_wrapped_call_impl`` (a module
   called) or a frame named ``forward``.
+
+The innermost frame that shows one of these decides.
 """
 
 from __future__ import annotations
@@ -96,27 +98,31 @@ def _frames(block: str) -> list[_Frame]:
     return frames
 
 
-def _phase(frames: list[_Frame]) -> Phase | None:
-    paths = [f.path.replace("\\", "/") for f in frames]
-    if any("/torch/autograd/" in p for p in paths) or any(
-        ".backward(" in f.source for f in frames
-    ):
+def _frame_phase(frame: _Frame) -> Phase | None:
+    """The phase one frame shows, or None."""
+    path = frame.path.replace("\\", "/")
+    if "/torch/autograd/" in path or ".backward(" in frame.source:
         return "backward"
-    if any("/torch/optim/" in p and f.function == "_init_group" for p, f in zip(paths, frames, strict=True)):
-        return "optimizer state creation"
-    if any("/torch/optim/" in p for p in paths) or any(
-        re.search(r"optim\w*\.step\(", f.source) for f in frames
-    ):
+    if "/torch/optim/" in path:
+        return "optimizer state creation" if frame.function == "_init_group" else "optimizer step"
+    if re.search(r"optim\w*\.step\(", frame.source):
         return "optimizer step"
-    if any(p.endswith("torch/nn/modules/loss.py") for p in paths) or any(
-        p.endswith("torch/nn/functional.py") and f.function in _LOSS_FUNCTIONS
-        for p, f in zip(paths, frames, strict=True)
+    if path.endswith("torch/nn/modules/loss.py") or (
+        path.endswith("torch/nn/functional.py") and frame.function in _LOSS_FUNCTIONS
     ):
         return "loss"
-    if any(
-        f.function in ("_call_impl", "_wrapped_call_impl", "forward") for f in frames
-    ):
+    if frame.function in ("_call_impl", "_wrapped_call_impl", "forward"):
         return "forward"
+    return None
+
+
+def _phase(frames: list[_Frame]) -> Phase | None:
+    """The innermost frame that shows a phase decides: Lightning runs the forward pass inside
+    ``optimizer.step(closure)``, so an outer optimizer frame does not make it a step."""
+    for frame in reversed(frames):
+        phase = _frame_phase(frame)
+        if phase is not None:
+            return phase
     return None
 
 
