@@ -23,8 +23,8 @@ allocated, ``R`` reserved, ``U = R - A`` the cache, ``O = T - F - R`` outside th
 - ``shortage``: the rest: the tensors (with an ordinary cache under 5%) fill the device.
 
 Issue 35 relabelled eight messages from ``shortage`` to ``fragmentation`` by the first rule (each
-carries its cache and request in its comment); the classifier of main eb25551 got 53 of these 61
-right under these labels.
+carries its cache and request in its comment) and added four; the classifier of main eb25551 gets
+56 of these 65 right under these labels.
 """
 
 from __future__ import annotations
@@ -501,6 +501,40 @@ CASES: tuple[RealCase, ...] = (
         "RuntimeError: CUDA out of memory. Tried to allocate 384.00 MiB (GPU 2; 10.73 GiB total "
         "capacity; 9.59 GiB already allocated; 290.56 MiB free; 25.84 MiB cached)",
         "shortage",
+    ),
+    # --- added for issue 35 item 6 (the same search, other issues) ------------------------------
+    RealCase(
+        _GH + "qingze-bai/VSmTrans/issues/3",
+        "    return Variable._execution_engine.run_backward(  # Calls into the C++ engine to run "
+        "the backward pass\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 226.00 "
+        "MiB. GPU 0 has a total capacity of 15.70 GiB of which 210.38 MiB is free. Including "
+        "non-PyTorch memory, this process has 15.48 GiB memory in use. Of the allocated memory "
+        "14.81 GiB is allocated by PyTorch, and 336.73 MiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management",
+        "fragmentation",  # a 336.73 MiB cache >= the 226.00 MiB request
+    ),
+    RealCase(
+        _GH + "studio-dots-ai/dots.ocr/issues/196",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 74.16 GiB. GPU 0 has a "
+        "total capacity of 44.40 GiB of which 29.89 GiB is free. Process 2684311 has 14.51 GiB "
+        "memory in use. Of the allocated memory 13.44 GiB is allocated by PyTorch, and 738.96 MiB "
+        "is reserved by PyTorch but unallocated." + _TAIL_22,
+        "request_exceeds_device",
+    ),
+    RealCase(
+        _GH + "pytorch/pytorch/issues/35901",
+        "CUDA out of memory. Tried to allocate 10.84 GiB (GPU 0; 23.65 GiB total capacity; 1.06 "
+        "GiB already allocated; 10.26 GiB free; 12.53 GiB reserved in total by PyTorch)",
+        "fragmentation",  # an 11.47 GiB cache >= the 10.84 GiB request
+    ),
+    RealCase(
+        _GH + "pytorch/pytorch/issues/37250",
+        "RuntimeError: CUDA out of memory. Tried to allocate 5.74 GiB (GPU 0; 5.50 GiB total "
+        "capacity; 588.00 MiB already allocated; 4.13 GiB free; 588.00 MiB reserved in total by "
+        "PyTorch)" + _TAIL_20,
+        "request_exceeds_device",
     ),
     # --- backend:cudaMallocAsync ------------------------------------------------------------------
     RealCase(
