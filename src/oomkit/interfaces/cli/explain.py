@@ -105,8 +105,11 @@ def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
         print(STDIN_PROMPT, file=stderr, flush=True)
     raw = getattr(stdin, "buffer", None)
     if raw is not None:
-        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log.
-        return str(raw.read().decode("utf-8", errors="replace"))
+        from oomkit.diagnose.oom_text import decode_log
+
+        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log, and a UTF-16
+        # one (PowerShell's redirect) is read as UTF-16.
+        return decode_log(raw.read())
     return stdin.read()
 
 
@@ -144,7 +147,9 @@ def _read_source(source: str) -> str | Path:
         magic = head.read(1)
     if magic == _PICKLE_MAGIC:
         return path
-    return path.read_text(encoding="utf-8", errors="replace")
+    from oomkit.diagnose.oom_text import decode_log
+
+    return decode_log(path.read_bytes())
 
 
 def _as_json(text: str) -> object | None:
@@ -160,6 +165,7 @@ def _as_json(text: str) -> object | None:
 def run(args: argparse.Namespace) -> int:
     from oomkit.diagnose.diagnosis import diagnose_oom_text
     from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
+    from oomkit.diagnose.oom_traceback import find_oom_location
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
@@ -208,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
             from oomkit.core.allocator import AllocatorConfig
 
             expandable = AllocatorConfig.parse(args.alloc_conf).expandable_segments
-        diagnosis = diagnose_oom_text(parsed, gpu, expandable_segments=expandable)
+        diagnosis = diagnose_oom_text(
+            parsed, gpu, expandable_segments=expandable, location=find_oom_location(source)
+        )
         if len(found) > 1:
             devices = sorted({str(m.device) for m in found if m.device is not None})
             diagnosis = dataclasses.replace(

@@ -160,6 +160,7 @@ def _to_json(result, path: Path, device: int, torch_version: str | None, recorde
         "candidates": [_candidate_json(c) for c in result.candidates],
         "best": None if result.best is None else _candidate_json(result.best),
         "saving_bytes": result.saving_bytes,
+        "comparable": result.comparable,
         "flag_reasons": {f: FLAG_REASONS.get(f, f) for f in flags},
         "warnings": list(result.warnings),
     }
@@ -192,6 +193,19 @@ def _render(result, path: Path, recorded: str | None) -> None:
 
     console = stdout_console()
     baseline = result.baseline
+    if not result.comparable:
+        # No ranking of settings that all tie by construction (issue 35 item 7).
+        for warning in result.warnings:
+            if not warning.startswith("settings cannot be compared"):  # said last, in full
+                console.print(f"[yellow]warning:[/] {escape(warning)}")
+        console.print(
+            f"Settings cannot be compared on {escape(path.name)}: the replay made no segment "
+            f"decision under any of the {len(result.candidates)} settings, so none changes its "
+            f"peak reserved ({format_bytes(baseline.peak_reserved_bytes)}). Record the history "
+            "from before the first CUDA allocation (torch.cuda.memory._record_memory_history at "
+            "the start of the script) to compare them."
+        )
+        return
     shown = result.candidates[:_TABLE_ROWS]
     table = Table(
         title=f"PYTORCH_CUDA_ALLOC_CONF settings for {escape(path.name)} at "

@@ -18,6 +18,7 @@ from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.diagnose.diagnosis import Diagnosis
 from oomkit.interfaces.reports.diagnosis import (
     REMEDIES_HEADING,
+    location_line,
     remedy_headline,
     remedy_saving,
     verdict_label,
@@ -138,6 +139,8 @@ def diagnosis_html(
     top = diagnosis.causes[0]
     verdict = page.section("Verdict", "verdict")
     verdict.verdict(f"{verdict_label(diagnosis)} — {top.summary}.")
+    if diagnosis.location is not None:
+        verdict.paragraph(location_line(diagnosis.location))
     # Only a remedy that lowers the peak is worth trying first (issue 16 item 8).
     first = next((r for r in diagnosis.remedies if r.lowers_peak), None)
     if first is not None:

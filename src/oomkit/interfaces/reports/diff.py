@@ -26,8 +26,8 @@ def diff_headline(diff: RunDiff) -> str:
     return (
         f"peak reserved {format_bytes(diff.a.peak_reserved_bytes)} -> "
         f"{format_bytes(diff.b.peak_reserved_bytes)} ({_signed(diff.peak_reserved_delta_bytes)}): "
-        f"allocated {_signed(diff.allocated_delta_bytes)}, placement "
-        f"{_signed(diff.placement_delta_bytes)}"
+        f"allocated {_signed(diff.allocated_delta_bytes)}, fragmentation "
+        f"{_signed(diff.placement_delta_bytes)} (both at peak reserved)"
         + (
             f"; outside PyTorch {_signed(diff.outside_delta_bytes)}"
             if diff.outside_delta_bytes
@@ -76,13 +76,13 @@ def render_diff(diff: RunDiff, console: Console) -> None:
     for name in ("A", "B", "B - A"):
         parts.add_column(name, justify="right")
     parts.add_row(
-        "allocated at the peak",
+        "allocated at peak reserved",
         format_bytes(diff.a.allocated_at_peak_bytes),
         format_bytes(diff.b.allocated_at_peak_bytes),
         _signed(diff.allocated_delta_bytes),
     )
     parts.add_row(
-        "placement (reserved - allocated)",
+        "fragmentation: reserved - allocated at peak reserved",
         format_bytes(diff.a.placement_bytes),
         format_bytes(diff.b.placement_bytes),
         _signed(diff.placement_delta_bytes),
@@ -100,7 +100,9 @@ def render_diff(diff: RunDiff, console: Console) -> None:
     if diff.top_sites:
         console.print(_delta_table("By allocation site, at each peak", diff.top_sites))
     if diff.segment_deltas:
-        console.print(_delta_table("Segments held at each peak (placement)", diff.segment_deltas))
+        console.print(
+            _delta_table("Segments held at each peak of reserved memory", diff.segment_deltas)
+        )
     line = _divergence_line(diff)
     if line:
         console.print(escape(line))
@@ -159,7 +161,7 @@ def _parts_bar_svg(diff: RunDiff, width: int = 900) -> str:
 
     parts = [
         ("allocated", diff.allocated_delta_bytes, "#0072B2"),
-        ("placement", diff.placement_delta_bytes, "#E69F00"),
+        ("fragmentation", diff.placement_delta_bytes, "#E69F00"),
         ("outside PyTorch", diff.outside_delta_bytes, "#009E73"),
         ("total", diff.peak_delta_bytes, "#555555"),
     ]
@@ -192,7 +194,11 @@ def diff_html(diff: RunDiff) -> str:
     page = HtmlPage("oomkit diff", subtitle=f"A: {diff.a.name}  B: {diff.b.name}")
     head = page.section("Change in peak memory", "verdict")
     head.verdict(diff_headline(diff))
-    head.figure(_parts_bar_svg(diff), "B minus A; allocated + placement = peak reserved change")
+    head.figure(
+        _parts_bar_svg(diff),
+        "B minus A, at each peak of reserved memory; allocated + fragmentation (reserved - "
+        "allocated) = peak reserved change",
+    )
     timelines = page.section("Timelines", "timelines")
     if diff.a.timeline and diff.b.timeline and diff.a.timeline_unit == diff.b.timeline_unit:
         both = [
@@ -223,7 +229,7 @@ def diff_html(diff: RunDiff) -> str:
     for title, rows, sid in (
         ("By category, at each peak", diff.by_category, "categories"),
         ("By allocation site, at each peak", diff.top_sites, "sites"),
-        ("Segments held at each peak (placement)", diff.segment_deltas, "segments"),
+        ("Segments held at each peak of reserved memory", diff.segment_deltas, "segments"),
     ):
         if rows:
             page.section(title, sid).table(

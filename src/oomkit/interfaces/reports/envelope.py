@@ -32,6 +32,15 @@ def envelope_verdict(env: Envelope) -> str:
     return "fits every step: " + head
 
 
+def _saves(saving_bytes: int) -> str:
+    """The "saves" cell, signed as ``saving_bytes`` is in JSON: ``-3.50 GiB`` costs memory.
+
+    One function for the terminal and the page, so both show what JSON says (a remedy that
+    costs memory was shown as "0 B" on the page).
+    """
+    return format_bytes(saving_bytes)
+
+
 def render_envelope(env: Envelope, console: Console) -> None:
     """The per-step summary, the remedies ranked by saving, and the verdict."""
     console.print(escape(f"{env.prediction.description or 'run'}: {env.steps} steps"))
@@ -45,7 +54,7 @@ def render_envelope(env: Envelope, console: Console) -> None:
         table.add_row(
             escape(r.name),
             format_bytes(r.peak_reserved_bytes),
-            format_bytes(r.saving_bytes) if r.saving_bytes >= 0 else "-" + format_bytes(-r.saving_bytes),
+            _saves(r.saving_bytes),
             "-" if r.first_oom_step is None else str(r.first_oom_step),
             escape(r.note),
         )
@@ -104,7 +113,7 @@ def envelope_html(env: Envelope) -> str:
                 (
                     r.name,
                     format_bytes(r.peak_reserved_bytes),
-                    format_bytes(max(r.saving_bytes, 0)),
+                    _saves(r.saving_bytes),
                     "-" if r.first_oom_step is None else r.first_oom_step,
                     r.note,
                 )
