@@ -17,6 +17,14 @@ from oomkit.prediction.serving.model_spec import (
     read_serving_model,
 )
 from oomkit.prediction.serving.profile_run import ProfilePeak, RankRecorder, trace_profile_run
+from oomkit.prediction.serving.sglang import (
+    DEFAULT_SGLANG_VERSION,
+    SGLANG_VERSIONS,
+    SglangRequest,
+    SglangStartup,
+    default_sglang_settings,
+    predict_sglang,
+)
 from oomkit.prediction.serving.verdict import Knob, Verdict
 from oomkit.prediction.serving.vllm import VllmRequest, VllmStartup, predict_vllm
 from oomkit.prediction.serving.vllm_kv_cache import KvLayout, kv_layout
@@ -29,7 +37,13 @@ from oomkit.prediction.serving.vllm_versions import (
 from oomkit.prediction.serving.weights import WeightBytes, linear_bits, rank_model, weight_bytes
 
 __all__ = [
+    "DEFAULT_SGLANG_VERSION",
     "DEFAULT_VLLM_VERSION",
+    "SGLANG_VERSIONS",
+    "SglangRequest",
+    "SglangStartup",
+    "default_sglang_settings",
+    "predict_sglang",
     "GraphEstimate",
     "Knob",
     "KvLayout",
