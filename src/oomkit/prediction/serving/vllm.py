@@ -346,7 +346,7 @@ def _account(util: float, *, request: VllmRequest, rules: VllmRules, gpu: GpuSpe
                     "and warm-up"),
             knobs=(),
         )
-    concurrency = request.concurrency or max_num_seqs
+    concurrency = request.concurrency or 1
     # BlockPool keeps one null block out of use (v1/core/block_pool.py), hence the + 1.
     for_concurrency = (concurrency * layout.blocks_per_request(max_model_len, tokens) + 1) \
         * layout.bytes_per_block
