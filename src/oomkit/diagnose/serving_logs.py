@@ -219,8 +219,9 @@ def _sglang_failure(text: str) -> tuple[str | None, str | None, tuple[Knob, ...]
     if _OOM.search(text) or re.search(r"Capture cuda graph failed", text, re.IGNORECASE):
         oom_line = _line(text, _OOM) or _line(text, re.compile("Capture cuda graph failed", re.I))
         graph = re.search(r"cuda graph", text, re.IGNORECASE) is not None
-        knobs = (Knob("--mem-fraction-static", "lower", "the run's activations and graphs live "
-                      "in the rest"),)
+        knobs: tuple[Knob, ...] = (
+            Knob("--mem-fraction-static", "lower", "the run's activations and graphs live in the rest"),
+        )
         if graph:
             knobs += (Knob("--cuda-graph-max-bs", "lower", "fewer, smaller graphs"),
                       Knob("--disable-cuda-graph", "set", "no CUDA graphs"))

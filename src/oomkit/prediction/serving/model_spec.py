@@ -203,14 +203,17 @@ def _layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[tuple[LayerKi
             "sliding" if "sliding" in str(kind) else "full" for kind in types
         )
         return kinds, window if "sliding" in kinds else None
+    full: LayerKind = "full"
+    sliding: LayerKind = "sliding"
     if window is None or config.get("use_sliding_window") is False:
-        return ("full",) * num_layers, None
+        return (full,) * num_layers, None
     pattern = config.get("sliding_window_pattern")
     if isinstance(pattern, int) and pattern > 1:
-        return tuple(
-            "full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)
-        ), window
-    return ("sliding",) * num_layers, window
+        pattern_kinds: tuple[LayerKind, ...] = tuple(
+            full if (i + 1) % pattern == 0 else sliding for i in range(num_layers)
+        )
+        return pattern_kinds, window
+    return (sliding,) * num_layers, window
 
 
 def read_serving_model(source: str | os.PathLike[str]) -> ServingModel:
@@ -228,7 +231,8 @@ def read_serving_model(source: str | os.PathLike[str]) -> ServingModel:
         raise ServingConfigError(f"{path} holds no JSON object; is it a model's config.json?")
     outer = config
     # A multimodal config keeps the language model under text_config (vLLM serves that part).
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
     where = str(path)
     num_layers = _positive_int(text, "num_hidden_layers", where)
     hidden = _positive_int(text, "hidden_size", where)

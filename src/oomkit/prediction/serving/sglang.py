@@ -36,7 +36,6 @@ from oomkit.prediction.serving.cuda_graph import GraphEstimate, estimate_graphs
 from oomkit.prediction.serving.model_spec import (
     ServingConfigError,
     ServingModel,
-    dtype_bytes,
     kv_dtype_bytes,
     read_serving_model,
 )

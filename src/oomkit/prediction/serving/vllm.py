@@ -241,19 +241,18 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
     )
     kv_bytes = kv_dtype_bytes(request.kv_cache_dtype, dtype)
     layout = kv_layout(model, kv_bytes=kv_bytes, tp=tp, block_size=request.block_size)
-    context = gpu.context_overhead_bytes
-    base = dict(
+    inputs = _Inputs(
         request=request, rules=rules, gpu=gpu, model=model, dtype=dtype, max_model_len=mml,
         max_num_seqs=seqs, max_num_batched_tokens=tokens, weights=weights, profile=profile,
-        warmup=warmup, graphs=graphs, layout=layout, context=context,
+        warmup=warmup, graphs=graphs, layout=layout, context=gpu.context_overhead_bytes,
         non_torch=_non_torch_bytes(tp),
         buffers=_persistent_buffers(model, element, tokens, seqs, mml, request.block_size),
         kv_per_token=model.kv_bytes_per_token(kv_bytes, tp),
     )
-    startup = _account(request.gpu_memory_utilization, **base)
+    startup = _account(request.gpu_memory_utilization, inputs)
     grid = [u / 100 for u in range(1, 101)]
-    starting = [u for u in grid if _account(u, **base).verdict.starts]
-    serving_one = [u for u in grid if _account(u, **base).available_kv_bytes
+    starting = [u for u in grid if _account(u, inputs).verdict.starts]
+    serving_one = [u for u in grid if _account(u, inputs).available_kv_bytes
                    >= layout.bytes_per_request(mml, tokens)]
     return replace(
         startup,
@@ -262,12 +261,37 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
     )
 
 
-def _account(util: float, *, request: VllmRequest, rules: VllmRules, gpu: GpuSpec,
-             model: ServingModel, dtype: str, max_model_len: int, max_num_seqs: int,
-             max_num_batched_tokens: int, weights: WeightBytes, profile: ProfilePeak,
-             warmup: ProfilePeak, graphs: GraphEstimate, layout: KvLayout, context: int,
-             non_torch: int, buffers: int, kv_per_token: int) -> VllmStartup:
+@dataclass(frozen=True)
+class _Inputs:
+    """What does not change with the utilization: one recording, many budgets."""
+
+    request: VllmRequest
+    rules: VllmRules
+    gpu: GpuSpec
+    model: ServingModel
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    weights: WeightBytes
+    profile: ProfilePeak
+    warmup: ProfilePeak
+    graphs: GraphEstimate
+    layout: KvLayout
+    context: int
+    non_torch: int
+    buffers: int
+    kv_per_token: int
+
+
+def _account(util: float, inputs: _Inputs) -> VllmStartup:
     """The start-up at one ``gpu_memory_utilization``."""
+    request, rules, gpu, model = inputs.request, inputs.rules, inputs.gpu, inputs.model
+    dtype, max_model_len, max_num_seqs = inputs.dtype, inputs.max_model_len, inputs.max_num_seqs
+    max_num_batched_tokens, weights = inputs.max_num_batched_tokens, inputs.weights
+    profile, warmup, graphs, layout = inputs.profile, inputs.warmup, inputs.graphs, inputs.layout
+    context, non_torch, buffers = inputs.context, inputs.non_torch, inputs.buffers
+    kv_per_token = inputs.kv_per_token
     total = gpu.total_memory_bytes
     init_free = total - context
     requested = int(total * util)
@@ -287,7 +311,6 @@ def _account(util: float, *, request: VllmRequest, rules: VllmRules, gpu: GpuSpe
     tokens = max_num_batched_tokens
     free_after_kv = init_free - w - buffers - non_torch - kv_alloc
     after_kv_need = graphs.total_bytes + warmup.peak_bytes
-    knobs: list[Knob] = []
     one_request = layout.bytes_per_request(max_model_len, tokens)
     if rules.checks_free_memory_at_start and given is None and init_free < requested:
         verdict = Verdict(
