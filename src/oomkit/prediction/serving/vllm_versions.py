@@ -56,8 +56,6 @@ class VllmRules:
             memory (0.13).
         has_kv_cache_memory_flag: ``--kv-cache-memory`` exists (0.13).
         inplace_sampler: the top-p cumsum and the unsort write into existing buffers.
-        max_capture_size: the largest CUDA-graph size by default, before the token limit
-            (0.13: ``min(2 * max_num_seqs, 512)``; 0.8: 512).
         large_device_defaults: batched tokens and sequences by default on a >= 70 GiB non-A100
             device, and on others.
         graph_modes: CUDA graphs captured a size (0.13 ``FULL_AND_PIECEWISE``: a piecewise and
