@@ -66,3 +66,16 @@ def tiny_llama(**overrides: object) -> dict:
     config.pop("rope_scaling")
     config.update(overrides)
     return config
+
+
+# A three-layer DeepSeek-V3 (MLA, one dense layer then MoE), fast to build and trace.
+TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+    "v_head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}

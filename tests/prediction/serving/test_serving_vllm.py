@@ -187,3 +187,14 @@ def test_bad_flags_are_refused(write_config):
         predict_vllm(VllmRequest(model=folder, max_num_batched_tokens=128, max_num_seqs=256))
     with pytest.raises(ServingConfigError, match="Bfloat16 is only supported"):
         predict_vllm(VllmRequest(model=folder, gpu="t4"))
+
+
+def test_an_mla_model_starts_with_latent_pages(write_config):
+    """A DeepSeek-V3-shaped model (MLA, MoE) is built and recorded on meta; its KV page is one
+    latent of (64 + 16) x 2 bytes a token a layer, not split by tp."""
+    from _serving_configs import TINY_DEEPSEEK_V3
+
+    s = predict_vllm(VllmRequest(model=write_config(TINY_DEEPSEEK_V3), max_model_len=4096))
+    assert s.layout.page_size_bytes == 16 * (64 + 16) * 2
+    assert s.kv_bytes_per_token == 3 * (64 + 16) * 2
+    assert s.profile.forward_peak_bytes > 0 and s.verdict.starts

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.errors import OomkitError
 
 __all__ = ["SORT_WORKSPACE_BYTES_PER_ELEMENT", "ProfilePeak", "RankRecorder", "trace_profile_run"]
 
@@ -173,8 +174,11 @@ def trace_profile_run(
                 _dummy_sampler(logits, inplace=inplace_sampler)
 
     ids = torch.zeros((1, num_tokens), dtype=torch.long, device="meta")
-
-    recording = trace_step(step, built, ids, gpu=gpu)
+    try:
+        recording = trace_step(step, built, ids, gpu=gpu)
+    except OomkitError as exc:
+        return _estimated_profile(built, head, num_tokens, num_logit_rows, gpu, inplace_sampler,
+                                  reason=str(exc).splitlines()[0])
     # Forward and sampler split at the LM head's output: the first allocation tagged with the
     # head's module path.
     split = len(recording.events)
@@ -193,6 +197,47 @@ def trace_profile_run(
         forward_peak_bytes=forward,
         sampler_peak_bytes=sampler,
         warnings=tuple(recording.warnings),
+    )
+
+
+def _estimated_profile(built: Any, head: Any, num_tokens: int, num_logit_rows: int,
+                       gpu: GpuSpec, inplace_sampler: bool, *, reason: str) -> ProfilePeak:
+    """The profile run when the model's forward cannot run on meta (a routing or RoPE variant
+    that reads values): the sampler recorded alone over meta logits, next to the final hidden
+    states, and the forward estimated as one decoder layer's widest live set, ``tokens x (4 x
+    hidden + 3 x intermediate)`` elements in the model dtype (an MLP's gate, up and product
+    beside the residual stream)."""
+    import torch
+
+    from oomkit.prediction.tracing import trace_step
+
+    config = built.config
+    hidden_size = int(config.hidden_size)
+    intermediate = int(getattr(config, "intermediate_size", 4 * hidden_size) or 4 * hidden_size)
+    element = next(built.parameters()).element_size()
+    forward = num_tokens * (4 * hidden_size + 3 * intermediate) * element
+    vocab = int(head.weight.shape[0])
+
+    def sampler_step() -> None:
+        with torch.inference_mode():
+            hidden = torch.empty((num_tokens, hidden_size), dtype=head.weight.dtype)
+            if num_logit_rows:
+                logits = torch.empty((num_logit_rows, vocab), dtype=head.weight.dtype)
+                _dummy_sampler(logits, inplace=inplace_sampler)
+            del hidden
+
+    sampler = 0
+    if num_logit_rows:
+        recording = trace_step(sampler_step, gpu=gpu)
+        sampler, _, _ = _peaks(recording, len(recording.events))
+    return ProfilePeak(
+        num_tokens=num_tokens,
+        num_logit_rows=num_logit_rows,
+        peak_bytes=max(forward, sampler),
+        forward_peak_bytes=forward,
+        sampler_peak_bytes=sampler,
+        warnings=(f"the forward could not be recorded on meta ({reason}); its activation is "
+                  "estimated from the config, the sampler recorded alone",),
     )
 
 

@@ -153,8 +153,9 @@ def rank_model(model: ServingModel, tp: int, dtype: str) -> Any:
     text.update(
         num_attention_heads=model.num_attention_heads // tp,
         num_key_value_heads=model.kv_heads_per_rank(tp),
-        head_dim=model.head_dim,
     )
+    if not model.is_mla:  # MLA's head widths are their own fields (qk_nope/qk_rope/v_head_dim)
+        text["head_dim"] = model.head_dim
     for key in _SPLIT_KEYS:
         if isinstance(text.get(key), int):
             text[key] = max(1, text[key] // tp)
