@@ -4,7 +4,8 @@ Each run is a fresh process (``python -c`` building the ``serve`` parser and cal
 the ``oomkit serve vllm`` command will once it is registered in ``cli/__init__.py``), timed from
 start to exit, start-up (torch and transformers imported) included, with ``--json``. The config
 is Llama-3.1-8B's ``config.json`` (written to a temporary folder: no network). Next to it, the
-floor: ``python -c "import torch, transformers"``. ``--repeat`` runs each (default 3); the
+floor: ``python -c "import torch, torch._dynamo"`` (torch, and the dynamo modules the tracer's
+dispatch modes load; Llama-family configs are built without transformers). ``--repeat`` runs each (default 3); the
 median is reported, with the machine's load before and after.
 
 Prints a line, then one JSON line:
@@ -65,11 +66,11 @@ def main() -> int:
         _time([sys.executable, "-c", _CHILD, folder])  # untimed: writes cached bytecode
         for _ in range(args.repeat):
             serve_s.append(_time([sys.executable, "-c", _CHILD, folder]))
-            floor_s.append(_time([sys.executable, "-c", "import torch, transformers"]))
+            floor_s.append(_time([sys.executable, "-c", "import torch, torch._dynamo"]))
     median = statistics.median(serve_s)
     machine = {"cores": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
     print(f"oomkit serve vllm (Llama-3.1-8B config, H100): median {median:.2f} s "
-          f"(import torch+transformers floor {statistics.median(floor_s):.2f} s; "
+          f"(import torch + torch._dynamo floor {statistics.median(floor_s):.2f} s; "
           f"load {load_before[0]:.1f} -> {machine['load_after'][0]:.1f})")
     print(json.dumps({"serve_vllm_s": serve_s, "import_floor_s": floor_s,
                       "median_serve_vllm_s": median, "machine": machine}))

@@ -52,3 +52,12 @@ def test_a_forward_that_cannot_run_on_meta_is_estimated(built):
     assert peak.forward_peak_bytes == 128 * (4 * 256 + 3 * 512) * 2
     assert peak.sampler_peak_bytes >= 16 * 1024 * (2 + 4 + 4 + 8 + SORT_WORKSPACE_BYTES_PER_ELEMENT)
     assert "could not be recorded on meta (because)" in peak.warnings[0]
+
+
+def test_vllms_dense_forward_peaks_at_the_mlp(built):
+    """vLLM's Llama layer peaks in the MLP: residual and hidden states (2 x 256), the fused
+    gate-up output (2 x 512) and SiluAndMul's (512), bf16: 4096 bytes a token, exactly."""
+    assert type(built).__name__ == "DecoderLM"
+    for tokens in (64, 512):
+        peak = trace_profile_run(built, num_tokens=tokens, num_logit_rows=0, gpu=get_gpu("h100"))
+        assert peak.forward_peak_bytes == tokens * (2 * 256 + 2 * 512 + 512) * 2

@@ -97,3 +97,26 @@ def test_unmodelled_quantization_and_bad_tp_are_refused(write_config):
         linear_bits(model, "hqq", "bfloat16")
     with pytest.raises(ServingConfigError, match="does not divide the 4 attention heads"):
         rank_model(model, 3, "bfloat16")
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True},
+    {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+])
+def test_vllms_dense_decoder_holds_the_same_weights_as_transformers(write_config, monkeypatch,
+                                                                     overrides):
+    """Llama/Qwen2/Qwen3 built as vLLM builds them (fused QKV and gate-up) hold, per rank, the
+    bytes transformers' modules hold (tp 1 and 2)."""
+    from oomkit.prediction.serving import weights as weights_module
+
+    model = read_serving_model(write_config(tiny_llama(**overrides)))
+    for tp in (1, 2):
+        dense = rank_model(model, tp, "bfloat16")
+        assert type(dense).__name__ == "DecoderLM"
+        with monkeypatch.context() as patch:
+            patch.setattr(weights_module, "dense_decoder", lambda *args: None)
+            hf = rank_model(model, tp, "bfloat16")
+        assert type(hf).__name__ != "DecoderLM"
+        assert weight_bytes(model, dense, tp=tp, dtype="bfloat16", quantization=None) == \
+            weight_bytes(model, hf, tp=tp, dtype="bfloat16", quantization=None)

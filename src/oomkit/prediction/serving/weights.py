@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomkit.errors import TorchRequiredError
+from oomkit.prediction.serving.dense_decoder import dense_decoder
 from oomkit.prediction.serving.model_spec import ServingConfigError, ServingModel, dtype_bytes
 
 __all__ = ["WeightBytes", "linear_bits", "rank_model", "weight_bytes"]
@@ -129,9 +130,10 @@ def _transformers() -> Any:
 
 
 def rank_model(model: ServingModel, tp: int, dtype: str) -> Any:
-    """The transformers model one tensor-parallel rank runs, on the meta device.
+    """The model one tensor-parallel rank runs, on the meta device.
 
-    Query heads, KV heads (at least 1: vLLM replicates them past their count) and the MLP
+    Llama, Mistral, Qwen2 and Qwen3 are built as vLLM builds them (``dense_decoder``); other
+    families with transformers, where query heads, KV heads (at least 1: vLLM replicates them past their count) and the MLP
     widths are divided by ``tp``; the vocabulary is kept whole (the logits the sampler sees are
     gathered to the full vocabulary). Attention is SDPA, as oomkit traces it.
 
@@ -147,6 +149,9 @@ def rank_model(model: ServingModel, tp: int, dtype: str) -> Any:
             f"--tensor-parallel-size {tp} does not divide the {model.num_attention_heads} "
             "attention heads; vLLM refuses it at start-up. Use a divisor of the head count"
         )
+    dense = dense_decoder(model, tp, dtype)
+    if dense is not None:  # vLLM's own module shapes, without importing transformers
+        return dense
     transformers = _transformers()
     text = dict(model.raw.get("text_config") or model.raw)
     text.pop("quantization_config", None)
