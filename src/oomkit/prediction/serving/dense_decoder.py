@@ -88,7 +88,8 @@ def _build(model: ServingModel, tp: int, dtype: str, intermediate: int, qkv_bias
             tokens = ids.shape[0]
             x = nn.functional.embedding(ids, self.embed_tokens)
             residual = None
-            for layer in self.layers:
+            layers: list[Any] = list(self.layers)
+            for layer in layers:
                 if residual is None:  # rms_norm(x) into a new tensor; x becomes the residual
                     residual, x = x, torch.empty_like(x)
                 else:  # fused_add_rms_norm: residual += x, x = norm(residual), in place
