@@ -12,6 +12,8 @@ import json
 
 import pytest
 from _serving_configs import LLAMA_31_8B, LLAMA_33_70B_FP8, QWEN3_06B, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomkit.core.gpus import get_gpu
 from oomkit.prediction.serving import (
@@ -198,3 +200,42 @@ def test_an_mla_model_starts_with_latent_pages(write_config):
     assert s.layout.page_size_bytes == 16 * (64 + 16) * 2
     assert s.kv_bytes_per_token == 3 * (64 + 16) * 2
     assert s.profile.forward_peak_bytes > 0 and s.verdict.starts
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps(tiny_llama()))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_recorder(tiny_dir):
+    return RankRecorder(rank_model(read_serving_model(tiny_dir), 1, "bfloat16"), get_gpu("l4"))
+
+
+def test_the_cache_for_a_concurrency_says_whether_it_fits(tiny_dir, tiny_recorder):
+    """1 request fits on an L4; 10,000 requests of 4096 tokens (80 GiB) do not."""
+    one = predict_vllm(VllmRequest(model=tiny_dir, gpu="l4"), recorder=tiny_recorder)
+    assert one.concurrency == 1 and one.kv_cache_memory_for_concurrency_fits
+    many = predict_vllm(VllmRequest(model=tiny_dir, gpu="l4", concurrency=10_000),
+                        recorder=tiny_recorder)
+    assert not many.kv_cache_memory_for_concurrency_fits
+
+
+@settings(max_examples=25, deadline=None)
+@given(util=st.integers(1, 100))
+def test_utilization_invariants(tiny_dir, tiny_recorder, util):
+    """Blocks never exceed what is available; a utilization that starts is at most the highest
+    reported; more utilization never means less KV cache."""
+    u = util / 100
+    s = predict_vllm(VllmRequest(model=tiny_dir, gpu="l4", gpu_memory_utilization=u),
+                     recorder=tiny_recorder)
+    assert s.kv_cache_bytes <= max(s.available_kv_bytes, 0)
+    if s.verdict.starts:
+        assert s.max_gpu_memory_utilization is not None and u <= s.max_gpu_memory_utilization
+    if util < 100:
+        more = predict_vllm(VllmRequest(model=tiny_dir, gpu="l4",
+                                        gpu_memory_utilization=(util + 1) / 100),
+                            recorder=tiny_recorder)
+        assert more.available_kv_bytes >= s.available_kv_bytes

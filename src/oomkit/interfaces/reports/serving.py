@@ -87,6 +87,7 @@ def render_vllm_startup(startup: VllmStartup, console: Console) -> None:
     console.print(
         f"--kv-cache-memory for {s.concurrency} concurrent {s.max_model_len}-token requests: "
         f"{s.kv_cache_memory_for_concurrency_bytes} ({format_bytes(s.kv_cache_memory_for_concurrency_bytes)})"
+        + ("" if s.kv_cache_memory_for_concurrency_fits else ": more than this GPU holds")
     )
     if s.rules.has_kv_cache_memory_flag:
         console.print(

@@ -139,6 +139,7 @@ class VllmStartup:
     min_gpu_memory_utilization: float | None
     concurrency: int
     kv_cache_memory_for_concurrency_bytes: int
+    kv_cache_memory_for_concurrency_fits: bool
     suggested_kv_cache_memory_requested_bytes: int
     suggested_kv_cache_memory_gpu_bytes: int
     estimates: tuple[str, ...] = field(default=())
@@ -374,6 +375,9 @@ def _account(util: float, inputs: _Inputs) -> VllmStartup:
     for_concurrency = (concurrency * layout.blocks_per_request(max_model_len, tokens) + 1) \
         * layout.bytes_per_block
     graph_bytes = 0 if request.enforce_eager else graphs.total_bytes
+    # That cache next to everything else the device holds once warmed up.
+    fits = (context + w + buffers + non_torch + for_concurrency + graph_bytes
+            + warmup.peak_bytes) <= total
     suggest_requested = requested - (w + peak + non_torch + graph_bytes) - REDUNDANCY_BUFFER_BYTES
     suggest_gpu = init_free - (w + peak + non_torch + graph_bytes) - REDUNDANCY_BUFFER_BYTES
     estimates = (
@@ -396,6 +400,7 @@ def _account(util: float, inputs: _Inputs) -> VllmStartup:
         kv_bytes_per_token=kv_per_token, graphs=graphs, free_after_kv_bytes=free_after_kv,
         verdict=verdict, max_gpu_memory_utilization=None, min_gpu_memory_utilization=None,
         concurrency=concurrency, kv_cache_memory_for_concurrency_bytes=for_concurrency,
+        kv_cache_memory_for_concurrency_fits=fits,
         suggested_kv_cache_memory_requested_bytes=suggest_requested,
         suggested_kv_cache_memory_gpu_bytes=suggest_gpu,
         estimates=estimates, warnings=profile.warnings,
