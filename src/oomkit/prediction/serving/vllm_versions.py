@@ -25,8 +25,9 @@ Defaults: 0.13 ``vllm/engine/arg_utils.py`` ``get_batch_defaults`` (devices of >
 not A100s: 8192 batched tokens and 1024 sequences for the API server; others 2048 and 256);
 capture sizes ``vllm/config/vllm.py`` ``VllmConfig._set_cudagraph_sizes`` (up to
 ``min(2 * max_num_seqs, 512, max_num_batched_tokens)``: 1, 2, 4, then steps of 8 below 256 and
-of 16 from 256). 0.8: 8192 batched tokens for the API server (the v0.8.1 log: "Chunked prefill is
-enabled with max_num_batched_tokens=8192"), 256 sequences (``SchedulerConfig``), capture sizes
+of 16 from 256). 0.8: ``EngineArgs._set_default_args_v1`` of that series: 8192 batched tokens
+for the API server on a >= 70 GiB device (a v0.8.1 log: "Chunked prefill is enabled with
+max_num_batched_tokens=8192"), 2048 on others, and 256 sequences everywhere, capture sizes
 1, 2, 4 and steps of 8 up to 512 (``VllmConfig._set_cudagraph_sizes`` of V1 0.8), within
 ``max_num_batched_tokens``. Block size 16 in both (``CacheConfig.block_size``).
 """
@@ -100,7 +101,7 @@ _RULES = {
         checks_free_memory_at_start=False,
         has_kv_cache_memory_flag=False,
         inplace_sampler=False,
-        large_device_defaults=((8192, 256), (8192, 256)),
+        large_device_defaults=((8192, 256), (2048, 256)),
         graph_modes=1,
     ),
     "0.13": VllmRules(
