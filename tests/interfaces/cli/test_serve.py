@@ -120,3 +120,11 @@ def test_bad_input_is_one_line_and_exit_2(model_dir, capsys, monkeypatch, tmp_pa
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     assert _run(["vllm", "meta-llama/Llama-3.1-8B-Instruct"]) == serve.EXIT_USAGE
     assert "not in the local Hugging Face cache" in capsys.readouterr().err
+
+
+def test_abbreviated_flags_are_refused(model_dir, capsys):
+    """`--gpu-mem 0.5` is not a shortened --gpu-memory-utilization: a usage error."""
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["serve", "vllm", model_dir, "--gpu-mem", "0.5"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --gpu-mem" in capsys.readouterr().err

@@ -59,8 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "2: bad input.",
     )
     engines = parser.add_subparsers(dest="engine", required=True, metavar="{vllm,sglang}")
+    # No abbreviated flags (as cli/__init__.py build_parser sets for every subcommand).
     vllm = engines.add_parser("vllm", help="vLLM's gpu_memory_utilization, KV blocks, warm-up",
-                              description="vLLM's start-up; flags as `vllm serve` spells them.")
+                              description="vLLM's start-up; flags as `vllm serve` spells them.",
+                              allow_abbrev=False)
     _common(vllm)
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     vllm.add_argument("--max-model-len", type=int, default=None)
@@ -77,7 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     vllm.add_argument("--concurrency", type=int, default=None,
                       help="requests of max_model_len to size --kv-cache-memory for (default: 1)")
     sglang = engines.add_parser("sglang", help="SGLang's mem_fraction_static and KV pool",
-                                description="SGLang's start-up; flags as sglang.launch_server spells them.")
+                                description="SGLang's start-up; flags as sglang.launch_server spells them.",
+                                allow_abbrev=False)
     _common(sglang)
     sglang.add_argument("--tp-size", "--tp", dest="tp", type=int, default=1)
     sglang.add_argument("--mem-fraction-static", type=_fraction, default=None)
