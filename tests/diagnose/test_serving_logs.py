@@ -107,3 +107,21 @@ def test_other_text_is_not_a_serving_log():
     """A plain PyTorch OOM without an engine's words is left to the OOM-text reader."""
     text = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
     assert not is_serving_log(text) and diagnose_serving_log(text) is None
+
+
+def test_the_report_renders_the_failure_and_knobs():
+    """reports/serving.py: the failure, its line and the knobs, and the same as JSON."""
+    from rich.console import Console
+
+    from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
+
+    d = diagnose_serving_log("ValueError: No available memory for the cache blocks. Try "
+                             "increasing `gpu_memory_utilization` when initializing the engine.")
+    assert d is not None
+    console = Console(width=200, record=True, color_system=None)
+    render_serving_log(d, console)
+    text = console.export_text()
+    assert "Failed: no_kv_cache" in text
+    assert "--gpu-memory-utilization raise: the KV cache gets what it leaves" in text
+    data = serving_log_to_json(d)
+    assert data["failure"] == "no_kv_cache" and data["knobs"][0]["direction"] == "raise"

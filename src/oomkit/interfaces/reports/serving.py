@@ -9,11 +9,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from oomkit.diagnose.serving_logs import ServingLogDiagnosis
 from oomkit.prediction.serving import SglangStartup, Verdict, VllmStartup
 from oomkit.units import format_bytes
 
 __all__ = [
+    "render_serving_log",
     "render_sglang_startup",
+    "serving_log_to_json",
     "render_vllm_startup",
     "sglang_startup_to_json",
     "vllm_startup_to_json",
@@ -184,4 +187,27 @@ def sglang_startup_to_json(startup: SglangStartup) -> dict[str, Any]:
     out["model"] = {k: v for k, v in _plain(s.model).items() if k != "quantization"}
     out["weights"]["total_bytes"] = s.weights.total_bytes
     out["graphs"]["total_bytes"] = s.graphs.total_bytes
+    return out
+
+
+def render_serving_log(diagnosis: ServingLogDiagnosis, console: Console) -> None:
+    """Print what a vLLM / SGLang log says: its figures, its failure and the knobs."""
+    d = diagnosis
+    engine = {"vllm": "vLLM", "sglang": "SGLang"}[d.engine]
+    console.print(f"{engine} log" + (f" (v{escape(d.version)})" if d.version else ""))
+    for name, value in d.figures.items():
+        console.print(f"  {escape(name)}: {value:g}")
+    if d.failure is None:
+        console.print("No start-up failure found.")
+        return
+    console.print(f"[bold red]Failed:[/] {escape(d.failure)}: {escape(d.explanation)}")
+    if d.message:
+        console.print(f"  {escape(d.message)}")
+    for knob in d.knobs:
+        console.print(f"  {escape(knob.flag)} {escape(knob.direction)}: {escape(knob.why)}")
+
+
+def serving_log_to_json(diagnosis: ServingLogDiagnosis) -> dict[str, Any]:
+    """The log's figures, failure and knobs as JSON."""
+    out: dict[str, Any] = _plain(diagnosis)
     return out
