@@ -240,6 +240,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
         "oomkit.prediction.summary",
+        "oomkit.prediction.serving",
         "oomkit.prediction.workload",
         "oomkit.plan",
         "oomkit.diagnose",

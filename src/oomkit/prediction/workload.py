@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 __all__ = [
-    "GENERATE_COMPILE_REASON",
     "WorkloadKind",
     "WorkloadSpec",
     "workload_from_description",
@@ -62,19 +61,6 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "compile": False,
     "trainer_mixed_precision": None,
 }
-# Why a compiled generate step is refused rather than predicted. The preset's loop (and
-# transformers' DynamicCache) grows the KV cache by one token per step, so a compiled decode
-# recompiles at the second shape with the cache length symbolic (torch/_dynamo/config.py
-# automatic_dynamic_shapes); transformers compiles generation only with a static cache and its
-# CompileConfig's default mode "reduce-overhead" (generation/configuration_utils.py), i.e. CUDA
-# graphs. Neither is what tracing/compile_plan.py emulates (static sizes, default mode).
-GENERATE_COMPILE_REASON = (
-    "a compiled generate loop runs its decode step as one dynamic-shape graph (the KV cache "
-    "grows a token per step, so dynamo's automatic_dynamic_shapes makes its length symbolic "
-    "after the second shape), or, with Hugging Face's static cache, under CUDA graphs "
-    "(transformers' CompileConfig default mode 'reduce-overhead'); oomkit's Inductor emulation "
-    "plans static sizes only and does not model CUDA graph pools"
-)
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor")
 
 

@@ -21,8 +21,6 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from oomkit.prediction.workload import GENERATE_COMPILE_REASON
-
 from oomkit.scenario.sections import (
     LengthsSection,
     LoraSection,
@@ -135,13 +133,8 @@ class Scenario(_Section):
                 "of a fake process group runs compiled code eagerly. Predict one GPU's compiled "
                 "step (drop --fsdp/--tp/--dp), or the sharded step eagerly (drop --compile)"
             )
-        if self.step.compile and self.step.mode == "generate":
-            raise ValueError(
-                f"--compile with --mode generate is not modelled: {GENERATE_COMPILE_REASON}. "
-                "Drop --compile to predict the generate step eagerly, or predict the compiled "
-                "forward at the longest length: --mode inference --compile --seq "
-                "PROMPT+NEW_TOKENS"
-            )
+        # --compile with --mode generate: refused where the step is built, with the reason
+        # (StepOptions: prediction/models/options.py GENERATE_COMPILE_REASON).
         if parallel and kind == "hf":
             raise ValueError(
                 "--fsdp, --tp and --dp shard a preset or a file.py:function that takes `mesh`; "

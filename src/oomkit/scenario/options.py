@@ -146,8 +146,15 @@ def step_options(
         OomkitError: a combination ``StepOptions`` refuses, worded with the scenario's flags.
     """
     from oomkit.prediction.models import StepOptions
+    from oomkit.prediction.models.options import GENERATE_COMPILE_REASON
 
     step = scenario.step
+    if step.compile and step.mode == "generate":
+        raise OomkitError(
+            f"--compile with --mode generate is not modelled: {GENERATE_COMPILE_REASON}. Drop "
+            "--compile to predict the generate step eagerly, or predict the compiled forward "
+            "at the longest length: --mode inference --compile --seq PROMPT+NEW_TOKENS"
+        )
     quantize = scenario.quantize
     fields: dict[str, Any] = {
         name: value

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
-from oomkit.prediction.workload import GENERATE_COMPILE_REASON
 
 __all__ = [
     "CHECKPOINTING_MODES",
@@ -44,8 +43,19 @@ COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
 TRAINER_MIXED_PRECISIONS: tuple[TrainerMixedPrecision, ...] = get_args(TrainerMixedPrecision)
 
-# Why a compiled generate step is refused: oomkit.prediction.workload (torch-free, for the
-# scenario's validation too).
+# Why a compiled generate step is refused rather than predicted. The preset's loop (and
+# transformers' DynamicCache) grows the KV cache by one token per step, so a compiled decode
+# recompiles at the second shape with the cache length symbolic (torch/_dynamo/config.py
+# automatic_dynamic_shapes); transformers compiles generation only with a static cache and its
+# CompileConfig's default mode "reduce-overhead" (generation/configuration_utils.py), i.e. CUDA
+# graphs. Neither is what tracing/compile_plan.py emulates (static sizes, default mode).
+GENERATE_COMPILE_REASON = (
+    "a compiled generate loop runs its decode step as one dynamic-shape graph (the KV cache "
+    "grows a token per step, so dynamo's automatic_dynamic_shapes makes its length symbolic "
+    "after the second shape), or, with Hugging Face's static cache, under CUDA graphs "
+    "(transformers' CompileConfig default mode 'reduce-overhead'); oomkit's Inductor emulation "
+    "plans static sizes only and does not model CUDA graph pools"
+)
 
 
 @dataclass(frozen=True)
