@@ -31,8 +31,10 @@ def test_every_table_renders_as_a_table(page: Path) -> None:
     """A table cut by a heading or a paragraph renders its later rows as a paragraph of literal
     pipes (CommonMark, as GitHub and MkDocs render it)."""
     markdown_it = pytest.importorskip("markdown_it")
-    html = markdown_it.MarkdownIt("commonmark").enable("table").render(
-        page.read_text(encoding="utf-8")
+    html = (
+        markdown_it.MarkdownIt("commonmark")
+        .enable("table")
+        .render(page.read_text(encoding="utf-8"))
     )
     assert _stray_rows(html) == []
 
@@ -45,10 +47,7 @@ def test_no_section_sign_citations(page: Path) -> None:
 
 def test_every_page_is_in_the_navigation() -> None:
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
-    pages = sorted(
-        str(p.relative_to(ROOT / "docs"))
-        for p in (ROOT / "docs").rglob("*.md")
-    )
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
     assert [p for p in pages if f": {p}" not in nav] == []
 
 
