@@ -1,7 +1,7 @@
 """Where a tensor value was read, and the stand-in number a read gets when its value is unknown.
 
-The rule (docs/howto/predict-your-script.md, "Values your step reads"): a read of a meta tensor's value that oomkit cannot
-know (``loss.item()``, ``float(loss)``, ``f"{loss:.3f}"``, ``loss.tolist()``) returns a
+The rule (docs/howto/predict-your-script.md, "Values your step reads"): a read of a meta
+tensor's value that oomkit cannot know (``loss.item()``, ``float(loss)``, ``f"{loss:.3f}"``, ``loss.tolist()``) returns a
 :class:`StandIn`: a ``float`` that remembers the line that read it. It prints and formats as
 ``nan`` (so a logged stand-in is not mistaken for a real loss), and is 1.0 as a number, finite,
 as the finite-values assumption has it (``math.isfinite(loss.item())`` holds, as in a run that
