@@ -523,7 +523,7 @@ def predict(
             reads it).
         values: tensor values the step reads, by the line that reads them
             (``{"train.py:42": 1024}``, as ``--value``); other reads are answered from known
-            values or get a stand-in (README, "Predicting your own step").
+            values or get a stand-in (docs/howto/predict-your-script.md, "Values your step reads").
         compile: record code compiled with ``torch.compile`` (Inductor) as compiled: dynamo
             and AOTAutograd's partitioner run for real, Inductor's fusion and buffer reuse are
             emulated (``--compile``); else it runs eagerly, with a warning.

@@ -1,5 +1,7 @@
-"""The sections of a ``Scenario``, one record each: what runs, the step, LoRA, quantization,
-lengths, the target, the parallel layout, the run and the search.
+"""The sections of a ``Scenario``, one record each.
+
+What runs, the step, LoRA, quantization, lengths, the target, the parallel layout, the run and
+the search.
 
 Each field carries its command-line face in its JSON Schema (``x-flag``, ``x-group``,
 ``x-commands``): the CLI generates its flags from them, so the two cannot drift.
