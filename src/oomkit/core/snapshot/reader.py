@@ -34,7 +34,13 @@ from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["READING_FILE", "LoadProgress", "load_snapshot", "snapshot_from_data"]
+__all__ = [
+    "READING_FILE",
+    "LoadProgress",
+    "load_snapshot",
+    "looks_like_pickle",
+    "snapshot_from_data",
+]
 
 # Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
 # then "reading device N's trace" in entries (about four fifths of a large file's load).
@@ -56,6 +62,11 @@ _STATES = {
 }
 
 _REQUIRED = object()
+
+# How a pickle of a dict or list (a snapshot) opens, per protocol (Lib/pickletools.py opcodes):
+# protocol 2 and later with PROTO (0x80); protocol 1 with EMPTY_DICT "}" or EMPTY_LIST "]" then
+# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(" then DICT "d" or LIST "l".
+_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].", b"(dp", b"(lp", b"(d", b"(l")
 
 # Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
 _TAG_FIELDS = ("compile_context", "user_metadata")
@@ -106,6 +117,13 @@ def load_snapshot(
     finally:
         if paused:
             gc.enable()
+
+
+def looks_like_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first bytes) is a pickle of a dict or a list,
+    in any protocol: such a file is read as a snapshot, never as text (issue 36: protocol 0 and
+    1 snapshots were read as logs)."""
+    return head.startswith(_PICKLE_STARTS)
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:

@@ -26,8 +26,6 @@ from oomkit.interfaces.cli._progress import (
 
 __all__ = ["add_parser", "run"]
 
-# Every pickle protocol >= 2 starts with PROTO (0x80): a snapshot, not error text.
-_PICKLE_MAGIC = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -140,9 +138,11 @@ def _read_source(source: str) -> str | Path:
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
+    from oomkit.core.snapshot import looks_like_pickle
+
     with path.open("rb") as head:
-        magic = head.read(1)
-    if magic == _PICKLE_MAGIC:
+        magic = head.read(8)
+    if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
         return path
     return path.read_text(encoding="utf-8", errors="replace")
 

@@ -29,8 +29,6 @@ __all__ = ["add_parser", "run"]
 _TABLE_ROWS = 10
 _DEFAULT_CAPACITY = "80GiB"
 _SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
-# Pickle protocol 2+ opens with the PROTO opcode (pickletools); oomkit traces are JSON or gzip.
-_PICKLE_PROTO = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -126,9 +124,11 @@ def _open_source(path: Path, device: int | None, show_progress: bool = False):
 def _is_snapshot(path: Path) -> bool:
     if path.suffix.lower() in _SNAPSHOT_SUFFIXES:
         return True
+    from oomkit.core.snapshot import looks_like_pickle
+
     try:
         with open(path, "rb") as f:
-            return f.read(1) == _PICKLE_PROTO
+            return looks_like_pickle(f.read(8))
     except OSError as exc:
         raise OomkitError(f"{path}: cannot be read ({exc}). Check its permissions.") from exc
 
