@@ -29,6 +29,8 @@ __all__ = [
     "MonitorLogError",
     "MemoryHealthError",
     "DiffInputError",
+    "OutputPathError",
+    "InputFileError",
 ]
 
 
@@ -137,3 +139,11 @@ class MemoryHealthError(OomkitError, ValueError):
 
 class DiffInputError(OomkitError, ValueError):
     """Two inputs that ``oomkit diff`` cannot compare as given (other kinds, other GPUs)."""
+
+
+class OutputPathError(OomkitError, ValueError):
+    """An output path that must not or cannot be written: an input, a directory, a missing one."""
+
+
+class InputFileError(OomkitError, OSError):
+    """An input file that cannot be read: no permission, a directory, a failing disk (EIO)."""

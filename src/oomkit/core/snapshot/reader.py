@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from oomkit._files import input_file_error
 from oomkit.core.snapshot._consistency import trace_contradiction
 from oomkit.core.snapshot._validate import (
     layout_problem,
@@ -95,7 +96,7 @@ def load_snapshot(
     Raises:
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
             global, or holds something other than a memory snapshot.
-        OSError: the file cannot be opened.
+        InputFileError: the file cannot be opened (no permission, a directory, EIO).
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
     # millions of new dicts it runs over and over, each full pass walking everything built so
@@ -109,7 +110,11 @@ def load_snapshot(
         else:
             path = Path(source)
             name = label = str(path)
-            with open(path, "rb") as stream:
+            try:
+                opened = open(path, "rb")  # noqa: SIM115 - closed by the with below
+            except OSError as exc:
+                raise input_file_error(path, exc, what="snapshot") from None
+            with opened as stream:
                 in_bytes = None if progress is None else partial(progress, READING_FILE)
                 data = load_plain_pickle(stream, name, in_bytes)
         # The tree is this function's own: the normaliser frees each trace entry once read.
