@@ -76,7 +76,7 @@ def check_output_path(path: PathLike, *, inputs: Iterable[PathLike] = (), flag: 
         source = Path(given)
         if _same_file(out, source) or (source.is_dir() and _same_file(out.parent, source)):
             raise OutputPathError(
-                f"{named} is an input of this command ({source}); writing there would destroy "
+                f"{named} is one of the inputs of this command ({source}); writing there would destroy "
                 "it. Choose another path, e.g. report.html"
             )
     if out.is_dir():

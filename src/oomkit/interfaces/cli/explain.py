@@ -138,13 +138,17 @@ def _read_source(source: str) -> str | Path:
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
+    from oomkit._files import input_file_error
     from oomkit.core.snapshot import looks_like_pickle
 
-    with path.open("rb") as head:
-        magic = head.read(8)
-    if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
-        return path
-    return path.read_text(encoding="utf-8", errors="replace")
+    try:
+        with path.open("rb") as head:
+            magic = head.read(8)
+        if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
+            return path
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise input_file_error(path, exc) from None
 
 
 def _as_json(text: str) -> object | None:
@@ -153,7 +157,7 @@ def _as_json(text: str) -> object | None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the recursion limit: not a prediction
         return None
 
 
@@ -172,6 +176,12 @@ def run(args: argparse.Namespace) -> int:
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
             "--memory-fraction 0.5"
         )
+    if args.html is not None:
+        from oomkit._files import check_output_path
+
+        # Before any work: the page may not overwrite the file being explained.
+        inputs = [] if args.source == "-" else [args.source]
+        check_output_path(args.html, inputs=inputs, flag="--html")
     source = _read_source(args.source)
     data = None if isinstance(source, Path) else _as_json(source)
     if args.alloc_conf is not None and (isinstance(source, Path) or isinstance(data, Mapping)):

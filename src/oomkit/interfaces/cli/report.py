@@ -36,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from oomkit._files import check_output_path
     from oomkit.interfaces.reports.monitor import (
         build_monitor_report,
         monitor_report_to_json,
@@ -44,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
         write_monitor_png,
     )
 
+    # Before anything is read or written: no output over a log (or into a log directory's
+    # file), none into a missing directory or onto a directory.
+    for flag, out in (("--html", args.html), ("--png", args.png)):
+        if out is not None:
+            check_output_path(out, inputs=args.logs, flag=flag)
     report = build_monitor_report(args.logs)
     if args.png is not None:
         try:

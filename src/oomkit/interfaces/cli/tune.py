@@ -130,7 +130,9 @@ def _is_snapshot(path: Path) -> bool:
         with open(path, "rb") as f:
             return looks_like_pickle(f.read(8))
     except OSError as exc:
-        raise OomkitError(f"{path}: cannot be read ({exc}). Check its permissions.") from exc
+        from oomkit._files import input_file_error
+
+        raise input_file_error(path, exc) from None
 
 
 def _candidate_json(candidate) -> dict:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from oomkit._files import write_output
 from oomkit.diagnose.run_diff import RunDiff, RunMemory, SiteDelta
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.units import format_bytes
@@ -245,6 +246,4 @@ def diff_html(diff: RunDiff) -> str:
 
 def write_diff_html(path: str | os.PathLike[str], diff: RunDiff) -> Path:
     """Write :func:`diff_html` to ``path``."""
-    out = Path(path)
-    out.write_text(diff_html(diff), encoding="utf-8")
-    return out
+    return write_output(path, diff_html(diff), flag="--html")

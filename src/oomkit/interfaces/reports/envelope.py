@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from oomkit._files import write_output
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.prediction.envelope import Envelope
 from oomkit.units import format_bytes
@@ -117,6 +118,4 @@ def envelope_html(env: Envelope) -> str:
 
 def write_envelope_html(path: str | os.PathLike[str], env: Envelope) -> Path:
     """Write :func:`envelope_html` to ``path``."""
-    out = Path(path)
-    out.write_text(envelope_html(env), encoding="utf-8")
-    return out
+    return write_output(path, envelope_html(env), flag="--html")

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from oomkit._files import output_file, write_output
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
@@ -312,9 +313,7 @@ def monitor_html(report: MonitorReport, *, title: str = "oomkit memory report") 
 
 def write_monitor_html(path: str | os.PathLike[str], report: MonitorReport) -> Path:
     """Write :func:`monitor_html` to ``path`` and return it."""
-    path = Path(path)
-    path.write_text(monitor_html(report), encoding="utf-8")
-    return path
+    return write_output(path, monitor_html(report), flag="--html")
 
 
 def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Path:
@@ -344,7 +343,9 @@ def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Pa
         ax.set_ylabel("MiB")
         ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    try:
+        with output_file(path, flag="--png") as temp:
+            fig.savefig(temp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return Path(path)
