@@ -186,9 +186,9 @@ def _setting_label(alloc_conf: str) -> str:
 
 def _render(result, path: Path, recorded: str | None) -> None:
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
 
+    from oomkit.interfaces.reports._untrusted import as_written
     from oomkit.plan import FLAG_REASONS
     from oomkit.units import format_bytes
 
@@ -196,7 +196,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
     baseline = result.baseline
     shown = result.candidates[:_TABLE_ROWS]
     table = Table(
-        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {escape(path.name)} at "
+        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {as_written(path.name)} at "
         f"{format_bytes(result.capacity_bytes)}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -216,7 +216,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
         saving = baseline.peak_reserved_bytes - c.peak_reserved_bytes
         table.add_row(
             str(rank),
-            escape(_setting_label(c.alloc_conf)),
+            as_written(_setting_label(c.alloc_conf)),
             peak,
             "-" if c.ooms or baseline.ooms else format_bytes(saving),
             f"{c.device_allocs:,} / {c.device_frees:,}",
@@ -228,12 +228,12 @@ def _render(result, path: Path, recorded: str | None) -> None:
     if hidden > 0:
         console.print(f"{hidden} more setting(s) ranked lower; --json lists them all.")
     for flag in sorted({f for c in result.candidates for f in c.flags}):
-        console.print(f"[bold]{flag}[/]: {escape(FLAG_REASONS.get(flag, flag))}")
+        console.print(f"[bold]{flag}[/]: {as_written(FLAG_REASONS.get(flag, flag))}")
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+        console.print(f"[yellow]warning:[/] {as_written(warning)}")
     if recorded:
         console.print(
-            f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={escape(recorded)}."
+            f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={as_written(recorded)}."
         )
     best = result.best
     if best is None:
@@ -247,7 +247,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
     else:
         calls = baseline.device_calls - best.device_calls
         line = (
-            f"Best: PYTORCH_CUDA_ALLOC_CONF={escape(best.alloc_conf)}  saves "
+            f"Best: PYTORCH_CUDA_ALLOC_CONF={as_written(best.alloc_conf)}  saves "
             f"{format_bytes(result.saving_bytes)} of peak reserved over the default"
         )
         if result.saving_bytes == 0 and calls > 0:

@@ -19,6 +19,7 @@ from rich.table import Table
 from oomkit._files import output_file, write_output
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.runtime.monitor import MonitorLog, MonitorSummary, is_monitor_log, load_monitor_log
 from oomkit.units import format_bytes
@@ -201,7 +202,7 @@ def render_monitor_report(report: MonitorReport, console: Console) -> None:
     console.print(
         f"[bold]oomkit report[/]: {len(report.summaries)} "
         f"{'rank' if len(report.summaries) == 1 else 'ranks'}, {steps} recorded steps on "
-        f"{', '.join(devices) or '?'}"
+        f"{as_written(', '.join(devices)) or '?'}"
     )
     table = Table(show_edge=False)
     for name in ("rank", "steps", "peak allocated", "peak reserved", "max inactive split",
@@ -224,9 +225,9 @@ def render_monitor_report(report: MonitorReport, console: Console) -> None:
     console.print(f"[{style}]{monitor_verdict(report)}[/]")
     for rank, kind, summary in report.findings:
         where = "" if rank is None else f"rank {rank}: "
-        console.print(f"[bold yellow]{kind}:[/] {where}{summary}", soft_wrap=True)
+        console.print(f"[bold yellow]{kind}:[/] {where}{as_written(summary)}", soft_wrap=True)
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        console.print(f"[yellow]warning:[/] {as_written(warning)}", soft_wrap=True)
 
 
 def monitor_report_to_json(report: MonitorReport) -> dict:
