@@ -123,13 +123,13 @@ def layout_problem(segments: Sequence[SnapshotSegment]) -> str | None:
                 )
             if block.address < previous_end:
                 return (
-                    f"{where}: blocks overlap at {block.address:#x} (a block starts before the "
+                    f"{where}: blocks overlap at {_hex(block.address)} (a block starts before the "
                     "one below it ends)"
                 )
             if block.address + block.size > end:
                 return (
-                    f"{where}: block at {block.address:#x} ({block.size:,} B) runs past the "
-                    f"segment's end {end:#x}"
+                    f"{where}: block at {_hex(block.address)} ({_short_int(block.size)} B) runs "
+                    f"past the segment's end {end:#x}"
                 )
             previous_end = block.address + block.size
         by_device.setdefault(seg.device, []).append((seg.address, end, index))
@@ -198,6 +198,11 @@ def settings_problem(settings: Mapping[Any, Any]) -> str | None:
             names = " or ".join(t.__name__ for t in types)
             return f"allocator_settings[{key!r}] is {show(value)}; PyTorch records a {names}"
     return None
+
+
+def _hex(value: int) -> str:
+    """An address for a message, in hex while it fits 64 bits."""
+    return f"{value:#x}" if 0 <= value < _ADDRESS_LIMIT else _short_int(value)
 
 
 def _short_int(value: int) -> str:
