@@ -1,9 +1,8 @@
-"""The files a user names: an input that cannot be read is said so; an output (an HTML report, a
-PNG, a snapshot) is never written over an input, and never half-written.
+"""The files a user names: unreadable inputs said so; outputs never over an input, never torn.
 
 :func:`input_file_error` turns the ``OSError`` of opening or reading an input (no permission, a
-directory, EIO from a failing disk) into one message. Every user-named output goes through here: :func:`check_output_path` refuses, before anything is
-computed or written, a path that is an input (``explain snap.pickle --html snap.pickle`` would
+directory, EIO from a failing disk) into one message. Every user-named output goes through here:
+:func:`check_output_path` refuses, before anything is computed or written, a path that is an input (``explain snap.pickle --html snap.pickle`` would
 overwrite the snapshot), a directory, or one in a directory that does not exist; the write goes
 to a temporary file beside the target that is renamed into place (``os.replace`` is atomic on
 one file system), so a run that fails midway leaves the old file, or none, never a torn one.
