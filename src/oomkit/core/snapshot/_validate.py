@@ -27,11 +27,11 @@ __all__ = [
     "settings_problem",
     "show",
     "trace_problem",
-    "unknown_actions",
 ]
 
 # c10/core/CachingDeviceAllocator.h TraceEntry::Action as _snapshot() spells them, MAIN26's
-# annotate, and oomkit's own empty_cache (core/trace/events.py ACTIONS).
+# annotate, and oomkit's own empty_cache (core/trace/events.py ACTIONS). A snapshot entry with
+# another action is refused (_consistency.trace_contradiction).
 KNOWN_ACTIONS = frozenset(ACTIONS)
 
 # Device addresses are 64-bit (CUdeviceptr); sizes are size_t; streams are cudaStream_t
@@ -211,12 +211,3 @@ def _short_int(value: int) -> str:
     if -(10**30) < value < 10**30:
         return str(value)
     return f"a {value.bit_length()}-bit number"
-
-
-def unknown_actions(events: Sequence[TraceEvent]) -> Mapping[str, int]:
-    """How many entries each action oomkit does not know has (empty for PyTorch's own files)."""
-    counts: dict[str, int] = {}
-    for event in events:
-        if event.action not in KNOWN_ACTIONS:
-            counts[event.action] = counts.get(event.action, 0) + 1
-    return counts
