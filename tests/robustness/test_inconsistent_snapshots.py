@@ -345,3 +345,57 @@ def test_every_snapshot_command_exits_2_and_leaves_the_file(tmp_path, name):
     for result in results:
         assert "no OOM" not in result.stdout + result.stderr
         assert "diverge" not in result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------- any edit of the trace
+
+EDITS = st.lists(
+    st.tuples(
+        st.sampled_from(["delete", "duplicate", "swap", "move_address", "resize"]),
+        st.integers(0, 7),
+        st.integers(0, 7),
+        st.integers(-(2**21), 2**21),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def _apply(trace: list[dict], edit: tuple[str, int, int, int]) -> None:
+    kind, i, j, delta = edit
+    if not trace:
+        return
+    i, j = i % len(trace), j % len(trace)
+    if kind == "delete":
+        del trace[i]
+    elif kind == "duplicate":
+        trace.insert(j, dict(trace[i]))
+    elif kind == "swap":
+        trace[i], trace[j] = trace[j], trace[i]
+    elif kind == "move_address":
+        trace[i] = {**trace[i], "addr": max(0, trace[i]["addr"] + delta)}
+    else:
+        trace[i] = {**trace[i], "size": max(0, trace[i]["size"] + delta)}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(edits=EDITS)
+def test_any_edit_of_the_trace_is_answered_or_refused_never_a_crash(edits):
+    """Entries deleted, duplicated, swapped, moved or resized: the snapshot is either refused
+    (SnapshotFormatError) or loads, replays and is diagnosed; nothing else is raised."""
+    from oomkit.core.replay import replay_snapshot
+    from oomkit.diagnose.snapshot_diagnosis import diagnose_snapshot
+    from oomkit.errors import OomkitError
+
+    data = base_snapshot()
+    for edit in edits:
+        _apply(data["device_traces"][0], edit)
+
+    def analyse() -> None:
+        snapshot = load_snapshot(pickle.dumps(data))
+        replay_snapshot(snapshot, verify=True)
+        diagnose_snapshot(snapshot, price_settings=False)
+
+    result = run_bounded(analyse)
+    assert_within_bounds(result, memory_bytes=512 * MiB)
+    assert result.error is None or isinstance(result.error, OomkitError), repr(result.error)
