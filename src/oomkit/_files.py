@@ -59,8 +59,7 @@ def check_output_path(path: PathLike, *, inputs: Iterable[PathLike] = (), flag: 
 
     Args:
         path: where the output goes.
-        inputs: the files the command reads; the output may be none of them (a directory given
-            as an input counts for every file inside it).
+        inputs: the files the command reads; the output may be none of them.
         flag: how the user named the path (``"--html"``), for the message.
 
     Returns:
@@ -73,7 +72,7 @@ def check_output_path(path: PathLike, *, inputs: Iterable[PathLike] = (), flag: 
     named = f"{flag} {out}" if flag else str(out)
     for given in inputs:
         source = Path(given)
-        if _same_file(out, source) or (source.is_dir() and _same_file(out.parent, source)):
+        if _same_file(out, source):
             raise OutputPathError(
                 f"{named} is one of the inputs of this command ({source}); writing there would destroy "
                 "it. Choose another path, e.g. report.html"

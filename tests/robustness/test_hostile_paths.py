@@ -94,6 +94,18 @@ def test_an_output_over_an_input_is_refused_and_the_input_kept(tmp_path):
         assert digest(victim) == before, argv
 
 
+def test_a_report_beside_the_logs_of_a_directory_is_written(tmp_path):
+    """report DIR --html DIR/report.html: not an input (only the logs are), so it is written,
+    and the logs are unchanged."""
+    log = _log(tmp_path)
+    before = digest(log)
+    result = run_oomkit(["report", ".", "--html", "report.html"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert digest(log) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "run.jsonl"]
+
+
 def test_an_output_through_a_hard_link_to_the_input_is_refused(tmp_path):
     """A hard link to the snapshot is the same file: refused too."""
     snap = _snapshot(tmp_path)
