@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.snapshot import looks_like_pickle
 from oomkit.errors import ConfigError, OomkitError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -153,6 +154,27 @@ def test_a_snapshot_in_any_pickle_protocol_is_a_snapshot(tmp_path, protocol):
         assert got.returncode == want.returncode == 0, got.stderr
         assert json.loads(got.stdout) == json.loads(want.stdout)
     assert json.loads(answers[protocol][0].stdout)["peak_reserved_bytes"] == 20 * 2**20
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    protocol=st.integers(0, pickle.HIGHEST_PROTOCOL),
+    data=st.one_of(
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=3),
+        st.lists(st.integers(), max_size=3),
+    ),
+)
+def test_looks_like_pickle_knows_every_protocol(protocol, data):
+    """A dict or list pickled with any protocol opens like a pickle."""
+    assert looks_like_pickle(pickle.dumps(data, protocol=protocol)[:8])
+
+
+@pytest.mark.parametrize(
+    "text", [b"(lpips) loss 0.3", b"(d) done", b"RuntimeError: CUDA", b'{"a": 1}', b"[rank0]:", b""]
+)
+def test_text_is_not_taken_for_a_pickle(text):
+    """Logs, JSON and text that start like protocol 0's MARK are still text."""
+    assert not looks_like_pickle(text[:8])
 
 
 # ------------------------------------------------------------------- numbers PyTorch refuses

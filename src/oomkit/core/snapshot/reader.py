@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -66,8 +67,11 @@ _REQUIRED = object()
 
 # How a pickle of a dict or list (a snapshot) opens, per protocol (Lib/pickletools.py opcodes):
 # protocol 2 and later with PROTO (0x80); protocol 1 with EMPTY_DICT "}" or EMPTY_LIST "]" then
-# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(" then DICT "d" or LIST "l".
-_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].", b"(dp", b"(lp", b"(d", b"(l")
+# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(", DICT "d" or LIST "l", then PUT
+# "p<n>\n" (pickle.py memoizes every container) or the first item's opcode. A text log that
+# happens to start with "(d" or "(l" does not match the protocol 0 form.
+_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].")
+_PROTOCOL_0_START = re.compile(rb"\((?:dp|lp)[0-9]+\n|\([dl][VSIFL(.]")
 
 # Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
 _TAG_FIELDS = ("compile_context", "user_metadata")
@@ -128,7 +132,7 @@ def looks_like_pickle(head: bytes) -> bool:
     """Whether a file starting with ``head`` (its first bytes) is a pickle of a dict or a list,
     in any protocol: such a file is read as a snapshot, never as text (issue 36: protocol 0 and
     1 snapshots were read as logs)."""
-    return head.startswith(_PICKLE_STARTS)
+    return head.startswith(_PICKLE_STARTS) or _PROTOCOL_0_START.match(head) is not None
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
