@@ -116,6 +116,33 @@ def test_a_device_name_from_a_monitor_log_is_printed_as_written(tmp_path_factory
         _assert_printed_safely(run_oomkit(argv, cwd=folder))
 
 
+def test_a_device_name_is_drawn_as_written_in_the_png(tmp_path):
+    """report --png of a device named '$\\frac{$' with an ESC: matplotlib is not asked to
+    parse it as mathtext (it would raise); the PNG is written."""
+    pytest.importorskip("matplotlib")
+    header = {"oomkit_monitor": 1, "device": "$\\frac{$\x1b[2J", "capacity_bytes": 2**30}
+    record = {
+        "step": 1,
+        "time_s": 0.1,
+        "step_time_s": None,
+        "allocated_bytes": 1,
+        "reserved_bytes": 2,
+        "active_bytes": 1,
+        "inactive_split_bytes": 0,
+        "peak_allocated_bytes": 1,
+        "peak_reserved_bytes": 2,
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+        "num_device_alloc": 1,
+        "num_device_free": 0,
+    }
+    (tmp_path / "a.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(record) + "\n")
+    result = run_oomkit(["report", "a.jsonl", "--png", "a.png"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-800:]
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("name", ["run[v2].pickle", "run[bold]x[bogus].pickle", "a\x1b[2Jb.pickle"])
 def test_a_file_name_is_printed_as_written(tmp_path, name):
     """replay, tune, doctor and diff print the file's name as it is ([v2] kept, ESC as \\x1b)."""

@@ -19,7 +19,7 @@ from rich.table import Table
 from oomkit._files import output_file, write_output
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
-from oomkit.interfaces.reports._untrusted import as_written
+from oomkit.interfaces.reports._untrusted import as_plot_text, as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.runtime.monitor import MonitorLog, MonitorSummary, is_monitor_log, load_monitor_log
 from oomkit.units import format_bytes
@@ -339,7 +339,8 @@ def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Pa
         if capacity:
             ax.axhline(capacity / 2**20, linestyle="--", color="#D55E00", label="capacity")
         rank = log.header.get("rank")
-        ax.set_title(f"{log.header.get('device', '?')}" + ("" if rank is None else f" rank {rank}"))
+        device = as_plot_text(str(log.header.get("device", "?")))
+        ax.set_title(device + ("" if rank is None else f" rank {rank}"))
         ax.set_xlabel("step")
         ax.set_ylabel("MiB")
         ax.legend(loc="upper left", fontsize="small")
