@@ -26,6 +26,8 @@ RANK = {
     # which allocator core is installed (compiled or pure), read from the file system
     "_build": 0,
     "units": 1,
+    # the files a user names: unreadable inputs, outputs written safely, for every layer
+    "_files": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
     # allocator config; replay drives the simulator from traces and snapshots

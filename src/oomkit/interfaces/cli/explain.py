@@ -26,8 +26,6 @@ from oomkit.interfaces.cli._progress import (
 
 __all__ = ["add_parser", "run"]
 
-# Every pickle protocol >= 2 starts with PROTO (0x80): a snapshot, not error text.
-_PICKLE_MAGIC = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -143,13 +141,19 @@ def _read_source(source: str) -> str | Path:
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
-    with path.open("rb") as head:
-        magic = head.read(1)
-    if magic == _PICKLE_MAGIC:
-        return path
-    from oomkit.diagnose.oom_text import decode_log
+    from oomkit._files import input_file_error
+    from oomkit.core.snapshot import looks_like_pickle
 
-    return decode_log(path.read_bytes())
+    try:
+        with path.open("rb") as head:
+            magic = head.read(8)
+        if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
+            return path
+        from oomkit.diagnose.oom_text import decode_log
+
+        return decode_log(path.read_bytes())
+    except OSError as exc:
+        raise input_file_error(path, exc) from None
 
 
 def _as_json(text: str) -> object | None:
@@ -158,7 +162,7 @@ def _as_json(text: str) -> object | None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the recursion limit: not a prediction
         return None
 
 
@@ -178,6 +182,12 @@ def run(args: argparse.Namespace) -> int:
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
             "--memory-fraction 0.5"
         )
+    if args.html is not None:
+        from oomkit._files import check_output_path
+
+        # Before any work: the page may not overwrite the file being explained.
+        inputs = [] if args.source == "-" else [args.source]
+        check_output_path(args.html, inputs=inputs, flag="--html")
     source = _read_source(args.source)
     data = None if isinstance(source, Path) else _as_json(source)
     if args.alloc_conf is not None and (isinstance(source, Path) or isinstance(data, Mapping)):
