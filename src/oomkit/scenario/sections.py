@@ -35,6 +35,7 @@ __all__ = [
     "StepSection",
     "TargetSection",
     "field_flag",
+    "flag_fields",
     "section_flag",
 ]
 
@@ -573,6 +574,16 @@ def field_flag(section: type[BaseModel], name: str) -> str | None:
     extra = field.json_schema_extra if field is not None else None
     flag = extra.get("x-flag") if isinstance(extra, dict) else None
     return flag if isinstance(flag, str) else None
+
+
+def flag_fields() -> list[tuple[str, str, str]]:
+    """(section, field, flag) of every field that has a flag, section by section."""
+    return [
+        (section, name, flag)
+        for section, model in _SECTIONS.items()
+        for name in model.model_fields
+        if (flag := field_flag(model, name)) is not None
+    ]
 
 
 def section_flag(section: str, name: str) -> str | None:

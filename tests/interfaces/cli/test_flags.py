@@ -125,6 +125,8 @@ EXPECTED = {
     "run": ["--json", "--max-entries", "--snapshot-dir"],
     "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],
     "report": ["--html", "--json", "--png"],
+    "serve": [],
+    "mcp": ["--list-tools"],
     "replay": [
         "--alloc-conf",
         "--capacity",

@@ -217,7 +217,10 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(show, "measuring remedies by re-predicting") as progress:
             diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
+        serving = _serving_log(source, args)
         found = find_oom_texts(source)
+        if serving is not None and not found:  # a vLLM / SGLang log: answered with the knob
+            return serving
         parsed = found[0] if found else parse_oom_text(source)  # raises: none found
         expandable = None
         if args.alloc_conf is not None:
@@ -255,3 +258,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_diagnosis(diagnosis, stdout_console())
     return 0
+
+
+def _serving_log(source: str, args: argparse.Namespace) -> int | None:
+    """A vLLM or SGLang start-up log or OOM: printed with the knob to turn; its exit code (1 when
+    the engine failed), or ``None`` for text that is no such log."""
+    from oomkit.diagnose.serving_logs import diagnose_serving_log
+    from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
+
+    serving = diagnose_serving_log(source)
+    if serving is None or (serving.failure is None and not serving.figures):
+        return None
+    if args.json:
+        print_json({"serving": serving_log_to_json(serving)})
+    else:
+        render_serving_log(serving, stdout_console())
+    return 1 if serving.failure is not None else 0
