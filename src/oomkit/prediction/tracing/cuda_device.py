@@ -12,13 +12,16 @@ What it changes while open (all undone on exit):
 - ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
-  ``synchronize`` and ``empty_cache`` do nothing (there is no device to act on), and the
-  memory counters read 0 (the recorder, not the code under it, measures memory).
+  ``synchronize``, ``empty_cache`` and the CUDA seeds do nothing (there is no device to act
+  on), ``mem_get_info`` reads the whole memory free, and the memory counters read 0 (the
+  recorder, not the code under it, measures memory).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
   fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
-  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself.
+  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
+  tensor too (pinned host memory is host memory, which the prediction does not count; torch's
+  own ``pin_memory`` needs a real accelerator).
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
@@ -98,8 +101,11 @@ class _CudaOnMeta(TorchFunctionMode):
         elif func is torch.Tensor.cuda:
             assert self_tensor is not None
             return self_tensor.to(_META, non_blocking=bool(kwargs.get("non_blocking", False)))
-        elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory) and on_meta:
+        elif func is torch.Tensor.pin_memory or (func is torch.Tensor.cpu and on_meta):
+            assert self_tensor is not None
             return self_tensor
+        elif func is torch.Tensor.is_pinned:
+            return False
         elif func in _FROM_PYTHON and kwargs.get("device") == _META:
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
@@ -171,6 +177,13 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "get_device_properties": lambda device=None: properties,
         "is_bf16_supported": lambda including_emulation=True: (major, minor)
         >= _BF16_MIN_CAPABILITY,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "mem_get_info": lambda device=None: (gpu.total_memory_bytes, gpu.total_memory_bytes),
         "memory_allocated": lambda device=None: 0,
         "memory_reserved": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
@@ -187,12 +200,24 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             setattr(torch.cuda, name, original)
 
 
+# The GPUs of the open as_one_cuda_gpu blocks, innermost last: a nested block without a GPU
+# (a trainer's step inside a trace) reports the one its caller chose.
+_open_gpus: list[GpuSpec] = []
+
+
 @contextlib.contextmanager
 def as_one_cuda_gpu(gpu: GpuSpec | None = None) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
     Args:
-        gpu: the GPU reported; ``None`` means an H100 SXM (the recorder's default).
+        gpu: the GPU reported; ``None`` means the GPU of an enclosing block, else an H100 SXM
+            (the recorder's default).
     """
-    with _torch_cuda_reports(get_gpu("h100-sxm") if gpu is None else gpu), _CudaOnMeta():
-        yield
+    if gpu is None:
+        gpu = _open_gpus[-1] if _open_gpus else get_gpu("h100-sxm")
+    _open_gpus.append(gpu)
+    try:
+        with _torch_cuda_reports(gpu), _CudaOnMeta():
+            yield
+    finally:
+        _open_gpus.pop()

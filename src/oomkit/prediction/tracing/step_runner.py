@@ -2,7 +2,8 @@
 
 The step runs with ``torch.device("meta")`` as the default device (as ``oomkit predict
 file.py:function`` runs it), so tensors it creates without ``device=`` cost nothing and hold no
-values. A model passed in with its parameters on the CPU is refused, and so, when asked
+values, on one emulated CUDA GPU, the target (``cuda_device.as_one_cuda_gpu``): ``device="cuda"``,
+``.to("cuda")`` and ``.cuda()`` land on meta, and ``torch.cuda`` answers as the target would. A model passed in with its parameters on the CPU is refused, and so, when asked
 (``oomkit.predict`` asks), is a step that records no device allocation at all: either would have
 run for real on the CPU and predicted nothing.
 """
@@ -17,6 +18,7 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import EmptyRecordingError, OomkitError
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
@@ -96,7 +98,7 @@ def trace_step(
     _refuse_host_modules((args, kwargs))
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
     try:
-        with tracer, torch.device("meta"):
+        with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu):
             tracer.track(args, kwargs)
             for step in range(steps):
                 tracer.mark_step()
