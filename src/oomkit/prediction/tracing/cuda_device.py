@@ -22,6 +22,12 @@ What it changes while open (all undone on exit):
   no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
   tensor too (pinned host memory is host memory, which the prediction does not count; torch's
   own ``pin_memory`` needs a real accelerator).
+- ``Module.to("cuda")`` of a CPU model keeps shared parameters shared (nanoGPT ties ``wte`` to
+  ``lm_head``). CUDA keeps them through ``param.data = moved`` (torch/nn/modules/module.py
+  ``_apply``: CPU and CUDA tensors have compatible shallow-copy types); CPU and meta do not, so
+  ``_apply`` would make one new ``Parameter`` per module and double the tied weight, its
+  gradient and its optimizer state. While open, a move converts each tensor once and puts the
+  one result back wherever the tensor was.
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
@@ -200,6 +206,51 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             setattr(torch.cuda, name, original)
 
 
+@contextlib.contextmanager
+def _module_moves_keep_sharing() -> Iterator[None]:
+    """``Module._apply`` converts a shared tensor once and re-ties it where it was (docstring)."""
+    original = torch.nn.Module._apply
+    depth = [0]
+
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        if depth[0]:
+            return original(self, fn, recurse)
+        before = [
+            (module, slots, name, tensor)
+            for module in self.modules()
+            for slots in (module._parameters, module._buffers)
+            for name, tensor in slots.items()
+            if tensor is not None
+        ]
+        # id -> (the tensor, kept alive so its id stays its own; what fn made of it)
+        converted: dict[int, tuple[Any, Any]] = {}
+
+        def once(tensor: Any) -> Any:
+            hit = converted.get(id(tensor))
+            if hit is None:
+                hit = converted[id(tensor)] = (tensor, fn(tensor))
+            return hit[1]
+
+        depth[0] += 1
+        try:
+            result = original(self, once, recurse)
+        finally:
+            depth[0] -= 1
+        first: dict[int, Any] = {}
+        for module, slots, name, tensor in before:
+            if id(tensor) in first:
+                slots[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = slots.get(name)
+        return result
+
+    torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original  # type: ignore[method-assign]
+
+
 # The GPUs of the open as_one_cuda_gpu blocks, innermost last: a nested block without a GPU
 # (a trainer's step inside a trace) reports the one its caller chose.
 _open_gpus: list[GpuSpec] = []
@@ -217,7 +268,7 @@ def as_one_cuda_gpu(gpu: GpuSpec | None = None) -> Iterator[None]:
         gpu = _open_gpus[-1] if _open_gpus else get_gpu("h100-sxm")
     _open_gpus.append(gpu)
     try:
-        with _torch_cuda_reports(gpu), _CudaOnMeta():
+        with _torch_cuda_reports(gpu), _module_moves_keep_sharing(), _CudaOnMeta():
             yield
     finally:
         _open_gpus.pop()
