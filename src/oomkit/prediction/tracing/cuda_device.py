@@ -27,7 +27,9 @@ What it changes while open (all undone on exit):
   ``_apply``: CPU and CUDA tensors have compatible shallow-copy types); CPU and meta do not, so
   ``_apply`` would make one new ``Parameter`` per module and double the tied weight, its
   gradient and its optimizer state. While open, a move converts each tensor once and puts the
-  one result back wherever the tensor was.
+  one result back wherever the tensor was; and an optimizer built before the move (which CUDA's
+  in-place ``param.data`` swap keeps pointing at the moved parameters) is pointed at the new
+  ones, its state with them.
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
@@ -206,11 +208,33 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             setattr(torch.cuda, name, original)
 
 
+def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> None:
+    """Optimizers holding a parameter that a move replaced hold its replacement instead."""
+    for optimizer in list(optimizers):
+        for group in optimizer.param_groups:
+            group["params"] = [
+                moved[id(p)][1] if id(p) in moved and moved[id(p)][0] is p else p
+                for p in group["params"]
+            ]
+        for old_id, (old, new) in moved.items():
+            if old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
+
+
 @contextlib.contextmanager
 def _module_moves_keep_sharing() -> Iterator[None]:
-    """``Module._apply`` converts a shared tensor once and re-ties it where it was (docstring)."""
+    """``Module._apply`` converts a shared tensor once and re-ties it where it was, and the
+    optimizers built meanwhile follow a replaced parameter (module docstring)."""
+    import weakref
+
     original = torch.nn.Module._apply
+    original_init = torch.optim.Optimizer.__init__
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
     depth = [0]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        optimizers.add(self)
 
     def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
         if depth[0]:
@@ -237,18 +261,25 @@ def _module_moves_keep_sharing() -> Iterator[None]:
         finally:
             depth[0] -= 1
         first: dict[int, Any] = {}
+        moved: dict[int, tuple[Any, Any]] = {}
         for module, slots, name, tensor in before:
             if id(tensor) in first:
                 slots[name] = first[id(tensor)]
             else:
-                first[id(tensor)] = slots.get(name)
+                first[id(tensor)] = now = slots.get(name)
+                if now is not tensor and isinstance(tensor, torch.nn.Parameter):
+                    moved[id(tensor)] = (tensor, now)
+        if moved:
+            _repoint_optimizers(optimizers, moved)
         return result
 
     torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.nn.Module._apply = original  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = original_init  # type: ignore[method-assign]
 
 
 # The GPUs of the open as_one_cuda_gpu blocks, innermost last: a nested block without a GPU
