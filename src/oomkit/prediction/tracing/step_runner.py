@@ -22,7 +22,7 @@ from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.step_failure import step_failure
+from oomkit.prediction.tracing.step_failure import reads_device_values, step_failure
 from oomkit.prediction.tracing.storages import tensors_of
 
 __all__ = ["trace_step"]
@@ -115,6 +115,8 @@ def trace_step(
         failed = tracer.failed_op
         if failed is not None and failed[1] is exc:
             raise step_failure(exc, failed[0]) from exc
+        if reads_device_values(exc):
+            raise step_failure(exc, None) from exc
         raise
     return tracer.recording
 
