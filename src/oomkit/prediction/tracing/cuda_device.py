@@ -185,6 +185,12 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "get_device_properties": lambda device=None: properties,
         "is_bf16_supported": lambda including_emulation=True: (major, minor)
         >= _BF16_MIN_CAPABILITY,
+        # CUDAGeneratorImpl::get_state (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp): the Philox
+        # seed and offset, 8 bytes each. Dynamo saves and restores it around each compile.
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
+        "set_rng_state": lambda new_state, device="cuda": None,
+        "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
+        "set_rng_state_all": lambda new_states: None,
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
         "seed": lambda: None,
