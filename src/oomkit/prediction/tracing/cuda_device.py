@@ -92,7 +92,8 @@ class _CudaOnMeta(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
+        asked_cuda = _is_cuda(kwargs.get("device"))
+        if asked_cuda:
             kwargs["device"] = _META
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_meta = self_tensor is not None and self_tensor.device.type == "meta"
@@ -114,7 +115,8 @@ class _CudaOnMeta(TorchFunctionMode):
             return self_tensor
         elif func is torch.Tensor.is_pinned:
             return False
-        elif func in _FROM_PYTHON and kwargs.get("device") == _META:
+        elif func in _FROM_PYTHON and asked_cuda:
+            # Only what was asked of CUDA: data put on meta by name stays the tracer's business.
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
 
