@@ -48,6 +48,7 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
+from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
@@ -318,6 +319,7 @@ def record_script(
             stack.enter_context(tracer)
             stack.enter_context(watch)
             stack.enter_context(as_one_cuda_gpu(tracer.gpu))
+            stack.enter_context(cpu_inputs_refused())
             stack.enter_context(cuda_autocast_construction())
             stack.enter_context(_distributed_refused(where))
             stack.enter_context(_saves_skipped(saves))

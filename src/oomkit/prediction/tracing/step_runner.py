@@ -18,6 +18,7 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import EmptyRecordingError, OomkitError
+from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
@@ -79,6 +80,8 @@ def trace_step(
     Raises:
         ValueError: ``steps`` is below 1.
         ConfigError: a stated value is malformed.
+        UserCodeError: a model on the traced GPU is given a CPU tensor (CUDA's device check;
+            ``cpu_inputs``), naming the line that chose the CPU when one did.
         EmptyRecordingError: a module passed in has parameters off the meta device, or (with
             ``require_allocations``) the first step recorded no device allocation.
         UnsupportedOpError: an op cannot run on the meta device (it reads tensor values, has
@@ -98,7 +101,7 @@ def trace_step(
     _refuse_host_modules((args, kwargs))
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
     try:
-        with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu):
+        with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu), cpu_inputs_refused():
             tracer.track(args, kwargs)
             for step in range(steps):
                 tracer.mark_step()
