@@ -219,3 +219,69 @@ def test_a_file_that_chose_the_cpu_is_told_so(tmp_path, monkeypatch):
     message = str(raised.value)
     assert "a CPU tensor (shape (4, 16)) goes into Linear" in message
     assert "settings_cpu.py:4 (device = 'cpu') chose the CPU" in message
+
+
+STEP_RUNS_FIT = '''
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def build():
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    net = Net()
+    loader = DataLoader(TensorDataset(torch.randn(16, 8, device="cpu")), batch_size=4)
+
+    def step():
+        trainer.fit(net, loader)
+
+    return step, (net,)
+'''
+
+STEP_RUNS_TRAIN = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+def build():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    args = TrainingArguments(output_dir="out", max_steps=1, report_to="none")
+    trainer = Trainer(model=model, args=args)
+
+    def step():
+        trainer.train()
+
+    return step, (model,)
+'''
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [(STEP_RUNS_FIT, "Lightning's trainer.fit()"), (STEP_RUNS_TRAIN, "the transformers trainer.train()")],
+)
+def test_a_step_that_runs_a_trainer_gets_the_trainer_contract(tmp_path, monkeypatch, source, said):
+    """trainer.fit(...) / trainer.train() inside the step: one line with the trainer contract,
+    not advice about .item() or attention masks."""
+    path = tmp_path / "fits.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    user = load_user_step(f"{path}:build")
+    with pytest.raises(UserCodeError) as raised:
+        trace_step(lambda *tracked: user.step_fn(), *user.track)
+    message = str(raised.value)
+    assert f"the step called {said}; return the trainer from the builder instead" in message
+    assert "(lightning_trainer, module[, datamodule_or_dataloader]) or the transformers.Trainer" in message
+    assert "\n" not in message
