@@ -80,13 +80,14 @@ def _user_namespaces() -> Iterator[tuple[str, dict[str, Any]]]:
     seen: set[str] = set()
     for frame in _user_frames():
         namespaces = [(frame.f_code.co_filename, frame.f_globals)]
-        namespaces += [
-            (value.__file__, vars(value))
-            for value in [*frame.f_globals.values(), *frame.f_locals.values()]
-            if isinstance(value, types.ModuleType)
-            and isinstance(getattr(value, "__file__", None), str)
-            and not (is_hidden_file(value.__file__) or is_library_file(value.__file__))
-        ]
+        for value in [*frame.f_globals.values(), *frame.f_locals.values()]:
+            module_file = getattr(value, "__file__", None)
+            if (
+                isinstance(value, types.ModuleType)
+                and isinstance(module_file, str)
+                and not (is_hidden_file(module_file) or is_library_file(module_file))
+            ):
+                namespaces.append((module_file, vars(value)))
         for filename, namespace in namespaces:
             if filename not in seen:
                 seen.add(filename)

@@ -224,7 +224,7 @@ def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> N
                 moved[id(p)][1] if id(p) in moved and moved[id(p)][0] is p else p
                 for p in group["params"]
             ]
-        for old_id, (old, new) in moved.items():
+        for old, new in moved.values():
             if old in optimizer.state:
                 optimizer.state[new] = optimizer.state.pop(old)
 
@@ -270,7 +270,7 @@ def _module_moves_keep_sharing() -> Iterator[None]:
             depth[0] -= 1
         first: dict[int, Any] = {}
         moved: dict[int, tuple[Any, Any]] = {}
-        for module, slots, name, tensor in before:
+        for _module, slots, name, tensor in before:
             if id(tensor) in first:
                 slots[name] = first[id(tensor)]
             else:
