@@ -32,6 +32,7 @@ before its first optimizer step (an output folder, a logger's directory) writes 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import runpy
 import sys
@@ -359,8 +360,6 @@ def record_script(
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
     recording = tracer.recording
     if notes:
-        import dataclasses
-
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes))
 
@@ -368,12 +367,14 @@ def record_script(
 def _exit_text(where: str, exc: SystemExit, steps_done: int) -> str:
     site = failure_site(exc).user or "a line oomkit could not find"
     said = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
-    when = (
-        "before its first optimizer step"
-        if steps_done == 0
-        else f"after {steps_done} optimizer step(s)"
-    )
+    if steps_done == 0:
+        return (
+            f"{where}: the script called {said} at {site} before its first optimizer step, so "
+            "there is no training step to predict. Check the script's arguments (after `--`) "
+            "and the files it reads."
+        )
     return (
-        f"{where}: the script called {said} at {site} {when}, so oomkit has no complete training "
-        "step to predict. Check the script's arguments (after `--`) and the files it reads."
+        f"{where}: the script called {said} at {site} after {steps_done} optimizer step(s): "
+        "it reports a failure, so its run is not one to predict. Fix what it reports, or ask "
+        f"for {steps_done} step(s)."
     )
