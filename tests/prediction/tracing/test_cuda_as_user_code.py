@@ -285,3 +285,28 @@ def test_a_step_that_runs_a_trainer_gets_the_trainer_contract(tmp_path, monkeypa
     assert f"the step called {said}; return the trainer from the builder instead" in message
     assert "(lightning_trainer, module[, datamodule_or_dataloader]) or the transformers.Trainer" in message
     assert "\n" not in message
+
+
+def test_a_builder_that_trains_itself_is_told_it_is_a_script(tmp_path):
+    """main() running its own loop and returning None: the steps it ran, and the script route."""
+    path = tmp_path / "loop.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+
+            def main():
+                model = torch.nn.Linear(8, 8)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for _ in range(5):
+                    model(torch.randn(4, 8)).sum().backward()
+                    opt.step()
+            """
+        )
+    )
+    with pytest.raises(UserCodeError) as raised:
+        load_user_step(f"{path}:main")
+    message = str(raised.value)
+    assert "main() ran 5 optimizer step(s) itself and returned None" in message
+    assert f"`oomkit predict {path}`" in message

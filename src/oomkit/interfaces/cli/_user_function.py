@@ -225,7 +225,8 @@ def load_user_step(
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
         with device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
-            result = fn(**kwargs)
+            with _optimizer_steps_counted() as builder_steps:
+                result = fn(**kwargs)
     except OomkitError as exc:
         raise type(exc)(f"{target}: {name}(): {exc}") from exc
     except SystemExit as exc:
@@ -238,6 +239,13 @@ def load_user_step(
             detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
         raise UserCodeError(f"{target}: {detail}") from exc
     trainer = trainer_step(result, target)
+    if trainer is None and result is None and builder_steps[0]:
+        raise UserCodeError(
+            f"{target}: {name}() ran {builder_steps[0]} optimizer step(s) itself and returned "
+            "None: it is a training loop, not a builder. Predict the file as a script "
+            f"(`oomkit predict {path_text}`, runs it as python does and records its first "
+            "steps), or return the step instead of running it."
+        )
     user_step, track = (trainer.step_fn, trainer.track) if trainer else _unpack(result, target, name)
     # The contract: a step runs with meta as the default device. A trainer's loop keeps its
     # CPU-side work (samplers, seeds) on the CPU, as on a GPU machine (trainers.py).
@@ -263,6 +271,23 @@ def load_user_step(
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
     description = f"{target}({shown})" + (f" [{trainer.summary}]" if trainer else "")
     return UserStep(step_fn, track, description, raised, arguments)
+
+
+@contextlib.contextmanager
+def _optimizer_steps_counted() -> Any:
+    """Counts ``torch.optim`` steps while open (a builder that trains is a script)."""
+    import torch.optim.optimizer as optimizer_hooks
+
+    count = [0]
+
+    def counted(*args: Any) -> None:
+        count[0] += 1
+
+    handle = optimizer_hooks.register_optimizer_step_post_hook(counted)
+    try:
+        yield count
+    finally:
+        handle.remove()
 
 
 _TRAINER_CONTRACT = (
