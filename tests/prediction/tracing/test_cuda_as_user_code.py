@@ -310,3 +310,24 @@ def test_a_builder_that_trains_itself_is_told_it_is_a_script(tmp_path):
     message = str(raised.value)
     assert "main() ran 5 optimizer step(s) itself and returned None" in message
     assert f"`oomkit predict {path}`" in message
+
+
+def test_timing_and_device_switching_lines_run_on_the_emulated_gpu():
+    """with torch.cuda.device(0), torch.cuda.Event timing, synchronize, memory_summary: they run,
+    the timing reads 0 ms, and only the tensor made on cuda is allocated (16 bytes)."""
+    timings = []
+
+    def step():
+        with torch.cuda.device(0):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.ones(4, device="cuda")
+            end.record()
+            torch.cuda.synchronize()
+            timings.append(start.elapsed_time(end))
+            assert isinstance(torch.cuda.memory_summary(), str)
+
+    recording = trace_step(step)
+    assert timings == [0.0]
+    assert [e.size for e in recording.events if e.action == "alloc"] == [16]

@@ -12,9 +12,11 @@ What it changes while open (all undone on exit):
 - ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
-  ``synchronize``, ``empty_cache`` and the CUDA seeds do nothing (there is no device to act
-  on), ``mem_get_info`` reads the whole memory free, and the memory counters read 0 (the
-  recorder, not the code under it, measures memory).
+  ``synchronize``, ``empty_cache``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing
+  (there is no device to act on), ``torch.cuda.Event`` times 0 ms, ``mem_get_info`` reads the
+  whole memory free, and the memory counters read 0 (the recorder, not the code under it,
+  measures memory). Streams are not emulated (a side stream's allocations go to their own
+  pool; ``torch.cuda.Stream`` still raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
@@ -170,6 +172,43 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
     return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
 
 
+class _NoDeviceSwitch:
+    """``torch.cuda.device(i)`` / ``device_of(t)``: one device, nothing to switch to."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.idx = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+class _TimingEvent:
+    """``torch.cuda.Event``: a script's timing reads 0 ms (nothing runs on a device), and its
+    synchronisation returns at once."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
 @contextlib.contextmanager
 def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
@@ -200,6 +239,12 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "is_initialized": lambda: True,
         "init": lambda: None,
         "mem_get_info": lambda device=None: (gpu.total_memory_bytes, gpu.total_memory_bytes),
+        "device": _NoDeviceSwitch,
+        "device_of": _NoDeviceSwitch,
+        "Event": _TimingEvent,
+        "memory_summary": lambda device=None, abbreviated=False: (
+            "memory is measured by oomkit's recorder, not by the code it runs"
+        ),
         "memory_allocated": lambda device=None: 0,
         "memory_reserved": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
