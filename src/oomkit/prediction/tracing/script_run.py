@@ -185,9 +185,20 @@ def _as_main(path: Path, argv: tuple[str, ...], cwd: str | None) -> Iterator[Non
         sys.argv = saved_argv
         sys.path[:] = saved_path
         os.chdir(saved_cwd)
+        from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file
+
         for name in set(sys.modules) - known:
-            module_file = getattr(sys.modules[name], "__file__", None) or ""
-            if module_file and os.path.abspath(module_file).startswith(folder + os.sep):
+            found = getattr(sys.modules[name], "__file__", None)
+            if not isinstance(found, str):
+                continue
+            module_file = os.path.abspath(found)
+            # The script's own modules only: a virtualenv inside the project folder holds
+            # libraries (torch's lazily imported parts) that must stay imported.
+            if (
+                module_file.startswith(folder + os.sep)
+                and not is_library_file(module_file)
+                and not is_hidden_file(module_file)
+            ):
                 del sys.modules[name]
 
 
