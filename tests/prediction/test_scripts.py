@@ -7,6 +7,7 @@ what its steps write.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import shutil
 import textwrap
@@ -107,8 +108,21 @@ def nanogpt(tmp_path):
     return folder
 
 
+# sha256 of the files as published at karpathy/nanoGPT commit 3adf61e1 (README.md there).
+_PUBLISHED_SHA256 = {
+    "train.py": "413bd97b40bb400a2a0d01230e2946f056c263ebac1b7281c2367d964a123085",
+    "model.py": "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d11c",
+    "configurator.py": "5cc23aca26b4ab3c0d9e5f82740f4781f9444f42718c15abcee70d93c5aabe8f",
+    "config/train_shakespeare_char.py": (
+        "9b41cdfb2c917259d796a8184d835221a349c23cd18a0a63b46da431d95d9c05"
+    ),
+}
+
+
 def test_the_fixture_is_nanogpt_unmodified():
-    """The copied files are nanoGPT's as published: its configurator and its train.py lines."""
+    """The copied files are nanoGPT's as published, byte for byte."""
+    for name, digest in _PUBLISHED_SHA256.items():
+        assert hashlib.sha256((NANOGPT / name).read_bytes()).hexdigest() == digest, name
     train = (NANOGPT / "train.py").read_text()
     assert "exec(open('configurator.py').read()) # overrides from command line or config file" in train
     assert "scaler.step(optimizer)" in train
