@@ -21,6 +21,7 @@ from oomkit.core.target import resolve_target
 from oomkit.interfaces.cli._user_function import load_user_step
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.scripts import predict_script
+from oomkit.prediction.tracing.script_run import fresh_accelerate_state
 
 RTX4090 = resolve_target(None, gpu="rtx4090")
 NANOGPT = Path(__file__).resolve().parents[1] / "fixtures" / "nanogpt"
@@ -74,6 +75,13 @@ NANOGPT_TWIN_COMPILED = NANOGPT_TWIN.replace(
     "    model = GPT(config).to(device)\n",
     "    model = GPT(config).to(device)\n    model = torch.compile(model)\n",
 ).replace("model.configure_optimizers", "model._orig_mod.configure_optimizers")
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_as_in_a_new_process():
+    """accelerate's state is per process; each test's builders start from an empty one too."""
+    with fresh_accelerate_state():
+        yield
 
 
 def _files(folder):

@@ -23,6 +23,7 @@ What differs from a plain run, while it runs (all undone after):
 - ``torch.compile`` in the script is recorded as compiled (``Tracer(compile=True)``).
 - torchrun-style code (``torch.distributed.init_process_group``, ``DistributedDataParallel``) is
   refused: one process of a distributed run is predicted by the ``--fsdp`` / ``--dp`` routes.
+- accelerate's process-wide state starts empty, as in a new process (``fresh_accelerate_state``).
 
 Where it may differ: the model is built where the script builds it (on the CPU, for real, before
 ``.to(device)``), which costs host memory and time for a large model; a script that writes files
@@ -55,7 +56,7 @@ from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
 from oomkit.prediction.tracing.step_failure import failure_site, failure_text, step_failure
 
-__all__ = ["ScriptRun", "ScriptSpec", "record_script"]
+__all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
 
 _DISTRIBUTED_ROUTE = (
     "oomkit runs the script as one process and predicts one GPU: run it without torchrun's "
@@ -202,6 +203,34 @@ def _as_main(path: Path, argv: tuple[str, ...], cwd: str | None) -> Iterator[Non
                 del sys.modules[name]
 
 
+# accelerate keeps one state per process in Borg classes (accelerate/state.py: PartialState,
+# AcceleratorState, GradientState share `_shared_state`); Accelerator(mixed_precision=...) refuses
+# a state set up differently before. A script starts in a fresh process.
+_ACCELERATE_STATES = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def _accelerate_states() -> list[dict[str, Any]]:
+    module = sys.modules.get("accelerate.state")
+    shared = [getattr(getattr(module, name, None), "_shared_state", None) for name in _ACCELERATE_STATES]
+    return [state for state in shared if isinstance(state, dict)]
+
+
+@contextlib.contextmanager
+def fresh_accelerate_state() -> Iterator[None]:
+    """While open, accelerate's process-wide state starts empty, as in a new process; the
+    caller's is put back after."""
+    saved = [(state, dict(state)) for state in _accelerate_states()]
+    for state, _ in saved:
+        state.clear()
+    try:
+        yield
+    finally:
+        for state in _accelerate_states():
+            state.clear()
+        for state, before in saved:
+            state.update(before)
+
+
 @contextlib.contextmanager
 def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
     original = getattr(owner, name)
@@ -335,6 +364,7 @@ def record_script(
             stack.enter_context(cuda_autocast_construction())
             stack.enter_context(_distributed_refused(where))
             stack.enter_context(_saves_skipped(saves))
+            stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             try:
                 runpy.run_path(str(script), run_name="__main__")
