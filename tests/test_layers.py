@@ -241,6 +241,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction._replay",
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
+        "oomkit.prediction.scripts",
         "oomkit.prediction.summary",
         "oomkit.prediction.serving",
         "oomkit.prediction.workload",

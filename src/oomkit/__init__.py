@@ -29,6 +29,7 @@ from oomkit.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
+    from oomkit.diagnose.diagnosis import Diagnosis
     from oomkit.interfaces.reports.monitor_live import live_monitor
     from oomkit.interfaces.reports.prediction import (
         prediction_summary,
@@ -37,16 +38,15 @@ if TYPE_CHECKING:
         verdict_line,
     )
     from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-    from oomkit.diagnose.diagnosis import Diagnosis
     from oomkit.prediction.predictor import Prediction, predict_recording
-    from oomkit.scenario import Scenario, load_scenario
-    from oomkit.scenario.api import fit, predict
-    from oomkit.scenario.explaining import explain
-    from oomkit.scenario.fitting import FitAnswer
     from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
     from oomkit.runtime.monitor import Monitor, StepRecord
     from oomkit.runtime.resilient import resilient
     from oomkit.runtime.watch import watch
+    from oomkit.scenario import Scenario, load_scenario
+    from oomkit.scenario.api import fit, predict
+    from oomkit.scenario.explaining import explain
+    from oomkit.scenario.fitting import FitAnswer
 
 # The rest of the API is imported on first use (PEP 562), so that ``import oomkit`` and the
 # CLI's start-up load only what a command uses (issue 19 item 4: `oomkit replay FILE` needs no

@@ -13,8 +13,7 @@ from typing import Any
 
 from oomkit.errors import ScenarioError
 from oomkit.scenario.files import merge_data, scenario_from_data
-from oomkit.scenario.model import Scenario
-from oomkit.scenario.sections import flag_fields
+from oomkit.scenario.model import Scenario, flag_fields
 
 __all__ = ["keyword_fields", "scenario_from_keywords", "what_runs"]
 

@@ -35,8 +35,6 @@ __all__ = [
     "StepSection",
     "TargetSection",
     "field_flag",
-    "flag_fields",
-    "section_flag",
 ]
 
 # Bounds on every count a user gives (issue 36: a number from a flag or a file is range-checked
@@ -96,9 +94,8 @@ def _flag(
     metavar: str | None = None,
     commands: tuple[str, ...] = ("predict", "fit"),
 ) -> dict[str, Any]:
-    """The command-line face of a field, kept in its JSON Schema (``x-flag`` ...): the flag that
-    sets it, the ``--help`` group it is listed in, and the commands that take it. ``flag``
-    ``None``: reachable through ``--config`` / ``--set`` only."""
+    """A field's command-line face in its JSON Schema: its flag (``None``: ``--config`` /
+    ``--set`` only), its ``--help`` group and the commands that take it."""
     extra: dict[str, Any] = {"x-group": group, "x-commands": list(commands)}
     if flag is not None:
         extra["x-flag"] = flag
@@ -116,26 +113,24 @@ RUN = "run"
 SEARCH = "search"
 
 
-def _needs(data: Any, section: str, key: str, words: str) -> Any:
-    """Refuse a section's options given without the field that turns it on (``--lora-alpha``
-    without ``--lora``), naming them by their flags; unknown keys are left to the section's
-    own check (it names them)."""
+def _needs(cls: type[BaseModel], data: Any, section: str, key: str, words: str) -> Any:
+    """Refuse a section's options without the field that turns it on (``--lora-alpha``
+    without ``--lora``), by their flags; unknown keys are left to the section's own check."""
     if not isinstance(data, Mapping) or data.get(key) is not None:
         return data
-    known = [name for name in data if name in _SECTIONS[section].model_fields]
+    known = [name for name in data if name in cls.model_fields]
     if len(known) < len(data):
         return data
-    flags = ", ".join(section_flag(section, name) or f"{section}.{name}" for name in known)
-    verb = words if len(known) != 1 else words.replace("configure ", "configures ", 1).replace(
-        "go with", "goes with", 1
-    )
-    raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if len(known) == 1 else 'them'}.")
+    flags = ", ".join(field_flag(cls, name) or f"{section}.{name}" for name in known)
+    one = len(known) == 1
+    verb = words.replace("configure ", "configures ").replace("go with", "goes with") if one else words
+    raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if one else 'them'}.")
 
 
 class _Section(BaseModel):
     """A frozen section that refuses unknown keys (a typo in a config file is an error)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=False)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ModelSection(_Section):
@@ -361,7 +356,7 @@ class LoraSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _needs_rank(cls, data: Any) -> Any:
-        return _needs(data, "lora", "rank", "configure LoRA: add --lora R (e.g. --lora 16)")
+        return _needs(cls, data, "lora", "rank", "configure LoRA: add --lora R (e.g. --lora 16)")
 
 
 class QuantizeSection(_Section):
@@ -386,7 +381,7 @@ class QuantizeSection(_Section):
     @classmethod
     def _needs_format(cls, data: Any) -> Any:
         return _needs(
-            data, "quantize", "format", "configure quantization: add quantize, e.g. --quantize nf4"
+            cls, data, "quantize", "format", "configure quantization: add quantize, e.g. --quantize nf4"
         )
 
 
@@ -396,7 +391,7 @@ class LengthsSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _needs_file(cls, data: Any) -> Any:
-        return _needs(data, "lengths", "file", "go with --lengths FILE (the epoch envelope)")
+        return _needs(cls, data, "lengths", "file", "go with --lengths FILE (the epoch envelope)")
 
     file: str = Field(
         description="per-step lengths: one a line, 'length,count' or JSON",
@@ -499,7 +494,7 @@ class ParallelSection(_Section):
     @property
     def given(self) -> bool:
         """Whether any degree is set (an all-default section is no layout)."""
-        return any(d is not None for d in (self.fsdp, self.tp, self.dp))
+        return (self.fsdp, self.tp, self.dp) != (None, None, None)
 
     @model_validator(mode="after")
     def _ddp_options(self) -> ParallelSection:
@@ -574,33 +569,3 @@ def field_flag(section: type[BaseModel], name: str) -> str | None:
     extra = field.json_schema_extra if field is not None else None
     flag = extra.get("x-flag") if isinstance(extra, dict) else None
     return flag if isinstance(flag, str) else None
-
-
-def flag_fields() -> list[tuple[str, str, str]]:
-    """(section, field, flag) of every field that has a flag, section by section."""
-    return [
-        (section, name, flag)
-        for section, model in _SECTIONS.items()
-        for name in model.model_fields
-        if (flag := field_flag(model, name)) is not None
-    ]
-
-
-def section_flag(section: str, name: str) -> str | None:
-    """The flag of a scenario field by its path (``("lora", "targets")`` -> ``--lora-targets``)."""
-    model = _SECTIONS.get(section)
-    return None if model is None else field_flag(model, name)
-
-
-# The sections by their names in a Scenario (filled below the classes).
-_SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelSection,
-    "step": StepSection,
-    "lora": LoraSection,
-    "quantize": QuantizeSection,
-    "lengths": LengthsSection,
-    "target": TargetSection,
-    "parallel": ParallelSection,
-    "run": RunSection,
-    "search": SearchSection,
-}

@@ -50,7 +50,7 @@ def _scenario_schema() -> dict[str, Any]:
     return Scenario.model_json_schema()
 
 
-def _record_schema(fields: dict[str, tuple[type, Any, str]], required: Sequence[str] = ()) -> Any:
+def _record_schema(fields: dict[str, tuple[Any, Any, str]], required: Sequence[str] = ()) -> Any:
     """A JSON Schema for a tool's arguments: ``{name: (type, default, description)}``."""
 
     def schema() -> dict[str, Any]:
@@ -60,9 +60,7 @@ def _record_schema(fields: dict[str, tuple[type, Any, str]], required: Sequence[
             name: (kind, Field(... if name in required else default, description=text))
             for name, (kind, default, text) in fields.items()
         }
-        model = create_model(  # type: ignore[call-overload]
-            "Arguments", __config__=ConfigDict(extra="forbid"), **spec
-        )
+        model = create_model("Arguments", __config__=ConfigDict(extra="forbid"), **spec)
         return dict(model.model_json_schema())
 
     return schema
@@ -98,7 +96,7 @@ def _flags(arguments: dict[str, Any], names: dict[str, str]) -> list[str]:
     return out
 
 
-_GPU = (str | None, None, "a catalog GPU (e.g. rtx4090) or a size (24GiB)")
+_GPU: tuple[Any, Any, str] = (str | None, None, "a catalog GPU (e.g. rtx4090) or a size (24GiB)")
 
 TOOLS: tuple[McpTool, ...] = (
     McpTool(

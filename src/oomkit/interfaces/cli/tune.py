@@ -199,9 +199,9 @@ def _render(result, path: Path, recorded: str | None) -> None:
         # No ranking of settings that all tie by construction (issue 35 item 7).
         for warning in result.warnings:
             if not warning.startswith("settings cannot be compared"):  # said last, in full
-                console.print(f"[yellow]warning:[/] {escape(warning)}")
+                console.print(f"[yellow]warning:[/] {as_written(warning)}")
         console.print(
-            f"Settings cannot be compared on {escape(path.name)}: the replay made no segment "
+            f"Settings cannot be compared on {as_written(path.name)}: the replay made no segment "
             f"decision under any of the {len(result.candidates)} settings, so none changes its "
             f"peak reserved ({format_bytes(baseline.peak_reserved_bytes)}). Record the history "
             "from before the first CUDA allocation (torch.cuda.memory._record_memory_history at "
