@@ -538,7 +538,7 @@ class SearchSection(_Section):
 
     margin_bytes: Bytes | None = Field(
         None,
-        description="memory to leave free (default: 2% of usable, >= 256 MiB)",
+        description="memory to leave free (default: 2 percent of usable, >= 256 MiB)",
         json_schema_extra=_flag("--margin", SEARCH, metavar="SIZE", commands=("fit",)),
     )
     max_batch: Count = Field(

@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 import torch
-from oomkit.interfaces.cli._user_function import load_user_step
 
 from oomkit.core.gpus import get_gpu
 from oomkit.core.target import resolve_target
 from oomkit.errors import UserCodeError
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.tracing import trace_step
+from oomkit.scenario.user_function import load_user_step
 
 RTX4090 = resolve_target(None, gpu="rtx4090")
 
@@ -115,6 +115,8 @@ def _probe(tmp_path, monkeypatch, body, gpu_name):
 
 
 @pytest.mark.parametrize(("gpu_name", "bf16"), [("rtx4090", True), ("t4", False)])
+# bf16: is_bf16_supported(including_emulation=False), True from sm 8.0 (the default call is True
+# on a T4 too: torch/cuda/__init__.py, a bf16 tensor can be made there).
 def test_torch_cuda_answers_for_the_target_in_the_step(tmp_path, monkeypatch, gpu_name, bf16):
     """is_available at import; is_bf16_supported, get_device_properties, current_device,
     set_device and synchronize in the step: the target GPU's answers."""
@@ -125,7 +127,7 @@ def test_torch_cuda_answers_for_the_target_in_the_step(tmp_path, monkeypatch, gp
         torch.cuda.set_device(0)
         torch.cuda.synchronize()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        SEEN.update(bf16=torch.cuda.is_bf16_supported(), name=props.name,
+        SEEN.update(bf16=torch.cuda.is_bf16_supported(including_emulation=False), name=props.name,
                     memory=props.total_memory, capability=(props.major, props.minor))
         """,
         gpu_name,

@@ -7,12 +7,12 @@ import textwrap
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oomkit.interfaces.cli._user_function import load_user_step
 
 from oomkit.core.target import resolve_target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.predictor import predict, predict_recording
 from oomkit.prediction.tracing.script_run import ScriptSpec, record_script
+from oomkit.scenario.user_function import load_user_step
 
 RTX4090 = resolve_target(None, gpu="rtx4090")
 

@@ -55,7 +55,9 @@ from oomkit.core.gpus import GpuSpec, get_gpu
 __all__ = ["as_one_cuda_gpu"]
 
 _META = torch.device("meta")
-# torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on.
+# torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
+# it, with including_emulation=True (the default), True when a bf16 tensor can be made on the
+# device (_check_bf16_tensor_supported), which every architecture torch builds for allows.
 _BF16_MIN_CAPABILITY = (8, 0)
 
 
@@ -224,8 +226,8 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "get_device_name": lambda device=None: gpu.name,
         "get_device_capability": lambda device=None: (major, minor),
         "get_device_properties": lambda device=None: properties,
-        "is_bf16_supported": lambda including_emulation=True: (major, minor)
-        >= _BF16_MIN_CAPABILITY,
+        "is_bf16_supported": lambda including_emulation=True: including_emulation
+        or (major, minor) >= _BF16_MIN_CAPABILITY,
         # CUDAGeneratorImpl::get_state (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp): the Philox
         # seed and offset, 8 bytes each. Dynamo saves and restores it around each compile.
         "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
