@@ -181,3 +181,14 @@ def test_the_workload_record_keeps_class_and_attention():
         "AutoModelForSequenceClassification", "eager")
     plain = workload_to_json(WorkloadSpec("hf", "cfg", batch_size=2))
     assert "hf_class" not in plain["options"] and "attn_implementation" not in plain["options"]
+
+
+def test_presets_refuse_hugging_face_only_options():
+    """A preset is its own class running SDPA: hf_class or eager attention is refused."""
+    from oomkit.errors import OomkitError
+    from oomkit.prediction.models import build_preset_step
+
+    with pytest.raises(OomkitError, match="the presets are their own classes and run SDPA"):
+        build_preset_step("gpt2-124m", StepOptions(attn_implementation="eager"))
+    with pytest.raises(OomkitError, match="StepOptions.hf_class and attn_implementation"):
+        build_preset_step("gpt2-124m", StepOptions(hf_class="AutoModelForCausalLM"))
