@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     )
     from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
+    from oomkit.diagnose.remedy_measurement import MeasuredRemedy, prediction_remedies
     from oomkit.diagnose.settings_doctor import (
         LiveAllocator,
         SettingsFinding,
@@ -75,6 +76,8 @@ _LAZY: dict[str, str] = {
     "find_oom_texts": "oomkit.diagnose.oom_text",
     "parse_oom_text": "oomkit.diagnose.oom_text",
     "diagnose_prediction": "oomkit.diagnose.prediction_diagnosis",
+    "MeasuredRemedy": "oomkit.diagnose.remedy_measurement",
+    "prediction_remedies": "oomkit.diagnose.remedy_measurement",
     "LiveAllocator": "oomkit.diagnose.settings_doctor",
     "SettingsFinding": "oomkit.diagnose.settings_doctor",
     "SettingsReport": "oomkit.diagnose.settings_doctor",
@@ -100,6 +103,7 @@ __all__ = [
     "LeakSite",
     "LiveAllocator",
     "LiveTensor",
+    "MeasuredRemedy",
     "MemorySample",
     "OomText",
     "ProcessMemory",
@@ -118,5 +122,6 @@ __all__ = [
     "find_oom_texts",
     "memory_findings",
     "parse_oom_text",
+    "prediction_remedies",
     "samples_from_records",
 ]

@@ -467,7 +467,7 @@ def max_batch_size(
         non_monotonic=_non_monotonic(result.curve),
         multiple_of=multiple_of,
         power_of_two=bool(power_of_two),
-        warnings=dedupe([*result.warnings, *_grid_warnings(result, larger, prober, grid)]),
+        warnings=tuple(dedupe([*result.warnings, *_grid_warnings(result, larger, prober, grid)])),
     )
 
 

@@ -15,6 +15,8 @@ from rich.table import Table
 
 from oomkit.core.target import Target
 from oomkit.diagnose.diagnosis import Remedy
+from oomkit.diagnose.remedy_measurement import MeasuredRemedy
+from oomkit.interfaces.reports.diagnosis import remedy_to_json
 from oomkit.prediction.module_groups import group_modules
 from oomkit.prediction.predictor import TOP_MODULES, PeakBreakdown, Prediction
 from oomkit.prediction.summary import (
@@ -313,10 +315,10 @@ def split_warnings(warnings: Sequence[str]) -> tuple[list[str], str]:
 def render_remedies(remedies: Sequence[Remedy], console: Console, top: int = 3) -> None:
     """Print the first ``top`` remedies of a step that does not fit, one line each.
 
-    ``remedies`` come ranked from ``oomkit.diagnose.prediction_remedies`` (those that make the
-    step fit first); each line says what it needs and whether it fits, measured by
-    re-prediction: ``1. bf16 weights, gradients and optimizer states (--precision bf16): needs
-    76.02 GiB reserved, fits``.
+    ``remedies`` come ranked from ``oomkit.diagnose.remedy_measurement.prediction_remedies``
+    (those that make the step fit first); each line says what it needs and whether it fits,
+    measured by re-prediction: ``1. pure bf16 weights, gradients and optimizer states
+    (--precision bf16) — needs 76.02 GiB reserved, fits, saves 91.71 GiB``.
     """
     shown = list(remedies)[:top]
     if not shown:
@@ -328,8 +330,9 @@ def render_remedies(remedies: Sequence[Remedy], console: Console, top: int = 3) 
 
 def remedy_line(number: int, remedy: Remedy) -> str:
     """``2. LoRA adapters ... — needs 57.49 GiB reserved, fits (saves 110.25 GiB)``."""
-    fits = getattr(remedy, "fits", None)
-    peak = getattr(remedy, "peak_reserved_bytes", None)
+    measured = remedy if isinstance(remedy, MeasuredRemedy) else None
+    fits = None if measured is None else measured.fits
+    peak = None if measured is None else measured.peak_reserved_bytes
     parts = []
     if peak is not None:
         parts.append(f"needs {format_bytes(peak)} reserved")
@@ -337,7 +340,9 @@ def remedy_line(number: int, remedy: Remedy) -> str:
         parts.append("fits" if fits else "still does not fit")
     if remedy.saving_bytes:
         parts.append(f"saves {'~' if remedy.estimate else ''}{format_bytes(remedy.saving_bytes)}")
-    return f"{number}. {remedy.title} — {', '.join(parts)}" if parts else f"{number}. {remedy.title}"
+    flag = f" ({measured.flag})" if measured is not None and measured.flag else ""
+    head = f"{number}. {remedy.title}{flag}"
+    return f"{head} — {', '.join(parts)}" if parts else head
 
 
 def _plain(value: object) -> object:
@@ -372,7 +377,9 @@ def target_to_json(target: Target) -> dict[str, object]:
     }
 
 
-def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) -> dict:
+def prediction_to_json(
+    prediction: Prediction, workload: Mapping | None = None, remedies: Sequence[Remedy] = ()
+) -> dict:
     """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict.
 
     Args:
@@ -381,6 +388,9 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
             prediction's own ``workload`` record (``workload_to_json``: ``kind``, ``name``,
             ``options``, ``steps``, and for a preset ``preset``, which ``oomkit explain``
             re-predicts with a change applied). No key when neither is known.
+        remedies: measured remedies of a step that does not fit
+            (``oomkit.diagnose.prediction_remedies``): saved as ``remedies``, each with
+            ``fits`` and ``peak_reserved_bytes`` (``remedy_to_json``); no key when empty.
     """
     plain = {
         key: _plain(value)
@@ -412,4 +422,6 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
         workload = workload_to_json(prediction.workload, cudnn)
     if workload is not None:
         out["workload"] = _plain(workload)
+    if remedies:
+        out["remedies"] = [remedy_to_json(r) for r in remedies]
     return out

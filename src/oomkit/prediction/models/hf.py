@@ -203,9 +203,9 @@ def _model_class(transformers: Any, config: Any, hf_class: str | None) -> tuple[
         if name is None:
             auto, task = _auto_class(transformers, config)
             return auto.from_config, task, auto
-    task = _task_of(name)
+    named_task = _task_of(name)
     cls = getattr(transformers, name, None)
-    if cls is None or task is None:
+    if cls is None or named_task is None:
         endings = ", ".join(ending for ending, _ in _TASK_ENDINGS)
         raise ConfigError(
             f"StepOptions.hf_class {name!r} is not a transformers model class oomkit builds: it "
@@ -215,7 +215,7 @@ def _model_class(transformers: Any, config: Any, hf_class: str | None) -> tuple[
     # An auto class picks the concrete class from its mapping (auto_factory.py from_config);
     # a concrete class is built as from_config builds it, by its _from_config.
     build = cls.from_config if name.startswith("Auto") else cls._from_config
-    return build, task, cls
+    return build, named_task, cls
 
 
 def _check_sizes(config: Any, text: Any) -> None:

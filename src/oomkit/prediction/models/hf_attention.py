@@ -1,5 +1,6 @@
-"""The attention implementation a Hugging Face model runs, with FlashAttention-2 and flex
-attention emulated from their kernels' allocations.
+"""The attention a Hugging Face model runs; FlashAttention-2 and flex attention emulated.
+
+FlashAttention-2 and flex attention are emulated from their kernels' allocations.
 
 transformers picks the attention function by ``config._attn_implementation``
 (modeling_utils.py ``ALL_ATTENTION_FUNCTIONS``): ``eager`` (integrations' ``eager_attention_forward``

@@ -123,10 +123,8 @@ def _inputs(
 
 def _vocab(runner: ModelRunner) -> int:
     """Token ids' range for a classifier of tokens: its input embedding's rows."""
-    embedding = runner.model.get_input_embeddings() if hasattr(
-        runner.model, "get_input_embeddings"
-    ) else None
-    rows = getattr(embedding, "num_embeddings", None)
+    embeddings: Any = getattr(runner.model, "get_input_embeddings", None)
+    rows = getattr(embeddings() if callable(embeddings) else None, "num_embeddings", None)
     return rows if isinstance(rows, int) else 2
 
 

@@ -58,7 +58,7 @@ class Allocation:
         return infer_category(self.roles, self.phase, self.explicit)
 
 
-def parameter_name(module: torch.nn.Module | None, param: torch.Tensor) -> str | None:
+def parameter_name(module: torch.nn.Module | None, param: object) -> str | None:
     """The name ``module`` registered ``param`` under (``weight``), if it still holds it."""
     if module is None:
         return None
