@@ -113,3 +113,22 @@ def test_a_prediction_that_fits_or_cannot_be_rebuilt_gets_none(gpt2_on_3gib):
 
     assert prediction_remedies(dataclasses.replace(gpt2_on_3gib, workload=None)) == ()
     assert prediction_remedies(dataclasses.replace(gpt2_on_3gib, fits=True)) == ()
+
+
+def test_zero_grad_is_offered_only_where_it_can_help():
+    """zero_grad(set_to_none=True) is never listed for a preset or --hf step (they set it), at
+    step 1 (no earlier step's gradients exist) or outside the forward pass."""
+    from oomkit.diagnose._model_remedies import estimated_model_remedies
+    from oomkit.diagnose.prediction_diagnosis import _zero_grad_applies
+    from oomkit.prediction.workload import WorkloadSpec
+
+    function = WorkloadSpec("function", "train.py:step")
+    assert not _zero_grad_applies(WorkloadSpec("preset", "llama-8b"), {"step": 3, "phase": "forward"})
+    assert not _zero_grad_applies(function, {"step": 1, "phase": "forward"})
+    assert not _zero_grad_applies(function, {"step": 2, "phase": "optimizer"})
+    assert _zero_grad_applies(function, {"step": 2, "phase": "forward"})
+    categories = {"activation": GiB, "gradient": GiB, "parameter": GiB}
+    offered = {r.title for r in estimated_model_remedies(categories)}
+    assert "zero_grad(set_to_none=True)" in offered
+    offered = {r.title for r in estimated_model_remedies(categories, zero_grad_applies=False)}
+    assert "zero_grad(set_to_none=True)" not in offered
