@@ -319,9 +319,13 @@ def build_hf_step(
 ) -> BuiltStep:
     """Build a transformers model from its config on ``device`` and return its step.
 
-    The model comes from ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
-    ``...ForImageClassification``, whichever knows the config) ``.from_config`` with
-    ``attn_implementation="sdpa"``, under ``torch.device(device)``: no weights are read. With
+    The model is the class the user builds (``_model_class``): ``options.hf_class``, else the
+    config's ``architectures[0]`` (``BertForSequenceClassification``: its head, its labels and
+    its loss), else ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
+    ``...ForImageClassification``, whichever knows the config); built by ``from_config`` with
+    ``options.attn_implementation``, else the config's own, else ``"sdpa"``
+    (FlashAttention-2 and flex attention as emulated by ``hf_attention``), under
+    ``torch.device(device)``: no weights are read. With
     no ``options.precision`` it is built as ``from_config`` builds it, in the config's
     ``torch_dtype`` (``config_precision``; the description and ``BuiltStep.precision_source``
     say so); a precision given is passed as ``from_config``'s dtype. A training step calls the
@@ -348,6 +352,9 @@ def build_hf_step(
 
     Raises:
         TorchRequiredError: transformers is not installed.
+        ConfigError: a config size below 1 (``hidden_size``, ``num_hidden_layers``,
+            ``vocab_size``...), an ``hf_class`` oomkit does not build, an attention
+            implementation not modelled, or FlashAttention-2 in fp32.
         OomkitError: the config cannot be loaded, the model type is not supported, or the
             sequence is longer than the model's positions.
     """
