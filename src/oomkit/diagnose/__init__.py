@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         Remedy,
         diagnose_oom_text,
     )
+    from oomkit.diagnose.measured_remedy import MeasuredRemedy
     from oomkit.diagnose.memory_health import (
         FragmentationFinding,
         LeakCause,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     )
     from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
-    from oomkit.diagnose.remedy_measurement import MeasuredRemedy, prediction_remedies
+    from oomkit.diagnose.remedy_measurement import prediction_remedies
     from oomkit.diagnose.settings_doctor import (
         LiveAllocator,
         SettingsFinding,
@@ -76,7 +77,7 @@ _LAZY: dict[str, str] = {
     "find_oom_texts": "oomkit.diagnose.oom_text",
     "parse_oom_text": "oomkit.diagnose.oom_text",
     "diagnose_prediction": "oomkit.diagnose.prediction_diagnosis",
-    "MeasuredRemedy": "oomkit.diagnose.remedy_measurement",
+    "MeasuredRemedy": "oomkit.diagnose.measured_remedy",
     "prediction_remedies": "oomkit.diagnose.remedy_measurement",
     "LiveAllocator": "oomkit.diagnose.settings_doctor",
     "SettingsFinding": "oomkit.diagnose.settings_doctor",

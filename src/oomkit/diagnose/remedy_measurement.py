@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose.diagnosis import Remedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
@@ -88,22 +89,6 @@ _SGD_CODE = (
     "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
     "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeasuredRemedy(Remedy):
-    """A remedy measured by re-predicting the step with it.
-
-    Attributes:
-        fits: whether the re-predicted step fits the target (rank 0 for ``--fsdp``).
-        peak_reserved_bytes: what the re-predicted step needs reserved (its peak on a device
-            without limit), bytes.
-        flag: the ``oomkit predict`` option that applies it (``--precision bf16``), if any.
-    """
-
-    fits: bool | None = None
-    peak_reserved_bytes: int | None = None
-    flag: str | None = None
 
 
 # (options, layout) -> the re-predicted step: layout None keeps the step's own.

@@ -6,8 +6,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.diagnose.oom_text import OomText
-from oomkit.diagnose.remedy_measurement import MeasuredRemedy
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from oomkit.core.target import Target
 from oomkit.diagnose.diagnosis import Remedy
-from oomkit.diagnose.remedy_measurement import MeasuredRemedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.interfaces.reports.diagnosis import remedy_to_json
 from oomkit.prediction.module_groups import group_modules
 from oomkit.prediction.predictor import TOP_MODULES, PeakBreakdown, Prediction
