@@ -132,3 +132,19 @@ def test_zero_grad_is_offered_only_where_it_can_help():
     assert "zero_grad(set_to_none=True)" in offered
     offered = {r.title for r in estimated_model_remedies(categories, zero_grad_applies=False)}
     assert "zero_grad(set_to_none=True)" not in offered
+
+
+def test_explain_headline_and_json_carry_fits():
+    """explain's headline says whether a measured remedy fits; --json has fits, the peak and
+    the flag for every remedy (None where not measured)."""
+    from oomkit.interfaces.reports.diagnosis import remedy_headline, remedy_to_json
+
+    bf16 = _measured("pure bf16", 91 * GiB, True, 70 * GiB, "--precision bf16")
+    assert remedy_headline(1, bf16) == "1. pure bf16 — saves 91.00 GiB, fits (high confidence)"
+    sgd = _measured("sgd", 50 * GiB, False, 110 * GiB)
+    assert remedy_headline(2, sgd) == "2. sgd — saves 50.00 GiB, still does not fit (high confidence)"
+    saved = remedy_to_json(bf16)
+    assert (saved["fits"], saved["peak_reserved_bytes"], saved["flag"]) == (
+        True, 70 * GiB, "--precision bf16")
+    plain = remedy_to_json(Remedy("expandable segments", 3 * GiB, "medium", "", "why"))
+    assert (plain["fits"], plain["peak_reserved_bytes"], plain["flag"]) == (None, None, None)
