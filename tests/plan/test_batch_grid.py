@@ -135,3 +135,19 @@ def test_advice_leaves_out_what_the_step_already_does():
         "LoRA adapters instead of full fine-tuning (--lora 16)",
         "a shorter sequence or smaller images",
     ]
+
+
+def test_lengths_advice_is_computed_from_the_step_too():
+    """fit --lengths' message when batch 1 fails: no bf16-mixed for a bf16-mixed step."""
+    from oomkit.core.target import resolve_target
+    from oomkit.plan.envelope_fit import EnvelopeProbe, _infeasible
+
+    target = resolve_target(None, gpu="rtx4090")
+    probe = EnvelopeProbe(1, False, 30 * 2**30, None)
+    error = _infeasible(probe, target, 482 * MiB, "GPT-2 124M, batch 1, seq 1024, bf16-mixed, "
+                        "adamw, train")
+    text = str(error)
+    assert "bf16-mixed" not in text
+    assert "Try bf16 weights, gradients and optimizer states (--precision bf16), activation " \
+        "checkpointing (--checkpointing full)" in text
+    assert error.needed_reserved_bytes == 30 * 2**30
