@@ -61,3 +61,21 @@ def test_the_verdict_is_the_last_line():
         "info: cuDNN attention workspaces are sized by cuDNN at run time and not included",
         "fits on test GPU: peak reserved 20.00 MiB of 924.00 MiB usable, 904.00 MiB headroom",
     ]
+
+
+def test_prediction_json_carries_the_measured_remedies():
+    """prediction_to_json(remedies=...) saves each with fits and the peak it needs; without
+    remedies there is no key."""
+    from oomkit.diagnose.measured_remedy import MeasuredRemedy
+    from oomkit.interfaces.reports.prediction import prediction_to_json
+
+    events = (TraceEvent("alloc", 1, 3 * MiB, tags=(("category", "activation"),)),)
+    p = predict_recording(TraceRecording(events=events, step_starts=(0,)),
+                          GpuSpec("test GPU", 2**30, 100 * MiB))
+    assert "remedies" not in prediction_to_json(p)
+    remedy = MeasuredRemedy("pure bf16", 5 * MiB, "high", "", "why", estimate=False, fits=True,
+                            peak_reserved_bytes=15 * MiB, flag="--precision bf16")
+    saved = prediction_to_json(p, remedies=[remedy])["remedies"]
+    assert [(r["title"], r["fits"], r["peak_reserved_bytes"], r["flag"]) for r in saved] == [
+        ("pure bf16", True, 15 * MiB, "--precision bf16")
+    ]
