@@ -79,3 +79,21 @@ def test_prediction_json_carries_the_measured_remedies():
     assert [(r["title"], r["fits"], r["peak_reserved_bytes"], r["flag"]) for r in saved] == [
         ("pure bf16", True, 15 * MiB, "--precision bf16")
     ]
+
+
+def test_remedies_print_just_before_the_verdict():
+    """render_prediction(remedies=...) prints the remedy block, then the verdict last."""
+    from oomkit.diagnose.measured_remedy import MeasuredRemedy
+
+    events = (TraceEvent("alloc", 1, 3 * MiB, tags=(("category", "activation"),)),)
+    p = predict_recording(TraceRecording(events=events, step_starts=(0,)),
+                          GpuSpec("test GPU", 2**30, 100 * MiB))
+    remedy = MeasuredRemedy("pure bf16", 5 * MiB, "high", "", "why", estimate=False, fits=True,
+                            peak_reserved_bytes=15 * MiB, flag="--precision bf16")
+    out = io.StringIO()
+    render_prediction(p, Console(file=out, width=300, color_system=None), remedies=[remedy])
+    assert out.getvalue().splitlines()[-3:] == [
+        "What would make it fit (measured by re-predicting the step):",
+        "  1. pure bf16 (--precision bf16) — needs 15.00 MiB reserved, fits, saves 5.00 MiB",
+        "fits on test GPU: peak reserved 20.00 MiB of 924.00 MiB usable, 904.00 MiB headroom",
+    ]
