@@ -192,3 +192,20 @@ def test_presets_refuse_hugging_face_only_options():
         build_preset_step("gpt2-124m", StepOptions(attn_implementation="eager"))
     with pytest.raises(OomkitError, match="StepOptions.hf_class and attn_implementation"):
         build_preset_step("gpt2-124m", StepOptions(hf_class="AutoModelForCausalLM"))
+
+
+@pytest.mark.parametrize("key", ["attn_implementation", "_attn_implementation"])
+def test_a_saved_config_json_names_class_and_attention(tmp_path, key):
+    """A config.json as Trainer runs save it (architectures, and attn_implementation under
+    either key) builds that class with eager attention."""
+    import json
+
+    saved = json.loads(tiny_bert_config(architectures=["BertForSequenceClassification"],
+                                        num_labels=2).to_json_string())
+    saved[key] = "eager"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    built = build_hf_step(tmp_path, StepOptions(batch_size=1, seq_len=8))
+    model = built.track[0]
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model.config._attn_implementation == "eager"
+    assert "eager attention" in built.description
