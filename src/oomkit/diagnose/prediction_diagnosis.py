@@ -24,6 +24,7 @@ from oomkit.diagnose._remedies import batch_remedy
 from oomkit.diagnose.attribution import AllocationSite, Attribution
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
+from oomkit.diagnose.remedy_measurement import rank_measured
 from oomkit.errors import OomTextError, PredictionFormatError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
@@ -43,6 +44,18 @@ def _training(workload: WorkloadSpec | None, by_category: Mapping[str, int]) -> 
     if workload is not None and workload.training is not None:
         return workload.training
     return any(by_category.get(c, 0) > 0 for c in ("gradient", "optimizer_state"))
+
+
+def _zero_grad_applies(workload: WorkloadSpec | None, oom: Mapping[str, Any]) -> bool:
+    """Whether ``zero_grad(set_to_none=True)`` could lower this OOM: not for a step that sets
+    it already (oomkit's presets and ``--hf`` steps: models/steps.py ``train_step``), nor for
+    an OOM at step 1 or outside the forward pass, where no earlier step's gradients are alive
+    (torch/optim/optimizer.py ``zero_grad``: set_to_none=False keeps them to the next forward)."""
+    if workload is not None and workload.kind in ("preset", "hf"):
+        return False
+    if oom.get("step") == 1:
+        return False
+    return oom.get("phase") in (None, "forward", "user")
 
 
 def is_prediction(data: object) -> bool:
@@ -180,6 +193,7 @@ def diagnose_prediction(
         description=description,
         compute_capability=saved_compute_capability(data),
         frozen_base=lora,
+        zero_grad_applies=_zero_grad_applies(workload, oom),
     )
     if batch is not None:
         model.append(batch)
@@ -194,8 +208,11 @@ def diagnose_prediction(
                 r for r in model if r.title not in titles and not (measured_batch and r is batch)
             ]
             model.extend(measured)
-    remedies = list(base.remedies) + model
-    remedies.sort(key=lambda remedy: remedy.rank_key(base.deficit_bytes))
+    # The step's own shortfall, not the one request's: what a remedy must save to fit.
+    deficit = base.deficit_bytes
+    if isinstance(required, int) and isinstance(usable, int) and required > usable:
+        deficit = required - usable
+    remedies = rank_measured(list(base.remedies) + model, deficit)
 
     sites = tuple(
         AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)
