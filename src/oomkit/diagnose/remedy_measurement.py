@@ -39,6 +39,7 @@ __all__ = [
     "MeasuredRemedy",
     "Repredict",
     "measure_remedies",
+    "measured_remedies_of",
     "prediction_remedies",
     "predict_rebuilt",
     "rank_measured",
@@ -418,6 +419,15 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
         target=target,
     )
     return predict_recording(recording, target=target)
+
+
+def measured_remedies_of(
+    prediction: Prediction, progress: Callable[[int, int], None] | None = None
+) -> tuple[list[Remedy], list[str]]:
+    """Every measured remedy of a ``Prediction`` of a preset or ``--hf`` model, unranked, and
+    the warnings of measuring them (``explain``'s measured remedies, from the record itself)."""
+    remedies = prediction_remedies(prediction, top=None, progress=progress)
+    return list(remedies), []
 
 
 def prediction_remedies(

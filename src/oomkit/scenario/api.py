@@ -95,7 +95,7 @@ def predict(what: Any = None, /, *args: Any, **keywords: Any) -> Prediction:
 def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: dict[str, Any]) -> Any:
     """A step function, on the target its keywords name (the scenario's target path)."""
     from oomkit.prediction.predictor import predict as predict_step
-    from oomkit.scenario.sections import TargetSection
+    from oomkit.scenario.machine import TargetSection
     from oomkit.scenario.target import installed_torch_version, target_of
 
     target = keywords.pop("target", None)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from oomkit.core.gpus import GpuSpec
     from oomkit.diagnose.diagnosis import Diagnosis
 
-__all__ = ["explain"]
+__all__ = ["explain", "explain_saved"]
 
 
 def explain(
@@ -60,7 +60,7 @@ def explain(
     if _is_prediction_record(source):
         return _explain_prediction(source, measure, progress)
     if isinstance(source, Mapping):
-        return _explain_saved(source, measure, progress)
+        return explain_saved(source, measure=measure, progress=progress)
     if isinstance(source, Path) or (isinstance(source, str) and _is_file(source)):
         return _explain_file(Path(source), spec, measure, progress)
     if isinstance(source, str):
@@ -126,13 +126,24 @@ def _explain_file(path: Path, gpu: Any, measure: bool, progress: Any) -> Diagnos
         except (ValueError, RecursionError):
             data = None
         if isinstance(data, Mapping):
-            return _explain_saved(data, measure, progress)
+            return explain_saved(data, measure=measure, progress=progress)
     return _explain_text(text, gpu)
 
 
-def _explain_saved(data: Mapping[str, Any], measure: bool, progress: Any) -> Diagnosis:
-    """A saved prediction: re-predicted from its scenario where it carries one (older saves,
-    without one, are read as they were saved)."""
+def explain_saved(
+    data: Mapping[str, Any],
+    *,
+    measure: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Diagnosis:
+    """A saved prediction (``oomkit predict --json``): re-predicted from the scenario it carries
+    and the fresh record diagnosed; saves without one are read as they were saved (the
+    documented fallback, ``diagnose_prediction``).
+
+    Raises:
+        ScenarioError: the carried scenario is not a valid one.
+        PredictionFormatError: the re-prediction fits (nothing to explain).
+    """
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
 
     saved = data.get("scenario")

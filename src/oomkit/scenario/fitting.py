@@ -346,6 +346,9 @@ def _search(
         max_batch=scenario.search.max_batch,
         progress=progress,
         jobs=jobs,
+        multiple_of=scenario.search.multiple_of,
+        power_of_two=scenario.search.power_of_two,
+        allow_retries=scenario.search.allow_retries,
     )
 
 

@@ -22,16 +22,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from oomkit.scenario.machine import ParallelSection, TargetSection
 from oomkit.scenario.sections import (
     LengthsSection,
     LoraSection,
     ModelSection,
-    ParallelSection,
     QuantizeSection,
     RunSection,
     SearchSection,
     StepSection,
-    TargetSection,
     _Section,
     field_flag,
 )

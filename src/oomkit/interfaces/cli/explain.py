@@ -215,7 +215,17 @@ def run(args: argparse.Namespace) -> int:
         prediction = data
         show = args.measure and progress_enabled(args, sys.stderr)
         with progress_bar(show, "measuring remedies by re-predicting") as progress:
-            diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
+            if isinstance(data.get("scenario"), Mapping):
+                # A save that carries its request: re-predicted, and the fresh record diagnosed
+                # (its report's fields are not read). The user's prints go to stderr.
+                import contextlib
+
+                from oomkit.scenario.explaining import explain_saved
+
+                with contextlib.redirect_stdout(sys.stderr):
+                    diagnosis = explain_saved(data, measure=args.measure, progress=progress)
+            else:  # saved before predictions carried their scenario
+                diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
         serving = _serving_log(source, args)
         found = find_oom_texts(source)
@@ -260,9 +270,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# Words every vLLM or SGLang log or memory error the serving diagnosis reads has at least one of.
+_ENGINE_WORDS = ("vllm", "sglang", "kv cache", "cache blocks", "mem_fraction_static",
+                 "gpu_memory_utilization", "not enough memory")
+
+
 def _serving_log(source: str, args: argparse.Namespace) -> int | None:
     """A vLLM or SGLang start-up log or OOM: printed with the knob to turn; its exit code (1 when
     the engine failed), or ``None`` for text that is no such log."""
+    lowered = source.lower()
+    if not any(word in lowered for word in _ENGINE_WORDS):  # no engine log: nothing imported
+        return None
     from oomkit.diagnose.serving_logs import diagnose_serving_log
     from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
 
