@@ -52,6 +52,8 @@ from typing import Any
 
 from _children import ChildFailed, emit, run_child
 
+from oomkit.core.target import Target
+
 # --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
 # `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
 # (peft wrapping every attention projection) costs more than GPT-2's; `llama-1b` is `oomkit fit
@@ -126,7 +128,7 @@ def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     start_children = _children_cpu_s()
     mark[:] = [start_cpu, start_wall]
-    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress,
+    result = max_batch_size(timed("build", build), target=Target.resolve(gpu), steps=2, progress=progress,
                             interpolate=setting in ("interpolated", "parallel"),
                             jobs=jobs if setting == "parallel" else 1)
     search_wall_s = time.perf_counter() - start_wall

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from oomkit.core.target import Target
+
 # Issue 3, "Correctness": median error of peak reserved within 5%, none worse than 10%.
 TARGET_MEDIAN_ERROR = 0.05
 TARGET_MAX_ERROR = 0.10
@@ -238,7 +240,7 @@ def _predict(
     built = build_preset_step(run.preset, StepOptions(**run.options()))
     with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
         p = predict(
-            built.step_fn, gpu=gpu, steps=steps, track=built.track, compile=run.compile
+            built.step_fn, target=Target.resolve(gpu), steps=steps, track=built.track, compile=run.compile
         )
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,
