@@ -52,8 +52,6 @@ from typing import Any
 
 from _children import ChildFailed, emit, run_child
 
-from oomkit.core.target import Target
-
 # --case: (preset, seq, GPU, LoRA rank or None). The default is `oomkit fit gpt2-124m --gpu h100`;
 # `llama-8b-lora` is `oomkit fit llama-8b --seq 2048 --lora 16 --gpu h100`, whose build
 # (peft wrapping every attention projection) costs more than GPT-2's; `llama-1b` is `oomkit fit
@@ -79,6 +77,7 @@ def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
     import oomkit.plan.trace_interpolation as interpolation
     import oomkit.prediction.models.presets as presets
     import oomkit.prediction.tracing as tracing
+    from oomkit.core.target import Target
     from oomkit.plan.batch_search import max_batch_size
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.models.lora_options import LoraOptions

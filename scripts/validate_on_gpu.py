@@ -37,8 +37,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from oomkit.core.target import Target
-
 # Issue 3, "Correctness": median error of peak reserved within 5%, none worse than 10%.
 TARGET_MEDIAN_ERROR = 0.05
 TARGET_MAX_ERROR = 0.10
@@ -230,6 +228,7 @@ def _predict(
 ) -> dict:
     import dataclasses
 
+    from oomkit.core.target import Target
     from oomkit.prediction import predict
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
