@@ -77,7 +77,9 @@ def test_bracket_then_bisect_probes_exact_sizes():
 
 def test_curve_lists_every_probe_by_batch():
     """The curve holds (batch, peak reserved, fits) for every size tried, sorted by batch."""
-    result = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB
+    )
     curve = [(p.batch_size, p.peak_reserved_bytes, p.fits) for p in result.curve]
     assert curve == [
         (1, 10 * MiB, True),
@@ -124,7 +126,9 @@ def test_answer_is_the_true_maximum_and_never_above(capacity_bytes, margin_bytes
 def test_margin_excludes_batches_that_would_fit_without_it():
     """A 20 MiB margin lowers the answer from 46 (100 MiB, exact fit) to 36."""
     exact = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
-    with_margin = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=20 * MiB)
+    with_margin = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=20 * MiB
+    )
     assert exact.batch_size == 46 and exact.headroom_bytes == 0
     assert with_margin.batch_size == 36 and with_margin.headroom_bytes == 20 * MiB
 
@@ -193,7 +197,9 @@ def _first_step_spike(batch):
 
 def test_first_optimizer_step_limits_the_batch():
     """The first step's spike counts: 44 fits the steady state but not step 1, answer 44 -> 42."""
-    result = max_batch_size(_first_step_spike, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
+    result = max_batch_size(
+        _first_step_spike, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0
+    )
     # Step 1: (b + 6) * 2 MiB <= 100 MiB -> 44; the steady state alone would allow 46.
     assert result.batch_size == 44
     assert result.limiting_step == "train step 1"
@@ -202,7 +208,9 @@ def test_first_optimizer_step_limits_the_batch():
 
 def test_steps_one_warns_that_the_steady_state_is_unchecked():
     """steps=1 records only the first step and says so in the warnings."""
-    result = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, steps=1)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, steps=1
+    )
     assert result.batch_size == 46
     assert any("only the first training step" in w for w in result.warnings)
 
@@ -232,20 +240,26 @@ def test_steady_state_growth_limits_at_train_step_2():
 
 def test_start_batch_above_the_answer_bisects_down():
     """Starting at 64 (too big), the search bisects (0, 64) and never probes 1."""
-    result = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=64)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=64
+    )
     assert result.probe_order == (64, 32, 48, 40, 44, 42, 41)
     assert result.batch_size == 41
 
 
 def test_start_batch_below_the_answer_doubles_from_it():
     """Starting at 20: 20, 40, 80, then bisection down to 41."""
-    result = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=20)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=20
+    )
     assert result.probe_order == (20, 40, 80, 60, 50, 45, 42, 41)
 
 
 def test_max_batch_stops_the_search_with_a_warning():
     """When max_batch fits, it is the answer and the result says the search stopped there."""
-    result = max_batch_size(_linear(), target=Target.resolve(_gpu(GiB)), margin_bytes=0, max_batch=10)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(GiB)), margin_bytes=0, max_batch=10
+    )
     assert result.probe_order == (1, 2, 4, 8, 10)
     assert result.batch_size == 10
     assert result.first_failing_batch is None
@@ -266,7 +280,9 @@ def test_margin_not_below_usable_raises_before_tracing():
     """A margin that leaves nothing usable fails at once, without calling the builder."""
     calls = []
     with pytest.raises(NoFeasibleBatchSizeError, match="nothing fits on test GPU"):
-        max_batch_size(_linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=100 * MiB)
+        max_batch_size(
+            _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=100 * MiB
+        )
     assert calls == []
 
 
@@ -287,14 +303,18 @@ def test_margin_is_held_as_memory_the_allocator_cannot_use():
 
         return step
 
-    tight = max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=30 * MiB, max_batch=1)
+    tight = max_batch_size(
+        build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=30 * MiB, max_batch=1
+    )
     assert tight.batch_size == 1 and tight.peak_reserved_bytes == 60 * MiB
     # Step 1 retries once; step 2 splits the cached 60 MiB segment for the 50 MiB block, which
     # merges back when freed and then serves the 60 MiB request: no retry there.
     assert tight.answer.train.num_alloc_retries == 1
     assert any("frees its cache and retries 1 time(s)" in w for w in tight.warnings)
     with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1 fits"):
-        max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=45 * MiB, max_batch=1)
+        max_batch_size(
+            build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=45 * MiB, max_batch=1
+        )
 
 
 def test_curve_that_shrinks_with_batch_is_warned_about():
@@ -304,7 +324,9 @@ def test_curve_that_shrinks_with_batch_is_warned_about():
         size = 30 * MiB if batch == 1 else _need_bytes(batch)
         return lambda: torch.empty(size, dtype=torch.uint8)
 
-    result = max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, max_batch=2)
+    result = max_batch_size(
+        build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, max_batch=2
+    )
     assert result.batch_size == 2
     assert any(
         "batch 2 needs 12.00 MiB, less than batch 1 (30.00 MiB)" in w for w in result.warnings

@@ -110,7 +110,9 @@ def test_a_search_with_jobs_is_the_one_at_a_time_search(
     options = dict(options)
     interpolate = options.pop("interpolate", True)
     margin = options.pop("margin_mib", 10) * MiB
-    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=margin, interpolate=interpolate)
+    kwargs = dict(
+        target=Target.resolve(_gpu(100 * MiB)), margin_bytes=margin, interpolate=interpolate
+    )
     serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
     serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
     parallel = max_batch_size(_builder(parallel_log, **options), jobs=2, **kwargs)
@@ -167,7 +169,9 @@ def test_the_first_synthesized_size_is_traced_at_the_lowest_priority(tmp_path, m
             out.write(f"{batch} {os.nice(0)}\n")
 
     builder = _builder(tmp_path / "log", path_change_at=30, in_child=note_priority)
-    result = max_batch_size(builder, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=2)
+    result = max_batch_size(
+        builder, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=2
+    )
     assert (result.batch_size, result.unused_ahead) == (31, 1)
     priorities = dict(line.split() for line in nice_log.read_text().splitlines())
     assert (priorities["2"], priorities["4"]) == (mine, "19")
@@ -337,7 +341,9 @@ def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):
     errors = []
     for jobs in (1, 2):
         with pytest.raises(UserCodeError) as caught:
-            max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=jobs)
+            max_batch_size(
+                build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=jobs
+            )
         errors.append(str(caught.value))
     assert errors[0] == errors[1] and "returned int for batch 2" in errors[0]
 
@@ -345,7 +351,9 @@ def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):
 def test_bad_jobs_are_refused():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(AllocatorUsageError, match="jobs must be a positive int"):
-            max_batch_size(_builder(Path(os.devnull)), target=Target.resolve(_gpu(100 * MiB)), jobs=bad)
+            max_batch_size(
+                _builder(Path(os.devnull)), target=Target.resolve(_gpu(100 * MiB)), jobs=bad
+            )
 
 
 def test_smallest_gpu_traces_each_compute_capability_in_its_own_process(tmp_path):

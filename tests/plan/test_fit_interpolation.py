@@ -151,8 +151,12 @@ def test_interpolated_search_traces_five_and_finds_the_same_answer():
     from oomkit.plan.batch_search import max_batch_size
 
     calls = []
-    result = max_batch_size(_linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
-    plain = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, interpolate=False)
+    result = max_batch_size(
+        _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB
+    )
+    plain = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, interpolate=False
+    )
     assert result.probe_order == plain.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41)
     assert (result.batch_size, result.first_failing_batch) == (plain.batch_size, 42) == (41, 42)
     assert (result.traces, result.synthesized) == (4, 9)
@@ -182,7 +186,9 @@ def test_eval_steps_are_interpolated_and_confirmed_too():
     """An eval step at 3 x the batch caps at 15: train and eval traced at 1, 2, 15, 16."""
     from oomkit.plan.batch_search import max_batch_size
 
-    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, eval_step=_linear(per_batch=3))
+    kwargs = dict(
+        target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, eval_step=_linear(per_batch=3)
+    )
     result = max_batch_size(_linear(), **kwargs)
     plain = max_batch_size(_linear(), interpolate=False, **kwargs)
     assert (result.batch_size, result.limiting_step) == (plain.batch_size, "eval") == (15, "eval")

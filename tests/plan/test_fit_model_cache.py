@@ -126,7 +126,9 @@ def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
         reference.requires_grad_(False)
         return policy.step_fn, (*policy.track, reference)
 
-    result = max_batch_size(build, target=Target.resolve("6GiB"), margin_bytes=0, start_batch=4, max_batch=5)
+    result = max_batch_size(
+        build, target=Target.resolve("6GiB"), margin_bytes=0, start_batch=4, max_batch=5
+    )
     # Built once per probe each, and the reference frozen after the build: the cache sees the
     # changed signature and rebuilds it, so its requires_grad starts as a fresh build's.
     assert result.probe_order == (4, 5)

@@ -103,7 +103,9 @@ def test_breakdown_is_taken_at_the_peak_not_the_end():
 def test_oom_point_with_tiny_capacity():
     """The first request the device cannot serve is the OOM point, with op, module and step."""
     events = [TraceEvent("alloc", 99, 512, tags=(("category", "input"),)), *THREE]
-    p = predict_recording(_recording(events, step_starts=(1,)), target=Target.resolve(_gpu(40 * MiB, 10 * MiB)))
+    p = predict_recording(
+        _recording(events, step_starts=(1,)), target=Target.resolve(_gpu(40 * MiB, 10 * MiB))
+    )
     assert p.fits is False
     oom = p.oom
     assert oom is not None
@@ -123,7 +125,9 @@ def test_oom_point_with_tiny_capacity():
 def test_oom_before_first_step_has_no_step():
     """Storages that exist before the first step can already exceed the device."""
     events = [_alloc(1, 50 * MiB, "parameter")]
-    p = predict_recording(_recording(events, step_starts=()), target=Target.resolve(_gpu(40 * MiB, 0)))
+    p = predict_recording(
+        _recording(events, step_starts=()), target=Target.resolve(_gpu(40 * MiB, 0))
+    )
     assert p.oom is not None and p.oom.step is None and p.oom.module is None
 
 
@@ -131,7 +135,9 @@ def test_budget_checks_required_reserved_bytes():
     """within_budget compares the reserved bytes needed with the budget, inclusive."""
     rec = _recording(THREE)
     assert predict_recording(rec, target=Target.resolve(_gpu(GiB, 0)), budget_bytes=THREE_RESERVED).within_budget is True
-    over = predict_recording(rec, target=Target.resolve(_gpu(GiB, 0)), budget_bytes=THREE_RESERVED - 1)
+    over = predict_recording(
+        rec, target=Target.resolve(_gpu(GiB, 0)), budget_bytes=THREE_RESERVED - 1
+    )
     assert over.within_budget is False and over.fits is True
     assert predict_recording(rec, target=Target.resolve(_gpu(GiB, 0))).within_budget is None
 
@@ -144,7 +150,10 @@ def test_step_peaks_and_growth_warning():
         _alloc(2, 25 * MiB, "activation"),
         *_free(2, 25 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 3), warnings=("from tracer",)), target=Target.resolve(_gpu(GiB, 0)))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 3), warnings=("from tracer",)),
+        target=Target.resolve(_gpu(GiB, 0)),
+    )
     # 25 MiB gets a 26 MiB segment; the 1 MiB left over is not > kSmallSize, so the block is
     # not split and counts 26 MiB allocated (CUDACachingAllocator.cpp should_split).
     assert [(s.step, s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
@@ -168,7 +177,9 @@ def test_growth_from_first_step_optimizer_state_is_not_warned_about():
         _alloc(3, 3 * MiB, "activation"),  # step 1
         *_free(3, 3 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0)))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     # Step 0: 1 MiB in a 2 MiB small-pool segment, then the state's own 26 MiB segment (25 MiB
     # leaves 1 MiB, not split: 26 MiB allocated). Step 1 adds 3 MiB in a new 20 MiB segment.
     assert [(s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
@@ -179,7 +190,9 @@ def test_growth_from_first_step_optimizer_state_is_not_warned_about():
     # The same growth with the 25 MiB made by something other than the optimizer is warned about.
     plain = [e if e.action != "alloc" or e.address != 2 else _alloc(2, 25 * MiB, "activation")
              for e in events]
-    q = predict_recording(_recording(plain, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0)))
+    q = predict_recording(
+        _recording(plain, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     assert any("still grew" in w for w in q.warnings)
 
 
@@ -194,7 +207,9 @@ def test_growth_explained_by_unsplit_optimizer_state_blocks_is_not_warned_about(
         _alloc(3, 40 * MiB, "activation"),  # step 2: a new 40 MiB segment
         *_free(3, 40 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0)))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     assert [(s.step, s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
         (1, 40 * MiB, 40 * MiB),
         (2, 80 * MiB, 80 * MiB),
@@ -218,16 +233,24 @@ def test_timeline_is_bounded_and_keeps_the_peak():
 def test_alloc_conf_is_canonical_and_changes_the_replay():
     """expandable_segments:True maps 2 MiB pages instead of a 20 MiB segment for 3 MiB."""
     events = [_alloc(1, 3 * MiB, "activation")]
-    p = predict_recording(_recording(events), target=Target.resolve(_gpu(GiB, 0), alloc_conf="expandable_segments:True"))
+    p = predict_recording(
+        _recording(events),
+        target=Target.resolve(_gpu(GiB, 0), alloc_conf="expandable_segments:True"),
+    )
     assert p.alloc_conf == "expandable_segments:True"
     assert p.peak_reserved_bytes == 20 * MiB
     with pytest.raises(ConfigError, match="max_split_size"):
-        predict_recording(_recording(events), target=Target.resolve(_gpu(GiB, 0), alloc_conf="max_split_size_mb:2"))
+        predict_recording(
+            _recording(events),
+            target=Target.resolve(_gpu(GiB, 0), alloc_conf="max_split_size_mb:2"),
+        )
 
 
 def test_gpu_by_name_and_context_override():
     """A catalog name resolves to its spec; context_overhead_bytes replaces its figure."""
-    p = predict_recording(_recording(THREE), target=Target.resolve("h100", context_overhead_bytes=1 * GiB))
+    p = predict_recording(
+        _recording(THREE), target=Target.resolve("h100", context_overhead_bytes=1 * GiB)
+    )
     h100 = get_gpu("h100")
     assert p.gpu.name == h100.name
     assert p.usable_bytes == h100.total_memory_bytes - GiB

@@ -52,7 +52,9 @@ warning: a warning"""
 
 def test_str_is_the_summary_and_repr_the_verdict():
     """print(prediction) gives the verdict and top lines (repeated layers merged), not a repr."""
-    p = predict_recording(_blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2")
+    p = predict_recording(
+        _blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2"
+    )
     assert str(p) == SUMMARY
     assert str(p) == prediction_summary(p)
     assert repr(p) == f"<Prediction: {verdict_line(p)}>"
@@ -61,7 +63,9 @@ def test_str_is_the_summary_and_repr_the_verdict():
 
 def test_summary_counts_what_it_leaves_out():
     """With rows=1 the summary says how many rows, modules and bytes it left out."""
-    p = predict_recording(_blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2")
+    p = predict_recording(
+        _blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2"
+    )
     lines = prediction_summary(p, rows=1).splitlines()
     assert "  (1 more row, 1.00 MiB)" in lines  # the input category
     assert "  (1 more row: 1 module, 4.00 MiB)" in lines  # lm_head
@@ -162,7 +166,9 @@ def test_terminal_module_table_merges_layers_and_counts_rows_left_out():
     events = [_alloc(i, 2 * MiB, "activation", f"h.{i}.mlp") for i in range(12)]
     # Eleven distinct modules of decreasing size: ten rows fit, so one is left out.
     events += [_alloc(100 + k, (11 - k) * 512 * 1024, "activation", f"head{k}") for k in range(11)]
-    p = predict_recording(TraceRecording(events=tuple(events), step_starts=(0,)), target=Target.resolve(GPU))
+    p = predict_recording(
+        TraceRecording(events=tuple(events), step_starts=(0,)), target=Target.resolve(GPU)
+    )
     out = io.StringIO()
     oomkit.render_prediction(p, Console(file=out, width=120, no_color=True))
     text = out.getvalue()

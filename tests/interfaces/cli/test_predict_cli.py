@@ -296,7 +296,9 @@ def test_verdict_lines_exact():
     assert verdict_line(fits) == (
         "fits on Big: peak reserved 50.00 MiB of 924.00 MiB usable, 874.00 MiB headroom"
     )
-    oom = predict_recording(rec, target=Target.resolve(GpuSpec("Small", 40 * MiB, 10 * MiB)), budget_bytes=16 * MiB)
+    oom = predict_recording(
+        rec, target=Target.resolve(GpuSpec("Small", 40 * MiB, 10 * MiB)), budget_bytes=16 * MiB
+    )
     assert verdict_line(oom) == (
         "would OOM at step 1 in h.3.attn (aten.mm.default) requesting 30.00 MiB on Small: the "
         "step needs about 50.00 MiB reserved, 20.00 MiB more than the 30.00 MiB usable; over the "

@@ -86,7 +86,9 @@ def test_prediction_report_golden():
     )
     recording = TraceRecording(events=events, warnings=("an example warning",), step_starts=(0, 3))
     gpu = GpuSpec(name="test GPU", total_memory_bytes=GiB, context_overhead_bytes=100 * MiB)
-    prediction = predict_recording(recording, target=Target.resolve(gpu), description="a test workload")
+    prediction = predict_recording(
+        recording, target=Target.resolve(gpu), description="a test workload"
+    )
     assert _render(render_prediction, prediction) == PREDICTION_GOLDEN
 
 
