@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomkit.core.target import resolve_target
+from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.predictor import predict, predict_recording
 from oomkit.prediction.tracing.script_run import ScriptSpec, record_script
 from oomkit.scenario.user_function import load_user_step
 
-RTX4090 = resolve_target(None, gpu="rtx4090")
+RTX4090 = Target.resolve("rtx4090")
 
 # A plain loop over a DataLoader of a Dataset, as tutorials write it.
 PLAIN_LOOP = '''
