@@ -136,7 +136,7 @@ def _write(folder, name, text):
 
 
 def _builder_peaks(folder, target_name):
-    user = load_user_step(str(folder / target_name), batch_size=16, gpu=RTX4090.gpu)
+    user = load_user_step(str(folder / target_name), gpu=RTX4090.gpu)  # builders default to 16
     prediction = predict(user.step_fn, track=user.track, target=RTX4090, steps=3)
     return prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
 
