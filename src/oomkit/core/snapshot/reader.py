@@ -19,8 +19,9 @@ import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from oomkit.core.snapshot._drain import TraceDrain
 from oomkit.core.snapshot._validate import (
     layout_problem,
     show,
@@ -28,14 +29,19 @@ from oomkit.core.snapshot._validate import (
     unknown_actions,
 )
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
-from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
+from oomkit.core.snapshot.unpickler import (
+    HOW_TO_RECORD,
+    expansion_error,
+    expansion_limit,
+    load_plain_pickle,
+)
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
 __all__ = ["READING_FILE", "LoadProgress", "load_snapshot", "snapshot_from_data"]
 
 # Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
-# then "reading device N's trace" in entries (about four fifths of a large file's load).
+# then "reading device N's trace" in entries (those not read while the file was: TraceDrain).
 LoadProgress = Callable[[str, int, int], None]
 READING_FILE = "reading the file"
 # Trace entries between two progress calls.
@@ -74,14 +80,17 @@ def load_snapshot(
         source: the path of the pickle, or its bytes.
         progress: called with (what, done, total) as the load goes on (for a progress bar):
             ``READING_FILE`` in bytes (a file with a framed pickle, as PyTorch writes),
-            then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end.
+            then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end
+            (starting where the trace stands: a framed pickle's first large trace is read
+            while the file is, so its memory is never held twice).
 
     Returns:
         The normalised snapshot; ``format_generation`` says which layout the file had.
 
     Raises:
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
-            global, or holds something other than a memory snapshot.
+            global, expands to more entries than its size allows (``expansion_limit``), or
+            holds something other than a memory snapshot.
         OSError: the file cannot be opened.
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
@@ -92,15 +101,22 @@ def load_snapshot(
     try:
         if isinstance(source, (bytes, bytearray)):
             name, label = "<bytes>", None
-            data = load_plain_pickle(bytes(source), name)
+            normaliser = _Normaliser(name, True, progress, expansion_limit(len(source)))
+            drain = TraceDrain(normaliser.read_entries)
+            data = load_plain_pickle(bytes(source), name, hook=drain)
         else:
             path = Path(source)
             name = label = str(path)
             with open(path, "rb") as stream:
+                limit = expansion_limit(os.fstat(stream.fileno()).st_size)
+                # The tree is this function's own: the drain reads each trace entry as the
+                # file is read and empties it, and the normaliser frees the rest once read.
+                normaliser = _Normaliser(name, True, progress, limit)
+                drain = TraceDrain(normaliser.read_entries)
                 in_bytes = None if progress is None else partial(progress, READING_FILE)
-                data = load_plain_pickle(stream, name, in_bytes)
-        # The tree is this function's own: the normaliser frees each trace entry once read.
-        return _Normaliser(name, consume=True, progress=progress).snapshot(data, label)
+                data = load_plain_pickle(stream, name, in_bytes, drain)
+        normaliser.streamed = drain.read
+        return normaliser.snapshot(data, label)
     finally:
         if paused:
             gc.enable()
@@ -124,12 +140,23 @@ class _Normaliser:
     """One pass over the unpickled tree; interns frames so repeated stacks are shared."""
 
     def __init__(
-        self, name: str, consume: bool = False, progress: LoadProgress | None = None
+        self,
+        name: str,
+        consume: bool = False,
+        progress: LoadProgress | None = None,
+        max_entries: int | None = None,
     ) -> None:
         self.name = name
         # Whether the unpickled tree is ours to take apart while it is read (load_snapshot).
         self.consume = consume
         self.progress = progress
+        # The expansion bound (expansion_limit; none for data given as is), and what has been
+        # counted against it.
+        self.max_entries = max_entries
+        self._entries_left: float = max_entries if max_entries is not None else float("inf")
+        # Trace lists read (in part) while the file was unpickled: TraceDrain.read.
+        self.streamed: dict[int, tuple[list, list[TraceEvent]]] = {}
+        self.trace_keys: set[str] = set()
         self._frames: dict[tuple[str, int, str], Frame] = {}
         self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         self._stacks_by_ids: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[Frame, ...]]] = {}
@@ -141,6 +168,12 @@ class _Normaliser:
         return SnapshotFormatError(
             f"{self.name}: {what}, so this is not a valid memory snapshot. {HOW_TO_RECORD}"
         )
+
+    def expand(self, count: int) -> None:
+        """Count ``count`` more entries against the expansion bound; raise past it."""
+        self._entries_left -= count
+        if self._entries_left < 0:
+            raise expansion_error(self.name, self.max_entries or 0)
 
     # ---------------------------------------------------------------------------- top level
 
@@ -158,6 +191,8 @@ class _Normaliser:
                 f"the pickle holds a {type(data).__name__}, not a dict or list of segments"
             )
 
+        raw_traces = top.get("device_traces") if top is not None else None
+        self.expand_up_front(segments_raw, raw_traces)
         has_history = False
         segments = []
         for index, raw in enumerate(segments_raw):
@@ -168,12 +203,12 @@ class _Normaliser:
         traces: dict[int, tuple[TraceEvent, ...]] = {}
         settings = annotations = user_metadata = None
         if top is not None:
-            raw_traces = top.get("device_traces")
             if raw_traces is not None:
                 if not isinstance(raw_traces, list):
                     raise self.fail("'device_traces' is not a list")
                 for device, entries in enumerate(raw_traces):
                     traces[device] = self.checked_trace(device, self.trace(device, entries))
+                self.keys_seen.update(f"trace:{key}" for key in self.trace_keys)
             settings = top.get("allocator_settings")
             if settings is not None and not isinstance(settings, dict):
                 raise self.fail("'allocator_settings' is not a dict")
@@ -199,6 +234,23 @@ class _Normaliser:
             keys_seen=frozenset(self.keys_seen),
             warnings=tuple(self.warnings),
         )
+
+    def expand_up_front(self, segments_raw: list, raw_traces: Any) -> None:
+        """Count the segments, blocks and trace entries before reading any (each list's length
+        is known): a memo bomb of entries fails at once."""
+        count = len(segments_raw)
+        for raw in segments_raw:
+            blocks = raw.get("blocks") if type(raw) is dict else None
+            if type(blocks) is list:
+                count += len(blocks)
+        if type(raw_traces) is list:
+            streamed = self.streamed
+            for entries in raw_traces:
+                count += 1
+                if type(entries) is list:
+                    done = streamed.get(id(entries))
+                    count += len(entries) + (len(done[1]) if done is not None else 0)
+        self.expand(count)
 
     # ---------------------------------------------------------------------------- segments
 
@@ -311,23 +363,50 @@ class _Normaliser:
     def trace(self, device: int, entries: Any) -> tuple[TraceEvent, ...]:
         if not isinstance(entries, list):
             raise self.fail(f"device_traces[{device}] is not a list")
-        events: list[TraceEvent] = []
-        append = events.append
-        keys: set[str] = set()
-        note_keys = keys.update
-        frames_of = self.frames
-        tag_fields = _TAG_FIELDS
-        consume = self.consume
-        new_event = new_trace_event
+        # What TraceDrain read while the file was unpickled comes first; entries holds the rest.
+        done = self.streamed.pop(id(entries), None)
+        events: list[TraceEvent] = done[1] if done is not None else []
         report = self.progress
         what = f"reading device {device}'s trace"
-        total = len(entries)
-        for index, raw in enumerate(entries):
-            if report is not None and not index % _PROGRESS_ENTRIES:
-                report(what, index, total)
+        total = len(events) + len(entries)
+        for start in range(0, len(entries), _PROGRESS_ENTRIES):
+            if report is not None:
+                report(what, len(events), total)
+            stop = min(start + _PROGRESS_ENTRIES, len(entries))
+            read = self.read_entries(entries, stop, events, device, start)
+            if read < stop - start:
+                self._bad_entry(device, len(events), entries[start + read])
+        if report is not None:
+            report(what, total, total)
+        return tuple(events)
+
+    def read_entries(
+        self,
+        entries: list,
+        stop: int,
+        events: list[TraceEvent],
+        device: int | None = None,
+        start: int = 0,
+    ) -> int:
+        """Read ``entries[start:stop]`` into records appended to ``events``.
+
+        Returns how many were read: all, or those before the first malformed entry (whose
+        index in its trace is then ``len(events)``). When the tree is this reader's own, frees
+        each entry read; with no ``device`` (TraceDrain, while the unpickler still holds every
+        entry in its memo), empties it instead: the dict, and its stack list down to the
+        stack it was read into (``_drain.read_stack``: an entry read later may share it).
+        """
+        append = events.append
+        note_keys = self.trace_keys.update
+        frames_of = self.frames
+        tag_fields = _TAG_FIELDS
+        consume = self.consume and device is not None
+        empty = self.consume and device is None
+        new_event = new_trace_event
+        for index in range(start, stop):
+            raw = entries[index]
             if type(raw) is not dict:
-                where = f"device_traces[{device}][{index}]"
-                raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
+                return index - start
             note_keys(raw)
             action: Any = raw.get("action")
             # An oom entry records device_free in place of addr (ref §11.2).
@@ -352,24 +431,22 @@ class _Normaliser:
                 or type(stream) is not int
                 or (time_us is not None and type(time_us) is not int)
             ):
-                self._bad_entry(device, index, raw)
+                return index - start
             tags: tuple[tuple[str, str], ...] = ()
             if "compile_context" in raw or "user_metadata" in raw or "pool_id" in raw:
                 tags = self._tags(raw, tag_fields)
             frames = raw.get("frames")
-            append(
-                new_event(
-                    action, address, size, stream, time_us, frames_of(frames) if frames else (), tags
-                )
-            )
+            stack = frames_of(frames) if frames else ()
+            append(new_event(action, address, size, stream, time_us, stack, tags))
             if consume:
                 # load_snapshot's own tree: drop each raw entry once read, so the raw trace and
                 # its records are never both held in full (issue 19 item 3).
                 entries[index] = None
-        self.keys_seen.update(f"trace:{key}" for key in keys)
-        if report is not None:
-            report(what, total, total)
-        return tuple(events)
+            elif empty:
+                if frames and type(frames) is list:
+                    frames[:] = (stack,)
+                raw.clear()
+        return stop - start
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
         """Refuse negative sizes or addresses; warn of actions oomkit does not know (they pass
@@ -387,9 +464,11 @@ class _Normaliser:
         )
         return events
 
-    def _bad_entry(self, device: int, index: int, raw: dict) -> None:
+    def _bad_entry(self, device: int, index: int, raw: Any) -> NoReturn:
         """Raise the message for the first malformed field of trace entry ``index``."""
         where = f"device_traces[{device}][{index}]"
+        if type(raw) is not dict:
+            raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
         if not isinstance(raw.get("action"), str):
             raise self.fail(f"{where} has no 'action' string")
         time_us = raw.get("time_us")
@@ -398,6 +477,7 @@ class _Normaliser:
         address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
         for key in (address_key, "size", "stream"):
             self.int_field(raw, key, where, 0)
+        raise self.fail(f"{where} is malformed")
 
     @staticmethod
     def _tags(raw: dict, tag_fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -438,6 +518,13 @@ class _Normaliser:
     def frames(self, raw: Any) -> tuple[Frame, ...]:
         if not raw or not isinstance(raw, list):
             return ()
+        # expand(len(raw)), inline: this runs once per entry.
+        self._entries_left -= len(raw)
+        if self._entries_left < 0:
+            self.expand(0)
+        first = raw[0]
+        if type(first) is tuple and (not first or type(first[0]) is Frame):
+            return first  # read while the file was unpickled (_drain.read_stack), inline
         # PyTorch pickles each distinct frame dict once and refers to it from every stack (a
         # real 19,136-event file: 607,330 frame references, 629 frame dicts), so a stack of the
         # same dict objects is the same stack: look it up by their ids first. The cache keeps
