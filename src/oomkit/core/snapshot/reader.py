@@ -60,6 +60,7 @@ _STATES = {
 }
 
 _REQUIRED = object()
+_ABSENT = object()
 
 # Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
 _TAG_FIELDS = ("compile_context", "user_metadata")
@@ -410,10 +411,9 @@ class _Normaliser:
             note_keys(raw)
             action: Any = raw.get("action")
             # An oom entry records device_free in place of addr (ref §11.2).
-            if "addr" in raw or "device_free" not in raw:
-                address = raw.get("addr")
-            else:
-                address = raw["device_free"]
+            address = raw.get("addr", _ABSENT)
+            if address is _ABSENT:
+                address = raw.get("device_free")
             size = raw.get("size")
             stream = raw.get("stream")
             # An absent (or None) number reads as 0, as int_field does.
