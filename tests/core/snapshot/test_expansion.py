@@ -112,3 +112,48 @@ def test_the_cli_refuses_a_memo_bomb_with_exit_2(tmp_path, command):
     # The command's start-up (imports) is counted too; the bound itself is instant.
     assert cpu_s < 2 * READER_LIMIT_S
     assert path.stat().st_size < 200_000
+
+
+_MARK = "DEEP_HERE"
+
+
+def _with_deep_list(data: dict[str, Any], depth: int) -> bytes:
+    """``data`` pickled (protocol 2: no frames), each ``_MARK`` string replaced by a list nested
+    ``depth`` deep (pickle itself would recurse that deep): ``depth`` empty lists pushed, then
+    each appended to the one below it."""
+    raw = pickle.dumps(data, protocol=2)
+    marker = b"X" + len(_MARK).to_bytes(4, "little") + _MARK.encode()
+    assert marker in raw
+    return raw.replace(marker, b"]" * depth + b"a" * (depth - 1))
+
+
+PLACES = st.sampled_from(["trace entry", "stack", "segment", "compile context", "pool id"])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(place=PLACES, depth=st.integers(min_value=1_000, max_value=100_000))
+def test_deep_nesting_is_answered_fast(place, depth):
+    """A list nested up to 100,000 deep anywhere: a clear refusal, or read without it, fast."""
+    entry = _entry(0, [FRAME])
+    data: dict[str, Any] = {"segments": [], "device_traces": [[entry]]}
+    if place == "trace entry":
+        data["device_traces"][0].append(_MARK)
+    elif place == "stack":
+        entry["frames"] = [FRAME, _MARK]
+    elif place == "segment":
+        data["segments"].append(_MARK)
+    elif place == "compile context":
+        entry["compile_context"] = _MARK
+    else:
+        entry["pool_id"] = _MARK
+    raw = _with_deep_list(data, depth)
+    start = time.process_time()
+    try:
+        snapshot = load_snapshot(raw)
+    except SnapshotFormatError as exc:
+        assert place in ("trace entry", "segment")
+        assert "is a list, not a dict" in str(exc)
+    else:
+        assert place in ("stack", "compile context", "pool id")
+        assert snapshot.trace_for(0)[0].frames[0].name == "step"
+    assert time.process_time() - start < READER_LIMIT_S
