@@ -5,11 +5,11 @@ memoizes every dict and list), so a 1 GB file's 5M raw trace entries (about 700 
 Python dicts and frame lists) were all alive at once before the first was read: 3.5 GB. A
 :class:`TraceDrain` runs after each frame the unpickler reads (``unpickler.ReadHook``): it finds
 the device trace lists among the unpickler's objects, reads the entries appended to them so far
-into ``TraceEvent`` records, and empties what it read. The memo still holds each entry dict and
-frame list, but hollow: an empty dict, and a frame list whose one item is the tuple of
-``Frame`` records it was read into (``read_stack``; a later entry that refers to the same list,
-as PyTorch's ``free_requested`` does to its ``alloc``'s, gets the same frames through it). What the normaliser reads after the
-load is then the part of each trace not read yet.
+into ``TraceEvent`` records, and empties what it read. The memo still holds each entry dict
+and frame list, but hollow: an empty dict, and a frame list whose one item is the tuple of
+``Frame`` records it was read into (``read_stack``; a later entry that refers to the same
+list, as PyTorch's ``free_requested`` does to its ``alloc``'s, gets the same frames through
+it). What the normaliser reads after the load is then the part of each trace not read yet.
 
 A trace list is a list whose first item is a dict with an ``action`` key. Looking for it copies
 the memo, so that is done when the bytes read pass 1, 2, 4, 8, ... MiB and only until one is
