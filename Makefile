@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 # with `make TORCH_INDEX=...`, or `make TORCH_INDEX=` to always use pip's configuration.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test test-compiled compiled-site lint bench bench-compiled clean
+.PHONY: demo test test-compiled compiled-site lint docs bench bench-compiled clean
 
 $(BIN)/oomkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ lint: $(BIN)/oomkit
 	$(BIN)/ruff check src tests benchmarks scripts setup.py
 	$(BIN)/mypy
 
+# The documentation site (mkdocs.yml; Material theme, mkdocstrings, the CLI reference generated
+# from the parser by docs/hooks/cli_reference.py) into site/; --strict fails on any broken link,
+# missing page or docstring warning.
+docs: $(BIN)/oomkit
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(BIN)/oomkit
 	$(BIN)/python benchmarks/replay_speed.py
 	$(BIN)/python benchmarks/predict_speed.py
@@ -69,4 +75,4 @@ bench-compiled: compiled-site
 	$(BIN)/python benchmarks/replay_speed.py --part real
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build site src/*.egg-info

@@ -39,18 +39,20 @@ def run_setting(setting: str) -> dict:
     """One search in this process."""
     import torch._dynamo  # noqa: F401  (imported by torch on first use: not the search's cost)
 
-    from oomkit.interfaces.cli import build_parser
-    from oomkit.interfaces.cli._envelope import _recorder
-    from oomkit.interfaces.cli._target import target_from_args
     from oomkit.plan.envelope_fit import max_batch_for_run
+    from oomkit.scenario import Scenario, scenario_target
+    from oomkit.scenario.lengths import length_recorder
 
     rng = random.Random(0)
     lengths = [rng.choice(LENGTHS) for _ in range(STEPS)]
-    args = build_parser().parse_args(
-        ["fit", "gpt2-124m", "--gpu", "rtx4090", "--precision", "bf16-mixed", "--lengths", "-"]
+    scenario = Scenario(
+        model={"preset": "gpt2-124m"},
+        step={"precision": "bf16-mixed"},
+        target={"gpu": "rtx4090"},
+        lengths={"file": "-"},
     )
-    target = target_from_args(args)
-    record_at = _recorder(args, target, "fit", [])
+    target = scenario_target(scenario)
+    record_at = length_recorder(scenario, target, [])
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     start_children = _children_cpu_s()
     found = max_batch_for_run(

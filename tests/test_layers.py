@@ -26,6 +26,8 @@ RANK = {
     # which allocator core is installed (compiled or pure), read from the file system
     "_build": 0,
     "units": 1,
+    # the files a user names: unreadable inputs, outputs written safely, for every layer
+    "_files": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
     # allocator config; replay drives the simulator from traces and snapshots
@@ -45,8 +47,10 @@ RANK = {
     "plan": 7,
     # diagnose: causes and ranked remedies, priced with plan's searches and re-predictions
     "diagnose": 8,
-    # runtime: code that runs inside the user's CUDA process
+    # runtime: code that runs inside the user's CUDA process; scenario: the typed request and
+    # the library every way in calls (predict, fit), above plan and diagnose
     "runtime": 9,
+    "scenario": 9,
     # interfaces: reports and callbacks, then the CLI, then the Python API facade
     "interfaces": 10,
     "interfaces.reports": 10,
@@ -226,6 +230,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",
+        "oomkit.scenario",
         "oomkit.interfaces",
         *INTERFACE_ONLY,
     }
@@ -236,11 +241,14 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction._replay",
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
+        "oomkit.prediction.scripts",
         "oomkit.prediction.summary",
+        "oomkit.prediction.serving",
         "oomkit.prediction.workload",
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",
+        "oomkit.scenario",
         "oomkit.interfaces",
         *INTERFACE_ONLY,
     }

@@ -305,6 +305,39 @@ def test_verdict_says_when_a_snapshot_recorded_no_oom(tmp_path):
     assert d.attribution.moment in ("peak", "final")
     # 1 GiB held on a 64 GiB device, nothing short-lived or fragmented: no risk to name.
     assert verdict_label(d) == "No OOM in this snapshot and no risk found"
+    assert d.attribution.moment == "peak"
     assert d.causes[0].summary == (
-        f"at the {d.attribution.moment} tensors held 1.00 GiB and PyTorch reserved 1.00 GiB"
+        "at the peak of allocated memory tensors held 1.00 GiB and PyTorch reserved 1.00 GiB"
     )
+
+
+def test_fragmentation_is_one_figure_in_diff_and_explain(tmp_path):
+    """Peak reserved (54 MiB) comes before peak allocated: explain names each moment, and its
+    fragmentation figure (reserved - allocated at peak reserved, 8 MiB) is diff's."""
+    from cases.oom_cases import Recorder
+
+    from oomkit.diagnose.run_diff import run_memory_from_snapshot
+
+    rec = Recorder(capacity_bytes=64 * GiB)
+    a = rec.alloc(12 * MiB)  # >= 10 MiB: its own 12 MiB segment
+    assert a is not None and rec.alloc(12 * MiB) is not None  # a second 12 MiB segment
+    rec.free(a)
+    assert rec.alloc(4 * MiB) is not None  # splits the free 12 MiB block: 8 MiB stays cached
+    assert rec.alloc(30 * MiB) is not None  # a 30 MiB segment: reserved peaks, 46 MiB allocated
+    assert rec.alloc(8 * MiB) is not None  # the cached 8 MiB: allocated peaks at 54 MiB
+    snapshot = load_snapshot(rec.write(tmp_path / "s.pickle"))
+    run = run_memory_from_snapshot(snapshot)
+    diagnosis = diagnose_snapshot(snapshot, price_settings=False)
+    assert (run.peak_reserved_bytes, run.allocated_at_peak_bytes) == (54 * MiB, 46 * MiB)
+    assert run.placement_bytes == 8 * MiB
+    assert diagnosis.figures_bytes["fragmentation_at_peak_reserved_bytes"] == 8 * MiB
+    text = diagnosis.memory_explained
+    assert (
+        "Allocated (54.00 MiB, torch.cuda.memory_allocated) is what live tensors used at the "
+        "peak of allocated memory"
+    ) in text
+    assert "the allocated memory plus 0 B cached for reuse" in text, text
+    assert (
+        "At the peak of reserved memory (54.00 MiB, trace event 8) 46.00 MiB was allocated: "
+        "8.00 MiB reserved but unallocated, the fragmentation `oomkit diff` reports."
+    ) in text, text

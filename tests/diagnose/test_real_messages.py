@@ -37,3 +37,26 @@ def test_context_alone_is_never_the_cause_on_real_messages():
         outside = parsed.outside_allocator_bytes
         if outside is not None and outside <= 1200 * 2**20 and not parsed.processes:
             assert "outside_pytorch" not in [f.cause for f in diagnosis.causes], case.url
+
+
+def test_share_classified_right_is_at_least_90_percent():
+    """The measure of issue 35 on the messages kept here: 65 of 65 right (main eb25551: 56)."""
+    right = sum(diagnose_oom_text(parse_oom_text(c.text)).cause == c.expected for c in CASES)
+    assert (right, len(CASES)) == (65, 65)
+    assert right / len(CASES) >= 0.9
+
+
+def test_every_cache_at_least_the_request_is_fragmentation():
+    """Each message whose cache (reserved - allocated) holds the request is fragmentation."""
+    covered = [
+        c
+        for c in CASES
+        if (p := parse_oom_text(c.text)).reserved_unallocated_bytes is not None
+        and p.requested_bytes is not None
+        and p.total_bytes is not None
+        and p.requested_bytes <= p.total_bytes
+        and p.reserved_unallocated_bytes >= p.requested_bytes
+    ]
+    assert len(covered) == 21
+    assert {c.expected for c in covered} == {"fragmentation"}
+    assert {diagnose_oom_text(parse_oom_text(c.text)).cause for c in covered} == {"fragmentation"}

@@ -90,18 +90,20 @@ def test_gc_threshold_on_old_releases_needs_a_fraction_call():
 
 
 def test_non_split_rounding_without_max_split_has_no_effect():
-    """max_non_split_rounding_mb alone: a warning citing §6."""
+    """max_non_split_rounding_mb alone: a warning citing get_free_block."""
     report = _env({"PYTORCH_CUDA_ALLOC_CONF": "max_non_split_rounding_mb:64"})
     assert _severities(report) == [
-        ("warning", "ref §6 (max_non_split_rounding_mb has no effect unless max_split_size_mb is set)")
+        ("warning", "c10/cuda/CUDACachingAllocator.cpp get_free_block (max_non_split_rounding_mb has no effect unless max_split_size_mb is set)")
     ]
 
 
 def test_expandable_with_max_split_is_flagged_as_an_interaction():
-    """expandable_segments + max_split_size_mb: the §6 interaction and the IPC note (info)."""
+    """expandable_segments + max_split_size_mb: the split-rule interaction and the IPC note."""
     report = _env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"})
     assert [f.severity for f in report.findings] == ["info", "info"]
-    assert report.findings[0].source == "ref §6 (last row: expandable on)"
+    assert report.findings[0].source == (
+        "c10/cuda/CUDACachingAllocator.cpp get_free_block and shouldSplit (expandable segments)"
+    )
 
 
 def test_no_caching_variable_is_a_warning():

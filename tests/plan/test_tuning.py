@@ -489,3 +489,21 @@ def test_bad_jobs_is_rejected(jobs):
     """jobs must be a positive int (or None for one per core)."""
     with pytest.raises(AllocatorUsageError, match="jobs"):
         tune([TraceEvent("alloc", 1, 512)], 2**30, jobs=jobs)
+
+
+def test_no_segment_decision_means_settings_cannot_be_compared():
+    """No events: no setting makes a segment decision, so none is ranked best (issue 35)."""
+    result = tune([], candidates=["expandable_segments:True", "max_split_size_mb:64"])
+    assert not result.comparable
+    assert result.best is None and not result.default_is_best
+    assert result.saving_bytes == 0
+    assert [c.device_calls for c in result.candidates] == [0, 0, 0]
+    assert result.warnings[-1].startswith(
+        "settings cannot be compared on this workload: no setting made a segment decision"
+    )
+
+
+def test_one_segment_decision_each_is_still_comparable():
+    """A 1000-byte request makes one cudaMalloc under every setting: a real (tied) comparison."""
+    events = [_alloc(1, 1000), *_free(1, 1000)]
+    assert tune(events, candidates=["expandable_segments:True"]).comparable

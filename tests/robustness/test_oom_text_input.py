@@ -1,12 +1,18 @@
-"""Hostile OOM text for `oomkit explain`: huge coloured logs, CRLF, bad bytes, markup (issue 16)."""
+"""Hostile OOM text for `oomkit explain`: huge coloured logs, CRLF, bad bytes, markup (issue 16),
+absurd and self-contradicting figures, UTF-16 logs (issue 36)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import sys
 import time
 import tracemalloc
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
 from oomkit.interfaces.cli import main
@@ -123,3 +129,172 @@ def test_crlf_and_comment_prefixes_split_a_message():
     """A message broken by CRLF and quoted with '> ' in an issue still parses once."""
     quoted = "\r\n".join("> " + part for part in SHORTAGE.split(". "))
     assert [m.device for m in find_oom_texts(quoted.replace("\r\n> ", ". \r\n> "))] == [1]
+
+
+# --- issue 36: absurd figures, self-contradicting figures, UTF-16 logs ------------------------
+# Each case runs `python -m oomkit explain FILE` the way a user or a script would, with a time
+# limit, and asserts the exit code and a one-line answer without a traceback.
+
+_FIGURES = ("requested", "total", "free", "allocated", "cached")
+
+
+def _message(**figures: str) -> str:
+    values = {
+        "requested": "20.00 MiB",
+        "total": "79.11 GiB",
+        "free": "0 bytes",
+        "allocated": "70.00 GiB",
+        "cached": "20.00 MiB",
+    } | figures
+    return (
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {values['requested']}. "
+        f"GPU 0 has a total capacity of {values['total']} of which {values['free']} is free. "
+        f"Of the allocated memory {values['allocated']} is allocated by PyTorch, and "
+        f"{values['cached']} is reserved by PyTorch but unallocated."
+    )
+
+
+def _explain(path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oomkit", "explain", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
+    )
+
+
+def _refused(proc: subprocess.CompletedProcess[str], words: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert words in proc.stderr
+
+
+_SUBPROCESS = settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_SUBPROCESS
+@given(
+    figure=st.sampled_from(_FIGURES),
+    digits=st.integers(min_value=25, max_value=5000),
+    unit=st.sampled_from(["bytes", "KiB", "MiB", "GiB"]),
+    decimals=st.booleans(),
+)
+def test_a_figure_beyond_2_to_the_64_is_exit_2(tmp_path, figure, digits, unit, decimals):
+    """A 25- to 5000-digit figure anywhere in the message: exit 2, one line naming it."""
+    number = "9" * digits + (".00" if decimals else "")
+    path = tmp_path / "oom.log"
+    path.write_text(_message(**{figure: f"{number} {unit}"}))
+    proc = _explain(path)
+    _refused(proc, f"({digits} digits), more than 2**64 bytes")
+
+
+def test_a_400_digit_gib_figure_and_a_5000_digit_byte_count(tmp_path):
+    """The two figures of issue 36, each refused with its digit count."""
+    path = tmp_path / "oom.log"
+    path.write_text(_message(allocated="1" * 400 + ".00 GiB"))
+    _refused(_explain(path), "(400 digits), more than 2**64 bytes")
+    path.write_text(_message(requested="7" * 5000 + " bytes"))
+    _refused(_explain(path), "(5000 digits), more than 2**64 bytes")
+
+
+def test_700_gib_allocated_on_a_79_gib_gpu_is_inconsistent(tmp_path):
+    """An H100-class total cannot hold 700 GiB: refused as inconsistent, never explained."""
+    path = tmp_path / "oom.log"
+    path.write_text(_message(allocated="700.00 GiB"))
+    proc = _explain(path)
+    _refused(proc, "the out-of-memory message is inconsistent: it says 700.02 GiB is in use")
+    assert "matched to the H100 PCIe" in proc.stderr
+
+
+@_SUBPROCESS
+@given(
+    total=st.sampled_from(["39.39 GiB", "79.11 GiB", "79.33 GiB", "139.80 GiB", "15.77 GiB"]),
+    excess_gib=st.integers(min_value=2, max_value=10**6),
+    where=st.sampled_from(["allocated", "cached"]),
+)
+def test_more_held_than_a_datacenter_gpu_has_is_exit_2(tmp_path, total, excess_gib, where):
+    """A100/H100/H200/V100 totals with more held than the device: exit 2, 'inconsistent'."""
+    held = f"{float(total.split()[0]) + excess_gib:.2f} GiB"
+    path = tmp_path / "oom.log"
+    path.write_text(_message(total=total, **{where: held}))
+    _refused(_explain(path), "the out-of-memory message is inconsistent")
+
+
+@_SUBPROCESS
+@given(total_gib=st.integers(min_value=1, max_value=200), extra_gib=st.integers(1, 10**6))
+def test_more_free_than_the_device_is_exit_2(tmp_path, total_gib, extra_gib):
+    """More free memory than the device's total: exit 2, 'inconsistent'."""
+    path = tmp_path / "oom.log"
+    path.write_text(
+        _message(total=f"{total_gib}.00 GiB", free=f"{total_gib + extra_gib}.00 GiB")
+    )
+    _refused(_explain(path), "is free on a GPU with")
+
+
+def test_a_windows_card_holding_more_than_its_total_is_explained_with_a_warning():
+    """A real message (meshgen#7: 13.98 GiB on an 8 GiB card) is WDDM's shared memory."""
+    from oomkit.diagnose.diagnosis import diagnose_oom_text
+
+    text = _message(total="8.00 GiB", allocated="13.98 GiB", requested="1002.00 MiB")
+    diagnosis = diagnose_oom_text(parse_oom_text(text))
+    assert diagnosis.cause == "shortage"
+    assert any("only Windows' WDDM driver allows that" in w for w in diagnosis.warnings)
+
+
+_LOG_LINE = st.text(
+    alphabet=st.characters(min_codepoint=32, max_codepoint=0x2FFF, blacklist_categories=("Cs",)),
+    max_size=60,
+).filter(lambda line: "memory" not in line)
+
+
+@_SUBPROCESS
+@given(
+    encoding=st.sampled_from(["utf-16", "utf-16-le", "utf-16-be"]),
+    before=st.lists(_LOG_LINE, max_size=5),
+    after=st.lists(_LOG_LINE, max_size=5),
+    crlf=st.booleans(),
+)
+def test_a_utf16_log_holding_an_oom_is_explained(tmp_path, encoding, before, after, crlf):
+    """PowerShell's `>` (UTF-16 LE with a mark), and UTF-16 without one: the OOM is found."""
+    newline = "\r\n" if crlf else "\n"
+    text = newline.join([*before, FRAGMENTED, *after]) + newline
+    data = text.encode(encoding)
+    if encoding == "utf-16":
+        assert data[:2] == b"\xff\xfe"  # Python writes little-endian with a mark, as PowerShell
+    path = tmp_path / "train.log"
+    path.write_bytes(data)
+    proc = _explain(path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Cause: fragmentation")
+
+
+def test_decode_log_keeps_utf8_that_starts_with_a_utf16_mark():
+    """Bytes that merely start like a mark (a UTF-8 log with stray bytes) stay UTF-8."""
+    from oomkit.diagnose.oom_text import decode_log
+
+    data = b"\xff\xfe garbage \x80\r\n" + SHORTAGE.encode()
+    assert SHORTAGE in decode_log(data)
+    assert decode_log(SHORTAGE.encode("utf-16")) == SHORTAGE
+    assert decode_log(b"") == ""
+
+
+def test_utf16_stdin_is_read(monkeypatch, capsys):
+    """PowerShell piping a UTF-16 log into stdin: the OOM is found."""
+    data = ("log line\r\n" + SHORTAGE + "\r\n").encode("utf-16")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    assert main(["explain", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cause"] == "shortage"
+
+
+def test_a_process_line_larger_than_an_h100_is_exit_2(tmp_path):
+    """NVML saying one process holds 700 GiB of a 79.11 GiB GPU: inconsistent."""
+    path = tmp_path / "oom.log"
+    path.write_text(
+        _message().replace("is free. ", "is free. Process 7 has 700.00 GiB memory in use. ")
+    )
+    _refused(_explain(path), "it says 700.00 GiB is in use on a GPU with 79.11 GiB")

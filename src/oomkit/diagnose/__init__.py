@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         samples_from_records,
     )
     from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
+    from oomkit.diagnose.oom_traceback import OomLocation, find_oom_location
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
     from oomkit.diagnose.settings_doctor import (
         LiveAllocator,
@@ -74,6 +75,8 @@ _LAZY: dict[str, str] = {
     "ProcessMemory": "oomkit.diagnose.oom_text",
     "find_oom_texts": "oomkit.diagnose.oom_text",
     "parse_oom_text": "oomkit.diagnose.oom_text",
+    "OomLocation": "oomkit.diagnose.oom_traceback",
+    "find_oom_location": "oomkit.diagnose.oom_traceback",
     "diagnose_prediction": "oomkit.diagnose.prediction_diagnosis",
     "LiveAllocator": "oomkit.diagnose.settings_doctor",
     "SettingsFinding": "oomkit.diagnose.settings_doctor",
@@ -101,6 +104,7 @@ __all__ = [
     "LiveAllocator",
     "LiveTensor",
     "MemorySample",
+    "OomLocation",
     "OomText",
     "ProcessMemory",
     "Remedy",
@@ -115,6 +119,7 @@ __all__ = [
     "doctor_environment",
     "doctor_snapshot",
     "explain_leak",
+    "find_oom_location",
     "find_oom_texts",
     "memory_findings",
     "parse_oom_text",

@@ -243,7 +243,8 @@ def empty_cache_remedy(segments: Sequence[SnapshotSegment]) -> Remedy | None:
         "del outputs, loss  # drop your own references first\n"
         "import gc; gc.collect()\n"
         "torch.cuda.empty_cache()",
-        f"{format_bytes(free_bytes)} sits in cached segments with no live tensor; empty_cache() "
+        f"At the end of the snapshot {format_bytes(free_bytes)} sits in cached segments with no "
+        "live tensor; empty_cache() "
         "returns it to the device for other processes and libraries. It does not lower what "
         "this process needs: PyTorch frees these segments itself before raising an OOM.",
         estimate=False,

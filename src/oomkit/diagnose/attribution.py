@@ -93,6 +93,21 @@ class TraceHistory:
     start_allocated_bytes: int
     start_reserved_bytes: int
 
+    def peak_reserved_moment(self) -> int | None:
+        """The event after which reserved memory is first at its peak; None with no events.
+
+        The one moment at which oomkit measures fragmentation (``diff``, ``explain``): reserved
+        minus allocated there is what the cache held but could not use when the device held
+        most. As the predictor counts it (prediction/_replay.py after_event): the first alloc
+        after which reserved is at its peak; in a recorded trace the segment_alloc comes
+        first, so the moment right after it does not count the allocation that caused it yet.
+        """
+        if not self.reserved_bytes:
+            return None
+        peak = max(self.reserved_bytes)
+        at_peak = [i for i, r in enumerate(self.reserved_bytes) if r == peak]
+        return next((i for i in at_peak if self.events[i].action == "alloc"), at_peak[0])
+
 
 @dataclass(frozen=True)
 class AllocationSite:

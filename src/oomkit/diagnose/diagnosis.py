@@ -16,12 +16,21 @@ memory-fraction limit. The deficit is ``Q - F``: what the device lacked when the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, get_args
 
 from oomkit.core.gpus import GpuSpec
-from oomkit.diagnose._context import ContextRange, context_range
+from oomkit.diagnose._context import (
+    context_range,
+    figure_warnings,
+    inconsistency,
+    matched_gpu,
+    memory_paragraph,
+    own_and_others,
+)
 from oomkit.diagnose.oom_text import OomText
+from oomkit.diagnose.oom_traceback import OomLocation
+from oomkit.errors import OomTextError
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -111,7 +120,6 @@ class Remedy:
             self.estimate,
         )
 
-
 @dataclass(frozen=True)
 class Diagnosis:
     """The answer for one OOM: the main cause, every cause that applies, and ranked remedies.
@@ -129,6 +137,9 @@ class Diagnosis:
         figures_bytes: the figures at the moment diagnosed (``requested_bytes``,
             ``allocated_bytes``, ``reserved_bytes``, ``free_bytes``, ``total_bytes``,
             ``largest_free_block_bytes``...), where known.
+        location: for a pasted traceback, the user's line where the OOM surfaced and the phase.
+        gpu_name: the GPU the figures were read for (given, or matched by the message's total
+            memory); None where unknown.
     """
 
     cause: Cause
@@ -140,6 +151,8 @@ class Diagnosis:
     source: Literal["text", "snapshot", "prediction"] = "text"
     attribution: Attribution | None = None
     figures_bytes: Mapping[str, int | None] = field(default_factory=dict)
+    location: OomLocation | None = None
+    gpu_name: str | None = None
 
 
 _DECISIVE = 2**62  # ranks a finding above any byte count
@@ -151,10 +164,22 @@ _OUTSIDE_NOTABLE_BYTES = 256 * 2**20
 # 1-3% cache is a shortage, not fragmentation; issue 14 item 5's real messages).
 _CACHE_SHARE = 0.05
 _CACHE_NOTABLE_BYTES = 2**30
+# Above this share of the device in tensors, the workload's own remedies are offered whatever
+# the cause (issue 35 item 6): the room any other remedy wins is small next to the tensors.
+_WORKLOAD_SHARE = 0.8
+_WORKLOAD_CODE = (
+    "# a smaller batch with gradient accumulation (same global batch), activation checkpointing\n"
+    "# (torch.utils.checkpoint), bf16/fp16 mixed precision (torch.autocast), an 8-bit optimizer;\n"
+    "# `oomkit predict` or `oomkit fit` measure each on your step"
+)
 
 
 def diagnose_oom_text(
-    parsed: OomText, gpu: GpuSpec | None = None, *, expandable_segments: bool | None = None
+    parsed: OomText,
+    gpu: GpuSpec | None = None,
+    *,
+    expandable_segments: bool | None = None,
+    location: OomLocation | None = None,
 ) -> Diagnosis:
     """Classify the causes of the OOM a message describes and price the remedies.
 
@@ -166,21 +191,43 @@ def diagnose_oom_text(
             (a snapshot's recorded settings, or ``explain --alloc-conf``); None: not known.
             PyTorch's message always suggests it; when it was on, the diagnosis says so instead
             of offering it.
+        location: where the traceback around the message shows the OOM surfaced
+            (``oom_traceback.find_oom_location``); reported as given.
 
     Returns:
         The diagnosis; its ``cause`` is the strongest finding.
+
+    Raises:
+        OomTextError: the message's figures contradict each other (more free than the device
+            has, more held than a device that cannot page to system memory has): it was
+            edited or corrupted, and a diagnosis of it would be a confident wrong answer.
     """
+    # Only a message read from text is checked: figures built from a snapshot's trace (its
+    # ``text`` is empty) come from one allocator's own accounting.
+    wrong = inconsistency(parsed, gpu) if parsed.text else None
+    if wrong is not None:
+        raise OomTextError(
+            f"the out-of-memory message is inconsistent: {wrong}. It was edited or corrupted; "
+            "paste the message as PyTorch printed it, or explain a snapshot file instead"
+        )
     if parsed.variant == "exa" or (
         parsed.requested_bytes is not None
         and parsed.total_bytes is not None
         and parsed.requested_bytes > parsed.total_bytes
     ):
-        return _exceeds_device(parsed)
-    if parsed.variant == "driver":
-        return _driver_error(parsed)
-    if parsed.variant == "fraction_rejected":
-        return _fraction_rejected(parsed)
-    return _from_figures(parsed, gpu, expandable_segments)
+        diagnosis = _exceeds_device(parsed)
+    elif parsed.variant == "driver":
+        diagnosis = _driver_error(parsed)
+    elif parsed.variant == "fraction_rejected":
+        diagnosis = _fraction_rejected(parsed)
+    else:
+        diagnosis = _from_figures(parsed, gpu, expandable_segments)
+    spec = matched_gpu(parsed, gpu)
+    return replace(
+        diagnosis,
+        location=location,
+        gpu_name=None if spec is None or spec.compute_capability is None else spec.name,
+    )
 
 
 def _from_figures(
@@ -206,8 +253,7 @@ def _from_figures(
     u = max(0, r - a - p)
     o = max(0, t - f - r)
     context = context_range(parsed, gpu)
-    own = next((pm.used_bytes for pm in parsed.processes if pm.pid is None), None)
-    others = sum(pm.used_bytes for pm in parsed.processes if pm.pid is not None)
+    own, others = own_and_others(parsed, r)
     # This process's own non-PyTorch memory (NVML's sentence, when printed) or, without it, all
     # outside memory up to the context's upper bound, is its context and libraries: not freeable.
     # NVML's own sentence below the reserved memory ("this process has 0 bytes memory in use",
@@ -227,8 +273,14 @@ def _from_figures(
     available = t - context_used if limit is None else min(t - context_used, limit)
     # A cache below both marks is what a healthy caching allocator keeps (block rounding, the
     # small and large pools, split remainders): it counts as held, not as fragmentation.
-    cache_matters = u >= _CACHE_SHARE * r or u >= _CACHE_NOTABLE_BYTES
-    over = a + p + q - available + (0 if cache_matters else u)
+    # A cache at least as large as the request is fragmentation whatever its share: PyTorch
+    # released every wholly free cached segment and retried before raising
+    # (CUDACachingAllocator.cpp malloc: release_cached_blocks), so the bytes it still held were
+    # there, split into blocks too small for the request.
+    cache_covers = u > 0 and u >= q
+    cache_matters = cache_covers or u >= _CACHE_SHARE * r or u >= _CACHE_NOTABLE_BYTES
+    held_cache = 0 if cache_matters else u
+    over = a + p + q - available + held_cache
     findings: list[Finding] = []
     sufficient: set[Cause] = set()
 
@@ -252,11 +304,15 @@ def _from_figures(
             Finding(
                 "shortage",
                 over,
-                f"tensors held {format_bytes(a + p)} and the request needs {format_bytes(q)} more: "
-                f"{format_bytes(a + p + q)} against about {format_bytes(available)} that PyTorch "
+                f"tensors held {format_bytes(a + p)}"
+                + (f" and the cache its ordinary {format_bytes(u)}" if held_cache else "")
+                + f" and the request needs {format_bytes(q)} more: "
+                f"{format_bytes(a + p + q + held_cache)} against about {format_bytes(available)} "
+                "that PyTorch "
                 f"can use on this device ({format_bytes(t)} less "
                 f"{format_bytes(context_used)} outside the allocator for the CUDA context and "
-                f"libraries), {format_bytes(over)} short even with a perfect cache"
+                f"libraries), {format_bytes(over)} short"
+                + ("" if held_cache else " even with a perfect cache")
                 + (
                     f" and the other {format_bytes(excess_outside)} freed" if excess_outside else ""
                 ),
@@ -296,6 +352,12 @@ def _from_figures(
                 f"allocator, {format_bytes(excess_outside)} more than this process's CUDA context "
                 f"and libraries take (at most {format_bytes(context.high_bytes)}; "
                 f"{context.describe()})"
+                + (
+                    f"; this process itself held {format_bytes(own - r)} outside PyTorch's "
+                    "allocator (NVML)"
+                    if own is not None and own - r > context.high_bytes
+                    else ""
+                )
                 + (f"; other processes used {format_bytes(others)}" if others else ""),
                 {
                     "outside_allocator_bytes": o,
@@ -324,12 +386,16 @@ def _from_figures(
             "on the GPU (nvidia-smi) at the time of the error"
         )
     # What would have let the request succeed ranks first: the fraction limit (the device had
-    # room), a shortage (nothing else would do), then what alone covers the deficit, by bytes.
+    # room), a cache that held the request's bytes (only its layout failed), a shortage
+    # (nothing else would do), then what alone covers the deficit, by bytes.
     first: set[Cause] = {"fraction_limit", "shortage"}
+    if cache_covers:
+        first.add("fragmentation")
     findings.sort(
         key=lambda finding: (
             0 if finding.cause in first else 1 if finding.cause in sufficient else 2,
             finding.cause != "fraction_limit",
+            not (cache_covers and finding.cause == "fragmentation"),
             -finding.explained_bytes,
         )
     )
@@ -338,29 +404,20 @@ def _from_figures(
         findings,
         u=u,
         excess_outside=excess_outside,
+        others=others,
         over=over,
         t=t,
+        a=a + p,
         expandable_on=bool(expandable_segments),
     )
-    if expandable_segments and parsed.variant != "cuda_malloc_async":
-        # ref §8: the message's "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-        # is printed whatever the setting (CUDACachingAllocator.cpp malloc's OOM text).
-        warnings.append(
-            "PyTorch's message suggests PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, but "
-            "this run already had it on"
-            + (
-                f": the {format_bytes(u)} cached but unallocated is held in partly used pages "
-                "of expandable segments, which only empty_cache() or the OOM path unmaps"
-                if u > 0
-                else ""
-            )
-            + " (`oomkit doctor` shows the settings in effect)"
-        )
+    warnings += figure_warnings(
+        parsed, held_bytes=max(r, a + p), cached_bytes=u, expandable_segments=expandable_segments
+    )
     return Diagnosis(
         cause=findings[0].cause,
         causes=tuple(findings),
         remedies=remedies,
-        memory_explained=_memory_paragraph(parsed, a=a, r=r, u=u, o=o, t=t, f=f, context=context),
+        memory_explained=memory_paragraph(parsed, a=a, r=r, u=u, o=o, t=t, f=f, context=context),
         deficit_bytes=deficit,
         warnings=tuple(warnings),
     )
@@ -372,8 +429,10 @@ def _remedies(
     *,
     u: int,
     excess_outside: int,
+    others: int,
     over: int,
     t: int,
+    a: int,
     expandable_on: bool = False,
 ) -> tuple[Remedy, ...]:
     causes = {finding.cause for finding in findings}
@@ -410,19 +469,30 @@ def _remedies(
                 "medium",
                 "nvidia-smi --query-compute-apps=pid,used_memory --format=csv",
                 "Other processes on this GPU (a second job, a notebook kernel, a dataloader that "
-                "touched CUDA) or libraries (NCCL, cuDNN) hold memory PyTorch cannot use.",
+                "touched CUDA) or libraries (NCCL, cuDNN) hold memory PyTorch cannot use."
+                if others
+                else "NVML names no other process: this process holds it outside PyTorch's "
+                "caching allocator (NCCL buffers, a library's own cudaMalloc or memory pool, "
+                "such as an inference engine's); shrink those pools or their workspace.",
             )
         )
-    if over > 0:
+    if over > 0 or (t and a > _WORKLOAD_SHARE * t):
+        # Whatever the cause, tensors filling most of the device leave the cache and other
+        # processes little room: using less memory per step helps in every case.
         remedies.append(
             Remedy(
-                "reduce memory per step by at least the shortfall",
+                "reduce memory per step by at least the shortfall"
+                if over > 0
+                else "reduce memory per step",
                 None,
                 "low",
-                "# smaller batch with gradient accumulation, mixed precision, activation "
-                "checkpointing;\n# `oomkit predict` or `oomkit fit` measure each on your step",
+                _WORKLOAD_CODE,
                 f"Tensors need about {format_bytes(over)} more than the device offers; "
-                "only using less memory helps.",
+                "only using less memory helps."
+                if over > 0
+                else f"Tensors held {format_bytes(a)}, {100 * a / t:.0f}% of the device's "
+                f"{format_bytes(t)}: with less memory per step the same request fits whatever "
+                "the cache and other processes do.",
             )
         )
     if u > 0:
@@ -441,25 +511,6 @@ def _remedies(
         )
     remedies.sort(key=Remedy.rank_key)
     return tuple(remedies)
-
-
-def _memory_paragraph(
-    parsed: OomText, *, a: int, r: int, u: int, o: int, t: int, f: int, context: ContextRange
-) -> str:
-    if parsed.reserved_bytes is None:
-        return (
-            f"PyTorch's cudaMallocAsync backend had {format_bytes(a)} in live allocations "
-            f"(torch.cuda.memory_allocated). nvidia-smi would show about {format_bytes(t - f)} "
-            "used on the device, the driver's memory pool and every other process included."
-        )
-    return (
-        f"Allocated ({format_bytes(a)}, torch.cuda.memory_allocated) is what live tensors use. "
-        f"Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is what PyTorch's caching "
-        f"allocator holds from the driver: the allocated memory plus {format_bytes(u)} cached "
-        f"for reuse. nvidia-smi shows about {format_bytes(t - f)} used: the reserved memory plus "
-        f"{format_bytes(o)} outside the allocator (the CUDA context and libraries such as cuBLAS "
-        f"and NCCL, {context.describe()}, and any other process)."
-    )
 
 
 def _exceeds_device(parsed: OomText) -> Diagnosis:

@@ -34,7 +34,14 @@ from typing import Literal
 
 from oomkit.errors import OomTextError
 
-__all__ = ["OomText", "OomTextVariant", "ProcessMemory", "parse_oom_text", "find_oom_texts"]
+__all__ = [
+    "OomText",
+    "OomTextVariant",
+    "ProcessMemory",
+    "decode_log",
+    "find_oom_texts",
+    "parse_oom_text",
+]
 
 OomTextVariant = Literal[
     "native", "classic", "exa", "cuda_malloc_async", "fraction_rejected", "driver"
@@ -46,13 +53,34 @@ _SIZE = r"(\d+(?:\.\d+)?) ?(bytes|KiB|MiB|GiB)"
 _ANY_SIZE = r"\d+(?:\.\d+)? ?(?:bytes|KiB|MiB|GiB)"
 
 
+# No device memory figure exceeds 2**64 bytes (CUDA sizes are size_t; cudaMallocAsync prints its
+# unset limit, SIZE_MAX, as 17179869184.00 GiB); a longer figure is a
+# corrupted or hand-made text. The digit bound is checked first: Python refuses to convert
+# integers of more than 4300 digits and turns long decimals into inf.
+_MAX_FIGURE_BYTES = 2**64
+_MAX_FIGURE_DIGITS = 24
+
+
 def _size(number: str, unit: str) -> tuple[int, int]:
-    """A ``format_size`` figure as (bytes, tolerance in bytes)."""
+    """A ``format_size`` figure as (bytes, tolerance in bytes).
+
+    Raises:
+        OomTextError: the figure is 2**64 bytes or more.
+    """
     scale = _UNIT_BYTES[unit]
+    digits = len(number.partition(".")[0].lstrip("0"))
+    value = 0 if digits > _MAX_FIGURE_DIGITS else round(float(number) * scale)
+    if digits > _MAX_FIGURE_DIGITS or value > _MAX_FIGURE_BYTES:
+        shown = number if len(number) <= 24 else f"{number[:12]}...{number[-6:]}"
+        raise OomTextError(
+            f"the out-of-memory message holds a figure of {shown} {unit} ({digits} digits), "
+            "more than 2**64 bytes, which no device has: the text is corrupted or was not "
+            "printed by PyTorch. Paste the message as PyTorch printed it"
+        )
     if unit == "bytes":
-        return int(number), 0
+        return int(number.partition(".")[0]), 0
     # Two decimals: the truth is within half of 0.01 of the unit.
-    return round(float(number) * scale), scale // 200
+    return value, scale // 200
 
 
 @dataclass(frozen=True)
@@ -416,3 +444,44 @@ def _cut_message(text: str) -> str | None:
             "is reserved by PyTorch but unallocated.', or explain a snapshot file instead"
         )
     return None
+
+
+_UTF16_BOMS = {b"\xff\xfe": "utf-16-le", b"\xfe\xff": "utf-16-be"}
+# Bytes sampled to tell UTF-16 without a byte-order mark: ASCII text in UTF-16 has a NUL in
+# every other byte, which UTF-8 text (and a UTF-8 log with stray bytes) never has.
+_SNIFF_BYTES = 4096
+
+
+def _utf16_encoding(data: bytes) -> str | None:
+    """``utf-16-le`` / ``utf-16-be`` where ``data`` looks like UTF-16 text, else None."""
+    bom = _UTF16_BOMS.get(data[:2])
+    if bom is not None:
+        return bom
+    head = data[: _SNIFF_BYTES - _SNIFF_BYTES % 2]
+    if len(head) < 4:
+        return None
+    even, odd = head[0::2].count(0), head[1::2].count(0)
+    half = len(head) // 2
+    # ASCII-range text: the high byte of each unit is NUL (odd bytes little-endian).
+    if odd >= 0.9 * half and even < 0.1 * half:
+        return "utf-16-le"
+    if even >= 0.9 * half and odd < 0.1 * half:
+        return "utf-16-be"
+    return None
+
+
+def decode_log(data: bytes) -> str:
+    """A log's bytes as text: UTF-8 read leniently, or UTF-16 where the bytes are UTF-16.
+
+    PowerShell's ``>`` redirect (Windows PowerShell 5.1's ``Out-File`` default) writes
+    UTF-16 LE with a byte-order mark; a log without one is recognised by its NUL bytes. UTF-16
+    is used only where the UTF-8 reading holds no OOM message and the UTF-16 reading does
+    (a UTF-8 log may begin with the bytes of a mark by chance).
+    """
+    text = data.decode("utf-8", errors="replace")
+    encoding = _utf16_encoding(data)
+    if encoding is None or _ANCHOR.search(text) is not None:
+        return text
+    wide = data[2:] if data[:2] in _UTF16_BOMS else data
+    decoded = wide[: len(wide) - len(wide) % 2].decode(encoding, errors="replace")
+    return decoded if _ANCHOR.search(decoded) is not None else text

@@ -195,13 +195,8 @@ def run_memory_from_snapshot(
     levels = list(zip(history.allocated_bytes, history.reserved_bytes, strict=True))
     if levels:
         peak_reserved = max(r for _, r in levels)
-        at_peak = [i for i, (_, r) in enumerate(levels) if r == peak_reserved]
-        # As the predictor counts it (prediction/_replay.py after_event): the first alloc after
-        # which reserved is at its peak. In a recorded trace the segment_alloc comes first, so
-        # the moment right after it does not count the allocation that caused it yet.
-        peak_at: int | None = next(
-            (i for i in at_peak if events[i].action == "alloc"), at_peak[0]
-        )
+        # The moment fragmentation is measured at everywhere (TraceHistory.peak_reserved_moment).
+        peak_at: int | None = history.peak_reserved_moment()
         allocated = levels[peak_at][0] if peak_at is not None else 0
     else:
         peak_reserved, allocated, peak_at = (

@@ -149,7 +149,7 @@ def doctor_environment(
                 f"{env.read_from}={env.text!r} is rejected by torch {env.torch_version}: "
                 f"{env.error}",
                 "PyTorch raises this at the first CUDA allocation; fix the string.",
-                "ref §9.2-9.3 (the config parser of this release)",
+                "c10/cuda/CUDAAllocatorConfig.cpp parseArgs (the config parser of this release)",
             )
         )
     if config is not None and b.drops_expandable_segments(env.read_from, config.expandable_segments):
@@ -161,7 +161,7 @@ def doctor_environment(
                 f"torch {env.torch_version} ignores expandable_segments set only through "
                 "PYTORCH_ALLOC_CONF: the allocator runs without expandable segments.",
                 "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead (or as well).",
-                "pytorch/pytorch#183387; ref §9.1",
+                "pytorch/pytorch#183387",
             )
         )
     if env.caching_disabled_by is not None:
@@ -172,7 +172,7 @@ def doctor_environment(
                 "tensor is its own cudaMalloc), so every allocator setting is ignored and "
                 "oomkit's simulation does not describe this process.",
                 f"Unset {env.caching_disabled_by} unless you are debugging memory errors.",
-                "ref §9.1 (other environment variables)",
+                "c10/cuda/CUDACachingAllocator.cpp forceUncachedAllocator",
             )
         )
     findings += _setting_findings(env.text, env.backend, config, b.version)
@@ -247,7 +247,7 @@ def doctor_snapshot(snapshot: Snapshot, torch_version: str | None = None) -> Set
                         f"the recorded settings string {text!r} does not parse under torch "
                         f"{b.version_text}'s rules: {exc}",
                         "Pass the recording's torch version with --torch-version.",
-                        "ref §9.2-9.3",
+                        "c10/cuda/CUDAAllocatorConfig.cpp parseArgs",
                     )
                 )
         recorded_expandable = recorded.get("expandable_segments")
@@ -264,7 +264,7 @@ def doctor_snapshot(snapshot: Snapshot, torch_version: str | None = None) -> Set
                     " segments: the setting changed while the process ran (e.g. "
                     "torch.cuda.memory._set_allocator_settings).",
                     "Compare runs with one setting for the whole run.",
-                    "ref §8.5, §9.1 (runtime changes)",
+                    "torch/cuda/memory.py _set_allocator_settings (runtime changes)",
                 )
             )
         if text is not None:
@@ -276,7 +276,7 @@ def doctor_snapshot(snapshot: Snapshot, torch_version: str | None = None) -> Set
                 "this snapshot records no allocator_settings (written before torch 2.3): the "
                 "settings below are what its trace implies.",
                 "Record with torch >= 2.3 to have the settings in the file.",
-                "ref §11.2",
+                "torch/cuda/memory.py _snapshot (allocator_settings since torch 2.3)",
             )
         )
     return SettingsReport(
@@ -306,7 +306,7 @@ def _variable_findings(env: EnvSettings) -> list[SettingsFinding]:
                     + (" (both say the same)." if same else f", so {var.value!r} is ignored."),
                     "Put every setting in one variable (PYTORCH_CUDA_ALLOC_CONF is read by "
                     f"every release) and unset the other{'s' if env.read_from else ''}.",
-                    "ref §9.1: exactly one variable is parsed; variables are never merged",
+                    "c10/core/AllocatorConfig.cpp: exactly one variable is parsed; variables are never merged",
                 )
             )
         elif var.status == "not_read":
@@ -316,7 +316,7 @@ def _variable_findings(env: EnvSettings) -> list[SettingsFinding]:
                     f"{var.name} is set but torch {env.torch_version} never reads it, so "
                     f"{var.value!r} is ignored.",
                     "Use PYTORCH_CUDA_ALLOC_CONF, which every release reads.",
-                    "ref §9.1 (the variables each release reads)",
+                    "c10/cuda/CUDAAllocatorConfig.cpp, c10/core/AllocatorConfig.cpp (the variables each release reads)",
                 )
             )
         elif var.status == "read" and var.deprecated:
@@ -326,7 +326,7 @@ def _variable_findings(env: EnvSettings) -> list[SettingsFinding]:
                     f"torch {env.torch_version} reads {var.name} but prints '{var.name} is "
                     "deprecated, use PYTORCH_ALLOC_CONF instead'.",
                     "Harmless; PYTORCH_CUDA_ALLOC_CONF stays the most portable name.",
-                    "ref §9.1; PR #167659 (CFG-2.9)",
+                    "pytorch/pytorch#167659",
                 )
             )
     return out
@@ -348,7 +348,7 @@ def _setting_findings(
                 + ". oomkit simulates the native allocator only, so its replays and "
                 "predictions do not describe this process.",
                 "Drop backend:cudaMallocAsync to use the native allocator's settings.",
-                "ref §9.3 (backend row: native-only options are ignored with a warning)",
+                "c10/cuda/CUDAAllocatorConfig.cpp parseArgs (under cudaMallocAsync native-only options are ignored with a warning)",
             )
         )
         return out
@@ -365,7 +365,7 @@ def _setting_findings(
                     "per-process memory fraction is below 1.0.",
                     "Add per_process_memory_fraction:0.95 to the settings, or call "
                     "torch.cuda.set_per_process_memory_fraction(0.95) in the script.",
-                    "ref §7 (MAIN26: enabled only when the effective fraction is < 1.0)",
+                    "c10/cuda/CUDACachingAllocator.cpp garbage_collect_cached_blocks (enabled only when the memory fraction is below 1.0)",
                 )
             )
         elif not main26:
@@ -375,7 +375,7 @@ def _setting_findings(
                     "garbage_collection_threshold does nothing unless the script calls "
                     "torch.cuda.set_per_process_memory_fraction (any value, 1.0 included).",
                     "Call torch.cuda.set_per_process_memory_fraction(1.0) once at start-up.",
-                    "ref §7 (V24 and older: enabled after any set_per_process_memory_fraction)",
+                    "c10/cuda/CUDACachingAllocator.cpp setMemoryFraction (2.4 and older: enabled after any set_per_process_memory_fraction)",
                 )
             )
     if config.max_non_split_rounding_bytes is not None and config.max_split_size_bytes is None:
@@ -384,7 +384,7 @@ def _setting_findings(
                 "warning",
                 "max_non_split_rounding_mb is set without max_split_size_mb: it has no effect.",
                 "Set max_split_size_mb as well, or drop it.",
-                "ref §6 (max_non_split_rounding_mb has no effect unless max_split_size_mb is set)",
+                "c10/cuda/CUDACachingAllocator.cpp get_free_block (max_non_split_rounding_mb has no effect unless max_split_size_mb is set)",
             )
         )
     if config.expandable_segments and config.max_split_size_bytes is not None:
@@ -394,7 +394,7 @@ def _setting_findings(
                 "expandable_segments with max_split_size_mb: expandable blocks split whatever "
                 "their size, but the oversize lookup rules of max_split_size_mb still apply.",
                 "Measure the pair (oomkit tune SNAPSHOT) rather than assume they add up.",
-                "ref §6 (last row: expandable on)",
+                "c10/cuda/CUDACachingAllocator.cpp get_free_block and shouldSplit (expandable segments)",
             )
         )
     if config.expandable_segments:
@@ -405,7 +405,7 @@ def _setting_findings(
                 ", CUDA IPC) need pidfd system calls or fabric handles; without driver-API "
                 "support the option is ignored with a warning.",
                 "If a worker process receives CUDA tensors, test that path under this setting.",
-                "ref §8.1 and §9.3 (expandable_segments row)",
+                "c10/cuda/CUDACachingAllocator.cpp ExpandableSegment (IPC handles)",
             )
         )
     return out
@@ -431,7 +431,7 @@ def _live_findings(live: LiveAllocator, env: EnvSettings) -> list[SettingsFindin
                 f"the running allocator is {live.backend}, the environment names {env.backend}: "
                 "the backend is chosen once, when torch loads.",
                 "Set the variable before Python starts (not inside the script).",
-                "ref §9.1 (backend cannot change at runtime)",
+                "c10/cuda/CUDAAllocatorConfig.cpp (the backend is read once, when torch loads)",
             )
         )
     if live.settings is not None and env.config is not None:
@@ -444,7 +444,7 @@ def _live_findings(live: LiveAllocator, env: EnvSettings) -> list[SettingsFindin
                     f"the environment asks for {env.config.expandable_segments}.",
                     "The script (or a library) changed it, or set the variable after CUDA "
                     "was initialised; set it before Python starts.",
-                    "torch.cuda.memory._snapshot()['allocator_settings']; ref §9.1",
+                    "torch.cuda.memory._snapshot()['allocator_settings']",
                 )
             )
     return out

@@ -379,32 +379,44 @@ def diagnose_snapshot(
         a = history.allocated_bytes[index] if index is not None else history.start_allocated_bytes
         r = history.reserved_bytes[index] if index is not None else history.start_reserved_bytes
         moment, request = ("peak" if index is not None else "final"), 0
+        # Each figure names its moment: the peak of allocated memory (diagnosed here), the
+        # peak of reserved memory (where fragmentation is measured, as `oomkit diff` does), the
+        # end of the snapshot (its segments).
+        when = "the peak of allocated memory" if moment == "peak" else "the end of the snapshot"
         largest_free = _largest_free_at(segments, history, index)
         findings = [
             Finding(
                 "shortage",
                 0,
-                f"at the {moment} tensors held {format_bytes(a)} and PyTorch "
+                f"at {when} tensors held {format_bytes(a)} and PyTorch "
                 f"reserved {format_bytes(r)}",
                 {"allocated_bytes": a, "reserved_bytes": r},
             )
         ]
         remedies = []
         warnings.append(
-            f"the snapshot records no OOM: its {moment} state was diagnosed. Take the snapshot "
+            f"the snapshot records no OOM: its state at {when} was diagnosed. Take the snapshot "
             "in the except handler of torch.OutOfMemoryError (or run under `oomkit run`)"
         )
         memory = (
             f"Allocated ({format_bytes(a)}, torch.cuda.memory_allocated) is what live tensors "
-            f"used at the {moment}. Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is "
-            f"what PyTorch's caching allocator held: the allocated memory plus "
-            f"{format_bytes(r - a)} cached for reuse. nvidia-smi shows the reserved memory plus "
-            "the CUDA context, libraries such as cuBLAS and NCCL, and other processes."
+            f"used at {when}. Reserved ({format_bytes(r)}, torch.cuda.memory_reserved) is "
+            f"what PyTorch's caching allocator held then: the allocated memory plus "
+            f"{format_bytes(r - a)} cached for reuse."
+            + _at_peak_reserved(history, index)
+            + " nvidia-smi shows the reserved memory plus the CUDA context, libraries such as "
+            "cuBLAS and NCCL, and other processes."
         )
+        peak = history.peak_reserved_moment()
         figures = {
             "allocated_bytes": a,
             "reserved_bytes": r,
             "largest_free_block_bytes": largest_free,
+            # The one fragmentation figure (`oomkit diff`'s): reserved - allocated at the first
+            # moment reserved memory is at its peak.
+            "fragmentation_at_peak_reserved_bytes": None
+            if peak is None
+            else history.reserved_bytes[peak] - history.allocated_bytes[peak],
         }
         deficit = None
         # Only without an OOM: at one, PyTorch has already released wholly free segments.
@@ -472,6 +484,19 @@ def diagnose_snapshot(
         source="snapshot",
         attribution=attribution,
         figures_bytes=figures | {"event_index": index},
+    )
+
+
+def _at_peak_reserved(history: TraceHistory, index: int | None) -> str:
+    """The sentence on fragmentation at peak reserved, where that is another moment."""
+    peak = history.peak_reserved_moment()
+    if peak is None or index is None or peak == index:
+        return ""
+    reserved, allocated = history.reserved_bytes[peak], history.allocated_bytes[peak]
+    return (
+        f" At the peak of reserved memory ({format_bytes(reserved)}, trace event {peak}) "
+        f"{format_bytes(allocated)} was allocated: {format_bytes(reserved - allocated)} reserved "
+        "but unallocated, the fragmentation `oomkit diff` reports."
     )
 
 

@@ -20,6 +20,7 @@ from oomkit.core.replay import ReplayResult, replay_settings, replay_snapshot, s
 from oomkit.core.snapshot import Snapshot
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError, ConfigError
+from oomkit.units import format_bytes
 
 __all__ = [
     "DEFAULT_GRID",
@@ -151,6 +152,10 @@ class TuningResult:
             is no best).
         capacity_bytes: the device capacity every candidate was replayed at.
         warnings: what the numbers do not cover (skipped settings, replay caveats).
+        comparable: False when the settings cannot be compared on this workload: no setting
+            made a segment decision (no cudaMalloc, cudaFree or page mapping: every request was
+            served from the segments the trace started with), so every setting gives the same
+            peak and ``best`` is None rather than a default that won by a tie.
     """
 
     baseline: TuningCandidate
@@ -159,6 +164,7 @@ class TuningResult:
     saving_bytes: int
     capacity_bytes: int
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    comparable: bool = True
 
     @property
     def default_is_best(self) -> bool:
@@ -235,11 +241,23 @@ def tune(
     order = sorted(range(len(swept)), key=lambda i: (_rank_key(swept[i]), i))
     ranked = tuple(swept[i] for i in order)
     baseline = swept[0]
-    best = next((c for c in ranked if c.recommendable), None)
+    # Settings act only through segment decisions (CUDACachingAllocator.cpp malloc:
+    # alloc_block / release_block, expandable segments' map_block / unmap_block): where no
+    # setting made one, all tie by construction and a ranking would only reflect that tie.
+    comparable = any(c.device_calls for c in swept) or len({_rank_key(c) for c in swept}) > 1
+    best = next((c for c in ranked if c.recommendable), None) if comparable else None
     saving = 0 if best is None else baseline.peak_reserved_bytes - best.peak_reserved_bytes
 
     _replay_warnings(baseline_result, warnings)
-    if len(swept) > 1 and len({_rank_key(c) for c in swept}) == 1:
+    if not comparable:
+        warnings.append(
+            "settings cannot be compared on this workload: no setting made a segment decision "
+            "(no cudaMalloc, cudaFree or page mapping; every request was served from the "
+            f"{format_bytes(baseline.peak_reserved_bytes)} of segments the trace started with), so "
+            "every setting gives the same peak. Record the history from before the first CUDA "
+            "allocation (torch.cuda.memory._record_memory_history at the start of the script)"
+        )
+    elif len(swept) > 1 and len({_rank_key(c) for c in swept}) == 1:
         warnings.append(
             "every setting gives the same result: the workload does not exercise the allocator "
             "settings (a snapshot without trace events holds only its final state; record one "
@@ -262,6 +280,7 @@ def tune(
         saving_bytes=saving,
         capacity_bytes=capacity_bytes,
         warnings=tuple(warnings),
+        comparable=comparable,
     )
 
 

@@ -160,6 +160,9 @@ class Prediction:
             its parts); ``predict`` fills in the cuDNN version the step was traced with.
         workload: what was recorded, as data (batch size, mode, optimizer...), when the caller
             said (``oomkit predict`` does); ``None`` otherwise.
+        scenario: the request that made it, as plain data (``oomkit.scenario``'s JSON form),
+            when it was predicted from a scenario; saved with ``--json`` so that ``explain``
+            re-predicts from it.
     """
 
     gpu: GpuSpec
@@ -195,6 +198,7 @@ class Prediction:
     assumptions: Mapping[str, str] = field(default_factory=dict)
     target: Target | None = None
     workload: WorkloadSpec | None = None
+    scenario: Mapping[str, Any] | None = None
 
     def __str__(self) -> str:
         """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,
@@ -519,7 +523,7 @@ def predict(
             reads it).
         values: tensor values the step reads, by the line that reads them
             (``{"train.py:42": 1024}``, as ``--value``); other reads are answered from known
-            values or get a stand-in (README, "Predicting your own step").
+            values or get a stand-in (docs/howto/predict-your-script.md, "Values your step reads").
         compile: record code compiled with ``torch.compile`` (Inductor) as compiled: dynamo
             and AOTAutograd's partitioner run for real, Inductor's fusion and buffer reuse are
             emulated (``--compile``); else it runs eagerly, with a warning.

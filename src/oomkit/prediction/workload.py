@@ -22,7 +22,7 @@ __all__ = [
     "workload_to_json",
 ]
 
-WorkloadKind = Literal["preset", "function", "hf", "unknown"]
+WorkloadKind = Literal["preset", "function", "hf", "script", "unknown"]
 _KINDS: tuple[WorkloadKind, ...] = get_args(WorkloadKind)
 # StepOptions fields (oomkit.prediction.models.options), saved as ``workload.options``, with the
 # type ``workload_from_json`` reads each back as (``float``: any number; ``checkpointing``: also

@@ -465,7 +465,12 @@ def resilient(
 
     Args:
         step: The step function; leave it out to use ``resilient(...)`` as a decorator.
-        optimizer, model, loss_reduction, micro_batch_size, backward, optimizer_step,
+        optimizer: As for :class:`Resilient`.
+        model: As for :class:`Resilient`.
+        loss_reduction: As for :class:`Resilient`.
+        micro_batch_size: As for :class:`Resilient`.
+        backward: As for :class:`Resilient`.
+        optimizer_step: As for :class:`Resilient`.
         process_group: As for :class:`Resilient`.
 
     Returns:

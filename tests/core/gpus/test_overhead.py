@@ -14,7 +14,8 @@ from oomkit.core.gpus.overhead import (
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError
 from oomkit.interfaces.cli import build_parser
-from oomkit.interfaces.cli._target import target_from_args
+from oomkit.interfaces.cli._scenario_flags import scenario_from_args
+from oomkit.scenario.target import target_of
 
 MiB = 2**20
 GiB = 2**30
@@ -118,9 +119,13 @@ def test_cuda_version_flag_and_environment():
     """--cuda-version X.Y sets the CUDA; CUDA_MODULE_LOADING=EAGER makes the context eager."""
     parser = build_parser()
     args = parser.parse_args(["predict", "gpt2-124m", "--gpu", "h100", "--cuda-version", "12.4"])
-    assert target_from_args(args, environ={}).cuda_version == "12.4"
-    eager = target_from_args(args, environ={"CUDA_MODULE_LOADING": "EAGER"})
+
+    def target(args, environ):
+        return target_of(scenario_from_args(args, "predict", environ=environ).target)
+
+    assert target(args, {}).cuda_version == "12.4"
+    eager = target(args, {"CUDA_MODULE_LOADING": "EAGER"})
     assert eager.context_overhead_bytes == 500 * MiB + GiB
     bad = parser.parse_args(["fit", "gpt2-124m", "--cuda-version", "twelve"])
     with pytest.raises(ConfigError, match="MAJOR.MINOR"):
-        target_from_args(bad, environ={})
+        target(bad, {})

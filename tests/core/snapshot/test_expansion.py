@@ -133,7 +133,8 @@ PLACES = st.sampled_from(["trace entry", "stack", "segment", "compile context", 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(place=PLACES, depth=st.integers(min_value=1_000, max_value=100_000))
 def test_deep_nesting_is_answered_fast(place, depth):
-    """A list nested up to 100,000 deep anywhere: a clear refusal, or read without it, fast."""
+    """A list nested up to 100,000 deep anywhere: refused naming where, or (as a stack's item)
+    skipped, fast."""
     entry = _entry(0, [FRAME])
     data: dict[str, Any] = {"segments": [], "device_traces": [[entry]]}
     if place == "trace entry":
@@ -148,12 +149,17 @@ def test_deep_nesting_is_answered_fast(place, depth):
         entry["pool_id"] = _MARK
     raw = _with_deep_list(data, depth)
     start = time.process_time()
+    refusals = {
+        "trace entry": "device_traces[0][1] is a list, not a dict",
+        "segment": "segment 0 is a list, not a dict",
+        "compile context": "'compile_context' is [[[[...]]]]; PyTorch records a string",
+        "pool id": "device_traces[0][0]",
+    }
     try:
         snapshot = load_snapshot(raw)
     except SnapshotFormatError as exc:
-        assert place in ("trace entry", "segment")
-        assert "is a list, not a dict" in str(exc)
+        assert refusals[place] in str(exc)
     else:
-        assert place in ("stack", "compile context", "pool id")
-        assert snapshot.trace_for(0)[0].frames[0].name == "step"
+        assert place == "stack"  # an item of a stack that is not a frame dict is skipped
+        assert [f.name for f in snapshot.trace_for(0)[0].frames] == ["step"]
     assert time.process_time() - start < READER_LIMIT_S

@@ -11,7 +11,8 @@ import pytest
 from oomkit.core.gpus import CATALOG, get_gpu
 from oomkit.errors import UnknownGpuError
 from oomkit.interfaces.cli import build_parser, main
-from oomkit.interfaces.cli._workload import PRESET_NAMES, VISION_PRESETS
+from oomkit.interfaces.cli._scenario_flags import PRESET_NAMES
+from oomkit.scenario.workloads import VISION_PRESETS
 
 GiB = 2**30
 MiB = 2**20
@@ -165,10 +166,10 @@ def test_help_lists_presets_gpus_and_defaults(command):
         assert name in text
     for spec in CATALOG:
         assert spec.aliases[0] in text
-    assert "default: bf16-mixed for the GPT-2 and Llama presets, fp32 for the others" in text
-    assert "default h100" in text
-    assert "default adamw" in text and "default train" in text
-    assert "default: the installed torch's" in text
+    assert "fp32, fp16-mixed, bf16-mixed, bf16 or fp16" in text
+    assert "a catalog GPU (`oomkit gpus`)" in text
+    assert "adamw (default)" in text and "train (default)" in text
+    assert "(default: installed)" in text
 
 
 def test_help_never_breaks_a_hyphenated_name():

@@ -22,10 +22,13 @@ pytest.importorskip("torch")
 @pytest.mark.parametrize("command", ["predict", "fit"])
 def test_modes_reach_step_options(command, flags, mode):
     """Each spelling gives StepOptions.checkpointing its mode, for predict and fit alike."""
-    from oomkit.interfaces.cli._workload import step_options
+    from oomkit.core.gpus import get_gpu
+    from oomkit.interfaces.cli._scenario_flags import scenario_from_args
+    from oomkit.scenario.options import step_options
 
     args = build_parser().parse_args([command, "gpt2-124m", *flags])
-    assert step_options(args, 2).checkpointing == mode
+    scenario = scenario_from_args(args, command, environ={})
+    assert step_options(scenario, 2, None, get_gpu("h100")).options.checkpointing == mode
 
 
 def test_unknown_mode_is_a_usage_error(capsys):

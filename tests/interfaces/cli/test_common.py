@@ -71,7 +71,19 @@ def test_capacity_is_an_alias_of_gpu(command):
 def test_gpu_defaults(command, default):
     """Each command's --gpu default: 80GiB replays, an H100 prediction, none for replay/explain."""
     positional = ["x"] if command in ("replay", "simulate", "tune") else []
-    assert _subparser(command).parse_args(positional).gpu == default
+    args = _subparser(command).parse_args(positional)
+    assert _target_field(command, args, "gpu") == default
+
+
+def _target_field(command, args, name):
+    """A target flag's value as the command reads it: predict and fit read it from their
+    scenario (its default included), the other commands from the flag's dest."""
+    if command not in ("predict", "fit"):
+        return getattr(args, name)
+    from oomkit.interfaces.cli._scenario_flags import scenario_from_args
+
+    args.target = args.target or "gpt2-124m"
+    return getattr(scenario_from_args(args, command, environ={}).target, name)
 
 
 @pytest.mark.parametrize("command", ["replay", "simulate", "predict", "fit"])
@@ -79,8 +91,9 @@ def test_torch_version_flag_everywhere(command):
     """--torch-version X.Y has dest torch_version wherever allocator rules are modelled."""
     positional = ["x"] if command in ("replay", "simulate") else []
     parser = _subparser(command)
-    assert parser.parse_args([*positional, "--torch-version", "2.6"]).torch_version == "2.6"
-    assert parser.parse_args(positional).torch_version is None
+    given = parser.parse_args([*positional, "--torch-version", "2.6"])
+    assert _target_field(command, given, "torch_version") == "2.6"
+    assert _target_field(command, parser.parse_args(positional), "torch_version") is None
 
 
 def test_torch_version_arg_keeps_the_text():

@@ -205,7 +205,7 @@ def test_step_error_is_one_line(user_file, capsys):
     [
         (["--gpu", "nosuchgpu"], "nosuchgpu"),
         (["--alloc-conf", "max_split_size_mb:2"], "max_split_size_mb"),
-        (["--eval", "gpt2-124m"], "--eval takes path/to/file.py:function"),
+        (["--eval", "gpt2-124m"], "--eval (model.eval_function) takes path/to/file.py:function"),
         (["--batch", "20", "--max-batch", "10"], "above --max-batch 10"),
     ],
 )
@@ -269,17 +269,13 @@ def test_smallest_gpu_verdicts_exact():
     )
 
 
-def test_target_from_args_carries_the_cudnn_version_explicitly():
-    """--cudnn-version lands in the Target passed down (no context variable is set)."""
-    import argparse
-
-    from oomkit.interfaces.cli._target import target_from_args
+def test_target_of_carries_the_cudnn_version_explicitly():
+    """target.cudnn_version lands in the Target passed down (no context variable is set)."""
     from oomkit.prediction.tracing.emulations import current_sdpa_settings, default_sdpa_settings
+    from oomkit.scenario import TargetSection
+    from oomkit.scenario.target import target_of
 
-    args = argparse.Namespace(
-        gpu="h100", alloc_conf=None, context_overhead=None, cudnn_version=91501
-    )
-    target = target_from_args(args)
+    target = target_of(TargetSection(gpu="h100", cudnn_version=91501))
     assert (target.gpu.name, target.cudnn_version, target.torch_version) == (
         "H100 SXM 80GB", 91501, None
     )

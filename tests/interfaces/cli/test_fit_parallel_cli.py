@@ -114,10 +114,10 @@ def test_fit_dp_terminal_says_the_batch_is_per_rank(tiny_llama, capsys):
     ("argv", "message"),
     [
         (["llama3-8b", "--dp", "2", "--tp", "2"], "is not modelled: add --fsdp S"),
-        (["--tp", "2", "--hf", "gpt2"], "fit it with --fsdp N alone, or without --tp"),
+        (["--tp", "2", "--hf", "gpt2"], "--hf models are not sharded by oomkit yet"),
         (["gpt2-124m", "--tp", "2"], "--tp is modelled for the Llama presets"),
         (["llama3-8b", "--tp", "3"], "--tp 3 must divide"),
-        (["llama3-8b", "--tp", "2", "--compile"], "drop --fsdp/--tp/--dp/--global-batch"),
+        (["llama3-8b", "--tp", "2", "--compile"], "drop --fsdp/--tp/--dp"),
         (["llama3-8b", "--dp", "2", "--lengths", "l.txt"], "--lengths is not searched sharded"),
         (["llama3-8b", "--tp", "2", "--smallest-gpu", "--batch", "2"], "--global-batch B"),
         (["llama3-8b", "--tp", "2", "--eval", "e.py:f"], "--eval is not sharded"),
@@ -135,7 +135,7 @@ def test_fit_tp_of_a_user_function_is_refused(tmp_path, capsys):
     """A file.py:function gets no TP plan: fit exits 2 pointing at --fsdp, as predict does."""
     path = write_step(tmp_path, "sharded", FSDP_STEP)
     assert main(["fit", f"{path}:build", "--tp", "2"]) == 2
-    assert "which oomkit does not parallelize: fit it with --fsdp N" in capsys.readouterr().err
+    assert "step is not parallelized by oomkit: use --fsdp N" in capsys.readouterr().err
 
 
 def test_api_searches_the_same_tp_batch(tiny_llama):

@@ -3,7 +3,6 @@ the torch version an alloc-conf error cites, and the presets' defaults (issue 16
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from oomkit.errors import ConfigError
 from oomkit.interfaces.cli import build_parser, main
 from oomkit.interfaces.cli._common import capacity_bytes
-from oomkit.interfaces.cli._workload import cli_wording
+from oomkit.scenario.options import field_wording
 
 MiB = 2**20
 
@@ -37,22 +36,23 @@ def test_capacity_24_on_the_cli_exits_2(capsys):
 
 
 def test_size_flags_refuse_a_bare_small_number_but_take_zero(capsys):
-    """--budget 24 is refused by the parser (exit 2); --margin 0 stays valid."""
-    parser = build_parser()
-    with pytest.raises(SystemExit) as exc:
-        parser.parse_args(["predict", "gpt2-124m", "--budget", "24"])
-    assert exc.value.code == 2
-    assert "argument --budget: '24' has no unit" in capsys.readouterr().err
-    assert parser.parse_args(["fit", "gpt2-124m", "--margin", "0"]).margin == 0
+    """--budget 24 is refused by the scenario (exit 2); --margin 0 stays valid."""
+    from oomkit.interfaces.cli._scenario_flags import scenario_from_args
+
+    assert main(["predict", "gpt2-124m", "--budget", "24"]) == 2
+    assert "--budget (run.budget_bytes): '24' has no unit" in capsys.readouterr().err
+    args = build_parser().parse_args(["fit", "gpt2-124m", "--margin", "0"])
+    assert scenario_from_args(args, "fit", environ={}).search.margin_bytes == 0
 
 
-def test_cli_wording_names_flags():
+def test_field_wording_names_flags():
     """StepOptions(field=value) in a library message becomes the flag that sets it."""
-    assert cli_wording("use StepOptions(seq_len=...) of at most 1024 in total") == (
+    assert field_wording("use StepOptions(seq_len=...) of at most 1024 in total") == (
         "use --seq N of at most 1024 in total"
     )
-    assert cli_wording("Example: StepOptions(image_size=240)") == "Example: --image-size 240"
-    assert cli_wording("StepOptions(precision='bf16')") == "StepOptions(precision='bf16')"
+    assert field_wording("Example: StepOptions(image_size=240)") == "Example: --image-size 240"
+    assert field_wording("StepOptions(precision='bf16')") == "--precision bf16"
+    assert field_wording("StepOptions(max_grad_norm=1.0)") == "StepOptions(max_grad_norm=1.0)"
 
 
 needs_torch = pytest.mark.skipif(
@@ -113,20 +113,24 @@ def test_alloc_conf_error_cites_the_installed_torch(capsys):
 )
 def test_preset_defaults(target, description):
     """Without flags, the LLM presets run bf16-mixed (Llama at batch 4), the others fp32."""
-    from oomkit.interfaces.cli._workload import build_workload
+    from oomkit.core.gpus import get_gpu
+    from oomkit.scenario import Scenario
+    from oomkit.scenario.workloads import build_workload
 
-    args = build_parser().parse_args(["predict", target])
-    assert build_workload(args, args.batch, "predict").description == description
-    explicit = build_parser().parse_args(["predict", target, "--precision", "fp32", "--batch", "2"])
-    assert ", batch 2, " in build_workload(explicit, explicit.batch, "predict").description
-    assert ", fp32, " in build_workload(explicit, explicit.batch, "predict").description
+    h100 = get_gpu("h100")
+    default = Scenario(model={"preset": target})
+    assert build_workload(default, None, h100).description == description
+    explicit = Scenario(model={"preset": target}, step={"precision": "fp32", "batch": 2})
+    assert ", batch 2, " in build_workload(explicit, None, h100).description
+    assert ", fp32, " in build_workload(explicit, None, h100).description
 
 
 @needs_torch
 def test_preset_names_match_the_presets():
     """The torch-free copy of the preset names --help shows is the presets' own, in order."""
-    from oomkit.interfaces.cli._workload import PRESET_NAMES, VISION_PRESETS
+    from oomkit.interfaces.cli._scenario_flags import PRESET_NAMES
     from oomkit.prediction.models import PRESETS
+    from oomkit.scenario.workloads import VISION_PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS)
     assert VISION_PRESETS == tuple(
@@ -138,11 +142,9 @@ def test_preset_names_match_the_presets():
 def test_hf_keeps_step_options_defaults():
     """--hf has no preset: StepOptions' defaults apply (batch 8; precision None = the config's
     torch_dtype, decided when the model is built)."""
-    from oomkit.interfaces.cli._workload import step_options
+    from oomkit.core.gpus import get_gpu
+    from oomkit.scenario import Scenario
+    from oomkit.scenario.options import step_options
 
-    args = argparse.Namespace(
-        checkpointing=False, precision=None, optimizer=None, mode=None, seq=None,
-        image_size=None, new_tokens=None,
-    )
-    options = step_options(args, None)
+    options = step_options(Scenario(model={"hf": "gpt2"}), None, None, get_gpu("h100")).options
     assert (options.precision, options.batch_size) == (None, 8)

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from oomkit.interfaces.cli import main
-from oomkit.interfaces.cli._target import installed_torch_version
-from oomkit.interfaces.cli._user_function import is_user_target
+from oomkit.scenario.target import installed_torch_version
+from oomkit.scenario.user_function import is_user_target
 
 pytest.importorskip("torch")
 
@@ -238,7 +238,7 @@ def test_numpy_warning_silenced_where_torch_is_imported():
     code = (
         "import sys, warnings; sys.modules['numpy'] = None\n"
         "warnings.simplefilter('default')\n"
-        "from oomkit.interfaces.cli._torch import require_torch\n"
+        "from oomkit.scenario._torch import require_torch\n"
         "require_torch('oomkit predict')\n"
         "import torch\n"
         "assert torch.__version__\n"

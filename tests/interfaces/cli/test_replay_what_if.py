@@ -31,8 +31,8 @@ def test_what_if_json_exact_bytes_per_setting(tmp_path, capsys):
     assert [r["alloc_conf"] for r in rows] == SETTINGS
     assert [r["peak_reserved_bytes"] for r in rows] == [322 * MiB, 322 * MiB, 522 * MiB]
     assert [r["peak_allocated_bytes"] for r in rows] == [305 * MiB] * 3
-    assert [r["fragmentation_bytes"] for r in rows] == [17 * MiB, 17 * MiB, 217 * MiB]
-    assert rows[2]["fragmentation_pct"] == round(100 * 217 / 522, 2)
+    assert [r["peak_reserved_minus_peak_allocated_bytes"] for r in rows] == [17 * MiB, 17 * MiB, 217 * MiB]
+    assert rows[2]["peak_reserved_minus_peak_allocated_pct"] == round(100 * 217 / 522, 2)
     assert [r["num_device_alloc"] for r in rows] == [3, 3, 4]
     assert [r["oom"] for r in rows] == [False, False, False]
 
@@ -56,7 +56,8 @@ def test_what_if_jobs_2_identical_to_jobs_1(tmp_path, capsys):
 
 
 def test_what_if_table(tmp_path, capsys, monkeypatch):
-    """The terminal table: one row per setting with peak reserved, fragmentation and OOM."""
+    """The terminal table: one row per setting with peak reserved, its excess over peak allocated
+    and OOM."""
     monkeypatch.setenv("COLUMNS", "160")
     path = replay_snapshot(tmp_path)
     argv = ["replay", str(path), "--capacity", "320MiB", "--jobs", "1"]

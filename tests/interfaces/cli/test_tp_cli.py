@@ -48,7 +48,7 @@ def test_fsdp_by_tp_halves_the_tp_shards(tiny_llama, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tp", "2", "--hf", "gpt2"], "a --hf model has no plan in oomkit"),
+        (["--tp", "2", "--hf", "gpt2"], "--hf models are not sharded by oomkit yet"),
         (["gpt2-124m", "--tp", "2"], "modelled for the Llama presets"),
         (["llama3-8b", "--tp", "3"], "--tp 3 must divide Llama 3.1 8B's"),
         (["llama3-8b", "--tp", "2", "--dp", "2"], "add --fsdp S"),
@@ -65,4 +65,4 @@ def test_tp_with_a_user_function_is_refused(tmp_path, capsys):
     path = tmp_path / "step.py"
     path.write_text("def build(mesh):\n    raise AssertionError('not called')\n")
     assert main(["predict", f"{path}:build", "--tp", "2"]) == 2
-    assert "which oomkit does not parallelize" in capsys.readouterr().err
+    assert "step is not parallelized by oomkit: use --fsdp N" in capsys.readouterr().err

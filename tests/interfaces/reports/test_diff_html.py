@@ -35,7 +35,7 @@ def test_snapshot_diff_writes_html(tmp_path, capsys, parse_html):
     out_html = tmp_path / "d.html"
     assert main(["diff", str(a), str(b), "--html", str(out_html)]) == 0
     text = " ".join(capsys.readouterr().out.split())  # rich wraps at 80 columns in a pipe
-    assert "allocated +2.00 MiB, placement -2.00 MiB" in text
+    assert "allocated +2.00 MiB, fragmentation -2.00 MiB (both at peak reserved)" in text
     page = parse_html(out_html.read_text())
     assert "peak reserved 20.00 MiB -> 20.00 MiB" in "".join(page.text)
     assert [tag for tag, _ in page.tags].count("svg") == 4  # parts bar, aligned chart, one per side

@@ -21,12 +21,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
+from oomkit._files import input_file_error
+from oomkit.core.snapshot._consistency import trace_contradiction
 from oomkit.core.snapshot._drain import TraceDrain
+from oomkit.core.snapshot._entry_fields import entry_tags, extras_problem
 from oomkit.core.snapshot._validate import (
     layout_problem,
+    pool_id_problem,
+    settings_problem,
     show,
     trace_problem,
-    unknown_actions,
 )
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
 from oomkit.core.snapshot.unpickler import (
@@ -34,11 +38,18 @@ from oomkit.core.snapshot.unpickler import (
     expansion_error,
     expansion_limit,
     load_plain_pickle,
+    looks_like_pickle,
 )
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["READING_FILE", "LoadProgress", "load_snapshot", "snapshot_from_data"]
+__all__ = [
+    "READING_FILE",
+    "LoadProgress",
+    "load_snapshot",
+    "looks_like_pickle",
+    "snapshot_from_data",
+]
 
 # Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
 # then "reading device N's trace" in entries (those not read while the file was: TraceDrain).
@@ -62,8 +73,6 @@ _STATES = {
 _REQUIRED = object()
 _ABSENT = object()
 
-# Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
-_TAG_FIELDS = ("compile_context", "user_metadata")
 # Stacks looked up by the identity of their frame dicts, at most (each holds its dicts alive;
 # files whose frame dicts are not shared fill it and then read every stack by value).
 _STACK_ID_CACHE_MAX = 20_000
@@ -82,8 +91,7 @@ def load_snapshot(
         progress: called with (what, done, total) as the load goes on (for a progress bar):
             ``READING_FILE`` in bytes (a file with a framed pickle, as PyTorch writes),
             then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end
-            (starting where the trace stands: a framed pickle's first large trace is read
-            while the file is, so its memory is never held twice).
+            (from where it stands: a framed pickle's first large trace is read with the file).
 
     Returns:
         The normalised snapshot; ``format_generation`` says which layout the file had.
@@ -92,7 +100,7 @@ def load_snapshot(
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
             global, expands to more entries than its size allows (``expansion_limit``), or
             holds something other than a memory snapshot.
-        OSError: the file cannot be opened.
+        InputFileError: the file cannot be opened (no permission, a directory, EIO).
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
     # millions of new dicts it runs over and over, each full pass walking everything built so
@@ -108,7 +116,11 @@ def load_snapshot(
         else:
             path = Path(source)
             name = label = str(path)
-            with open(path, "rb") as stream:
+            try:
+                opened = open(path, "rb")  # noqa: SIM115 - closed by the with below
+            except OSError as exc:
+                raise input_file_error(path, exc, what="snapshot") from None
+            with opened as stream:
                 limit = expansion_limit(os.fstat(stream.fileno()).st_size)
                 # The tree is this function's own: the drain reads each trace entry as the
                 # file is read and empties it, and the normaliser frees the rest once read.
@@ -213,6 +225,9 @@ class _Normaliser:
             settings = top.get("allocator_settings")
             if settings is not None and not isinstance(settings, dict):
                 raise self.fail("'allocator_settings' is not a dict")
+            problem = None if settings is None else settings_problem(settings)
+            if problem is not None:
+                raise self.fail(problem)
             self.note("settings", settings or {})
             annotations = top.get("external_annotations")
             if annotations is not None and not isinstance(annotations, list):
@@ -224,6 +239,10 @@ class _Normaliser:
         problem = layout_problem(segments)
         if problem is not None:
             raise self.fail(problem)
+        for device, events in traces.items():
+            contradiction = trace_contradiction(device, events, segments)
+            if contradiction is not None:
+                raise SnapshotFormatError(f"{self.name}: {contradiction}")
         return Snapshot(
             segments=tuple(segments),
             device_traces=traces,
@@ -242,8 +261,7 @@ class _Normaliser:
         count = len(segments_raw)
         for raw in segments_raw:
             blocks = raw.get("blocks") if type(raw) is dict else None
-            if type(blocks) is list:
-                count += len(blocks)
+            count += len(blocks) if type(blocks) is list else 0
         if type(raw_traces) is list:
             streamed = self.streamed
             for entries in raw_traces:
@@ -285,13 +303,18 @@ class _Normaliser:
         segment_type = raw.get("segment_type")
         if segment_type not in ("small", "large"):
             segment_type = "small" if total_size == _SMALL_SEGMENT_BYTES else "large"
-        pool_id = raw.get("segment_pool_id", (0, 0))
-        if not (
-            isinstance(pool_id, (tuple, list))
-            and len(pool_id) == 2
-            and all(type(p) is int for p in pool_id)
-        ):
+        pool_id = raw.get("segment_pool_id")
+        if pool_id is None:
             pool_id = (0, 0)
+        problem = pool_id_problem(pool_id, where, "segment_pool_id")
+        if problem is not None:
+            raise self.fail(problem)
+        is_expandable = raw.get("is_expandable", False)
+        if is_expandable is None:
+            is_expandable = False
+        if type(is_expandable) is not bool:
+            # PyTorch records a bool; bool('no') would be True, a confident wrong answer.
+            raise self.fail(f"{where}: 'is_expandable' is {show(is_expandable)}, not True/False")
         return (
             SnapshotSegment(
                 device=self.int_field(raw, "device", where, 0),
@@ -309,7 +332,7 @@ class _Normaliser:
                 requested_size=self.int_field(
                     raw, "requested_size", where, sum(b.requested_size for b in active)
                 ),
-                is_expandable=bool(raw.get("is_expandable", False)),
+                is_expandable=is_expandable,
                 blocks=tuple(blocks),
                 frames=self.frames(raw.get("frames")),
                 pool_id=(int(pool_id[0]), int(pool_id[1])),
@@ -391,16 +414,14 @@ class _Normaliser:
     ) -> int:
         """Read ``entries[start:stop]`` into records appended to ``events``.
 
-        Returns how many were read: all, or those before the first malformed entry (whose
-        index in its trace is then ``len(events)``). When the tree is this reader's own, frees
-        each entry read; with no ``device`` (TraceDrain, while the unpickler still holds every
-        entry in its memo), empties it instead: the dict, and its stack list down to the
-        stack it was read into (``_drain.read_stack``: an entry read later may share it).
+        Returns how many were read: all, or those before the first malformed entry (its index
+        in the trace is then ``len(events)``). Frees each entry read when the tree is this
+        reader's own; with no ``device`` (TraceDrain: the unpickler's memo holds every entry)
+        empties it: the dict, and its stack list down to its frames (``_drain.read_stack``).
         """
         append = events.append
         note_keys = self.trace_keys.update
         frames_of = self.frames
-        tag_fields = _TAG_FIELDS
         consume = self.consume and device is not None
         empty = self.consume and device is None
         new_event = new_trace_event
@@ -434,7 +455,12 @@ class _Normaliser:
                 return index - start
             tags: tuple[tuple[str, str], ...] = ()
             if "compile_context" in raw or "user_metadata" in raw or "pool_id" in raw:
-                tags = self._tags(raw, tag_fields)
+                problem = extras_problem(raw, device, len(events))
+                if problem is not None:
+                    if device is None:  # TraceDrain: the normaliser reads it, and says so
+                        return index - start
+                    raise self.fail(problem)
+                tags = entry_tags(raw)
             frames = raw.get("frames")
             stack = frames_of(frames) if frames else ()
             append(new_event(action, address, size, stream, time_us, stack, tags))
@@ -449,19 +475,11 @@ class _Normaliser:
         return stop - start
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
-        """Refuse negative sizes or addresses; warn of actions oomkit does not know (they pass
-        through unchanged, so a newer PyTorch's file still loads; the replay skips them)."""
+        """Refuse negative or absurd sizes and addresses (actions and the order of each block's
+        entries are checked once the segments are read: ``trace_contradiction``)."""
         problem = trace_problem(device, events)
         if problem is not None:
             raise self.fail(problem)
-        unknown = unknown_actions(events)
-        if not unknown:
-            return events
-        listed = ", ".join(f"{show(a)} x{n}" for a, n in sorted(unknown.items())[:5])
-        self.warnings.append(
-            f"device_traces[{device}]: {sum(unknown.values())} entries with an action oomkit does "
-            f"not know ({listed}); the replay skips them"
-        )
         return events
 
     def _bad_entry(self, device: int, index: int, raw: Any) -> NoReturn:
@@ -478,23 +496,6 @@ class _Normaliser:
         for key in (address_key, "size", "stream"):
             self.int_field(raw, key, where, 0)
         raise self.fail(f"{where} is malformed")
-
-    @staticmethod
-    def _tags(raw: dict, tag_fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-        tags = []
-        for key in tag_fields:
-            value = raw.get(key)
-            if value not in (None, "", "N/A"):
-                # Bounded: str() of an untrusted nested value (a memo bomb) may never end.
-                tags.append((key, value if type(value) is str else show(value)))
-        pool_id = raw.get("pool_id")
-        if (
-            isinstance(pool_id, (tuple, list))
-            and all(type(p) is int for p in pool_id)
-            and tuple(pool_id) != (0, 0)
-        ):
-            tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
-        return tuple(tags)
 
     # ---------------------------------------------------------------------------- helpers
 

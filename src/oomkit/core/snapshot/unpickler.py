@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -24,6 +25,7 @@ __all__ = [
     "expansion_error",
     "expansion_limit",
     "load_plain_pickle",
+    "looks_like_pickle",
 ]
 
 # Called with (bytes read, file size) while a file is unpickled.
@@ -41,6 +43,14 @@ HOW_TO_RECORD = (
 # Start of a zip archive: what torch.save writes since PyTorch 1.6.
 _ZIP_MAGIC = b"PK\x03\x04"
 
+# How a pickle of a dict or list (a snapshot) opens, per protocol (Lib/pickletools.py opcodes):
+# protocol 2 and later with PROTO (0x80); protocol 1 with EMPTY_DICT "}" or EMPTY_LIST "]" then
+# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(", DICT "d" or LIST "l", then PUT
+# "p<n>\n" (pickle.py memoizes every container) or the first item's opcode. A text log that
+# happens to start with "(d" or "(l" does not match the protocol 0 form.
+_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].")
+_PROTOCOL_0_START = re.compile(rb"\((?:dp|lp)[0-9]+\n|\([dl][VSIFL(.]")
+
 # The bound on a snapshot's expansion (issue 36): trace entries, segments, blocks and the frames
 # of every stack read, per byte of pickle, with a floor for small files. PyTorch's files give at
 # most 0.42 a byte (every shared snapshot: a frame in a stack is a memo reference of 2-5 bytes,
@@ -49,6 +59,13 @@ _ZIP_MAGIC = b"PK\x03\x04"
 # billions of entries) reaches it.
 _EXPANSION_PER_BYTE = 4
 _EXPANSION_FLOOR = 1_000_000
+
+
+def looks_like_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first bytes) is a pickle of a dict or a list,
+    in any protocol: such a file is read as a snapshot, never as text (issue 36: protocol 0 and
+    1 snapshots were read as logs)."""
+    return head.startswith(_PICKLE_STARTS) or _PROTOCOL_0_START.match(head) is not None
 
 
 def expansion_limit(file_bytes: int) -> int:

@@ -55,8 +55,21 @@ _SUMMARIES: dict[str, str] = {
     "presets": "list the built-in models predict and fit take, with their defaults",
     "doctor": "show which allocator settings are in effect (environment or snapshot)",
     "diff": "split the change in peak memory between two runs into allocated and placement",
+    "serve": "will vLLM / SGLang start with these flags, and with what KV cache (GPU-free)",
+    "mcp": "serve predict, fit, explain, replay, tune, diff, doctor and gpus as MCP tools",
 }
 _COMMANDS = tuple(_SUMMARIES)
+# `oomkit --help` lists the commands in these groups, in this order (every command in one).
+_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("before a run (no GPU)", ("predict", "fit", "serve")),
+    ("after an OOM, and during a run", ("explain", "run")),
+    ("snapshots, traces and settings", ("replay", "simulate", "tune", "diff", "doctor", "demo")),
+    ("across runs", ("report", "experiment")),
+    ("catalogs", ("gpus", "presets")),
+    ("agents", ("mcp",)),
+)
+# The commands whose words after `--` are a script's own arguments (`predict train.py -- ARGS`).
+_SCRIPT_COMMANDS = ("predict", "fit")
 
 
 def _subcommands(only: str | None = None) -> list:
@@ -86,10 +99,12 @@ class _WholeWordsFormatter(argparse.HelpFormatter):
         )
 
 
-def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+def _root_parser(
+    kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from oomkit._version import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = kind(
         prog="oomkit",
         description="Predict, explain and prevent CUDA out-of-memory errors in PyTorch.",
         allow_abbrev=False,
@@ -101,7 +116,10 @@ def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         version=f"oomkit {__version__}",
         help="show the version and which allocator core runs (compiled or pure Python), and exit",
     )
-    return parser, parser.add_subparsers(dest="command", metavar="COMMAND")
+    # The commands' own parsers are plain ones (the grouped help is the root's alone).
+    return parser, parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser
+    )
 
 
 class _VersionAction(argparse._VersionAction):
@@ -123,21 +141,43 @@ class _VersionAction(argparse._VersionAction):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The root parser with every subcommand registered (or just ``only``, a subcommand name)."""
-    parser, subparsers = _root_parser()
+    parser, subparsers = _root_parser(_GroupedRootParser)
     for module in _subcommands(only):
         module.add_parser(subparsers)
     # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
     for subparser in subparsers.choices.values():
         subparser.allow_abbrev = False
-        subparser.formatter_class = _WholeWordsFormatter
+        if subparser.formatter_class is argparse.HelpFormatter:  # not a command's own
+            subparser.formatter_class = _WholeWordsFormatter
     return parser
+
+
+class _GroupedRootParser(argparse.ArgumentParser):
+    """The root parser, whose help lists the commands in groups (``_GROUPS``)."""
+
+    def format_help(self) -> str:
+        width = max(len(name) for name in _COMMANDS) + 2
+        lines = [self.format_usage().rstrip(), "", str(self.description), ""]
+        for title, names in _GROUPS:
+            lines.append(f"{title}:")
+            lines.extend(f"  {name:<{width}}{_SUMMARIES[name]}" for name in names)
+            lines.append("")
+        lines += [
+            "options:",
+            "  -h, --help  show this help message and exit",
+            "  --version   show the version and which allocator core runs, and exit",
+            "",
+            "`oomkit COMMAND --help` shows a command's options. Exit codes: 0 success (it fits), "
+            "1 it does not fit, 2 bad input, 3 a missing dependency.",
+        ]
+        return "\n".join(lines) + "\n"
 
 
 def summary_parser() -> argparse.ArgumentParser:
     """The root parser that lists every subcommand by its one-line summary without importing the
     subcommand modules: what `oomkit`, `oomkit --help` and an unknown command word get. Its help
-    text is ``build_parser()``'s; its subcommands take no arguments of their own."""
-    parser, subparsers = _root_parser()
+    text groups the commands (``_GROUPS``); its subcommands take no arguments of their own."""
+    parser, subparsers = _root_parser(_GroupedRootParser)
     for name, summary in _SUMMARIES.items():
         subparsers.add_parser(name, help=summary)
     return parser
@@ -156,8 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the named subcommand's parser is built (and its module imported); `oomkit`,
     # `oomkit --help` and unknown words get the summary parser, which lists every subcommand.
     command = _command_named(words)
+    script_args: list[str] = []
+    if command in _SCRIPT_COMMANDS and "--" in words:  # a script's own arguments follow `--`
+        cut = words.index("--")
+        words, script_args = words[:cut], words[cut + 1:]
     parser = summary_parser() if command is None else build_parser(command)
     args = parser.parse_args(words)
+    args.script_args = script_args
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

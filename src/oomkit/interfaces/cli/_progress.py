@@ -26,7 +26,6 @@ __all__ = [
     "snapshot_progress",
     "StepProgress",
     "step_progress",
-    "tracing_jobs",
     "note_memory_cap",
 ]
 
@@ -61,22 +60,6 @@ def note_memory_cap(jobs: int | None, settings: int) -> None:
             f"hold as much memory as this one, and the memory available holds {cap}",
             file=sys.stderr,
         )
-
-
-def tracing_jobs(args: argparse.Namespace) -> int | None:
-    """Processes that trace at once (``fit``; ``predict --lengths``' recordings): ``--jobs``,
-    or by default one per core (None) for oomkit's own builders (a preset, ``--hf``) on Linux,
-    and 1 for the user's code (``file.py:function``, ``--eval``), whose builder may have
-    effects outside its process, for ``--compile``, and off Linux (macOS's system libraries
-    are not safe to fork with torch loaded: Python's multiprocessing docs)."""
-    from oomkit.interfaces.cli._user_function import is_user_target
-
-    if args.jobs is not None:
-        return int(args.jobs)
-    target = getattr(args, "target", None)
-    users = getattr(args, "eval", None) is not None or (target is not None and is_user_target(target))
-    compiled = getattr(args, "compile", False)
-    return 1 if users or compiled or not sys.platform.startswith("linux") else None
 
 
 def _jobs(text: str) -> int:
@@ -311,7 +294,11 @@ def snapshot_progress(enabled: bool, name: str) -> Iterator[SnapshotProgress]:
     from rich.progress import Progress
 
     with Progress(*_columns(_amount_column()), console=stderr_console(), transient=True) as bar:
-        tasks = [bar.add_task(_shortened(name, _NAME_CHARS), total=None, in_bytes=False)]
+        from oomkit.interfaces.reports._untrusted import as_written
+
+        # A file name is shown as written (rich would read "[v2]" in it as markup).
+        label = as_written(_shortened(name, _NAME_CHARS))
+        tasks = [bar.add_task(label, total=None, in_bytes=False)]
 
         def update(text: str, done: int, total: int | None, in_bytes: bool) -> None:
             if total is None:

@@ -26,8 +26,6 @@ from oomkit.interfaces.cli._progress import (
 
 __all__ = ["add_parser", "run"]
 
-# Every pickle protocol >= 2 starts with PROTO (0x80): a snapshot, not error text.
-_PICKLE_MAGIC = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -105,8 +103,11 @@ def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
         print(STDIN_PROMPT, file=stderr, flush=True)
     raw = getattr(stdin, "buffer", None)
     if raw is not None:
-        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log.
-        return str(raw.read().decode("utf-8", errors="replace"))
+        from oomkit.diagnose.oom_text import decode_log
+
+        # Bytes, decoded leniently: a log with non-UTF-8 bytes is still a log, and a UTF-16
+        # one (PowerShell's redirect) is read as UTF-16.
+        return decode_log(raw.read())
     return stdin.read()
 
 
@@ -140,11 +141,19 @@ def _read_source(source: str) -> str | Path:
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
-    with path.open("rb") as head:
-        magic = head.read(1)
-    if magic == _PICKLE_MAGIC:
-        return path
-    return path.read_text(encoding="utf-8", errors="replace")
+    from oomkit._files import input_file_error
+    from oomkit.core.snapshot import looks_like_pickle
+
+    try:
+        with path.open("rb") as head:
+            magic = head.read(8)
+        if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
+            return path
+        from oomkit.diagnose.oom_text import decode_log
+
+        return decode_log(path.read_bytes())
+    except OSError as exc:
+        raise input_file_error(path, exc) from None
 
 
 def _as_json(text: str) -> object | None:
@@ -153,25 +162,32 @@ def _as_json(text: str) -> object | None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the recursion limit: not a prediction
         return None
 
 
 def run(args: argparse.Namespace) -> int:
     from oomkit.diagnose.diagnosis import diagnose_oom_text
     from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
+    from oomkit.diagnose.oom_traceback import find_oom_location
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
     if args.gpu is not None:
-        from oomkit.interfaces.cli._target import target_from_args
+        from oomkit.core.target import Target
 
-        gpu = target_from_args(args).gpu
+        gpu = Target.resolve(args.gpu).gpu  # the one target path (oomkit.scenario.target)
     if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
         raise ConfigError(
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
             "--memory-fraction 0.5"
         )
+    if args.html is not None:
+        from oomkit._files import check_output_path
+
+        # Before any work: the page may not overwrite the file being explained.
+        inputs = [] if args.source == "-" else [args.source]
+        check_output_path(args.html, inputs=inputs, flag="--html")
     source = _read_source(args.source)
     data = None if isinstance(source, Path) else _as_json(source)
     if args.alloc_conf is not None and (isinstance(source, Path) or isinstance(data, Mapping)):
@@ -201,14 +217,19 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(show, "measuring remedies by re-predicting") as progress:
             diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
+        serving = _serving_log(source, args)
         found = find_oom_texts(source)
+        if serving is not None and not found:  # a vLLM / SGLang log: answered with the knob
+            return serving
         parsed = found[0] if found else parse_oom_text(source)  # raises: none found
         expandable = None
         if args.alloc_conf is not None:
             from oomkit.core.allocator import AllocatorConfig
 
             expandable = AllocatorConfig.parse(args.alloc_conf).expandable_segments
-        diagnosis = diagnose_oom_text(parsed, gpu, expandable_segments=expandable)
+        diagnosis = diagnose_oom_text(
+            parsed, gpu, expandable_segments=expandable, location=find_oom_location(source)
+        )
         if len(found) > 1:
             devices = sorted({str(m.device) for m in found if m.device is not None})
             diagnosis = dataclasses.replace(
@@ -237,3 +258,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_diagnosis(diagnosis, stdout_console())
     return 0
+
+
+def _serving_log(source: str, args: argparse.Namespace) -> int | None:
+    """A vLLM or SGLang start-up log or OOM: printed with the knob to turn; its exit code (1 when
+    the engine failed), or ``None`` for text that is no such log."""
+    from oomkit.diagnose.serving_logs import diagnose_serving_log
+    from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
+
+    serving = diagnose_serving_log(source)
+    if serving is None or (serving.failure is None and not serving.figures):
+        return None
+    if args.json:
+        print_json({"serving": serving_log_to_json(serving)})
+    else:
+        render_serving_log(serving, stdout_console())
+    return 1 if serving.failure is not None else 0

@@ -1,4 +1,7 @@
-"""``oomkit predict PRESET|file.py:function``: peak GPU memory of a step, without a GPU.
+"""``oomkit predict TARGET``: peak GPU memory of a step, without a GPU.
+
+parse -> ``Scenario`` -> ``oomkit.scenario.predict`` -> render. The flags are the scenario's
+fields (``_scenario_flags.py``); ``--config``, ``--set`` and ``--dump-config`` reach every field.
 
 Exit codes: 0 it fits (and is within ``--budget``), 1 it would OOM or exceeds the budget,
 2 bad input (a step that allocated nothing on the traced device included: nothing was
@@ -9,208 +12,153 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
     add_json_flag,
     print_json,
-    size_arg,
     stderr_console,
     stdout_console,
 )
-from oomkit.interfaces.cli._compile_flag import add_compile_flag
-from oomkit.interfaces.cli._data_parallel import add_ddp_flags, ddp_bucket_cap_mb
-from oomkit.interfaces.cli._envelope import add_envelope_flags, run_envelope
-from oomkit.interfaces.cli._progress import progress_enabled, step_progress
-from oomkit.interfaces.cli._target import add_parallel_flags
-from oomkit.interfaces.cli._workload import (
-    MODES,
-    OPTIMIZERS,
-    PRECISIONS,
-    add_gpu_flags,
-    add_workload_flags,
-    build_workload,
+from oomkit.interfaces.cli._scenario_flags import (
+    CompactHelp,
+    add_scenario_flags,
     catalog_epilog,
-    positive_int,
-    user_errors,
-    user_output_to_stderr,
-    user_values,
 )
 
-__all__ = ["add_parser", "run", "PRECISIONS", "OPTIMIZERS", "MODES"]
+__all__ = ["add_parser", "run", "EPILOG"]
+
+# The file.py:function contract in a few lines, and examples (predict --help's end).
+EPILOG = """\
+TARGET path/to/file.py:function: the function builds the step on the meta device and returns
+  step_fn, (step_fn, (model, optimizer, inputs)) or a trainer; it may take batch_size, seq_len,
+  image_size, device (filled from --batch, --seq, --image-size). TARGET train.py runs a whole
+  script as `python train.py ARGS` (its arguments after --) and records its first steps.
+
+examples:
+  oomkit predict gpt2-124m --batch 8 --seq 1024 --gpu rtx4090
+  oomkit predict llama-8b --lora 16 --quantize nf4 --batch 4 --seq 2048 --gpu rtx4090
+  oomkit predict --hf ./my-model --mode generate --batch 8 --new-tokens 64 --gpu l40s
+  oomkit predict train.py:build --batch 32 --gpu a100-40gb --json > p.json
+  oomkit predict --config run.toml --set target.gpu=h100 --dump-config
+"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "predict",
         help="predict a step's peak GPU memory on a named GPU, without a GPU",
-        description="Record one training or inference step on the meta device (no GPU, no "
-        "weights) and replay it through the simulated CUDA caching allocator of a GPU. TARGET "
-        "is a built-in preset (gpt2-124m, llama-8b, bert-base, vit-b16, resnet50, ...) or "
-        "path/to/file.py:function (see the README for that function's contract). Without "
-        "flags a preset runs one training step (AdamW) at its defaults: batch 8 (4 for Llama), "
-        "bf16-mixed for GPT-2 and Llama (fp32 for the others), on an H100. Exit code 0 "
-        "when it fits, 1 when it would OOM or exceed --budget, 2 bad input, 3 torch missing.",
-        epilog=catalog_epilog(),
+        description="Record a training or inference step on the meta device (no GPU, no\n"
+        "weights) and replay it through the simulated CUDA caching allocator of a GPU.\n"
+        "Exit 0 fits, 1 would OOM or exceed --budget, 2 bad input, 3 torch missing.",
+        usage="oomkit predict [TARGET] [options] [-- SCRIPT_ARGS]",
+        epilog=EPILOG + "\n" + catalog_epilog(),
     )
-    add_workload_flags(parser)
-    add_compile_flag(parser)
-    parser.add_argument(
-        "--batch",
-        type=positive_int,
-        metavar="N",
-        help="batch size (default: 8 for a preset or --hf, 4 for the Llama presets)",
+    groups = add_scenario_flags(parser, "predict")
+    output = groups["output"]
+    output.add_argument(
+        "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
-    parser.add_argument(
-        "--new-tokens",
-        type=positive_int,
-        metavar="N",
-        help="tokens generated (--mode generate; default 128)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        metavar="N",
-        help="steps to record (default 3); with --lengths, steps to run (default: one pass)",
-    )
-    add_gpu_flags(parser)
-    add_parallel_flags(parser)
-    add_ddp_flags(parser)
-    parser.add_argument(
-        "--budget", type=size_arg, metavar="SIZE", help="exit 1 when peak reserved exceeds SIZE"
-    )
-    add_envelope_flags(parser)
-    add_json_flag(parser)
+    add_json_flag(output)
+    parser.formatter_class = CompactHelp
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from oomkit.interfaces.cli._target import installed_torch_version, target_from_args
-    from oomkit.interfaces.cli._torch import require_torch
+    from oomkit.interfaces.cli._scenario_flags import scenario_from_args
+
+    scenario = scenario_from_args(args, "predict", script_args=getattr(args, "script_args", ()))
+    if args.dump_config:
+        from oomkit.scenario.files import scenario_to_toml
+
+        sys.stdout.write(scenario_to_toml(scenario))
+        return 0
+    if scenario.lengths is None and args.html is not None:
+        raise OomkitError("--html goes with --lengths FILE (the epoch envelope page)")
+    if scenario.lengths is not None:
+        return _run_lengths(args, scenario)
+    return _run_step(args, scenario)
+
+
+def _run_step(args: argparse.Namespace, scenario: Any) -> int:
+    from oomkit.interfaces.cli._progress import progress_enabled, step_progress
     from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
+    from oomkit.prediction.summary import nothing_recorded
+    from oomkit.scenario.run import predicting
 
-    # Cheap checks first, so a typo fails before any model is built.
-    target = target_from_args(args, default_torch_version=installed_torch_version())
-    if args.hf is not None:
-        require_torch("oomkit predict --hf", extra="hf")
-    else:
-        require_torch("oomkit predict")
-    if args.lengths is None and (
-        args.html is not None or args.seed is not None or args.pad_to != 1 or args.jobs is not None
-    ):
-        raise OomkitError(
-            "--html, --seed, --pad-to and --jobs go with --lengths FILE (the epoch envelope)"
-        )
-    if args.compile and target.parallel is not None:
-        raise OomkitError(
-            "--compile is not modelled for sharded steps (--fsdp, --tp, --dp): the recorder of "
-            "a fake process group runs compiled code eagerly. Predict one GPU's compiled step "
-            "(drop --fsdp/--tp/--dp), or the sharded step eagerly (drop --compile)"
-        )
-    if args.compile and args.mode == "generate":
-        from oomkit.prediction.models.options import GENERATE_COMPILE_REASON
-
-        raise OomkitError(
-            f"--compile with --mode generate is not modelled: {GENERATE_COMPILE_REASON}. Drop "
-            "--compile to predict the generate step eagerly, or predict the compiled forward "
-            "at the longest length: --mode inference --compile --seq PROMPT+NEW_TOKENS"
-        )
-    if args.lengths is not None and target.parallel is not None:
-        raise OomkitError(
-            "--fsdp and --dp do not go with --lengths yet: predict one length at a time"
-        )
-    # Values are followed from the import and the builder on (a mask made there with
-    # torch.ones is known when the step reads it), and --value states the others.
-    with user_values(args):
-        if args.lengths is not None:
-            return run_envelope(args, target)
-        if args.steps is None:
-            args.steps = 3
-        ddp_bucket_cap_mb(args)  # the DDP flags need --dp
-        if target.parallel is not None:
-            prediction = _predict_sharded(args, target)
-            if args.json:
-                print_json(prediction_to_json(prediction))
-            else:
-                render_prediction(prediction, stdout_console())
-            return 0 if prediction.fits and prediction.within_budget is not False else 1
-        from oomkit.prediction.predictor import predict
-        from oomkit.prediction.summary import nothing_recorded
-
-        with user_output_to_stderr():
-            workload = build_workload(args, args.batch, "predict")
+    # stdout is oomkit's (--json must stay one object): the user's prints go to stderr.
+    with _user_output_to_stderr(), predicting(scenario) as run:
         if not args.json:
-            stderr_console().print(f"recording {workload.description} on the meta device ...")
-        # A generate step runs one forward of the model per new token: the bar counts them.
-        spec = workload.spec
-        generating = spec is not None and spec.mode == "generate" and bool(workload.track)
-        tokens = spec.new_tokens if generating and spec is not None else None
-        model = workload.track[0] if generating else None
-        with (
-            step_progress(progress_enabled(args, sys.stderr), args.steps, tokens) as progress,
-            progress.count_forwards(model),
-            user_errors(lambda: (args.target, workload.raised)),
-            user_output_to_stderr(),
-        ):
-            prediction = predict(
-                progress.wrap(workload.step_fn),
-                target=target,
-                steps=args.steps,
-                budget_bytes=args.budget,
-                track=workload.track,
-                description=workload.description,
-                workload=workload.spec,
-                compile=args.compile,
+            layout = run.layout_words()
+            where = (
+                f"rank 0 of {run.target.parallel.world_size} ({layout}) on a fake process group"
+                if layout is not None and run.target.parallel is not None
+                else f"{run.description} on the meta device"
             )
-    notes = getattr(args, "trainer_notes", None)
-    if notes:  # --trainer-args: what was read from it, overridden and ignored
-        import dataclasses
-
-        assumptions = {**prediction.assumptions, **notes}
-        prediction = dataclasses.replace(prediction, assumptions=assumptions)
+            stderr_console().print(f"recording {where} ...", markup=False, highlight=False)
+        enabled = progress_enabled(args, sys.stderr) and run.target.parallel is None
+        with step_progress(enabled, run.steps, run.new_tokens) as progress:
+            prediction = run.record(progress)
     if args.json:
         print_json(prediction_to_json(prediction))
     else:
         render_prediction(prediction, stdout_console())
     if nothing_recorded(prediction):
         return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
-    ok = prediction.fits and prediction.within_budget is not False
-    return 0 if ok else 1
+    return 0 if prediction.fits and prediction.within_budget is not False else 1
 
 
-def _predict_sharded(args: argparse.Namespace, target: Any) -> Any:
-    """``--fsdp``/``--tp``/``--dp``: rank 0 of the preset (FSDP2, HSDP, TP, DDP) recorded on a
-    fake process group."""
-    import dataclasses
-
-    from oomkit.interfaces.cli._sharded import (
-        layout_words,
-        parallel_workload,
-        record_rank_0,
-        refuse_layout,
+def _run_lengths(args: argparse.Namespace, scenario: Any) -> int:
+    """``--lengths FILE``: record each distinct length once, replay the run, print the
+    envelope; 1 if it OOMs."""
+    from oomkit.interfaces.reports.envelope import (
+        envelope_to_json,
+        render_envelope,
+        write_envelope_html,
     )
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.emulations import current_sdpa_settings
+    from oomkit.interfaces.reports.prediction import prediction_to_json
+    from oomkit.scenario.lengths import predict_lengths
+    from oomkit.scenario.run import _require_torch, scenario_target, tracing_jobs
+    from oomkit.scenario.workloads import user_errors, user_values
 
-    layout = target.parallel
-    refuse_layout(args, layout, "predict")
-    workload = parallel_workload(args, layout, args.batch)
-    if not args.json:
-        stderr_console().print(
-            f"recording rank 0 of {layout.world_size} ({layout_words(args, layout)}) on a fake "
-            "process group ..."
+    assert scenario.lengths is not None
+    if args.html is not None and args.html.resolve() == Path(scenario.lengths.file).resolve():
+        raise OomkitError(f"--html {args.html} is the lengths file; choose another path")
+    target = scenario_target(scenario)
+    _require_torch(scenario, "predict")
+    raised: list[BaseException] = []
+    lines = None if args.json else (lambda line: stderr_console().print(line, markup=False))
+    with (
+        _user_output_to_stderr(),
+        user_values(scenario.step.values),
+        user_errors(lambda: (scenario.model.name, raised)),
+    ):
+        env = predict_lengths(
+            scenario, target, raised, progress=lines, record_jobs=tracing_jobs(scenario)
         )
-    with user_errors(lambda: (args.target, workload.raised)), user_output_to_stderr():
-        recording = record_rank_0(workload, layout, steps=args.steps, target=target)
-    if target.cudnn_version is None:
-        # Not stated: the tracer used the settings in effect; the result names that version.
-        target = dataclasses.replace(target, cudnn_version=current_sdpa_settings().cudnn_version)
-    return predict_recording(
-        recording,
-        target=target,
-        budget_bytes=args.budget,
-        description=workload.description,
-        workload=workload.spec,
-    )
+    if args.html is not None:
+        write_envelope_html(args.html, env)
+    if args.json:
+        out = prediction_to_json(env.prediction)
+        out["envelope"] = envelope_to_json(env)
+        from oomkit.scenario.files import scenario_to_data
+
+        out["scenario"] = scenario_to_data(scenario)
+        print_json(out)
+    else:
+        render_envelope(env, stdout_console())
+    return 1 if env.first_oom_step is not None else 0
+
+
+def _user_output_to_stderr() -> Any:
+    """While the user's code runs (import, builder, steps), its prints go to stderr.
+
+    stdout is oomkit's: `--json` must stay one JSON object, and a report one report, whatever
+    the script prints while it builds (nanoGPT prints its parameter count).
+    """
+    import contextlib
+
+    return contextlib.redirect_stdout(sys.stderr)

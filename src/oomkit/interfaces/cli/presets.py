@@ -42,7 +42,7 @@ def preset_to_json(preset: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from oomkit.interfaces.cli._torch import require_torch
+    from oomkit.scenario._torch import require_torch
 
     require_torch("oomkit presets", why="builds the presets, which are PyTorch modules,")
     from rich.markup import escape

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
 from oomkit.diagnose.oom_text import OomText
+from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REMEDIES_HEADING",
     "diagnosis_to_json",
+    "location_line",
     "remedy_headline",
     "remedy_saving",
     "render_diagnosis",
@@ -45,9 +47,15 @@ def verdict_label(diagnosis: Diagnosis) -> str:
         if diagnosis.cause == "shortage" and diagnosis.causes[0].explained_bytes == 0:
             # Nothing stands out: the finding only states what its peak (or end) held.
             return "No OOM in this snapshot and no risk found"
-        when = "its peak" if moment == "peak" else "its end"
+        when = "its peak of allocated memory" if moment == "peak" else "its end"
         return f"No OOM in this snapshot; the main risk at {when}: {words}"
     return f"Cause: {words}"
+
+
+def location_line(location: OomLocation) -> str:
+    """``Where: loss.backward() at train.py:180, in the backward``."""
+    phase = f", in the {location.phase}" if location.phase is not None else ""
+    return f"Where: {location.label}{phase}"
 
 
 def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> dict:
@@ -70,6 +78,8 @@ def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> di
         "source": diagnosis.source,
         "figures": dict(diagnosis.figures_bytes),
         "attribution": _attribution_json(diagnosis.attribution),
+        "location": None if diagnosis.location is None else asdict(diagnosis.location),
+        "gpu": diagnosis.gpu_name,
     }
     if parsed is not None:
         out["message"] = {
@@ -126,6 +136,8 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
 
     top = diagnosis.causes[0]
     console.print(f"[bold]{verdict_label(diagnosis)}[/bold] — {as_written(top.summary)}.")
+    if diagnosis.location is not None:
+        console.print(as_written(location_line(diagnosis.location)))
     if len(diagnosis.causes) > 1:
         causes = Table(title="Every cause that applies, strongest first", title_justify="left")
         causes.add_column("cause")
@@ -145,11 +157,17 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         _render_attribution(diagnosis.attribution, console)
     if diagnosis.memory_explained:
         console.print(diagnosis.memory_explained)
+    if diagnosis.gpu_name is not None and diagnosis.source == "text":
+        console.print(f"GPU: {diagnosis.gpu_name}, matched by the message's total memory")
     for warning in diagnosis.warnings:
         console.print(f"[yellow]warning:[/yellow] {as_written(warning)}")
 
 
-_MOMENT_WORDS = {"oom": "at the OOM", "peak": "at the peak", "final": "at the end"}
+_MOMENT_WORDS = {
+    "oom": "at the OOM",
+    "peak": "at the peak of allocated memory",
+    "final": "at the end",
+}
 
 
 def _short_site(label: str) -> str:

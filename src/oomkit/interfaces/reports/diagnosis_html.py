@@ -14,10 +14,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from oomkit._files import write_output
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.diagnose.diagnosis import Diagnosis
 from oomkit.interfaces.reports.diagnosis import (
     REMEDIES_HEADING,
+    location_line,
     remedy_headline,
     remedy_saving,
     verdict_label,
@@ -138,6 +140,8 @@ def diagnosis_html(
     top = diagnosis.causes[0]
     verdict = page.section("Verdict", "verdict")
     verdict.verdict(f"{verdict_label(diagnosis)} — {top.summary}.")
+    if diagnosis.location is not None:
+        verdict.paragraph(location_line(diagnosis.location))
     # Only a remedy that lowers the peak is worth trying first (issue 16 item 8).
     first = next((r for r in diagnosis.remedies if r.lowers_peak), None)
     if first is not None:
@@ -337,11 +341,7 @@ def write_diagnosis_html(
     prediction: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write :func:`diagnosis_html` to ``path`` (UTF-8) and return the path."""
-    path = Path(path)
-    path.write_text(
-        diagnosis_html(
-            diagnosis, snapshot=snapshot, device=device, source=source, prediction=prediction
-        ),
-        encoding="utf-8",
+    page = diagnosis_html(
+        diagnosis, snapshot=snapshot, device=device, source=source, prediction=prediction
     )
-    return path
+    return write_output(path, page, flag="--html")

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from oomkit._files import write_output
 from oomkit.diagnose.run_diff import RunDiff, RunMemory, SiteDelta
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.units import format_bytes
 
@@ -26,8 +27,8 @@ def diff_headline(diff: RunDiff) -> str:
     return (
         f"peak reserved {format_bytes(diff.a.peak_reserved_bytes)} -> "
         f"{format_bytes(diff.b.peak_reserved_bytes)} ({_signed(diff.peak_reserved_delta_bytes)}): "
-        f"allocated {_signed(diff.allocated_delta_bytes)}, placement "
-        f"{_signed(diff.placement_delta_bytes)}"
+        f"allocated {_signed(diff.allocated_delta_bytes)}, fragmentation "
+        f"{_signed(diff.placement_delta_bytes)} (both at peak reserved)"
         + (
             f"; outside PyTorch {_signed(diff.outside_delta_bytes)}"
             if diff.outside_delta_bytes
@@ -60,7 +61,7 @@ def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
         table.add_column(name, justify="right")
     for row in rows:
         table.add_row(
-            escape(row.name),
+            as_written(row.name),
             format_bytes(row.a_bytes),
             format_bytes(row.b_bytes),
             _signed(row.delta_bytes),
@@ -70,19 +71,19 @@ def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
 
 def render_diff(diff: RunDiff, console: Console) -> None:
     """Print the headline, the parts, the categories and sites that moved, and the divergence."""
-    console.print(f"A: {escape(diff.a.name)} ({diff.a.kind})   B: {escape(diff.b.name)} ({diff.b.kind})")
+    console.print(f"A: {as_written(diff.a.name)} ({diff.a.kind})   B: {as_written(diff.b.name)} ({diff.b.kind})")
     parts = Table(title="Change in peak memory, B - A")
     parts.add_column("part")
     for name in ("A", "B", "B - A"):
         parts.add_column(name, justify="right")
     parts.add_row(
-        "allocated at the peak",
+        "allocated at peak reserved",
         format_bytes(diff.a.allocated_at_peak_bytes),
         format_bytes(diff.b.allocated_at_peak_bytes),
         _signed(diff.allocated_delta_bytes),
     )
     parts.add_row(
-        "placement (reserved - allocated)",
+        "fragmentation: reserved - allocated at peak reserved",
         format_bytes(diff.a.placement_bytes),
         format_bytes(diff.b.placement_bytes),
         _signed(diff.placement_delta_bytes),
@@ -100,13 +101,15 @@ def render_diff(diff: RunDiff, console: Console) -> None:
     if diff.top_sites:
         console.print(_delta_table("By allocation site, at each peak", diff.top_sites))
     if diff.segment_deltas:
-        console.print(_delta_table("Segments held at each peak (placement)", diff.segment_deltas))
+        console.print(
+            _delta_table("Segments held at each peak of reserved memory", diff.segment_deltas)
+        )
     line = _divergence_line(diff)
     if line:
-        console.print(escape(line))
+        console.print(as_written(line))
     for note in diff.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
-    console.print(escape(diff_headline(diff)))
+        console.print(f"[dim]note: {as_written(note)}[/dim]")
+    console.print(as_written(diff_headline(diff)))
 
 
 def _side_json(run: RunMemory) -> dict[str, Any]:
@@ -159,7 +162,7 @@ def _parts_bar_svg(diff: RunDiff, width: int = 900) -> str:
 
     parts = [
         ("allocated", diff.allocated_delta_bytes, "#0072B2"),
-        ("placement", diff.placement_delta_bytes, "#E69F00"),
+        ("fragmentation", diff.placement_delta_bytes, "#E69F00"),
         ("outside PyTorch", diff.outside_delta_bytes, "#009E73"),
         ("total", diff.peak_delta_bytes, "#555555"),
     ]
@@ -192,7 +195,11 @@ def diff_html(diff: RunDiff) -> str:
     page = HtmlPage("oomkit diff", subtitle=f"A: {diff.a.name}  B: {diff.b.name}")
     head = page.section("Change in peak memory", "verdict")
     head.verdict(diff_headline(diff))
-    head.figure(_parts_bar_svg(diff), "B minus A; allocated + placement = peak reserved change")
+    head.figure(
+        _parts_bar_svg(diff),
+        "B minus A, at each peak of reserved memory; allocated + fragmentation (reserved - "
+        "allocated) = peak reserved change",
+    )
     timelines = page.section("Timelines", "timelines")
     if diff.a.timeline and diff.b.timeline and diff.a.timeline_unit == diff.b.timeline_unit:
         both = [
@@ -223,7 +230,7 @@ def diff_html(diff: RunDiff) -> str:
     for title, rows, sid in (
         ("By category, at each peak", diff.by_category, "categories"),
         ("By allocation site, at each peak", diff.top_sites, "sites"),
-        ("Segments held at each peak (placement)", diff.segment_deltas, "segments"),
+        ("Segments held at each peak of reserved memory", diff.segment_deltas, "segments"),
     ):
         if rows:
             page.section(title, sid).table(
@@ -245,6 +252,4 @@ def diff_html(diff: RunDiff) -> str:
 
 def write_diff_html(path: str | os.PathLike[str], diff: RunDiff) -> Path:
     """Write :func:`diff_html` to ``path``."""
-    out = Path(path)
-    out.write_text(diff_html(diff), encoding="utf-8")
-    return out
+    return write_output(path, diff_html(diff), flag="--html")

@@ -302,7 +302,7 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
     plain = {
         key: _plain(value)
         for key, value in dataclasses.asdict(prediction).items()
-        if key not in ("target", "workload")
+        if key not in ("target", "workload", "scenario")
     }
     out: dict[str, object] = dict(plain)
     for key in ("peak_allocated_at", "peak_reserved_at"):
@@ -329,4 +329,6 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
         workload = workload_to_json(prediction.workload, cudnn)
     if workload is not None:
         out["workload"] = _plain(workload)
+    if prediction.scenario is not None:  # the request that made it: explain re-predicts from it
+        out["scenario"] = _plain(prediction.scenario)
     return out

@@ -164,8 +164,10 @@ def comparison_table(results: Sequence[tuple[str, ReplayResult]], *, title: str)
 
 
 def _unused_at_peak_pct(result: ReplayResult) -> float:
-    """Peak reserved memory not allocated, in percent of peak reserved: the fragmentation a
-    setting leaves at its worst (0 when nothing was reserved)."""
+    """Peak reserved minus peak allocated, in percent of peak reserved (0 when nothing was
+    reserved). Not called fragmentation: the two peaks may fall at different moments, while
+    `diff` and `explain` measure fragmentation as reserved minus allocated at the one moment
+    reserved memory peaks (TraceHistory.peak_reserved_moment)."""
     reserved = result.peak_reserved_bytes
     if reserved <= 0:
         return 0.0
@@ -180,8 +182,9 @@ def what_if_to_json(results: Sequence[tuple[str, ReplayResult]]) -> list[dict]:
             "events": r.events,
             "peak_allocated_bytes": r.peak_allocated_bytes,
             "peak_reserved_bytes": r.peak_reserved_bytes,
-            "fragmentation_bytes": r.peak_reserved_bytes - r.peak_allocated_bytes,
-            "fragmentation_pct": round(_unused_at_peak_pct(r), 2),
+            "peak_reserved_minus_peak_allocated_bytes": r.peak_reserved_bytes
+            - r.peak_allocated_bytes,
+            "peak_reserved_minus_peak_allocated_pct": round(_unused_at_peak_pct(r), 2),
             "num_device_alloc": r.num_device_alloc,
             "num_device_free": r.num_device_free,
             "num_alloc_retries": r.num_alloc_retries,
@@ -194,7 +197,8 @@ def what_if_to_json(results: Sequence[tuple[str, ReplayResult]]) -> list[dict]:
 
 
 def what_if_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) -> Table:
-    """One row per setting of ``replay --what-if``: peak reserved, fragmentation, OOM or not."""
+    """One row per setting of ``replay --what-if``: peak reserved, its excess over peak
+    allocated, OOM or not."""
     from rich.table import Table
 
     from oomkit.interfaces.reports._untrusted import as_written
@@ -203,7 +207,7 @@ def what_if_table(results: Sequence[tuple[str, ReplayResult]], *, title: str) ->
     table.add_column("PYTORCH_CUDA_ALLOC_CONF", overflow="fold")
     table.add_column("peak reserved", justify="right")
     table.add_column("peak allocated", justify="right")
-    table.add_column("fragmentation", justify="right")
+    table.add_column("peak reserved − peak allocated", justify="right")
     table.add_column("cudaMalloc", justify="right")
     table.add_column("OOM", justify="right")
     for label, r in results:

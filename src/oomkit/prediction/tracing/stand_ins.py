@@ -1,16 +1,15 @@
 """Where a tensor value was read, and the stand-in number a read gets when its value is unknown.
 
-The rule (README, "Predicting your own step"): a read of a meta tensor's value that oomkit cannot
-know (``loss.item()``, ``float(loss)``, ``f"{loss:.3f}"``, ``loss.tolist()``) returns a
-:class:`StandIn`: a ``float`` that remembers the line that read it. It prints and formats as
-``nan`` (so a logged stand-in is not mistaken for a real loss), and is 1.0 as a number, finite,
-as the finite-values assumption has it (``math.isfinite(loss.item())`` holds, as in a run that
-proceeds). Logging, printing, formatting and arithmetic work on it (arithmetic gives another
-stand-in). Using it where
-the value could change what the step allocates raises :class:`DataDependentValueError`, naming
-both lines: as a size or index (``int()``, ``__index__``: ``torch.zeros(n)``, ``range(n)``), as a
-condition (``if``, ``while``, ``and``/``or``), or in a comparison. ``bool()`` / ``int()`` of
-the unknown tensor itself raise at once, for the same reason.
+The rule (docs/howto/predict-your-script.md, "Values your step reads"): a read of a meta tensor's
+value that oomkit cannot know (``loss.item()``, ``float(loss)``, ``f"{loss:.3f}"``,
+``loss.tolist()``) returns a :class:`StandIn`: a ``float`` that remembers the line that read it. It
+prints and formats as ``nan`` (so a logged stand-in is not mistaken for a real loss), and is 1.0 as
+a number, finite, as the finite-values assumption has it (``math.isfinite(loss.item())`` holds, as
+in a run that proceeds). Logging, printing, formatting and arithmetic work on it (arithmetic gives
+another stand-in). Using it where the value could change what the step allocates raises
+:class:`DataDependentValueError`, naming both lines: as a size or index (``int()``, ``__index__``:
+``torch.zeros(n)``, ``range(n)``), as a condition (``if``, ``while``, ``and``/``or``), or in a
+comparison. ``bool()`` / ``int()`` of the unknown tensor itself raise at once, for the same reason.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ other branch, which writes into a temporary the formula has just made instead of
 output. Each hook below runs inside the named autograd node (``torch._C._current_autograd_node``)
 and does what the CUDA branch does: the in-place op on its first argument, returned as the result,
 so no new buffer is recorded. The full audit (every branch, whether it differs, what is emulated)
-is docs/META_VS_CUDA.md. Sources: torch/csrc/autograd/FunctionsManual.cpp and
+is docs/explanations/meta-vs-cuda.md. Sources: torch/csrc/autograd/FunctionsManual.cpp and
 aten/src/ATen/native/TensorAdvancedIndexing.cpp (read at pytorch/pytorch 002ca67, functions named),
 and the node's formula in tools/autograd/derivatives.yaml (torch 2.13's packaged copy,
 torchgen/packaged/autograd/derivatives.yaml, line given per branch).
@@ -107,7 +107,7 @@ _DY = "derivatives.yaml"
 _FM = "FunctionsManual.cpp"
 _TAI = "TensorAdvancedIndexing.cpp"
 
-# Every branch that differs and is emulated (docs/META_VS_CUDA.md has the rest).
+# Every branch that differs and is emulated (docs/explanations/meta-vs-cuda.md has the rest).
 INPLACE_BRANCHES: tuple[InPlaceBranch, ...] = (
     InPlaceBranch(
         "GatherBackward0", "aten.scatter_add.default", _same(_aten.scatter_add_.default), False,

@@ -1,0 +1,213 @@
+"""``Scenario``: one typed, validated record of what a user asks oomkit to predict or fit.
+
+Every way in builds the same record: the Python API (``oomkit.predict(scenario)`` or the short
+form ``oomkit.predict("gpt2-124m", batch=8)``), a TOML or JSON file (``--config run.toml``),
+the command line (its flags are generated from these fields: ``flag`` below) and the MCP tools
+(whose input schemas are this model's JSON Schema). A section's and a field's names are the
+override paths (``--set lora.rank=16``), as torchtitan's job configs name theirs
+(torchtitan/config/job_config.py: one dataclass per section, ``--section.field`` overrides).
+
+The record holds what the user said: ``None`` means "the default", resolved when the scenario
+runs (``oomkit.scenario.options``), where each default the result depends on is named.
+Validation here is cheap (no torch): types, ranges and combinations that cannot run; what only
+a built model can tell (an unknown preset, a shape the model rejects) is refused when it is
+built, with the same field names.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from oomkit.scenario.sections import (
+    LengthsSection,
+    LoraSection,
+    ModelSection,
+    ParallelSection,
+    QuantizeSection,
+    RunSection,
+    SearchSection,
+    StepSection,
+    TargetSection,
+    _Section,
+    field_flag,
+)
+
+__all__ = [
+    "SCENARIO_VERSION",
+    "LengthsSection",
+    "LoraSection",
+    "ModelSection",
+    "ParallelSection",
+    "QuantizeSection",
+    "RunSection",
+    "Scenario",
+    "SearchSection",
+    "StepSection",
+    "TargetSection",
+    "field_flag",
+    "flag_fields",
+    "section_flag",
+]
+
+SCENARIO_VERSION = 1
+
+
+class Scenario(_Section):
+    """What a user asks: what runs, its step, the target machine, and how to run.
+
+    Build one in Python (``Scenario(model={"preset": "gpt2-124m"}, step={"batch": 8})``),
+    read one from a file (``oomkit.scenario.load_scenario``), or let the CLI make one from
+    its flags (``oomkit predict ... --dump-config`` prints it as TOML).
+    """
+
+    version: Literal[1] = Field(1, description="the scenario format's version (1)")
+    # Sections are frozen, so one default instance can be shared by every scenario.
+    model: ModelSection = ModelSection()
+    step: StepSection = StepSection()
+    lora: LoraSection | None = None
+    quantize: QuantizeSection | None = None
+    lengths: LengthsSection | None = None
+    target: TargetSection = TargetSection()
+    parallel: ParallelSection | None = None
+    run: RunSection = RunSection()
+    search: SearchSection = SearchSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builder_fields_first(cls, data: Any) -> Any:
+        """A builder or a script sets its own precision, optimizer, LoRA...: refused before the
+        sections are checked, so the error is that one (not "lora.rank is missing")."""
+        if not isinstance(data, Mapping):
+            return data
+        model = data.get("model")
+        if not isinstance(model, Mapping):
+            return data
+        kind = next((k for k in ("function", "script") if model.get(k) is not None), None)
+        if kind is None or any(model.get(k) is not None for k in ("preset", "hf")):
+            return data
+        given = []
+        for section, name in _BUILDER_OWN:
+            values = data.get(section)
+            if isinstance(values, Mapping) and values.get(name) not in (None, False):
+                given.append(_flag_words(section, name))
+        step = data.get("step")
+        if isinstance(step, Mapping) and step.get("checkpoint_reentrant"):
+            given.append("--checkpoint-reentrant")
+        for section in ("lora", "quantize"):
+            values = data.get(section)
+            if isinstance(values, Mapping):
+                given.extend(_flag_words(section, name) for name in values)
+        if given:
+            _refuse_builder_fields(str(model[kind]), kind, given)
+        return data
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Scenario:
+        kind = self.model.kind
+        if kind == "script":
+            sizes = [
+                n for n in ("batch", "seq", "image_size") if getattr(self.step, n) is not None
+            ]
+            if sizes:
+                flags = " and ".join(field_flag(StepSection, n) or n for n in sizes)
+                raise ValueError(
+                    f"{flags} size a preset or a builder; a whole script ({self.model.script}) "
+                    "takes its sizes from its own arguments: pass them after -- (e.g. "
+                    f"`oomkit predict {self.model.script} -- --batch_size=8`)"
+                )
+        if self.lengths is not None:
+            if self.parallel is not None and self.parallel.given:
+                raise ValueError(
+                    "--lengths is not searched sharded yet: --fsdp, --tp and --dp do not go "
+                    "with --lengths; give one length (the longest) as --seq"
+                )
+            if self.step.seq is not None:
+                raise ValueError(
+                    "give --lengths or --seq, not both: --lengths sets every step's length"
+                )
+        parallel = self.parallel is not None and self.parallel.given
+        if self.step.compile and parallel:
+            raise ValueError(
+                "--compile is not modelled for sharded steps (--fsdp, --tp, --dp): the recorder "
+                "of a fake process group runs compiled code eagerly. Predict one GPU's compiled "
+                "step (drop --fsdp/--tp/--dp), or the sharded step eagerly (drop --compile)"
+            )
+        # --compile with --mode generate: refused where the step is built, with the reason
+        # (StepOptions: prediction/models/options.py GENERATE_COMPILE_REASON).
+        if parallel and kind == "hf":
+            raise ValueError(
+                "--fsdp, --tp and --dp shard a preset or a file.py:function that takes `mesh`; "
+                "--hf models are not sharded by oomkit yet"
+            )
+        if parallel and self.parallel is not None and self.parallel.tp is not None:
+            if kind in ("function", "script"):
+                raise ValueError(
+                    "--tp is modelled for the Llama presets (e.g. `oomkit predict llama3-8b "
+                    "--tp 2`); a file.py:function step is not parallelized by oomkit: use "
+                    "--fsdp N (the function then takes `mesh` and calls fully_shard)"
+                )
+        return self
+
+
+# The fields a builder function or a script sets itself (torch.autocast, its own optimizer,
+# torch.utils.checkpoint, ...): given for one, they would be ignored, so they are refused.
+_BUILDER_OWN = (
+    ("step", "precision"),
+    ("step", "optimizer"),
+    ("step", "optimizer_impl"),
+    ("step", "checkpointing"),
+    ("step", "mode"),
+    ("step", "new_tokens"),
+    ("step", "grad_accum"),
+    ("step", "max_grad_norm"),
+    ("model", "trainer_args"),
+)
+
+
+def _flag_words(section: str, name: str) -> str:
+    """A field as the user named it: its flag (``--lora-targets``), else its path."""
+    return section_flag(section, name) or f"{section}.{name}"
+
+
+def _refuse_builder_fields(what: str, kind: str, given: list[str]) -> None:
+    one = len(given) == 1
+    raise ValueError(
+        f"{' and '.join(dict.fromkeys(given))} {'applies' if one else 'apply'} to presets and "
+        f"--hf only: {what} runs your {'step' if kind == 'function' else 'script'} as written. "
+        f"Set {'it' if one else 'them'} in your code instead (torch.autocast for precision, your "
+        "optimizer, torch.utils.checkpoint, model.eval() / torch.no_grad()), then drop "
+        f"{'it' if one else 'them'}."
+    )
+
+
+def _section_model(section: str) -> type[BaseModel] | None:
+    """The section record named ``section`` in a ``Scenario`` (``"lora"`` -> ``LoraSection``)."""
+    field = Scenario.model_fields.get(section)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def section_flag(section: str, name: str) -> str | None:
+    """The flag of a scenario field by its path (``("lora", "targets")`` -> ``--lora-targets``)."""
+    model = _section_model(section)
+    return None if model is None else field_flag(model, name)
+
+
+def flag_fields() -> list[tuple[str, str, str]]:
+    """(section, field, flag) of every field that has a flag, section by section."""
+    out = []
+    for section in Scenario.model_fields:
+        model = _section_model(section)
+        for name in model.model_fields if model is not None else ():
+            flag = field_flag(model, name) if model is not None else None
+            if flag is not None:
+                out.append((section, name, flag))
+    return out

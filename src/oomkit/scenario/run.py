@@ -1,0 +1,301 @@
+"""``predict`` and ``fit`` of a ``Scenario``: the library every way in calls.
+
+The CLI, config files and the MCP tools build a ``Scenario`` and call these; they only parse
+and render. ``predicting`` splits ``predict`` in two for a front end that shows progress:
+building the step (what it is, how many steps) and recording it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from oomkit.prediction.workload import WorkloadSpec
+from oomkit.scenario.model import Scenario
+from oomkit.scenario.options import default_steps
+from oomkit.scenario.target import installed_torch_version, target_of
+from oomkit.scenario.workloads import (
+    Workload,
+    build_workload,
+    user_errors,
+    user_values,
+)
+
+if TYPE_CHECKING:
+    from oomkit.core.target import Target
+    from oomkit.prediction.predictor import Prediction
+    from oomkit.scenario.sharded import ShardedWorkload
+
+__all__ = [
+    "PredictRun",
+    "ScriptWorkload",
+    "StepObserver",
+    "predict",
+    "predicting",
+    "scenario_target",
+    "tracing_jobs",
+]
+
+
+class StepObserver(Protocol):
+    """What a front end's progress display offers the recording: a wrapped step (called once
+    per step) and, for ``generate``, a count of the model's forwards (one per token)."""
+
+    def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]: ...
+
+    def count_forwards(self, model: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+
+def scenario_target(scenario: Scenario) -> Target:
+    """The scenario's ``Target``, the installed torch's allocator by default (it records)."""
+    return target_of(
+        scenario.target, scenario.parallel, default_torch_version=installed_torch_version()
+    )
+
+
+def tracing_jobs(scenario: Scenario) -> int | None:
+    """Processes that trace at once (``fit``; ``predict --lengths``' recordings): ``run.jobs``,
+    or by default one per core (None) for oomkit's own builders (a preset, ``--hf``) on Linux,
+    and 1 for the user's code (``file.py:function``, ``--eval``), whose builder may have
+    effects outside its process, for ``--compile``, and off Linux (macOS's system libraries
+    are not safe to fork with torch loaded: Python's multiprocessing docs)."""
+    if scenario.run.jobs is not None:
+        return scenario.run.jobs
+    model = scenario.model
+    users = model.eval_function is not None or model.kind in ("function", "script")
+    compiled = scenario.step.compile
+    return 1 if users or compiled or not sys.platform.startswith("linux") else None
+
+
+def _with_scenario(prediction: Prediction, scenario: Scenario, notes: Mapping[str, str]) -> Any:
+    """The prediction carrying its request (saved with ``--json``) and the defaults chosen."""
+    from oomkit.scenario.files import scenario_to_data
+
+    assumptions = {**prediction.assumptions, **notes}
+    return dataclasses.replace(
+        prediction, assumptions=assumptions, scenario=scenario_to_data(scenario)
+    )
+
+
+@dataclass
+class ScriptWorkload:
+    """A whole training script (``model.script``), run as ``python SCRIPT ARGS`` when recorded.
+
+    Attributes:
+        path: the script.
+        argv: its own arguments (after ``--`` on the command line).
+        spec: its workload record (kind ``script``).
+        raised: always empty (the runner names the script's own failures itself).
+    """
+
+    path: str
+    argv: tuple[str, ...]
+    spec: WorkloadSpec
+    raised: list[BaseException] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        """The command line it runs."""
+        return " ".join(["python", self.path, *self.argv])
+
+
+@dataclass
+class PredictRun:
+    """One scenario's step, built (one GPU) or ready to build on a fake process group.
+
+    Attributes:
+        scenario: the request.
+        target: the machine it is predicted on.
+        steps: steps recorded.
+        workload: the built step (one GPU), or the sharded workload built while recording.
+        notes: defaults chosen and other assumptions to add to the prediction.
+    """
+
+    scenario: Scenario
+    target: Target
+    steps: int
+    workload: Workload | ShardedWorkload | ScriptWorkload
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def description(self) -> str:
+        """What is recorded ("" for a sharded step before it is built)."""
+        return self.workload.description
+
+    @property
+    def new_tokens(self) -> int | None:
+        """Tokens generated per step (``generate``), for a per-token progress count."""
+        spec = self.workload.spec
+        if spec is not None and spec.mode == "generate" and isinstance(self.workload, Workload):
+            return spec.new_tokens if self.workload.track else None
+        return None
+
+    def layout_words(self) -> str | None:
+        """The parallel layout in words (``"FSDP2 8"``); ``None`` on one GPU."""
+        layout = self.target.parallel
+        if layout is None:
+            return None
+        from oomkit.scenario.sharded import layout_words
+
+        return layout_words(self.scenario, layout)
+
+    def record(self, observer: StepObserver | None = None) -> Prediction:
+        """Record the step and replay it on the target.
+
+        Raises:
+            UserCodeError: the user's step raised (its line named).
+            UnsupportedOpError, DataDependentValueError: an op or a value read the recorder
+                cannot follow.
+        """
+        name = self.scenario.model.name
+        workload = self.workload
+        with user_errors(lambda: (name, workload.raised)):
+            if isinstance(workload, ScriptWorkload):
+                prediction = self._record_script(workload)
+            elif self.target.parallel is not None:
+                prediction = self._record_sharded()
+            else:
+                prediction = self._record_one(observer)
+        return _with_scenario(prediction, self.scenario, self.notes)
+
+    def _record_one(self, observer: StepObserver | None) -> Prediction:
+        from oomkit.prediction.predictor import predict as predict_step
+
+        workload = self.workload
+        assert isinstance(workload, Workload)
+        step_fn = workload.step_fn if observer is None else observer.wrap(workload.step_fn)
+        counting: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if observer is not None and self.new_tokens is not None:
+            counting = observer.count_forwards(workload.track[0])
+        with counting:
+            return predict_step(
+                step_fn,
+                target=self.target,
+                steps=self.steps,
+                budget_bytes=self.scenario.run.budget_bytes,
+                track=workload.track,
+                description=workload.description,
+                workload=workload.spec,
+                compile=self.scenario.step.compile,
+            )
+
+    def _record_script(self, workload: ScriptWorkload) -> Prediction:
+        from oomkit.prediction.scripts import predict_script
+
+        # The script's own torch.compile calls are recorded as compiled, as they run.
+        return predict_script(
+            workload.path,
+            workload.argv,
+            steps=self.steps,
+            target=self.target,
+            budget_bytes=self.scenario.run.budget_bytes,
+            values=self.scenario.step.values,
+            workload=workload.spec,
+        ).prediction
+
+    def _record_sharded(self) -> Prediction:
+        from oomkit.prediction.predictor import predict_recording
+        from oomkit.prediction.tracing.emulations import current_sdpa_settings
+        from oomkit.scenario.sharded import ShardedWorkload, record_rank_0
+
+        workload = self.workload
+        layout = self.target.parallel
+        assert isinstance(workload, ShardedWorkload) and layout is not None
+        recording = record_rank_0(workload, layout, steps=self.steps, target=self.target)
+        target = self.target
+        if target.cudnn_version is None:
+            # Not stated: the tracer used the settings in effect; the result names that version.
+            cudnn = current_sdpa_settings().cudnn_version
+            target = dataclasses.replace(target, cudnn_version=cudnn)
+        self.notes.update({f"default {k}": v for k, v in workload.defaults.items()})
+        return predict_recording(
+            recording,
+            target=target,
+            budget_bytes=self.scenario.run.budget_bytes,
+            description=workload.description,
+            workload=workload.spec,
+        )
+
+
+@contextlib.contextmanager
+def predicting(scenario: Scenario) -> Iterator[PredictRun]:
+    """Build the scenario's step and yield it, ready to ``record``; tensor values the user's
+    code reads are followed from its import on until the block ends.
+
+    Raises:
+        OomkitError: the scenario names nothing to run, a ``lengths`` section (use
+            ``oomkit.scenario.predict_lengths``), or a combination that cannot run.
+        UserCodeError: the user's file or function cannot be loaded or called.
+        TorchRequiredError: torch (or transformers for ``model.hf``) is not installed.
+    """
+    from oomkit.errors import OomkitError
+
+    if scenario.lengths is not None:
+        raise OomkitError(
+            "a scenario with a lengths section predicts a whole run: use predict_lengths "
+            "(oomkit predict --lengths FILE)"
+        )
+    if scenario.model.kind is None:
+        raise OomkitError(
+            "name what to predict: a preset (e.g. `oomkit predict gpt2-124m --gpu rtx4090`), "
+            "path/to/file.py:function, path/to/train.py, or --hf NAME_OR_PATH."
+        )
+    target = scenario_target(scenario)
+    _require_torch(scenario, "predict")
+    steps, steps_note = default_steps(scenario, "predict")
+    with user_values(scenario.step.values):
+        workload: Workload | ShardedWorkload | ScriptWorkload
+        notes: dict[str, str] = {}
+        if scenario.model.script is not None:
+            script = ScriptWorkload(
+                scenario.model.script,
+                tuple(scenario.model.script_args),
+                WorkloadSpec("script", scenario.model.script, steps=steps),
+            )
+            workload = script
+        elif target.parallel is not None:
+            from oomkit.scenario.sharded import parallel_workload
+
+            workload = parallel_workload(
+                scenario, target.parallel, scenario.step.batch, target.gpu, steps=steps
+            )
+        else:
+            workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
+            notes = {f"default {k}": v for k, v in workload.defaults.items()}
+            notes.update(workload.trainer_notes)
+        if steps_note is not None:
+            notes["default steps"] = steps_note
+        yield PredictRun(scenario, target, steps, workload, notes)
+
+
+def predict(scenario: Scenario, observer: StepObserver | None = None) -> Prediction:
+    """Predict the scenario's step: its peak allocated and reserved memory on its target.
+
+    Args:
+        scenario: what to predict (``Scenario``).
+        observer: a progress display's hooks (``StepObserver``); ``None``: none.
+
+    Returns:
+        The ``Prediction``, carrying the scenario (``Prediction.scenario``).
+
+    Raises:
+        OomkitError: see ``predicting`` and ``PredictRun.record``.
+    """
+    with predicting(scenario) as run:
+        return run.record(observer)
+
+
+def _require_torch(scenario: Scenario, command: str) -> None:
+    """Import torch before building, or say how to install it (``TorchRequiredError``: exit 3
+    from the CLI)."""
+    from oomkit.scenario._torch import require_torch
+
+    if scenario.model.hf is not None:
+        # (transformers itself is imported by the builder, which says how to install it)
+        require_torch(f"oomkit {command} --hf", extra="hf")
+    else:
+        require_torch(f"oomkit {command}")

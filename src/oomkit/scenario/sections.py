@@ -1,0 +1,571 @@
+"""The sections of a ``Scenario``, one record each.
+
+What runs, the step, LoRA, quantization, lengths, the target, the parallel layout, the run and
+the search.
+
+Each field carries its command-line face in its JSON Schema (``x-flag``, ``x-group``,
+``x-commands``): the CLI generates its flags from them, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from oomkit.units import parse_bytes
+
+__all__ = [
+    "LengthsSection",
+    "LoraSection",
+    "ModelSection",
+    "ParallelSection",
+    "QuantizeSection",
+    "RunSection",
+    "SearchSection",
+    "StepSection",
+    "TargetSection",
+    "field_flag",
+]
+
+# Bounds on every count a user gives (issue 36: a number from a flag or a file is range-checked
+# before anything is built). 2**31 sequences, tokens or ranks is beyond any GPU's memory, and
+# torch's meta kernels overflow int64 strides long before a product of such counts is reached.
+_MAX_COUNT = 2**31 - 1
+# Sizes are bytes within what a 64-bit size_t holds (the caching allocator's sizes are size_t:
+# c10/cuda/CUDACachingAllocator.cpp).
+_MAX_BYTES = 2**64 - 1
+
+
+# A size without a unit is bytes; below this, it is almost surely a forgotten unit (`--budget
+# 24` meant 24 GiB, not 24 bytes), so it is refused (0 stays valid: `--margin 0`).
+_MIN_UNITLESS_BYTES = 2**20
+
+
+def _bytes(value: object) -> object:
+    """A size: bytes as an int, or text with a unit (``"500MiB"``); other values are left to
+    the int check (which refuses them)."""
+    if isinstance(value, str):
+        size = parse_bytes(value)
+        stripped = value.strip()
+        if stripped.replace(".", "", 1).isdigit() and 0 < size < _MIN_UNITLESS_BYTES:
+            raise ValueError(
+                f"{value!r} has no unit, so it would mean {size} bytes; give the unit, e.g. "
+                f"{stripped}GiB or {stripped}MiB (a number alone counts bytes only from "
+                "1048576 on)"
+            )
+        return size
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        raise ValueError(f"a size must be a finite number of bytes; got {value!r}")
+    return value
+
+
+def _names(value: object) -> object:
+    """A list of names given as ``"q_proj,v_proj"`` (a flag) or a list (a file)."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+Count = Annotated[int, Field(ge=1, le=_MAX_COUNT)]
+Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0, le=_MAX_BYTES)]
+Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
+Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16"]
+Optimizer = Literal[
+    "adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor"
+]
+
+
+def _flag(
+    flag: str | None,
+    group: str,
+    *,
+    metavar: str | None = None,
+    commands: tuple[str, ...] = ("predict", "fit"),
+) -> dict[str, Any]:
+    """A field's command-line face in its JSON Schema: its flag (``None``: ``--config`` /
+    ``--set`` only), its ``--help`` group and the commands that take it."""
+    extra: dict[str, Any] = {"x-group": group, "x-commands": list(commands)}
+    if flag is not None:
+        extra["x-flag"] = flag
+    if metavar is not None:
+        extra["x-metavar"] = metavar
+    return extra
+
+
+WORKLOAD = "workload"
+PRECISION = "precision and optimizer"
+FINETUNE = "fine-tuning"
+MULTI_GPU = "multi-GPU"
+DEVICE = "device and allocator"
+RUN = "run"
+SEARCH = "search"
+
+
+def _needs(cls: type[BaseModel], data: Any, section: str, key: str, words: str) -> Any:
+    """Refuse a section's options without the field that turns it on (``--lora-alpha``
+    without ``--lora``), by their flags; unknown keys are left to the section's own check."""
+    if not isinstance(data, Mapping) or data.get(key) is not None:
+        return data
+    known = [name for name in data if name in cls.model_fields]
+    if len(known) < len(data):
+        return data
+    flags = ", ".join(field_flag(cls, name) or f"{section}.{name}" for name in known)
+    one = len(known) == 1
+    verb = words.replace("configure ", "configures ").replace("go with", "goes with") if one else words
+    raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if one else 'them'}.")
+
+
+class _Section(BaseModel):
+    """A frozen section that refuses unknown keys (a typo in a config file is an error)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSection(_Section):
+    """What runs: exactly one of a built-in preset, a Hugging Face model, a builder function
+    (``file.py:function``) or a whole training script (``file.py``)."""
+
+    preset: str | None = Field(
+        None,
+        description="a built-in model (`oomkit presets`)",
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    hf: str | None = Field(
+        None,
+        description="a Hugging Face model: config directory or hub name",
+        json_schema_extra=_flag("--hf", WORKLOAD, metavar="NAME_OR_PATH"),
+    )
+    function: str | None = Field(
+        None,
+        description="path/to/file.py:function that builds the step (the builder contract)",
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    script: str | None = Field(
+        None,
+        description="path/to/train.py: a whole training script, run as `python train.py`",
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    script_args: tuple[str, ...] = Field(
+        (),
+        description="the script's own arguments (after -- on the command line)",
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    trainer_args: str | None = Field(
+        None,
+        description="a transformers TrainingArguments / TRL SFTConfig JSON file",
+        json_schema_extra=_flag("--trainer-args", FINETUNE, metavar="FILE"),
+    )
+    eval_function: str | None = Field(
+        None,
+        description="an eval step (file.py:function) that must fit too",
+        json_schema_extra=_flag("--eval", SEARCH, metavar="FILE.PY:FUNCTION", commands=("fit",)),
+    )
+
+    @property
+    def kind(self) -> Literal["preset", "hf", "function", "script"] | None:
+        """Which of the four ways names what runs (``None`` when none is given)."""
+        for name in ("preset", "hf", "function", "script"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+    @property
+    def name(self) -> str | None:
+        """The preset, model, ``file.py:function`` or script named."""
+        kind = self.kind
+        return None if kind is None else getattr(self, kind)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ModelSection:
+        given = [n for n in ("preset", "hf", "function", "script") if getattr(self, n) is not None]
+        if len(given) > 1:
+            named = " and ".join(
+                f"{'--hf' if n == 'hf' else 'TARGET'} {getattr(self, n)!r} (model.{n})"
+                for n in given
+            )
+            raise ValueError(f"give either a TARGET or --hf, not both: got {named}.")
+        if self.function is not None and not _is_function(self.function):
+            raise ValueError(
+                f"model.function must be path/to/file.py:function; got {self.function!r}. "
+                "Example: train.py:build_step"
+            )
+        if self.script is not None and not self.script.endswith(".py"):
+            raise ValueError(
+                f"model.script must be a Python file (path/to/train.py); got {self.script!r}"
+            )
+        if self.script_args and self.script is None:
+            raise ValueError(
+                "model.script_args are a script's own arguments: give model.script "
+                "(oomkit predict train.py -- ARGS), or drop them"
+            )
+        if self.eval_function is not None and not _is_function(self.eval_function):
+            raise ValueError(
+                f"--eval (model.eval_function) takes path/to/file.py:function; got "
+                f"{self.eval_function!r}. The function builds the evaluation step as the "
+                "training one's does."
+            )
+        return self
+
+
+def _is_function(text: str) -> bool:
+    path, sep, function = text.rpartition(":")
+    return bool(sep) and path.endswith(".py") and bool(function)
+
+
+class StepSection(_Section):
+    """The step: its sizes, mode, precision, optimizer and what changes its memory."""
+
+    batch: Count | None = Field(
+        None,
+        description="batch size (default 8; Llama 4); fit: the first tried",
+        json_schema_extra=_flag("--batch", WORKLOAD, metavar="N"),
+    )
+    seq: Count | None = Field(
+        None,
+        description="sequence length of a text model (default: the preset's)",
+        json_schema_extra=_flag("--seq", WORKLOAD, metavar="N"),
+    )
+    image_size: Count | None = Field(
+        None,
+        description="image size of a vision model (default 224)",
+        json_schema_extra=_flag("--image-size", WORKLOAD, metavar="N"),
+    )
+    mode: Literal["train", "inference", "generate"] | None = Field(
+        None,
+        description="train (default), inference or generate (decoders)",
+        json_schema_extra=_flag("--mode", WORKLOAD),
+    )
+    new_tokens: Count | None = Field(
+        None,
+        description="tokens generated by --mode generate (default 128)",
+        json_schema_extra=_flag("--new-tokens", WORKLOAD, metavar="N", commands=("predict",)),
+    )
+    compile: bool = Field(
+        False,
+        description="record torch.compile'd code as compiled (Inductor)",
+        json_schema_extra=_flag("--compile", WORKLOAD),
+    )
+    values: dict[str, int | float] = Field(
+        default_factory=dict,
+        description="what a .item() / bool() read at FILE:LINE returns",
+        json_schema_extra=_flag("--value", WORKLOAD, metavar="FILE:LINE=NUMBER"),
+    )
+    precision: Precision | None = Field(
+        None,
+        description="fp32, fp16-mixed, bf16-mixed, bf16 or fp16",
+        json_schema_extra=_flag("--precision", PRECISION),
+    )
+    optimizer: Optimizer | None = Field(
+        None,
+        description="adamw (default), adam, sgd, adamw8bit, adafactor, ...",
+        json_schema_extra=_flag("--optimizer", PRECISION),
+    )
+    optimizer_impl: Literal["foreach", "fused", "for-loop"] | None = Field(
+        None,
+        description="torch.optim kernels: foreach (default), fused or for-loop",
+        json_schema_extra=_flag("--optimizer-impl", PRECISION),
+    )
+    grad_accum: Count | None = Field(
+        None,
+        description="gradient accumulation: micro-batches per optimizer step",
+        json_schema_extra=_flag("--grad-accum", PRECISION, metavar="N"),
+    )
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="clip gradients to this total norm before the optimizer step",
+        json_schema_extra=_flag("--max-grad-norm", PRECISION, metavar="X"),
+    )
+    checkpointing: Literal["none", "full", "selective-op"] | None = Field(
+        None,
+        description="checkpoint each block: none (default), full, selective-op",
+        json_schema_extra=_flag("--checkpointing", PRECISION),
+    )
+    checkpoint_reentrant: bool = Field(
+        False,
+        description="checkpoint with use_reentrant=True (Hugging Face models)",
+        json_schema_extra=_flag("--checkpoint-reentrant", PRECISION),
+    )
+
+
+    @field_validator("values")
+    @classmethod
+    def _stated(cls, values: dict[str, int | float]) -> dict[str, int | float]:
+        for key, value in values.items():
+            path, colon, line = key.rpartition(":")
+            if not colon or not path or not line.isdigit():
+                raise ValueError(
+                    f"a stated value is keyed by FILE:LINE, the line that reads it; got {key!r}. "
+                    "Example: --value train.py:42=1024"
+                )
+            if isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(
+                    f"the value stated for {key} must be a finite number; got {value!r}"
+                )
+        return values
+
+
+class LoraSection(_Section):
+    """LoRA adapters (peft): the base weights frozen, adapters trained."""
+
+    rank: Count = Field(
+        description="train LoRA adapters of this rank (peft LoraConfig.r)",
+        json_schema_extra=_flag("--lora", FINETUNE, metavar="R"),
+    )
+    alpha: Count | None = Field(
+        None,
+        description="lora_alpha (default 8, peft's)",
+        json_schema_extra=_flag("--lora-alpha", FINETUNE, metavar="N"),
+    )
+    targets: Names | None = Field(
+        None,
+        description="modules to adapt, comma-separated (default: peft's)",
+        json_schema_extra=_flag("--lora-targets", FINETUNE, metavar="NAMES"),
+    )
+    dropout: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="lora_dropout (default 0)",
+        json_schema_extra=_flag("--lora-dropout", FINETUNE, metavar="P"),
+    )
+    modules_to_save: Names | None = Field(
+        None,
+        description="modules trained in full beside the adapters, e.g. lm_head",
+        json_schema_extra=_flag("--lora-modules-to-save", FINETUNE, metavar="NAMES"),
+    )
+    dora: bool = Field(
+        False,
+        description="DoRA (LoraConfig use_dora=True)",
+        json_schema_extra=_flag("--dora", FINETUNE),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_rank(cls, data: Any) -> Any:
+        return _needs(cls, data, "lora", "rank", "configure LoRA: add --lora R (e.g. --lora 16)")
+
+
+class QuantizeSection(_Section):
+    """bitsandbytes base weights: 4-bit (QLoRA) or 8-bit, emulated."""
+
+    format: Literal["nf4", "fp4", "int8"] = Field(
+        description="bitsandbytes base weights: nf4 / fp4 (QLoRA) or int8",
+        json_schema_extra=_flag("--quantize", FINETUNE),
+    )
+    double_quant: bool = Field(
+        False,
+        description="bnb_4bit_use_double_quant (nf4, fp4)",
+        json_schema_extra=_flag("--double-quant", FINETUNE),
+    )
+    compute_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None,
+        description="bnb_4bit_compute_dtype (default: the parameters' dtype)",
+        json_schema_extra=_flag("--compute-dtype", FINETUNE),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_format(cls, data: Any) -> Any:
+        return _needs(
+            cls, data, "quantize", "format", "configure quantization: add quantize, e.g. --quantize nf4"
+        )
+
+
+class LengthsSection(_Section):
+    """A run of variable-length steps (the epoch envelope)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_file(cls, data: Any) -> Any:
+        return _needs(cls, data, "lengths", "file", "go with --lengths FILE (the epoch envelope)")
+
+    file: str = Field(
+        description="per-step lengths: one a line, 'length,count' or JSON",
+        json_schema_extra=_flag("--lengths", RUN, metavar="FILE"),
+    )
+    pad_to: Count = Field(
+        1,
+        description="pad each length up to a multiple of N",
+        json_schema_extra=_flag("--pad-to", RUN, metavar="N"),
+    )
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        le=2**64 - 1,
+        description="shuffle the steps with this seed (default: the file's order)",
+        json_schema_extra=_flag("--seed", RUN, metavar="N"),
+    )
+
+
+class TargetSection(_Section):
+    """The machine: GPU, allocator settings and the software versions that change memory."""
+
+    gpu: str = Field(
+        "h100",
+        description="a catalog GPU (`oomkit gpus`) or its memory, e.g. 24GiB",
+        json_schema_extra=_flag("--gpu", DEVICE, metavar="NAME|SIZE"),
+    )
+    alloc_conf: str | None = Field(
+        None,
+        description="PYTORCH_CUDA_ALLOC_CONF to simulate",
+        json_schema_extra=_flag("--alloc-conf", DEVICE, metavar="STR"),
+    )
+    context_overhead_bytes: Bytes | None = Field(
+        None,
+        description="memory outside PyTorch, e.g. 500MiB (default: the GPU's)",
+        json_schema_extra=_flag("--context-overhead", DEVICE, metavar="SIZE"),
+    )
+    torch_version: str | None = Field(
+        None,
+        description="PyTorch whose allocator to model (default: installed)",
+        json_schema_extra=_flag("--torch-version", DEVICE, metavar="X.Y"),
+    )
+    @field_validator("torch_version")
+    @classmethod
+    def _readable_torch(cls, value: str | None) -> str | None:
+        if value is not None:
+            from oomkit.core.allocator.versions import parse_torch_version
+
+            parse_torch_version(value)  # ConfigError (a ValueError) names the form
+        return value
+
+    cuda_version: str | None = Field(
+        None,
+        description="the target torch's CUDA, e.g. 12.8",
+        json_schema_extra=_flag("--cuda-version", DEVICE, metavar="X.Y"),
+    )
+    cudnn_version: Count | None = Field(
+        None,
+        description="torch.backends.cudnn.version() on the target, e.g. 91002",
+        json_schema_extra=_flag("--cudnn-version", DEVICE, metavar="N"),
+    )
+    cuda_module_loading: Literal["lazy", "eager"] | None = Field(
+        None,
+        description="CUDA_MODULE_LOADING (the CLI reads it from the environment)",
+        json_schema_extra=_flag(None, DEVICE),
+    )
+
+
+class ParallelSection(_Section):
+    """The parallel layout: rank 0 of FSDP2 / TP / DDP (and HSDP) on a fake process group."""
+
+    fsdp: Count | None = Field(
+        None,
+        description="FSDP2 over N GPUs (per block + root); batch per rank",
+        json_schema_extra=_flag("--fsdp", MULTI_GPU, metavar="N"),
+    )
+    tp: Count | None = Field(
+        None,
+        description="tensor parallel over N GPUs (torchtitan's Llama plan)",
+        json_schema_extra=_flag("--tp", MULTI_GPU, metavar="N"),
+    )
+    dp: Count | None = Field(
+        None,
+        description="N DDP replicas (with --fsdp: HSDP replicas)",
+        json_schema_extra=_flag("--dp", MULTI_GPU, metavar="N"),
+    )
+    bucket_cap_mb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="DDP's bucket_cap_mb (default 25, first bucket 1 MiB)",
+        json_schema_extra=_flag("--bucket-cap-mb", MULTI_GPU, metavar="MB"),
+    )
+    gradient_as_bucket_view: bool = Field(
+        False,
+        description="DDP's gradient_as_bucket_view=True",
+        json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
+    )
+
+    @property
+    def given(self) -> bool:
+        """Whether any degree is set (an all-default section is no layout)."""
+        return (self.fsdp, self.tp, self.dp) != (None, None, None)
+
+    @model_validator(mode="after")
+    def _ddp_options(self) -> ParallelSection:
+        ddp_alone = self.dp is not None and self.fsdp is None and self.tp is None
+        if (self.bucket_cap_mb is not None or self.gradient_as_bucket_view) and not ddp_alone:
+            raise ValueError(
+                "parallel.bucket_cap_mb (--bucket-cap-mb) and parallel.gradient_as_bucket_view "
+                "(--gradient-as-bucket-view) are DDP's: they go with --dp N alone"
+            )
+        if self.dp is not None and self.tp is not None and self.fsdp is None:
+            # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
+            raise ValueError(
+                "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not "
+                "modelled: add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or drop --dp"
+            )
+        return self
+
+
+class RunSection(_Section):
+    """How the prediction runs: steps recorded, the budget, processes."""
+
+    steps: Count | None = Field(
+        None,
+        description="steps recorded (default 3; fit 2; generate 1)",
+        json_schema_extra=_flag("--steps", RUN, metavar="N"),
+    )
+    budget_bytes: Bytes | None = Field(
+        None,
+        description="exit 1 when peak reserved exceeds SIZE",
+        json_schema_extra=_flag("--budget", RUN, metavar="SIZE", commands=("predict",)),
+    )
+    jobs: Annotated[int, Field(ge=1, le=4096)] | None = Field(
+        None,
+        description="processes to trace with (default: one per core)",
+        json_schema_extra=_flag("--jobs", RUN, metavar="N"),
+    )
+
+
+class SearchSection(_Section):
+    """``fit``: the batch search and its reverse questions."""
+
+    margin_bytes: Bytes | None = Field(
+        None,
+        description="memory to leave free (default: 2% of usable, >= 256 MiB)",
+        json_schema_extra=_flag("--margin", SEARCH, metavar="SIZE", commands=("fit",)),
+    )
+    max_batch: Count = Field(
+        65536,
+        description="the largest batch tried",
+        json_schema_extra=_flag("--max-batch", SEARCH, metavar="N", commands=("fit",)),
+    )
+    smallest_gpu: bool = Field(
+        False,
+        description="name the smallest catalog GPU --batch fits on",
+        json_schema_extra=_flag("--smallest-gpu", SEARCH, commands=("fit",)),
+    )
+    global_batch: Count | None = Field(
+        None,
+        description="with --smallest-gpu: batch over all GPUs; try GPU counts",
+        json_schema_extra=_flag("--global-batch", SEARCH, metavar="B", commands=("fit",)),
+    )
+    max_gpus: Count = Field(
+        64,
+        description="with --global-batch: the largest GPU count tried",
+        json_schema_extra=_flag("--max-gpus", SEARCH, metavar="N", commands=("fit",)),
+    )
+
+
+def field_flag(section: type[BaseModel], name: str) -> str | None:
+    """The command-line flag that sets ``section``'s field ``name`` (``None``: config only)."""
+    field = section.model_fields.get(name)
+    extra = field.json_schema_extra if field is not None else None
+    flag = extra.get("x-flag") if isinstance(extra, dict) else None
+    return flag if isinstance(flag, str) else None

@@ -1,0 +1,102 @@
+"""A scenario's ``target`` and ``parallel`` sections as one ``Target``: the one target path.
+
+Every command that takes ``--gpu`` resolves it here (``target_of``), so a catalog GPU or a
+size gets the same context overhead, said the same way (``describe_target``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from oomkit.core.target import ParallelLayout, Target
+from oomkit.scenario.model import ParallelSection, TargetSection
+
+__all__ = [
+    "describe_target",
+    "installed_torch_version",
+    "layout_of",
+    "module_loading_from",
+    "target_of",
+]
+
+
+def installed_torch_version() -> str | None:
+    """``major.minor`` of the installed torch (``"2.13"``), read from its package metadata
+    without importing it; ``None`` where torch is not installed.
+
+    ``predict`` and ``fit`` record the step with this torch, so without ``target.torch_version``
+    they model its allocator too (the newest release oomkit knows may be another one).
+    """
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return None if match is None else f"{match[1]}.{match[2]}"
+
+
+def module_loading_from(environ: Mapping[str, str]) -> str | None:
+    """``CUDA_MODULE_LOADING`` of a job's environment, when it names a mode (``"lazy"`` or
+    ``"eager"``); the CLI puts it in ``target.cuda_module_loading``."""
+    setting = environ.get("CUDA_MODULE_LOADING", "").strip().upper()
+    return {"EAGER": "eager", "LAZY": "lazy"}.get(setting)
+
+
+def layout_of(parallel: ParallelSection | None) -> ParallelLayout | None:
+    """The ``ParallelLayout`` of the ``parallel`` section; ``None`` when no degree is given."""
+    if parallel is None or not parallel.given:
+        return None
+    degrees = {"fsdp": parallel.fsdp, "tp": parallel.tp, "dp": parallel.dp}
+    return ParallelLayout(**{name: value for name, value in degrees.items() if value is not None})
+
+
+def target_of(
+    section: TargetSection,
+    parallel: ParallelSection | None = None,
+    *,
+    default_torch_version: str | None = None,
+) -> Target:
+    """The ``Target`` of a scenario's ``target`` (and ``parallel``) sections.
+
+    Args:
+        section: the GPU, allocator settings and versions.
+        parallel: the layout (``Target.parallel``); ``None``: one GPU.
+        default_torch_version: the PyTorch release to model when the section names none
+            (``predict``/``fit``: the installed torch's, which records the step); ``None``:
+            the newest release modelled.
+
+    Raises:
+        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
+        GpuSpecError: ``context_overhead_bytes`` is not below the GPU's total memory.
+        ConfigError: ``alloc_conf`` is a setting PyTorch would reject, or ``cuda_version`` is
+            not X.Y.
+    """
+    target = Target.resolve(
+        section.gpu,
+        alloc_conf=section.alloc_conf,
+        context_overhead_bytes=section.context_overhead_bytes,
+        torch_version=section.torch_version or default_torch_version,
+        cudnn_version=section.cudnn_version,
+        cuda_version=section.cuda_version,
+        cuda_module_loading=section.cuda_module_loading,
+    )
+    layout = layout_of(parallel)
+    return target if layout is None else dataclasses.replace(target, parallel=layout)
+
+
+def describe_target(target: Target) -> str:
+    """The GPU in words, said the same way by every command: ``"RTX 4090 (24.00 GiB total,
+    23.50 GiB usable after 512.00 MiB outside PyTorch)"``."""
+    from oomkit.units import format_bytes
+
+    gpu = target.gpu
+    outside = gpu.context_overhead_bytes
+    return (
+        f"{gpu.name} ({format_bytes(gpu.total_memory_bytes)} total, "
+        f"{format_bytes(gpu.usable_bytes())} usable after {format_bytes(outside)} outside "
+        "PyTorch)"
+    )

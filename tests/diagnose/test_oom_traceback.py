@@ -1,0 +1,170 @@
+"""Where a pasted OOM surfaced: the user's line and the phase (issue 35 item 6)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomkit.diagnose.oom_traceback import find_oom_location
+from oomkit.interfaces.cli import main
+
+SP = "/opt/conda/lib/python3.11/site-packages"
+MESSAGE = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 496.00 MiB. GPU 0 has a total "
+    "capacity of 14.75 GiB of which 235.06 MiB is free. Process 20398 has 14.52 GiB memory in "
+    "use. Of the allocated memory 14.06 GiB is allocated by PyTorch, and 330.42 MiB is reserved "
+    "by PyTorch but unallocated."
+)
+
+
+def _traceback(*frames: tuple[str, int, str, str]) -> str:
+    lines = ["step 450 loss=2.31", "Traceback (most recent call last):"]
+    for path, line, func, source in frames:
+        lines.append(f'  File "{path}", line {line}, in {func}')
+        if source:
+            lines.append(f"    {source}")
+            lines.append("    " + "^" * len(source))
+    return "\n".join(lines) + "\n" + MESSAGE + "\n"
+
+
+BACKWARD = _traceback(
+    ("/home/me/project/train.py", 180, "<module>", "loss.backward()"),
+    (f"{SP}/torch/_tensor.py", 626, "backward", "torch.autograd.backward("),
+    (f"{SP}/torch/autograd/__init__.py", 347, "backward", "_engine_run_backward("),
+    (f"{SP}/torch/autograd/graph.py", 823, "_engine_run_backward", "return Variable._exec"),
+)
+
+
+def test_backward_at_the_users_line():
+    """loss.backward() at train.py:180, the frames through torch/autograd: backward."""
+    location = find_oom_location(BACKWARD)
+    assert location is not None
+    assert (location.path, location.line, location.function) == (
+        "/home/me/project/train.py",
+        180,
+        "<module>",
+    )
+    assert location.source == "loss.backward()"
+    assert location.phase == "backward"
+    assert location.label == "loss.backward() at train.py:180"
+
+
+@pytest.mark.parametrize(
+    ("frames", "phase", "label"),
+    [
+        (
+            [
+                ("train.py", 52, "<module>", "optimizer.step()"),
+                (f"{SP}/torch/optim/optimizer.py", 493, "wrapper", "out = func(*args)"),
+                (f"{SP}/torch/optim/adamw.py", 220, "step", "has_complex = self._init_group("),
+                (f"{SP}/torch/optim/adamw.py", 160, "_init_group", "state['exp_avg'] = ..."),
+            ],
+            "optimizer state creation",
+            "optimizer.step() at train.py:52",
+        ),
+        (
+            [
+                ("train.py", 52, "<module>", "optimizer.step()"),
+                (f"{SP}/torch/optim/adamw.py", 230, "step", "adamw("),
+                (f"{SP}/torch/optim/adamw.py", 600, "_multi_tensor_adamw", "exp_avg_sq_sqrt ="),
+            ],
+            "optimizer step",
+            "optimizer.step() at train.py:52",
+        ),
+        (
+            [
+                ("C:\\Users\\me\\run.py", 31, "main", "out = model(x)"),
+                (f"{SP}/torch/nn/modules/module.py", 1751, "_wrapped_call_impl", "return ..."),
+                ("C:\\Users\\me\\net.py", 12, "forward", "h = self.fc(x)"),
+                (f"{SP}/torch/nn/modules/linear.py", 125, "forward", "return F.linear(...)"),
+            ],
+            "forward",
+            "h = self.fc(x) at net.py:12",
+        ),
+        (
+            [
+                ("train.py", 77, "step", "loss = criterion(logits, y)"),
+                (f"{SP}/torch/nn/modules/module.py", 1762, "_call_impl", "return forward_call()"),
+                (f"{SP}/torch/nn/modules/loss.py", 1297, "forward", "return F.cross_entropy("),
+            ],
+            "loss",
+            "loss = criterion(logits, y) at train.py:77",
+        ),
+        (
+            [("train.py", 9, "<module>", "x = torch.empty(n, device='cuda')")],
+            None,
+            "x = torch.empty(n, device='cuda') at train.py:9",
+        ),
+        (
+            [("train.py", 9, "<module>", ""), (f"{SP}/foo/bar.py", 3, "go", "")],
+            None,
+            "train.py:9 in <module>",
+        ),
+    ],
+)
+def test_phase_from_the_frames(frames, phase, label):
+    """Each phase from the PyTorch functions on the stack; the innermost user frame."""
+    location = find_oom_location(_traceback(*frames))
+    assert location is not None
+    assert (location.phase, location.label) == (phase, label)
+
+
+def test_a_message_alone_has_no_location():
+    """No traceback before the message: None."""
+    assert find_oom_location(MESSAGE) is None
+    assert find_oom_location("") is None
+
+
+def test_the_last_traceback_before_the_message_is_read():
+    """A chained exception: the traceback right before the OOM message counts."""
+    first = _traceback(("train.py", 5, "<module>", "optimizer.step()")).replace(MESSAGE, "")
+    text = first + "During handling of the above exception, another exception occurred:\n"
+    location = find_oom_location(text + BACKWARD)
+    assert location is not None and location.line == 180
+
+
+def test_explain_reports_where_and_the_phase(tmp_path, capsys):
+    """`oomkit explain LOG` prints the user's line and phase; --json carries them."""
+    log = tmp_path / "train.log"
+    log.write_text(BACKWARD)
+    assert main(["explain", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "Where: loss.backward() at train.py:180, in the backward" in out
+    assert "GPU: T4, matched by the message's total memory" in out
+    assert main(["explain", str(log), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["location"] == {
+        "path": "/home/me/project/train.py",
+        "line": 180,
+        "function": "<module>",
+        "source": "loss.backward()",
+        "phase": "backward",
+    }
+    assert data["gpu"] == "T4"
+
+
+def test_the_html_report_says_where(tmp_path):
+    """--html: the verdict section carries the same 'Where:' line as the terminal."""
+    log = tmp_path / "train.log"
+    log.write_text(BACKWARD)
+    page = tmp_path / "oom.html"
+    assert main(["explain", str(log), "--html", str(page)]) == 0
+    assert "Where: loss.backward() at train.py:180, in the backward" in page.read_text()
+
+
+def test_a_forward_pass_inside_an_optimizer_closure_is_forward():
+    """Lightning runs training_step inside optimizer.step(closure): the innermost phase wins."""
+    location = find_oom_location(
+        _traceback(
+            ("train.py", 40, "<module>", "trainer.fit(model, data)"),
+            (f"{SP}/torch/optim/optimizer.py", 493, "wrapper", "out = func(*args, **kwargs)"),
+            (f"{SP}/torch/optim/adamw.py", 209, "step", "loss = closure()"),
+            (f"{SP}/lightning/pytorch/loops/optimization/automatic.py", 146, "__call__", ""),
+            ("model.py", 88, "training_step", "logits = self.net(x)"),
+            (f"{SP}/torch/nn/modules/module.py", 1751, "_wrapped_call_impl", "return ..."),
+            (f"{SP}/torch/nn/modules/linear.py", 125, "forward", "return F.linear(...)"),
+        )
+    )
+    assert location is not None
+    assert (location.phase, location.label) == ("forward", "logits = self.net(x) at model.py:88")

@@ -1,0 +1,130 @@
+"""``oomkit serve vllm|sglang``: flags as the engines spell them, exit codes, JSON, one-line errors.
+
+``serve`` is not yet listed in ``cli/__init__.py``, so these tests build a parser of their own with
+``serve.add_parser`` and call ``run``, as ``main`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import serve
+
+# A two-layer Llama: fast to build and trace, same code path as a real one.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+VLLM_FLAGS = [
+    "--block-size", "--concurrency", "--cuda-graph-sizes", "--dtype", "--enforce-eager", "--gpu",
+    "--gpu-memory-utilization", "--json", "--kv-cache-dtype", "--kv-cache-memory",
+    "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--quantization",
+    "--tensor-parallel-size", "--vllm-version",
+]
+SGLANG_FLAGS = [
+    "--chunked-prefill-size", "--context-length", "--cuda-graph-max-bs", "--disable-cuda-graph",
+    "--dtype", "--gpu", "--json", "--kv-cache-dtype", "--max-running-requests",
+    "--max-total-tokens", "--mem-fraction-static", "--page-size", "--quantization",
+    "--sglang-version", "--tp-size",
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oomkit")
+    serve.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _run(argv: list[str]) -> int:
+    args = _parser().parse_args(["serve", *argv])
+    return args.run(args)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(tmp_path)
+
+
+def _long_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(
+        option
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    )
+
+
+def test_the_flags_are_the_engines_spellings():
+    """A new flag is a deliberate change: vLLM's and SGLang's names, plus --gpu and --json."""
+    parser = _parser()
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    engines = serve_parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert _long_flags(engines["vllm"]) == VLLM_FLAGS
+    assert _long_flags(engines["sglang"]) == sorted(SGLANG_FLAGS + ["--tp"])
+
+
+def test_vllm_that_starts_exits_0_and_prints_the_budget(model_dir, capsys):
+    """The table names each step; the verdict and the utilization bound follow."""
+    assert _run(["vllm", model_dir, "--gpu", "h100"]) == serve.EXIT_STARTS
+    out = capsys.readouterr().out
+    assert "vLLM 0.13" in out and "Available KV cache memory" in out
+    assert "Verdict: starts" in out
+    assert "Highest --gpu-memory-utilization that starts and survives warm-up: 0.9" in out
+
+
+def test_vllm_json_has_every_figure_and_the_request(model_dir, capsys):
+    """--json: the request, weights, activation peak, non-torch, KV, blocks, graphs, bounds."""
+    assert _run(["vllm", model_dir, "--json", "--max-model-len", "2048",
+                 "--vllm-version", "0.8"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine"] == "vllm" and data["vllm_version"] == "0.8"
+    assert data["request"]["max_model_len"] == 2048
+    for key in ("requested_bytes", "non_torch_bytes", "available_kv_bytes", "num_blocks",
+                "kv_cache_tokens", "max_concurrency", "max_gpu_memory_utilization",
+                "kv_cache_memory_for_concurrency_bytes", "free_after_kv_bytes"):
+        assert key in data
+    assert data["weights"]["total_bytes"] > 0 and data["profile"]["peak_bytes"] > 0
+    assert data["layout"]["bytes_per_block"] == 16 * 2 * 2 * 64 * 2 * 2
+    assert data["verdict"]["starts"] is True
+
+
+def test_vllm_that_does_not_start_exits_1_with_the_knob(model_dir, capsys):
+    """Utilization 0.999 on an H100 asks for more than is free at start: lower it."""
+    assert _run(["vllm", model_dir, "--gpu-memory-utilization", "0.999"]) == serve.EXIT_FAILS
+    out = capsys.readouterr().out
+    assert "does not start (fails at: init)" in out
+    assert "--gpu-memory-utilization lower: at most 0.99" in out
+
+
+def test_sglang_prints_the_fraction_bounds(model_dir, capsys):
+    """SGLang: the default fraction, the pool, and both directions."""
+    assert _run(["sglang", model_dir, "--tp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mem_fraction_static=0.834 (default 0.834)" in out
+    assert "(init fails below: raise it)" in out and "(OOM above: lower it)" in out
+
+
+def test_bad_input_is_one_line_and_exit_2(model_dir, capsys, monkeypatch, tmp_path):
+    """An unmodelled release, or a hub name not cached: exit 2, one line on stderr."""
+    assert _run(["vllm", model_dir, "--vllm-version", "0.5"]) == serve.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("oomkit: error: --vllm-version '0.5' is not modelled")
+    assert err.count("\n") == 1
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert _run(["vllm", "meta-llama/Llama-3.1-8B-Instruct"]) == serve.EXIT_USAGE
+    assert "not in the local Hugging Face cache" in capsys.readouterr().err
+
+
+def test_abbreviated_flags_are_refused(model_dir, capsys):
+    """`--gpu-mem 0.5` is not a shortened --gpu-memory-utilization: a usage error."""
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["serve", "vllm", model_dir, "--gpu-mem", "0.5"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --gpu-mem" in capsys.readouterr().err
