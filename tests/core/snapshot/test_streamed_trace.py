@@ -153,3 +153,15 @@ def test_an_entry_referred_to_twice_is_refused():
         SnapshotFormatError, match=rf"device_traces\[0\]\[{len(trace) - 1}\] has no"
     ):
         load_snapshot(raw)
+
+
+def test_refused_extras_after_the_drain_began_are_named_by_their_index():
+    """An entry whose compile_context is not a string stops the drain; the message names it."""
+    data = _pytorch_like()
+    data["device_traces"][0][50_000]["compile_context"] = 5
+    raw = pickle.dumps(data, protocol=4)
+    with pytest.raises(
+        SnapshotFormatError,
+        match=r"device_traces\[0\]\[50000\]: 'compile_context' is 5; PyTorch records a string",
+    ):
+        load_snapshot(raw)
