@@ -425,6 +425,11 @@ def max_batch_size(
                     prober.fall_back()
                 lo, hi = _search(prober, first_index, last_index, grid)
             clean = lo if allow_retries or lo == 0 else _without_retries(prober, lo, grid)
+            if clean and clean != lo:
+                # The answer is traced, as every answer is: a synthesized clean size is traced,
+                # and the clean sizes searched again below it if the trace retries after all.
+                prober.confirm([grid.size(clean)])
+                clean = _without_retries(prober, clean, grid)
         finally:
             prober.stop_ahead()
     prober.close()
