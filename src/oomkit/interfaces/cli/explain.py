@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -270,16 +271,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# Words every vLLM or SGLang log or memory error the serving diagnosis reads has at least one of.
-_ENGINE_WORDS = ("vllm", "sglang", "kv cache", "cache blocks", "mem_fraction_static",
-                 "gpu_memory_utilization", "not enough memory")
+# Words every vLLM or SGLang log or memory error the serving diagnosis reads has at least one of
+# (searched in place: a 50 MB log is not lower-cased into a copy).
+_ENGINE_WORDS = re.compile(
+    r"vllm|sglang|kv cache|cache blocks|mem_fraction_static|gpu_memory_utilization|"
+    r"not enough memory",
+    re.IGNORECASE,
+)
 
 
 def _serving_log(source: str, args: argparse.Namespace) -> int | None:
     """A vLLM or SGLang start-up log or OOM: printed with the knob to turn; its exit code (1 when
     the engine failed), or ``None`` for text that is no such log."""
-    lowered = source.lower()
-    if not any(word in lowered for word in _ENGINE_WORDS):  # no engine log: nothing imported
+    if _ENGINE_WORDS.search(source) is None:  # no engine log: nothing imported, nothing copied
         return None
     from oomkit.diagnose.serving_logs import diagnose_serving_log
     from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
