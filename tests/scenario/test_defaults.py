@@ -86,3 +86,9 @@ def test_the_prediction_names_its_defaults_and_equals_the_explicit_one():
         "bf16 weights, the default for inference; --precision fp32 to change"
     )
     assert "default precision" not in explicit.assumptions
+    from oomkit.prediction.summary import verdict_line
+
+    assert verdict_line(default).endswith(
+        "(bf16 weights, the default for inference; --precision fp32 to change)"
+    )
+    assert "the default" not in verdict_line(explicit)

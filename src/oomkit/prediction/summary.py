@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # predictor.py imports this module
     from oomkit.prediction.predictor import OomPoint, Prediction
 
 __all__ = [
+    "DEFAULT_PREFIX",
     "COMPILED_EAGERLY",
     "COMPILED_RECORDED",
     "SUMMARY_ROWS",
@@ -28,6 +29,9 @@ __all__ = [
     "verdict_line",
 ]
 
+# The assumptions that name a default the scenario chose (oomkit.scenario.options: "default
+# precision", "default steps"): the verdict names them.
+DEFAULT_PREFIX = "default "
 # The start of the recording's warning for compiled code run eagerly (the same text as
 # oomkit.prediction.tracing.read_report.COMPILED_EAGERLY, which imports torch; a test keeps
 # them equal): the verdict says so too.
@@ -104,6 +108,9 @@ def verdict_line(prediction: Prediction) -> str:
         line += " (torch.compile traced eagerly)"
     elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
         line += " (torch.compile: compiled, Inductor fusion emulated)"
+    defaults = [text for name, text in p.assumptions.items() if name.startswith(DEFAULT_PREFIX)]
+    if defaults:  # each default the verdict rests on, and how to change it
+        line += f" ({'; '.join(defaults)})"
     return line
 
 

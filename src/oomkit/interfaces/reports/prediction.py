@@ -21,6 +21,7 @@ from oomkit.prediction.module_groups import group_modules
 from oomkit.prediction.predictor import TOP_MODULES, PeakBreakdown, Prediction
 from oomkit.prediction.summary import (
     COMPILED_EAGERLY,
+    DEFAULT_PREFIX,
     header_line,
     module_label,
     nothing_recorded,
@@ -140,7 +141,7 @@ def kernels_line(prediction: Prediction) -> str:
         + [
             f"{name} {value}"
             for name, value in prediction.assumptions.items()
-            if not _is_value_assumption(name)
+            if not _is_value_assumption(name) and not name.startswith(DEFAULT_PREFIX)
         ]
     )
     choices = "; ".join(
