@@ -250,3 +250,15 @@ def test_a_directory_as_input_is_exit_2(tmp_path, argv):
     result = run_oomkit(argv, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_missing_input_named_with_escapes_is_printed_as_written(tmp_path):
+    """An input file name holding a terminal escape: exit 2, the escape shown as \\x1b."""
+    import subprocess
+    import sys
+
+    name = str(tmp_path / "a\x1b]0;pwned\x07b.pickle")
+    proc = subprocess.run([sys.executable, "-m", "oomkit", "replay", name], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "\x1b" not in proc.stderr and "\\x1b]0;pwned\\x07b.pickle: no such file" in proc.stderr
