@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.replay.parallel import process_count
 from oomkit.core.target import Target, resolve_target
 from oomkit.errors import NoFeasibleBatchSizeError
+from oomkit.executors.forked import process_count
 from oomkit.plan.batch_probe import (
     DEFAULT_MARGIN_FRACTION,
     MIN_DEFAULT_MARGIN_BYTES,
