@@ -32,9 +32,8 @@ def test_here_and_local_pool_give_the_loop_results_and_progress():
     items = list(range(7))
     for executor in (InProcessExecutor(), LocalPoolExecutor(2)):
         seen: list[tuple[int, int]] = []
-        assert executor.map(_square, items, progress=lambda d, t: seen.append((d, t))) == [
-            0, 1, 4, 9, 16, 25, 36
-        ]
+        results = executor.map(_square, items, progress=lambda d, t, s=seen: s.append((d, t)))
+        assert results == [0, 1, 4, 9, 16, 25, 36]
         assert seen == [(d, 7) for d in range(8)]
 
 
