@@ -188,3 +188,15 @@ def test_plan_to_data_without_a_winner():
     data = plan_to_data(result)
     assert data["winner"] is None and data["winner_scenario"] is None
     assert len(data["candidates"]) == 2
+
+
+def test_a_refused_scenario_is_its_candidates_error():
+    """predict_candidate turns a refusal (FSDP with accumulation) into the row's error."""
+    from oomkit.scenario.planning import predict_candidate
+
+    result = predict_candidate({
+        "model": {"preset": "gpt2-124m"}, "step": {"batch": 1, "seq": 64, "grad_accum": 2},
+        "parallel": {"fsdp": 2}, "target": {"gpu": "l40s"},
+    })
+    assert list(result) == ["error"]
+    assert result["error"].startswith("ConfigError: --fsdp does not model gradient accumulation")

@@ -312,7 +312,7 @@ def predict_candidate(data: Mapping[str, Any]) -> dict[str, Any]:
 
     try:
         prediction = predict(scenario_from_data(data))
-    except OomkitError as exc:
+    except Exception as exc:  # noqa: BLE001 - one layout's failure is its row, not the plan's end
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {
         "peak_reserved_bytes": prediction.peak_reserved_bytes,
