@@ -26,6 +26,8 @@ RANK = {
     # which allocator core is installed (compiled or pure), read from the file system
     "_build": 0,
     "units": 1,
+    # the files a user names: unreadable inputs, outputs written safely, for every layer
+    "_files": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
     # allocator config; replay drives the simulator from traces and snapshots
@@ -244,6 +246,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction._replay",
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
+        "oomkit.prediction.scripts",
         "oomkit.prediction.summary",
         "oomkit.prediction.serving",
         "oomkit.prediction.workload",

@@ -1,7 +1,11 @@
 """oomkit: predict, explain and prevent CUDA out-of-memory errors in PyTorch.
 
-``oomkit.predict(step_fn, *args, gpu="rtx4090")`` predicts a step's peak GPU memory without a GPU.
-``import oomkit`` never imports torch; features that need torch import it when used.
+``oomkit.predict("gpt2-124m", batch=8, seq=1024, gpu="rtx4090")`` predicts a step's peak GPU
+memory without a GPU; so do ``oomkit.predict(scenario)`` (a ``Scenario``, or
+``oomkit.load_scenario("run.toml")``) and ``oomkit.predict(step_fn, *args, gpu="rtx4090")``.
+``oomkit.fit(...)`` finds the largest batch, ``oomkit.explain(...)`` explains an OOM.
+``import oomkit`` never imports torch (nor pydantic); features that need them import them when
+used.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from oomkit.errors import (
     ConfigError,
     NoFeasibleBatchSizeError,
     OomkitError,
+    ScenarioError,
     SnapshotFormatError,
     TorchRequiredError,
     TraceFormatError,
@@ -24,6 +29,7 @@ from oomkit.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
+    from oomkit.diagnose.diagnosis import Diagnosis
     from oomkit.interfaces.reports.monitor_live import live_monitor
     from oomkit.interfaces.reports.prediction import (
         prediction_summary,
@@ -32,11 +38,15 @@ if TYPE_CHECKING:
         verdict_line,
     )
     from oomkit.plan.batch_search import BatchSearchResult, max_batch_size, smallest_gpu
-    from oomkit.prediction.predictor import Prediction, predict, predict_recording
+    from oomkit.prediction.predictor import Prediction, predict_recording
     from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
     from oomkit.runtime.monitor import Monitor, StepRecord
     from oomkit.runtime.resilient import resilient
     from oomkit.runtime.watch import watch
+    from oomkit.scenario import Scenario, load_scenario
+    from oomkit.scenario.api import fit, predict
+    from oomkit.scenario.explaining import explain
+    from oomkit.scenario.fitting import FitAnswer
 
 # The rest of the API is imported on first use (PEP 562), so that ``import oomkit`` and the
 # CLI's start-up load only what a command uses (issue 19 item 4: `oomkit replay FILE` needs no
@@ -51,8 +61,14 @@ _LAZY: dict[str, str] = {
     "BatchSearchResult": "oomkit.plan.batch_search",
     "max_batch_size": "oomkit.plan.batch_search",
     "smallest_gpu": "oomkit.plan.batch_search",
+    "Diagnosis": "oomkit.diagnose.diagnosis",
+    "FitAnswer": "oomkit.scenario.fitting",
     "Prediction": "oomkit.prediction.predictor",
-    "predict": "oomkit.prediction.predictor",
+    "Scenario": "oomkit.scenario",
+    "explain": "oomkit.scenario.explaining",
+    "fit": "oomkit.scenario.api",
+    "load_scenario": "oomkit.scenario",
+    "predict": "oomkit.scenario.api",
     "predict_recording": "oomkit.prediction.predictor",
     "BatchSizeResult": "oomkit.runtime.batch_probe",
     "find_batch_size": "oomkit.runtime.batch_probe",
@@ -72,19 +88,26 @@ __all__ = [
     "BatchSearchResult",
     "BatchSizeResult",
     "ConfigError",
+    "Diagnosis",
+    "FitAnswer",
     "Monitor",
     "NoFeasibleBatchSizeError",
     "OomkitError",
     "Prediction",
+    "Scenario",
+    "ScenarioError",
     "SnapshotFormatError",
     "StepRecord",
     "Target",
     "TorchRequiredError",
     "TraceFormatError",
     "UnsupportedOpError",
+    "explain",
     "find_batch_size",
+    "fit",
     "format_bytes",
     "live_monitor",
+    "load_scenario",
     "max_batch_size",
     "parse_bytes",
     "predict",

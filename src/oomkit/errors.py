@@ -6,6 +6,8 @@ subclass ``ValueError`` so that callers who do not know oomkit can still catch t
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "OomkitError",
     "ConfigError",
@@ -30,11 +32,29 @@ __all__ = [
     "MemoryHealthError",
     "DiffInputError",
     "ScenarioError",
+    "OutputPathError",
+    "InputFileError",
 ]
 
 
+# C0 and C1 control characters other than tab and newline.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\x{ord(match.group()):02x}"
+
+
 class OomkitError(Exception):
-    """Base class of every error oomkit raises on purpose."""
+    """Base class of every error oomkit raises on purpose.
+
+    Its text is safe to print to a terminal: messages quote file names, frame names and values
+    from files, so control characters (an ESC sequence would retitle the window or clear the
+    screen) are shown as ``\\xNN`` instead of reaching the terminal.
+    """
+
+    def __str__(self) -> str:
+        return _CONTROL.sub(_escaped, super().__str__())
 
 
 class ConfigError(OomkitError, ValueError):
@@ -143,3 +163,11 @@ class DiffInputError(OomkitError, ValueError):
 class ScenarioError(OomkitError, ValueError):
     """A scenario (the Python API's keywords, a config file, CLI flags or an MCP call) with a
     field of the wrong type or range, an unknown key, or a combination that cannot run."""
+
+
+class OutputPathError(OomkitError, ValueError):
+    """An output path that must not or cannot be written: an input, a directory, a missing one."""
+
+
+class InputFileError(OomkitError, OSError):
+    """An input file that cannot be read: no permission, a directory, a failing disk (EIO)."""

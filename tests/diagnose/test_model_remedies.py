@@ -207,6 +207,9 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
         "LoRA adapters (peft, r8) instead of full fine-tuning",
         "QLoRA: 4-bit nf4 base weights + LoRA adapters (peft, r8)",
         "8-bit AdamW (bitsandbytes AdamW8bit)",
+        # pure bf16 (the GPU has native bf16) and the smallest FSDP mesh whose rank 0 fits
+        "pure bf16 weights, gradients and optimizer states",
+        "shard with FSDP across 64 GPUs",
     }
     for remedy in remedies.values():
         assert (remedy.confidence, remedy.estimate) == ("high", False)
@@ -247,8 +250,15 @@ def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request
     measured = diagnose_prediction(saved)
     assert measured.cause == "shortage"
     top = measured.remedies[0]
-    assert top.title == "batch size 2 with 4 gradient-accumulation steps"
-    assert not top.estimate
+    # The remedies that make the step fit come first, by saving: pure bf16 saves the most.
+    assert top.title == "pure bf16 weights, gradients and optimizer states"
+    assert not top.estimate and top.fits is True
+    assert top.peak_reserved_bytes == saved["required_bytes"] - top.saving_bytes
+    fitting = [r for r in measured.remedies if getattr(r, "fits", None) is True]
+    assert measured.remedies[: len(fitting)] == tuple(fitting)
+    assert "batch size 2 with 4 gradient-accumulation steps" in {r.title for r in fitting}
+    # the preset sets zero_grad(set_to_none=True) already: never offered
+    assert "zero_grad(set_to_none=True)" not in {r.title for r in measured.remedies}
     # a measured figure replaces the estimate of the same change: one of each title
     titles = [r.title for r in measured.remedies]
     assert len(titles) == len(set(titles))
@@ -271,9 +281,12 @@ def test_explain_cli_measures_by_default_and_not_with_no_measure(saved, tmp_path
     path.write_text(json.dumps(saved))
     assert main(["explain", str(path), "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)["remedies"][0]
-    assert measured["title"] == "batch size 2 with 4 gradient-accumulation steps"
+    assert measured["title"] == "pure bf16 weights, gradients and optimizer states"
     assert measured["estimate"] is False
+    assert (measured["fits"], measured["flag"]) == (True, "--precision bf16")
+    assert measured["peak_reserved_bytes"] == saved["required_bytes"] - measured["saving_bytes"]
     assert main(["explain", str(path), "--json", "--no-measure"]) == 0
     remedies = json.loads(capsys.readouterr().out)["remedies"]
     assert not any(MEASURED_WHY in r["why"] for r in remedies)
+    assert all(r["fits"] is None and r["peak_reserved_bytes"] is None for r in remedies)
     assert remedies[0]["estimate"] is True

@@ -42,3 +42,19 @@ def tiny_gpt2_config(**extra: Any) -> Any:
         eos_token_id=0,
         **extra,
     )
+
+
+def tiny_bert_config(**extra: Any) -> Any:
+    """A ``transformers.BertConfig``: 2 layers, hidden 64, MLP 128, 4 heads, 1000 tokens, 128
+    positions."""
+    import transformers
+
+    return transformers.BertConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        **extra,
+    )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         Remedy,
         diagnose_oom_text,
     )
+    from oomkit.diagnose.measured_remedy import MeasuredRemedy
     from oomkit.diagnose.memory_health import (
         FragmentationFinding,
         LeakCause,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from oomkit.diagnose.oom_text import OomText, ProcessMemory, find_oom_texts, parse_oom_text
     from oomkit.diagnose.oom_traceback import OomLocation, find_oom_location
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
+    from oomkit.diagnose.remedy_measurement import prediction_remedies
     from oomkit.diagnose.settings_doctor import (
         LiveAllocator,
         SettingsFinding,
@@ -78,6 +80,8 @@ _LAZY: dict[str, str] = {
     "OomLocation": "oomkit.diagnose.oom_traceback",
     "find_oom_location": "oomkit.diagnose.oom_traceback",
     "diagnose_prediction": "oomkit.diagnose.prediction_diagnosis",
+    "MeasuredRemedy": "oomkit.diagnose.measured_remedy",
+    "prediction_remedies": "oomkit.diagnose.remedy_measurement",
     "LiveAllocator": "oomkit.diagnose.settings_doctor",
     "SettingsFinding": "oomkit.diagnose.settings_doctor",
     "SettingsReport": "oomkit.diagnose.settings_doctor",
@@ -103,6 +107,7 @@ __all__ = [
     "LeakSite",
     "LiveAllocator",
     "LiveTensor",
+    "MeasuredRemedy",
     "MemorySample",
     "OomLocation",
     "OomText",
@@ -123,5 +128,6 @@ __all__ = [
     "find_oom_texts",
     "memory_findings",
     "parse_oom_text",
+    "prediction_remedies",
     "samples_from_records",
 ]

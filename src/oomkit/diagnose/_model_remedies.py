@@ -33,15 +33,25 @@ parameters train.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import ParallelLayout, Target
-from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose.diagnosis import Remedy
-from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
+from oomkit.diagnose.remedy_measurement import (
+    _CHECKPOINT_CODE,
+    _FP16_CODE,
+    _MIXED_CODE,
+    _SGD_CODE,
+    FSDP_SIZES,
+    MEASURED_WHY,
+    measure_remedies,
+    predict_rebuilt,
+    rebuild,
+    repredict,
+)
+from oomkit.errors import ConfigError, OomkitError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
@@ -55,28 +65,9 @@ __all__ = [
     "saved_target",
 ]
 
-MEASURED_WHY = "measured by re-predicting the step with the change applied"
-
 # An input category at least this share of allocated memory looks like a dataset kept on the GPU.
 _DATASET_SHARE = 4
-# The largest batch-halving search the measured batch remedy does.
-_MAX_HALVINGS = 8
 
-_MIXED_CODE = (
-    "# bf16 needs no GradScaler\n"
-    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-    "    loss = loss_fn(model(inputs), targets)\n"
-    "loss.backward()\n"
-    "optimizer.step()"
-)
-_FP16_CODE = (
-    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
-    'with torch.autocast("cuda", dtype=torch.float16):\n'
-    "    loss = loss_fn(model(inputs), targets)\n"
-    "scaler.scale(loss).backward()\n"
-    "scaler.step(optimizer)\n"
-    "scaler.update()"
-)
 # torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere);
 # older GPUs (V100, T4) only emulate it, slowly, so they get fp16 autocast with a GradScaler.
 _NATIVE_BF16_CAPABILITY = (8, 0)
@@ -99,19 +90,6 @@ def _mixed_precision_for(compute_capability: tuple[int, int] | None) -> _MixedPr
     return _MixedPrecision("bf16 mixed precision (autocast)", "bf16-mixed", "bf16", _MIXED_CODE)
 
 
-_CHECKPOINT_CODE = (
-    "from torch.utils.checkpoint import checkpoint\n"
-    "# in the model's forward, around each block:\n"
-    "for block in self.blocks:\n"
-    "    x = checkpoint(block, x, use_reentrant=False)\n"
-    "# Hugging Face models: model.gradient_checkpointing_enable()"
-)
-_SGD_CODE = (
-    "optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # one state\n"
-    "# or keep Adam's behaviour with less state (hints, not measured):\n"
-    "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
-    "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
-)
 _FOREACH_CODE = (
     "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)\n"
     "# or, where fused is not available: torch.optim.AdamW(..., foreach=False)"
@@ -164,6 +142,7 @@ def estimated_model_remedies(
     parameter_bytes: int | None = None,
     compute_capability: tuple[int, int] | None = None,
     frozen_base: bool = False,
+    zero_grad_applies: bool = True,
 ) -> list[Remedy]:
     """Model and loop changes, priced from memory by category at the OOM (estimates).
 
@@ -180,6 +159,9 @@ def estimated_model_remedies(
         compute_capability: the GPU's, when known: below 8.0 (no native bf16) the mixed
             precision remedy is fp16 with a GradScaler instead of bf16.
         frozen_base: the base weights are frozen already (LoRA): no freezing remedy.
+        zero_grad_applies: False where ``zero_grad(set_to_none=True)`` cannot help: the step
+            sets it already (oomkit's presets and ``--hf`` steps), or the OOM comes before a
+            previous step's gradients could be alive (step 1, or after the forward pass).
 
     Returns:
         The remedies the categories support, unsorted; every one has ``estimate=True``.
@@ -244,7 +226,7 @@ def estimated_model_remedies(
                 "optimizer step builds whole-group temporaries, the fused kernel does not.",
             )
         )
-    if training and gradient > 0 and activation > 0:
+    if training and zero_grad_applies and gradient > 0 and activation > 0:
         out.append(
             Remedy(
                 "zero_grad(set_to_none=True)",
@@ -366,62 +348,23 @@ def saved_parallel(data: Mapping[str, Any]) -> ParallelLayout | None:
     return ParallelLayout(**parallel)
 
 
-def _repredict_parallel(
-    data: Mapping[str, Any], workload: WorkloadSpec, options: Any, layout: ParallelLayout
-) -> Any:
-    """Rank 0 of the saved layout, rebuilt as ``oomkit predict --fsdp/--tp/--dp`` builds it
-    (interfaces/cli/predict.py ``_predict_sharded``), with the saved DDP bucket options."""
-    from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
-    from oomkit.prediction.models.parallel import build_fsdp_preset_step
-    from oomkit.prediction.predictor import predict_recording
-    from oomkit.prediction.tracing.distributed import trace_distributed_step
+def saved_step_target(data: Mapping[str, Any]) -> Target:
+    """The saved prediction's target with its parallel layout (``saved_target`` keeps one GPU).
 
-    target = dataclasses.replace(saved_target(data), parallel=layout)
-    ddp_alone = layout.dp > 1 or workload.ddp_gradient_as_bucket_view is not None
-    if layout.fsdp == 1 and layout.tp == 1 and ddp_alone:
-        ddp = DdpOptions(workload.ddp_bucket_cap_mb, bool(workload.ddp_gradient_as_bucket_view))
-
-        def build(mesh: Any) -> tuple[Any, ...]:
-            step = build_ddp_preset_step(workload.name, options, mesh, ddp)
-            return step.built.step_fn, tuple(step.built.track), step.setup
-
-    else:
-
-        def build(mesh: Any) -> tuple[Any, ...]:
-            built = build_fsdp_preset_step(workload.name, options, mesh)
-            return built.step_fn, tuple(built.track)
-
-    recording = trace_distributed_step(
-        build,
-        world_size=layout.world_size,
-        mesh_shape=layout.mesh_shape,
-        steps=workload.steps or 2,
-        target=target,
-    )
-    return predict_recording(recording, target=target)
+    Raises:
+        ConfigError: a saved setting or layout that is not one.
+    """
+    return dataclasses.replace(saved_target(data), parallel=saved_parallel(data))
 
 
 def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) -> Any:
-    from oomkit.prediction.models import build_hf_step, build_preset_step
-    from oomkit.prediction.predictor import predict
-
+    """The saved step re-predicted with ``options`` on the saved target (rank 0 of the saved
+    layout, not one GPU): ``remedy_measurement.repredict``."""
     layout = saved_parallel(data)
-    if layout is not None:  # rank 0 of the same layout, not one GPU
-        return _repredict_parallel(data, workload, options, layout)
-    if workload.kind == "hf":
-        built = build_hf_step(workload.name, options, local_files_only=True)
-    else:
-        built = build_preset_step(workload.name, options)
-    return predict(
-        built.step_fn,
-        target=saved_target(data),
-        steps=workload.steps or 2,
-        track=built.track,
-        description=built.description,
-        # A saved --compile prediction (workload.options.compile): its changes are re-predicted
-        # compiled too, or each would be compared eager against the compiled original.
-        compile=bool(options.compile),
-    )
+    if layout is not None:
+        return repredict(workload, dataclasses.replace(saved_target(data), parallel=layout), options)
+    built = rebuild(workload, options)  # first: a workload that cannot be rebuilt says so
+    return predict_rebuilt(workload, built, saved_target(data), options)
 
 
 def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -436,8 +379,8 @@ def saved_compute_capability(data: Mapping[str, Any]) -> tuple[int, int] | None:
 def measured_model_remedies(
     data: Mapping[str, Any], progress: Callable[[int, int], None] | None = None
 ) -> tuple[list[Remedy], list[str]]:
-    """Precision, checkpointing, optimizer, fine-tuning (LoRA, QLoRA, 8-bit AdamW) and
-    batch-size changes, measured by re-predicting.
+    """Precision, checkpointing, optimizer, fine-tuning (LoRA, QLoRA, 8-bit AdamW), ``--fsdp N``
+    and batch-size changes, measured by re-predicting (``remedy_measurement.measure_remedies``).
 
     Args:
         data: a saved ``oomkit predict --json`` whose ``workload`` names a built-in preset or a
@@ -445,12 +388,12 @@ def measured_model_remedies(
             "options": {...}, "steps": N}``; older saves: ``{"preset": ..., "options": ...,
             "steps": N}``).
         progress: called as ``progress(done, total)`` after each change is measured (the
-            batch-size search counts as one), for a progress bar.
+            batch-size search counts as one, so does the ``--fsdp`` search), for a progress bar.
 
     Returns:
-        The remedies (``estimate=False``, confidence high, saving = required reserved bytes
-        before minus after) and warnings; empty when the workload is unknown or torch is
-        missing.
+        The remedies (``MeasuredRemedy``: ``estimate=False``, confidence high, saving =
+        required reserved bytes before minus after, ``fits`` and ``peak_reserved_bytes`` of the
+        re-prediction) and warnings; empty when the workload is unknown or torch is missing.
     """
     workload = workload_from_json(data)
     if workload is None or workload.kind not in _REBUILDABLE:
@@ -464,120 +407,35 @@ def measured_model_remedies(
         base = StepOptions(**known)
     except (TypeError, ValueError) as exc:
         return [], [f"the saved workload's options are not StepOptions ({exc}); estimated"]
-    if base.mode != "train":
-        return [], []
-    required = int(data["required_bytes"])
-    usable = int(data["usable_bytes"])
-    changes: list[tuple[str, Any, str]] = []
-    if base.precision == "fp32":
-        mixed = _mixed_precision_for(saved_compute_capability(data))
-        change: dict[str, Any] = {"precision": mixed.precision}
-        if base.trainer_mixed_precision is not None:  # the Trainer's bf16/fp16: accelerate's too
-            change["trainer_mixed_precision"] = mixed.precision.removesuffix("-mixed")
-        changes.append((mixed.title, change, mixed.code))
-    if base.checkpointing == "none":
-        changes.append(("activation checkpointing", {"checkpointing": "full"}, _CHECKPOINT_CODE))
-    if base.optimizer != "sgd":
-        changes.append(
-            (
-                "SGD with momentum instead of Adam (one optimizer state, not two)",
-                # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
-                {"optimizer": "sgd"}
-                | ({"optimizer_impl": "foreach"} if base.optimizer_impl == "fused" else {}),
-                _SGD_CODE,
-            )
-        )
-    # Changes a model may not take (no default LoRA targets, nothing to quantize): left out.
-    optional = {title for title, _, _ in finetune_changes(base)}
-    changes.extend(finetune_changes(base))
-    out: list[Remedy] = []
-    warnings: list[str] = []
-    total = len(changes) + 1
-    if progress is not None:
-        progress(0, total)
-    for done, (title, change, code) in enumerate(changes, 1):
-        try:
-            new = _repredict(data, workload, dataclasses.replace(base, **change))
-        except TorchRequiredError as exc:  # peft (or transformers) is not installed
-            warnings.append(f"{title}: not measured ({exc})")
-            continue
-        except OomkitError as exc:
-            if title not in optional:
-                return [], [_not_rebuilt(workload, exc)]
-            continue
-        finally:
-            if progress is not None:
-                progress(done, total)
-        saving = required - new.required_bytes
-        if saving <= 0:
-            continue
-        verdict = "fits" if new.fits else "still does not fit"
-        out.append(
-            Remedy(
-                title,
-                saving,
-                "high",
-                code,
-                f"{MEASURED_WHY}: the step needs {format_bytes(new.required_bytes)} reserved "
-                f"instead of {format_bytes(required)} and {verdict} in the "
-                f"{format_bytes(usable)} usable.",
-                estimate=False,
-                # Adapters on frozen (or 4-bit) base weights train another model than before.
-                changes_training=bool(change.keys() & {"lora", "quantize"}),
-            )
-        )
     try:
-        batch = _measured_batch(data, workload, base, required)
+        layout = saved_parallel(data)
+    except ConfigError as exc:
+        return [], [_not_rebuilt(workload, exc)]
+
+    def repredict_with(options: Any, parallel: ParallelLayout | None) -> Any:
+        if parallel is None:
+            return _repredict(data, workload, options)  # looked up at call time: tests spy on it
+        return repredict(workload, dataclasses.replace(saved_target(data), parallel=parallel),
+                         options)
+
+    one_gpu = layout is None and workload.kind == "preset"
+    try:
+        measured, warnings = measure_remedies(
+            base,
+            repredict_with,
+            required_bytes=int(data["required_bytes"]),
+            usable_bytes=int(data["usable_bytes"]),
+            compute_capability=saved_compute_capability(data),
+            fsdp_sizes=FSDP_SIZES if one_gpu else (),
+            progress=progress,
+        )
     except OomkitError as exc:
         return [], [_not_rebuilt(workload, exc)]
-    if progress is not None:
-        progress(total, total)
-    if batch is not None:
-        out.append(batch)
-    return out, warnings
+    return list(measured), warnings
 
 
 def _not_rebuilt(workload: WorkloadSpec, exc: OomkitError) -> str:
     return (
         f"{workload.name} could not be rebuilt to re-predict it ({exc}); model changes were "
         "estimated (run explain where the model's config is, or with its config in the cache)"
-    )
-
-
-def _measured_batch(
-    data: Mapping[str, Any], workload: WorkloadSpec, base: Any, required: int
-) -> Remedy | None:
-    """The largest halved batch that fits, with accumulation steps that keep the batch."""
-    size = base.batch_size
-    for _ in range(_MAX_HALVINGS):
-        if size <= 1:
-            return None
-        size = size // 2
-        try:
-            new = _repredict(data, workload, dataclasses.replace(base, batch_size=size))
-        except ValueError:
-            # The model refuses the smaller batch (BatchNorm needs more than one value per
-            # channel in training, torch.nn.functional._verify_batch_size): no batch remedy.
-            return None
-        if new.fits:
-            break
-    else:
-        return None
-    steps = math.ceil(base.batch_size / size)
-    return Remedy(
-        f"batch size {size} with {steps} gradient-accumulation steps",
-        required - new.required_bytes,
-        "high",
-        f"accumulation_steps = {steps}  # {steps} micro-batches of {size} (was one batch of "
-        f"{base.batch_size})\n"
-        f"loader = DataLoader(dataset, batch_size={size}, shuffle=True)\n"
-        "for i, (inputs, targets) in enumerate(loader):\n"
-        "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
-        "    loss.backward()\n"
-        "    if (i + 1) % accumulation_steps == 0:\n"
-        "        optimizer.step()\n"
-        "        optimizer.zero_grad(set_to_none=True)",
-        f"{MEASURED_WHY}: at batch {size} the step needs {format_bytes(new.required_bytes)} "
-        f"reserved and fits; the effective batch is unchanged.",
-        estimate=False,
     )

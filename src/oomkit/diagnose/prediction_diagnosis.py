@@ -1,4 +1,8 @@
-"""Why a predicted step would run out of memory, from a saved ``oomkit predict --json``.
+"""Why a predicted step would run out of memory: from a ``Prediction``, or a saved ``--json``.
+
+``diagnose_predicted`` reads a ``Prediction`` record (``oomkit explain p.json`` re-predicts the
+scenario a save carries and diagnoses the fresh record); ``diagnose_prediction`` reads a save
+made before saves carried their scenario, field by field, as the documented fallback.
 
 The prediction's ``oom.message`` is the message PyTorch would print on that device, so it goes
 through ``diagnose_oom_text`` with the prediction's GPU (its CUDA-context figure included). The
@@ -12,7 +16,8 @@ description ("GPT-2 124M, batch 8, ..., adamw, train": ``workload_from_descripti
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.diagnose._model_remedies import (
@@ -24,11 +29,15 @@ from oomkit.diagnose._remedies import batch_remedy
 from oomkit.diagnose.attribution import AllocationSite, Attribution
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
+from oomkit.diagnose.remedy_measurement import measured_remedies_of, rank_measured
 from oomkit.errors import OomTextError, PredictionFormatError
 from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
 
-__all__ = ["diagnose_prediction", "is_prediction"]
+if TYPE_CHECKING:
+    from oomkit.prediction.predictor import Prediction
+
+__all__ = ["diagnose_predicted", "diagnose_prediction", "is_prediction"]
 
 # Categories that do not scale with the batch (tracing/categories.py names).
 _STATE_CATEGORIES = ("parameter", "gradient", "optimizer_state", "buffer")
@@ -43,6 +52,18 @@ def _training(workload: WorkloadSpec | None, by_category: Mapping[str, int]) -> 
     if workload is not None and workload.training is not None:
         return workload.training
     return any(by_category.get(c, 0) > 0 for c in ("gradient", "optimizer_state"))
+
+
+def _zero_grad_applies(workload: WorkloadSpec | None, oom: Mapping[str, Any]) -> bool:
+    """Whether ``zero_grad(set_to_none=True)`` could lower this OOM: not for a step that sets
+    it already (oomkit's presets and ``--hf`` steps: models/steps.py ``train_step``), nor for
+    an OOM at step 1 or outside the forward pass, where no earlier step's gradients are alive
+    (torch/optim/optimizer.py ``zero_grad``: set_to_none=False keeps them to the next forward)."""
+    if workload is not None and workload.kind in ("preset", "hf"):
+        return False
+    if oom.get("step") == 1:
+        return False
+    return oom.get("phase") in (None, "forward", "user")
 
 
 def is_prediction(data: object) -> bool:
@@ -60,13 +81,99 @@ def _get(data: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What a diagnosis of a predicted OOM reads, from a record or a save.
+
+    Attributes:
+        message: PyTorch's OOM text for the device.
+        oom_step / oom_phase: the step (from 1) and phase the OOM came in.
+        requested_bytes: the failing request.
+        event_index: the failing alloc's index in the events.
+        gpu: the GPU (its total and context).
+        usable_bytes / required_bytes: what PyTorch may reserve; what the step needs unlimited.
+        allocated_bytes / reserved_bytes / by_category / top_modules: the peak-allocated moment.
+        description: what was predicted.
+        workload: the step as data, where known.
+        compute_capability: the GPU's, where known.
+    """
+
+    message: str
+    oom_step: int | None
+    oom_phase: str | None
+    requested_bytes: int
+    event_index: int | None
+    gpu: GpuSpec
+    usable_bytes: int
+    required_bytes: int | None
+    allocated_bytes: int
+    reserved_bytes: int | None
+    by_category: Mapping[str, int]
+    top_modules: tuple[tuple[str, int], ...]
+    description: str
+    workload: WorkloadSpec | None
+    compute_capability: tuple[int, int] | None
+
+
+Measure = Callable[[Callable[[int, int], None] | None], tuple[list[Any], list[str]]]
+
+
+def diagnose_predicted(
+    prediction: Prediction,
+    *,
+    measure: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Diagnosis:
+    """Diagnose the OOM a ``Prediction`` predicts (``oomkit.explain``, ``explain p.json``).
+
+    Model changes are estimated from memory by category; where the prediction is of a built-in
+    preset or a ``--hf`` model and ``measure`` is true, they are measured by re-predicting the
+    step with each change (``remedy_measurement``), on the prediction's own target.
+
+    Args:
+        prediction: the record (``oomkit.predict`` returns it).
+        measure: re-predict to measure model changes where the workload is known.
+        progress: called as ``progress(done, total)`` while measuring (a progress bar).
+
+    Raises:
+        PredictionFormatError: the prediction fits (there is no OOM to explain).
+    """
+    oom = prediction.oom
+    if oom is None:
+        raise PredictionFormatError(
+            f"the prediction fits with {format_bytes(prediction.headroom_bytes)} headroom: there "
+            "is no OOM to explain. Explain the error text or a snapshot of a run that failed "
+            "instead"
+        )
+    at = prediction.peak_allocated_at
+    facts = _Facts(
+        message=oom.message,
+        oom_step=oom.step,
+        oom_phase=oom.phase,
+        requested_bytes=oom.requested_bytes,
+        event_index=oom.event_index,
+        gpu=prediction.gpu,
+        usable_bytes=prediction.usable_bytes,
+        required_bytes=prediction.required_bytes,
+        allocated_bytes=at.allocated_bytes,
+        reserved_bytes=at.reserved_bytes,
+        by_category=dict(at.by_category_bytes),
+        top_modules=tuple(at.top_modules),
+        description=prediction.description,
+        workload=prediction.workload,
+        compute_capability=prediction.gpu.compute_capability,
+    )
+    return _diagnose(facts, lambda bar: measured_remedies_of(prediction, bar), measure, progress)
+
+
 def diagnose_prediction(
     data: Mapping[str, Any],
     *,
     measure: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> Diagnosis:
-    """Diagnose the OOM a saved prediction predicts.
+    """Diagnose the OOM a saved prediction predicts, from its fields (saves made before they
+    carried their scenario; newer ones are re-predicted and go to ``diagnose_predicted``).
 
     Model changes (mixed precision, checkpointing, optimizer, ...) are estimated from memory by
     category. Where the prediction names a built-in preset or a ``--hf`` model (its
@@ -103,17 +210,55 @@ def diagnose_prediction(
     gpu_data = _get(data, "gpu", Mapping)
     capacity = _get(data, "capacity_bytes", int)
     context = _get(data, "context_overhead_bytes", int)
-    gpu = GpuSpec(str(gpu_data.get("name", "the predicted GPU")), capacity, context)
+    at = _get(data, "peak_allocated_at", Mapping)
+    required = data.get("required_bytes")
+    reserved = at.get("reserved_bytes")
+    step, phase, index = oom.get("step"), oom.get("phase"), oom.get("event_index")
+    facts = _Facts(
+        message=str(oom.get("message", "")),
+        oom_step=step if isinstance(step, int) else None,
+        oom_phase=phase if isinstance(phase, str) else None,
+        requested_bytes=_get(oom, "requested_bytes", int),
+        event_index=index if isinstance(index, int) else None,
+        gpu=GpuSpec(str(gpu_data.get("name", "the predicted GPU")), capacity, context),
+        usable_bytes=_get(data, "usable_bytes", int),
+        required_bytes=required if isinstance(required, int) else None,
+        allocated_bytes=_get(at, "allocated_bytes", int),
+        reserved_bytes=reserved if isinstance(reserved, int) else None,
+        by_category={str(k): int(v) for k, v in dict(at.get("by_category_bytes", {})).items()},
+        top_modules=tuple(
+            (str(m["module"]), int(m["bytes"]))
+            for m in at.get("top_modules", ())
+            if isinstance(m, Mapping) and "module" in m and "bytes" in m
+        ),
+        description=str(data.get("description", "")),
+        # The workload as data; saves from before the record fall back to the description.
+        workload=workload_from_json(data),
+        compute_capability=saved_compute_capability(data),
+    )
+    return _diagnose(
+        facts, lambda bar: measured_model_remedies(data, bar), measure, progress
+    )
+
+
+def _diagnose(
+    facts: _Facts,
+    measured_remedies: Measure,
+    measure: bool,
+    progress: Callable[[int, int], None] | None,
+) -> Diagnosis:
+    """The diagnosis of a predicted OOM from its facts; ``measured_remedies(progress)`` re-predicts
+    the model changes (called only when ``measure`` and the workload can be rebuilt)."""
     try:
-        parsed = parse_oom_text(str(oom.get("message", "")))
+        parsed = parse_oom_text(facts.message)
     except OomTextError as exc:
         raise PredictionFormatError(
-            f"the saved prediction's oom.message is not an OOM message ({exc})"
+            f"the prediction's OOM message is not an OOM message ({exc})"
         ) from exc
-    base = diagnose_oom_text(parsed, gpu)
+    base = diagnose_oom_text(parsed, facts.gpu)
     causes = list(base.causes)
-    required, usable = data.get("required_bytes"), data.get("usable_bytes")
-    if isinstance(required, int) and isinstance(usable, int) and required > usable:
+    required, usable = facts.required_bytes, facts.usable_bytes
+    if required is not None and required > usable:
         # The message sees one request; the prediction saw the whole step: what it needs on a
         # device without limit, against what this one offers.
         causes = [f for f in causes if f.cause != "shortage"]
@@ -132,14 +277,10 @@ def diagnose_prediction(
         )
         causes.sort(key=lambda f: -f.explained_bytes)
 
-    at = _get(data, "peak_allocated_at", Mapping)
-    by_category = {str(k): int(v) for k, v in dict(at.get("by_category_bytes", {})).items()}
-    requested = _get(oom, "requested_bytes", int)
-    allocated = _get(at, "allocated_bytes", int)
+    by_category = facts.by_category
+    requested, allocated = facts.requested_bytes, facts.allocated_bytes
     steady = sum(by_category.get(c, 0) for c in _STATE_CATEGORIES)
-    description = str(data.get("description", ""))
-    # The workload as data; saves from before the record fall back to reading the description.
-    workload = workload_from_json(data)
+    workload = facts.workload
     training = _training(workload, by_category)
     warnings = list(base.warnings)
     # Under LoRA only the adapters train: the parameter bytes say nothing of their gradients
@@ -161,13 +302,12 @@ def diagnose_prediction(
             "the OOM came before gradients and optimizer state existed; they were estimated "
             "from the parameter bytes for the batch-size remedy"
         )
-    required = data.get("required_bytes")
     batch = None
     if not (lora and training and "gradient" not in by_category):
         batch = batch_remedy(
-            need_bytes=required if isinstance(required, int) else allocated + requested,
+            need_bytes=required if required is not None else allocated + requested,
             steady_bytes=steady,
-            available_bytes=_get(data, "usable_bytes", int),
+            available_bytes=usable,
             batch_size=None if workload is None else workload.batch_size,
             measured_from="the prediction's memory by category",
         )
@@ -177,14 +317,17 @@ def diagnose_prediction(
         precision=None if workload is None else workload.precision,
         optimizer=None if workload is None else workload.optimizer,
         checkpointing=None if workload is None else workload.checkpointing,
-        description=description,
-        compute_capability=saved_compute_capability(data),
+        description=facts.description,
+        compute_capability=facts.compute_capability,
         frozen_base=lora,
+        zero_grad_applies=_zero_grad_applies(
+            workload, {"step": facts.oom_step, "phase": facts.oom_phase}
+        ),
     )
     if batch is not None:
         model.append(batch)
     if measure and workload is not None and workload.kind in ("preset", "hf"):
-        measured, measure_warnings = measured_model_remedies(data, progress)
+        measured, measure_warnings = measured_remedies(progress)
         warnings.extend(measure_warnings)
         if measured:
             # A measured figure replaces the estimate of the same change.
@@ -194,28 +337,27 @@ def diagnose_prediction(
                 r for r in model if r.title not in titles and not (measured_batch and r is batch)
             ]
             model.extend(measured)
-    remedies = list(base.remedies) + model
-    remedies.sort(key=lambda remedy: remedy.rank_key(base.deficit_bytes))
+    # The step's own shortfall, not the one request's: what a remedy must save to fit.
+    deficit = base.deficit_bytes
+    if required is not None and required > usable:
+        deficit = required - usable
+    remedies = rank_measured(list(base.remedies) + model, deficit)
 
-    sites = tuple(
-        AllocationSite(None, None, None, str(m["module"]), int(m["bytes"]), 1)
-        for m in at.get("top_modules", ())
-        if isinstance(m, Mapping) and "module" in m and "bytes" in m
-    )
+    sites = tuple(AllocationSite(None, None, None, m, b, 1) for m, b in facts.top_modules)
     attribution = Attribution(
         moment="oom",
-        event_index=oom.get("event_index") if isinstance(oom.get("event_index"), int) else None,
+        event_index=facts.event_index,
         allocated_bytes=allocated,
-        by_category_bytes=by_category,
+        by_category_bytes=dict(by_category),
         top_sites=sites,
     )
     figures = {
         "requested_bytes": requested,
         "allocated_bytes": allocated,
-        "reserved_bytes": at.get("reserved_bytes"),
-        "total_bytes": capacity,
-        "required_bytes": data.get("required_bytes"),
-        "usable_bytes": data.get("usable_bytes"),
+        "reserved_bytes": facts.reserved_bytes,
+        "total_bytes": facts.gpu.total_memory_bytes,
+        "required_bytes": required,
+        "usable_bytes": usable,
     }
     return Diagnosis(
         cause=causes[0].cause,
@@ -226,5 +368,5 @@ def diagnose_prediction(
         warnings=tuple(warnings),
         source="prediction",
         attribution=attribution,
-        figures_bytes={k: v for k, v in figures.items() if isinstance(v, int) or v is None},
+        figures_bytes=figures,
     )

@@ -36,6 +36,7 @@ This module never imports torch at import time; a probe imports ``oomkit.predict
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target, resolve_target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count
+from oomkit.plan._batch_grid import Grid, grid_words, search_grid
+from oomkit.plan.batch_advice import infeasible_advice, infeasible_message
 from oomkit.plan.batch_probe import (
     DEFAULT_MARGIN_FRACTION,
     MIN_DEFAULT_MARGIN_BYTES,
@@ -70,6 +73,8 @@ __all__ = [
     "GpuFit",
     "SmallestGpuResult",
     "default_margin_bytes",
+    "infeasible_advice",
+    "infeasible_message",
     "max_batch_size",
     "smallest_gpu",
 ]
@@ -113,6 +118,15 @@ class BatchSearchResult:
         warnings: what the predictions do not model, and what the search noticed.
         target: the machine searched for (``gpu``, ``alloc_conf`` are its parts), without the
             margin.
+        with_retries_batch_size: a larger batch that fits only with the allocator freeing its
+            cache and retrying (``num_alloc_retries``: CUDACachingAllocator.cpp malloc,
+            ``release_cached_blocks`` then a second cudaMalloc; each cudaFree synchronizes the
+            device); ``None`` when the answer is the largest that fits at all.
+        with_retries_count: the retries at ``with_retries_batch_size`` (0 when it is None).
+        non_monotonic: ``(fits, fails)``: a batch that fits above a smaller one that does not,
+            from the sizes tried; ``None`` when the curve is monotonic. The verdict explains it.
+        multiple_of: every size tried is a multiple of this (``None``: any size).
+        power_of_two: every size tried is a power of two (times ``multiple_of``).
     """
 
     batch_size: int
@@ -138,6 +152,11 @@ class BatchSearchResult:
     target: Target | None = None
     synthesized: int = 0
     unused_ahead: int = 0
+    with_retries_batch_size: int | None = None
+    with_retries_count: int = 0
+    non_monotonic: tuple[int, int] | None = None
+    multiple_of: int | None = None
+    power_of_two: bool = False
 
     @property
     def answer(self) -> BatchProbe:
@@ -149,8 +168,15 @@ class BatchSearchResult:
 _SEARCHES = INTERPOLATED_SEARCHES
 
 
-def _search(prober: BatchProber, start_batch: int, max_batch: int) -> tuple[int, int | None]:
-    """(largest size found to fit, 0 for none; smallest found not to, None for none)."""
+def _search(
+    prober: BatchProber, start_batch: int, max_batch: int, grid: Grid | None = None
+) -> tuple[int, int | None]:
+    """(largest size found to fit, 0 for none; smallest found not to, None for none).
+
+    ``start_batch`` and ``max_batch`` are indices of ``grid`` (sizes themselves for the plain
+    grid); so are the two returned.
+    """
+    grid = grid or Grid()
     # Bracket: double from start_batch until a size does not fit or max_batch fits.
     lo, hi = 0, None  # lo: largest size known to fit (0: none); hi: smallest known not to
     batch = start_batch
@@ -161,8 +187,8 @@ def _search(prober: BatchProber, start_batch: int, max_batch: int) -> tuple[int,
         if batch < max_batch and (not prober.interpolating or not prober.traced_any):
             # The next size is traced too if this one fits: every size without interpolation,
             # and the second of the two sizes it learns from with it.
-            prober.trace_ahead([min(2 * batch, max_batch)])
-        if prober.fits(batch, remaining, synthesize=batch < max_batch):
+            prober.trace_ahead([grid.size(min(2 * batch, max_batch))])
+        if prober.fits(grid.size(batch), remaining, synthesize=batch < max_batch):
             lo = batch
             if batch >= max_batch:
                 break
@@ -177,11 +203,16 @@ def _search(prober: BatchProber, start_batch: int, max_batch: int) -> tuple[int,
         # straight away, as confirming a synthesized one would trace it anyway; the size on
         # either side of it is confirmed next, so both are traced ahead meanwhile.
         last = hi - lo <= 2
-        if last and prober.traces_ahead and prober.interpolating and not prober.traced(mid):
+        if (
+            last
+            and prober.traces_ahead
+            and prober.interpolating
+            and not prober.traced(grid.size(mid))
+        ):
             # Whichever of the two the synthesis of mid says the answer needs, first.
-            pair = [hi, lo] if prober.likely_fits(mid) else [lo, hi]
-            prober.trace_ahead(b for b in pair if b)
-        if prober.fits(mid, _bisect_probes(lo, hi) - 1, synthesize=not last):
+            pair = [hi, lo] if prober.likely_fits(grid.size(mid)) else [lo, hi]
+            prober.trace_ahead(grid.size(b) for b in pair if b)
+        if prober.fits(grid.size(mid), _bisect_probes(lo, hi) - 1, synthesize=not last):
             lo = mid
         else:
             hi = mid
@@ -202,6 +233,48 @@ def _doubling_probes(batch_size: int, max_batch: int) -> int:
     return count
 
 
+def _retries(probe: BatchProbe) -> int:
+    """The allocator's free-cache-and-retry count of the probe's most retrying part."""
+    return max(probe.train.num_alloc_retries, probe.eval.num_alloc_retries if probe.eval else 0)
+
+
+def _without_retries(prober: BatchProber, lo: int, grid: Grid) -> int:
+    """The largest index at most ``lo`` whose size fits with no allocator retry (0: none).
+
+    Retries grow with the batch near the limit, so the clean sizes are bisected for between
+    the largest clean size tried below ``lo`` and ``lo``; each size traced, as an answer is.
+    """
+
+    def clean(index: int) -> bool:
+        probe = prober.probes[grid.size(index)]
+        return probe.fits and _retries(probe) == 0
+
+    if clean(lo):
+        return lo
+    on_grid = [grid.index_at_most(b) for b in prober.probes]
+    tried = [i for i in on_grid if 0 < i < lo and grid.size(i) in prober.probes]
+    low = max((i for i in tried if clean(i)), default=0)
+    high = lo
+    while high - low > 1:
+        mid = (low + high) // 2
+        prober.fits(grid.size(mid), _bisect_probes(low, high) - 1, synthesize=False)
+        if clean(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def _non_monotonic(curve: Sequence[BatchProbe]) -> tuple[int, int] | None:
+    """``(fits, fails)``: the largest batch that fits above a smaller one that does not."""
+    failing = [p.batch_size for p in curve if not p.fits]
+    for probe in reversed(curve):
+        below = [b for b in failing if b < probe.batch_size]
+        if probe.fits and below:
+            return probe.batch_size, min(below)
+    return None
+
+
 def max_batch_size(
     build_step: StepBuilder,
     *,
@@ -218,6 +291,9 @@ def max_batch_size(
     target: Target | None = None,
     interpolate: bool = True,
     jobs: int | None = 1,
+    multiple_of: int | None = None,
+    power_of_two: bool = False,
+    allow_retries: bool = False,
 ) -> BatchSearchResult:
     """The largest batch size whose step fits on ``gpu``, found by prediction.
 
@@ -279,6 +355,15 @@ def max_batch_size(
             left idle while the search synthesizes. The builder then runs in those
             processes too (a builder with side effects outside its process, such as files it
             writes, should keep 1).
+        multiple_of: try only multiples of this (``8``: tensor-core friendly sizes, or the
+            data-parallel degree); ``None``: any size. ``start_batch`` is rounded up to one.
+        power_of_two: try only powers of two (times ``multiple_of``, which must then be a power
+            of two too).
+        allow_retries: answer the largest batch that fits even when the allocator must free
+            its cache and retry to serve it (``num_alloc_retries``; each cudaFree synchronizes
+            the GPU, so such a run is slower and one step from an OOM). Default: the largest
+            that fits without, the larger one with retries given as
+            ``with_retries_batch_size``.
 
     Returns:
         The largest fitting batch size, its peaks, the curve of every size tried, and the
@@ -300,6 +385,7 @@ def max_batch_size(
     check_positive("start_batch", start_batch, "max_batch_size(build, gpu='rtx4090', start_batch=8)")
     check_positive("max_batch", max_batch, "max_batch_size(build, gpu='rtx4090', max_batch=4096)")
     processes = process_count(jobs)
+    grid = search_grid(multiple_of, power_of_two)
     if start_batch > max_batch:
         raise ValueError(
             f"start_batch ({start_batch}) is above max_batch ({max_batch}); lower start_batch or "
@@ -335,9 +421,15 @@ def max_batch_size(
         jobs=processes,
     )
 
+    first_index, last_index = grid.index_at_least(start_batch), grid.index_at_most(max_batch)
+    if first_index > last_index:
+        raise ValueError(
+            f"no size from start_batch {start_batch} to max_batch {max_batch} is "
+            f"{grid_words(grid)}; raise max_batch"
+        )
     with frozen_heap() as prober.freeze:
         try:
-            lo, hi = _search(prober, start_batch, max_batch)
+            lo, hi = _search(prober, first_index, last_index, grid)
             # The answer rests on lo fitting and hi not: trace them if they were synthesized.
             # Where a traced recording is not the synthesized one, search again, learning from
             # it too; after _SEARCHES searches, with traces only.
@@ -348,31 +440,59 @@ def max_batch_size(
                     prober.forget_synthesized()
                 else:
                     prober.fall_back()
-                lo, hi = _search(prober, start_batch, max_batch)
+                lo, hi = _search(prober, first_index, last_index, grid)
+            clean = lo if allow_retries or lo == 0 else _without_retries(prober, lo, grid)
         finally:
             prober.stop_ahead()
     prober.close()
     if lo == 0:
-        first = prober.probes[1]
+        first = prober.probes[grid.size(first_index)]
         raise NoFeasibleBatchSizeError(
-            _infeasible_message(first, spec, margin),
+            infeasible_message(first, spec, margin),
             needed_reserved_bytes=first.peak_reserved_bytes,
             usable_bytes=usable,
             margin_bytes=margin,
         )
-    return _result(prober, lo, hi, target, margin, margin_bytes is None, steps, max_batch)
-
-
-def _infeasible_message(probe: BatchProbe, spec: GpuSpec, margin: int) -> str:
-    return (
-        f"not even batch 1 fits on {spec.name}: {probe.limiting_step} needs "
-        f"{format_bytes(probe.peak_reserved_bytes)} reserved, and of the "
-        f"{format_bytes(spec.usable_bytes())} usable a margin of {format_bytes(margin)} must "
-        "stay free. Try a GPU "
-        "with more memory (`oomkit fit TARGET --batch 1 --smallest-gpu` names the smallest), "
-        "mixed precision (--precision bf16-mixed), activation checkpointing (--checkpointing), "
-        "a shorter sequence, an optimizer with less state (sgd), or a smaller margin (--margin)."
+    # With every fitting size retrying, the answer is the largest that fits, and says so.
+    answer = clean or lo
+    result = _result(
+        prober, grid.size(answer), None if hi is None else grid.size(hi), target, margin,
+        margin_bytes is None, steps, max_batch,
     )
+    larger = grid.size(lo) if answer != lo else None
+    return dataclasses.replace(
+        result,
+        with_retries_batch_size=larger,
+        with_retries_count=0 if larger is None else _retries(prober.probes[larger]),
+        non_monotonic=_non_monotonic(result.curve),
+        multiple_of=multiple_of,
+        power_of_two=bool(power_of_two),
+        warnings=tuple(dedupe([*result.warnings, *_grid_warnings(result, larger, prober, grid)])),
+    )
+
+
+def _grid_warnings(
+    result: BatchSearchResult, larger: int | None, prober: BatchProber, grid: Grid
+) -> list[str]:
+    out = []
+    if larger is not None:
+        out.append(
+            f"batch {larger} fits too, but only with the allocator freeing its cache and "
+            f"retrying {_retries(prober.probes[larger])} time(s) (each cudaFree synchronizes the "
+            f"GPU: slower, and one step from an OOM); {result.batch_size} is the largest without"
+        )
+    pair = _non_monotonic(result.curve)
+    if pair is not None:
+        fits, fails = pair
+        out.append(
+            f"the curve is not monotonic: batch {fits} fits but the smaller batch {fails} does "
+            "not. The caching allocator's placement changes with the request sizes (requests "
+            "under 1 MiB share 2 MiB segments, under 10 MiB 20 MiB ones, larger ones are rounded "
+            "to 2 MiB: CUDACachingAllocator.cpp get_allocation_size), and so does the cache it "
+            "can free: a size can fit where a smaller one fragments. The answer is the largest "
+            "size tried that fits"
+        )
+    return out
 
 
 def _result(

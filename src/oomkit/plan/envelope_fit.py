@@ -26,6 +26,7 @@ from functools import partial
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count, run_forked_or_here
+from oomkit.plan.batch_advice import infeasible_advice
 from oomkit.plan.batch_probe import resolve_margin
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES, TraceInterpolator
@@ -67,9 +68,13 @@ class EnvelopeFit:
     synthesized: int = 0
 
 
-def _infeasible(probe: EnvelopeProbe, target: Target, margin: int) -> NoFeasibleBatchSizeError:
-    """Not even ``probe``'s batch (1) runs the whole run: what it needs, or where it runs out."""
+def _infeasible(
+    probe: EnvelopeProbe, target: Target, margin: int, description: str = ""
+) -> NoFeasibleBatchSizeError:
+    """Not even ``probe``'s batch (1) runs the whole run: what it needs, or where it runs out,
+    and what to try, from the step's ``description`` (``batch_advice.infeasible_advice``)."""
     worst = format_bytes(probe.worst_peak_reserved_bytes)
+    advice = infeasible_advice(description, target.gpu.compute_capability)
     if probe.first_oom_step is not None:
         # The replay stops at the OOM: what it reserved by then is not what the step needs.
         what = f"its step {probe.first_oom_step} runs out of memory ({worst} reserved before it did)"
@@ -78,9 +83,8 @@ def _infeasible(probe: EnvelopeProbe, target: Target, margin: int) -> NoFeasible
     return NoFeasibleBatchSizeError(
         f"not even batch 1 runs the whole run on {target.gpu.name}: {what}, and of the "
         f"{format_bytes(target.usable_bytes)} usable a margin of {format_bytes(margin)} must stay "
-        "free. Try a GPU with more memory, mixed precision (--precision bf16-mixed), activation "
-        "checkpointing (--checkpointing), shorter sequences (truncate the longest the run will "
-        "see), or a smaller margin (--margin).",
+        f"free. Try {', '.join(advice)} (truncate the longest the run will see), a smaller "
+        "margin (--margin), or a GPU with more memory.",
         needed_reserved_bytes=None if probe.first_oom_step is not None else probe.worst_peak_reserved_bytes,
         usable_bytes=target.usable_bytes,
         margin_bytes=margin,
@@ -264,7 +268,10 @@ def max_batch_for_run(
             order.clear()
             low, high = _search(fits, start_batch, max_batch)
     if low == 0:
-        raise _infeasible(probes[order[-1]], target, margin)
+        failed = order[-1]
+        raise _infeasible(
+            probes[failed], target, margin, envelopes[failed].prediction.description
+        )
     return EnvelopeFit(
         low,
         envelopes[low],

@@ -69,6 +69,11 @@ class OomPoint:
         requested_bytes: the request, unrounded.
         message: PyTorch's ``torch.OutOfMemoryError`` text for this device.
         frame: the user's own source line that triggered it (``file.py:12 in step``), if known.
+        phase: where the step was (``forward``, ``backward``, ``optimizer``; ``user`` outside
+            any module, backward or optimizer step), if recorded (the tracer's ``phase`` tag).
+        parameter: for a gradient or optimizer state, the parameter it serves, in full
+            (``layers.7.mlp.gate_proj.weight``).
+        optimizer: for optimizer state, the optimizer's class (``AdamW``).
     """
 
     event_index: int
@@ -79,6 +84,9 @@ class OomPoint:
     requested_bytes: int
     message: str
     frame: str | None = None
+    phase: str | None = None
+    parameter: str | None = None
+    optimizer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -385,7 +393,17 @@ def _oom_point(
         requested_bytes=event.size,
         message=str(error),
         frame=frame,
+        phase=tags.get("phase"),
+        parameter=_parameter_path(tags.get("module"), tags.get("parameter")),
+        optimizer=tags.get("optimizer"),
     )
+
+
+def _parameter_path(module: str | None, name: str | None) -> str | None:
+    """``layers.7.mlp.gate_proj`` + ``weight`` -> ``layers.7.mlp.gate_proj.weight``."""
+    if name is None:
+        return None
+    return f"{module}.{name}" if module else name
 
 
 def _warnings(

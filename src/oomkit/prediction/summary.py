@@ -12,7 +12,7 @@ from oomkit.prediction.module_groups import group_modules
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:  # predictor.py imports this module
-    from oomkit.prediction.predictor import Prediction
+    from oomkit.prediction.predictor import OomPoint, Prediction
 
 __all__ = [
     "COMPILED_EAGERLY",
@@ -21,6 +21,8 @@ __all__ = [
     "header_line",
     "module_label",
     "nothing_recorded",
+    "oom_phase",
+    "oom_place",
     "prediction_summary",
     "precision_note",
     "verdict_line",
@@ -88,10 +90,8 @@ def verdict_line(prediction: Prediction) -> str:
     else:
         oom = p.oom
         where = "before the first step" if oom.step is None else f"at step {oom.step}"
-        place = "" if oom.module is None else f" in {module_label(oom.module)}"
-        op = "" if oom.op is None else f" ({oom.op})"
         line = (
-            f"would OOM {where}{place}{op} requesting {format_bytes(oom.requested_bytes)} on "
+            f"would OOM {where} {oom_place(oom)} requesting {format_bytes(oom.requested_bytes)} on "
             f"{on}: the step needs about {format_bytes(p.required_bytes)} reserved, "
             f"{format_bytes(-p.headroom_bytes)} more than the {format_bytes(p.usable_bytes)} "
             "usable"
@@ -105,6 +105,56 @@ def verdict_line(prediction: Prediction) -> str:
     elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
         line += " (torch.compile: compiled, Inductor fusion emulated)"
     return line
+
+
+# Ops of a cross-entropy loss (torch/nn/functional.py cross_entropy: log_softmax then
+# nll_loss; autocast's fp32 copy of the logits is made by the loss's own call).
+_LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy", "mse_loss", "binary_cross_entropy")
+
+
+def oom_phase(oom: OomPoint) -> str | None:
+    """The phase an OOM falls in: ``forward``, ``loss``, ``backward``, ``optimizer step``,
+    ``optimizer state creation``; ``None`` where the recording did not say (older saves).
+
+    From the tracer's tags: the ``phase`` the step was in, the allocation's category (optimizer
+    state made inside ``optimizer.step()``: torch/optim/adam.py ``_init_group`` makes
+    ``exp_avg`` / ``exp_avg_sq`` with ``zeros_like`` at a parameter's first step), and for the
+    loss its op or module (a ``...Loss`` module, or log_softmax / nll_loss called outside one).
+    """
+    op = (oom.op or "").removeprefix("aten.").split(".")[0].lstrip("_")
+    module = (oom.module or "").rsplit(".", 1)[-1]
+    if oom.phase == "optimizer":
+        return "optimizer state creation" if oom.category == "optimizer_state" else "optimizer step"
+    if oom.phase == "backward":
+        return "backward"
+    if oom.phase in ("forward", "user") and (op in _LOSS_OPS or module.endswith("Loss")):
+        return "loss"
+    return "forward" if oom.phase == "forward" else None
+
+
+def oom_place(oom: OomPoint) -> str:
+    """Where an OOM happens, in words, for the verdict.
+
+    ``in optimizer.step(): AdamW state for layers.7.mlp.gate_proj.weight (aten.zeros_like.default)``;
+    ``in the backward pass in layers.3.attn (aten.mm.default)``; ``in the forward pass in h.0``.
+    """
+    phase = oom_phase(oom)
+    op = "" if oom.op is None else f" ({oom.op})"
+    module = "" if oom.module is None else f" in {module_label(oom.module)}"
+    if phase in ("optimizer state creation", "optimizer step"):
+        if oom.category == "optimizer_state" and oom.parameter is not None:
+            owner = f"{oom.optimizer} state" if oom.optimizer else "optimizer state"
+            return f"in optimizer.step(): {owner} for {oom.parameter}{op}"
+        by = f" ({oom.optimizer})" if oom.optimizer else ""
+        return f"in optimizer.step(){by}{module}{op}"
+    if phase == "backward":
+        grad = f": the gradient of {oom.parameter}" if oom.parameter is not None else ""
+        return f"in the backward pass{module}{grad}{op}"
+    if phase == "loss":
+        return f"in the loss{module}{op}"
+    if phase == "forward":
+        return f"in the forward pass{module}{op}"
+    return f"{module.lstrip()}{op}".strip() or "in the step"
 
 
 def header_line(prediction: Prediction) -> str:

@@ -22,7 +22,7 @@ __all__ = [
     "workload_to_json",
 ]
 
-WorkloadKind = Literal["preset", "function", "hf", "unknown"]
+WorkloadKind = Literal["preset", "function", "hf", "script", "unknown"]
 _KINDS: tuple[WorkloadKind, ...] = get_args(WorkloadKind)
 # StepOptions fields (oomkit.prediction.models.options), saved as ``workload.options``, with the
 # type ``workload_from_json`` reads each back as (``float``: any number; ``checkpointing``: also
@@ -46,6 +46,8 @@ _OPTION_TYPES: dict[str, type] = {
     "checkpoint_reentrant": bool,
     "compile": bool,
     "trainer_mixed_precision": str,
+    "hf_class": str,
+    "attn_implementation": str,
 }
 # The fine-tuning fields are saved only when they differ from StepOptions' defaults (None when
 # not known), so that saves of other workloads keep the keys older oomkit wrote.
@@ -60,6 +62,8 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "checkpoint_reentrant": False,
     "compile": False,
     "trainer_mixed_precision": None,
+    "hf_class": None,
+    "attn_implementation": None,
 }
 _OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "torch-adafactor")
 
@@ -104,6 +108,9 @@ class WorkloadSpec:
             DDP's default, or not DDP.
         ddp_gradient_as_bucket_view: ``--gradient-as-bucket-view``; ``None``: not DDP (or an
             older save).
+        hf_class: ``StepOptions.hf_class`` (``--hf`` only; ``None``: from the config).
+        attn_implementation: ``StepOptions.attn_implementation`` (``--hf`` only; ``None``: the
+            config's, else sdpa).
     """
 
     kind: WorkloadKind
@@ -130,6 +137,8 @@ class WorkloadSpec:
     precision_source: str | None = None
     ddp_bucket_cap_mb: float | None = None
     ddp_gradient_as_bucket_view: bool | None = None
+    hf_class: str | None = None
+    attn_implementation: str | None = None
 
     @property
     def training(self) -> bool | None:

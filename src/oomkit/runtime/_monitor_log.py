@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oomkit._files import input_file_error
 from oomkit.errors import MonitorLogError
 
 __all__ = [
@@ -101,6 +103,76 @@ class StepRecord:
 
 
 _FIELDS = dataclasses.fields(StepRecord)
+
+# torch.cuda.memory_stats() counts are int64 and byte counts size_t: every count in a log is a
+# whole number in 0 to 2**64 - 1; times are finite seconds. A string, a list, Infinity or a
+# 400-digit number is damage, and would become a wrong figure or invalid JSON in a report.
+_U64 = 1 << 64
+_COUNTS = frozenset(
+    {
+        "step",
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "inactive_split_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "num_alloc_retries",
+        "num_ooms",
+        "num_device_alloc",
+        "num_device_free",
+        "largest_free_block_bytes",
+        "device_used_bytes",
+        "max_inactive_split_bytes",
+        "max_device_used_bytes",
+        "capacity_bytes",
+        "steps",
+        "last_step",
+    }
+)
+_SECONDS = frozenset({"time_s", "step_time_s", "mean_step_time_s"})
+# c10d ranks are int (ProcessGroup::getRank).
+_RANK_LIMIT = 1 << 31
+
+
+def _field_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the log field ``key``; None when it can (or is not checked)."""
+    if value is None:
+        return None
+    if key in _COUNTS:
+        if type(value) is not int or not 0 <= value < _U64:
+            return "a whole number of 0 to 2**64 - 1"
+    elif key in _SECONDS:
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+            return "a finite number of seconds >= 0"
+    elif key == "rank":
+        if type(value) is not int or not 0 <= value < _RANK_LIMIT:
+            return "a rank: a whole number of 0 to 2**31 - 1"
+    elif key == "device" and type(value) is not str:
+        return "a device name (a string)"
+    return None
+
+
+def _check_fields(data: dict[str, Any], where: str) -> None:
+    """Refuse the first field of a log line (header, record or summary) of the wrong type.
+
+    Raises:
+        MonitorLogError: naming ``where`` (the file and line), the field and what it must be.
+    """
+    for key, value in data.items():
+        problem = _field_problem(key, value) if type(key) is str else None
+        if problem is not None:
+            raise MonitorLogError(
+                f"{where}: {key!r} is {_short(value)}, not {problem}; the log is damaged or was "
+                "not written by oomkit.Monitor (write one with oomkit.Monitor(log_path=...))"
+            )
+
+
+def _short(value: Any) -> str:
+    if type(value) is int:
+        return str(value) if -(10**30) < value < 10**30 else f"a {value.bit_length()}-bit number"
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -191,16 +263,20 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
     """Read a monitor JSONL log; a truncated last line (a run killed mid-write) is dropped.
 
     Raises:
-        MonitorLogError: not a monitor log, or a damaged line before the last one.
-        OSError: the file cannot be read.
+        MonitorLogError: not a monitor log, a damaged line before the last one, or a field of
+            the wrong type or range (naming the line and field).
+        InputFileError: the file cannot be read.
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise input_file_error(path, exc, what="monitor log") from None
     if not lines or not lines[0].strip():
         raise MonitorLogError(f"{path}: empty file; a monitor log starts with a header line")
     try:
         header = json.loads(lines[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict) or HEADER_KEY not in header:
         raise MonitorLogError(
@@ -218,6 +294,7 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
             f"{path}: log format {header[HEADER_KEY]} is newer than this oomkit reads "
             f"({LOG_FORMAT_VERSION}); upgrade oomkit"
         )
+    _check_fields(header, f"{path}:1 (header)")
     records: list[StepRecord] = []
     gathered: tuple[MonitorSummary, ...] = ()
     truncated = False
@@ -227,16 +304,23 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
             continue
         try:
             data = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             if number == len(lines):
                 truncated = True  # the writer was killed mid-line: keep what came before
                 break
             raise MonitorLogError(f"{path}:{number}: damaged line ({exc})") from exc
         if not isinstance(data, dict):
             raise MonitorLogError(f"{path}:{number}: expected a JSON object")
+        where = f"{path}:{number}"
         if GATHERED_KEY in data:
-            gathered = tuple(MonitorSummary.from_json(s) for s in data[GATHERED_KEY])
+            summaries = data[GATHERED_KEY]
+            if not isinstance(summaries, list) or not all(isinstance(x, dict) for x in summaries):
+                raise MonitorLogError(f"{where}: {GATHERED_KEY!r} is not a list of objects")
+            for summary in summaries:
+                _check_fields(summary, where)
+            gathered = tuple(MonitorSummary.from_json(x) for x in summaries)
             continue
+        _check_fields(data, where)
         records.append(StepRecord.from_json(data))
     return MonitorLog(path, header, tuple(records), gathered, truncated)
 
@@ -253,11 +337,14 @@ def is_monitor_log(path: str | os.PathLike[str]) -> bool:
     Raises:
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as stream:
-        first = stream.readline(_HEADER_PROBE_BYTES)
+    try:
+        with open(path, "rb") as stream:
+            first = stream.readline(_HEADER_PROBE_BYTES)
+    except OSError as exc:
+        raise input_file_error(path, exc, what="monitor log") from None
     try:
         header = json.loads(first)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(header, dict) and HEADER_KEY in header
 

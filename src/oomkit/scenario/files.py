@@ -30,8 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from oomkit.errors import ScenarioError
-from oomkit.scenario.model import SCENARIO_VERSION, Scenario
-from oomkit.scenario.sections import section_flag
+from oomkit.scenario.model import SCENARIO_VERSION, Scenario, section_flag
 
 if sys.version_info >= (3, 11):
     import tomllib

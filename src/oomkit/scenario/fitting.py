@@ -99,7 +99,8 @@ class _Builders:
         assert name is not None
         step = self.scenario.step
         user = load_user_step(
-            name, batch_size=batch_size, seq_len=step.seq, image_size=step.image_size
+            name, batch_size=batch_size, seq_len=step.seq, image_size=step.image_size,
+            gpu=self._target.gpu,
         )
         spec = user_workload_spec(name, user, 1)
         workload = Workload(user.step_fn, user.track, user.description, user.raised, spec)
@@ -345,6 +346,9 @@ def _search(
         max_batch=scenario.search.max_batch,
         progress=progress,
         jobs=jobs,
+        multiple_of=scenario.search.multiple_of,
+        power_of_two=scenario.search.power_of_two,
+        allow_retries=scenario.search.allow_retries,
     )
 
 

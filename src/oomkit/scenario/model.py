@@ -16,21 +16,21 @@ built, with the same field names.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
+from oomkit.scenario.machine import ParallelSection, TargetSection
 from oomkit.scenario.sections import (
     LengthsSection,
     LoraSection,
     ModelSection,
-    ParallelSection,
     QuantizeSection,
     RunSection,
     SearchSection,
     StepSection,
-    TargetSection,
     _Section,
     field_flag,
 )
@@ -48,6 +48,8 @@ __all__ = [
     "StepSection",
     "TargetSection",
     "field_flag",
+    "flag_fields",
+    "section_flag",
 ]
 
 SCENARIO_VERSION = 1
@@ -167,8 +169,6 @@ _BUILDER_OWN = (
 
 def _flag_words(section: str, name: str) -> str:
     """A field as the user named it: its flag (``--lora-targets``), else its path."""
-    from oomkit.scenario.sections import section_flag
-
     return section_flag(section, name) or f"{section}.{name}"
 
 
@@ -181,3 +181,32 @@ def _refuse_builder_fields(what: str, kind: str, given: list[str]) -> None:
         "optimizer, torch.utils.checkpoint, model.eval() / torch.no_grad()), then drop "
         f"{'it' if one else 'them'}."
     )
+
+
+def _section_model(section: str) -> type[BaseModel] | None:
+    """The section record named ``section`` in a ``Scenario`` (``"lora"`` -> ``LoraSection``)."""
+    field = Scenario.model_fields.get(section)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def section_flag(section: str, name: str) -> str | None:
+    """The flag of a scenario field by its path (``("lora", "targets")`` -> ``--lora-targets``)."""
+    model = _section_model(section)
+    return None if model is None else field_flag(model, name)
+
+
+def flag_fields() -> list[tuple[str, str, str]]:
+    """(section, field, flag) of every field that has a flag, section by section."""
+    out = []
+    for section in Scenario.model_fields:
+        model = _section_model(section)
+        for name in model.model_fields if model is not None else ():
+            flag = field_flag(model, name) if model is not None else None
+            if flag is not None:
+                out.append((section, name, flag))
+    return out

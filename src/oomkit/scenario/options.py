@@ -176,6 +176,8 @@ def step_options(
             ("double_quant", None if quantize is None else quantize.double_quant or None),
             ("compute_dtype", None if quantize is None else quantize.compute_dtype),
             ("compile", step.compile or None),
+            ("hf_class", scenario.model.hf_class),
+            ("attn_implementation", scenario.model.attn_implementation),
         )
         if value is not None
     }

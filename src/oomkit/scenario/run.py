@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from oomkit.prediction.workload import WorkloadSpec
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
 from oomkit.scenario.target import installed_torch_version, target_of
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PredictRun",
+    "ScriptWorkload",
     "StepObserver",
     "predict",
     "predicting",
@@ -80,6 +82,28 @@ def _with_scenario(prediction: Prediction, scenario: Scenario, notes: Mapping[st
 
 
 @dataclass
+class ScriptWorkload:
+    """A whole training script (``model.script``), run as ``python SCRIPT ARGS`` when recorded.
+
+    Attributes:
+        path: the script.
+        argv: its own arguments (after ``--`` on the command line).
+        spec: its workload record (kind ``script``).
+        raised: always empty (the runner names the script's own failures itself).
+    """
+
+    path: str
+    argv: tuple[str, ...]
+    spec: WorkloadSpec
+    raised: list[BaseException] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        """The command line it runs."""
+        return " ".join(["python", self.path, *self.argv])
+
+
+@dataclass
 class PredictRun:
     """One scenario's step, built (one GPU) or ready to build on a fake process group.
 
@@ -94,7 +118,7 @@ class PredictRun:
     scenario: Scenario
     target: Target
     steps: int
-    workload: Workload | ShardedWorkload
+    workload: Workload | ShardedWorkload | ScriptWorkload
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -130,7 +154,9 @@ class PredictRun:
         name = self.scenario.model.name
         workload = self.workload
         with user_errors(lambda: (name, workload.raised)):
-            if self.target.parallel is not None:
+            if isinstance(workload, ScriptWorkload):
+                prediction = self._record_script(workload)
+            elif self.target.parallel is not None:
                 prediction = self._record_sharded()
             else:
                 prediction = self._record_one(observer)
@@ -156,6 +182,20 @@ class PredictRun:
                 workload=workload.spec,
                 compile=self.scenario.step.compile,
             )
+
+    def _record_script(self, workload: ScriptWorkload) -> Prediction:
+        from oomkit.prediction.scripts import predict_script
+
+        # The script's own torch.compile calls are recorded as compiled, as they run.
+        return predict_script(
+            workload.path,
+            workload.argv,
+            steps=self.steps,
+            target=self.target,
+            budget_bytes=self.scenario.run.budget_bytes,
+            values=self.scenario.step.values,
+            workload=workload.spec,
+        ).prediction
 
     def _record_sharded(self) -> Prediction:
         from oomkit.prediction.predictor import predict_recording
@@ -208,14 +248,21 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
     _require_torch(scenario, "predict")
     steps, steps_note = default_steps(scenario, "predict")
     with user_values(scenario.step.values):
-        workload: Workload | ShardedWorkload
-        if target.parallel is not None:
+        workload: Workload | ShardedWorkload | ScriptWorkload
+        notes: dict[str, str] = {}
+        if scenario.model.script is not None:
+            script = ScriptWorkload(
+                scenario.model.script,
+                tuple(scenario.model.script_args),
+                WorkloadSpec("script", scenario.model.script, steps=steps),
+            )
+            workload = script
+        elif target.parallel is not None:
             from oomkit.scenario.sharded import parallel_workload
 
             workload = parallel_workload(
                 scenario, target.parallel, scenario.step.batch, target.gpu, steps=steps
             )
-            notes: dict[str, str] = {}
         else:
             workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
             notes = {f"default {k}": v for k, v in workload.defaults.items()}

@@ -28,14 +28,11 @@ __all__ = [
     "LengthsSection",
     "LoraSection",
     "ModelSection",
-    "ParallelSection",
     "QuantizeSection",
     "RunSection",
     "SearchSection",
     "StepSection",
-    "TargetSection",
     "field_flag",
-    "section_flag",
 ]
 
 # Bounds on every count a user gives (issue 36: a number from a flag or a file is range-checked
@@ -95,9 +92,8 @@ def _flag(
     metavar: str | None = None,
     commands: tuple[str, ...] = ("predict", "fit"),
 ) -> dict[str, Any]:
-    """The command-line face of a field, kept in its JSON Schema (``x-flag`` ...): the flag that
-    sets it, the ``--help`` group it is listed in, and the commands that take it. ``flag``
-    ``None``: reachable through ``--config`` / ``--set`` only."""
+    """A field's command-line face in its JSON Schema: its flag (``None``: ``--config`` /
+    ``--set`` only), its ``--help`` group and the commands that take it."""
     extra: dict[str, Any] = {"x-group": group, "x-commands": list(commands)}
     if flag is not None:
         extra["x-flag"] = flag
@@ -115,26 +111,24 @@ RUN = "run"
 SEARCH = "search"
 
 
-def _needs(data: Any, section: str, key: str, words: str) -> Any:
-    """Refuse a section's options given without the field that turns it on (``--lora-alpha``
-    without ``--lora``), naming them by their flags; unknown keys are left to the section's
-    own check (it names them)."""
+def _needs(cls: type[BaseModel], data: Any, section: str, key: str, words: str) -> Any:
+    """Refuse a section's options without the field that turns it on (``--lora-alpha``
+    without ``--lora``), by their flags; unknown keys are left to the section's own check."""
     if not isinstance(data, Mapping) or data.get(key) is not None:
         return data
-    known = [name for name in data if name in _SECTIONS[section].model_fields]
+    known = [name for name in data if name in cls.model_fields]
     if len(known) < len(data):
         return data
-    flags = ", ".join(section_flag(section, name) or f"{section}.{name}" for name in known)
-    verb = words if len(known) != 1 else words.replace("configure ", "configures ", 1).replace(
-        "go with", "goes with", 1
-    )
-    raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if len(known) == 1 else 'them'}.")
+    flags = ", ".join(field_flag(cls, name) or f"{section}.{name}" for name in known)
+    one = len(known) == 1
+    verb = words.replace("configure ", "configures ").replace("go with", "goes with") if one else words
+    raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if one else 'them'}.")
 
 
 class _Section(BaseModel):
     """A frozen section that refuses unknown keys (a typo in a config file is an error)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=False)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ModelSection(_Section):
@@ -165,6 +159,18 @@ class ModelSection(_Section):
         (),
         description="the script's own arguments (after -- on the command line)",
         json_schema_extra=_flag(None, WORKLOAD),
+    )
+    hf_class: str | None = Field(
+        None,
+        description="--hf: the class to build, e.g. AutoModelForSequenceClassification",
+        json_schema_extra=_flag("--hf-class", WORKLOAD, metavar="CLASS"),
+    )
+    attn_implementation: (
+        Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] | None
+    ) = Field(
+        None,
+        description="--hf: attention as transformers runs it (default: the config's)",
+        json_schema_extra=_flag("--attn-implementation", WORKLOAD),
     )
     trainer_args: str | None = Field(
         None,
@@ -209,6 +215,16 @@ class ModelSection(_Section):
             raise ValueError(
                 f"model.script must be a Python file (path/to/train.py); got {self.script!r}"
             )
+        hf_only = [
+            flag for flag, value in (("--hf-class", self.hf_class),
+                                     ("--attn-implementation", self.attn_implementation))
+            if value is not None
+        ]
+        if hf_only and self.hf is None:
+            raise ValueError(
+                f"{' and '.join(hf_only)} {'applies' if len(hf_only) == 1 else 'apply'} to "
+                "Hugging Face models (--hf) only; drop it, or predict the model with --hf"
+            )
         if self.script_args and self.script is None:
             raise ValueError(
                 "model.script_args are a script's own arguments: give model.script "
@@ -248,7 +264,7 @@ class StepSection(_Section):
     )
     mode: Literal["train", "inference", "generate"] | None = Field(
         None,
-        description="train (default), inference or generate (decoders)",
+        description="train (default), inference or generate",
         json_schema_extra=_flag("--mode", WORKLOAD),
     )
     new_tokens: Count | None = Field(
@@ -278,7 +294,7 @@ class StepSection(_Section):
     )
     optimizer_impl: Literal["foreach", "fused", "for-loop"] | None = Field(
         None,
-        description="torch.optim kernels: foreach (default), fused or for-loop",
+        description="foreach (default), fused or for-loop kernels",
         json_schema_extra=_flag("--optimizer-impl", PRECISION),
     )
     grad_accum: Count | None = Field(
@@ -360,7 +376,7 @@ class LoraSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _needs_rank(cls, data: Any) -> Any:
-        return _needs(data, "lora", "rank", "configure LoRA: add --lora R (e.g. --lora 16)")
+        return _needs(cls, data, "lora", "rank", "configure LoRA: add --lora R (e.g. --lora 16)")
 
 
 class QuantizeSection(_Section):
@@ -385,7 +401,7 @@ class QuantizeSection(_Section):
     @classmethod
     def _needs_format(cls, data: Any) -> Any:
         return _needs(
-            data, "quantize", "format", "configure quantization: add quantize, e.g. --quantize nf4"
+            cls, data, "quantize", "format", "configure quantization: add quantize, e.g. --quantize nf4"
         )
 
 
@@ -395,7 +411,7 @@ class LengthsSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _needs_file(cls, data: Any) -> Any:
-        return _needs(data, "lengths", "file", "go with --lengths FILE (the epoch envelope)")
+        return _needs(cls, data, "lengths", "file", "go with --lengths FILE (the epoch envelope)")
 
     file: str = Field(
         description="per-step lengths: one a line, 'length,count' or JSON",
@@ -415,108 +431,6 @@ class LengthsSection(_Section):
     )
 
 
-class TargetSection(_Section):
-    """The machine: GPU, allocator settings and the software versions that change memory."""
-
-    gpu: str = Field(
-        "h100",
-        description="a catalog GPU (`oomkit gpus`) or its memory, e.g. 24GiB",
-        json_schema_extra=_flag("--gpu", DEVICE, metavar="NAME|SIZE"),
-    )
-    alloc_conf: str | None = Field(
-        None,
-        description="PYTORCH_CUDA_ALLOC_CONF to simulate",
-        json_schema_extra=_flag("--alloc-conf", DEVICE, metavar="STR"),
-    )
-    context_overhead_bytes: Bytes | None = Field(
-        None,
-        description="memory outside PyTorch, e.g. 500MiB (default: the GPU's)",
-        json_schema_extra=_flag("--context-overhead", DEVICE, metavar="SIZE"),
-    )
-    torch_version: str | None = Field(
-        None,
-        description="PyTorch whose allocator to model (default: installed)",
-        json_schema_extra=_flag("--torch-version", DEVICE, metavar="X.Y"),
-    )
-    @field_validator("torch_version")
-    @classmethod
-    def _readable_torch(cls, value: str | None) -> str | None:
-        if value is not None:
-            from oomkit.core.allocator.versions import parse_torch_version
-
-            parse_torch_version(value)  # ConfigError (a ValueError) names the form
-        return value
-
-    cuda_version: str | None = Field(
-        None,
-        description="the target torch's CUDA, e.g. 12.8",
-        json_schema_extra=_flag("--cuda-version", DEVICE, metavar="X.Y"),
-    )
-    cudnn_version: Count | None = Field(
-        None,
-        description="torch.backends.cudnn.version() on the target, e.g. 91002",
-        json_schema_extra=_flag("--cudnn-version", DEVICE, metavar="N"),
-    )
-    cuda_module_loading: Literal["lazy", "eager"] | None = Field(
-        None,
-        description="CUDA_MODULE_LOADING (the CLI reads it from the environment)",
-        json_schema_extra=_flag(None, DEVICE),
-    )
-
-
-class ParallelSection(_Section):
-    """The parallel layout: rank 0 of FSDP2 / TP / DDP (and HSDP) on a fake process group."""
-
-    fsdp: Count | None = Field(
-        None,
-        description="FSDP2 over N GPUs (per block + root); batch per rank",
-        json_schema_extra=_flag("--fsdp", MULTI_GPU, metavar="N"),
-    )
-    tp: Count | None = Field(
-        None,
-        description="tensor parallel over N GPUs (torchtitan's Llama plan)",
-        json_schema_extra=_flag("--tp", MULTI_GPU, metavar="N"),
-    )
-    dp: Count | None = Field(
-        None,
-        description="N DDP replicas (with --fsdp: HSDP replicas)",
-        json_schema_extra=_flag("--dp", MULTI_GPU, metavar="N"),
-    )
-    bucket_cap_mb: float | None = Field(
-        None,
-        gt=0,
-        allow_inf_nan=False,
-        description="DDP's bucket_cap_mb (default 25, first bucket 1 MiB)",
-        json_schema_extra=_flag("--bucket-cap-mb", MULTI_GPU, metavar="MB"),
-    )
-    gradient_as_bucket_view: bool = Field(
-        False,
-        description="DDP's gradient_as_bucket_view=True",
-        json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
-    )
-
-    @property
-    def given(self) -> bool:
-        """Whether any degree is set (an all-default section is no layout)."""
-        return any(d is not None for d in (self.fsdp, self.tp, self.dp))
-
-    @model_validator(mode="after")
-    def _ddp_options(self) -> ParallelSection:
-        ddp_alone = self.dp is not None and self.fsdp is None and self.tp is None
-        if (self.bucket_cap_mb is not None or self.gradient_as_bucket_view) and not ddp_alone:
-            raise ValueError(
-                "parallel.bucket_cap_mb (--bucket-cap-mb) and parallel.gradient_as_bucket_view "
-                "(--gradient-as-bucket-view) are DDP's: they go with --dp N alone"
-            )
-        if self.dp is not None and self.tp is not None and self.fsdp is None:
-            # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
-            raise ValueError(
-                "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not "
-                "modelled: add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or drop --dp"
-            )
-        return self
-
-
 class RunSection(_Section):
     """How the prediction runs: steps recorded, the budget, processes."""
 
@@ -530,6 +444,11 @@ class RunSection(_Section):
         description="exit 1 when peak reserved exceeds SIZE",
         json_schema_extra=_flag("--budget", RUN, metavar="SIZE", commands=("predict",)),
     )
+    no_remedies: bool = Field(
+        False,
+        description="predict: do not measure remedies when the step does not fit",
+        json_schema_extra=_flag("--no-remedies", RUN, commands=("predict",)),
+    )
     jobs: Annotated[int, Field(ge=1, le=4096)] | None = Field(
         None,
         description="processes to trace with (default: one per core)",
@@ -542,7 +461,7 @@ class SearchSection(_Section):
 
     margin_bytes: Bytes | None = Field(
         None,
-        description="memory to leave free (default: 2% of usable, >= 256 MiB)",
+        description="memory to leave free (default: 2 percent of usable, >= 256 MiB)",
         json_schema_extra=_flag("--margin", SEARCH, metavar="SIZE", commands=("fit",)),
     )
     max_batch: Count = Field(
@@ -560,6 +479,21 @@ class SearchSection(_Section):
         description="with --smallest-gpu: batch over all GPUs; try GPU counts",
         json_schema_extra=_flag("--global-batch", SEARCH, metavar="B", commands=("fit",)),
     )
+    multiple_of: Count | None = Field(
+        None,
+        description="try only batches that are multiples of N",
+        json_schema_extra=_flag("--multiple-of", SEARCH, metavar="N", commands=("fit",)),
+    )
+    power_of_two: bool = Field(
+        False,
+        description="try only powers of two (times --multiple-of)",
+        json_schema_extra=_flag("--power-of-two", SEARCH, commands=("fit",)),
+    )
+    allow_retries: bool = Field(
+        False,
+        description="answer the largest batch that fits even with allocator retries",
+        json_schema_extra=_flag("--allow-retries", SEARCH, commands=("fit",)),
+    )
     max_gpus: Count = Field(
         64,
         description="with --global-batch: the largest GPU count tried",
@@ -573,23 +507,3 @@ def field_flag(section: type[BaseModel], name: str) -> str | None:
     extra = field.json_schema_extra if field is not None else None
     flag = extra.get("x-flag") if isinstance(extra, dict) else None
     return flag if isinstance(flag, str) else None
-
-
-def section_flag(section: str, name: str) -> str | None:
-    """The flag of a scenario field by its path (``("lora", "targets")`` -> ``--lora-targets``)."""
-    model = _SECTIONS.get(section)
-    return None if model is None else field_flag(model, name)
-
-
-# The sections by their names in a Scenario (filled below the classes).
-_SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelSection,
-    "step": StepSection,
-    "lora": LoraSection,
-    "quantize": QuantizeSection,
-    "lengths": LengthsSection,
-    "target": TargetSection,
-    "parallel": ParallelSection,
-    "run": RunSection,
-    "search": SearchSection,
-}

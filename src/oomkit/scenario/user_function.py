@@ -15,7 +15,12 @@ The contract (documented in the README, "Predicting your own step"):
   (nested lists/tuples/dicts are fine) to be recorded as allocated before the first step, or a
   trainer: ``(lightning_trainer, module[, data])`` or a ``transformers.Trainer``, run one
   optimizer step per step (``oomkit.prediction.tracing.trainers``).
-- The builder runs on one emulated CUDA GPU (``tracing.cuda_device``), so trainers pick CUDA.
+- The file's import, the builder and the step run on one emulated CUDA GPU, the target
+  (``tracing.cuda_device``): ``device = "cuda" if torch.cuda.is_available() else "cpu"`` picks
+  CUDA, trainers pick CUDA, and CUDA tensors land on meta.
+- User code that exits (``sys.exit``) or raises, at import, in the builder or in the step, is a
+  ``UserCodeError`` naming the file, the line and the exit code or the exception; a step that
+  calls ``trainer.fit`` / ``trainer.train`` itself is refused with the trainer contract.
 """
 
 from __future__ import annotations
@@ -62,6 +67,20 @@ def is_user_target(target: str) -> bool:
     return bool(sep) and path.endswith(".py") and bool(function)
 
 
+def _exit_text(exc: SystemExit, stage: str, target: str) -> str:
+    """``sys.exit(...)`` in the user's code, said as the user's failure: where and with what."""
+    from oomkit.prediction.tracing.step_failure import failure_site
+
+    site = failure_site(exc).user or "a line oomkit could not find"
+    code = exc.code
+    said = "sys.exit()" if code is None else f"sys.exit({code!r})"
+    return (
+        f"{target}: {stage} called {said} at {site}, so there is no step to predict. "
+        "Keep exits under `if __name__ == '__main__':` (oomkit imports the file and calls the "
+        "function; it does not run the file as a script)."
+    )
+
+
 def _load_module(path: Path, target: str) -> Any:
     if not path.is_file():
         raise UserCodeError(
@@ -77,6 +96,8 @@ def _load_module(path: Path, target: str) -> Any:
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise UserCodeError(_exit_text(exc, f"importing {path}", target)) from exc
     except Exception as exc:
         raise UserCodeError(
             f"{target}: importing {path} raised {type(exc).__name__}: {exc}. Fix the file so "
@@ -110,6 +131,13 @@ def _arguments(
         if param is None:
             if takes_any and value is not None:
                 kwargs[name] = value
+            elif value is not None:  # given, but the function would never see it
+                declared = ", ".join(params) or "none"
+                raise UserCodeError(
+                    f"{target}: {flag} {value} was given, but the function takes no {name} "
+                    f"(its parameters: {declared}), so it would change nothing. Add a {name} "
+                    f"parameter to the function, or drop {flag}."
+                )
             continue
         if value is None:
             if param.default is inspect.Parameter.empty:
@@ -143,6 +171,7 @@ def load_user_step(
     image_size: int | None = None,
     device: Any = None,
     extra: Mapping[str, Any] | None = None,
+    gpu: Any = None,
 ) -> UserStep:
     """Load ``file.py:function``, call it on the meta device, and return the step it built.
 
@@ -154,13 +183,18 @@ def load_user_step(
         device: the default device while it runs; ``None`` is ``torch.device("meta")``.
         extra: more keyword arguments, passed where declared (``--fsdp``: ``mesh``,
             ``world_size``).
+        gpu: the target ``GpuSpec`` that ``torch.cuda`` reports while the file imports and the
+            builder runs (``is_bf16_supported``, ``get_device_properties``); ``None`` is an
+            H100 SXM. Pass the same GPU as the prediction's target.
 
     Returns:
         The step, the objects to track, and a description (``file.py:function(batch_size=8)``).
 
     Raises:
         UserCodeError: the file or function is missing, the function needs an argument oomkit
-            cannot give, it raises, or it returns something other than the contract allows.
+            cannot give, it raises or exits (``sys.exit``, at import too), or it returns
+            something other than the contract allows. The step's own exits, and its calls of
+            ``trainer.fit`` / ``trainer.train``, raise it when the step runs.
         TorchRequiredError: torch is not installed.
     """
     from oomkit.errors import TorchRequiredError
@@ -179,7 +213,9 @@ def load_user_step(
     path_text, _, name = target.rpartition(":")
     # The file and the builder run as on a CUDA machine: an autocast("cuda") they build once and
     # the step reuses (nanoGPT's ctx) is built enabled, not disabled for want of a GPU.
-    with cuda_autocast_construction():
+    # The file runs on the emulated GPU too: `device = "cuda" if torch.cuda.is_available() else
+    # "cpu"` at module level picks CUDA, as on the GPU it is meant for.
+    with cuda_autocast_construction(), as_one_cuda_gpu(gpu):
         module = _load_module(Path(path_text), target)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
@@ -195,10 +231,13 @@ def load_user_step(
     kwargs = _arguments(fn, target, sizes, device, extra or {})
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
-        with device, cuda_autocast_construction(), as_one_cuda_gpu():
-            result = fn(**kwargs)
+        with device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
+            with _optimizer_steps_counted() as builder_steps:
+                result = fn(**kwargs)
     except OomkitError as exc:
         raise type(exc)(f"{target}: {name}(): {exc}") from exc
+    except SystemExit as exc:
+        raise UserCodeError(_exit_text(exc, f"{name}()", target)) from exc
     except Exception as exc:
         from oomkit.prediction.tracing.step_failure import failure_text
 
@@ -207,16 +246,30 @@ def load_user_step(
             detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
         raise UserCodeError(f"{target}: {detail}") from exc
     trainer = trainer_step(result, target)
+    if trainer is None and result is None and builder_steps[0]:
+        raise UserCodeError(
+            f"{target}: {name}() ran {builder_steps[0]} optimizer step(s) itself and returned "
+            "None: it is a training loop, not a builder. Predict the file as a script "
+            f"(`oomkit predict {path_text}`, runs it as python does and records its first "
+            "steps), or return the step instead of running it."
+        )
     user_step, track = (trainer.step_fn, trainer.track) if trainer else _unpack(result, target, name)
     # The contract: a step runs with meta as the default device. A trainer's loop keeps its
     # CPU-side work (samplers, seeds) on the CPU, as on a GPU machine (trainers.py).
     step_device = contextlib.nullcontext() if trainer else device
+    # A step that runs a trainer's whole loop itself is refused with the contract; a trainer
+    # returned by the builder runs its loop through trainer_step.
+    refused = contextlib.nullcontext() if trainer else _trainer_loops_refused(target)
     raised: list[BaseException] = []
 
     def step_fn() -> Any:
         try:
-            with step_device:
+            with step_device, refused:
                 return user_step()
+        except SystemExit as exc:
+            error = UserCodeError(_exit_text(exc, "the step", target))
+            raised.append(error)
+            raise error from exc
         except Exception as exc:
             raised.append(exc)
             raise
@@ -225,6 +278,68 @@ def load_user_step(
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
     description = f"{target}({shown})" + (f" [{trainer.summary}]" if trainer else "")
     return UserStep(step_fn, track, description, raised, arguments)
+
+
+@contextlib.contextmanager
+def _optimizer_steps_counted() -> Any:
+    """Counts ``torch.optim`` steps while open (a builder that trains is a script)."""
+    import torch.optim.optimizer as optimizer_hooks
+
+    count = [0]
+
+    def counted(*args: Any) -> None:
+        count[0] += 1
+
+    handle = optimizer_hooks.register_optimizer_step_post_hook(counted)
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+_TRAINER_CONTRACT = (
+    "return the trainer from the builder instead of running it in the step: "
+    "(lightning_trainer, module[, datamodule_or_dataloader]) or the transformers.Trainer; oomkit "
+    "runs one optimizer step of it per step"
+)
+
+
+class _TrainerLoopsRefused:
+    """While open, ``Trainer.fit`` (Lightning) and ``Trainer.train`` (Hugging Face) refuse to
+    run, saying the trainer contract: a step calling them would run a whole training loop."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> None:
+        found = [
+            (getattr(sys.modules.get(package), "Trainer", None), "fit", "Lightning's trainer.fit()")
+            for package in ("lightning.pytorch", "pytorch_lightning")
+        ]
+        hf = sys.modules.get("transformers.trainer")
+        found.append((getattr(hf, "Trainer", None), "train", "the transformers trainer.train()"))
+        for cls, method, said in found:
+            if isinstance(cls, type) and method in vars(cls):
+                self._saved.append((cls, method, vars(cls)[method]))
+                setattr(cls, method, self._refusal(said))
+
+    def _refusal(self, said: str) -> Callable[..., Any]:
+        target = self._target
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise UserCodeError(f"{target}: the step called {said}; {_TRAINER_CONTRACT}.")
+
+        return refuse
+
+    def __exit__(self, *exc_info: object) -> None:
+        for cls, method, original in reversed(self._saved):
+            setattr(cls, method, original)
+        self._saved.clear()
+
+
+def _trainer_loops_refused(target: str) -> _TrainerLoopsRefused:
+    return _TrainerLoopsRefused(target)
 
 
 def _unpack(result: Any, target: str, name: str) -> tuple[Callable[[], Any], tuple[Any, ...]]:

@@ -164,7 +164,7 @@ def build_workload(
     if model.hf is not None:
         return _hf_workload(scenario, batch_size, gpu, steps)
     if model.function is not None:
-        return _function_workload(scenario, model.function, batch_size, steps)
+        return _function_workload(scenario, model.function, batch_size, steps, gpu)
     if model.preset is None:
         raise OomkitError(
             "name what to run: a preset (e.g. `oomkit predict gpt2-124m --gpu rtx4090`), "
@@ -206,7 +206,7 @@ def _hf_workload(
 
 
 def _function_workload(
-    scenario: Scenario, target: str, batch_size: int | None, steps: int | None
+    scenario: Scenario, target: str, batch_size: int | None, steps: int | None, gpu: GpuSpec
 ) -> Workload:
     from oomkit.scenario.user_function import load_user_step
 
@@ -216,6 +216,7 @@ def _function_workload(
         batch_size=batch_size if batch_size is not None else step.batch,
         seq_len=step.seq,
         image_size=step.image_size,
+        gpu=gpu,  # torch.cuda answers for the target while the file imports and builds
     )
     spec = user_workload_spec(target, user, steps)
     return Workload(user.step_fn, user.track, user.description, user.raised, spec)

@@ -638,7 +638,8 @@ def test_private_pool_entries_are_left_out_of_a_snapshot_read_from_data():
 
     events = _private_pool_trace()
     data = snapshot_to_data([], {0: [ev for ev in events if not ev.tags]})
-    data["device_traces"][0].insert(1, dict(data["device_traces"][0][0], pool_id=(1, 0)))
+    private = dict(data["device_traces"][0][0], pool_id=(1, 0), addr=0x7F00_0000_0000 + 2**30)
+    data["device_traces"][0].insert(1, private)
     read = snapshot_from_data(data)
     assert "trace:pool_id" in read.keys_seen
     result = replay_snapshot(read, 0, config=AllocatorConfig())

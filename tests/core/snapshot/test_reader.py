@@ -85,14 +85,19 @@ def test_blocks_with_history_2_0():
                 ],
             },
         ],
-        "device_traces": [[{"action": "free_completed", "addr": 7, "size": 8, "stream": 0}]],
+        # A free whose request fell before the window, of a block inside the segment.
+        "device_traces": [
+            [{"action": "free_completed", "addr": 4096 * 1000 + 3 * MiB, "size": 8, "stream": 0}]
+        ],
     }
     snap = _load(data)
     assert snap.format_generation == "segments-with-history"
     (seg,) = snap.segments
     assert seg.blocks[0].frames == (Frame("model.py", 12, "forward"),)
     assert seg.blocks[1].address == 4096 * 1000 + 3 * MiB
-    assert snap.device_traces == {0: (TraceEvent("free_completed", 7, 8, 0, None),)}
+    assert snap.device_traces == {
+        0: (TraceEvent("free_completed", 4096 * 1000 + 3 * MiB, 8, 0, None),)
+    }
     assert infer_torch_version(snap) == "2.0"
 
 
@@ -221,7 +226,7 @@ def test_entry_extras_become_tags_and_annotate_passes_through():
     data["device_traces"][0] = [
         {
             "action": "alloc",
-            "addr": 1,
+            "addr": 100,  # inside device 0's segment
             "size": 2,
             "stream": 0,
             "time_us": 1,

@@ -260,9 +260,9 @@ _frames = st.tuples(*[st.builds(Frame, _text, st.integers(0, 10**6), _text)] * 2
 _events = st.builds(
     TraceEvent,
     st.sampled_from(["alloc", "free_requested", "free_completed", "segment_alloc", "x-new"]),
-    st.integers(0, 2**64),
+    st.integers(0, 2**64 - 1),
     st.integers(0, 2**48),
-    st.integers(0, 2**64),
+    st.integers(0, 2**64 - 1),
     st.none() | st.integers(0, 2**62),
     st.just(()) | _frames,
     st.lists(st.tuples(_text, _text), max_size=2).map(tuple),

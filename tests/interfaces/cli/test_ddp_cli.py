@@ -69,4 +69,4 @@ def test_bad_bucket_cap_is_a_usage_error(cap, capsys):
     """--bucket-cap-mb takes a finite number of MiB above 0; anything else exits 2, naming it."""
     assert main(["predict", "gpt2-124m", "--dp", "2", "--bucket-cap-mb", cap]) == 2
     err = capsys.readouterr().err
-    assert f"--bucket-cap-mb (parallel.bucket_cap_mb): " in err and f"got '{cap}'" in err
+    assert "--bucket-cap-mb (parallel.bucket_cap_mb): " in err and f"got '{cap}'" in err

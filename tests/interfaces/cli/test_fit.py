@@ -293,15 +293,15 @@ B, allocator settings: default, 2 training steps per probe)
 │     2 │     22.00 MiB │ 78.00 MiB │ yes  │ train step 1 │
 │   4 < │     26.00 MiB │ 74.00 MiB │ yes  │ train step 1 │
 └───────┴───────────────┴───────────┴──────┴──────────────┘
-largest batch that fits on custom 100.00 MiB: 4 (peak reserved 26.00 MiB, margin 0 B, 3 traces); the
-search stopped at --max-batch 4
 warning: custom 100.00 MiB is a plain size with no architecture: the SDPA backend and the cuBLAS and attention workspaces were chosen as on compute capability 9.0 (an H100); name the GPU (e.g. rtx4090, a100-40gb) for its own
 warning: batch 4 (max_batch) fits; the search stopped there: raise max_batch (--max-batch) to look further
+largest batch that fits on custom 100.00 MiB: 4 (peak reserved 26.00 MiB, margin 0 B, 3 traces); the
+search stopped at --max-batch 4
 """
 
 
 def test_terminal_report_golden(user_file, capsys, monkeypatch):
-    """At 100 columns without colour: header, curve table, verdict, then the warnings."""
+    """At 100 columns without colour: header, curve table, the warnings, then the verdict last."""
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.chdir(user_file.parent)  # a relative target: the header does not hold tmp_path
     assert main(["fit", "steps.py:build", *SMALL, "--margin", "0", "--max-batch", "4"]) == 0

@@ -3,7 +3,6 @@ the torch version an alloc-conf error cites, and the presets' defaults (issue 16
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
 import pytest

@@ -118,7 +118,7 @@ def test_does_not_fit_exits_1(user_file, capsys):
     assert out["oom"]["requested_bytes"] == 2048 * 1024 * 64 * 4
     assert out["oom"]["message"].startswith("CUDA out of memory.")
     assert out["headroom_bytes"] < 0
-    assert out["verdict"].startswith("would OOM at step 1 in 1 (")
+    assert out["verdict"].startswith("would OOM at step 1 in the forward pass in 1 (")
 
 
 def test_budget_exceeded_exits_1(user_file, capsys):

@@ -109,7 +109,7 @@ def build_moves(batch_size):
     x = torch.randn(batch_size, 16)
 
     def step():
-        x.to("cpu")  # MOVES
+        x.to("cpu").numpy()  # MOVES
 
     return step, (x,)
 '''
@@ -170,12 +170,12 @@ def test_a_stated_value_gives_the_bytes_of_the_step_written_with_it(script, caps
 
 
 def test_a_device_move_in_the_step_gets_device_advice(script, capsys):
-    """x.to('cpu') in the step: exit 2, 'a device move', not the .item() advice."""
+    """x.to('cpu').numpy() in the step: exit 2, 'a device move', not the .item() advice."""
     code, _, err = _predict(capsys, f"{script}:build_moves")
     assert code == 2
     line = _line("# MOVES")
     assert f"{script}:build_moves: the step failed at nano.py:{line} in step: a device move" in err
-    assert "Do not move tensors inside the step" in err
+    assert "Keep the step's tensors on the device" in err
 
 
 def test_a_malformed_value_flag_is_a_usage_error(script, capsys):

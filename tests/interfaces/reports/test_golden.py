@@ -62,8 +62,8 @@ default)
 │    1 │      33.00 MiB │     54.00 MiB │
 │    2 │      33.00 MiB │     54.00 MiB │
 └──────┴────────────────┴───────────────┘
-fits on test GPU: peak reserved 54.00 MiB of 924.00 MiB usable, 870.00 MiB headroom
 warning: an example warning
+fits on test GPU: peak reserved 54.00 MiB of 924.00 MiB usable, 870.00 MiB headroom
 """
 
 

@@ -21,8 +21,10 @@ def test_torch_cuda_reports_one_gpu_of_the_target_and_is_restored():
         assert torch.cuda.is_bf16_supported() is True
         torch.cuda.set_device(0)  # nothing to act on: no error
     with as_one_cuda_gpu(get_gpu("v100-16gb")):
-        # torch/cuda/__init__.py is_bf16_supported: sm >= 8.0 only.
-        assert torch.cuda.is_bf16_supported() is False
+        # torch/cuda/__init__.py is_bf16_supported: natively from sm 8.0; below, only through
+        # emulation (the default: a bf16 tensor can be made there).
+        assert torch.cuda.is_bf16_supported() is True
+        assert torch.cuda.is_bf16_supported(including_emulation=False) is False
     assert torch.cuda.is_available() is before
 
 

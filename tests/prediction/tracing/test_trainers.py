@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from oomkit.scenario.user_function import load_user_step
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.tracing.trainers import TrainerRefusedError
+from oomkit.scenario.user_function import load_user_step
 
 BUILDERS = Path(__file__).parent / "trainer_builders" / "builders.py"
 BATCH, SEQ = 8, 128

@@ -16,14 +16,17 @@ from oomkit.core.allocator.constants import SIZE_MAX
 
 __all__ = ["NumberError", "stod", "stoi", "stoull"]
 
-# strtol / strtoull: optional C-locale whitespace, an optional sign, then decimal digits.
-_INT_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?)(\d+)")
+# strtol / strtoull: optional C-locale whitespace, an optional sign, then decimal digits. ASCII
+# digits only (re.ASCII): in the C locale isdigit is 0-9, so strtoull stops at a full-width
+# "１２８" and stoull throws; Python's \d would read it as 128.
+_INT_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?)(\d+)", re.ASCII)
 # strtod: a hexadecimal float ("0x1p-1", "0x.8"), the binary exponent optional.
 _HEX_FLOAT_RE = re.compile(
-    r"[ \t\n\v\f\r]*([+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?)"
+    r"[ \t\n\v\f\r]*([+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?)",
+    re.ASCII,
 )
 # strtod: a decimal float ("1.", ".5", "5e-1").
-_DEC_FLOAT_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)")
+_DEC_FLOAT_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)", re.ASCII)
 # strtod: INF / INFINITY / NAN / NAN(chars), any case.
 _SPECIAL_FLOAT_RE = re.compile(
     r"[ \t\n\v\f\r]*([+-]?)(inf(?:inity)?|nan(?:\([0-9A-Za-z_]*\))?)", re.IGNORECASE

@@ -19,6 +19,7 @@ from oomkit.core.snapshot.reader import (
     READING_FILE,
     LoadProgress,
     load_snapshot,
+    looks_like_pickle,
     snapshot_from_data,
 )
 from oomkit.core.snapshot.torch_version import infer_torch_version
@@ -38,6 +39,7 @@ __all__ = [
     "SnapshotSegment",
     "infer_torch_version",
     "load_snapshot",
+    "looks_like_pickle",
     "snapshot_from_data",
     "snapshot_to_data",
     "write_snapshot",

@@ -16,23 +16,33 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from oomkit._files import input_file_error
+from oomkit.core.snapshot._consistency import trace_contradiction
 from oomkit.core.snapshot._validate import (
     layout_problem,
+    pool_id_problem,
+    settings_problem,
     show,
     trace_problem,
-    unknown_actions,
 )
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
 from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
-__all__ = ["READING_FILE", "LoadProgress", "load_snapshot", "snapshot_from_data"]
+__all__ = [
+    "READING_FILE",
+    "LoadProgress",
+    "load_snapshot",
+    "looks_like_pickle",
+    "snapshot_from_data",
+]
 
 # Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
 # then "reading device N's trace" in entries (about four fifths of a large file's load).
@@ -54,6 +64,14 @@ _STATES = {
 }
 
 _REQUIRED = object()
+
+# How a pickle of a dict or list (a snapshot) opens, per protocol (Lib/pickletools.py opcodes):
+# protocol 2 and later with PROTO (0x80); protocol 1 with EMPTY_DICT "}" or EMPTY_LIST "]" then
+# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(", DICT "d" or LIST "l", then PUT
+# "p<n>\n" (pickle.py memoizes every container) or the first item's opcode. A text log that
+# happens to start with "(d" or "(l" does not match the protocol 0 form.
+_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].")
+_PROTOCOL_0_START = re.compile(rb"\((?:dp|lp)[0-9]+\n|\([dl][VSIFL(.]")
 
 # Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
 _TAG_FIELDS = ("compile_context", "user_metadata")
@@ -82,7 +100,7 @@ def load_snapshot(
     Raises:
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
             global, or holds something other than a memory snapshot.
-        OSError: the file cannot be opened.
+        InputFileError: the file cannot be opened (no permission, a directory, EIO).
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
     # millions of new dicts it runs over and over, each full pass walking everything built so
@@ -96,7 +114,11 @@ def load_snapshot(
         else:
             path = Path(source)
             name = label = str(path)
-            with open(path, "rb") as stream:
+            try:
+                opened = open(path, "rb")  # noqa: SIM115 - closed by the with below
+            except OSError as exc:
+                raise input_file_error(path, exc, what="snapshot") from None
+            with opened as stream:
                 in_bytes = None if progress is None else partial(progress, READING_FILE)
                 data = load_plain_pickle(stream, name, in_bytes)
         # The tree is this function's own: the normaliser frees each trace entry once read.
@@ -104,6 +126,13 @@ def load_snapshot(
     finally:
         if paused:
             gc.enable()
+
+
+def looks_like_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first bytes) is a pickle of a dict or a list,
+    in any protocol: such a file is read as a snapshot, never as text (issue 36: protocol 0 and
+    1 snapshots were read as logs)."""
+    return head.startswith(_PICKLE_STARTS) or _PROTOCOL_0_START.match(head) is not None
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
@@ -177,6 +206,9 @@ class _Normaliser:
             settings = top.get("allocator_settings")
             if settings is not None and not isinstance(settings, dict):
                 raise self.fail("'allocator_settings' is not a dict")
+            problem = None if settings is None else settings_problem(settings)
+            if problem is not None:
+                raise self.fail(problem)
             self.note("settings", settings or {})
             annotations = top.get("external_annotations")
             if annotations is not None and not isinstance(annotations, list):
@@ -188,6 +220,10 @@ class _Normaliser:
         problem = layout_problem(segments)
         if problem is not None:
             raise self.fail(problem)
+        for device, events in traces.items():
+            contradiction = trace_contradiction(device, events, segments)
+            if contradiction is not None:
+                raise SnapshotFormatError(f"{self.name}: {contradiction}")
         return Snapshot(
             segments=tuple(segments),
             device_traces=traces,
@@ -232,13 +268,18 @@ class _Normaliser:
         segment_type = raw.get("segment_type")
         if segment_type not in ("small", "large"):
             segment_type = "small" if total_size == _SMALL_SEGMENT_BYTES else "large"
-        pool_id = raw.get("segment_pool_id", (0, 0))
-        if not (
-            isinstance(pool_id, (tuple, list))
-            and len(pool_id) == 2
-            and all(type(p) is int for p in pool_id)
-        ):
+        pool_id = raw.get("segment_pool_id")
+        if pool_id is None:
             pool_id = (0, 0)
+        problem = pool_id_problem(pool_id, where, "segment_pool_id")
+        if problem is not None:
+            raise self.fail(problem)
+        is_expandable = raw.get("is_expandable", False)
+        if is_expandable is None:
+            is_expandable = False
+        if type(is_expandable) is not bool:
+            # PyTorch records a bool; bool('no') would be True, a confident wrong answer.
+            raise self.fail(f"{where}: 'is_expandable' is {show(is_expandable)}, not True/False")
         return (
             SnapshotSegment(
                 device=self.int_field(raw, "device", where, 0),
@@ -256,7 +297,7 @@ class _Normaliser:
                 requested_size=self.int_field(
                     raw, "requested_size", where, sum(b.requested_size for b in active)
                 ),
-                is_expandable=bool(raw.get("is_expandable", False)),
+                is_expandable=is_expandable,
                 blocks=tuple(blocks),
                 frames=self.frames(raw.get("frames")),
                 pool_id=(int(pool_id[0]), int(pool_id[1])),
@@ -355,11 +396,18 @@ class _Normaliser:
                 self._bad_entry(device, index, raw)
             tags: tuple[tuple[str, str], ...] = ()
             if "compile_context" in raw or "user_metadata" in raw or "pool_id" in raw:
+                self._check_extras(device, index, raw, tag_fields)
                 tags = self._tags(raw, tag_fields)
             frames = raw.get("frames")
             append(
                 new_event(
-                    action, address, size, stream, time_us, frames_of(frames) if frames else (), tags
+                    action,
+                    address,
+                    size,
+                    stream,
+                    time_us,
+                    frames_of(frames) if frames else (),
+                    tags,
                 )
             )
             if consume:
@@ -372,19 +420,11 @@ class _Normaliser:
         return tuple(events)
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
-        """Refuse negative sizes or addresses; warn of actions oomkit does not know (they pass
-        through unchanged, so a newer PyTorch's file still loads; the replay skips them)."""
+        """Refuse negative or absurd sizes and addresses (actions and the order of each block's
+        entries are checked once the segments are read: ``trace_contradiction``)."""
         problem = trace_problem(device, events)
         if problem is not None:
             raise self.fail(problem)
-        unknown = unknown_actions(events)
-        if not unknown:
-            return events
-        listed = ", ".join(f"{show(a)} x{n}" for a, n in sorted(unknown.items())[:5])
-        self.warnings.append(
-            f"device_traces[{device}]: {sum(unknown.values())} entries with an action oomkit does "
-            f"not know ({listed}); the replay skips them"
-        )
         return events
 
     def _bad_entry(self, device: int, index: int, raw: dict) -> None:
@@ -399,20 +439,31 @@ class _Normaliser:
         for key in (address_key, "size", "stream"):
             self.int_field(raw, key, where, 0)
 
+    def _check_extras(
+        self, device: int, index: int, raw: dict, tag_fields: tuple[str, ...]
+    ) -> None:
+        """Refuse a pool id that is not a pair of ints, or a tag that is not a string: PyTorch
+        records ``pool_id`` as a MempoolId_t and ``compile_context`` / ``user_metadata`` as
+        std::string (CUDACachingAllocator.h TraceEntry)."""
+        where = f"device_traces[{device}][{index}]"
+        pool_id = raw.get("pool_id")
+        problem = None if pool_id is None else pool_id_problem(pool_id, where, "pool_id")
+        for key in tag_fields:
+            value = raw.get(key)
+            if problem is None and value is not None and type(value) is not str:
+                problem = f"{where}: {key!r} is {show(value)}; PyTorch records a string"
+        if problem is not None:
+            raise self.fail(problem)
+
     @staticmethod
     def _tags(raw: dict, tag_fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         tags = []
         for key in tag_fields:
             value = raw.get(key)
             if value not in (None, "", "N/A"):
-                # Bounded: str() of an untrusted nested value (a memo bomb) may never end.
-                tags.append((key, value if type(value) is str else show(value)))
-        pool_id = raw.get("pool_id")
-        if (
-            isinstance(pool_id, (tuple, list))
-            and all(type(p) is int for p in pool_id)
-            and tuple(pool_id) != (0, 0)
-        ):
+                tags.append((key, value))  # a str (checked by _check_extras)
+        pool_id = raw.get("pool_id")  # checked by the caller: None or a pair of ints
+        if pool_id is not None and tuple(pool_id) != (0, 0):
             tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
         return tuple(tags)
 

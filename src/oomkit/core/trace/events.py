@@ -36,7 +36,8 @@ Action = Literal[
 
 # Trace entry actions (ref §11.2 table; `annotate` is MAIN26 only). `empty_cache` is oomkit's own:
 # PyTorch does not record it (§15.3), but synthetic traces and the tracer can state it.
-# Readers pass unknown actions through unchanged, so newer PyTorch files still load.
+# The trace-file reader passes unknown actions through unchanged; the snapshot reader refuses
+# them (a snapshot is PyTorch's own record, and an action it never writes means damage).
 ACTIONS: tuple[str, ...] = get_args(Action)
 
 TraceSource = Literal["snapshot", "synthetic", "tracer"]

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from oomkit._files import input_file_error
 from oomkit.core.trace.events import TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
 from oomkit.errors import TraceFormatError
 
@@ -35,6 +36,9 @@ __all__ = ["MAX_LINE_CHARS", "TRACE_FORMAT_NAME", "read_trace", "write_trace"]
 TRACE_FORMAT_NAME = "oomkit-trace"
 
 _GZIP_MAGIC = b"\x1f\x8b"
+# Device addresses and sizes are 64-bit (CUdeviceptr, size_t: CUDACachingAllocator.h
+# TraceEntry); a larger number is damage, and would overflow the simulator's arithmetic.
+_U64 = 1 << 64
 # gzip level 6 (zlib's default): level 9 writes traces about 3x slower for a few % less size.
 _GZIP_LEVEL = 6
 _HOW_TO_WRITE = "Write trace files with oomkit.core.trace.write_trace()."
@@ -168,7 +172,10 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[TraceHeader, Iterator[Trac
         OSError: the file cannot be opened.
     """
     path = Path(path)
-    stream = _open_for_reading(path)
+    try:
+        stream = _open_for_reading(path)
+    except OSError as exc:
+        raise input_file_error(path, exc, what="trace file") from None
     try:
         first = stream.readline(MAX_LINE_CHARS + 1)
         _check_length(path, 1, first)
@@ -286,6 +293,17 @@ def _parse_header(path: Path, line: str) -> TraceHeader:
                 "The file is corrupt; write it again. " + _HOW_TO_WRITE,
             )
         values[name] = value
+    capacity = values["capacity_bytes"]
+    # c10/core/Device.h DeviceIndex is at most int16_t; a capacity is a 64-bit byte count.
+    if not 0 <= values["device"] < 1 << 15 or (capacity is not None and not 0 < capacity < _U64):
+        raise _format_error(
+            path,
+            1,
+            f"the header's device {_preview(str(values['device']))} or capacity_bytes "
+            f"{_preview(str(capacity))} is out of range (a device index 0 to 32767, a capacity "
+            "of 1 byte to 2**64 - 1)",
+            "The file is corrupt; write it again. " + _HOW_TO_WRITE,
+        )
     return TraceHeader(format_version=version, **values)
 
 
@@ -298,6 +316,7 @@ def _iter_events(path: Path, stream: IO[str]) -> Iterator[TraceEvent]:
     stacks: dict[int, tuple[Frame, ...]] = {}
     frame_pool: dict[tuple[str, int, str], Frame] = {}
     tag_pool: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}
+    checked_tags: set[tuple[tuple[str, str], ...]] = set()
     lineno = 1
     count = 0
     end_count: int | None = None
@@ -380,6 +399,27 @@ def _iter_events(path: Path, stream: IO[str]) -> Iterator[TraceEvent]:
                         f"an event field has the wrong type ({_preview(line)})",
                         corrupt,
                     )
+                if not (0 <= address < _U64 and 0 <= size < _U64 and -_U64 < stream_id < _U64) or (
+                    time_us is not None and not -_U64 < time_us < _U64
+                ):
+                    raise _format_error(
+                        path,
+                        lineno,
+                        f"an event's address, size, stream or time is outside 64 bits "
+                        f"({_preview(line)})",
+                        corrupt,
+                    )
+                if tags and tags not in checked_tags:
+                    if not all(
+                        len(t) == 2 and type(t[0]) is str and type(t[1]) is str for t in tags
+                    ):
+                        raise _format_error(
+                            path,
+                            lineno,
+                            f"the event's tags are not [name, value] strings ({_preview(line)})",
+                            corrupt,
+                        )
+                    checked_tags.add(tags)
                 count += 1
                 yield make_event(action, address, size, stream_id, time_us, frames, tags)
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:

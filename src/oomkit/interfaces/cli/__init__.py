@@ -55,15 +55,18 @@ _SUMMARIES: dict[str, str] = {
     "presets": "list the built-in models predict and fit take, with their defaults",
     "doctor": "show which allocator settings are in effect (environment or snapshot)",
     "diff": "split the change in peak memory between two runs into allocated and placement",
+    "serve": "will vLLM / SGLang start with these flags, and with what KV cache (GPU-free)",
+    "mcp": "serve predict, fit, explain, replay, tune, diff, doctor and gpus as MCP tools",
 }
 _COMMANDS = tuple(_SUMMARIES)
 # `oomkit --help` lists the commands in these groups, in this order (every command in one).
 _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("before a run (no GPU)", ("predict", "fit")),
+    ("before a run (no GPU)", ("predict", "fit", "serve")),
     ("after an OOM, and during a run", ("explain", "run")),
     ("snapshots, traces and settings", ("replay", "simulate", "tune", "diff", "doctor", "demo")),
     ("across runs", ("report", "experiment")),
     ("catalogs", ("gpus", "presets")),
+    ("agents", ("mcp",)),
 )
 # The commands whose words after `--` are a script's own arguments (`predict train.py -- ARGS`).
 _SCRIPT_COMMANDS = ("predict", "fit")

@@ -294,7 +294,11 @@ def snapshot_progress(enabled: bool, name: str) -> Iterator[SnapshotProgress]:
     from rich.progress import Progress
 
     with Progress(*_columns(_amount_column()), console=stderr_console(), transient=True) as bar:
-        tasks = [bar.add_task(_shortened(name, _NAME_CHARS), total=None, in_bytes=False)]
+        from oomkit.interfaces.reports._untrusted import as_written
+
+        # A file name is shown as written (rich would read "[v2]" in it as markup).
+        label = as_written(_shortened(name, _NAME_CHARS))
+        tasks = [bar.add_task(label, total=None, in_bytes=False)]
 
         def update(text: str, done: int, total: int | None, in_bytes: bool) -> None:
             if total is None:

@@ -146,7 +146,7 @@ class CompactHelp(argparse.RawDescriptionHelpFormatter):
 
     def __init__(self, prog: str) -> None:
         width = min(max(_terminal_columns(), 80), 100)
-        super().__init__(prog, max_help_position=30, width=width)
+        super().__init__(prog, max_help_position=32, width=width)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         import textwrap
@@ -172,7 +172,7 @@ def _metavar(flag: ScenarioFlag) -> str | None:
     if flag.choices is None:
         return flag.metavar
     listed = "{" + ",".join(flag.choices) + "}"
-    return listed if len(listed) <= 26 else "NAME"
+    return listed if len(listed) <= 16 else "NAME"
 
 
 def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
@@ -184,7 +184,7 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
         "target",
         nargs="?",
         metavar="TARGET",
-        help="a preset, path/to/file.py:function or path/to/train.py (a whole script)",
+        help="a preset, file.py:function or train.py (a whole script)",
     )
     for flag in scenario_flags(command):
         group = groups[flag.group]

@@ -23,6 +23,24 @@ __all__ = ["add_parser", "run", "demo_verdict", "DEMO_SETTINGS"]
 DEMO_SETTINGS = ("", "expandable_segments:True")
 
 
+# The demo replays every step's events in this process: past this it would run for minutes.
+_MAX_STEPS = 1_000
+
+
+def _steps(text: str) -> int:
+    """argparse type for --steps: a whole number of 1 to _MAX_STEPS (0 or -1 would replay
+    nothing and report an empty workload as if it fitted)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
+    if not 1 <= value <= _MAX_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {_MAX_STEPS:,}; got {text[:40]!r}. Example: --steps 12"
+        )
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "demo",
@@ -32,7 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "allocator settings and under expandable_segments:True, and compare. No GPU needed.",
     )
     add_capacity_flag(parser, default="80GiB")
-    parser.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
+    parser.add_argument(
+        "--steps",
+        type=_steps,
+        default=12,
+        help=f"training steps, 1 to {_MAX_STEPS:,} (default 12)",
+    )
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser

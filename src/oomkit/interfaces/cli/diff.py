@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomkit.errors import DiffInputError
 from oomkit.interfaces.cli._common import (
     add_json_flag,
     existing_file,
@@ -41,8 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _kind_of(path: Path) -> str:
-    with path.open("rb") as f:
-        head = f.read(4096)
+    from oomkit._files import input_file_error
+
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError as exc:
+        raise input_file_error(path, exc) from None
     stripped = head.lstrip()
     if stripped.startswith(b"{"):
         first_line = stripped.split(b"\n", 1)[0]
@@ -65,8 +69,12 @@ def _load(path: Path, device: int | None, show_progress: bool = False) -> Any:
 
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise PredictionFormatError(f"{path}: not JSON ({exc})") from exc
+        except OSError as exc:
+            from oomkit._files import input_file_error
+
+            raise input_file_error(path, exc) from None
         return run_memory_from_prediction(data, name=path.name)
     from oomkit.core.snapshot import load_snapshot
     from oomkit.diagnose.run_diff import run_memory_from_snapshot
@@ -83,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from oomkit.interfaces.reports.diff import diff_to_json, render_diff, write_diff_html
 
     if args.html is not None:
-        out = args.html.resolve()
-        if out in (args.a.resolve(), args.b.resolve()):
-            raise DiffInputError(f"--html {args.html} is one of the inputs; choose another path")
+        from oomkit._files import check_output_path
+
+        check_output_path(args.html, inputs=(args.a, args.b), flag="--html")
     from oomkit.interfaces.cli._progress import progress_enabled
 
     show = progress_enabled(args, sys.stderr)

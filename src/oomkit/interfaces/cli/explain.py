@@ -26,8 +26,6 @@ from oomkit.interfaces.cli._progress import (
 
 __all__ = ["add_parser", "run"]
 
-# Every pickle protocol >= 2 starts with PROTO (0x80): a snapshot, not error text.
-_PICKLE_MAGIC = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -143,13 +141,19 @@ def _read_source(source: str) -> str | Path:
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
-    with path.open("rb") as head:
-        magic = head.read(1)
-    if magic == _PICKLE_MAGIC:
-        return path
-    from oomkit.diagnose.oom_text import decode_log
+    from oomkit._files import input_file_error
+    from oomkit.core.snapshot import looks_like_pickle
 
-    return decode_log(path.read_bytes())
+    try:
+        with path.open("rb") as head:
+            magic = head.read(8)
+        if looks_like_pickle(magic):  # a snapshot in any pickle protocol, not error text
+            return path
+        from oomkit.diagnose.oom_text import decode_log
+
+        return decode_log(path.read_bytes())
+    except OSError as exc:
+        raise input_file_error(path, exc) from None
 
 
 def _as_json(text: str) -> object | None:
@@ -158,7 +162,7 @@ def _as_json(text: str) -> object | None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the recursion limit: not a prediction
         return None
 
 
@@ -178,6 +182,12 @@ def run(args: argparse.Namespace) -> int:
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
             "--memory-fraction 0.5"
         )
+    if args.html is not None:
+        from oomkit._files import check_output_path
+
+        # Before any work: the page may not overwrite the file being explained.
+        inputs = [] if args.source == "-" else [args.source]
+        check_output_path(args.html, inputs=inputs, flag="--html")
     source = _read_source(args.source)
     data = None if isinstance(source, Path) else _as_json(source)
     if args.alloc_conf is not None and (isinstance(source, Path) or isinstance(data, Mapping)):
@@ -205,9 +215,22 @@ def run(args: argparse.Namespace) -> int:
         prediction = data
         show = args.measure and progress_enabled(args, sys.stderr)
         with progress_bar(show, "measuring remedies by re-predicting") as progress:
-            diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
+            if isinstance(data.get("scenario"), Mapping):
+                # A save that carries its request: re-predicted, and the fresh record diagnosed
+                # (its report's fields are not read). The user's prints go to stderr.
+                import contextlib
+
+                from oomkit.scenario.explaining import explain_saved
+
+                with contextlib.redirect_stdout(sys.stderr):
+                    diagnosis = explain_saved(data, measure=args.measure, progress=progress)
+            else:  # saved before predictions carried their scenario
+                diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
+        serving = _serving_log(source, args)
         found = find_oom_texts(source)
+        if serving is not None and not found:  # a vLLM / SGLang log: answered with the knob
+            return serving
         parsed = found[0] if found else parse_oom_text(source)  # raises: none found
         expandable = None
         if args.alloc_conf is not None:
@@ -245,3 +268,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_diagnosis(diagnosis, stdout_console())
     return 0
+
+
+# Words every vLLM or SGLang log or memory error the serving diagnosis reads has at least one of.
+_ENGINE_WORDS = ("vllm", "sglang", "kv cache", "cache blocks", "mem_fraction_static",
+                 "gpu_memory_utilization", "not enough memory")
+
+
+def _serving_log(source: str, args: argparse.Namespace) -> int | None:
+    """A vLLM or SGLang start-up log or OOM: printed with the knob to turn; its exit code (1 when
+    the engine failed), or ``None`` for text that is no such log."""
+    lowered = source.lower()
+    if not any(word in lowered for word in _ENGINE_WORDS):  # no engine log: nothing imported
+        return None
+    from oomkit.diagnose.serving_logs import diagnose_serving_log
+    from oomkit.interfaces.reports.serving import render_serving_log, serving_log_to_json
+
+    serving = diagnose_serving_log(source)
+    if serving is None or (serving.failure is None and not serving.figures):
+        return None
+    if args.json:
+        print_json({"serving": serving_log_to_json(serving)})
+    else:
+        render_serving_log(serving, stdout_console())
+    return 1 if serving.failure is not None else 0

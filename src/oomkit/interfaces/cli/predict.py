@@ -102,13 +102,32 @@ def _run_step(args: argparse.Namespace, scenario: Any) -> int:
         enabled = progress_enabled(args, sys.stderr) and run.target.parallel is None
         with step_progress(enabled, run.steps, run.new_tokens) as progress:
             prediction = run.record(progress)
+        remedies = _remedies(args, scenario, prediction)
     if args.json:
-        print_json(prediction_to_json(prediction))
+        print_json(prediction_to_json(prediction, remedies=remedies))
     else:
-        render_prediction(prediction, stdout_console())
+        render_prediction(prediction, stdout_console(), remedies=remedies)
     if nothing_recorded(prediction):
         return 2  # nothing was predicted (a model left on the CPU?): the verdict says so
     return 0 if prediction.fits and prediction.within_budget is not False else 1
+
+
+def _remedies(args: argparse.Namespace, scenario: Any, prediction: Any) -> tuple[Any, ...]:
+    """The top three remedies of a step that does not fit, each measured by re-predicting the
+    step with it (``--no-remedies``: none); a preset or ``--hf`` model only (another step cannot
+    be rebuilt with a change)."""
+    from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
+
+    if prediction.fits or scenario.run.no_remedies or prediction.oom is None:
+        return ()
+    workload = prediction.workload
+    if workload is None or workload.kind not in ("preset", "hf"):
+        return ()
+    from oomkit.diagnose.remedy_measurement import prediction_remedies
+
+    show = progress_enabled(args, sys.stderr)
+    with progress_bar(show, "measuring remedies by re-predicting (--no-remedies to skip)") as bar:
+        return prediction_remedies(prediction, progress=bar)
 
 
 def _run_lengths(args: argparse.Namespace, scenario: Any) -> int:

@@ -104,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(replay_to_json(result))
     else:
-        title = f"What-if replay of {args.snapshot.name}" if what_if else f"Replay of {args.snapshot.name}"
+        from oomkit.interfaces.reports._untrusted import as_written
+
+        name = as_written(args.snapshot.name)  # printed as written: no markup, no escapes
+        title = f"What-if replay of {name}" if what_if else f"Replay of {name}"
         render_replay(result, stdout_console(), title=title)
     if what_if:
         return 1 if result.oom else 0
@@ -165,7 +168,10 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
         )
     else:
         console = stdout_console()
-        console.print(what_if_table(rows, title=f"What-if replays of {args.snapshot.name}"))
+        from oomkit.interfaces.reports._untrusted import as_written
+
+        title = f"What-if replays of {as_written(args.snapshot.name)}"
+        console.print(what_if_table(rows, title=title))
         warnings = dict.fromkeys(w for _, r in rows for w in r.warnings)
         for warning in warnings:
             console.print(f"[yellow]warning:[/] {warning}")

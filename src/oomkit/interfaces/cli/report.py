@@ -36,14 +36,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from oomkit._files import check_output_path
     from oomkit.interfaces.reports.monitor import (
         build_monitor_report,
+        find_monitor_logs,
         monitor_report_to_json,
         render_monitor_report,
         write_monitor_html,
         write_monitor_png,
     )
 
+    # Before anything is read or written: no output over a log (one named, or one found in a
+    # directory named), none into a missing directory or onto a directory.
+    for flag, out in (("--html", args.html), ("--png", args.png)):
+        if out is not None:
+            check_output_path(out, inputs=find_monitor_logs(args.logs), flag=flag)
     report = build_monitor_report(args.logs)
     if args.png is not None:
         try:

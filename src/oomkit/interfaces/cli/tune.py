@@ -29,8 +29,6 @@ __all__ = ["add_parser", "run"]
 _TABLE_ROWS = 10
 _DEFAULT_CAPACITY = "80GiB"
 _SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
-# Pickle protocol 2+ opens with the PROTO opcode (pickletools); oomkit traces are JSON or gzip.
-_PICKLE_PROTO = b"\x80"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -126,11 +124,15 @@ def _open_source(path: Path, device: int | None, show_progress: bool = False):
 def _is_snapshot(path: Path) -> bool:
     if path.suffix.lower() in _SNAPSHOT_SUFFIXES:
         return True
+    from oomkit.core.snapshot import looks_like_pickle
+
     try:
         with open(path, "rb") as f:
-            return f.read(1) == _PICKLE_PROTO
+            return looks_like_pickle(f.read(8))
     except OSError as exc:
-        raise OomkitError(f"{path}: cannot be read ({exc}). Check its permissions.") from exc
+        from oomkit._files import input_file_error
+
+        raise input_file_error(path, exc) from None
 
 
 def _candidate_json(candidate) -> dict:
@@ -185,9 +187,9 @@ def _setting_label(alloc_conf: str) -> str:
 
 def _render(result, path: Path, recorded: str | None) -> None:
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
 
+    from oomkit.interfaces.reports._untrusted import as_written
     from oomkit.plan import FLAG_REASONS
     from oomkit.units import format_bytes
 
@@ -197,9 +199,9 @@ def _render(result, path: Path, recorded: str | None) -> None:
         # No ranking of settings that all tie by construction (issue 35 item 7).
         for warning in result.warnings:
             if not warning.startswith("settings cannot be compared"):  # said last, in full
-                console.print(f"[yellow]warning:[/] {escape(warning)}")
+                console.print(f"[yellow]warning:[/] {as_written(warning)}")
         console.print(
-            f"Settings cannot be compared on {escape(path.name)}: the replay made no segment "
+            f"Settings cannot be compared on {as_written(path.name)}: the replay made no segment "
             f"decision under any of the {len(result.candidates)} settings, so none changes its "
             f"peak reserved ({format_bytes(baseline.peak_reserved_bytes)}). Record the history "
             "from before the first CUDA allocation (torch.cuda.memory._record_memory_history at "
@@ -208,7 +210,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
         return
     shown = result.candidates[:_TABLE_ROWS]
     table = Table(
-        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {escape(path.name)} at "
+        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {as_written(path.name)} at "
         f"{format_bytes(result.capacity_bytes)}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -228,7 +230,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
         saving = baseline.peak_reserved_bytes - c.peak_reserved_bytes
         table.add_row(
             str(rank),
-            escape(_setting_label(c.alloc_conf)),
+            as_written(_setting_label(c.alloc_conf)),
             peak,
             "-" if c.ooms or baseline.ooms else format_bytes(saving),
             f"{c.device_allocs:,} / {c.device_frees:,}",
@@ -240,12 +242,12 @@ def _render(result, path: Path, recorded: str | None) -> None:
     if hidden > 0:
         console.print(f"{hidden} more setting(s) ranked lower; --json lists them all.")
     for flag in sorted({f for c in result.candidates for f in c.flags}):
-        console.print(f"[bold]{flag}[/]: {escape(FLAG_REASONS.get(flag, flag))}")
+        console.print(f"[bold]{flag}[/]: {as_written(FLAG_REASONS.get(flag, flag))}")
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+        console.print(f"[yellow]warning:[/] {as_written(warning)}")
     if recorded:
         console.print(
-            f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={escape(recorded)}."
+            f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={as_written(recorded)}."
         )
     best = result.best
     if best is None:
@@ -259,7 +261,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
     else:
         calls = baseline.device_calls - best.device_calls
         line = (
-            f"Best: PYTORCH_CUDA_ALLOC_CONF={escape(best.alloc_conf)}  saves "
+            f"Best: PYTORCH_CUDA_ALLOC_CONF={as_written(best.alloc_conf)}  saves "
             f"{format_bytes(result.saving_bytes)} of peak reserved over the default"
         )
         if result.saving_bytes == 0 and calls > 0:

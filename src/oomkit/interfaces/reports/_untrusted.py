@@ -6,7 +6,7 @@ import re
 
 from rich.markup import escape
 
-__all__ = ["as_written"]
+__all__ = ["as_written", "as_plot_text"]
 
 # C0 and C1 control characters other than tab and newline: a terminal would act on them (an
 # ESC sequence recolours or moves the cursor), so they are shown as \xNN instead.
@@ -21,3 +21,11 @@ def as_written(text: str) -> str:
     """
     shown = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     return escape(shown)
+
+
+def as_plot_text(text: str) -> str:
+    """``text`` for a matplotlib title or label: control characters as ``\\xNN`` and ``$``
+    escaped, so a name like ``$\\frac`` is shown as written, not parsed as mathtext (which
+    raises on bad math)."""
+    shown = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return shown.replace("$", r"\$")

@@ -48,11 +48,26 @@ def batch_search_verdict(result: BatchSearchResult) -> str:
     """
     r = result
     interpolated = f", {r.synthesized} interpolated" if r.synthesized else ""
+    sizes = ""
+    if r.power_of_two:
+        sizes = " (powers of two" + (f" times {r.multiple_of}" if r.multiple_of else "") + ")"
+    elif r.multiple_of:
+        sizes = f" (multiples of {r.multiple_of})"
+    clean = " without allocator retries" if r.with_retries_batch_size is not None else ""
     line = (
-        f"largest batch that fits on {r.gpu.name}: {r.batch_size} (peak reserved "
+        f"largest batch{sizes} that fits on {r.gpu.name}{clean}: {r.batch_size} (peak reserved "
         f"{format_bytes(r.peak_reserved_bytes)}, margin {format_bytes(r.margin_bytes)}, "
         f"{r.traces} trace{'s' if r.traces != 1 else ''}{interpolated})"
     )
+    if r.with_retries_batch_size is not None:
+        count = r.with_retries_count
+        line += (
+            f"; {r.with_retries_batch_size} fits only with the allocator freeing its cache and "
+            f"retrying ({count} retr{'ies' if count != 1 else 'y'})"
+        )
+    if r.non_monotonic is not None:
+        fits, fails = r.non_monotonic
+        line += f"; not monotonic: {fits} fits, {fails} does not (see the warning)"
     if r.first_failing_batch is not None:
         line += f"; at batch {r.first_failing_batch}, {r.limiting_step} does not fit"
     else:
@@ -69,11 +84,15 @@ def _curve_table(result: BatchSearchResult) -> Table:
     table.add_column("limited by")
     for probe in result.curve:
         mark = " <" if probe.batch_size == result.batch_size else ""
+        retries = _probe_json(probe)["num_alloc_retries"]
+        fits = "no" if not probe.fits else "yes" if not retries else f"yes, {retries} retr" + (
+            "ies" if retries != 1 else "y"
+        )
         table.add_row(
             f"{probe.batch_size}{mark}",
             format_bytes(probe.peak_reserved_bytes),
             format_bytes(probe.headroom_bytes),
-            "yes" if probe.fits else "no",
+            fits,
             probe.limiting_step,
         )
     return table
@@ -89,15 +108,20 @@ def render_batch_search(result: BatchSearchResult, console: Console) -> None:
         f"allocator settings: {r.alloc_conf or 'default'}, {r.steps} training steps per probe)"
     )
     console.print(_curve_table(r))
-    console.print(f"[bold green]{batch_search_verdict(r)}[/]")
     for warning in r.warnings:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    # The verdict is the last line.
+    console.print(f"[bold green]{batch_search_verdict(r)}[/]")
 
 
 def _probe_json(probe: BatchProbe) -> dict:
+    retries = max(
+        probe.train.num_alloc_retries, probe.eval.num_alloc_retries if probe.eval else 0
+    )
     return {
         "batch_size": probe.batch_size,
         "fits": probe.fits,
+        "num_alloc_retries": retries,
         "peak_reserved_bytes": probe.peak_reserved_bytes,
         "peak_allocated_bytes": probe.peak_allocated_bytes,
         "headroom_bytes": probe.headroom_bytes,
@@ -126,6 +150,11 @@ def batch_search_to_json(result: BatchSearchResult) -> dict:
         "headroom_bytes": r.headroom_bytes,
         "limiting_step": r.limiting_step,
         "first_failing_batch": r.first_failing_batch,
+        "with_retries_batch_size": r.with_retries_batch_size,
+        "with_retries_count": r.with_retries_count,
+        "non_monotonic": None if r.non_monotonic is None else list(r.non_monotonic),
+        "multiple_of": r.multiple_of,
+        "power_of_two": r.power_of_two,
         "curve": [_probe_json(p) for p in r.curve],
         "probe_order": list(r.probe_order),
         "traces": r.traces,

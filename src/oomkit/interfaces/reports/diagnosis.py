@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.diagnose.oom_text import OomText
 from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.interfaces.reports._untrusted import as_written
@@ -24,6 +25,7 @@ __all__ = [
     "location_line",
     "remedy_headline",
     "remedy_saving",
+    "remedy_to_json",
     "render_diagnosis",
     "verdict_label",
 ]
@@ -58,6 +60,16 @@ def location_line(location: OomLocation) -> str:
     return f"Where: {location.label}{phase}"
 
 
+def remedy_to_json(remedy: Remedy) -> dict:
+    """A remedy's fields, with ``fits`` (``None`` where it was not measured by re-predicting),
+    ``peak_reserved_bytes`` (what the re-predicted step needs; ``None`` when not measured) and
+    ``flag`` (the ``oomkit predict`` option that applies it, where one does)."""
+    out = asdict(remedy)
+    if not isinstance(remedy, MeasuredRemedy):
+        out |= {"fits": None, "peak_reserved_bytes": None, "flag": None}
+    return out
+
+
 def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> dict:
     """The diagnosis as one JSON-ready object (``oomkit explain --json``)."""
     out: dict = {
@@ -71,7 +83,7 @@ def diagnosis_to_json(diagnosis: Diagnosis, parsed: OomText | None = None) -> di
             }
             for f in diagnosis.causes
         ],
-        "remedies": [asdict(r) for r in diagnosis.remedies],
+        "remedies": [remedy_to_json(r) for r in diagnosis.remedies],
         "deficit_bytes": diagnosis.deficit_bytes,
         "memory_explained": diagnosis.memory_explained,
         "warnings": list(diagnosis.warnings),
@@ -127,7 +139,13 @@ def remedy_saving(remedy: Remedy) -> str:
 
 def remedy_headline(number: int, remedy: Remedy) -> str:
     """``1. expandable segments — saves 1.53 GiB (medium confidence)``."""
-    return f"{number}. {remedy.title} — {remedy_saving(remedy)} ({remedy.confidence} confidence)"
+    fits = ""
+    if isinstance(remedy, MeasuredRemedy) and remedy.fits is not None:
+        fits = ", fits" if remedy.fits else ", still does not fit"
+    return (
+        f"{number}. {remedy.title} — {remedy_saving(remedy)}{fits} "
+        f"({remedy.confidence} confidence)"
+    )
 
 
 def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from oomkit._files import write_output
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.diagnose.diagnosis import Diagnosis
 from oomkit.interfaces.reports.diagnosis import (
@@ -340,11 +341,7 @@ def write_diagnosis_html(
     prediction: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write :func:`diagnosis_html` to ``path`` (UTF-8) and return the path."""
-    path = Path(path)
-    path.write_text(
-        diagnosis_html(
-            diagnosis, snapshot=snapshot, device=device, source=source, prediction=prediction
-        ),
-        encoding="utf-8",
+    page = diagnosis_html(
+        diagnosis, snapshot=snapshot, device=device, source=source, prediction=prediction
     )
-    return path
+    return write_output(path, page, flag="--html")

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from oomkit._files import write_output
 from oomkit.diagnose.run_diff import RunDiff, RunMemory, SiteDelta
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.units import format_bytes
 
@@ -60,7 +61,7 @@ def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
         table.add_column(name, justify="right")
     for row in rows:
         table.add_row(
-            escape(row.name),
+            as_written(row.name),
             format_bytes(row.a_bytes),
             format_bytes(row.b_bytes),
             _signed(row.delta_bytes),
@@ -70,7 +71,7 @@ def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
 
 def render_diff(diff: RunDiff, console: Console) -> None:
     """Print the headline, the parts, the categories and sites that moved, and the divergence."""
-    console.print(f"A: {escape(diff.a.name)} ({diff.a.kind})   B: {escape(diff.b.name)} ({diff.b.kind})")
+    console.print(f"A: {as_written(diff.a.name)} ({diff.a.kind})   B: {as_written(diff.b.name)} ({diff.b.kind})")
     parts = Table(title="Change in peak memory, B - A")
     parts.add_column("part")
     for name in ("A", "B", "B - A"):
@@ -105,10 +106,10 @@ def render_diff(diff: RunDiff, console: Console) -> None:
         )
     line = _divergence_line(diff)
     if line:
-        console.print(escape(line))
+        console.print(as_written(line))
     for note in diff.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
-    console.print(escape(diff_headline(diff)))
+        console.print(f"[dim]note: {as_written(note)}[/dim]")
+    console.print(as_written(diff_headline(diff)))
 
 
 def _side_json(run: RunMemory) -> dict[str, Any]:
@@ -251,6 +252,4 @@ def diff_html(diff: RunDiff) -> str:
 
 def write_diff_html(path: str | os.PathLike[str], diff: RunDiff) -> Path:
     """Write :func:`diff_html` to ``path``."""
-    out = Path(path)
-    out.write_text(diff_html(diff), encoding="utf-8")
-    return out
+    return write_output(path, diff_html(diff), flag="--html")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.diagnose.settings_doctor import SettingsReport
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
 __all__ = ["render_settings_report", "settings_report_to_json"]
@@ -40,8 +40,8 @@ def _config_rows(config: AllocatorConfig) -> list[tuple[str, str]]:
 def render_settings_report(report: SettingsReport, console: Console) -> None:
     """Print the variables, the settings in effect and the findings."""
     console.print(
-        f"Allocator settings: {escape(report.source)}, torch {report.torch_version} "
-        f"({escape(report.torch_version_from)})"
+        f"Allocator settings: {as_written(report.source)}, torch {report.torch_version} "
+        f"({as_written(report.torch_version_from)})"
     )
     if report.env is not None:
         table = Table(title="Environment variables, in the order this torch reads them")
@@ -56,29 +56,29 @@ def render_settings_report(report: SettingsReport, console: Console) -> None:
                 "unset": "-",
             }[var.status]
             value = "(unset)" if var.value is None else repr(var.value)
-            table.add_row(var.name, escape(value), status)
+            table.add_row(var.name, as_written(value), status)
         console.print(table)
     settings = Table(title="In effect")
     settings.add_column("setting")
     settings.add_column("value")
     if report.settings_text is not None:
-        settings.add_row("settings string", escape(repr(report.settings_text)) or "''")
-    settings.add_row("backend", escape(report.backend or "not recorded"))
+        settings.add_row("settings string", as_written(repr(report.settings_text)) or "''")
+    settings.add_row("backend", as_written(report.backend or "not recorded"))
     if report.config is not None:
         for name, value in _config_rows(report.config):
             settings.add_row(name, value)
     for name, value in report.implied.items():
-        settings.add_row(f"{name} (seen in the trace)", escape(str(value)))
+        settings.add_row(f"{name} (seen in the trace)", as_written(str(value)))
     if report.live is not None and report.live.cuda_available:
-        settings.add_row("running allocator backend", escape(str(report.live.backend)))
+        settings.add_row("running allocator backend", as_written(str(report.live.backend)))
     console.print(settings)
     if not report.findings:
         console.print("No problems found: the settings are read and applied as written.")
         return
     for finding in report.findings:
         console.print(
-            f"[{_STYLE[finding.severity]}]{finding.severity}[/]: {escape(finding.what)} "
-            f"{escape(finding.advice)} [dim]({escape(finding.source)})[/dim]"
+            f"[{_STYLE[finding.severity]}]{finding.severity}[/]: {as_written(finding.what)} "
+            f"{as_written(finding.advice)} [dim]({as_written(finding.source)})[/dim]"
         )
 
 

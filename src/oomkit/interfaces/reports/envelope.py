@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from oomkit._files import write_output
+from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.prediction.envelope import Envelope
 from oomkit.units import format_bytes
@@ -43,7 +44,7 @@ def _saves(saving_bytes: int) -> str:
 
 def render_envelope(env: Envelope, console: Console) -> None:
     """The per-step summary, the remedies ranked by saving, and the verdict."""
-    console.print(escape(f"{env.prediction.description or 'run'}: {env.steps} steps"))
+    console.print(as_written(f"{env.prediction.description or 'run'}: {env.steps} steps"))
     table = Table(title="Remedies, re-simulated over the whole run")
     table.add_column("change", overflow="fold", min_width=24)
     table.add_column("peak reserved", justify="right")
@@ -52,15 +53,15 @@ def render_envelope(env: Envelope, console: Console) -> None:
     table.add_column("note")
     for r in env.remedies:
         table.add_row(
-            escape(r.name),
+            as_written(r.name),
             format_bytes(r.peak_reserved_bytes),
             _saves(r.saving_bytes),
             "-" if r.first_oom_step is None else str(r.first_oom_step),
-            escape(r.note),
+            as_written(r.note),
         )
     if env.remedies:
         console.print(table)
-    console.print(escape(envelope_verdict(env)))
+    console.print(as_written(envelope_verdict(env)))
 
 
 def envelope_to_json(env: Envelope) -> dict[str, Any]:
@@ -126,6 +127,4 @@ def envelope_html(env: Envelope) -> str:
 
 def write_envelope_html(path: str | os.PathLike[str], env: Envelope) -> Path:
     """Write :func:`envelope_html` to ``path``."""
-    out = Path(path)
-    out.write_text(envelope_html(env), encoding="utf-8")
-    return out
+    return write_output(path, envelope_html(env), flag="--html")

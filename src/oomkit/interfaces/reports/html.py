@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomkit._files import write_output
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -161,9 +162,7 @@ class HtmlPage:
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the page as UTF-8 and return the path."""
-        path = Path(path)
-        path.write_text(self.render(), encoding="utf-8")
-        return path
+        return write_output(path, self.render())
 
 
 # ----------------------------------------------------------------------------- charts

@@ -16,8 +16,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from oomkit._files import output_file, write_output
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
+from oomkit.interfaces.reports._untrusted import as_plot_text, as_written
 from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.runtime.monitor import MonitorLog, MonitorSummary, is_monitor_log, load_monitor_log
 from oomkit.units import format_bytes
@@ -200,7 +202,7 @@ def render_monitor_report(report: MonitorReport, console: Console) -> None:
     console.print(
         f"[bold]oomkit report[/]: {len(report.summaries)} "
         f"{'rank' if len(report.summaries) == 1 else 'ranks'}, {steps} recorded steps on "
-        f"{', '.join(devices) or '?'}"
+        f"{as_written(', '.join(devices)) or '?'}"
     )
     table = Table(show_edge=False)
     for name in ("rank", "steps", "peak allocated", "peak reserved", "max inactive split",
@@ -223,9 +225,9 @@ def render_monitor_report(report: MonitorReport, console: Console) -> None:
     console.print(f"[{style}]{monitor_verdict(report)}[/]")
     for rank, kind, summary in report.findings:
         where = "" if rank is None else f"rank {rank}: "
-        console.print(f"[bold yellow]{kind}:[/] {where}{summary}", soft_wrap=True)
+        console.print(f"[bold yellow]{kind}:[/] {where}{as_written(summary)}", soft_wrap=True)
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        console.print(f"[yellow]warning:[/] {as_written(warning)}", soft_wrap=True)
 
 
 def monitor_report_to_json(report: MonitorReport) -> dict:
@@ -312,9 +314,7 @@ def monitor_html(report: MonitorReport, *, title: str = "oomkit memory report") 
 
 def write_monitor_html(path: str | os.PathLike[str], report: MonitorReport) -> Path:
     """Write :func:`monitor_html` to ``path`` and return it."""
-    path = Path(path)
-    path.write_text(monitor_html(report), encoding="utf-8")
-    return path
+    return write_output(path, monitor_html(report), flag="--html")
 
 
 def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Path:
@@ -339,12 +339,15 @@ def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Pa
         if capacity:
             ax.axhline(capacity / 2**20, linestyle="--", color="#D55E00", label="capacity")
         rank = log.header.get("rank")
-        ax.set_title(f"{log.header.get('device', '?')}" + ("" if rank is None else f" rank {rank}"))
+        device = as_plot_text(str(log.header.get("device", "?")))
+        ax.set_title(device + ("" if rank is None else f" rank {rank}"))
         ax.set_xlabel("step")
         ax.set_ylabel("MiB")
         ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    try:
+        with output_file(path, flag="--png") as temp:
+            fig.savefig(temp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return Path(path)

@@ -7,13 +7,16 @@ The verdict and the plain-text summary (``str(prediction)``) live below, in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from oomkit.core.target import Target
+from oomkit.diagnose.diagnosis import Remedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
+from oomkit.interfaces.reports.diagnosis import remedy_to_json
 from oomkit.prediction.module_groups import group_modules
 from oomkit.prediction.predictor import TOP_MODULES, PeakBreakdown, Prediction
 from oomkit.prediction.summary import (
@@ -34,7 +37,10 @@ __all__ = [
     "prediction_summary",
     "prediction_to_json",
     "rank_memory",
+    "remedy_line",
     "render_prediction",
+    "render_remedies",
+    "split_warnings",
     "target_to_json",
     "verdict_line",
 ]
@@ -220,8 +226,17 @@ def _is_entry_point(frame: str) -> bool:
     return filename.replace("\\", "/").rsplit("/", 1)[-1] in ("oomkit", "__main__.py")
 
 
-def render_prediction(prediction: Prediction, console: Console) -> None:
-    """Print a prediction: the setting, the breakdown at peak, top modules, verdict, warnings.
+def render_prediction(
+    prediction: Prediction, console: Console, remedies: Sequence[Remedy] = ()
+) -> None:
+    """Print a prediction: the setting, the breakdown at peak, top modules, the OOM message,
+    warnings (benign notes on one info line), the top remedies, and the verdict last.
+
+    Args:
+        prediction: what to print.
+        console: where.
+        remedies: for a step that does not fit, its ranked remedies
+            (``oomkit.diagnose.prediction_remedies``); the first three are printed.
 
     ``oomkit.render_prediction(p, rich.console.Console())`` prints what ``oomkit predict``
     prints; ``print(p)`` prints the shorter ``prediction_summary``.
@@ -243,18 +258,91 @@ def render_prediction(prediction: Prediction, console: Console) -> None:
         console.print(_modules_table(at))
     if len(p.step_peaks) > 1:
         console.print(_steps_table(p))
-    good = p.fits and p.within_budget is not False and not nothing_recorded(p)
-    style = "bold green" if good else "bold red"
-    console.print(f"[{style}]{escape(verdict_line(p))}[/]")
     if p.oom is not None:
         if p.oom.frame and not _is_entry_point(p.oom.frame):
-            console.print(f"  from {escape(p.oom.frame)}")
-        console.print(f"  {escape(p.oom.message)}", soft_wrap=True)
+            console.print(f"from {escape(p.oom.frame)}")
+        console.print(escape(p.oom.message), soft_wrap=True)
     for name, value in p.assumptions.items():
         if _is_value_assumption(name):
             console.print(f"assumed: {escape(name)}: {escape(value)}", soft_wrap=True)
-    for warning in p.warnings:
+    actionable, info = split_warnings(p.warnings)
+    for warning in actionable:
         console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    if info:
+        console.print(f"[dim]info: {escape(info)}[/dim]", soft_wrap=True)
+    if remedies:
+        render_remedies(remedies, console)
+    # The verdict is the last line: what a person reads, and what `| tail -1` keeps.
+    good = p.fits and p.within_budget is not False and not nothing_recorded(p)
+    style = "bold green" if good else "bold red"
+    console.print(f"[{style}]{escape(verdict_line(p))}[/]")
+
+
+# Warnings a user cannot act on: (what marks one, what the info line calls it). cuDNN sizes its
+# attention workspace at run time (cudnn/MHA.cpp run_cudnn_SDP_fprop / bprop) on every H100
+# prediction; GradScaler disables itself without CUDA (torch/amp/grad_scaler.py __init__), so
+# its few bytes are never modelled, enabled or not; a value read that was only logged or printed
+# (a library's own ``.item()`` logging) decides no size.
+_BENIGN: tuple[tuple[str, str], ...] = (
+    ("its CUDA memory is emulated except any workspace the cuDNN", "cuDNN attention workspaces "
+     "are sized by cuDNN at run time and not included"),
+    ("GradScaler is not modelled", "GradScaler's scale and found_inf tensors are not modelled"),
+    ("never used as a size, a loop bound or a condition", "tensor values read only for "
+     "logging got stand-ins"),
+)
+
+
+def split_warnings(warnings: Sequence[str]) -> tuple[list[str], str]:
+    """The warnings a user can act on, and one info line for the rest (``""`` when none).
+
+    Benign notes (cuDNN attention workspaces, GradScaler, values only logged) are merged, each
+    named once with its count: ``"cuDNN attention workspaces ... (2 notes); ..."``.
+    """
+    actionable: list[str] = []
+    counts: dict[str, int] = {}
+    for warning in warnings:
+        label = next((label for mark, label in _BENIGN if mark in warning), None)
+        if label is None:
+            actionable.append(warning)
+        else:
+            counts[label] = counts.get(label, 0) + 1
+    info = "; ".join(
+        label if n == 1 else f"{label} ({n} notes)" for label, n in counts.items()
+    )
+    return actionable, info
+
+
+def render_remedies(remedies: Sequence[Remedy], console: Console, top: int = 3) -> None:
+    """Print the first ``top`` remedies of a step that does not fit, one line each.
+
+    ``remedies`` come ranked from ``oomkit.diagnose.remedy_measurement.prediction_remedies``
+    (those that make the step fit first); each line says what it needs and whether it fits,
+    measured by re-prediction: ``1. pure bf16 weights, gradients and optimizer states
+    (--precision bf16) — needs 76.02 GiB reserved, fits, saves 91.71 GiB``.
+    """
+    shown = list(remedies)[:top]
+    if not shown:
+        return
+    console.print("[bold]What would make it fit[/] (measured by re-predicting the step):")
+    for number, remedy in enumerate(shown, 1):
+        console.print(f"  {escape(remedy_line(number, remedy))}", soft_wrap=True)
+
+
+def remedy_line(number: int, remedy: Remedy) -> str:
+    """``2. LoRA adapters ... — needs 57.49 GiB reserved, fits (saves 110.25 GiB)``."""
+    measured = remedy if isinstance(remedy, MeasuredRemedy) else None
+    fits = None if measured is None else measured.fits
+    peak = None if measured is None else measured.peak_reserved_bytes
+    parts = []
+    if peak is not None:
+        parts.append(f"needs {format_bytes(peak)} reserved")
+    if fits is not None:
+        parts.append("fits" if fits else "still does not fit")
+    if remedy.saving_bytes:
+        parts.append(f"saves {'~' if remedy.estimate else ''}{format_bytes(remedy.saving_bytes)}")
+    flag = f" ({measured.flag})" if measured is not None and measured.flag else ""
+    head = f"{number}. {remedy.title}{flag}"
+    return f"{head} — {', '.join(parts)}" if parts else head
 
 
 def _plain(value: object) -> object:
@@ -289,7 +377,9 @@ def target_to_json(target: Target) -> dict[str, object]:
     }
 
 
-def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) -> dict:
+def prediction_to_json(
+    prediction: Prediction, workload: Mapping | None = None, remedies: Sequence[Remedy] = ()
+) -> dict:
     """Every field of the prediction as one JSON-ready object (bytes as ints), plus the verdict.
 
     Args:
@@ -298,6 +388,9 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
             prediction's own ``workload`` record (``workload_to_json``: ``kind``, ``name``,
             ``options``, ``steps``, and for a preset ``preset``, which ``oomkit explain``
             re-predicts with a change applied). No key when neither is known.
+        remedies: measured remedies of a step that does not fit
+            (``oomkit.diagnose.prediction_remedies``): saved as ``remedies``, each with
+            ``fits`` and ``peak_reserved_bytes`` (``remedy_to_json``); no key when empty.
     """
     plain = {
         key: _plain(value)
@@ -331,4 +424,6 @@ def prediction_to_json(prediction: Prediction, workload: Mapping | None = None) 
         out["workload"] = _plain(workload)
     if prediction.scenario is not None:  # the request that made it: explain re-predicts from it
         out["scenario"] = _plain(prediction.scenario)
+    if remedies:
+        out["remedies"] = [remedy_to_json(r) for r in remedies]
     return out

@@ -19,6 +19,11 @@ import torch
 
 from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
 from oomkit.prediction.models.bnb_config import bnb_step_fields
+from oomkit.prediction.models.hf_attention import (
+    ATTN_IMPLEMENTATIONS,
+    build_attn_implementation,
+    config_attn_implementation,
+)
 from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.model_cache import cached_model, model_cache_key
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
@@ -115,6 +120,42 @@ _AUTO_CLASSES: tuple[tuple[str, str, Task], ...] = (
         "image_classification",
     ),
 )
+# A transformers class name's ending -> the task it trains (modeling_auto.py's mappings:
+# ...ForSequenceClassification computes its loss on [batch] class ids, ...ForTokenClassification
+# on [batch, seq] ones, ...ForCausalLM / ...LMHeadModel shift the ids, ...ForMaskedLM does not).
+_TASK_ENDINGS: tuple[tuple[str, Task], ...] = (
+    ("ForSequenceClassification", "sequence_classification"),
+    ("ForTokenClassification", "token_classification"),
+    ("ForCausalLM", "causal_lm"),
+    ("LMHeadModel", "causal_lm"),
+    ("ForMaskedLM", "masked_lm"),
+    ("ForImageClassification", "image_classification"),
+)
+# Sizes a config must give as positive integers (issue 36): a zero or negative one fails deep in
+# torch (or builds nothing) instead of naming the field.
+_POSITIVE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+    "n_inner",
+    "num_labels",
+    "image_size",
+    "patch_size",
+    "num_channels",
+)
+
+
+def _task_of(class_name: str) -> Task | None:
+    return next((task for ending, task in _TASK_ENDINGS if class_name.endswith(ending)), None)
 
 
 def _auto_class(transformers: Any, config: Any) -> tuple[Any, Task]:
@@ -133,13 +174,63 @@ def _auto_class(transformers: Any, config: Any) -> tuple[Any, Task]:
     if not known:
         raise OomkitError(
             f"oomkit cannot build a {type(config).__name__} ({config.model_type}): it supports "
-            "causal language models, masked language models and image classifiers; use a "
+            "causal and masked language models, sequence and token classifiers and image "
+            "classifiers; name the class (StepOptions(hf_class='AutoModelForCausalLM')), use a "
             "built-in preset, or trace your own step with oomkit.prediction.tracing.trace_step"
         )
     tasks = [task for _, task in known]
     if "masked_lm" in tasks and not getattr(config, "is_decoder", False):
         return known[tasks.index("masked_lm")]
     return known[0]
+
+
+def _model_class(transformers: Any, config: Any, hf_class: str | None) -> tuple[Any, Task, Any]:
+    """(the function that builds the model from ``config``, its task, the class) for what the
+    user builds: ``hf_class`` when given; else the config's ``architectures[0]`` (what
+    ``save_pretrained`` wrote: the class the user trained) where oomkit knows its task; else
+    the auto class that knows the config (``_auto_class``).
+
+    Raises:
+        ConfigError: ``hf_class`` is not a transformers class, or not one whose task oomkit
+            models.
+    """
+    name = hf_class
+    if name is None:
+        architectures = getattr(config, "architectures", None) or []
+        name = next(
+            (a for a in architectures if _task_of(a) and hasattr(transformers, a)), None
+        )
+        if name is None:
+            auto, task = _auto_class(transformers, config)
+            return auto.from_config, task, auto
+    named_task = _task_of(name)
+    cls = getattr(transformers, name, None)
+    if cls is None or named_task is None:
+        endings = ", ".join(ending for ending, _ in _TASK_ENDINGS)
+        raise ConfigError(
+            f"StepOptions.hf_class {name!r} is not a transformers model class oomkit builds: it "
+            f"must name one ending in {endings} (e.g. 'AutoModelForSequenceClassification' or "
+            "'BertForSequenceClassification'); check the spelling"
+        )
+    # An auto class picks the concrete class from its mapping (auto_factory.py from_config);
+    # a concrete class is built as from_config builds it, by its _from_config.
+    build = cls.from_config if name.startswith("Auto") else cls._from_config
+    return build, named_task, cls
+
+
+def _check_sizes(config: Any, text: Any) -> None:
+    """Refuse a config size that is not a positive integer, naming the field (issue 36)."""
+    for part in {id(config): config, id(text): text}.values():
+        for field in _POSITIVE_FIELDS:
+            value = getattr(part, field, None)
+            if value is None or isinstance(value, list | tuple):
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or value < 1 or value != int(value):
+                raise ConfigError(
+                    f"the Hugging Face config's {field} must be a positive integer; got "
+                    f"{value!r}. Fix it in config.json (or the config object) and predict again"
+                )
 
 
 # The precision of a model whose config names this dtype: from_config builds every parameter in
@@ -228,9 +319,13 @@ def build_hf_step(
 ) -> BuiltStep:
     """Build a transformers model from its config on ``device`` and return its step.
 
-    The model comes from ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
-    ``...ForImageClassification``, whichever knows the config) ``.from_config`` with
-    ``attn_implementation="sdpa"``, under ``torch.device(device)``: no weights are read. With
+    The model is the class the user builds (``_model_class``): ``options.hf_class``, else the
+    config's ``architectures[0]`` (``BertForSequenceClassification``: its head, its labels and
+    its loss), else ``AutoModelForCausalLM`` (or ``...ForMaskedLM`` /
+    ``...ForImageClassification``, whichever knows the config); built by ``from_config`` with
+    ``options.attn_implementation``, else the config's own, else ``"sdpa"``
+    (FlashAttention-2 and flex attention as emulated by ``hf_attention``), under
+    ``torch.device(device)``: no weights are read. With
     no ``options.precision`` it is built as ``from_config`` builds it, in the config's
     ``torch_dtype`` (``config_precision``; the description and ``BuiltStep.precision_source``
     say so); a precision given is passed as ``from_config``'s dtype. A training step calls the
@@ -257,18 +352,26 @@ def build_hf_step(
 
     Raises:
         TorchRequiredError: transformers is not installed.
+        ConfigError: a config size below 1 (``hidden_size``, ``num_hidden_layers``,
+            ``vocab_size``...), an ``hf_class`` oomkit does not build, an attention
+            implementation not modelled, or FlashAttention-2 in fp32.
         OomkitError: the config cannot be loaded, the model type is not supported, or the
             sequence is longer than the model's positions.
     """
     transformers = _transformers()
     config = load_hf_config(name_or_path_or_config, local_files_only=local_files_only)
     options = _quantization(options, config, quantization_config)
-    auto_class, task = _auto_class(transformers, config)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _check_sizes(config, text_config)
+    from_config, task, model_class = _model_class(transformers, config, options.hf_class)
     source = None
-    build_kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
     if options.precision is None:
         precision, source = config_precision(config)
         options = dataclasses.replace(options, precision=precision)
+    attention = _attention(options, config)
+    build_kwargs: dict[str, Any] = {
+        "attn_implementation": build_attn_implementation(transformers, attention)
+    }
     # from_config builds in the config's dtype, else torch's default dtype.
     if (_config_dtype(config) or torch.get_default_dtype()) != model_dtype(options.precision):
         # Another precision: as `from_config(config, dtype=...)` builds it (buffers such as
@@ -280,7 +383,7 @@ def build_hf_step(
 
     def build() -> tuple[torch.nn.Module, str]:
         with torch.device(device):
-            model = auto_class.from_config(config, **build_kwargs)
+            model = from_config(config, **build_kwargs)
         if options.checkpointing != "none" and options.mode == "train":
             # modeling_utils.py _activation_checkpointing_enable: torch.utils.checkpoint with these
             # kwargs per layer, and enable_input_require_grads() for a model fed input_ids.
@@ -293,6 +396,8 @@ def build_hf_step(
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         title = _title(name_or_path_or_config, config, model)
+        if attention != "sdpa":
+            title += f", {attention} attention"
         return model, prepare_finetune(model, options, title)  # quantize, LoRA
 
     # Within a batch search, built once and shared by its probes (model_cache.py): keyed by the
@@ -301,7 +406,7 @@ def build_hf_step(
     named = name_or_path_or_config
     source_name = os.fspath(named) if isinstance(named, str | os.PathLike) else None
     key = None if contents is None else model_cache_key(
-        "hf", (source_name, contents), options, device, auto_class, tuple(build_kwargs.items())
+        "hf", (source_name, contents), options, device, model_class, tuple(build_kwargs.items())
     )
     model, title = cached_model(key, build)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -326,6 +431,29 @@ def build_hf_step(
         device=device,
         precision_source=source,
     )
+
+
+def _attention(options: StepOptions, config: Any) -> str:
+    """The attention implementation the model runs: ``options.attn_implementation``, else the
+    config's own (``attn_implementation`` in config.json), else ``sdpa``.
+
+    Raises:
+        ConfigError: the config names one oomkit does not model, or FlashAttention-2 is asked
+            for in fp32 (flash_attn runs fp16 / bf16 only: flash_api.cpp mha_fwd checks
+            ``q_dtype == at::kHalf || q_dtype == at::kBFloat16``).
+    """
+    chosen = options.attn_implementation or config_attn_implementation(config) or "sdpa"
+    if chosen not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"the config's attn_implementation {chosen!r} is not modelled; set one of "
+            f"{', '.join(ATTN_IMPLEMENTATIONS)} with StepOptions(attn_implementation=...)"
+        )
+    if chosen == "flash_attention_2" and options.precision == "fp32":
+        raise ConfigError(
+            "FlashAttention-2 runs in fp16 or bf16 only (flash_attn mha_fwd refuses fp32): use "
+            "StepOptions(precision='bf16-mixed') or 'bf16', or attn_implementation='sdpa'"
+        )
+    return chosen
 
 
 def _quantization(options: StepOptions, config: Any, given: Any) -> StepOptions:
@@ -379,6 +507,15 @@ def _runner(transformers: Any, model: Any, task: Task, config: Any, text: Any) -
             forward=lambda x: model(pixel_values=x).logits,
             train_outputs=lambda x, labels: model(pixel_values=x, labels=labels),
         )
+    if task in ("sequence_classification", "token_classification"):
+        return ModelRunner(
+            model,
+            task,
+            config.num_labels,
+            forward=lambda ids: model(input_ids=ids).logits,
+            train_outputs=lambda ids, labels: model(input_ids=ids, labels=labels),
+            make_labels=lambda ids: _class_labels(config, task, ids),
+        )
     if task == "masked_lm":
         return ModelRunner(
             model,
@@ -418,3 +555,18 @@ def _runner(transformers: Any, model: Any, task: Task, config: Any, text: Any) -
             model(input_ids=ids, **{cache_keyword: cache}, use_cache=True, logits_to_keep=keep)
         ).logits,
     )
+
+
+def _class_labels(config: Any, task: Task, ids: torch.Tensor) -> torch.Tensor:
+    """The labels a classifier's loss takes (modeling_bert.py BertForSequenceClassification
+    .forward: ``problem_type`` "regression" for one label, else class ids, or float targets for
+    "multi_label_classification"; ...ForTokenClassification: one class id per token)."""
+    batch = ids.shape[0]
+    if task == "token_classification":
+        return torch.randint(config.num_labels, tuple(ids.shape), device=ids.device)
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression" or (problem is None and config.num_labels == 1):
+        return torch.randn(batch, device=ids.device)
+    if problem == "multi_label_classification":
+        return torch.randn(batch, config.num_labels, device=ids.device)
+    return torch.randint(config.num_labels, (batch,), device=ids.device)

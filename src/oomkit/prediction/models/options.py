@@ -9,7 +9,9 @@ from typing import Any, Literal, get_args
 from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
 
 __all__ = [
+    "ATTN_IMPLEMENTATIONS",
     "CHECKPOINTING_MODES",
+    "AttnImplementation",
     "GENERATE_COMPILE_REASON",
     "BuiltStep",
     "Checkpointing",
@@ -33,6 +35,8 @@ ComputeDtype = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["train", "inference", "generate"]
 Checkpointing = Literal["none", "full", "selective-op"]
 TrainerMixedPrecision = Literal["no", "bf16", "fp16"]
+# transformers' attn_implementation values oomkit models (models/hf_attention.py).
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flex_attention"]
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
@@ -42,6 +46,7 @@ QUANTIZE: tuple[Quantize, ...] = get_args(Quantize)
 COMPUTE_DTYPES: tuple[ComputeDtype, ...] = get_args(ComputeDtype)
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
 TRAINER_MIXED_PRECISIONS: tuple[TrainerMixedPrecision, ...] = get_args(TrainerMixedPrecision)
+ATTN_IMPLEMENTATIONS: tuple[AttnImplementation, ...] = get_args(AttnImplementation)
 
 # Why a compiled generate step is refused rather than predicted. The preset's loop (and
 # transformers' DynamicCache) grows the KV cache by one token per step, so a compiled decode
@@ -126,6 +131,17 @@ class StepOptions:
             a Hugging Face model's forward is wrapped as accelerate's ``prepare_model`` wraps
             it (autocast, then ``convert_outputs_to_fp32``), whatever its weights' dtype.
             ``None``: a plain training loop (``train`` only).
+        hf_class: Hugging Face models only: the class the model is built with, an auto class
+            (``"AutoModelForSequenceClassification"``, ``...ForTokenClassification``,
+            ``...ForCausalLM``, ``...ForMaskedLM``, ``...ForImageClassification``) or a
+            concrete one (``"BertForSequenceClassification"``). ``None``: the config's
+            ``architectures[0]``, else the first auto class that knows the config (an encoder
+            as a masked LM).
+        attn_implementation: Hugging Face models only: transformers' ``attn_implementation``
+            (``eager``: the full attention-probability matrices; ``sdpa``; ``flash_attention_2``
+            and ``flex_attention``, emulated from their kernels' allocations:
+            ``oomkit.prediction.models.hf_attention``). ``None``: the config's own, else
+            ``sdpa`` (transformers' default where SDPA is available).
     """
 
     batch_size: int = 8
@@ -146,6 +162,8 @@ class StepOptions:
     checkpoint_reentrant: bool = False
     compile: bool = False
     trainer_mixed_precision: TrainerMixedPrecision | None = None
+    hf_class: str | None = None
+    attn_implementation: AttnImplementation | None = None
 
     def __post_init__(self) -> None:
         lora: Any = self.lora
@@ -172,6 +190,16 @@ class StepOptions:
             )
         self._check_quantize()
         self._check_training_loop()
+        if self.attn_implementation is not None:
+            _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS,
+                          "eager")
+        if self.hf_class is not None and (
+            not isinstance(self.hf_class, str) or not self.hf_class.isidentifier()
+        ):
+            raise ValueError(
+                f"StepOptions.hf_class must be a transformers class name; got {self.hf_class!r}. "
+                "Example: StepOptions(hf_class='AutoModelForSequenceClassification')"
+            )
         if self.compile and self.mode == "generate":
             raise ValueError(
                 "StepOptions.compile applies to mode 'train' and 'inference', not 'generate': "

@@ -289,6 +289,12 @@ def build_preset_step(name: str, options: StepOptions, device: str = "meta") -> 
             "modelled for Hugging Face models (build_hf_step, --hf). Drop "
             "StepOptions(checkpoint_reentrant=True)"
         )
+    if options.hf_class is not None or options.attn_implementation not in (None, "sdpa"):
+        raise OomkitError(
+            "StepOptions.hf_class and attn_implementation choose how a Hugging Face model is "
+            "built (build_hf_step, --hf); the presets are their own classes and run SDPA. Drop "
+            "them, or predict the model with --hf and its config"
+        )
     preset = shaped_preset(name, options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     image_size = options.image_size or 224

@@ -21,7 +21,13 @@ from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
 
 __all__ = ["ModelRunner", "Task", "build_step", "autocast_dtype", "model_dtype"]
 
-Task = Literal["causal_lm", "masked_lm", "image_classification"]
+Task = Literal[
+    "causal_lm",
+    "masked_lm",
+    "image_classification",
+    "sequence_classification",
+    "token_classification",
+]
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class ModelRunner:
             outputs (logits included) alive until it ends, as a training loop's ``outputs``
             variable does. ``None``: ``forward`` then ``CrossEntropyLoss``, as a plain-torch
             loop computes the loss.
+        make_labels: token ids -> the labels the model's loss takes, where they are not the ids
+            themselves (a sequence classifier's ``[batch]`` class ids, a token classifier's
+            ``[batch, seq]``); ``None``: a copy of the ids (language models).
     """
 
     model: torch.nn.Module
@@ -50,6 +59,7 @@ class ModelRunner:
     new_cache: Callable[[], Any] | None = None
     decode: Callable[[torch.Tensor, Any, int], torch.Tensor] | None = None
     train_outputs: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
+    make_labels: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def model_dtype(precision: Precision | None) -> torch.dtype:
@@ -95,6 +105,9 @@ def _inputs(
         )
         labels = torch.randint(runner.classes, (batch,), device=device)
         return images, labels
+    if runner.make_labels is not None:
+        ids = torch.randint(_vocab(runner), (batch, seq_len), device=device)
+        return ids, runner.make_labels(ids)
     ids = torch.randint(runner.classes, (batch, seq_len), device=device)
     if runner.train_outputs is not None:
         # A Hugging Face model shifts the labels itself (ForCausalLMLoss); its collators pass a
@@ -106,6 +119,13 @@ def _inputs(
     if device != "meta":
         labels[:, -1] = -100
     return ids, labels
+
+
+def _vocab(runner: ModelRunner) -> int:
+    """Token ids' range for a classifier of tokens: its input embedding's rows."""
+    embeddings: Any = getattr(runner.model, "get_input_embeddings", None)
+    rows = getattr(embeddings() if callable(embeddings) else None, "num_embeddings", None)
+    return rows if isinstance(rows, int) else 2
 
 
 def _loss(loss_fn: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

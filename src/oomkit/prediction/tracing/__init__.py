@@ -32,12 +32,16 @@ from oomkit.prediction.tracing.emulation import (
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.script_run import ScriptRun, ScriptSpec, record_script
 from oomkit.prediction.tracing.stand_ins import ReadSite, StandIn
 from oomkit.prediction.tracing.step_runner import trace_step
 from oomkit.prediction.tracing.value_reads import value_tracking
 from oomkit.prediction.tracing.values import KnownValue, known_value
 
 __all__ = [
+    "ScriptRun",
+    "ScriptSpec",
+    "record_script",
     "MIN_TORCH",
     "CAST_POLICIES",
     "CUDA_AUTOCAST_POLICY",

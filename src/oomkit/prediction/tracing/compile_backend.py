@@ -318,10 +318,16 @@ def _cuda_sdpa(engine: CudaEmulationEngine) -> Callable[..., Any]:
     from oomkit.prediction.tracing.emulations.sdpa import _run_sdpa
     from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
 
+    # The eager path's own hook (emulations/sdpa.py register_sdpa), which carries the target's
+    # cuDNN version (Target.cudnn_version); the settings in effect only where none is registered.
+    hook = engine.emulation(_SDPA_NAME)
+
     def fused_sdpa(*args: Any, **kwargs: Any) -> Any:
         ctx = EmulationContext(
             _SDPA_NAME, torch._C._nn.scaled_dot_product_attention, args, kwargs, engine
         )
+        if hook is not None:
+            return hook(ctx)
         return _run_sdpa(ctx, current_sdpa_settings())
 
     fused_sdpa.__name__ = "oomkit_fused_sdpa"

@@ -12,13 +12,26 @@ What it changes while open (all undone on exit):
 - ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
-  ``synchronize`` and ``empty_cache`` do nothing (there is no device to act on), and the
-  memory counters read 0 (the recorder, not the code under it, measures memory).
+  ``synchronize``, ``empty_cache``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing
+  (there is no device to act on), ``torch.cuda.Event`` times 0 ms, ``mem_get_info`` reads the
+  whole memory free, and the memory counters read 0 (the recorder, not the code under it,
+  measures memory). Streams are not emulated (a side stream's allocations go to their own
+  pool; ``torch.cuda.Stream`` still raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
   fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
-  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself.
+  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
+  tensor too (pinned host memory is host memory, which the prediction does not count; torch's
+  own ``pin_memory`` needs a real accelerator).
+- ``Module.to("cuda")`` of a CPU model keeps shared parameters shared (nanoGPT ties ``wte`` to
+  ``lm_head``). CUDA keeps them through ``param.data = moved`` (torch/nn/modules/module.py
+  ``_apply``: CPU and CUDA tensors have compatible shallow-copy types); CPU and meta do not, so
+  ``_apply`` would make one new ``Parameter`` per module and double the tied weight, its
+  gradient and its optimizer state. While open, a move converts each tensor once and puts the
+  one result back wherever the tensor was; and an optimizer built before the move (which CUDA's
+  in-place ``param.data`` swap keeps pointing at the moved parameters) is pointed at the new
+  ones, its state with them.
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
@@ -42,7 +55,9 @@ from oomkit.core.gpus import GpuSpec, get_gpu
 __all__ = ["as_one_cuda_gpu"]
 
 _META = torch.device("meta")
-# torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on.
+# torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
+# it, with including_emulation=True (the default), True when a bf16 tensor can be made on the
+# device (_check_bf16_tensor_supported), which every architecture torch builds for allows.
 _BF16_MIN_CAPABILITY = (8, 0)
 
 
@@ -81,7 +96,8 @@ class _CudaOnMeta(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
+        asked_cuda = _is_cuda(kwargs.get("device"))
+        if asked_cuda:
             kwargs["device"] = _META
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_meta = self_tensor is not None and self_tensor.device.type == "meta"
@@ -98,9 +114,13 @@ class _CudaOnMeta(TorchFunctionMode):
         elif func is torch.Tensor.cuda:
             assert self_tensor is not None
             return self_tensor.to(_META, non_blocking=bool(kwargs.get("non_blocking", False)))
-        elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory) and on_meta:
+        elif func is torch.Tensor.pin_memory or (func is torch.Tensor.cpu and on_meta):
+            assert self_tensor is not None
             return self_tensor
-        elif func in _FROM_PYTHON and kwargs.get("device") == _META:
+        elif func is torch.Tensor.is_pinned:
+            return False
+        elif func in _FROM_PYTHON and asked_cuda:
+            # Only what was asked of CUDA: data put on meta by name stays the tracer's business.
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -154,6 +174,43 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
     return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
 
 
+class _NoDeviceSwitch:
+    """``torch.cuda.device(i)`` / ``device_of(t)``: one device, nothing to switch to."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.idx = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+class _TimingEvent:
+    """``torch.cuda.Event``: a script's timing reads 0 ms (nothing runs on a device), and its
+    synchronisation returns at once."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
 @contextlib.contextmanager
 def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
@@ -169,8 +226,27 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "get_device_name": lambda device=None: gpu.name,
         "get_device_capability": lambda device=None: (major, minor),
         "get_device_properties": lambda device=None: properties,
-        "is_bf16_supported": lambda including_emulation=True: (major, minor)
-        >= _BF16_MIN_CAPABILITY,
+        "is_bf16_supported": lambda including_emulation=True: including_emulation
+        or (major, minor) >= _BF16_MIN_CAPABILITY,
+        # CUDAGeneratorImpl::get_state (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp): the Philox
+        # seed and offset, 8 bytes each. Dynamo saves and restores it around each compile.
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
+        "set_rng_state": lambda new_state, device="cuda": None,
+        "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
+        "set_rng_state_all": lambda new_states: None,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "mem_get_info": lambda device=None: (gpu.total_memory_bytes, gpu.total_memory_bytes),
+        "device": _NoDeviceSwitch,
+        "device_of": _NoDeviceSwitch,
+        "Event": _TimingEvent,
+        "memory_summary": lambda device=None, abbreviated=False: (
+            "memory is measured by oomkit's recorder, not by the code it runs"
+        ),
         "memory_allocated": lambda device=None: 0,
         "memory_reserved": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
@@ -187,12 +263,98 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             setattr(torch.cuda, name, original)
 
 
+def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> None:
+    """Optimizers holding a parameter that a move replaced hold its replacement instead."""
+    for optimizer in list(optimizers):
+        for group in optimizer.param_groups:
+            group["params"] = [
+                moved[id(p)][1] if id(p) in moved and moved[id(p)][0] is p else p
+                for p in group["params"]
+            ]
+        for old, new in moved.values():
+            if old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
+
+
+@contextlib.contextmanager
+def _module_moves_keep_sharing() -> Iterator[None]:
+    """``Module._apply`` converts a shared tensor once and re-ties it where it was, and the
+    optimizers built meanwhile follow a replaced parameter (module docstring)."""
+    import weakref
+
+    original = torch.nn.Module._apply
+    original_init = torch.optim.Optimizer.__init__
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+    depth = [0]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        optimizers.add(self)
+
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        if depth[0]:
+            return original(self, fn, recurse)
+        before = [
+            (module, slots, name, tensor)
+            for module in self.modules()
+            for slots in (module._parameters, module._buffers)
+            for name, tensor in slots.items()
+            if tensor is not None
+        ]
+        # id -> (the tensor, kept alive so its id stays its own; what fn made of it)
+        converted: dict[int, tuple[Any, Any]] = {}
+
+        def once(tensor: Any) -> Any:
+            hit = converted.get(id(tensor))
+            if hit is None:
+                hit = converted[id(tensor)] = (tensor, fn(tensor))
+            return hit[1]
+
+        depth[0] += 1
+        try:
+            result = original(self, once, recurse)
+        finally:
+            depth[0] -= 1
+        first: dict[int, Any] = {}
+        moved: dict[int, tuple[Any, Any]] = {}
+        for _module, slots, name, tensor in before:
+            if id(tensor) in first:
+                slots[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = now = slots.get(name)
+                if now is not tensor and isinstance(tensor, torch.nn.Parameter):
+                    moved[id(tensor)] = (tensor, now)
+        if moved:
+            _repoint_optimizers(optimizers, moved)
+        return result
+
+    torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = original_init  # type: ignore[method-assign]
+
+
+# The GPUs of the open as_one_cuda_gpu blocks, innermost last: a nested block without a GPU
+# (a trainer's step inside a trace) reports the one its caller chose.
+_open_gpus: list[GpuSpec] = []
+
+
 @contextlib.contextmanager
 def as_one_cuda_gpu(gpu: GpuSpec | None = None) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
     Args:
-        gpu: the GPU reported; ``None`` means an H100 SXM (the recorder's default).
+        gpu: the GPU reported; ``None`` means the GPU of an enclosing block, else an H100 SXM
+            (the recorder's default).
     """
-    with _torch_cuda_reports(get_gpu("h100-sxm") if gpu is None else gpu), _CudaOnMeta():
-        yield
+    if gpu is None:
+        gpu = _open_gpus[-1] if _open_gpus else get_gpu("h100-sxm")
+    _open_gpus.append(gpu)
+    try:
+        with _torch_cuda_reports(gpu), _module_moves_keep_sharing(), _CudaOnMeta():
+            yield
+    finally:
+        _open_gpus.pop()

@@ -115,6 +115,11 @@ class CudaEmulationEngine:
 
     # ------------------------------------------------------------------ interception
 
+    def emulation(self, name: str) -> OpEmulation | None:
+        """The hook registered for ``name`` (an aten overload or a dotted torch function),
+        ``None`` without one: the compiled path runs the same hook as the eager one."""
+        return self._emulations.get(name)
+
     @contextlib.contextmanager
     def intercept(self) -> Iterator[None]:
         """While open, every op and watched function runs through the engine."""

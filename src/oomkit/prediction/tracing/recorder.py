@@ -53,7 +53,7 @@ from oomkit.prediction.tracing.read_report import (
     read_warnings,
 )
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
-from oomkit.prediction.tracing.storages import Allocation, tensor_storage
+from oomkit.prediction.tracing.storages import Allocation, parameter_name, tensor_storage
 from oomkit.prediction.tracing.value_reads import ValueReads, value_tracking
 from oomkit.prediction.tracing.values import KnownValues
 
@@ -319,23 +319,24 @@ class Tracer:
         *,
         first_seen_ok: bool = False,
         param: torch.Tensor | None = None,
-    ) -> None:
-        """Add ``role`` to the allocation of ``tensor``; ``param`` is the parameter it serves."""
+    ) -> Allocation | None:
+        """Add ``role`` to ``tensor``'s allocation (returned); ``param``: the parameter it serves."""
         storage = tensor_storage(tensor, _DEVICE_TYPE)
         if storage is None:
-            return
+            return None
         alloc = self._table.lookup(storage)
         if alloc is None:
             size = storage.nbytes()
             if size == 0:
-                return
+                return None
             alloc = self._first_seen(size, role, expected=first_seen_ok)
             self._table.bind(storage, alloc)
         alloc.roles.add(role)
         if param is not None and alloc.owner is None:
             owner = self._owners.get(id(param))
             if owner is not None and owner[0]() is param:
-                alloc.owner = owner[1]
+                alloc.owner, alloc.param_name = owner[1], parameter_name(owner[1](), param)
+        return alloc
 
     def _own(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Record that ``module`` registered ``param`` (the first owner of a shared one wins)."""
@@ -373,7 +374,9 @@ class Tracer:
         for param, state in optimizer.state.items():
             owner = param if isinstance(param, torch.Tensor) else None
             for value in tree_leaves(state):
-                self._note(value, "optimizer_state", first_seen_ok=first_seen_ok, param=owner)
+                noted = self._note(value, "optimizer_state", first_seen_ok=first_seen_ok, param=owner)
+                if noted is not None and noted.optimizer is None:  # the verdict names it
+                    noted.optimizer = type(optimizer).__name__
 
     def _watch_grad(self, param: torch.Tensor) -> None:
         ref = self._grad_watched.get(id(param))

@@ -138,6 +138,11 @@ def build_recording(
                 tags.append(("module", module))
             if alloc.op is not None:
                 tags.append(("op", alloc.op))
+            if alloc.param_name is not None and category in ("gradient", "optimizer_state"):
+                # The parameter it serves, named in the module tag's module (``weight``).
+                tags.append(("parameter", alloc.param_name))
+            if alloc.optimizer is not None:
+                tags.append(("optimizer", alloc.optimizer))
             if "saved" in alloc.roles:
                 tags.append(("saved_for_backward", "true"))
             if alloc.emulated is not None:

@@ -4,8 +4,10 @@ A failure names the user's own line (the innermost frame outside torch, installe
 oomkit and the standard library) and, when the exception came from deeper, the library frame it
 came from. The advice depends on what failed:
 
-- ``Cannot copy out of meta tensor``: a device move (``.cpu()``, ``.to("cuda")``, ``.numpy()``)
-  copies values the meta device does not have; create tensors on the default device instead.
+- ``Cannot copy out of meta tensor`` / ``can't convert meta ... to numpy``: values copied off
+  the traced device (``.numpy()``, a copy to the host used as data), which the meta device does
+  not have. Moves themselves work (``.to("cuda")``, ``.cpu()``: ``cuda_device.as_one_cuda_gpu``);
+  reading the values does not, except ``.item()`` and its kind (``value_reads``).
 - an op that reads tensor values (``.item()`` in C++, ``nonzero``, boolean-mask indexing,
   ops with no meta kernel): in the user's code, move it out or give it fixed sizes; inside torch
   or a library, it is not the user's to move: state the value or pass inputs oomkit can follow.
@@ -25,9 +27,16 @@ from oomkit.prediction.tracing.stand_ins import (
     shown_path,
 )
 
-__all__ = ["FailureSite", "failure_site", "failure_text", "step_failure"]
+__all__ = ["FailureSite", "failure_site", "failure_text", "reads_device_values", "step_failure"]
 
-_DEVICE_MOVE = "Cannot copy out of meta tensor"
+# What torch says when values leave the meta device: a copy (_to_copy's meta kernel) and
+# Tensor.numpy (torch/csrc/utils/tensor_numpy.cpp tensor_to_numpy).
+_DEVICE_MOVES = ("Cannot copy out of meta tensor", "can't convert meta device type tensor to numpy")
+
+
+def reads_device_values(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch refusing to hand out a meta tensor's values (``.numpy()``)."""
+    return any(marker in str(exc) for marker in _DEVICE_MOVES)
 
 
 @dataclass(frozen=True)
@@ -82,13 +91,13 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
         at += f" (inside {site.library})"
     where = f"the step failed {at}"
     text = f"{type(exc).__name__}: {exc}".strip()
-    if _DEVICE_MOVE in str(exc):
+    if reads_device_values(exc):
         return (
-            f"{where}: a device move ({text}). Moving a tensor to the CPU or to CUDA (.cpu(), "
-            ".to('cuda'), .numpy(), device='cuda') copies its values, and the meta device has "
-            "none. Do not move tensors inside the step: create the model, optimizer and "
-            "inputs on the default device (oomkit makes it meta; leave device= out). To log a "
-            "value, .item() is enough: it gets a stand-in"
+            f"{where}: a device move that reads values ({text}). Tensors on the traced GPU "
+            "live on the meta device, which holds no values: .to('cuda') and .cpu() work, but "
+            "reading what a copy holds (.numpy(), data copied to the CPU and used there) does "
+            "not. Keep the step's tensors on the device. To log a value, .item() is enough: it "
+            "gets a stand-in"
         )
     if failed_op is None and "meta" not in str(exc).lower():
         return f"the step raised {text}, {at}"

@@ -2,7 +2,8 @@
 
 The step runs with ``torch.device("meta")`` as the default device (as ``oomkit predict
 file.py:function`` runs it), so tensors it creates without ``device=`` cost nothing and hold no
-values. A model passed in with its parameters on the CPU is refused, and so, when asked
+values, on one emulated CUDA GPU, the target (``cuda_device.as_one_cuda_gpu``): ``device="cuda"``,
+``.to("cuda")`` and ``.cuda()`` land on meta, and ``torch.cuda`` answers as the target would. A model passed in with its parameters on the CPU is refused, and so, when asked
 (``oomkit.predict`` asks), is a step that records no device allocation at all: either would have
 run for real on the CPU and predicted nothing.
 """
@@ -17,10 +18,12 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import EmptyRecordingError, OomkitError
+from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.step_failure import step_failure
+from oomkit.prediction.tracing.step_failure import reads_device_values, step_failure
 from oomkit.prediction.tracing.storages import tensors_of
 
 __all__ = ["trace_step"]
@@ -77,6 +80,8 @@ def trace_step(
     Raises:
         ValueError: ``steps`` is below 1.
         ConfigError: a stated value is malformed.
+        UserCodeError: a model on the traced GPU is given a CPU tensor (CUDA's device check;
+            ``cpu_inputs``), naming the line that chose the CPU when one did.
         EmptyRecordingError: a module passed in has parameters off the meta device, or (with
             ``require_allocations``) the first step recorded no device allocation.
         UnsupportedOpError: an op cannot run on the meta device (it reads tensor values, has
@@ -96,7 +101,7 @@ def trace_step(
     _refuse_host_modules((args, kwargs))
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
     try:
-        with tracer, torch.device("meta"):
+        with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu), cpu_inputs_refused():
             tracer.track(args, kwargs)
             for step in range(steps):
                 tracer.mark_step()
@@ -113,6 +118,8 @@ def trace_step(
         failed = tracer.failed_op
         if failed is not None and failed[1] is exc:
             raise step_failure(exc, failed[0]) from exc
+        if reads_device_values(exc):
+            raise step_failure(exc, None) from exc
         raise
     return tracer.recording
 

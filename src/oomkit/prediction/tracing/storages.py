@@ -24,7 +24,7 @@ from oomkit.core.trace import Frame
 from oomkit.prediction.tracing.categories import Category, Phase, Role, infer_category
 from oomkit.prediction.tracing.fake_storages import fake_tensor_storage, is_fake_or_wrapper
 
-__all__ = ["Allocation", "StorageTable", "tensor_storage", "tensors_of"]
+__all__ = ["Allocation", "StorageTable", "parameter_name", "tensor_storage", "tensors_of"]
 
 
 @dataclass(eq=False)
@@ -43,6 +43,10 @@ class Allocation:
     live: bool = True
     # The module owning the parameter this storage serves (parameter, its grad, its state).
     owner: weakref.ref[torch.nn.Module] | None = None
+    # The parameter's name in that module (``weight``), and for optimizer state the optimizer's
+    # class (``AdamW``): what the verdict names at an OOM in the optimizer step.
+    param_name: str | None = None
+    optimizer: str | None = None
     # What an emulation hook allocated it for (``"cublas_workspace"``); None for a storage.
     emulated: str | None = None
     # The CUDA stream it was allocated on; its block goes back to that stream's pool.
@@ -52,6 +56,13 @@ class Allocation:
     def category(self) -> Category:
         """The category implied by what has been observed so far."""
         return infer_category(self.roles, self.phase, self.explicit)
+
+
+def parameter_name(module: torch.nn.Module | None, param: object) -> str | None:
+    """The name ``module`` registered ``param`` under (``weight``), if it still holds it."""
+    if module is None:
+        return None
+    return next((n for n, p in module.named_parameters(recurse=False) if p is param), None)
 
 
 def tensor_storage(tensor: object, device_type: str) -> torch.UntypedStorage | None:

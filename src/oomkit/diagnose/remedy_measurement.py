@@ -1,0 +1,483 @@
+"""Remedies measured by re-predicting the step with each change, and whether each makes it fit.
+
+A step oomkit can rebuild (a built-in preset or a ``--hf`` model, with its ``StepOptions``) is
+predicted again with one change at a time: precision (mixed bf16 / fp16, pure bf16), activation
+checkpointing, SGD, the fine-tuning changes (LoRA, QLoRA, 8-bit AdamW: ``_finetune_remedies``),
+the smallest ``--fsdp N`` (a power of two) whose rank 0 fits, and the largest halved batch that
+fits with gradient accumulation keeping the global batch. Each remedy says whether the step then
+fits (``MeasuredRemedy.fits``) and what it needs (``peak_reserved_bytes``: the required reserved
+bytes of the re-prediction, its peak on a device without limit). A change that cannot apply is
+never measured (precision already that low, checkpointing already on, no Adam to replace, a
+model peft or FSDP does not take).
+
+``prediction_remedies`` does this for a ``Prediction`` that does not fit (what ``oomkit
+predict`` prints under the verdict); ``measure_remedies`` for any step given a re-predict
+function (``oomkit explain`` of a saved prediction, ``_model_remedies.measured_model_remedies``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from oomkit.core.target import ParallelLayout, Target
+from oomkit.diagnose._finetune_remedies import finetune_changes
+from oomkit.diagnose.diagnosis import Remedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
+from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.prediction.workload import WorkloadSpec
+from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomkit.prediction.predictor import Prediction
+
+__all__ = [
+    "FSDP_SIZES",
+    "MEASURED_WHY",
+    "MeasuredRemedy",
+    "Repredict",
+    "measure_remedies",
+    "measured_remedies_of",
+    "prediction_remedies",
+    "predict_rebuilt",
+    "rank_measured",
+    "rebuild",
+    "repredict",
+]
+
+MEASURED_WHY = "measured by re-predicting the step with the change applied"
+
+# The --fsdp sizes tried, smallest first: powers of two, as FSDP meshes are laid out on nodes of
+# 8 GPUs (torchtitan's parallel_dims: dp_shard * tp * ... = world size).
+FSDP_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+# The largest batch-halving search the measured batch remedy does.
+_MAX_HALVINGS = 8
+# torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere).
+_NATIVE_BF16_CAPABILITY = (8, 0)
+
+_MIXED_CODE = (
+    "# bf16 needs no GradScaler\n"
+    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "loss.backward()\n"
+    "optimizer.step()"
+)
+_FP16_CODE = (
+    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
+    'with torch.autocast("cuda", dtype=torch.float16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "scaler.scale(loss).backward()\n"
+    "scaler.step(optimizer)\n"
+    "scaler.update()"
+)
+_PURE_BF16_CODE = (
+    "model = model.to(torch.bfloat16)  # weights, gradients and optimizer states in bf16\n"
+    "# Hugging Face: AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)\n"
+    "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"
+)
+_CHECKPOINT_CODE = (
+    "from torch.utils.checkpoint import checkpoint\n"
+    "# in the model's forward, around each block:\n"
+    "for block in self.blocks:\n"
+    "    x = checkpoint(block, x, use_reentrant=False)\n"
+    "# Hugging Face models: model.gradient_checkpointing_enable()"
+)
+_SGD_CODE = (
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # one state\n"
+    "# or keep Adam's behaviour with less state (hints, not measured):\n"
+    "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
+    "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
+)
+
+
+# (options, layout) -> the re-predicted step: layout None keeps the step's own.
+Repredict = Callable[[Any, ParallelLayout | None], "Prediction"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    title: str
+    fields: dict[str, Any]
+    code: str
+    flag: str | None
+    optional: bool = False  # a model may not take it (peft targets, nothing to quantize)
+
+
+def _native_bf16(compute_capability: tuple[int, int] | None) -> bool:
+    return compute_capability is None or tuple(compute_capability) >= _NATIVE_BF16_CAPABILITY
+
+
+def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Change]:
+    """The single changes that apply to ``base`` (a training step's ``StepOptions``)."""
+    out: list[_Change] = []
+    bf16 = _native_bf16(compute_capability)
+    if base.precision == "fp32":
+        mixed = "bf16-mixed" if bf16 else "fp16-mixed"
+        fields: dict[str, Any] = {"precision": mixed}
+        if base.trainer_mixed_precision is not None:  # the Trainer's bf16/fp16: accelerate's too
+            fields["trainer_mixed_precision"] = mixed.removesuffix("-mixed")
+        title = (
+            "bf16 mixed precision (autocast)" if bf16
+            else "fp16 mixed precision (autocast + GradScaler)"
+        )
+        out.append(_Change(title, fields, _MIXED_CODE if bf16 else _FP16_CODE,
+                           f"--precision {mixed}"))
+    if base.precision not in ("bf16", "fp16") and bf16 and base.trainer_mixed_precision is None:
+        out.append(
+            _Change(
+                "pure bf16 weights, gradients and optimizer states",
+                {"precision": "bf16"},
+                _PURE_BF16_CODE,
+                "--precision bf16",
+            )
+        )
+    if base.checkpointing == "none":
+        out.append(
+            _Change("activation checkpointing", {"checkpointing": "full"}, _CHECKPOINT_CODE,
+                    "--checkpointing full")
+        )
+    if base.optimizer not in ("sgd",):
+        out.append(
+            _Change(
+                "SGD with momentum instead of Adam (one optimizer state, not two)",
+                # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
+                {"optimizer": "sgd"}
+                | ({"optimizer_impl": "foreach"} if base.optimizer_impl == "fused" else {}),
+                _SGD_CODE,
+                "--optimizer sgd",
+            )
+        )
+    for title, fields, code in finetune_changes(base):
+        flag = "--optimizer adamw8bit" if fields.get("optimizer") == "adamw8bit" else None
+        out.append(_Change(title, fields, code, flag, optional=True))
+    return out
+
+
+def measure_remedies(
+    base: Any,
+    repredict_with: Repredict,
+    *,
+    required_bytes: int,
+    usable_bytes: int,
+    compute_capability: tuple[int, int] | None = None,
+    fsdp_sizes: Sequence[int] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[MeasuredRemedy], list[str]]:
+    """Re-predict each change that applies to ``base`` and return what it saves and whether the
+    step then fits.
+
+    Args:
+        base: the step's ``StepOptions`` (``mode="train"``; other modes get no remedies).
+        repredict_with: ``(options, layout)`` -> the step's ``Prediction`` on the same target
+            (``layout``: a ``ParallelLayout`` to shard over, ``None`` for the step's own).
+        required_bytes: what the step needs now (reserved bytes on a device without limit).
+        usable_bytes: what the target offers PyTorch.
+        compute_capability: the target GPU's: below 8.0, fp16 autocast instead of bf16 and no
+            pure bf16.
+        fsdp_sizes: ``--fsdp`` sizes to try, smallest first; the first whose rank 0 fits is
+            offered (empty: not tried, e.g. for a model FSDP is not modelled for).
+        progress: called as ``progress(done, total)`` after each change.
+
+    Returns:
+        The remedies that save memory (unranked; ``rank_measured`` orders them) and warnings.
+
+    Raises:
+        OomkitError: the step cannot be rebuilt for a change every model takes.
+    """
+    if base.mode != "train":
+        return [], []
+    changes = _changes(base, compute_capability)
+    total = len(changes) + 1 + (1 if fsdp_sizes else 0)
+    out: list[MeasuredRemedy] = []
+    warnings: list[str] = []
+    for done, change in enumerate(changes, 1):
+        try:
+            new = repredict_with(dataclasses.replace(base, **change.fields), None)
+        except TorchRequiredError as exc:  # peft (or transformers) is not installed
+            warnings.append(f"{change.title}: not measured ({exc})")
+            continue
+        except OomkitError:
+            if not change.optional:
+                raise
+            continue
+        finally:
+            if progress is not None:
+                progress(done, total)
+        saving = required_bytes - new.required_bytes
+        if saving <= 0:
+            continue
+        out.append(
+            _measured(change.title, saving, change.code, new, required_bytes, usable_bytes,
+                      flag=change.flag,
+                      # Adapters on frozen (or 4-bit) base weights train another model.
+                      changes_training=bool(change.fields.keys() & {"lora", "quantize"}))
+        )
+    if fsdp_sizes:
+        fsdp = _measured_fsdp(base, repredict_with, fsdp_sizes, required_bytes, usable_bytes)
+        if fsdp is not None:
+            out.append(fsdp)
+        if progress is not None:
+            progress(total - 1, total)
+    batch = _measured_batch(base, repredict_with, required_bytes)
+    if progress is not None:
+        progress(total, total)
+    if batch is not None:
+        out.append(batch)
+    return out, warnings
+
+
+def _measured(
+    title: str,
+    saving: int,
+    code: str,
+    new: Prediction,
+    required: int,
+    usable: int,
+    *,
+    flag: str | None,
+    changes_training: bool = False,
+    what: str = "",
+) -> MeasuredRemedy:
+    verdict = "fits" if new.fits else "still does not fit"
+    return MeasuredRemedy(
+        title,
+        saving,
+        "high",
+        code,
+        f"{MEASURED_WHY}: {what}the step needs {format_bytes(new.required_bytes)} reserved "
+        f"instead of {format_bytes(required)} and {verdict} in the {format_bytes(usable)} usable.",
+        estimate=False,
+        changes_training=changes_training,
+        fits=bool(new.fits),
+        peak_reserved_bytes=new.required_bytes,
+        flag=flag,
+    )
+
+
+def _measured_fsdp(
+    base: Any, repredict_with: Repredict, sizes: Sequence[int], required: int, usable: int
+) -> MeasuredRemedy | None:
+    """The smallest FSDP2 mesh whose rank 0 fits (per-rank batch unchanged), by bisection over
+    ``sizes`` (rank 0's need shrinks as the states are sharded over more ranks)."""
+    found: dict[int, Prediction] = {}
+    lo, hi = -1, len(sizes)  # sizes[lo] does not fit (-1: none tried), sizes[hi] fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            new = repredict_with(base, ParallelLayout(fsdp=sizes[mid]))
+        except OomkitError:  # a model or setting FSDP2 is not modelled for (fp16-mixed)
+            return None
+        if new.fits:
+            found[mid], hi = new, mid
+        else:
+            lo = mid
+    if hi < len(sizes):
+        size, new = sizes[hi], found[hi]
+        code = (
+            f"torchrun --nproc-per-node {size} train.py  # {size} GPUs, same batch per GPU\n"
+            "# in train.py, per transformer block and then the root (FSDP2):\n"
+            "from torch.distributed.fsdp import fully_shard\n"
+            "for block in model.layers:\n"
+            "    fully_shard(block)\n"
+            "fully_shard(model)"
+        )
+        return _measured(
+            f"shard with FSDP across {size} GPUs", required - new.required_bytes, code, new,
+            required, usable, flag=f"--fsdp {size}", what=f"on rank 0 of {size}, ",
+        )
+    return None
+
+
+def _measured_batch(base: Any, repredict_with: Repredict, required: int) -> MeasuredRemedy | None:
+    """The largest halved batch that fits, with accumulation steps that keep the batch."""
+    size = base.batch_size
+    for _ in range(_MAX_HALVINGS):
+        if size <= 1:
+            return None
+        size = size // 2
+        try:
+            new = repredict_with(dataclasses.replace(base, batch_size=size), None)
+        except ValueError:
+            # The model refuses the smaller batch (BatchNorm needs more than one value per
+            # channel in training, torch.nn.functional._verify_batch_size): no batch remedy.
+            return None
+        if new.fits:
+            break
+    else:
+        return None
+    steps = math.ceil(base.batch_size / size)
+    return MeasuredRemedy(
+        f"batch size {size} with {steps} gradient-accumulation steps",
+        required - new.required_bytes,
+        "high",
+        f"accumulation_steps = {steps}  # {steps} micro-batches of {size} (was one batch of "
+        f"{base.batch_size})\n"
+        f"loader = DataLoader(dataset, batch_size={size}, shuffle=True)\n"
+        "for i, (inputs, targets) in enumerate(loader):\n"
+        "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
+        "    loss.backward()\n"
+        "    if (i + 1) % accumulation_steps == 0:\n"
+        "        optimizer.step()\n"
+        "        optimizer.zero_grad(set_to_none=True)",
+        f"{MEASURED_WHY}: at batch {size} the step needs {format_bytes(new.required_bytes)} "
+        f"reserved and fits; the effective batch is unchanged.",
+        estimate=False,
+        fits=True,
+        peak_reserved_bytes=new.required_bytes,
+        flag=f"--batch {size} --grad-accum {steps * max(base.grad_accum, 1)}",
+    )
+
+
+def rank_measured(remedies: Iterable[Remedy], deficit_bytes: int | None) -> list[Remedy]:
+    """Remedies that make the step fit first, those on the same GPUs before sharding over more
+    (``--fsdp``), then by ``Remedy.rank_key`` (those that keep the training as it is before
+    LoRA/QLoRA, then by bytes saved)."""
+
+    def key(remedy: Remedy) -> tuple[bool, bool, tuple[bool, bool, bool, bool, int, bool]]:
+        measured = remedy if isinstance(remedy, MeasuredRemedy) else None
+        fits = measured is not None and measured.fits is True
+        more_gpus = measured is not None and (measured.flag or "").startswith("--fsdp")
+        return (not fits, more_gpus, remedy.rank_key(deficit_bytes))
+
+    return sorted(remedies, key=key)
+
+
+def repredict(workload: WorkloadSpec, target: Target, options: Any) -> Prediction:
+    """The step of ``workload`` with ``options`` predicted again on ``target`` (for a
+    ``target.parallel`` layout: its rank 0, as ``oomkit predict --fsdp/--tp/--dp`` builds it).
+
+    Raises:
+        OomkitError: the workload cannot be rebuilt (an ``--hf`` config not in the cache) or
+            does not take the options.
+    """
+    if target.parallel is not None:
+        return _repredict_parallel(workload, target, options)
+    return predict_rebuilt(workload, rebuild(workload, options), target, options)
+
+
+def rebuild(workload: WorkloadSpec, options: Any) -> Any:
+    """The ``BuiltStep`` of a preset or ``--hf`` workload with ``options`` (an ``--hf``
+    config from its directory or the local cache only: re-predicting never goes online).
+
+    Raises:
+        OomkitError: the workload cannot be rebuilt, or does not take the options.
+    """
+    from oomkit.prediction.models import build_hf_step, build_preset_step
+
+    if workload.kind == "hf":
+        return build_hf_step(workload.name, options, local_files_only=True)
+    return build_preset_step(workload.name, options)
+
+
+def predict_rebuilt(workload: WorkloadSpec, built: Any, target: Target, options: Any) -> Prediction:
+    """Predict a ``rebuild`` step on one GPU of ``target``, recording the workload's steps."""
+    from oomkit.prediction.predictor import predict
+
+    return predict(
+        built.step_fn,
+        target=target,
+        steps=workload.steps or 2,
+        track=built.track,
+        description=built.description,
+        # A compiled prediction's changes are re-predicted compiled too, or each would be
+        # compared eager against the compiled original.
+        compile=bool(options.compile),
+    )
+
+
+def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) -> Prediction:
+    """Rank 0 of the target's layout, rebuilt as ``oomkit predict --fsdp/--tp/--dp`` builds
+    it (interfaces/cli/predict.py ``_predict_sharded``), with the saved DDP bucket options."""
+    from oomkit.prediction.models.data_parallel import DdpOptions, build_ddp_preset_step
+    from oomkit.prediction.models.parallel import build_fsdp_preset_step
+    from oomkit.prediction.predictor import predict_recording
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    layout = target.parallel
+    assert layout is not None
+    ddp_alone = layout.dp > 1 or workload.ddp_gradient_as_bucket_view is not None
+    if layout.fsdp == 1 and layout.tp == 1 and ddp_alone:
+        ddp = DdpOptions(workload.ddp_bucket_cap_mb, bool(workload.ddp_gradient_as_bucket_view))
+
+        def build(mesh: Any) -> tuple[Any, ...]:
+            step = build_ddp_preset_step(workload.name, options, mesh, ddp)
+            return step.built.step_fn, tuple(step.built.track), step.setup
+
+    else:
+
+        def build(mesh: Any) -> tuple[Any, ...]:
+            built = build_fsdp_preset_step(workload.name, options, mesh)
+            return built.step_fn, tuple(built.track)
+
+    recording = trace_distributed_step(
+        build,
+        world_size=layout.world_size,
+        mesh_shape=layout.mesh_shape,
+        steps=workload.steps or 2,
+        target=target,
+    )
+    return predict_recording(recording, target=target)
+
+
+def measured_remedies_of(
+    prediction: Prediction, progress: Callable[[int, int], None] | None = None
+) -> tuple[list[Remedy], list[str]]:
+    """Every measured remedy of a ``Prediction`` of a preset or ``--hf`` model, unranked, and
+    the warnings of measuring them (``explain``'s measured remedies, from the record itself)."""
+    remedies = prediction_remedies(prediction, top=None, progress=progress)
+    return list(remedies), []
+
+
+def prediction_remedies(
+    prediction: Prediction,
+    *,
+    top: int | None = 3,
+    fsdp_sizes: Sequence[int] = FSDP_SIZES,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[MeasuredRemedy, ...]:
+    """The measured remedies of a step that does not fit, those that make it fit first.
+
+    Args:
+        prediction: a prediction of a built-in preset or a ``--hf`` model (its ``workload``
+            and ``target``), made by ``oomkit predict``.
+        top: how many to return (``None``: all).
+        fsdp_sizes: ``--fsdp`` sizes to try, smallest first (presets on one GPU only; ``()``
+            skips them).
+        progress: called as ``progress(done, total)`` while measuring.
+
+    Returns:
+        The remedies, ranked (``rank_measured``); empty when the step fits, is not a training
+        step, or cannot be rebuilt (a ``file.py:function`` workload).
+    """
+    workload, target = prediction.workload, prediction.target
+    if prediction.fits or workload is None or target is None:
+        return ()
+    if workload.kind not in ("preset", "hf"):
+        return ()
+    from oomkit.prediction.models import StepOptions
+
+    known = {name: value for name, value in workload.options.items() if value is not None}
+    try:
+        base = StepOptions(**known)
+    except (TypeError, ValueError):
+        return ()
+
+    def repredict_with(options: Any, layout: ParallelLayout | None) -> Prediction:
+        chosen = target if layout is None else dataclasses.replace(target, parallel=layout)
+        return repredict(workload, chosen, options)
+
+    one_gpu = target.parallel is None and workload.kind == "preset"
+    remedies, _ = measure_remedies(
+        base,
+        repredict_with,
+        required_bytes=prediction.required_bytes,
+        usable_bytes=prediction.usable_bytes,
+        compute_capability=prediction.gpu.compute_capability,
+        fsdp_sizes=fsdp_sizes if one_gpu else (),
+        progress=progress,
+    )
+    ranked = rank_measured(remedies, prediction.required_bytes - prediction.usable_bytes)
+    out = tuple(r for r in ranked if isinstance(r, MeasuredRemedy))
+    return out if top is None else out[:top]

@@ -1,0 +1,63 @@
+"""What to try when not even the smallest batch fits: computed from the step, not a fixed list.
+
+A suggestion the step already follows is never made (``--precision bf16-mixed`` for a step
+already in bf16-mixed, checkpointing when it is on), and the command to find a larger GPU is
+the user's own ``oomkit fit`` with ``--smallest-gpu``, not a placeholder.
+"""
+
+from __future__ import annotations
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.plan.batch_probe import BatchProbe
+from oomkit.prediction.workload import workload_from_description
+from oomkit.units import format_bytes
+
+__all__ = ["infeasible_advice", "infeasible_message"]
+
+# StepOptions.precision values as a description names them (models/steps.py _describe).
+_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16")
+
+
+# What to try when not even the smallest batch fits, by what the step already does (read from
+# its description, "GPT-2 124M, batch 1, seq 1024, bf16-mixed, adamw, train": the workload
+# record of oomkit.prediction.workload). Each names the oomkit option that applies it.
+def infeasible_advice(description: str, compute_capability: tuple[int, int] | None) -> list[str]:
+    """The changes that apply to a step that does not fit at its smallest batch.
+
+    Only changes the step does not make already: mixed precision only for an fp32 step (fp16
+    where the GPU has no native bf16, compute capability below 8.0: torch/cuda/__init__.py
+    is_bf16_supported), pure bf16 where the weights are not bf16/fp16 yet, checkpointing when
+    off, a lighter optimizer for Adam/AdamW, LoRA for a full fine-tune.
+    """
+    items = [item.split(" (")[0].strip() for item in description.lower().split(", ")]
+    workload = workload_from_description(description) if description else None
+    precision = next((p for p in _PRECISIONS if p in items), None)
+    checkpointing = any(item.endswith("checkpointing") for item in items)
+    bf16 = compute_capability is None or tuple(compute_capability) >= (8, 0)
+    out = []
+    if precision in (None, "fp32"):
+        out.append("mixed precision (--precision " + ("bf16-mixed)" if bf16 else "fp16-mixed)"))
+    if precision not in ("bf16", "fp16") and bf16:
+        out.append("bf16 weights, gradients and optimizer states (--precision bf16)")
+    training = not any(item in ("inference", "generate") for item in items)
+    if training and not checkpointing:
+        out.append("activation checkpointing (--checkpointing full)")
+    if training and (workload is None or workload.optimizer in (None, "adamw", "adam")):
+        out.append("an optimizer with less state (--optimizer adamw8bit or sgd)")
+    if training and "lora" not in description.lower():
+        out.append("LoRA adapters instead of full fine-tuning (--lora 16)")
+    out.append("a shorter sequence or smaller images")
+    return out
+
+
+def infeasible_message(probe: BatchProbe, spec: GpuSpec, margin: int) -> str:
+    """Why not even the smallest batch fits, and what to try, computed from the step."""
+    advice = infeasible_advice(probe.train.description, spec.compute_capability)
+    return (
+        f"not even batch {probe.batch_size} fits on {spec.name}: {probe.limiting_step} needs "
+        f"{format_bytes(probe.peak_reserved_bytes)} reserved, and of the "
+        f"{format_bytes(spec.usable_bytes())} usable a margin of {format_bytes(margin)} must "
+        f"stay free. Try {', '.join(advice)}, a smaller margin (--margin), or a GPU with more "
+        f"memory (this same `oomkit fit` command with --batch {probe.batch_size} "
+        "--smallest-gpu names the smallest)."
+    )

@@ -1,0 +1,126 @@
+"""Predict a whole training script's peak GPU memory: ``python train.py ARGS``, without a GPU.
+
+``predict_script("train.py", ["config/x.py", "--batch_size=8"], gpu="rtx4090")`` runs the script
+as its ``__main__`` on one emulated GPU up to its ``steps``-th optimizer step
+(``oomkit.prediction.tracing.script_run.record_script``), then replays the recording through the
+target's caching allocator, as ``predict`` does for a step function. The figure is the one the
+builder form of the same step gives (``file.py:function`` returning that step).
+
+This module never imports torch itself; ``predict_script`` imports the tracer when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target, resolve_target
+from oomkit.prediction.predictor import Prediction, predict_recording
+from oomkit.prediction.workload import WorkloadSpec
+
+if TYPE_CHECKING:  # oomkit.prediction.tracing imports torch
+    from oomkit.prediction.tracing.script_run import ScriptRun
+
+__all__ = ["ScriptPrediction", "predict_script"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptPrediction:
+    """A script's prediction and the run that recorded it.
+
+    Attributes:
+        prediction: the peak figures, breakdown and warnings (the run's notes among them).
+        run: the recording, the steps reached and the saves skipped
+            (``tracing.script_run.ScriptRun``).
+    """
+
+    prediction: Prediction
+    run: ScriptRun
+
+
+def predict_script(
+    path: str | os.PathLike[str],
+    argv: Sequence[str] = (),
+    *,
+    steps: int = 3,
+    cwd: str | os.PathLike[str] | None = None,
+    gpu: str | GpuSpec | None = None,
+    alloc_conf: str | AllocatorConfig | None = None,
+    context_overhead_bytes: int | None = None,
+    torch_version: str | None = None,
+    target: Target | None = None,
+    budget_bytes: int | None = None,
+    values: Mapping[str, Any] | None = None,
+    compile: bool = True,
+    workload: WorkloadSpec | None = None,
+) -> ScriptPrediction:
+    """Run ``path`` as ``python path *argv`` would on the target GPU, emulated, and predict it.
+
+    Args:
+        path: the training script.
+        argv: its own arguments (``sys.argv[1:]`` as it sees them; the CLI's ``-- ARGS``).
+        steps: optimizer steps to record (``--steps``; 3 shows the first step's optimizer state
+            and the steady state).
+        cwd: the working directory it runs in; ``None`` is the current one.
+        gpu: a catalog name (``"rtx4090"``), a size (``"24GiB"``) or a ``GpuSpec``; ``None`` is
+            an H100.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate.
+        context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
+        torch_version: the PyTorch version whose allocator to model.
+        target: the whole target at once, instead of ``gpu`` ... ``torch_version``.
+        budget_bytes: a reserved-memory limit to check, in bytes.
+        values: tensor values the script reads, by the line that reads them.
+        compile: record the script's ``torch.compile`` calls as compiled (else eagerly, with a
+            warning).
+        workload: the request, carried into the prediction; ``None`` leaves it unset.
+
+    Returns:
+        The prediction and the run.
+
+    Raises:
+        TorchRequiredError: torch is not installed.
+        UnknownGpuError, ConfigError, GpuSpecError: a bad target.
+        OomkitError: ``steps`` is below 1.
+        UserCodeError: the script is missing, raises, exits before its steps (or with a
+            non-zero code), ends without an optimizer step, or runs torchrun-style distributed
+            code; the message names its line.
+        UnsupportedOpError, DataDependentValueError: as ``predict``.
+    """
+    resolved = resolve_target(
+        target,
+        gpu=gpu,
+        alloc_conf=alloc_conf,
+        context_overhead_bytes=context_overhead_bytes,
+        torch_version=torch_version,
+    )
+    from oomkit.errors import TorchRequiredError
+
+    try:
+        from oomkit.prediction.tracing.emulations import current_sdpa_settings
+        from oomkit.prediction.tracing.script_run import record_script
+    except ImportError as exc:
+        if "torch" not in str(exc):
+            raise
+        raise TorchRequiredError(
+            "oomkit predict runs your script on the meta device and needs torch; install it "
+            "with `pip install oomkit[torch]`"
+        ) from exc
+    run = record_script(
+        path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
+    )
+    traced = resolved
+    if traced.cudnn_version is None:
+        # As predict: the tracer used the settings in effect; the result names that version.
+        traced = dataclasses.replace(traced, cudnn_version=current_sdpa_settings().cudnn_version)
+    prediction = predict_recording(
+        run.recording,
+        target=traced,
+        budget_bytes=budget_bytes,
+        description=run.description,
+        workload=workload,
+    )
+    return ScriptPrediction(prediction, run)

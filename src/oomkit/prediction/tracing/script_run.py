@@ -1,0 +1,421 @@
+"""Record a whole training script, run as ``python train.py ARGS`` would run it, on one emulated GPU.
+
+``record_script(ScriptSpec("train.py", ("config/x.py", "--batch_size=8")))`` runs the file as
+its ``__main__`` (``runpy.run_path``): ``sys.argv`` is ``["train.py", *args]`` (argparse and
+nanoGPT's ``configurator.py`` read it), the script's folder is first on ``sys.path`` (sibling
+imports), the working directory is the caller's (or ``cwd``), and files it reads are read (data
+from disk is real CPU data). The default device stays the CPU, as in ``python train.py``.
+
+What differs from a plain run, while it runs (all undone after):
+- CUDA is one emulated GPU, the target (``cuda_device.as_one_cuda_gpu``): ``device = "cuda" if
+  torch.cuda.is_available() else "cpu"`` picks CUDA, ``.to(device, non_blocking=True)`` of a CPU
+  batch is an allocation on the target, and the model moved there lands on meta.
+- Everything runs under a ``Tracer``: the model build, an evaluation pass before the first
+  step, the steps. A step ends at each optimizer step (``optimizer.step()``, through
+  ``scaler.step(optimizer)``, Lightning's, Hugging Face's or accelerate's optimizer step: all
+  end in ``torch.optim.Optimizer.step``, whose global post hooks run after it,
+  torch/optim/optimizer.py ``profile_hook_step``). The next step starts at the next forward of
+  a module in training mode with grad enabled.
+- After ``steps`` optimizer steps the script is stopped (a ``BaseException`` raised from the
+  optimizer's post hook, which ``except Exception`` in the script does not catch): no further
+  iteration, no checkpoint after the steps. ``torch.save`` does not write while the script runs
+  (a checkpoint holds no GPU memory; meta tensors have no values to save); each call is noted.
+- ``torch.compile`` in the script is recorded as compiled (``Tracer(compile=True)``).
+- torchrun-style code (``torch.distributed.init_process_group``, ``DistributedDataParallel``) is
+  refused: one process of a distributed run is predicted by the ``--fsdp`` / ``--dp`` routes.
+- accelerate's process-wide state starts empty, as in a new process (``fresh_accelerate_state``).
+
+Where it may differ: the model is built where the script builds it (on the CPU, for real, before
+``.to(device)``), which costs host memory and time for a large model; a script that writes files
+before its first optimizer step (an output folder, a logger's directory) writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import runpy
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.modules.module as _module_hooks
+import torch.optim.optimizer as _optimizer_hooks
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
+from oomkit.errors import OomkitError, UserCodeError
+from oomkit.prediction.tracing.autocast import cuda_autocast_construction
+from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.recorder import Tracer
+from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.step_failure import failure_site, failure_text, step_failure
+
+__all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
+
+_DISTRIBUTED_ROUTE = (
+    "oomkit runs the script as one process and predicts one GPU: run it without torchrun's "
+    "environment (RANK, LOCAL_RANK, WORLD_SIZE unset) for one GPU, or predict one rank of a "
+    "sharded or data-parallel run from a builder (file.py:function) with --fsdp N or --dp N"
+)
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    """A script to run, as ``python path *argv`` would, and how many optimizer steps to record.
+
+    Attributes:
+        path: the script file (``train.py``), as the user gave it.
+        argv: the script's own arguments (what follows ``--`` on oomkit's command line).
+        steps: optimizer steps to record (3 shows the first step's optimizer state and the
+            steady state after it).
+        cwd: the working directory it runs in; ``None`` is the caller's.
+    """
+
+    path: str
+    argv: tuple[str, ...] = ()
+    steps: int = 3
+    cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+            raise OomkitError(
+                f"steps must be a whole number of optimizer steps, at least 1; got {self.steps!r}."
+                " Example: ScriptSpec('train.py', steps=3)"
+            )
+        if not all(isinstance(arg, str) for arg in self.argv):
+            raise OomkitError(
+                f"the script's arguments must be strings, as on a command line; got {self.argv!r}"
+            )
+
+    @property
+    def description(self) -> str:
+        """``train.py config/x.py --n_layer=2``: the command line the script sees."""
+        return " ".join([self.path, *self.argv])
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """What recording a script gave.
+
+    Attributes:
+        recording: the allocations of everything the script ran up to its last recorded
+            optimizer step; ``step_starts`` marks each step.
+        spec: the script and arguments run.
+        steps_recorded: optimizer steps reached (``spec.steps``, or fewer when the script ended
+            first; a warning in ``recording`` then says so).
+        saves_skipped: ``torch.save`` calls that were not written.
+    """
+
+    recording: TraceRecording
+    spec: ScriptSpec
+    steps_recorded: int
+    saves_skipped: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def description(self) -> str:
+        """The command line, for reports."""
+        return self.spec.description
+
+
+class _StopScript(BaseException):
+    """Raised after the last recorded optimizer step: ends the script (not an ``Exception``,
+    so the script's own ``except Exception`` lets it through)."""
+
+
+class _StepWatch:
+    """Marks where each step starts and stops the script after the last one."""
+
+    def __init__(self, tracer: Tracer, steps: int) -> None:
+        self._tracer = tracer
+        self._steps = steps
+        self.done = 0
+        self._started = False
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _StepWatch:
+        self._handles = [
+            _module_hooks.register_module_forward_pre_hook(self._on_forward),
+            # Registered after the Tracer's: its post hook notes the new optimizer state first.
+            _optimizer_hooks.register_optimizer_step_post_hook(self._on_step),
+        ]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._started or torch.compiler.is_compiling():
+            return
+        if module.training and torch.is_grad_enabled():
+            self._started = True
+            self._tracer.mark_step()
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._started:
+            # A step with no training forward before it (a closure's): it starts here.
+            self._tracer.mark_step()
+        self.done += 1
+        self._started = False
+        if self.done >= self._steps:
+            raise _StopScript
+
+
+@contextlib.contextmanager
+def _as_main(path: Path, argv: tuple[str, ...], cwd: str | None) -> Iterator[None]:
+    """``sys.argv``, ``sys.path`` and the working directory as ``python path *argv`` sets them;
+    modules imported from the script's folder are forgotten after (a later script's ``model``
+    is its own)."""
+    folder = str(path.parent)
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    known = set(sys.modules)
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, folder)
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file
+
+        for name in set(sys.modules) - known:
+            found = getattr(sys.modules[name], "__file__", None)
+            if not isinstance(found, str):
+                continue
+            module_file = os.path.abspath(found)
+            # The script's own modules only: a virtualenv inside the project folder holds
+            # libraries (torch's lazily imported parts) that must stay imported.
+            if (
+                module_file.startswith(folder + os.sep)
+                and not is_library_file(module_file)
+                and not is_hidden_file(module_file)
+            ):
+                del sys.modules[name]
+
+
+# accelerate keeps one state per process in Borg classes (accelerate/state.py: PartialState,
+# AcceleratorState, GradientState share `_shared_state`); Accelerator(mixed_precision=...) refuses
+# a state set up differently before. A script starts in a fresh process.
+_ACCELERATE_STATES = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def _accelerate_states() -> list[dict[str, Any]]:
+    module = sys.modules.get("accelerate.state")
+    shared = [getattr(getattr(module, name, None), "_shared_state", None) for name in _ACCELERATE_STATES]
+    return [state for state in shared if isinstance(state, dict)]
+
+
+@contextlib.contextmanager
+def fresh_accelerate_state() -> Iterator[None]:
+    """While open, accelerate's process-wide state starts empty, as in a new process; the
+    caller's is put back after."""
+    saved = [(state, dict(state)) for state in _accelerate_states()]
+    for state, _ in saved:
+        state.clear()
+    try:
+        yield
+    finally:
+        for state in _accelerate_states():
+            state.clear()
+        for state, before in saved:
+            state.update(before)
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _user_line() -> str:
+    """The script's innermost line on the stack (``train.py:85``)."""
+    from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file, shown_path
+
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (is_hidden_file(filename) or is_library_file(filename)):
+            return f"{shown_path(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "a line oomkit could not find"
+
+
+@contextlib.contextmanager
+def _distributed_refused(where: str) -> Iterator[None]:
+    """``init_process_group`` and ``DistributedDataParallel(...)`` raise, naming the line."""
+
+    def refuse(what: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise UserCodeError(
+                f"{where}: {_user_line()} calls {what}: a torchrun-style distributed script. "
+                f"{_DISTRIBUTED_ROUTE}."
+            )
+
+        return refused
+
+    with contextlib.ExitStack() as stack:
+        import torch.distributed as dist
+
+        if hasattr(dist, "init_process_group"):
+            stack.enter_context(
+                _patched(dist, "init_process_group", refuse("torch.distributed.init_process_group"))
+            )
+        ddp = torch.nn.parallel.DistributedDataParallel
+        stack.enter_context(_patched(ddp, "__init__", refuse("DistributedDataParallel(...)")))
+        yield
+
+
+@contextlib.contextmanager
+def _saves_skipped(counter: list[int]) -> Iterator[None]:
+    """``torch.save`` writes nothing while the script runs; each call is counted."""
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        counter[0] += 1
+
+    with _patched(torch, "save", save):
+        yield
+
+
+def record_script(
+    path: str | os.PathLike[str],
+    argv: Sequence[str] = (),
+    *,
+    steps: int = 3,
+    cwd: str | os.PathLike[str] | None = None,
+    target: Target | None = None,
+    gpu: GpuSpec | None = None,
+    values: Mapping[str, Any] | None = None,
+    compile: bool = True,
+) -> ScriptRun:
+    """Run ``path`` as ``python path *argv`` would, on one emulated GPU, and record it up to its
+    ``steps``-th optimizer step (module docstring).
+
+    Args:
+        path: the script file.
+        argv: the script's own arguments (``sys.argv[1:]`` as it sees them).
+        steps: optimizer steps to record.
+        cwd: the working directory it runs in (relative paths it opens start there, and
+            ``path`` is looked up there when relative); ``None`` is the current one.
+        target: the target machine (its GPU is what ``torch.cuda`` reports); or ``gpu``.
+        gpu: the target GPU when ``target`` is not given; ``None`` is an H100 SXM.
+        values: tensor values the script reads, by the line that reads them
+            (``{"train.py:42": 1024}``).
+        compile: record the script's ``torch.compile`` calls as compiled (Inductor emulated);
+            False runs compiled code eagerly, with a warning.
+
+    Returns:
+        The recording, the steps reached and the saves skipped.
+
+    Raises:
+        OomkitError: ``steps`` is below 1 or an argument is not a string.
+        UserCodeError: the file is missing; the script raised, exited (``sys.exit`` with a
+            non-zero code, or any exit before its first optimizer step), ended without an
+            optimizer step, or runs torchrun-style distributed code. The message names the
+            script's line.
+        UnsupportedOpError: an op of the script cannot run on the meta device; the message
+            names the script's line.
+        DataDependentValueError: a tensor value oomkit cannot know is used as a size, a loop
+            bound or a condition.
+    """
+    spec = ScriptSpec(
+        os.fspath(path), tuple(argv), steps, None if cwd is None else os.fspath(cwd)
+    )
+    path = Path(spec.path)
+    base = Path(spec.cwd) / path if spec.cwd is not None and not path.is_absolute() else path
+    if not base.is_file():
+        raise UserCodeError(
+            f"{spec.path}: no such script (looked in {base.resolve().parent}). Give the path of "
+            "the training script, as you would to python."
+        )
+    script = base.resolve()
+    emulations = None
+    if target is not None:
+        gpu = target.gpu
+        if target.cudnn_version is not None:
+            # As trace_step: a stated cuDNN version picks the SDPA backend explicitly.
+            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+
+            emulations = emulations_for_cudnn(target.cudnn_version)
+    where = spec.path
+    saves = [0]
+    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
+    watch = _StepWatch(tracer, spec.steps)
+    stopped = False
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tracer)
+            stack.enter_context(watch)
+            stack.enter_context(as_one_cuda_gpu(tracer.gpu))
+            stack.enter_context(cpu_inputs_refused())
+            stack.enter_context(cuda_autocast_construction())
+            stack.enter_context(_distributed_refused(where))
+            stack.enter_context(_saves_skipped(saves))
+            stack.enter_context(fresh_accelerate_state())
+            stack.enter_context(_as_main(script, spec.argv, spec.cwd))
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except _StopScript:
+                stopped = True
+    except SystemExit as exc:
+        if watch.done == 0 or exc.code not in (None, 0):
+            raise UserCodeError(_exit_text(where, exc, watch.done)) from exc
+    except OomkitError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise type(exc)(f"{where}: {exc}") from exc
+    except Exception as exc:
+        failed = tracer.failed_op
+        if failed is not None and failed[1] is exc:
+            error: OomkitError = step_failure(exc, failed[0])
+        else:
+            error = UserCodeError(failure_text(exc).replace("the step", "the script", 1))
+        raise type(error)(f"{where}: {error}") from exc
+    if watch.done == 0:
+        raise UserCodeError(
+            f"{where}: the script ended without an optimizer step (no optimizer.step(), "
+            "scaler.step(optimizer) or trainer step ran), so there is no training step to "
+            "predict. Check the arguments after `--` (an evaluation-only or zero-iteration run "
+            "records nothing to size)."
+        )
+    notes: list[str] = []
+    if not stopped:
+        notes.append(
+            f"the script ended after {watch.done} optimizer step(s), fewer than the "
+            f"{spec.steps} asked for; the prediction is of those"
+        )
+    if saves[0]:
+        notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
+    recording = tracer.recording
+    if notes:
+        recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
+    return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes))
+
+
+def _exit_text(where: str, exc: SystemExit, steps_done: int) -> str:
+    site = failure_site(exc).user or "a line oomkit could not find"
+    said = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+    if steps_done == 0:
+        return (
+            f"{where}: the script called {said} at {site} before its first optimizer step, so "
+            "there is no training step to predict. Check the script's arguments (after `--`) "
+            "and the files it reads."
+        )
+    return (
+        f"{where}: the script called {said} at {site} after {steps_done} optimizer step(s): "
+        "it reports a failure, so its run is not one to predict. Fix what it reports, or ask "
+        f"for {steps_done} step(s)."
+    )

@@ -1,0 +1,125 @@
+"""The machine a scenario runs on: the target GPU with its software, and the parallel layout.
+
+``TargetSection`` names the GPU, the allocator settings and the torch / CUDA / cuDNN versions
+that change memory (``oomkit.scenario.target.target_of`` makes the one ``Target`` from it);
+``ParallelSection`` the FSDP2 / TP / DDP degrees whose rank 0 is predicted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from oomkit.scenario.sections import (
+    DEVICE,
+    MULTI_GPU,
+    Bytes,
+    Count,
+    _flag,
+    _Section,
+)
+
+__all__ = ["ParallelSection", "TargetSection"]
+
+
+class TargetSection(_Section):
+    """The machine: GPU, allocator settings and the software versions that change memory."""
+
+    gpu: str = Field(
+        "h100",
+        description="a catalog GPU (`oomkit gpus`) or its memory, e.g. 24GiB",
+        json_schema_extra=_flag("--gpu", DEVICE, metavar="NAME|SIZE"),
+    )
+    alloc_conf: str | None = Field(
+        None,
+        description="PYTORCH_CUDA_ALLOC_CONF to simulate",
+        json_schema_extra=_flag("--alloc-conf", DEVICE, metavar="STR"),
+    )
+    context_overhead_bytes: Bytes | None = Field(
+        None,
+        description="memory outside PyTorch, e.g. 500MiB (default: the GPU's)",
+        json_schema_extra=_flag("--context-overhead", DEVICE, metavar="SIZE"),
+    )
+    torch_version: str | None = Field(
+        None,
+        description="PyTorch whose allocator to model (default: installed)",
+        json_schema_extra=_flag("--torch-version", DEVICE, metavar="X.Y"),
+    )
+    @field_validator("torch_version")
+    @classmethod
+    def _readable_torch(cls, value: str | None) -> str | None:
+        if value is not None:
+            from oomkit.core.allocator.versions import parse_torch_version
+
+            parse_torch_version(value)  # ConfigError (a ValueError) names the form
+        return value
+
+    cuda_version: str | None = Field(
+        None,
+        description="the target torch's CUDA, e.g. 12.8",
+        json_schema_extra=_flag("--cuda-version", DEVICE, metavar="X.Y"),
+    )
+    cudnn_version: Count | None = Field(
+        None,
+        description="torch.backends.cudnn.version() on the target, e.g. 91002",
+        json_schema_extra=_flag("--cudnn-version", DEVICE, metavar="N"),
+    )
+    cuda_module_loading: Literal["lazy", "eager"] | None = Field(
+        None,
+        description="CUDA_MODULE_LOADING (the CLI reads it from the environment)",
+        json_schema_extra=_flag(None, DEVICE),
+    )
+
+
+class ParallelSection(_Section):
+    """The parallel layout: rank 0 of FSDP2 / TP / DDP (and HSDP) on a fake process group."""
+
+    fsdp: Count | None = Field(
+        None,
+        description="FSDP2 over N GPUs (per block + root); batch per rank",
+        json_schema_extra=_flag("--fsdp", MULTI_GPU, metavar="N"),
+    )
+    tp: Count | None = Field(
+        None,
+        description="tensor parallel over N GPUs (torchtitan's Llama plan)",
+        json_schema_extra=_flag("--tp", MULTI_GPU, metavar="N"),
+    )
+    dp: Count | None = Field(
+        None,
+        description="N DDP replicas (with --fsdp: HSDP replicas)",
+        json_schema_extra=_flag("--dp", MULTI_GPU, metavar="N"),
+    )
+    bucket_cap_mb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="DDP's bucket_cap_mb (default 25, first bucket 1 MiB)",
+        json_schema_extra=_flag("--bucket-cap-mb", MULTI_GPU, metavar="MB"),
+    )
+    gradient_as_bucket_view: bool = Field(
+        False,
+        description="DDP's gradient_as_bucket_view=True",
+        json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
+    )
+
+    @property
+    def given(self) -> bool:
+        """Whether any degree is set (an all-default section is no layout)."""
+        return (self.fsdp, self.tp, self.dp) != (None, None, None)
+
+    @model_validator(mode="after")
+    def _ddp_options(self) -> ParallelSection:
+        ddp_alone = self.dp is not None and self.fsdp is None and self.tp is None
+        if (self.bucket_cap_mb is not None or self.gradient_as_bucket_view) and not ddp_alone:
+            raise ValueError(
+                "parallel.bucket_cap_mb (--bucket-cap-mb) and parallel.gradient_as_bucket_view "
+                "(--gradient-as-bucket-view) are DDP's: they go with --dp N alone"
+            )
+        if self.dp is not None and self.tp is not None and self.fsdp is None:
+            # torchtitan's parallelize_llama refuses DDP on a mesh of more than one dimension.
+            raise ValueError(
+                "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not "
+                "modelled: add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or drop --dp"
+            )
+        return self

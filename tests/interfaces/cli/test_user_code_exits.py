@@ -1,0 +1,107 @@
+"""User code that exits or raises, at import, in the builder or in the step: exit 2, one line
+naming the file, the line and the exit code or exception (issue 36), through
+`python -m oomkit predict file.py:build` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+# Each stage's code, with {exit} replaced by the statement that exits or raises.
+STAGES = {
+    "import": """
+        import sys
+        import torch
+        {exit}
+
+        def build():
+            return lambda: None
+        """,
+    "builder": """
+        import sys
+        import torch
+
+        def build():
+            {exit}
+        """,
+    "step": """
+        import sys
+        import torch
+
+        def build():
+            model = torch.nn.Linear(4, 4)
+
+            def step():
+                model(torch.randn(2, 4)).sum().backward()
+                {exit}
+
+            return step, (model,)
+        """,
+}
+# The line {exit} lands on, after dedent (first line is empty).
+EXIT_LINE = {"import": 4, "builder": 6, "step": 10}
+STAGE_WORDS = {"import": "importing", "builder": "build()", "step": "the step"}
+
+
+def _predict(tmp_path, text):
+    path = tmp_path / "user.py"
+    path.write_text(textwrap.dedent(text))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "oomkit", "predict", f"{path}:build", "--gpu", "rtx4090"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+_CODES = st.one_of(
+    st.none(),
+    st.integers(-5, 300),
+    st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=12),
+)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stage=st.sampled_from(sorted(STAGES)), code=_CODES)
+def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, stage, code):
+    """sys.exit(0 / 3 / 'msg' / None) at import, in build() or in the step: exit 2 (never the
+    script's own code, never 0), one line with the file, the line and sys.exit(code)."""
+    exit_code, _, err = _predict(tmp_path, STAGES[stage].replace("{exit}", f"sys.exit({code!r})"))
+    assert exit_code == 2, err
+    said = "sys.exit()" if code is None else f"sys.exit({code!r})"
+    assert f"called {said} at " in err
+    assert STAGE_WORDS[stage] in err
+    assert f"user.py:{EXIT_LINE[stage]}" in err
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("oomkit: error:")]) == 1
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    stage=st.sampled_from(sorted(STAGES)),
+    error=st.sampled_from(["ValueError", "KeyError", "RuntimeError", "ZeroDivisionError", "OSError"]),
+)
+def test_an_exception_anywhere_is_exit_2_naming_it(tmp_path, stage, error):
+    """raise X('boom') at import, in build() or in the step: exit 2, the exception's type and
+    message, no traceback."""
+    exit_code, _, err = _predict(tmp_path, STAGES[stage].replace("{exit}", f"raise {error}('boom')"))
+    assert exit_code == 2, err
+    assert error in err
+    assert "boom" in err
+    assert "Traceback" not in err
+
+
+def test_sys_exit_zero_at_import_is_not_success(tmp_path):
+    """The issue's case: sys.exit(0) at import used to exit 0 with no output."""
+    exit_code, out, err = _predict(tmp_path, STAGES["import"].replace("{exit}", "sys.exit(0)"))
+    assert (exit_code, out) == (2, "")
+    assert "importing" in err and "called sys.exit(0) at" in err and "user.py:4" in err

@@ -1,0 +1,340 @@
+"""predict_script on scripts as people write them: nanoGPT unmodified, HF Trainer, Lightning, accelerate.
+
+Each script's peak equals, byte for byte, the builder form of the same step (``file.py:function``
+through ``load_user_step`` and ``predict``), and the script's folder is left as it was apart from
+what its steps write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import shutil
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oomkit.core.target import resolve_target
+from oomkit.prediction.predictor import predict
+from oomkit.prediction.scripts import predict_script
+from oomkit.prediction.tracing.script_run import fresh_accelerate_state
+from oomkit.scenario.user_function import load_user_step
+
+RTX4090 = resolve_target(None, gpu="rtx4090")
+NANOGPT = Path(__file__).resolve().parents[1] / "fixtures" / "nanogpt"
+# Small enough to run in seconds on a CPU; the script's own --key=value overrides.
+NANOGPT_ARGS = [
+    "config/train_shakespeare_char.py",
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=64",
+    "--block_size=64",
+    "--batch_size=8",
+    "--eval_iters=2",
+]
+
+# nanoGPT's training step at the same sizes, written as a builder. The script's loop keeps
+# `logits, loss` and the next batch in globals between iterations; so does `state`.
+NANOGPT_TWIN = '''
+import torch
+from model import GPT, GPTConfig
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build():
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, bias=False,
+                       vocab_size=65, dropout=0.2)
+    model = GPT(config).to(device)
+    optimizer = model.configure_optimizers(1e-1, 1e-3, (0.9, 0.99), "cuda")
+    ctx = torch.amp.autocast("cuda", dtype=torch.bfloat16)
+
+    def batch():
+        return (torch.randint(65, (8, 64), device=device), torch.randint(65, (8, 64), device=device))
+
+    state = {"xy": batch()}
+
+    def step():
+        with ctx:
+            logits, loss = model(*state["xy"])
+            state["out"] = logits, loss / 1  # loss / gradient_accumulation_steps
+        del logits, loss
+        state["xy"] = batch()
+        state["out"][1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, (model, optimizer, state)
+'''
+
+NANOGPT_TWIN_COMPILED = NANOGPT_TWIN.replace(
+    "    model = GPT(config).to(device)\n",
+    "    model = GPT(config).to(device)\n    model = torch.compile(model)\n",
+).replace("model.configure_optimizers", "model._orig_mod.configure_optimizers")
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_as_in_a_new_process():
+    """accelerate's state is per process; each test's builders start from an empty one too."""
+    with fresh_accelerate_state():
+        yield
+
+
+def _files(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def _builder(folder, target, compile=False):
+    user = load_user_step(str(folder / target), gpu=RTX4090.gpu)
+    result = predict(user.step_fn, track=user.track, target=RTX4090, steps=3, compile=compile)
+    return result.peak_reserved_bytes, result.peak_allocated_bytes
+
+
+def _peaks(scripted):
+    return scripted.prediction.peak_reserved_bytes, scripted.prediction.peak_allocated_bytes
+
+
+@pytest.fixture
+def nanogpt(tmp_path):
+    """nanoGPT's files, unmodified, with small random data as data/shakespeare_char/prepare.py
+    would write it (uint16 token ids, meta.pkl with the vocabulary size)."""
+    folder = tmp_path / "nanoGPT"
+    shutil.copytree(NANOGPT, folder)
+    data = folder / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, tokens in (("train", 20_000), ("val", 4_000)):
+        rng.integers(0, 65, tokens, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": {}, "stoi": {}}, f)
+    (folder / "twin.py").write_text(NANOGPT_TWIN)
+    (folder / "twin_compiled.py").write_text(NANOGPT_TWIN_COMPILED)
+    return folder
+
+
+# sha256 of the files as published at karpathy/nanoGPT commit 3adf61e1 (README.md there).
+_PUBLISHED_SHA256 = {
+    "train.py": "413bd97b40bb400a2a0d01230e2946f056c263ebac1b7281c2367d964a123085",
+    "model.py": "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d11c",
+    "configurator.py": "5cc23aca26b4ab3c0d9e5f82740f4781f9444f42718c15abcee70d93c5aabe8f",
+    "config/train_shakespeare_char.py": (
+        "9b41cdfb2c917259d796a8184d835221a349c23cd18a0a63b46da431d95d9c05"
+    ),
+}
+
+
+def test_the_fixture_is_nanogpt_unmodified():
+    """The copied files are nanoGPT's as published, byte for byte."""
+    for name, digest in _PUBLISHED_SHA256.items():
+        assert hashlib.sha256((NANOGPT / name).read_bytes()).hexdigest() == digest, name
+    train = (NANOGPT / "train.py").read_text()
+    assert "exec(open('configurator.py').read()) # overrides from command line or config file" in train
+    assert "scaler.step(optimizer)" in train
+    assert "MIT License" in (NANOGPT / "LICENSE").read_text()
+
+
+def test_nanogpt_train_py_predicts_its_builder_form(nanogpt, monkeypatch):
+    """`python train.py config/train_shakespeare_char.py --n_layer=2 ...` (compile off): 3 steps,
+    the same bytes as the step written as a builder; no checkpoint, only its out_dir made."""
+    monkeypatch.chdir(nanogpt)
+    before = _files(nanogpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # nanoGPT's torch.cuda.amp.GradScaler
+        scripted = predict_script(
+            "train.py", [*NANOGPT_ARGS, "--compile=False"], steps=3, target=RTX4090
+        )
+    assert scripted.run.steps_recorded == 3
+    assert scripted.run.saves_skipped == 0
+    assert _peaks(scripted) == _builder(nanogpt, "twin.py:build")
+    # os.makedirs(out_dir) runs before the first step, as it would on the GPU; nothing else.
+    assert _files(nanogpt) == sorted([*before, "out-shakespeare-char"])
+    assert list((nanogpt / "out-shakespeare-char").iterdir()) == []
+
+
+def test_nanogpt_compiled_records_its_torch_compile(nanogpt, monkeypatch):
+    """nanoGPT's default compile=True: recorded compiled, equal to the compiled builder form."""
+    monkeypatch.chdir(nanogpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        scripted = predict_script("train.py", NANOGPT_ARGS, steps=3, target=RTX4090)
+    assert scripted.run.steps_recorded == 3
+    assert not any("recorded eagerly" in w for w in scripted.prediction.warnings)
+    assert _peaks(scripted) == _builder(nanogpt, "twin_compiled.py:build", compile=True)
+
+
+HF_SCRIPT = '''
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+class Tokens(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 128, (32,))
+        return {"input_ids": ids, "labels": ids}
+
+
+def trainer():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
+                                       n_positions=64))
+    args = TrainingArguments(
+        output_dir="out", per_device_train_batch_size=4, max_steps=20, report_to="none",
+        save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    )
+    return Trainer(model=model, args=args, train_dataset=Tokens())
+
+
+if __name__ == "__main__":
+    t = trainer()
+    t.train()
+    t.save_model("out/final")
+'''
+
+LIGHTNING_SCRIPT = '''
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
+                                       torch.nn.Linear(256, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def parts():
+    data = TensorDataset(torch.randn(256, 32, device="cpu"),
+                         torch.randint(0, 4, (256,), device="cpu"))
+    trainer = pl.Trainer(accelerator="auto", devices=1, max_epochs=3, precision="bf16-mixed",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    return trainer, Net(), DataLoader(data, batch_size=16)
+
+
+if __name__ == "__main__":
+    trainer, net, loader = parts()
+    trainer.fit(net, loader)
+    trainer.save_checkpoint("final.ckpt")
+'''
+
+ACCELERATE_SCRIPT = '''
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main():
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = DataLoader(TensorDataset(torch.randn(256, 32), torch.randint(0, 4, (256,))),
+                      batch_size=16)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for epoch in range(3):
+        for x, y in data:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    accelerator.save_state("checkpoint")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+ACCELERATE_TWIN = '''
+import torch
+from accelerate import Accelerator
+
+
+def build():
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def batch():
+        return torch.randn(16, 32, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+
+    state = {"xy": batch()}  # the loop's variables live on between iterations
+
+    def step():
+        x, y = state["xy"]
+        state["loss"] = torch.nn.functional.cross_entropy(model(x), y)
+        accelerator.backward(state["loss"])
+        optimizer.step()
+        optimizer.zero_grad()
+        del x, y
+        state["xy"] = batch()
+
+    return step, (model, optimizer, state)
+'''
+
+
+def _write(folder, name, text):
+    (folder / name).write_text(textwrap.dedent(text))
+
+
+def test_an_accelerate_script_predicts_its_builder_form(tmp_path, monkeypatch):
+    """Accelerator() on one GPU, the optimizer made before prepare(): 3 steps, the builder's
+    bytes, and save_state after the loop never runs."""
+    _write(tmp_path, "train_acc.py", ACCELERATE_SCRIPT)
+    _write(tmp_path, "twin_acc.py", ACCELERATE_TWIN)
+    monkeypatch.chdir(tmp_path)
+    scripted = predict_script("train_acc.py", steps=3, target=RTX4090)
+    assert scripted.run.steps_recorded == 3
+    assert _peaks(scripted) == _builder(tmp_path, "twin_acc.py:build")
+    assert _files(tmp_path) == ["train_acc.py", "twin_acc.py"]
+
+
+# The trainer path (a builder returning the trainer) restarts the trainer's loop each step, so
+# locals its loop keeps from one optimizer step to the next are not held across steps there:
+# the Hugging Face loop's last grad_norm and step loss (two 4-byte tensors, 512 bytes each in
+# the allocator), Lightning's last logged value (one). The script holds them, as on the GPU.
+# Reserved memory is equal; allocated differs by exactly those blocks.
+_HF_CARRIED_BYTES = 2 * 512
+_LIGHTNING_CARRIED_BYTES = 512
+
+
+def test_a_hugging_face_trainer_script_predicts_the_trainer_path(tmp_path, monkeypatch):
+    """Trainer(...).train() in __main__: 3 optimizer steps, the trainer path's reserved bytes,
+    its allocated bytes plus the loop's carried tensors; save_model never runs."""
+    _write(tmp_path, "train_hf.py", HF_SCRIPT)
+    (tmp_path / "twin_hf.py").write_text("from train_hf import trainer\n\n\ndef build():\n    return trainer()\n")
+    monkeypatch.chdir(tmp_path)
+    scripted = predict_script("train_hf.py", steps=3, target=RTX4090)
+    assert scripted.run.steps_recorded == 3
+    reserved, allocated = _builder(tmp_path, "twin_hf.py:build")
+    assert _peaks(scripted) == (reserved, allocated + _HF_CARRIED_BYTES)
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_lightning_script_predicts_the_trainer_path(tmp_path, monkeypatch):
+    """trainer.fit(...) in __main__, bf16-mixed on the emulated GPU: 3 steps, the trainer path's
+    reserved bytes, allocated plus the last logged value; save_checkpoint never runs."""
+    _write(tmp_path, "train_pl.py", LIGHTNING_SCRIPT)
+    (tmp_path / "twin_pl.py").write_text("from train_pl import parts\n\n\ndef build():\n    return parts()\n")
+    monkeypatch.chdir(tmp_path)
+    scripted = predict_script("train_pl.py", steps=3, target=RTX4090)
+    assert scripted.run.steps_recorded == 3
+    reserved, allocated = _builder(tmp_path, "twin_pl.py:build")
+    assert _peaks(scripted) == (reserved, allocated + _LIGHTNING_CARRIED_BYTES)
+    assert _files(tmp_path) == ["train_pl.py", "twin_pl.py"]

@@ -1,0 +1,315 @@
+"""record_script: a training script run as `python train.py ARGS`, up to its Nth optimizer step."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.core.target import resolve_target
+from oomkit.errors import OomkitError, UserCodeError
+from oomkit.prediction.predictor import predict, predict_recording
+from oomkit.prediction.tracing.script_run import ScriptSpec, record_script
+from oomkit.scenario.user_function import load_user_step
+
+RTX4090 = resolve_target(None, gpu="rtx4090")
+
+# A plain loop over a DataLoader of a Dataset, as tutorials write it.
+PLAIN_LOOP = '''
+import argparse
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Data(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.randn(32), torch.randint(0, 4, ())
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=8)
+parser.add_argument("--epochs", type=int, default=5)
+args = parser.parse_args()
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+).to(device)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+loader = DataLoader(Data(), batch_size=args.batch_size, shuffle=True)
+for epoch in range(args.epochs):
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        print(f"loss {loss.item():.3f}")
+torch.save(model.state_dict(), "model.pt")
+'''
+
+# The same step as a builder (file.py:function): what the script's figure must equal.
+PLAIN_TWIN = '''
+import torch
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build(batch_size=16):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"xy": (torch.randn(batch_size, 32, device=device),
+                    torch.randint(0, 4, (batch_size,), device=device))}
+
+    def step():
+        x, y = state["xy"]
+        state["loss"] = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        state["loss"].backward()
+        opt.step()
+        del x, y
+        state["xy"] = (torch.randn(batch_size, 32, device=device),
+                       torch.randint(0, 4, (batch_size,), device=device))
+
+    return step, (model, opt, state)
+'''
+
+# The loop inside main(), behind the __main__ guard, with checkpoints written every step.
+MAIN_LOOP = '''
+import sys
+import torch
+
+
+def main(steps):
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    model = torch.nn.Linear(512, 512).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(steps):
+        x = torch.randn(64, 512).pin_memory().to(device, non_blocking=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.save({"model": model.state_dict()}, f"ckpt_{i}.pt")
+        torch.cuda.synchronize()
+    with open("done.txt", "w") as f:
+        f.write("finished")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
+'''
+
+MAIN_TWIN = '''
+import torch
+
+
+def build():
+    model = torch.nn.Linear(512, 512).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {}
+
+    def step():
+        state.pop("x", None)
+        state["x"] = x = torch.randn(64, 512, device="cuda")
+        state["loss"] = model(x).square().mean()
+        state["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, (model, opt, state)
+'''
+
+
+def _write(folder, name, text):
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _builder_peaks(folder, target_name):
+    user = load_user_step(str(folder / target_name), batch_size=16, gpu=RTX4090.gpu)
+    prediction = predict(user.step_fn, track=user.track, target=RTX4090, steps=3)
+    return prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
+
+
+def _script_peaks(run):
+    prediction = predict_recording(run.recording, target=RTX4090)
+    return prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
+
+
+def _files(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def test_a_plain_dataloader_loop_equals_its_builder_form(tmp_path, monkeypatch):
+    """`device = "cuda" if ... else "cpu"`, a DataLoader, argparse: 3 steps, the builder's bytes."""
+    _write(tmp_path, "train.py", PLAIN_LOOP)
+    _write(tmp_path, "twin.py", PLAIN_TWIN)
+    monkeypatch.chdir(tmp_path)
+    run = record_script("train.py", ["--batch-size", "16"], steps=3, target=RTX4090)
+    assert run.steps_recorded == 3
+    assert len(run.recording.step_starts) == 3
+    assert _script_peaks(run) == _builder_peaks(tmp_path, "twin.py:build")
+    # Stopped at the third step: the torch.save after the loop never ran.
+    assert _files(tmp_path) == ["train.py", "twin.py"]
+    assert run.saves_skipped == 0
+
+
+def test_argv_reaches_argparse(tmp_path, monkeypatch):
+    """--batch-size 32 after `--` makes a bigger batch than the default 8: more bytes."""
+    _write(tmp_path, "train.py", PLAIN_LOOP)
+    monkeypatch.chdir(tmp_path)
+    small = _script_peaks(record_script("train.py", [], steps=2, target=RTX4090))
+    large = _script_peaks(record_script("train.py", ["--batch-size", "4096"], steps=2, target=RTX4090))
+    assert large[1] > small[1]
+
+
+def test_a_loop_in_main_stops_at_its_steps_and_writes_nothing(tmp_path):
+    """main() behind __main__, cuda:0, set_device, pin_memory, synchronize: equal to its builder;
+    the checkpoints it saves each step are skipped and the file after the loop never written."""
+    _write(tmp_path, "loop.py", MAIN_LOOP)
+    _write(tmp_path, "twin.py", MAIN_TWIN)
+    before = _files(tmp_path)
+    run = record_script(tmp_path / "loop.py", ["20"], steps=3, target=RTX4090, cwd=tmp_path)
+    assert run.steps_recorded == 3
+    # Steps 1 and 2 reach their torch.save; step 3 stops at its optimizer step, before its own.
+    assert run.saves_skipped == 2
+    assert _files(tmp_path) == before
+    assert _script_peaks(run) == _builder_peaks(tmp_path, "twin.py:build")
+
+
+def test_a_script_that_ends_early_records_the_steps_it_ran(tmp_path):
+    """A loop of 2 iterations asked for 3 steps: 2 recorded, and a warning says so."""
+    _write(tmp_path, "loop.py", MAIN_LOOP)
+    run = record_script(tmp_path / "loop.py", ["2"], steps=3, target=RTX4090, cwd=tmp_path)
+    assert run.steps_recorded == 2
+    assert any("ended after 2 optimizer step(s), fewer than the 3" in w for w in run.recording.warnings)
+    # It ran to its end: the file after its loop is written, as python would.
+    assert (tmp_path / "done.txt").read_text() == "finished"
+
+
+def test_a_script_without_an_optimizer_step_is_refused(tmp_path):
+    """A script that never steps an optimizer: UserCodeError saying so."""
+    _write(tmp_path, "loop.py", MAIN_LOOP)
+    with pytest.raises(UserCodeError, match="ended without an optimizer step"):
+        record_script(tmp_path / "loop.py", ["0"], target=RTX4090, cwd=tmp_path)
+
+
+def test_torchrun_style_code_is_refused_by_name(tmp_path):
+    """init_process_group: refused, naming the line and the --fsdp/--dp route."""
+    _write(
+        tmp_path,
+        "ddp.py",
+        """
+        import os
+        import torch
+        import torch.distributed as dist
+
+        if int(os.environ.get("WORLD_SIZE", "1")) >= 1:
+            dist.init_process_group("nccl")
+        """,
+    )
+    with pytest.raises(UserCodeError) as raised:
+        record_script(tmp_path / "ddp.py", target=RTX4090)
+    message = str(raised.value)
+    assert "ddp.py:7 calls torch.distributed.init_process_group" in message
+    assert "--fsdp N or --dp N" in message
+
+
+def test_a_ddp_wrapper_is_refused_by_name(tmp_path):
+    """DistributedDataParallel(model) without a process group: refused at its line."""
+    _write(
+        tmp_path,
+        "ddp.py",
+        """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(torch.nn.Linear(4, 4).cuda())
+        """,
+    )
+    with pytest.raises(UserCodeError, match=r"ddp\.py:5 calls DistributedDataParallel"):
+        record_script(tmp_path / "ddp.py", target=RTX4090)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    code=st.one_of(st.none(), st.integers(-300, 300), st.text(min_size=1, max_size=20)),
+    before_steps=st.booleans(),
+)
+def test_a_script_exit_is_the_users_failure_unless_after_its_steps(tmp_path_factory, code, before_steps):
+    """sys.exit(code) before the first step, or with a non-zero code after it: UserCodeError
+    naming the line and the code; sys.exit(0) / sys.exit() after a step: the steps are kept."""
+    folder = tmp_path_factory.mktemp("exit")
+    _write(
+        folder,
+        "exits.py",
+        f"""
+        import sys
+        import torch
+
+        model = torch.nn.Linear(8, 8).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if {not before_steps}:
+            model(torch.randn(4, 8, device="cuda")).sum().backward()
+            opt.step()
+        sys.exit({code!r})
+        """,
+    )
+    success = not before_steps and code in (None, 0)
+    if success:
+        run = record_script(folder / "exits.py", steps=3, target=RTX4090)
+        assert run.steps_recorded == 1
+        return
+    with pytest.raises(UserCodeError) as raised:
+        record_script(folder / "exits.py", steps=3, target=RTX4090)
+    said = "sys.exit()" if code is None else f"sys.exit({code!r})"
+    assert f"called {said} at " in str(raised.value)
+    assert "exits.py:10 in <module>" in str(raised.value)
+
+
+@settings(max_examples=8, deadline=None)
+@given(error=st.sampled_from([ValueError, KeyError, RuntimeError, AssertionError, ZeroDivisionError]))
+def test_an_exception_in_a_script_names_its_line(tmp_path_factory, error):
+    """The script raising any exception: UserCodeError with its type and line."""
+    folder = tmp_path_factory.mktemp("raise")
+    _write(folder, "boom.py", f"import torch\nx = 1\nraise {error.__name__}('bad config')\n")
+    with pytest.raises(UserCodeError) as raised:
+        record_script(folder / "boom.py", target=RTX4090)
+    assert f"{error.__name__}" in str(raised.value)
+    assert "boom.py:3 in <module>" in str(raised.value)
+
+
+def test_a_missing_script_is_a_user_error(tmp_path):
+    """No such file: UserCodeError naming it."""
+    with pytest.raises(UserCodeError, match="nope.py: no such script"):
+        record_script(tmp_path / "nope.py")
+
+
+@given(steps=st.one_of(st.integers(max_value=0), st.floats(allow_nan=True), st.booleans()))
+def test_steps_below_one_or_not_whole_are_refused(steps):
+    """steps 0, -1, 2.5, True: OomkitError before anything runs."""
+    with pytest.raises(OomkitError, match="steps must be a whole number"):
+        ScriptSpec("train.py", steps=steps)
+
+
+def test_arguments_that_are_not_strings_are_refused():
+    """argv holding a number: refused, as no command line holds one."""
+    with pytest.raises(OomkitError, match="must be strings"):
+        ScriptSpec("train.py", argv=("--lr", 3))  # type: ignore[arg-type]
+
+
+def test_the_description_is_the_command_line():
+    """ScriptSpec.description is what `python` would be given."""
+    assert ScriptSpec("train.py", ("config/a.py", "--n_layer=2")).description == (
+        "train.py config/a.py --n_layer=2"
+    )
