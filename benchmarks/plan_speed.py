@@ -6,9 +6,13 @@ started here with 2 CPUs (``ray.init(num_cpus=2)``; its start-up is timed apart)
 two plans are equal and reports the wall seconds of each, their ratio, and the plan's pruning:
 how many layouts were enumerated, pruned by state bytes, and predicted in full.
 
-Default request: gpt2-1.5b, global batch 8, seq 64, on RTX 3080 and L4, up to 4 GPUs, micro-batch
-at most 2, AC none/full, bf16-mixed/bf16: 96 layouts (``--preset``, ``--gpus``... to change it).
-State of the machine (cores, load average before and after) beside the figures.
+Default request: gpt2-124m, global batch 8, seq 64, on RTX 3080 and L4, up to 4 GPUs, micro-batch
+at most 2, AC none/full, bf16-mixed/bf16: 96 layouts (``--preset``, ``--gpus``... to change it;
+``--preset gpt2-1.5b`` prunes 44 of them by state bytes, and took 1151 s on the local pool of a
+loaded 2-core machine). Its state fits every GPU, so the pruning is also counted, without
+predicting, at scale: llama3-70b, global batch 1024, seq 8192, H100 / A100 80GB / L40S, up to
+512 GPUs (``pruning_at_scale``). State of the machine (cores, load average before and after)
+beside the figures.
 
 Prints a line per executor, then, last, one JSON line:
 {"enumerated": ..., "pruned": ..., "predicted": ..., "local_s": ..., "ray_s": ...,
@@ -24,13 +28,13 @@ import time
 
 from _children import emit
 
-from oomkit.executors import LocalPoolExecutor, RayExecutor
+from oomkit.executors import InProcessExecutor, LocalPoolExecutor, RayExecutor
 from oomkit.scenario.planning import PlanRequest, plan
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="gpt2-1.5b")
+    parser.add_argument("--preset", default="gpt2-124m")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--gpus", default="rtx3080,l4")
@@ -43,6 +47,11 @@ def main() -> int:
         args.preset, args.global_batch, args.seq, tuple(args.gpus.split(",")),
         max_gpus=args.max_gpus, checkpointing=("none", "full"),
         precisions=("bf16-mixed", "bf16"), max_micro_batch=args.max_micro_batch,
+    )
+    at_scale = plan(
+        PlanRequest("llama3-70b", 1024, 8192, ("h100", "a100-80gb", "l40s"), max_gpus=512),
+        InProcessExecutor(),
+        predictor=lambda data: {"peak_reserved_bytes": 0, "fits": True, "headroom_bytes": 0},
     )
     load_before = os.getloadavg()
     start = time.perf_counter()
@@ -73,6 +82,10 @@ def main() -> int:
         "ray_start_s": round(ray_start_s, 2),
         "ray_over_local": round(ray_s / local_s, 3),
         "equal": on_ray == local,
+        "pruning_at_scale": {"request": "llama3-70b, global batch 1024, seq 8192, "
+                             "h100/a100-80gb/l40s, up to 512 GPUs",
+                             "enumerated": len(at_scale.candidates), "pruned": at_scale.pruned,
+                             "to_predict": at_scale.predicted},
         "machine": {"cores": os.cpu_count(), "load_before": load_before,
                     "load_after": os.getloadavg()},
     }, args.write)
