@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from oomkit.core.target import Target
 from oomkit.plan.batch_search import max_batch_size
 from oomkit.prediction.models import StepOptions, build_preset_step
 from oomkit.prediction.tracing import DEFAULT_EMULATIONS
@@ -155,7 +156,7 @@ def oomkit_prediction(workload: Workload, margin_bytes: int) -> Any:
     """oomkit's prediction: ``max_batch_size`` on the same GPU, no real step run."""
     return max_batch_size(
         lambda b: build_preset_step(workload.preset, workload.step_options(b)),
-        gpu=workload.gpu,
+        target=Target.resolve(workload.gpu),
         margin_bytes=margin_bytes,
         steps=STEPS,
     )

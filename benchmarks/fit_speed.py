@@ -77,6 +77,7 @@ def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
     import oomkit.plan.trace_interpolation as interpolation
     import oomkit.prediction.models.presets as presets
     import oomkit.prediction.tracing as tracing
+    from oomkit.core.target import Target
     from oomkit.plan.batch_search import max_batch_size
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.models.lora_options import LoraOptions
@@ -126,7 +127,7 @@ def run_setting(setting: str, case: str, jobs: int | None = None) -> dict:
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     start_children = _children_cpu_s()
     mark[:] = [start_cpu, start_wall]
-    result = max_batch_size(timed("build", build), gpu=gpu, steps=2, progress=progress,
+    result = max_batch_size(timed("build", build), target=Target.resolve(gpu), steps=2, progress=progress,
                             interpolate=setting in ("interpolated", "parallel"),
                             jobs=jobs if setting == "parallel" else 1)
     search_wall_s = time.perf_counter() - start_wall

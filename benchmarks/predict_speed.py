@@ -126,7 +126,7 @@ def run_case(name: str) -> dict:
     import torch
     import torch._dynamo  # noqa: F401  (torch imports it on first use: building any model)
 
-    from oomkit.core.target import resolve_target
+    from oomkit.core.target import Target
     from oomkit.prediction import predict_recording
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.models.lora_options import LoraOptions
@@ -149,7 +149,7 @@ def run_case(name: str) -> dict:
     built = build_preset_step(preset, options)
     clock.lap("build")
     # predict(built.step_fn, gpu=GPU, steps=STEPS, track=built.track), as its two parts.
-    target = resolve_target(None, gpu=GPU)
+    target = Target.resolve(GPU)
     hooks = _TimedHooks(DEFAULT_EMULATIONS)
     recording = trace_step(
         lambda *_: built.step_fn(),

@@ -47,11 +47,11 @@ def main() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from oomkit.core.target import resolve_target
+    from oomkit.core.target import Target
     from oomkit.plan.batch_probe import new_model_cache, record_step
     from oomkit.prediction.models import StepOptions, build_preset_step
 
-    target = resolve_target(None, gpu="h100")
+    target = Target.resolve("h100")
     models = new_model_cache()
 
     def build(batch: Any) -> Any:

@@ -228,6 +228,7 @@ def _predict(
 ) -> dict:
     import dataclasses
 
+    from oomkit.core.target import Target
     from oomkit.prediction import predict
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
@@ -238,7 +239,7 @@ def _predict(
     built = build_preset_step(run.preset, StepOptions(**run.options()))
     with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
         p = predict(
-            built.step_fn, gpu=gpu, steps=steps, track=built.track, compile=run.compile
+            built.step_fn, target=Target.resolve(gpu), steps=steps, track=built.track, compile=run.compile
         )
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,

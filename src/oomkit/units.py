@@ -70,7 +70,23 @@ def parse_bytes(text: str | int) -> int:
             f"cannot read {text!r} as a size. Use a number with an optional unit, "
             "e.g. 24GiB, 500MB, 1.5TiB or 1048576 (bytes)."
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    # A size is a size_t in the caching allocator (c10/cuda/CUDACachingAllocator.cpp): anything
+    # past 2**64 bytes (or a number too long to read) is no device's memory.
+    if not number < _MAX_SIZE_BYTES:
+        raise SizeError(
+            f"{_shortened(str(text))} is larger than any device (at most 2**64 bytes); give a "
+            "size such as 24GiB."
+        )
+    return int(number)
+
+
+_MAX_SIZE_BYTES = float(2**64)
+
+
+def _shortened(text: str) -> str:
+    """``text`` as given, cut to 40 characters (a 400-digit number is not repeated whole)."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
 def format_bytes(nbytes: int, precision: int = 2) -> str:

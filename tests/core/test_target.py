@@ -8,7 +8,7 @@ import pytest
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpecError, UnknownGpuError, get_gpu
-from oomkit.core.target import ParallelLayout, Target, resolve_target
+from oomkit.core.target import ParallelLayout, Target
 from oomkit.errors import ConfigError
 
 MiB = 2**20
@@ -75,16 +75,6 @@ def test_torch_version_picks_the_parser():
     """The allocator setting is parsed as the target's torch release parses it."""
     with pytest.raises(ConfigError):
         Target.resolve("h100", "large_segment_size_mb:64", torch_version="2.5")
-
-
-def test_resolve_target_takes_a_target_or_the_keywords_not_both():
-    """resolve_target returns the target given, builds one from keywords, refuses both."""
-    t = Target.resolve("rtx4090")
-    assert resolve_target(t) is t
-    assert resolve_target(None, gpu="24GiB").gpu.total_memory_bytes == 24 * 2**30
-    assert resolve_target(None).gpu.name == "H100 SXM 80GB"
-    with pytest.raises(ValueError, match="either target= or gpu, alloc_conf"):
-        resolve_target(t, gpu="h100", alloc_conf="")
 
 
 def test_parallel_layout_is_validated_and_carried():

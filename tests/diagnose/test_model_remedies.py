@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.snapshot import load_snapshot
+from oomkit.core.target import Target
 from oomkit.diagnose._model_remedies import (
     MEASURED_WHY,
     estimated_model_remedies,
@@ -171,7 +172,7 @@ def saved():
     options = StepOptions(**OPTIONS)
     built = build_preset_step("gpt2-124m", options)
     p = predict(
-        built.step_fn, gpu="3GiB", steps=2, track=built.track, description=built.description
+        built.step_fn, target=Target.resolve("3GiB"), steps=2, track=built.track, description=built.description
     )
     # As the CLI saves it: the options as built (precision resolved to the preset's fp32).
     spec = {"preset": "gpt2-124m", "options": dataclasses.asdict(built.options), "steps": 2}
@@ -183,7 +184,7 @@ def _repredicted_required(gpu="3GiB", **change):
     from oomkit.prediction.predictor import predict
 
     built = build_preset_step("gpt2-124m", StepOptions(**(OPTIONS | change)))
-    return predict(built.step_fn, gpu=gpu, steps=2, track=built.track).required_bytes
+    return predict(built.step_fn, target=Target.resolve(gpu), steps=2, track=built.track).required_bytes
 
 
 def test_saved_prediction_carries_the_workload(saved):

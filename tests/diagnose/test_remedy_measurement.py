@@ -9,6 +9,7 @@ import io
 import pytest
 from rich.console import Console
 
+from oomkit.core.target import Target
 from oomkit.diagnose.diagnosis import Remedy
 from oomkit.diagnose.remedy_measurement import MeasuredRemedy, rank_measured
 
@@ -74,7 +75,7 @@ def gpt2_on_3gib():
     options = StepOptions(batch_size=8, seq_len=256, precision="fp32")
     built = build_preset_step("gpt2-124m", options)
     spec = WorkloadSpec("preset", "gpt2-124m", **dataclasses.asdict(built.options), steps=2)
-    return predict(built.step_fn, gpu="3GiB", steps=2, track=built.track,
+    return predict(built.step_fn, target=Target.resolve("3GiB"), steps=2, track=built.track,
                    description=built.description, workload=spec)
 
 
@@ -84,7 +85,7 @@ def _required(**change):
 
     options = StepOptions(**({"batch_size": 8, "seq_len": 256, "precision": "fp32"} | change))
     built = build_preset_step("gpt2-124m", options)
-    return predict(built.step_fn, gpu="3GiB", steps=2, track=built.track).required_bytes
+    return predict(built.step_fn, target=Target.resolve("3GiB"), steps=2, track=built.track).required_bytes
 
 
 def test_prediction_remedies_are_measured_and_fitting_first(gpt2_on_3gib):

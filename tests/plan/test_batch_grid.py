@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.plan._batch_grid import Grid
 from oomkit.plan.batch_advice import infeasible_advice
 from oomkit.plan.batch_search import max_batch_size
@@ -45,7 +46,7 @@ def _retrying(spike_at=None):
 
 def test_multiple_of_tries_only_its_multiples():
     """multiple_of=8: 8, 16, 32, 64 (too big), then 48, 40: the answer 40, not 41."""
-    result = max_batch_size(_linear, gpu=GPU, margin_bytes=10 * MiB, interpolate=False,
+    result = max_batch_size(_linear, target=Target.resolve(GPU), margin_bytes=10 * MiB, interpolate=False,
                             multiple_of=8)
     assert result.probe_order == (8, 16, 32, 64, 48, 40)
     assert (result.batch_size, result.first_failing_batch) == (40, 48)
@@ -55,7 +56,7 @@ def test_multiple_of_tries_only_its_multiples():
 
 def test_power_of_two_tries_only_powers_of_two():
     """power_of_two: indices 1, 2, 4, 8 (sizes 1, 2, 8, 128), then bisection 32, 64: 32."""
-    result = max_batch_size(_linear, gpu=GPU, margin_bytes=10 * MiB, interpolate=False,
+    result = max_batch_size(_linear, target=Target.resolve(GPU), margin_bytes=10 * MiB, interpolate=False,
                             power_of_two=True)
     assert result.probe_order == (1, 2, 8, 128, 32, 64)
     assert (result.batch_size, result.first_failing_batch) == (32, 64)
@@ -73,7 +74,7 @@ def test_power_of_two_tries_only_powers_of_two():
 def test_impossible_grids_are_refused(kwargs, match):
     """A grid with no size to try is a ValueError naming the parameters."""
     with pytest.raises(ValueError, match=match):
-        max_batch_size(_linear, gpu=GPU, margin_bytes=10 * MiB, **kwargs)
+        max_batch_size(_linear, target=Target.resolve(GPU), margin_bytes=10 * MiB, **kwargs)
 
 
 def test_grid_indices_round_to_allowed_sizes():
@@ -89,7 +90,7 @@ def test_grid_indices_round_to_allowed_sizes():
 def test_answer_is_the_largest_batch_without_allocator_retries():
     """Batch 40 fits only by freeing the cache and retrying: the answer is 18, the largest
     without, and 40 is named with its retry; allow_retries=True answers 40."""
-    result = max_batch_size(_retrying(), gpu=GPU, margin_bytes=10 * MiB, steps=1,
+    result = max_batch_size(_retrying(), target=Target.resolve(GPU), margin_bytes=10 * MiB, steps=1,
                             interpolate=False)
     assert result.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41, 28, 22, 19, 17, 18)
     assert result.batch_size == 18
@@ -100,7 +101,7 @@ def test_answer_is_the_largest_batch_without_allocator_retries():
         "batch 40 fits too, but only with the allocator freeing its cache and retrying 1 time(s)"
         in " ".join(result.warnings)
     )
-    loose = max_batch_size(_retrying(), gpu=GPU, margin_bytes=10 * MiB, steps=1,
+    loose = max_batch_size(_retrying(), target=Target.resolve(GPU), margin_bytes=10 * MiB, steps=1,
                            interpolate=False, allow_retries=True)
     assert (loose.batch_size, loose.with_retries_batch_size) == (40, None)
 
@@ -108,7 +109,7 @@ def test_answer_is_the_largest_batch_without_allocator_retries():
 def test_a_batch_that_fits_above_one_that_does_not_is_explained():
     """Batch 17 asks for 100 MiB more and fails while 40 fits: the result names the pair and
     a warning explains why a curve can be non-monotonic; the clean answer is 16."""
-    result = max_batch_size(_retrying(spike_at=17), gpu=GPU, margin_bytes=10 * MiB, steps=1,
+    result = max_batch_size(_retrying(spike_at=17), target=Target.resolve(GPU), margin_bytes=10 * MiB, steps=1,
                             interpolate=False)
     assert result.batch_size == 16
     assert result.non_monotonic == (40, 17)
@@ -139,10 +140,10 @@ def test_advice_leaves_out_what_the_step_already_does():
 
 def test_lengths_advice_is_computed_from_the_step_too():
     """fit --lengths' message when batch 1 fails: no bf16-mixed for a bf16-mixed step."""
-    from oomkit.core.target import resolve_target
+    from oomkit.core.target import Target
     from oomkit.plan.envelope_fit import EnvelopeProbe, _infeasible
 
-    target = resolve_target(None, gpu="rtx4090")
+    target = Target.resolve("rtx4090")
     probe = EnvelopeProbe(1, False, 30 * 2**30, None)
     error = _infeasible(probe, target, 482 * MiB, "GPT-2 124M, batch 1, seq 1024, bf16-mixed, "
                         "adamw, train")

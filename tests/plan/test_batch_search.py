@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.gpus import CATALOG, GpuSpec
+from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError, UserCodeError
 from oomkit.plan.batch_search import (
     MIN_DEFAULT_MARGIN_BYTES,
@@ -60,7 +61,7 @@ def test_bracket_then_bisect_probes_exact_sizes():
     calls = []
     # interpolate=False: every size traced (test_fit_interpolation.py has the interpolated search).
     result = max_batch_size(
-        _linear(calls), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, interpolate=False
+        _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, interpolate=False
     )
     assert result.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41)
     assert result.batch_size == 41
@@ -76,7 +77,9 @@ def test_bracket_then_bisect_probes_exact_sizes():
 
 def test_curve_lists_every_probe_by_batch():
     """The curve holds (batch, peak reserved, fits) for every size tried, sorted by batch."""
-    result = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB
+    )
     curve = [(p.batch_size, p.peak_reserved_bytes, p.fits) for p in result.curve]
     assert curve == [
         (1, 10 * MiB, True),
@@ -107,11 +110,11 @@ def test_answer_is_the_true_maximum_and_never_above(capacity_bytes, margin_bytes
     if expected is None:
         with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1 fits|nothing fits"):
             max_batch_size(
-                _linear(), gpu=_gpu(capacity_bytes), margin_bytes=margin_bytes, max_batch=max_batch
+                _linear(), target=Target.resolve(_gpu(capacity_bytes)), margin_bytes=margin_bytes, max_batch=max_batch
             )
         return
     result = max_batch_size(
-        _linear(), gpu=_gpu(capacity_bytes), margin_bytes=margin_bytes, max_batch=max_batch
+        _linear(), target=Target.resolve(_gpu(capacity_bytes)), margin_bytes=margin_bytes, max_batch=max_batch
     )
     assert result.batch_size == expected
     assert result.headroom_bytes >= margin_bytes
@@ -122,8 +125,10 @@ def test_answer_is_the_true_maximum_and_never_above(capacity_bytes, margin_bytes
 
 def test_margin_excludes_batches_that_would_fit_without_it():
     """A 20 MiB margin lowers the answer from 46 (100 MiB, exact fit) to 36."""
-    exact = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=0)
-    with_margin = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=20 * MiB)
+    exact = max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
+    with_margin = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=20 * MiB
+    )
     assert exact.batch_size == 46 and exact.headroom_bytes == 0
     assert with_margin.batch_size == 36 and with_margin.headroom_bytes == 20 * MiB
 
@@ -138,7 +143,7 @@ def test_default_margin_is_two_percent_at_least_256_mib():
 
 def test_default_margin_applies_and_is_stated():
     """Without margin_bytes the default is used and flagged: 256 MiB on a 1 GiB device."""
-    result = max_batch_size(_linear(per_batch=8), gpu=_gpu(GiB))
+    result = max_batch_size(_linear(per_batch=8), target=Target.resolve(_gpu(GiB)))
     assert result.margin_is_default and result.margin_bytes == 256 * MiB
     # (8b + 4) * 2 MiB <= 768 MiB  ->  b <= 47
     assert result.batch_size == 47
@@ -148,7 +153,7 @@ def test_eval_step_can_limit_the_batch():
     """An eval step needing 3x the memory per sample caps the batch at 15, named as the limit."""
     result = max_batch_size(
         _linear(),
-        gpu=_gpu(100 * MiB),
+        target=Target.resolve(_gpu(100 * MiB)),
         margin_bytes=0,
         eval_step=_linear(per_batch=3),
         interpolate=False,  # every size traced, to count them
@@ -165,7 +170,7 @@ def test_eval_is_skipped_where_training_already_fails():
     """A batch whose training step does not fit costs one trace, not two."""
     result = max_batch_size(
         _linear(per_batch=3),
-        gpu=_gpu(100 * MiB),
+        target=Target.resolve(_gpu(100 * MiB)),
         margin_bytes=0,
         eval_step=_linear(),
         interpolate=False,  # every size traced, to count them
@@ -192,7 +197,9 @@ def _first_step_spike(batch):
 
 def test_first_optimizer_step_limits_the_batch():
     """The first step's spike counts: 44 fits the steady state but not step 1, answer 44 -> 42."""
-    result = max_batch_size(_first_step_spike, gpu=_gpu(100 * MiB), margin_bytes=0)
+    result = max_batch_size(
+        _first_step_spike, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0
+    )
     # Step 1: (b + 6) * 2 MiB <= 100 MiB -> 44; the steady state alone would allow 46.
     assert result.batch_size == 44
     assert result.limiting_step == "train step 1"
@@ -201,7 +208,9 @@ def test_first_optimizer_step_limits_the_batch():
 
 def test_steps_one_warns_that_the_steady_state_is_unchecked():
     """steps=1 records only the first step and says so in the warnings."""
-    result = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=0, steps=1)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, steps=1
+    )
     assert result.batch_size == 46
     assert any("only the first training step" in w for w in result.warnings)
 
@@ -222,8 +231,8 @@ def test_steady_state_growth_limits_at_train_step_2():
         state[batch] = kept
         return step
 
-    two = max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=0, steps=2)
-    one = max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=0, steps=1)
+    two = max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, steps=2)
+    one = max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, steps=1)
     # Step 2 holds the kept state and a second block: 2 * (b + 4) * 2 MiB <= 100 MiB -> 21.
     assert two.batch_size == 21 and two.limiting_step == "train step 2"
     assert one.batch_size == 46
@@ -231,20 +240,26 @@ def test_steady_state_growth_limits_at_train_step_2():
 
 def test_start_batch_above_the_answer_bisects_down():
     """Starting at 64 (too big), the search bisects (0, 64) and never probes 1."""
-    result = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, start_batch=64)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=64
+    )
     assert result.probe_order == (64, 32, 48, 40, 44, 42, 41)
     assert result.batch_size == 41
 
 
 def test_start_batch_below_the_answer_doubles_from_it():
     """Starting at 20: 20, 40, 80, then bisection down to 41."""
-    result = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, start_batch=20)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, start_batch=20
+    )
     assert result.probe_order == (20, 40, 80, 60, 50, 45, 42, 41)
 
 
 def test_max_batch_stops_the_search_with_a_warning():
     """When max_batch fits, it is the answer and the result says the search stopped there."""
-    result = max_batch_size(_linear(), gpu=_gpu(GiB), margin_bytes=0, max_batch=10)
+    result = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(GiB)), margin_bytes=0, max_batch=10
+    )
     assert result.probe_order == (1, 2, 4, 8, 10)
     assert result.batch_size == 10
     assert result.first_failing_batch is None
@@ -254,7 +269,7 @@ def test_max_batch_stops_the_search_with_a_warning():
 def test_batch_one_not_fitting_raises_with_advice():
     """Not even batch 1 fits in 9 MiB: NoFeasibleBatchSizeError says what to try."""
     with pytest.raises(NoFeasibleBatchSizeError, match=r"not even batch 1 fits.*--checkpointing") as raised:
-        max_batch_size(_linear(), gpu=_gpu(9 * MiB), margin_bytes=0)
+        max_batch_size(_linear(), target=Target.resolve(_gpu(9 * MiB)), margin_bytes=0)
     # The figures of the message, as numbers: batch 1 reserves more than the 9 MiB usable.
     error = raised.value
     assert (error.usable_bytes, error.margin_bytes) == (9 * MiB, 0)
@@ -265,7 +280,9 @@ def test_margin_not_below_usable_raises_before_tracing():
     """A margin that leaves nothing usable fails at once, without calling the builder."""
     calls = []
     with pytest.raises(NoFeasibleBatchSizeError, match="nothing fits on test GPU"):
-        max_batch_size(_linear(calls), gpu=_gpu(100 * MiB), margin_bytes=100 * MiB)
+        max_batch_size(
+            _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=100 * MiB
+        )
     assert calls == []
 
 
@@ -286,14 +303,18 @@ def test_margin_is_held_as_memory_the_allocator_cannot_use():
 
         return step
 
-    tight = max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=30 * MiB, max_batch=1)
+    tight = max_batch_size(
+        build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=30 * MiB, max_batch=1
+    )
     assert tight.batch_size == 1 and tight.peak_reserved_bytes == 60 * MiB
     # Step 1 retries once; step 2 splits the cached 60 MiB segment for the 50 MiB block, which
     # merges back when freed and then serves the 60 MiB request: no retry there.
     assert tight.answer.train.num_alloc_retries == 1
     assert any("frees its cache and retries 1 time(s)" in w for w in tight.warnings)
     with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1 fits"):
-        max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=45 * MiB, max_batch=1)
+        max_batch_size(
+            build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=45 * MiB, max_batch=1
+        )
 
 
 def test_curve_that_shrinks_with_batch_is_warned_about():
@@ -303,7 +324,9 @@ def test_curve_that_shrinks_with_batch_is_warned_about():
         size = 30 * MiB if batch == 1 else _need_bytes(batch)
         return lambda: torch.empty(size, dtype=torch.uint8)
 
-    result = max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=0, max_batch=2)
+    result = max_batch_size(
+        build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, max_batch=2
+    )
     assert result.batch_size == 2
     assert any(
         "batch 2 needs 12.00 MiB, less than batch 1 (30.00 MiB)" in w for w in result.warnings
@@ -315,7 +338,7 @@ def test_progress_reports_each_probe_with_a_closing_total():
     seen = []
     result = max_batch_size(
         _linear(),
-        gpu=_gpu(100 * MiB),
+        target=Target.resolve(_gpu(100 * MiB)),
         margin_bytes=10 * MiB,
         progress=lambda d, t: seen.append((d, t)),
         interpolate=False,  # one call per probe; test_fit_interpolation.py counts confirmations
@@ -334,7 +357,7 @@ def test_builder_may_return_step_and_tracked_objects():
         assert weights.device.type == "meta"
         return _linear()(batch), [weights]
 
-    result = max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=0)
+    result = max_batch_size(build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
     assert result.batch_size == 41  # (b + 4) * 2 MiB + 10 MiB <= 100 MiB
     assert result.peak_reserved_bytes == 100 * MiB
 
@@ -342,7 +365,7 @@ def test_builder_may_return_step_and_tracked_objects():
 def test_builder_returning_a_non_step_is_a_user_error():
     """A builder that returns a number is rejected with the forms it may return."""
     with pytest.raises(UserCodeError, match="BuiltStep"):
-        max_batch_size(lambda b: 42, gpu=_gpu(100 * MiB), margin_bytes=0)
+        max_batch_size(lambda b: 42, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
 
 
 @pytest.mark.parametrize(
@@ -357,7 +380,7 @@ def test_builder_returning_a_non_step_is_a_user_error():
 def test_bad_arguments_say_what_to_pass(kwargs, match):
     """Bad search arguments raise ValueError with an example."""
     with pytest.raises(ValueError, match=match):
-        max_batch_size(_linear(), gpu=_gpu(100 * MiB), **kwargs)
+        max_batch_size(_linear(), target=Target.resolve(_gpu(100 * MiB)), **kwargs)
 
 
 def test_smallest_gpu_names_the_smallest_fit_with_exact_headroom():
@@ -420,13 +443,13 @@ def test_smallest_gpu_needs_a_batch_with_a_builder():
 
 
 def test_max_batch_size_takes_a_target_and_keeps_it():
-    """target= is gpu= plus alloc_conf=: the same search, the target kept (without the margin)."""
-    from oomkit.core.target import Target
-
+    """target= is the GPU and the allocator setting: the search runs on it and keeps it."""
     target = Target.resolve(_gpu(100 * MiB), "max_split_size_mb:64")
     by_target = max_batch_size(_linear(), target=target, margin_bytes=10 * MiB)
     by_keywords = max_batch_size(
-        _linear(), gpu=_gpu(100 * MiB), alloc_conf="max_split_size_mb:64", margin_bytes=10 * MiB
+        _linear(),
+        target=Target.resolve(_gpu(100 * MiB), alloc_conf="max_split_size_mb:64"),
+        margin_bytes=10 * MiB,
     )
     assert by_target.target == target
     assert by_target.alloc_conf == "max_split_size_mb:64"
@@ -438,17 +461,17 @@ def test_max_batch_size_takes_a_target_and_keeps_it():
     assert by_target.answer.train.target == target.with_gpu(
         GpuSpec("test GPU", 100 * MiB, 10 * MiB)
     )
-    with pytest.raises(ValueError, match="either target= or gpu"):
-        max_batch_size(_linear(), target=target, gpu="h100")
+    # No target: an H100 with PyTorch's default allocator setting, the newest torch.
+    assert max_batch_size(_linear(), max_batch=1).target == Target.resolve("h100")
+    with pytest.raises(TypeError, match="gpu"):
+        max_batch_size(_linear(), gpu="h100")  # type: ignore[call-arg]
 
 
 def test_smallest_gpu_replaces_only_the_targets_gpu():
     """smallest_gpu(target=T) replays on each candidate with T's allocator setting and versions."""
-    from oomkit.core.target import Target
-
     target = Target.resolve("h100", "max_split_size_mb:64", cudnn_version=91002)
     candidates = [_gpu(100 * MiB, "mid"), _gpu(50 * MiB, "small")]
     result = smallest_gpu(_linear(), 30, candidates=candidates, margin_bytes=0, target=target)
     assert [(f.gpu.name, f.fits) for f in result.candidates] == [("small", False), ("mid", True)]
-    with pytest.raises(ValueError, match="either target= or alloc_conf"):
-        smallest_gpu(_linear(), 30, candidates=candidates, target=target, alloc_conf="")
+    with pytest.raises(TypeError, match="alloc_conf"):
+        smallest_gpu(_linear(), 30, candidates=candidates, alloc_conf="")  # type: ignore[call-arg]

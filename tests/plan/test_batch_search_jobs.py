@@ -11,6 +11,7 @@ from _steps import linear_step
 
 import oomkit.plan.batch_prober as batch_prober
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.errors import AllocatorUsageError, UserCodeError
 from oomkit.plan.batch_search import max_batch_size, smallest_gpu
 
@@ -109,7 +110,9 @@ def test_a_search_with_jobs_is_the_one_at_a_time_search(
     options = dict(options)
     interpolate = options.pop("interpolate", True)
     margin = options.pop("margin_mib", 10) * MiB
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=margin, interpolate=interpolate)
+    kwargs = dict(
+        target=Target.resolve(_gpu(100 * MiB)), margin_bytes=margin, interpolate=interpolate
+    )
     serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
     serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
     parallel = max_batch_size(_builder(parallel_log, **options), jobs=2, **kwargs)
@@ -140,7 +143,7 @@ def test_with_jobs_3_both_sides_of_the_last_size_go_ahead(
     """With jobs=3 both sizes beside the last one bisection tries are traced ahead beside it,
     and the background process beside them: the search is still the one-at-a-time one."""
     _wait_for_the_background(monkeypatch)
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     serial_log, parallel_log = tmp_path / "serial", tmp_path / "parallel"
     serial = max_batch_size(_builder(serial_log, **options), jobs=1, **kwargs)
     parallel = max_batch_size(_builder(parallel_log, **options), jobs=3, **kwargs)
@@ -166,7 +169,9 @@ def test_the_first_synthesized_size_is_traced_at_the_lowest_priority(tmp_path, m
             out.write(f"{batch} {os.nice(0)}\n")
 
     builder = _builder(tmp_path / "log", path_change_at=30, in_child=note_priority)
-    result = max_batch_size(builder, gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, jobs=2)
+    result = max_batch_size(
+        builder, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=2
+    )
     assert (result.batch_size, result.unused_ahead) == (31, 1)
     priorities = dict(line.split() for line in nice_log.read_text().splitlines())
     assert (priorities["2"], priorities["4"]) == (mine, "19")
@@ -182,7 +187,7 @@ def test_a_size_the_background_does_not_give_in_time_is_traced_here(tmp_path):
         if batch == 4:
             time.sleep(60)
 
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     serial = max_batch_size(_builder(tmp_path / "serial", path_change_at=30), **kwargs)
     log = tmp_path / "parallel"
     start = time.monotonic()
@@ -205,7 +210,7 @@ def test_a_size_in_the_background_is_traced_again_at_full_priority_when_needed(t
         with nice_log.open("a") as out:
             out.write(f"{batch} {os.nice(0)}\n")
 
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     serial = max_batch_size(_builder(tmp_path / "serial", per_batch=12), **kwargs)
     log = tmp_path / "parallel"
     builder = _builder(log, per_batch=12, in_child=note_priority)
@@ -257,7 +262,7 @@ def test_a_background_process_is_waited_for_unless_it_is_starved(monkeypatch):
 def test_an_eval_step_is_recorded_here_after_a_training_step_traced_ahead(tmp_path):
     """Train traced ahead, eval after it here: the same search as one at a time (eval caps
     the batch at 15)."""
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=0)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0)
     serial = max_batch_size(
         _builder(tmp_path / "a"), eval_step=_builder(tmp_path / "b", per_batch=3), **kwargs
     )
@@ -293,7 +298,7 @@ def test_a_size_whose_process_fails_is_traced_here(tmp_path, in_child, monkeypat
     import time
 
     monkeypatch.setattr(batch_prober, "_STUCK_LOOK_S", 0.5)
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     serial = max_batch_size(_builder(tmp_path / "serial"), **kwargs)
     log = tmp_path / "parallel"
     start = time.monotonic()
@@ -336,7 +341,9 @@ def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):
     errors = []
     for jobs in (1, 2):
         with pytest.raises(UserCodeError) as caught:
-            max_batch_size(build, gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, jobs=jobs)
+            max_batch_size(
+                build, target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, jobs=jobs
+            )
         errors.append(str(caught.value))
     assert errors[0] == errors[1] and "returned int for batch 2" in errors[0]
 
@@ -344,7 +351,9 @@ def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):
 def test_bad_jobs_are_refused():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(AllocatorUsageError, match="jobs must be a positive int"):
-            max_batch_size(_builder(Path(os.devnull)), gpu=_gpu(100 * MiB), jobs=bad)
+            max_batch_size(
+                _builder(Path(os.devnull)), target=Target.resolve(_gpu(100 * MiB)), jobs=bad
+            )
 
 
 def test_smallest_gpu_traces_each_compute_capability_in_its_own_process(tmp_path):

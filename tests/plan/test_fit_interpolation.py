@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.core.trace import Frame, TraceEvent
 from oomkit.plan.trace_interpolation import (
     TraceInterpolator,
@@ -150,8 +151,12 @@ def test_interpolated_search_traces_five_and_finds_the_same_answer():
     from oomkit.plan.batch_search import max_batch_size
 
     calls = []
-    result = max_batch_size(_linear(calls), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
-    plain = max_batch_size(_linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, interpolate=False)
+    result = max_batch_size(
+        _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB
+    )
+    plain = max_batch_size(
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, interpolate=False
+    )
     assert result.probe_order == plain.probe_order == (1, 2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41)
     assert (result.batch_size, result.first_failing_batch) == (plain.batch_size, 42) == (41, 42)
     assert (result.traces, result.synthesized) == (4, 9)
@@ -170,7 +175,7 @@ def test_progress_counts_the_confirmations():
 
     seen = []
     result = max_batch_size(
-        _linear(), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB, progress=lambda d, t: seen.append((d, t))
+        _linear(), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB, progress=lambda d, t: seen.append((d, t))
     )
     assert [d for d, _ in seen] == list(range(1, 14))
     assert all(t >= d for d, t in seen) and seen[-1] == (13, 13)
@@ -181,7 +186,9 @@ def test_eval_steps_are_interpolated_and_confirmed_too():
     """An eval step at 3 x the batch caps at 15: train and eval traced at 1, 2, 15, 16."""
     from oomkit.plan.batch_search import max_batch_size
 
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=0, eval_step=_linear(per_batch=3))
+    kwargs = dict(
+        target=Target.resolve(_gpu(100 * MiB)), margin_bytes=0, eval_step=_linear(per_batch=3)
+    )
     result = max_batch_size(_linear(), **kwargs)
     plain = max_batch_size(_linear(), interpolate=False, **kwargs)
     assert (result.batch_size, result.limiting_step) == (plain.batch_size, "eval") == (15, "eval")
@@ -199,7 +206,7 @@ def test_a_code_path_that_changes_above_the_learned_sizes_is_caught_and_searched
     traces and finds the plain answer, 31, confirmed."""
     from oomkit.plan.batch_search import max_batch_size
 
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     plain = max_batch_size(_linear(path_change_at=30), interpolate=False, **kwargs)
     calls = []
     result = max_batch_size(_linear(calls, path_change_at=30), **kwargs)
@@ -239,7 +246,7 @@ def test_sizes_off_the_learned_line_are_caught_by_the_confirmation():
     trace of 40) gives the plain answer, 38."""
     from oomkit.plan.batch_search import max_batch_size
 
-    kwargs = dict(gpu=_gpu(100 * MiB), margin_bytes=10 * MiB)
+    kwargs = dict(target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB)
     plain = max_batch_size(_powers_of_two_cheaper([]), interpolate=False, **kwargs)
     calls = []
     result = max_batch_size(_powers_of_two_cheaper(calls), **kwargs)
@@ -256,7 +263,7 @@ def test_after_the_last_search_with_interpolation_every_size_is_traced(monkeypat
     monkeypatch.setattr(batch_search, "_SEARCHES", 2)
     calls = []
     result = batch_search.max_batch_size(
-        _powers_of_two_cheaper(calls), gpu=_gpu(100 * MiB), margin_bytes=10 * MiB
+        _powers_of_two_cheaper(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=10 * MiB
     )
     assert result.batch_size == 38
     assert all(not p.synthesized for p in result.curve)
@@ -270,7 +277,6 @@ def test_gpt2_preset_search_synthesizes_the_traced_bytes():
     """GPT-2 124M at seq 128 on 4 GiB: batch 14 in 4 traces (8 without interpolation: 1, 2 to
     learn, 15 as the last size, 14 to confirm); each of the synthesized probes left in the
     curve has the bytes and verdict of the same batch traced."""
-    from oomkit.core.target import resolve_target
     from oomkit.plan.batch_probe import less_margin, predict_built
     from oomkit.plan.batch_search import max_batch_size
     from oomkit.prediction.models import StepOptions, build_preset_step
@@ -281,12 +287,12 @@ def test_gpt2_preset_search_synthesizes_the_traced_bytes():
 
     # allow_retries: the largest that fits at all (14 needs one allocator retry; the default
     # answer, without retries, is 13: test_batch_grid.py covers that search).
-    result = max_batch_size(build, gpu="4GiB", allow_retries=True)
+    result = max_batch_size(build, target=Target.resolve("4GiB"), allow_retries=True)
     assert result.batch_size == 14
     assert result.probe_order == (1, 2, 4, 8, 16, 12, 14, 15)
     assert (result.traces, result.synthesized) == (4, 5)
     assert [p.batch_size for p in result.curve if p.synthesized] == [4, 8, 12, 16]
-    searched = less_margin(resolve_target(None, gpu="4GiB"), result.margin_bytes)
+    searched = less_margin(Target.resolve("4GiB"), result.margin_bytes)
     assert searched is not None
     for probe in result.curve:
         if probe.synthesized:

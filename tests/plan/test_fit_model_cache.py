@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from oomkit.core.target import Target
 from oomkit.plan.batch_probe import less_margin, predict_built
 from oomkit.plan.batch_search import max_batch_size
 
@@ -43,7 +44,7 @@ def _search_then_compare(options: StepOptions, gpu: str, builds: list[int], star
         return build_preset_step("gpt2-124m", dataclasses.replace(options, batch_size=batch))
 
     result = max_batch_size(
-        build, gpu=gpu, steps=2, margin_bytes=0, start_batch=start, max_batch=most
+        build, target=Target.resolve(gpu), steps=2, margin_bytes=0, start_batch=start, max_batch=most
     )
     assert builds[0] == 1  # one model for every probe of the search
     searched = less_margin(result.target, result.margin_bytes)
@@ -95,7 +96,7 @@ def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
     """smallest_gpu traces once per compute capability (RTX 4090 sm_89, A100 sm_80) with one
     shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU."""
     from oomkit.core.gpus import get_gpu
-    from oomkit.core.target import resolve_target
+    from oomkit.core.target import Target
     from oomkit.plan.batch_search import smallest_gpu
 
     options = StepOptions(batch_size=2, seq_len=32, precision="bf16-mixed")
@@ -108,7 +109,7 @@ def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
     assert result.traces == 2 and gpt2_builds[0] == 1
     for fit in result.candidates:
         fresh = predict_built(
-            build, "train step", 2, target=resolve_target(None, gpu=fit.gpu), steps=2
+            build, "train step", 2, target=Target.resolve(fit.gpu), steps=2
         )
         assert fit.peak_reserved_bytes == fresh.required_bytes, fit.gpu.name
     assert gpt2_builds[0] == 3
@@ -125,7 +126,9 @@ def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
         reference.requires_grad_(False)
         return policy.step_fn, (*policy.track, reference)
 
-    result = max_batch_size(build, gpu="6GiB", margin_bytes=0, start_batch=4, max_batch=5)
+    result = max_batch_size(
+        build, target=Target.resolve("6GiB"), margin_bytes=0, start_batch=4, max_batch=5
+    )
     # Built once per probe each, and the reference frozen after the build: the cache sees the
     # changed signature and rebuilds it, so its requires_grad starts as a fresh build's.
     assert result.probe_order == (4, 5)

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 
+from oomkit.core.target import Target
 from oomkit.plan.frozen_heap import frozen_heap
 
 
@@ -90,7 +91,7 @@ def test_a_batch_search_leaves_nothing_frozen():
         return lambda: torch.empty(batch * 2**20, dtype=torch.uint8)
 
     gpu = GpuSpec(name="test GPU", total_memory_bytes=64 * 2**20, context_overhead_bytes=0)
-    result = max_batch_size(build, gpu=gpu, margin_bytes=0)
+    result = max_batch_size(build, target=Target.resolve(gpu), margin_bytes=0)
     assert result.batch_size == 64  # 64 MiB of 64 MiB, no margin
     assert seen and all(count > 0 for count in seen)
     assert gc.get_freeze_count() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.target import Target
 from oomkit.core.trace import Frame, TraceEvent
 from oomkit.errors import ConfigError, TraceFormatError, UnknownGpuError
 from oomkit.prediction import Prediction, predict, predict_recording
@@ -54,7 +55,7 @@ def _recording(events, step_starts=(0,), warnings=()):
 
 def test_three_allocs_exact_peaks_and_headroom():
     """Peaks are the allocator's rounded bytes; headroom is usable minus peak reserved."""
-    p = predict_recording(_recording(THREE), _gpu(1 * GiB, 100 * MiB))
+    p = predict_recording(_recording(THREE), target=Target.resolve(_gpu(1 * GiB, 100 * MiB)))
     assert p.peak_allocated_bytes == THREE_ALLOCATED
     assert p.peak_reserved_bytes == THREE_RESERVED
     assert p.capacity_bytes == GiB
@@ -69,7 +70,7 @@ def test_three_allocs_exact_peaks_and_headroom():
 
 def test_breakdown_by_category_sums_to_peak_allocated():
     """At peak the breakdown gives each category's block bytes, largest first."""
-    p = predict_recording(_recording(THREE), _gpu(1 * GiB, 0))
+    p = predict_recording(_recording(THREE), target=Target.resolve(_gpu(1 * GiB, 0)))
     assert list(p.by_category_bytes.items()) == [
         ("temporary", 30 * MiB + 512),
         ("activation", 3 * MiB),
@@ -89,7 +90,7 @@ def test_breakdown_is_taken_at_the_peak_not_the_end():
         *_free(2, 6 * MiB),
         _alloc(3, 2 * MiB, "gradient"),
     ]
-    p = predict_recording(_recording(events), _gpu(GiB, 0))
+    p = predict_recording(_recording(events), target=Target.resolve(_gpu(GiB, 0)))
     assert p.peak_allocated_bytes == 10 * MiB
     assert p.peak_allocated_at.event_index == 1
     assert dict(p.by_category_bytes) == {"temporary": 6 * MiB, "activation": 4 * MiB}
@@ -102,7 +103,9 @@ def test_breakdown_is_taken_at_the_peak_not_the_end():
 def test_oom_point_with_tiny_capacity():
     """The first request the device cannot serve is the OOM point, with op, module and step."""
     events = [TraceEvent("alloc", 99, 512, tags=(("category", "input"),)), *THREE]
-    p = predict_recording(_recording(events, step_starts=(1,)), _gpu(40 * MiB, 10 * MiB))
+    p = predict_recording(
+        _recording(events, step_starts=(1,)), target=Target.resolve(_gpu(40 * MiB, 10 * MiB))
+    )
     assert p.fits is False
     oom = p.oom
     assert oom is not None
@@ -122,17 +125,21 @@ def test_oom_point_with_tiny_capacity():
 def test_oom_before_first_step_has_no_step():
     """Storages that exist before the first step can already exceed the device."""
     events = [_alloc(1, 50 * MiB, "parameter")]
-    p = predict_recording(_recording(events, step_starts=()), _gpu(40 * MiB, 0))
+    p = predict_recording(
+        _recording(events, step_starts=()), target=Target.resolve(_gpu(40 * MiB, 0))
+    )
     assert p.oom is not None and p.oom.step is None and p.oom.module is None
 
 
 def test_budget_checks_required_reserved_bytes():
     """within_budget compares the reserved bytes needed with the budget, inclusive."""
     rec = _recording(THREE)
-    assert predict_recording(rec, _gpu(GiB, 0), budget_bytes=THREE_RESERVED).within_budget is True
-    over = predict_recording(rec, _gpu(GiB, 0), budget_bytes=THREE_RESERVED - 1)
+    assert predict_recording(rec, target=Target.resolve(_gpu(GiB, 0)), budget_bytes=THREE_RESERVED).within_budget is True
+    over = predict_recording(
+        rec, target=Target.resolve(_gpu(GiB, 0)), budget_bytes=THREE_RESERVED - 1
+    )
     assert over.within_budget is False and over.fits is True
-    assert predict_recording(rec, _gpu(GiB, 0)).within_budget is None
+    assert predict_recording(rec, target=Target.resolve(_gpu(GiB, 0))).within_budget is None
 
 
 def test_step_peaks_and_growth_warning():
@@ -143,7 +150,10 @@ def test_step_peaks_and_growth_warning():
         _alloc(2, 25 * MiB, "activation"),
         *_free(2, 25 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 3), warnings=("from tracer",)), _gpu(GiB, 0))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 3), warnings=("from tracer",)),
+        target=Target.resolve(_gpu(GiB, 0)),
+    )
     # 25 MiB gets a 26 MiB segment; the 1 MiB left over is not > kSmallSize, so the block is
     # not split and counts 26 MiB allocated (CUDACachingAllocator.cpp should_split).
     assert [(s.step, s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
@@ -167,7 +177,9 @@ def test_growth_from_first_step_optimizer_state_is_not_warned_about():
         _alloc(3, 3 * MiB, "activation"),  # step 1
         *_free(3, 3 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 4)), _gpu(GiB, 0))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     # Step 0: 1 MiB in a 2 MiB small-pool segment, then the state's own 26 MiB segment (25 MiB
     # leaves 1 MiB, not split: 26 MiB allocated). Step 1 adds 3 MiB in a new 20 MiB segment.
     assert [(s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
@@ -178,7 +190,9 @@ def test_growth_from_first_step_optimizer_state_is_not_warned_about():
     # The same growth with the 25 MiB made by something other than the optimizer is warned about.
     plain = [e if e.action != "alloc" or e.address != 2 else _alloc(2, 25 * MiB, "activation")
              for e in events]
-    q = predict_recording(_recording(plain, step_starts=(0, 4)), _gpu(GiB, 0))
+    q = predict_recording(
+        _recording(plain, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     assert any("still grew" in w for w in q.warnings)
 
 
@@ -193,7 +207,9 @@ def test_growth_explained_by_unsplit_optimizer_state_blocks_is_not_warned_about(
         _alloc(3, 40 * MiB, "activation"),  # step 2: a new 40 MiB segment
         *_free(3, 40 * MiB),
     ]
-    p = predict_recording(_recording(events, step_starts=(0, 4)), _gpu(GiB, 0))
+    p = predict_recording(
+        _recording(events, step_starts=(0, 4)), target=Target.resolve(_gpu(GiB, 0))
+    )
     assert [(s.step, s.peak_allocated_bytes, s.peak_reserved_bytes) for s in p.step_peaks] == [
         (1, 40 * MiB, 40 * MiB),
         (2, 80 * MiB, 80 * MiB),
@@ -208,7 +224,7 @@ def test_timeline_is_bounded_and_keeps_the_peak():
     for i in range(1500):
         events.append(_alloc(i, (i % 7 + 1) * MiB, "temporary"))
         events += _free(i, (i % 7 + 1) * MiB)
-    p = predict_recording(_recording(events), _gpu(GiB, 0))
+    p = predict_recording(_recording(events), target=Target.resolve(_gpu(GiB, 0)))
     assert len(p.timeline) <= MAX_TIMELINE_POINTS
     assert max(t.allocated_bytes for t in p.timeline) == p.peak_allocated_bytes == 7 * MiB
     assert p.timeline[-1].event_index == len(events) - 1
@@ -217,27 +233,35 @@ def test_timeline_is_bounded_and_keeps_the_peak():
 def test_alloc_conf_is_canonical_and_changes_the_replay():
     """expandable_segments:True maps 2 MiB pages instead of a 20 MiB segment for 3 MiB."""
     events = [_alloc(1, 3 * MiB, "activation")]
-    p = predict_recording(_recording(events), _gpu(GiB, 0), alloc_conf="expandable_segments:True")
+    p = predict_recording(
+        _recording(events),
+        target=Target.resolve(_gpu(GiB, 0), alloc_conf="expandable_segments:True"),
+    )
     assert p.alloc_conf == "expandable_segments:True"
     assert p.peak_reserved_bytes == 20 * MiB
     with pytest.raises(ConfigError, match="max_split_size"):
-        predict_recording(_recording(events), _gpu(GiB, 0), alloc_conf="max_split_size_mb:2")
+        predict_recording(
+            _recording(events),
+            target=Target.resolve(_gpu(GiB, 0), alloc_conf="max_split_size_mb:2"),
+        )
 
 
 def test_gpu_by_name_and_context_override():
     """A catalog name resolves to its spec; context_overhead_bytes replaces its figure."""
-    p = predict_recording(_recording(THREE), "h100", context_overhead_bytes=1 * GiB)
+    p = predict_recording(
+        _recording(THREE), target=Target.resolve("h100", context_overhead_bytes=1 * GiB)
+    )
     h100 = get_gpu("h100")
     assert p.gpu.name == h100.name
     assert p.usable_bytes == h100.total_memory_bytes - GiB
     with pytest.raises(UnknownGpuError, match="Did you mean"):
-        predict_recording(_recording(THREE), "h1000")
+        predict_recording(_recording(THREE), target=Target.resolve("h1000"))
 
 
 def test_free_of_unknown_id_is_trace_error():
     """A recording that frees what it never allocated is rejected with the event index."""
     with pytest.raises(TraceFormatError, match="event 0"):
-        predict_recording(_recording(_free(5, 10)), _gpu(GiB, 0))
+        predict_recording(_recording(_free(5, 10)), target=Target.resolve(_gpu(GiB, 0)))
 
 
 def test_predict_records_a_real_step_on_meta():
@@ -252,7 +276,7 @@ def test_predict_records_a_real_step_on_meta():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    p = predict(step, model, opt, x, gpu="24GiB", description="tiny")
+    p = predict(step, model, opt, x, target=Target.resolve("24GiB"), description="tiny")
     assert isinstance(p, Prediction)
     assert p.steps == 3 and len(p.step_peaks) == 3
     assert p.fits is True
@@ -274,7 +298,7 @@ def test_predict_track_objects_are_not_passed():
         with torch.device("meta"):
             (weight * 2).sum()
 
-    p = predict(step, gpu="24GiB", steps=2, track=(weight,))
+    p = predict(step, target=Target.resolve("24GiB"), steps=2, track=(weight,))
     assert len(calls) == 2
     assert p.peak_allocated_at.by_category_bytes["input"] == 256 * 1024
 
@@ -282,7 +306,7 @@ def test_predict_track_objects_are_not_passed():
 def test_predict_unknown_gpu_fails_before_tracing():
     """An unknown GPU name raises UnknownGpuError without running the step."""
     with pytest.raises(UnknownGpuError):
-        predict(lambda: pytest.fail("traced"), gpu="not-a-gpu")
+        predict(lambda: pytest.fail("traced"), target=Target.resolve("not-a-gpu"))
 
 
 def test_timeline_points_carry_live_bytes_by_category():
@@ -293,7 +317,7 @@ def test_timeline_points_carry_live_bytes_by_category():
         *_free(2, 6 * MiB),
         _alloc(3, 2 * MiB, "gradient"),
     ]
-    p = predict_recording(_recording(events), _gpu(GiB, 0))
+    p = predict_recording(_recording(events), target=Target.resolve(_gpu(GiB, 0)))
     levels = [(t.event_index, dict(t.by_category_bytes)) for t in p.timeline]
     assert levels == [
         (0, {"activation": 4 * MiB}),
@@ -323,7 +347,6 @@ def _sdpa_step():
 def test_target_cudnn_version_picks_the_sdpa_backend_explicitly():
     """A Target's cuDNN version reaches the tracer as an argument: 9.15.1 cuDNN, 9.10.2 flash."""
     pytest.importorskip("torch")
-    from oomkit.core.target import Target
     from oomkit.prediction.tracing import trace_step
     from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
 
@@ -340,24 +363,49 @@ def test_target_cudnn_version_picks_the_sdpa_backend_explicitly():
 
 
 def test_predict_with_a_target_equals_the_keywords_and_saves_the_cudnn_traced_with():
-    """predict(target=T) is predict(gpu=..., alloc_conf=...); the result names T and the cuDNN."""
+    """predict(target=T) stating the cuDNN equals one under those settings; the result names T."""
     pytest.importorskip("torch")
-    from oomkit.core.target import Target
     from oomkit.prediction.tracing.emulations import SdpaSettings, use_sdpa_settings
 
     target = Target.resolve("rtx4090", "expandable_segments:True", cudnn_version=91002)
     by_target = predict(_sdpa_step(), target=target, steps=1)
     with use_sdpa_settings(SdpaSettings(cudnn_version=91002)):
         by_keywords = predict(
-            _sdpa_step(), gpu="rtx4090", alloc_conf="expandable_segments:True", steps=1
+            _sdpa_step(),
+            target=Target.resolve("rtx4090", alloc_conf="expandable_segments:True"),
+            steps=1,
         )
     assert by_target.target == target
     assert by_keywords.target == target  # the version in effect is filled in
     assert by_target.peak_reserved_bytes == by_keywords.peak_reserved_bytes
     assert by_target.alloc_conf == "expandable_segments:True"
     assert by_target.gpu.name == "RTX 4090"
-    with pytest.raises(ValueError, match="either target= or gpu"):
-        predict(_sdpa_step(), target=target, gpu="h100")
+
+
+def test_no_target_is_an_h100_with_the_default_allocator_and_the_newest_torch():
+    """predict_recording without target= predicts for Target.resolve("h100")."""
+    p = predict_recording(_recording(THREE))
+    assert p.target == Target.resolve("h100")
+    assert (p.gpu.name, p.alloc_conf) == ("H100 SXM 80GB", "")
+    assert p.peak_reserved_bytes == THREE_RESERVED
+    with pytest.raises(TypeError, match="positional"):
+        predict_recording(_recording(THREE), "h100")  # type: ignore[misc]
+
+
+def test_predict_refuses_the_target_as_keywords():
+    """gpu= (...) for predict is a ConfigError naming target=, before anything is traced."""
+    pytest.importorskip("torch")
+    import torch
+
+    with torch.device("meta"):
+        x = torch.empty(1024)
+    with pytest.raises(ConfigError, match=r"one target=, not gpu=, alloc_conf=\. Example"):
+        predict(lambda x: x * 2, x, gpu="rtx4090", alloc_conf="expandable_segments:True")
+    with pytest.raises(ConfigError, match=r"not torch_version="):
+        predict(lambda x: x * 2, x, torch_version="2.6", target=Target.resolve("rtx4090"))
+    # No target: an H100; the input (4 KiB) and the product (4 KiB) are alive at the peak.
+    p = predict(lambda x: x * 2, x, steps=1)
+    assert (p.gpu.name, p.alloc_conf, p.peak_allocated_bytes) == ("H100 SXM 80GB", "", 8192)
 
 
 def test_required_bytes_with_expandable_segments_after_an_oom():
@@ -367,7 +415,7 @@ def test_required_bytes_with_expandable_segments_after_an_oom():
     20 MiB pages grow to cover 3 MiB + 30 MiB + 512 B, so 2 pages: 2 + 40 MiB in all.
     """
     p = predict_recording(
-        _recording(THREE), _gpu(40 * MiB, 10 * MiB), "expandable_segments:True"
+        _recording(THREE), target=Target.resolve(_gpu(40 * MiB, 10 * MiB), alloc_conf="expandable_segments:True")
     )
     assert p.fits is False
     assert p.oom is not None and p.oom.requested_bytes == 30 * MiB + 1

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oomkit.core.target import resolve_target
+from oomkit.core.target import Target
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.scripts import predict_script
 from oomkit.prediction.tracing.script_run import fresh_accelerate_state
 from oomkit.scenario.user_function import load_user_step
 
-RTX4090 = resolve_target(None, gpu="rtx4090")
+RTX4090 = Target.resolve("rtx4090")
 NANOGPT = Path(__file__).resolve().parents[1] / "fixtures" / "nanogpt"
 # Small enough to run in seconds on a CPU; the script's own --key=value overrides.
 NANOGPT_ARGS = [

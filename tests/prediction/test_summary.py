@@ -8,6 +8,7 @@ import pytest
 
 import oomkit
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
 from oomkit.prediction import WorkloadSpec, predict_recording
 from oomkit.prediction.summary import nothing_recorded, prediction_summary, verdict_line
@@ -51,7 +52,9 @@ warning: a warning"""
 
 def test_str_is_the_summary_and_repr_the_verdict():
     """print(prediction) gives the verdict and top lines (repeated layers merged), not a repr."""
-    p = predict_recording(_blocks_recording(), GPU, description="blocks, batch 2")
+    p = predict_recording(
+        _blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2"
+    )
     assert str(p) == SUMMARY
     assert str(p) == prediction_summary(p)
     assert repr(p) == f"<Prediction: {verdict_line(p)}>"
@@ -60,7 +63,9 @@ def test_str_is_the_summary_and_repr_the_verdict():
 
 def test_summary_counts_what_it_leaves_out():
     """With rows=1 the summary says how many rows, modules and bytes it left out."""
-    p = predict_recording(_blocks_recording(), GPU, description="blocks, batch 2")
+    p = predict_recording(
+        _blocks_recording(), target=Target.resolve(GPU), description="blocks, batch 2"
+    )
     lines = prediction_summary(p, rows=1).splitlines()
     assert "  (1 more row, 1.00 MiB)" in lines  # the input category
     assert "  (1 more row: 1 module, 4.00 MiB)" in lines  # lm_head
@@ -68,7 +73,7 @@ def test_summary_counts_what_it_leaves_out():
 
 def test_a_step_that_allocated_nothing_is_not_a_fit():
     """A model left on the CPU allocates nothing on the traced device: the verdict says so."""
-    p = predict_recording(TraceRecording(events=(), step_starts=(0,)), GPU)
+    p = predict_recording(TraceRecording(events=(), step_starts=(0,)), target=Target.resolve(GPU))
     assert nothing_recorded(p)
     assert verdict_line(p).startswith(
         "NOTHING PREDICTED for test GPU: the step allocated nothing on the traced device (peak "
@@ -84,18 +89,18 @@ def test_a_step_that_allocated_nothing_is_not_a_fit():
     # JSON for scripts says the same: not a fit, and why.
     data = oomkit.prediction_to_json(p)
     assert data["fits"] is False and data["nothing_recorded"] is True
-    assert oomkit.prediction_to_json(predict_recording(_blocks_recording(), GPU))["fits"] is True
+    assert oomkit.prediction_to_json(predict_recording(_blocks_recording(), target=Target.resolve(GPU)))["fits"] is True
 
 
 def test_precision_named_with_its_source_in_the_verdict():
     """A precision taken from a model config is named, with where it came from."""
     workload = WorkloadSpec("hf", "llama", precision="bf16",
                             precision_source="from the config's torch_dtype")
-    p = predict_recording(_blocks_recording(), GPU, workload=workload)
+    p = predict_recording(_blocks_recording(), target=Target.resolve(GPU), workload=workload)
     assert verdict_line(p).startswith(
         "fits on test GPU (bf16, from the config's torch_dtype): peak reserved 42.00 MiB"
     )
-    given = predict_recording(_blocks_recording(), GPU, workload=WorkloadSpec("hf", "x",
+    given = predict_recording(_blocks_recording(), target=Target.resolve(GPU), workload=WorkloadSpec("hf", "x",
                                                                              precision="bf16"))
     assert verdict_line(given).startswith("fits on test GPU: peak reserved")
 
@@ -104,7 +109,7 @@ def test_renderers_are_public():
     """The facade exports the renderers, and each works on a prediction."""
     for name in ("render_prediction", "prediction_to_json", "prediction_summary", "verdict_line"):
         assert name in oomkit.__all__
-    p = predict_recording(_blocks_recording(), GPU)
+    p = predict_recording(_blocks_recording(), target=Target.resolve(GPU))
     data = oomkit.prediction_to_json(p)
     assert data["verdict"] == oomkit.verdict_line(p)
     assert data["peak_allocated_at"]["modules"][:2] == [
@@ -161,7 +166,9 @@ def test_terminal_module_table_merges_layers_and_counts_rows_left_out():
     events = [_alloc(i, 2 * MiB, "activation", f"h.{i}.mlp") for i in range(12)]
     # Eleven distinct modules of decreasing size: ten rows fit, so one is left out.
     events += [_alloc(100 + k, (11 - k) * 512 * 1024, "activation", f"head{k}") for k in range(11)]
-    p = predict_recording(TraceRecording(events=tuple(events), step_starts=(0,)), GPU)
+    p = predict_recording(
+        TraceRecording(events=tuple(events), step_starts=(0,)), target=Target.resolve(GPU)
+    )
     out = io.StringIO()
     oomkit.render_prediction(p, Console(file=out, width=120, no_color=True))
     text = out.getvalue()

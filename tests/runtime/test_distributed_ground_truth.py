@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from _gloo import run_ranks
 
+from oomkit.core.target import Target
+
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -132,11 +134,15 @@ def _predicted_peaks(kind: str, world_size: int) -> tuple[int, int, int]:
     recording = trace_distributed_step(
         build_step, world_size=world_size, steps=steps, emulations={}
     )
-    prediction = predict_recording(recording, gpu="1GiB", context_overhead_bytes=0)
+    prediction = predict_recording(
+        recording, target=Target.resolve("1GiB", context_overhead_bytes=0)
+    )
     one_stream = dataclasses.replace(
         recording, events=tuple(dataclasses.replace(e, stream=0) for e in recording.events)
     )
-    on_stream_0 = predict_recording(one_stream, gpu="1GiB", context_overhead_bytes=0)
+    on_stream_0 = predict_recording(
+        one_stream, target=Target.resolve("1GiB", context_overhead_bytes=0)
+    )
     return (
         prediction.peak_allocated_bytes,
         prediction.peak_reserved_bytes,

@@ -28,7 +28,7 @@ from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, 
 from oomkit.errors import ConfigError
 from oomkit.units import format_bytes
 
-__all__ = ["ParallelLayout", "Target", "resolve_target"]
+__all__ = ["ParallelLayout", "Target"]
 
 
 @dataclass(frozen=True)
@@ -286,49 +286,3 @@ def _catalog_context(gpu: GpuSpec) -> int:
     """The context the catalog gives a GPU of this capability (lazy loading)."""
     return cuda_context(gpu.compute_capability, module_loading="lazy").expected_bytes
 
-
-def resolve_target(
-    target: Target | None,
-    *,
-    gpu: str | GpuSpec | None = None,
-    alloc_conf: str | AllocatorConfig | None = None,
-    context_overhead_bytes: int | None = None,
-    torch_version: str | None = None,
-) -> Target:
-    """What a function taking both ``target=`` and the separate keywords was given.
-
-    Args:
-        target: the whole target, or ``None`` to build one from the keywords.
-        gpu: as ``Target.resolve``; ``None`` is ``"h100"``.
-        alloc_conf: as ``Target.resolve``.
-        context_overhead_bytes: as ``Target.resolve``.
-        torch_version: as ``Target.resolve``.
-
-    Returns:
-        ``target`` as given, else ``Target.resolve`` of the keywords.
-
-    Raises:
-        ConfigError: ``target`` and one of the keywords are both given.
-        UnknownGpuError, GpuSpecError, ConfigError: as ``Target.resolve``.
-    """
-    if target is None:
-        return Target.resolve(
-            "h100" if gpu is None else gpu, alloc_conf, context_overhead_bytes, torch_version
-        )
-    given = [
-        name
-        for name, value in (
-            ("gpu", gpu),
-            ("alloc_conf", alloc_conf),
-            ("context_overhead_bytes", context_overhead_bytes),
-            ("torch_version", torch_version),
-        )
-        if value is not None
-    ]
-    if given:
-        raise ConfigError(
-            f"give either target= or {', '.join(given)}, not both: the target already names the "
-            "GPU, allocator setting and versions. Example: "
-            "target=Target.resolve('h100', alloc_conf='expandable_segments:True')"
-        )
-    return target

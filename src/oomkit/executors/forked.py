@@ -11,18 +11,23 @@ need is known ahead (a batch search traces the sizes its next decision will ask 
 from __future__ import annotations
 
 import io
-import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.replay.result import ReplayResult
 from oomkit.errors import AllocatorUsageError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+# multiprocessing and concurrent.futures are imported where a process is started: together they
+# are a third of `oomkit replay FILE --verify`'s start-up, and a replay in this process needs
+# neither (issue 41 item 4).
 
 __all__ = [
     "ForkedCall",
@@ -100,6 +105,8 @@ def process_count(jobs: int | None) -> int:
 
 def fork_available() -> bool:
     """Whether processes can be forked here (Linux, macOS; not Windows)."""
+    import multiprocessing
+
     return "fork" in multiprocessing.get_all_start_methods()
 
 
@@ -225,6 +232,9 @@ def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress 
         _PoolStuck: the pool's processes stopped using CPU with tasks unfinished.
         Exception: the first failing task's error (in ``tasks`` order).
     """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     context = multiprocessing.get_context("fork")
     _flush_before_fork()
     before = {child.pid for child in multiprocessing.active_children()}
@@ -246,6 +256,8 @@ def _run_in_pool(tasks: list[Callable[[], T]], workers: int, progress: Progress 
 def _wait_unless_stuck(futures: list[Future[Any]], progress: Progress | None, others: set[int | None]) -> None:
     """Wait for every future, calling ``progress`` as each finishes; raise ``_PoolStuck`` when
     the processes started since ``others`` (the pool's) use no CPU over ``_POOL_LOOK_S``."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
     pending = set(futures)
     done = 0
     watch = _CpuWatch(partial(_pool_cpu_seconds, others), _POOL_LOOK_S, _STUCK_CPU_SHARE)
@@ -296,6 +308,8 @@ class _CpuWatch:
 def _pool_cpu_seconds(others: set[int | None]) -> float | None:
     """CPU seconds used so far by this process's children not in ``others``; None where one
     cannot be read (not Linux) or there are none yet."""
+    import multiprocessing
+
     pids = [child.pid for child in multiprocessing.active_children() if child.pid not in others]
     seconds = [_cpu_seconds(pid) for pid in pids if pid is not None]
     if not seconds or any(value is None for value in seconds):
@@ -342,6 +356,8 @@ class ForkedCall(Generic[T]):
 
     def __init__(self, fn: Callable[[], T], *, background: bool = False) -> None:
         self.background = background
+        import multiprocessing
+
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         _flush_before_fork()

@@ -40,9 +40,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import Target, resolve_target
+from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count
 from oomkit.plan._batch_grid import Grid, grid_words, search_grid
@@ -278,24 +277,20 @@ def _non_monotonic(curve: Sequence[BatchProbe]) -> tuple[int, int] | None:
 def max_batch_size(
     build_step: StepBuilder,
     *,
-    gpu: str | GpuSpec | None = None,
-    alloc_conf: str | AllocatorConfig | None = None,
+    target: Target | None = None,
     margin_bytes: int | None = None,
     steps: int = 2,
     eval_step: StepBuilder | None = None,
     start_batch: int = 1,
     max_batch: int = 65536,
-    context_overhead_bytes: int | None = None,
-    torch_version: str | None = None,
     progress: Progress | None = None,
-    target: Target | None = None,
     interpolate: bool = True,
     jobs: int | None = 1,
     multiple_of: int | None = None,
     power_of_two: bool = False,
     allow_retries: bool = False,
 ) -> BatchSearchResult:
-    """The largest batch size whose step fits on ``gpu``, found by prediction.
+    """The largest batch size whose step fits on ``target``'s GPU, found by prediction.
 
     Every probe calls ``build_step(batch_size)`` under ``torch.device("meta")`` and predicts
     the step it returns (``steps`` training steps, then ``eval_step`` alone if given). Sizes are
@@ -311,16 +306,17 @@ def max_batch_size(
         from oomkit.prediction.models import StepOptions, build_preset_step
         result = oomkit.max_batch_size(
             lambda b: build_preset_step("gpt2-124m", StepOptions(batch_size=b, seq_len=1024)),
-            gpu="rtx4090",
+            target=Target.resolve("rtx4090"),
         )
 
     Args:
         build_step: batch size -> the training step: a ``BuiltStep``, ``(step_fn,
             objects_to_track)`` or a zero-argument step function. Create the model, optimizer
             and inputs in the builder (they are then on the meta device).
-        gpu: a catalog name (``"rtx4090"``; default ``"h100"``), a size (``"24GiB"``) or a
-            ``GpuSpec``.
-        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate; ``None`` is the default.
+        target: the GPU, allocator setting and versions
+            (``Target.resolve("rtx4090", alloc_conf=...)``); ``None`` is
+            ``Target.resolve("h100")``: an H100, PyTorch's default allocator setting, the
+            newest torch release. Its cuDNN version, when stated, picks the SDPA backend.
         margin_bytes: memory to leave unreserved, in bytes: each size is predicted on the GPU
             with this much less usable memory. ``None`` is ``default_margin_bytes(usable)``: 2%
             of the usable memory, at least 256 MiB.
@@ -330,12 +326,7 @@ def max_batch_size(
             on its own (one step), so build in it what is alive during evaluation.
         start_batch: the first size tried.
         max_batch: the largest size tried.
-        context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
-        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
         progress: called after each new probe with (probes made, probes expected at most).
-        target: the whole target at once, instead of ``gpu``, ``alloc_conf``,
-            ``context_overhead_bytes`` and ``torch_version``; its cuDNN version, when stated,
-            picks the SDPA backend.
         interpolate: once two traced sizes next to one another recorded one step structure
             with sizes affine in the batch, synthesize the recordings of sizes beside them
             instead of tracing them (``trace_interpolation.py``); the last size bisection
@@ -372,18 +363,15 @@ def max_batch_size(
     Raises:
         NoFeasibleBatchSizeError: not even batch 1 fits with the margin (or the margin is
             not below the usable memory).
-        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
-        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UserCodeError: a builder returned something that is not a step.
         UnsupportedOpError: an op of the step cannot run on the meta device.
         ValueError: ``steps``, ``start_batch`` or ``max_batch`` is below 1, ``start_batch``
-            is above ``max_batch`` or ``margin_bytes`` is negative, or ``target`` and ``gpu``
-            (...) are both given (``AllocatorUsageError``, a ValueError: ``jobs`` is not a
-            positive int or None).
+            is above ``max_batch`` or ``margin_bytes`` is negative (``AllocatorUsageError``, a
+            ValueError: ``jobs`` is not a positive int or None).
     """
-    check_positive("steps", steps, "max_batch_size(build, gpu='rtx4090', steps=2)")
-    check_positive("start_batch", start_batch, "max_batch_size(build, gpu='rtx4090', start_batch=8)")
-    check_positive("max_batch", max_batch, "max_batch_size(build, gpu='rtx4090', max_batch=4096)")
+    check_positive("steps", steps, "max_batch_size(build, target=target, steps=2)")
+    check_positive("start_batch", start_batch, "max_batch_size(build, target=target, start_batch=8)")
+    check_positive("max_batch", max_batch, "max_batch_size(build, target=target, max_batch=4096)")
     processes = process_count(jobs)
     grid = search_grid(multiple_of, power_of_two)
     if start_batch > max_batch:
@@ -391,13 +379,8 @@ def max_batch_size(
             f"start_batch ({start_batch}) is above max_batch ({max_batch}); lower start_batch or "
             "raise max_batch."
         )
-    target = resolve_target(
-        target,
-        gpu=gpu,
-        alloc_conf=alloc_conf,
-        context_overhead_bytes=context_overhead_bytes,
-        torch_version=torch_version,
-    )
+    if target is None:
+        target = Target.resolve("h100")
     spec = target.gpu
     usable = spec.usable_bytes()
     margin = resolve_margin(margin_bytes, usable)
@@ -442,6 +425,11 @@ def max_batch_size(
                     prober.fall_back()
                 lo, hi = _search(prober, first_index, last_index, grid)
             clean = lo if allow_retries or lo == 0 else _without_retries(prober, lo, grid)
+            if clean and clean != lo:
+                # The answer is traced, as every answer is: a synthesized clean size is traced,
+                # and the clean sizes searched again below it if the trace retries after all.
+                prober.confirm([grid.size(clean)])
+                clean = _without_retries(prober, clean, grid)
         finally:
             prober.stop_ahead()
     prober.close()

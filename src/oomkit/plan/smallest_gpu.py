@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import CATALOG, GpuSpec
-from oomkit.core.target import Target, resolve_target
+from oomkit.core.target import Target
 from oomkit.executors.forked import run_forked_or_here
 from oomkit.plan.batch_probe import (
     StepBuilder,
@@ -106,12 +105,10 @@ def smallest_gpu(
     batch_size: int | None = None,
     *,
     candidates: Sequence[GpuSpec] = CATALOG,
-    alloc_conf: str | AllocatorConfig | None = None,
+    target: Target | None = None,
     margin_bytes: int | None = None,
     steps: int = 2,
     eval_step: StepBuilder | None = None,
-    torch_version: str | None = None,
-    target: Target | None = None,
     jobs: int | None = 1,
 ) -> SmallestGpuResult:
     """Check one batch on every candidate GPU and name the smallest it fits on.
@@ -121,15 +118,14 @@ def smallest_gpu(
             (``oomkit.prediction.tracing.trace_step``'s ``TraceRecording``) replayed as is on every GPU.
         batch_size: the batch to check; required with a builder.
         candidates: the GPUs to check; the catalog by default.
-        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate; ``None`` is the default.
+        target: the allocator setting and versions (``Target.resolve("h100",
+            alloc_conf=...)``); its GPU is replaced by each candidate; its cuDNN version, when
+            stated, picks the SDPA backend. ``None`` is ``Target.resolve("h100")``: PyTorch's
+            default allocator setting, the newest torch release.
         margin_bytes: memory to leave unreserved on each GPU, in bytes; ``None`` is each GPU's
             ``default_margin_bytes``.
         steps: training steps to record (builders only).
         eval_step: batch size -> an evaluation step that must fit too (builders only).
-        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
-        target: the allocator setting and versions at once, instead of ``alloc_conf`` and
-            ``torch_version`` (its GPU is replaced by each candidate; its cuDNN version, when
-            stated, picks the SDPA backend).
         jobs: processes that trace the compute capabilities at once (None: one per CPU core;
             1, the default: one at a time here; the result is the same). Where one of them
             fails, every capability is traced here, so an error is raised as one at a time.
@@ -140,15 +136,13 @@ def smallest_gpu(
     Raises:
         ValueError: no candidates, a builder without ``batch_size``, or a negative margin.
         UserCodeError: a builder returned something that is not a step.
-        ConfigError: ``alloc_conf`` is a setting PyTorch would reject, or ``target`` and
-            ``alloc_conf`` or ``torch_version`` are both given.
     """
     ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
     if not ordered:
         raise ValueError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
     check_positive("steps", steps, "smallest_gpu(build, 16, steps=2)")
     # Every candidate shares the allocator setting and versions; each brings its own GPU.
-    base = resolve_target(target, alloc_conf=alloc_conf, torch_version=torch_version)
+    base = Target.resolve("h100") if target is None else target
     recording: Any = source if hasattr(source, "events") and hasattr(source, "step_starts") else None
     if recording is None:
         if batch_size is None:
@@ -369,7 +363,7 @@ def smallest_gpu_count(
     counts, skipped = gpu_counts(global_batch, max_gpus)
     if not counts:  # unreachable: 1 divides every batch
         raise ValueError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")
-    base = resolve_target(target)
+    base = Target.resolve("h100") if target is None else target
 
     def row_of(count: int) -> tuple[GpuCountRow, tuple[str, ...]]:
         """The count's row, and the warnings of its prediction on the largest candidate."""

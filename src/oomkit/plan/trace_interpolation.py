@@ -160,7 +160,8 @@ def _restore(
         base = tuple(
             (name, plan.category if name == "category" else text)
             for name, text in anchor.tags
-            if name not in ("saved_for_backward", "emulated")
+            # a temporary serves no parameter and no optimizer: the anchor's own tags
+            if name not in ("saved_for_backward", "emulated", "parameter", "optimizer")
         )
         before: list[TraceEvent] = []
         after: list[TraceEvent] = []

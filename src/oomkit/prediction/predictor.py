@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import Target, resolve_target
-from oomkit.errors import UserCodeError
+from oomkit.core.target import Target
+from oomkit.errors import ConfigError, UserCodeError
 from oomkit.prediction._replay import (
     MAX_TIMELINE_POINTS,
     StepPeak,
@@ -222,28 +221,21 @@ class Prediction:
 
 def predict_recording(
     recording: TraceRecording,
-    gpu: str | GpuSpec | None = None,
-    alloc_conf: str | AllocatorConfig | None = None,
-    context_overhead_bytes: int | None = None,
-    torch_version: str | None = None,
     *,
     target: Target | None = None,
     budget_bytes: int | None = None,
     description: str = "",
     workload: WorkloadSpec | None = None,
 ) -> Prediction:
-    """Replay a recorded step through the caching allocator of ``gpu``.
+    """Replay a recorded step through the caching allocator of ``target``'s GPU.
 
     Args:
         recording: what ``oomkit.prediction.tracing.trace_step`` returned (or any object with
             ``events``, ``step_starts`` and ``warnings``).
-        gpu: a catalog name (``"h100"``, the default), a size (``"24GiB"``) or a ``GpuSpec``.
-        alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` value or ``AllocatorConfig``; ``None`` is
-            PyTorch's default (the environment is not read).
-        context_overhead_bytes: memory held outside the allocator, in bytes; ``None`` uses the
-            GPU's documented estimate.
-        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
-        target: the whole target at once, instead of ``gpu`` ... ``torch_version``.
+        target: the GPU, allocator setting and versions
+            (``Target.resolve("rtx4090", alloc_conf=...)``); ``None`` is
+            ``Target.resolve("h100")``: an H100, PyTorch's default allocator setting, the
+            newest torch release.
         budget_bytes: a limit on reserved memory to check (``--budget``), in bytes.
         description: what was recorded, carried into the result for reports.
         workload: what was recorded, as data, carried into the result.
@@ -252,19 +244,10 @@ def predict_recording(
         The prediction.
 
     Raises:
-        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
-        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
-        GpuSpecError: ``context_overhead_bytes`` is negative or not below the total memory.
         TraceFormatError: the recording frees an allocation it never made.
-        ConfigError: both ``target`` and one of ``gpu`` ... ``torch_version`` are given.
     """
-    target = resolve_target(
-        target,
-        gpu=gpu,
-        alloc_conf=alloc_conf,
-        context_overhead_bytes=context_overhead_bytes,
-        torch_version=torch_version,
-    )
+    if target is None:
+        target = Target.resolve("h100")
     spec, config, torch_version = target.gpu, target.allocator_config, target.torch_version
     events = recording.events
     step_starts = tuple(recording.step_starts)
@@ -494,14 +477,28 @@ def _refuse_modules_on_the_host(objects: Sequence[Any]) -> None:
                 )
 
 
+# The target's parts that predict took as keywords before it took one ``target``.
+_TARGET_PARTS = ("gpu", "alloc_conf", "context_overhead_bytes", "torch_version")
+
+
+def _refuse_target_parts(kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``gpu=`` (...): the target is one ``target``, and they are not the step's."""
+    given = [name for name in _TARGET_PARTS if name in kwargs]
+    if not given:
+        return
+    raise ConfigError(
+        f"predict takes the GPU and allocator setting as one target=, not "
+        f"{', '.join(name + '=' for name in given)}. "
+        "Example: predict(step, model, x, target=Target.resolve('rtx4090', "
+        "alloc_conf='expandable_segments:True')), or oomkit.predict(step, model, x, "
+        "gpu='rtx4090')"
+    )
+
+
 def predict(
     step_fn: Callable[..., Any],
     *args: Any,
-    gpu: str | GpuSpec | None = None,
-    alloc_conf: str | AllocatorConfig | None = None,
     steps: int = 3,
-    context_overhead_bytes: int | None = None,
-    torch_version: str | None = None,
     budget_bytes: int | None = None,
     track: Sequence[Any] = (),
     description: str = "",
@@ -511,7 +508,7 @@ def predict(
     compile: bool = False,
     **kwargs: Any,
 ) -> Prediction:
-    """Record ``step_fn`` on the meta device and predict its memory on ``gpu``.
+    """Record ``step_fn`` on the meta device and predict its memory on ``target``'s GPU.
 
     Build the model, optimizer and inputs under ``torch.device("meta")`` first; pass them as
     ``args`` (they are then also passed to ``step_fn``) or in ``track`` (recorded as allocated
@@ -524,19 +521,16 @@ def predict(
     Args:
         step_fn: one training or inference step; it must run on meta tensors.
         args: passed to ``step_fn`` and tracked.
-        gpu: a catalog name (``"h100"``, the default; ``"rtx4090"``), a size (``"24GiB"``) or a
-            ``GpuSpec``.
-        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate; ``None`` is the default.
         steps: steps to record (3 shows optimizer-state creation and the steady state).
-        context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
-        torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
         budget_bytes: a reserved-memory limit to check, in bytes.
         track: more objects to record as existing before the first step (not passed).
         description: what is predicted, for reports.
-        target: the whole target at once (``oomkit.core.target.Target``), instead of ``gpu``,
-            ``alloc_conf``, ``context_overhead_bytes`` and ``torch_version``; its
-            ``cudnn_version``, when stated, picks the SDPA backend (else the settings in effect:
-            ``use_sdpa_settings``, else this torch install's cuDNN).
+        target: the GPU, allocator setting and versions (``oomkit.core.target.Target``;
+            ``Target.resolve("rtx4090", alloc_conf=...)``); ``None`` is
+            ``Target.resolve("h100")``: an H100, PyTorch's default allocator setting, the
+            newest torch release. Its ``cudnn_version``, when stated, picks the SDPA backend
+            (else the settings in effect: ``use_sdpa_settings``, else this torch install's
+            cuDNN).
         workload: what is predicted, as data, carried into the result (``oomkit explain``
             reads it).
         values: tensor values the step reads, by the line that reads them
@@ -552,8 +546,6 @@ def predict(
 
     Raises:
         TorchRequiredError: torch is not installed.
-        UnknownGpuError: ``gpu`` is neither a catalog GPU nor a size with a unit.
-        ConfigError: ``alloc_conf`` is a setting PyTorch would reject.
         UnsupportedOpError: an op of the step cannot run on the meta device.
         UserCodeError: a module passed (in ``args``, ``track`` or ``kwargs``) has its
             parameters or buffers on the CPU: a model left there by mistake would run the
@@ -561,16 +553,13 @@ def predict(
         DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
         EmptyRecordingError: the model is not on the meta device, or the step allocated
             nothing there (it ran on the CPU, for real).
-        ValueError: ``steps`` is below 1, or both ``target`` and ``gpu`` (...) are given.
+        ValueError: ``steps`` is below 1.
+        ConfigError: ``gpu``, ``alloc_conf``, ``context_overhead_bytes`` or
+            ``torch_version`` is given: the target is one ``target``.
     """
-    # Parsed once, before tracing, so that a bad setting fails first.
-    target = resolve_target(
-        target,
-        gpu=gpu,
-        alloc_conf=alloc_conf,
-        context_overhead_bytes=context_overhead_bytes,
-        torch_version=torch_version,
-    )
+    _refuse_target_parts(kwargs)
+    if target is None:
+        target = Target.resolve("h100")
     _refuse_modules_on_the_host((*args, *track, *kwargs.values()))
     from oomkit.prediction.tracing import trace_step
     from oomkit.prediction.tracing.emulations import current_sdpa_settings

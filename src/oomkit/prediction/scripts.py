@@ -1,10 +1,11 @@
 """Predict a whole training script's peak GPU memory: ``python train.py ARGS``, without a GPU.
 
-``predict_script("train.py", ["config/x.py", "--batch_size=8"], gpu="rtx4090")`` runs the script
-as its ``__main__`` on one emulated GPU up to its ``steps``-th optimizer step
-(``oomkit.prediction.tracing.script_run.record_script``), then replays the recording through the
-target's caching allocator, as ``predict`` does for a step function. The figure is the one the
-builder form of the same step gives (``file.py:function`` returning that step).
+``predict_script("train.py", ["config/x.py", "--batch_size=8"],
+target=Target.resolve("rtx4090"))`` runs the script as its ``__main__`` on one emulated GPU up to
+its ``steps``-th optimizer step (``oomkit.prediction.tracing.script_run.record_script``), then
+replays the recording through the target's caching allocator, as ``predict`` does for a step
+function. The figure is the one the builder form of the same step gives (``file.py:function``
+returning that step).
 
 This module never imports torch itself; ``predict_script`` imports the tracer when called.
 """
@@ -16,9 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from oomkit.core.allocator import AllocatorConfig
-from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import Target, resolve_target
+from oomkit.core.target import Target
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.workload import WorkloadSpec
 
@@ -48,10 +47,6 @@ def predict_script(
     *,
     steps: int = 3,
     cwd: str | os.PathLike[str] | None = None,
-    gpu: str | GpuSpec | None = None,
-    alloc_conf: str | AllocatorConfig | None = None,
-    context_overhead_bytes: int | None = None,
-    torch_version: str | None = None,
     target: Target | None = None,
     budget_bytes: int | None = None,
     values: Mapping[str, Any] | None = None,
@@ -66,12 +61,10 @@ def predict_script(
         steps: optimizer steps to record (``--steps``; 3 shows the first step's optimizer state
             and the steady state).
         cwd: the working directory it runs in; ``None`` is the current one.
-        gpu: a catalog name (``"rtx4090"``), a size (``"24GiB"``) or a ``GpuSpec``; ``None`` is
-            an H100.
-        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` value to simulate.
-        context_overhead_bytes: memory outside the allocator; ``None`` uses the GPU's figure.
-        torch_version: the PyTorch version whose allocator to model.
-        target: the whole target at once, instead of ``gpu`` ... ``torch_version``.
+        target: the GPU, allocator setting and versions
+            (``Target.resolve("rtx4090", alloc_conf=...)``); ``None`` is
+            ``Target.resolve("h100")``: an H100, PyTorch's default allocator setting, the
+            newest torch release.
         budget_bytes: a reserved-memory limit to check, in bytes.
         values: tensor values the script reads, by the line that reads them.
         compile: record the script's ``torch.compile`` calls as compiled (else eagerly, with a
@@ -83,20 +76,13 @@ def predict_script(
 
     Raises:
         TorchRequiredError: torch is not installed.
-        UnknownGpuError, ConfigError, GpuSpecError: a bad target.
         OomkitError: ``steps`` is below 1.
         UserCodeError: the script is missing, raises, exits before its steps (or with a
             non-zero code), ends without an optimizer step, or runs torchrun-style distributed
             code; the message names its line.
         UnsupportedOpError, DataDependentValueError: as ``predict``.
     """
-    resolved = resolve_target(
-        target,
-        gpu=gpu,
-        alloc_conf=alloc_conf,
-        context_overhead_bytes=context_overhead_bytes,
-        torch_version=torch_version,
-    )
+    resolved = Target.resolve("h100") if target is None else target
     from oomkit.errors import TorchRequiredError
 
     try:

@@ -111,6 +111,18 @@ def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: 
         raise ScenarioError(
             f"give the target once: target= or {', '.join(named)}, not both"
         )
+    if target is None and not isinstance(named.get("gpu", "h100"), str):
+        from oomkit.core.target import Target
+
+        # A GpuSpec of one's own (a measured or custom device): the rest as the section has it.
+        target = Target.resolve(
+            named.pop("gpu"),
+            alloc_conf=named.pop("alloc_conf", None),
+            context_overhead_bytes=_size(named.pop("context_overhead_bytes", None)),
+            torch_version=named.pop("torch_version", None) or installed_torch_version(),
+            cudnn_version=named.pop("cudnn_version", None),
+            cuda_version=named.pop("cuda_version", None),
+        )
     if target is None:
         from pydantic import ValidationError
 
@@ -123,6 +135,15 @@ def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: 
         target = target_of(section, default_torch_version=installed_torch_version())
     own = {k: keywords.pop(k) for k in _STEP_KEYWORDS if k in keywords}
     return predict_step(step_fn, *args, target=target, **own, **keywords)
+
+
+def _size(value: Any) -> int | None:
+    """A size keyword: bytes, or text with a unit (``"500MiB"``)."""
+    if value is None or isinstance(value, int):
+        return value
+    from oomkit.units import parse_bytes
+
+    return parse_bytes(value)
 
 
 def fit(what: Any = None, /, **keywords: Any) -> FitAnswer:

@@ -134,8 +134,8 @@ def _arguments(
             elif value is not None:  # given, but the function would never see it
                 declared = ", ".join(params) or "none"
                 raise UserCodeError(
-                    f"{target}: {flag} {value} was given, but the function takes no {name} "
-                    f"(its parameters: {declared}), so it would change nothing. Add a {name} "
+                    f"{target}: the function has no {name} parameter (its parameters: "
+                    f"{declared}), so {flag} {value} would change nothing. Add a {name} "
                     f"parameter to the function, or drop {flag}."
                 )
             continue

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from oomkit.core.target import Target
 from oomkit.interfaces.cli import main
 from oomkit.scenario.target import installed_torch_version
 from oomkit.scenario.user_function import is_user_target
@@ -291,11 +292,13 @@ def test_verdict_lines_exact():
         ),
     )
     rec = TraceRecording(events=events, step_starts=(0,))
-    fits = predict_recording(rec, GpuSpec("Big", 1024 * MiB, 100 * MiB))
+    fits = predict_recording(rec, target=Target.resolve(GpuSpec("Big", 1024 * MiB, 100 * MiB)))
     assert verdict_line(fits) == (
         "fits on Big: peak reserved 50.00 MiB of 924.00 MiB usable, 874.00 MiB headroom"
     )
-    oom = predict_recording(rec, GpuSpec("Small", 40 * MiB, 10 * MiB), budget_bytes=16 * MiB)
+    oom = predict_recording(
+        rec, target=Target.resolve(GpuSpec("Small", 40 * MiB, 10 * MiB)), budget_bytes=16 * MiB
+    )
     assert verdict_line(oom) == (
         "would OOM at step 1 in h.3.attn (aten.mm.default) requesting 30.00 MiB on Small: the "
         "step needs about 50.00 MiB reserved, 20.00 MiB more than the 30.00 MiB usable; over the "

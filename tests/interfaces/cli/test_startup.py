@@ -93,7 +93,9 @@ def test_replay_file_imports_only_core_and_its_report(tmp_path):
         setup="from oomkit.interfaces.cli import main",
     )
     assert rc is None  # main returned (0) instead of exiting
-    for name in (*HEAVY, "oomkit.diagnose", "rich"):
+    # multiprocessing and concurrent.futures: only a --what-if over several settings forks
+    # (issue 41 item 4: together a third of this command's start-up).
+    for name in (*HEAVY, "oomkit.diagnose", "rich", "multiprocessing", "concurrent.futures"):
         assert _loaded(modules, name) == [], name
     assert _loaded(modules, "oomkit.interfaces.reports") == [
         "oomkit.interfaces.reports",

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "diagnose"))
 from cases.oom_cases import fragmented_oom_message  # noqa: E402
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.core.trace import Frame, TraceEvent
 from oomkit.diagnose.diagnosis import diagnose_oom_text
 from oomkit.diagnose.oom_text import parse_oom_text
@@ -85,7 +86,9 @@ def test_prediction_report_golden():
     )
     recording = TraceRecording(events=events, warnings=("an example warning",), step_starts=(0, 3))
     gpu = GpuSpec(name="test GPU", total_memory_bytes=GiB, context_overhead_bytes=100 * MiB)
-    prediction = predict_recording(recording, gpu, description="a test workload")
+    prediction = predict_recording(
+        recording, target=Target.resolve(gpu), description="a test workload"
+    )
     assert _render(render_prediction, prediction) == PREDICTION_GOLDEN
 
 
@@ -132,7 +135,7 @@ def test_kernels_line_names_what_the_recording_assumed():
         events=(_alloc(1, 1000, "parameter", "encoder.0"),),
         kernel_choices={"SDPA flash_attention": 24, "SDPA math": 1},
     )
-    prediction = predict_recording(recording, get_gpu("rtx4090"))
+    prediction = predict_recording(recording, target=Target.resolve(get_gpu("rtx4090")))
     assert kernels_line(prediction) == (
         "kernels as on compute capability 8.9: SDPA flash_attention (24 calls); SDPA math (1 call)"
     )

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 
 from rich.console import Console  # noqa: E402
 
+from oomkit.core.target import Target
 from oomkit.interfaces.reports.prediction import (  # noqa: E402
     COMPILED_EAGERLY,
     kernels_line,
@@ -29,7 +30,9 @@ def _prediction(**changes):
         model = torch.nn.Linear(8, 8)
         x = torch.randn(4, 8)
     recording = trace_step(lambda m, x: m(x).sum().backward(), model, x)
-    return dataclasses.replace(predict_recording(recording, "h100"), **changes)
+    return dataclasses.replace(
+        predict_recording(recording, target=Target.resolve("h100")), **changes
+    )
 
 
 def test_answered_values_get_their_own_lines_not_the_kernels_line():

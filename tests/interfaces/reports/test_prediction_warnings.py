@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
 
 pytest.importorskip("torch")
@@ -52,7 +53,7 @@ def test_the_verdict_is_the_last_line():
     """Warnings and the info line come before the verdict, which ends the report."""
     events = (TraceEvent("alloc", 1, 3 * MiB, tags=(("category", "activation"),)),)
     recording = TraceRecording(events=events, warnings=(CUDNN_FWD, REAL), step_starts=(0,))
-    p = predict_recording(recording, GpuSpec("test GPU", 2**30, 100 * MiB))
+    p = predict_recording(recording, target=Target.resolve(GpuSpec("test GPU", 2**30, 100 * MiB)))
     out = io.StringIO()
     render_prediction(p, Console(file=out, width=300, color_system=None))
     lines = out.getvalue().splitlines()
@@ -71,7 +72,7 @@ def test_prediction_json_carries_the_measured_remedies():
 
     events = (TraceEvent("alloc", 1, 3 * MiB, tags=(("category", "activation"),)),)
     p = predict_recording(TraceRecording(events=events, step_starts=(0,)),
-                          GpuSpec("test GPU", 2**30, 100 * MiB))
+                          target=Target.resolve(GpuSpec("test GPU", 2**30, 100 * MiB)))
     assert "remedies" not in prediction_to_json(p)
     remedy = MeasuredRemedy("pure bf16", 5 * MiB, "high", "", "why", estimate=False, fits=True,
                             peak_reserved_bytes=15 * MiB, flag="--precision bf16")
@@ -87,7 +88,7 @@ def test_remedies_print_just_before_the_verdict():
 
     events = (TraceEvent("alloc", 1, 3 * MiB, tags=(("category", "activation"),)),)
     p = predict_recording(TraceRecording(events=events, step_starts=(0,)),
-                          GpuSpec("test GPU", 2**30, 100 * MiB))
+                          target=Target.resolve(GpuSpec("test GPU", 2**30, 100 * MiB)))
     remedy = MeasuredRemedy("pure bf16", 5 * MiB, "high", "", "why", estimate=False, fits=True,
                             peak_reserved_bytes=15 * MiB, flag="--precision bf16")
     out = io.StringIO()

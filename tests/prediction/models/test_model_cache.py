@@ -7,7 +7,7 @@ from _tiny_hf import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 
-from oomkit.core.target import resolve_target  # noqa: E402
+from oomkit.core.target import Target  # noqa: E402
 from oomkit.plan.batch_probe import record_step  # noqa: E402
 from oomkit.prediction.models import StepOptions, build_hf_step, build_preset_step  # noqa: E402
 from oomkit.prediction.models.lora_options import LoraOptions  # noqa: E402
@@ -18,7 +18,7 @@ from oomkit.prediction.models.model_cache import (  # noqa: E402
     model_cache_key,
 )
 
-H100 = resolve_target(None, gpu="h100")
+H100 = Target.resolve("h100")
 
 
 def _linear_builder(made):

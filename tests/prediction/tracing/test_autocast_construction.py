@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from oomkit.core.target import Target  # noqa: E402
 from oomkit.interfaces.cli import main  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
 from oomkit.prediction.tracing import cuda_autocast_construction, trace_step  # noqa: E402
@@ -44,7 +45,7 @@ def _record(make_ctx):
         loss.backward()
 
     recording = trace_step(step, model, x, steps=1)
-    return predict_recording(recording, "h100").peak_allocated_bytes, recording.warnings
+    return predict_recording(recording, target=Target.resolve("h100")).peak_allocated_bytes, recording.warnings
 
 
 def _fp32_peak():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from oomkit.core.target import Target
 from oomkit.prediction import predict_recording
 from oomkit.prediction.models import StepOptions
 from oomkit.prediction.models.gpt2 import GPT2, GPT2Shape
@@ -90,7 +91,7 @@ def test_compiled_gpt2_step_is_below_eager_and_says_how():
     assert any(COMPILED in w for w in compiled.warnings)
     assert COMPILED in compiled.assumptions["torch.compile"]
     assert not any("traced eagerly" in w for w in compiled.warnings)
-    verdict = verdict_line(predict_recording(compiled, "h100"))
+    verdict = verdict_line(predict_recording(compiled, target=Target.resolve("h100")))
     assert verdict.endswith(" (torch.compile: compiled, Inductor fusion emulated)")
 
 

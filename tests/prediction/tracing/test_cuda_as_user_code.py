@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from oomkit.core.gpus import get_gpu
-from oomkit.core.target import resolve_target
+from oomkit.core.target import Target
 from oomkit.errors import UserCodeError
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.tracing import trace_step
 from oomkit.scenario.user_function import load_user_step
 
-RTX4090 = resolve_target(None, gpu="rtx4090")
+RTX4090 = Target.resolve("rtx4090")
 
 # The lines the issue measured failing: a module-level device choice, model.to(device) in the
 # builder, x.to(device, non_blocking=True) and torch.randint(device="cuda") in the step.

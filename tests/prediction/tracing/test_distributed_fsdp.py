@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oomkit.core.target import Target
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.distributed import (
     EmulatedStreams,
@@ -231,8 +232,8 @@ def test_side_streams_reserve_their_own_segments(recorded):
     one_stream = dataclasses.replace(
         recording, events=tuple(dataclasses.replace(e, stream=0) for e in recording.events)
     )
-    with_streams = predict_recording(recording, gpu="h100")
-    without = predict_recording(one_stream, gpu="h100")
+    with_streams = predict_recording(recording, target=Target.resolve("h100"))
+    without = predict_recording(one_stream, target=Target.resolve("h100"))
     assert with_streams.peak_allocated_bytes == without.peak_allocated_bytes
     # CUDACachingAllocator.cpp kSmallBuffer: a small-pool segment is 2 MiB, per stream.
     assert with_streams.peak_reserved_bytes - without.peak_reserved_bytes == 2 * 2 * 1024 * 1024

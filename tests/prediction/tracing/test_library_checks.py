@@ -10,12 +10,13 @@ from _tiny_hf import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 
+from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
 from oomkit.prediction.tracing import trace_step, value_tracking  # noqa: E402
 
 
 def _peaks(recording):
-    p = predict_recording(recording, "h100")
+    p = predict_recording(recording, target=Target.resolve("h100"))
     return p.peak_allocated_bytes, p.peak_reserved_bytes
 
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
+from oomkit.core.target import Target
 from oomkit.prediction.tracing import TraceRecording, trace_step
 
 OWNED = ("parameter", "gradient", "optimizer_state")
@@ -95,7 +96,7 @@ def test_gpt2_124m_peak_is_mostly_attributed_to_modules():
 
     built = build_preset_step("gpt2-124m", StepOptions(batch_size=1, seq_len=16))
     recording = trace_step(built.step_fn, *built.track, steps=2)
-    at = predict_recording(recording, get_gpu("h100-sxm")).peak_allocated_at
+    at = predict_recording(recording, target=Target.resolve(get_gpu("h100-sxm"))).peak_allocated_at
     assert at.allocated_bytes == 2_561_740_288
     assert at.unattributed_bytes == 499_084_288
     assert at.unattributed_bytes / at.allocated_bytes == pytest.approx(0.1948, abs=1e-4)

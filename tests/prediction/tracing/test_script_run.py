@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomkit.core.target import resolve_target
+from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.predictor import predict, predict_recording
 from oomkit.prediction.tracing.script_run import ScriptSpec, record_script
 from oomkit.scenario.user_function import load_user_step
 
-RTX4090 = resolve_target(None, gpu="rtx4090")
+RTX4090 = Target.resolve("rtx4090")
 
 # A plain loop over a DataLoader of a Dataset, as tutorials write it.
 PLAIN_LOOP = '''
@@ -136,7 +136,7 @@ def _write(folder, name, text):
 
 
 def _builder_peaks(folder, target_name):
-    user = load_user_step(str(folder / target_name), batch_size=16, gpu=RTX4090.gpu)
+    user = load_user_step(str(folder / target_name), gpu=RTX4090.gpu)  # builders default to 16
     prediction = predict(user.step_fn, track=user.track, target=RTX4090, steps=3)
     return prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
 

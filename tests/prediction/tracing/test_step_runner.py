@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import oomkit  # noqa: E402
+from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import EmptyRecordingError, UserCodeError  # noqa: E402
 from oomkit.interfaces.reports.prediction import COMPILED_EAGERLY, verdict_line  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
@@ -82,10 +83,10 @@ def test_compiled_code_is_traced_eagerly_and_said_so():
     def step(model, x):
         model(x).sum().backward()
 
-    eager = predict_recording(trace_step(step, *fresh()), "h100")
+    eager = predict_recording(trace_step(step, *fresh()), target=Target.resolve("h100"))
     model, x = fresh()
     traced = trace_step(step, torch.compile(model), x)  # torch's hook warning: silenced
-    got = predict_recording(traced, "h100")
+    got = predict_recording(traced, target=Target.resolve("h100"))
     assert got.peak_allocated_bytes == eager.peak_allocated_bytes
     (warning,) = [w for w in got.warnings if w.startswith(COMPILED_EAGERLY)]
     assert "compiled code was entered 1 time(s)" in warning

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from oomkit.core.target import Target
 from oomkit.prediction.predictor import predict
 from oomkit.prediction.tracing.trainers import TrainerRefusedError
 from oomkit.scenario.user_function import load_user_step
@@ -19,14 +20,14 @@ SCALAR_BYTES = 512
 
 def _peaks(function: str) -> tuple[int, int, list[int]]:
     user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
-    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    prediction = predict(user.step_fn, track=user.track, steps=3, target=Target.resolve("h100"))
     steps = [s.peak_allocated_bytes for s in prediction.step_peaks]
     return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes, steps
 
 
 def _prediction(function: str):
     user = load_user_step(f"{BUILDERS}:{function}", batch_size=BATCH, seq_len=SEQ)
-    return predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    return predict(user.step_fn, track=user.track, steps=3, target=Target.resolve("h100"))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_lightning_fp16_mixed_runs_with_its_grad_scaler_answered(plain):
     """precision="16-mixed": fp16 autocast and GradScaler; its overflow check reads "none"."""
     pytest.importorskip("lightning")
     user = load_user_step(f"{BUILDERS}:lightning_fit_fp16", batch_size=BATCH, seq_len=SEQ)
-    prediction = predict(user.step_fn, track=user.track, steps=3, gpu="h100")
+    prediction = predict(user.step_fn, track=user.track, steps=3, target=Target.resolve("h100"))
     assert "precision 16-mixed" in user.description
     assert any("grad_scaler.py" in read for read in prediction.assumptions)
     assert "finite values" in prediction.assumptions

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError, DataDependentValueError  # noqa: E402
 from oomkit.prediction import predict_recording  # noqa: E402
 from oomkit.prediction.tracing import StandIn, trace_step  # noqa: E402
@@ -37,7 +38,7 @@ def _model():
 
 
 def _peak(recording):
-    return predict_recording(recording, "h100").peak_allocated_bytes
+    return predict_recording(recording, target=Target.resolve("h100")).peak_allocated_bytes
 
 
 def test_a_logged_item_gets_a_stand_in_and_is_listed_with_its_line():

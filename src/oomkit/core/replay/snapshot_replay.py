@@ -109,7 +109,7 @@ def replay_snapshot(
     if start.hidden_blocks:
         warnings.append(
             f"reconstructed {start.hidden_blocks} block(s) whose size was hidden "
-            "(live before recording began; sized from their requests, §15.2)"
+            "(live before recording began; sized from their requests, rounded as CUDACachingAllocator.cpp round_size rounds them)"
         )
     recorded_peak = _recorded_peak_reserved(start, recorded)
     if verify or (config is None and capacity_bytes is None):

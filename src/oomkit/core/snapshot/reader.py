@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from oomkit._files import input_file_error
 from oomkit.core.snapshot._consistency import trace_contradiction
+from oomkit.core.snapshot._drain import TraceDrain
+from oomkit.core.snapshot._entry_fields import entry_tags, extras_problem
 from oomkit.core.snapshot._validate import (
     layout_problem,
     pool_id_problem,
@@ -32,7 +33,13 @@ from oomkit.core.snapshot._validate import (
     trace_problem,
 )
 from oomkit.core.snapshot.model import Snapshot, SnapshotBlock, SnapshotSegment
-from oomkit.core.snapshot.unpickler import HOW_TO_RECORD, load_plain_pickle
+from oomkit.core.snapshot.unpickler import (
+    HOW_TO_RECORD,
+    expansion_error,
+    expansion_limit,
+    load_plain_pickle,
+    looks_like_pickle,
+)
 from oomkit.core.trace import Frame, TraceEvent, new_trace_event
 from oomkit.errors import SnapshotFormatError
 
@@ -45,7 +52,7 @@ __all__ = [
 ]
 
 # Called with (what is being read, done, total) while a snapshot loads: READING_FILE in bytes,
-# then "reading device N's trace" in entries (about four fifths of a large file's load).
+# then "reading device N's trace" in entries (those not read while the file was: TraceDrain).
 LoadProgress = Callable[[str, int, int], None]
 READING_FILE = "reading the file"
 # Trace entries between two progress calls.
@@ -64,17 +71,8 @@ _STATES = {
 }
 
 _REQUIRED = object()
+_ABSENT = object()
 
-# How a pickle of a dict or list (a snapshot) opens, per protocol (Lib/pickletools.py opcodes):
-# protocol 2 and later with PROTO (0x80); protocol 1 with EMPTY_DICT "}" or EMPTY_LIST "]" then
-# BINPUT "q", MARK "(" or STOP "."; protocol 0 with MARK "(", DICT "d" or LIST "l", then PUT
-# "p<n>\n" (pickle.py memoizes every container) or the first item's opcode. A text log that
-# happens to start with "(d" or "(l" does not match the protocol 0 form.
-_PICKLE_STARTS = (b"\x80", b"}q", b"]q", b"}(", b"](", b"}.", b"].")
-_PROTOCOL_0_START = re.compile(rb"\((?:dp|lp)[0-9]+\n|\([dl][VSIFL(.]")
-
-# Trace entry fields kept as TraceEvent tags (strings); "N/A" and "" mean "not recorded".
-_TAG_FIELDS = ("compile_context", "user_metadata")
 # Stacks looked up by the identity of their frame dicts, at most (each holds its dicts alive;
 # files whose frame dicts are not shared fill it and then read every stack by value).
 _STACK_ID_CACHE_MAX = 20_000
@@ -92,14 +90,16 @@ def load_snapshot(
         source: the path of the pickle, or its bytes.
         progress: called with (what, done, total) as the load goes on (for a progress bar):
             ``READING_FILE`` in bytes (a file with a framed pickle, as PyTorch writes),
-            then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end.
+            then ``"reading device N's trace"`` in entries, every 65,536 entries and at the end
+            (from where it stands: a framed pickle's first large trace is read with the file).
 
     Returns:
         The normalised snapshot; ``format_generation`` says which layout the file had.
 
     Raises:
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
-            global, or holds something other than a memory snapshot.
+            global, expands to more entries than its size allows (``expansion_limit``), or
+            holds something other than a memory snapshot.
         InputFileError: the file cannot be opened (no permission, a directory, EIO).
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
@@ -110,7 +110,9 @@ def load_snapshot(
     try:
         if isinstance(source, (bytes, bytearray)):
             name, label = "<bytes>", None
-            data = load_plain_pickle(bytes(source), name)
+            normaliser = _Normaliser(name, True, progress, expansion_limit(len(source)))
+            drain = TraceDrain(normaliser.read_entries)
+            data = load_plain_pickle(bytes(source), name, hook=drain)
         else:
             path = Path(source)
             name = label = str(path)
@@ -119,20 +121,18 @@ def load_snapshot(
             except OSError as exc:
                 raise input_file_error(path, exc, what="snapshot") from None
             with opened as stream:
+                limit = expansion_limit(os.fstat(stream.fileno()).st_size)
+                # The tree is this function's own: the drain reads each trace entry as the
+                # file is read and empties it, and the normaliser frees the rest once read.
+                normaliser = _Normaliser(name, True, progress, limit)
+                drain = TraceDrain(normaliser.read_entries)
                 in_bytes = None if progress is None else partial(progress, READING_FILE)
-                data = load_plain_pickle(stream, name, in_bytes)
-        # The tree is this function's own: the normaliser frees each trace entry once read.
-        return _Normaliser(name, consume=True, progress=progress).snapshot(data, label)
+                data = load_plain_pickle(stream, name, in_bytes, drain)
+        normaliser.streamed = drain.read
+        return normaliser.snapshot(data, label)
     finally:
         if paused:
             gc.enable()
-
-
-def looks_like_pickle(head: bytes) -> bool:
-    """Whether a file starting with ``head`` (its first bytes) is a pickle of a dict or a list,
-    in any protocol: such a file is read as a snapshot, never as text (issue 36: protocol 0 and
-    1 snapshots were read as logs)."""
-    return head.startswith(_PICKLE_STARTS) or _PROTOCOL_0_START.match(head) is not None
 
 
 def snapshot_from_data(data: Any, *, name: str = "<data>", source: str | None = None) -> Snapshot:
@@ -153,12 +153,23 @@ class _Normaliser:
     """One pass over the unpickled tree; interns frames so repeated stacks are shared."""
 
     def __init__(
-        self, name: str, consume: bool = False, progress: LoadProgress | None = None
+        self,
+        name: str,
+        consume: bool = False,
+        progress: LoadProgress | None = None,
+        max_entries: int | None = None,
     ) -> None:
         self.name = name
         # Whether the unpickled tree is ours to take apart while it is read (load_snapshot).
         self.consume = consume
         self.progress = progress
+        # The expansion bound (expansion_limit; none for data given as is), and what has been
+        # counted against it.
+        self.max_entries = max_entries
+        self._entries_left: float = max_entries if max_entries is not None else float("inf")
+        # Trace lists read (in part) while the file was unpickled: TraceDrain.read.
+        self.streamed: dict[int, tuple[list, list[TraceEvent]]] = {}
+        self.trace_keys: set[str] = set()
         self._frames: dict[tuple[str, int, str], Frame] = {}
         self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         self._stacks_by_ids: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[Frame, ...]]] = {}
@@ -170,6 +181,12 @@ class _Normaliser:
         return SnapshotFormatError(
             f"{self.name}: {what}, so this is not a valid memory snapshot. {HOW_TO_RECORD}"
         )
+
+    def expand(self, count: int) -> None:
+        """Count ``count`` more entries against the expansion bound; raise past it."""
+        self._entries_left -= count
+        if self._entries_left < 0:
+            raise expansion_error(self.name, self.max_entries or 0)
 
     # ---------------------------------------------------------------------------- top level
 
@@ -187,6 +204,8 @@ class _Normaliser:
                 f"the pickle holds a {type(data).__name__}, not a dict or list of segments"
             )
 
+        raw_traces = top.get("device_traces") if top is not None else None
+        self.expand_up_front(segments_raw, raw_traces)
         has_history = False
         segments = []
         for index, raw in enumerate(segments_raw):
@@ -197,12 +216,12 @@ class _Normaliser:
         traces: dict[int, tuple[TraceEvent, ...]] = {}
         settings = annotations = user_metadata = None
         if top is not None:
-            raw_traces = top.get("device_traces")
             if raw_traces is not None:
                 if not isinstance(raw_traces, list):
                     raise self.fail("'device_traces' is not a list")
                 for device, entries in enumerate(raw_traces):
                     traces[device] = self.checked_trace(device, self.trace(device, entries))
+                self.keys_seen.update(f"trace:{key}" for key in self.trace_keys)
             settings = top.get("allocator_settings")
             if settings is not None and not isinstance(settings, dict):
                 raise self.fail("'allocator_settings' is not a dict")
@@ -235,6 +254,22 @@ class _Normaliser:
             keys_seen=frozenset(self.keys_seen),
             warnings=tuple(self.warnings),
         )
+
+    def expand_up_front(self, segments_raw: list, raw_traces: Any) -> None:
+        """Count the segments, blocks and trace entries before reading any (each list's length
+        is known): a memo bomb of entries fails at once."""
+        count = len(segments_raw)
+        for raw in segments_raw:
+            blocks = raw.get("blocks") if type(raw) is dict else None
+            count += len(blocks) if type(blocks) is list else 0
+        if type(raw_traces) is list:
+            streamed = self.streamed
+            for entries in raw_traces:
+                count += 1
+                if type(entries) is list:
+                    done = streamed.get(id(entries))
+                    count += len(entries) + (len(done[1]) if done is not None else 0)
+        self.expand(count)
 
     # ---------------------------------------------------------------------------- segments
 
@@ -352,30 +387,54 @@ class _Normaliser:
     def trace(self, device: int, entries: Any) -> tuple[TraceEvent, ...]:
         if not isinstance(entries, list):
             raise self.fail(f"device_traces[{device}] is not a list")
-        events: list[TraceEvent] = []
-        append = events.append
-        keys: set[str] = set()
-        note_keys = keys.update
-        frames_of = self.frames
-        tag_fields = _TAG_FIELDS
-        consume = self.consume
-        new_event = new_trace_event
+        # What TraceDrain read while the file was unpickled comes first; entries holds the rest.
+        done = self.streamed.pop(id(entries), None)
+        events: list[TraceEvent] = done[1] if done is not None else []
         report = self.progress
         what = f"reading device {device}'s trace"
-        total = len(entries)
-        for index, raw in enumerate(entries):
-            if report is not None and not index % _PROGRESS_ENTRIES:
-                report(what, index, total)
+        total = len(events) + len(entries)
+        for start in range(0, len(entries), _PROGRESS_ENTRIES):
+            if report is not None:
+                report(what, len(events), total)
+            stop = min(start + _PROGRESS_ENTRIES, len(entries))
+            read = self.read_entries(entries, stop, events, device, start)
+            if read < stop - start:
+                self._bad_entry(device, len(events), entries[start + read])
+        if report is not None:
+            report(what, total, total)
+        return tuple(events)
+
+    def read_entries(
+        self,
+        entries: list,
+        stop: int,
+        events: list[TraceEvent],
+        device: int | None = None,
+        start: int = 0,
+    ) -> int:
+        """Read ``entries[start:stop]`` into records appended to ``events``.
+
+        Returns how many were read: all, or those before the first malformed entry (its index
+        in the trace is then ``len(events)``). Frees each entry read when the tree is this
+        reader's own; with no ``device`` (TraceDrain: the unpickler's memo holds every entry)
+        empties it: the dict, and its stack list down to its frames (``_drain.read_stack``).
+        """
+        append = events.append
+        note_keys = self.trace_keys.update
+        frames_of = self.frames
+        consume = self.consume and device is not None
+        empty = self.consume and device is None
+        new_event = new_trace_event
+        for index in range(start, stop):
+            raw = entries[index]
             if type(raw) is not dict:
-                where = f"device_traces[{device}][{index}]"
-                raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
+                return index - start
             note_keys(raw)
             action: Any = raw.get("action")
             # An oom entry records device_free in place of addr (ref §11.2).
-            if "addr" in raw or "device_free" not in raw:
-                address = raw.get("addr")
-            else:
-                address = raw["device_free"]
+            address = raw.get("addr", _ABSENT)
+            if address is _ABSENT:
+                address = raw.get("device_free")
             size = raw.get("size")
             stream = raw.get("stream")
             # An absent (or None) number reads as 0, as int_field does.
@@ -393,31 +452,27 @@ class _Normaliser:
                 or type(stream) is not int
                 or (time_us is not None and type(time_us) is not int)
             ):
-                self._bad_entry(device, index, raw)
+                return index - start
             tags: tuple[tuple[str, str], ...] = ()
             if "compile_context" in raw or "user_metadata" in raw or "pool_id" in raw:
-                self._check_extras(device, index, raw, tag_fields)
-                tags = self._tags(raw, tag_fields)
+                problem = extras_problem(raw, device, len(events))
+                if problem is not None:
+                    if device is None:  # TraceDrain: the normaliser reads it, and says so
+                        return index - start
+                    raise self.fail(problem)
+                tags = entry_tags(raw)
             frames = raw.get("frames")
-            append(
-                new_event(
-                    action,
-                    address,
-                    size,
-                    stream,
-                    time_us,
-                    frames_of(frames) if frames else (),
-                    tags,
-                )
-            )
+            stack = frames_of(frames) if frames else ()
+            append(new_event(action, address, size, stream, time_us, stack, tags))
             if consume:
                 # load_snapshot's own tree: drop each raw entry once read, so the raw trace and
                 # its records are never both held in full (issue 19 item 3).
                 entries[index] = None
-        self.keys_seen.update(f"trace:{key}" for key in keys)
-        if report is not None:
-            report(what, total, total)
-        return tuple(events)
+            elif empty:
+                if frames and type(frames) is list:
+                    frames[:] = (stack,)
+                raw.clear()
+        return stop - start
 
     def checked_trace(self, device: int, events: tuple[TraceEvent, ...]) -> tuple[TraceEvent, ...]:
         """Refuse negative or absurd sizes and addresses (actions and the order of each block's
@@ -427,9 +482,11 @@ class _Normaliser:
             raise self.fail(problem)
         return events
 
-    def _bad_entry(self, device: int, index: int, raw: dict) -> None:
+    def _bad_entry(self, device: int, index: int, raw: Any) -> NoReturn:
         """Raise the message for the first malformed field of trace entry ``index``."""
         where = f"device_traces[{device}][{index}]"
+        if type(raw) is not dict:
+            raise self.fail(f"{where} is a {type(raw).__name__}, not a dict")
         if not isinstance(raw.get("action"), str):
             raise self.fail(f"{where} has no 'action' string")
         time_us = raw.get("time_us")
@@ -438,34 +495,7 @@ class _Normaliser:
         address_key = "device_free" if "addr" not in raw and "device_free" in raw else "addr"
         for key in (address_key, "size", "stream"):
             self.int_field(raw, key, where, 0)
-
-    def _check_extras(
-        self, device: int, index: int, raw: dict, tag_fields: tuple[str, ...]
-    ) -> None:
-        """Refuse a pool id that is not a pair of ints, or a tag that is not a string: PyTorch
-        records ``pool_id`` as a MempoolId_t and ``compile_context`` / ``user_metadata`` as
-        std::string (CUDACachingAllocator.h TraceEntry)."""
-        where = f"device_traces[{device}][{index}]"
-        pool_id = raw.get("pool_id")
-        problem = None if pool_id is None else pool_id_problem(pool_id, where, "pool_id")
-        for key in tag_fields:
-            value = raw.get(key)
-            if problem is None and value is not None and type(value) is not str:
-                problem = f"{where}: {key!r} is {show(value)}; PyTorch records a string"
-        if problem is not None:
-            raise self.fail(problem)
-
-    @staticmethod
-    def _tags(raw: dict, tag_fields: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-        tags = []
-        for key in tag_fields:
-            value = raw.get(key)
-            if value not in (None, "", "N/A"):
-                tags.append((key, value))  # a str (checked by _check_extras)
-        pool_id = raw.get("pool_id")  # checked by the caller: None or a pair of ints
-        if pool_id is not None and tuple(pool_id) != (0, 0):
-            tags.append(("pool_id", ",".join(str(p) for p in pool_id)))
-        return tuple(tags)
+        raise self.fail(f"{where} is malformed")
 
     # ---------------------------------------------------------------------------- helpers
 
@@ -489,6 +519,13 @@ class _Normaliser:
     def frames(self, raw: Any) -> tuple[Frame, ...]:
         if not raw or not isinstance(raw, list):
             return ()
+        # expand(len(raw)), inline: this runs once per entry.
+        self._entries_left -= len(raw)
+        if self._entries_left < 0:
+            self.expand(0)
+        first = raw[0]
+        if type(first) is tuple and (not first or type(first[0]) is Frame):
+            return first  # read while the file was unpickled (_drain.read_stack), inline
         # PyTorch pickles each distinct frame dict once and refers to it from every stack (a
         # real 19,136-event file: 607,330 frame references, 629 frame dicts), so a stack of the
         # same dict objects is the same stack: look it up by their ids first. The cache keeps
