@@ -39,6 +39,9 @@ RANK = {
     "core.workloads": 3,
     "core.target": 3,
     "core.replay": 4,
+    # executors: how independent work runs (this process, forked processes, a Ray cluster);
+    # processes and signals stay out of core
+    "executors": 5,
     # prediction: the GPU-free recorder and the presets, then the predictor that replays them
     "prediction.tracing": 5,
     "prediction.models": 5,
@@ -226,6 +229,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.core.workloads",
         "oomkit.core.target",
         "oomkit.core.replay",
+        "oomkit.executors",
         "oomkit.prediction",
         "oomkit.plan",
         "oomkit.diagnose",
@@ -235,6 +239,7 @@ def test_the_ban_rule_on_two_folders():
         *INTERFACE_ONLY,
     }
     assert expected_bans("prediction.tracing") == {
+        "oomkit.executors",
         "oomkit.prediction.models",
         "oomkit.prediction.module_groups",
         "oomkit.prediction.predictor",

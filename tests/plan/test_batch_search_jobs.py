@@ -240,7 +240,7 @@ def test_a_background_process_is_waited_for_unless_it_is_starved(monkeypatch):
 
     monkeypatch.setattr(batch_prober, "_STARVED_CPU_SHARE", 0.05)
 
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
     from oomkit.plan.batch_prober import _background_result
 
     if ForkedCall(lambda: None).cpu_seconds() is None:
@@ -315,7 +315,7 @@ def test_a_process_ahead_is_waited_for_while_it_computes_and_not_once_it_is_stuc
     stopped and gives None; one that outlives the wait is stopped at the deadline."""
     import time
 
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
     if ForkedCall(lambda: None).cpu_seconds() is None:
         pytest.skip("no /proc here: the plain wait is the only one")
     wait = dict(wait_s=60.0, look_s=0.5, min_cpu_share=0.02)

@@ -4,7 +4,7 @@
 predicts each size once (``batch_probe.py``), counts traces, reports progress, synthesizes the
 recordings of sizes beside two traced ones of one structure (``trace_interpolation.py``), traces
 the sizes an answer rests on to confirm them, and, with ``jobs`` above 1, traces the sizes the
-search asks for next ahead of it in forked processes (``core/replay/parallel.py ForkedCall``).
+search asks for next ahead of it in forked processes (``executors/forked.py ForkedCall``).
 
 This module never imports torch at import time; a probe imports ``oomkit.prediction.tracing``
 when it runs.
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from oomkit.core.replay.parallel import ForkedCall
 from oomkit.core.target import Target
+from oomkit.executors.forked import ForkedCall
 from oomkit.plan.batch_probe import (
     BatchProbe,
     Progress,
@@ -46,7 +46,7 @@ _STARVED_CPU_SHARE = 0.5
 # up on at once when its process is stuck: over this long it used less than this share of a core
 # (a deadlocked process uses none; one of normal priority gets a fair share however busy the
 # machine is). A size forked after torch's OpenMP threads had started once waited out the whole
-# time limit (core/replay/parallel.py _one_kernel_thread); a stuck process now costs this long.
+# time limit (executors/forked.py _one_kernel_thread); a stuck process now costs this long.
 _STUCK_LOOK_S = 2.0
 _STUCK_CPU_SHARE = 0.02
 
@@ -61,7 +61,7 @@ class BatchProber:
     the interpolation) drop every synthesized probe for a search again.
 
     With ``jobs`` above 1, ``trace_ahead`` starts the training step of sizes the search will
-    trace next in forked processes (``core/replay/parallel.py ForkedCall``), up to ``jobs - 1``
+    trace next in forked processes (``executors/forked.py ForkedCall``), up to ``jobs - 1``
     at once, while this process traces its own; a probe takes up the recording made ahead for
     its size, learned from and replayed here in the search's order, so every decision is the
     one-at-a-time one. A process that fails (the step raised, it died, it is stuck: no CPU used

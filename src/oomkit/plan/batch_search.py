@@ -41,9 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.replay.parallel import process_count
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
+from oomkit.executors.forked import process_count
 from oomkit.plan._batch_grid import Grid, grid_words, search_grid
 from oomkit.plan.batch_advice import infeasible_advice, infeasible_message
 from oomkit.plan.batch_probe import (

@@ -13,7 +13,7 @@ bisection tries is traced at every length straight away, and the answer and the 
 where synthesized, are traced again at every length; each traced recording must equal its
 synthesis, else the search runs again, learning from them (the third traces everything).
 With ``jobs`` above 1, the lengths a probe traces are traced in forked processes at once
-(``core/replay/parallel.py run_forked``) before its run is replayed, and learned from in the
+(``executors/forked.py run_forked``) before its run is replayed, and learned from in the
 run's order, so the search is the one-at-a-time one.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from oomkit.core.replay.parallel import process_count, run_forked_or_here
 from oomkit.core.target import Target
 from oomkit.errors import NoFeasibleBatchSizeError
+from oomkit.executors.forked import process_count, run_forked_or_here
 from oomkit.plan.batch_advice import infeasible_advice
 from oomkit.plan.batch_probe import resolve_margin
 from oomkit.plan.frozen_heap import frozen_heap

@@ -4,7 +4,7 @@
 safety margin (``batch_probe``) and names the smallest it fits on. The recording depends on a
 GPU only through its compute capability, so a step is traced once per capability and replayed
 on each candidate; with ``jobs``, the capabilities are traced in forked processes at once
-(``core/replay/parallel.py run_forked_or_here``).
+(``executors/forked.py run_forked_or_here``).
 
 ``smallest_gpu_count`` answers "how many GPUs of which kind" for a fixed global batch trained
 with FSDP2: for each GPU count N (1, 2, 4, ... up to a maximum) that divides the global batch,
@@ -23,8 +23,8 @@ from functools import partial
 from typing import Any
 
 from oomkit.core.gpus import CATALOG, GpuSpec
-from oomkit.core.replay.parallel import run_forked_or_here
 from oomkit.core.target import Target
+from oomkit.executors.forked import run_forked_or_here
 from oomkit.plan.batch_probe import (
     StepBuilder,
     check_positive,

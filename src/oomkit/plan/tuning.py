@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, CachingAllocator
-from oomkit.core.replay import ReplayResult, replay_settings, replay_snapshot, simulate_events
+from oomkit.core.replay import ReplayResult, replay_snapshot, simulate_events
 from oomkit.core.snapshot import Snapshot
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError, ConfigError
+from oomkit.executors import replay_settings
 from oomkit.units import format_bytes
 
 __all__ = [

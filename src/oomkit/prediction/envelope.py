@@ -380,7 +380,7 @@ def predict_envelope(
         )
     say = progress or (lambda _line: None)
     recordings: dict[int, TraceRecording] = {}
-    from oomkit.core.replay.parallel import process_count, run_forked, run_forked_or_here
+    from oomkit.executors.forked import process_count, run_forked, run_forked_or_here
 
     recorders = process_count(record_jobs)
 

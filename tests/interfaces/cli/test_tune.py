@@ -299,7 +299,7 @@ def test_tune_bad_jobs_is_a_usage_error(tmp_path, capsys, jobs):
 def test_tune_replays_no_more_settings_at_once_than_memory_holds(tmp_path, capsys, monkeypatch):
     """With memory for one process like this one, `--jobs 4` replays one setting at a time,
     says so on stderr, and prints what `--jobs 1` prints."""
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     path = _snapshot(tmp_path, "s.pickle")
     assert main(["tune", str(path), "--capacity", "1GiB", "--json", "--jobs", "1"]) == 0

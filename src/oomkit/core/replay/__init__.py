@@ -4,15 +4,14 @@ Every replay runs one loop, :class:`ReplayEngine`, with :class:`ReplayHooks` for
 ``simulate_events`` replays a synthetic trace (requests only). ``replay_snapshot`` replays the
 trace of a recorded PyTorch memory snapshot from the state reconstructed at its first event,
 either to verify the simulator against the recording or to ask "what if" under another setting
-or capacity (../shared/ref/cuda-caching-allocator.md §15). ``replay_settings`` replays one
-workload under several settings, across processes when asked.
+or capacity (../shared/ref/cuda-caching-allocator.md §15). Running several replays across
+processes is not core's: ``oomkit.executors.replay_settings``.
 """
 
 from __future__ import annotations
 
 from oomkit.core.replay._recorded import config_from_settings, recorded_torch_version
 from oomkit.core.replay.engine import ReplayEngine, ReplayHooks
-from oomkit.core.replay.parallel import replay_settings, worker_count
 from oomkit.core.replay.reconstruct import (
     SeedBlock,
     SeedSegment,
@@ -36,8 +35,6 @@ __all__ = [
     "config_from_settings",
     "reconstruct_start_state",
     "recorded_torch_version",
-    "replay_settings",
     "replay_snapshot",
     "simulate_events",
-    "worker_count",
 ]

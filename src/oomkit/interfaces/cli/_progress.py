@@ -48,9 +48,9 @@ def add_jobs_flag(
 
 def note_memory_cap(jobs: int | None, settings: int) -> None:
     """Say on stderr when the memory available holds fewer processes than would replay
-    ``settings`` settings at once for ``jobs`` (``core/replay/parallel.py memory_worker_cap``:
+    ``settings`` settings at once for ``jobs`` (``executors/forked.py memory_worker_cap``:
     that many then replay at once, with the same results)."""
-    from oomkit.core.replay.parallel import memory_worker_cap, process_count
+    from oomkit.executors.forked import memory_worker_cap, process_count
 
     wanted = min(process_count(jobs), settings)
     cap = memory_worker_cap()

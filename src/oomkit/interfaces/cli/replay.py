@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_what_ifs(args: argparse.Namespace) -> int:
     """``--what-if A --what-if B ...``: one replay per setting, in parallel, in one table."""
     from oomkit.core.allocator import AllocatorConfig
-    from oomkit.core.replay import replay_settings, replay_snapshot
+    from oomkit.core.replay import replay_snapshot
     from oomkit.core.snapshot import load_snapshot
+    from oomkit.executors import replay_settings
     from oomkit.interfaces.reports.replay import what_if_table, what_if_to_json
 
     if args.verify or args.alloc_conf is not None:

@@ -1,4 +1,4 @@
-"""Replaying one workload under several allocator settings, across processes when asked.
+"""Forked processes: a pool for a list of independent tasks, and one call the caller goes on beside.
 
 ``tune`` and ``replay --what-if`` replay the same trace under many settings, and an epoch
 envelope (``predict --lengths``) replays its run once per remedy. Each replay is deterministic

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from oomkit.core.allocator import AllocatorConfig
-from oomkit.core.replay import replay_settings, replay_snapshot, worker_count
+from oomkit.core.replay import replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.errors import AllocatorUsageError
+from oomkit.executors import replay_settings, worker_count
 
 SETTINGS = (
     "",
@@ -92,7 +93,7 @@ def test_the_first_failing_setting_raises_as_one_at_a_time():
 def test_worker_count_rules(monkeypatch):
     """One process for one setting or jobs=1; never more than the settings, nor than memory
     holds; bad jobs refused."""
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     monkeypatch.setattr(parallel, "memory_worker_cap", lambda: None)  # figures not readable
     assert worker_count(1, 10) == 1
@@ -111,7 +112,7 @@ def test_worker_count_rules(monkeypatch):
 
 def test_memory_worker_cap_is_available_memory_over_this_process(monkeypatch):
     """MemAvailable over VmRSS, at least 1; None where either figure is missing."""
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     figures = {"/proc/meminfo": 10 * 2**20, "/proc/self/status": 4 * 2**20}  # kiB: 10 and 4 GiB
     monkeypatch.setattr(parallel, "_proc_kib", lambda path, key: figures[path])
@@ -124,7 +125,7 @@ def test_memory_worker_cap_is_available_memory_over_this_process(monkeypatch):
 
 def test_memory_worker_cap_reads_linux_figures(tmp_path):
     """The real figures, where Linux gives them; a file without the key reads as None."""
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     if not os.path.exists("/proc/meminfo"):
         pytest.skip("no /proc here")
@@ -177,7 +178,7 @@ def test_replay_inputs_are_prepared_once_per_snapshot_and_dropped_with_it():
 def test_run_forked_returns_the_one_at_a_time_results_and_errors():
     """Closures (never pickled) run in 2 forked workers: results in task order, each from its
     own process; the first failing task in order raises its own error."""
-    from oomkit.core.replay.parallel import run_forked
+    from oomkit.executors.forked import run_forked
 
     base = [10]  # reaches the workers through fork
     tasks = [lambda i=i: (base[0] + i, os.getpid()) for i in range(5)]
@@ -200,7 +201,7 @@ def test_run_forked_returns_the_one_at_a_time_results_and_errors():
 def test_a_forked_call_returns_what_the_function_returned_in_another_process():
     """The function runs in a forked process (another pid), reaches it unpickled (a closure),
     and its result comes back pickled."""
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
 
     parent = os.getpid()
     seen = {"n": 3}
@@ -212,7 +213,7 @@ def test_a_forked_call_returns_what_the_function_returned_in_another_process():
 def test_a_background_forked_call_runs_at_the_lowest_priority():
     """background=True: the process runs at nice 19 (this one's priority is left as it was);
     a plain call keeps this process's priority."""
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
 
     mine = os.nice(0)
     assert ForkedCall(lambda: os.nice(0), background=True).result() == 19
@@ -226,7 +227,7 @@ def test_forked_processes_run_torch_kernels_after_the_caller_ran_parallel_ones()
     (`oomkit fit llama-1b` waited 83 s for its confirming traces, then traced them again).
     Forked processes run torch's kernels on one thread, in a ForkedCall and in a pool."""
     torch = pytest.importorskip("torch")
-    from oomkit.core.replay.parallel import ForkedCall, run_forked
+    from oomkit.executors.forked import ForkedCall, run_forked
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -256,7 +257,7 @@ def test_a_forked_calls_cpu_seconds_and_done():
     while it sleeps; done: whether result() would wait."""
     import time
 
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
 
     spinning, sleeping = ForkedCall(_spin), ForkedCall(lambda: time.sleep(30))
     try:
@@ -279,7 +280,7 @@ def test_a_forked_calls_cpu_seconds_and_done():
 def test_a_forked_call_that_raises_or_dies_is_a_forked_call_failed():
     """What the function raised comes back as text in ForkedCallFailed; a process that exits
     without an answer says so with its exit code."""
-    from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+    from oomkit.executors.forked import ForkedCall, ForkedCallFailed
 
     def boom():
         raise KeyError("no such layer")
@@ -294,7 +295,7 @@ def test_a_forked_call_that_gives_no_answer_in_time_is_stopped():
     """A process still working at the timeout is killed and the wait ends there."""
     import time
 
-    from oomkit.core.replay.parallel import ForkedCall, ForkedCallFailed
+    from oomkit.executors.forked import ForkedCall, ForkedCallFailed
 
     call = ForkedCall(lambda: time.sleep(30))
     start = time.monotonic()
@@ -312,7 +313,7 @@ def test_a_forked_process_writes_its_own_output_once_and_none_of_the_callers(cap
     fork, and the process leaves by os._exit); the process's own prints come through."""
     import sys
 
-    from oomkit.core.replay.parallel import ForkedCall
+    from oomkit.executors.forked import ForkedCall
 
     sys.stdout.write("caller before\n")
     ForkedCall(lambda: print("from the process")).result()
@@ -326,7 +327,7 @@ def test_a_forked_process_writes_its_own_output_once_and_none_of_the_callers(cap
 def test_run_forked_or_here_does_every_task_here_when_one_fails_in_a_worker():
     """A task that fails only in a forked worker: all tasks run again here, in order, with
     their one-at-a-time results; a task that fails here too raises its own error."""
-    from oomkit.core.replay.parallel import run_forked_or_here
+    from oomkit.executors.forked import run_forked_or_here
 
     parent = os.getpid()
     ran_here = []
@@ -353,7 +354,7 @@ def _pool_with_a_stuck_task():
     import multiprocessing
     import threading
 
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     here = os.getpid()
     ran_here = []
@@ -400,7 +401,7 @@ def test_a_stuck_pool_is_stopped_and_every_task_runs_here(monkeypatch):
     forked process of its own with a time limit: without the check it would wait forever.)"""
     import time
 
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     if parallel._cpu_seconds(os.getpid()) is None:
         pytest.skip("no /proc here: a pool is waited for as it is")
@@ -416,7 +417,7 @@ def test_a_stuck_pool_is_stopped_and_every_task_runs_here(monkeypatch):
 
 def test_a_pool_computing_longer_than_a_look_is_not_stuck(monkeypatch):
     """Tasks that compute for longer than a look finish in the pool, not here."""
-    import oomkit.core.replay.parallel as parallel
+    import oomkit.executors.forked as parallel
 
     if parallel._cpu_seconds(os.getpid()) is None:
         pytest.skip("no /proc here")

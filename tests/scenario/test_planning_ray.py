@@ -1,0 +1,75 @@
+"""A plan on a local Ray cluster equals the local pool's, even when a worker dies mid-plan."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from oomkit.executors import LocalPoolExecutor, RayExecutor
+from oomkit.scenario.planning import PlanRequest, plan, predict_candidate
+
+# 12 layouts of gpt2-124m at seq 64 on 1-2 L40S (single, FSDP 2, DDP 2; micro-batch 1-2; AC
+# none/full): tests/scenario/test_planning.py checks the enumeration itself.
+TWELVE = PlanRequest(
+    "gpt2-124m", 4, 64, ("l40s",), max_gpus=2, checkpointing=("none", "full"),
+    precisions=("bf16-mixed",), max_micro_batch=2,
+)
+# Its 4 single-GPU layouts.
+FOUR = PlanRequest(
+    "gpt2-124m", 4, 64, ("l40s",), max_gpus=1, checkpointing=("none", "full"),
+    precisions=("bf16-mixed",), max_micro_batch=2,
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # The workers cannot import this test module: its functions travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield ray
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_plan():
+    return plan(TWELVE, LocalPoolExecutor(2))
+
+
+def test_twelve_candidate_plan_on_ray_equals_the_local_pool(ray_cluster, local_plan):
+    """Every candidate, its figures and the ranking are the local pool's."""
+    seen: list[int] = []
+    on_ray = plan(TWELVE, RayExecutor(), progress=lambda d, t: seen.append(d))
+    assert on_ray == local_plan
+    assert len(on_ray.candidates) == 12 and on_ray.predicted == 12
+    assert all(c.fits and c.peak_reserved_bytes for c in on_ray.candidates)
+    assert seen == list(range(13))
+    # FSDP 2 holds half the state: its worst rank peaks below the single GPU's.
+    best = {c.layout.strategy: c.peak_reserved_bytes for c in reversed(on_ray.candidates)}
+    assert best["fsdp"] < best["single"]
+
+
+def test_a_worker_killed_mid_plan_loses_no_candidate(ray_cluster, local_plan, tmp_path):
+    """The second prediction's worker exits (os._exit) once: Ray runs it again, and every
+    candidate is there once, with the local pool's figures."""
+    marker = str(tmp_path / "killed")
+
+    def dies_once(data):
+        if data["step"]["batch"] == 2 and data["step"]["checkpointing"] == "none":
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+        return predict_candidate(data)
+
+    seen: list[int] = []
+    result = plan(FOUR, RayExecutor(max_retries=2), progress=lambda d, t: seen.append(d),
+                  predictor=dies_once)
+    assert os.path.exists(marker)
+    assert seen == [0, 1, 2, 3, 4]
+    assert len({c.layout for c in result.candidates}) == 4
+    reference = {c.layout: c for c in local_plan.candidates}
+    for candidate in result.candidates:
+        assert candidate == reference[candidate.layout]
