@@ -161,8 +161,9 @@ def test_missing_file_or_directory_is_no_such_file(tmp_path, capsys):
     assert "no CUDA out-of-memory message" not in err
     assert main(["explain", "nosuchfile.log"]) == 2
     assert "nosuchfile.log: no such file" in capsys.readouterr().err
+    # A directory is a job's per-rank snapshots (fleet analysis): one without any is exit 2.
     assert main(["explain", str(tmp_path)]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    assert "no .pickle file names a rank" in capsys.readouterr().err
     # Text with spaces is still error text.
     assert main(["explain", "Segmentation fault"]) == 2
     assert "no CUDA out-of-memory message found" in capsys.readouterr().err

@@ -8,19 +8,11 @@ from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
     "demo": ["--capacity", "--gpu", "--json", "--steps"],
-    "diff": ["--device", "--force", "--html", "--json"],
+    "diff": ["--device", "--force", "--html", "--json", "--rank-pattern", "--ray"],
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
     "presets": ["--json"],
-    "explain": [
-        "--alloc-conf",
-        "--device",
-        "--gpu",
-        "--html",
-        "--json",
-        "--memory-fraction",
-        "--no-measure",
-    ],
+    "explain": ["--alloc-conf", "--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure", "--rank-pattern", "--ray"],
     "fit": [
         "--alloc-conf",
         "--allow-retries",
@@ -134,6 +126,7 @@ EXPECTED = {
     "experiment": ["--configs", "--from-tune", "--gpus", "--json", "--steps", "--timeout"],
     "report": ["--html", "--json", "--png"],
     "serve": [],
+    "plan": ["--checkpointing", "--global-batch", "--gpus", "--jobs", "--json", "--margin", "--max-gpus", "--max-micro-batch", "--precision", "--price", "--ray", "--seq"],
     "mcp": ["--list-tools"],
     "replay": [
         "--alloc-conf",

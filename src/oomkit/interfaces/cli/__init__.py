@@ -56,12 +56,14 @@ _SUMMARIES: dict[str, str] = {
     "doctor": "show which allocator settings are in effect (environment or snapshot)",
     "diff": "split the change in peak memory between two runs into allocated and placement",
     "serve": "will vLLM / SGLang start with these flags, and with what KV cache (GPU-free)",
+    "plan": "rank the layouts (GPU kind and count, FSDP/HSDP/DDP/TP, micro-batch, AC, "
+    "precision) that fit a training job",
     "mcp": "serve predict, fit, explain, replay, tune, diff, doctor and gpus as MCP tools",
 }
 _COMMANDS = tuple(_SUMMARIES)
 # `oomkit --help` lists the commands in these groups, in this order (every command in one).
 _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("before a run (no GPU)", ("predict", "fit", "serve")),
+    ("before a run (no GPU)", ("predict", "fit", "plan", "serve")),
     ("after an OOM, and during a run", ("explain", "run")),
     ("snapshots, traces and settings", ("replay", "simulate", "tune", "diff", "doctor", "demo")),
     ("across runs", ("report", "experiment")),

@@ -27,13 +27,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bytes at each peak and placement (cache and fragmentation), by category and allocation "
         "site, and where the two runs first diverge.",
     )
-    parser.add_argument("a", type=existing_file, metavar="A")
-    parser.add_argument("b", type=existing_file, metavar="B")
+    parser.add_argument("a", type=_file_or_directory, metavar="A")
+    parser.add_argument("b", type=_file_or_directory, metavar="B")
     parser.add_argument("--device", type=int, help="snapshots: the device to compare (default: the first used)")
     parser.add_argument(
         "--force", action="store_true", help="compare inputs of different kinds or GPUs anyway"
     )
     parser.add_argument("--html", type=Path, metavar="OUT", help="also write a self-contained page")
+    from oomkit.interfaces.cli.fleet import add_fleet_flags
+
+    add_fleet_flags(parser)  # two directories of per-rank snapshots: rank by rank
     add_json_flag(parser)
     parser.set_defaults(run=run)
     return parser
@@ -86,7 +89,24 @@ def _load(path: Path, device: int | None, show_progress: bool = False) -> Any:
         return run_memory_from_snapshot(snapshot, device=device)
 
 
+def _file_or_directory(text: str) -> Path:
+    """A run's file, or a directory of a job's per-rank snapshots."""
+    path = Path(text)
+    return path if path.is_dir() else existing_file(text)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.a.is_dir() or args.b.is_dir():
+        if not (args.a.is_dir() and args.b.is_dir()):
+            from oomkit.errors import DiffInputError
+
+            raise DiffInputError(
+                "diff compares two files, or two directories of per-rank snapshots; got one of "
+                "each. Give two directories (two jobs) or two files (two runs)."
+            )
+        from oomkit.interfaces.cli import fleet
+
+        return fleet.run_diff(args, str(args.a), str(args.b))
     from oomkit.diagnose.run_diff import diff_runs
     from oomkit.interfaces.reports.diff import diff_to_json, render_diff, write_diff_html
 

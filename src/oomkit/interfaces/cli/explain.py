@@ -79,6 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="saved prediction of a preset: estimate model changes (mixed precision, "
         "checkpointing, optimizer, batch) instead of measuring each by re-predicting (faster)",
     )
+    from oomkit.interfaces.cli.fleet import add_fleet_flags
+
+    add_fleet_flags(parser)  # a directory of per-rank snapshots: one report across the ranks
     add_json_flag(parser)
     parser.add_argument(
         "--html",
@@ -115,6 +118,13 @@ def _read_stdin(stdin: IO[str], stderr: IO[str]) -> str:
 def _looks_like_path(source: str) -> bool:
     """An argument without whitespace is a file name: every OOM message has spaces."""
     return bool(source) and len(source) < 4096 and not any(c.isspace() for c in source)
+
+
+def _is_directory(source: str) -> bool:
+    try:
+        return len(source) < 4096 and Path(source).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def _read_source(source: str) -> str | Path:
@@ -168,6 +178,10 @@ def _as_json(text: str) -> object | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.source != "-" and _is_directory(args.source):
+        from oomkit.interfaces.cli import fleet
+
+        return fleet.run_explain(args, args.source)
     from oomkit.diagnose.diagnosis import diagnose_oom_text
     from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
     from oomkit.diagnose.oom_traceback import find_oom_location
