@@ -89,10 +89,10 @@ class CachingAllocator(StatsApi):
             increasing, 2 MiB aligned, never reused.
         device: the device index printed in OOM messages.
         process_memory: what NVML would report for the GPU: ``(pid, used_bytes)`` per process,
-            read when an OOM message is built (§12.2 PROC); None = no NVML, no sentences.
+            read when an OOM message is built (CUDACachingAllocator.cpp malloc's per-process lines); None = no NVML, no sentences.
         pid: this process's id for those sentences; None = ``os.getpid()``.
 
-    Private pools (CUDA graphs, ``torch.cuda.MemPool``, §3.5): :meth:`create_pool`,
+    Private pools (CUDA graphs, ``torch.cuda.MemPool``: CUDACachingAllocator.cpp PrivatePool): :meth:`create_pool`,
     :meth:`begin_allocate_to_pool`, :meth:`end_allocate_to_pool`, :meth:`release_pool`.
     The ``torch.cuda`` stats functions (:meth:`memory_stats`, ...) come from :class:`StatsApi`.
 
@@ -161,18 +161,18 @@ class CachingAllocator(StatsApi):
     # ------------------------------------------------------------------ malloc
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
-        """Allocate ``nbytes`` on ``stream`` as DeviceCachingAllocator::malloc does (§4).
+        """Allocate ``nbytes`` on ``stream`` as DeviceCachingAllocator::malloc does.
 
         Args:
             nbytes: the request in bytes (unrounded).
             stream: the stream the allocation is made on (streams compare by value).
 
         Returns:
-            The block's device address; 0 for a 0-byte request (no allocator call, §4).
+            The block's device address; 0 for a 0-byte request (no allocator call: DeviceCachingAllocator::malloc).
 
         Raises:
             AllocatorUsageError: negative or non-integer size, or a non-integer stream.
-            SimulatedOutOfMemoryError: nothing could serve the request (§4 step 10).
+            SimulatedOutOfMemoryError: nothing could serve the request (malloc's OutOfMemoryError).
         """
         if type(nbytes) is not int or nbytes <= 0:
             if type(nbytes) is int and nbytes == 0:
@@ -341,7 +341,7 @@ class CachingAllocator(StatsApi):
         return ptr
 
     def process_memory_info(self) -> str:
-        """The OOM message's per-process sentences (§12.2 PROC); empty without NVML."""
+        """The OOM message's per-process sentences (CUDACachingAllocator.cpp malloc); empty without NVML."""
         if self._process_memory is None:
             return ""
         return process_memory_info(self._process_memory(), self.pid)
@@ -354,7 +354,7 @@ class CachingAllocator(StatsApi):
     # ------------------------------------------------------------------ free
 
     def free(self, ptr: int, *, deferred: bool = False) -> None:
-        """Free a block as DeviceCachingAllocator::free does (§5.1).
+        """Free a block as DeviceCachingAllocator::free does.
 
         Args:
             ptr: an address returned by :meth:`malloc` (0 is a no-op, like freeing nullptr).
@@ -385,7 +385,7 @@ class CachingAllocator(StatsApi):
             self._free_block(block, size)
 
     def _free_block(self, block: Block, allocated_size: int = 0) -> None:
-        """free_block (§5.2); ``allocated_size``: from free(), whose allocation stats drop here."""
+        """free_block (CUDACachingAllocator.cpp); ``allocated_size``: from free(), whose allocation stats drop here."""
         segment = block.segment
         pool = segment.pool
         kind = SMALL_POOL if segment.is_small else LARGE_POOL
@@ -438,7 +438,7 @@ class CachingAllocator(StatsApi):
             sp[_ABF] += allocated_size
 
     def record_stream(self, ptr: int, stream: int) -> None:
-        """recordStream: the block was used on ``stream``; its free will wait for it (§5.1).
+        """recordStream: the block was used on ``stream``; its free will wait for it (DeviceCachingAllocator::recordStream).
 
         Raises:
             AllocatorUsageError: ``ptr`` is not a live allocation, or ``stream`` is not an int.
@@ -460,7 +460,7 @@ class CachingAllocator(StatsApi):
     # ------------------------------------------------------------------ releasing memory
 
     def empty_cache(self, pool_id: MempoolId | None = None) -> None:
-        """torch.cuda.empty_cache (§5.3): synchronize events, then release_cached_blocks.
+        """torch.cuda.empty_cache (DeviceCachingAllocator::emptyCache): synchronize events, then release_cached_blocks.
 
         Args:
             pool_id: MAIN26 ``emptyCache(mempool_id)`` (``MemPool`` teardown): synchronize only
@@ -474,8 +474,8 @@ class CachingAllocator(StatsApi):
     def release_cached_blocks(self, *, synchronize: bool = False) -> None:
         """Release every releasable cached block: large, small, then freeable private pools.
 
-        :meth:`empty_cache` after its sync (§4 step 9.2-9.3); replay uses it for cache releases
-        that the trace shows but does not name (ref §15.3).
+        :meth:`empty_cache` after its sync (malloc's release_cached_blocks); replay uses it for cache releases
+        that the trace shows but does not name.
 
         Args:
             synchronize: first complete all outstanding events (synchronize_and_free_events).
@@ -491,7 +491,7 @@ class CachingAllocator(StatsApi):
         self._settings.apply_fraction(check_fraction(fraction))
 
     def set_allocator_settings(self, text: str) -> None:
-        """``torch.cuda.memory._set_allocator_settings`` (§9.1): AllocatorConfig.runtime_update.
+        """``torch.cuda.memory._set_allocator_settings`` (torch/cuda/memory.py): AllocatorConfig.runtime_update.
 
         Raises ConfigError; ``memory_stats()["max_split_size"]`` keeps the creation value.
         """
@@ -505,7 +505,7 @@ class CachingAllocator(StatsApi):
 
     @property
     def gc_enabled(self) -> bool:
-        """GC runs only with a fraction limit and a threshold > 0 (§7)."""
+        """GC runs only with a fraction limit and a threshold > 0 (CUDACachingAllocator.cpp garbage_collect_cached_blocks)."""
         return self._settings.gc_enabled
 
     # ------------------------------------------------------------------ private pools
@@ -557,7 +557,7 @@ class CachingAllocator(StatsApi):
         return all_blocks(self._small, self._large, self._private.pools.values(), self._active)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The segments as ``torch.cuda.memory._snapshot()["segments"]`` lists them (§11.2).
+        """The segments as ``torch.cuda.memory._snapshot()["segments"]`` lists them (torch/cuda/memory.py _snapshot).
 
         Sorted by address. An expandable segment is one entry per contiguous mapped run.
         Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
@@ -574,7 +574,7 @@ class CachingAllocator(StatsApi):
         blocks: Sequence[SeedBlock],
         expandable: bool = False,
     ) -> None:
-        """Add a segment that existed before the replayed trace began (ref §15.1).
+        """Add a segment that existed before the replayed trace began (docs/explanations/caching-allocator.md).
 
         See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
         """

@@ -50,7 +50,7 @@ _PARSERS: dict[ConfigParserKind, type[ConfigParser]] = {
 
 @dataclass(frozen=True, slots=True)
 class AllocatorConfig:
-    """The settings of PyTorch's native CUDA caching allocator (ref §9.3, §9.4).
+    """The settings of PyTorch's native CUDA caching allocator (c10/core/AllocatorConfig.cpp parseArgs).
 
     Sizes are bytes. ``None`` means "not set" where PyTorch's default is not a plain number.
     Build one with :meth:`parse` / :meth:`from_env`; direct construction is validated against
@@ -159,7 +159,7 @@ class AllocatorConfig:
     # ------------------------------------------------------------------ hot path
 
     def divisions_for(self, size_bytes: int) -> int:
-        """The ``roundup_power2_divisions`` value for a size (§2.2).
+        """The ``roundup_power2_divisions`` value for a size (CUDACachingAllocator.cpp roundup_power2_divisions).
 
         AcceleratorAllocatorConfig::roundup_power2_divisions: slot ``floor(log2(n)) - 20``
         clamped to ``[0, 15]``.
@@ -179,12 +179,12 @@ class AllocatorConfig:
 
     @property
     def roundup_enabled(self) -> bool:
-        """Whether any slot rounds (round_size only rounds with divisions > 1, §2.1)."""
+        """Whether any slot rounds (round_size only rounds with divisions > 1: CUDACachingAllocator.cpp round_size)."""
         return max(self.roundup_power2_divisions) > 1
 
     @property
     def effective_max_non_split_rounding_bytes(self) -> int:
-        """The oversize slack of §6 rule 2 in bytes: the setting, else large_segment_size.
+        """The oversize slack (CUDACachingAllocator.cpp get_free_block's max_non_split_rounding) in bytes: the setting, else large_segment_size.
 
         Versions without ``max_non_split_rounding_mb`` (< 2.6) always use 20 MiB; see
         ``TorchBehaviour.configurable_non_split_rounding``.
@@ -199,7 +199,7 @@ class AllocatorConfig:
         """The canonical settings string; ``AllocatorConfig.parse(str(c)) == c``.
 
         Only non-default options appear, in a fixed order; the default config is ``""``.
-        The roundup list is written so that both ``>`` fill rules (§9.3) read it the same.
+        The roundup list is written so that both ``>`` fill rules (AllocatorConfig.cpp parseRoundUpPower2Divisions) read it the same.
         """
         parts: list[str] = []
         if self.backend != "native":
@@ -282,7 +282,7 @@ class AllocatorConfig:
     def from_env(
         cls, environ: Mapping[str, str] | None = None, torch_version: str | None = None
     ) -> AllocatorConfig:
-        """The configuration a PyTorch release reads from the environment (§9.1).
+        """The configuration a PyTorch release reads from the environment (c10/core/AllocatorConfig.cpp: PYTORCH_CUDA_ALLOC_CONF and its siblings).
 
         Only the first variable of ``TorchBehaviour.env_vars`` that is set is parsed (even if
         empty); the others are ignored, with a warning when they would have said something
@@ -342,7 +342,7 @@ class AllocatorConfig:
         return config
 
     def runtime_update(self, text: str, torch_version: str | None = None) -> AllocatorConfig:
-        """The config after ``torch.cuda.memory._set_allocator_settings(text)`` (§9.1, §13.21).
+        """The config after ``torch.cuda.memory._set_allocator_settings(text)`` (torch/cuda/memory.py, AllocatorConfig.cpp parseArgs).
 
         ``max_split_size``, every roundup slot and the GC threshold go back to their defaults
         unless ``text`` sets them (in MAIN26 releases, ``max_non_split_rounding`` too); every
