@@ -58,3 +58,29 @@ def test_the_stray_table_check_catches_a_cut_table() -> None:
     assert _stray_rows(html) == ["| 3 | 4 |", "| 5 | 6 |"]
     whole = "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n"
     assert _stray_rows(markdown_it.MarkdownIt("commonmark").enable("table").render(whole)) == []
+
+
+def test_the_rendered_docstrings_cite_no_spec_section():
+    """Every object the Python API page renders (its ``:::`` entries and their members) names
+    PyTorch's source, never a section of our internal spec."""
+    import importlib
+    import inspect
+    import re
+
+    page = (Path(__file__).parents[2] / "docs/reference/python-api.md").read_text()
+    offences = []
+    for dotted in re.findall(r"^::: (\S+)", page, flags=re.M):
+        module_name, _, attr = dotted.rpartition(".")
+        try:
+            obj = importlib.import_module(dotted)
+        except ImportError:
+            obj = getattr(importlib.import_module(module_name), attr)
+        if inspect.ismodule(obj):
+            members = [getattr(obj, name) for name in getattr(obj, "__all__", [])]
+        else:
+            members = [obj, *(m for _, m in inspect.getmembers(obj) if callable(m))]
+        for member in members:
+            doc = inspect.getdoc(member) or ""
+            if "§" in doc:
+                offences.append(getattr(member, "__qualname__", repr(member)))
+    assert offences == []

@@ -277,7 +277,7 @@ class AllocatorStats:
         return self.lists[ALL][i + PEAK]
 
     def memory_stats(self, rules: TorchBehaviour, max_split_size: int) -> dict[str, int]:
-        """``torch.cuda.memory_stats()``: the same keys and semantics (§10).
+        """``torch.cuda.memory_stats()``: the same keys and semantics (CUDACachingAllocator.cpp DeviceStats, torch/cuda/memory.py memory_stats).
 
         Versions with throw_on_cudamalloc_oom (2.12+; torch 2.13's ``memory_stats`` docstring
         lists the key) add ``num_oom_rejections``; torch returns the keys sorted.
@@ -326,7 +326,7 @@ class StatsApi:
     _max_split_stat: int
 
     def memory_stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (§10)."""
+        """``torch.cuda.memory_stats()``: see :meth:`AllocatorStats.memory_stats` (CUDACachingAllocator.cpp DeviceStats)."""
         return self._stats.memory_stats(self.rules, self._max_split_stat)
 
     def reset_peak_memory_stats(self) -> None:
