@@ -35,8 +35,27 @@ def test_every_example_has_a_test():
     """Each examples/*.py recipe is run by a small_* builder here (none goes untested)."""
     examples = {p.stem for p in (ROOT / "examples").glob("*.py")}
     text = VARIANTS.read_text()
-    assert examples == {"nanogpt_train", "hf_causal_lm", "lightning_fit", "hf_trainer"}
-    assert all(f"examples/{name}.py" in text for name in examples)
+    builders = {"nanogpt_train", "hf_causal_lm", "lightning_fit", "hf_trainer"}
+    assert examples == builders | {"train_loop"}  # train_loop: a whole script, tested below
+    assert all(f"examples/{name}.py" in text for name in builders)
+
+
+def test_the_script_example_runs_with_its_own_arguments(tmp_path, monkeypatch, capsys):
+    """examples/train_loop.py as a whole script: its --batch_size after `--` sizes the step,
+    and the checkpoint it saves after its loop is never written."""
+    from oomkit.interfaces.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    peaks = []
+    for batch in ("8", "256"):
+        argv = ["predict", str(ROOT / "examples/train_loop.py"), "--gpu", "rtx4090", "--json",
+                "--steps", "2", "--", "--batch_size", batch]
+        assert main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["scenario"]["model"]["script_args"] == ["--batch_size", batch]
+        peaks.append(out["peak_allocated_bytes"])
+    assert peaks[1] > peaks[0] > 0
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_nanogpt_builder_made_autocast_is_bf16_and_logged_item_stands_in(capsys):
