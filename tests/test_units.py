@@ -42,3 +42,14 @@ def test_parse_bytes_rejects_negative_int():
 def test_format_bytes(nbytes, text):
     """format_bytes uses binary units with two decimals."""
     assert format_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + "GiB", "17179869184GiB"])
+def test_a_size_past_64_bits_is_refused_in_one_short_line(text):
+    """A size no device has (2**64 bytes and up, or a 400-digit number): SizeTooLargeError,
+    the number cut to its first digits and its length."""
+    from oomkit.units import SizeTooLargeError
+
+    with pytest.raises(SizeTooLargeError, match="is larger than any device") as raised:
+        parse_bytes(text)
+    assert len(str(raised.value)) < 200

@@ -10,7 +10,7 @@ import re
 
 from oomkit.errors import OomkitError
 
-__all__ = ["format_bytes", "parse_bytes", "KiB", "MiB", "GiB", "TiB"]
+__all__ = ["format_bytes", "parse_bytes", "KiB", "MiB", "GiB", "TiB", "SizeTooLargeError"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -44,6 +44,10 @@ class SizeError(OomkitError, ValueError):
     """A size string that ``parse_bytes`` cannot read."""
 
 
+class SizeTooLargeError(SizeError):
+    """A size past 2**64 bytes: read as a size, and no device's (never a GPU name either)."""
+
+
 def parse_bytes(text: str | int) -> int:
     """Parse a size such as ``8GiB``, ``500MB``, ``1.5 GiB`` or ``1048576`` into bytes.
 
@@ -74,7 +78,7 @@ def parse_bytes(text: str | int) -> int:
     # A size is a size_t in the caching allocator (c10/cuda/CUDACachingAllocator.cpp): anything
     # past 2**64 bytes (or a number too long to read) is no device's memory.
     if not number < _MAX_SIZE_BYTES:
-        raise SizeError(
+        raise SizeTooLargeError(
             f"{_shortened(str(text))} is larger than any device (at most 2**64 bytes); give a "
             "size such as 24GiB."
         )

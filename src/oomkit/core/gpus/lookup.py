@@ -10,7 +10,7 @@ from oomkit.core.gpus import overhead
 from oomkit.core.gpus.catalog import CATALOG
 from oomkit.core.gpus.spec import GpuSpec
 from oomkit.errors import UnknownGpuError
-from oomkit.units import SizeError, format_bytes, parse_bytes
+from oomkit.units import SizeError, SizeTooLargeError, format_bytes, parse_bytes
 
 __all__ = ["NOT_MODELLED", "UnknownGpuError", "get_gpu", "list_gpus", "normalize_gpu_name"]
 
@@ -118,6 +118,8 @@ def _custom_spec(text: str, context_overhead_bytes: int | None = None) -> GpuSpe
         raise UnknownGpuError(_unknown_message(text))
     try:
         total_bytes = parse_bytes(text)
+    except SizeTooLargeError as exc:
+        raise UnknownGpuError(str(exc)) from None
     except SizeError:
         raise UnknownGpuError(_unknown_message(text)) from None
     return GpuSpec(

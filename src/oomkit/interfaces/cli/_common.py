@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomkit.errors import ConfigError, OomkitError
-from oomkit.units import SizeError, parse_bytes
+from oomkit.units import SizeError, SizeTooLargeError, parse_bytes
 
 __all__ = [
     "stdout_console",
@@ -249,6 +249,8 @@ def capacity_bytes(text: str) -> int:
     """
     try:
         size = parse_bytes(text)
+    except SizeTooLargeError as exc:
+        raise ConfigError(f"--gpu/--capacity: {exc}") from None
     except SizeError:
         from oomkit.core.gpus import get_gpu
 
