@@ -223,16 +223,6 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
     return groups
 
 
-def _what_runs(target: str) -> dict[str, str]:
-    """TARGET as the ``model`` field it names: a function, a script or a preset."""
-    path, sep, function = target.rpartition(":")
-    if sep and path.endswith(".py") and function:
-        return {"function": target}
-    if target.endswith(".py"):
-        return {"script": target}
-    return {"preset": target}
-
-
 def _given(args: argparse.Namespace, command: str) -> Iterator[tuple[str, str, Any]]:
     """(section, field, value) of each scenario flag given on the command line."""
     for flag in scenario_flags(command):
@@ -288,7 +278,9 @@ def scenario_from_args(
                 if k not in ("preset", "hf", "function", "script", "script_args")
             }
     if args.target is not None:
-        flags.setdefault("model", {}).update(_what_runs(args.target))
+        from oomkit.scenario.keywords import what_runs
+
+        flags.setdefault("model", {}).update(what_runs(args.target))
     if script_args:
         flags.setdefault("model", {})["script_args"] = list(script_args)
     merged = merge_data(data, flags)
