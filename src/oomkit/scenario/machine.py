@@ -28,7 +28,7 @@ class TargetSection(_Section):
 
     gpu: str = Field(
         "h100",
-        description="a catalog GPU (`oomkit gpus`) or its memory, e.g. 24GiB",
+        description="a catalog GPU (`oomkit gpus`) or a size",
         json_schema_extra=_flag("--gpu", DEVICE, metavar="NAME|SIZE"),
     )
     alloc_conf: str | None = Field(
@@ -38,12 +38,12 @@ class TargetSection(_Section):
     )
     context_overhead_bytes: Bytes | None = Field(
         None,
-        description="memory outside PyTorch, e.g. 500MiB (default: the GPU's)",
+        description="memory outside PyTorch (default: the GPU's)",
         json_schema_extra=_flag("--context-overhead", DEVICE, metavar="SIZE"),
     )
     torch_version: str | None = Field(
         None,
-        description="PyTorch whose allocator to model (default: installed)",
+        description="allocator of this torch (default: installed)",
         json_schema_extra=_flag("--torch-version", DEVICE, metavar="X.Y"),
     )
     @field_validator("torch_version")
@@ -62,7 +62,7 @@ class TargetSection(_Section):
     )
     cudnn_version: Count | None = Field(
         None,
-        description="torch.backends.cudnn.version() on the target, e.g. 91002",
+        description="the target's cuDNN, e.g. 91002 for 9.10.2",
         json_schema_extra=_flag("--cudnn-version", DEVICE, metavar="N"),
     )
     cuda_module_loading: Literal["lazy", "eager"] | None = Field(
@@ -77,12 +77,12 @@ class ParallelSection(_Section):
 
     fsdp: Count | None = Field(
         None,
-        description="FSDP2 over N GPUs (per block + root); batch per rank",
+        description="FSDP2 over N GPUs; the batch is per rank",
         json_schema_extra=_flag("--fsdp", MULTI_GPU, metavar="N"),
     )
     tp: Count | None = Field(
         None,
-        description="tensor parallel over N GPUs (torchtitan's Llama plan)",
+        description="tensor parallel over N GPUs (Llama presets)",
         json_schema_extra=_flag("--tp", MULTI_GPU, metavar="N"),
     )
     dp: Count | None = Field(
@@ -94,7 +94,7 @@ class ParallelSection(_Section):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="DDP's bucket_cap_mb (default 25, first bucket 1 MiB)",
+        description="DDP's bucket_cap_mb (default 25)",
         json_schema_extra=_flag("--bucket-cap-mb", MULTI_GPU, metavar="MB"),
     )
     gradient_as_bucket_view: bool = Field(

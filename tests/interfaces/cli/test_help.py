@@ -12,8 +12,8 @@ import pytest
 from oomkit.interfaces.cli import _GROUPS, _SUMMARIES
 
 
-def _help(*argv: str) -> str:
-    env = {**os.environ, "COLUMNS": "100"}
+def _help(*argv: str, columns: int = 100) -> str:
+    env = {**os.environ, "COLUMNS": str(columns)}
     proc = subprocess.run(
         [sys.executable, "-m", "oomkit", *argv, "--help"], capture_output=True, text=True,
         env=env, timeout=120,
@@ -22,10 +22,12 @@ def _help(*argv: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.parametrize("columns", [80, 100])
 @pytest.mark.parametrize("command", ["predict", "fit"])
-def test_predict_and_fit_help_is_grouped_and_short(command):
-    """Six groups a user looks for, the examples at the end, at most 100 lines at 100 columns."""
-    text = _help(command)
+def test_predict_and_fit_help_is_grouped_and_short(command, columns):
+    """Six groups a user looks for, the examples at the end, at most 100 lines on a terminal
+    of 80 columns and of 100 (a pipe's width)."""
+    text = _help(command, columns=columns)
     lines = text.splitlines()
     assert len(lines) <= 100, len(lines)
     for group in ("workload:", "precision and optimizer:", "fine-tuning:", "multi-GPU:",

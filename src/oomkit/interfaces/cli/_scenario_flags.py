@@ -172,7 +172,7 @@ def _metavar(flag: ScenarioFlag) -> str | None:
     if flag.choices is None:
         return flag.metavar
     listed = "{" + ",".join(flag.choices) + "}"
-    return listed if len(listed) <= 16 else "NAME"
+    return listed if len(listed) <= 14 else "NAME"
 
 
 def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
@@ -184,7 +184,7 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
         "target",
         nargs="?",
         metavar="TARGET",
-        help="a preset, file.py:function or train.py (a whole script)",
+        help="a preset, file.py:function or train.py (a script)",
     )
     for flag in scenario_flags(command):
         group = groups[flag.group]
@@ -201,7 +201,7 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
         elif flag.flag == "--value":
             group.add_argument(
                 flag.flag, dest=flag.dest, type=stated_value, action="append",
-                metavar=flag.metavar, help=text + " (repeatable)",
+                metavar=flag.metavar, help=text,
             )
         else:
             group.add_argument(
@@ -214,11 +214,11 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
     )
     config.add_argument(
         "--set", dest="overrides", action="append", metavar="SECTION.KEY=VALUE",
-        help="set any scenario field, e.g. --set lora.rank=16 (repeatable)",
+        help="set any field, e.g. --set lora.rank=16",
     )
     config.add_argument(
         "--dump-config", action="store_true",
-        help="print the scenario this command line means, as TOML, and exit",
+        help="print this command line's scenario as TOML",
     )
     return groups
 
