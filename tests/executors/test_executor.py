@@ -117,7 +117,9 @@ def test_ctrl_c_cancels_the_tasks_left_on_the_cluster(ray_cluster, tmp_path):
 
     def slow(n: int) -> int:
         if n:
-            time.sleep(3)
+            # Long enough that a busy machine still interrupts the map (after task 0, which
+            # returns at once) well before any of these could finish uncancelled.
+            time.sleep(10)
             open(os.path.join(folder, f"done{n}"), "w").close()
         return n
 
@@ -127,5 +129,5 @@ def test_ctrl_c_cancels_the_tasks_left_on_the_cluster(ray_cluster, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         RayExecutor().map(slow, [0, 1, 2, 3], progress=interrupt)
-    time.sleep(4.5)
+    time.sleep(11.5)
     assert sorted(os.listdir(folder)) == []
