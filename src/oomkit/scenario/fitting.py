@@ -17,7 +17,7 @@ from oomkit.errors import OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
-from oomkit.scenario.run import _require_torch, scenario_target, tracing_jobs
+from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
 from oomkit.scenario.workloads import (
     Workload,
     build_workload,
@@ -127,7 +127,7 @@ def check_fit(scenario: Scenario) -> Target:
     """
     target = scenario_target(scenario)
     _check(scenario, target)
-    _require_torch(scenario, "fit")
+    require_torch_for(scenario, "fit")
     return target
 
 

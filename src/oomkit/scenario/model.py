@@ -49,6 +49,7 @@ __all__ = [
     "TargetSection",
     "field_flag",
     "flag_fields",
+    "section_model",
     "section_flag",
 ]
 
@@ -183,7 +184,7 @@ def _refuse_builder_fields(what: str, kind: str, given: list[str]) -> None:
     )
 
 
-def _section_model(section: str) -> type[BaseModel] | None:
+def section_model(section: str) -> type[BaseModel] | None:
     """The section record named ``section`` in a ``Scenario`` (``"lora"`` -> ``LoraSection``)."""
     field = Scenario.model_fields.get(section)
     if field is None:
@@ -196,7 +197,7 @@ def _section_model(section: str) -> type[BaseModel] | None:
 
 def section_flag(section: str, name: str) -> str | None:
     """The flag of a scenario field by its path (``("lora", "targets")`` -> ``--lora-targets``)."""
-    model = _section_model(section)
+    model = section_model(section)
     return None if model is None else field_flag(model, name)
 
 
@@ -204,7 +205,7 @@ def flag_fields() -> list[tuple[str, str, str]]:
     """(section, field, flag) of every field that has a flag, section by section."""
     out = []
     for section in Scenario.model_fields:
-        model = _section_model(section)
+        model = section_model(section)
         for name in model.model_fields if model is not None else ():
             flag = field_flag(model, name) if model is not None else None
             if flag is not None:

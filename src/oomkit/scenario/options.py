@@ -16,7 +16,6 @@ shown among the prediction's assumptions):
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,7 +33,6 @@ __all__ = [
     "field_wording",
     "has_bf16",
     "lora_options",
-    "replace_batch",
     "step_options",
 ]
 
@@ -259,10 +257,3 @@ def field_wording(message: str) -> str:
         return f"{_FIELDS[name][0]} {shown}".rstrip()
 
     return _STEP_OPTIONS_RE.sub(flag, message)
-
-
-def replace_batch(resolved: ResolvedStep, batch_size: int) -> ResolvedStep:
-    """The same resolved step at another batch."""
-    return dataclasses.replace(
-        resolved, options=dataclasses.replace(resolved.options, batch_size=batch_size)
-    )

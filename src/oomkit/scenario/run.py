@@ -36,6 +36,7 @@ __all__ = [
     "StepObserver",
     "predict",
     "predicting",
+    "require_torch_for",
     "scenario_target",
     "tracing_jobs",
 ]
@@ -245,7 +246,7 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
             "path/to/file.py:function, path/to/train.py, or --hf NAME_OR_PATH."
         )
     target = scenario_target(scenario)
-    _require_torch(scenario, "predict")
+    require_torch_for(scenario, "predict")
     steps, steps_note = default_steps(scenario, "predict")
     with user_values(scenario.step.values):
         workload: Workload | ShardedWorkload | ScriptWorkload
@@ -289,7 +290,7 @@ def predict(scenario: Scenario, observer: StepObserver | None = None) -> Predict
         return run.record(observer)
 
 
-def _require_torch(scenario: Scenario, command: str) -> None:
+def require_torch_for(scenario: Scenario, command: str) -> None:
     """Import torch before building, or say how to install it (``TorchRequiredError``: exit 3
     from the CLI)."""
     from oomkit.scenario._torch import require_torch

@@ -492,7 +492,8 @@ class SearchSection(_Section):
     allow_retries: bool = Field(
         False,
         description="count batches that fit only with retries",
-        json_schema_extra=_flag("--allow-retries", SEARCH, commands=("fit",)),
+        # A search option, not a flag typed every day: --set search.allow_retries=true.
+        json_schema_extra=_flag(None, SEARCH, commands=("fit",)),
     )
     max_gpus: Count = Field(
         64,

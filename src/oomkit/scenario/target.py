@@ -1,7 +1,7 @@
 """A scenario's ``target`` and ``parallel`` sections as one ``Target``: the one target path.
 
-Every command that takes ``--gpu`` resolves it here (``target_of``), so a catalog GPU or a
-size gets the same context overhead, said the same way (``describe_target``).
+predict, fit, the Python facade and the MCP tools resolve ``--gpu`` here (``target_of``), so a
+catalog GPU or a size gets the same context overhead wherever a step is predicted.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from oomkit.core.target import ParallelLayout, Target
 from oomkit.scenario.model import ParallelSection, TargetSection
 
 __all__ = [
-    "describe_target",
     "installed_torch_version",
     "layout_of",
     "module_loading_from",
@@ -86,17 +85,3 @@ def target_of(
     )
     layout = layout_of(parallel)
     return target if layout is None else dataclasses.replace(target, parallel=layout)
-
-
-def describe_target(target: Target) -> str:
-    """The GPU in words, said the same way by every command: ``"RTX 4090 (24.00 GiB total,
-    23.50 GiB usable after 512.00 MiB outside PyTorch)"``."""
-    from oomkit.units import format_bytes
-
-    gpu = target.gpu
-    outside = gpu.context_overhead_bytes
-    return (
-        f"{gpu.name} ({format_bytes(gpu.total_memory_bytes)} total, "
-        f"{format_bytes(gpu.usable_bytes())} usable after {format_bytes(outside)} outside "
-        "PyTorch)"
-    )

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 _ON = ["--seq", "16", "--steps", "1", "--context-overhead", "0"]
 # fit's answer is predict's boundary when batches that fit only with allocator retries count
 # (predict says they fit); by default fit answers the largest without retries.
-_RETRIES = ["--allow-retries"]
+_RETRIES = ["--set", "search.allow_retries=true"]
 MiB = 2**20
 
 

@@ -15,7 +15,6 @@ EXPECTED = {
     "explain": ["--alloc-conf", "--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure", "--rank-pattern", "--ray"],
     "fit": [
         "--alloc-conf",
-        "--allow-retries",
         "--attn-implementation",
         "--batch",
         "--bucket-cap-mb",

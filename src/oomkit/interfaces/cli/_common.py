@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ __all__ = [
     "PIPE_WIDTH_COLUMNS",
     "stderr_console",
     "print_json",
+    "user_output_to_stderr",
     "size_arg",
     "existing_file",
     "add_json_flag",
@@ -74,6 +76,13 @@ def stderr_console() -> Console:
     from rich.console import Console
 
     return Console(file=sys.stderr, highlight=False)
+
+
+def user_output_to_stderr() -> contextlib.AbstractContextManager[object]:
+    """While the user's code runs (import, builder, steps, script), its prints go to stderr:
+    stdout is oomkit's (``--json`` stays one JSON object, a report one report), whatever the
+    code prints while it builds (nanoGPT prints its parameter count)."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def print_json(obj: object) -> None:

@@ -74,14 +74,6 @@ class ScenarioFlag:
         return f"{self.section}.{self.name}"
 
 
-def _section_class(annotation: Any) -> Any:
-    """The section model of a ``Scenario`` field (``LoraSection | None`` -> ``LoraSection``)."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and hasattr(candidate, "model_fields"):
-            return candidate
-    raise TypeError(annotation)
-
-
 def _choices(annotation: Any) -> tuple[str, ...] | None:
     """The values of a ``Literal[...]`` (or ``Literal[...] | None``) annotation."""
     for candidate in (annotation, *typing.get_args(annotation)):
@@ -92,11 +84,12 @@ def _choices(annotation: Any) -> tuple[str, ...] | None:
 
 def scenario_flags(command: str) -> list[ScenarioFlag]:
     """The flags of ``command`` (``"predict"`` or ``"fit"``), section by section."""
-    from oomkit.scenario.model import Scenario
+    from oomkit.scenario.model import section_model
 
     flags = []
     for section in _SECTIONS:
-        model = _section_class(Scenario.model_fields[section].annotation)
+        model = section_model(section)
+        assert model is not None, section
         for name, field in model.model_fields.items():
             extra = field.json_schema_extra
             if not isinstance(extra, dict) or "x-flag" not in extra:

@@ -233,11 +233,10 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(data.get("scenario"), Mapping):
                 # A save that carries its request: re-predicted, and the fresh record diagnosed
                 # (its report's fields are not read). The user's prints go to stderr.
-                import contextlib
-
+                from oomkit.interfaces.cli._common import user_output_to_stderr
                 from oomkit.scenario.explaining import explain_saved
 
-                with contextlib.redirect_stdout(sys.stderr):
+                with user_output_to_stderr():
                     diagnosis = explain_saved(data, measure=args.measure, progress=progress)
             else:  # saved before predictions carried their scenario
                 diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)

@@ -12,7 +12,6 @@ Exit codes: 0 a batch was found (or, with ``--smallest-gpu``, a GPU), 1 not even
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from typing import Any
 
@@ -22,6 +21,7 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stderr_console,
     stdout_console,
+    user_output_to_stderr,
 )
 from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 from oomkit.interfaces.cli._scenario_flags import (
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (
             progress_bar(enabled, what) as progress,
-            contextlib.redirect_stdout(sys.stderr),  # the user's prints: stdout is oomkit's
+            user_output_to_stderr(),
         ):
             answer = fit(scenario, progress=progress, lines=lines)
     except NoFeasibleBatchSizeError as exc:

@@ -21,6 +21,7 @@ from oomkit.interfaces.cli._common import (
     print_json,
     stderr_console,
     stdout_console,
+    user_output_to_stderr,
 )
 from oomkit.interfaces.cli._scenario_flags import (
     CompactHelp,
@@ -90,7 +91,7 @@ def _run_step(args: argparse.Namespace, scenario: Any) -> int:
     from oomkit.scenario.run import predicting
 
     # stdout is oomkit's (--json must stay one object): the user's prints go to stderr.
-    with _user_output_to_stderr(), predicting(scenario) as run:
+    with user_output_to_stderr(), predicting(scenario) as run:
         if not args.json:
             layout = run.layout_words()
             where = (
@@ -140,18 +141,18 @@ def _run_lengths(args: argparse.Namespace, scenario: Any) -> int:
     )
     from oomkit.interfaces.reports.prediction import prediction_to_json
     from oomkit.scenario.lengths import predict_lengths
-    from oomkit.scenario.run import _require_torch, scenario_target, tracing_jobs
+    from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
     from oomkit.scenario.workloads import user_errors, user_values
 
     assert scenario.lengths is not None
     if args.html is not None and args.html.resolve() == Path(scenario.lengths.file).resolve():
         raise OomkitError(f"--html {args.html} is the lengths file; choose another path")
     target = scenario_target(scenario)
-    _require_torch(scenario, "predict")
+    require_torch_for(scenario, "predict")
     raised: list[BaseException] = []
     lines = None if args.json else (lambda line: stderr_console().print(line, markup=False))
     with (
-        _user_output_to_stderr(),
+        user_output_to_stderr(),
         user_values(scenario.step.values),
         user_errors(lambda: (scenario.model.name, raised)),
     ):
@@ -170,14 +171,3 @@ def _run_lengths(args: argparse.Namespace, scenario: Any) -> int:
     else:
         render_envelope(env, stdout_console())
     return 1 if env.first_oom_step is not None else 0
-
-
-def _user_output_to_stderr() -> Any:
-    """While the user's code runs (import, builder, steps), its prints go to stderr.
-
-    stdout is oomkit's: `--json` must stay one JSON object, and a report one report, whatever
-    the script prints while it builds (nanoGPT prints its parameter count).
-    """
-    import contextlib
-
-    return contextlib.redirect_stdout(sys.stderr)
