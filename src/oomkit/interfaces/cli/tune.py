@@ -221,8 +221,8 @@ def _render(result, path: Path, recorded: str | None, target: Device) -> None:
         return
     shown = result.candidates[:_TABLE_ROWS]
     table = Table(
-        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {as_written(path.name)} with "
-        f"{format_bytes(target.usable_bytes)} for the allocator",
+        title=f"PYTORCH_CUDA_ALLOC_CONF settings for {as_written(path.name)} at "
+        f"{format_bytes(target.usable_bytes)}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
         show_header=True,
