@@ -12,7 +12,7 @@ EXPECTED = {
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
     "presets": ["--json"],
-    "explain": ["--alloc-conf", "--context-overhead", "--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure", "--rank-pattern", "--ray"],
+    "explain": ["--alloc-conf", "--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure", "--rank-pattern", "--ray"],
     "fit": [
         "--alloc-conf",
         "--attn-implementation",

@@ -13,11 +13,11 @@ from typing import IO, Any
 
 from oomkit.errors import ConfigError, OomTextError
 from oomkit.interfaces.cli._common import (
-    add_context_overhead_flag,
     add_gpu_flag,
     add_json_flag,
     print_json,
     stdout_console,
+    target_from_args,
 )
 from oomkit.interfaces.cli._progress import (
     is_terminal,
@@ -54,7 +54,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "total memory and CUDA-context figure (default: matched by total memory; snapshots do "
         "not record it)",
     )
-    add_context_overhead_flag(parser)
     parser.add_argument(
         "--device",
         type=int,
@@ -191,14 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     gpu = None
     if args.gpu is not None:
-        from oomkit.interfaces.cli._common import target_from_args
-
         gpu = target_from_args(args).gpu  # the one target path, as replay and predict
-    elif args.context_overhead is not None:
-        raise ConfigError(
-            "--context-overhead is the memory outside PyTorch on the --gpu device: give --gpu "
-            "NAME|SIZE with it."
-        )
     if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
         raise ConfigError(
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "
