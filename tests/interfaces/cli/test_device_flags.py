@@ -153,3 +153,21 @@ def test_mcp_replay_takes_the_device_as_the_cli(tmp_path):
     assert (code, json.loads(out)["usable_bytes"]) == (1, 320 * MiB)
     code, out, err = call_tool("tune", {"source": snapshot, "gpu": "rtx4090", "capacity": "1GiB"})
     assert code == 2 and "choose one" in err
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(st.text(max_size=20), st.from_regex(r"-?\d{1,25}(\.\d{1,3})?\s?[KMGTPE]?i?B?",
+                                                          fullmatch=True)))
+def test_capacity_is_a_size_or_a_config_error(text):
+    """Whatever the text, --capacity gives its exact size (from 1 MiB, or with a unit), or a
+    ConfigError naming --capacity: never another exception, never zero."""
+    from oomkit.errors import ConfigError
+    from oomkit.interfaces.cli._common import capacity_bytes
+    from oomkit.units import parse_bytes
+
+    try:
+        size = capacity_bytes(text)
+    except ConfigError as exc:
+        assert "--capacity" in str(exc) or "the allocator's limit must be above zero" in str(exc)
+        return
+    assert size == parse_bytes(text) > 0
