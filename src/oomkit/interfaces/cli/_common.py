@@ -356,7 +356,9 @@ def target_from_args(args: argparse.Namespace, *, torch_version: str | None = No
 
     overhead = getattr(args, "context_overhead", None)
     try:
-        return Target.resolve(args.gpu, context_overhead_bytes=overhead, torch_version=torch_version)
+        return Target.resolve(
+            args.gpu, context_overhead_bytes=overhead, torch_version=torch_version
+        )
     except GpuSpecError as exc:
         small = overhead is None and "context_overhead_bytes" in str(exc)
         if not small or not hasattr(args, "capacity"):  # the hint needs --capacity

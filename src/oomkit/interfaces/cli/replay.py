@@ -7,6 +7,7 @@ import sys
 
 from oomkit.errors import ConfigError
 from oomkit.interfaces.cli._common import (
+    Device,
     add_alloc_conf_flag,
     add_device_flags,
     add_json_flag,
@@ -44,8 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "reservations as on that device). With --alloc-conf, --gpu or --capacity "
         "alone, replay the same requests under other settings or on another device (exit 1 if "
         "it would OOM; default --capacity 80GiB). --gpu is the device, as in predict: the "
-        "allocator may reserve its total less the CUDA context. --verify replays the recorded setting, so it "
-        "cannot be combined with --alloc-conf (exit 2). --what-if SETTING, repeated, replays "
+        "allocator may reserve its total less the CUDA context. --verify replays the recorded "
+        "setting, so it cannot be combined with --alloc-conf (exit 2). --what-if SETTING, "
+        "repeated, replays "
         "the same requests under each setting (in parallel, --jobs) and compares them in one "
         "table (exit 1 if any would OOM).",
     )
@@ -88,34 +90,35 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.what_if is not None:
         return _run_what_ifs(args)
-    device_of = device_from_args(args, torch_version=args.torch_version)
+    named_device = device_from_args(args, torch_version=args.torch_version)
+    capacity, outside = _limits(named_device)
     config = config_from_args(args)
     with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
         snapshot = load_snapshot(args.snapshot, progress=progress.loading)
         devices = snapshot.devices()
         device = args.device if args.device is not None else (devices[0] if devices else 0)
-        what_if = not args.verify and (config is not None or device_of is not None)
+        what_if = not args.verify and (config is not None or named_device is not None)
         progress.phase(f"replaying {len(snapshot.trace_for(device)):,} events")
         result = replay_snapshot(
             snapshot,
             device,
             verify=not what_if,
             config=config,
-            capacity_bytes=None if device_of is None else device_of.capacity_bytes,
+            capacity_bytes=capacity,
             torch_version=args.torch_version,
-            reserved_outside_bytes=0 if device_of is None else device_of.context_overhead_bytes,
+            reserved_outside_bytes=outside,
         )
     if args.json:
         out = replay_to_json(result)
         # The device's keys only where one was named: a plain --verify prints what it did.
-        print_json(out if device_of is None else {**device_to_json(device_of), **out})
+        print_json(out if named_device is None else {**device_to_json(named_device), **out})
     else:
         from oomkit.interfaces.reports._untrusted import as_written
 
         name = as_written(args.snapshot.name)  # printed as written: no markup, no escapes
         title = f"What-if replay of {name}" if what_if else f"Replay of {name}"
         console = stdout_console()
-        for line in [] if device_of is None else device_lines(device_of):
+        for line in [] if named_device is None else device_lines(named_device):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         render_replay(result, console, title=title)
     if what_if:
@@ -125,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_TO_VERIFY
         return 0 if result.reproduced else 1
     return 0
+
+
+def _limits(named: Device | None) -> tuple[int | None, int]:
+    """``replay_snapshot``'s capacity and memory outside the allocator for the device named
+    (none: the recorded run's capacity, nothing outside)."""
+    return (None, 0) if named is None else (named.capacity_bytes, named.context_overhead_bytes)
 
 
 def _run_what_ifs(args: argparse.Namespace) -> int:
@@ -145,7 +154,8 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
     # Parsed up front: a setting the modelled PyTorch rejects stops the command (exit 2)
     # before any replay runs.
     configs = [AllocatorConfig.parse(text, torch_version=args.torch_version) for text in texts]
-    device_of = device_from_args(args, torch_version=args.torch_version)
+    named_device = device_from_args(args, torch_version=args.torch_version)
+    capacity, outside = _limits(named_device)
     with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
         snapshot = load_snapshot(args.snapshot, progress=progress.loading)
     devices = snapshot.devices()
@@ -158,9 +168,9 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             device,
             verify=False,
             config=config,
-            capacity_bytes=None if device_of is None else device_of.capacity_bytes,
+            capacity_bytes=capacity,
             torch_version=args.torch_version,
-            reserved_outside_bytes=0 if device_of is None else device_of.context_overhead_bytes,
+            reserved_outside_bytes=outside,
         )
 
     note_memory_cap(args.jobs, len(configs))
@@ -172,7 +182,7 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             {
                 "snapshot": args.snapshot.name,
                 "device": device,
-                **({"capacity_bytes": None} if device_of is None else device_to_json(device_of)),
+                **(device_to_json(named_device) if named_device else {"capacity_bytes": None}),
                 "settings": what_if_to_json(rows),
             }
         )
@@ -180,7 +190,7 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
         console = stdout_console()
         from oomkit.interfaces.reports._untrusted import as_written
 
-        for line in [] if device_of is None else device_lines(device_of):
+        for line in [] if named_device is None else device_lines(named_device):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         title = f"What-if replays of {as_written(args.snapshot.name)}"
         console.print(what_if_table(rows, title=title))
