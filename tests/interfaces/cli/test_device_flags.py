@@ -171,3 +171,24 @@ def test_capacity_is_a_size_or_a_config_error(text):
         assert "--capacity" in str(exc) or "the allocator's limit must be above zero" in str(exc)
         return
     assert size == parse_bytes(text) > 0
+
+
+@pytest.mark.parametrize(
+    ("overhead", "said"),
+    [
+        ("24", "'24' has no unit, so it would mean 24 bytes"),
+        ("30GiB", "context_overhead_bytes must be >= 0 and below the total (24.00 GiB)"),
+        ("-1GiB", "--context-overhead"),
+    ],
+)
+def test_a_bad_context_overhead_exits_2(capsys, overhead, said):
+    """A context without a unit, one not below the device's total, or a negative one: exit 2
+    (argparse's usage error for what is no size, oomkit's one line for the rest)."""
+    argv = ["demo", "--steps", "1", "--gpu", "24GiB", f"--context-overhead={overhead}"]
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

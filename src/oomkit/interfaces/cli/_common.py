@@ -29,7 +29,6 @@ __all__ = [
     "positive_int",
     "float_arg",
     "add_alloc_conf_flag",
-    "add_context_overhead_flag",
     "add_device_flags",
     "add_gpu_flag",
     "add_torch_version_flag",
@@ -203,19 +202,6 @@ _GPU_DEVICE_HELP = (
 )
 
 
-def add_context_overhead_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The one ``--context-overhead SIZE`` flag of the commands that read ``--gpu`` here (dest
-    ``context_overhead``, in bytes); predict and fit have it as a Scenario field."""
-    parser.add_argument(
-        "--context-overhead",
-        dest="context_overhead",
-        type=size_arg,
-        metavar="SIZE",
-        help="memory outside PyTorch on the --gpu device (default: the GPU's CUDA context); "
-        "0 gives the allocator the whole total",
-    )
-
-
 def add_device_flags(
     parser: argparse.ArgumentParser, *, default_capacity: str | None, what: str
 ) -> None:
@@ -243,7 +229,15 @@ def add_device_flags(
         "subtracted for a CUDA context"
         + ("" if default_capacity is None else f" (default {default_capacity})"),
     )
-    add_context_overhead_flag(group)
+    # predict and fit have it as a Scenario field (target.context_overhead_bytes).
+    group.add_argument(
+        "--context-overhead",
+        dest="context_overhead",
+        type=size_arg,
+        metavar="SIZE",
+        help="memory outside PyTorch on the --gpu device (default: the GPU's CUDA context); "
+        "0 gives the allocator the whole total",
+    )
 
 
 def add_alloc_conf_flag(parser: argparse.ArgumentParser) -> None:
