@@ -7,7 +7,7 @@ import pytest
 from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
-    "demo": ["--capacity", "--gpu", "--json", "--steps"],
+    "demo": ["--capacity", "--context-overhead", "--gpu", "--json", "--steps"],
     "diff": ["--device", "--force", "--html", "--json", "--rank-pattern", "--ray"],
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
@@ -130,6 +130,7 @@ EXPECTED = {
     "replay": [
         "--alloc-conf",
         "--capacity",
+        "--context-overhead",
         "--device",
         "--gpu",
         "--jobs",
@@ -138,8 +139,10 @@ EXPECTED = {
         "--verify",
         "--what-if",
     ],
-    "simulate": ["--alloc-conf", "--capacity", "--gpu", "--json", "--torch-version"],
-    "tune": ["--capacity", "--device", "--gpu", "--jobs", "--json"],
+    "simulate": [
+        "--alloc-conf", "--capacity", "--context-overhead", "--gpu", "--json", "--torch-version"
+    ],
+    "tune": ["--capacity", "--context-overhead", "--device", "--gpu", "--jobs", "--json"],
 }
 
 
