@@ -333,3 +333,29 @@ def test_a_lightning_script_predicts_the_trainer_path(tmp_path, monkeypatch):
     assert scripted.run.steps_recorded == 3
     assert _peaks(scripted) == _builder(tmp_path, "twin_pl.py:build")
     assert _files(tmp_path) == ["train_pl.py", "twin_pl.py"]
+
+
+TORCHRUN_SCRIPT = '''
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+model = DDP(torch.nn.Linear(8, 8).to(local_rank), device_ids=[local_rank])
+'''
+
+
+def test_a_torchrun_script_exits_2_naming_its_line_and_the_sharded_route(tmp_path, capsys):
+    """`oomkit predict ddp.py`: init_process_group refused at its line, --fsdp/--dp named, one
+    line on stderr and no traceback."""
+    from oomkit.interfaces.cli import main
+
+    _write(tmp_path, "ddp.py", TORCHRUN_SCRIPT)
+    assert main(["predict", str(tmp_path / "ddp.py"), "--gpu", "rtx4090"]) == 2
+    err = capsys.readouterr().err
+    assert "ddp.py:8 calls torch.distributed.init_process_group" in err
+    assert "with --fsdp N or --dp N" in err
+    assert "Traceback" not in err
