@@ -133,6 +133,41 @@ def build(batch_size=4):
 '''
 
 
+# torchtitan's order: built on meta, fully_shard without a mesh (FSDP2's default mesh over the
+# world, on the accelerator), then to_empty(device="cuda") and the weights' initialisation.
+FSDP_META_INIT = '''
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+
+def build(batch_size=4):
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+        )
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cuda")
+    for block in model:
+        block.reset_parameters()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(batch_size, 64, device="cuda")
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, (model, optimizer, batch)
+'''
+
+
 def _predict(tmp_path, name, source, flag, capsys):
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(source))
@@ -165,6 +200,20 @@ def test_ddp_written_for_cuda_equals_its_device_agnostic_form(tmp_path, capsys):
     assert _figures(cuda) == _figures(agnostic)
     numel = 64 * 256 + 256 + 256 * 8 + 8
     assert cuda["by_category_bytes"]["ddp_bucket"] == -(-numel * 4 // 512) * 512
+
+
+def test_fsdp2_initialised_from_meta_on_cuda_equals_the_same_on_the_fake_device(tmp_path, capsys):
+    """Meta init, fully_shard without a mesh, to_empty(device="cuda"): the bytes of the same
+    builder with "cpu" (the fake device) for "cuda" and no process-group calls."""
+    agnostic_source = (
+        FSDP_META_INIT.replace('device="cuda"', 'device="cpu"')
+        .replace('    dist.init_process_group("nccl")\n', "")
+        .replace('    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n', "")
+    )
+    assert "cuda" not in agnostic_source
+    cuda = _predict(tmp_path, "meta_cuda", FSDP_META_INIT, "--fsdp", capsys)
+    agnostic = _predict(tmp_path, "meta_agnostic", agnostic_source, "--fsdp", capsys)
+    assert _figures(cuda) == _figures(agnostic)
 
 
 def test_init_process_group_with_another_world_size_exits_2(tmp_path, capsys):
