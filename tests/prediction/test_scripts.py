@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import shutil
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -311,26 +312,38 @@ def test_an_accelerate_script_predicts_its_builder_form(tmp_path, monkeypatch):
 # logged value in callback_metrics), so the two forms give the same bytes.
 
 
-def test_a_hugging_face_trainer_script_predicts_the_trainer_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "more_arguments",
+    # The loop's grad_norm comes from _clip_grad_norm, or, without clipping, from _get_grad_norm
+    # alone; with accumulation tr_loss_step is rebound at each micro-batch.
+    ["", "gradient_accumulation_steps=2, max_grad_norm=0.0,"],
+)
+def test_a_hugging_face_trainer_script_predicts_the_trainer_path(
+    tmp_path, monkeypatch, more_arguments
+):
     """Trainer(...).train() in __main__: 3 optimizer steps, the trainer path's bytes (peak
     allocated and reserved); save_model never runs."""
-    _write(tmp_path, "train_hf.py", HF_SCRIPT)
+    _write(tmp_path, "train_hf.py", HF_SCRIPT.replace("logging_steps=1,", f"logging_steps=1, {more_arguments}"))
     (tmp_path / "twin_hf.py").write_text("from train_hf import trainer\n\n\ndef build():\n    return trainer()\n")
     monkeypatch.chdir(tmp_path)
     scripted = predict_script("train_hf.py", steps=3, target=RTX4090)
     assert scripted.run.steps_recorded == 3
+    monkeypatch.delitem(sys.modules, "train_hf", raising=False)  # this test's file, not a cached one
     assert _peaks(scripted) == _builder(tmp_path, "twin_hf.py:build")
     assert not (tmp_path / "out" / "final").exists()
 
 
-def test_a_lightning_script_predicts_the_trainer_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("more_arguments", ["", "accumulate_grad_batches=2, gradient_clip_val=1.0,"])
+def test_a_lightning_script_predicts_the_trainer_path(tmp_path, monkeypatch, more_arguments):
     """trainer.fit(...) in __main__, bf16-mixed on the emulated GPU: 3 steps, the trainer path's
     bytes (peak allocated and reserved); save_checkpoint never runs."""
-    _write(tmp_path, "train_pl.py", LIGHTNING_SCRIPT)
+    script = LIGHTNING_SCRIPT.replace('precision="bf16-mixed",', f'precision="bf16-mixed", {more_arguments}')
+    _write(tmp_path, "train_pl.py", script)
     (tmp_path / "twin_pl.py").write_text("from train_pl import parts\n\n\ndef build():\n    return parts()\n")
     monkeypatch.chdir(tmp_path)
     scripted = predict_script("train_pl.py", steps=3, target=RTX4090)
     assert scripted.run.steps_recorded == 3
+    monkeypatch.delitem(sys.modules, "train_pl", raising=False)  # this test's file, not a cached one
     assert _peaks(scripted) == _builder(tmp_path, "twin_pl.py:build")
     assert _files(tmp_path) == ["train_pl.py", "twin_pl.py"]
 
