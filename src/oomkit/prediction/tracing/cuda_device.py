@@ -56,6 +56,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 
 __all__ = ["as_one_cuda_gpu"]
@@ -411,10 +412,16 @@ def as_one_cuda_gpu(gpu: GpuSpec | None = None, *, lands_on: str | None = None) 
         lands_on: where CUDA tensors are put: ``"meta"``, or ``"cpu"``, the fake device of a
             distributed recording (module docstring); ``None`` means an enclosing block's
             choice, else meta.
+
+    Raises:
+        ConfigError: ``lands_on`` is another device.
     """
     enclosing = _open_gpus[-1] if _open_gpus else (get_gpu("h100-sxm"), _META)
     if lands_on not in (None, "meta", "cpu"):
-        raise ValueError(f"lands_on must be 'meta' or 'cpu'; got {lands_on!r}")
+        raise ConfigError(
+            f"lands_on must be 'meta' or 'cpu' (a distributed recording's fake device); got "
+            f"{lands_on!r}. Example: as_one_cuda_gpu(gpu, lands_on='cpu')"
+        )
     device = enclosing[1] if lands_on is None else torch.device(lands_on)
     gpu = enclosing[0] if gpu is None else gpu
     _open_gpus.append((gpu, device))
