@@ -31,7 +31,9 @@ What it changes while open (all undone on exit):
   gradient and its optimizer state. While open, a move converts each tensor once and puts the
   one result back wherever the tensor was; and an optimizer built before the move (which CUDA's
   in-place ``param.data`` swap keeps pointing at the moved parameters) is pointed at the new
-  ones, its state with them.
+  ones, its state with them. A move that changes nothing (``model.to("cuda")`` of a model already
+  there) leaves the module as it is, as CUDA's ``param.data = param`` does; torch's ``_apply``
+  would swap a FakeTensor parameter for itself, which fails.
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
