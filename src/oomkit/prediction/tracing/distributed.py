@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,
     sharding_propagation_untraced,
 )
+from oomkit.prediction.tracing.cuda_ranks import as_cuda_rank
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
@@ -309,8 +311,10 @@ def trace_distributed_step(
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
+    # Code written for torchrun on CUDA runs as rank 0 of the fake group (cuda_ranks.py).
+    cuda_rank = functools.partial(as_cuda_rank, world_size, gpu=tracer.gpu)
     with group as mesh, FakeTensorMode(), ddp.installed():
-        with _ddp_constructed_under_the_recorder() as deferred:
+        with _ddp_constructed_under_the_recorder() as deferred, cuda_rank():
             step_fn, track, *setup = build(mesh)
         setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
@@ -318,7 +322,7 @@ def trace_distributed_step(
             roles = FsdpBufferRoles(tracer).installed()
             with tracer, streams.installed(), roles, sharding_propagation_untraced():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
-                with cuda_optimizer_defaults("cpu"):
+                with cuda_optimizer_defaults("cpu"), cuda_rank():
                     tracer.track(track)
                     for run_setup in setup:
                         run_setup()  # before step 0: DDP's constructor (fake_ddp.py)
