@@ -10,6 +10,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+from oomkit.core.gpus.nccl import NcclSettings
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.scenario.model import ParallelSection, TargetSection
 
@@ -17,6 +18,7 @@ __all__ = [
     "installed_torch_version",
     "layout_of",
     "module_loading_from",
+    "nccl_settings_of",
     "target_of",
 ]
 
@@ -84,4 +86,21 @@ def target_of(
         cuda_module_loading=section.cuda_module_loading,
     )
     layout = layout_of(parallel)
-    return target if layout is None else dataclasses.replace(target, parallel=layout)
+    if layout is None:
+        return target
+    return dataclasses.replace(target, parallel=layout, nccl=nccl_settings_of(parallel))
+
+
+def nccl_settings_of(parallel: ParallelSection | None) -> NcclSettings | None:
+    """The NCCL environment the ``parallel`` section states; ``None`` when it states none."""
+    if parallel is None:
+        return None
+    stated = {
+        "buffsize_bytes": parallel.nccl_buffsize,
+        "nvls_enable": parallel.nccl_nvls_enable,
+        "ring_channels": parallel.nccl_ring_channels,
+        "avoid_record_streams": parallel.torch_nccl_avoid_record_streams,
+        "gpus_per_node": parallel.gpus_per_node,
+    }
+    given = {name: value for name, value in stated.items() if value is not None}
+    return NcclSettings(**given) if given else None

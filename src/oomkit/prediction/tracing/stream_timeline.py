@@ -1,0 +1,237 @@
+"""The GPU's timeline of collectives: which frees wait on the GPU, and the range that makes.
+
+PyTorch's caching allocator decides on the CPU, in program order: ``malloc`` and ``free`` run when
+Python calls them, however far the GPU trails. A freed block is reusable at once by its own
+stream (the stream's order protects it), so for memory only the frees that wait on a *CUDA
+event* depend on the GPU's timing: blocks another stream used through ``record_stream``, whose
+free records an event on that stream and completes when ``process_events`` finds it done
+(CUDACachingAllocator.cpp ``free`` -> ``insert_events``; ``malloc`` -> ``process_events``).
+
+What FSDP2 and ProcessGroupNCCL do about it:
+
+- FSDP2 never calls ``record_stream``; it keeps Python references and waits on events instead
+  (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, "[Note: Overlapping all-gather
+  copy-in and all-gather]": ``comm_ctx.all_gather_state`` holds the previous all-gather output
+  until the next copy-in; ``reduce_scatter_states`` holds the reduce-scatter input until the next
+  group's ``post_backward``). Those frees happen where the recorder sees them.
+- ProcessGroupNCCL before torch 2.8 ran even ``async_op=False`` collectives on its internal NCCL
+  stream and called ``recordStream(ncclStream)`` on every input and output
+  (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp ``collective``: "Both inputs and outputs
+  are created on a worker stream and used in different ncclStreams. Hence, both must record the
+  ncclStream"), unless ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``. From 2.8 it launches them on the
+  current stream and uses no ``record_stream`` (pytorch/pytorch#148590, "[PGNCCL] Launch kernel
+  on current stream & remove record_stream entirely", kept out of 2.7 by #150352).
+
+So with torch 2.8 and later the allocator sees the same requests in the same order whether the
+GPU keeps up or not: the two ends of the range are one figure. Before 2.8, a block a collective
+used is reusable only once the GPU passed the collective:
+
+- lower end (the GPU keeps up): its event is done by the next ``malloc``: the recorded order.
+- upper end (the CPU far ahead, or collectives slow): the GPU trails the CPU by about a full
+  CUDA launch queue (:data:`GPU_LAG_ALLOCATIONS` requests), so the block comes back that many
+  allocations later, and at the latest at the end of the step.
+
+:class:`CollectiveUses` notes which allocations the ``torch.distributed`` collectives touch while
+a step is recorded; :func:`delayed_frees` moves their frees to the upper end's place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+from oomkit.core.allocator.versions import parse_torch_version
+from oomkit.core.target import Target
+from oomkit.core.trace import TraceEvent
+from oomkit.prediction.tracing.recorder import Tracer
+from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.storages import tensor_storage
+
+__all__ = [
+    "COLLECTIVE_FUNCTIONS",
+    "GPU_LAG_ALLOCATIONS",
+    "CollectiveUses",
+    "delayed_frees",
+    "records_nccl_stream",
+    "timing_note",
+    "with_timeline",
+]
+
+# How far a CPU that runs ahead can be: the CUDA launch queue holds about 1024 pending kernel
+# launches before cudaLaunchKernel blocks the CPU (not documented by CUDA; the figure NVIDIA's
+# engineers give on its developer forums). A recorded allocation stands for one kernel (most
+# allocating ops launch one), so the upper end lets a freed block come back 1024 allocations
+# after its free: at least as late as a full launch queue allows.
+GPU_LAG_ALLOCATIONS = 1024
+
+# The torch.distributed functions whose tensors ProcessGroupNCCL records on its stream (before
+# 2.8): FSDP2's all-gather / reduce-scatter (_fsdp_collectives.py DefaultAllGather,
+# DefaultReduceScatter: all_gather_single / reduce_scatter_single), HSDP's all_reduce, and the
+# tensor forms other code calls.
+COLLECTIVE_FUNCTIONS = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+)
+
+# torch before this records the NCCL stream on collectives' tensors (see the module doc).
+_NO_RECORD_STREAM_FROM = (2, 8)
+_DEVICE_TYPE = "meta"  # the recorder's storages stand for CUDA memory on meta (storages.py)
+
+
+def records_nccl_stream(torch_version: str | None, avoid_record_streams: bool | None) -> bool:
+    """Whether ProcessGroupNCCL of ``torch_version`` calls ``record_stream`` on collectives'
+    tensors (``None``: the newest release, which does not)."""
+    if torch_version is None or avoid_record_streams:
+        return False
+    return parse_torch_version(torch_version)[:2] < _NO_RECORD_STREAM_FROM
+
+
+class CollectiveUses:
+    """Notes the allocations that ``torch.distributed`` collectives read or write.
+
+    Args:
+        tracer: the recorder whose allocations are noted (by recording id).
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        self.ids: set[int] = set()
+        self.calls = 0
+
+    def _note(self, value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                self._note(item)
+            return
+        storage = tensor_storage(value, _DEVICE_TYPE)
+        if storage is None:
+            return
+        # The recorder's storage table (storages.py): the allocation this storage is bound to.
+        alloc = self._tracer._table.lookup(storage)
+        if alloc is not None:
+            self.ids.add(alloc.alloc_id)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """While open, each collective in :data:`COLLECTIVE_FUNCTIONS` notes its tensors."""
+        import torch.distributed as dist
+
+        originals = {name: getattr(dist, name) for name in COLLECTIVE_FUNCTIONS if hasattr(dist, name)}
+        uses = self
+
+        def wrap(original: Any) -> Any:
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                uses.calls += 1
+                uses._note(list(args))
+                uses._note(list(kwargs.values()))
+                return original(*args, **kwargs)
+
+            return collective
+
+        for name, original in originals.items():
+            setattr(dist, name, wrap(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+
+
+def delayed_frees(
+    events: Sequence[TraceEvent],
+    step_starts: Sequence[int],
+    ids: Collection[int],
+    lag_allocations: int = GPU_LAG_ALLOCATIONS,
+) -> tuple[TraceEvent, ...]:
+    """``events`` with each free of an id in ``ids`` moved ``lag_allocations`` allocations later.
+
+    A moved free (its ``free_requested`` and ``free_completed``) goes right after the
+    ``lag_allocations``-th ``alloc`` that follows it, or at the end of its step where the step
+    has fewer: no event leaves its step, so ``step_starts`` stay valid. ``lag_allocations=0``
+    gives ``events`` unchanged.
+
+    Args:
+        events: a recording's events (request-only: each free is a ``free_requested`` directly
+            followed by its ``free_completed``).
+        step_starts: index of each step's first event.
+        ids: allocation ids whose frees wait on the GPU.
+        lag_allocations: how many allocations the GPU trails the CPU by.
+
+    Returns:
+        The events in their new order (the same event objects).
+
+    Raises:
+        ValueError: ``lag_allocations`` is negative.
+    """
+    if lag_allocations < 0:
+        raise ValueError(f"lag_allocations must be at least 0; got {lag_allocations}")
+    if not ids or lag_allocations == 0:
+        return tuple(events)
+    bounds = sorted({0, *step_starts, len(events)})
+    out: list[TraceEvent] = []
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        waiting: deque[tuple[int, TraceEvent]] = deque()  # (alloc count due, event)
+        allocs = 0
+        for event in events[start:stop]:
+            action = event.action
+            if action in ("free_requested", "free_completed") and event.address in ids:
+                waiting.append((allocs + lag_allocations, event))
+                continue
+            out.append(event)
+            if action == "alloc":
+                allocs += 1
+                while waiting and waiting[0][0] <= allocs:
+                    out.append(waiting.popleft()[1])
+        out.extend(event for _, event in waiting)
+    return tuple(out)
+
+
+def timing_note(torch_version: str | None, recorded: bool, collective_allocations: int) -> str:
+    """What the prediction says about the GPU's timeline of collectives, in words."""
+    if not recorded:
+        return (
+            "collectives and the GPU's timing: the caching allocator sees the same requests "
+            "however far the CPU runs ahead: FSDP2 holds references rather than record_stream "
+            "(_fsdp_param_group.py), and ProcessGroupNCCL of torch "
+            f"{torch_version or '2.8+'} runs async_op=False collectives on the current stream "
+            "without record_stream (pytorch/pytorch#148590), so the range is one figure"
+        )
+    return (
+        f"collectives and the GPU's timing: torch {torch_version}'s ProcessGroupNCCL calls "
+        f"record_stream on the {collective_allocations} allocation(s) collectives used, so each "
+        "is reusable only once the GPU passed its collective; the lower end assumes the GPU "
+        "keeps up (reusable by the next request), the upper end a GPU that trails by a full "
+        f"launch queue ({GPU_LAG_ALLOCATIONS} allocations, at most to the step's end); the "
+        "verdict uses the lower end: near capacity the allocator synchronizes and reuses those "
+        "blocks (CUDACachingAllocator.cpp malloc -> release_cached_blocks -> "
+        "synchronize_and_free_events)"
+    )
+
+
+def with_timeline(
+    recording: TraceRecording, uses: CollectiveUses, target: Target | None
+) -> TraceRecording:
+    """``recording`` with its upper end (where timing matters on ``target``) and its note.
+
+    Args:
+        recording: a distributed step's recording (its events in the recorded order: the
+            lower end).
+        uses: what the collectives used while it was recorded.
+        target: the machine; its torch version and ``nccl.avoid_record_streams`` say whether
+            ProcessGroupNCCL records its stream (``None``: the newest torch, which does not).
+    """
+    version = None if target is None else target.torch_version
+    nccl = None if target is None else target.nccl
+    recorded = records_nccl_stream(version, None if nccl is None else nccl.avoid_record_streams)
+    upper = None
+    if recorded and uses.ids:
+        upper = delayed_frees(recording.events, recording.step_starts, uses.ids)
+    note = timing_note(version, recorded, len(uses.ids))
+    return dataclasses.replace(recording, upper_end_events=upper, timing_note=note)
