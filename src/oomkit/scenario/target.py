@@ -95,12 +95,15 @@ def nccl_settings_of(parallel: ParallelSection | None) -> NcclSettings | None:
     """The NCCL environment the ``parallel`` section states; ``None`` when it states none."""
     if parallel is None:
         return None
-    stated = {
-        "buffsize_bytes": parallel.nccl_buffsize,
-        "nvls_enable": parallel.nccl_nvls_enable,
-        "ring_channels": parallel.nccl_ring_channels,
-        "avoid_record_streams": parallel.torch_nccl_avoid_record_streams,
-        "gpus_per_node": parallel.gpus_per_node,
-    }
-    given = {name: value for name, value in stated.items() if value is not None}
-    return NcclSettings(**given) if given else None
+    p = parallel
+    stated = (p.nccl_buffsize, p.nccl_nvls_enable, p.nccl_ring_channels,
+              p.torch_nccl_avoid_record_streams, p.gpus_per_node)
+    if all(value is None for value in stated):
+        return None
+    return NcclSettings(
+        buffsize_bytes=p.nccl_buffsize,
+        nvls_enable=p.nccl_nvls_enable,
+        ring_channels=p.nccl_ring_channels,
+        avoid_record_streams=p.torch_nccl_avoid_record_streams,
+        gpus_per_node=8 if p.gpus_per_node is None else p.gpus_per_node,
+    )
