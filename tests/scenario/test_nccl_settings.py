@@ -22,9 +22,9 @@ def test_nccl_fields_reach_the_target_and_its_nccl_bytes() -> None:
     scenario = _scenario({"fsdp": 8, "nccl_buffsize": "1MiB", "nccl_nvls_enable": False})
     target = target_of(scenario.target, scenario.parallel)  # type: ignore[attr-defined]
     assert target.nccl == NcclSettings(buffsize_bytes=MIB, nvls_enable=False)
-    memory = nccl_of(target)
+    memory, counted_bytes = nccl_of(target)
     assert memory is not None
-    assert memory.total_bytes == 32 * (2 * MIB + 6 * MIB)
+    assert memory.total_bytes == counted_bytes == 32 * (2 * MIB + 6 * MIB)
 
 
 def test_no_nccl_field_means_nccls_defaults() -> None:
@@ -32,8 +32,20 @@ def test_no_nccl_field_means_nccls_defaults() -> None:
     scenario = _scenario({"fsdp": 8})
     assert nccl_settings_of(scenario.parallel) is None  # type: ignore[attr-defined]
     target = target_of(scenario.target, scenario.parallel)  # type: ignore[attr-defined]
-    memory = nccl_of(target)
+    memory, _ = nccl_of(target)
     assert memory is not None and memory.total_bytes == 640 * MIB
+
+
+def test_context_overhead_given_includes_nccl() -> None:
+    """--context-overhead states all memory outside PyTorch: NCCL is listed, not taken again."""
+    scenario = scenario_from_data(
+        {"model": {"preset": "llama3-8b"}, "parallel": {"fsdp": 8},
+         "target": {"context_overhead_bytes": "1GiB"}}
+    )
+    target = target_of(scenario.target, scenario.parallel)
+    memory, counted_bytes = nccl_of(target)
+    assert memory is not None and memory.total_bytes == 640 * MIB
+    assert counted_bytes == 0
 
 
 def test_bad_nccl_channels_name_the_field() -> None:

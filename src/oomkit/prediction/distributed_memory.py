@@ -38,7 +38,8 @@ class DistributedMemory:
     Attributes:
         outside_lines: ``(what, bytes, source)`` of each block of memory outside PyTorch's
             allocator: the CUDA context, then NCCL's buffers per communicator.
-        nccl_bytes: the NCCL lines' sum (0: no communicator, or one rank).
+        nccl_bytes: the NCCL lines' sum (0: no communicator, or one rank); it comes off the
+            usable bytes unless ``--context-overhead`` stated all memory outside PyTorch.
         nccl_notes: where the NCCL figure may differ from a real run.
         reserved_range_bytes: peak reserved, ``(lower, upper)``: the GPU keeps up, or trails
             the CPU by a launch queue (equal where timing changes nothing). The lower end is the
@@ -76,15 +77,21 @@ class DistributedMemory:
         return out
 
 
-def nccl_of(target: Target | None) -> NcclMemory | None:
-    """NCCL's device memory on rank 0 of ``target``'s layout; ``None`` for one GPU."""
+def nccl_of(target: Target | None) -> tuple[NcclMemory | None, int]:
+    """NCCL's device memory on rank 0 of ``target``'s layout (``None`` for one GPU), and the
+    bytes of it that come off what the allocator may reserve.
+
+    Those are all of it, unless the caller stated the memory outside PyTorch itself
+    (``--context-overhead``: ``Target.cuda_context`` is then ``None``), which then includes it.
+    """
     if target is None or target.parallel is None or target.parallel.world_size < 2:
-        return None
+        return None, 0
     sizes, names = target.parallel.mesh_shape
     settings = target.nccl
     per_node = 8 if settings is None else settings.gpus_per_node
     comms = communicators_of(tuple(zip(names, sizes, strict=True)), per_node)
-    return nccl_memory(comms, target.gpu, settings)
+    memory = nccl_memory(comms, target.gpu, settings)
+    return memory, memory.total_bytes if target.cuda_context is not None else 0
 
 
 def distributed_memory(
@@ -106,11 +113,16 @@ def distributed_memory(
     note = getattr(recording, "timing_note", None)
     if nccl is None and note is None:
         return None
-    outside: list[tuple[str, int, str]] = [
-        ("CUDA context", target.context_overhead_bytes, target.context_description)
-    ]
+    given = target.cuda_context is None  # --context-overhead: all memory outside PyTorch
+    context = "as given (--context-overhead), NCCL included" if given else (
+        "core/gpus/overhead.py cuda_context"
+    )
+    outside: list[tuple[str, int, str]] = [("CUDA context", target.context_overhead_bytes, context)]
     if nccl is not None:
-        outside.extend(nccl.lines)
+        outside.extend(
+            (f"{what} (within the --context-overhead given)" if given else what, n, source)
+            for what, n, source in nccl.lines
+        )
     reserved = allocated = None
     if note is not None:
         reserved = (lower_reserved_bytes, lower_reserved_bytes)

@@ -254,16 +254,16 @@ def predict_recording(
     spec, config, torch_version = target.gpu, target.allocator_config, target.torch_version
     events = recording.events
     step_starts = tuple(recording.step_starts)
-    nccl = nccl_of(target)  # NCCL's buffers: outside the allocator, as the CUDA context
+    nccl, nccl_bytes = nccl_of(target)  # NCCL's buffers: outside the allocator, as the context
     replay = replay_for_prediction(
         events,
         step_starts,
         config,
         capacity_bytes=spec.total_memory_bytes,
-        reserved_outside_bytes=spec.context_overhead_bytes + (nccl.total_bytes if nccl else 0),
+        reserved_outside_bytes=spec.context_overhead_bytes + nccl_bytes,
         torch_version=torch_version,
     )
-    usable = spec.usable_bytes() - (nccl.total_bytes if nccl else 0)
+    usable = spec.usable_bytes() - nccl_bytes
     at_alloc = _breakdown(
         events,
         step_starts,
