@@ -259,6 +259,10 @@ def nccl_memory(
             "sm90 GPUs (give a catalog GPU to refine it)"
         )
     notes.append(
+        "NCCL before 2.22 (NCCL_RUNTIME_CONNECT absent: torch 2.6 and older bundle 2.21) connects "
+        "its tree channels at init as well: up to about the ring figure again per communicator"
+    )
+    notes.append(
         "not counted: NCCL's per-communicator bookkeeping (device communicator, work FIFO: "
         "host memory by default) of a few MiB, and split communicators that share buffers "
         "(NCCL_COMM_SPLIT_SHARE_RESOURCES)"
