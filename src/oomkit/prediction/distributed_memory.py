@@ -8,8 +8,8 @@ Two things a distributed step holds that one replay of its recording does not sa
 - **The GPU's timing of collectives** (``prediction/tracing/stream_timeline.py``): where frees
   wait on a collective's event (ProcessGroupNCCL's ``record_stream`` before torch 2.8), the peak
   reserved depends on how far the GPU trails the CPU: a range, lower end (the GPU keeps up: the
-  recorded order) to upper end (the recording's ``upper_end_events``). The verdict uses the
-  lower end.
+  recorded order) to upper end (the frees of the recording's ``collective_ids`` moved a launch
+  queue later: ``core/trace/delayed_frees.py``). The verdict uses the lower end.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomkit.core.gpus.nccl import NcclMemory, communicators_of, nccl_memory
 from oomkit.core.target import Target
+from oomkit.core.trace.delayed_frees import delayed_frees
 from oomkit.prediction._replay import replay_for_prediction
 from oomkit.units import format_bytes
 
@@ -104,7 +105,7 @@ def distributed_memory(
     """The record for a prediction of ``recording`` on ``target``; ``None`` for a one-GPU step.
 
     Args:
-        recording: the recording (``upper_end_events`` and ``timing_note`` are read if there).
+        recording: the recording (``collective_ids`` and ``timing_note`` are read if there).
         target: the machine (its allocator settings and torch version replay the upper end).
         nccl: what :func:`nccl_of` gave for it.
         lower_reserved_bytes: the replay's peak reserved (the required bytes where it OOMs).
@@ -127,13 +128,15 @@ def distributed_memory(
     if note is not None:
         reserved = (lower_reserved_bytes, lower_reserved_bytes)
         allocated = (lower_allocated_bytes, lower_allocated_bytes)
-        upper_events = getattr(recording, "upper_end_events", None)
-        if upper_events is not None:
+        ids = getattr(recording, "collective_ids", None)
+        if ids:
+            step_starts = tuple(recording.step_starts)
+            upper_events = delayed_frees(recording.events, step_starts, ids)
             # Unlimited capacity: at the upper end a real allocator near capacity would
             # synchronize and reuse the waiting blocks; this says how high reserved may go.
             upper = replay_for_prediction(
                 upper_events,
-                tuple(recording.step_starts),
+                step_starts,
                 target.allocator_config,
                 capacity_bytes=_UNLIMITED_BYTES,
                 reserved_outside_bytes=0,

@@ -10,15 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.target import ParallelLayout, Target
-from oomkit.core.trace import TraceEvent
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.tracing.distributed import trace_distributed_step
 from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.stream_timeline import (
-    GPU_LAG_ALLOCATIONS,
-    delayed_frees,
-    records_nccl_stream,
-)
+from oomkit.prediction.tracing.stream_timeline import records_nccl_stream
 
 torch = pytest.importorskip("torch")
 
@@ -114,7 +109,7 @@ def test_forward_prefetch_holds_three_unsharded_blocks(
 def test_new_torch_range_is_one_figure(new_torch: tuple[TraceRecording, Prediction]) -> None:
     """torch 2.8+: no record_stream, so both ends of the range are the recorded figure."""
     recording, prediction = new_torch
-    assert recording.upper_end_events is None
+    assert recording.collective_ids is None
     assert prediction.distributed is not None
     low = prediction.peak_reserved_bytes
     assert prediction.distributed.reserved_range_bytes == (low, low)
@@ -160,24 +155,6 @@ def test_avoid_record_streams_makes_old_torch_timing_free() -> None:
     assert not records_nccl_stream(None, None)
 
 
-def _event(action: str, address: int) -> TraceEvent:
-    return TraceEvent(action, address, 512)
-
-
-def test_delayed_frees_move_after_the_lagged_alloc_within_the_step() -> None:
-    """A free of a collective's block goes after the lag-th next alloc, never past its step."""
-    a, fr, fc = "alloc", "free_requested", "free_completed"
-    events = [_event(a, 1), _event(fr, 1), _event(fc, 1), _event(a, 2), _event(a, 3),
-              _event(a, 4), _event(a, 5), _event(fr, 5), _event(fc, 5), _event(a, 6)]
-    moved = delayed_frees(events, [0, 6], {1, 5}, lag_allocations=2)
-    assert [(e.action, e.address) for e in moved] == [
-        (a, 1), (a, 2), (a, 3), (fr, 1), (fc, 1), (a, 4), (a, 5), (a, 6), (fr, 5), (fc, 5)
-    ]
-    assert delayed_frees(events, [0], {1, 5}, lag_allocations=0) == tuple(events)
-    with pytest.raises(ValueError, match="at least 0"):
-        delayed_frees(events, [0], {1}, lag_allocations=-1)
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(blocks=st.integers(min_value=1, max_value=3), dim=st.sampled_from([512, 1536, 2048, 3072]))
 def test_upper_end_at_least_lower_end_at_least_at_once(blocks: int, dim: int) -> None:
@@ -185,9 +162,8 @@ def test_upper_end_at_least_lower_end_at_least_at_once(blocks: int, dim: int) ->
     recording, target = _record("2.5", blocks, dim)
     prediction = predict_recording(recording, target=target)
     at_once = predict_recording(
-        dataclasses.replace(recording, upper_end_events=None, timing_note=None), target=target
+        dataclasses.replace(recording, collective_ids=None, timing_note=None), target=target
     )
     assert prediction.distributed is not None
     low, high = prediction.distributed.reserved_range_bytes or (0, 0)
     assert high >= low >= at_once.peak_reserved_bytes
-    assert GPU_LAG_ALLOCATIONS == 1024

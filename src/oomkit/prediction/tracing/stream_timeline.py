@@ -32,20 +32,20 @@ used is reusable only once the GPU passed the collective:
   allocations later, and at the latest at the end of the step.
 
 :class:`CollectiveUses` notes which allocations the ``torch.distributed`` collectives touch while
-a step is recorded; :func:`delayed_frees` moves their frees to the upper end's place.
+a step is recorded; the recording carries them (``TraceRecording.collective_ids``), and the
+prediction replays the upper end with their frees moved (``core/trace/delayed_frees.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from oomkit.core.allocator.versions import parse_torch_version
 from oomkit.core.target import Target
-from oomkit.core.trace import TraceEvent
+from oomkit.core.trace.delayed_frees import GPU_LAG_ALLOCATIONS
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
 from oomkit.prediction.tracing.storages import tensor_storage
@@ -54,18 +54,10 @@ __all__ = [
     "COLLECTIVE_FUNCTIONS",
     "GPU_LAG_ALLOCATIONS",
     "CollectiveUses",
-    "delayed_frees",
     "records_nccl_stream",
     "timing_note",
     "with_timeline",
 ]
-
-# How far a CPU that runs ahead can be: the CUDA launch queue holds about 1024 pending kernel
-# launches before cudaLaunchKernel blocks the CPU (not documented by CUDA; the figure NVIDIA's
-# engineers give on its developer forums). A recorded allocation stands for one kernel (most
-# allocating ops launch one), so the upper end lets a freed block come back 1024 allocations
-# after its free: at least as late as a full launch queue allows.
-GPU_LAG_ALLOCATIONS = 1024
 
 # The torch.distributed functions whose tensors ProcessGroupNCCL records on its stream (before
 # 2.8): FSDP2's all-gather / reduce-scatter (_fsdp_collectives.py DefaultAllGather,
@@ -144,55 +136,6 @@ class CollectiveUses:
                 setattr(dist, name, original)
 
 
-def delayed_frees(
-    events: Sequence[TraceEvent],
-    step_starts: Sequence[int],
-    ids: Collection[int],
-    lag_allocations: int = GPU_LAG_ALLOCATIONS,
-) -> tuple[TraceEvent, ...]:
-    """``events`` with each free of an id in ``ids`` moved ``lag_allocations`` allocations later.
-
-    A moved free (its ``free_requested`` and ``free_completed``) goes right after the
-    ``lag_allocations``-th ``alloc`` that follows it, or at the end of its step where the step
-    has fewer: no event leaves its step, so ``step_starts`` stay valid. ``lag_allocations=0``
-    gives ``events`` unchanged.
-
-    Args:
-        events: a recording's events (request-only: each free is a ``free_requested`` directly
-            followed by its ``free_completed``).
-        step_starts: index of each step's first event.
-        ids: allocation ids whose frees wait on the GPU.
-        lag_allocations: how many allocations the GPU trails the CPU by.
-
-    Returns:
-        The events in their new order (the same event objects).
-
-    Raises:
-        ValueError: ``lag_allocations`` is negative.
-    """
-    if lag_allocations < 0:
-        raise ValueError(f"lag_allocations must be at least 0; got {lag_allocations}")
-    if not ids or lag_allocations == 0:
-        return tuple(events)
-    bounds = sorted({0, *step_starts, len(events)})
-    out: list[TraceEvent] = []
-    for start, stop in zip(bounds, bounds[1:], strict=False):
-        waiting: deque[tuple[int, TraceEvent]] = deque()  # (alloc count due, event)
-        allocs = 0
-        for event in events[start:stop]:
-            action = event.action
-            if action in ("free_requested", "free_completed") and event.address in ids:
-                waiting.append((allocs + lag_allocations, event))
-                continue
-            out.append(event)
-            if action == "alloc":
-                allocs += 1
-                while waiting and waiting[0][0] <= allocs:
-                    out.append(waiting.popleft()[1])
-        out.extend(event for _, event in waiting)
-    return tuple(out)
-
-
 def timing_note(torch_version: str | None, recorded: bool, collective_allocations: int) -> str:
     """What the prediction says about the GPU's timeline of collectives, in words."""
     if not recorded:
@@ -230,8 +173,6 @@ def with_timeline(
     version = None if target is None else target.torch_version
     nccl = None if target is None else target.nccl
     recorded = records_nccl_stream(version, None if nccl is None else nccl.avoid_record_streams)
-    upper = None
-    if recorded and uses.ids:
-        upper = delayed_frees(recording.events, recording.step_starts, uses.ids)
+    ids = frozenset(uses.ids) if recorded and uses.ids else None
     note = timing_note(version, recorded, len(uses.ids))
-    return dataclasses.replace(recording, upper_end_events=upper, timing_note=note)
+    return dataclasses.replace(recording, collective_ids=ids, timing_note=note)
