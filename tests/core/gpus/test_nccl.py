@@ -111,7 +111,7 @@ def test_bad_settings_are_refused(kwargs: dict[str, int], match: str) -> None:
 def test_ring_bytes_are_whole_ipc_pages_and_grow_with_the_buffer(
     buffsize: int, channels: int, ranks: int
 ) -> None:
-    """Every line is a multiple of 2 MiB (CUDA_IPC_MIN), and a bigger NCCL_BUFFSIZE never shrinks it."""
+    """Lines are whole 2 MiB pages (CUDA_IPC_MIN); a bigger NCCL_BUFFSIZE never shrinks them."""
     comm = (NcclCommunicator("fsdp", ranks, min(ranks, 8)),)
     small = nccl_memory(comm, get_gpu("h100"), NcclSettings(buffsize, False, channels))
     big = nccl_memory(comm, get_gpu("h100"), NcclSettings(buffsize + MIB, False, channels))

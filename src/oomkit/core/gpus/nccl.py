@@ -213,10 +213,8 @@ def nccl_memory(
     # p2p.cc p2pSendSetup / p2pRecvSetup, P2P read (NVLink, sm80+): SIMPLE on the send side.
     read = nvswitch and cc >= (8, 0)
     send = _align(_CONNECTION_HEADER_BYTES + (simple if read else 0), _IPC_ALIGN_BYTES)
-    recv = _align(
-        _CONNECTION_HEADER_BYTES + LL_BUFFSIZE_BYTES + LL128_BUFFSIZE_BYTES + (0 if read else simple),
-        _IPC_ALIGN_BYTES,
-    )
+    low_latency = LL_BUFFSIZE_BYTES + LL128_BUFFSIZE_BYTES
+    recv = _align(_CONNECTION_HEADER_BYTES + low_latency + (0 if read else simple), _IPC_ALIGN_BYTES)
     lines: list[tuple[str, int, str]] = []
     for comm in communicators:
         if comm.ranks < 2:

@@ -317,8 +317,8 @@ def trace_distributed_step(
         setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
         try:
-            roles = FsdpBufferRoles(tracer).installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced(), uses.installed():
+            roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
+            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted:
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"):
                     tracer.track(track)

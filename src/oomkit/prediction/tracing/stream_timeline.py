@@ -115,7 +115,8 @@ class CollectiveUses:
         """While open, each collective in :data:`COLLECTIVE_FUNCTIONS` notes its tensors."""
         import torch.distributed as dist
 
-        originals = {name: getattr(dist, name) for name in COLLECTIVE_FUNCTIONS if hasattr(dist, name)}
+        names = [name for name in COLLECTIVE_FUNCTIONS if hasattr(dist, name)]
+        originals = {name: getattr(dist, name) for name in names}
         uses = self
 
         def wrap(original: Any) -> Any:
