@@ -167,3 +167,55 @@ def test_upper_end_at_least_lower_end_at_least_at_once(blocks: int, dim: int) ->
     assert prediction.distributed is not None
     low, high = prediction.distributed.reserved_range_bytes or (0, 0)
     assert high >= low >= at_once.peak_reserved_bytes
+
+
+def _tp_build(dim: int, rows: int) -> Any:
+    def build(mesh: Any) -> tuple[Any, ...]:
+        from torch import nn
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        model = nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        x = torch.randn(rows, dim)
+
+        def step() -> None:
+            model(x).sum().backward()
+
+        return step, (model, x)
+
+    return build
+
+
+@pytest.mark.parametrize("torch_version", ["2.13", "2.5"])
+def test_tensor_parallel_all_reduce_waits_on_old_torch(torch_version: str) -> None:
+    """TP 2, torch 2.5: the row-wise all-reduce's input and output wait on NCCL's stream, so
+    the upper end holds both (2 x 32 KiB) to the step's end; torch 2.13: one figure."""
+    dim, rows = 1024, 8
+    target = dataclasses.replace(
+        Target.resolve("h100", torch_version=torch_version), parallel=ParallelLayout(tp=2)
+    )
+    recording = trace_distributed_step(
+        _tp_build(dim, rows), world_size=2, target=target, emulations={},
+        mesh_shape=((2,), ("tp",)),
+    )
+    prediction = predict_recording(recording, target=target)
+    shard = dim * 4 * dim * 4 // 2  # each weight's TP shard, 8 MiB
+    x = rows * dim * 4  # the input, the partial sum and the all-reduced output: 32 KiB each
+    hidden_grad = rows * (4 * dim // 2) * 4  # the column-sharded hidden's gradient, 64 KiB
+    # Peak at the second weight gradient: two weights, two weight gradients, the input, the
+    # hidden's gradient, the loss and its ones_like.
+    lower = 4 * shard + x + hidden_grad + 2 * SCALAR
+    assert prediction.distributed is not None
+    if torch_version == "2.13":
+        assert recording.collective_ids is None
+        assert prediction.distributed.allocated_range_bytes == (lower, lower)
+        return
+    reduced = [e for e in recording.events if e.tag("op") == "_c10d_functional.all_reduce.default"]
+    assert len(reduced) == 1
+    partial = [e for e in recording.events if e.action == "alloc" and e.size == x][1]
+    assert recording.collective_ids == {partial.address, reduced[0].address}
+    assert prediction.distributed.allocated_range_bytes == (lower, lower + 2 * x)

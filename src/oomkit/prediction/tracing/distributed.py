@@ -304,13 +304,15 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
+    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}
+    uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
+    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu)
+    uses.attach(tracer)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
-    uses = CollectiveUses(tracer)  # the GPU's timeline of collectives (stream_timeline.py)
     with group as mesh, FakeTensorMode(), ddp.installed():
         with _ddp_constructed_under_the_recorder() as deferred:
             step_fn, track, *setup = build(mesh)

@@ -40,18 +40,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from oomkit.core.allocator.versions import parse_torch_version
 from oomkit.core.target import Target
 from oomkit.core.trace.delayed_frees import GPU_LAG_ALLOCATIONS
+from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
 from oomkit.prediction.tracing.storages import tensor_storage
 
 __all__ = [
     "COLLECTIVE_FUNCTIONS",
+    "FUNCTIONAL_COLLECTIVES",
     "GPU_LAG_ALLOCATIONS",
     "CollectiveUses",
     "records_nccl_stream",
@@ -72,6 +74,24 @@ COLLECTIVE_FUNCTIONS = (
     "broadcast",
 )
 
+# DTensor's collectives (torch/distributed/_functional_collectives.py: torch.ops._c10d_functional):
+# ProcessGroupNCCL ran them as async work on its stream, and before 2.8 recorded that stream on
+# their inputs and outputs too (torch/csrc/distributed/c10d/Functional.cpp -> the process group).
+FUNCTIONAL_COLLECTIVES = tuple(
+    f"_c10d_functional.{name}.default"
+    for name in (
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_to_all_single",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+    )
+)
+_WAIT_TENSOR = "_c10d_functional.wait_tensor.default"
+
 # torch before this records the NCCL stream on collectives' tensors (see the module doc).
 _NO_RECORD_STREAM_FROM = (2, 8)
 _DEVICE_TYPE = "meta"  # the recorder's storages stand for CUDA memory on meta (storages.py)
@@ -89,15 +109,42 @@ class CollectiveUses:
     """Notes the allocations that ``torch.distributed`` collectives read or write.
 
     Args:
-        tracer: the recorder whose allocations are noted (by recording id).
+        tracer: the recorder whose allocations are noted (by recording id); ``None``: given
+            later through :meth:`attach` (the recorder takes :meth:`emulations` when made).
     """
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
         self._tracer = tracer
         self.ids: set[int] = set()
         self.calls = 0
 
+    def attach(self, tracer: Tracer) -> None:
+        """Note the allocations of ``tracer``."""
+        self._tracer = tracer
+
+    def emulations(self, base: Mapping[str, OpEmulation]) -> dict[str, OpEmulation]:
+        """Emulations that note DTensor's functional collectives: their inputs when issued, and
+        their outputs at ``wait_tensor`` (recorded by then); each calls ``base``'s own first.
+
+        Args:
+            base: the emulations the recorder has otherwise (``COLLECTIVE_EMULATIONS``' own
+                ``wait_tensor``).
+        """
+
+        def noting(inner: OpEmulation | None) -> OpEmulation:
+            def emulation(ctx: EmulationContext) -> Any:
+                self.calls += 1
+                self._note(list(ctx.args))
+                return ctx.run() if inner is None else inner(ctx)
+
+            return emulation
+
+        names = (*FUNCTIONAL_COLLECTIVES, _WAIT_TENSOR)
+        return {name: noting(base.get(name)) for name in names}
+
     def _note(self, value: Any) -> None:
+        if self._tracer is None:
+            return
         if isinstance(value, (list, tuple)):
             for item in value:
                 self._note(item)
