@@ -91,6 +91,11 @@ FUNCTIONAL_COLLECTIVES = tuple(
     )
 )
 _WAIT_TENSOR = "_c10d_functional.wait_tensor.default"
+# Functional.cpp all_reduce / broadcast run on a clone of their input (``input.clone()``, then the
+# in-place collective): the process group sees only the output, noted at wait_tensor.
+_ON_A_CLONE = frozenset(
+    f"_c10d_functional.{name}.default" for name in ("all_reduce", "all_reduce_coalesced", "broadcast")
+)
 
 # torch before this records the NCCL stream on collectives' tensors (see the module doc).
 _NO_RECORD_STREAM_FROM = (2, 8)
@@ -123,24 +128,26 @@ class CollectiveUses:
         self._tracer = tracer
 
     def emulations(self, base: Mapping[str, OpEmulation]) -> dict[str, OpEmulation]:
-        """Emulations that note DTensor's functional collectives: their inputs when issued, and
-        their outputs at ``wait_tensor`` (recorded by then); each calls ``base``'s own first.
+        """Emulations that note DTensor's functional collectives: their inputs when issued
+        (except those that work on a clone), their outputs at ``wait_tensor`` (recorded by
+        then); then each runs ``base``'s own emulation, or the op.
 
         Args:
             base: the emulations the recorder has otherwise (``COLLECTIVE_EMULATIONS``' own
                 ``wait_tensor``).
         """
 
-        def noting(inner: OpEmulation | None) -> OpEmulation:
+        def noting(inner: OpEmulation | None, inputs: bool) -> OpEmulation:
             def emulation(ctx: EmulationContext) -> Any:
                 self.calls += 1
-                self._note(list(ctx.args))
+                if inputs:
+                    self._note(list(ctx.args))
                 return ctx.run() if inner is None else inner(ctx)
 
             return emulation
 
         names = (*FUNCTIONAL_COLLECTIVES, _WAIT_TENSOR)
-        return {name: noting(base.get(name)) for name in names}
+        return {name: noting(base.get(name), name not in _ON_A_CLONE) for name in names}
 
     def _note(self, value: Any) -> None:
         if self._tracer is None:
@@ -192,7 +199,8 @@ def timing_note(torch_version: str | None, recorded: bool, collective_allocation
             "however far the CPU runs ahead: FSDP2 holds references rather than record_stream "
             "(_fsdp_param_group.py), and ProcessGroupNCCL of torch "
             f"{torch_version or '2.8+'} runs async_op=False collectives on the current stream "
-            "without record_stream (pytorch/pytorch#148590), so the range is one figure"
+            "without record_stream and keeps async ones' tensors (DTensor's) to their wait, a "
+            "point of the program (pytorch/pytorch#148590), so the range is one figure"
         )
     return (
         f"collectives and the GPU's timing: torch {torch_version}'s ProcessGroupNCCL calls "
