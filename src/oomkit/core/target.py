@@ -24,6 +24,7 @@ from oomkit.core.gpus.cuda_versions import (
     installed_cuda_build,
     installed_torch_version,
 )
+from oomkit.core.gpus.nccl import NcclSettings
 from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, module_loading_for
 from oomkit.errors import ConfigError
 from oomkit.units import format_bytes
@@ -95,6 +96,8 @@ class Target:
         cuda_version_source: where ``cuda_version`` comes from, for reports.
         warnings: what may differ from the real machine (a torch version other than the
             installed one).
+        nccl: the NCCL environment of a multi-GPU job (``NCCL_BUFFSIZE``,
+            ``NCCL_NVLS_ENABLE``, ...); ``None``: NCCL's defaults.
     """
 
     gpu: GpuSpec
@@ -106,6 +109,7 @@ class Target:
     cuda_context: CudaContext | None = None
     cuda_version_source: str = "not stated"
     warnings: tuple[str, ...] = ()
+    nccl: NcclSettings | None = None
 
     @property
     def context_overhead_bytes(self) -> int:

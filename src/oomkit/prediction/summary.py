@@ -196,6 +196,8 @@ def prediction_summary(prediction: Prediction, rows: int = SUMMARY_ROWS) -> str:
     """
     p = prediction
     lines = [header_line(p), verdict_line(p)]
+    if p.distributed is not None:  # NCCL's buffers and the timing range (distributed_memory.py)
+        lines.extend(p.distributed.lines())
     if p.oom is not None:
         lines.append(f"  {p.oom.message.splitlines()[0] if p.oom.message else ''}".rstrip())
     at = p.peak_allocated_at

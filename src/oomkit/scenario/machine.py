@@ -102,6 +102,34 @@ class ParallelSection(_Section):
         description="DDP's gradient_as_bucket_view=True",
         json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
     )
+    # The job's NCCL environment where it changes memory (core/gpus/nccl.py); fields, no flags.
+    nccl_buffsize: Bytes | None = Field(
+        None,
+        description="NCCL_BUFFSIZE (default: NCCL's 4 MiB)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    nccl_nvls_enable: bool | None = Field(
+        None,
+        description="NCCL_NVLS_ENABLE (default: on where supported)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    nccl_ring_channels: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="NCCL ring channels (default: the GPU's estimate)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    torch_nccl_avoid_record_streams: bool | None = Field(
+        None,
+        description="TORCH_NCCL_AVOID_RECORD_STREAMS (torch before 2.8)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    gpus_per_node: Count | None = Field(
+        None,
+        description="GPUs per node, for NCCL (default 8)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
 
     @property
     def given(self) -> bool:

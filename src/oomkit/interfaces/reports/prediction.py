@@ -246,6 +246,11 @@ def render_prediction(
     console.print(header_line(p), markup=False)
     if p.target is not None and p.target.cuda_context is not None:
         console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
+    if p.distributed is not None:  # NCCL's buffers, the GPU's timing (distributed_memory.py)
+        for line in p.distributed.lines():
+            console.print(escape(line), soft_wrap=True, highlight=False)
+        for note in (*p.distributed.nccl_notes, *filter(None, [p.distributed.timing_note])):
+            console.print(f"[dim]note: {escape(note)}[/dim]", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at

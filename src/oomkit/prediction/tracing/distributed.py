@@ -46,6 +46,7 @@ from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.stream_timeline import CollectiveUses, with_timeline
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,12 +59,12 @@ __all__ = [
     "trace_distributed_step",
 ]
 
-# What the fake run leaves out, said with every distributed recording.
+# What the fake run leaves out, said with every distributed recording. (The GPU's timing of
+# collectives: stream_timeline.py, the recording's timing_note; NCCL's own buffers: the
+# prediction's lines outside the allocator, core/gpus/nccl.py.)
 _NOT_MODELLED = (
-    "distributed: rank 0 of a fake process group; the memory NCCL allocates for its "
-    "communicators (outside PyTorch's caching allocator, sized by NCCL at run time) is not "
-    "included; collectives complete at once, so frees that wait on a collective's event on a "
-    "real GPU happen at the same point of the Python program here"
+    "distributed: rank 0 of a fake process group; NCCL's buffers are outside PyTorch's "
+    "caching allocator (the prediction counts them apart where the target names the layout)"
 )
 
 
@@ -305,7 +306,10 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
+    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}
+    uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
+    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu)
+    uses.attach(tracer)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
@@ -319,8 +323,8 @@ def trace_distributed_step(
         setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
         try:
-            roles = FsdpBufferRoles(tracer).installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced():
+            roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
+            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted:
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"), cuda_rank():
                     tracer.track(track)
@@ -350,6 +354,7 @@ def trace_distributed_step(
             f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
+    recording = with_timeline(recording, uses, target)
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
 
 
