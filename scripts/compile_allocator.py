@@ -49,11 +49,6 @@ MODULES = (
     "settings",
     "state",
 )
-# The replay loop (ReplayEngine.run) feeds every trace event to malloc and free: compiled in the
-# same group, its calls into the allocator are direct C calls (issue 41). It is compiled in the
-# copy below with the modules it imports (the trace event record, the hooks, the result record).
-REPLAY_MODULES = ("engine",)
-_REPLAY_COPIED = ("engine.py", "hooks.py", "result.py")
 _MYPY_CONFIG = """[mypy]
 python_version = {version}
 [mypy-sortedcontainers.*]
@@ -103,11 +98,8 @@ class CompileError(RuntimeError):
 def built(root: Path = SRC) -> list[Path]:
     """The compiled files under ``root`` (a folder holding ``oomkit/``): the extensions and
     mypyc's runtime."""
-    found = [*root.glob("*__mypyc*")]
-    for name in ("allocator", "replay"):
-        package = root / "oomkit" / "core" / name
-        found += [*package.glob("*.so"), *package.glob("*.pyd")]
-    return sorted(found)
+    package = root / "oomkit" / "core" / "allocator"
+    return sorted([*package.glob("*.so"), *package.glob("*.pyd"), *root.glob("*__mypyc*")])
 
 
 def clean() -> int:
@@ -129,6 +121,7 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
         CompileError: mypyc failed (nothing is placed).
     """
     package_source = source / "oomkit" / "core" / "allocator"
+    package_dest = dest / "oomkit" / "core" / "allocator"
     with tempfile.TemporaryDirectory(prefix="oomkit-mypyc-") as tmp:
         root = Path(tmp)
         package = root / "oomkit"
@@ -141,20 +134,6 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
             package / "core" / "allocator",
             ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"),
         )
-        (package / "core" / "trace").mkdir()
-        shutil.copy(
-            source / "oomkit" / "core" / "trace" / "events.py",
-            package / "core" / "trace" / "events.py",
-        )
-        (package / "core" / "trace" / "__init__.py").write_text(
-            "from oomkit.core.trace.events import TraceEvent as TraceEvent\n"
-        )
-        (package / "core" / "replay").mkdir()
-        (package / "core" / "replay" / "__init__.py").write_text('"""oomkit.core.replay."""\n')
-        for name in _REPLAY_COPIED:
-            shutil.copy(
-                source / "oomkit" / "core" / "replay" / name, package / "core" / "replay" / name
-            )
         _public_arguments_any(package / "core" / "allocator" / "caching_allocator.py")
         _function_arguments_any(
             package / "core" / "allocator" / "state.py", ("seed_segment", "_check_seed")
@@ -162,7 +141,6 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         (root / "mypy.ini").write_text(_MYPY_CONFIG.format(version=version))
         files = [f"oomkit/core/allocator/{name}.py" for name in MODULES]
-        files += [f"oomkit/core/replay/{name}.py" for name in REPLAY_MODULES]
         done = subprocess.run(
             [sys.executable, "-m", "mypyc", "--config-file", "mypy.ini", *files], cwd=root
         )
@@ -171,11 +149,9 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
         placed = []
         for ext in (*root.glob("*__mypyc*.so"), *root.glob("*__mypyc*.pyd")):
             placed.append(Path(shutil.copy(ext, dest / ext.name)))
-        for name in ("allocator", "replay"):
-            compiled = package / "core" / name
-            target = dest / "oomkit" / "core" / name
-            for ext in (*compiled.glob("*.so"), *compiled.glob("*.pyd")):
-                placed.append(Path(shutil.copy(ext, target / ext.name)))
+        compiled = package / "core" / "allocator"
+        for ext in (*compiled.glob("*.so"), *compiled.glob("*.pyd")):
+            placed.append(Path(shutil.copy(ext, package_dest / ext.name)))
     return sorted(placed)
 
 

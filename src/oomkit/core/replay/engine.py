@@ -9,22 +9,112 @@ per-event accounting, what an unknown id or an ``oom`` entry means.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
-from oomkit.core.replay.hooks import ReplayHooks
 from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import OomkitError
+from oomkit.errors import OomkitError, TraceFormatError
 
-__all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks"]
+__all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks", "gc_paused"]
 
 # The segment decisions PyTorch's trace records (ref §15.1): creations and releases.
 CREATE = ("segment_alloc", "segment_map")
 RELEASE = ("segment_free", "segment_unmap")
 SEGMENT_ACTIONS = CREATE + RELEASE
+
+
+class ReplayHooks:
+    """What a replay adds to :class:`ReplayEngine`'s loop; override what you need.
+
+    The defaults replay a request-only trace strictly: an id that is not live, or an alloc of a
+    live id, raises ``TraceFormatError``; segment and ``oom`` entries are decisions, not
+    requests, and are skipped; an out-of-memory stops the replay and is its outcome.
+    ``after_alloc``, ``after_event`` and ``completes_later`` are called only when
+    :meth:`uses` says so (by default: when a subclass overrides them), so a replay without them
+    pays nothing per event.
+    """
+
+    def uses(self, name: str) -> bool:
+        """Whether the engine must call the per-event hook ``name`` (``after_alloc``,
+        ``after_event`` or ``completes_later``); default: when a subclass overrides it."""
+        return getattr(type(self), name) is not getattr(ReplayHooks, name)
+
+    def misplaced(self, index: int, event: TraceEvent, ptr: int) -> None:
+        """With ``check_addresses``: the alloc at ``index`` was served at ``ptr``, not at the
+        recorded ``event.address``."""
+
+    def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
+        """An ``alloc`` at trace ``index`` was served at simulated pointer ``ptr``."""
+
+    def after_event(self, index: int, event: TraceEvent) -> None:
+        """Event ``index`` was fed (not called for the event that stopped the replay)."""
+
+    def unknown_id(self, index: int, event: TraceEvent) -> None:
+        """A free of an id that is not live. Return to skip the event."""
+        raise TraceFormatError(
+            f"event {index}: {event.action} of id {event.address:#x}, which is not live. "
+            "Check that the trace holds the matching alloc."
+        )
+
+    def duplicate_alloc(self, index: int, event: TraceEvent) -> None:
+        """An alloc of an id that is still live or awaiting its ``free_completed``.
+
+        Return to serve it anyway (the id then names the new block).
+        """
+        raise TraceFormatError(
+            f"event {index}: id {event.address:#x} is allocated twice without a free; "
+            "each alloc needs a distinct id while it is live."
+        )
+
+    def completes_later(self, index: int) -> bool:
+        """Deferred-free replays only: whether the ``free_completed`` at ``index`` is left to the
+        next request's Step 9 synchronize (§4.2) instead of completing here."""
+        return False
+
+    def segment_release(self, index: int, event: TraceEvent) -> None:
+        """A recorded ``segment_free`` / ``segment_unmap`` (§15.3); skipped by default."""
+
+    def oom_event(self, index: int, event: TraceEvent) -> None:
+        """A recorded ``oom`` entry (§15.11); skipped by default."""
+
+    def out_of_memory(
+        self, index: int, event: TraceEvent, error: SimulatedOutOfMemoryError
+    ) -> bool:
+        """The simulator could not serve event ``index``; the replay stops there.
+
+        Returns:
+            True when this is the replay's outcome (``ReplayEngine.oom_index`` is set).
+        """
+        return True
+
+    def failed(self, index: int, event: TraceEvent, error: OomkitError) -> None:
+        """Event ``index`` raised another oomkit error; re-raised unless overridden (then the
+        replay stops there)."""
+        raise error
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while open (back on after, if it was on).
+
+    A replay makes and drops blocks, pool entries and records by the thousand; each collection
+    those allocations trigger walks every object the process holds, the loaded trace included
+    (issue 41: 10-17% of a real-trace verify's CPU, measured with perf). Nothing a replay
+    computes depends on it, and its garbage has no cycles (a merged or released block is
+    referenced by nothing): reference counting frees it as before.
+    """
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _overridden(hooks: ReplayHooks, name: str) -> Callable[..., Any] | None:
@@ -80,19 +170,10 @@ class ReplayEngine:
     def run(self, events: Iterable[TraceEvent]) -> None:
         """Feed ``events`` in order (consumed once) until they end or one stops the replay.
 
-        Python's cyclic garbage collector is paused meanwhile: the loop makes and drops blocks
-        and pool entries by the thousand, and each collection the allocations trigger walks
-        every object the process holds (the loaded trace included): 15-20% of a real-trace
-        verify (issue 41). Nothing the replay computes depends on it.
+        Python's cyclic garbage collector is paused meanwhile (:func:`gc_paused`).
         """
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
+        with gc_paused():
             self._feed(events)
-        finally:
-            if paused:
-                gc.enable()
 
     def _feed(self, events: Iterable[TraceEvent]) -> None:
         """:meth:`run`'s loop."""
@@ -105,6 +186,7 @@ class ReplayEngine:
         allocator = self.allocator
         segment_log = allocator.segment_log
         logged = len(segment_log)
+        malloc, free, complete_free = allocator.malloc, allocator.free, allocator.complete_free
         live, pending = self.live, self.pending
         deferred = self.deferred_frees
         if deferred and not isinstance(events, Sequence):
@@ -123,7 +205,7 @@ class ReplayEngine:
                     address = event.address
                     if address in live or address in pending:
                         hooks.duplicate_alloc(index, event)
-                    ptr = allocator.malloc(event.size, event.stream)
+                    ptr = malloc(event.size, event.stream)
                     live[address] = ptr
                     if check and ptr != address:
                         hooks.misplaced(index, event, ptr)
@@ -145,9 +227,9 @@ class ReplayEngine:
                         # (A free never logs a segment event: memory is only released by
                         # malloc's Step 9 and empty_cache, so no log_index check here.)
                         if completes_later is None:
-                            allocator.free(ptr)
+                            free(ptr)
                         else:
-                            allocator.free(ptr, deferred=completes_later(index + 1))
+                            free(ptr, deferred=completes_later(index + 1))
                         if after_event is None:
                             # The completion changes nothing: the checks below are done.
                             index, event = next(numbered)
@@ -155,7 +237,7 @@ class ReplayEngine:
                         after_event(index, event)
                         index, event = next(numbered)
                     else:
-                        allocator.free(ptr, deferred=True)
+                        free(ptr, deferred=True)
                         pending[event.address] = ptr
                 elif action == "free_completed":
                     ptr = pending.pop(event.address, None)
@@ -164,14 +246,14 @@ class ReplayEngine:
                             hooks.unknown_id(index, event)
                         elif completes_later is None or not completes_later(index):
                             # §15.8: a deferred free completes here, not at its free_requested.
-                            allocator.complete_free(ptr)
+                            complete_free(ptr)
                     else:
                         if ptr is None:
                             ptr = live.pop(event.address, None)
                         if ptr is None:
                             hooks.unknown_id(index, event)
                         else:
-                            allocator.free(ptr)
+                            free(ptr)
                 else:
                     self.current = index
                     if action == "empty_cache":
