@@ -14,7 +14,8 @@ Walking streams in order, sizes in order and buckets in order gives PyTorch's se
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
 
 Unmapped expandable ranges (``BlockPool::unmapped``, ``BlockComparatorAddress``:
-``(stream, address)``) are few and use a ``SortedList``.
+``(stream, address)``) are few: a plain sorted list of ``(stream, address, block)`` (``(stream,
+address)`` is unique, so the block is never compared).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
-
-from sortedcontainers import SortedList
 
 from oomkit.core.allocator.block import Block
 
@@ -67,7 +66,7 @@ class BlockPool:
         self.owner = owner
         # stream -> its free blocks (the `blocks` set, split by its first key).
         self.streams: dict[int, StreamFreeBlocks] = {}
-        self.unmapped: SortedList = SortedList()
+        self.unmapped: list[tuple[int, int, Block]] = []
         # BlockPool::get_free_blocks_call_count, the GC clock (§7).
         self.gc_clock = 0
         # MAIN26 BlockComparatorSize: registration counter before the address (§3.6).
@@ -176,11 +175,16 @@ class BlockPool:
         """Add an unmapped expandable range (BlockComparatorAddress order)."""
         key = (block.stream, block.ptr, block)
         block.key = key
-        self.unmapped.add(key)
+        insort(self.unmapped, key)
 
     def remove_unmapped(self, block: Block) -> None:
         """Take an unmapped range out of ``unmapped``."""
-        self.unmapped.remove(block.key)
+        key = block.key
+        assert key is not None, "removing a block that is not in the unmapped set"
+        unmapped = self.unmapped
+        i = bisect_left(unmapped, key)
+        assert i < len(unmapped) and unmapped[i][2] is block, "not an unmapped range of this pool"
+        del unmapped[i]
         block.key = None
 
     def unmapped_blocks(self) -> Iterator[Block]:
