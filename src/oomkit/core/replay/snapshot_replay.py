@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
 from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
-from oomkit.core.replay.engine import CREATE, RELEASE
+from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
@@ -83,6 +83,19 @@ def replay_snapshot(
         UnknownDeviceError: the snapshot has no such device.
         ValueError: ``verify`` together with ``config`` (verify uses the recorded setting).
     """
+    with gc_paused():
+        return _replay_snapshot(snapshot, device, verify, config, capacity_bytes, torch_version)
+
+
+def _replay_snapshot(
+    snapshot: Snapshot,
+    device: int,
+    verify: bool,
+    config: AllocatorConfig | None,
+    capacity_bytes: int | None,
+    torch_version: str | None,
+) -> ReplayResult:
+    """:func:`replay_snapshot`, with the garbage collector paused (``gc_paused``)."""
     if verify and config is not None:
         raise ValueError(
             "verify=True replays under the recorded setting, so config must be None; "
