@@ -84,7 +84,9 @@ def replay_snapshot(
         ValueError: ``verify`` together with ``config`` (verify uses the recorded setting).
     """
     with gc_paused():
-        return _replay_snapshot(snapshot, device, verify, config, capacity_bytes, torch_version)
+        return _replay_snapshot(
+            snapshot, device, verify, config, capacity_bytes, torch_version, reserved_outside_bytes
+        )
 
 
 def _replay_snapshot(
@@ -94,6 +96,7 @@ def _replay_snapshot(
     config: AllocatorConfig | None,
     capacity_bytes: int | None,
     torch_version: str | None,
+    reserved_outside_bytes: int,
 ) -> ReplayResult:
     """:func:`replay_snapshot`, with the garbage collector paused (``gc_paused``)."""
     if verify and config is not None:
