@@ -417,6 +417,8 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
         mesh_shape=layout.mesh_shape,
         steps=workload.steps or 2,
         target=target,
+        # Blocks compiled per block (models/compiled_blocks.py) are recorded compiled.
+        compile=bool(options.compile),
     )
     return predict_recording(recording, target=target)
 

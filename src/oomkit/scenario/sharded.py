@@ -51,6 +51,7 @@ class ShardedWorkload:
         descriptions: filled by ``build`` with the built step's description.
         raised: what a ``file.py:function`` step raised (for ``user_errors``).
         defaults: the defaults chosen for it, in words.
+        compile: record its ``torch.compile``d code as compiled (``--compile``).
     """
 
     build: Callable[[Any], tuple[Any, ...]]
@@ -58,6 +59,7 @@ class ShardedWorkload:
     descriptions: list[str] = field(default_factory=list)
     raised: list[BaseException] = field(default_factory=list)
     defaults: dict[str, str] = field(default_factory=dict)
+    compile: bool = False
 
     @property
     def description(self) -> str:
@@ -128,7 +130,9 @@ def parallel_workload(
     """
     model = scenario.model
     if model.function is not None:
-        return _user_workload(scenario, layout, batch_size, steps)
+        user = _user_workload(scenario, layout, batch_size, steps)
+        user.compile = bool(scenario.step.compile)  # the function's own torch.compile calls
+        return user
     if model.preset is None:
         raise OomkitError(
             "--fsdp, --tp and --dp shard a GPT-2 or Llama preset (e.g. `oomkit predict llama-8b "
@@ -151,7 +155,12 @@ def parallel_workload(
             ddp_bucket_cap_mb=ddp_options.bucket_cap_mb,
             ddp_gradient_as_bucket_view=ddp_options.gradient_as_bucket_view,
         )
-    workload = ShardedWorkload(lambda mesh: (None, ()), spec, defaults=dict(resolved.defaults))
+    workload = ShardedWorkload(
+        lambda mesh: (None, ()),
+        spec,
+        defaults=dict(resolved.defaults),
+        compile=bool(options.compile),  # each block compiled (models/compiled_blocks.py)
+    )
     name = model.preset
 
     def build(mesh: Any) -> tuple[Any, ...]:
@@ -192,6 +201,10 @@ def _user_workload(
             f"--bucket-cap-mb and --gradient-as-bucket-view wrap a preset; {target} makes its "
             "own DistributedDataParallel: pass bucket_cap_mb / gradient_as_bucket_view there"
         )
+    if ddp and scenario.step.compile:
+        from oomkit.prediction.models.compiled_blocks import DDP_COMPILE_REFUSAL
+
+        raise OomkitError(DDP_COMPILE_REFUSAL)
     workload = ShardedWorkload(lambda mesh: (None, ()), WorkloadSpec("function", target))
     step = scenario.step
 
@@ -253,5 +266,6 @@ def record_rank_0(
         mesh_shape=layout.mesh_shape,
         steps=steps,
         target=target,
+        compile=workload.compile,
     )
     return dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))

@@ -114,11 +114,10 @@ def test_compile_with_generate_is_refused_with_the_reason(capsys):
 
 @pytest.mark.parametrize(
     ("command", "extra"),
-    [("predict", ["--fsdp", "2"]), ("fit", ["--fsdp", "2"]),
-     ("fit", ["--smallest-gpu", "--global-batch", "8"])],
+    [("fit", ["--smallest-gpu", "--global-batch", "8"])],
 )
 def test_compile_of_a_sharded_step_is_refused(command, extra, capsys):
-    """--compile with --fsdp (or fit's --global-batch GPU counts) exits 2 and says what to drop."""
+    """--compile with fit's --global-batch GPU counts exits 2 and says what to drop."""
     assert main([command, "gpt2-124m", "--compile", *extra]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "--compile is not modelled for sharded steps" in err

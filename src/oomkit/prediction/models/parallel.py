@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.models.compiled_blocks import (
+    BLOCKS_COMPILED,
+    compile_blocks,
+    eager_outside_blocks,
+)
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
@@ -158,10 +163,14 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         _cast_floating(model, model_dtype(options.precision))
     # Before FSDP2, as torchtitan applies AC before fully_shard.
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    where = ""
+    if options.compile:  # after AC, before FSDP (torchtitan parallelize_llama's order)
+        compile_blocks(getattr(model, attribute))
+        where = f"{BLOCKS_COMPILED}, "
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)
-    where = f"{fsdp_words(mesh)} ({units} units: per block + root), rank 0"
+    where += f"{fsdp_words(mesh)} ({units} units: per block + root), rank 0"
     return _sharded_step(preset, model, options, seq_len, device, fsdp_casts=True, where=where)
 
 
@@ -182,9 +191,9 @@ def _sharded_step(
         fsdp_casts: FSDP2 shards the model: with ``bf16-mixed`` its ``MixedPrecisionPolicy``
             casts, so the step runs without autocast (torchtitan's ``maybe_enable_amp``).
     """
-    step_options = options
+    step_options = eager_outside_blocks(options)  # its blocks compiled, if any
     if fsdp_casts and options.precision == "bf16-mixed":
-        step_options = dataclasses.replace(options, precision="fp32")
+        step_options = dataclasses.replace(step_options, precision="fp32")
     built = build_step(
         _runner(preset, model),
         step_options,

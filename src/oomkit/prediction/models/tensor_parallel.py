@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.models.compiled_blocks import BLOCKS_COMPILED, compile_model_blocks
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import (
@@ -225,7 +226,10 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    layout = f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
+    layout = f"{BLOCKS_COMPILED}, " if options.compile else ""
+    if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
+        compile_model_blocks(model, "--tp")
+    layout += f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
     layout += "parallel, loss parallel)"
     if "fsdp" in names:
         # torchtitan apply_fsdp: with replicas, fully_shard on the 2-D (dp_replicate, dp_shard)

@@ -265,6 +265,7 @@ def trace_distributed_step(
     gpu: GpuSpec | None = None,
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    compile: bool = False,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
 
@@ -284,6 +285,8 @@ def trace_distributed_step(
             ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
+        compile: record ``torch.compile``d code (a block compiled inside FSDP2 / TP / DDP) as
+            compiled, as ``trace_step(compile=True)`` does (``compiled.py``).
 
     Returns:
         Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
@@ -303,7 +306,7 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
+    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu, compile=compile)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
