@@ -129,7 +129,14 @@ def parallel_workload(
             ``mesh`` nor ``world_size``, or a preset option it rejects.
     """
     model = scenario.model
+    parallel = scenario.parallel
     if model.function is not None:
+        if parallel is not None and (parallel.float8 or parallel.async_tp):
+            raise OomkitError(
+                f"--float8 and --async-tp convert a preset as torchtitan does; "
+                f"{model.function} builds its own model: call torchao's "
+                "convert_to_float8_training in it, then drop the flag"
+            )
         user = _user_workload(scenario, layout, batch_size, steps)
         user.compile = bool(scenario.step.compile)  # the function's own torch.compile calls
         return user
@@ -141,12 +148,14 @@ def parallel_workload(
         )
     resolved = preset_step(scenario, batch_size, gpu)
     options = resolved.options
+    if parallel is not None and parallel.async_tp:
+        _refuse_async_tp(model.preset, options, layout)
+    float8 = _float8_options(scenario)
     spec = workload_spec("preset", model.preset, options, steps, None)
     ddp_options = None
     if is_ddp(scenario, layout):
         from oomkit.prediction.models.data_parallel import DdpOptions
 
-        parallel = scenario.parallel
         assert parallel is not None
         ddp_options = DdpOptions(parallel.bucket_cap_mb, parallel.gradient_as_bucket_view)
         # Saved with the prediction, so that explain re-predicts the same buckets.
@@ -174,12 +183,40 @@ def parallel_workload(
             return step.built.step_fn, tuple(step.built.track), step.setup
         from oomkit.prediction.models.parallel import build_fsdp_preset_step
 
-        built = call_builder(lambda n, opts: build_fsdp_preset_step(n, opts, mesh), name, options)
+        built = call_builder(
+            lambda n, opts: build_fsdp_preset_step(n, opts, mesh, float8), name, options
+        )
         workload.descriptions.append(built.description)
         return built.step_fn, tuple(built.track)
 
     workload.build = build
     return workload
+
+
+def _float8_options(scenario: Scenario) -> Any:
+    """The scenario's ``Float8Options`` (``prediction/models/float8.py``), or None."""
+    parallel = scenario.parallel
+    if parallel is None or not parallel.float8:
+        return None
+    from oomkit.prediction.models.float8 import Float8Options
+
+    return Float8Options(
+        recipe=parallel.float8_recipe or "rowwise", all_gather=parallel.float8_all_gather
+    )
+
+
+def _refuse_async_tp(name: str, options: Any, layout: ParallelLayout) -> None:
+    """Refuse ``--async-tp``, saying the symmetric-memory workspace it would add here."""
+    from oomkit.prediction.models.async_tp import async_tp_refusal
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.presets import shaped_preset
+
+    preset = shaped_preset(name, options)
+    shape = preset.shape if isinstance(preset.shape, LlamaShape) else None
+    seq_len = options.seq_len or preset.default_seq_len or 0
+    # Activations in bf16 under bf16-mixed / bf16 (FSDP2's param_dtype), else fp32.
+    itemsize = 2 if (options.precision or "fp32").startswith("bf16") else 4
+    raise OomkitError(async_tp_refusal(shape, options.batch_size, seq_len, layout.tp, itemsize))
 
 
 def _user_workload(

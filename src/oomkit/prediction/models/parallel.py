@@ -25,6 +25,7 @@ from oomkit.prediction.models.compiled_blocks import (
     compile_blocks,
     eager_outside_blocks,
 )
+from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
@@ -117,7 +118,9 @@ def refuse_unsharded_modes(options: StepOptions, flag: str) -> None:
         raise ConfigError(f"{flag} predicts train and inference steps; use --mode train|inference")
 
 
-def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
+def build_fsdp_preset_step(
+    name: str, options: StepOptions, mesh: DeviceMesh, float8: Float8Options | None = None
+) -> BuiltStep:
     """Build preset ``name`` sharded over ``mesh`` and return rank 0's step for ``options``.
 
     Args:
@@ -125,6 +128,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         options: the per-rank (local) batch, lengths, precision, optimizer, checkpointing, mode.
         mesh: the mesh FSDP2 shards over (``fake_process_group``'s); a 2-D ``("dp", "fsdp")``
             mesh is HSDP: FSDP2 over ``fsdp`` ranks, replicated ``dp`` times.
+        float8: train the linear layers in float8 (torchao, ``models/float8.py``).
 
     Returns:
         The step, with the sharded model, optimizer and inputs to track.
@@ -136,7 +140,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
     if "tp" in (mesh.mesh_dim_names or ()):  # TP first, then FSDP on mesh["fsdp"] (torchtitan)
         from oomkit.prediction.models.tensor_parallel import build_tp_preset_step
 
-        return build_tp_preset_step(name, options, mesh)
+        return build_tp_preset_step(name, options, mesh, float8)
     preset = shaped_preset(name, options)
     family = type(preset.shape).__name__.removesuffix("Shape")
     attribute = FSDP_FAMILIES.get(family)
@@ -161,12 +165,14 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
+    where = ""
+    if float8 is not None:  # torchtitan converts the model before parallelize
+        where = f"{float8_words(float8, len(convert_to_float8(model, float8)))}, "
     # Before FSDP2, as torchtitan applies AC before fully_shard.
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    where = ""
     if options.compile:  # after AC, before FSDP (torchtitan parallelize_llama's order)
         compile_blocks(getattr(model, attribute))
-        where = f"{BLOCKS_COMPILED}, "
+        where += f"{BLOCKS_COMPILED}, "
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)
