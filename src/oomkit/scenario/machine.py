@@ -110,17 +110,17 @@ class ParallelSection(_Section):
     float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
         None,
         description="torchao's float8 recipe (default rowwise)",
-        json_schema_extra=_flag("--float8-recipe", MULTI_GPU),
+        json_schema_extra=_flag("--float8-recipe", MULTI_GPU, commands=("predict",)),
     )
     float8_all_gather: bool = Field(
         False,
         description="FSDP2 all-gathers float8 weights (tensorwise)",
-        json_schema_extra=_flag("--float8-all-gather", MULTI_GPU),
+        json_schema_extra=_flag("--float8-all-gather", MULTI_GPU, commands=("predict",)),
     )
     async_tp: bool = Field(
         False,
         description="torchtitan's async TP (refused: see its message)",
-        json_schema_extra=_flag("--async-tp", MULTI_GPU),
+        json_schema_extra=_flag("--async-tp", MULTI_GPU, commands=("predict",)),
     )
 
     @property

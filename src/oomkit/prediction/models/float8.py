@@ -11,9 +11,13 @@ the model before ``parallelize``.
 
 What runs is torchao's code: each ``Float8Linear`` forward casts its input and weight to
 ``float8_e4m3fn`` (tensorwise: one scale per tensor, from ``amax``; rowwise: one per row,
-``round_scales_to_power_of_2``), calls ``torch._scaled_mm`` and saves the fp8 copies (and their
-scales) for backward (torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args``), so the
-recording holds those copies, not the bf16 inputs an eager ``Linear`` saves. ``_scaled_mm`` has a
+``round_scales_to_power_of_2``), each cast a chain of transient buffers (``abs``, ``max``, the
+scaled fp32 copy, the fp8 result), and calls ``torch._scaled_mm``. For backward it saves the
+high-precision input and weight and casts them again there
+(torchao/float8/float8_linear.py ``matmul_with_hp_or_float8_args.forward``:
+``ctx.save_for_backward(input_hp, weight_hp_t)``); only with float8 all-gather is the saved
+weight already fp8 (the all-gathered parameter is). Under ``torch.compile`` the partitioner
+chooses what to save instead (``--compile``, recorded through the compiled backend). ``_scaled_mm`` has a
 meta kernel (torch/_meta_registrations.py ``meta_scaled_mm``: an ``(M, N)`` output of
 ``out_dtype``), which is what CUDA allocates (aten/src/ATen/native/cuda/Blas.cpp
 ``_scaled_mm_out_cuda``: ``out`` resized to ``{mat1.size(0), mat2.size(1)}``); its cuBLASLt
@@ -22,8 +26,10 @@ workspace is the stream's, as for any GEMM (emulations/cublas.py).
 Float8 all-gather (``--float8-all-gather``, tensorwise only: torchao/float8/config.py
 ``Float8LinearConfig.__post_init__``): torchao wraps each weight in
 ``WeightWithDynamicFloat8CastTensor`` (torchao/float8/fsdp_utils.py), whose
-``fsdp_pre_all_gather`` casts the local shard to fp8 (its amax all-reduced over the group), so
-FSDP2 all-gathers one byte per element instead of two (bf16).
+``fsdp_pre_all_gather`` casts the local shard to fp8 on FSDP2's all-gather stream (its amax
+all-reduced over the shard group, its 4-byte scale kept with the gathered weight), so FSDP2
+all-gathers and holds one byte per element instead of two (bf16), and the forward casts only
+the input.
 """
 
 from __future__ import annotations
