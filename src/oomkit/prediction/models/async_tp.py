@@ -1,5 +1,4 @@
-"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``): what it adds, and why
-oomkit refuses to predict it.
+"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``): refused, with its cost.
 
 torchtitan turns it on with compile (torchtitan/distributed/compile.py ``_maybe_enable_async_tp``:
 ``enable_symm_mem_for_group(tp_group)`` and ``torch._inductor.config._micro_pipeline_tp =

@@ -86,7 +86,7 @@ class Float8Options:
 
     def torchao_config(self) -> object:
         """torchao's ``Float8LinearConfig`` for these options."""
-        from torchao.float8 import Float8LinearConfig
+        from torchao.float8 import Float8LinearConfig  # type: ignore[import-untyped]
 
         if self.recipe == "tensorwise":
             return Float8LinearConfig(enable_fsdp_float8_all_gather=self.all_gather)
@@ -95,7 +95,8 @@ class Float8Options:
 
 def _import_torchao() -> None:
     try:
-        import torchao.float8  # noqa: F401 - its C++ extensions are optional (CUDA kernels)
+        # Its C++ extensions (CUDA kernels) are optional: it imports without them.
+        import torchao.float8  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
             "--float8 converts the model with torchao's convert_to_float8_training; torchao "
