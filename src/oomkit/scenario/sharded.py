@@ -152,6 +152,10 @@ def parallel_workload(
         _refuse_async_tp(model.preset, options, layout)
     float8 = _float8_options(scenario)
     spec = workload_spec("preset", model.preset, options, steps, None)
+    if float8 is not None:  # saved with the prediction, so that explain re-predicts it
+        spec = dataclasses.replace(
+            spec, float8_recipe=float8.recipe, float8_all_gather=float8.all_gather
+        )
     ddp_options = None
     if is_ddp(scenario, layout):
         from oomkit.prediction.models.data_parallel import DdpOptions

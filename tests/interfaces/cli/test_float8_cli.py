@@ -75,3 +75,19 @@ def test_async_tp_is_refused_with_its_workspace(capsys):
     assert (
         "that workspace is 128.00 KiB per GPU (2 x batch 1 x seq 16/2 x hidden 4096 x 2 bytes)"
     ) in err
+
+
+def test_a_saved_float8_prediction_is_re_predicted_in_float8(tiny_llama, capsys):
+    """The saved workload keeps the recipe and float8 all-gather; explain's re-prediction of
+    it gives the saved bytes exactly (before: re-predicted in bf16)."""
+    from oomkit.diagnose._model_remedies import _repredict
+    from oomkit.prediction.models import StepOptions
+    from oomkit.prediction.workload import workload_from_json
+
+    _, data = _predict(["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"], capsys)
+    assert data["workload"]["float8"] == {"recipe": "tensorwise", "all_gather": True}
+    workload = workload_from_json(data)
+    assert (workload.float8_recipe, workload.float8_all_gather) == ("tensorwise", True)
+    known = {name: value for name, value in workload.options.items() if value is not None}
+    again = _repredict(data, workload, StepOptions(**known))
+    assert again.peak_allocated_bytes == data["peak_allocated_bytes"] == 68226048
