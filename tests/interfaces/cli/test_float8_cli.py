@@ -91,3 +91,23 @@ def test_a_saved_float8_prediction_is_re_predicted_in_float8(tiny_llama, capsys)
     known = {name: value for name, value in workload.options.items() if value is not None}
     again = _repredict(data, workload, StepOptions(**known))
     assert again.peak_allocated_bytes == data["peak_allocated_bytes"] == 68226048
+
+
+def test_hsdp_float8_all_gather_matches_its_shard_group(tiny_llama, capsys):
+    """--dp 2 --fsdp 2: FSDP2 shards over the 2-rank dimension and replicates over the other
+    (torchtitan's ["dp_replicate", "fsdp"] mesh), so rank 0 gathers the same fp8 weights and
+    peaks as FSDP2 over 2 ranks (the replicas' gradient all-reduce is in place)."""
+    flags = ["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"]
+    code, hsdp = _predict(["--dp", "2", *flags], capsys)
+    assert code == 0
+    assert "HSDP: FSDP2 over 2 ranks x 2 replicas" in hsdp["description"]
+    assert hsdp["peak_allocated_bytes"] == 68226048
+
+
+def test_float8_blocks_compile_inside_fsdp2(tiny_llama, capsys):
+    """--float8 --compile: torchao's Float8Linear compiled per block through the compiled
+    backend (both blocks entered once per step)."""
+    code, data = _predict(["--float8", "--compile"], capsys)
+    assert code == 0
+    assert "Float8 rowwise (torchao, 14 linear layers), each block compiled" in data["description"]
+    assert "compiled code was entered 4 time(s)" in " ".join(data["warnings"])

@@ -35,6 +35,7 @@ the input.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
 
 import torch
@@ -93,15 +94,27 @@ class Float8Options:
         return Float8LinearConfig.from_recipe_name(self.recipe)
 
 
+# Loggers that speak while torchao is imported on a machine without its CUDA kernels: torchao's
+# "Failed to load ..._C_*.so" (torchao/__init__.py: its C++ extensions are optional, and the
+# float8 training path here uses none of them) and torch's pytree note on its Enum registration.
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def _import_torchao() -> None:
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
-        # Its C++ extensions (CUDA kernels) are optional: it imports without them.
         import torchao.float8  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
             "--float8 converts the model with torchao's convert_to_float8_training; torchao "
             f"is not importable here ({exc}). Install it: pip install torchao"
         ) from exc
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def convert_to_float8(model: torch.nn.Module, options: Float8Options) -> list[str]:
