@@ -30,6 +30,7 @@ __all__ = [
     "DDP_COMPILE_REFUSAL",
     "compile_blocks",
     "compile_model_blocks",
+    "compiled_loss",
     "eager_outside_blocks",
 ]
 
@@ -82,8 +83,20 @@ def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
     return compile_blocks(blocks)
 
 
+def compiled_loss(options: StepOptions) -> torch.nn.Module | None:
+    """The training loss compiled, as torchtitan compiles it with the blocks
+    (torchtitan/components/loss.py ``BaseLoss._maybe_compile``: ``torch.compile(self.fn)`` when
+    ``"loss"`` is in ``CompileConfig.components``, which it is by default with ``"model"``);
+    ``None`` (the step's eager ``CrossEntropyLoss``) without ``--compile``."""
+    if not options.compile or options.mode != "train":
+        return None
+    # An OptimizedModule: still a module, so the recorder names what it allocates by it.
+    return torch.compile(torch.nn.CrossEntropyLoss(), backend="inductor")  # type: ignore[return-value]
+
+
 def eager_outside_blocks(options: StepOptions) -> StepOptions:
     """``options`` for the step built around compiled blocks: the rest of the model (embedding,
-    final norm, LM head, loss) runs eagerly, as torchtitan's per-block compile leaves it
-    (``build_step`` would otherwise wrap the whole forward in ``torch.compile``)."""
+    final norm, LM head) runs eagerly, as torchtitan's per-block compile leaves it, and the loss
+    is compiled on its own (:func:`compiled_loss`); ``build_step`` would otherwise wrap the
+    whole forward in ``torch.compile``."""
     return dataclasses.replace(options, compile=False) if options.compile else options

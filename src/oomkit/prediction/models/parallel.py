@@ -23,6 +23,7 @@ from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import (
     BLOCKS_COMPILED,
     compile_blocks,
+    compiled_loss,
     eager_outside_blocks,
 )
 from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
@@ -189,6 +190,7 @@ def _sharded_step(
     *,
     fsdp_casts: bool,
     where: str,
+    compile_loss: bool = True,
 ) -> BuiltStep:
     """The preset's usual step around its sharded ``model`` (FSDP2, TP or both), described as
     the preset at ``options``, then ``where`` (the layout and the rank).
@@ -196,6 +198,7 @@ def _sharded_step(
     Args:
         fsdp_casts: FSDP2 shards the model: with ``bf16-mixed`` its ``MixedPrecisionPolicy``
             casts, so the step runs without autocast (torchtitan's ``maybe_enable_amp``).
+        compile_loss: with ``--compile``, compile the loss too (``compiled_loss``).
     """
     step_options = eager_outside_blocks(options)  # its blocks compiled, if any
     if fsdp_casts and options.precision == "bf16-mixed":
@@ -207,6 +210,7 @@ def _sharded_step(
         seq_len=seq_len,
         image_size=224,
         device=device,
+        loss_fn=compiled_loss(options) if compile_loss else None,
     )
     description = f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {where}"
     return dataclasses.replace(built, description=description)

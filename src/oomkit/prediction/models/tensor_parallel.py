@@ -236,7 +236,7 @@ def build_tp_preset_step(
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    layout = f"{BLOCKS_COMPILED}, " if options.compile else ""
+    layout = f"{BLOCKS_COMPILED} (loss eager), " if options.compile else ""
     if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
         compile_model_blocks(model, "--tp")
     layout += f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
@@ -258,6 +258,10 @@ def build_tp_preset_step(
         device,
         fsdp_casts="fsdp" in names,
         where=f"{layout}, rank 0 of {mesh.size()}",
+        # torchtitan compiles the loss-parallel cross-entropy too; on DTensor shards its
+        # compiled graph does not record on the fake group yet (a value read in it), so it
+        # stays eager here.
+        compile_loss=False,
     )
     inner = built.step_fn
 
