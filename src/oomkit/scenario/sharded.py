@@ -109,7 +109,7 @@ def tp_notes(layout: ParallelLayout) -> tuple[str, ...]:
         f"tensor parallel: torchtitan's Llama plan over {layout.tp} ranks (colwise q/k/v and "
         "gate/up, rowwise o/down, vocabulary-sharded embedding and LM head, sequence-parallel "
         f"norms, loss parallel), {fsdp}DTensor's all-gathers and reduce-scatters allocate on "
-        "the current stream and are waited at once; async TP and Float8 TP are not modelled",
+        "the current stream and are waited at once; async TP is not modelled",
     )
 
 

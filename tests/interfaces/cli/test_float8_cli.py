@@ -52,7 +52,6 @@ def test_float8_peaks(tiny_llama, flags, peak_bytes, gathered_bytes, capsys):
     [
         (["--fsdp", "2", "--float8-recipe", "tensorwise"], "configure --float8: add it"),
         (["--float8"], "--float8 is modelled with FSDP2"),
-        (["--fsdp", "2", "--tp", "2", "--float8"], "--float8 with --tp is not modelled yet"),
         (["--fsdp", "2", "--float8", "--float8-all-gather"], "needs --float8-recipe tensorwise"),
         (["--fsdp", "2", "--async-tp"], "--async-tp pipelines tensor parallel's collectives"),
         (["--dp", "2", "--float8"], "--float8 is modelled with FSDP2"),
@@ -111,3 +110,13 @@ def test_float8_blocks_compile_inside_fsdp2(tiny_llama, capsys):
     assert code == 0
     assert "Float8 rowwise (torchao, 14 linear layers), each block compiled" in data["description"]
     assert "compiled code was entered 6 time(s)" in " ".join(data["warnings"])
+
+
+def test_float8_with_fsdp_x_tp_shards_the_float8_linears(tiny_llama, capsys):
+    """--fsdp 2 --tp 2 --float8: converted before the TP plan (torchtitan's order), so the plan
+    shards torchao's Float8Linear modules and their casts run on DTensor shards."""
+    code, data = _predict(["--tp", "2", "--float8"], capsys)
+    assert code == 0
+    description = data["description"]
+    assert "Float8 rowwise (torchao, 14 linear layers), tensor parallel over 2 ranks" in description
+    assert "FSDP2 over 2 ranks" in description

@@ -35,7 +35,7 @@ import torch
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import BLOCKS_COMPILED, compile_model_blocks
-from oomkit.prediction.models.float8 import Float8Options
+from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import (
@@ -200,13 +200,6 @@ def build_tp_preset_step(
     from torch.distributed.tensor.parallel import loss_parallel
 
     names = tuple(mesh.mesh_dim_names or ())
-    if float8 is not None:
-        # Not checked yet: torchao's Float8Linear on DTensor shards under the Llama plan.
-        raise ConfigError(
-            "--float8 with --tp is not modelled yet (torchao's Float8Linear on tensor-parallel "
-            "DTensor shards is not checked on the fake process group); use --float8 with "
-            "--fsdp alone, or --tp without --float8"
-        )
     if options.precision is None:  # a preset's own precision is fp32
         options = dataclasses.replace(options, precision="fp32")
     preset = shaped_preset(name, options)
@@ -232,11 +225,16 @@ def build_tp_preset_step(
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
+    converted = ""
+    if float8 is not None:
+        # torchtitan converts the model config before parallelize, so its TP plan shards the
+        # Float8Linear modules; torchao's casts and _scaled_mm then run on DTensor shards.
+        converted = float8_words(float8, len(convert_to_float8(model, float8))) + ", "
     apply_llama_tensor_parallel(model, tp_mesh)
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    layout = f"{BLOCKS_COMPILED} (loss eager), " if options.compile else ""
+    layout = converted + (f"{BLOCKS_COMPILED} (loss eager), " if options.compile else "")
     if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
         compile_model_blocks(model, "--tp")
     layout += f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
