@@ -64,3 +64,14 @@ def test_ddp_compile_is_refused_saying_why(tiny_llama, capsys):
     assert main(["predict", "llama3-8b", "--dp", "2", "--compile", "--seq", "16"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "DDPOptimizer" in err and "--dp R --fsdp S" in err and "drop --compile" in err
+
+
+def test_compiled_full_checkpointing_records_and_selective_op_is_refused(tiny_llama, capsys):
+    """--checkpointing full with compiled blocks records (torchtitan's dynamo settings for the
+    step); selective-op exits 2, its compiled RNG-state save not running on the fake group."""
+    code, data = _predict(["--fsdp", "2", "--compile", "--checkpointing", "full"], capsys)
+    assert code == 0 and "checkpointing" in data["description"]
+    argv = ["predict", "llama3-8b", "--fsdp", "2", "--compile", "--checkpointing", "selective-op",
+            "--seq", "16"]
+    assert main(argv) == 2
+    assert "--compile with --checkpointing selective-op is not modelled" in capsys.readouterr().err

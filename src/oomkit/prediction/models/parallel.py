@@ -22,9 +22,11 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import (
     BLOCKS_COMPILED,
+    check_compiled_checkpointing,
     compile_blocks,
     compiled_loss,
     eager_outside_blocks,
+    with_torchtitan_dynamo_config,
 )
 from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.options import BuiltStep, StepOptions
@@ -159,6 +161,7 @@ def build_fsdp_preset_step(
             "max_grad_norm (set it to 0) and use_reentrant"
         )
     refuse_unsharded_modes(options, "--fsdp")
+    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     device = mesh.device_type
@@ -213,4 +216,6 @@ def _sharded_step(
         loss_fn=compiled_loss(options) if compile_loss else None,
     )
     description = f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {where}"
+    if options.compile:  # the dynamo settings of torchtitan's apply_compile, for this step
+        built = dataclasses.replace(built, step_fn=with_torchtitan_dynamo_config(built.step_fn))
     return dataclasses.replace(built, description=description)

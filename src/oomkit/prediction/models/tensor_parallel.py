@@ -34,7 +34,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from oomkit.errors import ConfigError
-from oomkit.prediction.models.compiled_blocks import BLOCKS_COMPILED, compile_model_blocks
+from oomkit.prediction.models.compiled_blocks import (
+    BLOCKS_COMPILED,
+    check_compiled_checkpointing,
+    compile_model_blocks,
+)
 from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
@@ -216,6 +220,7 @@ def build_tp_preset_step(
             "TP too); use --fsdp with --tp, or --dp R --fsdp S --tp N (HSDP x TP)"
         )
     refuse_unsharded_modes(options, "--tp")
+    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     tp_mesh = mesh["tp"]
