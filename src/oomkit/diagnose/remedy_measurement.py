@@ -406,9 +406,17 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
             return step.built.step_fn, tuple(step.built.track), step.setup
 
     else:
+        float8 = None
+        if workload.float8_recipe is not None:  # a --float8 run (models/float8.py)
+            from oomkit.prediction.models.float8 import Float8Options
+
+            float8 = Float8Options(
+                workload.float8_recipe,  # type: ignore[arg-type]  # checked by Float8Options
+                all_gather=bool(workload.float8_all_gather),
+            )
 
         def build(mesh: Any) -> tuple[Any, ...]:
-            built = build_fsdp_preset_step(workload.name, options, mesh)
+            built = build_fsdp_preset_step(workload.name, options, mesh, float8)
             return built.step_fn, tuple(built.track)
 
     recording = trace_distributed_step(
@@ -417,6 +425,8 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
         mesh_shape=layout.mesh_shape,
         steps=workload.steps or 2,
         target=target,
+        # Blocks compiled per block (models/compiled_blocks.py) are recorded compiled.
+        compile=bool(options.compile),
     )
     return predict_recording(recording, target=target)
 

@@ -130,6 +130,26 @@ class ParallelSection(_Section):
         description="GPUs per node, for NCCL (default 8)",
         json_schema_extra=_flag(None, MULTI_GPU),
     )
+    float8: bool = Field(
+        False,
+        description="Float8 linear training (torchao, as torchtitan converts)",
+        json_schema_extra=_flag("--float8", MULTI_GPU),
+    )
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        None,
+        description="torchao's float8 recipe (default rowwise)",
+        json_schema_extra=_flag("--float8-recipe", MULTI_GPU, commands=("predict",)),
+    )
+    float8_all_gather: bool = Field(
+        False,
+        description="FSDP2 all-gathers float8 weights (tensorwise)",
+        json_schema_extra=_flag("--float8-all-gather", MULTI_GPU, commands=("predict",)),
+    )
+    async_tp: bool = Field(
+        False,
+        description="torchtitan's async TP (refused: see its message)",
+        json_schema_extra=_flag("--async-tp", MULTI_GPU, commands=("predict",)),
+    )
 
     @property
     def given(self) -> bool:
@@ -150,4 +170,17 @@ class ParallelSection(_Section):
                 "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not "
                 "modelled: add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or drop --dp"
             )
+        if (self.float8_recipe is not None or self.float8_all_gather) and not self.float8:
+            raise ValueError(
+                "parallel.float8_recipe (--float8-recipe) and parallel.float8_all_gather "
+                "(--float8-all-gather) configure --float8: add it, or drop them"
+            )
+        if self.float8 and self.fsdp is None:
+            # torchtitan trains float8 under FSDP2 (its converters run before apply_fsdp).
+            raise ValueError(
+                "--float8 is modelled with FSDP2, as torchtitan trains it: add --fsdp N "
+                "(--fsdp 1 for one GPU)"
+            )
+        if self.async_tp and self.tp is None:
+            raise ValueError("--async-tp pipelines tensor parallel's collectives: add --tp N")
         return self

@@ -268,6 +268,7 @@ def trace_distributed_step(
     gpu: GpuSpec | None = None,
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    compile: bool = False,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
 
@@ -287,6 +288,8 @@ def trace_distributed_step(
             ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
+        compile: record ``torch.compile``d code (a block compiled inside FSDP2 / TP / DDP) as
+            compiled, as ``trace_step(compile=True)`` does (``compiled.py``).
 
     Returns:
         Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
@@ -308,7 +311,7 @@ def trace_distributed_step(
     base = DEFAULT_EMULATIONS if emulations is None else emulations
     base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}
     uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
-    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu)
+    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile)
     uses.attach(tracer)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
