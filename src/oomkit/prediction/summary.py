@@ -19,6 +19,7 @@ __all__ = [
     "COMPILED_EAGERLY",
     "COMPILED_RECORDED",
     "SUMMARY_ROWS",
+    "PEAK_RANK",
     "header_line",
     "module_label",
     "nothing_recorded",
@@ -38,6 +39,9 @@ DEFAULT_PREFIX = "default "
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
 # The start of the warning of a step recorded with compile=True (read_report.COMPILED_WARNING).
 COMPILED_RECORDED = "torch.compile: compiled (AOTAutograd partitioner real, Inductor fusion emulated)"
+
+# The assumption that names the rank that peaks among all ranks (scenario/ranks.py).
+PEAK_RANK = "peak rank"
 
 # Rows of each list (categories, modules) that the summary shows; the rest are counted.
 SUMMARY_ROWS = 5
@@ -108,6 +112,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += " (torch.compile traced eagerly)"
     elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
         line += " (torch.compile: compiled, Inductor fusion emulated)"
+    if PEAK_RANK in p.assumptions:  # --all-ranks (scenario/ranks.py): which rank peaks
+        line += f"; {p.assumptions[PEAK_RANK]}"
     defaults = [text for name, text in p.assumptions.items() if name.startswith(DEFAULT_PREFIX)]
     if defaults:  # each default the verdict rests on, and how to change it
         line += f" ({'; '.join(defaults)})"

@@ -103,10 +103,79 @@ class ParallelSection(_Section):
         json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
     )
 
+    pp: Count | None = Field(
+        None,
+        description="pipeline parallel over N GPUs (Llama presets)",
+        json_schema_extra=_flag("--pp", MULTI_GPU, metavar="N"),
+    )
+    pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] | None = Field(
+        None,
+        description="pipeline schedule (default 1f1b)",
+        json_schema_extra=_flag("--pp-schedule", MULTI_GPU, metavar="NAME"),
+    )
+    microbatches: Count | None = Field(
+        None,
+        description="pipeline micro-batches per step (default: the batch)",
+        json_schema_extra=_flag("--microbatches", MULTI_GPU, metavar="M"),
+    )
+    stages_per_rank: Count | None = Field(
+        None,
+        description="pipeline stages per rank (interleaved; default 2)",
+        json_schema_extra=_flag("--stages-per-rank", MULTI_GPU, metavar="V"),
+    )
+    cp: Count | None = Field(
+        None,
+        description="context parallel: the sequence over N GPUs",
+        json_schema_extra=_flag("--cp", MULTI_GPU, metavar="N"),
+    )
+    rank: int | None = Field(
+        None,
+        ge=0,
+        description="the rank to predict (default 0)",
+        json_schema_extra=_flag("--rank", MULTI_GPU, metavar="R"),
+    )
+    all_ranks: bool = Field(
+        False,
+        description="predict each distinct rank; the verdict names the peak",
+        json_schema_extra=_flag("--all-ranks", MULTI_GPU, commands=("predict",)),
+    )
+
     @property
     def given(self) -> bool:
         """Whether any degree is set (an all-default section is no layout)."""
-        return (self.fsdp, self.tp, self.dp) != (None, None, None)
+        return (self.fsdp, self.tp, self.dp, self.pp, self.cp) != (None,) * 5
+
+    @model_validator(mode="after")
+    def _pipeline_and_ranks(self) -> ParallelSection:
+        # Pipeline settings go with a pipeline; a rank with a layout (scenario/ranks.py).
+        pipeline = {
+            "pp_schedule (--pp-schedule)": self.pp_schedule,
+            "microbatches (--microbatches)": self.microbatches,
+            "stages_per_rank (--stages-per-rank)": self.stages_per_rank,
+        }
+        stray = [name for name, value in pipeline.items() if value is not None]
+        if stray and self.pp is None:
+            raise ValueError(
+                f"parallel.{', parallel.'.join(stray)} set a pipeline: add --pp N "
+                "(e.g. --pp 2 --pp-schedule 1f1b)"
+            )
+        if self.rank is not None and self.all_ranks:
+            raise ValueError("--rank R and --all-ranks exclude each other: give one")
+        if (self.rank is not None or self.all_ranks) and not self.given:
+            raise ValueError(
+                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp, --pp "
+                "or --cp"
+            )
+        if self.rank is not None:
+            world = 1
+            for degree in (self.fsdp, self.tp, self.dp, self.pp, self.cp):
+                world *= degree or 1
+            if self.rank >= world:
+                raise ValueError(
+                    f"--rank {self.rank} is outside the layout's {world} ranks: use 0 to "
+                    f"{world - 1}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _ddp_options(self) -> ParallelSection:

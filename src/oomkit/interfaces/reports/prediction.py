@@ -86,8 +86,9 @@ def rank_memory(prediction: Prediction) -> dict[str, object] | None:
         group = next((g for g, names in RANK_GROUPS.items() if category in names), "other")
         groups[group] += nbytes
     layout = target.parallel
+    saved = (prediction.scenario or {}).get("parallel") or {}
     return {
-        "rank": 0,
+        "rank": saved.get("rank") or 0,  # --rank R (scenario/ranks.py); rank 0 by default
         "world_size": layout.world_size,
         "fsdp": layout.fsdp,
         "tp": layout.tp,
@@ -111,7 +112,7 @@ def _rank_tables(memory: Mapping[str, object]) -> tuple[Table, Table]:
     streams = memory["by_stream"]
     assert isinstance(groups, dict) and isinstance(streams, list)
     allocated = int(str(memory["allocated_bytes"]))
-    title = f"Rank 0 of {memory['world_size']} at peak allocated, by kind"
+    title = f"Rank {memory['rank']} of {memory['world_size']} at peak allocated, by kind"
     kinds = Table(title=title, show_header=True, header_style="bold")
     kinds.add_column("memory")
     kinds.add_column("bytes", justify="right")

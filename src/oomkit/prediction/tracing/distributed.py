@@ -265,6 +265,7 @@ def trace_distributed_step(
     gpu: GpuSpec | None = None,
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    rank: int = 0,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
 
@@ -284,6 +285,7 @@ def trace_distributed_step(
             ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
+        rank: the rank recorded (pipeline stages differ; ``fake_process_group``'s ``rank``).
 
     Returns:
         Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
@@ -307,7 +309,7 @@ def trace_distributed_step(
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
-    group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
+    group = fake_process_group(world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
     with group as mesh, FakeTensorMode(), ddp.installed():
         with _ddp_constructed_under_the_recorder() as deferred:

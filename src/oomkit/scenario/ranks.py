@@ -1,0 +1,199 @@
+"""Ranks that differ: pipeline stages, one rank recorded (``--rank R``) or each distinct one
+(``--all-ranks``).
+
+Under pipeline parallel each pp coordinate runs other stages (the first holds the embedding,
+the last the norm, LM head and loss), and 1F1B keeps ``pp - stage`` micro-batches in flight
+(torch/distributed/pipelining/schedules.py ``Schedule1F1B``), so stage 0 is not always the
+peak. The ranks of one stage run the same code on equal shards (FSDP2's padded flat shards,
+TP's equal heads), so one rank per stage stands for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from oomkit.errors import OomkitError
+from oomkit.scenario.workloads import call_builder, preset_step, workload_spec
+
+if TYPE_CHECKING:
+    from oomkit.core.gpus import GpuSpec
+    from oomkit.core.target import ParallelLayout
+    from oomkit.prediction.models.pipeline import PipelineOptions
+    from oomkit.prediction.predictor import Prediction
+    from oomkit.scenario.model import Scenario
+    from oomkit.scenario.sharded import ShardedWorkload
+
+__all__ = [
+    "RankPeak",
+    "distinct_ranks",
+    "peak_rank_words",
+    "pipeline_options",
+    "pp_rank_of",
+    "rank_of",
+    "rank_words",
+    "staged_workload",
+    "with_rank_peaks",
+]
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's predicted peaks.
+
+    Attributes:
+        rank: the global rank.
+        stage: its pipeline coordinate (0 without a pipeline).
+        peak_allocated_bytes: its peak allocated.
+        peak_reserved_bytes: its peak reserved.
+        fits: whether its step fits.
+    """
+
+    rank: int
+    stage: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    fits: bool
+
+
+def rank_of(scenario: Scenario) -> int:
+    """The rank a prediction records: ``parallel.rank``, else 0."""
+    parallel = scenario.parallel
+    return parallel.rank if parallel is not None and parallel.rank is not None else 0
+
+
+def rank_words(scenario: Scenario) -> str:
+    """What is recorded, for progress lines: ``"rank 3"`` or ``"each distinct rank"``."""
+    parallel = scenario.parallel
+    if parallel is not None and parallel.all_ranks:
+        return "each distinct rank"
+    return f"rank {rank_of(scenario)}"
+
+
+def pp_rank_of(layout: ParallelLayout, rank: int) -> int:
+    """``rank``'s pipeline coordinate: ``pp`` is the mesh's outermost dimension
+    (``ParallelLayout.mesh_shape``, row-major as ``init_device_mesh`` numbers ranks)."""
+    return rank // (layout.world_size // layout.pp)
+
+
+def distinct_ranks(layout: ParallelLayout) -> tuple[int, ...]:
+    """One global rank per pipeline stage coordinate (all others 0): the ranks that differ."""
+    inner = layout.world_size // layout.pp
+    return tuple(stage * inner for stage in range(layout.pp))
+
+
+def pipeline_options(scenario: Scenario, layout: ParallelLayout) -> PipelineOptions:
+    """The scenario's pipeline settings as ``PipelineOptions`` (degree from ``layout``)."""
+    from oomkit.prediction.models.pipeline import PipelineOptions
+
+    parallel = scenario.parallel
+    assert parallel is not None
+    return PipelineOptions(
+        layout.pp,
+        parallel.pp_schedule or "1f1b",
+        parallel.microbatches,
+        parallel.stages_per_rank,
+    )
+
+
+def staged_workload(
+    scenario: Scenario,
+    layout: ParallelLayout,
+    batch_size: int | None,
+    gpu: GpuSpec,
+    *,
+    steps: int | None = None,
+) -> ShardedWorkload:
+    """A Llama preset pipelined (``--pp``) with FSDP2 / TP on the other mesh dimensions.
+
+    Raises:
+        OomkitError: not a preset, or a setting the pipeline refuses.
+    """
+    from oomkit.scenario.sharded import ShardedWorkload
+
+    model = scenario.model
+    if model.preset is None:
+        raise OomkitError(
+            "--pp pipelines a Llama preset (e.g. `oomkit predict llama3-8b --pp 2 --batch 8`); "
+            "a file.py:function or --hf model is not split into stages by oomkit"
+        )
+    if layout.cp > 1:
+        raise OomkitError("--cp (context parallel) is not modelled yet; drop --cp")
+    resolved = preset_step(scenario, batch_size, gpu)
+    options = resolved.options
+    spec = workload_spec("preset", model.preset, options, steps, None)
+    pipeline = pipeline_options(scenario, layout)
+    workload = ShardedWorkload(lambda mesh: (None, ()), spec, defaults=dict(resolved.defaults))
+    name = model.preset
+
+    def build(mesh: Any) -> tuple[Any, ...]:
+        from oomkit.prediction.models.pipeline import build_pipeline_preset_step
+
+        built = call_builder(
+            lambda n, opts: build_pipeline_preset_step(n, opts, mesh, pipeline), name, options
+        )
+        workload.descriptions.append(built.description)
+        return built.step_fn, tuple(built.track)
+
+    workload.build = build
+    return workload
+
+
+def peak_rank_words(peaks: list[RankPeak], layout: ParallelLayout) -> str:
+    """``"rank 4 (pipeline stage 1 of 2) peaks: 12.0 GiB reserved"``."""
+    from oomkit.units import format_bytes
+
+    top = max(peaks, key=lambda p: (p.peak_reserved_bytes, p.peak_allocated_bytes, -p.rank))
+    stage = f" (pipeline stage {top.stage} of {layout.pp})" if layout.pp > 1 else ""
+    return (
+        f"rank {top.rank}{stage} peaks: {format_bytes(top.peak_reserved_bytes)} reserved, "
+        f"{format_bytes(top.peak_allocated_bytes)} allocated, of {len(peaks)} distinct ranks"
+    )
+
+
+def with_rank_peaks(
+    scenario: Scenario,
+    layout: ParallelLayout,
+    predict_rank: Callable[[Scenario], Prediction],
+) -> Prediction:
+    """Predict each distinct rank of ``layout`` and return the peaking rank's prediction,
+    each rank's peaks among its assumptions (``rank R``) and the peak named (``peak rank``,
+    which the verdict shows).
+
+    Args:
+        scenario: the request (``parallel.all_ranks`` set).
+        layout: its parallel layout.
+        predict_rank: predicts a scenario for the rank its ``parallel.rank`` names.
+    """
+    parallel = scenario.parallel
+    assert parallel is not None
+    peaks: list[RankPeak] = []
+    predictions: dict[int, Prediction] = {}
+    for rank in distinct_ranks(layout):
+        one = scenario.model_copy(
+            update={"parallel": parallel.model_copy(update={"rank": rank, "all_ranks": False})}
+        )
+        prediction = predict_rank(one)
+        predictions[rank] = prediction
+        peaks.append(
+            RankPeak(
+                rank,
+                pp_rank_of(layout, rank),
+                prediction.peak_allocated_bytes,
+                prediction.peak_reserved_bytes,
+                prediction.fits,
+            )
+        )
+    top = max(peaks, key=lambda p: (p.peak_reserved_bytes, p.peak_allocated_bytes, -p.rank))
+    notes = {
+        f"rank {p.rank}": (
+            f"pipeline stage {p.stage}: peak allocated {p.peak_allocated_bytes} B, peak "
+            f"reserved {p.peak_reserved_bytes} B, {'fits' if p.fits else 'does not fit'}"
+        )
+        for p in peaks
+    }
+    notes["peak rank"] = peak_rank_words(peaks, layout)
+    chosen = predictions[top.rank]
+    return dataclasses.replace(chosen, assumptions={**chosen.assumptions, **notes})
