@@ -106,33 +106,28 @@ class ParallelSection(_Section):
     pp: Count | None = Field(
         None,
         description="pipeline parallel over N GPUs (Llama presets)",
-        json_schema_extra=_flag("--pp", MULTI_GPU, metavar="N"),
+        json_schema_extra=_flag("--pp", MULTI_GPU, metavar="N", commands=("predict",)),
     )
     pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] | None = Field(
         None,
         description="pipeline schedule (default 1f1b)",
-        json_schema_extra=_flag("--pp-schedule", MULTI_GPU, metavar="NAME"),
+        json_schema_extra=_flag("--pp-schedule", MULTI_GPU, metavar="NAME", commands=("predict",)),
     )
     microbatches: Count | None = Field(
         None,
         description="pipeline micro-batches per step (default: the batch)",
-        json_schema_extra=_flag("--microbatches", MULTI_GPU, metavar="M"),
+        json_schema_extra=_flag("--microbatches", MULTI_GPU, metavar="M", commands=("predict",)),
     )
     stages_per_rank: Count | None = Field(
         None,
         description="pipeline stages per rank (interleaved; default 2)",
-        json_schema_extra=_flag("--stages-per-rank", MULTI_GPU, metavar="V"),
-    )
-    cp: Count | None = Field(
-        None,
-        description="context parallel: the sequence over N GPUs",
-        json_schema_extra=_flag("--cp", MULTI_GPU, metavar="N"),
+        json_schema_extra=_flag("--stages-per-rank", MULTI_GPU, metavar="V", commands=("predict",)),
     )
     rank: int | None = Field(
         None,
         ge=0,
         description="the rank to predict (default 0)",
-        json_schema_extra=_flag("--rank", MULTI_GPU, metavar="R"),
+        json_schema_extra=_flag("--rank", MULTI_GPU, metavar="R", commands=("predict",)),
     )
     all_ranks: bool = Field(
         False,
@@ -143,7 +138,7 @@ class ParallelSection(_Section):
     @property
     def given(self) -> bool:
         """Whether any degree is set (an all-default section is no layout)."""
-        return (self.fsdp, self.tp, self.dp, self.pp, self.cp) != (None,) * 5
+        return (self.fsdp, self.tp, self.dp, self.pp) != (None,) * 4
 
     @model_validator(mode="after")
     def _pipeline_and_ranks(self) -> ParallelSection:
@@ -163,12 +158,11 @@ class ParallelSection(_Section):
             raise ValueError("--rank R and --all-ranks exclude each other: give one")
         if (self.rank is not None or self.all_ranks) and not self.given:
             raise ValueError(
-                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp, --pp "
-                "or --cp"
+                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp or --pp"
             )
         if self.rank is not None:
             world = 1
-            for degree in (self.fsdp, self.tp, self.dp, self.pp, self.cp):
+            for degree in (self.fsdp, self.tp, self.dp, self.pp):
                 world *= degree or 1
             if self.rank >= world:
                 raise ValueError(

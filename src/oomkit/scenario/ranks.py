@@ -1,5 +1,4 @@
-"""Ranks that differ: pipeline stages, one rank recorded (``--rank R``) or each distinct one
-(``--all-ranks``).
+"""Ranks that differ: pipeline stages, one rank recorded (``--rank R``) or each (``--all-ranks``).
 
 Under pipeline parallel each pp coordinate runs other stages (the first holds the embedding,
 the last the norm, LM head and loss), and 1F1B keeps ``pp - stage`` micro-batches in flight
@@ -119,8 +118,6 @@ def staged_workload(
             "--pp pipelines a Llama preset (e.g. `oomkit predict llama3-8b --pp 2 --batch 8`); "
             "a file.py:function or --hf model is not split into stages by oomkit"
         )
-    if layout.cp > 1:
-        raise OomkitError("--cp (context parallel) is not modelled yet; drop --cp")
     resolved = preset_step(scenario, batch_size, gpu)
     options = resolved.options
     spec = workload_spec("preset", model.preset, options, steps, None)
