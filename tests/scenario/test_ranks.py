@@ -1,0 +1,87 @@
+"""--rank and --all-ranks: each pipeline stage predicted, the peaking rank named."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomkit.core.target import ParallelLayout
+from oomkit.prediction.models import pipeline
+from oomkit.prediction.models.llama import LlamaShape
+from oomkit.prediction.models.presets import ModelPreset
+from oomkit.prediction.summary import verdict_line
+from oomkit.scenario.files import scenario_from_data
+from oomkit.scenario.ranks import distinct_ranks, pp_rank_of
+from oomkit.scenario.run import predict
+
+_SHAPE = LlamaShape(
+    hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=256, tied=False,
+    positions=128,
+)
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """The pipelined preset is the tiny Llama whatever preset it is named."""
+    preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="fp32")
+    monkeypatch.setattr(pipeline, "shaped_preset", lambda name, options: preset)
+
+
+def _scenario(**parallel):
+    return scenario_from_data({
+        "model": {"preset": "llama3-8b"},
+        "step": {"batch": 4, "seq": 16, "precision": "fp32"},
+        "parallel": {"pp": 2, "microbatches": 4, **parallel},
+        "target": {"gpu": "h100"},
+    })
+
+
+def test_all_ranks_names_the_rank_that_peaks(tiny):
+    """Each stage's rank is predicted alone (--rank R); the verdict names the larger peak."""
+    by_rank = {r: predict(_scenario(rank=r)) for r in (0, 1)}
+    every = predict(_scenario(all_ranks=True))
+    top = max(by_rank, key=lambda r: (by_rank[r].peak_reserved_bytes,
+                                      by_rank[r].peak_allocated_bytes, -r))
+    assert every.peak_allocated_bytes == by_rank[top].peak_allocated_bytes
+    assert every.peak_reserved_bytes == by_rank[top].peak_reserved_bytes
+    for rank, one in by_rank.items():
+        assert every.assumptions[f"rank {rank}"] == (
+            f"pipeline stage {rank}: peak allocated {one.peak_allocated_bytes} B, peak "
+            f"reserved {one.peak_reserved_bytes} B, fits"
+        )
+    assert every.assumptions["peak rank"].startswith(f"rank {top} (pipeline stage {top} of 2)")
+    assert f"rank {top} (pipeline stage {top} of 2) peaks" in verdict_line(every)
+    # The saved scenario is the peaking rank's: re-predicting it gives the same figures.
+    assert every.scenario["parallel"]["rank"] == top
+
+
+def test_ranks_differ_by_stage(tiny):
+    """Stage 0 holds the embedding, stage 1 the LM head and loss: their peaks differ."""
+    first, last = predict(_scenario(rank=0)), predict(_scenario(rank=1))
+    assert first.peak_allocated_bytes != last.peak_allocated_bytes
+    assert "rank 0 runs stage(s) 0" in (first.description or "")
+    assert "rank 1 runs stage(s) 1" in (last.description or "")
+
+
+def test_distinct_ranks_are_one_per_stage():
+    """PP 4 x FSDP 2 x TP 2: ranks 0, 4, 8, 12 (pp outermost in the mesh)."""
+    layout = ParallelLayout(fsdp=2, tp=2, pp=4)
+    assert distinct_ranks(layout) == (0, 4, 8, 12)
+    assert [pp_rank_of(layout, r) for r in range(16)] == [r // 4 for r in range(16)]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        ({"fsdp": 2, "rank": 2}, "--rank 2 is outside the layout's 2 ranks"),
+        ({"fsdp": 2, "rank": 0, "all_ranks": True}, "exclude each other"),
+        ({"rank": 0}, "pick ranks of a layout"),
+        ({"fsdp": 2, "pp_schedule": "gpipe"}, "set a pipeline: add --pp N"),
+        ({"fsdp": 2, "microbatches": 4}, "set a pipeline: add --pp N"),
+    ],
+)
+def test_bad_rank_and_pipeline_settings_are_refused(parallel, message):
+    """Each bad combination is a ScenarioError naming the flag."""
+    from oomkit.errors import OomkitError
+
+    with pytest.raises(OomkitError, match=message):
+        scenario_from_data({"model": {"preset": "llama3-8b"}, "parallel": parallel})
