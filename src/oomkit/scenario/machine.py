@@ -123,6 +123,11 @@ class ParallelSection(_Section):
         description="pipeline stages per rank (interleaved; default 2)",
         json_schema_extra=_flag("--stages-per-rank", MULTI_GPU, metavar="V", commands=("predict",)),
     )
+    cp: Count | None = Field(
+        None,
+        description="context parallel: the sequence over N GPUs (Llama)",
+        json_schema_extra=_flag("--cp", MULTI_GPU, metavar="N", commands=("predict",)),
+    )
     rank: int | None = Field(
         None,
         ge=0,
@@ -138,7 +143,7 @@ class ParallelSection(_Section):
     @property
     def given(self) -> bool:
         """Whether any degree is set (an all-default section is no layout)."""
-        return (self.fsdp, self.tp, self.dp, self.pp) != (None,) * 4
+        return (self.fsdp, self.tp, self.dp, self.pp, self.cp) != (None,) * 5
 
     @model_validator(mode="after")
     def _pipeline_and_ranks(self) -> ParallelSection:
@@ -158,11 +163,12 @@ class ParallelSection(_Section):
             raise ValueError("--rank R and --all-ranks exclude each other: give one")
         if (self.rank is not None or self.all_ranks) and not self.given:
             raise ValueError(
-                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp or --pp"
+                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp, --pp "
+                "or --cp"
             )
         if self.rank is not None:
             world = 1
-            for degree in (self.fsdp, self.tp, self.dp, self.pp):
+            for degree in (self.fsdp, self.tp, self.dp, self.pp, self.cp):
                 world *= degree or 1
             if self.rank >= world:
                 raise ValueError(

@@ -105,10 +105,11 @@ def staged_workload(
     *,
     steps: int | None = None,
 ) -> ShardedWorkload:
-    """A Llama preset pipelined (``--pp``) with FSDP2 / TP on the other mesh dimensions.
+    """A Llama preset pipelined (``--pp``) with FSDP2 / TP on the other mesh dimensions, or
+    with its sequence split (``--cp``, with FSDP2).
 
     Raises:
-        OomkitError: not a preset, or a setting the pipeline refuses.
+        OomkitError: not a preset, PP with CP, or a setting the builder refuses.
     """
     from oomkit.scenario.sharded import ShardedWorkload
 
@@ -118,19 +119,27 @@ def staged_workload(
             "--pp pipelines a Llama preset (e.g. `oomkit predict llama3-8b --pp 2 --batch 8`); "
             "a file.py:function or --hf model is not split into stages by oomkit"
         )
+    if layout.pp > 1 and layout.cp > 1:
+        raise OomkitError("--pp with --cp is not modelled yet; use one of them")
     resolved = preset_step(scenario, batch_size, gpu)
     options = resolved.options
     spec = workload_spec("preset", model.preset, options, steps, None)
-    pipeline = pipeline_options(scenario, layout)
+    pipeline = pipeline_options(scenario, layout) if layout.pp > 1 else None
     workload = ShardedWorkload(lambda mesh: (None, ()), spec, defaults=dict(resolved.defaults))
     name = model.preset
 
     def build(mesh: Any) -> tuple[Any, ...]:
+        from oomkit.prediction.models.context_parallel import build_cp_preset_step
         from oomkit.prediction.models.pipeline import build_pipeline_preset_step
 
-        built = call_builder(
-            lambda n, opts: build_pipeline_preset_step(n, opts, mesh, pipeline), name, options
-        )
+        if layout.cp > 1:
+            built = call_builder(lambda n, opts: build_cp_preset_step(n, opts, mesh), name, options)
+        else:
+            assert pipeline is not None  # layout.pp > 1
+            piped = pipeline
+            built = call_builder(
+                lambda n, opts: build_pipeline_preset_step(n, opts, mesh, piped), name, options
+            )
         workload.descriptions.append(built.description)
         return built.step_fn, tuple(built.track)
 

@@ -79,7 +79,10 @@ def describe_layout(layout: ParallelLayout) -> str:
     """The parallel layout in words, outermost first: ``"FSDP2 4 x TP 2"``; replicas of FSDP2
     shard groups are HSDP's (``"HSDP replicas 2 x FSDP2 4"``), not DDP's."""
     replicas = "DDP" if layout.fsdp == 1 else "HSDP replicas"
-    degrees = (("PP", layout.pp), (replicas, layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
+    degrees = (
+        ("PP", layout.pp), (replicas, layout.dp), ("FSDP2", layout.fsdp), ("CP", layout.cp),
+        ("TP", layout.tp),
+    )
     parts = [f"{label} {degree}" for label, degree in degrees if degree > 1]
     # All degrees 1 and not DDP: the 1-rank mesh is FSDP2's (mesh_shape's ("fsdp",) dimension).
     return " x ".join(parts) or "FSDP2 1"
@@ -123,7 +126,7 @@ def parallel_workload(
         OomkitError: a Hugging Face model (not sharded yet), a function that takes neither
             ``mesh`` nor ``world_size``, or a preset option it rejects.
     """
-    if layout.pp > 1:  # pipeline stages: scenario/ranks.py
+    if layout.pp > 1 or layout.cp > 1:  # pipeline stages, context parallel: scenario/ranks.py
         from oomkit.scenario.ranks import staged_workload
 
         return staged_workload(scenario, layout, batch_size, gpu, steps=steps)
