@@ -69,7 +69,7 @@ def test_ranking_fits_first_then_cheapest_then_least_recompute():
     assert [c.fits for c in result.candidates] == [True] * 6 + [False] * 6
     # Each layout is its own scenario (sharded accumulation is predicted with its micro-batches).
     assert result.predicted == 12 and result.pruned == 0
-    assert result.notes[0].startswith("context parallelism (CP) is not modelled")
+    assert result.notes[0].startswith("pipeline (PP, Llama presets with untied embeddings) and context")
 
 
 def test_prices_rank_by_dollars_per_hour():

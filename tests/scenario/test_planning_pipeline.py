@@ -1,4 +1,4 @@
-"""Layout planning with pipeline parallel: PP degrees and schedules, and the winner's scenario."""
+"""Layout planning with pipeline and context parallel: degrees, schedules, the winner's scenario."""
 
 from __future__ import annotations
 
@@ -69,3 +69,34 @@ def test_the_pipelined_winner_round_trips_through_config(tmp_path):
     assert (parallel.pp, parallel.pp_schedule, parallel.all_ranks) == (2, "interleaved-1f1b", True)
     assert parallel.microbatches == winner["grad_accum"]
     assert scenario.step.batch == winner["micro_batch"] * winner["grad_accum"]
+
+
+def test_context_parallel_layouts_are_enumerated():
+    """CP 2/4/8 for the Llama presets, FSDP2 over the other ranks, the state split count ways."""
+    layouts = [x for x in enumerate_layouts(PIPELINED) if x.cp is not None]
+    assert {x.cp for x in layouts} == {2, 4, 8}
+    assert {x.strategy for x in layouts} == {"cp", "fsdp+cp"}
+    for x in layouts:
+        assert (x.fsdp or 1) * x.cp == x.gpus == x.state_shards
+        assert x.micro_batch * x.grad_accum * (x.fsdp or 1) == 16
+    # seq 128 splits into 2 x cp chunks for every degree; seq 12 only for cp 2 (4 chunks of 3)
+    short = PlanRequest("llama3-8b", 4, 12, ("h100",), max_gpus=8, checkpointing=("full",),
+                        precisions=("bf16",))
+    assert {x.cp for x in enumerate_layouts(short) if x.cp is not None} == {2}
+
+
+def test_the_context_parallel_winner_round_trips_through_config(tmp_path):
+    """Where only CP layouts fit, the winner's saved scenario loads back with its cp degree."""
+
+    def only_cp(data):
+        fits = "cp" in (data.get("parallel") or {})
+        return {"peak_reserved_bytes": 1 << 30, "fits": fits, "headroom_bytes": 1 << 30}
+
+    data = plan_to_data(plan(PIPELINED, InProcessExecutor(), predictor=only_cp))
+    winner = data["winner"]
+    assert (winner["cp"], winner["gpus"], winner["strategy"]) == (2, 2, "cp")
+    path = tmp_path / "winner.json"
+    path.write_text(json.dumps(data["winner_scenario"]))
+    scenario = load_scenario(path)
+    assert scenario_to_data(scenario) == data["winner_scenario"]
+    assert scenario.parallel is not None and scenario.parallel.cp == 2

@@ -1,7 +1,7 @@
 """Layout planning: which GPU kind, count and layout is the cheapest that fits a training job.
 
 ``plan(PlanRequest(...))`` enumerates the layouts that divide a global batch (FSDP, HSDP, DDP,
-tensor and pipeline parallelism for the Llama presets; micro-batch and accumulation; activation
+tensor, pipeline and context parallelism for the Llama presets; micro-batch and accumulation; activation
 checkpointing; precision) on each GPU kind, prunes those whose model state alone (parameters,
 gradients and optimizer states per rank) exceeds a GPU's usable memory, and predicts the rest
 per rank with the multi-GPU path (one ``Scenario`` each, ``oomkit.scenario.predict``), on an
@@ -10,7 +10,7 @@ plain records; the candidates' scenarios are data (``scenario_to_data``), so the
 ``--config`` file for ``oomkit predict``.
 
 Pipeline layouts (``pp`` with a schedule) are predicted at their worst stage (``all_ranks``);
-context parallelism is not enumerated: oomkit does not model it yet.
+context-parallel layouts (``cp``) split the sequence, with FSDP2 over the other ranks.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ _MAX_TP = 8
 # replicates across groups; groups of 2, 4 or 8 GPUs.
 _HSDP_SHARD_SIZES = (2, 4, 8)
 NOT_MODELLED = (
-    "context parallelism (CP) is not modelled by oomkit yet: no layout uses it; pipeline "
-    "layouts (PP, Llama presets with untied embeddings) are predicted at their worst stage"
+    "pipeline (PP, Llama presets with untied embeddings) and context parallel (CP, Llama "
+    "presets, with FSDP only) layouts are modelled; PP x CP, CP x TP and HSDP x CP are not "
+    "enumerated; pipelined layouts are predicted at their worst stage"
 )
+# Context-parallel degrees tried: torchtitan's Llama 3.1 runs use cp 2 to 8 for long sequences.
+_CP_DEGREES = (2, 4, 8)
 # Pipeline degrees tried: torchtitan's Llama 3.1 405B config pipelines over 8 stages at most
 # with tp 8 (torchtitan/models/llama3/config_registry.py); more stages than that would leave
 # the 8B / 70B presets a block or two per stage.
@@ -133,10 +136,14 @@ class Layout:
     precision: PlanPrecision
     pp: int | None = None
     pp_schedule: PipelineSchedule | None = None
+    cp: int | None = None
 
     @property
     def strategy(self) -> str:
-        """``single``, ``fsdp``, ``hsdp``, ``ddp`` or ``tp``, joined with ``+tp``, then ``+pp``."""
+        """``single``, ``fsdp``, ``hsdp``, ``ddp`` or ``tp``, joined with ``+tp``, then ``+pp``
+        or ``+cp``."""
+        if self.cp is not None:
+            return "fsdp+cp" if self.fsdp is not None else "cp"
         if self.pp is not None:
             inner = dataclasses.replace(self, pp=None, pp_schedule=None).strategy
             return "pp" if inner == "single" else f"{inner}+pp"
@@ -153,13 +160,14 @@ class Layout:
     @property
     def sharded(self) -> bool:
         """Whether the layout runs on a fake process group (any degree set)."""
-        return any(d is not None for d in (self.fsdp, self.dp, self.tp, self.pp))
+        return any(d is not None for d in (self.fsdp, self.dp, self.tp, self.pp, self.cp))
 
     @property
     def state_shards(self) -> int:
-        """Over how many GPUs one copy of the model state is split (FSDP x TP x PP; the
-        stages' average, a lower bound on the largest stage's, so pruning stays safe)."""
-        return (self.fsdp or 1) * (self.tp or 1) * (self.pp or 1)
+        """Over how many GPUs one copy of the model state is split (FSDP x TP x PP x CP: FSDP2
+        shards over the CP ranks too; for PP the stages' average, a lower bound on the largest
+        stage's, so pruning stays safe)."""
+        return (self.fsdp or 1) * (self.tp or 1) * (self.pp or 1) * (self.cp or 1)
 
 
 @dataclass(frozen=True)
@@ -304,6 +312,34 @@ def _pipeline_layouts(request: PlanRequest) -> list[Layout]:
     return layouts
 
 
+def _context_layouts(request: PlanRequest) -> list[Layout]:
+    """Context-parallel layouts (Llama presets): the sequence over ``cp`` ranks (a multiple
+    of ``2 * cp`` tokens: head-tail load balancing), FSDP2 over the other ranks with them."""
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.presets import get_preset
+
+    if not isinstance(get_preset(request.preset).shape, LlamaShape):
+        return []
+    layouts = []
+    for gpu, cp, count in itertools.product(
+        request.gpus, _CP_DEGREES, _powers_of_two(request.max_gpus)
+    ):
+        if request.seq % (2 * cp) or count % cp or request.global_batch % (count // cp):
+            continue
+        ranks = count // cp
+        per_rank = request.global_batch // ranks
+        limit = min(per_rank, request.max_micro_batch or per_rank)
+        micro = [m for m in _powers_of_two(limit) if per_rank % m == 0]
+        for m, ac, precision in itertools.product(
+            micro, request.checkpointing, request.precisions
+        ):
+            layouts.append(Layout(
+                gpu, count, ranks if ranks > 1 else None, None, None, m, per_rank // m, ac,
+                precision, cp=cp,
+            ))
+    return layouts
+
+
 def enumerate_layouts(request: PlanRequest) -> list[Layout]:
     """Every layout that divides the global batch, in a fixed order.
 
@@ -328,7 +364,7 @@ def enumerate_layouts(request: PlanRequest) -> list[Layout]:
                                     gpu, count, fsdp, dp, tp if tp > 1 else None, m,
                                     per_rank // m, ac, precision,
                                 ))
-    return layouts + _pipeline_layouts(request)
+    return layouts + _pipeline_layouts(request) + _context_layouts(request)
 
 
 def _scenario_data(request: PlanRequest, layout: Layout) -> dict[str, Any]:
@@ -353,7 +389,10 @@ def _scenario_data(request: PlanRequest, layout: Layout) -> dict[str, Any]:
         "target": {"gpu": layout.gpu},
     }
     if layout.sharded:
-        degrees = {"fsdp": layout.fsdp, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+        degrees = {
+            "fsdp": layout.fsdp, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+            "cp": layout.cp,
+        }
         data["parallel"] = {k: v for k, v in degrees.items() if v is not None}
         if layout.pp is not None:
             data["parallel"].update(
@@ -498,6 +537,7 @@ def _candidate_data(candidate: Candidate) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "pp_schedule": layout.pp_schedule,
+        "cp": layout.cp,
         "micro_batch": layout.micro_batch,
         "grad_accum": layout.grad_accum,
         "checkpointing": layout.checkpointing,

@@ -130,16 +130,16 @@ def build_cp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         The step: the local ``seq / cp`` tokens through the sharded model.
 
     Raises:
-        ConfigError: not a Llama preset, a mode other than ``train``, accumulation or
-            clipping, TP or PP with CP, or a sequence ``2 * cp`` does not divide.
+        ConfigError: not a Llama preset, a mode other than ``train``, clipping, TP or PP
+            with CP, or a sequence ``2 * cp`` does not divide.
     """
     names = tuple(mesh.mesh_dim_names or ())
     if "tp" in names or "pp" in names or "dp" in names:
         raise ConfigError("--cp is modelled with --fsdp alone; drop --tp, --pp and --dp")
     if options.mode != "train":
         raise ConfigError("--cp predicts training steps; use --mode train")
-    if options.grad_accum != 1 or options.max_grad_norm is not None:
-        raise ConfigError("--cp does not model gradient accumulation or clipping yet")
+    if options.max_grad_norm is not None:
+        raise ConfigError("--cp does not model gradient clipping yet; drop max_grad_norm")
     refuse_unsharded_modes(options, "--cp")
     if options.precision is None:  # a preset's own precision is fp32
         options = dataclasses.replace(options, precision="fp32")
