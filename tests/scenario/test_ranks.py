@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomkit.core.target import ParallelLayout
+from oomkit.interfaces.reports.prediction import prediction_to_json
 from oomkit.prediction.models import pipeline
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.presets import ModelPreset
@@ -43,15 +44,18 @@ def test_all_ranks_names_the_rank_that_peaks(tiny):
                                       by_rank[r].peak_allocated_bytes, -r))
     assert every.peak_allocated_bytes == by_rank[top].peak_allocated_bytes
     assert every.peak_reserved_bytes == by_rank[top].peak_reserved_bytes
-    for rank, one in by_rank.items():
-        assert every.assumptions[f"rank {rank}"] == (
-            f"pipeline stage {rank}: peak allocated {one.peak_allocated_bytes} B, peak "
-            f"reserved {one.peak_reserved_bytes} B, fits"
-        )
-    assert every.assumptions["peak rank"].startswith(f"rank {top} (pipeline stage {top} of 2)")
-    assert f"rank {top} (pipeline stage {top} of 2) peaks" in verdict_line(every)
+    assert every.rank_peaks == tuple(
+        {"rank": r, "stage": r, "peak_allocated_bytes": one.peak_allocated_bytes,
+         "peak_reserved_bytes": one.peak_reserved_bytes, "fits": True}
+        for r, one in by_rank.items()
+    )
+    assert f"rank {top} (pipeline stage {top}) peaks, of 2 distinct ranks" in verdict_line(every)
+    text = str(every)
+    for rank in (0, 1):
+        assert f"rank {rank} (pipeline stage {rank}): peak reserved" in text
     # The saved scenario is the peaking rank's: re-predicting it gives the same figures.
     assert every.scenario["parallel"]["rank"] == top
+    assert prediction_to_json(every)["rank_peaks"] == [dict(p) for p in every.rank_peaks]
 
 
 def test_ranks_differ_by_stage(tiny):

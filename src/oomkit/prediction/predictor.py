@@ -170,6 +170,9 @@ class Prediction:
         scenario: the request that made it, as plain data (``oomkit.scenario``'s JSON form),
             when it was predicted from a scenario; saved with ``--json`` so that ``explain``
             re-predicts from it.
+        rank_peaks: with ``--all-ranks``, each distinct rank's peaks (``rank``, ``stage``,
+            ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``fits``), the prediction
+            itself being the rank that peaks (``oomkit.scenario.ranks``); else empty.
     """
 
     gpu: GpuSpec
@@ -206,6 +209,7 @@ class Prediction:
     target: Target | None = None
     workload: WorkloadSpec | None = None
     scenario: Mapping[str, Any] | None = None
+    rank_peaks: tuple[Mapping[str, Any], ...] = ()
 
     def __str__(self) -> str:
         """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,

@@ -19,12 +19,13 @@ __all__ = [
     "COMPILED_EAGERLY",
     "COMPILED_RECORDED",
     "SUMMARY_ROWS",
-    "PEAK_RANK",
     "header_line",
     "module_label",
     "nothing_recorded",
     "oom_phase",
     "oom_place",
+    "peak_rank_words",
+    "rank_peak_lines",
     "prediction_summary",
     "precision_note",
     "verdict_line",
@@ -39,9 +40,6 @@ DEFAULT_PREFIX = "default "
 COMPILED_EAGERLY = "torch.compile: traced eagerly"
 # The start of the warning of a step recorded with compile=True (read_report.COMPILED_WARNING).
 COMPILED_RECORDED = "torch.compile: compiled (AOTAutograd partitioner real, Inductor fusion emulated)"
-
-# The assumption that names the rank that peaks among all ranks (scenario/ranks.py).
-PEAK_RANK = "peak rank"
 
 # Rows of each list (categories, modules) that the summary shows; the rest are counted.
 SUMMARY_ROWS = 5
@@ -71,6 +69,26 @@ def precision_note(prediction: Prediction) -> str:
     if workload is None or workload.precision is None or not workload.precision_source:
         return ""
     return f" ({workload.precision}, {workload.precision_source})"
+
+
+def peak_rank_words(prediction: Prediction) -> str:
+    """``"rank 4 (pipeline stage 1) peaks, of 2 distinct ranks"`` for an ``--all-ranks``
+    prediction (which is the peaking rank's); ``""`` without ``rank_peaks``."""
+    peaks = prediction.rank_peaks
+    if not peaks:
+        return ""
+    top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
+    return f"rank {top['rank']} (pipeline stage {top['stage']}) peaks, of {len(peaks)} distinct ranks"
+
+
+def rank_peak_lines(prediction: Prediction) -> list[str]:
+    """One line per distinct rank of an ``--all-ranks`` prediction: its peaks."""
+    return [
+        f"rank {p['rank']} (pipeline stage {p['stage']}): peak reserved "
+        f"{format_bytes(p['peak_reserved_bytes'])}, peak allocated "
+        f"{format_bytes(p['peak_allocated_bytes'])}, {'fits' if p['fits'] else 'does not fit'}"
+        for p in prediction.rank_peaks
+    ]
 
 
 def verdict_line(prediction: Prediction) -> str:
@@ -112,8 +130,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += " (torch.compile traced eagerly)"
     elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
         line += " (torch.compile: compiled, Inductor fusion emulated)"
-    if PEAK_RANK in p.assumptions:  # --all-ranks (scenario/ranks.py): which rank peaks
-        line += f"; {p.assumptions[PEAK_RANK]}"
+    if p.rank_peaks:  # --all-ranks (scenario/ranks.py): which rank peaks
+        line += f"; {peak_rank_words(p)}"
     defaults = [text for name, text in p.assumptions.items() if name.startswith(DEFAULT_PREFIX)]
     if defaults:  # each default the verdict rests on, and how to change it
         line += f" ({'; '.join(defaults)})"
@@ -201,7 +219,7 @@ def prediction_summary(prediction: Prediction, rows: int = SUMMARY_ROWS) -> str:
         the largest categories and modules at the peak allocated, every warning.
     """
     p = prediction
-    lines = [header_line(p), verdict_line(p)]
+    lines = [header_line(p), verdict_line(p), *rank_peak_lines(p)]
     if p.oom is not None:
         lines.append(f"  {p.oom.message.splitlines()[0] if p.oom.message else ''}".rstrip())
     at = p.peak_allocated_at

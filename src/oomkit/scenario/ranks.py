@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import OomkitError
@@ -26,9 +25,7 @@ if TYPE_CHECKING:
     from oomkit.scenario.sharded import ShardedWorkload
 
 __all__ = [
-    "RankPeak",
     "distinct_ranks",
-    "peak_rank_words",
     "pipeline_options",
     "pp_rank_of",
     "rank_of",
@@ -36,25 +33,6 @@ __all__ = [
     "staged_workload",
     "with_rank_peaks",
 ]
-
-
-@dataclass(frozen=True)
-class RankPeak:
-    """One rank's predicted peaks.
-
-    Attributes:
-        rank: the global rank.
-        stage: its pipeline coordinate (0 without a pipeline).
-        peak_allocated_bytes: its peak allocated.
-        peak_reserved_bytes: its peak reserved.
-        fits: whether its step fits.
-    """
-
-    rank: int
-    stage: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    fits: bool
 
 
 def rank_of(scenario: Scenario) -> int:
@@ -147,26 +125,14 @@ def staged_workload(
     return workload
 
 
-def peak_rank_words(peaks: list[RankPeak], layout: ParallelLayout) -> str:
-    """``"rank 4 (pipeline stage 1 of 2) peaks: 12.0 GiB reserved"``."""
-    from oomkit.units import format_bytes
-
-    top = max(peaks, key=lambda p: (p.peak_reserved_bytes, p.peak_allocated_bytes, -p.rank))
-    stage = f" (pipeline stage {top.stage} of {layout.pp})" if layout.pp > 1 else ""
-    return (
-        f"rank {top.rank}{stage} peaks: {format_bytes(top.peak_reserved_bytes)} reserved, "
-        f"{format_bytes(top.peak_allocated_bytes)} allocated, of {len(peaks)} distinct ranks"
-    )
-
-
 def with_rank_peaks(
     scenario: Scenario,
     layout: ParallelLayout,
     predict_rank: Callable[[Scenario], Prediction],
 ) -> Prediction:
-    """Predict each distinct rank of ``layout`` and return the peaking rank's prediction,
-    each rank's peaks among its assumptions (``rank R``) and the peak named (``peak rank``,
-    which the verdict shows).
+    """Predict each distinct rank of ``layout`` and return the peaking rank's prediction (peak
+    reserved, then allocated, then the lowest rank) with every rank's peaks in ``rank_peaks``
+    (the verdict names the peak: ``oomkit.prediction.summary.peak_rank_words``).
 
     Args:
         scenario: the request (``parallel.all_ranks`` set).
@@ -175,7 +141,7 @@ def with_rank_peaks(
     """
     parallel = scenario.parallel
     assert parallel is not None
-    peaks: list[RankPeak] = []
+    peaks: list[dict[str, Any]] = []
     predictions: dict[int, Prediction] = {}
     for rank in distinct_ranks(layout):
         one = scenario.model_copy(
@@ -183,23 +149,12 @@ def with_rank_peaks(
         )
         prediction = predict_rank(one)
         predictions[rank] = prediction
-        peaks.append(
-            RankPeak(
-                rank,
-                pp_rank_of(layout, rank),
-                prediction.peak_allocated_bytes,
-                prediction.peak_reserved_bytes,
-                prediction.fits,
-            )
-        )
-    top = max(peaks, key=lambda p: (p.peak_reserved_bytes, p.peak_allocated_bytes, -p.rank))
-    notes = {
-        f"rank {p.rank}": (
-            f"pipeline stage {p.stage}: peak allocated {p.peak_allocated_bytes} B, peak "
-            f"reserved {p.peak_reserved_bytes} B, {'fits' if p.fits else 'does not fit'}"
-        )
-        for p in peaks
-    }
-    notes["peak rank"] = peak_rank_words(peaks, layout)
-    chosen = predictions[top.rank]
-    return dataclasses.replace(chosen, assumptions={**chosen.assumptions, **notes})
+        peaks.append({
+            "rank": rank,
+            "stage": pp_rank_of(layout, rank),
+            "peak_allocated_bytes": prediction.peak_allocated_bytes,
+            "peak_reserved_bytes": prediction.peak_reserved_bytes,
+            "fits": prediction.fits,
+        })
+    top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
+    return dataclasses.replace(predictions[top["rank"]], rank_peaks=tuple(peaks))

@@ -26,6 +26,7 @@ from oomkit.prediction.summary import (
     module_label,
     nothing_recorded,
     prediction_summary,
+    rank_peak_lines,
     verdict_line,
 )
 from oomkit.prediction.workload import workload_to_json
@@ -264,6 +265,8 @@ def render_prediction(
         if p.oom.frame and not _is_entry_point(p.oom.frame):
             console.print(f"from {escape(p.oom.frame)}")
         console.print(escape(p.oom.message), soft_wrap=True)
+    for line in rank_peak_lines(p):  # --all-ranks: each distinct rank's peak
+        console.print(line, markup=False, highlight=False)
     for name, value in p.assumptions.items():
         if _is_value_assumption(name):
             console.print(f"assumed: {escape(name)}: {escape(value)}", soft_wrap=True)
