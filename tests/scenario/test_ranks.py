@@ -66,11 +66,30 @@ def test_ranks_differ_by_stage(tiny):
     assert "rank 1 runs stage(s) 1" in (last.description or "")
 
 
-def test_distinct_ranks_are_one_per_stage():
-    """PP 4 x FSDP 2 x TP 2: ranks 0, 4, 8, 12 (pp outermost in the mesh)."""
+def test_distinct_ranks_are_each_stage_first_and_last():
+    """PP 4 x FSDP 2 x TP 2: each stage's first and last rank (pp outermost in the mesh); no
+    FSDP: one rank a stage."""
     layout = ParallelLayout(fsdp=2, tp=2, pp=4)
-    assert distinct_ranks(layout) == (0, 4, 8, 12)
+    assert distinct_ranks(layout) == (0, 3, 4, 7, 8, 11, 12, 15)
     assert [pp_rank_of(layout, r) for r in range(16)] == [r // 4 for r in range(16)]
+    assert distinct_ranks(ParallelLayout(tp=2, pp=2)) == (0, 2)
+    assert distinct_ranks(ParallelLayout(fsdp=3)) == (0, 2)
+
+
+def test_the_last_fsdp_rank_holds_shorter_shards(tiny, monkeypatch):
+    """FSDP 3 of a 64-wide model: rank 2's chunks are shorter (torch.chunk), so its optimizer
+    states are smaller and rank 0 peaks; --rank 2 records rank 2's own shards."""
+    from oomkit.prediction.models import parallel
+
+    preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="fp32")
+    monkeypatch.setattr(parallel, "shaped_preset", lambda name, options: preset)
+    data = {"model": {"preset": "llama3-8b"}, "step": {"batch": 2, "seq": 16, "precision": "fp32"},
+            "target": {"gpu": "h100"}}
+    every = predict(scenario_from_data({**data, "parallel": {"fsdp": 3, "all_ranks": True}}))
+    first, last = every.rank_peaks
+    assert (first["rank"], last["rank"]) == (0, 2)
+    assert last["peak_allocated_bytes"] < first["peak_allocated_bytes"]
+    assert "rank 0 peaks, of 2 distinct ranks" in verdict_line(every)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ terminal, JSON and HTML reports (``oomkit.interfaces.reports.prediction``) reuse
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from oomkit.prediction.module_groups import group_modules
 from oomkit.units import format_bytes
@@ -78,13 +79,19 @@ def peak_rank_words(prediction: Prediction) -> str:
     if not peaks:
         return ""
     top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
-    return f"rank {top['rank']} (pipeline stage {top['stage']}) peaks, of {len(peaks)} distinct ranks"
+    return f"rank {top['rank']}{_stage(prediction, top)} peaks, of {len(peaks)} distinct ranks"
+
+
+def _stage(prediction: Prediction, peak: Mapping[str, Any]) -> str:
+    """`` (pipeline stage S)`` where the ranks are pipelined (some stage above 0), else ``""``."""
+    staged = any(p["stage"] for p in prediction.rank_peaks)
+    return f" (pipeline stage {peak['stage']})" if staged else ""
 
 
 def rank_peak_lines(prediction: Prediction) -> list[str]:
     """One line per distinct rank of an ``--all-ranks`` prediction: its peaks."""
     return [
-        f"rank {p['rank']} (pipeline stage {p['stage']}): peak reserved "
+        f"rank {p['rank']}{_stage(prediction, p)}: peak reserved "
         f"{format_bytes(p['peak_reserved_bytes'])}, peak allocated "
         f"{format_bytes(p['peak_allocated_bytes'])}, {'fits' if p['fits'] else 'does not fit'}"
         for p in prediction.rank_peaks

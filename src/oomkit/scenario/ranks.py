@@ -3,8 +3,9 @@
 Under pipeline parallel each pp coordinate runs other stages (the first holds the embedding,
 the last the norm, LM head and loss), and 1F1B keeps ``pp - stage`` micro-batches in flight
 (torch/distributed/pipelining/schedules.py ``Schedule1F1B``), so stage 0 is not always the
-peak. The ranks of one stage run the same code on equal shards (FSDP2's padded flat shards,
-TP's equal heads), so one rank per stage stands for all of them.
+peak. The ranks of one stage run the same code on equal TP heads and FSDP2's equally padded
+flat shards; only the optimizer states of an FSDP2 rank past the last full chunk are smaller,
+so a stage's first and last ranks stand for all of them.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ def pp_rank_of(layout: ParallelLayout, rank: int) -> int:
 
 
 def distinct_ranks(layout: ParallelLayout) -> tuple[int, ...]:
-    """One global rank per pipeline stage coordinate (all others 0): the ranks that differ."""
+    """The ranks that may differ: per pipeline stage its first rank and, under FSDP, its last
+    one (whose flat shards are the shortest where the FSDP degree does not divide a
+    parameter's rows: torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+    ``_init_sharded_param``, ``torch.chunk``)."""
     inner = layout.world_size // layout.pp
-    return tuple(stage * inner for stage in range(layout.pp))
+    ranks: list[int] = []
+    for stage in range(layout.pp):
+        ranks.append(stage * inner)
+        if layout.fsdp > 1:
+            ranks.append(stage * inner + inner - 1)
+    return tuple(ranks)
 
 
 def pipeline_options(scenario: Scenario, layout: ParallelLayout) -> PipelineOptions:
