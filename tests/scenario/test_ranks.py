@@ -108,3 +108,15 @@ def test_bad_rank_and_pipeline_settings_are_refused(parallel, message):
 
     with pytest.raises(OomkitError, match=message):
         scenario_from_data({"model": {"preset": "llama3-8b"}, "parallel": parallel})
+
+
+def test_all_ranks_under_tensor_parallel_records_each_rank(tiny):
+    """PP 2 x TP 2: both stages' ranks recorded one after the other in this process (DTensor's
+    sharding caches, which hold each fake group's meshes, cleared between them)."""
+    every = predict(_scenario(tp=2, all_ranks=True))
+    assert [(p["rank"], p["stage"]) for p in every.rank_peaks] == [(0, 0), (2, 1)]
+    assert all(p["peak_allocated_bytes"] > 0 for p in every.rank_peaks)
+    top = max(every.rank_peaks, key=lambda p: (p["peak_reserved_bytes"],
+                                                 p["peak_allocated_bytes"], -p["rank"]))
+    assert every.peak_allocated_bytes == top["peak_allocated_bytes"]
+    assert every.scenario["parallel"]["rank"] == top["rank"]

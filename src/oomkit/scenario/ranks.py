@@ -148,6 +148,8 @@ def with_rank_peaks(
         layout: its parallel layout.
         predict_rank: predicts a scenario for the rank its ``parallel.rank`` names.
     """
+    from oomkit.prediction.models.pipeline import forget_earlier_meshes
+
     parallel = scenario.parallel
     assert parallel is not None
     peaks: list[dict[str, Any]] = []
@@ -156,6 +158,7 @@ def with_rank_peaks(
         one = scenario.model_copy(
             update={"parallel": parallel.model_copy(update={"rank": rank, "all_ranks": False})}
         )
+        forget_earlier_meshes()  # a fresh fake group per rank (pipeline.py)
         prediction = predict_rank(one)
         predictions[rank] = prediction
         peaks.append({

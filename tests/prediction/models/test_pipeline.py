@@ -126,6 +126,28 @@ def test_fsdp_times_pp_shards_each_stage(tiny):
     assert "FSDP2 over 2 ranks per stage" in built.description
 
 
+def test_tp_times_pp_shards_each_stage_and_keeps_loss_parallel(tiny):
+    """PP 2 x TP 2, stage 0: the embedding's vocabulary rows and every block Linear / 2 (norms
+    whole), as torchtitan's plan; the last stage's logits meta is a vocabulary-sharded DTensor."""
+    layout = ParallelLayout(pp=2, tp=2)
+    options = StepOptions(batch_size=2, seq_len=_SEQ, precision="fp32")
+    built = []
+
+    def build(mesh):
+        step = pipeline.build_pipeline_preset_step(
+            "tiny", options, mesh, pipeline.PipelineOptions(2, "1f1b", 2)
+        )
+        built.append(step)
+        return step.step_fn, step.track
+
+    trace_distributed_step(build, world_size=4, mesh_shape=layout.mesh_shape)
+    h, kv = _SHAPE.hidden, _SHAPE.kv_heads * _SHAPE.hidden // _SHAPE.heads
+    linears = 2 * h * h + 2 * kv * h + 3 * h * _SHAPE.intermediate
+    local_numel = _SHAPE.vocab * h // 2 + 2 * (linears // 2 + 2 * h)
+    assert sum(p.to_local().numel() for p in built[0].track[0].parameters()) == local_numel
+    assert "tensor parallel over 2 ranks (loss parallel)" in built[0].description
+
+
 def test_microbatches_must_divide_the_batch(tiny):
     """M=3 does not divide a local batch of 4: refused as torchtitan refuses it."""
     with pytest.raises(ConfigError, match="must divide the local batch 4"):

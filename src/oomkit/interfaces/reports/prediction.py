@@ -401,6 +401,8 @@ def prediction_to_json(
         key: _plain(value)
         for key, value in dataclasses.asdict(prediction).items()
         if key not in ("target", "workload", "scenario")
+        # --all-ranks' per-rank peaks: only where there are several ranks (scenario/ranks.py)
+        and not (key == "rank_peaks" and not prediction.rank_peaks)
     }
     out: dict[str, object] = dict(plain)
     for key in ("peak_allocated_at", "peak_reserved_at"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -49,6 +50,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "PipelineOptions",
     "build_pipeline_preset_step",
+    "forget_earlier_meshes",
     "stage_ids_of_rank",
     "stage_layers",
 ]
@@ -258,9 +260,10 @@ def build_pipeline_preset_step(
         ConfigError: not a Llama preset, tied embeddings, a mode other than ``train``,
             a batch the micro-batches do not divide, or a split torchtitan refuses.
     """
-    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining import schedules
 
     pipeline.check()
+    forget_earlier_meshes()
     if options.mode != "train":
         raise ConfigError("--pp predicts training steps (the schedule runs backward); use --mode train")
     if options.grad_accum != 1 or options.max_grad_norm is not None:
@@ -308,8 +311,9 @@ def build_pipeline_preset_step(
         )
 
         check_tp_divides(shape, tp_mesh.size(), seq_len, preset.title)
-        # Loss parallel stays off: the last stage hands the schedule plain logits.
-        apply_llama_tensor_parallel(model, tp_mesh, loss_parallel=False)
+        # Loss parallel as torchtitan: the last stage's logits stay vocabulary shards (a
+        # DTensor the schedule's loss reads under loss_parallel()).
+        apply_llama_tensor_parallel(model, tp_mesh, loss_parallel=True)
     apply_checkpointing(model, options.checkpointing, train=True)
     parts = [
         LlamaStage(model, split[s], s == 0, s == num_stages - 1, seq_len) for s in stage_ids
@@ -317,20 +321,12 @@ def build_pipeline_preset_step(
     if fsdp_mesh is not None:
         _shard_stages(parts, fsdp_mesh, options.precision or "fp32")
     micro_batch = options.batch_size // microbatches
-    stages = [
-        PipelineStage(
-            part,
-            stage_id,
-            num_stages,
-            torch.device(device),
-            input_args=_stage_input(stage_id, micro_batch, seq_len, shape, options, fsdp_mesh,
-                                    tp_mesh),
-            output_args=_stage_output(stage_id, num_stages, micro_batch, seq_len, shape, options,
-                                      fsdp_mesh, tp_mesh),
-            group=pp_mesh.get_group(),
-        )
-        for stage_id, part in zip(stage_ids, parts, strict=True)
-    ]
+    with warnings.catch_warnings():
+        # stage.py validate_static_arg_grad_correspondence warns that the last stage's logits
+        # get no output gradient: "legal at pipeline boundaries" (the loss starts backward).
+        warnings.simplefilter("ignore", UserWarning)
+        stages = _stages(parts, stage_ids, num_stages, micro_batch, seq_len, shape, options,
+                         device, fsdp_mesh, tp_mesh, pp_mesh)
     loss_module = nn.CrossEntropyLoss()
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -362,10 +358,18 @@ def build_pipeline_preset_step(
     def step() -> None:
         args = (ids,) if first else ()
         target = labels if last else None
-        with _warmup_by_own_vote(), torch.autocast(device, torch.bfloat16, enabled=autocast):
+        parallel_loss: Any = contextlib.nullcontext()
+        if tp_mesh is not None:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            parallel_loss = loss_parallel()  # torchtitan's train_context
+        with _warmup_by_own_vote(), parallel_loss, torch.autocast(
+            device, torch.bfloat16, enabled=autocast
+        ):
             schedule.step(*args, target=target)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        forget_earlier_meshes()  # nothing of this group's meshes outlives it
 
     where = (
         f"pipeline parallel {pp} ({pipeline.schedule}, {microbatches} micro-batches, "
@@ -374,7 +378,7 @@ def build_pipeline_preset_step(
         f"{'; '.join(_blocks_words(split[s]) for s in stage_ids)})"
     )
     if tp_mesh is not None:
-        where += f", tensor parallel over {tp_mesh.size()} ranks (no loss parallel)"
+        where += f", tensor parallel over {tp_mesh.size()} ranks (loss parallel)"
     if fsdp_mesh is not None:
         where += f", {fsdp_words(fsdp_mesh)} per stage (reshard_after_forward=False)"
     description = f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {where}"
@@ -385,6 +389,42 @@ def build_pipeline_preset_step(
         sum(p.numel() for p in params),
         options,
     )
+
+
+def forget_earlier_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (torch/distributed/tensor/debug/__init__.py
+    ``_clear_sharding_prop_cache``: the C++ fast path's, then the Python ``lru_cache``), whose
+    output specs hold the ``DeviceMesh`` of the call that filled them. Meshes compare by shape
+    and dimension names, not by process group, so a later fake group in this process (another
+    rank of the same layout) would be handed an earlier group's mesh, whose collectives name a
+    group that no longer exists."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def _stages(parts: list[LlamaStage], stage_ids: tuple[int, ...], num_stages: int,
+            micro_batch: int, seq_len: int, shape: LlamaShape, options: StepOptions,
+            device: str, fsdp_mesh: Any, tp_mesh: Any, pp_mesh: Any) -> list[Any]:
+    """This rank's ``PipelineStage`` objects, given their input and output shapes."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return [
+        PipelineStage(
+            part,
+            stage_id,
+            num_stages,
+            torch.device(device),
+            input_args=_stage_input(stage_id, micro_batch, seq_len, shape, options, fsdp_mesh,
+                                    tp_mesh),
+            output_args=_stage_output(stage_id, num_stages, micro_batch, seq_len, shape, options,
+                                      fsdp_mesh, tp_mesh),
+            **_sharded_logits_grads(stage_id, num_stages, micro_batch, seq_len, shape, options,
+                                    fsdp_mesh, tp_mesh),
+            group=pp_mesh.get_group(),
+        )
+        for stage_id, part in zip(stage_ids, parts, strict=True)
+    ]
 
 
 def _blocks_words(layers: tuple[int, ...]) -> str:
@@ -422,7 +462,29 @@ def _stage_output(stage_id: int, num_stages: int, micro_batch: int, seq_len: int
     if stage_id < num_stages - 1:
         return (_hidden(micro_batch, seq_len, shape, options, fsdp_mesh, tp_mesh),)
     dtype = torch.bfloat16 if options.precision in ("bf16", "bf16-mixed") else torch.float32
-    return (torch.empty(micro_batch, seq_len, shape.vocab, dtype=dtype, requires_grad=True),)
+    if tp_mesh is None:
+        return (torch.empty(micro_batch, seq_len, shape.vocab, dtype=dtype, requires_grad=True),)
+    from torch.distributed.tensor import DTensor, Shard
+
+    # tensor_parallel.py llama_root_plan(loss_parallel=True): the LM head's output stays
+    # Shard(-1), a DTensor of vocab / tp columns a rank.
+    local = torch.empty(micro_batch, seq_len, shape.vocab // tp_mesh.size(), dtype=dtype,
+                        requires_grad=True)
+    return (cast(torch.Tensor, DTensor.from_local(local, tp_mesh, [Shard(-1)])),)
+
+
+def _sharded_logits_grads(stage_id: int, num_stages: int, micro_batch: int, seq_len: int,
+                          shape: LlamaShape, options: StepOptions, fsdp_mesh: Any,
+                          tp_mesh: Any) -> dict[str, Any]:
+    """The last stage's gradient shapes where its logits are a DTensor (TP's loss parallel):
+    torch/distributed/pipelining/_utils.py ``InferenceMode.needs_dynamic`` keeps a stage with
+    DTensors static only when both are given (its input's gradient, and no output gradient:
+    the loss starts its backward)."""
+    if tp_mesh is None or stage_id != num_stages - 1:
+        return {}
+    (hidden,) = _stage_input(stage_id, micro_batch, seq_len, shape, options, fsdp_mesh, tp_mesh)
+    grad = torch.empty(hidden.shape, dtype=hidden.dtype) if stage_id > 0 else None
+    return {"input_grads": (grad,), "output_grads": (None,)}
 
 
 def _shard_stages(parts: list[LlamaStage], mesh: Any, precision: str) -> None:
