@@ -120,3 +120,15 @@ def test_all_ranks_under_tensor_parallel_records_each_rank(tiny):
                                                  p["peak_allocated_bytes"], -p["rank"]))
     assert every.peak_allocated_bytes == top["peak_allocated_bytes"]
     assert every.scenario["parallel"]["rank"] == top["rank"]
+
+
+def test_a_pipeline_that_does_not_fit_gets_no_rebuilt_remedies(tiny):
+    """Remedies re-predict from the workload record, which lacks the schedule: none for PP."""
+    from oomkit.diagnose.remedy_measurement import prediction_remedies
+
+    data = {"model": {"preset": "llama3-8b"}, "step": {"batch": 4, "seq": 16, "precision": "fp32"},
+            "parallel": {"pp": 2, "microbatches": 4},
+            "target": {"gpu": "600MiB", "context_overhead_bytes": "560MiB"}}
+    prediction = predict(scenario_from_data(data))
+    assert not prediction.fits
+    assert prediction_remedies(prediction) == ()
