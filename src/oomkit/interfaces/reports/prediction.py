@@ -121,7 +121,9 @@ def _rank_tables(memory: Mapping[str, object]) -> tuple[Table, Table]:
     for group, nbytes in groups.items():
         kinds.add_row(_GROUP_TITLES[group], format_bytes(nbytes), _pct(nbytes, allocated))
     by_stream = Table(
-        title="Rank 0 at peak allocated, by CUDA stream", show_header=True, header_style="bold"
+        title=f"Rank {memory['rank']} at peak allocated, by CUDA stream",
+        show_header=True,
+        header_style="bold",
     )
     by_stream.add_column("stream")
     by_stream.add_column("category")

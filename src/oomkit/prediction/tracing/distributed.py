@@ -338,7 +338,7 @@ def trace_distributed_step(
         del step_fn, track, setup
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
-    notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    notes: tuple[str, ...] = (_NOT_MODELLED.replace("rank 0", f"rank {rank}", 1) + layout,)
     if ddp.wrapped:
         notes += (DDP_NOTE,)
     if uneven_bytes:
