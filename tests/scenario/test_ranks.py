@@ -132,3 +132,20 @@ def test_a_pipeline_that_does_not_fit_gets_no_rebuilt_remedies(tiny):
     prediction = predict(scenario_from_data(data))
     assert not prediction.fits
     assert prediction_remedies(prediction) == ()
+
+
+def test_context_parallel_through_a_scenario(monkeypatch):
+    """--cp 2 with --fsdp 2: the layout saved in the target, the step on half the sequence."""
+    from oomkit.prediction.models import context_parallel
+
+    preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="bf16")
+    monkeypatch.setattr(context_parallel, "shaped_preset", lambda name, options: preset)
+    prediction = predict(scenario_from_data({
+        "model": {"preset": "llama3-8b"}, "step": {"batch": 2, "seq": 32, "precision": "bf16"},
+        "parallel": {"fsdp": 2, "cp": 2}, "target": {"gpu": "h100"},
+    }))
+    assert prediction_to_json(prediction)["target"]["parallel"] == {
+        "fsdp": 2, "tp": 1, "dp": 1, "pp": 1, "cp": 2,
+    }
+    assert "16 of 32 tokens a rank" in (prediction.description or "")
+    assert "FSDP2 over 4 ranks (fsdp x cp" in (prediction.description or "")
