@@ -24,7 +24,6 @@ EXPECTED = {
         "--compute-dtype",
         "--config",
         "--context-overhead",
-        "--cp",
         "--cuda-version",
         "--cudnn-version",
         "--dora",
