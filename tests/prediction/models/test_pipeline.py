@@ -148,6 +148,32 @@ def test_tp_times_pp_shards_each_stage_and_keeps_loss_parallel(tiny):
     assert "tensor parallel over 2 ranks (loss parallel)" in built[0].description
 
 
+def test_fsdp_times_tp_times_pp(tiny):
+    """PP 2 x FSDP 2 x TP 2 (8 ranks), stage 0: the TP shards of the embedding and blocks
+    halved again by FSDP2 (every size even here), sharded per block + stage, loss parallel."""
+    layout = ParallelLayout(pp=2, fsdp=2, tp=2)
+    options = StepOptions(batch_size=2, seq_len=_SEQ, precision="bf16-mixed")
+    built = []
+
+    def build(mesh):
+        step = pipeline.build_pipeline_preset_step(
+            "tiny", options, mesh, pipeline.PipelineOptions(2, "1f1b", 2)
+        )
+        built.append(step)
+        return step.step_fn, step.track
+
+    recording = trace_distributed_step(build, world_size=8, mesh_shape=layout.mesh_shape)
+    h, kv = _SHAPE.hidden, _SHAPE.kv_heads * _SHAPE.hidden // _SHAPE.heads
+    linears = 2 * h * h + 2 * kv * h + 3 * h * _SHAPE.intermediate
+    tp_numel = _SHAPE.vocab * h // 2 + 2 * (linears // 2 + 2 * h)
+    assert sum(p.to_local().numel() for p in built[0].track[0].parameters()) == tp_numel // 2
+    # fp32 master shards: 4 bytes an element, each parameter's shard its own allocation.
+    before = recording.events[: recording.step_starts[0]]
+    assert sum(e.size for e in before if e.tag("category") == "parameter") == 4 * tp_numel // 2
+    assert "FSDP2 over 2 ranks per stage" in built[0].description
+    assert "tensor parallel over 2 ranks (loss parallel)" in built[0].description
+
+
 def test_microbatches_must_divide_the_batch(tiny):
     """M=3 does not divide a local batch of 4: refused as torchtitan refuses it."""
     with pytest.raises(ConfigError, match="must divide the local batch 4"):
