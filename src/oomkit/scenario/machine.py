@@ -2,7 +2,8 @@
 
 ``TargetSection`` names the GPU, the allocator settings and the torch / CUDA / cuDNN versions
 that change memory (``oomkit.scenario.target.target_of`` makes the one ``Target`` from it);
-``ParallelSection`` the FSDP2 / TP / DDP degrees whose rank 0 is predicted.
+``ParallelSection`` the FSDP2 / TP / DDP / PP / CP degrees, and which rank is predicted (rank 0,
+``rank``, or each distinct one with ``all_ranks``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class TargetSection(_Section):
 
 
 class ParallelSection(_Section):
-    """The parallel layout: rank 0 of FSDP2 / TP / DDP (and HSDP) on a fake process group."""
+    """The parallel layout: FSDP2 / TP / DDP (and HSDP), pipeline and context parallel, on a
+    fake process group; rank 0 recorded unless ``rank`` or ``all_ranks`` says otherwise."""
 
     fsdp: Count | None = Field(
         None,
