@@ -117,17 +117,18 @@ class ParallelSection(_Section):
     )
     microbatches: Count | None = Field(
         None,
-        description="pipeline micro-batches per step (default: the batch)",
+        description="pipeline micro-batches (default: the batch)",
         json_schema_extra=_flag("--microbatches", MULTI_GPU, metavar="M", commands=("predict",)),
     )
     stages_per_rank: Count | None = Field(
         None,
-        description="pipeline stages per rank (interleaved; default 2)",
-        json_schema_extra=_flag("--stages-per-rank", MULTI_GPU, metavar="V", commands=("predict",)),
+        description="stages per rank (interleaved 1F1B; default 2)",
+        # No flag (the predict --help cap): --set parallel.stages_per_rank=V.
+        json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
     cp: Count | None = Field(
         None,
-        description="context parallel: the sequence over N GPUs (Llama)",
+        description="context parallel over N GPUs (Llama presets)",
         json_schema_extra=_flag("--cp", MULTI_GPU, metavar="N", commands=("predict",)),
     )
     rank: int | None = Field(
@@ -138,7 +139,7 @@ class ParallelSection(_Section):
     )
     all_ranks: bool = Field(
         False,
-        description="predict each distinct rank; the verdict names the peak",
+        description="predict every distinct rank, name the peak",
         json_schema_extra=_flag("--all-ranks", MULTI_GPU, commands=("predict",)),
     )
 
@@ -153,7 +154,7 @@ class ParallelSection(_Section):
         pipeline = {
             "pp_schedule (--pp-schedule)": self.pp_schedule,
             "microbatches (--microbatches)": self.microbatches,
-            "stages_per_rank (--stages-per-rank)": self.stages_per_rank,
+            "stages_per_rank": self.stages_per_rank,
         }
         stray = [name for name, value in pipeline.items() if value is not None]
         if stray and self.pp is None:

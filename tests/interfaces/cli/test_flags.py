@@ -121,7 +121,6 @@ EXPECTED = {
         "--seed",
         "--seq",
         "--set",
-        "--stages-per-rank",
         "--steps",
         "--torch-version",
         "--tp",

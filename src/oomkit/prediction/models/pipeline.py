@@ -105,16 +105,16 @@ class PipelineOptions:
         """
         stages = self.virtual_stages
         if stages < 1:
-            raise ConfigError(f"--stages-per-rank must be at least 1; got {stages}")
+            raise ConfigError(f"parallel.stages_per_rank must be at least 1; got {stages}")
         if not self.looped and stages != 1:
             raise ConfigError(
-                f"--pp-schedule {self.schedule} runs one stage per rank; got --stages-per-rank "
-                f"{stages}. Use --pp-schedule interleaved-1f1b for several"
+                f"--pp-schedule {self.schedule} runs one stage per rank; got "
+                f"parallel.stages_per_rank={stages}. Use --pp-schedule interleaved-1f1b for several"
             )
         if self.looped and stages < 2:
             raise ConfigError(
                 "--pp-schedule interleaved-1f1b needs at least 2 stages per rank (torchtitan "
-                f"_get_pipeline_metadata); got --stages-per-rank {stages}"
+                f"_get_pipeline_metadata); got parallel.stages_per_rank={stages}"
             )
 
 
@@ -140,7 +140,7 @@ def stage_layers(
         raise ConfigError(
             f"{num_stages} pipeline stages cannot split {num_layers} blocks (plus the embedding "
             "and the LM head, a block's weight each, as torchtitan counts them): use at most "
-            f"{effective} stages in all (--pp times --stages-per-rank)"
+            f"{effective} stages in all (--pp times parallel.stages_per_rank)"
         )
     if input_weight > per_stage or output_weight > per_stage:
         raise ConfigError(
