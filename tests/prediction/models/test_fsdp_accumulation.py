@@ -42,11 +42,6 @@ def _predict(grad_accum):
     return prediction, scatters
 
 
-def _sharded_gradient_bytes(prediction):
-    """The gradients alive when the optimizer step starts: FSDP2's sharded ones only."""
-    return prediction.peak_allocated_at.by_category_bytes.get("gradient", 0)
-
-
 def test_each_micro_batch_reduce_scatters_and_later_ones_add_in_place(tiny):
     """K micro-batches reduce-scatter K times per FSDP unit (torchtitan never turns the sync
     off); from the second on the shards add in place, so K=3 peaks exactly as K=2 does."""
@@ -61,27 +56,57 @@ def test_each_micro_batch_reduce_scatters_and_later_ones_add_in_place(tiny):
     assert "accumulate 2" in (two.description or "") or two.workload is None
 
 
-def test_k2_peak_adds_the_first_micro_batch_shards_held_through_the_second(tiny):
-    """K=2 peaks in the second micro-batch's backward, where the first one's sharded
-    gradients (fp32, half of each parameter over FSDP 2, 512-byte blocks) are held."""
-    one, _ = _predict(1)
-    two, _ = _predict(2)
-    h, kv = _SHAPE.hidden, _SHAPE.kv_heads * _SHAPE.hidden // _SHAPE.heads
-    shapes = [(_SHAPE.vocab, h), (_SHAPE.vocab, h), (h,)]  # embedding, LM head, norm
-    for _ in range(_SHAPE.layers):
-        shapes += [(h, h), (kv, h), (kv, h), (h, h), (_SHAPE.intermediate, h),
-                   (_SHAPE.intermediate, h), (h, _SHAPE.intermediate), (h,), (h,)]
-    shard_blocks = 0
+def _live_at_backward_starts(recording):
+    """Live bytes by category (512-byte blocks) where each backward starts."""
+    live: dict[int, tuple[int, str]] = {}
+    marks, phase = [], None
+    for event in recording.events:
+        if event.action == "alloc":
+            if event.tag("phase") == "backward" and phase != "backward":
+                totals: dict[str, int] = {}
+                for size, category in live.values():
+                    totals[category] = totals.get(category, 0) + size
+                marks.append(totals)
+            phase = event.tag("phase")
+            live[event.address] = (-(-event.size // 512) * 512, event.tag("category"))
+        elif event.action == "free_requested":
+            live.pop(event.address, None)
+    return marks
+
+
+def _unit_shard_bytes(shapes):
+    """One FSDP2 unit's reduce-scatter output over 2 ranks: the padded flat shard (chunk 0 of
+    each parameter's rows, fp32), one allocation, in 512-byte blocks; the sharded gradients
+    are views of it (reduce dtype = parameter dtype: _fsdp_collectives.py foreach_reduce)."""
+    nbytes = 0
     for shape in shapes:
-        rows = shape[0]
-        numel = 1
+        rows, numel = shape[0], 1
         for n in shape:
             numel *= n
-        shard = -(-rows // 2) * (numel // rows) * 4
-        shard_blocks += -(-shard // 512) * 512
-    at_two = two.peak_allocated_at.by_category_bytes
-    assert at_two["gradient"] >= shard_blocks
-    assert _sharded_gradient_bytes(two) > _sharded_gradient_bytes(one)
+        nbytes += -(-rows // 2) * (numel // rows) * 4
+    return -(-nbytes // 512) * 512
+
+
+def test_the_second_micro_batch_holds_the_first_ones_sharded_gradients(tiny):
+    """K=2: where micro-batch 2's backward starts, everything but the cuBLAS workspace (made
+    in micro-batch 1's backward) is as at micro-batch 1's, plus the sharded gradients: one
+    reduce-scatter output per FSDP unit (2 blocks + root), to the byte."""
+    options = StepOptions(batch_size=2, seq_len=16, precision="fp32", grad_accum=2)
+
+    def build(mesh):
+        built = parallel.build_fsdp_preset_step("tiny", options, mesh)
+        return built.step_fn, built.track
+
+    first, second = _live_at_backward_starts(trace_distributed_step(build, world_size=2))
+    h, kv, ffn, vocab = _SHAPE.hidden, _SHAPE.kv_heads * 16, _SHAPE.intermediate, _SHAPE.vocab
+    block = [(h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn), (h,), (h,)]
+    root = [(vocab, h), (vocab, h), (h,)]
+    expected = _SHAPE.layers * _unit_shard_bytes(block) + _unit_shard_bytes(root)
+    assert expected == 214528
+    assert second.pop("gradient") == expected
+    assert "gradient" not in first
+    first.pop("workspace"), second.pop("workspace")
+    assert second == first
 
 
 def test_clipping_is_still_refused(tiny):
