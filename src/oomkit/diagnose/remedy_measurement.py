@@ -459,12 +459,18 @@ def prediction_remedies(
 
     Returns:
         The remedies, ranked (``rank_measured``); empty when the step fits, is not a training
-        step, or cannot be rebuilt (a ``file.py:function`` workload).
+        step, or cannot be rebuilt (a ``file.py:function`` workload, a pipeline or
+        context-parallel layout).
     """
     workload, target = prediction.workload, prediction.target
     if prediction.fits or workload is None or target is None:
         return ()
     if workload.kind not in ("preset", "hf"):
+        return ()
+    layout = target.parallel
+    if layout is not None and (layout.pp > 1 or layout.cp > 1):
+        # A pipeline's schedule and a context-parallel split are the scenario's, not the
+        # workload record's: re-predicting them here would rebuild another layout.
         return ()
     from oomkit.prediction.models import StepOptions
 

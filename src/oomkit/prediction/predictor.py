@@ -172,6 +172,9 @@ class Prediction:
             when it was predicted from a scenario; saved with ``--json`` so that ``explain``
             re-predicts from it.
         distributed: NCCL's buffers (also out of ``usable_bytes``) and the timing range; multi-GPU.
+        rank_peaks: with ``--all-ranks``, each distinct rank's peaks (``rank``, ``stage``,
+            ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``fits``), the prediction
+            itself being the rank that peaks (``oomkit.scenario.ranks``); else empty.
     """
 
     gpu: GpuSpec
@@ -209,6 +212,7 @@ class Prediction:
     workload: WorkloadSpec | None = None
     scenario: Mapping[str, Any] | None = None
     distributed: DistributedMemory | None = None
+    rank_peaks: tuple[Mapping[str, Any], ...] = ()
 
     def __str__(self) -> str:
         """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,

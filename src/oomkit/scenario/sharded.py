@@ -81,11 +81,11 @@ def describe_layout(layout: ParallelLayout) -> str:
     """The parallel layout in words, outermost first: ``"FSDP2 4 x TP 2"``; replicas of FSDP2
     shard groups are HSDP's (``"HSDP replicas 2 x FSDP2 4"``), not DDP's."""
     replicas = "DDP" if layout.fsdp == 1 else "HSDP replicas"
-    parts = [
-        f"{label} {degree}"
-        for label, degree in ((replicas, layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
-        if degree > 1
-    ]
+    degrees = (
+        ("PP", layout.pp), (replicas, layout.dp), ("FSDP2", layout.fsdp), ("CP", layout.cp),
+        ("TP", layout.tp),
+    )
+    parts = [f"{label} {degree}" for label, degree in degrees if degree > 1]
     # All degrees 1 and not DDP: the 1-rank mesh is FSDP2's (mesh_shape's ("fsdp",) dimension).
     return " x ".join(parts) or "FSDP2 1"
 
@@ -128,6 +128,10 @@ def parallel_workload(
         OomkitError: a Hugging Face model (not sharded yet), a function that takes neither
             ``mesh`` nor ``world_size``, or a preset option it rejects.
     """
+    if layout.pp > 1 or layout.cp > 1:  # pipeline stages, context parallel: scenario/ranks.py
+        from oomkit.scenario.ranks import staged_workload
+
+        return staged_workload(scenario, layout, batch_size, gpu, steps=steps)
     model = scenario.model
     parallel = scenario.parallel
     if model.function is not None:
@@ -295,10 +299,15 @@ def _user_workload(
 
 
 def record_rank_0(
-    workload: ShardedWorkload, layout: ParallelLayout, *, steps: int, target: Target
+    workload: ShardedWorkload,
+    layout: ParallelLayout,
+    *,
+    steps: int,
+    target: Target,
+    rank: int = 0,
 ) -> TraceRecording:
-    """Rank 0's recording of ``workload`` on a fake process group of ``layout``'s mesh, with
-    what a tensor-parallel recording leaves out among its warnings."""
+    """Rank 0's (or ``rank``'s) recording of ``workload`` on a fake process group of
+    ``layout``'s mesh, with what a tensor-parallel recording leaves out among its warnings."""
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
     recording = trace_distributed_step(
@@ -308,5 +317,6 @@ def record_rank_0(
         steps=steps,
         target=target,
         compile=workload.compile,
+        rank=rank,
     )
     return dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))

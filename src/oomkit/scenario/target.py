@@ -51,7 +51,10 @@ def layout_of(parallel: ParallelSection | None) -> ParallelLayout | None:
     """The ``ParallelLayout`` of the ``parallel`` section; ``None`` when no degree is given."""
     if parallel is None or not parallel.given:
         return None
-    degrees = {"fsdp": parallel.fsdp, "tp": parallel.tp, "dp": parallel.dp}
+    degrees = {
+        "fsdp": parallel.fsdp, "tp": parallel.tp, "dp": parallel.dp, "pp": parallel.pp,
+        "cp": parallel.cp,
+    }
     return ParallelLayout(**{name: value for name, value in degrees.items() if value is not None})
 
 

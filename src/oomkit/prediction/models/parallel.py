@@ -152,12 +152,15 @@ def build_fsdp_preset_step(
             f"--fsdp is modelled for the GPT-2 and Llama presets; {name} is {preset.title}. "
             "Example: oomkit predict llama-8b --fsdp 8"
         )
-    if options.grad_accum != 1 or options.max_grad_norm is not None or options.checkpoint_reentrant:
-        # FSDP2 reduce-scatters in every backward unless told not to
-        # (set_requires_gradient_sync), and clips DTensors: neither is modelled yet.
+    if options.max_grad_norm is not None or options.checkpoint_reentrant:
+        # FSDP2 clips DTensors (torch.nn.utils.clip_grad_norm_ over sharded gradients): not
+        # modelled yet. Gradient accumulation is: build_step runs grad_accum forward+backward
+        # passes and FSDP2 reduce-scatters in each backward, as torchtitan's train_step does
+        # (it never calls set_requires_gradient_sync(False) between micro-batches); from the
+        # second on, foreach_reduce adds the new shard into sharded_param.grad
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce).
         raise ConfigError(
-            "--fsdp does not model gradient accumulation, clipping or reentrant checkpointing "
-            "yet; drop --grad-accum / --trainer-args' gradient_accumulation_steps, "
+            "--fsdp does not model gradient clipping or reentrant checkpointing yet; drop "
             "max_grad_norm (set it to 0) and use_reentrant"
         )
     refuse_unsharded_modes(options, "--fsdp")

@@ -269,6 +269,7 @@ def trace_distributed_step(
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
     compile: bool = False,
+    rank: int = 0,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
 
@@ -290,6 +291,7 @@ def trace_distributed_step(
         gpu: target: emulations: as in ``trace_step``.
         compile: record ``torch.compile``d code (a block compiled inside FSDP2 / TP / DDP) as
             compiled, as ``trace_step(compile=True)`` does (``compiled.py``).
+        rank: the rank recorded (pipeline stages differ; ``fake_process_group``'s ``rank``).
 
     Returns:
         Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
@@ -316,10 +318,10 @@ def trace_distributed_step(
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
-    group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
+    group = fake_process_group(world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
-    # Code written for torchrun on CUDA runs as rank 0 of the fake group (cuda_ranks.py).
-    cuda_rank = functools.partial(as_cuda_rank, world_size, gpu=tracer.gpu)
+    # Code written for torchrun on CUDA runs as the recorded rank of the fake group (cuda_ranks.py).
+    cuda_rank = functools.partial(as_cuda_rank, world_size, rank=rank, gpu=tracer.gpu)
     with group as mesh, FakeTensorMode(), ddp.installed():
         with _ddp_constructed_under_the_recorder() as deferred, cuda_rank():
             step_fn, track, *setup = build(mesh)
@@ -347,7 +349,7 @@ def trace_distributed_step(
         del step_fn, track, setup
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
-    notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    notes: tuple[str, ...] = (_NOT_MODELLED.replace("rank 0", f"rank {rank}", 1) + layout,)
     if ddp.wrapped:
         notes += (DDP_NOTE,)
     if uneven_bytes:
