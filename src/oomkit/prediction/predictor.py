@@ -152,8 +152,7 @@ class Prediction:
         step_starts: index of each step's first event.
         step_peaks: peak allocated and reserved of each step (up to the OOM).
         events: events replayed (up to and including an OOM).
-        num_device_alloc: cudaMalloc calls (``num_device_alloc``).
-        num_device_free: cudaFree calls (``num_device_free``).
+        num_device_alloc: cudaMalloc calls. num_device_free: cudaFree calls.
         num_alloc_retries: allocations that freed the cache and retried.
         timeline: at most ``MAX_TIMELINE_POINTS`` points, each the maximum of a run of events.
         warnings: the recording's warnings (what is not emulated), then the prediction's.
@@ -166,15 +165,13 @@ class Prediction:
             (torch 2.13's default Linux wheel)"}``), from the recording.
         target: the machine predicted for (``gpu``, ``alloc_conf`` and ``torch_version`` are
             its parts); ``predict`` fills in the cuDNN version the step was traced with.
-        workload: what was recorded, as data (batch size, mode, optimizer...), when the caller
-            said (``oomkit predict`` does); ``None`` otherwise.
+        workload: what was recorded (batch size, mode, optimizer...), when the caller said.
         scenario: the request that made it, as plain data (``oomkit.scenario``'s JSON form),
             when it was predicted from a scenario; saved with ``--json`` so that ``explain``
             re-predicts from it.
         distributed: NCCL's buffers (also out of ``usable_bytes``) and the timing range; multi-GPU.
-        rank_peaks: with ``--all-ranks``, each distinct rank's peaks (``rank``, ``stage``,
-            ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``fits``), the prediction
-            itself being the rank that peaks (``oomkit.scenario.ranks``); else empty.
+        rank_peaks: with ``--all-ranks``, each distinct rank's peaks and ``fits`` (this record
+            is the rank that peaks: ``oomkit.scenario.ranks``); else empty.
     """
 
     gpu: GpuSpec
