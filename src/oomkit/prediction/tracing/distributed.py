@@ -265,6 +265,7 @@ def trace_distributed_step(
     gpu: GpuSpec | None = None,
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    rank: int = 0,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
 
@@ -284,9 +285,10 @@ def trace_distributed_step(
             ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
+        rank: the rank this process plays (0 unless the step's ranks differ).
 
     Returns:
-        Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
+        Rank 0's recording (``rank``'s where given); allocations carry the CUDA stream FSDP2 would use.
 
     Raises:
         ConfigError: a bad world size or an initialised process group.
@@ -307,7 +309,7 @@ def trace_distributed_step(
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
-    group = fake_process_group(world_size, mesh_shape=shape, mesh_dim_names=names)
+    group = fake_process_group(world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
     with group as mesh, FakeTensorMode(), ddp.installed():
         with _ddp_constructed_under_the_recorder() as deferred:
@@ -336,6 +338,8 @@ def trace_distributed_step(
         del step_fn, track, setup
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
+    if rank:
+        layout = f"{layout}; rank {rank}"
     notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
     if ddp.wrapped:
         notes += (DDP_NOTE,)
