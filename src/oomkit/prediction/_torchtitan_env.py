@@ -29,6 +29,7 @@ __all__ = [
     "SUPPORTED_TORCHTITAN",
     "import_torchtitan",
     "meshes_on_the_host",
+    "quiet_torchtitan_logs",
     "torchtitan_version",
 ]
 
@@ -89,7 +90,7 @@ def import_torchtitan(name: str) -> types.ModuleType:
         import datasets  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
         stand_ins = _datasets_stand_in()
-    with _quiet_torchtitan_logs():
+    with quiet_torchtitan_logs():
         if not stand_ins:
             return importlib.import_module(name)
         sys.modules.update(stand_ins)
@@ -102,7 +103,7 @@ def import_torchtitan(name: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _quiet_torchtitan_logs() -> Iterator[None]:
+def quiet_torchtitan_logs() -> Iterator[None]:
     """torchtitan logs its own advice ("HF assets path ... does not exist!") at WARNING."""
     import logging
 
@@ -129,7 +130,7 @@ def meshes_on_the_host() -> Iterator[None]:
     for module, _ in saved:
         setattr(module, "device_type", "cpu")  # noqa: B010
     try:
-        with _quiet_torchtitan_logs():
+        with quiet_torchtitan_logs():
             yield
     finally:
         for module, value in saved:

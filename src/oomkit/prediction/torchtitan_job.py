@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +36,7 @@ from oomkit.errors import OomkitError
 from oomkit.prediction._torchtitan_env import (
     import_torchtitan,
     meshes_on_the_host,
+    quiet_torchtitan_logs,
     torchtitan_version,
 )
 
@@ -148,7 +150,11 @@ def load_job_config(job: TorchtitanJob) -> Any:
         )
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            quiet_torchtitan_logs(),
+        ):
             return config_module.ConfigManager().parse_args(args)
     except SystemExit:  # tyro prints its error and exits
         raise OomkitError(
@@ -182,13 +188,15 @@ def _config_registry(module: str) -> Any:
 
 def _config_function(registry: Any, job: TorchtitanJob) -> str:
     """The registry function the job names: ``config`` itself, else ``module_config``."""
-    for name in (job.config, f"{job.module}_{job.config}"):
-        if not name.startswith("_") and callable(getattr(registry, name, None)):
-            return name
     available = sorted(
-        n for n in dir(registry)
-        if n.startswith(f"{job.module}_") and callable(getattr(registry, n))
+        name for name, value in vars(registry).items()
+        # a config is a function the registry defines (not a name it imports, like `cast`)
+        if not name.startswith("_") and callable(value) and isinstance(value, types.FunctionType)
+        and value.__module__ == registry.__name__
     )
+    for name in (job.config, f"{job.module}_{job.config}"):
+        if name in available:
+            return name
     raise OomkitError(
         f"torchtitan's {job.module} config registry has no config {job.config!r}; its configs: "
         f"{', '.join(available)}. Example: --torchtitan {job.module}:{available[0] if available else 'NAME'}"
@@ -199,7 +207,7 @@ def _tyro_words(text: str) -> str:
     """tyro's error box reduced to its lines of words."""
     keep = []
     for line in text.splitlines():
-        words = line.strip().strip("│╭╰─┬┴╮╯ ").strip()
+        words = line.strip().strip("│╭╰─┬┴╮╯- ").strip()
         if words and not words.startswith(("usage:", "For full helptext")):
             keep.append(words)
     return " ".join(keep[:6]) or "(tyro gave no reason)"
@@ -246,9 +254,17 @@ def build_torchtitan_step(
 
         training, parallelism = config.training, config.parallelism
         # trainer.py:304 init_distributed -> :663 ParallelDims.from_config(parallelism, world)
-        parallel_dims = parallel_dims_module.ParallelDims.from_config(parallelism, job.world_size)
-        with unset_fake_temporarily():  # a mesh is host bookkeeping (init_device_mesh)
-            parallel_dims.build_mesh()
+        try:
+            parallel_dims = parallel_dims_module.ParallelDims.from_config(
+                parallelism, job.world_size
+            )
+            with unset_fake_temporarily():  # a mesh is host bookkeeping (init_device_mesh)
+                parallel_dims.build_mesh()
+        except (ValueError, AssertionError, RuntimeError) as exc:
+            raise OomkitError(
+                f"torchtitan refused the parallel layout on {job.world_size} ranks: {exc}. The "
+                "product of the parallelism degrees must equal the world size (--world-size)"
+            ) from exc
         # trainer.py:307-317: the sequence length divides by TP (sequence parallel) and 2 x CP
         divisor = parallel_dims.tp if parallelism.enable_sequence_parallel else 1
         if training.seq_len % divisor:
