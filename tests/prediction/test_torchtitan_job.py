@@ -270,3 +270,32 @@ def test_bad_world_or_rank_is_refused():
     """A rank outside the world is refused where the job is made."""
     with pytest.raises(OomkitError, match="rank in \\[0, world size\\)"):
         TorchtitanJob("llama3", "debugmodel", world_size=2, rank=2)
+
+
+@pytest.fixture(scope="module")
+def float8_recorded():
+    """``llama3_debugmodel_float8`` (torchao Float8Linear, rowwise recipe) on FSDP 2, an H100."""
+    job = TorchtitanJob("llama3", "debugmodel_float8", _BASE, world_size=2)
+    return record_torchtitan_job(job, target=Target.resolve("h100"))
+
+
+def test_float8_linears_run_scaled_mm_on_the_targets_capability(float8_recorded):
+    """The converter asks the target's compute capability (9.0 >= 8.9): every converted
+    linear's forward and backward matmuls are torch._scaled_mm; the fp32 shards are unchanged."""
+    recording, _ = float8_recorded
+    ops = collections.Counter(
+        dict(e.tags).get("op") for e in recording.events if e.action == "alloc"
+    )
+    # At least the 30 block linears (wqkv, wo, w1, w2, w3 in 6 blocks) x 3 matmuls (forward,
+    # grad input, grad weight) x 2 steps; SAC's recomputed forwards and the chunked loss's
+    # LM head add more.
+    assert ops["aten._scaled_mm.default"] >= 30 * 3 * 2
+    before = _bytes_by_category(recording.events[: recording.step_starts[0]])
+    assert before["parameter"] == _PARAMETERS * 4 // 2
+
+
+def test_float8_on_a_gpu_without_fp8_is_refused_in_torchtitans_words():
+    """An A100 (8.0) has no float8 matmuls: torchtitan's converter refuses, as on that GPU."""
+    job = TorchtitanJob("llama3", "debugmodel_float8", _BASE, world_size=2)
+    with pytest.raises(OomkitError, match="float8 is only supported on NVIDIA SM89 or later"):
+        record_torchtitan_job(job, target=Target.resolve("A100 80GB SXM"))

@@ -9,6 +9,10 @@ three things about torchtitan itself that a GPU-free run has to arrange:
   (torchtitan/hf_datasets/text_datasets.py: ``from datasets import Dataset, load_dataset``),
   so without the Hugging Face ``datasets`` package no job can even be named. A prediction never
   loads data, so a stand-in module answers those three names while torchtitan is imported;
+* its quantization converters ask the GPU's compute capability
+  (torchtitan/components/quantization/float8.py ``Float8LinearConverter.__init__``:
+  ``has_cuda_capability(8, 9)``), which a host without a GPU cannot answer: the target GPU's
+  answers (``cuda_capability``);
 * torchtitan picks the device of its meshes once, at import (torchtitan/tools/utils.py
   ``get_device_info``: ``_get_available_device_type() or "cuda"``); the fake process group's
   mesh is a ``cpu`` one (prediction/tracing/distributed.py ``fake_process_group``).
@@ -27,6 +31,7 @@ from oomkit.errors import OomkitError
 
 __all__ = [
     "SUPPORTED_TORCHTITAN",
+    "cuda_capability",
     "import_torchtitan",
     "meshes_on_the_host",
     "quiet_torchtitan_logs",
@@ -135,3 +140,36 @@ def meshes_on_the_host() -> Iterator[None]:
     finally:
         for module, value in saved:
             setattr(module, "device_type", value)  # noqa: B010
+
+
+# The modules that ask has_cuda_capability, each holding the name it imported
+# (torchtitan/components/quantization/float8.py, mx.py, nvfp4.py; tools/utils.py itself, which
+# models/common/config_utils.py imports inside get_attention_config).
+_CAPABILITY_ASKERS = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.quantization.float8",
+    "torchtitan.components.quantization.mx",
+    "torchtitan.components.quantization.nvfp4",
+)
+
+
+@contextlib.contextmanager
+def cuda_capability(capability: tuple[int, int]) -> Iterator[None]:
+    """While open, torchtitan's ``has_cuda_capability(major, minor)`` answers for a GPU of
+    ``capability`` (torchtitan/tools/utils.py: ``torch.cuda.get_device_capability() >=
+    (major, minor)``), e.g. ``(9, 0)`` for an H100.
+    """
+
+    def has_cuda_capability(major: int, minor: int) -> bool:
+        return capability >= (major, minor)
+
+    saved = []
+    for name in _CAPABILITY_ASKERS:
+        module = import_torchtitan(name)
+        saved.append((module, getattr(module, "has_cuda_capability")))  # noqa: B009
+        setattr(module, "has_cuda_capability", has_cuda_capability)  # noqa: B010
+    try:
+        yield
+    finally:
+        for module, original in saved:
+            setattr(module, "has_cuda_capability", original)  # noqa: B010

@@ -19,7 +19,9 @@ What needs a GPU is emulated or stated: the meshes are built on the fake group's
 value (``_values_free_init``); FlexAttention's Triton kernels are not emulated, so the attention
 is torchtitan's ``ScaledDotProductAttention`` unless the job asks otherwise (``attention``);
 CUDA graphs (torchtitan's default) are not captured: the step is recorded eagerly and says so.
-Pipeline parallel, context parallel, ``torch.compile`` and expert parallel are refused here.
+torchtitan's quantization converters (Float8 linear training through torchao) ask the target
+GPU's compute capability, not this host's. Pipeline parallel, context parallel,
+``torch.compile`` and expert parallel are refused here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import OomkitError
 from oomkit.prediction._torchtitan_env import (
+    cuda_capability,
     import_torchtitan,
     meshes_on_the_host,
     quiet_torchtitan_logs,
@@ -132,8 +135,14 @@ def parse_job_name(text: str) -> tuple[str, str]:
     return module.strip(), config.strip()
 
 
-def load_job_config(job: TorchtitanJob) -> Any:
+def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = None) -> Any:
     """The job's ``Trainer.Config``, parsed by torchtitan's own ``ConfigManager``.
+
+    Args:
+        job: the job.
+        capability: the target GPU's compute capability, which torchtitan's quantization
+            converters ask (``None``: torchtitan asks this host's CUDA, which a host without a
+            GPU refuses for Float8).
 
     Raises:
         OomkitError: an unknown module or config, or an override torchtitan rejects (with
@@ -149,8 +158,12 @@ def load_job_config(job: TorchtitanJob) -> Any:
             f"--module {job.module} --config {name} --help` to list the fields"
         )
     err = io.StringIO()
+    asked: contextlib.AbstractContextManager[Any] = (
+        contextlib.nullcontext() if capability is None else cuda_capability(capability)
+    )
     try:
         with (
+            asked,
             contextlib.redirect_stderr(err),
             contextlib.redirect_stdout(io.StringIO()),
             quiet_torchtitan_logs(),
@@ -526,9 +539,10 @@ def record_torchtitan_job(
     """
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
-    config = load_job_config(job)
+    capability = target.gpu.kernel_compute_capability  # a custom size: the kernels assumed
+    config = load_job_config(job, capability=capability)
     build, built = build_torchtitan_step(job, config)
-    with meshes_on_the_host():
+    with meshes_on_the_host(), cuda_capability(capability):
         recording = trace_distributed_step(
             build, world_size=job.world_size, rank=job.rank, steps=steps, target=target
         )
