@@ -15,6 +15,10 @@ the loss is the plain cross-entropy over the full logits (2024's; ``--loss confi
 
 ``--rows`` picks rows by id (default: every row); ``--preset`` also predicts the 8B FSDP rows
 through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for comparison.
+``--eager-part`` records, for a skipped row, the part the route expresses (no compile, async
+TP or Float8 converters; pipeline and context parallel dropped, so the world is FSDP x TP):
+its wall time is the point (how long a rank of that model takes here), its peak is not
+compared with the row's (a different job).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB, the error
 in % and the wall time, or why it was skipped.
 """
@@ -67,6 +71,15 @@ def _skip_reason(row: dict) -> str | None:
     return None
 
 
+def _eager_part(row: dict) -> dict:
+    """The row without what the route refuses: eager, no Float8, no PP / CP."""
+    layout = dict(row["layout"], pp=1, cp=1)
+    return dict(
+        row, layout=layout, gpus=layout["fsdp"] * layout["tp"], compile=False, float8=False,
+        async_tp=False, pp_schedule=None,
+    )
+
+
 def _predict_row(row: dict, loss: str) -> dict:
     from oomkit.core.target import Target
     from oomkit.prediction.predictor import predict_recording
@@ -117,6 +130,8 @@ def main() -> int:
     parser.add_argument("--rows", nargs="*", help="row ids (default: all)")
     parser.add_argument("--loss", choices=("cross_entropy", "configured"), default="cross_entropy")
     parser.add_argument("--preset", action="store_true", help="also the preset route (8B FSDP)")
+    parser.add_argument("--eager-part", action="store_true",
+                        help="time the expressible part of a skipped row (not compared)")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     args = parser.parse_args()
     data = json.loads((HERE / "data" / "torchtitan_published.json").read_text())
@@ -128,6 +143,13 @@ def main() -> int:
         reason = _skip_reason(row)
         if reason is not None:
             out["skipped"] = reason
+            if args.eager_part:
+                part = _eager_part(row)
+                out["eager_part"] = {
+                    "world_size": part["gpus"], **_predict_row(part, args.loss),
+                    "note": "a different job (eager, no Float8, no PP/CP): timed, not compared",
+                }
+                out["eager_part"].pop("error_pct")
         else:
             out["torchtitan_route"] = _predict_row(row, args.loss)
             if args.preset and row["model"] == "8B":
@@ -135,6 +157,10 @@ def main() -> int:
         results.append(out)
         if "skipped" in out:
             print(f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  skipped: {reason}")
+            if "eager_part" in out:
+                part = out["eager_part"]
+                print(f"{'':34} eager part on {part['world_size']} ranks: "
+                      f"{part['predicted_reserved_gib']:.2f} GiB in {part['wall_s']:.0f} s", flush=True)
         else:
             got = out["torchtitan_route"]
             line = (
@@ -151,6 +177,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "source": data["source"],
         "loss": args.loss,
+        "eager_part": args.eager_part,
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),

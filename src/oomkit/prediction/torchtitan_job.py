@@ -207,7 +207,7 @@ def _config_function(registry: Any, job: TorchtitanJob) -> str:
         if not name.startswith("_") and callable(value) and isinstance(value, types.FunctionType)
         and value.__module__ == registry.__name__
     )
-    for name in (job.config, f"{job.module}_{job.config}"):
+    for name in (job.config, f"{job.module}_{job.config}", f"{job.module}_{job.config.lower()}"):
         if name in available:
             return name
     raise OomkitError(
@@ -543,9 +543,20 @@ def record_torchtitan_job(
     config = load_job_config(job, capability=capability)
     build, built = build_torchtitan_step(job, config)
     with meshes_on_the_host(), cuda_capability(capability):
-        recording = trace_distributed_step(
-            build, world_size=job.world_size, rank=job.rank, steps=steps, target=target
-        )
+        try:
+            recording = trace_distributed_step(
+                build, world_size=job.world_size, rank=job.rank, steps=steps, target=target
+            )
+        except OomkitError:
+            raise
+        except Exception as exc:
+            # torchtitan's own code failed on the fake group: say where, not a traceback
+            raise OomkitError(
+                f"torchtitan's {job.module}:{job.config} failed on oomkit's fake process group "
+                f"({type(exc).__name__}: {exc}); the torchtitan route is tested on llama3 "
+                f"(FSDP2, TP, AC, Float8) with torchtitan {torchtitan_version()}: report it with "
+                "the command line (issue 38)"
+            ) from exc
     run = built.run
     assert run is not None, "build ran inside trace_distributed_step"
     return dataclasses.replace(recording, warnings=recording.warnings + run.notes), run
