@@ -15,8 +15,9 @@ the loss is the plain cross-entropy over the full logits (2024's; ``--loss confi
 
 ``--rows`` picks rows by id (default: every row); ``--preset`` also predicts the 8B FSDP rows
 through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for comparison.
-``--eager-part`` records, for a skipped row, the part the route expresses (no compile, async
-TP or Float8 converters; pipeline and context parallel dropped, so the world is FSDP x TP):
+``--eager-part`` records, for a skipped row, the part the route expresses (no compile or async
+TP; Float8 as the registry config has it: the 405B's does, the 8B's and 70B's do not; pipeline
+and context parallel dropped, so the world is FSDP x TP):
 its wall time is the point (how long a rank of that model takes here), its peak is not
 compared with the row's (a different job).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB, the error
@@ -43,6 +44,8 @@ def _overrides(row: dict) -> tuple[str, ...]:
     return (
         "--parallelism.spmd_backend", "partial_dtensor",
         "--training.disable_cuda_graphs",
+        # eager: the 405B config compiles (with async TP) by default
+        "--compile.no-enable", "--compile.no-enable-async-tensor-parallel",
         "--training.local_batch_size", str(row["local_batch_size"]),
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
@@ -72,7 +75,7 @@ def _skip_reason(row: dict) -> str | None:
 
 
 def _eager_part(row: dict) -> dict:
-    """The row without what the route refuses: eager, no Float8, no PP / CP."""
+    """The row without what the route refuses: eager, no PP / CP."""
     layout = dict(row["layout"], pp=1, cp=1)
     return dict(
         row, layout=layout, gpus=layout["fsdp"] * layout["tp"], compile=False, float8=False,
@@ -147,7 +150,8 @@ def main() -> int:
                 part = _eager_part(row)
                 out["eager_part"] = {
                     "world_size": part["gpus"], **_predict_row(part, args.loss),
-                    "note": "a different job (eager, no Float8, no PP/CP): timed, not compared",
+                    "note": "a different job (eager, no PP/CP; Float8 as the registry config "
+                            "has it): timed, not compared",
                 }
                 out["eager_part"].pop("error_pct")
         else:

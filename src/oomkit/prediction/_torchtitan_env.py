@@ -109,16 +109,20 @@ def import_torchtitan(name: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def quiet_torchtitan_logs() -> Iterator[None]:
-    """torchtitan logs its own advice ("HF assets path ... does not exist!") at WARNING."""
+    """torchtitan logs its own advice at WARNING: on its logger ("HF assets path ... does not
+    exist!") and on the root logger (torchtitan/components/checkpointer/base.py
+    ``initial_load_model_only=True has no effect ...``), which a prediction does not act on."""
     import logging
 
-    logger = logging.getLogger("torchtitan")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger("torchtitan"), logging.getLogger()]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
