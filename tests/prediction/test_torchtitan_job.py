@@ -299,3 +299,16 @@ def test_float8_on_a_gpu_without_fp8_is_refused_in_torchtitans_words():
     job = TorchtitanJob("llama3", "debugmodel_float8", _BASE, world_size=2)
     with pytest.raises(OomkitError, match="float8 is only supported on NVIDIA SM89 or later"):
         record_torchtitan_job(job, target=Target.resolve("A100 80GB SXM"))
+
+
+@pytest.mark.parametrize("version", ["0.2.2", "0.1.0", "0.4.0.dev20260101"])
+def test_other_torchtitan_releases_are_refused(monkeypatch, version):
+    """Only the releases whose trainer is mirrored are run; another is refused, saying which."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: version if name == "torchtitan" else real(name)
+    )
+    with pytest.raises(OomkitError, match=f"torchtitan {version} is installed; oomkit mirrors the trainer of torchtitan 0.3.0"):
+        load_job_config(TorchtitanJob("llama3", "debugmodel"))
