@@ -20,8 +20,10 @@ TP; Float8 as the registry config has it: the 405B's does, the 8B's and 70B's do
 and context parallel dropped, so the world is FSDP x TP):
 its wall time is the point (how long a rank of that model takes here), its peak is not
 compared with the row's (a different job).
-Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB, the error
-in % and the wall time, or why it was skipped.
+Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
+prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
+reserved of the same replay on unlimited memory), the error in % and the wall time, or why it
+was skipped.
 """
 
 from __future__ import annotations
@@ -98,12 +100,14 @@ def _predict_row(row: dict, loss: str) -> dict:
     recorded_s = time.perf_counter() - start
     prediction = predict_recording(recording, target=target, description=run.description)
     wall_s = time.perf_counter() - start
-    reserved = prediction.peak_reserved_bytes / GIB
+    # required_bytes: the peak reserved when it fits, else the same replay's on unlimited memory
+    reserved = prediction.required_bytes / GIB
     return {
         "job": f"llama3:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
         "description": run.description,
         "predicted_reserved_gib": round(reserved, 2),
         "predicted_allocated_gib": round(prediction.peak_allocated_bytes / GIB, 2),
+        "fits_96gib": prediction.fits,
         "error_pct": round(100 * (reserved - row["measured_gib"]) / row["measured_gib"], 1),
         "record_s": round(recorded_s, 1),
         "wall_s": round(wall_s, 1),
@@ -119,9 +123,10 @@ def _preset_row(row: dict) -> dict:
         "llama3-8b", fsdp=row["layout"]["fsdp"], batch=row["local_batch_size"],
         seq=row["seq_len"], checkpointing="selective-op", gpu="96GiB",
     )
-    reserved = prediction.peak_reserved_bytes / GIB
+    reserved = prediction.required_bytes / GIB
     return {
         "predicted_reserved_gib": round(reserved, 2),
+        "fits_96gib": prediction.fits,
         "predicted_allocated_gib": round(prediction.peak_allocated_bytes / GIB, 2),
         "error_pct": round(100 * (reserved - row["measured_gib"]) / row["measured_gib"], 1),
         "wall_s": round(time.perf_counter() - start, 1),
@@ -137,9 +142,12 @@ def main() -> int:
                         help="time the expressible part of a skipped row (not compared)")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     args = parser.parse_args()
+    from oomkit.errors import OomkitError
+
     data = json.loads((HERE / "data" / "torchtitan_published.json").read_text())
     rows = [r for r in data["rows"] if not args.rows or r["id"] in args.rows]
     results = []
+    timed_parts: dict[tuple, tuple[str, dict]] = {}
     load_before = os.getloadavg()
     for row in rows:
         out: dict = {"id": row["id"], "measured_gib": row["measured_gib"]}
@@ -148,12 +156,21 @@ def main() -> int:
             out["skipped"] = reason
             if args.eager_part:
                 part = _eager_part(row)
+                key = (part["model"], _overrides(part), part["gpus"])
+                if key in timed_parts:  # the same job as an earlier row's part
+                    timed = {**timed_parts[key][1], "same_as": timed_parts[key][0]}
+                else:
+                    try:
+                        timed = _predict_row(part, args.loss)
+                    except OomkitError as exc:  # torchtitan's own refusal of the part, kept
+                        timed = {"refused": str(exc)}
+                    timed_parts[key] = (row["id"], timed)
+                timed.pop("error_pct", None)
                 out["eager_part"] = {
-                    "world_size": part["gpus"], **_predict_row(part, args.loss),
+                    "world_size": part["gpus"], **timed,
                     "note": "a different job (eager, no PP/CP; Float8 as the registry config "
                             "has it): timed, not compared",
                 }
-                out["eager_part"].pop("error_pct")
         else:
             out["torchtitan_route"] = _predict_row(row, args.loss)
             if args.preset and row["model"] == "8B":
@@ -161,10 +178,14 @@ def main() -> int:
         results.append(out)
         if "skipped" in out:
             print(f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  skipped: {reason}")
-            if "eager_part" in out:
+            if "eager_part" in out and "refused" in out["eager_part"]:
+                print(f"{'':34} eager part refused: {out['eager_part']['refused'][:150]}")
+            elif "eager_part" in out:
                 part = out["eager_part"]
+                fits = "" if part["fits_96gib"] else " (does not fit 96 GiB)"
                 print(f"{'':34} eager part on {part['world_size']} ranks: "
-                      f"{part['predicted_reserved_gib']:.2f} GiB in {part['wall_s']:.0f} s", flush=True)
+                      f"{part['predicted_reserved_gib']:.2f} GiB{fits} in {part['wall_s']:.0f} s",
+                      flush=True)
         else:
             got = out["torchtitan_route"]
             line = (
