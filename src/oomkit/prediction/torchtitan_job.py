@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from oomkit.errors import OomkitError
+from oomkit.errors import ConfigError, OomkitError
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
     import_torchtitan,
@@ -90,7 +90,7 @@ class TorchtitanJob:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise OomkitError(
+            raise ConfigError(
                 f"a torchtitan job needs a world size of at least 1 and a rank in [0, world "
                 f"size); got world size {self.world_size}, rank {self.rank}. Example: "
                 "--world-size 8 --rank 0"
@@ -124,11 +124,11 @@ def parse_job_name(text: str) -> tuple[str, str]:
     """``"MODULE:CONFIG"`` -> ``(module, config)``.
 
     Raises:
-        OomkitError: not two non-empty names around one colon.
+        ConfigError: not two non-empty names around one colon.
     """
     module, sep, config = text.partition(":")
     if not sep or not module.strip() or not config.strip() or ":" in config:
-        raise OomkitError(
+        raise ConfigError(
             f"--torchtitan takes MODULE:CONFIG (torchtitan's --module and --config); got "
             f"{text!r}. Example: --torchtitan llama3:llama3_8b"
         )
@@ -145,7 +145,7 @@ def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = 
             GPU refuses for Float8).
 
     Raises:
-        OomkitError: an unknown module or config, or an override torchtitan rejects (with
+        ConfigError: an unknown module or config, or an override torchtitan rejects (with
             torchtitan's own words).
     """
     config_module = import_torchtitan("torchtitan.config")
@@ -153,7 +153,7 @@ def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = 
     name = _config_function(registry, job)
     args = ["--module", job.module, "--config", name, *job.overrides]
     if any(arg in ("-h", "--help") for arg in job.overrides):
-        raise OomkitError(
+        raise ConfigError(
             "--help is not a torchtitan override here: run `python -m torchtitan.config.manager "
             f"--module {job.module} --config {name} --help` to list the fields"
         )
@@ -170,13 +170,13 @@ def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = 
         ):
             return config_module.ConfigManager().parse_args(args)
     except SystemExit:  # tyro prints its error and exits
-        raise OomkitError(
+        raise ConfigError(
             f"torchtitan rejected the overrides {' '.join(job.overrides)!r}: "
             f"{_tyro_words(err.getvalue())} Overrides are `--section.field value`, e.g. "
             "--training.local_batch_size 2 --parallelism.tensor_parallel_degree 2"
         ) from None
     except (ValueError, TypeError, AssertionError) as exc:
-        raise OomkitError(
+        raise ConfigError(
             f"torchtitan refused the job {job.module}:{name} with these overrides: {exc}"
         ) from exc
 
@@ -186,14 +186,14 @@ def _config_registry(module: str) -> Any:
     models = import_torchtitan("torchtitan.models")
     supported = sorted(getattr(models, "_supported_models", ()))
     if module not in supported:
-        raise OomkitError(
+        raise ConfigError(
             f"torchtitan has no model module {module!r}; its modules: {', '.join(supported)}. "
             "Example: --torchtitan llama3:llama3_8b"
         )
     try:
         return import_torchtitan(f"torchtitan.models.{module}.config_registry")
     except ImportError as exc:
-        raise OomkitError(
+        raise ConfigError(
             f"torchtitan's {module} config registry does not import here ({exc}); install what "
             "it needs, or pick another module"
         ) from exc
@@ -210,7 +210,7 @@ def _config_function(registry: Any, job: TorchtitanJob) -> str:
     for name in (job.config, f"{job.module}_{job.config}", f"{job.module}_{job.config.lower()}"):
         if name in available:
             return name
-    raise OomkitError(
+    raise ConfigError(
         f"torchtitan's {job.module} config registry has no config {job.config!r}; its configs: "
         f"{', '.join(available)}. Example: --torchtitan {job.module}:{available[0] if available else 'NAME'}"
     )
@@ -241,7 +241,7 @@ def build_torchtitan_step(
     when ``build`` has run.
 
     Raises:
-        OomkitError: a part of the job that is not modelled (pipeline or context parallel,
+        ConfigError: a part of the job that is not modelled (pipeline or context parallel,
             compile, expert parallel, FlexAttention kept), or one torchtitan refuses.
     """
     import torch
@@ -274,14 +274,14 @@ def build_torchtitan_step(
             with unset_fake_temporarily():  # a mesh is host bookkeeping (init_device_mesh)
                 parallel_dims.build_mesh()
         except (ValueError, AssertionError, RuntimeError) as exc:
-            raise OomkitError(
+            raise ConfigError(
                 f"torchtitan refused the parallel layout on {job.world_size} ranks: {exc}. The "
                 "product of the parallelism degrees must equal the world size (--world-size)"
             ) from exc
         # trainer.py:307-317: the sequence length divides by TP (sequence parallel) and 2 x CP
         divisor = parallel_dims.tp if parallelism.enable_sequence_parallel else 1
         if training.seq_len % divisor:
-            raise OomkitError(
+            raise ConfigError(
                 f"torchtitan refuses training.seq_len {training.seq_len}: it must divide by "
                 f"{divisor} for the configured sequence parallelism"
             )
@@ -308,7 +308,7 @@ def build_torchtitan_step(
         if global_batch < 0:
             global_batch = training.local_batch_size * batch_degree
         if global_batch % (training.local_batch_size * batch_degree):
-            raise OomkitError(
+            raise ConfigError(
                 f"torchtitan refuses training.global_batch_size {global_batch}: it must be a "
                 f"multiple of local_batch_size x data-parallel degree "
                 f"({training.local_batch_size} x {batch_degree})"
@@ -430,7 +430,7 @@ def _parallelize(model_spec: Any, model: Any, parallel_dims: Any, config: Any) -
         if "dp_mesh_dims" in str(exc) and config.parallelism.spmd_backend == "spmd_types":
             import torch
 
-            raise OomkitError(
+            raise ConfigError(
                 f"torchtitan's parallelism.spmd_backend 'spmd_types' (its default) hands "
                 f"fully_shard parameters annotated with spmd_types, which torch "
                 f"{torch.__version__}'s FSDP2 does not take ({exc}); the same job fails on a "
@@ -459,7 +459,7 @@ def _refuse_unmodelled(config: Any) -> None:
     ]
     for given, override, why in refused:
         if given:
-            raise OomkitError(
+            raise ConfigError(
                 f"{override}: {why}; drop it to predict the rest of the job "
                 "(issue 38 tracks it)"
             )
@@ -478,7 +478,7 @@ def _attention(job: TorchtitanJob, config: Any) -> Iterator[str]:
         return
     names = sorted({name.split(".")[0] for _, _, name in found})
     if job.attention == "configured":
-        raise OomkitError(
+        raise ConfigError(
             f"the job's attention is {' and '.join(names)}, whose Triton/CUDA kernels oomkit "
             "does not emulate; record it with torchtitan's ScaledDotProductAttention "
             "(attention \"sdpa\", the default) instead"
@@ -535,7 +535,8 @@ def record_torchtitan_job(
         The recording (its warnings say what is not modelled) and the run's record.
 
     Raises:
-        OomkitError: a bad job (see ``load_job_config`` and ``build_torchtitan_step``).
+        ConfigError: a bad job (see ``load_job_config`` and ``build_torchtitan_step``).
+        OomkitError: torchtitan's own code failed on the fake process group (the job named).
     """
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
@@ -549,6 +550,10 @@ def record_torchtitan_job(
             )
         except OomkitError:
             raise
+        except ValueError as exc:  # torchtitan's own checks of the job (as on a GPU)
+            raise ConfigError(
+                f"torchtitan refused the job {job.module}:{job.config}: {exc}"
+            ) from exc
         except Exception as exc:
             # torchtitan's own code failed on the fake group: say where, not a traceback
             raise OomkitError(
