@@ -13,7 +13,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test test-compiled compiled-site lint docs bench bench-compiled clean
 
-$(BIN)/oomkit: pyproject.toml
+$(BIN)/oomkit: pyproject.toml requirements/torchtitan.txt
 	$(PYTHON) -m venv $(VENV)
 	if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python scripts/index_reachable.py "$(TORCH_INDEX)"; then \
 		$(BIN)/pip install -q --index-url "$(TORCH_INDEX)" $(TORCH_PIN); \
@@ -21,6 +21,7 @@ $(BIN)/oomkit: pyproject.toml
 		$(BIN)/pip install -q $(TORCH_PIN); \
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps -r requirements/torchtitan.txt
 	touch $(BIN)/oomkit
 
 # The main job: predict a built-in GPT-2 124M training step on an RTX 4090, without a GPU.

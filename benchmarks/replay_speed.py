@@ -1,6 +1,6 @@
 """Replay speed on what users run: real snapshots with --verify, and how the cost scales.
 
-Three parts, each figure printed with the machine it was measured on (cores, load average):
+Four parts, each figure printed with the machine it was measured on (cores, load average):
 
 1. **Real traces**: the largest recorded snapshots in ``../shared/snapshots`` (or ``--snapshots``),
    each loaded (load time), replayed with verify under its recorded setting (as
@@ -9,6 +9,13 @@ Three parts, each figure printed with the machine it was measured on (cores, loa
    mid-run with 1,000 segments already allocated), replayed with verify, default and expandable.
 3. **Scaling**: recordings of 10k, 100k, 1M and 10M events (``--quick`` stops at 1M), and of
    100, 1k and 10k seeded segments: the cost per event must stay flat.
+4. **Plain** (``--part plain``): oomkit's verify replay against a plain re-implementation of
+   the same allocator rules (``_plain_allocator.py``) on the largest real traces, alternating
+   in one run, ``--rounds`` times. Both replay from the same inputs (the start state, recorded
+   segment events and final segments oomkit reconstructs once per snapshot: ``prepared``), both
+   compare with the recording, and the plain one's peaks and every stat it keeps are asserted
+   equal to oomkit's first. oomkit's figure from a fresh copy of the snapshot (reconstruction
+   included, as ``oomkit replay FILE --verify`` runs it) is printed beside it.
 
 Events/s is trace events divided by the CPU time (``time.process_time``) of
 ``replay_snapshot(...)``: reconstructing the start state, seeding it, the replay and the
@@ -17,6 +24,7 @@ beside it. The last line is one JSON object with every figure.
 
 Targets (issue 19, on a 2-core machine when quiet): >= 500,000 events/s on real traces with
 verify, no trace slower than the synthetic figure by more than 2x, per-event cost flat.
+Issue 41: the compiled core at 10x the plain re-implementation's events/s.
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plain_allocator import plain_verify  # noqa: E402
 from _recording import make_recording  # noqa: E402
 
 from oomkit.core.allocator import AllocatorConfig  # noqa: E402
 from oomkit.core.replay import replay_snapshot  # noqa: E402
+from oomkit.core.replay._prepared import prepared  # noqa: E402
 from oomkit.core.snapshot import load_snapshot, snapshot_from_data, snapshot_to_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,6 +194,91 @@ def print_synthetic(label: str, row: dict[str, Any]) -> None:
     )
 
 
+def largest_traces(directory: Path, count: int) -> list[tuple[int, Path, Any]]:
+    """The ``count`` loaded snapshots with the most trace events: (events, path, snapshot)."""
+    sized = []
+    for path in sorted(p for p in directory.glob("*/*") if p.suffix in (".pickle", ".pkl")):
+        snapshot = load_snapshot(path)
+        devices = snapshot.devices()
+        if devices:
+            events = len(snapshot.trace_for(devices[0]))
+            sized.append((events, len(snapshot.segments), path, snapshot))
+    sized.sort(key=lambda t: (t[0], t[1]), reverse=True)
+    return [(events, path, snapshot) for events, _segments, path, snapshot in sized[:count]]
+
+
+def check_plain_agrees(snapshot: Any, device: int) -> None:
+    """The plain re-implementation reproduces oomkit's verify result on this trace (so the
+    comparison is fair): peaks, every stat it keeps, segment events and the final state."""
+    ours = replay_snapshot(snapshot, device, verify=True)
+    inputs = prepared(snapshot, device, None)
+    plain = plain_verify(inputs.events, inputs.start.segments, inputs.recorded, inputs.final)
+    assert (plain.peak_allocated_bytes, plain.peak_reserved_bytes) == (
+        ours.peak_allocated_bytes,
+        ours.peak_reserved_bytes,
+    ), "the plain re-implementation's peaks differ from oomkit's"
+    differing = {k for k, v in plain.memory_stats.items() if ours.memory_stats[k] != v}
+    assert not differing, f"the plain re-implementation's stats differ: {sorted(differing)}"
+    assert tuple(plain.segment_events) == ours.segment_events
+    assert plain.segment_events_matched == ours.segment_events_matched
+    assert plain.final_state_matches == ours.final_state_matches
+
+
+def plain_comparison(directory: Path, count: int, rounds: int) -> dict[str, Any]:
+    """oomkit's verify replay against the plain re-implementation, alternating, ``rounds`` times.
+
+    Each round replays every trace with oomkit (from its prepared inputs, and from a fresh
+    copy), then with the plain one; a figure is the events of all traces over the summed CPU
+    seconds, the best round's.
+    """
+    traces = largest_traces(directory, count)
+    for _events, _path, snapshot in traces:
+        check_plain_agrees(snapshot, snapshot.devices()[0])
+    total = sum(events for events, _, _ in traces)
+    rows = []
+    for round_index in range(rounds):
+        ours = fresh = plain = 0.0
+        for _events, _path, snapshot in traces:
+            device = snapshot.devices()[0]
+            inputs = prepared(snapshot, device, None)
+            _, cpu, _ = timed(lambda s=snapshot, d=device: replay_snapshot(s, d, verify=True))
+            ours += cpu
+            _, cpu, _ = timed(
+                lambda s=snapshot, d=device: replay_snapshot(copy.copy(s), d, verify=True)
+            )
+            fresh += cpu
+            _, cpu, _ = timed(
+                lambda i=inputs: plain_verify(i.events, i.start.segments, i.recorded, i.final)
+            )
+            plain += cpu
+        row = {
+            "round": round_index + 1,
+            "oomkit_events_per_s": rate(total, ours),
+            "oomkit_fresh_copy_events_per_s": rate(total, fresh),
+            "plain_events_per_s": rate(total, plain),
+            "ratio": round(plain / ours, 2) if ours > 0 else 0.0,
+            "ratio_fresh_copy": round(plain / fresh, 2) if fresh > 0 else 0.0,
+            "machine": machine_note(),
+        }
+        rows.append(row)
+        print(
+            f"round {row['round']}: oomkit {row['oomkit_events_per_s']:,} events/s "
+            f"(fresh copy {row['oomkit_fresh_copy_events_per_s']:,}), plain "
+            f"{row['plain_events_per_s']:,} events/s: {row['ratio']:.2f}x "
+            f"({row['ratio_fresh_copy']:.2f}x from a fresh copy) {row['machine']}",
+            flush=True,
+        )
+    best = max(rows, key=lambda r: r["oomkit_events_per_s"])
+    ratios = sorted(r["ratio"] for r in rows)
+    return {
+        "traces": {f"{p.parent.name}/{p.name}": events for events, p, _ in traces},
+        "events": total,
+        "rounds": rows,
+        "median_ratio": ratios[len(ratios) // 2],
+        "best_round": best,
+    }
+
+
 def _counts(text: str) -> list[int]:
     """``"10000,1000000"`` -> ``[10000, 1000000]`` (``""``: none)."""
     return [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
@@ -195,6 +290,9 @@ def main() -> int:
     parser.add_argument("--real", type=int, default=6, help="how many real traces (largest)")
     parser.add_argument("--repeat", type=int, default=1, help="best of N runs per figure")
     parser.add_argument("--quick", action="store_true", help="skip the 10M-event recording")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds of the plain comparison"
+    )
     parser.add_argument(
         "--events-series",
         type=_counts,
@@ -210,7 +308,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--part",
-        choices=("all", "real", "synthetic", "scaling"),
+        choices=("all", "real", "synthetic", "scaling", "plain"),
         default="all",
         help="run one part only",
     )
@@ -224,6 +322,14 @@ def main() -> int:
             out["real"] = real_traces(args.snapshots, args.real, args.repeat)
         else:
             print(f"\nReal traces: {args.snapshots} not found; skipped", flush=True)
+
+    if args.part in ("all", "plain"):
+        if args.snapshots.is_dir():
+            print(f"\nAgainst a plain re-implementation ({args.real} largest traces):", flush=True)
+            out["plain"] = plain_comparison(args.snapshots, args.real, args.rounds)
+            print(f"median ratio {out['plain']['median_ratio']:.2f}x", flush=True)
+        else:
+            print(f"\nPlain comparison: {args.snapshots} not found; skipped", flush=True)
 
     if args.part in ("all", "synthetic"):
         print("\nSynthetic recording (1,000 seeded segments):", flush=True)

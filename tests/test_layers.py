@@ -244,6 +244,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.module_groups",
         "oomkit.prediction.predictor",
         "oomkit.prediction._replay",
+        "oomkit.prediction.distributed_memory",
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
         "oomkit.prediction.scripts",

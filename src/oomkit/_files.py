@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -101,6 +100,10 @@ def output_file(
         OutputPathError: as :func:`check_output_path`, or the write failed (no permission, disk
             full); the target is then unchanged.
     """
+    # tempfile (with random) is imported when a file is written, not by every command that
+    # imports this module to read one (issue 41 item 4: start-up).
+    import tempfile
+
     out = check_output_path(path, inputs=inputs, flag=flag)
     named = f"{flag} {out}" if flag else str(out)
     try:

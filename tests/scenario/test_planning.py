@@ -67,10 +67,9 @@ def test_ranking_fits_first_then_cheapest_then_least_recompute():
     assert (best.layout.gpus, best.layout.micro_batch, best.layout.checkpointing) == (1, 1, "none")
     assert result.winner == best
     assert [c.fits for c in result.candidates] == [True] * 6 + [False] * 6
-    # Sharded accumulation is predicted as one micro-batch: fsdp/ddp at micro 1 share nothing
-    # with the single GPU, so all 12 scenarios are distinct.
+    # Each layout is its own scenario (sharded accumulation is predicted with its micro-batches).
     assert result.predicted == 12 and result.pruned == 0
-    assert result.notes[0].startswith("pipeline (PP) and context (CP) parallelism are not modelled")
+    assert result.notes[0].startswith("pipeline (PP, Llama presets with untied embeddings) and context")
 
 
 def test_prices_rank_by_dollars_per_hour():
@@ -191,12 +190,12 @@ def test_plan_to_data_without_a_winner():
 
 
 def test_a_refused_scenario_is_its_candidates_error():
-    """predict_candidate turns a refusal (FSDP with accumulation) into the row's error."""
+    """predict_candidate turns a refusal (a pipelined GPT-2: tied embeddings) into the row's error."""
     from oomkit.scenario.planning import predict_candidate
 
     result = predict_candidate({
-        "model": {"preset": "gpt2-124m"}, "step": {"batch": 1, "seq": 64, "grad_accum": 2},
-        "parallel": {"fsdp": 2}, "target": {"gpu": "l40s"},
+        "model": {"preset": "gpt2-124m"}, "step": {"batch": 2, "seq": 64},
+        "parallel": {"pp": 2}, "target": {"gpu": "l40s"},
     })
     assert list(result) == ["error"]
-    assert result["error"].startswith("ConfigError: --fsdp does not model gradient accumulation")
+    assert result["error"].startswith("ConfigError: --pp is modelled for the Llama presets")

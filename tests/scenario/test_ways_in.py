@@ -131,5 +131,7 @@ def test_list_tools_prints_each_schema(capsys):
     by_name = {t["name"]: t["input_schema"] for t in tools}
     assert by_name["predict"] == by_name["fit"] == oomkit.Scenario.model_json_schema()
     assert by_name["explain"]["required"] == ["input"]
-    assert set(by_name["replay"]["properties"]) == {"snapshot", "verify", "what_if", "gpu"}
+    device = {"gpu", "capacity", "context_overhead"}  # the device, as the CLI's flags
+    assert set(by_name["replay"]["properties"]) == {"snapshot", "verify", "what_if", *device}
+    assert set(by_name["tune"]["properties"]) == {"source", *device}
     assert by_name["gpus"]["properties"] == {}

@@ -24,6 +24,7 @@ from oomkit.core.gpus.cuda_versions import (
     installed_cuda_build,
     installed_torch_version,
 )
+from oomkit.core.gpus.nccl import NcclSettings
 from oomkit.core.gpus.overhead import CudaContext, ModuleLoading, cuda_context, module_loading_for
 from oomkit.errors import ConfigError
 from oomkit.units import format_bytes
@@ -41,14 +42,18 @@ class ParallelLayout:
         tp: ranks tensor parallelism (DTensor ``parallelize_module``) splits each layer over
             (1: none).
         dp: DDP replicas (``DistributedDataParallel``), each holding the whole model (1: none).
+        pp: pipeline stages' ranks (torch.distributed.pipelining; 1: none).
+        cp: ranks the sequence is split over (context parallel, ring attention; 1: none).
     """
 
     fsdp: int = 1
     tp: int = 1
     dp: int = 1
+    pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tp", "dp"):
+        for name in ("fsdp", "tp", "dp", "pp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(
@@ -59,14 +64,17 @@ class ParallelLayout:
     @property
     def world_size(self) -> int:
         """Ranks in all (the product of the parallel degrees)."""
-        return self.fsdp * self.tp * self.dp
+        return self.fsdp * self.tp * self.dp * self.pp * self.cp
 
     @property
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The device mesh's sizes and dimension names, outermost first, as torchtitan orders
-        them (``dp_replicate``, ``dp_shard``, ``tp``; torchtitan/distributed/parallel_dims.py
-        ``build_mesh``): only the degrees above 1, and ``(("fsdp",) 1)`` for a single rank."""
-        degrees = ((self.dp, "dp"), (self.fsdp, "fsdp"), (self.tp, "tp"))
+        them (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; torchtitan/distributed/
+        parallel_dims.py ``build_mesh``): only the degrees above 1, and ``(("fsdp",) 1)`` for a
+        single rank."""
+        degrees = (
+            (self.pp, "pp"), (self.dp, "dp"), (self.fsdp, "fsdp"), (self.cp, "cp"), (self.tp, "tp")
+        )
         dims = [(size, name) for size, name in degrees if size > 1]
         if not dims:
             dims = [(1, "fsdp")]
@@ -95,6 +103,8 @@ class Target:
         cuda_version_source: where ``cuda_version`` comes from, for reports.
         warnings: what may differ from the real machine (a torch version other than the
             installed one).
+        nccl: the NCCL environment of a multi-GPU job (``NCCL_BUFFSIZE``,
+            ``NCCL_NVLS_ENABLE``, ...); ``None``: NCCL's defaults.
     """
 
     gpu: GpuSpec
@@ -106,6 +116,7 @@ class Target:
     cuda_context: CudaContext | None = None
     cuda_version_source: str = "not stated"
     warnings: tuple[str, ...] = ()
+    nccl: NcclSettings | None = None
 
     @property
     def context_overhead_bytes(self) -> int:

@@ -343,7 +343,7 @@ def saved_parallel(data: Mapping[str, Any]) -> ParallelLayout | None:
     parallel = saved.get("parallel") if isinstance(saved, Mapping) else None
     if parallel is None:
         return None
-    if not isinstance(parallel, Mapping) or not set(parallel) <= {"fsdp", "tp", "dp"}:
+    if not isinstance(parallel, Mapping) or not set(parallel) <= {"fsdp", "tp", "dp", "pp", "cp"}:
         raise ConfigError(f"the saved target.parallel is not a layout: {parallel!r}")
     return ParallelLayout(**parallel)
 

@@ -26,11 +26,18 @@ __all__ = [
     "AllocationSite",
     "Attribution",
     "LiveTensor",
+    "MIN_LEAK_BYTES",
     "TraceHistory",
     "attribute",
     "site_of",
     "trace_history",
 ]
+
+# A leak must add up to at least this much (and 1% of the peak) to be reported, by the per-step
+# leak test (memory_health) and the snapshot diagnosis' leak finding: smaller growth (a Python
+# float kept as a 512-byte tensor per step) is real but never the cause of an OOM. Defined here,
+# where both find it, so that the snapshot diagnosis does not import the per-step judges.
+MIN_LEAK_BYTES = 2**20
 
 # How many sites and tensors an attribution lists.
 TOP_SITES = 10

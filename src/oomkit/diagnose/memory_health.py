@@ -32,6 +32,7 @@ from oomkit.diagnose._leak_sites import (
     live_by_site,
 )
 from oomkit.diagnose._trend import LEAK_Z, Trend, detect_warmup_steps, trend
+from oomkit.diagnose.attribution import MIN_LEAK_BYTES
 from oomkit.errors import MemoryHealthError
 from oomkit.units import format_bytes
 
@@ -54,10 +55,8 @@ __all__ = [
     "samples_from_records",
 ]
 
-# A leak must add up to at least this much (and MIN_LEAK_PCT of the peak) over the analysed steps:
-# smaller growth (a Python float kept as a 512-byte tensor per step) is real but never the cause
-# of an OOM. The same floor as the snapshot diagnosis' leak finding.
-MIN_LEAK_BYTES = 2**20
+# A leak must add up to at least MIN_LEAK_BYTES (attribution.py, shared with the snapshot
+# diagnosis) and MIN_LEAK_PCT of the peak over the analysed steps.
 MIN_LEAK_PCT = 1.0
 # Steps needed after the warm-up before a trend is judged.
 MIN_TREND_STEPS = 6

@@ -406,9 +406,17 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
             return step.built.step_fn, tuple(step.built.track), step.setup
 
     else:
+        float8 = None
+        if workload.float8_recipe is not None:  # a --float8 run (models/float8.py)
+            from oomkit.prediction.models.float8 import Float8Options
+
+            float8 = Float8Options(
+                workload.float8_recipe,  # type: ignore[arg-type]  # checked by Float8Options
+                all_gather=bool(workload.float8_all_gather),
+            )
 
         def build(mesh: Any) -> tuple[Any, ...]:
-            built = build_fsdp_preset_step(workload.name, options, mesh)
+            built = build_fsdp_preset_step(workload.name, options, mesh, float8)
             return built.step_fn, tuple(built.track)
 
     recording = trace_distributed_step(
@@ -417,6 +425,8 @@ def _repredict_parallel(workload: WorkloadSpec, target: Target, options: Any) ->
         mesh_shape=layout.mesh_shape,
         steps=workload.steps or 2,
         target=target,
+        # Blocks compiled per block (models/compiled_blocks.py) are recorded compiled.
+        compile=bool(options.compile),
     )
     return predict_recording(recording, target=target)
 
@@ -449,12 +459,18 @@ def prediction_remedies(
 
     Returns:
         The remedies, ranked (``rank_measured``); empty when the step fits, is not a training
-        step, or cannot be rebuilt (a ``file.py:function`` workload).
+        step, or cannot be rebuilt (a ``file.py:function`` workload, a pipeline or
+        context-parallel layout).
     """
     workload, target = prediction.workload, prediction.target
     if prediction.fits or workload is None or target is None:
         return ()
     if workload.kind not in ("preset", "hf"):
+        return ()
+    layout = target.parallel
+    if layout is not None and (layout.pp > 1 or layout.cp > 1):
+        # A pipeline's schedule and a context-parallel split are the scenario's, not the
+        # workload record's: re-predicting them here would rebuild another layout.
         return ()
     from oomkit.prediction.models import StepOptions
 

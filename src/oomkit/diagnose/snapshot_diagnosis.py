@@ -38,9 +38,14 @@ from oomkit.diagnose._remedies import (
     set_max_split_size_note,
     spike_remedy,
 )
-from oomkit.diagnose.attribution import TraceHistory, attribute, site_of, trace_history
+from oomkit.diagnose.attribution import (
+    MIN_LEAK_BYTES,
+    TraceHistory,
+    attribute,
+    site_of,
+    trace_history,
+)
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
-from oomkit.diagnose.memory_health import MIN_LEAK_BYTES
 from oomkit.diagnose.oom_text import OomText
 from oomkit.errors import UnknownDeviceError
 from oomkit.units import format_bytes

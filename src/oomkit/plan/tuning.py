@@ -182,6 +182,7 @@ def tune(
     candidates: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     jobs: int | None = 1,
+    reserved_outside_bytes: int = 0,
 ) -> TuningResult:
     """Replay a workload under each candidate setting and rank the settings.
 
@@ -202,6 +203,8 @@ def tune(
             core). The results are those of the one-at-a-time sweep: every replay is
             deterministic and they are ranked in the same order. Needs the ``fork`` start
             method (Linux); elsewhere the settings are replayed one at a time.
+        reserved_outside_bytes: device memory held outside the allocator (the CUDA context of
+            ``oomkit tune --gpu NAME``): each candidate may reserve ``capacity_bytes`` less it.
 
     Returns:
         The ranked candidates, the best recommendable one and its saving over the default.
@@ -221,7 +224,7 @@ def tune(
             f"the capacity must be a positive number of bytes; got {capacity_bytes!r}. "
             "Example: --capacity 80GiB"
         )
-    replay = _replayer(source, capacity_bytes, device, torch_version)
+    replay = _replayer(source, capacity_bytes, device, torch_version, reserved_outside_bytes)
     warnings: list[str] = []
     settings = _valid_settings(
         DEFAULT_GRID if candidates is None else candidates, torch_version, warnings
@@ -289,7 +292,11 @@ def tune(
 
 
 def _replayer(
-    source: TuningSource, capacity_bytes: int, device: int, torch_version: str | None
+    source: TuningSource,
+    capacity_bytes: int,
+    device: int,
+    torch_version: str | None,
+    reserved_outside_bytes: int = 0,
 ) -> Callable[[AllocatorConfig], ReplayResult]:
     """One function that replays the source under a setting, whatever kind of source it is."""
     if isinstance(source, Snapshot):
@@ -304,6 +311,7 @@ def _replayer(
                 config=config,
                 capacity_bytes=capacity_bytes,
                 torch_version=torch_version,
+                reserved_outside_bytes=reserved_outside_bytes,
             )
 
         return replay_snap
@@ -332,7 +340,13 @@ def _replayer(
     def replay_events(config: AllocatorConfig) -> ReplayResult:
         events = factory()
         try:
-            return simulate_events(events, config, capacity_bytes, torch_version=torch_version)
+            return simulate_events(
+                events,
+                config,
+                capacity_bytes,
+                torch_version=torch_version,
+                reserved_outside_bytes=reserved_outside_bytes,
+            )
         finally:
             # read_trace keeps its file open until the iterator is exhausted; an OOM stops early.
             close = getattr(events, "close", None)

@@ -27,6 +27,7 @@ from oomkit.prediction._replay import (
     replay_for_prediction,
     step_of,
 )
+from oomkit.prediction.distributed_memory import DistributedMemory, distributed_memory, nccl_of
 from oomkit.prediction.summary import prediction_summary, verdict_line
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
@@ -151,8 +152,7 @@ class Prediction:
         step_starts: index of each step's first event.
         step_peaks: peak allocated and reserved of each step (up to the OOM).
         events: events replayed (up to and including an OOM).
-        num_device_alloc: cudaMalloc calls (``num_device_alloc``).
-        num_device_free: cudaFree calls (``num_device_free``).
+        num_device_alloc: cudaMalloc calls. num_device_free: cudaFree calls.
         num_alloc_retries: allocations that freed the cache and retried.
         timeline: at most ``MAX_TIMELINE_POINTS`` points, each the maximum of a run of events.
         warnings: the recording's warnings (what is not emulated), then the prediction's.
@@ -165,11 +165,13 @@ class Prediction:
             (torch 2.13's default Linux wheel)"}``), from the recording.
         target: the machine predicted for (``gpu``, ``alloc_conf`` and ``torch_version`` are
             its parts); ``predict`` fills in the cuDNN version the step was traced with.
-        workload: what was recorded, as data (batch size, mode, optimizer...), when the caller
-            said (``oomkit predict`` does); ``None`` otherwise.
+        workload: what was recorded (batch size, mode, optimizer...), when the caller said.
         scenario: the request that made it, as plain data (``oomkit.scenario``'s JSON form),
             when it was predicted from a scenario; saved with ``--json`` so that ``explain``
             re-predicts from it.
+        distributed: NCCL's buffers (also out of ``usable_bytes``) and the timing range; multi-GPU.
+        rank_peaks: with ``--all-ranks``, each distinct rank's peaks and ``fits`` (this record
+            is the rank that peaks: ``oomkit.scenario.ranks``); else empty.
     """
 
     gpu: GpuSpec
@@ -206,6 +208,8 @@ class Prediction:
     target: Target | None = None
     workload: WorkloadSpec | None = None
     scenario: Mapping[str, Any] | None = None
+    distributed: DistributedMemory | None = None
+    rank_peaks: tuple[Mapping[str, Any], ...] = ()
 
     def __str__(self) -> str:
         """The verdict and the top lines (``print(oomkit.predict(...))``): what the step is,
@@ -251,15 +255,16 @@ def predict_recording(
     spec, config, torch_version = target.gpu, target.allocator_config, target.torch_version
     events = recording.events
     step_starts = tuple(recording.step_starts)
+    nccl, nccl_bytes = nccl_of(target)  # NCCL's buffers: outside the allocator, as the context
     replay = replay_for_prediction(
         events,
         step_starts,
         config,
         capacity_bytes=spec.total_memory_bytes,
-        reserved_outside_bytes=spec.context_overhead_bytes,
+        reserved_outside_bytes=spec.context_overhead_bytes + nccl_bytes,
         torch_version=torch_version,
     )
-    usable = spec.usable_bytes()
+    usable = spec.usable_bytes() - nccl_bytes
     at_alloc = _breakdown(
         events,
         step_starts,
@@ -297,6 +302,7 @@ def predict_recording(
         *recording.warnings,
         *_warnings(events, replay.block_bytes, replay.step_peaks, fits),
     ]
+    peak_allocated = replay.peak_allocated_bytes
     return Prediction(
         gpu=spec,
         alloc_conf=str(config),
@@ -333,6 +339,7 @@ def predict_recording(
         assumptions=dict(recording.assumptions),
         target=target,
         workload=workload,
+        distributed=distributed_memory(recording, target, nccl, required, peak_allocated),
     )
 
 

@@ -6,7 +6,8 @@ terminal, JSON and HTML reports (``oomkit.interfaces.reports.prediction``) reuse
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from oomkit.prediction.module_groups import group_modules
 from oomkit.units import format_bytes
@@ -24,6 +25,8 @@ __all__ = [
     "nothing_recorded",
     "oom_phase",
     "oom_place",
+    "peak_rank_words",
+    "rank_peak_lines",
     "prediction_summary",
     "precision_note",
     "verdict_line",
@@ -69,6 +72,32 @@ def precision_note(prediction: Prediction) -> str:
     return f" ({workload.precision}, {workload.precision_source})"
 
 
+def peak_rank_words(prediction: Prediction) -> str:
+    """``"rank 4 (pipeline stage 1) peaks, of 2 distinct ranks"`` for an ``--all-ranks``
+    prediction (which is the peaking rank's); ``""`` without ``rank_peaks``."""
+    peaks = prediction.rank_peaks
+    if not peaks:
+        return ""
+    top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
+    return f"rank {top['rank']}{_stage(prediction, top)} peaks, of {len(peaks)} distinct ranks"
+
+
+def _stage(prediction: Prediction, peak: Mapping[str, Any]) -> str:
+    """`` (pipeline stage S)`` where the ranks are pipelined (some stage above 0), else ``""``."""
+    staged = any(p["stage"] for p in prediction.rank_peaks)
+    return f" (pipeline stage {peak['stage']})" if staged else ""
+
+
+def rank_peak_lines(prediction: Prediction) -> list[str]:
+    """One line per distinct rank of an ``--all-ranks`` prediction: its peaks."""
+    return [
+        f"rank {p['rank']}{_stage(prediction, p)}: peak reserved "
+        f"{format_bytes(p['peak_reserved_bytes'])}, peak allocated "
+        f"{format_bytes(p['peak_allocated_bytes'])}, {'fits' if p['fits'] else 'does not fit'}"
+        for p in prediction.rank_peaks
+    ]
+
+
 def verdict_line(prediction: Prediction) -> str:
     """One line a person reads first: fits (with headroom) or where it would OOM.
 
@@ -108,6 +137,8 @@ def verdict_line(prediction: Prediction) -> str:
         line += " (torch.compile traced eagerly)"
     elif any(w.startswith(COMPILED_RECORDED) for w in p.warnings):
         line += " (torch.compile: compiled, Inductor fusion emulated)"
+    if p.rank_peaks:  # --all-ranks (scenario/ranks.py): which rank peaks
+        line += f"; {peak_rank_words(p)}"
     defaults = [text for name, text in p.assumptions.items() if name.startswith(DEFAULT_PREFIX)]
     if defaults:  # each default the verdict rests on, and how to change it
         line += f" ({'; '.join(defaults)})"
@@ -195,7 +226,9 @@ def prediction_summary(prediction: Prediction, rows: int = SUMMARY_ROWS) -> str:
         the largest categories and modules at the peak allocated, every warning.
     """
     p = prediction
-    lines = [header_line(p), verdict_line(p)]
+    lines = [header_line(p), verdict_line(p), *rank_peak_lines(p)]
+    if p.distributed is not None:  # NCCL's buffers and the timing range (distributed_memory.py)
+        lines.extend(p.distributed.lines())
     if p.oom is not None:
         lines.append(f"  {p.oom.message.splitlines()[0] if p.oom.message else ''}".rstrip())
     at = p.peak_allocated_at

@@ -108,6 +108,9 @@ class WorkloadSpec:
             DDP's default, or not DDP.
         ddp_gradient_as_bucket_view: ``--gradient-as-bucket-view``; ``None``: not DDP (or an
             older save).
+        float8_recipe: ``--float8``'s recipe (torchao, ``models/float8.py``); ``None``: no
+            float8 training.
+        float8_all_gather: ``--float8-all-gather``; ``None``: no float8 training.
         hf_class: ``StepOptions.hf_class`` (``--hf`` only; ``None``: from the config).
         attn_implementation: ``StepOptions.attn_implementation`` (``--hf`` only; ``None``: the
             config's, else sdpa).
@@ -137,6 +140,8 @@ class WorkloadSpec:
     precision_source: str | None = None
     ddp_bucket_cap_mb: float | None = None
     ddp_gradient_as_bucket_view: bool | None = None
+    float8_recipe: str | None = None
+    float8_all_gather: bool | None = None
     hf_class: str | None = None
     attn_implementation: str | None = None
 
@@ -172,6 +177,11 @@ def workload_to_json(workload: WorkloadSpec, cudnn_version: int | None = None) -
             "bucket_cap_mb": workload.ddp_bucket_cap_mb,
             "gradient_as_bucket_view": workload.ddp_gradient_as_bucket_view,
         }
+    if workload.float8_recipe is not None:  # a --float8 run: torchao's recipe
+        out["float8"] = {
+            "recipe": workload.float8_recipe,
+            "all_gather": bool(workload.float8_all_gather),
+        }
     if cudnn_version is not None:
         out["cudnn_version"] = cudnn_version
     return out
@@ -203,6 +213,8 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
         kind = next((k for k in _KINDS if k == saved.get("kind")), None)
         ddp = saved.get("ddp")
         ddp = ddp if isinstance(ddp, Mapping) else {}
+        float8 = saved.get("float8")
+        float8 = float8 if isinstance(float8, Mapping) else {}
         if kind is None:  # saved before the record had a kind: only presets were saved
             kind = "preset" if isinstance(saved.get("preset"), str) else "unknown"
         read = {field: _typed(options.get(field), type_) for field, type_ in _OPTION_TYPES.items()}
@@ -214,6 +226,8 @@ def workload_from_json(data: Mapping[str, Any]) -> WorkloadSpec | None:
             precision_source=_typed(saved.get("precision_source"), str),
             ddp_bucket_cap_mb=_typed(ddp.get("bucket_cap_mb"), float),
             ddp_gradient_as_bucket_view=_typed(ddp.get("gradient_as_bucket_view"), bool),
+            float8_recipe=_typed(float8.get("recipe"), str),
+            float8_all_gather=_typed(float8.get("all_gather"), bool),
             **read,
         )
     description = data.get("description")

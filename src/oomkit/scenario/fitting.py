@@ -151,12 +151,6 @@ def _check(scenario: Scenario, target: Target) -> None:
         )
     if step.mode == "generate":
         raise OomkitError("fit searches train or inference steps; --mode generate is predict's")
-    if step.compile and search.global_batch is not None:
-        raise OomkitError(
-            "--compile is not modelled for sharded steps (--global-batch's GPU counts above 1 "
-            "are FSDP2): search one GPU's compiled batch (drop --global-batch), or the sharded "
-            "batch eagerly (drop --compile)"
-        )
     if search.global_batch is not None:
         if not search.smallest_gpu or target.parallel is not None or step.batch is not None:
             raise OomkitError(
@@ -311,7 +305,10 @@ def _gpu_counts(
 
     def record(count: int, per_rank: int, on: Target) -> tuple[Any, str]:
         if count == 1:  # one GPU trains without FSDP
+            if scenario.step.compile:  # compiled as predict --compile records it
+                return _compiled_recorder(builders.train).record(per_rank, on, steps)
             return record_step(builders.train, "train step", per_rank, target=on, steps=steps)
+        # Above 1: FSDP2, each block compiled with --compile (models/compiled_blocks.py).
         return _parallel_recorder(ParallelLayout(fsdp=count), builders).record(
             per_rank, on, steps
         )

@@ -2,7 +2,8 @@
 
 ``TargetSection`` names the GPU, the allocator settings and the torch / CUDA / cuDNN versions
 that change memory (``oomkit.scenario.target.target_of`` makes the one ``Target`` from it);
-``ParallelSection`` the FSDP2 / TP / DDP degrees whose rank 0 is predicted.
+``ParallelSection`` the FSDP2 / TP / DDP / PP / CP degrees, and which rank is predicted (rank 0,
+``rank``, or each distinct one with ``all_ranks``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class TargetSection(_Section):
 
 
 class ParallelSection(_Section):
-    """The parallel layout: rank 0 of FSDP2 / TP / DDP (and HSDP) on a fake process group."""
+    """The parallel layout: FSDP2 / TP / DDP (and HSDP), pipeline and context parallel, on a
+    fake process group; rank 0 recorded unless ``rank`` or ``all_ranks`` says otherwise."""
 
     fsdp: Count | None = Field(
         None,
@@ -102,11 +104,129 @@ class ParallelSection(_Section):
         description="DDP's gradient_as_bucket_view=True",
         json_schema_extra=_flag("--gradient-as-bucket-view", MULTI_GPU),
     )
+    # The job's NCCL environment where it changes memory (core/gpus/nccl.py); fields, no flags.
+    nccl_buffsize: Bytes | None = Field(
+        None,
+        description="NCCL_BUFFSIZE (default: NCCL's 4 MiB)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    nccl_nvls_enable: bool | None = Field(
+        None,
+        description="NCCL_NVLS_ENABLE (default: on where supported)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    nccl_ring_channels: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="NCCL ring channels (default: the GPU's estimate)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    torch_nccl_avoid_record_streams: bool | None = Field(
+        None,
+        description="TORCH_NCCL_AVOID_RECORD_STREAMS (torch before 2.8)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    gpus_per_node: Count | None = Field(
+        None,
+        description="GPUs per node, for NCCL (default 8)",
+        json_schema_extra=_flag(None, MULTI_GPU),
+    )
+    float8: bool = Field(
+        False,
+        description="Float8 linear training (torchao, as torchtitan converts)",
+        json_schema_extra=_flag("--float8", MULTI_GPU),
+    )
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        None,
+        description="torchao's float8 recipe (default rowwise)",
+        json_schema_extra=_flag("--float8-recipe", MULTI_GPU, commands=("predict",)),
+    )
+    float8_all_gather: bool = Field(
+        False,
+        description="FSDP2 all-gathers float8 weights (tensorwise)",
+        json_schema_extra=_flag("--float8-all-gather", MULTI_GPU, commands=("predict",)),
+    )
+    async_tp: bool = Field(
+        False,
+        description="torchtitan's async TP (refused: see its message)",
+        json_schema_extra=_flag("--async-tp", MULTI_GPU, commands=("predict",)),
+    )
+
+    pp: Count | None = Field(
+        None,
+        description="pipeline parallel over N GPUs (Llama presets)",
+        json_schema_extra=_flag("--pp", MULTI_GPU, metavar="N", commands=("predict",)),
+    )
+    pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] | None = Field(
+        None,
+        description="pipeline schedule (default 1f1b)",
+        json_schema_extra=_flag("--pp-schedule", MULTI_GPU, metavar="NAME", commands=("predict",)),
+    )
+    microbatches: Count | None = Field(
+        None,
+        description="pipeline micro-batches (default: the batch)",
+        json_schema_extra=_flag("--microbatches", MULTI_GPU, metavar="M", commands=("predict",)),
+    )
+    stages_per_rank: Count | None = Field(
+        None,
+        description="stages per rank (interleaved 1F1B; default 2)",
+        # No flag (the predict --help cap): --set parallel.stages_per_rank=V.
+        json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
+    )
+    cp: Count | None = Field(
+        None,
+        description="context parallel over N GPUs (Llama presets)",
+        json_schema_extra=_flag("--cp", MULTI_GPU, metavar="N", commands=("predict",)),
+    )
+    rank: int | None = Field(
+        None,
+        ge=0,
+        description="the rank to predict (default 0)",
+        json_schema_extra=_flag("--rank", MULTI_GPU, metavar="R", commands=("predict",)),
+    )
+    all_ranks: bool = Field(
+        False,
+        description="predict every distinct rank, name the peak",
+        json_schema_extra=_flag("--all-ranks", MULTI_GPU, commands=("predict",)),
+    )
 
     @property
     def given(self) -> bool:
         """Whether any degree is set (an all-default section is no layout)."""
-        return (self.fsdp, self.tp, self.dp) != (None, None, None)
+        return (self.fsdp, self.tp, self.dp, self.pp, self.cp) != (None,) * 5
+
+    @model_validator(mode="after")
+    def _pipeline_and_ranks(self) -> ParallelSection:
+        # Pipeline settings go with a pipeline; a rank with a layout (scenario/ranks.py).
+        pipeline = {
+            "pp_schedule (--pp-schedule)": self.pp_schedule,
+            "microbatches (--microbatches)": self.microbatches,
+            "stages_per_rank": self.stages_per_rank,
+        }
+        stray = [name for name, value in pipeline.items() if value is not None]
+        if stray and self.pp is None:
+            raise ValueError(
+                f"parallel.{', parallel.'.join(stray)} set a pipeline: add --pp N "
+                "(e.g. --pp 2 --pp-schedule 1f1b)"
+            )
+        if self.rank is not None and self.all_ranks:
+            raise ValueError("--rank R and --all-ranks exclude each other: give one")
+        if (self.rank is not None or self.all_ranks) and not self.given:
+            raise ValueError(
+                "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp, --pp "
+                "or --cp"
+            )
+        if self.rank is not None:
+            world = 1
+            for degree in (self.fsdp, self.tp, self.dp, self.pp, self.cp):
+                world *= degree or 1
+            if self.rank >= world:
+                raise ValueError(
+                    f"--rank {self.rank} is outside the layout's {world} ranks: use 0 to "
+                    f"{world - 1}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _ddp_options(self) -> ParallelSection:
@@ -122,4 +242,17 @@ class ParallelSection(_Section):
                 "--dp with --tp alone (DDP replicas of a tensor-parallel model) is not "
                 "modelled: add --fsdp S (HSDP x TP: --dp R --fsdp S --tp N), or drop --dp"
             )
+        if (self.float8_recipe is not None or self.float8_all_gather) and not self.float8:
+            raise ValueError(
+                "parallel.float8_recipe (--float8-recipe) and parallel.float8_all_gather "
+                "(--float8-all-gather) configure --float8: add it, or drop them"
+            )
+        if self.float8 and self.fsdp is None:
+            # torchtitan trains float8 under FSDP2 (its converters run before apply_fsdp).
+            raise ValueError(
+                "--float8 is modelled with FSDP2, as torchtitan trains it: add --fsdp N "
+                "(--fsdp 1 for one GPU)"
+            )
+        if self.async_tp and self.tp is None:
+            raise ValueError("--async-tp pipelines tensor parallel's collectives: add --tp N")
         return self

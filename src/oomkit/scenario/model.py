@@ -135,12 +135,8 @@ class Scenario(_Section):
                     "give --lengths or --seq, not both: --lengths sets every step's length"
                 )
         parallel = self.parallel is not None and self.parallel.given
-        if self.step.compile and parallel:
-            raise ValueError(
-                "--compile is not modelled for sharded steps (--fsdp, --tp, --dp): the recorder "
-                "of a fake process group runs compiled code eagerly. Predict one GPU's compiled "
-                "step (drop --fsdp/--tp/--dp), or the sharded step eagerly (drop --compile)"
-            )
+        # --compile with --fsdp/--tp/--dp: each block compiled, as torchtitan's apply_compile
+        # (prediction/models/compiled_blocks.py), recorded on the fake process group.
         # --compile with --mode generate: refused where the step is built, with the reason
         # (StepOptions: prediction/models/options.py GENERATE_COMPILE_REASON).
         if parallel and kind == "hf":

@@ -1,7 +1,7 @@
 """Layout planning: which GPU kind, count and layout is the cheapest that fits a training job.
 
 ``plan(PlanRequest(...))`` enumerates the layouts that divide a global batch (FSDP, HSDP, DDP,
-tensor parallelism for the Llama presets; micro-batch and accumulation; activation
+tensor, pipeline and context parallelism for the Llama presets; micro-batch and accumulation; activation
 checkpointing; precision) on each GPU kind, prunes those whose model state alone (parameters,
 gradients and optimizer states per rank) exceeds a GPU's usable memory, and predicts the rest
 per rank with the multi-GPU path (one ``Scenario`` each, ``oomkit.scenario.predict``), on an
@@ -9,11 +9,14 @@ per rank with the multi-GPU path (one ``Scenario`` each, ``oomkit.scenario.predi
 plain records; the candidates' scenarios are data (``scenario_to_data``), so the winner is a
 ``--config`` file for ``oomkit predict``.
 
-Pipeline and context parallelism are not enumerated: oomkit does not model them yet.
+Pipeline layouts (``pp`` with a schedule) are predicted at their worst stage (``all_ranks``);
+context-parallel layouts (``cp``) split the sequence, with FSDP2 over the other ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +37,7 @@ __all__ = [
 
 Checkpointing = Literal["none", "selective-op", "full"]
 PlanPrecision = Literal["bf16-mixed", "bf16"]
+PipelineSchedule = Literal["1f1b", "interleaved-1f1b", "gpipe"]
 Progress = Callable[[int, int], None]
 
 # Recomputation costs time: with the same price, less of it ranks first.
@@ -45,14 +49,16 @@ _MAX_TP = 8
 # replicates across groups; groups of 2, 4 or 8 GPUs.
 _HSDP_SHARD_SIZES = (2, 4, 8)
 NOT_MODELLED = (
-    "pipeline (PP) and context (CP) parallelism are not modelled by oomkit yet: no layout "
-    "uses them"
+    "pipeline (PP, Llama presets with untied embeddings) and context parallel (CP, Llama "
+    "presets, with FSDP only) layouts are modelled; PP x CP, CP x TP and HSDP x CP are not "
+    "enumerated; pipelined layouts are predicted at their worst stage"
 )
-ACCUM_SHARDED = (
-    "gradient accumulation is not modelled sharded (prediction/models/parallel.py refuses it): "
-    "a sharded layout with accumulation is predicted as one micro-batch step, whose per-rank "
-    "peak it shares (gradients are reduce-scattered after each micro-batch)"
-)
+# Context-parallel degrees tried: torchtitan's Llama 3.1 runs use cp 2 to 8 for long sequences.
+_CP_DEGREES = (2, 4, 8)
+# Pipeline degrees tried: torchtitan's Llama 3.1 405B config pipelines over 8 stages at most
+# with tp 8 (torchtitan/models/llama3/config_registry.py); more stages than that would leave
+# the 8B / 70B presets a block or two per stage.
+_MAX_PP = 8
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class PlanRequest:
         precisions: precisions to consider (``bf16-mixed``: fp32 master weights; ``bf16``).
         max_micro_batch: the largest micro-batch per rank (None: the whole per-rank batch).
         margin_bytes: headroom a layout must keep to count as fitting with margin.
+        pp_schedules: pipeline schedules to consider for pipelined layouts (none: no PP).
     """
 
     preset: str
@@ -82,6 +89,7 @@ class PlanRequest:
     precisions: tuple[PlanPrecision, ...] = ("bf16-mixed", "bf16")
     max_micro_batch: int | None = None
     margin_bytes: int = 0
+    pp_schedules: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved-1f1b")
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq", "max_gpus"):
@@ -111,8 +119,10 @@ class Layout:
     """One way to run the job: GPU kind and count, degrees, micro-batch, AC, precision.
 
     ``fsdp`` shards over that many ranks (with ``dp``: HSDP, ``dp`` replicas of ``fsdp``-way
-    shards; ``dp`` alone: DDP); ``tp`` splits each block over that many GPUs. A single GPU has
-    all three ``None``. ``gpus`` = (fsdp or 1) x (dp or 1) x (tp or 1).
+    shards; ``dp`` alone: DDP); ``tp`` splits each block over that many GPUs; ``pp`` splits
+    the blocks into that many stages, run by ``pp_schedule`` with ``grad_accum`` micro-batches
+    of ``micro_batch`` (the schedule's micro-batches; no accumulation on top). A single GPU
+    has all degrees ``None``. ``gpus`` = (fsdp or 1) x (dp or 1) x (tp or 1) x (pp or 1).
     """
 
     gpu: str
@@ -124,10 +134,19 @@ class Layout:
     grad_accum: int
     checkpointing: Checkpointing
     precision: PlanPrecision
+    pp: int | None = None
+    pp_schedule: PipelineSchedule | None = None
+    cp: int | None = None
 
     @property
     def strategy(self) -> str:
-        """``single``, ``fsdp``, ``hsdp``, ``ddp`` or ``tp``, joined with ``+tp``."""
+        """``single``, ``fsdp``, ``hsdp``, ``ddp`` or ``tp``, joined with ``+tp``, then ``+pp``
+        or ``+cp``."""
+        if self.cp is not None:
+            return "fsdp+cp" if self.fsdp is not None else "cp"
+        if self.pp is not None:
+            inner = dataclasses.replace(self, pp=None, pp_schedule=None).strategy
+            return "pp" if inner == "single" else f"{inner}+pp"
         if self.fsdp is not None:
             data = "hsdp" if self.dp is not None else "fsdp"
         elif self.dp is not None:
@@ -141,12 +160,14 @@ class Layout:
     @property
     def sharded(self) -> bool:
         """Whether the layout runs on a fake process group (any degree set)."""
-        return any(d is not None for d in (self.fsdp, self.dp, self.tp))
+        return any(d is not None for d in (self.fsdp, self.dp, self.tp, self.pp, self.cp))
 
     @property
     def state_shards(self) -> int:
-        """Over how many GPUs one copy of the model state is split (FSDP x TP)."""
-        return (self.fsdp or 1) * (self.tp or 1)
+        """Over how many GPUs one copy of the model state is split (FSDP x TP x PP x CP: FSDP2
+        shards over the CP ranks too; for PP the stages' average, a lower bound on the largest
+        stage's, so pruning stays safe)."""
+        return (self.fsdp or 1) * (self.tp or 1) * (self.pp or 1) * (self.cp or 1)
 
 
 @dataclass(frozen=True)
@@ -239,6 +260,86 @@ def _data_layouts(ranks: int, tp: int) -> list[tuple[int | None, int | None]]:
     return out
 
 
+def _pp_degrees(request: PlanRequest) -> list[int]:
+    """Pipeline degrees for the preset: Llama presets with untied embeddings (the ones
+    prediction/models/pipeline.py splits), at most ``_MAX_PP``, each a split torchtitan makes
+    (``stage_layers``) for every schedule planned."""
+    from oomkit.errors import ConfigError
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.pipeline import PipelineOptions, stage_layers
+    from oomkit.prediction.models.presets import get_preset
+
+    shape = get_preset(request.preset).shape
+    if not isinstance(shape, LlamaShape) or shape.tied or not request.pp_schedules:
+        return []
+    out = []
+    for pp in _powers_of_two(_MAX_PP)[1:]:
+        try:
+            for schedule in request.pp_schedules:
+                stage_layers(pp * PipelineOptions(pp, schedule).virtual_stages, shape.layers)
+        except ConfigError:
+            continue
+        out.append(pp)
+    return out
+
+
+def _pipeline_layouts(request: PlanRequest) -> list[Layout]:
+    """Pipelined layouts: per GPU kind, TP, PP and data-parallel split, the local batch cut
+    into micro-batches (at least one per stage: Schedule1F1B's own check), each schedule."""
+    layouts = []
+    pp_degrees = _pp_degrees(request)
+    for gpu in request.gpus:
+        for tp in _tp_degrees(request.preset):
+            for pp in pp_degrees:
+                for count in _powers_of_two(request.max_gpus):
+                    if count % (tp * pp) or request.global_batch % (count // (tp * pp)):
+                        continue
+                    ranks = count // (tp * pp)
+                    per_rank = request.global_batch // ranks
+                    limit = min(per_rank, request.max_micro_batch or per_rank)
+                    micro = [m for m in _powers_of_two(limit)
+                             if per_rank % m == 0 and per_rank // m >= pp]
+                    # DDP replicas of a pipelined model are refused (pipeline.py _mesh_parts).
+                    data = [(f, d) for f, d in _data_layouts(ranks, tp) if f is not None or d is None]
+                    for (fsdp, dp), m, ac, precision, schedule in itertools.product(
+                        data, micro, request.checkpointing, request.precisions,
+                        request.pp_schedules,
+                    ):
+                        layouts.append(Layout(
+                            gpu, count, fsdp, dp, tp if tp > 1 else None, m, per_rank // m,
+                            ac, precision, pp, schedule,
+                        ))
+    return layouts
+
+
+def _context_layouts(request: PlanRequest) -> list[Layout]:
+    """Context-parallel layouts (Llama presets): the sequence over ``cp`` ranks (a multiple
+    of ``2 * cp`` tokens: head-tail load balancing), FSDP2 over the other ranks with them."""
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.presets import get_preset
+
+    if not isinstance(get_preset(request.preset).shape, LlamaShape):
+        return []
+    layouts = []
+    for gpu, cp, count in itertools.product(
+        request.gpus, _CP_DEGREES, _powers_of_two(request.max_gpus)
+    ):
+        if request.seq % (2 * cp) or count % cp or request.global_batch % (count // cp):
+            continue
+        ranks = count // cp
+        per_rank = request.global_batch // ranks
+        limit = min(per_rank, request.max_micro_batch or per_rank)
+        micro = [m for m in _powers_of_two(limit) if per_rank % m == 0]
+        for m, ac, precision in itertools.product(
+            micro, request.checkpointing, request.precisions
+        ):
+            layouts.append(Layout(
+                gpu, count, ranks if ranks > 1 else None, None, None, m, per_rank // m, ac,
+                precision, cp=cp,
+            ))
+    return layouts
+
+
 def enumerate_layouts(request: PlanRequest) -> list[Layout]:
     """Every layout that divides the global batch, in a fixed order.
 
@@ -263,7 +364,7 @@ def enumerate_layouts(request: PlanRequest) -> list[Layout]:
                                     gpu, count, fsdp, dp, tp if tp > 1 else None, m,
                                     per_rank // m, ac, precision,
                                 ))
-    return layouts
+    return layouts + _pipeline_layouts(request) + _context_layouts(request)
 
 
 def _scenario_data(request: PlanRequest, layout: Layout) -> dict[str, Any]:
@@ -276,7 +377,11 @@ def _scenario_data(request: PlanRequest, layout: Layout) -> dict[str, Any]:
         "checkpointing": layout.checkpointing,
         "precision": layout.precision,
     }
-    if layout.grad_accum > 1 and not layout.sharded:
+    if layout.pp is not None:
+        # The local batch, cut by the schedule into grad_accum micro-batches (torchtitan's
+        # pipeline_parallel_microbatch_size); the worst stage is the candidate's peak.
+        step["batch"] = layout.micro_batch * layout.grad_accum
+    elif layout.grad_accum > 1:
         step["grad_accum"] = layout.grad_accum
     data: dict[str, Any] = {
         "model": {"preset": request.preset},
@@ -284,8 +389,15 @@ def _scenario_data(request: PlanRequest, layout: Layout) -> dict[str, Any]:
         "target": {"gpu": layout.gpu},
     }
     if layout.sharded:
-        degrees = {"fsdp": layout.fsdp, "dp": layout.dp, "tp": layout.tp}
+        degrees = {
+            "fsdp": layout.fsdp, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+            "cp": layout.cp,
+        }
         data["parallel"] = {k: v for k, v in degrees.items() if v is not None}
+        if layout.pp is not None:
+            data["parallel"].update(
+                pp_schedule=layout.pp_schedule, microbatches=layout.grad_accum, all_ranks=True
+            )
     return scenario_to_data(scenario_from_data(data))
 
 
@@ -364,7 +476,7 @@ def plan(
         pruned = None
         if state > usable[layout.gpu]:
             pruned = f"model state alone needs {state} B per rank, over {usable[layout.gpu]} B usable"
-        notes = (ACCUM_SHARDED,) if layout.sharded and layout.grad_accum > 1 else ()
+        notes: tuple[str, ...] = ()
         price = request.prices.get(layout.gpu)
         drafts.append(Candidate(
             layout, _scenario_data(request, layout), state, usable[layout.gpu], pruned,
@@ -392,8 +504,6 @@ def plan(
     order = {id(c): i for i, c in enumerate(candidates)}
     ranked = sorted(candidates, key=lambda c: _rank(c, request, order[id(c)]))
     plan_notes: tuple[str, ...] = (NOT_MODELLED,)
-    if any(c.notes for c in candidates):
-        plan_notes += (ACCUM_SHARDED,)
     return Plan(request, tuple(ranked), len(unique), sum(c.pruned is not None for c in candidates), plan_notes)
 
 
@@ -425,6 +535,9 @@ def _candidate_data(candidate: Candidate) -> dict[str, Any]:
         "fsdp": layout.fsdp,
         "dp": layout.dp,
         "tp": layout.tp,
+        "pp": layout.pp,
+        "pp_schedule": layout.pp_schedule,
+        "cp": layout.cp,
         "micro_batch": layout.micro_batch,
         "grad_accum": layout.grad_accum,
         "checkpointing": layout.checkpointing,

@@ -155,6 +155,14 @@ class PredictRun:
         """
         from oomkit.scenario.torchtitan_run import TorchtitanWorkload
 
+        parallel = self.scenario.parallel
+        if parallel is not None and parallel.all_ranks and self.target.parallel is not None:
+            from oomkit.scenario.ranks import with_rank_peaks
+
+            # Each distinct rank predicted on its own (scenario/ranks.py); the peak's returned.
+            return with_rank_peaks(
+                self.scenario, self.target.parallel, lambda one: predict(one, observer)
+            )
         name = self.scenario.model.name
         workload = self.workload
         with user_errors(lambda: (name, workload.raised)):
@@ -211,7 +219,12 @@ class PredictRun:
         workload = self.workload
         layout = self.target.parallel
         assert isinstance(workload, ShardedWorkload) and layout is not None
-        recording = record_rank_0(workload, layout, steps=self.steps, target=self.target)
+        from oomkit.scenario.ranks import rank_of
+
+        rank = rank_of(self.scenario)
+        recording = record_rank_0(
+            workload, layout, steps=self.steps, target=self.target, rank=rank
+        )
         target = self.target
         if target.cudnn_version is None:
             # Not stated: the tracer used the settings in effect; the result names that version.

@@ -51,6 +51,7 @@ class ShardedWorkload:
         descriptions: filled by ``build`` with the built step's description.
         raised: what a ``file.py:function`` step raised (for ``user_errors``).
         defaults: the defaults chosen for it, in words.
+        compile: record its ``torch.compile``d code as compiled (``--compile``).
     """
 
     build: Callable[[Any], tuple[Any, ...]]
@@ -58,6 +59,7 @@ class ShardedWorkload:
     descriptions: list[str] = field(default_factory=list)
     raised: list[BaseException] = field(default_factory=list)
     defaults: dict[str, str] = field(default_factory=dict)
+    compile: bool = False
 
     @property
     def description(self) -> str:
@@ -79,11 +81,11 @@ def describe_layout(layout: ParallelLayout) -> str:
     """The parallel layout in words, outermost first: ``"FSDP2 4 x TP 2"``; replicas of FSDP2
     shard groups are HSDP's (``"HSDP replicas 2 x FSDP2 4"``), not DDP's."""
     replicas = "DDP" if layout.fsdp == 1 else "HSDP replicas"
-    parts = [
-        f"{label} {degree}"
-        for label, degree in ((replicas, layout.dp), ("FSDP2", layout.fsdp), ("TP", layout.tp))
-        if degree > 1
-    ]
+    degrees = (
+        ("PP", layout.pp), (replicas, layout.dp), ("FSDP2", layout.fsdp), ("CP", layout.cp),
+        ("TP", layout.tp),
+    )
+    parts = [f"{label} {degree}" for label, degree in degrees if degree > 1]
     # All degrees 1 and not DDP: the 1-rank mesh is FSDP2's (mesh_shape's ("fsdp",) dimension).
     return " x ".join(parts) or "FSDP2 1"
 
@@ -107,7 +109,7 @@ def tp_notes(layout: ParallelLayout) -> tuple[str, ...]:
         f"tensor parallel: torchtitan's Llama plan over {layout.tp} ranks (colwise q/k/v and "
         "gate/up, rowwise o/down, vocabulary-sharded embedding and LM head, sequence-parallel "
         f"norms, loss parallel), {fsdp}DTensor's all-gathers and reduce-scatters allocate on "
-        "the current stream and are waited at once; async TP and Float8 TP are not modelled",
+        "the current stream and are waited at once; async TP is not modelled",
     )
 
 
@@ -126,9 +128,22 @@ def parallel_workload(
         OomkitError: a Hugging Face model (not sharded yet), a function that takes neither
             ``mesh`` nor ``world_size``, or a preset option it rejects.
     """
+    if layout.pp > 1 or layout.cp > 1:  # pipeline stages, context parallel: scenario/ranks.py
+        from oomkit.scenario.ranks import staged_workload
+
+        return staged_workload(scenario, layout, batch_size, gpu, steps=steps)
     model = scenario.model
+    parallel = scenario.parallel
     if model.function is not None:
-        return _user_workload(scenario, layout, batch_size, steps)
+        if parallel is not None and (parallel.float8 or parallel.async_tp):
+            raise OomkitError(
+                f"--float8 and --async-tp convert a preset as torchtitan does; "
+                f"{model.function} builds its own model: call torchao's "
+                "convert_to_float8_training in it, then drop the flag"
+            )
+        user = _user_workload(scenario, layout, batch_size, steps)
+        user.compile = bool(scenario.step.compile)  # the function's own torch.compile calls
+        return user
     if model.preset is None:
         raise OomkitError(
             "--fsdp, --tp and --dp shard a GPT-2 or Llama preset (e.g. `oomkit predict llama-8b "
@@ -137,12 +152,18 @@ def parallel_workload(
         )
     resolved = preset_step(scenario, batch_size, gpu)
     options = resolved.options
+    if parallel is not None and parallel.async_tp:
+        _refuse_async_tp(model.preset, options, layout)
+    float8 = _float8_options(scenario)
     spec = workload_spec("preset", model.preset, options, steps, None)
+    if float8 is not None:  # saved with the prediction, so that explain re-predicts it
+        spec = dataclasses.replace(
+            spec, float8_recipe=float8.recipe, float8_all_gather=float8.all_gather
+        )
     ddp_options = None
     if is_ddp(scenario, layout):
         from oomkit.prediction.models.data_parallel import DdpOptions
 
-        parallel = scenario.parallel
         assert parallel is not None
         ddp_options = DdpOptions(parallel.bucket_cap_mb, parallel.gradient_as_bucket_view)
         # Saved with the prediction, so that explain re-predicts the same buckets.
@@ -151,7 +172,12 @@ def parallel_workload(
             ddp_bucket_cap_mb=ddp_options.bucket_cap_mb,
             ddp_gradient_as_bucket_view=ddp_options.gradient_as_bucket_view,
         )
-    workload = ShardedWorkload(lambda mesh: (None, ()), spec, defaults=dict(resolved.defaults))
+    workload = ShardedWorkload(
+        lambda mesh: (None, ()),
+        spec,
+        defaults=dict(resolved.defaults),
+        compile=bool(options.compile),  # each block compiled (models/compiled_blocks.py)
+    )
     name = model.preset
 
     def build(mesh: Any) -> tuple[Any, ...]:
@@ -165,12 +191,40 @@ def parallel_workload(
             return step.built.step_fn, tuple(step.built.track), step.setup
         from oomkit.prediction.models.parallel import build_fsdp_preset_step
 
-        built = call_builder(lambda n, opts: build_fsdp_preset_step(n, opts, mesh), name, options)
+        built = call_builder(
+            lambda n, opts: build_fsdp_preset_step(n, opts, mesh, float8), name, options
+        )
         workload.descriptions.append(built.description)
         return built.step_fn, tuple(built.track)
 
     workload.build = build
     return workload
+
+
+def _float8_options(scenario: Scenario) -> Any:
+    """The scenario's ``Float8Options`` (``prediction/models/float8.py``), or None."""
+    parallel = scenario.parallel
+    if parallel is None or not parallel.float8:
+        return None
+    from oomkit.prediction.models.float8 import Float8Options
+
+    return Float8Options(
+        recipe=parallel.float8_recipe or "rowwise", all_gather=parallel.float8_all_gather
+    )
+
+
+def _refuse_async_tp(name: str, options: Any, layout: ParallelLayout) -> None:
+    """Refuse ``--async-tp``, saying the symmetric-memory workspace it would add here."""
+    from oomkit.prediction.models.async_tp import async_tp_refusal
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.presets import shaped_preset
+
+    preset = shaped_preset(name, options)
+    shape = preset.shape if isinstance(preset.shape, LlamaShape) else None
+    seq_len = options.seq_len or preset.default_seq_len or 0
+    # Activations in bf16 under bf16-mixed / bf16 (FSDP2's param_dtype), else fp32.
+    itemsize = 2 if (options.precision or "fp32").startswith("bf16") else 4
+    raise OomkitError(async_tp_refusal(shape, options.batch_size, seq_len, layout.tp, itemsize))
 
 
 def _user_workload(
@@ -192,6 +246,10 @@ def _user_workload(
             f"--bucket-cap-mb and --gradient-as-bucket-view wrap a preset; {target} makes its "
             "own DistributedDataParallel: pass bucket_cap_mb / gradient_as_bucket_view there"
         )
+    if ddp and scenario.step.compile:
+        from oomkit.prediction.models.compiled_blocks import DDP_COMPILE_REFUSAL
+
+        raise OomkitError(DDP_COMPILE_REFUSAL)
     workload = ShardedWorkload(lambda mesh: (None, ()), WorkloadSpec("function", target))
     step = scenario.step
 
@@ -241,10 +299,15 @@ def _user_workload(
 
 
 def record_rank_0(
-    workload: ShardedWorkload, layout: ParallelLayout, *, steps: int, target: Target
+    workload: ShardedWorkload,
+    layout: ParallelLayout,
+    *,
+    steps: int,
+    target: Target,
+    rank: int = 0,
 ) -> TraceRecording:
-    """Rank 0's recording of ``workload`` on a fake process group of ``layout``'s mesh, with
-    what a tensor-parallel recording leaves out among its warnings."""
+    """Rank 0's (or ``rank``'s) recording of ``workload`` on a fake process group of
+    ``layout``'s mesh, with what a tensor-parallel recording leaves out among its warnings."""
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
     recording = trace_distributed_step(
@@ -253,5 +316,7 @@ def record_rank_0(
         mesh_shape=layout.mesh_shape,
         steps=steps,
         target=target,
+        compile=workload.compile,
+        rank=rank,
     )
     return dataclasses.replace(recording, warnings=recording.warnings + tp_notes(layout))

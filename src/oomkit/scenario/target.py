@@ -10,6 +10,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+from oomkit.core.gpus.nccl import NcclSettings
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.scenario.model import ParallelSection, TargetSection
 
@@ -17,6 +18,7 @@ __all__ = [
     "installed_torch_version",
     "layout_of",
     "module_loading_from",
+    "nccl_settings_of",
     "target_of",
 ]
 
@@ -49,7 +51,10 @@ def layout_of(parallel: ParallelSection | None) -> ParallelLayout | None:
     """The ``ParallelLayout`` of the ``parallel`` section; ``None`` when no degree is given."""
     if parallel is None or not parallel.given:
         return None
-    degrees = {"fsdp": parallel.fsdp, "tp": parallel.tp, "dp": parallel.dp}
+    degrees = {
+        "fsdp": parallel.fsdp, "tp": parallel.tp, "dp": parallel.dp, "pp": parallel.pp,
+        "cp": parallel.cp,
+    }
     return ParallelLayout(**{name: value for name, value in degrees.items() if value is not None})
 
 
@@ -84,4 +89,24 @@ def target_of(
         cuda_module_loading=section.cuda_module_loading,
     )
     layout = layout_of(parallel)
-    return target if layout is None else dataclasses.replace(target, parallel=layout)
+    if layout is None:
+        return target
+    return dataclasses.replace(target, parallel=layout, nccl=nccl_settings_of(parallel))
+
+
+def nccl_settings_of(parallel: ParallelSection | None) -> NcclSettings | None:
+    """The NCCL environment the ``parallel`` section states; ``None`` when it states none."""
+    if parallel is None:
+        return None
+    p = parallel
+    stated = (p.nccl_buffsize, p.nccl_nvls_enable, p.nccl_ring_channels,
+              p.torch_nccl_avoid_record_streams, p.gpus_per_node)
+    if all(value is None for value in stated):
+        return None
+    return NcclSettings(
+        buffsize_bytes=p.nccl_buffsize,
+        nvls_enable=p.nccl_nvls_enable,
+        ring_channels=p.nccl_ring_channels,
+        avoid_record_streams=p.torch_nccl_avoid_record_streams,
+        gpus_per_node=8 if p.gpus_per_node is None else p.gpus_per_node,
+    )

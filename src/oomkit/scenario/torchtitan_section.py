@@ -22,7 +22,7 @@ class TorchtitanSection(_Section):
     """A torchtitan job (``MODULE:CONFIG`` and its overrides), recorded on a fake group."""
 
     job: str = Field(
-        description="torchtitan's --module:--config (after --: its overrides)",
+        description="a torchtitan job (its overrides after --)",
         json_schema_extra=_flag("--torchtitan", WORKLOAD, metavar="MODULE:CONFIG",
                                 commands=("predict",)),
     )
@@ -33,14 +33,15 @@ class TorchtitanSection(_Section):
     )
     world_size: Count = Field(
         1,
-        description="--torchtitan: ranks in the job (WORLD_SIZE)",
+        description="--torchtitan: ranks in the job",
         json_schema_extra=_flag("--world-size", MULTI_GPU, metavar="N", commands=("predict",)),
     )
     rank: int = Field(
         0,
         ge=0,
-        description="--torchtitan: the rank to record",
-        json_schema_extra=_flag("--rank", MULTI_GPU, metavar="R", commands=("predict",)),
+        description="--torchtitan: the rank to record (--set torchtitan.rank=R)",
+        # No flag: --rank is parallel.rank's (a preset's layout); --set torchtitan.rank=R.
+        json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
     attention: Literal["sdpa", "configured"] = Field(
         "sdpa",
@@ -63,7 +64,7 @@ class TorchtitanSection(_Section):
             )
         if self.rank >= self.world_size:
             raise ValueError(
-                f"--rank {self.rank} is not a rank of --world-size {self.world_size}: give a "
-                "rank in [0, world size)"
+                f"torchtitan.rank {self.rank} is not a rank of --world-size {self.world_size}: "
+                "give a rank in [0, world size)"
             )
         return self

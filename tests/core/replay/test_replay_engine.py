@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
@@ -199,3 +201,36 @@ def test_empty_trace_replays_nothing():
     engine = ReplayEngine(CachingAllocator(), deferred_frees=True)
     engine.run([])
     assert (engine.replayed, engine.oom_index) == (0, None)
+
+
+class _GcSeen(ReplayHooks):
+    """Notes whether the cyclic garbage collector was on at every event."""
+
+    def __init__(self) -> None:
+        self.enabled: list[bool] = []
+
+    def after_event(self, index: int, event: TraceEvent) -> None:
+        self.enabled.append(gc.isenabled())
+
+
+def test_the_garbage_collector_is_paused_during_a_replay_and_back_on_after():
+    """Issue 41: the loop runs with gc off (collections walked every live object) and leaves it
+    as it found it."""
+    assert gc.isenabled()
+    hooks = _GcSeen()
+    ReplayEngine(CachingAllocator(), hooks).run([_alloc(1, 512), _done(1), _alloc(2, MiB)])
+    assert hooks.enabled == [False, False, False]
+    assert gc.isenabled()
+
+
+def test_the_garbage_collector_comes_back_on_after_an_error_and_stays_off_if_it_was():
+    engine = ReplayEngine(CachingAllocator())
+    with pytest.raises(TraceFormatError):
+        engine.run([_done(7)])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ReplayEngine(CachingAllocator()).run([_alloc(1, 512)])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -1,4 +1,4 @@
-"""The shared flags of `_common`: one --gpu (alias --capacity), --alloc-conf and --torch-version."""
+"""The shared flags of `_common`: --gpu, --capacity, --alloc-conf and --torch-version."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import argparse
 
 import pytest
 
-from oomkit.core.gpus import get_gpu
 from oomkit.errors import ConfigError, UnknownGpuError
 from oomkit.interfaces.cli import build_parser
-from oomkit.interfaces.cli._common import capacity_bytes, float_arg, torch_version_arg
+from oomkit.interfaces.cli._common import (
+    capacity_bytes,
+    device_from_args,
+    float_arg,
+    torch_version_arg,
+)
 
 GiB = 2**30
 # What torch.cuda.get_device_properties().total_memory reports on an RTX 4090 (the catalog).
@@ -28,11 +32,10 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     return action.choices[command]
 
 
-def test_capacity_of_a_gpu_name_is_its_total_memory():
-    """A catalog GPU's capacity is its total memory, the CUDA context not subtracted."""
-    assert capacity_bytes("rtx4090") == RTX4090_TOTAL_BYTES
-    assert capacity_bytes("RTX 4090") == get_gpu("rtx4090").total_memory_bytes
-    assert capacity_bytes("rtx4090") > get_gpu("rtx4090").usable_bytes()
+def test_capacity_is_a_size_and_never_a_gpu_name():
+    """--capacity is the allocator's own limit: a GPU name is refused, pointing to --gpu."""
+    with pytest.raises(ConfigError, match=r"--capacity takes a size, .* got 'rtx4090'. For a GPU"):
+        capacity_bytes("rtx4090")
 
 
 def test_capacity_of_a_size_is_the_size():
@@ -48,31 +51,54 @@ def test_capacity_of_zero_is_refused():
         capacity_bytes("0GiB")
 
 
-def test_capacity_of_an_unknown_name_suggests_one():
-    """A typo names the catalog GPUs it is close to."""
+def test_an_unknown_gpu_suggests_one():
+    """A typo in --gpu names the catalog GPUs it is close to."""
+    args = argparse.Namespace(gpu="rtx4091", capacity=None, context_overhead=None)
     with pytest.raises(UnknownGpuError, match="unknown GPU 'rtx4091'. Did you mean 'RTX 4090'"):
-        capacity_bytes("rtx4091")
+        device_from_args(args)
 
 
 @pytest.mark.parametrize("command", ["replay", "simulate", "tune", "demo"])
-def test_capacity_is_an_alias_of_gpu(command):
-    """--capacity and --gpu set the same value on every replaying command."""
+def test_gpu_capacity_and_context_overhead_are_three_flags(command):
+    """--gpu, --capacity and --context-overhead (in bytes) each set their own value."""
     parser = _subparser(command)
     positional = [] if command == "demo" else ["x"]
-    assert parser.parse_args([*positional, "--capacity", "24GiB"]).gpu == "24GiB"
-    assert parser.parse_args([*positional, "--gpu", "rtx4090"]).gpu == "rtx4090"
+    args = parser.parse_args([*positional, "--capacity", "24GiB"])
+    assert (args.gpu, args.capacity, args.context_overhead) == (None, "24GiB", None)
+    args = parser.parse_args([*positional, "--gpu", "rtx4090", "--context-overhead", "1GiB"])
+    assert (args.gpu, args.capacity, args.context_overhead) == ("rtx4090", None, GiB)
 
 
 @pytest.mark.parametrize(
     ("command", "default"),
-    [("replay", None), ("simulate", "80GiB"), ("tune", "80GiB"), ("demo", "80GiB"),
+    [("replay", None), ("simulate", None), ("tune", None), ("demo", None),
      ("predict", "h100"), ("fit", "h100"), ("explain", None)],
 )
 def test_gpu_defaults(command, default):
-    """Each command's --gpu default: 80GiB replays, an H100 prediction, none for replay/explain."""
+    """Each command's --gpu default: an H100 prediction; none elsewhere (the replaying
+    commands' default is --capacity 80GiB, the allocator's limit: test_device_defaults)."""
     positional = ["x"] if command in ("replay", "simulate", "tune") else []
     args = _subparser(command).parse_args(positional)
     assert _target_field(command, args, "gpu") == default
+
+
+@pytest.mark.parametrize(
+    ("command", "default"),
+    [("replay", None), ("simulate", 80 * GiB), ("tune", 80 * GiB), ("demo", 80 * GiB)],
+)
+def test_device_defaults(command, default):
+    """Without --gpu or --capacity: 80 GiB for the allocator, nothing subtracted (replay: none,
+    the recorded run's own)."""
+    from oomkit.interfaces.cli import demo, simulate, tune
+
+    defaults = {"simulate": simulate._DEFAULT_CAPACITY, "tune": tune._DEFAULT_CAPACITY,
+                "demo": demo._DEFAULT_CAPACITY}
+    positional = ["x"] if command in ("replay", "simulate", "tune") else []
+    args = _subparser(command).parse_args(positional)
+    device = device_from_args(args, default_capacity=defaults.get(command))
+    assert (None if device is None else (device.usable_bytes, device.context_overhead_bytes)) == (
+        None if default is None else (default, 0)
+    )
 
 
 def _target_field(command, args, name):

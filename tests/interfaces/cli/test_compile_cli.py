@@ -42,8 +42,8 @@ def test_user_step_that_compiles_is_recorded_compiled(tmp_path, capsys):
     assert not any("traced eagerly" in w for w in warnings)
 
 
-def test_compile_refuses_fsdp(capsys):
-    """--compile with --fsdp exits 2, saying to drop one of them (--lengths works: see
-    test_compile_fit.py)."""
-    assert main(["predict", "gpt2-124m", "--compile", "--fsdp", "2"]) == 2
-    assert "--compile is not modelled for sharded steps" in capsys.readouterr().err
+def test_compile_refuses_ddp(capsys):
+    """--compile with --dp alone (DDP) exits 2, saying why and what to use (--fsdp compiles:
+    test_compile_parallel_cli.py)."""
+    assert main(["predict", "gpt2-124m", "--compile", "--dp", "2"]) == 2
+    assert "--compile with --dp alone (DDP) is not modelled" in capsys.readouterr().err

@@ -112,19 +112,6 @@ def test_compile_with_generate_is_refused_with_the_reason(capsys):
     assert "--mode inference --compile --seq PROMPT+NEW_TOKENS" in err
 
 
-@pytest.mark.parametrize(
-    ("command", "extra"),
-    [("predict", ["--fsdp", "2"]), ("fit", ["--fsdp", "2"]),
-     ("fit", ["--smallest-gpu", "--global-batch", "8"])],
-)
-def test_compile_of_a_sharded_step_is_refused(command, extra, capsys):
-    """--compile with --fsdp (or fit's --global-batch GPU counts) exits 2 and says what to drop."""
-    assert main([command, "gpt2-124m", "--compile", *extra]) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert "--compile is not modelled for sharded steps" in err
-    assert "drop --compile" in err
-
-
 def test_a_saved_compiled_prediction_is_re_predicted_compiled(tiny, capsys):
     """explain's re-prediction of a saved predict --compile gives its bytes exactly, compiled
     (before: the forward wrapped in torch.compile but recorded eagerly)."""
@@ -143,3 +130,15 @@ def test_a_saved_compiled_prediction_is_re_predicted_compiled(tiny, capsys):
     assert again.assumptions["torch.compile"].startswith(COMPILED)
     assert again.required_bytes == data["required_bytes"]
     assert again.peak_allocated_bytes == data["peak_allocated_bytes"]
+
+
+def test_smallest_gpu_global_batch_records_each_count_compiled(capsys):
+    """--compile with --smallest-gpu --global-batch 2: one GPU recorded compiled as predict
+    --compile records it, two as FSDP2 with each block compiled (before: refused)."""
+    code = main(["fit", "gpt2-124m", "--compile", "--smallest-gpu", "--global-batch", "2",
+                 "--max-gpus", "2", "--seq", "16", "--steps", "1", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [(r["gpu_count"], r["per_rank_batch"]) for r in data["rows"]] == [(1, 2), (2, 1)]
+    assert "torch.compile" in data["rows"][0]["description"]
+    assert "each block compiled (torchtitan apply_compile" in data["rows"][1]["description"]

@@ -35,7 +35,7 @@ def test_ddp_prediction_is_rank_0_with_gradient_buckets(resnet_ddp_json):
 
     code, data = resnet_ddp_json
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"] == (
         "ResNet-50, batch 2, image 32, fp32, adamw, train, DDP over 2 replicas "
         "(buckets 25 MiB (first 1 MiB)), rank 0"

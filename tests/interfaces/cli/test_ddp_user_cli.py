@@ -19,7 +19,7 @@ def test_user_ddp_is_recorded_with_its_buckets(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["description"] == f"{path}:build(batch_size=4), DDP over 2 replicas, rank 0"
-    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2, "pp": 1, "cp": 1}
     # One fp32 bucket of every gradient (64x256 + 256 + 256x8 + 8 elements), in a 512-multiple.
     numel = 64 * 256 + 256 + 256 * 8 + 8
     assert data["by_category_bytes"]["ddp_bucket"] == -(-numel * 4 // 512) * 512

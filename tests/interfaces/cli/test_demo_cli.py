@@ -26,14 +26,17 @@ def test_demo_human_output_names_the_setting(capsys):
 
 
 def test_demo_gpu_and_capacity_name_the_device(capsys):
-    """--gpu rtx4090 is its total memory; --capacity 24GiB still works; the default is 80 GiB."""
-    for argv, capacity in (
-        (["--gpu", "rtx4090"], 25_756_696_576),
-        (["--capacity", "24GiB"], 24 * 2**30),
-        ([], 80 * 2**30),
+    """--gpu rtx4090 is the device (its total, its 430 MiB context subtracted); --capacity 24GiB
+    the allocator's limit; the default is --capacity 80GiB."""
+    for argv, capacity, context in (
+        (["--gpu", "rtx4090"], 25_756_696_576, 430 * 2**20),
+        (["--capacity", "24GiB"], 24 * 2**30, 0),
+        ([], 80 * 2**30, 0),
     ):
         assert main(["demo", "--steps", "2", "--json", *argv]) == 0
-        assert json.loads(capsys.readouterr().out)["capacity_bytes"] == capacity
+        out = json.loads(capsys.readouterr().out)
+        assert (out["capacity_bytes"], out["context_overhead_bytes"]) == (capacity, context)
+        assert out["usable_bytes"] == capacity - context
 
 
 def test_demo_says_default_ooms_and_expandable_fits(capsys):
@@ -56,5 +59,5 @@ def test_demo_says_when_both_settings_oom(capsys):
     assert main(["demo", "--capacity", "7GiB"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "Both settings run out of memory on this device: expandable_segments:True does not "
-        "rescue it. Give a larger --capacity, or fewer --steps."
+        "rescue it. Give a larger --gpu or --capacity, or fewer --steps."
     )

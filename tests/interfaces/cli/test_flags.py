@@ -7,7 +7,7 @@ import pytest
 from oomkit.interfaces.cli import build_parser, main
 
 EXPECTED = {
-    "demo": ["--capacity", "--gpu", "--json", "--steps"],
+    "demo": ["--capacity", "--context-overhead", "--gpu", "--json", "--steps"],
     "diff": ["--device", "--force", "--html", "--json", "--rank-pattern", "--ray"],
     "doctor": ["--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
@@ -31,6 +31,7 @@ EXPECTED = {
         "--dp",
         "--dump-config",
         "--eval",
+        "--float8",
         "--fsdp",
         "--global-batch",
         "--gpu",
@@ -70,7 +71,9 @@ EXPECTED = {
         "--value",
     ],
     "predict": [
+        "--all-ranks",
         "--alloc-conf",
+        "--async-tp",
         "--attn-implementation",
         "--batch",
         "--bucket-cap-mb",
@@ -81,12 +84,16 @@ EXPECTED = {
         "--compute-dtype",
         "--config",
         "--context-overhead",
+        "--cp",
         "--cuda-version",
         "--cudnn-version",
         "--dora",
         "--double-quant",
         "--dp",
         "--dump-config",
+        "--float8",
+        "--float8-all-gather",
+        "--float8-recipe",
         "--fsdp",
         "--gpu",
         "--grad-accum",
@@ -104,12 +111,15 @@ EXPECTED = {
         "--lora-modules-to-save",
         "--lora-targets",
         "--max-grad-norm",
+        "--microbatches",
         "--mode",
         "--new-tokens",
         "--no-remedies",
         "--optimizer",
         "--optimizer-impl",
         "--pad-to",
+        "--pp",
+        "--pp-schedule",
         "--precision",
         "--quantize",
         "--rank",
@@ -133,6 +143,7 @@ EXPECTED = {
     "replay": [
         "--alloc-conf",
         "--capacity",
+        "--context-overhead",
         "--device",
         "--gpu",
         "--jobs",
@@ -141,8 +152,10 @@ EXPECTED = {
         "--verify",
         "--what-if",
     ],
-    "simulate": ["--alloc-conf", "--capacity", "--gpu", "--json", "--torch-version"],
-    "tune": ["--capacity", "--device", "--gpu", "--jobs", "--json"],
+    "simulate": [
+        "--alloc-conf", "--capacity", "--context-overhead", "--gpu", "--json", "--torch-version"
+    ],
+    "tune": ["--capacity", "--context-overhead", "--device", "--gpu", "--jobs", "--json"],
 }
 
 

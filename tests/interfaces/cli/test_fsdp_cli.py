@@ -33,7 +33,7 @@ def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
 
     code, data = gpt2_fsdp2_json
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1, "pp": 1, "cp": 1}
     assert data["workload"]["options"]["batch_size"] == 1
     assert data["description"] == (
         "GPT-2 124M, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
@@ -67,7 +67,7 @@ def test_user_function_takes_the_mesh_and_shards_itself(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["description"] == f"{path}:build(batch_size=2), FSDP2 over 2 ranks, rank 0"
-    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1, "pp": 1, "cp": 1}
     # Two 64x64 fp32 weights, 32 rows each on rank 0: 8 KiB apiece (512-byte multiples).
     assert data["by_category_bytes"]["parameter"] == 2 * 32 * 64 * 4
 

@@ -28,7 +28,7 @@ def test_hsdp_rank_holds_one_shard_group_s_share(tiny_llama, capsys):
 
     code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2"], capsys)
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"].endswith(
         "HSDP: FSDP2 over 2 ranks x 2 replicas (3 units: per block + root), rank 0"
     )
@@ -47,7 +47,7 @@ def test_hsdp_by_tp_is_three_dimensional(tiny_llama, capsys):
     the TP-local parameters / 2, as FSDP2 2 x TP 2 does."""
     code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2", "--tp", "2"], capsys)
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 2, "dp": 2}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 2, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"].endswith(
         "HSDP: FSDP2 over 2 ranks x 2 replicas (3 units: per block + root), rank 0 of 8"
     )

@@ -61,4 +61,4 @@ def test_a_bad_saved_layout_is_refused():
     with pytest.raises(ConfigError, match="at least 1"):
         saved_parallel({"target": {"parallel": {"fsdp": 0}}})
     with pytest.raises(ConfigError, match="not a layout"):
-        saved_parallel({"target": {"parallel": {"pp": 2}}})
+        saved_parallel({"target": {"parallel": {"ep": 2}}})

@@ -22,13 +22,13 @@ TINY_LLAMA = {
 }
 
 VLLM_FLAGS = [
-    "--block-size", "--concurrency", "--cuda-graph-sizes", "--dtype", "--enforce-eager", "--gpu",
+    "--block-size", "--concurrency", "--context-overhead", "--cuda-graph-sizes", "--dtype", "--enforce-eager", "--gpu",
     "--gpu-memory-utilization", "--json", "--kv-cache-dtype", "--kv-cache-memory",
     "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--quantization",
     "--tensor-parallel-size", "--vllm-version",
 ]
 SGLANG_FLAGS = [
-    "--chunked-prefill-size", "--context-length", "--cuda-graph-max-bs", "--disable-cuda-graph",
+    "--chunked-prefill-size", "--context-length", "--context-overhead", "--cuda-graph-max-bs", "--disable-cuda-graph",
     "--dtype", "--gpu", "--json", "--kv-cache-dtype", "--max-running-requests",
     "--max-total-tokens", "--mem-fraction-static", "--page-size", "--quantization",
     "--sglang-version", "--tp-size",
@@ -93,6 +93,33 @@ def test_vllm_json_has_every_figure_and_the_request(model_dir, capsys):
     assert data["weights"]["total_bytes"] > 0 and data["profile"]["peak_bytes"] > 0
     assert data["layout"]["bytes_per_block"] == 16 * 2 * 2 * 64 * 2 * 2
     assert data["verdict"]["starts"] is True
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_device_is_read_as_predict_reads_it(engine, model_dir, capsys):
+    """--gpu resolves through Target.resolve, as predict's does: the same CUDA context; and
+    --context-overhead replaces it, to the byte, in every figure built on it."""
+    from oomkit.core.target import Target
+
+    assert _run([engine, model_dir, "--gpu", "l40s", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    target = Target.resolve("l40s")
+    assert default["gpu"]["context_overhead_bytes"] == target.gpu.context_overhead_bytes
+    assert default["cuda_context_bytes"] == target.gpu.context_overhead_bytes
+    assert any(target.context_description in e for e in default["estimates"])
+    assert _run([engine, model_dir, "--gpu", "l40s", "--context-overhead", "1GiB", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["cuda_context_bytes"] == 1 << 30
+    assert any("given by the caller" in e for e in given["estimates"])
+    free = "init_free_bytes" if engine == "vllm" else "free_before_load_bytes"
+    assert given[free] == default[free] - ((1 << 30) - target.gpu.context_overhead_bytes)
+
+
+def test_a_context_as_large_as_the_device_is_one_line(model_dir, capsys):
+    """--context-overhead at the device's total: exit 2, the message says what to change."""
+    assert _run(["vllm", model_dir, "--gpu", "24GiB", "--context-overhead", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oomkit: error:") and err.count("\n") == 1
 
 
 def test_vllm_that_does_not_start_exits_1_with_the_knob(model_dir, capsys):

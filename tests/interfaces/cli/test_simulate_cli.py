@@ -62,6 +62,7 @@ def test_simulate_bad_alloc_conf_is_usage_error(tmp_path, capsys):
 
 
 SIMULATE_GOLDEN = """\
+Device: the allocator may reserve 1.00 GiB (--capacity: nothing subtracted).
           Simulated t.jsonl
 ┏━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━┓
 ┃ metric                ┃     value ┃
@@ -97,23 +98,27 @@ def test_simulate_human_output_golden(tmp_path, capsys, monkeypatch):
     assert "\n".join(line.rstrip() for line in out.splitlines()) + "\n" == SIMULATE_GOLDEN
 
 
-def test_simulate_gpu_is_the_capacity(tmp_path, capsys, monkeypatch):
-    """--gpu rtx4090 replays at its 25,756,696,576 total bytes; --gpu 16MiB OOMs as --capacity."""
+def test_simulate_gpu_is_the_device_and_capacity_the_limit(tmp_path, capsys, monkeypatch):
+    """--gpu rtx4090 replays at its 25,756,696,576 total bytes with its 430 MiB CUDA context
+    outside the allocator; --capacity 16MiB is the allocator's limit (a 30 MiB request OOMs);
+    neither flag: --capacity 80GiB."""
     import oomkit.core.replay as replay_module
 
-    capacities = []
+    calls = []
     real = replay_module.simulate_events
 
     def spy(events, config, **kwargs):
-        capacities.append(kwargs["capacity_bytes"])
+        calls.append((kwargs["capacity_bytes"], kwargs["reserved_outside_bytes"]))
         return real(events, config, **kwargs)
 
     monkeypatch.setattr(replay_module, "simulate_events", spy)
     path = _trace(tmp_path, [TraceEvent("alloc", 1, 30 * MiB)], name="big.jsonl")
     assert main(["simulate", str(path), "--gpu", "rtx4090", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["oom"] is False
-    assert main(["simulate", str(path), "--gpu", "16MiB", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["oom"] is False and out["gpu"] == "RTX 4090"
+    assert out["usable_bytes"] == 25_756_696_576 - 430 * MiB
+    assert main(["simulate", str(path), "--capacity", "16MiB", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["oom"] is True
     assert main(["simulate", str(path), "--json"]) == 0
-    capsys.readouterr()
-    assert capacities == [25_756_696_576, 16 * MiB, 80 * 2**30]
+    assert json.loads(capsys.readouterr().out)["usable_bytes"] == 80 * 2**30
+    assert calls == [(25_756_696_576, 430 * MiB), (16 * MiB, 0), (80 * 2**30, 0)]

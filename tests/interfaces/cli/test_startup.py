@@ -192,6 +192,44 @@ def test_console_main_exits_with_mains_code_and_freezes_what_is_alive(monkeypatc
         gc.unfreeze()
 
 
+def test_what_teardown_writes_is_not_printed_and_atexit_messages_are(tmp_path):
+    """After the command, module teardown's writes to stderr (nanobind's "leaked instances"
+    report of objects the freeze keeps) are silenced; the message of an atexit handler that a
+    command registered (torch's, Ray's) still shows."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    code = (
+        "import atexit, os, runpy, sys\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        os.write(2, b'TEARDOWN-NOISE\\n')\n"
+        "late = Late()\n"
+        "sys.modules['late_holder'] = type(sys)('late_holder')\n"
+        "sys.modules['late_holder'].late = late\n"
+        "del late\n"
+        "import oomkit.interfaces.cli as cli\n"
+        "command = cli.main\n"
+        "def main():\n"  # as torch, imported by a command, registers its handlers
+        "    atexit.register(lambda: print('ATEXIT-MESSAGE', file=sys.stderr))\n"
+        "    return command()\n"
+        "cli.main = main\n"
+        "sys.argv = ['oomkit', 'gpus', '--json']\n"
+        "runpy.run_module('oomkit', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "ATEXIT-MESSAGE" in done.stderr
+    assert "TEARDOWN-NOISE" not in done.stderr
+    assert json.loads(done.stdout)["gpus"]
+    # Without console_main's handler the same object does write at teardown: the test can fail.
+    plain = subprocess.run(
+        [sys.executable, "-c", code.replace("runpy.run_module('oomkit', run_name='__main__')",
+                                            "pass")],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )
+    assert "TEARDOWN-NOISE" in plain.stderr
+
+
 def test_the_oomkit_command_runs_console_main_and_keeps_its_exit_code(tmp_path):
     """`python -m oomkit` (as the installed script) exits with the command's code, its output
     whole, and what atexit handlers do still happens after the freeze."""

@@ -22,7 +22,7 @@ def test_tp_prediction_is_rank_0_with_the_plans_shards(tiny_llama, capsys):
 
     code, data = _predict(["llama3-8b", "--tp", "2", "--precision", "fp32"], capsys)
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 2, "dp": 1}
+    assert data["target"]["parallel"] == {"fsdp": 1, "tp": 2, "dp": 1, "pp": 1, "cp": 1}
     assert data["description"] == (
         "Tiny Llama, batch 1, seq 16, fp32, adamw, train, tensor parallel over 2 ranks "
         "(torchtitan's Llama plan: sequence parallel, loss parallel), rank 0 of 2"
@@ -38,7 +38,7 @@ def test_fsdp_by_tp_halves_the_tp_shards(tiny_llama, capsys):
     """--fsdp 2 --tp 2: a world of 4; rank 0's parameters are the TP shards / 2 (even rows)."""
     code, data = _predict(["llama3-8b", "--fsdp", "2", "--tp", "2"], capsys)
     assert code == 0
-    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 2, "dp": 1}
+    assert data["target"]["parallel"] == {"fsdp": 2, "tp": 2, "dp": 1, "pp": 1, "cp": 1}
     assert data["description"].endswith("FSDP2 over 2 ranks (3 units: per block + root), rank 0 of 4")
     # The five norm weights: 32 fp32 each (128 bytes) in 512-byte blocks.
     expected = 53_568 * 4 // 2 + 5 * (512 - 128)

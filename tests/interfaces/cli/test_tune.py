@@ -54,7 +54,7 @@ def _one_line_error(capsys) -> str:
 
 
 def test_tune_flags():
-    """`tune` has exactly --gpu (alias --capacity), --device and --json."""
+    """`tune` has exactly --gpu, --capacity, --context-overhead, --device, --jobs and --json."""
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = sorted(
         opt
@@ -62,7 +62,7 @@ def test_tune_flags():
         for opt in a.option_strings
         if opt.startswith("--") and opt != "--help"
     )
-    assert flags == ["--capacity", "--device", "--gpu", "--jobs", "--json"]
+    assert flags == ["--capacity", "--context-overhead", "--device", "--gpu", "--jobs", "--json"]
 
 
 def test_tune_json_on_a_trace(tmp_path, capsys):
@@ -94,6 +94,7 @@ def test_tune_json_on_a_trace(tmp_path, capsys):
 
 
 GOLDEN = """\
+Device: the allocator may reserve 80.00 GiB (--capacity: nothing subtracted).
                            PYTORCH_CUDA_ALLOC_CONF settings for t.jsonl at 80.00 GiB
 
                                           peak   saving vs   cudaMalloc/
@@ -251,14 +252,38 @@ def test_tune_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert "Best: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().out
 
 
-def test_tune_gpu_name_is_its_total_memory(tmp_path, capsys):
-    """--gpu rtx4090 ranks at the 4090's total memory, the same as --capacity of those bytes."""
+def test_tune_gpu_name_is_the_device_less_its_context(tmp_path, capsys):
+    """--gpu rtx4090 ranks on the 4090: its total memory with its 430 MiB CUDA context held
+    outside the allocator; the ranking is that of --capacity <total - context>."""
     path = _trace(tmp_path)
     assert main(["tune", str(path), "--gpu", "rtx4090", "--json"]) == 0
     by_name = json.loads(capsys.readouterr().out)
+    assert by_name["gpu"] == "RTX 4090"
     assert by_name["capacity_bytes"] == 25_756_696_576
-    assert main(["tune", str(path), "--capacity", "25756696576", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == by_name
+    assert by_name["context_overhead_bytes"] == 430 * MiB
+    assert by_name["usable_bytes"] == 25_756_696_576 - 430 * MiB
+    assert main(["tune", str(path), "--capacity", str(by_name["usable_bytes"]), "--json"]) == 0
+    by_limit = json.loads(capsys.readouterr().out)
+    assert (by_limit["gpu"], by_limit["usable_bytes"]) == (None, by_name["usable_bytes"])
+    assert by_limit["candidates"] == by_name["candidates"]
+
+
+def test_tune_small_gpu_runs_out_where_its_capacity_fits(tmp_path, capsys):
+    """A 30 MiB request: --capacity 32MiB fits, but --gpu 432MiB (its 400 MiB context
+    subtracted, 32 MiB left) fits too, and --gpu 32MiB --context-overhead 0 is --capacity 32MiB;
+    --gpu 429MiB leaves 29 MiB: every setting runs out."""
+    path = _trace(tmp_path, [TraceEvent("alloc", 1, 30 * MiB)])
+
+    def tune(*flags: str) -> dict:
+        assert main(["tune", str(path), *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    by_limit = tune("--capacity", "32MiB")
+    assert not by_limit["baseline"]["ooms"]
+    assert tune("--gpu", "432MiB")["candidates"] == by_limit["candidates"]
+    raw = tune("--gpu", "32MiB", "--context-overhead", "0")
+    assert raw["candidates"] == by_limit["candidates"] and raw["usable_bytes"] == 32 * MiB
+    assert all(c["ooms"] for c in tune("--gpu", "429MiB")["candidates"])
 
 
 def test_tune_piped_keeps_setting_names_whole(tmp_path, capsys, monkeypatch):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from oomkit.core.gpus import get_gpu
+from oomkit.errors import ConfigError
 from oomkit.prediction.tracing import trace_step
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.values import known_value
@@ -71,3 +75,47 @@ def test_copies_and_python_numbers_are_recorded_and_keep_known_values():
     # (1 byte) were allocated.
     sizes = sorted(e.size for e in recording.events if e.action == "alloc")
     assert sizes == [1, 8, 128]
+
+
+def test_an_index_alone_is_cuda_and_lands_on_meta():
+    """device=0 and .to(0) name cuda:0 (c10 Device): on meta, a CPU tensor's move a copy."""
+    with as_one_cuda_gpu():
+        made = torch.zeros(4, device=0)
+        moved = torch.ones(3, device="cpu").to(0)
+        cast = torch.ones(3, device="cpu").to(torch.float16)  # a dtype, not a device
+    assert (made.device.type, moved.device.type, cast.device.type) == ("meta", "meta", "cpu")
+
+
+def test_a_model_already_on_the_device_is_left_as_it_is():
+    """model.to("cuda") / .cuda() of a model already there: the same Parameter objects, no
+    swap (torch's _apply swaps FakeTensor parameters, and fails: "Couldn't swap")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = torch.nn.Linear(2, 2, device="meta")
+    with FakeTensorMode():
+        fake = torch.nn.Linear(2, 2)
+    weights = (meta.weight, fake.weight)
+    with as_one_cuda_gpu():
+        meta.to("cuda").cuda()
+    with FakeTensorMode(), as_one_cuda_gpu(lands_on="cpu"):
+        fake.to(torch.device("cuda", 0), non_blocking=True).cuda()
+    assert meta.weight is weights[0] and fake.weight is weights[1]
+    assert fake.weight.device.type == "cpu"
+
+
+def test_a_nested_block_lands_where_its_caller_does():
+    """as_one_cuda_gpu() inside lands_on="cpu" puts CUDA tensors on the CPU too (a builder
+    inside a distributed recording), and reports the caller's GPU."""
+    with as_one_cuda_gpu(get_gpu("a100-80gb"), lands_on="cpu"), as_one_cuda_gpu():
+        made = torch.zeros(2, device="cuda")
+        name = torch.cuda.get_device_name()
+    assert made.device.type == "cpu"
+    assert name == get_gpu("a100-80gb").name
+
+
+@given(device=st.text(max_size=8).filter(lambda d: d not in ("meta", "cpu")))
+def test_landing_elsewhere_is_refused(device):
+    """lands_on other than "meta" / "cpu": ConfigError naming what was given."""
+    with pytest.raises(ConfigError, match="lands_on must be 'meta' or 'cpu'"):
+        with as_one_cuda_gpu(lands_on=device):
+            pass

@@ -1,8 +1,8 @@
 """get_free_block (ref §4 step 3): the best-fit free block of a pool, with its special rules.
 
-malloc takes the best fit itself in the common case; these functions handle expandable blocks
-(§8.3 step 3.3), the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5), and searches from
-the slow paths (Step 7's ``use_on_oom`` pools).
+``find_free_block`` is the one lookup: malloc's Step 3 and the slow paths (Step 7's
+``use_on_oom`` pools) call it; ``checked_free_block`` adds the rules of expandable blocks (§8.3
+step 3.3) and the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def find_free_block(
     *,
     expandable_active: bool,
 ) -> Block | None:
-    """get_free_block (§4 step 3) on any pool, for the slow paths."""
+    """get_free_block (§4 step 3) on any pool: malloc's Step 3, and the slow paths'."""
     if settings.gc_enabled:
+        # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
         pool.gc_clock += 1
     sf = pool.streams.get(stream)
     if sf is None:

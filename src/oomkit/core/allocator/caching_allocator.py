@@ -9,12 +9,11 @@ in their own modules with small interfaces and are reached only off the common p
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from oomkit.core.allocator import stats as st
-from oomkit.core.allocator.best_fit import checked_free_block
+from oomkit.core.allocator.best_fit import find_free_block
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.cache_miss import CacheMiss
 from oomkit.core.allocator.config import AllocatorConfig
@@ -209,33 +208,9 @@ class CachingAllocator(StatsApi):
             # get_pool: an open allocation scope diverts the request to a private pool (§3.5).
             pool = self._private.scoped_pool(size, stream, pool)
             no_split = pool.owner is not None and pool.owner.no_split
-        # Step 3: get_free_block, with its common case written out.
-        block: Block | None = None
+        # Step 3: get_free_block (best fit, with its special rules; GC clock).
         max_split = settings.max_split
-        if settings.limit is not None and settings.gc_threshold > 0.0:
-            # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
-            pool.gc_clock += 1
-        sf = pool.streams.get(stream)
-        if sf is not None:
-            sizes = sf.sizes
-            i = bisect_left(sizes, size)
-            if i < len(sizes):
-                bsize = sizes[i]
-                bucket = sf.buckets[bsize]
-                block = bucket[0][1]
-                if block.segment.expandable or max_split != SIZE_MAX:
-                    block = checked_free_block(settings, pool, sf, block, size)
-                else:
-                    # Take the best fit out of the set.
-                    if len(bucket) == 1:
-                        del sf.buckets[bsize]
-                        del sizes[i]
-                        if not sizes:
-                            del pool.streams[stream]
-                    else:
-                        del bucket[0]
-                    pool.count -= 1
-                    block.key = None
+        block = find_free_block(settings, pool, size, stream, expandable_active=expandable_active)
         if block is None:
             # Step 4 (free-memory callbacks) frees nothing in a single simulated process.
             block = self._miss.new_block(pool, size, nbytes, stream)

@@ -8,6 +8,8 @@ which maps its pages through the allocator's :class:`~oomkit.core.allocator.devi
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from oomkit.core.allocator.block import Block, Segment
 from oomkit.core.allocator.constants import EXPANDABLE_RESERVE_DENOMINATOR, SMALL_BUFFER
 from oomkit.core.allocator.device_memory import DeviceMemory
@@ -85,7 +87,7 @@ class ExpandableSegments:
             return total >= size
 
         unmapped = pool.unmapped
-        i = unmapped.bisect_left((stream,))
+        i = bisect_left(unmapped, (stream,))
         n = len(unmapped)
         while i < n:
             entry = unmapped[i]

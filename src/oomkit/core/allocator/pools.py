@@ -14,7 +14,8 @@ Walking streams in order, sizes in order and buckets in order gives PyTorch's se
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
 
 Unmapped expandable ranges (``BlockPool::unmapped``, ``BlockComparatorAddress``:
-``(stream, address)``) are few and use a ``SortedList``.
+``(stream, address)``) are few: a plain sorted list of ``(stream, address, block)`` (``(stream,
+address)`` is unique, so the block is never compared).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
-
-from sortedcontainers import SortedList
 
 from oomkit.core.allocator.block import Block
 
@@ -67,7 +66,7 @@ class BlockPool:
         self.owner = owner
         # stream -> its free blocks (the `blocks` set, split by its first key).
         self.streams: dict[int, StreamFreeBlocks] = {}
-        self.unmapped: SortedList = SortedList()
+        self.unmapped: list[tuple[int, int, Block]] = []
         # BlockPool::get_free_blocks_call_count, the GC clock (§7).
         self.gc_clock = 0
         # MAIN26 BlockComparatorSize: registration counter before the address (§3.6).
@@ -101,132 +100,46 @@ class BlockPool:
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
-        """try_merge_blocks with the previous, then the next block; returns how many merged.
+        """try_merge_blocks with the previous, then the next block; returns how many merged."""
+        return self._try_merge(block, block.prev) + self._try_merge(block, block.next)
+
+    def merge_and_insert(self, block: Block) -> int:
+        """free_block's pool work: try_merge_blocks with the previous, then the next block, then
+        insert_into_blocks. Returns how many neighbours merged."""
+        merged = self._try_merge(block, block.prev) + self._try_merge(block, block.next)
+        self.insert(block)
+        return merged
+
+    def _try_merge(self, block: Block, src: Block | None) -> int:
+        """try_merge_blocks (CUDACachingAllocator.cpp): merge the neighbour ``src`` into ``block``.
 
         A neighbour merges when it is free (not allocated, no pending events or stream uses)
         and has the same mapped state; it leaves this pool's sets and ``block`` grows over it.
+        Returns 1 when it merged, else 0.
         """
-        merged = 0
-        for src in (block.prev, block.next):
-            if (
-                src is None
-                or src.allocated
-                or src.event_count
-                or src.stream_uses
-                or src.mapped != block.mapped
-            ):
-                continue
-            if src.mapped:
-                self.remove(src)
-            else:
-                self.remove_unmapped(src)
-            if src is block.prev:
-                block.ptr = src.ptr
-                before = block.prev = src.prev
-                if before is not None:
-                    before.next = block
-            else:
-                after = block.next = src.next
-                if after is not None:
-                    after.prev = block
-            block.size += src.size
-            merged += 1
-        return merged
-
-    def merge_and_insert(self, block: Block) -> int:
-        """free_block's pool work in one call: try_merge_blocks with the previous, then the next
-        block (as :meth:`merge_free_neighbours`), then insert_into_blocks (as :meth:`insert`).
-
-        Written out (no per-neighbour calls): every free of a replay runs it (issue 19).
-        Returns how many neighbours merged.
-        """
-        merged = 0
-        mapped = block.mapped
-        streams = self.streams
-        # The previous neighbour, then the next one (two copies, not a loop over both: most
-        # neighbours are allocated and fail the first tests).
-        src = block.prev
         if (
-            src is not None
-            and not src.allocated
-            and not src.event_count
-            and not src.stream_uses
-            and src.mapped == mapped
+            src is None
+            or src.allocated
+            or src.event_count
+            or src.stream_uses
+            or src.mapped != block.mapped
         ):
-            if mapped:
-                # remove(src), written out.
-                entry = src.key
-                assert entry is not None, "removing a block that is not in the free set"
-                src.key = None
-                sf = streams[src.stream]
-                size = src.size
-                bucket = sf.buckets[size]
-                if len(bucket) == 1:
-                    del sf.buckets[size]
-                    sizes = sf.sizes
-                    del sizes[bisect_left(sizes, size)]
-                    if not sizes:
-                        del streams[src.stream]
-                else:
-                    del bucket[bisect_left(bucket, (entry[0],))]
-                self.count -= 1
-            else:
-                self.remove_unmapped(src)
+            return 0
+        if src.mapped:
+            self.remove(src)
+        else:
+            self.remove_unmapped(src)
+        if src is block.prev:
             block.ptr = src.ptr
             before = block.prev = src.prev
             if before is not None:
                 before.next = block
-            block.size += src.size
-            merged = 1
-        src = block.next
-        if (
-            src is not None
-            and not src.allocated
-            and not src.event_count
-            and not src.stream_uses
-            and src.mapped == mapped
-        ):
-            if mapped:
-                # remove(src), written out.
-                entry = src.key
-                assert entry is not None, "removing a block that is not in the free set"
-                src.key = None
-                sf = streams[src.stream]
-                size = src.size
-                bucket = sf.buckets[size]
-                if len(bucket) == 1:
-                    del sf.buckets[size]
-                    sizes = sf.sizes
-                    del sizes[bisect_left(sizes, size)]
-                    if not sizes:
-                        del streams[src.stream]
-                else:
-                    del bucket[bisect_left(bucket, (entry[0],))]
-                self.count -= 1
-            else:
-                self.remove_unmapped(src)
+        else:
             after = block.next = src.next
             if after is not None:
                 after.prev = block
-            block.size += src.size
-            merged += 1
-        # insert(block), written out.
-        block.gc_count_base = self.gc_clock
-        tie = (block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr
-        added = (tie, block)
-        block.key = added
-        into = streams.get(block.stream)
-        if into is None:
-            into = streams[block.stream] = StreamFreeBlocks()
-        total = block.size
-        same = into.buckets.get(total)
-        if same is None:
-            into.buckets[total] = [added]
-            insort(into.sizes, total)
-        else:
-            same.insert(bisect_left(same, (tie,)), added)
-        self.count += 1
-        return merged
+        block.size += src.size
+        return 1
 
     def remove(self, block: Block) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with)."""
@@ -262,11 +175,16 @@ class BlockPool:
         """Add an unmapped expandable range (BlockComparatorAddress order)."""
         key = (block.stream, block.ptr, block)
         block.key = key
-        self.unmapped.add(key)
+        insort(self.unmapped, key)
 
     def remove_unmapped(self, block: Block) -> None:
         """Take an unmapped range out of ``unmapped``."""
-        self.unmapped.remove(block.key)
+        key = block.key
+        assert key is not None, "removing a block that is not in the unmapped set"
+        unmapped = self.unmapped
+        i = bisect_left(unmapped, key)
+        assert i < len(unmapped) and unmapped[i][2] is block, "not an unmapped range of this pool"
+        del unmapped[i]
         block.key = None
 
     def unmapped_blocks(self) -> Iterator[Block]:

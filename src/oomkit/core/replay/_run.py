@@ -49,6 +49,7 @@ class Run(ReplayHooks):
         flipped: frozenset[int] = frozenset(),
         groups: dict[int, int] | None = None,
         allocs: int | None = None,
+        reserved_outside_bytes: int = 0,
     ) -> None:
         self.events = events
         self.allocs = allocs  # alloc entries in events, when the caller counted them
@@ -77,6 +78,7 @@ class Run(ReplayHooks):
         self.allocator = CachingAllocator(
             config,
             capacity_bytes=capacity_bytes,
+            reserved_outside_bytes=reserved_outside_bytes,
             torch_version=torch_version,
             device_malloc=self._device_malloc if verify else None,
             segment_address=self._segment_address,

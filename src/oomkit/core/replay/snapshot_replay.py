@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
 from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
-from oomkit.core.replay.engine import CREATE, RELEASE
+from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
@@ -53,6 +53,7 @@ def replay_snapshot(
     config: AllocatorConfig | None = None,
     capacity_bytes: int | None = None,
     torch_version: str | None = None,
+    reserved_outside_bytes: int = 0,
 ) -> ReplayResult:
     """Replay one device's recorded trace through the simulator.
 
@@ -68,6 +69,9 @@ def replay_snapshot(
             sizes expandable reservations.
         torch_version: the PyTorch version whose behaviour to model; default inferred from the
             file's keys.
+        reserved_outside_bytes: device memory held outside this allocator (the CUDA context):
+            a what-if's cudaMalloc succeeds while it plus everything reserved fits
+            ``capacity_bytes``, as ``cudaMemGetInfo``'s free memory on the real device.
 
     Returns:
         The replay's record. In verify mode ``segment_events_recorded``, ``_matched``,
@@ -79,6 +83,22 @@ def replay_snapshot(
         UnknownDeviceError: the snapshot has no such device.
         ValueError: ``verify`` together with ``config`` (verify uses the recorded setting).
     """
+    with gc_paused():
+        return _replay_snapshot(
+            snapshot, device, verify, config, capacity_bytes, torch_version, reserved_outside_bytes
+        )
+
+
+def _replay_snapshot(
+    snapshot: Snapshot,
+    device: int,
+    verify: bool,
+    config: AllocatorConfig | None,
+    capacity_bytes: int | None,
+    torch_version: str | None,
+    reserved_outside_bytes: int,
+) -> ReplayResult:
+    """:func:`replay_snapshot`, with the garbage collector paused (``gc_paused``)."""
     if verify and config is not None:
         raise ValueError(
             "verify=True replays under the recorded setting, so config must be None; "
@@ -119,6 +139,7 @@ def replay_snapshot(
             start,
             recorded_config,
             capacity_bytes=_verify_capacity(capacity_bytes, start, recorded, final),
+            reserved_outside_bytes=reserved_outside_bytes,
             torch_version=version,
             recorded=recorded,
             final=final,
@@ -131,6 +152,7 @@ def replay_snapshot(
             start,
             config if config is not None else recorded_config,
             capacity_bytes=capacity_bytes if capacity_bytes is not None else DEFAULT_CAPACITY_BYTES,
+            reserved_outside_bytes=reserved_outside_bytes,
             torch_version=version,
             recorded=recorded,
             verify=False,
@@ -150,6 +172,7 @@ def _verify_run(
     torch_version: str | None,
     recorded: Sequence[tuple[int, SegmentEvent]],
     final: Sequence[SeedSegment],
+    reserved_outside_bytes: int = 0,
     marks: Sequence[int] | None = None,
     allocs: int | None = None,
 ) -> Run:
@@ -174,6 +197,7 @@ def _verify_run(
             start,
             config,
             capacity_bytes=capacity_bytes,
+            reserved_outside_bytes=reserved_outside_bytes,
             torch_version=torch_version,
             recorded=recorded,
             verify=True,

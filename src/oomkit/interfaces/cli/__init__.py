@@ -10,7 +10,9 @@ Exit codes (documented in the README):
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
+import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -232,7 +234,26 @@ def console_main() -> None:
     closed, by reference counting, and atexit handlers (multiprocessing's, weakref finalizers)
     still run; only reference cycles alive at exit are left to the operating system, whose
     ``__del__`` Python never promises to run at exit anyway.
+
+    Those cycles are what nanobind, at teardown, reports as "leaked instances" (triton's IR
+    types, loaded by ``torch._dynamo`` wherever triton is installed: every Linux CUDA wheel of
+    torch), a page of noise after the command's own output. ``_quiet_teardown`` is registered
+    first, so it runs after every other atexit handler (their messages still show) and sends
+    what module teardown writes to stderr to ``os.devnull``.
     """
+    atexit.register(_quiet_teardown)
     code = main()
     gc.freeze()
     raise SystemExit(code)
+
+
+def _quiet_teardown() -> None:
+    """Point file descriptor 2 at ``os.devnull`` for the interpreter's teardown (``console_main``)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe or stream: nothing left to lose
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)

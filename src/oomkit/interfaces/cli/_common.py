@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,18 +29,24 @@ __all__ = [
     "positive_int",
     "float_arg",
     "add_alloc_conf_flag",
-    "add_capacity_flag",
+    "add_device_flags",
     "add_gpu_flag",
     "add_torch_version_flag",
     "torch_version_arg",
     "capacity_bytes",
-    "capacity_from_args",
+    "Device",
+    "device_from_args",
+    "device_lines",
+    "device_to_json",
+    "target_from_args",
     "config_from_args",
 ]
 
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from oomkit.core.target import Target
 
 
 # The width of the results when stdout is not a terminal (a pipe, a file, a CI log). rich would
@@ -171,40 +178,65 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_gpu_flag(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     *,
     default: str | None,
     help: str,
-    capacity_alias: bool = False,
 ) -> None:
     """The one ``--gpu NAME|SIZE`` flag (dest ``gpu``, kept as text until the command reads it).
 
     Args:
-        parser: the subcommand's parser.
+        parser: the subcommand's parser (or one of its groups).
         default: the GPU when the flag is absent (a name or a size; ``None``: none).
-        help: what the GPU means to this command (a capacity, or usable memory).
-        capacity_alias: also accept ``--capacity``, the name the replaying commands used first.
+        help: what the GPU is to this command.
     """
-    names = ("--gpu", "--capacity") if capacity_alias else ("--gpu",)
-    parser.add_argument(*names, dest="gpu", default=default, metavar="NAME|SIZE", help=help)
+    parser.add_argument("--gpu", dest="gpu", default=default, metavar="NAME|SIZE", help=help)
 
 
-def add_capacity_flag(parser: argparse.ArgumentParser, *, default: str | None) -> None:
-    """``--gpu NAME|SIZE`` (alias ``--capacity``) for a command that replays at a capacity.
+# --gpu's help wherever it names the device a command simulates (replay, simulate, tune, demo;
+# predict and fit say the same through the Scenario's field).
+_GPU_DEVICE_HELP = (
+    "the device: a catalog GPU (e.g. rtx4090) or its total memory (e.g. 24GiB); the allocator "
+    "may reserve the total less the CUDA context (the catalog's figure, a typical one for a "
+    "size), as predict --gpu; --context-overhead 0 keeps the whole total"
+)
 
-    The capacity is what ``cudaMemGetInfo`` reports as total, as ``explain SNAPSHOT --gpu``
-    takes a catalog GPU's total memory: nothing is subtracted for the CUDA context (the replay
-    models no memory outside PyTorch), unlike ``predict --gpu``, whose allocator may reserve
-    only the total less ``--context-overhead``. See ``capacity_bytes``.
+
+def add_device_flags(
+    parser: argparse.ArgumentParser, *, default_capacity: str | None, what: str
+) -> None:
+    """``--gpu NAME|SIZE``, ``--capacity SIZE`` and ``--context-overhead SIZE``: the device a
+    replaying command simulates (``device_from_args`` reads them).
+
+    ``--gpu`` is the device, as ``predict --gpu``: its total memory, of which the allocator may
+    reserve all but the CUDA context (``Target.resolve``). ``--capacity`` is the allocator's
+    own limit, nothing subtracted. One or the other, not both.
+
+    Args:
+        parser: the subcommand's parser.
+        default_capacity: the ``--capacity`` without either flag (``None``: none, the
+            command's own choice).
+        what: what the device is used for, for the help (``"replay at"``).
     """
-    add_gpu_flag(
-        parser,
-        default=default,
-        capacity_alias=True,
-        help="the device to replay at: a catalog GPU (e.g. rtx4090; its total memory as "
-        "cudaMemGetInfo reports it, nothing subtracted for the CUDA context) or a size (e.g. "
-        "24GiB); --capacity is an alias"
-        + ("" if default is None else f" (default {default})"),
+    group = parser.add_argument_group("device (--gpu or --capacity, not both)")
+    add_gpu_flag(group, default=None, help=_GPU_DEVICE_HELP)
+    group.add_argument(
+        "--capacity",
+        dest="capacity",
+        default=None,
+        metavar="SIZE",
+        help=f"the allocator's own limit to {what}, e.g. 24GiB: what it may reserve, nothing "
+        "subtracted for a CUDA context"
+        + ("" if default_capacity is None else f" (default {default_capacity})"),
+    )
+    # predict and fit have it as a Scenario field (target.context_overhead_bytes).
+    group.add_argument(
+        "--context-overhead",
+        dest="context_overhead",
+        type=size_arg,
+        metavar="SIZE",
+        help="memory outside PyTorch on the --gpu device (default: the GPU's CUDA context); "
+        "0 gives the allocator the whole total",
     )
 
 
@@ -244,41 +276,163 @@ def torch_version_arg(text: str) -> str:
 
 
 def capacity_bytes(text: str) -> int:
-    """The device capacity ``--gpu``/``--capacity`` names, in bytes.
+    """The allocator limit ``--capacity SIZE`` names, in bytes (nothing subtracted).
 
-    A size (``24GiB``, or plain bytes from 1 MiB on) is taken as it is; a catalog GPU gives its
-    total memory, what ``cudaMemGetInfo`` reports as total (``GpuSpec.total_memory_bytes``),
-    CUDA context included.
+    A size (``24GiB``, or plain bytes from 1 MiB on) is taken as it is.
 
     Raises:
-        ConfigError: the size is zero, or a number without a unit below 1 MiB (``24``: surely
-            24 GiB, not 24 bytes).
-        UnknownGpuError: the text is neither a size nor a catalog GPU (the message lists near
-            names).
+        ConfigError: the size is zero or too large, a number without a unit below 1 MiB
+            (``24``: surely 24 GiB, not 24 bytes), or not a size at all (a GPU name: that is
+            ``--gpu``).
     """
     try:
         size = parse_bytes(text)
     except SizeTooLargeError as exc:
-        raise ConfigError(f"--gpu/--capacity: {exc}") from None
+        raise ConfigError(f"--capacity: {exc}") from None
     except SizeError:
-        from oomkit.core.gpus import get_gpu
-
-        return get_gpu(text).total_memory_bytes
+        shown = text.strip()[:40]
+        raise ConfigError(
+            f"--capacity takes a size, the allocator's own limit (e.g. 24GiB); got {shown!r}. "
+            "For a GPU, give it with --gpu instead: its total memory less the CUDA context."
+        ) from None
     try:
         _check_unit(text, size)
     except SizeError as exc:
-        raise ConfigError(f"--gpu/--capacity {exc}") from None
+        raise ConfigError(f"--capacity {exc}") from None
     if size <= 0:
         raise ConfigError(
-            f"the device capacity must be above zero; got {text!r}. Give a size such as 24GiB or "
-            "a GPU name such as rtx4090."
+            f"the allocator's limit must be above zero; got {text!r}. Give a size such as "
+            "--capacity 24GiB, or a GPU such as --gpu rtx4090."
         )
     return size
 
 
-def capacity_from_args(args: argparse.Namespace) -> int | None:
-    """The capacity ``--gpu`` names, in bytes (``None`` when the flag is absent, no default)."""
-    return None if args.gpu is None else capacity_bytes(args.gpu)
+@dataclass(frozen=True)
+class Device:
+    """The device a replaying command simulates, as ``--gpu`` or ``--capacity`` named it.
+
+    Attributes:
+        capacity_bytes: the device's total memory (``cudaMemGetInfo`` total) for ``--gpu``;
+            the allocator's limit itself for ``--capacity``.
+        context_overhead_bytes: memory held outside the allocator (the CUDA context), left out
+            of what it may reserve; 0 for ``--capacity``.
+        target: the ``--gpu`` device resolved as predict resolves it; ``None`` for
+            ``--capacity``.
+    """
+
+    capacity_bytes: int
+    context_overhead_bytes: int = 0
+    target: Target | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the allocator may reserve: the capacity less the context, in bytes."""
+        return self.capacity_bytes - self.context_overhead_bytes
+
+
+def target_from_args(args: argparse.Namespace, *, torch_version: str | None = None) -> Target:
+    """The ``Target`` of ``--gpu`` (and ``--context-overhead``), by ``Target.resolve``: the
+    resolution ``oomkit.scenario.target.target_of`` gives predict and fit, so a GPU gets the
+    same CUDA context (figure and source) in every command.
+
+    Args:
+        args: the parsed flags (``gpu`` set; ``context_overhead`` in bytes or absent).
+        torch_version: the PyTorch release modelled (``--torch-version``); ``None``: the
+            installed torch's CUDA build sets the context, as predict's default.
+
+    Raises:
+        UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
+        GpuSpecError: the context is not below the device's total (for a size, the message
+            names ``--capacity``).
+    """
+    from oomkit.core.gpus import GpuSpecError
+    from oomkit.core.target import Target
+
+    overhead = getattr(args, "context_overhead", None)
+    try:
+        return Target.resolve(
+            args.gpu, context_overhead_bytes=overhead, torch_version=torch_version
+        )
+    except GpuSpecError as exc:
+        small = overhead is None and "context_overhead_bytes" in str(exc)
+        if not small or not hasattr(args, "capacity"):  # the hint needs --capacity
+            raise
+        raise GpuSpecError(
+            f"--gpu: {exc} To simulate an allocator limited to {args.gpu!r}, give it with "
+            "--capacity instead (nothing subtracted), or give --context-overhead SIZE."
+        ) from None
+
+
+def device_from_args(
+    args: argparse.Namespace,
+    *,
+    default_capacity: str | None = None,
+    torch_version: str | None = None,
+) -> Device | None:
+    """The device ``--gpu`` / ``--capacity`` / ``--context-overhead`` name.
+
+    Args:
+        args: the parsed flags of ``add_device_flags``.
+        default_capacity: the ``--capacity`` when neither flag is given (``None``: no device).
+        torch_version: for ``--gpu``, the PyTorch release whose CUDA context to assume.
+
+    Returns:
+        The device; ``None`` when no flag is given and there is no default.
+
+    Raises:
+        ConfigError: ``--gpu`` and ``--capacity`` together, ``--context-overhead`` without
+            ``--gpu``, or a bad ``--capacity``.
+        UnknownGpuError: ``--gpu`` is neither a catalog GPU nor a size with a unit.
+        GpuSpecError: ``--gpu``'s context is not below its total.
+    """
+    overhead = getattr(args, "context_overhead", None)
+    if args.gpu is not None and args.capacity is not None:
+        raise ConfigError(
+            f"--gpu {args.gpu!r} and --capacity {args.capacity!r} both set the device: choose one. "
+            "--gpu NAME|SIZE is the device, whose total less the CUDA context the allocator may "
+            "reserve (as predict); --capacity SIZE is the allocator's own limit, nothing "
+            "subtracted."
+        )
+    if overhead is not None and args.gpu is None:
+        raise ConfigError(
+            "--context-overhead is the memory outside PyTorch on the --gpu device: give --gpu "
+            "NAME|SIZE with it (--capacity is the allocator's own limit, nothing subtracted)."
+        )
+    if args.gpu is not None:
+        target = target_from_args(args, torch_version=torch_version)
+        return Device(target.capacity_bytes, target.context_overhead_bytes, target)
+    text = args.capacity if args.capacity is not None else default_capacity
+    return None if text is None else Device(capacity_bytes(text))
+
+
+def device_to_json(device: Device) -> dict[str, object]:
+    """The device in a command's ``--json``, with predict's key names: ``gpu`` (the catalog
+    name, ``None`` for ``--capacity``), ``capacity_bytes``, ``context_overhead_bytes``,
+    ``usable_bytes`` (what the allocator may reserve) and ``cuda_context`` (the context
+    assumed and its source, ``None`` for ``--capacity``)."""
+    target = device.target
+    return {
+        "gpu": None if target is None else target.gpu.name,
+        "capacity_bytes": device.capacity_bytes,
+        "context_overhead_bytes": device.context_overhead_bytes,
+        "usable_bytes": device.usable_bytes,
+        "cuda_context": None if target is None else target.context_description,
+    }
+
+
+def device_lines(device: Device) -> list[str]:
+    """The device in words, for a report's head: what the allocator may reserve and why."""
+    from oomkit.units import format_bytes
+
+    usable = format_bytes(device.usable_bytes)
+    if device.target is None:
+        return [f"Device: the allocator may reserve {usable} (--capacity: nothing subtracted)."]
+    return [
+        f"Device: {device.target.gpu.name} ({format_bytes(device.capacity_bytes)} total, "
+        f"{format_bytes(device.context_overhead_bytes)} outside PyTorch): the allocator may "
+        f"reserve {usable}.",
+        f"CUDA context assumed: {device.target.context_description}",
+    ]
 
 
 def config_from_args(args: argparse.Namespace):

@@ -6,9 +6,11 @@ import argparse
 from typing import TYPE_CHECKING
 
 from oomkit.interfaces.cli._common import (
-    add_capacity_flag,
+    add_device_flags,
     add_json_flag,
-    capacity_bytes,
+    device_from_args,
+    device_lines,
+    device_to_json,
     print_json,
     stdout_console,
 )
@@ -22,6 +24,9 @@ __all__ = ["add_parser", "run", "demo_verdict", "DEMO_SETTINGS"]
 # suggests against fragmentation (CUDACachingAllocator.cpp OOM message, ref §12).
 DEMO_SETTINGS = ("", "expandable_segments:True")
 
+
+# The allocator's limit without --gpu or --capacity: an 80 GB A100/H100, as before.
+_DEFAULT_CAPACITY = "80GiB"
 
 # The demo replays every step's events in this process: past this it would run for minutes.
 _MAX_STEPS = 1_000
@@ -49,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "transformer trained with AdamW on varying sequence lengths) under PyTorch's default "
         "allocator settings and under expandable_segments:True, and compare. No GPU needed.",
     )
-    add_capacity_flag(parser, default="80GiB")
+    add_device_flags(parser, default_capacity=_DEFAULT_CAPACITY, what="replay at")
     parser.add_argument(
         "--steps",
         type=_steps,
@@ -66,21 +71,25 @@ def run(args: argparse.Namespace) -> int:
     from oomkit.core.replay import simulate_events
     from oomkit.core.workloads import TrainingWorkload, training_events
     from oomkit.interfaces.reports import comparison_table, replay_to_json
-    from oomkit.units import format_bytes
 
-    capacity = capacity_bytes(args.gpu)
+    device = device_from_args(args, default_capacity=_DEFAULT_CAPACITY)
+    assert device is not None  # a default capacity
     workload = TrainingWorkload(steps=args.steps)
     results = []
     for setting in DEMO_SETTINGS:
         config = AllocatorConfig.parse(setting)
-        results.append(
-            (setting or "default", simulate_events(training_events(workload), config, capacity))
+        result = simulate_events(
+            training_events(workload),
+            config,
+            device.capacity_bytes,
+            reserved_outside_bytes=device.context_overhead_bytes,
         )
+        results.append((setting or "default", result))
     if args.json:
         print_json(
             {
                 "workload": workload.__dict__,
-                "capacity_bytes": capacity,
+                **device_to_json(device),
                 "results": {label: replay_to_json(r, include_segments=False) for label, r in results},
             }
         )
@@ -90,8 +99,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"Built-in workload: {workload.layers}-layer transformer, hidden {workload.hidden}, "
         f"batch {workload.batch}, {workload.steps} steps with sequence lengths "
-        f"{workload.min_seq}-{workload.max_seq}; device {format_bytes(capacity)}."
+        f"{workload.min_seq}-{workload.max_seq}."
     )
+    for line in device_lines(device):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(comparison_table(results, title="Default vs expandable_segments:True"))
     console.print(demo_verdict(base, expandable))
     return 0
@@ -106,7 +117,7 @@ def demo_verdict(base: ReplayResult, expandable: ReplayResult) -> str:
     if base.oom and expandable.oom:
         return (
             f"Both settings run out of memory on this device: {setting} does not rescue it. "
-            "Give a larger --capacity, or fewer --steps."
+            "Give a larger --gpu or --capacity, or fewer --steps."
         )
     if base.oom:
         return (

@@ -17,6 +17,7 @@ from oomkit.interfaces.cli._common import (
     add_json_flag,
     print_json,
     stdout_console,
+    target_from_args,
 )
 from oomkit.interfaces.cli._progress import (
     is_terminal,
@@ -189,9 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     gpu = None
     if args.gpu is not None:
-        from oomkit.core.target import Target
-
-        gpu = Target.resolve(args.gpu).gpu  # the one target path (oomkit.scenario.target)
+        gpu = target_from_args(args).gpu  # the one target path, as replay and predict
     if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
         raise ConfigError(
             f"--memory-fraction must be in (0, 1]; got {args.memory_fraction}. Example: "

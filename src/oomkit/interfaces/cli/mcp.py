@@ -97,6 +97,26 @@ def _flags(arguments: dict[str, Any], names: dict[str, str]) -> list[str]:
 
 
 _GPU: tuple[Any, Any, str] = (str | None, None, "a catalog GPU (e.g. rtx4090) or a size (24GiB)")
+# replay and tune: the device as predict's target.gpu, or the allocator's own limit.
+_DEVICE: dict[str, tuple[Any, Any, str]] = {
+    "gpu": (
+        str | None,
+        None,
+        "the device, a catalog GPU (e.g. rtx4090) or a size (24GiB): the allocator may reserve "
+        "its total less the CUDA context, as predict; not with capacity",
+    ),
+    "capacity": (
+        str | None,
+        None,
+        "the allocator's own limit (e.g. 24GiB), nothing subtracted; not with gpu",
+    ),
+    "context_overhead": (
+        str | None,
+        None,
+        "memory outside PyTorch on the gpu (default: its CUDA context); 0: the whole total",
+    ),
+}
+_DEVICE_FLAGS = {"gpu": "--gpu", "capacity": "--capacity", "context_overhead": "--context-overhead"}
 
 TOOLS: tuple[McpTool, ...] = (
     McpTool(
@@ -139,23 +159,23 @@ TOOLS: tuple[McpTool, ...] = (
                 "snapshot": (str, None, "the snapshot file (torch.cuda.memory._dump_snapshot)"),
                 "verify": (bool, False, "compare every recorded decision with the simulator's"),
                 "what_if": (list[str] | None, None, "allocator settings to compare"),
-                "gpu": _GPU,
+                **_DEVICE,
             },
             required=("snapshot",),
         ),
         lambda a: [
             "replay", str(a["snapshot"]), "--json",
-            *_flags(a, {"verify": "--verify", "what_if": "--what-if", "gpu": "--gpu"}),
+            *_flags(a, {"verify": "--verify", "what_if": "--what-if", **_DEVICE_FLAGS}),
         ],
     ),
     McpTool(
         "tune",
         "Find the PYTORCH_CUDA_ALLOC_CONF that reserves least for a snapshot or trace.",
         _record_schema(
-            {"source": (str, None, "a snapshot or oomkit trace file"), "gpu": _GPU},
+            {"source": (str, None, "a snapshot or oomkit trace file"), **_DEVICE},
             required=("source",),
         ),
-        lambda a: ["tune", str(a["source"]), "--json", *_flags(a, {"gpu": "--gpu"})],
+        lambda a: ["tune", str(a["source"]), "--json", *_flags(a, _DEVICE_FLAGS)],
     ),
     McpTool(
         "diff",

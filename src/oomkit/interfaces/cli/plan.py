@@ -139,7 +139,8 @@ def _render(result: Any) -> None:
 
 def _degrees(layout: Any) -> str:
     parts = [f"{name} {value}" for name, value in
-             (("fsdp", layout.fsdp), ("dp", layout.dp), ("tp", layout.tp)) if value is not None]
+             (("fsdp", layout.fsdp), ("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp),
+              ("schedule", layout.pp_schedule), ("cp", layout.cp)) if value is not None]
     return f"{layout.strategy} ({', '.join(parts)})" if parts else layout.strategy
 
 

@@ -94,8 +94,11 @@ def _run_step(args: argparse.Namespace, scenario: Any) -> int:
     with user_output_to_stderr(), predicting(scenario) as run:
         if not args.json:
             layout = run.layout_words()
+            from oomkit.scenario.ranks import rank_words
+
             where = (
-                f"rank 0 of {run.target.parallel.world_size} ({layout}) on a fake process group"
+                f"{rank_words(scenario)} of {run.target.parallel.world_size} ({layout}) on a "
+                "fake process group"
                 if layout is not None and run.target.parallel is not None
                 else f"{run.description} on the meta device"
             )

@@ -7,12 +7,15 @@ import sys
 
 from oomkit.errors import ConfigError
 from oomkit.interfaces.cli._common import (
+    Device,
     add_alloc_conf_flag,
-    add_capacity_flag,
+    add_device_flags,
     add_json_flag,
     add_torch_version_flag,
-    capacity_from_args,
     config_from_args,
+    device_from_args,
+    device_lines,
+    device_to_json,
     existing_file,
     print_json,
     stdout_console,
@@ -39,10 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(torch.cuda.memory._record_memory_history + _dump_snapshot). With --verify, compare "
         "every recorded segment decision and block placement with the simulator's (exit 1 on a "
         "divergence, 4 when the trace holds nothing to compare; --gpu then sizes expandable "
-        "reservations as on that device). With --alloc-conf or --gpu "
+        "reservations as on that device). With --alloc-conf, --gpu or --capacity "
         "alone, replay the same requests under other settings or on another device (exit 1 if "
-        "it would OOM; default device 80GiB). --verify replays the recorded setting, so it "
-        "cannot be combined with --alloc-conf (exit 2). --what-if SETTING, repeated, replays "
+        "it would OOM; default --capacity 80GiB). --gpu is the device, as in predict: the "
+        "allocator may reserve its total less the CUDA context. --verify replays the recorded "
+        "setting, so it cannot be combined with --alloc-conf (exit 2). --what-if SETTING, "
+        "repeated, replays "
         "the same requests under each setting (in parallel, --jobs) and compares them in one "
         "table (exit 1 if any would OOM).",
     )
@@ -64,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "several settings side by side (use '' for the default setting)",
     )
     add_jobs_flag(parser, what="--what-if settings")
-    add_capacity_flag(parser, default=None)
+    add_device_flags(parser, default_capacity=None, what="replay at")
     add_torch_version_flag(parser, default="read from the snapshot")
     add_json_flag(parser)
     parser.set_defaults(run=run)
@@ -85,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.what_if is not None:
         return _run_what_ifs(args)
-    capacity = capacity_from_args(args)
+    named_device = device_from_args(args, torch_version=args.torch_version)
+    capacity, outside = _limits(named_device)
     config = config_from_args(args)
     with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
         snapshot = load_snapshot(args.snapshot, progress=progress.loading)
         devices = snapshot.devices()
         device = args.device if args.device is not None else (devices[0] if devices else 0)
-        what_if = not args.verify and (config is not None or capacity is not None)
+        what_if = not args.verify and (config is not None or named_device is not None)
         progress.phase(f"replaying {len(snapshot.trace_for(device)):,} events")
         result = replay_snapshot(
             snapshot,
@@ -100,15 +106,21 @@ def run(args: argparse.Namespace) -> int:
             config=config,
             capacity_bytes=capacity,
             torch_version=args.torch_version,
+            reserved_outside_bytes=outside,
         )
     if args.json:
-        print_json(replay_to_json(result))
+        out = replay_to_json(result)
+        # The device's keys only where one was named: a plain --verify prints what it did.
+        print_json(out if named_device is None else {**device_to_json(named_device), **out})
     else:
         from oomkit.interfaces.reports._untrusted import as_written
 
         name = as_written(args.snapshot.name)  # printed as written: no markup, no escapes
         title = f"What-if replay of {name}" if what_if else f"Replay of {name}"
-        render_replay(result, stdout_console(), title=title)
+        console = stdout_console()
+        for line in [] if named_device is None else device_lines(named_device):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        render_replay(result, console, title=title)
     if what_if:
         return 1 if result.oom else 0
     if args.verify:
@@ -116,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_TO_VERIFY
         return 0 if result.reproduced else 1
     return 0
+
+
+def _limits(named: Device | None) -> tuple[int | None, int]:
+    """``replay_snapshot``'s capacity and memory outside the allocator for the device named
+    (none: the recorded run's capacity, nothing outside)."""
+    return (None, 0) if named is None else (named.capacity_bytes, named.context_overhead_bytes)
 
 
 def _run_what_ifs(args: argparse.Namespace) -> int:
@@ -136,7 +154,8 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
     # Parsed up front: a setting the modelled PyTorch rejects stops the command (exit 2)
     # before any replay runs.
     configs = [AllocatorConfig.parse(text, torch_version=args.torch_version) for text in texts]
-    capacity = capacity_from_args(args)
+    named_device = device_from_args(args, torch_version=args.torch_version)
+    capacity, outside = _limits(named_device)
     with snapshot_progress(progress_enabled(args, sys.stderr), args.snapshot.name) as progress:
         snapshot = load_snapshot(args.snapshot, progress=progress.loading)
     devices = snapshot.devices()
@@ -151,6 +170,7 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             config=config,
             capacity_bytes=capacity,
             torch_version=args.torch_version,
+            reserved_outside_bytes=outside,
         )
 
     note_memory_cap(args.jobs, len(configs))
@@ -162,7 +182,7 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             {
                 "snapshot": args.snapshot.name,
                 "device": device,
-                "capacity_bytes": capacity,
+                **(device_to_json(named_device) if named_device else {"capacity_bytes": None}),
                 "settings": what_if_to_json(rows),
             }
         )
@@ -170,6 +190,8 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
         console = stdout_console()
         from oomkit.interfaces.reports._untrusted import as_written
 
+        for line in [] if named_device is None else device_lines(named_device):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         title = f"What-if replays of {as_written(args.snapshot.name)}"
         console.print(what_if_table(rows, title=title))
         warnings = dict.fromkeys(w for _, r in rows for w in r.warnings)

@@ -41,7 +41,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="a local model directory holding config.json, the config.json itself, or a hub "
         "name already in the local Hugging Face cache (no network is used)",
     )
-    parser.add_argument("--gpu", default="h100", help="GPU name or size (default: h100; see `oomkit gpus`)")
+    parser.add_argument("--gpu", default="h100", help="the device: a catalog GPU or its total "
+                        "memory, as predict --gpu (default: h100; see `oomkit gpus`)")
+    parser.add_argument("--context-overhead", dest="context_overhead", type=_size, metavar="SIZE",
+                        help="memory outside PyTorch on the device (default: the GPU's CUDA "
+                        "context, as predict models it)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
     parser.add_argument("--quantization", "-q", default=None,
@@ -110,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.engine == "vllm":
         request = serving.VllmRequest(
-            model=args.model, gpu=args.gpu, tensor_parallel_size=args.tensor_parallel_size,
+            model=args.model, gpu=args.gpu, context_overhead_bytes=args.context_overhead,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -130,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
             render_vllm_startup(startup, stdout_console())
         return EXIT_STARTS if startup.verdict.starts else EXIT_FAILS
     sg_request = serving.SglangRequest(
-        model=args.model, gpu=args.gpu, tp=args.tp, mem_fraction_static=args.mem_fraction_static,
+        model=args.model, gpu=args.gpu, context_overhead_bytes=args.context_overhead, tp=args.tp, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
         max_total_tokens=args.max_total_tokens, context_length=args.context_length,

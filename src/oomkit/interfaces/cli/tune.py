@@ -8,9 +8,12 @@ from pathlib import Path
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
-    add_capacity_flag,
+    Device,
+    add_device_flags,
     add_json_flag,
-    capacity_bytes,
+    device_from_args,
+    device_lines,
+    device_to_json,
     print_json,
     stderr_console,
     stdout_console,
@@ -43,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "to misbehave are flagged with the reason.",
     )
     parser.add_argument("source", metavar="TRACE|SNAPSHOT", help="an oomkit trace or a snapshot")
-    add_capacity_flag(parser, default=_DEFAULT_CAPACITY)
+    add_device_flags(parser, default_capacity=_DEFAULT_CAPACITY, what="rank the settings at")
     parser.add_argument(
         "--device",
         type=int,
@@ -67,24 +70,28 @@ def run(args: argparse.Namespace) -> int:
             f"{args.source}: no such file. Pass an oomkit trace (.jsonl, .jsonl.gz) or a "
             f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
         )
-    capacity = capacity_bytes(args.gpu)
+    target_device = device_from_args(args, default_capacity=_DEFAULT_CAPACITY)
+    assert target_device is not None  # a default capacity
     show = progress_enabled(args, sys.stderr)
-    source, device, torch_version, recorded = _open_source(path, args.device, show)
+    source, snapshot_device, torch_version, recorded = _open_source(path, args.device, show)
     # The snapshot is loaded: this process is as large as it gets before the settings replay.
     note_memory_cap(args.jobs, len(DEFAULT_GRID))
     with progress_bar(show, "replaying settings") as update:
         result = tune(
             source,
-            capacity,
-            device=device,
+            target_device.capacity_bytes,
+            device=snapshot_device,
             torch_version=torch_version,
             progress=update,
             jobs=args.jobs,
+            reserved_outside_bytes=target_device.context_overhead_bytes,
         )
     if args.json:
-        print_json(_to_json(result, path, device, torch_version, recorded))
+        print_json(
+            _to_json(result, path, snapshot_device, torch_version, recorded, target_device)
+        )
     else:
-        _render(result, path, recorded)
+        _render(result, path, recorded, target_device)
     return 0
 
 
@@ -148,7 +155,9 @@ def _candidate_json(candidate) -> dict:
     }
 
 
-def _to_json(result, path: Path, device: int, torch_version: str | None, recorded) -> dict:
+def _to_json(
+    result, path: Path, device: int, torch_version: str | None, recorded, target: Device
+) -> dict:
     from oomkit.plan import FLAG_REASONS
 
     flags = sorted({f for c in result.candidates for f in c.flags})
@@ -157,7 +166,7 @@ def _to_json(result, path: Path, device: int, torch_version: str | None, recorde
         "device": device,
         "torch_version": torch_version,
         "recorded_alloc_conf": recorded,
-        "capacity_bytes": result.capacity_bytes,
+        **device_to_json(target),
         "baseline": _candidate_json(result.baseline),
         "candidates": [_candidate_json(c) for c in result.candidates],
         "best": None if result.best is None else _candidate_json(result.best),
@@ -185,7 +194,7 @@ def _setting_label(alloc_conf: str) -> str:
     return ",\n".join(parts)
 
 
-def _render(result, path: Path, recorded: str | None) -> None:
+def _render(result, path: Path, recorded: str | None, target: Device) -> None:
     from rich import box
     from rich.table import Table
 
@@ -194,6 +203,8 @@ def _render(result, path: Path, recorded: str | None) -> None:
     from oomkit.units import format_bytes
 
     console = stdout_console()
+    for line in device_lines(target):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     baseline = result.baseline
     if not result.comparable:
         # No ranking of settings that all tie by construction (issue 35 item 7).
@@ -211,7 +222,7 @@ def _render(result, path: Path, recorded: str | None) -> None:
     shown = result.candidates[:_TABLE_ROWS]
     table = Table(
         title=f"PYTORCH_CUDA_ALLOC_CONF settings for {as_written(path.name)} at "
-        f"{format_bytes(result.capacity_bytes)}",
+        f"{format_bytes(target.usable_bytes)}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
         show_header=True,

@@ -26,6 +26,7 @@ from oomkit.prediction.summary import (
     module_label,
     nothing_recorded,
     prediction_summary,
+    rank_peak_lines,
     verdict_line,
 )
 from oomkit.prediction.workload import workload_to_json
@@ -86,8 +87,9 @@ def rank_memory(prediction: Prediction) -> dict[str, object] | None:
         group = next((g for g, names in RANK_GROUPS.items() if category in names), "other")
         groups[group] += nbytes
     layout = target.parallel
+    saved = (prediction.scenario or {}).get("parallel") or {}
     return {
-        "rank": 0,
+        "rank": saved.get("rank") or 0,  # --rank R (scenario/ranks.py); rank 0 by default
         "world_size": layout.world_size,
         "fsdp": layout.fsdp,
         "tp": layout.tp,
@@ -111,7 +113,7 @@ def _rank_tables(memory: Mapping[str, object]) -> tuple[Table, Table]:
     streams = memory["by_stream"]
     assert isinstance(groups, dict) and isinstance(streams, list)
     allocated = int(str(memory["allocated_bytes"]))
-    title = f"Rank 0 of {memory['world_size']} at peak allocated, by kind"
+    title = f"Rank {memory['rank']} of {memory['world_size']} at peak allocated, by kind"
     kinds = Table(title=title, show_header=True, header_style="bold")
     kinds.add_column("memory")
     kinds.add_column("bytes", justify="right")
@@ -119,7 +121,9 @@ def _rank_tables(memory: Mapping[str, object]) -> tuple[Table, Table]:
     for group, nbytes in groups.items():
         kinds.add_row(_GROUP_TITLES[group], format_bytes(nbytes), _pct(nbytes, allocated))
     by_stream = Table(
-        title="Rank 0 at peak allocated, by CUDA stream", show_header=True, header_style="bold"
+        title=f"Rank {memory['rank']} at peak allocated, by CUDA stream",
+        show_header=True,
+        header_style="bold",
     )
     by_stream.add_column("stream")
     by_stream.add_column("category")
@@ -246,6 +250,11 @@ def render_prediction(
     console.print(header_line(p), markup=False)
     if p.target is not None and p.target.cuda_context is not None:
         console.print(f"CUDA context assumed: {p.target.context_description}", soft_wrap=True)
+    if p.distributed is not None:  # NCCL's buffers, the GPU's timing (distributed_memory.py)
+        for line in p.distributed.lines():
+            console.print(escape(line), soft_wrap=True, highlight=False)
+        for note in (*p.distributed.nccl_notes, *filter(None, [p.distributed.timing_note])):
+            console.print(f"[dim]note: {escape(note)}[/dim]", soft_wrap=True)
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
@@ -263,6 +272,8 @@ def render_prediction(
         if p.oom.frame and not _is_entry_point(p.oom.frame):
             console.print(f"from {escape(p.oom.frame)}")
         console.print(escape(p.oom.message), soft_wrap=True)
+    for line in rank_peak_lines(p):  # --all-ranks: each distinct rank's peak
+        console.print(line, markup=False, highlight=False)
     for name, value in p.assumptions.items():
         if _is_value_assumption(name):
             console.print(f"assumed: {escape(name)}: {escape(value)}", soft_wrap=True)
@@ -397,6 +408,8 @@ def prediction_to_json(
         key: _plain(value)
         for key, value in dataclasses.asdict(prediction).items()
         if key not in ("target", "workload", "scenario")
+        # --all-ranks' per-rank peaks: only where there are several ranks (scenario/ranks.py)
+        and not (key == "rank_peaks" and not prediction.rank_peaks)
     }
     out: dict[str, object] = dict(plain)
     for key in ("peak_allocated_at", "peak_reserved_at"):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.models.compiled_blocks import DDP_COMPILE_REFUSAL
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import _cast_floating
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
@@ -91,6 +92,8 @@ def build_ddp_preset_step(
         raise ConfigError("--dp predicts training steps (DDP reduces gradients); use --mode train")
     if options.lora is not None or options.quantize is not None:
         raise ConfigError("--dp with LoRA or quantized weights is not modelled yet")
+    if options.compile:
+        raise ConfigError(DDP_COMPILE_REFUSAL)
     if options.precision is None:  # a preset's own precision is fp32
         options = dataclasses.replace(options, precision="fp32")
     preset = shaped_preset(name, options)

@@ -20,6 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.models.compiled_blocks import (
+    BLOCKS_COMPILED,
+    check_compiled_checkpointing,
+    compile_blocks,
+    compiled_loss,
+    eager_outside_blocks,
+    with_torchtitan_dynamo_config,
+)
+from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
 from oomkit.prediction.models.selective_ac import apply_checkpointing
@@ -112,7 +121,9 @@ def refuse_unsharded_modes(options: StepOptions, flag: str) -> None:
         raise ConfigError(f"{flag} predicts train and inference steps; use --mode train|inference")
 
 
-def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
+def build_fsdp_preset_step(
+    name: str, options: StepOptions, mesh: DeviceMesh, float8: Float8Options | None = None
+) -> BuiltStep:
     """Build preset ``name`` sharded over ``mesh`` and return rank 0's step for ``options``.
 
     Args:
@@ -120,6 +131,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         options: the per-rank (local) batch, lengths, precision, optimizer, checkpointing, mode.
         mesh: the mesh FSDP2 shards over (``fake_process_group``'s); a 2-D ``("dp", "fsdp")``
             mesh is HSDP: FSDP2 over ``fsdp`` ranks, replicated ``dp`` times.
+        float8: train the linear layers in float8 (torchao, ``models/float8.py``).
 
     Returns:
         The step, with the sharded model, optimizer and inputs to track.
@@ -131,7 +143,7 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
     if "tp" in (mesh.mesh_dim_names or ()):  # TP first, then FSDP on mesh["fsdp"] (torchtitan)
         from oomkit.prediction.models.tensor_parallel import build_tp_preset_step
 
-        return build_tp_preset_step(name, options, mesh)
+        return build_tp_preset_step(name, options, mesh, float8)
     preset = shaped_preset(name, options)
     family = type(preset.shape).__name__.removesuffix("Shape")
     attribute = FSDP_FAMILIES.get(family)
@@ -140,15 +152,19 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
             f"--fsdp is modelled for the GPT-2 and Llama presets; {name} is {preset.title}. "
             "Example: oomkit predict llama-8b --fsdp 8"
         )
-    if options.grad_accum != 1 or options.max_grad_norm is not None or options.checkpoint_reentrant:
-        # FSDP2 reduce-scatters in every backward unless told not to
-        # (set_requires_gradient_sync), and clips DTensors: neither is modelled yet.
+    if options.max_grad_norm is not None or options.checkpoint_reentrant:
+        # FSDP2 clips DTensors (torch.nn.utils.clip_grad_norm_ over sharded gradients): not
+        # modelled yet. Gradient accumulation is: build_step runs grad_accum forward+backward
+        # passes and FSDP2 reduce-scatters in each backward, as torchtitan's train_step does
+        # (it never calls set_requires_gradient_sync(False) between micro-batches); from the
+        # second on, foreach_reduce adds the new shard into sharded_param.grad
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce).
         raise ConfigError(
-            "--fsdp does not model gradient accumulation, clipping or reentrant checkpointing "
-            "yet; drop --grad-accum / --trainer-args' gradient_accumulation_steps, "
+            "--fsdp does not model gradient clipping or reentrant checkpointing yet; drop "
             "max_grad_norm (set it to 0) and use_reentrant"
         )
     refuse_unsharded_modes(options, "--fsdp")
+    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     device = mesh.device_type
@@ -156,12 +172,18 @@ def build_fsdp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) ->
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
+    where = ""
+    if float8 is not None:  # torchtitan converts the model before parallelize
+        where = f"{float8_words(float8, len(convert_to_float8(model, float8)))}, "
     # Before FSDP2, as torchtitan applies AC before fully_shard.
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    if options.compile:  # after AC, before FSDP (torchtitan parallelize_llama's order)
+        compile_blocks(getattr(model, attribute))
+        where += f"{BLOCKS_COMPILED}, "
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"
     units = shard_blocks_and_root(model, getattr(model, attribute), mesh, precision)
-    where = f"{fsdp_words(mesh)} ({units} units: per block + root), rank 0"
+    where += f"{fsdp_words(mesh)} ({units} units: per block + root), rank 0"
     return _sharded_step(preset, model, options, seq_len, device, fsdp_casts=True, where=where)
 
 
@@ -174,6 +196,7 @@ def _sharded_step(
     *,
     fsdp_casts: bool,
     where: str,
+    compile_loss: bool = True,
 ) -> BuiltStep:
     """The preset's usual step around its sharded ``model`` (FSDP2, TP or both), described as
     the preset at ``options``, then ``where`` (the layout and the rank).
@@ -181,10 +204,11 @@ def _sharded_step(
     Args:
         fsdp_casts: FSDP2 shards the model: with ``bf16-mixed`` its ``MixedPrecisionPolicy``
             casts, so the step runs without autocast (torchtitan's ``maybe_enable_amp``).
+        compile_loss: with ``--compile``, compile the loss too (``compiled_loss``).
     """
-    step_options = options
+    step_options = eager_outside_blocks(options)  # its blocks compiled, if any
     if fsdp_casts and options.precision == "bf16-mixed":
-        step_options = dataclasses.replace(options, precision="fp32")
+        step_options = dataclasses.replace(step_options, precision="fp32")
     built = build_step(
         _runner(preset, model),
         step_options,
@@ -192,6 +216,9 @@ def _sharded_step(
         seq_len=seq_len,
         image_size=224,
         device=device,
+        loss_fn=compiled_loss(options) if compile_loss else None,
     )
     description = f"{_describe(preset.title, options, preset.task, seq_len, 224)}, {where}"
+    if options.compile:  # the dynamo settings of torchtitan's apply_compile, for this step
+        built = dataclasses.replace(built, step_fn=with_torchtitan_dynamo_config(built.step_fn))
     return dataclasses.replace(built, description=description)

@@ -193,6 +193,7 @@ def build_step(
     image_size: int,
     device: str,
     precision_source: str | None = None,
+    loss_fn: torch.nn.Module | None = None,
 ) -> BuiltStep:
     """Make the step function of ``options.mode`` around an already-built model.
 
@@ -205,6 +206,8 @@ def build_step(
         device: where inputs are created (``"meta"`` to trace).
         precision_source: where ``options.precision`` came from when not given, for the
             description and ``BuiltStep.precision_source``.
+        loss_fn: the training loss module; ``None``: ``torch.nn.CrossEntropyLoss()`` (a
+            sharded compiled step passes it compiled, as torchtitan compiles its loss).
 
     Returns:
         The step; its ``step_fn`` accepts and ignores positional arguments, so
@@ -230,7 +233,7 @@ def build_step(
         model.train()
         optimizer = _optimizer(options, model)
         scaler = _GradScalerTensors() if precision == "fp16-mixed" else None
-        loss_fn = torch.nn.CrossEntropyLoss()
+        loss_fn = torch.nn.CrossEntropyLoss() if loss_fn is None else loss_fn
         train_outputs = runner.train_outputs
 
         accumulate, max_norm = options.grad_accum, options.max_grad_norm

@@ -34,6 +34,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from oomkit.errors import ConfigError
+from oomkit.prediction.models.compiled_blocks import (
+    BLOCKS_COMPILED,
+    check_compiled_checkpointing,
+    compile_model_blocks,
+)
+from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import (
@@ -170,7 +176,9 @@ def apply_llama_tensor_parallel(
         llama.lm_head.weight = llama.embed_tokens.weight
 
 
-def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> BuiltStep:
+def build_tp_preset_step(
+    name: str, options: StepOptions, mesh: DeviceMesh, float8: Float8Options | None = None
+) -> BuiltStep:
     """Llama preset ``name`` tensor-parallel on ``mesh["tp"]`` (then FSDP2 on ``mesh["fsdp"]``).
 
     Precision as torchtitan: with FSDP, ``bf16-mixed`` is FSDP2's ``MixedPrecisionPolicy``
@@ -212,6 +220,7 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
             "TP too); use --fsdp with --tp, or --dp R --fsdp S --tp N (HSDP x TP)"
         )
     refuse_unsharded_modes(options, "--tp")
+    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     tp_mesh = mesh["tp"]
@@ -221,11 +230,19 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
+    converted = ""
+    if float8 is not None:
+        # torchtitan converts the model config before parallelize, so its TP plan shards the
+        # Float8Linear modules; torchao's casts and _scaled_mm then run on DTensor shards.
+        converted = float8_words(float8, len(convert_to_float8(model, float8))) + ", "
     apply_llama_tensor_parallel(model, tp_mesh)
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    layout = f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
+    layout = converted + (f"{BLOCKS_COMPILED} (loss eager), " if options.compile else "")
+    if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
+        compile_model_blocks(model, "--tp")
+    layout += f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
     layout += "parallel, loss parallel)"
     if "fsdp" in names:
         # torchtitan apply_fsdp: with replicas, fully_shard on the 2-D (dp_replicate, dp_shard)
@@ -244,6 +261,10 @@ def build_tp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         device,
         fsdp_casts="fsdp" in names,
         where=f"{layout}, rank 0 of {mesh.size()}",
+        # torchtitan compiles the loss-parallel cross-entropy too; on DTensor shards its
+        # compiled graph does not record on the fake group yet (a value read in it), so it
+        # stays eager here.
+        compile_loss=False,
     )
     inner = built.step_fn
 

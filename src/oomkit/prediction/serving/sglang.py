@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.prediction.serving.cuda_graph import GraphEstimate, estimate_graphs
 from oomkit.prediction.serving.model_spec import (
     ServingConfigError,
@@ -86,6 +87,9 @@ class SglangRequest:
     disable_cuda_graph: bool = False
     page_size: int = 1
     sglang_version: str = DEFAULT_SGLANG_VERSION
+    # Memory outside PyTorch on the device (the CUDA context); None: the figure oomkit.core.target
+    # models for this GPU and CUDA build, as predict --gpu uses (Target.resolve).
+    context_overhead_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -198,7 +202,8 @@ def predict_sglang(request: SglangRequest, *, recorder: RankRecorder | None = No
     Raises:
         ServingConfigError: the config or a flag cannot be used.
     """
-    gpu = get_gpu(request.gpu)
+    target = Target.resolve(request.gpu, context_overhead_bytes=request.context_overhead_bytes)
+    gpu = target.gpu
     model = read_serving_model(request.model)
     tp = request.tp
     dtype = model_dtype(model, request.dtype, gpu)
@@ -293,7 +298,7 @@ def predict_sglang(request: SglangRequest, *, recorder: RankRecorder | None = No
         min_mem_fraction_for_context=min_context, max_mem_fraction_static=max_fraction,
         verdict=verdict,
         estimates=(
-            f"CUDA context {context / GiB:.2f} GiB (oomkit.core.gpus)",
+            f"CUDA context {context / GiB:.2f} GiB: {target.context_description}",
             f"non-torch memory {non_torch / GiB:.2f} GiB (from vLLM logs; SGLang's is alike)",
             f"CUDA graphs {graphs.total_bytes / GiB:.2f} GiB (oomkit's estimate)",
             f"decode logits {decode_logits / GiB:.2f} GiB ({running} rows)",

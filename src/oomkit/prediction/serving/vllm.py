@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
 from oomkit.prediction.serving.cuda_graph import GraphEstimate, estimate_graphs
 from oomkit.prediction.serving.model_spec import (
     ServingConfigError,
@@ -78,6 +79,9 @@ class VllmRequest:
     block_size: int = 16
     vllm_version: str = DEFAULT_VLLM_VERSION
     concurrency: int | None = None
+    # Memory outside PyTorch on the device (the CUDA context); None: the figure oomkit.core.target
+    # models for this GPU and CUDA build, as predict --gpu uses (Target.resolve).
+    context_overhead_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -202,7 +206,8 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
             f"--kv-cache-memory does not exist in vLLM {rules.version}; it came with later "
             "releases. Use --vllm-version 0.13, or size the cache with --gpu-memory-utilization"
         )
-    gpu = get_gpu(request.gpu)
+    target = Target.resolve(request.gpu, context_overhead_bytes=request.context_overhead_bytes)
+    gpu = target.gpu
     model = read_serving_model(request.model)
     tp = request.tensor_parallel_size
     dtype = model_dtype(model, request.dtype, gpu)
@@ -246,6 +251,7 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
         request=request, rules=rules, gpu=gpu, model=model, dtype=dtype, max_model_len=mml,
         max_num_seqs=seqs, max_num_batched_tokens=tokens, weights=weights, profile=profile,
         warmup=warmup, graphs=graphs, layout=layout, context=gpu.context_overhead_bytes,
+        context_source=target.context_description,
         non_torch=_non_torch_bytes(tp),
         buffers=_persistent_buffers(model, element, tokens, seqs, mml, request.block_size),
         kv_per_token=model.kv_bytes_per_token(kv_bytes, tp),
@@ -280,6 +286,7 @@ class _Inputs:
     graphs: GraphEstimate
     layout: KvLayout
     context: int
+    context_source: str
     non_torch: int
     buffers: int
     kv_per_token: int
@@ -381,7 +388,7 @@ def _account(util: float, inputs: _Inputs) -> VllmStartup:
     suggest_requested = requested - (w + peak + non_torch + graph_bytes) - REDUNDANCY_BUFFER_BYTES
     suggest_gpu = init_free - (w + peak + non_torch + graph_bytes) - REDUNDANCY_BUFFER_BYTES
     estimates = (
-        f"CUDA context {context / GiB:.2f} GiB (oomkit.core.gpus, per architecture)",
+        f"CUDA context {context / GiB:.2f} GiB: {inputs.context_source}",
         f"non-torch growth {non_torch / GiB:.2f} GiB (from vLLM logs)",
         f"CUDA graphs {graphs.total_bytes / GiB:.2f} GiB (oomkit's estimate; vLLM "
         f"{rules.version} does not budget them)",

@@ -23,6 +23,7 @@ the composite would take the math path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import Counter
@@ -101,7 +102,7 @@ class PlannedGraph:
         if self._held_constants is None:
             self._hold_constants()
         self._known = active_known_values()
-        with _disable_current_modes():
+        with _disable_current_modes(), _inputs_fake_mode(placeholders):
             for i, node in enumerate(self._nodes):
                 if node.op == "placeholder":
                     value = placeholders.pop()
@@ -212,6 +213,21 @@ class PlannedGraph:
         if node.op == "call_module":
             return self.gm.get_submodule(str(node.target))(*args, **kwargs)
         return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _inputs_fake_mode(inputs: list[Any]) -> contextlib.AbstractContextManager[Any]:
+    """The fake mode of the graph's fake inputs, to make its new tensors in; else nothing.
+
+    A step recorded under ``FakeTensorMode`` (a fake process group: ``distributed.py``) calls
+    the graph with fake tensors; with every mode off, a tensor a kernel makes from nothing
+    (``full``, ``empty``) would be a plain tensor, which fake kernels refuse beside fake inputs
+    (fake_tensor.py ``validate_and_convert_non_fake_tensors``). Made in the inputs' mode it is
+    fake too, as the graph's own fake run made it (AOTAutograd traced it in that mode).
+    """
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(inputs)
+    return contextlib.nullcontext() if mode is None else mode
 
 
 def _free_synthetic(engine: CudaEmulationEngine, ids: list[int]) -> None:

@@ -31,10 +31,17 @@ What it changes while open (all undone on exit):
   gradient and its optimizer state. While open, a move converts each tensor once and puts the
   one result back wherever the tensor was; and an optimizer built before the move (which CUDA's
   in-place ``param.data`` swap keeps pointing at the moved parameters) is pointed at the new
-  ones, its state with them.
+  ones, its state with them. A move that changes nothing (``model.to("cuda")`` of a model already
+  there) leaves the module as it is, as CUDA's ``param.data = param`` does; torch's ``_apply``
+  would swap a FakeTensor parameter for itself, which fails.
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
+
+In a distributed recording (``cuda_ranks.as_cuda_rank``) the tensors of the fake process group
+live under ``FakeTensorMode`` on its fake device, ``cpu``; there CUDA tensors land on that
+device instead of meta (``as_one_cuda_gpu(lands_on="cpu")``), and a move to CUDA of a host
+tensor (one made from Python data, ``fake_storages.mark_host``) is a copy onto the device.
 
 Where it may differ: code that reads other GPU properties than those above, or calls CUDA
 functions not listed (``torch.cuda.get_rng_state``), still sees no CUDA and raises.
@@ -51,6 +58,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 
 __all__ = ["as_one_cuda_gpu"]
 
@@ -72,6 +81,8 @@ class _DeviceProperties:
 
 
 def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch.device(0) is cuda:0 (c10/core/Device.cpp: an index alone is CUDA's)
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -90,11 +101,18 @@ _FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor})
 
 
 class _CudaOnMeta(TorchFunctionMode):
-    """Puts tensors bound for ``cuda`` on ``meta``; keeps meta tensors sent to the CPU."""
+    """Puts tensors bound for ``cuda`` on ``meta`` (or on the fake device, ``cpu``, of a
+    distributed recording); keeps meta tensors sent to the CPU."""
+
+    def __init__(self, device: torch.device = _META) -> None:
+        super().__init__()
+        self._device = device
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if self._device.type != "meta":
+            return self._onto_fake_device(func, args, dict(kwargs or {}))
         kwargs = dict(kwargs or {})
         asked_cuda = _is_cuda(kwargs.get("device"))
         if asked_cuda:
@@ -124,6 +142,31 @@ class _CudaOnMeta(TorchFunctionMode):
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
 
+    def _onto_fake_device(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A distributed recording's rules: CUDA is the fake device, host data is copied there."""
+        device = self._device
+        asked_cuda = _is_cuda(kwargs.get("device"))
+        if asked_cuda:
+            kwargs["device"] = device
+        self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.Tensor.to and self_tensor is not None:
+            to_cuda = any(_is_cuda(a) for a in args[1:]) or asked_cuda
+            args = tuple(device if _is_cuda(a) else a for a in args)
+            if to_cuda:
+                return _host_copied(func(*args, **kwargs))
+        elif func is torch.Tensor.cuda:
+            assert self_tensor is not None
+            return _host_copied(self_tensor)
+        elif func is torch.Tensor.pin_memory:
+            assert self_tensor is not None
+            return self_tensor
+        elif func is torch.Tensor.is_pinned:
+            return False
+        elif func in _FROM_PYTHON and asked_cuda:
+            # torch.tensor(data, device="cuda"): made on the host, then copied to the device.
+            return _host_copied(func(*args, **kwargs))
+        return func(*args, **kwargs)
+
 
 def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``cpu_tensor.to("cuda")`` as CUDA does it: allocate on the device, copy into it.
@@ -142,6 +185,16 @@ def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor 
     if set(kwargs) - {"non_blocking"}:
         return None
     out = torch.empty_like(tensor, device=_META)
+    out.copy_(tensor)
+    return out
+
+
+def _host_copied(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as device memory: a host tensor of a fake world is copied to a new device
+    tensor, as a host-to-device copy allocates on CUDA; a device tensor is itself."""
+    if stands_for_cuda(tensor) or not is_fake_or_wrapper(tensor):
+        return tensor  # on the device already, or a real CPU tensor: not a recording's business
+    out = torch.empty_like(tensor)
     out.copy_(tensor)
     return out
 
@@ -310,6 +363,14 @@ def _module_moves_keep_sharing() -> Iterator[None]:
                 hit = converted[id(tensor)] = (tensor, fn(tensor))
             return hit[1]
 
+        held = [t for *_, t in before] + [
+            t.grad for *_, t in before if isinstance(t, torch.nn.Parameter) and t.grad is not None
+        ]
+        if all(once(tensor) is tensor for tensor in held):
+            # Nothing moves (model.to("cuda") of a model already there): torch would still swap
+            # each FakeTensor parameter for itself (module.py _apply), which fails on the fake
+            # device of a distributed recording.
+            return self
         depth[0] += 1
         try:
             result = original(self, once, recurse)
@@ -337,24 +398,37 @@ def _module_moves_keep_sharing() -> Iterator[None]:
         torch.optim.Optimizer.__init__ = original_init  # type: ignore[method-assign]
 
 
-# The GPUs of the open as_one_cuda_gpu blocks, innermost last: a nested block without a GPU
-# (a trainer's step inside a trace) reports the one its caller chose.
-_open_gpus: list[GpuSpec] = []
+# The GPUs and landing devices of the open as_one_cuda_gpu blocks, innermost last: a nested
+# block without a GPU (a trainer's step inside a trace, a builder inside a distributed
+# recording) reports the one its caller chose, and puts CUDA tensors where its caller does.
+_open_gpus: list[tuple[GpuSpec, torch.device]] = []
 
 
 @contextlib.contextmanager
-def as_one_cuda_gpu(gpu: GpuSpec | None = None) -> Iterator[None]:
+def as_one_cuda_gpu(gpu: GpuSpec | None = None, *, lands_on: str | None = None) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
     Args:
         gpu: the GPU reported; ``None`` means the GPU of an enclosing block, else an H100 SXM
             (the recorder's default).
+        lands_on: where CUDA tensors are put: ``"meta"``, or ``"cpu"``, the fake device of a
+            distributed recording (module docstring); ``None`` means an enclosing block's
+            choice, else meta.
+
+    Raises:
+        ConfigError: ``lands_on`` is another device.
     """
-    if gpu is None:
-        gpu = _open_gpus[-1] if _open_gpus else get_gpu("h100-sxm")
-    _open_gpus.append(gpu)
+    enclosing = _open_gpus[-1] if _open_gpus else (get_gpu("h100-sxm"), _META)
+    if lands_on not in (None, "meta", "cpu"):
+        raise ConfigError(
+            f"lands_on must be 'meta' or 'cpu' (a distributed recording's fake device); got "
+            f"{lands_on!r}. Example: as_one_cuda_gpu(gpu, lands_on='cpu')"
+        )
+    device = enclosing[1] if lands_on is None else torch.device(lands_on)
+    gpu = enclosing[0] if gpu is None else gpu
+    _open_gpus.append((gpu, device))
     try:
-        with _torch_cuda_reports(gpu), _module_moves_keep_sharing(), _CudaOnMeta():
+        with _torch_cuda_reports(gpu), _module_moves_keep_sharing(), _CudaOnMeta(device):
             yield
     finally:
         _open_gpus.pop()

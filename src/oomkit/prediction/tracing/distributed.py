@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,14 @@ from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,
     sharding_propagation_untraced,
 )
+from oomkit.prediction.tracing.cuda_ranks import as_cuda_rank
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.stream_timeline import CollectiveUses, with_timeline
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,12 +59,12 @@ __all__ = [
     "trace_distributed_step",
 ]
 
-# What the fake run leaves out, said with every distributed recording.
+# What the fake run leaves out, said with every distributed recording. (The GPU's timing of
+# collectives: stream_timeline.py, the recording's timing_note; NCCL's own buffers: the
+# prediction's lines outside the allocator, core/gpus/nccl.py.)
 _NOT_MODELLED = (
-    "distributed: rank 0 of a fake process group; the memory NCCL allocates for its "
-    "communicators (outside PyTorch's caching allocator, sized by NCCL at run time) is not "
-    "included; collectives complete at once, so frees that wait on a collective's event on a "
-    "real GPU happen at the same point of the Python program here"
+    "distributed: rank 0 of a fake process group; NCCL's buffers are outside PyTorch's "
+    "caching allocator (the prediction counts them apart where the target names the layout)"
 )
 
 
@@ -265,6 +268,7 @@ def trace_distributed_step(
     gpu: GpuSpec | None = None,
     target: Target | None = None,
     emulations: Mapping[str, OpEmulation] | None = None,
+    compile: bool = False,
     rank: int = 0,
 ) -> TraceRecording:
     """Record rank 0 of a distributed step: ``build(mesh)`` under fake tensors, then its step.
@@ -285,10 +289,12 @@ def trace_distributed_step(
             ``None``: a 1-D mesh over ``world_size`` ranks.
         steps: how many times to run the step.
         gpu: target: emulations: as in ``trace_step``.
-        rank: the rank this process plays (0 unless the step's ranks differ).
+        compile: record ``torch.compile``d code (a block compiled inside FSDP2 / TP / DDP) as
+            compiled, as ``trace_step(compile=True)`` does (``compiled.py``).
+        rank: the rank recorded (pipeline stages differ; ``fake_process_group``'s ``rank``).
 
     Returns:
-        Rank 0's recording (``rank``'s where given); allocations carry the CUDA stream FSDP2 would use.
+        Rank 0's recording; allocations carry the CUDA stream FSDP2 would use.
 
     Raises:
         ConfigError: a bad world size or an initialised process group.
@@ -305,22 +311,27 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    tracer = Tracer(emulations={**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}, gpu=gpu)
+    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}
+    uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
+    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile)
+    uses.attach(tracer)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current
     shape, names = mesh_shape if mesh_shape is not None else (None, None)
     group = fake_process_group(world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names)
     ddp = FakeDdp(tracer.add_role)
+    # Code written for torchrun on CUDA runs as the recorded rank of the fake group (cuda_ranks.py).
+    cuda_rank = functools.partial(as_cuda_rank, world_size, rank=rank, gpu=tracer.gpu)
     with group as mesh, FakeTensorMode(), ddp.installed():
-        with _ddp_constructed_under_the_recorder() as deferred:
+        with _ddp_constructed_under_the_recorder() as deferred, cuda_rank():
             step_fn, track, *setup = build(mesh)
         setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
         try:
-            roles = FsdpBufferRoles(tracer).installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced():
+            roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
+            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted:
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
-                with cuda_optimizer_defaults("cpu"):
+                with cuda_optimizer_defaults("cpu"), cuda_rank():
                     tracer.track(track)
                     for run_setup in setup:
                         run_setup()  # before step 0: DDP's constructor (fake_ddp.py)
@@ -338,9 +349,7 @@ def trace_distributed_step(
         del step_fn, track, setup
     recording = tracer.recording
     layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
-    if rank:
-        layout = f"{layout}; rank {rank}"
-    notes: tuple[str, ...] = (_NOT_MODELLED + layout,)
+    notes: tuple[str, ...] = (_NOT_MODELLED.replace("rank 0", f"rank {rank}", 1) + layout,)
     if ddp.wrapped:
         notes += (DDP_NOTE,)
     if uneven_bytes:
@@ -350,6 +359,7 @@ def trace_distributed_step(
             f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
+    recording = with_timeline(recording, uses, target)
     return dataclasses.replace(recording, warnings=recording.warnings + notes)
 
 

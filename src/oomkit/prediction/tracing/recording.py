@@ -37,6 +37,10 @@ class TraceRecording:
         sites: the calls of emulated kernels whose temporaries depend on a size, in order
             (``oomkit.prediction.tracing.emulation_sites``): a batch search synthesizes them at other
             batches.
+        collective_ids: where the peak depends on the GPU's timing, the allocations whose
+            frees wait on a collective's event (``stream_timeline.py``); ``None`` where timing
+            changes nothing.
+        timing_note: what the recording assumes about that timing, in words (distributed).
     """
 
     events: tuple[TraceEvent, ...]
@@ -46,6 +50,8 @@ class TraceRecording:
     kernel_choices: Mapping[str, int] = field(default_factory=dict)
     assumptions: Mapping[str, str] = field(default_factory=dict)
     sites: tuple[EmulationSite, ...] = ()
+    collective_ids: frozenset[int] | None = None
+    timing_note: str | None = None
 
     @property
     def steps(self) -> int:

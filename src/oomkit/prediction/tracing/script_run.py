@@ -61,7 +61,8 @@ __all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
 _DISTRIBUTED_ROUTE = (
     "oomkit runs the script as one process and predicts one GPU: run it without torchrun's "
     "environment (RANK, LOCAL_RANK, WORLD_SIZE unset) for one GPU, or predict one rank of a "
-    "sharded or data-parallel run from a builder (file.py:function) with --fsdp N or --dp N"
+    "sharded or data-parallel run from a builder (file.py:function returning the step; its "
+    "init_process_group, LOCAL_RANK and device='cuda' lines may stay) with --fsdp N or --dp N"
 )
 
 

@@ -25,6 +25,19 @@ over; each call starts a new pass over the data):
   (the Trainer keeps ``self.optimizer`` between calls; accelerate marks the model prepared and
   wraps its ``forward`` in autocast once, as in one run).
 
+What one run keeps on the GPU from one optimizer step into the next, and a restart would free, is
+kept, and freed where the run frees it (so the builder form equals the same trainer run by a
+script, ``script_run``, byte for byte):
+- Lightning: the logged values in the logger connector's ``callback_metrics`` (``self.log``'s
+  clone, logger_connector/result.py ``_ResultMetric.update``), replaced after the next step's
+  optimizer step (logger_connector.py ``on_batch_end``). One fit resets them once, when it
+  starts (trainer/trainer.py ``_run``: ``reset_results()``, ``reset_metrics()``); a later call
+  skips that reset.
+- Hugging Face: the loop's ``tr_loss_step`` (the step's detached loss) and ``grad_norm`` (the
+  total norm, a device scalar), locals of ``Trainer._run_epoch`` (transformers/trainer.py) that
+  the next step rebinds: ``tr_loss_step`` when its ``training_step`` returns, ``grad_norm`` when
+  it is set to ``None`` before the next clipping.
+
 What does not run, while oomkit runs the trainer (restored after each call):
 - no files are written: Lightning's loggers and checkpoint callbacks are detached, and the
   Hugging Face Trainer's saves are cancelled (none holds GPU memory);
@@ -40,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +186,8 @@ def _lightning_step(package: Any, trainer: Any, module: Any, data: Any, where: s
             configured.append(original_configure())
         return configured[0]
 
+    fits = [0]
+
     def step() -> None:
         loop = trainer.fit_loop
         saved = {
@@ -190,8 +205,17 @@ def _lightning_step(package: Any, trainer: Any, module: Any, data: Any, where: s
         loop.max_epochs = trainer.current_epoch + 1
         module.configure_optimizers = configure_once
         try:
-            with _on_one_gpu():
+            with contextlib.ExitStack() as stack:
+                if fits[0]:
+                    # One fit resets the logger connector once, when it starts (trainer.py
+                    # _run); the logged values of the last step stay on the GPU until the
+                    # next step's on_batch_end replaces them.
+                    connector = trainer._logger_connector
+                    stack.enter_context(_first_call_skipped(connector, "reset_results"))
+                    stack.enter_context(_first_call_skipped(connector, "reset_metrics"))
+                stack.enter_context(_on_one_gpu())
                 trainer.fit(module, **fit_kwargs)
+            fits[0] += 1
         finally:
             del module.configure_optimizers
             loop.epoch_loop.max_steps, loop.max_epochs = limits
@@ -247,11 +271,13 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
             control.should_save = False
             control.should_evaluate = False
 
+    carried = _LoopLocals()
+
     def step() -> None:
         callback = _OneStep()
         trainer.add_callback(callback)
         try:
-            with _on_one_gpu():
+            with carried.kept(trainer), _on_one_gpu():
                 trainer.train()
         finally:
             trainer.remove_callback(callback)
@@ -262,3 +288,90 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         + (f", clip {args.max_grad_norm}" if args.max_grad_norm else "")
     )
     return TrainerStep(step, (trainer.model,), "transformers", summary)
+
+
+class _LoopLocals:
+    """The tensors ``Trainer._run_epoch``'s locals hold from one optimizer step into the next.
+
+    In one ``train()`` they live on between steps; a call of the step restarts ``train()``, so
+    they are kept here and dropped where the loop rebinds them (transformers/trainer.py
+    ``_run_epoch``):
+    - ``tr_loss_step = self.training_step(...)``: the last step's loss goes when the next
+      ``training_step`` returns;
+    - ``grad_norm = None`` before ``self._clip_grad_norm(model)``, then
+      ``grad_norm = self._get_grad_norm(...)``: the last norm goes before the next clipping.
+    A Trainer without ``_get_grad_norm`` (older transformers) keeps its norm in a local of
+    another shape; only the loss is kept then.
+    """
+
+    def __init__(self) -> None:
+        self.loss: Any = None
+        self.grad_norm: Any = None
+
+    @contextlib.contextmanager
+    def kept(self, trainer: Any) -> Iterator[None]:
+        """While open, the Trainer's methods note what the loop's locals would hold."""
+
+        def training_step(original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self.loss = original(*args, **kwargs)
+                return self.loss
+
+            return wrapper
+
+        def clip(original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self.grad_norm = None
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        def norm(original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self.grad_norm = None
+                self.grad_norm = original(*args, **kwargs)
+                return self.grad_norm
+
+            return wrapper
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_wrapped(trainer, "training_step", training_step))
+            if hasattr(trainer, "_get_grad_norm") and hasattr(trainer, "_clip_grad_norm"):
+                stack.enter_context(_wrapped(trainer, "_clip_grad_norm", clip))
+                stack.enter_context(_wrapped(trainer, "_get_grad_norm", norm))
+            yield
+
+
+@contextlib.contextmanager
+def _wrapped(
+    obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Iterator[None]:
+    """``obj.name`` is ``wrap(obj.name)`` while open (an instance attribute, removed after)."""
+    own = vars(obj)
+    had, before = name in own, own.get(name)
+    setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, before)
+        else:
+            delattr(obj, name)
+
+
+@contextlib.contextmanager
+def _first_call_skipped(obj: Any, name: str) -> Iterator[None]:
+    """While open, the first call of ``obj.name`` does nothing; later ones run."""
+    skipped = [False]
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def once(*args: Any, **kwargs: Any) -> Any:
+            if skipped[0]:
+                return original(*args, **kwargs)
+            skipped[0] = True
+            return None
+
+        return once
+
+    with _wrapped(obj, name, wrap):
+        yield

@@ -54,6 +54,8 @@ CUBLAS_OPS: tuple[str, ...] = (
     "aten.dot.default",
     "aten.vdot.default",
     "aten._addmm_activation.default",
+    # aten/src/ATen/cuda/CUDABlas.cpp scaled_gemm (float8): cublasLtMatmul with the Lt workspace.
+    "aten._scaled_mm.default",
 )
 _PAIR_RE = re.compile(r":([0-9]+):([0-9]+)")
 # CublasHandlePool.cpp parseChosenWorkspaceSize: 4096 KiB x 8 on Hopper/Blackwell (major 9, 10,
@@ -133,7 +135,7 @@ def register_cublas(registry: EmulationRegistry, environ: Mapping[str, str] | No
 
 
 def _uses_lt(ctx: EmulationContext) -> bool:
-    if ctx.op_name == "aten._addmm_activation.default":
+    if ctx.op_name in ("aten._addmm_activation.default", "aten._scaled_mm.default"):
         return True
     bias = ctx.args[0] if ctx.args else None
     return ctx.op_name == "aten.addmm.default" and getattr(bias, "dim", lambda: 0)() == 1

@@ -1,0 +1,73 @@
+"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``): refused, with its cost.
+
+torchtitan turns it on with compile (torchtitan/distributed/compile.py ``_maybe_enable_async_tp``:
+``enable_symm_mem_for_group(tp_group)`` and ``torch._inductor.config._micro_pipeline_tp =
+True``). Inductor's post-grad pass (torch/_inductor/fx_passes/micro_pipeline_tp.py) then rewrites
+each all-gather followed by a matmul into ``symm_mem.fused_all_gather_matmul`` and each matmul
+followed by a reduce-scatter into ``symm_mem.fused_matmul_reduce_scatter``, which run chunk by
+chunk on a backend stream through a symmetric-memory workspace of the TP group
+(torch/distributed/_symmetric_memory/__init__.py ``get_symm_mem_workspace``: one
+``_SymmetricMemory.empty_strided_p2p`` uint8 buffer per group, grown to the largest request and
+kept; it is not allocated by the caching allocator, so it is not in ``memory_allocated``).
+
+The requests, for a Llama block under the sequence-parallel plan (``tensor_parallel.py``):
+
+- all-gather then matmul (q/k/v and gate/up; in backward, o/down's input gradient): the local
+  shard, ``batch x seq/tp x hidden`` elements (``_pipelined_all_gather_and_consume``:
+  ``p2p_workspace_size_req`` sums the shards' bytes);
+- matmul then reduce-scatter on the sequence dimension (o/down; in backward, the column-parallel
+  layers' input gradient): two output chunks, ``2 x batch x seq/tp x hidden``
+  (``_pipelined_produce_and_all2all``: ``out_chunks[0]`` bytes times 2).
+
+So the workspace is ``2 x batch x seq/tp x hidden`` elements of the activations' dtype. The
+rewrite itself happens in an Inductor pass that oomkit's Inductor stand-in does not run
+(``prediction/tracing/compile_backend.py`` emulates Inductor's memory plan, not its post-grad
+passes), and the fused ops allocate their full-size outputs and gathered inputs on a backend
+stream (``_get_backend_stream``), whose blocks go to that stream's pool.
+"""
+
+from __future__ import annotations
+
+from oomkit.prediction.models.llama import LlamaShape
+from oomkit.units import format_bytes
+
+__all__ = ["async_tp_refusal", "symmetric_workspace_bytes"]
+
+
+def symmetric_workspace_bytes(
+    shape: LlamaShape, batch_size: int, seq_len: int, tp: int, itemsize: int
+) -> int:
+    """The async-TP symmetric-memory workspace of one TP group, in bytes.
+
+    Args:
+        shape: the Llama's sizes.
+        batch_size: the per-rank batch.
+        seq_len: the sequence length (sharded over ``tp`` between blocks).
+        tp: the tensor-parallel degree.
+        itemsize: bytes per activation element (2 for bf16).
+    """
+    # _pipelined_produce_and_all2all: 2 x one rank's reduce-scatter chunk, the largest request.
+    return 2 * batch_size * (seq_len // tp) * shape.hidden * itemsize
+
+
+def async_tp_refusal(
+    shape: LlamaShape | None, batch_size: int, seq_len: int, tp: int, itemsize: int
+) -> str:
+    """Why ``--async-tp`` is refused, with the workspace it would add for this step."""
+    size = ""
+    if shape is not None and seq_len:
+        workspace = symmetric_workspace_bytes(shape, batch_size, seq_len, tp, itemsize)
+        size = (
+            f" For this step that workspace is {format_bytes(workspace)} per GPU "
+            f"(2 x batch {batch_size} x seq {seq_len}/{tp} x hidden {shape.hidden} x "
+            f"{itemsize} bytes), outside PyTorch's caching allocator."
+        )
+    return (
+        "--async-tp is not modelled: Inductor's micro_pipeline_tp pass rewrites TP's "
+        "all-gather+matmul and matmul+reduce-scatter into symmetric-memory ops, a pass oomkit's "
+        "Inductor stand-in does not run, and their chunks run on a backend stream. The "
+        "difference from `--tp N --compile` is the symmetric-memory workspace of the TP group "
+        "(2 x one rank's reduce-scatter chunk: torch/distributed/_symmetric_memory "
+        f"_pipelined_produce_and_all2all) and per-stream pool rounding.{size} Predict "
+        "without --async-tp and add that workspace to the peak."
+    )

@@ -1,0 +1,182 @@
+"""One rank of a torchrun job, as its code sees CUDA and ``torch.distributed``, on a fake group.
+
+A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``torchrun`` and CUDA::
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    with torch.device("cuda"):
+        model = Transformer(...)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    batch = torch.randint(0, vocab, (8, 1024), device="cuda")
+
+``distributed.trace_distributed_step`` records rank 0 on a fake process group, under
+``FakeTensorMode``, on a ``cpu`` mesh (torch/testing/_internal/distributed/fake_pg.py: the
+``"fake"`` backend). While :func:`as_cuda_rank` is open, that code runs there unchanged:
+
+- CUDA is one emulated GPU (``cuda_device.as_one_cuda_gpu(lands_on="cpu")``):
+  ``torch.cuda.is_available()``, ``get_device_properties``, ``current_device``, ``set_device``
+  answer as on the target GPU, and tensors made or moved to ``cuda`` (``device="cuda"``,
+  ``.to("cuda", non_blocking=True)``, ``.cuda()``, ``Module.to``, ``torch.device("cuda")`` as a
+  context) land on the fake device, where the recorder counts them as device memory.
+- The environment is torchrun's for rank 0 (torch/distributed/run.py sets ``RANK``,
+  ``LOCAL_RANK`` and ``WORLD_SIZE`` for each worker).
+- ``torch.distributed.init_process_group(...)`` joins the fake group already made: whatever the
+  backend asked (``"nccl"``), the group stays the fake backend, which stands for it (its
+  collectives allocate their outputs as NCCL's do, and return at once). A ``world_size`` or
+  ``rank`` given that is not the recorded one is refused. ``destroy_process_group()`` leaves it
+  to the recording, which destroys it when done.
+- ``init_device_mesh("cuda", shape)`` makes the mesh on the fake device (``cpu``), outside
+  ``FakeTensorMode`` as a mesh must be (``distributed._meshes_on_the_host``).
+- ``DistributedDataParallel(model, device_ids=[local_rank], output_device=local_rank)``: the
+  device ids are dropped; on one device DDP needs none (torch/nn/parallel/distributed.py
+  ``__init__``: "For single-device modules, ``device_ids`` can contain exactly one device id
+  ... or ``None``"), and a module on the fake device must have none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+
+__all__ = ["as_cuda_rank"]
+
+# The names under which torch exports init_device_mesh and init_process_group: user code and
+# FSDP2 (_fsdp_init.py) call whichever they imported.
+_MESH_MODULES = (
+    "torch.distributed.device_mesh",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp._fully_shard._fsdp_init",
+)
+_GROUP_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+
+
+@contextlib.contextmanager
+def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) -> Iterator[None]:
+    """While open, code written for torchrun on CUDA runs as ``rank`` of the fake group.
+
+    Open it inside ``distributed.fake_process_group`` and ``FakeTensorMode`` (module docstring).
+
+    Args:
+        world_size: the ranks of the fake group.
+        rank: the rank recorded.
+        gpu: the GPU ``torch.cuda`` reports; ``None``: an enclosing block's, else an H100.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(as_one_cuda_gpu(gpu, lands_on="cpu"))
+        stack.enter_context(_torchrun_environment(world_size, rank))
+        stack.enter_context(_the_fake_group_joined(world_size, rank))
+        stack.enter_context(_cuda_meshes_on_the_fake_device())
+        stack.enter_context(_ddp_device_ids_dropped())
+        yield
+
+
+@contextlib.contextmanager
+def _torchrun_environment(world_size: int, rank: int) -> Iterator[None]:
+    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` as torchrun sets them (rank 0 is local rank 0)."""
+    values = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, before in saved.items():
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def _patched_everywhere(modules: tuple[str, ...], name: str, value: Any) -> contextlib.ExitStack:
+    """``name`` is ``value`` in each of ``modules`` that defines it, until the stack closes."""
+    stack = contextlib.ExitStack()
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is None or not hasattr(module, name):
+            continue
+        original = getattr(module, name)
+        setattr(module, name, value)
+        stack.callback(setattr, module, name, original)
+    return stack
+
+
+@contextlib.contextmanager
+def _the_fake_group_joined(world_size: int, rank: int) -> Iterator[None]:
+    """``init_process_group`` joins the fake group; ``destroy_process_group`` leaves it be."""
+    import torch.distributed as dist
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        for name, recorded in (("world_size", world_size), ("rank", rank)):
+            asked = kwargs.get(name, -1)
+            if asked not in (-1, recorded):
+                raise ConfigError(
+                    f"init_process_group({name}={asked}) in the code, but oomkit records "
+                    f"{name} {recorded} of this layout; give the same number of ranks to "
+                    "--fsdp/--dp/--tp, or read them from the environment (WORLD_SIZE, RANK) "
+                    "as torchrun sets them"
+                )
+        if not dist.is_initialized():  # pragma: no cover - opened outside fake_process_group
+            raise ConfigError("as_cuda_rank is opened inside distributed.fake_process_group")
+
+    def destroy_process_group(group: Any = None) -> None:
+        return None
+
+    import torch.distributed.distributed_c10d  # noqa: F401 - the module patched below
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched_everywhere(_GROUP_MODULES, "init_process_group", init_process_group))
+        stack.enter_context(
+            _patched_everywhere(_GROUP_MODULES, "destroy_process_group", destroy_process_group)
+        )
+        yield
+
+
+@contextlib.contextmanager
+def _cuda_meshes_on_the_fake_device() -> Iterator[None]:
+    """``init_device_mesh("cuda", ...)`` is a ``cpu`` mesh, made with the fake mode paused."""
+    # Imported first, so the names they bound from device_mesh are there to patch.
+    import torch.distributed.fsdp._fully_shard._fsdp_init
+    import torch.distributed.tensor  # noqa: F401
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed import device_mesh
+
+    original: Callable[..., Any] = device_mesh.init_device_mesh
+
+    def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        if device_type.split(":")[0] == "cuda":
+            device_type = "cpu"
+        with unset_fake_temporarily():
+            return original(device_type, *args, **kwargs)
+
+    with _patched_everywhere(_MESH_MODULES, "init_device_mesh", init_device_mesh):
+        yield
+
+
+@contextlib.contextmanager
+def _ddp_device_ids_dropped() -> Iterator[None]:
+    """``DistributedDataParallel(..., device_ids=[i], output_device=i)`` runs without them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    def init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        # (module, device_ids=None, output_device=None, dim=0, ...): the first two after module.
+        args = tuple(None if i < 2 else a for i, a in enumerate(args))
+        kwargs.pop("device_ids", None)
+        kwargs.pop("output_device", None)
+        original(ddp, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = original  # type: ignore[method-assign]

@@ -1,0 +1,172 @@
+"""Ranks that differ: pipeline stages, one rank recorded (``--rank R``) or each (``--all-ranks``).
+
+Under pipeline parallel each pp coordinate runs other stages (the first holds the embedding,
+the last the norm, LM head and loss), and 1F1B keeps ``pp - stage`` micro-batches in flight
+(torch/distributed/pipelining/schedules.py ``Schedule1F1B``), so stage 0 is not always the
+peak. The ranks of one stage run the same code on equal TP heads and FSDP2's equally padded
+flat shards; only the optimizer states of an FSDP2 rank past the last full chunk are smaller,
+so a stage's first and last ranks stand for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from oomkit.errors import OomkitError
+from oomkit.scenario.workloads import call_builder, preset_step, workload_spec
+
+if TYPE_CHECKING:
+    from oomkit.core.gpus import GpuSpec
+    from oomkit.core.target import ParallelLayout
+    from oomkit.prediction.models.pipeline import PipelineOptions
+    from oomkit.prediction.predictor import Prediction
+    from oomkit.scenario.model import Scenario
+    from oomkit.scenario.sharded import ShardedWorkload
+
+__all__ = [
+    "distinct_ranks",
+    "pipeline_options",
+    "pp_rank_of",
+    "rank_of",
+    "rank_words",
+    "staged_workload",
+    "with_rank_peaks",
+]
+
+
+def rank_of(scenario: Scenario) -> int:
+    """The rank a prediction records: ``parallel.rank``, else 0."""
+    parallel = scenario.parallel
+    return parallel.rank if parallel is not None and parallel.rank is not None else 0
+
+
+def rank_words(scenario: Scenario) -> str:
+    """What is recorded, for progress lines: ``"rank 3"`` or ``"each distinct rank"``."""
+    parallel = scenario.parallel
+    if parallel is not None and parallel.all_ranks:
+        return "each distinct rank"
+    return f"rank {rank_of(scenario)}"
+
+
+def pp_rank_of(layout: ParallelLayout, rank: int) -> int:
+    """``rank``'s pipeline coordinate: ``pp`` is the mesh's outermost dimension
+    (``ParallelLayout.mesh_shape``, row-major as ``init_device_mesh`` numbers ranks)."""
+    return rank // (layout.world_size // layout.pp)
+
+
+def distinct_ranks(layout: ParallelLayout) -> tuple[int, ...]:
+    """The ranks that may differ: per pipeline stage its first rank and, under FSDP, its last
+    one (whose flat shards are the shortest where the FSDP degree does not divide a
+    parameter's rows: torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+    ``_init_sharded_param``, ``torch.chunk``)."""
+    inner = layout.world_size // layout.pp
+    ranks: list[int] = []
+    for stage in range(layout.pp):
+        ranks.append(stage * inner)
+        if layout.fsdp > 1:
+            ranks.append(stage * inner + inner - 1)
+    return tuple(ranks)
+
+
+def pipeline_options(scenario: Scenario, layout: ParallelLayout) -> PipelineOptions:
+    """The scenario's pipeline settings as ``PipelineOptions`` (degree from ``layout``)."""
+    from oomkit.prediction.models.pipeline import PipelineOptions
+
+    parallel = scenario.parallel
+    assert parallel is not None
+    return PipelineOptions(
+        layout.pp,
+        parallel.pp_schedule or "1f1b",
+        parallel.microbatches,
+        parallel.stages_per_rank,
+    )
+
+
+def staged_workload(
+    scenario: Scenario,
+    layout: ParallelLayout,
+    batch_size: int | None,
+    gpu: GpuSpec,
+    *,
+    steps: int | None = None,
+) -> ShardedWorkload:
+    """A Llama preset pipelined (``--pp``) with FSDP2 / TP on the other mesh dimensions, or
+    with its sequence split (``--cp``, with FSDP2).
+
+    Raises:
+        OomkitError: not a preset, PP with CP, or a setting the builder refuses.
+    """
+    from oomkit.scenario.sharded import ShardedWorkload
+
+    model = scenario.model
+    if model.preset is None:
+        raise OomkitError(
+            "--pp pipelines a Llama preset (e.g. `oomkit predict llama3-8b --pp 2 --batch 8`); "
+            "a file.py:function or --hf model is not split into stages by oomkit"
+        )
+    if layout.pp > 1 and layout.cp > 1:
+        raise OomkitError("--pp with --cp is not modelled yet; use one of them")
+    resolved = preset_step(scenario, batch_size, gpu)
+    options = resolved.options
+    spec = workload_spec("preset", model.preset, options, steps, None)
+    pipeline = pipeline_options(scenario, layout) if layout.pp > 1 else None
+    workload = ShardedWorkload(lambda mesh: (None, ()), spec, defaults=dict(resolved.defaults))
+    name = model.preset
+
+    def build(mesh: Any) -> tuple[Any, ...]:
+        from oomkit.prediction.models.context_parallel import build_cp_preset_step
+        from oomkit.prediction.models.pipeline import build_pipeline_preset_step
+
+        if layout.cp > 1:
+            built = call_builder(lambda n, opts: build_cp_preset_step(n, opts, mesh), name, options)
+        else:
+            assert pipeline is not None  # layout.pp > 1
+            piped = pipeline
+            built = call_builder(
+                lambda n, opts: build_pipeline_preset_step(n, opts, mesh, piped), name, options
+            )
+        workload.descriptions.append(built.description)
+        return built.step_fn, tuple(built.track)
+
+    workload.build = build
+    return workload
+
+
+def with_rank_peaks(
+    scenario: Scenario,
+    layout: ParallelLayout,
+    predict_rank: Callable[[Scenario], Prediction],
+) -> Prediction:
+    """Predict each distinct rank of ``layout`` and return the peaking rank's prediction (peak
+    reserved, then allocated, then the lowest rank) with every rank's peaks in ``rank_peaks``
+    (the verdict names the peak: ``oomkit.prediction.summary.peak_rank_words``).
+
+    Args:
+        scenario: the request (``parallel.all_ranks`` set).
+        layout: its parallel layout.
+        predict_rank: predicts a scenario for the rank its ``parallel.rank`` names.
+    """
+    from oomkit.prediction.models.pipeline import forget_earlier_meshes
+
+    parallel = scenario.parallel
+    assert parallel is not None
+    peaks: list[dict[str, Any]] = []
+    predictions: dict[int, Prediction] = {}
+    for rank in distinct_ranks(layout):
+        one = scenario.model_copy(
+            update={"parallel": parallel.model_copy(update={"rank": rank, "all_ranks": False})}
+        )
+        forget_earlier_meshes()  # a fresh fake group per rank (pipeline.py)
+        prediction = predict_rank(one)
+        predictions[rank] = prediction
+        peaks.append({
+            "rank": rank,
+            "stage": pp_rank_of(layout, rank),
+            "peak_allocated_bytes": prediction.peak_allocated_bytes,
+            "peak_reserved_bytes": prediction.peak_reserved_bytes,
+            "fits": prediction.fits,
+        })
+    top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
+    return dataclasses.replace(predictions[top["rank"]], rank_peaks=tuple(peaks))

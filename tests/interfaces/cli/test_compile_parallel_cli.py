@@ -1,0 +1,77 @@
+"""`oomkit predict PRESET --compile` with --fsdp / --tp / --dp: each block compiled, as torchtitan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomkit.interfaces.cli import main
+
+torch = pytest.importorskip("torch")
+
+COMPILED = "each block compiled (torchtitan apply_compile: fullgraph, Inductor)"
+
+
+def _predict(argv, capsys):
+    code = main(["predict", "llama3-8b", *argv, "--batch", "1", "--seq", "16", "--steps", "2",
+                 "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("layout", "words"),
+    [
+        (["--fsdp", "2"], "FSDP2 over 2 ranks (3 units: per block + root)"),
+        (["--tp", "2"], "tensor parallel over 2 ranks"),
+        (["--fsdp", "2", "--tp", "2"], "FSDP2 over 2 ranks (3 units: per block + root)"),
+        (["--dp", "2", "--fsdp", "2"], "HSDP: FSDP2 over 2 ranks x 2 replicas"),
+    ],
+)
+def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, capsys):
+    """Each of the 2 blocks is compiled after TP and before FSDP2, and the loss on its own
+    (torchtitan's CompileConfig.components ["model", "loss"]): 3 compiled regions entered per
+    step, 6 in 2 steps (4 with --tp: its loss-parallel loss stays eager); the embedding, final
+    norm and LM head stay eager."""
+    code, data = _predict([*layout, "--compile"], capsys)
+    assert code == 0
+    assert COMPILED in data["description"] and words in data["description"]
+    said = " ".join(data["warnings"])
+    assert "torch.compile: compiled (AOTAutograd partitioner real" in said
+    # With --tp the loss-parallel cross-entropy stays eager: 2 regions per step.
+    entered = 4 if "--tp" in layout else 6
+    assert f"compiled code was entered {entered} time(s)" in said
+    assert ("(loss eager)" in data["description"]) == ("--tp" in layout)
+
+
+def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, capsys):
+    """Compiled or not, rank 0 holds the same shards, FSDP2 buffers, gradients and optimizer
+    state at its peak (the second step's optimizer step); only the activations held there
+    differ: 43008 bytes eager, 29696 compiled, as AOTAutograd's min-cut partitioner saves fewer
+    tensors for backward (it recomputes the blocks' cheap pointwise ops: RMSNorm, SiLU)."""
+    _, eager = _predict(["--fsdp", "2"], capsys)
+    _, compiled = _predict(["--fsdp", "2", "--compile"], capsys)
+    at_eager = dict(eager["peak_allocated_at"]["by_category_bytes"])
+    at_compiled = dict(compiled["peak_allocated_at"]["by_category_bytes"])
+    assert (at_eager.pop("activation"), at_compiled.pop("activation")) == (43008, 29696)
+    assert at_compiled == at_eager
+    assert eager["peak_allocated_bytes"] - compiled["peak_allocated_bytes"] == 43008 - 29696
+    assert eager["peak_reserved_bytes"] == compiled["peak_reserved_bytes"]
+
+
+def test_ddp_compile_is_refused_saying_why(tiny_llama, capsys):
+    """--dp alone (DDP) with --compile exits 2: dynamo's DDPOptimizer split is not recorded."""
+    assert main(["predict", "llama3-8b", "--dp", "2", "--compile", "--seq", "16"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "DDPOptimizer" in err and "--dp R --fsdp S" in err and "drop --compile" in err
+
+
+def test_compiled_full_checkpointing_records_and_selective_op_is_refused(tiny_llama, capsys):
+    """--checkpointing full with compiled blocks records (torchtitan's dynamo settings for the
+    step); selective-op exits 2, its compiled RNG-state save not running on the fake group."""
+    code, data = _predict(["--fsdp", "2", "--compile", "--checkpointing", "full"], capsys)
+    assert code == 0 and "checkpointing" in data["description"]
+    argv = ["predict", "llama3-8b", "--fsdp", "2", "--compile", "--checkpointing", "selective-op",
+            "--seq", "16"]
+    assert main(argv) == 2
+    assert "--compile with --checkpointing selective-op is not modelled" in capsys.readouterr().err
