@@ -251,6 +251,8 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.summary",
         "oomkit.prediction.serving",
         "oomkit.prediction.workload",
+        "oomkit.prediction.torchtitan_job",
+        "oomkit.prediction._torchtitan_env",
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",

@@ -34,6 +34,7 @@ from oomkit.scenario.sections import (
     _Section,
     field_flag,
 )
+from oomkit.scenario.torchtitan_section import TorchtitanSection
 
 __all__ = [
     "SCENARIO_VERSION",
@@ -47,6 +48,7 @@ __all__ = [
     "SearchSection",
     "StepSection",
     "TargetSection",
+    "TorchtitanSection",
     "field_flag",
     "flag_fields",
     "section_model",
@@ -75,6 +77,7 @@ class Scenario(_Section):
     parallel: ParallelSection | None = None
     run: RunSection = RunSection()
     search: SearchSection = SearchSection()
+    torchtitan: TorchtitanSection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +111,8 @@ class Scenario(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> Scenario:
         kind = self.model.kind
+        if self.torchtitan is not None:
+            _torchtitan_alone(self)
         if kind == "script":
             sizes = [
                 n for n in ("batch", "seq", "image_size") if getattr(self.step, n) is not None
@@ -162,6 +167,29 @@ _BUILDER_OWN = (
     ("step", "max_grad_norm"),
     ("model", "trainer_args"),
 )
+
+
+def _torchtitan_alone(scenario: Scenario) -> None:
+    """A torchtitan job names its model, layout, batch and steps in its own config."""
+    given = [
+        words for words, set_ in (
+            ("TARGET / --hf", scenario.model.kind is not None),
+            ("--fsdp / --tp / --dp", scenario.parallel is not None and scenario.parallel.given),
+            ("--batch", scenario.step.batch is not None),
+            ("--seq", scenario.step.seq is not None),
+            ("--lengths", scenario.lengths is not None),
+            ("--lora", scenario.lora is not None),
+            ("--quantize", scenario.quantize is not None),
+            ("--compile", scenario.step.compile),
+        ) if set_
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} do not go with --torchtitan: the job's own config sets them. "
+            "Give torchtitan's overrides after -- (e.g. `oomkit predict --torchtitan "
+            "llama3:llama3_8b --world-size 8 -- --training.local_batch_size 2 "
+            "--parallelism.tensor_parallel_degree 2`)"
+        )
 
 
 def _flag_words(section: str, name: str) -> str:

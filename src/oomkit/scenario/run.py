@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from oomkit.core.target import Target
     from oomkit.prediction.predictor import Prediction
     from oomkit.scenario.sharded import ShardedWorkload
+    from oomkit.scenario.torchtitan_run import TorchtitanWorkload
 
 __all__ = [
     "PredictRun",
@@ -119,7 +120,7 @@ class PredictRun:
     scenario: Scenario
     target: Target
     steps: int
-    workload: Workload | ShardedWorkload | ScriptWorkload
+    workload: Workload | ShardedWorkload | ScriptWorkload | TorchtitanWorkload
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -152,6 +153,8 @@ class PredictRun:
             UnsupportedOpError, DataDependentValueError: an op or a value read the recorder
                 cannot follow.
         """
+        from oomkit.scenario.torchtitan_run import TorchtitanWorkload
+
         parallel = self.scenario.parallel
         if parallel is not None and parallel.all_ranks and self.target.parallel is not None:
             from oomkit.scenario.ranks import with_rank_peaks
@@ -163,7 +166,9 @@ class PredictRun:
         name = self.scenario.model.name
         workload = self.workload
         with user_errors(lambda: (name, workload.raised)):
-            if isinstance(workload, ScriptWorkload):
+            if isinstance(workload, TorchtitanWorkload):
+                prediction = workload.record(self.target, self.scenario.run.budget_bytes)
+            elif isinstance(workload, ScriptWorkload):
                 prediction = self._record_script(workload)
             elif self.target.parallel is not None:
                 prediction = self._record_sharded()
@@ -248,6 +253,9 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
     """
     from oomkit.errors import OomkitError
 
+    if scenario.torchtitan is not None:
+        yield _torchtitan_run(scenario)
+        return
     if scenario.lengths is not None:
         raise OomkitError(
             "a scenario with a lengths section predicts a whole run: use predict_lengths "
@@ -284,6 +292,18 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
         if steps_note is not None:
             notes["default steps"] = steps_note
         yield PredictRun(scenario, target, steps, workload, notes)
+
+
+def _torchtitan_run(scenario: Scenario) -> PredictRun:
+    """A ``--torchtitan`` job, ready to record (scenario/torchtitan_run.py)."""
+    from oomkit.scenario.torchtitan_run import TorchtitanWorkload
+
+    assert scenario.torchtitan is not None
+    require_torch_for(scenario, "predict")
+    steps, steps_note = default_steps(scenario, "predict")
+    notes = {} if steps_note is None else {"default steps": steps_note}
+    workload = TorchtitanWorkload.of(scenario.torchtitan, steps)
+    return PredictRun(scenario, scenario_target(scenario), steps, workload, notes)
 
 
 def predict(scenario: Scenario, observer: StepObserver | None = None) -> Prediction:

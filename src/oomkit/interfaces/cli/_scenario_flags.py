@@ -41,7 +41,10 @@ GROUPS = (
     "output",
 )
 # The scenario's sections in the order their flags are listed.
-_SECTIONS = ("model", "step", "lora", "quantize", "lengths", "parallel", "target", "run", "search")
+_SECTIONS = (
+    "model", "step", "lora", "quantize", "lengths", "parallel", "target", "run", "search",
+    "torchtitan",
+)
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,10 @@ def scenario_from_args(
         from oomkit.scenario.keywords import what_runs
 
         flags.setdefault("model", {}).update(what_runs(args.target))
-    if script_args:
+    if script_args and ("torchtitan" in flags or "torchtitan" in data):
+        # --torchtitan: what follows -- is torchtitan's own overrides (its launcher's)
+        flags.setdefault("torchtitan", {})["overrides"] = list(script_args)
+    elif script_args:
         flags.setdefault("model", {})["script_args"] = list(script_args)
     merged = merge_data(data, flags)
     loading = module_loading_from(os.environ if environ is None else environ)
