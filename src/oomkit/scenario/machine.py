@@ -134,7 +134,7 @@ class ParallelSection(_Section):
     )
     float8: bool = Field(
         False,
-        description="Float8 linear training (torchao, as torchtitan converts)",
+        description="Float8 linear training (torchao)",
         json_schema_extra=_flag("--float8", MULTI_GPU),
     )
     float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(

@@ -180,7 +180,7 @@ def add_scenario_flags(parser: argparse.ArgumentParser, command: str) -> dict[st
         "target",
         nargs="?",
         metavar="TARGET",
-        help="a preset, file.py:function or train.py (a script)",
+        help="a preset, file.py:function or a script.py",
     )
     for flag in scenario_flags(command):
         group = groups[flag.group]
@@ -318,9 +318,10 @@ def catalog_epilog() -> str:
 
     from oomkit.core.gpus import CATALOG
 
-    gpus = ", ".join(spec.aliases[0] if spec.aliases else spec.name for spec in CATALOG)
+    # Counted, with a few names: `oomkit presets` and `oomkit gpus` list them all (the full
+    # lists took six lines of the help).
     text = (
-        f"presets: {', '.join(PRESET_NAMES)} (`oomkit presets`). GPUs: {gpus}, or a size such "
-        "as 24GiB (`oomkit gpus`)."
+        f"presets: {len(PRESET_NAMES)} (`oomkit presets`: gpt2-124m, llama3-8b, ...); GPUs: "
+        f"{len(CATALOG)} (`oomkit gpus`: h100, a100-80gb, rtx4090, ...) or a size such as 24GiB."
     )
     return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)

@@ -33,16 +33,14 @@ __all__ = ["add_parser", "run", "EPILOG"]
 
 # The file.py:function contract in a few lines, and examples (predict --help's end).
 EPILOG = """\
-TARGET path/to/file.py:function: the function builds the step on the meta device and returns
-  step_fn, (step_fn, (model, optimizer, inputs)) or a trainer; it may take batch_size, seq_len,
-  image_size, device (filled from --batch, --seq, --image-size). TARGET train.py runs a whole
-  script as `python train.py ARGS` (its arguments after --) and records its first steps.
+TARGET file.py:function(batch_size, seq_len, ...) returns step_fn or (step_fn, (model, optimizer,
+  inputs)); TARGET train.py runs as `python train.py ARGS` (ARGS after --). Both may use "cuda".
 
 examples:
   oomkit predict gpt2-124m --batch 8 --seq 1024 --gpu rtx4090
+  oomkit predict train.py --gpu rtx4090 -- config/train_shakespeare_char.py
   oomkit predict llama-8b --lora 16 --quantize nf4 --batch 4 --seq 2048 --gpu rtx4090
-  oomkit predict --hf ./my-model --mode generate --batch 8 --new-tokens 64 --gpu l40s
-  oomkit predict train.py:build --batch 32 --gpu a100-40gb --json > p.json
+  oomkit predict --torchtitan llama3:llama3_8b --world-size 8 -- --training.local_batch_size 2
   oomkit predict --config run.toml --set target.gpu=h100 --dump-config
 """
 
