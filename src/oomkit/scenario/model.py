@@ -108,6 +108,29 @@ class Scenario(_Section):
             _refuse_builder_fields(str(model[kind]), kind, given)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_rank_flag(cls, data: Any) -> Any:
+        """``--rank R`` is one flag: with ``--torchtitan`` it is the job's rank
+        (``torchtitan.rank``), not a preset layout's (``parallel.rank``)."""
+        if not isinstance(data, Mapping):
+            return data
+        parallel, job = data.get("parallel"), data.get("torchtitan")
+        if not isinstance(parallel, Mapping) or parallel.get("rank") is None or job is None:
+            return data
+        rank = parallel["rank"]
+        if isinstance(job, Mapping):
+            if job.get("rank") not in (None, rank):
+                raise ValueError(
+                    f"--rank {rank} and torchtitan.rank {job['rank']} differ: give the job's "
+                    "rank once"
+                )
+            job = {**job, "rank": rank}
+        elif isinstance(job, TorchtitanSection):
+            job = TorchtitanSection.model_validate({**job.model_dump(), "rank": rank})
+        rest = {key: value for key, value in parallel.items() if key != "rank"}
+        return {**data, "parallel": rest or None, "torchtitan": job}
+
     @model_validator(mode="after")
     def _combinations(self) -> Scenario:
         kind = self.model.kind

@@ -39,8 +39,9 @@ class TorchtitanSection(_Section):
     rank: int = Field(
         0,
         ge=0,
-        description="--torchtitan: the rank to record (--set torchtitan.rank=R)",
-        # No flag: --rank is parallel.rank's (a preset's layout); --set torchtitan.rank=R.
+        description="--torchtitan: the rank to record (--rank R)",
+        # No flag of its own: --rank R (parallel.rank) lands here with --torchtitan
+        # (Scenario._one_rank_flag); --set torchtitan.rank=R too.
         json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
     attention: Literal["sdpa", "configured"] = Field(

@@ -68,6 +68,10 @@ def test_the_saved_scenario_predicts_the_same_bytes(debugmodel_fsdp2_json, tmp_p
         (["gpt2-124m", "--torchtitan", "llama3:debugmodel"], "TARGET / --hf"),
         (["--torchtitan", "llama3:debugmodel", "--world-size", "2", "--set", "torchtitan.rank=2"],
          "is not a rank"),
+        (["--torchtitan", "llama3:debugmodel", "--world-size", "2", "--rank", "2"],
+         "is not a rank"),
+        (["--torchtitan", "llama3:debugmodel", "--rank", "1", "--set", "torchtitan.rank=0"],
+         "differ: give the job's rank once"),
         (["--torchtitan", "llama3:nope"], "has no config 'nope'"),
         (["--torchtitan", "nope:debugmodel"], "torchtitan has no model module 'nope'"),
         (["--torchtitan", "llama3:debugmodel", "--", "--bogus.field", "1"], "rejected the overrides"),
@@ -83,6 +87,21 @@ def test_refusals_exit_2_and_say_what_to_do(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_rank_is_the_jobs_rank_with_torchtitan(capsys):
+    """--rank R is one flag: with --torchtitan it is torchtitan.rank, in the CLI and Python."""
+    assert main(["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "4", "--rank",
+                 "3", "--dump-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'rank = 3' in out and "[parallel]" not in out
+    from oomkit.scenario.torchtitan_section import TorchtitanSection
+
+    job = TorchtitanSection(job="llama3:debugmodel", world_size=4)
+    scenario = Scenario(torchtitan=job, parallel={"rank": 2})
+    assert scenario.torchtitan.rank == 2 and scenario.parallel is None
+    with pytest.raises(ValidationError, match="is not a rank"):
+        Scenario(torchtitan=job, parallel={"rank": 4})
 
 
 @settings(max_examples=40, deadline=None)
