@@ -114,6 +114,21 @@ def test_no_host_rng_state_is_counted_on_the_device(recordings):
     assert sizes <= {event.size for event in eager.events if event.action == "alloc"}
 
 
+def test_the_rng_wrapped_op_s_output_is_recorded_when_made(recordings):
+    """The recomputed seeded op (dropout's aten.rand) runs inside run_and_save_rng_state in the
+    compiled forward and run_with_rng_state in the compiled backward, Inductor fallback kernels:
+    its 262144-byte output is allocated there, once per block in each, and no storage shows up
+    first in use."""
+    _, compiled, _ = recordings
+    rands = [
+        event.size
+        for event in compiled.step_events(1)
+        if event.action == "alloc" and dict(event.tags).get("op") == "aten.rand.default"
+    ]
+    assert rands == [WIDE_BYTES] * 4
+    assert not any("existed before tracing" in warning for warning in compiled.warnings)
+
+
 def test_peaks_compiled_and_eager_and_why_they_differ(recordings):
     """Both peak in the second step's backward of block 1, after its all-gather, with the same
     saved activations (589824: each block's saved up-projection mm output, and the input).
