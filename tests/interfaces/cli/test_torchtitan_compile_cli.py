@@ -77,3 +77,15 @@ def test_torchtitan_s_dynamo_settings_do_not_outlive_the_job(eager_and_compiled)
 
     assert torch._dynamo.config.capture_scalar_outputs is False
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+
+
+def test_compile_with_tensor_parallel_is_refused_saying_why(capsys):
+    """TP with --compile.enable exits 2 in one line naming the override and what records."""
+    pytest.importorskip("torchtitan")
+    argv = ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--",
+            *_OVERRIDES, "--compile.enable", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--compile.enable: torch.compile with tensor parallel is not recorded" in err
+    assert "compile is recorded with FSDP2 / HSDP" in err and "Traceback" not in err
