@@ -256,9 +256,9 @@ def _run_rng_wrapped(
     returns ``(rng state, op's outputs)``, and ``run_with_rng_state(state, op, *args)`` in the
     backward. Inductor runs both as fallback kernels (torch/_inductor/lowering.py
     ``make_fallback``), so the op's outputs are buffers of their own: the op runs through the
-    engine (its CUDA emulation, its outputs recorded when made); the state is the host generator's, as the HOP's CPU kernel
-    returns it (``torch.get_rng_state()``; on a GPU the CUDA generator's state, also on the
-    host), and is no device memory.
+    engine (its CUDA emulation, its outputs recorded when made). The state is the host
+    generator's, as the HOP's CPU kernel returns it (``torch.get_rng_state()``; on a GPU the
+    CUDA generator's state, also on the host): no device memory.
     """
     run_and_save, _ = _rng_wrappers()
     if wrapper is run_and_save:
