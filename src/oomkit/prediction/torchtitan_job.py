@@ -20,8 +20,10 @@ value (``_values_free_init``); FlexAttention's Triton kernels are not emulated, 
 is torchtitan's ``ScaledDotProductAttention`` unless the job asks otherwise (``attention``);
 CUDA graphs (torchtitan's default) are not captured: the step is recorded eagerly and says so.
 torchtitan's quantization converters (Float8 linear training through torchao) ask the target
-GPU's compute capability, not this host's. Pipeline parallel, context parallel,
-``torch.compile`` and expert parallel are refused here.
+GPU's compute capability, not this host's. Pipeline parallel, context parallel
+and expert parallel are refused here. ``compile.enable`` is recorded compiled: torchtitan's own
+``apply_compile`` compiles each block and ``BaseLoss`` the loss, run through the recorder's
+compiled backend.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def build_torchtitan_step(
 
     Raises:
         ConfigError: a part of the job that is not modelled (pipeline or context parallel,
-            compile, expert parallel, FlexAttention kept), or one torchtitan refuses.
+            expert parallel, FlexAttention kept), or one torchtitan refuses.
     """
     import torch
 
@@ -442,7 +444,7 @@ def _parallelize(model_spec: Any, model: Any, parallel_dims: Any, config: Any) -
 
 def _refuse_unmodelled(config: Any) -> None:
     """Refuse what this path does not record yet, naming the override that turns it on."""
-    parallelism, compile_config = config.parallelism, config.compile
+    parallelism = config.parallelism
     refused = [
         (parallelism.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree",
          "pipeline parallel (torchtitan's pipelining_fn, trainer.py:456) is not recorded on "
@@ -451,9 +453,10 @@ def _refuse_unmodelled(config: Any) -> None:
          "context parallel is not recorded on the fake group yet"),
         (parallelism.expert_parallel_degree > 1, "--parallelism.expert_parallel_degree",
          "expert parallel is not recorded on the fake group yet"),
-        (compile_config.enable, "--compile.enable",
-         "torch.compile inside FSDP2/TP is not recorded on the fake group yet (the recorder "
-         "runs compiled code eagerly)"),
+        (config.compile.enable and parallelism.tensor_parallel_degree > 1, "--compile.enable",
+         "torch.compile with tensor parallel is not recorded on the fake group yet (under "
+         "selective AC AOTAutograd saves the TP mesh for backward and refuses it; without AC "
+         "a real scalar meets the fake mode); compile is recorded with FSDP2 / HSDP"),
         (config.training.enable_cpu_offload, "--training.enable_cpu_offload",
          "FSDP2's CPU offload is not recorded on the fake group yet"),
     ]
@@ -543,10 +546,22 @@ def record_torchtitan_job(
     capability = target.gpu.kernel_compute_capability  # a custom size: the kernels assumed
     config = load_job_config(job, capability=capability)
     build, built = build_torchtitan_step(job, config)
-    with meshes_on_the_host(), cuda_capability(capability):
+    import torch._dynamo
+
+    # torchtitan's apply_compile sets capture_scalar_outputs and
+    # skip_fwd_side_effects_in_bwd_under_checkpoint process-wide: restored after the job.
+    dynamo = torch._dynamo.config
+    dynamo_restored = dynamo.patch(
+        capture_scalar_outputs=dynamo.capture_scalar_outputs,
+        skip_fwd_side_effects_in_bwd_under_checkpoint=(
+            dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint
+        ),
+    )
+    with meshes_on_the_host(), cuda_capability(capability), dynamo_restored:
         try:
             recording = trace_distributed_step(
-                build, world_size=job.world_size, rank=job.rank, steps=steps, target=target
+                build, world_size=job.world_size, rank=job.rank, steps=steps, target=target,
+                compile=config.compile.enable,
             )
         except OomkitError:
             raise

@@ -75,8 +75,6 @@ def test_the_saved_scenario_predicts_the_same_bytes(debugmodel_fsdp2_json, tmp_p
         (["--torchtitan", "llama3:nope"], "has no config 'nope'"),
         (["--torchtitan", "nope:debugmodel"], "torchtitan has no model module 'nope'"),
         (["--torchtitan", "llama3:debugmodel", "--", "--bogus.field", "1"], "rejected the overrides"),
-        (["--torchtitan", "llama3:debugmodel", "--world-size", "2", "--", "--compile.enable"],
-         "--compile.enable: torch.compile"),
     ],
 )
 def test_refusals_exit_2_and_say_what_to_do(argv, message, capsys):

@@ -57,22 +57,25 @@ DDP_COMPILE_REFUSAL = (
 
 
 def check_compiled_checkpointing(options: StepOptions) -> None:
-    """Refuse selective-op checkpointing inside blocks compiled on the fake process group.
+    """Refuse selective-op checkpointing inside blocks compiled under tensor parallel.
 
-    Traced under compile, the checkpoint higher-order op saves and restores the device's RNG
-    state around its recompute; the fake group's device is ``cpu``, whose generator state is a
-    real 5056-byte host tensor that the step's ``FakeTensorMode`` refuses (on a GPU it is the
-    CUDA generator's seed and offset). ``full`` checkpointing wraps the whole block call and
-    records.
+    With TP, AOTAutograd's forward of a compiled selective-checkpointed block returns the TP
+    device mesh among the values it saves for backward, and its ``CompiledFunction`` asserts
+    that those are all tensors
+    (torch/_functorch/_aot_autograd/runtime_wrappers.py ``_AutogradSavedState.save_from_forward``:
+    "expected all tensors_saved_with_vc_check to be Tensors"), so the step does not run. FSDP2
+    and HSDP without TP record (the compiled checkpoint's saved RNG state is host memory:
+    ``prediction/tracing/fake_storages.py`` ``detach_saved``); ``full`` records with TP.
 
     Raises:
-        ConfigError: ``--compile`` with ``--checkpointing selective-op``.
+        ConfigError: ``--compile`` with ``--checkpointing selective-op`` and ``--tp``.
     """
     if options.compile and options.checkpointing == "selective-op" and options.mode == "train":
         raise ConfigError(
-            "--compile with --checkpointing selective-op is not modelled on a sharded step yet "
-            "(the compiled checkpoint's RNG-state save does not run on the fake process "
-            "group); use --checkpointing full, or drop --compile"
+            "--compile with --checkpointing selective-op is not modelled with --tp yet "
+            "(AOTAutograd's compiled checkpointed block saves the TP device mesh for backward "
+            "and refuses it: torch/_functorch/_aot_autograd/runtime_wrappers.py "
+            "save_from_forward); use --checkpointing full, or drop --compile or --tp"
         )
 
 

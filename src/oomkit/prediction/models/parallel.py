@@ -22,7 +22,6 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import (
     BLOCKS_COMPILED,
-    check_compiled_checkpointing,
     compile_blocks,
     compiled_loss,
     eager_outside_blocks,
@@ -164,7 +163,6 @@ def build_fsdp_preset_step(
             "max_grad_norm (set it to 0) and use_reentrant"
         )
     refuse_unsharded_modes(options, "--fsdp")
-    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     device = mesh.device_type

@@ -162,6 +162,8 @@ class PlannedGraph:
                     raise engine.sink.refused(error)
             return value
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        if node.target in _rng_wrappers():
+            return _run_rng_wrapped(engine, node.target, args, kwargs)
         name = str(node.target)
         made = [plan.buffers[k] for k in plan.bases.get(node.name, ()) if plan.buffers[k].made_at == i]
         if plan.kinds[node.name] == "extern" and engine.has_emulation(name):
@@ -233,6 +235,37 @@ def _inputs_fake_mode(inputs: list[Any]) -> contextlib.AbstractContextManager[An
 def _free_synthetic(engine: CudaEmulationEngine, ids: list[int]) -> None:
     for alloc_id in ids:
         engine.free_synthetic(alloc_id)
+
+
+@functools.cache
+def _rng_wrappers() -> tuple[Any, Any]:
+    """The higher-order ops AOTAutograd wraps a recomputed seeded op in (torch/_prims/rng_prims.py
+    ``run_and_save_rng_state``, ``run_with_rng_state``)."""
+    from torch._prims import rng_prims
+
+    return rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state
+
+
+def _run_rng_wrapped(
+    engine: CudaEmulationEngine, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A seeded op under activation checkpointing, as compiled code runs it.
+
+    torch/_functorch/partitioners.py ``functionalize_rng_ops`` wraps a seeded op that backward
+    recomputes (SDPA, dropout) in ``run_and_save_rng_state(op, *args)`` in the forward, which
+    returns ``(rng state, op's outputs)``, and ``run_with_rng_state(state, op, *args)`` in the
+    backward. Inductor runs both as fallback kernels (torch/_inductor/lowering.py
+    ``make_fallback``), so the op's outputs are buffers of their own: the op runs through the
+    engine (its CUDA emulation, its outputs recorded when made). The state is the host
+    generator's, as the HOP's CPU kernel returns it (``torch.get_rng_state()``; on a GPU the
+    CUDA generator's state, also on the host): no device memory.
+    """
+    run_and_save, _ = _rng_wrappers()
+    if wrapper is run_and_save:
+        op, *rest = args
+        return torch.get_rng_state(), engine.run_op(op, tuple(rest), dict(kwargs))
+    _state, op, *rest = args
+    return engine.run_op(op, tuple(rest), dict(kwargs))
 
 
 def _element(out: Any, index: int) -> Any:

@@ -28,10 +28,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["fake_tensor_storage", "is_fake_or_wrapper", "mark_host", "stands_for_cuda"]
+__all__ = [
+    "detach_saved",
+    "fake_tensor_storage",
+    "is_fake_or_wrapper",
+    "mark_host",
+    "stands_for_cuda",
+]
 
 # Set on the (preserved) Python storage object of a host tensor; see storages.py for why the
 # object lives exactly as long as its StorageImpl.
@@ -89,3 +95,29 @@ def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.Untyped
     if tensors[0].device.type != device_type:
         return None
     return tensors[0].untyped_storage()
+
+
+def detach_saved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()`` for autograd's saved-tensor pack hook; a real tensor saved under
+    ``FakeTensorMode`` comes back as a fake one marked host (:func:`mark_host`).
+
+    A real tensor (neither meta, fake nor a wrapper subclass) saved while a fake world records
+    is an RNG state: a compiled selective checkpoint's forward saves it for the backward's
+    recompute of a seeded op (torch/_functorch/partitioners.py ``functionalize_rng_ops``), and
+    ``run_and_save_rng_state`` returns ``torch.get_rng_state()``, the CPU generator's 5056-byte
+    state, for the fake group's ``cpu`` device, where a GPU saves its generator's seed and
+    offset, on the host too (torch/_prims/rng_prims.py ``register_run_and_save_rng_state_op``).
+    ``FakeTensorMode`` refuses real inputs, both to ``detach`` and to the backward's
+    ``run_with_rng_state`` (whose fake kernel ignores the state), so it is saved as the fake
+    tensor AOTAutograd itself traced it as (partitioners.py ``get_sample_rng_state``:
+    ``fake_mode.from_tensor``); as host memory, no device allocation is recorded for it.
+    """
+    if tensor.device.type == "meta" or is_fake_or_wrapper(tensor):
+        return tensor.detach()
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if fake_mode is None:
+        return tensor.detach()
+    with unset_fake_temporarily():
+        fake = fake_mode.from_tensor(tensor.detach())
+    mark_host(fake)
+    return fake

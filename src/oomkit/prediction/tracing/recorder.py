@@ -43,6 +43,7 @@ from oomkit.prediction.tracing.compile_backend import InductorStandIn
 from oomkit.prediction.tracing.compiled import compiled_code_eager, compiled_code_recorded
 from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
+from oomkit.prediction.tracing.fake_storages import detach_saved
 from oomkit.prediction.tracing.frames import UserFrameFinder
 from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
 from oomkit.prediction.tracing.module_paths import ModulePaths, wrapper_hook_warning_silenced
@@ -392,7 +393,7 @@ class Tracer:
         self._note(tensor, "saved")
         # Return an alias without grad_fn: returning ``tensor`` itself would make a saved output
         # (sigmoid, exp) reference its own grad_fn, a cycle that outlives the graph until gc.
-        return tensor.detach()
+        return detach_saved(tensor)
 
     # ------------------------------------------------------------------ modules and optimizers
 
