@@ -312,3 +312,25 @@ def test_other_torchtitan_releases_are_refused(monkeypatch, version):
     )
     with pytest.raises(OomkitError, match=f"torchtitan {version} is installed; oomkit mirrors the trainer of torchtitan 0.3.0"):
         load_job_config(TorchtitanJob("llama3", "debugmodel"))
+
+
+def test_torchtitan_imports_after_has_triton_answered_true(monkeypatch):
+    """``has_triton()`` is cached: once a CUDA-emulated step made it True, torchao's MoE kernels
+    (imported by torchtitan's quantization components) would define Triton kernels at import,
+    which triton 3.9 rejects. import_torchtitan imports with it answering False, then restores."""
+    import sys
+
+    import torch.utils._triton as triton_utils
+
+    from oomkit.prediction._torchtitan_env import import_torchtitan
+
+    def always_true() -> bool:
+        return True
+
+    monkeypatch.setattr(triton_utils, "has_triton", always_true)
+    for name in list(sys.modules):
+        if name.startswith(("torchao.prototype.moe_training", "torchtitan.components.quantization")):
+            monkeypatch.delitem(sys.modules, name)
+    module = import_torchtitan("torchtitan.components.quantization")
+    assert module.__name__ == "torchtitan.components.quantization"
+    assert triton_utils.has_triton is always_true

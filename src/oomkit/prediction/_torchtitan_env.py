@@ -95,7 +95,7 @@ def import_torchtitan(name: str) -> types.ModuleType:
         import datasets  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
         stand_ins = _datasets_stand_in()
-    with quiet_torchtitan_logs():
+    with quiet_torchtitan_logs(), _no_triton_kernels_defined():
         if not stand_ins:
             return importlib.import_module(name)
         sys.modules.update(stand_ins)
@@ -105,6 +105,27 @@ def import_torchtitan(name: str) -> types.ModuleType:
             for key, module in stand_ins.items():
                 if sys.modules.get(key) is module:
                     del sys.modules[key]
+
+
+@contextlib.contextmanager
+def _no_triton_kernels_defined() -> Iterator[None]:
+    """While torchtitan imports, ``torch.utils._triton.has_triton()`` answers False.
+
+    torchtitan's quantization components import torchao's MoE kernels
+    (torchao/prototype/moe_training/kernels/float8_rowwise.py), which define their Triton
+    kernels at import when ``has_triton()`` is True; triton 3.9's autotuner rejects one of them
+    (``key=["num_elements"]`` is not a kernel argument), so the import fails. ``has_triton`` is
+    cached (``functools.cache``): once a compiled or CUDA-emulated step has asked it (True under
+    oomkit's CUDA emulation), every later import would fail. A prediction runs no Triton kernel.
+    """
+    import torch.utils._triton as triton_utils
+
+    real = triton_utils.has_triton
+    triton_utils.has_triton = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        triton_utils.has_triton = real
 
 
 @contextlib.contextmanager
