@@ -233,13 +233,12 @@ def test_a_value_torchtitan_rejects_is_refused(override):
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        (("--parallelism.pipeline_parallel_degree", "2"), "pipeline parallel"),
         (("--parallelism.context_parallel_degree", "2"), "context parallel"),
         (("--compile.enable",), "torch.compile"),
     ],
 )
 def test_parts_not_recorded_yet_are_refused_by_their_override(override, words):
-    """PP, CP and compile are refused naming the override to drop."""
+    """CP and compile are refused naming the override to drop (PP: test_torchtitan_pipeline.py)."""
     with pytest.raises(OomkitError, match=f"{override[0]}: {words}"):
         record_torchtitan_job(_job(4, *override), target=Target.resolve("h100"))
 

@@ -38,7 +38,21 @@ from typing import Any
 from oomkit.errors import ConfigError
 from oomkit.prediction._torchtitan_env import import_torchtitan
 
-__all__ = ["build_pipeline", "copies_keep_the_fake_mode", "pipeline_step"]
+__all__ = [
+    "PIPELINE_NOTE",
+    "build_pipeline",
+    "copies_keep_the_fake_mode",
+    "pipeline_step",
+    "pipeline_words",
+]
+
+PIPELINE_NOTE = (
+    "pipeline parallel: the stages are given their input and output shapes, so the first "
+    "step's metadata inference (torch/distributed/pipelining/stage.py "
+    "_forward_metadata_inference: one micro-batch forward and backward per stage, freed before "
+    "the schedule runs, as torchtitan's stages do on a GPU) is not recorded; the schedule's "
+    "steady state is"
+)
 
 
 @contextlib.contextmanager
@@ -80,20 +94,35 @@ def _stage_shapes(config: Any, parallel_dims: Any, skip_lm_head: bool) -> Callab
     # Shard(1) rows of the sequence (torchtitan's decoder sharding plan).
     rows = seq // parallel_dims.tp if parallel_dims.tp_enabled and parallelism.enable_sequence_parallel else seq
 
-    def hidden() -> Any:
-        return torch.empty(micro, rows, model_config.dim, dtype=dtype, requires_grad=True)
+    tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
+
+    def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
+        local = torch.empty(shape, dtype=dtype, requires_grad=grad)
+        if tp_mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        # Under TP the stages pass DTensors on the TP mesh (torchtitan's decoder sharding).
+        return DTensor.from_local(local, tp_mesh, [placement], run_check=False)
 
     def shapes(stage_index: int, num_stages: int) -> dict[str, Any]:
-        if stage_index == 0:
-            inputs = torch.empty(micro, seq, dtype=torch.int64)
-        else:
-            inputs = hidden()
-        if stage_index < num_stages - 1 or skip_lm_head:
-            outputs = hidden()
-        else:
-            vocab = model_config.vocab_size // (parallel_dims.tp if parallel_dims.tp_enabled else 1)
-            outputs = torch.empty(micro, seq, vocab, dtype=dtype, requires_grad=True)
-        return {"input_args": (inputs,), "output_args": (outputs,)}
+        from torch.distributed.tensor import Shard
+
+        hidden = (micro, rows, model_config.dim)
+        first, last = stage_index == 0, stage_index == num_stages - 1
+        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, Shard(1), True)
+        if not last or skip_lm_head:
+            outputs = tensor(hidden, Shard(1), True)
+        else:  # loss parallel: the logits stay vocabulary shards
+            vocab = model_config.vocab_size // (tp_mesh.size() if tp_mesh is not None else 1)
+            outputs = tensor((micro, seq, vocab), Shard(2), True)
+        found: dict[str, Any] = {"input_args": (inputs,), "output_args": (outputs,)}
+        if tp_mesh is not None:
+            # stage.py: a stage passing DTensors is static only with both gradients given
+            # (_utils.py InferenceMode.needs_dynamic); the loss starts the last one's backward
+            found["input_grads"] = (None if first else tensor(hidden, Shard(1), False),)
+            found["output_grads"] = (None if last else tensor(hidden, Shard(1), False),)
+        return found
 
     return shapes
 
@@ -229,3 +258,23 @@ def pipeline_step(
         forget_earlier_meshes()  # nothing of this group's meshes outlives it
 
     return step
+
+
+def pipeline_words(config: Any, schedule: Any, model_parts: list[Any]) -> str:
+    """The pipeline as run on this rank, in words: schedule, micro-batches, its stages' modules."""
+    parallelism = config.parallelism
+    # schedules.py: a PipelineScheduleMulti keeps `_stages`, a PipelineScheduleSingle `_stage`
+    run = getattr(schedule, "_stages", None) or [schedule._stage]
+    stages = []
+    for stage, part in zip(run, model_parts, strict=True):
+        layers = list(part.layers.keys()) if part.layers is not None else []
+        names = [name for name in ("tok_embeddings",) if getattr(part, name, None) is not None]
+        if layers:
+            names.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+        names += [name for name in ("norm", "lm_head") if getattr(part, name, None) is not None]
+        stages.append(f"stage {stage.stage_index} ({', '.join(names)})")
+    return (
+        f"pipeline {parallelism.pipeline_parallel_schedule} over {parallelism.pipeline_parallel_degree} "
+        f"ranks, {schedule._n_microbatches} micro-batches of "
+        f"{parallelism.pipeline_parallel_microbatch_size}: this rank runs {'; '.join(stages)}"
+    )

@@ -35,7 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import ConfigError, OomkitError
-from oomkit.prediction._torchtitan_pipeline import build_pipeline, pipeline_step
+from oomkit.prediction._torchtitan_pipeline import (
+    PIPELINE_NOTE,
+    build_pipeline,
+    pipeline_step,
+    pipeline_words,
+)
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
     import_torchtitan,
@@ -317,11 +322,14 @@ def build_torchtitan_step(
         accumulation = global_batch // (training.local_batch_size * batch_degree)
         chunked = isinstance(loss_fn, loss_module.ChunkedLossWrapper)
         pipeline: tuple[Any, bool, bool] | None = None
+        stages_words = ""
         if parallel_dims.pp_enabled:  # trainer.py:443-477: pipelining_fn, then each part
             schedule, parts, has_first, has_last = build_pipeline(
                 model, config, parallel_dims, loss_fn, chunked_loss=chunked
             )
             pipeline = (schedule, has_first, has_last)
+            stages_words = f"; {pipeline_words(config, schedule, parts)}"
+            notes.append(PIPELINE_NOTE)
             del model
         else:  # trainer.py:491-508: parallelize_fn (TP, AC, compile, FSDP2)
             parts = [_parallelize(model_spec, model, parallel_dims, config)]
@@ -369,6 +377,7 @@ def build_torchtitan_step(
                 f"({parameters:,} parameters), {words}, rank {job.rank} of {job.world_size}, "
                 f"local batch {training.local_batch_size} x seq {training.seq_len}"
                 + (f", {accumulation} micro-steps" if accumulation > 1 else "")
+                + stages_words
             ),
             parameters=parameters,
             local_batch_size=training.local_batch_size,
