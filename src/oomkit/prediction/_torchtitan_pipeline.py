@@ -146,12 +146,12 @@ def _stages_with_shapes(shapes: Callable[[int, int], dict[str, Any]]) -> Iterato
         made.append(built)
         return built
 
-    saved = module.PipelineStage
-    module.PipelineStage = stage
+    saved = getattr(module, "PipelineStage")  # noqa: B009
+    setattr(module, "PipelineStage", stage)  # noqa: B010
     try:
         yield made
     finally:
-        module.PipelineStage = saved
+        setattr(module, "PipelineStage", saved)  # noqa: B010
 
 
 def build_pipeline(
@@ -176,7 +176,7 @@ def build_pipeline(
     shapes = _stage_shapes(config, parallel_dims, skip_lm_head=chunked_loss)
     try:
         with copies_keep_the_fake_mode(), _stages_with_shapes(shapes):
-            return model_spec.pipelining_fn(  # type: ignore[no-any-return]
+            return model_spec.pipelining_fn(
                 model,
                 parallel_dims=parallel_dims,
                 training=config.training,

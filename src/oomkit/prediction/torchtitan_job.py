@@ -20,7 +20,8 @@ value (``_values_free_init``); FlexAttention's Triton kernels are not emulated, 
 is torchtitan's ``ScaledDotProductAttention`` unless the job asks otherwise (``attention``);
 CUDA graphs (torchtitan's default) are not captured: the step is recorded eagerly and says so.
 torchtitan's quantization converters (Float8 linear training through torchao) ask the target
-GPU's compute capability, not this host's. Pipeline parallel, context parallel,
+GPU's compute capability, not this host's. Pipeline parallel runs torchtitan's own
+``pipelining_fn`` and schedule (``_torchtitan_pipeline.py``). Context parallel,
 ``torch.compile`` and expert parallel are refused here.
 """
 
@@ -35,12 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import ConfigError, OomkitError
-from oomkit.prediction._torchtitan_pipeline import (
-    PIPELINE_NOTE,
-    build_pipeline,
-    pipeline_step,
-    pipeline_words,
-)
+from oomkit.prediction import _torchtitan_pipeline as pipelined
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
     import_torchtitan,
@@ -324,12 +320,12 @@ def build_torchtitan_step(
         pipeline: tuple[Any, bool, bool] | None = None
         stages_words = ""
         if parallel_dims.pp_enabled:  # trainer.py:443-477: pipelining_fn, then each part
-            schedule, parts, has_first, has_last = build_pipeline(
+            schedule, parts, has_first, has_last = pipelined.build_pipeline(
                 model, config, parallel_dims, loss_fn, chunked_loss=chunked
             )
             pipeline = (schedule, has_first, has_last)
-            stages_words = f"; {pipeline_words(config, schedule, parts)}"
-            notes.append(PIPELINE_NOTE)
+            stages_words = f"; {pipelined.pipeline_words(config, schedule, parts)}"
+            notes.append(pipelined.PIPELINE_NOTE)
             del model
         else:  # trainer.py:491-508: parallelize_fn (TP, AC, compile, FSDP2)
             parts = [_parallelize(model_spec, model, parallel_dims, config)]
@@ -354,7 +350,7 @@ def build_torchtitan_step(
                 config, parts[0], loss_fn, optimizers, train_context, parallel_dims, accumulation
             )
         else:
-            step = pipeline_step(
+            step = pipelined.pipeline_step(
                 config, parts, *pipeline, optimizers, train_context, parallel_dims, accumulation
             )
         layout = {
