@@ -155,3 +155,27 @@ def test_a_split_torchtitan_refuses_is_a_config_error():
     )
     with pytest.raises(OomkitError, match="Number of stages \\(16\\) cannot be greater than effective layers \\(8\\)"):
         record_torchtitan_job(job, target=Target.resolve("h100"))
+
+
+def test_a_wrong_stage_shape_is_caught_by_the_stage(monkeypatch):
+    """The shapes given up front are checked against what each stage passes (stage.py
+    _validate_stage_tensors): hidden states of the wrong sequence length fail the step."""
+    from oomkit.prediction import _torchtitan_pipeline as pipelined
+
+    real = pipelined._stage_shapes
+
+    def wrong(config, parallel_dims, skip_lm_head):
+        shapes = real(config, parallel_dims, skip_lm_head)
+
+        def shorter(stage_index, num_stages):
+            given = shapes(stage_index, num_stages)
+            (out,) = given["output_args"]
+            given["output_args"] = (out[:, : out.shape[1] // 2].detach().requires_grad_(),)
+            return given
+
+        return shorter
+
+    monkeypatch.setattr(pipelined, "_stage_shapes", wrong)
+    job = TorchtitanJob("llama3", "debugmodel", _BASE + _PP2 + _1F1B + _NO_AC, world_size=2)
+    with pytest.raises(OomkitError, match=r"Stage 0 forward outputs\[0\]: shape mismatch"):
+        record_torchtitan_job(job, target=Target.resolve("h100"))

@@ -77,7 +77,9 @@ def copies_keep_the_fake_mode() -> Iterator[None]:
             delattr(FakeTensorMode, "__deepcopy__")
 
 
-def _stage_shapes(config: Any, parallel_dims: Any, skip_lm_head: bool) -> Callable[[int, int], dict[str, Any]]:
+def _stage_shapes(
+    config: Any, parallel_dims: Any, skip_lm_head: bool
+) -> Callable[[int, int], dict[str, Any]]:
     """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage."""
     import torch
 
@@ -90,11 +92,11 @@ def _stage_shapes(config: Any, parallel_dims: Any, skip_lm_head: bool) -> Callab
     # shard_degree=1 it is a no-op for the all-gather but still installs the
     # MixedPrecisionPolicy"), so the blocks compute in mixed_precision_param.
     dtype = config_module.TORCH_DTYPE_MAP[training.mixed_precision_param]
-    # Under TP with sequence parallel the embedding's output (and every block's) is the local
-    # Shard(1) rows of the sequence (torchtitan's decoder sharding plan).
-    rows = seq // parallel_dims.tp if parallel_dims.tp_enabled and parallelism.enable_sequence_parallel else seq
-
     tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
+    # Under TP with sequence parallel the embedding's output (and every block's) is the local
+    # Shard(1) rows of the sequence, else replicated (torchtitan's decoder sharding plan).
+    parallel_rows = tp_mesh is not None and parallelism.enable_sequence_parallel
+    rows = seq // tp_mesh.size() if parallel_rows else seq
 
     def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
         local = torch.empty(shape, dtype=dtype, requires_grad=grad)
@@ -106,13 +108,14 @@ def _stage_shapes(config: Any, parallel_dims: Any, skip_lm_head: bool) -> Callab
         return DTensor.from_local(local, tp_mesh, [placement], run_check=False)
 
     def shapes(stage_index: int, num_stages: int) -> dict[str, Any]:
-        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import Replicate, Shard
 
         hidden = (micro, rows, model_config.dim)
+        between = Shard(1) if parallel_rows else Replicate()
         first, last = stage_index == 0, stage_index == num_stages - 1
-        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, Shard(1), True)
+        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, between, True)
         if not last or skip_lm_head:
-            outputs = tensor(hidden, Shard(1), True)
+            outputs = tensor(hidden, between, True)
         else:  # loss parallel: the logits stay vocabulary shards
             vocab = model_config.vocab_size // (tp_mesh.size() if tp_mesh is not None else 1)
             outputs = tensor((micro, seq, vocab), Shard(2), True)
@@ -120,8 +123,8 @@ def _stage_shapes(config: Any, parallel_dims: Any, skip_lm_head: bool) -> Callab
         if tp_mesh is not None:
             # stage.py: a stage passing DTensors is static only with both gradients given
             # (_utils.py InferenceMode.needs_dynamic); the loss starts the last one's backward
-            found["input_grads"] = (None if first else tensor(hidden, Shard(1), False),)
-            found["output_grads"] = (None if last else tensor(hidden, Shard(1), False),)
+            found["input_grads"] = (None if first else tensor(hidden, between, False),)
+            found["output_grads"] = (None if last else tensor(hidden, between, False),)
         return found
 
     return shapes
