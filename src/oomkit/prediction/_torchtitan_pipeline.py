@@ -96,7 +96,7 @@ def _stage_shapes(
     # Under TP with sequence parallel the embedding's output (and every block's) is the local
     # Shard(1) rows of the sequence, else replicated (torchtitan's decoder sharding plan).
     parallel_rows = tp_mesh is not None and parallelism.enable_sequence_parallel
-    rows = seq // tp_mesh.size() if parallel_rows else seq
+    rows = seq // parallel_dims.tp if parallel_rows else seq
 
     def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
         local = torch.empty(shape, dtype=dtype, requires_grad=grad)
