@@ -52,13 +52,25 @@ def _overrides(row: dict) -> tuple[str, ...]:
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
         "--parallelism.tensor_parallel_degree", str(layout["tp"]),
-        # pipeline parallel: torchtitan's own pipeline_llm and schedule (micro-batches of 1,
-        # 0.3.0's default); rank 0 runs stage 0, whose 1F1B warm-up keeps the most in flight
+        # pipeline parallel: torchtitan's own pipeline_llm and schedule; rank 0 runs stage 0
+        # (1F1B's warm-up keeps the most micro-batches in flight there)
         *(("--parallelism.pipeline_parallel_degree", str(layout["pp"]),
-           "--parallelism.pipeline_parallel_schedule", row["pp_schedule"])
+           "--parallelism.pipeline_parallel_schedule", row["pp_schedule"],
+           "--parallelism.pipeline_parallel_microbatch_size", str(_microbatch_size(row)))
           if layout.get("pp", 1) > 1 else ()),
         *ac,
     )
+
+
+def _microbatch_size(row: dict) -> int:
+    """2024's micro-batch: torchtitan then split the local batch into as many micro-batches as
+    the pipeline has stages unless told (torchtitan/parallelisms/pipelining_utils.py
+    build_pipeline_schedule: ``n_microbatches = num_total_stages`` when
+    ``experimental.pipeline_parallel_microbatches`` is None; earlier releases used the PP
+    degree, the same for 1F1B). 0.3.0 takes a micro-batch size instead (default 1: 32
+    micro-batches of 1 for these rows, a quarter of 2024's in-flight activations under 1F1B)."""
+    stages = row["layout"]["pp"] * (2 if row["pp_schedule"] == "Interleaved1F1B" else 1)
+    return max(1, row["local_batch_size"] // stages)
 
 
 def _config(row: dict) -> str:
