@@ -4,8 +4,8 @@ Reads ``benchmarks/data/torchtitan_published.json`` (the rows of torchtitan's
 benchmarks/llama3_h100_202412_torchtitan.md, with their source commit) and predicts each row the
 torchtitan route can express (``oomkit.prediction.torchtitan_job``: torchtitan 0.3.0's own
 config, model, ``parallelize_llama``, loss and optimizer on a fake process group of the row's
-world size); a row that needs what the route refuses (compile, async TP, context or pipeline
-parallel) is skipped with the reason (Float8 alone is recorded: every Float8 row also compiles). The job is the 2024 one written as 0.3.0 overrides: the
+world size); a row that needs what the route refuses (compile, async TP, context parallel) is
+skipped with the reason (Float8 alone is recorded: every Float8 row also compiles). The job is the 2024 one written as 0.3.0 overrides: the
 row's FSDP / TP degrees, local batch and sequence length, torchtitan's selective (op) or full
 AC, no CUDA graphs (``--training.disable_cuda_graphs``: 2024's eager step), DTensor TP with
 FSDP2 over plain parameters (``--parallelism.spmd_backend partial_dtensor``), SDPA attention;
@@ -16,8 +16,8 @@ the loss is the plain cross-entropy over the full logits (2024's; ``--loss confi
 ``--rows`` picks rows by id (default: every row); ``--preset`` also predicts the 8B FSDP rows
 through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for comparison.
 ``--eager-part`` records, for a skipped row, the part the route expresses (no compile or async
-TP; Float8 as the registry config has it: the 405B's does, the 8B's and 70B's do not; pipeline
-and context parallel dropped, so the world is FSDP x TP):
+TP; Float8 as the registry config has it: the 405B's does, the 8B's and 70B's do not; context
+parallel dropped, pipeline parallel kept through torchtitan's pipeline_llm, rank 0 recorded):
 its wall time is the point (how long a rank of that model takes here), its peak is not
 compared with the row's (a different job).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
@@ -52,8 +52,25 @@ def _overrides(row: dict) -> tuple[str, ...]:
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
         "--parallelism.tensor_parallel_degree", str(layout["tp"]),
+        # pipeline parallel: torchtitan's own pipeline_llm and schedule; rank 0 runs stage 0
+        # (1F1B's warm-up keeps the most micro-batches in flight there)
+        *(("--parallelism.pipeline_parallel_degree", str(layout["pp"]),
+           "--parallelism.pipeline_parallel_schedule", row["pp_schedule"],
+           "--parallelism.pipeline_parallel_microbatch_size", str(_microbatch_size(row)))
+          if layout.get("pp", 1) > 1 else ()),
         *ac,
     )
+
+
+def _microbatch_size(row: dict) -> int:
+    """2024's micro-batch: torchtitan then split the local batch into as many micro-batches as
+    the pipeline has stages unless told (torchtitan/parallelisms/pipelining_utils.py
+    build_pipeline_schedule: ``n_microbatches = num_total_stages`` when
+    ``experimental.pipeline_parallel_microbatches`` is None; earlier releases used the PP
+    degree, the same for 1F1B). 0.3.0 takes a micro-batch size instead (default 1: 32
+    micro-batches of 1 for these rows, a quarter of 2024's in-flight activations under 1F1B)."""
+    stages = row["layout"]["pp"] * (2 if row["pp_schedule"] == "Interleaved1F1B" else 1)
+    return max(1, row["local_batch_size"] // stages)
 
 
 def _config(row: dict) -> str:
@@ -65,7 +82,6 @@ def _config(row: dict) -> str:
 def _skip_reason(row: dict) -> str | None:
     layout = row["layout"]
     parts = [
-        (layout["pp"] > 1, f"pipeline parallel ({row['pp_schedule']})"),
         (layout["cp"] > 1, "context parallel"),
         (row["compile"], "torch.compile"),
         (row["async_tp"], "async TP"),
@@ -77,11 +93,11 @@ def _skip_reason(row: dict) -> str | None:
 
 
 def _eager_part(row: dict) -> dict:
-    """The row without what the route refuses: eager, no PP / CP."""
-    layout = dict(row["layout"], pp=1, cp=1)
+    """The row without what the route refuses: eager, no CP (pipeline parallel is kept)."""
+    layout = dict(row["layout"], cp=1)
     return dict(
-        row, layout=layout, gpus=layout["fsdp"] * layout["tp"], compile=False, float8=False,
-        async_tp=False, pp_schedule=None,
+        row, layout=layout, gpus=layout["fsdp"] * layout["tp"] * layout.get("pp", 1),
+        compile=False, float8=False, async_tp=False,
     )
 
 
@@ -168,7 +184,7 @@ def main() -> int:
                 timed.pop("error_pct", None)
                 out["eager_part"] = {
                     "world_size": part["gpus"], **timed,
-                    "note": "a different job (eager, no PP/CP; Float8 as the registry config "
+                    "note": "a different job (eager, no CP; Float8 as the registry config "
                             "has it): timed, not compared",
                 }
         else:

@@ -253,6 +253,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.workload",
         "oomkit.prediction.torchtitan_job",
         "oomkit.prediction._torchtitan_env",
+        "oomkit.prediction._torchtitan_pipeline",
         "oomkit.plan",
         "oomkit.diagnose",
         "oomkit.runtime",

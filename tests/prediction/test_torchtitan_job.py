@@ -233,12 +233,11 @@ def test_a_value_torchtitan_rejects_is_refused(override):
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        (("--parallelism.pipeline_parallel_degree", "2"), "pipeline parallel"),
         (("--parallelism.context_parallel_degree", "2"), "context parallel"),
     ],
 )
 def test_parts_not_recorded_yet_are_refused_by_their_override(override, words):
-    """PP and CP are refused naming the override to drop (compile records:
+    """CP is refused naming the override to drop (PP: test_torchtitan_pipeline.py; compile:
     tests/interfaces/cli/test_torchtitan_compile_cli.py)."""
     with pytest.raises(OomkitError, match=f"{override[0]}: {words}"):
         record_torchtitan_job(_job(4, *override), target=Target.resolve("h100"))

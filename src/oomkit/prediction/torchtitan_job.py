@@ -20,10 +20,9 @@ value (``_values_free_init``); FlexAttention's Triton kernels are not emulated, 
 is torchtitan's ``ScaledDotProductAttention`` unless the job asks otherwise (``attention``);
 CUDA graphs (torchtitan's default) are not captured: the step is recorded eagerly and says so.
 torchtitan's quantization converters (Float8 linear training through torchao) ask the target
-GPU's compute capability, not this host's. Pipeline parallel, context parallel
-and expert parallel are refused here. ``compile.enable`` is recorded compiled: torchtitan's own
-``apply_compile`` compiles each block and ``BaseLoss`` the loss, run through the recorder's
-compiled backend.
+GPU's compute capability, not this host's. PP runs torchtitan's ``pipelining_fn`` and schedule
+(``_torchtitan_pipeline.py``); ``compile.enable``, its ``apply_compile``, through the compiled
+backend. Context parallel and expert parallel are refused here.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import ConfigError, OomkitError
+from oomkit.prediction import _torchtitan_pipeline as pipelined
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
     import_torchtitan,
@@ -316,30 +316,50 @@ def build_torchtitan_step(
                 f"({training.local_batch_size} x {batch_degree})"
             )
         accumulation = global_batch // (training.local_batch_size * batch_degree)
-        # trainer.py:491-508: parallelize_fn (TP, AC, compile, FSDP2), then to_empty + init
-        model = _parallelize(model_spec, model, parallel_dims, config)
-        model.to_empty(device=torch.device("cpu"))
-        with _values_free_init(), torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        # trainer.py:516-536: the chunked loss computes the LM head itself
-        if isinstance(loss_fn, loss_module.ChunkedLossWrapper):
-            loss_fn.set_lm_head(model.lm_head)
-            model._skip_lm_head = True
-        optimizers = config.optimizer.build(model_parts=[model])  # trainer.py:549
+        chunked = isinstance(loss_fn, loss_module.ChunkedLossWrapper)
+        pipeline: tuple[Any, bool, bool] | None = None
+        stages_words = ""
+        if parallel_dims.pp_enabled:  # trainer.py:443-477: pipelining_fn, then each part
+            schedule, parts, has_first, has_last = pipelined.build_pipeline(
+                model, config, parallel_dims, loss_fn, chunked_loss=chunked
+            )
+            pipeline = (schedule, has_first, has_last)
+            stages_words = f"; {pipelined.pipeline_words(config, schedule, parts)}"
+            notes.append(pipelined.PIPELINE_NOTE)
+            del model
+        else:  # trainer.py:491-508: parallelize_fn (TP, AC, compile, FSDP2)
+            parts = [_parallelize(model_spec, model, parallel_dims, config)]
+            has_last = True
+        for part in parts:  # to_empty + init_weights + train()
+            part.to_empty(device=torch.device("cpu"))
+            with _values_free_init(), torch.no_grad():
+                part.init_weights(buffer_device=None)
+            part.train()
+        # trainer.py:516-536: the chunked loss computes the LM head itself (the last stage's)
+        if chunked and has_last:
+            loss_fn.set_lm_head(parts[-1].lm_head)
+            parts[-1]._skip_lm_head = True
+        optimizers = config.optimizer.build(model_parts=parts)  # trainer.py:549
         if model_spec.post_optimizer_build_fn is not None:  # trainer.py:550-553
-            model_spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+            model_spec.post_optimizer_build_fn(optimizers, parts, parallel_dims)
         train_context = dist_utils.get_spmd_context(  # trainer.py:605-611
             parallel_dims=parallel_dims, spmd_typechecking=False
         )
-        step = _train_step(
-            config, model, loss_fn, optimizers, train_context, parallel_dims, accumulation
-        )
+        if pipeline is None:
+            step = _train_step(
+                config, parts[0], loss_fn, optimizers, train_context, parallel_dims, accumulation
+            )
+        else:
+            step = pipelined.pipeline_step(
+                config, parts, *pipeline, optimizers, train_context, parallel_dims, accumulation
+            )
         layout = {
             "dp_replicate": parallel_dims.dp_replicate,
             "dp_shard": parallel_dims.dp_shard,
             "tp": parallel_dims.tp,
         }
+        if parallel_dims.pp_enabled:
+            layout["pp"] = parallel_dims.pp
         if not training.disable_cuda_graphs:
             notes.append(
                 "CUDA graphs: torchtitan captures forward+backward in a CUDA graph by default "
@@ -353,6 +373,7 @@ def build_torchtitan_step(
                 f"({parameters:,} parameters), {words}, rank {job.rank} of {job.world_size}, "
                 f"local batch {training.local_batch_size} x seq {training.seq_len}"
                 + (f", {accumulation} micro-steps" if accumulation > 1 else "")
+                + stages_words
             ),
             parameters=parameters,
             local_batch_size=training.local_batch_size,
@@ -361,7 +382,7 @@ def build_torchtitan_step(
             layout=layout,
             notes=tuple(notes),
         )
-        return step, (model, optimizers)
+        return step, (*parts, optimizers)
 
     return build, built
 
@@ -446,9 +467,6 @@ def _refuse_unmodelled(config: Any) -> None:
     """Refuse what this path does not record yet, naming the override that turns it on."""
     parallelism = config.parallelism
     refused = [
-        (parallelism.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree",
-         "pipeline parallel (torchtitan's pipelining_fn, trainer.py:456) is not recorded on "
-         "the fake group yet"),
         (parallelism.context_parallel_degree > 1, "--parallelism.context_parallel_degree",
          "context parallel is not recorded on the fake group yet"),
         (parallelism.expert_parallel_degree > 1, "--parallelism.expert_parallel_degree",

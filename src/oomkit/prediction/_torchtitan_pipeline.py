@@ -1,0 +1,283 @@
+"""torchtitan's own pipeline parallel (``pipeline_llm`` and its schedule) on the fake process group.
+
+``torchtitan_job.py`` calls :func:`build_pipeline` where torchtitan's trainer calls
+``model_spec.pipelining_fn`` (torchtitan/trainer.py:443-477) and :func:`pipeline_step` where
+``train_step`` calls ``pp_forward_backward_step`` (trainer.py:833-868). torchtitan's functions
+run as they are (torchtitan/distributed/pipeline_parallel.py ``pipeline_llm``: the stage split,
+``parallelize_fn`` per part, ``_build_pipeline_schedule``); three things are arranged for a
+GPU-free run:
+
+* **Copies keep the fake mode.** ``_split_module`` deep-copies the whole model for each stage
+  (``model = copy.deepcopy(whole_model)``). A ``FakeTensor`` keeps its ``fake_mode`` in its
+  ``__dict__``, and torch/_tensor.py ``Tensor.__deepcopy__`` ends with ``new_tensor.__dict__ =
+  deepcopy(self.__dict__, memo)``: every copied parameter got a deep copy of the mode, a second
+  ``FakeTensorMode``, and FSDP2's ``fully_shard`` then failed with "Mixing fake modes NYI"
+  (torch/_subclasses/fake_tensor.py ``validate_and_convert_non_fake_tensors``). While the split
+  runs, a ``FakeTensorMode`` deep-copies to itself (a mode is process-wide state, not a value).
+* **Shapes given up front.** torchtitan builds each ``PipelineStage`` without example inputs,
+  so the schedule's first step infers them by sending metadata objects between ranks
+  (torch/distributed/pipelining/stage.py ``_recv_meta`` / ``_send_meta``), which the fake
+  backend cannot carry. The stages are given what that exchange would say: token ids into the
+  first stage, the hidden states ``(micro-batch, seq [/ TP under sequence parallel], dim)`` in
+  FSDP2's compute dtype between stages, and out of the last (logits over the vocabulary, or the
+  normed hidden states where the chunked loss computes the LM head). The stages check each
+  tensor they pass against them (stage.py ``_validate_stage_tensors``, on).
+* **The warm-up vote** reads its answer from a tensor (``result.item()``): it is answered by
+  each stage's own vote, as oomkit's preset route does (``models/pipeline.py``).
+On a GPU the first step's metadata inference runs one micro-batch forward and backward per
+stage and frees it before the schedule starts (stage.py ``_post_metadata_inference_cleanup``);
+here the stages start static, so that transient is not recorded (the steady state is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from oomkit.errors import ConfigError
+from oomkit.prediction._torchtitan_env import import_torchtitan
+
+__all__ = [
+    "PIPELINE_NOTE",
+    "build_pipeline",
+    "copies_keep_the_fake_mode",
+    "pipeline_step",
+    "pipeline_words",
+]
+
+PIPELINE_NOTE = (
+    "pipeline parallel: the stages are given their input and output shapes, so the first "
+    "step's metadata inference (torch/distributed/pipelining/stage.py "
+    "_forward_metadata_inference: one micro-batch forward and backward per stage, freed before "
+    "the schedule runs, as torchtitan's stages do on a GPU) is not recorded; the schedule's "
+    "steady state is"
+)
+
+
+@contextlib.contextmanager
+def copies_keep_the_fake_mode() -> Iterator[None]:
+    """While open, ``copy.deepcopy`` of a ``FakeTensorMode`` returns the mode itself (see the
+    module doc: torch/_tensor.py ``Tensor.__deepcopy__`` copies a FakeTensor's ``__dict__``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    had = "__deepcopy__" in vars(FakeTensorMode)
+    saved = vars(FakeTensorMode).get("__deepcopy__")
+
+    def keep(self: Any, memo: dict[int, Any]) -> Any:
+        return self
+
+    setattr(FakeTensorMode, "__deepcopy__", keep)  # noqa: B010
+    try:
+        yield
+    finally:
+        if had:
+            setattr(FakeTensorMode, "__deepcopy__", saved)  # noqa: B010
+        else:
+            delattr(FakeTensorMode, "__deepcopy__")
+
+
+def _stage_shapes(
+    config: Any, parallel_dims: Any, skip_lm_head: bool
+) -> Callable[[int, int], dict[str, Any]]:
+    """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage."""
+    import torch
+
+    config_module = import_torchtitan("torchtitan.config")
+    training, parallelism = config.training, config.parallelism
+    model_config = config.model_spec.model
+    micro = parallelism.pipeline_parallel_microbatch_size
+    seq = training.seq_len
+    # llama3/parallelize.py parallelize_llama: apply_fsdp_to_decoder runs always ("with
+    # shard_degree=1 it is a no-op for the all-gather but still installs the
+    # MixedPrecisionPolicy"), so the blocks compute in mixed_precision_param.
+    dtype = config_module.TORCH_DTYPE_MAP[training.mixed_precision_param]
+    tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
+    # Under TP with sequence parallel the embedding's output (and every block's) is the local
+    # Shard(1) rows of the sequence, else replicated (torchtitan's decoder sharding plan).
+    parallel_rows = tp_mesh is not None and parallelism.enable_sequence_parallel
+    rows = seq // parallel_dims.tp if parallel_rows else seq
+
+    def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
+        local = torch.empty(shape, dtype=dtype, requires_grad=grad)
+        if tp_mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        # Under TP the stages pass DTensors on the TP mesh (torchtitan's decoder sharding).
+        return DTensor.from_local(local, tp_mesh, [placement], run_check=False)
+
+    def shapes(stage_index: int, num_stages: int) -> dict[str, Any]:
+        from torch.distributed.tensor import Replicate, Shard
+
+        hidden = (micro, rows, model_config.dim)
+        between = Shard(1) if parallel_rows else Replicate()
+        first, last = stage_index == 0, stage_index == num_stages - 1
+        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, between, True)
+        if not last or skip_lm_head:
+            outputs = tensor(hidden, between, True)
+        else:  # loss parallel: the logits stay vocabulary shards
+            vocab = model_config.vocab_size // (tp_mesh.size() if tp_mesh is not None else 1)
+            outputs = tensor((micro, seq, vocab), Shard(2), True)
+        found: dict[str, Any] = {"input_args": (inputs,), "output_args": (outputs,)}
+        if tp_mesh is not None:
+            # stage.py: a stage passing DTensors is static only with both gradients given
+            # (_utils.py InferenceMode.needs_dynamic); the loss starts the last one's backward
+            found["input_grads"] = (None if first else tensor(hidden, between, False),)
+            found["output_grads"] = (None if last else tensor(hidden, between, False),)
+        return found
+
+    return shapes
+
+
+@contextlib.contextmanager
+def _stages_with_shapes(shapes: Callable[[int, int], dict[str, Any]]) -> Iterator[list[Any]]:
+    """While open, torchtitan's ``_pipeline_module_split`` builds its ``PipelineStage`` objects
+    with the shapes given (it calls ``PipelineStage(model_chunk, stage_idx, num_stages, device,
+    group=..., get_mesh=...)``, pipeline_parallel.py); the stages made are listed."""
+    from torch.distributed.pipelining import PipelineStage
+
+    module = import_torchtitan("torchtitan.distributed.pipeline_parallel")
+    made: list[Any] = []
+
+    def stage(submodule: Any, stage_index: int, num_stages: int, device: Any, **kwargs: Any) -> Any:
+        built = PipelineStage(
+            submodule, stage_index, num_stages, device, **shapes(stage_index, num_stages), **kwargs
+        )
+        # stage.py _validate_stage_tensors: each tensor passed is checked against the shapes
+        built._runtime_validate = True
+        made.append(built)
+        return built
+
+    saved = getattr(module, "PipelineStage")  # noqa: B009
+    setattr(module, "PipelineStage", stage)  # noqa: B010
+    try:
+        yield made
+    finally:
+        setattr(module, "PipelineStage", saved)  # noqa: B010
+
+
+def build_pipeline(
+    model: Any, config: Any, parallel_dims: Any, loss_fn: Any, *, chunked_loss: bool
+) -> tuple[Any, list[Any], bool, bool]:
+    """``model_spec.pipelining_fn`` as trainer.py:452-467 calls it (torchtitan's
+    ``pipeline_llm`` for llama3), on the fake group: ``(schedule, model_parts, has_first_stage,
+    has_last_stage)``.
+
+    Raises:
+        ConfigError: a model without a pipelining function, or a split or schedule torchtitan
+            refuses (its words).
+    """
+    import torch
+
+    model_spec = config.model_spec
+    if not model_spec.pipelining_fn:  # trainer.py:444-448
+        raise ConfigError(
+            f"torchtitan's {model_spec.name} has no pipelining function: drop "
+            "--parallelism.pipeline_parallel_degree"
+        )
+    shapes = _stage_shapes(config, parallel_dims, skip_lm_head=chunked_loss)
+    try:
+        with copies_keep_the_fake_mode(), _stages_with_shapes(shapes):
+            return model_spec.pipelining_fn(
+                model,
+                parallel_dims=parallel_dims,
+                training=config.training,
+                parallelism=config.parallelism,
+                compile_config=config.compile,
+                ac_config=config.activation_checkpoint,
+                dump_folder=config.dump_folder,
+                device=torch.device("cpu"),  # the fake group's device
+                model_config=model_spec.model,
+                parallelize_fn=model_spec.parallelize_fn,
+                loss_fn=loss_fn,
+            )
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(f"torchtitan refused the pipeline split or schedule: {exc}") from exc
+
+
+def pipeline_step(
+    config: Any,
+    model_parts: list[Any],
+    schedule: Any,
+    has_first: bool,
+    has_last: bool,
+    optimizers: Any,
+    train_context: Any,
+    parallel_dims: Any,
+    accumulation: int,
+) -> Callable[[], None]:
+    """``Trainer.train_step`` (trainer.py:871-949) with ``pp_forward_backward_step``
+    (trainer.py:833-868) for this rank's stages, synthetic tokens.
+
+    torchtitan 0.3.0 hands the schedule pre-split micro-batches (``step(arg_mbs=...,
+    target_mbs=...)``), which torch 2.13's ``_PipelineSchedule.step(*args, target=...)`` does
+    not take (they would reach the model as keyword arguments); the whole local batch is given
+    instead and the schedule splits it into the same micro-batches
+    (torch/distributed/pipelining/schedules.py ``step`` -> ``_split_inputs``): the tokens are
+    one ``local_batch x seq`` tensor rather than one per micro-batch, the same bytes.
+    """
+    import torch
+
+    from oomkit.prediction.models.pipeline import _warmup_by_own_vote, forget_earlier_meshes
+
+    dist_utils = import_torchtitan("torchtitan.distributed.utils")
+    training = config.training
+    seq = training.seq_len
+    params = [p for m in model_parts for p in m.parameters()]
+
+    def step() -> None:
+        optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)  # trainer.py:874
+        local_tokens = torch.tensor(
+            training.local_batch_size * seq * accumulation, dtype=torch.int64
+        )
+        if parallel_dims.dp_enabled:  # trainer.py:893-903
+            global_tokens = dist_utils.dist_sum_tensor(local_tokens, parallel_dims.get_mesh("batch"))
+        else:
+            global_tokens = local_tokens
+        for _ in range(accumulation):
+            # trainer.py:908-921: the micro-batches' tokens and labels moved to the device, here
+            # as one batch the schedule splits (see pipeline_step's doc)
+            inputs = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
+            labels = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
+            with train_context(), _warmup_by_own_vote():  # trainer.py:852-864
+                losses: list[Any] | None = [] if has_last else None
+                schedule.step(
+                    *((inputs,) if has_first else ()),
+                    target=labels if has_last else None,
+                    losses=losses,
+                    return_outputs=False,
+                    loss_kwargs={"global_valid_tokens": global_tokens},
+                )
+            del inputs, labels, losses
+        dist_utils.clip_grad_norm_(  # trainer.py:939-945
+            params,
+            training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims.ep_enabled,
+        )
+        optimizers.step()
+        forget_earlier_meshes()  # nothing of this group's meshes outlives it
+
+    return step
+
+
+def pipeline_words(config: Any, schedule: Any, model_parts: list[Any]) -> str:
+    """The pipeline as run on this rank, in words: schedule, micro-batches, its stages' modules."""
+    parallelism = config.parallelism
+    # schedules.py: a PipelineScheduleMulti keeps `_stages`, a PipelineScheduleSingle `_stage`
+    run = getattr(schedule, "_stages", None) or [schedule._stage]
+    stages = []
+    for stage, part in zip(run, model_parts, strict=True):
+        layers = list(part.layers.keys()) if part.layers is not None else []
+        names = [name for name in ("tok_embeddings",) if getattr(part, name, None) is not None]
+        if layers:
+            names.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+        names += [name for name in ("norm", "lm_head") if getattr(part, name, None) is not None]
+        stages.append(f"stage {stage.stage_index} ({', '.join(names)})")
+    return (
+        f"pipeline {parallelism.pipeline_parallel_schedule} over {parallelism.pipeline_parallel_degree} "
+        f"ranks, {schedule._n_microbatches} micro-batches of "
+        f"{parallelism.pipeline_parallel_microbatch_size}: this rank runs {'; '.join(stages)}"
+    )
