@@ -46,8 +46,13 @@ def _overrides(row: dict) -> tuple[str, ...]:
     return (
         "--parallelism.spmd_backend", "partial_dtensor",
         "--training.disable_cuda_graphs",
-        # eager: the 405B config compiles (with async TP) by default
-        "--compile.no-enable", "--compile.no-enable-async-tensor-parallel",
+        # the row's compile (torchtitan's apply_compile: each block and the loss); the 405B
+        # config compiles (with async TP) by default, so an eager row says no-enable
+        "--compile.enable" if row["compile"] else "--compile.no-enable",
+        # 2024's torchtitan compiled each block only (apply_compile); the loss's compile (0.3.0's
+        # default components ["model", "loss"]) came later
+        *(("--compile.components", "model") if row["compile"] else ()),
+        "--compile.no-enable-async-tensor-parallel",
         "--training.local_batch_size", str(row["local_batch_size"]),
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
@@ -83,8 +88,10 @@ def _skip_reason(row: dict) -> str | None:
     layout = row["layout"]
     parts = [
         (layout["cp"] > 1, "context parallel"),
-        (row["compile"], "torch.compile"),
+        (row["compile"] and layout["tp"] > 1, "torch.compile with tensor parallel"),
         (row["async_tp"], "async TP"),
+        # 0.3.0's registry has Float8 variants of the debug model only (``_config``)
+        (row.get("float8", False) and row["model"] == "8B", "Float8 on the 8B config"),
     ]
     refused = [words for given, words in parts if given]
     if refused:

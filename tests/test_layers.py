@@ -23,6 +23,8 @@ RANK = {
     "errors": 0,
     "_version": 0,
     "_lazy": 0,
+    # other libraries' log lines kept quiet while they are imported
+    "_logs": 0,
     # which allocator core is installed (compiled or pure), read from the file system
     "_build": 0,
     "units": 1,

@@ -27,6 +27,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from oomkit._logs import quiet_loggers
 from oomkit.errors import OomkitError
 
 __all__ = [
@@ -128,22 +129,12 @@ def _no_triton_kernels_defined() -> Iterator[None]:
         triton_utils.has_triton = real
 
 
-@contextlib.contextmanager
-def quiet_torchtitan_logs() -> Iterator[None]:
+def quiet_torchtitan_logs() -> contextlib.AbstractContextManager[None]:
     """torchtitan logs its own advice at WARNING: on its logger ("HF assets path ... does not
     exist!") and on the root logger (torchtitan/components/checkpointer/base.py
-    ``initial_load_model_only=True has no effect ...``), which a prediction does not act on."""
-    import logging
-
-    loggers = [logging.getLogger("torchtitan"), logging.getLogger()]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+    ``initial_load_model_only=True has no effect ...``), which a prediction does not act on;
+    torchao, which its converters import, adds its own (models/float8.py ``_IMPORT_LOGGERS``)."""
+    return quiet_loggers("torchtitan", "", "torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager

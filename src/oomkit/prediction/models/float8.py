@@ -35,11 +35,11 @@ the input.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Literal
 
 import torch
 
+from oomkit._logs import quiet_loggers
 from oomkit.errors import ConfigError
 
 __all__ = [
@@ -101,20 +101,14 @@ _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def _import_torchao() -> None:
-    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # type: ignore[import-untyped]  # noqa: F401
+        with quiet_loggers(*_IMPORT_LOGGERS):
+            import torchao.float8  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
             "--float8 converts the model with torchao's convert_to_float8_training; torchao "
             f"is not importable here ({exc}). Install it: pip install torchao"
         ) from exc
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
 
 
 def convert_to_float8(model: torch.nn.Module, options: Float8Options) -> list[str]:
