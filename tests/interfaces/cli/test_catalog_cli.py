@@ -159,13 +159,13 @@ def test_presets_without_torch_exit_3():
 
 @pytest.mark.parametrize("command", ["predict", "fit"])
 def test_help_lists_presets_gpus_and_defaults(command):
-    """predict/fit --help name every preset and catalog GPU and state the defaults."""
+    """predict/fit --help name every preset, count the catalog's GPUs (naming `oomkit gpus`,
+    which lists them: the help stays under 100 lines) and state the defaults."""
     action = next(a for a in build_parser()._actions if a.dest == "command")
     text = " ".join(action.choices[command].format_help().split())
     for name in PRESET_NAMES:
         assert name in text
-    for spec in CATALOG:
-        assert spec.aliases[0] in text
+    assert f"GPUs: {len(CATALOG)} in the catalog (`oomkit gpus`: h100," in text
     assert "fp32, fp16-mixed, bf16-mixed, bf16 or fp16" in text
     assert "a catalog GPU (`oomkit gpus`)" in text
     assert "adamw (default)" in text and "train (default)" in text

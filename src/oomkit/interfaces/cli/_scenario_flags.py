@@ -318,10 +318,10 @@ def catalog_epilog() -> str:
 
     from oomkit.core.gpus import CATALOG
 
-    # Counted, with a few names: `oomkit presets` and `oomkit gpus` list them all (the full
-    # lists took six lines of the help).
+    # Every preset; the GPUs counted, with a few names (their full list took four lines of a
+    # help kept under 100): `oomkit gpus` lists them.
     text = (
-        f"presets: {len(PRESET_NAMES)} (`oomkit presets`: gpt2-124m, llama3-8b, ...); GPUs: "
-        f"{len(CATALOG)} (`oomkit gpus`: h100, a100-80gb, rtx4090, ...) or a size such as 24GiB."
+        f"presets: {', '.join(PRESET_NAMES)} (`oomkit presets`). GPUs: {len(CATALOG)} in the "
+        "catalog (`oomkit gpus`: h100, a100-80gb, rtx4090, ...), or a size such as 24GiB."
     )
     return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)

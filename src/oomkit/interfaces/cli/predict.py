@@ -41,7 +41,6 @@ examples:
   oomkit predict train.py --gpu rtx4090 -- config/train_shakespeare_char.py
   oomkit predict llama-8b --lora 16 --quantize nf4 --batch 4 --seq 2048 --gpu rtx4090
   oomkit predict --torchtitan llama3:llama3_8b --world-size 8 -- --training.local_batch_size 2
-  oomkit predict --config run.toml --set target.gpu=h100 --dump-config
 """
 
 
