@@ -150,7 +150,8 @@ class ParallelSection(_Section):
     async_tp: bool = Field(
         False,
         description="torchtitan's async TP (refused: see its message)",
-        json_schema_extra=_flag("--async-tp", MULTI_GPU, commands=("predict",)),
+        # No flag (refused, never typed daily): --set parallel.async_tp=true.
+        json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
 
     pp: Count | None = Field(
@@ -254,5 +255,5 @@ class ParallelSection(_Section):
                 "(--fsdp 1 for one GPU)"
             )
         if self.async_tp and self.tp is None:
-            raise ValueError("--async-tp pipelines tensor parallel's collectives: add --tp N")
+            raise ValueError("parallel.async_tp pipelines tensor parallel's collectives: add --tp N")
         return self

@@ -137,7 +137,7 @@ def parallel_workload(
     if model.function is not None:
         if parallel is not None and (parallel.float8 or parallel.async_tp):
             raise OomkitError(
-                f"--float8 and --async-tp convert a preset as torchtitan does; "
+                f"--float8 and parallel.async_tp convert a preset as torchtitan does; "
                 f"{model.function} builds its own model: call torchao's "
                 "convert_to_float8_training in it, then drop the flag"
             )
@@ -214,7 +214,7 @@ def _float8_options(scenario: Scenario) -> Any:
 
 
 def _refuse_async_tp(name: str, options: Any, layout: ParallelLayout) -> None:
-    """Refuse ``--async-tp``, saying the symmetric-memory workspace it would add here."""
+    """Refuse ``parallel.async_tp``, saying the symmetric-memory workspace it would add here."""
     from oomkit.prediction.models.async_tp import async_tp_refusal
     from oomkit.prediction.models.llama import LlamaShape
     from oomkit.prediction.models.presets import shaped_preset

@@ -73,7 +73,6 @@ EXPECTED = {
     "predict": [
         "--all-ranks",
         "--alloc-conf",
-        "--async-tp",
         "--attn-implementation",
         "--batch",
         "--bucket-cap-mb",

@@ -1,4 +1,4 @@
-"""`oomkit predict PRESET --fsdp N --float8 [...]` (torchao Float8 training) and --async-tp."""
+"""`oomkit predict PRESET --fsdp N --float8 [...]` (torchao Float8 training) and parallel.async_tp."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_float8_peaks(tiny_llama, flags, peak_bytes, gathered_bytes, capsys):
         (["--fsdp", "2", "--float8-recipe", "tensorwise"], "configure --float8: add it"),
         (["--float8"], "--float8 is modelled with FSDP2"),
         (["--fsdp", "2", "--float8", "--float8-all-gather"], "needs --float8-recipe tensorwise"),
-        (["--fsdp", "2", "--async-tp"], "--async-tp pipelines tensor parallel's collectives"),
+        (["--fsdp", "2", "--set", "parallel.async_tp=true"],
+         "parallel.async_tp pipelines tensor parallel's collectives"),
         (["--dp", "2", "--float8"], "--float8 is modelled with FSDP2"),
     ],
 )
@@ -64,13 +65,13 @@ def test_float8_and_async_tp_refusals_exit_2(tiny_llama, argv, message, capsys):
 
 
 def test_async_tp_is_refused_with_its_workspace(capsys):
-    """--async-tp on Llama 3 8B says what it would add: 2 x batch 1 x seq 16/2 x hidden 4096 x
+    """parallel.async_tp on Llama 3 8B says what it would add: 2 x batch 1 x seq 16/2 x hidden 4096 x
     2 bytes (bf16) = 128 KiB of symmetric memory per GPU, outside the caching allocator."""
-    argv = ["predict", "llama3-8b", "--tp", "2", "--fsdp", "2", "--compile", "--async-tp",
+    argv = ["predict", "llama3-8b", "--tp", "2", "--fsdp", "2", "--compile", "--set", "parallel.async_tp=true",
             "--batch", "1", "--seq", "16"]
     assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "--async-tp is not modelled: Inductor's micro_pipeline_tp pass" in err
+    assert "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass" in err
     assert (
         "that workspace is 128.00 KiB per GPU (2 x batch 1 x seq 16/2 x hidden 4096 x 2 bytes)"
     ) in err

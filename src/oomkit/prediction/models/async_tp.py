@@ -53,7 +53,7 @@ def symmetric_workspace_bytes(
 def async_tp_refusal(
     shape: LlamaShape | None, batch_size: int, seq_len: int, tp: int, itemsize: int
 ) -> str:
-    """Why ``--async-tp`` is refused, with the workspace it would add for this step."""
+    """Why ``parallel.async_tp`` is refused, with the workspace it would add for this step."""
     size = ""
     if shape is not None and seq_len:
         workspace = symmetric_workspace_bytes(shape, batch_size, seq_len, tp, itemsize)
@@ -63,11 +63,11 @@ def async_tp_refusal(
             f"{itemsize} bytes), outside PyTorch's caching allocator."
         )
     return (
-        "--async-tp is not modelled: Inductor's micro_pipeline_tp pass rewrites TP's "
+        "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass rewrites TP's "
         "all-gather+matmul and matmul+reduce-scatter into symmetric-memory ops, a pass oomkit's "
         "Inductor stand-in does not run, and their chunks run on a backend stream. The "
         "difference from `--tp N --compile` is the symmetric-memory workspace of the TP group "
         "(2 x one rank's reduce-scatter chunk: torch/distributed/_symmetric_memory "
         f"_pipelined_produce_and_all2all) and per-stream pool rounding.{size} Predict "
-        "without --async-tp and add that workspace to the peak."
+        "without parallel.async_tp and add that workspace to the peak."
     )
