@@ -70,6 +70,8 @@ _NVLS_ALIGN_BYTES = 2 * _MIB
 # / ``NCCL_MAX_NCHANNELS`` bound it (MAXCHANNELS 64, src/include/device.h).
 _RING_CHANNELS_NVSWITCH_SM90 = 32
 _RING_CHANNELS_NVSWITCH_SM80 = 24
+# PCIe GPUs without NVLink: an estimate with no measured figure behind it yet (a ring over PCIe
+# gets few channels); ``parallel.nccl_ring_channels`` replaces it.
 _RING_CHANNELS_PCIE = 4
 
 
