@@ -13,3 +13,18 @@ def _terminal_size_not_inherited(monkeypatch):
     are removed; a test about them sets its own."""
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+_CACHE_DIRS = iter(range(1 << 62))
+
+
+@pytest.fixture(autouse=True)
+def _recording_cache_per_test(monkeypatch, tmp_path_factory):
+    """``oomkit predict`` keeps recordings in the user's cache folder
+    (``prediction/recording_cache.py``): each test gets a folder of its own (made only when a
+    test stores a recording), so no test writes into the real cache and none replays another's
+    recording; ``OOMKIT_NO_CACHE`` from the caller's shell is removed so the cache runs as it
+    does for users."""
+    base = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("OOMKIT_CACHE_DIR", str(base / f"oomkit-cache-{next(_CACHE_DIRS)}"))
+    monkeypatch.delenv("OOMKIT_NO_CACHE", raising=False)

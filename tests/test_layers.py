@@ -245,6 +245,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.models",
         "oomkit.prediction.module_groups",
         "oomkit.prediction.predictor",
+        "oomkit.prediction.recording_cache",
         "oomkit.prediction._replay",
         "oomkit.prediction.distributed_memory",
         "oomkit.prediction.envelope",

@@ -113,6 +113,7 @@ EXPECTED = {
         "--microbatches",
         "--mode",
         "--new-tokens",
+        "--no-cache",
         "--no-remedies",
         "--optimizer",
         "--optimizer-impl",

@@ -60,6 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
     add_json_flag(output)
+    groups["run"].add_argument(
+        "--no-cache",
+        action="store_true",
+        help="record the step again instead of replaying its cached recording "
+        "(also OOMKIT_NO_CACHE=1; the cache is in OOMKIT_CACHE_DIR, else ~/.cache/oomkit)",
+    )
     parser.formatter_class = CompactHelp
     parser.set_defaults(run=run)
     return parser
@@ -82,9 +88,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_step(args: argparse.Namespace, scenario: Any) -> int:
+    from oomkit.scenario.recording_reuse import cache_key, cached_prediction
+
+    # The cache is asked before anything imports torch: a hit replays without it.
+    key = None if args.no_cache else cache_key(scenario)
+    hit = None if key is None else cached_prediction(scenario, key)
+    if hit is not None:
+        if not args.json:
+            stderr_console().print(
+                f"replaying the cached recording of {hit.description} (--no-cache records "
+                "it again) ...",
+                markup=False,
+                highlight=False,
+            )
+        with user_output_to_stderr():
+            remedies = _remedies(args, scenario, hit)
+        return _output(args, hit, remedies)
+    return _record_step(args, scenario, key)
+
+
+def _record_step(args: argparse.Namespace, scenario: Any, key: str | None) -> int:
     from oomkit.interfaces.cli._progress import progress_enabled, step_progress
-    from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
-    from oomkit.prediction.summary import nothing_recorded
+    from oomkit.scenario.recording_reuse import record_and_keep
     from oomkit.scenario.run import predicting
 
     # stdout is oomkit's (--json must stay one object): the user's prints go to stderr.
@@ -102,8 +127,16 @@ def _run_step(args: argparse.Namespace, scenario: Any) -> int:
             stderr_console().print(f"recording {where} ...", markup=False, highlight=False)
         enabled = progress_enabled(args, sys.stderr) and run.target.parallel is None
         with step_progress(enabled, run.steps, run.new_tokens) as progress:
-            prediction = run.record(progress)
+            prediction = record_and_keep(run, key, progress)
         remedies = _remedies(args, scenario, prediction)
+    return _output(args, prediction, remedies)
+
+
+def _output(args: argparse.Namespace, prediction: Any, remedies: tuple[Any, ...]) -> int:
+    """Print the prediction (``--json``: one object) and return the exit code."""
+    from oomkit.interfaces.reports.prediction import prediction_to_json, render_prediction
+    from oomkit.prediction.summary import nothing_recorded
+
     if args.json:
         print_json(prediction_to_json(prediction, remedies=remedies))
     else:
