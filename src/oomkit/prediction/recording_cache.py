@@ -56,6 +56,7 @@ __all__ = [
     "plain_value",
     "recorder_environment",
     "recording_key",
+    "source_tree_digest",
     "store_recording",
 ]
 
@@ -151,9 +152,14 @@ def cache_directory(environ: Mapping[str, str] | None = None) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def oomkit_source_digest() -> str:
-    """SHA-256 of oomkit's own Python source files (their paths and bytes, in path order):
-    an edit to any of them, in a checkout or an install, changes every key."""
-    root = Path(__file__).resolve().parent.parent
+    """``source_tree_digest`` of oomkit's own package: an edit to any of its Python files, in a
+    checkout or an install, changes every key."""
+    return source_tree_digest(Path(__file__).resolve().parent.parent)
+
+
+def source_tree_digest(root: Path) -> str:
+    """SHA-256 of every ``.py`` file under ``root``: their relative paths and bytes, in path
+    order (a file added, removed, renamed or edited changes it)."""
     digest = hashlib.sha256()
     for relative in sorted(_source_files(root)):
         digest.update(relative.encode("utf-8", "surrogateescape") + b"\0")

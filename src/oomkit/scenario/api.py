@@ -71,7 +71,10 @@ def predict(what: Any = None, /, *args: Any, **keywords: Any) -> Prediction:
             for a step function, the target (``gpu``, ``alloc_conf``, ``context_overhead``,
             ``torch_version``, ``cuda_version``, ``cudnn_version``, or ``target`` a whole
             ``Target``), ``steps``, ``budget_bytes``, ``track``, ``description``, ``values``,
-            ``compile``, and the step function's own keyword arguments.
+            ``compile``, and the step function's own keyword arguments. With a scenario or a
+            name, ``cache=False`` records the step even where a cached recording of it is kept
+            (``oomkit.scenario.recording_reuse``: a preset or a local ``--hf`` config, in a
+            process that has not imported torch yet).
 
     Returns:
         The ``Prediction`` (its ``scenario`` set for the first two forms).
@@ -87,9 +90,12 @@ def predict(what: Any = None, /, *args: Any, **keywords: Any) -> Prediction:
             "positional arguments after the first go to a step function; with a scenario or a "
             "name, give fields as keywords (oomkit.predict('gpt2-124m', batch=8))"
         )
-    from oomkit.scenario.run import predict as predict_scenario
+    cache = keywords.pop("cache", True)
+    if not isinstance(cache, bool):
+        raise ScenarioError(f"oomkit.predict(cache=...) takes True or False; got {cache!r}")
+    from oomkit.scenario.recording_reuse import predict_with_cache
 
-    return predict_scenario(_scenario(what, keywords, "predict"))
+    return predict_with_cache(_scenario(what, keywords, "predict"), cache=cache)
 
 
 def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: dict[str, Any]) -> Any:

@@ -52,9 +52,18 @@ __all__ = [
 
 
 def cache_refusal(
-    scenario: Scenario, *, environ: Mapping[str, str] | None = None
+    scenario: Scenario,
+    *,
+    environ: Mapping[str, str] | None = None,
+    modules: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """Why ``scenario``'s recording is not cached, in words; ``None`` when it is cacheable."""
+    """Why ``scenario``'s recording is not cached, in words; ``None`` when it is cacheable.
+
+    Args:
+        scenario: the request.
+        environ: the environment (``OOMKIT_NO_CACHE``); default ``os.environ``.
+        modules: the modules imported so far; default ``sys.modules``.
+    """
     env = os.environ if environ is None else environ
     if cache_disabled(env):
         return "OOMKIT_NO_CACHE is set"
@@ -71,17 +80,23 @@ def cache_refusal(
         return "a sharded step is recorded on a fake process group"
     if step.compile:
         return "--compile runs dynamo and Inductor, which read more than the key holds"
-    if "torch" in sys.modules:
+    if "torch" in (sys.modules if modules is None else modules):
         return "torch is already imported in this process (its state may differ)"
     if model.hf is not None and _hf_config_digest(model.hf) is None:
         return "a Hugging Face model is cached only from a local directory's config.json"
     return None
 
 
-def cache_key(scenario: Scenario, *, environ: Mapping[str, str] | None = None) -> str | None:
+def cache_key(
+    scenario: Scenario,
+    *,
+    environ: Mapping[str, str] | None = None,
+    modules: Mapping[str, Any] | None = None,
+) -> str | None:
     """The recording's key (``recording_key``): the whole scenario as JSON, the bytes of a
-    local HF config, and the environment the recorder reads; ``None`` when not cacheable."""
-    if cache_refusal(scenario, environ=environ) is not None:
+    local HF config, and the environment the recorder reads; ``None`` when not cacheable
+    (``cache_refusal``, whose arguments these are)."""
+    if cache_refusal(scenario, environ=environ, modules=modules) is not None:
         return None
     material: dict[str, Any] = {
         "scenario": scenario.model_dump(mode="json"),

@@ -1,0 +1,229 @@
+"""``oomkit predict`` through the recording cache: a hit replays without torch, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomkit.errors import ScenarioError
+from oomkit.scenario.keywords import scenario_from_keywords
+from oomkit.scenario.recording_reuse import cache_key, cache_refusal
+
+# The modules of a process that has not imported torch.
+FRESH: dict[str, object] = {}
+# A small preset step, its defaults left to oomkit (precision, optimizer: notes in the result).
+GPT2 = ["gpt2-124m", "--batch", "1", "--seq", "32", "--steps", "2", "--gpu", "h100"]
+
+
+def oomkit(*argv: str, cache: Path, importtime: bool = False, **env: str):
+    command = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "oomkit"]
+    environ = {**os.environ, "OOMKIT_CACHE_DIR": str(cache), **env}
+    return subprocess.run(
+        [*command, *argv], capture_output=True, text=True, env=environ, check=False, timeout=300
+    )
+
+
+def entries(cache: Path) -> list[Path]:
+    folder = cache / "recordings"
+    return sorted(folder.glob("*.trace.gz")) if folder.is_dir() else []
+
+
+def imported_torch(stderr: str) -> bool:
+    """Whether ``-X importtime``'s lines name torch or any of its submodules."""
+    names = [line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines() if "|" in line]
+    return any(name == "torch" or name.startswith("torch.") for name in names)
+
+
+def test_a_hit_is_byte_identical_and_imports_no_torch(tmp_path):
+    """Cold (recorded, kept), warm (replayed) and --no-cache give the same --json bytes and
+    exit code; the warm run imports no torch, the cold one does."""
+    cache = tmp_path / "cache"
+    cold = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
+    assert cold.returncode == 0, cold.stderr[-2000:]
+    assert imported_torch(cold.stderr)
+    assert len(entries(cache)) == 1
+    warm = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    assert not imported_torch(warm.stderr)
+    fresh = oomkit("predict", *GPT2, "--json", "--no-cache", cache=tmp_path / "unused")
+    assert warm.stdout == cold.stdout == fresh.stdout
+    assert not (tmp_path / "unused").exists()  # --no-cache neither reads nor writes
+    out = json.loads(warm.stdout)
+    assert out["workload"]["options"]["batch_size"] == 1 and out["steps"] == 2
+
+
+def test_the_defaults_chosen_come_back_from_the_cache(tmp_path):
+    """A generation without --steps notes the default (1 step): the note is in the hit's
+    result as in the miss's."""
+    cache = tmp_path / "cache"
+    argv = ["predict", "gpt2-124m", "--mode", "generate", "--new-tokens", "4", "--batch", "1",
+            "--seq", "16", "--gpu", "h100", "--json"]  # fmt: skip
+    cold = oomkit(*argv, cache=cache)
+    warm = oomkit(*argv, cache=cache, importtime=True)
+    assert cold.returncode == warm.returncode == 0, cold.stderr[-2000:]
+    assert not imported_torch(warm.stderr) and warm.stdout == cold.stdout
+    assert "1 step, the default for generate" in json.loads(warm.stdout)["assumptions"][
+        "default steps"
+    ]
+
+
+def test_the_terminal_report_of_a_hit_is_the_misss(tmp_path):
+    """Without --json, stdout is the same report; stderr says the recording was replayed."""
+    cache = tmp_path / "cache"
+    cold = oomkit("predict", *GPT2, cache=cache)
+    warm = oomkit("predict", *GPT2, cache=cache)
+    assert cold.returncode == warm.returncode == 0
+    assert warm.stdout == cold.stdout
+    assert "recording GPT-2 124M" in cold.stderr
+    assert "replaying the cached recording of GPT-2 124M" in warm.stderr
+
+
+def test_a_changed_field_is_a_miss(tmp_path):
+    """Another batch is another key: recorded (a second entry), and its result is the one a
+    --no-cache prediction of that batch gives, not the kept batch's."""
+    cache = tmp_path / "cache"
+    first = oomkit("predict", *GPT2, "--json", cache=cache)
+    other = [*GPT2[:2], "2", *GPT2[3:]]
+    second = oomkit("predict", *other, "--json", cache=cache)
+    fresh = oomkit("predict", *other, "--json", "--no-cache", cache=cache)
+    assert len(entries(cache)) == 2
+    assert second.stdout == fresh.stdout != first.stdout
+    assert json.loads(second.stdout)["workload"]["options"]["batch_size"] == 2
+
+
+def test_a_damaged_entry_is_recorded_again(tmp_path):
+    """A truncated entry is ignored (the step is recorded, same bytes out) and rewritten."""
+    cache = tmp_path / "cache"
+    cold = oomkit("predict", *GPT2, "--json", cache=cache)
+    (path,) = entries(cache)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    again = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert imported_torch(again.stderr)  # recorded, not replayed
+    assert again.stdout == cold.stdout
+    assert path.read_bytes() != data[: len(data) // 2]
+    warm = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
+    assert not imported_torch(warm.stderr) and warm.stdout == cold.stdout
+
+
+def test_a_step_that_does_not_fit_exits_1_from_the_cache_too(tmp_path):
+    """The verdict and exit code of an OOM are replayed as recorded (1 on both runs)."""
+    cache = tmp_path / "cache"
+    small = [*GPT2[:-1], "1GiB", "--no-remedies", "--json"]
+    cold = oomkit("predict", *small, cache=cache)
+    warm = oomkit("predict", *small, cache=cache)
+    assert cold.returncode == warm.returncode == 1
+    assert warm.stdout == cold.stdout
+    assert json.loads(warm.stdout)["fits"] is False
+
+
+def test_oomkit_no_cache_writes_nothing(tmp_path):
+    """OOMKIT_NO_CACHE=1: recorded, nothing kept."""
+    cache = tmp_path / "cache"
+    done = oomkit("predict", *GPT2, "--json", cache=cache, OOMKIT_NO_CACHE="1")
+    assert done.returncode == 0
+    assert entries(cache) == []
+
+
+def test_a_local_hf_config_is_keyed_by_its_bytes(tmp_path):
+    """--hf DIR: kept and replayed; an edit to config.json is a miss with the new model's
+    result."""
+    model = tmp_path / "tiny-gpt2"
+    model.mkdir()
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
+        "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 128,
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    cache = tmp_path / "cache"
+    argv = ["predict", "--hf", str(model), "--batch", "2", "--seq", "32", "--steps", "1", "--json"]
+    cold = oomkit(*argv, cache=cache)
+    assert cold.returncode == 0, cold.stderr[-2000:]
+    warm = oomkit(*argv, cache=cache, importtime=True)
+    assert warm.stdout == cold.stdout and not imported_torch(warm.stderr)
+    (model / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
+    edited = oomkit(*argv, cache=cache, importtime=True)
+    assert imported_torch(edited.stderr)
+    assert len(entries(cache)) == 2
+    assert json.loads(edited.stdout)["peak_allocated_bytes"] > json.loads(cold.stdout)[
+        "peak_allocated_bytes"
+    ]
+
+
+def test_users_code_is_never_cached(tmp_path):
+    """A file.py:function step runs the user's code: recorded, nothing kept."""
+    step = tmp_path / "step.py"
+    step.write_text(
+        "import torch\n"
+        "def build(batch_size=2):\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch.nn.Linear(64, 64)\n"
+        "        x = torch.randn(batch_size, 64)\n"
+        "    def step():\n"
+        "        model(x).sum().backward()\n"
+        "    return step, (model, x)\n"
+    )
+    cache = tmp_path / "cache"
+    done = oomkit("predict", f"{step}:build", "--steps", "1", "--json", cache=cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert entries(cache) == []
+
+
+@pytest.mark.parametrize(
+    ("keywords", "reason"),
+    [
+        ({"what": "step.py:build"}, "your own code"),
+        ({"what": "train.py"}, "your own code"),
+        ({"what": "gpt2-124m", "compile": True}, "--compile"),
+        ({"what": "gpt2-124m", "fsdp": 2}, "sharded"),
+        ({"what": "gpt2-124m", "eval": "evals.py:run"}, "--eval"),
+        ({"hf": "openai-community/gpt2"}, "local directory"),
+    ],
+)
+def test_what_is_not_cached_says_why(keywords, reason):
+    """Each request the key cannot settle is refused, with its reason; no key is made."""
+    what = keywords.pop("what", None)
+    scenario = scenario_from_keywords(what, **keywords)
+    assert reason in (cache_refusal(scenario, environ={}, modules=FRESH) or "")
+    assert cache_key(scenario, environ={}, modules=FRESH) is None
+
+
+def test_a_process_that_imported_torch_records_afresh():
+    """In-process, with torch imported (its global state may differ), the cache is not used;
+    OOMKIT_NO_CACHE turns it off."""
+    scenario = scenario_from_keywords("gpt2-124m", batch=1)
+    imported = {"torch": object()}
+    assert cache_refusal(scenario, environ={}, modules=imported) == (
+        "torch is already imported in this process (its state may differ)"
+    )
+    assert cache_refusal(scenario, environ={}, modules=FRESH) is None
+    off = {"OOMKIT_NO_CACHE": "1"}
+    assert cache_refusal(scenario, environ=off, modules=FRESH) == "OOMKIT_NO_CACHE is set"
+
+
+def test_the_key_holds_the_environment_the_recorder_reads():
+    """CUBLAS_WORKSPACE_CONFIG changes the key; an unrelated variable does not."""
+    scenario = scenario_from_keywords("gpt2-124m", batch=1)
+
+    def key(scenario, **environ):
+        return cache_key(scenario, environ=environ, modules=FRESH)
+
+    base = key(scenario, HOME="/a")
+    assert base is not None and len(base) == 64
+    assert key(scenario, HOME="/b") == base
+    assert key(scenario, CUBLAS_WORKSPACE_CONFIG=":16:8") != base
+    assert key(scenario_from_keywords("gpt2-124m", batch=2), HOME="/a") != base
+
+
+def test_the_api_refuses_a_cache_that_is_not_a_bool():
+    """oomkit.predict(..., cache="no") names the keyword."""
+    import oomkit
+
+    with pytest.raises(ScenarioError, match=r"cache=\.\.\.\) takes True or False"):
+        oomkit.predict("gpt2-124m", cache="no")
