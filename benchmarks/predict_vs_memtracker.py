@@ -3,9 +3,17 @@
 MemTracker (``torch.distributed._tools.mem_tracker``) is PyTorch's own GPU-free memory estimator:
 it runs the step under ``FakeTensorMode`` and accounts every tensor by module and category. Both
 tools are timed as a user waits for them: a fresh process from start to exit (imports included),
-the two alternating in one run so that the machine's load falls on both alike. Wall seconds and
+the tools alternating in one run so that the machine's load falls on all alike. Wall seconds and
 the child's CPU seconds (``getrusage``: what does not move with the load) are printed, with the
 ratio MemTracker / oomkit (above 1: oomkit is faster).
+
+oomkit runs twice per round (``prediction/recording_cache.py``): **cold**, with an empty
+recording cache (``OOMKIT_CACHE_DIR`` a new empty folder: the step is recorded, which imports
+torch, and the recording kept), then **warm**, the same command again (the kept recording is
+replayed, without importing torch). Cold is a user's first prediction of a step on an
+installation; warm every later one of the same step (the same scenario, oomkit source, package
+versions and environment). Each ratio says which it is; the warm run's ``--json`` is checked to
+be byte-identical to the cold run's.
 
 Cases (issue 41 item 3), fp32 weights, AdamW (foreach, as on CUDA):
 - ``gpt2-124m``: GPT-2 124M, batch 8, seq 1024, 3 training steps;
@@ -28,6 +36,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -84,11 +93,11 @@ def oomkit_command(case: str) -> list[str]:
     ]  # fmt: skip
 
 
-def timed(command: list[str]) -> tuple[float, float, str]:
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
     """Wall and CPU seconds of one child process, start to exit; its stdout."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode not in (0, 1):  # predict exits 1 when the step would not fit
@@ -114,7 +123,9 @@ def machine() -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each tool, alternating")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="rounds of cold, warm and MemTracker, alternating"
+    )
     parser.add_argument("--memtracker-child", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--write", help="also write the JSON line here")
     args = parser.parse_args()
@@ -122,12 +133,20 @@ def main() -> int:
         print(json.dumps(memtracker_child(args.memtracker_child)))
         return 0
     results: dict[str, Any] = {}
+    tools = ("oomkit_cold", "oomkit_warm", "memtracker")
     for case in args.cases:
-        runs: dict[str, list[tuple[float, float]]] = {"oomkit": [], "memtracker": []}
-        memtracker_out = oomkit_out = ""
+        runs: dict[str, list[tuple[float, float]]] = {tool: [] for tool in tools}
+        memtracker_out = cold_out = ""
+        identical = True
         for _ in range(args.repeat):
-            wall, cpu, oomkit_out = timed(oomkit_command(case))
-            runs["oomkit"].append((wall, cpu))
+            with tempfile.TemporaryDirectory(prefix="oomkit-cache-") as cache:
+                env = {**os.environ, "OOMKIT_CACHE_DIR": cache}
+                env.pop("OOMKIT_NO_CACHE", None)
+                wall, cpu, cold_out = timed(oomkit_command(case), env)
+                runs["oomkit_cold"].append((wall, cpu))
+                wall, cpu, warm_out = timed(oomkit_command(case), env)
+                runs["oomkit_warm"].append((wall, cpu))
+                identical = identical and warm_out == cold_out
             memtracker = [sys.executable, __file__, "--memtracker-child", case]
             wall, cpu, memtracker_out = timed(memtracker)
             runs["memtracker"].append((wall, cpu))
@@ -138,22 +157,36 @@ def main() -> int:
                 "cpu_s": round(statistics.median(c for _, c in figures), 2),
                 "runs": [[round(w, 2), round(c, 2)] for w, c in figures],
             }
-        row["ratio_wall"] = round(row["memtracker"]["wall_s"] / row["oomkit"]["wall_s"], 2)
-        row["ratio_cpu"] = round(row["memtracker"]["cpu_s"] / row["oomkit"]["cpu_s"], 2)
+        for which in ("cold", "warm"):
+            mine = row[f"oomkit_{which}"]
+            row[f"ratio_{which}_wall"] = round(row["memtracker"]["wall_s"] / mine["wall_s"], 2)
+            row[f"ratio_{which}_cpu"] = round(row["memtracker"]["cpu_s"] / mine["cpu_s"], 2)
+        row["warm_json_identical_to_cold"] = identical
         tracked = json.loads(memtracker_out.strip().splitlines()[-1])
         row["memtracker_device"] = tracked["device"]
         row["memtracker_peak_bytes"] = tracked["peak_bytes"]
-        predicted = json.loads(oomkit_out)
+        predicted = json.loads(cold_out)
         row["oomkit_peak_allocated_bytes"] = predicted.get("peak_allocated_bytes")
         results[case] = row
         fake = "" if tracked["device"] == "cuda" else " (MemTracker on fake CPU tensors: no CUDA)"
+        mt, cold, warm = row["memtracker"], row["oomkit_cold"], row["oomkit_warm"]
         print(
-            f"{case}: oomkit {row['oomkit']['wall_s']} s wall / {row['oomkit']['cpu_s']} s CPU, "
-            f"MemTracker {row['memtracker']['wall_s']} s / {row['memtracker']['cpu_s']} s: "
-            f"MemTracker / oomkit = {row['ratio_wall']}x wall, {row['ratio_cpu']}x CPU{fake}",
+            f"{case}: MemTracker {mt['wall_s']} s wall / {mt['cpu_s']} s CPU{fake}\n"
+            f"  oomkit cold (empty cache: records) {cold['wall_s']} s / {cold['cpu_s']} s: "
+            f"MemTracker / oomkit = {row['ratio_cold_wall']}x wall, {row['ratio_cold_cpu']}x CPU\n"
+            f"  oomkit warm (cache hit: replays)   {warm['wall_s']} s / {warm['cpu_s']} s: "
+            f"MemTracker / oomkit = {row['ratio_warm_wall']}x wall, {row['ratio_warm_cpu']}x CPU"
+            f"; --json identical to cold: {identical}",
             flush=True,
         )
-    line = json.dumps({"cases": results, "target_ratio": 10.0, "machine": machine()})
+    target = 10.0
+    for which in ("warm", "cold"):
+        met = [
+            case for case, row in results.items()
+            if row[f"ratio_{which}_wall"] >= target and row[f"ratio_{which}_cpu"] >= target
+        ]  # fmt: skip
+        print(f"{target:g}x on wall and CPU, oomkit {which}: {len(met)} of {len(results)} cases")
+    line = json.dumps({"cases": results, "target_ratio": target, "machine": machine()})
     print(line)
     if args.write:
         with open(args.write, "w", encoding="utf-8") as out:

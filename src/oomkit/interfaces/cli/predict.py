@@ -63,8 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     groups["run"].add_argument(
         "--no-cache",
         action="store_true",
-        help="record the step again instead of replaying its cached recording "
-        "(also OOMKIT_NO_CACHE=1; the cache is in OOMKIT_CACHE_DIR, else ~/.cache/oomkit)",
+        help="record afresh, not from the recording cache",
     )
     parser.formatter_class = CompactHelp
     parser.set_defaults(run=run)
