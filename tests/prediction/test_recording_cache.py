@@ -237,3 +237,18 @@ def test_plain_value_refuses_what_plain_data_never_writes(data):
     """A mapping of more than one key (not a tag) is not a value: TypeError."""
     with pytest.raises(TypeError, match="not a value"):
         plain_value(data)
+
+
+_SEEN_CACHE_FOLDERS: list[str] = []
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_each_test_has_a_cache_folder_of_its_own(run, tmp_path_factory):
+    """tests/conftest.py points OOMKIT_CACHE_DIR at a new folder under pytest's temporary
+    folder for every test: none writes the user's cache or replays another test's recording."""
+    folder = os.environ["OOMKIT_CACHE_DIR"]
+    assert Path(folder).parent == tmp_path_factory.getbasetemp()
+    assert folder not in _SEEN_CACHE_FOLDERS
+    _SEEN_CACHE_FOLDERS.append(folder)
+    assert "OOMKIT_NO_CACHE" not in os.environ
+    assert cache_directory() == Path(folder) / "recordings"
