@@ -227,3 +227,70 @@ def test_the_api_refuses_a_cache_that_is_not_a_bool():
 
     with pytest.raises(ScenarioError, match=r"cache=\.\.\.\) takes True or False"):
         oomkit.predict("gpt2-124m", cache="no")
+
+
+def kept_recording(**context_changes):
+    import dataclasses
+
+    from oomkit.core.trace import TraceEvent
+    from oomkit.prediction.recording_cache import CachedRecording
+    from oomkit.prediction.workload import WorkloadSpec
+
+    tags = (("category", "activation"), ("phase", "forward"))
+    context = {
+        "description": "GPT-2 124M, batch 1",
+        "workload": dataclasses.asdict(WorkloadSpec("preset", "gpt2-124m", batch_size=1)),
+        "notes": {"default steps": "3"},
+        "cudnn_version": 92000,
+        **context_changes,
+    }
+    return CachedRecording(
+        events=(
+            TraceEvent("alloc", 1, 3 * 2**20, tags=tags),
+            TraceEvent("free_requested", 1, 3 * 2**20, tags=tags),
+            TraceEvent("free_completed", 1, 3 * 2**20, tags=tags),
+        ),
+        step_starts=(0,),
+        context=context,
+    )
+
+
+def test_a_hit_replays_the_kept_recording_on_the_scenarios_target(tmp_path):
+    """In-process: the kept events replayed on the scenario's GPU, with its notes, workload,
+    cuDNN version and the scenario itself."""
+    from oomkit.prediction.recording_cache import store_recording
+    from oomkit.scenario.recording_reuse import cached_prediction
+
+    key = "0" * 64
+    assert store_recording(key, kept_recording(), tmp_path)
+    scenario = scenario_from_keywords("gpt2-124m", batch=1, gpu="rtx4090")
+    hit = cached_prediction(scenario, key, directory=tmp_path)
+    assert hit.peak_allocated_bytes == 3 * 2**20  # a multiple of 512 B: not rounded up
+    # CUDACachingAllocator.cpp get_allocation_size: 1-10 MiB requests get a 20 MiB segment
+    assert hit.peak_reserved_bytes == 20 * 2**20
+    assert hit.gpu.name == "RTX 4090" and hit.target.cudnn_version == 92000
+    assert hit.workload.batch_size == 1 and hit.description == "GPT-2 124M, batch 1"
+    assert hit.assumptions["default steps"] == "3"
+    assert hit.scenario["model"] == {"preset": "gpt2-124m"}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"notes": {"default steps": 3}},
+        {"notes": ["x"]},
+        {"description": None},
+        {"cudnn_version": "92000"},
+        {"workload": {"kind": "preset", "name": "x", "no_such_field": 1}},
+        {"workload": ["preset"]},
+    ],
+)
+def test_a_kept_context_of_the_wrong_shape_is_a_miss(tmp_path, damage):
+    """A context that is not the one record_and_keep writes: ``None``, not an exception."""
+    from oomkit.prediction.recording_cache import store_recording
+    from oomkit.scenario.recording_reuse import cached_prediction
+
+    key = "1" * 64
+    assert store_recording(key, kept_recording(**damage), tmp_path)
+    scenario = scenario_from_keywords("gpt2-124m", batch=1, gpu="rtx4090")
+    assert cached_prediction(scenario, key, directory=tmp_path) is None

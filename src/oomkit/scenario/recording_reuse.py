@@ -140,6 +140,8 @@ def cached_prediction(
         cudnn = context["cudnn_version"]
         if not isinstance(description, str) or not isinstance(notes, dict):
             return None
+        if not all(isinstance(text, str) for text in notes.values()):
+            return None
         if cudnn is not None and type(cudnn) is not int:
             return None
     except (KeyError, TypeError):
