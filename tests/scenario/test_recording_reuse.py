@@ -294,3 +294,21 @@ def test_a_kept_context_of_the_wrong_shape_is_a_miss(tmp_path, damage):
     assert store_recording(key, kept_recording(**damage), tmp_path)
     scenario = scenario_from_keywords("gpt2-124m", batch=1, gpu="rtx4090")
     assert cached_prediction(scenario, key, directory=tmp_path) is None
+
+
+@pytest.mark.parametrize("code", ["auto_map", "modeling.py"])
+def test_an_hf_directory_with_its_own_code_is_not_cached(tmp_path, code):
+    """A config naming its own classes (auto_map), or a folder holding Python files: the
+    model's code is not oomkit's or transformers', so it is never cached."""
+    config = {"model_type": "gpt2", "n_layer": 2}
+    if code == "auto_map":
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling.MyModel"}
+    else:
+        (tmp_path / code).write_text("class MyModel: ...\n")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    scenario = scenario_from_keywords(hf=str(tmp_path), batch=1)
+    assert "local directory" in (cache_refusal(scenario, environ={}, modules=FRESH) or "")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    if code != "auto_map":
+        (tmp_path / code).unlink()
+    assert cache_refusal(scenario, environ={}, modules=FRESH) is None

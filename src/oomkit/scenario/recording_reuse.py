@@ -83,7 +83,10 @@ def cache_refusal(
     if "torch" in (sys.modules if modules is None else modules):
         return "torch is already imported in this process (its state may differ)"
     if model.hf is not None and _hf_config_digest(model.hf) is None:
-        return "a Hugging Face model is cached only from a local directory's config.json"
+        return (
+            "a Hugging Face model is cached only from a local directory's config.json, "
+            "without code of its own (auto_map, .py files)"
+        )
     return None
 
 
