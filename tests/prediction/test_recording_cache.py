@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import oomkit.prediction.recording_cache as recording_cache
 from oomkit.core.trace import Frame, TraceEvent, TraceHeader, write_trace
 from oomkit.prediction.recording_cache import (
     CACHE_FORMAT_VERSION,
@@ -148,6 +149,31 @@ def test_an_unwritable_folder_is_not_an_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert store_recording(KEY, recording(), blocker / "recordings") is False
+
+
+def test_the_least_recently_used_entries_are_pruned(tmp_path, monkeypatch):
+    """Beyond MAX_ENTRIES, storing removes the entries used longest ago; a hit counts as a
+    use, so an old entry just read survives."""
+    monkeypatch.setattr(recording_cache, "MAX_ENTRIES", 3)
+    keys = [f"{n:064x}" for n in range(4)]
+    for age, key in zip((400, 300, 200), keys[:3], strict=True):
+        store_recording(key, recording(), tmp_path)
+        os.utime(entry(tmp_path, key), (1e9 - age, 1e9 - age))
+    assert load_recording(keys[0], tmp_path) == recording()  # the oldest, used now
+    store_recording(keys[3], recording(), tmp_path)
+    kept = sorted(p.name.split(".")[0] for p in tmp_path.iterdir())
+    assert kept == sorted([keys[0], keys[2], keys[3]])
+
+
+def test_a_dead_writers_temporary_file_is_removed(tmp_path):
+    """A temporary file older than an hour (a writer killed before its rename) is removed by
+    the next store; a fresh one (a writer at work) is left."""
+    old, fresh = tmp_path / ".entry-old.tmp.gz", tmp_path / ".entry-new.tmp.gz"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(old, (1e9, 1e9))
+    store_recording(KEY, recording(), tmp_path)
+    assert not old.exists() and fresh.exists()
 
 
 def test_the_folder_follows_the_environment(tmp_path):

@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ __all__ = [
     "CACHE_FORMAT_VERSION",
     "CachedRecording",
     "KEYED_PACKAGES",
+    "MAX_ENTRIES",
     "cache_directory",
     "cache_disabled",
     "load_recording",
@@ -102,6 +104,11 @@ _CACHE_VARIABLES = frozenset({"OOMKIT_CACHE_DIR", "OOMKIT_NO_CACHE"})
 # Entries refused before reading: a recording of this many bytes on disk is damage (a 70B
 # model's step records a few hundred thousand events, a few tens of MB before compression).
 _MAX_ENTRY_BYTES = 1 << 30
+# The most entries kept: storing one more removes the least recently used (a hit marks its entry
+# used). A GPT-2 step's entry is about 40 kB, so the folder stays within some tens of MB.
+MAX_ENTRIES = 256
+# A temporary file older than this is a writer's that died before renaming it: removed.
+_STALE_TEMPORARY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -252,7 +259,11 @@ def load_recording(key: str, directory: Path | None = None) -> CachedRecording |
             return None
     except OSError:
         return None
-    return _load_entry(path, key)
+    recording = _load_entry(path, key)
+    if recording is not None:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: the last to be pruned
+    return recording
 
 
 def store_recording(
@@ -283,6 +294,7 @@ def store_recording(
             return False
         os.replace(temporary, _entry_path(folder, key))
         temporary = ""
+        _prune(folder, MAX_ENTRIES)
         return True
     except (OSError, TypeError, ValueError, OomkitError):
         return False
@@ -290,6 +302,32 @@ def store_recording(
         if temporary:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
+
+
+def _prune(folder: Path, max_entries: int) -> None:
+    """Remove the least recently used entries beyond ``max_entries``, and temporary files that
+    a writer left (older than an hour). Files it cannot remove are left; never raises."""
+    now = time.time()
+    entries: list[tuple[float, str]] = []
+    try:
+        with os.scandir(folder) as scan:
+            for item in scan:
+                name = item.name
+                try:
+                    modified = item.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                if name.endswith(".trace.gz") and not name.startswith("."):
+                    entries.append((modified, name))
+                elif name.startswith(".entry-") and now - modified > _STALE_TEMPORARY_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(folder / name)
+    except OSError:
+        return
+    entries.sort()
+    for _, name in entries[: max(0, len(entries) - max_entries)]:
+        with contextlib.suppress(OSError):
+            os.unlink(folder / name)
 
 
 def _load_entry(path: Path, key: str) -> CachedRecording | None:
