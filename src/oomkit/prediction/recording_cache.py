@@ -22,7 +22,8 @@ another format or version, or another key's, is treated as absent (and rewritten
 miss); it is never trusted and never raises.
 
 Where: ``$OOMKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/oomkit``, else ``~/.cache/oomkit``; the
-entries live in its ``recordings`` folder. ``OOMKIT_NO_CACHE=1`` turns the cache off.
+entries live in its ``recordings`` folder, at most ``MAX_ENTRIES`` of them (the least recently
+used removed first). ``OOMKIT_NO_CACHE=1`` turns the cache off.
 """
 
 from __future__ import annotations
