@@ -233,11 +233,11 @@ def test_a_value_torchtitan_rejects_is_refused(override):
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        (("--parallelism.context_parallel_degree", "2"), "context parallel"),
+        (("--parallelism.expert_parallel_degree", "2"), "expert parallel"),
     ],
 )
 def test_parts_not_recorded_yet_are_refused_by_their_override(override, words):
-    """CP is refused naming the override to drop (PP: test_torchtitan_pipeline.py; compile:
+    """EP is refused naming the override to drop (CP with PP: test_torchtitan_cp.py; compile:
     tests/interfaces/cli/test_torchtitan_compile_cli.py)."""
     with pytest.raises(OomkitError, match=f"{override[0]}: {words}"):
         record_torchtitan_job(_job(4, *override), target=Target.resolve("h100"))
