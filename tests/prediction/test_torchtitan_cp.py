@@ -152,3 +152,9 @@ def test_cp_with_pipeline_parallel_is_refused_naming_both():
     )
     with pytest.raises(ConfigError, match="context_parallel_degree with .*pipeline_parallel_degree"):
         record_torchtitan_job(job, target=Target.resolve("h100"))
+
+
+def test_cp_with_compiled_blocks_is_refused_naming_the_override_to_drop():
+    job = _job(2, "--parallelism.context_parallel_degree", "2", "--compile.enable")
+    with pytest.raises(ConfigError, match="--compile.enable with --parallelism.context_parallel"):
+        record_torchtitan_job(job, target=Target.resolve("h100"))

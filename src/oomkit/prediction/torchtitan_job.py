@@ -287,7 +287,7 @@ def build_torchtitan_step(
         context_parallel.check_seq_len(
             parallel_dims, training.seq_len, parallelism.enable_sequence_parallel
         )
-        context_parallel.refuse_unmodelled_cp(parallel_dims)
+        context_parallel.refuse_unmodelled_cp(config, parallel_dims)
         dist_utils.set_spmd_backend(parallelism.spmd_backend)  # trainer.py:319
         if parallel_dims.dp_enabled:  # trainer.py:324-328
             batch_degree = parallel_dims.get_mesh("batch").size()
@@ -569,7 +569,7 @@ def record_torchtitan_job(
             raise OomkitError(
                 f"torchtitan's {job.module}:{job.config} failed on oomkit's fake process group "
                 f"({type(exc).__name__}: {exc}); the torchtitan route is tested on llama3 "
-                f"(FSDP2, TP, AC, Float8) with torchtitan {torchtitan_version()}: report it with "
+                f"(FSDP2, TP, CP, PP, AC, Float8) with torchtitan {torchtitan_version()}: report it with "
                 "the command line (issue 38)"
             ) from exc
     run = built.run
