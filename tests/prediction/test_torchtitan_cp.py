@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
@@ -158,3 +160,28 @@ def test_cp_with_compiled_blocks_is_refused_naming_the_override_to_drop():
     job = _job(2, "--parallelism.context_parallel_degree", "2", "--compile.enable")
     with pytest.raises(ConfigError, match="--compile.enable with --parallelism.context_parallel"):
         record_torchtitan_job(job, target=Target.resolve("h100"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seq=st.integers(1, 1 << 18), cp=st.integers(1, 16), tp=st.integers(1, 8), sp=st.booleans()
+)
+def test_check_seq_len_refuses_exactly_what_the_trainer_refuses(seq, cp, tp, sp):
+    """trainer.py:306-314: seq_len must divide by (TP under sequence parallel) x (2 x CP under
+    CP); a refusal's suggested length divides and is the largest one not above seq (or the
+    divisor itself)."""
+    import re
+    import types
+
+    from oomkit.prediction._torchtitan_cp import check_seq_len
+
+    divisor = (tp if sp else 1) * (2 * cp if cp > 1 else 1)
+    dims = types.SimpleNamespace(cp=cp, tp=tp)
+    if seq % divisor == 0:
+        check_seq_len(dims, seq, sp)
+        return
+    with pytest.raises(ConfigError, match=f"must divide by {divisor} ") as caught:
+        check_seq_len(dims, seq, sp)
+    suggested = int(re.search(r"--training.seq_len (\d+)", str(caught.value)).group(1))
+    assert suggested % divisor == 0
+    assert suggested == max(divisor, seq // divisor * divisor)

@@ -9,6 +9,8 @@ factories the launcher's ``--override.imports`` names. The debug model: 6 blocks
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
@@ -108,3 +110,28 @@ def test_float8_through_the_override_on_an_a100_is_refused_in_torchtitans_words(
     )
     with pytest.raises(OomkitError, match="float8 is only supported on NVIDIA SM89 or later"):
         record_torchtitan_job(job, target=Target.resolve("A100 80GB SXM"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    in_features=st.integers(1, 4096),
+    out_features=st.integers(1, 4096),
+    recipe=st.sampled_from(["rowwise", "tensorwise", "rowwise_with_gw_hp"]),
+)
+def test_a_linear_is_swapped_exactly_when_the_converter_would(in_features, out_features, recipe):
+    """torchtitan's module_filter_fn: float8 matmuls need every dimension a multiple of 16; a
+    linear that passes becomes Float8Linear.Config with the recipe's torchao config, any other
+    is handed back as it is."""
+    from oomkit.prediction._torchtitan_float8 import float8_linears
+
+    linear = import_torchtitan("torchtitan.models.common.linear").Linear
+    torchao = import_torchtitan("torchao.float8")
+    config = linear.Config(in_features=in_features, out_features=out_features)
+    with cuda_capability((9, 0)):
+        swapped = float8_linears(config, recipe_name=recipe)
+    if in_features % 16 or out_features % 16:
+        assert swapped is config
+        return
+    assert type(swapped).__qualname__ == "Float8Linear.Config"
+    assert (swapped.in_features, swapped.out_features) == (in_features, out_features)
+    assert repr(swapped._torchao_config) == repr(torchao.Float8LinearConfig.from_recipe_name(recipe))
