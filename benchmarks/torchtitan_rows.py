@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # torchtitan_long_configs, a registry module of one's own
 GIB = 2**30
 
 
@@ -91,9 +92,13 @@ def _microbatch_size(row: dict) -> int:
     return max(1, row["local_batch_size"] // stages)
 
 
-def _config(row: dict) -> str:
-    """The registry config (Float8 comes with ``_FLOAT8``, the 405B's own converter aside)."""
-    return f"llama3_{row['model'].lower()}"
+def _job_name(row: dict) -> tuple[str, str]:
+    """torchtitan's ``--module`` and ``--config`` (Float8 comes with ``_FLOAT8``, the 405B's own
+    converter aside): the registry's, or for more than 131,072 tokens (0.3.0's RoPE maximum)
+    ``torchtitan_long_configs.py``'s, which sizes RoPE as 2024's torchtitan did."""
+    if row["seq_len"] > 131_072 and row["model"] == "8B":
+        return "torchtitan_long_configs", "llama3_8b_256k"
+    return "llama3", f"llama3_{row['model'].lower()}"
 
 
 def _skip_reason(row: dict) -> str | None:
@@ -129,7 +134,7 @@ def _predict_row(row: dict, loss: str) -> dict:
 
     target = Target.resolve("96GiB")
     job = TorchtitanJob(
-        "llama3", _config(row), _overrides(row),
+        *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
     )
     start = time.perf_counter()
@@ -140,7 +145,7 @@ def _predict_row(row: dict, loss: str) -> dict:
     # required_bytes: the peak reserved when it fits, else the same replay's on unlimited memory
     reserved = prediction.required_bytes / GIB
     return {
-        "job": f"llama3:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
+        "job": f"{job.module}:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
         "description": run.description,
         "predicted_reserved_gib": round(reserved, 2),
         "predicted_allocated_gib": round(prediction.peak_allocated_bytes / GIB, 2),

@@ -187,13 +187,19 @@ def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = 
 
 
 def _config_registry(module: str) -> Any:
-    """torchtitan's ``config_registry`` of ``module`` (as ConfigManager._load_config finds it)."""
+    """torchtitan's ``config_registry`` of ``module`` (as ConfigManager._load_config finds it:
+    a model module's, or a fully qualified one's, ``module.config_registry`` else ``module``)."""
     models = import_torchtitan("torchtitan.models")
     supported = sorted(getattr(models, "_supported_models", ()))
-    if module not in supported:
+    if module not in supported:  # a user's own registry (my_pkg.configs), as _load_config
+        for candidate in (f"{module}.config_registry", module):
+            with contextlib.suppress(ImportError):
+                return import_torchtitan(candidate)
         raise ConfigError(
-            f"torchtitan has no model module {module!r}; its modules: {', '.join(supported)}. "
-            "Example: --torchtitan llama3:llama3_8b"
+            f"torchtitan has no model module {module!r} (its modules: {', '.join(supported)}), "
+            f"and neither {module} nor {module}.config_registry imports here (a module of your "
+            "own must be on PYTHONPATH, as torchtitan's launcher imports it). Example: "
+            "--torchtitan llama3:llama3_8b"
         )
     try:
         return import_torchtitan(f"torchtitan.models.{module}.config_registry")
