@@ -4,10 +4,13 @@ Reads ``benchmarks/data/torchtitan_published.json`` (the rows of torchtitan's
 benchmarks/llama3_h100_202412_torchtitan.md, with their source commit) and predicts each row the
 torchtitan route can express (``oomkit.prediction.torchtitan_job``: torchtitan 0.3.0's own
 config, model, ``parallelize_llama``, loss and optimizer on a fake process group of the row's
-world size); a row that needs what the route refuses (compile, async TP, context parallel) is
-skipped with the reason (Float8 alone is recorded: every Float8 row also compiles). The job is the 2024 one written as 0.3.0 overrides: the
-row's FSDP / TP degrees, local batch and sequence length, torchtitan's selective (op) or full
-AC, no CUDA graphs (``--training.disable_cuda_graphs``: 2024's eager step), DTensor TP with
+world size); a row that needs what the route refuses (compile with TP or with CP, async TP,
+CP with PP) is skipped with the reason. The job is the 2024 one written as 0.3.0 overrides: the
+row's FSDP / TP / CP degrees, local batch and sequence length, torchtitan's selective (op) or
+full AC, Float8 as 2024 ran it (torchao's tensorwise recipe on the blocks' linears, the LM head
+in bf16: ``--override.imports oomkit.prediction._torchtitan_float8.float8_block_linears``;
+0.3.0's registry has Float8 configs for the debug model only; no Float8 all-gather), no CUDA
+graphs (``--training.disable_cuda_graphs``: 2024's eager step), DTensor TP with
 FSDP2 over plain parameters (``--parallelism.spmd_backend partial_dtensor``), SDPA attention;
 the loss is the plain cross-entropy over the full logits (2024's; ``--loss configured`` keeps
 0.3.0's chunked loss instead). The GPU is a 96 GiB H100 (the Grand Teton H100's HBM2e), as
@@ -16,10 +19,9 @@ the loss is the plain cross-entropy over the full logits (2024's; ``--loss confi
 ``--rows`` picks rows by id (default: every row); ``--preset`` also predicts the 8B FSDP rows
 through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for comparison.
 ``--eager-part`` records, for a skipped row, the part the route expresses (no compile or async
-TP; Float8 as the registry config has it: the 405B's does, the 8B's and 70B's do not; context
-parallel dropped, pipeline parallel kept through torchtitan's pipeline_llm, rank 0 recorded):
-its wall time is the point (how long a rank of that model takes here), its peak is not
-compared with the row's (a different job).
+TP; Float8 and context parallel kept, but CP dropped where the row pipelines; pipeline parallel
+kept through torchtitan's pipeline_llm, rank 0 recorded): its peak is printed against the
+row's with its error, as a different job (compile left out), and its wall time.
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
 prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
 reserved of the same replay on unlimited memory), the error in % and the wall time, or why it
@@ -37,13 +39,24 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # torchtitan_long_configs, a registry module of one's own
 GIB = 2**30
+
+
+# 2024's Float8 (torchtitan/float8.py at 9dec370: torchao's default tensorwise recipe, every
+# linear but the output one); first, as --override.imports takes every value up to the next flag
+_FLOAT8 = (
+    "--override.imports",
+    'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise"}',
+)
 
 
 def _overrides(row: dict) -> tuple[str, ...]:
     layout = row["layout"]
     ac = {"selective-op": (), "full": ("activation_checkpoint:full",)}[row["activation_checkpoint"]]
     return (
+        # the 405B's registry config converts to Float8 itself
+        *(_FLOAT8 if row.get("float8", False) and row["model"] != "405B" else ()),
         "--parallelism.spmd_backend", "partial_dtensor",
         "--training.disable_cuda_graphs",
         # the row's compile (torchtitan's apply_compile: each block and the loss); the 405B
@@ -57,6 +70,7 @@ def _overrides(row: dict) -> tuple[str, ...]:
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
         "--parallelism.tensor_parallel_degree", str(layout["tp"]),
+        "--parallelism.context_parallel_degree", str(layout.get("cp", 1)),
         # pipeline parallel: torchtitan's own pipeline_llm and schedule; rank 0 runs stage 0
         # (1F1B's warm-up keeps the most micro-batches in flight there)
         *(("--parallelism.pipeline_parallel_degree", str(layout["pp"]),
@@ -78,20 +92,24 @@ def _microbatch_size(row: dict) -> int:
     return max(1, row["local_batch_size"] // stages)
 
 
-def _config(row: dict) -> str:
-    """The registry config: torchtitan 0.3.0 has Float8 variants of the debug model only, so a
-    Float8 8B/70B/405B row would need its converter added (not expressible as an override)."""
-    return f"llama3_{row['model'].lower()}"
+def _job_name(row: dict) -> tuple[str, str]:
+    """torchtitan's ``--module`` and ``--config`` (Float8 comes with ``_FLOAT8``, the 405B's own
+    converter aside): the registry's, or for more than 131,072 tokens (0.3.0's RoPE maximum)
+    ``torchtitan_long_configs.py``'s, which sizes RoPE as 2024's torchtitan did."""
+    if row["seq_len"] > 131_072 and row["model"] == "8B":
+        return "torchtitan_long_configs", "llama3_8b_256k"
+    return "llama3", f"llama3_{row['model'].lower()}"
 
 
 def _skip_reason(row: dict) -> str | None:
     layout = row["layout"]
     parts = [
-        (layout["cp"] > 1, "context parallel"),
         (row["compile"] and layout["tp"] > 1, "torch.compile with tensor parallel"),
+        # dynamo's fake run of SDPA on CP's DTensors takes the CPU kernel, which DTensor has no
+        # sharding rule for (eager CP picks the GPU's fused kernel: _torchtitan_cp.py)
+        (row["compile"] and layout["cp"] > 1, "torch.compile with context parallel"),
+        (layout["cp"] > 1 and layout.get("pp", 1) > 1, "context parallel with pipeline parallel"),
         (row["async_tp"], "async TP"),
-        # 0.3.0's registry has Float8 variants of the debug model only (``_config``)
-        (row.get("float8", False) and row["model"] == "8B", "Float8 on the 8B config"),
     ]
     refused = [words for given, words in parts if given]
     if refused:
@@ -100,12 +118,13 @@ def _skip_reason(row: dict) -> str | None:
 
 
 def _eager_part(row: dict) -> dict:
-    """The row without what the route refuses: eager, no CP (pipeline parallel is kept)."""
-    layout = dict(row["layout"], cp=1)
-    return dict(
-        row, layout=layout, gpus=layout["fsdp"] * layout["tp"] * layout.get("pp", 1),
-        compile=False, float8=False, async_tp=False,
-    )
+    """The row without what the route refuses: eager, no async TP, no CP where it pipelines
+    (Float8, CP alone and pipeline parallel are kept)."""
+    layout = dict(row["layout"])
+    if layout.get("pp", 1) > 1:
+        layout["cp"] = 1
+    gpus = layout["fsdp"] * layout["tp"] * layout.get("pp", 1) * layout["cp"]
+    return dict(row, layout=layout, gpus=gpus, compile=False, async_tp=False)
 
 
 def _predict_row(row: dict, loss: str) -> dict:
@@ -115,7 +134,7 @@ def _predict_row(row: dict, loss: str) -> dict:
 
     target = Target.resolve("96GiB")
     job = TorchtitanJob(
-        "llama3", _config(row), _overrides(row),
+        *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
     )
     start = time.perf_counter()
@@ -126,7 +145,7 @@ def _predict_row(row: dict, loss: str) -> dict:
     # required_bytes: the peak reserved when it fits, else the same replay's on unlimited memory
     reserved = prediction.required_bytes / GIB
     return {
-        "job": f"llama3:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
+        "job": f"{job.module}:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
         "description": run.description,
         "predicted_reserved_gib": round(reserved, 2),
         "predicted_allocated_gib": round(prediction.peak_allocated_bytes / GIB, 2),
@@ -188,11 +207,10 @@ def main() -> int:
                     except OomkitError as exc:  # torchtitan's own refusal of the part, kept
                         timed = {"refused": str(exc)}
                     timed_parts[key] = (row["id"], timed)
-                timed.pop("error_pct", None)
                 out["eager_part"] = {
                     "world_size": part["gpus"], **timed,
-                    "note": "a different job (eager, no CP; Float8 as the registry config "
-                            "has it): timed, not compared",
+                    "note": "a different job (eager; CP dropped where the row pipelines): "
+                            "its error is against the row's measured peak, not the bar",
                 }
         else:
             out["torchtitan_route"] = _predict_row(row, args.loss)
@@ -207,8 +225,8 @@ def main() -> int:
                 part = out["eager_part"]
                 fits = "" if part["fits_96gib"] else " (does not fit 96 GiB)"
                 print(f"{'':34} eager part on {part['world_size']} ranks: "
-                      f"{part['predicted_reserved_gib']:.2f} GiB{fits} in {part['wall_s']:.0f} s",
-                      flush=True)
+                      f"{part['predicted_reserved_gib']:.2f} GiB ({part['error_pct']:+.1f}%)"
+                      f"{fits} in {part['wall_s']:.0f} s", flush=True)
         else:
             got = out["torchtitan_route"]
             line = (

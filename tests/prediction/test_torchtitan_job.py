@@ -183,12 +183,17 @@ _QUICK = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCh
 @_QUICK
 @given(_NAMES)
 def test_an_unknown_module_is_refused_with_the_list(name):
-    """A module torchtitan does not have is refused, listing those it has."""
+    """A module torchtitan does not have, nor an importable one of the user's, is refused,
+    listing those it has."""
+    import importlib.util
+
     assume(name != "llama3")
     from oomkit.prediction._torchtitan_env import import_torchtitan
 
     assume(name not in import_torchtitan("torchtitan.models")._supported_models)
-    with pytest.raises(OomkitError, match="torchtitan has no model module .* its modules: .*llama3"):
+    # a module that imports is taken as the user's own registry (torchtitan's launcher does so)
+    assume(importlib.util.find_spec(name) is None)
+    with pytest.raises(OomkitError, match="torchtitan has no model module .*its modules: .*llama3"):
         load_job_config(TorchtitanJob(name, "debugmodel"))
 
 
@@ -233,11 +238,11 @@ def test_a_value_torchtitan_rejects_is_refused(override):
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        (("--parallelism.context_parallel_degree", "2"), "context parallel"),
+        (("--parallelism.expert_parallel_degree", "2"), "expert parallel"),
     ],
 )
 def test_parts_not_recorded_yet_are_refused_by_their_override(override, words):
-    """CP is refused naming the override to drop (PP: test_torchtitan_pipeline.py; compile:
+    """EP is refused naming the override to drop (CP with PP: test_torchtitan_cp.py; compile:
     tests/interfaces/cli/test_torchtitan_compile_cli.py)."""
     with pytest.raises(OomkitError, match=f"{override[0]}: {words}"):
         record_torchtitan_job(_job(4, *override), target=Target.resolve("h100"))
@@ -334,3 +339,30 @@ def test_torchtitan_imports_after_has_triton_answered_true():
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("torchtitan.components.quantization")
+
+
+def test_a_fully_qualified_registry_of_ones_own_is_taken_as_torchtitans_launcher_takes_it(
+    tmp_path, monkeypatch
+):
+    """``--module my_pkg.configs`` (torchtitan/config/manager.py ``_load_config``: a module
+    outside torchtitan, ``.config_registry`` tried first): its functions are the configs."""
+    package = tmp_path / "my_titan_jobs"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
+        "def debug_three_sequences():\n"
+        "    config = llama3_debugmodel()\n"
+        "    config.training.local_batch_size = 3\n"
+        "    return config\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_job_config(TorchtitanJob("my_titan_jobs", "debug_three_sequences"))
+    assert config.training.local_batch_size == 3
+    with pytest.raises(OomkitError, match="its configs: debug_three_sequences\\. Example"):
+        load_job_config(TorchtitanJob("my_titan_jobs", "llama3_debugmodel"))
+
+
+def test_a_fully_qualified_module_that_does_not_import_is_refused():
+    with pytest.raises(OomkitError, match="neither no_such_pkg.jobs nor no_such_pkg.jobs.config_registry imports"):
+        load_job_config(TorchtitanJob("no_such_pkg.jobs", "anything"))

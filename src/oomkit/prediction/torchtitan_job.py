@@ -16,13 +16,14 @@ one: ``ParallelDims.from_config`` and ``build_mesh``, the model spec's config ``
 
 What needs a GPU is emulated or stated: the meshes are built on the fake group's ``cpu`` device
 (``_torchtitan_env.py``); weight initialisation draws without the rejection loop that reads a
-value (``_values_free_init``); FlexAttention's Triton kernels are not emulated, so the attention
+value (``_torchtitan_init.py``); FlexAttention's Triton kernels are not emulated, so the attention
 is torchtitan's ``ScaledDotProductAttention`` unless the job asks otherwise (``attention``);
 CUDA graphs (torchtitan's default) are not captured: the step is recorded eagerly and says so.
 torchtitan's quantization converters (Float8 linear training through torchao) ask the target
 GPU's compute capability, not this host's. PP runs torchtitan's ``pipelining_fn`` and schedule
-(``_torchtitan_pipeline.py``); ``compile.enable``, its ``apply_compile``, through the compiled
-backend. Context parallel and expert parallel are refused here.
+(``_torchtitan_pipeline.py``); CP its ``apply_cp_to_forward`` and input sharding
+(``_torchtitan_cp.py``); ``compile.enable``, its ``apply_compile``, through the compiled
+backend. Expert parallel is refused here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import ConfigError, OomkitError
+from oomkit.prediction import _torchtitan_cp as context_parallel
 from oomkit.prediction import _torchtitan_pipeline as pipelined
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
@@ -44,6 +46,7 @@ from oomkit.prediction._torchtitan_env import (
     quiet_torchtitan_logs,
     torchtitan_version,
 )
+from oomkit.prediction._torchtitan_init import values_free_init
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
@@ -184,13 +187,19 @@ def load_job_config(job: TorchtitanJob, *, capability: tuple[int, int] | None = 
 
 
 def _config_registry(module: str) -> Any:
-    """torchtitan's ``config_registry`` of ``module`` (as ConfigManager._load_config finds it)."""
+    """torchtitan's ``config_registry`` of ``module`` (as ConfigManager._load_config finds it:
+    a model module's, or a fully qualified one's, ``module.config_registry`` else ``module``)."""
     models = import_torchtitan("torchtitan.models")
     supported = sorted(getattr(models, "_supported_models", ()))
-    if module not in supported:
+    if module not in supported:  # a user's own registry (my_pkg.configs), as _load_config
+        for candidate in (f"{module}.config_registry", module):
+            with contextlib.suppress(ImportError):
+                return import_torchtitan(candidate)
         raise ConfigError(
-            f"torchtitan has no model module {module!r}; its modules: {', '.join(supported)}. "
-            "Example: --torchtitan llama3:llama3_8b"
+            f"torchtitan has no model module {module!r} (its modules: {', '.join(supported)}), "
+            f"and neither {module} nor {module}.config_registry imports here (a module of your "
+            "own must be on PYTHONPATH, as torchtitan's launcher imports it). Example: "
+            "--torchtitan llama3:llama3_8b"
         )
     try:
         return import_torchtitan(f"torchtitan.models.{module}.config_registry")
@@ -243,8 +252,8 @@ def build_torchtitan_step(
     when ``build`` has run.
 
     Raises:
-        ConfigError: a part of the job that is not modelled (pipeline or context parallel,
-            expert parallel, FlexAttention kept), or one torchtitan refuses.
+        ConfigError: a part of the job that is not modelled (CP with PP, expert parallel,
+            FlexAttention kept), or one torchtitan refuses.
     """
     import torch
 
@@ -281,12 +290,10 @@ def build_torchtitan_step(
                 "product of the parallelism degrees must equal the world size (--world-size)"
             ) from exc
         # trainer.py:307-317: the sequence length divides by TP (sequence parallel) and 2 x CP
-        divisor = parallel_dims.tp if parallelism.enable_sequence_parallel else 1
-        if training.seq_len % divisor:
-            raise ConfigError(
-                f"torchtitan refuses training.seq_len {training.seq_len}: it must divide by "
-                f"{divisor} for the configured sequence parallelism"
-            )
+        context_parallel.check_seq_len(
+            parallel_dims, training.seq_len, parallelism.enable_sequence_parallel
+        )
+        context_parallel.refuse_unmodelled_cp(config, parallel_dims)
         dist_utils.set_spmd_backend(parallelism.spmd_backend)  # trainer.py:319
         if parallel_dims.dp_enabled:  # trainer.py:324-328
             batch_degree = parallel_dims.get_mesh("batch").size()
@@ -332,7 +339,7 @@ def build_torchtitan_step(
             has_last = True
         for part in parts:  # to_empty + init_weights + train()
             part.to_empty(device=torch.device("cpu"))
-            with _values_free_init(), torch.no_grad():
+            with values_free_init(), torch.no_grad():
                 part.init_weights(buffer_device=None)
             part.train()
         # trainer.py:516-536: the chunked loss computes the LM head itself (the last stage's)
@@ -360,6 +367,9 @@ def build_torchtitan_step(
         }
         if parallel_dims.pp_enabled:
             layout["pp"] = parallel_dims.pp
+        if parallel_dims.cp_enabled:
+            layout["cp"] = parallel_dims.cp
+            notes.append(context_parallel.CP_NOTE)
         if not training.disable_cuda_graphs:
             notes.append(
                 "CUDA graphs: torchtitan captures forward+backward in a CUDA graph by default "
@@ -418,9 +428,12 @@ def _train_step(
             # trainer.py:915-921: each micro-batch's tokens moved to the device
             inputs = torch.zeros(batch, seq, dtype=torch.int64)
             labels = torch.zeros(batch, seq, dtype=torch.int64)
+            extra: dict[str, Any] = {}
+            if parallel_dims.cp_enabled:  # trainer.py:750-758: this rank's tokens, positions
+                inputs, labels, extra = context_parallel.shard_batch(config, parallel_dims, inputs, labels)
             with train_context():  # trainer.py:812-828 _forward_backward_body
-                pred = model(inputs)
-                loss, _ = loss_fn(pred, labels, global_tokens)
+                pred = model(inputs, **extra)
+                loss, _ = loss_fn(pred, labels, global_tokens, **extra)
                 del pred
                 loss.backward()
             del inputs, labels, loss
@@ -467,8 +480,6 @@ def _refuse_unmodelled(config: Any) -> None:
     """Refuse what this path does not record yet, naming the override that turns it on."""
     parallelism = config.parallelism
     refused = [
-        (parallelism.context_parallel_degree > 1, "--parallelism.context_parallel_degree",
-         "context parallel is not recorded on the fake group yet"),
         (parallelism.expert_parallel_degree > 1, "--parallelism.expert_parallel_degree",
          "expert parallel is not recorded on the fake group yet"),
         (config.compile.enable and parallelism.tensor_parallel_degree > 1, "--compile.enable",
@@ -513,35 +524,6 @@ def _attention(job: TorchtitanJob, config: Any) -> Iterator[str]:
     )
 
 
-@contextlib.contextmanager
-def _values_free_init() -> Iterator[None]:
-    """While open, weight initialisation reads no tensor value (fake tensors have none).
-
-    torch/nn/init.py ``_no_grad_trunc_normal_`` redraws out-of-range values in a loop that
-    asks ``mask.any()``; here it draws once and clamps (same tensors, same sizes: values do
-    not change memory). DTensor's random ops would make an ``OffsetBasedRNGTracker``, whose
-    offsets read the generator's state (torch/distributed/tensor/_dispatch.py, ``random``
-    ops); here they draw locally (``is_rng_supported_mesh`` answers False).
-    """
-    import torch.distributed.tensor._dispatch as dtensor_dispatch
-    import torch.nn.init as nn_init
-
-    def trunc_normal(
-        tensor: Any, mean: float, std: float, a: float, b: float, generator: Any = None
-    ) -> Any:
-        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
-
-    saved_init = nn_init._no_grad_trunc_normal_
-    saved_rng = dtensor_dispatch.is_rng_supported_mesh
-    nn_init._no_grad_trunc_normal_ = trunc_normal
-    setattr(dtensor_dispatch, "is_rng_supported_mesh", lambda device_mesh: False)  # noqa: B010
-    try:
-        yield
-    finally:
-        nn_init._no_grad_trunc_normal_ = saved_init
-        dtensor_dispatch.is_rng_supported_mesh = saved_rng
-
-
 def record_torchtitan_job(
     job: TorchtitanJob, *, target: Target, steps: int = 2
 ) -> tuple[TraceRecording, TorchtitanRun]:
@@ -575,7 +557,8 @@ def record_torchtitan_job(
             dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint
         ),
     )
-    with meshes_on_the_host(), cuda_capability(capability), dynamo_restored:
+    with meshes_on_the_host(), cuda_capability(capability), dynamo_restored, \
+            context_parallel.torch_cp_state_kept():
         try:
             recording = trace_distributed_step(
                 build, world_size=job.world_size, rank=job.rank, steps=steps, target=target,
@@ -592,7 +575,7 @@ def record_torchtitan_job(
             raise OomkitError(
                 f"torchtitan's {job.module}:{job.config} failed on oomkit's fake process group "
                 f"({type(exc).__name__}: {exc}); the torchtitan route is tested on llama3 "
-                f"(FSDP2, TP, AC, Float8) with torchtitan {torchtitan_version()}: report it with "
+                f"(FSDP2, TP, CP, PP, AC, Float8) with torchtitan {torchtitan_version()}: report it with "
                 "the command line (issue 38)"
             ) from exc
     run = built.run

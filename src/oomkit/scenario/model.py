@@ -112,10 +112,18 @@ class Scenario(_Section):
     @classmethod
     def _one_rank_flag(cls, data: Any) -> Any:
         """``--rank R`` is one flag: with ``--torchtitan`` it is the job's rank
-        (``torchtitan.rank``), not a preset layout's (``parallel.rank``)."""
+        (``torchtitan.rank``), not a preset layout's (``parallel.rank``); ``--all-ranks`` too
+        (``torchtitan.all_ranks``)."""
         if not isinstance(data, Mapping):
             return data
         parallel, job = data.get("parallel"), data.get("torchtitan")
+        if isinstance(parallel, Mapping) and parallel.get("all_ranks") and job is not None:
+            if parallel.get("rank") is not None:
+                raise ValueError("--rank R and --all-ranks exclude each other: give one")
+            job = {**(job.model_dump() if isinstance(job, TorchtitanSection) else job),
+                   "all_ranks": True}
+            rest = {key: value for key, value in parallel.items() if key != "all_ranks"}
+            return {**data, "parallel": rest or None, "torchtitan": job}
         if not isinstance(parallel, Mapping) or parallel.get("rank") is None or job is None:
             return data
         rank = parallel["rank"]

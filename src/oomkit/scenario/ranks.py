@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "distinct_ranks",
+    "peak_of_ranks",
     "pipeline_options",
     "pp_rank_of",
     "rank_of",
@@ -148,18 +149,29 @@ def with_rank_peaks(
         layout: its parallel layout.
         predict_rank: predicts a scenario for the rank its ``parallel.rank`` names.
     """
-    from oomkit.prediction.models.pipeline import forget_earlier_meshes
-
     parallel = scenario.parallel
     assert parallel is not None
+
+    def one(rank: int) -> Prediction:
+        return predict_rank(scenario.model_copy(
+            update={"parallel": parallel.model_copy(update={"rank": rank, "all_ranks": False})}
+        ))
+
+    return peak_of_ranks(layout, one)
+
+
+def peak_of_ranks(layout: ParallelLayout, predict_rank: Callable[[int], Prediction]) -> Prediction:
+    """``predict_rank(rank)`` for each of ``distinct_ranks(layout)``, each on a fresh fake
+    group: the peaking rank's prediction (peak reserved, then allocated, then the lowest rank)
+    with every rank's peaks in ``rank_peaks``. A torchtitan job's ranks are picked so too
+    (``scenario/torchtitan_run.py``, its layout from the job's own parallel degrees)."""
+    from oomkit.prediction.models.pipeline import forget_earlier_meshes
+
     peaks: list[dict[str, Any]] = []
     predictions: dict[int, Prediction] = {}
     for rank in distinct_ranks(layout):
-        one = scenario.model_copy(
-            update={"parallel": parallel.model_copy(update={"rank": rank, "all_ranks": False})}
-        )
         forget_earlier_meshes()  # a fresh fake group per rank (pipeline.py)
-        prediction = predict_rank(one)
+        prediction = predict_rank(rank)
         predictions[rank] = prediction
         peaks.append({
             "rank": rank,

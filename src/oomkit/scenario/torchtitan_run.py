@@ -69,18 +69,33 @@ class TorchtitanWorkload:
         return self.descriptions[0] if self.descriptions else f"torchtitan {self.section.job}"
 
     def record(self, target: Target, budget_bytes: int | None) -> Prediction:
-        """Record the job's rank and replay it on ``target``.
+        """Record the job's rank (each distinct rank with ``all_ranks``: the peaking one's
+        prediction, every rank's peaks in ``rank_peaks``) and replay it on ``target``.
 
         Raises:
             OomkitError: a job torchtitan or this path refuses (what to change is said).
         """
+        job = torchtitan_job_of(self.section)
+        if not self.section.all_ranks:
+            return self._record_rank(job, target, budget_bytes)
+        from oomkit.prediction._torchtitan_ranks import job_layout
+        from oomkit.scenario.ranks import peak_of_ranks
+
+        return peak_of_ranks(
+            job_layout(job, target),
+            lambda rank: self._record_rank(
+                dataclasses.replace(job, rank=rank), target, budget_bytes
+            ),
+        )
+
+    def _record_rank(
+        self, job: TorchtitanJob, target: Target, budget_bytes: int | None
+    ) -> Prediction:
         from oomkit.prediction.predictor import predict_recording
         from oomkit.prediction.torchtitan_job import record_torchtitan_job
         from oomkit.prediction.tracing.emulations import current_sdpa_settings
 
-        recording, run = record_torchtitan_job(
-            torchtitan_job_of(self.section), target=target, steps=self.steps
-        )
+        recording, run = record_torchtitan_job(job, target=target, steps=self.steps)
         self.descriptions.append(run.description)
         if target.cudnn_version is None:
             # Not stated: the tracer used the settings in effect; the result names that version.

@@ -44,6 +44,13 @@ class TorchtitanSection(_Section):
         # (Scenario._one_rank_flag); --set torchtitan.rank=R too.
         json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
+    all_ranks: bool = Field(
+        False,
+        description="--torchtitan: record each distinct rank, name the peak (--all-ranks)",
+        # No flag of its own: --all-ranks (parallel.all_ranks) lands here with --torchtitan
+        # (Scenario._one_rank_flag); --set torchtitan.all_ranks=true too.
+        json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
+    )
     attention: Literal["sdpa", "configured"] = Field(
         "sdpa",
         description="sdpa: FlexAttention/varlen recorded as SDPA; configured: kept (refused)",

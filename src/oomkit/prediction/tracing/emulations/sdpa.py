@@ -179,7 +179,7 @@ def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
 def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     p = _bind(ctx.args, ctx.kwargs)
     q, k, v, mask = p["query"], p["key"], p["value"], p["attn_mask"]
-    tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
+    tensors = [_local(t) for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
     if len(tensors) < 3 or any(not stands_for_cuda(t) for t in tensors):
         return ctx.run()
     assert ctx.gpu is not None
@@ -239,6 +239,17 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     return aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, lse, dropout_p, is_causal, scale=scale
     )[0]
+
+
+def _local(tensor: Any) -> Any:
+    # A DTensor (context parallel's Shard(1) q, k, v: torchtitan's apply_cp_to_forward) stands
+    # for CUDA as its local shard does. The kernel is chosen on the DTensors' own (global)
+    # sizes, as attention.cpp scaled_dot_product_attention passes them to
+    # _fused_sdp_choice_stub, and the fused op called with them goes to torch's CP dispatcher
+    # (torch/distributed/tensor/experimental/_context_parallel/_attention.py _sdpa_handler).
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _autocast(
