@@ -13,3 +13,14 @@ def _terminal_size_not_inherited(monkeypatch):
     are removed; a test about them sets its own."""
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster of 2 CPUs for every test that needs one (started once per worker:
+    those tests are marked ``xdist_group("ray")``, and ``make test`` runs ``--dist loadgroup``,
+    so they share one worker and one cluster start)."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
