@@ -28,3 +28,14 @@ def _recording_cache_per_test(monkeypatch, tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("OOMKIT_CACHE_DIR", str(base / f"oomkit-cache-{next(_CACHE_DIRS)}"))
     monkeypatch.delenv("OOMKIT_NO_CACHE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster of 2 CPUs for every test that needs one (started once per worker:
+    those tests are marked ``xdist_group("ray")``, and ``make test`` runs ``--dist loadgroup``,
+    so they share one worker and one cluster start)."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

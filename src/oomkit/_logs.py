@@ -6,7 +6,13 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-__all__ = ["quiet_loggers"]
+__all__ = ["TORCHAO_IMPORT_LOGGERS", "quiet_loggers"]
+
+# Loggers that speak while torchao is imported on a machine without its CUDA kernels: torchao's
+# "Failed to load ..._C_*.so" (torchao/__init__.py: its C++ extensions are optional; no
+# prediction uses them) and torch's pytree note on torchao's Enum registrations
+# (torch/utils/_pytree.py register_constant). peft imports torchao when it is installed.
+TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager

@@ -98,14 +98,10 @@ def test_diff_fleets_rank_by_rank(tmp_path):
 
 
 @needs_snapshots
-def test_sixteen_files_on_ray_equal_the_local_pool(tmp_path):
+@pytest.mark.xdist_group("ray")
+def test_sixteen_files_on_ray_equal_the_local_pool(tmp_path, ray_session):
     """A 16-file fleet read as Ray tasks on a local 2-CPU cluster gives the local report."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
     folder = _fleet(tmp_path / "job")
     local = analyze_fleet(folder, executor=LocalPoolExecutor(2))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        on_ray = analyze_fleet(folder, executor=RayExecutor())
-    finally:
-        ray.shutdown()
+    on_ray = analyze_fleet(folder, executor=RayExecutor())
     assert on_ray == local

@@ -179,6 +179,30 @@ def saved():
     return json.loads(json.dumps(prediction_to_json(p, spec)))
 
 
+@pytest.fixture(scope="module")
+def measured(saved):
+    """``measured_model_remedies(saved)``: every change re-predicted, once for this module."""
+    return measured_model_remedies(saved)
+
+
+@pytest.fixture
+def measured_once(measured, saved, monkeypatch):
+    """The diagnosis and ``explain`` use this module's one measurement of ``saved`` (the same
+    function's real result, not a stand-in), so each test re-predicts nothing; the calls they
+    make are counted."""
+    from oomkit.diagnose import prediction_diagnosis
+
+    calls = []
+
+    def again(data, progress=None):
+        assert data == saved
+        calls.append(data)
+        return measured
+
+    monkeypatch.setattr(prediction_diagnosis, "measured_model_remedies", again)
+    return calls
+
+
 def _repredicted_required(gpu="3GiB", **change):
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.predictor import predict
@@ -196,9 +220,9 @@ def test_saved_prediction_carries_the_workload(saved):
     assert saved["oom"] is not None
 
 
-def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved):
+def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved, measured):
     """Each change's saving is required bytes before minus after re-predicting it (high, exact)."""
-    remedies = _by_title(measured_model_remedies(saved)[0])
+    remedies = _by_title(measured[0])
     assert set(remedies) == {
         "bf16 mixed precision (autocast)",
         "activation checkpointing",
@@ -274,9 +298,12 @@ def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved):
     )
 
 
-def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request(saved):
+def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request(
+    saved, measured_once
+):
     """Measured: the batch remedy leads; measure=False keeps estimates only (no re-prediction)."""
     measured = diagnose_prediction(saved)
+    assert len(measured_once) == 1
     assert measured.cause == "shortage"
     top = measured.remedies[0]
     # The remedies that make the step fit come first, by saving: pure bf16 saves the most.
@@ -292,6 +319,7 @@ def test_diagnosis_ranks_the_measured_batch_first_and_skips_measuring_on_request
     titles = [r.title for r in measured.remedies]
     assert len(titles) == len(set(titles))
     estimated = diagnose_prediction(saved, measure=False)
+    assert len(measured_once) == 1  # not measured again
     model = [r for r in estimated.remedies if r.title != "do not rely on torch.cuda.empty_cache()"]
     assert all(r.estimate for r in model)
     assert _by_title(estimated.remedies)["activation checkpointing"].confidence == "low"
@@ -302,7 +330,9 @@ def test_unknown_workload_is_not_measured():
     assert measured_model_remedies({"required_bytes": 1, "usable_bytes": 0}) == ([], [])
 
 
-def test_explain_cli_measures_by_default_and_not_with_no_measure(saved, tmp_path, capsys):
+def test_explain_cli_measures_by_default_and_not_with_no_measure(
+    saved, measured_once, tmp_path, capsys
+):
     """`oomkit explain p.json` re-predicts (measured top remedy); --no-measure only estimates."""
     from oomkit.interfaces.cli import main
 
@@ -314,7 +344,9 @@ def test_explain_cli_measures_by_default_and_not_with_no_measure(saved, tmp_path
     assert measured["estimate"] is False
     assert (measured["fits"], measured["flag"]) == (True, "--precision bf16")
     assert measured["peak_reserved_bytes"] == saved["required_bytes"] - measured["saving_bytes"]
+    assert len(measured_once) == 1
     assert main(["explain", str(path), "--json", "--no-measure"]) == 0
+    assert len(measured_once) == 1  # --no-measure re-predicts nothing
     remedies = json.loads(capsys.readouterr().out)["remedies"]
     assert not any(MEASURED_WHY in r["why"] for r in remedies)
     assert all(r["fits"] is None and r["peak_reserved_bytes"] is None for r in remedies)

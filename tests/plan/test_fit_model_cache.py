@@ -37,8 +37,8 @@ def gpt2_builds(monkeypatch):
 
 
 def _search_then_compare(options: StepOptions, gpu: str, builds: list[int], start: int, most: int):
-    """Run the search (cached) from ``start`` up to ``most``, then predict each probed batch
-    afresh; return the result."""
+    """Run the search (cached) from ``start`` up to ``most``, then predict afresh the batch it
+    answers and its last two probes (those that reused the model most); return the result."""
 
     def build(batch):
         return build_preset_step("gpt2-124m", dataclasses.replace(options, batch_size=batch))
@@ -49,7 +49,10 @@ def _search_then_compare(options: StepOptions, gpu: str, builds: list[int], star
     assert builds[0] == 1  # one model for every probe of the search
     searched = less_margin(result.target, result.margin_bytes)
     assert searched is not None
-    for probe in result.curve:
+    chosen = {result.batch_size, *result.probe_order[-2:]}
+    compared = [p for p in result.curve if p.batch_size in chosen]
+    assert len(compared) == len(chosen)
+    for probe in compared:
         fresh = predict_built(build, "train step", probe.batch_size, target=searched, steps=2)
         assert (probe.train.peak_allocated_bytes, probe.train.peak_reserved_bytes) == (
             fresh.peak_allocated_bytes,
@@ -57,14 +60,14 @@ def _search_then_compare(options: StepOptions, gpu: str, builds: list[int], star
         ), probe.batch_size
         assert probe.train.required_bytes == fresh.required_bytes
         assert probe.fits == fresh.fits
-    assert builds[0] == 1 + len(result.curve)  # the fresh predictions built one model each
+    assert builds[0] == 1 + len(compared)  # the fresh predictions built one model each
     return result
 
 
 def test_gpt2_search_builds_once_and_every_probe_equals_a_fresh_build(gpt2_builds):
     """GPT-2 124M at seq 64 on a 4 GiB GPU (batch 32 fits, 33 does not; searched from 30 to 34
     to keep the test short): one model for the search; each probe's peaks equal an uncached
-    prediction at that batch, byte for byte."""
+    prediction at that batch, byte for byte (the answer and the last two probes are compared)."""
     options = StepOptions(batch_size=1, seq_len=64, precision="bf16-mixed")
     result = _search_then_compare(options, "4GiB", gpt2_builds, 30, 34)
     # 32 and 31 fit only with an allocator retry: 30, the largest without, is the answer.
@@ -134,7 +137,10 @@ def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
     assert result.probe_order == (4, 5)
     assert gpt2_builds[0] == 3  # the policy once, the reference (changed by the builder) twice
     searched = less_margin(result.target, result.margin_bytes)
-    for probe in result.curve:
+    chosen = {result.batch_size, *result.probe_order[-2:]}
+    compared = [p for p in result.curve if p.batch_size in chosen]
+    assert len(compared) == len(chosen)
+    for probe in compared:
         fresh = predict_built(build, "train step", probe.batch_size, target=searched, steps=2)
         assert probe.train.required_bytes == fresh.required_bytes
         assert probe.train.peak_allocated_bytes == fresh.peak_allocated_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import namedtuple
+from unittest import mock
 
 import pytest
 import torch
@@ -341,7 +342,10 @@ def test_recovery_invariants(n, limit, start):
     """Any batch, memory limit and starting size: sizes halve, each sample once, same gradient."""
     job = _Job(n=n, limit=limit)
     reference = job.reference_grads()
-    with use_device(_FakeDevice()):
+    # Each caught OOM runs gc.collect() (runtime/device.py release_after_oom), which in a test
+    # process holding torch, transformers and every earlier test's objects costs most of this
+    # test's time: counted here instead of run.
+    with use_device(_FakeDevice()), mock.patch("oomkit.runtime.device.gc.collect") as collect:
         wrapped = job.wrap(micro_batch_size=start)
         wrapped(job.batch)
     micro = n if start is None else min(start, n)
@@ -351,6 +355,7 @@ def test_recovery_invariants(n, limit, start):
         micro = (micro + 1) // 2
     assert [e.failed_micro_batch_size for e in wrapped.events] == expected_failures
     assert wrapped.oom_count == len(expected_failures) and wrapped.optimizer_steps == 1
+    assert collect.call_count == len(expected_failures)  # one release per caught OOM
     final = job.calls[len(expected_failures) :]
     assert [i for call in final for i in call] == list(range(n))
     assert all(len(call) <= micro for call in final)

@@ -132,10 +132,10 @@ def test_a_saved_compiled_prediction_is_re_predicted_compiled(tiny, capsys):
     assert again.peak_allocated_bytes == data["peak_allocated_bytes"]
 
 
-def test_smallest_gpu_global_batch_records_each_count_compiled(capsys):
+def test_smallest_gpu_global_batch_records_each_count_compiled(tiny, capsys):
     """--compile with --smallest-gpu --global-batch 2: one GPU recorded compiled as predict
     --compile records it, two as FSDP2 with each block compiled (before: refused)."""
-    code = main(["fit", "gpt2-124m", "--compile", "--smallest-gpu", "--global-batch", "2",
+    code = main(["fit", tiny, "--compile", "--smallest-gpu", "--global-batch", "2",
                  "--max-gpus", "2", "--seq", "16", "--steps", "1", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0

@@ -189,7 +189,7 @@ def test_measuring_a_prediction_shows_progress_only_on_a_terminal(tmp_path, monk
 
     pytest.importorskip("torch")
     argv = ["predict", "resnet50", "--gpu", "600MiB", "--steps", "1", "--batch", "2",
-            "--image-size", "32", "--json"]
+            "--image-size", "32", "--json", "--no-remedies"]
     assert main(argv) == 1
     path = tmp_path / "p.json"
     path.write_text(capsys.readouterr().out)

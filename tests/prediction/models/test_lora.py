@@ -166,3 +166,31 @@ def test_lora_options_read_back_from_a_saved_mapping():
     assert LoraOptions(targets="q_proj, v_proj").targets == ("q_proj", "v_proj")
     with pytest.raises(ValueError, match="unknown LoRA option"):
         lora_options_from({"rank": 8})
+
+
+def test_importing_peft_keeps_torchaos_import_log_lines_out_of_the_terminal(
+    tmp_path, monkeypatch, caplog
+):
+    """peft imports torchao where it is installed, and torchao logs "Failed to load ..._C_*.so"
+    at WARNING on a machine without its CUDA kernels: a LoRA prediction printed those lines on
+    stderr. _peft() imports peft with torchao's loggers quiet (a stand-in peft that logs as
+    torchao does on import; the levels are restored after)."""
+    import logging
+    import sys
+
+    from oomkit.prediction.models.lora import _peft
+
+    (tmp_path / "peft.py").write_text(
+        "import logging\n"
+        "logging.getLogger('torchao').warning('Failed to load _C_mxfp8.so')\n"
+        "logging.getLogger('torch.utils._pytree').warning('register_constant is deprecated')\n"
+        "logging.getLogger('torchao').error('a real error')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "peft", raising=False)
+    before = logging.getLogger("torchao").level
+    with caplog.at_level(logging.WARNING):
+        module = _peft()
+    assert module.__file__ == str(tmp_path / "peft.py")
+    assert [r.getMessage() for r in caplog.records] == ["a real error"]
+    assert logging.getLogger("torchao").level == before

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from oomkit._logs import quiet_loggers
+from oomkit._logs import TORCHAO_IMPORT_LOGGERS, quiet_loggers
 from oomkit.errors import ConfigError
 
 __all__ = [
@@ -94,15 +94,11 @@ class Float8Options:
         return Float8LinearConfig.from_recipe_name(self.recipe)
 
 
-# Loggers that speak while torchao is imported on a machine without its CUDA kernels: torchao's
-# "Failed to load ..._C_*.so" (torchao/__init__.py: its C++ extensions are optional, and the
-# float8 training path here uses none of them) and torch's pytree note on its Enum registration.
-_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def _import_torchao() -> None:
     try:
-        with quiet_loggers(*_IMPORT_LOGGERS):
+        with quiet_loggers(*TORCHAO_IMPORT_LOGGERS):
             import torchao.float8  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         raise ConfigError(

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from oomkit._logs import TORCHAO_IMPORT_LOGGERS, quiet_loggers
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.models.bert import Bert
 from oomkit.prediction.models.gpt2 import GPT2
@@ -40,7 +41,9 @@ _PRESET_MODEL_TYPES: dict[type, str] = {GPT2: "gpt2", Llama: "llama", Bert: "ber
 
 def _peft() -> Any:
     try:
-        import peft
+        # peft imports torchao where it is installed: its import-time log lines are not ours.
+        with quiet_loggers(*TORCHAO_IMPORT_LOGGERS):
+            import peft
     except ImportError as exc:
         raise TorchRequiredError(
             "LoRA is built with peft; install it with `pip install oomkit[lora]` (or `pip "
