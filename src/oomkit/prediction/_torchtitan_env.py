@@ -133,7 +133,7 @@ def quiet_torchtitan_logs() -> contextlib.AbstractContextManager[None]:
     """torchtitan logs its own advice at WARNING: on its logger ("HF assets path ... does not
     exist!") and on the root logger (torchtitan/components/checkpointer/base.py
     ``initial_load_model_only=True has no effect ...``), which a prediction does not act on;
-    torchao, which its converters import, adds its own (models/float8.py ``_IMPORT_LOGGERS``)."""
+    torchao, which its converters import, adds its own (``oomkit._logs.TORCHAO_IMPORT_LOGGERS``)."""
     return quiet_loggers("torchtitan", "", "torchao", "torch.utils._pytree")
 
 
