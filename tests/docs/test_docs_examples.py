@@ -203,8 +203,20 @@ def _params() -> list:
     return params
 
 
+@pytest.fixture
+def shared_recording_cache(tmp_path_factory, monkeypatch) -> None:
+    """The pages show some commands more than once (the demo's predict in the README and the
+    getting-started page): their recordings are kept in one cache folder for every example of
+    the run (all xdist workers), so a repeated command replays the first one's recording, as it
+    would in a reader's shell (prediction/recording_cache.py; a hit prints what a miss does)."""
+    folder = tmp_path_factory.getbasetemp().parent / "docs-recording-cache"
+    monkeypatch.setenv("OOMKIT_CACHE_DIR", str(folder))
+
+
 @pytest.mark.parametrize("example", _params())
-def test_documented_command_runs_and_prints_what_is_shown(example: Example, tmp_path: Path) -> None:
+def test_documented_command_runs_and_prints_what_is_shown(
+    example: Example, tmp_path: Path, shared_recording_cache: None
+) -> None:
     if any("../shared/" in c.text for c in example.commands) and not SHARED.is_dir():
         pytest.skip("the shared snapshots are not beside this checkout")
     work = _scratch(tmp_path)
