@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+
+
+def pytest_collection_finish(session):
+    """Once the test modules are imported (torch, transformers, oomkit: about 400,000 objects
+    that live as long as the worker), move them out of the cyclic collector's sight
+    (``gc.freeze``): every later full collection, automatic or asked for (oomkit's
+    ``release_after_oom`` runs ``gc.collect()`` per caught OOM), then walks only what the tests
+    made, not the whole import graph again (0.22 s of CPU per collection before the freeze,
+    measured on this machine)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
