@@ -29,6 +29,7 @@ used removed first). ``OOMKIT_NO_CACHE=1`` turns the cache off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -405,17 +406,7 @@ def _with_events(recording: CachedRecording, events: tuple[TraceEvent, ...]) -> 
     starts = recording.step_starts
     if any(not 0 <= s <= len(events) for s in starts) or list(starts) != sorted(starts):
         raise ValueError("step boundaries outside the events")
-    return CachedRecording(
-        events=events,
-        step_starts=starts,
-        warnings=recording.warnings,
-        bytes_by_category=recording.bytes_by_category,
-        kernel_choices=recording.kernel_choices,
-        assumptions=recording.assumptions,
-        collective_ids=recording.collective_ids,
-        timing_note=recording.timing_note,
-        context=recording.context,
-    )
+    return dataclasses.replace(recording, events=events)
 
 
 def _ints(value: Any) -> list[int]:
