@@ -119,6 +119,7 @@ def compiled_code_recorded(
         return original_stance(callback)
 
     torch._dynamo.reset()
+    _builtin_methods_found_on_the_host()
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     limits_before = _recompile_limits_hit(torch._dynamo.utils.counters)
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
@@ -139,7 +140,7 @@ def compiled_code_recorded(
         ),
     )
     try:
-        with _recorder_never_compiled(), _meta_dispatched_as_cuda():
+        with _recorder_never_compiled(), _meta_dispatched_as_cuda(), _ddp_compiles_without_modes():
             yield stand_in
     finally:
         # Each graph break leaves code between captured graphs that runs (and is recorded)
@@ -159,6 +160,92 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
+
+
+def _builtin_methods_found_on_the_host() -> None:
+    """Dynamo's table of tensor methods behind Python operators, filled as a GPU process fills it.
+
+    The first time dynamo traces an operator on tensors (``x + y``, ``not t``) it fills a
+    process-wide table by calling every operator on its own small CPU tensors under a
+    torch-function mode that notes which tensor method ran (torch/_dynamo/variables/builtin.py
+    ``populate_builtin_to_tensor_fn_map``: ``torch.ones(1)``, then ``operator.not_(inp0)``,
+    which reads the value through ``__bool__``). In a process without oomkit those tensors are
+    plain CPU tensors; inside a recording they would be made under the recorder's fake mode
+    (a fake process group) and ``not_`` would read a fake value (``_local_scalar_dense``:
+    ``DataDependentOutputException``), so the compile failed. Filled here once, before the
+    recording's modes apply, with every dispatch mode off: the same table, no device memory.
+    """
+    import torch
+    from torch._dynamo.variables import builtin
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    populate = getattr(builtin, "populate_builtin_to_tensor_fn_map", None)
+    if populate is None:  # pragma: no cover - a torch without the table
+        return
+    # The recorder's torch-function modes are set aside too (torch/overrides.py keeps them on
+    # one stack, torch/_C's _pop_torch_function_stack / _push_on_torch_function_stack).
+    function_modes = [
+        torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())
+    ]
+    try:
+        with unset_fake_temporarily(), _disable_current_modes():
+            populate()
+    finally:
+        for mode in reversed(function_modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def _ddp_compiles_without_modes() -> Iterator[None]:
+    """While open, a frame compiled inside DDP's forward is traced with the dispatch modes off,
+    as every other compiled frame is.
+
+    torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__`` compiles a frame under
+    ``_disable_current_modes()``, except inside a ``DistributedDataParallel`` forward
+    (``optimize_ddp`` "ddp_optimizer", the default): there it returns early through
+    ``_clone_with_backend(DDPOptimizer.compile_fn)`` and calls that callback with the modes
+    still on. A GPU process has none on, so both paths trace alike; a recording has its fake
+    mode and its own modes on, and dynamo's conversion of the frame's inputs to its fake tensors
+    ran an op through them (``meta_utils.py`` ``_backward_error``: "Mixing fake modes"). The
+    callback that ``_clone_with_backend`` makes is run here under ``_disable_current_modes()``
+    as the other path runs its own; the DDPOptimizer (its split of the graph at DDP's buckets,
+    each piece compiled through the backend) runs as it is.
+    """
+    from torch._dynamo import convert_frame
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    classes = [
+        cls
+        for cls in (convert_frame.ConvertFrame, convert_frame.ConvertFrameAssert)
+        if isinstance(cls.__dict__.get("_clone_with_backend"), property)
+    ]
+    originals = {cls: cls.__dict__["_clone_with_backend"] for cls in classes}
+
+    def without_modes(original: property) -> property:
+        def clone_with_backend(self: Any) -> Any:
+            clone = original.fget(self)  # type: ignore[misc]
+
+            def make(backend: Any) -> Any:
+                callback = clone(backend)
+
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    with _disable_current_modes():
+                        return callback(*args, **kwargs)
+
+                return call
+
+            return make
+
+        return property(clone_with_backend)
+
+    for cls, original in originals.items():
+        setattr(cls, "_clone_with_backend", without_modes(original))  # noqa: B010
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, "_clone_with_backend", original)  # noqa: B010
 
 
 def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:
