@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional
 from oomkit.prediction.tracing.compile_plan import WAITS_RETURNING_INPUT, plan_graph
 from oomkit.prediction.tracing.fake_storages import mark_host, stands_for_cuda
 from oomkit.prediction.tracing.step_runner import trace_step
