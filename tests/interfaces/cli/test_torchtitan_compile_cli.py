@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -95,14 +97,15 @@ def test_compile_with_tensor_parallel_records_the_blocks_and_the_loss_compiled()
               "--parallelism.data_parallel_shard_degree", "2"]
     jobs = []
     for extra in ([], ["--compile.enable"]):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = main(
-                ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "4",
-                 "--steps", "2", "--json", "--", *_OVERRIDES, *layout, *extra]
-            )
-        assert code == 0
-        jobs.append(json.loads(out.getvalue()))
+        # One job per process, as the CLI runs it: a second TP job compiled in the same
+        # process is handed a process group of the first (issue 38, not mended yet).
+        done = subprocess.run(
+            [sys.executable, "-m", "oomkit", "predict", "--torchtitan", "llama3:debugmodel",
+             "--world-size", "4", "--steps", "2", "--json", "--", *_OVERRIDES, *layout, *extra],
+            capture_output=True, text=True, check=False,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        jobs.append(json.loads(done.stdout))
     eager, compiled = jobs
     said = " ".join(compiled["warnings"])
     assert "compiled code was entered 28 time(s)" in said
