@@ -55,8 +55,14 @@ def _builder(compiled: bool, *, hidden: int = HIDDEN, wide: int = WIDE, bucket_c
 
 @pytest.fixture(scope="module")
 def recordings():
-    """Eager and compiled rank 0 of DDP over 2 ranks, two steps each."""
+    """Eager and compiled rank 0 of DDP over 2 ranks, two steps each. Dynamo's table of
+    tensor methods behind Python operators is emptied first, so the compiled recording fills
+    it (on the host, outside the recording's fake mode: compiled.py)."""
+    from torch._dynamo.variables import builtin
+
     eager = trace_distributed_step(_builder(False), world_size=2, steps=2)
+    builtin.BUILTIN_TO_TENSOR_FN_MAP.clear()
+    builtin.BUILTIN_TO_TENSOR_RFN_MAP.clear()
     compiled = trace_distributed_step(_builder(True), world_size=2, steps=2, compile=True)
     assert not dist.is_initialized()
     return eager, compiled
