@@ -57,7 +57,9 @@ def _builder(compiled: bool, *, hidden: int = HIDDEN, wide: int = WIDE, bucket_c
 def recordings():
     """Eager and compiled rank 0 of DDP over 2 ranks, two steps each. Dynamo's table of
     tensor methods behind Python operators is emptied first, so the compiled recording fills
-    it (on the host, outside the recording's fake mode: compiled.py)."""
+    it while dynamo traces inside DDP's forward (builtin.py populate_builtin_to_tensor_fn_map
+    runs real ops on its own CPU tensors): with the recording's fake mode off there, as
+    compiled.py's _ddp_compiles_without_modes makes it."""
     from torch._dynamo.variables import builtin
 
     eager = trace_distributed_step(_builder(False), world_size=2, steps=2)

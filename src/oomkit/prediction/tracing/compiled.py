@@ -119,7 +119,6 @@ def compiled_code_recorded(
         return original_stance(callback)
 
     torch._dynamo.reset()
-    _builtin_methods_found_on_the_host()
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     limits_before = _recompile_limits_hit(torch._dynamo.utils.counters)
     compile_fx_module.compile_fx = stand_in  # type: ignore[assignment]
@@ -160,40 +159,6 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
-
-
-def _builtin_methods_found_on_the_host() -> None:
-    """Dynamo's table of tensor methods behind Python operators, filled as a GPU process fills it.
-
-    The first time dynamo traces an operator on tensors (``x + y``, ``not t``) it fills a
-    process-wide table by calling every operator on its own small CPU tensors under a
-    torch-function mode that notes which tensor method ran (torch/_dynamo/variables/builtin.py
-    ``populate_builtin_to_tensor_fn_map``: ``torch.ones(1)``, then ``operator.not_(inp0)``,
-    which reads the value through ``__bool__``). In a process without oomkit those tensors are
-    plain CPU tensors; inside a recording they would be made under the recorder's fake mode
-    (a fake process group) and ``not_`` would read a fake value (``_local_scalar_dense``:
-    ``DataDependentOutputException``), so the compile failed. Filled here once, before the
-    recording's modes apply, with every dispatch mode off: the same table, no device memory.
-    """
-    import torch
-    from torch._dynamo.variables import builtin
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    populate = getattr(builtin, "populate_builtin_to_tensor_fn_map", None)
-    if populate is None:  # pragma: no cover - a torch without the table
-        return
-    # The recorder's torch-function modes are set aside too (torch/overrides.py keeps them on
-    # one stack, torch/_C's _pop_torch_function_stack / _push_on_torch_function_stack).
-    function_modes = [
-        torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())
-    ]
-    try:
-        with unset_fake_temporarily(), _disable_current_modes():
-            populate()
-    finally:
-        for mode in reversed(function_modes):
-            torch._C._push_on_torch_function_stack(mode)
 
 
 @contextlib.contextmanager
