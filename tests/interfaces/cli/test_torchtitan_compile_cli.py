@@ -119,3 +119,16 @@ def test_compile_with_tensor_parallel_records_the_blocks_and_the_loss_compiled()
         102028288,
         98750464,
     )
+
+
+def test_compile_with_tensor_parallel_under_full_ac_is_refused_saying_why(capsys):
+    """FSDP 2 x TP 2, --compile.enable and full AC exits 2 in one line, naming the override
+    and torch's runtime check that the compiled checkpoint's saved TP mesh fails."""
+    pytest.importorskip("torchtitan")
+    argv = ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "4", "--",
+            *_OVERRIDES, "--compile.enable", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2", "activation_checkpoint:full"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--compile.enable: torch.compile of blocks under full activation checkpointing" in err
+    assert "runtime_wrappers.py save_from_forward" in err and "Traceback" not in err
