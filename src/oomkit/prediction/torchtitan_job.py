@@ -44,7 +44,6 @@ from oomkit.prediction._torchtitan_env import (
     quiet_torchtitan_logs,
     torchtitan_version,
 )
-from oomkit.prediction.tracing.compile_backend import COMPILED_FULL_AC_TP_REFUSAL
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
@@ -472,9 +471,6 @@ def _refuse_unmodelled(config: Any) -> None:
          "context parallel is not recorded on the fake group yet"),
         (parallelism.expert_parallel_degree > 1, "--parallelism.expert_parallel_degree",
          "expert parallel is not recorded on the fake group yet"),
-        (config.compile.enable and parallelism.tensor_parallel_degree > 1
-         and type(config.activation_checkpoint).__qualname__.startswith("FullAC"),
-         "--compile.enable", COMPILED_FULL_AC_TP_REFUSAL),
         (config.training.enable_cpu_offload, "--training.enable_cpu_offload",
          "FSDP2's CPU offload is not recorded on the fake group yet"),
     ]

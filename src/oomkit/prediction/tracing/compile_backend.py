@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.engine import CudaEmulationEngine
     from oomkit.prediction.tracing.values import KnownValues
 
-__all__ = ["COMPILED_FULL_AC_TP_REFUSAL", "DYNAMIC_SHAPES", "InductorStandIn", "PlannedGraph"]
+__all__ = ["DYNAMIC_SHAPES", "InductorStandIn", "PlannedGraph"]
 
 # The count of compiled graphs with symbolic sizes in InductorStandIn.graphs (the assumption
 # lists it after the graphs' kinds). Dynamo decides which: torch/_dynamo/config.py
@@ -64,22 +64,6 @@ DYNAMIC_SHAPES = (
 )
 
 _SDPA_NAME = "torch.nn.functional.scaled_dot_product_attention"
-
-# Why blocks compiled under full activation checkpointing with tensor parallel are refused
-# (torchtitan route; the preset route checkpoints around the compiled block, which records).
-# Dynamo captures the checkpoint inside the compiled block as the tag_activation_checkpoint
-# higher-order op; AOTAutograd's partition of it on the fake group puts the TP DeviceMesh (an
-# opaque object) among the saved tensors and the recomputed SDPA's RNG state after it
-# (torch/_functorch/partitioners.py functionalize_rng_ops, its non-CUDA path: CUDA's graph-safe
-# path saves no state), and the runtime refuses the forward's outputs
-# (runtime_wrappers.py _AutogradSavedState.save_from_forward). Checked on torch 2.13.
-COMPILED_FULL_AC_TP_REFUSAL = (
-    "torch.compile of blocks under full activation checkpointing with tensor parallel is not "
-    "recorded on the fake group (AOTAutograd's partition of the compiled checkpoint saves the "
-    "TP DeviceMesh among the saved tensors, which torch's runtime refuses: "
-    "torch/_functorch/_aot_autograd/runtime_wrappers.py save_from_forward); selective AC, "
-    "torchtitan's default, records with TP"
-)
 
 
 class PlannedGraph:

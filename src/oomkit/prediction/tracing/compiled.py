@@ -105,6 +105,7 @@ def compiled_code_recorded(
         return
     from oomkit.prediction.tracing._modes import OpDispatchMode
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
+    from oomkit.prediction.tracing.compile_rng_order import rng_states_before_opaque_objects
     from oomkit.prediction.tracing.values import KnownValues
 
     stand_in = InductorStandIn(engine)
@@ -139,7 +140,12 @@ def compiled_code_recorded(
         ),
     )
     try:
-        with _recorder_never_compiled(), _meta_dispatched_as_cuda(), _ddp_compiles_without_modes():
+        with (
+            _recorder_never_compiled(),
+            _meta_dispatched_as_cuda(),
+            _ddp_compiles_without_modes(),
+            rng_states_before_opaque_objects(),
+        ):
             yield stand_in
     finally:
         # Each graph break leaves code between captured graphs that runs (and is recorded)
