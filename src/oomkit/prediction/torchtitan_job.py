@@ -482,10 +482,6 @@ def _refuse_unmodelled(config: Any) -> None:
     refused = [
         (parallelism.expert_parallel_degree > 1, "--parallelism.expert_parallel_degree",
          "expert parallel is not recorded on the fake group yet"),
-        (config.compile.enable and parallelism.tensor_parallel_degree > 1, "--compile.enable",
-         "torch.compile with tensor parallel is not recorded on the fake group yet (under "
-         "selective AC AOTAutograd saves the TP mesh for backward and refuses it; without AC "
-         "a real scalar meets the fake mode); compile is recorded with FSDP2 / HSDP"),
         (config.training.enable_cpu_offload, "--training.enable_cpu_offload",
          "FSDP2's CPU offload is not recorded on the fake group yet"),
     ]

@@ -246,10 +246,6 @@ def _user_workload(
             f"--bucket-cap-mb and --gradient-as-bucket-view wrap a preset; {target} makes its "
             "own DistributedDataParallel: pass bucket_cap_mb / gradient_as_bucket_view there"
         )
-    if ddp and scenario.step.compile:
-        from oomkit.prediction.models.compiled_blocks import DDP_COMPILE_REFUSAL
-
-        raise OomkitError(DDP_COMPILE_REFUSAL)
     workload = ShardedWorkload(lambda mesh: (None, ()), WorkloadSpec("function", target))
     step = scenario.step
 

@@ -42,8 +42,15 @@ def test_user_step_that_compiles_is_recorded_compiled(tmp_path, capsys):
     assert not any("traced eagerly" in w for w in warnings)
 
 
-def test_compile_refuses_ddp(capsys):
-    """--compile with --dp alone (DDP) exits 2, saying why and what to use (--fsdp compiles:
-    test_compile_parallel_cli.py)."""
-    assert main(["predict", "gpt2-124m", "--compile", "--dp", "2"]) == 2
-    assert "--compile with --dp alone (DDP) is not modelled" in capsys.readouterr().err
+def test_compile_with_ddp_compiles_each_block(capsys):
+    """--compile with --dp alone (DDP) records GPT-2's 12 blocks compiled inside DDP (through
+    dynamo's DDPOptimizer) and the loss: 13 compiled regions entered in one step, none of
+    them recorded eagerly instead."""
+    argv = ["predict", "gpt2-124m", "--compile", "--dp", "2", "--seq", "64", "--batch", "1",
+            "--steps", "1", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "each block compiled" in out["description"] and "DDP over 2 replicas" in out["description"]
+    said = " ".join(out["warnings"])
+    assert "compiled code was entered 13 time(s)" in said
+    assert "could not be compiled GPU-free" not in said

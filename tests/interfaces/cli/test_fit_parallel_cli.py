@@ -120,7 +120,6 @@ def test_fit_dp_terminal_says_the_batch_is_per_rank(tiny_llama, capsys):
         (["--tp", "2", "--hf", "gpt2"], "--hf models are not sharded by oomkit yet"),
         (["gpt2-124m", "--tp", "2"], "--tp is modelled for the Llama presets"),
         (["llama3-8b", "--tp", "3"], "--tp 3 must divide"),
-        (["llama3-8b", "--dp", "2", "--compile"], "--compile with --dp alone (DDP)"),
         (["llama3-8b", "--dp", "2", "--lengths", "l.txt"], "--lengths is not searched sharded"),
         (["llama3-8b", "--tp", "2", "--smallest-gpu", "--batch", "2"], "--global-batch B"),
         (["llama3-8b", "--tp", "2", "--eval", "e.py:f"], "--eval is not sharded"),

@@ -29,8 +29,6 @@ from oomkit.prediction.models.selective_ac import BLOCK_LISTS
 
 __all__ = [
     "BLOCKS_COMPILED",
-    "DDP_COMPILE_REFUSAL",
-    "check_compiled_checkpointing",
     "compile_blocks",
     "compile_model_blocks",
     "compiled_loss",
@@ -40,43 +38,6 @@ __all__ = [
 
 # The description's words for a sharded step compiled per block.
 BLOCKS_COMPILED = "each block compiled (torchtitan apply_compile: fullgraph, Inductor)"
-
-# Why DDP (--dp alone) with --compile is refused. A frame compiled inside DDP's forward goes
-# through dynamo's DDPOptimizer (torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn,
-# torch._dynamo.config.optimize_ddp = True by default), which splits each graph at DDP's bucket
-# boundaries and runs the pieces on its own fake tensors while compiling; on the fake process
-# group that compile-time run meets the recording's fake mode ("Mixing fake modes") and a
-# data-dependent read, so the split graphs cannot be recorded as a GPU runs them.
-DDP_COMPILE_REFUSAL = (
-    "--compile with --dp alone (DDP) is not modelled: dynamo compiles inside DDP through its "
-    "DDPOptimizer (torch/_dynamo/backends/distributed.py), which splits each compiled graph at "
-    "the gradient buckets, and that split does not run on oomkit's fake process group. "
-    "torchtitan replicates with HSDP instead (--dp R --fsdp S, which compiles per block), or "
-    "predict DDP eagerly (drop --compile)"
-)
-
-
-def check_compiled_checkpointing(options: StepOptions) -> None:
-    """Refuse selective-op checkpointing inside blocks compiled under tensor parallel.
-
-    With TP, AOTAutograd's forward of a compiled selective-checkpointed block returns the TP
-    device mesh among the values it saves for backward, and its ``CompiledFunction`` asserts
-    that those are all tensors
-    (torch/_functorch/_aot_autograd/runtime_wrappers.py ``_AutogradSavedState.save_from_forward``:
-    "expected all tensors_saved_with_vc_check to be Tensors"), so the step does not run. FSDP2
-    and HSDP without TP record (the compiled checkpoint's saved RNG state is host memory:
-    ``prediction/tracing/fake_storages.py`` ``detach_saved``); ``full`` records with TP.
-
-    Raises:
-        ConfigError: ``--compile`` with ``--checkpointing selective-op`` and ``--tp``.
-    """
-    if options.compile and options.checkpointing == "selective-op" and options.mode == "train":
-        raise ConfigError(
-            "--compile with --checkpointing selective-op is not modelled with --tp yet "
-            "(AOTAutograd's compiled checkpointed block saves the TP device mesh for backward "
-            "and refuses it: torch/_functorch/_aot_autograd/runtime_wrappers.py "
-            "save_from_forward); use --checkpointing full, or drop --compile or --tp"
-        )
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> int:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oomkit.errors import ConfigError
-from oomkit.prediction.models.compiled_blocks import DDP_COMPILE_REFUSAL
+from oomkit.prediction.models.compiled_blocks import (
+    BLOCKS_COMPILED,
+    compile_model_blocks,
+    compiled_loss,
+    eager_outside_blocks,
+    with_torchtitan_dynamo_config,
+)
 from oomkit.prediction.models.options import BuiltStep, StepOptions
 from oomkit.prediction.models.parallel import _cast_floating
 from oomkit.prediction.models.presets import _check_lengths, _runner, shaped_preset
@@ -92,8 +98,6 @@ def build_ddp_preset_step(
         raise ConfigError("--dp predicts training steps (DDP reduces gradients); use --mode train")
     if options.lora is not None or options.quantize is not None:
         raise ConfigError("--dp with LoRA or quantized weights is not modelled yet")
-    if options.compile:
-        raise ConfigError(DDP_COMPILE_REFUSAL)
     if options.precision is None:  # a preset's own precision is fp32
         options = dataclasses.replace(options, precision="fp32")
     preset = shaped_preset(name, options)
@@ -107,6 +111,8 @@ def build_ddp_preset_step(
     if dtype != torch.float32:
         _cast_floating(model, dtype)
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    if options.compile:  # after AC, before DDP (torchtitan parallelize_llama's order)
+        compile_model_blocks(model, "--dp")
     wrapped: list[torch.nn.Module] = []
 
     def setup() -> None:
@@ -129,10 +135,19 @@ def build_ddp_preset_step(
     plain = _runner(preset, model)
     runner = ModelRunner(model, plain.task, plain.classes, forward=forward)
     built = build_step(
-        runner, options, title=preset.title, seq_len=seq_len, image_size=image_size, device=device
+        runner,
+        eager_outside_blocks(options),  # its blocks compiled, if any
+        title=preset.title,
+        seq_len=seq_len,
+        image_size=image_size,
+        device=device,
+        loss_fn=compiled_loss(options),
     )
+    if options.compile:  # the dynamo settings of torchtitan's apply_compile, for this step
+        built = dataclasses.replace(built, step_fn=with_torchtitan_dynamo_config(built.step_fn))
     view = ", gradient_as_bucket_view" if ddp.gradient_as_bucket_view else ""
     cap = "25 MiB (first 1 MiB)" if ddp.bucket_cap_mb is None else f"{ddp.bucket_cap_mb:g} MiB"
     replicas = f"{mesh.size()} replica" + ("s" if mesh.size() != 1 else "")
-    description = f"{built.description}, DDP over {replicas} (buckets {cap}{view}), rank 0"
+    compiled = f", {BLOCKS_COMPILED}" if options.compile else ""
+    description = f"{built.description}{compiled}, DDP over {replicas} (buckets {cap}{view}), rank 0"
     return DdpStep(dataclasses.replace(built, description=description), setup)

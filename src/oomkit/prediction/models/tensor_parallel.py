@@ -36,7 +36,6 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import (
     BLOCKS_COMPILED,
-    check_compiled_checkpointing,
     compile_model_blocks,
 )
 from oomkit.prediction.models.float8 import Float8Options, convert_to_float8, float8_words
@@ -220,7 +219,6 @@ def build_tp_preset_step(
             "TP too); use --fsdp with --tp, or --dp R --fsdp S --tp N (HSDP x TP)"
         )
     refuse_unsharded_modes(options, "--tp")
-    check_compiled_checkpointing(options)
     seq_len = options.seq_len or preset.default_seq_len or 0
     _check_lengths(preset, options, seq_len)
     tp_mesh = mesh["tp"]
@@ -239,7 +237,7 @@ def build_tp_preset_step(
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
-    layout = converted + (f"{BLOCKS_COMPILED} (loss eager), " if options.compile else "")
+    layout = converted + (f"{BLOCKS_COMPILED}, " if options.compile else "")
     if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
         compile_model_blocks(model, "--tp")
     layout += f"tensor parallel over {tp_mesh.size()} ranks (torchtitan's Llama plan: sequence "
@@ -261,10 +259,6 @@ def build_tp_preset_step(
         device,
         fsdp_casts="fsdp" in names,
         where=f"{layout}, rank 0 of {mesh.size()}",
-        # torchtitan compiles the loss-parallel cross-entropy too; on DTensor shards its
-        # compiled graph does not record on the fake group yet (a value read in it), so it
-        # stays eager here.
-        compile_loss=False,
     )
     inner = built.step_fn
 

@@ -32,10 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from oomkit.prediction.tracing.compile_plan import BufferKey, BufferPlan, fetch_attr, plan_graph
+from oomkit.prediction.tracing.compile_plan import (
+    WAITS_RETURNING_INPUT,
+    BufferKey,
+    BufferPlan,
+    fetch_attr,
+    plan_graph,
+)
 from oomkit.prediction.tracing.emulation import EmulationContext
+from oomkit.prediction.tracing.fake_storages import mark_host
 from oomkit.prediction.tracing.storages import Allocation, tensor_storage
 from oomkit.prediction.tracing.value_reads import active_known_values
 
@@ -166,6 +174,10 @@ class PlannedGraph:
             return _run_rng_wrapped(engine, node.target, args, kwargs)
         name = str(node.target)
         made = [plan.buffers[k] for k in plan.bases.get(node.name, ()) if plan.buffers[k].made_at == i]
+        if name in WAITS_RETURNING_INPUT and engine.has_emulation(name):
+            # A view of its input in the plan; its emulation makes the output share the
+            # input's storage (collectives.py), where the meta kernel would make a new one.
+            return engine.run_op(node.target, tuple(args), dict(kwargs))
         if plan.kinds[node.name] == "extern" and engine.has_emulation(name):
             # A kernel with CUDA workspaces: its hook allocates them around a fresh output.
             for buf in made:
@@ -177,6 +189,15 @@ class PlannedGraph:
                 keep[buf.key] = _element(out, buf.key[1])
             return out
         out = self._call(node, args, kwargs)
+        if plan.kinds[node.name] == "constant":
+            # A value computed from CPU constants only (``torch.tensor(0.0)``'s
+            # ``lift_fresh_copy``): host memory, as the wrapper keeps it on the CPU (graph.py
+            # GraphLowering.get_attr; an extern kernel such as ``index_put`` takes a 0-d CPU
+            # value). On the fake group the host and the device share the ``cpu`` fake device,
+            # so it is marked as the eager step marks ``lift_fresh`` (distributed.py
+            # HOST_TENSOR_EMULATIONS); on meta it is a real CPU tensor already.
+            for _, tensor in _tensor_leaves(out):
+                mark_host(tensor)
         self._follow_values(node, args, kwargs, out)
         for buf in made:
             tensor = _element(out, buf.key[1])
@@ -202,7 +223,13 @@ class PlannedGraph:
 
     def _follow_values(self, node: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> None:
         if self._known is not None and node.op == "call_function":
-            self._known.follow(node.target, tuple(args), dict(kwargs), out)
+            # Host bookkeeping, outside the inputs' fake mode (``_inputs_fake_mode``): a graph
+            # constant is a real CPU tensor (``tensor(0)``, the ignore index of a compiled
+            # loss), whose values ``values.known_value`` reads with ``detach()``, which a fake
+            # mode refuses for a real tensor (fake_tensor.py
+            # ``validate_and_convert_non_fake_tensors``).
+            with unset_fake_temporarily():
+                self._known.follow(node.target, tuple(args), dict(kwargs), out)
 
     def _call(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         """The node's value, by its FX op (torch/fx/interpreter.py ``Interpreter`` semantics)."""
@@ -266,6 +293,14 @@ def _run_rng_wrapped(
         return torch.get_rng_state(), engine.run_op(op, tuple(rest), dict(kwargs))
     _state, op, *rest = args
     return engine.run_op(op, tuple(rest), dict(kwargs))
+
+
+def _tensor_leaves(out: Any) -> list[tuple[int, torch.Tensor]]:
+    if isinstance(out, torch.Tensor):
+        return [(0, out)]
+    if isinstance(out, (list, tuple)):
+        return [(i, t) for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+    return []
 
 
 def _element(out: Any, index: int) -> Any:
@@ -347,11 +382,30 @@ def _eager(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run
 
 
-def _fused_sdpa_in(gm: torch.fx.GraphModule, engine: CudaEmulationEngine) -> None:
-    """Point SDPA calls of the captured graph at the fused kernel CUDA picks for them."""
-    hook = _cuda_sdpa(engine)
+def _fused_sdpa_in(
+    gm: torch.fx.GraphModule,
+    engine: CudaEmulationEngine,
+    hook: Callable[..., Any] | None = None,
+) -> None:
+    """Point SDPA calls of the captured graph at the fused kernel CUDA picks for them.
+
+    Subgraphs too: dynamo captures a checkpointed region (``torch.utils.checkpoint`` or a
+    ``checkpoint_wrapper`` block) as the ``tag_activation_checkpoint`` higher-order op whose
+    body is a ``GraphModule`` attribute of the graph (torch/_dynamo/variables/higher_order_ops.py
+    ``CheckpointHigherOrderVariable``), read by a ``get_attr`` node; the SDPA of a checkpointed
+    block is there. Left as it is, AOTAutograd would trace the composite on the fake ``cpu``
+    device into ``_scaled_dot_product_flash_attention_for_cpu``, which selective AC's save list
+    (CUDA's kernels) does not save, so it would be recomputed and, being seeded, wrapped in
+    ``run_and_save_rng_state`` (partitioners.py ``functionalize_rng_ops``), as no GPU does.
+    """
+    hook = _cuda_sdpa(engine) if hook is None else hook
     changed = False
     for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            body = getattr(gm, str(node.target), None)
+            if isinstance(body, torch.fx.GraphModule):
+                _fused_sdpa_in(body, engine, hook)
+            continue
         target = node.target
         if node.op == "call_function" and (
             target is torch._C._nn.scaled_dot_product_attention

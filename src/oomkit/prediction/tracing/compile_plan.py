@@ -65,7 +65,14 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["BufferPlan", "Buffer", "fetch_attr", "plan_graph", "REALIZE_READS_THRESHOLD"]
+__all__ = [
+    "BufferPlan",
+    "Buffer",
+    "fetch_attr",
+    "plan_graph",
+    "REALIZE_READS_THRESHOLD",
+    "WAITS_RETURNING_INPUT",
+]
 
 # torch/_inductor/config.py realize_reads_threshold and _realize_opcount_threshold_default.
 REALIZE_READS_THRESHOLD = 4
@@ -90,6 +97,22 @@ _REDUCTION_OPS: frozenset[str] = frozenset(
         "all", "argmax", "argmin", "logsumexp", "_log_softmax", "_softmax", "cumsum",
     }
 )  # fmt: skip
+
+# Collective waits that hand back their input (no buffer of their own): torch/_inductor/
+# comm_lowering.py ``_wait_tensor`` returns ``inp`` after ``ir._WaitKernel.create_wait`` (a
+# kernel with a ``NoneLayout`` that mutates its input), as the CUDA kernel returns its input
+# (torch/csrc/distributed/c10d/FunctionalRegistry.cpp ``wait_tensor``). Their schema has no
+# alias annotation, so without this the collective's output would die at the wait and its
+# memory be handed to a later buffer while the wait's readers still read it.
+WAITS_RETURNING_INPUT: frozenset[str] = frozenset({"_c10d_functional.wait_tensor.default"})
+
+
+def _op_key(target: Any) -> str:
+    """``namespace.name.overload`` of an OpOverload (the emulations' key); else ``""``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return ""
+
 
 # Values of nodes that compute sizes, not tensors (symbolic in a dynamic-shape graph).
 _SIZE_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
@@ -179,6 +202,8 @@ def _classify(node: torch.fx.Node) -> str:
     target = node.target
     if target is operator.getitem:
         return "getitem"
+    if _op_key(target) in WAITS_RETURNING_INPUT:
+        return "view"
     if isinstance(target, torch._ops.OpOverload):
         returns = target._schema.returns
         aliased = [r.alias_info for r in returns if r.alias_info is not None]

@@ -105,6 +105,7 @@ def compiled_code_recorded(
         return
     from oomkit.prediction.tracing._modes import OpDispatchMode
     from oomkit.prediction.tracing.compile_backend import InductorStandIn
+    from oomkit.prediction.tracing.compile_rng_order import rng_states_before_opaque_objects
     from oomkit.prediction.tracing.values import KnownValues
 
     stand_in = InductorStandIn(engine)
@@ -139,7 +140,12 @@ def compiled_code_recorded(
         ),
     )
     try:
-        with _recorder_never_compiled(), _meta_dispatched_as_cuda():
+        with (
+            _recorder_never_compiled(),
+            _meta_dispatched_as_cuda(),
+            _ddp_compiles_without_modes(),
+            rng_states_before_opaque_objects(),
+        ):
             yield stand_in
     finally:
         # Each graph break leaves code between captured graphs that runs (and is recorded)
@@ -159,6 +165,58 @@ def compiled_code_recorded(
         eval_frame._callback_from_stance = original_stance
         compile_fx_module.compile_fx = original_compile_fx
         torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _ddp_compiles_without_modes() -> Iterator[None]:
+    """While open, a frame compiled inside DDP's forward is traced with the dispatch modes off,
+    as every other compiled frame is.
+
+    torch/_dynamo/convert_frame.py ``CatchErrorsWrapper.__call__`` compiles a frame under
+    ``_disable_current_modes()``, except inside a ``DistributedDataParallel`` forward
+    (``optimize_ddp`` "ddp_optimizer", the default): there it returns early through
+    ``_clone_with_backend(DDPOptimizer.compile_fn)`` and calls that callback with the modes
+    still on. A GPU process has none on, so both paths trace alike; a recording has its fake
+    mode and its own modes on, and dynamo's conversion of the frame's inputs to its fake tensors
+    ran an op through them (``meta_utils.py`` ``_backward_error``: "Mixing fake modes"). The
+    callback that ``_clone_with_backend`` makes is run here under ``_disable_current_modes()``
+    as the other path runs its own; the DDPOptimizer (its split of the graph at DDP's buckets,
+    each piece compiled through the backend) runs as it is.
+    """
+    from torch._dynamo import convert_frame
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    classes = [
+        cls
+        for cls in (convert_frame.ConvertFrame, convert_frame.ConvertFrameAssert)
+        if isinstance(cls.__dict__.get("_clone_with_backend"), property)
+    ]
+    originals = {cls: cls.__dict__["_clone_with_backend"] for cls in classes}
+
+    def without_modes(original: property) -> property:
+        def clone_with_backend(self: Any) -> Any:
+            clone = original.fget(self)  # type: ignore[misc]
+
+            def make(backend: Any) -> Any:
+                callback = clone(backend)
+
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    with _disable_current_modes():
+                        return callback(*args, **kwargs)
+
+                return call
+
+            return make
+
+        return property(clone_with_backend)
+
+    for cls, original in originals.items():
+        setattr(cls, "_clone_with_backend", without_modes(original))  # noqa: B010
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, "_clone_with_backend", original)  # noqa: B010
 
 
 def _set_ignore_flag(python_dispatch: Any, value: bool) -> None:

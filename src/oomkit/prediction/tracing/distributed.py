@@ -134,6 +134,27 @@ def fake_process_group(
             yield init_device_mesh("cpu", shape, mesh_dim_names=mesh_dim_names)
     finally:
         dist.destroy_process_group()
+        _forget_sharding_results()
+
+
+def _forget_sharding_results() -> None:
+    """Empty DTensor's sharding-propagation caches when the group they were filled on is gone.
+
+    They are keyed by the op's schema, whose specs compare meshes by value (device_mesh.py
+    ``DeviceMesh.__eq__``: rank map, layout, names), so the next recording's equal mesh would get
+    output specs holding this recording's mesh (torch/distributed/tensor/_sharding_prop.py
+    ``ShardingPropagator.propagate_op_sharding``, an ``lru_cache``, and the C++ fast path's
+    cache in front of it). Eager code resolves that
+    mesh's groups by name, which finds the live ones; compiled code takes them from the mesh
+    object (``_get_pg_from_name`` while compiling: ``mesh._pg_registry``), the destroyed group
+    of the last recording ("Group ... is not registered"). A GPU process has one group for its
+    life; each recording here gets a fresh cache, as each process would.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    # Both caches: the Python lru_cache and the C++ dispatch fast path's
+    # (torch/distributed/tensor/debug/__init__.py _clear_sharding_prop_cache).
+    _clear_sharding_prop_cache()
 
 
 class EmulatedStreams:

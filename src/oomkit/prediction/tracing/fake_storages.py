@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
@@ -51,7 +52,14 @@ def mark_host(tensor: torch.Tensor) -> None:
 
 
 def stands_for_cuda(tensor: Any) -> bool:
-    """Whether ``tensor`` stands for CUDA memory while tracing: meta, or fake and not host."""
+    """Whether ``tensor`` stands for CUDA memory while tracing: meta, or fake and not host.
+
+    A ``FunctionalTensor`` (what AOTAutograd traces a compiled graph with,
+    torch/_subclasses/functional_tensor.py) stands for what it wraps (``torch._from_functional_tensor``
+    of its ``elem``): on the fake group, a fake tensor of the ``cpu`` fake device.
+    """
+    if isinstance(tensor, FunctionalTensor):
+        tensor = torch._from_functional_tensor(tensor.elem)
     device = getattr(tensor, "device", None)
     if device is not None and device.type == "meta":
         return True
