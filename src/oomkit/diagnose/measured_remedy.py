@@ -11,7 +11,10 @@ import dataclasses
 
 from oomkit.diagnose.diagnosis import Remedy
 
-__all__ = ["MeasuredRemedy"]
+__all__ = ["MEASURED_WHY", "MeasuredRemedy"]
+
+# The why of every measured remedy, first in its sentence.
+MEASURED_WHY = "measured by re-predicting the step with the change applied"
 
 
 @dataclasses.dataclass(frozen=True)

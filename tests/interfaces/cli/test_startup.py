@@ -38,6 +38,28 @@ _OOM_TEXT = (
 
 # Never imported by the file commands: torch, and the layers they do not use.
 HEAVY = ("torch", "oomkit.prediction", "oomkit.runtime", "oomkit.plan")
+# Never imported by a command that reads a snapshot or an error text (issue 41 item 4): the typed
+# request of predict and fit (pydantic), numpy, the installed packages' metadata, the
+# re-prediction machinery (the target, the workload record, measured remedies), the GPU catalog's
+# name lookup and CUDA builds, the trace file format, and the fork pool (only --jobs above 1 and
+# several settings fork).
+UNUSED_BY_FILE_COMMANDS = (
+    "torch",
+    "pydantic",
+    "numpy",
+    "importlib.metadata",
+    "oomkit.scenario",
+    "oomkit.prediction",
+    "oomkit.runtime",
+    "oomkit.core.target",
+    "oomkit.core.gpus.lookup",
+    "oomkit.core.gpus.cuda_versions",
+    "oomkit.core.gpus.nccl",
+    "oomkit.core.trace.io",
+    "oomkit.diagnose.remedy_measurement",
+    "multiprocessing",
+    "concurrent.futures",
+)
 
 
 def _modules(call: str, setup: str = "") -> tuple[object, set[str]]:
@@ -58,10 +80,24 @@ def _loaded(modules: set[str], prefix: str) -> list[str]:
     return sorted(m for m in modules if m == prefix or m.startswith(prefix + "."))
 
 
+def _small_snapshot(path: Path) -> Path:
+    """A 3-event snapshot: one 512-byte block allocated and freed in a 2 MiB segment."""
+    a = 0x7000_0000_0000
+    write_snapshot(
+        path,
+        [{"address": a, "total_size": 2**21, "segment_type": "small", "blocks": [
+            {"address": a, "size": 2**21, "state": "inactive"}]}],
+        [[TraceEvent("alloc", a, 512), TraceEvent("free_requested", a, 512),
+          TraceEvent("free_completed", a, 512)]],
+    )
+    return path
+
+
 def test_import_oomkit_imports_no_torch_rich_or_upper_layers():
     """``import oomkit`` loads errors, units and the version only; the API loads on first use."""
     _, modules = _modules("import oomkit")
-    for name in (*HEAVY, "rich", "oomkit.interfaces", "oomkit.diagnose", "oomkit.core.replay"):
+    for name in (*HEAVY, "rich", "pydantic", "oomkit.interfaces", "oomkit.diagnose",
+                 "oomkit.core.replay"):
         assert _loaded(modules, name) == [], name
 
 
@@ -79,15 +115,7 @@ def test_facade_names_resolve_lazily():
 def test_replay_file_imports_only_core_and_its_report(tmp_path):
     """``oomkit replay FILE --verify --json`` imports no torch, rich, predictor, runtime, planner
     or report module but the replay one."""
-    path = tmp_path / "s.pickle"
-    a = 0x7000_0000_0000
-    write_snapshot(
-        path,
-        [{"address": a, "total_size": 2**21, "segment_type": "small", "blocks": [
-            {"address": a, "size": 2**21, "state": "inactive"}]}],
-        [[TraceEvent("alloc", a, 512), TraceEvent("free_requested", a, 512),
-          TraceEvent("free_completed", a, 512)]],
-    )
+    path = _small_snapshot(tmp_path / "s.pickle")
     rc, modules = _modules(
         f"main(['replay', {str(path)!r}, '--verify', '--json'])",
         setup="from oomkit.interfaces.cli import main",
@@ -140,7 +168,8 @@ def test_help_imports_no_subcommand_module():
     rc, modules = _modules("main(['--help'])", setup="from oomkit.interfaces.cli import main")
     assert rc == 0
     assert _loaded(modules, "oomkit.interfaces.cli") == ["oomkit.interfaces.cli"]
-    for name in (*HEAVY, "rich", "importlib.metadata", "oomkit.core", "oomkit.diagnose"):
+    for name in (*HEAVY, "rich", "pydantic", "importlib.metadata", "oomkit.core",
+                 "oomkit.diagnose"):
         assert _loaded(modules, name) == [], name
 
 
@@ -158,9 +187,9 @@ def test_explain_text_imports_only_the_text_diagnosis():
     rc, modules = _modules(f"main(['explain', {_OOM_TEXT!r}])",
                            setup="from oomkit.interfaces.cli import main")
     assert rc is None  # main returned (0): a diagnosis was rendered
-    for name in (*HEAVY, "importlib.metadata", "oomkit.core.replay", "oomkit.core.allocator",
-                 "oomkit.diagnose.memory_health", "oomkit.diagnose.snapshot_diagnosis",
-                 "rich.progress", "rich.live"):
+    for name in (*HEAVY, *UNUSED_BY_FILE_COMMANDS, "oomkit.core.replay",
+                 "oomkit.core.allocator", "oomkit.diagnose.memory_health",
+                 "oomkit.diagnose.snapshot_diagnosis", "rich.progress", "rich.live"):
         assert _loaded(modules, name) == [], name
     assert "oomkit.diagnose.diagnosis" in modules
     assert "rich.console" in modules
@@ -169,6 +198,56 @@ def test_explain_text_imports_only_the_text_diagnosis():
         "oomkit.interfaces.reports._untrusted",  # escapes the error text's markup
         "oomkit.interfaces.reports.diagnosis",
     ]
+
+
+def test_explain_snapshot_imports_no_prediction_catalog_or_text_parser(tmp_path):
+    """``oomkit explain SNAPSHOT`` diagnoses, prices the allocator settings and renders its
+    tables without the re-prediction machinery, the GPU catalog, the traceback reader, or
+    compiling one pattern of the OOM-text parser (its records are all it uses)."""
+    path = _small_snapshot(tmp_path / "s.pickle")
+    rc, modules = _modules(
+        f"main(['explain', {str(path)!r}]); "
+        # rc: the names of the OOM-text patterns compiled by the time the command is done.
+        "import oomkit.diagnose.oom_text as t; from oomkit._lazy import LazyPattern; "
+        "rc = sorted(n for n, v in vars(t).items() "
+        "if isinstance(v, LazyPattern) and v._compiled is not None)",
+        setup="from oomkit.interfaces.cli import main",
+    )
+    assert rc == []
+    for name in (*UNUSED_BY_FILE_COMMANDS, "oomkit.core.gpus.catalog",
+                 "oomkit.diagnose.oom_traceback", "rich.progress"):
+        assert _loaded(modules, name) == [], name
+    # It did diagnose (estimates included), price settings and render.
+    for name in ("oomkit.diagnose.snapshot_diagnosis", "oomkit.diagnose._model_remedies",
+                 "oomkit.plan.tuning", "rich.table"):
+        assert name in modules, name
+
+
+def test_explain_snapshot_json_imports_no_rich(tmp_path):
+    """``oomkit explain SNAPSHOT --json`` renders nothing, so it imports no rich at all."""
+    path = _small_snapshot(tmp_path / "s.pickle")
+    rc, modules = _modules(f"main(['explain', {str(path)!r}, '--json'])",
+                           setup="from oomkit.interfaces.cli import main")
+    assert rc is None
+    for name in (*UNUSED_BY_FILE_COMMANDS, "rich"):
+        assert _loaded(modules, name) == [], name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["replay", "--verify"], ["tune", "--jobs", "1"]],
+    ids=["replay-verify", "tune"],
+)
+def test_replay_and_tune_tables_import_no_catalog_or_diagnosis(tmp_path, argv):
+    """``oomkit replay SNAPSHOT --verify`` and ``oomkit tune SNAPSHOT`` render their rich tables
+    without the GPU catalog, any diagnosis, the trace file format or pydantic."""
+    path = _small_snapshot(tmp_path / "s.pickle")
+    words = [argv[0], str(path), *argv[1:]]
+    rc, modules = _modules(f"main({words!r})", setup="from oomkit.interfaces.cli import main")
+    assert rc is None
+    for name in (*UNUSED_BY_FILE_COMMANDS, "oomkit.core.gpus", "oomkit.diagnose"):
+        assert _loaded(modules, name) == [], name
+    assert "rich.table" in modules
 
 
 # console_main: what the `oomkit` command and `python -m oomkit` run.

@@ -7,17 +7,18 @@ from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
 from oomkit.diagnose.measured_remedy import MeasuredRemedy
-from oomkit.diagnose.oom_text import OomText
-from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
     # Annotations only; rich is imported when something is rendered (`--json` never renders)
-    # and attribution only comes with a snapshot (issue 19 item 4: start-up).
+    # and attribution only comes with a snapshot (issue 19 item 4: start-up), the traceback's
+    # location only with a text (issue 41 item 4).
     from rich.console import Console
 
     from oomkit.diagnose.attribution import Attribution
+    from oomkit.diagnose.oom_text import OomText
+    from oomkit.diagnose.oom_traceback import OomLocation
 
 __all__ = [
     "REMEDIES_HEADING",
