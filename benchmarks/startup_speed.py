@@ -2,8 +2,9 @@
 
 Issue 41 item 4: every command's own start-up at most 3x the CPU of a bare Python that imports
 argparse, json, pickle, dataclasses and pathlib. Each command runs in a fresh process (as
-``python -m oomkit`` does: ``main(argv)``), twice in that process; the second run's CPU is the
-work alone (its imports are done), so
+``python -m oomkit`` does: ``console_main``'s garbage-collector thresholds, then
+``main(argv)``), twice in that process; the second run's CPU is the work alone (its imports are
+done), so
 
     start-up = the process's CPU up to the end of the first run - the second run's CPU,
 
@@ -54,7 +55,10 @@ def cpu():
     return usage.ru_utime + usage.ru_stime
 
 argv = json.loads(sys.argv[1])
-from oomkit.interfaces.cli import _command_named, build_parser, main, summary_parser
+from oomkit.interfaces.cli import (
+    _collect_cycles_rarely, _command_named, build_parser, main, summary_parser
+)
+_collect_cycles_rarely()  # as console_main does first
 command = _command_named(argv)
 parser = summary_parser() if command is None else build_parser(command)
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -41,8 +41,8 @@ HEAVY = ("torch", "oomkit.prediction", "oomkit.runtime", "oomkit.plan")
 # Never imported by a command that reads a snapshot or an error text (issue 41 item 4): the typed
 # request of predict and fit (pydantic), numpy, the installed packages' metadata, the
 # re-prediction machinery (the target, the workload record, measured remedies), the GPU catalog's
-# name lookup and CUDA builds, the trace file format, and the fork pool (only --jobs above 1 and
-# several settings fork).
+# name lookup and CUDA builds, the trace file format, the fork pool (only --jobs above 1 and
+# several settings fork), and shutil (argparse's help width is read without it).
 UNUSED_BY_FILE_COMMANDS = (
     "torch",
     "pydantic",
@@ -59,6 +59,7 @@ UNUSED_BY_FILE_COMMANDS = (
     "oomkit.diagnose.remedy_measurement",
     "multiprocessing",
     "concurrent.futures",
+    "shutil",
 )
 
 
@@ -169,8 +170,23 @@ def test_help_imports_no_subcommand_module():
     assert rc == 0
     assert _loaded(modules, "oomkit.interfaces.cli") == ["oomkit.interfaces.cli"]
     for name in (*HEAVY, "rich", "pydantic", "importlib.metadata", "oomkit.core",
-                 "oomkit.diagnose"):
+                 "oomkit.diagnose", "shutil"):
         assert _loaded(modules, name) == [], name
+
+
+@pytest.mark.parametrize("columns", ["57", "200", "0", "wide", None])
+def test_help_width_is_argparses_own(monkeypatch, columns):
+    """The help is as wide as argparse would make it (shutil's terminal columns less 2), with
+    ``$COLUMNS`` set, zero, not a number or unset (then the terminal's, else 80)."""
+    import shutil
+
+    from oomkit.interfaces.cli import _help_width
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert _help_width() == shutil.get_terminal_size().columns - 2
 
 
 def test_summary_help_is_the_full_parsers_help():
@@ -268,6 +284,25 @@ def test_console_main_exits_with_mains_code_and_freezes_what_is_alive(monkeypatc
         assert exited.value.code == 3
         assert gc.get_freeze_count() > 0
     finally:
+        gc.unfreeze()
+
+
+def test_console_main_runs_the_cyclic_collector_rarely(monkeypatch):
+    """Before the command runs, the youngest generation is collected every 200,000 allocations
+    instead of CPython's 700 (mypy's thresholds): a command's imports make no garbage cycles."""
+    import gc
+
+    import oomkit.interfaces.cli as cli
+
+    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(cli, "main", lambda: seen.append(gc.get_threshold()) or 0)
+    before = gc.get_threshold()
+    try:
+        with pytest.raises(SystemExit):
+            cli.console_main()
+        assert seen == [(200_000, 30, 30)]
+    finally:
+        gc.set_threshold(*before)
         gc.unfreeze()
 
 
