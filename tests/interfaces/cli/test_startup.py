@@ -266,6 +266,21 @@ def test_replay_and_tune_tables_import_no_catalog_or_diagnosis(tmp_path, argv):
     assert "rich.table" in modules
 
 
+@pytest.mark.parametrize("json_flag", [False, True], ids=["text", "json"])
+def test_diff_imports_no_html_page_builder(tmp_path, json_flag):
+    """``oomkit diff A B`` builds no HTML page without ``--html`` (and with ``--json`` renders
+    nothing, so no rich)."""
+    a = _small_snapshot(tmp_path / "a.pickle")
+    b = _small_snapshot(tmp_path / "b.pickle")
+    words = ["diff", str(a), str(b), *(["--json"] if json_flag else [])]
+    rc, modules = _modules(f"main({words!r})", setup="from oomkit.interfaces.cli import main")
+    assert rc is None
+    for name in (*UNUSED_BY_FILE_COMMANDS, "oomkit.interfaces.reports.html", "html",
+                 *(["rich"] if json_flag else [])):
+        assert _loaded(modules, name) == [], name
+    assert "oomkit.diagnose.run_diff" in modules
+
+
 # console_main: what the `oomkit` command and `python -m oomkit` run.
 
 
