@@ -106,6 +106,7 @@ def commands(workdir: Path) -> dict[str, list[str]]:
     trace = workdir / "small.jsonl"
     loaded = load_snapshot(SMALL_SNAPSHOT)
     write_trace(trace, loaded.trace_for(loaded.devices()[0]), TraceHeader(source="snapshot"))
+    log = _monitor_log(workdir / "monitor.jsonl")
     return {
         "help": ["--help"],
         "explain TEXT": ["explain", str(text)],
@@ -117,11 +118,37 @@ def commands(workdir: Path) -> dict[str, list[str]]:
         "doctor SNAPSHOT": ["doctor", snapshot],
         "doctor --no-live": ["doctor", "--no-live"],
         "demo": ["demo"],
+        "report LOG": ["report", str(log)],
         "gpus": ["gpus"],
         "doctor (torch)": ["doctor"],
         "presets (torch)": ["presets"],
         "predict (torch)": ["predict", "gpt2-124m", "--gpu", "h100", "--steps", "1", "--batch", "1"],
     }
+
+
+class _SteadyDevice:
+    """A device for ``oomkit.Monitor`` that reports 8 MiB allocated of 16 MiB reserved."""
+
+    name = "benchmark"
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"allocated_bytes.all.current": 2**23, "reserved_bytes.all.current": 2**24}
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 2**24, 2**25
+
+
+def _monitor_log(path: Path, steps: int = 20) -> Path:
+    """A monitor log of ``steps`` steps, for `report`."""
+    from oomkit.runtime.monitor import Monitor
+
+    with Monitor(log_path=path, device=_SteadyDevice()) as monitor:
+        for _ in range(steps):
+            monitor.step()
+    return path
 
 
 def child(code: str, *args: str, env: dict[str, str]) -> dict[str, Any]:

@@ -281,6 +281,41 @@ def test_diff_imports_no_html_page_builder(tmp_path, json_flag):
     assert "oomkit.diagnose.run_diff" in modules
 
 
+def test_report_reads_monitor_logs_without_the_allocator_or_the_runtime(tmp_path):
+    """``oomkit report LOG`` summarises a monitor log without the allocator, the snapshot
+    reader, the settings sweep, the rest of the runtime (Monitor, experiments, batch probes) or
+    the HTML page builder."""
+    from oomkit.runtime.monitor import Monitor
+
+    class _Device:
+        name = "fake"
+
+        def memory_stats(self):
+            return {"allocated_bytes.all.current": 2**23, "reserved_bytes.all.current": 2**24,
+                    "num_ooms": 0}
+
+        def reset_peak_memory_stats(self):
+            pass
+
+        def mem_get_info(self):
+            return 0, 2**25
+
+    log = tmp_path / "m.jsonl"
+    with Monitor(log_path=log, device=_Device()) as monitor:
+        for _ in range(3):
+            monitor.step()
+    rc, modules = _modules(f"main(['report', {str(log)!r}])",
+                           setup="from oomkit.interfaces.cli import main")
+    assert rc is None
+    # The log reader is the runtime's one module it needs.
+    assert _loaded(modules, "oomkit.runtime") == ["oomkit.runtime", "oomkit.runtime._monitor_log"]
+    unused = [name for name in UNUSED_BY_FILE_COMMANDS if name != "oomkit.runtime"]
+    for name in (*unused, "oomkit.core.allocator", "oomkit.core.snapshot", "oomkit.plan",
+                 "oomkit.interfaces.reports.html", "logging"):
+        assert _loaded(modules, name) == [], name
+    assert "oomkit.diagnose.memory_health" in modules and "rich.table" in modules
+
+
 # console_main: what the `oomkit` command and `python -m oomkit` run.
 
 
