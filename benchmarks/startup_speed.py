@@ -107,6 +107,8 @@ def commands(workdir: Path) -> dict[str, list[str]]:
     loaded = load_snapshot(SMALL_SNAPSHOT)
     write_trace(trace, loaded.trace_for(loaded.devices()[0]), TraceHeader(source="snapshot"))
     log = _monitor_log(workdir / "monitor.jsonl")
+    script = workdir / "script.py"  # for `run`: its own process's CPU is not counted
+    script.write_text("x = 1\n", encoding="utf-8")
     return {
         "help": ["--help"],
         "explain TEXT": ["explain", str(text)],
@@ -119,6 +121,7 @@ def commands(workdir: Path) -> dict[str, list[str]]:
         "doctor --no-live": ["doctor", "--no-live"],
         "demo": ["demo"],
         "report LOG": ["report", str(log)],
+        "run -- python SCRIPT": ["run", "--", sys.executable, str(script)],
         "gpus": ["gpus"],
         "doctor (torch)": ["doctor"],
         "presets (torch)": ["presets"],
