@@ -36,9 +36,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from oomkit.diagnose._remedy_code import CHECKPOINT_CODE, FP16_CODE, MIXED_CODE, SGD_CODE
+from oomkit.diagnose._remedy_code import (
+    CHECKPOINT_CODE,
+    FP16_CODE,
+    MEASURED_WHY,
+    MIXED_CODE,
+    SGD_CODE,
+)
 from oomkit.diagnose.diagnosis import Remedy
-from oomkit.diagnose.measured_remedy import MEASURED_WHY
 from oomkit.errors import ConfigError, OomkitError
 from oomkit.units import format_bytes
 

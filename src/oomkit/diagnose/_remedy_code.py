@@ -1,4 +1,4 @@
-"""The code a model remedy shows, whether its saving is estimated or measured.
+"""What a model remedy shows (its code; a measured one's why), estimated or measured alike.
 
 The same snippet for an estimate from a trace's categories (``_model_remedies``) and for a
 measurement by re-predicting (``remedy_measurement``).
@@ -9,7 +9,17 @@ the workload record, the predictor): ``oomkit explain SNAPSHOT`` stays light (is
 
 from __future__ import annotations
 
-__all__ = ["CHECKPOINT_CODE", "FP16_CODE", "MIXED_CODE", "PURE_BF16_CODE", "SGD_CODE"]
+__all__ = [
+    "CHECKPOINT_CODE",
+    "FP16_CODE",
+    "MEASURED_WHY",
+    "MIXED_CODE",
+    "PURE_BF16_CODE",
+    "SGD_CODE",
+]
+
+# The why of every measured remedy, first in its sentence.
+MEASURED_WHY = "measured by re-predicting the step with the change applied"
 
 MIXED_CODE = (
     "# bf16 needs no GradScaler\n"

@@ -11,10 +11,7 @@ import dataclasses
 
 from oomkit.diagnose.diagnosis import Remedy
 
-__all__ = ["MEASURED_WHY", "MeasuredRemedy"]
-
-# The why of every measured remedy, first in its sentence.
-MEASURED_WHY = "measured by re-predicting the step with the change applied"
+__all__ = ["MeasuredRemedy"]
 
 
 @dataclasses.dataclass(frozen=True)

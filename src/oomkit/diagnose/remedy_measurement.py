@@ -27,12 +27,13 @@ from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose._remedy_code import (
     CHECKPOINT_CODE,
     FP16_CODE,
+    MEASURED_WHY,
     MIXED_CODE,
     PURE_BF16_CODE,
     SGD_CODE,
 )
 from oomkit.diagnose.diagnosis import Remedy
-from oomkit.diagnose.measured_remedy import MEASURED_WHY, MeasuredRemedy
+from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.errors import OomkitError, TorchRequiredError
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes

@@ -231,7 +231,8 @@ def test_explain_snapshot_imports_no_prediction_catalog_or_text_parser(tmp_path)
     )
     assert rc == []
     for name in (*UNUSED_BY_FILE_COMMANDS, "oomkit.core.gpus.catalog",
-                 "oomkit.diagnose.oom_traceback", "rich.progress"):
+                 "oomkit.diagnose.oom_traceback", "oomkit.diagnose.measured_remedy",
+                 "rich.progress"):
         assert _loaded(modules, name) == [], name
     # It did diagnose (estimates included), price settings and render.
     for name in ("oomkit.diagnose.snapshot_diagnosis", "oomkit.diagnose._model_remedies",
