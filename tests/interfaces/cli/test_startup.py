@@ -317,6 +317,17 @@ def test_report_reads_monitor_logs_without_the_allocator_or_the_runtime(tmp_path
     assert "oomkit.diagnose.memory_health" in modules and "rich.table" in modules
 
 
+def test_doctor_without_the_live_allocator_reads_no_package_metadata():
+    """``oomkit doctor --no-live`` finds the installed torch's version without importing torch
+    or the package metadata (importlib.metadata and its email and zipfile modules)."""
+    rc, modules = _modules("main(['doctor', '--no-live'])",
+                           setup="from oomkit.interfaces.cli import main")
+    assert rc is None
+    for name in (*UNUSED_BY_FILE_COMMANDS, "email", "zipfile"):
+        assert _loaded(modules, name) == [], name
+    assert "oomkit.diagnose.settings_doctor" in modules
+
+
 # console_main: what the `oomkit` command and `python -m oomkit` run.
 
 
