@@ -1,16 +1,22 @@
-"""Names a package exports on first use (PEP 562): the one ``__getattr__``/``__dir__`` pair.
+"""What is made on first use: a package's exported names, and regular expressions.
+
+``lazy_exports`` is the one PEP 562 ``__getattr__``/``__dir__`` pair; ``LazyPattern`` a compiled
+pattern's stand-in that compiles when first matched.
 
 ``oomkit``, ``oomkit.diagnose`` and ``oomkit.interfaces.reports`` import their API lazily, so a
-command imports only the modules it uses (issue 19 item 4: start-up).
+command imports only the modules it uses (issue 19 item 4: start-up); a module whose patterns
+only some of its callers match compiles them when first matched (issue 41 item 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from importlib import import_module
 from typing import Any
 
-__all__ = ["lazy_exports"]
+__all__ = ["LazyPattern", "lazy_exports"]
 
 
 def lazy_exports(
@@ -37,3 +43,45 @@ def lazy_exports(
         return sorted(set(namespace) | set(table))
 
     return __getattr__, __dir__
+
+
+class LazyPattern:
+    """A regular expression compiled when it is first matched, with ``re.Pattern``'s methods.
+
+    ``re.compile`` costs 0.1-0.5 ms a pattern; at module level every command that imports the
+    module pays it, also the ones that never match (``oomkit explain SNAPSHOT`` imports the
+    OOM-text records, not their parser). Compiling is idempotent, so two threads racing on the
+    first match at worst compile twice.
+    """
+
+    __slots__ = ("_compiled", "flags", "pattern")
+
+    def __init__(self, pattern: str, flags: int = 0) -> None:
+        self.pattern = pattern
+        self.flags = flags
+        self._compiled: re.Pattern[str] | None = None
+
+    @property
+    def compiled(self) -> re.Pattern[str]:
+        """The compiled pattern (compiled on the first call)."""
+        compiled = self._compiled
+        if compiled is None:
+            compiled = self._compiled = re.compile(self.pattern, self.flags)
+        return compiled
+
+    def match(self, string: str, pos: int = 0, endpos: int = sys.maxsize) -> re.Match[str] | None:
+        return self.compiled.match(string, pos, endpos)
+
+    def search(self, string: str, pos: int = 0, endpos: int = sys.maxsize) -> re.Match[str] | None:
+        return self.compiled.search(string, pos, endpos)
+
+    def finditer(
+        self, string: str, pos: int = 0, endpos: int = sys.maxsize
+    ) -> Iterator[re.Match[str]]:
+        return self.compiled.finditer(string, pos, endpos)
+
+    def sub(self, repl: str | Callable[[re.Match[str]], str], string: str, count: int = 0) -> str:
+        return self.compiled.sub(repl, string, count)
+
+    def __repr__(self) -> str:
+        return f"LazyPattern({self.pattern!r}, {self.flags!r})"

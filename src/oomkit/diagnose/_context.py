@@ -14,11 +14,14 @@ mode the message's PyTorch release implies: 2.1+ builds all use CUDA >= 11.8 (la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from oomkit.core.gpus import CATALOG, GpuSpec
 from oomkit.core.gpus.overhead import cuda_context
 from oomkit.diagnose.oom_text import OomText
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomkit.core.gpus import GpuSpec
 
 __all__ = [
     "ContextRange",
@@ -74,6 +77,9 @@ def matched_gpu(parsed: OomText, gpu: GpuSpec | None = None) -> GpuSpec | None:
     total = parsed.total_bytes
     if total is None:
         return None
+    # The catalog only here: a snapshot's diagnosis names its GPU or none (issue 41 item 4).
+    from oomkit.core.gpus.catalog import CATALOG
+
     tolerance = parsed.tolerance_bytes.get("total_bytes", 0) + _TOTAL_MATCH_BYTES
     nearest = min(CATALOG, key=lambda spec: abs(spec.total_memory_bytes - total))
     return nearest if abs(nearest.total_memory_bytes - total) <= tolerance else None

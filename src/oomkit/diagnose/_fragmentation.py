@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Literal
 
 from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._trend import LEAK_Z, trend
-from oomkit.plan.tuning import TuningResult, tune
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
+    # Annotations only; the settings sweep is imported when a trace is there to replay (a
+    # monitor log has none: `oomkit report` stays light, issue 41 item 4).
     from oomkit.diagnose.memory_health import MemorySample
+    from oomkit.plan.tuning import TuningResult
 
 __all__ = [
     "FragmentationFinding",
@@ -206,6 +208,8 @@ def detect_fragmentation(
     tuning = None
     recommendations: list[str] = []
     if events is not None and capacity_bytes is not None and events:
+        from oomkit.plan.tuning import tune
+
         tuning = tune(events, capacity_bytes, torch_version=torch_version)
         best = tuning.best
         if best is not None and not tuning.default_is_best and tuning.saving_bytes > 0:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Literal
 
-from oomkit.core.allocator import round_size
 from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._trend import LEAK_Z, detect_warmup_steps, trend
 from oomkit.diagnose.attribution import site_of
@@ -125,7 +124,13 @@ def _key(frames: Sequence) -> SiteKey:
 class _LiveSet:
     """Live allocations by address, replayed from ``alloc`` / ``free_requested`` events."""
 
-    def __init__(self, round_block: Callable[[int], int]) -> None:
+    def __init__(self, round_block: Callable[[int], int] | None) -> None:
+        if round_block is None:
+            # The allocator only where a trace is replayed: `oomkit report` reads monitor logs
+            # with this module and no allocator (issue 41 item 4: start-up).
+            from oomkit.core.allocator import round_size
+
+            round_block = round_size
         self._round = round_block
         self.live: dict[int, tuple[SiteKey, int]] = {}
 
@@ -151,7 +156,7 @@ class _LiveSet:
 
 
 def live_by_site(
-    events: Sequence[TraceEvent], *, round_block: Callable[[int], int] = round_size
+    events: Sequence[TraceEvent], *, round_block: Callable[[int], int] | None = None
 ) -> dict[SiteKey, SiteUsage]:
     """The allocations a trace leaves live, grouped by allocation site.
 
@@ -193,7 +198,7 @@ def attribute_leak(
     events_by_step: Sequence[Sequence[TraceEvent]],
     *,
     warmup_steps: int | None = None,
-    round_block: Callable[[int], int] = round_size,
+    round_block: Callable[[int], int] | None = None,
 ) -> list[LeakSite]:
     """Name the allocation sites whose live memory grows steadily from step to step.
 

@@ -34,26 +34,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import ParallelLayout, Target
-from oomkit.diagnose.diagnosis import Remedy
-from oomkit.diagnose.remedy_measurement import (
-    _CHECKPOINT_CODE,
-    _FP16_CODE,
-    _MIXED_CODE,
-    _SGD_CODE,
-    FSDP_SIZES,
+from oomkit.diagnose._remedy_code import (
+    CHECKPOINT_CODE,
+    FP16_CODE,
     MEASURED_WHY,
-    measure_remedies,
-    predict_rebuilt,
-    rebuild,
-    repredict,
+    MIXED_CODE,
+    SGD_CODE,
 )
+from oomkit.diagnose.diagnosis import Remedy
 from oomkit.errors import ConfigError, OomkitError
-from oomkit.prediction.workload import WorkloadSpec, workload_from_json
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomkit.core.gpus import GpuSpec
+    from oomkit.core.target import ParallelLayout, Target
+    from oomkit.prediction.workload import WorkloadSpec
+
+# The measured remedies import the target, the workload record and the re-prediction machinery
+# when they run: the estimates a snapshot gets need none of them (issue 41 item 4: start-up).
 
 __all__ = [
     "MEASURED_WHY",
@@ -85,9 +85,9 @@ def _mixed_precision_for(compute_capability: tuple[int, int] | None) -> _MixedPr
     """bf16 autocast where the GPU has native bf16 (or the GPU is unknown), fp16 otherwise."""
     if compute_capability is not None and tuple(compute_capability) < _NATIVE_BF16_CAPABILITY:
         return _MixedPrecision(
-            "fp16 mixed precision (autocast + GradScaler)", "fp16-mixed", "fp16", _FP16_CODE
+            "fp16 mixed precision (autocast + GradScaler)", "fp16-mixed", "fp16", FP16_CODE
         )
-    return _MixedPrecision("bf16 mixed precision (autocast)", "bf16-mixed", "bf16", _MIXED_CODE)
+    return _MixedPrecision("bf16 mixed precision (autocast)", "bf16-mixed", "bf16", MIXED_CODE)
 
 
 _FOREACH_CODE = (
@@ -198,7 +198,7 @@ def estimated_model_remedies(
                 "activation checkpointing",
                 activation * 3 // 4,
                 "low",
-                _CHECKPOINT_CODE,
+                CHECKPOINT_CODE,
                 f"Only each block's input stays of the {format_bytes(activation)} of "
                 "activations; the rest is recomputed in backward (~30% more compute). "
                 "Estimated at three quarters of the activations.",
@@ -210,7 +210,7 @@ def estimated_model_remedies(
                 "SGD with momentum instead of Adam (one optimizer state, not two)",
                 state // 2,
                 "medium",
-                _SGD_CODE,
+                SGD_CODE,
                 f"Adam/AdamW keep two states per parameter ({format_bytes(state)} here); SGD "
                 "with momentum keeps one. Changes training dynamics: retune the learning rate.",
             )
@@ -284,6 +284,8 @@ def caught_oom_remedy(held_bytes: int) -> Remedy:
 
 
 def _gpu_of(data: Mapping[str, Any]) -> GpuSpec:
+    from oomkit.core.gpus import GpuSpec
+
     gpu = data.get("gpu") or {}
     return GpuSpec(
         str(gpu.get("name", "the predicted GPU")),
@@ -311,6 +313,8 @@ def saved_target(data: Mapping[str, Any]) -> Target:
     Raises:
         ConfigError: the saved ``alloc_conf`` is not a setting PyTorch accepts.
     """
+    from oomkit.core.target import Target
+
     saved = data.get("target")
     saved = saved if isinstance(saved, Mapping) else {}
     workload = data.get("workload")
@@ -345,6 +349,8 @@ def saved_parallel(data: Mapping[str, Any]) -> ParallelLayout | None:
         return None
     if not isinstance(parallel, Mapping) or not set(parallel) <= {"fsdp", "tp", "dp", "pp", "cp"}:
         raise ConfigError(f"the saved target.parallel is not a layout: {parallel!r}")
+    from oomkit.core.target import ParallelLayout
+
     return ParallelLayout(**parallel)
 
 
@@ -360,6 +366,8 @@ def saved_step_target(data: Mapping[str, Any]) -> Target:
 def _repredict(data: Mapping[str, Any], workload: WorkloadSpec, options: Any) -> Any:
     """The saved step re-predicted with ``options`` on the saved target (rank 0 of the saved
     layout, not one GPU): ``remedy_measurement.repredict``."""
+    from oomkit.diagnose.remedy_measurement import predict_rebuilt, rebuild, repredict
+
     layout = saved_parallel(data)
     if layout is not None:
         return repredict(workload, dataclasses.replace(saved_target(data), parallel=layout), options)
@@ -395,6 +403,9 @@ def measured_model_remedies(
         required reserved bytes before minus after, ``fits`` and ``peak_reserved_bytes`` of the
         re-prediction) and warnings; empty when the workload is unknown or torch is missing.
     """
+    from oomkit.diagnose.remedy_measurement import FSDP_SIZES, measure_remedies, repredict
+    from oomkit.prediction.workload import workload_from_json
+
     workload = workload_from_json(data)
     if workload is None or workload.kind not in _REBUILDABLE:
         return [], []

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-from oomkit.core.snapshot import SnapshotSegment
 from oomkit.core.trace import Frame, TraceEvent
+
+if TYPE_CHECKING:
+    # An annotation only: `oomkit report` uses the site helpers without the snapshot reader.
+    from oomkit.core.snapshot import SnapshotSegment
 
 __all__ = [
     "AllocationRecord",

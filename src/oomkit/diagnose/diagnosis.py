@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, get_args
 
-from oomkit.core.gpus import GpuSpec
 from oomkit.diagnose._context import (
     context_range,
     figure_warnings,
@@ -29,14 +28,16 @@ from oomkit.diagnose._context import (
     own_and_others,
 )
 from oomkit.diagnose.oom_text import OomText
-from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.errors import OomTextError
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
     # Annotations only: `oomkit explain TEXT` never attributes, and attribution imports the
-    # snapshot reader (issue 19 item 4: start-up).
+    # snapshot reader (issue 19 item 4: start-up); a snapshot's diagnosis has no traceback to
+    # locate and needs no GPU catalog (issue 41 item 4).
+    from oomkit.core.gpus import GpuSpec
     from oomkit.diagnose.attribution import Attribution
+    from oomkit.diagnose.oom_traceback import OomLocation
 
 __all__ = ["Cause", "CAUSES", "Finding", "Remedy", "Diagnosis", "diagnose_oom_text"]
 

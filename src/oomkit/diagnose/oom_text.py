@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from oomkit._lazy import LazyPattern
 from oomkit.errors import OomTextError
 
 __all__ = [
@@ -154,9 +155,11 @@ class OomText:
 
 
 # --- one pattern per variant, over whitespace-collapsed text -----------------------------------
+# Each compiled when first matched: `oomkit explain SNAPSHOT` builds an OomText, never parses one
+# (issue 41 item 4: start-up).
 
 # ROCm builds print the same text with "HIP" for "CUDA" (hipify of CUDACachingAllocator.cpp).
-_NATIVE = re.compile(
+_NATIVE = LazyPattern(
     r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total "
     r"(capacity|capacty) of " + _SIZE + r" of which " + _SIZE + r" is free\. "
     r"(?P<procs>(?:(?:Including non-PyTorch memory, this process|Process \d+) has "
@@ -167,12 +170,12 @@ _NATIVE = re.compile(
     r"(?:with " + _SIZE + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?"
     r"and " + _SIZE + r" is reserved by PyTorch but unallocated\."
 )
-_PROCESS = re.compile(
+_PROCESS = LazyPattern(
     r"(?:Including non-PyTorch memory, this process|Process (\d+)) has "
     + _SIZE
     + r" memory in use\."
 )
-_CLASSIC = re.compile(
+_CLASSIC = LazyPattern(
     r"(?:CUDA|HIP) out of memory\. Tried to allocate "
     + _SIZE
     + r" \(GPU (\d+); "
@@ -185,8 +188,8 @@ _CLASSIC = re.compile(
     # A copy-paste often loses the closing parenthesis.
     r"(?:" + _SIZE + r" allowed; )?" + _SIZE + r" (reserved in total by PyTorch|cached)\)?"
 )
-_EXA = re.compile(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
-_ASYNC = re.compile(
+_EXA = LazyPattern(r"CUDA out of memory\. Tried to allocate more than 1EB memory\.")
+_ASYNC = LazyPattern(
     r"Allocation on device (\d+) would exceed allowed memory\. \(out of memory\) "
     r"Currently allocated ?: "
     + _SIZE
@@ -199,27 +202,27 @@ _ASYNC = re.compile(
     + r" PyTorch limit \(set by user-supplied memory fraction\) ?: "
     + _SIZE
 )
-_REJECTED = re.compile(
+_REJECTED = LazyPattern(
     r"CUDA out of memory\. Allocation was preemptively rejected because it would exceed "
     r"per_process_memory_fraction limit\. Requested size: " + _SIZE
 )
-_DRIVER = re.compile(r"CUDA error: out of memory")
+_DRIVER = LazyPattern(r"CUDA error: out of memory")
 # The first sentences of a native message (2.1+), which a paste of its first line keeps: without
 # the rest, how the device's memory splits between PyTorch's tensors, its cache and everything
 # else is not known, and that split is the diagnosis (parse_oom_text says so).
-_NATIVE_HEAD = re.compile(
+_NATIVE_HEAD = LazyPattern(
     r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\."
     r"(?: GPU (\d+) has a total (?:capacity|capacty) of " + _SIZE + r" of which " + _SIZE
     + r" is free\.)?"
 )
 
 # Log decorations at the start of a line that a copy-paste keeps: comment marks and quotes.
-_LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
+_LINE_PREFIX = LazyPattern(r"^[ \t]*(?:#+|//|>+)[ \t]?", re.MULTILINE)
 
 
 # Terminal escapes a coloured log keeps (ECMA-48 CSI and OSC sequences, and two-byte escapes).
-_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
-_SPACES = re.compile(r"\s+")
+_ANSI = LazyPattern(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_SPACES = LazyPattern(r"\s+")
 
 
 def _normalise(text: str) -> str:
@@ -355,7 +358,7 @@ _PARSERS = (
 
 # Every message holds one of these; only the text around them is normalised and matched, so a
 # 50 MB log costs one fast scan (the pattern starts with a literal) instead of six full ones.
-_ANCHOR = re.compile(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
 _BEFORE_CHARS = 400  # "Allocation on device N would " precedes its anchor; escapes and prefixes too
 _AFTER_CHARS = 8000  # the figures, NVML's process sentences and the async message's lines
 

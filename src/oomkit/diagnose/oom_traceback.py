@@ -26,22 +26,27 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from oomkit._lazy import LazyPattern
+
 __all__ = ["OomLocation", "Phase", "find_oom_location"]
 
 Phase = Literal["forward", "loss", "backward", "optimizer state creation", "optimizer step"]
 
 _TRACEBACK = "Traceback (most recent call last):"
-_FRAME = re.compile(r'^\s*File "(?P<path>[^"\n]+)", line (?P<line>\d{1,9}), in (?P<func>[^\n]+)$')
+# The patterns are compiled when first matched (issue 41 item 4: start-up).
+_FRAME = LazyPattern(
+    r'^\s*File "(?P<path>[^"\n]+)", line (?P<line>\d{1,9}), in (?P<func>[^\n]+)$'
+)
 # The message follows its traceback; a traceback is rarely over a few hundred frames.
 _LOOKBACK_CHARS = 200_000
 # Paths of code that is not the user's: installed packages, the standard library, frozen modules.
-_LIBRARY = re.compile(
+_LIBRARY = LazyPattern(
     r"(?:site-packages|dist-packages)[/\\]|[/\\]lib[/\\]python\d|^<frozen |[/\\]torch[/\\]"
 )
 _LOSS_FUNCTIONS = frozenset(
     {"cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy_with_logits", "kl_div"}
 )
-_OOM_ANCHOR = re.compile(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+_OOM_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.diagnose._finetune_remedies import finetune_changes
+from oomkit.diagnose._remedy_code import (
+    CHECKPOINT_CODE,
+    FP16_CODE,
+    MEASURED_WHY,
+    MIXED_CODE,
+    PURE_BF16_CODE,
+    SGD_CODE,
+)
 from oomkit.diagnose.diagnosis import Remedy
 from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.errors import OomkitError, TorchRequiredError
@@ -47,8 +55,6 @@ __all__ = [
     "repredict",
 ]
 
-MEASURED_WHY = "measured by re-predicting the step with the change applied"
-
 # The --fsdp sizes tried, smallest first: powers of two, as FSDP meshes are laid out on nodes of
 # 8 GPUs (torchtitan's parallel_dims: dp_shard * tp * ... = world size).
 FSDP_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -56,40 +62,6 @@ FSDP_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
 _MAX_HALVINGS = 8
 # torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere).
 _NATIVE_BF16_CAPABILITY = (8, 0)
-
-_MIXED_CODE = (
-    "# bf16 needs no GradScaler\n"
-    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-    "    loss = loss_fn(model(inputs), targets)\n"
-    "loss.backward()\n"
-    "optimizer.step()"
-)
-_FP16_CODE = (
-    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
-    'with torch.autocast("cuda", dtype=torch.float16):\n'
-    "    loss = loss_fn(model(inputs), targets)\n"
-    "scaler.scale(loss).backward()\n"
-    "scaler.step(optimizer)\n"
-    "scaler.update()"
-)
-_PURE_BF16_CODE = (
-    "model = model.to(torch.bfloat16)  # weights, gradients and optimizer states in bf16\n"
-    "# Hugging Face: AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)\n"
-    "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"
-)
-_CHECKPOINT_CODE = (
-    "from torch.utils.checkpoint import checkpoint\n"
-    "# in the model's forward, around each block:\n"
-    "for block in self.blocks:\n"
-    "    x = checkpoint(block, x, use_reentrant=False)\n"
-    "# Hugging Face models: model.gradient_checkpointing_enable()"
-)
-_SGD_CODE = (
-    "optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # one state\n"
-    "# or keep Adam's behaviour with less state (hints, not measured):\n"
-    "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
-    "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
-)
 
 
 # (options, layout) -> the re-predicted step: layout None keeps the step's own.
@@ -122,20 +94,20 @@ def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Cha
             "bf16 mixed precision (autocast)" if bf16
             else "fp16 mixed precision (autocast + GradScaler)"
         )
-        out.append(_Change(title, fields, _MIXED_CODE if bf16 else _FP16_CODE,
+        out.append(_Change(title, fields, MIXED_CODE if bf16 else FP16_CODE,
                            f"--precision {mixed}"))
     if base.precision not in ("bf16", "fp16") and bf16 and base.trainer_mixed_precision is None:
         out.append(
             _Change(
                 "pure bf16 weights, gradients and optimizer states",
                 {"precision": "bf16"},
-                _PURE_BF16_CODE,
+                PURE_BF16_CODE,
                 "--precision bf16",
             )
         )
     if base.checkpointing == "none":
         out.append(
-            _Change("activation checkpointing", {"checkpointing": "full"}, _CHECKPOINT_CODE,
+            _Change("activation checkpointing", {"checkpointing": "full"}, CHECKPOINT_CODE,
                     "--checkpointing full")
         )
     if base.optimizer not in ("sgd",):
@@ -145,7 +117,7 @@ def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Cha
                 # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
                 {"optimizer": "sgd"}
                 | ({"optimizer_impl": "foreach"} if base.optimizer_impl == "fused" else {}),
-                _SGD_CODE,
+                SGD_CODE,
                 "--optimizer sgd",
             )
         )

@@ -12,6 +12,8 @@ from oomkit.interfaces.cli._common import (
     capacity_bytes,
     device_from_args,
     float_arg,
+    stderr_console,
+    stdout_console,
     torch_version_arg,
 )
 
@@ -167,3 +169,13 @@ def test_float_arg_refuses_what_the_check_does_not_admit(text):
     """Out of range, not a number, or NaN: argparse's usage error, naming what was expected."""
     with pytest.raises(argparse.ArgumentTypeError, match=rf"^expected a probability; got '{text}'$"):
         float_arg(text, lambda p: 0.0 <= p < 1.0, "expected a probability")
+
+
+def test_consoles_print_emoji_codes_as_written(capsys):
+    """A name holding an emoji code (a file ``a:fire:b.pickle``) is printed as it is written on
+    stdout and stderr, never as the emoji; markup still styles (plain in a pipe)."""
+    stdout_console().print("Replay of a:fire:b.pickle [bold]done[/bold]")
+    stderr_console().print("hint: :thumbs_up: is a file name")
+    out, err = capsys.readouterr()
+    assert out == "Replay of a:fire:b.pickle done\n"
+    assert err == "hint: :thumbs_up: is a file name\n"

@@ -53,3 +53,27 @@ def test_doctor_missing_snapshot_exits_2(tmp_path, capsys):
         main(["doctor", str(tmp_path / "nope.pickle")])
     assert exc.value.code == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_installed_torch_version_is_read_from_torch_version_py(tmp_path, monkeypatch):
+    """The installed torch's version comes from the ``torch/version.py`` an import would load
+    (torch not imported, no package metadata); without that file, from the metadata."""
+    import importlib.metadata
+    import sys
+
+    from oomkit.interfaces.cli.doctor import _installed_torch_version
+
+    real = importlib.metadata.version("torch")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # find_spec would return its spec
+    assert _installed_torch_version() == real
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (fake / "version.py").write_text(
+        "from typing import Optional\n\n__all__ = ['__version__']\n__version__ = '9.9.9+cu999'\n"
+        "git_version = 'abc'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    assert _installed_torch_version() == "9.9.9+cu999"
+    (fake / "version.py").unlink()
+    assert _installed_torch_version() == real  # the metadata, as before

@@ -8,7 +8,6 @@ check and the integer conversion (ref/cuda-caching-allocator.md §9.2).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -203,6 +202,8 @@ class ConfigParser(ABC):
         if introduced:
             hint = f"; {key} needs {introduced}"
         else:
+            import difflib  # only for a misspelt key (issue 41 item 4: start-up)
+
             close = difflib.get_close_matches(key, sorted(self.b.config_keys), n=1)
             if close:
                 hint = f"; did you mean {close[0]}?"

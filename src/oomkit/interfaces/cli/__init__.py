@@ -74,6 +74,14 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # The commands whose words after `--` are a script's own arguments (`predict train.py -- ARGS`).
 _SCRIPT_COMMANDS = ("predict", "fit")
+# The cyclic garbage collector's thresholds in the `oomkit` process, mypy's (mypy/build.py build:
+# "Run gc less frequently, as otherwise we can spend a large fraction of cpu in gc"). CPython
+# collects its youngest generation every 700 net allocations of containers; importing a
+# command's modules (functions, classes, the methods each dataclass generates) makes some 10^5
+# of them and next to no garbage cycles, so those collections free nothing and cost 7-9% of a
+# file command's start-up (benchmarks/startup_speed.py, issue 41 item 4). Reference counting
+# still frees everything else at once; cycles are collected after 200,000 allocations.
+_GC_THRESHOLDS = (200_000, 30, 30)
 
 
 def _subcommands(only: str | None = None) -> list:
@@ -84,9 +92,41 @@ def _subcommands(only: str | None = None) -> list:
     return [import_module(f"oomkit.interfaces.cli.{name}") for name in names]
 
 
+def _help_width() -> int:
+    """The width argparse's help formatter takes by default, ``shutil.get_terminal_size().columns
+    - 2`` (``$COLUMNS``, else the terminal's, else 80), read without importing shutil.
+
+    argparse builds a formatter for every argument a parser adds (it checks the metavar), and
+    its own look-up imports shutil with bz2, lzma and zlib: 2 ms of every command's start-up
+    for a help text it never prints (issue 41 item 4).
+    """
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):  # no stdout, closed, or not a terminal
+            columns = 0
+        columns = columns or 80
+    return columns - 2
+
+
 class _WholeWordsFormatter(argparse.HelpFormatter):
     """argparse's help layout, but a line never breaks inside a hyphenated word: preset names
     (``bert-large``), flags and settings stay whole, so they can be copied from the help."""
+
+    def __init__(
+        self,
+        prog: str,
+        indent_increment: int = 2,
+        max_help_position: int = 24,
+        width: int | None = None,
+    ) -> None:
+        super().__init__(
+            prog, indent_increment, max_help_position, _help_width() if width is None else width
+        )
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         import textwrap
@@ -122,8 +162,18 @@ def _root_parser(
     )
     # The commands' own parsers are plain ones (the grouped help is the root's alone).
     return parser, parser.add_subparsers(
-        dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser
+        dest="command", metavar="COMMAND", parser_class=_CommandParser
     )
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its help keeps words whole (``_WholeWordsFormatter``) unless the
+    command sets a formatter of its own; from its first argument on, so that argparse's own
+    formatter (and the shutil import of its width) is never built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _WholeWordsFormatter)
+        super().__init__(*args, **kwargs)
 
 
 class _VersionAction(argparse._VersionAction):
@@ -151,8 +201,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     # No abbreviated flags: `experiment --gpu 0` must not quietly mean `--gpus 0`.
     for subparser in subparsers.choices.values():
         subparser.allow_abbrev = False
-        if subparser.formatter_class is argparse.HelpFormatter:  # not a command's own
-            subparser.formatter_class = _WholeWordsFormatter
     return parser
 
 
@@ -226,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> None:
     """The ``oomkit`` command and ``python -m oomkit``: ``main``, then exit with its code.
 
+    First the garbage collector runs less often (``_collect_cycles_rarely``).
+
     Before the interpreter shuts down, every object alive is frozen out of the garbage
     collector (``gc.freeze``): Python's shutdown runs full collections over every object still
     alive, and with torch imported those are a few million (0.5 s of `oomkit predict`'s wall
@@ -241,10 +291,17 @@ def console_main() -> None:
     first, so it runs after every other atexit handler (their messages still show) and sends
     what module teardown writes to stderr to ``os.devnull``.
     """
+    _collect_cycles_rarely()
     atexit.register(_quiet_teardown)
     code = main()
     gc.freeze()
     raise SystemExit(code)
+
+
+def _collect_cycles_rarely() -> None:
+    """Set this process's garbage-collection thresholds to ``_GC_THRESHOLDS`` (the first thing
+    ``console_main`` does; benchmarks/startup_speed.py does it as the command does)."""
+    gc.set_threshold(*_GC_THRESHOLDS)
 
 
 def _quiet_teardown() -> None:

@@ -67,6 +67,9 @@ def output_width(stream: object, environ: dict[str, str] | None = None) -> int |
     return PIPE_WIDTH_COLUMNS
 
 
+# Both consoles print emoji codes as written (emoji=False): a file, frame or setting named
+# `a:fire:b` is shown as it is (reports escape markup in what they read for the same reason), and
+# rich's table of 4,000 emoji names is never imported (issue 41 item 4: start-up).
 def stdout_console() -> Console:
     """The console for results: plain and unwrapped when not a terminal, so output pipes
     cleanly (see ``PIPE_WIDTH_COLUMNS``)."""
@@ -74,7 +77,11 @@ def stdout_console() -> Console:
     from rich.console import Console
 
     return Console(
-        file=sys.stdout, highlight=False, soft_wrap=False, width=output_width(sys.stdout)
+        file=sys.stdout,
+        highlight=False,
+        soft_wrap=False,
+        width=output_width(sys.stdout),
+        emoji=False,
     )
 
 
@@ -82,7 +89,7 @@ def stderr_console() -> Console:
     """The console for progress and hints."""
     from rich.console import Console
 
-    return Console(file=sys.stderr, highlight=False)
+    return Console(file=sys.stderr, highlight=False, emoji=False)
 
 
 def user_output_to_stderr() -> contextlib.AbstractContextManager[object]:

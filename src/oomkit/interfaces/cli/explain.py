@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from oomkit._lazy import LazyPattern
 from oomkit.errors import ConfigError, OomTextError
 from oomkit.interfaces.cli._common import (
     add_gpu_flag,
@@ -185,7 +186,6 @@ def run(args: argparse.Namespace) -> int:
         return fleet.run_explain(args, args.source)
     from oomkit.diagnose.diagnosis import diagnose_oom_text
     from oomkit.diagnose.oom_text import find_oom_texts, parse_oom_text
-    from oomkit.diagnose.oom_traceback import find_oom_location
     from oomkit.interfaces.reports.diagnosis import diagnosis_to_json, render_diagnosis
 
     gpu = None
@@ -240,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
             else:  # saved before predictions carried their scenario
                 diagnosis = diagnose_prediction(data, measure=args.measure, progress=progress)
     else:
+        from oomkit.diagnose.oom_traceback import find_oom_location
+
         serving = _serving_log(source, args)
         found = find_oom_texts(source)
         if serving is not None and not found:  # a vLLM / SGLang log: answered with the knob
@@ -285,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
 
 # Words every vLLM or SGLang log or memory error the serving diagnosis reads has at least one of
 # (searched in place: a 50 MB log is not lower-cased into a copy).
-_ENGINE_WORDS = re.compile(
+_ENGINE_WORDS = LazyPattern(
     r"vllm|sglang|kv cache|cache blocks|mem_fraction_static|gpu_memory_utilization|"
     r"not enough memory",
     re.IGNORECASE,

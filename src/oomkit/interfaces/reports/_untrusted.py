@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from rich.markup import escape
-
 __all__ = ["as_written", "as_plot_text"]
 
 # C0 and C1 control characters other than tab and newline: a terminal would act on them (an
@@ -19,6 +17,10 @@ def as_written(text: str) -> str:
     A frame named ``[bold]x[/bold]`` or holding ``\\x1b[31m`` is then printed as the file says,
     neither styled nor acted on by the terminal.
     """
+    # rich only where something is rendered: a report module that imports this one for its
+    # terminal output costs `--json` nothing (issue 41 item 4: start-up).
+    from rich.markup import escape
+
     shown = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     return escape(shown)
 

@@ -6,18 +6,18 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
-from oomkit.diagnose.measured_remedy import MeasuredRemedy
-from oomkit.diagnose.oom_text import OomText
-from oomkit.diagnose.oom_traceback import OomLocation
 from oomkit.interfaces.reports._untrusted import as_written
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
     # Annotations only; rich is imported when something is rendered (`--json` never renders)
-    # and attribution only comes with a snapshot (issue 19 item 4: start-up).
+    # and attribution only comes with a snapshot (issue 19 item 4: start-up), the traceback's
+    # location only with a text (issue 41 item 4).
     from rich.console import Console
 
     from oomkit.diagnose.attribution import Attribution
+    from oomkit.diagnose.oom_text import OomText
+    from oomkit.diagnose.oom_traceback import OomLocation
 
 __all__ = [
     "REMEDIES_HEADING",
@@ -60,13 +60,19 @@ def location_line(location: OomLocation) -> str:
     return f"Where: {location.label}{phase}"
 
 
+# MeasuredRemedy's own fields (diagnose/measured_remedy.py), in its order.
+_MEASURED_FIELDS = ("fits", "peak_reserved_bytes", "flag")
+
+
 def remedy_to_json(remedy: Remedy) -> dict:
     """A remedy's fields, with ``fits`` (``None`` where it was not measured by re-predicting),
     ``peak_reserved_bytes`` (what the re-predicted step needs; ``None`` when not measured) and
     ``flag`` (the ``oomkit predict`` option that applies it, where one does)."""
     out = asdict(remedy)
-    if not isinstance(remedy, MeasuredRemedy):
-        out |= {"fits": None, "peak_reserved_bytes": None, "flag": None}
+    # A MeasuredRemedy has the three fields; a plain remedy gets them as None, in that order.
+    # (Read by name: a snapshot's or a text's remedies never import the measured kind.)
+    for key in _MEASURED_FIELDS:
+        out.setdefault(key, None)
     return out
 
 
@@ -140,8 +146,9 @@ def remedy_saving(remedy: Remedy) -> str:
 def remedy_headline(number: int, remedy: Remedy) -> str:
     """``1. expandable segments — saves 1.53 GiB (medium confidence)``."""
     fits = ""
-    if isinstance(remedy, MeasuredRemedy) and remedy.fits is not None:
-        fits = ", fits" if remedy.fits else ", still does not fit"
+    measured_fits = getattr(remedy, "fits", None)  # a MeasuredRemedy's, when it was measured
+    if measured_fits is not None:
+        fits = ", fits" if measured_fits else ", still does not fit"
     return (
         f"{number}. {remedy.title} — {remedy_saving(remedy)}{fits} "
         f"({remedy.confidence} confidence)"

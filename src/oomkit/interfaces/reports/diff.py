@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-
-from oomkit._files import write_output
 from oomkit.diagnose.run_diff import RunDiff, RunMemory, SiteDelta
 from oomkit.interfaces.reports._untrusted import as_written
-from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    # rich when the terminal report is rendered (`--json` renders nothing), the HTML page's
+    # builders with `--html` only (issue 41 item 4: start-up).
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["diff_html", "diff_to_json", "render_diff", "write_diff_html"]
 
@@ -55,6 +56,8 @@ def _divergence_line(diff: RunDiff) -> str | None:
 
 
 def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
+    from rich.table import Table
+
     table = Table(title=title)
     table.add_column("where")
     for name in ("A", "B", "B - A"):
@@ -71,6 +74,8 @@ def _delta_table(title: str, rows: tuple[SiteDelta, ...]) -> Table:
 
 def render_diff(diff: RunDiff, console: Console) -> None:
     """Print the headline, the parts, the categories and sites that moved, and the divergence."""
+    from rich.table import Table
+
     console.print(f"A: {as_written(diff.a.name)} ({diff.a.kind})   B: {as_written(diff.b.name)} ({diff.b.kind})")
     parts = Table(title="Change in peak memory, B - A")
     parts.add_column("part")
@@ -192,6 +197,8 @@ def _parts_bar_svg(diff: RunDiff, width: int = 900) -> str:
 
 def diff_html(diff: RunDiff) -> str:
     """The diff as one self-contained page: headline, parts bar, both timelines, tables."""
+    from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
+
     page = HtmlPage("oomkit diff", subtitle=f"A: {diff.a.name}  B: {diff.b.name}")
     head = page.section("Change in peak memory", "verdict")
     head.verdict(diff_headline(diff))
@@ -252,4 +259,6 @@ def diff_html(diff: RunDiff) -> str:
 
 def write_diff_html(path: str | os.PathLike[str], diff: RunDiff) -> Path:
     """Write :func:`diff_html` to ``path``."""
+    from oomkit._files import write_output
+
     return write_output(path, diff_html(diff), flag="--html")

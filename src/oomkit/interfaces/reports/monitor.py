@@ -12,17 +12,26 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
-from oomkit._files import output_file, write_output
 from oomkit.diagnose.memory_health import LeakFinding, memory_findings
 from oomkit.errors import MonitorLogError, OomkitError
 from oomkit.interfaces.reports._untrusted import as_plot_text, as_written
-from oomkit.interfaces.reports.html import ChartSeries, HtmlPage, line_chart_svg
-from oomkit.runtime.monitor import MonitorLog, MonitorSummary, is_monitor_log, load_monitor_log
+from oomkit.runtime._monitor_log import (
+    MonitorLog,
+    MonitorSummary,
+    is_monitor_log,
+    load_monitor_log,
+)
 from oomkit.units import format_bytes
+
+if TYPE_CHECKING:
+    # rich when the terminal report is rendered, the HTML page's builders with --html only;
+    # the monitor log's records without the Monitor and the rest of runtime (issue 41 item 4:
+    # start-up).
+    from rich.console import Console
+
+    from oomkit.interfaces.reports.html import ChartSeries
 
 __all__ = [
     "MonitorReport",
@@ -204,6 +213,8 @@ def render_monitor_report(report: MonitorReport, console: Console) -> None:
         f"{'rank' if len(report.summaries) == 1 else 'ranks'}, {steps} recorded steps on "
         f"{as_written(', '.join(devices)) or '?'}"
     )
+    from rich.table import Table
+
     table = Table(show_edge=False)
     for name in ("rank", "steps", "peak allocated", "peak reserved", "max inactive split",
                  "retries", "OOMs", "step time"):
@@ -248,6 +259,8 @@ def monitor_report_to_json(report: MonitorReport) -> dict:
 
 
 def _series(log: MonitorLog) -> list[ChartSeries]:
+    from oomkit.interfaces.reports.html import ChartSeries
+
     recs = log.records
     series = [
         ChartSeries("allocated", tuple((r.step, r.allocated_bytes) for r in recs)),
@@ -263,6 +276,8 @@ def _series(log: MonitorLog) -> list[ChartSeries]:
 
 def monitor_html(report: MonitorReport, *, title: str = "oomkit memory report") -> str:
     """A self-contained page: verdict, per-rank table, one timeline chart per log."""
+    from oomkit.interfaces.reports.html import HtmlPage, line_chart_svg
+
     page = HtmlPage(title, subtitle=", ".join(str(log.path) for log in report.logs))
     page.section("Verdict", "verdict").verdict(monitor_verdict(report))
     ranks = page.section("Ranks" if len(report.summaries) > 1 else "Summary", "ranks")
@@ -314,6 +329,8 @@ def monitor_html(report: MonitorReport, *, title: str = "oomkit memory report") 
 
 def write_monitor_html(path: str | os.PathLike[str], report: MonitorReport) -> Path:
     """Write :func:`monitor_html` to ``path`` and return it."""
+    from oomkit._files import write_output
+
     return write_output(path, monitor_html(report), flag="--html")
 
 
@@ -324,6 +341,8 @@ def write_monitor_png(path: str | os.PathLike[str], report: MonitorReport) -> Pa
         ImportError: matplotlib is not installed.
     """
     import matplotlib
+
+    from oomkit._files import output_file
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt

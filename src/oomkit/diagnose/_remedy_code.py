@@ -1,0 +1,56 @@
+"""What a model remedy shows (its code; a measured one's why), estimated or measured alike.
+
+The same snippet for an estimate from a trace's categories (``_model_remedies``) and for a
+measurement by re-predicting (``remedy_measurement``).
+
+Its own module so that an estimate does not import the re-prediction machinery (the target,
+the workload record, the predictor): ``oomkit explain SNAPSHOT`` stays light (issue 41 item 4).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHECKPOINT_CODE",
+    "FP16_CODE",
+    "MEASURED_WHY",
+    "MIXED_CODE",
+    "PURE_BF16_CODE",
+    "SGD_CODE",
+]
+
+# The why of every measured remedy, first in its sentence.
+MEASURED_WHY = "measured by re-predicting the step with the change applied"
+
+MIXED_CODE = (
+    "# bf16 needs no GradScaler\n"
+    'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "loss.backward()\n"
+    "optimizer.step()"
+)
+FP16_CODE = (
+    "scaler = torch.amp.GradScaler()  # fp16 gradients underflow without loss scaling\n"
+    'with torch.autocast("cuda", dtype=torch.float16):\n'
+    "    loss = loss_fn(model(inputs), targets)\n"
+    "scaler.scale(loss).backward()\n"
+    "scaler.step(optimizer)\n"
+    "scaler.update()"
+)
+PURE_BF16_CODE = (
+    "model = model.to(torch.bfloat16)  # weights, gradients and optimizer states in bf16\n"
+    "# Hugging Face: AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)\n"
+    "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"
+)
+CHECKPOINT_CODE = (
+    "from torch.utils.checkpoint import checkpoint\n"
+    "# in the model's forward, around each block:\n"
+    "for block in self.blocks:\n"
+    "    x = checkpoint(block, x, use_reentrant=False)\n"
+    "# Hugging Face models: model.gradient_checkpointing_enable()"
+)
+SGD_CODE = (
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # one state\n"
+    "# or keep Adam's behaviour with less state (hints, not measured):\n"
+    "#   Adafactor (factored second moment): torch.optim.Adafactor in PyTorch 2.5+\n"
+    "#   8-bit states: bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-4)"
+)
