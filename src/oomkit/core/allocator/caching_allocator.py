@@ -181,6 +181,17 @@ class CachingAllocator(StatsApi):
             )
         if type(stream) is not int:
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
+        return self.serve(nbytes, stream)
+
+    def serve(self, nbytes: int, stream: int) -> int:
+        """:meth:`malloc` of a request already checked: ``nbytes`` a positive int, ``stream`` an
+        int (the replay loop's, whose trace columns hold such requests; issue 41).
+
+        A compiled build takes these as native integers (scripts/compile_allocator.py).
+
+        Raises:
+            SimulatedOutOfMemoryError: as :meth:`malloc`.
+        """
         if nbytes >= ONE_EXA_BYTES:
             # NativeCachingAllocator::malloc: fails before the device allocator (§12.4).
             raise self._miss.oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)

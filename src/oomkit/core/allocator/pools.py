@@ -6,9 +6,11 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 same order in a shape that makes the best-fit lookup cheap in Python:
 
 * per stream, a plain sorted ``list`` of the distinct free sizes (``bisect`` runs in C), and
-* per (stream, size), a bucket: a list of ``(tie, block)`` sorted by ``tie``, where ``tie`` is
-  the address, or ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the
-  integer orders exactly like the pair).
+* per (stream, size), a bucket: a list of blocks sorted by ``block.tie``, the address, or
+  ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
+  exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
+  while it is not there): no entry objects, and a compiled build compares native integers
+  (issue 41).
 
 Walking streams in order, sizes in order and buckets in order gives PyTorch's set order;
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
@@ -39,20 +41,32 @@ class StreamFreeBlocks:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        self.buckets: dict[int, list[tuple[int, Block]]] = {}
+        self.buckets: dict[int, list[Block]] = {}
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
         sizes = self.sizes
         buckets = self.buckets
         for i in range(bisect_left(sizes, size), len(sizes)):
-            for entry in buckets[sizes[i]]:
-                yield entry[1]
+            yield from buckets[sizes[i]]
 
     def ordered(self) -> list[Block]:
         """All blocks in set order."""
         buckets = self.buckets
-        return [entry[1] for s in self.sizes for entry in buckets[s]]
+        return [block for s in self.sizes for block in buckets[s]]
+
+
+def _tie_index(bucket: list[Block], tie: int) -> int:
+    """bisect_left of ``tie`` among the bucket's ties (they are distinct)."""
+    lo = 0
+    hi = len(bucket)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bucket[mid].tie < tie:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class BlockPool:
@@ -85,18 +99,18 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """BlockPool::insert_into_blocks: add a free block and reset its GC base (§7)."""
         block.gc_count_base = self.gc_clock
-        entry = ((block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr, block)
-        block.key = entry
+        tie = (block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr
+        block.tie = tie
         sf = self.streams.get(block.stream)
         if sf is None:
             sf = self.streams[block.stream] = StreamFreeBlocks()
         size = block.size
         bucket = sf.buckets.get(size)
         if bucket is None:
-            sf.buckets[size] = [entry]
+            sf.buckets[size] = [block]
             insort(sf.sizes, size)
         else:
-            bucket.insert(bisect_left(bucket, (entry[0],)), entry)
+            bucket.insert(_tie_index(bucket, tie), block)
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -143,9 +157,8 @@ class BlockPool:
 
     def remove(self, block: Block) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with)."""
-        entry = block.key
-        assert entry is not None, "removing a block that is not in the free set"
-        block.key = None
+        tie = block.tie
+        assert tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
         size = block.size
         bucket = sf.buckets[size]
@@ -156,7 +169,8 @@ class BlockPool:
             if not sizes:
                 del self.streams[block.stream]
         else:
-            del bucket[bisect_left(bucket, (entry[0],))]
+            del bucket[_tie_index(bucket, tie)]
+        block.tie = -1
         self.count -= 1
 
     def ordered(self) -> list[Block]:

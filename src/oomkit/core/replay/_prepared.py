@@ -22,6 +22,7 @@ from oomkit.core.replay._recorded import (
     final_segments_for,
     recorded_torch_version,
 )
+from oomkit.core.replay.columns import TraceColumns, trace_columns
 from oomkit.core.replay.engine import SEGMENT_ACTIONS
 from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
@@ -52,6 +53,7 @@ class Prepared:
     marks: tuple[int, ...]
     recorded: tuple[tuple[int, SegmentEvent], ...]
     allocs: int  # alloc entries in ``events``
+    columns: TraceColumns  # ``events`` as the replay loop reads them
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -129,4 +131,5 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         marks=marks,
         recorded=recorded,
         allocs=walk.allocs,
+        columns=trace_columns(events),
     )

@@ -20,6 +20,7 @@ from oomkit.core.replay._compare import (
     seed_segments_as_dicts,
     simulated_segment_keys,
 )
+from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, ReplayEngine, ReplayHooks
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent
@@ -50,8 +51,10 @@ class Run(ReplayHooks):
         groups: dict[int, int] | None = None,
         allocs: int | None = None,
         reserved_outside_bytes: int = 0,
+        columns: TraceColumns | None = None,
     ) -> None:
         self.events = events
+        self.columns = columns  # trace_columns(events), kept by the caller
         self.allocs = allocs  # alloc entries in events, when the caller counted them
         # Ambiguous points (release runs and completion groups, by first trace index) replayed
         # with their other reading (_verify_run).
@@ -130,7 +133,7 @@ class Run(ReplayHooks):
 
     def _seed(self) -> None:
         a = self.allocator
-        live, pending = self.engine.live, self.engine.pending
+        engine = self.engine
         seeded = []
         for seg in self.start.segments:
             try:
@@ -152,16 +155,16 @@ class Run(ReplayHooks):
         for seg in seeded:
             for b in seg.blocks:
                 if b.state == "active_allocated":
-                    live[b.address] = b.address
+                    engine.hold(b.address, b.address)
                 elif b.state == "active_pending_free":
                     # Seeded allocated, then freed with its completion deferred (§15.8).
                     a.free(b.address, deferred=True)
-                    pending[b.address] = b.address
+                    engine.hold(b.address, b.address, pending=True)
 
     # -- the replay: engine hooks -----------------------------------------------------------
 
     def replay(self) -> None:
-        self.engine.run(self.events)
+        self.engine.run(self.events, self.columns)
 
     def uses(self, name: str) -> bool:
         # The engine keeps log_index and checks addresses itself; the per-alloc and per-free

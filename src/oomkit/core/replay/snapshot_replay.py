@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
 from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
+from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
@@ -145,6 +146,7 @@ def _replay_snapshot(
             final=final,
             marks=marks,
             allocs=inputs.allocs,
+            columns=inputs.columns,
         )
     else:
         run = Run(
@@ -157,6 +159,7 @@ def _replay_snapshot(
             recorded=recorded,
             verify=False,
             allocs=inputs.allocs,
+            columns=inputs.columns,
         )
         run.replay()
     warnings.extend(run.warnings)
@@ -175,6 +178,7 @@ def _verify_run(
     reserved_outside_bytes: int = 0,
     marks: Sequence[int] | None = None,
     allocs: int | None = None,
+    columns: TraceColumns | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -204,6 +208,7 @@ def _verify_run(
             flipped=flipped,
             groups=groups,
             allocs=allocs,
+            columns=columns,
         )
         run.replay()
         return run
