@@ -97,5 +97,5 @@ def find_free_block(
     i = bisect_left(sizes, size)
     if i == len(sizes):
         return None
-    block = sf.buckets[sizes[i]][0]
+    block = sf.buckets[i][0]
     return checked_free_block(settings, pool, sf, block, size, expandable_active)

@@ -6,7 +6,8 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 same order in a shape that makes the best-fit lookup cheap in Python:
 
 * per stream, a plain sorted ``list`` of the distinct free sizes (``bisect`` runs in C), and
-* per (stream, size), a bucket: a list of blocks sorted by ``block.tie``, the address, or
+* per (stream, size), a bucket, at the size's index in a list beside the sizes (one bisection
+  finds both; no dict): a list of blocks sorted by ``block.tie``, the address, or
   ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
   exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
   while it is not there): no entry objects, and a compiled build compares native integers
@@ -41,19 +42,18 @@ class StreamFreeBlocks:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        self.buckets: dict[int, list[Block]] = {}
+        # buckets[i]: the blocks of size sizes[i], in tie order.
+        self.buckets: list[list[Block]] = []
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
-        sizes = self.sizes
         buckets = self.buckets
-        for i in range(bisect_left(sizes, size), len(sizes)):
-            yield from buckets[sizes[i]]
+        for i in range(bisect_left(self.sizes, size), len(buckets)):
+            yield from buckets[i]
 
     def ordered(self) -> list[Block]:
         """All blocks in set order."""
-        buckets = self.buckets
-        return [block for s in self.sizes for block in buckets[s]]
+        return [block for bucket in self.buckets for block in bucket]
 
 
 def _tie_index(bucket: list[Block], tie: int) -> int:
@@ -105,12 +105,14 @@ class BlockPool:
         if sf is None:
             sf = self.streams[block.stream] = StreamFreeBlocks()
         size = block.size
-        bucket = sf.buckets.get(size)
-        if bucket is None:
-            sf.buckets[size] = [block]
-            insort(sf.sizes, size)
-        else:
+        sizes = sf.sizes
+        i = bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:
+            bucket = sf.buckets[i]
             bucket.insert(_tie_index(bucket, tie), block)
+        else:
+            sizes.insert(i, size)
+            sf.buckets.insert(i, [block])
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -160,12 +162,12 @@ class BlockPool:
         tie = block.tie
         assert tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
-        size = block.size
-        bucket = sf.buckets[size]
+        sizes = sf.sizes
+        i = bisect_left(sizes, block.size)
+        bucket = sf.buckets[i]
         if len(bucket) == 1:
-            del sf.buckets[size]
-            sizes = sf.sizes
-            del sizes[bisect_left(sizes, size)]
+            del sizes[i]
+            del sf.buckets[i]
             if not sizes:
                 del self.streams[block.stream]
         else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import AllocatorConfig, round_size
+from oomkit.core.replay._compare import SegmentKey, seed_segment_keys
 from oomkit.core.replay._recorded import (
     config_from_settings,
     default_pool_events,
@@ -54,6 +55,7 @@ class Prepared:
     recorded: tuple[tuple[int, SegmentEvent], ...]
     allocs: int  # alloc entries in ``events``
     columns: TraceColumns  # ``events`` as the replay loop reads them
+    final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -132,4 +134,5 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         recorded=recorded,
         allocs=walk.allocs,
         columns=trace_columns(events),
+        final_keys=seed_segment_keys(final),
     )

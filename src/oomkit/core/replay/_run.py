@@ -14,6 +14,7 @@ from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay._compare import (
+    SegmentKey,
     first_divergence,
     first_segment_difference,
     seed_segment_keys,
@@ -52,9 +53,12 @@ class Run(ReplayHooks):
         allocs: int | None = None,
         reserved_outside_bytes: int = 0,
         columns: TraceColumns | None = None,
+        final_keys: tuple[Sequence[SeedSegment], list[SegmentKey]] | None = None,
     ) -> None:
         self.events = events
         self.columns = columns  # trace_columns(events), kept by the caller
+        # (final, seed_segment_keys(final)), kept by the caller (final_matches).
+        self.final_keys = final_keys
         self.allocs = allocs  # alloc entries in events, when the caller counted them
         # Ambiguous points (release runs and completion groups, by first trace index) replayed
         # with their other reading (_verify_run).
@@ -292,7 +296,11 @@ class Run(ReplayHooks):
         is kept: normalising thousands of segments twice per run cost more than the replay.
         """
         if self._final_matches is None or self._final_matches[0] is not final:
-            matches = simulated_segment_keys(self.final_snapshot()) == seed_segment_keys(final)
+            known = self.final_keys
+            expected = (
+                known[1] if known is not None and known[0] is final else seed_segment_keys(final)
+            )
+            matches = simulated_segment_keys(self.final_snapshot()) == expected
             self._final_matches = (final, matches)
         return self._final_matches[1]
 

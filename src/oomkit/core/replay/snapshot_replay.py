@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
+from oomkit.core.replay._compare import SegmentKey
 from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.columns import TraceColumns
@@ -147,6 +148,7 @@ def _replay_snapshot(
             marks=marks,
             allocs=inputs.allocs,
             columns=inputs.columns,
+            final_keys=inputs.final_keys,
         )
     else:
         run = Run(
@@ -179,6 +181,7 @@ def _verify_run(
     marks: Sequence[int] | None = None,
     allocs: int | None = None,
     columns: TraceColumns | None = None,
+    final_keys: list[SegmentKey] | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -209,6 +212,7 @@ def _verify_run(
             groups=groups,
             allocs=allocs,
             columns=columns,
+            final_keys=(final, final_keys) if final_keys is not None else None,
         )
         run.replay()
         return run
