@@ -35,7 +35,14 @@ from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamF
 from oomkit.core.allocator.release import CacheRelease
 from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
-from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
+from oomkit.core.allocator.state import (
+    SeedBlock,
+    SeedTarget,
+    all_blocks,
+    seed_segment,
+    snapshot,
+    unlink_all,
+)
 from oomkit.core.allocator.stats import (
     _A,
     _AB,
@@ -531,6 +538,18 @@ class CachingAllocator(StatsApi):
         Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
         """
         return snapshot(self._held_blocks(), self.device)
+
+    def close(self) -> None:
+        """Free the simulated state now: every block and segment goes at once, without waiting
+        for a garbage collection (``state.unlink_all``). The allocator is not used after (a
+        replay closes its allocator once its record is built)."""
+        pools = [self._small, self._large]
+        for private in self._private.pools.values():
+            pools += (private.small, private.large)
+        unlink_all(pools, self._active)
+        self._events.forget()
+        self._device.segments.clear()
+        self._expandable.segments.clear()
 
     def seed_segment(
         self,

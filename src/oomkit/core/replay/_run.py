@@ -304,6 +304,14 @@ class Run(ReplayHooks):
             self._final_matches = (final, matches)
         return self._final_matches[1]
 
+    def close(self) -> None:
+        """Free the allocator's state and the final snapshot now: once the record is built, or
+        when this run is not the one kept. (A run is a reference cycle, its engine's hooks, so
+        what it holds would otherwise wait for a garbage collection, walked by it.)"""
+        self.allocator.close()
+        self._snapshot = None
+        self._final_matches = None
+
     def final_snapshot(self) -> list[dict]:
         """``allocator.snapshot()`` once the replay has ended, computed once."""
         if self._snapshot is None:

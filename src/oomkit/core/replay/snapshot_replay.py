@@ -165,7 +165,9 @@ def _replay_snapshot(
         )
         run.replay()
     warnings.extend(run.warnings)
-    return run.result(final, recorded_peak, tuple(warnings), compare=verify)
+    result = run.result(final, recorded_peak, tuple(warnings), compare=verify)
+    run.close()
+    return result
 
 
 def _verify_run(
@@ -232,8 +234,10 @@ def _verify_run(
             retry = replay(run.flipped ^ {candidate})
             retry_score = retry.score(final)
             if retry_score > score:
+                run.close()
                 run, score, improved = retry, retry_score, True
                 break
+            retry.close()
         if not improved:
             break
     run.readings_tried = replays
