@@ -48,6 +48,8 @@ MODULES = (
     "core/allocator/stats",
     "core/allocator/settings",
     "core/allocator/state",
+    # Seeding's reserved-bytes and counter updates and a new segment's cudaMalloc (issue 41).
+    "core/allocator/device_memory",
     # The replay loop (issue 41): compiled with the allocator, its calls to malloc and free are
     # native calls, and it reads the trace's integer columns without boxing.
     "core/replay/engine",

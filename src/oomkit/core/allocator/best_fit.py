@@ -10,7 +10,6 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.constants import SIZE_MAX
 from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks
 from oomkit.core.allocator.settings import AllocatorSettings
 
@@ -66,8 +65,8 @@ def checked_free_block(
             if found is None:
                 return None
             block = found
-    max_split = settings.max_split
-    if max_split != SIZE_MAX:
+    if settings.split_limited:
+        max_split = settings.max_split
         # Step 3.4, oversize rule 1: a small request never takes an oversize block.
         if size < max_split and block.size >= max_split:
             return None

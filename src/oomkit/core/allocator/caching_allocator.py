@@ -228,7 +228,7 @@ class CachingAllocator(StatsApi):
         elif kind == SMALL_POOL or expandable_active:
             split = remaining >= MIN_BLOCK_SIZE
         else:
-            split = size < max_split and remaining > SMALL_SIZE
+            split = (not settings.split_limited or size < max_split) and remaining > SMALL_SIZE
         # The pool kind's stats, and all's peaks: all's current is both pools' sum (stats.py).
         stats = self._stat_lists
         sa = stats[ALL]
@@ -311,7 +311,7 @@ class CachingAllocator(StatsApi):
             sp.requested_bytes_peak = c
         if c + so.requested_bytes > sa.requested_bytes_peak:
             sa.requested_bytes_peak = c + so.requested_bytes
-        if bsize >= max_split:
+        if settings.split_limited and bsize >= max_split:
             self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
         return ptr
 
@@ -347,7 +347,7 @@ class CachingAllocator(StatsApi):
             raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
         block.allocated = False
         size = block.size
-        if size >= self._settings.max_split:
+        if self._settings.split_limited and size >= self._settings.max_split:
             # Uses the current setting, as PyTorch does (§5.1 step 5).
             self._stats.down_all(st.OVERSIZE_ALLOCATIONS, 1)
         if block.stream_uses or deferred:

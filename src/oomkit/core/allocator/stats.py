@@ -321,35 +321,39 @@ class AllocatorStats:
         """increase_stat on the pool kind (current and peak) and on ``all`` (its peak)."""
         lists = self.lists
         s = lists[kind]
-        c = s[i] + amount
-        s[i] = c
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        name = SLOT_NAMES[i]
+        peak = SLOT_NAMES[i + PEAK]
+        c: int = getattr(s, name) + amount
+        setattr(s, name, c)
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
         # all's current is the two pools' sum (SMALL_POOL + LARGE_POOL - kind: the other one).
-        c += lists[3 - kind][i]
+        c += getattr(lists[3 - kind], name)
         s = lists[ALL]
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
 
     def down(self, kind: int, i: int, amount: int) -> None:
         """decrease_stat on the pool kind (``all`` is the pools' sum)."""
         s = self.lists[kind]
-        s[i] -= amount
-        s[i + FREED] += amount
+        name = SLOT_NAMES[i]
+        freed = SLOT_NAMES[i + FREED]
+        setattr(s, name, getattr(s, name) - amount)
+        setattr(s, freed, getattr(s, freed) + amount)
 
     def up_all(self, i: int, amount: int) -> None:
         """increase_stat on a single Stat (the oversize stats)."""
         s = self.lists[ALL]
-        c = s[i] + amount
-        s[i] = c
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        name = SLOT_NAMES[i]
+        peak = SLOT_NAMES[i + PEAK]
+        c: int = getattr(s, name) + amount
+        setattr(s, name, c)
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
 
     def down_all(self, i: int, amount: int) -> None:
         """decrease_stat on a single Stat (the oversize stats)."""
-        s = self.lists[ALL]
-        s[i] -= amount
-        s[i + FREED] += amount
+        self.down(ALL, i, amount)
 
     def current(self, i: int) -> int:
         """``<stat>.all.current`` of the stat at slot ``i``."""
