@@ -157,13 +157,17 @@ class BlockPool:
         block.size += src.size
         return 1
 
-    def remove(self, block: Block) -> None:
-        """Take a free block out of the set (its size must be the one it was inserted with)."""
+    def remove(self, block: Block, index: int = -1) -> None:
+        """Take a free block out of the set (its size must be the one it was inserted with).
+
+        ``index``: the block's size index in its stream's ``sizes`` when the caller has just
+        found it there (the best fit), else -1.
+        """
         tie = block.tie
         assert tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
         sizes = sf.sizes
-        i = bisect_left(sizes, block.size)
+        i = index if index >= 0 else bisect_left(sizes, block.size)
         bucket = sf.buckets[i]
         if len(bucket) == 1:
             del sizes[i]
