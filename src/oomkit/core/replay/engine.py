@@ -210,13 +210,17 @@ class ReplayEngine:
         sizes = columns.sizes
         streams = columns.streams
         n = len(actions)
-        i = 0
         index = base - 1
+        i = 0
+        completed = False  # the event is the completion of the free just done
         try:
-            while i < n:
+            for i in range(n):
                 index = base + i
                 action = actions[i]
-                if action == ALLOC or action == CHECKED_ALLOC:
+                if completed:
+                    # It changes nothing: its request freed the block (see below).
+                    completed = False
+                elif action == ALLOC or action == CHECKED_ALLOC:
                     self.current = index
                     slot = slots[i]
                     if live[slot] >= 0 or pending[slot] >= 0:
@@ -252,11 +256,7 @@ class ReplayEngine:
                                 allocator.free(ptr)
                             else:
                                 allocator.free(ptr, deferred=completes_later(index + 1))
-                            if after_event is not None:
-                                after_event(index, events[i])
-                            # The completion changes nothing: the checks below are done.
-                            i += 1
-                            index += 1
+                            completed = True
                         else:
                             allocator.free(ptr, deferred=True)
                             pending[slot] = ptr
@@ -296,7 +296,6 @@ class ReplayEngine:
                     logged = len(segment_log)
                 if after_event is not None:
                     after_event(index, events[i])
-                i += 1
         except SimulatedOutOfMemoryError as exc:
             self._stopped(index, logged)
             if hooks.out_of_memory(index, events[i], exc):
