@@ -3,16 +3,19 @@
 A wheel built from this repository (``pip install .``, ``pip wheel .``) is compiled by
 ``setup.py``, which calls :func:`compile_core` on the wheel's build folder; the editable install
 of the dev set-up stays pure Python. This script compiles the modules that
-every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats and
-settings) and the seeding and ``snapshot()`` of every replay (state) into C extensions placed
-beside their sources in ``src/``; Python then imports them in
+every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats,
+settings and device memory), the seeding and ``snapshot()`` of every replay (state) and the
+replay loop itself (``core/replay/engine.py``, issue 41) into C extensions placed beside their
+sources in ``src/``; Python then imports them in
 place of the ``.py`` files, and removing them (``--clean``) brings the pure-Python modules back.
 The tests pass on both (run them after building to check a build).
 
 mypyc type-checks what it compiles and everything that imports; the package's ``__init__``
 names the whole API for type checkers (torch included), so the allocator is compiled in a copy
-of the tree that holds only ``oomkit.errors`` and ``oomkit.core.allocator`` (it imports nothing
-else), and the built extensions are copied back.
+of the tree that holds only ``oomkit.errors``, ``oomkit.core.allocator`` (it imports nothing
+else) and what the replay loop imports (its hooks, trace columns, record and the trace event
+model, copied and type-checked, not compiled, under package ``__init__`` files that import
+nothing), and the built extensions are copied back.
 
 Compiled code checks argument types where it is called (``malloc(1.5)`` would raise TypeError
 before the method's own check). So that bad input gets the same ``AllocatorUsageError`` /
