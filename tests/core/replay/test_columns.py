@@ -25,7 +25,8 @@ MiB = 2**20
 
 def test_codes_slots_and_values():
     """Equal ids share a slot (dict equality: 7 and 7.0 are one id), numbered by first
-    appearance; only allocs with int fields and a positive size are ALLOC."""
+    appearance; only allocs with int fields and a positive size are ALLOC; sizes, streams and
+    addresses have an entry per alloc only."""
     events = [
         TraceEvent("alloc", 0x1000, 4096, stream=3),
         TraceEvent("alloc", 7, 512),
@@ -48,8 +49,9 @@ def test_codes_slots_and_values():
         OTHER,
     ]
     assert c.slots == [0, 1, 0, 1, 0, 2, 3, 4]
-    assert c.sizes[:2] == [4096, 512] and c.streams[0] == 3
-    assert (c.sizes[6], c.streams[6], c.addresses[6]) == (0, 0, 10)
+    # One entry per alloc; the two malloc must judge hold placeholders.
+    assert (c.sizes, c.streams) == ([4096, 512, 0, 0], [3, 0, 0, 0])
+    assert c.addresses == [0x1000, 7, -1, -1]
     assert c.slot_of == {0x1000: 0, 7: 1, 9: 2, 10: 3, 123: 4}
 
 

@@ -8,10 +8,11 @@ with its slot, not through a dict: ids are numbered once, here, in order of firs
 ``replay_snapshot`` builds the columns of a snapshot's trace once (``_prepared.py``) and every
 replay of it reuses them.
 
-The lists hold the events' own values (no copies of the integers), so the columns cost five
-pointers per event. An event whose fields are not plain ``int`` keeps its place with its own
-code (:data:`CHECKED_ALLOC`, ``OTHER``): the loop then hands the event's own values to the
-allocator, whose checks raise what they always raised.
+The lists hold the events' own values (no copies of the integers): two pointers per event
+and three per alloc, about 34 bytes per event of a real trace with the id numbering (issue 41
+item 2 keeps a 1 GB snapshot's replay within 2 GB). An alloc whose fields are not plain ``int``,
+or whose size is not positive, keeps its place with its own code (:data:`CHECKED_ALLOC`): the
+loop then hands the event's own values to malloc, whose checks raise what they always raised.
 """
 
 from __future__ import annotations
@@ -44,33 +45,35 @@ _CODES = {"alloc": ALLOC, "free_requested": FREE_REQUESTED, "free_completed": FR
 
 
 class TraceColumns:
-    """One trace, event by event, as lists of the same length (see the module docstring).
+    """One trace as lists (see the module docstring): ``actions`` and ``slots`` have an entry
+    per event; ``sizes``, ``streams`` and ``addresses`` one per alloc (``ALLOC`` or
+    ``CHECKED_ALLOC``), in trace order, so a column costs no memory for the frees.
 
     Attributes:
         actions: the action code of each event.
         slots: the number of each event's id (``address``): equal ids, equal slots.
-        addresses: each alloc's recorded address (-1 where it is not an int).
-        sizes: each alloc's request in bytes (0 where it is not an int).
-        streams: each alloc's stream (0 where it is not an int).
+        sizes: each alloc's request in bytes (0 for a CHECKED_ALLOC).
+        streams: each alloc's stream (0 for a CHECKED_ALLOC).
+        addresses: each alloc's recorded address (-1 for a CHECKED_ALLOC).
         slot_of: id -> slot, for every id the trace names.
     """
 
-    __slots__ = ("actions", "slots", "addresses", "sizes", "streams", "slot_of")
+    __slots__ = ("actions", "slots", "sizes", "streams", "addresses", "slot_of")
 
     def __init__(
         self,
         actions: list[int],
         slots: list[int],
-        addresses: list[int],
         sizes: list[int],
         streams: list[int],
+        addresses: list[int],
         slot_of: dict[Any, int],
     ) -> None:
         self.actions = actions
         self.slots = slots
-        self.addresses = addresses
         self.sizes = sizes
         self.streams = streams
+        self.addresses = addresses
         self.slot_of = slot_of
 
 
@@ -82,36 +85,34 @@ def trace_columns(
     numbered: dict[Any, int] = {} if slot_of is None else slot_of
     codes = _CODES
     actions = [codes.get(e.action, OTHER) for e in events]
-    addresses = [e.address for e in events]
-    slots = [numbered.setdefault(a, len(numbered)) for a in addresses]
-    sizes = [e.size for e in events]
-    streams = [e.stream for e in events]
-    for i in _unchecked(actions, addresses, sizes, streams):
-        # A field of another type: keep the event's place, let malloc judge its values.
-        if actions[i] == ALLOC:
-            actions[i] = CHECKED_ALLOC
-        if type(addresses[i]) is not int:
-            addresses[i] = -1
-        sizes[i] = 0
-        streams[i] = 0
-    for i, size in enumerate(sizes):
-        if size <= 0 and actions[i] == ALLOC:
-            actions[i] = CHECKED_ALLOC
-    return TraceColumns(actions, slots, addresses, sizes, streams, numbered)
+    slots = [numbered.setdefault(e.address, len(numbered)) for e in events]
+    at = [i for i, code in enumerate(actions) if code == ALLOC]
+    sizes = [events[i].size for i in at]
+    streams = [events[i].stream for i in at]
+    addresses = [events[i].address for i in at]
+    for k in _checked(sizes, streams, addresses):
+        # Not plain ints, or not a positive size: malloc judges the event's own values.
+        actions[at[k]] = CHECKED_ALLOC
+        sizes[k] = 0
+        streams[k] = 0
+        addresses[k] = -1
+    return TraceColumns(actions, slots, sizes, streams, addresses, numbered)
 
 
-def _unchecked(
-    actions: list[int], addresses: list[Any], sizes: list[Any], streams: list[Any]
-) -> Iterable[int]:
-    """Indices of the events with a field that is not a plain int (none in a loaded trace)."""
-    if all(type(x) is int for x in addresses) and all(type(x) is int for x in sizes) and all(
-        type(x) is int for x in streams
+def _checked(sizes: list[Any], streams: list[Any], addresses: list[Any]) -> Iterable[int]:
+    """The allocs malloc must judge itself: a field that is not a plain int, or a size that
+    is not positive (none in a loaded trace but zero-byte requests)."""
+    if (
+        all(type(x) is int for x in sizes)
+        and all(type(x) is int for x in streams)
+        and all(type(x) is int for x in addresses)
     ):
-        return ()
+        return [k for k, size in enumerate(sizes) if size <= 0]
     return [
-        i
-        for i in range(len(actions))
-        if type(addresses[i]) is not int
-        or type(sizes[i]) is not int
-        or type(streams[i]) is not int
+        k
+        for k in range(len(sizes))
+        if type(sizes[k]) is not int
+        or type(streams[k]) is not int
+        or type(addresses[k]) is not int
+        or sizes[k] <= 0
     ]

@@ -212,6 +212,7 @@ class ReplayEngine:
         n = len(actions)
         index = base - 1
         i = 0
+        k = 0  # allocs fed: their index in sizes, streams and addresses
         completed = False  # the event is the completion of the free just done
         try:
             for i in range(n):
@@ -226,13 +227,14 @@ class ReplayEngine:
                     if live[slot] >= 0 or pending[slot] >= 0:
                         hooks.duplicate_alloc(index, events[i])
                     if action == ALLOC:
-                        ptr = allocator.serve(sizes[i], streams[i])
-                        misplaced = ptr != addresses[i]
+                        ptr = allocator.serve(sizes[k], streams[k])
+                        misplaced = ptr != addresses[k]
                     else:
                         # Its own values (Any: not read as ints), for malloc's checks to judge.
                         unchecked: Any = events[i]
                         ptr = allocator.malloc(unchecked.size, unchecked.stream)
                         misplaced = ptr != unchecked.address
+                    k += 1
                     live[slot] = ptr
                     if check and misplaced:
                         hooks.misplaced(index, events[i], ptr)
