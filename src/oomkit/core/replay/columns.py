@@ -9,8 +9,8 @@ with its slot, not through a dict: ids are numbered once, here, in order of firs
 replay of it reuses them.
 
 The lists hold the events' own values (no copies of the integers): two pointers per event
-and three per alloc, about 34 bytes per event of a real trace with the id numbering (issue 41
-item 2 keeps a 1 GB snapshot's replay within 2 GB). An alloc whose fields are not plain ``int``,
+and three per alloc, about 34 bytes per event of a 1M-event recording with the id numbering
+(memory counts: issue 41 item 2 bounds a 1 GB snapshot's replay to 2 GB). An alloc whose fields are not plain ``int``,
 or whose size is not positive, keeps its place with its own code (:data:`CHECKED_ALLOC`): the
 loop then hands the event's own values to malloc, whose checks raise what they always raised.
 """
