@@ -3,16 +3,19 @@
 A wheel built from this repository (``pip install .``, ``pip wheel .``) is compiled by
 ``setup.py``, which calls :func:`compile_core` on the wheel's build folder; the editable install
 of the dev set-up stays pure Python. This script compiles the modules that
-every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats and
-settings) and the seeding and ``snapshot()`` of every replay (state) into C extensions placed
-beside their sources in ``src/``; Python then imports them in
+every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats,
+settings and device memory), the seeding and ``snapshot()`` of every replay (state) and the
+replay loop itself (``core/replay/engine.py``, issue 41) into C extensions placed beside their
+sources in ``src/``; Python then imports them in
 place of the ``.py`` files, and removing them (``--clean``) brings the pure-Python modules back.
 The tests pass on both (run them after building to check a build).
 
 mypyc type-checks what it compiles and everything that imports; the package's ``__init__``
 names the whole API for type checkers (torch included), so the allocator is compiled in a copy
-of the tree that holds only ``oomkit.errors`` and ``oomkit.core.allocator`` (it imports nothing
-else), and the built extensions are copied back.
+of the tree that holds only ``oomkit.errors``, ``oomkit.core.allocator`` (it imports nothing
+else) and what the replay loop imports (its hooks, trace columns, record and the trace event
+model, copied and type-checked, not compiled, under package ``__init__`` files that import
+nothing), and the built extensions are copied back.
 
 Compiled code checks argument types where it is called (``malloc(1.5)`` would raise TypeError
 before the method's own check). So that bad input gets the same ``AllocatorUsageError`` /
@@ -40,15 +43,34 @@ PACKAGE = SRC / "oomkit" / "core" / "allocator"
 # state (seeding the start state, snapshot()) runs once per replay: compiled, it took 3-4% off the
 # instructions of a real-trace verify (issue 19, measured with valgrind's cachegrind).
 MODULES = (
-    "block",
-    "pools",
-    "best_fit",
-    "caching_allocator",
-    "constants",
-    "stats",
-    "settings",
-    "state",
+    "core/allocator/block",
+    "core/allocator/pools",
+    "core/allocator/best_fit",
+    "core/allocator/caching_allocator",
+    "core/allocator/constants",
+    "core/allocator/stats",
+    "core/allocator/settings",
+    "core/allocator/state",
+    # Seeding's reserved-bytes and counter updates and a new segment's cudaMalloc (issue 41).
+    "core/allocator/device_memory",
+    # The replay loop (issue 41): compiled with the allocator, its calls to malloc and free are
+    # native calls, and it reads the trace's integer columns without boxing.
+    "core/replay/engine",
 )
+# Packages that hold compiled modules.
+PACKAGES = ("core/allocator", "core/replay")
+# What the loop imports besides the allocator, copied (not compiled) so mypyc can type-check it;
+# the copy's package __init__ files import nothing (the real ones import the whole layer).
+_LOOP_SOURCES = ("core/replay/columns", "core/replay/hooks", "core/replay/result", "core/trace/events")
+_TRACE_INIT = """\"\"\"oomkit.core.trace (the event model only, to compile the replay loop).\"\"\"
+
+from oomkit.core.trace.events import TraceEvent
+
+__all__ = ["TraceEvent"]
+"""
+# Public methods that keep their int arguments: they are documented to take checked ints (the
+# replay loop's requests), so a compiled caller passes native integers.
+_TYPED_METHODS = ("serve",)
 _MYPY_CONFIG = """[mypy]
 python_version = {version}
 [mypy-sortedcontainers.*]
@@ -68,6 +90,8 @@ def _public_arguments_any(path: Path) -> None:
                 if not isinstance(item, ast.FunctionDef):
                     continue
                 if item.name.startswith("_") and item.name != "__init__":
+                    continue
+                if item.name in _TYPED_METHODS:
                     continue
                 args = item.args
                 for arg in (*args.posonlyargs, *args.args[1:], *args.kwonlyargs):
@@ -98,8 +122,11 @@ class CompileError(RuntimeError):
 def built(root: Path = SRC) -> list[Path]:
     """The compiled files under ``root`` (a folder holding ``oomkit/``): the extensions and
     mypyc's runtime."""
-    package = root / "oomkit" / "core" / "allocator"
-    return sorted([*package.glob("*.so"), *package.glob("*.pyd"), *root.glob("*__mypyc*")])
+    found = [*root.glob("*__mypyc*")]
+    for name in PACKAGES:
+        package = root / "oomkit" / name
+        found += [*package.glob("*.so"), *package.glob("*.pyd")]
+    return sorted(found)
 
 
 def clean() -> int:
@@ -121,7 +148,6 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
         CompileError: mypyc failed (nothing is placed).
     """
     package_source = source / "oomkit" / "core" / "allocator"
-    package_dest = dest / "oomkit" / "core" / "allocator"
     with tempfile.TemporaryDirectory(prefix="oomkit-mypyc-") as tmp:
         root = Path(tmp)
         package = root / "oomkit"
@@ -134,13 +160,21 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
             package / "core" / "allocator",
             ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"),
         )
+        for folder in ("replay", "trace"):
+            (package / "core" / folder).mkdir()
+            (package / "core" / folder / "__init__.py").write_text(
+                _TRACE_INIT if folder == "trace" else f'"""oomkit.core.{folder}."""\n'
+            )
+        loop = [name for name in MODULES if not name.startswith("core/allocator/")]
+        for name in (*loop, *_LOOP_SOURCES):
+            shutil.copy(source / "oomkit" / f"{name}.py", package / f"{name}.py")
         _public_arguments_any(package / "core" / "allocator" / "caching_allocator.py")
         _function_arguments_any(
             package / "core" / "allocator" / "state.py", ("seed_segment", "_check_seed")
         )
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         (root / "mypy.ini").write_text(_MYPY_CONFIG.format(version=version))
-        files = [f"oomkit/core/allocator/{name}.py" for name in MODULES]
+        files = [f"oomkit/{name}.py" for name in MODULES]
         done = subprocess.run(
             [sys.executable, "-m", "mypyc", "--config-file", "mypy.ini", *files], cwd=root
         )
@@ -149,9 +183,10 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
         placed = []
         for ext in (*root.glob("*__mypyc*.so"), *root.glob("*__mypyc*.pyd")):
             placed.append(Path(shutil.copy(ext, dest / ext.name)))
-        compiled = package / "core" / "allocator"
-        for ext in (*compiled.glob("*.so"), *compiled.glob("*.pyd")):
-            placed.append(Path(shutil.copy(ext, package_dest / ext.name)))
+        for name in PACKAGES:
+            compiled = package / name
+            for ext in (*compiled.glob("*.so"), *compiled.glob("*.pyd")):
+                placed.append(Path(shutil.copy(ext, dest / "oomkit" / name / ext.name)))
     return sorted(placed)
 
 

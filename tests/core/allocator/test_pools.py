@@ -39,7 +39,8 @@ def test_insert_orders_by_size_then_address_and_resets_gc_base():
     assert {blk.gc_count_base for blk in (a, b, c, d)} == {7}
     pool.remove(b)
     assert pool.ordered() == [c, a, d]
-    assert b.key is None
+    assert b.tie == -1  # out of the set
+    assert a.tie == 0x3000 and c.tie == 0x2000
     assert len(pool) == 3
 
 

@@ -22,6 +22,7 @@ def test_defaults():
     s = _settings("")
     assert (s.max_split, s.non_split_rounding, s.divisions) == (SIZE_MAX, LARGE_BUFFER, None)
     assert (s.limit, s.reject_limit, s.expandable, s.gc_enabled) == (None, None, False, False)
+    assert s.split_limited is False
 
 
 def test_config_values_and_in_place_update():
@@ -36,9 +37,10 @@ def test_config_values_and_in_place_update():
         0.5,
         500 * MiB,
     )
-    assert s.gc_enabled
+    assert s.gc_enabled and s.split_limited
     s.apply_config(AllocatorConfig.parse("expandable_segments:True"))
     assert (s.max_split, s.divisions, s.expandable, s.limit) == (SIZE_MAX, None, True, 500 * MiB)
+    assert s.split_limited is False
 
 
 def test_fraction_rounding_differs_by_version():

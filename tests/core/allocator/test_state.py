@@ -117,3 +117,42 @@ def test_seed_segment_of_the_wrong_type_is_a_usage_error(address, total_size, st
             address, total_size, stream, is_small=True, blocks=[(BASE, 2 * MiB, 0, False)]
         )
     assert a.memory_stats()["segment.all.current"] == 0
+
+
+def _blocks_left_to_the_collector(build) -> list[str]:
+    """Type names of the allocator objects a garbage collection finds after ``build()``'s
+    allocator is dropped (the collector paused meanwhile)."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        build()
+        gc.collect()
+        found = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    return [name for name in found if name in ("Block", "Segment")]
+
+
+def test_close_frees_every_block_and_segment_without_a_garbage_collection():
+    """Blocks link both ways, so a dropped allocator's blocks wait for a collection; after
+    close() reference counting frees them (a replay closes its allocator, issue 41)."""
+    from oomkit.core.allocator import CachingAllocator
+
+    def used(close: bool) -> None:
+        a = CachingAllocator(capacity_bytes=2**30)
+        ptrs = [a.malloc(n) for n in (1000, 3 * 2**20, 5000, 30 * 2**20, 700)]
+        a.free(ptrs[0])
+        a.free(ptrs[3], deferred=True)
+        assert len(a.snapshot()) == 3  # a small, a large and an oversize-for-20-MiB segment
+        if close:
+            a.close()
+
+    assert _blocks_left_to_the_collector(lambda: used(close=False)).count("Block") >= 5
+    assert _blocks_left_to_the_collector(lambda: used(close=True)) == []

@@ -192,3 +192,42 @@ def test_pool_stat_lists_are_live_and_sum_to_the_all_levels():
     a.empty_cache()
     assert levels() == (0, 0) == (a.memory_allocated(), a.memory_reserved())
     assert a.pool_stat_lists()[0] is small and a.pool_stat_lists()[1] is large
+
+
+def test_stat_slots_name_every_slot_once_in_slot_order():
+    """StatSlots: slot constant i and field SLOT_NAMES[i] are the same integer, both ways."""
+    from oomkit.core.allocator.stats import (
+        ACTIVE_BYTES,
+        FREED,
+        PEAK,
+        REQUESTED_BYTES,
+        SLOT_NAMES,
+        TYPE_SLOTS,
+        StatSlots,
+    )
+
+    assert len(SLOT_NAMES) == len(set(SLOT_NAMES)) == TYPE_SLOTS == 44
+    slots = StatSlots()
+    assert [slots[i] for i in range(TYPE_SLOTS)] == [0] * TYPE_SLOTS
+    slots.active_bytes_peak = 7
+    slots[REQUESTED_BYTES + FREED] = 9
+    assert slots[ACTIVE_BYTES + PEAK] == 7 and slots.requested_bytes_freed == 9
+    assert SLOT_NAMES[ALLOCATED_BYTES] == "allocated_bytes"
+    assert SLOT_NAMES[OVERSIZE_SEGMENTS + PEAK] == "oversize_segments_peak"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 64 * 2**20), max_size=12), st.sampled_from([None, "2.4"]))
+def test_serve_is_malloc_for_checked_requests(sizes, version):
+    """serve (the replay loop's malloc for positive int requests) makes the same blocks and
+    stats as malloc."""
+    a = CachingAllocator(torch_version=version)
+    b = CachingAllocator(torch_version=version)
+    for i, n in enumerate(sizes):
+        ptr = a.malloc(n, i % 2)
+        assert b.serve(n, i % 2) == ptr
+        if i % 3 == 2:
+            a.free(ptr)
+            b.free(ptr)
+    assert a.memory_stats() == b.memory_stats()
+    assert a.snapshot() == b.snapshot()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.constants import SIZE_MAX
 from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks
 from oomkit.core.allocator.settings import AllocatorSettings
 
@@ -30,6 +29,7 @@ def checked_free_block(
     block: Block,
     size: int,
     expandable_active: bool | None = None,
+    index: int = -1,
 ) -> Block | None:
     """get_free_block (§4 step 3.3-3.6) for expandable blocks and oversize rules.
 
@@ -39,12 +39,14 @@ def checked_free_block(
         block: the best fit by size (the first block of ``sf`` with ``size >= size``).
         size: the rounded request.
         expandable_active: None means the config's setting (Step 7 passes False).
+        index: ``block``'s size index in ``sf.sizes`` (the lookup's), else -1.
 
     Returns:
         The block, taken out of the pool, or None.
     """
     if expandable_active is None:
         expandable_active = settings.expandable
+    best = block
     if block.segment.expandable:
         if expandable_active:
             # Step 3.3: prefer a slightly larger interior block over the growable tail.
@@ -66,15 +68,15 @@ def checked_free_block(
             if found is None:
                 return None
             block = found
-    max_split = settings.max_split
-    if max_split != SIZE_MAX:
+    if settings.split_limited:
+        max_split = settings.max_split
         # Step 3.4, oversize rule 1: a small request never takes an oversize block.
         if size < max_split and block.size >= max_split:
             return None
         # Step 3.5, oversize rule 2: a large request takes a block only within the slack.
         if size >= max_split and block.size >= size + settings.non_split_rounding:
             return None
-    pool.remove(block)
+    pool.remove(block, index if block is best else -1)
     return block
 
 
@@ -97,5 +99,5 @@ def find_free_block(
     i = bisect_left(sizes, size)
     if i == len(sizes):
         return None
-    block = sf.buckets[sizes[i]][0][1]
-    return checked_free_block(settings, pool, sf, block, size, expandable_active)
+    block = sf.buckets[i][0]
+    return checked_free_block(settings, pool, sf, block, size, expandable_active, i)

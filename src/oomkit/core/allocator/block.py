@@ -76,6 +76,7 @@ class Block:
         "stream_uses",
         "gc_count_base",
         "mapped",
+        "tie",
         "key",
     )
 
@@ -93,7 +94,10 @@ class Block:
         self.stream_uses: set[int] | None = None
         self.gc_count_base = 0
         self.mapped = True
-        # The entry under which the block sits in a pool's sorted set, or None when not there.
+        # Its place among the free blocks of its stream and size while it is in a pool's set
+        # (pools.py), else -1.
+        self.tie = -1
+        # Its entry in a pool's unmapped set, or None when not there.
         self.key: tuple[Any, ...] | None = None
 
     def is_split(self) -> bool:

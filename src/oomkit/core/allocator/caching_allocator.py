@@ -1,8 +1,9 @@
 """The simulator: a pure-Python ``DeviceCachingAllocator`` (ref §4-§7, §10, §12).
 
 Every decision mirrors ``c10/cuda/CUDACachingAllocator.cpp``; comments name the function and
-the ref section. This module holds malloc and free (written out by hand, stats as flat list
-slots bound to locals: a replay runs them millions of times); the allocator's other parts live
+the ref section. This module holds malloc and free (written out by hand, the stats as fields of
+:class:`~oomkit.core.allocator.stats.StatSlots` bound to locals: a replay runs them millions of
+times); the allocator's other parts live
 in their own modules with small interfaces and are reached only off the common path.
 """
 
@@ -34,29 +35,17 @@ from oomkit.core.allocator.private_pools import MempoolId, PrivatePools, StreamF
 from oomkit.core.allocator.release import CacheRelease
 from oomkit.core.allocator.rounding import round_size
 from oomkit.core.allocator.settings import AllocatorSettings, check_fraction
-from oomkit.core.allocator.state import SeedBlock, SeedTarget, all_blocks, seed_segment, snapshot
+from oomkit.core.allocator.state import (
+    SeedBlock,
+    SeedTarget,
+    all_blocks,
+    seed_segment,
+    snapshot,
+    unlink_all,
+)
 from oomkit.core.allocator.stats import (
     _A,
     _AB,
-    _ABF,
-    _ABP,
-    _ACT,
-    _ACTF,
-    _ACTP,
-    _AF,
-    _AP,
-    _IS,
-    _ISB,
-    _ISBF,
-    _ISBP,
-    _ISF,
-    _ISP,
-    _RQ,
-    _RQF,
-    _RQP,
-    _XB,
-    _XBF,
-    _XBP,
     ALL,
     LARGE_POOL,
     SMALL_POOL,
@@ -181,6 +170,17 @@ class CachingAllocator(StatsApi):
             )
         if type(stream) is not int:
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
+        return self.serve(nbytes, stream)
+
+    def serve(self, nbytes: int, stream: int) -> int:
+        """:meth:`malloc` of a request already checked: ``nbytes`` a positive int, ``stream`` an
+        int (the replay loop's, whose trace columns hold such requests; issue 41).
+
+        A compiled build takes these as native integers (scripts/compile_allocator.py).
+
+        Raises:
+            SimulatedOutOfMemoryError: as :meth:`malloc`.
+        """
         if nbytes >= ONE_EXA_BYTES:
             # NativeCachingAllocator::malloc: fails before the device allocator (§12.4).
             raise self._miss.oom_error(ONE_EXA_MESSAGE, nbytes, nbytes, nbytes, stream)
@@ -228,7 +228,7 @@ class CachingAllocator(StatsApi):
         elif kind == SMALL_POOL or expandable_active:
             split = remaining >= MIN_BLOCK_SIZE
         else:
-            split = size < max_split and remaining > SMALL_SIZE
+            split = (not settings.split_limited or size < max_split) and remaining > SMALL_SIZE
         # The pool kind's stats, and all's peaks: all's current is both pools' sum (stats.py).
         stats = self._stat_lists
         sa = stats[ALL]
@@ -251,67 +251,67 @@ class CachingAllocator(StatsApi):
             if classic:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
-                    sp[_ISB] -= size
-                    sp[_ISBF] += size
+                    sp.inactive_split_bytes -= size
+                    sp.inactive_split_bytes_freed += size
                 else:
                     # A new split inactive block of `remaining` bytes appears.
-                    c = sp[_ISB] + remaining
-                    sp[_ISB] = c
-                    if c > sp[_ISBP]:
-                        sp[_ISBP] = c
-                    if c + so[_ISB] > sa[_ISBP]:
-                        sa[_ISBP] = c + so[_ISB]
-                    c = sp[_IS] + 1
-                    sp[_IS] = c
-                    if c > sp[_ISP]:
-                        sp[_ISP] = c
-                    if c + so[_IS] > sa[_ISP]:
-                        sa[_ISP] = c + so[_IS]
+                    c = sp.inactive_split_bytes + remaining
+                    sp.inactive_split_bytes = c
+                    if c > sp.inactive_split_bytes_peak:
+                        sp.inactive_split_bytes_peak = c
+                    if c + so.inactive_split_bytes > sa.inactive_split_bytes_peak:
+                        sa.inactive_split_bytes_peak = c + so.inactive_split_bytes
+                    c = sp.inactive_split + 1
+                    sp.inactive_split = c
+                    if c > sp.inactive_split_peak:
+                        sp.inactive_split_peak = c
+                    if c + so.inactive_split > sa.inactive_split_peak:
+                        sa.inactive_split_peak = c + so.inactive_split
             block = new
         elif classic and (block.prev is not None or block.next is not None):
             # An already-split block becomes active whole.
             bsize = block.size
-            sp[_ISB] -= bsize
-            sp[_ISBF] += bsize
-            sp[_IS] -= 1
-            sp[_ISF] += 1
+            sp.inactive_split_bytes -= bsize
+            sp.inactive_split_bytes_freed += bsize
+            sp.inactive_split -= 1
+            sp.inactive_split_freed += 1
         block.allocated = True
         block.requested_size = nbytes
         ptr = block.ptr
         self._active[ptr] = block
         bsize = block.size
         # alloc_found_block: allocation, allocated_bytes, active, active_bytes, requested_bytes.
-        c = sp[_A] + 1
-        sp[_A] = c
-        if c > sp[_AP]:
-            sp[_AP] = c
-        if c + so[_A] > sa[_AP]:
-            sa[_AP] = c + so[_A]
-        c = sp[_AB] + bsize
-        sp[_AB] = c
-        if c > sp[_ABP]:
-            sp[_ABP] = c
-        if c + so[_AB] > sa[_ABP]:
-            sa[_ABP] = c + so[_AB]
-        c = sp[_ACT] + 1
-        sp[_ACT] = c
-        if c > sp[_ACTP]:
-            sp[_ACTP] = c
-        if c + so[_ACT] > sa[_ACTP]:
-            sa[_ACTP] = c + so[_ACT]
-        c = sp[_XB] + bsize
-        sp[_XB] = c
-        if c > sp[_XBP]:
-            sp[_XBP] = c
-        if c + so[_XB] > sa[_XBP]:
-            sa[_XBP] = c + so[_XB]
-        c = sp[_RQ] + nbytes
-        sp[_RQ] = c
-        if c > sp[_RQP]:
-            sp[_RQP] = c
-        if c + so[_RQ] > sa[_RQP]:
-            sa[_RQP] = c + so[_RQ]
-        if bsize >= max_split:
+        c = sp.allocation + 1
+        sp.allocation = c
+        if c > sp.allocation_peak:
+            sp.allocation_peak = c
+        if c + so.allocation > sa.allocation_peak:
+            sa.allocation_peak = c + so.allocation
+        c = sp.allocated_bytes + bsize
+        sp.allocated_bytes = c
+        if c > sp.allocated_bytes_peak:
+            sp.allocated_bytes_peak = c
+        if c + so.allocated_bytes > sa.allocated_bytes_peak:
+            sa.allocated_bytes_peak = c + so.allocated_bytes
+        c = sp.active + 1
+        sp.active = c
+        if c > sp.active_peak:
+            sp.active_peak = c
+        if c + so.active > sa.active_peak:
+            sa.active_peak = c + so.active
+        c = sp.active_bytes + bsize
+        sp.active_bytes = c
+        if c > sp.active_bytes_peak:
+            sp.active_bytes_peak = c
+        if c + so.active_bytes > sa.active_bytes_peak:
+            sa.active_bytes_peak = c + so.active_bytes
+        c = sp.requested_bytes + nbytes
+        sp.requested_bytes = c
+        if c > sp.requested_bytes_peak:
+            sp.requested_bytes_peak = c
+        if c + so.requested_bytes > sa.requested_bytes_peak:
+            sa.requested_bytes_peak = c + so.requested_bytes
+        if settings.split_limited and bsize >= max_split:
             self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
         return ptr
 
@@ -347,7 +347,7 @@ class CachingAllocator(StatsApi):
             raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
         block.allocated = False
         size = block.size
-        if size >= self._settings.max_split:
+        if self._settings.split_limited and size >= self._settings.max_split:
             # Uses the current setting, as PyTorch does (§5.1 step 5).
             self._stats.down_all(st.OVERSIZE_ALLOCATIONS, 1)
         if block.stream_uses or deferred:
@@ -380,37 +380,37 @@ class CachingAllocator(StatsApi):
             # The net change is applied as one increase or one decrease (all's current is the
             # pools' sum: only an increase touches all, for its peak).
             if net_blocks > 0:
-                c = sp[_IS] + net_blocks
-                sp[_IS] = c
-                if c > sp[_ISP]:
-                    sp[_ISP] = c
-                if c + stats[3 - kind][_IS] > stats[ALL][_ISP]:
-                    stats[ALL][_ISP] = c + stats[3 - kind][_IS]
+                c = sp.inactive_split + net_blocks
+                sp.inactive_split = c
+                if c > sp.inactive_split_peak:
+                    sp.inactive_split_peak = c
+                if c + stats[3 - kind].inactive_split > stats[ALL].inactive_split_peak:
+                    stats[ALL].inactive_split_peak = c + stats[3 - kind].inactive_split
             elif net_blocks < 0:
-                sp[_IS] += net_blocks
-                sp[_ISF] -= net_blocks
+                sp.inactive_split += net_blocks
+                sp.inactive_split_freed -= net_blocks
             if net_bytes > 0:
-                c = sp[_ISB] + net_bytes
-                sp[_ISB] = c
-                if c > sp[_ISBP]:
-                    sp[_ISBP] = c
-                if c + stats[3 - kind][_ISB] > stats[ALL][_ISBP]:
-                    stats[ALL][_ISBP] = c + stats[3 - kind][_ISB]
+                c = sp.inactive_split_bytes + net_bytes
+                sp.inactive_split_bytes = c
+                if c > sp.inactive_split_bytes_peak:
+                    sp.inactive_split_bytes_peak = c
+                if c + stats[3 - kind].inactive_split_bytes > stats[ALL].inactive_split_bytes_peak:
+                    stats[ALL].inactive_split_bytes_peak = c + stats[3 - kind].inactive_split_bytes
             elif net_bytes < 0:
-                sp[_ISB] += net_bytes
-                sp[_ISBF] -= net_bytes
-        sp[_ACT] -= 1
-        sp[_ACTF] += 1
-        sp[_XB] -= original_size
-        sp[_XBF] += original_size
-        sp[_RQ] -= requested
-        sp[_RQF] += requested
+                sp.inactive_split_bytes += net_bytes
+                sp.inactive_split_bytes_freed -= net_bytes
+        sp.active -= 1
+        sp.active_freed += 1
+        sp.active_bytes -= original_size
+        sp.active_bytes_freed += original_size
+        sp.requested_bytes -= requested
+        sp.requested_bytes_freed += requested
         if allocated_size:
             # free: allocation and allocated_bytes drop at request time (§5.1 step 3).
-            sp[_A] -= 1
-            sp[_AF] += 1
-            sp[_AB] -= allocated_size
-            sp[_ABF] += allocated_size
+            sp.allocation -= 1
+            sp.allocation_freed += 1
+            sp.allocated_bytes -= allocated_size
+            sp.allocated_bytes_freed += allocated_size
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """recordStream: the block was used on ``stream``; its free will wait for it (DeviceCachingAllocator::recordStream).
@@ -538,6 +538,18 @@ class CachingAllocator(StatsApi):
         Block ``state`` is ``active_allocated``, ``active_pending_free`` or ``inactive``.
         """
         return snapshot(self._held_blocks(), self.device)
+
+    def close(self) -> None:
+        """Free the simulated state now: every block and segment goes at once, without waiting
+        for a garbage collection (``state.unlink_all``). The allocator is not used after (a
+        replay closes its allocator once its record is built)."""
+        pools = [self._small, self._large]
+        for private in self._private.pools.values():
+            pools += (private.small, private.large)
+        unlink_all(pools, self._active)
+        self._events.forget()
+        self._device.segments.clear()
+        self._expandable.segments.clear()
 
     def seed_segment(
         self,

@@ -56,6 +56,10 @@ class PendingFrees:
         self._free_block = free_block
         self._stats = stats
 
+    def forget(self) -> None:
+        """Drop every queue (the allocator's ``close``: nothing completes after it)."""
+        self._queues.clear()
+
     def record_stream(self, ptr: int, stream: int) -> None:
         """recordStream: the block was used on ``stream``; its free will wait for it (§5.1).
 

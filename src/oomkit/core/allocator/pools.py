@@ -6,9 +6,12 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 same order in a shape that makes the best-fit lookup cheap in Python:
 
 * per stream, a plain sorted ``list`` of the distinct free sizes (``bisect`` runs in C), and
-* per (stream, size), a bucket: a list of ``(tie, block)`` sorted by ``tie``, where ``tie`` is
-  the address, or ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the
-  integer orders exactly like the pair).
+* per (stream, size), a bucket, at the size's index in a list beside the sizes (one bisection
+  finds both; no dict): a list of blocks sorted by ``block.tie``, the address, or
+  ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
+  exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
+  while it is not there): no entry objects, and a compiled build compares native integers
+  (issue 41).
 
 Walking streams in order, sizes in order and buckets in order gives PyTorch's set order;
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
@@ -39,20 +42,31 @@ class StreamFreeBlocks:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        self.buckets: dict[int, list[tuple[int, Block]]] = {}
+        # buckets[i]: the blocks of size sizes[i], in tie order.
+        self.buckets: list[list[Block]] = []
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
-        sizes = self.sizes
         buckets = self.buckets
-        for i in range(bisect_left(sizes, size), len(sizes)):
-            for entry in buckets[sizes[i]]:
-                yield entry[1]
+        for i in range(bisect_left(self.sizes, size), len(buckets)):
+            yield from buckets[i]
 
     def ordered(self) -> list[Block]:
         """All blocks in set order."""
-        buckets = self.buckets
-        return [entry[1] for s in self.sizes for entry in buckets[s]]
+        return [block for bucket in self.buckets for block in bucket]
+
+
+def _tie_index(bucket: list[Block], tie: int) -> int:
+    """bisect_left of ``tie`` among the bucket's ties (they are distinct)."""
+    lo = 0
+    hi = len(bucket)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bucket[mid].tie < tie:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class BlockPool:
@@ -85,18 +99,20 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """BlockPool::insert_into_blocks: add a free block and reset its GC base (§7)."""
         block.gc_count_base = self.gc_clock
-        entry = ((block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr, block)
-        block.key = entry
+        tie = (block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr
+        block.tie = tie
         sf = self.streams.get(block.stream)
         if sf is None:
             sf = self.streams[block.stream] = StreamFreeBlocks()
         size = block.size
-        bucket = sf.buckets.get(size)
-        if bucket is None:
-            sf.buckets[size] = [entry]
-            insort(sf.sizes, size)
+        sizes = sf.sizes
+        i = bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:
+            bucket = sf.buckets[i]
+            bucket.insert(_tie_index(bucket, tie), block)
         else:
-            bucket.insert(bisect_left(bucket, (entry[0],)), entry)
+            sizes.insert(i, size)
+            sf.buckets.insert(i, [block])
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -141,22 +157,26 @@ class BlockPool:
         block.size += src.size
         return 1
 
-    def remove(self, block: Block) -> None:
-        """Take a free block out of the set (its size must be the one it was inserted with)."""
-        entry = block.key
-        assert entry is not None, "removing a block that is not in the free set"
-        block.key = None
+    def remove(self, block: Block, index: int = -1) -> None:
+        """Take a free block out of the set (its size must be the one it was inserted with).
+
+        ``index``: the block's size index in its stream's ``sizes`` when the caller has just
+        found it there (the best fit), else -1.
+        """
+        tie = block.tie
+        assert tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
-        size = block.size
-        bucket = sf.buckets[size]
+        sizes = sf.sizes
+        i = index if index >= 0 else bisect_left(sizes, block.size)
+        bucket = sf.buckets[i]
         if len(bucket) == 1:
-            del sf.buckets[size]
-            sizes = sf.sizes
-            del sizes[bisect_left(sizes, size)]
+            del sizes[i]
+            del sf.buckets[i]
             if not sizes:
                 del self.streams[block.stream]
         else:
-            del bucket[bisect_left(bucket, (entry[0],))]
+            del bucket[_tie_index(bucket, tie)]
+        block.tie = -1
         self.count -= 1
 
     def ordered(self) -> list[Block]:

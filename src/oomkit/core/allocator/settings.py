@@ -23,6 +23,9 @@ class AllocatorSettings:
 
     Attributes:
         max_split: ``max_split_size`` in bytes; SIZE_MAX when unlimited.
+        split_limited: ``max_split_size`` is set (``max_split`` < SIZE_MAX). The hot paths test
+            this first: SIZE_MAX is past a native integer of a compiled build, so comparing a
+            size with it is a big-integer comparison (issue 41).
         large_segment_size: the large-pool segment size and expandable page size (bytes).
         non_split_rounding: the slack an oversize request may take (bytes, §6).
         divisions: roundup_power2_divisions, or None when no bracket divides.
@@ -36,6 +39,7 @@ class AllocatorSettings:
         "rules",
         "capacity_bytes",
         "max_split",
+        "split_limited",
         "large_segment_size",
         "non_split_rounding",
         "divisions",
@@ -64,6 +68,7 @@ class AllocatorSettings:
         self.max_split = (
             SIZE_MAX if cfg.max_split_size_bytes is None else int(cfg.max_split_size_bytes)
         )
+        self.split_limited = self.max_split != SIZE_MAX
         self.large_segment_size = (
             int(cfg.large_segment_size_bytes)
             if rules.configurable_large_segment_size

@@ -1,8 +1,12 @@
 """The statistics of ``torch.cuda.memory_stats()`` (ref §10, c10/core/CachingDeviceAllocator.h).
 
 Each ``Stat`` has ``current``, ``peak``, ``allocated`` (sum of increases) and ``freed`` (sum of
-decreases). The simulator keeps one flat ``list[int]`` per stat type (``all``, ``small_pool``,
-``large_pool``) so the hot path updates plain list slots. ``allocated`` is not stored but
+decreases). The simulator keeps one :class:`StatSlots` per stat type (``all``, ``small_pool``,
+``large_pool``): every field a native integer in a compiled build, so malloc and free update
+them without making an int object per update (issue 41: boxed ints in stat lists cost about a
+fifth of a compiled verify); the slot constants below index the same fields
+(``slots[ALLOCATED_BYTES + PEAK]`` is ``slots.allocated_bytes_peak``) for the paths that are
+not hot. ``allocated`` is not stored but
 derived as ``current - origin + freed``, where ``origin`` is ``current`` at the last
 ``reset_accumulated_memory_stats``. Increases move the peak at once (``increase_stat``), as
 PyTorch does, so peaks match exactly. The two oversize stats are single ``Stat``s and live in
@@ -16,7 +20,7 @@ not. The ``all`` list therefore keeps only the peaks of the array stats (their o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, final
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.versions import TorchBehaviour
@@ -45,6 +49,7 @@ __all__ = [
     "ALL",
     "SMALL_POOL",
     "LARGE_POOL",
+    "StatSlots",
     "new_stat_lists",
     "build_memory_stats",
     "reset_peaks",
@@ -140,12 +145,91 @@ def _stat_keys() -> tuple[str, ...]:
 STAT_KEYS = _stat_keys()
 
 
-def new_stat_lists() -> list[list[int]]:
-    """Zeroed stats: one list per stat type."""
-    return [[0] * TYPE_SLOTS for _ in STAT_TYPES]
+_FIELD_SUFFIXES = ("", "_peak", "_freed", "_origin")  # CUR, PEAK, FREED, ORIGIN
+# Slot i's field name: the array stats, then the two oversize stats.
+SLOT_NAMES: Final = tuple(
+    name + suffix
+    for name in (*ARRAY_STATS, "oversize_allocations", "oversize_segments")
+    for suffix in _FIELD_SUFFIXES
+)
 
 
-def _put(out: dict[str, int], prefix: str, slots: list[int], i: int) -> None:
+@final
+class StatSlots:
+    """One stat type's stats: ``TYPE_SLOTS`` integers, as named fields and by slot index.
+
+    malloc and free read and write the fields by name (native integers in a compiled build);
+    ``slots[i]`` reads and writes the same field by its slot constant (``SLOT_NAMES[i]``).
+    """
+
+    __slots__ = SLOT_NAMES
+
+    allocation: int
+    allocation_peak: int
+    allocation_freed: int
+    allocation_origin: int
+    segment: int
+    segment_peak: int
+    segment_freed: int
+    segment_origin: int
+    active: int
+    active_peak: int
+    active_freed: int
+    active_origin: int
+    inactive_split: int
+    inactive_split_peak: int
+    inactive_split_freed: int
+    inactive_split_origin: int
+    allocated_bytes: int
+    allocated_bytes_peak: int
+    allocated_bytes_freed: int
+    allocated_bytes_origin: int
+    reserved_bytes: int
+    reserved_bytes_peak: int
+    reserved_bytes_freed: int
+    reserved_bytes_origin: int
+    active_bytes: int
+    active_bytes_peak: int
+    active_bytes_freed: int
+    active_bytes_origin: int
+    inactive_split_bytes: int
+    inactive_split_bytes_peak: int
+    inactive_split_bytes_freed: int
+    inactive_split_bytes_origin: int
+    requested_bytes: int
+    requested_bytes_peak: int
+    requested_bytes_freed: int
+    requested_bytes_origin: int
+    oversize_allocations: int
+    oversize_allocations_peak: int
+    oversize_allocations_freed: int
+    oversize_allocations_origin: int
+    oversize_segments: int
+    oversize_segments_peak: int
+    oversize_segments_freed: int
+    oversize_segments_origin: int
+
+    def __init__(self) -> None:
+        for name in SLOT_NAMES:
+            setattr(self, name, 0)
+
+    def __getitem__(self, i: int) -> int:
+        value: int = getattr(self, SLOT_NAMES[i])
+        return value
+
+    def __setitem__(self, i: int, value: int) -> None:
+        setattr(self, SLOT_NAMES[i], value)
+
+    def __len__(self) -> int:
+        return TYPE_SLOTS
+
+
+def new_stat_lists() -> list[StatSlots]:
+    """Zeroed stats: one :class:`StatSlots` per stat type."""
+    return [StatSlots() for _ in STAT_TYPES]
+
+
+def _put(out: dict[str, int], prefix: str, slots: StatSlots | list[int], i: int) -> None:
     cur = slots[i + CUR]
     freed = slots[i + FREED]
     out[prefix + "current"] = cur
@@ -154,29 +238,30 @@ def _put(out: dict[str, int], prefix: str, slots: list[int], i: int) -> None:
     out[prefix + "freed"] = freed
 
 
-def _aggregate(stats: list[list[int]]) -> list[int]:
+def _aggregate(stats: list[StatSlots]) -> list[int]:
     """The ``all`` stat type in full: small + large, with ``all``'s own peaks and oversize stats."""
-    out = [s + large for s, large in zip(stats[SMALL_POOL], stats[LARGE_POOL], strict=True)]
-    own = stats[ALL]
+    small, large, own = stats[SMALL_POOL], stats[LARGE_POOL], stats[ALL]
+    out = [small[i] + large[i] for i in range(TYPE_SLOTS)]
     for i in range(PEAK, OVERSIZE_ALLOCATIONS, 4):
         out[i] = own[i]
-    out[OVERSIZE_ALLOCATIONS:] = own[OVERSIZE_ALLOCATIONS:]
+    for i in range(OVERSIZE_ALLOCATIONS, TYPE_SLOTS):
+        out[i] = own[i]
     return out
 
 
 def build_memory_stats(
-    stats: list[list[int]], counters: dict[str, int], max_split_size: int
+    stats: list[StatSlots], counters: dict[str, int], max_split_size: int
 ) -> dict[str, int]:
     """The flat ``torch.cuda.memory_stats()`` dict (THCPModule_memoryStats + memory.py).
 
     Args:
-        stats: the per-type stat lists (``all`` holding its peaks only, see above).
+        stats: the per-type stats (``all`` holding its peaks only, see above).
         counters: the values of COUNTERS.
         max_split_size: ``stats.max_split_size`` (-1 when unlimited).
     """
     out: dict[str, int] = dict(counters)
     out["max_split_size"] = max_split_size
-    full = [_aggregate(stats), stats[SMALL_POOL], stats[LARGE_POOL]]
+    full: list[StatSlots | list[int]] = [_aggregate(stats), stats[SMALL_POOL], stats[LARGE_POOL]]
     for s, name in enumerate(ARRAY_STATS):
         for t, tname in enumerate(STAT_TYPES):
             _put(out, f"{name}.{tname}.", full[t], s * 4)
@@ -185,7 +270,7 @@ def build_memory_stats(
     return {k: out[k] for k in STAT_KEYS}
 
 
-def reset_peaks(stats: list[list[int]]) -> None:
+def reset_peaks(stats: list[StatSlots]) -> None:
     """resetPeakStats: ``peak = current`` for every array stat and both oversize stats."""
     aggregate = _aggregate(stats)
     for slots in stats[SMALL_POOL], stats[LARGE_POOL]:
@@ -196,7 +281,7 @@ def reset_peaks(stats: list[list[int]]) -> None:
         own[i + PEAK] = aggregate[i + CUR]
 
 
-def reset_accumulated(stats: list[list[int]]) -> None:
+def reset_accumulated(stats: list[StatSlots]) -> None:
     """resetAccumulatedStats: ``allocated`` and ``freed`` become 0 for every stat (``all``'s
     array stats follow from the pools')."""
     for slots in stats:
@@ -206,9 +291,10 @@ def reset_accumulated(stats: list[list[int]]) -> None:
 
 
 class AllocatorStats:
-    """``DeviceStats``: the per-type stat lists and the scalar counters (§10).
+    """``DeviceStats``: the per-type stats and the scalar counters (§10).
 
-    ``lists`` is never replaced, so hot paths may bind it (or one of its lists) to a local.
+    ``lists`` (one :class:`StatSlots` per stat type) is never replaced, so hot paths may bind it
+    (or one of its members) to a local.
     """
 
     __slots__ = (
@@ -235,35 +321,39 @@ class AllocatorStats:
         """increase_stat on the pool kind (current and peak) and on ``all`` (its peak)."""
         lists = self.lists
         s = lists[kind]
-        c = s[i] + amount
-        s[i] = c
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        name = SLOT_NAMES[i]
+        peak = SLOT_NAMES[i + PEAK]
+        c: int = getattr(s, name) + amount
+        setattr(s, name, c)
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
         # all's current is the two pools' sum (SMALL_POOL + LARGE_POOL - kind: the other one).
-        c += lists[3 - kind][i]
+        c += getattr(lists[3 - kind], name)
         s = lists[ALL]
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
 
     def down(self, kind: int, i: int, amount: int) -> None:
         """decrease_stat on the pool kind (``all`` is the pools' sum)."""
         s = self.lists[kind]
-        s[i] -= amount
-        s[i + FREED] += amount
+        name = SLOT_NAMES[i]
+        freed = SLOT_NAMES[i + FREED]
+        setattr(s, name, getattr(s, name) - amount)
+        setattr(s, freed, getattr(s, freed) + amount)
 
     def up_all(self, i: int, amount: int) -> None:
         """increase_stat on a single Stat (the oversize stats)."""
         s = self.lists[ALL]
-        c = s[i] + amount
-        s[i] = c
-        if c > s[i + PEAK]:
-            s[i + PEAK] = c
+        name = SLOT_NAMES[i]
+        peak = SLOT_NAMES[i + PEAK]
+        c: int = getattr(s, name) + amount
+        setattr(s, name, c)
+        if c > getattr(s, peak):
+            setattr(s, peak, c)
 
     def down_all(self, i: int, amount: int) -> None:
         """decrease_stat on a single Stat (the oversize stats)."""
-        s = self.lists[ALL]
-        s[i] -= amount
-        s[i + FREED] += amount
+        self.down(ALL, i, amount)
 
     def current(self, i: int) -> int:
         """``<stat>.all.current`` of the stat at slot ``i``."""
@@ -350,8 +440,8 @@ class StatsApi:
         """``reserved_bytes.all.current``."""
         return self._stats.current(RESERVED_BYTES)
 
-    def pool_stat_lists(self) -> tuple[list[int], list[int]]:
-        """The small and the large pool's stat lists, live: read them, never write them.
+    def pool_stat_lists(self) -> tuple[StatSlots, StatSlots]:
+        """The small and the large pool's stats, live: read them (by slot), never write them.
 
         For a stat both pools keep (``ALLOCATED_BYTES``, ``RESERVED_BYTES``, ... below
         ``OVERSIZE_ALLOCATIONS``), ``small[i + CUR] + large[i + CUR]`` is always

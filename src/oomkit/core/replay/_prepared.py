@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import AllocatorConfig, round_size
+from oomkit.core.replay._compare import SegmentKey, seed_segment_keys
 from oomkit.core.replay._recorded import (
     config_from_settings,
     default_pool_events,
     final_segments_for,
     recorded_torch_version,
 )
+from oomkit.core.replay.columns import TraceColumns, trace_columns
 from oomkit.core.replay.engine import SEGMENT_ACTIONS
 from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
@@ -52,6 +54,8 @@ class Prepared:
     marks: tuple[int, ...]
     recorded: tuple[tuple[int, SegmentEvent], ...]
     allocs: int  # alloc entries in ``events``
+    columns: TraceColumns  # ``events`` as the replay loop reads them
+    final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -129,4 +133,6 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         marks=marks,
         recorded=recorded,
         allocs=walk.allocs,
+        columns=trace_columns(events),
+        final_keys=seed_segment_keys(final),
     )

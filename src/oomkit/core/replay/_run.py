@@ -14,12 +14,14 @@ from operator import attrgetter
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay._compare import (
+    SegmentKey,
     first_divergence,
     first_segment_difference,
     seed_segment_keys,
     seed_segments_as_dicts,
     simulated_segment_keys,
 )
+from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, ReplayEngine, ReplayHooks
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import Divergence, ReplayResult, SegmentEvent
@@ -50,8 +52,13 @@ class Run(ReplayHooks):
         groups: dict[int, int] | None = None,
         allocs: int | None = None,
         reserved_outside_bytes: int = 0,
+        columns: TraceColumns | None = None,
+        final_keys: tuple[Sequence[SeedSegment], list[SegmentKey]] | None = None,
     ) -> None:
         self.events = events
+        self.columns = columns  # trace_columns(events), kept by the caller
+        # (final, seed_segment_keys(final)), kept by the caller (final_matches).
+        self.final_keys = final_keys
         self.allocs = allocs  # alloc entries in events, when the caller counted them
         # Ambiguous points (release runs and completion groups, by first trace index) replayed
         # with their other reading (_verify_run).
@@ -130,7 +137,7 @@ class Run(ReplayHooks):
 
     def _seed(self) -> None:
         a = self.allocator
-        live, pending = self.engine.live, self.engine.pending
+        engine = self.engine
         seeded = []
         for seg in self.start.segments:
             try:
@@ -152,16 +159,16 @@ class Run(ReplayHooks):
         for seg in seeded:
             for b in seg.blocks:
                 if b.state == "active_allocated":
-                    live[b.address] = b.address
+                    engine.hold(b.address, b.address)
                 elif b.state == "active_pending_free":
                     # Seeded allocated, then freed with its completion deferred (§15.8).
                     a.free(b.address, deferred=True)
-                    pending[b.address] = b.address
+                    engine.hold(b.address, b.address, pending=True)
 
     # -- the replay: engine hooks -----------------------------------------------------------
 
     def replay(self) -> None:
-        self.engine.run(self.events)
+        self.engine.run(self.events, self.columns)
 
     def uses(self, name: str) -> bool:
         # The engine keeps log_index and checks addresses itself; the per-alloc and per-free
@@ -289,9 +296,21 @@ class Run(ReplayHooks):
         is kept: normalising thousands of segments twice per run cost more than the replay.
         """
         if self._final_matches is None or self._final_matches[0] is not final:
-            matches = simulated_segment_keys(self.final_snapshot()) == seed_segment_keys(final)
+            known = self.final_keys
+            expected = (
+                known[1] if known is not None and known[0] is final else seed_segment_keys(final)
+            )
+            matches = simulated_segment_keys(self.final_snapshot()) == expected
             self._final_matches = (final, matches)
         return self._final_matches[1]
+
+    def close(self) -> None:
+        """Free the allocator's state and the final snapshot now: once the record is built, or
+        when this run is not the one kept. (A run is a reference cycle, its engine's hooks, so
+        what it holds would otherwise wait for a garbage collection, walked by it.)"""
+        self.allocator.close()
+        self._snapshot = None
+        self._final_matches = None
 
     def final_snapshot(self) -> list[dict]:
         """``allocator.snapshot()`` once the replay has ended, computed once."""

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.replay.columns import (
+    ALLOC,
+    CHECKED_ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    TraceColumns,
+    trace_columns,
+)
+from oomkit.core.replay.hooks import ReplayHooks, overridden
 from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import OomkitError, TraceFormatError
+from oomkit.errors import OomkitError
 
 __all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks", "gc_paused"]
 
@@ -25,76 +35,8 @@ __all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks"
 CREATE = ("segment_alloc", "segment_map")
 RELEASE = ("segment_free", "segment_unmap")
 SEGMENT_ACTIONS = CREATE + RELEASE
-
-
-class ReplayHooks:
-    """What a replay adds to :class:`ReplayEngine`'s loop; override what you need.
-
-    The defaults replay a request-only trace strictly: an id that is not live, or an alloc of a
-    live id, raises ``TraceFormatError``; segment and ``oom`` entries are decisions, not
-    requests, and are skipped; an out-of-memory stops the replay and is its outcome.
-    ``after_alloc``, ``after_event`` and ``completes_later`` are called only when
-    :meth:`uses` says so (by default: when a subclass overrides them), so a replay without them
-    pays nothing per event.
-    """
-
-    def uses(self, name: str) -> bool:
-        """Whether the engine must call the per-event hook ``name`` (``after_alloc``,
-        ``after_event`` or ``completes_later``); default: when a subclass overrides it."""
-        return getattr(type(self), name) is not getattr(ReplayHooks, name)
-
-    def misplaced(self, index: int, event: TraceEvent, ptr: int) -> None:
-        """With ``check_addresses``: the alloc at ``index`` was served at ``ptr``, not at the
-        recorded ``event.address``."""
-
-    def after_alloc(self, index: int, event: TraceEvent, ptr: int) -> None:
-        """An ``alloc`` at trace ``index`` was served at simulated pointer ``ptr``."""
-
-    def after_event(self, index: int, event: TraceEvent) -> None:
-        """Event ``index`` was fed (not called for the event that stopped the replay)."""
-
-    def unknown_id(self, index: int, event: TraceEvent) -> None:
-        """A free of an id that is not live. Return to skip the event."""
-        raise TraceFormatError(
-            f"event {index}: {event.action} of id {event.address:#x}, which is not live. "
-            "Check that the trace holds the matching alloc."
-        )
-
-    def duplicate_alloc(self, index: int, event: TraceEvent) -> None:
-        """An alloc of an id that is still live or awaiting its ``free_completed``.
-
-        Return to serve it anyway (the id then names the new block).
-        """
-        raise TraceFormatError(
-            f"event {index}: id {event.address:#x} is allocated twice without a free; "
-            "each alloc needs a distinct id while it is live."
-        )
-
-    def completes_later(self, index: int) -> bool:
-        """Deferred-free replays only: whether the ``free_completed`` at ``index`` is left to the
-        next request's Step 9 synchronize (§4.2) instead of completing here."""
-        return False
-
-    def segment_release(self, index: int, event: TraceEvent) -> None:
-        """A recorded ``segment_free`` / ``segment_unmap`` (§15.3); skipped by default."""
-
-    def oom_event(self, index: int, event: TraceEvent) -> None:
-        """A recorded ``oom`` entry (§15.11); skipped by default."""
-
-    def out_of_memory(
-        self, index: int, event: TraceEvent, error: SimulatedOutOfMemoryError
-    ) -> bool:
-        """The simulator could not serve event ``index``; the replay stops there.
-
-        Returns:
-            True when this is the replay's outcome (``ReplayEngine.oom_index`` is set).
-        """
-        return True
-
-    def failed(self, index: int, event: TraceEvent, error: OomkitError) -> None:
-        """Event ``index`` raised another oomkit error; re-raised unless overridden (then the
-        replay stops there)."""
-        raise error
+# A trace given as an iterator is read this many events at a time.
+_CHUNK_EVENTS = 65_536
 
 
 @contextlib.contextmanager
@@ -117,16 +59,8 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _overridden(hooks: ReplayHooks, name: str) -> Callable[..., Any] | None:
-    """The hook's bound method, or None when the hooks do not use it (bound once, not per event)."""
-    if not hooks.uses(name):
-        return None
-    method: Callable[..., Any] = getattr(hooks, name)
-    return method
-
-
 class ReplayEngine:
-    """Feeds trace events to one allocator; ``live`` / ``pending`` map trace ids to pointers.
+    """Feeds trace events to one allocator; trace ids resolve to simulated pointers.
 
     Two free semantics, by ``deferred_frees``:
 
@@ -136,6 +70,12 @@ class ReplayEngine:
       ``deferred=True`` (allocated drops now) and ``free_completed`` makes the block reusable;
       a request directly followed by its own completion is one plain free. Needs a sequence
       of events (it looks one event ahead).
+
+    The loop reads the trace as integer columns (``columns.py``): an id is a slot, and a slot's
+    simulated pointer is ``live_ptrs[slot]`` while it is live and ``pending_ptrs[slot]`` while
+    its free waits for ``free_completed`` (-1: none). :meth:`hold` states what was live or
+    pending before the run (a replay's seeded state); ``live`` and ``pending`` read them back
+    by trace id.
 
     Two per-event duties are done in the loop itself rather than through a hook call (a replay
     runs them millions of times): with ``check_addresses`` an alloc served elsewhere than its
@@ -156,112 +96,200 @@ class ReplayEngine:
         log_index: list[int] | None = None,
     ) -> None:
         self.allocator = allocator
-        self.hooks = hooks if hooks is not None else ReplayHooks()
+        self.hooks: ReplayHooks = hooks if hooks is not None else ReplayHooks()
         self.deferred_frees = deferred_frees
         self.check_addresses = check_addresses
         self.log_index = log_index
         self.current = 0
-        self.live: dict[int, int] = {}  # trace id -> simulated pointer, live blocks
-        self.pending: dict[int, int] = {}  # freed, waiting for free_completed
+        # Trace id -> simulated pointer, live or pending before the run (hold()).
+        self._held_live: dict[Any, int] = {}
+        self._held_pending: dict[Any, int] = {}
+        self._slot_of: dict[Any, int] = {}  # trace id -> slot, of the trace run
+        self.live_ptrs: list[int] = []  # slot -> pointer while live, else -1
+        self.pending_ptrs: list[int] = []  # slot -> pointer while its free is pending, else -1
         self.replayed = 0  # events fed, the one that stopped the replay included
         self.oom_index: int | None = None
         self.oom_error: SimulatedOutOfMemoryError | None = None
 
-    def run(self, events: Iterable[TraceEvent]) -> None:
+    def run(self, events: Iterable[TraceEvent], columns: TraceColumns | None = None) -> None:
         """Feed ``events`` in order (consumed once) until they end or one stops the replay.
+
+        Args:
+            events: the trace; a sequence, or any iterable (read in chunks) unless
+                ``deferred_frees`` (which looks one event ahead).
+            columns: ``trace_columns(events)`` when the caller keeps them (a snapshot replayed
+                many times); else built here.
 
         Python's cyclic garbage collector is paused meanwhile (:func:`gc_paused`).
         """
         with gc_paused():
-            self._feed(events)
+            if columns is not None and isinstance(events, Sequence):
+                self._feed_all(events, columns)
+            elif isinstance(events, Sequence) or self.deferred_frees:
+                seq = events if isinstance(events, Sequence) else tuple(events)
+                self._feed_all(seq, trace_columns(seq))
+            else:
+                self._feed_chunks(iter(events))
 
-    def _feed(self, events: Iterable[TraceEvent]) -> None:
-        """:meth:`run`'s loop."""
+    def hold(self, trace_id: int, ptr: int, *, pending: bool = False) -> None:
+        """Before :meth:`run`: ``trace_id`` is live at ``ptr`` (``pending``: freed, waiting for
+        its ``free_completed``), as a replay's seeded state is."""
+        (self._held_pending if pending else self._held_live)[trace_id] = ptr
+
+    @property
+    def live(self) -> dict[Any, int]:
+        """Trace id -> simulated pointer of every live id (a new dict)."""
+        return self._by_id(self._held_live, self.live_ptrs)
+
+    @property
+    def pending(self) -> dict[Any, int]:
+        """Trace id -> simulated pointer of every id whose free waits for its completion."""
+        return self._by_id(self._held_pending, self.pending_ptrs)
+
+    def _by_id(self, held: dict[Any, int], ptrs: list[int]) -> dict[Any, int]:
+        out = dict(held)
+        for key, slot in self._slot_of.items():
+            if ptrs[slot] >= 0:
+                out[key] = ptrs[slot]
+        return out
+
+    def _feed_all(self, events: Sequence[TraceEvent], columns: TraceColumns) -> None:
+        """Feed a whole trace given with its columns."""
+        self._hold(columns.slot_of)
+        self._feed(events, columns, 0)
+
+    def _feed_chunks(self, events: Iterator[TraceEvent]) -> None:
+        """Feed an iterable in chunks (memory stays bounded by a chunk's columns)."""
+        slot_of: dict[Any, int] = {}
+        base = 0
+        held = False
+        while True:
+            chunk = tuple(islice(events, _CHUNK_EVENTS))
+            columns = trace_columns(chunk, slot_of)
+            if not held:
+                # Ids the seeded state holds get their slots before the trace names them.
+                for key in (*self._held_live, *self._held_pending):
+                    slot_of.setdefault(key, len(slot_of))
+                self._hold(slot_of)
+                held = True
+            if not self._feed(chunk, columns, base) or len(chunk) < _CHUNK_EVENTS:
+                return
+            base += len(chunk)
+
+    def _hold(self, slot_of: dict[Any, int]) -> None:
+        """Size the slot lists for ``slot_of`` and move the held ids into them (an id the
+        trace never names cannot be freed by it: it stays held)."""
+        self._slot_of = slot_of
+        self._grow(len(slot_of))
+        for held, ptrs in (
+            (self._held_live, self.live_ptrs),
+            (self._held_pending, self.pending_ptrs),
+        ):
+            for key in [key for key in held if key in slot_of]:
+                ptrs[slot_of[key]] = held.pop(key)
+
+    def _feed(self, events: Sequence[TraceEvent], columns: TraceColumns, base: int) -> bool:
+        """:meth:`run`'s loop over ``events`` (trace indices from ``base``); False when an
+        event stopped the replay."""
         hooks = self.hooks
-        after_alloc = _overridden(hooks, "after_alloc")
-        after_event = _overridden(hooks, "after_event")
-        completes_later = _overridden(hooks, "completes_later")
+        after_alloc = overridden(hooks, "after_alloc")
+        after_event = overridden(hooks, "after_event")
+        completes_later = overridden(hooks, "completes_later")
         check = self.check_addresses
         log_index = self.log_index
         allocator = self.allocator
         segment_log = allocator.segment_log
         logged = len(segment_log)
-        malloc, free, complete_free = allocator.malloc, allocator.free, allocator.complete_free
-        live, pending = self.live, self.pending
+        self._grow(len(columns.slot_of))
+        live = self.live_ptrs
+        pending = self.pending_ptrs
         deferred = self.deferred_frees
-        if deferred and not isinstance(events, Sequence):
-            events = tuple(events)
-        seq: Sequence[TraceEvent] = events if isinstance(events, Sequence) else ()
-        n = len(seq)
-        numbered = enumerate(events)
-        index = -1
-        event: Any = None
-        ptr: int | None
+        actions = columns.actions
+        slots = columns.slots
+        addresses = columns.addresses
+        sizes = columns.sizes
+        streams = columns.streams
+        n = len(actions)
+        index = base - 1
+        i = 0
+        k = 0  # allocs fed: their index in sizes, streams and addresses
+        completed = False  # the event is the completion of the free just done
         try:
-            for index, event in numbered:
-                action = event.action
-                if action == "alloc":
+            for i in range(n):
+                index = base + i
+                action = actions[i]
+                if completed:
+                    # It changes nothing: its request freed the block (see below).
+                    completed = False
+                elif action == ALLOC or action == CHECKED_ALLOC:
                     self.current = index
-                    address = event.address
-                    if address in live or address in pending:
-                        hooks.duplicate_alloc(index, event)
-                    ptr = malloc(event.size, event.stream)
-                    live[address] = ptr
-                    if check and ptr != address:
-                        hooks.misplaced(index, event, ptr)
-                    if after_alloc is not None:
-                        after_alloc(index, event, ptr)
-                elif action == "free_requested":
-                    ptr = live.pop(event.address, None)
-                    if ptr is None:
-                        hooks.unknown_id(index, event)
-                    elif not deferred:
-                        pending[event.address] = ptr
-                    elif (
-                        index + 1 < n
-                        and (nxt := seq[index + 1]).action == "free_completed"
-                        and nxt.address == event.address
-                    ):
-                        # Its own completion comes next: one free, unless that completion is
-                        # left to the next request's Step 9 (then deferred, completed there).
-                        # (A free never logs a segment event: memory is only released by
-                        # malloc's Step 9 and empty_cache, so no log_index check here.)
-                        if completes_later is None:
-                            free(ptr)
-                        else:
-                            free(ptr, deferred=completes_later(index + 1))
-                        if after_event is None:
-                            # The completion changes nothing: the checks below are done.
-                            index, event = next(numbered)
-                            continue
-                        after_event(index, event)
-                        index, event = next(numbered)
+                    slot = slots[i]
+                    if live[slot] >= 0 or pending[slot] >= 0:
+                        hooks.duplicate_alloc(index, events[i])
+                    if action == ALLOC:
+                        ptr = allocator.serve(sizes[k], streams[k])
+                        misplaced = ptr != addresses[k]
                     else:
-                        free(ptr, deferred=True)
-                        pending[event.address] = ptr
-                elif action == "free_completed":
-                    ptr = pending.pop(event.address, None)
+                        # Its own values (Any: not read as ints), for malloc's checks to judge.
+                        unchecked: Any = events[i]
+                        ptr = allocator.malloc(unchecked.size, unchecked.stream)
+                        misplaced = ptr != unchecked.address
+                    k += 1
+                    live[slot] = ptr
+                    if check and misplaced:
+                        hooks.misplaced(index, events[i], ptr)
+                    if after_alloc is not None:
+                        after_alloc(index, events[i], ptr)
+                elif action == FREE_REQUESTED:
+                    slot = slots[i]
+                    ptr = live[slot]
+                    if ptr < 0:
+                        hooks.unknown_id(index, events[i])
+                    else:
+                        live[slot] = -1
+                        if not deferred:
+                            pending[slot] = ptr
+                        elif i + 1 < n and actions[i + 1] == FREE_COMPLETED and slots[i + 1] == slot:
+                            # Its own completion comes next: one free, unless that completion is
+                            # left to the next request's Step 9 (then deferred, completed there).
+                            # (A free never logs a segment event: memory is only released by
+                            # malloc's Step 9 and empty_cache, so no log_index check here.)
+                            if completes_later is None:
+                                allocator.free(ptr)
+                            else:
+                                allocator.free(ptr, deferred=completes_later(index + 1))
+                            completed = True
+                        else:
+                            allocator.free(ptr, deferred=True)
+                            pending[slot] = ptr
+                elif action == FREE_COMPLETED:
+                    slot = slots[i]
+                    ptr = pending[slot]
+                    pending[slot] = -1
                     if deferred:
-                        if ptr is None:
-                            hooks.unknown_id(index, event)
+                        if ptr < 0:
+                            hooks.unknown_id(index, events[i])
                         elif completes_later is None or not completes_later(index):
                             # §15.8: a deferred free completes here, not at its free_requested.
-                            complete_free(ptr)
+                            allocator.complete_free(ptr)
                     else:
-                        if ptr is None:
-                            ptr = live.pop(event.address, None)
-                        if ptr is None:
-                            hooks.unknown_id(index, event)
+                        if ptr < 0:
+                            ptr = live[slot]
+                            live[slot] = -1
+                        if ptr < 0:
+                            hooks.unknown_id(index, events[i])
                         else:
-                            free(ptr)
+                            allocator.free(ptr)
                 else:
                     self.current = index
-                    if action == "empty_cache":
+                    event = events[i]
+                    name: Any = event.action
+                    if name == "empty_cache":
                         # oomkit's own action (traces from its tracer); PyTorch never records it.
                         allocator.empty_cache()
-                    elif action in RELEASE:
+                    elif name in RELEASE:
                         hooks.segment_release(index, event)
-                    elif action == "oom":
+                    elif name == "oom":
                         hooks.oom_event(index, event)
                 # segment_alloc / segment_map happen inside malloc; "snapshot" carries no
                 # request (§15.9).
@@ -269,14 +297,30 @@ class ReplayEngine:
                     log_index.extend([index] * (len(segment_log) - logged))
                     logged = len(segment_log)
                 if after_event is not None:
-                    after_event(index, event)
+                    after_event(index, events[i])
         except SimulatedOutOfMemoryError as exc:
-            self._note_log(index, logged)
-            if hooks.out_of_memory(index, event, exc):
+            self._stopped(index, logged)
+            if hooks.out_of_memory(index, events[i], exc):
                 self.oom_index, self.oom_error = index, exc
+            return False
         except OomkitError as exc:
-            self._note_log(index, logged)
-            hooks.failed(index, event, exc)
+            self._stopped(index, logged)
+            hooks.failed(index, events[i], exc)
+            return False
+        self.replayed = index + 1
+        self.current = max(index, 0)
+        return True
+
+    def _grow(self, slots: int) -> None:
+        """Room in the slot lists for ``slots`` ids."""
+        grow = slots - len(self.live_ptrs)
+        if grow > 0:
+            self.live_ptrs.extend([-1] * grow)
+            self.pending_ptrs.extend([-1] * grow)
+
+    def _stopped(self, index: int, logged: int) -> None:
+        """Event ``index`` stopped the replay: the record of how far it went."""
+        self._note_log(index, logged)
         self.replayed = index + 1
         self.current = max(index, 0)
 

@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
+from oomkit.core.replay._compare import SegmentKey
 from oomkit.core.replay._prepared import MARKED, prepared
 from oomkit.core.replay._run import Run
+from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
@@ -145,6 +147,8 @@ def _replay_snapshot(
             final=final,
             marks=marks,
             allocs=inputs.allocs,
+            columns=inputs.columns,
+            final_keys=inputs.final_keys,
         )
     else:
         run = Run(
@@ -157,10 +161,13 @@ def _replay_snapshot(
             recorded=recorded,
             verify=False,
             allocs=inputs.allocs,
+            columns=inputs.columns,
         )
         run.replay()
     warnings.extend(run.warnings)
-    return run.result(final, recorded_peak, tuple(warnings), compare=verify)
+    result = run.result(final, recorded_peak, tuple(warnings), compare=verify)
+    run.close()
+    return result
 
 
 def _verify_run(
@@ -175,6 +182,8 @@ def _verify_run(
     reserved_outside_bytes: int = 0,
     marks: Sequence[int] | None = None,
     allocs: int | None = None,
+    columns: TraceColumns | None = None,
+    final_keys: list[SegmentKey] | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -204,6 +213,8 @@ def _verify_run(
             flipped=flipped,
             groups=groups,
             allocs=allocs,
+            columns=columns,
+            final_keys=(final, final_keys) if final_keys is not None else None,
         )
         run.replay()
         return run
@@ -223,8 +234,10 @@ def _verify_run(
             retry = replay(run.flipped ^ {candidate})
             retry_score = retry.score(final)
             if retry_score > score:
+                run.close()
                 run, score, improved = retry, retry_score, True
                 break
+            retry.close()
         if not improved:
             break
     run.readings_tried = replays
