@@ -5,8 +5,9 @@ setuptools copies the sources into the wheel's build folder, the allocator's hot
 are compiled with mypyc (``scripts/compile_allocator.py``'s ``compile_core``) into extensions
 beside their ``.py`` files, which Python imports in their place; the wheel is then tagged for
 this interpreter and platform (a build that compiled nothing is tagged ``py3-none-any``: the tag
-is decided after the compile, ``BdistWheelTagged``). ``pip install .`` therefore gives the compiled core (624k-779k
-events/s on real traces with verify, against 443k-542k pure: README "Performance").
+is decided after the compile, ``BdistWheelTagged``). ``pip install .`` therefore gives the compiled core (2.1M-2.3M
+events/s on the six largest real traces with verify, against 671k-708k pure, 2026-11-29:
+docs/benchmarks.md "Against a plain re-implementation").
 
 - ``OOMKIT_PURE_PYTHON=1`` builds a pure-Python wheel (no compiler needed).
 - Without a C compiler (or when mypyc fails) the build says so and falls back to the pure-Python
