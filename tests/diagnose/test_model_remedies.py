@@ -276,8 +276,11 @@ def test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits():
     assert tried[32].usable_bytes == 4 * GiB - target.context_overhead_bytes - 640 * MiB
 
 
-def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved):
+def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved, monkeypatch):
     """A saved prediction for a 7.5 GPU re-predicts fp16-mixed, not bf16 (which a T4 emulates)."""
+    # The FSDP search is not this test's subject (test_the_fsdp_remedy_is_the_smallest_mesh...):
+    # no mesh is tried, which saves its rank recordings.
+    monkeypatch.setattr("oomkit.diagnose.remedy_measurement.FSDP_SIZES", ())
     on_t4 = json.loads(json.dumps(saved))
     on_t4["gpu"]["compute_capability"] = [7, 5]
     remedies = _by_title(measured_model_remedies(on_t4)[0])
