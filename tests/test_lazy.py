@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -44,3 +45,49 @@ def test_matches_what_re_compile_matches(text):
         assert (got and got.span()) == (want and want.span())
     assert lazy.sub("<size>", text) == eager.sub("<size>", text)
     assert lazy.sub(lambda m: m.group(2), text, count=1) == eager.sub(lambda m: m.group(2), text, 1)
+
+
+def test_an_export_named_as_its_submodule_stays_the_export(tmp_path, monkeypatch):
+    """A lazily exported function whose module has its name (oomkit.runtime's ``resilient`` and
+    ``watch``): importing the submodule first must not leave ``from package import name``
+    giving the submodule (the import system binds the submodule on the package)."""
+    import importlib
+    import types
+
+    package = tmp_path / "lazypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from oomkit._lazy import lazy_exports\n"
+        "__getattr__, __dir__ = lazy_exports(globals(), {'tool': 'lazypkg.tool', "
+        "'helper': 'lazypkg.parts'})\n"
+    )
+    (package / "tool.py").write_text("def tool():\n    return 'the function'\n")
+    (package / "parts.py").write_text("def helper():\n    return 'helped'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("lazypkg", "lazypkg.tool", "lazypkg.parts"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    importlib.import_module("lazypkg.tool")  # the submodule first, as a user's import may
+    from lazypkg import helper, tool
+
+    assert tool() == "the function" and not isinstance(tool, types.ModuleType)
+    assert helper() == "helped"
+    assert sys.modules["lazypkg.tool"].tool is tool  # the submodule itself is still importable
+    pkg = sys.modules["lazypkg"]
+    pkg.other = 3  # other attributes are set as usual
+    assert pkg.other == 3
+
+
+def test_oomkit_runtime_resilient_is_the_function_after_its_module_is_imported():
+    """The regression itself: an integration imported oomkit.runtime.resilient's module first,
+    then ``from oomkit.runtime import resilient`` was the module ('module' object is not
+    callable)."""
+    import importlib
+    import types
+
+    importlib.import_module("oomkit.runtime.resilient")
+    importlib.import_module("oomkit.runtime.watch")
+    from oomkit.runtime import resilient, watch
+
+    assert callable(resilient) and not isinstance(resilient, types.ModuleType)
+    assert callable(watch) and not isinstance(watch, types.ModuleType)

@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from importlib import import_module
+from types import ModuleType
 from typing import Any
 
 __all__ = ["LazyPattern", "lazy_exports"]
@@ -30,6 +31,9 @@ def lazy_exports(
         table: exported name -> the module that defines it.
     """
     package = namespace["__name__"]
+    shadowed = frozenset(name for name, module in table.items() if module == f"{package}.{name}")
+    if shadowed:
+        _exports_over_submodules(package, shadowed)
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)
@@ -43,6 +47,27 @@ def lazy_exports(
         return sorted(set(namespace) | set(table))
 
     return __getattr__, __dir__
+
+
+def _exports_over_submodules(package: str, names: frozenset[str]) -> None:
+    """Keep an exported name bound to its object when a submodule of the same name is imported.
+
+    Importing ``package.name`` for the first time binds the package's attribute ``name`` to
+    that submodule (importlib._bootstrap ``_find_and_load_unlocked``: ``setattr(parent_module,
+    child, module)``, after the submodule ran). A package that imported its exports eagerly
+    rebound the name right after; a lazy one would keep the submodule, and ``from
+    oomkit.runtime import resilient`` would give the module ``resilient``, not the function,
+    once anything had imported ``oomkit.runtime.resilient``. The package's module object gets a
+    class whose ``__setattr__`` stores the submodule's export of that name instead.
+    """
+    module = sys.modules[package]
+
+    def __setattr__(self: ModuleType, name: str, value: Any) -> None:
+        if name in names and isinstance(value, ModuleType) and value.__name__ == f"{package}.{name}":
+            value = getattr(value, name)
+        ModuleType.__setattr__(self, name, value)
+
+    module.__class__ = type(f"{package}:module", (ModuleType,), {"__setattr__": __setattr__})
 
 
 class LazyPattern:
