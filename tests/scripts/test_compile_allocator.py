@@ -52,15 +52,19 @@ def test_public_methods_take_any_private_ones_keep_their_types(tmp_path):
 
 
 def test_the_compiled_modules_are_the_hot_path():
-    """The modules compiled are the ones every malloc and free runs, and every replay's seeding
-    and snapshot (state), and all exist."""
+    """The modules compiled are the ones every malloc and free runs, every replay's seeding
+    and snapshot (state), a new segment's cudaMalloc (device_memory) and the replay loop
+    (engine), and all exist."""
     script = _script()
     assert set(script.MODULES) == {
-        "block", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings",
-        "state",
+        *(f"core/allocator/{name}" for name in (
+            "block", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings",
+            "state", "device_memory",
+        )),
+        "core/replay/engine",
     }
     for name in script.MODULES:
-        assert (script.PACKAGE / f"{name}.py").is_file()
+        assert (script.SRC / "oomkit" / f"{name}.py").is_file()
 
 
 def test_seed_segment_and_its_check_take_any_in_the_copy(tmp_path):
