@@ -28,12 +28,14 @@ def _fit(layout, gpu, start, stop):
 
 
 @pytest.fixture(scope="module")
-def tp_fit():
+def tp_fit(tmp_path_factory):
     """``fit --tp 2`` on 67 MiB from 19 to 20 (the tiny Llama): the CLI answer that
     test_fit_tp_answer_is_predicts_boundary checks and test_api_searches_the_same_tp_batch
-    compares the Python API with, searched once."""
+    compares the Python API with, searched once (with a recording cache of its own, as
+    tests/conftest.py gives each test)."""
     with pytest.MonkeyPatch.context() as patch:
         use_tiny_llama(patch)
+        patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
         return _fit(["--tp", "2"], "67MiB", 19, 20)
 
 
