@@ -137,8 +137,9 @@ def test_the_recording_says_what_it_changed_and_leaves_out(recorded):
 
 
 def test_the_recorded_rank_is_the_one_asked_for():
-    """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank."""
-    recording, _ = record_torchtitan_job(_job(2, rank=1), target=Target.resolve("h100"))
+    """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank (one step:
+    the shard is made before it)."""
+    recording, _ = record_torchtitan_job(_job(2, rank=1), target=Target.resolve("h100"), steps=1)
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
     assert before["parameter"] == 12_327_424
     assert any("rank 1 of a fake process group" in warning for warning in recording.warnings)
