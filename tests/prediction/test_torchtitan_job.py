@@ -1,9 +1,12 @@
 """torchtitan's own code path: a job named as its launcher names it, recorded as its trainer runs it.
 
-The model is torchtitan 0.3.0's llama3 ``debugmodel`` (6,163,712 parameters: a 2048 x 256
-embedding and LM head, 6 blocks of a fused 768 x 256 qkv, a 256 x 256 output, a 768-wide
-SwiGLU and two 256 norms, and the final norm), trained in fp32 (``training.dtype``) with
-torchtitan's fused AdamW; every row count divides by 2, so no FSDP2 shard is padded.
+The recorded model is torchtitan 0.3.0's llama3 ``debugmodel`` cut to its first 2 blocks, a
+registry module of one's own (``oomkit_titan_two_blocks:debugmodel_two_blocks``, written by the
+``two_blocks`` fixture; the full 6 blocks only take three times as long to record): 2,753,792
+parameters, a 2048 x 256 embedding and LM head, 2 blocks of a fused 768 x 256 qkv, a 256 x 256
+output, a 768-wide SwiGLU and two 256 norms, and the final norm, trained in fp32
+(``training.dtype``) with torchtitan's fused AdamW; every row count divides by 2, so no FSDP2
+shard is padded. The Float8 job is the registry's own ``debugmodel_float8`` (6 blocks).
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ from oomkit.prediction.torchtitan_job import (  # noqa: E402
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_PARAMETERS = 6_163_712
-# The 13 RMSNorm weights of 256 (2 per block, the final norm): replicated over TP (torchtitan's
+# The debugmodel: 2 x 2048 x 256 (embedding, LM head) + 6 blocks of 852,480 + the 256 final norm.
+_DEBUGMODEL_PARAMETERS = 6_163_712
+# Its first 2 blocks: 2 x 2048 x 256 + 2 x 852,480 + 256.
+_PARAMETERS = 2_753_792
+# The 5 RMSNorm weights of 256 (2 per block, the final norm): replicated over TP (torchtitan's
 # sequence-parallel norms), sharded over FSDP like every other parameter.
-_NORM_PARAMETERS = 13 * 256
+_NORM_PARAMETERS = 5 * 256
 # torchtitan's fused AdamW (components/optimizer default_adamw, implementation "fused") keeps
-# exp_avg and exp_avg_sq per parameter shard, and a 4-byte fp32 `step` per parameter (45).
-_STEP_BYTES = 45 * 4
+# exp_avg and exp_avg_sq per parameter shard, and a 4-byte fp32 `step` per parameter (17: the
+# embedding, the LM head, the final norm and 7 a block).
+_STEP_BYTES = 17 * 4
 # Small steps: 2 sequences of 256 tokens; the 2024 runs' eager step (no CUDA graphs); DTensor
 # TP and FSDP2 over plain parameters (torch 2.13's fully_shard refuses spmd_types' annotations).
 _BASE = (
@@ -54,6 +61,35 @@ def _job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
     return TorchtitanJob("llama3", "debugmodel", _BASE + extra, world_size=world_size, **fields)  # type: ignore[arg-type]
 
 
+_TWO_BLOCKS = "oomkit_titan_two_blocks"
+
+
+def _two_blocks_job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
+    return TorchtitanJob(
+        _TWO_BLOCKS, "debugmodel_two_blocks", _BASE + extra, world_size=world_size, **fields  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def two_blocks(tmp_path_factory):
+    """The registry module of ``_two_blocks_job`` on ``sys.path`` for the module's tests: the
+    debugmodel's config with its model's first 2 blocks (its ``layers`` list cut)."""
+    folder = tmp_path_factory.mktemp("titan")
+    package = folder / _TWO_BLOCKS
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
+        "def debugmodel_two_blocks():\n"
+        "    config = llama3_debugmodel()\n"
+        "    config.model_spec.model.layers = config.model_spec.model.layers[:2]\n"
+        "    return config\n"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(folder))
+        yield
+
+
 def _bytes_by_category(events) -> dict[str, int]:
     found: collections.Counter[str] = collections.Counter()
     for event in events:
@@ -63,13 +99,14 @@ def _bytes_by_category(events) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def recorded():
-    """(FSDP degree, TP degree, AC) -> (recording, run, prediction) of two train steps."""
+def recorded(two_blocks):
+    """(FSDP degree, TP degree, AC) -> (recording, run, prediction) of two train steps of the
+    debugmodel's first 2 blocks."""
     target = Target.resolve("h100")
     out = {}
     for world_size, tp, ac in ((2, 1, True), (2, 1, False), (4, 2, True), (4, 2, False)):
         extra = (*(_TP2 if tp > 1 else ()), *(() if ac else _NO_AC))
-        recording, run = record_torchtitan_job(_job(world_size, *extra), target=target)
+        recording, run = record_torchtitan_job(_two_blocks_job(world_size, *extra), target=target)
         out[(world_size // tp, tp, ac)] = (recording, run, predict_recording(recording, target=target))
     return out
 
@@ -81,7 +118,7 @@ def test_fsdp2_rank_holds_half_of_every_parameter(recorded, ac):
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
     assert run.parameters == _PARAMETERS
     assert run.layout == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
-    assert before["parameter"] == _PARAMETERS * 4 // 2 == 12_327_424
+    assert before["parameter"] == _PARAMETERS * 4 // 2 == 5_507_584
 
 
 @pytest.mark.parametrize("ac", [True, False])
@@ -91,7 +128,7 @@ def test_fsdp2_x_tp2_rank_holds_a_quarter_but_the_norms_half(recorded, ac):
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
     expected = ((_PARAMETERS - _NORM_PARAMETERS) // 4 + _NORM_PARAMETERS // 2) * 4
     assert run.layout == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    assert before["parameter"] == expected == 6_167_040
+    assert before["parameter"] == expected == 2_755_072
 
 
 @pytest.mark.parametrize(("fsdp", "tp"), [(2, 1), (2, 2)])
@@ -130,17 +167,20 @@ def test_the_recording_says_what_it_changed_and_leaves_out(recorded):
     """FlexAttention recorded as SDPA, and NCCL's memory, are stated in the warnings."""
     recording, run, _ = recorded[(2, 1, True)]
     text = " ".join(recording.warnings)
-    assert "FlexAttention (6 layers) is recorded as torchtitan's ScaledDotProductAttention" in text
+    assert "FlexAttention (2 layers) is recorded as torchtitan's ScaledDotProductAttention" in text
     assert "NCCL" in text
     assert "CUDA graphs" not in text  # --training.disable_cuda_graphs
-    assert run.description.startswith("torchtitan 0.3.0 llama3:debugmodel (6,163,712 parameters)")
+    assert run.description.startswith(f"torchtitan 0.3.0 {_TWO_BLOCKS}:debugmodel (2,753,792 parameters)")
 
 
-def test_the_recorded_rank_is_the_one_asked_for():
-    """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank."""
-    recording, _ = record_torchtitan_job(_job(2, rank=1), target=Target.resolve("h100"))
+def test_the_recorded_rank_is_the_one_asked_for(two_blocks):
+    """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank (one step:
+    the shard is made before it)."""
+    recording, _ = record_torchtitan_job(
+        _two_blocks_job(2, rank=1), target=Target.resolve("h100"), steps=1
+    )
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
-    assert before["parameter"] == 12_327_424
+    assert before["parameter"] == 5_507_584
     assert any("rank 1 of a fake process group" in warning for warning in recording.warnings)
 
 
@@ -295,7 +335,7 @@ def test_float8_linears_run_scaled_mm_on_the_targets_capability(float8_recorded)
     # LM head add more.
     assert ops["aten._scaled_mm.default"] >= 30 * 3 * 2
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
-    assert before["parameter"] == _PARAMETERS * 4 // 2
+    assert before["parameter"] == _DEBUGMODEL_PARAMETERS * 4 // 2
 
 
 def test_float8_on_a_gpu_without_fp8_is_refused_in_torchtitans_words():

@@ -46,6 +46,18 @@ class _SearchResult:
 
 @pytest.fixture
 def device():
+    """The fake device, with ``release_after_oom``'s full ``gc.collect()`` (most of an OOM's cost in
+    a process that has imported torch) counted instead of run: the fake steps hold no tensors.
+    test_cleanup_between_probes_drops_the_failed_step runs the real collection."""
+    fake = _FakeDevice()
+    with use_device(fake), mock.patch("oomkit.runtime.device.gc.collect") as collect:
+        fake.collect = collect  # type: ignore[attr-defined]
+        yield fake
+
+
+@pytest.fixture
+def collecting_device():
+    """The fake device with the real ``gc.collect()``."""
     fake = _FakeDevice()
     with use_device(fake):
         yield fake
@@ -60,6 +72,7 @@ def test_exponential_then_binary_search(device):
     assert result.batch_size == 37 and result.method == "search" and result.predicted is None
     assert result.oom_count == 4
     assert [p.batch_size for p in result.probes if p.outcome == "oom"] == [64, 48, 40, 38]
+    assert device.collect.call_count == 4  # release_after_oom: once per OOM
 
 
 def test_correct_prediction_costs_one_probe_and_no_oom(device):
@@ -119,7 +132,7 @@ def test_nothing_fits(device):
         find_batch_size(_Step(0), start=4)
 
 
-def test_cleanup_between_probes_drops_the_failed_step(device):
+def test_cleanup_between_probes_drops_the_failed_step(collecting_device):
     """Tensors referenced by a failed step's frame are freed, and the cache emptied, before the
     next probe."""
     import weakref
@@ -135,7 +148,7 @@ def test_cleanup_between_probes_drops_the_failed_step(device):
             assert refs[-2]() is None  # the previous (failed) probe's tensor is gone
 
     find_batch_size(step, start=4)
-    assert device.empty_cache_calls == 3  # after 4 (OOM), 2 (ok), 3 (OOM)
+    assert collecting_device.empty_cache_calls == 3  # after 4 (OOM), 2 (ok), 3 (OOM)
 
 
 def test_non_oom_errors_propagate(device):

@@ -20,11 +20,25 @@ _SHAPE = LlamaShape(
 )
 
 
+def _use_tiny(monkeypatch):
+    preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="fp32")
+    monkeypatch.setattr(pipeline, "shaped_preset", lambda name, options: preset)
+
+
 @pytest.fixture
 def tiny(monkeypatch):
     """The pipelined preset is the tiny Llama whatever preset it is named."""
-    preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="fp32")
-    monkeypatch.setattr(pipeline, "shaped_preset", lambda name, options: preset)
+    _use_tiny(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def by_rank(tmp_path_factory):
+    """PP 2's rank 0 and rank 1 each predicted alone (--rank R), once for the tests that read
+    them (with a recording cache of their own, as tests/conftest.py gives each test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        _use_tiny(patch)
+        patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
+        return {r: predict(_scenario(rank=r)) for r in (0, 1)}
 
 
 def _scenario(**parallel):
@@ -36,9 +50,8 @@ def _scenario(**parallel):
     })
 
 
-def test_all_ranks_names_the_rank_that_peaks(tiny):
+def test_all_ranks_names_the_rank_that_peaks(tiny, by_rank):
     """Each stage's rank is predicted alone (--rank R); the verdict names the larger peak."""
-    by_rank = {r: predict(_scenario(rank=r)) for r in (0, 1)}
     every = predict(_scenario(all_ranks=True))
     top = max(by_rank, key=lambda r: (by_rank[r].peak_reserved_bytes,
                                       by_rank[r].peak_allocated_bytes, -r))
@@ -58,9 +71,9 @@ def test_all_ranks_names_the_rank_that_peaks(tiny):
     assert prediction_to_json(every)["rank_peaks"] == [dict(p) for p in every.rank_peaks]
 
 
-def test_ranks_differ_by_stage(tiny):
+def test_ranks_differ_by_stage(by_rank):
     """Stage 0 holds the embedding, stage 1 the LM head and loss: their peaks differ."""
-    first, last = predict(_scenario(rank=0)), predict(_scenario(rank=1))
+    first, last = by_rank[0], by_rank[1]
     assert first.peak_allocated_bytes != last.peak_allocated_bytes
     assert "rank 0 runs stage(s) 0" in (first.description or "")
     assert "rank 1 runs stage(s) 1" in (last.description or "")

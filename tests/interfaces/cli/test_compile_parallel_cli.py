@@ -19,6 +19,25 @@ def _predict(argv, capsys):
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_compiled(tmp_path_factory):
+    """``predict --fsdp 2 --compile`` of the tiny Llama, made once for the two tests that read
+    it (with a recording cache of its own, as tests/conftest.py gives each test)."""
+    import contextlib
+    import io
+
+    from _parallel_helpers import use_tiny_llama
+
+    with pytest.MonkeyPatch.context() as patch:
+        use_tiny_llama(patch)
+        patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["predict", "llama3-8b", "--fsdp", "2", "--compile", "--batch", "1",
+                         "--seq", "16", "--steps", "2", "--json"])
+    return code, json.loads(out.getvalue())
+
+
 @pytest.mark.parametrize(
     ("layout", "words"),
     [
@@ -29,12 +48,15 @@ def _predict(argv, capsys):
         (["--dp", "2"], "DDP over 2 replicas"),
     ],
 )
-def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, capsys):
+def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, capsys, request):
     """Each of the 2 blocks is compiled after TP and before FSDP2 / DDP, and the loss on its
     own (torchtitan's CompileConfig.components ["model", "loss"]; with --tp the loss-parallel
     cross-entropy on DTensor shards): 3 compiled regions entered per step, 6 in 2 steps; the
     embedding, final norm and LM head stay eager; no captured graph fell back to eager."""
-    code, data = _predict([*layout, "--compile"], capsys)
+    if layout == ["--fsdp", "2"]:
+        code, data = request.getfixturevalue("fsdp2_compiled")
+    else:
+        code, data = _predict([*layout, "--compile"], capsys)
     assert code == 0
     assert COMPILED in data["description"] and words in data["description"]
     said = " ".join(data["warnings"])
@@ -45,7 +67,7 @@ def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, 
     assert "(loss eager)" not in data["description"]
 
 
-def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, capsys):
+def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, capsys, fsdp2_compiled):
     """Compiled or not, rank 0 holds the same shards, FSDP2 buffers, gradients and optimizer
     state at its peak (the second step's optimizer step); only the activations held there
     differ: 43008 bytes eager, 30720 compiled, as AOTAutograd's min-cut partitioner saves fewer
@@ -53,7 +75,7 @@ def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, 
     save the cuDNN attention kernel's logsumexp and philox seed and offset (the compiled block's
     SDPA is the kernel CUDA picks, as the eager one's)."""
     _, eager = _predict(["--fsdp", "2"], capsys)
-    _, compiled = _predict(["--fsdp", "2", "--compile"], capsys)
+    _, compiled = fsdp2_compiled
     at_eager = dict(eager["peak_allocated_at"]["by_category_bytes"])
     at_compiled = dict(compiled["peak_allocated_at"]["by_category_bytes"])
     assert (at_eager.pop("activation"), at_compiled.pop("activation")) == (43008, 30720)

@@ -10,20 +10,31 @@ from oomkit.interfaces.cli import main
 
 torch = pytest.importorskip("torch")
 
-# torchvision's ResNet-50: 25,557,032 parameters, all fp32 here.
-_RESNET50_PARAMETERS = 25_557_032
+# ResNet-50's bottleneck layout with one block a stage (torchvision's resnet with layers
+# [1, 1, 1, 1]): 10,064,936 parameters (resnet_parameter_count; 25,557,032 for [3, 4, 6, 3]),
+# all fp32 here: 3 buckets of DDP's 25 MiB (the first 1 MiB), as ResNet-50's ~5 are.
+_RESNET_PARAMETERS = 10_064_936
 
 
 @pytest.fixture(scope="module")
 def resnet_ddp_json():
-    """ResNet-50 over 2 DDP replicas, two steps (the buckets are rebuilt in the second)."""
+    """ResNet (one bottleneck a stage) over 2 DDP replicas, two steps (the buckets are rebuilt
+    in the second)."""
     import contextlib
+    import dataclasses
     import io
+    from types import MappingProxyType
 
+    from oomkit.prediction.models import presets
+
+    base = presets.get_preset("resnet50")
+    tiny = dataclasses.replace(base, name="resnet-tiny", title="ResNet tiny",
+                               shape=dataclasses.replace(base.shape, blocks=(1, 1, 1, 1)))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(presets, "PRESETS", MappingProxyType({**presets.PRESETS, "resnet-tiny": tiny}))
         code = main(
-            ["predict", "resnet50", "--dp", "2", "--batch", "2", "--image-size", "32",
+            ["predict", "resnet-tiny", "--dp", "2", "--batch", "2", "--image-size", "32",
              "--steps", "2", "--json"]
         )
     return code, json.loads(out.getvalue())
@@ -37,12 +48,13 @@ def test_ddp_prediction_is_rank_0_with_gradient_buckets(resnet_ddp_json):
     assert code == 0
     assert data["target"]["parallel"] == {"fsdp": 1, "tp": 1, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"] == (
-        "ResNet-50, batch 2, image 32, fp32, adamw, train, DDP over 2 replicas "
+        "ResNet tiny, batch 2, image 32, fp32, adamw, train, DDP over 2 replicas "
         "(buckets 25 MiB (first 1 MiB)), rank 0"
     )
     bucket_bytes = data["by_category_bytes"]["ddp_bucket"]
-    # Each of the ~5 buckets is one block; at most 2 MiB of rounding in all.
-    assert 4 * _RESNET50_PARAMETERS <= bucket_bytes <= 4 * _RESNET50_PARAMETERS + 2 * 2**20
+    # Each of the 3 buckets is one block; at most 2 MiB of rounding in all.
+    assert data["by_category_bytes"]["parameter"] >= 4 * _RESNET_PARAMETERS
+    assert 4 * _RESNET_PARAMETERS <= bucket_bytes <= 4 * _RESNET_PARAMETERS + 2 * 2**20
     assert any(w.startswith("DDP: every replica holds") for w in data["warnings"])
     assert not any("ranks differ" in w for w in data["warnings"])
     assert not dist.is_initialized()

@@ -62,10 +62,19 @@ def test_jobs_2_traces_ahead_and_answers_as_jobs_1(tmp_path, capsys):
     assert ahead.count(4) <= 1 and [b for b in ahead if b != 4] == [2, 46]
 
 
-def test_a_preset_searched_on_every_core_answers_as_one_at_a_time(capsys):
-    """GPT-2 at seq 64 on 4 GiB, traced ahead by default (a preset), and with --jobs 1: the
-    same JSON."""
-    argv = ["gpt2-124m", "--seq", "64", "--gpu", "4GiB", "--max-batch", "8", "--json"]
+def test_a_preset_searched_on_every_core_answers_as_one_at_a_time(capsys, monkeypatch):
+    """GPT-2 (a one-layer preset, forked with the process) at seq 64 on 4 GiB, traced ahead by
+    default (a preset), and with --jobs 1: the same JSON."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from oomkit.prediction.models import presets
+    from oomkit.prediction.models.gpt2 import GPT2Shape
+
+    shape = GPT2Shape(hidden=256, layers=1, heads=4, vocab=8192, positions=512)
+    tiny = dataclasses.replace(presets.get_preset("gpt2-124m"), name="gpt2-tiny", shape=shape)
+    monkeypatch.setattr(presets, "PRESETS", MappingProxyType({**presets.PRESETS, "gpt2-tiny": tiny}))
+    argv = ["gpt2-tiny", "--seq", "64", "--gpu", "4GiB", "--max-batch", "8", "--json"]
     code, default = _fit(capsys, *argv)
     code_1, one = _fit(capsys, *argv, "--jobs", "1")
     assert code == code_1 == 0

@@ -4,7 +4,7 @@ predicts, checked against predict at the answer and one above, and what fit refu
 from __future__ import annotations
 
 import pytest
-from _parallel_helpers import DDP_STEP, FSDP_STEP, cli_json, write_step
+from _parallel_helpers import DDP_STEP, FSDP_STEP, cli_json, use_tiny_llama, write_step
 
 from oomkit.interfaces.cli import main
 
@@ -19,16 +19,37 @@ _RETRIES = ["--set", "search.allow_retries=true"]
 MiB = 2**20
 
 
-def _fit_and_predict_boundary(layout, gpu, start, stop):
-    """fit's JSON searching batches start..stop, and predict's at the answer and answer + 1."""
-    code, fit = cli_json(
+def _fit(layout, gpu, start, stop):
+    """fit's exit code and JSON searching batches start..stop."""
+    return cli_json(
         ["fit", "llama3-8b", *layout, *_ON, *_RETRIES, "--gpu", gpu, "--margin", "0", "--batch", str(start),
          "--max-batch", str(stop), "--json"]
     )
+
+
+@pytest.fixture(scope="module")
+def tp_fit(tmp_path_factory):
+    """``fit --tp 2`` on 67 MiB from 19 to 20 (the tiny Llama): the CLI answer that
+    test_fit_tp_answer_is_predicts_boundary checks and test_api_searches_the_same_tp_batch
+    compares the Python API with, searched once (with a recording cache of its own, as
+    tests/conftest.py gives each test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        use_tiny_llama(patch)
+        patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
+        return _fit(["--tp", "2"], "67MiB", 19, 20)
+
+
+def _fit_and_predict_boundary(layout, gpu, start, stop, fitted=None):
+    """fit's JSON searching batches start..stop (or ``fitted``, that search's answer already
+    made), and predict's at the answer and answer + 1."""
+    code, fit = fitted or _fit(layout, gpu, start, stop)
     assert code == 0
     answer = fit["batch_size"]
+    # --no-remedies: the batch above the answer does not fit, and measuring its remedies
+    # (re-predicting it with each) is not what is compared here.
     predicted = [
-        cli_json(["predict", "llama3-8b", *layout, *_ON, "--gpu", gpu, "--batch", str(b), "--json"])
+        cli_json(["predict", "llama3-8b", *layout, *_ON, "--gpu", gpu, "--batch", str(b),
+                  "--no-remedies", "--json"])
         for b in (answer, answer + 1)
     ]
     return fit, predicted
@@ -48,10 +69,10 @@ def _assert_probes_are_predictions(fit, predicted):
     assert at["description"] == fit["description"]
 
 
-def test_fit_tp_answer_is_predicts_boundary(tiny_llama):
+def test_fit_tp_answer_is_predicts_boundary(tiny_llama, tp_fit):
     """--tp 2 on 67 MiB: batch 19 per rank fits in 66 MiB reserved, 20 needs 68 MiB; predict
     --tp 2 at 19 fits and at 20 does not, with the probes' peaks to the byte."""
-    fit, predicted = _fit_and_predict_boundary(["--tp", "2"], "67MiB", 19, 20)
+    fit, predicted = _fit_and_predict_boundary(["--tp", "2"], "67MiB", 19, 20, fitted=tp_fit)
     assert (fit["batch_size"], fit["first_failing_batch"]) == (19, 20)
     assert fit["probe_order"] == [19, 20]
     assert fit["peak_reserved_bytes"] == 66 * MiB
@@ -140,7 +161,7 @@ def test_fit_tp_of_a_user_function_is_refused(tmp_path, capsys):
     assert "step is not parallelized by oomkit: use --fsdp N" in capsys.readouterr().err
 
 
-def test_api_searches_the_same_tp_batch(tiny_llama):
+def test_api_searches_the_same_tp_batch(tiny_llama, tp_fit):
     """From Python, max_batch_size with a RecordingBuilder that records rank 0 of the layout
     (trace_distributed_step of build_tp_preset_step) finds the CLI's --tp 2 answer and peaks."""
     import dataclasses
@@ -177,10 +198,7 @@ def test_api_searches_the_same_tp_batch(tiny_llama):
     assert (result.batch_size, result.first_failing_batch) == (19, 20)
     assert result.peak_reserved_bytes == 66 * MiB
     assert result.description.startswith("Tiny Llama, batch 19, seq 16, bf16-mixed, adamw, train")
-    _, cli = cli_json(
-        ["fit", "llama3-8b", "--tp", "2", *_ON, *_RETRIES, "--gpu", "67MiB", "--margin", "0", "--batch",
-         "19", "--max-batch", "20", "--json"]
-    )
+    _, cli = tp_fit  # fit --tp 2 on 67 MiB from 19 to 20, searched from the CLI
     assert [(p.peak_reserved_bytes, p.peak_allocated_bytes) for p in result.curve] == [
         (p["peak_reserved_bytes"], p["peak_allocated_bytes"]) for p in cli["curve"]
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -18,10 +19,29 @@ def _predict(argv, capsys):
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_float8_converts_the_tiny_llama_s_14_block_linears(tiny_llama, capsys):
+@pytest.fixture(scope="module")
+def _made():
+    """Flags -> (exit code, JSON) of the predictions already made in this module."""
+    return {}
+
+
+@pytest.fixture
+def predicted(tiny_llama, capsys, _made):
+    """``_predict`` of the tiny Llama, made once per set of flags for the tests that read the
+    same prediction (a copy each: no test sees another's changes)."""
+
+    def get(flags):
+        if tuple(flags) not in _made:
+            _made[tuple(flags)] = _predict(flags, capsys)
+        return copy.deepcopy(_made[tuple(flags)])
+
+    return get
+
+
+def test_float8_converts_the_tiny_llama_s_14_block_linears(predicted):
     """The 7 linears of each of the 2 blocks (all dims multiples of 16) train in float8; the LM
     head is left in bf16 (torchtitan's filter_fqns=["lm_head"])."""
-    code, data = _predict(["--float8"], capsys)
+    code, data = predicted(["--float8"])
     assert code == 0
     assert "Float8 rowwise (torchao, 14 linear layers), FSDP2 over 2 ranks" in data["description"]
 
@@ -35,12 +55,12 @@ def test_float8_converts_the_tiny_llama_s_14_block_linears(tiny_llama, capsys):
         (["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"], 68226048, 103936),
     ],
 )
-def test_float8_peaks(tiny_llama, flags, peak_bytes, gathered_bytes, capsys):
+def test_float8_peaks(predicted, flags, peak_bytes, gathered_bytes):
     """Exact peaks of rank 0: bf16 peaks in the optimizer step; float8 peaks in backward, where
     torchao casts the saved bf16 input and weight to fp8 again (transient fp32 and fp8 copies);
     with float8 all-gather the weights are gathered in fp8 (1 byte per element) and cast on
     the all-gather stream, so the peak holds fewer gathered bytes and casts."""
-    code, data = _predict(flags, capsys)
+    code, data = predicted(flags)
     assert code == 0
     assert data["peak_allocated_bytes"] == peak_bytes
     assert data["peak_allocated_at"]["by_category_bytes"]["allgather_buffer"] == gathered_bytes
@@ -77,14 +97,14 @@ def test_async_tp_is_refused_with_its_workspace(capsys):
     ) in err
 
 
-def test_a_saved_float8_prediction_is_re_predicted_in_float8(tiny_llama, capsys):
+def test_a_saved_float8_prediction_is_re_predicted_in_float8(predicted):
     """The saved workload keeps the recipe and float8 all-gather; explain's re-prediction of
     it gives the saved bytes exactly (before: re-predicted in bf16)."""
     from oomkit.diagnose._model_remedies import _repredict
     from oomkit.prediction.models import StepOptions
     from oomkit.prediction.workload import workload_from_json
 
-    _, data = _predict(["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"], capsys)
+    _, data = predicted(["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"])
     assert data["workload"]["float8"] == {"recipe": "tensorwise", "all_gather": True}
     workload = workload_from_json(data)
     assert (workload.float8_recipe, workload.float8_all_gather) == ("tensorwise", True)

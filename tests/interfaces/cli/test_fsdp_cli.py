@@ -14,14 +14,24 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def gpt2_fsdp2_json():
-    """GPT-2 124M sharded over 2 ranks, one step, as --json prints it."""
+    """GPT-2 (124M's preset with one layer, width 256, vocabulary 8192: the layout, not the
+    depth, is the point) sharded over 2 ranks, one step, as --json prints it."""
     import contextlib
+    import dataclasses
     import io
+    from types import MappingProxyType
 
+    from oomkit.prediction.models import presets
+    from oomkit.prediction.models.gpt2 import GPT2Shape
+
+    shape = GPT2Shape(hidden=256, layers=1, heads=4, vocab=8192, positions=512)
+    tiny = dataclasses.replace(presets.get_preset("gpt2-124m"), name="gpt2-tiny", title="GPT-2 tiny",
+                               shape=shape)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(presets, "PRESETS", MappingProxyType({**presets.PRESETS, "gpt2-tiny": tiny}))
         code = main(
-            ["predict", "gpt2-124m", "--fsdp", "2", "--batch", "1", "--seq", "16", "--steps", "1",
+            ["predict", "gpt2-tiny", "--fsdp", "2", "--batch", "1", "--seq", "16", "--steps", "1",
              "--json"]
         )
     return code, json.loads(out.getvalue())
@@ -36,8 +46,8 @@ def test_fsdp_prediction_is_rank_0_of_the_layout(gpt2_fsdp2_json):
     assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 1, "pp": 1, "cp": 1}
     assert data["workload"]["options"]["batch_size"] == 1
     assert data["description"] == (
-        "GPT-2 124M, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
-        "(13 units: per block + root), rank 0"
+        "GPT-2 tiny, batch 1, seq 16, bf16-mixed, adamw, train, FSDP2 over 2 ranks "
+        "(2 units: per block + root), rank 0"
     )
     assert any("rank 0 of a fake process group" in w for w in data["warnings"])
     assert not dist.is_initialized()

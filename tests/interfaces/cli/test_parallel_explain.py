@@ -3,7 +3,9 @@ re-predicts rank 0 of that same run (not one GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import MappingProxyType
 
 import pytest
 
@@ -12,8 +14,21 @@ from oomkit.interfaces.cli import main
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture(autouse=True)
+def gpt2_tiny(monkeypatch):
+    """A one-layer GPT-2 (width 256, vocabulary 8192, 512 positions) as preset gpt2-tiny: what is
+    saved and re-predicted (the layout, DDP's bucket options) does not depend on the depth."""
+    from oomkit.prediction.models import presets
+    from oomkit.prediction.models.gpt2 import GPT2Shape
+
+    base = presets.get_preset("gpt2-124m")
+    shape = GPT2Shape(hidden=256, layers=1, heads=4, vocab=8192, positions=512)
+    preset = dataclasses.replace(base, name="gpt2-tiny", title="GPT-2 tiny", shape=shape)
+    monkeypatch.setattr(presets, "PRESETS", MappingProxyType({**presets.PRESETS, "gpt2-tiny": preset}))
+
+
 def _saved(argv, capsys):
-    code = main(["predict", "gpt2-124m", *argv, "--batch", "1", "--seq", "16", "--steps", "2",
+    code = main(["predict", "gpt2-tiny", *argv, "--batch", "1", "--seq", "16", "--steps", "2",
                  "--json"])
     assert code == 0
     return json.loads(capsys.readouterr().out)
@@ -34,6 +49,7 @@ def test_ddp_bucket_options_are_saved_and_re_predicted(capsys):
     re-predicting it gives the saved bytes exactly (the buckets counted as gradients)."""
     data = _saved(["--dp", "2", "--bucket-cap-mb", "5", "--gradient-as-bucket-view"], capsys)
     assert data["workload"]["ddp"] == {"bucket_cap_mb": 5.0, "gradient_as_bucket_view": True}
+    assert data["workload"]["name"] == "gpt2-tiny"
     workload, again = _repredicted(data)
     assert (workload.ddp_bucket_cap_mb, workload.ddp_gradient_as_bucket_view) == (5.0, True)
     assert again.required_bytes == data["required_bytes"]

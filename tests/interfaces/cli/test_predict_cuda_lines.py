@@ -68,9 +68,23 @@ def _predict_json(tmp_path, name, source):
     return result["peak_reserved_bytes"], result["peak_allocated_bytes"]
 
 
-def test_device_lines_predict_the_meta_builders_bytes(tmp_path):
+def _predict_json_here(tmp_path, name, source, capsys):
+    """The same command run in this process (``oomkit.interfaces.cli.main``)."""
+    from oomkit.interfaces.cli import main
+
+    path = tmp_path / name
+    path.write_text(source)
+    assert main(["predict", f"{path}:build", "--batch", "8", "--gpu", "rtx4090", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    return result["peak_reserved_bytes"], result["peak_allocated_bytes"]
+
+
+def test_device_lines_predict_the_meta_builders_bytes(tmp_path, capsys):
     """is_available() at import, .to(device), .to(device, non_blocking=True) and device="cuda"
-    in the step: exit 0 with the figures of the step written on the default device."""
-    assert _predict_json(tmp_path, "written.py", AS_PEOPLE_WRITE_IT) == _predict_json(
-        tmp_path, "meta.py", ON_META
+    in the step: exit 0 with the figures of the step written on the default device. The CUDA
+    lines run as people run them (``python -m oomkit`` in a fresh interpreter); the reference,
+    which has none, is predicted in this process (a second interpreter would only start torch
+    again)."""
+    assert _predict_json(tmp_path, "written.py", AS_PEOPLE_WRITE_IT) == _predict_json_here(
+        tmp_path, "meta.py", ON_META, capsys
     )

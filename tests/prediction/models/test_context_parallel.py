@@ -27,6 +27,25 @@ def tiny(monkeypatch):
     monkeypatch.setattr(context_parallel, "shaped_preset", lambda name, options: preset)
 
 
+@pytest.fixture(scope="module")
+def _made():
+    """(cp, fsdp) -> (recording, built step) of the default sequence, already recorded."""
+    return {}
+
+
+@pytest.fixture
+def recorded(tiny, _made):
+    """``_record`` of the default sequence, made once per layout for the tests that read the
+    same recording (CP 2 alone is read by three, CP 1 by two)."""
+
+    def get(cp, fsdp=1):
+        if (cp, fsdp) not in _made:
+            _made[(cp, fsdp)] = _record(cp, fsdp)
+        return _made[(cp, fsdp)]
+
+    return get
+
+
 def _record(cp, fsdp=1, seq=_SEQ):
     options = StepOptions(batch_size=2, seq_len=seq, precision="bf16")
     sizes = ((fsdp,) if fsdp > 1 else ()) + (cp,)
@@ -53,10 +72,10 @@ def _activation_bytes_by_module(recording):
     return out
 
 
-def test_cp_2_halves_the_activations_outside_attention(tiny):
+def test_cp_2_halves_the_activations_outside_attention(recorded):
     """Norms and MLP layers see seq / 2 tokens a rank: exactly half their CP 1 bytes."""
-    whole = _activation_bytes_by_module(_record(1)[0])
-    halved, built = _record(2)
+    whole = _activation_bytes_by_module(recorded(1)[0])
+    halved, built = recorded(2)
     half = _activation_bytes_by_module(halved)
     for module in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm",
                    "layers.0.mlp", "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj",
@@ -66,10 +85,10 @@ def test_cp_2_halves_the_activations_outside_attention(tiny):
     assert "32 of 64 tokens a rank" in built.description
 
 
-def test_ring_attention_all_gathers_k_and_v(tiny):
+def test_ring_attention_all_gathers_k_and_v(recorded):
     """The default rotation all-gathers the concatenated local K and V once per attention
     forward: cp x (2 x batch x kv_heads x seq/cp x head_dim) bf16 elements."""
-    recording, _ = _record(2)
+    recording, _ = recorded(2)
     head_dim = _SHAPE.hidden // _SHAPE.heads
     local_kv = 2 * 2 * _SHAPE.kv_heads * (_SEQ // 2) * head_dim * 2
     gathered = [
@@ -80,17 +99,17 @@ def test_ring_attention_all_gathers_k_and_v(tiny):
     assert gathered and set(gathered) == {2 * local_kv}
 
 
-def test_fsdp_shards_over_fsdp_times_cp(tiny):
+def test_fsdp_shards_over_fsdp_times_cp(recorded):
     """FSDP2 shards over FSDP x CP ranks, CP alone included (torchtitan's fsdp mesh is
     dp_shard x cp): CP 1 keeps whole parameters, CP 2 halves them, FSDP 2 x CP 2 quarters."""
-    sharded, built = _record(2, fsdp=2)
+    sharded, built = recorded(2, fsdp=2)
 
     def parameter_bytes(rec):
         before = rec.events[: rec.step_starts[0]]
         return sum(e.size for e in before if e.tag("category") == "parameter")
 
-    whole = parameter_bytes(_record(1)[0])
-    assert 2 * parameter_bytes(_record(2)[0]) == whole
+    whole = parameter_bytes(recorded(1)[0])
+    assert 2 * parameter_bytes(recorded(2)[0]) == whole
     assert 4 * parameter_bytes(sharded) == whole
     assert "FSDP2 over 4 ranks (fsdp x cp" in built.description
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import MappingProxyType
+
 import pytest
 from _tiny_hf import tiny_llama_config
 
@@ -9,7 +12,9 @@ torch = pytest.importorskip("torch")
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.plan.batch_probe import record_step  # noqa: E402
-from oomkit.prediction.models import StepOptions, build_hf_step, build_preset_step  # noqa: E402
+from oomkit.prediction.models import StepOptions, build_hf_step, build_preset_step, presets  # noqa: E402
+from oomkit.prediction.models.bert import BertShape  # noqa: E402
+from oomkit.prediction.models.gpt2 import GPT2Shape  # noqa: E402
 from oomkit.prediction.models.lora_options import LoraOptions  # noqa: E402
 from oomkit.prediction.models.model_cache import (  # noqa: E402
     ModelCache,
@@ -19,6 +24,23 @@ from oomkit.prediction.models.model_cache import (  # noqa: E402
 )
 
 H100 = Target.resolve("h100")
+
+
+@pytest.fixture
+def small_presets(monkeypatch):
+    """One-block forms of the GPT-2, ResNet-50 and BERT presets (``gpt2-tiny``, ``resnet-tiny``,
+    ``bert-tiny``), added to the preset table for the test: what is shared (the module, its
+    BatchNorm buffers, its GradScaler-clipped fp16 step) does not depend on the depth, and one
+    block records in a fraction of the full preset's time."""
+    small = {
+        "gpt2-tiny": ("gpt2-124m", GPT2Shape(hidden=128, layers=1, heads=4, vocab=1024, positions=64)),
+        "resnet-tiny": ("resnet50", dataclasses.replace(presets.get_preset("resnet50").shape, blocks=(1, 1, 1, 1))),
+        "bert-tiny": ("bert-base", BertShape(hidden=128, intermediate=512, layers=1, heads=4, vocab=1024)),
+    }
+    table = dict(presets.PRESETS)
+    for name, (base, shape) in small.items():
+        table[name] = dataclasses.replace(presets.get_preset(base), name=name, shape=shape)
+    monkeypatch.setattr(presets, "PRESETS", MappingProxyType(table))
 
 
 def _linear_builder(made):
@@ -131,13 +153,13 @@ def _same_recordings(build, batches):
     return cache
 
 
-def test_steps_of_other_lengths_share_one_model_and_record_as_fresh_builds():
-    """GPT-2 (the preset) and a Llama from a config at seq 16, 48, 32 (as --lengths records
+def test_steps_of_other_lengths_share_one_model_and_record_as_fresh_builds(small_presets):
+    """GPT-2 (a one-block preset) and a Llama from a config at seq 16, 48, 32 (as --lengths records
     them): one model each, every recording event for event a fresh build's."""
     pytest.importorskip("transformers")
     builders = {
         "preset": lambda s: build_preset_step(
-            "gpt2-124m", StepOptions(batch_size=2, seq_len=s, precision="bf16-mixed")
+            "gpt2-tiny", StepOptions(batch_size=2, seq_len=s, precision="bf16-mixed")
         ),
         "hf": lambda s: build_hf_step(
             tiny_llama_config(bos_token_id=0, eos_token_id=0),
@@ -159,20 +181,21 @@ def test_steps_of_other_lengths_share_one_model_and_record_as_fresh_builds():
         assert (cache.builds, cache.reuses) == (1, 2), name
 
 
-def test_resnet_with_batchnorm_buffers_records_identically_when_shared():
-    """ResNet-50's BatchNorm statistics are updated in place by every step; shared, its
-    recordings at batch 2 then 3 still equal fresh builds', and it is built once."""
+def test_resnet_with_batchnorm_buffers_records_identically_when_shared(small_presets):
+    """ResNet's BatchNorm statistics (ResNet-50's bottlenecks, one per stage) are updated in
+    place by every step; shared, its recordings at batch 2 then 3 still equal fresh builds',
+    and it is built once."""
     cache = _same_recordings(
-        lambda b: build_preset_step("resnet50", StepOptions(batch_size=b, image_size=32)), (2, 3)
+        lambda b: build_preset_step("resnet-tiny", StepOptions(batch_size=b, image_size=32)), (2, 3)
     )
     assert (cache.builds, cache.reuses) == (1, 1)
 
 
-def test_bert_fp16_clipped_records_identically_when_shared():
-    """BERT base, fp16-mixed (GradScaler) with clipping: shared recordings equal fresh ones."""
+def test_bert_fp16_clipped_records_identically_when_shared(small_presets):
+    """BERT (base's layout, one layer), fp16-mixed (GradScaler) with clipping: shared recordings equal fresh ones."""
     options = dict(seq_len=32, precision="fp16-mixed", max_grad_norm=1.0)
     cache = _same_recordings(
-        lambda b: build_preset_step("bert-base", StepOptions(batch_size=b, **options)), (1, 2)
+        lambda b: build_preset_step("bert-tiny", StepOptions(batch_size=b, **options)), (1, 2)
     )
     assert (cache.builds, cache.reuses) == (1, 1)
 
