@@ -31,12 +31,10 @@ demo: $(BIN)/oomkit
 
 # The tests run in parallel (pytest-xdist), one worker per core, at most 4: each worker imports
 # torch (about 0.5 GB), and the tests that fork process pools take cores of their own.
-# `--dist loadgroup`: tests marked xdist_group("ray") run on one worker and share one local Ray
-# cluster (tests/conftest.py ray_session) instead of each module starting its own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
 test: $(BIN)/oomkit
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # CI also runs the allocator, replay and hostile-input tests on the compiled core that `pip install .` gives: a
 # wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed

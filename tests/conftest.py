@@ -45,9 +45,10 @@ def _recording_cache_per_test(monkeypatch, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray cluster of 2 CPUs for every test that needs one (started once per worker:
-    those tests are marked ``xdist_group("ray")``, and ``make test`` runs ``--dist loadgroup``,
-    so they share one worker and one cluster start)."""
+    """One local Ray cluster of 2 CPUs for every test of a worker that needs one (the executor,
+    fleet and plan tests), started once per worker instead of once per module. (pytest-xdist's
+    ``--dist loadgroup`` would put them on one worker, but xdist 3.8 sets ``item._nodeid``,
+    which pytest 9.2's ``Node.nodeid`` no longer reads: the groups do not form.)"""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray

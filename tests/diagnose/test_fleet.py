@@ -98,7 +98,6 @@ def test_diff_fleets_rank_by_rank(tmp_path):
 
 
 @needs_snapshots
-@pytest.mark.xdist_group("ray")
 def test_sixteen_files_on_ray_equal_the_local_pool(tmp_path, ray_session):
     """A 16-file fleet read as Ray tasks on a local 2-CPU cluster gives the local report."""
     folder = _fleet(tmp_path / "job")

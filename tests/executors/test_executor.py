@@ -68,7 +68,6 @@ def ray_cluster(ray_session):
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
-@pytest.mark.xdist_group("ray")
 def test_ray_gives_the_loop_results_and_counts_each_task_once(ray_cluster):
     """Results in items order; progress 0..n, one call per finished task."""
     seen: list[int] = []
@@ -77,14 +76,12 @@ def test_ray_gives_the_loop_results_and_counts_each_task_once(ray_cluster):
     assert seen == [0, 1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.xdist_group("ray")
 def test_ray_raises_the_tasks_own_error(ray_cluster):
     """What fn raised on a worker comes back as itself (OomkitError), first failing item first."""
     with pytest.raises(OomkitError, match="item 1 is odd"):
         RayExecutor().map(_fails_on_odd, [0, 1, 2, 3])
 
 
-@pytest.mark.xdist_group("ray")
 def test_ray_retries_a_task_whose_worker_died(ray_cluster, tmp_path):
     """A worker that dies (os._exit) once has its task run again: every item, once."""
     marker = str(tmp_path / "died")
@@ -102,7 +99,6 @@ def test_ray_retries_a_task_whose_worker_died(ray_cluster, tmp_path):
     assert seen == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.xdist_group("ray")
 def test_ray_without_retries_names_the_lost_task(ray_cluster, tmp_path):
     """With max_retries=0 a dead worker's task gives an OomkitError saying what to do."""
 
@@ -113,7 +109,6 @@ def test_ray_without_retries_names_the_lost_task(ray_cluster, tmp_path):
         RayExecutor(max_retries=0).map(dies, [0])
 
 
-@pytest.mark.xdist_group("ray")
 def test_ctrl_c_cancels_the_tasks_left_on_the_cluster(ray_cluster, tmp_path):
     """KeyboardInterrupt during the wait cancels the unfinished tasks: none of them finishes."""
     folder = str(tmp_path)

@@ -10,8 +10,6 @@ import pytest
 from oomkit.executors import LocalPoolExecutor, RayExecutor
 from oomkit.scenario.planning import PlanRequest, plan, predict_candidate
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster for these (conftest ray_session)
-
 # 6 layouts of gpt2-124m at seq 64 on 1-2 L40S (single, FSDP 2, DDP 2; micro-batch 1-2; no
 # AC): tests/scenario/test_planning.py checks the enumeration itself (12 with AC none/full).
 SIX = PlanRequest(
