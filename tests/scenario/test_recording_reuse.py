@@ -40,7 +40,7 @@ def imported_torch(stderr: str) -> bool:
 
 
 def test_a_hit_is_byte_identical_and_imports_no_torch(tmp_path):
-    """Cold (recorded, kept), warm (replayed) and --no-cache give the same --json bytes and
+    """Cold (recorded, kept), warm (replayed) and uncached runs give the same --json bytes and
     exit code; the warm run imports no torch, the cold one does."""
     cache = tmp_path / "cache"
     cold = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
@@ -50,9 +50,18 @@ def test_a_hit_is_byte_identical_and_imports_no_torch(tmp_path):
     warm = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert not imported_torch(warm.stderr)
-    fresh = oomkit("predict", *GPT2, "--json", "--no-cache", cache=tmp_path / "unused")
+    fresh = oomkit("predict", *GPT2, "--json", cache=tmp_path / "unused", OOMKIT_NO_CACHE="1")
     assert warm.stdout == cold.stdout == fresh.stdout
-    assert not (tmp_path / "unused").exists()  # --no-cache neither reads nor writes
+    assert not (tmp_path / "unused").exists()  # OOMKIT_NO_CACHE neither reads nor writes
+    # The scenario's own switch: recorded (torch imported), nothing kept, the same prediction;
+    # its JSON's scenario says run.cache=false, as the request did.
+    off = oomkit("predict", *GPT2, "--json", "--set", "run.cache=false",
+                 cache=tmp_path / "off", importtime=True)
+    assert off.returncode == 0 and imported_torch(off.stderr)
+    assert not (tmp_path / "off").exists()
+    said = json.loads(off.stdout)
+    assert said["scenario"]["run"].pop("cache") is False
+    assert said == json.loads(cold.stdout)
     out = json.loads(warm.stdout)
     assert out["workload"]["options"]["batch_size"] == 1 and out["steps"] == 2
 
@@ -85,12 +94,12 @@ def test_the_terminal_report_of_a_hit_is_the_misss(tmp_path):
 
 def test_a_changed_field_is_a_miss(tmp_path):
     """Another batch is another key: recorded (a second entry), and its result is the one a
-    --no-cache prediction of that batch gives, not the kept batch's."""
+    uncached prediction of that batch gives, not the kept batch's."""
     cache = tmp_path / "cache"
     first = oomkit("predict", *GPT2, "--json", cache=cache)
     other = [*GPT2[:2], "2", *GPT2[3:]]
     second = oomkit("predict", *other, "--json", cache=cache)
-    fresh = oomkit("predict", *other, "--json", "--no-cache", cache=cache)
+    fresh = oomkit("predict", *other, "--json", cache=cache, OOMKIT_NO_CACHE="1")
     assert len(entries(cache)) == 2
     assert second.stdout == fresh.stdout != first.stdout
     assert json.loads(second.stdout)["workload"]["options"]["batch_size"] == 2

@@ -95,7 +95,8 @@ def predict(what: Any = None, /, *args: Any, **keywords: Any) -> Prediction:
         raise ScenarioError(f"oomkit.predict(cache=...) takes True or False; got {cache!r}")
     from oomkit.scenario.recording_reuse import predict_with_cache
 
-    return predict_with_cache(_scenario(what, keywords, "predict"), cache=cache)
+    scenario = _scenario(what, keywords, "predict")
+    return predict_with_cache(scenario, cache=cache and scenario.run.cache)
 
 
 def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: dict[str, Any]) -> Any:

@@ -449,6 +449,13 @@ class RunSection(_Section):
         description="do not measure remedies for an OOM",
         json_schema_extra=_flag("--no-remedies", RUN, commands=("predict",)),
     )
+    cache: bool = Field(
+        True,
+        description=(
+            "replay a kept recording of the same step and keep new ones (prediction/"
+            "recording_cache.py); false records afresh (--set run.cache=false)"
+        ),
+    )
     jobs: Annotated[int, Field(ge=1, le=4096)] | None = Field(
         None,
         description="processes to trace with (default: one per core)",

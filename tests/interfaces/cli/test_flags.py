@@ -113,7 +113,6 @@ EXPECTED = {
         "--microbatches",
         "--mode",
         "--new-tokens",
-        "--no-cache",
         "--no-remedies",
         "--optimizer",
         "--optimizer-impl",

@@ -41,6 +41,7 @@ examples:
   oomkit predict train.py --gpu rtx4090 -- config/train_shakespeare_char.py
   oomkit predict llama-8b --lora 16 --quantize nf4 --batch 4 --seq 2048 --gpu rtx4090
   oomkit predict --torchtitan llama3:llama3_8b --world-size 8 -- --training.local_batch_size 2
+  oomkit predict --config run.toml --set target.gpu=h100 --dump-config
 """
 
 
@@ -60,11 +61,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--html", type=Path, metavar="OUT", help="with --lengths: also write the envelope page"
     )
     add_json_flag(output)
-    groups["run"].add_argument(
-        "--no-cache",
-        action="store_true",
-        help="record afresh, not from the recording cache",
-    )
     parser.formatter_class = CompactHelp
     parser.set_defaults(run=run)
     return parser
@@ -90,13 +86,13 @@ def _run_step(args: argparse.Namespace, scenario: Any) -> int:
     from oomkit.scenario.recording_reuse import cache_key, cached_prediction
 
     # The cache is asked before anything imports torch: a hit replays without it.
-    key = None if args.no_cache else cache_key(scenario)
+    key = cache_key(scenario) if scenario.run.cache else None
     hit = None if key is None else cached_prediction(scenario, key)
     if hit is not None:
         if not args.json:
             stderr_console().print(
-                f"replaying the cached recording of {hit.description} (--no-cache records "
-                "it again) ...",
+                f"replaying the cached recording of {hit.description} (--set run.cache=false "
+                "records it again) ...",
                 markup=False,
                 highlight=False,
             )
