@@ -43,6 +43,8 @@ What does not run, while oomkit runs the trainer (restored after each call):
   Hugging Face Trainer's saves are cancelled (none holds GPU memory);
 - validation does not run (the sanity check, ``val_check_interval``, ``eval_strategy``): the
   prediction is of the training steps (predict an evaluation step with ``oomkit fit --eval``).
+- a Hugging Face ``train()`` restarted for the next step skips accelerate's ``gc.collect()``
+  (its ``free_memory`` at the start of ``train()``), as one run collects only before its first.
 
 Refused: more than one device, or a strategy other than Lightning's single-device one, and
 DeepSpeed or FSDP in a Hugging Face Trainer (``TrainerRefusedError``, saying what to change).
@@ -272,12 +274,18 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
             control.should_evaluate = False
 
     carried = _LoopLocals()
+    trains = [0]  # the train() calls begun
 
     def step() -> None:
         callback = _OneStep()
         trainer.add_callback(callback)
         try:
-            with carried.kept(trainer), _on_one_gpu():
+            with contextlib.ExitStack() as stack:
+                if trains[0]:
+                    stack.enter_context(_restart_without_gc_collect())
+                trains[0] += 1
+                stack.enter_context(carried.kept(trainer))
+                stack.enter_context(_on_one_gpu())
                 trainer.train()
         finally:
             trainer.remove_callback(callback)
@@ -288,6 +296,40 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         + (f", clip {args.max_grad_norm}" if args.max_grad_norm else "")
     )
     return TrainerStep(step, (trainer.model,), "transformers", summary)
+
+
+@contextlib.contextmanager
+def _restart_without_gc_collect() -> Iterator[None]:
+    """While open, accelerate's device-cache clearing skips its ``gc.collect()``; the rest runs.
+
+    Each ``train()`` begins with ``self.accelerator.free_memory()`` (transformers/trainer.py
+    ``_inner_training_loop``: "reset everything"), which calls accelerate/utils/memory.py
+    ``release_memory`` -> ``clear_device_cache(garbage_collection=True)``: a full
+    ``gc.collect()`` (0.7 to 1.3 s measured in a process that has imported torch and
+    transformers, most of a tiny Trainer's recorded step), then ``torch.cuda.empty_cache()``.
+    ``auto_find_batch_size``'s decorator (``find_executable_batch_size``) clears the same way.
+    Why skipping the collection in a restart is safe, and is what a GPU run does: one run calls
+    ``train()`` once, so it collects once, before its first step; the step's later calls
+    restart ``train()`` only to run one more optimizer step, and that run collects nothing
+    between its steps (a device tensor held only by a reference cycle waits for Python's own
+    collection there, as here). The first ``train()`` keeps its collection, and
+    ``empty_cache`` (which changes the reserved bytes) still runs at every restart.
+    """
+    try:
+        memory: Any = importlib.import_module("accelerate.utils.memory")
+    except ImportError:  # pragma: no cover - transformers' Trainer requires accelerate
+        yield
+        return
+    original = memory.clear_device_cache
+
+    def clear_device_cache(garbage_collection: bool = False) -> None:
+        original(garbage_collection=False)
+
+    memory.clear_device_cache = clear_device_cache
+    try:
+        yield
+    finally:
+        memory.clear_device_cache = original
 
 
 class _LoopLocals:
