@@ -10,6 +10,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+from oomkit.core.gpus.installed_torch import installed_torch_version as _full_torch_version
 from oomkit.core.gpus.nccl import NcclSettings
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.scenario.model import ParallelSection, TargetSection
@@ -24,17 +25,14 @@ __all__ = [
 
 
 def installed_torch_version() -> str | None:
-    """``major.minor`` of the installed torch (``"2.13"``), read from its package metadata
-    without importing it; ``None`` where torch is not installed.
+    """``major.minor`` of the installed torch (``"2.13"``), read from its ``torch/version.py``
+    without importing it (``core.gpus.installed_torch``); ``None`` where torch is not installed.
 
     ``predict`` and ``fit`` record the step with this torch, so without ``target.torch_version``
     they model its allocator too (the newest release oomkit knows may be another one).
     """
-    from importlib import metadata
-
-    try:
-        version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
+    version = _full_torch_version()
+    if version is None:
         return None
     match = re.match(r"(\d+)\.(\d+)", version)
     return None if match is None else f"{match[1]}.{match[2]}"

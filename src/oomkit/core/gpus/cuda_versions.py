@@ -13,6 +13,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# Re-exported: read from torch/version.py, torch and importlib.metadata not imported.
+from oomkit.core.gpus.installed_torch import installed_torch_version
+
 __all__ = [
     "DEFAULT_WHEEL_CUDA",
     "CudaBuild",
@@ -76,22 +79,10 @@ def cuda_build_for(torch_version: str) -> CudaBuild:
     return CudaBuild(cuda, f"torch {wanted[0]}.{wanted[1]}'s default Linux wheel")
 
 
-def installed_torch_version() -> str | None:
-    """The installed torch's version from its package metadata (``None`` without torch)."""
-    # Imported here: importlib.metadata costs ~20 ms of start-up (email, zipfile, csv), and
-    # `oomkit explain TEXT` imports this module without asking for torch's version (issue 19).
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def installed_cuda_build(
     torch_version: Callable[[], str | None] = installed_torch_version,
 ) -> CudaBuild:
-    """The CUDA of the installed torch (read from its package metadata, torch not imported).
+    """The CUDA of the installed torch (its version read from torch/version.py, torch not imported).
 
     Args:
         torch_version: returns the installed torch's version or ``None`` when torch is absent

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import re
 import sys
-from pathlib import Path
 
 from oomkit.interfaces.cli._common import (
     add_json_flag,
@@ -44,35 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-# `__version__ = '2.13.0+cpu'` in torch/version.py, which every torch build writes
-# (tools/generate_torch_version.py) and `torch.__version__` re-exports.
-_TORCH_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
-
-
 def _installed_torch_version() -> str | None:
-    """The installed torch's version, as ``torch.__version__`` gives it, torch not imported.
+    """The installed torch's version, read from its ``torch/version.py`` (torch and the package
+    metadata not imported: ``core.gpus.installed_torch``)."""
+    from oomkit.core.gpus.installed_torch import installed_torch_version
 
-    Read from the ``torch/version.py`` that ``import torch`` would load, as text: the package
-    metadata (``importlib.metadata``) costs 20 ms of start-up, more than the rest of ``doctor
-    --no-live`` (issue 41 item 4). The metadata is the fallback where that file cannot be read.
-    """
-    spec = importlib.util.find_spec("torch")
-    if spec is None:
-        return None
-    for folder in spec.submodule_search_locations or ():
-        try:
-            text = (Path(folder) / "version.py").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        found = _TORCH_VERSION_LINE.search(text)
-        if found is not None:
-            return found.group(1)
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return None
+    return installed_torch_version()
 
 
 def run(args: argparse.Namespace) -> int:
