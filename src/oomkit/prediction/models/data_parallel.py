@@ -94,6 +94,8 @@ def build_ddp_preset_step(
         ConfigError: a mode other than ``train``, or LoRA / quantized weights.
     """
     ddp = ddp or DdpOptions()
+    if options.compile and ddp.bucket_cap_mb is not None:
+        _check_ddp_optimizer_accepts(ddp.bucket_cap_mb)
     if options.mode != "train":
         raise ConfigError("--dp predicts training steps (DDP reduces gradients); use --mode train")
     if options.lora is not None or options.quantize is not None:
@@ -151,3 +153,35 @@ def build_ddp_preset_step(
     compiled = f", {BLOCKS_COMPILED}" if options.compile else ""
     description = f"{built.description}{compiled}, DDP over {replicas} (buckets {cap}{view}), rank 0"
     return DdpStep(dataclasses.replace(built, description=description), setup)
+
+
+def _check_ddp_optimizer_accepts(bucket_cap_mb: float) -> None:
+    """Refuse a bucket cap that the installed torch's DDPOptimizer refuses, as a GPU run would.
+
+    A frame compiled inside DDP's forward goes through the DDPOptimizer (torch/_dynamo/
+    convert_frame.py ``CatchErrorsWrapper.__call__``, ``optimize_ddp`` "ddp_optimizer", the
+    default), made with DDP's ``bucket_bytes_cap`` and no first-bucket size, so its first bucket
+    is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), and torch/_dynamo/backends/distributed.py
+    ``DDPOptimizer.__init__`` asserts that it is at most the cap ("First bucket should be
+    smaller/equal to other buckets"): the first compiled call fails with a cap under 1 MiB.
+    The installed torch's own constructor is asked, with the cap DDP computes from
+    ``bucket_cap_mb`` (torch/nn/parallel/distributed.py ``_BucketCapacityConfig.create``:
+    ``int(bucket_cap_mb * _MB_TO_BYTES)``).
+
+    Raises:
+        ConfigError: the DDPOptimizer refuses the cap, naming the flag and the field.
+    """
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+    try:
+        DDPOptimizer(bucket_bytes_cap=cap_bytes, backend_compile_fn=lambda gm, inputs: gm)
+    except AssertionError as exc:
+        first_mb = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20
+        raise ConfigError(
+            f"--bucket-cap-mb {bucket_cap_mb:g} (parallel.bucket_cap_mb) with --compile: "
+            "torch's DDPOptimizer, which compiles each frame inside DDP's forward, keeps a "
+            f"first bucket of {first_mb:g} MiB and refuses a smaller bucket cap (torch/_dynamo/"
+            f"backends/distributed.py DDPOptimizer.__init__: {exc}), so this run fails on a "
+            f"GPU too. Use --bucket-cap-mb {first_mb:g} or more, or drop --compile"
+        ) from exc
