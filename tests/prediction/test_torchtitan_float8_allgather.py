@@ -6,7 +6,8 @@ converted linear as ``Float8AllGatherLinear``, whose weight is torchao's
 ``fsdp_pre_all_gather`` casts the fp32 shard to float8 and gathers 1 byte per element where
 it gathered bf16. The job: torchtitan's llama3 debugmodel cut to 2 blocks (a registry module
 of one's own, as tests/prediction/test_torchtitan_job.py), FSDP 2, 2024's Float8 (tensorwise,
-the blocks' linears, the LM head in bf16), recorded with the all-gather off and on.
+the blocks' linears, the LM head in bf16), recorded with the all-gather off and on, and
+FSDP 2 x TP 2 with it on.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def _block_parameters() -> tuple[dict[str, int], dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """all-gather on / off -> (recording, prediction) of two train steps on an H100."""
+def two_blocks(tmp_path_factory):
+    """The 2-block registry module on ``sys.path`` for the module's tests."""
     folder = tmp_path_factory.mktemp("titan")
     package = folder / _TWO_BLOCKS
     package.mkdir()
@@ -83,17 +84,22 @@ def recorded(tmp_path_factory):
         "    config.model_spec.model.layers = config.model_spec.model.layers[:2]\n"
         "    return config\n"
     )
-    target = Target.resolve("h100")
-    out = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(folder))
-        for all_gather in (False, True):
-            job = TorchtitanJob(
-                _TWO_BLOCKS, "debugmodel_two_blocks", _BASE + _overrides(all_gather),
-                world_size=_FSDP,
-            )
-            recording, _ = record_torchtitan_job(job, target=target)
-            out[all_gather] = (recording, predict_recording(recording, target=target))
+        yield
+
+
+@pytest.fixture(scope="module")
+def recorded(two_blocks):
+    """all-gather on / off -> (recording, prediction) of two train steps on an H100."""
+    target = Target.resolve("h100")
+    out = {}
+    for all_gather in (False, True):
+        job = TorchtitanJob(
+            _TWO_BLOCKS, "debugmodel_two_blocks", _BASE + _overrides(all_gather), world_size=_FSDP
+        )
+        recording, _ = record_torchtitan_job(job, target=target)
+        out[all_gather] = (recording, predict_recording(recording, target=target))
     return out
 
 
@@ -162,6 +168,25 @@ def test_the_peak_drops_by_one_blocks_linears_and_a_float8_weight_copy(recorded)
             off.peak_allocated_at.by_category_bytes[category]
             == on.peak_allocated_at.by_category_bytes[category]
         )
+
+
+def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8(two_blocks):
+    """FSDP 2 x TP 2 (torchao's order: the wrapped weight is TP's local tensor, FSDP2 shards
+    it): a block's all-gather is half of each linear's elements at 1 byte, and the two norms
+    (replicated over TP) in bf16; each unsharded linear weight is its TP shard in bytes."""
+    tp = 2
+    job = TorchtitanJob(
+        _TWO_BLOCKS, "debugmodel_two_blocks",
+        _overrides(True) + _BASE + ("--parallelism.tensor_parallel_degree", str(tp)),
+        world_size=_FSDP * tp,
+    )
+    recording, _ = record_torchtitan_job(job, target=Target.resolve("h100"))
+    linears, others = _block_parameters()
+    gathered = _gathered_sizes(recording)
+    block = sum(linears.values()) // tp * _FLOAT8_BYTES + sum(others.values()) * _BF16_BYTES
+    assert block in gathered
+    assert {n // tp * _FLOAT8_BYTES for n in linears.values()} <= gathered
+    assert not {n // tp * _BF16_BYTES for n in linears.values()} & gathered
 
 
 def test_a_rowwise_recipe_with_float8_all_gather_is_refused_in_torchaos_terms():
