@@ -199,6 +199,19 @@ def test_a_rowwise_recipe_with_float8_all_gather_is_refused_in_torchaos_terms():
         float8_linears(config, recipe_name="rowwise", enable_fsdp_float8_all_gather=True)
 
 
+def test_the_job_with_rowwise_float8_all_gather_is_a_config_error_not_a_crash():
+    """The refusal reaches the caller as ConfigError (the CLI's exit 2), from inside the
+    recording where torchtitan's apply_overrides runs the factory."""
+    job = TorchtitanJob(
+        "llama3", "debugmodel",
+        ("--override.imports", f'{_MODULE}.float8_linears={{"enable_fsdp_float8_all_gather": true}}')
+        + _BASE,
+        world_size=_FSDP,
+    )
+    with pytest.raises(ConfigError, match="'rowwise' recipe scales the weight axiswise"):
+        record_torchtitan_job(job, target=Target.resolve("h100"))
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     in_features=st.integers(1, 512),
