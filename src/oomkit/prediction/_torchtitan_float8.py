@@ -26,7 +26,7 @@ converter, which runs before it, builds a fresh config).
 
 Float8 all-gather with FSDP2, which torchtitan 0.3.0 dropped with its ``float8`` config section:
 both factories take ``enable_fsdp_float8_all_gather`` (the field of torchtitan's older Float8
-converter, torchtitan/components/quantization/float8.py before 0.3, and torchtitan/float8.py
+converter, torchtitan/components/quantization/float8.py in 0.1.0-0.2.2, and torchtitan/float8.py
 at 9dec370). 0.3.0's ``Float8Linear`` is built with ``__init__``, and torchao wraps the weight
 in ``WeightWithDynamicFloat8CastTensor`` only in ``Float8Linear.from_float``
 (torchao/float8/float8_linear.py); :class:`Float8AllGatherLinear` wraps it the same way when
@@ -36,8 +36,8 @@ float8 bytes (the wrapper's ``fsdp_pre_all_gather``: the shard cast with a scale
 amax all-reduced over the FSDP mesh) instead of bf16. torchao allows it for the tensorwise
 recipe only (torchao/float8/config.py ``Float8LinearConfig.__post_init__``), so a rowwise
 recipe with it is refused. torchtitan's older converter turned it on only where FSDP shards
-(``dp_shard`` > 1); ask for it with FSDP. For 2024's 8B Float8 rows with float8
-all-gather::
+(``dp_shard`` > 1); ask for it with FSDP. 2024's 8B Float8 rows with it (torchtitan's table
+does not say whether they had it; its docs of the time launched Float8 with it)::
 
     --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
     "tensorwise", "enable_fsdp_float8_all_gather": true}'
