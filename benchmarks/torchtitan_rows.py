@@ -9,7 +9,8 @@ PP) is skipped with the reason. The job is the 2024 one written as 0.3.0 overrid
 row's FSDP / TP / CP degrees, local batch and sequence length, torchtitan's selective (op) or
 full AC, Float8 as 2024 ran it (torchao's tensorwise recipe on the blocks' linears, the LM head
 in bf16: ``--override.imports oomkit.prediction._torchtitan_float8.float8_block_linears``;
-0.3.0's registry has Float8 configs for the debug model only; no Float8 all-gather), no CUDA
+0.3.0's registry has Float8 configs for the debug model only; ``--float8-all-gather`` adds
+torchao's FSDP2 float8 all-gather, ``enable_fsdp_float8_all_gather``), no CUDA
 graphs (``--training.disable_cuda_graphs``: 2024's eager step), DTensor TP with
 FSDP2 over plain parameters (``--parallelism.spmd_backend partial_dtensor``), SDPA attention;
 the loss is the plain cross-entropy over the full logits (2024's; ``--loss configured`` keeps
@@ -48,6 +49,14 @@ GIB = 2**30
 _FLOAT8 = (
     "--override.imports",
     'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise"}',
+)
+# --float8-all-gather: the same with torchao's FSDP2 float8 all-gather, as torchtitan's docs at
+# 9dec370 launched Float8 (docs/float8.md: --float8.enable_fsdp_float8_all_gather) and its
+# 405B config set it (train_configs/llama3_405b.toml); the 2024 table does not say.
+_FLOAT8_ALL_GATHER = (
+    "--override.imports",
+    'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise", '
+    '"enable_fsdp_float8_all_gather": true}',
 )
 
 
@@ -182,7 +191,12 @@ def main() -> int:
     parser.add_argument("--eager-part", action="store_true",
                         help="time the expressible part of a skipped row (not compared)")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
+    parser.add_argument("--float8-all-gather", action="store_true",
+                        help="Float8 rows with torchao's FSDP2 float8 all-gather")
     args = parser.parse_args()
+    if args.float8_all_gather:
+        global _FLOAT8
+        _FLOAT8 = _FLOAT8_ALL_GATHER
     from oomkit.errors import OomkitError
 
     data = json.loads((HERE / "data" / "torchtitan_published.json").read_text())
@@ -243,6 +257,7 @@ def main() -> int:
         "source": data["source"],
         "loss": args.loss,
         "eager_part": args.eager_part,
+        "float8_all_gather": args.float8_all_gather,
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),

@@ -22,22 +22,52 @@ Each takes torchao's ``recipe_name`` (``"rowwise"``, torchtitan 0.3.0's default;
 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise"}'``.
 The same override runs on a GPU with torchtitan 0.3.0 and oomkit installed. The replacement is
 made with torchtitan's ``derive``, so the sharding set by ``update_from_config`` is kept (the
-converter, which runs before it, builds a fresh config). Float8 all-gather is not available
-this way: 0.3.0's ``Float8Linear`` is built with ``__init__``, and torchao wraps the weight for
-FSDP2's float8 all-gather only in ``Float8Linear.from_float``
-(torchao/float8/float8_linear.py).
+converter, which runs before it, builds a fresh config).
+
+Float8 all-gather with FSDP2, which torchtitan 0.3.0 dropped with its ``float8`` config section:
+both factories take ``enable_fsdp_float8_all_gather`` (the field of torchtitan's older Float8
+converter, torchtitan/components/quantization/float8.py in 0.1.0-0.2.2, and torchtitan/float8.py
+at 9dec370). 0.3.0's ``Float8Linear`` is built with ``__init__``, and torchao wraps the weight
+in ``WeightWithDynamicFloat8CastTensor`` only in ``Float8Linear.from_float``
+(torchao/float8/float8_linear.py); :class:`Float8AllGatherLinear` wraps it the same way when
+built, on ``meta`` before ``parallelize_fn``, where the older converter's
+``convert_to_float8_training`` wrapped it. FSDP2 then all-gathers each linear's weight as
+float8 bytes (the wrapper's ``fsdp_pre_all_gather``: the shard cast with a scale from the
+amax all-reduced over the FSDP mesh) instead of bf16. torchao allows it for the tensorwise
+recipe only (torchao/float8/config.py ``Float8LinearConfig.__post_init__``), so a rowwise
+recipe with it is refused. torchtitan's older converter turned it on only where FSDP shards
+(``dp_shard`` > 1); ask for it with FSDP. 2024's 8B Float8 rows with it (torchtitan's table
+does not say whether they had it; its docs of the time launched Float8 with it)::
+
+    --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
+    "tensorwise", "enable_fsdp_float8_all_gather": true}'
+
+The older field ``precompute_float8_dynamic_scale_for_fsdp`` (torchao's one all-reduce of every
+float8 weight's amax after the optimizer step) is not offered: torchao 0.18's
+``WeightWithDynamicFloat8CastTensor.__tensor_flatten__`` tests ``if self._precomputed_scale``,
+a read of a tensor's value that a fake tensor cannot answer, and the recorder finds each
+parameter's storage through ``__tensor_flatten__``. Its memory is a float32 scale per float8
+weight, and no per-weight amax temporaries in the all-gather's cast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from oomkit.errors import ConfigError
 from oomkit.prediction._torchtitan_env import import_torchtitan
 
-__all__ = ["BLOCK_LINEARS", "float8_block_linears", "float8_linears"]
+__all__ = [
+    "BLOCK_LINEARS",
+    "Float8AllGatherLinear",
+    "float8_block_linears",
+    "float8_linears",
+]
 
 _override = import_torchtitan("torchtitan.config.override")
 _quantization = import_torchtitan("torchtitan.components.quantization.float8")
+_fsdp_utils = import_torchtitan("torchao.float8.fsdp_utils")
 _Linear = import_torchtitan("torchtitan.models.common.linear").Linear
 
 # The FQN glob of the blocks' linears. apply_overrides traverses from the Trainer.Config, so
@@ -46,17 +76,70 @@ _Linear = import_torchtitan("torchtitan.models.common.linear").Linear
 BLOCK_LINEARS = "*layers.*"
 
 
-def _float8(config: Any, recipe_name: str) -> Any:
-    """``config`` as a ``Float8Linear.Config`` where torchtitan's converter would convert it."""
+class Float8AllGatherLinear(_quantization.Float8Linear):  # type: ignore[name-defined]
+    """torchtitan's ``Float8Linear`` whose weight FSDP2 all-gathers in float8.
+
+    Built as torchtitan 0.3.0 builds its own (``__init__`` on ``meta``), then the weight is
+    wrapped as torchao's ``Float8Linear.from_float`` wraps it when the torchao config asks
+    for float8 all-gather (torchao/float8/float8_linear.py): a ``WeightWithDynamicFloat8CastTensor``
+    parameter carrying the linear's matmul config and the weight's float8 dtype.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(_quantization.Float8Linear.Config):  # type: ignore[name-defined]
+        """``Float8Linear.Config`` that builds :class:`Float8AllGatherLinear`."""
+
+    def __init__(self, config: Any) -> None:
+        import torch
+
+        super().__init__(config)
+        if self.config.enable_fsdp_float8_all_gather:
+            # float8_linear.py Float8Linear.from_float: the wrapper goes on last, on the
+            # weight as built (meta here, as convert_to_float8_training ran before FSDP2)
+            weight: Any = self._parameters["weight"]
+            self.weight = torch.nn.Parameter(
+                _fsdp_utils.WeightWithDynamicFloat8CastTensor(
+                    weight, self.linear_mm_config, self.config.cast_config_weight.target_dtype
+                ),
+                requires_grad=weight.requires_grad,
+            )
+
+
+def _torchao_config(recipe_name: str, enable_fsdp_float8_all_gather: bool) -> Any:
+    """The recipe's torchao config, with float8 all-gather where asked (tensorwise only)."""
     converter_config = _quantization.Float8LinearConverter.Config(recipe_name=recipe_name)
     # float8.py Float8LinearConverter.__init__: the GPU's capability check (the target's, under
     # oomkit's cuda_capability), torchao's recipe, the filter; convert() swaps what passes it.
     converter = converter_config.build()
+    if not converter.enabled or not enable_fsdp_float8_all_gather:
+        return converter
+    torchao_config = converter.torchao_config
+    granularity = torchao_config.cast_config_weight.scaling_granularity.value
+    if granularity != "tensorwise":
+        # torchao/float8/config.py Float8LinearConfig.__post_init__ asserts it
+        raise ConfigError(
+            f"enable_fsdp_float8_all_gather needs torchao's tensorwise recipe; the "
+            f"{recipe_name!r} recipe scales the weight {granularity} (torchao/float8/config.py "
+            "allows float8 all-gather only for tensorwise scaling). Pass "
+            '{"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": true}'
+        )
+    converter.torchao_config = dataclasses.replace(
+        torchao_config, enable_fsdp_float8_all_gather=True
+    )
+    return converter
+
+
+def _float8(config: Any, recipe_name: str, enable_fsdp_float8_all_gather: bool) -> Any:
+    """``config`` as a Float8 linear config where torchtitan's converter would convert it."""
+    converter = _torchao_config(recipe_name, enable_fsdp_float8_all_gather)
     if not converter.enabled or not converter.filter_fn(config, ""):
         return config
-    return _override.derive(
-        config, _quantization.Float8Linear.Config, _torchao_config=converter.torchao_config
+    target = (
+        Float8AllGatherLinear.Config
+        if enable_fsdp_float8_all_gather
+        else _quantization.Float8Linear.Config
     )
+    return _override.derive(config, target, _torchao_config=converter.torchao_config)
 
 
 @_override.override(
@@ -64,9 +147,11 @@ def _float8(config: Any, recipe_name: str) -> Any:
     exact=True,  # a Float8Linear.Config (a Linear.Config subclass) is not converted again
     description="torchao Float8 linear training on every linear (oomkit)",
 )
-def float8_linears(config: Any, recipe_name: str = "rowwise") -> Any:
+def float8_linears(
+    config: Any, recipe_name: str = "rowwise", enable_fsdp_float8_all_gather: bool = False
+) -> Any:
     """Every linear of the job trains in Float8 (torchtitan's converter, no ``filter_fqns``)."""
-    return _float8(config, recipe_name)
+    return _float8(config, recipe_name, enable_fsdp_float8_all_gather)
 
 
 @_override.override(
@@ -75,6 +160,8 @@ def float8_linears(config: Any, recipe_name: str = "rowwise") -> Any:
     exact=True,
     description="torchao Float8 linear training on the blocks' linears, LM head in bf16 (oomkit)",
 )
-def float8_block_linears(config: Any, recipe_name: str = "rowwise") -> Any:
+def float8_block_linears(
+    config: Any, recipe_name: str = "rowwise", enable_fsdp_float8_all_gather: bool = False
+) -> Any:
     """The blocks' linears train in Float8; the LM head does not (torchtitan in 2024)."""
-    return _float8(config, recipe_name)
+    return _float8(config, recipe_name, enable_fsdp_float8_all_gather)
