@@ -49,13 +49,19 @@ _CPU_OPS = (CPU_FLASH_OP, "aten._scaled_dot_product_attention_math.default")
 
 @pytest.fixture(scope="module")
 def recorded():
-    """(label) -> (recording, prediction): CP 2 with the blocks compiled, and eagerly."""
+    """(label) -> (recording, prediction): CP 2 with the blocks compiled, and eagerly, without
+    AC; compiled under torchtitan's selective (op) AC and its full AC."""
     target = Target.resolve("h100")
     out = {}
-    for label, extra in (("compiled", ("--compile.enable",)), ("eager", ())):
+    for label, extra, ac in (
+        ("compiled", ("--compile.enable",), "none"),
+        ("eager", (), "none"),
+        ("compiled_sac", ("--compile.enable",), "selective"),
+        ("compiled_full_ac", ("--compile.enable",), "full"),
+    ):
         job = TorchtitanJob(
             "_torchtitan_two_blocks", "llama3_debug_two_blocks",
-            (*_BASE, *extra, "activation_checkpoint:none"), world_size=_CP,
+            (*_BASE, *extra, f"activation_checkpoint:{ac}"), world_size=_CP,
         )
         recording, _ = record_torchtitan_job(job, target=target)
         out[label] = (recording, predict_recording(recording, target=target))
@@ -107,6 +113,24 @@ def test_the_fused_kernels_outputs_are_sized_from_the_local_shapes(recorded):
     assert _allocs(compiled, _CUDNN_BACKWARD) == _allocs(eager, _CUDNN_BACKWARD)
     # the backward's fp32 dQ accumulator of the whole local query (attention_backward.cu)
     assert _allocs(compiled, _CUDNN_BACKWARD)[out_bytes * 2] == calls
+
+
+def test_selective_ac_saves_the_rings_cudnn_outputs_and_full_ac_recomputes_them(recorded):
+    """torchtitan's op-level save list holds ``_scaled_dot_product_cudnn_attention``
+    (torchtitan/distributed/activation_checkpoint.py ``_get_default_save_ops``): compiled under
+    selective AC, the ring's cuDNN calls run once per block and step, as without AC; under full
+    AC the backward graph recomputes them, twice the forward's bytes, the same backward."""
+    no_ac = _allocs(recorded["compiled"][0], _CUDNN)
+    assert _allocs(recorded["compiled_sac"][0], _CUDNN) == no_ac
+    full = _allocs(recorded["compiled_full_ac"][0], _CUDNN)
+    assert full == {size: 2 * n for size, n in no_ac.items()}
+    backward = _allocs(recorded["compiled"][0], _CUDNN_BACKWARD)
+    for label in ("compiled_sac", "compiled_full_ac"):
+        recording = recorded[label][0]
+        assert _allocs(recording, _CUDNN_BACKWARD) == backward
+        assert not [w for w in recording.warnings if "could not be compiled" in w]
+        for op in _CPU_OPS:
+            assert not _allocs(recording, op)
 
 
 def test_compiled_cp_peaks_no_higher_than_eager_cp(recorded):
