@@ -31,6 +31,18 @@ them, with the settings and cuDNN version the eager path's SDPA emulation uses) 
 op, which goes on to torch's ring. Only the capture's fake run reaches the handler: the eager
 step's SDPA is the tracer's hook (``emulations/sdpa.py``), and the compiled graphs' SDPA nodes
 are replaced before AOTAutograd traces them; nothing it runs is recorded.
+
+Why the handler alone would not do for step 2: AOTAutograd records autograd above DTensor, so a
+CPU flash op reaching it there would be differentiated as the CPU op
+(``_scaled_dot_product_flash_attention_for_cpu_backward``), which Inductor keeps as it is
+(torch/_inductor/decomposition.py:118 excludes the op's decomposition, torch/_decomp/
+decompositions.py:5774): the CPU kernel would stay in the backward graph. The node replacement
+keeps it out of both graphs.
+
+Sources (torch 2.13.0, git cf30153): torch/distributed/tensor/experimental/_context_parallel/
+_attention.py:897 ``_sdpa_handler``, :939 ``custom_ops``, :1001 ``_enable_cp_dtensor_dispatcher``
+(``{**existing_custom_ops, **custom_ops}``, read when CP is enabled); torch/_dynamo/utils.py:3942
+``get_fake_value``, :4200 ``run_node``.
 """
 
 from __future__ import annotations
