@@ -4,8 +4,8 @@ Reads ``benchmarks/data/torchtitan_published.json`` (the rows of torchtitan's
 benchmarks/llama3_h100_202412_torchtitan.md, with their source commit) and predicts each row the
 torchtitan route can express (``oomkit.prediction.torchtitan_job``: torchtitan 0.3.0's own
 config, model, ``parallelize_llama``, loss and optimizer on a fake process group of the row's
-world size); a row that needs what the route refuses (compile with CP, async TP, CP with
-PP) is skipped with the reason. The job is the 2024 one written as 0.3.0 overrides: the
+world size); a row that needs what the route refuses (async TP, CP with PP) is
+skipped with the reason. The job is the 2024 one written as 0.3.0 overrides: the
 row's FSDP / TP / CP degrees, local batch and sequence length, torchtitan's selective (op) or
 full AC, Float8 as 2024 ran it (torchao's tensorwise recipe on the blocks' linears, the LM head
 in bf16: ``--override.imports oomkit.prediction._torchtitan_float8.float8_block_linears``;
@@ -113,9 +113,6 @@ def _job_name(row: dict) -> tuple[str, str]:
 def _skip_reason(row: dict) -> str | None:
     layout = row["layout"]
     parts = [
-        # dynamo's fake run of SDPA on CP's DTensors takes the CPU kernel, which DTensor has no
-        # sharding rule for (eager CP picks the GPU's fused kernel: _torchtitan_cp.py)
-        (row["compile"] and layout["cp"] > 1, "torch.compile with context parallel"),
         (layout["cp"] > 1 and layout.get("pp", 1) > 1, "context parallel with pipeline parallel"),
         (row["async_tp"], "async TP"),
     ]

@@ -258,6 +258,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction._torchtitan_env",
         "oomkit.prediction._torchtitan_pipeline",
         "oomkit.prediction._torchtitan_cp",
+        "oomkit.prediction._torchtitan_cp_compile",
         "oomkit.prediction._torchtitan_float8",
         "oomkit.prediction._torchtitan_init",
         "oomkit.prediction._torchtitan_ranks",

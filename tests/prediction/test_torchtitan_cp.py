@@ -156,12 +156,6 @@ def test_cp_with_pipeline_parallel_is_refused_naming_both():
         record_torchtitan_job(job, target=Target.resolve("h100"))
 
 
-def test_cp_with_compiled_blocks_is_refused_naming_the_override_to_drop():
-    job = _job(2, "--parallelism.context_parallel_degree", "2", "--compile.enable")
-    with pytest.raises(ConfigError, match="--compile.enable with --parallelism.context_parallel"):
-        record_torchtitan_job(job, target=Target.resolve("h100"))
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     seq=st.integers(1, 1 << 18), cp=st.integers(1, 16), tp=st.integers(1, 8), sp=st.booleans()

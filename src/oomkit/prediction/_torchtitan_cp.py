@@ -23,11 +23,13 @@ that op to the matching ring function (``tracing/emulations/sdpa.py``). torch's 
 settings in module globals (the dispatcher's op handlers, ``_cp_options``, the dispatch mode),
 which torchtitan sets and never resets: :func:`torch_cp_state_kept` puts them back after a job.
 
+Compiled blocks (``--compile.enable``) record with CP: dynamo's capture of SDPA on the CP
+DTensors takes the fused kernel the target GPU picks, as on a GPU (``_torchtitan_cp_compile.py``),
+and AOTAutograd traces torch's ring into the compiled forward and backward graphs.
+
 Not recorded: CP with pipeline parallel (torchtitan's stages take the sharded micro-batches
-through the schedule's keyword arguments, which ``_torchtitan_pipeline.py`` does not pass), CP
-with compiled blocks (dynamo's fake run of SDPA on the CP DTensors, on the fake group's cpu
-device, takes the CPU kernel, which DTensor has no sharding rule for), and FlexAttention's CP
-(its Triton kernels are not emulated; the route records SDPA).
+through the schedule's keyword arguments, which ``_torchtitan_pipeline.py`` does not pass), and
+FlexAttention's CP (its Triton kernels are not emulated; the route records SDPA).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def refuse_unmodelled_cp(config: Any, parallel_dims: Any) -> None:
     """Refuse CP with what this route does not record with it.
 
     Raises:
-        ConfigError: CP with pipeline parallel, or with the blocks compiled.
+        ConfigError: CP with pipeline parallel.
     """
     if not parallel_dims.cp_enabled:
         return
@@ -68,16 +70,6 @@ def refuse_unmodelled_cp(config: Any, parallel_dims: Any) -> None:
             "--parallelism.context_parallel_degree with --parallelism.pipeline_parallel_degree: "
             "context parallel is recorded without pipeline parallel only (the stages' sharded "
             "micro-batches are not passed yet); drop one of them (issue 38 tracks it)"
-        )
-    if config.compile.enable and "model" in config.compile.components:
-        # dynamo runs each captured op on fake tensors of the fake group's cpu device: SDPA on
-        # the CP DTensors takes the CPU flash kernel there, which DTensor has no sharding rule
-        # for (on a GPU the composite picks a CUDA kernel, which the CP dispatcher takes)
-        raise ConfigError(
-            "--compile.enable with --parallelism.context_parallel_degree: compiled blocks with "
-            "context parallel are not recorded on the fake group yet (dynamo's fake run of SDPA "
-            "on the CP DTensors takes the CPU kernel); drop --compile.enable to record the job "
-            "eagerly (issue 38 tracks it)"
         )
 
 

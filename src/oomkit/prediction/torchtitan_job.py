@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from oomkit.errors import ConfigError, OomkitError
 from oomkit.prediction import _torchtitan_cp as context_parallel
 from oomkit.prediction import _torchtitan_pipeline as pipelined
+from oomkit.prediction._torchtitan_cp_compile import cpu_sdpa_as_cuda
 from oomkit.prediction._torchtitan_env import (
     cuda_capability,
     import_torchtitan,
@@ -554,7 +555,7 @@ def record_torchtitan_job(
         ),
     )
     with meshes_on_the_host(), cuda_capability(capability), dynamo_restored, \
-            context_parallel.torch_cp_state_kept():
+            context_parallel.torch_cp_state_kept(), cpu_sdpa_as_cuda(target):
         try:
             recording = trace_distributed_step(
                 build, world_size=job.world_size, rank=job.rank, steps=steps, target=target,
