@@ -42,17 +42,29 @@ does not say whether they had it; its docs of the time launched Float8 with it):
     --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
     "tensorwise", "enable_fsdp_float8_all_gather": true}'
 
-The older field ``precompute_float8_dynamic_scale_for_fsdp`` (torchao's one all-reduce of every
-float8 weight's amax after the optimizer step) is not offered: torchao 0.18's
-``WeightWithDynamicFloat8CastTensor.__tensor_flatten__`` tests ``if self._precomputed_scale``,
-a read of a tensor's value that a fake tensor cannot answer, and the recorder finds each
-parameter's storage through ``__tensor_flatten__``. Its memory is a float32 scale per float8
-weight, and no per-weight amax temporaries in the all-gather's cast.
+The older field ``precompute_float8_dynamic_scale_for_fsdp`` (with the all-gather only: torchtitan's
+older converter kept it only then, ``precompute_scale = enable_fsdp_float8_all_gather and ...``
+in float8.py; here it is refused without it) runs torchao's
+``precompute_float8_dynamic_scale_for_fsdp`` on each model part after every optimizer step,
+from a step post-hook on torchtitan's optimizers container, where torchtitan 0.2.2 ran it
+(torchtitan/train.py:284-288 ``optimizers.register_step_post_hook(... post_optimizer_hook(
+model_parts))``). torchao's function (torchao/float8/fsdp_utils.py) takes every float8
+weight's local amax in one ``_foreach_norm``, stacks them, all-reduces once (the DTensor
+``clamp``) and keeps one float32 tensor of the part's scales, each weight's
+``_precomputed_scale`` a 0-d view of it; the next all-gathers cast with that scale, without
+the per-weight ``abs``/``max`` and all-reduce. On fake tensors torchao's own code runs; what
+needs a value is the truth test of ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__``
+(``if self._precomputed_scale``), answered as on a GPU (:func:`_flatten_with_value_free_scale`)::
+
+    --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
+    "tensorwise", "enable_fsdp_float8_all_gather": true,
+    "precompute_float8_dynamic_scale_for_fsdp": true}'
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from oomkit.errors import ConfigError
@@ -75,6 +87,8 @@ _Linear = import_torchtitan("torchtitan.models.common.linear").Linear
 # module FQN its docstring shows); fnmatch's "*" also crosses dots, so either form matches.
 BLOCK_LINEARS = "*layers.*"
 
+_PRECOMPUTE = "precompute_float8_dynamic_scale_for_fsdp"
+
 
 class Float8AllGatherLinear(_quantization.Float8Linear):  # type: ignore[name-defined]
     """torchtitan's ``Float8Linear`` whose weight FSDP2 all-gathers in float8.
@@ -82,17 +96,25 @@ class Float8AllGatherLinear(_quantization.Float8Linear):  # type: ignore[name-de
     Built as torchtitan 0.3.0 builds its own (``__init__`` on ``meta``), then the weight is
     wrapped as torchao's ``Float8Linear.from_float`` wraps it when the torchao config asks
     for float8 all-gather (torchao/float8/float8_linear.py): a ``WeightWithDynamicFloat8CastTensor``
-    parameter carrying the linear's matmul config and the weight's float8 dtype.
+    parameter carrying the linear's matmul config and the weight's float8 dtype. With
+    ``precompute_float8_dynamic_scale_for_fsdp`` (a field torchtitan's own ``Float8Linear.Config``
+    carried before 0.3.0), the optimizers that step it run torchao's scale precompute after
+    each step (this module's docstring).
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(_quantization.Float8Linear.Config):  # type: ignore[name-defined]
         """``Float8Linear.Config`` that builds :class:`Float8AllGatherLinear`."""
 
+        precompute_float8_dynamic_scale_for_fsdp: bool = False
+
     def __init__(self, config: Any) -> None:
         import torch
 
         super().__init__(config)
+        self.precompute_float8_dynamic_scale_for_fsdp = bool(
+            config.precompute_float8_dynamic_scale_for_fsdp
+        )
         if self.config.enable_fsdp_float8_all_gather:
             # float8_linear.py Float8Linear.from_float: the wrapper goes on last, on the
             # weight as built (meta here, as convert_to_float8_training ran before FSDP2)
@@ -103,6 +125,93 @@ class Float8AllGatherLinear(_quantization.Float8Linear):  # type: ignore[name-de
                 ),
                 requires_grad=weight.requires_grad,
             )
+        if self.precompute_float8_dynamic_scale_for_fsdp:
+            _arm_precompute()
+
+
+# --------------------------------------------------------------- the scale precompute
+
+# The process's one optimizer step pre-hook that finds torchtitan's optimizers container of
+# a job with precompute linears (its first step), and the containers it gave the post-hook.
+_ARMED: list[Any] = []
+_HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _arm_precompute() -> None:
+    """Register (once per process) the pre-hook that gives the job's optimizers the post-hook.
+
+    torchtitan 0.3.0's trainer registers no converter hook (trainer.py:549-553 builds the
+    optimizers and calls only the model spec's ``post_optimizer_build_fn``), and an override
+    reaches only the linears' configs; so the container is found at its first step and given
+    the post-hook torchtitan 0.2.2's trainer registered at build. Post-hooks run after the
+    step they were registered in (torch/optim/optimizer.py ``profile_hook_step``), so the
+    first step runs it too, as on torchtitan 0.2.2.
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    if not _ARMED:
+        _ARMED.append(register_optimizer_step_pre_hook(_find_container))
+
+
+def _find_container(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Give torchtitan's optimizers container of precompute linears the post-step hook."""
+    containers = import_torchtitan("torchtitan.components.optimizer")
+    if not isinstance(optimizer, containers.OptimizersContainer) or optimizer in _HOOKED:
+        return
+    if not any(
+        getattr(module, _PRECOMPUTE, False)
+        for part in optimizer.model_parts
+        for module in part.modules()
+    ):
+        return
+    _HOOKED.add(optimizer)
+    # torchtitan 0.2.2 train.py:284-288: optimizers.register_step_post_hook(lambda *args,
+    # **kwargs: model_converters.post_optimizer_hook(self.model_parts))
+    optimizer.register_step_post_hook(_precompute_after_step)
+
+
+def _precompute_after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torchtitan 0.2.2 ``Float8LinearConverter.post_optimizer_hook``: torchao's precompute
+    of each model part's float8 weight scales (components/quantization/float8.py)."""
+    _answer_scale_truth_tests()
+    for part in optimizer.model_parts:
+        _fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+_TORCHAO_FLATTEN = _fsdp_utils.WeightWithDynamicFloat8CastTensor.__tensor_flatten__
+
+
+def _flatten_with_value_free_scale(self: Any) -> tuple[list[str], dict[str, Any]]:
+    """torchao's ``__tensor_flatten__``, its scale's truth test answered for a fake scale.
+
+    torchao/float8/fsdp_utils.py ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__``
+    lists ``_precomputed_scale`` as an inner tensor ``if self._precomputed_scale``: a read of
+    the 0-d scale's value, which a fake (or meta) tensor has not. The scale it tests is
+    ``precompute_float8_dynamic_scale_for_fsdp``'s ``finfo(float8).max / clamp(amax, EPS)``,
+    positive, so on a GPU the test holds whenever a scale is set; here it is taken as held,
+    torchao's own function giving the rest. Real scales go to torchao's unchanged.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    scale = self._precomputed_scale
+    if scale is None or not (isinstance(scale, FakeTensor) or scale.device.type == "meta"):
+        return _TORCHAO_FLATTEN(self)
+    self._precomputed_scale = None
+    try:
+        names, spec = _TORCHAO_FLATTEN(self)
+    finally:
+        self._precomputed_scale = scale
+    return [*names, "_precomputed_scale"], spec
+
+
+def _answer_scale_truth_tests() -> None:
+    """Install :func:`_flatten_with_value_free_scale` on torchao's weight wrapper (once)."""
+    wrapper = _fsdp_utils.WeightWithDynamicFloat8CastTensor
+    if wrapper.__tensor_flatten__ is _TORCHAO_FLATTEN:
+        wrapper.__tensor_flatten__ = _flatten_with_value_free_scale
+
+
+# --------------------------------------------------------------- the override factories
 
 
 def _torchao_config(recipe_name: str, enable_fsdp_float8_all_gather: bool) -> Any:
@@ -129,17 +238,37 @@ def _torchao_config(recipe_name: str, enable_fsdp_float8_all_gather: bool) -> An
     return converter
 
 
-def _float8(config: Any, recipe_name: str, enable_fsdp_float8_all_gather: bool) -> Any:
+def _float8(
+    config: Any,
+    recipe_name: str,
+    enable_fsdp_float8_all_gather: bool,
+    precompute_float8_dynamic_scale_for_fsdp: bool,
+) -> Any:
     """``config`` as a Float8 linear config where torchtitan's converter would convert it."""
+    if precompute_float8_dynamic_scale_for_fsdp and not enable_fsdp_float8_all_gather:
+        # torchtitan 0.2.2 components/quantization/float8.py Float8LinearConverter.__init__:
+        # precompute_scale = enable_fsdp_float8_all_gather and precompute_...; torchao's
+        # precompute finds only all-gather weights (fsdp_utils.py, the wrapper's isinstance)
+        raise ConfigError(
+            "precompute_float8_dynamic_scale_for_fsdp precomputes the scales of float8 "
+            "all-gather (torchao/float8/fsdp_utils.py), and torchtitan ran it only with "
+            'enable_fsdp_float8_all_gather. Pass {"recipe_name": "tensorwise", '
+            '"enable_fsdp_float8_all_gather": true, '
+            '"precompute_float8_dynamic_scale_for_fsdp": true}, or drop it'
+        )
     converter = _torchao_config(recipe_name, enable_fsdp_float8_all_gather)
     if not converter.enabled or not converter.filter_fn(config, ""):
         return config
-    target = (
-        Float8AllGatherLinear.Config
-        if enable_fsdp_float8_all_gather
-        else _quantization.Float8Linear.Config
+    if not enable_fsdp_float8_all_gather:
+        return _override.derive(
+            config, _quantization.Float8Linear.Config, _torchao_config=converter.torchao_config
+        )
+    return _override.derive(
+        config,
+        Float8AllGatherLinear.Config,
+        _torchao_config=converter.torchao_config,
+        precompute_float8_dynamic_scale_for_fsdp=precompute_float8_dynamic_scale_for_fsdp,
     )
-    return _override.derive(config, target, _torchao_config=converter.torchao_config)
 
 
 @_override.override(
@@ -148,10 +277,15 @@ def _float8(config: Any, recipe_name: str, enable_fsdp_float8_all_gather: bool) 
     description="torchao Float8 linear training on every linear (oomkit)",
 )
 def float8_linears(
-    config: Any, recipe_name: str = "rowwise", enable_fsdp_float8_all_gather: bool = False
+    config: Any,
+    recipe_name: str = "rowwise",
+    enable_fsdp_float8_all_gather: bool = False,
+    precompute_float8_dynamic_scale_for_fsdp: bool = False,
 ) -> Any:
     """Every linear of the job trains in Float8 (torchtitan's converter, no ``filter_fqns``)."""
-    return _float8(config, recipe_name, enable_fsdp_float8_all_gather)
+    return _float8(
+        config, recipe_name, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp
+    )
 
 
 @_override.override(
@@ -161,7 +295,12 @@ def float8_linears(
     description="torchao Float8 linear training on the blocks' linears, LM head in bf16 (oomkit)",
 )
 def float8_block_linears(
-    config: Any, recipe_name: str = "rowwise", enable_fsdp_float8_all_gather: bool = False
+    config: Any,
+    recipe_name: str = "rowwise",
+    enable_fsdp_float8_all_gather: bool = False,
+    precompute_float8_dynamic_scale_for_fsdp: bool = False,
 ) -> Any:
     """The blocks' linears train in Float8; the LM head does not (torchtitan in 2024)."""
-    return _float8(config, recipe_name, enable_fsdp_float8_all_gather)
+    return _float8(
+        config, recipe_name, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp
+    )

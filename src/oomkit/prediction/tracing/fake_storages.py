@@ -44,6 +44,12 @@ __all__ = [
 # object lives exactly as long as its StorageImpl.
 _HOST_ATTR = "_oomkit_host_memory"
 
+# torchao's float8 all-gather weight (torchao/float8/fsdp_utils.py): its __tensor_flatten__
+# lists the weight (``_tensor``) and, once torchao's precompute_float8_dynamic_scale_for_fsdp
+# has run, ``_precomputed_scale``: a 0-d view of the one scales tensor that function keeps
+# for all the module's float8 weights, accounted by its own storage. The weight is ``_tensor``.
+_TORCHAO_FLOAT8_WEIGHT = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
+
 
 def mark_host(tensor: torch.Tensor) -> None:
     """Record that the fake ``tensor``'s storage is host memory, not device memory."""
@@ -83,16 +89,20 @@ def fake_tensor_storage(tensor: torch.Tensor, device_type: str) -> torch.Untyped
 
     Returns:
         The meta storage of the fake tensor (of the wrapped one for DTensor, or the wrapped real
-        tensor's storage on ``device_type``); None for host tensors made from Python data,
-        wrappers of several tensors and other devices.
+        tensor's storage on ``device_type``; the weight of torchao's float8 all-gather wrapper,
+        not its precomputed scale); None for host tensors made from Python data, wrappers of
+        several tensors and other devices.
     """
     if isinstance(tensor, FakeTensor):
         storage = tensor.untyped_storage()
         if storage.device.type != device_type or getattr(storage, _HOST_ATTR, False):
             return None
         return storage
-    # torch 2.13's DTensor also lists its (opaque) device mesh among the inner attributes.
-    inner_names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    if f"{type(tensor).__module__}.{type(tensor).__qualname__}" == _TORCHAO_FLOAT8_WEIGHT:
+        inner_names = ["_tensor"]
+    else:
+        # torch 2.13's DTensor also lists its (opaque) device mesh among the inner attributes.
+        inner_names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = [getattr(tensor, name) for name in inner_names]
     tensors = [t for t in inner if isinstance(t, torch.Tensor)]
     if len(tensors) != 1:

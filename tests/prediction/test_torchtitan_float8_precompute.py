@@ -1,0 +1,267 @@
+"""torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step, recorded.
+
+``precompute_float8_dynamic_scale_for_fsdp`` on ``float8_block_linears`` (with float8
+all-gather, as torchtitan 0.2.2 ran it) gives torchtitan's optimizers container the post-step
+hook of torchtitan 0.2.2's trainer: torchao's function takes the N float8 weights' local amax
+in one ``_foreach_norm``, stacks, all-reduces once and keeps one float32 tensor of N scales;
+the next all-gathers cast each shard with its scale instead of computing it (``abs`` of the
+fp32 shard, ``max``, an all-reduce and the scale's arithmetic per weight). The job: llama3's
+debug model cut to 2 blocks (``_torchtitan_two_blocks``), FSDP 2, tensorwise, the blocks'
+linears in Float8 and gathered in float8, recorded for 2 steps with the precompute off and on.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torchtitan")
+
+from oomkit.core.target import Target  # noqa: E402
+from oomkit.errors import ConfigError  # noqa: E402
+from oomkit.prediction._torchtitan_env import (  # noqa: E402
+    SUPPORTED_TORCHTITAN,
+    cuda_capability,
+    import_torchtitan,
+    torchtitan_version,
+)
+from oomkit.prediction.predictor import predict_recording  # noqa: E402
+from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
+
+if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
+    pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
+
+_MODULE = "oomkit.prediction._torchtitan_float8"
+_BASE = (
+    "--parallelism.spmd_backend", "partial_dtensor",
+    "--training.local_batch_size", "2",
+    "--training.seq_len", "256",
+    "--training.disable_cuda_graphs",
+)
+_FSDP = 2
+# CUDACachingAllocator.cpp kMinBlockSize: a request under 512 bytes takes a 512-byte block
+_MIN_BLOCK_BYTES = 512
+# float32 (the weights' shards, the scales and amaxes) and float64 (torchao's scale arithmetic:
+# fsdp_utils.py precompute_float8_dynamic_scale_for_fsdp, float8_utils.py amax_to_scale)
+_FP32_BYTES, _FP64_BYTES = 4, 8
+
+
+def _override(precompute: bool) -> tuple[str, ...]:
+    words = "true" if precompute else "false"
+    return (
+        "--override.imports",
+        f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise", '
+        f'"enable_fsdp_float8_all_gather": true, '
+        f'"precompute_float8_dynamic_scale_for_fsdp": {words}}}',
+    )
+
+
+def _block_linears() -> dict[str, int]:
+    """One debugmodel block's linear weights, element counts (the ones converted to Float8)."""
+    import torch
+
+    registry = import_torchtitan("torchtitan.models.llama3.config_registry")
+    with torch.device("meta"):
+        model = registry.llama3_debugmodel().model_spec.model.build()
+    return {
+        name: param.numel()
+        for name, param in model.layers["0"].named_parameters()
+        if param.ndim == 2
+    }
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """precompute off / on -> (recording, prediction) of two train steps on an H100."""
+    target = Target.resolve("h100")
+    out = {}
+    for precompute in (False, True):
+        job = TorchtitanJob(
+            "_torchtitan_two_blocks", "llama3_debug_two_blocks",
+            _BASE + _override(precompute), world_size=_FSDP,
+        )
+        recording, _ = record_torchtitan_job(job, target=target)
+        out[precompute] = (recording, predict_recording(recording, target=target))
+    return out
+
+
+def _step_allocs(recording, step: int) -> collections.Counter:
+    """(phase, op, requested bytes) of each allocation of step ``step`` (1-based)."""
+    starts = (*recording.step_starts, len(recording.events))
+    return collections.Counter(
+        (event.tag("phase"), event.tag("op"), event.size)
+        for event in recording.events[starts[step - 1]:starts[step]]
+        if event.action == "alloc"
+    )
+
+
+def test_each_optimizer_step_ends_with_torchaos_one_precompute_of_all_scales(recorded):
+    """What the precompute adds to each step, in the optimizer step (torchtitan's container
+    post-hook): one float32 amax per float8 weight (``_foreach_norm``), their stack, its
+    all-reduce and clamp, the float64 upcast, ``finfo.max / amax`` (reciprocal, mul) and the
+    float32 scales, N of each; and it takes nothing away from the step it ends."""
+    weights = 2 * len(_block_linears())  # the two blocks' float8 linears; the head is bf16
+    expected = collections.Counter({
+        ("optimizer", "aten._foreach_norm.Scalar", _FP32_BYTES): weights,
+        ("optimizer", "aten.stack.default", weights * _FP32_BYTES): 1,
+        ("optimizer", "_c10d_functional.all_reduce.default", weights * _FP32_BYTES): 1,
+        ("optimizer", "aten.clamp.default", weights * _FP32_BYTES): 1,
+        ("optimizer", "aten._to_copy.default", weights * _FP64_BYTES): 1,
+        ("optimizer", "aten.reciprocal.default", weights * _FP64_BYTES): 1,
+        ("optimizer", "aten.mul.Tensor", weights * _FP64_BYTES): 1,
+        ("optimizer", "aten._to_copy.default", weights * _FP32_BYTES): 1,
+    })
+    (off, _), (on, _) = recorded[False], recorded[True]
+    assert _step_allocs(on, 1) - _step_allocs(off, 1) == expected
+    assert not _step_allocs(off, 1) - _step_allocs(on, 1)  # step 1 all-gathers cast as before
+    on_step2 = _step_allocs(on, 2) - _step_allocs(off, 2)
+    assert on_step2 == expected
+
+
+def test_each_steps_scales_outlive_the_next_precompute(recorded):
+    """The N float32 scales of step 1's post-step (each weight's ``_precomputed_scale`` a view
+    of them) are not freed when step 2's precompute replaces them: the step's all-gathers put
+    views of them in FSDP2's unsharded float8 weights (torchao fsdp_utils.py
+    ``fsdp_post_all_gather``: ``out._scale = scale``) and in each parameter's all-gather
+    metadata, which only the next all-gather replaces. Both steps' scales are live at the end."""
+    recording, _ = recorded[True]
+    weights = 2 * len(_block_linears())
+    scales = [
+        (index, event.address)
+        for index, event in enumerate(recording.events)
+        if event.action == "alloc" and event.tag("phase") == "optimizer"
+        and event.tag("op") == "aten._to_copy.default" and event.size == weights * _FP32_BYTES
+    ]
+    assert len(scales) == 2
+    (first_at, first), (second_at, second) = scales
+    assert recording.step_starts[0] < first_at < recording.step_starts[1] < second_at
+    assert first != second
+    assert not [
+        event for event in recording.events
+        if event.action == "free_completed" and event.address in (first, second)
+    ]
+
+
+def test_the_all_gathers_cast_with_the_precomputed_scales(recorded):
+    """Step 2 (after a precompute): each all-gather of a float8 weight, in the forward and in
+    the backward, no longer computes its scale: ``abs`` of its fp32 shard, ``max``, the amax's
+    all-reduce, the float64 upcast, clamp, reciprocal, mul and the float32 scale."""
+    linears = _block_linears()
+    weights = 2 * len(linears)
+    expected: collections.Counter = collections.Counter()
+    for phase in ("forward", "backward"):
+        for elements in linears.values():
+            expected[(phase, "aten.abs.default", elements // _FSDP * _FP32_BYTES)] += 2
+        for op, size in (
+            ("aten.max.default", _FP32_BYTES),
+            ("_c10d_functional.all_reduce.default", _FP32_BYTES),
+            ("aten._to_copy.default", _FP64_BYTES),
+            ("aten.clamp.default", _FP64_BYTES),
+            ("aten.reciprocal.default", _FP64_BYTES),
+            ("aten.mul.Tensor", _FP64_BYTES),
+            ("aten._to_copy.default", _FP32_BYTES),
+        ):
+            expected[(phase, op, size)] += weights
+    (off, _), (on, _) = recorded[False], recorded[True]
+    assert _step_allocs(off, 2) - _step_allocs(on, 2) == expected
+
+
+def test_the_peak_drops_by_the_per_weight_scales_less_the_one_scales_block(recorded):
+    """At the peak (step 2, the last block's backward) each of the 2 x 5 gathered float8
+    weights holds its own float32 scale, a 512-byte block each, without the precompute; with
+    it they are views of the one 40-byte scales tensor (a 512-byte block): 9 blocks less."""
+    weights = 2 * len(_block_linears())
+    (_, off), (_, on) = recorded[False], recorded[True]
+    assert off.peak_allocated_at.step == on.peak_allocated_at.step == 2
+    held_off = weights * _MIN_BLOCK_BYTES
+    held_on = _MIN_BLOCK_BYTES  # weights * 4 bytes = 40, under kMinBlockSize
+    assert off.peak_allocated_bytes - on.peak_allocated_bytes == held_off - held_on
+    by_off, by_on = off.peak_allocated_at.by_category_bytes, on.peak_allocated_at.by_category_bytes
+    assert by_off["temporary"] - by_on["temporary"] == held_off - held_on
+    assert {k: v for k, v in by_off.items() if k != "temporary"} == {
+        k: v for k, v in by_on.items() if k != "temporary"
+    }
+
+
+def test_a_fake_scale_is_flattened_as_a_gpu_scale_and_the_weight_keeps_its_storage():
+    """On fake tensors torchao's ``if self._precomputed_scale`` is answered as on a GPU (a set
+    scale is positive: listed); the recorder's storage of the wrapper is its weight's."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomkit.prediction import _torchtitan_float8 as float8
+    from oomkit.prediction.tracing.fake_storages import fake_tensor_storage
+
+    fsdp_utils = import_torchtitan("torchao.float8.fsdp_utils")
+    float8._answer_scale_truth_tests()
+    with FakeTensorMode():
+        weight = torch.empty(32, 16)
+        wrapped = fsdp_utils.WeightWithDynamicFloat8CastTensor(weight, None, torch.float8_e4m3fn)
+        assert wrapped.__tensor_flatten__()[0] == ["_tensor"]
+        wrapped._precomputed_scale = torch.empty(3)[1]
+        names, spec = wrapped.__tensor_flatten__()
+        assert names == ["_tensor", "_precomputed_scale"]
+        assert spec == {"mm_config": None, "dtype": torch.float8_e4m3fn}
+        storage = fake_tensor_storage(wrapped, "meta")
+        assert storage is not None and storage.nbytes() == 32 * 16 * _FP32_BYTES
+    # a real scale is tested by torchao's own code: a zero scale is not listed
+    real = fsdp_utils.WeightWithDynamicFloat8CastTensor(
+        torch.empty(4, 4), None, torch.float8_e4m3fn, torch.tensor(0.0)
+    )
+    assert real.__tensor_flatten__()[0] == ["_tensor"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    in_features=st.sampled_from([16, 48, 256, 24]),
+    all_gather=st.booleans(),
+    precompute=st.booleans(),
+    every_linear=st.booleans(),
+)
+def test_precompute_is_refused_without_float8_all_gather_and_kept_with_it(
+    in_features, all_gather, precompute, every_linear
+):
+    """Without float8 all-gather the precompute is a ConfigError (torchtitan ran it only with
+    it); with it, the converted linear's config and module carry it."""
+    import torch
+
+    from oomkit.prediction._torchtitan_float8 import float8_block_linears, float8_linears
+
+    factory = float8_linears if every_linear else float8_block_linears
+    linear = import_torchtitan("torchtitan.models.common.linear").Linear
+    config = linear.Config(in_features=in_features, out_features=32)
+    with cuda_capability((9, 0)):
+        if precompute and not all_gather:
+            with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather"):
+                factory(config, recipe_name="tensorwise", enable_fsdp_float8_all_gather=False,
+                        precompute_float8_dynamic_scale_for_fsdp=True)
+            return
+        swapped = factory(config, recipe_name="tensorwise", enable_fsdp_float8_all_gather=all_gather,
+                          precompute_float8_dynamic_scale_for_fsdp=precompute)
+    if in_features % 16:
+        assert swapped is config
+        return
+    with torch.device("meta"):
+        module = swapped.build()
+    assert getattr(module, "precompute_float8_dynamic_scale_for_fsdp", False) is precompute
+
+
+def test_the_cli_refuses_precompute_without_all_gather_in_one_line(capsys):
+    """The refusal comes from inside the job (torchtitan's apply_overrides runs the factory):
+    exit 2, one error line naming the field to add, no traceback."""
+    from oomkit.interfaces.cli import main
+
+    override = (
+        f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise", '
+        '"precompute_float8_dynamic_scale_for_fsdp": true}'
+    )
+    code = main(["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--gpu",
+                 "h100", "--", *_BASE, "--override.imports", override])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "enable_fsdp_float8_all_gather" in err and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("oomkit: error:")]
+    assert len(errors) == 1 and err.strip().endswith(errors[0])  # progress lines before it
