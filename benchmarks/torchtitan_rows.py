@@ -58,6 +58,15 @@ _FLOAT8_ALL_GATHER = (
     'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise", '
     '"enable_fsdp_float8_all_gather": true}',
 )
+# --float8-precompute: the all-gather with torchao's precompute_float8_dynamic_scale_for_fsdp
+# after each optimizer step, as torchtitan's docs at 9dec370 launched Float8 (docs/float8.md:10
+# --float8.precompute_float8_dynamic_scale_for_fsdp) and its 405B config set it
+# (train_configs/llama3_405b.toml [float8])
+_FLOAT8_PRECOMPUTE = (
+    "--override.imports",
+    'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name": "tensorwise", '
+    '"enable_fsdp_float8_all_gather": true, "precompute_float8_dynamic_scale_for_fsdp": true}',
+)
 
 
 def _overrides(row: dict) -> tuple[str, ...]:
@@ -190,10 +199,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     parser.add_argument("--float8-all-gather", action="store_true",
                         help="Float8 rows with torchao's FSDP2 float8 all-gather")
+    parser.add_argument("--float8-precompute", action="store_true",
+                        help="with --float8-all-gather: torchao's scale precompute after each "
+                             "optimizer step")
     args = parser.parse_args()
+    if args.float8_precompute and not args.float8_all_gather:
+        parser.error("--float8-precompute precomputes float8 all-gather's scales: add "
+                     "--float8-all-gather")
     if args.float8_all_gather:
         global _FLOAT8
-        _FLOAT8 = _FLOAT8_ALL_GATHER
+        _FLOAT8 = _FLOAT8_PRECOMPUTE if args.float8_precompute else _FLOAT8_ALL_GATHER
     from oomkit.errors import OomkitError
 
     data = json.loads((HERE / "data" / "torchtitan_published.json").read_text())
@@ -255,6 +270,7 @@ def main() -> int:
         "loss": args.loss,
         "eager_part": args.eager_part,
         "float8_all_gather": args.float8_all_gather,
+        "float8_precompute": args.float8_precompute,
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),

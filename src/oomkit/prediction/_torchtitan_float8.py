@@ -54,7 +54,10 @@ weight's local amax in one ``_foreach_norm``, stacks them, all-reduces once (the
 ``_precomputed_scale`` a 0-d view of it; the next all-gathers cast with that scale, without
 the per-weight ``abs``/``max`` and all-reduce. On fake tensors torchao's own code runs; what
 needs a value is the truth test of ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__``
-(``if self._precomputed_scale``), answered as on a GPU (:func:`_flatten_with_value_free_scale`)::
+(``if self._precomputed_scale``), answered as on a GPU (:func:`_flatten_with_value_free_scale`).
+On 2024's 8B FSDP 8 compiled Float8 row (benchmarks/torchtitan_rows.py ``--float8-all-gather
+--float8-precompute``) the peak allocated drops by 80,896 bytes (the 160 float8 weights' own
+512-byte scale blocks for one 1,024-byte block of 160 scales); the peak reserved is the same::
 
     --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
     "tensorwise", "enable_fsdp_float8_all_gather": true,
