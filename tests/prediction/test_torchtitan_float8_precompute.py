@@ -186,32 +186,26 @@ def test_the_peak_drops_by_the_per_weight_scales_less_the_one_scales_block(recor
     }
 
 
-def test_a_fake_scale_is_flattened_as_a_gpu_scale_and_the_weight_keeps_its_storage():
-    """On fake tensors torchao's ``if self._precomputed_scale`` is answered as on a GPU (a set
-    scale is positive: listed); the recorder's storage of the wrapper is its weight's."""
+def test_the_recorder_finds_the_weight_without_reading_a_fake_scale():
+    """torchao's ``__tensor_flatten__`` reads the precomputed scale's value (``if
+    self._precomputed_scale``), which a fake scale has not; the recorder's storage of the
+    wrapper is its weight's, found without it, with or without a scale set."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-    from oomkit.prediction import _torchtitan_float8 as float8
     from oomkit.prediction.tracing.fake_storages import fake_tensor_storage
 
     fsdp_utils = import_torchtitan("torchao.float8.fsdp_utils")
-    float8._answer_scale_truth_tests()
     with FakeTensorMode():
         weight = torch.empty(32, 16)
         wrapped = fsdp_utils.WeightWithDynamicFloat8CastTensor(weight, None, torch.float8_e4m3fn)
-        assert wrapped.__tensor_flatten__()[0] == ["_tensor"]
+        assert fake_tensor_storage(wrapped, "meta") is weight.untyped_storage()
         wrapped._precomputed_scale = torch.empty(3)[1]
-        names, spec = wrapped.__tensor_flatten__()
-        assert names == ["_tensor", "_precomputed_scale"]
-        assert spec == {"mm_config": None, "dtype": torch.float8_e4m3fn}
+        with pytest.raises(DataDependentOutputException):
+            wrapped.__tensor_flatten__()
         storage = fake_tensor_storage(wrapped, "meta")
-        assert storage is not None and storage.nbytes() == 32 * 16 * _FP32_BYTES
-    # a real scale is tested by torchao's own code: a zero scale is not listed
-    real = fsdp_utils.WeightWithDynamicFloat8CastTensor(
-        torch.empty(4, 4), None, torch.float8_e4m3fn, torch.tensor(0.0)
-    )
-    assert real.__tensor_flatten__()[0] == ["_tensor"]
+        assert storage is weight.untyped_storage()
+        assert storage.nbytes() == 32 * 16 * _FP32_BYTES
 
 
 @settings(max_examples=25, deadline=None)

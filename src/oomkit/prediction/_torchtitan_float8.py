@@ -42,22 +42,26 @@ does not say whether they had it; its docs of the time launched Float8 with it):
     --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
     "tensorwise", "enable_fsdp_float8_all_gather": true}'
 
-The older field ``precompute_float8_dynamic_scale_for_fsdp`` (with the all-gather only: torchtitan's
-older converter kept it only then, ``precompute_scale = enable_fsdp_float8_all_gather and ...``
-in float8.py; here it is refused without it) runs torchao's
-``precompute_float8_dynamic_scale_for_fsdp`` on each model part after every optimizer step,
-from a step post-hook on torchtitan's optimizers container, where torchtitan 0.2.2 ran it
+The older field ``precompute_float8_dynamic_scale_for_fsdp`` (with the all-gather only:
+torchtitan's older converter kept it only then, ``precompute_scale =
+enable_fsdp_float8_all_gather and ...`` in float8.py; here it is refused without it) runs
+torchao's ``precompute_float8_dynamic_scale_for_fsdp`` on each model part after every optimizer
+step, from a step post-hook on torchtitan's optimizers container, where torchtitan 0.2.2 ran it
 (torchtitan/train.py:284-288 ``optimizers.register_step_post_hook(... post_optimizer_hook(
-model_parts))``). torchao's function (torchao/float8/fsdp_utils.py) takes every float8
+model_parts))``). torchao's function (torchao 0.18.0 fsdp_utils.py:27-85) takes every float8
 weight's local amax in one ``_foreach_norm``, stacks them, all-reduces once (the DTensor
 ``clamp``) and keeps one float32 tensor of the part's scales, each weight's
 ``_precomputed_scale`` a 0-d view of it; the next all-gathers cast with that scale, without
-the per-weight ``abs``/``max`` and all-reduce. On fake tensors torchao's own code runs; what
-needs a value is the truth test of ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__``
-(``if self._precomputed_scale``), answered as on a GPU (:func:`_flatten_with_value_free_scale`).
-On 2024's 8B FSDP 8 compiled Float8 row (benchmarks/torchtitan_rows.py ``--float8-all-gather
---float8-precompute``) the peak allocated drops by 80,896 bytes (the 160 float8 weights' own
-512-byte scale blocks for one 1,024-byte block of 160 scales); the peak reserved is the same::
+the per-weight ``abs``/``max``, all-reduce and scale arithmetic (``fsdp_pre_all_gather``,
+:228-251). It runs on the fake tensors as it is: nothing in it needs a value. What would is
+the wrapper's ``__tensor_flatten__`` (:210-214: ``if self._precomputed_scale``, a read of the
+0-d scale's value), which the step itself never calls (FSDP2 calls ``fsdp_pre_all_gather`` on
+the wrapper; a compiled block sees the gathered ``Float8TrainingTensor``); the recorder, which
+finds a wrapper's storage through it, takes this wrapper's weight without it
+(``tracing/fake_storages.py``). On 2024's 8B FSDP 8 compiled Float8 row
+(benchmarks/torchtitan_rows.py ``--float8-all-gather --float8-precompute``) the peak allocated
+drops by 80,896 bytes (the 160 float8 weights' own 512-byte scale blocks for one 1,024-byte
+block of 160 scales); the peak reserved is the same::
 
     --override.imports 'oomkit.prediction._torchtitan_float8.float8_block_linears={"recipe_name":
     "tensorwise", "enable_fsdp_float8_all_gather": true,
@@ -176,42 +180,8 @@ def _find_container(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _precompute_after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torchtitan 0.2.2 ``Float8LinearConverter.post_optimizer_hook``: torchao's precompute
     of each model part's float8 weight scales (components/quantization/float8.py)."""
-    _answer_scale_truth_tests()
     for part in optimizer.model_parts:
         _fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(part)
-
-
-_TORCHAO_FLATTEN = _fsdp_utils.WeightWithDynamicFloat8CastTensor.__tensor_flatten__
-
-
-def _flatten_with_value_free_scale(self: Any) -> tuple[list[str], dict[str, Any]]:
-    """torchao's ``__tensor_flatten__``, its scale's truth test answered for a fake scale.
-
-    torchao/float8/fsdp_utils.py ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__``
-    lists ``_precomputed_scale`` as an inner tensor ``if self._precomputed_scale``: a read of
-    the 0-d scale's value, which a fake (or meta) tensor has not. The scale it tests is
-    ``precompute_float8_dynamic_scale_for_fsdp``'s ``finfo(float8).max / clamp(amax, EPS)``,
-    positive, so on a GPU the test holds whenever a scale is set; here it is taken as held,
-    torchao's own function giving the rest. Real scales go to torchao's unchanged.
-    """
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    scale = self._precomputed_scale
-    if scale is None or not (isinstance(scale, FakeTensor) or scale.device.type == "meta"):
-        return _TORCHAO_FLATTEN(self)
-    self._precomputed_scale = None
-    try:
-        names, spec = _TORCHAO_FLATTEN(self)
-    finally:
-        self._precomputed_scale = scale
-    return [*names, "_precomputed_scale"], spec
-
-
-def _answer_scale_truth_tests() -> None:
-    """Install :func:`_flatten_with_value_free_scale` on torchao's weight wrapper (once)."""
-    wrapper = _fsdp_utils.WeightWithDynamicFloat8CastTensor
-    if wrapper.__tensor_flatten__ is _TORCHAO_FLATTEN:
-        wrapper.__tensor_flatten__ = _flatten_with_value_free_scale
 
 
 # --------------------------------------------------------------- the override factories

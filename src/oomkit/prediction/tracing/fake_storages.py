@@ -44,10 +44,11 @@ __all__ = [
 # object lives exactly as long as its StorageImpl.
 _HOST_ATTR = "_oomkit_host_memory"
 
-# torchao's float8 all-gather weight (torchao/float8/fsdp_utils.py): its __tensor_flatten__
-# lists the weight (``_tensor``) and, once torchao's precompute_float8_dynamic_scale_for_fsdp
-# has run, ``_precomputed_scale``: a 0-d view of the one scales tensor that function keeps
-# for all the module's float8 weights, accounted by its own storage. The weight is ``_tensor``.
+# torchao's float8 all-gather weight (torchao/float8/fsdp_utils.py): the memory it stands for
+# is its weight, ``_tensor``. Its __tensor_flatten__ is not asked: once torchao's
+# precompute_float8_dynamic_scale_for_fsdp has set ``_precomputed_scale`` (a 0-d view of the one
+# scales tensor it keeps for all the module's float8 weights, accounted by its own storage) it
+# tests ``if self._precomputed_scale``, a read of a value a fake tensor has not.
 _TORCHAO_FLOAT8_WEIGHT = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
 
 
