@@ -105,9 +105,10 @@ class Float8AllGatherLinear(_quantization.Float8Linear):  # type: ignore[name-de
     wrapped as torchao's ``Float8Linear.from_float`` wraps it when the torchao config asks
     for float8 all-gather (torchao/float8/float8_linear.py): a ``WeightWithDynamicFloat8CastTensor``
     parameter carrying the linear's matmul config and the weight's float8 dtype. With
-    ``precompute_float8_dynamic_scale_for_fsdp`` (a field torchtitan's own ``Float8Linear.Config``
-    carried before 0.3.0), the optimizers that step it run torchao's scale precompute after
-    each step (this module's docstring).
+    ``precompute_float8_dynamic_scale_for_fsdp`` (a field of torchtitan's Float8 converter
+    config until torchtitan 6348d93 "quantize on config instead of on model", before 0.3.0),
+    the optimizers that step it run torchao's scale precompute after each step (this module's
+    docstring).
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
