@@ -537,6 +537,7 @@ def record_torchtitan_job(
         ConfigError: a bad job (see ``load_job_config`` and ``build_torchtitan_step``).
         OomkitError: torchtitan's own code failed on the fake process group (the job named).
     """
+    from oomkit.prediction.tracing.async_tp import async_tp_state_kept
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
     capability = target.gpu.kernel_compute_capability  # a custom size: the kernels assumed
@@ -554,7 +555,7 @@ def record_torchtitan_job(
         ),
     )
     with meshes_on_the_host(), cuda_capability(capability), dynamo_restored, \
-            context_parallel.torch_cp_state_kept():
+            context_parallel.torch_cp_state_kept(), async_tp_state_kept():
         try:
             recording = trace_distributed_step(
                 build, world_size=job.world_size, rank=job.rank, steps=steps, target=target,

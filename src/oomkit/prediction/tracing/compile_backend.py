@@ -35,6 +35,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from oomkit.prediction.tracing.async_tp import micro_pipeline_tp_enabled, rewrite_for_async_tp
 from oomkit.prediction.tracing.compile_plan import (
     WAITS_RETURNING_INPUT,
     BufferKey,
@@ -352,6 +353,8 @@ class InductorStandIn:
     def _compiler(self, kind: str) -> Callable[[torch.fx.GraphModule, Any], PlannedGraph]:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             try:
+                if micro_pipeline_tp_enabled():  # async TP: Inductor's post-grad pass (async_tp.py)
+                    rewrite_for_async_tp(gm, example_inputs)
                 plan = plan_graph(gm)
             except Exception as exc:  # noqa: BLE001 - run this graph eagerly, and say so
                 self.failed[_reason(exc)] += 1

@@ -69,6 +69,7 @@ __all__ = [
     "BufferPlan",
     "Buffer",
     "fetch_attr",
+    "node_kind",
     "plan_graph",
     "REALIZE_READS_THRESHOLD",
     "WAITS_RETURNING_INPUT",
@@ -216,6 +217,12 @@ def _classify(node: torch.fx.Node) -> str:
         if torch.Tag.pointwise in target.tags or name in _INLINED_OPS:
             return "pointwise"
     return "extern"
+
+
+def node_kind(node: torch.fx.Node) -> str:
+    """The plan's kind of ``node`` by its op alone: ``pointwise``, ``reduction``, ``view``,
+    ``extern``, ... (before the plan decides which pointwise values are materialised)."""
+    return _classify(node)
 
 
 def _tensors(val: Any) -> list[tuple[int, Any]]:
