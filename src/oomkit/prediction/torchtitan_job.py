@@ -23,7 +23,8 @@ torchtitan's quantization converters (Float8 linear training through torchao) as
 GPU's compute capability, not this host's. PP runs torchtitan's ``pipelining_fn`` and schedule
 (``_torchtitan_pipeline.py``); CP its ``apply_cp_to_forward`` and input sharding
 (``_torchtitan_cp.py``); ``compile.enable``, its ``apply_compile``, through the compiled
-backend. Expert parallel is refused here.
+backend, with async TP (``compile.enable_async_tensor_parallel``) as Inductor runs it
+(``prediction/tracing/async_tp.py``). Expert parallel is refused here.
 """
 
 from __future__ import annotations

@@ -45,6 +45,15 @@ is copied).
   ``CUDASymmetricMemoryAllocator::alloc``: the size rounded to 16 bytes plus the signal pad,
   rounded up to the allocation granularity), so it is a line outside the allocator, as NCCL's
   buffers are.
+
+Where it may differ from a GPU run: the copy a reader of a fused output needs (its layout is
+gather dimension first) may be planned in place of that output (compile_plan.py's in-place rule
+does not compare indexing; Inductor keeps both for the copy kernel): one buffer of the output's
+size less, for one kernel, per such copy. A workspace that grows frees the smaller one after the
+new one is made (both mapped for a moment; here only the largest is counted). The allocation
+granularity is taken as 2 MiB, not asked of the driver. The native and multicast paths
+(``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP``; ``_should_use_multimem_all_gather_matmul``, taken
+only without ``return_A`` and for at most 2048 gathered rows) are not modelled.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ __all__ = [
     "async_tp_state_kept",
     "fused_op_names",
     "micro_pipeline_tp_enabled",
+    "note_unfused",
     "rewrite_for_async_tp",
     "symmetric_block_bytes",
 ]
@@ -167,7 +177,6 @@ def rewrite_for_async_tp(gm: torch.fx.GraphModule, example_inputs: Any) -> Count
     """
     import torch.distributed._symmetric_memory  # noqa: F401 - defines the symm_mem ops
     from torch._guards import detect_fake_mode
-    from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
     from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -181,13 +190,49 @@ def rewrite_for_async_tp(gm: torch.fx.GraphModule, example_inputs: Any) -> Count
             # post_grad.py post_grad_passes: remove_noop_ops (pattern_matcher, on by default)
             # before the pass: DTensor's all-gather ends in a full-range slice otherwise
             remove_noop_ops(gm.graph)
-            micro_pipeline_tp_pass(gm.graph)
+            _micro_pipeline_tp(gm.graph)
             _fill_values(gm)
             _read_through_copies(gm)
     _keep_copying_restrides(gm)
     gm.graph.lint()
     gm.recompile()
     return Counter(str(n.target) for n in gm.graph.nodes if str(n.target) in ASYNC_TP_OPS)
+
+
+def _micro_pipeline_tp(graph: torch.fx.Graph) -> None:
+    """micro_pipeline_tp.py ``micro_pipeline_tp_pass``, one match at a time.
+
+    Its own functions find and fuse each match; a match on which torch's pass fails (torch 2.13's
+    ``_scatter_dim_after_reshape`` asserts "reshape must be from 3D+ to 2D" on a float8
+    backward's ``reshape -> _scaled_mm``, before changing the graph) is left unfused and noted
+    (:func:`note_unfused`): on a GPU that assertion stops Inductor compiling the graph.
+    """
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes import micro_pipeline_tp as pass_module
+
+    all_gathers = pass_module.find_all_gather_patterns(graph)
+    reduce_scatters = pass_module.find_reduce_scatter_patterns(graph)
+    if inductor_config.reorder_for_compute_comm_overlap:  # the pass's own exclusion
+        hidden = pass_module._get_unexposed_collectives(graph)
+        all_gathers = [m for m in all_gathers if m.ag_node not in hidden]
+        reduce_scatters = [m for m in reduce_scatters if m.reduce_scatter_node not in hidden]
+    fusions = [(pass_module.fuse_all_gather_matmul, m) for m in all_gathers] + [
+        (pass_module.fuse_matmul_reduce_scatter, m) for m in reduce_scatters
+    ]
+    for fuse, match in fusions:
+        try:
+            fuse(match)
+        except AssertionError as exc:
+            note_unfused(f"{fuse.__name__}: {str(exc).splitlines()[0] if str(exc) else 'assert'}")
+
+
+_UNFUSED: list[Counter[str]] = []  # the open recordings' counts of matches left unfused
+
+
+def note_unfused(why: str) -> None:
+    """Count a match torch's pass failed on, for the recording open now (if any)."""
+    if _UNFUSED:
+        _UNFUSED[-1][why] += 1
 
 
 def _fill_values(gm: torch.fx.GraphModule) -> None:
@@ -296,6 +341,7 @@ class AsyncTpEmulations:
     def __init__(self) -> None:
         self.workspace_bytes: dict[str, int] = {}
         self.calls: Counter[str] = Counter()
+        self.unfused: Counter[str] = Counter()
         # symm_mem._get_backend_stream: one stream per priority, made on first use.
         self._backend_stream: Any = None
 
@@ -308,6 +354,23 @@ class AsyncTpEmulations:
             **dict.fromkeys(ALL_GATHER_MATMUL_OPS, gather),
             **dict.fromkeys(REDUCE_SCATTER_MATMUL_OPS, scatter),
         }
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """While open, matches torch's pass fails on are counted here (:func:`note_unfused`)."""
+        _UNFUSED.append(self.unfused)
+        try:
+            yield
+        finally:
+            _UNFUSED.remove(self.unfused)
+
+    def notes(self) -> tuple[str, ...]:
+        """Warnings for the recording: the matches torch's pass could not fuse."""
+        return tuple(
+            f"async TP: {n} collective(s) left unfused because torch's micro_pipeline_tp pass "
+            f"failed on them ({why}); on a GPU that failure stops Inductor compiling the graph"
+            for why, n in sorted(self.unfused.items())
+        )
 
     def outside_lines(self) -> tuple[tuple[str, int, str], ...]:
         """``(what, bytes, source)`` per TP group: its workspace as mapped on the device."""

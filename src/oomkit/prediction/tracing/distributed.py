@@ -352,7 +352,8 @@ def trace_distributed_step(
         uneven_bytes = _uneven_shard_bytes(track)
         try:
             roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted:
+            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted, \
+                    async_tp.installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"), cuda_rank():
                     tracer.track(track)
@@ -385,7 +386,7 @@ def trace_distributed_step(
     recording = with_timeline(recording, uses, target)
     return dataclasses.replace(
         recording,
-        warnings=recording.warnings + notes,
+        warnings=recording.warnings + notes + async_tp.notes(),
         outside_allocator=recording.outside_allocator + async_tp.outside_lines(),
     )
 
