@@ -190,3 +190,40 @@ def test_workspace_keeps_the_largest_request() -> None:
         emulations._workspace(group, size)
     assert emulations.workspace_bytes == {"0": 300, "1": 50}
     assert [n for _, n, _ in emulations.outside_lines()] == [2 * 2**20, 2 * 2**20]
+
+
+def test_preset_helper_turns_the_pass_on_for_the_step_only() -> None:
+    """models/async_tp.py with_async_tp (for the preset route): the step compiles with the pass
+    on, as torchtitan's _maybe_enable_async_tp leaves it, and the flag is off again after."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from oomkit.prediction.models.async_tp import with_async_tp
+
+    def build(mesh: Any) -> tuple[Any, ...]:
+        block = _Block()
+        parallelize_module(block, mesh, {
+            "norm": SequenceParallel(),
+            "w1": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+        block.compile(fullgraph=True)
+        x = torch.randn(B, S // 2, D, requires_grad=True)
+
+        def step() -> None:
+            block(DTensor.from_local(x, mesh, [Shard(1)])).to_local().sum().backward()
+
+        return with_async_tp(step, mesh), (block, x)
+
+    recording = trace_distributed_step(
+        build, world_size=2, target=Target.resolve("h100"), compile=True,
+        mesh_shape=((2,), ("tp",)),
+    )
+    assert dict(recording.kernel_choices) == {f"async TP {AG}": 2, f"async TP {RS}": 2}
+    assert inductor_config._micro_pipeline_tp is False

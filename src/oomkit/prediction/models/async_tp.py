@@ -28,10 +28,47 @@ So the workspace is ``2 x batch x seq/tp x hidden`` elements of the activations'
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.units import format_bytes
 
-__all__ = ["async_tp_refusal", "symmetric_workspace_bytes"]
+__all__ = ["async_tp_refusal", "symmetric_workspace_bytes", "with_async_tp"]
+
+
+def with_async_tp(step_fn: Callable[[], Any], mesh: Any) -> Callable[[], Any]:
+    """``step_fn`` as torchtitan's ``_maybe_enable_async_tp`` leaves a compiled TP step.
+
+    Symmetric memory is enabled for the TP group (``enable_symm_mem_for_group``, deprecated in
+    torch 2.13 but what torchtitan 0.3.0 calls), and Inductor's ``_micro_pipeline_tp`` is on
+    while the step runs (its blocks compile on the first call; the recording then runs the pass:
+    ``prediction/tracing/async_tp.py``), as it was before once the step returns.
+
+    Args:
+        step_fn: the step of a preset compiled under TP.
+        mesh: its mesh, with a ``"tp"`` dimension (or a 1-D TP mesh).
+    """
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_mesh = mesh["tp"] if "tp" in names and len(names) > 1 else mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+    def step() -> Any:
+        flag = inductor_config._micro_pipeline_tp
+        inductor_config._micro_pipeline_tp = True
+        try:
+            return step_fn()
+        finally:
+            inductor_config._micro_pipeline_tp = flag
+
+    return step
 
 
 def symmetric_workspace_bytes(
