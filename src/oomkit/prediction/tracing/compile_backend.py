@@ -6,7 +6,8 @@ it with Inductor's own decomposition table (torch/_inductor/decomposition.py
 (torch/_inductor/compile_fx.py ``partition_fn``: ``min_cut_rematerialization_partition(...,
 compiler="inductor")``), so what is saved for backward is what a GPU run saves. The partitioner
 is device independent. Inductor's joint-graph pattern passes are not run: on meta tensors their
-constant folding replaces every value by an empty tensor (checked on torch 2.13).
+constant folding replaces every value by an empty tensor (checked on torch 2.13). Its post-grad
+micro-pipeline TP pass is, where async TP turned it on (``async_tp.py``).
 
 What is emulated: Inductor itself. Lowering for CUDA needs Triton, which CPU torch wheels do not
 ship (``import triton`` fails), so each forward/backward graph is executed by
