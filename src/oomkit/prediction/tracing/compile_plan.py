@@ -50,7 +50,8 @@ The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, 
 Where it may differ from real Inductor: the scheduler's fusion choices are not run (two
 realised pointwise nodes may share a kernel and drop a buffer, and Inductor's own op counts
 differ from aten node counts); pattern rewrites of the joint-graph and post-grad passes are not
-applied (async TP's micro-pipeline pass is: ``async_tp.py``); buffers padded for alignment (``config.comprehensive_padding``) are not padded here.
+applied (async TP's micro-pipeline pass is: ``async_tp.py``); buffers padded for alignment
+(``config.comprehensive_padding``) are not padded here.
 """
 
 from __future__ import annotations
