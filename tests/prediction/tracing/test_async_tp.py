@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.target import Target
@@ -33,17 +33,17 @@ RS = "symm_mem.fused_matmul_reduce_scatter.default"
 
 
 class _Block(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = D, hidden: int = F) -> None:
         super().__init__()
-        self.norm = torch.nn.RMSNorm(D)
-        self.w1 = torch.nn.Linear(D, F, bias=False)
-        self.w2 = torch.nn.Linear(F, D, bias=False)
+        self.norm = torch.nn.RMSNorm(width)
+        self.w1 = torch.nn.Linear(width, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, width, bias=False)
 
     def forward(self, x: Any) -> Any:
         return x + self.w2(torch.nn.functional.silu(self.w1(self.norm(x))))
 
 
-def _record(async_tp: bool) -> Any:
+def _record(async_tp: bool, batch: int = B, width: int = D, hidden: int = F) -> Any:
     import torch._inductor.config as inductor_config
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import (
@@ -61,20 +61,21 @@ def _record(async_tp: bool) -> Any:
                 warnings.simplefilter("ignore", FutureWarning)
                 enable_symm_mem_for_group(mesh.get_group().group_name)
             inductor_config._micro_pipeline_tp = True
-        block = _Block()
+        block = _Block(width, hidden)
         parallelize_module(block, mesh, {
             "norm": SequenceParallel(),
             "w1": ColwiseParallel(input_layouts=Shard(1)),
             "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
         block.compile(fullgraph=True)
-        x = torch.randn(B, S // 2, D, requires_grad=True)
+        x = torch.randn(batch, S // 2, width, requires_grad=True)
 
         def step() -> None:
             block(DTensor.from_local(x, mesh, [Shard(1)])).to_local().sum().backward()
 
         return step, (block, x)
 
+    torch._dynamo.reset()  # each size compiles afresh (no recompile limit across examples)
     with async_tp_state_kept():
         return trace_distributed_step(
             build, world_size=2, target=Target.resolve("h100"), compile=True,
@@ -173,6 +174,30 @@ def test_flag_restored_after_the_recording() -> None:
     with async_tp_state_kept():
         inductor_config._micro_pipeline_tp = True
     assert inductor_config._micro_pipeline_tp is False
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # batch 1: DTensor gathers the sequence with a view, not split+cat, and torch's matcher
+    # leaves that all-gather unfused (only the reduce-scatters are)
+    batch=st.integers(min_value=2, max_value=3),
+    width=st.sampled_from([1024, 1536]),
+    hidden_factor=st.sampled_from([2, 3]),
+)
+def test_fused_buffers_follow_the_shapes(batch: int, width: int, hidden_factor: int) -> None:
+    """For any batch above 1, width and hidden size: the forward's fused all-gather allocates the
+    gathered input (batch x S x width) and the column-parallel output (batch x S x hidden/2),
+    the reduce-scatter the partials (batch x S x width) and the shard (half of it), and the
+    workspace asks for the larger of the shard and two output chunks (batch x S x width)."""
+    hidden = hidden_factor * width
+    recording = _record(True, batch, width, hidden)
+    full, columns = batch * S * width * 4, batch * S * (hidden // 2) * 4
+    forward = [(n, p) for n, p, _ in _allocs(recording, AG) if n != CUBLAS_HOPPER]
+    assert forward[:2] == [(full, "forward"), (columns, "forward")]
+    assert [(n, p) for n, p, _ in _allocs(recording, RS)][:2] == [(full, "forward"), (full // 2, "forward")]
+    ((what, mapped, _),) = recording.outside_allocator
+    assert f"{full:,} bytes asked" in what
+    assert mapped == symmetric_block_bytes(full)
 
 
 @given(size=st.integers(min_value=1, max_value=2**34))
