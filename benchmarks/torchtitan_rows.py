@@ -4,8 +4,9 @@ Reads ``benchmarks/data/torchtitan_published.json`` (the rows of torchtitan's
 benchmarks/llama3_h100_202412_torchtitan.md, with their source commit) and predicts each row the
 torchtitan route can express (``oomkit.prediction.torchtitan_job``: torchtitan 0.3.0's own
 config, model, ``parallelize_llama``, loss and optimizer on a fake process group of the row's
-world size); a row that needs what the route refuses (async TP, CP with PP) is
-skipped with the reason. The job is the 2024 one written as 0.3.0 overrides: the
+world size); a row that needs what the route refuses (CP with PP) is
+skipped with the reason. Async TP runs Inductor's micro-pipeline pass and records its fused
+ops (``prediction/tracing/async_tp.py``). The job is the 2024 one written as 0.3.0 overrides: the
 row's FSDP / TP / CP degrees, local batch and sequence length, torchtitan's selective (op) or
 full AC, Float8 as 2024 ran it (torchao's tensorwise recipe on the blocks' linears, the LM head
 in bf16: ``--override.imports oomkit.prediction._torchtitan_float8.float8_block_linears``;
@@ -83,7 +84,10 @@ def _overrides(row: dict) -> tuple[str, ...]:
         # 2024's torchtitan compiled each block only (apply_compile); the loss's compile (0.3.0's
         # default components ["model", "loss"]) came later
         *(("--compile.components", "model") if row["compile"] else ()),
-        "--compile.no-enable-async-tensor-parallel",
+        # async TP (torchtitan's _maybe_enable_async_tp; Inductor's micro_pipeline_tp pass and
+        # the fused symm_mem ops: prediction/tracing/async_tp.py)
+        "--compile.enable-async-tensor-parallel" if row.get("async_tp") and row["compile"]
+        else "--compile.no-enable-async-tensor-parallel",
         "--training.local_batch_size", str(row["local_batch_size"]),
         "--training.seq_len", str(row["seq_len"]),
         "--parallelism.data_parallel_shard_degree", str(layout["fsdp"]),
@@ -123,7 +127,6 @@ def _skip_reason(row: dict) -> str | None:
     layout = row["layout"]
     parts = [
         (layout["cp"] > 1 and layout.get("pp", 1) > 1, "context parallel with pipeline parallel"),
-        (row["async_tp"], "async TP"),
     ]
     refused = [words for given, words in parts if given]
     if refused:

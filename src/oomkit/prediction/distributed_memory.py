@@ -38,7 +38,8 @@ class DistributedMemory:
 
     Attributes:
         outside_lines: ``(what, bytes, source)`` of each block of memory outside PyTorch's
-            allocator: the CUDA context, then NCCL's buffers per communicator.
+            allocator: the CUDA context, then NCCL's buffers per communicator, then what the
+            step itself allocated there (async TP's symmetric-memory workspace).
         nccl_bytes: the NCCL lines' sum (0: no communicator, or one rank); it comes off the
             usable bytes unless ``--context-overhead`` stated all memory outside PyTorch.
         nccl_notes: where the NCCL figure may differ from a real run.
@@ -78,21 +79,28 @@ class DistributedMemory:
         return out
 
 
-def nccl_of(target: Target | None) -> tuple[NcclMemory | None, int]:
+def nccl_of(
+    target: Target | None, recording: TraceRecording | Any = None
+) -> tuple[NcclMemory | None, int]:
     """NCCL's device memory on rank 0 of ``target``'s layout (``None`` for one GPU), and the
-    bytes of it that come off what the allocator may reserve.
+    bytes of it that come off what the allocator may reserve, with the recording's own memory
+    outside the allocator (``TraceRecording.outside_allocator``: async TP's symmetric-memory
+    workspace, ``prediction/tracing/async_tp.py``).
 
     Those are all of it, unless the caller stated the memory outside PyTorch itself
     (``--context-overhead``: ``Target.cuda_context`` is then ``None``), which then includes it.
     """
+    recorded = sum(n for _, n, _ in getattr(recording, "outside_allocator", ()))
+    if target is not None and target.cuda_context is None:
+        recorded = 0
     if target is None or target.parallel is None or target.parallel.world_size < 2:
-        return None, 0
+        return None, recorded
     sizes, names = target.parallel.mesh_shape
     settings = target.nccl
     per_node = 8 if settings is None else settings.gpus_per_node
     comms = communicators_of(tuple(zip(names, sizes, strict=True)), per_node)
     memory = nccl_memory(comms, target.gpu, settings)
-    return memory, memory.total_bytes if target.cuda_context is not None else 0
+    return memory, (memory.total_bytes if target.cuda_context is not None else 0) + recorded
 
 
 def distributed_memory(
@@ -112,7 +120,8 @@ def distributed_memory(
         lower_allocated_bytes: the replay's peak allocated.
     """
     note = getattr(recording, "timing_note", None)
-    if nccl is None and note is None:
+    recorded = tuple(getattr(recording, "outside_allocator", ()))
+    if nccl is None and note is None and not recorded:
         return None
     given = target.cuda_context is None  # --context-overhead: all memory outside PyTorch
     context = "as given (--context-overhead), NCCL included" if given else (
@@ -124,6 +133,10 @@ def distributed_memory(
             (f"{what} (within the --context-overhead given)" if given else what, n, source)
             for what, n, source in nccl.lines
         )
+    outside.extend(
+        (f"{what} (within the --context-overhead given)" if given else what, n, source)
+        for what, n, source in recorded
+    )
     reserved = allocated = None
     if note is not None:
         reserved = (lower_reserved_bytes, lower_reserved_bytes)

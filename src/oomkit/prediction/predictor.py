@@ -255,7 +255,7 @@ def predict_recording(
     spec, config, torch_version = target.gpu, target.allocator_config, target.torch_version
     events = recording.events
     step_starts = tuple(recording.step_starts)
-    nccl, nccl_bytes = nccl_of(target)  # NCCL's buffers: outside the allocator, as the context
+    nccl, nccl_bytes = nccl_of(target, recording)  # NCCL's (+ async TP's): outside the allocator
     replay = replay_for_prediction(
         events,
         step_starts,

@@ -23,7 +23,8 @@ torchtitan's quantization converters (Float8 linear training through torchao) as
 GPU's compute capability, not this host's. PP runs torchtitan's ``pipelining_fn`` and schedule
 (``_torchtitan_pipeline.py``); CP its ``apply_cp_to_forward`` and input sharding
 (``_torchtitan_cp.py``); ``compile.enable``, its ``apply_compile``, through the compiled
-backend. Expert parallel is refused here.
+backend, with async TP (``compile.enable_async_tensor_parallel``) as Inductor runs it
+(``prediction/tracing/async_tp.py``). Expert parallel is refused here.
 """
 
 from __future__ import annotations
@@ -538,6 +539,7 @@ def record_torchtitan_job(
         ConfigError: a bad job (see ``load_job_config`` and ``build_torchtitan_step``).
         OomkitError: torchtitan's own code failed on the fake process group (the job named).
     """
+    from oomkit.prediction.tracing.async_tp import async_tp_state_kept
     from oomkit.prediction.tracing.distributed import trace_distributed_step
 
     capability = target.gpu.kernel_compute_capability  # a custom size: the kernels assumed
@@ -555,7 +557,8 @@ def record_torchtitan_job(
         ),
     )
     with meshes_on_the_host(), cuda_capability(capability), dynamo_restored, \
-            context_parallel.torch_cp_state_kept(), cpu_sdpa_as_cuda(target):
+            context_parallel.torch_cp_state_kept(), cpu_sdpa_as_cuda(target), \
+            async_tp_state_kept():
         try:
             recording = trace_distributed_step(
                 build, world_size=job.world_size, rank=job.rank, steps=steps, target=target,

@@ -1,4 +1,4 @@
-"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``): refused, with its cost.
+"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``) on presets: refused.
 
 torchtitan turns it on with compile (torchtitan/distributed/compile.py ``_maybe_enable_async_tp``:
 ``enable_symm_mem_for_group(tp_group)`` and ``torch._inductor.config._micro_pipeline_tp =
@@ -10,6 +10,10 @@ chunk on a backend stream through a symmetric-memory workspace of the TP group
 ``_SymmetricMemory.empty_strided_p2p`` uint8 buffer per group, grown to the largest request and
 kept; it is not allocated by the caching allocator, so it is not in ``memory_allocated``).
 
+The torchtitan route records all of it (``prediction/tracing/async_tp.py``: the pass run on the
+compiled graphs, the fused ops' CUDA allocations, the workspace as a line outside the allocator);
+the preset route refuses it and says the workspace it would add.
+
 The requests, for a Llama block under the sequence-parallel plan (``tensor_parallel.py``):
 
 - all-gather then matmul (q/k/v and gate/up; in backward, o/down's input gradient): the local
@@ -19,19 +23,52 @@ The requests, for a Llama block under the sequence-parallel plan (``tensor_paral
   layers' input gradient): two output chunks, ``2 x batch x seq/tp x hidden``
   (``_pipelined_produce_and_all2all``: ``out_chunks[0]`` bytes times 2).
 
-So the workspace is ``2 x batch x seq/tp x hidden`` elements of the activations' dtype. The
-rewrite itself happens in an Inductor pass that oomkit's Inductor stand-in does not run
-(``prediction/tracing/compile_backend.py`` emulates Inductor's memory plan, not its post-grad
-passes), and the fused ops allocate their full-size outputs and gathered inputs on a backend
-stream (``_get_backend_stream``), whose blocks go to that stream's pool.
+So the workspace is ``2 x batch x seq/tp x hidden`` elements of the activations' dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from oomkit.prediction.models.llama import LlamaShape
 from oomkit.units import format_bytes
 
-__all__ = ["async_tp_refusal", "symmetric_workspace_bytes"]
+__all__ = ["async_tp_refusal", "symmetric_workspace_bytes", "with_async_tp"]
+
+
+def with_async_tp(step_fn: Callable[[], Any], mesh: Any) -> Callable[[], Any]:
+    """``step_fn`` as torchtitan's ``_maybe_enable_async_tp`` leaves a compiled TP step.
+
+    Symmetric memory is enabled for the TP group (``enable_symm_mem_for_group``, deprecated in
+    torch 2.13 but what torchtitan 0.3.0 calls), and Inductor's ``_micro_pipeline_tp`` is on
+    while the step runs (its blocks compile on the first call; the recording then runs the pass:
+    ``prediction/tracing/async_tp.py``), as it was before once the step returns.
+
+    Args:
+        step_fn: the step of a preset compiled under TP.
+        mesh: its mesh, with a ``"tp"`` dimension (or a 1-D TP mesh).
+    """
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_mesh = mesh["tp"] if "tp" in names and len(names) > 1 else mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+    def step() -> Any:
+        flag = inductor_config._micro_pipeline_tp
+        inductor_config._micro_pipeline_tp = True
+        try:
+            return step_fn()
+        finally:
+            inductor_config._micro_pipeline_tp = flag
+
+    return step
 
 
 def symmetric_workspace_bytes(
@@ -63,11 +100,13 @@ def async_tp_refusal(
             f"{itemsize} bytes), outside PyTorch's caching allocator."
         )
     return (
-        "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass rewrites TP's "
-        "all-gather+matmul and matmul+reduce-scatter into symmetric-memory ops, a pass oomkit's "
-        "Inductor stand-in does not run, and their chunks run on a backend stream. The "
+        "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass and its "
+        "fused symm_mem ops are recorded on the torchtitan route (`oomkit predict --torchtitan "
+        "llama3:llama3_8b --world-size N -- --parallelism.tensor_parallel_degree K "
+        "--compile.enable --compile.enable_async_tensor_parallel`), not yet on presets. The "
         "difference from `--tp N --compile` is the symmetric-memory workspace of the TP group "
         "(2 x one rank's reduce-scatter chunk: torch/distributed/_symmetric_memory "
-        f"_pipelined_produce_and_all2all) and per-stream pool rounding.{size} Predict "
-        "without parallel.async_tp and add that workspace to the peak."
+        "_pipelined_produce_and_all2all), the fused ops' own buffers and a cuBLAS workspace per "
+        f"thread on their backend stream.{size} Predict without parallel.async_tp and add that "
+        "workspace to the peak, or use the torchtitan route."
     )

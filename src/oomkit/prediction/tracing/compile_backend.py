@@ -6,7 +6,8 @@ it with Inductor's own decomposition table (torch/_inductor/decomposition.py
 (torch/_inductor/compile_fx.py ``partition_fn``: ``min_cut_rematerialization_partition(...,
 compiler="inductor")``), so what is saved for backward is what a GPU run saves. The partitioner
 is device independent. Inductor's joint-graph pattern passes are not run: on meta tensors their
-constant folding replaces every value by an empty tensor (checked on torch 2.13).
+constant folding replaces every value by an empty tensor (checked on torch 2.13). Its post-grad
+micro-pipeline TP pass is, where async TP turned it on (``async_tp.py``).
 
 What is emulated: Inductor itself. Lowering for CUDA needs Triton, which CPU torch wheels do not
 ship (``import triton`` fails), so each forward/backward graph is executed by
@@ -35,6 +36,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from oomkit.prediction.tracing.async_tp import micro_pipeline_tp_enabled, rewrite_for_async_tp
 from oomkit.prediction.tracing.compile_plan import (
     WAITS_RETURNING_INPUT,
     BufferKey,
@@ -352,6 +354,8 @@ class InductorStandIn:
     def _compiler(self, kind: str) -> Callable[[torch.fx.GraphModule, Any], PlannedGraph]:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             try:
+                if micro_pipeline_tp_enabled():  # async TP: Inductor's post-grad pass (async_tp.py)
+                    rewrite_for_async_tp(gm, example_inputs)
                 plan = plan_graph(gm)
             except Exception as exc:  # noqa: BLE001 - run this graph eagerly, and say so
                 self.failed[_reason(exc)] += 1

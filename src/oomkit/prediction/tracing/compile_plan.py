@@ -50,7 +50,8 @@ The wrapper's plan (torch/_inductor/codegen/wrapper.py ``MemoryPlanningState``, 
 Where it may differ from real Inductor: the scheduler's fusion choices are not run (two
 realised pointwise nodes may share a kernel and drop a buffer, and Inductor's own op counts
 differ from aten node counts); pattern rewrites of the joint-graph and post-grad passes are not
-applied; buffers padded for alignment (``config.comprehensive_padding``) are not padded here.
+applied (async TP's micro-pipeline pass is: ``async_tp.py``); buffers padded for alignment
+(``config.comprehensive_padding``) are not padded here.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ __all__ = [
     "BufferPlan",
     "Buffer",
     "fetch_attr",
+    "node_kind",
     "plan_graph",
     "REALIZE_READS_THRESHOLD",
     "WAITS_RETURNING_INPUT",
@@ -216,6 +218,12 @@ def _classify(node: torch.fx.Node) -> str:
         if torch.Tag.pointwise in target.tags or name in _INLINED_OPS:
             return "pointwise"
     return "extern"
+
+
+def node_kind(node: torch.fx.Node) -> str:
+    """The plan's kind of ``node`` by its op alone: ``pointwise``, ``reduction``, ``view``,
+    ``extern``, ... (before the plan decides which pointwise values are materialised)."""
+    return _classify(node)
 
 
 def _tensors(val: Any) -> list[tuple[int, Any]]:

@@ -35,6 +35,7 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
+from oomkit.prediction.tracing.async_tp import AsyncTpEmulations
 from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,
     sharding_propagation_untraced,
@@ -332,7 +333,8 @@ def trace_distributed_step(
 
             emulations = emulations_for_cudnn(target.cudnn_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
-    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS}
+    async_tp = AsyncTpEmulations()  # the fused ops of Inductor's async-TP pass (async_tp.py)
+    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS, **async_tp.emulations}
     uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
     tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile)
     uses.attach(tracer)
@@ -350,7 +352,8 @@ def trace_distributed_step(
         uneven_bytes = _uneven_shard_bytes(track)
         try:
             roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted:
+            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted, \
+                    async_tp.installed():
                 # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
                 with cuda_optimizer_defaults("cpu"), cuda_rank():
                     tracer.track(track)
@@ -381,7 +384,11 @@ def trace_distributed_step(
             "state (AdamW has two); rank 0, always a full shard, is the largest",
         )
     recording = with_timeline(recording, uses, target)
-    return dataclasses.replace(recording, warnings=recording.warnings + notes)
+    return dataclasses.replace(
+        recording,
+        warnings=recording.warnings + notes + async_tp.notes(),
+        outside_allocator=recording.outside_allocator + async_tp.outside_lines(),
+    )
 
 
 @contextlib.contextmanager

@@ -41,6 +41,8 @@ class TraceRecording:
             frees wait on a collective's event (``stream_timeline.py``); ``None`` where timing
             changes nothing.
         timing_note: what the recording assumes about that timing, in words (distributed).
+        outside_allocator: ``(what, bytes, source)`` of device memory the step allocates
+            outside PyTorch's caching allocator (async TP's symmetric-memory workspace).
     """
 
     events: tuple[TraceEvent, ...]
@@ -52,6 +54,7 @@ class TraceRecording:
     sites: tuple[EmulationSite, ...] = ()
     collective_ids: frozenset[int] | None = None
     timing_note: str | None = None
+    outside_allocator: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def steps(self) -> int:

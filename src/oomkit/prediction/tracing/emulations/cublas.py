@@ -39,6 +39,7 @@ __all__ = [
     "cublas_workspace_bytes",
     "cublaslt_workspace_bytes",
     "cublaslt_unified",
+    "ensure_cublas_workspace",
     "register_cublas",
 ]
 
@@ -141,7 +142,19 @@ def _uses_lt(ctx: EmulationContext) -> bool:
     return ctx.op_name == "aten.addmm.default" and getattr(bias, "dim", lambda: 0)() == 1
 
 
-def _ensure_workspace(ctx: EmulationContext, environ: Mapping[str, str] | None) -> None:
+def ensure_cublas_workspace(ctx: EmulationContext, stream: int = 0) -> None:
+    """The cuBLAS workspace of ``ctx``'s thread and ``stream``, allocated if it is not yet.
+
+    For a kernel that runs GEMMs itself (a fused op's ``mm.out`` calls, on its own stream too:
+    prediction/tracing/async_tp.py); ``stream`` keys the workspace (0: the stream current when
+    ``ctx``'s op runs), and the caller makes that stream current around the call.
+    """
+    _ensure_workspace(ctx, None, stream)
+
+
+def _ensure_workspace(
+    ctx: EmulationContext, environ: Mapping[str, str] | None, stream: int = 0
+) -> None:
     leaves = [a for a in ctx.args if hasattr(a, "device")]
     if not leaves or any(not stands_for_cuda(a) for a in leaves):
         return
@@ -150,7 +163,7 @@ def _ensure_workspace(ctx: EmulationContext, environ: Mapping[str, str] | None) 
     # Autograd's device thread runs CUDA backward; everything else runs on the caller's thread.
     thread = "autograd" if ctx.phase == "backward" else "main"
     lt_separate = _uses_lt(ctx) and not cublaslt_unified(env)
-    key = (thread, 0, "cublaslt" if lt_separate else "cublas")
+    key = (thread, stream, "cublaslt" if lt_separate else "cublas")
     seen: set[tuple[str, int, str]] = ctx.state.setdefault(_STATE_KEY, set())
     if key in seen:
         return
