@@ -149,8 +149,8 @@ class ParallelSection(_Section):
     )
     async_tp: bool = Field(
         False,
-        description="torchtitan's async TP (refused: see its message)",
-        # No flag (refused, never typed daily): --set parallel.async_tp=true.
+        description="torchtitan's async TP (with --tp N --compile): Inductor's micro-pipeline pass",
+        # No flag (kept off predict --help's 100 lines): --set parallel.async_tp=true.
         json_schema_extra=_flag(None, MULTI_GPU, commands=("predict",)),
     )
 

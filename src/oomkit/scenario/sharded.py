@@ -109,7 +109,8 @@ def tp_notes(layout: ParallelLayout) -> tuple[str, ...]:
         f"tensor parallel: torchtitan's Llama plan over {layout.tp} ranks (colwise q/k/v and "
         "gate/up, rowwise o/down, vocabulary-sharded embedding and LM head, sequence-parallel "
         f"norms, loss parallel), {fsdp}DTensor's all-gathers and reduce-scatters allocate on "
-        "the current stream and are waited at once; async TP is not modelled",
+        "the current stream and are waited at once (but those parallel.async_tp's micro-pipeline "
+        "pass fuses: its own note)",
     )
 
 
@@ -152,8 +153,15 @@ def parallel_workload(
         )
     resolved = preset_step(scenario, batch_size, gpu)
     options = resolved.options
-    if parallel is not None and parallel.async_tp:
-        _refuse_async_tp(model.preset, options, layout)
+    async_tp = parallel is not None and parallel.async_tp
+    if async_tp and not options.compile:
+        # Async TP is Inductor's micro-pipeline pass (torchtitan/distributed/compile.py
+        # _maybe_enable_async_tp sets torch._inductor.config._micro_pipeline_tp): an eager step
+        # never runs it; torchtitan's earlier releases refused it without compile.
+        raise OomkitError(
+            "parallel.async_tp is Inductor's micro-pipeline pass over compiled blocks: add "
+            "--compile (or drop parallel.async_tp)"
+        )
     float8 = _float8_options(scenario)
     spec = workload_spec("preset", model.preset, options, steps, None)
     if float8 is not None:  # saved with the prediction, so that explain re-predicts it
@@ -195,6 +203,10 @@ def parallel_workload(
             lambda n, opts: build_fsdp_preset_step(n, opts, mesh, float8), name, options
         )
         workload.descriptions.append(built.description)
+        if async_tp:
+            from oomkit.prediction.models.async_tp import with_async_tp
+
+            return with_async_tp(built.step_fn, mesh), tuple(built.track)
         return built.step_fn, tuple(built.track)
 
     workload.build = build
@@ -211,20 +223,6 @@ def _float8_options(scenario: Scenario) -> Any:
     return Float8Options(
         recipe=parallel.float8_recipe or "rowwise", all_gather=parallel.float8_all_gather
     )
-
-
-def _refuse_async_tp(name: str, options: Any, layout: ParallelLayout) -> None:
-    """Refuse ``parallel.async_tp``, saying the symmetric-memory workspace it would add here."""
-    from oomkit.prediction.models.async_tp import async_tp_refusal
-    from oomkit.prediction.models.llama import LlamaShape
-    from oomkit.prediction.models.presets import shaped_preset
-
-    preset = shaped_preset(name, options)
-    shape = preset.shape if isinstance(preset.shape, LlamaShape) else None
-    seq_len = options.seq_len or preset.default_seq_len or 0
-    # Activations in bf16 under bf16-mixed / bf16 (FSDP2's param_dtype), else fp32.
-    itemsize = 2 if (options.precision or "fp32").startswith("bf16") else 4
-    raise OomkitError(async_tp_refusal(shape, options.batch_size, seq_len, layout.tp, itemsize))
 
 
 def _user_workload(

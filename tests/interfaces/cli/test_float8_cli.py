@@ -84,17 +84,39 @@ def test_float8_and_async_tp_refusals_exit_2(tiny_llama, argv, message, capsys):
     assert message in " ".join(capsys.readouterr().err.split())
 
 
-def test_async_tp_is_refused_with_its_workspace(capsys):
-    """parallel.async_tp on Llama 3 8B says what it would add: 2 x batch 1 x seq 16/2 x hidden 4096 x
-    2 bytes (bf16) = 128 KiB of symmetric memory per GPU, outside the caching allocator."""
-    argv = ["predict", "llama3-8b", "--tp", "2", "--fsdp", "2", "--compile", "--set", "parallel.async_tp=true",
+def test_async_tp_runs_inductor_s_micro_pipeline_pass_on_the_preset(tiny_llama, capsys):
+    """parallel.async_tp on the tiny Llama under FSDP2 2 x TP 2 with --compile: torch's pass
+    fuses 8 all-gather+matmul and 4 matmul+reduce-scatter per step (2 blocks x 2 steps); the
+    fused ops run on a backend stream whose GEMMs take a cuBLAS workspace per thread (2 x 32 MiB
+    on Hopper), and the symmetric-memory workspace (the largest request: 2 reduce-scatter chunks
+    of batch 2 x seq 16/2 x hidden 64 x 2 bytes (bf16) = 4,096 bytes asked) is mapped in one
+    2 MiB granule outside the caching allocator."""
+    base = ["predict", "llama3-8b", "--tp", "2", "--fsdp", "2", "--compile", "--batch", "2",
+            "--seq", "16", "--steps", "2", "--json", "--no-remedies"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--set", "parallel.async_tp=true"]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    kernels = fused["kernel_choices"]
+    assert kernels["async TP symm_mem.fused_all_gather_matmul.default"] == 16
+    assert kernels["async TP symm_mem.fused_matmul_reduce_scatter.default"] == 8
+    assert not any(k.startswith("async TP") for k in plain["kernel_choices"])
+    # at the peak the fused ops hold what plain compile's all-gathers and matmuls held; the
+    # difference is the backend stream's two cuBLAS workspaces (forward's and backward's thread)
+    assert fused["peak_allocated_bytes"] - plain["peak_allocated_bytes"] == 2 * 32 * 2**20
+    outside = {what: n for what, n, _ in fused["distributed"]["outside_lines"]}
+    ((what, n),) = [(w, n) for w, n in outside.items() if w.startswith("symmetric-memory")]
+    assert "4,096 bytes asked" in what and n == 2 * 2**20
+    assert not any(w.startswith("symmetric-memory") for w, _, _ in plain["distributed"]["outside_lines"])
+
+
+def test_async_tp_without_compile_exits_2(tiny_llama, capsys):
+    """Async TP is Inductor's pass: an eager preset step never runs it, so it is refused."""
+    argv = ["predict", "llama3-8b", "--tp", "2", "--fsdp", "2", "--set", "parallel.async_tp=true",
             "--batch", "1", "--seq", "16"]
     assert main(argv) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass" in err
-    assert (
-        "that workspace is 128.00 KiB per GPU (2 x batch 1 x seq 16/2 x hidden 4096 x 2 bytes)"
-    ) in err
+    assert "parallel.async_tp is Inductor's micro-pipeline pass over compiled blocks: add --compile" in (
+        " ".join(capsys.readouterr().err.split()))
 
 
 def test_a_saved_float8_prediction_is_re_predicted_in_float8(predicted):

@@ -1,4 +1,4 @@
-"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``) on presets: refused.
+"""Async tensor parallel (torchtitan's ``enable_async_tensor_parallel``) on presets.
 
 torchtitan turns it on with compile (torchtitan/distributed/compile.py ``_maybe_enable_async_tp``:
 ``enable_symm_mem_for_group(tp_group)`` and ``torch._inductor.config._micro_pipeline_tp =
@@ -10,9 +10,10 @@ chunk on a backend stream through a symmetric-memory workspace of the TP group
 ``_SymmetricMemory.empty_strided_p2p`` uint8 buffer per group, grown to the largest request and
 kept; it is not allocated by the caching allocator, so it is not in ``memory_allocated``).
 
-The torchtitan route records all of it (``prediction/tracing/async_tp.py``: the pass run on the
-compiled graphs, the fused ops' CUDA allocations, the workspace as a line outside the allocator);
-the preset route refuses it and says the workspace it would add.
+Both routes record it the same way (``prediction/tracing/async_tp.py``: the pass run on the
+compiled graphs, the fused ops' CUDA allocations, the workspace as a line outside the
+allocator): the torchtitan route through torchtitan's own ``_maybe_enable_async_tp``, a preset
+under ``--tp N --compile --set parallel.async_tp=true`` through ``with_async_tp`` below.
 
 The requests, for a Llama block under the sequence-parallel plan (``tensor_parallel.py``):
 
@@ -31,10 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from oomkit.prediction.models.llama import LlamaShape
-from oomkit.units import format_bytes
-
-__all__ = ["async_tp_refusal", "symmetric_workspace_bytes", "with_async_tp"]
+__all__ = ["with_async_tp"]
 
 
 def with_async_tp(step_fn: Callable[[], Any], mesh: Any) -> Callable[[], Any]:
@@ -69,44 +67,3 @@ def with_async_tp(step_fn: Callable[[], Any], mesh: Any) -> Callable[[], Any]:
             inductor_config._micro_pipeline_tp = flag
 
     return step
-
-
-def symmetric_workspace_bytes(
-    shape: LlamaShape, batch_size: int, seq_len: int, tp: int, itemsize: int
-) -> int:
-    """The async-TP symmetric-memory workspace of one TP group, in bytes.
-
-    Args:
-        shape: the Llama's sizes.
-        batch_size: the per-rank batch.
-        seq_len: the sequence length (sharded over ``tp`` between blocks).
-        tp: the tensor-parallel degree.
-        itemsize: bytes per activation element (2 for bf16).
-    """
-    # _pipelined_produce_and_all2all: 2 x one rank's reduce-scatter chunk, the largest request.
-    return 2 * batch_size * (seq_len // tp) * shape.hidden * itemsize
-
-
-def async_tp_refusal(
-    shape: LlamaShape | None, batch_size: int, seq_len: int, tp: int, itemsize: int
-) -> str:
-    """Why ``parallel.async_tp`` is refused, with the workspace it would add for this step."""
-    size = ""
-    if shape is not None and seq_len:
-        workspace = symmetric_workspace_bytes(shape, batch_size, seq_len, tp, itemsize)
-        size = (
-            f" For this step that workspace is {format_bytes(workspace)} per GPU "
-            f"(2 x batch {batch_size} x seq {seq_len}/{tp} x hidden {shape.hidden} x "
-            f"{itemsize} bytes), outside PyTorch's caching allocator."
-        )
-    return (
-        "parallel.async_tp (async TP) is not modelled: Inductor's micro_pipeline_tp pass and its "
-        "fused symm_mem ops are recorded on the torchtitan route (`oomkit predict --torchtitan "
-        "llama3:llama3_8b --world-size N -- --parallelism.tensor_parallel_degree K "
-        "--compile.enable --compile.enable_async_tensor_parallel`), not yet on presets. The "
-        "difference from `--tp N --compile` is the symmetric-memory workspace of the TP group "
-        "(2 x one rank's reduce-scatter chunk: torch/distributed/_symmetric_memory "
-        "_pipelined_produce_and_all2all), the fused ops' own buffers and a cuBLAS workspace per "
-        f"thread on their backend stream.{size} Predict without parallel.async_tp and add that "
-        "workspace to the peak, or use the torchtitan route."
-    )
