@@ -23,9 +23,8 @@ that op to the matching ring function (``tracing/emulations/sdpa.py``). torch's 
 settings in module globals (the dispatcher's op handlers, ``_cp_options``, the dispatch mode),
 which torchtitan sets and never resets: :func:`torch_cp_state_kept` puts them back after a job.
 
-Not recorded: CP with pipeline parallel (torchtitan's stages take the sharded micro-batches
-through the schedule's keyword arguments, which ``_torchtitan_pipeline.py`` does not pass), CP
-with compiled blocks (dynamo's fake run of SDPA on the CP DTensors, on the fake group's cpu
+With pipeline parallel, ``_torchtitan_pipeline.py`` cuts each micro-batch the same way and
+hands the cut micro-batches to the schedule. Not recorded: CP with compiled blocks (dynamo's fake run of SDPA on the CP DTensors, on the fake group's cpu
 device, takes the CPU kernel, which DTensor has no sharding rule for), and FlexAttention's CP
 (its Triton kernels are not emulated; the route records SDPA).
 """
@@ -59,16 +58,10 @@ def refuse_unmodelled_cp(config: Any, parallel_dims: Any) -> None:
     """Refuse CP with what this route does not record with it.
 
     Raises:
-        ConfigError: CP with pipeline parallel, or with the blocks compiled.
+        ConfigError: CP with the blocks compiled.
     """
     if not parallel_dims.cp_enabled:
         return
-    if parallel_dims.pp_enabled:
-        raise ConfigError(
-            "--parallelism.context_parallel_degree with --parallelism.pipeline_parallel_degree: "
-            "context parallel is recorded without pipeline parallel only (the stages' sharded "
-            "micro-batches are not passed yet); drop one of them (issue 38 tracks it)"
-        )
     if config.compile.enable and "model" in config.compile.components:
         # dynamo runs each captured op on fake tensors of the fake group's cpu device: SDPA on
         # the CP DTensors takes the CPU flash kernel there, which DTensor has no sharding rule

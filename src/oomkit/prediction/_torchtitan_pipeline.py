@@ -14,19 +14,23 @@ GPU-free run:
   ``FakeTensorMode``, and FSDP2's ``fully_shard`` then failed with "Mixing fake modes NYI"
   (torch/_subclasses/fake_tensor.py ``validate_and_convert_non_fake_tensors``). While the split
   runs, a ``FakeTensorMode`` deep-copies to itself (a mode is process-wide state, not a value).
-* **Shapes given up front.** torchtitan builds each ``PipelineStage`` without example inputs,
-  so the schedule's first step infers them by sending metadata objects between ranks
-  (torch/distributed/pipelining/stage.py ``_recv_meta`` / ``_send_meta``), which the fake
-  backend cannot carry. The stages are given what that exchange would say: token ids into the
-  first stage, the hidden states ``(micro-batch, seq [/ TP under sequence parallel], dim)`` in
-  FSDP2's compute dtype between stages, and out of the last (logits over the vocabulary, or the
-  normed hidden states where the chunked loss computes the LM head). The stages check each
-  tensor they pass against them (stage.py ``_validate_stage_tensors``, on).
+* **The neighbours' metadata.** torchtitan builds each ``PipelineStage`` without example
+  inputs, so the schedule's first step infers the shapes, running one micro-batch forward and
+  backward per stage on the device (``_torchtitan_pp_metadata.py``, recorded as it runs) and
+  exchanging metadata objects between ranks, which the fake backend cannot carry. A stage
+  receives what its neighbour would send: token ids into the first stage, the hidden states
+  ``(micro-batch, seq / CP [/ TP under sequence parallel], dim)`` in FSDP2's compute dtype
+  between stages, and out of the last (logits over the vocabulary, or the normed hidden states
+  where the chunked loss computes the LM head); what it sends is checked against them, and the
+  stages check each tensor they pass in the steady state (stage.py ``_validate_stage_tensors``).
 * **The warm-up vote** reads its answer from a tensor (``result.item()``): it is answered by
   each stage's own vote, as oomkit's preset route does (``models/pipeline.py``).
-On a GPU the first step's metadata inference runs one micro-batch forward and backward per
-stage and frees it before the schedule starts (stage.py ``_post_metadata_inference_cleanup``);
-here the stages start static, so that transient is not recorded (the steady state is).
+
+Context parallel runs with it as torchtitan's trainer runs it: each micro-batch's token ids,
+labels and positions are on the device, ``post_dataloading_process`` cuts each to this rank's
+``seq / cp`` tokens (``prepare_context_parallel_input``), and the schedule takes the cut
+micro-batches (``arg_mbs`` on the first stage, the positions as every stage's ``kwarg_mbs``,
+``target_mbs`` on the last).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from typing import Any
 
 from oomkit.errors import ConfigError
 from oomkit.prediction._torchtitan_env import import_torchtitan
+from oomkit.prediction._torchtitan_pp_metadata import (
+    EXPECTED_SHAPES_ATTR,
+    metadata_exchange_emulated,
+)
 
 __all__ = [
     "PIPELINE_NOTE",
@@ -47,11 +55,10 @@ __all__ = [
 ]
 
 PIPELINE_NOTE = (
-    "pipeline parallel: the stages are given their input and output shapes, so the first "
-    "step's metadata inference (torch/distributed/pipelining/stage.py "
-    "_forward_metadata_inference: one micro-batch forward and backward per stage, freed before "
-    "the schedule runs, as torchtitan's stages do on a GPU) is not recorded; the schedule's "
-    "steady state is"
+    "pipeline parallel: the first step's metadata inference (torch/distributed/pipelining/"
+    "stage.py _forward_metadata_inference and _backward_metadata_inference: one micro-batch "
+    "forward and backward per stage, freed before the schedule runs) is recorded as on a GPU; "
+    "the metadata each stage receives from its neighbours is derived from the job"
 )
 
 
@@ -80,7 +87,8 @@ def copies_keep_the_fake_mode() -> Iterator[None]:
 def _stage_shapes(
     config: Any, parallel_dims: Any, skip_lm_head: bool
 ) -> Callable[[int, int], dict[str, Any]]:
-    """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage."""
+    """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage, as
+    meta tensors (or DTensors of meta local tensors), to be called outside the fake mode."""
     import torch
 
     config_module = import_torchtitan("torchtitan.config")
@@ -96,10 +104,13 @@ def _stage_shapes(
     # Under TP with sequence parallel the embedding's output (and every block's) is the local
     # Shard(1) rows of the sequence, else replicated (torchtitan's decoder sharding plan).
     parallel_rows = tp_mesh is not None and parallelism.enable_sequence_parallel
+    # Under CP each micro-batch holds this rank's seq / cp tokens (prepare_context_parallel_input)
+    seq //= parallel_dims.cp
     rows = seq // parallel_dims.tp if parallel_rows else seq
 
     def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
-        local = torch.empty(shape, dtype=dtype, requires_grad=grad)
+        # on meta: the shapes describe what the neighbour sends; they allocate nothing
+        local = torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
         if tp_mesh is None:
             return local
         from torch.distributed.tensor import DTensor
@@ -113,7 +124,11 @@ def _stage_shapes(
         hidden = (micro, rows, model_config.dim)
         between = Shard(1) if parallel_rows else Replicate()
         first, last = stage_index == 0, stage_index == num_stages - 1
-        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, between, True)
+        inputs = (
+            torch.empty(micro, seq, dtype=torch.int64, device="meta")
+            if first
+            else tensor(hidden, between, True)
+        )
         if not last or skip_lm_head:
             outputs = tensor(hidden, between, True)
         else:  # loss parallel: the logits stay vocabulary shards
@@ -131,19 +146,19 @@ def _stage_shapes(
 
 
 @contextlib.contextmanager
-def _stages_with_shapes(shapes: Callable[[int, int], dict[str, Any]]) -> Iterator[list[Any]]:
+def _stages_expecting(shapes: Callable[[int, int], dict[str, Any]]) -> Iterator[list[Any]]:
     """While open, torchtitan's ``_pipeline_module_split`` builds its ``PipelineStage`` objects
-    with the shapes given (it calls ``PipelineStage(model_chunk, stage_idx, num_stages, device,
-    group=..., get_mesh=...)``, pipeline_parallel.py); the stages made are listed."""
+    as it does (``PipelineStage(model_chunk, stage_idx, num_stages, device, group=...,
+    get_mesh=...)``, pipeline_parallel.py: no example inputs or outputs), each carrying the
+    shapes its neighbours exchange (``_torchtitan_pp_metadata.py``); the stages made are listed."""
     from torch.distributed.pipelining import PipelineStage
 
     module = import_torchtitan("torchtitan.distributed.pipeline_parallel")
     made: list[Any] = []
 
     def stage(submodule: Any, stage_index: int, num_stages: int, device: Any, **kwargs: Any) -> Any:
-        built = PipelineStage(
-            submodule, stage_index, num_stages, device, **shapes(stage_index, num_stages), **kwargs
-        )
+        built = PipelineStage(submodule, stage_index, num_stages, device, **kwargs)
+        setattr(built, EXPECTED_SHAPES_ATTR, shapes)
         # stage.py _validate_stage_tensors: each tensor passed is checked against the shapes
         built._runtime_validate = True
         made.append(built)
@@ -178,7 +193,7 @@ def build_pipeline(
         )
     shapes = _stage_shapes(config, parallel_dims, skip_lm_head=chunked_loss)
     try:
-        with copies_keep_the_fake_mode(), _stages_with_shapes(shapes):
+        with copies_keep_the_fake_mode(), _stages_expecting(shapes):
             return model_spec.pipelining_fn(
                 model,
                 parallel_dims=parallel_dims,
@@ -196,6 +211,41 @@ def build_pipeline(
         raise ConfigError(f"torchtitan refused the pipeline split or schedule: {exc}") from exc
 
 
+def _schedule_step(
+    schedule: Any,
+    arg_mbs: list[Any] | None,
+    kwarg_mbs: list[dict[str, Any]],
+    target_mbs: list[Any] | None,
+    losses: list[Any] | None,
+    loss_kwargs: dict[str, Any],
+) -> None:
+    """``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
+    loss_kwargs=..., return_outputs=False)`` as torchtitan 0.3.0 calls it (trainer.py:852-862).
+
+    torch 2.13's ``step(*args, target=..., **kwargs)`` takes a whole batch and splits it
+    (schedules.py ``_split_inputs``); the keywords would reach the model. There the step's own
+    body runs on the micro-batches given: each stage's ``has_backward`` set and its runtime
+    state cleared, then ``_step_microbatches`` (schedules.py ``PipelineScheduleSingle.step`` /
+    ``PipelineScheduleMulti.step``, without the split and the merge of outputs not asked for).
+    """
+    import inspect
+
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:  # a torch that takes them
+        schedule.step(
+            arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+            loss_kwargs=loss_kwargs, return_outputs=False,
+        )
+        return
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        stage.has_backward = schedule._has_backward
+    for stage in stages:
+        stage.clear_runtime_states()
+    schedule._step_microbatches(
+        arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs
+    )
+
+
 def pipeline_step(
     config: Any,
     model_parts: list[Any],
@@ -210,21 +260,40 @@ def pipeline_step(
     """``Trainer.train_step`` (trainer.py:871-949) with ``pp_forward_backward_step``
     (trainer.py:833-868) for this rank's stages, synthetic tokens.
 
-    torchtitan 0.3.0 hands the schedule pre-split micro-batches (``step(arg_mbs=...,
-    target_mbs=...)``), which torch 2.13's ``_PipelineSchedule.step(*args, target=...)`` does
-    not take (they would reach the model as keyword arguments); the whole local batch is given
-    instead and the schedule splits it into the same micro-batches
-    (torch/distributed/pipelining/schedules.py ``step`` -> ``_split_inputs``): the tokens are
-    one ``local_batch x seq`` tensor rather than one per micro-batch, the same bytes.
+    Each micro-batch is the data loader's ``({"input": tokens, "positions": ...}, labels)``
+    (torchtitan/hf_datasets/text_datasets.py), moved to the device (trainer.py:907-915: the
+    token and position tensors are written back into the loader's dicts, which the step keeps
+    to its end; the labels are the accumulation step's), then ``post_dataloading_process``
+    (trainer.py:722-770: the positions become a keyword of every stage's forward; under CP the
+    three are cut to this rank's ``seq / cp`` tokens), and the schedule runs the cut
+    micro-batches (:func:`_schedule_step`).
     """
     import torch
 
     from oomkit.prediction.models.pipeline import _warmup_by_own_vote, forget_earlier_meshes
 
     dist_utils = import_torchtitan("torchtitan.distributed.utils")
-    training = config.training
-    seq = training.seq_len
+    cp_module = import_torchtitan("torchtitan.distributed.context_parallel")
+    training, parallelism = config.training, config.parallelism
+    seq, micro = training.seq_len, parallelism.pipeline_parallel_microbatch_size
+    microbatches = training.local_batch_size // micro  # trainer.py:434-437
     params = [p for m in model_parts for p in m.parameters()]
+
+    def post_dataloading(input_dict: dict[str, Any], labels: Any) -> tuple[Any, Any, dict[str, Any]]:
+        # trainer.py:722-770 (SDPA: no attention masks; partial_dtensor: no input conversion)
+        inputs = input_dict["input"]
+        extra = {k: v for k, v in input_dict.items() if k != "input"}
+        if parallel_dims.cp_enabled:
+            inputs, labels, extra = cp_module.prepare_context_parallel_input(
+                inputs,
+                labels,
+                extra,
+                parallel_dims.get_mesh("cp"),
+                torch.device("cpu"),  # the fake group's device
+                parallelism.context_parallel_load_balancer,
+                parallelism.context_parallel_ptrr_mask_key,
+            )
+        return inputs, labels, extra
 
     def step() -> None:
         optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)  # trainer.py:874
@@ -235,21 +304,47 @@ def pipeline_step(
             global_tokens = dist_utils.dist_sum_tensor(local_tokens, parallel_dims.get_mesh("batch"))
         else:
             global_tokens = local_tokens
+        kept: list[dict[str, Any]] = []  # the loader's dicts, holding their device tensors
         for _ in range(accumulation):
-            # trainer.py:908-921: the micro-batches' tokens and labels moved to the device, here
-            # as one batch the schedule splits (see pipeline_step's doc)
-            inputs = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
-            labels = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
-            with train_context(), _warmup_by_own_vote():  # trainer.py:852-864
+            input_dict_mbs: list[dict[str, Any]] = []
+            label_mbs: list[Any] = []
+            for _ in range(microbatches):  # trainer.py:907-915
+                input_dict = {
+                    "input": torch.zeros(micro, seq, dtype=torch.int64),
+                    "positions": torch.zeros(micro, seq, dtype=torch.int64),
+                }
+                kept.append(input_dict)
+                input_dict_mbs.append(input_dict)
+                label_mbs.append(torch.zeros(micro, seq, dtype=torch.int64))
+            # trainer.py:833-850 pp_forward_backward_step: each micro-batch post-processed
+            arg_mbs: list[Any] = []
+            kwarg_mbs: list[dict[str, Any]] = []
+            target_mbs: list[Any] | None = [] if has_last else None
+            for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
+                inputs, labels, extra = post_dataloading(input_dict, labels)
+                if has_first:
+                    arg_mbs.append((inputs,))
+                kwarg_mbs.append(extra)
+                if target_mbs is not None:
+                    target_mbs.append(labels)
+            with train_context(), _warmup_by_own_vote(), metadata_exchange_emulated():
                 losses: list[Any] | None = [] if has_last else None
-                schedule.step(
-                    *((inputs,) if has_first else ()),
-                    target=labels if has_last else None,
-                    losses=losses,
-                    return_outputs=False,
-                    loss_kwargs={"global_valid_tokens": global_tokens},
+                _schedule_step(
+                    schedule,
+                    arg_mbs if has_first else None,
+                    kwarg_mbs,
+                    target_mbs,
+                    losses,
+                    {"global_valid_tokens": global_tokens},
                 )
-            del inputs, labels, losses
+            # trainer.py:865-868: the micro-step's loss, on the device (kept until the next)
+            if has_last:
+                assert losses is not None
+                loss = torch.sum(torch.stack(losses))
+            else:
+                loss = torch.full((1,), -1.0)
+            del arg_mbs, kwarg_mbs, target_mbs, losses, input_dict_mbs, label_mbs
+            del inputs, labels, extra
         dist_utils.clip_grad_norm_(  # trainer.py:939-945
             params,
             training.max_norm,
@@ -258,6 +353,7 @@ def pipeline_step(
             ep_enabled=parallel_dims.ep_enabled,
         )
         optimizers.step()
+        del kept, loss
         forget_earlier_meshes()  # nothing of this group's meshes outlives it
 
     return step

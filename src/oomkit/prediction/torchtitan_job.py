@@ -252,7 +252,7 @@ def build_torchtitan_step(
     when ``build`` has run.
 
     Raises:
-        ConfigError: a part of the job that is not modelled (CP with PP, expert parallel,
+        ConfigError: a part of the job that is not modelled (expert parallel, CPU offload,
             FlexAttention kept), or one torchtitan refuses.
     """
     import torch
