@@ -12,8 +12,11 @@ PP 2 x CP 2 on 4 ranks: ranks 0 and 1 run stage 0 (CP ranks 0 and 1), ranks 2 an
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
@@ -190,3 +193,84 @@ def test_cp_lowers_each_stage_peak(recorded):
 def test_the_warnings_say_the_shape_inference_is_recorded(recorded):
     """The pipeline note names the first step's metadata inference as recorded."""
     assert any("metadata inference" in w and "recorded as on a GPU" in w for w in recorded[(1, 0)][0].warnings)
+
+
+_SHAPES = st.lists(st.integers(1, 1 << 20), min_size=1, max_size=4)
+_DTYPES = st.sampled_from(["bfloat16", "float32", "int64", "float8_e4m3fn"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.tuples(_SHAPES, _DTYPES, st.booleans()), min_size=1, max_size=3),
+       forward=st.booleans())
+def test_the_emulated_payload_is_what_send_object_list_moves(shapes, forward):
+    """pickled_bytes(meta) is the byte count of torch's own _object_to_tensor(meta) (the device
+    tensor send_object_list sends and recv_object_list allocates), for any stage metadata."""
+    import torch
+    from torch.distributed.distributed_c10d import _object_to_tensor
+    from torch.distributed.pipelining._utils import (
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        _TensorMeta,
+    )
+
+    metas = []
+    for dims, dtype, grad in shapes:
+        size = torch.Size(dims)
+        stride = tuple(math.prod(dims[i + 1:]) for i in range(len(dims)))
+        metas.append(_TensorMeta(size, stride, getattr(torch, dtype), grad))
+    meta = _StageForwardMeta(tuple(metas)) if forward else _StageBackwardMeta(tuple(metas))
+    byte_tensor, size = _object_to_tensor(meta, torch.device("cpu"), None)
+    assert pickled_bytes(meta) == byte_tensor.numel() == int(size.item())
+
+
+class _Stage:
+    def __init__(self) -> None:
+        self.has_backward = None
+        self.cleared = 0
+
+    def clear_runtime_states(self) -> None:
+        self.cleared += 1
+
+
+def test_the_schedule_runs_the_cut_micro_batches_without_splitting_them():
+    """torch 2.13's step splits a whole batch; _schedule_step runs its body on the micro-batches
+    given: each stage's has_backward set and state cleared, then _step_microbatches with them,
+    no outputs returned."""
+    from oomkit.prediction._torchtitan_pipeline import _schedule_step
+
+    class Multi:
+        _has_backward = True
+
+        def __init__(self) -> None:
+            self._stages = [_Stage(), _Stage()]
+            self.calls: list[tuple] = []
+
+        def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+            raise AssertionError("the whole-batch step must not run")
+
+        def _step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=None):
+            self.calls.append((arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs))
+
+    schedule = Multi()
+    args, kwargs, targets, losses = [("a",), ("b",)], [{"positions": 1}, {"positions": 2}], ["t0", "t1"], []
+    _schedule_step(schedule, args, kwargs, targets, losses, {"global_valid_tokens": 7})
+    assert schedule.calls == [(args, kwargs, targets, losses, False, {"global_valid_tokens": 7})]
+    assert [(s.has_backward, s.cleared) for s in schedule._stages] == [(True, 1), (True, 1)]
+
+
+def test_a_schedule_that_takes_micro_batches_is_called_as_torchtitan_calls_it():
+    """A torch whose step takes arg_mbs / kwarg_mbs / target_mbs gets torchtitan 0.3.0's call
+    (trainer.py pp_forward_backward_step) as it is."""
+    from oomkit.prediction._torchtitan_pipeline import _schedule_step
+
+    calls: list[dict] = []
+
+    class Newer:
+        def step(self, *, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                 loss_kwargs=None, return_outputs=True):
+            calls.append(dict(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
+                              losses=losses, loss_kwargs=loss_kwargs, return_outputs=return_outputs))
+
+    _schedule_step(Newer(), None, [{}], None, None, {"global_valid_tokens": 3})
+    assert calls == [dict(arg_mbs=None, kwarg_mbs=[{}], target_mbs=None, losses=None,
+                          loss_kwargs={"global_valid_tokens": 3}, return_outputs=False)]
