@@ -22,7 +22,7 @@ pytest.importorskip("torchtitan")
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
-from oomkit.prediction._torchtitan_pp_metadata import pickled_bytes  # noqa: E402
+from oomkit.prediction._torchtitan_pipeline import pickled_bytes  # noqa: E402
 from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
 
