@@ -4,9 +4,8 @@ Reads ``benchmarks/data/torchtitan_published.json`` (the rows of torchtitan's
 benchmarks/llama3_h100_202412_torchtitan.md, with their source commit) and predicts each row the
 torchtitan route can express (``oomkit.prediction.torchtitan_job``: torchtitan 0.3.0's own
 config, model, ``parallelize_llama``, loss and optimizer on a fake process group of the row's
-world size); a row that needs what the route refuses (CP with PP) is
-skipped with the reason. Async TP runs Inductor's micro-pipeline pass and records its fused
-ops (``prediction/tracing/async_tp.py``). The job is the 2024 one written as 0.3.0 overrides: the
+world size); async TP runs Inductor's micro-pipeline pass and records its fused ops
+(``prediction/tracing/async_tp.py``). The job is the 2024 one written as 0.3.0 overrides: the
 row's FSDP / TP / CP degrees, local batch and sequence length, torchtitan's selective (op) or
 full AC, Float8 as 2024 ran it (torchao's tensorwise recipe on the blocks' linears, the LM head
 in bf16: ``--override.imports oomkit.prediction._torchtitan_float8.float8_block_linears``;
@@ -20,14 +19,13 @@ the loss is the plain cross-entropy over the full logits (2024's; ``--loss confi
 
 ``--rows`` picks rows by id (default: every row); ``--preset`` also predicts the 8B FSDP rows
 through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for comparison.
-``--eager-part`` records, for a skipped row, the part the route expresses (no compile or async
-TP; Float8 and context parallel kept, but CP dropped where the row pipelines; pipeline parallel
-kept through torchtitan's pipeline_llm, rank 0 recorded): its peak is printed against the
-row's with its error, as a different job (compile left out), and its wall time.
+``--eager-part`` records each row's eager part instead (no compile or async TP; Float8, context
+and pipeline parallel kept): its peak is printed against the row's with its error, as a
+different job, and its wall time.
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
 prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
-reserved of the same replay on unlimited memory), the error in % and the wall time, or why it
-was skipped.
+reserved of the same replay on unlimited memory), the error in % and the wall time, or the
+route's refusal.
 """
 
 from __future__ import annotations
@@ -123,23 +121,9 @@ def _job_name(row: dict) -> tuple[str, str]:
     return "llama3", f"llama3_{row['model'].lower()}"
 
 
-def _skip_reason(row: dict) -> str | None:
-    layout = row["layout"]
-    parts = [
-        (layout["cp"] > 1 and layout.get("pp", 1) > 1, "context parallel with pipeline parallel"),
-    ]
-    refused = [words for given, words in parts if given]
-    if refused:
-        return f"the torchtitan route does not record {', '.join(refused)} yet (refused)"
-    return None
-
-
 def _eager_part(row: dict) -> dict:
-    """The row without what the route refuses: eager, no async TP, no CP where it pipelines
-    (Float8, CP alone and pipeline parallel are kept)."""
+    """The row eager, without async TP (Float8, context and pipeline parallel are kept)."""
     layout = dict(row["layout"])
-    if layout.get("pp", 1) > 1:
-        layout["cp"] = 1
     gpus = layout["fsdp"] * layout["tp"] * layout.get("pp", 1) * layout["cp"]
     return dict(row, layout=layout, gpus=gpus, compile=False, async_tp=False)
 
@@ -154,7 +138,7 @@ def _predict_row(row: dict, loss: str) -> dict:
         *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     recording, run = record_torchtitan_job(job, target=target)
     recorded_s = time.perf_counter() - start
     prediction = predict_recording(recording, target=target, description=run.description)
@@ -170,6 +154,8 @@ def _predict_row(row: dict, loss: str) -> dict:
         "error_pct": round(100 * (reserved - row["measured_gib"]) / row["measured_gib"], 1),
         "record_s": round(recorded_s, 1),
         "wall_s": round(wall_s, 1),
+        # this process's CPU time: the wall time on a shared machine waits for the others
+        "cpu_s": round(time.process_time() - cpu_start, 1),
         "warnings": list(recording.warnings),
     }
 
@@ -198,7 +184,7 @@ def main() -> int:
     parser.add_argument("--loss", choices=("cross_entropy", "configured"), default="cross_entropy")
     parser.add_argument("--preset", action="store_true", help="also the preset route (8B FSDP)")
     parser.add_argument("--eager-part", action="store_true",
-                        help="time the expressible part of a skipped row (not compared)")
+                        help="each row's eager part (no compile or async TP) instead")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     parser.add_argument("--float8-all-gather", action="store_true",
                         help="Float8 rows with torchao's FSDP2 float8 all-gather")
@@ -221,51 +207,46 @@ def main() -> int:
     load_before = os.getloadavg()
     for row in rows:
         out: dict = {"id": row["id"], "measured_gib": row["measured_gib"]}
-        reason = _skip_reason(row)
-        if reason is not None:
-            out["skipped"] = reason
-            if args.eager_part:
-                part = _eager_part(row)
-                key = (part["model"], _overrides(part), part["gpus"])
-                if key in timed_parts:  # the same job as an earlier row's part
-                    timed = {**timed_parts[key][1], "same_as": timed_parts[key][0]}
-                else:
-                    try:
-                        timed = _predict_row(part, args.loss)
-                    except OomkitError as exc:  # torchtitan's own refusal of the part, kept
-                        timed = {"refused": str(exc)}
-                    timed_parts[key] = (row["id"], timed)
-                out["eager_part"] = {
-                    "world_size": part["gpus"], **timed,
-                    "note": "a different job (eager; CP dropped where the row pipelines): "
-                            "its error is against the row's measured peak, not the bar",
-                }
+        if args.eager_part:
+            part = _eager_part(row)
+            key = (part["model"], _overrides(part), part["gpus"])
+            if key in timed_parts:  # the same job as an earlier row's part
+                timed = {**timed_parts[key][1], "same_as": timed_parts[key][0]}
+            else:
+                try:
+                    timed = _predict_row(part, args.loss)
+                except OomkitError as exc:  # torchtitan's own refusal of the part, kept
+                    timed = {"refused": str(exc)}
+                timed_parts[key] = (row["id"], timed)
+            out["eager_part"] = {
+                "world_size": part["gpus"], **timed,
+                "note": "a different job (eager, no async TP): "
+                        "its error is against the row's measured peak",
+            }
         else:
-            out["torchtitan_route"] = _predict_row(row, args.loss)
+            try:
+                out["torchtitan_route"] = _predict_row(row, args.loss)
+            except OomkitError as exc:  # the route's refusal, kept
+                out["refused"] = str(exc)
             if args.preset and row["model"] == "8B":
                 out["preset_route"] = _preset_row(row)
         results.append(out)
-        if "skipped" in out:
-            print(f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  skipped: {reason}")
-            if "eager_part" in out and "refused" in out["eager_part"]:
-                print(f"{'':34} eager part refused: {out['eager_part']['refused'][:150]}")
-            elif "eager_part" in out:
-                part = out["eager_part"]
-                fits = "" if part["fits_96gib"] else " (does not fit 96 GiB)"
-                print(f"{'':34} eager part on {part['world_size']} ranks: "
-                      f"{part['predicted_reserved_gib']:.2f} GiB ({part['error_pct']:+.1f}%)"
-                      f"{fits} in {part['wall_s']:.0f} s", flush=True)
-        else:
-            got = out["torchtitan_route"]
-            line = (
-                f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  torchtitan route "
-                f"{got['predicted_reserved_gib']:6.2f} GiB ({got['error_pct']:+.1f}%) in "
-                f"{got['wall_s']:.0f} s"
-            )
-            if "preset_route" in out:
-                pre = out["preset_route"]
-                line += f"  preset route {pre['predicted_reserved_gib']:.2f} GiB ({pre['error_pct']:+.1f}%)"
-            print(line, flush=True)
+        got = out.get("torchtitan_route") or out.get("eager_part") or {}
+        if "refused" in out or "refused" in got:
+            refusal = out.get("refused") or got["refused"]
+            print(f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  refused: {refusal[:150]}")
+            continue
+        what = "eager part" if args.eager_part else "torchtitan route"
+        fits = "" if got["fits_96gib"] else " (does not fit 96 GiB)"
+        line = (
+            f"{row['id']:34} measured {row['measured_gib']:6.1f} GiB  {what} "
+            f"{got['predicted_reserved_gib']:6.2f} GiB ({got['error_pct']:+.1f}%){fits} in "
+            f"{got['wall_s']:.0f} s ({got['cpu_s']:.0f} s of CPU)"
+        )
+        if "preset_route" in out:
+            pre = out["preset_route"]
+            line += f"  preset route {pre['predicted_reserved_gib']:.2f} GiB ({pre['error_pct']:+.1f}%)"
+        print(line, flush=True)
     report = {
         "benchmark": "torchtitan_rows",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),

@@ -147,15 +147,6 @@ def test_a_sequence_the_head_tail_balancer_cannot_split_is_refused():
         record_torchtitan_job(job, target=Target.resolve("h100"))
 
 
-def test_cp_with_pipeline_parallel_is_refused_naming_both():
-    job = _job(
-        4, "--parallelism.context_parallel_degree", "2",
-        "--parallelism.pipeline_parallel_degree", "2",
-    )
-    with pytest.raises(ConfigError, match="context_parallel_degree with .*pipeline_parallel_degree"):
-        record_torchtitan_job(job, target=Target.resolve("h100"))
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     seq=st.integers(1, 1 << 18), cp=st.integers(1, 16), tp=st.integers(1, 8), sp=st.booleans()

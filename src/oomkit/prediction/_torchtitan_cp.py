@@ -25,11 +25,11 @@ which torchtitan sets and never resets: :func:`torch_cp_state_kept` puts them ba
 
 Compiled blocks (``--compile.enable``) record with CP: dynamo's capture of SDPA on the CP
 DTensors takes the fused kernel the target GPU picks, as on a GPU (``_torchtitan_cp_compile.py``),
-and AOTAutograd traces torch's ring into the compiled forward and backward graphs.
+and AOTAutograd traces torch's ring into the compiled forward and backward graphs. With pipeline
+parallel, ``_torchtitan_pipeline.py`` cuts each micro-batch the same way and hands the cut
+micro-batches to the schedule.
 
-Not recorded: CP with pipeline parallel (torchtitan's stages take the sharded micro-batches
-through the schedule's keyword arguments, which ``_torchtitan_pipeline.py`` does not pass), and
-FlexAttention's CP (its Triton kernels are not emulated; the route records SDPA).
+Not recorded: FlexAttention's CP (its Triton kernels are not emulated; the route records SDPA).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from oomkit.prediction._torchtitan_env import import_torchtitan
 __all__ = [
     "CP_NOTE",
     "check_seq_len",
-    "refuse_unmodelled_cp",
     "shard_batch",
     "torch_cp_state_kept",
 ]
@@ -55,22 +54,6 @@ CP_NOTE = (
     "kernel the target GPU picks; the whole micro-batch's token ids, labels and positions are "
     "on the device before they are sharded, as in torchtitan's trainer"
 )
-
-
-def refuse_unmodelled_cp(config: Any, parallel_dims: Any) -> None:
-    """Refuse CP with what this route does not record with it.
-
-    Raises:
-        ConfigError: CP with pipeline parallel.
-    """
-    if not parallel_dims.cp_enabled:
-        return
-    if parallel_dims.pp_enabled:
-        raise ConfigError(
-            "--parallelism.context_parallel_degree with --parallelism.pipeline_parallel_degree: "
-            "context parallel is recorded without pipeline parallel only (the stages' sharded "
-            "micro-batches are not passed yet); drop one of them (issue 38 tracks it)"
-        )
 
 
 def shard_batch(

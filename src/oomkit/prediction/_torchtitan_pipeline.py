@@ -14,24 +14,42 @@ GPU-free run:
   ``FakeTensorMode``, and FSDP2's ``fully_shard`` then failed with "Mixing fake modes NYI"
   (torch/_subclasses/fake_tensor.py ``validate_and_convert_non_fake_tensors``). While the split
   runs, a ``FakeTensorMode`` deep-copies to itself (a mode is process-wide state, not a value).
-* **Shapes given up front.** torchtitan builds each ``PipelineStage`` without example inputs,
-  so the schedule's first step infers them by sending metadata objects between ranks
-  (torch/distributed/pipelining/stage.py ``_recv_meta`` / ``_send_meta``), which the fake
-  backend cannot carry. The stages are given what that exchange would say: token ids into the
-  first stage, the hidden states ``(micro-batch, seq [/ TP under sequence parallel], dim)`` in
-  FSDP2's compute dtype between stages, and out of the last (logits over the vocabulary, or the
-  normed hidden states where the chunked loss computes the LM head). The stages check each
-  tensor they pass against them (stage.py ``_validate_stage_tensors``, on).
+* **The neighbours' metadata.** torchtitan 0.3.0 builds each ``PipelineStage`` without example
+  inputs or outputs (pipeline_parallel.py ``_pipeline_module_split``), so every stage votes
+  DYNAMIC (torch/distributed/pipelining/_utils.py ``InferenceMode.needs_dynamic``) and the
+  schedule's first ``step`` infers the shapes (schedules.py ``_initialize_pp_stages``), on the
+  device: forward, stage by stage (stage.py ``_forward_metadata_inference``: the first stage
+  takes micro-batch 0 itself, a detached alias; a later one allocates empty tensors of the
+  received metadata, ``TensorMeta.to_tensor``; the stage's forward runs under
+  ``torch.enable_grad()`` and its outputs are kept), then backward in reverse
+  (``_backward_metadata_inference``: the last stage's loss of micro-batch 0, the others'
+  ``torch.ones`` output gradients, ``torch.autograd.grad`` for the inputs that need one), then
+  ``_post_metadata_inference_cleanup`` (FSDP2 reshards, parameter gradients to ``None``). That
+  pass runs here as it is, but the metadata objects ranks exchange (distributed_c10d.py
+  ``send_object_list`` / ``recv_object_list`` with ``device``: the pickled object and its
+  size as device tensors), which the fake backend cannot carry: under
+  :func:`metadata_exchange_emulated` a stage receives what its neighbour (another rank, built
+  alike) would send, with the device tensors ``recv_object_list`` allocates for it: token ids
+  into the first stage, the hidden states ``(micro-batch, seq / CP [/ TP under sequence
+  parallel], dim)`` in FSDP2's compute dtype between stages, and out of the last (logits over
+  the vocabulary, or the normed hidden states where the chunked loss computes the LM head).
+  What a stage sends is checked against those shapes and allocated as ``send_object_list``
+  does; in the steady state the stages check each tensor they pass (stage.py
+  ``_validate_stage_tensors``).
 * **The warm-up vote** reads its answer from a tensor (``result.item()``): it is answered by
   each stage's own vote, as oomkit's preset route does (``models/pipeline.py``).
-On a GPU the first step's metadata inference runs one micro-batch forward and backward per
-stage and frees it before the schedule starts (stage.py ``_post_metadata_inference_cleanup``);
-here the stages start static, so that transient is not recorded (the steady state is).
+
+Context parallel runs with it as torchtitan's trainer runs it: each micro-batch's token ids,
+labels and positions are on the device, ``post_dataloading_process`` cuts each to this rank's
+``seq / cp`` tokens (``prepare_context_parallel_input``), and the schedule takes the cut
+micro-batches (``arg_mbs`` on the first stage, the positions as every stage's ``kwarg_mbs``,
+``target_mbs`` on the last).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,17 +60,158 @@ __all__ = [
     "PIPELINE_NOTE",
     "build_pipeline",
     "copies_keep_the_fake_mode",
+    "metadata_exchange_emulated",
+    "pickled_bytes",
     "pipeline_step",
     "pipeline_words",
 ]
 
 PIPELINE_NOTE = (
-    "pipeline parallel: the stages are given their input and output shapes, so the first "
-    "step's metadata inference (torch/distributed/pipelining/stage.py "
-    "_forward_metadata_inference: one micro-batch forward and backward per stage, freed before "
-    "the schedule runs, as torchtitan's stages do on a GPU) is not recorded; the schedule's "
-    "steady state is"
+    "pipeline parallel: the first step's metadata inference (torch/distributed/pipelining/"
+    "stage.py _forward_metadata_inference and _backward_metadata_inference: one micro-batch "
+    "forward and backward per stage, freed before the schedule runs) is recorded as on a GPU; "
+    "the metadata each stage receives from its neighbours is derived from the job"
 )
+
+
+# The attribute a stage carries its pipeline's shapes under: ``shapes(stage_index, num_stages)``
+# -> ``{"input_args": ..., "output_args": ..., ["input_grads": ..., "output_grads": ...]}``.
+EXPECTED_SHAPES_ATTR = "_oomkit_expected_shapes"
+
+
+def pickled_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` as ``send_object_list`` serialises it (distributed_c10d.py
+    ``_object_to_tensor``: ``_pickler(f).dump(obj)``)."""
+    from torch.distributed import distributed_c10d
+
+    buffer = io.BytesIO()
+    distributed_c10d._pickler(buffer).dump(obj)
+    return len(buffer.getvalue())
+
+
+def _expected(stage: Any, stage_index: int) -> dict[str, Any]:
+    """The shapes of stage ``stage_index``, made outside the fake mode and unrecorded (meta
+    tensors describing the neighbour's: nothing of them is device memory on a GPU)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from oomkit.prediction.tracing._modes import untraced
+
+    shapes: Callable[[int, int], dict[str, Any]] = getattr(stage, EXPECTED_SHAPES_ATTR)
+    with unset_fake_temporarily(), untraced():
+        return shapes(stage_index, stage.num_stages)
+
+
+def _forward_metas(stage: Any, stage_index: int, key: str) -> tuple[Any, ...]:
+    """The metadata of stage ``stage_index``'s ``input_args`` or ``output_args``."""
+    from torch.distributed.pipelining._utils import extract_tensor_metas
+
+    tensors = _expected(stage, stage_index)[key]
+    stage._mesh_cache.update_from_tensors(tensors)  # the DTensors' meshes, as get_mesh finds them
+    metas = extract_tensor_metas(tensors)
+    assert metas is not None, "a stage has inputs and outputs"
+    return metas
+
+
+def _input_grad_metas(stage: Any, stage_index: int) -> tuple[Any, ...]:
+    """The metadata of stage ``stage_index``'s input gradients (what it sends backward):
+    the gradients given with the shapes under TP, else each input's, ``requires_grad=False``
+    (stage.py ``_backward_metadata_inference``: ``extract_tensor_meta(g)``, or
+    ``_derive_grad_metas`` of an input without a gradient)."""
+    from torch.distributed.pipelining._utils import _derive_grad_metas, extract_tensor_metas
+
+    given = _expected(stage, stage_index).get("input_grads")
+    if given is not None:
+        stage._mesh_cache.update_from_tensors(given)
+        metas = extract_tensor_metas(given, allow_none=True)
+        assert metas is not None
+        return metas
+    return _derive_grad_metas(_forward_metas(stage, stage_index, "input_args"))
+
+
+def _p2p(stage: Any, op: Any, tensor: Any, peer_stage: int) -> None:
+    """One ``batch_isend_irecv`` of ``tensor`` with ``peer_stage``'s rank (``use_batch=True``)."""
+    import torch.distributed as dist
+
+    peer = stage.stage_index_to_group_rank[peer_stage]
+    dist.batch_isend_irecv([dist.P2POp(op, tensor, group_peer=peer, group=stage.group)]).pop().wait()
+
+
+def _receive(stage: Any, obj: Any, src_stage: int) -> Any:
+    """``recv_object_list([None], use_batch=True, device=...)`` of ``obj``: its size (one int64)
+    and its pickled bytes received into device tensors; the object returned."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.empty(1, dtype=torch.long, device=stage.device)
+    _p2p(stage, dist.irecv, sizes, src_stage)
+    # recv_object_list: torch.empty(torch.sum(object_sizes_tensor).item(), dtype=torch.uint8)
+    payload = torch.empty(pickled_bytes(obj), dtype=torch.uint8, device=stage.device)
+    _p2p(stage, dist.irecv, payload, src_stage)
+    del sizes, payload  # recv_object_list unpickles from a host copy and drops them
+    return obj
+
+
+def _send(stage: Any, obj: Any, dst_stage: int) -> None:
+    """``send_object_list([obj], use_batch=True, device=...)``: ``_object_to_tensor`` moves the
+    pickled bytes and their size to the device, ``torch.cat`` of the one size copies it."""
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.empty(pickled_bytes(obj), dtype=torch.uint8, device=stage.device)
+    local_size = torch.empty(1, dtype=torch.long, device=stage.device)
+    sizes = torch.cat([local_size])
+    _p2p(stage, dist.isend, sizes, dst_stage)
+    # send_object_list: one object's tensor is sent as it is (no cat)
+    _p2p(stage, dist.isend, payload, dst_stage)
+
+
+@contextlib.contextmanager
+def metadata_exchange_emulated() -> Iterator[None]:
+    """While open, a ``PipelineStage`` carrying the expected shapes exchanges its metadata
+    objects with them (see the module doc: the neighbours' metadata).
+
+    A stage's own inferred outputs (forward) and input gradients (backward) that differ from
+    the shapes its neighbour is given raise torch's ``PipeliningMetadataError`` (``validate_
+    tensors_metadata``: "Stage 0 forward outputs[0]: shape mismatch ...").
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import (
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        validate_tensors_metadata,
+    )
+
+    saved_recv, saved_send = PipelineStage._recv_meta, PipelineStage._send_meta
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if not hasattr(self, EXPECTED_SHAPES_ATTR):
+            return saved_recv(self, src_stage)
+        if src_stage == self.stage_index - 1:  # the previous stage's outputs
+            meta: Any = _StageForwardMeta(forward_metas=_forward_metas(self, src_stage, "output_args"))
+        else:  # the next stage's input gradients
+            meta = _StageBackwardMeta(backward_metas=_input_grad_metas(self, src_stage))
+        return _receive(self, meta, src_stage)
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        if not hasattr(self, EXPECTED_SHAPES_ATTR):
+            saved_send(self, meta, dst_stage)
+            return
+        index = self.stage_index
+        if isinstance(meta, _StageForwardMeta):
+            expected = _forward_metas(self, index, "output_args")
+            validate_tensors_metadata(f"Stage {index} forward outputs", expected, meta.forward_metas)
+        else:
+            expected = _input_grad_metas(self, index)
+            validate_tensors_metadata(f"Stage {index} input grads", expected, meta.backward_metas)
+        _send(self, meta, dst_stage)
+
+    PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign]
+    PipelineStage._send_meta = send_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PipelineStage._recv_meta = saved_recv  # type: ignore[method-assign]
+        PipelineStage._send_meta = saved_send  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -80,7 +239,8 @@ def copies_keep_the_fake_mode() -> Iterator[None]:
 def _stage_shapes(
     config: Any, parallel_dims: Any, skip_lm_head: bool
 ) -> Callable[[int, int], dict[str, Any]]:
-    """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage."""
+    """``shapes(stage_index, num_stages)``: the ``input_args`` / ``output_args`` of a stage, as
+    meta tensors (or DTensors of meta local tensors), to be called outside the fake mode."""
     import torch
 
     config_module = import_torchtitan("torchtitan.config")
@@ -96,10 +256,13 @@ def _stage_shapes(
     # Under TP with sequence parallel the embedding's output (and every block's) is the local
     # Shard(1) rows of the sequence, else replicated (torchtitan's decoder sharding plan).
     parallel_rows = tp_mesh is not None and parallelism.enable_sequence_parallel
+    # Under CP each micro-batch holds this rank's seq / cp tokens (prepare_context_parallel_input)
+    seq //= parallel_dims.cp
     rows = seq // parallel_dims.tp if parallel_rows else seq
 
     def tensor(shape: tuple[int, ...], placement: Any, grad: bool) -> Any:
-        local = torch.empty(shape, dtype=dtype, requires_grad=grad)
+        # on meta: the shapes describe what the neighbour sends; they allocate nothing
+        local = torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
         if tp_mesh is None:
             return local
         from torch.distributed.tensor import DTensor
@@ -113,7 +276,11 @@ def _stage_shapes(
         hidden = (micro, rows, model_config.dim)
         between = Shard(1) if parallel_rows else Replicate()
         first, last = stage_index == 0, stage_index == num_stages - 1
-        inputs = torch.empty(micro, seq, dtype=torch.int64) if first else tensor(hidden, between, True)
+        inputs = (
+            torch.empty(micro, seq, dtype=torch.int64, device="meta")
+            if first
+            else tensor(hidden, between, True)
+        )
         if not last or skip_lm_head:
             outputs = tensor(hidden, between, True)
         else:  # loss parallel: the logits stay vocabulary shards
@@ -131,19 +298,19 @@ def _stage_shapes(
 
 
 @contextlib.contextmanager
-def _stages_with_shapes(shapes: Callable[[int, int], dict[str, Any]]) -> Iterator[list[Any]]:
+def _stages_expecting(shapes: Callable[[int, int], dict[str, Any]]) -> Iterator[list[Any]]:
     """While open, torchtitan's ``_pipeline_module_split`` builds its ``PipelineStage`` objects
-    with the shapes given (it calls ``PipelineStage(model_chunk, stage_idx, num_stages, device,
-    group=..., get_mesh=...)``, pipeline_parallel.py); the stages made are listed."""
+    as it does (``PipelineStage(model_chunk, stage_idx, num_stages, device, group=...,
+    get_mesh=...)``, pipeline_parallel.py: no example inputs or outputs), each carrying the
+    shapes its neighbours exchange (:func:`metadata_exchange_emulated`); the stages made are listed."""
     from torch.distributed.pipelining import PipelineStage
 
     module = import_torchtitan("torchtitan.distributed.pipeline_parallel")
     made: list[Any] = []
 
     def stage(submodule: Any, stage_index: int, num_stages: int, device: Any, **kwargs: Any) -> Any:
-        built = PipelineStage(
-            submodule, stage_index, num_stages, device, **shapes(stage_index, num_stages), **kwargs
-        )
+        built = PipelineStage(submodule, stage_index, num_stages, device, **kwargs)
+        setattr(built, EXPECTED_SHAPES_ATTR, shapes)
         # stage.py _validate_stage_tensors: each tensor passed is checked against the shapes
         built._runtime_validate = True
         made.append(built)
@@ -178,7 +345,7 @@ def build_pipeline(
         )
     shapes = _stage_shapes(config, parallel_dims, skip_lm_head=chunked_loss)
     try:
-        with copies_keep_the_fake_mode(), _stages_with_shapes(shapes):
+        with copies_keep_the_fake_mode(), _stages_expecting(shapes):
             return model_spec.pipelining_fn(
                 model,
                 parallel_dims=parallel_dims,
@@ -196,6 +363,41 @@ def build_pipeline(
         raise ConfigError(f"torchtitan refused the pipeline split or schedule: {exc}") from exc
 
 
+def _schedule_step(
+    schedule: Any,
+    arg_mbs: list[Any] | None,
+    kwarg_mbs: list[dict[str, Any]],
+    target_mbs: list[Any] | None,
+    losses: list[Any] | None,
+    loss_kwargs: dict[str, Any],
+) -> None:
+    """``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
+    loss_kwargs=..., return_outputs=False)`` as torchtitan 0.3.0 calls it (trainer.py:852-862).
+
+    torch 2.13's ``step(*args, target=..., **kwargs)`` takes a whole batch and splits it
+    (schedules.py ``_split_inputs``); the keywords would reach the model. There the step's own
+    body runs on the micro-batches given: each stage's ``has_backward`` set and its runtime
+    state cleared, then ``_step_microbatches`` (schedules.py ``PipelineScheduleSingle.step`` /
+    ``PipelineScheduleMulti.step``, without the split and the merge of outputs not asked for).
+    """
+    import inspect
+
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:  # a torch that takes them
+        schedule.step(
+            arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+            loss_kwargs=loss_kwargs, return_outputs=False,
+        )
+        return
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        stage.has_backward = schedule._has_backward
+    for stage in stages:
+        stage.clear_runtime_states()
+    schedule._step_microbatches(
+        arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs
+    )
+
+
 def pipeline_step(
     config: Any,
     model_parts: list[Any],
@@ -210,21 +412,40 @@ def pipeline_step(
     """``Trainer.train_step`` (trainer.py:871-949) with ``pp_forward_backward_step``
     (trainer.py:833-868) for this rank's stages, synthetic tokens.
 
-    torchtitan 0.3.0 hands the schedule pre-split micro-batches (``step(arg_mbs=...,
-    target_mbs=...)``), which torch 2.13's ``_PipelineSchedule.step(*args, target=...)`` does
-    not take (they would reach the model as keyword arguments); the whole local batch is given
-    instead and the schedule splits it into the same micro-batches
-    (torch/distributed/pipelining/schedules.py ``step`` -> ``_split_inputs``): the tokens are
-    one ``local_batch x seq`` tensor rather than one per micro-batch, the same bytes.
+    Each micro-batch is the data loader's ``({"input": tokens, "positions": ...}, labels)``
+    (torchtitan/hf_datasets/text_datasets.py), moved to the device (trainer.py:907-915: the
+    token and position tensors are written back into the loader's dicts, which the step keeps
+    to its end; the labels are the accumulation step's), then ``post_dataloading_process``
+    (trainer.py:722-770: the positions become a keyword of every stage's forward; under CP the
+    three are cut to this rank's ``seq / cp`` tokens), and the schedule runs the cut
+    micro-batches (:func:`_schedule_step`).
     """
     import torch
 
     from oomkit.prediction.models.pipeline import _warmup_by_own_vote, forget_earlier_meshes
 
     dist_utils = import_torchtitan("torchtitan.distributed.utils")
-    training = config.training
-    seq = training.seq_len
+    cp_module = import_torchtitan("torchtitan.distributed.context_parallel")
+    training, parallelism = config.training, config.parallelism
+    seq, micro = training.seq_len, parallelism.pipeline_parallel_microbatch_size
+    microbatches = training.local_batch_size // micro  # trainer.py:434-437
     params = [p for m in model_parts for p in m.parameters()]
+
+    def post_dataloading(input_dict: dict[str, Any], labels: Any) -> tuple[Any, Any, dict[str, Any]]:
+        # trainer.py:722-770 (SDPA: no attention masks; partial_dtensor: no input conversion)
+        inputs = input_dict["input"]
+        extra = {k: v for k, v in input_dict.items() if k != "input"}
+        if parallel_dims.cp_enabled:
+            inputs, labels, extra = cp_module.prepare_context_parallel_input(
+                inputs,
+                labels,
+                extra,
+                parallel_dims.get_mesh("cp"),
+                torch.device("cpu"),  # the fake group's device
+                parallelism.context_parallel_load_balancer,
+                parallelism.context_parallel_ptrr_mask_key,
+            )
+        return inputs, labels, extra
 
     def step() -> None:
         optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)  # trainer.py:874
@@ -235,21 +456,47 @@ def pipeline_step(
             global_tokens = dist_utils.dist_sum_tensor(local_tokens, parallel_dims.get_mesh("batch"))
         else:
             global_tokens = local_tokens
+        kept: list[dict[str, Any]] = []  # the loader's dicts, holding their device tensors
         for _ in range(accumulation):
-            # trainer.py:908-921: the micro-batches' tokens and labels moved to the device, here
-            # as one batch the schedule splits (see pipeline_step's doc)
-            inputs = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
-            labels = torch.zeros(training.local_batch_size, seq, dtype=torch.int64)
-            with train_context(), _warmup_by_own_vote():  # trainer.py:852-864
+            input_dict_mbs: list[dict[str, Any]] = []
+            label_mbs: list[Any] = []
+            for _ in range(microbatches):  # trainer.py:907-915
+                input_dict = {
+                    "input": torch.zeros(micro, seq, dtype=torch.int64),
+                    "positions": torch.zeros(micro, seq, dtype=torch.int64),
+                }
+                kept.append(input_dict)
+                input_dict_mbs.append(input_dict)
+                label_mbs.append(torch.zeros(micro, seq, dtype=torch.int64))
+            # trainer.py:833-850 pp_forward_backward_step: each micro-batch post-processed
+            arg_mbs: list[Any] = []
+            kwarg_mbs: list[dict[str, Any]] = []
+            target_mbs: list[Any] | None = [] if has_last else None
+            for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
+                inputs, labels, extra = post_dataloading(input_dict, labels)
+                if has_first:
+                    arg_mbs.append((inputs,))
+                kwarg_mbs.append(extra)
+                if target_mbs is not None:
+                    target_mbs.append(labels)
+            with train_context(), _warmup_by_own_vote(), metadata_exchange_emulated():
                 losses: list[Any] | None = [] if has_last else None
-                schedule.step(
-                    *((inputs,) if has_first else ()),
-                    target=labels if has_last else None,
-                    losses=losses,
-                    return_outputs=False,
-                    loss_kwargs={"global_valid_tokens": global_tokens},
+                _schedule_step(
+                    schedule,
+                    arg_mbs if has_first else None,
+                    kwarg_mbs,
+                    target_mbs,
+                    losses,
+                    {"global_valid_tokens": global_tokens},
                 )
-            del inputs, labels, losses
+            # trainer.py:865-868: the micro-step's loss, on the device (kept until the next)
+            if has_last:
+                assert losses is not None
+                loss = torch.sum(torch.stack(losses))
+            else:
+                loss = torch.full((1,), -1.0)
+            del arg_mbs, kwarg_mbs, target_mbs, losses, input_dict_mbs, label_mbs
+            del inputs, labels, extra
         dist_utils.clip_grad_norm_(  # trainer.py:939-945
             params,
             training.max_norm,
@@ -258,6 +505,7 @@ def pipeline_step(
             ep_enabled=parallel_dims.ep_enabled,
         )
         optimizers.step()
+        del kept, loss
         forget_earlier_meshes()  # nothing of this group's meshes outlives it
 
     return step

@@ -254,7 +254,7 @@ def build_torchtitan_step(
     when ``build`` has run.
 
     Raises:
-        ConfigError: a part of the job that is not modelled (CP with PP, expert parallel,
+        ConfigError: a part of the job that is not modelled (expert parallel, CPU offload,
             FlexAttention kept), or one torchtitan refuses.
     """
     import torch
@@ -295,7 +295,6 @@ def build_torchtitan_step(
         context_parallel.check_seq_len(
             parallel_dims, training.seq_len, parallelism.enable_sequence_parallel
         )
-        context_parallel.refuse_unmodelled_cp(config, parallel_dims)
         dist_utils.set_spmd_backend(parallelism.spmd_backend)  # trainer.py:319
         if parallel_dims.dp_enabled:  # trainer.py:324-328
             batch_degree = parallel_dims.get_mesh("batch").size()
