@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
-from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.replay._compare import (
     normalise_segments,
     seed_segment_keys,
@@ -312,56 +311,6 @@ def test_final_state_keys_equal_the_normalised_dicts(path):
     assert simulated_segment_keys(simulated) == normalise_segments(simulated)
     if final:
         assert len(seed_segment_keys(final)) == len(final)
-
-
-# ---------------------------------------------------------------------------------------------
-# The allocator's written-out free (merge and insert in one pool call) vs the plain calls
-
-
-def _plain_merge_and_insert(pool: BlockPool, block) -> int:
-    """free_block's pool work as separate calls: merge_free_neighbours, then insert."""
-    merged = pool.merge_free_neighbours(block)
-    pool.insert(block)
-    return merged
-
-
-def _run_ops(config: str, ops) -> tuple:
-    a = CachingAllocator(AllocatorConfig.parse(config), capacity_bytes=2**36)
-    live: list[int] = []
-    for op, k, size in ops:
-        if op == "malloc":
-            live.append(a.malloc(size))
-        elif op in ("free", "deferred") and live:
-            ptr = live.pop(k % len(live))
-            a.free(ptr, deferred=op == "deferred")
-            if op == "deferred" and k % 2:
-                a.complete_free(ptr)
-        elif op == "empty_cache":
-            a.empty_cache()
-    a.synchronize()
-    return a.snapshot(), a.memory_stats(), list(a.segment_log)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:40"]),
-    st.lists(
-        st.tuples(
-            st.sampled_from(["malloc", "malloc", "free", "deferred", "empty_cache"]),
-            st.integers(0, 30),
-            st.sampled_from([512, 4_000, 700_000, 1_500_000, 3 * MiB, 12 * MiB, 50 * MiB]),
-        ),
-        max_size=50,
-    ),
-)
-def test_written_out_free_decides_as_the_plain_calls(config, ops):
-    """Frees through BlockPool.merge_and_insert leave the same blocks, stats and segment
-    decisions as merge_free_neighbours followed by insert (classic, expandable, oversize)."""
-    fast = _run_ops(config, ops)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BlockPool, "merge_and_insert", _plain_merge_and_insert)
-        plain = _run_ops(config, ops)
-    assert fast == plain
 
 
 @settings(max_examples=300, deadline=None)
