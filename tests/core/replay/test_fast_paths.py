@@ -26,6 +26,7 @@ from oomkit.core.replay._compare import (
 )
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
+from oomkit.core.replay.columns import CHECKED_ALLOC, trace_columns
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
 from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs, _walk
 from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
@@ -414,6 +415,30 @@ def test_walk_notes_marks_allocs_and_first_allocs_as_plain_scans(entries):
     assert walk.first_alloc == _FirstAllocs(events).first_index
     made = _FirstAllocs.from_first_index(walk.first_alloc)
     assert made.addresses == _FirstAllocs(events).addresses
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([*_ACTIONS, "segment_map", "snapshot", "empty_cache"]),
+            st.integers(0, 40),
+            st.sampled_from([2 * MiB, 0, 512]),
+        ),
+        max_size=80,
+    )
+)
+def test_columns_from_the_walk_equal_the_columns_read_from_the_trace(entries):
+    """The action codes and alloc events the backward walk notes make the same trace columns
+    as trace_columns reading every event (zero-byte allocs still left to malloc's checks)."""
+    events = [TraceEvent(a, 2 * MiB * k, size) for a, k, size in entries]
+    walk = _walk((), events)
+    fast = trace_columns(events, actions=walk.actions, allocs=walk.alloc_events)
+    plain = trace_columns(events)
+    for name in ("actions", "slots", "sizes", "streams", "addresses", "slot_of"):
+        assert getattr(fast, name) == getattr(plain, name), name
+    zero_byte_allocs = sum(a == "alloc" and size == 0 for a, _, size in entries)
+    assert fast.actions.count(CHECKED_ALLOC) == zero_byte_allocs
 
 
 @settings(max_examples=100, deadline=None)

@@ -86,18 +86,27 @@ class _Numbering(dict[Any, int]):
 
 
 def trace_columns(
-    events: Sequence[TraceEvent], slot_of: dict[Any, int] | None = None
+    events: Sequence[TraceEvent],
+    slot_of: dict[Any, int] | None = None,
+    *,
+    actions: list[int] | None = None,
+    allocs: list[TraceEvent] | None = None,
 ) -> TraceColumns:
     """The columns of ``events``; ids are numbered on from ``slot_of`` (a dict it extends)
     when one is given (a trace read in chunks).
+
+    ``actions`` (each event's code, a list the columns then own) and ``allocs`` (the alloc
+    events in order), when the caller has them: the reconstruction's walk notes both as it
+    reads every event (``_prepared.py``).
 
     A replay from a fresh copy of a snapshot (``oomkit replay FILE --verify``) builds them
     every time, so each column is one comprehension or a ``map`` in C, and the type check
     looks at each column's set of types (issue 41: the per-alloc generator expressions made
     the columns 8% of a pure-Python real-trace verify).
     """
-    get = _CODES.get
-    actions = [get(e.action, OTHER) for e in events]
+    if actions is None:
+        get = _CODES.get
+        actions = [get(e.action, OTHER) for e in events]
     numbered: dict[Any, int]
     if slot_of is None:
         # A subscript per event; only an id's first appearance calls __missing__.
@@ -107,7 +116,8 @@ def trace_columns(
     else:
         numbered = slot_of
         slots = [numbered.setdefault(e.address, len(numbered)) for e in events]
-    allocs = [e for e in events if e.action == "alloc"]
+    if allocs is None:
+        allocs = [e for e in events if e.action == "alloc"]
     sizes = [e.size for e in allocs]
     streams = [e.stream for e in allocs]
     addresses = [e.address for e in allocs]
