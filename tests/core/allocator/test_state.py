@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from oomkit.core.allocator import CachingAllocator
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator
 from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
@@ -156,3 +158,70 @@ def test_close_frees_every_block_and_segment_without_a_garbage_collection():
 
     assert _blocks_left_to_the_collector(lambda: used(close=False)).count("Block") >= 5
     assert _blocks_left_to_the_collector(lambda: used(close=True)) == []
+
+
+# ------------------------------------------------------------------ seed_segments (batched stats)
+
+
+def _segment_specs(draw_sizes: list[tuple[int, bool, int]]) -> list[tuple]:
+    """Segments one after another from BASE: (total MiB, small, live blocks), each tiled by
+    live 1 MiB blocks (every other one allocated) and one free tail."""
+    specs = []
+    address = BASE
+    for total_mib, small, live in draw_sizes:
+        total = 2 * MiB if small else total_mib * MiB
+        blocks = []
+        cursor = address
+        for k in range(min(live, total // MiB - 1)):
+            blocks.append((cursor, MiB, MiB - 512 * k, True))
+            cursor += MiB
+        blocks.append((cursor, address + total - cursor, 0, False))
+        specs.append((address, total, 0, small, blocks, False))
+        address += total + 2 * MiB
+    return specs
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(4, 40), st.booleans(), st.integers(0, 5)), min_size=1, max_size=12
+    ),
+    st.sampled_from(["", "max_split_size_mb:20"]),
+)
+def test_seed_segments_equals_one_seed_segment_call_each(sizes, config):
+    """seed_segments applies its stat increases once at the end: the same stats (currents and
+    peaks), blocks and later decisions as one seed_segment call per segment."""
+    specs = _segment_specs(sizes)
+
+    def after(batch: bool) -> tuple:
+        a = CachingAllocator(AllocatorConfig.parse(config))
+        a.malloc(3 * MiB)  # a peak from before the seeding
+        a.free(a.malloc(30 * MiB))
+        if batch:
+            assert a.seed_segments(specs) == [None] * len(specs)
+        else:
+            for address, total, stream, small, blocks, expandable in specs:
+                a.seed_segment(
+                    address, total, stream, is_small=small, blocks=blocks, expandable=expandable
+                )
+        stats = a.memory_stats()
+        a.malloc(MiB)
+        return stats, a.snapshot(), a.memory_stats()
+
+    assert after(True) == after(False)
+
+
+def test_seed_segments_reports_the_refused_one_and_seeds_the_rest():
+    """A segment seed_segment refuses is reported by seed_segments, in place, and left out of
+    the stats; the others are seeded."""
+    a = CachingAllocator()
+    good = (BASE, 20 * MiB, 0, False, [(BASE, 20 * MiB, 0, False)], False)
+    overlapping = (BASE + 2 * MiB, 2 * MiB, 0, True, [(BASE + 2 * MiB, 2 * MiB, 0, False)], False)
+    refused = a.seed_segments([good, overlapping])
+    assert refused[0] is None
+    assert isinstance(refused[1], AllocatorUsageError)
+    assert "overlaps" in str(refused[1])
+    stats = a.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 20 * MiB
+    assert stats["reserved_bytes.all.peak"] == 20 * MiB
+    assert stats["segment.all.current"] == 1

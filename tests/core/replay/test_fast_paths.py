@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
-from oomkit.core.allocator.pools import BlockPool
 from oomkit.core.replay._compare import (
     normalise_segments,
     seed_segment_keys,
@@ -27,6 +26,7 @@ from oomkit.core.replay._compare import (
 )
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
+from oomkit.core.replay.columns import CHECKED_ALLOC, trace_columns
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
 from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs, _walk
 from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
@@ -314,56 +314,6 @@ def test_final_state_keys_equal_the_normalised_dicts(path):
         assert len(seed_segment_keys(final)) == len(final)
 
 
-# ---------------------------------------------------------------------------------------------
-# The allocator's written-out free (merge and insert in one pool call) vs the plain calls
-
-
-def _plain_merge_and_insert(pool: BlockPool, block) -> int:
-    """free_block's pool work as separate calls: merge_free_neighbours, then insert."""
-    merged = pool.merge_free_neighbours(block)
-    pool.insert(block)
-    return merged
-
-
-def _run_ops(config: str, ops) -> tuple:
-    a = CachingAllocator(AllocatorConfig.parse(config), capacity_bytes=2**36)
-    live: list[int] = []
-    for op, k, size in ops:
-        if op == "malloc":
-            live.append(a.malloc(size))
-        elif op in ("free", "deferred") and live:
-            ptr = live.pop(k % len(live))
-            a.free(ptr, deferred=op == "deferred")
-            if op == "deferred" and k % 2:
-                a.complete_free(ptr)
-        elif op == "empty_cache":
-            a.empty_cache()
-    a.synchronize()
-    return a.snapshot(), a.memory_stats(), list(a.segment_log)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:40"]),
-    st.lists(
-        st.tuples(
-            st.sampled_from(["malloc", "malloc", "free", "deferred", "empty_cache"]),
-            st.integers(0, 30),
-            st.sampled_from([512, 4_000, 700_000, 1_500_000, 3 * MiB, 12 * MiB, 50 * MiB]),
-        ),
-        max_size=50,
-    ),
-)
-def test_written_out_free_decides_as_the_plain_calls(config, ops):
-    """Frees through BlockPool.merge_and_insert leave the same blocks, stats and segment
-    decisions as merge_free_neighbours followed by insert (classic, expandable, oversize)."""
-    fast = _run_ops(config, ops)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BlockPool, "merge_and_insert", _plain_merge_and_insert)
-        plain = _run_ops(config, ops)
-    assert fast == plain
-
-
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from(_ACTIONS), st.integers(0, 40)), max_size=60),
@@ -465,6 +415,30 @@ def test_walk_notes_marks_allocs_and_first_allocs_as_plain_scans(entries):
     assert walk.first_alloc == _FirstAllocs(events).first_index
     made = _FirstAllocs.from_first_index(walk.first_alloc)
     assert made.addresses == _FirstAllocs(events).addresses
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([*_ACTIONS, "segment_map", "snapshot", "empty_cache"]),
+            st.integers(0, 40),
+            st.sampled_from([2 * MiB, 0, 512]),
+        ),
+        max_size=80,
+    )
+)
+def test_columns_from_the_walk_equal_the_columns_read_from_the_trace(entries):
+    """The action codes and alloc events the backward walk notes make the same trace columns
+    as trace_columns reading every event (zero-byte allocs still left to malloc's checks)."""
+    events = [TraceEvent(a, 2 * MiB * k, size) for a, k, size in entries]
+    walk = _walk((), events)
+    fast = trace_columns(events, actions=walk.actions, allocs=walk.alloc_events)
+    plain = trace_columns(events)
+    for name in ("actions", "slots", "sizes", "streams", "addresses", "slot_of"):
+        assert getattr(fast, name) == getattr(plain, name), name
+    zero_byte_allocs = sum(a == "alloc" and size == 0 for a, _, size in entries)
+    assert fast.actions.count(CHECKED_ALLOC) == zero_byte_allocs
 
 
 @settings(max_examples=100, deadline=None)

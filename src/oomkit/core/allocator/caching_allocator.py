@@ -10,7 +10,7 @@ in their own modules with small interfaces and are reached only off the common p
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from oomkit.core.allocator import stats as st
@@ -53,7 +53,7 @@ from oomkit.core.allocator.stats import (
     StatsApi,
 )
 from oomkit.core.allocator.versions import behaviour_for
-from oomkit.errors import AllocatorUsageError
+from oomkit.errors import AllocatorUsageError, OomkitError
 
 __all__ = ["CachingAllocator", "DEFAULT_CAPACITY_BYTES", "SYNTHETIC_ADDRESS_BASE"]
 
@@ -368,7 +368,8 @@ class CachingAllocator(StatsApi):
         requested = block.requested_size
         del self._active[block.ptr]
         # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
-        net_blocks = -pool.merge_and_insert(block)
+        net_blocks = -pool.merge_free_neighbours(block)
+        pool.insert(block)
         net_bytes = original_size - block.size
         stats = self._stat_lists
         sp = stats[kind]
@@ -566,3 +567,28 @@ class CachingAllocator(StatsApi):
         See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
         """
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
+
+    def seed_segments(self, segments: Iterable[Any]) -> list[OomkitError | None]:
+        """:meth:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
+        expandable)``, their stat increases applied together at the end (``StatTally``: the
+        same stats as one call each; issue 41).
+
+        Returns:
+            Per segment, the error that refused it (the segment is not seeded), or None.
+        """
+        target = self._seed_target
+        tally = target.tally
+        refused: list[OomkitError | None] = []
+        tally.deferred = True
+        try:
+            for address, total_size, stream, is_small, blocks, expandable in segments:
+                try:
+                    seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
+                except OomkitError as exc:
+                    refused.append(exc)
+                else:
+                    refused.append(None)
+        finally:
+            tally.deferred = False
+            tally.apply(self._stats)
+        return refused

@@ -33,6 +33,9 @@ class AllocatorSettings:
         expandable: expandable_segments.
         reject_limit: MAIN26 throw_on_cudamalloc_oom limit in bytes, else None.
         limit: allowed_memory_maximum when a fraction limit is set, else None.
+        gc_enabled: GC runs: a fraction limit and a threshold > 0 (§7). A field kept in step
+            with ``limit`` and ``gc_threshold`` by the two ``apply_`` methods, not a property:
+            every malloc reads it (issue 41).
     """
 
     __slots__ = (
@@ -47,6 +50,7 @@ class AllocatorSettings:
         "expandable",
         "reject_limit",
         "limit",
+        "gc_enabled",
     )
 
     def __init__(self, config: AllocatorConfig, rules: TorchBehaviour, capacity_bytes: int) -> None:
@@ -89,6 +93,7 @@ class AllocatorSettings:
             divisions if any(d > 1 for d in divisions) else None
         )
         self.gc_threshold = float(cfg.garbage_collection_threshold)
+        self._update_gc()
         self.expandable = bool(cfg.expandable_segments)
         self.reject_limit: int | None = None
         if cfg.throw_on_cudamalloc_oom and rules.oom_rejection:
@@ -107,11 +112,11 @@ class AllocatorSettings:
         else:
             # V24 setMemoryFraction: trunc(f * total) and set_fraction = true, even for 1.0.
             self.limit = int(fraction * float(total))
+        self._update_gc()
 
-    @property
-    def gc_enabled(self) -> bool:
+    def _update_gc(self) -> None:
         """GC runs only with a fraction limit and a threshold > 0 (§7)."""
-        return self.limit is not None and self.gc_threshold > 0.0
+        self.gc_enabled = self.limit is not None and self.gc_threshold > 0.0
 
 
 def check_fraction(fraction: object) -> float:

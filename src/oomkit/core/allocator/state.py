@@ -30,9 +30,11 @@ from oomkit.core.allocator.stats import (
     OVERSIZE_ALLOCATIONS,
     OVERSIZE_SEGMENTS,
     REQUESTED_BYTES,
+    RESERVED_BYTES,
     SEGMENT,
     SMALL_POOL,
     AllocatorStats,
+    StatTally,
 )
 from oomkit.errors import AllocatorUsageError
 
@@ -207,6 +209,8 @@ class SeedTarget:
     settings: AllocatorSettings
     held_blocks: Callable[[], Iterator[Block]]
     held_ranges: HeldRanges = field(default_factory=HeldRanges)
+    # Where seed_segment notes its stat increases (applied at its end unless deferred).
+    tally: StatTally = field(default_factory=StatTally)
 
     def stamp(self) -> tuple[int, int]:
         """What changes whenever held memory does, except through seeding (see HeldRanges)."""
@@ -252,7 +256,7 @@ def seed_segment(
         )
     pool = target.small if is_small else target.large
     device = target.device
-    stats = target.stats
+    stats = target.tally
     max_split = target.settings.max_split
     if expandable:
         segment, before, after = _seed_reservation(
@@ -277,7 +281,9 @@ def seed_segment(
         after.prev = chain[-1]
         chain[-1].next = after
     kind = SMALL_POOL if is_small else LARGE_POOL
-    device.add_reserved(pool, total_size)
+    # DeviceMemory.add_reserved, its stat noted in the tally with the others.
+    device.total_bytes += total_size
+    stats.up(kind, RESERVED_BYTES, total_size)
     if not expandable:
         device.segments[address] = segment
         stats.up(kind, SEGMENT, 1)
@@ -314,6 +320,8 @@ def seed_segment(
     if inactive:
         stats.up(kind, INACTIVE_SPLIT, inactive)
         stats.up(kind, INACTIVE_SPLIT_BYTES, inactive_bytes)
+    if not stats.deferred:
+        stats.apply(target.stats)
     held.add(address, address + total_size, target.stamp())
     end = segment.address + segment.size
     if end > device.next_address:

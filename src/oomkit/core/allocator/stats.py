@@ -55,6 +55,7 @@ __all__ = [
     "reset_peaks",
     "reset_accumulated",
     "AllocatorStats",
+    "StatTally",
     "StatsApi",
 ]
 
@@ -402,6 +403,46 @@ class AllocatorStats:
         self.num_device_free = 0
         # MAIN26 resetAccumulatedStats also zeroes num_oom_rejections.
         self.num_oom_rejections = 0
+
+
+class StatTally:
+    """Stat increases noted now and applied to an :class:`AllocatorStats` later, summed.
+
+    Seeding a start state only increases stats, so one increase per stat of the sum leaves the
+    same currents and peaks as one per segment: a pool's peak and ``all``'s peak are then the
+    largest of the old peak and the final value (issue 41: seeding a real trace's start state
+    made a dozen ``up`` calls per segment). ``deferred``: while set, :func:`seed_segment`
+    leaves its increases here for the caller to :meth:`apply`.
+    """
+
+    __slots__ = ("amounts", "deferred")
+
+    def __init__(self) -> None:
+        # The increase of slot i (a stat's first slot) of stat type t at t * TYPE_SLOTS + i.
+        self.amounts = [0] * (len(STAT_TYPES) * TYPE_SLOTS)
+        self.deferred = False
+
+    def up(self, kind: int, i: int, amount: int) -> None:
+        """Note :meth:`AllocatorStats.up`."""
+        self.amounts[kind * TYPE_SLOTS + i] += amount
+
+    def up_all(self, i: int, amount: int) -> None:
+        """Note :meth:`AllocatorStats.up_all` (the oversize stats)."""
+        self.amounts[ALL * TYPE_SLOTS + i] += amount
+
+    def apply(self, stats: AllocatorStats) -> None:
+        """Apply every noted increase to ``stats`` and forget them."""
+        amounts = self.amounts
+        for kind in (SMALL_POOL, LARGE_POOL):
+            for i in range(0, OVERSIZE_ALLOCATIONS, 4):
+                amount = amounts[kind * TYPE_SLOTS + i]
+                if amount:
+                    stats.up(kind, i, amount)
+        for i in (OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS):
+            amount = amounts[ALL * TYPE_SLOTS + i]
+            if amount:
+                stats.up_all(i, amount)
+        self.amounts = [0] * len(amounts)
 
 
 class StatsApi:

@@ -133,6 +133,6 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         marks=marks,
         recorded=recorded,
         allocs=walk.allocs,
-        columns=trace_columns(events),
+        columns=trace_columns(events, actions=walk.actions, allocs=walk.alloc_events),
         final_keys=seed_segment_keys(final),
     )

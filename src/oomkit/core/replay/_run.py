@@ -138,24 +138,24 @@ class Run(ReplayHooks):
     def _seed(self) -> None:
         a = self.allocator
         engine = self.engine
+        segments = self.start.segments
+        refused = a.seed_segments(
+            (
+                seg.address,
+                seg.total_size,
+                seg.stream,
+                seg.is_small,
+                [(b.address, b.size, b.requested_size, b.state != "inactive") for b in seg.blocks],
+                seg.expandable,
+            )
+            for seg in segments
+        )
         seeded = []
-        for seg in self.start.segments:
-            try:
-                a.seed_segment(
-                    seg.address,
-                    seg.total_size,
-                    seg.stream,
-                    is_small=seg.is_small,
-                    blocks=[
-                        (b.address, b.size, b.requested_size, b.state != "inactive")
-                        for b in seg.blocks
-                    ],
-                    expandable=seg.expandable,
-                )
-            except OomkitError as exc:
+        for seg, exc in zip(segments, refused, strict=True):
+            if exc is not None:
                 self.warnings.append(f"segment at {seg.address:#x} could not be seeded: {exc}")
-                continue
-            seeded.append(seg)
+            else:
+                seeded.append(seg)
         for seg in seeded:
             for b in seg.blocks:
                 if b.state == "active_allocated":

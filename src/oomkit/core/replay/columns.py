@@ -17,7 +17,7 @@ loop then hands the event's own values to malloc, whose checks raise what they a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 from oomkit.core.trace import TraceEvent
@@ -77,36 +77,69 @@ class TraceColumns:
         self.slot_of = slot_of
 
 
+class _Numbering(dict[Any, int]):
+    """Trace id -> slot; a new id gets the next slot when first looked up."""
+
+    def __missing__(self, key: Any) -> int:
+        slot = self[key] = len(self)
+        return slot
+
+
 def trace_columns(
-    events: Sequence[TraceEvent], slot_of: dict[Any, int] | None = None
+    events: Sequence[TraceEvent],
+    slot_of: dict[Any, int] | None = None,
+    *,
+    actions: list[int] | None = None,
+    allocs: list[TraceEvent] | None = None,
 ) -> TraceColumns:
     """The columns of ``events``; ids are numbered on from ``slot_of`` (a dict it extends)
-    when one is given (a trace read in chunks)."""
-    numbered: dict[Any, int] = {} if slot_of is None else slot_of
-    codes = _CODES
-    actions = [codes.get(e.action, OTHER) for e in events]
-    slots = [numbered.setdefault(e.address, len(numbered)) for e in events]
-    at = [i for i, code in enumerate(actions) if code == ALLOC]
-    sizes = [events[i].size for i in at]
-    streams = [events[i].stream for i in at]
-    addresses = [events[i].address for i in at]
-    for k in _checked(sizes, streams, addresses):
-        # Not plain ints, or not a positive size: malloc judges the event's own values.
-        actions[at[k]] = CHECKED_ALLOC
-        sizes[k] = 0
-        streams[k] = 0
-        addresses[k] = -1
+    when one is given (a trace read in chunks).
+
+    ``actions`` (each event's code, a list the columns then own) and ``allocs`` (the alloc
+    events in order), when the caller has them: the reconstruction's walk notes both as it
+    reads every event (``_prepared.py``).
+
+    A replay from a fresh copy of a snapshot (``oomkit replay FILE --verify``) builds them
+    every time, so each column is one comprehension or a ``map`` in C, and the type check
+    looks at each column's set of types (issue 41: the per-alloc generator expressions made
+    the columns 8% of a pure-Python real-trace verify).
+    """
+    if actions is None:
+        get = _CODES.get
+        actions = [get(e.action, OTHER) for e in events]
+    numbered: dict[Any, int]
+    if slot_of is None:
+        # A subscript per event; only an id's first appearance calls __missing__.
+        numbering = _Numbering()
+        slots = [numbering[e.address] for e in events]
+        numbered = dict(numbering)  # a plain dict: a lookup never numbers a new id
+    else:
+        numbered = slot_of
+        slots = [numbered.setdefault(e.address, len(numbered)) for e in events]
+    if allocs is None:
+        allocs = [e for e in events if e.action == "alloc"]
+    sizes = [e.size for e in allocs]
+    streams = [e.stream for e in allocs]
+    addresses = [e.address for e in allocs]
+    checked = _checked(sizes, streams, addresses)
+    if checked:
+        at = [i for i, code in enumerate(actions) if code == ALLOC]
+        for k in checked:
+            # Not plain ints, or not a positive size: malloc judges the event's own values.
+            actions[at[k]] = CHECKED_ALLOC
+            sizes[k] = 0
+            streams[k] = 0
+            addresses[k] = -1
     return TraceColumns(actions, slots, sizes, streams, addresses, numbered)
 
 
-def _checked(sizes: list[Any], streams: list[Any], addresses: list[Any]) -> Iterable[int]:
+
+def _checked(sizes: list[Any], streams: list[Any], addresses: list[Any]) -> list[int]:
     """The allocs malloc must judge itself: a field that is not a plain int, or a size that
     is not positive (none in a loaded trace but zero-byte requests)."""
-    if (
-        all(type(x) is int for x in sizes)
-        and all(type(x) is int for x in streams)
-        and all(type(x) is int for x in addresses)
-    ):
+    if {*map(type, sizes), *map(type, streams), *map(type, addresses)} <= {int}:
+        if not sizes or min(sizes) > 0:
+            return []
         return [k for k, size in enumerate(sizes) if size <= 0]
     return [
         k

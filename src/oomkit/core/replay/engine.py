@@ -291,11 +291,14 @@ class ReplayEngine:
                         hooks.segment_release(index, event)
                     elif name == "oom":
                         hooks.oom_event(index, event)
-                # segment_alloc / segment_map happen inside malloc; "snapshot" carries no
-                # request (§15.9).
-                if log_index is not None and len(segment_log) != logged:
-                    log_index.extend([index] * (len(segment_log) - logged))
-                    logged = len(segment_log)
+                    # segment_alloc / segment_map happen inside malloc; "snapshot" carries no
+                    # request (§15.9).
+                if log_index is not None and action != FREE_REQUESTED and action != FREE_COMPLETED:
+                    # A free never logs a segment event (memory is released only by malloc's
+                    # Step 9 and empty_cache): only the other events are checked (issue 41).
+                    if len(segment_log) != logged:
+                        log_index.extend([index] * (len(segment_log) - logged))
+                        logged = len(segment_log)
                 if after_event is not None:
                     after_event(index, events[i])
         except SimulatedOutOfMemoryError as exc:

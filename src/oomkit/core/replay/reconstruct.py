@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from oomkit.core.replay.columns import ALLOC, FREE_COMPLETED, FREE_REQUESTED, OTHER
 from oomkit.core.trace import TraceEvent
 
 __all__ = [
@@ -213,7 +214,17 @@ def reconstruct_walked(
 class _Walk:
     """What the backward walk of a trace leaves: the state at its first event, before layout."""
 
-    __slots__ = ("classic", "runs", "held", "first_alloc", "warnings", "marks", "allocs")
+    __slots__ = (
+        "classic",
+        "runs",
+        "held",
+        "first_alloc",
+        "warnings",
+        "marks",
+        "allocs",
+        "actions",
+        "alloc_events",
+    )
 
     def __init__(self) -> None:
         self.classic: dict[int, SeedSegment] = {}  # classic segments by address
@@ -230,6 +241,11 @@ class _Walk:
         # Trace indices of the segment events and oom entries, last first.
         self.marks: list[int] = []
         self.allocs = 0  # alloc entries
+        # Each event's action code (columns.py), and the alloc events, in trace order: the
+        # replay's trace columns start from them instead of reading every event again (a
+        # fresh-copy replay builds them every time; issue 41).
+        self.actions: list[int] = []
+        self.alloc_events: list[TraceEvent] = []
 
 
 def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -> _Walk:
@@ -254,11 +270,15 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
 
     pop = walked.pop
     get = walked.get
+    # Noted last first, reversed at the end.
+    code = walk.actions.append
+    alloc_event = walk.alloc_events.append
     index = len(events)
     for ev in reversed(events):
         index -= 1
         action = ev.action
         if action == "free_completed":
+            code(FREE_COMPLETED)
             prior = get(ev.address)
             if prior is not None and prior[2] == "active_pending_free":
                 # A second free_completed without an alloc between: keep the earlier facts.
@@ -266,6 +286,8 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
             else:
                 walked[ev.address] = [None, ev.size, "active_pending_free", index, None]
         elif action == "alloc":
+            code(ALLOC)
+            alloc_event(ev)
             address = ev.address
             first_alloc[address] = index
             allocs += 1
@@ -275,33 +297,38 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
                     "later state; the trace may be incomplete"
                 )
         elif action == "free_requested":
+            code(FREE_REQUESTED)
             block = get(ev.address)
             if block is None:
                 walked[ev.address] = [None, ev.size, "active_allocated", None, None]
             else:
                 block[2] = "active_allocated"
-        elif action == "segment_free":
-            marks.append(index)
-            classic[ev.address] = SeedSegment(
-                ev.address, ev.size, ev.stream, ev.size == SMALL_SEGMENT_BYTES, False, ()
-            )
-        elif action == "segment_alloc":
-            marks.append(index)
-            if classic.pop(ev.address, None) is None:
-                warnings.append(
-                    f"event {index}: segment_alloc at {ev.address:#x} has no matching segment in "
-                    "the later state; the trace may be incomplete"
+        else:
+            code(OTHER)
+            if action == "segment_free":
+                marks.append(index)
+                classic[ev.address] = SeedSegment(
+                    ev.address, ev.size, ev.stream, ev.size == SMALL_SEGMENT_BYTES, False, ()
                 )
-        elif action == "segment_unmap":
-            marks.append(index)
-            walk.runs = _add_run(walk.runs, ev)
-        elif action == "segment_map":
-            marks.append(index)
-            walk.runs = _remove_run(walk.runs, ev.address, ev.size)
-        elif action == "oom":
-            # Carries no state change, but its position is noted (as a segment event's).
-            marks.append(index)
-        # "snapshot" and unknown actions carry no state change.
+            elif action == "segment_alloc":
+                marks.append(index)
+                if classic.pop(ev.address, None) is None:
+                    warnings.append(
+                        f"event {index}: segment_alloc at {ev.address:#x} has no matching "
+                        "segment in the later state; the trace may be incomplete"
+                    )
+            elif action == "segment_unmap":
+                marks.append(index)
+                walk.runs = _add_run(walk.runs, ev)
+            elif action == "segment_map":
+                marks.append(index)
+                walk.runs = _remove_run(walk.runs, ev.address, ev.size)
+            elif action == "oom":
+                # Carries no state change, but its position is noted (as a segment event's).
+                marks.append(index)
+            # "snapshot" and unknown actions carry no state change.
+    walk.actions.reverse()
+    walk.alloc_events.reverse()
     walk.allocs = allocs
     return walk
 
