@@ -4,7 +4,9 @@
 (``scenario/ranks.py`` ``distinct_ranks``: per pipeline stage its first rank and, where FSDP2
 shards, its last). The degrees are torchtitan's own: ``ParallelDims.from_config`` (torchtitan/
 distributed/parallel_dims.py, which fills ``data_parallel_shard_degree = -1`` from the world
-size and checks that the degrees fill it), before any mesh is built.
+size and checks that the degrees fill it), before any mesh is built. Under context parallel
+each CP rank of a stage's first ``dp_shard`` group is recorded too (``job_layout_and_cp``: the
+load-balanced ring gives CP ranks different shapes, ``distinct_ranks``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from oomkit.prediction.torchtitan_job import TorchtitanJob, load_job_config
 if TYPE_CHECKING:
     from oomkit.core.target import Target
 
-__all__ = ["job_layout"]
+__all__ = ["job_layout", "job_layout_and_cp"]
 
 
 def job_layout(job: TorchtitanJob, target: Target) -> ParallelLayout:
@@ -28,6 +30,17 @@ def job_layout(job: TorchtitanJob, target: Target) -> ParallelLayout:
 
     FSDP2 shards over torchtitan's ``fsdp`` mesh, ``dp_shard x cp`` (``build_mesh``), so that
     product is the layout's FSDP degree (its last rank holds the shortest shards); CP is then 1.
+
+    Raises:
+        ConfigError: the job's config, or degrees that do not fill the world size.
+    """
+    return job_layout_and_cp(job, target)[0]
+
+
+def job_layout_and_cp(job: TorchtitanJob, target: Target) -> tuple[ParallelLayout, int]:
+    """``job_layout`` and the CP degree folded into its FSDP degree: what
+    ``scenario/ranks.py`` ``distinct_ranks`` takes as ``cp_in_fsdp``, so that each CP rank of a
+    stage's first ``dp_shard`` group is recorded.
 
     Raises:
         ConfigError: the job's config, or degrees that do not fill the world size.
@@ -43,6 +56,7 @@ def job_layout(job: TorchtitanJob, target: Target) -> ParallelLayout:
             f"torchtitan refused the parallel layout on {job.world_size} ranks: {exc}. The "
             "product of the parallelism degrees must equal the world size (--world-size)"
         ) from exc
-    return ParallelLayout(
+    layout = ParallelLayout(
         fsdp=dims.dp_shard * dims.cp, tp=dims.tp, dp=dims.dp_replicate, pp=dims.pp
     )
+    return layout, int(dims.cp)

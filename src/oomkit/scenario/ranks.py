@@ -57,17 +57,47 @@ def pp_rank_of(layout: ParallelLayout, rank: int) -> int:
     return rank // (layout.world_size // layout.pp)
 
 
-def distinct_ranks(layout: ParallelLayout) -> tuple[int, ...]:
+def distinct_ranks(layout: ParallelLayout, *, cp_in_fsdp: int = 1) -> tuple[int, ...]:
     """The ranks that may differ: per pipeline stage its first rank and, under FSDP, its last
     one (whose flat shards are the shortest where the FSDP degree does not divide a
     parameter's rows: torch/distributed/fsdp/_fully_shard/_fsdp_param.py
-    ``_init_sharded_param``, ``torch.chunk``)."""
+    ``_init_sharded_param``, ``torch.chunk``).
+
+    Under context parallel every CP rank of a stage's first ``dp_shard`` group is one more:
+    torch's load-balanced ring attention gives each CP rank its own mix of shapes
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py
+    ``_templated_ring_attention`` and ``_templated_ring_attention_backward``: at ring step
+    ``i > 0`` CP rank ``r`` runs SDPA on its full query and the first half of K/V where
+    ``i <= r``, on the second half of its query and the full K/V where ``i > r``), so CP rank
+    0 runs only half-query steps, the last only full-query ones, and a middle rank a mix whose
+    caching-allocator layout neither end shows (llama3 debugmodel cut to 2 blocks, CP 4: CP
+    rank 1 reserves 2 MiB more than ranks 0, 2 and 3 at equal peak allocated,
+    tests/prediction/test_torchtitan_cp_ranks.py).
+
+    Args:
+        layout: the parallel degrees.
+        cp_in_fsdp: the CP degree folded into ``layout.fsdp`` (torchtitan's ``fsdp`` mesh is
+            ``dp_shard x cp``: ``oomkit.prediction._torchtitan_ranks.job_layout``); CP sits
+            inside that dimension, outside TP, as in torchtitan's mesh order.
+
+    Raises:
+        OomkitError: ``cp_in_fsdp`` below 1 or not dividing ``layout.fsdp``.
+    """
+    if cp_in_fsdp < 1 or layout.fsdp % cp_in_fsdp:
+        raise OomkitError(
+            f"a CP degree of {cp_in_fsdp} inside an FSDP degree of {layout.fsdp} does not "
+            "divide it; torchtitan's fsdp mesh is dp_shard x cp, so give the CP degree that "
+            "the job's own parallel degrees name"
+        )
     inner = layout.world_size // layout.pp
     ranks: list[int] = []
     for stage in range(layout.pp):
-        ranks.append(stage * inner)
-        if layout.fsdp > 1:
-            ranks.append(stage * inner + inner - 1)
+        first = stage * inner
+        # (pp, dp, dp_shard, cp, tp) row-major: CP coordinate c of dp_shard 0, TP 0
+        ranks.extend(first + cp_rank * layout.tp for cp_rank in range(cp_in_fsdp))
+        last = first + inner - 1
+        if layout.fsdp > 1 and last not in ranks:
+            ranks.append(last)
     return tuple(ranks)
 
 
@@ -160,16 +190,22 @@ def with_rank_peaks(
     return peak_of_ranks(layout, one)
 
 
-def peak_of_ranks(layout: ParallelLayout, predict_rank: Callable[[int], Prediction]) -> Prediction:
+def peak_of_ranks(
+    layout: ParallelLayout,
+    predict_rank: Callable[[int], Prediction],
+    *,
+    cp_in_fsdp: int = 1,
+) -> Prediction:
     """``predict_rank(rank)`` for each of ``distinct_ranks(layout)``, each on a fresh fake
     group: the peaking rank's prediction (peak reserved, then allocated, then the lowest rank)
     with every rank's peaks in ``rank_peaks``. A torchtitan job's ranks are picked so too
-    (``scenario/torchtitan_run.py``, its layout from the job's own parallel degrees)."""
+    (``scenario/torchtitan_run.py``, its layout from the job's own parallel degrees, its CP
+    degree folded into FSDP as ``cp_in_fsdp``: ``distinct_ranks``)."""
     from oomkit.prediction.models.pipeline import forget_earlier_meshes
 
     peaks: list[dict[str, Any]] = []
     predictions: dict[int, Prediction] = {}
-    for rank in distinct_ranks(layout):
+    for rank in distinct_ranks(layout, cp_in_fsdp=cp_in_fsdp):
         forget_earlier_meshes()  # a fresh fake group per rank (pipeline.py)
         prediction = predict_rank(rank)
         predictions[rank] = prediction
