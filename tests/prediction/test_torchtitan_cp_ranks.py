@@ -136,6 +136,9 @@ def test_the_jobs_ranks_are_every_cp_rank():
         (ParallelLayout(fsdp=4, tp=2), 2, (0, 2, 7)),  # dp_shard 2 x cp 2, CP outside TP
         (ParallelLayout(fsdp=2, pp=2), 2, (0, 1, 2, 3)),  # PP 2 x CP 2
         (ParallelLayout(fsdp=4, pp=2), 2, (0, 1, 3, 4, 5, 7)),
+        # the presets' --cp: its own dimension inside FSDP's, the same ring
+        (ParallelLayout(cp=4), 1, (0, 1, 2, 3)),
+        (ParallelLayout(fsdp=2, cp=4), 1, (0, 1, 2, 3, 7)),
     ],
 )
 def test_distinct_ranks_with_cp(layout, cp, ranks):

@@ -63,7 +63,8 @@ def distinct_ranks(layout: ParallelLayout, *, cp_in_fsdp: int = 1) -> tuple[int,
     parameter's rows: torch/distributed/fsdp/_fully_shard/_fsdp_param.py
     ``_init_sharded_param``, ``torch.chunk``).
 
-    Under context parallel every CP rank of a stage's first ``dp_shard`` group is one more:
+    Under context parallel (``--cp``, or a torchtitan job's CP) every CP rank of a stage's
+    first ``dp_shard`` group is one more:
     torch's load-balanced ring attention gives each CP rank its own mix of shapes
     (torch/distributed/tensor/experimental/_context_parallel/_attention.py
     ``_templated_ring_attention`` and ``_templated_ring_attention_backward``: at ring step
@@ -94,9 +95,11 @@ def distinct_ranks(layout: ParallelLayout, *, cp_in_fsdp: int = 1) -> tuple[int,
     for stage in range(layout.pp):
         first = stage * inner
         # (pp, dp, dp_shard, cp, tp) row-major: CP coordinate c of dp_shard 0, TP 0
-        ranks.extend(first + cp_rank * layout.tp for cp_rank in range(cp_in_fsdp))
+        # the CP degree is folded into the FSDP one (torchtitan's route) or its own dimension
+        # inside FSDP's (the presets' --cp: ParallelLayout.mesh_shape), one of them 1
+        ranks.extend(first + cp_rank * layout.tp for cp_rank in range(cp_in_fsdp * layout.cp))
         last = first + inner - 1
-        if layout.fsdp > 1 and last not in ranks:
+        if (layout.fsdp > 1 or layout.cp > 1) and last not in ranks:
             ranks.append(last)
     return tuple(ranks)
 

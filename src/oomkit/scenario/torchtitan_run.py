@@ -78,14 +78,16 @@ class TorchtitanWorkload:
         job = torchtitan_job_of(self.section)
         if not self.section.all_ranks:
             return self._record_rank(job, target, budget_bytes)
-        from oomkit.prediction._torchtitan_ranks import job_layout
+        from oomkit.prediction._torchtitan_ranks import job_layout_and_cp
         from oomkit.scenario.ranks import peak_of_ranks
 
+        layout, cp = job_layout_and_cp(job, target)
         return peak_of_ranks(
-            job_layout(job, target),
+            layout,
             lambda rank: self._record_rank(
                 dataclasses.replace(job, rank=rank), target, budget_bytes
             ),
+            cp_in_fsdp=cp,
         )
 
     def _record_rank(
