@@ -31,10 +31,15 @@ demo: $(BIN)/oomkit
 
 # The tests run in parallel (pytest-xdist), one worker per core, at most 4: each worker imports
 # torch (about 0.5 GB), and the tests that fork process pools take cores of their own.
+# --dist worksteal: each worker starts on its own contiguous share of the tests (a module's
+# tests stay on one worker, so a module-scoped fixture is made once, not once per worker) and
+# a worker that runs out takes half of another's queue; xdist's default (load) hands out
+# chunks it cannot take back, so one worker could run the last modules alone.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+TEST_DIST ?= worksteal
 
 test: $(BIN)/oomkit
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST)
 
 # CI also runs the allocator, replay and hostile-input tests on the compiled core that `pip install .` gives: a
 # wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed
@@ -51,7 +56,7 @@ compiled-site: $(BIN)/oomkit
 
 test-compiled: compiled-site
 	OOMKIT_EXPECT_COMPILED=1 PYTHONPATH=build/compiled-site $(BIN)/python -m pytest \
-		-n $(TEST_WORKERS) -p no:cacheprovider $(COMPILED_TESTS)
+		-n $(TEST_WORKERS) --dist $(TEST_DIST) -p no:cacheprovider $(COMPILED_TESTS)
 
 # ruff (with each layer folder's ruff.toml banning imports that go up a layer) and mypy (its
 # files and settings are in pyproject.toml); both must report nothing.

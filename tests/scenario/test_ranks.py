@@ -15,7 +15,7 @@ from oomkit.scenario.ranks import distinct_ranks, pp_rank_of
 from oomkit.scenario.run import predict
 
 _SHAPE = LlamaShape(
-    hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=256, tied=False,
+    hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256, tied=False,
     positions=128,
 )
 

@@ -61,6 +61,36 @@ def cases(tmp_path_factory):
     ]
 
 
+# Preset gpt2-124m built one block deep (256 wide, vocabulary 8192), in this process and in the
+# `oomkit mcp` server's: the ways in are the subject, not the model's size (a full gpt2-124m
+# recording costs seconds of CPU, and each preset case is recorded 4 times).
+ONE_BLOCK_GPT2 = """
+import dataclasses, types
+from oomkit.prediction.models import presets
+from oomkit.prediction.models.gpt2 import GPT2Shape
+_shape = GPT2Shape(hidden=256, layers=1, heads=4, vocab=8192, positions=512)
+presets.PRESETS = types.MappingProxyType(
+    {**presets.PRESETS, "gpt2-124m": dataclasses.replace(presets.PRESETS["gpt2-124m"], shape=_shape)}
+)
+"""
+# `python -m oomkit mcp`, after ONE_BLOCK_GPT2.
+MCP_SERVER = ONE_BLOCK_GPT2 + """
+import sys
+from oomkit.interfaces.cli import console_main
+sys.argv = ["oomkit", "mcp"]
+console_main()
+"""
+
+
+@pytest.fixture
+def one_block_gpt2(monkeypatch):
+    """ONE_BLOCK_GPT2 in this process, undone after the test."""
+    from oomkit.prediction.models import presets
+
+    monkeypatch.setattr(presets, "PRESETS", presets.PRESETS)
+    exec(ONE_BLOCK_GPT2, {})
+
+
 def _cli(argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -70,12 +100,12 @@ def _cli(argv):
 
 
 async def _mcp_results(scenarios):
-    """Each scenario through the `predict` tool of `oomkit mcp`, with the MCP SDK's own client
-    over stdio (one server for all of them), and the tool list."""
+    """Each scenario through the `predict` tool of `oomkit mcp` (MCP_SERVER), with the MCP
+    SDK's own client over stdio (one server for all of them), and the tool list."""
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
-    params = StdioServerParameters(command=sys.executable, args=["-m", "oomkit", "mcp"])
+    params = StdioServerParameters(command=sys.executable, args=["-c", MCP_SERVER])
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         tools = await session.list_tools()
@@ -88,7 +118,7 @@ async def _mcp_results(scenarios):
         return tools, results, bad
 
 
-def test_the_four_ways_in_give_identical_json(cases, tmp_path):
+def test_the_four_ways_in_give_identical_json(cases, tmp_path, one_block_gpt2):
     """Python, TOML, CLI flags and MCP: the same JSON, the scenario embedded in each."""
     pytest.importorskip("mcp")
     import anyio

@@ -20,22 +20,36 @@ def _predict(argv, capsys):
 
 
 @pytest.fixture(scope="module")
-def fsdp2_compiled(tmp_path_factory):
-    """``predict --fsdp 2 --compile`` of the tiny Llama, made once for the two tests that read
-    it (with a recording cache of its own, as tests/conftest.py gives each test)."""
+def compiled_once(tmp_path_factory):
+    """``predict LAYOUT --compile`` of the tiny Llama (``compiled_once(*layout)``), made once
+    per layout for the tests that read it (with a recording cache of its own, as
+    tests/conftest.py gives each test): --fsdp 2 and --tp 2 are each read by two tests."""
     import contextlib
     import io
 
     from _parallel_helpers import use_tiny_llama
 
-    with pytest.MonkeyPatch.context() as patch:
-        use_tiny_llama(patch)
-        patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = main(["predict", "llama3-8b", "--fsdp", "2", "--compile", "--batch", "1",
-                         "--seq", "16", "--steps", "2", "--json"])
-    return code, json.loads(out.getvalue())
+    runs: dict[tuple[str, ...], tuple[int, dict]] = {}
+
+    def run(*layout):
+        if layout not in runs:
+            with pytest.MonkeyPatch.context() as patch:
+                use_tiny_llama(patch)
+                patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    code = main(["predict", "llama3-8b", *layout, "--compile", "--batch", "1",
+                                 "--seq", "16", "--steps", "2", "--json"])
+            runs[layout] = (code, json.loads(out.getvalue()))
+        return runs[layout]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def fsdp2_compiled(compiled_once):
+    """``predict --fsdp 2 --compile`` of the tiny Llama."""
+    return compiled_once("--fsdp", "2")
 
 
 @pytest.mark.parametrize(
@@ -48,15 +62,12 @@ def fsdp2_compiled(tmp_path_factory):
         (["--dp", "2"], "DDP over 2 replicas"),
     ],
 )
-def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, capsys, request):
+def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, compiled_once):
     """Each of the 2 blocks is compiled after TP and before FSDP2 / DDP, and the loss on its
     own (torchtitan's CompileConfig.components ["model", "loss"]; with --tp the loss-parallel
     cross-entropy on DTensor shards): 3 compiled regions entered per step, 6 in 2 steps; the
     embedding, final norm and LM head stay eager; no captured graph fell back to eager."""
-    if layout == ["--fsdp", "2"]:
-        code, data = request.getfixturevalue("fsdp2_compiled")
-    else:
-        code, data = _predict([*layout, "--compile"], capsys)
+    code, data = compiled_once(*layout)
     assert code == 0
     assert COMPILED in data["description"] and words in data["description"]
     said = " ".join(data["warnings"])
@@ -100,7 +111,7 @@ def _largest_activation_bytes(data):
     ],
 )
 def test_compiled_blocks_hold_fewer_activations(
-    tiny_llama, layout, eager_bytes, compiled_bytes, capsys
+    tiny_llama, layout, eager_bytes, compiled_bytes, capsys, compiled_once
 ):
     """The most activation bytes held during the 2 steps, eager and compiled: AOTAutograd's
     min-cut partitioner saves fewer tensors for backward than eager autograd (it recomputes
@@ -110,7 +121,7 @@ def test_compiled_blocks_hold_fewer_activations(
     compiled under DDP holds exactly what it holds under FSDP2 (the same 1-rank-sized
     activations: neither shards them)."""
     _, eager = _predict(layout, capsys)
-    code, compiled = _predict([*layout, "--compile"], capsys)
+    code, compiled = compiled_once(*layout)
     assert code == 0
     assert (_largest_activation_bytes(eager), _largest_activation_bytes(compiled)) == (
         eager_bytes,
