@@ -116,8 +116,8 @@ def _job_name(row: dict) -> tuple[str, str]:
     """torchtitan's ``--module`` and ``--config`` (Float8 comes with ``_FLOAT8``, the 405B's own
     converter aside): the registry's, or for more than 131,072 tokens (0.3.0's RoPE maximum)
     ``torchtitan_long_configs.py``'s, which sizes RoPE as 2024's torchtitan did."""
-    if row["seq_len"] > 131_072 and row["model"] == "8B":
-        return "torchtitan_long_configs", "llama3_8b_256k"
+    if row["seq_len"] > 131_072:
+        return "torchtitan_long_configs", f"llama3_{row['model'].lower()}_256k"
     return "llama3", f"llama3_{row['model'].lower()}"
 
 
