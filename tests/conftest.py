@@ -50,6 +50,11 @@ def ray_session():
     ``--dist loadgroup`` would put them on one worker, but xdist 3.8 sets ``item._nodeid``,
     which pytest 9.2's ``Node.nodeid`` no longer reads: the groups do not form.)"""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'oomkit[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Its workers outlive each test's own OOMKIT_CACHE_DIR, so a test's monkeypatched preset
+    # (cached by name) would reach another test's prediction: no recording cache there.
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        runtime_env={"env_vars": {"OOMKIT_NO_CACHE": "1"}},
+    )
     yield ray
     ray.shutdown()
