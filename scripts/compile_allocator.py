@@ -21,7 +21,9 @@ Compiled code checks argument types where it is called (``malloc(1.5)`` would ra
 before the method's own check). So that bad input gets the same ``AllocatorUsageError`` /
 ``ConfigError`` as in pure Python, the copy's ``CachingAllocator`` methods that users call, and
 ``state.seed_segment`` with the ``_check_seed`` it calls first, take ``Any`` arguments (their own
-checks run first); the sources in ``src/`` are not changed.
+checks run first); the sources in ``src/`` are not changed. Once checked, ``seed_segment`` hands
+its ints and bools to ``state._seed_checked``, which keeps its types (the seeding itself runs on
+native integers, issue 41).
 
 Needs ``mypy`` (which ships mypyc) and a C compiler: ``pip install mypy``, then
 ``python scripts/compile_allocator.py``.

@@ -551,6 +551,11 @@ class CachingAllocator(StatsApi):
         self._events.forget()
         self._device.segments.clear()
         self._expandable.segments.clear()
+        # The caller's callbacks (a replay's bound methods: a cycle through it) give way to the
+        # defaults, so the caller goes by reference counting.
+        device = self._device
+        device.device_malloc = device.fits
+        device.segment_address = device.synthetic_address
 
     def seed_segment(
         self,

@@ -246,6 +246,21 @@ def seed_segment(
             or the range overlaps memory the allocator already holds.
     """
     _check_seed(address, total_size, stream, blocks)
+    _seed_checked(target, address, total_size, stream, bool(is_small), blocks, bool(expandable))
+
+
+def _seed_checked(
+    target: SeedTarget,
+    address: int,
+    total_size: int,
+    stream: int,
+    is_small: bool,
+    blocks: Sequence[Any],
+    expandable: bool,
+) -> None:
+    """:func:`seed_segment` once ``_check_seed`` has passed: the scalars are ints and bools
+    here, so a compiled build reads them natively (scripts/compile_allocator.py makes only
+    ``seed_segment`` and ``_check_seed`` take ``Any``, for their own checks; issue 41)."""
     held = target.held_ranges
     held.refresh(target.held_blocks, target.stamp())
     overlap = held.overlapping(address, address + total_size)
