@@ -22,6 +22,14 @@ through oomkit's preset route (``oomkit.predict("llama3-8b", fsdp=N, ...)``) for
 ``--eager-part`` records each row's eager part instead (no compile or async TP; Float8, context
 and pipeline parallel kept): its peak is printed against the row's with its error, as a
 different job, and its wall time.
+``--stages`` predicts, for a pipeline-parallel row, the first rank of every pipeline stage and
+compares their maximum, as the table's memory column is taken (its footnote: "Different PP ranks
+can have different peak memory usages. We take the maximum across all GPUs"); without it the
+row is rank 0's (stage 0). The first rank of a stage stands for all of its ranks here: torchtitan
+puts ``pp`` outermost in its mesh (torchtitan/distributed/parallel_dims.py ``build_mesh``:
+``pp, dp_replicate, dp_shard, cp, tp``), so stage ``s`` holds ranks ``s * world / pp`` onward,
+and FSDP 8 and TP 8 divide every dimension of the 405B's parameters, so its ranks' shards are
+alike (``--all-ranks`` also records each stage's last rank, for uneven shards).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
 prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
 reserved of the same replay on unlimited memory), the error in % and the wall time, or the
@@ -128,7 +136,38 @@ def _eager_part(row: dict) -> dict:
     return dict(row, layout=layout, gpus=gpus, compile=False, async_tp=False)
 
 
-def _predict_row(row: dict, loss: str) -> dict:
+def _stage_ranks(row: dict) -> tuple[int, ...]:
+    """The first rank of each pipeline stage (each rank's first under interleaved 1F1B): ``pp``
+    is the outermost mesh dimension (torchtitan/distributed/parallel_dims.py ``build_mesh``)."""
+    pp = row["layout"].get("pp", 1)
+    return tuple(stage * (row["gpus"] // pp) for stage in range(pp))
+
+
+def _predict_stages(row: dict, loss: str) -> dict:
+    """Each stage's first rank predicted; the row's figures are the highest one's, with every
+    stage's peak under ``stages`` (torchtitan's table takes the maximum over all GPUs)."""
+    stages = []
+    for rank in _stage_ranks(row):
+        got = _predict_row(row, loss, rank=rank)
+        stages.append(got)
+        print(f"  rank {rank:4}: {got['predicted_reserved_gib']:6.2f} GiB reserved "
+              f"({got['predicted_allocated_gib']:.2f} allocated) in {got['wall_s']:.0f} s",
+              flush=True)
+    top = max(stages, key=lambda got: got["predicted_reserved_gib"])
+    return {
+        **top,
+        "peak_rank": top["rank"],
+        "wall_s": round(sum(got["wall_s"] for got in stages), 1),
+        "cpu_s": round(sum(got["cpu_s"] for got in stages), 1),
+        "stages": [
+            {key: got[key] for key in ("rank", "description", "predicted_reserved_gib",
+                                       "predicted_allocated_gib", "fits_96gib", "wall_s")}
+            for got in stages
+        ],
+    }
+
+
+def _predict_row(row: dict, loss: str, rank: int = 0) -> dict:
     from oomkit.core.target import Target
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job
@@ -137,6 +176,7 @@ def _predict_row(row: dict, loss: str) -> dict:
     job = TorchtitanJob(
         *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
+        rank=rank,
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     recording, run = record_torchtitan_job(job, target=target)
@@ -147,6 +187,7 @@ def _predict_row(row: dict, loss: str) -> dict:
     reserved = prediction.required_bytes / GIB
     return {
         "job": f"{job.module}:{job.config} {' '.join(job.overrides)} (world size {job.world_size}, loss {loss})",
+        "rank": rank,
         "description": run.description,
         "predicted_reserved_gib": round(reserved, 2),
         "predicted_allocated_gib": round(prediction.peak_allocated_bytes / GIB, 2),
@@ -185,6 +226,9 @@ def main() -> int:
     parser.add_argument("--preset", action="store_true", help="also the preset route (8B FSDP)")
     parser.add_argument("--eager-part", action="store_true",
                         help="each row's eager part (no compile or async TP) instead")
+    parser.add_argument("--stages", action="store_true",
+                        help="pipeline rows: every stage's first rank, the maximum compared "
+                             "(as torchtitan's table)")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     parser.add_argument("--float8-all-gather", action="store_true",
                         help="Float8 rows with torchao's FSDP2 float8 all-gather")
@@ -200,6 +244,11 @@ def main() -> int:
         _FLOAT8 = _FLOAT8_PRECOMPUTE if args.float8_precompute else _FLOAT8_ALL_GATHER
     from oomkit.errors import OomkitError
 
+    def predict(row: dict) -> dict:
+        if args.stages and row["layout"].get("pp", 1) > 1:
+            return _predict_stages(row, args.loss)
+        return _predict_row(row, args.loss)
+
     data = json.loads((HERE / "data" / "torchtitan_published.json").read_text())
     rows = [r for r in data["rows"] if not args.rows or r["id"] in args.rows]
     results = []
@@ -214,7 +263,7 @@ def main() -> int:
                 timed = {**timed_parts[key][1], "same_as": timed_parts[key][0]}
             else:
                 try:
-                    timed = _predict_row(part, args.loss)
+                    timed = predict(part)
                 except OomkitError as exc:  # torchtitan's own refusal of the part, kept
                     timed = {"refused": str(exc)}
                 timed_parts[key] = (row["id"], timed)
@@ -225,7 +274,7 @@ def main() -> int:
             }
         else:
             try:
-                out["torchtitan_route"] = _predict_row(row, args.loss)
+                out["torchtitan_route"] = predict(row)
             except OomkitError as exc:  # the route's refusal, kept
                 out["refused"] = str(exc)
             if args.preset and row["model"] == "8B":
@@ -253,6 +302,7 @@ def main() -> int:
         "source": data["source"],
         "loss": args.loss,
         "eager_part": args.eager_part,
+        "stages": args.stages,
         "float8_all_gather": args.float8_all_gather,
         "float8_precompute": args.float8_precompute,
         "machine": {

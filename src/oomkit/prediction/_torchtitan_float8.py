@@ -1,4 +1,4 @@
-"""Float8 linear training on any torchtitan llama3 config: two ``--override.imports`` targets.
+"""Float8 linear training on any torchtitan llama3 config: ``--override.imports`` targets.
 
 torchtitan 0.3.0 sets Float8 on the model spec, not on a config field: a registry function
 passes ``converters=[Float8LinearConverter.Config(...)]`` to ``model_registry`` (torchtitan/
@@ -23,6 +23,11 @@ Each takes torchao's ``recipe_name`` (``"rowwise"``, torchtitan 0.3.0's default;
 The same override runs on a GPU with torchtitan 0.3.0 and oomkit installed. The replacement is
 made with torchtitan's ``derive``, so the sharding set by ``update_from_config`` is kept (the
 converter, which runs before it, builds a fresh config).
+
+A third, ``float8_recipe``, changes the recipe of a config that converts to Float8 itself
+(``llama3_405b``: 0.3.0's converter, rowwise), e.g. to 2024's tensorwise:
+``--override.imports 'oomkit.prediction._torchtitan_float8.float8_recipe={"recipe_name":
+"tensorwise"}'``.
 
 Float8 all-gather with FSDP2, which torchtitan 0.3.0 dropped with its ``float8`` config section:
 both factories take ``enable_fsdp_float8_all_gather`` (the field of torchtitan's older Float8
@@ -83,6 +88,7 @@ __all__ = [
     "Float8AllGatherLinear",
     "float8_block_linears",
     "float8_linears",
+    "float8_recipe",
 ]
 
 _override = import_torchtitan("torchtitan.config.override")
@@ -278,4 +284,24 @@ def float8_block_linears(
     """The blocks' linears train in Float8; the LM head does not (torchtitan in 2024)."""
     return _float8(
         config, recipe_name, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp
+    )
+
+
+@_override.override(
+    target=_quantization.Float8Linear.Config,
+    exact=True,  # torchtitan's own Float8 linears; Float8AllGatherLinear's are left as they are
+    description="torchao recipe of the job's Float8 linears (oomkit)",
+)
+def float8_recipe(config: Any, recipe_name: str = "tensorwise") -> Any:
+    """A config whose registry function already converts to Float8 (``llama3_405b``,
+    ``llama3_debugmodel_float8``: 0.3.0's ``Float8LinearConverter``, rowwise unless told, run by
+    ``model_registry`` when the config is built, before any override) with another torchao
+    recipe, e.g. 2024's tensorwise (torchtitan/float8.py at 9dec370: torchao's default config).
+    ``float8_linears`` and ``float8_block_linears`` convert plain linears only (``exact``), so
+    they cannot change such a job's recipe."""
+    converter = _torchao_config(recipe_name, False)
+    if not converter.enabled:  # the converter's own refusal already ran for the job's config
+        return config
+    return _override.derive(
+        config, _quantization.Float8Linear.Config, _torchao_config=converter.torchao_config
     )
