@@ -76,12 +76,22 @@ _FLOAT8_PRECOMPUTE = (
 )
 
 
+# The 405B's registry config converts to Float8 itself (0.3.0: rowwise); 2024's 405B job ran
+# torchao's tensorwise recipe with float8 all-gather and the scales' precompute
+# (train_configs/llama3_405b.toml [float8] at 9dec370): float8_recipe sets all three
+_FLOAT8_405B = (
+    "--override.imports",
+    'oomkit.prediction._torchtitan_float8.float8_recipe={"recipe_name": "tensorwise", '
+    '"enable_fsdp_float8_all_gather": true, "precompute_float8_dynamic_scale_for_fsdp": true}',
+)
+
+
 def _overrides(row: dict) -> tuple[str, ...]:
     layout = row["layout"]
     ac = {"selective-op": (), "full": ("activation_checkpoint:full",)}[row["activation_checkpoint"]]
     return (
-        # the 405B's registry config converts to Float8 itself
-        *(_FLOAT8 if row.get("float8", False) and row["model"] != "405B" else ()),
+        *((_FLOAT8_405B if row["model"] == "405B" else _FLOAT8) if row.get("float8", False)
+          else ()),
         "--parallelism.spmd_backend", "partial_dtensor",
         "--training.disable_cuda_graphs",
         # the row's compile (torchtitan's apply_compile: each block and the loss); the 405B

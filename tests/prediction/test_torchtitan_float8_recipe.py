@@ -93,3 +93,36 @@ def test_the_recipe_override_records_the_same_bytes_as_a_tensorwise_conversion()
         peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
     assert peaks["recipe"] == peaks["converted"]
     assert peaks["recipe"] != peaks["rowwise"]
+
+
+def test_the_recipe_override_takes_float8_all_gather_and_the_precompute_too():
+    """2024's 405B job gathered float8 weights and precomputed their scales: through
+    ``float8_recipe`` on ``llama3_debugmodel_float8`` that records, to the byte, what
+    ``float8_linears`` with the same fields records on ``debugmodel`` (FSDP 2, H100), each
+    linear built as ``Float8AllGatherLinear``; and without all-gather the precompute is
+    refused as in ``float8_linears``."""
+    fields = '"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": true, ' \
+             '"precompute_float8_dynamic_scale_for_fsdp": true'
+    _, after = _linears(
+        "debugmodel_float8", ("--override.imports", f"{_MODULE}.float8_recipe={{{fields}}}")
+    )
+    assert {type(cfg).__qualname__ for cfg in after.values()} == {"Float8AllGatherLinear.Config"}
+    assert {cfg.precompute_float8_dynamic_scale_for_fsdp for cfg in after.values()} == {True}
+    target = Target.resolve("h100")
+    peaks = {}
+    for label, config, factory in (
+        ("recipe", "debugmodel_float8", "float8_recipe"),
+        ("converted", "debugmodel", "float8_linears"),
+    ):
+        extra = ("--override.imports", f"{_MODULE}.{factory}={{{fields}}}")
+        job = TorchtitanJob("llama3", config, _BASE + extra, world_size=2)
+        recording, _ = record_torchtitan_job(job, target=target, steps=2)
+        prediction = predict_recording(recording, target=target)
+        peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
+    assert peaks["recipe"] == peaks["converted"]
+    from oomkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="precompute_float8_dynamic_scale_for_fsdp precomputes"):
+        _linears("debugmodel_float8", (
+            "--override.imports",
+            f'{_MODULE}.float8_recipe={{"precompute_float8_dynamic_scale_for_fsdp": true}}'))

@@ -219,13 +219,10 @@ def _torchao_config(recipe_name: str, enable_fsdp_float8_all_gather: bool) -> An
     return converter
 
 
-def _float8(
-    config: Any,
-    recipe_name: str,
-    enable_fsdp_float8_all_gather: bool,
-    precompute_float8_dynamic_scale_for_fsdp: bool,
-) -> Any:
-    """``config`` as a Float8 linear config where torchtitan's converter would convert it."""
+def _check_precompute(
+    enable_fsdp_float8_all_gather: bool, precompute_float8_dynamic_scale_for_fsdp: bool
+) -> None:
+    """Refuse the scales' precompute without float8 all-gather."""
     if precompute_float8_dynamic_scale_for_fsdp and not enable_fsdp_float8_all_gather:
         # torchtitan 0.2.2 components/quantization/float8.py Float8LinearConverter.__init__:
         # precompute_scale = enable_fsdp_float8_all_gather and precompute_...; torchao's
@@ -237,9 +234,16 @@ def _float8(
             '"enable_fsdp_float8_all_gather": true, '
             '"precompute_float8_dynamic_scale_for_fsdp": true}, or drop it'
         )
-    converter = _torchao_config(recipe_name, enable_fsdp_float8_all_gather)
-    if not converter.enabled or not converter.filter_fn(config, ""):
-        return config
+
+
+def _derived(
+    config: Any,
+    converter: Any,
+    enable_fsdp_float8_all_gather: bool,
+    precompute_float8_dynamic_scale_for_fsdp: bool,
+) -> Any:
+    """``config`` as torchtitan's Float8 linear config of ``converter``'s recipe, or as
+    ``Float8AllGatherLinear``'s with float8 all-gather."""
     if not enable_fsdp_float8_all_gather:
         return _override.derive(
             config, _quantization.Float8Linear.Config, _torchao_config=converter.torchao_config
@@ -249,6 +253,22 @@ def _float8(
         Float8AllGatherLinear.Config,
         _torchao_config=converter.torchao_config,
         precompute_float8_dynamic_scale_for_fsdp=precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+
+def _float8(
+    config: Any,
+    recipe_name: str,
+    enable_fsdp_float8_all_gather: bool,
+    precompute_float8_dynamic_scale_for_fsdp: bool,
+) -> Any:
+    """``config`` as a Float8 linear config where torchtitan's converter would convert it."""
+    _check_precompute(enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp)
+    converter = _torchao_config(recipe_name, enable_fsdp_float8_all_gather)
+    if not converter.enabled or not converter.filter_fn(config, ""):
+        return config
+    return _derived(
+        config, converter, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp
     )
 
 
@@ -292,16 +312,23 @@ def float8_block_linears(
     exact=True,  # torchtitan's own Float8 linears; Float8AllGatherLinear's are left as they are
     description="torchao recipe of the job's Float8 linears (oomkit)",
 )
-def float8_recipe(config: Any, recipe_name: str = "tensorwise") -> Any:
+def float8_recipe(
+    config: Any,
+    recipe_name: str = "tensorwise",
+    enable_fsdp_float8_all_gather: bool = False,
+    precompute_float8_dynamic_scale_for_fsdp: bool = False,
+) -> Any:
     """A config whose registry function already converts to Float8 (``llama3_405b``,
     ``llama3_debugmodel_float8``: 0.3.0's ``Float8LinearConverter``, rowwise unless told, run by
     ``model_registry`` when the config is built, before any override) with another torchao
     recipe, e.g. 2024's tensorwise (torchtitan/float8.py at 9dec370: torchao's default config).
     ``float8_linears`` and ``float8_block_linears`` convert plain linears only (``exact``), so
-    they cannot change such a job's recipe."""
-    converter = _torchao_config(recipe_name, False)
+    they cannot change such a job's recipe. Float8 all-gather and the scales' precompute as in
+    ``float8_linears`` (2024's 405B job set both: train_configs/llama3_405b.toml [float8])."""
+    _check_precompute(enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp)
+    converter = _torchao_config(recipe_name, enable_fsdp_float8_all_gather)
     if not converter.enabled:  # the converter's own refusal already ran for the job's config
         return config
-    return _override.derive(
-        config, _quantization.Float8Linear.Config, _torchao_config=converter.torchao_config
+    return _derived(
+        config, converter, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp
     )
