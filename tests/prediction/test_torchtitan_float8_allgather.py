@@ -33,7 +33,8 @@ if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - anoth
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
 _MODULE = "oomkit.prediction._torchtitan_float8"
-_TWO_BLOCKS = "oomkit_titan_two_blocks_f8ag"
+# llama3 debugmodel cut to 2 blocks, the tests' registry module (tests/prediction)
+_TWO_BLOCKS = ("_torchtitan_two_blocks", "llama3_debug_two_blocks")
 _BASE = (
     "--parallelism.spmd_backend", "partial_dtensor",
     "--training.local_batch_size", "2",
@@ -71,32 +72,13 @@ def _block_parameters() -> tuple[dict[str, int], dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def two_blocks(tmp_path_factory):
-    """The 2-block registry module on ``sys.path`` for the module's tests."""
-    folder = tmp_path_factory.mktemp("titan")
-    package = folder / _TWO_BLOCKS
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "config_registry.py").write_text(
-        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
-        "def debugmodel_two_blocks():\n"
-        "    config = llama3_debugmodel()\n"
-        "    config.model_spec.model.layers = config.model_spec.model.layers[:2]\n"
-        "    return config\n"
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(folder))
-        yield
-
-
-@pytest.fixture(scope="module")
-def recorded(two_blocks):
+def recorded():
     """all-gather on / off -> (recording, prediction) of two train steps on an H100."""
     target = Target.resolve("h100")
     out = {}
     for all_gather in (False, True):
         job = TorchtitanJob(
-            _TWO_BLOCKS, "debugmodel_two_blocks", _BASE + _overrides(all_gather), world_size=_FSDP
+            *_TWO_BLOCKS, _BASE + _overrides(all_gather), world_size=_FSDP
         )
         recording, _ = record_torchtitan_job(job, target=target)
         out[all_gather] = (recording, predict_recording(recording, target=target))
@@ -170,13 +152,13 @@ def test_the_peak_drops_by_one_blocks_linears_and_a_float8_weight_copy(recorded)
         )
 
 
-def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8(two_blocks):
+def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8():
     """FSDP 2 x TP 2 (torchao's order: the wrapped weight is TP's local tensor, FSDP2 shards
     it): a block's all-gather is half of each linear's elements at 1 byte, and the two norms
     (replicated over TP) in bf16; each unsharded linear weight is its TP shard in bytes."""
     tp = 2
     job = TorchtitanJob(
-        _TWO_BLOCKS, "debugmodel_two_blocks",
+        *_TWO_BLOCKS,
         _overrides(True) + _BASE + ("--parallelism.tensor_parallel_degree", str(tp)),
         world_size=_FSDP * tp,
     )

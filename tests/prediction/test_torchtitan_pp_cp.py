@@ -1,7 +1,7 @@
 """torchtitan's pipeline parallel with context parallel, and the first step's shape inference.
 
 The model is torchtitan 0.3.0's llama3 ``debugmodel`` cut to 2 blocks, a registry module of
-one's own (``oomkit_titan_pp_cp:debugmodel_two_blocks``, written by the ``registry`` fixture):
+one's own (``_torchtitan_two_blocks:llama3_debug_two_blocks`` in tests/prediction):
 dim 256, 16 heads of 16, vocabulary 2048. PP 2 with 1F1B gives stage 0 the embedding and block
 0, stage 1 block 1, the norm and the LM head (torchtitan's split counts the embedding and the
 head as a block each). Local batch 2 x 512 tokens in micro-batches of 1 (2 micro-batches), FSDP2
@@ -29,7 +29,6 @@ from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_jo
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_MODULE = "oomkit_titan_pp_cp"
 _MICRO, _SEQ, _DIM, _HEADS, _HEAD_DIM = 1, 512, 256, 16, 16
 _INT64, _BF16, _FP32 = 8, 2, 4
 _BASE = (
@@ -46,26 +45,7 @@ _SDPA = "aten._scaled_dot_product_cudnn_attention.default"
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """The registry module on ``sys.path``: the debugmodel's config with its first 2 blocks."""
-    folder = tmp_path_factory.mktemp("titan_pp_cp")
-    package = folder / _MODULE
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "config_registry.py").write_text(
-        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
-        "def debugmodel_two_blocks():\n"
-        "    config = llama3_debugmodel()\n"
-        "    config.model_spec.model.layers = config.model_spec.model.layers[:2]\n"
-        "    return config\n"
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(folder))
-        yield
-
-
-@pytest.fixture(scope="module")
-def recorded(registry):
+def recorded():
     """(cp, rank) -> (recording, run, prediction) of two train steps: PP 2 alone on 2 ranks
     (ranks 0 and 1) and PP 2 x CP 2 on 4 (ranks 0, 1 and 3)."""
     target = Target.resolve("h100")
@@ -73,7 +53,7 @@ def recorded(registry):
     for cp, world, ranks in ((1, 2, (0, 1)), (2, 4, (0, 1, 3))):
         for rank in ranks:
             job = TorchtitanJob(
-                _MODULE, "debugmodel_two_blocks", _BASE + (_CP2 if cp > 1 else ()) + _NO_AC,
+                "_torchtitan_two_blocks", "llama3_debug_two_blocks", _BASE + (_CP2 if cp > 1 else ()) + _NO_AC,
                 world_size=world, rank=rank,
             )
             recording, run = record_torchtitan_job(job, target=target)
