@@ -60,7 +60,10 @@ class _Ranges:
 
 
 def trace_contradiction(
-    device: int, events: Sequence[TraceEvent], segments: Sequence[SnapshotSegment]
+    device: int,
+    events: Sequence[TraceEvent],
+    segments: Sequence[SnapshotSegment],
+    other_actions: set[str] | None = None,
 ) -> str | None:
     """The first entry of one device's trace that contradicts the trace or the segments.
 
@@ -68,6 +71,9 @@ def trace_contradiction(
         device: the device index (for the message).
         events: that device's trace, oldest first.
         segments: every segment of the snapshot (those of other devices are ignored).
+        other_actions: when given, every action of the trace other than ``alloc``,
+            ``free_requested`` and ``free_completed`` is added to it (``Snapshot.other_actions``:
+            the check reads each entry's action anyway, and those entries are few).
 
     Returns:
         ``"inconsistent at entry K: ..."`` naming the contradiction and what to do, or None
@@ -129,6 +135,8 @@ def trace_contradiction(
                 )
             state[address] = _FREED
         else:
+            if other_actions is not None:
+                other_actions.add(action)
             continue
         if problem is not None:
             where = f"entry {index} of device_traces[{device}]"

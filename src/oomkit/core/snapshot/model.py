@@ -93,6 +93,10 @@ class Snapshot:
             ``block``, ``trace`` or ``settings`` (e.g. ``"block:history"``); the evidence
             ``infer_torch_version`` reads.
         warnings: what was assumed while reading (e.g. inferred block addresses).
+        other_actions: every trace action other than ``alloc``, ``free_requested`` and
+            ``free_completed`` (segment events, ``oom``, ``snapshot``, ``annotate``), of every
+            device, as the reader noted them while it checked the traces; None when not noted
+            (a snapshot built otherwise): ``infer_torch_version`` then reads the traces.
     """
 
     segments: tuple[SnapshotSegment, ...]
@@ -104,6 +108,7 @@ class Snapshot:
     source: str | None = None
     keys_seen: frozenset[str] = field(default=frozenset())
     warnings: tuple[str, ...] = field(default=())
+    other_actions: frozenset[str] | None = None
 
     def devices(self) -> list[int]:
         """Devices with segments or trace events other than ``snapshot`` markers, ascending.

@@ -55,8 +55,7 @@ __all__ = [
 # then "reading device N's trace" in entries (those not read while the file was: TraceDrain).
 LoadProgress = Callable[[str, int, int], None]
 READING_FILE = "reading the file"
-# Trace entries between two progress calls.
-_PROGRESS_ENTRIES = 1 << 16
+_PROGRESS_ENTRIES = 1 << 16  # trace entries between two progress calls
 
 # CUDACachingAllocator.cpp kSmallBuffer: small-pool segments are exactly 2 MiB, and no large-pool
 # segment is (allocation_size gives 20 MiB or a 2 MiB multiple >= 10 MiB, §2.4, §15.1).
@@ -239,8 +238,9 @@ class _Normaliser:
         problem = layout_problem(segments)
         if problem is not None:
             raise self.fail(problem)
+        other_actions: set[str] = set()  # the check notes them: Snapshot.other_actions
         for device, events in traces.items():
-            contradiction = trace_contradiction(device, events, segments)
+            contradiction = trace_contradiction(device, events, segments, other_actions)
             if contradiction is not None:
                 raise SnapshotFormatError(f"{self.name}: {contradiction}")
         return Snapshot(
@@ -253,6 +253,7 @@ class _Normaliser:
             source=source,
             keys_seen=frozenset(self.keys_seen),
             warnings=tuple(self.warnings),
+            other_actions=frozenset(other_actions),
         )
 
     def expand_up_front(self, segments_raw: list, raw_traces: Any) -> None:

@@ -9,6 +9,7 @@ as the older release: pass the real version (``--torch-version``) when you know 
 
 from __future__ import annotations
 
+from collections.abc import Set
 from operator import attrgetter
 
 from oomkit.core.snapshot.model import Snapshot
@@ -42,11 +43,17 @@ def infer_torch_version(snapshot: Snapshot) -> str | None:
         A ``"major.minor"`` string, or None when the file points at the newest release.
     """
     keys = snapshot.keys_seen
-    # Every event's action, gathered in C (map, not a comprehension): it runs for every replay.
-    actions: set[str] = set()
-    for events in snapshot.device_traces.values():
-        actions.update(map(_ACTION, events))
-    if actions.intersection(_NEWEST_FEATURE_ACTIONS):
+    # The actions looked for below are none of alloc, free_requested, free_completed: the
+    # reader noted the others as it checked the traces (Snapshot.other_actions), so a replay
+    # reads no event here (issue 41: this scan was 1% of a fresh-copy verify).
+    actions: Set[str] | None = snapshot.other_actions
+    if actions is None:
+        # A snapshot built otherwise: every event's action, gathered in C (map).
+        gathered: set[str] = set()
+        for events in snapshot.device_traces.values():
+            gathered.update(map(_ACTION, events))
+        actions = gathered
+    if not actions.isdisjoint(_NEWEST_FEATURE_ACTIONS):
         return None
     if "settings:graph_capture_record_stream_reuse" in keys:
         return "2.9"
@@ -59,7 +66,7 @@ def infer_torch_version(snapshot: Snapshot) -> str | None:
     if (
         "trace:time_us" in keys
         or "segment:is_expandable" in keys
-        or actions.intersection(("segment_map", "segment_unmap"))
+        or not actions.isdisjoint(("segment_map", "segment_unmap"))
     ):
         return "2.1"
     if "block:history" in keys or "top:device_traces" in keys or "top:segments" in keys:
