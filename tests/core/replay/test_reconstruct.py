@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from oomkit.core.allocator import round_size
 from oomkit.core.replay.reconstruct import (
     SeedBlock,
@@ -164,3 +169,47 @@ def test_inconsistent_trace_warns_instead_of_failing():
     start = reconstruct_start_state([seg(BASE, 20 * MiB)], [ev("alloc", BASE, 4 * MiB)],
                                     round_size)
     assert len(start.warnings) == 1 and "no matching live block" in start.warnings[0]
+
+
+_SEGMENT_OFFSETS = (0, 20 * MiB, 40 * MiB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["classic", "small", "expandable"]), min_size=1, max_size=3),
+    states=st.lists(st.sampled_from(["active_allocated", "active_pending_free", "inactive"]),
+                    min_size=12, max_size=12),
+    entries=st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "free_requested", "free_completed", "segment_alloc",
+                             "segment_free", "segment_map", "segment_unmap", "oom"]),
+            st.integers(0, 2),
+            st.integers(0, 3),
+        ),
+        max_size=20,
+    ),
+)
+def test_final_segments_give_their_place_not_their_blocks(kinds, states, entries):
+    """The start state is the same whether the final segments list their free blocks or only
+    their live ones: a final segment reaches it through its place and size and its live blocks'
+    facts, never through its own block list (the walk keeps the final records themselves,
+    issue 41)."""
+    final = []
+    for k, kind in enumerate(kinds):
+        address = BASE + _SEGMENT_OFFSETS[k]
+        size = 2 * MiB if kind == "small" else 20 * MiB
+        step = size // 4
+        blocks = [SeedBlock(address + j * step, step, step - 1, states[4 * k + j]) for j in range(4)]
+        final.append(seg(address, size, blocks, small=kind == "small",
+                         expandable=kind == "expandable"))
+    events = [
+        ev(action, BASE + _SEGMENT_OFFSETS[s] + (j * MiB // 2 if action.startswith(("alloc", "free")) else 0),
+           MiB // 2 if action.startswith(("alloc", "free")) else 20 * MiB)
+        for action, s, j in entries
+    ]
+    live_only = [replace(s, blocks=tuple(b for b in s.blocks if b.state != "inactive")) for s in final]
+    full = reconstruct_start_state(final, events, round_size)
+    assert full == reconstruct_start_state(live_only, events, round_size)
+    for s in full.segments:
+        assert sum(b.size for b in s.blocks) == s.total_size
+        assert [b.address for b in s.blocks] == sorted(b.address for b in s.blocks)

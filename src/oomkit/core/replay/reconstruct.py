@@ -227,8 +227,11 @@ class _Walk:
     )
 
     def __init__(self) -> None:
-        self.classic: dict[int, SeedSegment] = {}  # classic segments by address
-        self.runs: list[SeedSegment] = []  # expandable mapped runs
+        # Classic segments by address, and expandable mapped runs: their place, size, stream
+        # and pool only (the layout gives each its blocks; the ``blocks`` they carry are never
+        # read, so a final segment serves as it is, issue 41).
+        self.classic: dict[int, SeedSegment] = {}
+        self.runs: list[SeedSegment] = []
         # Blocks held at the start: address -> [size (None: hidden, only the requested size is
         # known), requested_size, state, trace index of its first free_completed or None, the
         # final SeedBlock it started from or None].
@@ -257,14 +260,10 @@ def _walk(final_segments: Sequence[SeedSegment], events: Sequence[TraceEvent]) -
     classic, walked, first_alloc, warnings = walk.classic, walk.held, walk.first_alloc, walk.warnings
     marks = walk.marks
     for seg in final_segments:
-        # The constructor, not dataclasses.replace: this runs for every segment (issue 19).
-        shell = new_seed_segment(
-            seg.address, seg.total_size, seg.stream, seg.is_small, seg.expandable, ()
-        )
         if seg.expandable:
-            walk.runs.append(shell)
+            walk.runs.append(seg)
         else:
-            classic[seg.address] = shell
+            classic[seg.address] = seg
         for b in seg.blocks:
             if b.state in LIVE_STATES:
                 walked[b.address] = [b.size, b.requested_size, b.state, None, b]
