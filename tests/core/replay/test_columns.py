@@ -154,3 +154,49 @@ def test_an_iterator_is_read_one_chunk_ahead_at_most():
         engine_module._CHUNK_EVENTS = saved
     assert seen_at_first_alloc == [4]
     assert engine.replayed == 10 and len(engine.live) == 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "free_requested", "free_completed", "segment_alloc", "oom"]),
+            st.integers(0, 2**64 - 1),
+            st.sampled_from([0, 1, 512, 2 * MiB, 2**63]),
+            st.integers(0, 3),
+        ),
+        max_size=40,
+    )
+)
+def test_columns_of_int_fields_are_the_same_without_the_type_check(entries):
+    """``ints=True`` (a trace the snapshot reader read: every field a plain int) gives the
+    columns the type check gives: only zero-byte allocs are left to malloc's checks."""
+    events = [TraceEvent(a, address, size, stream) for a, address, size, stream in entries]
+    known = trace_columns(events, ints=True)
+    checked = trace_columns(events)
+    for name in ("actions", "slots", "sizes", "streams", "addresses", "slot_of"):
+        assert getattr(known, name) == getattr(checked, name), name
+    assert known.actions.count(CHECKED_ALLOC) == sum(
+        a == "alloc" and size == 0 for a, _, size, _ in entries
+    )
+
+
+def test_a_loaded_snapshot_s_trace_fields_are_plain_ints():
+    """What ``ints=True`` relies on: the reader refuses an entry whose size is not an int."""
+    import pickle
+
+    from oomkit.core.snapshot import load_snapshot
+    from oomkit.errors import SnapshotFormatError
+
+    segment = {"device": 0, "address": 0, "total_size": 2 * MiB, "stream": 0,
+               "segment_type": "small", "blocks": [{"address": 0, "size": 2 * MiB,
+                                                     "state": "inactive"}]}
+    for bad in (1.0, True, "512"):
+        data = {"segments": [segment], "device_traces": [
+            [{"action": "alloc", "addr": 0, "size": bad, "stream": 0}]]}
+        with pytest.raises(SnapshotFormatError):
+            load_snapshot(pickle.dumps(data))
+    good = {"segments": [segment], "device_traces": [
+        [{"action": "alloc", "addr": 0, "size": 512, "stream": 0}]]}
+    (event,) = load_snapshot(pickle.dumps(good)).trace_for(0)
+    assert (type(event.size), type(event.address), type(event.stream)) == (int, int, int)

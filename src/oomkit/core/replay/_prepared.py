@@ -133,6 +133,10 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
         marks=marks,
         recorded=recorded,
         allocs=walk.allocs,
-        columns=trace_columns(events, actions=walk.actions, allocs=walk.alloc_events),
+        # The reader refuses a trace entry whose address, size or stream is not an int
+        # (read_entries), and notes keys: a snapshot built otherwise notes none.
+        columns=trace_columns(
+            events, actions=walk.actions, allocs=walk.alloc_events, ints=bool(keys)
+        ),
         final_keys=seed_segment_keys(final),
     )

@@ -162,10 +162,11 @@ def reconstruct_walked(
 
     segments = sorted([*walk.classic.values(), *_merge_runs(walk.runs)], key=_address)
     starts = [s.address for s in segments]
+    ends = [s.address + s.total_size for s in segments]  # not .end: a call per live block
     by_segment: dict[int, list[int]] = {s.address: [] for s in segments}
     for addr in sorted(live):
         i = bisect.bisect_right(starts, addr) - 1
-        if i < 0 or addr >= segments[i].end:
+        if i < 0 or addr >= ends[i]:
             warnings.append(
                 f"block at {addr:#x} is live at the start but lies in no segment; it was dropped"
             )
