@@ -170,13 +170,22 @@ class CachingAllocator(StatsApi):
             )
         if type(stream) is not int:
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
-        return self.serve(nbytes, stream)
+        return self.serve_block(nbytes, stream).ptr
 
     def serve(self, nbytes: int, stream: int) -> int:
         """:meth:`malloc` of a request already checked: ``nbytes`` a positive int, ``stream`` an
-        int (the replay loop's, whose trace columns hold such requests; issue 41).
+        int. A compiled build takes these as native integers (scripts/compile_allocator.py).
 
-        A compiled build takes these as native integers (scripts/compile_allocator.py).
+        Raises:
+            SimulatedOutOfMemoryError: as :meth:`malloc`.
+        """
+        return self.serve_block(nbytes, stream).ptr
+
+    def serve_block(self, nbytes: int, stream: int) -> Block:
+        """:meth:`serve`, returning the allocated block itself: the replay loop keeps it and
+        hands it back to :meth:`free_served`, so a free needs no look-up by address (issue 41).
+
+        The block is the allocator's own: read its ``ptr``, never change it.
 
         Raises:
             SimulatedOutOfMemoryError: as :meth:`malloc`.
@@ -313,7 +322,7 @@ class CachingAllocator(StatsApi):
             sa.requested_bytes_peak = c + so.requested_bytes
         if settings.split_limited and bsize >= max_split:
             self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
-        return ptr
+        return block
 
     def process_memory_info(self) -> str:
         """The OOM message's per-process sentences (CUDACachingAllocator.cpp malloc); empty without NVML."""
@@ -341,10 +350,25 @@ class CachingAllocator(StatsApi):
             AllocatorUsageError: ``ptr`` is not a live allocation.
         """
         block = self._active.get(ptr)
-        if block is None or not block.allocated:
+        if block is None:
             if ptr == 0 and type(ptr) is int:
                 return
             raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
+        self.free_served(block, bool(deferred))
+
+    def active_block(self, ptr: int) -> Block | None:
+        """The active block at address ``ptr`` (allocated, or freed with its free pending), or
+        None: what a replay holds for an id that was live before it (:meth:`free_served`)."""
+        return self._active.get(ptr)
+
+    def free_served(self, block: Block, deferred: bool = False) -> None:
+        """:meth:`free` of a block :meth:`serve_block` returned (or :meth:`active_block`).
+
+        Raises:
+            AllocatorUsageError: the block is not allocated (already freed), as :meth:`free`.
+        """
+        if not block.allocated:
+            raise AllocatorUsageError(not_live_message(self._active, block.ptr, "free"))
         block.allocated = False
         size = block.size
         if self._settings.split_limited and size >= self._settings.max_split:
@@ -428,6 +452,15 @@ class CachingAllocator(StatsApi):
             AllocatorUsageError: ``ptr`` has no pending free.
         """
         self._events.complete_free(ptr)
+
+    def complete_served(self, block: Block) -> None:
+        """:meth:`complete_free` of a block held since :meth:`serve_block` (or
+        :meth:`active_block`).
+
+        Raises:
+            AllocatorUsageError: the block has no pending free.
+        """
+        self._events.complete_block(block, block.ptr)
 
     def synchronize(self) -> None:
         """The device is idle: every event completes (not counted in num_sync_all_streams)."""

@@ -122,34 +122,40 @@ class BlockPool:
 
         A neighbour merges when it is free (not allocated, no pending events or stream uses)
         and has the same mapped state; it leaves this pool's sets and ``block`` grows over it.
-        (One loop, not a call per neighbour: free_block runs this on every free, issue 41.)
+        (One loop, not a call per neighbour: free_block runs this on every free, issue 41; a
+        ``while`` over the two sides rather than a ``for`` over a tuple of them, which a compiled
+        build would make and iterate generically on every free.)
         """
         merged = 0
-        for src in (block.prev, block.next):
+        before = True  # src is the block before ``block``, then the one after it
+        src = block.prev
+        while True:
             if (
-                src is None
-                or src.allocated
-                or src.event_count
-                or src.stream_uses
-                or src.mapped != block.mapped
+                src is not None
+                and not src.allocated
+                and not src.event_count
+                and not src.stream_uses
+                and src.mapped == block.mapped
             ):
-                continue
-            if src.mapped:
-                self.remove(src)
-            else:
-                self.remove_unmapped(src)
-            if src is block.prev:
-                block.ptr = src.ptr
-                before = block.prev = src.prev
-                if before is not None:
-                    before.next = block
-            else:
-                after = block.next = src.next
-                if after is not None:
-                    after.prev = block
-            block.size += src.size
-            merged += 1
-        return merged
+                if src.mapped:
+                    self.remove(src)
+                else:
+                    self.remove_unmapped(src)
+                if before:
+                    block.ptr = src.ptr
+                    prev = block.prev = src.prev
+                    if prev is not None:
+                        prev.next = block
+                else:
+                    after = block.next = src.next
+                    if after is not None:
+                        after.prev = block
+                block.size += src.size
+                merged += 1
+            if not before:
+                return merged
+            before = False
+            src = block.next
 
     def remove(self, block: Block, index: int = -1) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with).
