@@ -7,10 +7,8 @@ step 3.3) and the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks
+from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, size_index
 from oomkit.core.allocator.settings import AllocatorSettings
 
 __all__ = ["checked_free_block", "find_free_block"]
@@ -96,7 +94,7 @@ def find_free_block(
     if sf is None:
         return None
     sizes = sf.sizes
-    i = bisect_left(sizes, size)
+    i = size_index(sizes, size)
     if i == len(sizes):
         return None
     block = sf.buckets[i][0]
