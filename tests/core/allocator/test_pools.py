@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oomkit.core.allocator.block import Block, Segment
-from oomkit.core.allocator.pools import BlockPool, size_index
+from oomkit.core.allocator.pools import BlockPool, first_at_least
 
 MiB = 2**20
 
@@ -108,17 +108,17 @@ def test_merge_free_neighbours_joins_unmapped_ranges():
     st.lists(st.integers(min_value=1, max_value=2**47), max_size=40, unique=True),
     st.integers(min_value=0, max_value=2**47 + 1),
 )
-def test_size_index_is_bisect_left(sizes: list[int], size: int) -> None:
-    """size_index (a native binary search when compiled) answers as bisect_left does."""
+def test_first_at_least_is_bisect_left(sizes: list[int], size: int) -> None:
+    """first_at_least (a native binary search when compiled) answers as bisect_left does."""
     sizes.sort()
-    assert size_index(sizes, size) == bisect_left(sizes, size)
+    assert first_at_least(sizes, size) == bisect_left(sizes, size)
     for i, present in enumerate(sizes):
-        assert size_index(sizes, present) == i
+        assert first_at_least(sizes, present) == i
 
 
-def test_size_index_at_the_ends():
+def test_first_at_least_at_the_ends():
     """Before the first size, past the last, and in an empty list."""
-    assert size_index([], 512) == 0
-    assert size_index([1024, 4096], 512) == 0
-    assert size_index([1024, 4096], 2048) == 1
-    assert size_index([1024, 4096], 8192) == 2
+    assert first_at_least([], 512) == 0
+    assert first_at_least([1024, 4096], 512) == 0
+    assert first_at_least([1024, 4096], 2048) == 1
+    assert first_at_least([1024, 4096], 8192) == 2

@@ -8,7 +8,7 @@ step 3.3) and the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5).
 from __future__ import annotations
 
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, size_index
+from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, first_at_least
 from oomkit.core.allocator.settings import AllocatorSettings
 
 __all__ = ["checked_free_block", "find_free_block"]
@@ -94,7 +94,7 @@ def find_free_block(
     if sf is None:
         return None
     sizes = sf.sizes
-    i = size_index(sizes, size)
+    i = first_at_least(sizes, size)
     if i == len(sizes):
         return None
     block = sf.buckets[i][0]

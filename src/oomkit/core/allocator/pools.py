@@ -6,7 +6,7 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 same order in a shape that makes the best-fit lookup cheap in Python:
 
 * per stream, a plain sorted ``list`` of the distinct free sizes (searched by
-  :func:`size_index`: ``bisect`` in pure Python, a native binary search compiled), and
+  :func:`first_at_least`: ``bisect`` in pure Python, a native binary search compiled), and
 * per (stream, size), a bucket, at the size's index in a list beside the sizes (one bisection
   finds both; no dict): a list of blocks sorted by ``block.tie``, the address, or
   ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
@@ -58,14 +58,16 @@ class StreamFreeBlocks:
         return [block for bucket in self.buckets for block in bucket]
 
 
-def size_index(sizes: list[int], size: int) -> int:
-    """``bisect_left(sizes, size)``: where ``size`` is, or goes, among a stream's sorted sizes.
+def first_at_least(sizes: list[int], size: int) -> int:
+    """``bisect_left(sizes, size)``: the index of the first of the sorted ``sizes`` that is at
+    least ``size`` (where ``size`` is, or goes).
 
-    Every best-fit lookup, insert and removal searches here. Compiled (:data:`NATIVE`), the
-    binary search below runs on native integers: a call to ``bisect`` would box the size,
-    call through the module's globals and compare boxed integers (issue 41: a quarter of a
-    compiled verify's instructions). Interpreted, the same loop in bytecode costs four times
-    ``bisect``'s C loop, so the pure build calls that: one search, either way.
+    Every best-fit lookup, insert and removal searches a stream's sizes here (and seeding its
+    held ranges' starts). Compiled (:data:`NATIVE`), the binary search below runs on native
+    integers: a call to ``bisect`` would box the size, call through the module's globals and
+    compare boxed integers (issue 41: a quarter of a compiled verify's instructions).
+    Interpreted, the same loop in bytecode costs four times ``bisect``'s C loop, so the pure
+    build calls that: one search, either way.
     """
     if not NATIVE:
         return bisect_left(sizes, size)
@@ -81,7 +83,7 @@ def size_index(sizes: list[int], size: int) -> int:
 
 
 # Whether this module runs compiled (mypyc makes its functions built-in functions).
-NATIVE: Final = type(size_index) is not FunctionType
+NATIVE: Final = type(first_at_least) is not FunctionType
 
 
 def _tie_index(bucket: list[Block], tie: int) -> int:
@@ -134,7 +136,7 @@ class BlockPool:
             sf = self.streams[block.stream] = StreamFreeBlocks()
         size = block.size
         sizes = sf.sizes
-        i = size_index(sizes, size)
+        i = first_at_least(sizes, size)
         if i < len(sizes) and sizes[i] == size:
             bucket = sf.buckets[i]
             # Most blocks freed into a bucket go to its front (its lowest tie): one comparison.
@@ -195,7 +197,7 @@ class BlockPool:
         assert tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
         sizes = sf.sizes
-        i = index if index >= 0 else size_index(sizes, block.size)
+        i = index if index >= 0 else first_at_least(sizes, block.size)
         bucket = sf.buckets[i]
         if len(bucket) == 1:
             del sizes[i]

@@ -229,6 +229,9 @@ class ReplayEngine:
         pending = self.pending_blocks
         null_live = self.null_live
         null_pending = self.null_pending
+        # Whether a 0-byte alloc may be live or pending (a native flag, not a set's truth
+        # value, on every alloc and completion); once set it stays set for this call.
+        nulls = len(null_live) + len(null_pending) > 0
         deferred = self.deferred_frees
         actions = columns.actions
         slots = columns.slots
@@ -253,8 +256,7 @@ class ReplayEngine:
                     if (
                         live[slot] is not None
                         or pending[slot] is not None
-                        or (null_live and slot in null_live)
-                        or (null_pending and slot in null_pending)
+                        or (nulls and (slot in null_live or slot in null_pending))
                     ):
                         hooks.duplicate_alloc(index, events[i])
                     if action == ALLOC:
@@ -262,7 +264,7 @@ class ReplayEngine:
                         ptr = served.ptr
                         misplaced = ptr != addresses[k]
                         live[slot] = served
-                        if null_live:
+                        if nulls:
                             null_live.discard(slot)
                     else:
                         # Its own values (Any: not read as ints), for malloc's checks to judge.
@@ -270,6 +272,7 @@ class ReplayEngine:
                         ptr = allocator.malloc(unchecked.size, unchecked.stream)
                         misplaced = ptr != unchecked.address
                         self._served_checked(slot, ptr)
+                        nulls = nulls or ptr == 0
                     k += 1
                     if check and misplaced:
                         hooks.misplaced(index, events[i], ptr)
@@ -279,7 +282,7 @@ class ReplayEngine:
                     slot = slots[i]
                     block = live[slot]
                     if block is None:
-                        if null_live and slot in null_live:
+                        if nulls and slot in null_live:
                             completed = self._null_free_requested(
                                 i, index, slot, actions, slots, completes_later
                             )
@@ -306,7 +309,7 @@ class ReplayEngine:
                     slot = slots[i]
                     block = pending[slot]
                     pending[slot] = None
-                    if block is None and (null_live or null_pending):
+                    if block is None and nulls:
                         self._null_free_completed(index, events[i], slot, completes_later)
                     elif deferred:
                         if block is None:
