@@ -97,7 +97,7 @@ def find_free_block(
     i = first_at_least(sizes, size)
     if i == len(sizes):
         return None
-    block = sf.buckets[i][0]
+    block = sf.heads[i]
     if block.segment.expandable or settings.split_limited:
         return checked_free_block(settings, pool, sf, block, size, expandable_active, i)
     # A classic block without max_split_size: no rule of Step 3.3-3.5 applies, the best fit is

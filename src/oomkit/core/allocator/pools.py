@@ -7,14 +7,16 @@ same order in a shape that makes the best-fit lookup cheap in Python:
 
 * per stream, a plain sorted ``list`` of the distinct free sizes (searched by
   :func:`first_at_least`: ``bisect`` in pure Python, a native binary search compiled), and
-* per (stream, size), a bucket, at the size's index in a list beside the sizes (one bisection
-  finds both; no dict): a list of blocks sorted by ``block.tie``, the address, or
+* per (stream, size), the blocks of that size as a chain: the first (lowest tie) at the
+  size's index in a list beside the sizes (one search finds both; no dict), each linking to
+  the next by ``block.same``. They are in ``block.tie`` order: the address, or
   ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
   exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
-  while it is not there): no entry objects, and a compiled build compares native integers
-  (issue 41).
+  while it is not there): no entry objects, no list per size (most sizes hold one free block,
+  and a list made and dropped per insert and removal was a tenth of a compiled replay, issue
+  41), and a compiled build compares native integers.
 
-Walking streams in order, sizes in order and buckets in order gives PyTorch's set order;
+Walking streams in order, sizes in order and each chain gives PyTorch's set order;
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
 
 Unmapped expandable ranges (``BlockPool::unmapped``, ``BlockComparatorAddress``:
@@ -40,22 +42,31 @@ __all__ = ["BlockPool", "StreamFreeBlocks"]
 class StreamFreeBlocks:
     """The free blocks of one stream in one pool."""
 
-    __slots__ = ("sizes", "buckets")
+    __slots__ = ("sizes", "heads")
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        # buckets[i]: the blocks of size sizes[i], in tie order.
-        self.buckets: list[list[Block]] = []
+        # heads[i]: the first block of size sizes[i] (its chain goes on by ``block.same``).
+        self.heads: list[Block] = []
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
-        buckets = self.buckets
-        for i in range(bisect_left(self.sizes, size), len(buckets)):
-            yield from buckets[i]
+        heads = self.heads
+        for i in range(first_at_least(self.sizes, size), len(heads)):
+            block: Block | None = heads[i]
+            while block is not None:
+                yield block
+                block = block.same
 
     def ordered(self) -> list[Block]:
         """All blocks in set order."""
-        return [block for bucket in self.buckets for block in bucket]
+        out: list[Block] = []
+        for head in self.heads:
+            block: Block | None = head
+            while block is not None:
+                out.append(block)
+                block = block.same
+        return out
 
 
 def first_at_least(sizes: list[int], size: int) -> int:
@@ -84,19 +95,6 @@ def first_at_least(sizes: list[int], size: int) -> int:
 
 # Whether this module runs compiled (mypyc makes its functions built-in functions).
 NATIVE: Final = type(first_at_least) is not FunctionType
-
-
-def _tie_index(bucket: list[Block], tie: int) -> int:
-    """bisect_left of ``tie`` among the bucket's ties (they are distinct)."""
-    lo = 0
-    hi = len(bucket)
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if bucket[mid].tie < tie:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 class BlockPool:
@@ -138,12 +136,23 @@ class BlockPool:
         sizes = sf.sizes
         i = first_at_least(sizes, size)
         if i < len(sizes) and sizes[i] == size:
-            bucket = sf.buckets[i]
-            # Most blocks freed into a bucket go to its front (its lowest tie): one comparison.
-            bucket.insert(0 if tie < bucket[0].tie else _tie_index(bucket, tie), block)
+            heads = sf.heads
+            head = heads[i]
+            if tie < head.tie:
+                # Most blocks freed into a chain go to its front (its lowest tie).
+                block.same = head
+                heads[i] = block
+            else:
+                prev = head
+                after = prev.same
+                while after is not None and after.tie < tie:
+                    prev = after
+                    after = prev.same
+                block.same = after
+                prev.same = block
         else:
             sizes.insert(i, size)
-            sf.buckets.insert(i, [block])
+            sf.heads.insert(i, block)
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -193,20 +202,31 @@ class BlockPool:
         ``index``: the block's size index in its stream's ``sizes`` when the caller has just
         found it there (the best fit), else -1.
         """
-        tie = block.tie
-        assert tie >= 0, "removing a block that is not in the free set"
+        assert block.tie >= 0, "removing a block that is not in the free set"
         sf = self.streams[block.stream]
         sizes = sf.sizes
         i = index if index >= 0 else first_at_least(sizes, block.size)
-        bucket = sf.buckets[i]
-        if len(bucket) == 1:
-            del sizes[i]
-            del sf.buckets[i]
-            if not sizes:
-                del self.streams[block.stream]
+        heads = sf.heads
+        head = heads[i]
+        if head is block:
+            # The best fit is a chain's first block.
+            after = block.same
+            if after is None:
+                del sizes[i]
+                del heads[i]
+                if not sizes:
+                    del self.streams[block.stream]
+            else:
+                heads[i] = after
         else:
-            # The best fit is a bucket's first block.
-            del bucket[0 if bucket[0] is block else _tie_index(bucket, tie)]
+            prev = head
+            after = prev.same
+            while after is not block:
+                assert after is not None, "removing a block that is not in the free set"
+                prev = after
+                after = prev.same
+            prev.same = block.same
+        block.same = None
         block.tie = -1
         self.count -= 1
 

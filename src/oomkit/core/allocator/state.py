@@ -146,6 +146,7 @@ def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:
     for block in blocks:
         block.prev = None
         block.next = None
+        block.same = None
 
 
 # ------------------------------------------------------------------ seeding
