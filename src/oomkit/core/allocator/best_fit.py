@@ -90,9 +90,7 @@ def find_free_block(
     if settings.gc_enabled:
         # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
         pool.gc_clock += 1
-    sf = pool.streams.get(stream)
-    if sf is None:
-        return None
+    sf = pool.last_free if stream == pool.last_stream else pool.stream_free(stream)
     sizes = sf.sizes
     i = first_at_least(sizes, size)
     if i == len(sizes):

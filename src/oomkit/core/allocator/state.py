@@ -140,9 +140,7 @@ def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:
     for pool in pools:
         blocks += pool.ordered()
         blocks += pool.unmapped_blocks()
-        pool.streams.clear()
-        pool.unmapped.clear()
-        pool.count = 0
+        pool.clear()
     for block in blocks:
         block.prev = None
         block.next = None
