@@ -40,6 +40,7 @@ from oomkit.core.allocator.state import (
     SeedTarget,
     all_blocks,
     seed_segment,
+    seed_segments,
     snapshot,
     unlink_all,
 )
@@ -173,19 +174,13 @@ class CachingAllocator(StatsApi):
         return self.serve_block(nbytes, stream).ptr
 
     def serve(self, nbytes: int, stream: int) -> int:
-        """:meth:`malloc` of a request already checked: ``nbytes`` a positive int, ``stream`` an
-        int. A compiled build takes these as native integers (scripts/compile_allocator.py).
-
-        Raises:
-            SimulatedOutOfMemoryError: as :meth:`malloc`.
-        """
+        """:meth:`malloc` of a checked request: :meth:`serve_block`'s address."""
         return self.serve_block(nbytes, stream).ptr
 
     def serve_block(self, nbytes: int, stream: int) -> Block:
-        """:meth:`serve`, returning the allocated block itself: the replay loop keeps it and
-        hands it back to :meth:`free_served`, so a free needs no look-up by address (issue 41).
-
-        The block is the allocator's own: read its ``ptr``, never change it.
+        """:meth:`malloc` of a request already checked (``nbytes`` a positive int, ``stream`` an
+        int: native integers when compiled), returning the block (read it, never change it):
+        the replay loop hands it back to :meth:`free_served`, no look-up by address (issue 41).
 
         Raises:
             SimulatedOutOfMemoryError: as :meth:`malloc`.
@@ -362,11 +357,7 @@ class CachingAllocator(StatsApi):
         return self._active.get(ptr)
 
     def free_served(self, block: Block, deferred: bool = False) -> None:
-        """:meth:`free` of a block :meth:`serve_block` returned (or :meth:`active_block`).
-
-        Raises:
-            AllocatorUsageError: the block is not allocated (already freed), as :meth:`free`.
-        """
+        """:meth:`free` of a block :meth:`serve_block` returned (AllocatorUsageError as there)."""
         if not block.allocated:
             raise AllocatorUsageError(not_live_message(self._active, block.ptr, "free"))
         block.allocated = False
@@ -454,12 +445,7 @@ class CachingAllocator(StatsApi):
         self._events.complete_free(ptr)
 
     def complete_served(self, block: Block) -> None:
-        """:meth:`complete_free` of a block held since :meth:`serve_block` (or
-        :meth:`active_block`).
-
-        Raises:
-            AllocatorUsageError: the block has no pending free.
-        """
+        """:meth:`complete_free` of a block :meth:`serve_block` returned (errors as there)."""
         self._events.complete_block(block, block.ptr)
 
     def synchronize(self) -> None:
@@ -608,25 +594,6 @@ class CachingAllocator(StatsApi):
 
     def seed_segments(self, segments: Iterable[Any]) -> list[OomkitError | None]:
         """:meth:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
-        expandable)``, their stat increases applied together at the end (``StatTally``: the
-        same stats as one call each; issue 41).
-
-        Returns:
-            Per segment, the error that refused it (the segment is not seeded), or None.
-        """
-        target = self._seed_target
-        tally = target.tally
-        refused: list[OomkitError | None] = []
-        tally.deferred = True
-        try:
-            for address, total_size, stream, is_small, blocks, expandable in segments:
-                try:
-                    seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
-                except OomkitError as exc:
-                    refused.append(exc)
-                else:
-                    refused.append(None)
-        finally:
-            tally.deferred = False
-            tally.apply(self._stats)
-        return refused
+        expandable)``; per segment, the error that refused it, or None (see
+        :func:`oomkit.core.allocator.state.seed_segments`)."""
+        return seed_segments(self._seed_target, segments)

@@ -35,13 +35,13 @@ from oomkit.core.allocator.stats import (
     AllocatorStats,
     StatTally,
 )
-from oomkit.errors import AllocatorUsageError
+from oomkit.errors import AllocatorUsageError, OomkitError
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.private_pools import PrivatePool
 
 __all__ = [
-    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "snapshot"]
+    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "seed_segments", "snapshot"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
@@ -245,6 +245,31 @@ def seed_segment(
     """
     _check_seed(address, total_size, stream, blocks)
     _seed_checked(target, address, total_size, stream, bool(is_small), blocks, bool(expandable))
+
+
+def seed_segments(target: SeedTarget, segments: Iterable[Any]) -> list[OomkitError | None]:
+    """:func:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
+    expandable)``, their stat increases applied together at the end (``StatTally``: the same
+    stats as one call each; issue 41).
+
+    Returns:
+        Per segment, the error that refused it (the segment is not seeded), or None.
+    """
+    tally = target.tally
+    refused: list[OomkitError | None] = []
+    tally.deferred = True
+    try:
+        for address, total_size, stream, is_small, blocks, expandable in segments:
+            try:
+                seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
+            except OomkitError as exc:
+                refused.append(exc)
+            else:
+                refused.append(None)
+    finally:
+        tally.deferred = False
+        tally.apply(target.stats)
+    return refused
 
 
 def _seed_checked(
