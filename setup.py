@@ -5,9 +5,9 @@ setuptools copies the sources into the wheel's build folder, the allocator's hot
 are compiled with mypyc (``scripts/compile_allocator.py``'s ``compile_core``) into extensions
 beside their ``.py`` files, which Python imports in their place; the wheel is then tagged for
 this interpreter and platform (a build that compiled nothing is tagged ``py3-none-any``: the tag
-is decided after the compile, ``BdistWheelTagged``). ``pip install .`` therefore gives the compiled core (2.1M-2.3M
-events/s on the six largest real traces with verify, against 671k-708k pure, 2026-11-29:
-docs/benchmarks.md "Against a plain re-implementation").
+is decided after the compile, ``BdistWheelTagged``). ``pip install .`` therefore gives the compiled core (2.2M-3.2M
+events/s, median 2.83M, on the six largest real traces with verify from prepared inputs, against
+676k-822k pure, 2026-11-29: docs/benchmarks.md "Against a plain re-implementation").
 
 - ``OOMKIT_PURE_PYTHON=1`` builds a pure-Python wheel (no compiler needed).
 - Without a C compiler (or when mypyc fails) the build says so and falls back to the pure-Python
@@ -77,7 +77,7 @@ class BuildPyCompiled(build_py):
                 ) from exc
             print(
                 f"oomkit: compiling the allocator core failed ({exc}); this build is pure "
-                "Python (same results, about 1.4x slower replays). Install a C compiler and "
+                "Python (same results, about 2.5-4x slower replays). Install a C compiler and "
                 "mypy to compile it, or set OOMKIT_PURE_PYTHON=1 to skip this step.",
                 file=sys.stderr,
             )

@@ -70,9 +70,10 @@ from oomkit.core.trace.events import TraceEvent
 
 __all__ = ["TraceEvent"]
 """
-# Public methods that keep their int arguments: they are documented to take checked ints (the
-# replay loop's requests), so a compiled caller passes native integers.
-_TYPED_METHODS = ("serve",)
+# Public methods that keep their argument types: they are documented to take checked ints (the
+# replay loop's requests) or the allocator's own blocks, so a compiled caller passes native
+# integers and native objects.
+_TYPED_METHODS = ("serve", "serve_block", "free_served", "complete_served")
 _MYPY_CONFIG = """[mypy]
 python_version = {version}
 [mypy-sortedcontainers.*]

@@ -50,6 +50,13 @@ def test_malloc_is_a_python_function_only_in_the_pure_build():
     assert isinstance(malloc, FunctionType) is not _expect_compiled()
 
 
+def test_pools_know_which_build_runs_them():
+    """pools.NATIVE picks the best-fit search: the native loop compiled, bisect interpreted."""
+    from oomkit.core.allocator import pools
+
+    assert pools.NATIVE is _expect_compiled()
+
+
 def test_allocator_core_names_the_build_without_importing_it():
     """oomkit._build.allocator_core (``oomkit --version``) asks the import system's path finder,
     so it names the build the allocator's import loaded."""

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from oomkit.core.allocator.block import Block, Segment
-from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.allocator.pools import BlockPool, first_at_least
 
 MiB = 2**20
 
@@ -97,3 +102,23 @@ def test_merge_free_neighbours_joins_unmapped_ranges():
     assert pool.merge_free_neighbours(mid) == 1
     assert (mid.ptr, mid.size) == (0x100000, 40 * MiB)
     assert list(pool.unmapped_blocks()) == []
+
+
+@given(
+    st.lists(st.integers(min_value=1, max_value=2**47), max_size=40, unique=True),
+    st.integers(min_value=0, max_value=2**47 + 1),
+)
+def test_first_at_least_is_bisect_left(sizes: list[int], size: int) -> None:
+    """first_at_least (a native binary search when compiled) answers as bisect_left does."""
+    sizes.sort()
+    assert first_at_least(sizes, size) == bisect_left(sizes, size)
+    for i, present in enumerate(sizes):
+        assert first_at_least(sizes, present) == i
+
+
+def test_first_at_least_at_the_ends():
+    """Before the first size, past the last, and in an empty list."""
+    assert first_at_least([], 512) == 0
+    assert first_at_least([1024, 4096], 512) == 0
+    assert first_at_least([1024, 4096], 2048) == 1
+    assert first_at_least([1024, 4096], 8192) == 2

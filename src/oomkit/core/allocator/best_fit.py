@@ -7,10 +7,8 @@ step 3.3) and the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks
+from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, first_at_least
 from oomkit.core.allocator.settings import AllocatorSettings
 
 __all__ = ["checked_free_block", "find_free_block"]
@@ -92,14 +90,12 @@ def find_free_block(
     if settings.gc_enabled:
         # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
         pool.gc_clock += 1
-    sf = pool.streams.get(stream)
-    if sf is None:
-        return None
+    sf = pool.last_free if stream == pool.last_stream else pool.stream_free(stream)
     sizes = sf.sizes
-    i = bisect_left(sizes, size)
+    i = first_at_least(sizes, size)
     if i == len(sizes):
         return None
-    block = sf.buckets[i][0]
+    block = sf.heads[i]
     if block.segment.expandable or settings.split_limited:
         return checked_free_block(settings, pool, sf, block, size, expandable_active, i)
     # A classic block without max_split_size: no rule of Step 3.3-3.5 applies, the best fit is

@@ -77,6 +77,7 @@ class Block:
         "gc_count_base",
         "mapped",
         "tie",
+        "same",
         "key",
     )
 
@@ -97,6 +98,8 @@ class Block:
         # Its place among the free blocks of its stream and size while it is in a pool's set
         # (pools.py), else -1.
         self.tie = -1
+        # The next free block of its stream and size in set order, while in a pool's set.
+        self.same: Block | None = None
         # Its entry in a pool's unmapped set, or None when not there.
         self.key: tuple[Any, ...] | None = None
 

@@ -40,6 +40,7 @@ from oomkit.core.allocator.state import (
     SeedTarget,
     all_blocks,
     seed_segment,
+    seed_segments,
     snapshot,
     unlink_all,
 )
@@ -170,13 +171,16 @@ class CachingAllocator(StatsApi):
             )
         if type(stream) is not int:
             raise AllocatorUsageError(f"stream must be an int; got {stream!r}.")
-        return self.serve(nbytes, stream)
+        return self.serve_block(nbytes, stream).ptr
 
     def serve(self, nbytes: int, stream: int) -> int:
-        """:meth:`malloc` of a request already checked: ``nbytes`` a positive int, ``stream`` an
-        int (the replay loop's, whose trace columns hold such requests; issue 41).
+        """:meth:`malloc` of a checked request: :meth:`serve_block`'s address."""
+        return self.serve_block(nbytes, stream).ptr
 
-        A compiled build takes these as native integers (scripts/compile_allocator.py).
+    def serve_block(self, nbytes: int, stream: int) -> Block:
+        """:meth:`malloc` of a request already checked (``nbytes`` a positive int, ``stream`` an
+        int: native integers when compiled), returning the block (read it, never change it):
+        the replay loop hands it back to :meth:`free_served`, no look-up by address (issue 41).
 
         Raises:
             SimulatedOutOfMemoryError: as :meth:`malloc`.
@@ -313,7 +317,7 @@ class CachingAllocator(StatsApi):
             sa.requested_bytes_peak = c + so.requested_bytes
         if settings.split_limited and bsize >= max_split:
             self._stats.up_all(st.OVERSIZE_ALLOCATIONS, 1)
-        return ptr
+        return block
 
     def process_memory_info(self) -> str:
         """The OOM message's per-process sentences (CUDACachingAllocator.cpp malloc); empty without NVML."""
@@ -341,10 +345,21 @@ class CachingAllocator(StatsApi):
             AllocatorUsageError: ``ptr`` is not a live allocation.
         """
         block = self._active.get(ptr)
-        if block is None or not block.allocated:
+        if block is None:
             if ptr == 0 and type(ptr) is int:
                 return
             raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
+        self.free_served(block, bool(deferred))
+
+    def active_block(self, ptr: int) -> Block | None:
+        """The active block at address ``ptr`` (allocated, or freed with its free pending), or
+        None: what a replay holds for an id that was live before it (:meth:`free_served`)."""
+        return self._active.get(ptr)
+
+    def free_served(self, block: Block, deferred: bool = False) -> None:
+        """:meth:`free` of a block :meth:`serve_block` returned (AllocatorUsageError as there)."""
+        if not block.allocated:
+            raise AllocatorUsageError(not_live_message(self._active, block.ptr, "free"))
         block.allocated = False
         size = block.size
         if self._settings.split_limited and size >= self._settings.max_split:
@@ -428,6 +443,10 @@ class CachingAllocator(StatsApi):
             AllocatorUsageError: ``ptr`` has no pending free.
         """
         self._events.complete_free(ptr)
+
+    def complete_served(self, block: Block) -> None:
+        """:meth:`complete_free` of a block :meth:`serve_block` returned (errors as there)."""
+        self._events.complete_block(block, block.ptr)
 
     def synchronize(self) -> None:
         """The device is idle: every event completes (not counted in num_sync_all_streams)."""
@@ -575,25 +594,6 @@ class CachingAllocator(StatsApi):
 
     def seed_segments(self, segments: Iterable[Any]) -> list[OomkitError | None]:
         """:meth:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
-        expandable)``, their stat increases applied together at the end (``StatTally``: the
-        same stats as one call each; issue 41).
-
-        Returns:
-            Per segment, the error that refused it (the segment is not seeded), or None.
-        """
-        target = self._seed_target
-        tally = target.tally
-        refused: list[OomkitError | None] = []
-        tally.deferred = True
-        try:
-            for address, total_size, stream, is_small, blocks, expandable in segments:
-                try:
-                    seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
-                except OomkitError as exc:
-                    refused.append(exc)
-                else:
-                    refused.append(None)
-        finally:
-            tally.deferred = False
-            tally.apply(self._stats)
-        return refused
+        expandable)``; per segment, the error that refused it, or None (see
+        :func:`oomkit.core.allocator.state.seed_segments`)."""
+        return seed_segments(self._seed_target, segments)

@@ -85,7 +85,14 @@ class PendingFrees:
         Raises:
             AllocatorUsageError: ``ptr`` has no pending free.
         """
-        block = self._active.get(ptr)
+        self.complete_block(self._active.get(ptr), ptr)
+
+    def complete_block(self, block: Block | None, ptr: object) -> None:
+        """:meth:`complete_free` of the block found at ``ptr`` (None: none there).
+
+        Raises:
+            AllocatorUsageError: the block has no pending free.
+        """
         if block is None or block.allocated or not block.event_count:
             shown = f"{ptr:#x}" if isinstance(ptr, int) else repr(ptr)
             raise AllocatorUsageError(

@@ -5,15 +5,18 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 ``(stream, size, registration_counter, address)`` in MAIN26 (§3.6). The simulator stores the
 same order in a shape that makes the best-fit lookup cheap in Python:
 
-* per stream, a plain sorted ``list`` of the distinct free sizes (``bisect`` runs in C), and
-* per (stream, size), a bucket, at the size's index in a list beside the sizes (one bisection
-  finds both; no dict): a list of blocks sorted by ``block.tie``, the address, or
+* per stream, a plain sorted ``list`` of the distinct free sizes (searched by
+  :func:`first_at_least`: ``bisect`` in pure Python, a native binary search compiled), and
+* per (stream, size), the blocks of that size as a chain: the first (lowest tie) at the
+  size's index in a list beside the sizes (one search finds both; no dict), each linking to
+  the next by ``block.same``. They are in ``block.tie`` order: the address, or
   ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
   exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
-  while it is not there): no entry objects, and a compiled build compares native integers
-  (issue 41).
+  while it is not there): no entry objects, no list per size (most sizes hold one free block,
+  and a list made and dropped per insert and removal was a tenth of a compiled replay, issue
+  41), and a compiled build compares native integers.
 
-Walking streams in order, sizes in order and buckets in order gives PyTorch's set order;
+Walking streams in order, sizes in order and each chain gives PyTorch's set order;
 :meth:`BlockPool.ordered` does that for the rare paths (GC, release, Step 8).
 
 Unmapped expandable ranges (``BlockPool::unmapped``, ``BlockComparatorAddress``:
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from types import FunctionType
+from typing import TYPE_CHECKING, Final
 
 from oomkit.core.allocator.block import Block
 
@@ -38,48 +42,87 @@ __all__ = ["BlockPool", "StreamFreeBlocks"]
 class StreamFreeBlocks:
     """The free blocks of one stream in one pool."""
 
-    __slots__ = ("sizes", "buckets")
+    __slots__ = ("sizes", "heads")
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
-        # buckets[i]: the blocks of size sizes[i], in tie order.
-        self.buckets: list[list[Block]] = []
+        # heads[i]: the first block of size sizes[i] (its chain goes on by ``block.same``).
+        self.heads: list[Block] = []
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
-        buckets = self.buckets
-        for i in range(bisect_left(self.sizes, size), len(buckets)):
-            yield from buckets[i]
+        heads = self.heads
+        for i in range(first_at_least(self.sizes, size), len(heads)):
+            block: Block | None = heads[i]
+            while block is not None:
+                yield block
+                block = block.same
 
     def ordered(self) -> list[Block]:
         """All blocks in set order."""
-        return [block for bucket in self.buckets for block in bucket]
+        out: list[Block] = []
+        for head in self.heads:
+            block: Block | None = head
+            while block is not None:
+                out.append(block)
+                block = block.same
+        return out
 
 
-def _tie_index(bucket: list[Block], tie: int) -> int:
-    """bisect_left of ``tie`` among the bucket's ties (they are distinct)."""
+def first_at_least(sizes: list[int], size: int) -> int:
+    """``bisect_left(sizes, size)``: the index of the first of the sorted ``sizes`` that is at
+    least ``size`` (where ``size`` is, or goes).
+
+    Every best-fit lookup, insert and removal searches a stream's sizes here (and seeding its
+    held ranges' starts). Compiled (:data:`NATIVE`), the binary search below runs on native
+    integers: a call to ``bisect`` would box the size, call through the module's globals and
+    compare boxed integers (issue 41: a quarter of a compiled verify's instructions).
+    Interpreted, the same loop in bytecode costs four times ``bisect``'s C loop, so the pure
+    build calls that: one search, either way.
+    """
+    if not NATIVE:
+        return bisect_left(sizes, size)
     lo = 0
-    hi = len(bucket)
+    hi = len(sizes)
     while lo < hi:
         mid = (lo + hi) >> 1
-        if bucket[mid].tie < tie:
+        if sizes[mid] < size:
             lo = mid + 1
         else:
             hi = mid
     return lo
 
 
+# Whether this module runs compiled (mypyc makes its functions built-in functions).
+NATIVE: Final = type(first_at_least) is not FunctionType
+
+
 class BlockPool:
     """The small or the large pool: a default one, or one half of a private pool (§3.5)."""
 
-    __slots__ = ("is_small", "streams", "unmapped", "gc_clock", "by_counter", "count", "owner")
+    __slots__ = (
+        "is_small",
+        "streams",
+        "last_stream",
+        "last_free",
+        "unmapped",
+        "gc_clock",
+        "by_counter",
+        "count",
+        "owner",
+    )
 
     def __init__(self, is_small: bool, by_counter: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small
         # BlockPool::owner_PrivatePool: None for the two default pools.
         self.owner = owner
-        # stream -> its free blocks (the `blocks` set, split by its first key).
+        # stream -> its free blocks (the `blocks` set, split by its first key). A stream's
+        # entry stays once made (empty when it has no free block).
         self.streams: dict[int, StreamFreeBlocks] = {}
+        # The stream looked up last and its entry: most traces use one stream, and a dict
+        # look-up per insert, removal and best fit was a twentieth of a compiled replay.
+        self.last_stream = 0
+        self.last_free = self.stream_free(0)
         self.unmapped: list[tuple[int, int, Block]] = []
         # BlockPool::get_free_blocks_call_count, the GC clock (§7).
         self.gc_clock = 0
@@ -89,6 +132,23 @@ class BlockPool:
 
     def __len__(self) -> int:
         return self.count
+
+    def stream_free(self, stream: int) -> StreamFreeBlocks:
+        """The free blocks of ``stream`` in this pool (an empty entry is made if it has none),
+        remembered as ``last_stream`` / ``last_free``."""
+        sf = self.streams.get(stream)
+        if sf is None:
+            sf = self.streams[stream] = StreamFreeBlocks()
+        self.last_stream = stream
+        self.last_free = sf
+        return sf
+
+    def clear(self) -> None:
+        """Forget every free block and unmapped range (the allocator's close)."""
+        self.streams.clear()
+        self.unmapped.clear()
+        self.count = 0
+        self.last_free = self.stream_free(self.last_stream)
 
     def tie(self, block: Block) -> int:
         """The block's position among free blocks of equal stream and size (§3.6)."""
@@ -101,19 +161,29 @@ class BlockPool:
         block.gc_count_base = self.gc_clock
         tie = (block.segment.counter << 64) | block.ptr if self.by_counter else block.ptr
         block.tie = tie
-        sf = self.streams.get(block.stream)
-        if sf is None:
-            sf = self.streams[block.stream] = StreamFreeBlocks()
+        stream = block.stream
+        sf = self.last_free if stream == self.last_stream else self.stream_free(stream)
         size = block.size
         sizes = sf.sizes
-        i = bisect_left(sizes, size)
+        i = first_at_least(sizes, size)
         if i < len(sizes) and sizes[i] == size:
-            bucket = sf.buckets[i]
-            # Most blocks freed into a bucket go to its front (its lowest tie): one comparison.
-            bucket.insert(0 if tie < bucket[0].tie else _tie_index(bucket, tie), block)
+            heads = sf.heads
+            head = heads[i]
+            if tie < head.tie:
+                # Most blocks freed into a chain go to its front (its lowest tie).
+                block.same = head
+                heads[i] = block
+            else:
+                prev = head
+                after = prev.same
+                while after is not None and after.tie < tie:
+                    prev = after
+                    after = prev.same
+                block.same = after
+                prev.same = block
         else:
             sizes.insert(i, size)
-            sf.buckets.insert(i, [block])
+            sf.heads.insert(i, block)
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -122,34 +192,40 @@ class BlockPool:
 
         A neighbour merges when it is free (not allocated, no pending events or stream uses)
         and has the same mapped state; it leaves this pool's sets and ``block`` grows over it.
-        (One loop, not a call per neighbour: free_block runs this on every free, issue 41.)
+        (One loop, not a call per neighbour: free_block runs this on every free, issue 41; a
+        ``while`` over the two sides rather than a ``for`` over a tuple of them, which a compiled
+        build would make and iterate generically on every free.)
         """
         merged = 0
-        for src in (block.prev, block.next):
+        before = True  # src is the block before ``block``, then the one after it
+        src = block.prev
+        while True:
             if (
-                src is None
-                or src.allocated
-                or src.event_count
-                or src.stream_uses
-                or src.mapped != block.mapped
+                src is not None
+                and not src.allocated
+                and not src.event_count
+                and not src.stream_uses
+                and src.mapped == block.mapped
             ):
-                continue
-            if src.mapped:
-                self.remove(src)
-            else:
-                self.remove_unmapped(src)
-            if src is block.prev:
-                block.ptr = src.ptr
-                before = block.prev = src.prev
-                if before is not None:
-                    before.next = block
-            else:
-                after = block.next = src.next
-                if after is not None:
-                    after.prev = block
-            block.size += src.size
-            merged += 1
-        return merged
+                if src.mapped:
+                    self.remove(src)
+                else:
+                    self.remove_unmapped(src)
+                if before:
+                    block.ptr = src.ptr
+                    prev = block.prev = src.prev
+                    if prev is not None:
+                        prev.next = block
+                else:
+                    after = block.next = src.next
+                    if after is not None:
+                        after.prev = block
+                block.size += src.size
+                merged += 1
+            if not before:
+                return merged
+            before = False
+            src = block.next
 
     def remove(self, block: Block, index: int = -1) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with).
@@ -157,20 +233,30 @@ class BlockPool:
         ``index``: the block's size index in its stream's ``sizes`` when the caller has just
         found it there (the best fit), else -1.
         """
-        tie = block.tie
-        assert tie >= 0, "removing a block that is not in the free set"
-        sf = self.streams[block.stream]
+        assert block.tie >= 0, "removing a block that is not in the free set"
+        stream = block.stream
+        sf = self.last_free if stream == self.last_stream else self.stream_free(stream)
         sizes = sf.sizes
-        i = index if index >= 0 else bisect_left(sizes, block.size)
-        bucket = sf.buckets[i]
-        if len(bucket) == 1:
-            del sizes[i]
-            del sf.buckets[i]
-            if not sizes:
-                del self.streams[block.stream]
+        i = index if index >= 0 else first_at_least(sizes, block.size)
+        heads = sf.heads
+        head = heads[i]
+        if head is block:
+            # The best fit is a chain's first block.
+            after = block.same
+            if after is None:
+                del sizes[i]
+                del heads[i]
+            else:
+                heads[i] = after
         else:
-            # The best fit is a bucket's first block.
-            del bucket[0 if bucket[0] is block else _tie_index(bucket, tie)]
+            prev = head
+            after = prev.same
+            while after is not block:
+                assert after is not None, "removing a block that is not in the free set"
+                prev = after
+                after = prev.same
+            prev.same = block.same
+        block.same = None
         block.tie = -1
         self.count -= 1
 

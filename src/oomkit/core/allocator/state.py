@@ -7,7 +7,6 @@ Functions over the allocator's parts, which :class:`CachingAllocator` calls.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -17,7 +16,7 @@ from oomkit.core.allocator.block import Block, Segment
 from oomkit.core.allocator.constants import SMALL_BUFFER
 from oomkit.core.allocator.device_memory import DeviceMemory
 from oomkit.core.allocator.expandable import ExpandableSegments
-from oomkit.core.allocator.pools import BlockPool
+from oomkit.core.allocator.pools import BlockPool, first_at_least
 from oomkit.core.allocator.settings import AllocatorSettings
 from oomkit.core.allocator.stats import (
     ACTIVE,
@@ -36,13 +35,13 @@ from oomkit.core.allocator.stats import (
     AllocatorStats,
     StatTally,
 )
-from oomkit.errors import AllocatorUsageError
+from oomkit.errors import AllocatorUsageError, OomkitError
 
 if TYPE_CHECKING:
     from oomkit.core.allocator.private_pools import PrivatePool
 
 __all__ = [
-    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "snapshot"]
+    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "seed_segments", "snapshot"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
@@ -141,12 +140,11 @@ def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:
     for pool in pools:
         blocks += pool.ordered()
         blocks += pool.unmapped_blocks()
-        pool.streams.clear()
-        pool.unmapped.clear()
-        pool.count = 0
+        pool.clear()
     for block in blocks:
         block.prev = None
         block.next = None
+        block.same = None
 
 
 # ------------------------------------------------------------------ seeding
@@ -183,14 +181,14 @@ class HeldRanges:
         """The start of a held range that overlaps ``[address, end)``, or None."""
         # Held ranges are disjoint, so sorted by start they are sorted by end too: only the
         # last range that starts before ``end`` can reach past ``address``.
-        i = bisect_left(self.starts, end) - 1
+        i = first_at_least(self.starts, end) - 1
         if i >= 0 and self.ends[i] > address:
             return self.starts[i]
         return None
 
     def add(self, address: int, end: int, stamp: tuple[int, int]) -> None:
         """Record the newly held ``[address, end)``; ``stamp`` is the allocator's after it."""
-        i = bisect_left(self.starts, address)
+        i = first_at_least(self.starts, address)
         self.starts.insert(i, address)
         self.ends.insert(i, end)
         self.stamp = stamp
@@ -249,6 +247,31 @@ def seed_segment(
     _seed_checked(target, address, total_size, stream, bool(is_small), blocks, bool(expandable))
 
 
+def seed_segments(target: SeedTarget, segments: Iterable[Any]) -> list[OomkitError | None]:
+    """:func:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
+    expandable)``, their stat increases applied together at the end (``StatTally``: the same
+    stats as one call each; issue 41).
+
+    Returns:
+        Per segment, the error that refused it (the segment is not seeded), or None.
+    """
+    tally = target.tally
+    refused: list[OomkitError | None] = []
+    tally.deferred = True
+    try:
+        for address, total_size, stream, is_small, blocks, expandable in segments:
+            try:
+                seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
+            except OomkitError as exc:
+                refused.append(exc)
+            else:
+                refused.append(None)
+    finally:
+        tally.deferred = False
+        tally.apply(target.stats)
+    return refused
+
+
 def _seed_checked(
     target: SeedTarget,
     address: int,
@@ -286,7 +309,10 @@ def _seed_checked(
         block.requested_size = requested
         block.allocated = bool(allocated)
         chain.append(block)
-    for left, right in zip(chain, chain[1:], strict=False):
+    # Linked in address order (an index loop: a compiled zip() is a generic call).
+    for j in range(1, len(chain)):
+        left = chain[j - 1]
+        right = chain[j]
         left.next = right
         right.prev = left
     if before is not None:
@@ -325,10 +351,10 @@ def _seed_checked(
                 inactive += 1
                 inactive_bytes += block.size
     if allocations:
-        for i in (ALLOCATION, ACTIVE):
-            stats.up(kind, i, allocations)
-        for i in (ALLOCATED_BYTES, ACTIVE_BYTES):
-            stats.up(kind, i, allocated_bytes)
+        stats.up(kind, ALLOCATION, allocations)
+        stats.up(kind, ACTIVE, allocations)
+        stats.up(kind, ALLOCATED_BYTES, allocated_bytes)
+        stats.up(kind, ACTIVE_BYTES, allocated_bytes)
         stats.up(kind, REQUESTED_BYTES, requested_bytes)
     if oversize:
         stats.up_all(OVERSIZE_ALLOCATIONS, oversize)

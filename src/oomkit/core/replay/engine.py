@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator.block import Block
 from oomkit.core.replay.columns import (
     ALLOC,
     CHECKED_ALLOC,
@@ -27,7 +28,7 @@ from oomkit.core.replay.columns import (
 from oomkit.core.replay.hooks import ReplayHooks, overridden
 from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import OomkitError
+from oomkit.errors import AllocatorUsageError, OomkitError
 
 __all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks", "gc_paused"]
 
@@ -72,10 +73,14 @@ class ReplayEngine:
       of events (it looks one event ahead).
 
     The loop reads the trace as integer columns (``columns.py``): an id is a slot, and a slot's
-    simulated pointer is ``live_ptrs[slot]`` while it is live and ``pending_ptrs[slot]`` while
-    its free waits for ``free_completed`` (-1: none). :meth:`hold` states what was live or
-    pending before the run (a replay's seeded state); ``live`` and ``pending`` read them back
-    by trace id.
+    block is ``live_blocks[slot]`` while it is live and ``pending_blocks[slot]`` while its free
+    waits for ``free_completed`` (None: none). The loop keeps the allocator's block objects
+    (``serve_block``) and hands them back (``free_served``, ``complete_served``), so a free
+    looks nothing up by address (issue 41). A 0-byte alloc has no block (malloc returns
+    address 0, DeviceCachingAllocator::malloc's nullptr): its slot is in ``null_live`` /
+    ``null_pending`` instead, and its frees are the allocator's ``free(0)`` /
+    ``complete_free(0)``. :meth:`hold` states what was live or pending before the run (a
+    replay's seeded state); ``live`` and ``pending`` read them back by trace id.
 
     Two per-event duties are done in the loop itself rather than through a hook call (a replay
     runs them millions of times): with ``check_addresses`` an alloc served elsewhere than its
@@ -101,12 +106,16 @@ class ReplayEngine:
         self.check_addresses = check_addresses
         self.log_index = log_index
         self.current = 0
-        # Trace id -> simulated pointer, live or pending before the run (hold()).
-        self._held_live: dict[Any, int] = {}
-        self._held_pending: dict[Any, int] = {}
+        # Trace id -> its block, live or pending before the run (hold()).
+        self._held_live: dict[Any, Block] = {}
+        self._held_pending: dict[Any, Block] = {}
         self._slot_of: dict[Any, int] = {}  # trace id -> slot, of the trace run
-        self.live_ptrs: list[int] = []  # slot -> pointer while live, else -1
-        self.pending_ptrs: list[int] = []  # slot -> pointer while its free is pending, else -1
+        self.live_blocks: list[Block | None] = []  # slot -> its block while live, else None
+        # slot -> its block while its free is pending, else None
+        self.pending_blocks: list[Block | None] = []
+        # Slots live / pending with a 0-byte alloc (address 0, no block).
+        self.null_live: set[int] = set()
+        self.null_pending: set[int] = set()
         self.replayed = 0  # events fed, the one that stopped the replay included
         self.oom_index: int | None = None
         self.oom_error: SimulatedOutOfMemoryError | None = None
@@ -133,24 +142,39 @@ class ReplayEngine:
 
     def hold(self, trace_id: int, ptr: int, *, pending: bool = False) -> None:
         """Before :meth:`run`: ``trace_id`` is live at ``ptr`` (``pending``: freed, waiting for
-        its ``free_completed``), as a replay's seeded state is."""
-        (self._held_pending if pending else self._held_live)[trace_id] = ptr
+        its ``free_completed``), as a replay's seeded state is.
+
+        Raises:
+            AllocatorUsageError: the allocator has no active block at ``ptr``.
+        """
+        block = self.allocator.active_block(ptr)
+        if block is None:
+            raise AllocatorUsageError(
+                f"hold: the allocator has no block at {ptr:#x} for id {trace_id!r}; hold only "
+                "addresses it handed out (or seeded) and has not freed."
+            )
+        (self._held_pending if pending else self._held_live)[trace_id] = block
 
     @property
     def live(self) -> dict[Any, int]:
         """Trace id -> simulated pointer of every live id (a new dict)."""
-        return self._by_id(self._held_live, self.live_ptrs)
+        return self._by_id(self._held_live, self.live_blocks, self.null_live)
 
     @property
     def pending(self) -> dict[Any, int]:
         """Trace id -> simulated pointer of every id whose free waits for its completion."""
-        return self._by_id(self._held_pending, self.pending_ptrs)
+        return self._by_id(self._held_pending, self.pending_blocks, self.null_pending)
 
-    def _by_id(self, held: dict[Any, int], ptrs: list[int]) -> dict[Any, int]:
-        out = dict(held)
+    def _by_id(
+        self, held: dict[Any, Block], blocks: list[Block | None], null: set[int]
+    ) -> dict[Any, int]:
+        out = {key: block.ptr for key, block in held.items()}
         for key, slot in self._slot_of.items():
-            if ptrs[slot] >= 0:
-                out[key] = ptrs[slot]
+            block = blocks[slot]
+            if block is not None:
+                out[key] = block.ptr
+            elif slot in null:
+                out[key] = 0
         return out
 
     def _feed_all(self, events: Sequence[TraceEvent], columns: TraceColumns) -> None:
@@ -181,12 +205,12 @@ class ReplayEngine:
         trace never names cannot be freed by it: it stays held)."""
         self._slot_of = slot_of
         self._grow(len(slot_of))
-        for held, ptrs in (
-            (self._held_live, self.live_ptrs),
-            (self._held_pending, self.pending_ptrs),
+        for held, blocks in (
+            (self._held_live, self.live_blocks),
+            (self._held_pending, self.pending_blocks),
         ):
             for key in [key for key in held if key in slot_of]:
-                ptrs[slot_of[key]] = held.pop(key)
+                blocks[slot_of[key]] = held.pop(key)
 
     def _feed(self, events: Sequence[TraceEvent], columns: TraceColumns, base: int) -> bool:
         """:meth:`run`'s loop over ``events`` (trace indices from ``base``); False when an
@@ -201,8 +225,13 @@ class ReplayEngine:
         segment_log = allocator.segment_log
         logged = len(segment_log)
         self._grow(len(columns.slot_of))
-        live = self.live_ptrs
-        pending = self.pending_ptrs
+        live = self.live_blocks
+        pending = self.pending_blocks
+        null_live = self.null_live
+        null_pending = self.null_pending
+        # Whether a 0-byte alloc may be live or pending (a native flag, not a set's truth
+        # value, on every alloc and completion); once set it stays set for this call.
+        nulls = len(null_live) + len(null_pending) > 0
         deferred = self.deferred_frees
         actions = columns.actions
         slots = columns.slots
@@ -224,62 +253,78 @@ class ReplayEngine:
                 elif action == ALLOC or action == CHECKED_ALLOC:
                     self.current = index
                     slot = slots[i]
-                    if live[slot] >= 0 or pending[slot] >= 0:
+                    if (
+                        live[slot] is not None
+                        or pending[slot] is not None
+                        or (nulls and (slot in null_live or slot in null_pending))
+                    ):
                         hooks.duplicate_alloc(index, events[i])
                     if action == ALLOC:
-                        ptr = allocator.serve(sizes[k], streams[k])
+                        served = allocator.serve_block(sizes[k], streams[k])
+                        ptr = served.ptr
                         misplaced = ptr != addresses[k]
+                        live[slot] = served
+                        if nulls:
+                            null_live.discard(slot)
                     else:
                         # Its own values (Any: not read as ints), for malloc's checks to judge.
                         unchecked: Any = events[i]
                         ptr = allocator.malloc(unchecked.size, unchecked.stream)
                         misplaced = ptr != unchecked.address
+                        self._served_checked(slot, ptr)
+                        nulls = nulls or ptr == 0
                     k += 1
-                    live[slot] = ptr
                     if check and misplaced:
                         hooks.misplaced(index, events[i], ptr)
                     if after_alloc is not None:
                         after_alloc(index, events[i], ptr)
                 elif action == FREE_REQUESTED:
                     slot = slots[i]
-                    ptr = live[slot]
-                    if ptr < 0:
-                        hooks.unknown_id(index, events[i])
+                    block = live[slot]
+                    if block is None:
+                        if nulls and slot in null_live:
+                            completed = self._null_free_requested(
+                                i, index, slot, actions, slots, completes_later
+                            )
+                        else:
+                            hooks.unknown_id(index, events[i])
                     else:
-                        live[slot] = -1
+                        live[slot] = None
                         if not deferred:
-                            pending[slot] = ptr
+                            pending[slot] = block
                         elif i + 1 < n and actions[i + 1] == FREE_COMPLETED and slots[i + 1] == slot:
                             # Its own completion comes next: one free, unless that completion is
                             # left to the next request's Step 9 (then deferred, completed there).
                             # (A free never logs a segment event: memory is only released by
                             # malloc's Step 9 and empty_cache, so no log_index check here.)
                             if completes_later is None:
-                                allocator.free(ptr)
+                                allocator.free_served(block)
                             else:
-                                allocator.free(ptr, deferred=completes_later(index + 1))
+                                allocator.free_served(block, bool(completes_later(index + 1)))
                             completed = True
                         else:
-                            allocator.free(ptr, deferred=True)
-                            pending[slot] = ptr
+                            allocator.free_served(block, True)
+                            pending[slot] = block
                 elif action == FREE_COMPLETED:
                     slot = slots[i]
-                    ptr = pending[slot]
-                    pending[slot] = -1
-                    if deferred:
-                        if ptr < 0:
+                    block = pending[slot]
+                    pending[slot] = None
+                    if block is None and nulls:
+                        self._null_free_completed(index, events[i], slot, completes_later)
+                    elif deferred:
+                        if block is None:
                             hooks.unknown_id(index, events[i])
                         elif completes_later is None or not completes_later(index):
                             # §15.8: a deferred free completes here, not at its free_requested.
-                            allocator.complete_free(ptr)
+                            allocator.complete_served(block)
                     else:
-                        if ptr < 0:
-                            ptr = live[slot]
-                            live[slot] = -1
-                        if ptr < 0:
+                        if block is None:
+                            block = live[slot]
+                            live[slot] = None
+                        if block is None:
                             hooks.unknown_id(index, events[i])
                         else:
-                            allocator.free(ptr)
+                            allocator.free_served(block)
                 else:
                     self.current = index
                     event = events[i]
@@ -316,10 +361,80 @@ class ReplayEngine:
 
     def _grow(self, slots: int) -> None:
         """Room in the slot lists for ``slots`` ids."""
-        grow = slots - len(self.live_ptrs)
+        grow = slots - len(self.live_blocks)
         if grow > 0:
-            self.live_ptrs.extend([-1] * grow)
-            self.pending_ptrs.extend([-1] * grow)
+            none: list[Block | None] = [None] * grow
+            self.live_blocks.extend(none)
+            self.pending_blocks.extend(none)
+
+    # A 0-byte alloc (CHECKED_ALLOC, rare): address 0, no block. These keep the rules of the
+    # loop above for a slot whose pointer is 0, with the allocator's public free(0) (a no-op,
+    # like freeing nullptr) and complete_free(0) (there is nothing pending at 0: it raises).
+
+    def _served_checked(self, slot: int, ptr: int) -> None:
+        """A checked alloc of ``slot`` was served at ``ptr`` (0 for 0 bytes)."""
+        if ptr == 0:
+            self.null_live.add(slot)
+            self.live_blocks[slot] = None
+        else:
+            self.null_live.discard(slot)
+            self.live_blocks[slot] = self.allocator.active_block(ptr)
+
+    def _null_free_requested(
+        self,
+        i: int,
+        index: int,
+        slot: int,
+        actions: list[int],
+        slots: list[int],
+        completes_later: Callable[[int], bool] | None,
+    ) -> bool:
+        """The free_requested of a 0-byte alloc's slot; True when its own completion comes next
+        and was done with it (deferred frees)."""
+        self.null_live.discard(slot)
+        allocator = self.allocator
+        if not self.deferred_frees:
+            self.null_pending.add(slot)
+            return False
+        if i + 1 < len(actions) and actions[i + 1] == FREE_COMPLETED and slots[i + 1] == slot:
+            if completes_later is None:
+                allocator.free(0)
+            else:
+                allocator.free(0, deferred=bool(completes_later(index + 1)))
+            return True
+        allocator.free(0, deferred=True)
+        self.null_pending.add(slot)
+        return False
+
+    def _null_free_completed(
+        self,
+        index: int,
+        event: TraceEvent,
+        slot: int,
+        completes_later: Callable[[int], bool] | None,
+    ) -> None:
+        """A free_completed whose slot has no pending block (while 0-byte allocs are live or
+        pending): the loop's rules for a pending pointer of 0 or none."""
+        allocator = self.allocator
+        if slot in self.null_pending:
+            self.null_pending.discard(slot)
+            if not self.deferred_frees:
+                allocator.free(0)
+            elif completes_later is None or not completes_later(index):
+                allocator.complete_free(0)
+            return
+        if self.deferred_frees:
+            self.hooks.unknown_id(index, event)
+            return
+        block = self.live_blocks[slot]
+        self.live_blocks[slot] = None
+        if block is not None:
+            allocator.free_served(block)
+        elif slot in self.null_live:
+            self.null_live.discard(slot)
+            allocator.free(0)
+        else:
+            self.hooks.unknown_id(index, event)
 
     def _stopped(self, index: int, logged: int) -> None:
         """Event ``index`` stopped the replay: the record of how far it went."""
