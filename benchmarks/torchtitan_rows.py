@@ -38,7 +38,9 @@ GPU passed that collective: the prediction is then a range, from the GPU keeping
 verdict's figure) to the GPU a full launch queue behind; each row records it
 (``gpu_timing``). ``--lags N ...`` also replays the recording with the GPU N allocations behind
 (``core/trace/delayed_frees.py``) and records each peak, to say how far behind the GPU must run
-for the measured peak.
+for the measured peak. ``--pipeline-outputs merged`` steps a pipeline row's schedule as 9dec370
+did (``TorchtitanJob.pipeline_outputs``: the last stage keeps every micro-batch's output and
+merges them at the step's end).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
 prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
 reserved of the same replay on unlimited memory), the error in % and the wall time, or the
@@ -58,6 +60,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 _TORCH_VERSION: str | None = None  # --torch-version (None: the installed torch)
 _LAGS: tuple[int, ...] = ()  # --lags
+_PIPELINE_OUTPUTS = "dropped"  # --pipeline-outputs
 sys.path.insert(0, str(HERE))  # torchtitan_long_configs, a registry module of one's own
 GIB = 2**30
 
@@ -205,6 +208,8 @@ def _predict_row(row: dict, loss: str, rank: int = 0) -> dict:
         *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
         rank=rank,
+        # a pipeline row's step as torchtitan 0.3.0 ("dropped") or 2024 ("merged") stepped it
+        pipeline_outputs=_PIPELINE_OUTPUTS if row["layout"].get("pp", 1) > 1 else "dropped",  # type: ignore[arg-type]
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     recording, run = record_torchtitan_job(job, target=target)
@@ -306,11 +311,15 @@ def main() -> int:
     parser.add_argument("--lags", nargs="*", type=int, default=[], metavar="N",
                         help="also replay with the GPU N allocations behind the CPU (where the "
                              "torch calls record_stream on collectives' tensors)")
+    parser.add_argument("--pipeline-outputs", choices=("dropped", "merged"), default="dropped",
+                        help="pipeline rows: 'merged' steps the schedule as torchtitan 9dec370 "
+                             "did (the last stage keeps and merges its outputs)")
     args = parser.parse_args()
     if any(lag < 0 for lag in args.lags):
         parser.error("--lags takes allocation counts of 0 or more")
-    global _TORCH_VERSION, _LAGS
+    global _TORCH_VERSION, _LAGS, _PIPELINE_OUTPUTS
     _TORCH_VERSION, _LAGS = args.torch_version, tuple(args.lags)
+    _PIPELINE_OUTPUTS = args.pipeline_outputs
     if args.float8_precompute and not args.float8_all_gather:
         parser.error("--float8-precompute precomputes float8 all-gather's scales: add "
                      "--float8-all-gather")
@@ -385,6 +394,7 @@ def main() -> int:
         "float8_precompute": args.float8_precompute,
         "torch_version": args.torch_version,
         "lags": list(args.lags),
+        "pipeline_outputs": args.pipeline_outputs,
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),
