@@ -61,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 _TORCH_VERSION: str | None = None  # --torch-version (None: the installed torch)
 _LAGS: tuple[int, ...] = ()  # --lags
 _PIPELINE_OUTPUTS = "dropped"  # --pipeline-outputs
+_RANKS: tuple[int, ...] = ()  # --ranks (with --stages: only these stages' first ranks)
 sys.path.insert(0, str(HERE))  # torchtitan_long_configs, a registry module of one's own
 GIB = 2**30
 
@@ -173,6 +174,8 @@ def _predict_stages(row: dict, loss: str) -> dict:
     stage's peak under ``stages`` (torchtitan's table takes the maximum over all GPUs)."""
     stages = []
     for rank in _stage_ranks(row):
+        if _RANKS and rank not in _RANKS:
+            continue
         got = _predict_row(row, loss, rank=rank)
         stages.append(got)
         timing = got.get("gpu_timing", {})
@@ -314,12 +317,18 @@ def main() -> int:
     parser.add_argument("--pipeline-outputs", choices=("dropped", "merged"), default="dropped",
                         help="pipeline rows: 'merged' steps the schedule as torchtitan 9dec370 "
                              "did (the last stage keeps and merges its outputs)")
+    parser.add_argument("--ranks", nargs="*", type=int, default=[], metavar="R",
+                        help="with --stages: only the stages whose first rank is one of these")
     args = parser.parse_args()
     if any(lag < 0 for lag in args.lags):
         parser.error("--lags takes allocation counts of 0 or more")
     global _TORCH_VERSION, _LAGS, _PIPELINE_OUTPUTS
     _TORCH_VERSION, _LAGS = args.torch_version, tuple(args.lags)
     _PIPELINE_OUTPUTS = args.pipeline_outputs
+    global _RANKS
+    _RANKS = tuple(args.ranks)
+    if _RANKS and not args.stages:
+        parser.error("--ranks picks pipeline stages: add --stages")
     if args.float8_precompute and not args.float8_all_gather:
         parser.error("--float8-precompute precomputes float8 all-gather's scales: add "
                      "--float8-all-gather")
@@ -395,6 +404,7 @@ def main() -> int:
         "torch_version": args.torch_version,
         "lags": list(args.lags),
         "pipeline_outputs": args.pipeline_outputs,
+        "ranks": list(args.ranks),
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),
