@@ -91,3 +91,21 @@ def test_merged_outputs_without_a_pipeline_is_a_config_error():
     """No pipeline, nothing to merge: refused with what to do."""
     with pytest.raises(ConfigError, match="this job has no pipeline"):
         record_torchtitan_job(_job("merged", _BASE + _NO_AC, world=1), target=Target.resolve("h100"))
+
+
+def test_the_scenario_carries_it_to_the_job(capsys):
+    """``--set torchtitan.pipeline_outputs=merged`` is the section's field, handed to the job;
+    a value that is neither exits 2 with the choices."""
+    from oomkit.interfaces.cli import main
+    from oomkit.scenario.torchtitan_run import torchtitan_job_of
+    from oomkit.scenario.torchtitan_section import TorchtitanSection
+
+    merged = TorchtitanSection(job="llama3:debugmodel", world_size=2, pipeline_outputs="merged")
+    assert torchtitan_job_of(merged).pipeline_outputs == "merged"
+    assert torchtitan_job_of(TorchtitanSection(job="llama3:debugmodel")).pipeline_outputs == "dropped"
+    head = ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--set"]
+    assert main([*head, "torchtitan.pipeline_outputs=merged", "--dump-config"]) == 0
+    assert 'pipeline_outputs = "merged"' in capsys.readouterr().out
+    assert main([*head, "torchtitan.pipeline_outputs=kept"]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline_outputs" in err and "Traceback" not in err
