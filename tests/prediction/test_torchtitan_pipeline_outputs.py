@@ -109,3 +109,10 @@ def test_the_scenario_carries_it_to_the_job(capsys):
     assert main([*head, "torchtitan.pipeline_outputs=kept"]) == 2
     err = capsys.readouterr().err
     assert "pipeline_outputs" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("outputs", ["kept", "", "Merged", None])
+def test_any_other_value_is_a_config_error(outputs):
+    """The job itself refuses anything but the two ways, naming them."""
+    with pytest.raises(ConfigError, match="'dropped' or 'merged'"):
+        TorchtitanJob("llama3", "debugmodel", pipeline_outputs=outputs)  # type: ignore[arg-type]

@@ -110,6 +110,8 @@ class TorchtitanJob:
                 f"size); got world size {self.world_size}, rank {self.rank}. Example: "
                 "--world-size 8 --rank 0"
             )
+        if self.pipeline_outputs not in ("dropped", "merged"):
+            raise ConfigError(f"pipeline_outputs is 'dropped' or 'merged'; got {self.pipeline_outputs!r}")
 
 
 @dataclass(frozen=True)
