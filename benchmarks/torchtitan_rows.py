@@ -30,6 +30,17 @@ puts ``pp`` outermost in its mesh (torchtitan/distributed/parallel_dims.py ``bui
 ``pp, dp_replicate, dp_shard, cp, tp``), so stage ``s`` holds ranks ``s * world / pp`` onward,
 and FSDP 8 and TP 8 divide every dimension of the 405B's parameters, so its ranks' shards are
 alike (``--all-ranks`` also records each stage's last rank, for uneven shards).
+``--torch-version X.Y`` predicts for that torch (``Target.resolve(..., torch_version=)``; default:
+the installed one). The rows ran on torch 1963fc83 (2024-12-23, the 2.6 development line), whose
+ProcessGroupNCCL called ``record_stream`` on every collective's tensors (before 2.8:
+``prediction/tracing/stream_timeline.py``), so a block a collective used came back only once the
+GPU passed that collective: the prediction is then a range, from the GPU keeping up (the
+verdict's figure) to the GPU a full launch queue behind; each row records it
+(``gpu_timing``). ``--lags N ...`` also replays the recording with the GPU N allocations behind
+(``core/trace/delayed_frees.py``) and records each peak, to say how far behind the GPU must run
+for the measured peak. ``--pipeline-outputs merged`` steps a pipeline row's schedule as 9dec370
+did (``TorchtitanJob.pipeline_outputs``: the last stage keeps every micro-batch's output and
+merges them at the step's end).
 Prints a table, then writes ``--out`` (JSON): each row's measured and predicted GiB (the
 prediction's ``required_bytes``: its peak reserved when the step fits 96 GiB, else the peak
 reserved of the same replay on unlimited memory), the error in % and the wall time, or the
@@ -47,6 +58,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+_TORCH_VERSION: str | None = None  # --torch-version (None: the installed torch)
+_LAGS: tuple[int, ...] = ()  # --lags
+_PIPELINE_OUTPUTS = "dropped"  # --pipeline-outputs
+_RANKS: tuple[int, ...] = ()  # --ranks (with --stages: only these stages' first ranks)
 sys.path.insert(0, str(HERE))  # torchtitan_long_configs, a registry module of one's own
 GIB = 2**30
 
@@ -120,14 +135,15 @@ def _overrides(row: dict) -> tuple[str, ...]:
 
 
 def _microbatch_size(row: dict) -> int:
-    """2024's micro-batch: torchtitan then split the local batch into as many micro-batches as
-    the pipeline has stages unless told (torchtitan/parallelisms/pipelining_utils.py
-    build_pipeline_schedule: ``n_microbatches = num_total_stages`` when
-    ``experimental.pipeline_parallel_microbatches`` is None; earlier releases used the PP
-    degree, the same for 1F1B). 0.3.0 takes a micro-batch size instead (default 1: 32
-    micro-batches of 1 for these rows, a quarter of 2024's in-flight activations under 1F1B)."""
-    stages = row["layout"]["pp"] * (2 if row["pp_schedule"] == "Interleaved1F1B" else 1)
-    return max(1, row["local_batch_size"] // stages)
+    """2024's micro-batch: torchtitan 9dec370 (the rows' commit) split the local batch into as
+    many micro-batches as the pipeline degree, for every schedule (torchtitan/parallelisms/
+    pipelining_utils.py build_pipeline_schedule: ``n_microbatches = job_config.experimental.
+    pipeline_parallel_degree`` when ``pipeline_parallel_microbatches`` is None): 8 micro-batches
+    of 4 for 1F1B and Interleaved1F1B alike. The number of stages (16 under Interleaved1F1B)
+    became the default on 2025-01-07 (torchtitan 90567fc, "fix num_microbatches input for PP",
+    pytorch/torchtitan#781), after these rows ran. 0.3.0 takes a micro-batch size instead
+    (default 1: 32 micro-batches of 1 for these rows)."""
+    return max(1, row["local_batch_size"] // row["layout"]["pp"])
 
 
 def _job_name(row: dict) -> tuple[str, str]:
@@ -158,10 +174,17 @@ def _predict_stages(row: dict, loss: str) -> dict:
     stage's peak under ``stages`` (torchtitan's table takes the maximum over all GPUs)."""
     stages = []
     for rank in _stage_ranks(row):
+        if _RANKS and rank not in _RANKS:
+            continue
         got = _predict_row(row, loss, rank=rank)
         stages.append(got)
+        timing = got.get("gpu_timing", {})
+        span = timing.get("reserved_range_gib")
         print(f"  rank {rank:4}: {got['predicted_reserved_gib']:6.2f} GiB reserved "
-              f"({got['predicted_allocated_gib']:.2f} allocated) in {got['wall_s']:.0f} s",
+              f"({got['predicted_allocated_gib']:.2f} allocated) in {got['wall_s']:.0f} s"
+              + (f"; GPU timing {span[0]:.2f}-{span[1]:.2f} GiB" if span else "")
+              + (f"; at lags {timing['reserved_allocated_gib_at_lag']}"
+                 if "reserved_allocated_gib_at_lag" in timing else ""),
               flush=True)
     top = max(stages, key=lambda got: got["predicted_reserved_gib"])
     return {
@@ -171,7 +194,8 @@ def _predict_stages(row: dict, loss: str) -> dict:
         "cpu_s": round(sum(got["cpu_s"] for got in stages), 1),
         "stages": [
             {key: got[key] for key in ("rank", "description", "predicted_reserved_gib",
-                                       "predicted_allocated_gib", "fits_96gib", "wall_s")}
+                                       "predicted_allocated_gib", "fits_96gib", "wall_s",
+                                       "gpu_timing") if key in got}
             for got in stages
         ],
     }
@@ -182,11 +206,13 @@ def _predict_row(row: dict, loss: str, rank: int = 0) -> dict:
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job
 
-    target = Target.resolve("96GiB")
+    target = Target.resolve("96GiB", torch_version=_TORCH_VERSION)
     job = TorchtitanJob(
         *_job_name(row), _overrides(row),
         world_size=row["gpus"], loss=loss,  # type: ignore[arg-type]
         rank=rank,
+        # a pipeline row's step as torchtitan 0.3.0 ("dropped") or 2024 ("merged") stepped it
+        pipeline_outputs=_PIPELINE_OUTPUTS if row["layout"].get("pp", 1) > 1 else "dropped",  # type: ignore[arg-type]
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     recording, run = record_torchtitan_job(job, target=target)
@@ -208,7 +234,44 @@ def _predict_row(row: dict, loss: str, rank: int = 0) -> dict:
         # this process's CPU time: the wall time on a shared machine waits for the others
         "cpu_s": round(time.process_time() - cpu_start, 1),
         "warnings": list(recording.warnings),
+        **_gpu_timing(recording, prediction, target),
     }
+
+
+def _gpu_timing(recording, prediction, target) -> dict:
+    """The GPU-timing range of a prediction (``prediction.distributed``) and, for ``--lags``, the
+    peaks with the GPU that many allocations behind the CPU (the collectives' frees moved,
+    ``core/trace/delayed_frees.py``; unlimited memory, as the range's upper end)."""
+    from oomkit.core.trace.delayed_frees import delayed_frees
+    from oomkit.prediction._replay import replay_for_prediction
+
+    memory = prediction.distributed
+    if memory is None or memory.reserved_range_bytes is None:
+        return {}
+    ids = recording.collective_ids or frozenset()
+    timing: dict = {
+        "torch_version": target.torch_version,
+        "collective_allocations": len(ids),
+        "reserved_range_gib": [round(b / GIB, 2) for b in memory.reserved_range_bytes],
+        "allocated_range_gib": [round(b / GIB, 2) for b in memory.allocated_range_bytes],
+    }
+    if _LAGS and ids:
+        starts = tuple(recording.step_starts)
+        at_lag = {}
+        for lag in _LAGS:
+            replayed = replay_for_prediction(
+                delayed_frees(recording.events, starts, ids, lag_allocations=lag),
+                starts,
+                target.allocator_config,
+                capacity_bytes=2**50,  # unlimited, as the range's upper end
+                reserved_outside_bytes=0,
+                torch_version=target.torch_version,
+                max_points=1,
+            )
+            at_lag[str(lag)] = [round(replayed.peak_reserved_bytes / GIB, 2),
+                                round(replayed.peak_allocated_bytes / GIB, 2)]
+        timing["reserved_allocated_gib_at_lag"] = at_lag
+    return {"gpu_timing": timing}
 
 
 def _preset_row(row: dict) -> dict:
@@ -245,7 +308,27 @@ def main() -> int:
     parser.add_argument("--float8-precompute", action="store_true",
                         help="with --float8-all-gather: torchao's scale precompute after each "
                              "optimizer step")
+    parser.add_argument("--torch-version", metavar="X.Y",
+                        help="predict for this torch (the rows ran on 2.6's development line); "
+                             "default: the installed one")
+    parser.add_argument("--lags", nargs="*", type=int, default=[], metavar="N",
+                        help="also replay with the GPU N allocations behind the CPU (where the "
+                             "torch calls record_stream on collectives' tensors)")
+    parser.add_argument("--pipeline-outputs", choices=("dropped", "merged"), default="dropped",
+                        help="pipeline rows: 'merged' steps the schedule as torchtitan 9dec370 "
+                             "did (the last stage keeps and merges its outputs)")
+    parser.add_argument("--ranks", nargs="*", type=int, default=[], metavar="R",
+                        help="with --stages: only the stages whose first rank is one of these")
     args = parser.parse_args()
+    if any(lag < 0 for lag in args.lags):
+        parser.error("--lags takes allocation counts of 0 or more")
+    global _TORCH_VERSION, _LAGS, _PIPELINE_OUTPUTS
+    _TORCH_VERSION, _LAGS = args.torch_version, tuple(args.lags)
+    _PIPELINE_OUTPUTS = args.pipeline_outputs
+    global _RANKS
+    _RANKS = tuple(args.ranks)
+    if _RANKS and not args.stages:
+        parser.error("--ranks picks pipeline stages: add --stages")
     if args.float8_precompute and not args.float8_all_gather:
         parser.error("--float8-precompute precomputes float8 all-gather's scales: add "
                      "--float8-all-gather")
@@ -302,6 +385,9 @@ def main() -> int:
             f"{got['predicted_reserved_gib']:6.2f} GiB ({got['error_pct']:+.1f}%){fits} in "
             f"{got['wall_s']:.0f} s ({got['cpu_s']:.0f} s of CPU)"
         )
+        span = got.get("gpu_timing", {}).get("reserved_range_gib")
+        if span:
+            line += f"  GPU timing {span[0]:.2f}-{span[1]:.2f} GiB"
         if "preset_route" in out:
             pre = out["preset_route"]
             line += f"  preset route {pre['predicted_reserved_gib']:.2f} GiB ({pre['error_pct']:+.1f}%)"
@@ -315,6 +401,10 @@ def main() -> int:
         "stages": args.stages,
         "float8_all_gather": args.float8_all_gather,
         "float8_precompute": args.float8_precompute,
+        "torch_version": args.torch_version,
+        "lags": list(args.lags),
+        "pipeline_outputs": args.pipeline_outputs,
+        "ranks": list(args.ranks),
         "machine": {
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(),

@@ -370,22 +370,27 @@ def _schedule_step(
     target_mbs: list[Any] | None,
     losses: list[Any] | None,
     loss_kwargs: dict[str, Any],
+    merge_outputs: bool = False,
 ) -> None:
     """``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
-    loss_kwargs=..., return_outputs=False)`` as torchtitan 0.3.0 calls it (trainer.py:852-862).
+    loss_kwargs=..., return_outputs=False)`` as torchtitan 0.3.0 calls it (trainer.py:852-862);
+    ``merge_outputs``: ``return_outputs=True``, the result dropped, as torchtitan before 0.3
+    stepped it (9dec370 train.py: ``pp_schedule.step(target=labels, losses=losses)``; its
+    torch's ``step`` always merged the last stage's ``output_chunks``).
 
     torch 2.13's ``step(*args, target=..., **kwargs)`` takes a whole batch and splits it
     (schedules.py ``_split_inputs``); the keywords would reach the model. There the step's own
     body runs on the micro-batches given: each stage's ``has_backward`` set and its runtime
-    state cleared, then ``_step_microbatches`` (schedules.py ``PipelineScheduleSingle.step`` /
-    ``PipelineScheduleMulti.step``, without the split and the merge of outputs not asked for).
+    state cleared, then ``_step_microbatches``, then, where outputs are returned, the last
+    stage's merged (schedules.py ``PipelineScheduleSingle.step`` / ``PipelineScheduleMulti.step``
+    without the split: ``self._merge_outputs(stage.output_chunks)``).
     """
     import inspect
 
     if "arg_mbs" in inspect.signature(schedule.step).parameters:  # a torch that takes them
         schedule.step(
             arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
-            loss_kwargs=loss_kwargs, return_outputs=False,
+            loss_kwargs=loss_kwargs, return_outputs=merge_outputs,
         )
         return
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -394,8 +399,11 @@ def _schedule_step(
     for stage in stages:
         stage.clear_runtime_states()
     schedule._step_microbatches(
-        arg_mbs, kwarg_mbs, target_mbs, losses, False, loss_kwargs=loss_kwargs
+        arg_mbs, kwarg_mbs, target_mbs, losses, merge_outputs, loss_kwargs=loss_kwargs
     )
+    for stage in stages if merge_outputs else ():
+        if stage.is_last:  # the trainer drops what step returns
+            schedule._merge_outputs(stage.output_chunks)
 
 
 def pipeline_step(
@@ -408,6 +416,7 @@ def pipeline_step(
     train_context: Any,
     parallel_dims: Any,
     accumulation: int,
+    merge_outputs: bool = False,
 ) -> Callable[[], None]:
     """``Trainer.train_step`` (trainer.py:871-949) with ``pp_forward_backward_step``
     (trainer.py:833-868) for this rank's stages, synthetic tokens.
@@ -418,7 +427,8 @@ def pipeline_step(
     to its end; the labels are the accumulation step's), then ``post_dataloading_process``
     (trainer.py:722-770: the positions become a keyword of every stage's forward; under CP the
     three are cut to this rank's ``seq / cp`` tokens), and the schedule runs the cut
-    micro-batches (:func:`_schedule_step`).
+    micro-batches (:func:`_schedule_step`; ``merge_outputs``: the last stage's outputs kept and
+    merged, as torchtitan before 0.3 stepped it).
     """
     import torch
 
@@ -488,6 +498,7 @@ def pipeline_step(
                     target_mbs,
                     losses,
                     {"global_valid_tokens": global_tokens},
+                    merge_outputs,
                 )
             # trainer.py:865-868: the micro-step's loss, on the device (kept until the next)
             if has_last:

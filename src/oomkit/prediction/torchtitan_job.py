@@ -65,6 +65,7 @@ __all__ = [
 
 Attention = Literal["sdpa", "configured"]
 Loss = Literal["configured", "cross_entropy"]
+PipelineOutputs = Literal["dropped", "merged"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,12 @@ class TorchtitanJob:
         loss: ``"configured"`` keeps the config's loss (torchtitan 0.3.0's chunked loss for
             Llama); ``"cross_entropy"`` uses its plain ``CrossEntropyLoss`` over the full
             logits, as ``llama3_debugmodel_ce_loss`` does and torchtitan ran before 0.3.
+        pipeline_outputs: ``"dropped"`` steps the pipeline schedule as torchtitan 0.3.0 does
+            (``return_outputs=False``: no stage keeps its outputs); ``"merged"`` as torchtitan
+            before 0.3 did (9dec370 train.py: ``pp_schedule.step(target=labels,
+            losses=losses)``, whose torch always returned the last stage's outputs): the last
+            stage keeps every micro-batch's output until the step ends, then merges them
+            (torch's ``return_outputs=True``; the trainer drops the result). Pipeline jobs only.
     """
 
     module: str
@@ -94,6 +101,7 @@ class TorchtitanJob:
     rank: int = 0
     attention: Attention = "sdpa"
     loss: Loss = "configured"
+    pipeline_outputs: PipelineOutputs = "dropped"
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -102,6 +110,8 @@ class TorchtitanJob:
                 f"size); got world size {self.world_size}, rank {self.rank}. Example: "
                 "--world-size 8 --rank 0"
             )
+        if self.pipeline_outputs not in ("dropped", "merged"):
+            raise ConfigError(f"pipeline_outputs is 'dropped' or 'merged'; got {self.pipeline_outputs!r}")
 
 
 @dataclass(frozen=True)
@@ -353,13 +363,19 @@ def build_torchtitan_step(
         train_context = dist_utils.get_spmd_context(  # trainer.py:605-611
             parallel_dims=parallel_dims, spmd_typechecking=False
         )
+        if pipeline is None and job.pipeline_outputs != "dropped":
+            raise ConfigError(
+                f"pipeline_outputs={job.pipeline_outputs!r} is how a pipeline schedule steps; "
+                "this job has no pipeline: add --parallelism.pipeline_parallel_degree N or drop it"
+            )
         if pipeline is None:
             step = _train_step(
                 config, parts[0], loss_fn, optimizers, train_context, parallel_dims, accumulation
             )
         else:
             step = pipelined.pipeline_step(
-                config, parts, *pipeline, optimizers, train_context, parallel_dims, accumulation
+                config, parts, *pipeline, optimizers, train_context, parallel_dims, accumulation,
+                merge_outputs=job.pipeline_outputs == "merged",
             )
         layout = {
             "dp_replicate": parallel_dims.dp_replicate,

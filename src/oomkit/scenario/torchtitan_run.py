@@ -36,6 +36,7 @@ def torchtitan_job_of(section: TorchtitanSection) -> TorchtitanJob:
         rank=section.rank,
         attention=section.attention,
         loss=section.loss,
+        pipeline_outputs=section.pipeline_outputs,
     )
 
 

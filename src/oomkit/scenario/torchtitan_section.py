@@ -61,6 +61,12 @@ class TorchtitanSection(_Section):
         description="the config's loss, or plain cross-entropy over the full logits",
         json_schema_extra=_flag(None, WORKLOAD, commands=("predict",)),
     )
+    pipeline_outputs: Literal["dropped", "merged"] = Field(
+        "dropped",
+        description="pipeline jobs: dropped (torchtitan 0.3.0's step) or merged (2024's: the "
+        "last stage keeps every micro-batch's output and merges them)",
+        json_schema_extra=_flag(None, WORKLOAD, commands=("predict",)),
+    )
 
     @model_validator(mode="after")
     def _job_and_rank(self) -> TorchtitanSection:

@@ -1,0 +1,120 @@
+"""benchmarks/torchtitan_rows.py: 2024's micro-batches, ``--torch-version`` and ``--lags``.
+
+torchtitan's published 405B PP rows ran on torch 1963fc83 (2024-12-23, 2.6's development line)
+with torchtitan 9dec370. Two things of that run the benchmark states:
+
+- 9dec370 split the local batch into as many micro-batches as the pipeline degree for every
+  schedule (torchtitan/parallelisms/pipelining_utils.py ``build_pipeline_schedule``); the
+  number of stages became the default only on 2025-01-07 (torchtitan 90567fc).
+- torch before 2.8 recorded ProcessGroupNCCL's stream on every collective's tensors, so the
+  peak depends on how far the GPU trails the CPU: predicted for torch 2.6 a row is a range
+  (``gpu_timing``), and ``--lags`` replays it with the GPU a given number of allocations behind.
+
+The timing tests run the benchmark's own functions on llama3's ``debugmodel`` (6 blocks) with
+TP 2 x PP 2 on 4 ranks, 1F1B, full AC, eager: TP's DTensor collectives are the ones whose blocks wait.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
+
+if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
+    pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
+
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_FULL_QUEUE = 1024  # core/trace/delayed_frees.py GPU_LAG_ALLOCATIONS: the range's upper end
+
+_ROW = {
+    "id": "debugmodel-tp2-pp2-1f1b",
+    "model": "debugmodel",
+    "gpus": 4,
+    "layout": {"fsdp": 1, "tp": 2, "pp": 2, "cp": 1},
+    "local_batch_size": 4,
+    "seq_len": 512,
+    "activation_checkpoint": "full",
+    "compile": False,
+    "float8": False,
+    "pp_schedule": "1F1B",
+    "measured_gib": 1.0,
+}
+
+
+@pytest.fixture(scope="module")
+def rows_module():
+    sys.path.insert(0, str(_BENCHMARKS))
+    try:
+        import torchtitan_rows
+    finally:
+        sys.path.remove(str(_BENCHMARKS))
+    return torchtitan_rows
+
+
+@pytest.fixture(scope="module")
+def predicted(rows_module):
+    """The row's rank 0 predicted for torch 2.13 (the installed one's rules) and for 2.6 with
+    the GPU 0 and a full launch queue behind."""
+    saved = rows_module._TORCH_VERSION, rows_module._LAGS
+    try:
+        rows_module._TORCH_VERSION, rows_module._LAGS = "2.13", ()
+        newest = rows_module._predict_row(_ROW, "cross_entropy")
+        rows_module._TORCH_VERSION, rows_module._LAGS = "2.6", (0, 8, _FULL_QUEUE)
+        older = rows_module._predict_row(_ROW, "cross_entropy")
+    finally:
+        rows_module._TORCH_VERSION, rows_module._LAGS = saved
+    return newest, older
+
+
+def _published_row(rows_module, row_id: str) -> dict:
+    import json
+
+    data = json.loads((_BENCHMARKS / "data" / "torchtitan_published.json").read_text())
+    return next(row for row in data["rows"] if row["id"] == row_id)
+
+
+def test_2024_splits_every_schedule_into_pp_degree_micro_batches(rows_module):
+    """The 405B PP rows: 8 micro-batches of 4 under 1F1B and Interleaved1F1B alike (local batch
+    32, PP 8); the CP rows (local batch 8): 8 of 1."""
+    for row_id in ("405b-fsdp8-tp8-pp8-1f1b", "405b-fsdp8-tp8-pp8-interleaved"):
+        row = _published_row(rows_module, row_id)
+        assert rows_module._microbatch_size(row) == 4
+        assert "--parallelism.pipeline_parallel_microbatch_size" in rows_module._overrides(row)
+    cp_row = _published_row(rows_module, "405b-fsdp1-tp8-pp8-cp8-256k")
+    assert rows_module._microbatch_size(cp_row) == 1
+
+
+def test_torch_2_13_has_one_figure(predicted):
+    """torch 2.13's ProcessGroupNCCL uses no record_stream: the range is the verdict's figure
+    and no collective's free waits."""
+    newest, _ = predicted
+    timing = newest["gpu_timing"]
+    assert timing["torch_version"] == "2.13"
+    assert timing["collective_allocations"] == 0
+    assert timing["reserved_range_gib"] == [newest["predicted_reserved_gib"]] * 2
+    assert "reserved_allocated_gib_at_lag" not in timing
+
+
+def test_torch_2_6_gives_the_range_and_each_lag(predicted):
+    """torch 2.6: TP's collectives touched allocations whose frees wait on the GPU; the lower
+    end is the verdict's figure and 2.13's (the same requests in the same order), lag 0 replays
+    it exactly, a full launch queue is the upper end exactly and higher, and holding blocks
+    longer never lowers the peak allocated."""
+    newest, older = predicted
+    timing = older["gpu_timing"]
+    assert timing["torch_version"] == "2.6"
+    assert timing["collective_allocations"] > 0
+    low, high = timing["reserved_range_gib"]
+    assert low == older["predicted_reserved_gib"] == newest["predicted_reserved_gib"]
+    assert timing["allocated_range_gib"][0] == older["predicted_allocated_gib"]
+    at_lag = timing["reserved_allocated_gib_at_lag"]
+    assert list(at_lag) == ["0", "8", str(_FULL_QUEUE)]
+    assert at_lag["0"] == [low, older["predicted_allocated_gib"]]
+    assert at_lag[str(_FULL_QUEUE)] == [high, timing["allocated_range_gib"][1]]
+    assert at_lag["0"][1] <= at_lag["8"][1] <= at_lag[str(_FULL_QUEUE)][1]
+    assert high > low  # TP's blocks held a full launch queue longer: a higher peak
