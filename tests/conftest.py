@@ -18,6 +18,25 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+_MODULE_RUNNING: list[object] = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before each test module's first test, what the earlier modules left alive goes out of
+    the collector's sight too (``gc.collect`` then ``gc.freeze``, as after collection): the
+    freeze above does not last, since every batch search ends with ``gc.unfreeze()``
+    (``plan/frozen_heap.py``), and dynamo's and the tests' caches grow by the module. A module's
+    own objects, its fixtures included, stay in the collector's sight until it ends, and what it
+    leaves as garbage is collected here before the freeze. Measured on tests/prediction/models,
+    tests/runtime and tests/diagnose in one process: 20.5 s of collections, 7.1 s with this
+    (192 s of CPU in all, from 206 s), the same peak memory (861 MB, from 883 MB)."""
+    if item.path != _MODULE_RUNNING[0]:
+        _MODULE_RUNNING[0] = item.path
+        gc.collect()
+        gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _terminal_size_not_inherited(monkeypatch):
     """The CLI sizes its tables from ``$COLUMNS`` when it is set, and a pipe otherwise gets
