@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,20 +41,37 @@ def imported_torch(stderr: str) -> bool:
     return any(name == "torch" or name.startswith("torch.") for name in names)
 
 
-def test_a_hit_is_byte_identical_and_imports_no_torch(tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory):
+    """``predict GPT2 --json`` run cold (recorded and kept, with ``-X importtime``) and uncached
+    (``OOMKIT_NO_CACHE=1``), each once for the module: five tests compare with these two runs
+    (each a torch import and a recording, about 2.5 s of CPU); a test that writes into the
+    cache works on its own copy (``copied_cache``)."""
+    base = tmp_path_factory.mktemp("gpt2-runs")
+    cold = oomkit("predict", *GPT2, "--json", cache=base / "cache", importtime=True)
+    fresh = oomkit("predict", *GPT2, "--json", cache=base / "unused", OOMKIT_NO_CACHE="1")
+    return SimpleNamespace(cache=base / "cache", unused=base / "unused", cold=cold, fresh=fresh)
+
+
+def copied_cache(runs, tmp_path: Path) -> Path:
+    """A copy of the cold run's cache folder (its one kept recording) for one test."""
+    return Path(shutil.copytree(runs.cache, tmp_path / "cache"))
+
+
+def test_a_hit_is_byte_identical_and_imports_no_torch(gpt2_runs, tmp_path):
     """Cold (recorded, kept), warm (replayed) and uncached runs give the same --json bytes and
     exit code; the warm run imports no torch, the cold one does."""
-    cache = tmp_path / "cache"
-    cold = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
+    cold = gpt2_runs.cold
     assert cold.returncode == 0, cold.stderr[-2000:]
     assert imported_torch(cold.stderr)
-    assert len(entries(cache)) == 1
+    assert len(entries(gpt2_runs.cache)) == 1
+    cache = copied_cache(gpt2_runs, tmp_path)
     warm = oomkit("predict", *GPT2, "--json", cache=cache, importtime=True)
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert not imported_torch(warm.stderr)
-    fresh = oomkit("predict", *GPT2, "--json", cache=tmp_path / "unused", OOMKIT_NO_CACHE="1")
+    fresh = gpt2_runs.fresh
     assert warm.stdout == cold.stdout == fresh.stdout
-    assert not (tmp_path / "unused").exists()  # OOMKIT_NO_CACHE neither reads nor writes
+    assert not gpt2_runs.unused.exists()  # OOMKIT_NO_CACHE neither reads nor writes
     # The scenario's own switch: recorded (torch imported), nothing kept, the same prediction;
     # its JSON's scenario says run.cache=false, as the request did.
     off = oomkit("predict", *GPT2, "--json", "--set", "run.cache=false",
@@ -92,11 +111,11 @@ def test_the_terminal_report_of_a_hit_is_the_misss(tmp_path):
     assert "replaying the cached recording of GPT-2 124M" in warm.stderr
 
 
-def test_a_changed_field_is_a_miss(tmp_path):
+def test_a_changed_field_is_a_miss(gpt2_runs, tmp_path):
     """Another batch is another key: recorded (a second entry), and its result is the one a
     uncached prediction of that batch gives, not the kept batch's."""
-    cache = tmp_path / "cache"
-    first = oomkit("predict", *GPT2, "--json", cache=cache)
+    cache = copied_cache(gpt2_runs, tmp_path)
+    first = gpt2_runs.cold
     other = [*GPT2[:2], "2", *GPT2[3:]]
     second = oomkit("predict", *other, "--json", cache=cache)
     fresh = oomkit("predict", *other, "--json", cache=cache, OOMKIT_NO_CACHE="1")
@@ -105,10 +124,10 @@ def test_a_changed_field_is_a_miss(tmp_path):
     assert json.loads(second.stdout)["workload"]["options"]["batch_size"] == 2
 
 
-def test_a_damaged_entry_is_recorded_again(tmp_path):
+def test_a_damaged_entry_is_recorded_again(gpt2_runs, tmp_path):
     """A truncated entry is ignored (the step is recorded, same bytes out) and rewritten."""
-    cache = tmp_path / "cache"
-    cold = oomkit("predict", *GPT2, "--json", cache=cache)
+    cache = copied_cache(gpt2_runs, tmp_path)
+    cold = gpt2_runs.cold
     (path,) = entries(cache)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -132,12 +151,11 @@ def test_a_step_that_does_not_fit_exits_1_from_the_cache_too(tmp_path):
     assert json.loads(warm.stdout)["fits"] is False
 
 
-def test_oomkit_no_cache_writes_nothing(tmp_path):
+def test_oomkit_no_cache_writes_nothing(gpt2_runs):
     """OOMKIT_NO_CACHE=1: recorded, nothing kept."""
-    cache = tmp_path / "cache"
-    done = oomkit("predict", *GPT2, "--json", cache=cache, OOMKIT_NO_CACHE="1")
-    assert done.returncode == 0
-    assert entries(cache) == []
+    done = gpt2_runs.fresh
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert entries(gpt2_runs.unused) == []
 
 
 def test_a_local_hf_config_is_keyed_by_its_bytes(tmp_path):
