@@ -62,3 +62,17 @@ def test_no_merge_conflict_markers_are_left_in_the_tree():
         if line.startswith(markers):
             found.append(f"README.md:{number}")
     assert found == []
+
+
+def test_no_two_test_modules_share_a_name():
+    """The test folders have no ``__init__.py`` (pytest's rootdir-based import), so two test
+    modules with one file name collide when one run collects both ("import file mismatch"),
+    which running either folder alone never shows."""
+    from collections import defaultdict
+
+    tests = Path(__file__).resolve().parent
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for path in tests.rglob("test_*.py"):
+        by_name[path.name].append(path.relative_to(tests).as_posix())
+    assert len(by_name) > 300
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
