@@ -9,9 +9,6 @@ outermost in its mesh, so ranks 0-1 run stage 0 and ranks 2-3 stage 1.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -21,7 +18,6 @@ from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_v
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 _ROW = {
     "id": "debugmodel-fsdp2-pp2-1f1b",
@@ -36,16 +32,6 @@ _ROW = {
     "pp_schedule": "1F1B",
     "measured_gib": 1.0,
 }
-
-
-@pytest.fixture(scope="module")
-def rows_module():
-    sys.path.insert(0, str(_BENCHMARKS))
-    try:
-        import torchtitan_rows
-    finally:
-        sys.path.remove(str(_BENCHMARKS))
-    return torchtitan_rows
 
 
 def test_each_stage_first_rank_from_the_outermost_pp(rows_module):

@@ -16,7 +16,6 @@ TP 2 x PP 2 on 4 ranks, 1F1B, full AC, eager: TP's DTensor collectives are the o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,16 +43,6 @@ _ROW = {
     "pp_schedule": "1F1B",
     "measured_gib": 1.0,
 }
-
-
-@pytest.fixture(scope="module")
-def rows_module():
-    sys.path.insert(0, str(_BENCHMARKS))
-    try:
-        import torchtitan_rows
-    finally:
-        sys.path.remove(str(_BENCHMARKS))
-    return torchtitan_rows
 
 
 @pytest.fixture(scope="module")
