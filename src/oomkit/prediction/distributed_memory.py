@@ -49,6 +49,9 @@ class DistributedMemory:
         allocated_range_bytes: peak allocated, likewise (the upper end counts blocks whose free
             waits on their event as allocated; PyTorch's ``allocated_bytes`` drops at the free).
         timing_note: why the range is what it is, in words.
+        usable_bytes: what the allocator may reserve on the target (the prediction's
+            ``usable_bytes``; ``None``: not known). An upper end above it cannot happen as
+            such: there a real allocator synchronizes and reuses the waiting blocks.
     """
 
     outside_lines: tuple[tuple[str, int, str], ...]
@@ -57,6 +60,7 @@ class DistributedMemory:
     reserved_range_bytes: tuple[int, int] | None
     allocated_range_bytes: tuple[int, int] | None
     timing_note: str | None
+    usable_bytes: int | None = None
 
     def lines(self) -> list[str]:
         """The report's lines: memory outside the allocator, then the timing range."""
@@ -76,6 +80,16 @@ class DistributedMemory:
                     f"peak reserved by the GPU's timing: {format_bytes(low)} (GPU keeps up; the "
                     f"verdict's) to {format_bytes(high)} (CPU a launch queue ahead)"
                 )
+                if self.usable_bytes is not None and high > self.usable_bytes:
+                    # CUDACachingAllocator.cpp malloc: when alloc_block fails, step 9's
+                    # release_cached_blocks first runs synchronize_and_free_events, so blocks
+                    # waiting on a collective's event are reused before any OOM.
+                    out.append(
+                        f"the upper end is above the {format_bytes(self.usable_bytes)} this GPU "
+                        "lets the allocator reserve: there a real allocator synchronizes "
+                        "(malloc's release_cached_blocks, synchronize_and_free_events) and "
+                        "reuses the blocks waiting on collectives, so reserved stays within it"
+                    )
         return out
 
 
@@ -109,6 +123,7 @@ def distributed_memory(
     nccl: NcclMemory | None,
     lower_reserved_bytes: int,
     lower_allocated_bytes: int,
+    usable_bytes: int | None = None,
 ) -> DistributedMemory | None:
     """The record for a prediction of ``recording`` on ``target``; ``None`` for a one-GPU step.
 
@@ -118,6 +133,8 @@ def distributed_memory(
         nccl: what :func:`nccl_of` gave for it.
         lower_reserved_bytes: the replay's peak reserved (the required bytes where it OOMs).
         lower_allocated_bytes: the replay's peak allocated.
+        usable_bytes: what the allocator may reserve on ``target`` (said beside an upper end
+            above it).
     """
     note = getattr(recording, "timing_note", None)
     recorded = tuple(getattr(recording, "outside_allocator", ()))
@@ -165,4 +182,5 @@ def distributed_memory(
         reserved_range_bytes=reserved,
         allocated_range_bytes=allocated,
         timing_note=note,
+        usable_bytes=usable_bytes,
     )

@@ -339,7 +339,7 @@ def predict_recording(
         assumptions=dict(recording.assumptions),
         target=target,
         workload=workload,
-        distributed=distributed_memory(recording, target, nccl, required, peak_allocated),
+        distributed=distributed_memory(recording, target, nccl, required, peak_allocated, usable),
     )
 
 

@@ -14,6 +14,7 @@ from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.tracing.distributed import trace_distributed_step
 from oomkit.prediction.tracing.recording import TraceRecording
 from oomkit.prediction.tracing.stream_timeline import records_nccl_stream
+from oomkit.units import format_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -133,6 +134,29 @@ def test_old_torch_upper_end_to_the_byte(old_torch: tuple[TraceRecording, Predic
         4 * S + 7 * W + X + 2 * SCALAR,
     )
     assert "record_stream" in (distributed.timing_note or "")
+
+
+def test_an_upper_end_above_the_usable_bytes_says_the_allocator_synchronizes(
+    old_torch: tuple[TraceRecording, Prediction],
+) -> None:
+    """The range's record carries the prediction's usable bytes; an upper end above them is
+    said to stop there (malloc's release_cached_blocks synchronizes the waiting blocks'
+    events), one at or below them is not."""
+    _, prediction = old_torch
+    distributed = prediction.distributed
+    assert distributed is not None and distributed.reserved_range_bytes is not None
+    assert distributed.usable_bytes == prediction.usable_bytes
+    low, high = distributed.reserved_range_bytes
+    assert high == low + 2 * W
+
+    def cap_lines(usable: int) -> list[str]:
+        lines = dataclasses.replace(distributed, usable_bytes=usable).lines()
+        return [line for line in lines if "synchronize_and_free_events" in line]
+
+    assert cap_lines(high) == []
+    (said,) = cap_lines(high - 1)
+    assert said.startswith(f"the upper end is above the {format_bytes(high - 1)} this GPU")
+    assert "reserved stays within it" in said
 
 
 def test_nccl_lines_come_off_the_usable_bytes(new_torch: tuple[TraceRecording, Prediction]) -> None:
