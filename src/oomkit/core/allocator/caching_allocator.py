@@ -586,14 +586,14 @@ class CachingAllocator(StatsApi):
         blocks: Sequence[SeedBlock],
         expandable: bool = False,
     ) -> None:
-        """Add a segment that existed before the replayed trace began (docs/explanations/caching-allocator.md).
-
-        See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
-        """
+        """Add a segment that existed before the replayed trace began: see
+        :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError)."""
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
 
-    def seed_segments(self, segments: Iterable[Any]) -> list[OomkitError | None]:
+    def seed_segments(
+        self, segments: Iterable[Any], checks: Sequence[OomkitError | None] | None = None
+    ) -> list[OomkitError | None]:
         """:meth:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
-        expandable)``; per segment, the error that refused it, or None (see
+        expandable)``; per segment, the error that refused it, or None (``checks``: see
         :func:`oomkit.core.allocator.state.seed_segments`)."""
-        return seed_segments(self._seed_target, segments)
+        return seed_segments(self._seed_target, segments, checks)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import AllocatorConfig, round_size
+from oomkit.core.allocator.state import check_seed_segments
 from oomkit.core.replay._compare import SegmentKey, seed_segment_keys
 from oomkit.core.replay._recorded import (
     config_from_settings,
@@ -28,14 +29,53 @@ from oomkit.core.replay.engine import SEGMENT_ACTIONS
 from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import OomkitError
 
 if TYPE_CHECKING:
     from oomkit.core.snapshot import Snapshot
 
-__all__ = ["Prepared", "prepared"]
+__all__ = ["Prepared", "SeedPlan", "prepared", "seed_plan"]
 
 # Trace entries whose positions are noted once: segment decisions and oom entries.
 MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """A start state as every replay seeds it, made and checked once (issue 41: the tuples
+    and checks made per replay were a tenth of a compiled verify's instructions)."""
+
+    # Per start segment: (address, total_size, stream, is_small, blocks, expandable), as
+    # CachingAllocator.seed_segments reads it; check_seed_segments(rows), in the same order.
+    rows: tuple[tuple[int, int, int, bool, tuple[tuple[int, int, int, bool], ...], bool], ...]
+    checks: tuple[OomkitError | None, ...]
+    # Per start segment: (address, pending) of its live blocks in address order (pending:
+    # freed, its completion deferred).
+    held: tuple[tuple[tuple[int, bool], ...], ...]
+
+
+def seed_plan(start: StartState) -> SeedPlan:
+    """``start``'s :class:`SeedPlan`."""
+    rows = tuple(
+        (
+            seg.address,
+            seg.total_size,
+            seg.stream,
+            seg.is_small,
+            tuple((b.address, b.size, b.requested_size, b.state != "inactive") for b in seg.blocks),
+            seg.expandable,
+        )
+        for seg in start.segments
+    )
+    held = tuple(
+        tuple(
+            (b.address, b.state == "active_pending_free")
+            for b in seg.blocks
+            if b.state in ("active_allocated", "active_pending_free")
+        )
+        for seg in start.segments
+    )
+    return SeedPlan(rows=rows, checks=tuple(check_seed_segments(rows)), held=held)
 
 
 @dataclass(frozen=True)
@@ -56,6 +96,7 @@ class Prepared:
     allocs: int  # alloc entries in ``events``
     columns: TraceColumns  # ``events`` as the replay loop reads them
     final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
+    seed: SeedPlan  # seed_plan(start)
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -139,4 +180,5 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
             events, actions=walk.actions, allocs=walk.alloc_events, ints=bool(keys)
         ),
         final_keys=seed_segment_keys(final),
+        seed=seed_plan(start),
     )

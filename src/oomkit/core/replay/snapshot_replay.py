@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
 from oomkit.core.replay._compare import SegmentKey
-from oomkit.core.replay._prepared import MARKED, prepared
+from oomkit.core.replay._prepared import MARKED, SeedPlan, prepared
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
@@ -149,6 +149,7 @@ def _replay_snapshot(
             allocs=inputs.allocs,
             columns=inputs.columns,
             final_keys=inputs.final_keys,
+            seed=inputs.seed,
         )
     else:
         run = Run(
@@ -162,6 +163,7 @@ def _replay_snapshot(
             verify=False,
             allocs=inputs.allocs,
             columns=inputs.columns,
+            seed=inputs.seed,
         )
         run.replay()
     warnings.extend(run.warnings)
@@ -184,6 +186,7 @@ def _verify_run(
     allocs: int | None = None,
     columns: TraceColumns | None = None,
     final_keys: list[SegmentKey] | None = None,
+    seed: SeedPlan | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -215,6 +218,7 @@ def _verify_run(
             allocs=allocs,
             columns=columns,
             final_keys=(final, final_keys) if final_keys is not None else None,
+            seed=seed,
         )
         run.replay()
         return run
