@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "check_seed_segments",
-    "seed_segment", "seed_segments", "snapshot"]
+    "seed_segment", "seed_segments", "snapshot", "snapshot_keys"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
@@ -126,6 +126,32 @@ def snapshot(held: Iterable[Block], device: int) -> list[dict[str, Any]]:
         )
     result.sort(key=_ADDRESS_KEY)
     return result
+
+
+def snapshot_keys(
+    segments: Iterable[dict[str, Any]],
+) -> list[tuple[int, int, int, str, bool, tuple[tuple[int, int, str], ...]]]:
+    """:func:`snapshot`'s segments as sorted, comparable keys: address, total size, stream,
+    segment type, expandable and each block's (address, size, state). A verify compares them
+    with the recording's final segments (compiled with the allocator: every verify runs this
+    over thousands of blocks, issue 41)."""
+    keys = []
+    for seg in segments:
+        blocks = []
+        for b in seg["blocks"]:
+            blocks.append((b["address"], b["size"], b["state"]))
+        keys.append(
+            (
+                seg["address"],
+                seg["total_size"],
+                seg["stream"],
+                seg["segment_type"],
+                seg["is_expandable"],
+                tuple(blocks),
+            )
+        )
+    keys.sort()
+    return keys
 
 
 def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:

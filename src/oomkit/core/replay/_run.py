@@ -138,18 +138,15 @@ class Run(ReplayHooks):
     # -- starting state ---------------------------------------------------------------------
 
     def _seed(self, plan: SeedPlan) -> None:
-        a = self.allocator
-        engine = self.engine
-        refused = a.seed_segments(plan.rows, plan.checks)
+        refused = self.allocator.seed_segments(plan.rows, plan.checks)
+        if not any(refused):
+            self.engine.hold_seeded(plan.held_all)
+            return
         for seg, exc, held in zip(self.start.segments, refused, plan.held, strict=True):
             if exc is not None:
                 self.warnings.append(f"segment at {seg.address:#x} could not be seeded: {exc}")
-                continue
-            for address, pending in held:
-                if pending:
-                    # Seeded allocated, then freed with its completion deferred (§15.8).
-                    a.free(address, deferred=True)
-                engine.hold(address, address, pending=pending)
+            else:
+                self.engine.hold_seeded(held)
 
     # -- the replay: engine hooks -----------------------------------------------------------
 
