@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,11 @@ PEAK_KEYS = [
 
 
 def check_invariants(a: CachingAllocator) -> None:
+    # Block.boxed_ptr (the active blocks' dict key) follows ptr through splits, merges, maps
+    # and unmaps.
+    for block in a._held_blocks():
+        assert block.boxed_ptr == block.ptr, f"{block!r}: boxed_ptr {block.boxed_ptr:#x}"
+    assert all(key == block.ptr for key, block in a._active.items())
     s = a.memory_stats()
     snap = a.snapshot()
     segment_count = {"small": 0, "large": 0}
@@ -202,3 +208,24 @@ def test_random_sequences_keep_invariants(config_index, limit, program):
         for k in PEAK_KEYS:
             assert s[k] >= peaks[k], f"{k} fell"
             peaks[k] = s[k]
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_boxed_ptr_follows_ptr_through_splits_merges_and_unmaps(expandable):
+    """Block.boxed_ptr, the active blocks' key, equals ptr after a split (the remainder moves
+    up), a merge with the block before (the merged block moves down) and an unmap."""
+    a = CachingAllocator(AllocatorConfig(expandable_segments=expandable))
+    x, y, z = (a.malloc(3 * MiB) for _ in range(3))
+    a.free(x)
+    a.free(y)  # x's block merges into y's: y's ptr moves down
+    check_invariants(a)
+    w = a.malloc(MiB)  # the merged block splits: the remainder's ptr moves up
+    check_invariants(a)
+    a.free(z)
+    a.free(w)
+    a.empty_cache()  # expandable: the pages are unmapped
+    check_invariants(a)
+    assert a._active == {}
+    v = a.malloc(3 * MiB)
+    assert list(a._active) == [v]
+    check_invariants(a)

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
+from oomkit.core.allocator.state import check_seed_segments
 from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
@@ -225,3 +226,31 @@ def test_seed_segments_reports_the_refused_one_and_seeds_the_rest():
     assert stats["reserved_bytes.all.current"] == 20 * MiB
     assert stats["reserved_bytes.all.peak"] == 20 * MiB
     assert stats["segment.all.current"] == 1
+
+
+def test_seed_segments_with_checks_computed_once_seeds_the_same():
+    """check_seed_segments once, then seed_segments(..., checks) per allocator (a replayed start
+    state): the same refusals, in place (a malformed segment's own error, an overlap found at
+    seeding), the same stats and blocks as checking at each seeding."""
+    tiles = [(BASE, 4 * MiB, 4 * MiB, True), (BASE + 4 * MiB, 16 * MiB, 0, False)]
+    good = (BASE, 20 * MiB, 0, False, tiles, False)
+    gap = (BASE + 40 * MiB, 4 * MiB, 0, False, [(BASE + 40 * MiB, 2 * MiB, 0, False)], False)
+    overlapping = (BASE + 2 * MiB, 2 * MiB, 0, True, [(BASE + 2 * MiB, 2 * MiB, 0, False)], False)
+    small = (BASE + 60 * MiB, 2 * MiB, 0, True, [(BASE + 60 * MiB, 2 * MiB, 512, True)], False)
+    specs = [good, gap, overlapping, small]
+    checks = check_seed_segments(specs)
+    assert checks[0] is None and checks[2] is None and checks[3] is None
+    assert isinstance(checks[1], AllocatorUsageError)
+    assert "cover 2097152 bytes but total_size is 4194304" in str(checks[1])
+
+    def seeded(with_checks: bool) -> tuple:
+        a = CachingAllocator()
+        refused = a.seed_segments(specs, checks if with_checks else None)
+        return [None if e is None else str(e) for e in refused], a.memory_stats(), a.snapshot()
+
+    again = seeded(True)
+    assert again == seeded(False)
+    assert again[0][0] is None and again[0][3] is None
+    assert "overlaps" in again[0][2]
+    assert again[1]["reserved_bytes.all.current"] == 22 * MiB
+    assert again[1]["allocated_bytes.all.current"] == 4 * MiB + 2 * MiB

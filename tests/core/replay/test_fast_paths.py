@@ -24,12 +24,13 @@ from oomkit.core.replay._compare import (
     seed_segments_as_dicts,
     simulated_segment_keys,
 )
+from oomkit.core.replay._prepared import completion_groups as _completion_groups
 from oomkit.core.replay._recorded import final_segments_for
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.columns import CHECKED_ALLOC, trace_columns
 from oomkit.core.replay.engine import SEGMENT_ACTIONS, ReplayHooks
 from oomkit.core.replay.reconstruct import _first_alloc_addresses, _FirstAllocs, _walk
-from oomkit.core.replay.snapshot_replay import _completion_groups, replay_snapshot
+from oomkit.core.replay.snapshot_replay import replay_snapshot
 from oomkit.core.snapshot import load_snapshot
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError

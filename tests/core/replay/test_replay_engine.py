@@ -234,3 +234,23 @@ def test_the_garbage_collector_comes_back_on_after_an_error_and_stays_off_if_it_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_hold_seeded_holds_live_and_pending_blocks_by_address():
+    """hold_seeded: each (address, pending) is held with its address as id; a pending one is
+    first freed with its completion deferred, so its bytes stay allocated-active until the
+    trace's free_completed, and the live one is freed by the trace's free_requested."""
+    allocator = CachingAllocator()
+    live = allocator.malloc(3 * MiB)
+    pending = allocator.malloc(5 * MiB)
+    engine = ReplayEngine(allocator, ReplayHooks(), deferred_frees=True)
+    engine.hold_seeded([(live, False), (pending, True)])
+    assert engine.live == {live: live}
+    assert engine.pending == {pending: pending}
+    stats = allocator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 3 * MiB  # the pending free left allocated
+    assert stats["active_bytes.all.current"] == 8 * MiB
+    engine.run([_done(pending), _req(live), _done(live)])
+    stats = allocator.memory_stats()
+    assert stats["active_bytes.all.current"] == 0
+    assert stats["allocated_bytes.all.current"] == 0

@@ -79,6 +79,7 @@ class Block:
         "tie",
         "same",
         "key",
+        "boxed_ptr",
     )
 
     def __init__(self, ptr: int, size: int, stream: int, segment: Segment) -> None:
@@ -102,6 +103,10 @@ class Block:
         self.same: Block | None = None
         # Its entry in a pool's unmapped set, or None when not there.
         self.key: tuple[Any, ...] | None = None
+        # ``ptr`` as an object, made when ``ptr`` is set: the allocator's active blocks are
+        # keyed by it, so a compiled malloc or free neither boxes the address again nor
+        # compares two equal integer objects in the dict (issue 41). Set with ``ptr``, always.
+        self.boxed_ptr: Any = ptr
 
     def is_split(self) -> bool:
         """Block::is_split: the segment holds more than this one block."""

@@ -123,7 +123,7 @@ class CachingAllocator(StatsApi):
         self._small = BlockPool(True, by_counter)
         self._large = BlockPool(False, by_counter)
         # active_blocks: allocated blocks and blocks whose free waits on events, by address.
-        self._active: dict[int, Block] = {}
+        self._active: dict[Any, Block] = {}  # by Block.boxed_ptr, an object stored as is
         self._events = PendingFrees(self._active, self._free_block, stats)
         release_parts = (settings, dev, exp, self._private, self._events)
         self._release = CacheRelease((self._small, self._large), self._active, release_parts)
@@ -249,6 +249,7 @@ class CachingAllocator(StatsApi):
             new.next = block
             block.prev = new
             block.ptr += size
+            block.boxed_ptr = block.ptr
             block.size = remaining
             # insert_into_blocks: the remainder goes back with a fresh GC base.
             pool.insert(block)
@@ -281,8 +282,7 @@ class CachingAllocator(StatsApi):
             sp.inactive_split_freed += 1
         block.allocated = True
         block.requested_size = nbytes
-        ptr = block.ptr
-        self._active[ptr] = block
+        self._active[block.boxed_ptr] = block
         bsize = block.size
         # alloc_found_block: allocation, allocated_bytes, active, active_bytes, requested_bytes.
         c = sp.allocation + 1
@@ -381,7 +381,7 @@ class CachingAllocator(StatsApi):
         kind = SMALL_POOL if segment.is_small else LARGE_POOL
         original_size = block.size
         requested = block.requested_size
-        del self._active[block.ptr]
+        del self._active[block.boxed_ptr]
         # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
         net_blocks = -pool.merge_free_neighbours(block)
         pool.insert(block)
@@ -586,14 +586,14 @@ class CachingAllocator(StatsApi):
         blocks: Sequence[SeedBlock],
         expandable: bool = False,
     ) -> None:
-        """Add a segment that existed before the replayed trace began (docs/explanations/caching-allocator.md).
-
-        See :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError).
-        """
+        """Add a segment that existed before the replayed trace began: see
+        :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError)."""
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
 
-    def seed_segments(self, segments: Iterable[Any]) -> list[OomkitError | None]:
+    def seed_segments(
+        self, segments: Iterable[Any], checks: Sequence[OomkitError | None] | None = None
+    ) -> list[OomkitError | None]:
         """:meth:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
-        expandable)``; per segment, the error that refused it, or None (see
+        expandable)``; per segment, the error that refused it, or None (``checks``: see
         :func:`oomkit.core.allocator.state.seed_segments`)."""
-        return seed_segments(self._seed_target, segments)
+        return seed_segments(self._seed_target, segments, checks)

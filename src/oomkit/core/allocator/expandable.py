@@ -217,6 +217,7 @@ class ExpandableSegments:
             block.next = after_free
             pool.insert(after_free)
         block.ptr = unmapped_ptr
+        block.boxed_ptr = unmapped_ptr
         block.size = unmapped
         block.mapped = False
         pool.merge_free_neighbours(block)

@@ -213,6 +213,7 @@ class BlockPool:
                     self.remove_unmapped(src)
                 if before:
                     block.ptr = src.ptr
+                    block.boxed_ptr = src.boxed_ptr
                     prev = block.prev = src.prev
                     if prev is not None:
                         prev.next = block

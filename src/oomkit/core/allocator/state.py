@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from oomkit.core.allocator.private_pools import PrivatePool
 
 __all__ = [
-    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "seed_segment", "seed_segments", "snapshot"]
+    "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "check_seed_segments",
+    "seed_segment", "seed_segments", "snapshot", "snapshot_keys"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
@@ -125,6 +126,32 @@ def snapshot(held: Iterable[Block], device: int) -> list[dict[str, Any]]:
         )
     result.sort(key=_ADDRESS_KEY)
     return result
+
+
+def snapshot_keys(
+    segments: Iterable[dict[str, Any]],
+) -> list[tuple[int, int, int, str, bool, tuple[tuple[int, int, str], ...]]]:
+    """:func:`snapshot`'s segments as sorted, comparable keys: address, total size, stream,
+    segment type, expandable and each block's (address, size, state). A verify compares them
+    with the recording's final segments (compiled with the allocator: every verify runs this
+    over thousands of blocks, issue 41)."""
+    keys = []
+    for seg in segments:
+        blocks = []
+        for b in seg["blocks"]:
+            blocks.append((b["address"], b["size"], b["state"]))
+        keys.append(
+            (
+                seg["address"],
+                seg["total_size"],
+                seg["stream"],
+                seg["segment_type"],
+                seg["is_expandable"],
+                tuple(blocks),
+            )
+        )
+    keys.sort()
+    return keys
 
 
 def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:
@@ -247,10 +274,21 @@ def seed_segment(
     _seed_checked(target, address, total_size, stream, bool(is_small), blocks, bool(expandable))
 
 
-def seed_segments(target: SeedTarget, segments: Iterable[Any]) -> list[OomkitError | None]:
+def seed_segments(
+    target: SeedTarget,
+    segments: Iterable[Any],
+    checks: Sequence[OomkitError | None] | None = None,
+) -> list[OomkitError | None]:
     """:func:`seed_segment` for each ``(address, total_size, stream, is_small, blocks,
     expandable)``, their stat increases applied together at the end (``StatTally``: the same
     stats as one call each; issue 41).
+
+    Args:
+        target: the allocator's parts the segments are added to.
+        segments: the segments, in the order they are seeded.
+        checks: :func:`check_seed_segments` of ``segments``, when the caller computed it once
+            for segments it seeds many times (a replayed start state): the checks of the
+            arguments are not run again (the overlap check is: it depends on the allocator).
 
     Returns:
         Per segment, the error that refused it (the segment is not seeded), or None.
@@ -259,17 +297,42 @@ def seed_segments(target: SeedTarget, segments: Iterable[Any]) -> list[OomkitErr
     refused: list[OomkitError | None] = []
     tally.deferred = True
     try:
+        i = 0
         for address, total_size, stream, is_small, blocks, expandable in segments:
             try:
-                seed_segment(target, address, total_size, stream, is_small, blocks, expandable)
+                if checks is None:
+                    _check_seed(address, total_size, stream, blocks)
+                else:
+                    failed = checks[i]
+                    if failed is not None:
+                        raise failed
+                _seed_checked(
+                    target, address, total_size, stream, bool(is_small), blocks, bool(expandable)
+                )
             except OomkitError as exc:
                 refused.append(exc)
             else:
                 refused.append(None)
+            i += 1
     finally:
         tally.deferred = False
         tally.apply(target.stats)
     return refused
+
+
+def check_seed_segments(segments: Iterable[Any]) -> list[OomkitError | None]:
+    """Per ``(address, total_size, stream, is_small, blocks, expandable)``, the error that
+    :func:`seed_segment`'s argument checks raise for it, or None (for ``seed_segments``'
+    ``checks``)."""
+    found: list[OomkitError | None] = []
+    for address, total_size, stream, _is_small, blocks, _expandable in segments:
+        try:
+            _check_seed(address, total_size, stream, blocks)
+        except OomkitError as exc:
+            found.append(exc)
+        else:
+            found.append(None)
+    return found
 
 
 def _seed_checked(

@@ -234,13 +234,31 @@ def new_stat_lists() -> list[StatSlots]:
     return [StatSlots() for _ in STAT_TYPES]
 
 
-def _put(out: dict[str, int], prefix: str, slots: StatSlots | list[int], i: int) -> None:
+# The keys of each stat's four fields, ``prefix + field`` (_STAT_FIELDS order), made once:
+# every verify builds memory_stats() (issue 41).
+_Keys = tuple[str, str, str, str]
+
+
+def _field_keys(prefix: str) -> _Keys:
+    current, peak, allocated, freed = (prefix + f for f in _STAT_FIELDS)
+    return current, peak, allocated, freed
+
+
+# _ARRAY_KEYS[s][t]: array stat s (ARRAY_STATS) of stat type t (STAT_TYPES).
+_ARRAY_KEYS = tuple(
+    tuple(_field_keys(f"{name}.{tname}.") for tname in STAT_TYPES) for name in ARRAY_STATS
+)
+_OVERSIZE_ALLOCATIONS_KEYS = _field_keys("oversize_allocations.")
+_OVERSIZE_SEGMENTS_KEYS = _field_keys("oversize_segments.")
+
+
+def _put(out: dict[str, int], keys: _Keys, slots: StatSlots | list[int], i: int) -> None:
     cur = slots[i + CUR]
     freed = slots[i + FREED]
-    out[prefix + "current"] = cur
-    out[prefix + "peak"] = slots[i + PEAK]
-    out[prefix + "allocated"] = cur - slots[i + ORIGIN] + freed
-    out[prefix + "freed"] = freed
+    out[keys[0]] = cur
+    out[keys[1]] = slots[i + PEAK]
+    out[keys[2]] = cur - slots[i + ORIGIN] + freed
+    out[keys[3]] = freed
 
 
 def _aggregate(stats: list[StatSlots]) -> list[int]:
@@ -267,11 +285,11 @@ def build_memory_stats(
     out: dict[str, int] = dict(counters)
     out["max_split_size"] = max_split_size
     full: list[StatSlots | list[int]] = [_aggregate(stats), stats[SMALL_POOL], stats[LARGE_POOL]]
-    for s, name in enumerate(ARRAY_STATS):
-        for t, tname in enumerate(STAT_TYPES):
-            _put(out, f"{name}.{tname}.", full[t], s * 4)
-    _put(out, "oversize_allocations.", stats[ALL], OVERSIZE_ALLOCATIONS)
-    _put(out, "oversize_segments.", stats[ALL], OVERSIZE_SEGMENTS)
+    for s, by_type in enumerate(_ARRAY_KEYS):
+        for t, keys in enumerate(by_type):
+            _put(out, keys, full[t], s * 4)
+    _put(out, _OVERSIZE_ALLOCATIONS_KEYS, stats[ALL], OVERSIZE_ALLOCATIONS)
+    _put(out, _OVERSIZE_SEGMENTS_KEYS, stats[ALL], OVERSIZE_SEGMENTS)
     return {k: out[k] for k in STAT_KEYS}
 
 

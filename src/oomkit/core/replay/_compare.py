@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+from oomkit.core.allocator.state import snapshot_keys
 from oomkit.core.replay.reconstruct import SeedSegment
 from oomkit.core.replay.result import Divergence, SegmentEvent
 from oomkit.core.trace import TraceEvent
@@ -104,22 +106,11 @@ def normalise_segments(segments: Iterable[Mapping]) -> list[SegmentKey]:
     return sorted(out)
 
 
-def simulated_segment_keys(segments: Iterable[Mapping]) -> list[SegmentKey]:
+def simulated_segment_keys(segments: Iterable[dict[str, Any]]) -> list[SegmentKey]:
     """``normalise_segments`` of ``CachingAllocator.snapshot()``'s own dicts, whose fields are
-    already ints, strs and bools: no conversions (this runs on every verify, issue 19)."""
-    return sorted(
-        [
-            (
-                seg["address"],
-                seg["total_size"],
-                seg["stream"],
-                seg["segment_type"],
-                seg["is_expandable"],
-                tuple([(b["address"], b["size"], b["state"]) for b in seg["blocks"]]),
-            )
-            for seg in segments
-        ]
-    )
+    already ints, strs and bools: no conversions (this runs on every verify, issue 19; the
+    allocator's compiled ``snapshot_keys``, issue 41)."""
+    return snapshot_keys(segments)
 
 
 def seed_segment_keys(segments: Iterable[SeedSegment]) -> list[SegmentKey]:

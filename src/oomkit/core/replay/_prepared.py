@@ -11,11 +11,12 @@ is never mutated) and dropped with it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from oomkit.core.allocator import AllocatorConfig, round_size
+from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig, round_size
+from oomkit.core.allocator.state import check_seed_segments
 from oomkit.core.replay._compare import SegmentKey, seed_segment_keys
 from oomkit.core.replay._recorded import (
     config_from_settings,
@@ -24,18 +25,75 @@ from oomkit.core.replay._recorded import (
     recorded_torch_version,
 )
 from oomkit.core.replay.columns import TraceColumns, trace_columns
-from oomkit.core.replay.engine import SEGMENT_ACTIONS
+from oomkit.core.replay.engine import CREATE, RELEASE, SEGMENT_ACTIONS
 from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import OomkitError
 
 if TYPE_CHECKING:
     from oomkit.core.snapshot import Snapshot
 
-__all__ = ["Prepared", "prepared"]
+__all__ = [
+    "Prepared",
+    "SeedPlan",
+    "completion_groups",
+    "prepared",
+    "recorded_peak_reserved",
+    "seed_plan",
+    "verify_capacity",
+]
 
 # Trace entries whose positions are noted once: segment decisions and oom entries.
 MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
+# ExpandableSegment: reservation = ceil((T + T/8) / page) pages (§8.1).
+_RESERVE_NUM, _RESERVE_DEN = 9, 8
+# The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
+_LARGE_PAGE_BYTES = 20 * 2**20
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """A start state as every replay seeds it, made and checked once (issue 41: the tuples
+    and checks made per replay were a tenth of a compiled verify's instructions)."""
+
+    # Per start segment: (address, total_size, stream, is_small, blocks, expandable), as
+    # CachingAllocator.seed_segments reads it; check_seed_segments(rows), in the same order.
+    rows: tuple[tuple[int, int, int, bool, tuple[tuple[int, int, int, bool], ...], bool], ...]
+    checks: tuple[OomkitError | None, ...]
+    # Per start segment: (address, pending) of its live blocks in address order (pending:
+    # freed, its completion deferred).
+    held: tuple[tuple[tuple[int, bool], ...], ...]
+    held_all: tuple[tuple[int, bool], ...]  # every segment's ``held``, in order
+
+
+def seed_plan(start: StartState) -> SeedPlan:
+    """``start``'s :class:`SeedPlan`."""
+    rows = tuple(
+        (
+            seg.address,
+            seg.total_size,
+            seg.stream,
+            seg.is_small,
+            tuple((b.address, b.size, b.requested_size, b.state != "inactive") for b in seg.blocks),
+            seg.expandable,
+        )
+        for seg in start.segments
+    )
+    held = tuple(
+        tuple(
+            (b.address, b.state == "active_pending_free")
+            for b in seg.blocks
+            if b.state in ("active_allocated", "active_pending_free")
+        )
+        for seg in start.segments
+    )
+    return SeedPlan(
+        rows=rows,
+        checks=tuple(check_seed_segments(rows)),
+        held=held,
+        held_all=tuple(pair for pairs in held for pair in pairs),
+    )
 
 
 @dataclass(frozen=True)
@@ -56,6 +114,11 @@ class Prepared:
     allocs: int  # alloc entries in ``events``
     columns: TraceColumns  # ``events`` as the replay loop reads them
     final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
+    seed: SeedPlan  # seed_plan(start)
+    groups: dict[int, int]  # completion_groups(events, marks)
+    recorded_peak: int  # recorded_peak_reserved(start, recorded)
+    # verify_capacity(None, start, recorded, final): a verify's device size unless one is given.
+    verify_capacity: int
 
 
 # id(snapshot) -> (a weak reference to it, {(device, torch_version): Prepared}).
@@ -139,4 +202,75 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
             events, actions=walk.actions, allocs=walk.alloc_events, ints=bool(keys)
         ),
         final_keys=seed_segment_keys(final),
+        seed=seed_plan(start),
+        groups=completion_groups(events, marks),
+        recorded_peak=recorded_peak_reserved(start, recorded),
+        verify_capacity=verify_capacity(None, start, recorded, final),
     )
+
+
+def completion_groups(
+    events: Sequence[TraceEvent], marks: Sequence[int] | None = None
+) -> dict[int, int]:
+    """``free_completed`` entries that directly precede a segment event or an ``oom``.
+
+    Args:
+        events: the trace.
+        marks: the trace indices of its segment events and ``oom`` entries, in order (found
+            here when not given); each group is found by walking back from one of them.
+
+    Returns:
+        trace index of each such entry -> index of the first entry of its group.
+    """
+    if marks is None:
+        marks = [i for i, ev in enumerate(events) if ev.action in MARKED]
+    groups: dict[int, int] = {}
+    for j in marks:
+        i = j
+        while i > 0 and events[i - 1].action == "free_completed":
+            i -= 1
+        # A free_completed right after its own free_requested is usually a plain free, but
+        # a deferred free that Step 9 completed at once looks the same.
+        for k in range(i, j):
+            groups[k] = i
+    return groups
+
+
+def recorded_peak_reserved(
+    start: StartState, recorded: Sequence[tuple[int, SegmentEvent]]
+) -> int:
+    """The recording's own reserved peak: the starting reservation plus its segment events."""
+    reserved = sum(s.total_size for s in start.segments)
+    peak = reserved
+    for _, (action, _address, size) in recorded:
+        if action in CREATE:
+            reserved += size
+            peak = max(peak, reserved)
+        elif action in RELEASE:
+            reserved -= size
+    return peak
+
+
+def verify_capacity(
+    capacity_bytes: int | None,
+    start: StartState,
+    recorded: Sequence[tuple[int, SegmentEvent]],
+    final: Sequence[SeedSegment],
+) -> int:
+    """The device size that sizes expandable reservations in verify mode (§15.7).
+
+    The user's capacity when given (the real device's makes the reservations exact); else
+    80 GiB, raised if needed so that one reservation holds the largest mapped range seen.
+    """
+    if capacity_bytes is not None:
+        return capacity_bytes
+    largest = 0
+    for seg in (*start.segments, *final):
+        if seg.expandable:
+            largest = max(largest, seg.total_size)
+    for _, (action, _address, size) in recorded:
+        if action in ("segment_map", "segment_unmap"):
+            largest = max(largest, size)
+    # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent.
+    needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + _LARGE_PAGE_BYTES if largest else 0
+    return max(DEFAULT_CAPACITY_BYTES, needed)

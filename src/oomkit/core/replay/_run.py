@@ -21,6 +21,7 @@ from oomkit.core.replay._compare import (
     seed_segments_as_dicts,
     simulated_segment_keys,
 )
+from oomkit.core.replay._prepared import SeedPlan, seed_plan
 from oomkit.core.replay.columns import TraceColumns
 from oomkit.core.replay.engine import CREATE, RELEASE, ReplayEngine, ReplayHooks
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
@@ -54,6 +55,7 @@ class Run(ReplayHooks):
         reserved_outside_bytes: int = 0,
         columns: TraceColumns | None = None,
         final_keys: tuple[Sequence[SeedSegment], list[SegmentKey]] | None = None,
+        seed: SeedPlan | None = None,
     ) -> None:
         self.events = events
         self.columns = columns  # trace_columns(events), kept by the caller
@@ -97,7 +99,7 @@ class Run(ReplayHooks):
             check_addresses=verify,
             log_index=self.log_index,
         )
-        self._seed()
+        self._seed(seed if seed is not None else seed_plan(start))
 
     # -- oracle callbacks -------------------------------------------------------------------
 
@@ -135,35 +137,16 @@ class Run(ReplayHooks):
 
     # -- starting state ---------------------------------------------------------------------
 
-    def _seed(self) -> None:
-        a = self.allocator
-        engine = self.engine
-        segments = self.start.segments
-        refused = a.seed_segments(
-            (
-                seg.address,
-                seg.total_size,
-                seg.stream,
-                seg.is_small,
-                [(b.address, b.size, b.requested_size, b.state != "inactive") for b in seg.blocks],
-                seg.expandable,
-            )
-            for seg in segments
-        )
-        seeded = []
-        for seg, exc in zip(segments, refused, strict=True):
+    def _seed(self, plan: SeedPlan) -> None:
+        refused = self.allocator.seed_segments(plan.rows, plan.checks)
+        if not any(refused):
+            self.engine.hold_seeded(plan.held_all)
+            return
+        for seg, exc, held in zip(self.start.segments, refused, plan.held, strict=True):
             if exc is not None:
                 self.warnings.append(f"segment at {seg.address:#x} could not be seeded: {exc}")
             else:
-                seeded.append(seg)
-        for seg in seeded:
-            for b in seg.blocks:
-                if b.state == "active_allocated":
-                    engine.hold(b.address, b.address)
-                elif b.state == "active_pending_free":
-                    # Seeded allocated, then freed with its completion deferred (§15.8).
-                    a.free(b.address, deferred=True)
-                    engine.hold(b.address, b.address, pending=True)
+                self.engine.hold_seeded(held)
 
     # -- the replay: engine hooks -----------------------------------------------------------
 

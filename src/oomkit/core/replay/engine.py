@@ -155,6 +155,16 @@ class ReplayEngine:
             )
         (self._held_pending if pending else self._held_live)[trace_id] = block
 
+    def hold_seeded(self, held: Iterable[tuple[int, bool]]) -> None:
+        """:meth:`hold` for each ``(address, pending)`` of a seeded start state, with the
+        address as its id; a pending block is first freed with its completion deferred (§15.8).
+        One call per replay, not two per block from interpreted code (issue 41)."""
+        allocator = self.allocator
+        for address, pending in held:
+            if pending:
+                allocator.free(address, deferred=True)
+            self.hold(address, address, pending=pending)
+
     @property
     def live(self) -> dict[Any, int]:
         """Trace id -> simulated pointer of every live id (a new dict)."""

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from oomkit.core.allocator import DEFAULT_CAPACITY_BYTES, AllocatorConfig
 from oomkit.core.replay._compare import SegmentKey
-from oomkit.core.replay._prepared import MARKED, prepared
+from oomkit.core.replay._prepared import SeedPlan, completion_groups, prepared
 from oomkit.core.replay._run import Run
 from oomkit.core.replay.columns import TraceColumns
-from oomkit.core.replay.engine import CREATE, RELEASE, gc_paused
+from oomkit.core.replay.engine import RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
@@ -35,16 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["replay_snapshot", "UnknownDeviceError"]
 
-# DEFAULT_CAPACITY_BYTES (80 GiB) is the what-if capacity when none is given, and the device size
-# from which expandable reservations are sized in verify mode (§15.7: 80 GiB x 1.125 fitted
-# every recording).
-
-# ExpandableSegment: reservation = ceil((T + T/8) / page) pages (§8.1).
-_RESERVE_NUM, _RESERVE_DEN = 9, 8
-# The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
-_LARGE_PAGE_BYTES = 20 * 2**20
-# Trace entries whose positions replay_snapshot notes once: segment decisions and oom entries.
-_MARKED = MARKED
+# DEFAULT_CAPACITY_BYTES (80 GiB) is the what-if capacity when none is given; in verify mode
+# expandable reservations are sized from _prepared.verify_capacity.
 
 
 def replay_snapshot(
@@ -133,14 +125,16 @@ def _replay_snapshot(
             f"reconstructed {start.hidden_blocks} block(s) whose size was hidden "
             "(live before recording began; sized from their requests, rounded as CUDACachingAllocator.cpp round_size rounds them)"
         )
-    recorded_peak = _recorded_peak_reserved(start, recorded)
+    recorded_peak = inputs.recorded_peak
     if verify or (config is None and capacity_bytes is None):
         # No what-if asked for: replay the recording as it happened, compared when verifying.
         run = _verify_run(
             events,
             start,
             recorded_config,
-            capacity_bytes=_verify_capacity(capacity_bytes, start, recorded, final),
+            capacity_bytes=(
+                capacity_bytes if capacity_bytes is not None else inputs.verify_capacity
+            ),
             reserved_outside_bytes=reserved_outside_bytes,
             torch_version=version,
             recorded=recorded,
@@ -149,6 +143,8 @@ def _replay_snapshot(
             allocs=inputs.allocs,
             columns=inputs.columns,
             final_keys=inputs.final_keys,
+            seed=inputs.seed,
+            groups=inputs.groups,
         )
     else:
         run = Run(
@@ -162,6 +158,7 @@ def _replay_snapshot(
             verify=False,
             allocs=inputs.allocs,
             columns=inputs.columns,
+            seed=inputs.seed,
         )
         run.replay()
     warnings.extend(run.warnings)
@@ -184,6 +181,8 @@ def _verify_run(
     allocs: int | None = None,
     columns: TraceColumns | None = None,
     final_keys: list[SegmentKey] | None = None,
+    seed: SeedPlan | None = None,
+    groups: dict[int, int] | None = None,
 ) -> Run:
     """Replay with the recorded outcomes; re-run while reading an ambiguous point otherwise helps.
 
@@ -198,7 +197,8 @@ def _verify_run(
     When the replay first goes wrong after such a point, it is re-run with the other reading
     of the nearest ones, and the re-run is kept if it agrees better with the recording.
     """
-    groups = _completion_groups(events, marks)
+    if groups is None:
+        groups = completion_groups(events, marks)
 
     def replay(flipped: frozenset[int]) -> Run:
         run = Run(
@@ -215,6 +215,7 @@ def _verify_run(
             allocs=allocs,
             columns=columns,
             final_keys=(final, final_keys) if final_keys is not None else None,
+            seed=seed,
         )
         run.replay()
         return run
@@ -244,33 +245,6 @@ def _verify_run(
     return run
 
 
-def _completion_groups(
-    events: Sequence[TraceEvent], marks: Sequence[int] | None = None
-) -> dict[int, int]:
-    """``free_completed`` entries that directly precede a segment event or an ``oom``.
-
-    Args:
-        events: the trace.
-        marks: the trace indices of its segment events and ``oom`` entries, in order (found
-            here when not given); each group is found by walking back from one of them.
-
-    Returns:
-        trace index of each such entry -> index of the first entry of its group.
-    """
-    if marks is None:
-        marks = [i for i, ev in enumerate(events) if ev.action in _MARKED]
-    groups: dict[int, int] = {}
-    for j in marks:
-        i = j
-        while i > 0 and events[i - 1].action == "free_completed":
-            i -= 1
-        # A free_completed right after its own free_requested is usually a plain free, but
-        # a deferred free that Step 9 completed at once looks the same.
-        for k in range(i, j):
-            groups[k] = i
-    return groups
-
-
 def _decision_points_before(
     events: Sequence[TraceEvent], groups: dict[int, int], index: int
 ) -> list[int]:
@@ -294,43 +268,3 @@ def _release_run_before(events: Sequence[TraceEvent], index: int) -> int | None:
     while i > 0 and events[i - 1].action in RELEASE:
         i -= 1
     return i
-
-
-def _recorded_peak_reserved(
-    start: StartState, recorded: Sequence[tuple[int, SegmentEvent]]
-) -> int:
-    """The recording's own reserved peak: the starting reservation plus its segment events."""
-    reserved = sum(s.total_size for s in start.segments)
-    peak = reserved
-    for _, (action, _address, size) in recorded:
-        if action in CREATE:
-            reserved += size
-            peak = max(peak, reserved)
-        elif action in RELEASE:
-            reserved -= size
-    return peak
-
-
-def _verify_capacity(
-    capacity_bytes: int | None,
-    start: StartState,
-    recorded: Sequence[tuple[int, SegmentEvent]],
-    final: Sequence[SeedSegment],
-) -> int:
-    """The device size that sizes expandable reservations in verify mode (§15.7).
-
-    The user's capacity when given (the real device's makes the reservations exact); else
-    80 GiB, raised if needed so that one reservation holds the largest mapped range seen.
-    """
-    if capacity_bytes is not None:
-        return capacity_bytes
-    largest = 0
-    for seg in (*start.segments, *final):
-        if seg.expandable:
-            largest = max(largest, seg.total_size)
-    for _, (action, _address, size) in recorded:
-        if action in ("segment_map", "segment_unmap"):
-            largest = max(largest, size)
-    # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent.
-    needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + _LARGE_PAGE_BYTES if largest else 0
-    return max(DEFAULT_CAPACITY_BYTES, needed)
