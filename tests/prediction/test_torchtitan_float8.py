@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
@@ -32,20 +34,13 @@ from oomkit.prediction.torchtitan_job import (  # noqa: E402
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_MODULE = "oomkit.prediction._torchtitan_float8"
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
 
 
 def _linears_after_overrides(*imports: str) -> dict[str, type]:
     """The job's linear configs (FQN -> config type) after torchtitan's apply_overrides, as
     trainer.py:357-358 applies them (on an H100's capability)."""
     overrides = ("--override.imports", *imports) if imports else ()
-    config = load_job_config(TorchtitanJob("llama3", "debugmodel", _BASE + overrides))
+    config = load_job_config(TorchtitanJob("llama3", "debugmodel", SMALL_STEP + overrides))
     linear = import_torchtitan("torchtitan.models.common.linear").Linear
     with cuda_capability((9, 0)):
         import_torchtitan("torchtitan.config.override").apply_overrides(config.override, config)
@@ -53,13 +48,13 @@ def _linears_after_overrides(*imports: str) -> dict[str, type]:
 
 
 def test_float8_linears_converts_every_linear_the_lm_head_too():
-    found = _linears_after_overrides(f"{_MODULE}.float8_linears")
+    found = _linears_after_overrides(f"{FLOAT8_FACTORIES}.float8_linears")
     assert len(found) == 6 * 5 + 1
     assert {type(cfg).__qualname__ for cfg in found.values()} == {"Float8Linear.Config"}
 
 
 def test_float8_block_linears_keeps_the_lm_head_as_torchtitan_did_in_2024():
-    found = _linears_after_overrides(f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise"}}')
+    found = _linears_after_overrides(f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise"}}')
     kinds = {fqn.rsplit("model.", 1)[-1]: type(cfg).__qualname__ for fqn, cfg in found.items()}
     assert kinds.pop("lm_head") == "Linear.Config"
     assert set(kinds.values()) == {"Float8Linear.Config"} and len(kinds) == 30
@@ -73,8 +68,8 @@ def test_the_replacement_keeps_the_fields_update_from_config_set():
     update_from_config, the param_init draws), where the converter would build a fresh one."""
     import dataclasses
 
-    overrides = ("--override.imports", f"{_MODULE}.float8_linears")
-    config = load_job_config(TorchtitanJob("llama3", "debugmodel", _BASE + overrides))
+    overrides = ("--override.imports", f"{FLOAT8_FACTORIES}.float8_linears")
+    config = load_job_config(TorchtitanJob("llama3", "debugmodel", SMALL_STEP + overrides))
     linear = import_torchtitan("torchtitan.models.common.linear").Linear
     before = {fqn: cfg for fqn, cfg, _, _ in config.traverse(linear.Config)}
     with cuda_capability((9, 0)):
@@ -94,9 +89,9 @@ def test_the_override_records_the_same_bytes_as_torchtitans_float8_config():
     peaks = []
     for config, extra in (
         ("debugmodel_float8", ()),
-        ("debugmodel", ("--override.imports", f"{_MODULE}.float8_linears")),
+        ("debugmodel", ("--override.imports", f"{FLOAT8_FACTORIES}.float8_linears")),
     ):
-        job = TorchtitanJob("llama3", config, _BASE + extra, world_size=2)
+        job = TorchtitanJob("llama3", config, SMALL_STEP + extra, world_size=2)
         recording, _ = record_torchtitan_job(job, target=target)
         prediction = predict_recording(recording, target=target)
         peaks.append((prediction.peak_allocated_bytes, prediction.peak_reserved_bytes))
@@ -105,7 +100,7 @@ def test_the_override_records_the_same_bytes_as_torchtitans_float8_config():
 
 def test_float8_through_the_override_on_an_a100_is_refused_in_torchtitans_words():
     job = TorchtitanJob(
-        "llama3", "debugmodel", _BASE + ("--override.imports", f"{_MODULE}.float8_linears"),
+        "llama3", "debugmodel", SMALL_STEP + ("--override.imports", f"{FLOAT8_FACTORIES}.float8_linears"),
         world_size=2,
     )
     with pytest.raises(OomkitError, match="float8 is only supported on NVIDIA SM89 or later"):

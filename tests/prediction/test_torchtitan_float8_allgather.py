@@ -18,6 +18,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import (  # noqa: E402
+    FLOAT8_FACTORIES,
+    SMALL_STEP,
+    debug_block_parameters,
+    debug_model_on_meta,
+)
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
@@ -32,15 +39,8 @@ from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_jo
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_MODULE = "oomkit.prediction._torchtitan_float8"
 # llama3 debugmodel cut to 2 blocks, the tests' registry module (tests/prediction)
 _TWO_BLOCKS = ("_torchtitan_two_blocks", "llama3_debug_two_blocks")
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
 _FSDP = 2
 # CUDACachingAllocator.cpp kMinBlockSize: a 4-byte float32 scale takes a 512-byte block
 _MIN_BLOCK_BYTES = 512
@@ -52,23 +52,9 @@ def _overrides(all_gather: bool) -> tuple[str, ...]:
     words = "true" if all_gather else "false"
     return (
         "--override.imports",
-        f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise", '
+        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
         f'"enable_fsdp_float8_all_gather": {words}}}',
     )
-
-
-def _block_parameters() -> tuple[dict[str, int], dict[str, int]]:
-    """One debugmodel block's parameters, element counts: (linear weights, the rest)."""
-    import torch
-
-    registry = import_torchtitan("torchtitan.models.llama3.config_registry")
-    with torch.device("meta"):
-        model = registry.llama3_debugmodel().model_spec.model.build()
-    linears: dict[str, int] = {}
-    others: dict[str, int] = {}
-    for name, param in model.layers["0"].named_parameters():
-        (linears if param.ndim == 2 else others)[name] = param.numel()
-    return linears, others
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,7 @@ def recorded():
     out = {}
     for all_gather in (False, True):
         job = TorchtitanJob(
-            *_TWO_BLOCKS, _BASE + _overrides(all_gather), world_size=_FSDP
+            *_TWO_BLOCKS, SMALL_STEP + _overrides(all_gather), world_size=_FSDP
         )
         recording, _ = record_torchtitan_job(job, target=target)
         out[all_gather] = (recording, predict_recording(recording, target=target))
@@ -96,7 +82,7 @@ def test_each_blocks_linears_are_gathered_in_one_byte_per_element(recorded):
     """A block's all-gather output is world x its shard: bf16 for every parameter without it;
     with it, 1 byte per linear weight element and bf16 for the two norms (FSDP2 gathers mixed
     dtypes as bytes); each unsharded linear weight is its element count in bytes."""
-    linears, others = _block_parameters()
+    linears, others = debug_block_parameters()
     linear_elements, other_elements = sum(linears.values()), sum(others.values())
     off, on = _gathered_sizes(recorded[False][0]), _gathered_sizes(recorded[True][0])
     shard_off = (linear_elements * _BF16_BYTES + other_elements * _BF16_BYTES) // _FSDP
@@ -113,11 +99,7 @@ def test_each_blocks_linears_are_gathered_in_one_byte_per_element(recorded):
 
 def _block_root_sizes() -> set[int]:
     """The bf16 all-gathers outside the blocks: the embedding; the final norm with the head."""
-    import torch
-
-    registry = import_torchtitan("torchtitan.models.llama3.config_registry")
-    with torch.device("meta"):
-        model = registry.llama3_debugmodel().model_spec.model.build()
+    model = debug_model_on_meta()
     embedding = model.tok_embeddings.weight.numel()
     head_and_norm = model.lm_head.weight.numel() + model.norm.weight.numel()
     return {embedding * _BF16_BYTES, head_and_norm * _BF16_BYTES}
@@ -129,7 +111,7 @@ def test_the_peak_drops_by_one_blocks_linears_and_a_float8_weight_copy(recorded)
     also holds the float8 copy its matmul casts from w2's gathered bf16 weight; with it the
     gathered bytes are that copy. With it, each float8 weight of the two blocks gathered in
     this backward keeps its float32 scale (10), less the scale of that w2 cast: 9 blocks."""
-    linears, _ = _block_parameters()
+    linears, _ = debug_block_parameters()
     (_, off), (_, on) = recorded[False], recorded[True]
     assert off.peak_allocated_at.step == on.peak_allocated_at.step == 2
     gathered_off = off.peak_allocated_at.by_category_bytes["allgather_buffer"]
@@ -159,11 +141,11 @@ def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8():
     tp = 2
     job = TorchtitanJob(
         *_TWO_BLOCKS,
-        _overrides(True) + _BASE + ("--parallelism.tensor_parallel_degree", str(tp)),
+        _overrides(True) + SMALL_STEP + ("--parallelism.tensor_parallel_degree", str(tp)),
         world_size=_FSDP * tp,
     )
     recording, _ = record_torchtitan_job(job, target=Target.resolve("h100"))
-    linears, others = _block_parameters()
+    linears, others = debug_block_parameters()
     gathered = _gathered_sizes(recording)
     block = sum(linears.values()) // tp * _FLOAT8_BYTES + sum(others.values()) * _BF16_BYTES
     assert block in gathered
@@ -186,8 +168,8 @@ def test_the_job_with_rowwise_float8_all_gather_is_a_config_error_not_a_crash():
     recording where torchtitan's apply_overrides runs the factory."""
     job = TorchtitanJob(
         "llama3", "debugmodel",
-        ("--override.imports", f'{_MODULE}.float8_linears={{"enable_fsdp_float8_all_gather": true}}')
-        + _BASE,
+        ("--override.imports", f'{FLOAT8_FACTORIES}.float8_linears={{"enable_fsdp_float8_all_gather": true}}')
+        + SMALL_STEP,
         world_size=_FSDP,
     )
     with pytest.raises(ConfigError, match="'rowwise' recipe scales the weight axiswise"):

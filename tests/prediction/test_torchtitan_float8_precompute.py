@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP, debug_block_parameters  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
@@ -34,13 +36,6 @@ from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_jo
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_MODULE = "oomkit.prediction._torchtitan_float8"
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
 _FSDP = 2
 # CUDACachingAllocator.cpp kMinBlockSize: a request under 512 bytes takes a 512-byte block
 _MIN_BLOCK_BYTES = 512
@@ -53,24 +48,10 @@ def _override(precompute: bool) -> tuple[str, ...]:
     words = "true" if precompute else "false"
     return (
         "--override.imports",
-        f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise", '
+        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
         f'"enable_fsdp_float8_all_gather": true, '
         f'"precompute_float8_dynamic_scale_for_fsdp": {words}}}',
     )
-
-
-def _block_linears() -> dict[str, int]:
-    """One debugmodel block's linear weights, element counts (the ones converted to Float8)."""
-    import torch
-
-    registry = import_torchtitan("torchtitan.models.llama3.config_registry")
-    with torch.device("meta"):
-        model = registry.llama3_debugmodel().model_spec.model.build()
-    return {
-        name: param.numel()
-        for name, param in model.layers["0"].named_parameters()
-        if param.ndim == 2
-    }
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +62,7 @@ def recorded():
     for precompute in (False, True):
         job = TorchtitanJob(
             "_torchtitan_two_blocks", "llama3_debug_two_blocks",
-            _BASE + _override(precompute), world_size=_FSDP,
+            SMALL_STEP + _override(precompute), world_size=_FSDP,
         )
         recording, _ = record_torchtitan_job(job, target=target)
         out[precompute] = (recording, predict_recording(recording, target=target))
@@ -103,7 +84,7 @@ def test_each_optimizer_step_ends_with_torchaos_one_precompute_of_all_scales(rec
     post-hook): one float32 amax per float8 weight (``_foreach_norm``), their stack, its
     all-reduce and clamp, the float64 upcast, ``finfo.max / amax`` (reciprocal, mul) and the
     float32 scales, N of each; and it takes nothing away from the step it ends."""
-    weights = 2 * len(_block_linears())  # the two blocks' float8 linears; the head is bf16
+    weights = 2 * len(debug_block_parameters()[0])  # the two blocks' float8 linears; the head is bf16
     expected = collections.Counter({
         ("optimizer", "aten._foreach_norm.Scalar", _FP32_BYTES): weights,
         ("optimizer", "aten.stack.default", weights * _FP32_BYTES): 1,
@@ -128,7 +109,7 @@ def test_each_steps_scales_outlive_the_next_precompute(recorded):
     ``fsdp_post_all_gather``: ``out._scale = scale``) and in each parameter's all-gather
     metadata, which only the next all-gather replaces. Both steps' scales are live at the end."""
     recording, _ = recorded[True]
-    weights = 2 * len(_block_linears())
+    weights = 2 * len(debug_block_parameters()[0])
     scales = [
         (index, event.address)
         for index, event in enumerate(recording.events)
@@ -149,7 +130,7 @@ def test_the_all_gathers_cast_with_the_precomputed_scales(recorded):
     """Step 2 (after a precompute): each all-gather of a float8 weight, in the forward and in
     the backward, no longer computes its scale: ``abs`` of its fp32 shard, ``max``, the amax's
     all-reduce, the float64 upcast, clamp, reciprocal, mul and the float32 scale."""
-    linears = _block_linears()
+    linears = debug_block_parameters()[0]
     weights = 2 * len(linears)
     expected: collections.Counter = collections.Counter()
     for phase in ("forward", "backward"):
@@ -173,7 +154,7 @@ def test_the_peak_drops_by_the_per_weight_scales_less_the_one_scales_block(recor
     """At the peak (step 2, the last block's backward) each of the 2 x 5 gathered float8
     weights holds its own float32 scale, a 512-byte block each, without the precompute; with
     it they are views of the one 40-byte scales tensor (a 512-byte block): 9 blocks less."""
-    weights = 2 * len(_block_linears())
+    weights = 2 * len(debug_block_parameters()[0])
     (_, off), (_, on) = recorded[False], recorded[True]
     assert off.peak_allocated_at.step == on.peak_allocated_at.step == 2
     held_off = weights * _MIN_BLOCK_BYTES
@@ -249,11 +230,11 @@ def test_the_cli_refuses_precompute_without_all_gather_in_one_line(capsys):
     from oomkit.interfaces.cli import main
 
     override = (
-        f'{_MODULE}.float8_block_linears={{"recipe_name": "tensorwise", '
+        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
         '"precompute_float8_dynamic_scale_for_fsdp": true}'
     )
     code = main(["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--gpu",
-                 "h100", "--", *_BASE, "--override.imports", override])
+                 "h100", "--", *SMALL_STEP, "--override.imports", override])
     err = capsys.readouterr().err
     assert code == 2
     assert "enable_fsdp_float8_all_gather" in err and "Traceback" not in err

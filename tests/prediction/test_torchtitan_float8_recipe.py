@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
     SUPPORTED_TORCHTITAN,
@@ -31,14 +33,7 @@ from oomkit.prediction.torchtitan_job import (  # noqa: E402
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_MODULE = "oomkit.prediction._torchtitan_float8"
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
-_TENSORWISE = ("--override.imports", f'{_MODULE}.float8_recipe={{"recipe_name": "tensorwise"}}')
+_TENSORWISE = ("--override.imports", f'{FLOAT8_FACTORIES}.float8_recipe={{"recipe_name": "tensorwise"}}')
 
 
 def _linears(config_name: str, overrides: tuple[str, ...]) -> tuple[dict, dict]:
@@ -46,7 +41,7 @@ def _linears(config_name: str, overrides: tuple[str, ...]) -> tuple[dict, dict]:
     (trainer.py:357-358), on an H100's capability."""
     linear = import_torchtitan("torchtitan.models.common.linear").Linear
     with cuda_capability((9, 0)):
-        config = load_job_config(TorchtitanJob("llama3", config_name, _BASE + overrides))
+        config = load_job_config(TorchtitanJob("llama3", config_name, SMALL_STEP + overrides))
         before = {fqn: cfg for fqn, cfg, _, _ in config.traverse(linear.Config)}
         import_torchtitan("torchtitan.config.override").apply_overrides(config.override, config)
     return before, {fqn: cfg for fqn, cfg, _, _ in config.traverse(linear.Config)}
@@ -84,10 +79,10 @@ def test_the_recipe_override_records_the_same_bytes_as_a_tensorwise_conversion()
     for label, config, extra in (
         ("recipe", "debugmodel_float8", _TENSORWISE),
         ("converted", "debugmodel", (
-            "--override.imports", f'{_MODULE}.float8_linears={{"recipe_name": "tensorwise"}}')),
+            "--override.imports", f'{FLOAT8_FACTORIES}.float8_linears={{"recipe_name": "tensorwise"}}')),
         ("rowwise", "debugmodel_float8", ()),
     ):
-        job = TorchtitanJob("llama3", config, _BASE + extra, world_size=2)
+        job = TorchtitanJob("llama3", config, SMALL_STEP + extra, world_size=2)
         recording, _ = record_torchtitan_job(job, target=target)
         prediction = predict_recording(recording, target=target)
         peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
@@ -104,7 +99,7 @@ def test_the_recipe_override_takes_float8_all_gather_and_the_precompute_too():
     fields = '"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": true, ' \
              '"precompute_float8_dynamic_scale_for_fsdp": true'
     _, after = _linears(
-        "debugmodel_float8", ("--override.imports", f"{_MODULE}.float8_recipe={{{fields}}}")
+        "debugmodel_float8", ("--override.imports", f"{FLOAT8_FACTORIES}.float8_recipe={{{fields}}}")
     )
     assert {type(cfg).__qualname__ for cfg in after.values()} == {"Float8AllGatherLinear.Config"}
     assert {cfg.precompute_float8_dynamic_scale_for_fsdp for cfg in after.values()} == {True}
@@ -114,8 +109,8 @@ def test_the_recipe_override_takes_float8_all_gather_and_the_precompute_too():
         ("recipe", "debugmodel_float8", "float8_recipe"),
         ("converted", "debugmodel", "float8_linears"),
     ):
-        extra = ("--override.imports", f"{_MODULE}.{factory}={{{fields}}}")
-        job = TorchtitanJob("llama3", config, _BASE + extra, world_size=2)
+        extra = ("--override.imports", f"{FLOAT8_FACTORIES}.{factory}={{{fields}}}")
+        job = TorchtitanJob("llama3", config, SMALL_STEP + extra, world_size=2)
         recording, _ = record_torchtitan_job(job, target=target, steps=2)
         prediction = predict_recording(recording, target=target)
         peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
@@ -125,4 +120,4 @@ def test_the_recipe_override_takes_float8_all_gather_and_the_precompute_too():
     with pytest.raises(ConfigError, match="precompute_float8_dynamic_scale_for_fsdp precomputes"):
         _linears("debugmodel_float8", (
             "--override.imports",
-            f'{_MODULE}.float8_recipe={{"precompute_float8_dynamic_scale_for_fsdp": true}}'))
+            f'{FLOAT8_FACTORIES}.float8_recipe={{"precompute_float8_dynamic_scale_for_fsdp": true}}'))

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import SMALL_STEP  # noqa: E402
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -47,18 +48,12 @@ _NORM_PARAMETERS = 5 * 256
 _STEP_BYTES = 17 * 4
 # Small steps: 2 sequences of 256 tokens; the 2024 runs' eager step (no CUDA graphs); DTensor
 # TP and FSDP2 over plain parameters (torch 2.13's fully_shard refuses spmd_types' annotations).
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
 _TP2 = ("--parallelism.tensor_parallel_degree", "2")
 _NO_AC = ("activation_checkpoint:none",)
 
 
 def _job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
-    return TorchtitanJob("llama3", "debugmodel", _BASE + extra, world_size=world_size, **fields)  # type: ignore[arg-type]
+    return TorchtitanJob("llama3", "debugmodel", SMALL_STEP + extra, world_size=world_size, **fields)  # type: ignore[arg-type]
 
 
 _TWO_BLOCKS = "oomkit_titan_two_blocks"
@@ -66,7 +61,7 @@ _TWO_BLOCKS = "oomkit_titan_two_blocks"
 
 def _two_blocks_job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
     return TorchtitanJob(
-        _TWO_BLOCKS, "debugmodel_two_blocks", _BASE + extra, world_size=world_size, **fields  # type: ignore[arg-type]
+        _TWO_BLOCKS, "debugmodel_two_blocks", SMALL_STEP + extra, world_size=world_size, **fields  # type: ignore[arg-type]
     )
 
 
@@ -319,7 +314,7 @@ def test_bad_world_or_rank_is_refused():
 @pytest.fixture(scope="module")
 def float8_recorded():
     """``llama3_debugmodel_float8`` (torchao Float8Linear, rowwise recipe) on FSDP 2, an H100."""
-    job = TorchtitanJob("llama3", "debugmodel_float8", _BASE, world_size=2)
+    job = TorchtitanJob("llama3", "debugmodel_float8", SMALL_STEP, world_size=2)
     return record_torchtitan_job(job, target=Target.resolve("h100"))
 
 
@@ -340,7 +335,7 @@ def test_float8_linears_run_scaled_mm_on_the_targets_capability(float8_recorded)
 
 def test_float8_on_a_gpu_without_fp8_is_refused_in_torchtitans_words():
     """An A100 (8.0) has no float8 matmuls: torchtitan's converter refuses, as on that GPU."""
-    job = TorchtitanJob("llama3", "debugmodel_float8", _BASE, world_size=2)
+    job = TorchtitanJob("llama3", "debugmodel_float8", SMALL_STEP, world_size=2)
     with pytest.raises(OomkitError, match="float8 is only supported on NVIDIA SM89 or later"):
         record_torchtitan_job(job, target=Target.resolve("A100 80GB SXM"))
 

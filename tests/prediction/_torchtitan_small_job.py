@@ -1,0 +1,42 @@
+"""What the torchtitan Float8 and job tests share (``tests/prediction`` is on ``sys.path``, as
+for ``_torchtitan_two_blocks``): the small step their jobs run, the module of oomkit's Float8
+override factories, and one debug-model block's parameters."""
+
+from __future__ import annotations
+
+import functools
+
+from oomkit.prediction._torchtitan_env import import_torchtitan
+
+__all__ = ["FLOAT8_FACTORIES", "SMALL_STEP", "debug_block_parameters", "debug_model_on_meta"]
+
+# The module ``--override.imports`` names for oomkit's Float8 factories.
+FLOAT8_FACTORIES = "oomkit.prediction._torchtitan_float8"
+
+# torchtitan overrides of a small step on fake ranks: 2 sequences of 256 tokens, DTensor
+# sharding, no CUDA graphs (the fake process group cannot capture one).
+SMALL_STEP = (
+    "--parallelism.spmd_backend", "partial_dtensor",
+    "--training.local_batch_size", "2",
+    "--training.seq_len", "256",
+    "--training.disable_cuda_graphs",
+)
+
+
+@functools.cache
+def debug_model_on_meta():
+    """torchtitan's llama3 ``debugmodel``, built on the meta device (read its sizes only)."""
+    import torch
+
+    registry = import_torchtitan("torchtitan.models.llama3.config_registry")
+    with torch.device("meta"):
+        return registry.llama3_debugmodel().model_spec.model.build()
+
+
+def debug_block_parameters() -> tuple[dict[str, int], dict[str, int]]:
+    """One debugmodel block's parameters, element counts: (linear weights, the rest)."""
+    linears: dict[str, int] = {}
+    others: dict[str, int] = {}
+    for name, param in debug_model_on_meta().layers["0"].named_parameters():
+        (linears if param.ndim == 2 else others)[name] = param.numel()
+    return linears, others
