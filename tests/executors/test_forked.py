@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _shared_snapshots import SHARED_FILES
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.replay import replay_snapshot
@@ -23,11 +24,8 @@ SETTINGS = (
 
 
 def _largest_shared_snapshot() -> Path | None:
-    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
-    folder = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
-    files = [p for p in folder.glob("*/*") if p.suffix in (".pickle", ".pkl")] if folder.is_dir() else []
     # The largest file below 2 MB: a real trace with thousands of events that replays in < 1 s.
-    small = [p for p in files if p.stat().st_size < 2_000_000]
+    small = [p for p in SHARED_FILES if p.stat().st_size < 2_000_000]
     return max(small, key=lambda p: p.stat().st_size) if small else None
 
 

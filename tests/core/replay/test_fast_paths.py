@@ -10,10 +10,10 @@ free against the plain paths.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from _shared_snapshots import SHARED_FILES, needs_shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,21 +37,6 @@ from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
 BASE = 0x7000_0000_0000
-
-
-def _shared_files() -> list[Path]:
-    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
-    folder = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.glob("*/*") if p.suffix in (".pickle", ".pkl"))
-
-
-SHARED_FILES = _shared_files()
-needs_shared = pytest.mark.skipif(
-    not SHARED_FILES, reason="the shared snapshots are not available (set OOMKIT_SHARED_SNAPSHOTS)"
-)
-
 
 # ---------------------------------------------------------------------------------------------
 # Seeding: index vs a plain scan

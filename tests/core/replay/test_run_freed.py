@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import weakref
-from pathlib import Path
 
 import pytest
+from _shared_snapshots import SHARED_FILES, needs_shared
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator
 from oomkit.core.replay import snapshot_replay
@@ -23,23 +22,6 @@ from oomkit.core.snapshot import load_snapshot
 
 MiB = 2**20
 BASE = 0x7000_0000_0000
-
-
-def _shared_files() -> list[Path]:
-    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
-    folder = (
-        Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
-    )
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.glob("*/*") if p.suffix in (".pickle", ".pkl"))
-
-
-SHARED_FILES = _shared_files()
-needs_shared = pytest.mark.skipif(
-    not SHARED_FILES, reason="the shared snapshots are not available (set OOMKIT_SHARED_SNAPSHOTS)"
-)
-
 
 def _largest_trace() -> tuple[object, int]:
     best = None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import os
 import tempfile
 from pathlib import Path
 
 import pytest
+from _shared_snapshots import SHARED_FILES, SHARED_SNAPSHOTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,19 +25,7 @@ VERSION = "2.5"
 # The real snapshots in ../shared/snapshots
 
 
-def _shared_dir() -> Path:
-    env = os.environ.get("OOMKIT_SHARED_SNAPSHOTS")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3].parent / "shared" / "snapshots"
-
-
-SHARED = _shared_dir()
-SHARED_FILES = (
-    sorted(p for p in SHARED.glob("*/*") if p.is_file() and p.suffix in (".pickle", ".pkl"))
-    if SHARED.is_dir()
-    else []
-)
+SHARED = SHARED_SNAPSHOTS
 # Recorded segment events (segment_alloc/free/map/unmap) per file, from the README's counts.
 SEGMENT_EVENTS = {
     "3e8aa21ab5__mem_snapshots_cuda_single_step.pickle": 1,
