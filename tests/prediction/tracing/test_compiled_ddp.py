@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _residual_mlp import ResidualMLP
 
 from oomkit.core.target import Target
 from oomkit.prediction.tracing.distributed import trace_distributed_step
@@ -19,21 +20,11 @@ TOKENS, HIDDEN, WIDE = 8 * 32, 64, 256
 WIDE_BYTES, HIDDEN_BYTES = TOKENS * WIDE * 4, TOKENS * HIDDEN * 4  # 262144, 65536
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, hidden: int = HIDDEN, wide: int = WIDE) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(hidden, wide)
-        self.down = torch.nn.Linear(wide, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _builder(compiled: bool, *, hidden: int = HIDDEN, wide: int = WIDE, bucket_cap_mb=None):
     def build(mesh):
         from torch.nn.parallel import DistributedDataParallel
 
-        model = torch.nn.Sequential(_Block(hidden, wide), _Block(hidden, wide))
+        model = torch.nn.Sequential(ResidualMLP(hidden, wide), ResidualMLP(hidden, wide))
         for block in model:
             if compiled:  # torchtitan apply_compile: in place, before DDP
                 block.compile(fullgraph=True)

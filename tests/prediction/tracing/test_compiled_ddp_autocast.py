@@ -13,6 +13,7 @@ backward", so it is saved, not recomputed), where eager keeps them in autocast's
 from __future__ import annotations
 
 import torch
+from _residual_mlp import ResidualMLP
 
 from oomkit.prediction.predictor import predict_recording
 from oomkit.prediction.tracing.distributed import trace_distributed_step
@@ -25,21 +26,11 @@ WEIGHT_CASTS_BYTES = 2 * 2 * HIDDEN * WIDE * BF16  # 2 blocks x (up, down): 2097
 BIAS_CASTS_BYTES = 2 * (WIDE + HIDDEN) * BF16  # 5120
 
 
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(HIDDEN, WIDE)
-        self.down = torch.nn.Linear(WIDE, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _builder(compiled: bool):
     def build(mesh):
         from torch.nn.parallel import DistributedDataParallel
 
-        model = torch.nn.Sequential(_Block(), _Block())
+        model = torch.nn.Sequential(ResidualMLP(HIDDEN, WIDE), ResidualMLP(HIDDEN, WIDE))
         if compiled:  # torchtitan apply_compile: in place, before DDP
             for block in model:
                 block.compile(fullgraph=True)

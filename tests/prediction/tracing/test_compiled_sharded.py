@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _residual_mlp import ResidualMLP
 
 from oomkit.core.target import Target
 from oomkit.prediction.tracing.distributed import trace_distributed_step
@@ -14,21 +15,11 @@ TOKENS, HIDDEN, WIDE = 8 * 32, 64, 256
 WIDE_BYTES, HIDDEN_BYTES = TOKENS * WIDE * 4, TOKENS * HIDDEN * 4  # 262144, 65536
 
 
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(HIDDEN, WIDE)
-        self.down = torch.nn.Linear(WIDE, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _builder(compiled: bool):
     def build(mesh):
         from torch.distributed.fsdp import fully_shard
 
-        model = torch.nn.Sequential(_Block(), _Block())
+        model = torch.nn.Sequential(ResidualMLP(HIDDEN, WIDE), ResidualMLP(HIDDEN, WIDE))
         for block in model:
             if compiled:  # torchtitan apply_compile: in place, before fully_shard
                 block.compile(fullgraph=True)
