@@ -43,8 +43,11 @@ class _Block(torch.nn.Module):
         return x + self.w2(torch.nn.functional.silu(self.w1(self.norm(x))))
 
 
-def _record(async_tp: bool, batch: int = B, width: int = D, hidden: int = F) -> Any:
-    import torch._inductor.config as inductor_config
+def _sequence_parallel_step(
+    mesh: Any, batch: int = B, width: int = D, hidden: int = F
+) -> tuple[Any, tuple[Any, ...]]:
+    """The block under torchtitan's TP plan (sequence-parallel norm, colwise w1, rowwise w2),
+    compiled whole; the step and what it keeps alive (the block, its input)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -52,6 +55,24 @@ def _record(async_tp: bool, batch: int = B, width: int = D, hidden: int = F) -> 
         SequenceParallel,
         parallelize_module,
     )
+
+    block = _Block(width, hidden)
+    parallelize_module(block, mesh, {
+        "norm": SequenceParallel(),
+        "w1": ColwiseParallel(input_layouts=Shard(1)),
+        "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    })
+    block.compile(fullgraph=True)
+    x = torch.randn(batch, S // 2, width, requires_grad=True)
+
+    def step() -> None:
+        block(DTensor.from_local(x, mesh, [Shard(1)])).to_local().sum().backward()
+
+    return step, (block, x)
+
+
+def _record(async_tp: bool, batch: int = B, width: int = D, hidden: int = F) -> Any:
+    import torch._inductor.config as inductor_config
 
     def build(mesh: Any) -> tuple[Any, ...]:
         if async_tp:  # torchtitan/distributed/compile.py _maybe_enable_async_tp
@@ -61,19 +82,7 @@ def _record(async_tp: bool, batch: int = B, width: int = D, hidden: int = F) -> 
                 warnings.simplefilter("ignore", FutureWarning)
                 enable_symm_mem_for_group(mesh.get_group().group_name)
             inductor_config._micro_pipeline_tp = True
-        block = _Block(width, hidden)
-        parallelize_module(block, mesh, {
-            "norm": SequenceParallel(),
-            "w1": ColwiseParallel(input_layouts=Shard(1)),
-            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
-        block.compile(fullgraph=True)
-        x = torch.randn(batch, S // 2, width, requires_grad=True)
-
-        def step() -> None:
-            block(DTensor.from_local(x, mesh, [Shard(1)])).to_local().sum().backward()
-
-        return step, (block, x)
+        return _sequence_parallel_step(mesh, batch, width, hidden)
 
     torch._dynamo.reset()  # each size compiles afresh (no recompile limit across examples)
     with async_tp_state_kept():
@@ -221,30 +230,12 @@ def test_preset_helper_turns_the_pass_on_for_the_step_only() -> None:
     """models/async_tp.py with_async_tp (for the preset route): the step compiles with the pass
     on, as torchtitan's _maybe_enable_async_tp leaves it, and the flag is off again after."""
     import torch._inductor.config as inductor_config
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
 
     from oomkit.prediction.models.async_tp import with_async_tp
 
     def build(mesh: Any) -> tuple[Any, ...]:
-        block = _Block()
-        parallelize_module(block, mesh, {
-            "norm": SequenceParallel(),
-            "w1": ColwiseParallel(input_layouts=Shard(1)),
-            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
-        block.compile(fullgraph=True)
-        x = torch.randn(B, S // 2, D, requires_grad=True)
-
-        def step() -> None:
-            block(DTensor.from_local(x, mesh, [Shard(1)])).to_local().sum().backward()
-
-        return with_async_tp(step, mesh), (block, x)
+        step, alive = _sequence_parallel_step(mesh)
+        return with_async_tp(step, mesh), alive
 
     recording = trace_distributed_step(
         build, world_size=2, target=Target.resolve("h100"), compile=True,
