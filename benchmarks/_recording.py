@@ -90,7 +90,8 @@ def make_recording(
             live.append(ptr)
         else:
             ptr = live.pop(rng.randrange(len(live)))
-            block = allocator._active[ptr]
+            block = allocator.active_block(ptr)
+            assert block is not None
             trace.append(TraceEvent("free_requested", ptr, block.requested_size))
             trace.append(TraceEvent("free_completed", ptr, block.requested_size))
             allocator.free(ptr)

@@ -3,8 +3,8 @@
 A wheel built from this repository (``pip install .``, ``pip wheel .``) is compiled by
 ``setup.py``, which calls :func:`compile_core` on the wheel's build folder; the editable install
 of the dev set-up stays pure Python. This script compiles the modules that
-every malloc and free runs (blocks, pools, best fit, the allocator, its constants, stats,
-settings and device memory), the seeding and ``snapshot()`` of every replay (state) and the
+every malloc and free runs (blocks, the active blocks, pools, best fit, the allocator, its
+constants, stats, settings and device memory), the seeding and ``snapshot()`` of every replay (state) and the
 replay loop itself (``core/replay/engine.py``, issue 41) into C extensions placed beside their
 sources in ``src/``; Python then imports them in
 place of the ``.py`` files, and removing them (``--clean``) brings the pure-Python modules back.
@@ -46,6 +46,8 @@ PACKAGE = SRC / "oomkit" / "core" / "allocator"
 # instructions of a real-trace verify (issue 19, measured with valgrind's cachegrind).
 MODULES = (
     "core/allocator/block",
+    # The active blocks (issue 41): malloc and free add and remove a block with native calls.
+    "core/allocator/active_blocks",
     "core/allocator/pools",
     "core/allocator/best_fit",
     "core/allocator/caching_allocator",

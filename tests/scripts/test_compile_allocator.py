@@ -58,7 +58,7 @@ def test_the_compiled_modules_are_the_hot_path():
     script = _script()
     assert set(script.MODULES) == {
         *(f"core/allocator/{name}" for name in (
-            "block", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings",
+            "block", "active_blocks", "pools", "best_fit", "caching_allocator", "constants", "stats", "settings",
             "state", "device_memory",
         )),
         "core/replay/engine",

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator.pools import NATIVE
 from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
@@ -52,11 +53,25 @@ PEAK_KEYS = [
 
 
 def check_invariants(a: CachingAllocator) -> None:
-    # Block.boxed_ptr (the active blocks' dict key) follows ptr through splits, merges, maps
-    # and unmaps.
-    for block in a._held_blocks():
-        assert block.boxed_ptr == block.ptr, f"{block!r}: boxed_ptr {block.boxed_ptr:#x}"
-    assert all(key == block.ptr for key, block in a._active.items())
+    # Every active block knows its place in the active list, every other block has none, and
+    # the map by address (when made) holds exactly the active blocks.
+    active = a.active_blocks.blocks
+    assert all(block.active_index == i for i, block in enumerate(active))
+    inactive = [b for b in a._held_blocks() if b.active_index >= 0 and b not in active]
+    assert not inactive
+    assert all((b.allocated or b.event_count > 0 or b.stream_uses) for b in active)
+    if a.active_blocks.by_address is not None:
+        assert a.active_blocks.by_address == {block.ptr: block for block in active}
+    # A stream's free blocks: one head per size, in size order; the pure build keeps their
+    # sizes beside them for bisect, the compiled one reads the blocks (pools.first_fit).
+    pools = [a._small, a._large]
+    for private in a._private.pools.values():
+        pools += (private.small, private.large)
+    for pool in pools:
+        for sf in pool.streams.values():
+            head_sizes = [head.size for head in sf.heads]
+            assert head_sizes == sorted(set(head_sizes))
+            assert sf.sizes == ([] if NATIVE else head_sizes)
     s = a.memory_stats()
     snap = a.snapshot()
     segment_count = {"small": 0, "large": 0}
@@ -211,9 +226,10 @@ def test_random_sequences_keep_invariants(config_index, limit, program):
 
 
 @pytest.mark.parametrize("expandable", [False, True])
-def test_boxed_ptr_follows_ptr_through_splits_merges_and_unmaps(expandable):
-    """Block.boxed_ptr, the active blocks' key, equals ptr after a split (the remainder moves
-    up), a merge with the block before (the merged block moves down) and an unmap."""
+def test_active_blocks_follow_splits_merges_and_unmaps(expandable):
+    """The active blocks (and their map by address, once made) stay exact through a split (the
+    remainder moves up), a merge with the block before (the merged block moves down) and an
+    unmap."""
     a = CachingAllocator(AllocatorConfig(expandable_segments=expandable))
     x, y, z = (a.malloc(3 * MiB) for _ in range(3))
     a.free(x)
@@ -225,7 +241,8 @@ def test_boxed_ptr_follows_ptr_through_splits_merges_and_unmaps(expandable):
     a.free(w)
     a.empty_cache()  # expandable: the pages are unmapped
     check_invariants(a)
-    assert a._active == {}
+    assert len(a.active_blocks) == 0 and a.active_blocks.by_address == {}
     v = a.malloc(3 * MiB)
-    assert list(a._active) == [v]
+    assert [block.ptr for block in a.active_blocks.values()] == [v]
+    assert a.active_blocks.get(v) is a.active_blocks.blocks[0]
     check_invariants(a)

@@ -8,7 +8,7 @@ step 3.3) and the oversize rules of ``max_split_size`` (§4 steps 3.4-3.5).
 from __future__ import annotations
 
 from oomkit.core.allocator.block import Block
-from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, first_at_least
+from oomkit.core.allocator.pools import BlockPool, StreamFreeBlocks, first_fit
 from oomkit.core.allocator.settings import AllocatorSettings
 
 __all__ = ["checked_free_block", "find_free_block"]
@@ -37,7 +37,7 @@ def checked_free_block(
         block: the best fit by size (the first block of ``sf`` with ``size >= size``).
         size: the rounded request.
         expandable_active: None means the config's setting (Step 7 passes False).
-        index: ``block``'s size index in ``sf.sizes`` (the lookup's), else -1.
+        index: ``block``'s index in ``sf.heads`` (the lookup's), else -1.
 
     Returns:
         The block, taken out of the pool, or None.
@@ -91,11 +91,11 @@ def find_free_block(
         # Step 3.1: the GC clock ticks on every lookup while GC is enabled.
         pool.gc_clock += 1
     sf = pool.last_free if stream == pool.last_stream else pool.stream_free(stream)
-    sizes = sf.sizes
-    i = first_at_least(sizes, size)
-    if i == len(sizes):
+    heads = sf.heads
+    i = first_fit(sf, size)
+    if i == len(heads):
         return None
-    block = sf.heads[i]
+    block = heads[i]
     if block.segment.expandable or settings.split_limited:
         return checked_free_block(settings, pool, sf, block, size, expandable_active, i)
     # A classic block without max_split_size: no rule of Step 3.3-3.5 applies, the best fit is

@@ -79,7 +79,7 @@ class Block:
         "tie",
         "same",
         "key",
-        "boxed_ptr",
+        "active_index",
     )
 
     def __init__(self, ptr: int, size: int, stream: int, segment: Segment) -> None:
@@ -103,10 +103,9 @@ class Block:
         self.same: Block | None = None
         # Its entry in a pool's unmapped set, or None when not there.
         self.key: tuple[Any, ...] | None = None
-        # ``ptr`` as an object, made when ``ptr`` is set: the allocator's active blocks are
-        # keyed by it, so a compiled malloc or free neither boxes the address again nor
-        # compares two equal integer objects in the dict (issue 41). Set with ``ptr``, always.
-        self.boxed_ptr: Any = ptr
+        # Its place in the allocator's active blocks while it is active, else -1
+        # (active_blocks.py).
+        self.active_index = -1
 
     def is_split(self) -> bool:
         """Block::is_split: the segment holds more than this one block."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from oomkit.core.allocator import stats as st
+from oomkit.core.allocator.active_blocks import ActiveBlocks
 from oomkit.core.allocator.best_fit import find_free_block
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.cache_miss import CacheMiss
@@ -122,17 +123,18 @@ class CachingAllocator(StatsApi):
         by_counter = rules.tie_break_by_creation_order
         self._small = BlockPool(True, by_counter)
         self._large = BlockPool(False, by_counter)
-        # active_blocks: allocated blocks and blocks whose free waits on events, by address.
-        self._active: dict[Any, Block] = {}  # by Block.boxed_ptr, an object stored as is
-        self._events = PendingFrees(self._active, self._free_block, stats)
+        # active_blocks (and allocated_blocks, the map by address, made when first asked):
+        # callers read it, the allocator changes it.
+        self.active_blocks = ActiveBlocks()
+        self._events = PendingFrees(self.active_blocks, self._free_block, stats)
         release_parts = (settings, dev, exp, self._private, self._events)
-        self._release = CacheRelease((self._small, self._large), self._active, release_parts)
+        self._release = CacheRelease((self._small, self._large), self.active_blocks, release_parts)
         self._process_memory = process_memory
         self.pid = os.getpid() if pid is None else pid
         miss_parts = (settings, stats, dev, exp, self._release, self._private)
         self._miss = CacheMiss(rules, device, miss_parts, self.process_memory_info)
         self._seed_target = SeedTarget(
-            self._small, self._large, self._active, dev, exp, stats, settings, self._held_blocks
+            self._small, self._large, self.active_blocks, dev, exp, stats, settings, self._held_blocks
         )
         # DeviceCachingAllocator ctor: stats.max_split_size is captured once (§10.2, §13.26).
         self._max_split_stat = -1 if settings.max_split == SIZE_MAX else settings.max_split
@@ -249,7 +251,6 @@ class CachingAllocator(StatsApi):
             new.next = block
             block.prev = new
             block.ptr += size
-            block.boxed_ptr = block.ptr
             block.size = remaining
             # insert_into_blocks: the remainder goes back with a fresh GC base.
             pool.insert(block)
@@ -282,7 +283,7 @@ class CachingAllocator(StatsApi):
             sp.inactive_split_freed += 1
         block.allocated = True
         block.requested_size = nbytes
-        self._active[block.boxed_ptr] = block
+        self.active_blocks.add(block)
         bsize = block.size
         # alloc_found_block: allocation, allocated_bytes, active, active_bytes, requested_bytes.
         c = sp.allocation + 1
@@ -344,22 +345,22 @@ class CachingAllocator(StatsApi):
         Raises:
             AllocatorUsageError: ``ptr`` is not a live allocation.
         """
-        block = self._active.get(ptr)
+        block = self.active_blocks.get(ptr)
         if block is None:
             if ptr == 0 and type(ptr) is int:
                 return
-            raise AllocatorUsageError(not_live_message(self._active, ptr, "free"))
+            raise AllocatorUsageError(not_live_message(self.active_blocks, ptr, "free"))
         self.free_served(block, bool(deferred))
 
     def active_block(self, ptr: int) -> Block | None:
         """The active block at address ``ptr`` (allocated, or freed with its free pending), or
         None: what a replay holds for an id that was live before it (:meth:`free_served`)."""
-        return self._active.get(ptr)
+        return self.active_blocks.get(ptr)
 
     def free_served(self, block: Block, deferred: bool = False) -> None:
         """:meth:`free` of a block :meth:`serve_block` returned (AllocatorUsageError as there)."""
         if not block.allocated:
-            raise AllocatorUsageError(not_live_message(self._active, block.ptr, "free"))
+            raise AllocatorUsageError(not_live_message(self.active_blocks, block.ptr, "free"))
         block.allocated = False
         size = block.size
         if self._settings.split_limited and size >= self._settings.max_split:
@@ -381,7 +382,7 @@ class CachingAllocator(StatsApi):
         kind = SMALL_POOL if segment.is_small else LARGE_POOL
         original_size = block.size
         requested = block.requested_size
-        del self._active[block.boxed_ptr]
+        self.active_blocks.remove(block)
         # try_merge_blocks with prev, then with next; insert_into_blocks resets the GC base.
         net_blocks = -pool.merge_free_neighbours(block)
         pool.insert(block)
@@ -549,7 +550,7 @@ class CachingAllocator(StatsApi):
     # ------------------------------------------------------------------ state
 
     def _held_blocks(self) -> Iterator[Block]:
-        return all_blocks(self._small, self._large, self._private.pools.values(), self._active)
+        return all_blocks(self._small, self._large, self._private.pools.values(), self.active_blocks)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The segments as ``torch.cuda.memory._snapshot()["segments"]`` lists them (torch/cuda/memory.py _snapshot).
@@ -566,7 +567,7 @@ class CachingAllocator(StatsApi):
         pools = [self._small, self._large]
         for private in self._private.pools.values():
             pools += (private.small, private.large)
-        unlink_all(pools, self._active)
+        unlink_all(pools, self.active_blocks)
         self._events.forget()
         self._device.segments.clear()
         self._expandable.segments.clear()

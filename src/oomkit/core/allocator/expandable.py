@@ -217,7 +217,6 @@ class ExpandableSegments:
             block.next = after_free
             pool.insert(after_free)
         block.ptr = unmapped_ptr
-        block.boxed_ptr = unmapped_ptr
         block.size = unmapped
         block.mapped = False
         pool.merge_free_neighbours(block)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from oomkit.core.allocator.active_blocks import ActiveBlocks
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.stats import AllocatorStats
 from oomkit.errors import AllocatorUsageError
@@ -23,7 +24,7 @@ __all__ = ["PendingFrees", "not_live_message"]
 _DEFERRED = object()
 
 
-def not_live_message(active: dict[int, Block], ptr: object, what: str) -> str:
+def not_live_message(active: ActiveBlocks, ptr: object, what: str) -> str:
     """The error message for a ``ptr`` that is not a live allocation."""
     if isinstance(ptr, int) and ptr in active:
         return (
@@ -41,7 +42,7 @@ class PendingFrees:
     """Per stream (and one queue for deferred frees), the blocks waiting on an event there (FIFO).
 
     Args:
-        active: the allocator's active blocks by address.
+        active: the allocator's active blocks.
         free_block: the allocator's free_block (§5.2), called when a block's last event completes.
         stats: the allocator's stats (``num_sync_all_streams``).
     """
@@ -49,7 +50,7 @@ class PendingFrees:
     __slots__ = ("_queues", "_active", "_free_block", "_stats")
 
     def __init__(
-        self, active: dict[int, Block], free_block: Callable[[Block], None], stats: AllocatorStats
+        self, active: ActiveBlocks, free_block: Callable[[Block], None], stats: AllocatorStats
     ) -> None:
         self._queues: dict[object, dict[int, Block]] = {}
         self._active = active

@@ -5,11 +5,13 @@ PyTorch keeps a pool's free, mapped blocks in one ``std::set`` ordered by
 ``(stream, size, registration_counter, address)`` in MAIN26 (§3.6). The simulator stores the
 same order in a shape that makes the best-fit lookup cheap in Python:
 
-* per stream, a plain sorted ``list`` of the distinct free sizes (searched by
-  :func:`first_at_least`: ``bisect`` in pure Python, a native binary search compiled), and
-* per (stream, size), the blocks of that size as a chain: the first (lowest tie) at the
-  size's index in a list beside the sizes (one search finds both; no dict), each linking to
-  the next by ``block.same``. They are in ``block.tie`` order: the address, or
+* per stream, a plain ``list`` of the first free block of each distinct size, in size order,
+  searched by size by :func:`first_fit`: compiled, a native binary search reading the blocks'
+  ``size`` fields; interpreted, ``bisect``'s C loop over a list of those sizes kept beside the
+  blocks (``sizes``, kept by the pure-Python build only: its searches over ints are 4x faster
+  than over fields, and a compiled build would box every size into it, issue 41), and
+* per (stream, size), the blocks of that size as a chain from that first (lowest tie) block,
+  each linking to the next by ``block.same``. They are in ``block.tie`` order: the address, or
   ``counter << 64 | address`` for the 2026 order (addresses are < 2^64, so the integer orders
   exactly like the pair). The tie is an int field of the block, set when it enters the set (-1
   while it is not there): no entry objects, no list per size (most sizes hold one free block,
@@ -34,6 +36,9 @@ from typing import TYPE_CHECKING, Final
 from oomkit.core.allocator.block import Block
 
 if TYPE_CHECKING:
+    # Native 64-bit integers for mypyc (an annotation only: never imported at run time).
+    from mypy_extensions import i64
+
     from oomkit.core.allocator.private_pools import PrivatePool
 
 __all__ = ["BlockPool", "StreamFreeBlocks"]
@@ -42,17 +47,19 @@ __all__ = ["BlockPool", "StreamFreeBlocks"]
 class StreamFreeBlocks:
     """The free blocks of one stream in one pool."""
 
-    __slots__ = ("sizes", "heads")
+    __slots__ = ("heads", "sizes")
 
     def __init__(self) -> None:
-        self.sizes: list[int] = []
-        # heads[i]: the first block of size sizes[i] (its chain goes on by ``block.same``).
+        # The first block of each free size, in size order (each chain goes on by
+        # ``block.same``): heads[i].size < heads[i + 1].size.
         self.heads: list[Block] = []
+        # [head.size for head in heads], kept only when not NATIVE (first_fit).
+        self.sizes: list[int] = []
 
     def iter_from(self, size: int) -> Iterator[Block]:
         """The blocks with ``block.size >= size`` in set order."""
         heads = self.heads
-        for i in range(first_at_least(self.sizes, size), len(heads)):
+        for i in range(first_fit(self, size), len(heads)):
             block: Block | None = heads[i]
             while block is not None:
                 yield block
@@ -71,22 +78,45 @@ class StreamFreeBlocks:
 
 def first_at_least(sizes: list[int], size: int) -> int:
     """``bisect_left(sizes, size)``: the index of the first of the sorted ``sizes`` that is at
-    least ``size`` (where ``size`` is, or goes).
+    least ``size`` (where ``size`` is, or goes); seeding searches its held ranges' starts here.
 
-    Every best-fit lookup, insert and removal searches a stream's sizes here (and seeding its
-    held ranges' starts). Compiled (:data:`NATIVE`), the binary search below runs on native
-    integers: a call to ``bisect`` would box the size, call through the module's globals and
-    compare boxed integers (issue 41: a quarter of a compiled verify's instructions).
-    Interpreted, the same loop in bytecode costs four times ``bisect``'s C loop, so the pure
-    build calls that: one search, either way.
+    Compiled (:data:`NATIVE`), the binary search below runs on native integers: a call to
+    ``bisect`` would box the size, call through the module's globals and compare boxed
+    integers. Interpreted, the same loop in bytecode costs four times ``bisect``'s C loop, so
+    the pure build calls that: one search, either way.
     """
     if not NATIVE:
         return bisect_left(sizes, size)
-    lo = 0
-    hi = len(sizes)
+    # Native 64-bit indices: no tagged-integer checks on the bounds (issue 41).
+    lo: i64 = 0
+    hi: i64 = len(sizes)
     while lo < hi:
         mid = (lo + hi) >> 1
         if sizes[mid] < size:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def first_fit(sf: StreamFreeBlocks, size: int) -> int:
+    """The index in ``sf.heads`` of the first block of at least ``size`` bytes (where a block
+    of ``size`` is, or goes): :func:`first_at_least` over the heads' sizes.
+
+    Every best-fit lookup, insert and removal searches a stream's free sizes here. Compiled,
+    each step reads a block's native ``size`` field: no list of boxed sizes to unbox, insert
+    into and delete from (issue 41: a tenth of a compiled verify's instructions).
+    Interpreted, ``bisect`` on ``sf.sizes`` (a key function per step would cost more than
+    keeping that list).
+    """
+    if not NATIVE:
+        return bisect_left(sf.sizes, size)
+    heads = sf.heads
+    lo: i64 = 0
+    hi: i64 = len(heads)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if heads[mid].size < size:
             lo = mid + 1
         else:
             hi = mid
@@ -164,10 +194,9 @@ class BlockPool:
         stream = block.stream
         sf = self.last_free if stream == self.last_stream else self.stream_free(stream)
         size = block.size
-        sizes = sf.sizes
-        i = first_at_least(sizes, size)
-        if i < len(sizes) and sizes[i] == size:
-            heads = sf.heads
+        heads = sf.heads
+        i = first_fit(sf, size)
+        if i < len(heads) and heads[i].size == size:
             head = heads[i]
             if tie < head.tie:
                 # Most blocks freed into a chain go to its front (its lowest tie).
@@ -182,8 +211,9 @@ class BlockPool:
                 block.same = after
                 prev.same = block
         else:
-            sizes.insert(i, size)
-            sf.heads.insert(i, block)
+            heads.insert(i, block)
+            if not NATIVE:
+                sf.sizes.insert(i, size)
         self.count += 1
 
     def merge_free_neighbours(self, block: Block) -> int:
@@ -213,7 +243,6 @@ class BlockPool:
                     self.remove_unmapped(src)
                 if before:
                     block.ptr = src.ptr
-                    block.boxed_ptr = src.boxed_ptr
                     prev = block.prev = src.prev
                     if prev is not None:
                         prev.next = block
@@ -231,22 +260,24 @@ class BlockPool:
     def remove(self, block: Block, index: int = -1) -> None:
         """Take a free block out of the set (its size must be the one it was inserted with).
 
-        ``index``: the block's size index in its stream's ``sizes`` when the caller has just
+        ``index``: the block's size index in its stream's ``heads`` when the caller has just
         found it there (the best fit), else -1.
         """
         assert block.tie >= 0, "removing a block that is not in the free set"
         stream = block.stream
         sf = self.last_free if stream == self.last_stream else self.stream_free(stream)
-        sizes = sf.sizes
-        i = index if index >= 0 else first_at_least(sizes, block.size)
         heads = sf.heads
+        i = index if index >= 0 else first_fit(sf, block.size)
         head = heads[i]
         if head is block:
             # The best fit is a chain's first block.
             after = block.same
             if after is None:
-                del sizes[i]
-                del heads[i]
+                # pop(i), not del: compiled, a native call with the native index (del boxes
+                # the index and goes through the generic item deletion, issue 41).
+                heads.pop(i)
+                if not NATIVE:
+                    sf.sizes.pop(i)
             else:
                 heads[i] = after
         else:

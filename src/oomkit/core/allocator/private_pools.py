@@ -29,7 +29,7 @@ from oomkit.core.allocator.pools import BlockPool
 from oomkit.errors import AllocatorUsageError
 
 if TYPE_CHECKING:
-    from oomkit.core.allocator.block import Block
+    from oomkit.core.allocator.active_blocks import ActiveBlocks
     from oomkit.core.allocator.versions import TorchBehaviour
 
 __all__ = ["MempoolId", "PrivatePool", "PrivatePools"]
@@ -317,7 +317,7 @@ class PrivatePools:
         pool_id: MempoolId | None,
         release_blocks: Callable[[BlockPool], None],
         synchronize_pool_events: Callable[[PrivatePool], None],
-        active: dict[int, Block],
+        active: ActiveBlocks,
     ) -> None:
         """The private part of release_cached_blocks: freeable pools (or just ``pool_id``).
 
@@ -339,7 +339,7 @@ class PrivatePools:
                 del self.freeable[pid]
 
 
-def _holds_nothing(pool: PrivatePool, active: dict[int, Block]) -> bool:
+def _holds_nothing(pool: PrivatePool, active: ActiveBlocks) -> bool:
     """No block of any kind is left in the pool (guards the deletion of a freeable pool).
 
     PyTorch deletes at ``cudaMalloc_count == 0``; with expandable segments that count moves

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from oomkit.core.allocator.active_blocks import ActiveBlocks
 from oomkit.core.allocator.block import Block
 from oomkit.core.allocator.constants import SIZE_MAX
 from oomkit.core.allocator.device_memory import DeviceMemory
@@ -58,7 +59,7 @@ class CacheRelease:
     def __init__(
         self,
         default_pools: tuple[BlockPool, BlockPool],
-        active: dict[int, Block],
+        active: ActiveBlocks,
         parts: tuple[
             AllocatorSettings, DeviceMemory, ExpandableSegments, PrivatePools, PendingFrees
         ],

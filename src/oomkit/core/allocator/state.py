@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
+from oomkit.core.allocator.active_blocks import ActiveBlocks
 from oomkit.core.allocator.block import Block, Segment
 from oomkit.core.allocator.constants import SMALL_BUFFER
 from oomkit.core.allocator.device_memory import DeviceMemory
@@ -56,7 +57,7 @@ def all_blocks(
     small: BlockPool,
     large: BlockPool,
     private_pools: Iterable[PrivatePool],
-    active: dict[int, Block],
+    active: ActiveBlocks,
 ) -> Iterator[Block]:
     """get_all_blocks: default pools, every private pool (§3.5), then the active blocks."""
     for pool in (small, large):
@@ -138,7 +139,9 @@ def snapshot_keys(
     keys = []
     for seg in segments:
         blocks = []
-        for b in seg["blocks"]:
+        # Typed, so a compiled build iterates a list and reads dicts natively (issue 41).
+        seg_blocks: list[dict[str, Any]] = seg["blocks"]
+        for b in seg_blocks:
             blocks.append((b["address"], b["size"], b["state"]))
         keys.append(
             (
@@ -154,7 +157,7 @@ def snapshot_keys(
     return keys
 
 
-def unlink_all(pools: Iterable[BlockPool], active: dict[int, Block]) -> None:
+def unlink_all(pools: Iterable[BlockPool], active: ActiveBlocks) -> None:
     """Empty ``pools`` and ``active`` and cut every block's links to its neighbours.
 
     Blocks link to their neighbours both ways (and to their pool through their segment), so a
@@ -227,7 +230,7 @@ class SeedTarget:
 
     small: BlockPool
     large: BlockPool
-    active: dict[int, Block]
+    active: ActiveBlocks
     device: DeviceMemory
     expandable: ExpandableSegments
     stats: AllocatorStats
@@ -359,6 +362,9 @@ def _seed_checked(
     device = target.device
     stats = target.tally
     max_split = target.settings.max_split
+    # Without max_split_size, max_split is SIZE_MAX, a big integer in compiled code: the flag is
+    # tested before a size is compared with it (a generic comparison per block, issue 41).
+    split_limited = target.settings.split_limited
     if expandable:
         segment, before, after = _seed_reservation(
             target.expandable, pool, address, total_size, stream
@@ -391,7 +397,7 @@ def _seed_checked(
     if not expandable:
         device.segments[address] = segment
         stats.up(kind, SEGMENT, 1)
-        if total_size >= max_split:
+        if split_limited and total_size >= max_split:
             stats.up_all(OVERSIZE_SEGMENTS, 1)
     split = len(chain) > 1
     # Seeding only increases the stats, so one increase per stat and segment leaves the same
@@ -402,11 +408,11 @@ def _seed_checked(
     active = target.active
     for block in chain:
         if block.allocated:
-            active[block.ptr] = block
+            active.add(block)
             allocations += 1
             allocated_bytes += block.size
             requested_bytes += block.requested_size
-            if block.size >= max_split:
+            if split_limited and block.size >= max_split:
                 oversize += 1
         else:
             pool.insert(block)

@@ -13,7 +13,7 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.allocator.block import Block
@@ -29,6 +29,10 @@ from oomkit.core.replay.hooks import ReplayHooks, overridden
 from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import AllocatorUsageError, OomkitError
+
+if TYPE_CHECKING:
+    # Native 64-bit integers for mypyc (an annotation only: never imported at run time).
+    from mypy_extensions import i64
 
 __all__ = ["CREATE", "RELEASE", "SEGMENT_ACTIONS", "ReplayEngine", "ReplayHooks", "gc_paused"]
 
@@ -147,23 +151,32 @@ class ReplayEngine:
         Raises:
             AllocatorUsageError: the allocator has no active block at ``ptr``.
         """
-        block = self.allocator.active_block(ptr)
+        self._hold_block(trace_id, ptr, self.allocator.active_block(ptr), pending)
+
+    def hold_seeded(self, held: Iterable[tuple[int, bool]]) -> None:
+        """:meth:`hold` for each ``(address, pending)`` of a seeded start state, with the
+        address as its id; a pending block is first freed with its completion deferred (§15.8).
+        One call per replay, not two per block from interpreted code (issue 41).
+
+        The seeded blocks are found by address in a map made here, once: asking the allocator
+        by address would make it keep its own map for the whole replay (``active_blocks.py``).
+        """
+        allocator = self.allocator
+        seeded = {block.ptr: block for block in allocator.active_blocks.values()}
+        for address, pending in held:
+            block = seeded.get(address)
+            if pending and block is not None:
+                allocator.free_served(block, True)
+            self._hold_block(address, address, block, pending)
+
+    def _hold_block(self, trace_id: Any, ptr: int, block: Block | None, pending: bool) -> None:
+        """:meth:`hold` of the active ``block`` found at ``ptr`` (None: none there)."""
         if block is None:
             raise AllocatorUsageError(
                 f"hold: the allocator has no block at {ptr:#x} for id {trace_id!r}; hold only "
                 "addresses it handed out (or seeded) and has not freed."
             )
         (self._held_pending if pending else self._held_live)[trace_id] = block
-
-    def hold_seeded(self, held: Iterable[tuple[int, bool]]) -> None:
-        """:meth:`hold` for each ``(address, pending)`` of a seeded start state, with the
-        address as its id; a pending block is first freed with its completion deferred (§15.8).
-        One call per replay, not two per block from interpreted code (issue 41)."""
-        allocator = self.allocator
-        for address, pending in held:
-            if pending:
-                allocator.free(address, deferred=True)
-            self.hold(address, address, pending=pending)
 
     @property
     def live(self) -> dict[Any, int]:
@@ -248,10 +261,13 @@ class ReplayEngine:
         addresses = columns.addresses
         sizes = columns.sizes
         streams = columns.streams
-        n = len(actions)
+        # Native 64-bit positions (compiled: the column reads index with machine integers, no
+        # tagged-integer arithmetic per event, issue 41).
+        n: i64 = len(actions)
         index = base - 1
-        i = 0
-        k = 0  # allocs fed: their index in sizes, streams and addresses
+        i: i64 = 0
+        k: i64 = 0  # allocs fed: their index in sizes, streams and addresses
+        slot: i64 = 0
         completed = False  # the event is the completion of the free just done
         try:
             for i in range(n):
