@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oomkit.core.allocator.block import Block, Segment
-from oomkit.core.allocator.pools import BlockPool, first_at_least
+from oomkit.core.allocator.pools import BlockPool, first_at_least, first_fit
 
 MiB = 2**20
 
@@ -122,3 +122,27 @@ def test_first_at_least_at_the_ends():
     assert first_at_least([1024, 4096], 512) == 0
     assert first_at_least([1024, 4096], 2048) == 1
     assert first_at_least([1024, 4096], 8192) == 2
+
+
+@given(
+    st.lists(st.integers(min_value=1, max_value=2**40).map(lambda n: n * 512), max_size=40),
+    st.integers(min_value=0, max_value=2**49 + 1),
+)
+def test_first_fit_is_bisect_left_over_the_free_sizes(sizes: list[int], size: int) -> None:
+    """Inserting free blocks of ``sizes`` leaves one chain head per size, in size order, and
+    first_fit (the blocks' fields read natively when compiled, bisect on the pure build's
+    list of sizes) finds where ``size`` is or goes, as bisect_left over the distinct sizes."""
+    pool = BlockPool(False, False)
+    address = 0x7F0000000000
+    for block_size in sizes:
+        pool.insert(Block(address, block_size, 0, _segment(pool, address, block_size)))
+        address += block_size
+    sf = pool.stream_free(0)
+    distinct = sorted(set(sizes))
+    assert [head.size for head in sf.heads] == distinct
+    assert first_fit(sf, size) == bisect_left(distinct, size)
+    for i, present in enumerate(distinct):
+        assert first_fit(sf, present) == i
+    for block in list(pool.ordered()):
+        pool.remove(block)
+    assert sf.heads == [] and sf.sizes == [] and len(pool) == 0

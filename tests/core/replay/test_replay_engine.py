@@ -9,7 +9,7 @@ import pytest
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay import ReplayEngine, ReplayHooks, simulate_events
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import OomkitError, TraceFormatError
+from oomkit.errors import AllocatorUsageError, OomkitError, TraceFormatError
 
 MiB = 2**20
 
@@ -254,3 +254,25 @@ def test_hold_seeded_holds_live_and_pending_blocks_by_address():
     stats = allocator.memory_stats()
     assert stats["active_bytes.all.current"] == 0
     assert stats["allocated_bytes.all.current"] == 0
+
+
+@pytest.mark.parametrize("order", ["seeded", "reversed", "one missing"])
+def test_hold_seeded_finds_each_block_in_order_or_not(order):
+    """hold_seeded finds the blocks by their place when ``held`` lists them in the order they
+    became active, and by a map of its own otherwise; the allocator never makes its map by
+    address, and an address it does not hold is refused."""
+    allocator = CachingAllocator()
+    ptrs = [allocator.serve_block(size, 0).ptr for size in (3 * MiB, 512, 5 * MiB)]
+    held = [(ptr, i == 1) for i, ptr in enumerate(ptrs)]
+    if order == "reversed":
+        held.reverse()
+    engine = ReplayEngine(allocator, ReplayHooks(), deferred_frees=True)
+    if order == "one missing":
+        with pytest.raises(AllocatorUsageError, match="no block at 0x1000"):
+            engine.hold_seeded([*held, (0x1000, False)])
+        return
+    engine.hold_seeded(held)
+    assert engine.live == {ptrs[0]: ptrs[0], ptrs[2]: ptrs[2]}
+    assert engine.pending == {ptrs[1]: ptrs[1]}
+    assert allocator.active_blocks.by_address is None
+    assert allocator.memory_stats()["allocated_bytes.all.current"] == 8 * MiB

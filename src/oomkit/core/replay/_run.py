@@ -142,11 +142,14 @@ class Run(ReplayHooks):
         if not any(refused):
             self.engine.hold_seeded(plan.held_all)
             return
-        for seg, exc, held in zip(self.start.segments, refused, plan.held, strict=True):
+        # The live blocks of the segments seeded, held in one call (as hold_seeded expects).
+        held: list[tuple[int, bool]] = []
+        for seg, exc, seg_held in zip(self.start.segments, refused, plan.held, strict=True):
             if exc is not None:
                 self.warnings.append(f"segment at {seg.address:#x} could not be seeded: {exc}")
             else:
-                self.engine.hold_seeded(held)
+                held.extend(seg_held)
+        self.engine.hold_seeded(held)
 
     # -- the replay: engine hooks -----------------------------------------------------------
 

@@ -153,18 +153,32 @@ class ReplayEngine:
         """
         self._hold_block(trace_id, ptr, self.allocator.active_block(ptr), pending)
 
-    def hold_seeded(self, held: Iterable[tuple[int, bool]]) -> None:
+    def hold_seeded(self, held: Sequence[tuple[int, bool]]) -> None:
         """:meth:`hold` for each ``(address, pending)`` of a seeded start state, with the
         address as its id; a pending block is first freed with its completion deferred (§15.8).
         One call per replay, not two per block from interpreted code (issue 41).
 
-        The seeded blocks are found by address in a map made here, once: asking the allocator
-        by address would make it keep its own map for the whole replay (``active_blocks.py``).
+        The blocks are found without asking the allocator by address (it would keep its map
+        by address for the whole replay, ``active_blocks.py``): seeding an allocator that held
+        nothing made them active in the order ``held`` lists them (segment by segment, in
+        address order), which is checked block by block; otherwise a map made here finds them.
         """
         allocator = self.allocator
-        seeded = {block.ptr: block for block in allocator.active_blocks.values()}
-        for address, pending in held:
-            block = seeded.get(address)
+        active = allocator.active_blocks.values()
+        in_order = len(active) == len(held)
+        j = 0
+        while in_order and j < len(held):
+            in_order = active[j].ptr == held[j][0]
+            j += 1
+        found: list[Block | None] = []
+        if in_order:
+            found.extend(active)
+        else:
+            by_address = {block.ptr: block for block in active}
+            found = [by_address.get(address) for address, _ in held]
+        for j in range(len(held)):
+            address, pending = held[j]
+            block = found[j]
             if pending and block is not None:
                 allocator.free_served(block, True)
             self._hold_block(address, address, block, pending)
