@@ -17,7 +17,6 @@ from typing import Any
 __all__ = ["recorded_job"]
 
 
-@functools.cache
 def recorded_job(job: Any, target: str = "h100", steps: int = 2) -> tuple[Any, Any, Any]:
     """(recording, run, prediction) of ``record_torchtitan_job(job, ...)`` on ``target``.
 
@@ -29,6 +28,13 @@ def recorded_job(job: Any, target: str = "h100", steps: int = 2) -> tuple[Any, A
     Returns:
         The recording, the run's record and ``predict_recording`` of the recording.
     """
+    # one key however the caller spelled it (functools.cache keys ``f(job)`` and
+    # ``f(job, steps=2)`` apart)
+    return _recorded(job, target, steps)
+
+
+@functools.cache
+def _recorded(job: Any, target: str, steps: int) -> tuple[Any, Any, Any]:
     from oomkit.core.target import Target
     from oomkit.prediction.predictor import predict_recording
     from oomkit.prediction.torchtitan_job import record_torchtitan_job
