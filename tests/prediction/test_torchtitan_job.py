@@ -103,7 +103,7 @@ def test_fsdp2_x_tp2_rank_holds_a_quarter_but_the_norms_half(recorded, ac):
 
 @pytest.mark.parametrize(("fsdp", "tp"), [(2, 1), (2, 2)])
 def test_adamw_state_is_twice_the_shard_plus_the_step_counters(recorded, fsdp, tp):
-    """The first optimizer step allocates exp_avg + exp_avg_sq of rank 0's shards, and 45 steps."""
+    """The first optimizer step allocates exp_avg + exp_avg_sq of rank 0's shards, and 17 step counters."""
     recording, _, _ = recorded[(fsdp, tp, True)]
     shard = _bytes_by_category(recording.events[: recording.step_starts[0]])["parameter"]
     step_0 = _bytes_by_category(recording.step_events(0))
