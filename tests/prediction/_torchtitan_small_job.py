@@ -8,7 +8,15 @@ import functools
 
 from oomkit.prediction._torchtitan_env import import_torchtitan
 
-__all__ = ["FLOAT8_FACTORIES", "SMALL_STEP", "debug_block_parameters", "debug_model_on_meta"]
+__all__ = [
+    "FLOAT8_FACTORIES",
+    "SMALL_STEP",
+    "TWO_BLOCKS",
+    "TWO_BLOCKS_FLOAT8",
+    "debug_block_parameters",
+    "debug_model_on_meta",
+    "float8_block_linears_override",
+]
 
 # The module ``--override.imports`` names for oomkit's Float8 factories.
 FLOAT8_FACTORIES = "oomkit.prediction._torchtitan_float8"
@@ -21,6 +29,11 @@ SMALL_STEP = (
     "--training.seq_len", "256",
     "--training.disable_cuda_graphs",
 )
+
+# (module, config) of the tests' registry modules (tests/prediction): llama3's debugmodel and its
+# registry's debugmodel_float8 (every linear converted), each cut to its first 2 blocks.
+TWO_BLOCKS = ("_torchtitan_two_blocks", "llama3_debug_two_blocks")
+TWO_BLOCKS_FLOAT8 = ("_torchtitan_two_blocks_float8", "llama3_debug_two_blocks_float8")
 
 
 @functools.cache
@@ -40,3 +53,18 @@ def debug_block_parameters() -> tuple[dict[str, int], dict[str, int]]:
     for name, param in debug_model_on_meta().layers["0"].named_parameters():
         (linears if param.ndim == 2 else others)[name] = param.numel()
     return linears, others
+
+
+def float8_block_linears_override(*, all_gather: bool, precompute: bool) -> tuple[str, ...]:
+    """``--override.imports`` of 2024's Float8 (``float8_block_linears``, tensorwise) with
+    float8 all-gather and the scales' precompute on or off: one spelling for the float8
+    all-gather and precompute tests, whose jobs are then recorded once for both."""
+    def word(flag: bool) -> str:
+        return "true" if flag else "false"
+
+    return (
+        "--override.imports",
+        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
+        f'"enable_fsdp_float8_all_gather": {word(all_gather)}, '
+        f'"precompute_float8_dynamic_scale_for_fsdp": {word(precompute)}}}',
+    )

@@ -1,8 +1,9 @@
 """torchtitan's async TP (``--compile.enable_async_tensor_parallel``) on the torchtitan route.
 
-torchtitan 0.3.0's llama3 ``debugmodel`` (6 blocks, width 256, fp32) on 2 TP ranks, local batch
-2 x seq 2048: ``apply_compile`` runs ``_maybe_enable_async_tp``, Inductor's micro-pipeline pass
-runs on each compiled block's graphs (prediction/tracing/async_tp.py).
+torchtitan 0.3.0's llama3 ``debugmodel`` cut to its first 2 blocks (``_torchtitan_two_blocks``:
+width 256, fp32; each block is compiled and fused alike, so 2 show what 6 show) on 2 TP ranks,
+local batch 2 x seq 2048: ``apply_compile`` runs ``_maybe_enable_async_tp``, Inductor's
+micro-pipeline pass runs on each compiled block's graphs (prediction/tracing/async_tp.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torchtitan")
+
+from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
@@ -24,10 +27,11 @@ _BASE = (
 AG = "symm_mem.fused_all_gather_matmul.default"
 RS = "symm_mem.fused_matmul_reduce_scatter.default"
 CUBLAS_HOPPER = 32 * 2**20
+_BLOCKS = 2
 
 
 def _record(*extra: str) -> object:
-    job = TorchtitanJob("llama3", "llama3_debugmodel", _BASE + extra, world_size=2)
+    job = TorchtitanJob(*TWO_BLOCKS, _BASE + extra, world_size=2)
     recording, _ = record_torchtitan_job(job, target=Target.resolve("h100"), steps=1)
     return recording
 
@@ -41,9 +45,9 @@ def test_the_pass_fuses_each_blocks_collectives(fused) -> None:
     """Per block and step: forward all-gathers before the fused qkv and before w1/w3 and
     reduce-scatters after wo and w2; backward all-gathers wo's and w2's output gradients and the
     norm's, and reduce-scatters one input gradient (the other sums two matmuls, which the pass
-    does not fuse): 5 all-gather+matmul and 3 matmul+reduce-scatter, times 6 blocks."""
-    assert dict(fused.kernel_choices).get(f"async TP {AG}") == 5 * 6
-    assert dict(fused.kernel_choices).get(f"async TP {RS}") == 3 * 6
+    does not fuse): 5 all-gather+matmul and 3 matmul+reduce-scatter, times the blocks."""
+    assert dict(fused.kernel_choices).get(f"async TP {AG}") == 5 * _BLOCKS
+    assert dict(fused.kernel_choices).get(f"async TP {RS}") == 3 * _BLOCKS
 
 
 def test_workspace_and_backend_stream(fused) -> None:

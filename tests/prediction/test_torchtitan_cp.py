@@ -1,8 +1,10 @@
 """torchtitan's own context parallel on the fake group: its mesh, its attention wrapper, torch's ring.
 
-The model is torchtitan 0.3.0's llama3 ``debugmodel`` (6,163,712 parameters; 16 heads of 16,
-no grouped K/V), 2 sequences of 256 tokens, FSDP2 in bf16 (``mixed_precision_param``), no AC, on
-an H100 (SDPA picks cuDNN attention there; the ring runs torch's cuDNN ring function).
+The model is torchtitan 0.3.0's llama3 ``debugmodel`` cut to its first 2 blocks
+(``_torchtitan_two_blocks``: 2,753,792 parameters; 16 heads of 16, no grouped K/V), 2 sequences
+of 256 tokens, FSDP2 in bf16 (``mixed_precision_param``), no AC, on an H100 (SDPA picks cuDNN
+attention there; the ring runs torch's cuDNN ring function). The recordings are shared with the
+other modules that record the same jobs (``_torchtitan_recordings``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
 from oomkit.prediction._torchtitan_cp import CP_NOTE  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-_PARAMETERS = 6_163_712
+# 2 x 2048 x 256 (embedding, LM head) + 2 blocks of 852,480 + the 256 final norm
+_BLOCKS = 2
+_PARAMETERS = 2 * 2048 * 256 + _BLOCKS * 852_480 + 256
 _BATCH, _SEQ, _HEADS, _HEAD_DIM, _BF16 = 2, 256, 16, 16, 2
 _BASE = (
     "--parallelism.spmd_backend", "partial_dtensor",
@@ -38,21 +44,16 @@ _ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
 
 
 def _job(world_size: int, *extra: str) -> TorchtitanJob:
-    return TorchtitanJob("llama3", "debugmodel", _BASE + extra + _NO_AC, world_size=world_size)
+    return TorchtitanJob(*TWO_BLOCKS, _BASE + extra + _NO_AC, world_size=world_size)
 
 
 @pytest.fixture(scope="module")
 def recorded():
     """(label) -> (recording, run, prediction): CP 2 alone, FSDP 2 alone (the same 2 ranks)."""
-    target = Target.resolve("h100")
-    out = {}
-    for label, extra in (
-        ("cp2", ("--parallelism.context_parallel_degree", "2")),
-        ("fsdp2", ()),
-    ):
-        recording, run = record_torchtitan_job(_job(2, *extra), target=target)
-        out[label] = (recording, run, predict_recording(recording, target=target))
-    return out
+    return {
+        "cp2": recorded_job(_job(2, "--parallelism.context_parallel_degree", "2")),
+        "fsdp2": recorded_job(_job(2)),
+    }
 
 
 def _allocs(recording, op: str) -> collections.Counter[int]:
@@ -77,7 +78,7 @@ def test_the_ring_all_gathers_each_blocks_k_and_v_over_the_cp_mesh(recorded):
     both CP ranks (bf16), once in each block's forward and once in its backward, two steps."""
     recording, _, _ = recorded["cp2"]
     local_kv_bytes = 2 * _BATCH * (_SEQ // 2) * _HEADS * _HEAD_DIM * _BF16
-    assert _allocs(recording, _ALL_GATHER) == {2 * local_kv_bytes: 6 * 2 * 2}
+    assert _allocs(recording, _ALL_GATHER) == {2 * local_kv_bytes: _BLOCKS * 2 * 2}
 
 
 def test_the_ring_runs_the_fused_kernel_the_gpu_picks_on_local_queries(recorded):

@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_cp_compile import (  # noqa: E402
     CPU_FLASH_OP,
@@ -23,8 +26,7 @@ from oomkit.prediction._torchtitan_cp_compile import (  # noqa: E402
     cpu_sdpa_as_cuda,
 )
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
-from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
+from oomkit.prediction.torchtitan_job import TorchtitanJob  # noqa: E402
 from oomkit.prediction.tracing.emulations.sdpa import sdpa_backend_for  # noqa: E402
 from oomkit.prediction.tracing.emulations.sdpa_backend import SdpaSettings  # noqa: E402
 
@@ -51,20 +53,16 @@ _CPU_OPS = (CPU_FLASH_OP, "aten._scaled_dot_product_attention_math.default")
 def recorded():
     """(label) -> (recording, prediction): CP 2 with the blocks compiled, and eagerly, without
     AC; compiled under torchtitan's selective (op) AC and its full AC."""
-    target = Target.resolve("h100")
     out = {}
     for label, extra, ac in (
         ("compiled", ("--compile.enable",), "none"),
-        ("eager", (), "none"),
+        ("eager", (), "none"),  # test_torchtitan_cp.py's CP 2 job: recorded once for both
         ("compiled_sac", ("--compile.enable",), "selective"),
         ("compiled_full_ac", ("--compile.enable",), "full"),
     ):
-        job = TorchtitanJob(
-            "_torchtitan_two_blocks", "llama3_debug_two_blocks",
-            (*_BASE, *extra, f"activation_checkpoint:{ac}"), world_size=_CP,
-        )
-        recording, _ = record_torchtitan_job(job, target=target)
-        out[label] = (recording, predict_recording(recording, target=target))
+        job = TorchtitanJob(*TWO_BLOCKS, (*_BASE, *extra, f"activation_checkpoint:{ac}"), world_size=_CP)
+        recording, _, prediction = recorded_job(job)
+        out[label] = (recording, prediction)
     return out
 
 

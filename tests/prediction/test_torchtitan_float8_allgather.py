@@ -18,11 +18,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_recordings import recorded_job  # noqa: E402
 from _torchtitan_small_job import (  # noqa: E402
     FLOAT8_FACTORIES,
     SMALL_STEP,
+    TWO_BLOCKS,
     debug_block_parameters,
     debug_model_on_meta,
+    float8_block_linears_override,
 )
 
 from oomkit.core.target import Target  # noqa: E402
@@ -33,14 +36,11 @@ from oomkit.prediction._torchtitan_env import (  # noqa: E402
     import_torchtitan,
     torchtitan_version,
 )
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-# llama3 debugmodel cut to 2 blocks, the tests' registry module (tests/prediction)
-_TWO_BLOCKS = ("_torchtitan_two_blocks", "llama3_debug_two_blocks")
 _FSDP = 2
 # CUDACachingAllocator.cpp kMinBlockSize: a 4-byte float32 scale takes a 512-byte block
 _MIN_BLOCK_BYTES = 512
@@ -49,25 +49,19 @@ _BF16_BYTES, _FLOAT8_BYTES = 2, 1
 
 
 def _overrides(all_gather: bool) -> tuple[str, ...]:
-    words = "true" if all_gather else "false"
-    return (
-        "--override.imports",
-        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
-        f'"enable_fsdp_float8_all_gather": {words}}}',
-    )
+    """2024's Float8 with the all-gather on or off, no precompute (its default, said as
+    test_torchtitan_float8_precompute.py says it: the all-gather job is recorded once for both)."""
+    return float8_block_linears_override(all_gather=all_gather, precompute=False)
 
 
 @pytest.fixture(scope="module")
 def recorded():
     """all-gather on / off -> (recording, prediction) of two train steps on an H100."""
-    target = Target.resolve("h100")
     out = {}
     for all_gather in (False, True):
-        job = TorchtitanJob(
-            *_TWO_BLOCKS, SMALL_STEP + _overrides(all_gather), world_size=_FSDP
-        )
-        recording, _ = record_torchtitan_job(job, target=target)
-        out[all_gather] = (recording, predict_recording(recording, target=target))
+        job = TorchtitanJob(*TWO_BLOCKS, SMALL_STEP + _overrides(all_gather), world_size=_FSDP)
+        recording, _, prediction = recorded_job(job)
+        out[all_gather] = (recording, prediction)
     return out
 
 
@@ -140,7 +134,7 @@ def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8():
     (replicated over TP) in bf16; each unsharded linear weight is its TP shard in bytes."""
     tp = 2
     job = TorchtitanJob(
-        *_TWO_BLOCKS,
+        *TWO_BLOCKS,
         _overrides(True) + SMALL_STEP + ("--parallelism.tensor_parallel_degree", str(tp)),
         world_size=_FSDP * tp,
     )

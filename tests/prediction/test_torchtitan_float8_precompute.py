@@ -20,9 +20,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
-from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP, debug_block_parameters  # noqa: E402
+from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import (  # noqa: E402
+    FLOAT8_FACTORIES,
+    SMALL_STEP,
+    TWO_BLOCKS,
+    debug_block_parameters,
+    float8_block_linears_override,
+)
 
-from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
     SUPPORTED_TORCHTITAN,
@@ -30,8 +36,7 @@ from oomkit.prediction._torchtitan_env import (  # noqa: E402
     import_torchtitan,
     torchtitan_version,
 )
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
-from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
+from oomkit.prediction.torchtitan_job import TorchtitanJob  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
@@ -45,27 +50,18 @@ _FP32_BYTES, _FP64_BYTES = 4, 8
 
 
 def _override(precompute: bool) -> tuple[str, ...]:
-    words = "true" if precompute else "false"
-    return (
-        "--override.imports",
-        f'{FLOAT8_FACTORIES}.float8_block_linears={{"recipe_name": "tensorwise", '
-        f'"enable_fsdp_float8_all_gather": true, '
-        f'"precompute_float8_dynamic_scale_for_fsdp": {words}}}',
-    )
+    return float8_block_linears_override(all_gather=True, precompute=precompute)
 
 
 @pytest.fixture(scope="module")
 def recorded():
-    """precompute off / on -> (recording, prediction) of two train steps on an H100."""
-    target = Target.resolve("h100")
+    """precompute off / on -> (recording, prediction) of two train steps on an H100 (off is
+    test_torchtitan_float8_allgather.py's all-gather job, recorded once for both)."""
     out = {}
     for precompute in (False, True):
-        job = TorchtitanJob(
-            "_torchtitan_two_blocks", "llama3_debug_two_blocks",
-            SMALL_STEP + _override(precompute), world_size=_FSDP,
-        )
-        recording, _ = record_torchtitan_job(job, target=target)
-        out[precompute] = (recording, predict_recording(recording, target=target))
+        job = TorchtitanJob(*TWO_BLOCKS, SMALL_STEP + _override(precompute), world_size=_FSDP)
+        recording, _, prediction = recorded_job(job)
+        out[precompute] = (recording, prediction)
     return out
 
 

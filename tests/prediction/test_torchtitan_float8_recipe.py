@@ -3,7 +3,9 @@
 torchtitan 0.3.0's ``llama3_405b`` and ``llama3_debugmodel_float8`` convert their linears in
 ``model_registry`` (0.3.0's ``Float8LinearConverter``: rowwise unless told), before any
 override runs; 2024's torchtitan ran torchao's tensorwise recipe. The debug model (6 blocks of
-5 linears and the LM head, all converted by ``llama3_debugmodel_float8``) on an H100.
+5 linears and the LM head, all converted by ``llama3_debugmodel_float8``) on an H100; the jobs
+recorded are the debug model and its Float8 config cut to their first 2 blocks (``TWO_BLOCKS``,
+``TWO_BLOCKS_FLOAT8``), shared with the other Float8 tests (``_torchtitan_recordings``).
 """
 
 from __future__ import annotations
@@ -14,20 +16,18 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP  # noqa: E402
+from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import FLOAT8_FACTORIES, SMALL_STEP, TWO_BLOCKS, TWO_BLOCKS_FLOAT8  # noqa: E402
 
-from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_env import (  # noqa: E402
     SUPPORTED_TORCHTITAN,
     cuda_capability,
     import_torchtitan,
     torchtitan_version,
 )
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import (  # noqa: E402
     TorchtitanJob,
     load_job_config,
-    record_torchtitan_job,
 )
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
@@ -74,17 +74,14 @@ def test_the_recipe_override_records_the_same_bytes_as_a_tensorwise_conversion()
     """``llama3_debugmodel_float8`` made tensorwise records, to the byte, what ``debugmodel``
     converted tensorwise by ``float8_linears`` records (FSDP 2, H100), and not what the
     registry's rowwise records."""
-    target = Target.resolve("h100")
     peaks = {}
-    for label, config, extra in (
-        ("recipe", "debugmodel_float8", _TENSORWISE),
-        ("converted", "debugmodel", (
+    for label, name, extra in (
+        ("recipe", TWO_BLOCKS_FLOAT8, _TENSORWISE),
+        ("converted", TWO_BLOCKS, (
             "--override.imports", f'{FLOAT8_FACTORIES}.float8_linears={{"recipe_name": "tensorwise"}}')),
-        ("rowwise", "debugmodel_float8", ()),
+        ("rowwise", TWO_BLOCKS_FLOAT8, ()),
     ):
-        job = TorchtitanJob("llama3", config, SMALL_STEP + extra, world_size=2)
-        recording, _ = record_torchtitan_job(job, target=target)
-        prediction = predict_recording(recording, target=target)
+        _, _, prediction = recorded_job(TorchtitanJob(*name, SMALL_STEP + extra, world_size=2))
         peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
     assert peaks["recipe"] == peaks["converted"]
     assert peaks["recipe"] != peaks["rowwise"]
@@ -103,16 +100,13 @@ def test_the_recipe_override_takes_float8_all_gather_and_the_precompute_too():
     )
     assert {type(cfg).__qualname__ for cfg in after.values()} == {"Float8AllGatherLinear.Config"}
     assert {cfg.precompute_float8_dynamic_scale_for_fsdp for cfg in after.values()} == {True}
-    target = Target.resolve("h100")
     peaks = {}
-    for label, config, factory in (
-        ("recipe", "debugmodel_float8", "float8_recipe"),
-        ("converted", "debugmodel", "float8_linears"),
+    for label, name, factory in (
+        ("recipe", TWO_BLOCKS_FLOAT8, "float8_recipe"),
+        ("converted", TWO_BLOCKS, "float8_linears"),
     ):
         extra = ("--override.imports", f"{FLOAT8_FACTORIES}.{factory}={{{fields}}}")
-        job = TorchtitanJob("llama3", config, SMALL_STEP + extra, world_size=2)
-        recording, _ = record_torchtitan_job(job, target=target, steps=2)
-        prediction = predict_recording(recording, target=target)
+        _, _, prediction = recorded_job(TorchtitanJob(*name, SMALL_STEP + extra, world_size=2), steps=2)
         peaks[label] = (prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)
     assert peaks["recipe"] == peaks["converted"]
     from oomkit.errors import ConfigError

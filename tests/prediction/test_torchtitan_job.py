@@ -1,12 +1,14 @@
 """torchtitan's own code path: a job named as its launcher names it, recorded as its trainer runs it.
 
 The recorded model is torchtitan 0.3.0's llama3 ``debugmodel`` cut to its first 2 blocks, a
-registry module of one's own (``oomkit_titan_two_blocks:debugmodel_two_blocks``, written by the
-``two_blocks`` fixture; the full 6 blocks only take three times as long to record): 2,753,792
+registry module of one's own (``_torchtitan_two_blocks:llama3_debug_two_blocks`` in
+tests/prediction; the full 6 blocks only take three times as long to record): 2,753,792
 parameters, a 2048 x 256 embedding and LM head, 2 blocks of a fused 768 x 256 qkv, a 256 x 256
 output, a 768-wide SwiGLU and two 256 norms, and the final norm, trained in fp32
 (``training.dtype``) with torchtitan's fused AdamW; every row count divides by 2, so no FSDP2
-shard is padded. The Float8 job is the registry's own ``debugmodel_float8`` (6 blocks).
+shard is padded. The Float8 job is the registry's own ``debugmodel_float8`` cut the same way
+(``_torchtitan_two_blocks_float8``). The recordings several test modules make are shared
+(``_torchtitan_recordings``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from _torchtitan_small_job import SMALL_STEP  # noqa: E402
+from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import SMALL_STEP, TWO_BLOCKS, TWO_BLOCKS_FLOAT8  # noqa: E402
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import (  # noqa: E402
     TorchtitanJob,
     load_job_config,
@@ -35,9 +37,9 @@ from oomkit.prediction.torchtitan_job import (  # noqa: E402
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
-# The debugmodel: 2 x 2048 x 256 (embedding, LM head) + 6 blocks of 852,480 + the 256 final norm.
-_DEBUGMODEL_PARAMETERS = 6_163_712
-# Its first 2 blocks: 2 x 2048 x 256 + 2 x 852,480 + 256.
+# The debugmodel's first 2 blocks: 2 x 2048 x 256 (embedding, LM head) + 2 blocks of 852,480 +
+# the 256 final norm.
+_BLOCKS = 2
 _PARAMETERS = 2_753_792
 # The 5 RMSNorm weights of 256 (2 per block, the final norm): replicated over TP (torchtitan's
 # sequence-parallel norms), sharded over FSDP like every other parameter.
@@ -56,33 +58,8 @@ def _job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
     return TorchtitanJob("llama3", "debugmodel", SMALL_STEP + extra, world_size=world_size, **fields)  # type: ignore[arg-type]
 
 
-_TWO_BLOCKS = "oomkit_titan_two_blocks"
-
-
 def _two_blocks_job(world_size: int, *extra: str, **fields: object) -> TorchtitanJob:
-    return TorchtitanJob(
-        _TWO_BLOCKS, "debugmodel_two_blocks", SMALL_STEP + extra, world_size=world_size, **fields  # type: ignore[arg-type]
-    )
-
-
-@pytest.fixture(scope="module")
-def two_blocks(tmp_path_factory):
-    """The registry module of ``_two_blocks_job`` on ``sys.path`` for the module's tests: the
-    debugmodel's config with its model's first 2 blocks (its ``layers`` list cut)."""
-    folder = tmp_path_factory.mktemp("titan")
-    package = folder / _TWO_BLOCKS
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "config_registry.py").write_text(
-        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
-        "def debugmodel_two_blocks():\n"
-        "    config = llama3_debugmodel()\n"
-        "    config.model_spec.model.layers = config.model_spec.model.layers[:2]\n"
-        "    return config\n"
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(folder))
-        yield
+    return TorchtitanJob(*TWO_BLOCKS, SMALL_STEP + extra, world_size=world_size, **fields)  # type: ignore[arg-type]
 
 
 def _bytes_by_category(events) -> dict[str, int]:
@@ -94,15 +71,13 @@ def _bytes_by_category(events) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def recorded(two_blocks):
+def recorded():
     """(FSDP degree, TP degree, AC) -> (recording, run, prediction) of two train steps of the
-    debugmodel's first 2 blocks."""
-    target = Target.resolve("h100")
+    debugmodel's first 2 blocks on an H100."""
     out = {}
     for world_size, tp, ac in ((2, 1, True), (2, 1, False), (4, 2, True), (4, 2, False)):
         extra = (*(_TP2 if tp > 1 else ()), *(() if ac else _NO_AC))
-        recording, run = record_torchtitan_job(_two_blocks_job(world_size, *extra), target=target)
-        out[(world_size // tp, tp, ac)] = (recording, run, predict_recording(recording, target=target))
+        out[(world_size // tp, tp, ac)] = recorded_job(_two_blocks_job(world_size, *extra))
     return out
 
 
@@ -128,7 +103,7 @@ def test_fsdp2_x_tp2_rank_holds_a_quarter_but_the_norms_half(recorded, ac):
 
 @pytest.mark.parametrize(("fsdp", "tp"), [(2, 1), (2, 2)])
 def test_adamw_state_is_twice_the_shard_plus_the_step_counters(recorded, fsdp, tp):
-    """The first optimizer step allocates exp_avg + exp_avg_sq of rank 0's shards, and 45 steps."""
+    """The first optimizer step allocates exp_avg + exp_avg_sq of rank 0's shards, and 17 step counters."""
     recording, _, _ = recorded[(fsdp, tp, True)]
     shard = _bytes_by_category(recording.events[: recording.step_starts[0]])["parameter"]
     step_0 = _bytes_by_category(recording.step_events(0))
@@ -165,10 +140,10 @@ def test_the_recording_says_what_it_changed_and_leaves_out(recorded):
     assert "FlexAttention (2 layers) is recorded as torchtitan's ScaledDotProductAttention" in text
     assert "NCCL" in text
     assert "CUDA graphs" not in text  # --training.disable_cuda_graphs
-    assert run.description.startswith(f"torchtitan 0.3.0 {_TWO_BLOCKS}:debugmodel (2,753,792 parameters)")
+    assert run.description.startswith(f"torchtitan 0.3.0 {TWO_BLOCKS[0]}:debugmodel (2,753,792 parameters)")
 
 
-def test_the_recorded_rank_is_the_one_asked_for(two_blocks):
+def test_the_recorded_rank_is_the_one_asked_for():
     """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank (one step:
     the shard is made before it)."""
     recording, _ = record_torchtitan_job(
@@ -313,9 +288,10 @@ def test_bad_world_or_rank_is_refused():
 
 @pytest.fixture(scope="module")
 def float8_recorded():
-    """``llama3_debugmodel_float8`` (torchao Float8Linear, rowwise recipe) on FSDP 2, an H100."""
-    job = TorchtitanJob("llama3", "debugmodel_float8", SMALL_STEP, world_size=2)
-    return record_torchtitan_job(job, target=Target.resolve("h100"))
+    """``llama3_debugmodel_float8`` (torchao Float8Linear, rowwise recipe) cut to its first 2
+    blocks, on FSDP 2, an H100."""
+    recording, run, _ = recorded_job(TorchtitanJob(*TWO_BLOCKS_FLOAT8, SMALL_STEP, world_size=2))
+    return recording, run
 
 
 def test_float8_linears_run_scaled_mm_on_the_targets_capability(float8_recorded):
@@ -325,12 +301,12 @@ def test_float8_linears_run_scaled_mm_on_the_targets_capability(float8_recorded)
     ops = collections.Counter(
         dict(e.tags).get("op") for e in recording.events if e.action == "alloc"
     )
-    # At least the 30 block linears (wqkv, wo, w1, w2, w3 in 6 blocks) x 3 matmuls (forward,
+    # At least the block linears (wqkv, wo, w1, w2, w3 in each block) x 3 matmuls (forward,
     # grad input, grad weight) x 2 steps; SAC's recomputed forwards and the chunked loss's
     # LM head add more.
-    assert ops["aten._scaled_mm.default"] >= 30 * 3 * 2
+    assert ops["aten._scaled_mm.default"] >= 5 * _BLOCKS * 3 * 2
     before = _bytes_by_category(recording.events[: recording.step_starts[0]])
-    assert before["parameter"] == _DEBUGMODEL_PARAMETERS * 4 // 2
+    assert before["parameter"] == _PARAMETERS * 4 // 2
 
 
 def test_float8_on_a_gpu_without_fp8_is_refused_in_torchtitans_words():

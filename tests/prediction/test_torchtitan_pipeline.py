@@ -18,11 +18,12 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_recordings import recorded_job  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
 from oomkit.prediction._torchtitan_pipeline import copies_keep_the_fake_mode  # noqa: E402
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
@@ -56,23 +57,24 @@ def _bytes_by_category(events) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def recorded():
-    """(name, rank) -> (recording, run, prediction) of two train steps."""
-    target = Target.resolve("h100")
+    """(name, rank) -> (recording, run, prediction) of two train steps on an H100; of one for
+    FSDP 2 and TP 2, whose tests read the parameter shards only (made before the first step).
+    1F1B's rank 1 is tests/scenario/test_torchtitan_all_ranks.py's job, recorded once for both
+    (``_torchtitan_recordings``)."""
     jobs = {
-        "1f1b": (2, _1F1B),
-        "interleaved": (2, _INTERLEAVED),
-        "fsdp2": (4, (*_1F1B, "--parallelism.data_parallel_shard_degree", "2")),
-        "tp2": (4, (*_1F1B, "--parallelism.tensor_parallel_degree", "2")),
+        "1f1b": (2, _1F1B, 2),
+        "interleaved": (2, _INTERLEAVED, 2),
+        "fsdp2": (4, (*_1F1B, "--parallelism.data_parallel_shard_degree", "2"), 1),
+        "tp2": (4, (*_1F1B, "--parallelism.tensor_parallel_degree", "2"), 1),
     }
     ranks = {"1f1b": (0, 1), "interleaved": (0,), "fsdp2": (0, 2), "tp2": (0,)}
     out = {}
-    for name, (world, extra) in jobs.items():
+    for name, (world, extra, steps) in jobs.items():
         for rank in ranks[name]:
             job = TorchtitanJob(
                 "llama3", "debugmodel", _BASE + _PP2 + extra + _NO_AC, world_size=world, rank=rank
             )
-            recording, run = record_torchtitan_job(job, target=target)
-            out[(name, rank)] = (recording, run, predict_recording(recording, target=target))
+            out[(name, rank)] = recorded_job(job, steps=steps)
     return out
 
 

@@ -42,11 +42,15 @@ def by_rank(tmp_path_factory):
 
 
 def _scenario(**parallel):
+    """PP 2 of the tiny Llama, one step recorded (not the default 3: the tests that take it
+    compare --all-ranks with --rank R, or one stage's rank with the other's, on the same steps;
+    one step is a third of the time)."""
     return scenario_from_data({
         "model": {"preset": "llama3-8b"},
         "step": {"batch": 4, "seq": 16, "precision": "fp32"},
         "parallel": {"pp": 2, "microbatches": 4, **parallel},
         "target": {"gpu": "h100"},
+        "run": {"steps": 1},
     })
 
 

@@ -13,12 +13,13 @@ from pydantic import ValidationError
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_recordings import recorded_job  # noqa: E402
+
 import oomkit  # noqa: E402
 from oomkit.core.target import ParallelLayout, Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
 from oomkit.prediction._torchtitan_ranks import job_layout  # noqa: E402
-from oomkit.prediction.predictor import predict_recording  # noqa: E402
-from oomkit.prediction.torchtitan_job import TorchtitanJob, record_torchtitan_job  # noqa: E402
+from oomkit.prediction.torchtitan_job import TorchtitanJob  # noqa: E402
 from oomkit.scenario.model import Scenario  # noqa: E402
 
 _OVERRIDES = (
@@ -87,10 +88,9 @@ def test_each_stage_is_predicted_and_the_peak_is_named():
     prediction = oomkit.predict(_scenario(all_ranks=True))
     peaks = {p["rank"]: p for p in prediction.rank_peaks}
     assert sorted(peaks) == [0, 1] and [peaks[r]["stage"] for r in (0, 1)] == [0, 1]
-    target = Target.resolve("h100")
-    job = TorchtitanJob("llama3", "debugmodel", _OVERRIDES, world_size=2, rank=1)
-    recording, _ = record_torchtitan_job(job, target=target)
-    rank_1 = predict_recording(recording, target=target)
+    # rank 1 recorded alone (tests/prediction/test_torchtitan_pipeline.py's 1F1B rank 1: the
+    # same job, recorded once for both)
+    _, _, rank_1 = recorded_job(TorchtitanJob("llama3", "debugmodel", _OVERRIDES, world_size=2, rank=1))
     assert peaks[1]["peak_allocated_bytes"] == rank_1.peak_allocated_bytes
     assert peaks[1]["peak_reserved_bytes"] == rank_1.peak_reserved_bytes
     assert peaks[0]["peak_allocated_bytes"] > peaks[1]["peak_allocated_bytes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,7 +30,10 @@ def tiny(monkeypatch):
     monkeypatch.setattr(pipeline, "shaped_preset", lambda name, options: preset)
 
 
+@functools.cache
 def _record(schedule, rank, microbatches, batch, *, stages_per_rank=None, fsdp=1):
+    """(recording, built step) of the tiny Llama's pipeline (``tiny`` in effect): once per
+    arguments, for the tests that read the same one (they only read it)."""
     layout = ParallelLayout(pp=2, fsdp=fsdp)
     options = StepOptions(batch_size=batch, seq_len=_SEQ, precision="fp32")
     pipe = pipeline.PipelineOptions(2, schedule, microbatches, stages_per_rank)
