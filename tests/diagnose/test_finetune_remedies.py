@@ -35,12 +35,19 @@ def config_dir(tmp_path_factory):
 
 
 def _predict(config_dir: str, *flags: str) -> dict:
+    """`predict --hf DIR GPU... --json FLAGS`, saved as JSON. ``--no-remedies``: the tests
+    measure the remedies of a save themselves (``measured_model_remedies``,
+    ``diagnose_prediction``) and read none that predict would measure for its verdict; the
+    save differs only by its ``remedies`` (and ``scenario.run.no_remedies``), which neither
+    reads."""
     from oomkit.interfaces.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["predict", "--hf", config_dir, *GPU, "--json", *flags])
-    return json.loads(out.getvalue())
+        main(["predict", "--hf", config_dir, *GPU, "--json", "--no-remedies", *flags])
+    saved = json.loads(out.getvalue())
+    assert "remedies" not in saved
+    return saved
 
 
 @pytest.fixture(scope="module")

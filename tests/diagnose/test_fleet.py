@@ -61,11 +61,23 @@ def test_rank_files_refuses_duplicates_and_empty_folders(tmp_path):
         rank_files(tmp_path / "missing")
 
 
+@pytest.fixture(scope="module")
+def sixteen(tmp_path_factory):
+    """The 16-rank job folder and its reports read here and on the fork pool, each read once
+    for the module: three tests compare with them (each read opens the 16 files)."""
+    if not OCTREE.is_dir():
+        pytest.skip("../shared/snapshots is absent")
+    folder = _fleet(tmp_path_factory.mktemp("fleet") / "job")
+    here = analyze_fleet(folder, executor=InProcessExecutor())
+    pool = analyze_fleet(folder, executor=LocalPoolExecutor(2))
+    return folder, here, pool
+
+
 @needs_snapshots
-def test_sixteen_ranks_peak_median_outliers(tmp_path):
+def test_sixteen_ranks_peak_median_outliers(sixteen):
     """16 ranks: rank 2 peaks (24.4 GB; ranks 8 and 14 tie, the lowest is named), the median
     is rank 0's 22.0 GB, and the three ranks over it by 10% are outliers."""
-    report = analyze_fleet(_fleet(tmp_path / "job"), executor=InProcessExecutor())
+    _, report, _ = sixteen
     assert [r.rank for r in report.ranks] == list(range(16))
     assert [r.peak_reserved_bytes for r in report.ranks] == [FILES[r % 6][1] for r in range(16)]
     assert report.peak_rank == 2 and report.median_rank == 0
@@ -75,12 +87,10 @@ def test_sixteen_ranks_peak_median_outliers(tmp_path):
 
 
 @needs_snapshots
-def test_local_pool_equals_here(tmp_path):
+def test_local_pool_equals_here(sixteen):
     """The fork pool's report is the one-at-a-time report."""
-    folder = _fleet(tmp_path / "job")
-    assert analyze_fleet(folder, executor=LocalPoolExecutor(2)) == analyze_fleet(
-        folder, executor=InProcessExecutor()
-    )
+    _, here, pool = sixteen
+    assert pool == here
 
 
 @needs_snapshots
@@ -98,9 +108,8 @@ def test_diff_fleets_rank_by_rank(tmp_path):
 
 
 @needs_snapshots
-def test_sixteen_files_on_ray_equal_the_local_pool(tmp_path, ray_session):
+def test_sixteen_files_on_ray_equal_the_local_pool(sixteen, ray_session):
     """A 16-file fleet read as Ray tasks on a local 2-CPU cluster gives the local report."""
-    folder = _fleet(tmp_path / "job")
-    local = analyze_fleet(folder, executor=LocalPoolExecutor(2))
+    folder, _, local = sixteen
     on_ray = analyze_fleet(folder, executor=RayExecutor())
     assert on_ray == local

@@ -213,15 +213,37 @@ def shared_recording_cache(tmp_path_factory, monkeypatch) -> None:
     monkeypatch.setenv("OOMKIT_CACHE_DIR", str(folder))
 
 
+# The results of each block's commands, by the commands and the exit code the page states: two pages that show the same block
+# (README.md and docs/howto/predict-your-script.md run one script the same way; the recording
+# cache keeps no user code) run it once per process, each in a fresh scratch folder alike, and
+# each page's shown lines and exit code are checked against that one real run.
+_RUNS: dict[tuple[tuple[str, ...], int], list[subprocess.CompletedProcess[str]]] = {}
+
+
+def _run_block(example: Example, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Each command of ``example`` run in order in a new scratch folder (or the results of the
+    same commands run earlier in this process), up to the first whose exit code is not the
+    page's."""
+    texts = tuple(c.text for c in example.commands)
+    key = (texts, example.exit_code)
+    if key not in _RUNS:
+        work = _scratch(tmp_path)
+        results = []
+        for text in texts:
+            results.append(run_command(text, work))
+            if results[-1].returncode != example.exit_code:
+                break
+        _RUNS[key] = results
+    return _RUNS[key]
+
+
 @pytest.mark.parametrize("example", _params())
 def test_documented_command_runs_and_prints_what_is_shown(
     example: Example, tmp_path: Path, shared_recording_cache: None
 ) -> None:
     if any("../shared/" in c.text for c in example.commands) and not SHARED.is_dir():
         pytest.skip("the shared snapshots are not beside this checkout")
-    work = _scratch(tmp_path)
-    for command in example.commands:
-        result = run_command(command.text, work)
+    for command, result in zip(example.commands, _run_block(example, tmp_path), strict=False):
         output = result.stdout + result.stderr
         where = f"{example.page}:{example.line}: {command.text}"
         assert result.returncode == example.exit_code, (

@@ -164,19 +164,34 @@ def test_an_error_message_shows_control_characters_escaped():
 # ------------------------------------------------------------------- pickle protocols
 
 
+def _answers_for_protocol(folder: Path, protocol: int) -> list:
+    """replay --json and explain --json of the base snapshot pickled with ``protocol``."""
+    folder.mkdir()
+    (folder / "snap.pickle").write_bytes(pickle.dumps(base_snapshot(), protocol=protocol))
+    return [
+        run_oomkit(argv, cwd=folder)
+        for argv in (["replay", "--json", "snap.pickle"], ["explain", "--json", "snap.pickle"])
+    ]
+
+
+@pytest.fixture(scope="module")
+def highest_protocol_answers(tmp_path_factory):
+    """The answers for the protocol PyTorch writes, run once for the module: each protocol's
+    test compares with them (they were run again by each)."""
+    folder = tmp_path_factory.mktemp("highest")
+    return _answers_for_protocol(folder / f"p{pickle.HIGHEST_PROTOCOL}", pickle.HIGHEST_PROTOCOL)
+
+
 @pytest.mark.parametrize("protocol", [0, 1, 2])
-def test_a_snapshot_in_any_pickle_protocol_is_a_snapshot(tmp_path, protocol):
+def test_a_snapshot_in_any_pickle_protocol_is_a_snapshot(
+    tmp_path, protocol, highest_protocol_answers
+):
     """Protocols 0 and 1 (text-like pickles) are read as snapshots, with the same answers as
     the protocol PyTorch writes (never 'no CUDA out-of-memory message found')."""
-    answers = {}
-    for p in (protocol, pickle.HIGHEST_PROTOCOL):
-        folder = tmp_path / f"p{p}"
-        folder.mkdir()
-        (folder / "snap.pickle").write_bytes(pickle.dumps(base_snapshot(), protocol=p))
-        answers[p] = [
-            run_oomkit(argv, cwd=folder)
-            for argv in (["replay", "--json", "snap.pickle"], ["explain", "--json", "snap.pickle"])
-        ]
+    answers = {
+        protocol: _answers_for_protocol(tmp_path / f"p{protocol}", protocol),
+        pickle.HIGHEST_PROTOCOL: highest_protocol_answers,
+    }
     for got, want in zip(answers[protocol], answers[pickle.HIGHEST_PROTOCOL], strict=True):
         assert got.returncode == want.returncode == 0, got.stderr
         assert json.loads(got.stdout) == json.loads(want.stdout)
