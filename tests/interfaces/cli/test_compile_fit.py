@@ -40,6 +40,25 @@ def _json(argv, capsys, code=0):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.fixture(scope="module")
+def _printed_once():
+    """What ``predict gpt2-tiny --compile --batch 1 --seq 256 --steps 1 --json`` printed, once
+    it has been run in this module (``[]`` before)."""
+    return []
+
+
+@pytest.fixture
+def short_compiled(tiny, capsys, _printed_once):
+    """``predict gpt2-tiny --compile --batch 1 --seq 256 --steps 1``'s JSON (a fresh copy each):
+    recorded once for the two tests that read it (the 256-long step of --lengths and the saved
+    prediction that explain re-predicts)."""
+    if not _printed_once:
+        argv = ["predict", tiny, "--compile", "--batch", "1", "--seq", "256", "--steps", "1", "--json"]
+        assert main(argv) == 0
+        _printed_once.append(capsys.readouterr().out)
+    return json.loads(_printed_once[0])
+
+
 def test_fit_compile_answer_fits_compiled_and_the_next_batch_does_not(tiny, capsys):
     """fit --compile finds batch 3 on 230 MiB (with an allocator retry; 2 without); predict
     --compile at 3 fits and at 4 does not, with exactly the bytes of fit's probes, and the
@@ -72,7 +91,7 @@ def test_fit_compile_answer_fits_compiled_and_the_next_batch_does_not(tiny, caps
     assert fits["workload"]["options"]["compile"] is True
 
 
-def test_compile_with_lengths_gives_each_length_its_compiled_peaks(tiny, tmp_path, capsys):
+def test_compile_with_lengths_gives_each_length_its_compiled_peaks(tiny, tmp_path, capsys, short_compiled):
     """predict --compile --lengths: step 1 (length 256) has predict --compile --seq 256's peaks,
     step 2 (length 512) the steady step's peak allocated of --seq 512, whose two steps alone give
     the envelope's longest-alone figure (and fit --compile --lengths' run of 512 alone); both
@@ -86,7 +105,7 @@ def test_compile_with_lengths_gives_each_length_its_compiled_peaks(tiny, tmp_pat
     assert run["assumptions"]["torch.compile"].startswith(COMPILED)
     step_1, step_2 = run["step_peaks"]
     one = ["predict", tiny, "--compile", "--batch", "1", "--json"]
-    short = _json([*one, "--seq", "256", "--steps", "1"], capsys)
+    short = short_compiled  # [*one, "--seq", "256", "--steps", "1"]
     long = _json([*one, "--seq", "512", "--steps", "2"], capsys)
     assert (step_1["peak_allocated_bytes"], step_1["peak_reserved_bytes"]) == (
         short["peak_allocated_bytes"],
@@ -116,17 +135,15 @@ def test_compile_with_generate_is_refused_with_the_reason(capsys):
     assert "--mode inference --compile --seq PROMPT+NEW_TOKENS" in err
 
 
-def test_a_saved_compiled_prediction_is_re_predicted_compiled(tiny, capsys):
-    """explain's re-prediction of a saved predict --compile gives its bytes exactly, compiled
-    (before: the forward wrapped in torch.compile but recorded eagerly)."""
+def test_a_saved_compiled_prediction_is_re_predicted_compiled(tiny, short_compiled):
+    """explain's re-prediction of a saved predict --compile (batch 1, seq 256, 1 step) gives its
+    bytes exactly, compiled (before: the forward wrapped in torch.compile but recorded
+    eagerly)."""
     from oomkit.diagnose._model_remedies import _repredict
     from oomkit.prediction.models import StepOptions
     from oomkit.prediction.workload import workload_from_json
 
-    data = _json(
-        ["predict", tiny, "--compile", "--batch", "2", "--seq", "256", "--steps", "1", "--json"],
-        capsys,
-    )
+    data = short_compiled
     workload = workload_from_json(data)
     assert workload.compile is True
     known = {name: value for name, value in workload.options.items() if value is not None}

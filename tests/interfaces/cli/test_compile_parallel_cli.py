@@ -2,46 +2,34 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-
-from oomkit.interfaces.cli import main
+from _recorded_once import tiny_llama_json
 
 torch = pytest.importorskip("torch")
 
 COMPILED = "each block compiled (torchtitan apply_compile: fullgraph, Inductor)"
 
 
-def _predict(argv, capsys):
-    code = main(["predict", "llama3-8b", *argv, "--batch", "1", "--seq", "16", "--steps", "2",
-                 "--json"])
-    return code, json.loads(capsys.readouterr().out)
+def _command(*flags):
+    """``predict`` of the tiny Llama with ``flags``, batch 1, seq 16, 2 steps, as JSON."""
+    return ["predict", "llama3-8b", *flags, "--batch", "1", "--seq", "16", "--steps", "2", "--json"]
+
+
+def _predict(argv):
+    """The eager prediction (recorded once per process: test_hsdp_cli.py and
+    test_float8_cli.py read ``--fsdp 2`` too)."""
+    return tiny_llama_json(_command(*argv))
 
 
 @pytest.fixture(scope="module")
-def compiled_once(tmp_path_factory):
+def compiled_once():
     """``predict LAYOUT --compile`` of the tiny Llama (``compiled_once(*layout)``), made once
-    per layout for the tests that read it (with a recording cache of its own, as
-    tests/conftest.py gives each test): --fsdp 2 and --tp 2 are each read by two tests."""
-    import contextlib
-    import io
-
-    from _parallel_helpers import use_tiny_llama
-
-    runs: dict[tuple[str, ...], tuple[int, dict]] = {}
+    per layout for the tests that read it: --fsdp 2 and --tp 2 are each read by two tests,
+    --tp 2 --checkpointing selective-op by test_compiled_blocks_hold_fewer_activations and
+    test_compiled_checkpointing_records_with_fsdp_and_tp."""
 
     def run(*layout):
-        if layout not in runs:
-            with pytest.MonkeyPatch.context() as patch:
-                use_tiny_llama(patch)
-                patch.setenv("OOMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("oomkit-cache")))
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out):
-                    code = main(["predict", "llama3-8b", *layout, "--compile", "--batch", "1",
-                                 "--seq", "16", "--steps", "2", "--json"])
-            runs[layout] = (code, json.loads(out.getvalue()))
-        return runs[layout]
+        return tiny_llama_json(_command(*layout, "--compile"))
 
     return run
 
@@ -78,14 +66,14 @@ def test_sharded_compile_records_each_block_compiled(tiny_llama, layout, words, 
     assert "(loss eager)" not in data["description"]
 
 
-def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, capsys, fsdp2_compiled):
+def test_compiled_fsdp_keeps_the_shards_and_saves_fewer_activations(tiny_llama, fsdp2_compiled):
     """Compiled or not, rank 0 holds the same shards, FSDP2 buffers, gradients and optimizer
     state at its peak (the second step's optimizer step); only the activations held there
     differ: 43008 bytes eager, 30720 compiled, as AOTAutograd's min-cut partitioner saves fewer
     tensors for backward (it recomputes the blocks' cheap pointwise ops: RMSNorm, SiLU). Both
     save the cuDNN attention kernel's logsumexp and philox seed and offset (the compiled block's
     SDPA is the kernel CUDA picks, as the eager one's)."""
-    _, eager = _predict(["--fsdp", "2"], capsys)
+    _, eager = _predict(["--fsdp", "2"])
     _, compiled = fsdp2_compiled
     at_eager = dict(eager["peak_allocated_at"]["by_category_bytes"])
     at_compiled = dict(compiled["peak_allocated_at"]["by_category_bytes"])
@@ -111,7 +99,7 @@ def _largest_activation_bytes(data):
     ],
 )
 def test_compiled_blocks_hold_fewer_activations(
-    tiny_llama, layout, eager_bytes, compiled_bytes, capsys, compiled_once
+    tiny_llama, layout, eager_bytes, compiled_bytes, compiled_once
 ):
     """The most activation bytes held during the 2 steps, eager and compiled: AOTAutograd's
     min-cut partitioner saves fewer tensors for backward than eager autograd (it recomputes
@@ -120,7 +108,7 @@ def test_compiled_blocks_hold_fewer_activations(
     the checkpointed SDPA the CUDA kernel that the save list keeps), and with DDP. A block
     compiled under DDP holds exactly what it holds under FSDP2 (the same 1-rank-sized
     activations: neither shards them)."""
-    _, eager = _predict(layout, capsys)
+    _, eager = _predict(layout)
     code, compiled = compiled_once(*layout)
     assert code == 0
     assert (_largest_activation_bytes(eager), _largest_activation_bytes(compiled)) == (
@@ -129,7 +117,7 @@ def test_compiled_blocks_hold_fewer_activations(
     )
 
 
-def test_compiled_checkpointing_records_with_fsdp_and_tp(tiny_llama, capsys):
+def test_compiled_checkpointing_records_with_fsdp_and_tp(tiny_llama, compiled_once):
     """--checkpointing full and selective-op with compiled blocks record under FSDP2 and TP
     (torchtitan's dynamo settings for the step). Compiled regions entered in 2 steps: full
     re-enters each compiled block in backward (its checkpoint wraps the compiled call), 10;
@@ -138,7 +126,7 @@ def test_compiled_checkpointing_records_with_fsdp_and_tp(tiny_llama, capsys):
     backward (an opaque object: runtime_wrappers.py save_from_forward), which now records."""
     for layout in (["--fsdp", "2"], ["--tp", "2"], ["--fsdp", "2", "--tp", "2"]):
         for mode, entered in (("full", 10), ("selective-op", 6)):
-            code, data = _predict([*layout, "--compile", "--checkpointing", mode], capsys)
+            code, data = compiled_once(*layout, "--checkpointing", mode)
             assert code == 0 and "checkpointing" in data["description"]
             assert COMPILED in data["description"]
             said = " ".join(data["warnings"])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
+from _recorded_once import tiny_llama_json
 
 from oomkit.interfaces.cli import main
 
@@ -13,29 +13,18 @@ pytest.importorskip("torch")
 pytest.importorskip("torchao.float8")
 
 
-def _predict(argv, capsys):
-    code = main(["predict", "llama3-8b", "--fsdp", "2", *argv, "--batch", "1", "--seq", "16",
-                 "--steps", "2", "--json"])
-    return code, json.loads(capsys.readouterr().out)
-
-
-@pytest.fixture(scope="module")
-def _made():
-    """Flags -> (exit code, JSON) of the predictions already made in this module."""
-    return {}
+def _predict(argv):
+    """``predict --fsdp 2 ARGV`` of the tiny Llama, batch 1, seq 16, 2 steps: recorded once per
+    set of flags and process for the tests that read it (test_compile_parallel_cli.py and
+    test_hsdp_cli.py read the plain bf16 one too), a fresh copy of its JSON each."""
+    return tiny_llama_json(["predict", "llama3-8b", "--fsdp", "2", *argv, "--batch", "1", "--seq",
+                            "16", "--steps", "2", "--json"])
 
 
 @pytest.fixture
-def predicted(tiny_llama, capsys, _made):
-    """``_predict`` of the tiny Llama, made once per set of flags for the tests that read the
-    same prediction (a copy each: no test sees another's changes)."""
-
-    def get(flags):
-        if tuple(flags) not in _made:
-            _made[tuple(flags)] = _predict(flags, capsys)
-        return copy.deepcopy(_made[tuple(flags)])
-
-    return get
+def predicted(tiny_llama):
+    """``_predict`` of the tiny Llama (once per set of flags: no test sees another's changes)."""
+    return _predict
 
 
 def test_float8_converts_the_tiny_llama_s_14_block_linears(predicted):
@@ -135,30 +124,30 @@ def test_a_saved_float8_prediction_is_re_predicted_in_float8(predicted):
     assert again.peak_allocated_bytes == data["peak_allocated_bytes"] == 68226048
 
 
-def test_hsdp_float8_all_gather_matches_its_shard_group(tiny_llama, capsys):
+def test_hsdp_float8_all_gather_matches_its_shard_group(tiny_llama):
     """--dp 2 --fsdp 2: FSDP2 shards over the 2-rank dimension and replicates over the other
     (torchtitan's ["dp_replicate", "fsdp"] mesh), so rank 0 gathers the same fp8 weights and
     peaks as FSDP2 over 2 ranks (the replicas' gradient all-reduce is in place)."""
     flags = ["--float8", "--float8-recipe", "tensorwise", "--float8-all-gather"]
-    code, hsdp = _predict(["--dp", "2", *flags], capsys)
+    code, hsdp = _predict(["--dp", "2", *flags])
     assert code == 0
     assert "HSDP: FSDP2 over 2 ranks x 2 replicas" in hsdp["description"]
     assert hsdp["peak_allocated_bytes"] == 68226048
 
 
-def test_float8_blocks_compile_inside_fsdp2(tiny_llama, capsys):
+def test_float8_blocks_compile_inside_fsdp2(tiny_llama):
     """--float8 --compile: torchao's Float8Linear compiled per block through the compiled
     backend (both blocks and the loss entered once per step)."""
-    code, data = _predict(["--float8", "--compile"], capsys)
+    code, data = _predict(["--float8", "--compile"])
     assert code == 0
     assert "Float8 rowwise (torchao, 14 linear layers), each block compiled" in data["description"]
     assert "compiled code was entered 6 time(s)" in " ".join(data["warnings"])
 
 
-def test_float8_with_fsdp_x_tp_shards_the_float8_linears(tiny_llama, capsys):
+def test_float8_with_fsdp_x_tp_shards_the_float8_linears(tiny_llama):
     """--fsdp 2 --tp 2 --float8: converted before the TP plan (torchtitan's order), so the plan
     shards torchao's Float8Linear modules and their casts run on DTensor shards."""
-    code, data = _predict(["--tp", "2", "--float8"], capsys)
+    code, data = _predict(["--tp", "2", "--float8"])
     assert code == 0
     description = data["description"]
     assert "Float8 rowwise (torchao, 14 linear layers), tensor parallel over 2 ranks" in description

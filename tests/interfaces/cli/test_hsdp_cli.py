@@ -6,27 +6,29 @@ import json
 
 import pytest
 from _parallel_helpers import FSDP_STEP, MATRIX_NUMEL, write_step
+from _recorded_once import tiny_llama_json
 
 from oomkit.interfaces.cli import main
 
 torch = pytest.importorskip("torch")
 
-def _predict(argv, capsys):
-    code = main(["predict", *argv, "--batch", "1", "--seq", "16", "--steps", "2", "--json"])
-    return code, json.loads(capsys.readouterr().out)
+def _predict(argv):
+    """``predict ARGV`` of the tiny Llama, batch 1, seq 16, 2 steps, recorded once per process
+    (test_compile_parallel_cli.py and test_float8_cli.py read ``--fsdp 2`` too)."""
+    return tiny_llama_json(["predict", *argv, "--batch", "1", "--seq", "16", "--steps", "2", "--json"])
 
 
 def _parameter_bytes(data):
     return data["peak_allocated_at"]["by_category_bytes"]["parameter"]
 
 
-def test_hsdp_rank_holds_one_shard_group_s_share(tiny_llama, capsys):
+def test_hsdp_rank_holds_one_shard_group_s_share(tiny_llama):
     """--dp 2 --fsdp 2: a world of 4, but rank 0 holds the fp32 parameters / 2 (the shard
     group), and with bf16-mixed (fp32 reduce, the parameters' dtype) the all-reduce across
     replicas is in place: the same peaks as FSDP2 over 2 ranks."""
     import torch.distributed as dist
 
-    code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2"], capsys)
+    code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2"])
     assert code == 0
     assert data["target"]["parallel"] == {"fsdp": 2, "tp": 1, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"].endswith(
@@ -36,16 +38,16 @@ def test_hsdp_rank_holds_one_shard_group_s_share(tiny_llama, capsys):
     assert _parameter_bytes(data) == MATRIX_NUMEL * 4 // 2 + 5 * 512
     assert any("world size 4, 4 side stream(s)" in w for w in data["warnings"])
     assert not any("ranks differ" in w for w in data["warnings"])
-    _, fsdp = _predict(["llama3-8b", "--fsdp", "2"], capsys)
+    _, fsdp = _predict(["llama3-8b", "--fsdp", "2"])
     assert data["peak_allocated_bytes"] == fsdp["peak_allocated_bytes"]
     assert data["peak_reserved_bytes"] == fsdp["peak_reserved_bytes"]
     assert not dist.is_initialized()
 
 
-def test_hsdp_by_tp_is_three_dimensional(tiny_llama, capsys):
+def test_hsdp_by_tp_is_three_dimensional(tiny_llama):
     """--dp 2 --fsdp 2 --tp 2: TP shards, then HSDP on the (dp, fsdp) mesh; rank 0 of 8 holds
     the TP-local parameters / 2, as FSDP2 2 x TP 2 does."""
-    code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2", "--tp", "2"], capsys)
+    code, data = _predict(["llama3-8b", "--dp", "2", "--fsdp", "2", "--tp", "2"])
     assert code == 0
     assert data["target"]["parallel"] == {"fsdp": 2, "tp": 2, "dp": 2, "pp": 1, "cp": 1}
     assert data["description"].endswith(
@@ -53,7 +55,7 @@ def test_hsdp_by_tp_is_three_dimensional(tiny_llama, capsys):
     )
     # Matrices / tp / fsdp; norm weights replicated by TP, / 2 by FSDP2: 128 bytes in 512.
     assert _parameter_bytes(data) == MATRIX_NUMEL * 4 // 4 + 5 * 512
-    _, two_d = _predict(["llama3-8b", "--fsdp", "2", "--tp", "2"], capsys)
+    _, two_d = _predict(["llama3-8b", "--fsdp", "2", "--tp", "2"])
     assert data["peak_allocated_bytes"] == two_d["peak_allocated_bytes"]
 
 

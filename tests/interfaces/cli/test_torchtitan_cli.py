@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-
 import pytest
+from _recorded_once import torchtitan_json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -24,15 +21,13 @@ _OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def debugmodel_fsdp2_json():
-    """torchtitan's llama3 debugmodel on 2 ranks, 2 steps, as --json prints it."""
+    """torchtitan's llama3 debugmodel on 2 ranks, 2 steps, as --json prints it (recorded once
+    per process: test_torchtitan_compile_cli.py compares its compiled job with this one)."""
     pytest.importorskip("torchtitan")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(
-            ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--steps", "2",
-             "--json", "--", *_OVERRIDES]
-        )
-    return code, json.loads(out.getvalue())
+    return torchtitan_json(
+        ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--steps", "2",
+         "--json", "--", *_OVERRIDES]
+    )
 
 
 def test_the_job_is_predicted_and_saved_with_its_overrides(debugmodel_fsdp2_json):

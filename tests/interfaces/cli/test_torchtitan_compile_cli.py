@@ -13,6 +13,7 @@ import io
 import json
 
 import pytest
+from _recorded_once import torchtitan_json
 
 from oomkit.interfaces.cli import main
 
@@ -36,9 +37,14 @@ def _job(*extra: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def eager_and_compiled():
-    """The debugmodel on FSDP 2, rank 0, 2 steps: eager, then with --compile.enable."""
+    """The debugmodel on FSDP 2, rank 0, 2 steps: eager (recorded once per process, as
+    test_torchtitan_cli.py reads it too), then with --compile.enable."""
     pytest.importorskip("torchtitan")
-    return _job(), _job("--compile.enable")
+    eager = torchtitan_json(
+        ["predict", "--torchtitan", "llama3:debugmodel", "--world-size", "2", "--steps", "2",
+         "--json", "--", *_OVERRIDES]
+    )
+    return eager, _job("--compile.enable")
 
 
 def test_compile_enable_records_the_blocks_and_the_loss_compiled(eager_and_compiled):
