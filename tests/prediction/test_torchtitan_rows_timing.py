@@ -11,7 +11,8 @@ with torchtitan 9dec370. Two things of that run the benchmark states:
   (``gpu_timing``), and ``--lags`` replays it with the GPU a given number of allocations behind.
 
 The timing tests run the benchmark's own functions on llama3's ``debugmodel`` (6 blocks) with
-TP 2 x PP 2 on 4 ranks, 1F1B, full AC, eager: TP's DTensor collectives are the ones whose blocks wait.
+TP 2 x PP 2 on 4 ranks, 1F1B, full AC, eager: TP's DTensor collectives (before 2.8) and the
+pipeline's sends and receives (every version) are the ones whose blocks wait.
 """
 
 from __future__ import annotations
@@ -49,14 +50,22 @@ _ROW = {
 def predicted(rows_module):
     """The row's rank 0 predicted for torch 2.13 (the installed one's rules) and for 2.6 with
     the GPU 0 and a full launch queue behind."""
-    saved = rows_module._TORCH_VERSION, rows_module._LAGS
+    saved = rows_module._TORCH_VERSION, rows_module._LAGS, rows_module._gpu_timing
+    kept: dict = {}  # torch version -> (recording, prediction): the bytes the GiB round off
+
+    def gpu_timing(recording, prediction, target):
+        kept[target.torch_version] = recording, prediction
+        return saved[2](recording, prediction, target)
+
     try:
+        rows_module._gpu_timing = gpu_timing
         rows_module._TORCH_VERSION, rows_module._LAGS = "2.13", ()
         newest = rows_module._predict_row(_ROW, "cross_entropy")
         rows_module._TORCH_VERSION, rows_module._LAGS = "2.6", (0, 8, _FULL_QUEUE)
         older = rows_module._predict_row(_ROW, "cross_entropy")
     finally:
-        rows_module._TORCH_VERSION, rows_module._LAGS = saved
+        rows_module._TORCH_VERSION, rows_module._LAGS, rows_module._gpu_timing = saved
+    newest["_recorded"], older["_recorded"] = kept["2.13"], kept["2.6"]
     return newest, older
 
 
@@ -78,14 +87,33 @@ def test_2024_splits_every_schedule_into_pp_degree_micro_batches(rows_module):
     assert rows_module._microbatch_size(cp_row) == 1
 
 
-def test_torch_2_13_has_one_figure(predicted):
-    """torch 2.13's ProcessGroupNCCL uses no record_stream: the range is the verdict's figure
-    and no collective's free waits."""
+def test_torch_2_13_waits_only_on_the_pipeline_buffers(predicted):
+    """torch 2.13's ProcessGroupNCCL uses no record_stream for collectives, but its
+    pointToPoint still records its stream on every send and receive buffer (stream_timeline.py
+    P2P_FUNCTIONS): the waiting allocations are the pipeline's, and the range's upper end is
+    one sent activation above the lower (rounded to GiB both ends still read the verdict's)."""
     newest, _ = predicted
     timing = newest["gpu_timing"]
     assert timing["torch_version"] == "2.13"
-    assert timing["collective_allocations"] == 0
+    recording, prediction = newest["_recorded"]
+    ids = recording.collective_ids
+    assert ids is not None and timing["collective_allocations"] == len(ids) == 10
+    sizes = sorted(e.size for e in recording.events if e.action == "alloc" and e.address in ids)
+    # Per micro-batch (2 of 2 rows) stage 0's output, sequence-sharded by TP 2, bf16:
+    # 2 x (512 / 2) x 256 x 2 bytes = 256 KiB: sent each of the 2 steps' 2 micro-batches (4),
+    # and the 2 receive buffers of its input gradients; the metadata exchange's two int64 sizes
+    # (send_object_list's torch.cat of the size, recv_object_list's) and two pickled payloads.
+    activation = 2 * (512 // 2) * 256 * 2
+    assert sizes == [8, 8, 394, 395] + [activation] * 6
+    memory = prediction.distributed
+    assert memory is not None
+    low_reserved, low_allocated = prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
+    # A micro-batch's sent activation, freed after its backward, is still held at the peak in
+    # the next one's backward: +256 KiB allocated, one more 2 MiB small-pool segment.
+    assert memory.allocated_range_bytes == (low_allocated, low_allocated + activation)
+    assert memory.reserved_range_bytes == (low_reserved, low_reserved + 2 * (1 << 20))
     assert timing["reserved_range_gib"] == [newest["predicted_reserved_gib"]] * 2
+    assert "pointToPoint calls record_stream on the 10 allocation(s)" in (memory.timing_note or "")
     assert "reserved_allocated_gib_at_lag" not in timing
 
 
