@@ -39,8 +39,9 @@ collective used is reusable only once the GPU passed the collective:
   allocations later, and at the latest at the end of the step.
 
 :class:`CollectiveUses` notes which allocations the ``torch.distributed`` collectives and
-point-to-point ops touch while a step is recorded; the recording carries them (``TraceRecording.collective_ids``), and the
-prediction replays the upper end with their frees moved (``core/trace/delayed_frees.py``).
+point-to-point ops touch while a step is recorded; the recording carries them
+(``TraceRecording.collective_ids``), and the prediction replays the upper end with their frees
+moved (``core/trace/delayed_frees.py``).
 """
 
 from __future__ import annotations
