@@ -15,20 +15,45 @@ __all__ = [
     "TWO_BLOCKS_FLOAT8",
     "debug_block_parameters",
     "debug_model_on_meta",
+    "debug_pp_row",
     "float8_block_linears_override",
+    "small_step",
 ]
 
 # The module ``--override.imports`` names for oomkit's Float8 factories.
 FLOAT8_FACTORIES = "oomkit.prediction._torchtitan_float8"
 
-# torchtitan overrides of a small step on fake ranks: 2 sequences of 256 tokens, DTensor
-# sharding, no CUDA graphs (the fake process group cannot capture one).
-SMALL_STEP = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", "256",
-    "--training.disable_cuda_graphs",
-)
+def small_step(batch: int = 2, seq: int = 256) -> tuple[str, ...]:
+    """torchtitan overrides of a small step on fake ranks: ``batch`` sequences of ``seq`` tokens,
+    DTensor sharding, no CUDA graphs (the fake process group cannot capture one)."""
+    return (
+        "--parallelism.spmd_backend", "partial_dtensor",
+        "--training.local_batch_size", str(batch),
+        "--training.seq_len", str(seq),
+        "--training.disable_cuda_graphs",
+    )
+
+
+# The Float8 and job tests' step: 2 sequences of 256 tokens.
+SMALL_STEP = small_step()
+
+
+def debug_pp_row(row_id: str, *, fsdp: int, tp: int) -> dict:
+    """A benchmarks/torchtitan_rows.py row of the debugmodel on 4 fake GPUs: PP 2 (1F1B) by
+    ``fsdp`` x ``tp``, 4 sequences of 512 tokens, full AC, eager, no Float8."""
+    return {
+        "id": row_id,
+        "model": "debugmodel",
+        "gpus": 4,
+        "layout": {"fsdp": fsdp, "tp": tp, "pp": 2, "cp": 1},
+        "local_batch_size": 4,
+        "seq_len": 512,
+        "activation_checkpoint": "full",
+        "compile": False,
+        "float8": False,
+        "pp_schedule": "1F1B",
+        "measured_gib": 1.0,
+    }
 
 # (module, config) of the tests' registry modules (tests/prediction): llama3's debugmodel and its
 # registry's debugmodel_float8 (every linear converted), each cut to its first 2 blocks.

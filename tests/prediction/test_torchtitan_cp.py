@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torchtitan")
 
 from _torchtitan_recordings import recorded_job  # noqa: E402
-from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS, small_step  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
@@ -33,12 +33,7 @@ if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - anoth
 _BLOCKS = 2
 _PARAMETERS = 2 * 2048 * 256 + _BLOCKS * 852_480 + 256
 _BATCH, _SEQ, _HEADS, _HEAD_DIM, _BF16 = 2, 256, 16, 16, 2
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", str(_BATCH),
-    "--training.seq_len", str(_SEQ),
-    "--training.disable_cuda_graphs",
-)
+_BASE = small_step(_BATCH, _SEQ)
 _NO_AC = ("activation_checkpoint:none",)
 _ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
 

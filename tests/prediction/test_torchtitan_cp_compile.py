@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torchtitan")
 
 from _torchtitan_recordings import recorded_job  # noqa: E402
-from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS, small_step  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_cp_compile import (  # noqa: E402
@@ -37,13 +37,7 @@ _BATCH, _SEQ, _HEADS, _HEAD_DIM, _BF16, _FP32 = 2, 256, 16, 16, 2, 4
 _CP = 2
 _LOCAL = _SEQ // _CP  # this rank's tokens (two head-tail chunks of 64)
 _BLOCKS, _STEPS = 2, 2
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", str(_BATCH),
-    "--training.seq_len", str(_SEQ),
-    "--training.disable_cuda_graphs",
-    "--parallelism.context_parallel_degree", str(_CP),
-)
+_BASE = (*small_step(_BATCH, _SEQ), "--parallelism.context_parallel_degree", str(_CP))
 _CUDNN = "aten._scaled_dot_product_cudnn_attention.default"
 _CUDNN_BACKWARD = "aten._scaled_dot_product_cudnn_attention_backward.default"
 _CPU_OPS = (CPU_FLASH_OP, "aten._scaled_dot_product_attention_math.default")

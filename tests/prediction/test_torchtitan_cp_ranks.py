@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import small_step  # noqa: E402
+
 from oomkit.core.target import ParallelLayout, Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
@@ -34,10 +36,7 @@ _CP, _SEQ, _HEADS, _HEAD_DIM = 4, 1024, 16, 16
 _LOCAL = _SEQ // _CP  # 256 tokens a rank
 _BF16, _FP32 = 2, 4
 _OVERRIDES = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "1",
-    "--training.seq_len", str(_SEQ),
-    "--training.disable_cuda_graphs",
+    *small_step(1, _SEQ),
     "--parallelism.context_parallel_degree", str(_CP),
     "activation_checkpoint:none",
 )

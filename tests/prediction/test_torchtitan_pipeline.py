@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from _torchtitan_recordings import recorded_job  # noqa: E402
+from _torchtitan_small_job import small_step  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
@@ -34,12 +35,7 @@ _EMBEDDING = 2048 * 256  # and the LM head
 _NORM = 256
 _NORMS_PER_BLOCK = 2 * 256  # replicated over TP
 _FP32 = 4
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "4",
-    "--training.seq_len", "512",
-    "--training.disable_cuda_graphs",
-)
+_BASE = small_step(4, 512)
 _PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 _NO_AC = ("activation_checkpoint:none",)
 # the debugmodel's config runs Interleaved1F1B unless told

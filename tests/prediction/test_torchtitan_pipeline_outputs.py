@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from _torchtitan_small_job import TWO_BLOCKS  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS, small_step  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import ConfigError  # noqa: E402
@@ -30,12 +30,7 @@ if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - anoth
 
 _MICRO_BATCHES = 4
 _LOGITS = 1 * 512 * 2048 * 2  # one micro-batch's logits, bf16 (FSDP2's compute dtype)
-_BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "4",
-    "--training.seq_len", "512",
-    "--training.disable_cuda_graphs",
-)
+_BASE = small_step(4, 512)
 _NO_AC = ("activation_checkpoint:none",)  # a subcommand: last
 _PP2 = (
     "--parallelism.pipeline_parallel_degree", "2",

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import small_step  # noqa: E402
+
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
 from oomkit.prediction._torchtitan_pipeline import pickled_bytes  # noqa: E402
@@ -32,10 +34,7 @@ if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - anoth
 _MICRO, _SEQ, _DIM, _HEADS, _HEAD_DIM = 1, 512, 256, 16, 16
 _INT64, _BF16, _FP32 = 8, 2, 4
 _BASE = (
-    "--parallelism.spmd_backend", "partial_dtensor",
-    "--training.local_batch_size", "2",
-    "--training.seq_len", str(_SEQ),
-    "--training.disable_cuda_graphs",
+    *small_step(2, _SEQ),
     "--parallelism.pipeline_parallel_degree", "2",
     "--parallelism.pipeline_parallel_schedule", "1F1B",
 )

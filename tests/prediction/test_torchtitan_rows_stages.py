@@ -13,25 +13,15 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import debug_pp_row  # noqa: E402
+
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
     pytest.skip("an unsupported torchtitan is installed", allow_module_level=True)
 
 
-_ROW = {
-    "id": "debugmodel-fsdp2-pp2-1f1b",
-    "model": "debugmodel",
-    "gpus": 4,
-    "layout": {"fsdp": 2, "tp": 1, "pp": 2, "cp": 1},
-    "local_batch_size": 4,
-    "seq_len": 512,
-    "activation_checkpoint": "full",
-    "compile": False,
-    "float8": False,
-    "pp_schedule": "1F1B",
-    "measured_gib": 1.0,
-}
+_ROW = debug_pp_row("debugmodel-fsdp2-pp2-1f1b", fsdp=2, tp=1)
 
 
 def test_each_stage_first_rank_from_the_outermost_pp(rows_module):

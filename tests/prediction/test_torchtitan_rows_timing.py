@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from _torchtitan_small_job import debug_pp_row  # noqa: E402
+
 from oomkit.prediction._torchtitan_env import SUPPORTED_TORCHTITAN, torchtitan_version  # noqa: E402
 
 if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - another release
@@ -31,19 +33,7 @@ if torchtitan_version() not in SUPPORTED_TORCHTITAN:  # pragma: no cover - anoth
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 _FULL_QUEUE = 1024  # core/trace/delayed_frees.py GPU_LAG_ALLOCATIONS: the range's upper end
 
-_ROW = {
-    "id": "debugmodel-tp2-pp2-1f1b",
-    "model": "debugmodel",
-    "gpus": 4,
-    "layout": {"fsdp": 1, "tp": 2, "pp": 2, "cp": 1},
-    "local_batch_size": 4,
-    "seq_len": 512,
-    "activation_checkpoint": "full",
-    "compile": False,
-    "float8": False,
-    "pp_schedule": "1F1B",
-    "measured_gib": 1.0,
-}
+_ROW = debug_pp_row("debugmodel-tp2-pp2-1f1b", fsdp=1, tp=2)
 
 
 @pytest.fixture(scope="module")
