@@ -45,7 +45,9 @@ class DistributedMemory:
         nccl_notes: where the NCCL figure may differ from a real run.
         reserved_range_bytes: peak reserved, ``(lower, upper)``: the GPU keeps up, or trails
             the CPU by a launch queue (equal where timing changes nothing). The lower end is the
-            verdict's (``Prediction.required_bytes``).
+            verdict's (``Prediction.required_bytes``). The pair is in that order, not sorted:
+            frees that come later change which cached segments later requests split or reuse,
+            so the upper end's replay can reserve less than the lower end's.
         allocated_range_bytes: peak allocated, likewise (the upper end counts blocks whose free
             waits on their event as allocated; PyTorch's ``allocated_bytes`` drops at the free).
         timing_note: why the range is what it is, in words.
@@ -74,6 +76,15 @@ class DistributedMemory:
                 out.append(
                     f"peak reserved does not depend on the GPU's timing: {format_bytes(low)} "
                     "at either end"
+                )
+            elif high < low:
+                # CUDACachingAllocator.cpp get_free_block: a request takes the best-fitting
+                # cached block there is at that moment, so frees that come later can let later
+                # requests reuse whole segments where, freed at once, they split one.
+                out.append(
+                    f"peak reserved by the GPU's timing: {format_bytes(low)} if the GPU keeps up "
+                    f"(the verdict's), {format_bytes(high)} if the CPU is a launch queue ahead: "
+                    "the later frees change which cached segments the allocator splits and reuses"
                 )
             else:
                 out.append(
