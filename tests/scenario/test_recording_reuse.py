@@ -19,18 +19,13 @@ from oomkit.scenario.recording_reuse import cache_key, cache_refusal
 
 # The modules of a process that has not imported torch.
 FRESH: dict[str, object] = {}
-# The environment of every process this module starts, as it was when the module was imported:
-# torch sets variables of its own as it runs in this process (TORCHINDUCTOR_CACHE_DIR, in a
-# test that records in process or any other test of this worker), and TORCH* variables are in
-# the key, so a later process would miss the module's kept recording.
-ENVIRON = dict(os.environ)
 # A small preset step, its defaults left to oomkit (precision, optimizer: notes in the result).
 GPT2 = ["gpt2-124m", "--batch", "1", "--seq", "32", "--steps", "2", "--gpu", "h100"]
 
 
 def oomkit(*argv: str, cache: Path, importtime: bool = False, **env: str):
     command = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "oomkit"]
-    environ = {**ENVIRON, "OOMKIT_CACHE_DIR": str(cache), **env}
+    environ = {**os.environ, "OOMKIT_CACHE_DIR": str(cache), **env}
     return subprocess.run(
         [*command, *argv], capture_output=True, text=True, env=environ, check=False, timeout=300
     )
@@ -41,11 +36,17 @@ def uncached_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
     ``OOMKIT_NO_CACHE=1``: recorded (about 0.6 s of CPU with torch imported, against 2.8 s for
     a process of its own), nothing read or kept. Only for the uncached run a test compares a
     cached one with, never for the run whose caching or torch import the test is about."""
+    before = dict(os.environ)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OOMKIT_NO_CACHE", "1")
         capsys.readouterr()
         code = main(argv)
         out, err = capsys.readouterr()
+    # torch sets variables of its own as it runs (TORCHINDUCTOR_CACHE_DIR), and TORCH*
+    # variables are in the key: a process started after must get the environment the module's
+    # kept recording was keyed with, so this process's is put back as it was.
+    os.environ.clear()
+    os.environ.update(before)
     return code, out, err
 
 
