@@ -1,6 +1,9 @@
 """User code that exits or raises, at import, in the builder or in the step: exit 2, one line
-naming the file, the line and the exit code or exception (issue 36), through
-`python -m oomkit predict file.py:build` in a subprocess."""
+naming the file, the line and the exit code or exception (issue 36). The issue's case runs
+`python -m oomkit predict file.py:build` in a subprocess (the process's own exit code and
+stdout); the property tests over every stage call the CLI's ``main([...])`` in this process
+(the code that turns the user's exit or exception into exit 2: ``python -m oomkit`` exits with
+what ``main`` returns), each example without a torch import of its own."""
 
 from __future__ import annotations
 
@@ -9,8 +12,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from oomkit.interfaces.cli import main
 
 # Each stage's code, with {exit} replaced by the statement that exits or raises.
 STAGES = {
@@ -63,6 +69,19 @@ def _predict(tmp_path, text):
     return done.returncode, done.stdout, done.stderr
 
 
+def _predict_in_process(tmp_path, capfd, text):
+    """``_predict``'s exit code, stdout and stderr from ``main([...])`` in this process (the
+    working directory the subprocess gets, everything written to file descriptors 1 and 2)."""
+    path = tmp_path / "user.py"
+    path.write_text(textwrap.dedent(text))
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        code = main(["predict", f"{path}:build", "--gpu", "rtx4090"])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 _CODES = st.one_of(
     st.none(),
     st.integers(-5, 300),
@@ -72,10 +91,11 @@ _CODES = st.one_of(
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stage=st.sampled_from(sorted(STAGES)), code=_CODES)
-def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, stage, code):
+def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, capfd, stage, code):
     """sys.exit(0 / 3 / 'msg' / None) at import, in build() or in the step: exit 2 (never the
     script's own code, never 0), one line with the file, the line and sys.exit(code)."""
-    exit_code, _, err = _predict(tmp_path, STAGES[stage].replace("{exit}", f"sys.exit({code!r})"))
+    text = STAGES[stage].replace("{exit}", f"sys.exit({code!r})")
+    exit_code, _, err = _predict_in_process(tmp_path, capfd, text)
     assert exit_code == 2, err
     said = "sys.exit()" if code is None else f"sys.exit({code!r})"
     assert f"called {said} at " in err
@@ -90,10 +110,11 @@ def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, stage, code)
     stage=st.sampled_from(sorted(STAGES)),
     error=st.sampled_from(["ValueError", "KeyError", "RuntimeError", "ZeroDivisionError", "OSError"]),
 )
-def test_an_exception_anywhere_is_exit_2_naming_it(tmp_path, stage, error):
+def test_an_exception_anywhere_is_exit_2_naming_it(tmp_path, capfd, stage, error):
     """raise X('boom') at import, in build() or in the step: exit 2, the exception's type and
     message, no traceback."""
-    exit_code, _, err = _predict(tmp_path, STAGES[stage].replace("{exit}", f"raise {error}('boom')"))
+    text = STAGES[stage].replace("{exit}", f"raise {error}('boom')")
+    exit_code, _, err = _predict_in_process(tmp_path, capfd, text)
     assert exit_code == 2, err
     assert error in err
     assert "boom" in err
