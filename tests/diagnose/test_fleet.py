@@ -61,10 +61,13 @@ def test_rank_files_refuses_duplicates_and_empty_folders(tmp_path):
         rank_files(tmp_path / "missing")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sixteen(tmp_path_factory):
-    """The 16-rank job folder and its reports read here and on the fork pool, each read once
-    for the module: three tests compare with them (each read opens the 16 files)."""
+    """The 16-rank job folder and its reports read here and on the fork pool, each read once:
+    three tests compare with them (each read opens the 16 files). Once a session, not a
+    module: the Ray test runs first, apart from this module's other tests (tests/conftest.py
+    puts every test of Ray first), so a module fixture was torn down after it and read again
+    for them."""
     if not OCTREE.is_dir():
         pytest.skip("../shared/snapshots is absent")
     folder = _fleet(tmp_path_factory.mktemp("fleet") / "job")

@@ -109,29 +109,34 @@ def test_ray_without_retries_names_the_lost_task(ray_cluster, tmp_path):
         RayExecutor(max_retries=0).map(dies, [0])
 
 
-_SLOW_TASK_S = 6.0
+# How long a task left running after the interrupt would take to finish, uncancelled.
+_SLOW_TASK_S = 1.0
 
 
 def test_ctrl_c_cancels_the_tasks_left_on_the_cluster(ray_cluster, tmp_path):
     """KeyboardInterrupt during the wait cancels the unfinished tasks: none of them finishes."""
     folder = str(tmp_path)
+    interrupted = os.path.join(folder, "interrupted")
 
     def slow(n: int) -> int:
         if n:
-            # Long enough that a busy machine still interrupts the map (after task 0, which
-            # returns at once, as task 1 starts) well before any of these could finish
-            # uncancelled.
+            # The clock of a task's end starts at the interrupt, not at its start: however late
+            # a busy machine lets the test see task 0 and interrupt, no task could have ended
+            # before (tasks 2 and 3 wait for a CPU; task 1 runs beside task 0).
+            while not os.path.exists(interrupted):
+                time.sleep(0.01)
             time.sleep(_SLOW_TASK_S)
             open(os.path.join(folder, f"done{n}"), "w").close()
         return n
 
     def interrupt(done: int, total: int) -> None:
         if done == 1:
+            open(interrupted, "w").close()
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         RayExecutor().map(slow, [0, 1, 2, 3], progress=interrupt)
-    # Past the end of an uncancelled task started at the interrupt (the sleep is the test's
-    # wall time: 6 s, not 10, keeps the margin of seconds that a busy machine needs).
+    # Past the end of an uncancelled task (one running at the interrupt, or one that missed the
+    # cancel and started when map returned), with the margin of seconds a busy machine needs.
     time.sleep(_SLOW_TASK_S + 1.5)
-    assert sorted(os.listdir(folder)) == []
+    assert sorted(os.listdir(folder)) == ["interrupted"]

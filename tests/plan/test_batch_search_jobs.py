@@ -318,8 +318,13 @@ def test_a_process_ahead_is_waited_for_while_it_computes_and_not_once_it_is_stuc
     from oomkit.executors.forked import ForkedCall
     if ForkedCall(lambda: None).cpu_seconds() is None:
         pytest.skip("no /proc here: the plain wait is the only one")
-    wait = dict(wait_s=60.0, look_s=0.5, min_cpu_share=0.02)
-    assert ForkedCall(lambda: _spin_then("traced", 1.5)).result_unless_stalled(**wait) == "traced"
+    # The CPU the spinning processes burn is the test's cost: a look of 0.2 s (4 ms of CPU
+    # counts as computing, what a process gets on however busy a machine), a spin of three
+    # looks, a wait of two.
+    look_s = 0.2
+    wait = dict(wait_s=60.0, look_s=look_s, min_cpu_share=0.02)
+    spin_s = 3 * look_s
+    assert ForkedCall(lambda: _spin_then("traced", spin_s)).result_unless_stalled(**wait) == "traced"
     stuck = ForkedCall(lambda: _stuck(0))
     start = time.monotonic()
     assert stuck.result_unless_stalled(**wait) is None
@@ -328,8 +333,9 @@ def test_a_process_ahead_is_waited_for_while_it_computes_and_not_once_it_is_stuc
     assert stuck._process.exitcode == -9  # stopped (SIGKILL)
     start = time.monotonic()
     late = ForkedCall(lambda: _spin_then("late", 30))
-    assert late.result_unless_stalled(**{**wait, "wait_s": 1.0}) is None
-    assert 0.9 < time.monotonic() - start < 10
+    late_wait_s = 2 * look_s
+    assert late.result_unless_stalled(**{**wait, "wait_s": late_wait_s}) is None
+    assert late_wait_s - 0.1 < time.monotonic() - start < 10
 
 
 def test_a_builder_error_is_raised_as_one_at_a_time(tmp_path):

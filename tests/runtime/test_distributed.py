@@ -118,7 +118,10 @@ _WORKER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_two_ranks(tmp_path_factory.mktemp("dist"), _WORKER, timeout_s=90)
+    # The ranks catch 8 OOMs each, each with a gc.collect: over frozen imports (_gloo.py).
+    return run_two_ranks(
+        tmp_path_factory.mktemp("dist"), _WORKER, timeout_s=90, freeze_imports=True
+    )
 
 
 def test_one_rank_oom_makes_every_rank_split_the_same_way(ranks):

@@ -30,9 +30,14 @@ MiB = 2**20
 # Each step frees a buffer 2 MiB smaller than the next one needs: under the default setting
 # every request gets a new segment (20, 22, ... 30 MiB, plus the 2 MiB small-pool segment of the
 # parameter: 152 MiB reserved after 6 steps); expandable_segments:True grows one segment instead.
+# First it writes NAME.start ({"gpu": CUDA_VISIBLE_DEVICES}) into argv[1], NAME the setting's key
+# ("baseline" without one): the GPU each trial saw (no allocation; the peaks do not change).
 FRAGMENTING = """
-import time
+import json, os, sys, time
 import torch
+name = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(":")[0] or "baseline"
+with open(os.path.join(sys.argv[1], name + ".start"), "w") as out:
+    json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}, out)
 p = torch.nn.Parameter(torch.zeros(256))
 opt = torch.optim.SGD([p], lr=0.1)
 for i in range(100):
@@ -252,19 +257,33 @@ def test_recommend_is_the_lowest_peak_within_the_slowdown(base, others):
 # ------------------------------------------------------------------ trials in child processes
 
 
-def test_expandable_segments_reserve_less_on_a_fragmenting_script(tmp_path, sim_env):
-    """Default vs expandable_segments: the simulator's exact peaks, cudaMalloc counts, 6 steps."""
-    script = _script(tmp_path, FRAGMENTING)
+@pytest.fixture(scope="module")
+def fragmenting_on_one_gpu(tmp_path_factory):
+    """The fragmenting script's experiment on one visible GPU (``CUDA_VISIBLE_DEVICES=7``),
+    run once for the two tests that read it (each trial is a child Python: 2-3 s of CPU): its
+    result, the progress calls and the folder of the trials' GPU marks."""
+    tmp_path = tmp_path_factory.mktemp("fragmenting")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "OOMKIT_RUN_SIMULATED_GPU": "1GiB", "CUDA_VISIBLE_DEVICES": "7"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(name, None)
     seen = []
     result = run_experiment(
         sys.executable,
-        [script],
+        [_script(tmp_path, FRAGMENTING), str(marks)],
         ["expandable_segments:True", "expandable_segments:True", "max_split_size_mb:10"],
         steps=6,
         timeout_s=60,
-        environ=sim_env,
+        environ=env,
         progress=lambda i, n, conf: seen.append((i, n, conf)),
     )
+    return result, seen, marks
+
+
+def test_expandable_segments_reserve_less_on_a_fragmenting_script(fragmenting_on_one_gpu):
+    """Default vs expandable_segments: the simulator's exact peaks, cudaMalloc counts, 6 steps."""
+    result, seen, _ = fragmenting_on_one_gpu
     assert seen == [(0, 2, ""), (1, 2, "expandable_segments:True")]
     default, expandable, invalid = result.trials
     assert (default.status, default.steps, default.baseline) == ("completed", 6, True)
@@ -457,23 +476,14 @@ def test_trials_run_in_parallel_one_per_gpu(tmp_path, sim_env):
     assert result.warnings == ()
 
 
-def test_one_visible_gpu_runs_unpinned_one_after_another(tmp_path, sim_env):
-    """CUDA_VISIBLE_DEVICES=7 (one GPU): as before, the child keeps the caller's variable."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**sim_env, "CUDA_VISIBLE_DEVICES": "7"}
-    script = MARKS.replace('if name == "baseline":', "if False:")
-    result = run_experiment(
-        sys.executable,
-        [_script(tmp_path, script), str(marks)],
-        [],
-        steps=2,
-        timeout_s=60,
-        environ=env,
-    )
-    (base,) = result.trials
+def test_one_visible_gpu_runs_unpinned_one_after_another(fragmenting_on_one_gpu):
+    """CUDA_VISIBLE_DEVICES=7 (one GPU): as before, each child keeps the caller's variable."""
+    result, _, marks = fragmenting_on_one_gpu
+    base, expandable, _ = result.trials
     assert (base.status, base.gpu, result.gpus) == ("completed", None, ())
+    assert (expandable.status, expandable.gpu) == ("completed", None)
     assert _mark(marks, "baseline.start")["gpu"] == "7"
+    assert _mark(marks, "expandable_segments.start")["gpu"] == "7"
 
 
 def test_a_gpu_named_twice_is_an_error(tmp_path, sim_env):
