@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from collections import Counter
 
 import pytest
@@ -17,6 +19,19 @@ def _allocs(recording: TraceRecording, step: int | None = None) -> list:
 
 def _op(event) -> str | None:
     return dict(event.tags).get("op")
+
+
+def _two_blocks_deep(monkeypatch, name: str) -> None:
+    """Preset ``name`` built with its own shape but two blocks (``layers=2``), undone after the
+    test: for a property of every block alike (each checkpointed block's recompute, each
+    parameter's gradient), two blocks show it as the whole depth does, in a fraction of the
+    recording (one block's recompute follows another's, as in the full model)."""
+    from oomkit.prediction.models import presets
+
+    preset = presets.PRESETS[name]
+    assert preset.shape.layers > 2
+    shallow = dataclasses.replace(preset, shape=dataclasses.replace(preset.shape, layers=2))
+    monkeypatch.setattr(presets, "PRESETS", types.MappingProxyType({**presets.PRESETS, name: shallow}))
 
 
 def test_gpt2_train_step_traces_three_steps():
@@ -111,9 +126,12 @@ def test_checkpointing_with_attention_dropout_traces():
 
 
 @pytest.mark.parametrize("name", ["bert-base", "vit-b16"])
-def test_encoders_train(name):
-    """BERT (MLM loss over every position) and ViT train steps trace with gradients."""
+def test_encoders_train(name, monkeypatch):
+    """BERT (MLM loss over every position) and ViT train steps trace with gradients (two blocks
+    deep: every parameter's gradient, whatever the depth)."""
+    _two_blocks_deep(monkeypatch, name)
     built = build_preset_step(name, StepOptions(batch_size=2, seq_len=8, image_size=32))
+    assert built.description.startswith({"bert-base": "BERT", "vit-b16": "ViT"}[name])
     recording = trace_step(built.step_fn, *built.track)
     assert recording.allocated_bytes("gradient") == 4 * built.parameter_count
 
@@ -128,11 +146,13 @@ def test_step_fn_runs_without_arguments():
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("name", ["gpt2-124m", "llama-1b", "bert-base", "vit-b16"])
-def test_mixed_precision_with_checkpointing_traces(name, precision):
+def test_mixed_precision_with_checkpointing_traces(name, precision, monkeypatch):
     """Checkpointed blocks recompute under autocast: the casts match forward (no CheckpointError).
 
-    The weight gradients are fp32 (the parameters' dtype) whatever autocast computed in.
+    The weight gradients are fp32 (the parameters' dtype) whatever autocast computed in. Each
+    preset two blocks deep (``_two_blocks_deep``): its own blocks, checkpointed one after another.
     """
+    _two_blocks_deep(monkeypatch, name)
     options = StepOptions(
         batch_size=2, seq_len=8, image_size=32, precision=precision, checkpointing=True
     )
