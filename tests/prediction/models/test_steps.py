@@ -43,8 +43,10 @@ def test_gpt2_train_step_traces_three_steps():
     assert recording.allocated_bytes("input") == 2 * 8 * 16  # int64 ids and labels
 
 
-def test_inference_allocates_no_gradients_or_states():
-    """Inference runs under no_grad: no gradient, optimizer state or saved activation."""
+def test_inference_allocates_no_gradients_or_states(monkeypatch):
+    """Inference runs under no_grad: no gradient, optimizer state or saved activation (two
+    blocks deep: none in any block)."""
+    _two_blocks_deep(monkeypatch, "llama-1b")
     built = build_preset_step("llama-1b", StepOptions(batch_size=1, seq_len=8, mode="inference"))
     assert len(built.track) == 2  # model and ids: no optimizer
     recording = trace_step(built.step_fn, *built.track)
@@ -73,8 +75,10 @@ def test_generate_description():
     assert built.description == "Llama 3.2 1B, batch 2, prompt 64 + 16 new tokens, fp32, generate"
 
 
-def test_fp16_mixed_allocates_grad_scaler_tensors():
-    """fp16-mixed creates scale and growth tracker once, then a found_inf scalar every step."""
+def test_fp16_mixed_allocates_grad_scaler_tensors(monkeypatch):
+    """fp16-mixed creates scale and growth tracker once, then a found_inf scalar every step
+    (the GradScaler's, whatever the depth: two blocks)."""
+    _two_blocks_deep(monkeypatch, "gpt2-124m")
     built = build_preset_step(
         "gpt2-124m", StepOptions(batch_size=1, seq_len=8, precision="fp16-mixed")
     )
