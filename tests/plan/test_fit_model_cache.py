@@ -95,13 +95,22 @@ def test_builders_outside_a_search_build_a_model_each_time(gpt2_builds):
     assert first.track[0] is not second.track[0]
 
 
-def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
+def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds, monkeypatch):
     """smallest_gpu traces once per compute capability (RTX 4090 sm_89, A100 sm_80) with one
-    shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU."""
+    shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU.
+    (GPT-2 two blocks deep, its shape otherwise: the builds are counted and the peaks compared,
+    whatever the depth.)"""
+    import types
+
     from oomkit.core.gpus import get_gpu
     from oomkit.core.target import Target
     from oomkit.plan.batch_search import smallest_gpu
 
+    preset = presets_module.PRESETS["gpt2-124m"]
+    shallow = dataclasses.replace(preset, shape=dataclasses.replace(preset.shape, layers=2))
+    monkeypatch.setattr(
+        presets_module, "PRESETS", types.MappingProxyType({**presets_module.PRESETS, "gpt2-124m": shallow})
+    )
     options = StepOptions(batch_size=2, seq_len=32, precision="bf16-mixed")
 
     def build(batch):
