@@ -101,8 +101,11 @@ def test_pure_bf16_parameters_are_two_bytes():
     assert recording.allocated_bytes("parameter") == 2 * 25_557_032
 
 
-def test_checkpointing_keeps_fewer_activations():
-    """Per-block checkpointing of Llama 3.2 1B keeps only each block's input in forward."""
+def test_checkpointing_keeps_fewer_activations(monkeypatch):
+    """Per-block checkpointing of Llama 3.2 1B keeps only each block's input in forward (two of
+    its blocks: each keeps the same bytes, so the whole model's are 16 times one block's)."""
+    _two_blocks_deep(monkeypatch, "llama-1b")
+    blocks = 2
     results = {}
     for checkpointing in (False, True):
         options = StepOptions(batch_size=1, seq_len=32, checkpointing=checkpointing)
@@ -115,10 +118,10 @@ def test_checkpointing_keeps_fewer_activations():
             and dict(e.tags).get("phase") == "forward"
             and dict(e.tags).get("module", "").startswith("layers.")
         )
-    # 16 blocks x one fp32 input [1, 32, 2048] = 16 * 262,144 bytes; without checkpointing the
-    # blocks keep 26.5x more.
-    assert results[True] == 16 * 32 * 2048 * 4
-    assert results[False] == 111_153_152
+    # Each block one fp32 input [1, 32, 2048] = 262,144 bytes; without checkpointing each block
+    # keeps 26.5x more, 6,947,072 bytes (Llama 3.2 1B's 16 blocks: 16 * 262,144 and 111,153,152).
+    assert results[True] == blocks * 32 * 2048 * 4
+    assert results[False] == blocks * 6_947_072
 
 
 def test_checkpointing_with_attention_dropout_traces():
