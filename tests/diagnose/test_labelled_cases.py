@@ -56,14 +56,29 @@ def test_snapshot_set_covers_every_cause():
 
 
 @pytest.mark.parametrize("case", PREDICTION_CASES, ids=lambda c: c.name)
-def test_prediction_case(case, capsys):
+def test_prediction_case(case, capsys, monkeypatch):
     """`oomkit predict --json` of a preset that does not fit: a shortage, and the top remedy
     measured by re-predicting (predict measures them once; ``explain`` of the same save measures
-    the same way: tests/diagnose/test_model_remedies.py)."""
+    the same way: tests/diagnose/test_model_remedies.py).
+
+    The top remedy fits on the same GPU, and a ``--fsdp`` remedy ranks after every one that does
+    (``remedy_measurement.rank_measured``), so which meshes predict's FSDP search tries cannot
+    change what is read here: it tries the smallest alone (``FSDP_SIZES[:1]``), one rank
+    recording instead of a bisection's two or three (the bisection: test_model_remedies.py)."""
     pytest.importorskip("torch")
+    import functools
+
+    from oomkit.diagnose import remedy_measurement
     from oomkit.diagnose.prediction_diagnosis import diagnose_prediction
     from oomkit.interfaces.cli import main
 
+    monkeypatch.setattr(
+        remedy_measurement,
+        "prediction_remedies",
+        functools.partial(
+            remedy_measurement.prediction_remedies, fsdp_sizes=remedy_measurement.FSDP_SIZES[:1]
+        ),
+    )
     assert main(case.argv()) == 1  # it would OOM
     saved = json.loads(capsys.readouterr().out)
     diagnosis = diagnose_prediction(saved, measure=False)

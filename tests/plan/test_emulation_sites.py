@@ -179,10 +179,32 @@ def _gpt2_builder(seq=1024):
     return build
 
 
-def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path():
+@pytest.fixture
+def one_block_gpt2(monkeypatch):
+    """Preset gpt2-124m built one block deep and 64 wide (its embeddings as they are: the
+    vocabulary and the 1,024 positions), undone after the test: the embedding path is decided
+    by the number of indices alone (batch * seq), not by the model's depth or width."""
+    import dataclasses
+    import types
+
+    from oomkit.prediction.models import presets
+    from oomkit.prediction.models.gpt2 import GPT2Shape
+
+    preset = presets.PRESETS["gpt2-124m"]
+    shape = GPT2Shape(hidden=64, layers=1, heads=2)
+    assert (shape.vocab, shape.positions) == (preset.shape.vocab, preset.shape.positions)
+    monkeypatch.setattr(
+        presets,
+        "PRESETS",
+        types.MappingProxyType({**presets.PRESETS, "gpt2-124m": dataclasses.replace(preset, shape=shape)}),
+    )
+
+
+def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path(one_block_gpt2):
     """GPT-2 at seq 1024 sorts its embedding indices from batch 4 on (4,096 > 3,072): traced at
     1 and 2 (direct path), the recordings at 4 and 12 are synthesized equal to their traces,
-    event for event, with the temporaries (2 a step), and replay to the same bytes."""
+    event for event, with the temporaries (2 a step), and replay to the same bytes. (GPT-2 one
+    block deep: ``one_block_gpt2``; the search over the whole model is the test below.)"""
     from oomkit.core.target import Target
     from oomkit.plan.batch_probe import new_model_cache, record_step
     from oomkit.prediction.predictor import predict_recording

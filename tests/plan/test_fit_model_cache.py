@@ -36,6 +36,21 @@ def gpt2_builds(monkeypatch):
     return count
 
 
+@pytest.fixture
+def two_block_gpt2(monkeypatch):
+    """Preset gpt2-124m built two blocks deep (its shape otherwise), undone after the test: for
+    the tests that count builds and compare peaks with fresh builds', whatever the depth.
+    Returns the shape."""
+    import types
+
+    preset = presets_module.PRESETS["gpt2-124m"]
+    shallow = dataclasses.replace(preset, shape=dataclasses.replace(preset.shape, layers=2))
+    monkeypatch.setattr(
+        presets_module, "PRESETS", types.MappingProxyType({**presets_module.PRESETS, "gpt2-124m": shallow})
+    )
+    return shallow.shape
+
+
 def _search_then_compare(options: StepOptions, gpu: str, builds: list[int], start: int, most: int):
     """Run the search (cached) from ``start`` up to ``most``, then predict afresh the batch it
     answers and its last two probes (those that reused the model most); return the result."""
@@ -95,9 +110,10 @@ def test_builders_outside_a_search_build_a_model_each_time(gpt2_builds):
     assert first.track[0] is not second.track[0]
 
 
-def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
+def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds, two_block_gpt2):
     """smallest_gpu traces once per compute capability (RTX 4090 sm_89, A100 sm_80) with one
-    shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU."""
+    shared model; each GPU's peak reserved equals a fresh build's prediction on that GPU.
+    (GPT-2 two blocks deep: ``two_block_gpt2``.)"""
     from oomkit.core.gpus import get_gpu
     from oomkit.core.target import Target
     from oomkit.plan.batch_search import smallest_gpu
@@ -118,9 +134,13 @@ def test_smallest_gpu_builds_once_for_every_compute_capability(gpt2_builds):
     assert gpt2_builds[0] == 3
 
 
-def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
+def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds, two_block_gpt2):
     """A step with a policy and a frozen reference copy of one preset (DPO-style) records two
-    models in every probe: the search builds two, and its peaks equal fresh builds'."""
+    models in every probe: the search builds two, and its peaks equal fresh builds'. (GPT-2
+    two blocks deep: ``two_block_gpt2``; batch 4 fits 6 GiB as the whole model's did, so the
+    search from 4 to 5 probes both.)"""
+    from oomkit.prediction.models.gpt2 import gpt2_parameter_count
+
 
     def build(batch):
         options = StepOptions(batch_size=batch, seq_len=16)
@@ -144,4 +164,5 @@ def test_a_builder_making_two_alike_models_keeps_both(gpt2_builds):
         fresh = predict_built(build, "train step", probe.batch_size, target=searched, steps=2)
         assert probe.train.required_bytes == fresh.required_bytes
         assert probe.train.peak_allocated_bytes == fresh.peak_allocated_bytes
-    assert probe.train.peak_allocated_bytes > 4 * 124_000_000 * 2  # two models' fp32 weights
+    # two models' fp32 weights (the whole GPT-2 124M: 124,439,808 parameters each)
+    assert probe.train.peak_allocated_bytes > 4 * gpt2_parameter_count(two_block_gpt2) * 2

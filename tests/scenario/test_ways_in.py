@@ -42,8 +42,9 @@ def cases(tmp_path_factory):
     """(name, CLI flags, Python keywords) of each workload."""
     folder = tmp_path_factory.mktemp("ways_in")
     hf = folder / "tiny-llama"
+    # One layer: the ways in are the subject (as ONE_BLOCK_GPT2 below), and each is recorded 4 times.
     transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
     ).save_pretrained(hf)
     step = folder / "step.py"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from collections import Counter
 
 import pytest
@@ -19,6 +21,19 @@ def _op(event) -> str | None:
     return dict(event.tags).get("op")
 
 
+def _two_blocks_deep(monkeypatch, name: str) -> None:
+    """Preset ``name`` built with its own shape but two blocks (``layers=2``), undone after the
+    test: for a property of every block alike (each checkpointed block's recompute, each
+    parameter's gradient), two blocks show it as the whole depth does, in a fraction of the
+    recording (one block's recompute follows another's, as in the full model)."""
+    from oomkit.prediction.models import presets
+
+    preset = presets.PRESETS[name]
+    assert preset.shape.layers > 2
+    shallow = dataclasses.replace(preset, shape=dataclasses.replace(preset.shape, layers=2))
+    monkeypatch.setattr(presets, "PRESETS", types.MappingProxyType({**presets.PRESETS, name: shallow}))
+
+
 def test_gpt2_train_step_traces_three_steps():
     """The contract's call traces 3 steps of GPT-2 124M with gradients and AdamW states."""
     built = build_preset_step("gpt2-124m", StepOptions(batch_size=1, seq_len=16))
@@ -28,8 +43,10 @@ def test_gpt2_train_step_traces_three_steps():
     assert recording.allocated_bytes("input") == 2 * 8 * 16  # int64 ids and labels
 
 
-def test_inference_allocates_no_gradients_or_states():
-    """Inference runs under no_grad: no gradient, optimizer state or saved activation."""
+def test_inference_allocates_no_gradients_or_states(monkeypatch):
+    """Inference runs under no_grad: no gradient, optimizer state or saved activation (two
+    blocks deep: none in any block)."""
+    _two_blocks_deep(monkeypatch, "llama-1b")
     built = build_preset_step("llama-1b", StepOptions(batch_size=1, seq_len=8, mode="inference"))
     assert len(built.track) == 2  # model and ids: no optimizer
     recording = trace_step(built.step_fn, *built.track)
@@ -58,8 +75,10 @@ def test_generate_description():
     assert built.description == "Llama 3.2 1B, batch 2, prompt 64 + 16 new tokens, fp32, generate"
 
 
-def test_fp16_mixed_allocates_grad_scaler_tensors():
-    """fp16-mixed creates scale and growth tracker once, then a found_inf scalar every step."""
+def test_fp16_mixed_allocates_grad_scaler_tensors(monkeypatch):
+    """fp16-mixed creates scale and growth tracker once, then a found_inf scalar every step
+    (the GradScaler's, whatever the depth: two blocks)."""
+    _two_blocks_deep(monkeypatch, "gpt2-124m")
     built = build_preset_step(
         "gpt2-124m", StepOptions(batch_size=1, seq_len=8, precision="fp16-mixed")
     )
@@ -82,8 +101,11 @@ def test_pure_bf16_parameters_are_two_bytes():
     assert recording.allocated_bytes("parameter") == 2 * 25_557_032
 
 
-def test_checkpointing_keeps_fewer_activations():
-    """Per-block checkpointing of Llama 3.2 1B keeps only each block's input in forward."""
+def test_checkpointing_keeps_fewer_activations(monkeypatch):
+    """Per-block checkpointing of Llama 3.2 1B keeps only each block's input in forward (two of
+    its blocks: each keeps the same bytes, so the whole model's are 16 times one block's)."""
+    _two_blocks_deep(monkeypatch, "llama-1b")
+    blocks = 2
     results = {}
     for checkpointing in (False, True):
         options = StepOptions(batch_size=1, seq_len=32, checkpointing=checkpointing)
@@ -96,10 +118,10 @@ def test_checkpointing_keeps_fewer_activations():
             and dict(e.tags).get("phase") == "forward"
             and dict(e.tags).get("module", "").startswith("layers.")
         )
-    # 16 blocks x one fp32 input [1, 32, 2048] = 16 * 262,144 bytes; without checkpointing the
-    # blocks keep 26.5x more.
-    assert results[True] == 16 * 32 * 2048 * 4
-    assert results[False] == 111_153_152
+    # Each block one fp32 input [1, 32, 2048] = 262,144 bytes; without checkpointing each block
+    # keeps 26.5x more, 6,947,072 bytes (Llama 3.2 1B's 16 blocks: 16 * 262,144 and 111,153,152).
+    assert results[True] == blocks * 32 * 2048 * 4
+    assert results[False] == blocks * 6_947_072
 
 
 def test_checkpointing_with_attention_dropout_traces():
@@ -111,9 +133,12 @@ def test_checkpointing_with_attention_dropout_traces():
 
 
 @pytest.mark.parametrize("name", ["bert-base", "vit-b16"])
-def test_encoders_train(name):
-    """BERT (MLM loss over every position) and ViT train steps trace with gradients."""
+def test_encoders_train(name, monkeypatch):
+    """BERT (MLM loss over every position) and ViT train steps trace with gradients (two blocks
+    deep: every parameter's gradient, whatever the depth)."""
+    _two_blocks_deep(monkeypatch, name)
     built = build_preset_step(name, StepOptions(batch_size=2, seq_len=8, image_size=32))
+    assert built.description.startswith({"bert-base": "BERT", "vit-b16": "ViT"}[name])
     recording = trace_step(built.step_fn, *built.track)
     assert recording.allocated_bytes("gradient") == 4 * built.parameter_count
 
@@ -128,11 +153,13 @@ def test_step_fn_runs_without_arguments():
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("name", ["gpt2-124m", "llama-1b", "bert-base", "vit-b16"])
-def test_mixed_precision_with_checkpointing_traces(name, precision):
+def test_mixed_precision_with_checkpointing_traces(name, precision, monkeypatch):
     """Checkpointed blocks recompute under autocast: the casts match forward (no CheckpointError).
 
-    The weight gradients are fp32 (the parameters' dtype) whatever autocast computed in.
+    The weight gradients are fp32 (the parameters' dtype) whatever autocast computed in. Each
+    preset two blocks deep (``_two_blocks_deep``): its own blocks, checkpointed one after another.
     """
+    _two_blocks_deep(monkeypatch, name)
     options = StepOptions(
         batch_size=2, seq_len=8, image_size=32, precision=precision, checkpointing=True
     )
