@@ -88,8 +88,8 @@ def test_each_stage_is_predicted_and_the_peak_is_named():
     prediction = oomkit.predict(_scenario(all_ranks=True))
     peaks = {p["rank"]: p for p in prediction.rank_peaks}
     assert sorted(peaks) == [0, 1] and [peaks[r]["stage"] for r in (0, 1)] == [0, 1]
-    # rank 1 recorded alone (tests/prediction/test_torchtitan_pipeline.py's 1F1B rank 1: the
-    # same job, recorded once for both)
+    # rank 1 recorded alone (through ``recorded_job``, once per process for any module that
+    # records this job)
     _, _, rank_1 = recorded_job(TorchtitanJob("llama3", "debugmodel", _OVERRIDES, world_size=2, rank=1))
     assert peaks[1]["peak_allocated_bytes"] == rank_1.peak_allocated_bytes
     assert peaks[1]["peak_reserved_bytes"] == rank_1.peak_reserved_bytes
