@@ -1,12 +1,14 @@
 """torchtitan's own pipeline parallel (``pipeline_llm`` and its schedule) on the fake group.
 
-torchtitan 0.3.0's llama3 ``debugmodel`` (6 blocks of 852,480 parameters, a 2048 x 256
-embedding and LM head, a 256 final norm) in fp32. torchtitan's split
-(pipeline_parallel.py ``_generate_llm_fqn_per_model_part``) counts the embedding and the norm +
-LM head as one block each: 2 stages of 4 weighted blocks give stage 0 the embedding and blocks
-0-2, stage 1 blocks 3-5, the norm and the LM head; 4 stages (Interleaved1F1B, 2 a rank) give
-stage 0 the embedding and block 0, stage 1 blocks 1-2, stage 2 blocks 3-4, stage 3 block 5,
-norm and head, and rank 0 runs stages 0 and 2.
+The recorded jobs run torchtitan 0.3.0's llama3 ``debugmodel`` cut to its first 2 blocks
+(``_torchtitan_two_blocks``: 2 blocks of 852,480 parameters, a 2048 x 256 embedding and LM
+head, a 256 final norm) in fp32; the refused split below is the whole 6-block ``debugmodel``.
+torchtitan's split (pipeline_parallel.py ``_generate_llm_fqn_per_model_part``) counts the
+embedding and the norm + LM head as one block each: 2 stages of 2 weighted blocks give stage 0
+the embedding and block 0, stage 1 block 1, the norm and the LM head; 4 stages
+(Interleaved1F1B, 2 a rank) of 1 give stage 0 the embedding, stage 1 block 0, stage 2 block 1,
+stage 3 the norm and head, and rank 0 runs stages 0 and 2. (The split of 6 blocks into
+``layers 0-2`` and ``layers 3-5`` is test_torchtitan_rows_stages.py's.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from _torchtitan_recordings import recorded_job  # noqa: E402
-from _torchtitan_small_job import small_step  # noqa: E402
+from _torchtitan_small_job import TWO_BLOCKS, small_step  # noqa: E402
 
 from oomkit.core.target import Target  # noqa: E402
 from oomkit.errors import OomkitError  # noqa: E402
@@ -53,10 +55,9 @@ def _bytes_by_category(events) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def recorded():
-    """(name, rank) -> (recording, run, prediction) of two train steps on an H100; of one for
-    FSDP 2 and TP 2, whose tests read the parameter shards only (made before the first step).
-    1F1B's rank 1 is tests/scenario/test_torchtitan_all_ranks.py's job, recorded once for both
-    (``_torchtitan_recordings``)."""
+    """(name, rank) -> (recording, run, prediction) of the 2-block jobs' two train steps on an
+    H100; of one for FSDP 2 and TP 2, whose tests read the parameter shards only (made before
+    the first step)."""
     jobs = {
         "1f1b": (2, _1F1B, 2),
         "interleaved": (2, _INTERLEAVED, 2),
@@ -67,9 +68,7 @@ def recorded():
     out = {}
     for name, (world, extra, steps) in jobs.items():
         for rank in ranks[name]:
-            job = TorchtitanJob(
-                "llama3", "debugmodel", _BASE + _PP2 + extra + _NO_AC, world_size=world, rank=rank
-            )
+            job = TorchtitanJob(*TWO_BLOCKS, _BASE + _PP2 + extra + _NO_AC, world_size=world, rank=rank)
             out[(name, rank)] = recorded_job(job, steps=steps)
     return out
 
@@ -80,14 +79,14 @@ def _parameters(recorded, key) -> int:
 
 
 def test_1f1b_each_rank_holds_its_stage_blocks(recorded):
-    """PP 2, 1F1B: rank 0 the embedding + blocks 0-2, rank 1 blocks 3-5 + norm + LM head."""
-    assert _parameters(recorded, ("1f1b", 0)) == (_EMBEDDING + 3 * _BLOCK) * _FP32 == 12_326_912
-    assert _parameters(recorded, ("1f1b", 1)) == (3 * _BLOCK + _NORM + _EMBEDDING) * _FP32 == 12_327_936
+    """PP 2, 1F1B: rank 0 the embedding + block 0, rank 1 block 1 + norm + LM head."""
+    assert _parameters(recorded, ("1f1b", 0)) == (_EMBEDDING + _BLOCK) * _FP32 == 5_507_072
+    assert _parameters(recorded, ("1f1b", 1)) == (_BLOCK + _NORM + _EMBEDDING) * _FP32 == 5_508_096
     assert "rank 0 of 2" in recorded[("1f1b", 0)][1].description
-    assert "1F1B over 2 ranks, 4 micro-batches of 1: this rank runs stage 0 (tok_embeddings, layers 0-2)" in (
+    assert "1F1B over 2 ranks, 4 micro-batches of 1: this rank runs stage 0 (tok_embeddings, layer 0)" in (
         recorded[("1f1b", 0)][1].description
     )
-    assert "stage 1 (layers 3-5, norm, lm_head)" in recorded[("1f1b", 1)][1].description
+    assert "stage 1 (layer 1, norm, lm_head)" in recorded[("1f1b", 1)][1].description
     assert recorded[("1f1b", 1)][1].layout == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}
 
 
@@ -100,25 +99,25 @@ def test_1f1b_first_stage_keeps_more_micro_batches_in_flight(recorded):
 
 
 def test_interleaved_rank_0_runs_stages_0_and_2(recorded):
-    """Interleaved1F1B: 4 stages, rank 0 runs stage 0 (embedding, block 0) and 2 (blocks 3-4)."""
+    """Interleaved1F1B: 4 stages, rank 0 runs stage 0 (the embedding) and 2 (block 1)."""
     _, run, predicted = recorded[("interleaved", 0)]
-    assert "stage 0 (tok_embeddings, layer 0); stage 2 (layers 3-4)" in run.description
-    assert _parameters(recorded, ("interleaved", 0)) == (_EMBEDDING + 3 * _BLOCK) * _FP32
+    assert "stage 0 (tok_embeddings); stage 2 (layer 1)" in run.description
+    assert _parameters(recorded, ("interleaved", 0)) == (_EMBEDDING + _BLOCK) * _FP32
     assert predicted.peak_allocated_bytes != recorded[("1f1b", 0)][2].peak_allocated_bytes
 
 
 def test_fsdp2_halves_each_stage(recorded):
     """FSDP 2 x PP 2 on 4 ranks: ranks 0 and 2 run stages 0 and 1, each half of its blocks."""
-    assert _parameters(recorded, ("fsdp2", 0)) == (_EMBEDDING + 3 * _BLOCK) * _FP32 // 2 == 6_163_456
-    assert _parameters(recorded, ("fsdp2", 2)) == (3 * _BLOCK + _NORM + _EMBEDDING) * _FP32 // 2 == 6_163_968
+    assert _parameters(recorded, ("fsdp2", 0)) == (_EMBEDDING + _BLOCK) * _FP32 // 2 == 2_753_536
+    assert _parameters(recorded, ("fsdp2", 2)) == (_BLOCK + _NORM + _EMBEDDING) * _FP32 // 2 == 2_754_048
 
 
 def test_tp2_shards_the_stage_but_its_norms(recorded):
     """TP 2 x PP 2: the stages pass DTensors (given with their gradients); rank 0 holds half of
-    stage 0 but its 3 blocks' norms whole."""
-    norms = 3 * _NORMS_PER_BLOCK
-    expected = ((_EMBEDDING + 3 * _BLOCK - norms) // 2 + norms) * _FP32
-    assert _parameters(recorded, ("tp2", 0)) == expected == 6_166_528
+    stage 0 but its block's norms whole."""
+    norms = _NORMS_PER_BLOCK
+    expected = ((_EMBEDDING + _BLOCK - norms) // 2 + norms) * _FP32
+    assert _parameters(recorded, ("tp2", 0)) == expected == 2_754_560
 
 
 def test_the_steady_state_is_said(recorded):
@@ -174,6 +173,6 @@ def test_a_wrong_stage_shape_is_caught_by_the_stage(monkeypatch):
         return shorter
 
     monkeypatch.setattr(pipelined, "_stage_shapes", wrong)
-    job = TorchtitanJob("llama3", "debugmodel", _BASE + _PP2 + _1F1B + _NO_AC, world_size=2)
+    job = TorchtitanJob(*TWO_BLOCKS, _BASE + _PP2 + _1F1B + _NO_AC, world_size=2)
     with pytest.raises(OomkitError, match=r"Stage 0 forward outputs\[0\]: shape mismatch"):
         record_torchtitan_job(job, target=Target.resolve("h100"))

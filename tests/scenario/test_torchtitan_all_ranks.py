@@ -3,7 +3,9 @@
 The ranks are picked as the preset route picks them (``scenario/ranks.py`` ``distinct_ranks``:
 per pipeline stage its first rank and, where FSDP2 shards, its last), from the job's own
 parallel degrees (torchtitan's ``ParallelDims.from_config``). The job: torchtitan 0.3.0's llama3
-``debugmodel`` (6 blocks), 4 sequences of 512 tokens, 1F1B over 2 stages, no AC.
+``debugmodel`` cut to its first 4 blocks (``_torchtitan_four_blocks``: 2 blocks a stage, so that
+stage 0's two micro-batches in flight out-weigh stage 1's logits), 4 sequences of 512 tokens,
+1F1B over 2 stages, no AC.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from oomkit.prediction._torchtitan_ranks import job_layout  # noqa: E402
 from oomkit.prediction.torchtitan_job import TorchtitanJob  # noqa: E402
 from oomkit.scenario.model import Scenario  # noqa: E402
 
+# (module, config) of the job: the debugmodel's first 4 blocks (tests/_torchtitan_four_blocks.py)
+_FOUR_BLOCKS = ("_torchtitan_four_blocks", "llama3_debug_four_blocks")
 _OVERRIDES = (
     "--parallelism.spmd_backend", "partial_dtensor",
     "--training.local_batch_size", "4",
@@ -35,7 +39,7 @@ _OVERRIDES = (
 
 def _scenario(**parallel: object) -> Scenario:
     return Scenario.model_validate({
-        "torchtitan": {"job": "llama3:debugmodel", "world_size": 2, "overrides": list(_OVERRIDES)},
+        "torchtitan": {"job": ":".join(_FOUR_BLOCKS), "world_size": 2, "overrides": list(_OVERRIDES)},
         "parallel": parallel,
         "target": {"gpu": "h100"},
         "run": {"steps": 2},
@@ -88,9 +92,9 @@ def test_each_stage_is_predicted_and_the_peak_is_named():
     prediction = oomkit.predict(_scenario(all_ranks=True))
     peaks = {p["rank"]: p for p in prediction.rank_peaks}
     assert sorted(peaks) == [0, 1] and [peaks[r]["stage"] for r in (0, 1)] == [0, 1]
-    # rank 1 recorded alone (tests/prediction/test_torchtitan_pipeline.py's 1F1B rank 1: the
-    # same job, recorded once for both)
-    _, _, rank_1 = recorded_job(TorchtitanJob("llama3", "debugmodel", _OVERRIDES, world_size=2, rank=1))
+    # rank 1 recorded alone (through ``recorded_job``, once per process for any module that
+    # records this job)
+    _, _, rank_1 = recorded_job(TorchtitanJob(*_FOUR_BLOCKS, _OVERRIDES, world_size=2, rank=1))
     assert peaks[1]["peak_allocated_bytes"] == rank_1.peak_allocated_bytes
     assert peaks[1]["peak_reserved_bytes"] == rank_1.peak_reserved_bytes
     assert peaks[0]["peak_allocated_bytes"] > peaks[1]["peak_allocated_bytes"]
