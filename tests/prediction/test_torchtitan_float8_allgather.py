@@ -131,14 +131,16 @@ def test_the_peak_drops_by_one_blocks_linears_and_a_float8_weight_copy(recorded)
 def test_with_tp_each_rank_gathers_its_tp_shard_of_the_block_in_float8():
     """FSDP 2 x TP 2 (torchao's order: the wrapped weight is TP's local tensor, FSDP2 shards
     it): a block's all-gather is half of each linear's elements at 1 byte, and the two norms
-    (replicated over TP) in bf16; each unsharded linear weight is its TP shard in bytes."""
+    (replicated over TP) in bf16; each unsharded linear weight is its TP shard in bytes. One
+    train step: its forward and backward gather every block's weights, and what a gather casts
+    to is fixed when the weight is wrapped (at build), so a second step gathers the same."""
     tp = 2
     job = TorchtitanJob(
         *TWO_BLOCKS,
         _overrides(True) + SMALL_STEP + ("--parallelism.tensor_parallel_degree", str(tp)),
         world_size=_FSDP * tp,
     )
-    recording, _ = record_torchtitan_job(job, target=Target.resolve("h100"))
+    recording, _ = record_torchtitan_job(job, target=Target.resolve("h100"), steps=1)
     linears, others = debug_block_parameters()
     gathered = _gathered_sizes(recording)
     block = sum(linears.values()) // tp * _FLOAT8_BYTES + sum(others.values()) * _BF16_BYTES
