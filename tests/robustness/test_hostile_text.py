@@ -3,14 +3,10 @@ small numeric inputs are refused as PyTorch refuses them (issue 36)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import pickle
 import re
 import sys
-import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,38 +20,15 @@ from oomkit.errors import ConfigError, OomkitError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cli_bounds import SNAPSHOT_COMMANDS, CliResult, digest  # noqa: E402
+from _cli_in_process import run_in_process  # noqa: E402
 from _hostile_support import base_snapshot  # noqa: E402
-
-from oomkit.interfaces.cli import main  # noqa: E402
 
 
 def run_oomkit(argv: Sequence[str], *, cwd: Path) -> CliResult:
-    """``oomkit *argv`` run in this process (``main``) in ``cwd``, as ``_cli_bounds.run_oomkit``
-    runs it in a child (stdin empty, ``COLUMNS=100``, ``NO_COLOR=1``): what it printed on stdout
-    and stderr (warnings included, as a child prints them) and its exit code. These tests are
-    about what is printed, not the process boundary (a subprocess costs an interpreter start and
-    oomkit's imports); the working folder and the environment are restored afterwards."""
-    out, err = io.StringIO(), io.StringIO()
-    start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        patch = stack.enter_context(pytest.MonkeyPatch.context())
-        patch.chdir(cwd)
-        patch.setenv("COLUMNS", "100")
-        patch.setenv("NO_COLOR", "1")
-        patch.setattr(sys, "stdin", io.StringIO(""))
-        stack.enter_context(contextlib.redirect_stdout(out))
-        stack.enter_context(contextlib.redirect_stderr(err))
-        caught = stack.enter_context(warnings.catch_warnings(record=True))
-        warnings.simplefilter("default")
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code if isinstance(exc.code, int) else 1
-        for warning in caught:
-            err.write(warnings.formatwarning(
-                warning.message, warning.category, warning.filename, warning.lineno
-            ))
-    return CliResult(tuple(argv), code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
+    """``oomkit *argv`` run in this process in ``cwd`` with ``_cli_bounds.run_oomkit``'s
+    environment (``COLUMNS=100``, ``NO_COLOR=1``, stdin empty): these tests are about what is
+    printed, not the process boundary, which costs an interpreter start and oomkit's imports."""
+    return run_in_process(argv, cwd=cwd, environ={"COLUMNS": "100", "NO_COLOR": "1"})
 
 FEW = settings(
     max_examples=2,
