@@ -148,7 +148,7 @@ def test_a_pipeline_that_does_not_fit_gets_no_rebuilt_remedies(tiny):
     from oomkit.diagnose.remedy_measurement import prediction_remedies
 
     data = {"model": {"preset": "llama3-8b"}, "step": {"batch": 4, "seq": 16, "precision": "fp32"},
-            "parallel": {"pp": 2, "microbatches": 4},
+            "parallel": {"pp": 2, "microbatches": 2},
             "target": {"gpu": "600MiB", "context_overhead_bytes": "560MiB"}, "run": {"steps": 1}}
     prediction = predict(scenario_from_data(data))
     assert not prediction.fits
