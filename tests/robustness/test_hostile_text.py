@@ -7,6 +7,7 @@ import json
 import pickle
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,16 @@ from oomkit.core.snapshot import looks_like_pickle
 from oomkit.errors import ConfigError, OomkitError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _cli_bounds import SNAPSHOT_COMMANDS, digest, run_oomkit  # noqa: E402
+from _cli_bounds import SNAPSHOT_COMMANDS, CliResult, digest  # noqa: E402
+from _cli_in_process import run_in_process  # noqa: E402
 from _hostile_support import base_snapshot  # noqa: E402
+
+
+def run_oomkit(argv: Sequence[str], *, cwd: Path) -> CliResult:
+    """``oomkit *argv`` run in this process in ``cwd`` with ``_cli_bounds.run_oomkit``'s
+    environment (``COLUMNS=100``, ``NO_COLOR=1``, stdin empty): these tests are about what is
+    printed, not the process boundary, which costs an interpreter start and oomkit's imports."""
+    return run_in_process(argv, cwd=cwd, environ={"COLUMNS": "100", "NO_COLOR": "1"})
 
 FEW = settings(
     max_examples=2,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
 import sys
 import time
 import tracemalloc
 
+from _cli_bounds import CliResult
+from _cli_in_process import run_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,17 +154,14 @@ def _message(**figures: str) -> str:
     )
 
 
-def _explain(path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "oomkit", "explain", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
-    )
+def _explain(path) -> CliResult:
+    """``oomkit explain PATH``'s exit code and output, run in this process (these tests check
+    what explain prints and its exit code, not the process boundary: a child process costs an
+    interpreter start and oomkit's imports for each hypothesis example)."""
+    return run_in_process(["explain", str(path)], environ={"NO_COLOR": "1", "COLUMNS": "200"})
 
 
-def _refused(proc: subprocess.CompletedProcess[str], words: str) -> None:
+def _refused(proc: CliResult, words: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
@@ -172,12 +169,12 @@ def _refused(proc: subprocess.CompletedProcess[str], words: str) -> None:
     assert words in proc.stderr
 
 
-_SUBPROCESS = settings(
+_SIX_EXAMPLES = settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
-@_SUBPROCESS
+@_SIX_EXAMPLES
 @given(
     figure=st.sampled_from(_FIGURES),
     digits=st.integers(min_value=25, max_value=5000),
@@ -211,7 +208,7 @@ def test_700_gib_allocated_on_a_79_gib_gpu_is_inconsistent(tmp_path):
     assert "matched to the H100 PCIe" in proc.stderr
 
 
-@_SUBPROCESS
+@_SIX_EXAMPLES
 @given(
     total=st.sampled_from(["39.39 GiB", "79.11 GiB", "79.33 GiB", "139.80 GiB", "15.77 GiB"]),
     excess_gib=st.integers(min_value=2, max_value=10**6),
@@ -225,7 +222,7 @@ def test_more_held_than_a_datacenter_gpu_has_is_exit_2(tmp_path, total, excess_g
     _refused(_explain(path), "the out-of-memory message is inconsistent")
 
 
-@_SUBPROCESS
+@_SIX_EXAMPLES
 @given(total_gib=st.integers(min_value=1, max_value=200), extra_gib=st.integers(1, 10**6))
 def test_more_free_than_the_device_is_exit_2(tmp_path, total_gib, extra_gib):
     """More free memory than the device's total: exit 2, 'inconsistent'."""
@@ -252,7 +249,7 @@ _LOG_LINE = st.text(
 ).filter(lambda line: "memory" not in line)
 
 
-@_SUBPROCESS
+@_SIX_EXAMPLES
 @given(
     encoding=st.sampled_from(["utf-16", "utf-16-le", "utf-16-be"]),
     before=st.lists(_LOG_LINE, max_size=5),

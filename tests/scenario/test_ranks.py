@@ -44,11 +44,13 @@ def by_rank(tmp_path_factory):
 def _scenario(**parallel):
     """PP 2 of the tiny Llama, one step recorded (not the default 3: the tests that take it
     compare --all-ranks with --rank R, or one stage's rank with the other's, on the same steps;
-    one step is a third of the time)."""
+    one step is a third of the time) of 2 microbatches (one a stage, the fewest a 2-stage
+    schedule takes: what the tests compare is the same for any count, and each microbatch is
+    another forward and backward traced on each stage)."""
     return scenario_from_data({
         "model": {"preset": "llama3-8b"},
         "step": {"batch": 4, "seq": 16, "precision": "fp32"},
-        "parallel": {"pp": 2, "microbatches": 4, **parallel},
+        "parallel": {"pp": 2, "microbatches": 2, **parallel},
         "target": {"gpu": "h100"},
         "run": {"steps": 1},
     })
@@ -100,8 +102,10 @@ def test_the_last_fsdp_rank_holds_shorter_shards(tiny, monkeypatch):
 
     preset = ModelPreset("tiny", "Tiny Llama", _SHAPE, 16, "test", default_precision="fp32")
     monkeypatch.setattr(parallel, "shaped_preset", lambda name, options: preset)
+    # Two steps (not the default 3): the first creates the optimizer state, the second holds it
+    # throughout, as fit's probes record.
     data = {"model": {"preset": "llama3-8b"}, "step": {"batch": 2, "seq": 16, "precision": "fp32"},
-            "target": {"gpu": "h100"}}
+            "target": {"gpu": "h100"}, "run": {"steps": 2}}
     every = predict(scenario_from_data({**data, "parallel": {"fsdp": 3, "all_ranks": True}}))
     first, last = every.rank_peaks
     assert (first["rank"], last["rank"]) == (0, 2)
@@ -144,8 +148,8 @@ def test_a_pipeline_that_does_not_fit_gets_no_rebuilt_remedies(tiny):
     from oomkit.diagnose.remedy_measurement import prediction_remedies
 
     data = {"model": {"preset": "llama3-8b"}, "step": {"batch": 4, "seq": 16, "precision": "fp32"},
-            "parallel": {"pp": 2, "microbatches": 4},
-            "target": {"gpu": "600MiB", "context_overhead_bytes": "560MiB"}}
+            "parallel": {"pp": 2, "microbatches": 2},
+            "target": {"gpu": "600MiB", "context_overhead_bytes": "560MiB"}, "run": {"steps": 1}}
     prediction = predict(scenario_from_data(data))
     assert not prediction.fits
     assert prediction_remedies(prediction) == ()
@@ -159,7 +163,7 @@ def test_context_parallel_through_a_scenario(monkeypatch):
     monkeypatch.setattr(context_parallel, "shaped_preset", lambda name, options: preset)
     prediction = predict(scenario_from_data({
         "model": {"preset": "llama3-8b"}, "step": {"batch": 2, "seq": 32, "precision": "bf16"},
-        "parallel": {"fsdp": 2, "cp": 2}, "target": {"gpu": "h100"},
+        "parallel": {"fsdp": 2, "cp": 2}, "target": {"gpu": "h100"}, "run": {"steps": 1},
     }))
     assert prediction_to_json(prediction)["target"]["parallel"] == {
         "fsdp": 2, "tp": 1, "dp": 1, "pp": 1, "cp": 2,
