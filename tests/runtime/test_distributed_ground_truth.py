@@ -184,12 +184,14 @@ def _predicted_peaks(kind: str, world_size: int) -> tuple[int, int, int]:
 # gloo's thread has let go of the tensors (their storages' use counts are back to the caller's):
 # the frees then happen where FSDP2 drops its references, as on a GPU.
 #
-# Real launches at most, for what is not settled: DDP's collectives issued from C++ (the
-# reducer's bucket rebuild broadcast in ``_pre_forward``, the constructor's broadcast and shape
-# check) allocate their small tensors where Python cannot see them, and a rank's peak can be one
-# small block above the prediction when gloo's thread frees one late (seen at load average 2+:
-# 507392 against 506880 bytes, one 512-byte block). That is the real run's thread timing, not
-# the prediction: the same ranks are launched again, and one launch must match in bytes.
+# Real launches at most, for what is not settled: DDP's collectives issued from C++ allocate
+# their tensors where the worker cannot see them (the constructor's shape check, three 8-byte
+# tensors; its broadcast of the module states and the Reducer's constructor, 115904 bytes each;
+# the bucket rebuild's 8-byte broadcast in ``_pre_forward`` of step 2), and gloo's thread frees
+# them late in the same way: a rank's DDP peak is then a block or a few above the prediction
+# (seen at load average 2-4: 507392 and 508416 against 506880 bytes; in about 1 launch of 10).
+# That is the real run's thread timing, not the prediction: the same ranks are launched again,
+# and one launch must match in bytes.
 _LAUNCHES = 3
 
 
