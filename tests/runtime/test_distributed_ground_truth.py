@@ -58,19 +58,35 @@ _MODEL = textwrap.dedent(
 
 _WORKER = _MODEL + textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import _disable_current_modes
     from oomkit.runtime import SimulatedCudaDevice
 
     rank, store, worlds = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
-    reduce_scatter = dist.reduce_scatter_single
+    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def settled(collective):
+        # The synchronous collective, returning only once gloo's worker thread has let go of
+        # its references to the tensors too: see "settled" in the test module.
+        def run(output, input, *, async_op=False, **kwargs):
+            assert not async_op, "FSDP2's collectives are synchronous here (unshard_async_op)"
+            cdatas = [t.untyped_storage()._cdata for t in (output, input)]
+            held = [torch._C._storage_Use_Count(cdata) for cdata in cdatas]
+            collective(output, input, **kwargs)
+            deadline = time.monotonic() + 30
+            while any(torch._C._storage_Use_Count(c) > h for c, h in zip(cdatas, held)):
+                assert time.monotonic() < deadline, "gloo held the tensors for 30 s"
+                time.sleep(0.0001)
+
+        return run
 
     def reduce_scatter_unaccounted(*args, **kwargs):
         with _disable_current_modes():  # gloo's host copy of the input: see the test module
-            return reduce_scatter(*args, **kwargs)
+            return settled(reduce_scatter)(*args, **kwargs)
 
+    dist.all_gather_single = settled(all_gather)
     dist.reduce_scatter_single = reduce_scatter_unaccounted
     peaks = {}
     for world in map(int, worlds):  # one launch, largest world first; then its first ranks
@@ -150,12 +166,32 @@ def _predicted_peaks(kind: str, world_size: int) -> tuple[int, int, int]:
     )
 
 
-# Real launches at most: a rank's peak can be one small block above the prediction when a gloo
-# worker thread drops the last reference to a small tensor (a broadcast's index list, a
-# wrapped scalar) only after the main thread went on to the peak, which happens under load
-# (seen at load average 2+: 507392 against 506880 bytes, one 512-byte block). That is the
-# real run's thread timing, not the prediction: the same ranks are launched again, and one
-# launch must match in bytes.
+# Why the worker's FSDP2 collectives are ``settled``: ProcessGroupGloo's worker thread completes
+# a collective's future (``wait()`` returns) inside ``execute`` and only then, in the next
+# statements of its loop, drops its own references to the work and with it the work's tensors
+# (ProcessGroupGloo.cpp ProcessGroupGloo::runLoop: ``execute(work)``, then
+# ``workInProgress_[workerIndex].reset()``, then ``work`` leaves scope). When the main thread
+# drops FSDP2's all-gather output first (FSDPParamGroup.wait_for_unshard: ``_all_gather_result =
+# None`` right after the copy-out), the block is freed on the gloo thread whenever it next runs;
+# under load that was after the main thread had gone on to the next all-gather and the
+# reduce-scatter input, so the rank's peak held one all-gather output more than the program's
+# order (and the prediction) does: one all-gather output (model[2]'s, 49344 bytes) in every
+# thread-freed FSDP2 block seen (21 of 21), 40-60 KB above. On a GPU that block is freed in
+# program order: ProcessGroupNCCL's watchdog keeps its copy of the work without the outputs
+# (ProcessGroupNCCL.cpp workEnqueue: "enqueue work without outputs_", so that tensors die on the
+# user's thread), and a kernel still reading the block delays only its reuse (stream events),
+# not ``memory_allocated``. So the worker waits, after each all-gather and reduce-scatter, until
+# gloo's thread has let go of the tensors (their storages' use counts are back to the caller's):
+# the frees then happen where FSDP2 drops its references, as on a GPU.
+#
+# Real launches at most, for what is not settled: DDP's collectives issued from C++ allocate
+# their tensors where the worker cannot see them (the constructor's shape check, three 8-byte
+# tensors; its broadcast of the module states and the Reducer's constructor, 115904 bytes each;
+# the bucket rebuild's 8-byte broadcast in ``_pre_forward`` of step 2), and gloo's thread frees
+# them late in the same way: a rank's DDP peak is then a block or a few above the prediction
+# (seen at load average 2-4: 507392 and 508416 against 506880 bytes; in about 1 launch of 10).
+# That is the real run's thread timing, not the prediction: the same ranks are launched again,
+# and one launch must match in bytes.
 _LAUNCHES = 3
 
 
