@@ -119,13 +119,15 @@ def test_compiled_blocks_hold_fewer_activations(
 
 def test_compiled_checkpointing_records_with_fsdp_and_tp(tiny_llama, compiled_once):
     """--checkpointing full and selective-op with compiled blocks record under FSDP2 and TP
-    (torchtitan's dynamo settings for the step). Compiled regions entered in 2 steps: full
-    re-enters each compiled block in backward (its checkpoint wraps the compiled call), 10;
-    selective-op's checkpoint is inside the compiled block, recomputed by its compiled
-    backward, 6. Under TP the compiled selective-op block saves the TP device mesh for its
-    backward (an opaque object: runtime_wrappers.py save_from_forward), which now records."""
+    (torchtitan's dynamo settings for the step). Either checkpoint is inside the compiled
+    block, as torchtitan wraps each block (FullAC / SelectiveAC ``_wrap_block``) before
+    ``apply_compile``: the recompute runs in the block's compiled backward, so 2 steps enter
+    3 compiled regions each, 6 (full AC once re-entered each block from eager backward, 10,
+    recompiling it there). Under TP the compiled selective-op block saves the TP device mesh
+    for its backward (an opaque object: runtime_wrappers.py save_from_forward), which now
+    records."""
     for layout in (["--fsdp", "2"], ["--tp", "2"], ["--fsdp", "2", "--tp", "2"]):
-        for mode, entered in (("full", 10), ("selective-op", 6)):
+        for mode, entered in (("full", 6), ("selective-op", 6)):
             code, data = compiled_once(*layout, "--checkpointing", mode)
             assert code == 0 and "checkpointing" in data["description"]
             assert COMPILED in data["description"]

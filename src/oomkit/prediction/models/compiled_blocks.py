@@ -25,7 +25,7 @@ import torch
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.options import StepOptions
-from oomkit.prediction.models.selective_ac import BLOCK_LISTS
+from oomkit.prediction.models.selective_ac import BLOCK_LISTS, full_checkpointing_per_block
 
 __all__ = [
     "BLOCKS_COMPILED",
@@ -56,7 +56,9 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> int:
 
 
 def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
-    """:func:`compile_blocks` on a preset's block list (``selective_ac.BLOCK_LISTS``).
+    """:func:`compile_blocks` on a preset's block list (``selective_ac.BLOCK_LISTS``), after
+    full AC is moved into a wrapper per block (``selective_ac.full_checkpointing_per_block``:
+    torchtitan compiles the checkpointed block, as it does with selective-op's wrappers).
 
     Raises:
         ConfigError: a model whose blocks are not known, naming ``flag`` (``--dp``).
@@ -68,6 +70,7 @@ def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
             f"--compile with {flag} compiles each block of a built-in preset (torchtitan's "
             f"apply_compile); {type(model).__name__} has no known block list. Drop --compile"
         )
+    full_checkpointing_per_block(model)
     return compile_blocks(blocks)
 
 

@@ -22,7 +22,7 @@ import torch
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.compiled_blocks import (
     BLOCKS_COMPILED,
-    compile_blocks,
+    compile_model_blocks,
     compiled_loss,
     eager_outside_blocks,
     with_torchtitan_dynamo_config,
@@ -176,7 +176,7 @@ def build_fsdp_preset_step(
     # Before FSDP2, as torchtitan applies AC before fully_shard.
     apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
     if options.compile:  # after AC, before FSDP (torchtitan parallelize_llama's order)
-        compile_blocks(getattr(model, attribute))
+        compile_model_blocks(model, "--fsdp")
         where += f"{BLOCKS_COMPILED}, "
     # None: the preset's own precision, fp32 (StepOptions.precision).
     precision = options.precision or "fp32"

@@ -15,7 +15,10 @@ Where it may differ: the policy sees the ops the recorder dispatches; torchtitan
 biases, so its projections are ``aten.mm``, while GPT-2's biased ``nn.Linear`` dispatches
 ``aten.addmm``, which the policy (as torchtitan's) does not save. ``full`` keeps the models'
 own ``checkpoint(block, ...)`` call, with torch's default ``preserve_rng_state=True``, which
-stashes host RNG state only (no device memory).
+stashes host RNG state only (no device memory), except where the blocks are compiled per block
+(FSDP / TP / DDP with ``--compile``): there :func:`full_checkpointing_per_block` wraps each
+block as torchtitan's ``FullAC`` does (``early_stop=False``), so the compiled unit is the
+checkpointed block and its recompute runs in the compiled backward, as in torchtitan.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "BLOCK_LISTS",
     "SAVE_OPS",
     "apply_checkpointing",
+    "full_checkpointing_per_block",
     "save_ops",
     "selective_op_context",
     "selective_op_policy",
@@ -140,3 +144,30 @@ def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing, *, train: b
         blocks[index] = checkpoint_wrapper(
             block, context_fn=selective_op_context, preserve_rng_state=False
         )
+
+
+def full_checkpointing_per_block(model: torch.nn.Module) -> bool:
+    """Full AC moved from the preset's forward loop into a wrapper around each block, as
+    torchtitan applies it, for a step whose blocks are compiled; ``True`` if it did.
+
+    torchtitan 0.3.0 wraps every block (torchtitan/distributed/activation_checkpoint.py
+    ``FullAC._wrap_block``: ``ptd_checkpoint_wrapper`` with ``preserve_rng_state`` its config's
+    default ``True`` and ``early_stop=False``) and then compiles each wrapped block
+    (``apply_compile`` after ``apply_ac``), so dynamo traces the checkpoint as a higher-order op
+    and the recompute runs inside the compiled backward. The presets' own loop
+    (``checkpoint(block, ...)`` around a compiled block) would recompute by calling the compiled
+    block again from eager backward instead. A model without full AC (the flag
+    :func:`apply_checkpointing` sets) or without a known block list is left as it is.
+    """
+    if not getattr(model, "checkpointing", False):
+        return False
+    attribute = BLOCK_LISTS.get(type(model).__name__)
+    blocks = getattr(model, attribute, None) if attribute is not None else None
+    if not isinstance(blocks, torch.nn.ModuleList):
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, block in enumerate(blocks):
+        blocks[index] = checkpoint_wrapper(block, preserve_rng_state=True, early_stop=False)
+    model.checkpointing = False  # type: ignore[assignment]  # the wrappers checkpoint now
+    return True
