@@ -179,27 +179,27 @@ def test_inference_is_not_checkpointed():
     assert sizes["selective-op"] == sizes["none"] and len(sizes["none"]) > 100
 
 
-def test_full_ac_for_compiled_blocks_is_torchtitans_wrapper_per_block():
-    """Where the blocks are compiled, full AC is a checkpoint wrapper per block, as
+def test_full_ac_as_torchtitan_is_its_wrapper_per_block():
+    """In the sharded steps (as_torchtitan), full AC is a checkpoint wrapper per block, as
     torchtitan 0.3.0's FullAC applies it (preserve_rng_state its config's default True,
-    early_stop=False), and the model's own per-block checkpoint call is off; without full AC
-    nothing is wrapped."""
+    early_stop=False), and the model's own per-block checkpoint call is off; elsewhere full AC
+    is the model's flag, and without full AC nothing is wrapped."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from oomkit.prediction.models.selective_ac import full_checkpointing_per_block
 
     with torch.device("meta"):
-        model = Llama(TINY)
-    assert not full_checkpointing_per_block(model)  # no AC: left as it is
-    assert not any(isinstance(block, CheckpointWrapper) for block in model.layers)
-    apply_checkpointing(model, "full")
-    assert model.checkpointing is True
-    assert full_checkpointing_per_block(model)
-    assert model.checkpointing is False
-    assert len(model.layers) == TINY.layers
-    for block in model.layers:
+        plain, sharded = Llama(TINY), Llama(TINY)
+    assert not full_checkpointing_per_block(plain)  # no AC: left as it is
+    apply_checkpointing(plain, "full")
+    assert plain.checkpointing is True
+    assert not any(isinstance(block, CheckpointWrapper) for block in plain.layers)
+    apply_checkpointing(sharded, "full", as_torchtitan=True)
+    assert sharded.checkpointing is False
+    assert len(sharded.layers) == TINY.layers
+    for block in sharded.layers:
         assert isinstance(block, CheckpointWrapper)
         assert block.checkpoint_fn.keywords == {
             "use_reentrant": False, "preserve_rng_state": True, "early_stop": False
         }
-    assert not full_checkpointing_per_block(model)  # already moved: the flag is off
+    assert not full_checkpointing_per_block(sharded)  # already moved: the flag is off

@@ -25,7 +25,7 @@ import torch
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.options import StepOptions
-from oomkit.prediction.models.selective_ac import BLOCK_LISTS, full_checkpointing_per_block
+from oomkit.prediction.models.selective_ac import BLOCK_LISTS
 
 __all__ = [
     "BLOCKS_COMPILED",
@@ -56,9 +56,9 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> int:
 
 
 def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
-    """:func:`compile_blocks` on a preset's block list (``selective_ac.BLOCK_LISTS``), after
-    full AC is moved into a wrapper per block (``selective_ac.full_checkpointing_per_block``:
-    torchtitan compiles the checkpointed block, as it does with selective-op's wrappers).
+    """:func:`compile_blocks` on a preset's block list (``selective_ac.BLOCK_LISTS``): after
+    ``apply_checkpointing(..., as_torchtitan=True)``, the checkpoint wrappers (full or
+    selective-op), as torchtitan compiles them.
 
     Raises:
         ConfigError: a model whose blocks are not known, naming ``flag`` (``--dp``).
@@ -70,7 +70,6 @@ def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
             f"--compile with {flag} compiles each block of a built-in preset (torchtitan's "
             f"apply_compile); {type(model).__name__} has no known block list. Drop --compile"
         )
-    full_checkpointing_per_block(model)
     return compile_blocks(blocks)
 
 

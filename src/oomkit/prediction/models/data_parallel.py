@@ -112,7 +112,9 @@ def build_ddp_preset_step(
     dtype = model_dtype(options.precision)
     if dtype != torch.float32:
         _cast_floating(model, dtype)
-    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    apply_checkpointing(
+        model, options.checkpointing, train=options.mode == "train", as_torchtitan=True
+    )
     if options.compile:  # after AC, before DDP (torchtitan parallelize_llama's order)
         compile_model_blocks(model, "--dp")
     wrapped: list[torch.nn.Module] = []

@@ -174,7 +174,9 @@ def build_fsdp_preset_step(
     if float8 is not None:  # torchtitan converts the model before parallelize
         where = f"{float8_words(float8, len(convert_to_float8(model, float8)))}, "
     # Before FSDP2, as torchtitan applies AC before fully_shard.
-    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    apply_checkpointing(
+        model, options.checkpointing, train=options.mode == "train", as_torchtitan=True
+    )
     if options.compile:  # after AC, before FSDP (torchtitan parallelize_llama's order)
         compile_model_blocks(model, "--fsdp")
         where += f"{BLOCKS_COMPILED}, "

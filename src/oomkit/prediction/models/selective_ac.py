@@ -15,10 +15,11 @@ Where it may differ: the policy sees the ops the recorder dispatches; torchtitan
 biases, so its projections are ``aten.mm``, while GPT-2's biased ``nn.Linear`` dispatches
 ``aten.addmm``, which the policy (as torchtitan's) does not save. ``full`` keeps the models'
 own ``checkpoint(block, ...)`` call, with torch's default ``preserve_rng_state=True``, which
-stashes host RNG state only (no device memory), except where the blocks are compiled per block
-(FSDP / TP / DDP with ``--compile``): there :func:`full_checkpointing_per_block` wraps each
-block as torchtitan's ``FullAC`` does (``early_stop=False``), so the compiled unit is the
-checkpointed block and its recompute runs in the compiled backward, as in torchtitan.
+stashes host RNG state only (no device memory), except in the sharded steps
+(FSDP / TP / DDP, which follow torchtitan's ``parallelize``): there
+:func:`full_checkpointing_per_block` wraps each block as torchtitan's ``FullAC`` does
+(``early_stop=False``: the whole block is recomputed), so with ``--compile`` the compiled unit
+is the checkpointed block and its recompute runs in the compiled backward, as in torchtitan.
 """
 
 from __future__ import annotations
@@ -113,10 +114,15 @@ def selective_op_context() -> Any:
     return create_selective_checkpoint_contexts(selective_op_policy(defaultdict(int)))
 
 
-def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing, *, train: bool = True) -> None:
+def apply_checkpointing(
+    model: torch.nn.Module, mode: Checkpointing, *, train: bool = True, as_torchtitan: bool = False
+) -> None:
     """Make ``model`` (a preset) checkpoint its blocks as ``mode`` says, before any sharding.
 
-    ``full`` sets the flag every preset's forward reads (``checkpoint(block, ...)`` per block);
+    ``full`` sets the flag every preset's forward reads (``checkpoint(block, ...)`` per block),
+    or with ``as_torchtitan`` (the FSDP / TP / DDP steps, which follow torchtitan's
+    ``parallelize``) wraps each block as torchtitan's ``FullAC`` does
+    (:func:`full_checkpointing_per_block`);
     ``selective-op`` replaces each block of its :data:`BLOCK_LISTS` list by torch's
     ``checkpoint_wrapper`` with :func:`selective_op_context` (torchtitan ``apply_ac``), so FSDP2
     applied afterwards shards the wrappers, as torchtitan's order (AC, then FSDP) does. A step
@@ -130,6 +136,8 @@ def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing, *, train: b
         return
     if mode == "full":
         model.checkpointing = True  # type: ignore[assignment]  # every preset reads this flag
+        if as_torchtitan:
+            full_checkpointing_per_block(model)
         return
     attribute = BLOCK_LISTS.get(type(model).__name__)
     blocks = getattr(model, attribute, None) if attribute is not None else None
@@ -148,16 +156,19 @@ def apply_checkpointing(model: torch.nn.Module, mode: Checkpointing, *, train: b
 
 def full_checkpointing_per_block(model: torch.nn.Module) -> bool:
     """Full AC moved from the preset's forward loop into a wrapper around each block, as
-    torchtitan applies it, for a step whose blocks are compiled; ``True`` if it did.
+    torchtitan applies it; ``True`` if it did.
 
     torchtitan 0.3.0 wraps every block (torchtitan/distributed/activation_checkpoint.py
     ``FullAC._wrap_block``: ``ptd_checkpoint_wrapper`` with ``preserve_rng_state`` its config's
-    default ``True`` and ``early_stop=False``) and then compiles each wrapped block
-    (``apply_compile`` after ``apply_ac``), so dynamo traces the checkpoint as a higher-order op
-    and the recompute runs inside the compiled backward. The presets' own loop
-    (``checkpoint(block, ...)`` around a compiled block) would recompute by calling the compiled
-    block again from eager backward instead. A model without full AC (the flag
-    :func:`apply_checkpointing` sets) or without a known block list is left as it is.
+    default ``True`` and ``early_stop=False``). ``early_stop=False`` recomputes the whole block
+    in backward, where torch's default stops at the last tensor backward needs
+    (torch/utils/checkpoint.py ``checkpoint``'s ``early_stop``), so the block's last ops' outputs
+    are made again for a moment. With ``--compile`` each wrapped block is then compiled
+    (``apply_compile`` after ``apply_ac``): dynamo traces the checkpoint as a higher-order op and
+    the recompute runs inside the compiled backward, where the presets' own loop
+    (``checkpoint(block, ...)`` around a compiled block) would call the compiled block again from
+    eager backward. A model without full AC (the flag :func:`apply_checkpointing` sets) or
+    without a known block list is left as it is.
     """
     if not getattr(model, "checkpointing", False):
         return False

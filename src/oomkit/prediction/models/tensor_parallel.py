@@ -236,7 +236,9 @@ def build_tp_preset_step(
     apply_llama_tensor_parallel(model, tp_mesh)
     # TP, then activation checkpointing, then FSDP (torchtitan parallelize_llama's order);
     # "none" is no checkpointing (a bare truth test made every TP step checkpoint fully).
-    apply_checkpointing(model, options.checkpointing, train=options.mode == "train")
+    apply_checkpointing(
+        model, options.checkpointing, train=options.mode == "train", as_torchtitan=True
+    )
     layout = converted + (f"{BLOCKS_COMPILED}, " if options.compile else "")
     if options.compile:  # after TP and AC, before FSDP (torchtitan parallelize_llama)
         compile_model_blocks(model, "--tp")
