@@ -159,7 +159,7 @@ def build_cp_preset_step(name: str, options: StepOptions, mesh: DeviceMesh) -> B
         model = preset.build()
     if options.precision == "bf16":
         _cast_floating(model, model_dtype(options.precision))
-    apply_checkpointing(model, options.checkpointing, train=True)
+    apply_checkpointing(model, options.checkpointing, train=True, as_torchtitan=True)
     where = f"context parallel over {cp} ranks (ring flash attention, all-gather rotation)"
     # torchtitan/distributed/parallel_dims.py build_mesh: its "fsdp" mesh is dp_shard x cp,
     # "when cp is used, FSDP is also applied ... even if there may be no data parallelism".

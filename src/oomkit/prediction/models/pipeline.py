@@ -314,7 +314,7 @@ def build_pipeline_preset_step(
         # Loss parallel as torchtitan: the last stage's logits stay vocabulary shards (a
         # DTensor the schedule's loss reads under loss_parallel()).
         apply_llama_tensor_parallel(model, tp_mesh, loss_parallel=True)
-    apply_checkpointing(model, options.checkpointing, train=True)
+    apply_checkpointing(model, options.checkpointing, train=True, as_torchtitan=True)
     parts = [
         LlamaStage(model, split[s], s == 0, s == num_stages - 1, seq_len) for s in stage_ids
     ]
