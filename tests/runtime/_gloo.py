@@ -19,6 +19,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # What the workers of tests/runtime import (DDP and FSDP2 import dynamo and inductor; a dispatch
 # mode's first op imports dynamo): imported once, in the launcher, instead of once per rank.
@@ -82,24 +83,9 @@ _LAUNCHER = textwrap.dedent(
 )
 
 
-def run_two_ranks(
-    root: Path,
-    worker_source: str,
-    *extra_args: str,
-    timeout_s: float = 90,
-    preload: Sequence[str] = RANK_IMPORTS,
-    freeze_imports: bool = False,
-) -> list:
-    """``run_ranks`` with ranks 0 and 1."""
-    return run_ranks(
-        root,
-        worker_source,
-        *extra_args,
-        ranks=2,
-        timeout_s=timeout_s,
-        preload=preload,
-        freeze_imports=freeze_imports,
-    )
+def run_two_ranks(root: Path, worker_source: str, *extra_args: str, **options: Any) -> list:
+    """``run_ranks`` with ranks 0 and 1 (``options``: its keyword arguments)."""
+    return run_ranks(root, worker_source, *extra_args, ranks=2, **options)
 
 
 def run_ranks(
