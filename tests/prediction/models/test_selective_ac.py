@@ -182,15 +182,16 @@ def test_inference_is_not_checkpointed():
 def test_full_ac_as_torchtitan_is_its_wrapper_per_block():
     """In the sharded steps (as_torchtitan), full AC is a checkpoint wrapper per block, as
     torchtitan 0.3.0's FullAC applies it (preserve_rng_state its config's default True,
-    early_stop=False), and the model's own per-block checkpoint call is off; elsewhere full AC
-    is the model's flag, and without full AC nothing is wrapped."""
+    early_stop=False), and the model's own per-block checkpoint call stays off; elsewhere full
+    AC is the model's flag, and without AC (or without training) nothing is wrapped."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from oomkit.prediction.models.selective_ac import full_checkpointing_per_block
-
     with torch.device("meta"):
-        plain, sharded = Llama(TINY), Llama(TINY)
-    assert not full_checkpointing_per_block(plain)  # no AC: left as it is
+        plain, sharded, untouched = Llama(TINY), Llama(TINY), Llama(TINY)
+    apply_checkpointing(untouched, "none", as_torchtitan=True)
+    apply_checkpointing(untouched, "full", train=False, as_torchtitan=True)
+    assert untouched.checkpointing is False
+    assert not any(isinstance(block, CheckpointWrapper) for block in untouched.layers)
     apply_checkpointing(plain, "full")
     assert plain.checkpointing is True
     assert not any(isinstance(block, CheckpointWrapper) for block in plain.layers)
@@ -202,4 +203,3 @@ def test_full_ac_as_torchtitan_is_its_wrapper_per_block():
         assert block.checkpoint_fn.keywords == {
             "use_reentrant": False, "preserve_rng_state": True, "early_stop": False
         }
-    assert not full_checkpointing_per_block(sharded)  # already moved: the flag is off

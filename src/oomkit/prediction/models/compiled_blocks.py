@@ -25,7 +25,7 @@ import torch
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.models.options import StepOptions
-from oomkit.prediction.models.selective_ac import BLOCK_LISTS
+from oomkit.prediction.models.selective_ac import block_list
 
 __all__ = [
     "BLOCKS_COMPILED",
@@ -63,9 +63,8 @@ def compile_model_blocks(model: torch.nn.Module, flag: str) -> int:
     Raises:
         ConfigError: a model whose blocks are not known, naming ``flag`` (``--dp``).
     """
-    attribute = BLOCK_LISTS.get(type(model).__name__)
-    blocks = getattr(model, attribute, None) if attribute is not None else None
-    if not isinstance(blocks, torch.nn.ModuleList):
+    blocks = block_list(model)
+    if blocks is None:
         raise ConfigError(
             f"--compile with {flag} compiles each block of a built-in preset (torchtitan's "
             f"apply_compile); {type(model).__name__} has no known block list. Drop --compile"

@@ -17,7 +17,7 @@ biases, so its projections are ``aten.mm``, while GPT-2's biased ``nn.Linear`` d
 own ``checkpoint(block, ...)`` call, with torch's default ``preserve_rng_state=True``, which
 stashes host RNG state only (no device memory), except in the sharded steps
 (FSDP / TP / DDP, which follow torchtitan's ``parallelize``): there
-:func:`full_checkpointing_per_block` wraps each block as torchtitan's ``FullAC`` does
+:func:`apply_checkpointing` (``as_torchtitan``) wraps each block as torchtitan's ``FullAC`` does
 (``early_stop=False``: the whole block is recomputed), so with ``--compile`` the compiled unit
 is the checkpointed block and its recompute runs in the compiled backward, as in torchtitan.
 """
@@ -37,7 +37,7 @@ __all__ = [
     "BLOCK_LISTS",
     "SAVE_OPS",
     "apply_checkpointing",
-    "full_checkpointing_per_block",
+    "block_list",
     "save_ops",
     "selective_op_context",
     "selective_op_policy",
@@ -114,15 +114,29 @@ def selective_op_context() -> Any:
     return create_selective_checkpoint_contexts(selective_op_policy(defaultdict(int)))
 
 
+def block_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The preset's transformer blocks (its :data:`BLOCK_LISTS` list), or None where the
+    model's class has none."""
+    attribute = BLOCK_LISTS.get(type(model).__name__)
+    blocks = getattr(model, attribute, None) if attribute is not None else None
+    return blocks if isinstance(blocks, torch.nn.ModuleList) else None
+
+
 def apply_checkpointing(
     model: torch.nn.Module, mode: Checkpointing, *, train: bool = True, as_torchtitan: bool = False
 ) -> None:
     """Make ``model`` (a preset) checkpoint its blocks as ``mode`` says, before any sharding.
 
     ``full`` sets the flag every preset's forward reads (``checkpoint(block, ...)`` per block),
-    or with ``as_torchtitan`` (the FSDP / TP / DDP steps, which follow torchtitan's
-    ``parallelize``) wraps each block as torchtitan's ``FullAC`` does
-    (:func:`full_checkpointing_per_block`);
+    or with ``as_torchtitan`` (the sharded steps, which follow torchtitan's ``parallelize``)
+    wraps each block as torchtitan 0.3.0 does (torchtitan/distributed/activation_checkpoint.py
+    ``FullAC._wrap_block``: ``ptd_checkpoint_wrapper`` with ``preserve_rng_state`` its config's
+    default ``True`` and ``early_stop=False``). ``early_stop=False`` recomputes the whole block
+    in backward, where torch's default stops at the last tensor backward needs
+    (torch/utils/checkpoint.py ``checkpoint``'s ``early_stop``), so the block's last ops'
+    outputs are made again for a moment; with ``--compile`` the wrapped block is what is
+    compiled (``apply_compile`` after ``apply_ac``), so dynamo traces the checkpoint as a
+    higher-order op and the recompute runs inside the compiled backward.
     ``selective-op`` replaces each block of its :data:`BLOCK_LISTS` list by torch's
     ``checkpoint_wrapper`` with :func:`selective_op_context` (torchtitan ``apply_ac``), so FSDP2
     applied afterwards shards the wrappers, as torchtitan's order (AC, then FSDP) does. A step
@@ -134,51 +148,25 @@ def apply_checkpointing(
     """
     if mode == "none" or not train:
         return
+    blocks = block_list(model)
     if mode == "full":
-        model.checkpointing = True  # type: ignore[assignment]  # every preset reads this flag
-        if as_torchtitan:
-            full_checkpointing_per_block(model)
+        if as_torchtitan and blocks is not None:
+            _wrap_each(blocks, preserve_rng_state=True, early_stop=False)
+        else:
+            model.checkpointing = True  # type: ignore[assignment]  # every preset reads this flag
         return
-    attribute = BLOCK_LISTS.get(type(model).__name__)
-    blocks = getattr(model, attribute, None) if attribute is not None else None
-    if not isinstance(blocks, torch.nn.ModuleList):
+    if blocks is None:
         raise ConfigError(
             f"--checkpointing selective-op wraps the blocks of the built-in presets; "
             f"{type(model).__name__} has no known block list. Use --checkpointing full"
         )
+    _wrap_each(blocks, context_fn=selective_op_context, preserve_rng_state=False)
+
+
+def _wrap_each(blocks: torch.nn.ModuleList, **checkpoint_kwargs: Any) -> None:
+    """Each block replaced by torch's ``checkpoint_wrapper`` (non-reentrant) around it, with
+    ``checkpoint_kwargs`` for its ``torch.utils.checkpoint.checkpoint`` calls."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for index, block in enumerate(blocks):
-        blocks[index] = checkpoint_wrapper(
-            block, context_fn=selective_op_context, preserve_rng_state=False
-        )
-
-
-def full_checkpointing_per_block(model: torch.nn.Module) -> bool:
-    """Full AC moved from the preset's forward loop into a wrapper around each block, as
-    torchtitan applies it; ``True`` if it did.
-
-    torchtitan 0.3.0 wraps every block (torchtitan/distributed/activation_checkpoint.py
-    ``FullAC._wrap_block``: ``ptd_checkpoint_wrapper`` with ``preserve_rng_state`` its config's
-    default ``True`` and ``early_stop=False``). ``early_stop=False`` recomputes the whole block
-    in backward, where torch's default stops at the last tensor backward needs
-    (torch/utils/checkpoint.py ``checkpoint``'s ``early_stop``), so the block's last ops' outputs
-    are made again for a moment. With ``--compile`` each wrapped block is then compiled
-    (``apply_compile`` after ``apply_ac``): dynamo traces the checkpoint as a higher-order op and
-    the recompute runs inside the compiled backward, where the presets' own loop
-    (``checkpoint(block, ...)`` around a compiled block) would call the compiled block again from
-    eager backward. A model without full AC (the flag :func:`apply_checkpointing` sets) or
-    without a known block list is left as it is.
-    """
-    if not getattr(model, "checkpointing", False):
-        return False
-    attribute = BLOCK_LISTS.get(type(model).__name__)
-    blocks = getattr(model, attribute, None) if attribute is not None else None
-    if not isinstance(blocks, torch.nn.ModuleList):
-        return False
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for index, block in enumerate(blocks):
-        blocks[index] = checkpoint_wrapper(block, preserve_rng_state=True, early_stop=False)
-    model.checkpointing = False  # type: ignore[assignment]  # the wrappers checkpoint now
-    return True
+        blocks[index] = checkpoint_wrapper(block, **checkpoint_kwargs)
