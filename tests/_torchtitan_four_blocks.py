@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from _torchtitan_cut import first_blocks
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 __all__ = ["llama3_debug_four_blocks"]
@@ -17,6 +18,4 @@ __all__ = ["llama3_debug_four_blocks"]
 
 def llama3_debug_four_blocks() -> Any:
     """``llama3_debugmodel`` with 4 transformer blocks instead of 6."""
-    config = llama3_debugmodel()
-    config.model_spec.model.layers = config.model_spec.model.layers[:4]
-    return config
+    return first_blocks(llama3_debugmodel(), 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from _torchtitan_cut import first_blocks
 from torchtitan.models.llama3.config_registry import llama3_debugmodel_float8
 
 __all__ = ["llama3_debug_two_blocks_float8"]
@@ -15,6 +16,4 @@ __all__ = ["llama3_debug_two_blocks_float8"]
 
 def llama3_debug_two_blocks_float8() -> Any:
     """``llama3_debugmodel_float8`` with 2 transformer blocks instead of 6."""
-    config = llama3_debugmodel_float8()
-    config.model_spec.model.layers = config.model_spec.model.layers[:2]
-    return config
+    return first_blocks(llama3_debugmodel_float8(), 2)
