@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 import time
 import warnings
@@ -38,6 +39,11 @@ def _child_warning_filters() -> None:
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
+def _restore_environ(before: Mapping[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(before)
+
+
 def run_in_process(
     argv: Sequence[str], *, cwd: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> CliResult:
@@ -45,7 +51,11 @@ def run_in_process(
     ``environ`` set: its exit code and what it printed on stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     start = time.perf_counter()
+    # The whole environment as it was: a command may set variables of its own as it runs
+    # (torch sets TORCHINDUCTOR_CACHE_DIR), which a child's exit would have dropped.
+    before = dict(os.environ)
     with contextlib.ExitStack() as stack:
+        stack.callback(_restore_environ, before)
         patch = stack.enter_context(pytest.MonkeyPatch.context())
         if cwd is not None:
             patch.chdir(cwd)
