@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from _cli_in_process import CliResult
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 # Wall clock for one command (the machine running tests may be busy: generous) and address
@@ -41,17 +42,6 @@ TRACE_COMMANDS: tuple[tuple[str, ...], ...] = (
     ("simulate", "{0}"),
     ("tune", "{0}"),
 )
-
-
-@dataclass(frozen=True)
-class CliResult:
-    """What one ``python -m oomkit`` run did."""
-
-    argv: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
 
 
 def _limit_memory() -> None:  # runs in the child before exec

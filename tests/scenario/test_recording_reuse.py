@@ -11,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _cli_in_process import CliResult, run_in_process
 
 from oomkit.errors import ScenarioError
-from oomkit.interfaces.cli import main
 from oomkit.scenario.keywords import scenario_from_keywords
 from oomkit.scenario.recording_reuse import cache_key, cache_refusal
 
@@ -31,23 +31,15 @@ def oomkit(*argv: str, cache: Path, importtime: bool = False, **env: str):
     )
 
 
-def uncached_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
-    """The exit code, stdout and stderr of ``oomkit ARGV`` run in this process with
-    ``OOMKIT_NO_CACHE=1``: recorded (about 0.6 s of CPU with torch imported, against 2.8 s for
-    a process of its own), nothing read or kept. Only for the uncached run a test compares a
-    cached one with, never for the run whose caching or torch import the test is about."""
-    before = dict(os.environ)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OOMKIT_NO_CACHE", "1")
-        capsys.readouterr()
-        code = main(argv)
-        out, err = capsys.readouterr()
-    # torch sets variables of its own as it runs (TORCHINDUCTOR_CACHE_DIR), and TORCH*
-    # variables are in the key: a process started after must get the environment the module's
-    # kept recording was keyed with, so this process's is put back as it was.
-    os.environ.clear()
-    os.environ.update(before)
-    return code, out, err
+def uncached_in_process(argv: list[str]) -> CliResult:
+    """``oomkit ARGV`` run in this process with ``OOMKIT_NO_CACHE=1``: recorded (about 0.6 s of
+    CPU with torch imported, against 2.8 s for a process of its own), nothing read or kept, and
+    the environment put back after (torch sets variables of its own as it runs, such as
+    TORCHINDUCTOR_CACHE_DIR, and TORCH* variables are in the key: a process started after must
+    get the environment the module's kept recording was keyed with). Only for the uncached run
+    a test compares a cached one with, never for the run whose caching or torch import the
+    test is about."""
+    return run_in_process(argv, environ={"OOMKIT_NO_CACHE": "1"})
 
 
 def entries(cache: Path) -> list[Path]:
@@ -120,31 +112,31 @@ def test_the_defaults_chosen_come_back_from_the_cache(tmp_path):
     ]
 
 
-def test_the_terminal_report_of_a_hit_is_the_misss(gpt2_runs, tmp_path, capsys):
+def test_the_terminal_report_of_a_hit_is_the_misss(gpt2_runs, tmp_path):
     """Without --json, stdout is the same report; stderr says the recording was replayed.
 
     The hit replays the module's kept recording (the key is the scenario's, with or without
     --json); the miss records in this process, uncached."""
     cache = copied_cache(gpt2_runs, tmp_path)
-    code, cold_stdout, cold_stderr = uncached_in_process(["predict", *GPT2], capsys)
+    cold = uncached_in_process(["predict", *GPT2])
     warm = oomkit("predict", *GPT2, cache=cache)
-    assert code == warm.returncode == 0
-    assert warm.stdout == cold_stdout
-    assert "recording GPT-2 124M" in cold_stderr
+    assert cold.returncode == warm.returncode == 0
+    assert warm.stdout == cold.stdout
+    assert "recording GPT-2 124M" in cold.stderr
     assert "replaying the cached recording of GPT-2 124M" in warm.stderr
 
 
-def test_a_changed_field_is_a_miss(gpt2_runs, tmp_path, capsys):
+def test_a_changed_field_is_a_miss(gpt2_runs, tmp_path):
     """Another batch is another key: recorded (a second entry), and its result is the one a
     uncached prediction of that batch gives (recorded in this process), not the kept batch's."""
     cache = copied_cache(gpt2_runs, tmp_path)
     first = gpt2_runs.cold
     other = [*GPT2[:2], "2", *GPT2[3:]]
     second = oomkit("predict", *other, "--json", cache=cache)
-    code, fresh_stdout, _ = uncached_in_process(["predict", *other, "--json"], capsys)
-    assert second.returncode == code == 0, second.stderr[-2000:]
+    fresh = uncached_in_process(["predict", *other, "--json"])
+    assert second.returncode == fresh.returncode == 0, second.stderr[-2000:]
     assert len(entries(cache)) == 2
-    assert second.stdout == fresh_stdout != first.stdout
+    assert second.stdout == fresh.stdout != first.stdout
     assert json.loads(second.stdout)["workload"]["options"]["batch_size"] == 2
 
 

@@ -12,11 +12,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from _cli_in_process import run_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from oomkit.interfaces.cli import main
 
 # Each stage's code, with {exit} replaced by the statement that exits or raises.
 STAGES = {
@@ -69,17 +67,13 @@ def _predict(tmp_path, text):
     return done.returncode, done.stdout, done.stderr
 
 
-def _predict_in_process(tmp_path, capfd, text):
-    """``_predict``'s exit code, stdout and stderr from ``main([...])`` in this process (the
-    working directory the subprocess gets, everything written to file descriptors 1 and 2)."""
+def _predict_in_process(tmp_path, text):
+    """``_predict``'s exit code, stdout and stderr from ``main([...])`` run in this process in
+    the working directory the subprocess gets (``_cli_in_process.run_in_process``)."""
     path = tmp_path / "user.py"
     path.write_text(textwrap.dedent(text))
-    capfd.readouterr()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path)
-        code = main(["predict", f"{path}:build", "--gpu", "rtx4090"])
-    out, err = capfd.readouterr()
-    return code, out, err
+    run = run_in_process(["predict", f"{path}:build", "--gpu", "rtx4090"], cwd=tmp_path)
+    return run.returncode, run.stdout, run.stderr
 
 
 _CODES = st.one_of(
@@ -91,11 +85,11 @@ _CODES = st.one_of(
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stage=st.sampled_from(sorted(STAGES)), code=_CODES)
-def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, capfd, stage, code):
+def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, stage, code):
     """sys.exit(0 / 3 / 'msg' / None) at import, in build() or in the step: exit 2 (never the
     script's own code, never 0), one line with the file, the line and sys.exit(code)."""
     text = STAGES[stage].replace("{exit}", f"sys.exit({code!r})")
-    exit_code, _, err = _predict_in_process(tmp_path, capfd, text)
+    exit_code, _, err = _predict_in_process(tmp_path, text)
     assert exit_code == 2, err
     said = "sys.exit()" if code is None else f"sys.exit({code!r})"
     assert f"called {said} at " in err
@@ -110,11 +104,11 @@ def test_sys_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, capfd, stage
     stage=st.sampled_from(sorted(STAGES)),
     error=st.sampled_from(["ValueError", "KeyError", "RuntimeError", "ZeroDivisionError", "OSError"]),
 )
-def test_an_exception_anywhere_is_exit_2_naming_it(tmp_path, capfd, stage, error):
+def test_an_exception_anywhere_is_exit_2_naming_it(tmp_path, stage, error):
     """raise X('boom') at import, in build() or in the step: exit 2, the exception's type and
     message, no traceback."""
     text = STAGES[stage].replace("{exit}", f"raise {error}('boom')")
-    exit_code, _, err = _predict_in_process(tmp_path, capfd, text)
+    exit_code, _, err = _predict_in_process(tmp_path, text)
     assert exit_code == 2, err
     assert error in err
     assert "boom" in err

@@ -1,7 +1,9 @@
-"""Run ``oomkit`` in this process (``main``) as ``_cli_bounds.run_oomkit`` runs it in a child.
+"""Run ``oomkit`` in this process (``main``) as ``robustness/_cli_bounds.run_oomkit`` runs it in a
+child.
 
-For the hostile-input tests that check what a command prints and its exit code, not the
-process boundary: a child costs an interpreter start and oomkit's imports each time. The
+For tests that check what a command prints and its exit code, not the process boundary (the
+hostile-input tests, user code that exits, a cache test's uncached run to compare with): a
+child costs an interpreter start and oomkit's imports each time. The
 child's conditions are reproduced: a working folder, environment variables, an empty stdin,
 stdout and stderr captured as text, warnings written to stderr as a child's interpreter prints
 them, and argparse's ``SystemExit`` taken as the exit code. The folder, the environment and
@@ -18,14 +20,23 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _cli_bounds import CliResult
 
-from oomkit.interfaces.cli import main
+__all__ = ["CliResult", "run_in_process"]
 
-__all__ = ["run_in_process"]
+
+@dataclass(frozen=True)
+class CliResult:
+    """What one ``oomkit`` run did (in a child process or in this one)."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
 
 
 def _child_warning_filters() -> None:
@@ -49,6 +60,8 @@ def run_in_process(
 ) -> CliResult:
     """``oomkit *argv`` run by ``main`` in ``cwd`` (the current folder when ``None``) with
     ``environ`` set: its exit code and what it printed on stdout and stderr."""
+    from oomkit.interfaces.cli import main
+
     out, err = io.StringIO(), io.StringIO()
     start = time.perf_counter()
     # The whole environment as it was: a command may set variables of its own as it runs
