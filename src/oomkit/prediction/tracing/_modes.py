@@ -29,7 +29,9 @@ __all__ = [
     "watched_functions",
 ]
 
-try:  # the running thread's eval-frame callback: None while no dynamo frame is active
+# The running thread's eval-frame callback: None while no dynamo frame is active.
+_eval_frame_callback: Callable[[], object] | None
+try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 except ImportError:  # pragma: no cover - a torch without dynamo's C module
     _eval_frame_callback = None
