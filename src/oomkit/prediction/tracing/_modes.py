@@ -29,9 +29,7 @@ __all__ = [
     "watched_functions",
 ]
 
-# The running thread's eval-frame callback: None while no dynamo frame is active.
-_eval_frame_callback: Callable[[], object] | None
-try:
+try:  # the running thread's eval-frame callback: None while no dynamo frame is active
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 except ImportError:  # pragma: no cover - a torch without dynamo's C module
     _eval_frame_callback = None
