@@ -21,18 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-__all__ = [
-    "DivergenceFunctionMode",
-    "DynamoAwareDispatchMode",
-    "OpDispatchMode",
-    "untraced",
-    "watched_functions",
-]
-
-try:  # the running thread's eval-frame callback: None while no dynamo frame is active
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-except ImportError:  # pragma: no cover - a torch without dynamo's C module
-    _eval_frame_callback = None
+__all__ = ["OpDispatchMode", "DivergenceFunctionMode", "untraced", "watched_functions"]
 
 # > 0 while code that makes no device memory runs (DTensor's sharding propagation on global
 # fake shapes): OpDispatchMode then runs ops without recording them.
@@ -49,52 +38,7 @@ def untraced() -> Iterator[None]:
         _untraced_depth[0] -= 1
 
 
-class DynamoAwareDispatchMode(TorchDispatchMode):
-    """A dispatch mode whose ``__torch_dispatch__`` disables dynamo only while dynamo is active.
-
-    torch wraps every mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``
-    (torch/utils/_python_dispatch.py ``TorchDispatchMode.__init_subclass__``), so that dynamo
-    never traces a mode's own code. When no eval-frame callback is installed (no compiled frame
-    is running: eager code, and every op of an eager recording) that wrapper sets the callback
-    to None and back (torch/_dynamo/eval_frame.py ``DisableContext.__call__``'s ``_fn``): no
-    effect, at a few microseconds an op, twice an op for the recorder's two modes. Here the
-    mode opts out of torch's wrapper (``_should_skip_dynamo``, the override that method's
-    docstring shows) and wraps its method itself: the method runs as written while the thread's
-    callback is None, and through the same ``torch._disable_dynamo`` wrapper otherwise (a
-    compiled function running). In a compiled recording the recorder's code, this wrapper
-    included, runs with the callback off anyway (``compiled._recorder_never_compiled``: a SKIP
-    strategy per code object), so there too the method runs as written. On a torch whose
-    ``__init_subclass__`` does not ask ``_should_skip_dynamo``, torch's wrapper stays inside
-    this one: the same behaviour, without the saving.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        raw = cls.__dict__.get("__torch_dispatch__")
-        if raw is None:
-            return
-        disabled = torch._disable_dynamo(raw, recursive=True)
-        if _eval_frame_callback is None:  # pragma: no cover - a torch without dynamo's C module
-            cls.__torch_dispatch__ = disabled  # type: ignore[method-assign]
-            return
-        callback = _eval_frame_callback
-
-        @functools.wraps(raw)
-        def dispatch(
-            self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-        ) -> Any:
-            if callback() is None:
-                return raw(self, func, types, args, kwargs)
-            return disabled(self, func, types, args, kwargs)
-
-        cls.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
-
-
-class OpDispatchMode(DynamoAwareDispatchMode):
+class OpDispatchMode(TorchDispatchMode):
     """Sees every aten op after autograd and decompositions: the ops that allocate.
 
     ``run_op(func, args, kwargs)`` runs each one (``engine.CudaEmulationEngine.run_op``).

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from oomkit.prediction.tracing._leaves import leaves, tensor_leaves
-from oomkit.prediction.tracing._modes import DynamoAwareDispatchMode
 from oomkit.prediction.tracing.meta_memo import SHARED_MEMO
 
 __all__ = [
@@ -219,7 +219,7 @@ def _to_cpu_args(tree: Any) -> Any:
     return tree_map(swap, tree)
 
 
-class KnownValues(DynamoAwareDispatchMode):
+class KnownValues(TorchDispatchMode):
     """While active, follows the values of meta tensors that are determined (module docstring).
 
     Attributes:
