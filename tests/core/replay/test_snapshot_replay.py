@@ -13,8 +13,11 @@ from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.replay import UnknownDeviceError, replay_snapshot
+from oomkit.core.replay._prepared import reservation_bases
+from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.snapshot import load_snapshot, write_snapshot
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import AllocatorUsageError
 
 MiB = 2**20
 # The hand-built recordings model a pre-2026 release: equal-size ties go to the lowest address.
@@ -346,6 +349,77 @@ def test_max_split_size_release_is_step_8(tmp_path):
     assert [(e[0], e[2]) for e in result.segment_events] == [
         ("segment_free", 40 * MiB), ("segment_free", 40 * MiB), ("segment_alloc", 60 * MiB)
     ]
+
+
+def test_a_reservation_whose_first_pages_were_unmapped_before_recording_maps_them_again(tmp_path):
+    """empty_cache unmapped the reservation's first 20 MiB page before the recording began; the
+    recorded request maps it again (the lowest unmapped range with room, ref §8.3). The replay
+    seeds the reservation from its base, below its lowest run at the start (§15.5), and maps
+    there too; seeded from the run, it mapped 20 MiB above the run instead (found by the
+    property test below: malloc 20 MiB - 511 B and 5 MiB + 1 B, free the first, empty_cache)."""
+    rec = Recording("expandable_segments:True")
+    first = rec.malloc(20 * MiB - 511)
+    rec.malloc(5 * MiB + 1)
+    rec.free(first)
+    rec.empty_cache()
+    rec.start_recording()
+    again = rec.malloc(15 * MiB + 1)
+    assert again == first
+    result = verify(rec.snapshot(tmp_path))
+    assert list(result.segment_events) == [("segment_map", first, 20 * MiB)]
+    assert result.events == 2 and result.allocs_misplaced == 0
+
+
+_BASE = 0x7F0000000000
+
+
+def _start(*segments: tuple[int, int, bool]) -> StartState:
+    """A start state of empty segments: (address, size, expandable), stream 0, large pool."""
+    return StartState(
+        segments=tuple(
+            SeedSegment(address, size, 0, False, expandable, ((address, size, 0, False),))
+            for address, size, expandable in segments
+        ),
+        hidden_blocks=0,
+        warnings=(),
+    )
+
+
+def _event(action: str, address: int, size: int, stream: int = 0) -> TraceEvent:
+    return TraceEvent(action=action, address=address, size=size, stream=stream)
+
+
+def test_reservation_base_is_the_lowest_map_of_the_stream_and_pool_below_the_first_run():
+    start = _start((_BASE + 40 * MiB, 20 * MiB, True))
+    maps = [_event("segment_map", _BASE + 20 * MiB, 20 * MiB), _event("segment_map", _BASE, 20 * MiB)]
+    assert reservation_bases(start, maps) == ((_BASE, 0, False, _BASE + 40 * MiB),)
+    # A map above the first run, on another stream, or of small-pool pages says nothing.
+    others = [
+        _event("segment_map", _BASE + 60 * MiB, 20 * MiB),
+        _event("segment_map", _BASE, 20 * MiB, stream=7),
+        _event("segment_map", _BASE, 2 * MiB),
+    ]
+    assert reservation_bases(start, others) == ()
+
+
+def test_no_reservation_base_across_a_classic_segment():
+    """A reservation is one range of addresses: a cudaMalloc segment between the map and the
+    first run (held at the start, or created in the trace) means the map is another's."""
+    maps = [_event("segment_map", _BASE, 20 * MiB)]
+    held = _start((_BASE + 20 * MiB, 2 * MiB, False), (_BASE + 40 * MiB, 20 * MiB, True))
+    assert reservation_bases(held, maps) == ()
+    run = _start((_BASE + 40 * MiB, 20 * MiB, True))
+    made = [_event("segment_alloc", _BASE + 20 * MiB, 2 * MiB), *maps]
+    assert reservation_bases(run, made) == ()
+
+
+def test_seed_reservation_refuses_a_base_not_whole_pages_below_or_already_reserved():
+    allocator = CachingAllocator(AllocatorConfig.parse("expandable_segments:True", VERSION))
+    with pytest.raises(AllocatorUsageError, match="whole 20971520-byte pages below"):
+        allocator.seed_reservation(_BASE + MiB, 0, is_small=False, first_run=_BASE + 40 * MiB)
+    allocator.seed_reservation(_BASE, 0, is_small=False, first_run=_BASE + 40 * MiB)
+    with pytest.raises(AllocatorUsageError, match="meets the reservation at 0x7f0000000000"):
+        allocator.seed_reservation(_BASE + 20 * MiB, 0, is_small=False, first_run=_BASE + 40 * MiB)
 
 
 _SIZES = st.one_of(

@@ -40,6 +40,7 @@ from oomkit.core.allocator.state import (
     SeedBlock,
     SeedTarget,
     all_blocks,
+    seed_reservation,
     seed_segment,
     seed_segments,
     snapshot,
@@ -590,6 +591,13 @@ class CachingAllocator(StatsApi):
         """Add a segment that existed before the replayed trace began: see
         :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError)."""
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
+
+    def seed_reservation(
+        self, base: int, stream: int, *, is_small: bool, first_run: int
+    ) -> None:
+        """An expandable reservation that begins below its first mapped run: see
+        :func:`oomkit.core.allocator.state.seed_reservation` (arguments, AllocatorUsageError)."""
+        seed_reservation(self._seed_target, base, stream, is_small, first_run)
 
     def seed_segments(
         self, segments: Iterable[Any], checks: Sequence[OomkitError | None] | None = None

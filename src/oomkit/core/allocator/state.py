@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "unlink_all","HeldRanges", "SeedBlock", "SeedTarget", "all_blocks", "check_seed_segments",
-    "seed_segment", "seed_segments", "snapshot", "snapshot_keys"]
+    "seed_reservation", "seed_segment", "seed_segments", "snapshot", "snapshot_keys"]
 
 # (address, size, requested_size, allocated)
 SeedBlock = tuple[int, int, int, bool]
@@ -275,6 +275,34 @@ def seed_segment(
     """
     _check_seed(address, total_size, stream, blocks)
     _seed_checked(target, address, total_size, stream, bool(is_small), blocks, bool(expandable))
+
+
+def seed_reservation(
+    target: SeedTarget, base: int, stream: int, is_small: bool, first_run: int
+) -> None:
+    """An expandable reservation of ``stream``'s pool that begins at ``base``, below
+    ``first_run``, its lowest run mapped at the start (ref §15.5): pages between are unmapped
+    at the start. Seed it before the runs; they are then placed in it.
+
+    Raises:
+        AllocatorUsageError: ``base`` is not below ``first_run`` by whole pages, or a
+            reservation of the allocator already holds it.
+    """
+    pool = target.small if is_small else target.large
+    expandable = target.expandable
+    page = expandable.page_size(pool)
+    if not 0 < base < first_run or (first_run - base) % page:
+        raise AllocatorUsageError(
+            f"seed_reservation: base {base:#x} must lie whole {page}-byte pages below the first "
+            f"mapped run at {first_run:#x}."
+        )
+    for seg in expandable.segments:
+        if seg.address <= base < seg.address + seg.size or base < seg.address <= first_run:
+            raise AllocatorUsageError(
+                f"seed_reservation: [{base:#x}, {first_run:#x}] meets the reservation at "
+                f"{seg.address:#x}; seed reservations before their runs, one per pool."
+            )
+    expandable.new_segment(pool, stream, base)
 
 
 def seed_segments(

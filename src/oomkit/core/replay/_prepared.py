@@ -26,7 +26,12 @@ from oomkit.core.replay._recorded import (
 )
 from oomkit.core.replay.columns import TraceColumns, trace_columns
 from oomkit.core.replay.engine import CREATE, RELEASE, SEGMENT_ACTIONS
-from oomkit.core.replay.reconstruct import SeedSegment, StartState, reconstruct_walked
+from oomkit.core.replay.reconstruct import (
+    LARGE_PAGE_BYTES,
+    SeedSegment,
+    StartState,
+    reconstruct_walked,
+)
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
 from oomkit.errors import OomkitError
@@ -65,10 +70,66 @@ class SeedPlan:
     # freed, its completion deferred).
     held: tuple[tuple[tuple[int, bool], ...], ...]
     held_all: tuple[tuple[int, bool], ...]  # every segment's ``held``, in order
+    # Expandable reservations that begin below their lowest run mapped at the start:
+    # (base, stream, is_small, first_run), seeded before the runs (reservation_bases).
+    reservations: tuple[tuple[int, int, bool, int], ...] = ()
 
 
-def seed_plan(start: StartState) -> SeedPlan:
-    """``start``'s :class:`SeedPlan`."""
+def reservation_bases(
+    start: StartState, creations: Sequence[TraceEvent]
+) -> tuple[tuple[int, int, bool, int], ...]:
+    """§15.5: where an expandable reservation begins when the trace maps pages below the lowest
+    run it had mapped at the start (``empty_cache`` unmapped the reservation's first pages
+    before the recording began, and a later request maps them again).
+
+    PyTorch maps into the lowest unmapped range of the stream's reservations that has room
+    (``try_allocate_expandable_block``, ref §8.3), so where a request maps depends on those
+    pages belonging to the reservation; seeded from its runs alone, the reservation would
+    begin at the lowest run and the request would map above the highest. One reservation of
+    a stream and pool holds all its mappings (it spans the device's memory and an eighth,
+    §8.1, and another is made only when none has room), so the lowest ``segment_map`` of the
+    stream and pool kind below the lowest run is the reservation's base, or above it. Not
+    given when a classic segment (at the start or created in the trace) lies in between.
+
+    Args:
+        start: the reconstructed start state.
+        creations: the trace's ``segment_alloc`` and ``segment_map`` entries.
+
+    Returns:
+        ``(base, stream, is_small, first_run)`` per (stream, pool kind), lowest first.
+    """
+    lowest: dict[tuple[int, bool], int] = {}
+    for seg in start.segments:
+        if seg.expandable:
+            key = (seg.stream, seg.is_small)
+            lowest[key] = min(lowest.get(key, seg.address), seg.address)
+    if not lowest:
+        return ()
+    below: dict[tuple[int, bool], int] = {}
+    classic = [
+        (seg.address, seg.address + seg.total_size) for seg in start.segments if not seg.expandable
+    ]
+    for ev in creations:
+        if ev.action == "segment_alloc":
+            classic.append((ev.address, ev.address + ev.size))
+            continue
+        # Pages are 2 MiB in the small pool, 20 MiB in the large (§8.1): as _add_run infers.
+        key = (ev.stream, ev.size % LARGE_PAGE_BYTES != 0)
+        first = lowest.get(key)
+        if first is not None and ev.address < first:
+            below[key] = min(below.get(key, ev.address), ev.address)
+    bases = []
+    for key, base in below.items():
+        first = lowest[key]
+        if any(lo < first and hi > base for lo, hi in classic):
+            continue
+        bases.append((base, key[0], key[1], first))
+    return tuple(sorted(bases))
+
+
+def seed_plan(start: StartState, creations: Sequence[TraceEvent] = ()) -> SeedPlan:
+    """``start``'s :class:`SeedPlan`; ``creations``, the trace's ``segment_alloc`` and
+    ``segment_map`` entries, place the reservations (:func:`reservation_bases`)."""
     rows = tuple(
         (
             seg.address,
@@ -93,6 +154,7 @@ def seed_plan(start: StartState) -> SeedPlan:
         checks=tuple(check_seed_segments(rows)),
         held=held,
         held_all=tuple(pair for pairs in held for pair in pairs),
+        reservations=reservation_bases(start, creations),
     )
 
 
@@ -114,7 +176,7 @@ class Prepared:
     allocs: int  # alloc entries in ``events``
     columns: TraceColumns  # ``events`` as the replay loop reads them
     final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
-    seed: SeedPlan  # seed_plan(start)
+    seed: SeedPlan  # seed_plan(start, the trace's segment_map entries)
     groups: dict[int, int]  # completion_groups(events, marks)
     recorded_peak: int  # recorded_peak_reserved(start, recorded)
     # verify_capacity(None, start, recorded, final): a verify's device size unless one is given.
@@ -202,7 +264,7 @@ def _prepare(snapshot: Snapshot, device: int, torch_version: str | None) -> Prep
             events, actions=walk.actions, allocs=walk.alloc_events, ints=bool(keys)
         ),
         final_keys=seed_segment_keys(final),
-        seed=seed_plan(start),
+        seed=seed_plan(start, [ev for i in marks if (ev := events[i]).action in CREATE]),
         groups=completion_groups(events, marks),
         recorded_peak=recorded_peak_reserved(start, recorded),
         verify_capacity=verify_capacity(None, start, recorded, final),

@@ -99,7 +99,9 @@ class Run(ReplayHooks):
             check_addresses=verify,
             log_index=self.log_index,
         )
-        self._seed(seed if seed is not None else seed_plan(start))
+        if seed is None:
+            seed = seed_plan(start, [ev for ev in events if ev.action in CREATE])
+        self._seed(seed)
 
     # -- oracle callbacks -------------------------------------------------------------------
 
@@ -138,6 +140,11 @@ class Run(ReplayHooks):
     # -- starting state ---------------------------------------------------------------------
 
     def _seed(self, plan: SeedPlan) -> None:
+        for base, stream, is_small, first_run in plan.reservations:
+            try:
+                self.allocator.seed_reservation(base, stream, is_small=is_small, first_run=first_run)
+            except OomkitError as refusal:
+                self.warnings.append(f"reservation at {base:#x} could not be seeded: {refusal}")
         refused = self.allocator.seed_segments(plan.rows, plan.checks)
         if not any(refused):
             self.engine.hold_seeded(plan.held_all)
