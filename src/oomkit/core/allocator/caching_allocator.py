@@ -579,24 +579,15 @@ class CachingAllocator(StatsApi):
         device.segment_address = device.synthetic_address
 
     def seed_segment(
-        self,
-        address: int,
-        total_size: int,
-        stream: int,
-        *,
-        is_small: bool,
-        blocks: Sequence[SeedBlock],
-        expandable: bool = False,
+        self, address: int, total_size: int, stream: int, *, is_small: bool,
+        blocks: Sequence[SeedBlock], expandable: bool = False,
     ) -> None:
         """Add a segment that existed before the replayed trace began: see
         :func:`oomkit.core.allocator.state.seed_segment` (arguments, AllocatorUsageError)."""
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
 
-    def seed_reservation(
-        self, base: int, stream: int, *, is_small: bool, first_run: int
-    ) -> None:
-        """An expandable reservation that begins below its first mapped run: see
-        :func:`oomkit.core.allocator.state.seed_reservation` (arguments, AllocatorUsageError)."""
+    def seed_reservation(self, base: int, stream: int, *, is_small: bool, first_run: int) -> None:
+        """A reservation from below its first run: :func:`~oomkit.core.allocator.state.seed_reservation`."""
         seed_reservation(self._seed_target, base, stream, is_small, first_run)
 
     def seed_segments(
