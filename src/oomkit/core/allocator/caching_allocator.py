@@ -587,7 +587,7 @@ class CachingAllocator(StatsApi):
         seed_segment(self._seed_target, address, total_size, stream, is_small, blocks, expandable)
 
     def seed_reservation(self, base: int, stream: int, *, is_small: bool, first_run: int) -> None:
-        """A reservation from below its first run: :func:`~oomkit.core.allocator.state.seed_reservation`."""
+        """See :func:`oomkit.core.allocator.state.seed_reservation`."""
         seed_reservation(self._seed_target, base, stream, is_small, first_run)
 
     def seed_segments(

@@ -31,6 +31,7 @@ from oomkit.core.replay.reconstruct import (
     SeedSegment,
     StartState,
     reconstruct_walked,
+    small_pool_pages,
 )
 from oomkit.core.replay.result import SegmentEvent
 from oomkit.core.trace import TraceEvent
@@ -53,8 +54,6 @@ __all__ = [
 MARKED = frozenset((*SEGMENT_ACTIONS, "oom"))
 # ExpandableSegment: reservation = ceil((T + T/8) / page) pages (§8.1).
 _RESERVE_NUM, _RESERVE_DEN = 9, 8
-# The largest expandable page (kLargeBuffer), margin for the page rounding of the reservation.
-_LARGE_PAGE_BYTES = 20 * 2**20
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,7 @@ def reservation_bases(
         if ev.action == "segment_alloc":
             classic.append((ev.address, ev.address + ev.size))
             continue
-        # Pages are 2 MiB in the small pool, 20 MiB in the large (§8.1): as _add_run infers.
-        key = (ev.stream, ev.size % LARGE_PAGE_BYTES != 0)
+        key = (ev.stream, small_pool_pages(ev.size))
         first = lowest.get(key)
         if first is not None and ev.address < first:
             below[key] = min(below.get(key, ev.address), ev.address)
@@ -176,7 +174,7 @@ class Prepared:
     allocs: int  # alloc entries in ``events``
     columns: TraceColumns  # ``events`` as the replay loop reads them
     final_keys: list[SegmentKey]  # seed_segment_keys(final): what a verify compares with
-    seed: SeedPlan  # seed_plan(start, the trace's segment_map entries)
+    seed: SeedPlan  # seed_plan(start, the trace's segment creations)
     groups: dict[int, int]  # completion_groups(events, marks)
     recorded_peak: int  # recorded_peak_reserved(start, recorded)
     # verify_capacity(None, start, recorded, final): a verify's device size unless one is given.
@@ -333,6 +331,7 @@ def verify_capacity(
     for _, (action, _address, size) in recorded:
         if action in ("segment_map", "segment_unmap"):
             largest = max(largest, size)
-    # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent.
-    needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + _LARGE_PAGE_BYTES if largest else 0
+    # pages * page >= T * 9/8, so T >= extent * 8/9 makes a reservation cover the extent; one
+    # large page (kLargeBuffer) more is the margin for the page rounding.
+    needed = -(-largest * _RESERVE_DEN // _RESERVE_NUM) + LARGE_PAGE_BYTES if largest else 0
     return max(DEFAULT_CAPACITY_BYTES, needed)

@@ -40,6 +40,12 @@ LARGE_SPLIT_LEFTOVER_BYTES = 2**20
 LARGE_PAGE_BYTES = 20 * 2**20
 
 
+def small_pool_pages(size_bytes: int) -> bool:
+    """Whether a mapped or unmapped range of ``size_bytes`` is small-pool pages: ranges are
+    whole pages, 2 MiB in the small pool and 20 MiB in the large (§8.1, §8.4)."""
+    return size_bytes % LARGE_PAGE_BYTES != 0
+
+
 @dataclass(frozen=True, slots=True)
 class SeedBlock:
     """One block of a segment, as the snapshot's ``blocks`` list describes it."""
@@ -492,8 +498,7 @@ def _add_run(runs: list[SeedSegment], ev: TraceEvent) -> list[SeedSegment]:
             is_small = r.is_small
             break
     if is_small is None:
-        # Unmapped bytes are whole pages: 2 MiB small, 20 MiB large (§8.1, §8.4).
-        is_small = ev.size % LARGE_PAGE_BYTES != 0
+        is_small = small_pool_pages(ev.size)
     return [*runs, SeedSegment(ev.address, ev.size, ev.stream, is_small, True, ())]
 
 
