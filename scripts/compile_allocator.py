@@ -107,7 +107,8 @@ def _public_arguments_any(path: Path) -> None:
 def _function_arguments_any(path: Path, names: tuple[str, ...]) -> None:
     """Rewrite ``path`` (a copy) so the module-level functions ``names`` take ``Any`` arguments
     (all but the first, the allocator's parts): ``state.seed_segment`` and the ``_check_seed``
-    it calls first, whose checks must raise AllocatorUsageError on bad input, not TypeError."""
+    it calls first, and ``state.seed_reservation``, whose checks must raise AllocatorUsageError
+    on bad input, not TypeError."""
     tree = ast.parse(path.read_text())
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name in names:
@@ -175,7 +176,8 @@ def compile_core(source: Path, dest: Path) -> list[Path]:
             shutil.copy(source / "oomkit" / f"{name}.py", package / f"{name}.py")
         _public_arguments_any(package / "core" / "allocator" / "caching_allocator.py")
         _function_arguments_any(
-            package / "core" / "allocator" / "state.py", ("seed_segment", "_check_seed")
+            package / "core" / "allocator" / "state.py",
+            ("seed_segment", "_check_seed", "seed_reservation"),
         )
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         (root / "mypy.ini").write_text(_MYPY_CONFIG.format(version=version))

@@ -417,6 +417,8 @@ def test_seed_reservation_refuses_a_base_not_whole_pages_below_or_already_reserv
     allocator = CachingAllocator(AllocatorConfig.parse("expandable_segments:True", VERSION))
     with pytest.raises(AllocatorUsageError, match="whole 20971520-byte pages below"):
         allocator.seed_reservation(_BASE + MiB, 0, is_small=False, first_run=_BASE + 40 * MiB)
+    with pytest.raises(AllocatorUsageError, match="must be ints; got '0x7f'"):
+        allocator.seed_reservation("0x7f", 0, is_small=False, first_run=_BASE + 40 * MiB)
     allocator.seed_reservation(_BASE, 0, is_small=False, first_run=_BASE + 40 * MiB)
     with pytest.raises(AllocatorUsageError, match="meets the reservation at 0x7f0000000000"):
         allocator.seed_reservation(_BASE + 20 * MiB, 0, is_small=False, first_run=_BASE + 40 * MiB)

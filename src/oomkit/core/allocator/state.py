@@ -288,6 +288,11 @@ def seed_reservation(
         AllocatorUsageError: ``base`` is not below ``first_run`` by whole pages, or a
             reservation of the allocator already holds it.
     """
+    if not all(isinstance(v, int) for v in (base, stream, first_run)):
+        raise AllocatorUsageError(
+            "seed_reservation: base, stream and first_run must be ints; got "
+            f"{base!r}, {stream!r}, {first_run!r}."
+        )
     pool = target.small if is_small else target.large
     expandable = target.expandable
     page = expandable.page_size(pool)
