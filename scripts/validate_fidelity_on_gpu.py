@@ -18,7 +18,13 @@ Each probe runs in its own child process (a fresh CUDA context and fresh cuBLAS 
   op and a cuBLAS matmul, with ``CUDA_MODULE_LOADING`` unset and ``EAGER``; compared with the
   range ``oomkit.core.gpus.overhead.cuda_context`` assumes for this GPU, CUDA and mode.
 
-The compiled GPT-2 step of item 4 is a run of ``scripts/validate_on_gpu.py`` (``compile=True``).
+- ``nccl-one-rank`` (issue 38 item 3): device memory outside the allocator that NCCL's first
+  one-rank communicator adds (init, first collectives), then a second and a third; oomkit counts
+  no buffers for one rank, so this is NCCL's fixed cost per process and per communicator.
+
+The peak probes also keep the GPU's requests in order (``measured_events``) for comparing with
+the recording where the peaks differ. The compiled GPT-2 step of item 4 is a run of
+``scripts/validate_on_gpu.py`` (``compile=True``).
 
 It writes ``validation/fidelity-<gpu>-torch<version>.json``. The comparison functions are pure
 and unit-tested without a GPU (tests/scripts/test_validate_fidelity_on_gpu.py).
@@ -139,6 +145,10 @@ PEAK_PROBES: dict[str, Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]
     "cross-entropy-backward": _cross_entropy_backward,
 }
 CONTEXT_PROBES: dict[str, str | None] = {"context-lazy": None, "context-eager": "EAGER"}
+# Issue 38 item 3: NCCL's memory outside the allocator. One GPU makes a one-rank communicator
+# only, for which oomkit counts no buffers (core/gpus/nccl.py: ring and NVLS buffers connect
+# peers); what it measures is NCCL's fixed cost per communicator, beside those buffers.
+NCCL_PROBES = ("nccl-one-rank",)
 
 
 def _peak_child(name: str) -> dict:  # pragma: no cover - needs a GPU
@@ -149,12 +159,20 @@ def _peak_child(name: str) -> dict:  # pragma: no cover - needs a GPU
     step, args = PEAK_PROBES[name]("cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, context=None, stacks="python")
     step(*args)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
     meta_step, meta_args = PEAK_PROBES[name]("meta")
     predicted = predict(meta_step, *meta_args, steps=1).peak_allocated_bytes
-    return compare_peak(name, measured, predicted)
+    record = compare_peak(name, measured, predicted)
+    # The step's requests in order, to compare with the recording where the peaks differ.
+    record["measured_events"] = [
+        [e["action"], e["size"]] for e in trace if e["action"] in ("alloc", "free_completed")
+    ]
+    return record
 
 
 def _context_child(name: str) -> dict:  # pragma: no cover - needs a GPU
@@ -176,6 +194,62 @@ def _context_child(name: str) -> dict:  # pragma: no cover - needs a GPU
     return compare_context(name, measured, dataclasses.asdict(context))
 
 
+def _nccl_child(name: str) -> dict:  # pragma: no cover - needs a GPU
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from oomkit.core.gpus import get_gpu
+    from oomkit.core.gpus.nccl import communicators_of, nccl_memory
+
+    def outside_allocator() -> int:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved()
+
+    torch.cuda.set_device(0)
+    a = torch.ones(1024, 1024, device="cuda")
+    (a @ a).sum().item()
+    before = outside_allocator()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    after_init = outside_allocator()
+    x = torch.ones(64 * 2**20, device="cuda")
+    dist.all_reduce(x)
+    after_all_reduce = outside_allocator()
+    dist.all_gather_into_tensor(torch.empty(x.numel(), device="cuda"), x)
+    dist.reduce_scatter_tensor(torch.empty(x.numel(), device="cuda"), x)
+    after_collectives = outside_allocator()
+    # Two more communicators (one rank each): what a second and third communicator add.
+    more = []
+    for _ in range(2):
+        try:
+            group = dist.new_group([0], device_id=torch.device("cuda", 0))
+        except TypeError:  # a torch whose new_group takes no device_id: made at first use
+            group = dist.new_group([0])
+        dist.all_reduce(x, group=group)
+        more.append(outside_allocator())
+    nccl_version = ".".join(str(v) for v in torch.cuda.nccl.version())
+    dist.destroy_process_group()
+    gpu = get_gpu(torch.cuda.get_device_name(0))
+    assumed = nccl_memory(communicators_of((("fsdp", 1),)), gpu)
+    return {
+        "probe": name,
+        "nccl_version": nccl_version,
+        "outside_allocator_before_bytes": before,
+        "added_by_init_bytes": after_init - before,
+        "added_by_first_all_reduce_bytes": after_all_reduce - after_init,
+        "added_by_all_gather_and_reduce_scatter_bytes": after_collectives - after_all_reduce,
+        "added_by_second_and_third_communicators_bytes": [
+            more[0] - after_collectives, more[1] - more[0]
+        ],
+        "measured_bytes": after_collectives - before,
+        "assumed_bytes": assumed.total_bytes,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs a GPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="run only these probes")
@@ -183,7 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
     parser.add_argument("--out-root", type=Path, default=Path(__file__).resolve().parents[1])
     args = parser.parse_args(argv)
     if args.child:
-        record = _context_child(args.child) if args.child in CONTEXT_PROBES else _peak_child(args.child)
+        if args.child in NCCL_PROBES:
+            record = _nccl_child(args.child)
+        elif args.child in CONTEXT_PROBES:
+            record = _context_child(args.child)
+        else:
+            record = _peak_child(args.child)
         print(json.dumps(record))
         return 0
     import torch
@@ -191,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
     if not torch.cuda.is_available():
         print("validate_fidelity_on_gpu: no CUDA device here; run it on a GPU machine.", file=sys.stderr)
         return 2
-    names = [n for n in (*PEAK_PROBES, *CONTEXT_PROBES) if not args.only or n in args.only]
+    names = [
+        n for n in (*PEAK_PROBES, *CONTEXT_PROBES, *NCCL_PROBES) if not args.only or n in args.only
+    ]
     records = []
     for name in names:
         env = dict(os.environ)
@@ -203,9 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
             capture_output=True, text=True, check=False, env=env,
         )
         if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            records.append({"probe": name, "error": tail[0]})
-            print(f"{name}: failed: {tail[0]}", file=sys.stderr)
+            lines = proc.stderr.strip().splitlines() or ["(no output)"]
+            records.append({"probe": name, "error": lines[-1]})
+            print(f"{name}: failed:\n" + "\n".join(lines[-15:]), file=sys.stderr)
             continue
         record = json.loads(proc.stdout.strip().splitlines()[-1])
         records.append(record)

@@ -208,7 +208,8 @@ def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no c
     free, total = torch.cuda.mem_get_info()
     context = total - free - torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    # Python frames only: C++ frames change no allocation and take minutes to symbolize.
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
     for _ in range(steps):
         built.step_fn()
@@ -246,6 +247,7 @@ def _predict(
         "peak_reserved_bytes": p.peak_reserved_bytes,
         "fits": p.fits,
         "warnings": list(p.warnings),
+        "kernel_choices": dict(p.kernel_choices),
     }
 
 
@@ -262,7 +264,11 @@ def _verify(snapshot_path: Path) -> dict | None:  # pragma: no cover - needs a G
     }
 
 
-def _child(run: Run, steps: int) -> dict:  # pragma: no cover - needs a GPU
+def _child(
+    run: Run, steps: int, snapshot_dir: Path | None, concurrent: bool
+) -> dict:  # pragma: no cover - needs a GPU
+    import shutil
+
     import torch
 
     props = torch.cuda.get_device_properties(0)
@@ -270,8 +276,16 @@ def _child(run: Run, steps: int) -> dict:  # pragma: no cover - needs a GPU
     with tempfile.TemporaryDirectory() as tmp:
         snapshot = Path(tmp) / "snapshot.pickle"
         measured = _measure(run, steps, snapshot)
+        if concurrent:
+            # Other runs share the device, so free memory says nothing of this context: keep
+            # the catalog's figure (peaks do not depend on it; only fits / headroom do).
+            measured["context_overhead_bytes"] = None
+        context = measured["context_overhead_bytes"] or gpu.context_overhead_bytes
         cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        predicted = _predict(run, steps, gpu, measured["context_overhead_bytes"], cudnn_version)
+        predicted = _predict(run, steps, gpu, context, cudnn_version)
+        if snapshot_dir is not None:
+            snapshot_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(snapshot, snapshot_dir / f"{run.label}.pickle")
         try:
             verify = _verify(snapshot)
         except Exception as exc:  # keep the comparison even when the replay fails
@@ -282,32 +296,98 @@ def _child(run: Run, steps: int) -> dict:  # pragma: no cover - needs a GPU
     return record
 
 
+def repredicted(document: Mapping, runs: Mapping[str, Run]) -> dict:
+    """A validation document's runs predicted again here, against the peaks it measured (the
+    GPU's figures stay; each run's context, cuDNN version and steps are the document's)."""
+    import torch
+
+    from oomkit.core.gpus import get_gpu
+
+    gpu = get_gpu(document["gpu"])
+    records = []
+    for measured_run in document["runs"]:
+        run = runs.get(measured_run["run"])
+        if run is None or "measured" not in measured_run:
+            continue
+        context = measured_run["measured"].get("context_overhead_bytes") or gpu.context_overhead_bytes
+        predicted = _predict(run, document["steps"], gpu, context, measured_run.get("cudnn_version"))
+        predicted.pop("warnings")
+        records.append(compare_run(run.label, measured_run["measured"], predicted, measured_run.get("verify")))
+    return {
+        "gpu": document["gpu"],
+        "measured_with_torch": document["torch_version"],
+        "predicted_with_torch": torch.__version__,
+        "steps": document["steps"],
+        "runs": records,
+        "summary": summarize(records),
+    }
+
+
+def _repredict(path: Path, runs: Mapping[str, Run]) -> int:  # pragma: no cover - a CLI shell
+    document = repredicted(json.loads(path.read_text()), runs)
+    out = path.with_name(f"{path.stem}-repredicted.json")
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    for record in document["runs"]:
+        print(f"{record['run']}: allocated {100 * record['error_peak_allocated']:+.2f}% "
+              f"reserved {100 * record['error_peak_reserved']:+.2f}%")
+    print(f"wrote {out}: {json.dumps(document['summary'])}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs a GPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", action="append", help="run only these presets")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--concurrent", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-root", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--snapshot-dir", type=Path, help="keep each run's snapshot here")
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs at once on the GPU (peaks are per process; above 1 the context is not measured)",
+    )
+    parser.add_argument(
+        "--repredict", type=Path,
+        help="no GPU: predict a saved validation file's runs again here and compare with its "
+        "measured peaks (writes <file>-repredicted.json beside it)",
+    )
     args = parser.parse_args(argv)
     runs = {r.label: r for r in RUNS if not args.only or r.preset in args.only}
+    if args.repredict is not None:
+        return _repredict(args.repredict, runs)
     if args.child:
-        print(json.dumps(_child(runs[args.child], args.steps)))
+        print(json.dumps(_child(runs[args.child], args.steps, args.snapshot_dir, args.concurrent)))
         return 0
     import torch
 
     if not torch.cuda.is_available():
         print("validate_on_gpu: no CUDA device here; run it on a machine with a GPU.", file=sys.stderr)
         return 2
+    from concurrent.futures import ThreadPoolExecutor
+
+    def child(label: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, __file__, "--child", label, "--steps", str(args.steps)]
+        if args.snapshot_dir is not None:
+            command += ["--snapshot-dir", str(args.snapshot_dir)]
+        if args.jobs > 1:
+            command.append("--concurrent")
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        # Each record as soon as its run ends, so that a time limit on the whole loses none.
+        print(f"{label}: rc {proc.returncode} {(proc.stdout.strip().splitlines() or [''])[-1]}",
+              flush=True)
+        return proc
+
     records = []
+    # Compiled runs first: they take longest, so they start before the eager ones queue up.
+    order = sorted(runs, key=lambda label: not runs[label].compile)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        finished = dict(zip(order, pool.map(child, order), strict=True))
     for label in runs:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", label, "--steps", str(args.steps)],
-            capture_output=True, text=True, check=False,
-        )
+        proc = finished[label]
         if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            records.append({"run": label, "error": tail[0]})
-            print(f"{label}: failed: {tail[0]}", file=sys.stderr)
+            lines = proc.stderr.strip().splitlines() or ["(no output)"]
+            records.append({"run": label, "error": lines[-1]})
+            print(f"{label}: failed:\n" + "\n".join(lines[-15:]), file=sys.stderr)
             continue
         record = json.loads(proc.stdout.strip().splitlines()[-1])
         records.append(record)
@@ -324,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
         "device_name": torch.cuda.get_device_name(0),
         "torch_version": torch.__version__,
         "steps": args.steps,
+        "jobs": args.jobs,
         "runs": records,
         "summary": summarize(records),
     }

@@ -105,8 +105,9 @@ def test_prediction_side_uses_the_devices_cudnn_for_the_sdpa_backend():
     h100 = get_gpu("h100-sxm")
     newer = validate._predict(run, 1, h100, 500 * 2**20, 91501)
     older = validate._predict(run, 1, h100, 500 * 2**20, 90100)
-    assert any("cuDNN attention engine" in w for w in newer["warnings"])
-    assert not any("cuDNN attention" in w for w in older["warnings"])
+    assert "SDPA cudnn_attention" in newer["kernel_choices"]
+    assert "SDPA cudnn_attention" not in older["kernel_choices"]
+    assert "SDPA flash_attention" in older["kernel_choices"]
     assert older["peak_reserved_bytes"] > 0 and older["fits"] is True
 
 
@@ -121,3 +122,31 @@ def test_compiled_runs_are_labelled_and_pass_compile_to_step_options():
         assert StepOptions(**run.options()).compile is True
     eager = validate.Run("gpt2-124m", 4, seq_len=512)
     assert "compile" not in eager.options() and not eager.label.endswith("-compile")
+
+
+def test_repredicted_keeps_the_gpus_figures_and_predicts_again_here():
+    """--repredict: no GPU; each saved run predicted again, compared with its measured peaks."""
+    pytest.importorskip("torch")
+    from oomkit.core.gpus import get_gpu
+
+    run = validate.Run("gpt2-124m", 1, seq_len=16)
+    measured = {"peak_allocated_bytes": 2_000_000_000, "peak_reserved_bytes": 2_100_000_000,
+                "context_overhead_bytes": None}
+    document = {
+        "gpu": "H200", "torch_version": "2.11.0+cu130", "steps": 1,
+        "runs": [
+            {"run": run.label, "measured": measured, "cudnn_version": 91900, "verify": None},
+            {"run": "a-run-this-checkout-lacks", "measured": measured},
+            {"run": run.label + "-failed", "error": "RuntimeError: ..."},
+        ],
+    }
+    out = validate.repredicted(document, {run.label: run})
+    [record] = out["runs"]
+    direct = validate._predict(run, 1, get_gpu("h200"), get_gpu("h200").context_overhead_bytes, 91900)
+    assert record["measured"] == measured
+    assert record["predicted"]["peak_reserved_bytes"] == direct["peak_reserved_bytes"]
+    assert record["error_peak_reserved"] == (
+        direct["peak_reserved_bytes"] - 2_100_000_000
+    ) / 2_100_000_000
+    assert out["measured_with_torch"] == "2.11.0+cu130"
+    assert out["summary"]["runs_compared"] == 1
