@@ -89,7 +89,8 @@ def test_the_fused_kernels_outputs_are_sized_from_the_local_shapes(recorded):
     """Per block and step, the ring's two cuDNN calls on this rank's 128 tokens: the whole local
     query against the local K/V (out bf16 [2, 16, 128, 16], softmax stats fp32 [2, 16, 128, 1])
     and the head-tail half against the gathered half (64 tokens), each with its 8-byte philox
-    seed and offset; compiled, the same bytes as eager."""
+    seed and offset and the 256-byte graph workspace sm90 asks for (measured on an H200);
+    compiled, the same bytes as eager."""
     compiled, _ = recorded["compiled"]
     eager, _ = recorded["eager"]
     calls = _BLOCKS * _STEPS
@@ -99,12 +100,16 @@ def test_the_fused_kernels_outputs_are_sized_from_the_local_shapes(recorded):
         out_bytes: calls, out_bytes // 2: calls,
         stats_bytes: calls, stats_bytes // 2: calls,
         8: 2 * 2 * calls,
+        256: 2 * calls,
     }
     assert _allocs(compiled, _CUDNN) == expected
     assert _allocs(eager, _CUDNN) == expected
     assert _allocs(compiled, _CUDNN_BACKWARD) == _allocs(eager, _CUDNN_BACKWARD)
-    # the backward's fp32 dQ accumulator of the whole local query (attention_backward.cu)
-    assert _allocs(compiled, _CUDNN_BACKWARD)[out_bytes * 2] == calls
+    # the backward's one graph workspace: the fp32 dQ accumulator of its query, the fp32
+    # softmax sum and the engine's 256 bytes (sm90), for the whole local query and the half
+    backward = _allocs(compiled, _CUDNN_BACKWARD)
+    assert backward[out_bytes * 2 + stats_bytes + 256] == calls
+    assert backward[out_bytes + stats_bytes // 2 + 256] == calls
 
 
 def test_selective_ac_saves_the_rings_cudnn_outputs_and_full_ac_recomputes_them(recorded):

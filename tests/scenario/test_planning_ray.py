@@ -70,9 +70,10 @@ def test_six_candidate_plan_on_ray_equals_the_local_pool(ray_cluster, local_plan
     assert len(on_ray.candidates) == 6 and on_ray.predicted == 6
     assert all(c.fits and c.peak_reserved_bytes for c in on_ray.candidates)
     assert seen == list(range(7))
-    # FSDP 2 holds half the state: its worst rank peaks below the single GPU's.
-    best = {c.layout.strategy: c.peak_reserved_bytes for c in reversed(on_ray.candidates)}
-    assert best["fsdp"] < best["single"]
+    # The best (first ranked) layout of each strategy, in MiB: one layer of width 256 holds so
+    # little that FSDP 2's gathered block and buffers outweigh the state it shards.
+    best = {c.layout.strategy: c.peak_reserved_bytes >> 20 for c in reversed(on_ray.candidates)}
+    assert best == {"single": 100, "ddp": 100, "fsdp": 112}
 
 
 def test_a_worker_killed_mid_plan_loses_no_candidate(ray_cluster, local_plan, tmp_path):

@@ -312,7 +312,8 @@ def test_cudnn_version_picks_the_sdpa_backend_on_an_h100(capsys):
             "--precision", "bf16-mixed", "--gpu", "h100", "--json"]
     assert main([*argv, "--cudnn-version", "91501"]) == 0
     newer = json.loads(capsys.readouterr().out)
-    assert any("cuDNN attention engine" in w for w in newer["warnings"])
+    # On sm90 the cuDNN graphs' workspaces are emulated as measured on an H200: no warning.
+    assert not any("cuDNN attention" in w for w in newer["warnings"])
     assert newer["workload"]["cudnn_version"] == 91501
     assert newer["kernel_choices"] == {"SDPA cudnn_attention": 12}  # GPT-2's 12 layers, 1 step
     assert newer["assumptions"] == {"cuDNN": "9.15.1 (as given)"}

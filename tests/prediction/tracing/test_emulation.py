@@ -10,9 +10,10 @@ from oomkit.prediction.tracing import DEFAULT_EMULATIONS, EmulationRegistry, Tra
 
 def test_default_registry_holds_the_builtin_emulations():
     """SDPA (forward, 2 backwards, 2 cuDNN), 11 cuBLAS ops (float8's _scaled_mm among them),
-    embedding, 2 batch norm, dropout, 12 ops of backward formulas' in-place branches,
-    2 convolution ops and 4 RNN functions."""
-    assert len(DEFAULT_EMULATIONS) == 38
+    embedding, 2 batch norm, dropout, 12 ops of backward formulas' in-place branches, the
+    engine's gradient accumulation (aten.add.Tensor), 2 convolution ops and 4 RNN functions."""
+    assert len(DEFAULT_EMULATIONS) == 39
+    assert "aten.add.Tensor" in DEFAULT_EMULATIONS
     assert "aten._scaled_mm.default" in DEFAULT_EMULATIONS
     assert "aten.convolution_backward.default" in DEFAULT_EMULATIONS
     assert "torch._VF.lstm" in DEFAULT_EMULATIONS

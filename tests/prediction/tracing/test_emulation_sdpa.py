@@ -262,18 +262,23 @@ def _cudnn_registry() -> EmulationRegistry:
 
 
 def test_cudnn_attention_records_output_and_softmax_stats():
-    """cuDNN 9.15.1 on H100 prefers cuDNN SDPA: bf16 output and fp32 stats [B, H, L, 1]."""
+    """cuDNN 9.15.1 on H100 prefers cuDNN SDPA: philox seed and offset, bf16 output and fp32
+    stats [B, H, L, 1], then the graph's 256-byte workspace (sm90, measured on an H200)."""
     recording = trace_step(
         _attend_and_backward, _bf16_query(), is_causal=True, emulations=_cudnn_registry()
     )
     forward = "aten._scaled_dot_product_cudnn_attention.default"
     backward = "aten._scaled_dot_product_cudnn_attention_backward.default"
-    assert _op_allocs(recording, forward)[:2] == [(HALF_QKV_BYTES, None), (B * H * L * 1 * 4, None)]
+    assert _op_allocs(recording, forward) == [
+        (8, None), (8, None), (HALF_QKV_BYTES, None), (B * H * L * 1 * 4, None),
+        (256, "cudnn_workspace"),
+    ]
     # dq, dk, dv; sum()'s gradient is an expand (innermost stride 0), so cuDNN gets a contiguous
-    # copy; then the frontend's fp32 dQ accumulator [B, H, L, E].
+    # copy; then one graph workspace: the frontend's fp32 dQ accumulator [B, H, L, E] and fp32
+    # softmax sum [B, H, L, 1], and the engine's 256 bytes (no grouped-query heads here).
     assert _op_allocs(recording, backward) == [(HALF_QKV_BYTES, None)] * 3 + [
         (HALF_QKV_BYTES, "cudnn_grad_out"),
-        (B * H * L * E * 4, "cudnn_dq_accum"),
+        (B * H * L * E * 4 + B * H * L * 4 + 256, "cudnn_workspace"),
     ]
     emulated = {
         e.address: dict(e.tags)["emulated"]
@@ -282,10 +287,27 @@ def test_cudnn_attention_records_output_and_softmax_stats():
     }
     freed = [emulated[e.address] for e in recording.events if e.action == "free_requested"
              and e.address in emulated]
-    assert freed == ["cudnn_dq_accum", "cudnn_grad_out"]  # workspace_ptr first, then dO_
-    assert [w.split(" ran ")[0] for w in recording.warnings] == [forward, backward]
-    assert "beyond the frontend's fp32 dQ accumulator" in recording.warnings[1]
+    # The forward's workspace; then the backward's workspace_ptr first, then dO_.
+    assert freed == ["cudnn_workspace", "cudnn_workspace", "cudnn_grad_out"]
+    assert recording.warnings == ()
     assert recording.assumptions == {"cuDNN": "9.15.1 (as given)"}
+
+
+def test_cudnn_attention_engine_workspace_is_left_out_off_sm90():
+    """On a B200 (sm100) the engine's workspace was never measured: the frontend's part only,
+    with a warning for each op."""
+    recording = trace_step(
+        _attend_and_backward, _bf16_query(), is_causal=True, emulations=_cudnn_registry(),
+        gpu=get_gpu("b200"),
+    )
+    forward = "aten._scaled_dot_product_cudnn_attention.default"
+    backward = "aten._scaled_dot_product_cudnn_attention_backward.default"
+    assert [what for _, what in _op_allocs(recording, forward)] == [None] * 4
+    assert _op_allocs(recording, backward)[-1] == (
+        B * H * L * E * 4 + B * H * L * 4, "cudnn_workspace"
+    )
+    assert [w.split(" ran ")[0] for w in recording.warnings] == [forward, backward]
+    assert "beyond the frontend's fp32 dQ accumulator and softmax sum" in recording.warnings[1]
 
 
 def _weighted_backward(x: torch.Tensor) -> None:
@@ -313,7 +335,7 @@ def test_cudnn_backward_copies_grad_out_by_the_versions_stride_rule():
         x = torch.randn(B, L, H, E, device="meta", dtype=torch.bfloat16, requires_grad=True)
         recording = trace_step(_weighted_backward, x, emulations=registry)
         whats = [what for _, what in _op_allocs(recording, backward)]
-        assert whats == [None] * 3 + ["cudnn_grad_out"] * copied + ["cudnn_dq_accum"], version
+        assert whats == [None] * 3 + ["cudnn_grad_out"] * copied + ["cudnn_workspace"], version
 
 
 def test_multihead_attention_runs_the_fused_kernel():

@@ -46,6 +46,11 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
     InPlaceBranch,
     register_inplace_backward,
 )
+from oomkit.prediction.tracing.emulations.input_buffer import (
+    ACCUMULATE_OP,
+    accumulates_in_place,
+    register_input_buffer,
+)
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
     SdpaCall,
@@ -62,6 +67,7 @@ if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationRegistry
 
 __all__ = [
+    "ACCUMULATE_OP",
     "CUBLAS_OPS",
     "DEFAULT_WHEEL_CUDNN",
     "INPLACE_BRANCHES",
@@ -71,6 +77,7 @@ __all__ = [
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
+    "accumulates_in_place",
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
@@ -88,6 +95,7 @@ __all__ = [
     "register_dropout",
     "register_embedding",
     "register_inplace_backward",
+    "register_input_buffer",
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
@@ -122,6 +130,7 @@ def register_defaults(
     register_batch_norm(registry)
     register_dropout(registry)
     register_inplace_backward(registry)
+    register_input_buffer(registry)
     register_cudnn_workspace(registry, environ)
 
 

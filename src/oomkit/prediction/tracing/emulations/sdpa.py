@@ -88,8 +88,16 @@ _CUDNN_WORKSPACE_WHAT = (
 )
 _CUDNN_BACKWARD_WORKSPACE_WHAT = (
     "any workspace the cuDNN attention engine asks for beyond the frontend's fp32 dQ accumulator "
-    "(sized by cuDNN at run time)"
+    "and softmax sum (sized by cuDNN at run time; measured only on sm90)"
 )
+# The cuDNN engine's own workspace, beside the frontend's tensors, as measured on an H200 (sm90,
+# cuDNN 9.19.0, torch 2.11; scripts/probe_sdpa_on_gpu.py, validation/sdpa-probe-h200-torch2.11.0.json:
+# 16 calls, every size exact): 256 bytes for each forward and backward graph, and for grouped-query
+# attention (fewer key/value heads than query heads) the key and value gradients at full query
+# heads in the inputs' dtype, b * h_q * s_kv * (d_qk + d_v) * itemsize. Other architectures run
+# other kernels: their engine workspace is left out, with a warning.
+_CUDNN_ENGINE_BYTES = 256
+_CUDNN_ENGINE_MEASURED_CC = (9, 0)
 # MHA.cpp run_cudnn_SDP_bprop: from cuDNN 9.5.1 on, grad_out needs only a unit innermost stride;
 # before, the same strides as out.
 _CUDNN_ANY_GRAD_OUT_STRIDES = 90501
@@ -169,6 +177,28 @@ def sdpa_backend_for(
     return select_sdp_backend(call, compute_capability, settings)
 
 
+def _with_torch_switches(settings: SdpaSettings) -> SdpaSettings:
+    """``settings`` with torch.backends.cuda's sdp switches of this moment applied: a step that
+    runs under ``torch.nn.attention.sdpa_kernel(...)`` or calls ``enable_flash_sdp(False)``
+    turns backends off as on CUDA (sdp_utils.cpp reads the same global context; the switches
+    exist in CPU builds too)."""
+    switches = torch.backends.cuda
+    on = {
+        name: getattr(switches, reader, lambda: True)()
+        for name, reader in (
+            ("flash_enabled", "flash_sdp_enabled"),
+            ("mem_efficient_enabled", "mem_efficient_sdp_enabled"),
+            ("math_enabled", "math_sdp_enabled"),
+            ("cudnn_enabled", "cudnn_sdp_enabled"),
+        )
+    }
+    if all(on.values()):
+        return settings
+    return dataclasses.replace(
+        settings, **{name: getattr(settings, name) and value for name, value in on.items()}
+    )
+
+
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     bound = dict(_DEFAULTS)
     bound.update(zip(_PARAMS, args, strict=False))
@@ -191,6 +221,7 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
         # gets the same casts from the autocast emulation when it calls the function).
         cache: dict[int, torch.Tensor] = {}
         q, k, v, mask = (_autocast(t, cast_to, cache) for t in (q, k, v, mask))
+    settings = _with_torch_switches(settings)
     backend = sdpa_backend_for(
         q,
         k,
@@ -453,8 +484,19 @@ def _cudnn_forward(ctx: EmulationContext) -> Any:
     out = ctx.run()
     query = ctx.args[0]
     if isinstance(query, torch.Tensor) and stands_for_cuda(query):
-        ctx.not_emulated(_CUDNN_WORKSPACE_WHAT)
+        if _cudnn_engine_measured(ctx):
+            # attention.cu _cudnn_attention_forward makes the philox seed and offset before the
+            # output and statistics; then the graph's workspace, freed when it returns.
+            ctx.record_outputs((out[6], out[7]))
+            ctx.record_outputs(out)
+            ctx.free(ctx.allocate(_CUDNN_ENGINE_BYTES, "workspace", "cudnn_workspace"))
+        else:
+            ctx.not_emulated(_CUDNN_WORKSPACE_WHAT)
     return out
+
+
+def _cudnn_engine_measured(ctx: EmulationContext) -> bool:
+    return ctx.gpu is not None and ctx.gpu.kernel_compute_capability == _CUDNN_ENGINE_MEASURED_CC
 
 
 def _cudnn_backward(ctx: EmulationContext, settings: SdpaSettings) -> Any:
@@ -475,14 +517,23 @@ def _cudnn_backward(ctx: EmulationContext, settings: SdpaSettings) -> Any:
         ids.append(
             ctx.allocate(grad_out.numel() * grad_out.element_size(), "temporary", "cudnn_grad_out")
         )
-    # The graph workspace (CUDACachingAllocator::get()->allocate(get_workspace_size())). Its
-    # frontend part, cudnn_frontend SDPABackwardNode: from cuDNN 9.0, unless the graph is
-    # deterministic or has dBias (PyTorch builds neither; deterministic mode rules cuDNN
-    # attention out), dQ is accumulated in a non-virtual fp32 [b, h_q, s_q, d_qk] tensor
-    # (dQ_accum_size = b * h_q * s_q * d_qk * sizeof(float)).
+    # The graph workspace (CUDACachingAllocator::get()->allocate(get_workspace_size())), one
+    # allocation. Its frontend part, cudnn_frontend CompositeSDPABackwardNode
+    # get_fe_workspace_size_node: from cuDNN 9.0, unless the graph is deterministic or has dBias
+    # (PyTorch builds neither; deterministic mode rules cuDNN attention out), dQ is accumulated
+    # in a non-virtual fp32 [b, h_q, s_q, d_qk] tensor (dQ_accum_size), and the fp32
+    # softmax_sum [b, h_q, s_q, 1] (rowsum of dO * O) is non-virtual too (softmax_sum_size).
     batch, heads, seq_q, head_dim = query.shape
-    ids.append(ctx.allocate(batch * heads * seq_q * head_dim * 4, "workspace", "cudnn_dq_accum"))
-    ctx.not_emulated(_CUDNN_BACKWARD_WORKSPACE_WHAT)
+    size = batch * heads * seq_q * head_dim * 4 + batch * heads * seq_q * 4
+    key, value = ctx.args[2], ctx.args[3]
+    if _cudnn_engine_measured(ctx) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor):
+        size += _CUDNN_ENGINE_BYTES  # the engine's part, measured (see _CUDNN_ENGINE_BYTES)
+        if key.shape[1] != heads:
+            seq_kv, value_dim = key.shape[2], value.shape[3]
+            size += batch * heads * seq_kv * (head_dim + value_dim) * query.element_size()
+    else:
+        ctx.not_emulated(_CUDNN_BACKWARD_WORKSPACE_WHAT)
+    ids.append(ctx.allocate(size, "workspace", "cudnn_workspace"))
     # workspace_ptr is declared after dO_, so it is released first.
     for alloc_id in reversed(ids):
         ctx.free(alloc_id)
