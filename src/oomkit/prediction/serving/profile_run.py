@@ -26,7 +26,9 @@ __all__ = ["SORT_WORKSPACE_BYTES_PER_ELEMENT", "ProfilePeak", "RankRecorder", "t
 # (ATen/native/cuda/SortStable.cu launch_stable_sort_kernel, cub DeviceRadixSort::SortPairs).
 # An estimate: with it the recorded profile of Llama-3.1-8B (8192 tokens, 1024 rows) is
 # 4.71 GiB where vLLM logged 4.76 GiB peak activation on an H100 (llm-d/llm-d-benchmark
-# config_explorer/empirical-vllm-memory-results.md); without it, 2.88 GiB.
+# config_explorer/empirical-vllm-memory-results.md); without it, 2.88 GiB. (Recorded before
+# the tracer decomposed composite ops under inference_mode, which adds the 32 MiB cuBLAS
+# workspace of the run's first matmul, as on CUDA: about 4.74 GiB now, not re-run.)
 SORT_WORKSPACE_BYTES_PER_ELEMENT = 20
 
 # CUDACachingAllocator.cpp round_size: every block is a multiple of kMinBlockSize = 512 bytes.

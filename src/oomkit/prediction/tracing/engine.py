@@ -131,7 +131,7 @@ class CudaEmulationEngine:
                 # Torch-function modes do not follow into backward, so checkpoint's
                 # recomputation would miss them (and record another SDPA backend than forward did).
                 stack.enter_context(function_mode.reach_backward())
-            stack.enter_context(OpDispatchMode(self.run_op))
+            stack.enter_context(OpDispatchMode(self.run_op, self.has_emulation))
             yield
 
     @contextlib.contextmanager
