@@ -487,7 +487,10 @@ def _cudnn_forward(ctx: EmulationContext) -> Any:
         if _cudnn_engine_measured(ctx):
             # attention.cu _cudnn_attention_forward makes the philox seed and offset before the
             # output and statistics; then the graph's workspace, freed when it returns.
-            ctx.record_outputs((out[6], out[7]))
+            # Schema: (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed,
+            # philox_offset, debug_attn_mask).
+            if isinstance(out, tuple) and len(out) > 7:
+                ctx.record_outputs((out[6], out[7]))
             ctx.record_outputs(out)
             ctx.free(ctx.allocate(_CUDNN_ENGINE_BYTES, "workspace", "cudnn_workspace"))
         else:
