@@ -37,6 +37,8 @@ class Case:
     head_dim: int
     causal: bool = True
     backend: str = "default"  # default | flash | efficient | cudnn
+    dtype: str = "bfloat16"  # bfloat16 | float32
+    layout: str = "bhsd"  # bhsd: contiguous [b, h, s, d]; bshd: [b, s, h, d] transposed, as models
 
 
 CASES: tuple[Case, ...] = (
@@ -56,6 +58,13 @@ CASES: tuple[Case, ...] = (
     Case(1, 32, 8, 512, 64, backend="efficient"),
     Case(1, 32, 8, 4096, 128, backend="flash"),
     Case(1, 32, 8, 4096, 128, backend="efficient"),
+    # Open after the first H200 run (docs/explanations/accuracy.md): fp32 grouped-query attention
+    # (Llama 1B fp32 ran a fused kernel where oomkit picks math), and flash's grouped-query
+    # backward with the projections' layout (two query-sized buffers more than emulated).
+    Case(1, 32, 8, 256, 64, dtype="float32"),
+    Case(1, 32, 32, 256, 64, dtype="float32"),
+    Case(1, 32, 8, 512, 64, backend="flash", layout="bshd"),
+    Case(1, 32, 8, 512, 64, layout="bshd"),
 )
 
 
@@ -70,13 +79,18 @@ def _run(case: Case) -> dict:  # pragma: no cover - needs a GPU
         "cudnn": [SDPBackend.CUDNN_ATTENTION],
     }
     torch.manual_seed(0)
-    q = torch.randn(case.batch, case.heads, case.seq, case.head_dim, device="cuda",
-                    dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(case.batch, case.kv_heads, case.seq, case.head_dim, device="cuda",
-                    dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    grad = torch.randn(case.batch, case.heads, case.seq, case.head_dim, device="cuda",
-                       dtype=torch.bfloat16)
+    dtype = getattr(torch, case.dtype)
+
+    def tensor(heads: int, requires_grad: bool = True) -> torch.Tensor:
+        if case.layout == "bshd":  # a [b, s, h, d] projection output, transposed to [b, h, s, d]
+            t = torch.randn(case.batch, case.seq, heads, case.head_dim, device="cuda", dtype=dtype)
+            t = t.transpose(1, 2)
+        else:
+            t = torch.randn(case.batch, heads, case.seq, case.head_dim, device="cuda", dtype=dtype)
+        return t.detach().requires_grad_(requires_grad)
+
+    q, k, v = tensor(case.heads), tensor(case.kv_heads), tensor(case.kv_heads)
+    grad = tensor(case.heads, requires_grad=False)
     gqa = case.kv_heads != case.heads
 
     def call() -> object:

@@ -68,7 +68,13 @@ def _case_id(case: dict) -> str:
             f"-{'causal' if c['causal'] else 'full'}-{c['backend']}")
 
 
-@pytest.mark.parametrize("case", [c for c in _CASES if c["case"]["backend"] == "default"],
+def _bf16_contiguous(case: dict, backend: str) -> bool:
+    c = case["case"]
+    return (c["backend"] == backend and c.get("dtype", "bfloat16") == "bfloat16"
+            and c.get("layout", "bhsd") == "bhsd")
+
+
+@pytest.mark.parametrize("case", [c for c in _CASES if _bf16_contiguous(c, "default")],
                          ids=_case_id)
 def test_cudnn_attention_requests_match_the_h200(case):
     assert case["grad_fn"] == "ScaledDotProductCudnnAttentionBackward0"
@@ -77,7 +83,7 @@ def test_cudnn_attention_requests_match_the_h200(case):
     assert backward == _requests(case["backward"])
 
 
-@pytest.mark.parametrize("case", [c for c in _CASES if c["case"]["backend"] == "flash"],
+@pytest.mark.parametrize("case", [c for c in _CASES if _bf16_contiguous(c, "flash")],
                          ids=_case_id)
 def test_flash_attention_forward_requests_match_the_h200(case):
     """Also proves the step's own ``sdpa_kernel`` choice is honoured (cuDNN would be picked)."""
