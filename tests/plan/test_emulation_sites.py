@@ -242,9 +242,10 @@ def test_gpt2_search_across_the_embedding_path_runs_once():
     from oomkit.plan.batch_search import max_batch_size
 
     build = _gpt2_builder()
-    # allow_retries: the search as it was written (75 fits with an allocator retry)
+    # allow_retries: the search as it was written (the largest may fit with an allocator retry)
     result = max_batch_size(build, target=Target.resolve("h100"), allow_retries=True)
-    assert (result.batch_size, result.traces, result.synthesized) == (75, 4, 11)
+    # 74 since Hopper's CUDA context is the H200's measured 685 MiB (75 with the 500 MiB estimate)
+    assert (result.batch_size, result.traces, result.synthesized) == (74, 4, 11)
     assert result.probe_order == (1, 2, 4, 8, 16, 32, 64, 128, 96, 80, 72, 76, 74, 75)
     searched = less_margin(result.target, result.margin_bytes)
     probe = next(p for p in result.curve if p.batch_size == 8)

@@ -334,14 +334,14 @@ steps.py:build(batch_size=40) on 28 GPUs
 │ A40            │  44.34 GiB │ 98.00 MiB │  43.85 GiB │ 900.00 MiB │ yes  │
 │ RTX 6000 Ada   │  47.37 GiB │ 98.00 MiB │  46.86 GiB │ 960.00 MiB │ yes  │
 │ RTX A6000      │  47.65 GiB │ 98.00 MiB │  47.16 GiB │ 966.00 MiB │ yes  │
-│ H100 PCIe      │  79.11 GiB │ 98.00 MiB │  78.53 GiB │   1.57 GiB │ yes  │
+│ H100 PCIe      │  79.11 GiB │ 98.00 MiB │  78.34 GiB │   1.57 GiB │ yes  │
 │ A100 80GB PCIe │  79.14 GiB │ 98.00 MiB │  78.65 GiB │   1.57 GiB │ yes  │
-│ H100 SXM 80GB  │  79.19 GiB │ 98.00 MiB │  78.61 GiB │   1.57 GiB │ yes  │
+│ H100 SXM 80GB  │  79.19 GiB │ 98.00 MiB │  78.42 GiB │   1.57 GiB │ yes  │
 │ A100 80GB SXM  │  79.21 GiB │ 98.00 MiB │  78.72 GiB │   1.58 GiB │ yes  │
-│ H100 NVL       │  93.10 GiB │ 98.00 MiB │  92.51 GiB │   1.85 GiB │ yes  │
-│ GH200 96GB     │  95.00 GiB │ 98.00 MiB │  94.42 GiB │   1.89 GiB │ yes  │
-│ H200           │ 139.80 GiB │ 98.00 MiB │ 139.22 GiB │   2.79 GiB │ yes  │
-│ H200 NVL       │ 139.80 GiB │ 98.00 MiB │ 139.22 GiB │   2.79 GiB │ yes  │
+│ H100 NVL       │  93.10 GiB │ 98.00 MiB │  92.33 GiB │   1.85 GiB │ yes  │
+│ GH200 96GB     │  95.00 GiB │ 98.00 MiB │  94.24 GiB │   1.88 GiB │ yes  │
+│ H200           │ 139.80 GiB │ 98.00 MiB │ 139.04 GiB │   2.78 GiB │ yes  │
+│ H200 NVL       │ 139.80 GiB │ 98.00 MiB │ 139.04 GiB │   2.78 GiB │ yes  │
 │ B200           │ 178.36 GiB │ 98.00 MiB │ 177.73 GiB │   3.55 GiB │ yes  │
 └────────────────┴────────────┴───────────┴────────────┴────────────┴──────┘
 smallest GPU batch 40 fits on: RTX 3080 (10.00 GiB total, 9.51 GiB headroom, margin 256.00 MiB)

@@ -68,12 +68,16 @@ _AMPERE = _Family("Ampere", 400 * MiB, "pytorch/pytorch#109888")
 # nvidia-smi after torch.cuda.mem_get_info(0) created the context on an RTX 6000 Ada, PyTorch
 # 2.10.0+cu130.
 _ADA = _Family("Ada Lovelace", 430 * MiB, "426 MiB measured, unsloth-zoo PR #1053")
-# Hopper (sm_90): ~500 MiB. Estimate, not a published measurement: more SMs and larger sm_90
-# kernel images than Ada.
-_HOPPER = _Family("Hopper", 500 * MiB, "estimate above Ada's 426 MiB; no published figure")
-# Blackwell (sm_100, sm_120): ~550 MiB. Estimate extrapolated from Hopper (sm_100 images are
-# larger again); no published measurement found.
-_BLACKWELL = _Family("Blackwell", 550 * MiB, "extrapolated from Hopper; no published figure")
+# Hopper (sm_90): 718,077,952 bytes (685 MiB), measured on an H200 for this project
+# (2026-11-29, driver 580, CUDA 13.0, torch 2.11.0+cu130, lazy loading): total - free - reserved
+# after the first op and a cuBLAS matmul (scripts/validate_fidelity_on_gpu.py,
+# validation/fidelity-nvidia-h200-torch2.11.0.json; eager loading measured 1,823,277,056). The
+# H100 is the same sm_90; other drivers and CUDA versions may differ by tens of MiB.
+_HOPPER = _Family("Hopper", 718_077_952, "685 MiB measured on an H200, CUDA 13.0 (validation/)")
+# Blackwell (sm_100, sm_120): ~550 MiB. Estimate extrapolated from Hopper's earlier 500 MiB
+# estimate (sm_100 images are larger again), set before Hopper was measured at 685 MiB: likely
+# low. No published measurement found.
+_BLACKWELL = _Family("Blackwell", 550 * MiB, "extrapolated estimate; no published figure")
 
 # The smallest bare lazy context measured: 256 MiB (invoke-ai/InvokeAI#9413, RTX 3090, torch
 # 2.7.1+cu128, "a flat 256 MiB" held by a process that had only created its context). The low end
@@ -137,7 +141,7 @@ class CudaContext:
     source: str
 
     def describe(self) -> str:
-        """One line for reports: ``~500 MiB (Hopper, CUDA 13.0, lazy module loading; ...)``."""
+        """One line for reports: ``~685 MiB (Hopper, CUDA 13.0, lazy module loading; ...)``."""
         cuda = f"CUDA {self.cuda_version}" if self.cuda_version else "CUDA version not known"
         return (
             f"~{format_bytes(self.expected_bytes)} ({format_bytes(self.low_bytes)}-"
