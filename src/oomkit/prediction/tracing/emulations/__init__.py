@@ -46,11 +46,7 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
     InPlaceBranch,
     register_inplace_backward,
 )
-from oomkit.prediction.tracing.emulations.input_buffer import (
-    ACCUMULATE_OP,
-    accumulates_in_place,
-    register_input_buffer,
-)
+from oomkit.prediction.tracing.emulations.input_buffer import ACCUMULATE_OP, register_input_buffer
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
     SdpaCall,
@@ -77,7 +73,6 @@ __all__ = [
     "SdpBackend",
     "SdpaCall",
     "SdpaSettings",
-    "accumulates_in_place",
     "cublas_workspace_bytes",
     "cublaslt_unified",
     "cublaslt_workspace_bytes",
