@@ -59,8 +59,9 @@ CASES: tuple[Case, ...] = (
     Case(1, 32, 8, 4096, 128, backend="flash"),
     Case(1, 32, 8, 4096, 128, backend="efficient"),
     # Open after the first H200 run (docs/explanations/accuracy.md): fp32 grouped-query attention
-    # (Llama 1B fp32 ran a fused kernel where oomkit picks math), and flash's grouped-query
-    # backward with the projections' layout (two query-sized buffers more than emulated).
+    # (Llama 1B fp32 ran a fused kernel where oomkit picks math), and flash's backward with the
+    # projections' layout (oomkit records no grad_out / out copies there; the [b, h, s, d] calls
+    # above showed both).
     Case(1, 32, 8, 256, 64, dtype="float32"),
     Case(1, 32, 32, 256, 64, dtype="float32"),
     Case(1, 32, 8, 512, 64, backend="flash", layout="bshd"),

@@ -139,6 +139,26 @@ def compare_run(label: str, measured: Mapping, predicted: Mapping, verify: Mappi
     return out
 
 
+def add_as_measured(record: dict, whole: Mapping, measured: Mapping) -> dict:
+    """``record`` (from :func:`compare_run`) with the prediction of the program as the GPU ran
+    it (``_predict(..., as_measured=True)``) and its signed relative errors."""
+    record["predicted_as_measured"] = {k: v for k, v in whole.items() if k != "warnings"}
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        record[f"error_{key.removesuffix('_bytes')}_as_measured"] = relative_error(
+            whole[key], measured[key]
+        )
+    return record
+
+
+def summarize_as_measured(runs: Sequence[Mapping]) -> dict:
+    """:func:`summarize` of the as-run errors (runs without them are counted, not compared)."""
+    return summarize([
+        {**r, "error_peak_reserved": r.get("error_peak_reserved_as_measured"),
+         "error_peak_allocated": r.get("error_peak_allocated_as_measured")}
+        for r in runs
+    ])
+
+
 def summarize(runs: Sequence[Mapping]) -> dict:
     """Median and max absolute relative error of peak reserved (and allocated) over the runs.
 
@@ -225,8 +245,19 @@ def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no c
 
 
 def _predict(
-    run: Run, steps: int, gpu, context_bytes: int, cudnn_version: int | None
+    run: Run,
+    steps: int,
+    gpu,
+    context_bytes: int,
+    cudnn_version: int | None,
+    torch_version: str | None = None,
+    as_measured: bool = False,
 ) -> dict:
+    """oomkit's prediction of ``run``: by default as ``oomkit predict PRESET`` makes it (the model
+    built on meta, its parameters there when the step starts); ``as_measured``: the program
+    ``_measure`` ran, recorded whole (the model built on the GPU, then the steps), so whatever
+    the construction leaves in the allocator's cache is in it too. ``torch_version``: the torch
+    the GPU ran, for the rules that depend on it (cuBLAS workspaces)."""
     import dataclasses
 
     from oomkit.core.target import Target
@@ -237,11 +268,20 @@ def _predict(
     # The SDPA backend on sm90/sm100 depends on the runtime cuDNN (cuDNN attention is preferred
     # after 9.15.0): predict with this device's, as `oomkit predict --cudnn-version N` does.
     gpu = dataclasses.replace(gpu, context_overhead_bytes=context_bytes)
-    built = build_preset_step(run.preset, StepOptions(**run.options()))
+    target = Target.resolve(gpu, torch_version=torch_version)
     with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
-        p = predict(
-            built.step_fn, target=Target.resolve(gpu), steps=steps, track=built.track, compile=run.compile
-        )
+        if as_measured:
+            def whole_run() -> None:
+                built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
+                for _ in range(steps):
+                    built.step_fn()
+
+            p = predict(whole_run, target=target, steps=1, compile=run.compile)
+        else:
+            built = build_preset_step(run.preset, StepOptions(**run.options()))
+            p = predict(
+                built.step_fn, target=target, steps=steps, track=built.track, compile=run.compile
+            )
     return {
         "peak_allocated_bytes": p.peak_allocated_bytes,
         "peak_reserved_bytes": p.peak_reserved_bytes,
@@ -283,6 +323,7 @@ def _child(
         context = measured["context_overhead_bytes"] or gpu.context_overhead_bytes
         cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         predicted = _predict(run, steps, gpu, context, cudnn_version)
+        whole = _predict(run, steps, gpu, context, cudnn_version, as_measured=True)
         if snapshot_dir is not None:
             snapshot_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(snapshot, snapshot_dir / f"{run.label}.pickle")
@@ -290,7 +331,7 @@ def _child(
             verify = _verify(snapshot)
         except Exception as exc:  # keep the comparison even when the replay fails
             verify = {"error": f"{type(exc).__name__}: {exc}"}
-    record = compare_run(run.label, measured, predicted, verify)
+    record = add_as_measured(compare_run(run.label, measured, predicted, verify), whole, measured)
     record["gpu"] = gpu.name
     record["cudnn_version"] = cudnn_version
     return record
@@ -298,7 +339,10 @@ def _child(
 
 def repredicted(document: Mapping, runs: Mapping[str, Run]) -> dict:
     """A validation document's runs predicted again here, against the peaks it measured (the
-    GPU's figures stay; each run's context, cuDNN version and steps are the document's)."""
+    GPU's figures stay; each run's context, cuDNN version, torch version and steps are the
+    document's). Each run is predicted twice: as ``oomkit predict`` predicts the preset
+    (``predicted``, the errors and the summary) and as the GPU ran it, construction included
+    (``predicted_as_measured``, ``error_peak_*_as_measured``)."""
     import torch
 
     from oomkit.core.gpus import get_gpu
@@ -310,9 +354,13 @@ def repredicted(document: Mapping, runs: Mapping[str, Run]) -> dict:
         if run is None or "measured" not in measured_run:
             continue
         context = measured_run["measured"].get("context_overhead_bytes") or gpu.context_overhead_bytes
-        predicted = _predict(run, document["steps"], gpu, context, measured_run.get("cudnn_version"))
+        args = (run, document["steps"], gpu, context, measured_run.get("cudnn_version"),
+                document["torch_version"])
+        predicted = _predict(*args)
         predicted.pop("warnings")
-        records.append(compare_run(run.label, measured_run["measured"], predicted, measured_run.get("verify")))
+        record = compare_run(run.label, measured_run["measured"], predicted, measured_run.get("verify"))
+        whole = _predict(*args, as_measured=True)
+        records.append(add_as_measured(record, whole, measured_run["measured"]))
     return {
         "gpu": document["gpu"],
         "measured_with_torch": document["torch_version"],
@@ -320,6 +368,7 @@ def repredicted(document: Mapping, runs: Mapping[str, Run]) -> dict:
         "steps": document["steps"],
         "runs": records,
         "summary": summarize(records),
+        "summary_as_measured": summarize_as_measured(records),
     }
 
 
@@ -329,7 +378,9 @@ def _repredict(path: Path, runs: Mapping[str, Run]) -> int:  # pragma: no cover 
     out.write_text(json.dumps(document, indent=2) + "\n")
     for record in document["runs"]:
         print(f"{record['run']}: allocated {100 * record['error_peak_allocated']:+.2f}% "
-              f"reserved {100 * record['error_peak_reserved']:+.2f}%")
+              f"reserved {100 * record['error_peak_reserved']:+.2f}%; as measured: allocated "
+              f"{100 * record['error_peak_allocated_as_measured']:+.2f}% reserved "
+              f"{100 * record['error_peak_reserved_as_measured']:+.2f}%")
     print(f"wrote {out}: {json.dumps(document['summary'])}")
     return 0
 
@@ -407,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
         "jobs": args.jobs,
         "runs": records,
         "summary": summarize(records),
+        "summary_as_measured": summarize_as_measured(records),
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}: {json.dumps(document['summary'])}")

@@ -62,6 +62,25 @@ def test_summary_median_max_and_target():
     assert s["meets_target"] is False
 
 
+def test_as_measured_errors_and_their_summary():
+    """The as-run prediction is kept beside the preset's, with its own errors and summary; a
+    failed run (no as-run figures) is counted, not compared."""
+    measured = {"peak_allocated_bytes": 100 * MiB, "peak_reserved_bytes": 200 * MiB}
+    whole = {"peak_allocated_bytes": 101 * MiB, "peak_reserved_bytes": 196 * MiB,
+             "warnings": ["w"], "fits": True}
+    record = validate.add_as_measured(_run("a", 200 * MiB, 210 * MiB), whole, measured)
+    assert record["predicted_as_measured"] == {
+        "peak_allocated_bytes": 101 * MiB, "peak_reserved_bytes": 196 * MiB, "fits": True
+    }
+    assert record["error_peak_allocated_as_measured"] == pytest.approx(0.01)
+    assert record["error_peak_reserved_as_measured"] == pytest.approx(-0.02)
+    assert record["error_peak_reserved"] == pytest.approx(0.05)  # the preset's, unchanged
+    s = validate.summarize_as_measured([record, {"run": "d", "error": "CUDA error"}])
+    assert s["runs"] == 2 and s["runs_compared"] == 1
+    assert s["peak_reserved_error"]["median"] == pytest.approx(0.02)
+    assert s["peak_allocated_error"]["max"] == pytest.approx(0.01)
+
+
 def test_summary_of_no_runs_does_not_meet_target():
     """With nothing compared there is no median and the target is not met."""
     s = validate.summarize([])

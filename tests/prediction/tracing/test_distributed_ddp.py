@@ -183,10 +183,11 @@ def test_checkpoint_recomputes_under_cuda_autocast_with_fake_tensors():
         return step, (model, optimizer, batch), setup
 
     recording = trace_distributed_step(build, world_size=2, steps=2)
-    # autocast's cached bf16 weights and biases: inner and out in forward, inner again in the
-    # recomputation (autocast_mode.cpp cached_cast; the cache is cleared when forward's region
-    # exits), all in bf16 because fake tensors that stand for CUDA memory are cast.
-    inner, out = [64 * 64 * 2, 64 * 2], [8 * 64 * 2, 8 * 2]
+    # autocast's cached bf16 biases and weights (the last argument is cast first): inner and out
+    # in forward, inner again in the recomputation (autocast_mode.cpp cached_cast; the cache is
+    # cleared when forward's region exits), all in bf16 because fake tensors that stand for CUDA
+    # memory are cast.
+    inner, out = [64 * 2, 64 * 64 * 2], [8 * 2, 8 * 64 * 2]
     assert _allocs(recording.step_events(1), "autocast_cache") == inner + out + inner
 
 

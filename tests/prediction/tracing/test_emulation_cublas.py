@@ -8,6 +8,7 @@ from oomkit.core.gpus import get_gpu
 from oomkit.prediction.tracing import EmulationRegistry, trace_step
 from oomkit.prediction.tracing.emulations import (
     cublas_workspace_bytes,
+    cublaslt_unified,
     cublaslt_workspace_bytes,
     register_cublas,
 )
@@ -92,12 +93,54 @@ def test_workspace_size_follows_the_target_gpu_and_environment():
 
 
 def test_separate_lt_workspace_for_addmm_with_bias():
-    """TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: Linear's addmm takes a 1 MiB Lt workspace, mm a cuBLAS one."""
+    """TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: Linear's addmm gets the Lt handle, which is the cuBLAS
+    handle (its workspace first), then a 1 MiB Lt workspace; backward's mm only the cuBLAS one."""
     with torch.device("meta"):
         model = torch.nn.Linear(64, 64)
     env = {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}
     recording = trace_step(_linear_train_step, model, emulations=_registry(env))
     assert _workspaces(recording) == [
+        (32 * MIB, "forward", "cublas_workspace"),
+        (MIB, "forward", "cublaslt_workspace"),
+        (32 * MIB, "backward", "cublas_workspace"),
+    ]
+
+
+def test_the_running_torch_decides_when_none_is_stated(monkeypatch):
+    """No torch version given: the rule of the torch that records (``torch.__version__``)."""
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    with torch.device("meta"):
+        model = torch.nn.Linear(64, 64)
+    recording = trace_step(_linear_train_step, model, emulations=_registry({}))
+    assert [what for _, _, what in _workspaces(recording)] == [
+        "cublas_workspace", "cublaslt_workspace", "cublas_workspace"
+    ]
+
+
+def test_unification_by_default_follows_the_torch_version():
+    """Unset: separate before torch 2.12 (pytorch#175879), unified from it; set: as set."""
+    assert not cublaslt_unified({}, "2.9.1")
+    assert not cublaslt_unified({}, "2.11.0+cu130")
+    assert cublaslt_unified({}, "2.12.0")
+    assert cublaslt_unified({}, "2.13.0+cpu")
+    assert cublaslt_unified({}, None)  # the newest rule
+    assert cublaslt_unified({"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}, "2.10.0")
+    assert not cublaslt_unified({"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}, "2.13.0")
+    # 2.9-2.11 unset: the size parser still caps at the cuBLAS size, so min(1 MiB, cuBLAS).
+    assert cublaslt_workspace_bytes(H100, {}, "2.11.0") == MIB
+    tiny = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    assert cublaslt_workspace_bytes(H100, tiny, "2.11.0") == 128 * 1024
+
+
+def test_torch_2_11_records_a_separate_lt_workspace_by_default():
+    """A target on torch 2.11: Linear's forward addmm takes both workspaces."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(64, 64)
+    registry = EmulationRegistry()
+    register_cublas(registry, {}, torch_version="2.11.0+cu130")
+    recording = trace_step(_linear_train_step, model, emulations=registry)
+    assert _workspaces(recording) == [
+        (32 * MIB, "forward", "cublas_workspace"),
         (MIB, "forward", "cublaslt_workspace"),
         (32 * MIB, "backward", "cublas_workspace"),
     ]

@@ -63,10 +63,14 @@ def test_flash_forward_records_output_logsumexp_and_rng_state():
 
 
 def test_flash_backward_workspaces():
-    """mha_bwd: dq, dk, dv, then softmax_d [B, H, 128] and dq_accum [B, 128, H, 64] in fp32."""
+    """_flash_attention_backward copies grad_out (sum's expanded gradient) and out ([b, h, s, d]
+    in memory) into [b, s, h, d]; then mha_bwd: dq, dk, dv, softmax_d [B, H, 128] and dq_accum
+    [B, 128, H, 64] in fp32."""
     recording = trace_step(_attend_and_backward, _bf16_query(), is_causal=True)
     backward = "aten._scaled_dot_product_flash_attention_backward.default"
     assert [(size, what) for size, op, what in _allocs(recording) if op == backward] == [
+        (HALF_QKV_BYTES, "flash_grad_out"),
+        (HALF_QKV_BYTES, "flash_out"),
         (HALF_QKV_BYTES, None),
         (HALF_QKV_BYTES, None),
         (HALF_QKV_BYTES, None),

@@ -37,10 +37,10 @@ def _ops(recording) -> list[tuple[str, int, str | None]]:
 
 def test_linear_under_inference_mode_runs_addmm_with_its_workspace():
     recorded = _ops(_linear_under(torch.inference_mode))
-    # addmm's cuBLAS workspace (32 MiB on sm90, once per handle) then its output; then sum.
+    # addmm's output, then the cuBLAS workspace (32 MiB on sm90, once per handle); then sum.
     assert recorded == [
-        ("aten.addmm.default", 32 * 2**20, "cublas_workspace"),
         ("aten.addmm.default", BATCH * N * 4, None),
+        ("aten.addmm.default", 32 * 2**20, "cublas_workspace"),
         ("aten.sum.default", 4, None),
     ]
 

@@ -290,8 +290,36 @@ class CudaAutocastEmulation:
             self._on_cached_cast(cast)
         return cast
 
-    def _cast_all(self, to_dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return tree_map_only(torch.Tensor, lambda t: self.cached_cast(to_dtype, t), (args, kwargs))
+    def _cast_all(
+        self, to_dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Cast every argument, the last first: autocast_mode.h ``WrapFunction_::call`` casts in
+        a pack expansion inside a call's arguments, whose order C++ leaves to the compiler, and
+        GCC (the Linux wheels) evaluates them right to left. Measured on an H200 (torch 2.11,
+        validation/fidelity-nvidia-h200-torch2.11.0.json): a bf16 ``linear`` cast its bias, then
+        its weight, then its input. A list argument's tensors are cast in order (the
+        ``TensorList`` overload of ``cached_cast`` loops)."""
+
+        def cast(value: Any) -> Any:
+            return tree_map_only(torch.Tensor, lambda t: self.cached_cast(to_dtype, t), value)
+
+        cast_kwargs = {name: cast(value) for name, value in reversed(kwargs.items())}
+        cast_args = [cast(value) for value in reversed(args)]
+        return tuple(reversed(cast_args)), {name: cast_kwargs[name] for name in kwargs}
+
+    def _call_cast(
+        self, op: Any, to_dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``op`` on the cast arguments. The casts are temporaries of ``WrapFunction_::call``'s
+        full expression, destroyed in the reverse of their construction: the first argument's
+        first (on the H200, an uncached cast input, then weight, then bias)."""
+        cast_args, cast_kwargs = self._cast_all(to_dtype, args, kwargs)
+        result = op(*cast_args, **cast_kwargs)
+        release = tree_leaves((cast_args, cast_kwargs))
+        del cast_args, cast_kwargs
+        while release:
+            release.pop(0)
+        return result
 
     def _kernel(self, name: str, op: Any, policy: CastPolicy) -> Callable[..., Any]:
         def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -310,11 +338,9 @@ class CudaAutocastEmulation:
         kwargs: dict[str, Any],
     ) -> Any:
         if policy == "lower_precision_fp":
-            args, kwargs = self._cast_all(_autocast_dtype(), args, kwargs)
-            return op(*args, **kwargs)
+            return self._call_cast(op, _autocast_dtype(), args, kwargs)
         if policy == "fp32":
-            args, kwargs = self._cast_all(torch.float32, args, kwargs)
-            return op(*args, **kwargs)
+            return self._call_cast(op, torch.float32, args, kwargs)
         if policy == "fp32_set_opt_dtype":
             bound = _bind(op, args, kwargs)
             # firstarg_is_eligible / set_opt_dtype: an explicit dtype is respected.
@@ -343,9 +369,7 @@ class CudaAutocastEmulation:
             assert redispatch is not None, FP32_APPEND_DTYPE_REDISPATCH[name]
             return redispatch(**bound)
         if policy == "promote":
-            to_dtype = _promote_type(tree_leaves((args, kwargs)))
-            args, kwargs = self._cast_all(to_dtype, args, kwargs)
-            return op(*args, **kwargs)
+            return self._call_cast(op, _promote_type(tree_leaves((args, kwargs))), args, kwargs)
         # Banned: autocast_mode.cpp binary_cross_entropy_banned raises (a RuntimeError in
         # Python, which user code may catch, so the same type is raised here).
         raise RuntimeError(BINARY_CROSS_ENTROPY_BANNED_MESSAGE)

@@ -328,10 +328,10 @@ def trace_distributed_step(
         raise ValueError(f"steps must be at least 1; got {steps}")
     if target is not None:
         gpu = target.gpu
-        if emulations is None and target.cudnn_version is not None:
-            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+        if emulations is None:
+            from oomkit.prediction.tracing.emulations import emulations_for
 
-            emulations = emulations_for_cudnn(target.cudnn_version)
+            emulations = emulations_for(target.cudnn_version, target.torch_version)
     base = DEFAULT_EMULATIONS if emulations is None else emulations
     async_tp = AsyncTpEmulations()  # the fused ops of Inductor's async-TP pass (async_tp.py)
     base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS, **async_tp.emulations}

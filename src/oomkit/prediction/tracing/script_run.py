@@ -346,11 +346,10 @@ def record_script(
     emulations = None
     if target is not None:
         gpu = target.gpu
-        if target.cudnn_version is not None:
-            # As trace_step: a stated cuDNN version picks the SDPA backend explicitly.
-            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+        # As trace_step: a stated cuDNN or torch version is passed explicitly.
+        from oomkit.prediction.tracing.emulations import emulations_for
 
-            emulations = emulations_for_cudnn(target.cudnn_version)
+        emulations = emulations_for(target.cudnn_version, target.torch_version)
     where = spec.path
     saves = [0]
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)

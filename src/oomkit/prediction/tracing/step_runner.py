@@ -61,8 +61,8 @@ def trace_step(
             step and the steady state after it.
         gpu: the target device the CUDA emulations model; ``None`` means an H100 SXM.
         emulations: per-op hooks; ``None`` means ``DEFAULT_EMULATIONS``.
-        target: the target machine, instead of ``gpu``: its GPU, and its cuDNN version when
-            stated (``emulations_for_cudnn``: passed explicitly, not through
+        target: the target machine, instead of ``gpu``: its GPU, and its cuDNN and torch
+            versions when stated (``emulations_for``: passed explicitly, not through
             ``use_sdpa_settings``).
         values: tensor values the step reads, by the line that reads them
             (``{"train.py:42": 1024}``); other reads are answered or stood in for
@@ -94,10 +94,10 @@ def trace_step(
         raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
     if target is not None:
         gpu = target.gpu
-        if emulations is None and target.cudnn_version is not None:
-            from oomkit.prediction.tracing.emulations import emulations_for_cudnn
+        if emulations is None:
+            from oomkit.prediction.tracing.emulations import emulations_for
 
-            emulations = emulations_for_cudnn(target.cudnn_version)
+            emulations = emulations_for(target.cudnn_version, target.torch_version)
     _refuse_host_modules((args, kwargs))
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
     try:

@@ -2,9 +2,10 @@
 
 ``register_defaults(registry)`` adds them all; ``oomkit.prediction.tracing.emulation.DEFAULT_EMULATIONS``
 is a registry built that way; its SDPA choice follows ``use_sdpa_settings`` (a user-facing
-switch, like ``torch.backends.cuda.sdp_kernel``), else this torch install's cuDNN. A ``Target``
-that states its cuDNN version passes it explicitly: ``trace_step(..., target=t)`` traces with
-``emulations_for_cudnn(t.cudnn_version)``. To fix a setting for one registry (or a
+switch, like ``torch.backends.cuda.sdp_kernel``), else this torch install's cuDNN, and its
+cuBLAS rules are this torch install's. A ``Target`` that states its cuDNN or torch version passes
+them explicitly: ``trace_step(..., target=t)`` traces with
+``emulations_for(t.cudnn_version, t.torch_version)``. To fix a setting for one registry (or a
 ``CUBLAS_WORKSPACE_CONFIG``), build your own::
 
     registry = EmulationRegistry()
@@ -94,7 +95,7 @@ __all__ = [
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
-    "emulations_for_cudnn",
+    "emulations_for",
     "select_sdp_backend",
     "use_sdpa_settings",
     "uses_cudnn",
@@ -107,6 +108,7 @@ def register_defaults(
     sdpa: SdpaSettings | None = None,
     environ: Mapping[str, str] | None = None,
     cudnn_version: int | None = None,
+    torch_version: str | None = None,
 ) -> None:
     """Register every built-in emulation in ``registry``.
 
@@ -118,9 +120,11 @@ def register_defaults(
             (``CUBLAS_WORKSPACE_CONFIG``, ``CUDNN_CONV_WSCAP_DBG``, ...); default ``os.environ``.
         cudnn_version: the target's cuDNN version (``Target.cudnn_version``), replacing the
             one of the SDPA switches; ``None`` keeps theirs.
+        torch_version: the target's torch (``Target.torch_version``), whose cuBLAS rules apply;
+            ``None``: this install's.
     """
     register_sdpa(registry, sdpa, cudnn_version=cudnn_version)
-    register_cublas(registry, environ)
+    register_cublas(registry, environ, torch_version=torch_version)
     register_embedding(registry)
     register_batch_norm(registry)
     register_dropout(registry)
@@ -130,11 +134,17 @@ def register_defaults(
 
 
 @functools.lru_cache(maxsize=16)
-def emulations_for_cudnn(cudnn_version: int) -> EmulationRegistry:
-    """The built-in emulations for a target whose cuDNN version is stated (``trace_step`` with a
-    ``Target``): the SDPA choice uses that version, the other switches those in effect."""
+def emulations_for(
+    cudnn_version: int | None = None, torch_version: str | None = None
+) -> EmulationRegistry | None:
+    """The built-in emulations for a target that states its cuDNN or torch version
+    (``trace_step`` with a ``Target``): the SDPA choice uses that cuDNN, the cuBLAS rules that
+    torch, the other switches those in effect. ``None`` when it states neither (the tracer's
+    default registry applies)."""
     from oomkit.prediction.tracing.emulation import EmulationRegistry
 
+    if cudnn_version is None and torch_version is None:
+        return None
     registry = EmulationRegistry()
-    register_defaults(registry, cudnn_version=cudnn_version)
+    register_defaults(registry, cudnn_version=cudnn_version, torch_version=torch_version)
     return registry

@@ -11,14 +11,25 @@ Mirrors aten/src/ATen/cuda/CublasHandlePool.cpp of torch 2.13 (the version with
   (SIZE in KiB), summed; unset or unparsable means the default, 32 MiB on compute capability
   9.x / 10.x / 12.x and ``:4096:2:16:8`` (8 MiB + 128 KiB) elsewhere.
 - ``getCUDABlasLtWorkspace``: with ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` unset or true (the
-  default on open-source builds) cuBLASLt shares the cuBLAS workspace of the stream (allocating
-  it if cuBLASLt comes first); otherwise it has its own map with ``CUBLASLT_WORKSPACE_SIZE``
-  KiB (default 1024 KiB) per stream.
+  default on open-source builds from torch 2.12) cuBLASLt shares the cuBLAS workspace of the
+  stream; otherwise it has its own map with ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024 KiB)
+  per stream. Either way the Lt handle is the cuBLAS handle (``getCurrentCUDABlasLtHandle``
+  casts ``getCurrentCUDABlasHandle()``, which sets the cuBLAS workspace), so a first Lt GEMM
+  allocates the cuBLAS workspace, then a separate Lt one where there is one.
+- Torch 2.9 to 2.11 (persistent Lt workspaces, pytorch#156495, until pytorch#175879 of
+  2026-03-02 "Fix unified workspace env var handling"): the size parser took an unset variable
+  as unified but ``getCUDABlasLtWorkspace`` required it set true, so by default the Lt workspace
+  was separate, ``min(1024 KiB, cuBLAS size)``. Measured on an H200 under torch 2.11
+  (validation/fidelity-nvidia-h200-torch2.11.0.json): the first bf16 ``addmm`` with a bias asked
+  for its output, the 32 MiB cuBLAS workspace, then 1 MiB. Before 2.9 the Lt workspace was
+  taken and returned per call; not modelled (those versions get 2.9's rule).
 
-The map is thread-local and autograd runs CUDA backward on its own device thread, so forward
-and backward each get a workspace. Which GEMMs go through cuBLASLt is approximated: ``addmm``
-with a 1-D bias and ``_addmm_activation`` (Blas.cpp ``addmm_out_cuda_impl`` useLtInterface);
-this only matters with the unified workspace turned off.
+Every GEMM allocates its output (Blas.cpp ``addmm_out_cuda_impl``: ``resize_output`` first)
+before it asks for the handle, so the workspace comes after the op's own allocations. The map
+is thread-local and autograd runs CUDA backward on its own device thread, so forward and
+backward each get a workspace. Which GEMMs go through cuBLASLt is approximated: ``addmm`` with
+a 1-D bias and ``_addmm_activation`` (Blas.cpp ``addmm_out_cuda_impl`` useLtInterface); this
+only matters where the Lt workspace is separate.
 """
 
 from __future__ import annotations
@@ -28,6 +39,9 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from oomkit.prediction.tracing._torch_version import torch_minor
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -66,6 +80,9 @@ _SMALL_DEFAULT_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 _LARGE_DEFAULT_MAJORS = frozenset({9, 10, 12})
 # parseCUDABlasLtWorkspaceSize: 1024 KiB when not unified (#73328).
 _LT_DEFAULT_KIB = 1024
+# pytorch#175879 (merged 2026-03-02, first in torch 2.12): an unset TORCH_CUBLASLT_UNIFIED_WORKSPACE
+# unifies the workspaces; before it, only a true value did.
+_UNIFIED_BY_DEFAULT_FROM = (2, 12)
 _STATE_KEY = "cublas_workspaces"
 
 
@@ -91,24 +108,48 @@ def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = Non
     return sum(int(size_kib) * 1024 * int(count) for size_kib, count in pairs)
 
 
-def cublaslt_unified(environ: Mapping[str, str] | None = None) -> bool:
-    """``unified_cublas_and_lt_workspaces()``: unset or a true value means unified."""
+def _unified_by_default(torch_version: str | None) -> bool:
+    version = torch_minor(torch_version) if torch_version is not None else None
+    return version is None or version >= _UNIFIED_BY_DEFAULT_FROM
+
+
+def _set_true(value: str) -> bool:
+    # c10::utils::check_env: "1"/"ON"/"YES"/"TRUE"/"Y" true, "0"/"OFF"/... false.
+    return value.strip().upper() not in {"0", "OFF", "NO", "FALSE", "N"}
+
+
+def cublaslt_unified(
+    environ: Mapping[str, str] | None = None, torch_version: str | None = None
+) -> bool:
+    """Whether cuBLASLt runs in the cuBLAS workspace (``getCUDABlasLtWorkspace``).
+
+    Args:
+        environ: where ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is read; default ``os.environ``.
+        torch_version: the torch that runs (``None``: the newest rule). Unset means unified
+            from torch 2.12, separate before.
+    """
     env = os.environ if environ is None else environ
     value = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
-    # c10::utils::check_env: "1"/"ON"/"YES"/"TRUE"/"Y" true, "0"/"OFF"/... false.
-    return value is None or value.strip().upper() not in {"0", "OFF", "NO", "FALSE", "N"}
+    if value is None:
+        return _unified_by_default(torch_version)
+    return _set_true(value)
 
 
-def cublaslt_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = None) -> int:
+def cublaslt_workspace_bytes(
+    gpu: GpuSpec, environ: Mapping[str, str] | None = None, torch_version: str | None = None
+) -> int:
     """``getCUDABlasLtWorkspaceSize()``: the cuBLASLt workspace when it is not unified.
 
-    ``CUBLASLT_WORKSPACE_SIZE`` in KiB (default 1024, or the cuBLAS size in KiB when unified);
-    when unified it is capped at the cuBLAS workspace size.
+    ``CUBLASLT_WORKSPACE_SIZE`` in KiB (default 1024, or from torch 2.12 the cuBLAS size in KiB
+    when unified); capped at the cuBLAS workspace size when the size parser takes the variable
+    as unified (unset or true: every torch with persistent Lt workspaces, 2.9 on).
     """
     env = os.environ if environ is None else environ
     cublas = cublas_workspace_bytes(gpu, env)
-    unified = cublaslt_unified(env)
-    size_kib = cublas // 1024 if unified else _LT_DEFAULT_KIB
+    # The size parser reads an unset variable as unified in every version modelled.
+    value = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    capped = value is None or _set_true(value)
+    size_kib = cublas // 1024 if cublaslt_unified(env, torch_version) else _LT_DEFAULT_KIB
     raw = env.get("CUBLASLT_WORKSPACE_SIZE")
     if raw is not None:
         try:
@@ -116,20 +157,29 @@ def cublaslt_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = N
         except ValueError:
             pass  # PyTorch warns "invalid CUBLASLT_WORKSPACE_SIZE" and keeps the default
     size = size_kib * 1024
-    return min(size, cublas) if unified else size
+    return min(size, cublas) if capped else size
 
 
-def register_cublas(registry: EmulationRegistry, environ: Mapping[str, str] | None = None) -> None:
+def register_cublas(
+    registry: EmulationRegistry,
+    environ: Mapping[str, str] | None = None,
+    *,
+    torch_version: str | None = None,
+) -> None:
     """Add a workspace hook for every op in ``CUBLAS_OPS`` to ``registry``.
 
     Args:
         registry: where to register.
         environ: environment read when the first GEMM runs; default ``os.environ`` (read then).
+        torch_version: the torch whose rules apply (the target's); ``None``: this install's.
     """
 
     def hook(ctx: EmulationContext) -> Any:
-        _ensure_workspace(ctx, environ)
-        return ctx.run()
+        # Blas.cpp: the output is allocated (resize_output) before the GEMM asks for a handle.
+        out = ctx.run()
+        ctx.record_outputs(out)
+        _ensure_workspace(ctx, environ, torch_version=torch_version)
+        return out
 
     for op_name in CUBLAS_OPS:
         registry.register(op_name)(hook)
@@ -153,7 +203,10 @@ def ensure_cublas_workspace(ctx: EmulationContext, stream: int = 0) -> None:
 
 
 def _ensure_workspace(
-    ctx: EmulationContext, environ: Mapping[str, str] | None, stream: int = 0
+    ctx: EmulationContext,
+    environ: Mapping[str, str] | None,
+    stream: int = 0,
+    torch_version: str | None = None,
 ) -> None:
     leaves = [a for a in ctx.args if hasattr(a, "device")]
     if not leaves or any(not stands_for_cuda(a) for a in leaves):
@@ -162,15 +215,20 @@ def _ensure_workspace(
     env = os.environ if environ is None else environ
     # Autograd's device thread runs CUDA backward; everything else runs on the caller's thread.
     thread = "autograd" if ctx.phase == "backward" else "main"
-    lt_separate = _uses_lt(ctx) and not cublaslt_unified(env)
-    key = (thread, stream, "cublaslt" if lt_separate else "cublas")
+    # The Lt handle is the cuBLAS handle: its getter sets the cuBLAS workspace first.
+    version = torch.__version__ if torch_version is None else torch_version
+    kinds = ["cublas"]
+    if _uses_lt(ctx) and not cublaslt_unified(env, version):
+        kinds.append("cublaslt")
     seen: set[tuple[str, int, str]] = ctx.state.setdefault(_STATE_KEY, set())
-    if key in seen:
-        return
-    seen.add(key)
-    if lt_separate:
-        size, what = cublaslt_workspace_bytes(ctx.gpu, env), "cublaslt_workspace"
-    else:
-        size, what = cublas_workspace_bytes(ctx.gpu, env), "cublas_workspace"
-    if size > 0:  # CUDACachingAllocator::allocate(0) returns an empty DataPtr
-        ctx.allocate(size, "workspace", what)
+    for kind in kinds:
+        key = (thread, stream, kind)
+        if key in seen:
+            continue
+        seen.add(key)
+        if kind == "cublas":
+            size = cublas_workspace_bytes(ctx.gpu, env)
+        else:
+            size = cublaslt_workspace_bytes(ctx.gpu, env, version)
+        if size > 0:  # CUDACachingAllocator::allocate(0) returns an empty DataPtr
+            ctx.allocate(size, "workspace", f"{kind}_workspace")

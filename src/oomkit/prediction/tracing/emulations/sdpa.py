@@ -329,11 +329,24 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _flash_backward(ctx: EmulationContext) -> Any:
-    """flash_api.cpp mha_bwd: softmax_d, dq_accum and, for grouped-query attention, dk/dv
-    expanded to the query's heads; all freed when the op returns."""
-    query, key = ctx.args[1], ctx.args[2]
+    """attention_backward.cu ``_flash_attention_backward``: contiguous copies of grad_out and out
+    in the kernel's [b, s, h, d] layout where they are not, then flash_api.cpp mha_bwd's
+    softmax_d, dq_accum and, for grouped-query attention, dk/dv expanded to the query's heads;
+    all freed when the op returns."""
+    grad_out, query, key, out_saved = ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[4]
     if not stands_for_cuda(query):
         return ctx.run()
+    # _scaled_dot_product_flash_attention_backward_cuda passes grad_out.transpose(1, 2) and
+    # out.transpose(1, 2); _flash_attention_backward then takes contiguous_grad_out =
+    # grad_out.contiguous() and contiguous_out = out.contiguous() ("CUDA code assumes that dout
+    # is contiguous"): a copy each when the [b, h, s, d] tensor is not [b, s, h, d] in memory
+    # (measured on an H200: two query-sized requests before dq for [b, h, s, d]-contiguous
+    # inputs; none when they are projections' outputs transposed, as in most models).
+    copies = [
+        ctx.allocate(tensor.numel() * tensor.element_size(), "temporary", name)
+        for tensor, name in ((grad_out, "flash_grad_out"), (out_saved, "flash_out"))
+        if isinstance(tensor, torch.Tensor) and not tensor.transpose(1, 2).is_contiguous()
+    ]
     batch, heads, seq_q, head_dim = query.shape  # (B, H, L, D) as the aten op receives them
     heads_k, seq_k = key.shape[1], key.shape[2]
     fp32 = 4
@@ -357,8 +370,8 @@ def _flash_backward(ctx: EmulationContext) -> Any:
         expanded = batch * seq_k * heads * head_dim * query.element_size()
         ids.append(ctx.allocate(expanded, "workspace", "flash_dk_expanded"))
         ids.append(ctx.allocate(expanded, "workspace", "flash_dv_expanded"))
-    # Locals die in reverse order when mha_bwd returns.
-    for alloc_id in reversed(ids):
+    # Locals die in reverse order when mha_bwd returns, then _flash_attention_backward's.
+    for alloc_id in [*reversed(ids), *reversed(copies)]:
         ctx.free(alloc_id)
     return out
 
