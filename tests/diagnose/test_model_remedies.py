@@ -261,15 +261,17 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved, m
 
 
 def test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits():
-    """On 4 GiB the FSDP search bisects to 32 ranks: rank 0 of 16 does not fit, of 32 does, with
-    NCCL's buffers taken from each rank's usable memory; the saving is the re-predicted drop."""
+    """A step whose optimizer state outweighs its activations (batch 1, seq 64) on 2.45 GiB: the
+    FSDP search bisects to 32 ranks (rank 0 of 16 does not fit, of 32 does), with NCCL's fixed
+    costs and buffers taken from each rank's usable memory; the saving is the re-predicted drop."""
+    from oomkit.core.gpus.nccl import COMMUNICATOR_FIXED_BYTES, PROCESS_FIXED_BYTES
     from oomkit.diagnose.remedy_measurement import FSDP_SIZES, _measured_fsdp, repredict
     from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.workload import WorkloadSpec
 
-    workload = WorkloadSpec(kind="preset", name="gpt2-124m", batch_size=8, seq_len=256, steps=2)
-    options = build_preset_step("gpt2-124m", StepOptions(**OPTIONS)).options
-    target = Target.resolve("4GiB")
+    workload = WorkloadSpec(kind="preset", name="gpt2-124m", batch_size=1, seq_len=64, steps=2)
+    options = build_preset_step("gpt2-124m", StepOptions(batch_size=1, seq_len=64)).options
+    target = Target.resolve("2.45GiB")
     tried = {}
 
     def again(opts, layout):
@@ -283,8 +285,10 @@ def test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits():
     assert sorted(k for k in tried if k is not None) == [8, 16, 32]
     assert not tried[16].fits and tried[32].fits
     assert remedy.saving_bytes == one.required_bytes - tried[32].required_bytes
-    # each rank holds NCCL's ring (384 MiB) and NVLS (256 MiB) buffers beside the CUDA context
-    assert tried[32].usable_bytes == 4 * GiB - target.context_overhead_bytes - 640 * MiB
+    # each rank holds NCCL's fixed costs, ring (384 MiB) and NVLS (256 MiB) buffers beside the
+    # CUDA context
+    nccl = PROCESS_FIXED_BYTES + COMMUNICATOR_FIXED_BYTES + 640 * MiB
+    assert tried[32].usable_bytes == target.gpu.total_memory_bytes - target.context_overhead_bytes - nccl
 
 
 def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved, monkeypatch):

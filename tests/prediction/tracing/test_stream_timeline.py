@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from oomkit.core.gpus.nccl import COMMUNICATOR_FIXED_BYTES, PROCESS_FIXED_BYTES
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.tracing.distributed import trace_distributed_step
@@ -160,14 +161,16 @@ def test_an_upper_end_above_the_usable_bytes_says_the_allocator_synchronizes(
 
 
 def test_nccl_lines_come_off_the_usable_bytes(new_torch: tuple[TraceRecording, Prediction]) -> None:
-    """FSDP 2 on an H100: 384 MiB of ring buffers and 64 MiB of NVLS, each a line with a source."""
+    """FSDP 2 on an H100: NCCL's fixed costs (one process, one communicator), 384 MiB of ring
+    buffers and 64 MiB of NVLS, each a line with a source."""
     _, prediction = new_torch
     distributed = prediction.distributed
     assert distributed is not None
-    assert distributed.nccl_bytes == 384 * MIB + 16 * 2 * MIB * 2
+    fixed = PROCESS_FIXED_BYTES + COMMUNICATOR_FIXED_BYTES
+    assert distributed.nccl_bytes == fixed + 384 * MIB + 16 * 2 * MIB * 2
     assert prediction.usable_bytes == prediction.gpu.usable_bytes() - distributed.nccl_bytes
     assert [what for what, _, _ in distributed.outside_lines][0] == "CUDA context"
-    assert len(distributed.outside_lines) == 3
+    assert len(distributed.outside_lines) == 5
     assert "NCCL fsdp communicator" in str(prediction)
 
 

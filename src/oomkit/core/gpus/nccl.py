@@ -24,6 +24,17 @@ Per communicator of more than one rank, on this rank:
 Point-to-point buffers (send/recv, pipeline parallel) are connected only when send/recv runs, and
 NCCL 2.22+ connects each algorithm at its first use (``NCCL_RUNTIME_CONNECT=1``, src/init.cc), so
 a layout of FSDP / TP / DP collectives holds the ring (and, where chosen, NVLS) buffers.
+
+Beside the buffers, each communicator costs a fixed amount, and a process's first one more:
+measured on an H200 (NCCL 2.28.9, torch 2.11.0+cu130, CUDA 13.0;
+``scripts/validate_fidelity_on_gpu.py``, validation/fidelity-nvidia-h200-torch2.11.0.json probe
+``nccl-one-rank``: device memory outside the caching allocator before and after each
+communicator's first collective), a one-rank communicator, which connects no buffers, took
+585,105,408 bytes as the process's first and 406,847,488 and 408,944,640 bytes as the second and
+third. oomkit counts the mean of the further ones per communicator and the first one's excess
+once per process. It is measured for one rank only: that a communicator of more ranks costs the
+same beside its buffers is an assumption (NVIDIA/nccl#964 reports 544-688 MB per communicator of
+2-4 A100s with an older NCCL, buffers included).
 """
 
 from __future__ import annotations
@@ -34,7 +45,9 @@ from oomkit.core.gpus.spec import GpuSpec
 from oomkit.errors import ConfigError
 
 __all__ = [
+    "COMMUNICATOR_FIXED_BYTES",
     "NCCL_SOURCE",
+    "PROCESS_FIXED_BYTES",
     "NcclCommunicator",
     "NcclMemory",
     "NcclSettings",
@@ -55,6 +68,15 @@ LL_BUFFSIZE_BYTES = 8 * 512 * _NCCL_STEPS * 16
 LL128_BUFFSIZE_BYTES = 120 * 640 * _NCCL_STEPS * 8
 # src/init.cc DEFAULT_BUFFSIZE (1 << 22, "4MiB"); NCCL_BUFFSIZE overrides it (computeBuffSizes).
 SIMPLE_BUFFSIZE_BYTES = 1 << 22
+# validation/fidelity-nvidia-h200-torch2.11.0.json nccl-one-rank (NCCL 2.28.9): device memory the
+# second and third one-rank communicators added (406,847,488 and 408,944,640 bytes), averaged, and
+# what the process's first added beyond that (585,105,408 bytes in all).
+COMMUNICATOR_FIXED_BYTES = (406_847_488 + 408_944_640) // 2
+PROCESS_FIXED_BYTES = 585_105_408 - COMMUNICATOR_FIXED_BYTES
+_FIXED_SOURCE = (
+    "measured on an H200 with NCCL 2.28.9, one-rank communicators "
+    "(validation/fidelity-nvidia-h200-torch2.11.0.json nccl-one-rank)"
+)
 # src/include/comm.h: struct ncclSendMem / ncclRecvMem are padded to MEM_ALIGN (4096) bytes.
 _CONNECTION_HEADER_BYTES = 4096
 # src/include/comm.h CUDA_IPC_MIN: p2p.cc rounds each connection's buffer up to it.
@@ -218,9 +240,13 @@ def nccl_memory(
     low_latency = LL_BUFFSIZE_BYTES + LL128_BUFFSIZE_BYTES
     recv = _align(_CONNECTION_HEADER_BYTES + low_latency + (0 if read else simple), _IPC_ALIGN_BYTES)
     lines: list[tuple[str, int, str]] = []
-    for comm in communicators:
-        if comm.ranks < 2:
-            continue
+    connected = [comm for comm in communicators if comm.ranks >= 2]
+    if connected:
+        lines.append(("NCCL in this process (its first communicator's extra: device code, "
+                      "process-wide state)", PROCESS_FIXED_BYTES, _FIXED_SOURCE))
+    for comm in connected:
+        lines.append((f"NCCL {comm.name} communicator ({comm.ranks} ranks): fixed cost beside "
+                      "its buffers", COMMUNICATOR_FIXED_BYTES, _FIXED_SOURCE))
         ring = channels * (send + recv)
         lines.append((
             f"NCCL {comm.name} communicator ({comm.ranks} ranks): {channels} ring channels x "
@@ -262,9 +288,16 @@ def nccl_memory(
         "NCCL before 2.22 (NCCL_RUNTIME_CONNECT absent: torch 2.6 and older bundle 2.21) connects "
         "its tree channels at init as well: up to about the ring figure again per communicator"
     )
+    if connected:
+        notes.append(
+            "NCCL's fixed cost per communicator was measured with NCCL 2.28.9 on one-rank "
+            "communicators (an H200); other NCCL versions and communicators of more ranks may "
+            "differ; NCCL_RUNTIME_CONNECT=0 adds NET shared buffers (512 MiB on one rank with "
+            "2.28.9, NVIDIA/nccl#2363)"
+        )
     notes.append(
-        "not counted: NCCL's per-communicator bookkeeping (device communicator, work FIFO: "
-        "host memory by default) of a few MiB, and split communicators that share buffers "
+        "not counted: communicators the job makes beyond its mesh (the default process group's, "
+        "once a collective or barrier runs on it), and split communicators that share buffers "
         "(NCCL_COMM_SPLIT_SHARE_RESOURCES)"
     )
     return NcclMemory(sum(line[1] for line in lines), tuple(lines), tuple(notes))
