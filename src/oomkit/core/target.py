@@ -286,8 +286,9 @@ def _version_warnings(
         return ()
     return (
         f"predicting for torch {torch_version} with torch {installed} installed: the allocator's "
-        f"rules and the CUDA context (CUDA {build.cuda_version or 'unknown'}, {build.source}) "
-        f"are {torch_version}'s, but the step is recorded by the installed torch, so its "
+        f"rules, the cuBLAS workspaces and the CUDA context (CUDA "
+        f"{build.cuda_version or 'unknown'}, {build.source}) are {torch_version}'s, but the step "
+        "is recorded by the installed torch, so its "
         "operators, autograd formulas, autocast policy and attention-kernel choice are "
         f"{installed}'s and may differ; install torch {torch_version} to record with its own",
     )

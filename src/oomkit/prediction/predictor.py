@@ -218,7 +218,7 @@ class Prediction:
         return prediction_summary(self)
 
     def __repr__(self) -> str:
-        """``<Prediction: fits on RTX 4090: peak reserved 9.72 GiB of ...>``: the verdict; the
+        """``<Prediction: fits on RTX 4090: peak reserved 9.71 GiB of ...>``: the verdict; the
         fields are attributes, ``str()`` gives the summary."""
         return f"<Prediction: {verdict_line(self)}>"
 

@@ -25,16 +25,17 @@ def _x(dtype=torch.float32) -> torch.Tensor:
 
 
 def test_training_dropout_keeps_a_bool_mask():
-    """nn.Dropout(0.1) on fp32: output numel*4 and mask numel*1, the mask saved for backward."""
+    """nn.Dropout(0.1) on fp32: mask numel*1 then output numel*4 (Dropout.cu allocates the mask
+    first), the mask saved for backward."""
     with torch.device("meta"):
         drop = torch.nn.Dropout(0.1)
     recording = trace_step(lambda m, x: m(x).sum().backward(), drop, _x())
-    assert _allocs(recording, NATIVE_DROPOUT) == [NUMEL * 4, NUMEL * 1]
+    assert _allocs(recording, NATIVE_DROPOUT) == [NUMEL * 1, NUMEL * 4]
     mask = [
         e
         for e in recording.events
         if e.action == "alloc" and dict(e.tags).get("op") == NATIVE_DROPOUT
-    ][1]
+    ][0]
     assert dict(mask.tags)["saved_for_backward"] == "true"
     # meta's unfused path would have made an fp32 noise tensor with bernoulli_.
     assert _allocs(recording, "aten.bernoulli_.float") == []
@@ -44,7 +45,7 @@ def test_training_dropout_keeps_a_bool_mask():
 def test_bf16_dropout_mask_is_one_byte_per_element():
     """The mask does not follow the input's dtype: bf16 output numel*2, mask numel*1."""
     recording = trace_step(lambda x: F.dropout(x, 0.5).sum().backward(), _x(torch.bfloat16))
-    assert _allocs(recording, NATIVE_DROPOUT) == [NUMEL * 2, NUMEL]
+    assert _allocs(recording, NATIVE_DROPOUT) == [NUMEL, NUMEL * 2]
 
 
 @pytest.mark.parametrize(
@@ -80,7 +81,7 @@ def test_hf_gpt2_dropout_masks_are_one_byte_per_element():
     sizes = _allocs(recording, NATIVE_DROPOUT)
     hidden = 2 * 16 * 64
     # embd dropout, then per layer: attn resid dropout and mlp dropout; (output, mask) pairs.
-    assert sizes == [hidden * 4, hidden] * 5
+    assert sizes == [hidden, hidden * 4] * 5
     assert _allocs(recording, "aten.bernoulli_.float") == []
 
 
@@ -95,5 +96,5 @@ def test_dropout_nested_in_multihead_attention_is_fused():
 
     recording = trace_step(step, mha, x)
     scores = 2 * 4 * 16 * 16  # (B * heads, L, S) attention weights
-    assert _allocs(recording, NATIVE_DROPOUT) == [scores * 4, scores]
+    assert _allocs(recording, NATIVE_DROPOUT) == [scores, scores * 4]
     assert _allocs(recording, "aten.bernoulli_.float") == []

@@ -1,4 +1,5 @@
-"""Embedding backward's sort temporaries; cross-entropy as meta records it."""
+"""Embedding's flattened indices and backward's sort temporaries; cross-entropy as meta records
+it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,48 @@ def _embedding_step(embedding: torch.nn.Embedding, indices: torch.Tensor) -> Non
 def _embedding(**kwargs) -> torch.nn.Embedding:
     with torch.device("meta"):
         return torch.nn.Embedding(100, 16, **kwargs)
+
+
+EMB = "aten.embedding.default"
+
+
+def _forward_events(indices: torch.Tensor) -> list[tuple[str, int, str | None]]:
+    """The forward lookup's requests: allocations (with what made them) and completed frees."""
+
+    def step(embedding, indices):
+        with torch.no_grad():
+            embedding(indices)
+
+    recording = trace_step(step, _embedding(), indices)
+    return [(e.action, e.size, dict(e.tags).get("emulated") or dict(e.tags).get("op"))
+            if e.action == "alloc" else (e.action, e.size, None)
+            for e in recording.events[recording.step_starts[0]:]
+            if e.action in ("alloc", "free_completed")]
+
+
+def test_expanded_indices_are_copied_flat_before_the_lookup():
+    """Embedding.cpp: index_select(0, indices.reshape(-1)); an expanded [8, 128] index tensor
+    (BERT's token types) is copied (8 x 128 int64), the output allocated, then the copy freed,
+    as the H200 recorded."""
+    indices = torch.zeros(128, dtype=torch.long, device="meta").expand(8, 128)
+    assert _forward_events(indices) == [
+        ("alloc", 8 * 128 * 8, "embedding_indices"),
+        ("alloc", 8 * 128 * 16 * 4, EMB),
+        ("free_completed", 8 * 128 * 8, None),
+        ("free_completed", 8 * 128 * 16 * 4, None),
+    ]
+
+
+def test_indices_that_view_flat_are_not_copied():
+    """A contiguous [8, 128] index tensor, a 1-D one, and a transposed [128, 1] one (its size-1
+    dimension does not count) reshape to a view: the output alone."""
+    for indices in (
+        torch.zeros(8, 128, dtype=torch.long, device="meta"),
+        torch.zeros(1024, dtype=torch.long, device="meta"),
+        torch.zeros(1, 128, dtype=torch.long, device="meta").t(),
+    ):
+        allocs = [event for event in _forward_events(indices) if event[0] == "alloc"]
+        assert allocs == [("alloc", indices.numel() * 16 * 4, EMB)]
 
 
 def test_embedding_backward_small_batch_has_no_sort():

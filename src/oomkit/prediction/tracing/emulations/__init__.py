@@ -48,6 +48,7 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
     register_inplace_backward,
 )
 from oomkit.prediction.tracing.emulations.input_buffer import ACCUMULATE_OP, register_input_buffer
+from oomkit.prediction.tracing.emulations.scalars import register_scalars
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
     SdpaCall,
@@ -92,6 +93,7 @@ __all__ = [
     "register_embedding",
     "register_inplace_backward",
     "register_input_buffer",
+    "register_scalars",
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
@@ -130,6 +132,7 @@ def register_defaults(
     register_dropout(registry)
     register_inplace_backward(registry)
     register_input_buffer(registry)
+    register_scalars(registry)
     register_cudnn_workspace(registry, environ)
 
 

@@ -12,6 +12,11 @@ element) that is saved instead. This hook, run by the tracer's TorchFunctionMode
 In-place dropout (``inplace=True``, ``dropout_``) is not fused on CUDA either (``_dropout<true>``)
 and is recorded as meta runs it; so are the other dropout variants (``alpha_dropout``,
 ``feature_dropout``), which never take the fused kernel.
+
+``native_dropout`` itself allocates its mask before its output on CUDA (Dropout.cu
+``dropout_cuda``: ``mask = at::empty_like(self, ...bool)``, then ``ret = at::empty_like(self)``),
+while meta's kernel returns them the other way round; a second hook records them in CUDA's order
+(measured on an H200: GPT-2's dropouts asked for the 1-byte mask, then the output).
 """
 
 from __future__ import annotations
@@ -25,15 +30,27 @@ from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["DROPOUT_FUNCTION", "register_dropout"]
+__all__ = ["DROPOUT_FUNCTION", "NATIVE_DROPOUT_OP", "register_dropout"]
 
 DROPOUT_FUNCTION = "torch.nn.functional.dropout"
+NATIVE_DROPOUT_OP = "aten.native_dropout.default"
 _PARAMS = ("input", "p", "training", "inplace")
 
 
 def register_dropout(registry: EmulationRegistry) -> None:
-    """Add the ``F.dropout`` hook to ``registry``."""
+    """Add the ``F.dropout`` and ``native_dropout`` hooks to ``registry``."""
     registry.register(DROPOUT_FUNCTION)(_dropout)
+    registry.register(NATIVE_DROPOUT_OP)(_native_dropout)
+
+
+def _native_dropout(ctx: EmulationContext) -> Any:
+    """``native_dropout(input, p, train)``: the mask's storage, then the output's."""
+    out = ctx.run()
+    x = ctx.args[0] if ctx.args else None
+    if isinstance(x, torch.Tensor) and stands_for_cuda(x) and isinstance(out, tuple):
+        ctx.record_outputs(out[1])
+        ctx.record_outputs(out[0])
+    return out
 
 
 def _dropout(ctx: EmulationContext) -> Any:

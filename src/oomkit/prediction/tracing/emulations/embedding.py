@@ -1,4 +1,11 @@
-"""``embedding_dense_backward`` on CUDA: the sort path's index temporaries.
+"""``embedding`` on CUDA: the flattened indices forward, the sort path's index temporaries backward.
+
+aten/src/ATen/native/Embedding.cpp ``embedding_symint`` (forward): a 1-D index tensor is passed to
+``index_select`` as it is; any other is flattened first (``indices.reshape(-1)``), which copies
+it when it cannot be viewed flat (an expanded or transposed index tensor: BERT's
+``token_type_ids[:seq].expand(batch, seq)``), and the copy is freed when the op returns. Meta's
+kernel allocates the output alone. Measured on an H200: BERT's token-type lookup asked for the
+8-byte-per-index copy, then the output, then freed the copy.
 
 aten/src/ATen/native/cuda/Embedding.cu ``embedding_dense_backward_cuda``:
 
@@ -24,15 +31,40 @@ from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["EMBEDDING_BACKWARD_OP", "register_embedding"]
+__all__ = ["EMBEDDING_BACKWARD_OP", "EMBEDDING_OP", "register_embedding"]
+
+EMBEDDING_OP = "aten.embedding.default"
 
 # The path's limit (3,072 indices, Embedding.cu) is emulation_sites.py's, with its temporaries.
 EMBEDDING_BACKWARD_OP = SITE_PLANS[EMBEDDING_BACKWARD_SITE].op
 
 
 def register_embedding(registry: EmulationRegistry) -> None:
-    """Add the ``embedding_dense_backward`` hook to ``registry``."""
+    """Add the ``embedding`` and ``embedding_dense_backward`` hooks to ``registry``."""
+    registry.register(EMBEDDING_OP)(_embedding)
     registry.register(EMBEDDING_BACKWARD_OP)(_embedding_dense_backward)
+
+
+def _views_flat(tensor: Any) -> bool:
+    """Whether ``tensor.reshape(-1)`` is a view (no copy): every pair of neighbouring dimensions
+    of more than one element merges (the outer stride is the inner stride times its size)."""
+    if tensor.numel() == 0:
+        return True
+    dims = [(size, stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+            if size != 1]
+    return all(outer[1] == inner[1] * inner[0] for outer, inner in zip(dims, dims[1:], strict=False))
+
+
+def _embedding(ctx: EmulationContext) -> Any:
+    # Schema: (weight, indices, padding_idx, scale_grad_by_freq, sparse).
+    weight, indices = ctx.args[0], ctx.args[1]
+    if not stands_for_cuda(weight) or indices.dim() == 1 or _views_flat(indices):
+        return ctx.run()
+    flat = ctx.allocate(indices.numel() * indices.element_size(), "temporary", "embedding_indices")
+    out = ctx.run()
+    ctx.record_outputs(out)
+    ctx.free(flat)
+    return out
 
 
 def _embedding_dense_backward(ctx: EmulationContext) -> Any:

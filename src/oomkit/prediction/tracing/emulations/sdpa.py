@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from oomkit.prediction.tracing._modes import untraced
 from oomkit.prediction.tracing.autocast import emulated_autocast_dtype
 from oomkit.prediction.tracing.emulations.cudnn_builds import (
     cudnn_version_text,
@@ -56,7 +57,7 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     current_sdpa_settings,
     select_sdp_backend,
 )
-from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+from oomkit.prediction.tracing.fake_storages import mark_host, stands_for_cuda
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -65,6 +66,7 @@ __all__ = [
     "CUDNN_BACKWARD_OP",
     "CUDNN_FORWARD_OP",
     "EFFICIENT_BACKWARD_OP",
+    "EFFICIENT_FORWARD_OP",
     "FLASH_BACKWARD_OP",
     "SDPA_FUNCTION",
     "register_sdpa",
@@ -73,6 +75,7 @@ __all__ = [
 
 SDPA_FUNCTION = "torch.nn.functional.scaled_dot_product_attention"
 FLASH_BACKWARD_OP = "aten._scaled_dot_product_flash_attention_backward.default"
+EFFICIENT_FORWARD_OP = "aten._scaled_dot_product_efficient_attention.default"
 EFFICIENT_BACKWARD_OP = "aten._scaled_dot_product_efficient_attention_backward.default"
 CUDNN_FORWARD_OP = "aten._scaled_dot_product_cudnn_attention.default"
 CUDNN_BACKWARD_OP = "aten._scaled_dot_product_cudnn_attention_backward.default"
@@ -142,6 +145,7 @@ def register_sdpa(
 
     registry.register(SDPA_FUNCTION)(sdpa)
     registry.register(FLASH_BACKWARD_OP)(_flash_backward)
+    registry.register(EFFICIENT_FORWARD_OP)(_efficient_forward)
     registry.register(EFFICIENT_BACKWARD_OP)(_efficient_backward)
     registry.register(CUDNN_FORWARD_OP)(_cudnn_forward)
     registry.register(CUDNN_BACKWARD_OP)(cudnn_backward)
@@ -218,9 +222,10 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     if cast_to is not None:
         # autocast_mode.cpp: scaled_dot_product_attention is lower_precision_fp, so CUDA autocast
         # casts the floating inputs before the composite picks a backend (the math path below
-        # gets the same casts from the autocast emulation when it calls the function).
+        # gets the same casts from the autocast emulation when it calls the function), the last
+        # argument first, as tracing/autocast.py casts (GCC's order in WrapFunction_::call).
         cache: dict[int, torch.Tensor] = {}
-        q, k, v, mask = (_autocast(t, cast_to, cache) for t in (q, k, v, mask))
+        mask, v, k, q = (_autocast(t, cast_to, cache) for t in (mask, v, k, q))
     settings = _with_torch_switches(settings)
     backend = sdpa_backend_for(
         q,
@@ -374,6 +379,21 @@ def _flash_backward(ctx: EmulationContext) -> Any:
     for alloc_id in [*reversed(ids), *reversed(copies)]:
         ctx.free(alloc_id)
     return out
+
+
+def _efficient_forward(ctx: EmulationContext) -> Any:
+    """attention.cu ``_efficient_attention_forward``: philox seed and offset are host tensors
+    unless a CUDA graph is being captured (``device = in_capture_stream ? kCUDA : kCPU``), with
+    or without dropout; meta makes them on meta. The H200 recorded no request for them."""
+    out = ctx.run()
+    query = ctx.args[0] if ctx.args else None
+    if not (isinstance(query, torch.Tensor) and stands_for_cuda(query) and len(out) == 4):
+        return out
+    with untraced():  # host memory: not a device allocation
+        seed, offset = (torch.empty((), dtype=t.dtype, device="cpu") for t in out[2:])
+    mark_host(seed)  # on a fake process group every tensor's fake device is the host's
+    mark_host(offset)
+    return (out[0], out[1], seed, offset)
 
 
 def _efficient_backward(ctx: EmulationContext) -> Any:
