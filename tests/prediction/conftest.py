@@ -1,7 +1,8 @@
 """Tests of the prediction layer. This folder holds ``_tiny_hf`` (tiny transformers configs),
 which the tests in models/ and tracing/ import: pytest's default ``prepend`` import mode puts a
 conftest's folder on ``sys.path`` before it collects the tests below it. ``rows_module`` gives the tests of
-``benchmarks/torchtitan_rows.py`` that script as a module."""
+``benchmarks/torchtitan_rows.py`` that script as a module, ``validation_script``
+``scripts/validate_on_gpu.py``."""
 
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +22,14 @@ def rows_module():
     finally:
         sys.path.remove(str(_BENCHMARKS))
     return torchtitan_rows
+
+
+@pytest.fixture(scope="module")
+def validation_script():
+    """``scripts/validate_on_gpu.py`` imported as a module (its runs and predictions)."""
+    sys.path.insert(0, str(_SCRIPTS))
+    try:
+        import validate_on_gpu
+    finally:
+        sys.path.remove(str(_SCRIPTS))
+    return validate_on_gpu

@@ -18,7 +18,6 @@ built model) does not see.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,17 +35,6 @@ RESERVED_BOUNDS = {
     # lm_head weight's cached segment (-2.80%).
     "gpt2-124m-b4-seq512-fp32-adamw-inference": (0.029, 0.001),
 }
-
-
-@pytest.fixture(scope="module")
-def validation_script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import validate_on_gpu
-
-        yield validate_on_gpu
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
 
 
 @pytest.mark.parametrize("as_measured", [False, True], ids=["preset", "as-run"])

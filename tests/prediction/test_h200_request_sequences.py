@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,17 +36,6 @@ FIRST_DIFFERENCE = {
     # The MLM head's bias gradient: 6 MiB of staging, 24 bytes of semaphores.
     "bert-base-b8-seq128-fp32-adamw-train": (562, [6_291_456, 24, -24, -6_291_456]),
 }
-
-
-@pytest.fixture(scope="module")
-def validation_script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import validate_on_gpu
-
-        yield validate_on_gpu
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
 
 
 def _recorded(label: str, validation_script) -> list[int]:
