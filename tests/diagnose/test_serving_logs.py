@@ -109,6 +109,30 @@ def test_other_text_is_not_a_serving_log():
     assert not is_serving_log(text) and diagnose_serving_log(text) is None
 
 
+_PYTORCH_OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
+
+
+def test_a_pytorch_oom_that_only_mentions_an_engine_is_left_to_the_oom_reader():
+    """A training log naming vLLM or SGLang in passing (a package list, a run name) holds no
+    engine line: its OOM is PyTorch's, explained from the OOM text (found by a generated log
+    line 'VLLM' in tests/robustness/test_oom_text_input.py)."""
+    for mention in ("VLLM", "pip install vllm==0.8.1 sglang", "run: sglang-baseline"):
+        assert diagnose_serving_log(f"{mention}\n{_PYTORCH_OOM}\n") is None
+
+
+def test_an_oom_raised_inside_the_engine_is_the_engines():
+    """The engine's modules in the traceback (or its logger) make the OOM a runtime OOM of that
+    engine, with its knobs, though no figure was logged."""
+    vllm = ('  File "/opt/venv/lib/python3.12/site-packages/vllm/worker/model_runner.py", line 9\n'
+            + _PYTORCH_OOM)
+    sglang = "[TP0] Scheduler hit an exception\n" + _PYTORCH_OOM
+    for text, engine, flag in ((vllm, "vllm", "--gpu-memory-utilization"),
+                               (sglang, "sglang", "--mem-fraction-static")):
+        d = diagnose_serving_log(text)
+        assert d is not None and (d.engine, d.failure) == (engine, "runtime_oom")
+        assert d.knobs[0].flag == flag
+
+
 def test_the_report_renders_the_failure_and_knobs():
     """reports/serving.py: the failure, its line and the knobs, and the same as JSON."""
     from rich.console import Console

@@ -65,6 +65,15 @@ _VLLM_MARKERS = re.compile(r"vllm|V1 LLM engine|gpu[_ ]memory[_ ]utilization|KV 
 _SGLANG_MARKERS = re.compile(r"sglang|mem[-_]fraction[-_]static|\[TP\d+\]|max_total_num_tokens|"
                              r"KV Cache is allocated|Memory pool end", re.IGNORECASE)
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
+# The engine's own lines (its logger, its modules in a traceback, its settings): what makes a
+# PyTorch OOM in the text the engine's, where no figure and no engine-specific failure says so.
+# A bare mention ("pip install vllm", a run named VLLM) does not.
+_ENGINE_AT_WORK = {
+    "vllm": re.compile(r"[/\\]vllm[/\\]|\bvllm\.|\bLLM engine\b|EngineCore|"
+                       r"gpu[_ ]memory[_ ]utilization|KV cache memory|cache blocks", re.IGNORECASE),
+    "sglang": re.compile(r"[/\\]sglang[/\\]|\bsglang\.|\[TP\d+\]|mem[-_]fraction[-_]static|"
+                         r"max_total_num_tokens|KV Cache is allocated|Memory pool end", re.IGNORECASE),
+}
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,8 @@ def diagnose_serving_log(text: str) -> ServingLogDiagnosis | None:
         failure, message, knobs, why = _vllm_failure(text, figures)
     else:
         failure, message, knobs, why = _sglang_failure(text)
+    if failure == "runtime_oom" and not figures and not _ENGINE_AT_WORK[engine].search(text):
+        return None  # a PyTorch OOM that only mentions the engine: explained as PyTorch's
     version = _VERSION.search(text)
     return ServingLogDiagnosis(
         engine=engine,
