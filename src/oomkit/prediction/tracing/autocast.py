@@ -317,8 +317,8 @@ class CudaAutocastEmulation:
         result = op(*cast_args, **cast_kwargs)
         release = tree_leaves((cast_args, cast_kwargs))
         del cast_args, cast_kwargs
-        while release:
-            release.pop(0)
+        for index in range(len(release)):  # first to last, each dropped as it is reached
+            release[index] = None
         return result
 
     def _kernel(self, name: str, op: Any, policy: CastPolicy) -> Callable[..., Any]:
