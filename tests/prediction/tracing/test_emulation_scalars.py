@@ -80,3 +80,30 @@ def test_the_assigned_values_are_what_python_assigns():
     recording = trace_step(step, x)
     assert x.dtype == torch.bfloat16 and x.shape == (2, 3)
     assert [e for e in _events(recording) if e[0] == "alloc"] == []
+
+
+def test_on_a_fake_process_group_the_assigned_number_is_host_memory():
+    """FSDP2's fake world: every tensor's fake device is the host's, so the hook's host number is
+    a fake tensor marked as host memory (fake_storages.mark_host); unmarked, copy_ would account
+    it as an 8-byte allocation first seen. labels[:, -1] = -100 records none."""
+    from torch.distributed.fsdp import fully_shard
+
+    from oomkit.prediction.tracing.distributed import trace_distributed_step
+
+    def build(mesh):
+        with torch.device("cpu"):
+            model = torch.nn.Linear(8, 8)
+            fully_shard(model, mesh=mesh)
+            labels = torch.zeros(4, 8, dtype=torch.long)
+
+        def step():
+            labels[:, -1] = -100
+            model(torch.randn(4, 8)).sum().backward()
+
+        return step, (model, labels)
+
+    recording = trace_distributed_step(build, world_size=2, steps=1)
+    allocs = [e for e in recording.events[recording.step_starts[0]:] if e.action == "alloc"]
+    # The step's first allocation is the input; nothing of 8 bytes (the number) anywhere.
+    assert dict(allocs[0].tags).get("op") == "aten.randn.default"
+    assert [e.size for e in allocs if e.size == 8] == []
