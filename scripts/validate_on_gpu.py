@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -214,13 +214,25 @@ def output_path(root: Path, gpu_name: str, torch_version: str) -> Path:
     return root / "validation" / f"{slug}-torch{version}.json"
 
 
+def measured_program(run: Run, steps: int) -> Callable[[], None]:
+    """What ``_measure`` runs on the GPU (and ``_predict(..., as_measured=True)`` records): the
+    preset built on ``cuda``, then ``steps`` steps."""
+
+    def program() -> None:
+        from oomkit.prediction.models import StepOptions, build_preset_step
+
+        built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
+        for _ in range(steps):
+            built.step_fn()
+
+    return program
+
+
 # --------------------------------------------------------------------------- GPU parts
 
 
 def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no cover - needs a GPU
     import torch
-
-    from oomkit.prediction.models import StepOptions, build_preset_step
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # create the context before measuring what it holds
@@ -230,9 +242,7 @@ def _measure(run: Run, steps: int, snapshot_path: Path) -> dict:  # pragma: no c
     torch.cuda.reset_peak_memory_stats()
     # Python frames only: C++ frames change no allocation and take minutes to symbolize.
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
-    for _ in range(steps):
-        built.step_fn()
+    measured_program(run, steps)()
     torch.cuda.synchronize()
     measured = {
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
@@ -271,12 +281,7 @@ def _predict(
     target = Target.resolve(gpu, torch_version=torch_version)
     with use_sdpa_settings(SdpaSettings(cudnn_version=cudnn_version)):
         if as_measured:
-            def whole_run() -> None:
-                built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
-                for _ in range(steps):
-                    built.step_fn()
-
-            p = predict(whole_run, target=target, steps=1, compile=run.compile)
+            p = predict(measured_program(run, steps), target=target, steps=1, compile=run.compile)
         else:
             built = build_preset_step(run.preset, StepOptions(**run.options()))
             p = predict(

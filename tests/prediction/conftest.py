@@ -4,6 +4,7 @@ conftest's folder on ``sys.path`` before it collects the tests below it. ``rows_
 ``benchmarks/torchtitan_rows.py`` that script as a module, ``validation_script``
 ``scripts/validate_on_gpu.py``."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -13,23 +14,22 @@ _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 _SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
+def _script_module(folder: Path, name: str):
+    """``folder/name.py`` imported as a module (its functions, not its CLI)."""
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
 @pytest.fixture(scope="module")
 def rows_module():
     """``benchmarks/torchtitan_rows.py`` imported as a module (its functions, not its CLI)."""
-    sys.path.insert(0, str(_BENCHMARKS))
-    try:
-        import torchtitan_rows
-    finally:
-        sys.path.remove(str(_BENCHMARKS))
-    return torchtitan_rows
+    return _script_module(_BENCHMARKS, "torchtitan_rows")
 
 
 @pytest.fixture(scope="module")
 def validation_script():
     """``scripts/validate_on_gpu.py`` imported as a module (its runs and predictions)."""
-    sys.path.insert(0, str(_SCRIPTS))
-    try:
-        import validate_on_gpu
-    finally:
-        sys.path.remove(str(_SCRIPTS))
-    return validate_on_gpu
+    return _script_module(_SCRIPTS, "validate_on_gpu")

@@ -72,7 +72,6 @@ def _without_trailing_frees(sequence: list[int]) -> list[int]:
 
 def _recorded(label: str, validation_script) -> list[int]:
     from oomkit.core.target import Target
-    from oomkit.prediction.models import StepOptions, build_preset_step
     from oomkit.prediction.tracing import trace_step
 
     run = next(r for r in validation_script.RUNS if r.label == label)
@@ -81,12 +80,8 @@ def _recorded(label: str, validation_script) -> list[int]:
         "h200", torch_version=RUNS["torch_version"], cudnn_version=record["cudnn_version"]
     )
 
-    def whole_run() -> None:  # what validate_on_gpu.py _measure ran
-        built = build_preset_step(run.preset, StepOptions(**run.options()), device="cuda")
-        for _ in range(RUNS["steps"]):
-            built.step_fn()
-
-    recording = trace_step(whole_run, target=target)
+    program = validation_script.measured_program(run, RUNS["steps"])
+    recording = trace_step(program, target=target)
     return [e.size if e.action == "alloc" else -e.size for e in recording.events
             if e.action in ("alloc", "free_completed")]
 

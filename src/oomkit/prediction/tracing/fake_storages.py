@@ -25,6 +25,7 @@ tensors, and fake tensors that are not host memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,9 +33,12 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from oomkit.prediction.tracing._modes import untraced
+
 __all__ = [
     "detach_saved",
     "fake_tensor_storage",
+    "host_tensor",
     "is_fake_or_wrapper",
     "mark_host",
     "stands_for_cuda",
@@ -56,6 +60,15 @@ def mark_host(tensor: torch.Tensor) -> None:
     """Record that the fake ``tensor``'s storage is host memory, not device memory."""
     if isinstance(tensor, FakeTensor):
         setattr(tensor.untyped_storage(), _HOST_ATTR, True)
+
+
+def host_tensor(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, a tensor CUDA would keep in host memory (``device="cpu"``), made unrecorded and,
+    on a fake process group, whose every tensor has the host's fake device, marked as host."""
+    with untraced():
+        tensor = make()
+    mark_host(tensor)
+    return tensor
 
 
 def stands_for_cuda(tensor: Any) -> bool:

@@ -34,6 +34,7 @@ only matters where the Lt workspace is separate.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -108,6 +109,7 @@ def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = Non
     return sum(int(size_kib) * 1024 * int(count) for size_kib, count in pairs)
 
 
+@functools.lru_cache(maxsize=8)  # asked per GEMM with a bias; a version string parses once
 def _unified_by_default(torch_version: str | None) -> bool:
     version = torch_minor(torch_version) if torch_version is not None else None
     return version is None or version >= _UNIFIED_BY_DEFAULT_FROM
@@ -175,10 +177,8 @@ def register_cublas(
     """
 
     def hook(ctx: EmulationContext) -> Any:
-        # Blas.cpp: the output is allocated (resize_output) before the GEMM asks for a handle.
         out = ctx.run()
-        ctx.record_outputs(out)
-        _ensure_workspace(ctx, environ, torch_version=torch_version)
+        _ensure_workspace(ctx, environ, torch_version=torch_version, outputs=out)
         return out
 
     for op_name in CUBLAS_OPS:
@@ -207,6 +207,7 @@ def _ensure_workspace(
     environ: Mapping[str, str] | None,
     stream: int = 0,
     torch_version: str | None = None,
+    outputs: Any = None,
 ) -> None:
     leaves = [a for a in ctx.args if hasattr(a, "device")]
     if not leaves or any(not stands_for_cuda(a) for a in leaves):
@@ -231,4 +232,9 @@ def _ensure_workspace(
         else:
             size = cublaslt_workspace_bytes(ctx.gpu, env, version)
         if size > 0:  # CUDACachingAllocator::allocate(0) returns an empty DataPtr
+            if outputs is not None:
+                # Blas.cpp: the output is allocated (resize_output) before the GEMM asks for a
+                # handle; recorded now only where a workspace follows it.
+                ctx.record_outputs(outputs)
+                outputs = None
             ctx.allocate(size, "workspace", f"{kind}_workspace")

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oomkit.prediction.tracing._modes import untraced
-from oomkit.prediction.tracing.fake_storages import mark_host, stands_for_cuda
+from oomkit.prediction.tracing.fake_storages import host_tensor, stands_for_cuda
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -89,7 +88,5 @@ def _setitem_number(ctx: EmulationContext) -> Any:
         and _basic(index)
     ):
         return ctx.run()
-    with untraced():  # host memory: not a device allocation
-        host = torch.scalar_tensor(value, dtype=target.dtype, device="cpu")
-    mark_host(host)  # on a fake process group every tensor's fake device is the host's
+    host = host_tensor(lambda: torch.scalar_tensor(value, dtype=target.dtype, device="cpu"))
     return ctx.func(target, index, host)

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from oomkit.prediction.tracing._modes import untraced
 from oomkit.prediction.tracing.autocast import emulated_autocast_dtype
 from oomkit.prediction.tracing.emulations.cudnn_builds import (
     cudnn_version_text,
@@ -57,7 +56,7 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     current_sdpa_settings,
     select_sdp_backend,
 )
-from oomkit.prediction.tracing.fake_storages import mark_host, stands_for_cuda
+from oomkit.prediction.tracing.fake_storages import host_tensor, stands_for_cuda
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -389,10 +388,8 @@ def _efficient_forward(ctx: EmulationContext) -> Any:
     query = ctx.args[0] if ctx.args else None
     if not (isinstance(query, torch.Tensor) and stands_for_cuda(query) and len(out) == 4):
         return out
-    with untraced():  # host memory: not a device allocation
-        seed, offset = (torch.empty((), dtype=t.dtype, device="cpu") for t in out[2:])
-    mark_host(seed)  # on a fake process group every tensor's fake device is the host's
-    mark_host(offset)
+    seed = host_tensor(lambda: torch.empty((), dtype=out[2].dtype, device="cpu"))
+    offset = host_tensor(lambda: torch.empty((), dtype=out[3].dtype, device="cpu"))
     return (out[0], out[1], seed, offset)
 
 
