@@ -18,6 +18,7 @@ from oomkit.plan.trace_interpolation import (
 )
 from oomkit.prediction.tracing.emulation_sites import (
     EMBEDDING_BACKWARD_SITE,
+    REDUCTION_SITE,
     SITE_PLANS,
     EmulationSite,
     embedding_backward_temporaries,
@@ -214,8 +215,11 @@ def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path(o
         b: record_step(build, "train step", b, target=target, steps=2, models=models)[0]
         for b in (1, 2, 4, 12)
     }
-    # Per step: the position embedding (1,024 indices whatever the batch), then the token one.
-    assert [s.params for s in traced[4].sites] == [(1024, 8, 0), (4096, 8, 0)] * 2
+    # Per step: the position embedding (1,024 indices whatever the batch), then the token one
+    # (contiguous indices and gradients: no copies); the rest are the bias gradients' sums.
+    embedding = [s.params for s in traced[4].sites if s.kind == EMBEDDING_BACKWARD_SITE]
+    assert embedding == [(1024, 8, 0, 0, 0), (4096, 8, 0, 0, 0)] * 2
+    assert {s.kind for s in traced[4].sites} == {EMBEDDING_BACKWARD_SITE, REDUCTION_SITE}
     emulated = [e for e in traced[4].events if e.tag("emulated", "").startswith("embedding_")]
     assert len(emulated) == 4 and {e.size for e in emulated} == {4096 * 8}
     assert not [e for e in traced[2].events if e.tag("emulated", "").startswith("embedding_")]

@@ -103,11 +103,16 @@ def _normalize(recording: Any) -> _Normalized:
         return plain
     dropped: set[int] = set()
     for site in sites:
-        names = SITE_PLANS[site.kind].names
-        index = site.anchor - 1
-        while index >= 0 and events[index].action == "alloc" and events[index].tag("emulated") in names:
+        plan = SITE_PLANS[site.kind]
+        step = 1 if plan.after_anchor else -1
+        index = site.anchor + step
+        while (
+            0 <= index < len(events)
+            and events[index].action == "alloc"
+            and events[index].tag("emulated") in plan.names
+        ):
             dropped.add(events[index].address)
-            index -= 1
+            index += step
     kept: list[int] = [i for i, e in enumerate(events) if e.address not in dropped]
     position = {old: new for new, old in enumerate(kept)}
     if any(site.anchor not in position for site in sites):
@@ -147,7 +152,8 @@ def _restore(
 ) -> tuple[tuple[TraceEvent, ...], tuple[int, ...], tuple[EmulationSite, ...], dict[str, int]]:
     """(events, step starts, sites, bytes per category) with ``sizes`` for the normalized
     events and, at each site, the temporaries its plan gives for ``params``: allocated just
-    before its anchor, freed just after it (last first), with the anchor's frames and stream
+    before its anchor (just after it with ``after_anchor``), freed just after it and them (last
+    first), with the anchor's frames and stream
     and its tags (the plan's category and op, an ``emulated`` tag); new ids from ``next_id``."""
     from oomkit.prediction.tracing.emulation_sites import SITE_PLANS, EmulationSite
 
@@ -177,7 +183,7 @@ def _restore(
                 new_trace_event(action, address, nbytes, anchor.stream, None, anchor.frames, free_tags)
                 for action in ("free_requested", "free_completed")
             ]
-        inserts[site.anchor] = (before, after)
+        inserts[site.anchor] = ([], before + after) if plan.after_anchor else (before, after)
     out: list[TraceEvent] = []
     moved: list[int] = []  # new index of each normalized event
     for index, (event, size) in enumerate(zip(events, sizes, strict=True)):

@@ -309,3 +309,19 @@ def test_kernel_compute_capability_is_the_gpus_own_or_an_h100s_for_a_custom_size
     assert get_gpu("t4").kernel_compute_capability == (7, 5)
     assert get_gpu("24GiB").compute_capability is None
     assert get_gpu("24GiB").kernel_compute_capability == DEFAULT_KERNEL_COMPUTE_CAPABILITY == (9, 0)
+
+
+def test_sm_counts_and_resident_threads_size_the_grids():
+    """Every catalog entry states its SMs with a source; the resident threads per SM follow the
+    compute capability (CUDA C++ Programming Guide); a plain size is sized as an H100 SXM."""
+    for spec in gpus.CATALOG:
+        assert spec.multiprocessor_count and spec.multiprocessor_count > 0
+        assert any(note.startswith("SMs: ") for note in spec.source_notes)
+    assert (get_gpu("h200").kernel_multiprocessor_count, get_gpu("h200").kernel_max_threads_per_multiprocessor) == (132, 2048)
+    assert (get_gpu("rtx4090").kernel_multiprocessor_count, get_gpu("rtx4090").kernel_max_threads_per_multiprocessor) == (128, 1536)
+    assert get_gpu("t4").kernel_max_threads_per_multiprocessor == 1024
+    custom = get_gpu("24GiB")
+    assert custom.multiprocessor_count is None
+    assert (custom.kernel_multiprocessor_count, custom.kernel_max_threads_per_multiprocessor) == (132, 2048)
+    with pytest.raises(GpuSpecError, match="multiprocessor_count must be positive"):
+        GpuSpec("bad", 24 * GiB, 512 * MiB, multiprocessor_count=0)

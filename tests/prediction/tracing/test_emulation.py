@@ -12,9 +12,13 @@ def test_default_registry_holds_the_builtin_emulations():
     """SDPA (forward, the efficient kernel's forward, 2 backwards, 2 cuDNN), 11 cuBLAS ops
     (float8's _scaled_mm among them), embedding (forward, backward), 2 batch norm, dropout (its
     function and native_dropout), 12 ops of backward formulas' in-place branches, the engine's
-    gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 2
-    convolution ops and 4 RNN functions."""
-    assert len(DEFAULT_EMULATIONS) == 44
+    gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
+    reductions (sum and mean, each with and without dims), 2 convolution ops and 4 RNN
+    functions."""
+    assert len(DEFAULT_EMULATIONS) == 48
+    assert {"aten.sum.default", "aten.sum.dim_IntList", "aten.mean.default", "aten.mean.dim"} <= set(
+        DEFAULT_EMULATIONS
+    )
     assert "aten.pow.Scalar" in DEFAULT_EMULATIONS
     assert "torch.Tensor.__setitem__" in DEFAULT_EMULATIONS
     assert "aten.add.Tensor" in DEFAULT_EMULATIONS

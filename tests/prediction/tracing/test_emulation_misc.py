@@ -71,10 +71,32 @@ def test_indices_that_view_flat_are_not_copied():
 
 
 def test_embedding_backward_small_batch_has_no_sort():
-    """3072 indices or fewer: grad_weight only (100 x 16 fp32), as meta records it."""
+    """3072 indices or fewer: grad_weight (100 x 16 fp32), after ``grad_.contiguous()``'s copy
+    of the gradient, which ``sum().backward()`` hands over expanded (stride 0)."""
     indices = torch.zeros(3072, dtype=torch.long, device="meta")
     recording = trace_step(_embedding_step, _embedding(), indices)
-    assert _allocs(recording, EMB_BWD) == [(100 * 16 * 4, None)]
+    assert _allocs(recording, EMB_BWD) == [
+        (3072 * 16 * 4, "embedding_grad_copy"),
+        (100 * 16 * 4, None),
+    ]
+
+
+def test_embedding_backward_copies_indices_that_are_not_contiguous():
+    """Embedding.cu ``indices_.contiguous()``: expanded token-type ids (BERT's) are copied, 8
+    bytes each, before the gradient's copy; both freed after grad_weight, last first."""
+    indices = torch.zeros(1, 256, dtype=torch.long, device="meta").expand(4, 256)
+    recording = trace_step(_embedding_step, _embedding(), indices)
+    assert _allocs(recording, EMB_BWD) == [
+        (1024 * 8, "embedding_indices_copy"),
+        (1024 * 16 * 4, "embedding_grad_copy"),
+        (100 * 16 * 4, None),
+    ]
+    copies = {e.address for e in recording.events
+              if e.action == "alloc" and dict(e.tags).get("emulated", "").endswith("_copy")
+              and dict(e.tags).get("op") == EMB_BWD}
+    freed = [e.size for e in recording.events
+             if e.action == "free_requested" and e.address in copies]
+    assert freed == [1024 * 16 * 4, 1024 * 8]
 
 
 def test_embedding_backward_sort_path_temporaries():
@@ -82,6 +104,7 @@ def test_embedding_backward_sort_path_temporaries():
     indices = torch.zeros(3073, dtype=torch.long, device="meta")
     recording = trace_step(_embedding_step, _embedding(), indices)
     assert _allocs(recording, EMB_BWD) == [
+        (3073 * 16 * 4, "embedding_grad_copy"),
         (3073 * 8, "embedding_sorted_indices"),
         (3073 * 8, "embedding_orig_indices"),
         (100 * 16 * 4, None),
@@ -99,6 +122,7 @@ def test_embedding_backward_scale_grad_by_freq_adds_count():
     indices = torch.zeros(10, dtype=torch.long, device="meta")
     recording = trace_step(_embedding_step, _embedding(scale_grad_by_freq=True), indices)
     assert [what for _, what in _allocs(recording, EMB_BWD)] == [
+        "embedding_grad_copy",
         "embedding_sorted_indices",
         "embedding_orig_indices",
         "embedding_count",

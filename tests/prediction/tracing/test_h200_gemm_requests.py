@@ -3,12 +3,13 @@
 ``validation/fidelity-nvidia-h200-torch2.11.0.json`` holds, for eight fp32 ``Linear(4096,
 4096)`` under bf16 autocast (``scripts/validate_fidelity_on_gpu.py``), every request the caching
 allocator saw. For a target that runs torch 2.11 (``Target.torch_version``), oomkit gives the
-same sequence up to the final ``sum``: autocast casts bias, weight, then input (GCC evaluates the
-wrapper's casts right to left) and frees uncached casts input first; each ``addmm`` allocates its
-output before the workspaces; the first takes the 32 MiB cuBLAS workspace, then (torch 2.9-2.11)
-a separate 1 MiB cuBLASLt one. The ``sum``'s multi-block reduction then asks for a staging
-buffer and semaphores (Reduce.cuh), which oomkit does not emulate: a few hundred bytes, freed at
-once.
+same sequence to the end: autocast casts bias, weight, then input (GCC evaluates the wrapper's
+casts right to left) and frees uncached casts input first; each ``addmm`` allocates its output
+before the workspaces; the first takes the 32 MiB cuBLAS workspace, then (torch 2.9-2.11) a
+separate 1 MiB cuBLASLt one; the final ``sum`` of 262,144 floats splits across thread blocks
+and asks for 128 bytes of staging and a 4-byte semaphore after its output (Reduce.cuh,
+``emulations/reductions.py``). Under ``no_grad`` the autocast cache's weight casts are freed
+when the region exits, in a hash map's order: those frees are compared as a set.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _request_sequences import frees_as_sets
 
 from oomkit.core.target import Target
 from oomkit.prediction import predict
@@ -50,11 +52,22 @@ def _recorded(context) -> list[list]:
             if e.action in ("alloc", "free_completed")]
 
 
+def _signed(events: list[list]) -> list[int]:
+    return [size if action == "alloc" else -size for action, size in events]
+
+
 @pytest.mark.parametrize("probe", sorted(_CONTEXTS))
-def test_requests_up_to_the_sum_match_the_h200(probe):
+def test_the_requests_match_the_h200_to_the_end(probe):
     measured = _PROBES[probe]["measured_events"]
-    until_sum = measured.index(["alloc", 4])  # the sum's fp32 output
-    assert _recorded(_CONTEXTS[probe])[:until_sum + 1] == measured[:until_sum + 1]
+    recorded = _recorded(_CONTEXTS[probe])
+    assert frees_as_sets(_signed(recorded)) == frees_as_sets(_signed(measured))
+    # the sum's output, then its staging and semaphore, freed at once
+    after_sum = measured.index(["alloc", 4])
+    assert recorded[after_sum:after_sum + 5] == [
+        ["alloc", 4], ["alloc", 128], ["alloc", 4], ["free_completed", 4], ["free_completed", 128]
+    ]
+    if probe == "inference-mode-autocast":  # no autocast cache: every free in the GPU's order
+        assert recorded == measured
 
 
 def test_a_target_without_a_torch_version_follows_this_install():

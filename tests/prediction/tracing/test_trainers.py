@@ -42,11 +42,13 @@ def lightning_unlogged() -> tuple[int, int, list[int]]:
 
 
 def test_lightning_fit_matches_the_plain_loop_plus_the_closures_scalars(plain, lightning_unlogged):
-    """Trainer.fit (bf16-mixed, clipping, no self.log) = the plain loop + two scalars."""
+    """Trainer.fit (bf16-mixed, clipping, no self.log) = the plain loop + one scalar."""
     unlogged, unlogged_reserved, steps = lightning_unlogged
-    # At its peak Trainer.fit holds the loss divided by accumulate_grad_batches and its
-    # detached clone (loops/optimization/automatic.py ClosureResult.from_training_step_output).
-    assert unlogged - plain[0] == 2 * SCALAR_BYTES
+    # Both peak in backward, at the LM head's bias gradient (its sum's 16 MiB of multi-block
+    # staging, emulations/reductions.py): the plain loop holds its loss there, Trainer.fit the
+    # loss divided by accumulate_grad_batches and its detached clone
+    # (loops/optimization/automatic.py ClosureResult.from_training_step_output).
+    assert unlogged - plain[0] == SCALAR_BYTES
     assert unlogged_reserved == plain[1]
     # Steps after the first carry the optimizer state: the run continues, it does not restart.
     assert steps[1] == steps[2] > steps[0]

@@ -19,7 +19,10 @@ AMD GPUs (MI300X) are not in the catalog: see ``lookup.NOT_MODELLED``.
 Outputs quoted from public GitHub files found by code search carry the quoted line; GitHub issue
 and pull request threads carry their address. Bandwidths are peak DRAM figures in GB/s from
 NVIDIA's product datasheets. Compute capabilities are NVIDIA's "CUDA GPUs" table and match the
-``major``/``minor`` in the quoted outputs.
+``major``/``minor`` in the quoted outputs. SM counts (``multi_processor_count``: reductions size
+their grids, and so their staging memory, by them) come from a quoted ``_CudaDeviceProperties``
+print or deviceQuery where one was found, else from NVIDIA's architecture whitepaper or
+datasheet (CUDA cores divided by the architecture's cores per SM, where only those are given).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def _gpu(
     architecture: Architecture,
     bandwidth_gb_per_s: float,
     bandwidth_note: str,
+    multiprocessor_count: int,
+    multiprocessor_note: str,
 ) -> GpuSpec:
     return GpuSpec(
         name=name,
@@ -50,11 +55,13 @@ def _gpu(
         compute_capability=compute_capability,
         architecture=architecture,
         memory_bandwidth_gb_per_s=bandwidth_gb_per_s,
+        multiprocessor_count=multiprocessor_count,
         total_memory_source=source,
         source_notes=(
             f"total memory ({source}): {memory_note}",
             context_overhead_note(architecture),
             f"bandwidth: {bandwidth_note}",
+            f"SMs: {multiprocessor_note}",
         ),
     )
 
@@ -74,6 +81,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Pascal",
         bandwidth_gb_per_s=732.0,
         bandwidth_note="NVIDIA Tesla P100 datasheet, 732 GB/s (16GB)",
+        multiprocessor_count=56,
+        multiprocessor_note="NVIDIA Tesla P100 whitepaper: 56 SMs",
     ),
     # --- Volta (sm_70) -------------------------------------------------------------------------
     _gpu(
@@ -89,6 +98,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Volta",
         bandwidth_gb_per_s=900.0,
         bandwidth_note="NVIDIA V100 datasheet, 900 GB/s (SXM2 and PCIe)",
+        multiprocessor_count=80,
+        multiprocessor_note="NVIDIA Tesla V100 (Volta) whitepaper: 80 SMs",
     ),
     _gpu(
         "V100 32GB",
@@ -103,6 +114,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Volta",
         bandwidth_gb_per_s=900.0,
         bandwidth_note="NVIDIA V100 datasheet, 900 GB/s (SXM2 and PCIe)",
+        multiprocessor_count=80,
+        multiprocessor_note="NVIDIA Tesla V100 (Volta) whitepaper: 80 SMs",
     ),
     # --- Turing (sm_75) ------------------------------------------------------------------------
     _gpu(
@@ -118,6 +131,9 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Turing",
         bandwidth_gb_per_s=320.0,
         bandwidth_note="NVIDIA T4 datasheet, 320 GB/s",
+        multiprocessor_count=40,
+        multiprocessor_note="_CudaDeviceProperties(name='Tesla T4', major=7, minor=5, total_memory=15109MB, "
+        "multi_processor_count=40) (Colab)",
     ),
     # --- Ampere (sm_80, sm_86) -----------------------------------------------------------------
     _gpu(
@@ -134,6 +150,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=1555.0,
         bandwidth_note="NVIDIA A100 datasheet, 1,555 GB/s (40GB)",
+        multiprocessor_count=108,
+        multiprocessor_note="NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs",
     ),
     _gpu(
         "A100 80GB PCIe",
@@ -146,6 +164,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=1935.0,
         bandwidth_note="NVIDIA A100 datasheet, 1,935 GB/s (80GB PCIe)",
+        multiprocessor_count=108,
+        multiprocessor_note="NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs",
     ),
     _gpu(
         "A100 80GB SXM",
@@ -166,6 +186,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=2039.0,
         bandwidth_note="NVIDIA A100 datasheet, 2,039 GB/s (80GB SXM)",
+        multiprocessor_count=108,
+        multiprocessor_note="NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs",
     ),
     _gpu(
         "A10G",
@@ -180,6 +202,9 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=600.0,
         bandwidth_note="AWS EC2 G5 documentation, 600 GB/s per A10G",
+        multiprocessor_count=80,
+        multiprocessor_note="_CudaDeviceProperties(name='NVIDIA A10G', major=8, minor=6, ..., "
+        "multi_processor_count=80) (torch +cu130, AWS)",
     ),
     _gpu(
         "A10",
@@ -194,6 +219,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=600.0,
         bandwidth_note="NVIDIA A10 datasheet, 600 GB/s",
+        multiprocessor_count=72,
+        multiprocessor_note="NVIDIA A10 datasheet: 9,216 CUDA cores, 128 per Ampere GA10x SM = 72 SMs",
     ),
     _gpu(
         "RTX 3080",
@@ -208,6 +235,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=760.0,
         bandwidth_note="NVIDIA GeForce RTX 3080 (10GB) specifications, 760 GB/s",
+        multiprocessor_count=68,
+        multiprocessor_note="NVIDIA Ampere GA102 whitepaper: GeForce RTX 3080, 68 SMs",
     ),
     _gpu(
         "RTX 3090",
@@ -222,6 +251,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=936.0,
         bandwidth_note="NVIDIA GeForce RTX 3090 specifications, 936 GB/s",
+        multiprocessor_count=82,
+        multiprocessor_note="NVIDIA Ampere GA102 whitepaper: GeForce RTX 3090, 82 SMs",
     ),
     _gpu(
         "RTX A6000",
@@ -234,6 +265,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=768.0,
         bandwidth_note="NVIDIA RTX A6000 datasheet, 768 GB/s",
+        multiprocessor_count=84,
+        multiprocessor_note="NVIDIA Ampere GA102 whitepaper: RTX A6000, 84 SMs",
     ),
     _gpu(
         "RTX 3060 12GB",
@@ -249,6 +282,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=360.0,
         bandwidth_note="derived: 15 Gbps GDDR6 x 192-bit / 8 (NVIDIA GeForce RTX 3060 specifications)",
+        multiprocessor_count=28,
+        multiprocessor_note="NVIDIA GeForce RTX 3060 specifications: 3,584 CUDA cores, 128 per SM = 28",
     ),
     _gpu(
         "A40",
@@ -263,6 +298,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ampere",
         bandwidth_gb_per_s=696.0,
         bandwidth_note="NVIDIA A40 datasheet, 696 GB/s",
+        multiprocessor_count=84,
+        multiprocessor_note="NVIDIA A40 datasheet: 10,752 CUDA cores, 128 per SM = 84 SMs",
     ),
     # --- Ada Lovelace (sm_89) ------------------------------------------------------------------
     _gpu(
@@ -276,6 +313,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=300.0,
         bandwidth_note="NVIDIA L4 datasheet, 300 GB/s",
+        multiprocessor_count=58,
+        multiprocessor_note="NVIDIA L4 datasheet: 7,424 CUDA cores, 128 per Ada SM = 58 SMs",
     ),
     _gpu(
         "RTX 4080",
@@ -289,6 +328,9 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=716.8,
         bandwidth_note="derived: 22.4 Gbps GDDR6X x 256-bit / 8 (NVIDIA RTX 4080 specifications)",
+        multiprocessor_count=76,
+        multiprocessor_note="NVIDIA Ada Lovelace architecture whitepaper: GeForce RTX 4080 (16GB), "
+        "76 SMs",
     ),
     _gpu(
         "RTX 4090",
@@ -303,6 +345,9 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=1008.0,
         bandwidth_note="NVIDIA Ada GPU architecture whitepaper, 1,008 GB/s",
+        multiprocessor_count=128,
+        multiprocessor_note="_CudaDeviceProperties(name='NVIDIA GeForce RTX 4090', major=8, minor=9, "
+        "total_memory=24563MB, multi_processor_count=128)",
     ),
     _gpu(
         "L40",
@@ -319,6 +364,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=864.0,
         bandwidth_note="NVIDIA L40 datasheet, 864 GB/s",
+        multiprocessor_count=142,
+        multiprocessor_note="NVIDIA L40 datasheet: 18,176 CUDA cores, 128 per Ada SM = 142 SMs",
     ),
     _gpu(
         "L40S",
@@ -333,6 +380,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=864.0,
         bandwidth_note="NVIDIA L40S datasheet, 864 GB/s",
+        multiprocessor_count=142,
+        multiprocessor_note="NVIDIA L40S datasheet: 18,176 CUDA cores, 128 per Ada SM = 142 SMs",
     ),
     _gpu(
         "RTX 6000 Ada",
@@ -347,6 +396,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Ada Lovelace",
         bandwidth_gb_per_s=960.0,
         bandwidth_note="NVIDIA RTX 6000 Ada datasheet, 960 GB/s",
+        multiprocessor_count=142,
+        multiprocessor_note="NVIDIA RTX 6000 Ada datasheet: 18,176 CUDA cores, 128 per SM = 142 SMs",
     ),
     # --- Hopper (sm_90) ------------------------------------------------------------------------
     _gpu(
@@ -361,6 +412,9 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=2000.0,
         bandwidth_note="NVIDIA H100 datasheet, 2 TB/s (PCIe)",
+        multiprocessor_count=114,
+        multiprocessor_note="_CudaDeviceProperties(name='NVIDIA H100 PCIe', ..., "
+        "multi_processor_count=114)",
     ),
     _gpu(
         "H100 SXM 80GB",
@@ -384,6 +438,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=3350.0,
         bandwidth_note="NVIDIA H100 datasheet, 3.35 TB/s (SXM)",
+        multiprocessor_count=132,
+        multiprocessor_note="NVIDIA H100 Tensor Core GPU architecture whitepaper: 132 SMs (SXM5)",
     ),
     _gpu(
         "H100 NVL",
@@ -400,6 +456,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=3900.0,
         bandwidth_note="NVIDIA H100 datasheet, 3.9 TB/s (H100 NVL)",
+        multiprocessor_count=132,
+        multiprocessor_note="NVIDIA H100 NVL: the SXM5 board's GH100 configuration, 132 SMs per GPU",
     ),
     _gpu(
         "H200",
@@ -413,6 +471,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=4800.0,
         bandwidth_note="NVIDIA H200 datasheet, 4.8 TB/s",
+        multiprocessor_count=132,
+        multiprocessor_note="_CudaDeviceProperties(name='NVIDIA H200', ..., multi_processor_count=132)",
     ),
     _gpu(
         "H200 NVL",
@@ -429,6 +489,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=4800.0,
         bandwidth_note="NVIDIA H200 datasheet, 4.8 TB/s (H200 NVL)",
+        multiprocessor_count=132,
+        multiprocessor_note="NVIDIA H200 NVL: the H200's GH100 configuration, 132 SMs",
     ),
     _gpu(
         "GH200 96GB",
@@ -443,6 +505,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Hopper",
         bandwidth_gb_per_s=4000.0,
         bandwidth_note="NVIDIA GH200 Grace Hopper Superchip datasheet, 4 TB/s (96GB HBM3)",
+        multiprocessor_count=132,
+        multiprocessor_note="NVIDIA Grace Hopper superchip whitepaper: the H100 GPU with 132 SMs",
     ),
     # --- Blackwell (sm_100) --------------------------------------------------------------------
     _gpu(
@@ -458,6 +522,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Blackwell",
         bandwidth_gb_per_s=8000.0,
         bandwidth_note="NVIDIA HGX B200 datasheet, 8 TB/s per GPU",
+        multiprocessor_count=148,
+        multiprocessor_note="_CudaDeviceProperties(name='NVIDIA B200', ..., multi_processor_count=148)",
     ),
     # --- Blackwell, GeForce (sm_120) -----------------------------------------------------------
     _gpu(
@@ -474,5 +540,7 @@ CATALOG: tuple[GpuSpec, ...] = (
         architecture="Blackwell",
         bandwidth_gb_per_s=1792.0,
         bandwidth_note="derived: 28 Gbps GDDR7 x 512-bit / 8 (NVIDIA GeForce RTX 5090 specifications)",
+        multiprocessor_count=170,
+        multiprocessor_note="NVIDIA RTX Blackwell GPU architecture whitepaper: GeForce RTX 5090, 170 SMs",
     ),
 )

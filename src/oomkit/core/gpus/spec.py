@@ -18,6 +18,7 @@ from oomkit.units import format_bytes
 
 __all__ = [
     "DEFAULT_KERNEL_COMPUTE_CAPABILITY",
+    "DEFAULT_KERNEL_MULTIPROCESSOR_COUNT",
     "Architecture",
     "GpuSpec",
     "GpuSpecError",
@@ -42,6 +43,17 @@ MemorySource = Literal["cudaDeviceProp", "cudaMemGetInfo", "derived"]
 # (compute capability 9.0, Hopper), the newest architecture most of the catalog's data-centre
 # entries share. Predictions on a custom size say so in their warnings.
 DEFAULT_KERNEL_COMPUTE_CAPABILITY = (9, 0)
+# ... and with an H100 SXM's 132 SMs (NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132
+# SMs on the SXM5 board), for kernels that size their grids by the SM count.
+DEFAULT_KERNEL_MULTIPROCESSOR_COUNT = 132
+
+# cudaDeviceProp.maxThreadsPerMultiProcessor by compute capability: the CUDA C++ Programming
+# Guide's "Technical Specifications per Compute Capability" table ("Maximum number of resident
+# threads per SM"); a major version's other minors take its x.0 figure.
+_MAX_THREADS_PER_MULTIPROCESSOR = {
+    (6, 0): 2048, (6, 1): 2048, (7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536,
+    (8, 7): 2048, (8, 9): 1536, (9, 0): 2048, (10, 0): 2048, (12, 0): 1536,
+}
 
 
 class GpuSpecError(OomkitError, ValueError):
@@ -65,6 +77,9 @@ class GpuSpec:
             of ``nvidia-smi`` used memory minus ``torch.cuda.memory_reserved()``).
         memory_bandwidth_gb_per_s: peak DRAM bandwidth from NVIDIA's datasheet, in GB/s
             (10**9 bytes per second); ``None`` where unknown.
+        multiprocessor_count: ``cudaDeviceProp.multiProcessorCount`` (torch's
+            ``multi_processor_count``): kernels that size their grids by it (multi-block
+            reductions' staging memory) ask for more on more SMs; ``None`` for a custom size.
         total_memory_source: how ``total_memory_bytes`` was obtained (see ``MemorySource``).
         source_notes: where every figure above comes from.
     """
@@ -76,6 +91,7 @@ class GpuSpec:
     compute_capability: tuple[int, int] | None = None
     architecture: Architecture | None = None
     memory_bandwidth_gb_per_s: float | None = None
+    multiprocessor_count: int | None = None
     total_memory_source: MemorySource | None = None
     source_notes: tuple[str, ...] = field(default=())
 
@@ -84,6 +100,11 @@ class GpuSpec:
             raise GpuSpecError(
                 f"{self.name}: total_memory_bytes must be positive; got "
                 f"{self.total_memory_bytes}. Pass the device's total memory, e.g. 24GiB."
+            )
+        if self.multiprocessor_count is not None and self.multiprocessor_count <= 0:
+            raise GpuSpecError(
+                f"{self.name}: multiprocessor_count must be positive; got "
+                f"{self.multiprocessor_count}. Pass the device's SM count or None."
             )
         if not 0 <= self.context_overhead_bytes < self.total_memory_bytes:
             raise GpuSpecError(
@@ -100,6 +121,19 @@ class GpuSpec:
         """The compute capability CUDA kernels are chosen for: this GPU's, or, for a custom
         size (no architecture), ``DEFAULT_KERNEL_COMPUTE_CAPABILITY`` (an H100's)."""
         return self.compute_capability or DEFAULT_KERNEL_COMPUTE_CAPABILITY
+
+    @property
+    def kernel_multiprocessor_count(self) -> int:
+        """The SM count kernels size their grids for: this GPU's, or, for a custom size,
+        ``DEFAULT_KERNEL_MULTIPROCESSOR_COUNT`` (an H100 SXM's, as the compute capability)."""
+        return self.multiprocessor_count or DEFAULT_KERNEL_MULTIPROCESSOR_COUNT
+
+    @property
+    def kernel_max_threads_per_multiprocessor(self) -> int:
+        """``cudaDeviceProp.maxThreadsPerMultiProcessor`` for ``kernel_compute_capability``."""
+        major, minor = self.kernel_compute_capability
+        table = _MAX_THREADS_PER_MULTIPROCESSOR
+        return table.get((major, minor)) or table.get((major, 0)) or 2048
 
     def usable_bytes(self, reserved_outside_bytes: int | None = None) -> int:
         """Bytes PyTorch's caching allocator can reserve at most on this device.

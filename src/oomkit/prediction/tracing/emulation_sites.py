@@ -11,6 +11,10 @@ for every kind, the temporaries of any such integers: the emulation allocates th
 it, and an interpolator that strips them from two recordings finds one structure on both sides
 of the size, and puts them back at any batch.
 
+A second kind: ``sum`` and ``mean`` (``emulations/reductions.py``), whose multi-block staging
+appears once the reduced extent is large enough and then grows with it, not affinely
+(``reduce_config.py``). Their temporaries come after the output (``SitePlan.after_anchor``).
+
 It needs no torch itself, but importing it imports ``oomkit.prediction.tracing``, which does:
 ``plan/trace_interpolation.py`` imports it only where a recording has sites.
 """
@@ -20,23 +24,41 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from oomkit.prediction.tracing.reduce_config import (
+    reduce_iteration,
+    reduce_staging,
+    split_for_32bit_indexing,
+)
+
 __all__ = [
     "EMBEDDING_BACKWARD_SITE",
     "EMBEDDING_SMALL_PATH_MAX_INDICES",
+    "REDUCTION_SITE",
     "SITE_PLANS",
     "EmulationSite",
     "SitePlan",
+    "ReductionSite",
     "embedding_backward_temporaries",
+    "reduction_temporaries",
 ]
 
 EMBEDDING_BACKWARD_SITE = "embedding_dense_backward"
+REDUCTION_SITE = "reduction"
 # Embedding.cu embedding_dense_backward_cuda: the direct (unsorted) kernel's limit.
 EMBEDDING_SMALL_PATH_MAX_INDICES = 3072
 # The `emulated` tags of the sort path's temporaries (one place: the plan's names are these).
-_SORTED_INDICES, _ORIG_INDICES, _COUNT = (
+_SORTED_INDICES, _ORIG_INDICES, _COUNT, _INDICES_COPY, _GRAD_COPY = (
     "embedding_sorted_indices",
     "embedding_orig_indices",
     "embedding_count",
+    "embedding_indices_copy",
+    "embedding_grad_copy",
+)
+_REDUCTION_CAST, _REDUCTION_ACCUMULATOR, _REDUCTION_STAGING, _REDUCTION_SEMAPHORES = (
+    "reduction_cast",
+    "reduction_accumulator",
+    "reduction_staging",
+    "reduction_semaphores",
 )
 
 
@@ -61,35 +83,162 @@ class SitePlan:
     """The temporaries of one kind of site.
 
     Attributes:
-        op: the aten overload (the ``op`` tag of the anchor and of the temporaries).
+        op: the aten overload the site's kernel is (a reduction's anchor may be ``sum`` or
+            ``mean``: the temporaries take the anchor's own ``op`` tag).
         category: the category of the temporaries.
         names: every ``emulated`` tag its temporaries may carry.
         temporaries: params -> (``emulated`` tag, bytes) of each temporary, in allocation
             order; empty on the path that allocates none.
+        after_anchor: the temporaries are allocated just after the anchor (and freed, last
+            first, right after them) rather than just before it.
     """
 
     op: str
     category: str
     names: frozenset[str]
     temporaries: Callable[[tuple[int, ...]], tuple[tuple[str, int], ...]]
+    after_anchor: bool = False
 
 
 def embedding_backward_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
-    """The sort path's temporaries of ``embedding_dense_backward_cuda`` (Embedding.cu).
+    """The temporaries of ``embedding_dense_backward_cuda`` (Embedding.cu), in allocation order.
 
-    ``params``: (number of indices, bytes per index, 1 with ``scale_grad_by_freq`` else 0).
-    ``num_indices <= 3072`` without ``scale_grad_by_freq``: one kernel accumulates straight into
-    ``grad_weight``, nothing else. Otherwise ``sorted_indices`` and ``orig_indices``
+    ``params``: (number of indices, bytes per index, 1 with ``scale_grad_by_freq`` else 0, and
+    optionally 1 when the indices are not contiguous else 0, and the bytes of ``grad`` when it
+    is not contiguous else 0). First ``indices_.contiguous()`` and ``grad_.contiguous()``,
+    copies only where the tensors are not contiguous (BERT's expanded token-type ids). Then,
+    ``num_indices <= 3072`` without ``scale_grad_by_freq``: one kernel accumulates straight
+    into ``grad_weight``, nothing else. Otherwise ``sorted_indices`` and ``orig_indices``
     (``empty_like(indices)`` each, filled by a cub radix sort) and, with
     ``scale_grad_by_freq``, ``count`` (``empty_like(indices)``).
     """
-    num_indices, index_bytes, scale_grad_by_freq = params
-    if num_indices <= EMBEDDING_SMALL_PATH_MAX_INDICES and not scale_grad_by_freq:
-        return ()
+    num_indices, index_bytes, scale_grad_by_freq = params[:3]
+    indices_copy, grad_copy_bytes = params[3:5] if len(params) >= 5 else (0, 0)
     nbytes = num_indices * index_bytes
-    out = [(_SORTED_INDICES, nbytes), (_ORIG_INDICES, nbytes)]
+    out: list[tuple[str, int]] = []
+    if indices_copy:
+        out.append((_INDICES_COPY, nbytes))
+    if grad_copy_bytes:
+        out.append((_GRAD_COPY, grad_copy_bytes))
+    if num_indices <= EMBEDDING_SMALL_PATH_MAX_INDICES and not scale_grad_by_freq:
+        return tuple(out)
+    out += [(_SORTED_INDICES, nbytes), (_ORIG_INDICES, nbytes)]
     if scale_grad_by_freq:
         out.append((_COUNT, nbytes))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ReductionSite:
+    """The integers a ``sum`` or ``mean`` call's temporaries depend on (a site's ``params``).
+
+    Attributes:
+        multiprocessor_count, max_threads_per_multiprocessor: the target's (grid sizing).
+        arg_bytes, scalar_bytes, output_bytes: ``sizeof`` the accumulator, the element the
+            kernel reads and the output's element.
+        cast_bytes: bytes per element of the input's copy in the kernel's dtype; 0: no copy.
+        accumulates_in_output: 0 when input and output are both half or both bfloat16
+            (``gpu_reduce_kernel``'s ``can_accumulate_in_output``), else 1.
+        offset_bytes: the read tensor's first element's offset from its allocation.
+        reduced_mask: bit ``d`` set when dimension ``d`` is reduced; 0: every dimension.
+        sizes, strides: the read tensor's (strides in elements).
+    """
+
+    multiprocessor_count: int
+    max_threads_per_multiprocessor: int
+    arg_bytes: int
+    scalar_bytes: int
+    output_bytes: int
+    cast_bytes: int
+    accumulates_in_output: int
+    offset_bytes: int
+    reduced_mask: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def params(self) -> tuple[int, ...]:
+        head = (
+            self.multiprocessor_count, self.max_threads_per_multiprocessor, self.arg_bytes,
+            self.scalar_bytes, self.output_bytes, self.cast_bytes, self.accumulates_in_output,
+            self.offset_bytes, self.reduced_mask, len(self.sizes),
+        )
+        return (*head, *self.sizes, *self.strides)
+
+    @classmethod
+    def from_params(cls, params: tuple[int, ...]) -> ReductionSite:
+        sm, threads, arg, scalar, output, cast, accumulates, offset, mask, ndim = params[:10]
+        return cls(
+            multiprocessor_count=sm,
+            max_threads_per_multiprocessor=threads,
+            arg_bytes=arg,
+            scalar_bytes=scalar,
+            output_bytes=output,
+            cast_bytes=cast,
+            accumulates_in_output=accumulates,
+            offset_bytes=offset,
+            reduced_mask=mask,
+            sizes=tuple(params[10:10 + ndim]),
+            strides=tuple(params[10 + ndim:10 + 2 * ndim]),
+        )
+
+    def launches(self) -> tuple[tuple[int, int], ...]:
+        """(staging bytes, semaphore bytes) of each ``gpu_reduce_kernel`` launch, in order (one
+        per 32-bit sub-iteration; (0, 0) where a launch stages nothing)."""
+        reduced = [d for d in range(len(self.sizes)) if self.reduced_mask >> d & 1]
+        iteration = reduce_iteration(
+            self.sizes, self.strides, self.scalar_bytes, self.output_bytes, reduced,
+            self.offset_bytes,
+        )
+        return tuple(
+            (staging.global_memory_bytes, staging.semaphore_bytes)
+            for staging in (
+                reduce_staging(
+                    sub, self.arg_bytes, self.scalar_bytes,
+                    multiprocessor_count=self.multiprocessor_count,
+                    max_threads_per_multiprocessor=self.max_threads_per_multiprocessor,
+                )
+                for sub in split_for_32bit_indexing(iteration)
+            )
+        )
+
+    def accumulator_bytes(self) -> int:
+        """The ``AccumulationBuffer`` the sub-iterations share: only when the output cannot
+        accumulate and the iteration needs 64-bit indexing; the output's extent in ``arg_t``."""
+        if self.accumulates_in_output:
+            return 0
+        reduced = [d for d in range(len(self.sizes)) if self.reduced_mask >> d & 1]
+        iteration = reduce_iteration(
+            self.sizes, self.strides, self.scalar_bytes, self.output_bytes, reduced,
+            self.offset_bytes,
+        )
+        if iteration.can_use_32bit_indexing():
+            return 0
+        extent = max(
+            [self.output_bytes]
+            + [n * s for n, s in zip(iteration.shape, iteration.output_strides, strict=True)]
+        )
+        return extent // self.output_bytes * self.arg_bytes
+
+
+def reduction_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+    """A ``sum`` or ``mean`` call's temporaries (``ReductionSite.params``), in allocation order:
+    the input's copy in the kernel's dtype, the accumulation buffer, then each launch's staging
+    buffer and semaphores. Several launches (an input beyond 32-bit indexing) free each
+    launch's staging before the next one asks; a site's temporaries are held together, so the
+    emulation notes no site there."""
+    site = ReductionSite.from_params(params)
+    numel = 1
+    for size in site.sizes:
+        numel *= size
+    out: list[tuple[str, int]] = []
+    if site.cast_bytes:
+        out.append((_REDUCTION_CAST, numel * site.cast_bytes))
+    accumulator = site.accumulator_bytes()
+    if accumulator:
+        out.append((_REDUCTION_ACCUMULATOR, accumulator))
+    for staging, semaphores in site.launches():
+        if staging:
+            out.extend(((_REDUCTION_STAGING, staging), (_REDUCTION_SEMAPHORES, semaphores)))
     return tuple(out)
 
 
@@ -97,7 +246,16 @@ SITE_PLANS: Mapping[str, SitePlan] = {
     EMBEDDING_BACKWARD_SITE: SitePlan(
         op="aten.embedding_dense_backward.default",
         category="temporary",
-        names=frozenset({_SORTED_INDICES, _ORIG_INDICES, _COUNT}),
+        names=frozenset({_SORTED_INDICES, _ORIG_INDICES, _COUNT, _INDICES_COPY, _GRAD_COPY}),
         temporaries=embedding_backward_temporaries,
+    ),
+    REDUCTION_SITE: SitePlan(
+        op="aten.sum.dim_IntList",
+        category="temporary",
+        names=frozenset(
+            {_REDUCTION_CAST, _REDUCTION_ACCUMULATOR, _REDUCTION_STAGING, _REDUCTION_SEMAPHORES}
+        ),
+        temporaries=reduction_temporaries,
+        after_anchor=True,
     ),
 }

@@ -48,6 +48,7 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
     register_inplace_backward,
 )
 from oomkit.prediction.tracing.emulations.input_buffer import ACCUMULATE_OP, register_input_buffer
+from oomkit.prediction.tracing.emulations.reductions import REDUCTION_OPS, register_reductions
 from oomkit.prediction.tracing.emulations.scalars import register_scalars
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
@@ -70,6 +71,7 @@ __all__ = [
     "DEFAULT_WHEEL_CUDNN",
     "INPLACE_BRANCHES",
     "NOT_EMULATED_BRANCHES",
+    "REDUCTION_OPS",
     "CudnnBuild",
     "InPlaceBranch",
     "SdpBackend",
@@ -93,6 +95,7 @@ __all__ = [
     "register_embedding",
     "register_inplace_backward",
     "register_input_buffer",
+    "register_reductions",
     "register_scalars",
     "register_sdpa",
     "sdpa_backend_for",
@@ -133,6 +136,7 @@ def register_defaults(
     register_inplace_backward(registry)
     register_input_buffer(registry)
     register_scalars(registry)
+    register_reductions(registry)
     register_cudnn_workspace(registry, environ)
 
 

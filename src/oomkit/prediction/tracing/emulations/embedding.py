@@ -9,6 +9,9 @@ kernel allocates the output alone. Measured on an H200: BERT's token-type lookup
 
 aten/src/ATen/native/cuda/Embedding.cu ``embedding_dense_backward_cuda``:
 
+- first ``indices_.contiguous()`` and ``grad_.contiguous()``: copies where they are not
+  contiguous (BERT's expanded token-type ids: measured on an H200, 8 bytes per index asked
+  for before ``grad_weight``, freed after it);
 - ``num_indices <= 3072`` and not ``scale_grad_by_freq``: one kernel accumulates straight into
   ``grad_weight = at::zeros({num_weights, dim})``; nothing else is allocated (meta records the
   same output).
@@ -74,9 +77,16 @@ def _embedding_dense_backward(ctx: EmulationContext) -> Any:
     scale_grad_by_freq = bool(ctx.kwargs.get("scale_grad_by_freq", scale_grad_by_freq))
     if not stands_for_cuda(indices):
         return ctx.run()
+    grad = ctx.args[0]
     # The path and its temporaries, from the sizes (emulation_sites.py), noted as a site on
     # either path so that a batch search can synthesize the other one.
-    params = (indices.numel(), indices.element_size(), int(scale_grad_by_freq))
+    params = (
+        indices.numel(),
+        indices.element_size(),
+        int(scale_grad_by_freq),
+        int(not indices.is_contiguous()),
+        0 if grad.is_contiguous() else grad.numel() * grad.element_size(),
+    )
     plan = SITE_PLANS[EMBEDDING_BACKWARD_SITE]
     ids = [ctx.allocate(nbytes, "temporary", what) for what, nbytes in plan.temporaries(params)]
     # embedding_backward_cuda_kernel allocates grad_weight last, while the indices still live.

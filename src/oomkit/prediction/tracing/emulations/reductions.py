@@ -1,0 +1,188 @@
+"""``sum`` and ``mean`` on CUDA: the staging memory of a reduction split across thread blocks.
+
+aten/src/ATen/native/cuda/Reduce.cuh ``gpu_reduce_kernel``: when its launch configuration
+(``setReduceConfig``) splits each output's inputs across several blocks (``ctas_per_output >
+1``, a "global reduce"), the kernel asks the caching allocator for a staging buffer
+(``ReduceConfig::global_memory_size``) and one ``int`` semaphore per column of blocks
+(``semaphore_size``) after the output exists, and drops both when the kernel is queued
+(``semaphores`` first: C++ destroys locals in reverse order). A reduction too large for 32-bit
+indexing runs once per sub-iterator (``with_32bit_indexing``), each with its own configuration
+and staging; where the output cannot accumulate (bf16 or half in and out) those runs first share
+an ``AccumulationBuffer`` of the output's extent in ``arg_t``. Meta allocates the output alone.
+
+Which reductions ask for staging depends on the iteration geometry TensorIterator gives the
+kernel, ported in ``reduce_config.py``: the output is viewed with its reduced dimensions at stride 0
+(``review_reduce_result``), the dimensions are ordered fastest first with the reduced ones in
+front (``TensorIteratorBase::reorder_dimensions``), neighbours that can be merged are merged
+(``coalesce_dimensions``); then ``setReduceConfig`` as Reduce.cuh writes it, with the target's
+SM count and resident threads per SM. The typical case is a bias or norm weight gradient: a
+``[tokens, C]`` gradient summed over the tokens. Measured on an H200 (torch 2.11): GPT-2's
+``c_proj`` bias gradient, ``[2048, 768]`` fp32 summed over 2,048 tokens, asked for 12 MiB of
+staging and 24 bytes of semaphores; BERT's MLM head bias gradient ``[1024, 768]``, 6 MiB; a
+Llama's ``[512, 2048]`` norm weight gradient none (one block per output).
+
+``sum`` (``sum.default``, ``sum.dim_IntList``) and ``mean`` (``mean.default``, ``mean.dim``)
+are emulated (ReduceSumProdKernel.cu, ReduceMomentKernel.cu: ``gpu_reduce_kernel<scalar_t,
+out_t>`` with the default ``vt0 = input_vec_size = 4``; ``arg_t`` is float for half, bfloat16
+and float, double for double, int64 for integer sums). ``make_reduction_from_out_ty`` casts the
+input to the output's dtype first unless a half or bfloat16 input reduces into float: that copy
+is allocated before the staging and freed after it (``x.sum()`` of a bool mask copies it to
+int64). Other reductions (``amax``, ``max``, ``norm``, ``var``, ``any``...) reach the same kernel
+with other ``arg_t`` sizes and are not emulated: their staging, when they have one, is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from oomkit.prediction.tracing.emulation_sites import (
+    REDUCTION_SITE,
+    ReductionSite,
+    reduction_temporaries,
+)
+from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
+
+__all__ = ["REDUCTION_OPS", "register_reductions", "reduction_site"]
+
+REDUCTION_OPS = (
+    "aten.sum.default",
+    "aten.sum.dim_IntList",
+    "aten.mean.default",
+    "aten.mean.dim",
+)
+# arg_t of sum_functor and MeanOps (ReduceSumProdKernel.cu, ReduceMomentKernel.cu): float for
+# half, bfloat16 and float, double for double; an integer sum accumulates in its int64 output.
+_FLOATING_ARG_BYTES = {torch.float16: 4, torch.bfloat16: 4, torch.float32: 4, torch.float64: 8}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def register_reductions(registry: EmulationRegistry) -> None:
+    """Add the ``sum`` and ``mean`` hooks to ``registry``."""
+    for op in REDUCTION_OPS:
+        registry.register(op)(_reduction)
+
+
+def reduction_site(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    reduced: Sequence[int],
+    *,
+    multiprocessor_count: int,
+    max_threads_per_multiprocessor: int,
+) -> ReductionSite | None:
+    """What ``sum``/``mean`` of ``x`` over ``reduced`` (none: all) into ``out_dtype`` launches
+    on CUDA; ``None`` for a complex input (not emulated)."""
+    # make_reduction_from_out_ty (ReduceOpsUtils.h): the kernel reads the input in the output's
+    # dtype, except a half or bfloat16 input reduced into float (cast inside the kernel).
+    lowp_to_float = x.dtype in _LOW_PRECISION and out_dtype == torch.float32
+    in_dtype = x.dtype if lowp_to_float else out_dtype
+    if in_dtype.is_complex:
+        return None
+    arg_bytes = _FLOATING_ARG_BYTES.get(in_dtype, 8)
+    sizes, strides = tuple(x.shape), tuple(x.stride())
+    offset_bytes, cast_bytes = int(x.storage_offset()) * x.element_size(), 0
+    if in_dtype != x.dtype:
+        # make_reduction's self.to(in_dtype) (preserve_format): a copy with the input's strides
+        # where they tile memory densely, else contiguous.
+        cast_bytes, offset_bytes = in_dtype.itemsize, 0
+        if not _dense(sizes, strides):
+            strides = _contiguous_strides(sizes)
+    ndim = len(sizes)
+    mask = 0
+    for d in reduced:
+        mask |= 1 << (d % ndim if ndim else 0)
+    return ReductionSite(
+        multiprocessor_count=multiprocessor_count,
+        max_threads_per_multiprocessor=max_threads_per_multiprocessor,
+        arg_bytes=arg_bytes,
+        scalar_bytes=in_dtype.itemsize,
+        output_bytes=out_dtype.itemsize,
+        cast_bytes=cast_bytes,
+        accumulates_in_output=int(not (in_dtype == out_dtype and in_dtype in _LOW_PRECISION)),
+        offset_bytes=offset_bytes,
+        reduced_mask=mask if ndim else 0,
+        sizes=sizes,
+        strides=strides,
+    )
+
+
+def _reduced_dims(ctx: EmulationContext) -> list[int]:
+    if ctx.op_name.endswith(".default"):
+        return []
+    dims = ctx.args[1] if len(ctx.args) > 1 else ctx.kwargs.get("dim")
+    if dims is None:
+        return []
+    return [int(dims)] if isinstance(dims, int) else [int(d) for d in dims]
+
+
+def _reduction(ctx: EmulationContext) -> Any:
+    x = ctx.args[0] if ctx.args else None
+    if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
+        return ctx.run()  # sum_out / mean_out launch nothing for an empty input
+    out = ctx.run()
+    if not all(type(n) is int for n in (*x.shape, *x.stride(), x.storage_offset())):
+        return out  # symbolic sizes (a graph being traced, not run): no launch to size
+    assert ctx.gpu is not None
+    site = reduction_site(
+        x,
+        out.dtype,
+        _reduced_dims(ctx),
+        multiprocessor_count=ctx.gpu.kernel_multiprocessor_count,
+        max_threads_per_multiprocessor=ctx.gpu.kernel_max_threads_per_multiprocessor,
+    )
+    if site is None:
+        return out
+    # The structured kernel's output exists before the implementation casts or launches.
+    ctx.record_outputs(out)
+    launches = site.launches()
+    if len(launches) == 1:
+        ids = [ctx.allocate(n, "temporary", what) for what, n in reduction_temporaries(site.params())]
+        ctx.note_site(REDUCTION_SITE, site.params(), out)
+        for alloc_id in reversed(ids):  # semaphores, staging, accumulator, cast
+            ctx.free(alloc_id)
+        return out
+    # Several 32-bit launches: each frees its staging before the next asks (no site: a site's
+    # temporaries are held together).
+    numel = x.numel()
+    held = []
+    if site.cast_bytes:
+        held.append(ctx.allocate(numel * site.cast_bytes, "temporary", "reduction_cast"))
+    if site.accumulator_bytes():
+        held.append(
+            ctx.allocate(site.accumulator_bytes(), "temporary", "reduction_accumulator")
+        )
+    for staging, semaphores in launches:
+        if staging:
+            buffer = ctx.allocate(staging, "temporary", "reduction_staging")
+            flags = ctx.allocate(semaphores, "temporary", "reduction_semaphores")
+            ctx.free(flags)
+            ctx.free(buffer)
+    for alloc_id in reversed(held):
+        ctx.free(alloc_id)
+    return out
+
+
+def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    # TensorImpl::is_non_overlapping_and_dense: the dimensions, by stride, tile memory exactly.
+    expected = 1
+    for size, stride in sorted(
+        ((n, s) for n, s in zip(sizes, strides, strict=True) if n != 1), key=lambda d: d[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [0] * len(sizes), 1
+    for d in reversed(range(len(sizes))):
+        strides[d] = step
+        step *= max(sizes[d], 1)
+    return tuple(strides)

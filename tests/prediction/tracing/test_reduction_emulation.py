@@ -1,0 +1,105 @@
+"""``sum`` and ``mean`` as CUDA runs them (emulations/reductions.py): the output, then the staging
+buffer and semaphores of a reduction split across thread blocks, freed at once; the input's cast
+copy where the kernel reads another dtype; a site a batch search can synthesize."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
+from oomkit.plan.trace_interpolation import TraceInterpolator, _normalize, same_recording
+from oomkit.prediction.tracing import trace_step
+from oomkit.prediction.tracing.emulation_sites import REDUCTION_SITE
+
+torch = pytest.importorskip("torch")
+
+H200 = Target.resolve("h200")
+
+
+def _events(step, *inputs, target=H200):
+    recording = trace_step(step, torch.nn.Identity(), *inputs, target=target)
+    start = recording.step_starts[0]
+    return recording, [
+        (e.action, e.size, e.tag("emulated")) for e in recording.events[start:]
+        if e.action in ("alloc", "free_completed")
+    ]
+
+
+def _meta(*sizes, dtype=torch.float32):
+    return torch.empty(*sizes, device="meta", dtype=dtype)
+
+
+def test_a_bias_gradients_sum_stages_after_its_output_and_frees_at_once():
+    """GPT-2's c_proj bias gradient as the H200 ran it: 3,072 bytes of output, 12 MiB of
+    staging, 24 bytes of semaphores, semaphores freed first (C++ destroys them first)."""
+    _, events = _events(lambda model, g: g.sum(0), _meta(2048, 768))
+    assert events[:5] == [
+        ("alloc", 3072, None),
+        ("alloc", 12_582_912, "reduction_staging"),
+        ("alloc", 24, "reduction_semaphores"),
+        ("free_completed", 24, None),
+        ("free_completed", 12_582_912, None),
+    ]
+
+
+def test_mean_of_bf16_accumulates_in_float_and_a_small_reduction_stages_nothing():
+    _, events = _events(lambda model, g: g.mean(dim=0), _meta(2048, 768, dtype=torch.bfloat16))
+    assert [e[1] for e in events[:3]] == [1536, 12_582_912, 24]
+    _, events = _events(lambda model, g: g.sum(0), _meta(512, 2048))
+    assert [e for e in events if e[2]] == []  # one block per output: no staging
+
+
+def test_a_bool_mask_sum_copies_the_mask_to_int64_first():
+    """make_reduction_from_out_ty: a bool input summed into int64 is read as int64, a copy of
+    8 bytes per element made after the output and freed after the kernel."""
+    _, events = _events(lambda model, m: m.sum(), _meta(8, 128, dtype=torch.bool))
+    assert events[:3] == [
+        ("alloc", 8, None),
+        ("alloc", 8 * 1024, "reduction_cast"),
+        ("free_completed", 8 * 1024, None),
+    ]
+
+
+def test_a_sum_on_the_host_or_of_nothing_records_only_its_output():
+    _, events = _events(lambda model, g: g.sum(0) + g.cpu().sum(), _meta(2, 3))
+    assert not [e for e in events if e[2]]
+    _, events = _events(lambda model, g: g.sum(0), _meta(0, 768))
+    assert not [e for e in events if e[2]]
+
+
+def test_the_staging_follows_the_target_gpus_sms():
+    """RTX 4090: 128 SMs of 1,536 threads; a size given as bytes: an H100 SXM's 132 x 2,048."""
+    gradient = _meta(8192, 3072)
+    staging = {}
+    for name, target in (
+        ("rtx4090", Target.resolve("rtx4090")),
+        ("24GiB", Target(gpu=GpuSpec("24 GiB", 24 * 2**30, 2**29))),
+    ):
+        _, events = _events(lambda model, g: g.sum(0), gradient, target=target)
+        staging[name] = next(e[1] for e in events if e[2] == "reduction_staging")
+    assert staging == {"rtx4090": 4 * 3072 * 64 * 128, "24GiB": 4 * 3072 * 88 * 128}
+
+
+def _step(tokens):
+    def step(model, x):
+        return (x * 2).sum(0)
+
+    recording, _ = _events(step, _meta(tokens, 768))
+    return recording
+
+
+def test_each_reduction_is_a_site_and_its_staging_is_synthesized_across_the_threshold():
+    """At 256 tokens the bias-like sum stages nothing; from 1,024 it does, growing with the
+    tokens but not affinely. Each call is a site: learned from 256 and 512 tokens (no staging),
+    the recordings at 1,024 and 4,096 come out with their staging, event for event."""
+    recordings = {t: _step(t) for t in (256, 512, 1024, 4096)}
+    assert [s.kind for s in recordings[1024].sites] == [REDUCTION_SITE]
+    assert all(_normalize(r).stripped for r in recordings.values())
+    assert not [e for e in recordings[512].events if e.tag("emulated")]
+    assert [e.size for e in recordings[4096].events if e.tag("emulated")] == [25_165_824, 24]
+    interpolator = TraceInterpolator(points=2)
+    interpolator.add(256, recordings[256])
+    interpolator.add(512, recordings[512])
+    for tokens in (1024, 4096):
+        assert same_recording(interpolator.synthesize(tokens), recordings[tokens])
