@@ -13,9 +13,12 @@ def test_default_registry_holds_the_builtin_emulations():
     (float8's _scaled_mm among them), embedding (forward, backward), 2 batch norm, dropout (its
     function and native_dropout), 12 ops of backward formulas' in-place branches, the engine's
     gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
-    reductions (sum and mean, each with and without dims), 2 convolution ops and 4 RNN
-    functions."""
-    assert len(DEFAULT_EMULATIONS) == 48
+    reductions (sum and mean, each with and without dims), 2 softmax ops (_safe_softmax and the
+    softmax backward), 2 convolution ops and 4 RNN functions."""
+    assert len(DEFAULT_EMULATIONS) == 50
+    assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(
+        DEFAULT_EMULATIONS
+    )
     assert {"aten.sum.default", "aten.sum.dim_IntList", "aten.mean.default", "aten.mean.dim"} <= set(
         DEFAULT_EMULATIONS
     )

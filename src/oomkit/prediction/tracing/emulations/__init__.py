@@ -61,6 +61,7 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     select_sdp_backend,
     use_sdpa_settings,
 )
+from oomkit.prediction.tracing.emulations.softmax import register_softmax
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationRegistry
@@ -97,6 +98,7 @@ __all__ = [
     "register_input_buffer",
     "register_reductions",
     "register_scalars",
+    "register_softmax",
     "register_sdpa",
     "sdpa_backend_for",
     "current_sdpa_settings",
@@ -129,6 +131,7 @@ def register_defaults(
             ``None``: this install's.
     """
     register_sdpa(registry, sdpa, cudnn_version=cudnn_version)
+    register_softmax(registry)
     register_cublas(registry, environ, torch_version=torch_version)
     register_embedding(registry)
     register_batch_norm(registry)

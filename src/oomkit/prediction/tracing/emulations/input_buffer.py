@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.emulations.sdpa_math import math_mask_add
+
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
@@ -168,6 +170,11 @@ def accumulates_in_place(ctx: EmulationContext) -> torch.Tensor | None:
 
 
 def _hook(ctx: EmulationContext) -> Any:
+    # aten.add.Tensor has one hook: SDPA's math path adds its mask in place on CUDA
+    # (sdpa_math.py), the engine accumulates gradients in place (here).
+    out = math_mask_add(ctx)
+    if out is not None:
+        return out
     target = accumulates_in_place(ctx)
     if target is None:
         return ctx.run()

@@ -56,6 +56,7 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     current_sdpa_settings,
     select_sdp_backend,
 )
+from oomkit.prediction.tracing.emulations.sdpa_math import math_attention
 from oomkit.prediction.tracing.fake_storages import host_tensor, stands_for_cuda
 
 if TYPE_CHECKING:
@@ -240,8 +241,10 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     ctx.note_choice(f"SDPA {backend}")
     _note_cudnn(ctx, cc, settings)
     if backend == "math":
-        # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math).
-        return ctx.run()
+        # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math),
+        # its mask added in place and _safe_softmax's temporaries as CUDA has them (sdpa_math.py).
+        with math_attention(ctx, q, k, v, mask):
+            return ctx.run()
     scale = p["scale"]
     dropout_p, is_causal = float(p["dropout_p"]), bool(p["is_causal"])
     # attention.cpp should_compute_logsumexp.
