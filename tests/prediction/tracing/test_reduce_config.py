@@ -117,7 +117,7 @@ def test_a_bf16_sum_past_32_bit_indexing_accumulates_in_a_float_buffer():
         scalar_bytes=2, output_bytes=2, cast_bytes=0, accumulates_in_output=0, offset_bytes=0,
         reduced_mask=1, sizes=(65536, 65536), strides=(65536, 1),
     )
-    assert site.accumulator_bytes() == 65536 * 4
+    assert site.held_temporaries() == (("reduction_accumulator", 65536 * 4),)
     assert len(site.launches()) == 4
     assert reduction_temporaries(site.params())[0] == ("reduction_accumulator", 65536 * 4)
     assert ReductionSite.from_params(site.params()) == site

@@ -103,3 +103,19 @@ def test_each_reduction_is_a_site_and_its_staging_is_synthesized_across_the_thre
     interpolator.add(512, recordings[512])
     for tokens in (1024, 4096):
         assert same_recording(interpolator.synthesize(tokens), recordings[tokens])
+
+
+def test_past_32_bit_indexing_each_launch_stages_and_frees_before_the_next():
+    """A 16 GiB [65536, 65536] fp32 summed over rows runs as 8 launches (with_32bit_indexing):
+    each asks for its staging and semaphores and drops them before the next; no site is noted
+    (a site's temporaries are held together). Each launch: 8,192 rows, 512 block columns (2 KiB
+    of semaphores), 2,048 values per thread, so max(min(2112 / 512, 2048 / 16), 2048 / 256) =
+    8 blocks per column: 4 x 65536 x 8 x (32 x 4) bytes of staging."""
+    recording, events = _events(lambda model, g: g.sum(0), _meta(65536, 65536))
+    staged = [e for e in events if e[2] is not None or e[0] == "free_completed"]
+    launch = [("alloc", 4 * 65536 * 8 * 128, "reduction_staging"),
+              ("alloc", 4 * 512, "reduction_semaphores"),
+              ("free_completed", 4 * 512, None),
+              ("free_completed", 4 * 65536 * 8 * 128, None)]
+    assert staged[:32] == launch * 8
+    assert [s.kind for s in recording.sites] == []

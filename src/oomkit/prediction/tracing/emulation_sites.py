@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from oomkit.prediction.tracing.reduce_config import (
+    ReduceIteration,
     reduce_iteration,
     reduce_staging,
     split_for_32bit_indexing,
@@ -40,6 +41,7 @@ __all__ = [
     "ReductionSite",
     "embedding_backward_temporaries",
     "reduction_temporaries",
+    "staging_temporaries",
 ]
 
 EMBEDDING_BACKWARD_SITE = "embedding_dense_backward"
@@ -181,14 +183,17 @@ class ReductionSite:
             strides=tuple(params[10 + ndim:10 + 2 * ndim]),
         )
 
-    def launches(self) -> tuple[tuple[int, int], ...]:
-        """(staging bytes, semaphore bytes) of each ``gpu_reduce_kernel`` launch, in order (one
-        per 32-bit sub-iteration; (0, 0) where a launch stages nothing)."""
+    def iteration(self) -> ReduceIteration:
+        """The iteration TensorIterator builds for this call (``reduce_config.reduce_iteration``)."""
         reduced = [d for d in range(len(self.sizes)) if self.reduced_mask >> d & 1]
-        iteration = reduce_iteration(
+        return reduce_iteration(
             self.sizes, self.strides, self.scalar_bytes, self.output_bytes, reduced,
             self.offset_bytes,
         )
+
+    def launches(self) -> tuple[tuple[int, int], ...]:
+        """(staging bytes, semaphore bytes) of each ``gpu_reduce_kernel`` launch, in order (one
+        per 32-bit sub-iteration; (0, 0) where a launch stages nothing)."""
         return tuple(
             (staging.global_memory_bytes, staging.semaphore_bytes)
             for staging in (
@@ -197,48 +202,48 @@ class ReductionSite:
                     multiprocessor_count=self.multiprocessor_count,
                     max_threads_per_multiprocessor=self.max_threads_per_multiprocessor,
                 )
-                for sub in split_for_32bit_indexing(iteration)
+                for sub in split_for_32bit_indexing(self.iteration())
             )
         )
 
-    def accumulator_bytes(self) -> int:
-        """The ``AccumulationBuffer`` the sub-iterations share: only when the output cannot
-        accumulate and the iteration needs 64-bit indexing; the output's extent in ``arg_t``."""
-        if self.accumulates_in_output:
-            return 0
-        reduced = [d for d in range(len(self.sizes)) if self.reduced_mask >> d & 1]
-        iteration = reduce_iteration(
-            self.sizes, self.strides, self.scalar_bytes, self.output_bytes, reduced,
-            self.offset_bytes,
-        )
-        if iteration.can_use_32bit_indexing():
-            return 0
-        extent = max(
-            [self.output_bytes]
-            + [n * s for n, s in zip(iteration.shape, iteration.output_strides, strict=True)]
-        )
-        return extent // self.output_bytes * self.arg_bytes
+    def held_temporaries(self) -> tuple[tuple[str, int], ...]:
+        """What stays allocated across the launches, in allocation order: the input's copy in
+        the kernel's dtype (``make_reduction``'s ``self.to``), then the ``AccumulationBuffer``
+        the sub-iterations share (only when the output cannot accumulate and the iteration needs
+        64-bit indexing: the output's extent in ``arg_t``)."""
+        out: list[tuple[str, int]] = []
+        if self.cast_bytes:
+            numel = 1
+            for size in self.sizes:
+                numel *= size
+            out.append((_REDUCTION_CAST, numel * self.cast_bytes))
+        if not self.accumulates_in_output:
+            iteration = self.iteration()
+            if not iteration.can_use_32bit_indexing():
+                extent = max(
+                    [self.output_bytes]
+                    + [n * s for n, s in zip(iteration.shape, iteration.output_strides, strict=True)]
+                )
+                out.append((_REDUCTION_ACCUMULATOR, extent // self.output_bytes * self.arg_bytes))
+        return tuple(out)
+
+
+def staging_temporaries(staging: int, semaphores: int) -> tuple[tuple[str, int], ...]:
+    """One launch's staging buffer and semaphores (none when it stages nothing)."""
+    if not staging:
+        return ()
+    return ((_REDUCTION_STAGING, staging), (_REDUCTION_SEMAPHORES, semaphores))
 
 
 def reduction_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
     """A ``sum`` or ``mean`` call's temporaries (``ReductionSite.params``), in allocation order:
-    the input's copy in the kernel's dtype, the accumulation buffer, then each launch's staging
-    buffer and semaphores. Several launches (an input beyond 32-bit indexing) free each
-    launch's staging before the next one asks; a site's temporaries are held together, so the
-    emulation notes no site there."""
+    the held ones, then each launch's staging buffer and semaphores. Several launches (an input
+    beyond 32-bit indexing) free each launch's staging before the next one asks; a site's
+    temporaries are held together, so the emulation notes no site there."""
     site = ReductionSite.from_params(params)
-    numel = 1
-    for size in site.sizes:
-        numel *= size
-    out: list[tuple[str, int]] = []
-    if site.cast_bytes:
-        out.append((_REDUCTION_CAST, numel * site.cast_bytes))
-    accumulator = site.accumulator_bytes()
-    if accumulator:
-        out.append((_REDUCTION_ACCUMULATOR, accumulator))
+    out = list(site.held_temporaries())
     for staging, semaphores in site.launches():
-        if staging:
-            out.extend(((_REDUCTION_STAGING, staging), (_REDUCTION_SEMAPHORES, semaphores)))
+        out.extend(staging_temporaries(staging, semaphores))
     return tuple(out)
 
 

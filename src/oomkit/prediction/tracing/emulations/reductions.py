@@ -42,6 +42,7 @@ from oomkit.prediction.tracing.emulation_sites import (
     REDUCTION_SITE,
     ReductionSite,
     reduction_temporaries,
+    staging_temporaries,
 )
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
@@ -149,20 +150,11 @@ def _reduction(ctx: EmulationContext) -> Any:
         return out
     # Several 32-bit launches: each frees its staging before the next asks (no site: a site's
     # temporaries are held together).
-    numel = x.numel()
-    held = []
-    if site.cast_bytes:
-        held.append(ctx.allocate(numel * site.cast_bytes, "temporary", "reduction_cast"))
-    if site.accumulator_bytes():
-        held.append(
-            ctx.allocate(site.accumulator_bytes(), "temporary", "reduction_accumulator")
-        )
+    held = [ctx.allocate(n, "temporary", what) for what, n in site.held_temporaries()]
     for staging, semaphores in launches:
-        if staging:
-            buffer = ctx.allocate(staging, "temporary", "reduction_staging")
-            flags = ctx.allocate(semaphores, "temporary", "reduction_semaphores")
-            ctx.free(flags)
-            ctx.free(buffer)
+        ids = [ctx.allocate(n, "temporary", what) for what, n in staging_temporaries(staging, semaphores)]
+        for alloc_id in reversed(ids):
+            ctx.free(alloc_id)
     for alloc_id in reversed(held):
         ctx.free(alloc_id)
     return out
