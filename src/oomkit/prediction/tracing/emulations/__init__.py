@@ -41,6 +41,7 @@ from oomkit.prediction.tracing.emulations.cudnn_workspace import (
 )
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
+from oomkit.prediction.tracing.emulations.inplace_adds import register_linear
 from oomkit.prediction.tracing.emulations.inplace_backward import (
     INPLACE_BRANCHES,
     NOT_EMULATED_BRANCHES,
@@ -96,6 +97,7 @@ __all__ = [
     "register_embedding",
     "register_inplace_backward",
     "register_input_buffer",
+    "register_linear",
     "register_reductions",
     "register_scalars",
     "register_softmax",
@@ -138,6 +140,7 @@ def register_defaults(
     register_dropout(registry)
     register_inplace_backward(registry)
     register_input_buffer(registry)
+    register_linear(registry)
     register_scalars(registry)
     register_reductions(registry)
     register_cudnn_workspace(registry, environ)

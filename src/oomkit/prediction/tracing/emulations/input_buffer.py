@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oomkit.prediction.tracing.emulations.sdpa_math import math_mask_add
+from oomkit.prediction.tracing.emulations.inplace_adds import composite_add
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -170,9 +170,9 @@ def accumulates_in_place(ctx: EmulationContext) -> torch.Tensor | None:
 
 
 def _hook(ctx: EmulationContext) -> Any:
-    # aten.add.Tensor has one hook: SDPA's math path adds its mask in place on CUDA
-    # (sdpa_math.py), the engine accumulates gradients in place (here).
-    out = math_mask_add(ctx)
+    # aten.add.Tensor has one hook: SDPA's math path and linear add in place on CUDA
+    # (inplace_adds.py), the engine accumulates gradients in place (here).
+    out = composite_add(ctx)
     if out is not None:
         return out
     target = accumulates_in_place(ctx)

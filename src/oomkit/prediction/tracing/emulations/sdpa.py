@@ -43,6 +43,7 @@ from oomkit.prediction.tracing.emulations.cudnn_builds import (
     cudnn_version_text,
     installed_cudnn_build,
 )
+from oomkit.prediction.tracing.emulations.inplace_adds import in_place_adds
 from oomkit.prediction.tracing.emulations.mem_efficient_backward import (
     EfficientBackwardConfig,
     UnresolvedKernel,
@@ -56,7 +57,6 @@ from oomkit.prediction.tracing.emulations.sdpa_backend import (
     current_sdpa_settings,
     select_sdp_backend,
 )
-from oomkit.prediction.tracing.emulations.sdpa_math import math_attention
 from oomkit.prediction.tracing.fake_storages import host_tensor, stands_for_cuda
 
 if TYPE_CHECKING:
@@ -242,8 +242,8 @@ def _run_sdpa(ctx: EmulationContext, settings: SdpaSettings) -> Any:
     _note_cudnn(ctx, cc, settings)
     if backend == "math":
         # The meta composite is the CUDA math path (attention.cpp _scaled_dot_product_attention_math),
-        # its mask added in place and _safe_softmax's temporaries as CUDA has them (sdpa_math.py).
-        with math_attention(ctx, q, k, v, mask):
+        # its mask added in place (inplace_adds.py), its softmax as CUDA runs it (softmax.py).
+        with in_place_adds(ctx, q, k, v, mask):
             return ctx.run()
     scale = p["scale"]
     dropout_p, is_causal = float(p["dropout_p"]), bool(p["is_causal"])

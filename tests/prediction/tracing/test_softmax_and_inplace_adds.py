@@ -1,4 +1,4 @@
-"""Softmax and SDPA's math path as CUDA runs them (emulations/softmax.py, sdpa_math.py): the
+"""Softmax and SDPA's math path as CUDA runs them (emulations/softmax.py, inplace_adds.py): the
 scores' mask added in place, ``_safe_softmax``'s three temporaries, the softmax backward's
 ``grad * output``; each in the order the H200's trace of Llama 1B fp32 has them."""
 
@@ -69,3 +69,24 @@ def test_outside_the_math_path_an_add_is_out_of_place_as_before():
     a, b = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")
     events = _requests(lambda model, a, b: a + b, a, b)
     assert ("alloc", 128, "aten.add.Tensor", None) in events
+
+
+def test_linear_on_its_matmul_path_adds_the_bias_in_place():
+    """Linear.cpp: a transposed 3-D input (nn.MultiheadAttention's batch_first inputs) takes
+    matmul then ``output.add_(bias)``: the [197, 8, 2304] fp32 output once, not twice (as
+    torchvision's ViT-B/16 in-projection on an H200); a contiguous input takes addmm."""
+    weight = torch.empty(2304, 768, device="meta")
+    bias = torch.empty(2304, device="meta")
+    x = torch.empty(8, 197, 768, device="meta")
+
+    def project(model, x, weight, bias):
+        return F.linear(x.transpose(0, 1), weight, bias)
+
+    events = _requests(project, x, weight, bias)
+    outputs = [e for e in events if e[0] == "alloc" and e[1] == 197 * 8 * 2304 * 4]
+    assert [e[2] for e in outputs] == ["aten.bmm.default"]  # matmul's batched product
+    assert not [e for e in events if e[0] == "alloc" and e[2] == "aten.add.Tensor"]
+    contiguous = _requests(lambda model, x, w, b: F.linear(x, w, b), x, weight, bias)
+    assert [e[2] for e in contiguous if e[0] == "alloc" and e[1] == 197 * 8 * 2304 * 4] == [
+        "aten.addmm.default"
+    ]
