@@ -119,3 +119,34 @@ def test_past_32_bit_indexing_each_launch_stages_and_frees_before_the_next():
               ("free_completed", 4 * 65536 * 8 * 128, None)]
     assert staged[:32] == launch * 8
     assert [s.kind for s in recording.sites] == []
+
+
+def test_a_convolutions_bias_gradient_stages_like_a_sum():
+    """Convolution.cpp convolution_backward: cuDNN computes no bias gradient, so it is
+    grad_output.sum over (0, 2, 3) after the weight gradient. ViT's patch embedding on an H200:
+    a [8, 768, 14, 14] gradient laid out channels last (the permute after the convolution), 25
+    blocks per column: 9,830,400 bytes of staging and 24 of semaphores (the GPU's trace has the
+    semaphores, one a step). Before the weight gradient, ConvShared.cpp's
+    grad_output.to(input.suggest_memory_format()) copies that gradient to the images' plain
+    layout (the GPU's trace: one such copy a step), dropped when cuDNN's backward returns."""
+    weight = torch.empty(768, 3, 16, 16, device="meta", requires_grad=True)
+    bias = torch.empty(768, device="meta", requires_grad=True)
+    images = torch.empty(8, 3, 224, 224, device="meta")
+
+    def patches(model, images, weight, bias):
+        out = torch.nn.functional.conv2d(images, weight, bias, stride=16)
+        tokens = out.reshape(8, 768, 196).permute(0, 2, 1).contiguous()
+        (tokens * tokens).sum().backward()  # a gradient laid out as the tokens are
+
+    _, events = _events(patches, images, weight, bias)
+    at = next(i for i, e in enumerate(events) if e[1] == 9_830_400)
+    assert events[at - 4:at + 4] == [
+        ("alloc", 8 * 768 * 196 * 4, "cudnn_layout_copy"),
+        ("alloc", 768 * 3 * 16 * 16 * 4, None),
+        ("free_completed", 8 * 768 * 196 * 4, None),
+        ("alloc", 768 * 4, None),
+        ("alloc", 9_830_400, "reduction_staging"),
+        ("alloc", 24, "reduction_semaphores"),
+        ("free_completed", 24, None),
+        ("free_completed", 9_830_400, None),
+    ]

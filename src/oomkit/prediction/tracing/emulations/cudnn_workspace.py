@@ -40,6 +40,16 @@ Depthwise fp16 or channels-last convs may take cuDNN, and are warned about like 
 The non-cuDNN paths that cuDNN-disabled convs take (``slow_conv2d``'s im2col columns) are not
 modelled.
 
+Around the workspaces, a convolution's backward on cuDNN (ConvShared.cpp
+``cudnn_convolution_backward``) first copies a gradient whose suggested memory format is not the
+input's (``grad_output.to(input.suggest_memory_format())``), then each of its input and weight
+backwards copies the tensors not in the layout it runs in (``contiguous(layout)``, the layout
+from ``cudnn_conv_suggest_memory_format``) before its gradient; the copies are dropped when each
+returns. A bias gradient, which cuDNN does not compute, is then ``grad_output.sum`` over all but
+the channels (Convolution.cpp ``convolution_backward``), whose multi-block staging
+``reductions.py`` records. Measured on an H200: ViT's patch embedding, its gradient laid out
+channels last, asked for one copy and the sum's semaphores a step.
+
 **RNNs** (aten/src/ATen/native/cudnn/RNN.cpp ``_cudnn_rnn``). On CUDA, ``nn.LSTM`` / ``nn.GRU``
 / ``nn.RNN`` run one ``_cudnn_rnn`` call. It allocates a transient ``workspace`` and, in
 training, a ``reserve`` buffer that autograd saves for ``_cudnn_rnn_backward``. Both are
@@ -58,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.emulations.reductions import record_reduction
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -235,25 +246,94 @@ def _convolution_backward(ctx: EmulationContext, environ: Mapping[str, str] | No
         return ctx.run()
     if not conv_runs_cudnn(input, weight, groups, transposed):
         _note_not_cudnn(ctx)
-        return ctx.run()
+        out = ctx.run()
+        _bias_gradient(ctx, out, grad_output, mask)
+        return out
     out = ctx.run()
     cap = conv_workspace_cap_bytes(environ)
-    # ConvShared.cpp cudnn_convolution_backward: the input gradient (its tensor, then its plan's
-    # workspace), then the weight gradient likewise; Conv_v8.cpp skips an empty one.
+    # ConvShared.cpp cudnn_convolution_backward: grad_output.to(input's suggested memory
+    # format) first, then the input gradient, then the weight gradient, each after the copies
+    # its function makes of tensors not in the layout cuDNN runs in (cudnn_convolution_backward_
+    # input / _weight: x.contiguous(cudnn_conv_suggest_memory_format(...))), its tensor and its
+    # plan's workspace; the copies are dropped when each function returns. Conv_v8.cpp skips an
+    # empty gradient's plan.
+    tensors = {"grad_output": grad_output, "input": input, "weight": weight}
+    suggested = {name: _suggested(t) for name, t in tensors.items()}
+    # .to(memory_format) aliases when the tensor already suggests that format (to_will_alias).
+    copied_to = None
+    held = []
+    if suggested["grad_output"] != suggested["input"] and grad_output.numel() > 0:
+        held.append(_layout_copy(ctx, grad_output))
+        copied_to = suggested["grad_output"] = suggested["input"]
+
+    def dense_in(name: str, fmt: torch.memory_format) -> bool:
+        if name == "grad_output" and copied_to is not None:
+            return fmt == copied_to
+        return tensors[name].is_contiguous(memory_format=fmt)
+
     runs = 0
-    for index in (0, 1):
+    for index, (first, second) in ((0, ("grad_output", "weight")), (1, ("input", "grad_output"))):
         grad = out[index]
         if not mask[index] or grad is None:
             continue
+        run_in = _cudnn_layout(suggested[first], suggested[second], tensors[second], tensors[first])
+        copies = [_layout_copy(ctx, tensors[name]) for name in ("grad_output", second if index == 0 else first)
+                  if not dense_in(name, run_in) and tensors[name].numel() > 0]
         ctx.record_outputs(grad)
         if grad.numel() > 0 and grad_output.numel() > 0:
             _transient_workspace(ctx, cap)
             runs += 1
+        for alloc_id in reversed(copies):
+            ctx.free(alloc_id)
+    for alloc_id in held:
+        ctx.free(alloc_id)
     if runs:
         _note_mode(ctx, cap)
         if cap is None:
             ctx.not_emulated(_CONV_WHAT)
+    _bias_gradient(ctx, out, grad_output, mask)
     return out
+
+
+def _suggested(tensor: torch.Tensor) -> torch.memory_format:
+    # TensorBase::suggest_memory_format: channels last where the strides are channels last
+    # (and not also plain contiguous), else contiguous.
+    for fmt, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if tensor.dim() == ndim and tensor.is_contiguous(memory_format=fmt):
+            if not tensor.is_contiguous():
+                return fmt
+    return torch.contiguous_format
+
+
+def _cudnn_layout(
+    first: torch.memory_format, second: torch.memory_format, second_tensor: Any, first_tensor: Any
+) -> torch.memory_format:
+    # ConvUtils.h cudnn_conv_suggest_memory_format(input, weight): never for float64; channels
+    # last (2-D or 3-D by the second tensor's rank) where either suggests it, else contiguous.
+    if torch.float64 in (first_tensor.dtype, second_tensor.dtype):
+        return torch.contiguous_format
+    if second_tensor.dim() == 4 and torch.channels_last in (first, second):
+        return torch.channels_last
+    if second_tensor.dim() == 5 and torch.channels_last_3d in (first, second):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _layout_copy(ctx: EmulationContext, tensor: Any) -> int:
+    return ctx.allocate(tensor.numel() * tensor.element_size(), "temporary", "cudnn_layout_copy")
+
+
+def _bias_gradient(ctx: EmulationContext, out: Any, grad_output: Any, mask: list[bool]) -> None:
+    # Convolution.cpp convolution_backward: a backend that computes no bias gradient (cuDNN's
+    # among them) leaves it to grad_output.sum over every dimension but the channels, after
+    # the input and weight gradients: a reduction whose multi-block staging the sum's
+    # emulation records (reductions.py).
+    if len(mask) > 2 and mask[2] and isinstance(out, tuple) and isinstance(out[2], torch.Tensor):
+        for index in (0, 1):
+            if mask[index] and isinstance(out[index], torch.Tensor):
+                ctx.record_outputs(out[index])
+        dims = [0, *range(2, grad_output.dim())]
+        record_reduction(ctx, grad_output, out[2], dims)
 
 
 def _rnn(ctx: EmulationContext) -> Any:

@@ -49,7 +49,7 @@ from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["REDUCTION_OPS", "register_reductions", "reduction_site"]
+__all__ = ["REDUCTION_OPS", "record_reduction", "register_reductions", "reduction_site"]
 
 REDUCTION_OPS = (
     "aten.sum.default",
@@ -127,18 +127,31 @@ def _reduction(ctx: EmulationContext) -> Any:
     if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
         return ctx.run()  # sum_out / mean_out launch nothing for an empty input
     out = ctx.run()
-    if not all(type(n) is int for n in (*x.shape, *x.stride(), x.storage_offset())):
-        return out  # symbolic sizes (a graph being traced, not run): no launch to size
+    if isinstance(out, torch.Tensor):
+        record_reduction(ctx, x, out, _reduced_dims(ctx))
+    return out
+
+
+def record_reduction(
+    ctx: EmulationContext, x: torch.Tensor, out: torch.Tensor, reduced: Sequence[int]
+) -> None:
+    """Record ``out`` (a ``sum``/``mean`` of ``x`` over ``reduced``, none: all) as allocated
+    now, then the kernel's temporaries, freed at once; a site where they are held together.
+    For a hook whose op reduces inside (``convolution_backward``'s bias gradient) too."""
+    if x.numel() == 0 or not all(
+        type(n) is int for n in (*x.shape, *x.stride(), x.storage_offset())
+    ):
+        return  # nothing launched, or symbolic sizes (a graph being traced, not run)
     assert ctx.gpu is not None
     site = reduction_site(
         x,
         out.dtype,
-        _reduced_dims(ctx),
+        reduced,
         multiprocessor_count=ctx.gpu.kernel_multiprocessor_count,
         max_threads_per_multiprocessor=ctx.gpu.kernel_max_threads_per_multiprocessor,
     )
     if site is None:
-        return out
+        return
     # The structured kernel's output exists before the implementation casts or launches.
     ctx.record_outputs(out)
     launches = site.launches()
@@ -147,7 +160,7 @@ def _reduction(ctx: EmulationContext) -> Any:
         ctx.note_site(REDUCTION_SITE, site.params(), out)
         for alloc_id in reversed(ids):  # semaphores, staging, accumulator, cast
             ctx.free(alloc_id)
-        return out
+        return
     # Several 32-bit launches: each frees its staging before the next asks (no site: a site's
     # temporaries are held together).
     held = [ctx.allocate(n, "temporary", what) for what, n in site.held_temporaries()]
@@ -157,7 +170,6 @@ def _reduction(ctx: EmulationContext) -> Any:
             ctx.free(alloc_id)
     for alloc_id in reversed(held):
         ctx.free(alloc_id)
-    return out
 
 
 def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
