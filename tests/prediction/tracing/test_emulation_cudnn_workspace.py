@@ -58,7 +58,9 @@ def test_cap_parsing():
 
 def test_conv_net_records_one_capped_workspace_per_cudnn_call():
     """2 convs, input without grad: 2 forward + 3 backward cuDNN calls, 64 MiB each, each freed
-    at once, after the tensor its call makes (Conv_v8.cpp run_conv_plan)."""
+    at once, after the tensor its call makes (Conv_v8.cpp run_conv_plan). conv2's gradient is
+    sum()'s expanded one: each of its input and weight backwards copies it contiguous first
+    (ConvShared.cpp grad_output.contiguous(layout)); conv1's, from the ReLU, is contiguous."""
     x = torch.randn(2, 3, 16, 16, device="meta")
     recording = trace_step(
         _train_step, _conv_net(), x, emulations=_registry({"CUDNN_CONV_WSCAP_DBG": "64"})
@@ -68,7 +70,9 @@ def test_conv_net_records_one_capped_workspace_per_cudnn_call():
     assert _conv_events(recording) == [
         ("alloc", 2 * 8 * 14 * 14 * 4, None), ws, freed,  # conv1 output
         ("alloc", 2 * 8 * 12 * 12 * 4, None), ws, freed,  # conv2 output
+        ("alloc", 2 * 8 * 12 * 12 * 4, "cudnn_layout_copy"),  # conv2's expanded gradient
         ("alloc", 2 * 8 * 14 * 14 * 4, None), ws, freed,  # conv2 grad_input
+        ("alloc", 2 * 8 * 12 * 12 * 4, "cudnn_layout_copy"),  # again, for the weight's
         ("alloc", 8 * 8 * 3 * 3 * 4, None), ws, freed,  # conv2 grad_weight
         ("alloc", 8 * 4, None),  # conv2 grad_bias (a reduction, no cuDNN plan)
         ("alloc", 8 * 3 * 3 * 3 * 4, None), ws, freed,  # conv1 grad_weight only
