@@ -271,14 +271,23 @@ def _convolution_backward(ctx: EmulationContext, environ: Mapping[str, str] | No
             return fmt == copied_to
         return tensors[name].is_contiguous(memory_format=fmt)
 
+    # (gradient, cudnn_conv_suggest_memory_format's (input, weight) roles, tensors made
+    # contiguous in that layout, in order): cudnn_convolution_backward_input, then _weight.
+    calls = (
+        (0, ("grad_output", "weight"), ("grad_output", "weight")),
+        (1, ("input", "grad_output"), ("grad_output", "input")),
+    )
     runs = 0
-    for index, (first, second) in ((0, ("grad_output", "weight")), (1, ("input", "grad_output"))):
+    for index, (a, b), made_contiguous in calls:
         grad = out[index]
         if not mask[index] or grad is None:
             continue
-        run_in = _cudnn_layout(suggested[first], suggested[second], tensors[second], tensors[first])
-        copies = [_layout_copy(ctx, tensors[name]) for name in ("grad_output", second if index == 0 else first)
-                  if not dense_in(name, run_in) and tensors[name].numel() > 0]
+        run_in = _cudnn_layout(tensors[a], tensors[b], suggested[a], suggested[b])
+        copies = [
+            _layout_copy(ctx, tensors[name])
+            for name in made_contiguous
+            if not dense_in(name, run_in) and tensors[name].numel() > 0
+        ]
         ctx.record_outputs(grad)
         if grad.numel() > 0 and grad_output.numel() > 0:
             _transient_workspace(ctx, cap)
@@ -306,15 +315,15 @@ def _suggested(tensor: torch.Tensor) -> torch.memory_format:
 
 
 def _cudnn_layout(
-    first: torch.memory_format, second: torch.memory_format, second_tensor: Any, first_tensor: Any
+    a: Any, b: Any, a_format: torch.memory_format, b_format: torch.memory_format
 ) -> torch.memory_format:
-    # ConvUtils.h cudnn_conv_suggest_memory_format(input, weight): never for float64; channels
-    # last (2-D or 3-D by the second tensor's rank) where either suggests it, else contiguous.
-    if torch.float64 in (first_tensor.dtype, second_tensor.dtype):
+    # ConvUtils.h cudnn_conv_suggest_memory_format(input=a, weight=b): never for float64;
+    # channels last (2-D or 3-D by b's rank) where either suggests it, else contiguous.
+    if torch.float64 in (a.dtype, b.dtype):
         return torch.contiguous_format
-    if second_tensor.dim() == 4 and torch.channels_last in (first, second):
+    if b.dim() == 4 and torch.channels_last in (a_format, b_format):
         return torch.channels_last
-    if second_tensor.dim() == 5 and torch.channels_last_3d in (first, second):
+    if b.dim() == 5 and torch.channels_last_3d in (a_format, b_format):
         return torch.channels_last_3d
     return torch.contiguous_format
 
