@@ -16,8 +16,9 @@ a tensor is subclass-like (``at::isTensorSubclassLike``), which the recorder's f
 
 While such a composite runs (``in_place_adds``, entered by ``emulations/sdpa.py`` and by the
 ``F.linear`` hook here) its add's output shares the first operand's storage, as the in-place add
-leaves it. Not where an operand is a DTensor (tensor or context parallel: subclass-like on a GPU
-too), nor for ``linear`` with a forward-mode gradient on the bias (also out of place there).
+leaves it. Not where the tested operand is a DTensor (subclass-like on a GPU too: q, k, v or the
+mask for SDPA, under context parallel; the bias for ``linear``, under tensor parallel), nor for
+``linear`` with a forward-mode gradient on the bias (also out of place there).
 
 Not emulated: with ``dropout_p > 0`` the math path calls ``at::dropout``, which on CUDA is the
 fused kernel (a 1-byte mask) and on meta a noise tensor of the scores' dtype
@@ -91,7 +92,7 @@ def composite_add(ctx: EmulationContext) -> Any | None:
 def _linear(ctx: EmulationContext) -> Any:
     args = dict(zip(("input", "weight", "bias"), ctx.args, strict=False))
     args.update(ctx.kwargs)
-    x, weight, bias = args.get("input"), args.get("weight"), args.get("bias")
+    x, bias = args.get("input"), args.get("bias")
     if (
         not isinstance(bias, torch.Tensor)
         or not isinstance(x, torch.Tensor)
@@ -99,7 +100,9 @@ def _linear(ctx: EmulationContext) -> Any:
         or _has_forward_grad(bias)
     ):
         return ctx.run()
-    with in_place_adds(ctx, x, weight, bias, second=tuple(bias.shape)):
+    # Linear.cpp tests the bias alone (isTensorSubclassLike(*bias)): a DTensor bias (tensor
+    # parallel) is added out of place on a GPU too; FSDP2's unsharded parameters are plain.
+    with in_place_adds(ctx, bias, second=tuple(bias.shape)):
         return ctx.run()
 
 
