@@ -14,9 +14,9 @@ the snapshot was taken); for GPT-2 (fp32 and bf16) and BERT training too, whose 
 gradients' multi-block reductions ask for a staging buffer and semaphores (Reduce.cuh
 ``ReduceConfig::global_memory_size``, ``emulations/reductions.py``); and Llama 1B fp32, whose
 grouped-query attention runs SDPA's math path (its mask added in place, ``_safe_softmax``'s
-and the softmax backward's temporaries). Every run, then. ViT, with its cuDNN convolution
-workspace set aside (``SET_ASIDE``), agrees into its backward. A change that makes the recording
-differ anywhere fails here, and says where.
+and the softmax backward's temporaries). Every run, then; and ViT too, with its cuDNN
+convolution workspace set aside (``SET_ASIDE``). A change that makes the recording differ
+anywhere fails here, and says where.
 """
 
 from __future__ import annotations
@@ -95,11 +95,12 @@ def test_the_recording_is_the_gpus_request_sequence(label, validation_script):
 # run -> (the sizes set aside, the index of the first request that differs, the GPU's there).
 SET_ASIDE = {
     # The patch embedding's cuDNN convolution workspace (forward, 3 steps x 2 calls), sized by
-    # cuDNN's heuristics at run time. The rest agrees through the forward pass (nn.
-    # MultiheadAttention's projections adding their bias in place: inplace_adds.py) into the
-    # backward, up to the last block's ln_1, where the GPU asks for a residual-stream gradient
-    # that the recording does not.
-    "vit-b16-b8-img224-bf16-mixed-adamw-train": ({11_976_720}, 800, [4_841_472]),
+    # cuDNN's heuristics at run time. The rest is the GPU's sequence to the end: nn.
+    # MultiheadAttention's projections adding their bias in place (inplace_adds.py), ln_1's
+    # transposed gradient copied contiguous in its backward (layer_norm.py), the patch
+    # convolution's backward copying its channels-last gradient and summing its bias gradient
+    # with staging (cudnn_workspace.py, reductions.py).
+    "vit-b16-b8-img224-bf16-mixed-adamw-train": ({11_976_720}, None, None),
 }
 
 
@@ -113,4 +114,7 @@ def test_the_recording_is_the_gpus_request_sequence_but_for_what_is_set_aside(
     recorded = frees_as_sets(_recorded(label, validation_script))
     first = next((i for i, (a, b) in enumerate(zip(recorded, measured, strict=False)) if a != b), None)
     assert first == expected_index, (first, measured[first:first + 6], recorded[first:first + 6])
-    assert measured[first:first + len(gpu_requests)] == gpu_requests
+    if first is None:
+        assert len(recorded) >= len(measured)
+    else:
+        assert measured[first:first + len(gpu_requests)] == gpu_requests

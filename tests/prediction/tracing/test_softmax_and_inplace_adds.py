@@ -90,3 +90,27 @@ def test_linear_on_its_matmul_path_adds_the_bias_in_place():
     assert [e[2] for e in contiguous if e[0] == "alloc" and e[1] == 197 * 8 * 2304 * 4] == [
         "aten.addmm.default"
     ]
+
+
+def test_a_layer_norm_backward_copies_a_transposed_gradient_after_its_outputs():
+    """layer_norm_kernel.cu: the CUDA kernel runs on dY.contiguous(), made after dX, dgamma and
+    dbeta (ViT's ln_1, whose output nn.MultiheadAttention transposes); a contiguous gradient is
+    not copied."""
+    ln = torch.nn.LayerNorm(768, device="meta")
+    x = torch.empty(8, 197, 768, device="meta", requires_grad=True)
+
+    def transposed(model, x):
+        y = ln(x).transpose(0, 1).contiguous()
+        (y * y).sum().backward()  # ln's gradient: y's, transposed back (not contiguous)
+
+    events = _requests(transposed, x)
+    at = next(i for i, e in enumerate(events) if e[2] == "aten.native_layer_norm_backward.default")
+    assert [e[:2] + (e[3],) for e in events[at:at + 5]] == [
+        ("alloc", 8 * 197 * 768 * 4, None),  # dX
+        ("alloc", 768 * 4, None),  # dgamma
+        ("alloc", 768 * 4, None),  # dbeta
+        ("alloc", 8 * 197 * 768 * 4, "layer_norm_grad_copy"),
+        ("free_completed", 8 * 197 * 768 * 4, None),
+    ]
+    plain = _requests(lambda model, x: (ln(x) * ln(x)).sum().backward(), x)
+    assert not [e for e in plain if e[3] == "layer_norm_grad_copy"]

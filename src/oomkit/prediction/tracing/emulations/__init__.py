@@ -49,6 +49,7 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
     register_inplace_backward,
 )
 from oomkit.prediction.tracing.emulations.input_buffer import ACCUMULATE_OP, register_input_buffer
+from oomkit.prediction.tracing.emulations.layer_norm import register_layer_norm
 from oomkit.prediction.tracing.emulations.reductions import REDUCTION_OPS, register_reductions
 from oomkit.prediction.tracing.emulations.scalars import register_scalars
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
@@ -97,6 +98,7 @@ __all__ = [
     "register_embedding",
     "register_inplace_backward",
     "register_input_buffer",
+    "register_layer_norm",
     "register_linear",
     "register_reductions",
     "register_scalars",
@@ -141,6 +143,7 @@ def register_defaults(
     register_inplace_backward(registry)
     register_input_buffer(registry)
     register_linear(registry)
+    register_layer_norm(registry)
     register_scalars(registry)
     register_reductions(registry)
     register_cudnn_workspace(registry, environ)
