@@ -76,6 +76,13 @@ def test_gpus_json_lists_the_whole_catalog(capsys):
     assert h100["total_memory_bytes"] == 85_028_896_768
     assert h100["usable_bytes"] == h100["total_memory_bytes"] - h100["context_overhead_bytes"]
     assert h100["compute_capability"] == [9, 0] and "h100" in h100["aliases"]
+    # every GpuSpec field is in the JSON (gpu_to_json's promise), the SM count among them
+    from dataclasses import fields
+
+    from oomkit.core.gpus import GpuSpec
+
+    assert {f.name for f in fields(GpuSpec)} <= set(h100)
+    assert h100["multiprocessor_count"] == 132
 
 
 def test_gpus_table_piped_has_one_row_per_gpu(capsys):

@@ -38,6 +38,7 @@ def gpu_to_json(spec: Any) -> dict[str, Any]:
         ),
         "architecture": spec.architecture,
         "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s,
+        "multiprocessor_count": spec.multiprocessor_count,
         "total_memory_source": spec.total_memory_source,
         "source_notes": list(spec.source_notes),
     }
