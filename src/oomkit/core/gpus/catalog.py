@@ -457,7 +457,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         bandwidth_gb_per_s=3900.0,
         bandwidth_note="NVIDIA H100 datasheet, 3.9 TB/s (H100 NVL)",
         multiprocessor_count=132,
-        multiprocessor_note="NVIDIA H100 NVL: the SXM5 board's GH100 configuration, 132 SMs per GPU",
+        multiprocessor_note="taken as the H100 SXM's 132 SMs (the same GH100 configuration); no deviceQuery or "
+        "_CudaDeviceProperties print of an H100 NVL found",
     ),
     _gpu(
         "H200",
@@ -490,7 +491,8 @@ CATALOG: tuple[GpuSpec, ...] = (
         bandwidth_gb_per_s=4800.0,
         bandwidth_note="NVIDIA H200 datasheet, 4.8 TB/s (H200 NVL)",
         multiprocessor_count=132,
-        multiprocessor_note="NVIDIA H200 NVL: the H200's GH100 configuration, 132 SMs",
+        multiprocessor_note="taken as the H200's measured 132 SMs (the same GH100 configuration); no deviceQuery or "
+        "_CudaDeviceProperties print of an H200 NVL found",
     ),
     _gpu(
         "GH200 96GB",

@@ -21,6 +21,7 @@ It needs no torch itself, but importing it imports ``oomkit.prediction.tracing``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -185,6 +186,10 @@ class ReductionSite:
 
     def iteration(self) -> ReduceIteration:
         """The iteration TensorIterator builds for this call (``reduce_config.reduce_iteration``)."""
+        return self._iteration
+
+    @functools.cached_property
+    def _iteration(self) -> ReduceIteration:
         reduced = [d for d in range(len(self.sizes)) if self.reduced_mask >> d & 1]
         return reduce_iteration(
             self.sizes, self.strides, self.scalar_bytes, self.output_bytes, reduced,
@@ -194,6 +199,10 @@ class ReductionSite:
     def launches(self) -> tuple[tuple[int, int], ...]:
         """(staging bytes, semaphore bytes) of each ``gpu_reduce_kernel`` launch, in order (one
         per 32-bit sub-iteration; (0, 0) where a launch stages nothing)."""
+        return self._launches
+
+    @functools.cached_property
+    def _launches(self) -> tuple[tuple[int, int], ...]:
         return tuple(
             (staging.global_memory_bytes, staging.semaphore_bytes)
             for staging in (
@@ -202,7 +211,7 @@ class ReductionSite:
                     multiprocessor_count=self.multiprocessor_count,
                     max_threads_per_multiprocessor=self.max_threads_per_multiprocessor,
                 )
-                for sub in split_for_32bit_indexing(self.iteration())
+                for sub in split_for_32bit_indexing(self._iteration)
             )
         )
 
@@ -218,13 +227,21 @@ class ReductionSite:
                 numel *= size
             out.append((_REDUCTION_CAST, numel * self.cast_bytes))
         if not self.accumulates_in_output:
-            iteration = self.iteration()
+            iteration = self._iteration
             if not iteration.can_use_32bit_indexing():
                 extent = max(
                     [self.output_bytes]
                     + [n * s for n, s in zip(iteration.shape, iteration.output_strides, strict=True)]
                 )
                 out.append((_REDUCTION_ACCUMULATOR, extent // self.output_bytes * self.arg_bytes))
+        return tuple(out)
+
+    def temporaries(self) -> tuple[tuple[str, int], ...]:
+        """Every temporary in allocation order: the held ones, then each launch's staging
+        buffer and semaphores (``reduction_temporaries``, the site plan's)."""
+        out = list(self.held_temporaries())
+        for staging, semaphores in self.launches():
+            out.extend(staging_temporaries(staging, semaphores))
         return tuple(out)
 
 
@@ -240,11 +257,7 @@ def reduction_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...
     the held ones, then each launch's staging buffer and semaphores. Several launches (an input
     beyond 32-bit indexing) free each launch's staging before the next one asks; a site's
     temporaries are held together, so the emulation notes no site there."""
-    site = ReductionSite.from_params(params)
-    out = list(site.held_temporaries())
-    for staging, semaphores in site.launches():
-        out.extend(staging_temporaries(staging, semaphores))
-    return tuple(out)
+    return ReductionSite.from_params(params).temporaries()
 
 
 SITE_PLANS: Mapping[str, SitePlan] = {

@@ -13,6 +13,9 @@ Pure arithmetic (no torch), ported from PyTorch so that the recorder knows what
   (``ctas_per_output > 1``), ``ReduceConfig::global_memory_size`` (the staging buffer) and
   ``semaphore_size`` (one ``int`` per column of blocks).
 
+And ``non_overlapping_and_dense``, c10's layout test that a reduction's cast copy (and the
+autograd engine's in-place accumulation, ``emulations/input_buffer.py``) depends on.
+
 The emulation that allocates them is ``emulations/reductions.py``; the batch search's sites
 (``emulation_sites.py``) use the same functions.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass, replace
 __all__ = [
     "ReduceIteration",
     "ReduceStaging",
+    "non_overlapping_and_dense",
     "reduce_iteration",
     "reduce_staging",
     "split_for_32bit_indexing",
@@ -330,3 +334,14 @@ def reduce_staging(
     if not block_x_reduce:
         size *= block_width * output_vec
     return ReduceStaging(size, 4 * grid_x)
+
+
+def non_overlapping_and_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """c10 ``TensorImpl::compute_non_overlapping_and_dense``: the dimensions of more than one
+    element, sorted by stride, tile memory exactly (strides in elements)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(sizes, strides, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.autograd.forward_ad as fwad
 
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
@@ -108,8 +109,6 @@ def _linear(ctx: EmulationContext) -> Any:
 
 def _has_forward_grad(tensor: torch.Tensor) -> bool:
     # Linear.cpp: bias->_fw_grad(0).defined() takes the out-of-place add.
-    import torch.autograd.forward_ad as fwad
-
     try:
         return fwad.unpack_dual(tensor).tangent is not None
     except RuntimeError:  # pragma: no cover - no forward-AD level open

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oomkit.prediction.tracing.emulations.inplace_adds import composite_add
+from oomkit.prediction.tracing.reduce_config import non_overlapping_and_dense
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -126,26 +127,12 @@ def _from_engine() -> bool:
     return False
 
 
-def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    # c10 TensorImpl::compute_non_overlapping_and_dense: strides, sorted, tile the sizes.
-    dims = sorted(
-        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        if size != 1
-    )
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _last_reference(tensor: torch.Tensor, engine_only: tuple[int, int]) -> bool:
     # input_buffer.cpp can_accumulate_inplace, for a plain CUDA tensor (not subclass-like).
     return (
         not tensor._is_zerotensor()
         and not tensor.is_nested
-        and _non_overlapping_and_dense(tensor)
+        and non_overlapping_and_dense(tensor.shape, tensor.stride())
         and _use_counts(tensor) == engine_only
     )
 

@@ -37,14 +37,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from oomkit.prediction.tracing.emulation_sites import (
     REDUCTION_SITE,
     ReductionSite,
-    reduction_temporaries,
     staging_temporaries,
 )
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
+from oomkit.prediction.tracing.reduce_config import non_overlapping_and_dense
 
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
@@ -92,8 +93,8 @@ def reduction_site(
         # make_reduction's self.to(in_dtype) (preserve_format): a copy with the input's strides
         # where they tile memory densely, else contiguous.
         cast_bytes, offset_bytes = in_dtype.itemsize, 0
-        if not _dense(sizes, strides):
-            strides = _contiguous_strides(sizes)
+        if not non_overlapping_and_dense(sizes, strides):
+            strides = tuple(make_contiguous_strides_for(sizes))
     ndim = len(sizes)
     mask = 0
     for d in reduced:
@@ -156,7 +157,7 @@ def record_reduction(
     ctx.record_outputs(out)
     launches = site.launches()
     if len(launches) == 1:
-        ids = [ctx.allocate(n, "temporary", what) for what, n in reduction_temporaries(site.params())]
+        ids = [ctx.allocate(n, "temporary", what) for what, n in site.temporaries()]
         ctx.note_site(REDUCTION_SITE, site.params(), out)
         for alloc_id in reversed(ids):  # semaphores, staging, accumulator, cast
             ctx.free(alloc_id)
@@ -170,23 +171,3 @@ def record_reduction(
             ctx.free(alloc_id)
     for alloc_id in reversed(held):
         ctx.free(alloc_id)
-
-
-def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    # TensorImpl::is_non_overlapping_and_dense: the dimensions, by stride, tile memory exactly.
-    expected = 1
-    for size, stride in sorted(
-        ((n, s) for n, s in zip(sizes, strides, strict=True) if n != 1), key=lambda d: d[1]
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [0] * len(sizes), 1
-    for d in reversed(range(len(sizes))):
-        strides[d] = step
-        step *= max(sizes[d], 1)
-    return tuple(strides)
