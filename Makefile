@@ -37,9 +37,14 @@ demo: $(BIN)/oomkit
 # chunks it cannot take back, so one worker could run the last modules alone.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 TEST_DIST ?= worksteal
+# About 240 tests start `python -m oomkit` (or a script that imports it) in a process of its
+# own. A shell with PYTHONDONTWRITEBYTECODE set (as on the development machines) would have each
+# of them compile oomkit's ~290 modules from source again (about 0.4 s of CPU each): the tests
+# write bytecode as Python does by default (__pycache__, ignored by git). Empty is unset to Python.
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 test: $(BIN)/oomkit
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST)
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST)
 
 # CI also runs the allocator, replay and hostile-input tests on the compiled core that `pip install .` gives: a
 # wheel built by setup.py (mypyc; the build fails rather than fall back to pure Python), installed

@@ -19,6 +19,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from _folders import files_in
 
 from oomkit.core.target import Target
 from oomkit.prediction.predictor import predict
@@ -88,10 +89,6 @@ def _accelerate_as_in_a_new_process():
         yield
 
 
-def _files(folder):
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
-
-
 def _builder(folder, target, compile=False):
     user = load_user_step(str(folder / target), gpu=RTX4090.gpu)
     result = predict(user.step_fn, track=user.track, target=RTX4090, steps=3, compile=compile)
@@ -145,7 +142,7 @@ def test_nanogpt_train_py_predicts_its_builder_form(nanogpt, monkeypatch):
     """`python train.py config/train_shakespeare_char.py --n_layer=1 ...` (compile off): 3 steps,
     the same bytes as the step written as a builder; no checkpoint, only its out_dir made."""
     monkeypatch.chdir(nanogpt)
-    before = _files(nanogpt)
+    before = files_in(nanogpt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # nanoGPT's torch.cuda.amp.GradScaler
         scripted = predict_script(
@@ -155,7 +152,7 @@ def test_nanogpt_train_py_predicts_its_builder_form(nanogpt, monkeypatch):
     assert scripted.run.saves_skipped == 0
     assert _peaks(scripted) == _builder(nanogpt, "twin.py:build")
     # os.makedirs(out_dir) runs before the first step, as it would on the GPU; nothing else.
-    assert _files(nanogpt) == sorted([*before, "out-shakespeare-char"])
+    assert files_in(nanogpt) == sorted([*before, "out-shakespeare-char"])
     assert list((nanogpt / "out-shakespeare-char").iterdir()) == []
 
 
@@ -306,7 +303,7 @@ def test_an_accelerate_script_predicts_its_builder_form(tmp_path, monkeypatch):
     scripted = predict_script("train_acc.py", steps=3, target=RTX4090)
     assert scripted.run.steps_recorded == 3
     assert _peaks(scripted) == _builder(tmp_path, "twin_acc.py:build")
-    assert _files(tmp_path) == ["train_acc.py", "twin_acc.py"]
+    assert files_in(tmp_path) == ["train_acc.py", "twin_acc.py"]
 
 
 # A builder returning the trainer (tracing/trainers.py) restarts the trainer's loop for each
@@ -358,7 +355,7 @@ def test_a_lightning_script_predicts_the_trainer_path(tmp_path, monkeypatch, mor
     assert scripted.run.steps_recorded == 3
     monkeypatch.delitem(sys.modules, "train_pl", raising=False)  # this test's file, not a cached one
     assert _peaks(scripted) == _builder(tmp_path, "twin_pl.py:build")
-    assert _files(tmp_path) == ["train_pl.py", "twin_pl.py"]
+    assert files_in(tmp_path) == ["train_pl.py", "twin_pl.py"]
 
 
 TORCHRUN_SCRIPT = '''

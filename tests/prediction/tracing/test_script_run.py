@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from _folders import files_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,10 +147,6 @@ def _script_peaks(run):
     return prediction.peak_reserved_bytes, prediction.peak_allocated_bytes
 
 
-def _files(folder):
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
-
-
 def test_a_plain_dataloader_loop_equals_its_builder_form(tmp_path, monkeypatch):
     """`device = "cuda" if ... else "cpu"`, a DataLoader, argparse: 3 steps, the builder's bytes."""
     _write(tmp_path, "train.py", PLAIN_LOOP)
@@ -160,7 +157,7 @@ def test_a_plain_dataloader_loop_equals_its_builder_form(tmp_path, monkeypatch):
     assert len(run.recording.step_starts) == 3
     assert _script_peaks(run) == _builder_peaks(tmp_path, "twin.py:build")
     # Stopped at the third step: the torch.save after the loop never ran.
-    assert _files(tmp_path) == ["train.py", "twin.py"]
+    assert files_in(tmp_path) == ["train.py", "twin.py"]
     assert run.saves_skipped == 0
 
 
@@ -178,12 +175,12 @@ def test_a_loop_in_main_stops_at_its_steps_and_writes_nothing(tmp_path):
     the checkpoints it saves each step are skipped and the file after the loop never written."""
     _write(tmp_path, "loop.py", MAIN_LOOP)
     _write(tmp_path, "twin.py", MAIN_TWIN)
-    before = _files(tmp_path)
+    before = files_in(tmp_path)
     run = record_script(tmp_path / "loop.py", ["20"], steps=3, target=RTX4090, cwd=tmp_path)
     assert run.steps_recorded == 3
     # Steps 1 and 2 reach their torch.save; step 3 stops at its optimizer step, before its own.
     assert run.saves_skipped == 2
-    assert _files(tmp_path) == before
+    assert files_in(tmp_path) == before
     assert _script_peaks(run) == _builder_peaks(tmp_path, "twin.py:build")
 
 
