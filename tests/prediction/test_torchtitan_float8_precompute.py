@@ -79,9 +79,15 @@ def test_each_optimizer_step_ends_with_torchaos_one_precompute_of_all_scales(rec
     """What the precompute adds to each step, in the optimizer step (torchtitan's container
     post-hook): one float32 amax per float8 weight (``_foreach_norm``), their stack, its
     all-reduce and clamp, the float64 upcast, ``finfo.max / amax`` (reciprocal, mul) and the
-    float32 scales, N of each; and it takes nothing away from the step it ends."""
-    weights = 2 * len(debug_block_parameters()[0])  # the two blocks' float8 linears; the head is bf16
+    float32 scales, N of each; before the amaxes, the foreach kernel's float partials, N times
+    the chunks of 65,536 elements in the largest local shard (the FFN's 768 x 256 over 2 ranks:
+    98,304 elements, 2 chunks); and it takes nothing away from the step it ends."""
+    linears = debug_block_parameters()[0]
+    weights = 2 * len(linears)  # the two blocks' float8 linears; the head is bf16
+    chunks = -(-max(linears.values()) // _FSDP // 65536)
+    assert chunks == 2
     expected = collections.Counter({
+        ("optimizer", "aten._foreach_norm.Scalar", weights * chunks * _FP32_BYTES): 1,
         ("optimizer", "aten._foreach_norm.Scalar", _FP32_BYTES): weights,
         ("optimizer", "aten.stack.default", weights * _FP32_BYTES): 1,
         ("optimizer", "_c10d_functional.all_reduce.default", weights * _FP32_BYTES): 1,

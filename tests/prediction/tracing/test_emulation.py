@@ -14,9 +14,9 @@ def test_default_registry_holds_the_builtin_emulations():
     function and native_dropout), 12 ops of backward formulas' in-place branches, the engine's
     gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
     reductions (sum and mean, each with and without dims), 2 softmax ops (_safe_softmax and the
-    softmax backward), F.linear (its bias added in place), the layer norm backward, 2
-    convolution ops and 4 RNN functions."""
-    assert len(DEFAULT_EMULATIONS) == 52
+    softmax backward), F.linear (its bias added in place), the layer norm backward,
+    _foreach_norm, 2 convolution ops and 4 RNN functions."""
+    assert len(DEFAULT_EMULATIONS) == 53
     assert "aten.native_layer_norm_backward.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.linear" in DEFAULT_EMULATIONS
     assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(
@@ -26,6 +26,7 @@ def test_default_registry_holds_the_builtin_emulations():
         DEFAULT_EMULATIONS
     )
     assert "aten.pow.Scalar" in DEFAULT_EMULATIONS
+    assert "aten._foreach_norm.Scalar" in DEFAULT_EMULATIONS
     assert "torch.Tensor.__setitem__" in DEFAULT_EMULATIONS
     assert "aten.add.Tensor" in DEFAULT_EMULATIONS
     assert "aten._scaled_mm.default" in DEFAULT_EMULATIONS

@@ -41,6 +41,7 @@ from oomkit.prediction.tracing.emulations.cudnn_workspace import (
 )
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
+from oomkit.prediction.tracing.emulations.foreach_norm import register_foreach_norm
 from oomkit.prediction.tracing.emulations.inplace_adds import register_linear
 from oomkit.prediction.tracing.emulations.inplace_backward import (
     INPLACE_BRANCHES,
@@ -96,6 +97,7 @@ __all__ = [
     "register_defaults",
     "register_dropout",
     "register_embedding",
+    "register_foreach_norm",
     "register_inplace_backward",
     "register_input_buffer",
     "register_layer_norm",
@@ -146,6 +148,7 @@ def register_defaults(
     register_layer_norm(registry)
     register_scalars(registry)
     register_reductions(registry)
+    register_foreach_norm(registry)
     register_cudnn_workspace(registry, environ)
 
 
