@@ -55,15 +55,17 @@ class Run:
     mode: str = "train"
     checkpointing: bool = False
     compile: bool = False  # torch.compile (Inductor) on the GPU; `predict --compile` on meta
+    max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step
 
     @property
     def label(self) -> str:
         size = f"seq{self.seq_len}" if self.seq_len else f"img{self.image_size or 224}"
         ckpt = "-ckpt" if self.checkpointing else ""
         compiled = "-compile" if self.compile else ""
+        clip = "-clip" if self.max_grad_norm else ""
         return (
             f"{self.preset}-b{self.batch_size}-{size}-{self.precision}-{self.optimizer}-"
-            f"{self.mode}{ckpt}{compiled}"
+            f"{self.mode}{ckpt}{compiled}{clip}"
         )
 
     def options(self) -> dict:
@@ -91,6 +93,9 @@ RUNS: tuple[Run, ...] = (
     # partitioner for real and Inductor's memory plan emulated on meta), beside its eager twin.
     Run("gpt2-124m", 4, seq_len=512, precision="bf16-mixed", compile=True),
     Run("llama-1b", 1, seq_len=512, precision="bf16-mixed", compile=True),
+    # Gradient clipping: _foreach_norm's per-chunk partials (emulations/foreach_norm.py), read
+    # from ForeachReduceOp.cu and not yet measured.
+    Run("gpt2-124m", 4, seq_len=512, max_grad_norm=1.0),
 )
 
 

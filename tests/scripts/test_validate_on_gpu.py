@@ -169,3 +169,14 @@ def test_repredicted_keeps_the_gpus_figures_and_predicts_again_here():
     ) / 2_100_000_000
     assert out["measured_with_torch"] == "2.11.0+cu130"
     assert out["summary"]["runs_compared"] == 1
+
+
+def test_a_clipping_run_is_labelled_and_passes_max_grad_norm_to_step_options():
+    """The gradient-clipping run (foreach_norm.py's partials, not yet measured) says so in its
+    label and clips at 1.0; the others do not clip."""
+    from oomkit.prediction.models import StepOptions
+
+    clipped = [r for r in validate.RUNS if r.max_grad_norm]
+    assert [r.label for r in clipped] == ["gpt2-124m-b4-seq512-fp32-adamw-train-clip"]
+    assert StepOptions(**clipped[0].options()).max_grad_norm == 1.0
+    assert "max_grad_norm" not in validate.RUNS[0].options()

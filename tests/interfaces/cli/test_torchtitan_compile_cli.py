@@ -73,7 +73,9 @@ def test_compiled_peak_keeps_fsdp2_s_buffers_and_holds_fewer_activations(eager_a
         assert at_eager[kind] == at_compiled[kind], kind
     assert at_compiled["activation"] < at_eager["activation"]
     assert at_compiled["temporary"] < at_eager["temporary"]
-    assert eager["peak_allocated_bytes"] == 132712448
+    # The eager blocks' RMSNorms are torch 2.13's fused kernel (emulations/rms_norm.py): the
+    # composite's fp32 products, recomputed under the selective checkpoint, are not there.
+    assert eager["peak_allocated_bytes"] == 130877440
     # The compiled blocks save SDPA's output as torchtitan's selective-op policy asks (the CUDA
     # kernel CUDA picks, in the save list), where the composite traced on the fake device
     # would be recomputed.

@@ -15,8 +15,9 @@ def test_default_registry_holds_the_builtin_emulations():
     gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
     reductions (sum and mean, each with and without dims), 2 softmax ops (_safe_softmax and the
     softmax backward), F.linear (its bias added in place), the layer norm backward,
-    _foreach_norm, 2 convolution ops and 4 RNN functions."""
-    assert len(DEFAULT_EMULATIONS) == 53
+    _foreach_norm, F.rms_norm with the fused op and its backward, 2 convolution ops and 4 RNN
+    functions."""
+    assert len(DEFAULT_EMULATIONS) == 56
     assert "aten.native_layer_norm_backward.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.linear" in DEFAULT_EMULATIONS
     assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(
@@ -27,6 +28,8 @@ def test_default_registry_holds_the_builtin_emulations():
     )
     assert "aten.pow.Scalar" in DEFAULT_EMULATIONS
     assert "aten._foreach_norm.Scalar" in DEFAULT_EMULATIONS
+    assert {"torch.nn.functional.rms_norm", "aten._fused_rms_norm.default",
+            "aten._fused_rms_norm_backward.default"} <= set(DEFAULT_EMULATIONS)
     assert "torch.Tensor.__setitem__" in DEFAULT_EMULATIONS
     assert "aten.add.Tensor" in DEFAULT_EMULATIONS
     assert "aten._scaled_mm.default" in DEFAULT_EMULATIONS
@@ -76,3 +79,29 @@ def test_registering_twice_is_refused():
     registry.register("aten.mm.default")(lambda ctx: ctx.run())
     with pytest.raises(ValueError, match="already has an emulation hook"):
         registry.register("aten.mm.default")(lambda ctx: ctx.run())
+
+
+def test_a_watched_python_function_is_counted_and_hooked_once_per_call():
+    """F.dropout, run from the function mode, asks the other function modes on the stack
+    (handle_torch_function); the one that runs it calls reach_backward's wrapper, which enters
+    the mode again: that second entry runs the function without its hook (each call was
+    counted twice, and a hook that runs the function ran twice)."""
+    from oomkit.prediction.tracing import trace_step
+
+    def step(model):
+        x = torch.randn(4, 8, device="cuda")
+        for _ in range(3):
+            torch.nn.functional.dropout(x, 0.1)
+
+    unhooked = trace_step(step, torch.nn.Identity(), emulations=EmulationRegistry())
+    assert unhooked.warnings[0].startswith("torch.nn.functional.dropout ran 3 time(s)")
+    calls = []
+    registry = EmulationRegistry()
+
+    @registry.register("torch.nn.functional.dropout")
+    def counted(ctx):
+        calls.append(ctx.op_name)
+        return ctx.run()
+
+    trace_step(step, torch.nn.Identity(), emulations=registry)
+    assert len(calls) == 3

@@ -122,6 +122,12 @@ class DivergenceFunctionMode(TorchFunctionMode):
         # F.dropout passes itself, looked up in its module (so the wrapper), to
         # handle_torch_function; calling the wrapper from here would re-enter this mode.
         self._originals: dict[Callable[..., Any], Callable[..., Any]] = {}
+        # The watched functions being run by on_call now. F.dropout, run from here with this
+        # mode popped, asks the other function modes on the stack (handle_torch_function), and
+        # the one that runs it calls the wrapper, which pushes this mode again: that second
+        # entry of the same call runs the function, without on_call (it was counted twice,
+        # and its hook ran twice).
+        self._running: list[Callable[..., Any]] = []
 
     def __torch_function__(
         self,
@@ -132,8 +138,12 @@ class DivergenceFunctionMode(TorchFunctionMode):
     ) -> Any:
         func = self._originals.get(func, func)
         name = self._watched.get(func)
-        if name is not None:
-            return self._on_call(name, func, args, kwargs or {})
+        if name is not None and func not in self._running:
+            self._running.append(func)
+            try:
+                return self._on_call(name, func, args, kwargs or {})
+            finally:
+                self._running.pop()
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager

@@ -52,6 +52,7 @@ from oomkit.prediction.tracing.emulations.inplace_backward import (
 from oomkit.prediction.tracing.emulations.input_buffer import ACCUMULATE_OP, register_input_buffer
 from oomkit.prediction.tracing.emulations.layer_norm import register_layer_norm
 from oomkit.prediction.tracing.emulations.reductions import REDUCTION_OPS, register_reductions
+from oomkit.prediction.tracing.emulations.rms_norm import register_rms_norm
 from oomkit.prediction.tracing.emulations.scalars import register_scalars
 from oomkit.prediction.tracing.emulations.sdpa import register_sdpa, sdpa_backend_for
 from oomkit.prediction.tracing.emulations.sdpa_backend import (
@@ -103,6 +104,7 @@ __all__ = [
     "register_layer_norm",
     "register_linear",
     "register_reductions",
+    "register_rms_norm",
     "register_scalars",
     "register_softmax",
     "register_sdpa",
@@ -146,6 +148,7 @@ def register_defaults(
     register_input_buffer(registry)
     register_linear(registry)
     register_layer_norm(registry)
+    register_rms_norm(registry, torch_version=torch_version)
     register_scalars(registry)
     register_reductions(registry)
     register_foreach_norm(registry)
