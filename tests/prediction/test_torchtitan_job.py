@@ -143,6 +143,22 @@ def test_the_recording_says_what_it_changed_and_leaves_out(recorded):
     assert run.description.startswith(f"torchtitan 0.3.0 {TWO_BLOCKS[0]}:debugmodel (2,753,792 parameters)")
 
 
+def test_fsdp_norms_run_the_fused_kernel_and_tp_norms_say_they_do_not(recorded):
+    """torchtitan's nn.RMSNorm under FSDP2 (plain unsharded weights, plain activations) is
+    torch 2.13's fused _fused_rms_norm, 5 a step without AC (2 blocks x 2, the final norm);
+    under TP its sequence-parallel DTensor inputs stay the composite, which the recording
+    says."""
+    fsdp, _, _ = recorded[(2, 1, False)]
+    fused = [e for e in fsdp.step_events(1)
+             if e.action == "alloc" and e.tag("op") == "aten._fused_rms_norm.default"]
+    assert len(fused) == 5 * 2  # each call's output and rstd
+    assert not [w for w in fsdp.warnings if "DTensor inputs" in w]
+    tp, _, _ = recorded[(2, 2, False)]
+    assert not [e for e in tp.events if e.tag("op") == "aten._fused_rms_norm.default"]
+    assert [w for w in tp.warnings if w.startswith("torch.nn.functional.rms_norm ran ")
+            and "CUDA's fused kernel for DTensor inputs" in w]
+
+
 def test_the_recorded_rank_is_the_one_asked_for():
     """rank=1 of FSDP 2 holds the same (unpadded) shard as rank 0, and says its rank (one step:
     the shard is made before it)."""
