@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.prediction.tracing.emulations.reductions import OPMATH_BYTES
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 from oomkit.prediction.tracing.reduce_config import non_overlapping_and_dense
 
@@ -45,8 +46,6 @@ FOREACH_NORM_OP = "aten._foreach_norm.Scalar"
 
 # MultiTensorApply.cuh: `static constexpr int64_t kChunkSize = 65536;`
 CHUNK_ELEMENTS = 65536
-# at::opmath_type of the output dtype (OpMathType.h): float for the 16-bit floats.
-_OPMATH_BYTES = {torch.float16: 4, torch.bfloat16: 4, torch.float32: 4, torch.float64: 8}
 
 
 def register_foreach_norm(registry: EmulationRegistry) -> None:
@@ -58,13 +57,13 @@ def foreach_norm_partials_bytes(numels: list[int], out_dtype: torch.dtype) -> in
     """The bytes of ``output_per_tensor``: ``ntensors * max_chunks_per_tensor`` partials in the
     opmath type of ``out_dtype`` (0 when every tensor is empty)."""
     max_chunks = max((math.ceil(n / CHUNK_ELEMENTS) for n in numels), default=0)
-    return len(numels) * max_chunks * _OPMATH_BYTES[out_dtype]
+    return len(numels) * max_chunks * OPMATH_BYTES[out_dtype]
 
 
 def _fast_route(tensors: list[Any], p: float) -> bool:
     """``foreach_tensor_norm_cuda``'s test for the multi-tensor kernel (see the module doc)."""
     first = tensors[0]
-    if first.dtype not in _OPMATH_BYTES or p not in (1.0, 2.0, math.inf):
+    if first.dtype not in OPMATH_BYTES or p not in (1.0, 2.0, math.inf):
         return False
     return all(
         t.device == first.device
@@ -88,7 +87,7 @@ def _foreach_norm(ctx: EmulationContext) -> Any:
     if not isinstance(ord_, (int, float)) or not _fast_route(tensors, float(ord_)):
         return ctx.run()
     out_dtype = dtype if dtype is not None else tensors[0].dtype
-    if out_dtype not in _OPMATH_BYTES:
+    if out_dtype not in OPMATH_BYTES:
         return ctx.run()  # torch refuses it (check_foreach_norm_dtype): meta says so too
     partials_bytes = foreach_norm_partials_bytes([t.numel() for t in tensors], out_dtype)
     partials = (

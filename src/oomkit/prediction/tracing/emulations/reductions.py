@@ -50,7 +50,14 @@ from oomkit.prediction.tracing.reduce_config import non_overlapping_and_dense
 if TYPE_CHECKING:
     from oomkit.prediction.tracing.emulation import EmulationContext, EmulationRegistry
 
-__all__ = ["REDUCTION_OPS", "record_reduction", "register_reductions", "reduction_site"]
+__all__ = [
+    "LOW_PRECISION",
+    "OPMATH_BYTES",
+    "REDUCTION_OPS",
+    "record_reduction",
+    "register_reductions",
+    "reduction_site",
+]
 
 REDUCTION_OPS = (
     "aten.sum.default",
@@ -58,10 +65,11 @@ REDUCTION_OPS = (
     "aten.mean.default",
     "aten.mean.dim",
 )
-# arg_t of sum_functor and MeanOps (ReduceSumProdKernel.cu, ReduceMomentKernel.cu): float for
-# half, bfloat16 and float, double for double; an integer sum accumulates in its int64 output.
-_FLOATING_ARG_BYTES = {torch.float16: 4, torch.bfloat16: 4, torch.float32: 4, torch.float64: 8}
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# at::opmath_type (OpMathType.h): float for half, bfloat16 and float, double for double. It is
+# the arg_t of sum_functor and MeanOps (ReduceSumProdKernel.cu, ReduceMomentKernel.cu; an
+# integer sum accumulates in its int64 output) and the foreach norms' partials' type.
+OPMATH_BYTES = {torch.float16: 4, torch.bfloat16: 4, torch.float32: 4, torch.float64: 8}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def register_reductions(registry: EmulationRegistry) -> None:
@@ -82,11 +90,11 @@ def reduction_site(
     on CUDA; ``None`` for a complex input (not emulated)."""
     # make_reduction_from_out_ty (ReduceOpsUtils.h): the kernel reads the input in the output's
     # dtype, except a half or bfloat16 input reduced into float (cast inside the kernel).
-    lowp_to_float = x.dtype in _LOW_PRECISION and out_dtype == torch.float32
+    lowp_to_float = x.dtype in LOW_PRECISION and out_dtype == torch.float32
     in_dtype = x.dtype if lowp_to_float else out_dtype
     if in_dtype.is_complex:
         return None
-    arg_bytes = _FLOATING_ARG_BYTES.get(in_dtype, 8)
+    arg_bytes = OPMATH_BYTES.get(in_dtype, 8)
     sizes, strides = tuple(x.shape), tuple(x.stride())
     offset_bytes, cast_bytes = int(x.storage_offset()) * x.element_size(), 0
     if in_dtype != x.dtype:
@@ -106,7 +114,7 @@ def reduction_site(
         scalar_bytes=in_dtype.itemsize,
         output_bytes=out_dtype.itemsize,
         cast_bytes=cast_bytes,
-        accumulates_in_output=int(not (in_dtype == out_dtype and in_dtype in _LOW_PRECISION)),
+        accumulates_in_output=int(not (in_dtype == out_dtype and in_dtype in LOW_PRECISION)),
         offset_bytes=offset_bytes,
         reduced_mask=mask if ndim else 0,
         sizes=sizes,

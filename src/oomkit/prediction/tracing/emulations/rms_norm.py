@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from oomkit.prediction.tracing._torch_version import torch_minor
 from oomkit.prediction.tracing.autocast_policy import ADDED_IN
-from oomkit.prediction.tracing.emulations.reductions import record_reduction
+from oomkit.prediction.tracing.emulations.reductions import LOW_PRECISION, record_reduction
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -74,7 +74,6 @@ FUSED_RMS_NORM_BACKWARD_OP = "aten._fused_rms_norm_backward.default"
 # include/ATen/ops: 2.9.0 has _fused_rms_norm_cuda_dispatch.h, 2.8.0 does not).
 FUSED_SINCE = (2, 9)
 _PARAMS = ("input", "normalized_shape", "weight", "eps")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def register_rms_norm(registry: EmulationRegistry, *, torch_version: str | None = None) -> None:
@@ -120,7 +119,7 @@ def _autocast_dtype(tensor: Any, autocast_fp32: bool) -> torch.dtype | None:
     casts a floating, non-double CUDA tensor to fp32 where ``rms_norm`` is on the fp32 list."""
     if not isinstance(tensor, torch.Tensor):
         return None
-    if autocast_fp32 and torch.is_autocast_enabled("cuda") and tensor.dtype in _LOW_PRECISION:
+    if autocast_fp32 and torch.is_autocast_enabled("cuda") and tensor.dtype in LOW_PRECISION:
         return torch.float32
     return tensor.dtype
 
