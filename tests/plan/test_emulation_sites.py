@@ -18,10 +18,14 @@ from oomkit.plan.trace_interpolation import (
 )
 from oomkit.prediction.tracing.emulation_sites import (
     EMBEDDING_BACKWARD_SITE,
+    GAMMA_BETA_BACKWARD_SITE,
     REDUCTION_SITE,
     SITE_PLANS,
     EmulationSite,
+    GammaBetaBackward,
     embedding_backward_temporaries,
+    gamma_beta_backward_program,
+    two_pass_gamma_rows,
 )
 from oomkit.prediction.tracing.recording import TraceRecording
 
@@ -127,6 +131,99 @@ def test_any_batch_is_synthesized_as_built_from_any_two(first, gap, target, seq)
     assert synthesized.sites == built.sites and synthesized.step_starts == built.step_starts
 
 
+def _norms(batch, *, target=None):
+    """A traced step of a layer norm then an RMSNorm, 64 wide, over ``batch * 16,384`` rows (one
+    pass up to batch 4, two passes from 5: 64 / 32 = 2 < 66 on an H100), a contiguous gradient;
+    two steps."""
+    from oomkit.prediction.tracing import trace_step
+
+    ln = torch.nn.LayerNorm(64, device="meta")
+    rms = torch.nn.RMSNorm(64, device="meta")
+
+    def step(model):
+        x = torch.randn(batch * 16_384, 64, device="cuda", requires_grad=True)
+        y = rms(ln(x))
+        y.backward(torch.ones_like(y))
+
+    target = target or Target.resolve("h100", torch_version="2.13.0")
+    return trace_step(step, torch.nn.Sequential(ln, rms), steps=2, target=target)
+
+
+def test_norm_gradients_past_65536_rows_are_synthesized_from_one_pass_recordings():
+    """The layer norm's and RMSNorm's two-pass weight gradients are a site's program: learned
+    from batches 1 and 2 (one pass), batches 5 and 9 (two passes: the first gradients, partial
+    sums, each .sum(0) with its staging) come out as traced, event for event, and learned from
+    6 and 8, batch 3 without them."""
+    traced = {b: _norms(b) for b in (1, 2, 3, 5, 6, 8, 9)}
+    kinds = [s.kind for s in traced[5].sites if s.kind == GAMMA_BETA_BACKWARD_SITE]
+    assert len(kinds) == 4  # two norms, two steps
+    two_pass = [e for e in traced[5].events if e.tag("emulated", "").startswith("two_pass_")]
+    # a step: the layer norm's 2 first gradients, 2 partial sums and 2 x 2 staging and
+    # semaphores; the RMSNorm's 1 + 1 + 2
+    assert len(two_pass) == 2 * 12
+    assert not [e for e in traced[3].events if e.tag("emulated", "").startswith("two_pass_")]
+    assert recording_structure(traced[2]) == recording_structure(traced[5])
+    small = TraceInterpolator(points=2)
+    small.add(1, traced[1])
+    small.add(2, traced[2])
+    for batch in (5, 9):
+        assert same_recording(small.synthesize(batch), traced[batch])
+    large = TraceInterpolator(points=2)
+    large.add(6, traced[6])
+    large.add(8, traced[8])
+    assert same_recording(large.synthesize(3), traced[3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 10**7),
+    columns=st.integers(1, 8192),
+    sms=st.sampled_from([46, 82, 108, 132]),
+    element_bytes=st.sampled_from([2, 4, 8]),
+    with_weight=st.booleans(),
+    with_bias=st.booleans(),
+)
+def test_the_two_pass_program_frees_each_temporary_once_after_it_is_made(
+    rows, columns, sms, element_bytes, with_weight, with_bias
+):
+    """Whatever the sizes: nothing on the one-pass path; else one alloc and one later free of
+    each temporary, the partial sums of ``two_pass_gamma_rows`` rows, and every step beside the
+    weight gradient or the bias gradient after it."""
+    site = GammaBetaBackward(
+        rows=rows, columns=columns, width=columns, multiprocessor_count=sms,
+        max_threads_per_multiprocessor=2048, element_bytes=element_bytes,
+        arg_bytes=8 if element_bytes == 8 else 4, accumulates_in_output=int(element_bytes != 2),
+        dgamma_bytes=columns * element_bytes if with_weight else 0,
+        dbeta_bytes=columns * element_bytes if with_bias else 0,
+    )
+    steps = gamma_beta_backward_program(site.params())
+    partial_rows = two_pass_gamma_rows(rows, columns, sms)
+    gradients = int(with_weight) + int(with_bias)
+    if partial_rows is None or not gradients:
+        assert steps == ()
+        return
+    order = [(step.offset, step.after) for step in steps]
+    assert order == sorted(order)  # before the anchor, after it, after the next output
+    assert {step.offset for step in steps} == set(range(gradients))
+    made = {}
+    for step in steps:
+        if step.action == "alloc":
+            assert step.name not in made
+            made[step.name] = step.nbytes
+        else:
+            assert made.pop(step.name) == step.nbytes
+    assert made == {}
+    blocks = [step.nbytes for step in steps if step.name.endswith("_blocks")]
+    assert blocks == [partial_rows * columns * element_bytes] * (2 * gradients)
+
+
+def test_before_torch_2_8_the_norm_gradients_note_no_site():
+    """Targets without the two-pass branch reduce in one pass at any size: nothing to plan."""
+    recording = _norms(5, target=Target.resolve("h100", torch_version="2.7.1"))
+    assert not [s for s in recording.sites if s.kind == GAMMA_BETA_BACKWARD_SITE]
+    assert not [e for e in recording.events if e.tag("emulated", "").startswith("two_pass_")]
+
+
 def test_a_recording_whose_temporaries_are_not_its_plans_is_taken_as_it_is():
     """8 bytes more on a temporary than the plan gives: not normalized, so not of the direct
     path's structure, and a batch between the two is not synthesized from them."""
@@ -216,10 +313,13 @@ def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path(o
         for b in (1, 2, 4, 12)
     }
     # Per step: the position embedding (1,024 indices whatever the batch), then the token one
-    # (contiguous indices and gradients: no copies); the rest are the bias gradients' sums.
+    # (contiguous indices and gradients: no copies); the rest are the bias gradients' sums and
+    # the layer norms' weight and bias gradients (one pass below 65,536 rows).
     embedding = [s.params for s in traced[4].sites if s.kind == EMBEDDING_BACKWARD_SITE]
     assert embedding == [(1024, 8, 0, 0, 0), (4096, 8, 0, 0, 0)] * 2
-    assert {s.kind for s in traced[4].sites} == {EMBEDDING_BACKWARD_SITE, REDUCTION_SITE}
+    assert {s.kind for s in traced[4].sites} == {
+        EMBEDDING_BACKWARD_SITE, REDUCTION_SITE, GAMMA_BETA_BACKWARD_SITE
+    }
     emulated = [e for e in traced[4].events if e.tag("emulated", "").startswith("embedding_")]
     assert len(emulated) == 4 and {e.size for e in emulated} == {4096 * 8}
     assert not [e for e in traced[2].events if e.tag("emulated", "").startswith("embedding_")]

@@ -85,6 +85,11 @@ class _Normalized:
     stripped: bool
 
 
+def _is_temporary(event: TraceEvent, names: frozenset[str]) -> bool:
+    """Whether ``event`` allocates one of a site plan's temporaries (``names``)."""
+    return event.action == "alloc" and event.tag("emulated") in names
+
+
 def _normalize(recording: Any) -> _Normalized:
     """``recording`` without its sites' temporaries, if putting them back (``_restore``) with
     its own integers gives it back exactly; else as it is."""
@@ -104,15 +109,25 @@ def _normalize(recording: Any) -> _Normalized:
     dropped: set[int] = set()
     for site in sites:
         plan = SITE_PLANS[site.kind]
-        step = 1 if plan.after_anchor else -1
-        index = site.anchor + step
-        while (
-            0 <= index < len(events)
-            and events[index].action == "alloc"
-            and events[index].tag("emulated") in plan.names
-        ):
+        steps = plan.steps(site.params)
+        # Back from the anchor over the temporaries allocated before it, then on from it over
+        # those allocated after it, the frees of any of them and the call's other outputs the
+        # steps sit beside (a program's: ``SiteStep.offset``).
+        index = site.anchor - 1
+        while index >= 0 and _is_temporary(events[index], plan.names):
             dropped.add(events[index].address)
-            index += step
+            index -= 1
+        outputs = max((step.offset for step in steps), default=0)
+        index = site.anchor + 1
+        while index < len(events):
+            event = events[index]
+            if _is_temporary(event, plan.names):
+                dropped.add(event.address)
+            elif event.action == "alloc" and outputs:
+                outputs -= 1
+            elif event.action == "alloc" or event.address not in dropped:
+                break
+            index += 1
     kept: list[int] = [i for i, e in enumerate(events) if e.address not in dropped]
     position = {old: new for new, old in enumerate(kept)}
     if any(site.anchor not in position for site in sites):
@@ -151,10 +166,11 @@ def _restore(
     next_id: int,
 ) -> tuple[tuple[TraceEvent, ...], tuple[int, ...], tuple[EmulationSite, ...], dict[str, int]]:
     """(events, step starts, sites, bytes per category) with ``sizes`` for the normalized
-    events and, at each site, the temporaries its plan gives for ``params``: allocated just
-    before its anchor (just after it with ``after_anchor``), freed just after it and them (last
-    first), with the anchor's frames and stream
-    and its tags (the plan's category and op, an ``emulated`` tag); new ids from ``next_id``."""
+    events and, at each site, the temporaries its plan gives for ``params``, each allocation and
+    free where its step places it (``SitePlan.steps``: by default allocated just before the
+    anchor, or just after it with ``after_anchor``, and freed just after it and them, last
+    first), with the anchor's frames and stream and its tags (the plan's category and op, an
+    ``emulated`` tag); new ids from ``next_id``."""
     from oomkit.prediction.tracing.emulation_sites import SITE_PLANS, EmulationSite
 
     events = normalized.events
@@ -169,21 +185,27 @@ def _restore(
             # a temporary serves no parameter and no optimizer: the anchor's own tags
             if name not in ("saved_for_backward", "emulated", "parameter", "optimizer")
         )
-        before: list[TraceEvent] = []
-        after: list[TraceEvent] = []
-        for what, nbytes in plan.temporaries(values):
-            address, next_id = next_id, next_id + 1
-            tags = (*base, ("emulated", what))
-            before.append(
-                new_trace_event("alloc", address, nbytes, anchor.stream, None, anchor.frames, tags)
-            )
-            totals[plan.category] = totals.get(plan.category, 0) + nbytes
-            free_tags = (("category", plan.category),)
-            after[:0] = [
-                new_trace_event(action, address, nbytes, anchor.stream, None, anchor.frames, free_tags)
-                for action in ("free_requested", "free_completed")
-            ]
-        inserts[site.anchor] = ([], before + after) if plan.after_anchor else (before, after)
+        addresses: dict[str, int] = {}
+        free_tags = (("category", plan.category),)
+        for step in plan.steps(values):
+            beside = inserts.setdefault(site.anchor + step.offset, ([], []))
+            placed = beside[1] if step.after else beside[0]
+            if step.action == "alloc":
+                address, next_id = next_id, next_id + 1
+                addresses[step.name] = address
+                tags = (*base, ("emulated", step.name))
+                placed.append(
+                    new_trace_event("alloc", address, step.nbytes, anchor.stream, None, anchor.frames, tags)
+                )
+                totals[plan.category] = totals.get(plan.category, 0) + step.nbytes
+            else:
+                placed.extend(
+                    new_trace_event(
+                        action, addresses[step.name], step.nbytes, anchor.stream, None,
+                        anchor.frames, free_tags,
+                    )
+                    for action in ("free_requested", "free_completed")
+                )
     out: list[TraceEvent] = []
     moved: list[int] = []  # new index of each normalized event
     for index, (event, size) in enumerate(zip(events, sizes, strict=True)):

@@ -14,10 +14,10 @@ def test_default_registry_holds_the_builtin_emulations():
     function and native_dropout), 12 ops of backward formulas' in-place branches, the engine's
     gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
     reductions (sum and mean, each with and without dims), 2 softmax ops (_safe_softmax and the
-    softmax backward), F.linear (its bias added in place), the layer norm backward,
+    softmax backward), F.linear (its bias added in place), the layer norm and its backward,
     _foreach_norm, F.rms_norm with the fused op and its backward, 2 convolution ops and 4 RNN
     functions."""
-    assert len(DEFAULT_EMULATIONS) == 56
+    assert len(DEFAULT_EMULATIONS) == 57
     assert "aten.native_layer_norm_backward.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.linear" in DEFAULT_EMULATIONS
     assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from oomkit.core.target import Target
 from oomkit.prediction.tracing import trace_step
-from oomkit.prediction.tracing.emulations.rms_norm import two_pass_gamma_rows
+from oomkit.prediction.tracing.emulation_sites import two_pass_gamma_rows
 
 torch = pytest.importorskip("torch")
 
@@ -131,12 +131,12 @@ def test_more_than_65536_rows_reduce_the_weight_gradient_in_two_passes():
     events = _backward(_norm(torch.bfloat16), 100_000, torch.bfloat16)
     assert events[:7] == [
         ("alloc", 204_800_000, BACKWARD, None),
-        ("alloc", 2048, BACKWARD, "rms_norm_dgamma"),
+        ("alloc", 2048, BACKWARD, "two_pass_dgamma"),
         ("alloc", 204_800_000, BACKWARD, "rms_norm_contiguous_copy"),
-        ("alloc", 2_097_152, BACKWARD, "rms_norm_dgamma_blocks"),
+        ("alloc", 2_097_152, BACKWARD, "two_pass_dgamma_blocks"),
         ("alloc", 2048, BACKWARD, None),
-        ("alloc", 8_388_608, BACKWARD, "reduction_staging"),
-        ("alloc", 32, BACKWARD, "reduction_semaphores"),
+        ("alloc", 8_388_608, BACKWARD, "two_pass_dgamma_reduction_staging"),
+        ("alloc", 32, BACKWARD, "two_pass_dgamma_reduction_semaphores"),
     ]
     assert [e[1] for e in events[7:12]] == [32, 8_388_608, 2048, 2_097_152, 204_800_000]
 

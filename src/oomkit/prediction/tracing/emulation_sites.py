@@ -15,12 +15,19 @@ A second kind: ``sum`` and ``mean`` (``emulations/reductions.py``), whose multi-
 appears once the reduced extent is large enough and then grows with it, not affinely
 (``reduce_config.py``). Their temporaries come after the output (``SitePlan.after_anchor``).
 
+A third: the weight and bias gradients of layer norm's and RMSNorm's CUDA backward
+(``emulations/layer_norm.py``), reduced in two passes past 65,536 rows. Its temporaries are
+not held around one output: the first gradients and their partial sums are allocated before
+the weight gradient, each gradient's ``.sum(0)`` staging after it, and the first tensors freed
+one at a time (``SitePlan.program``: each step placed before or after an output of the call).
+
 It needs no torch itself, but importing it imports ``oomkit.prediction.tracing``, which does:
 ``plan/trace_interpolation.py`` imports it only where a recording has sites.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,18 +42,24 @@ from oomkit.prediction.tracing.reduce_config import (
 __all__ = [
     "EMBEDDING_BACKWARD_SITE",
     "EMBEDDING_SMALL_PATH_MAX_INDICES",
+    "GAMMA_BETA_BACKWARD_SITE",
     "REDUCTION_SITE",
     "SITE_PLANS",
     "EmulationSite",
-    "SitePlan",
+    "GammaBetaBackward",
     "ReductionSite",
+    "SitePlan",
+    "SiteStep",
     "embedding_backward_temporaries",
+    "gamma_beta_backward_program",
     "reduction_temporaries",
     "staging_temporaries",
+    "two_pass_gamma_rows",
 ]
 
 EMBEDDING_BACKWARD_SITE = "embedding_dense_backward"
 REDUCTION_SITE = "reduction"
+GAMMA_BETA_BACKWARD_SITE = "gamma_beta_backward"
 # Embedding.cu embedding_dense_backward_cuda: the direct (unsorted) kernel's limit.
 EMBEDDING_SMALL_PATH_MAX_INDICES = 3072
 # The `emulated` tags of the sort path's temporaries (one place: the plan's names are these).
@@ -82,6 +95,25 @@ class EmulationSite:
 
 
 @dataclass(frozen=True)
+class SiteStep:
+    """One allocation or free of a site's temporaries, placed among the call's outputs.
+
+    Attributes:
+        offset: which output it sits beside: 0 the anchor, 1 the output allocated next, ...
+        after: just after that output (and the steps placed there before it); else just before.
+        action: ``"alloc"`` or ``"free"`` (of the temporary allocated as ``name``).
+        name: the temporary's ``emulated`` tag, unique in its site.
+        nbytes: the temporary's size in bytes.
+    """
+
+    offset: int
+    after: bool
+    action: str
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class SitePlan:
     """The temporaries of one kind of site.
 
@@ -94,13 +126,27 @@ class SitePlan:
             order; empty on the path that allocates none.
         after_anchor: the temporaries are allocated just after the anchor (and freed, last
             first, right after them) rather than just before it.
+        program: params -> the steps, for temporaries that are not held together around the
+            anchor (``temporaries`` then unused); see :meth:`steps`.
     """
 
     op: str
     category: str
     names: frozenset[str]
-    temporaries: Callable[[tuple[int, ...]], tuple[tuple[str, int], ...]]
+    temporaries: Callable[[tuple[int, ...]], tuple[tuple[str, int], ...]] = lambda params: ()
     after_anchor: bool = False
+    program: Callable[[tuple[int, ...]], tuple[SiteStep, ...]] | None = None
+
+    def steps(self, params: tuple[int, ...]) -> tuple[SiteStep, ...]:
+        """Every allocation and free of a call's temporaries, in order: the ``program``'s, or
+        the ``temporaries`` allocated just before the anchor (just after it with
+        ``after_anchor``) and freed just after it and them, last first."""
+        if self.program is not None:
+            return self.program(params)
+        temporaries = self.temporaries(params)
+        allocs = [SiteStep(0, self.after_anchor, "alloc", what, n) for what, n in temporaries]
+        frees = [SiteStep(0, True, "free", what, n) for what, n in reversed(temporaries)]
+        return (*allocs, *frees)
 
 
 def embedding_backward_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
@@ -260,6 +306,88 @@ def reduction_temporaries(params: tuple[int, ...]) -> tuple[tuple[str, int], ...
     return ReductionSite.from_params(params).temporaries()
 
 
+def two_pass_gamma_rows(rows: int, columns: int, multiprocessor_count: int) -> int | None:
+    """``LaunchGammaBetaBackwardCUDAKernel``'s partial sums (aten/src/ATen/native/cuda/
+    layer_norm_kernel.cu; CUDA's ``block_dim_x`` 32, ``rows_per_block_y`` 32, ``max_grid_size``
+    32,768): how many rows its ``dgamma_blocks`` has, or ``None`` where it reduces in one pass
+    (``M <= 64 * 1024`` or ``N / 32 >= SMs / 2``)."""
+    if rows <= 64 * 1024 or columns // 32 >= multiprocessor_count // 2:
+        return None
+    blocks_x = -(-columns // 32)
+    return min((64 * 1024 // 2) // blocks_x, -(-rows // 32))
+
+
+@dataclass(frozen=True)
+class GammaBetaBackward:
+    """The integers a norm backward's weight and bias gradients depend on (a site's ``params``).
+
+    Attributes:
+        rows, columns: ``M`` and ``N`` (``N`` the normalized shape's elements).
+        width: ``dgamma->size(-1)``, the partial sums' row length (the normalized shape's last
+            dimension).
+        multiprocessor_count, max_threads_per_multiprocessor: the target's.
+        element_bytes: the gradients' element size; ``arg_bytes`` the ``.sum(0)``'s
+            accumulator (``at::opmath_type``); ``accumulates_in_output`` 0 for 16-bit floats.
+        dgamma_bytes, dbeta_bytes: each gradient's bytes; 0 where it is not computed.
+    """
+
+    rows: int
+    columns: int
+    width: int
+    multiprocessor_count: int
+    max_threads_per_multiprocessor: int
+    element_bytes: int
+    arg_bytes: int
+    accumulates_in_output: int
+    dgamma_bytes: int
+    dbeta_bytes: int
+
+    def params(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def gamma_beta_backward_program(params: tuple[int, ...]) -> tuple[SiteStep, ...]:
+    """The two-pass branch of ``LaunchGammaBetaBackwardCUDAKernel`` (``GammaBetaBackward``
+    params), none where it reduces in one pass. Before the weight gradient: the first
+    ``dgamma`` and ``dbeta`` (``layer_norm_backward_cuda``'s outputs, in that order), then
+    ``dgamma_blocks`` and ``dbeta_blocks``. After each gradient (``*dgamma =
+    dgamma_blocks.sum(0)``, then ``*dbeta``): the sum's staging, freed when it is queued, then
+    the first tensor, freed by the assignment. After the last: the partial sums, ``dbeta_blocks``
+    first (C++ destroys locals last first)."""
+    site = GammaBetaBackward(*params)
+    rows = two_pass_gamma_rows(site.rows, site.columns, site.multiprocessor_count)
+    gradients = [
+        (name, nbytes)
+        for name, nbytes in (("dgamma", site.dgamma_bytes), ("dbeta", site.dbeta_bytes))
+        if nbytes
+    ]
+    if rows is None or not gradients:
+        return ()
+    partial = rows * site.width * site.element_bytes
+    steps = [SiteStep(0, False, "alloc", f"two_pass_{name}", n) for name, n in gradients]
+    steps += [SiteStep(0, False, "alloc", f"two_pass_{name}_blocks", partial) for name, _ in gradients]
+    # .sum(0) of the [rows, width] partial sums into a tensor of their dtype.
+    reduction = ReductionSite(
+        multiprocessor_count=site.multiprocessor_count,
+        max_threads_per_multiprocessor=site.max_threads_per_multiprocessor,
+        arg_bytes=site.arg_bytes, scalar_bytes=site.element_bytes,
+        output_bytes=site.element_bytes, cast_bytes=0,
+        accumulates_in_output=site.accumulates_in_output, offset_bytes=0, reduced_mask=1,
+        sizes=(rows, site.width), strides=(site.width, 1),
+    )
+    for offset, (name, nbytes) in enumerate(gradients):
+        staging = [(f"two_pass_{name}_{what}", n) for what, n in reduction.temporaries()]
+        steps += [SiteStep(offset, True, "alloc", what, n) for what, n in staging]
+        steps += [SiteStep(offset, True, "free", what, n) for what, n in reversed(staging)]
+        steps.append(SiteStep(offset, True, "free", f"two_pass_{name}", nbytes))
+    last = len(gradients) - 1
+    steps += [
+        SiteStep(last, True, "free", f"two_pass_{name}_blocks", partial)
+        for name, _ in reversed(gradients)
+    ]
+    return tuple(steps)
+
+
 SITE_PLANS: Mapping[str, SitePlan] = {
     EMBEDDING_BACKWARD_SITE: SitePlan(
         op="aten.embedding_dense_backward.default",
@@ -275,5 +403,17 @@ SITE_PLANS: Mapping[str, SitePlan] = {
         ),
         temporaries=reduction_temporaries,
         after_anchor=True,
+    ),
+    GAMMA_BETA_BACKWARD_SITE: SitePlan(
+        op="aten.native_layer_norm_backward.default",  # and aten._fused_rms_norm_backward
+        category="temporary",
+        names=frozenset(
+            f"two_pass_{name}{suffix}"
+            for name in ("dgamma", "dbeta")
+            for suffix in ("", "_blocks", *(f"_{what}" for what in (
+                _REDUCTION_CAST, _REDUCTION_ACCUMULATOR, _REDUCTION_STAGING, _REDUCTION_SEMAPHORES
+            )))
+        ),
+        program=gamma_beta_backward_program,
     ),
 }

@@ -147,7 +147,7 @@ def register_defaults(
     register_inplace_backward(registry)
     register_input_buffer(registry)
     register_linear(registry)
-    register_layer_norm(registry)
+    register_layer_norm(registry, torch_version=torch_version)
     register_rms_norm(registry, torch_version=torch_version)
     register_scalars(registry)
     register_reductions(registry)

@@ -52,7 +52,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from oomkit.prediction.tracing._torch_version import torch_minor
 from oomkit.prediction.tracing.autocast_policy import ADDED_IN
-from oomkit.prediction.tracing.emulations.reductions import LOW_PRECISION, record_reduction
+from oomkit.prediction.tracing.emulations.layer_norm import (
+    contiguous_copies,
+    free_last_first,
+    weight_gradients,
+)
+from oomkit.prediction.tracing.emulations.reductions import LOW_PRECISION
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -64,7 +69,6 @@ __all__ = [
     "FUSED_SINCE",
     "RMS_NORM_FUNCTION",
     "register_rms_norm",
-    "two_pass_gamma_rows",
 ]
 
 RMS_NORM_FUNCTION = "torch.nn.functional.rms_norm"
@@ -74,6 +78,7 @@ FUSED_RMS_NORM_BACKWARD_OP = "aten._fused_rms_norm_backward.default"
 # include/ATen/ops: 2.9.0 has _fused_rms_norm_cuda_dispatch.h, 2.8.0 does not).
 FUSED_SINCE = (2, 9)
 _PARAMS = ("input", "normalized_shape", "weight", "eps")
+_COPY = "rms_norm_contiguous_copy"
 
 
 def register_rms_norm(registry: EmulationRegistry, *, torch_version: str | None = None) -> None:
@@ -90,16 +95,6 @@ def register_rms_norm(registry: EmulationRegistry, *, torch_version: str | None 
     )
     registry.register(FUSED_RMS_NORM_OP)(_fused_rms_norm)
     registry.register(FUSED_RMS_NORM_BACKWARD_OP)(_fused_rms_norm_backward)
-
-
-def two_pass_gamma_rows(rows: int, columns: int, multiprocessor_count: int) -> int | None:
-    """``LaunchGammaBetaBackwardCUDAKernel``'s partial sums (layer_norm_kernel.cu, CUDA's
-    ``block_dim_x`` 32): how many rows of ``columns`` its ``dgamma_blocks`` has, or ``None``
-    where it reduces in one pass (``M <= 64 * 1024`` or ``N / 32 >= SMs / 2``)."""
-    if rows <= 64 * 1024 or columns // 32 >= multiprocessor_count // 2:
-        return None
-    blocks_x = -(-columns // 32)
-    return min((64 * 1024 // 2) // blocks_x, -(-rows // 32))
 
 
 def _plain_cuda(tensor: Any) -> bool:
@@ -183,30 +178,16 @@ class _FusedRmsNorm(torch.autograd.Function):
         return dx, dweight, None, None
 
 
-def _contiguous_copies(ctx: EmulationContext, *tensors: Any) -> list[int]:
-    """``expect_contiguous()`` of each tensor given: a copy of those that are not contiguous."""
-    return [
-        ctx.allocate(t.numel() * t.element_size(), "temporary", "rms_norm_contiguous_copy")
-        for t in tensors
-        if isinstance(t, torch.Tensor) and not t.is_contiguous()
-    ]
-
-
-def _free_last_first(ctx: EmulationContext, ids: list[int]) -> None:
-    for alloc_id in reversed(ids):  # C++ destroys locals in reverse order
-        ctx.free(alloc_id)
-
-
 def _fused_rms_norm(ctx: EmulationContext) -> Any:
     # Schema: (input, normalized_shape, weight, eps) -> (Y, rstd).
     x = ctx.args[0] if ctx.args else None
     if not isinstance(x, torch.Tensor) or not stands_for_cuda(x):
         return ctx.run()
     weight = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("weight")
-    copies = _contiguous_copies(ctx, x, weight)
+    copies = contiguous_copies(ctx, _COPY, x, weight)
     out = ctx.run()
     ctx.record_outputs(list(out))
-    _free_last_first(ctx, copies)
+    free_last_first(ctx, copies)
     return out
 
 
@@ -215,32 +196,15 @@ def _fused_rms_norm_backward(ctx: EmulationContext) -> Any:
     grad, x = ctx.args[0], ctx.args[1]
     if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
         return ctx.run()
-    shape = list(ctx.args[2])
     weight = ctx.args[4] if len(ctx.args) > 4 else ctx.kwargs.get("weight")
-    copies = _contiguous_copies(ctx, x, weight)
+    copies = contiguous_copies(ctx, _COPY, x, weight)
     dx, dgamma = ctx.run()
     ctx.record_outputs(dx)
-    columns = math.prod(shape)
-    assert ctx.gpu is not None
-    two_pass = (
-        None if dgamma is None
-        else two_pass_gamma_rows(x.numel() // columns, columns, ctx.gpu.kernel_multiprocessor_count)
+    # RMSNormBackwardKernelImpl: dY.contiguous(), then layer norm's gamma kernels (the fused op
+    # exists from 2.9, after their two-pass branch).
+    grad_copy = weight_gradients(
+        ctx, x, math.prod(ctx.args[2]), dgamma, None, grad, two_pass=True, copy_tag=_COPY
     )
-    first = None
-    if two_pass is None:
-        ctx.record_outputs([t for t in (dgamma,) if t is not None])
-    else:
-        first = ctx.allocate(dgamma.numel() * dgamma.element_size(), "temporary", "rms_norm_dgamma")
-    grad_copy = _contiguous_copies(ctx, grad)  # RMSNormBackwardKernelImpl: dY.contiguous()
-    if two_pass is not None:
-        blocks = torch.empty((two_pass, columns), dtype=dgamma.dtype, device="meta")
-        partial = ctx.allocate(blocks.numel() * blocks.element_size(), "temporary",
-                               "rms_norm_dgamma_blocks")
-        record_reduction(ctx, blocks, dgamma, [0])  # *dgamma = dgamma_blocks.sum(0)
-        ctx.record_outputs(dgamma)  # a reduction without staging records it here
-        assert first is not None
-        ctx.free(first)  # the first dgamma, released by the assignment
-        ctx.free(partial)
-    _free_last_first(ctx, grad_copy)
-    _free_last_first(ctx, copies)
+    free_last_first(ctx, grad_copy)
+    free_last_first(ctx, copies)
     return dx, dgamma
