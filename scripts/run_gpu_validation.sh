@@ -21,7 +21,7 @@ for phase in $phases; do
     case $phase in
         sdpa) timeout 120 python3 scripts/probe_sdpa_on_gpu.py --out "$out/validation/sdpa-probe.json" ;;
         lag) timeout 150 python3 scripts/measure_gpu_lag.py --out "$out/validation/gpu-lag.json" ;;
-        fidelity) timeout 150 python3 scripts/validate_fidelity_on_gpu.py --out-root "$out" ;;
+        fidelity) timeout 200 python3 scripts/validate_fidelity_on_gpu.py --out-root "$out" ;;
         validate)
             extra=()
             if [ "${SNAPSHOTS:-0}" = 1 ]; then extra=(--snapshot-dir "$snapshots"); fi

@@ -18,12 +18,22 @@ Each probe runs in its own child process (a fresh CUDA context and fresh cuBLAS 
   op and a cuBLAS matmul, with ``CUDA_MODULE_LOADING`` unset and ``EAGER``; compared with the
   range ``oomkit.core.gpus.overhead.cuda_context`` assumes for this GPU, CUDA and mode.
 
+- ``layer-norm-two-pass``: a 768-wide layer norm over 100,000 rows, forward and backward; past
+  65,536 rows torch 2.8 and later reduce its weight and bias gradients in two passes
+  (emulations/layer_norm.py), read from the source and never measured.
+- ``layer-norm-transposed``: a layer norm of a transposed input (ViT's ``ln_1`` seen through a
+  transpose), whose CUDA forward and backward copy the input (``expect_contiguous``).
+- ``rms-norm-fused``: ``nn.RMSNorm`` in bf16 over 100,000 rows, forward and backward: torch 2.9's
+  fused ``_fused_rms_norm`` (emulations/rms_norm.py) and its two-pass weight gradient.
+- ``clip-grad-norm``: ``clip_grad_norm_`` of 8 gradients: ``_foreach_norm``'s per-chunk partial
+  norms (emulations/foreach_norm.py).
+
 - ``nccl-one-rank`` (issue 38 item 3): device memory outside the allocator that NCCL's first
   one-rank communicator adds (init, first collectives), then a second and a third; oomkit counts
   no buffers for one rank, so this is NCCL's fixed cost per process and per communicator.
 
-The peak probes also keep the GPU's requests in order (``measured_events``) for comparing with
-the recording where the peaks differ. The compiled GPT-2 step of item 4 is a run of
+The peak probes also keep the GPU's requests in order (``measured_events``) and the recording's
+(``predicted_events``, for the installed torch), to compare where the peaks differ. The compiled GPT-2 step of item 4 is a run of
 ``scripts/validate_on_gpu.py`` (``compile=True``).
 
 It writes ``validation/fidelity-<gpu>-torch<version>.json``. The comparison functions are pure
@@ -139,10 +149,68 @@ def _cross_entropy_backward(device: str) -> tuple[Callable[..., Any], tuple[Any,
     return step, (logits, target)
 
 
+def _norm_step(norm: Any, x: Any) -> None:
+    y = norm(x)
+    y.backward(y.new_ones(y.shape))
+    x.grad = None
+    norm.zero_grad(set_to_none=True)
+
+
+def _layer_norm_two_pass(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    import torch
+
+    with torch.device(device):
+        norm = torch.nn.LayerNorm(768)
+        x = torch.zeros(100_000, 768, requires_grad=True)
+    return _norm_step, (norm, x)
+
+
+def _layer_norm_transposed(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    import torch
+
+    with torch.device(device):
+        norm = torch.nn.LayerNorm(768)
+        x = torch.zeros(197, 8, 768, requires_grad=True)
+
+    def step(norm: Any, x: Any) -> None:
+        norm(x.transpose(0, 1)).sum().backward()
+        x.grad = None
+        norm.zero_grad(set_to_none=True)
+
+    return step, (norm, x)
+
+
+def _rms_norm_fused(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    import torch
+
+    with torch.device(device):
+        norm = torch.nn.RMSNorm(1024, dtype=torch.bfloat16)
+        x = torch.zeros(100_000, 1024, dtype=torch.bfloat16, requires_grad=True)
+    return _norm_step, (norm, x)
+
+
+def _clip_grad_norm(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    import torch
+
+    with torch.device(device):
+        model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(8)))
+        for weight in model.parameters():
+            weight.grad = torch.zeros_like(weight)
+
+    def step(model: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    return step, (model,)
+
+
 PEAK_PROBES: dict[str, Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]]]] = {
     "inference-mode-autocast": _inference_mode_autocast,
     "no-grad-autocast": _no_grad_autocast,
     "cross-entropy-backward": _cross_entropy_backward,
+    "layer-norm-two-pass": _layer_norm_two_pass,
+    "layer-norm-transposed": _layer_norm_transposed,
+    "rms-norm-fused": _rms_norm_fused,
+    "clip-grad-norm": _clip_grad_norm,
 }
 CONTEXT_PROBES: dict[str, str | None] = {"context-lazy": None, "context-eager": "EAGER"}
 # Issue 38 item 3: NCCL's memory outside the allocator. One GPU makes a one-rank communicator
@@ -165,14 +233,38 @@ def _peak_child(name: str) -> dict:  # pragma: no cover - needs a GPU
     measured = torch.cuda.max_memory_allocated()
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
+    target = probe_target(torch.__version__)
     meta_step, meta_args = PEAK_PROBES[name]("meta")
-    predicted = predict(meta_step, *meta_args, steps=1).peak_allocated_bytes
+    predicted = predict(meta_step, *meta_args, steps=1, target=target).peak_allocated_bytes
     record = compare_peak(name, measured, predicted)
     # The step's requests in order, to compare with the recording where the peaks differ.
     record["measured_events"] = [
         [e["action"], e["size"]] for e in trace if e["action"] in ("alloc", "free_completed")
     ]
+    record["predicted_events"] = predicted_events(name, target)
     return record
+
+
+def probe_target(torch_version: str) -> Any:
+    """The target the probes are predicted for: an H100 (the H200's 132 SMs, which the kernels'
+    paths read) running the torch installed here."""
+    from oomkit.core.target import Target
+
+    return Target.resolve("h100", torch_version=torch_version.split("+")[0])
+
+
+def predicted_events(name: str, target: Any) -> list[list[Any]]:
+    """The recording of probe ``name``'s step, as ``measured_events`` lists the GPU's: each
+    alloc and completed free with its size, from the step's first event."""
+    from oomkit.prediction.tracing import trace_step
+
+    step, args = PEAK_PROBES[name]("meta")
+    recording = trace_step(step, *args, target=target)
+    return [
+        [e.action, e.size]
+        for e in recording.events[recording.step_starts[0]:]
+        if e.action in ("alloc", "free_completed")
+    ]
 
 
 def _context_child(name: str) -> dict:  # pragma: no cover - needs a GPU

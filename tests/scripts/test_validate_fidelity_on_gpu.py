@@ -66,3 +66,62 @@ def test_meta_side_cross_entropy_backward_holds_four_logits():
     target = 8192 * 8
     # + the loss and nll_loss's saved total_weight, one 512-byte block each.
     assert _predicted("cross-entropy-backward") == 4 * logits + target + 2 * 512
+
+
+def _probe(name: str, torch_version: str = "2.13.0+cu130") -> tuple[int, list[list]]:
+    """(peak allocated, recorded events) of probe ``name`` as the GPU run predicts it."""
+    from oomkit import predict
+
+    target = fidelity.probe_target(torch_version)
+    step, args = fidelity.PEAK_PROBES[name]("meta")
+    peak = predict(step, *args, steps=1, target=target).peak_allocated_bytes
+    return peak, fidelity.predicted_events(name, target)
+
+
+def test_meta_side_layer_norm_two_pass_holds_the_partial_sums_and_a_sums_staging():
+    """100,000 x 768 fp32: input, output, the ones gradient and dX (307.2 MB each), mean and rstd
+    (400,000 bytes, 400,384 as blocks), weight and bias, the first dgamma and dbeta, 1,365 rows
+    of partial sums for each, the new dgamma and dgamma's .sum(0) staging and semaphores."""
+    peak, events = _probe("layer-norm-two-pass")
+    assert peak == (
+        4 * 307_200_000 + 2 * 400_384 + 2 * 3072 + 2 * 3072 + 2 * 1365 * 768 * 4 + 3072
+        + 8_650_752 + 512
+    )
+    assert events[5:10] == [
+        ["alloc", 3072], ["alloc", 3072], ["alloc", 1365 * 768 * 4], ["alloc", 1365 * 768 * 4],
+        ["alloc", 3072],
+    ]
+    # torch 2.7 reduces in one pass: no partial sums.
+    assert ["alloc", 1365 * 768 * 4] not in _probe("layer-norm-two-pass", "2.7.1")[1]
+
+
+def test_meta_side_rms_norm_is_the_fused_kernel_with_a_two_pass_weight_gradient():
+    """100,000 x 1,024 bf16: input, output, ones and dX (204.8 MB each, each the whole of its
+    196 MiB segment: 720,896 bytes more, too few to split off), an fp32 rstd, weight, first
+    dgamma, 1,024 rows of partial sums, the new dgamma and its sum's staging."""
+    peak, events = _probe("rms-norm-fused")
+    assert peak == (
+        4 * (204_800_000 + 720_896) + 400_384 + 3 * 2048 + 1024 * 1024 * 2 + 8_388_608 + 512
+    )
+    assert events[:3] == [["alloc", 204_800_000], ["alloc", 400_000], ["alloc", 204_800_000]]
+
+
+def test_meta_side_transposed_layer_norm_copies_its_input_in_both_directions():
+    """[197, 8, 768] seen transposed: the forward's input copy, then in backward the input's and
+    the expanded gradient's copies beside dX: four 4,841,472-byte blocks at the peak with x."""
+    peak, events = _probe("layer-norm-transposed")
+    block = 4_841_472
+    assert peak == 4 * block + 2 * 6656 + 2 * 3072 + 2 * 3072 + 2 * 512
+    assert events[:5] == [
+        ["alloc", block], ["alloc", block], ["alloc", 6304], ["alloc", 6304],
+        ["free_completed", block],
+    ]
+
+
+def test_meta_side_clip_grad_norm_stages_one_partial_norm_per_chunk():
+    """8 gradients of 4096 x 4096 fp32 (256 chunks of 65,536 each): 8 x 256 fp32 partials
+    (8,192 bytes) before the 8 norms, freed after them; the weights and gradients are there
+    before the step."""
+    peak, events = _probe("clip-grad-norm")
+    assert peak == 16 * 4096 * 4096 * 4 + 8192 + 8 * 512
+    assert events[:10] == [["alloc", 8192]] + [["alloc", 4]] * 8 + [["free_completed", 8192]]
