@@ -185,23 +185,24 @@ def _restore(
             # a temporary serves no parameter and no optimizer: the anchor's own tags
             if name not in ("saved_for_backward", "emulated", "parameter", "optimizer")
         )
-        addresses: dict[str, int] = {}
+        addresses: dict[str, list[int]] = {}  # by name, last made last (a free takes it)
         free_tags = (("category", plan.category),)
         for step in plan.steps(values):
             beside = inserts.setdefault(site.anchor + step.offset, ([], []))
             placed = beside[1] if step.after else beside[0]
             if step.action == "alloc":
                 address, next_id = next_id, next_id + 1
-                addresses[step.name] = address
+                addresses.setdefault(step.name, []).append(address)
                 tags = (*base, ("emulated", step.name))
                 placed.append(
                     new_trace_event("alloc", address, step.nbytes, anchor.stream, None, anchor.frames, tags)
                 )
                 totals[plan.category] = totals.get(plan.category, 0) + step.nbytes
             else:
+                freed = addresses[step.name].pop()
                 placed.extend(
                     new_trace_event(
-                        action, addresses[step.name], step.nbytes, anchor.stream, None,
+                        action, freed, step.nbytes, anchor.stream, None,
                         anchor.frames, free_tags,
                     )
                     for action in ("free_requested", "free_completed")
