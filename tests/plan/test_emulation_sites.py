@@ -131,6 +131,14 @@ def test_any_batch_is_synthesized_as_built_from_any_two(first, gap, target, seq)
     assert synthesized.sites == built.sites and synthesized.step_starts == built.step_starts
 
 
+def _learned(traced, first, second):
+    """An interpolator learned from the recordings ``traced`` holds at two batches."""
+    interpolator = TraceInterpolator(points=2)
+    interpolator.add(first, traced[first])
+    interpolator.add(second, traced[second])
+    return interpolator
+
+
 def _norms(batch, *, target=None):
     """A traced step of a layer norm then an RMSNorm, 64 wide, over ``batch * 16,384`` rows (one
     pass up to batch 4, two passes from 5: 64 / 32 = 2 < 66 on an H100), a contiguous gradient;
@@ -163,15 +171,10 @@ def test_norm_gradients_past_65536_rows_are_synthesized_from_one_pass_recordings
     assert len(two_pass) == 2 * 12
     assert not [e for e in traced[3].events if e.tag("emulated", "").startswith("two_pass_")]
     assert recording_structure(traced[2]) == recording_structure(traced[5])
-    small = TraceInterpolator(points=2)
-    small.add(1, traced[1])
-    small.add(2, traced[2])
+    small = _learned(traced, 1, 2)
     for batch in (5, 9):
         assert same_recording(small.synthesize(batch), traced[batch])
-    large = TraceInterpolator(points=2)
-    large.add(6, traced[6])
-    large.add(8, traced[8])
-    assert same_recording(large.synthesize(3), traced[3])
+    assert same_recording(_learned(traced, 6, 8).synthesize(3), traced[3])
 
 
 @settings(max_examples=200, deadline=None)
@@ -324,9 +327,7 @@ def test_gpt2_recordings_on_the_sort_path_are_synthesized_from_the_direct_path(o
     assert len(emulated) == 4 and {e.size for e in emulated} == {4096 * 8}
     assert not [e for e in traced[2].events if e.tag("emulated", "").startswith("embedding_")]
     assert recording_structure(traced[2]) == recording_structure(traced[4])
-    interpolator = TraceInterpolator(points=2)
-    interpolator.add(1, traced[1])
-    interpolator.add(2, traced[2])
+    interpolator = _learned(traced, 1, 2)
     for batch in (4, 12):
         synthesized = interpolator.synthesize(batch)
         assert same_recording(synthesized, traced[batch])
