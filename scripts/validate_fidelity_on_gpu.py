@@ -27,6 +27,9 @@ Each probe runs in its own child process (a fresh CUDA context and fresh cuBLAS 
   fused ``_fused_rms_norm`` (emulations/rms_norm.py) and its two-pass weight gradient.
 - ``clip-grad-norm``: ``clip_grad_norm_`` of 8 gradients: ``_foreach_norm``'s per-chunk partial
   norms (emulations/foreach_norm.py).
+- ``amax-columns``: ``torch.amax`` of a [16384, 14336] bf16 gradient over the tokens, as
+  torchao's rowwise float8 scaling takes it: its multi-block staging in the input's type
+  (emulations/reductions.py).
 
 - ``nccl-one-rank`` (issue 38 item 3): device memory outside the allocator that NCCL's first
   one-rank communicator adds (init, first collectives), then a second and a third; oomkit counts
@@ -203,6 +206,18 @@ def _clip_grad_norm(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return step, (model,)
 
 
+def _amax_columns(device: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    import torch
+
+    with torch.device(device):
+        gradient = torch.zeros(16384, 14336, dtype=torch.bfloat16)
+
+    def step(gradient: Any) -> None:
+        torch.amax(gradient, dim=0, keepdim=True)
+
+    return step, (gradient,)
+
+
 PEAK_PROBES: dict[str, Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]]]] = {
     "inference-mode-autocast": _inference_mode_autocast,
     "no-grad-autocast": _no_grad_autocast,
@@ -211,6 +226,7 @@ PEAK_PROBES: dict[str, Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]
     "layer-norm-transposed": _layer_norm_transposed,
     "rms-norm-fused": _rms_norm_fused,
     "clip-grad-norm": _clip_grad_norm,
+    "amax-columns": _amax_columns,
 }
 CONTEXT_PROBES: dict[str, str | None] = {"context-lazy": None, "context-eager": "EAGER"}
 # Issue 38 item 3: NCCL's memory outside the allocator. One GPU makes a one-rank communicator

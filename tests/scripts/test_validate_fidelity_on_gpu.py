@@ -125,3 +125,11 @@ def test_meta_side_clip_grad_norm_stages_one_partial_norm_per_chunk():
     peak, events = _probe("clip-grad-norm")
     assert peak == 16 * 4096 * 4096 * 4 + 8192 + 8 * 512
     assert events[:10] == [["alloc", 8192]] + [["alloc", 4]] * 8 + [["free_completed", 8192]]
+
+
+def test_meta_side_amax_over_the_tokens_stages_in_bf16():
+    """The gradient (448 MiB), the [1, 14336] bf16 result, 69,730,304 bytes of staging and the
+    semaphores (448 bytes, a 512-byte block)."""
+    peak, events = _probe("amax-columns")
+    assert peak == 16384 * 14336 * 2 + 14336 * 2 + 69_730_304 + 512
+    assert events[:3] == [["alloc", 28_672], ["alloc", 69_730_304], ["alloc", 448]]

@@ -12,12 +12,12 @@ def test_default_registry_holds_the_builtin_emulations():
     """SDPA (forward, the efficient kernel's forward, 2 backwards, 2 cuDNN), 11 cuBLAS ops
     (float8's _scaled_mm among them), embedding (forward, backward), 2 batch norm, dropout (its
     function and native_dropout), 12 ops of backward formulas' in-place branches, the engine's
-    gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 4
-    reductions (sum and mean, each with and without dims), 2 softmax ops (_safe_softmax and the
+    gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 8
+    reductions (sum and mean, each with and without dims; amax, amin, max() and min()), 2 softmax ops (_safe_softmax and the
     softmax backward), F.linear (its bias added in place), the layer norm and its backward,
     _foreach_norm, F.rms_norm with the fused op and its backward, 2 convolution ops and 4 RNN
     functions."""
-    assert len(DEFAULT_EMULATIONS) == 57
+    assert len(DEFAULT_EMULATIONS) == 61
     assert "aten.native_layer_norm_backward.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.linear" in DEFAULT_EMULATIONS
     assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(

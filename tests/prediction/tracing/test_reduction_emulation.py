@@ -150,3 +150,46 @@ def test_a_convolutions_bias_gradient_stages_like_a_sum():
         ("free_completed", 24, None),
         ("free_completed", 9_830_400, None),
     ]
+
+
+def test_amax_and_amin_accumulate_in_the_input_type():
+    """max_values_kernel_cuda_impl: gpu_reduce_kernel<scalar_t, scalar_t> with acc_t =
+    scalar_t, so a bfloat16 amax over the tokens stages half what the bfloat16 mean (float
+    accumulator) of the same gradient stages, and an fp32 amax or amin as much as an fp32 sum;
+    each is a site a batch search synthesizes."""
+    recording, events = _events(lambda model, g: g.amax(0), _meta(2048, 768, dtype=torch.bfloat16))
+    assert [e[1] for e in events[:3]] == [1536, 12_582_912 // 2, 24]
+    assert [s.kind for s in recording.sites] == [REDUCTION_SITE] and _normalize(recording).stripped
+    for reduce in (lambda model, g: g.amax(0), lambda model, g: torch.amin(g, 0, keepdim=True)):
+        _, events = _events(reduce, _meta(2048, 768))
+        assert [e[1] for e in events[:3]] == [3072, 12_582_912, 24]
+
+
+def test_float8_rowwise_column_amax_of_a_gradient_stages_tens_of_mib():
+    """torchao's rowwise scaling of a [16384, 14336] bf16 gradient along the tokens (amax over
+    dim 0): 19 blocks per column, 2 x 14,336 x 19 x (32 x 4) bytes of staging on an H200."""
+    _, events = _events(lambda model, g: torch.amax(g, dim=0, keepdim=True),
+                        _meta(16384, 14336, dtype=torch.bfloat16))
+    assert events[:3] == [
+        ("alloc", 28_672, None),
+        ("alloc", 2 * 14336 * 19 * 128, "reduction_staging"),
+        ("alloc", 448, "reduction_semaphores"),
+    ]
+
+
+def test_max_of_everything_runs_on_a_contiguous_copy_made_after_its_output():
+    """TensorCompare.cpp max(self): the 0-d result, then max_all_stub on self.contiguous(): a
+    transposed 4096 x 4096 fp32 input is copied (64 MiB), the whole-tensor reduction stages
+    2,112 bytes, and the copy is freed last; a contiguous input is read in place."""
+    _, events = _events(lambda model, g: torch.max(g.t()), _meta(4096, 4096))
+    assert events[:7] == [
+        ("alloc", 4, None),
+        ("alloc", 67_108_864, "reduction_contiguous_copy"),
+        ("alloc", 2112, "reduction_staging"),
+        ("alloc", 4, "reduction_semaphores"),
+        ("free_completed", 4, None),
+        ("free_completed", 2112, None),
+        ("free_completed", 67_108_864, None),
+    ]
+    _, events = _events(lambda model, g: torch.min(g), _meta(4096, 4096))
+    assert [e[2] for e in events[:3]] == [None, "reduction_staging", "reduction_semaphores"]

@@ -27,8 +27,20 @@ out_t>`` with the default ``vt0 = input_vec_size = 4``; ``arg_t`` is float for h
 and float, double for double, int64 for integer sums). ``make_reduction_from_out_ty`` casts the
 input to the output's dtype first unless a half or bfloat16 input reduces into float: that copy
 is allocated before the staging and freed after it (``x.sum()`` of a bool mask copies it to
-int64). Other reductions (``amax``, ``max``, ``norm``, ``var``, ``any``...) reach the same kernel
-with other ``arg_t`` sizes and are not emulated: their staging, when they have one, is missing.
+int64).
+
+``amax`` and ``amin`` (``amax.default``, ``amin.default``: ``max_values_stub``) and ``max()``
+and ``min()`` of a whole tensor (``max.default``, ``min.default``: ``max_all_stub``) run
+ReduceMaxValuesKernel.cu / ReduceMinValuesKernel.cu ``max_values_kernel_cuda_impl``:
+``gpu_reduce_kernel<scalar_t, scalar_t>`` with ``MaxNanFunctor<acc_t>``, ``acc_t = scalar_t``,
+so ``arg_t`` is the input's own type (half the staging of a bfloat16 sum of the same shape); the
+input is never cast (``make_reduction(self, result, dim, keepdim, self.scalar_type())``).
+``max()`` and ``min()`` (TensorCompare.cpp ``max``) make the output first, then run on
+``self.contiguous()``: a copy of an input that is not contiguous, freed when they return. These
+feed float8 training's scales (torchao's ``torch.max(torch.abs(x))`` and the rowwise recipe's
+``torch.amax(..., dim)``). Other reductions (``max.dim``, ``norm``, ``var``, ``any``...) reach
+the same kernel with other ``arg_t`` types and are not emulated: their staging, when they have
+one, is missing.
 """
 
 from __future__ import annotations
@@ -53,6 +65,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LOW_PRECISION",
     "OPMATH_BYTES",
+    "EXTREME_ALL_OPS",
+    "EXTREME_OPS",
     "REDUCTION_OPS",
     "record_reduction",
     "register_reductions",
@@ -65,6 +79,9 @@ REDUCTION_OPS = (
     "aten.mean.default",
     "aten.mean.dim",
 )
+# max_values_stub / min_values_stub (with dims) and max_all_stub / min_all_stub (everything).
+EXTREME_OPS = ("aten.amax.default", "aten.amin.default")
+EXTREME_ALL_OPS = ("aten.max.default", "aten.min.default")
 # at::opmath_type (OpMathType.h): float for half, bfloat16 and float, double for double. It is
 # the arg_t of sum_functor and MeanOps (ReduceSumProdKernel.cu, ReduceMomentKernel.cu; an
 # integer sum accumulates in its int64 output) and the foreach norms' partials' type.
@@ -73,9 +90,14 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def register_reductions(registry: EmulationRegistry) -> None:
-    """Add the ``sum`` and ``mean`` hooks to ``registry``."""
+    """Add the ``sum``, ``mean``, ``amax``, ``amin``, ``max()`` and ``min()`` hooks to
+    ``registry``."""
     for op in REDUCTION_OPS:
         registry.register(op)(_reduction)
+    for op in EXTREME_OPS:
+        registry.register(op)(_extreme)
+    for op in EXTREME_ALL_OPS:
+        registry.register(op)(_extreme_of_all)
 
 
 def reduction_site(
@@ -85,16 +107,18 @@ def reduction_site(
     *,
     multiprocessor_count: int,
     max_threads_per_multiprocessor: int,
+    in_input_type: bool = False,
 ) -> ReductionSite | None:
     """What ``sum``/``mean`` of ``x`` over ``reduced`` (none: all) into ``out_dtype`` launches
-    on CUDA; ``None`` for a complex input (not emulated)."""
+    on CUDA (``in_input_type``: a reduction whose ``arg_t`` is the input's type, ``amax``'s);
+    ``None`` for a complex input (not emulated)."""
     # make_reduction_from_out_ty (ReduceOpsUtils.h): the kernel reads the input in the output's
     # dtype, except a half or bfloat16 input reduced into float (cast inside the kernel).
     lowp_to_float = x.dtype in LOW_PRECISION and out_dtype == torch.float32
     in_dtype = x.dtype if lowp_to_float else out_dtype
     if in_dtype.is_complex:
         return None
-    arg_bytes = OPMATH_BYTES.get(in_dtype, 8)
+    arg_bytes = in_dtype.itemsize if in_input_type else OPMATH_BYTES.get(in_dtype, 8)
     sizes, strides = tuple(x.shape), tuple(x.stride())
     offset_bytes, cast_bytes = int(x.storage_offset()) * x.element_size(), 0
     if in_dtype != x.dtype:
@@ -122,6 +146,39 @@ def reduction_site(
     )
 
 
+def _extreme(ctx: EmulationContext) -> Any:
+    # Schema: (self, dim=[], keepdim=False); an empty dim reduces everything.
+    x = ctx.args[0] if ctx.args else None
+    if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
+        return ctx.run()
+    dims = ctx.args[1] if len(ctx.args) > 1 else ctx.kwargs.get("dim", [])
+    out = ctx.run()
+    if isinstance(out, torch.Tensor):
+        reduced = [int(dims)] if isinstance(dims, int) else [int(d) for d in dims]
+        record_reduction(ctx, x, out, reduced, in_input_type=True)
+    return out
+
+
+def _extreme_of_all(ctx: EmulationContext) -> Any:
+    # TensorCompare.cpp max(self): result = at::empty({}), then max_all_stub on
+    # self.contiguous() (a copy of a non-contiguous input, freed when it returns).
+    x = ctx.args[0] if ctx.args else None
+    if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
+        return ctx.run()
+    out = ctx.run()
+    if not isinstance(out, torch.Tensor):
+        return out
+    ctx.record_outputs(out)
+    read, copy = x, None
+    if not x.is_contiguous():
+        copy = ctx.allocate(x.numel() * x.element_size(), "temporary", "reduction_contiguous_copy")
+        read = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    record_reduction(ctx, read, out, [], in_input_type=True)
+    if copy is not None:
+        ctx.free(copy)
+    return out
+
+
 def _reduced_dims(ctx: EmulationContext) -> list[int]:
     if ctx.op_name.endswith(".default"):
         return []
@@ -142,11 +199,17 @@ def _reduction(ctx: EmulationContext) -> Any:
 
 
 def record_reduction(
-    ctx: EmulationContext, x: torch.Tensor, out: torch.Tensor, reduced: Sequence[int]
+    ctx: EmulationContext,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    reduced: Sequence[int],
+    *,
+    in_input_type: bool = False,
 ) -> None:
-    """Record ``out`` (a ``sum``/``mean`` of ``x`` over ``reduced``, none: all) as allocated
-    now, then the kernel's temporaries, freed at once; a site where they are held together.
-    For a hook whose op reduces inside (``convolution_backward``'s bias gradient) too."""
+    """Record ``out`` (a ``sum``/``mean`` of ``x`` over ``reduced``, none: all; with
+    ``in_input_type`` a reduction accumulating in the input's type) as allocated now, then the
+    kernel's temporaries, freed at once; a site where they are held together. For a hook whose
+    op reduces inside (``convolution_backward``'s bias gradient) too."""
     if x.numel() == 0 or not all(
         type(n) is int for n in (*x.shape, *x.stride(), x.storage_offset())
     ):
@@ -158,6 +221,7 @@ def record_reduction(
         reduced,
         multiprocessor_count=ctx.gpu.kernel_multiprocessor_count,
         max_threads_per_multiprocessor=ctx.gpu.kernel_max_threads_per_multiprocessor,
+        in_input_type=in_input_type,
     )
     if site is None:
         return
