@@ -139,17 +139,18 @@ def _learned(traced, first, second):
     return interpolator
 
 
-def _norms(batch, *, target=None):
-    """A traced step of a layer norm then an RMSNorm, 64 wide, over ``batch * 16,384`` rows (one
-    pass up to batch 4, two passes from 5: 64 / 32 = 2 < 66 on an H100), a contiguous gradient;
-    two steps."""
+def _norms(batch, *, target=None, width=64, dtype=None):
+    """A traced step of a layer norm then an RMSNorm, ``width`` wide (64: 64 / 32 = 2 < 66 SMs / 2
+    on an H100), over ``batch * 16,384`` rows (one pass up to batch 4, two passes from 5), a
+    contiguous gradient; two steps."""
     from oomkit.prediction.tracing import trace_step
 
-    ln = torch.nn.LayerNorm(64, device="meta")
-    rms = torch.nn.RMSNorm(64, device="meta")
+    dtype = dtype or torch.float32
+    ln = torch.nn.LayerNorm(width, device="meta", dtype=dtype)
+    rms = torch.nn.RMSNorm(width, device="meta", dtype=dtype)
 
     def step(model):
-        x = torch.randn(batch * 16_384, 64, device="cuda", requires_grad=True)
+        x = torch.randn(batch * 16_384, width, device="cuda", dtype=dtype, requires_grad=True)
         y = rms(ln(x))
         y.backward(torch.ones_like(y))
 
@@ -218,6 +219,26 @@ def test_the_two_pass_program_frees_each_temporary_once_after_it_is_made(
     assert made == {}
     blocks = [step.nbytes for step in steps if step.name.endswith("_blocks")]
     assert blocks == [partial_rows * columns * element_bytes] * (2 * gradients)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    first=st.integers(1, 8),
+    gap=st.integers(1, 6),
+    target=st.integers(1, 14),
+    width=st.sampled_from([64, 768, 1024]),
+    bf16=st.booleans(),
+)
+def test_any_norm_batch_is_synthesized_as_traced_from_any_two(first, gap, target, width, bf16):
+    """Whichever two batches are learned from, on either side of 65,536 rows, the recording at
+    any other batch is synthesized as the tracer records it: events, step starts and sites."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    traced = {b: _norms(b, width=width, dtype=dtype) for b in {first, first + gap, target}}
+    if target in (first, first + gap):
+        return
+    synthesized = _learned(traced, first, first + gap).synthesize(target)
+    assert same_recording(synthesized, traced[target])
+    assert synthesized.sites == traced[target].sites
 
 
 def test_before_torch_2_8_the_norm_gradients_note_no_site():
