@@ -29,9 +29,10 @@ Here, for a target torch of 2.9 or later:
   then ``dX`` and ``dgamma``, then ``RMSNormBackwardKernelImpl``'s ``dY.contiguous()``; where
   there are more than 65,536 rows and ``N / 32 < SMs / 2``
   (``LaunchGammaBetaBackwardCUDAKernel``), the two-pass weight gradient:
-  ``dgamma_blocks = empty({blocks.y, N})`` of partial sums, then ``*dgamma =
+  ``dgamma_blocks = empty({blocks.y, dgamma->size(-1)})`` of partial sums, then ``*dgamma =
   dgamma_blocks.sum(0)`` (a new tensor, with the reduction's own staging; the first ``dgamma``
-  is freed on assignment), ``dgamma_blocks`` freed at the end of its scope.
+  is freed on assignment), ``dgamma_blocks`` freed at the end of its scope: layer norm's kernels
+  and layer_norm.py's ``weight_gradients``, with its batch-search site.
 
 Left as meta runs them (the composite, as CUDA runs it or as close as the recorder gets): a
 DTensor input or weight (tensor parallel's sequence-parallel norms; said in the recording's
