@@ -235,7 +235,7 @@ CONTEXT_PROBES: dict[str, str | None] = {"context-lazy": None, "context-eager": 
 NCCL_PROBES = ("nccl-one-rank",)
 
 
-def _peak_child(name: str) -> dict:  # pragma: no cover - needs a GPU
+def _peak_child(name: str) -> dict:
     import torch
 
     from oomkit import predict

@@ -133,3 +133,35 @@ def test_meta_side_amax_over_the_tokens_stages_in_bf16():
     peak, events = _probe("amax-columns")
     assert peak == 16384 * 14336 * 2 + 14336 * 2 + 69_730_304 + 512
     assert events[:3] == [["alloc", 28_672], ["alloc", 69_730_304], ["alloc", 448]]
+
+
+def test_a_peak_probes_record_carries_both_request_sequences(monkeypatch):
+    """The child's glue, with the CUDA calls stood in for (the step runs on the CPU): the
+    GPU's peak and requests as the allocator's snapshot gives them, the prediction for the
+    installed torch, and its recorded requests beside them."""
+    import torch
+
+    probe = fidelity.PEAK_PROBES["clip-grad-norm"]
+    monkeypatch.setitem(
+        fidelity.PEAK_PROBES, "clip-grad-norm",
+        lambda device: probe("cpu" if device == "cuda" else device),
+    )
+    trace = [
+        {"action": "alloc", "size": 8192}, {"action": "free_requested", "size": 8192},
+        {"action": "free_completed", "size": 8192},
+    ]
+    for name, value in {
+        "synchronize": lambda: None,
+        "reset_peak_memory_stats": lambda: None,
+        "max_memory_allocated": lambda: 1_073_754_112,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    record = fidelity._peak_child("clip-grad-norm")
+    assert record["measured_peak_allocated_bytes"] == 1_073_754_112
+    assert record["exact"] is (record["predicted_peak_allocated_bytes"] == 1_073_754_112)
+    assert record["measured_events"] == [["alloc", 8192], ["free_completed", 8192]]
+    target = fidelity.probe_target(torch.__version__)
+    assert record["predicted_events"] == fidelity.predicted_events("clip-grad-norm", target)
+    assert record["predicted_events"][0] == ["alloc", 8192]
