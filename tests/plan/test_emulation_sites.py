@@ -139,10 +139,11 @@ def _learned(traced, first, second):
     return interpolator
 
 
-def _norms(batch, *, target=None, width=64, dtype=None):
+def _norms(batch, *, target=None, width=64, dtype=None, expanded=False):
     """A traced step of a layer norm then an RMSNorm, ``width`` wide (64: 64 / 32 = 2 < 66 SMs / 2
     on an H100), over ``batch * 16,384`` rows (one pass up to batch 4, two passes from 5), a
-    contiguous gradient; two steps."""
+    contiguous gradient (``expanded``: ``sum()``'s, which the RMSNorm's backward copies); two
+    steps."""
     from oomkit.prediction.tracing import trace_step
 
     dtype = dtype or torch.float32
@@ -152,7 +153,10 @@ def _norms(batch, *, target=None, width=64, dtype=None):
     def step(model):
         x = torch.randn(batch * 16_384, width, device="cuda", dtype=dtype, requires_grad=True)
         y = rms(ln(x))
-        y.backward(torch.ones_like(y))
+        if expanded:
+            y.sum().backward()
+        else:
+            y.backward(torch.ones_like(y))
 
     target = target or Target.resolve("h100", torch_version="2.13.0")
     return trace_step(step, torch.nn.Sequential(ln, rms), steps=2, target=target)
@@ -186,25 +190,37 @@ def test_norm_gradients_past_65536_rows_are_synthesized_from_one_pass_recordings
     element_bytes=st.sampled_from([2, 4, 8]),
     with_weight=st.booleans(),
     with_bias=st.booleans(),
+    copied=st.booleans(),
+    branch=st.booleans(),
 )
 def test_the_two_pass_program_frees_each_temporary_once_after_it_is_made(
-    rows, columns, sms, element_bytes, with_weight, with_bias
+    rows, columns, sms, element_bytes, with_weight, with_bias, copied, branch
 ):
-    """Whatever the sizes: nothing on the one-pass path; else one alloc and one later free of
-    each temporary, the partial sums of ``two_pass_gamma_rows`` rows, and every step beside the
-    weight gradient or the bias gradient after it."""
+    """Whatever the sizes: nothing without a gradient; on the one-pass path the gradient's copy
+    alone, after the last gradient; else one alloc and one later free of each temporary, the
+    copy made after the first gradients and freed last, the partial sums of
+    ``two_pass_gamma_rows`` rows, and every step beside the weight gradient or the bias gradient
+    after it."""
+    copy_bytes = rows * columns * element_bytes if copied else 0
     site = GammaBetaBackward(
         rows=rows, columns=columns, width=columns, multiprocessor_count=sms,
         max_threads_per_multiprocessor=2048, element_bytes=element_bytes,
         arg_bytes=8 if element_bytes == 8 else 4, accumulates_in_output=int(element_bytes != 2),
         dgamma_bytes=columns * element_bytes if with_weight else 0,
         dbeta_bytes=columns * element_bytes if with_bias else 0,
+        grad_copy_bytes=copy_bytes, two_pass_branch=int(branch),
     )
     steps = gamma_beta_backward_program(site.params())
-    partial_rows = two_pass_gamma_rows(rows, columns, sms)
+    partial_rows = two_pass_gamma_rows(rows, columns, sms) if branch else None
     gradients = int(with_weight) + int(with_bias)
-    if partial_rows is None or not gradients:
+    copy = [(s.action, s.nbytes) for s in steps if s.name == "norm_grad_copy"]
+    if not gradients:
         assert steps == ()
+        return
+    assert copy == ([("alloc", copy_bytes), ("free", copy_bytes)] if copied else [])
+    if partial_rows is None:
+        assert len(steps) == len(copy)
+        assert all(step.offset == gradients - 1 and step.after for step in steps)
         return
     order = [(step.offset, step.after) for step in steps]
     assert order == sorted(order)  # before the anchor, after it, after the next output
@@ -219,21 +235,32 @@ def test_the_two_pass_program_frees_each_temporary_once_after_it_is_made(
     assert made == {}
     blocks = [step.nbytes for step in steps if step.name.endswith("_blocks")]
     assert blocks == [partial_rows * columns * element_bytes] * (2 * gradients)
+    if copied:
+        names = [step.name for step in steps]
+        assert names.index("norm_grad_copy") == gradients  # after the first gradients
+        assert steps[-1].name == "norm_grad_copy"  # freed last
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     first=st.integers(1, 8),
     gap=st.integers(1, 6),
     target=st.integers(1, 14),
     width=st.sampled_from([64, 768, 1024]),
     bf16=st.booleans(),
+    expanded=st.booleans(),
 )
-def test_any_norm_batch_is_synthesized_as_traced_from_any_two(first, gap, target, width, bf16):
-    """Whichever two batches are learned from, on either side of 65,536 rows, the recording at
-    any other batch is synthesized as the tracer records it: events, step starts and sites."""
+def test_any_norm_batch_is_synthesized_as_traced_from_any_two(
+    first, gap, target, width, bf16, expanded
+):
+    """Whichever two batches are learned from, on either side of 65,536 rows, with or without
+    a gradient to copy, the recording at any other batch is synthesized as the tracer records
+    it: events, step starts and sites."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    traced = {b: _norms(b, width=width, dtype=dtype) for b in {first, first + gap, target}}
+    traced = {
+        b: _norms(b, width=width, dtype=dtype, expanded=expanded)
+        for b in {first, first + gap, target}
+    }
     if target in (first, first + gap):
         return
     synthesized = _learned(traced, first, first + gap).synthesize(target)
@@ -241,10 +268,12 @@ def test_any_norm_batch_is_synthesized_as_traced_from_any_two(first, gap, target
     assert synthesized.sites == traced[target].sites
 
 
-def test_before_torch_2_8_the_norm_gradients_note_no_site():
-    """Targets without the two-pass branch reduce in one pass at any size: nothing to plan."""
+def test_before_torch_2_8_the_norm_gradients_take_one_pass_at_any_size():
+    """Targets without the two-pass branch reduce in one pass at any size: the layer norm's
+    site is noted (it plans a gradient's copy, where there is one; RMSNorm is the composite
+    before 2.9), and plans nothing here."""
     recording = _norms(5, target=Target.resolve("h100", torch_version="2.7.1"))
-    assert not [s for s in recording.sites if s.kind == GAMMA_BETA_BACKWARD_SITE]
+    assert len([s for s in recording.sites if s.kind == GAMMA_BETA_BACKWARD_SITE]) == 2
     assert not [e for e in recording.events if e.tag("emulated", "").startswith("two_pass_")]
 
 

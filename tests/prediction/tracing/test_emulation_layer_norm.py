@@ -82,7 +82,7 @@ def test_the_backward_copies_the_saved_transposed_input_before_dx():
         ("alloc", 4_841_472, BACKWARD, None),  # dX
         ("alloc", 3072, BACKWARD, None),  # dgamma
         ("alloc", 3072, BACKWARD, None),  # dbeta
-        ("alloc", 4_841_472, BACKWARD, "layer_norm_grad_copy"),
+        ("alloc", 4_841_472, BACKWARD, "norm_grad_copy"),
         ("free_completed", 4_841_472, None, None),
         ("free_completed", 4_841_472, None, None),
     ]

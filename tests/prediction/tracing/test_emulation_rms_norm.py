@@ -116,12 +116,12 @@ def test_backward_allocates_dx_dgamma_then_copies_a_non_contiguous_gradient():
     assert events[:5] == [
         ("alloc", 8_388_608, BACKWARD, None),
         ("alloc", 4096, BACKWARD, None),
-        ("alloc", 8_388_608, BACKWARD, "rms_norm_contiguous_copy"),
+        ("alloc", 8_388_608, BACKWARD, "norm_grad_copy"),
         ("free_completed", 8_388_608, None, None),
         ("free_completed", 8192, None, None),  # rstd, released with the graph
     ]
     plain = _backward(_norm(), 2048, contiguous_grad=True)
-    assert not [e for e in plain if e[3] == "rms_norm_contiguous_copy"]
+    assert not [e for e in plain if e[3] == "norm_grad_copy"]
 
 
 def test_more_than_65536_rows_reduce_the_weight_gradient_in_two_passes():
@@ -132,7 +132,7 @@ def test_more_than_65536_rows_reduce_the_weight_gradient_in_two_passes():
     assert events[:7] == [
         ("alloc", 204_800_000, BACKWARD, None),
         ("alloc", 2048, BACKWARD, "two_pass_dgamma"),
-        ("alloc", 204_800_000, BACKWARD, "rms_norm_contiguous_copy"),
+        ("alloc", 204_800_000, BACKWARD, "norm_grad_copy"),
         ("alloc", 2_097_152, BACKWARD, "two_pass_dgamma_blocks"),
         ("alloc", 2048, BACKWARD, None),
         ("alloc", 8_388_608, BACKWARD, "two_pass_dgamma_reduction_staging"),

@@ -70,6 +70,8 @@ _SORTED_INDICES, _ORIG_INDICES, _COUNT, _INDICES_COPY, _GRAD_COPY = (
     "embedding_indices_copy",
     "embedding_grad_copy",
 )
+# A norm backward's dY.contiguous() (layer_norm_kernel.cu LayerNormBackwardKernelImpl).
+_NORM_GRAD_COPY = "norm_grad_copy"
 _REDUCTION_CAST, _REDUCTION_ACCUMULATOR, _REDUCTION_STAGING, _REDUCTION_SEMAPHORES = (
     "reduction_cast",
     "reduction_accumulator",
@@ -329,6 +331,8 @@ class GammaBetaBackward:
         element_bytes: the gradients' element size; ``arg_bytes`` the ``.sum(0)``'s
             accumulator (``at::opmath_type``); ``accumulates_in_output`` 0 for 16-bit floats.
         dgamma_bytes, dbeta_bytes: each gradient's bytes; 0 where it is not computed.
+        grad_copy_bytes: ``dY.contiguous()``'s bytes where the gradient is not contiguous, else 0.
+        two_pass_branch: 1 where the target's torch has the two-pass branch (2.8 on), else 0.
     """
 
     rows: int
@@ -341,30 +345,45 @@ class GammaBetaBackward:
     accumulates_in_output: int
     dgamma_bytes: int
     dbeta_bytes: int
+    grad_copy_bytes: int
+    two_pass_branch: int
 
     def params(self) -> tuple[int, ...]:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 def gamma_beta_backward_program(params: tuple[int, ...]) -> tuple[SiteStep, ...]:
-    """The two-pass branch of ``LaunchGammaBetaBackwardCUDAKernel`` (``GammaBetaBackward``
-    params), none where it reduces in one pass. Before the weight gradient: the first
-    ``dgamma`` and ``dbeta`` (``layer_norm_backward_cuda``'s outputs, in that order), then
-    ``dgamma_blocks`` and ``dbeta_blocks``. After each gradient (``*dgamma =
-    dgamma_blocks.sum(0)``, then ``*dbeta``): the sum's staging, freed when it is queued, then
-    the first tensor, freed by the assignment. After the last: the partial sums, ``dbeta_blocks``
-    first (C++ destroys locals last first)."""
+    """A norm backward's weight and bias gradients (``GammaBetaBackward`` params) around their
+    outputs (``dgamma`` then ``dbeta``, those computed), with ``dY.contiguous()`` where the
+    gradient is not contiguous (``LayerNormBackwardKernelImpl``: made after the outputs, freed
+    when the kernels are queued). One pass: the copy alone, after the last gradient. Two passes
+    (``LaunchGammaBetaBackwardCUDAKernel``): before the weight gradient the first ``dgamma`` and
+    ``dbeta`` (``layer_norm_backward_cuda``'s outputs, in that order), the copy, then
+    ``dgamma_blocks`` and ``dbeta_blocks``; after each gradient (``*dgamma =
+    dgamma_blocks.sum(0)``, then ``*dbeta``) the sum's staging, freed when it is queued, then
+    the first tensor, freed by the assignment; after the last the partial sums, ``dbeta_blocks``
+    first (C++ destroys locals last first), then the copy."""
     site = GammaBetaBackward(*params)
-    rows = two_pass_gamma_rows(site.rows, site.columns, site.multiprocessor_count)
     gradients = [
         (name, nbytes)
         for name, nbytes in (("dgamma", site.dgamma_bytes), ("dbeta", site.dbeta_bytes))
         if nbytes
     ]
-    if rows is None or not gradients:
+    if not gradients:
         return ()
+    last = len(gradients) - 1
+    copy = [(_NORM_GRAD_COPY, site.grad_copy_bytes)] if site.grad_copy_bytes else []
+    rows = (
+        two_pass_gamma_rows(site.rows, site.columns, site.multiprocessor_count)
+        if site.two_pass_branch else None
+    )
+    if rows is None:
+        return tuple(
+            SiteStep(last, True, action, name, n) for action in ("alloc", "free") for name, n in copy
+        )
     partial = rows * site.width * site.element_bytes
     steps = [SiteStep(0, False, "alloc", f"two_pass_{name}", n) for name, n in gradients]
+    steps += [SiteStep(0, False, "alloc", name, n) for name, n in copy]
     steps += [SiteStep(0, False, "alloc", f"two_pass_{name}_blocks", partial) for name, _ in gradients]
     # .sum(0) of the [rows, width] partial sums into a tensor of their dtype.
     reduction = ReductionSite(
@@ -380,11 +399,11 @@ def gamma_beta_backward_program(params: tuple[int, ...]) -> tuple[SiteStep, ...]
         steps += [SiteStep(offset, True, "alloc", what, n) for what, n in staging]
         steps += [SiteStep(offset, True, "free", what, n) for what, n in reversed(staging)]
         steps.append(SiteStep(offset, True, "free", f"two_pass_{name}", nbytes))
-    last = len(gradients) - 1
     steps += [
         SiteStep(last, True, "free", f"two_pass_{name}_blocks", partial)
         for name, _ in reversed(gradients)
     ]
+    steps += [SiteStep(last, True, "free", name, n) for name, n in copy]
     return tuple(steps)
 
 
@@ -407,7 +426,7 @@ SITE_PLANS: Mapping[str, SitePlan] = {
     GAMMA_BETA_BACKWARD_SITE: SitePlan(
         op="aten.native_layer_norm_backward.default",  # and aten._fused_rms_norm_backward
         category="temporary",
-        names=frozenset(
+        names=frozenset({_NORM_GRAD_COPY}) | frozenset(
             f"two_pass_{name}{suffix}"
             for name in ("dgamma", "dbeta")
             for suffix in ("", "_blocks", *(f"_{what}" for what in (

@@ -19,9 +19,10 @@ aten/src/ATen/native/cuda/layer_norm_kernel.cu:
   ``dgamma`` and ``dbeta`` released by the assignments; the partial sums are dropped at the end
   of their scope (``dbeta_blocks`` first). The kernel family came with pytorch#148605
   (reapplied as #150625): 2.8.0's libtorch_cuda.so holds ``GammaBetaBackwardCUDAKernelTemplate``
-  and 2.7.1's does not, so targets before 2.8 reduce in one pass. Their order is a site's
-  program (``emulation_sites.gamma_beta_backward_program``), noted on both paths, so that a
-  batch search learning below 65,536 rows synthesizes the sizes above.
+  and 2.7.1's does not, so targets before 2.8 reduce in one pass. Their order, with the
+  ``dY.contiguous()`` copy's, is a site's program
+  (``emulation_sites.gamma_beta_backward_program``), noted on both paths, so that a batch
+  search learning below 65,536 rows synthesizes the sizes above (ViT's ``ln_1`` has the copy).
 
 ``_fused_rms_norm`` reuses these kernels (emulations/rms_norm.py uses the helpers here).
 Where this may differ: with a multi-dimensional ``normalized_shape`` past 65,536 rows CUDA sizes
@@ -104,60 +105,54 @@ def weight_gradients(
     grad: torch.Tensor,
     *,
     two_pass: bool,
-    copy_tag: str,
-) -> list[int]:
+) -> None:
     """Record the weight and bias gradients a CUDA norm backward returns (``dgamma``, ``dbeta``:
-    ``None`` where not computed), ``dY.contiguous()`` of ``grad`` after them, and, where
-    ``LaunchGammaBetaBackwardCUDAKernel`` takes two passes (``two_pass``: the target's torch has
-    the branch), its temporaries by the site's program (emulation_sites.py
-    ``gamma_beta_backward_program``): the gradients first made become temporaries, the partial
-    sums follow the copy, and each ``.sum(0)`` is the gradient returned. Notes the site
-    (anchored at the first gradient) where there is no copy, on either path, so a batch search
-    can synthesize the other; returns the copy's ids, freed when the kernels are queued."""
+    ``None`` where not computed), after ``dX``, with ``dY.contiguous()`` of a ``grad`` that is
+    not contiguous and, where ``LaunchGammaBetaBackwardCUDAKernel`` takes two passes
+    (``two_pass``: the target's torch has the branch), its temporaries: all by the site's program
+    (emulation_sites.py ``gamma_beta_backward_program``), each step before or after the output
+    it is placed beside. Notes the site, anchored at the first gradient, on either path, so a
+    batch search learning on one side of 65,536 rows synthesizes the other."""
     gradients = [g for g in (dgamma, dbeta) if g is not None]
-    steps: tuple[SiteStep, ...] = ()
-    site = None
-    if two_pass and gradients:
-        assert ctx.gpu is not None
-        first = gradients[0]
-        site = GammaBetaBackward(
-            rows=x.numel() // columns,
-            columns=columns,
-            width=first.shape[-1],  # dgamma->size(-1)
-            multiprocessor_count=ctx.gpu.kernel_multiprocessor_count,
-            max_threads_per_multiprocessor=ctx.gpu.kernel_max_threads_per_multiprocessor,
-            element_bytes=first.element_size(),
-            arg_bytes=OPMATH_BYTES.get(first.dtype, 8),
-            accumulates_in_output=int(first.dtype not in LOW_PRECISION),
-            dgamma_bytes=0 if dgamma is None else dgamma.numel() * dgamma.element_size(),
-            dbeta_bytes=0 if dbeta is None else dbeta.numel() * dbeta.element_size(),
-        )
-        steps = gamma_beta_backward_program(site.params())
+    if not gradients:  # the kernels on dY.contiguous(), and nothing to plan
+        free_last_first(ctx, contiguous_copies(ctx, "norm_grad_copy", grad))
+        return
+    assert ctx.gpu is not None
+    first = gradients[0]
+    site = GammaBetaBackward(
+        rows=x.numel() // columns,
+        columns=columns,
+        width=first.shape[-1],  # dgamma->size(-1)
+        multiprocessor_count=ctx.gpu.kernel_multiprocessor_count,
+        max_threads_per_multiprocessor=ctx.gpu.kernel_max_threads_per_multiprocessor,
+        element_bytes=first.element_size(),
+        arg_bytes=OPMATH_BYTES.get(first.dtype, 8),
+        accumulates_in_output=int(first.dtype not in LOW_PRECISION),
+        dgamma_bytes=0 if dgamma is None else dgamma.numel() * dgamma.element_size(),
+        dbeta_bytes=0 if dbeta is None else dbeta.numel() * dbeta.element_size(),
+        grad_copy_bytes=0 if grad.is_contiguous() else grad.numel() * grad.element_size(),
+        two_pass_branch=int(two_pass),
+    )
+    steps = gamma_beta_backward_program(site.params())
     ids: dict[str, int] = {}
-
-    def run(step: SiteStep) -> None:
-        if step.action == "alloc":
-            ids[step.name] = ctx.allocate(step.nbytes, "temporary", step.name)
-        else:
-            ctx.free(ids.pop(step.name))
-
-    before = [step for step in steps if step.offset == 0 and not step.after]
-    if steps:  # the first tensors of the gradients, in the program's first steps
-        for step in before[:len(gradients)]:
-            run(step)
-    else:
-        ctx.record_outputs(gradients)
-    copy = contiguous_copies(ctx, copy_tag, grad)
-    for step in before[len(gradients) if steps else 0:]:
-        run(step)
     for offset, gradient in enumerate(gradients):
-        ctx.record_outputs(gradient)  # the .sum(0) (recorded already on the one-pass path)
-        if offset == 0 and site is not None and not copy:
+        for step in steps:
+            if step.offset == offset and not step.after:
+                _run(ctx, step, ids)
+        ctx.record_outputs(gradient)  # the one-pass output, or the two-pass .sum(0)
+        if offset == 0:
             ctx.note_site(GAMMA_BETA_BACKWARD_SITE, site.params(), gradient)
         for step in steps:
             if step.offset == offset and step.after:
-                run(step)
-    return copy
+                _run(ctx, step, ids)
+
+
+def _run(ctx: EmulationContext, step: SiteStep, ids: dict[str, int]) -> None:
+    """One step of a site's program: allocate its temporary (kept in ``ids`` by name) or free it."""
+    if step.action == "alloc":
+        ids[step.name] = ctx.allocate(step.nbytes, "temporary", step.name)
+    else:
+        ctx.free(ids.pop(step.name))
 
 
 def _layer_norm(ctx: EmulationContext) -> Any:
@@ -190,10 +185,6 @@ def _layer_norm_backward(ctx: EmulationContext, *, two_pass: bool) -> Any:
     copies = contiguous_copies(ctx, "layer_norm_contiguous_copy", x, weight, bias)
     dx, dgamma, dbeta = out = ctx.run()
     ctx.record_outputs([t for t in (dx,) if t is not None])
-    grad_copy = weight_gradients(
-        ctx, x, math.prod(ctx.args[2]), dgamma, dbeta, grad, two_pass=two_pass,
-        copy_tag="layer_norm_grad_copy",
-    )
-    free_last_first(ctx, grad_copy)
+    weight_gradients(ctx, x, math.prod(ctx.args[2]), dgamma, dbeta, grad, two_pass=two_pass)
     free_last_first(ctx, copies)
     return out

@@ -203,9 +203,6 @@ def _fused_rms_norm_backward(ctx: EmulationContext) -> Any:
     ctx.record_outputs(dx)
     # RMSNormBackwardKernelImpl: dY.contiguous(), then layer norm's gamma kernels (the fused op
     # exists from 2.9, after their two-pass branch).
-    grad_copy = weight_gradients(
-        ctx, x, math.prod(ctx.args[2]), dgamma, None, grad, two_pass=True, copy_tag=_COPY
-    )
-    free_last_first(ctx, grad_copy)
+    weight_gradients(ctx, x, math.prod(ctx.args[2]), dgamma, None, grad, two_pass=True)
     free_last_first(ctx, copies)
     return dx, dgamma
