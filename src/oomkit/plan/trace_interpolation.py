@@ -109,15 +109,18 @@ def _normalize(recording: Any) -> _Normalized:
     dropped: set[int] = set()
     for site in sites:
         plan = SITE_PLANS[site.kind]
-        steps = plan.steps(site.params)
         # Back from the anchor over the temporaries allocated before it, then on from it over
-        # those allocated after it, the frees of any of them and the call's other outputs the
-        # steps sit beside (a program's: ``SiteStep.offset``).
+        # those allocated after it, the frees of any of them and the call's other outputs a
+        # program's steps sit beside (``SiteStep.offset``; the other plans' are all 0, and are
+        # not computed here).
         index = site.anchor - 1
         while index >= 0 and _is_temporary(events[index], plan.names):
             dropped.add(events[index].address)
             index -= 1
-        outputs = max((step.offset for step in steps), default=0)
+        outputs = (
+            max((step.offset for step in plan.program(site.params)), default=0)
+            if plan.program is not None else 0
+        )
         index = site.anchor + 1
         while index < len(events):
             event = events[index]

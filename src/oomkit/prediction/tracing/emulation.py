@@ -94,6 +94,21 @@ class EmulationContext:
         """Record the free of a synthetic allocation made by :meth:`allocate`."""
         self._engine.free_synthetic(alloc_id)
 
+    def contiguous_copies(self, what: str, *tensors: Any) -> list[int]:
+        """A kernel's ``expect_contiguous()`` / ``contiguous()`` of each tensor given (``None``
+        skipped): a temporary copy, tagged ``what``, of each one that is not contiguous; their
+        ids, in order, for :meth:`free_last_first`."""
+        return [
+            self.allocate(t.numel() * t.element_size(), "temporary", what)
+            for t in tensors
+            if t is not None and not t.is_contiguous()
+        ]
+
+    def free_last_first(self, ids: list[int]) -> None:
+        """Free synthetic allocations as C++ destroys locals: the last made first."""
+        for alloc_id in reversed(ids):
+            self.free(alloc_id)
+
     def allocation_phase(self, tensor: Any) -> Phase | None:
         """The phase in which ``tensor``'s storage was allocated; None when it is not accounted
         (another device, no storage, not seen yet)."""

@@ -56,8 +56,6 @@ __all__ = [
     "LAYER_NORM_BACKWARD_OP",
     "LAYER_NORM_OP",
     "TWO_PASS_SINCE",
-    "contiguous_copies",
-    "free_last_first",
     "register_layer_norm",
     "weight_gradients",
 ]
@@ -80,22 +78,6 @@ def register_layer_norm(registry: EmulationRegistry, *, torch_version: str | Non
     )
 
 
-def contiguous_copies(ctx: EmulationContext, what: str, *tensors: Any) -> list[int]:
-    """``expect_contiguous()`` (or ``contiguous()``) of each tensor given: a copy, tagged
-    ``what``, of those that are not contiguous."""
-    return [
-        ctx.allocate(t.numel() * t.element_size(), "temporary", what)
-        for t in tensors
-        if isinstance(t, torch.Tensor) and not t.is_contiguous()
-    ]
-
-
-def free_last_first(ctx: EmulationContext, ids: list[int]) -> None:
-    """Free ``ids`` as C++ destroys locals: in reverse order."""
-    for alloc_id in reversed(ids):
-        ctx.free(alloc_id)
-
-
 def weight_gradients(
     ctx: EmulationContext,
     x: torch.Tensor,
@@ -115,7 +97,7 @@ def weight_gradients(
     batch search learning on one side of 65,536 rows synthesizes the other."""
     gradients = [g for g in (dgamma, dbeta) if g is not None]
     if not gradients:  # the kernels on dY.contiguous(), and nothing to plan
-        free_last_first(ctx, contiguous_copies(ctx, "norm_grad_copy", grad))
+        ctx.free_last_first(ctx.contiguous_copies("norm_grad_copy", grad))
         return
     assert ctx.gpu is not None
     first = gradients[0]
@@ -133,7 +115,8 @@ def weight_gradients(
         grad_copy_bytes=0 if grad.is_contiguous() else grad.numel() * grad.element_size(),
         two_pass_branch=int(two_pass),
     )
-    steps = gamma_beta_backward_program(site.params())
+    params = site.params()
+    steps = gamma_beta_backward_program(params)
     ids: dict[str, int] = {}
     for offset, gradient in enumerate(gradients):
         for step in steps:
@@ -141,7 +124,7 @@ def weight_gradients(
                 _run(ctx, step, ids)
         ctx.record_outputs(gradient)  # the one-pass output, or the two-pass .sum(0)
         if offset == 0:
-            ctx.note_site(GAMMA_BETA_BACKWARD_SITE, site.params(), gradient)
+            ctx.note_site(GAMMA_BETA_BACKWARD_SITE, params, gradient)
         for step in steps:
             if step.offset == offset and step.after:
                 _run(ctx, step, ids)
@@ -162,12 +145,12 @@ def _layer_norm(ctx: EmulationContext) -> Any:
         return ctx.run()
     weight = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("weight")
     bias = ctx.args[3] if len(ctx.args) > 3 else ctx.kwargs.get("bias")
-    copies = contiguous_copies(ctx, "layer_norm_contiguous_copy", x, weight, bias)
+    copies = ctx.contiguous_copies("layer_norm_contiguous_copy", x, weight, bias)
     if not copies:
         return ctx.run()
     out = ctx.run()
     ctx.record_outputs(list(out))
-    free_last_first(ctx, copies)
+    ctx.free_last_first(copies)
     return out
 
 
@@ -182,9 +165,9 @@ def _layer_norm_backward(ctx: EmulationContext, *, two_pass: bool) -> Any:
     ):
         return ctx.run()
     weight, bias = (ctx.args[i] if len(ctx.args) > i else None for i in (5, 6))
-    copies = contiguous_copies(ctx, "layer_norm_contiguous_copy", x, weight, bias)
+    copies = ctx.contiguous_copies("layer_norm_contiguous_copy", x, weight, bias)
     dx, dgamma, dbeta = out = ctx.run()
     ctx.record_outputs([t for t in (dx,) if t is not None])
     weight_gradients(ctx, x, math.prod(ctx.args[2]), dgamma, dbeta, grad, two_pass=two_pass)
-    free_last_first(ctx, copies)
+    ctx.free_last_first(copies)
     return out

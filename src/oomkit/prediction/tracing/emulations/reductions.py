@@ -169,13 +169,10 @@ def _extreme_of_all(ctx: EmulationContext) -> Any:
     if not isinstance(out, torch.Tensor):
         return out
     ctx.record_outputs(out)
-    read, copy = x, None
-    if not x.is_contiguous():
-        copy = ctx.allocate(x.numel() * x.element_size(), "temporary", "reduction_contiguous_copy")
-        read = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    copy = ctx.contiguous_copies("reduction_contiguous_copy", x)
+    read = torch.empty(x.shape, dtype=x.dtype, device="meta") if copy else x
     record_reduction(ctx, read, out, [], in_input_type=True)
-    if copy is not None:
-        ctx.free(copy)
+    ctx.free_last_first(copy)
     return out
 
 

@@ -53,11 +53,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from oomkit.prediction.tracing._torch_version import torch_minor
 from oomkit.prediction.tracing.autocast_policy import ADDED_IN
-from oomkit.prediction.tracing.emulations.layer_norm import (
-    contiguous_copies,
-    free_last_first,
-    weight_gradients,
-)
+from oomkit.prediction.tracing.emulations.layer_norm import weight_gradients
 from oomkit.prediction.tracing.emulations.reductions import LOW_PRECISION
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
@@ -185,10 +181,10 @@ def _fused_rms_norm(ctx: EmulationContext) -> Any:
     if not isinstance(x, torch.Tensor) or not stands_for_cuda(x):
         return ctx.run()
     weight = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("weight")
-    copies = contiguous_copies(ctx, _COPY, x, weight)
+    copies = ctx.contiguous_copies(_COPY, x, weight)
     out = ctx.run()
     ctx.record_outputs(list(out))
-    free_last_first(ctx, copies)
+    ctx.free_last_first(copies)
     return out
 
 
@@ -198,11 +194,11 @@ def _fused_rms_norm_backward(ctx: EmulationContext) -> Any:
     if not isinstance(x, torch.Tensor) or not stands_for_cuda(x) or x.numel() == 0:
         return ctx.run()
     weight = ctx.args[4] if len(ctx.args) > 4 else ctx.kwargs.get("weight")
-    copies = contiguous_copies(ctx, _COPY, x, weight)
+    copies = ctx.contiguous_copies(_COPY, x, weight)
     dx, dgamma = ctx.run()
     ctx.record_outputs(dx)
     # RMSNormBackwardKernelImpl: dY.contiguous(), then layer norm's gamma kernels (the fused op
     # exists from 2.9, after their two-pass branch).
     weight_gradients(ctx, x, math.prod(ctx.args[2]), dgamma, None, grad, two_pass=True)
-    free_last_first(ctx, copies)
+    ctx.free_last_first(copies)
     return dx, dgamma
