@@ -15,17 +15,63 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from oomkit.errors import InputFileError, OutputPathError
+from oomkit.errors import InputFileError, OomkitError, OutputPathError
 
-__all__ = ["check_output_path", "input_file_error", "output_file", "write_output"]
+__all__ = [
+    "check_output_path",
+    "input_file_error",
+    "not_a_file_reason",
+    "output_file",
+    "refuse_special_file",
+    "write_output",
+]
+
+_NOT_REGULAR = "is not a regular file (a device, pipe or socket)"
+_DIRECTORY = "is a directory, not a file"
 
 PathLike = str | os.PathLike[str]
+
+
+def not_a_file_reason(path: PathLike) -> str | None:
+    """Why an input ``path`` is not a file oomkit can read (``None`` when it is one): a
+    directory, something that exists but is not a regular file (``/dev/null``, a pipe, a
+    socket: read with ``seek`` and ``stat`` sizes, which they do not have), or nothing there."""
+    try:
+        file = Path(path)
+        if file.is_file():
+            return None
+        if file.is_dir():
+            return _DIRECTORY
+        if file.exists():
+            return _NOT_REGULAR
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        pass
+    return "no such file"
+
+
+def refuse_special_file(
+    path: PathLike, *, what: str = "file", error: type[OomkitError] = InputFileError
+) -> None:
+    """Raise ``error`` where ``path`` exists but is no regular file, before a reader opens it:
+    a FIFO's ``open`` waits for a writer forever and ``/dev/zero`` never ends, so neither may
+    reach a reader (bounded time and memory). A missing path is left to the reader's ``open``."""
+    reason = not_a_file_reason(path)
+    if reason == _DIRECTORY:
+        raise error(f"{path}: cannot be read: {_directory_hint(what)}")
+    if reason == _NOT_REGULAR:
+        raise error(
+            f"{path}: cannot be read: it {reason}; save what it holds to a file and pass that"
+        )
+
+
+def _directory_hint(what: str) -> str:
+    return f"it is a directory; pass a {what} inside it"
 
 
 def input_file_error(path: PathLike, exc: OSError, *, what: str = "file") -> InputFileError:
     """The error to raise when opening or reading the input ``path`` failed with ``exc``."""
     if isinstance(exc, IsADirectoryError) or Path(path).is_dir():
-        hint = f"it is a directory; pass a {what} inside it"
+        hint = _directory_hint(what)
     elif isinstance(exc, PermissionError):
         hint = f"no permission to read it; check its permissions (chmod u+r {path})"
     elif isinstance(exc, FileNotFoundError):

@@ -39,7 +39,7 @@ def test_bad_lengths_files_name_the_problem(text, match):
 
 def test_unreadable_file_is_a_config_error(tmp_path):
     """A directory or a missing path is a ConfigError, not an OSError."""
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="cannot be read: it is a directory"):
         read_lengths(tmp_path)
     with pytest.raises(ConfigError, match="cannot read"):
         read_lengths(tmp_path / "missing.txt")

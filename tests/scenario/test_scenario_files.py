@@ -143,6 +143,20 @@ def test_errors_name_the_flag_and_the_field(data, message):
     assert message in str(raised.value)
 
 
+@settings(max_examples=40, deadline=None)
+@given(section=st.text(min_size=1, max_size=20))
+def test_an_unknown_section_is_named(section):
+    """A section no scenario has (a typo, or anything a file holds) is refused by its name."""
+    assume(section not in Scenario.model_fields)
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_data({"model": {"preset": "x"}, section: {"a": 1}})
+    message = str(raised.value)
+    assert "]: unknown section: check its spelling (`oomkit predict ... --dump-config`" in message
+    if section.isprintable():
+        assert message.startswith(f"[{section}]: ")
+    assert not any(0x7f <= ord(c) <= 0x9f or ord(c) < 0x20 for c in message)  # shown as \\xNN
+
+
 def test_overrides_are_toml_values_or_text():
     """--set parses numbers, booleans and lists as TOML does; a bare word stays text."""
     data = apply_overrides(

@@ -13,6 +13,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from oomkit._files import refuse_special_file
 from oomkit.errors import ConfigError
 
 __all__ = ["MAX_STEPS", "padded", "parse_lengths", "read_lengths", "run_order"]
@@ -92,6 +93,7 @@ def read_lengths(path: str | os.PathLike[str]) -> tuple[int, ...]:
         ConfigError: the file is missing, unreadable, too large or malformed.
     """
     file = Path(path)
+    refuse_special_file(file, what="lengths file", error=ConfigError)
     try:
         if file.stat().st_size > MAX_FILE_BYTES:
             raise ConfigError(f"{file}: larger than {MAX_FILE_BYTES // 2**20} MiB; sample it first")

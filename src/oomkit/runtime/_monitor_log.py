@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomkit._files import input_file_error
+from oomkit._files import input_file_error, refuse_special_file
 from oomkit.errors import MonitorLogError
 
 __all__ = [
@@ -268,6 +268,7 @@ def load_monitor_log(path: str | os.PathLike[str]) -> MonitorLog:
         InputFileError: the file cannot be read.
     """
     path = Path(path)
+    refuse_special_file(path, what="monitor log")
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
@@ -337,6 +338,7 @@ def is_monitor_log(path: str | os.PathLike[str]) -> bool:
     Raises:
         OSError: the file cannot be read.
     """
+    refuse_special_file(path, what="monitor log")
     try:
         with open(path, "rb") as stream:
             first = stream.readline(_HEADER_PROBE_BYTES)

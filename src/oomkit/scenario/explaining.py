@@ -103,9 +103,10 @@ def _explain_text(text: str, gpu: Any) -> Diagnosis:
 
 
 def _explain_file(path: Path, gpu: Any, measure: bool, progress: Any) -> Diagnosis:
-    from oomkit._files import input_file_error
+    from oomkit._files import input_file_error, refuse_special_file
     from oomkit.core.snapshot import looks_like_pickle
 
+    refuse_special_file(path)
     try:
         with path.open("rb") as head:
             magic = head.read(8)

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from oomkit._files import refuse_special_file
 from oomkit.errors import ScenarioError
 from oomkit.scenario.model import SCENARIO_VERSION, Scenario, section_flag
 
@@ -76,6 +77,11 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
             path = ".".join(loc)
             flag = section_flag(loc[0], loc[1])
             lines.append(f"{flag} ({path}): {text}" if flag else f"{path}: {text}")
+        elif error["type"] == "extra_forbidden" and loc:  # a section no scenario has
+            lines.append(
+                f"[{loc[0]}]: unknown section: check its spelling (`oomkit predict ... "
+                "--dump-config` shows the sections and keys)"
+            )
         else:  # a section's or the whole scenario's rule: its message names the fields
             lines.append(text)
     head = f"{source}: " if source else ""
@@ -143,6 +149,7 @@ def read_scenario_data(path: str | Path) -> dict[str, Any]:
         ScenarioError: the file cannot be read, is too large, or is not valid TOML or JSON.
     """
     file = Path(path)
+    refuse_special_file(file, what="config file", error=ScenarioError)
     try:
         if file.stat().st_size > _MAX_FILE_BYTES:
             raise ScenarioError(

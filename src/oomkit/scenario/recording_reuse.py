@@ -118,6 +118,8 @@ def _hf_config_digest(name: str) -> str | None:
     try:
         if not folder.is_dir() or any(p.suffix == ".py" for p in folder.iterdir()):
             return None
+        if not (folder / "config.json").is_file():  # a FIFO's read would wait for a writer
+            return None
         data = (folder / "config.json").read_bytes()
         config = json.loads(data)
     except (OSError, ValueError):

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
-from oomkit._files import input_file_error
+from oomkit._files import input_file_error, refuse_special_file
 from oomkit.core.snapshot._consistency import trace_contradiction
 from oomkit.core.snapshot._drain import TraceDrain
 from oomkit.core.snapshot._entry_fields import entry_tags, extras_problem
@@ -115,6 +115,7 @@ def load_snapshot(
         else:
             path = Path(source)
             name = label = str(path)
+            refuse_special_file(path, what="snapshot")
             try:
                 opened = open(path, "rb")  # noqa: SIM115 - closed by the with below
             except OSError as exc:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from oomkit._files import input_file_error
+from oomkit._files import input_file_error, refuse_special_file
 from oomkit.core.trace.events import TRACE_FORMAT_VERSION, Frame, TraceEvent, TraceHeader
 from oomkit.errors import TraceFormatError
 
@@ -172,6 +172,7 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[TraceHeader, Iterator[Trac
         OSError: the file cannot be opened.
     """
     path = Path(path)
+    refuse_special_file(path, what="trace file")
     try:
         stream = _open_for_reading(path)
     except OSError as exc:

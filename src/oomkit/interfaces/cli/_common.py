@@ -131,15 +131,16 @@ def size_arg(text: str) -> int:
 
 def existing_file(text: str) -> Path:
     """argparse type for an input file that must exist."""
-    path = Path(text)
-    if not path.is_file():
+    from oomkit._files import not_a_file_reason
+
+    what = not_a_file_reason(text)
+    if what is not None:
         # The name as typed, its control characters shown (\x1b), never acted on by a terminal.
         shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
-        what = "is a directory, not a file" if path.is_dir() else "no such file"
         raise argparse.ArgumentTypeError(
-            f"{shown}: {what}. Check the path (it is relative to {Path.cwd()})."
+            f"{shown}: {what}. Pass a file; check the path (it is relative to {Path.cwd()})."
         )
-    return path
+    return Path(text)
 
 
 def positive_int(text: str) -> int:

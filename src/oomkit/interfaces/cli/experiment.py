@@ -121,6 +121,9 @@ def _candidates(args: argparse.Namespace) -> list[str]:
     from oomkit.runtime.experiment import DEFAULT_CONFIGS, parse_configs
 
     if args.configs is not None:
+        from oomkit._files import refuse_special_file
+
+        refuse_special_file(args.configs, what="settings file")
         try:
             configs = parse_configs(Path(args.configs).read_text())
         except (OSError, UnicodeDecodeError) as exc:

@@ -137,24 +137,22 @@ def _read_source(source: str) -> str | Path:
     """
     if source == "-":
         return _read_stdin(sys.stdin, sys.stderr)
+    from oomkit._files import input_file_error, not_a_file_reason
+
     path = Path(source)
-    try:
-        is_file, is_dir = path.is_file(), path.is_dir()
-    except (OSError, ValueError):  # a long pasted message is not a valid path
-        is_file = is_dir = False
-    if is_dir:
+    if _is_directory(source):
         raise OomTextError(
             f"{source}: is a directory, not a file. Pass the log, snapshot or prediction file "
             "inside it, e.g. oomkit explain logs/train.log"
         )
-    if not is_file:
+    what = not_a_file_reason(source)  # a long pasted message is no file either
+    if what is not None:
         if _looks_like_path(source):
             raise OomTextError(
-                f"{source}: no such file. Pass an existing log, snapshot (.pickle) or prediction "
+                f"{source}: {what}. Pass an existing log, snapshot (.pickle) or prediction "
                 "(.json), the error text in quotes, or - to read it from stdin"
             )
         return source
-    from oomkit._files import input_file_error
     from oomkit.core.snapshot import looks_like_pickle
 
     try:

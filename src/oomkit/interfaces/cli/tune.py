@@ -61,13 +61,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from oomkit._files import not_a_file_reason
     from oomkit.plan import tune
     from oomkit.plan.tuning import DEFAULT_GRID
 
     path = Path(args.source)
-    if not path.is_file():
+    what = not_a_file_reason(path)
+    if what is not None:
         raise OomkitError(
-            f"{args.source}: no such file. Pass an oomkit trace (.jsonl, .jsonl.gz) or a "
+            f"{args.source}: {what}. Pass an oomkit trace (.jsonl, .jsonl.gz) or a "
             f"snapshot from torch.cuda.memory._dump_snapshot (paths are relative to {Path.cwd()})."
         )
     target_device = device_from_args(args, default_capacity=_DEFAULT_CAPACITY)

@@ -89,7 +89,11 @@ def _find_logs(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[Path, bool
         elif path.is_file():
             out.append((path, False))
         else:
-            raise MonitorLogError(f"{path}: no such file or directory")
+            from oomkit._files import not_a_file_reason
+
+            raise MonitorLogError(
+                f"{path}: {not_a_file_reason(path)}; pass monitor logs or their directory"
+            )
     return out
 
 

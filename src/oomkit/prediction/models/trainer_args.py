@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from oomkit._files import refuse_special_file
 from oomkit.errors import ConfigError
 
 __all__ = [
@@ -311,6 +312,7 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
 
 
 def _load_json(path: str) -> Mapping[str, Any]:
+    refuse_special_file(path, what="TrainingArguments JSON", error=ConfigError)
     try:
         size = os.path.getsize(path)
         if size > MAX_FILE_BYTES:
