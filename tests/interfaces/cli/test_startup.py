@@ -134,6 +134,7 @@ def test_replay_file_imports_only_core_and_its_report(tmp_path):
         "oomkit.interfaces.cli",
         "oomkit.interfaces.cli._common",
         "oomkit.interfaces.cli._progress",  # --jobs for --what-if; rich.progress stays unloaded
+        "oomkit.interfaces.cli._stdout",  # a write that fails: exit 141 or one line
         "oomkit.interfaces.cli.replay",
     ]
     assert _loaded(modules, "rich.progress") == []

@@ -258,8 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from oomkit.interfaces.cli._stdout import StdoutWriteError, guarded_stdout, stdout_failed
+
     try:
-        return int(args.run(args))
+        with guarded_stdout():
+            return int(args.run(args))
+    except StdoutWriteError as exc:
+        return stdout_failed(exc, EXIT_USAGE)
     except TorchRequiredError as exc:
         print(f"oomkit: {exc}", file=sys.stderr)
         return EXIT_MISSING_DEPENDENCY
