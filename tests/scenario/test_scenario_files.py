@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import typing
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -154,7 +156,46 @@ def test_an_unknown_section_is_named(section):
     assert "]: unknown section: check its spelling (`oomkit predict ... --dump-config`" in message
     if section.isprintable():
         assert message.startswith(f"[{section}]: ")
-    assert not any(0x7f <= ord(c) <= 0x9f or ord(c) < 0x20 for c in message)  # shown as \\xNN
+    # A control character is shown as \\xNN (tab and newline are left as they are).
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", message)
+
+
+def _numeric_fields() -> list[tuple[str, str]]:
+    from oomkit.scenario.sections import _numeric
+
+    found = []
+    for section, field in Scenario.model_fields.items():
+        model = next((a for a in typing.get_args(field.annotation) if isinstance(a, type)),
+                     field.annotation)
+        for name, inner in getattr(model, "model_fields", {}).items():
+            if _numeric(inner.annotation):
+                found.append((section, name))
+    return found
+
+
+NUMERIC_FIELDS = _numeric_fields()
+
+
+def test_the_numeric_fields_are_found():
+    """The walk below reaches the sections' counts, sizes and rates (not a vacuous property)."""
+    assert {("step", "batch"), ("run", "budget_bytes"), ("lora", "dropout"),
+            ("search", "max_batch")} <= set(NUMERIC_FIELDS)
+    assert ("step", "compile") not in NUMERIC_FIELDS  # a bool field takes true/false
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=st.sampled_from(NUMERIC_FIELDS), value=st.booleans())
+def test_a_bool_is_no_number(where, value):
+    """``batch = true`` in a file (or ``batch=True`` in Python) is refused, not read as 1."""
+    section, key = where
+    # The field that turns a section on, so that the section's own rule passes first.
+    given_with = {"lora": {"rank": 8}, "lengths": {"file": "lengths.txt"}}.get(section, {})
+    data = {"model": {"preset": "gpt2-124m"}, section: {**given_with, key: value}}
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_data(data)
+    # Named by its flag and path ("--batch (step.batch): ..."), or its path where it has no flag.
+    assert re.search(rf"\b{section}\.{key}\)?: expected a number, not {str(value).lower()}$",
+                     str(raised.value))
 
 
 def test_overrides_are_toml_values_or_text():

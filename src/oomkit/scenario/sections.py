@@ -10,6 +10,8 @@ Each field carries its command-line face in its JSON Schema (``x-flag``, ``x-gro
 from __future__ import annotations
 
 import math
+import types
+import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -18,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -125,10 +128,36 @@ def _needs(cls: type[BaseModel], data: Any, section: str, key: str, words: str) 
     raise ValueError(f"{flags or f'a {section} section'} {verb}, or drop {'it' if one else 'them'}.")
 
 
+def _kinds(annotation: Any) -> set[Any]:
+    """The plain types a field's annotation admits (``Count | None``: int and NoneType)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _kinds(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_kinds(arg) for arg in typing.get_args(annotation)))
+    return {annotation}
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes a number and not a bool (``int``, ``Count | None``, ``float``...)."""
+    kinds = _kinds(annotation)
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
 class _Section(BaseModel):
     """A frozen section that refuses unknown keys (a typo in a config file is an error)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1: `batch=True` or `batch = true` in a file is a
+        # mistake, not a batch of one.
+        if isinstance(value, bool) and info.field_name is not None:
+            if _numeric(cls.model_fields[info.field_name].annotation):
+                raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
 
 
 class ModelSection(_Section):
