@@ -7,6 +7,13 @@ command's arguments. Each tool runs the command itself with ``--json`` (predict 
 the scenario as their ``--config``), so its result is, byte for byte, the JSON the command
 prints; a command that exits 2 (bad input) is a tool error carrying its one-line message.
 ``oomkit mcp --list-tools`` prints each tool's name and input schema without serving.
+
+A call never ends the server: its arguments are checked against the tool's schema first (the
+SDK does not), a command line built from them cannot hold an option an agent slipped into a
+value (each value is ``--flag=VALUE`` or follows ``--``; ``explain``'s ``-``, "read stdin",
+would read the protocol's own stream and is refused), the command's ``SystemExit`` (argparse's
+usage errors) is its exit code, and calls run one at a time (each redirects this process's
+``sys.stdout`` while it runs).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import io
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +44,15 @@ class McpTool:
         description: what it answers, for the agent.
         schema: a callable returning its input JSON Schema (imports pydantic when called).
         argv: the tool's arguments -> the command line, ``--json`` included.
+        check: the arguments -> an error message, or None when they fit the schema (predict
+            and fit: None, their scenario is checked by the command itself).
     """
 
     name: str
     description: str
     schema: Callable[[], dict[str, Any]]
     argv: Callable[[dict[str, Any]], list[str]]
+    check: Callable[[dict[str, Any]], str | None] | None = None
 
 
 def _scenario_schema() -> dict[str, Any]:
@@ -50,20 +61,40 @@ def _scenario_schema() -> dict[str, Any]:
     return Scenario.model_json_schema()
 
 
-def _record_schema(fields: dict[str, tuple[Any, Any, str]], required: Sequence[str] = ()) -> Any:
-    """A JSON Schema for a tool's arguments: ``{name: (type, default, description)}``."""
+class _Arguments:
+    """A tool's arguments, ``{name: (type, default, description)}``: their JSON Schema, and the
+    check of a call's arguments against it (a pydantic model, built when first needed)."""
 
-    def schema() -> dict[str, Any]:
-        from pydantic import ConfigDict, Field, create_model
+    def __init__(self, fields: dict[str, tuple[Any, Any, str]], required: Sequence[str] = ()):
+        self._fields, self._required = fields, tuple(required)
+        self._model: Any = None
 
-        spec: dict[str, Any] = {
-            name: (kind, Field(... if name in required else default, description=text))
-            for name, (kind, default, text) in fields.items()
-        }
-        model = create_model("Arguments", __config__=ConfigDict(extra="forbid"), **spec)
-        return dict(model.model_json_schema())
+    def _built(self) -> Any:
+        if self._model is None:
+            from pydantic import ConfigDict, Field, create_model
 
-    return schema
+            spec: dict[str, Any] = {
+                name: (kind, Field(... if name in self._required else default, description=text))
+                for name, (kind, default, text) in self._fields.items()
+            }
+            config = ConfigDict(extra="forbid", strict=True)  # a number is no path
+            self._model = create_model("Arguments", __config__=config, **spec)
+        return self._model
+
+    def schema(self) -> dict[str, Any]:
+        return dict(self._built().model_json_schema())
+
+    def check(self, arguments: dict[str, Any]) -> str | None:
+        from pydantic import ValidationError
+
+        try:
+            self._built().model_validate(arguments)
+        except ValidationError as exc:
+            return "; ".join(
+                f"{'.'.join(str(part) for part in error['loc']) or 'arguments'}: {error['msg']}"
+                for error in exc.errors(include_url=False)
+            )
+        return None
 
 
 def _scenario_argv(command: str) -> Callable[[dict[str, Any]], list[str]]:
@@ -80,7 +111,8 @@ def _scenario_argv(command: str) -> Callable[[dict[str, Any]], list[str]]:
 
 
 def _flags(arguments: dict[str, Any], names: dict[str, str]) -> list[str]:
-    """``--flag value`` for each argument given; a true boolean is the flag alone."""
+    """``--flag=value`` for each argument given (one word: a value cannot be read as an option);
+    a true boolean is the flag alone."""
     out: list[str] = []
     for key, flag in names.items():
         value = arguments.get(key)
@@ -89,11 +121,16 @@ def _flags(arguments: dict[str, Any], names: dict[str, str]) -> list[str]:
         if value is True:
             out.append(flag)
         elif isinstance(value, list):
-            for item in value:
-                out += [flag, str(item)]
+            out += [f"{flag}={item}" for item in value]
         else:
-            out += [flag, str(value)]
+            out.append(f"{flag}={value}")
     return out
+
+
+def _explain_check(arguments: dict[str, Any]) -> str | None:
+    if arguments.get("input") == "-":  # stdin is the protocol's stream here
+        return "input: give the OOM text itself or a file's path; '-' (stdin) is the MCP stream"
+    return _EXPLAIN.check(arguments)
 
 
 _GPU: tuple[Any, Any, str] = (str | None, None, "a catalog GPU (e.g. rtx4090) or a size (24GiB)")
@@ -118,6 +155,33 @@ _DEVICE: dict[str, tuple[Any, Any, str]] = {
 }
 _DEVICE_FLAGS = {"gpu": "--gpu", "capacity": "--capacity", "context_overhead": "--context-overhead"}
 
+_EXPLAIN = _Arguments(
+    {
+        "input": (str, None, "the OOM text itself, or the path of a snapshot or JSON"),
+        "gpu": _GPU,
+        "measure": (bool, True, "re-predict to measure remedies (saved predictions)"),
+    },
+    required=("input",),
+)
+_REPLAY = _Arguments(
+    {
+        "snapshot": (str, None, "the snapshot file (torch.cuda.memory._dump_snapshot)"),
+        "verify": (bool, False, "compare every recorded decision with the simulator's"),
+        "what_if": (list[str] | None, None, "allocator settings to compare"),
+        **_DEVICE,
+    },
+    required=("snapshot",),
+)
+_TUNE = _Arguments(
+    {"source": (str, None, "a snapshot or oomkit trace file"), **_DEVICE}, required=("source",)
+)
+_DIFF = _Arguments(
+    {"a": (str, None, "the first run's file"), "b": (str, None, "the second's")},
+    required=("a", "b"),
+)
+_DOCTOR = _Arguments({"snapshot": (str | None, None, "a snapshot file (optional)")})
+_GPUS = _Arguments({})
+
 TOOLS: tuple[McpTool, ...] = (
     McpTool(
         "predict",
@@ -137,67 +201,54 @@ TOOLS: tuple[McpTool, ...] = (
         "explain",
         "Explain a CUDA out-of-memory error: its cause, the evidence and ranked remedies, from "
         "the error text, a snapshot file or a saved prediction (predict --json).",
-        _record_schema(
-            {
-                "input": (str, None, "the OOM text itself, or the path of a snapshot or JSON"),
-                "gpu": _GPU,
-                "measure": (bool, True, "re-predict to measure remedies (saved predictions)"),
-            },
-            required=("input",),
-        ),
+        _EXPLAIN.schema,
         lambda a: [
-            "explain", str(a["input"]), "--json",
+            "explain", "--json",
             *_flags(a, {"gpu": "--gpu"}), *([] if a.get("measure", True) else ["--no-measure"]),
+            "--", str(a["input"]),
         ],
+        _explain_check,
     ),
     McpTool(
         "replay",
         "Replay a PyTorch memory snapshot through the simulated caching allocator; verify it "
         "decision for decision, or ask what-if under other PYTORCH_CUDA_ALLOC_CONF settings.",
-        _record_schema(
-            {
-                "snapshot": (str, None, "the snapshot file (torch.cuda.memory._dump_snapshot)"),
-                "verify": (bool, False, "compare every recorded decision with the simulator's"),
-                "what_if": (list[str] | None, None, "allocator settings to compare"),
-                **_DEVICE,
-            },
-            required=("snapshot",),
-        ),
+        _REPLAY.schema,
         lambda a: [
-            "replay", str(a["snapshot"]), "--json",
+            "replay", "--json",
             *_flags(a, {"verify": "--verify", "what_if": "--what-if", **_DEVICE_FLAGS}),
+            "--", str(a["snapshot"]),
         ],
+        _REPLAY.check,
     ),
     McpTool(
         "tune",
         "Find the PYTORCH_CUDA_ALLOC_CONF that reserves least for a snapshot or trace.",
-        _record_schema(
-            {"source": (str, None, "a snapshot or oomkit trace file"), **_DEVICE},
-            required=("source",),
-        ),
-        lambda a: ["tune", str(a["source"]), "--json", *_flags(a, _DEVICE_FLAGS)],
+        _TUNE.schema,
+        lambda a: ["tune", "--json", *_flags(a, _DEVICE_FLAGS), "--", str(a["source"])],
+        _TUNE.check,
     ),
     McpTool(
         "diff",
         "Split the change in peak memory between two runs (snapshots, saved predictions or "
         "monitor logs) into allocated and placement.",
-        _record_schema(
-            {"a": (str, None, "the first run's file"), "b": (str, None, "the second's")},
-            required=("a", "b"),
-        ),
-        lambda a: ["diff", str(a["a"]), str(a["b"]), "--json"],
+        _DIFF.schema,
+        lambda a: ["diff", "--json", "--", str(a["a"]), str(a["b"])],
+        _DIFF.check,
     ),
     McpTool(
         "doctor",
         "Show which allocator settings are in effect, from a snapshot (or this environment).",
-        _record_schema({"snapshot": (str | None, None, "a snapshot file (optional)")}),
-        lambda a: ["doctor", *([str(a["snapshot"])] if a.get("snapshot") else []), "--json"],
+        _DOCTOR.schema,
+        lambda a: ["doctor", "--json", *(["--", str(a["snapshot"])] if a.get("snapshot") else [])],
+        _DOCTOR.check,
     ),
     McpTool(
         "gpus",
         "List the GPUs predict and fit can name, with their memory and CUDA context.",
-        _record_schema({}),
+        _GPUS.schema,
         lambda a: ["gpus", "--json"],
+        _GPUS.check,
     ),
 )
 _BY_NAME = {tool.name: tool for tool in TOOLS}
@@ -210,11 +261,16 @@ def tool_schemas() -> list[dict[str, Any]]:
     ]
 
 
+# One call at a time: each redirects this process's sys.stdout and sys.stderr while it runs.
+_ONE_CALL = threading.Lock()
+
+
 def call_tool(name: str, arguments: dict[str, Any]) -> tuple[int, str, str]:
     """Run tool ``name`` as its command with ``--json``, in this process.
 
     Returns:
-        (exit code, what it printed on stdout, on stderr).
+        (exit code, what it printed on stdout, on stderr): exit 2 and the reason for arguments
+        that do not fit the tool's schema.
 
     Raises:
         KeyError: no such tool.
@@ -222,11 +278,20 @@ def call_tool(name: str, arguments: dict[str, Any]) -> tuple[int, str, str]:
     from oomkit.interfaces.cli import main
 
     tool = _BY_NAME[name]
+    problem = tool.check(dict(arguments)) if tool.check is not None else None
+    if problem is not None:
+        return 2, "", f"oomkit: error: {name}: {problem}\n"
     argv = tool.argv(dict(arguments))
     out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
+        with _ONE_CALL, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # argparse's usage errors: the command's exit code
+                code = exc.code if isinstance(exc.code, int) else 2
+                # The usage text argparse prints first is for a terminal; the error is its last line.
+                lines = err.getvalue().strip().splitlines()
+                err = io.StringIO(lines[-1] + "\n" if lines else "")
     finally:
         if "--config" in argv:  # the scenario file written for predict / fit
             with contextlib.suppress(OSError):
