@@ -191,6 +191,25 @@ def test_bad_flags_are_refused(write_config):
         predict_vllm(VllmRequest(model=folder, gpu="t4"))
 
 
+@settings(max_examples=30, deadline=None)
+@given(block_size=st.integers(1, 512), version=st.sampled_from(["0.8", "0.13"]))
+def test_block_size_is_one_of_the_releases_choices(block_size, version):
+    """vLLM's --block-size takes its BlockSize literal's values (argparse choices): 1, 8...128
+    in 0.8.5, 256 too in 0.13.0 (read from their sdists); anything else is refused by name
+    before the model is read, as vLLM exits at argument parsing."""
+    choices = {"0.8": (1, 8, 16, 32, 64, 128), "0.13": (1, 8, 16, 32, 64, 128, 256)}[version]
+    request = VllmRequest(model="no-such-model-dir", block_size=block_size, vllm_version=version)
+    with pytest.raises(ServingConfigError) as raised:
+        predict_vllm(request)
+    if block_size in choices:  # past the flag check: the missing model is what stops it
+        assert "no config.json at 'no-such-model-dir'" in str(raised.value)
+    else:
+        assert str(raised.value) == (
+            f"--block-size {block_size}: vLLM {version} takes one of "
+            f"{', '.join(map(str, choices))} (its BlockSize choices); use one of them"
+        )
+
+
 def test_an_mla_model_starts_with_latent_pages(write_config):
     """A DeepSeek-V3-shaped model (MLA, MoE) is built and recorded on meta; its KV page is one
     latent of (64 + 16) x 2 bytes a token a layer, not split by tp."""

@@ -206,6 +206,11 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
             f"--kv-cache-memory does not exist in vLLM {rules.version}; it came with later "
             "releases. Use --vllm-version 0.13, or size the cache with --gpu-memory-utilization"
         )
+    if request.block_size not in rules.block_sizes:  # argparse's choices: vLLM exits 2
+        raise ServingConfigError(
+            f"--block-size {request.block_size}: vLLM {rules.version} takes one of "
+            f"{', '.join(map(str, rules.block_sizes))} (its BlockSize choices); use one of them"
+        )
     target = Target.resolve(request.gpu, context_overhead_bytes=request.context_overhead_bytes)
     gpu = target.gpu
     model = read_serving_model(request.model)

@@ -29,7 +29,10 @@ of 16 from 256). 0.8: ``EngineArgs._set_default_args_v1`` of that series: 8192 b
 for the API server on a >= 70 GiB device (a v0.8.1 log: "Chunked prefill is enabled with
 max_num_batched_tokens=8192"), 2048 on others, and 256 sequences everywhere, capture sizes
 1, 2, 4 and steps of 8 up to 512 (``VllmConfig._set_cudagraph_sizes`` of V1 0.8), within
-``max_num_batched_tokens``. Block size 16 in both (``CacheConfig.block_size``).
+``max_num_batched_tokens``. Block size 16 in both (``CacheConfig.block_size``); ``--block-size``
+takes the ``BlockSize`` literal's values as argparse choices (``arg_utils.py``: a ``Literal``
+hint becomes ``choices``), 1, 8, 16, 32, 64 and 128 in 0.8 (v0.8.5 ``vllm/config.py``), 256 too
+in 0.13 (v0.13.0 ``vllm/config/cache.py``; both read from the releases' PyPI sdists).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class VllmRules:
             device, and on others.
         graph_modes: CUDA graphs captured a size (0.13 ``FULL_AND_PIECEWISE``: a piecewise and
             a full decode graph; 0.8: piecewise).
+        block_sizes: the values ``--block-size`` accepts (``BlockSize``).
     """
 
     version: str
@@ -71,6 +75,7 @@ class VllmRules:
     inplace_sampler: bool
     large_device_defaults: tuple[tuple[int, int], tuple[int, int]]
     graph_modes: int
+    block_sizes: tuple[int, ...]
 
     def default_batch(self, total_memory_bytes: int, gpu_name: str) -> tuple[int, int]:
         """``(max_num_batched_tokens, max_num_seqs)`` by default for the API server."""
@@ -103,6 +108,7 @@ _RULES = {
         inplace_sampler=False,
         large_device_defaults=((8192, 256), (2048, 256)),
         graph_modes=1,
+        block_sizes=(1, 8, 16, 32, 64, 128),
     ),
     "0.13": VllmRules(
         version="0.13",
@@ -113,6 +119,7 @@ _RULES = {
         inplace_sampler=True,
         large_device_defaults=((8192, 1024), (2048, 256)),
         graph_modes=2,
+        block_sizes=(1, 8, 16, 32, 64, 128, 256),
     ),
 }
 VLLM_VERSIONS = tuple(_RULES)
