@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomkit.errors import OomkitError
 from oomkit.executors import InProcessExecutor
@@ -127,6 +131,29 @@ def test_bad_requests_are_refused(kwargs, message):
     base = {"preset": "gpt2-124m", "global_batch": 4, "seq": 64, "gpus": ("l40s",)}
     with pytest.raises(OomkitError, match=message):
         PlanRequest(**{**base, **kwargs})
+
+
+@settings(max_examples=50, deadline=None)
+@given(price=st.floats(allow_nan=True, allow_infinity=True))
+def test_a_price_is_a_finite_number_of_dollars(price):
+    """NaN had passed the ``< 0`` check and ranked every layout by NaN dollars; so had inf."""
+    base = {"preset": "gpt2-124m", "global_batch": 4, "seq": 64, "gpus": ("l40s",)}
+    if math.isfinite(price) and price >= 0:
+        assert PlanRequest(**base, prices={"l40s": price}).prices == {"l40s": price}
+    else:
+        with pytest.raises(OomkitError, match=r"a price per GPU-hour is a finite number >= 0; "
+                                              rf"got l40s={re.escape(str(price))}$"):
+            PlanRequest(**base, prices={"l40s": price})
+
+
+def test_a_kind_named_twice_is_refused():
+    """--gpus h100,h100 would plan every h100 layout twice; --price h100=1,h100=2 keep one."""
+    with pytest.raises(OomkitError, match="h100 named more than once in --gpus"):
+        PlanRequest("gpt2-124m", 4, 64, ("h100", "l40s", "h100"))
+    from oomkit.interfaces.cli import plan as plan_cli
+
+    with pytest.raises(argparse.ArgumentTypeError, match="h100 is priced twice"):
+        plan_cli._prices("h100=1,h100=2")
 
 
 def test_no_layout_divides_an_odd_batch_beyond_one_gpu_is_still_one_gpu():

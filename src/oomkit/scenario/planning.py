@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -100,6 +101,11 @@ class PlanRequest:
             raise OomkitError(f"plan: max_micro_batch must be >= 1; got {self.max_micro_batch}")
         if not self.gpus:
             raise OomkitError("plan: name at least one GPU kind, e.g. --gpus h100,a100-80gb")
+        twice = sorted({kind for kind in self.gpus if self.gpus.count(kind) > 1})
+        if twice:
+            raise OomkitError(
+                f"plan: {', '.join(twice)} named more than once in --gpus; name each kind once"
+            )
         if not self.checkpointing or not self.precisions:
             raise OomkitError("plan: give at least one checkpointing policy and one precision")
         unknown = set(self.prices) - set(self.gpus)
@@ -108,8 +114,12 @@ class PlanRequest:
                 f"plan: prices given for GPU kinds not planned: {', '.join(sorted(unknown))}; "
                 f"price only kinds of --gpus ({', '.join(self.gpus)})"
             )
-        if any(p < 0 for p in self.prices.values()):
-            raise OomkitError("plan: a price per GPU-hour must be >= 0")
+        bad = {kind: p for kind, p in self.prices.items() if not (math.isfinite(p) and p >= 0)}
+        if bad:
+            shown = ", ".join(f"{kind}={p}" for kind, p in sorted(bad.items()))
+            raise OomkitError(
+                f"plan: a price per GPU-hour is a finite number >= 0; got {shown}"
+            )
         if self.margin_bytes < 0:
             raise OomkitError(f"plan: margin_bytes must be >= 0; got {self.margin_bytes}")
 

@@ -30,8 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "HSDP, DDP; tensor parallelism for the Llama presets; micro-batch and accumulation; "
         "activation checkpointing; precision), prune those whose parameters, gradients and "
         "optimizer states alone exceed a GPU, predict the rest per rank, and rank them: "
-        "fitting first, then cheapest. Pipeline and context parallelism are not modelled "
-        "yet. Exit 0 when a layout fits, 1 when none does.",
+        "fitting first, then cheapest. Pipeline (Llama presets with untied embeddings, at "
+        "their worst stage) and context parallel (Llama presets, with FSDP) layouts are "
+        "enumerated too. Exit 0 when a layout fits, 1 when none does.",
     )
     parser.add_argument("model", metavar="MODEL", help="a model preset, e.g. llama3-8b")
     parser.add_argument("--global-batch", type=_positive, required=True, metavar="N",
@@ -175,15 +176,18 @@ def _choices(allowed: tuple[str, ...]) -> Any:
 
 
 def _prices(text: str) -> dict[str, float]:
-    prices = {}
+    prices: dict[str, float] = {}
     for item in _names(text):
         kind, _, value = item.partition("=")
         try:
-            prices[kind.strip()] = float(value)
+            price = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: write KIND=DOLLARS_PER_GPU_HOUR, e.g. h100=2.5"
             ) from None
+        if kind.strip() in prices:
+            raise argparse.ArgumentTypeError(f"{kind.strip()} is priced twice; give one price")
+        prices[kind.strip()] = price
     return prices
 
 
