@@ -154,8 +154,9 @@ def test_experiment_exits_1_when_no_trial_completed(tmp_path, capsys, monkeypatc
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "no command to run"),
-        (["--", "bash", "train.sh"], "runs Python scripts; got `bash`"),
+        ([], "no command to run. Usage: oomkit experiment [--configs FILE] -- python"),
+        (["--", "bash", "train.sh"], "`oomkit experiment` runs Python scripts; got `bash`"),
+        (["--", sys.executable, "-u"], "no script given after `"),
         (["--", sys.executable, "missing.py"], "missing.py: no such script"),
     ],
 )

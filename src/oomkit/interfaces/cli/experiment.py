@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from oomkit.interfaces.reports.experiment import experiment_to_json, render_experiment
     from oomkit.runtime.experiment import run_experiment
 
-    python, options, target = split_python_command(list(args.script_command))
+    python, options, target = split_python_command(list(args.script_command), by="experiment")
     configs = _candidates(args)
     console = stderr_console()
 

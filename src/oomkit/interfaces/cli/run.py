@@ -67,8 +67,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
-    """Split ``python [options] script ARGS`` into interpreter, its options and the target.
+_USAGE = {
+    "run": "oomkit run [--snapshot-dir DIR] -- python train.py ARGS",
+    "experiment": "oomkit experiment [--configs FILE] -- python train.py ARGS",
+}
+
+
+def split_python_command(
+    command: list[str], *, by: str = "run"
+) -> tuple[str, list[str], list[str]]:
+    """Split ``python [options] script ARGS`` into interpreter, its options and the target,
+    for the command ``by`` (``run`` or ``experiment``, named in the errors).
 
     Returns:
         ``(python, interpreter_options, target)`` where target is ``[script, *args]`` or
@@ -79,17 +88,15 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
     """
     if command and command[0] == "--":
         command = command[1:]
+    usage = _USAGE[by]
     if not command:
-        raise OomkitError(
-            "no command to run. Usage: oomkit run [--snapshot-dir DIR] -- python train.py ARGS"
-        )
+        raise OomkitError(f"no command to run. Usage: {usage}")
     python = command[0]
     if not _PYTHON_NAME.match(os.path.basename(python)) and os.path.realpath(
         python
     ) != os.path.realpath(sys.executable):
         raise OomkitError(
-            f"`oomkit run` runs Python scripts; got `{python}`. Write `oomkit run -- python "
-            "train.py ARGS`. For launchers (torchrun, accelerate, deepspeed) put "
+            f"`oomkit {by}` runs Python scripts; got `{python}`. Write `{usage}`. For launchers (torchrun, accelerate, deepspeed) put "
             "`with oomkit.watch(): ...` in the script instead."
         )
     options: list[str] = []
@@ -98,11 +105,11 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
         arg = command[i]
         if arg == "-m":
             if i + 1 >= len(command):
-                raise OomkitError("`python -m` needs a module name: oomkit run -- python -m pkg")
+                raise OomkitError(f"`python -m` needs a module name: oomkit {by} -- python -m pkg")
             return python, options, command[i:]
         if arg.startswith("-c"):
             raise OomkitError(
-                "`python -c CODE` is not supported by `oomkit run`; put the code in a file, or "
+                f"`python -c CODE` is not supported by `oomkit {by}`; put the code in a file, or "
                 "use `with oomkit.watch(): ...` in it"
             )
         if arg in _VALUE_OPTIONS and i + 1 < len(command):
@@ -115,8 +122,7 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
             options.append(arg)
         elif arg.startswith("-"):
             raise OomkitError(
-                f"unknown Python option {arg!r} before the script; "
-                "write `oomkit run -- python train.py ARGS`"
+                f"unknown Python option {arg!r} before the script; write `{usage}`"
             )
         else:
             if not Path(arg).is_file():
@@ -125,7 +131,7 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
                 )
             return python, options, command[i:]
         i += 1
-    raise OomkitError("no script given: oomkit run -- python train.py ARGS")
+    raise OomkitError(f"no script given after `{python}`. Usage: {usage}")
 
 
 def _bootstrap_file() -> str:
