@@ -44,6 +44,14 @@ def test_format_bytes(nbytes, text):
     assert format_bytes(nbytes) == text
 
 
+@pytest.mark.parametrize(
+    ("nbytes", "text"), [(float("nan"), "nan B"), (float("inf"), "inf B"), (-float("inf"), "-inf B")]
+)
+def test_format_bytes_shows_a_non_finite_number_as_it_is(nbytes, text):
+    """NaN had fallen through every unit to an AssertionError (a NaN context overhead did)."""
+    assert format_bytes(nbytes) == text
+
+
 @pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + "GiB", "17179869184GiB"])
 def test_a_size_past_64_bits_is_refused_in_one_short_line(text):
     """A size no device has (2**64 bytes and up, or a 400-digit number): SizeTooLargeError,

@@ -100,7 +100,7 @@ def format_bytes(nbytes: int, precision: int = 2) -> str:
     """
     sign = "-" if nbytes < 0 else ""
     value = abs(nbytes)
-    if value < KiB:
+    if value < KiB or value != value or value == float("inf"):  # NaN and inf: as they are
         return f"{sign}{value} B"
     for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if value >= scale:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.gpus import GpuSpecError, UnknownGpuError, get_gpu
@@ -98,3 +100,20 @@ def test_parallel_layout_world_size_and_mesh_shape():
     for name in ("tp", "dp"):
         with pytest.raises(ConfigError, match=f"--{name} 8"):
             ParallelLayout(**{name: 0})
+
+
+@settings(max_examples=40, deadline=None)
+@given(overhead=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                          st.text(max_size=5), st.decimals(allow_nan=True)))
+def test_a_context_overhead_is_a_whole_number_of_bytes(overhead):
+    """A float (NaN had been an AssertionError), a bool or text: GpuSpecError naming it."""
+    with pytest.raises(GpuSpecError, match="context_overhead_bytes must be a whole number of "
+                                           "bytes; got"):
+        Target.resolve("h100", context_overhead_bytes=overhead)
+
+
+@pytest.mark.parametrize("gpu", [5, 2.5, None, b"h100", ["h100"]])
+def test_a_gpu_of_another_type_is_an_unknown_gpu(gpu):
+    """Not a name, a size or a GpuSpec: UnknownGpuError (an int had been an AttributeError)."""
+    with pytest.raises(UnknownGpuError, match="a GPU is a catalog name .* or a GpuSpec; got"):
+        get_gpu(gpu)

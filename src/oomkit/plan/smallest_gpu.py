@@ -24,6 +24,7 @@ from typing import Any
 
 from oomkit.core.gpus import CATALOG, GpuSpec
 from oomkit.core.target import Target
+from oomkit.errors import ConfigError
 from oomkit.executors.forked import run_forked_or_here
 from oomkit.plan.batch_probe import (
     StepBuilder,
@@ -134,19 +135,19 @@ def smallest_gpu(
         Every candidate with its fit and headroom, by total memory, and the smallest fit.
 
     Raises:
-        ValueError: no candidates, a builder without ``batch_size``, or a negative margin.
+        ConfigError: no candidates, or a builder without ``batch_size`` (a ``ValueError`` too).
         UserCodeError: a builder returned something that is not a step.
     """
     ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
     if not ordered:
-        raise ValueError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
+        raise ConfigError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
     check_positive("steps", steps, "smallest_gpu(build, 16, steps=2)")
     # Every candidate shares the allocator setting and versions; each brings its own GPU.
     base = Target.resolve("h100") if target is None else target
     recording: Any = source if hasattr(source, "events") and hasattr(source, "step_starts") else None
     if recording is None:
         if batch_size is None:
-            raise ValueError(
+            raise ConfigError(
                 "smallest_gpu needs batch_size with a step builder; e.g. smallest_gpu(build, 16)"
             )
         check_positive("batch_size", batch_size, "smallest_gpu(build, 16)")
@@ -359,7 +360,7 @@ def smallest_gpu_count(
     """
     ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
     if not ordered:
-        raise ValueError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
+        raise ConfigError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
     counts, skipped = gpu_counts(global_batch, max_gpus)
     if not counts:  # unreachable: 1 divides every batch
         raise ValueError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")

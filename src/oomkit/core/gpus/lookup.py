@@ -8,7 +8,7 @@ import re
 
 from oomkit.core.gpus import overhead
 from oomkit.core.gpus.catalog import CATALOG
-from oomkit.core.gpus.spec import GpuSpec
+from oomkit.core.gpus.spec import GpuSpec, GpuSpecError
 from oomkit.errors import UnknownGpuError
 from oomkit.units import SizeError, SizeTooLargeError, format_bytes, parse_bytes
 
@@ -91,10 +91,23 @@ def get_gpu(
     Raises:
         UnknownGpuError: the text is neither a known GPU nor a size with a unit, or names a GPU
             oomkit does not model (``NOT_MODELLED``: AMD GPUs; the message says why).
-        GpuSpecError: the override is negative or not below the total memory.
+        GpuSpecError: the override is not a whole number of bytes, is negative or is not
+            below the total memory.
     """
+    if context_overhead_bytes is not None and (
+        isinstance(context_overhead_bytes, bool) or not isinstance(context_overhead_bytes, int)
+    ):
+        raise GpuSpecError(
+            f"context_overhead_bytes must be a whole number of bytes; got "
+            f"{context_overhead_bytes!r}. Example: context_overhead_bytes=512 * 2**20"
+        )
     if isinstance(name_or_size, GpuSpec):
         spec = name_or_size
+    elif not isinstance(name_or_size, str):
+        raise UnknownGpuError(
+            f"a GPU is a catalog name (e.g. 'h100'), a memory size ('24GiB') or a GpuSpec; got "
+            f"{name_or_size!r}. `oomkit gpus` lists the catalog"
+        )
     else:
         key = normalize_gpu_name(name_or_size)
         if key in NOT_MODELLED:
