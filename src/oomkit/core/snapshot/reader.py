@@ -82,8 +82,7 @@ def load_snapshot(
 ) -> Snapshot:
     """Read a PyTorch memory snapshot written by ``torch.cuda.memory._dump_snapshot``.
 
-    The pickle is read with an unpickler that refuses every global, so a hostile file cannot
-    run code; such a file is refused.
+    The pickle is read with an unpickler that refuses every global: a hostile file is refused.
 
     Args:
         source: the path of the pickle, or its bytes.
@@ -99,11 +98,11 @@ def load_snapshot(
         SnapshotFormatError: the file is empty, truncated, corrupt, not a pickle, names a
             global, expands to more entries than its size allows (``expansion_limit``), or
             holds something other than a memory snapshot.
-        InputFileError: the file cannot be opened (no permission, a directory, EIO).
+        InputFileError: no permission, a directory, EIO, or no regular file (a FIFO...).
     """
     # The cyclic GC finds nothing to collect in a tree of plain data being built, but with
-    # millions of new dicts it runs over and over, each full pass walking everything built so
-    # far: paused while reading (a 5M-event file loads several times faster).
+    # millions of new dicts its full passes walk everything built so far, over and over:
+    # paused while reading (a 5M-event file loads several times faster).
     paused = gc.isenabled()
     gc.disable()
     try:
