@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oomkit.errors import ConfigError
 from oomkit.plan.batch_probe import check_positive
 
 __all__ = ["Grid", "grid_words", "search_grid"]
@@ -50,7 +51,7 @@ def search_grid(multiple_of: int | None, power_of_two: bool) -> Grid:
         check_positive("multiple_of", multiple_of, "max_batch_size(build, multiple_of=8)")
     step = multiple_of or 1
     if power_of_two and step & (step - 1):
-        raise ValueError(
+        raise ConfigError(
             f"power_of_two sizes are never multiples of {step} (not a power of two); drop one "
             "of them, or use multiple_of=8 with power_of_two=True"
         )

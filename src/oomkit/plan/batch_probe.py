@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomkit.core.target import Target
-from oomkit.errors import UserCodeError
+from oomkit.errors import ConfigError, UserCodeError
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.units import MiB
 
@@ -105,9 +105,9 @@ class BatchProbe:
 
 
 def check_positive(name: str, value: int, example: str) -> None:
-    """Raise ``ValueError`` (saying ``example``) unless ``value`` is a whole number >= 1."""
+    """Raise ``ConfigError`` (saying ``example``) unless ``value`` is a whole number >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a whole number of at least 1; got {value!r}. Example: {example}")
+        raise ConfigError(f"{name} must be a whole number of at least 1; got {value!r}. Example: {example}")
 
 
 def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
@@ -115,7 +115,7 @@ def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
     if margin_bytes is None:
         return default_margin_bytes(usable_bytes)
     if not isinstance(margin_bytes, int) or margin_bytes < 0:
-        raise ValueError(
+        raise ConfigError(
             f"margin_bytes must be a whole number of bytes >= 0; got {margin_bytes!r}. "
             "Example: margin_bytes=512 * 2**20"
         )

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
-from oomkit.errors import NoFeasibleBatchSizeError
+from oomkit.errors import ConfigError, NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count
 from oomkit.plan._batch_grid import Grid, grid_words, search_grid
 from oomkit.plan.batch_advice import infeasible_advice, infeasible_message
@@ -375,7 +375,7 @@ def max_batch_size(
     processes = process_count(jobs)
     grid = search_grid(multiple_of, power_of_two)
     if start_batch > max_batch:
-        raise ValueError(
+        raise ConfigError(
             f"start_batch ({start_batch}) is above max_batch ({max_batch}); lower start_batch or "
             "raise max_batch."
         )
@@ -406,7 +406,7 @@ def max_batch_size(
 
     first_index, last_index = grid.index_at_least(start_batch), grid.index_at_most(max_batch)
     if first_index > last_index:
-        raise ValueError(
+        raise ConfigError(
             f"no size from start_batch {start_batch} to max_batch {max_batch} is "
             f"{grid_words(grid)}; raise max_batch"
         )

@@ -363,7 +363,7 @@ def smallest_gpu_count(
         raise ConfigError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
     counts, skipped = gpu_counts(global_batch, max_gpus)
     if not counts:  # unreachable: 1 divides every batch
-        raise ValueError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")
+        raise ConfigError(f"no GPU count up to {max_gpus} divides the global batch {global_batch}")
     base = Target.resolve("h100") if target is None else target
 
     def row_of(count: int) -> tuple[GpuCountRow, tuple[str, ...]]:

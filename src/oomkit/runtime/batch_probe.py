@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from oomkit.errors import NoFeasibleBatchSizeError, OomRecoveryError
+from oomkit.errors import ConfigError, NoFeasibleBatchSizeError, OomRecoveryError
 from oomkit.runtime import _distributed
 from oomkit.runtime._distributed import Status
 from oomkit.runtime.device import current_device, is_out_of_memory, release_after_oom
@@ -162,14 +162,14 @@ def find_batch_size(
         ValueError: ``start``, ``max_batch_size`` or the prediction is below 1.
     """
     if start < 1:
-        raise ValueError(f"start must be >= 1; got {start}")
+        raise ConfigError(f"start must be >= 1; got {start}")
     if max_batch_size is not None and max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1 or None; got {max_batch_size}")
+        raise ConfigError(f"max_batch_size must be >= 1 or None; got {max_batch_size}")
     if predicted is None and predict is not None:
         predicted = predict()
     guess = None if predicted is None else int(getattr(predicted, "batch_size", predicted))
     if guess is not None and guess < 1:
-        raise ValueError(
+        raise ConfigError(
             f"the predicted batch size must be >= 1; got {guess}. If even one sample does not fit "
             "the prediction, find_batch_size cannot help: reduce the model or sequence length."
         )

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
 
+from oomkit.errors import ConfigError
 from oomkit.runtime._monitor_log import (
     GATHERED_KEY,
     HEADER_KEY,
@@ -163,7 +164,7 @@ class Monitor:
         keep_records: bool = True,
     ) -> None:
         if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int; got {every!r}. Example: every=10")
+            raise ConfigError(f"every must be a positive int; got {every!r}. Example: every=10")
         self._log_template = None if log_path is None else str(log_path)
         self.log_path: Path | None = None
         self._device = device

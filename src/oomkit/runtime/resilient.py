@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from oomkit.errors import BatchSplitError, OomRecoveryError
+from oomkit.errors import BatchSplitError, ConfigError, OomRecoveryError
 from oomkit.runtime import _distributed
 from oomkit.runtime._distributed import Status
 from oomkit.runtime.device import is_out_of_memory, release_after_oom
@@ -88,7 +88,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
         ValueError: ``micro_batch_size`` is below 1.
     """
     if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
+        raise ConfigError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
     n = batch_size_of(batch)
     count = -(-n // micro_batch_size)
     return [_take(batch, i * micro_batch_size, micro_batch_size) for i in range(count)]
@@ -209,9 +209,9 @@ class Resilient:
         process_group: Any = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f'loss_reduction must be "mean" or "sum"; got {loss_reduction!r}')
+            raise ConfigError(f'loss_reduction must be "mean" or "sum"; got {loss_reduction!r}')
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1 or None; got {micro_batch_size}")
+            raise ConfigError(f"micro_batch_size must be >= 1 or None; got {micro_batch_size}")
         self.step = step
         self.optimizer = optimizer
         self.model = model

@@ -28,7 +28,7 @@ from oomkit.core.replay.engine import RELEASE, gc_paused
 from oomkit.core.replay.reconstruct import SeedSegment, StartState
 from oomkit.core.replay.result import ReplayResult, SegmentEvent
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import UnknownDeviceError
+from oomkit.errors import ConfigError, UnknownDeviceError
 
 if TYPE_CHECKING:
     from oomkit.core.snapshot import Snapshot
@@ -94,7 +94,7 @@ def _replay_snapshot(
 ) -> ReplayResult:
     """:func:`replay_snapshot`, with the garbage collector paused (``gc_paused``)."""
     if verify and config is not None:
-        raise ValueError(
+        raise ConfigError(
             "verify=True replays under the recorded setting, so config must be None; "
             "pass config without verify for a what-if replay."
         )

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 
 from oomkit.core.trace.events import TraceEvent
+from oomkit.errors import ConfigError
 
 __all__ = ["GPU_LAG_ALLOCATIONS", "delayed_frees"]
 
@@ -51,7 +52,7 @@ def delayed_frees(
         ValueError: ``lag_allocations`` is negative.
     """
     if lag_allocations < 0:
-        raise ValueError(f"lag_allocations must be at least 0; got {lag_allocations}")
+        raise ConfigError(f"lag_allocations must be at least 0; got {lag_allocations}")
     if not ids or lag_allocations == 0:
         return tuple(events)
     bounds = sorted({0, *step_starts, len(events)})

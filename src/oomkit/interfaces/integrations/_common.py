@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from oomkit.errors import ConfigError
 from oomkit.runtime.batch_probe import BatchSizeResult, find_batch_size
 from oomkit.runtime.resilient import RecoveryEvent, Resilient
 
@@ -38,7 +39,7 @@ def choose_batch_size(
         return None
     size = int(getattr(predicted, "batch_size", predicted))
     if size < 1:
-        raise ValueError(f"the predicted batch size must be >= 1; got {size}")
+        raise ConfigError(f"the predicted batch size must be >= 1; got {size}")
     if max_batch_size is not None:
         size = min(size, max_batch_size)
     return size, None

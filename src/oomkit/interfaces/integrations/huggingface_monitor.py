@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from oomkit.errors import ConfigError
 from oomkit.runtime.monitor import Monitor, MonitorSummary
 
 __all__ = ["OomkitMonitorTrainerCallback"]
@@ -40,7 +41,7 @@ class OomkitMonitorTrainerCallback(TrainerCallback):
 
     def __init__(self, *, gather: bool = True, **monitor_kwargs: Any) -> None:
         if monitor_kwargs.get("auto_step"):
-            raise ValueError("OomkitMonitorTrainerCallback steps the monitor itself; drop auto_step")
+            raise ConfigError("OomkitMonitorTrainerCallback steps the monitor itself; drop auto_step")
         self.gather = gather
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None

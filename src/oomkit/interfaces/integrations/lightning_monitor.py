@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from oomkit.errors import ConfigError
 from oomkit.runtime.monitor import Monitor, MonitorSummary
 
 # mypy checks against ``lightning.pytorch``; the standalone package has the same API under its
@@ -52,7 +53,7 @@ class OomkitMonitorCallback(Callback):
 
     def __init__(self, *, log_metrics: bool = True, gather: bool = True, **monitor_kwargs: Any):
         if monitor_kwargs.get("auto_step"):
-            raise ValueError("OomkitMonitorCallback steps the monitor itself; drop auto_step")
+            raise ConfigError("OomkitMonitorCallback steps the monitor itself; drop auto_step")
         self.log_metrics = log_metrics
         self.gather = gather
         self.monitor_kwargs = monitor_kwargs

@@ -44,6 +44,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from oomkit.errors import ConfigError
+
 __all__ = ["BNB_INT8_THRESHOLD", "Linear8bitLtStorage", "storage_bytes_int8"]
 
 # transformers/utils/quantization_config.py BitsAndBytesConfig: llm_int8_threshold=6.0.
@@ -209,7 +211,7 @@ class Linear8bitLtStorage(nn.Linear):
         else:
             in_features, out_features = (int(n) for n in source_weight.shape)
         if threshold < 0.0 or outlier_columns < 0 or outlier_columns > in_features:
-            raise ValueError(
+            raise ConfigError(
                 f"Linear8bitLtStorage needs threshold >= 0 and 0 <= outlier_columns <= "
                 f"{in_features}; got {threshold!r} and {outlier_columns!r}. "
                 "Example: Linear8bitLtStorage(linear, threshold=6.0, outlier_columns=0)"

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from oomkit.errors import ConfigError
+
 __all__ = ["LoraOptions", "lora_options_from"]
 
 
@@ -39,7 +41,7 @@ class LoraOptions:
         for name in ("r", "alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"LoraOptions.{name} must be a positive integer; got {value!r}. "
                     f"Example: LoraOptions({name}=16)"
                 )
@@ -47,7 +49,7 @@ class LoraOptions:
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not (
             0.0 <= dropout < 1.0
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"LoraOptions.dropout must be a probability in [0, 1); got {dropout!r}. "
                 "Example: LoraOptions(dropout=0.05)"
             )
@@ -67,7 +69,7 @@ def _names(field_name: str, value: Any) -> tuple[str, ...]:
         value = value.split(",")
     names = tuple(str(name).strip() for name in value)
     if not isinstance(value, list | tuple) or not all(names) or (field_name == "targets" and not names):
-        raise ValueError(
+        raise ConfigError(
             f"LoraOptions.{field_name} must be module names; got {value!r}. "
             f"Example: LoraOptions({field_name}=('q_proj', 'v_proj'))"
         )
@@ -83,14 +85,14 @@ def lora_options_from(value: LoraOptions | Mapping[str, Any] | None) -> LoraOpti
     if value is None or isinstance(value, LoraOptions):
         return value
     if not isinstance(value, Mapping):
-        raise ValueError(
+        raise ConfigError(
             f"StepOptions.lora must be LoraOptions or None; got {value!r}. "
             "Example: StepOptions(lora=LoraOptions(r=16))"
         )
     known = {f.name for f in fields(LoraOptions)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown LoRA option(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}"
         )
     return LoraOptions(**dict(value))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from oomkit.errors import ConfigError
 from oomkit.prediction.models.lora_options import LoraOptions, lora_options_from
 
 __all__ = [
@@ -183,7 +184,7 @@ class StepOptions:
             self.optimizer_impl, ("adamw", "adam")
         )
         if self.optimizer not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"StepOptions.optimizer_impl {self.optimizer_impl!r} applies to "
                 f"{', '.join(allowed)} only, not {self.optimizer!r}. Example: "
                 "StepOptions(optimizer='adamw', optimizer_impl='fused')"
@@ -196,12 +197,12 @@ class StepOptions:
         if self.hf_class is not None and (
             not isinstance(self.hf_class, str) or not self.hf_class.isidentifier()
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"StepOptions.hf_class must be a transformers class name; got {self.hf_class!r}. "
                 "Example: StepOptions(hf_class='AutoModelForSequenceClassification')"
             )
         if self.compile and self.mode == "generate":
-            raise ValueError(
+            raise ConfigError(
                 "StepOptions.compile applies to mode 'train' and 'inference', not 'generate': "
                 f"{GENERATE_COMPILE_REASON}. Predict the generate step eagerly (compile=False), "
                 "or the compiled forward at the longest length (prompt + new tokens). Example: "
@@ -210,14 +211,14 @@ class StepOptions:
         for field_name, example in (("batch_size", 8), ("new_tokens", 128), ("grad_accum", 4)):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"StepOptions.{field_name} must be a positive integer; got {value!r}. "
                     f"Example: StepOptions({field_name}={example})"
                 )
         for field_name, example in (("seq_len", 1024), ("image_size", 224)):
             value = getattr(self, field_name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(
+                raise ConfigError(
                     f"StepOptions.{field_name} must be a positive integer or None (the preset's "
                     f"default); got {value!r}. Example: StepOptions({field_name}={example})"
                 )
@@ -227,18 +228,18 @@ class StepOptions:
         if norm is not None and (
             isinstance(norm, bool) or not isinstance(norm, int | float) or not norm > 0
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"StepOptions.max_grad_norm must be a positive number or None (no clipping); got "
                 f"{norm!r}. Example: StepOptions(max_grad_norm=1.0)"
             )
         if self.checkpoint_reentrant and self.checkpointing == "none":
-            raise ValueError(
+            raise ConfigError(
                 "StepOptions.checkpoint_reentrant picks how checkpointing recomputes; add "
                 "StepOptions(checkpointing='full'), or drop it"
             )
         if self.checkpoint_reentrant and self.checkpointing == "selective-op":
             # torch/utils/checkpoint.py: use_reentrant=True takes no context_fn (the policy).
-            raise ValueError(
+            raise ConfigError(
                 "selective-op checkpointing needs use_reentrant=False (torch's reentrant "
                 "checkpoint takes no policy); drop checkpoint_reentrant or use 'full'"
             )
@@ -249,7 +250,7 @@ class StepOptions:
         if self.mode != "train" and (
             self.grad_accum != 1 or norm is not None or self.trainer_mixed_precision is not None
         ):
-            raise ValueError(
+            raise ConfigError(
                 "gradient accumulation, clipping and the Trainer's loop apply to training steps; "
                 "use StepOptions(mode='train'), or drop grad_accum, max_grad_norm and "
                 "trainer_mixed_precision"
@@ -258,28 +259,28 @@ class StepOptions:
     def _check_quantize(self) -> None:
         if self.quantize is None:
             if self.double_quant or self.compute_dtype is not None:
-                raise ValueError(
+                raise ConfigError(
                     "StepOptions.double_quant and compute_dtype configure 4-bit weights; add "
                     "quantize, e.g. StepOptions(quantize='nf4')"
                 )
             return
         _check_choice("quantize", self.quantize, QUANTIZE, "nf4")
         if self.quantize == "int8" and (self.double_quant or self.compute_dtype is not None):
-            raise ValueError(
+            raise ConfigError(
                 "StepOptions.double_quant and compute_dtype configure 4-bit weights; int8 "
                 "(Linear8bitLt) has neither: drop them, or use StepOptions(quantize='nf4')"
             )
         if self.compute_dtype is not None:
             _check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, "bf16")
         if self.mode == "train" and self.lora is None:
-            raise ValueError(
+            raise ConfigError(
                 "quantized weights are frozen (bitsandbytes Params4bit / Int8Params have no "
                 "gradient): training "
                 "a quantized model needs LoRA adapters: add StepOptions(lora=...), or use mode "
                 "'inference'"
             )
         if self.mode == "generate" and self.quantize != "int8":
-            raise ValueError(
+            raise ConfigError(
                 "generating with 4-bit weights takes bitsandbytes' gemv_4bit path, which oomkit "
                 "does not model; use mode 'train' (with LoRA) or 'inference'"
             )
@@ -287,7 +288,7 @@ class StepOptions:
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...], example: str) -> None:
     if value not in choices:
-        raise ValueError(
+        raise ConfigError(
             f"StepOptions.{name} must be one of {', '.join(choices)}; got {value!r}. "
             f"Example: StepOptions({name}={example!r})"
         )

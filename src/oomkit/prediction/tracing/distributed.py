@@ -325,7 +325,7 @@ def trace_distributed_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}")
+        raise ConfigError(f"steps must be at least 1; got {steps}")
     if target is not None:
         gpu = target.gpu
         if emulations is None:

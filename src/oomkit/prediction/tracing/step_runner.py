@@ -17,7 +17,7 @@ import torch
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
-from oomkit.errors import EmptyRecordingError, OomkitError
+from oomkit.errors import ConfigError, EmptyRecordingError, OomkitError
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
@@ -91,7 +91,7 @@ def trace_step(
             bound or a condition.
     """
     if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
+        raise ConfigError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
     if target is not None:
         gpu = target.gpu
         if emulations is None:

@@ -23,6 +23,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
+from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.emulations.cudnn_builds import installed_cudnn_build
 
 __all__ = [
@@ -174,7 +175,7 @@ def select_sdp_backend(
             return backend
         if backend == "math" and settings.math_enabled:
             return backend
-    raise ValueError(
+    raise ConfigError(
         "no scaled_dot_product_attention backend can run this call on compute capability "
         f"{compute_capability[0]}.{compute_capability[1]} with the enabled backends; enable the "
         "math backend (SdpaSettings(math_enabled=True)) or change the inputs"
