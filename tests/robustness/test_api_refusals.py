@@ -10,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oomkit
 from oomkit.errors import ConfigError
@@ -29,6 +31,8 @@ def _cases() -> list[tuple[str, Callable[[], object], str]]:
 
     return [
         ("Monitor every", lambda: oomkit.Monitor(every=0), "every must be a positive int"),
+        ("Monitor log_path", lambda: oomkit.Monitor(log_path="mem-{step}.jsonl"),
+         "log_path 'mem-{step}.jsonl': a template may name {rank} and {pid} only (KeyError"),
         ("resilient reduction", lambda: oomkit.resilient(lambda b: b, loss_reduction="max"),
          'loss_reduction must be "mean" or "sum"'),
         ("resilient micro-batch", lambda: oomkit.resilient(lambda b: b, micro_batch_size=0),
@@ -60,3 +64,17 @@ def test_a_bad_argument_is_an_oomkit_error(name, call, words):
         call()
     assert isinstance(raised.value, oomkit.OomkitError) and isinstance(raised.value, ValueError)
     assert words in str(raised.value)
+
+
+@settings(max_examples=80, deadline=None)
+@given(template=st.text(alphabet="{}rankpid0.:!x/", max_size=12))
+def test_any_log_path_template_is_taken_or_refused_at_once(template):
+    """A Monitor's log template is formatted when it is made: a bad one is a ConfigError there
+    (it had been a KeyError or ValueError at the start of the GPU run), a good one is kept."""
+    try:
+        template.format(rank=0, pid=0)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+        with pytest.raises(ConfigError, match="a template may name {rank} and {pid} only"):
+            oomkit.Monitor(log_path=template or "x")
+    else:
+        oomkit.Monitor(log_path=template or "x")

@@ -166,6 +166,14 @@ class Monitor:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"every must be a positive int; got {every!r}. Example: every=10")
         self._log_template = None if log_path is None else str(log_path)
+        if self._log_template is not None:
+            try:  # a bad template fails here, not at the start of a GPU run
+                self._log_template.format(rank=0, pid=0)
+            except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+                raise ConfigError(
+                    f"log_path {self._log_template!r}: a template may name {{rank}} and {{pid}} "
+                    f"only ({type(exc).__name__}: {exc}); write {{{{ and }}}} for a brace"
+                ) from None
         self.log_path: Path | None = None
         self._device = device
         self.every = every
