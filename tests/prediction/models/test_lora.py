@@ -194,3 +194,27 @@ def test_importing_peft_keeps_torchaos_import_log_lines_out_of_the_terminal(
     assert module.__file__ == str(tmp_path / "peft.py")
     assert [r.getMessage() for r in caplog.records] == ["a real error"]
     assert logging.getLogger("torchao").level == before
+
+
+def test_adapters_are_made_on_meta_not_initialised_on_the_host(monkeypatch):
+    """peft makes each adapter's nn.Linear on the default device and initialises it before
+    moving it to the base layer's: on the host, a 1e9-wide layer's lora_A (32 GB) had ended a
+    prediction with a CPU allocation failure. Every initialised weight is now on meta (the
+    layers here are 2**24 wide: 512 MB on the host if that came back, not a machine's memory)."""
+    import torch
+
+    from oomkit.prediction.models.lora import apply_lora
+
+    devices = []
+    kaiming = torch.nn.init.kaiming_uniform_
+
+    def watched(tensor, *args, **kwargs):
+        devices.append(tensor.device.type)
+        return kaiming(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", watched)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2**24, 8), torch.nn.Linear(8, 2**24))
+    apply_lora(model, LoraOptions(r=8, targets=("0", "1")))
+    assert devices and set(devices) == {"meta"}, devices
+    assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -86,10 +86,13 @@ def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = Fals
             )
     try:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=local_files_only)
-    except (OSError, ValueError, KeyError) as exc:
+    # Any failure reads the user's config (huggingface_hub's StrictDataclassError, raised by
+    # transformers 5's config validators, is no ValueError).
+    except Exception as exc:  # noqa: BLE001
+        said = " ".join(str(exc).split())
         raise OomkitError(
             f"could not load the Hugging Face config of {name!r} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). Without network access, pass a "
+            f"{said if len(said) <= 300 else said[:297] + '...'}). Without network access, pass a "
             "local directory holding its config.json or a config object (e.g. "
             "transformers.AutoConfig.for_model('llama', ...)); check the spelling, and for gated "
             "models log in with `huggingface-cli login`"
@@ -218,8 +221,15 @@ def _model_class(transformers: Any, config: Any, hf_class: str | None) -> tuple[
     return build, named_task, cls
 
 
+# Every layer is built and recorded, so the time a prediction takes grows with the layer count:
+# a config naming a million layers ran for hours. The deepest released models have a few
+# hundred (Llama 3.1 405B: 126); this bound is far past them.
+MAX_HF_LAYERS = 10_000
+
+
 def _check_sizes(config: Any, text: Any) -> None:
-    """Refuse a config size that is not a positive integer, naming the field (issue 36)."""
+    """Refuse a config size that is not a positive integer, naming the field (issue 36), and a
+    layer count past ``MAX_HF_LAYERS``."""
     for part in {id(config): config, id(text): text}.values():
         for field in _POSITIVE_FIELDS:
             value = getattr(part, field, None)
@@ -231,6 +241,13 @@ def _check_sizes(config: Any, text: Any) -> None:
                     f"the Hugging Face config's {field} must be a positive integer; got "
                     f"{value!r}. Fix it in config.json (or the config object) and predict again"
                 )
+        layers = getattr(part, "num_hidden_layers", None)
+        if isinstance(layers, int | float) and layers > MAX_HF_LAYERS:
+            raise ConfigError(
+                f"the Hugging Face config's num_hidden_layers is {layers}: oomkit builds and "
+                f"records every layer, and past {MAX_HF_LAYERS:,} that takes hours (the deepest "
+                "released models have a few hundred). Fix it in config.json"
+            )
 
 
 # The precision of a model whose config names this dtype: from_config builds every parameter in

@@ -116,7 +116,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraOptions) -> torch.nn.Module:
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
             # peft asks transformers 5 for the deprecated is_gradient_checkpointing.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-            peft_model: torch.nn.Module = peft.get_peft_model(model, config)
+            # The adapters are made on meta (peft makes each nn.Linear on the default device,
+            # initialises it, then moves it to the base layer's): no host memory or time for
+            # weights that the recording never reads (a 1e9-wide layer's lora_A was 32 GB).
+            with torch.device("meta"):
+                peft_model: torch.nn.Module = peft.get_peft_model(model, config)
     except ValueError as exc:
         raise OomkitError(
             f"peft could not add LoRA adapters to {type(model).__name__}: "
