@@ -8,9 +8,9 @@ import json
 from collections import Counter
 
 import pytest
+from _tiny_hf import tiny_bert_config, tiny_llama_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from _tiny_hf import tiny_bert_config, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
