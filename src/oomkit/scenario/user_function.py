@@ -18,7 +18,7 @@ The contract (documented in the README, "Predicting your own step"):
 - The file's import, the builder and the step run on one emulated CUDA GPU, the target
   (``tracing.cuda_device``): ``device = "cuda" if torch.cuda.is_available() else "cpu"`` picks
   CUDA, trainers pick CUDA, and CUDA tensors land on meta.
-- User code that exits (``sys.exit``) or raises, at import, in the builder or in the step, is a
+- User code that exits (``sys.exit``, ``os._exit``) or raises, at import, in the builder or in the step, is a
   ``UserCodeError`` naming the file, the line and the exit code or the exception; a step that
   calls ``trainer.fit`` / ``trainer.train`` itself is refused with the trainer contract.
 """
@@ -69,11 +69,10 @@ def is_user_target(target: str) -> bool:
 
 def _exit_text(exc: SystemExit, stage: str, target: str) -> str:
     """``sys.exit(...)`` in the user's code, said as the user's failure: where and with what."""
-    from oomkit.prediction.tracing.step_failure import failure_site
+    from oomkit.prediction.tracing.step_failure import exit_call, failure_site
 
     site = failure_site(exc).user or "a line oomkit could not find"
-    code = exc.code
-    said = "sys.exit()" if code is None else f"sys.exit({code!r})"
+    said = exit_call(exc)
     return (
         f"{target}: {stage} called {said} at {site}, so there is no step to predict. "
         "Keep exits under `if __name__ == '__main__':` (oomkit imports the file and calls the "
@@ -94,8 +93,11 @@ def _load_module(path: Path, target: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)
+    from oomkit.prediction.tracing.step_failure import os_exit_raises
+
     try:
-        spec.loader.exec_module(module)
+        with os_exit_raises():
+            spec.loader.exec_module(module)
     except SystemExit as exc:
         raise UserCodeError(_exit_text(exc, f"importing {path}", target)) from exc
     except Exception as exc:
@@ -208,6 +210,7 @@ def load_user_step(
         ) from exc
     from oomkit.prediction.tracing import cuda_autocast_construction
     from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+    from oomkit.prediction.tracing.step_failure import os_exit_raises
     from oomkit.prediction.tracing.trainers import trainer_step
 
     path_text, _, name = target.rpartition(":")
@@ -231,7 +234,7 @@ def load_user_step(
     kwargs = _arguments(fn, target, sizes, device, extra or {})
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
-        with device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
+        with device, cuda_autocast_construction(), as_one_cuda_gpu(gpu), os_exit_raises():
             with _optimizer_steps_counted() as builder_steps:
                 result = fn(**kwargs)
     except OomkitError as exc:
@@ -264,7 +267,7 @@ def load_user_step(
 
     def step_fn() -> Any:
         try:
-            with step_device, refused:
+            with step_device, refused, os_exit_raises():
                 return user_step()
         except SystemExit as exc:
             error = UserCodeError(_exit_text(exc, "the step", target))

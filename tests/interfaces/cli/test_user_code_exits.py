@@ -120,3 +120,25 @@ def test_sys_exit_zero_at_import_is_not_success(tmp_path):
     exit_code, out, err = _predict(tmp_path, STAGES["import"].replace("{exit}", "sys.exit(0)"))
     assert (exit_code, out) == (2, "")
     assert "importing" in err and "called sys.exit(0) at" in err and "user.py:4" in err
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stage=st.sampled_from(sorted(STAGES)), code=st.integers(0, 255))
+def test_os_exit_anywhere_is_exit_2_naming_line_and_code(tmp_path, stage, code):
+    """os._exit(N) ends a process at once: it had ended oomkit with the user's N and no word
+    (N = 0 looked like success). Now, like sys.exit: exit 2, one line, os._exit(N) and where."""
+    text = STAGES[stage].replace("import sys", "import os").replace("{exit}", f"os._exit({code})")
+    exit_code, _, err = _predict_in_process(tmp_path, text)
+    assert exit_code == 2, err
+    assert f"called os._exit({code}) at " in err and f"user.py:{EXIT_LINE[stage]}" in err
+    assert STAGE_WORDS[stage] in err and "Traceback" not in err
+    assert os._exit.__module__ == "posix" or os._exit.__name__ == "_exit"  # the real one back
+
+
+def test_os_exit_in_a_whole_script_is_exit_2(tmp_path):
+    """`oomkit predict train.py` of a script that calls os._exit before any step."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nimport torch\nos._exit(3)\n")
+    run = run_in_process(["predict", str(script), "--gpu", "rtx4090"], cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "the script called os._exit(3) at train.py:3" in run.stderr

@@ -54,7 +54,13 @@ from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
-from oomkit.prediction.tracing.step_failure import failure_site, failure_text, step_failure
+from oomkit.prediction.tracing.step_failure import (
+    exit_call,
+    failure_site,
+    failure_text,
+    os_exit_raises,
+    step_failure,
+)
 
 __all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
 
@@ -366,6 +372,7 @@ def record_script(
             stack.enter_context(_saves_skipped(saves))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
+            stack.enter_context(os_exit_raises())
             try:
                 runpy.run_path(str(script), run_name="__main__")
             except _StopScript:
@@ -407,7 +414,7 @@ def record_script(
 
 def _exit_text(where: str, exc: SystemExit, steps_done: int) -> str:
     site = failure_site(exc).user or "a line oomkit could not find"
-    said = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+    said = exit_call(exc)
     if steps_done == 0:
         return (
             f"{where}: the script called {said} at {site} before its first optimizer step, so "

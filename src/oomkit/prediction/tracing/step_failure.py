@@ -12,11 +12,19 @@ came from. The advice depends on what failed:
   ops with no meta kernel): in the user's code, move it out or give it fixed sizes; inside torch
   or a library, it is not the user's to move: state the value or pass inputs oomkit can follow.
 - anything else: the exception as raised, at its lines.
+
+User code that exits is said the same way: ``sys.exit`` raises ``SystemExit``, and, while
+``os_exit_raises`` is open, ``os._exit`` raises ``OsExit`` (a ``SystemExit``) instead of ending
+the process at once with the user's code and no word from oomkit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from oomkit.errors import UnsupportedOpError
@@ -27,7 +35,16 @@ from oomkit.prediction.tracing.stand_ins import (
     shown_path,
 )
 
-__all__ = ["FailureSite", "failure_site", "failure_text", "reads_device_values", "step_failure"]
+__all__ = [
+    "FailureSite",
+    "OsExit",
+    "exit_call",
+    "failure_site",
+    "failure_text",
+    "os_exit_raises",
+    "reads_device_values",
+    "step_failure",
+]
 
 # What torch says when values leave the meta device: a copy (_to_copy's meta kernel) and
 # Tensor.numpy (torch/csrc/utils/tensor_numpy.cpp tensor_to_numpy).
@@ -129,3 +146,32 @@ def step_failure(exc: BaseException, failed_op: str | None) -> UnsupportedOpErro
         failed_op: the aten op that raised it on the meta device, if one did.
     """
     return UnsupportedOpError(failure_text(exc, failed_op))
+
+
+class OsExit(SystemExit):
+    """``os._exit(code)`` called by the user's code while ``os_exit_raises`` was open."""
+
+
+def exit_call(exc: SystemExit) -> str:
+    """How the user's code exited, as written: ``sys.exit(3)``, ``sys.exit()``, ``os._exit(7)``."""
+    name = "os._exit" if isinstance(exc, OsExit) else "sys.exit"
+    return f"{name}()" if exc.code is None else f"{name}({exc.code!r})"
+
+
+@contextlib.contextmanager
+def os_exit_raises() -> Iterator[None]:
+    """``os._exit`` raises ``OsExit`` while open, on this thread of this process; a forked child
+    (a DataLoader worker, which leaves through ``os._exit``) and other threads keep the real one."""
+    real = os._exit
+    pid, thread = os.getpid(), threading.get_ident()
+
+    def raising(code: int) -> None:
+        if os.getpid() != pid or threading.get_ident() != thread:
+            real(code)
+        raise OsExit(code)
+
+    setattr(os, "_exit", raising)  # noqa: B010 - os._exit is typed NoReturn
+    try:
+        yield
+    finally:
+        setattr(os, "_exit", real)  # noqa: B010
