@@ -18,9 +18,10 @@ The contract (documented in the README, "Predicting your own step"):
 - The file's import, the builder and the step run on one emulated CUDA GPU, the target
   (``tracing.cuda_device``): ``device = "cuda" if torch.cuda.is_available() else "cpu"`` picks
   CUDA, trainers pick CUDA, and CUDA tensors land on meta.
-- User code that exits (``sys.exit``, ``os._exit``) or raises, at import, in the builder or in the step, is a
-  ``UserCodeError`` naming the file, the line and the exit code or the exception; a step that
-  calls ``trainer.fit`` / ``trainer.train`` itself is refused with the trainer contract.
+- User code that exits (``sys.exit``, ``os._exit``) or raises, at import, in the builder or in
+  the step, is a ``UserCodeError`` naming the file, the line and the exit code or the
+  exception; a step that calls ``trainer.fit`` / ``trainer.train`` itself is refused with the
+  trainer contract.
 """
 
 from __future__ import annotations
