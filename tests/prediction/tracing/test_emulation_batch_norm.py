@@ -96,6 +96,17 @@ def test_channels_last_warns_about_the_persistent_reserve():
     assert recording.warnings[1].startswith(f"{BN_BWD} ran 1 time(s)")
 
 
+def test_a_sliced_channels_last_input_is_channels_last_as_cuda_reads_it():
+    """TensorImpl::suggest_memory_format reads channels last from the strides' order, dense or
+    not (c10 is_channels_last_strides_2d): a channels-last batch sliced on W takes the
+    persistent kernels too. The rule had asked is_contiguous(channels_last), false here."""
+    wide = torch.randn(N, C, H, 2 * W, device="meta").contiguous(memory_format=torch.channels_last)
+    sliced = wide[..., ::2].detach().requires_grad_()
+    assert not sliced.is_contiguous(memory_format=torch.channels_last)
+    recording = trace_step(_relu_step, _bn(), sliced)
+    assert "persistent (channels-last) batch-norm reserve space" in recording.warnings[0]
+
+
 def test_eval_mode_is_recorded_as_meta_runs_it():
     """Inference batch norm needs no reserve: output only, no warning."""
     bn = _bn().eval()

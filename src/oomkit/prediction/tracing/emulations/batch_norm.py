@@ -32,6 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# torch's port of TensorImpl::suggest_memory_format (is_channels_last_strides_2d/3d, c10's
+# MemoryFormat.h): channels last where the strides are channels-last-like, else contiguous.
+from torch._prims_common import suggest_memory_format
+
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
 if TYPE_CHECKING:
@@ -93,17 +97,6 @@ def uses_cudnn(
     return input.shape[0] <= limit and input.numel() < _INT32_MAX
 
 
-def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
-    # TensorImpl suggest_memory_format: channels-last when the strides say so.
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
-        if not tensor.is_contiguous():
-            return torch.channels_last
-    if tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d):
-        if not tensor.is_contiguous():
-            return torch.channels_last_3d
-    return torch.contiguous_format
-
-
 def _batch_norm(ctx: EmulationContext) -> Any:
     # Schema: (input, weight, bias, running_mean, running_var, training, momentum, eps).
     input, weight, bias, running_mean, running_var, training = ctx.args[:6]
@@ -113,7 +106,7 @@ def _batch_norm(ctx: EmulationContext) -> Any:
         # Normalization.cu batch_norm_cuda: output and two [C] accumulate-type statistics, as
         # meta records them.
         return ctx.run()
-    if _memory_format(input) in _PERSISTENT_FORMATS:
+    if suggest_memory_format(input) in _PERSISTENT_FORMATS:
         ctx.not_emulated(_PERSISTENT_WHAT)
     # cudnn_batch_norm in CUDNN_BATCHNORM_SPATIAL mode: output, save_mean, save_var as meta
     # records them; workspace and reserve space 0 bytes (module docstring).
@@ -132,7 +125,7 @@ def _batch_norm_backward(ctx: EmulationContext) -> Any:
         or not uses_cudnn(input, weight, weight, running_mean, running_var, train)
     ):
         return ctx.run()
-    memory_format = _memory_format(input)
+    memory_format = suggest_memory_format(input)
     if memory_format in _PERSISTENT_FORMATS:
         ctx.not_emulated(_PERSISTENT_WHAT)
     copy_id = None

@@ -68,6 +68,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# torch's port of TensorImpl::suggest_memory_format (is_channels_last_strides_2d/3d, c10's
+# MemoryFormat.h): channels last where the strides are channels-last-like, else contiguous.
+from torch._prims_common import suggest_memory_format
+
 from oomkit.prediction.tracing.emulations.reductions import record_reduction
 from oomkit.prediction.tracing.fake_storages import stands_for_cuda
 
@@ -258,7 +262,7 @@ def _convolution_backward(ctx: EmulationContext, environ: Mapping[str, str] | No
     # plan's workspace; the copies are dropped when each function returns. Conv_v8.cpp skips an
     # empty gradient's plan.
     tensors = {"grad_output": grad_output, "input": input, "weight": weight}
-    suggested = {name: _suggested(t) for name, t in tensors.items()}
+    suggested = {name: suggest_memory_format(t) for name, t in tensors.items()}
     # .to(memory_format) aliases when the tensor already suggests that format (to_will_alias).
     copied_to = None
     held = []
@@ -302,16 +306,6 @@ def _convolution_backward(ctx: EmulationContext, environ: Mapping[str, str] | No
             ctx.not_emulated(_CONV_WHAT)
     _bias_gradient(ctx, out, grad_output, mask)
     return out
-
-
-def _suggested(tensor: torch.Tensor) -> torch.memory_format:
-    # TensorBase::suggest_memory_format: channels last where the strides are channels last
-    # (and not also plain contiguous), else contiguous.
-    for fmt, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if tensor.dim() == ndim and tensor.is_contiguous(memory_format=fmt):
-            if not tensor.is_contiguous():
-                return fmt
-    return torch.contiguous_format
 
 
 def _cudnn_layout(
