@@ -189,7 +189,7 @@ def _vllm_failure(text: str, figures: dict[str, float]) -> tuple[str | None, str
                     (Knob("--gpu-memory-utilization", "lower", "graphs are captured after the KV "
                           "cache and are not in vLLM's budget"),
                      Knob("--enforce-eager", "set", "no CUDA graphs"),
-                     Knob("--cuda-graph-sizes", "lower", "fewer, smaller graphs")),
+                     Knob("--cudagraph-capture-sizes", "lower", "fewer, smaller graphs")),
                     "CUDA graph capture runs after the KV cache took its share")
         if re.search(r"sampler|warm", before[-4000:], re.IGNORECASE):
             return ("sampler_oom", oom_line,

@@ -22,7 +22,8 @@ TINY_LLAMA = {
 }
 
 VLLM_FLAGS = [
-    "--block-size", "--concurrency", "--context-overhead", "--cuda-graph-sizes", "--dtype", "--enforce-eager", "--gpu",
+    "--block-size", "--concurrency", "--context-overhead", "--cuda-graph-sizes",
+    "--cudagraph-capture-sizes", "--dtype", "--enforce-eager", "--gpu",
     "--gpu-memory-utilization", "--json", "--kv-cache-dtype", "--kv-cache-memory",
     "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--quantization",
     "--tensor-parallel-size", "--vllm-version",
@@ -155,3 +156,18 @@ def test_abbreviated_flags_are_refused(model_dir, capsys):
         _parser().parse_args(["serve", "vllm", model_dir, "--gpu-mem", "0.5"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --gpu-mem" in capsys.readouterr().err
+
+
+def test_capture_sizes_take_vllm_013s_spelling_and_are_deduplicated(model_dir, capsys):
+    """vLLM 0.13 has --cudagraph-capture-sizes (no --cuda-graph-sizes, the spelling of the
+    releases between; both are taken) and de-duplicates the sizes (vllm/config/vllm.py
+    _set_cudagraph_sizes): 8 8 16 captures two graphs, as 8 16 does."""
+    def graphs(*flags: str) -> object:
+        assert _run(["vllm", model_dir, "--gpu", "h100", "--max-model-len", "1024", "--json",
+                     *flags]) == 0
+        return json.loads(capsys.readouterr().out)["graphs"]
+
+    once = graphs("--cudagraph-capture-sizes", "8", "16")
+    assert once["sizes"] == [8, 16]
+    assert graphs("--cudagraph-capture-sizes", "8", "8", "16", "16") == once
+    assert graphs("--cuda-graph-sizes", "16", "8") == once

@@ -74,7 +74,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     vllm.add_argument("--max-num-batched-tokens", type=int, default=None)
     vllm.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     vllm.add_argument("--enforce-eager", action="store_true")
-    vllm.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)
+    # 0.13 spells it --cudagraph-capture-sizes (CompilationConfig.cudagraph_capture_sizes);
+    # --cuda-graph-sizes is the spelling of the releases between (SchedulerConfig).
+    vllm.add_argument("--cudagraph-capture-sizes", "--cuda-graph-sizes", dest="cuda_graph_sizes",
+                      type=int, nargs="+", default=None)
     vllm.add_argument("--kv-cache-memory", type=_size, default=None,
                       help="KV cache bytes (8GiB, 8589934592); skips the utilization budget")
     vllm.add_argument("--block-size", type=int, default=16)

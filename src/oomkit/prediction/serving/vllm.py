@@ -100,7 +100,7 @@ class VllmRequest:
                 f"--kv-cache-memory must be positive; got {self.kv_cache_memory_bytes}"
             )
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
-            raise ServingConfigError("--cuda-graph-sizes must be positive batch sizes")
+            raise ServingConfigError("--cudagraph-capture-sizes must be positive batch sizes")
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,9 @@ def predict_vllm(request: VllmRequest, *, recorder: RankRecorder | None = None) 
     # sampler over as many rows, after the KV cache and the graphs are allocated.
     warmup = recorder.peak(rows, rows)
     sizes = request.cuda_graph_sizes or rules.capture_sizes(seqs, tokens)
-    sizes = tuple(sorted(s for s in sizes if s <= tokens))
+    # vllm/config/vllm.py _set_cudagraph_sizes (0.13): the sizes given, de-duplicated, those up
+    # to max_num_batched_tokens, ascending (0.8's init_with_cudagraph_sizes de-duplicates too).
+    sizes = tuple(sorted({s for s in sizes if s <= tokens}))
     graphs = estimate_graphs(
         (() if request.enforce_eager else sizes),
         pool_peak=(recorder.peak(max(sizes), 0) if sizes and not request.enforce_eager else None),
