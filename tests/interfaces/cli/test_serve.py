@@ -10,6 +10,8 @@ import argparse
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomkit.interfaces.cli import serve
 
@@ -25,6 +27,7 @@ VLLM_FLAGS = [
     "--block-size", "--concurrency", "--context-overhead", "--cuda-graph-sizes",
     "--cudagraph-capture-sizes", "--dtype", "--enforce-eager", "--gpu",
     "--gpu-memory-utilization", "--json", "--kv-cache-dtype", "--kv-cache-memory",
+    "--kv-cache-memory-bytes",
     "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--quantization",
     "--tensor-parallel-size", "--vllm-version",
 ]
@@ -171,3 +174,34 @@ def test_capture_sizes_take_vllm_013s_spelling_and_are_deduplicated(model_dir, c
     assert once["sizes"] == [8, 16]
     assert graphs("--cudagraph-capture-sizes", "8", "8", "16", "16") == once
     assert graphs("--cuda-graph-sizes", "16", "8") == once
+
+
+@settings(max_examples=60, deadline=None)
+@given(whole=st.integers(0, 10**6), tenths=st.integers(0, 9), suffix=st.sampled_from("kmgtKMGT"),
+       decimal=st.booleans())
+def test_counts_read_as_vllm_reads_them(whole, tenths, suffix, decimal):
+    """vLLM 0.13's human_readable_int (--max-model-len, --max-num-batched-tokens,
+    --kv-cache-memory-bytes): k m g t are powers of 1,000 (25.6k = 25,600), K M G T powers of
+    1,024 and take no decimals; oomkit had refused 32k, and read --kv-cache-memory 8G as 8e9."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[suffix]
+    text = f"{whole}.{tenths}{suffix}" if decimal else f"{whole}{suffix}"
+    if decimal and suffix.isupper():
+        with pytest.raises(argparse.ArgumentTypeError, match="refuses decimals"):
+            serve._vllm_int(text)
+    elif decimal:
+        assert serve._vllm_int(text) == int(float(f"{whole}.{tenths}") * scale)
+    else:
+        assert serve._vllm_int(text) == whole * scale
+    assert serve._vllm_int(str(whole)) == whole
+
+
+def test_kv_cache_memory_takes_vllms_spelling_and_reading(model_dir, capsys):
+    """--kv-cache-memory-bytes 8G is 8 GiB as in vLLM; 8g is 8e9; oomkit's 8GiB still works."""
+    def kv(*flags: str) -> int:
+        assert _run(["vllm", model_dir, "--gpu", "h100", "--max-model-len", "1K", "--json",
+                     *flags]) in (0, 1)
+        return json.loads(capsys.readouterr().out)["request"]["kv_cache_memory_bytes"]
+
+    assert kv("--kv-cache-memory-bytes", "8G") == kv("--kv-cache-memory", "8GiB") == 8 * 2**30
+    assert kv("--kv-cache-memory", "8g") == 8 * 10**9

@@ -7,6 +7,7 @@ which knob to turn); 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from oomkit.errors import OomkitError
@@ -33,6 +34,43 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except OomkitError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# vllm/engine/arg_utils.py human_readable_int (0.13: --max-model-len, --max-num-batched-tokens,
+# --kv-cache-memory-bytes): a number and one letter, k m g t decimal (25.6k is 25,600), K M G T
+# binary and whole (32K is 32,768; 1.5K is refused), or a plain integer.
+_VLLM_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _vllm_int(text: str) -> int:
+    match = _VLLM_INT.fullmatch(text.strip())
+    if match is None:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number as vLLM reads it (32768, 32k = 32,000, 32K = 32,768); "
+                f"got {text!r}"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"vLLM refuses decimals with the binary suffix {suffix} ({text!r}); did you mean "
+            f"{number}{suffix.lower()}?"
+        )
+    return int(number) * _BINARY[suffix]
+
+
+def _kv_bytes(text: str) -> int:
+    """``--kv-cache-memory-bytes``: vLLM's reading (8G is 8 GiB, 8g 8e9 bytes); oomkit's sizes
+    with a unit (8GiB, 500MB) are taken too."""
+    if _VLLM_INT.fullmatch(text.strip()) or text.strip().isdigit():
+        return _vllm_int(text)
+    return _size(text)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -69,17 +107,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               allow_abbrev=False)
     _common(vllm)
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    vllm.add_argument("--max-model-len", type=int, default=None)
+    vllm.add_argument("--max-model-len", type=_vllm_int, default=None)
     vllm.add_argument("--max-num-seqs", type=int, default=None)
-    vllm.add_argument("--max-num-batched-tokens", type=int, default=None)
+    vllm.add_argument("--max-num-batched-tokens", type=_vllm_int, default=None)
     vllm.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     vllm.add_argument("--enforce-eager", action="store_true")
     # 0.13 spells it --cudagraph-capture-sizes (CompilationConfig.cudagraph_capture_sizes);
     # --cuda-graph-sizes is the spelling of the releases between (SchedulerConfig).
     vllm.add_argument("--cudagraph-capture-sizes", "--cuda-graph-sizes", dest="cuda_graph_sizes",
                       type=int, nargs="+", default=None)
-    vllm.add_argument("--kv-cache-memory", type=_size, default=None,
-                      help="KV cache bytes (8GiB, 8589934592); skips the utilization budget")
+    # 0.13's flag is --kv-cache-memory-bytes; its own log suggests --kv-cache-memory=N (a
+    # prefix argparse takes), so both spellings are taken.
+    vllm.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory",
+                      type=_kv_bytes, default=None,
+                      help="KV cache bytes (8589934592, 8G as vLLM reads it, or 8GiB); skips "
+                      "the utilization budget")
     vllm.add_argument("--block-size", type=int, default=16)
     vllm.add_argument("--vllm-version", default=None,
                       help="the release whose accounting to follow: 0.8 or 0.13 (default 0.13)")
