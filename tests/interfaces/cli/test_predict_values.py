@@ -184,3 +184,16 @@ def test_a_malformed_value_flag_is_a_usage_error(script, capsys):
         main(["predict", f"{script}:build", "--value", "nano.py=3"])
     assert exited.value.code == 2
     assert "expected FILE:LINE=NUMBER" in capsys.readouterr().err
+
+
+def test_a_line_stated_twice_with_two_values_is_refused(capsys):
+    """--value t.py:3=1 --value t.py:3=2 had kept the last silently; the same value twice is
+    one statement."""
+    assert main(["predict", "gpt2-124m", "--value", "t.py:3=1", "--value", "t.py:3=2",
+                 "--dump-config"]) == 2
+    assert capsys.readouterr().err == (
+        "oomkit: error: --value t.py:3 is given twice (1 and 2); state each line's value once\n"
+    )
+    assert main(["predict", "gpt2-124m", "--value", "t.py:3=1", "--value", "t.py:3=1",
+                 "--dump-config"]) == 0
+    assert '"t.py:3" = 1' in capsys.readouterr().out

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from oomkit.errors import ScenarioError
+
 __all__ = [
     "CompactHelp",
     "GROUPS",
@@ -226,7 +228,15 @@ def _given(args: argparse.Namespace, command: str) -> Iterator[tuple[str, str, A
         if value is None:
             continue
         if flag.flag == "--value":
-            value = dict(value)
+            stated: dict[str, float] = {}
+            for line, number in value:
+                if line in stated and stated[line] != number:  # not the last one silently
+                    raise ScenarioError(
+                        f"--value {line} is given twice ({stated[line]} and {number}); state "
+                        "each line's value once"
+                    )
+                stated[line] = number
+            value = stated
         yield flag.section, flag.name, value
 
 
