@@ -117,3 +117,20 @@ def test_a_gpu_of_another_type_is_an_unknown_gpu(gpu):
     """Not a name, a size or a GpuSpec: UnknownGpuError (an int had been an AttributeError)."""
     with pytest.raises(UnknownGpuError, match="a GPU is a catalog name .* or a GpuSpec; got"):
         get_gpu(gpu)
+
+
+@settings(max_examples=30, deadline=None)
+@given(major=st.integers(2, 120), minor=st.integers(0, 99))
+def test_a_torch_newer_than_main_is_refused(major, minor):
+    """--torch-version 99.0 had been modelled as main, its CUDA called "torch 99.0's default
+    Linux wheel"; a release past main (2.15) is refused, any up to it is taken."""
+    from oomkit.core.allocator.versions import _MAIN_VERSION, NEWEST_RELEASED_TORCH
+
+    version = f"{major}.{minor}"
+    if (major, minor) > _MAIN_VERSION:
+        with pytest.raises(ConfigError, match=rf"torch {version} is newer than any PyTorch "
+                                              rf"oomkit models \(releases up to "
+                                              rf"{NEWEST_RELEASED_TORCH}"):
+            Target.resolve("h100", torch_version=version)
+    else:
+        assert Target.resolve("h100", torch_version=version).torch_version == version

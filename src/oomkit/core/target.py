@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.allocator.versions import require_modelled
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.gpus.cuda_versions import (
     CudaBuild,
@@ -206,6 +207,8 @@ class Target:
                 ``MAJOR.MINOR`` or ``cuda_module_loading`` not lazy/eager.
         """
         spec = get_gpu(gpu, context_overhead_bytes=context_overhead_bytes)
+        if torch_version is not None:
+            require_modelled(torch_version)
         installed = installed_torch()
         build = _cuda_build(cuda_version, torch_version, installed)
         if cuda_module_loading not in (None, "lazy", "eager"):

@@ -31,6 +31,7 @@ __all__ = [
     "behaviour_for",
     "config_key_since",
     "parse_torch_version",
+    "require_modelled",
 ]
 
 # §9.1: every name some release reads the device allocator's settings from.
@@ -227,6 +228,22 @@ def parse_torch_version(torch_version: str | None) -> tuple[int, int]:
             "an optional suffix, or 'main'/'nightly'. Example: torch_version='2.4.0+cu121'"
         )
     return int(match["major"]), int(match["minor"])
+
+
+def require_modelled(torch_version: str) -> None:
+    """Refuse a target release newer than the development branch oomkit models (``"99.0"``
+    would otherwise be modelled as main, its CUDA called that release's default wheel's).
+
+    Raises:
+        ConfigError: the version cannot be read, or is past main.
+    """
+    version = parse_torch_version(torch_version)
+    if version > _MAIN_VERSION:
+        raise ConfigError(
+            f"torch {torch_version} is newer than any PyTorch oomkit models (releases up to "
+            f"{NEWEST_RELEASED_TORCH}, and main / nightly, {_MAIN_VERSION[0]}.{_MAIN_VERSION[1]}); "
+            f"give one of them, e.g. --torch-version {NEWEST_RELEASED_TORCH}"
+        )
 
 
 def config_key_since(key: str) -> tuple[int, int] | None:
