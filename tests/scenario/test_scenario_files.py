@@ -132,6 +132,8 @@ def test_defaults_are_left_out_and_restored():
          "--budget (run.budget_bytes): '24' has no unit"),
         ({"model": {"preset": "x"}, "parallel": {"bucket_cap_mb": float("nan")}},
          "--bucket-cap-mb (parallel.bucket_cap_mb): must be a finite number"),
+        ({"model": {"preset": "x"}, "lora": {"rank": 8, "dropout": float("nan")}},
+         "--lora-dropout (lora.dropout): must be a finite number"),
         ({"model": {"preset": "x"}, "target": {"torch_version": "two"}},
          "--torch-version (target.torch_version): cannot read PyTorch version 'two'"),
         ({"model": {"preset": "x", "hf": "y"}}, "give either a TARGET or --hf, not both"),

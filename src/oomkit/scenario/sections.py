@@ -388,6 +388,7 @@ class LoraSection(_Section):
         None,
         ge=0.0,
         lt=1.0,
+        allow_inf_nan=False,  # NaN had been "must be below 1.0"
         description="lora_dropout (default 0)",
         json_schema_extra=_flag("--lora-dropout", FINETUNE, metavar="P"),
     )
