@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import oomkit
 from oomkit.errors import ScenarioError
 from oomkit.scenario import (
     Scenario,
@@ -237,8 +238,11 @@ def test_keywords_are_the_flags_names():
         "target": {"gpu": "rtx4090"},
         "run": {"budget_bytes": 20 * 2**30},
     }
-    with pytest.raises(ScenarioError, match="has no keyword 'bach'"):
+    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'bach'"):
         scenario_from_keywords("gpt2-124m", bach=3)
+    # oomkit.fit's keywords are fit's: its errors say so.
+    with pytest.raises(ScenarioError, match=r"^oomkit.fit\(\) has no keyword 'bach'"):
+        oomkit.fit("gpt2-124m", bach=3)
 
 
 def test_a_config_file_is_read_or_refused_in_one_line(tmp_path):

@@ -56,7 +56,7 @@ def _scenario(what: Any, keywords: Mapping[str, Any], command: str) -> Scenario:
             f"oomkit.{command}() takes a Scenario, a preset / file.py:function / train.py name, "
             f"or (predict) a step function; got {type(what).__name__}"
         )
-    return scenario_from_keywords(what, **keywords)
+    return scenario_from_keywords(what, command, **keywords)
 
 
 def predict(what: Any = None, /, *args: Any, **keywords: Any) -> Prediction:

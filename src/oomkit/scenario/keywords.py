@@ -40,11 +40,14 @@ def keyword_fields() -> dict[str, tuple[str, str]]:
     return out
 
 
-def scenario_from_keywords(what: str | None = None, **keywords: Any) -> Scenario:
+def scenario_from_keywords(
+    what: str | None = None, caller: str = "predict", /, **keywords: Any
+) -> Scenario:
     """The ``Scenario`` of the short form.
 
     Args:
         what: a preset, ``file.py:function`` or ``train.py`` (as the CLI's TARGET).
+        caller: the function the keywords were given to, named in errors (``fit``).
         keywords: fields by their flag's name (``batch=8``, ``gpu="rtx4090"``, ``lora=16``,
             ``quantize="nf4"``, ``fsdp=8``), or sections by name as mappings
             (``lora={"rank": 16, "alpha": 32}``, ``target={...}``).
@@ -71,7 +74,7 @@ def scenario_from_keywords(what: str | None = None, **keywords: Any) -> Scenario
         else:
             known = ", ".join(sorted(fields))
             raise ScenarioError(
-                f"oomkit.predict() has no keyword {key!r}: give a field by its flag's name "
+                f"oomkit.{caller}() has no keyword {key!r}: give a field by its flag's name "
                 f"({known}) or a section as a mapping (e.g. lora={{'rank': 16}})"
             )
     return scenario_from_data(data)
