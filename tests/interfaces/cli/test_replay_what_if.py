@@ -118,3 +118,13 @@ def test_progress_bar_counts_every_setting_on_a_terminal(tmp_path, capsys, monke
     assert main(argv) == 0
     assert seen == [("replaying settings", True, [(0, 3), (1, 3), (2, 3), (3, 3)])]
     capsys.readouterr()
+
+
+def test_a_setting_given_twice_is_replayed_once(tmp_path, capsys):
+    """--what-if A --what-if B --what-if ' A ' is two rows, A first (it had been three)."""
+    argv = ["replay", str(replay_snapshot(tmp_path)), "--json", "--jobs", "1"]
+    for setting in ("expandable_segments:True", "", " expandable_segments:True "):
+        argv += ["--what-if", setting]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["settings"]
+    assert [r["alloc_conf"] for r in rows] == ["expandable_segments:True", ""]

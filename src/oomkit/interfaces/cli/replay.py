@@ -150,7 +150,8 @@ def _run_what_ifs(args: argparse.Namespace) -> int:
             f"{'--verify' if args.verify else '--alloc-conf'}. Give every setting with --what-if, "
             "e.g. `oomkit replay SNAPSHOT --what-if '' --what-if expandable_segments:True`."
         )
-    texts = [text.strip() for text in args.what_if]
+    # A setting given twice is replayed once (the same replay, in the order first given).
+    texts = list(dict.fromkeys(text.strip() for text in args.what_if))
     # Parsed up front: a setting the modelled PyTorch rejects stops the command (exit 2)
     # before any replay runs.
     configs = [AllocatorConfig.parse(text, torch_version=args.torch_version) for text in texts]
