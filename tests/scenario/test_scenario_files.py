@@ -135,6 +135,8 @@ def test_defaults_are_left_out_and_restored():
          "--bucket-cap-mb (parallel.bucket_cap_mb): must be a finite number"),
         ({"model": {"preset": "x"}, "lora": {"rank": 8, "dropout": float("nan")}},
          "--lora-dropout (lora.dropout): must be a finite number"),
+        ({"model": {"preset": "x"}, "run": {"steps": 10**8}},
+         "--steps 100000000: each step is recorded in full, and past 1,000 that takes hours"),
         ({"model": {"preset": "x"}, "target": {"torch_version": "two"}},
          "--torch-version (target.torch_version): cannot read PyTorch version 'two'"),
         ({"model": {"preset": "x", "hf": "y"}}, "give either a TARGET or --hf, not both"),
@@ -260,3 +262,12 @@ def test_a_config_file_is_read_or_refused_in_one_line(tmp_path):
         read_scenario_data(broken)
     with pytest.raises(ScenarioError, match="cannot read the config file"):
         read_scenario_data(tmp_path / "missing.toml")
+
+
+def test_a_long_run_of_steps_is_spliced_from_lengths_not_recorded():
+    """--steps past 1,000 is refused for a recording (each step is recorded in full), taken
+    with --lengths (a run spliced from one recording a length, as across-runs.md shows)."""
+    assert scenario_from_data({"model": {"preset": "x"}, "run": {"steps": 1000}}).run.steps == 1000
+    spliced = scenario_from_data(
+        {"model": {"preset": "x"}, "run": {"steps": 2000}, "lengths": {"file": "lengths.txt"}})
+    assert spliced.run.steps == 2000

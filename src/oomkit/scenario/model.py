@@ -155,6 +155,15 @@ class Scenario(_Section):
                     "takes its sizes from its own arguments: pass them after -- (e.g. "
                     f"`oomkit predict {self.model.script} -- --batch_size=8`)"
                 )
+        steps = self.run.steps
+        if steps is not None and steps > MAX_RECORDED_STEPS and self.lengths is None:
+            # Each step is recorded op by op (--steps 100000000 ran for hours); the peak
+            # settles within a few. --lengths splices its steps from one recording a length.
+            raise ValueError(
+                f"--steps {steps}: each step is recorded in full, and past "
+                f"{MAX_RECORDED_STEPS:,} that takes hours (the peak settles within a few "
+                "steps); give at most that many, or --lengths FILE for a long run"
+            )
         if self.lengths is not None:
             if self.parallel is not None and self.parallel.given:
                 raise ValueError(
@@ -184,6 +193,9 @@ class Scenario(_Section):
                 )
         return self
 
+
+# The most steps recorded one by one (--lengths splices more from a recording per length).
+MAX_RECORDED_STEPS = 1_000
 
 # The fields a builder function or a script sets itself (torch.autocast, its own optimizer,
 # torch.utils.checkpoint, ...): given for one, they would be ignored, so they are refused.
