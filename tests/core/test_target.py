@@ -134,3 +134,18 @@ def test_a_torch_newer_than_main_is_refused(major, minor):
             Target.resolve("h100", torch_version=version)
     else:
         assert Target.resolve("h100", torch_version=version).torch_version == version
+
+
+def test_the_torch_version_flag_of_every_command_refuses_past_main():
+    """replay, tune, simulate and doctor take --torch-version through one argparse type, and
+    predict / fit through the scenario's field: both refuse a release past main, as Target does."""
+    import argparse
+
+    from oomkit.interfaces.cli._common import torch_version_arg
+    from oomkit.scenario import Scenario
+
+    assert torch_version_arg("nightly") == "nightly"
+    with pytest.raises(argparse.ArgumentTypeError, match="torch 3.0 is newer than any PyTorch"):
+        torch_version_arg("3.0")
+    with pytest.raises(ValueError, match="torch 3.0 is newer than any PyTorch"):
+        Scenario.model_validate({"model": {"preset": "x"}, "target": {"torch_version": "3.0"}})

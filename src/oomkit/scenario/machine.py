@@ -51,9 +51,9 @@ class TargetSection(_Section):
     @classmethod
     def _readable_torch(cls, value: str | None) -> str | None:
         if value is not None:
-            from oomkit.core.allocator.versions import parse_torch_version
+            from oomkit.core.allocator.versions import require_modelled
 
-            parse_torch_version(value)  # ConfigError (a ValueError) names the form
+            require_modelled(value)  # ConfigError (a ValueError): the form, or past main
         return value
 
     cuda_version: str | None = Field(

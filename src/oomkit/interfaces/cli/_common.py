@@ -273,11 +273,12 @@ def add_torch_version_flag(parser: argparse.ArgumentParser, *, default: str) -> 
 
 
 def torch_version_arg(text: str) -> str:
-    """argparse type for a PyTorch version (``2.6``, ``2.6.0+cu124``, ``nightly``), kept as text."""
-    from oomkit.core.allocator.versions import parse_torch_version
+    """argparse type for a PyTorch version (``2.6``, ``2.6.0+cu124``, ``nightly``), kept as text;
+    one past main is refused (replay, tune, simulate, doctor: as predict's target)."""
+    from oomkit.core.allocator.versions import require_modelled
 
     try:
-        parse_torch_version(text)
+        require_modelled(text)
     except OomkitError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return text

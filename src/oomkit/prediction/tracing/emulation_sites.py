@@ -43,6 +43,7 @@ __all__ = [
     "EMBEDDING_BACKWARD_SITE",
     "EMBEDDING_SMALL_PATH_MAX_INDICES",
     "GAMMA_BETA_BACKWARD_SITE",
+    "NORM_GRAD_COPY",
     "REDUCTION_SITE",
     "SITE_PLANS",
     "EmulationSite",
@@ -71,7 +72,7 @@ _SORTED_INDICES, _ORIG_INDICES, _COUNT, _INDICES_COPY, _GRAD_COPY = (
     "embedding_grad_copy",
 )
 # A norm backward's dY.contiguous() (layer_norm_kernel.cu LayerNormBackwardKernelImpl).
-_NORM_GRAD_COPY = "norm_grad_copy"
+NORM_GRAD_COPY = "norm_grad_copy"
 _REDUCTION_CAST, _REDUCTION_ACCUMULATOR, _REDUCTION_STAGING, _REDUCTION_SEMAPHORES = (
     "reduction_cast",
     "reduction_accumulator",
@@ -372,7 +373,7 @@ def gamma_beta_backward_program(params: tuple[int, ...]) -> tuple[SiteStep, ...]
     if not gradients:
         return ()
     last = len(gradients) - 1
-    copy = [(_NORM_GRAD_COPY, site.grad_copy_bytes)] if site.grad_copy_bytes else []
+    copy = [(NORM_GRAD_COPY, site.grad_copy_bytes)] if site.grad_copy_bytes else []
     rows = (
         two_pass_gamma_rows(site.rows, site.columns, site.multiprocessor_count)
         if site.two_pass_branch else None
@@ -426,7 +427,7 @@ SITE_PLANS: Mapping[str, SitePlan] = {
     GAMMA_BETA_BACKWARD_SITE: SitePlan(
         op="aten.native_layer_norm_backward.default",  # and aten._fused_rms_norm_backward
         category="temporary",
-        names=frozenset({_NORM_GRAD_COPY}) | frozenset(
+        names=frozenset({NORM_GRAD_COPY}) | frozenset(
             f"two_pass_{name}{suffix}"
             for name in ("dgamma", "dbeta")
             for suffix in ("", "_blocks", *(f"_{what}" for what in (

@@ -42,6 +42,7 @@ import torch
 from oomkit.prediction.tracing._torch_version import torch_minor
 from oomkit.prediction.tracing.emulation_sites import (
     GAMMA_BETA_BACKWARD_SITE,
+    NORM_GRAD_COPY,
     GammaBetaBackward,
     SiteStep,
     gamma_beta_backward_program,
@@ -97,7 +98,7 @@ def weight_gradients(
     batch search learning on one side of 65,536 rows synthesizes the other."""
     gradients = [g for g in (dgamma, dbeta) if g is not None]
     if not gradients:  # the kernels on dY.contiguous(), and nothing to plan
-        ctx.free_last_first(ctx.contiguous_copies("norm_grad_copy", grad))
+        ctx.free_last_first(ctx.contiguous_copies(NORM_GRAD_COPY, grad))
         return
     assert ctx.gpu is not None
     first = gradients[0]
