@@ -27,6 +27,7 @@ The contract (documented in the README, "Predicting your own step"):
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import inspect
 import sys
@@ -81,6 +82,15 @@ def _exit_text(exc: SystemExit, stage: str, target: str) -> str:
     )
 
 
+class _SourceOnly(importlib.machinery.SourceFileLoader):
+    """The file's source as it is now: no ``__pycache__`` read or written beside it (a bytecode
+    cache keyed by mtime and size serves a file rewritten within the same second at the same
+    size stale, and writing one puts files in the user's folder)."""
+
+    def get_code(self, fullname: str) -> Any:
+        return self.source_to_code(self.get_data(self.path), self.path)
+
+
 def _load_module(path: Path, target: str) -> Any:
     if not path.is_file():
         raise UserCodeError(
@@ -88,7 +98,7 @@ def _load_module(path: Path, target: str) -> Any:
             f"{Path.cwd()}, then ':' and the function name, e.g. train.py:build_step."
         )
     name = f"oomkit_user_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=_SourceOnly(name, str(path)))
     if spec is None or spec.loader is None:
         raise UserCodeError(f"{target}: {path} cannot be loaded as a Python module.")
     module = importlib.util.module_from_spec(spec)

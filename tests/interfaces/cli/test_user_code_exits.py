@@ -142,3 +142,16 @@ def test_os_exit_in_a_whole_script_is_exit_2(tmp_path):
     run = run_in_process(["predict", str(script), "--gpu", "rtx4090"], cwd=tmp_path)
     assert run.returncode == 2, run.stderr
     assert "the script called os._exit(3) at train.py:3" in run.stderr
+
+
+def test_a_file_rewritten_at_the_same_size_and_time_is_read_as_it_is_now(tmp_path):
+    """The user's file is compiled from its source each time: a bytecode cache keyed by mtime
+    and size had served sys.exit('g') for a file now saying sys.exit('h') (a flaky hypothesis
+    example in CI), and no __pycache__ is written beside the user's code."""
+    path = tmp_path / "user.py"
+    for code in ("g", "h"):
+        path.write_text(textwrap.dedent(STAGES["import"].replace("{exit}", f"sys.exit({code!r})")))
+        os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        run = run_in_process(["predict", f"{path}:build", "--gpu", "rtx4090"], cwd=tmp_path)
+        assert run.returncode == 2 and f"called sys.exit({code!r}) at " in run.stderr
+    assert not (tmp_path / "__pycache__").exists()
