@@ -62,6 +62,7 @@ from oomkit.plan.batch_prober import BatchProber
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
 from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES
+from oomkit.prediction.step_count import check_step_count
 from oomkit.units import format_bytes
 
 __all__ = [
@@ -369,7 +370,7 @@ def max_batch_size(
             is above ``max_batch`` or ``margin_bytes`` is negative (``AllocatorUsageError``, a
             ValueError: ``jobs`` is not a positive int or None).
     """
-    check_positive("steps", steps, "max_batch_size(build, target=target, steps=2)")
+    check_step_count(steps, "max_batch_size(build, target=target, steps=2)")
     check_positive("start_batch", start_batch, "max_batch_size(build, target=target, start_batch=8)")
     check_positive("max_batch", max_batch, "max_batch_size(build, target=target, max_batch=4096)")
     processes = process_count(jobs)

@@ -37,6 +37,7 @@ from oomkit.plan.batch_probe import (
     resolve_margin,
 )
 from oomkit.prediction.predictor import Prediction, predict_recording
+from oomkit.prediction.step_count import check_step_count
 
 __all__ = [
     "GpuCountResult",
@@ -141,7 +142,7 @@ def smallest_gpu(
     ordered = sorted(candidates, key=lambda g: (g.total_memory_bytes, g.name))
     if not ordered:
         raise ConfigError("candidates is empty; pass GPUs to check, e.g. oomkit.core.gpus.CATALOG")
-    check_positive("steps", steps, "smallest_gpu(build, 16, steps=2)")
+    check_step_count(steps, "smallest_gpu(build, 16, steps=2)")
     # Every candidate shares the allocator setting and versions; each brings its own GPU.
     base = Target.resolve("h100") if target is None else target
     recording: Any = source if hasattr(source, "events") and hasattr(source, "step_starts") else None

@@ -28,6 +28,7 @@ from oomkit.prediction._replay import (
     step_of,
 )
 from oomkit.prediction.distributed_memory import DistributedMemory, distributed_memory, nccl_of
+from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.summary import prediction_summary, verdict_line
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
@@ -560,11 +561,12 @@ def predict(
         DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
         EmptyRecordingError: the model is not on the meta device, or the step allocated
             nothing there (it ran on the CPU, for real).
-        ValueError: ``steps`` is below 1.
+        ConfigError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``.
         ConfigError: ``gpu``, ``alloc_conf``, ``context_overhead_bytes`` or
             ``torch_version`` is given: the target is one ``target``.
     """
     _refuse_target_parts(kwargs)
+    check_step_count(steps, "oomkit.predict(step_fn, *args, steps=3)")
     if target is None:
         target = Target.resolve("h100")
     _refuse_modules_on_the_host((*args, *track, *kwargs.values()))

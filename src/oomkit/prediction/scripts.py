@@ -76,7 +76,7 @@ def predict_script(
 
     Raises:
         TorchRequiredError: torch is not installed.
-        OomkitError: ``steps`` is below 1.
+        OomkitError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``.
         UserCodeError: the script is missing, raises, exits before its steps (or with a
             non-zero code), ends without an optimizer step, or runs torchrun-style distributed
             code; the message names its line.

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from oomkit.prediction.step_count import MAX_RECORDED_STEPS
 from oomkit.scenario.machine import ParallelSection, TargetSection
 from oomkit.scenario.sections import (
     LengthsSection,
@@ -192,10 +193,6 @@ class Scenario(_Section):
                     "--fsdp N (the function then takes `mesh` and calls fully_shard)"
                 )
         return self
-
-
-# The most steps recorded one by one (--lengths splices more from a recording per length).
-MAX_RECORDED_STEPS = 1_000
 
 # The fields a builder function or a script sets itself (torch.autocast, its own optimizer,
 # torch.utils.checkpoint, ...): given for one, they would be ignored, so they are refused.

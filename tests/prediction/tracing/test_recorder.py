@@ -241,7 +241,7 @@ def test_data_dependent_op_raises_unsupported():
 
 def test_steps_must_be_positive():
     """steps=0 is a usage error."""
-    with pytest.raises(ValueError, match="steps must be at least 1"):
+    with pytest.raises(ValueError, match="steps must be a whole number of at least 1"):
         trace_step(lambda: None, steps=0)
 
 

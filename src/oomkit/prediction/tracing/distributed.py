@@ -35,6 +35,7 @@ import torch
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UnsupportedOpError
+from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.async_tp import AsyncTpEmulations
 from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,
@@ -324,8 +325,7 @@ def trace_distributed_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if steps < 1:
-        raise ConfigError(f"steps must be at least 1; got {steps}")
+    check_step_count(steps, "trace_distributed_step(fn, world_size=8, steps=3)")
     if target is not None:
         gpu = target.gpu
         if emulations is None:

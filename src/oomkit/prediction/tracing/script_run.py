@@ -49,6 +49,7 @@ import torch.optim.optimizer as _optimizer_hooks
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
+from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
@@ -90,11 +91,7 @@ class ScriptSpec:
     cwd: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-            raise OomkitError(
-                f"steps must be a whole number of optimizer steps, at least 1; got {self.steps!r}."
-                " Example: ScriptSpec('train.py', steps=3)"
-            )
+        check_step_count(self.steps, "ScriptSpec('train.py', steps=3)")
         if not all(isinstance(arg, str) for arg in self.argv):
             raise OomkitError(
                 f"the script's arguments must be strings, as on a command line; got {self.argv!r}"
@@ -328,7 +325,7 @@ def record_script(
         The recording, the steps reached and the saves skipped.
 
     Raises:
-        OomkitError: ``steps`` is below 1 or an argument is not a string.
+        OomkitError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS`` or an argument is not a string.
         UserCodeError: the file is missing; the script raised, exited (``sys.exit`` with a
             non-zero code, or any exit before its first optimizer step), ended without an
             optimizer step, or runs torchrun-style distributed code. The message names the

@@ -17,7 +17,8 @@ import torch
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
-from oomkit.errors import ConfigError, EmptyRecordingError, OomkitError
+from oomkit.errors import EmptyRecordingError, OomkitError
+from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
@@ -78,8 +79,8 @@ def trace_step(
         The recording, with ``step_starts`` marking each call of ``fn``.
 
     Raises:
-        ValueError: ``steps`` is below 1.
-        ConfigError: a stated value is malformed.
+        ConfigError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``, or
+            a stated value is malformed.
         UserCodeError: a model on the traced GPU is given a CPU tensor (CUDA's device check;
             ``cpu_inputs``), naming the line that chose the CPU when one did.
         EmptyRecordingError: a module passed in has parameters off the meta device, or (with
@@ -90,8 +91,7 @@ def trace_step(
         DataDependentValueError: a tensor value oomkit cannot know is used as a size, a loop
             bound or a condition.
     """
-    if steps < 1:
-        raise ConfigError(f"steps must be at least 1; got {steps}. Example: trace_step(fn, steps=3)")
+    check_step_count(steps, "trace_step(fn, steps=3)")
     if target is not None:
         gpu = target.gpu
         if emulations is None:
