@@ -151,6 +151,9 @@ def test_nanogpt_train_py_predicts_its_builder_form(nanogpt, monkeypatch):
     assert scripted.run.steps_recorded == 3
     assert scripted.run.saves_skipped == 0
     assert _peaks(scripted) == _builder(nanogpt, "twin.py:build")
+    # Recorded ready to compile, but nothing was: no torch.compile assumption is stated (it
+    # had been, with "no graphs", for every script).
+    assert "torch.compile" not in scripted.prediction.assumptions
     # os.makedirs(out_dir) runs before the first step, as it would on the GPU; nothing else.
     assert files_in(nanogpt) == sorted([*before, "out-shakespeare-char"])
     assert list((nanogpt / "out-shakespeare-char").iterdir()) == []
@@ -165,6 +168,8 @@ def test_nanogpt_compiled_records_its_torch_compile(nanogpt, monkeypatch):
     assert scripted.run.steps_recorded == 3
     assert not any("recorded eagerly" in w for w in scripted.prediction.warnings)
     assert _peaks(scripted) == _builder(nanogpt, "twin_compiled.py:build", compile=True)
+    # Its training step (forward and backward) and estimate_loss()'s eval under no_grad.
+    assert "(1 backward, 1 forward, 1 inference)" in scripted.prediction.assumptions["torch.compile"]
 
 
 HF_SCRIPT = '''

@@ -14,8 +14,10 @@ What it changes while open (all undone on exit):
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
   ``synchronize``, ``empty_cache``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing
   (there is no device to act on), ``torch.cuda.Event`` times 0 ms, ``mem_get_info`` reads the
-  whole memory free, and the memory counters read 0 (the recorder, not the code under it,
-  measures memory). Streams are not emulated (a side stream's allocations go to their own
+  whole memory free. ``memory_allocated()`` and ``max_memory_allocated()`` read the enclosing
+  recorder's bytes so far (``allocated_counter.py``; 0 outside one),
+  ``reset_peak_memory_stats()`` restarts that peak, and ``memory_reserved()`` reads 0 (known
+  only once the recording is replayed; the reads are counted). Streams are not emulated (a side stream's allocations go to their own
   pool; ``torch.cuda.Stream`` still raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
@@ -59,9 +61,10 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.allocated_counter import AllocatedCounter
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 
-__all__ = ["as_one_cuda_gpu"]
+__all__ = ["as_one_cuda_gpu", "counting_allocations"]
 
 _META = torch.device("meta")
 # torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
@@ -264,6 +267,26 @@ class _TimingEvent:
         return 0.0
 
 
+# The open recorders' counters, innermost last (torch.cuda.memory_allocated() reads the last).
+_counters: list[AllocatedCounter] = []
+
+
+def _counter() -> AllocatedCounter:
+    """The innermost open recorder's counter; outside any, one that has seen nothing."""
+    return _counters[-1] if _counters else AllocatedCounter(())
+
+
+@contextlib.contextmanager
+def counting_allocations(counter: AllocatedCounter) -> Iterator[AllocatedCounter]:
+    """While open, ``torch.cuda``'s memory counters (inside ``as_one_cuda_gpu``) read
+    ``counter``."""
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
 @contextlib.contextmanager
 def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
@@ -300,11 +323,12 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "memory_summary": lambda device=None, abbreviated=False: (
             "memory is measured by oomkit's recorder, not by the code it runs"
         ),
-        "memory_allocated": lambda device=None: 0,
-        "memory_reserved": lambda device=None: 0,
-        "max_memory_allocated": lambda device=None: 0,
-        "max_memory_reserved": lambda device=None: 0,
-        "reset_peak_memory_stats": lambda device=None: None,
+        "memory_allocated": lambda device=None: _counter().allocated_bytes(),
+        "max_memory_allocated": lambda device=None: _counter().peak_allocated_bytes(),
+        "reset_peak_memory_stats": lambda device=None: _counter().reset_peak(),
+        "reset_max_memory_allocated": lambda device=None: _counter().reset_peak(),
+        "memory_reserved": lambda device=None: _counter().reserved_read(),
+        "max_memory_reserved": lambda device=None: _counter().reserved_read(),
     }
     saved = {name: getattr(torch.cuda, name) for name in answers}
     for name, answer in answers.items():

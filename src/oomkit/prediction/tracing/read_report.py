@@ -29,8 +29,9 @@ COMPILED_WARNING = f"torch.compile: {COMPILED}"
 
 
 def compile_assumptions(graphs: Counter[str]) -> dict[str, str]:
-    """What a step recorded with ``compile=True`` rests on, as one assumption."""
-    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(graphs.items())) or "no graphs"
+    """What a step recorded with ``compile=True`` that compiled ``graphs`` (by kind, at least
+    one) rests on, as one assumption."""
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(graphs.items()))
     return {
         "torch.compile": (
             f"{COMPILED}: dynamo graph capture and AOTAutograd's min-cut partitioner with "

@@ -37,10 +37,12 @@ from torch.utils._pytree import tree_leaves
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
+from oomkit.prediction.tracing.allocated_counter import AllocatedCounter
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
 from oomkit.prediction.tracing.compile_backend import InductorStandIn
 from oomkit.prediction.tracing.compiled import compiled_code_eager, compiled_code_recorded
+from oomkit.prediction.tracing.cuda_device import counting_allocations
 from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMULATIONS, OpEmulation
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.fake_storages import detach_saved
@@ -130,6 +132,7 @@ class Tracer:
         self._handles: list[Any] = []
         self._grad_scaler_steps: Counter[str] = Counter()
         self._autocast: CudaAutocastEmulation | None = None
+        self._memory: AllocatedCounter | None = None
         self._values = values
         self._value_modes: tuple[KnownValues, ValueReads] | None = None
         self._compiled: Counter[str] = Counter()
@@ -174,6 +177,8 @@ class Tracer:
         stack.enter_context(cuda_optimizer_defaults())
         self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
+        # torch.cuda.memory_allocated() in the step reads what is recorded so far.
+        self._memory = stack.enter_context(counting_allocations(AllocatedCounter(self._log)))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         if self._compile:
             self._stand_in = stack.enter_context(
@@ -502,13 +507,24 @@ class Tracer:
 
     def _build(self) -> TraceRecording:
         assumptions = dict(sorted(self._engine.assumptions.items()))
+        if self._memory is not None and self._memory.allocated_reads:
+            assumptions["torch.cuda.memory_allocated()"] = (
+                f"read {self._memory.allocated_reads} time(s) by the step (with "
+                "max_memory_allocated()), answered with the requests recorded so far, each "
+                "rounded as CUDACachingAllocator's round_size; the replayed peak allocated may "
+                "be higher by blocks handed out whole (at most 1 MiB over their request each "
+                "under the default settings)"
+            )
         warnings = list(self._warnings())
         if self._value_modes is not None:
             known, reads = self._value_modes
             assumptions.update(read_assumptions(reads, known))
             warnings += read_warnings(reads, self._compiled, compiled_recorded=self._compile)
         if self._stand_in is not None:
-            assumptions.update(compile_assumptions(self._stand_in.graphs))
+            if self._stand_in.graphs:
+                # Only where a graph was compiled: a script is recorded ready to compile
+                # (compile=True), and one that never calls torch.compile ran eagerly.
+                assumptions.update(compile_assumptions(self._stand_in.graphs))
             warnings += [
                 f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) "
                 "and were recorded eagerly"
@@ -547,6 +563,13 @@ class Tracer:
                 "Build it in the builder or the step, or under "
                 "oomkit.prediction.tracing.cuda_autocast_construction(); ignore this only if you "
                 "passed enabled=False on purpose"
+            )
+        if self._memory is not None and self._memory.reserved_reads:
+            yield (
+                f"torch.cuda.memory_reserved() was read {self._memory.reserved_reads} time(s) "
+                "while the step was recorded and answered 0: reserved memory is known only once "
+                "the recording is replayed (the peak reserved above); memory_allocated() read "
+                "the bytes recorded so far"
             )
         for name, count in sorted(self._grad_scaler_steps.items()):
             yield (
