@@ -114,10 +114,13 @@ def test_lora_batch_remedy_is_re_predicted_not_scaled_from_all_parameters(config
     assert any("under LoRA only the adapters" in w for w in estimated.warnings)
     measured = {r.title: r for r in diagnose_prediction(lora).remedies}
     assert LORA not in measured  # already LoRA
-    batch = measured["batch size 16 with 2 gradient-accumulation steps"]
-    after = _predict(config_dir, "--batch", "16", "--lora", "8", "--checkpointing",
-                     "--optimizer", "sgd")
+    # Batch 16 fits alone, not with the adapters' gradients kept between micro-batches.
+    batch = measured["batch size 8 with 4 gradient-accumulation steps"]
+    after = _predict(config_dir, "--batch", "8", "--grad-accum", "2", "--lora", "8",
+                     "--checkpointing", "--optimizer", "sgd")
     assert batch.saving_bytes == lora["required_bytes"] - after["required_bytes"]
+    assert not _predict(config_dir, "--batch", "16", "--grad-accum", "2", "--lora", "8",
+                        "--checkpointing", "--optimizer", "sgd")["fits"]
     assert not batch.estimate
     # QLoRA was re-predicted and saves nothing here (the tiny model's weights are mostly its
     # embeddings, which stay bf16; each matmul adds a dequantized weight): not offered.

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oomkit
+from oomkit.core.trace.step_count import MAX_RECORDED_STEPS, check_step_count
 from oomkit.errors import ConfigError
-from oomkit.prediction.step_count import MAX_RECORDED_STEPS, check_step_count
 
 
 def _never_called(*args: Any, **kwargs: Any) -> Any:

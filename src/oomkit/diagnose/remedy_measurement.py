@@ -4,7 +4,10 @@ A step oomkit can rebuild (a built-in preset or a ``--hf`` model, with its ``Ste
 predicted again with one change at a time: precision (mixed bf16 / fp16, pure bf16), activation
 checkpointing, SGD, the fine-tuning changes (LoRA, QLoRA, 8-bit AdamW: ``_finetune_remedies``),
 the smallest ``--fsdp N`` (a power of two) whose rank 0 fits, and the largest halved batch that
-fits with gradient accumulation keeping the global batch. Each remedy says whether the step then
+fits with gradient accumulation keeping the global batch (recorded with its accumulation:
+``_batch_predict``). When no one change fits, the least combination that does
+(``_combinations``: checkpointing, then with mixed or pure bf16 precision, each at the largest
+halved batch that fits) is one more remedy. Each remedy says whether the step then
 fits (``MeasuredRemedy.fits``) and what it needs (``peak_reserved_bytes``: the required reserved
 bytes of the re-prediction, its peak on a device without limit). A change that cannot apply is
 never measured (precision already that low, checkpointing already on, no Adam to replace, a
@@ -193,10 +196,17 @@ def measure_remedies(
         if progress is not None:
             progress(total - 1, total)
     batch = _measured_batch(base, repredict_with, required_bytes)
-    if progress is not None:
-        progress(total, total)
     if batch is not None:
         out.append(batch)
+    # Sharding over more GPUs is no answer on the GPUs one has (rank_measured puts it after).
+    if not any(r.fits and not (r.flag or "").startswith("--fsdp") for r in out):
+        combined = _measured_combination(
+            base, changes, repredict_with, required_bytes, usable_bytes
+        )
+        if combined is not None:
+            out.append(combined)
+    if progress is not None:
+        progress(total, total)
     return out, warnings
 
 
@@ -262,28 +272,40 @@ def _measured_fsdp(
     return None
 
 
-def _measured_batch(base: Any, repredict_with: Repredict, required: int) -> MeasuredRemedy | None:
-    """The largest halved batch that fits, with accumulation steps that keep the batch."""
-    size = base.batch_size
-    for _ in range(_MAX_HALVINGS):
-        if size <= 1:
-            return None
-        size = size // 2
-        try:
-            new = repredict_with(dataclasses.replace(base, batch_size=size), None)
-        except ValueError:
-            # The model refuses the smaller batch (BatchNorm needs more than one value per
-            # channel in training, torch.nn.functional._verify_batch_size): no batch remedy.
-            return None
-        if new.fits:
-            break
-    else:
+def _halvings(batch_size: int) -> list[int]:
+    """``batch_size // 2``, its half, ... down to 1: the batches a halving remedy tries, at
+    most ``_MAX_HALVINGS``."""
+    sizes: list[int] = []
+    size = batch_size
+    while size > 1 and len(sizes) < _MAX_HALVINGS:
+        size //= 2
+        sizes.append(size)
+    return sizes
+
+
+def _batch_predict(repredict_with: Repredict, options: Any, size: int) -> Prediction | None:
+    """``options`` at batch ``size``, run as micro-batches with gradient accumulation,
+    re-predicted; ``None`` where the model refuses the batch (BatchNorm needs more than one
+    value per channel in training, torch.nn.functional._verify_batch_size).
+
+    Accumulation keeps the gradients alive through the next micro-batch's forward and
+    backward, so it is recorded: with ``max(grad_accum, 2)`` micro-batches, not the
+    ``batch / size`` the remedy gives. The micro-batches after the second repeat its memory
+    (the same ops on the same live tensors), and each costs a recording of its own.
+    """
+    accumulated = dataclasses.replace(
+        options, batch_size=size, grad_accum=max(options.grad_accum, 2)
+    )
+    try:
+        return repredict_with(accumulated, None)
+    except ValueError:
         return None
+
+
+def _batch_parts(base: Any, size: int) -> tuple[str, str, str]:
+    """The title, code and flag of running ``base``'s batch as micro-batches of ``size``."""
     steps = math.ceil(base.batch_size / size)
-    return MeasuredRemedy(
-        f"batch size {size} with {steps} gradient-accumulation steps",
-        required - new.required_bytes,
-        "high",
+    code = (
         f"accumulation_steps = {steps}  # {steps} micro-batches of {size} (was one batch of "
         f"{base.batch_size})\n"
         f"loader = DataLoader(dataset, batch_size={size}, shuffle=True)\n"
@@ -292,14 +314,111 @@ def _measured_batch(base: Any, repredict_with: Repredict, required: int) -> Meas
         "    loss.backward()\n"
         "    if (i + 1) % accumulation_steps == 0:\n"
         "        optimizer.step()\n"
-        "        optimizer.zero_grad(set_to_none=True)",
-        f"{MEASURED_WHY}: at batch {size} the step needs {format_bytes(new.required_bytes)} "
-        f"reserved and fits; the effective batch is unchanged.",
+        "        optimizer.zero_grad(set_to_none=True)"
+    )
+    title = f"batch size {size} with {steps} gradient-accumulation steps"
+    return title, code, f"--batch {size} --grad-accum {steps * max(base.grad_accum, 1)}"
+
+
+def _measured_batch(base: Any, repredict_with: Repredict, required: int) -> MeasuredRemedy | None:
+    """The largest halved batch that fits, with accumulation steps that keep the batch."""
+    for size in _halvings(base.batch_size):
+        new = _batch_predict(repredict_with, base, size)
+        if new is None:
+            return None
+        if new.fits:
+            break
+    else:
+        return None
+    title, code, flag = _batch_parts(base, size)
+    return MeasuredRemedy(
+        title,
+        required - new.required_bytes,
+        "high",
+        code,
+        f"{MEASURED_WHY}: at batch {size}, with the gradients kept between micro-batches, "
+        f"the step needs {format_bytes(new.required_bytes)} reserved and fits; the effective "
+        "batch is unchanged.",
         estimate=False,
         fits=True,
         peak_reserved_bytes=new.required_bytes,
-        flag=f"--batch {size} --grad-accum {steps * max(base.grad_accum, 1)}",
+        flag=flag,
     )
+
+
+def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
+    """The changes tried together when none fits alone, the least first: activation
+    checkpointing (the same arithmetic, recomputed), then with mixed precision, then with pure
+    bf16 instead; each is also tried with the batch halved. Changes of the optimizer or of
+    what is trained (SGD, 8-bit AdamW, LoRA, QLoRA) are not combined."""
+    by_key = {
+        "checkpointing": [c for c in changes if "checkpointing" in c.fields],
+        "mixed": [c for c in changes if str(c.fields.get("precision", "")).endswith("-mixed")],
+        "pure": [c for c in changes if c.fields.get("precision") == "bf16"],
+    }
+    checkpointing = by_key["checkpointing"][:1]
+    out = [checkpointing] if checkpointing else []
+    for precision in (by_key["mixed"][:1], by_key["pure"][:1]):
+        if precision:
+            out.append(checkpointing + precision)
+    return out
+
+
+def _measured_combination(
+    base: Any, changes: Sequence[_Change], repredict_with: Repredict, required: int, usable: int
+) -> MeasuredRemedy | None:
+    """The first of ``_combinations`` that fits, at the largest halved batch that does (none
+    when no combination fits even at batch 1).
+
+    Each combination is re-predicted at the step's batch (unless it is one change, already
+    measured alone), then at batch 1; only where batch 1 fits are the halvings between
+    bisected (the need grows with the batch), so a combination that cannot fit costs two
+    re-predictions."""
+    for combination in _combinations(changes):
+        fields: dict[str, Any] = {}
+        for change in combination:
+            fields |= change.fields
+        options = dataclasses.replace(base, **fields)
+        size, new = base.batch_size, None
+        if len(combination) > 1:
+            new = repredict_with(options, None)
+        if new is None or not new.fits:
+            sizes = _halvings(base.batch_size)
+            if not sizes:
+                continue
+            new = _batch_predict(repredict_with, options, 1)
+            if new is None or not new.fits:
+                continue
+            # sizes[hi] fits (the last, 1, does); sizes[lo] does not (-1: the step's batch).
+            lo, hi, fitting = -1, len(sizes) - 1, new
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                tried = _batch_predict(repredict_with, options, sizes[mid])
+                if tried is not None and tried.fits:
+                    hi, fitting = mid, tried
+                else:
+                    lo = mid
+            size, new = sizes[hi], fitting
+        titles = [change.title for change in combination]
+        codes = [change.code for change in combination]
+        flags = [change.flag for change in combination if change.flag]
+        if size != base.batch_size:
+            title, code, flag = _batch_parts(base, size)
+            titles, codes, flags = [*titles, title], [*codes, code], [*flags, flag]
+        return MeasuredRemedy(
+            " + ".join(titles),
+            required - new.required_bytes,
+            "high",
+            "\n\n".join(codes),
+            f"{MEASURED_WHY} (these together: no one of them fits alone): the step needs "
+            f"{format_bytes(new.required_bytes)} reserved instead of {format_bytes(required)} "
+            f"and fits in the {format_bytes(usable)} usable.",
+            estimate=False,
+            fits=True,
+            peak_reserved_bytes=new.required_bytes,
+            flag=" ".join(flags) or None,
+        )
+    return None
 
 
 def rank_measured(remedies: Iterable[Remedy], deficit_bytes: int | None) -> list[Remedy]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError, NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count
 from oomkit.plan._batch_grid import Grid, grid_words, search_grid
@@ -62,7 +63,6 @@ from oomkit.plan.batch_prober import BatchProber
 from oomkit.plan.frozen_heap import frozen_heap
 from oomkit.plan.smallest_gpu import GpuFit, SmallestGpuResult, smallest_gpu
 from oomkit.plan.trace_interpolation import INTERPOLATED_SEARCHES
-from oomkit.prediction.step_count import check_step_count
 from oomkit.units import format_bytes
 
 __all__ = [

@@ -24,6 +24,7 @@ from typing import Any
 
 from oomkit.core.gpus import CATALOG, GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError
 from oomkit.executors.forked import run_forked_or_here
 from oomkit.plan.batch_probe import (
@@ -37,7 +38,6 @@ from oomkit.plan.batch_probe import (
     resolve_margin,
 )
 from oomkit.prediction.predictor import Prediction, predict_recording
-from oomkit.prediction.step_count import check_step_count
 
 __all__ = [
     "GpuCountResult",

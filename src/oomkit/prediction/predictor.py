@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError, UserCodeError
 from oomkit.prediction._replay import (
     MAX_TIMELINE_POINTS,
@@ -28,7 +29,6 @@ from oomkit.prediction._replay import (
     step_of,
 )
 from oomkit.prediction.distributed_memory import DistributedMemory, distributed_memory, nccl_of
-from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.summary import prediction_summary, verdict_line
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
@@ -492,15 +492,14 @@ _TARGET_PARTS = ("gpu", "alloc_conf", "context_overhead_bytes", "torch_version")
 def _refuse_target_parts(kwargs: Mapping[str, Any]) -> None:
     """Refuse ``gpu=`` (...): the target is one ``target``, and they are not the step's."""
     given = [name for name in _TARGET_PARTS if name in kwargs]
-    if not given:
-        return
-    raise ConfigError(
-        f"predict takes the GPU and allocator setting as one target=, not "
-        f"{', '.join(name + '=' for name in given)}. "
-        "Example: predict(step, model, x, target=Target.resolve('rtx4090', "
-        "alloc_conf='expandable_segments:True')), or oomkit.predict(step, model, x, "
-        "gpu='rtx4090')"
-    )
+    if given:
+        raise ConfigError(
+            f"predict takes the GPU and allocator setting as one target=, not "
+            f"{', '.join(name + '=' for name in given)}. "
+            "Example: predict(step, model, x, target=Target.resolve('rtx4090', "
+            "alloc_conf='expandable_segments:True')), or oomkit.predict(step, model, x, "
+            "gpu='rtx4090')"
+        )
 
 
 def predict(
@@ -561,9 +560,8 @@ def predict(
         DataDependentValueError: a tensor value oomkit cannot know decides a size or a branch.
         EmptyRecordingError: the model is not on the meta device, or the step allocated
             nothing there (it ran on the CPU, for real).
-        ConfigError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``.
-        ConfigError: ``gpu``, ``alloc_conf``, ``context_overhead_bytes`` or
-            ``torch_version`` is given: the target is one ``target``.
+        ConfigError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``; or
+            ``gpu``, ``alloc_conf``, ``context_overhead_bytes`` or ``torch_version`` is given.
     """
     _refuse_target_parts(kwargs)
     check_step_count(steps, "oomkit.predict(step_fn, *args, steps=3)")

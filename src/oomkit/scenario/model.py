@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from oomkit.prediction.step_count import MAX_RECORDED_STEPS
+from oomkit.core.trace.step_count import MAX_RECORDED_STEPS
 from oomkit.scenario.machine import ParallelSection, TargetSection
 from oomkit.scenario.sections import (
     LengthsSection,

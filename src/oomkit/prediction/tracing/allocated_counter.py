@@ -80,3 +80,28 @@ class AllocatedCounter:
         """``memory_reserved()`` / ``max_memory_reserved()``: 0, the read counted."""
         self.reserved_reads += 1
         return 0
+
+    def assumptions(self) -> dict[str, str]:
+        """How the step's reads of ``memory_allocated()`` were answered, if it read it."""
+        if not self.allocated_reads:
+            return {}
+        return {
+            "torch.cuda.memory_allocated()": (
+                f"read {self.allocated_reads} time(s) by the step (with max_memory_allocated()), "
+                "answered with the requests recorded so far, each rounded as "
+                "CUDACachingAllocator's round_size; the replayed peak allocated may be higher "
+                "by blocks handed out whole (at most 1 MiB over their request each under the "
+                "default settings)"
+            )
+        }
+
+    def warnings(self) -> list[str]:
+        """That ``memory_reserved()`` read 0, if the step read it."""
+        if not self.reserved_reads:
+            return []
+        return [
+            f"torch.cuda.memory_reserved() was read {self.reserved_reads} time(s) while the "
+            "step was recorded and answered 0: reserved memory is known only once the "
+            "recording is replayed (the peak reserved above); memory_allocated() read the "
+            "bytes recorded so far"
+        ]

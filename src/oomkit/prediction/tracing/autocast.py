@@ -173,6 +173,20 @@ class CudaAutocastEmulation:
         # CUDA autocast regions entered disabled because the object was built without CUDA.
         self.disabled_entries = 0
 
+    def warnings(self) -> list[str]:
+        """What the recording should say about the regions entered (a region entered
+        disabled was recorded in fp32)."""
+        if not self.disabled_entries:
+            return []
+        return [
+            f"torch.autocast('cuda') was entered {self.disabled_entries} time(s) "
+            "disabled, so those regions were recorded in fp32: it was built where CUDA is "
+            "unavailable (e.g. at module level before the trace), and torch disabled it then. "
+            "Build it in the builder or the step, or under "
+            "oomkit.prediction.tracing.cuda_autocast_construction(); ignore this only if you "
+            "passed enabled=False on purpose"
+        ]
+
     @property
     def cached_bytes(self) -> int:
         """Bytes of the weight casts the cache holds now."""

@@ -34,8 +34,8 @@ import torch
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError, UnsupportedOpError
-from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.async_tp import AsyncTpEmulations
 from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,

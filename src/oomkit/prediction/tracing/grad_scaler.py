@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["count_grad_scaler_steps"]
+__all__ = ["count_grad_scaler_steps", "grad_scaler_warnings"]
 
 
 @contextlib.contextmanager
@@ -40,3 +40,13 @@ def count_grad_scaler_steps(counts: Counter[str]) -> Iterator[None]:
         yield
     finally:
         scaler_cls.step = original
+
+
+def grad_scaler_warnings(counts: Counter[str]) -> list[str]:
+    """What a recording leaves out for each ``GradScaler`` method ``counts`` saw called."""
+    return [
+        f"{name} ran {count} time(s); GradScaler is not modelled: its scale and found_inf "
+        "tensors, unscale_'s temporaries and the optimizer steps it skips when gradients "
+        "overflow (state is then created a step later) are not included"
+        for name, count in sorted(counts.items())
+    ]

@@ -47,7 +47,7 @@ from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMUL
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.fake_storages import detach_saved
 from oomkit.prediction.tracing.frames import UserFrameFinder
-from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps
+from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps, grad_scaler_warnings
 from oomkit.prediction.tracing.module_paths import ModulePaths, wrapper_hook_warning_silenced
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.read_report import (
@@ -507,23 +507,15 @@ class Tracer:
 
     def _build(self) -> TraceRecording:
         assumptions = dict(sorted(self._engine.assumptions.items()))
-        if self._memory is not None and self._memory.allocated_reads:
-            assumptions["torch.cuda.memory_allocated()"] = (
-                f"read {self._memory.allocated_reads} time(s) by the step (with "
-                "max_memory_allocated()), answered with the requests recorded so far, each "
-                "rounded as CUDACachingAllocator's round_size; the replayed peak allocated may "
-                "be higher by blocks handed out whole (at most 1 MiB over their request each "
-                "under the default settings)"
-            )
+        if self._memory is not None:
+            assumptions.update(self._memory.assumptions())
         warnings = list(self._warnings())
         if self._value_modes is not None:
             known, reads = self._value_modes
             assumptions.update(read_assumptions(reads, known))
             warnings += read_warnings(reads, self._compiled, compiled_recorded=self._compile)
         if self._stand_in is not None:
-            if self._stand_in.graphs:
-                # Only where a graph was compiled: a script is recorded ready to compile
-                # (compile=True), and one that never calls torch.compile ran eagerly.
+            if self._stand_in.graphs:  # a script is recorded ready to compile, and may not
                 assumptions.update(compile_assumptions(self._stand_in.graphs))
             warnings += [
                 f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) "
@@ -555,28 +547,11 @@ class Tracer:
                 f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
                 "is not included"
             )
-        if self._autocast is not None and self._autocast.disabled_entries:
-            yield (
-                f"torch.autocast('cuda') was entered {self._autocast.disabled_entries} time(s) "
-                "disabled, so those regions were recorded in fp32: it was built where CUDA is "
-                "unavailable (e.g. at module level before the trace), and torch disabled it then. "
-                "Build it in the builder or the step, or under "
-                "oomkit.prediction.tracing.cuda_autocast_construction(); ignore this only if you "
-                "passed enabled=False on purpose"
-            )
-        if self._memory is not None and self._memory.reserved_reads:
-            yield (
-                f"torch.cuda.memory_reserved() was read {self._memory.reserved_reads} time(s) "
-                "while the step was recorded and answered 0: reserved memory is known only once "
-                "the recording is replayed (the peak reserved above); memory_allocated() read "
-                "the bytes recorded so far"
-            )
-        for name, count in sorted(self._grad_scaler_steps.items()):
-            yield (
-                f"{name} ran {count} time(s); GradScaler is not modelled: its scale and found_inf "
-                "tensors, unscale_'s temporaries and the optimizer steps it skips when gradients "
-                "overflow (state is then created a step later) are not included"
-            )
+        if self._autocast is not None:
+            yield from self._autocast.warnings()
+        if self._memory is not None:
+            yield from self._memory.warnings()
+        yield from grad_scaler_warnings(self._grad_scaler_steps)
         if self.gpu.compute_capability is None:
             major, minor = self.gpu.kernel_compute_capability
             yield (

@@ -48,8 +48,8 @@ import torch.optim.optimizer as _optimizer_hooks
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import OomkitError, UserCodeError
-from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu

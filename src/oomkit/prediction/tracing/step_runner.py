@@ -17,8 +17,8 @@ import torch
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
+from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import EmptyRecordingError, OomkitError
-from oomkit.prediction.step_count import check_step_count
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.emulation import OpEmulation
