@@ -89,6 +89,23 @@ def test_the_least_combination_that_fits_at_the_largest_halved_batch():
     ]
 
 
+def test_a_combination_the_model_cannot_take_is_skipped_not_raised():
+    from oomkit.errors import OomkitError
+
+    again, _ = _fake(usable=1100, per_sample=100, checkpointed_per_sample=20)
+
+    def refusing(options: StepOptions, layout: object) -> _Need:
+        if options.checkpointing == "full" and options.precision == "bf16-mixed":
+            raise OomkitError("this pairing is not modelled")
+        return again(options, layout)
+
+    remedies, _ = measure_remedies(BASE, refusing, required_bytes=3200, usable_bytes=1100,
+                                   compute_capability=(9, 0))
+    assert [r.flag for r in remedies if r.fits] == [
+        "--checkpointing full --precision bf16 --batch 4 --grad-accum 4"
+    ]
+
+
 def test_no_combination_is_tried_when_one_change_fits():
     again, calls = _fake(usable=2400, per_sample=100, checkpointed_per_sample=20)
     remedies, _ = measure_remedies(BASE, again, required_bytes=3200, usable_bytes=2400,

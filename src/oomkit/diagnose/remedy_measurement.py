@@ -364,41 +364,51 @@ def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
     return out
 
 
+def _fitting_batch(
+    base: Any, options: Any, repredict_with: Repredict, *, measured_alone: bool
+) -> tuple[int, Prediction] | None:
+    """``options`` at ``base``'s batch if it fits there (not tried when ``measured_alone``:
+    one change, measured already), else at the largest halving that fits; ``None`` if not
+    even batch 1 does. Only where batch 1 fits are the halvings between bisected (the need
+    grows with the batch)."""
+    if not measured_alone:
+        new = repredict_with(options, None)
+        if new.fits:
+            return base.batch_size, new
+    sizes = _halvings(base.batch_size)
+    smallest = _batch_predict(repredict_with, options, 1) if sizes else None
+    if smallest is None or not smallest.fits:
+        return None
+    # sizes[hi] fits (the last, 1, does); sizes[lo] does not (-1: the step's batch).
+    lo, hi, fitting = -1, len(sizes) - 1, smallest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        tried = _batch_predict(repredict_with, options, sizes[mid])
+        if tried is not None and tried.fits:
+            hi, fitting = mid, tried
+        else:
+            lo = mid
+    return sizes[hi], fitting
+
+
 def _measured_combination(
     base: Any, changes: Sequence[_Change], repredict_with: Repredict, required: int, usable: int
 ) -> MeasuredRemedy | None:
-    """The first of ``_combinations`` that fits, at the largest halved batch that does (none
-    when no combination fits even at batch 1).
-
-    Each combination is re-predicted at the step's batch (unless it is one change, already
-    measured alone), then at batch 1; only where batch 1 fits are the halvings between
-    bisected (the need grows with the batch), so a combination that cannot fit costs two
-    re-predictions."""
+    """The first of ``_combinations`` that fits, at the largest halved batch that does
+    (``_fitting_batch``; a combination that cannot fit costs two re-predictions); none when no
+    combination fits even at batch 1."""
     for combination in _combinations(changes):
         fields: dict[str, Any] = {}
         for change in combination:
             fields |= change.fields
-        options = dataclasses.replace(base, **fields)
-        size, new = base.batch_size, None
-        if len(combination) > 1:
-            new = repredict_with(options, None)
-        if new is None or not new.fits:
-            sizes = _halvings(base.batch_size)
-            if not sizes:
-                continue
-            new = _batch_predict(repredict_with, options, 1)
-            if new is None or not new.fits:
-                continue
-            # sizes[hi] fits (the last, 1, does); sizes[lo] does not (-1: the step's batch).
-            lo, hi, fitting = -1, len(sizes) - 1, new
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                tried = _batch_predict(repredict_with, options, sizes[mid])
-                if tried is not None and tried.fits:
-                    hi, fitting = mid, tried
-                else:
-                    lo = mid
-            size, new = sizes[hi], fitting
+        try:
+            found = _fitting_batch(base, dataclasses.replace(base, **fields), repredict_with,
+                                   measured_alone=len(combination) == 1)
+        except OomkitError:  # each change builds alone; this pairing is not modelled
+            continue
+        if found is None:
+            continue
+        size, new = found
         titles = [change.title for change in combination]
         codes = [change.code for change in combination]
         flags = [change.flag for change in combination if change.flag]
