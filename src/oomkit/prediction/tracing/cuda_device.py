@@ -17,8 +17,8 @@ What it changes while open (all undone on exit):
   whole memory free. ``memory_allocated()`` and ``max_memory_allocated()`` read the enclosing
   recorder's bytes so far (``allocated_counter.py``; 0 outside one),
   ``reset_peak_memory_stats()`` restarts that peak, and ``memory_reserved()`` reads 0 (known
-  only once the recording is replayed; the reads are counted). Streams are not emulated (a side stream's allocations go to their own
-  pool; ``torch.cuda.Stream`` still raises).
+  only once the recording is replayed; the reads are counted). Streams are not emulated (a
+  side stream's allocations go to their own pool; ``torch.cuda.Stream`` still raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
