@@ -76,7 +76,7 @@ def test_the_least_combination_that_fits_at_the_largest_halved_batch():
     assert combined.flag == "--checkpointing full --precision bf16 --batch 4 --grad-accum 4"
     assert combined.peak_reserved_bytes == 800 + 200 + 20 * 4
     assert combined.saving_bytes == 3200 - 1080
-    assert "these together: no one of them fits alone" in combined.why
+    assert "with these changes together (no one of them fits alone) the step needs" in combined.why
     # Every re-prediction at a smaller batch keeps the gradients between two micro-batches.
     assert all(c.grad_accum == 2 for c in calls if c.batch_size < 16)
     checkpointed = [(c.precision, c.batch_size) for c in calls if c.checkpointing == "full"]

@@ -420,9 +420,9 @@ def _measured_combination(
             required - new.required_bytes,
             "high",
             "\n\n".join(codes),
-            f"{MEASURED_WHY} (these together: no one of them fits alone): the step needs "
-            f"{format_bytes(new.required_bytes)} reserved instead of {format_bytes(required)} "
-            f"and fits in the {format_bytes(usable)} usable.",
+            f"{MEASURED_WHY}: with these changes together (no one of them fits alone) the "
+            f"step needs {format_bytes(new.required_bytes)} reserved instead of "
+            f"{format_bytes(required)} and fits in the {format_bytes(usable)} usable.",
             estimate=False,
             fits=True,
             peak_reserved_bytes=new.required_bytes,
