@@ -157,8 +157,8 @@ def kernels_line(prediction: Prediction) -> str:
 
 def _is_value_assumption(name: str) -> bool:
     # Tensor values the trace answered (oomkit.prediction.tracing.read_report) and the memory
-    # counters the step read (tracing/allocated_counter.py): their own lines.
-    return name.startswith(("read at ", "torch.cuda.")) or name == "finite values"
+    # counters the step read (tracing/step_memory.py): their own lines.
+    return name.startswith(("read at ", "torch.cuda ")) or name == "finite values"
 
 
 def _pct(part: int, whole: int) -> str:

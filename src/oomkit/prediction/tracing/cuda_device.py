@@ -14,11 +14,11 @@ What it changes while open (all undone on exit):
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
   ``synchronize``, ``empty_cache``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing
   (there is no device to act on), ``torch.cuda.Event`` times 0 ms, ``mem_get_info`` reads the
-  whole memory free. ``memory_allocated()`` and ``max_memory_allocated()`` read the enclosing
-  recorder's bytes so far (``allocated_counter.py``; 0 outside one),
-  ``reset_peak_memory_stats()`` restarts that peak, and ``memory_reserved()`` reads 0 (known
-  only once the recording is replayed; the reads are counted). Streams are not emulated (a
-  side stream's allocations go to their own pool; ``torch.cuda.Stream`` still raises).
+  whole memory free. The memory counters (``memory_allocated()``, ``memory_reserved()``, their
+  peaks, ``memory_stats()``, the resets) read the enclosing recorder's requests so far, replayed
+  on the simulated allocator (``step_memory.py``; nothing served outside one). Streams are not
+  emulated (a side stream's allocations go to their own pool; ``torch.cuda.Stream`` still
+  raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
@@ -61,8 +61,8 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
-from oomkit.prediction.tracing.allocated_counter import AllocatedCounter
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
+from oomkit.prediction.tracing.step_memory import StepMemory
 
 __all__ = ["as_one_cuda_gpu", "counting_allocations"]
 
@@ -267,24 +267,24 @@ class _TimingEvent:
         return 0.0
 
 
-# The open recorders' counters, innermost last (torch.cuda.memory_allocated() reads the last).
-_counters: list[AllocatedCounter] = []
+# The open recorders' memory, innermost last (torch.cuda.memory_allocated() reads the last).
+_memories: list[StepMemory] = []
 
 
-def _counter() -> AllocatedCounter:
-    """The innermost open recorder's counter; outside any, one that has seen nothing."""
-    return _counters[-1] if _counters else AllocatedCounter(())
+def _memory() -> StepMemory:
+    """The innermost open recorder's memory; outside any, an allocator that served nothing."""
+    return _memories[-1] if _memories else StepMemory(())
 
 
 @contextlib.contextmanager
-def counting_allocations(counter: AllocatedCounter) -> Iterator[AllocatedCounter]:
+def counting_allocations(memory: StepMemory) -> Iterator[StepMemory]:
     """While open, ``torch.cuda``'s memory counters (inside ``as_one_cuda_gpu``) read
-    ``counter``."""
-    _counters.append(counter)
+    ``memory``."""
+    _memories.append(memory)
     try:
-        yield counter
+        yield memory
     finally:
-        _counters.remove(counter)
+        _memories.remove(memory)
 
 
 @contextlib.contextmanager
@@ -323,12 +323,16 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "memory_summary": lambda device=None, abbreviated=False: (
             "memory is measured by oomkit's recorder, not by the code it runs"
         ),
-        "memory_allocated": lambda device=None: _counter().allocated_bytes(),
-        "max_memory_allocated": lambda device=None: _counter().peak_allocated_bytes(),
-        "reset_peak_memory_stats": lambda device=None: _counter().reset_peak(),
-        "reset_max_memory_allocated": lambda device=None: _counter().reset_peak(),
-        "memory_reserved": lambda device=None: _counter().reserved_read(),
-        "max_memory_reserved": lambda device=None: _counter().reserved_read(),
+        "memory_allocated": lambda device=None: _memory().memory_allocated(),
+        "max_memory_allocated": lambda device=None: _memory().max_memory_allocated(),
+        "memory_reserved": lambda device=None: _memory().memory_reserved(),
+        "max_memory_reserved": lambda device=None: _memory().max_memory_reserved(),
+        "memory_stats": lambda device=None: _memory().memory_stats(),
+        "reset_peak_memory_stats": lambda device=None: _memory().reset_peak_memory_stats(),
+        "reset_max_memory_allocated": lambda device=None: _memory().reset_peak_memory_stats(),
+        "reset_accumulated_memory_stats": lambda device=None: (
+            _memory().reset_accumulated_memory_stats()
+        ),
     }
     saved = {name: getattr(torch.cuda, name) for name in answers}
     for name, answer in answers.items():

@@ -336,7 +336,8 @@ def trace_distributed_step(
     async_tp = AsyncTpEmulations()  # the fused ops of Inductor's async-TP pass (async_tp.py)
     base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS, **async_tp.emulations}
     uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
-    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile)
+    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile,
+                    target=target)
     uses.attach(tracer)
     streams = EmulatedStreams()
     tracer.current_stream = streams.current

@@ -36,8 +36,8 @@ import torch.optim.optimizer as _optimizer_hooks
 from torch.utils._pytree import tree_leaves
 
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.target import Target
 from oomkit.prediction.tracing._backward_modules import BackwardCall, BackwardModules
-from oomkit.prediction.tracing.allocated_counter import AllocatedCounter
 from oomkit.prediction.tracing.autocast import CudaAutocastEmulation
 from oomkit.prediction.tracing.categories import Category, Phase, Role
 from oomkit.prediction.tracing.compile_backend import InductorStandIn
@@ -56,6 +56,7 @@ from oomkit.prediction.tracing.read_report import (
     read_warnings,
 )
 from oomkit.prediction.tracing.recording import TraceRecording, build_recording
+from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.storages import Allocation, parameter_name, tensor_storage
 from oomkit.prediction.tracing.value_reads import ValueReads, value_tracking
 from oomkit.prediction.tracing.values import KnownValues
@@ -103,6 +104,7 @@ class Tracer:
         gpu: GpuSpec | None = None,
         values: Mapping[str, Any] | None = None,
         compile: bool = False,
+        target: Target | None = None,
     ) -> None:
         """Create a recorder; nothing is installed until the ``with`` block starts.
 
@@ -115,8 +117,11 @@ class Tracer:
             compile: record ``torch.compile``d code as compiled (real dynamo and AOTAutograd
                 partitioner, Inductor's fusion and buffer reuse emulated; ``compiled.py``)
                 rather than running it eagerly.
+            target: the machine whose allocator settings and PyTorch version the step's own
+                memory reads are answered with (``step_memory``); ``None``: PyTorch's newest.
         """
         self.gpu: GpuSpec = get_gpu("h100-sxm") if gpu is None else gpu
+        self._target = target
         self._frames = UserFrameFinder()
         self._log: list[tuple[Any, ...]] = []  # ("alloc", a) | ("free", a, frames) | ("step",)
         self._ids = itertools.count(1)
@@ -132,7 +137,7 @@ class Tracer:
         self._handles: list[Any] = []
         self._grad_scaler_steps: Counter[str] = Counter()
         self._autocast: CudaAutocastEmulation | None = None
-        self._memory: AllocatedCounter | None = None
+        self._memory: StepMemory | None = None
         self._values = values
         self._value_modes: tuple[KnownValues, ValueReads] | None = None
         self._compiled: Counter[str] = Counter()
@@ -177,8 +182,7 @@ class Tracer:
         stack.enter_context(cuda_optimizer_defaults())
         self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
         stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
-        # torch.cuda.memory_allocated() in the step reads what is recorded so far.
-        self._memory = stack.enter_context(counting_allocations(AllocatedCounter(self._log)))
+        self._memory = stack.enter_context(counting_allocations(StepMemory(self._log, self._target)))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         if self._compile:
             self._stand_in = stack.enter_context(
@@ -549,8 +553,6 @@ class Tracer:
             )
         if self._autocast is not None:
             yield from self._autocast.warnings()
-        if self._memory is not None:
-            yield from self._memory.warnings()
         yield from grad_scaler_warnings(self._grad_scaler_steps)
         if self.gpu.compute_capability is None:
             major, minor = self.gpu.kernel_compute_capability

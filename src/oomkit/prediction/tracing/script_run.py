@@ -355,7 +355,7 @@ def record_script(
         emulations = emulations_for(target.cudnn_version, target.torch_version)
     where = spec.path
     saves = [0]
-    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
+    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
     watch = _StepWatch(tracer, spec.steps)
     stopped = False
     try:

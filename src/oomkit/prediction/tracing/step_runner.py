@@ -99,7 +99,7 @@ def trace_step(
 
             emulations = emulations_for(target.cudnn_version, target.torch_version)
     _refuse_host_modules((args, kwargs))
-    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile)
+    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
     try:
         with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu), cpu_inputs_refused():
             tracer.track(args, kwargs)

@@ -1,0 +1,107 @@
+"""``torch.cuda``'s memory counters while a step is recorded: the recording so far, replayed.
+
+A script that logs its memory (``print(torch.cuda.max_memory_allocated())``,
+``torch.cuda.memory_stats()["reserved_bytes.all.peak"]`` as torchtitan's memory monitor reads
+it) reads, under the recorder, what oomkit's simulated caching allocator
+(``oomkit.core.allocator.CachingAllocator``) holds after the device requests recorded up to that
+line: each ``("alloc", ...)`` of the recorder's log is a ``malloc`` on its stream, each
+``("free", ...)`` a ``free``, replayed from where the last read stopped. The allocator has the
+target's ``PYTORCH_CUDA_ALLOC_CONF`` and PyTorch version and no memory limit (as the
+prediction's ``required_bytes``): a step that would run out of memory on the GPU keeps being
+recorded, and its reads go on past the limit. ``reset_peak_memory_stats()`` restarts the peaks.
+
+Where it may differ from the report: the report replays the finished recording, in which a
+free that waits on another stream's work (a distributed step's collectives) may come later
+than here, where every free completes at once; and on the GPU's memory a step near the limit
+frees its cache and retries (``required_bytes`` is the same either way). Reads before the
+recorder starts, or outside one, see an allocator that has served nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from oomkit.core.allocator import CachingAllocator
+from oomkit.core.target import Target
+
+__all__ = ["StepMemory"]
+
+# A device so large that no replay runs out (prediction/predictor.py's _UNLIMITED_BYTES).
+_UNLIMITED_BYTES = 2**60 - 2**40
+
+
+class StepMemory:
+    """The simulated allocator's state after the requests of a recording's log so far.
+
+    Args:
+        log: the recorder's event log (``("alloc", Allocation)``, ``("free", Allocation,
+            frames)``, ``("step",)``), appended to while the step runs.
+        target: the machine whose allocator settings and PyTorch release are replayed;
+            ``None``: PyTorch's defaults, its newest release.
+    """
+
+    def __init__(self, log: Sequence[Any], target: Target | None = None) -> None:
+        self._log = log
+        self._read = 0
+        self._allocator = CachingAllocator(
+            None if target is None else target.allocator_config,
+            capacity_bytes=_UNLIMITED_BYTES,
+            torch_version=None if target is None else target.torch_version,
+        )
+        self._addresses: dict[int, int] = {}
+        self.reads = 0
+
+    def _catch_up(self) -> CachingAllocator:
+        self.reads += 1
+        allocator, addresses, log = self._allocator, self._addresses, self._log
+        for index in range(self._read, len(log)):
+            entry = log[index]
+            if entry[0] == "alloc":
+                alloc = entry[1]
+                addresses[alloc.alloc_id] = allocator.malloc(alloc.size_bytes, alloc.stream)
+            elif entry[0] == "free":
+                allocator.free(addresses.pop(entry[1].alloc_id, 0))
+        self._read = len(log)
+        return allocator
+
+    def memory_allocated(self) -> int:
+        """``torch.cuda.memory_allocated()``."""
+        return self._catch_up().memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        """``torch.cuda.max_memory_allocated()``."""
+        return self._catch_up().max_memory_allocated()
+
+    def memory_reserved(self) -> int:
+        """``torch.cuda.memory_reserved()``."""
+        return self._catch_up().memory_reserved()
+
+    def max_memory_reserved(self) -> int:
+        """``torch.cuda.max_memory_reserved()``."""
+        return self._catch_up().max_memory_reserved()
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: PyTorch's keys (``"allocated_bytes.all.peak"``)."""
+        return self._catch_up().memory_stats()
+
+    def reset_peak_memory_stats(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``: every peak restarts from now."""
+        self._catch_up().reset_peak_memory_stats()
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """``torch.cuda.reset_accumulated_memory_stats()``."""
+        self._catch_up().reset_accumulated_memory_stats()
+
+    def assumptions(self) -> dict[str, str]:
+        """How the step's reads of the counters were answered, if it read them."""
+        if not self.reads:
+            return {}
+        return {
+            "torch.cuda memory counters": (
+                f"read {self.reads} time(s) by the step (memory_allocated, memory_reserved, "
+                "their peaks, memory_stats), answered by replaying the requests recorded up to "
+                "each read on the simulated caching allocator (the target's settings, no memory "
+                "limit; frees complete at once)"
+            )
+        }

@@ -1,0 +1,113 @@
+"""``torch.cuda``'s memory counters inside a recorded step read the recording so far, replayed
+on the simulated caching allocator.
+
+They had read 0 (a script's own `print(torch.cuda.max_memory_allocated())` printed 0.0 MiB,
+and ``torch.cuda.memory_stats()`` was empty, so torchtitan's memory monitor or a script reading
+``memory_stats()["reserved_bytes.all.peak"]`` could not run as written).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomkit.core.target import Target
+from oomkit.prediction.predictor import predict
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.step_runner import trace_step
+
+MiB = 2**20
+
+
+def test_a_step_reads_the_allocator_s_own_figures():
+    seen: list[object] = []
+
+    def step() -> None:
+        a = torch.empty(1000, device="cuda")  # 4,000 bytes: a 4,096-byte block
+        seen.append(torch.cuda.memory_allocated())
+        b = torch.empty(10, device="cuda")  # 40 bytes: 512, the smallest block
+        seen.append(torch.cuda.memory_allocated())
+        del a
+        seen.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+        torch.cuda.reset_peak_memory_stats()
+        seen.append(torch.cuda.max_memory_allocated())
+        # One 2 MiB small-pool segment holds both (CUDACachingAllocator kSmallBuffer).
+        seen.append((torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()))
+        stats = torch.cuda.memory_stats()
+        seen.append((stats["allocated_bytes.all.current"], stats["segment.all.current"]))
+        del b
+
+    recording = trace_step(step, steps=2)
+    assert seen == [4096, 4608, (512, 4608), 512, (2 * MiB, 2 * MiB), (512, 1)] * 2
+    assert "read 18 time(s) by the step" in recording.assumptions["torch.cuda memory counters"]
+
+
+def test_the_target_s_allocator_settings_are_the_ones_replayed():
+    """Expandable segments map 20 MiB pages for the small pool too (ref §8): a 2 MiB small
+    segment becomes a 20 MiB reservation's first page... read as the simulator has it."""
+    read: dict[str, int] = {}
+
+    def step() -> None:
+        x = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+        read["reserved"] = torch.cuda.memory_reserved()
+        del x
+
+    trace_step(step, steps=1, target=Target.resolve("h100"))
+    classic = read["reserved"]
+    trace_step(step, steps=1,
+               target=Target.resolve("h100", alloc_conf="expandable_segments:True"))
+    assert classic == 30 * MiB  # a large request gets a segment of its own size, 2 MiB aligned
+    assert read["reserved"] == 40 * MiB  # two 20 MiB pages of the expandable segment
+
+
+def test_a_step_that_reads_no_counter_states_nothing_about_them():
+    recording = trace_step(lambda: torch.empty(10, device="cuda"), steps=1)
+    assert "torch.cuda memory counters" not in recording.assumptions
+
+
+def test_outside_a_recording_the_counters_read_an_allocator_that_served_nothing():
+    with as_one_cuda_gpu():
+        torch.empty(1000, device="cuda")
+        assert torch.cuda.memory_allocated() == 0
+        assert torch.cuda.max_memory_reserved() == 0
+        assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=64 * MiB), min_size=1, max_size=12),
+    freed=st.sets(st.integers(min_value=0, max_value=11)),
+)
+def test_the_step_s_own_peaks_are_the_prediction_s(sizes, freed):
+    """Any requests (small and large pools, split and whole blocks): what the step reads at
+    its end is what the report says, to the byte."""
+    read: list[tuple[int, int]] = []
+
+    def step() -> None:
+        held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        for index in sorted(freed & set(range(len(held))), reverse=True):
+            del held[index]
+        read.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+
+    prediction = predict(step, steps=1, target=Target.resolve("h100"))
+    assert read == [(prediction.peak_allocated_bytes, prediction.peak_reserved_bytes)]
+
+
+def test_the_report_gives_the_counters_their_own_assumed_line():
+    """Not folded into the kernels line, where the other non-value assumptions go."""
+    from rich.console import Console
+
+    from oomkit.interfaces.reports.prediction import kernels_line, render_prediction
+
+    def step() -> None:
+        torch.empty(1000, device="cuda")
+        torch.cuda.max_memory_allocated()
+
+    prediction = predict(step, steps=1, target=Target.resolve("h100"))
+    assert "memory counters" not in kernels_line(prediction)
+    out = io.StringIO()
+    render_prediction(prediction, Console(file=out, width=400))
+    assert "assumed: torch.cuda memory counters: read 1 time(s) by the step" in out.getvalue()
