@@ -63,6 +63,22 @@ def test_the_target_s_allocator_settings_are_the_ones_replayed():
     assert read["reserved"] == 40 * MiB  # two 20 MiB pages of the expandable segment
 
 
+def test_a_request_past_any_device_is_left_out_of_the_reads_not_raised_into_the_step():
+    """The simulator's own OOM (a 2 EiB meta tensor) had ended the recording in the user's
+    memory_allocated() call; the prediction says where it runs out instead."""
+    seen: list[int] = []
+
+    def step() -> None:
+        small = torch.empty(1000, device="cuda")
+        huge = torch.empty(2**61, dtype=torch.uint8, device="cuda")
+        seen.append(torch.cuda.memory_allocated())
+        del huge, small
+
+    prediction = predict(step, steps=1, target=Target.resolve("h100"))
+    assert seen == [4096]
+    assert not prediction.fits
+
+
 def test_a_step_that_reads_no_counter_states_nothing_about_them():
     recording = trace_step(lambda: torch.empty(10, device="cuda"), steps=1)
     assert "torch.cuda memory counters" not in recording.assumptions
