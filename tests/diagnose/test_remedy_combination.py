@@ -106,6 +106,21 @@ def test_a_combination_the_model_cannot_take_is_skipped_not_raised():
     ]
 
 
+def test_the_progress_goes_on_through_the_combination_and_ends_full():
+    again, calls = _fake(usable=1100, per_sample=100, checkpointed_per_sample=20)
+    seen: list[tuple[int, int]] = []
+    measure_remedies(BASE, again, required_bytes=3200, usable_bytes=1100,
+                     compute_capability=(9, 0), progress=lambda done, total: seen.append((done, total)))
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and seen[-1][0] == seen[-1][1]
+    assert all(d <= t for d, t in seen)
+    # The single changes and the batch halvings count first (8 = 7 changes + the batch); then
+    # one tick for each of the combination's 7 re-predictions.
+    assert [d for d, t in seen if d > 8] == list(range(9, 16)) + [15]
+    assert seen[-1] == (15, 15)
+    assert len(calls) == 7 + 4 + 7  # the changes, batches 8, 4, 2, 1, the combination
+
+
 def test_no_combination_is_tried_when_one_change_fits():
     again, calls = _fake(usable=2400, per_sample=100, checkpointed_per_sample=20)
     remedies, _ = measure_remedies(BASE, again, required_bytes=3200, usable_bytes=2400,

@@ -200,9 +200,19 @@ def measure_remedies(
         out.append(batch)
     # Sharding over more GPUs is no answer on the GPUs one has (rank_measured puts it after).
     if not any(r.fits and not (r.flag or "").startswith("--fsdp") for r in out):
-        combined = _measured_combination(
-            base, changes, repredict_with, required_bytes, usable_bytes
-        )
+
+        def counted(options: Any, layout: ParallelLayout | None) -> Prediction:
+            # How many re-predictions a combination takes is known only as it goes: the bar
+            # expects one more after each.
+            nonlocal total
+            try:
+                return repredict_with(options, layout)
+            finally:
+                total += 1
+                if progress is not None:
+                    progress(total, total + 1)
+
+        combined = _measured_combination(base, changes, counted, required_bytes, usable_bytes)
         if combined is not None:
             out.append(combined)
     if progress is not None:
