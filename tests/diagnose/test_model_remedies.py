@@ -314,7 +314,7 @@ def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved, monkeypatc
         return [c for c in every_change(base, compute_capability) if "precision" in c.fields]
 
     monkeypatch.setattr(remedy_measurement, "_changes", precision_changes)
-    monkeypatch.setattr(remedy_measurement, "_MAX_HALVINGS", 0)
+    monkeypatch.setattr("oomkit.diagnose._batch_remedies._MAX_HALVINGS", 0)
     on_t4 = json.loads(json.dumps(saved))
     on_t4["gpu"]["compute_capability"] = [7, 5]
     remedies = _by_title(measured_model_remedies(on_t4)[0])

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.core.trace import Frame
+from oomkit.diagnose._remedy_code import ACCUMULATION_LOOP_CODE
 from oomkit.diagnose.diagnosis import Remedy
 from oomkit.plan.tuning import FLAG_REASONS, tune
 from oomkit.units import format_bytes
@@ -201,14 +202,7 @@ def batch_remedy(
             f"loader = DataLoader(dataset, batch_size=batch_size // {steps}, shuffle=True)\n"
         )
         title = f"a {steps}x smaller batch with {steps} gradient-accumulation steps"
-    code = head + (
-        "for i, (inputs, targets) in enumerate(loader):\n"
-        "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
-        "    loss.backward()\n"
-        "    if (i + 1) % accumulation_steps == 0:\n"
-        "        optimizer.step()\n"
-        "        optimizer.zero_grad(set_to_none=True)"
-    )
+    code = head + ACCUMULATION_LOOP_CODE
     return Remedy(
         title,
         saving,

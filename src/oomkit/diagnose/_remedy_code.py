@@ -10,6 +10,7 @@ the workload record, the predictor): ``oomkit explain SNAPSHOT`` stays light (is
 from __future__ import annotations
 
 __all__ = [
+    "ACCUMULATION_LOOP_CODE",
     "CHECKPOINT_CODE",
     "FP16_CODE",
     "MEASURED_WHY",
@@ -21,6 +22,16 @@ __all__ = [
 # The why of every measured remedy, first in its sentence.
 MEASURED_WHY = "measured by re-predicting the step with the change applied"
 
+# A training loop over micro-batches of a loader, one optimizer step per accumulation_steps
+# (the lines that set accumulation_steps and the loader come before it).
+ACCUMULATION_LOOP_CODE = (
+    "for i, (inputs, targets) in enumerate(loader):\n"
+    "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
+    "    loss.backward()\n"
+    "    if (i + 1) % accumulation_steps == 0:\n"
+    "        optimizer.step()\n"
+    "        optimizer.zero_grad(set_to_none=True)"
+)
 MIXED_CODE = (
     "# bf16 needs no GradScaler\n"
     'with torch.autocast("cuda", dtype=torch.bfloat16):\n'

@@ -5,7 +5,7 @@ predicted again with one change at a time: precision (mixed bf16 / fp16, pure bf
 checkpointing, SGD, the fine-tuning changes (LoRA, QLoRA, 8-bit AdamW: ``_finetune_remedies``),
 the smallest ``--fsdp N`` (a power of two) whose rank 0 fits, and the largest halved batch that
 fits with gradient accumulation keeping the global batch (recorded with its accumulation:
-``_batch_predict``). When no one change fits, the least combination that does
+``_batch_remedies``). When no one change fits, the least combination that does
 (``_combinations``: checkpointing, then with mixed or pure bf16 precision, each at the largest
 halved batch that fits) is one more remedy. Each remedy says whether the step then
 fits (``MeasuredRemedy.fits``) and what it needs (``peak_reserved_bytes``: the required reserved
@@ -21,11 +21,11 @@ function (``oomkit explain`` of a saved prediction, ``_model_remedies.measured_m
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.target import ParallelLayout, Target
+from oomkit.diagnose._batch_remedies import batch_parts, fitting_batch, measured_batch
 from oomkit.diagnose._finetune_remedies import finetune_changes
 from oomkit.diagnose._remedy_code import (
     CHECKPOINT_CODE,
@@ -61,8 +61,6 @@ __all__ = [
 # The --fsdp sizes tried, smallest first: powers of two, as FSDP meshes are laid out on nodes of
 # 8 GPUs (torchtitan's parallel_dims: dp_shard * tp * ... = world size).
 FSDP_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
-# The largest batch-halving search the measured batch remedy does.
-_MAX_HALVINGS = 8
 # torch/cuda/__init__.py is_bf16_supported: native bf16 needs compute capability 8.0 (Ampere).
 _NATIVE_BF16_CAPABILITY = (8, 0)
 
@@ -195,7 +193,7 @@ def measure_remedies(
             out.append(fsdp)
         if progress is not None:
             progress(total - 1, total)
-    batch = _measured_batch(base, repredict_with, required_bytes)
+    batch = measured_batch(base, repredict_with, required_bytes)
     if batch is not None:
         out.append(batch)
     # Sharding over more GPUs is no answer on the GPUs one has (rank_measured puts it after).
@@ -282,80 +280,6 @@ def _measured_fsdp(
     return None
 
 
-def _halvings(batch_size: int) -> list[int]:
-    """``batch_size // 2``, its half, ... down to 1: the batches a halving remedy tries, at
-    most ``_MAX_HALVINGS``."""
-    sizes: list[int] = []
-    size = batch_size
-    while size > 1 and len(sizes) < _MAX_HALVINGS:
-        size //= 2
-        sizes.append(size)
-    return sizes
-
-
-def _batch_predict(repredict_with: Repredict, options: Any, size: int) -> Prediction | None:
-    """``options`` at batch ``size``, run as micro-batches with gradient accumulation,
-    re-predicted; ``None`` where the model refuses the batch (BatchNorm needs more than one
-    value per channel in training, torch.nn.functional._verify_batch_size).
-
-    Accumulation keeps the gradients alive through the next micro-batch's forward and
-    backward, so it is recorded: with ``max(grad_accum, 2)`` micro-batches, not the
-    ``batch / size`` the remedy gives. The micro-batches after the second repeat its memory
-    (the same ops on the same live tensors), and each costs a recording of its own.
-    """
-    accumulated = dataclasses.replace(
-        options, batch_size=size, grad_accum=max(options.grad_accum, 2)
-    )
-    try:
-        return repredict_with(accumulated, None)
-    except ValueError:
-        return None
-
-
-def _batch_parts(base: Any, size: int) -> tuple[str, str, str]:
-    """The title, code and flag of running ``base``'s batch as micro-batches of ``size``."""
-    steps = math.ceil(base.batch_size / size)
-    code = (
-        f"accumulation_steps = {steps}  # {steps} micro-batches of {size} (was one batch of "
-        f"{base.batch_size})\n"
-        f"loader = DataLoader(dataset, batch_size={size}, shuffle=True)\n"
-        "for i, (inputs, targets) in enumerate(loader):\n"
-        "    loss = loss_fn(model(inputs), targets) / accumulation_steps\n"
-        "    loss.backward()\n"
-        "    if (i + 1) % accumulation_steps == 0:\n"
-        "        optimizer.step()\n"
-        "        optimizer.zero_grad(set_to_none=True)"
-    )
-    title = f"batch size {size} with {steps} gradient-accumulation steps"
-    return title, code, f"--batch {size} --grad-accum {steps * max(base.grad_accum, 1)}"
-
-
-def _measured_batch(base: Any, repredict_with: Repredict, required: int) -> MeasuredRemedy | None:
-    """The largest halved batch that fits, with accumulation steps that keep the batch."""
-    for size in _halvings(base.batch_size):
-        new = _batch_predict(repredict_with, base, size)
-        if new is None:
-            return None
-        if new.fits:
-            break
-    else:
-        return None
-    title, code, flag = _batch_parts(base, size)
-    return MeasuredRemedy(
-        title,
-        required - new.required_bytes,
-        "high",
-        code,
-        f"{MEASURED_WHY}: at batch {size}, with the gradients kept between micro-batches, "
-        f"the step needs {format_bytes(new.required_bytes)} reserved and fits; the effective "
-        "batch is unchanged.",
-        estimate=False,
-        fits=True,
-        peak_reserved_bytes=new.required_bytes,
-        flag=flag,
-    )
-
-
 def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
     """The changes tried together when none fits alone, the least first: activation
     checkpointing (the same arithmetic, recomputed), then with mixed precision, then with pure
@@ -374,45 +298,18 @@ def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
     return out
 
 
-def _fitting_batch(
-    base: Any, options: Any, repredict_with: Repredict, *, measured_alone: bool
-) -> tuple[int, Prediction] | None:
-    """``options`` at ``base``'s batch if it fits there (not tried when ``measured_alone``:
-    one change, measured already), else at the largest halving that fits; ``None`` if not
-    even batch 1 does. Only where batch 1 fits are the halvings between bisected (the need
-    grows with the batch)."""
-    if not measured_alone:
-        new = repredict_with(options, None)
-        if new.fits:
-            return base.batch_size, new
-    sizes = _halvings(base.batch_size)
-    smallest = _batch_predict(repredict_with, options, 1) if sizes else None
-    if smallest is None or not smallest.fits:
-        return None
-    # sizes[hi] fits (the last, 1, does); sizes[lo] does not (-1: the step's batch).
-    lo, hi, fitting = -1, len(sizes) - 1, smallest
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        tried = _batch_predict(repredict_with, options, sizes[mid])
-        if tried is not None and tried.fits:
-            hi, fitting = mid, tried
-        else:
-            lo = mid
-    return sizes[hi], fitting
-
-
 def _measured_combination(
     base: Any, changes: Sequence[_Change], repredict_with: Repredict, required: int, usable: int
 ) -> MeasuredRemedy | None:
     """The first of ``_combinations`` that fits, at the largest halved batch that does
-    (``_fitting_batch``; a combination that cannot fit costs two re-predictions); none when no
-    combination fits even at batch 1."""
+    (``_batch_remedies.fitting_batch``; a combination that cannot fit costs two
+    re-predictions); none when no combination fits even at batch 1."""
     for combination in _combinations(changes):
         fields: dict[str, Any] = {}
         for change in combination:
             fields |= change.fields
         try:
-            found = _fitting_batch(base, dataclasses.replace(base, **fields), repredict_with,
+            found = fitting_batch(base, dataclasses.replace(base, **fields), repredict_with,
                                    measured_alone=len(combination) == 1)
         except OomkitError:  # each change builds alone; this pairing is not modelled
             continue
@@ -423,7 +320,7 @@ def _measured_combination(
         codes = [change.code for change in combination]
         flags = [change.flag for change in combination if change.flag]
         if size != base.batch_size:
-            title, code, flag = _batch_parts(base, size)
+            title, code, flag = batch_parts(base, size)
             titles, codes, flags = [*titles, title], [*codes, code], [*flags, flag]
         return MeasuredRemedy(
             " + ".join(titles),
