@@ -1,8 +1,9 @@
 """A smaller batch with gradient accumulation as a remedy, re-predicted with that accumulation.
 
-The accumulation keeps the global batch. ``measured_batch`` is the remedy on its own (the largest halving that fits, tried from the
-largest down); ``fitting_batch`` finds the largest halving that fits under other changes
-(``remedy_measurement``'s combinations: batch 1 first, then a bisection).
+The accumulation keeps the global batch. ``measured_batch`` is the remedy on its own (the
+largest halving that fits, tried from the largest down); ``fitting_batch`` finds the largest
+halving that fits under other changes (``remedy_measurement``'s combinations: batch 1 first,
+then a bisection).
 """
 
 from __future__ import annotations

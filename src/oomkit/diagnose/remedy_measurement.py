@@ -285,17 +285,10 @@ def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
     checkpointing (the same arithmetic, recomputed), then with mixed precision, then with pure
     bf16 instead; each is also tried with the batch halved. Changes of the optimizer or of
     what is trained (SGD, 8-bit AdamW, LoRA, QLoRA) are not combined."""
-    by_key = {
-        "checkpointing": [c for c in changes if "checkpointing" in c.fields],
-        "mixed": [c for c in changes if str(c.fields.get("precision", "")).endswith("-mixed")],
-        "pure": [c for c in changes if c.fields.get("precision") == "bf16"],
-    }
-    checkpointing = by_key["checkpointing"][:1]
-    out = [checkpointing] if checkpointing else []
-    for precision in (by_key["mixed"][:1], by_key["pure"][:1]):
-        if precision:
-            out.append(checkpointing + precision)
-    return out
+    checkpointing = [c for c in changes if "checkpointing" in c.fields][:1]
+    mixed = [c for c in changes if c.fields.get("precision") in ("bf16-mixed", "fp16-mixed")]
+    precisions = mixed[:1] + [c for c in changes if c.fields.get("precision") == "bf16"][:1]
+    return ([checkpointing] if checkpointing else []) + [checkpointing + [p] for p in precisions]
 
 
 def _measured_combination(

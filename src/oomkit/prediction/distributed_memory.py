@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.gpus.nccl import NcclMemory, communicators_of, nccl_memory
 from oomkit.core.target import Target
 from oomkit.core.trace.delayed_frees import delayed_frees
@@ -28,8 +29,6 @@ if TYPE_CHECKING:  # oomkit.prediction.tracing imports torch
 
 __all__ = ["DistributedMemory", "distributed_memory", "nccl_of"]
 
-# A device so large that no replay runs out (as predictor._UNLIMITED_BYTES).
-_UNLIMITED_BYTES = 2**60 - 2**40
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def distributed_memory(
                 upper_events,
                 step_starts,
                 target.allocator_config,
-                capacity_bytes=_UNLIMITED_BYTES,
+                capacity_bytes=UNLIMITED_CAPACITY_BYTES,
                 reserved_outside_bytes=0,
                 torch_version=target.torch_version,
                 max_points=1,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.core.trace.step_count import check_step_count
@@ -50,9 +51,6 @@ __all__ = [
 
 # How many modules a breakdown lists (the largest by live bytes).
 TOP_MODULES = 10
-
-# A device so large that no replay runs out: used to find what a step that OOMs would need.
-_UNLIMITED_BYTES = 2**60 - 2**40
 
 
 @dataclass(frozen=True)
@@ -288,7 +286,7 @@ def predict_recording(
             events,
             step_starts,
             config,
-            capacity_bytes=_UNLIMITED_BYTES,
+            capacity_bytes=UNLIMITED_CAPACITY_BYTES,
             reserved_outside_bytes=0,
             torch_version=torch_version,
             max_points=1,

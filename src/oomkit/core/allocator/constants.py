@@ -18,6 +18,7 @@ __all__ = [
     "MIN_LARGE_ALLOC",
     "ROUND_LARGE",
     "ONE_EXA_BYTES",
+    "UNLIMITED_CAPACITY_BYTES",
     "SIZE_MAX",
     "ROUNDUP_POWER2_INTERVALS",
     "EXPANDABLE_RESERVE_NUMERATOR",
@@ -43,6 +44,9 @@ MIN_LARGE_ALLOC: Final = 10 << 20
 ROUND_LARGE: Final = 2 << 20
 # NativeCachingAllocator::malloc one_exa_bytes: requests at or above 1 EB fail before the cache.
 ONE_EXA_BYTES: Final = 1 << 60
+# oomkit's, not PyTorch's: a device capacity that no replay runs out of, for what a step needs
+# on a device without limit (requests of ONE_EXA_BYTES or more still fail, as in malloc).
+UNLIMITED_CAPACITY_BYTES: Final = ONE_EXA_BYTES - (1 << 40)
 # std::numeric_limits<size_t>::max(): "unlimited" max_split_size; memory_stats shows it as -1.
 SIZE_MAX: Final = (1 << 64) - 1
 # CUDAAllocatorConfig kRoundUpPowerOfTwoIntervals: slots from 1 MiB to 64 GiB (§2.2).

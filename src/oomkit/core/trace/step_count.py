@@ -30,8 +30,8 @@ def check_step_count(steps: Any, example: str) -> int:
         )
     if steps > MAX_RECORDED_STEPS:
         raise ConfigError(
-            f"steps={steps:,}: each step is recorded in full, and past {MAX_RECORDED_STEPS:,} that "
-            f"takes hours (the peak settles within a few steps); give at most {MAX_RECORDED_STEPS:,}. "
-            f"Example: {example}"
+            f"steps={steps:,}: each step is recorded in full, and past {MAX_RECORDED_STEPS:,} "
+            "that takes hours (the peak settles within a few steps); give at most "
+            f"{MAX_RECORDED_STEPS:,}. Example: {example}"
         )
     return steps

@@ -325,7 +325,8 @@ def record_script(
         The recording, the steps reached and the saves skipped.
 
     Raises:
-        OomkitError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS`` or an argument is not a string.
+        OomkitError: ``steps`` is not a whole number from 1 to ``MAX_RECORDED_STEPS``, or an
+            argument is not a string.
         UserCodeError: the file is missing; the script raised, exited (``sys.exit`` with a
             non-zero code, or any exit before its first optimizer step), ended without an
             optimizer step, or runs torchrun-style distributed code. The message names the

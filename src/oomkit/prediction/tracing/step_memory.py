@@ -24,12 +24,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.target import Target
 
 __all__ = ["StepMemory"]
 
-# A device so large that no replay runs out (prediction/predictor.py's _UNLIMITED_BYTES).
-_UNLIMITED_BYTES = 2**60 - 2**40
 
 
 class StepMemory:
@@ -47,7 +46,7 @@ class StepMemory:
         self._read = 0
         self._allocator = CachingAllocator(
             None if target is None else target.allocator_config,
-            capacity_bytes=_UNLIMITED_BYTES,
+            capacity_bytes=UNLIMITED_CAPACITY_BYTES,
             torch_version=None if target is None else target.torch_version,
         )
         self._addresses: dict[int, int] = {}
