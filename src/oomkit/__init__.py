@@ -3,7 +3,8 @@
 ``oomkit.predict("gpt2-124m", batch=8, seq=1024, gpu="rtx4090")`` predicts a step's peak GPU
 memory without a GPU; so do ``oomkit.predict(scenario)`` (a ``Scenario``, or
 ``oomkit.load_scenario("run.toml")``) and ``oomkit.predict(step_fn, *args, gpu="rtx4090")``.
-``oomkit.fit(...)`` finds the largest batch, ``oomkit.explain(...)`` explains an OOM.
+``oomkit.fit(...)`` finds the largest batch (``oomkit.fit_alternatives(...)``: with each change
+that applies, when not even batch 1 fits), ``oomkit.explain(...)`` explains an OOM.
 ``import oomkit`` never imports torch (nor pydantic); features that need them import them when
 used.
 """
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from oomkit.runtime.resilient import resilient
     from oomkit.runtime.watch import watch
     from oomkit.scenario import Scenario, load_scenario
-    from oomkit.scenario.api import fit, predict
+    from oomkit.scenario.alternatives import FitAlternative
+    from oomkit.scenario.api import fit, fit_alternatives, predict
     from oomkit.scenario.explaining import explain
     from oomkit.scenario.fitting import FitAnswer
 
@@ -62,11 +64,13 @@ _LAZY: dict[str, str] = {
     "max_batch_size": "oomkit.plan.batch_search",
     "smallest_gpu": "oomkit.plan.batch_search",
     "Diagnosis": "oomkit.diagnose.diagnosis",
+    "FitAlternative": "oomkit.scenario.alternatives",
     "FitAnswer": "oomkit.scenario.fitting",
     "Prediction": "oomkit.prediction.predictor",
     "Scenario": "oomkit.scenario",
     "explain": "oomkit.scenario.explaining",
     "fit": "oomkit.scenario.api",
+    "fit_alternatives": "oomkit.scenario.api",
     "load_scenario": "oomkit.scenario",
     "predict": "oomkit.scenario.api",
     "predict_recording": "oomkit.prediction.predictor",
@@ -89,6 +93,7 @@ __all__ = [
     "BatchSizeResult",
     "ConfigError",
     "Diagnosis",
+    "FitAlternative",
     "FitAnswer",
     "Monitor",
     "NoFeasibleBatchSizeError",
@@ -105,6 +110,7 @@ __all__ = [
     "explain",
     "find_batch_size",
     "fit",
+    "fit_alternatives",
     "format_bytes",
     "live_monitor",
     "load_scenario",

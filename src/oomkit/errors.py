@@ -96,6 +96,10 @@ class NoFeasibleBatchSizeError(OomkitError, ValueError):
         needed_reserved_bytes: what the smallest batch tried needs reserved at its worst step.
         usable_bytes: what the GPU lets the allocator reserve (its memory less the context).
         margin_bytes: what of that had to stay free.
+        reason: the message's first sentence, why it does not fit (the whole message when it
+            has no list of what to try).
+        advice: the changes the message says to try, unmeasured ("activation checkpointing
+            (--checkpointing full)"), without the margin and a larger GPU, which always apply.
     """
 
     def __init__(
@@ -105,11 +109,15 @@ class NoFeasibleBatchSizeError(OomkitError, ValueError):
         needed_reserved_bytes: int | None = None,
         usable_bytes: int | None = None,
         margin_bytes: int | None = None,
+        reason: str | None = None,
+        advice: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.needed_reserved_bytes = needed_reserved_bytes
         self.usable_bytes = usable_bytes
         self.margin_bytes = margin_bytes
+        self.reason = message if reason is None else reason
+        self.advice = advice
 
 
 class UnknownDeviceError(OomkitError, ValueError):

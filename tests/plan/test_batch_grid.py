@@ -125,7 +125,8 @@ def test_advice_leaves_out_what_the_step_already_does():
     )
     assert done == [
         "bf16 weights, gradients and optimizer states (--precision bf16)",
-        "an optimizer with less state (--optimizer adamw8bit or sgd)",
+        "8-bit AdamW states (--optimizer adamw8bit)",
+        "SGD with momentum, one state instead of two (--optimizer sgd)",
         "LoRA adapters instead of full fine-tuning (--lora 16)",
         "a shorter sequence or smaller images",
     ]

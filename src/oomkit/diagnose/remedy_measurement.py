@@ -6,7 +6,7 @@ checkpointing, SGD, the fine-tuning changes (LoRA, QLoRA, 8-bit AdamW: ``_finetu
 the smallest ``--fsdp N`` (a power of two) whose rank 0 fits, and the largest halved batch that
 fits with gradient accumulation keeping the global batch (recorded with its accumulation:
 ``_batch_remedies``). When no one change fits, the least combination that does
-(``_combinations``: checkpointing, then with mixed or pure bf16 precision, each at the largest
+(``combined_changes``: checkpointing, then with mixed or pure bf16 precision, each at the largest
 halved batch that fits) is one more remedy. Each remedy says whether the step then
 fits (``MeasuredRemedy.fits``) and what it needs (``peak_reserved_bytes``: the required reserved
 bytes of the re-prediction, its peak on a device without limit). A change that cannot apply is
@@ -49,6 +49,8 @@ __all__ = [
     "MEASURED_WHY",
     "MeasuredRemedy",
     "Repredict",
+    "StepChange",
+    "combined_changes",
     "measure_remedies",
     "measured_remedies_of",
     "prediction_remedies",
@@ -56,6 +58,7 @@ __all__ = [
     "rank_measured",
     "rebuild",
     "repredict",
+    "step_changes",
 ]
 
 # The --fsdp sizes tried, smallest first: powers of two, as FSDP meshes are laid out on nodes of
@@ -70,7 +73,10 @@ Repredict = Callable[[Any, ParallelLayout | None], "Prediction"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Change:
+class StepChange:
+    """One change to a step's ``StepOptions``: its title, the fields it sets, the code that
+    applies it, and the flag that does (``None``: no one flag, e.g. LoRA's targets)."""
+
     title: str
     fields: dict[str, Any]
     code: str
@@ -82,9 +88,9 @@ def _native_bf16(compute_capability: tuple[int, int] | None) -> bool:
     return compute_capability is None or tuple(compute_capability) >= _NATIVE_BF16_CAPABILITY
 
 
-def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Change]:
+def step_changes(base: Any, compute_capability: tuple[int, int] | None) -> list[StepChange]:
     """The single changes that apply to ``base`` (a training step's ``StepOptions``)."""
-    out: list[_Change] = []
+    out: list[StepChange] = []
     bf16 = _native_bf16(compute_capability)
     if base.precision == "fp32":
         mixed = "bf16-mixed" if bf16 else "fp16-mixed"
@@ -95,11 +101,11 @@ def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Cha
             "bf16 mixed precision (autocast)" if bf16
             else "fp16 mixed precision (autocast + GradScaler)"
         )
-        out.append(_Change(title, fields, MIXED_CODE if bf16 else FP16_CODE,
+        out.append(StepChange(title, fields, MIXED_CODE if bf16 else FP16_CODE,
                            f"--precision {mixed}"))
     if base.precision not in ("bf16", "fp16") and bf16 and base.trainer_mixed_precision is None:
         out.append(
-            _Change(
+            StepChange(
                 "pure bf16 weights, gradients and optimizer states",
                 {"precision": "bf16"},
                 PURE_BF16_CODE,
@@ -108,12 +114,12 @@ def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Cha
         )
     if base.checkpointing == "none":
         out.append(
-            _Change("activation checkpointing", {"checkpointing": "full"}, CHECKPOINT_CODE,
+            StepChange("activation checkpointing", {"checkpointing": "full"}, CHECKPOINT_CODE,
                     "--checkpointing full")
         )
     if base.optimizer not in ("sgd",):
         out.append(
-            _Change(
+            StepChange(
                 "SGD with momentum instead of Adam (one optimizer state, not two)",
                 # torch has no meta kernel for fused SGD (StepOptions refuses it): foreach.
                 {"optimizer": "sgd"}
@@ -124,7 +130,7 @@ def _changes(base: Any, compute_capability: tuple[int, int] | None) -> list[_Cha
         )
     for title, fields, code in finetune_changes(base):
         flag = "--optimizer adamw8bit" if fields.get("optimizer") == "adamw8bit" else None
-        out.append(_Change(title, fields, code, flag, optional=True))
+        out.append(StepChange(title, fields, code, flag, optional=True))
     return out
 
 
@@ -161,7 +167,7 @@ def measure_remedies(
     """
     if base.mode != "train":
         return [], []
-    changes = _changes(base, compute_capability)
+    changes = step_changes(base, compute_capability)
     total = len(changes) + 1 + (1 if fsdp_sizes else 0)
     out: list[MeasuredRemedy] = []
     warnings: list[str] = []
@@ -280,7 +286,7 @@ def _measured_fsdp(
     return None
 
 
-def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
+def combined_changes(changes: Sequence[StepChange]) -> list[list[StepChange]]:
     """The changes tried together when none fits alone, the least first: activation
     checkpointing (the same arithmetic, recomputed), then with mixed precision, then with pure
     bf16 instead; each is also tried with the batch halved. Changes of the optimizer or of
@@ -292,12 +298,12 @@ def _combinations(changes: Sequence[_Change]) -> list[list[_Change]]:
 
 
 def _measured_combination(
-    base: Any, changes: Sequence[_Change], repredict_with: Repredict, required: int, usable: int
+    base: Any, changes: Sequence[StepChange], repredict_with: Repredict, required: int, usable: int
 ) -> MeasuredRemedy | None:
-    """The first of ``_combinations`` that fits, at the largest halved batch that does
+    """The first of ``combined_changes`` that fits, at the largest halved batch that does
     (``_batch_remedies.fitting_batch``; a combination that cannot fit costs two
     re-predictions); none when no combination fits even at batch 1."""
-    for combination in _combinations(changes):
+    for combination in combined_changes(changes):
         fields: dict[str, Any] = {}
         for change in combination:
             fields |= change.fields

@@ -8,11 +8,12 @@ the user's own ``oomkit fit`` with ``--smallest-gpu``, not a placeholder.
 from __future__ import annotations
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_probe import BatchProbe
 from oomkit.prediction.workload import workload_from_description
 from oomkit.units import format_bytes
 
-__all__ = ["infeasible_advice", "infeasible_message"]
+__all__ = ["infeasible_advice", "infeasible_error"]
 
 # StepOptions.precision values as a description names them (models/steps.py _describe).
 _PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16")
@@ -43,21 +44,30 @@ def infeasible_advice(description: str, compute_capability: tuple[int, int] | No
     if training and not checkpointing:
         out.append("activation checkpointing (--checkpointing full)")
     if training and (workload is None or workload.optimizer in (None, "adamw", "adam")):
-        out.append("an optimizer with less state (--optimizer adamw8bit or sgd)")
+        out.append("8-bit AdamW states (--optimizer adamw8bit)")
+        out.append("SGD with momentum, one state instead of two (--optimizer sgd)")
     if training and "lora" not in description.lower():
         out.append("LoRA adapters instead of full fine-tuning (--lora 16)")
     out.append("a shorter sequence or smaller images")
     return out
 
 
-def infeasible_message(probe: BatchProbe, spec: GpuSpec, margin: int) -> str:
+def infeasible_error(probe: BatchProbe, spec: GpuSpec, margin: int) -> NoFeasibleBatchSizeError:
     """Why not even the smallest batch fits, and what to try, computed from the step."""
     advice = infeasible_advice(probe.train.description, spec.compute_capability)
-    return (
+    reason = (
         f"not even batch {probe.batch_size} fits on {spec.name}: {probe.limiting_step} needs "
         f"{format_bytes(probe.peak_reserved_bytes)} reserved, and of the "
         f"{format_bytes(spec.usable_bytes())} usable a margin of {format_bytes(margin)} must "
-        f"stay free. Try {', '.join(advice)}, a smaller margin (--margin), or a GPU with more "
+        "stay free."
+    )
+    return NoFeasibleBatchSizeError(
+        f"{reason} Try {', '.join(advice)}, a smaller margin (--margin), or a GPU with more "
         f"memory (this same `oomkit fit` command with --batch {probe.batch_size} "
-        "--smallest-gpu names the smallest)."
+        "--smallest-gpu names the smallest).",
+        needed_reserved_bytes=probe.peak_reserved_bytes,
+        usable_bytes=spec.usable_bytes(),
+        margin_bytes=margin,
+        reason=reason,
+        advice=tuple(advice),
     )

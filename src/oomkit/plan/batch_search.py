@@ -46,7 +46,7 @@ from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError, NoFeasibleBatchSizeError
 from oomkit.executors.forked import process_count
 from oomkit.plan._batch_grid import Grid, grid_words, search_grid
-from oomkit.plan.batch_advice import infeasible_advice, infeasible_message
+from oomkit.plan.batch_advice import infeasible_advice, infeasible_error
 from oomkit.plan.batch_probe import (
     DEFAULT_MARGIN_FRACTION,
     MIN_DEFAULT_MARGIN_BYTES,
@@ -74,7 +74,6 @@ __all__ = [
     "SmallestGpuResult",
     "default_margin_bytes",
     "infeasible_advice",
-    "infeasible_message",
     "max_batch_size",
     "smallest_gpu",
 ]
@@ -436,12 +435,7 @@ def max_batch_size(
     prober.close()
     if lo == 0:
         first = prober.probes[grid.size(first_index)]
-        raise NoFeasibleBatchSizeError(
-            infeasible_message(first, spec, margin),
-            needed_reserved_bytes=first.peak_reserved_bytes,
-            usable_bytes=usable,
-            margin_bytes=margin,
-        )
+        raise infeasible_error(first, spec, margin)
     # With every fitting size retrying, the answer is the largest that fits, and says so.
     answer = clean or lo
     result = _result(

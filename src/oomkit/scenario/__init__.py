@@ -9,6 +9,7 @@ read files never do).
 
 from __future__ import annotations
 
+from oomkit.scenario.alternatives import FitAlternative, fit_alternatives
 from oomkit.scenario.files import (
     apply_overrides,
     load_scenario,
@@ -32,6 +33,7 @@ from oomkit.scenario.model import (
 from oomkit.scenario.run import PredictRun, predict, predicting, scenario_target
 
 __all__ = [
+    "FitAlternative",
     "FitAnswer",
     "LengthsSection",
     "LoraSection",
@@ -46,6 +48,7 @@ __all__ = [
     "TargetSection",
     "apply_overrides",
     "fit",
+    "fit_alternatives",
     "load_scenario",
     "predict",
     "predicting",

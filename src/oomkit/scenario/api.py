@@ -22,9 +22,10 @@ from oomkit.scenario.model import Scenario
 
 if TYPE_CHECKING:
     from oomkit.prediction.predictor import Prediction
+    from oomkit.scenario.alternatives import FitAlternative
     from oomkit.scenario.fitting import FitAnswer
 
-__all__ = ["fit", "predict"]
+__all__ = ["fit", "fit_alternatives", "predict"]
 
 # The step-function form's keywords that name the target: TargetSection's fields by their
 # flag's name, plus the whole Target.
@@ -172,3 +173,25 @@ def fit(what: Any = None, /, **keywords: Any) -> FitAnswer:
     from oomkit.scenario.fitting import fit as fit_scenario
 
     return fit_scenario(_scenario(what, keywords, "fit"))
+
+
+def fit_alternatives(what: Any = None, /, **keywords: Any) -> tuple[FitAlternative, ...]:
+    """When not even batch 1 fits: the largest batch with each change of precision, activation
+    checkpointing and optimizer that applies, each searched as ``fit`` with that change.
+
+    Args:
+        what: a ``Scenario``, or a preset / ``--hf`` name with the scenario's fields as
+            keywords (``seq=4096, gpu="rtx4090"``), as for ``fit``.
+        keywords: scenario fields by their flag's name, or sections as mappings.
+
+    Returns:
+        One ``FitAlternative`` per change searched (``batch_size`` ``None`` where not even
+        batch 1 fits with it); empty for a ``file.py:function`` or an inference step.
+
+    Raises:
+        ScenarioError, OomkitError: see ``oomkit.scenario.fit``.
+    """
+    from oomkit.scenario.alternatives import fit_alternatives as alternatives_of
+
+    return alternatives_of(_scenario(what, keywords, "fit"))
+

@@ -89,18 +89,48 @@ def run(args: argparse.Namespace) -> int:
         ):
             answer = fit(scenario, progress=progress, lines=lines)
     except NoFeasibleBatchSizeError as exc:
-        from oomkit.interfaces.reports.batch_search import infeasible_to_json
-        from oomkit.scenario.run import scenario_target
-
-        if args.json:
-            print_json(infeasible_to_json(exc, scenario_target(scenario).gpu.name))
-        else:
-            stderr_console().print(f"[bold red]{_escaped(exc)}[/]", soft_wrap=True)
-        return 1
+        return _infeasible(args, scenario, exc)
     return _render(args, answer)
 
 
-def _escaped(exc: BaseException) -> str:
+def _infeasible(args: argparse.Namespace, scenario: Any, exc: NoFeasibleBatchSizeError) -> int:
+    """Not even batch 1 fits: why, then the largest batch with each change that applies,
+    searched again (``oomkit.scenario.alternatives``); exit 1."""
+    from oomkit.interfaces.reports.batch_search import infeasible_to_json, render_alternatives
+    from oomkit.scenario.alternatives import fit_alternatives, searches_alternatives
+    from oomkit.scenario.run import scenario_target
+
+    target = scenario_target(scenario)
+    # A margin that leaves nothing fails before a trace: no change can make room.
+    searched = searches_alternatives(scenario) and exc.needed_reserved_bytes is not None
+    if not args.json:
+        shown = exc.reason if searched else str(exc)
+        stderr_console().print(f"[bold red]{_escaped(shown)}[/]", soft_wrap=True)
+    alternatives: tuple[Any, ...] = ()
+    if searched:
+        if not args.json:
+            stderr_console().print(
+                "searching again with each change of precision, checkpointing and optimizer "
+                "that applies ...", markup=False, highlight=False, soft_wrap=True,
+            )
+        with (
+            progress_bar(progress_enabled(args, sys.stderr), "searching with each change")
+            as progress,
+            user_output_to_stderr(),
+        ):
+            alternatives = fit_alternatives(scenario, progress=progress)
+    if args.json:
+        print_json(infeasible_to_json(exc, target.gpu.name, alternatives))
+    elif alternatives:
+        render_alternatives(
+            exc, alternatives, stdout_console(), sharded=target.parallel is not None
+        )
+    elif searched:  # nothing applied: the advice the message would have given
+        stderr_console().print(f"[bold red]{_escaped(exc)}[/]", soft_wrap=True)
+    return 1
+
+
+def _escaped(exc: BaseException | str) -> str:
     from rich.markup import escape
 
     return escape(str(exc))

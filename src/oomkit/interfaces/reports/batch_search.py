@@ -6,34 +6,115 @@ Also the reverse question's table: which catalog GPUs one batch fits on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from oomkit.errors import NoFeasibleBatchSizeError
 from oomkit.plan.batch_search import BatchProbe, BatchSearchResult, SmallestGpuResult
 from oomkit.units import format_bytes
 
+if TYPE_CHECKING:
+    from oomkit.scenario.alternatives import FitAlternative
+
 __all__ = [
     "batch_search_to_json",
     "batch_search_verdict",
     "infeasible_to_json",
+    "render_alternatives",
     "render_batch_search",
     "render_smallest_gpu",
     "smallest_gpu_to_json",
     "smallest_gpu_verdict",
+    "unmeasured_advice",
 ]
 
 
-def infeasible_to_json(error: NoFeasibleBatchSizeError, gpu_name: str) -> dict[str, object]:
+def infeasible_to_json(
+    error: NoFeasibleBatchSizeError,
+    gpu_name: str,
+    alternatives: Sequence[FitAlternative] = (),
+) -> dict[str, object]:
     """`fit --json` when not even the smallest batch fits: ``batch_size`` null, the message,
-    and the figures it gives (what that batch needs reserved, what is usable, the margin)."""
+    the figures it gives (what that batch needs reserved, what is usable, the margin) and,
+    when searched, the largest batch with each change (``alternatives``: ``batch_size`` null
+    where not even batch 1 fits with it; ``peak_reserved_bytes`` then batch 1's need)."""
     out: dict[str, object] = {"batch_size": None, "gpu": gpu_name, "error": str(error)}
     for name in ("needed_reserved_bytes", "usable_bytes", "margin_bytes"):
         value = getattr(error, name, None)
         if value is not None:
             out[name] = value
+    if alternatives:
+        out["alternatives"] = [
+            {
+                "change": a.title,
+                "flags": a.flags,
+                "step": dict(a.step),
+                "combined": a.combined,
+                "batch_size": a.batch_size,
+                "peak_reserved_bytes": a.peak_reserved_bytes,
+            }
+            for a in alternatives
+        ]
+        out["not_measured"] = list(unmeasured_advice(error, alternatives))
     return out
+
+
+def unmeasured_advice(
+    error: NoFeasibleBatchSizeError, alternatives: Sequence[FitAlternative]
+) -> tuple[str, ...]:
+    """The error's advice that no alternative measured (an item ends with its flag in
+    parentheses: "activation checkpointing (--checkpointing full)")."""
+    measured = {f"({a.flags})" for a in alternatives if not a.combined}
+    return tuple(item for item in error.advice if not item.endswith(tuple(measured)))
+
+
+def render_alternatives(
+    error: NoFeasibleBatchSizeError,
+    alternatives: Sequence[FitAlternative],
+    console: Console,
+    *,
+    sharded: bool = False,
+) -> None:
+    """Not even batch 1 fits: the largest batch with each change, measured, as a table; then
+    what was not measured, the margin and a larger GPU (``sharded``: a parallel layout's
+    search, which ``--smallest-gpu`` does not take; ``--global-batch`` tabulates counts)."""
+    table = Table(
+        title="Each change, searched again: the largest batch that fits",
+        show_header=True,
+        header_style="bold",
+    )
+    table.add_column("change")
+    table.add_column("flags")
+    table.add_column("largest batch", justify="right")
+    table.add_column("peak reserved", justify="right")
+    for a in alternatives:
+        need = "" if a.peak_reserved_bytes is None else format_bytes(a.peak_reserved_bytes)
+        if a.batch_size is None:
+            batch, need = "none", f"batch 1 needs {need}" if need else ""
+        else:
+            batch = str(a.batch_size)
+        table.add_row(escape(a.title), escape(a.flags), batch, need)
+    console.print(table)
+    fitting = [a for a in alternatives if a.batch_size is not None]
+    if fitting:
+        best = max(fitting, key=lambda a: a.batch_size or 0)
+        console.print(
+            f"[bold green]with {escape(best.flags)}: batch {best.batch_size} fits (peak reserved "
+            f"{format_bytes(best.peak_reserved_bytes or 0)})[/]"
+        )
+    else:
+        console.print("[bold red]no change searched here fits even batch 1[/]")
+    larger = (
+        "more GPUs or GPUs with more memory (--smallest-gpu --global-batch B, without "
+        "--fsdp/--tp/--dp, tabulates both)" if sharded
+        else "a GPU with more memory (--batch 1 --smallest-gpu names the smallest)"
+    )
+    rest = [*unmeasured_advice(error, alternatives), "a smaller margin (--margin)", larger]
+    console.print(f"not measured: {escape(', '.join(rest))}", soft_wrap=True)
 
 
 def _margin_text(margin_bytes: int, is_default: bool) -> str:

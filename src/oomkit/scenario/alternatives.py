@@ -1,0 +1,160 @@
+"""When not even batch 1 fits: the largest batch with each change that applies, measured.
+
+``fit`` of a step that does not fit at batch 1 says why; this searches the batch again with
+each change of the step's precision, activation checkpointing and optimizer that applies to it
+(``diagnose.remedy_measurement.step_changes``: mixed precision, pure bf16, checkpointing, SGD),
+and, when none fits alone, with the combinations ``oomkit predict``'s remedies try
+(``combined_changes``: checkpointing, then with mixed or pure bf16), stopping at the first
+that fits. Each answer is the batch search of that scenario, as ``oomkit fit`` with the
+change's flags would run it, so the flags it prints give that batch.
+
+Only a preset or a ``--hf`` model's training step is searched: a ``file.py:function`` builds
+its own step, whose precision and checkpointing are the user's code. Changes of what is
+trained (LoRA, QLoRA) and 8-bit AdamW are not searched (they are named, unmeasured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from oomkit.errors import NoFeasibleBatchSizeError, OomkitError
+
+if TYPE_CHECKING:
+    from oomkit.diagnose.remedy_measurement import StepChange
+    from oomkit.scenario.model import Scenario
+
+__all__ = ["FitAlternative", "fit_alternatives", "searches_alternatives"]
+
+# The step section's fields a searched change may set (StepOptions fields of the same name).
+_STEP_FIELDS = frozenset({"precision", "checkpointing", "optimizer", "optimizer_impl"})
+
+
+@dataclass(frozen=True)
+class FitAlternative:
+    """One change to the step, and the largest batch that fits with it.
+
+    Attributes:
+        title: the change in words ("activation checkpointing").
+        flags: the options that apply it ("--checkpointing full").
+        step: the step section's fields it sets (``{"checkpointing": "full"}``).
+        batch_size: the largest batch that fits with it; ``None``: not even batch 1 does.
+        peak_reserved_bytes: what that batch needs reserved (with ``batch_size`` ``None``:
+            what batch 1 needs).
+        combined: several changes together, tried because none fits alone.
+    """
+
+    title: str
+    flags: str
+    step: Mapping[str, str]
+    batch_size: int | None
+    peak_reserved_bytes: int | None
+    combined: bool = False
+
+
+def fit_alternatives(
+    scenario: Scenario, *, progress: Callable[[int, int], None] | None = None
+) -> tuple[FitAlternative, ...]:
+    """The largest batch with each change that applies, for a scenario whose batch 1 does not
+    fit (``fit`` raised ``NoFeasibleBatchSizeError``).
+
+    Args:
+        scenario: the request ``fit`` was given (a batch search: not ``smallest_gpu``,
+            ``global_batch`` or ``lengths``).
+        progress: called as ``progress(done, total)`` after each search.
+
+    Returns:
+        One record per change searched, in the order tried (each change alone; then, when
+        none fits alone, the combinations up to the first that fits). Empty when the step's
+        options are not oomkit's to change (a ``file.py:function``, a trainer, an inference
+        step) or nothing applies.
+
+    Raises:
+        OomkitError: a single change that every model takes cannot be built (as ``fit``).
+    """
+    from oomkit.diagnose.remedy_measurement import combined_changes, step_changes
+    from oomkit.scenario.fitting import check_fit, fit
+
+    target = check_fit(scenario)
+    if not searches_alternatives(scenario):
+        return ()
+    base = _base_options(scenario, target.gpu)
+    changes = [
+        change for change in step_changes(base, target.gpu.compute_capability)
+        if change.fields.keys() <= _STEP_FIELDS
+    ]
+    total = len(changes)
+    out: list[FitAlternative] = []
+
+    def searched(chosen: list[StepChange], combined: bool) -> FitAlternative:
+        fields: dict[str, Any] = {}
+        for change in chosen:
+            fields |= change.fields
+        step = scenario.step.model_copy(update=fields)
+        variant = scenario.model_copy(update={"step": step})
+        title = " + ".join(change.title for change in chosen)
+        flags = " ".join(change.flag for change in chosen if change.flag)
+        try:
+            found = fit(variant).result
+        except NoFeasibleBatchSizeError as exc:
+            return FitAlternative(title, flags, fields, None, exc.needed_reserved_bytes, combined)
+        return FitAlternative(
+            title, flags, fields, found.batch_size, found.peak_reserved_bytes, combined
+        )
+
+    for done, change in enumerate(changes, 1):
+        try:
+            out.append(searched([change], False))
+        except OomkitError:
+            if not change.optional:  # 8-bit AdamW needs a model it can replace the optimizer of
+                raise
+        finally:
+            if progress is not None:
+                progress(done, total)
+    if any(alternative.batch_size is not None for alternative in out):
+        return tuple(out)
+    for combination in combined_changes(changes):
+        if len(combination) < 2:  # a change alone was searched above
+            continue
+        total += 1
+        try:
+            alternative = searched(combination, True)
+        except OomkitError:  # each change builds alone; this pairing is not modelled
+            continue
+        finally:
+            if progress is not None:
+                progress(total, total)
+        out.append(alternative)
+        if alternative.batch_size is not None:
+            break
+    return tuple(out)
+
+
+def searches_alternatives(scenario: Scenario) -> bool:
+    """Whether ``fit_alternatives`` searches anything for ``scenario``: a preset's or ``--hf``
+    model's training step in a batch search (not ``smallest_gpu``, ``global_batch`` or
+    ``lengths``)."""
+    search = scenario.search
+    return (
+        scenario.model.kind in ("preset", "hf")
+        and (scenario.step.mode or "train") == "train"
+        and not search.smallest_gpu
+        and search.global_batch is None
+        and scenario.lengths is None
+    )
+
+
+def _base_options(scenario: Scenario, gpu: Any) -> Any:
+    """The ``StepOptions`` the scenario's step is built with at batch 1, defaults resolved (a
+    ``--hf`` model's precision from its config): the workload record of the built step."""
+    import torch
+
+    from oomkit.prediction.models import StepOptions
+    from oomkit.scenario.workloads import build_workload
+
+    with torch.device("meta"):
+        workload = build_workload(scenario, 1, gpu)
+    assert workload.spec is not None  # a preset's and a --hf model's record is always kept
+    known = {name: value for name, value in workload.spec.options.items() if value is not None}
+    return StepOptions(**known)
