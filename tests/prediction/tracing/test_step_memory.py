@@ -127,3 +127,73 @@ def test_the_report_gives_the_counters_their_own_assumed_line():
     out = io.StringIO()
     render_prediction(prediction, Console(file=out, width=400))
     assert "assumed: torch.cuda memory counters: read 1 time(s) by the step" in out.getvalue()
+
+
+def test_mem_get_info_is_the_total_less_the_context_and_what_is_reserved():
+    """cudaMemGetInfo's free memory: the device's total less the CUDA context and what the
+    caching allocator holds reserved so far (a 30 MiB request: a 30 MiB segment, kept cached
+    after its free). It had read the whole memory free, so a script sizing its batch from it
+    sized it as on an empty GPU."""
+    read: list[tuple[int, int]] = []
+
+    def step() -> None:
+        read.append(torch.cuda.mem_get_info())
+        x = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+        read.append(torch.cuda.mem_get_info())
+        del x
+        read.append(torch.cuda.mem_get_info(0))
+
+    target = Target.resolve("rtx4090")
+    gpu = target.gpu
+    trace_step(step, steps=1, target=target)
+    usable = gpu.total_memory_bytes - gpu.context_overhead_bytes
+    assert gpu.context_overhead_bytes > 0
+    assert read == [
+        (usable, gpu.total_memory_bytes),
+        (usable - 30 * MiB, gpu.total_memory_bytes),
+        (usable - 30 * MiB, gpu.total_memory_bytes),  # freed into the cache, still reserved
+    ]
+
+
+def test_mem_get_info_outside_a_recording_and_past_the_memory():
+    """Outside a recorder nothing is reserved: free is the total less the context. A step
+    past the GPU's memory (the replay has no limit) reads 0 free, never a negative number."""
+    gpu = Target.resolve("h100", context_overhead_bytes=500 * MiB).gpu
+    with as_one_cuda_gpu(gpu):
+        assert torch.cuda.mem_get_info() == (gpu.total_memory_bytes - 500 * MiB,
+                                             gpu.total_memory_bytes)
+    read: list[int] = []
+
+    def step() -> None:
+        x = torch.empty(gpu.total_memory_bytes, dtype=torch.uint8, device="cuda")
+        read.append(torch.cuda.mem_get_info()[0])
+        del x
+
+    trace_step(step, steps=1, target=Target.resolve("h100", context_overhead_bytes=500 * MiB))
+    assert read == [0]
+
+
+def test_empty_cache_in_a_step_releases_the_cached_blocks_in_the_reads_and_the_report():
+    """A 30 MiB block freed into the cache cannot serve a 40 MiB request: without emptying,
+    the step reserves 70 MiB at its peak; with torch.cuda.empty_cache() between them the
+    30 MiB segment goes back to the device (release_cached_blocks) and the peak is 40 MiB. It
+    had done nothing, so a script that empties its cache was predicted as one that does not."""
+    read: list[int] = []
+
+    def step(empty: bool) -> None:
+        a = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+        del a
+        if empty:
+            torch.cuda.empty_cache()
+        read.append(torch.cuda.memory_reserved())
+        b = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        del b
+
+    target = Target.resolve("h100")
+    kept = predict(lambda: step(False), steps=1, target=target)
+    emptied = predict(lambda: step(True), steps=1, target=target)
+    assert read == [30 * MiB, 0]
+    assert kept.peak_reserved_bytes == 70 * MiB
+    assert emptied.peak_reserved_bytes == 40 * MiB
+    recording = trace_step(lambda: step(True), steps=2, target=target)
+    assert [e.action for e in recording.events].count("empty_cache") == 2

@@ -153,3 +153,30 @@ def test_hf_accumulation_holds_gradients_and_prefetches_every_micro_batch(hf_sin
     # the first forward: one more micro-batch's input_ids and labels (int64) on the device.
     batch_bytes = 2 * BATCH * SEQ * 8
     assert batch_bytes <= extra <= batch_bytes + SCALAR_BYTES
+
+
+def test_a_trainer_restarted_per_step_empties_no_cache_between_steps(monkeypatch):
+    """Each recorded step starts the trainer again, and each start (accelerate's
+    free_memory) calls torch.cuda.empty_cache(): recorded, that would empty the cache between
+    steps, which one run never does. The trainer's steps record no empty_cache; with
+    empty_cache counted as a request there, they would."""
+    from oomkit.prediction.tracing import trainers
+    from oomkit.prediction.tracing.step_runner import trace_step
+
+    pytest.importorskip("transformers")
+
+    def actions() -> list[str]:
+        user = load_user_step(f"{BUILDERS}:hf_trainer", batch_size=2, seq_len=16)
+        recording = trace_step(lambda *_tracked: user.step_fn(), *user.track, steps=2,
+                               target=Target.resolve("h100"))
+        return [event.action for event in recording.events]
+
+    assert "empty_cache" not in actions()
+    counted = trainers.as_one_cuda_gpu
+
+    def counting(*args, **kwargs):
+        kwargs["cache_emptied"] = True
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(trainers, "as_one_cuda_gpu", counting)
+    assert actions().count("empty_cache") >= 2  # one per train() at least

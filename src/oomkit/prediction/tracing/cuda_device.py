@@ -12,13 +12,14 @@ What it changes while open (all undone on exit):
 - ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
-  ``synchronize``, ``empty_cache``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing
-  (there is no device to act on), ``torch.cuda.Event`` times 0 ms, ``mem_get_info`` reads the
-  whole memory free. The memory counters (``memory_allocated()``, ``memory_reserved()``, their
-  peaks, ``memory_stats()``, the resets) read the enclosing recorder's requests so far, replayed
-  on the simulated allocator (``step_memory.py``; nothing served outside one). Streams are not
-  emulated (a side stream's allocations go to their own pool; ``torch.cuda.Stream`` still
-  raises).
+  ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
+  to act on), and ``torch.cuda.Event`` times 0 ms. The memory counters
+  (``memory_allocated()``, ``memory_reserved()``, their peaks, ``memory_stats()``, the resets)
+  read the enclosing recorder's requests so far, replayed on the simulated allocator
+  (``step_memory.py``; nothing served outside one); ``mem_get_info`` reads the total less the
+  CUDA context and what that allocator holds reserved; ``empty_cache`` is a request of the
+  recording, which the report's replay carries out. Streams are not emulated (a side stream's
+  allocations go to their own pool; ``torch.cuda.Stream`` still raises).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
@@ -287,8 +288,18 @@ def counting_allocations(memory: StepMemory) -> Iterator[StepMemory]:
         _memories.remove(memory)
 
 
+def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
+    """``torch.cuda.mem_get_info()`` (``cudaMemGetInfo``): the device's free and total bytes.
+    Free is the total less what is held outside the caching allocator (the CUDA context: the
+    target's ``context_overhead_bytes``) and what the allocator holds reserved so far, cached
+    blocks included (c10/cuda/CUDACachingAllocator.cpp returns them only on ``empty_cache``);
+    never below 0 (the replay has no memory limit, the GPU would have run out)."""
+    free = gpu.usable_bytes() - _memory().memory_reserved()
+    return max(free, 0), gpu.total_memory_bytes
+
+
 @contextlib.contextmanager
-def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
+def _torch_cuda_reports(gpu: GpuSpec, cache_emptied: bool = True) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
     major, minor = gpu.compute_capability or (9, 0)
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor)
@@ -298,7 +309,7 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "current_device": lambda: 0,
         "set_device": lambda device: None,
         "synchronize": lambda device=None: None,
-        "empty_cache": lambda: None,
+        "empty_cache": (lambda: _memory().empty_cache()) if cache_emptied else (lambda: None),
         "get_device_name": lambda device=None: gpu.name,
         "get_device_capability": lambda device=None: (major, minor),
         "get_device_properties": lambda device=None: properties,
@@ -316,7 +327,7 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "seed_all": lambda: None,
         "is_initialized": lambda: True,
         "init": lambda: None,
-        "mem_get_info": lambda device=None: (gpu.total_memory_bytes, gpu.total_memory_bytes),
+        "mem_get_info": lambda device=None: _free_and_total(gpu),
         "device": _NoDeviceSwitch,
         "device_of": _NoDeviceSwitch,
         "Event": _TimingEvent,
@@ -433,7 +444,9 @@ _open_gpus: list[tuple[GpuSpec, torch.device]] = []
 
 
 @contextlib.contextmanager
-def as_one_cuda_gpu(gpu: GpuSpec | None = None, *, lands_on: str | None = None) -> Iterator[None]:
+def as_one_cuda_gpu(
+    gpu: GpuSpec | None = None, *, lands_on: str | None = None, cache_emptied: bool = True
+) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
     Args:
@@ -442,6 +455,9 @@ def as_one_cuda_gpu(gpu: GpuSpec | None = None, *, lands_on: str | None = None) 
         lands_on: where CUDA tensors are put: ``"meta"``, or ``"cpu"``, the fake device of a
             distributed recording (module docstring); ``None`` means an enclosing block's
             choice, else meta.
+        cache_emptied: ``torch.cuda.empty_cache()`` is a request of the enclosing recording
+            (``StepMemory.empty_cache``); False: it does nothing (a trainer restarted for each
+            recorded step empties the cache where one run does not).
 
     Raises:
         ConfigError: ``lands_on`` is another device.
@@ -456,7 +472,11 @@ def as_one_cuda_gpu(gpu: GpuSpec | None = None, *, lands_on: str | None = None) 
     gpu = enclosing[0] if gpu is None else gpu
     _open_gpus.append((gpu, device))
     try:
-        with _torch_cuda_reports(gpu), _module_moves_keep_sharing(), _CudaOnMeta(device):
+        with (
+            _torch_cuda_reports(gpu, cache_emptied),
+            _module_moves_keep_sharing(),
+            _CudaOnMeta(device),
+        ):
             yield
     finally:
         _open_gpus.pop()

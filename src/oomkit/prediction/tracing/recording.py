@@ -120,7 +120,8 @@ def build_recording(
     """The recording of a recorder's log, once the step is over and categories are known.
 
     Args:
-        log: ``("alloc", alloc)``, ``("free", alloc, frames)`` and ``("step",)`` in order.
+        log: ``("alloc", alloc)``, ``("free", alloc, frames)``, ``("step",)`` and
+            ``("empty_cache",)`` in order.
         module_tag: the ``module`` tag of an allocation of a category (None: no tag).
         warnings: kernel_choices: assumptions: as in :class:`TraceRecording`.
         sites: (kind, params, the allocation id of its anchor) of each site
@@ -134,6 +135,9 @@ def build_recording(
         kind = entry[0]
         if kind == "step":
             step_starts.append(len(events))
+            continue
+        if kind == "empty_cache":  # torch.cuda.empty_cache() in the step (step_memory.py)
+            events.append(new_trace_event("empty_cache", 0, 0, 0, None, (), ()))
             continue
         alloc: Allocation = entry[1]
         category = categories.get(alloc.alloc_id)

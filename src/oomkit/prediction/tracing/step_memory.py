@@ -9,7 +9,9 @@ line: each ``("alloc", ...)`` of the recorder's log is a ``malloc`` on its strea
 target's ``PYTORCH_CUDA_ALLOC_CONF`` and PyTorch version and no memory limit (as the
 prediction's ``required_bytes``): a step that would run out of memory on the GPU keeps being
 recorded, and its reads go on past the limit (a request the allocator refuses even so, over
-1 EiB, is left out of them). ``reset_peak_memory_stats()`` restarts the peaks.
+1 EiB, is left out of them). ``reset_peak_memory_stats()`` restarts the peaks. ``empty_cache()`` is a request of the step:
+logged as ``("empty_cache",)``, it releases the cached blocks in the reads after it and in the
+report's replay (an ``empty_cache`` trace event).
 
 Where it may differ from the report: the report replays the finished recording, in which a
 free that waits on another stream's work (a distributed step's collectives) may come later
@@ -36,7 +38,7 @@ class StepMemory:
 
     Args:
         log: the recorder's event log (``("alloc", Allocation)``, ``("free", Allocation,
-            frames)``, ``("step",)``), appended to while the step runs.
+            frames)``, ``("step",)``, ``("empty_cache",)``), appended to while the step runs.
         target: the machine whose allocator settings and PyTorch release are replayed;
             ``None``: PyTorch's defaults, its newest release.
     """
@@ -66,8 +68,18 @@ class StepMemory:
 
             elif entry[0] == "free":
                 allocator.free(addresses.pop(entry[1].alloc_id, 0))
+            elif entry[0] == "empty_cache":
+                allocator.empty_cache()
         self._read = len(log)
         return allocator
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: the step's request to return the cached blocks to the
+        device (c10/cuda/CUDACachingAllocator.cpp ``emptyCache``: ``release_cached_blocks``),
+        logged among its allocations, so that the report's replay releases them at the same
+        point, and the reads after it see them released."""
+        if isinstance(self._log, list):  # a recorder's log (outside one: nothing to release)
+            self._log.append(("empty_cache",))
 
     def memory_allocated(self) -> int:
         """``torch.cuda.memory_allocated()``."""

@@ -142,9 +142,14 @@ def _on_one_gpu() -> contextlib.ExitStack:
     The recorder runs a step under ``torch.device("meta")``; a trainer's own CPU work (the
     sampler's ``randperm`` and its ``tolist()``, the loader's seed) must stay on the CPU, as on a
     GPU machine, where it has values. Its device tensors go to ``cuda``, which lands on meta.
+    ``torch.cuda.empty_cache()`` does nothing here: each recorded step starts the trainer
+    again, and its start and end empty the cache (Lightning's ``CUDAAccelerator``
+    ``setup_device`` and ``teardown``, ``_clear_cuda_memory``; the Hugging Face Trainer's
+    ``accelerator.free_memory()``), where one run empties it before its first step and after
+    its last only.
     """
     stack = contextlib.ExitStack()
-    stack.enter_context(as_one_cuda_gpu())
+    stack.enter_context(as_one_cuda_gpu(cache_emptied=False))
     stack.enter_context(torch.device("cpu"))
     return stack
 
@@ -312,8 +317,8 @@ def _restart_without_gc_collect() -> Iterator[None]:
     ``train()`` once, so it collects once, before its first step; the step's later calls
     restart ``train()`` only to run one more optimizer step, and that run collects nothing
     between its steps (a device tensor held only by a reference cycle waits for Python's own
-    collection there, as here). The first ``train()`` keeps its collection, and
-    ``empty_cache`` (which changes the reserved bytes) still runs at every restart.
+    collection there, as here). The first ``train()`` keeps its collection
+    (``empty_cache`` does nothing in a trainer's step: ``_on_one_gpu``).
     """
     try:
         memory: Any = importlib.import_module("accelerate.utils.memory")
