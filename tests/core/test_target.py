@@ -149,3 +149,29 @@ def test_the_torch_version_flag_of_every_command_refuses_past_main():
         torch_version_arg("3.0")
     with pytest.raises(ValueError, match="torch 3.0 is newer than any PyTorch"):
         Scenario.model_validate({"model": {"preset": "x"}, "target": {"torch_version": "3.0"}})
+
+
+@settings(max_examples=30, deadline=None)
+@given(major=st.integers(0, 1), minor=st.integers(0, 99), patch=st.integers(0, 9))
+def test_a_torch_older_than_1_10_is_refused_everywhere(major, minor, patch):
+    """--torch-version 1.0 had been modelled with 1.10's rules and "CUDA 10.2, torch 1.0's
+    default Linux wheel" (torch 1.0's wheel had CUDA 9.0): a release before 1.10, the oldest
+    the allocator reference describes, is refused by Target, the commands' --torch-version and
+    the scenario's field alike; 1.10 and later are taken."""
+    import argparse
+
+    from oomkit.interfaces.cli._common import torch_version_arg
+    from oomkit.scenario import Scenario
+
+    version = f"{major}.{minor}.{patch}"
+    if (major, minor) < (1, 10):
+        message = rf"torch {version} is older than any PyTorch oomkit models: .* from 1\.10 on"
+        with pytest.raises(ConfigError, match=message):
+            Target.resolve("h100", torch_version=version)
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            torch_version_arg(version)
+        with pytest.raises(ValueError, match=message):
+            Scenario.model_validate({"model": {"preset": "x"}, "target": {"torch_version": version}})
+    else:
+        assert Target.resolve("h100", torch_version=version).torch_version == version
+        assert torch_version_arg(version) == version

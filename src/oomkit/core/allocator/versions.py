@@ -25,6 +25,7 @@ from oomkit.errors import ConfigError
 __all__ = [
     "ALLOC_CONF_VARIABLES",
     "NEWEST_RELEASED_TORCH",
+    "OLDEST_MODELLED_TORCH",
     "ConfigParserKind",
     "OomMessageVariant",
     "TorchBehaviour",
@@ -39,6 +40,9 @@ ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORC
 
 # torch 2.14.1 is the newest release known to oomkit; ``None`` means this version.
 NEWEST_RELEASED_TORCH = "2.14"
+# The oldest release modelled: Appendix A's version history starts with 1.10's
+# max_split_size_mb (PR #44742); the ref has no source for the allocator before it.
+OLDEST_MODELLED_TORCH = "1.10"
 # What "main" / "nightly" build: one minor past the newest release (same behaviour).
 _MAIN_VERSION = (2, 15)
 # First release assumed to carry the 2026 main (MAIN26) changes; see the module docstring.
@@ -232,12 +236,21 @@ def parse_torch_version(torch_version: str | None) -> tuple[int, int]:
 
 def require_modelled(torch_version: str) -> None:
     """Refuse a target release newer than the development branch oomkit models (``"99.0"``
-    would otherwise be modelled as main, its CUDA called that release's default wheel's).
+    would otherwise be modelled as main, its CUDA called that release's default wheel's), or
+    older than the oldest it models (``OLDEST_MODELLED_TORCH``: ``"1.0"`` would otherwise get
+    1.10's rules and a CUDA its wheel never had).
 
     Raises:
-        ConfigError: the version cannot be read, or is past main.
+        ConfigError: the version cannot be read, is past main, or is before 1.10.
     """
     version = parse_torch_version(torch_version)
+    if version < _split(OLDEST_MODELLED_TORCH):
+        raise ConfigError(
+            f"torch {torch_version} is older than any PyTorch oomkit models: its allocator rules "
+            f"are modelled from {OLDEST_MODELLED_TORCH} on (the first release with "
+            "max_split_size_mb, where the reference's version history starts); give "
+            f"{OLDEST_MODELLED_TORCH} or later, e.g. --torch-version {NEWEST_RELEASED_TORCH}"
+        )
     if version > _MAIN_VERSION:
         raise ConfigError(
             f"torch {torch_version} is newer than any PyTorch oomkit models (releases up to "

@@ -29,10 +29,11 @@ __all__ = [
 # 2.11-2.13: "13.0", pytorch/pytorch v2.13.0 line 28) and, before that script named it, the
 # ``nvidia-cuda-runtime-cu1x`` pin in the PyPI wheel's METADATA (1.13/2.0: 11.7.99; 2.1-2.4:
 # 12.1.105; 2.5/2.6: 12.4.127). Before 1.13 PyPI shipped CUDA 10.2 (RELEASE.md, "Special support
-# cases": CUDA 11 binaries exceeded PyPI's size limit). A release not listed takes the newest
+# cases": CUDA 11 binaries exceeded PyPI's size limit), from 1.10, the oldest release oomkit
+# models (allocator/versions.py OLDEST_MODELLED_TORCH). A release not listed takes the newest
 # entry below it.
 DEFAULT_WHEEL_CUDA: dict[tuple[int, int], str] = {
-    (1, 0): "10.2",
+    (1, 10): "10.2",
     (1, 13): "11.7",
     (2, 0): "11.7",
     (2, 1): "12.1",
