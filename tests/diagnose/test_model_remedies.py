@@ -304,16 +304,16 @@ def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved, monkeypatc
     monkeypatch.setattr("oomkit.diagnose.remedy_measurement.FSDP_SIZES", ())
     # Nor are the changes that leave the precision as it is (checkpointing, SGD, LoRA, QLoRA,
     # 8-bit AdamW: test_measured_remedies_are_the_re_predicted_drop_in_required_memory) or
-    # the batch halvings: of the changes the T4 gets (remedy_measurement._changes, unchanged),
+    # the batch halvings: of the changes the T4 gets (remedy_measurement.step_changes, unchanged),
     # only those that set the precision are re-predicted.
     from oomkit.diagnose import remedy_measurement
 
-    every_change = remedy_measurement._changes
+    every_change = remedy_measurement.step_changes
 
     def precision_changes(base, compute_capability):
         return [c for c in every_change(base, compute_capability) if "precision" in c.fields]
 
-    monkeypatch.setattr(remedy_measurement, "_changes", precision_changes)
+    monkeypatch.setattr(remedy_measurement, "step_changes", precision_changes)
     monkeypatch.setattr("oomkit.diagnose._batch_remedies._MAX_HALVINGS", 0)
     on_t4 = json.loads(json.dumps(saved))
     on_t4["gpu"]["compute_capability"] = [7, 5]

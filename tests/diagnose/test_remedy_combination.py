@@ -229,3 +229,40 @@ def test_a_real_step_s_combination_is_what_its_flags_predict():
     direct = predicted(checkpointing="full", precision="bf16", batch_size=4, grad_accum=2)
     assert direct.fits
     assert remedies[0].peak_reserved_bytes == direct.required_bytes == 1_669_332_992
+
+
+def test_checkpointing_with_qlora_comes_last_and_is_marked_as_training_adapters():
+    """No change and no precision combination fits; checkpointing with QLoRA (4-bit base
+    weights under LoRA adapters: 300 of state here) does at the step's own batch. It is tried
+    after the precision combinations, marked as changing what is trained, and its flags name
+    the step's precision (a LoRA base is bf16 by default, which would be another step)."""
+    calls: list[StepOptions] = []
+
+    def again(options: StepOptions, layout: object) -> _Need:
+        calls.append(options)
+        quantized = options.quantize == "nf4"
+        if options.optimizer != "adamw" or (options.lora is not None and not quantized):
+            return _Need(10**9, False)
+        states = 300 if quantized else {"fp32": 1600, "bf16-mixed": 1700, "bf16": 800}[
+            options.precision
+        ]
+        sample = 20 if options.checkpointing == "full" else 100
+        kept = (100 if quantized else 400) if options.grad_accum > 1 else 0
+        need = states + kept + sample * options.batch_size
+        return _Need(need, need <= 700)
+
+    remedies, _ = measure_remedies(BASE, again, required_bytes=3200, usable_bytes=700,
+                                   compute_capability=(9, 0))
+    fitting = [r for r in remedies if r.fits]
+    assert [(r.flag, r.peak_reserved_bytes, r.changes_training) for r in fitting] == [
+        ("--checkpointing full --lora 8 --quantize nf4 --precision fp32", 300 + 20 * 16, True)
+    ]
+    assert fitting[0].title == (
+        "activation checkpointing + QLoRA: 4-bit nf4 base weights + LoRA adapters (peft, r8)"
+    )
+    tried = [(c.precision, c.quantize, c.batch_size) for c in calls if c.checkpointing == "full"]
+    assert tried[-1] == ("fp32", "nf4", 16)
+    assert tried.index(("bf16", None, 16)) < len(tried) - 1  # pure bf16 was tried before
+    # The single QLoRA change names its flags as measured too.
+    qlora = next(r for r in remedies if r.title.startswith("QLoRA"))
+    assert qlora.flag == "--lora 8 --quantize nf4 --precision fp32" and not qlora.fits

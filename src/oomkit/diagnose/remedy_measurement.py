@@ -129,9 +129,28 @@ def step_changes(base: Any, compute_capability: tuple[int, int] | None) -> list[
             )
         )
     for title, fields, code in finetune_changes(base):
-        flag = "--optimizer adamw8bit" if fields.get("optimizer") == "adamw8bit" else None
-        out.append(StepChange(title, fields, code, flag, optional=True))
+        out.append(StepChange(title, fields, code, _finetune_flag(base, fields), optional=True))
     return out
+
+
+def _finetune_flag(base: Any, fields: dict[str, Any]) -> str | None:
+    """The options that apply a fine-tuning change as it was measured: ``--lora R`` (peft's
+    defaults otherwise, as ``LoraOptions()``), ``--quantize nf4``, ``--optimizer adamw8bit``.
+    A LoRA or QLoRA base is bf16 by default when no ``--precision`` is given
+    (``scenario/options.py``), so the step's own precision is named too: the flags then give
+    the step that was measured."""
+    if fields.get("optimizer") == "adamw8bit":
+        return "--optimizer adamw8bit"
+    parts = []
+    if fields.get("lora") is not None:
+        parts.append(f"--lora {fields['lora'].r}")
+    if fields.get("quantize") is not None:
+        parts.append(f"--quantize {fields['quantize']}")
+    if not parts:
+        return None
+    if base.precision is not None:
+        parts.append(f"--precision {base.precision}")
+    return " ".join(parts)
 
 
 def measure_remedies(
@@ -289,12 +308,15 @@ def _measured_fsdp(
 def combined_changes(changes: Sequence[StepChange]) -> list[list[StepChange]]:
     """The changes tried together when none fits alone, the least first: activation
     checkpointing (the same arithmetic, recomputed), then with mixed precision, then with pure
-    bf16 instead; each is also tried with the batch halved. Changes of the optimizer or of
-    what is trained (SGD, 8-bit AdamW, LoRA, QLoRA) are not combined."""
+    bf16 instead; each is also tried with the batch halved. Last, as it trains another model,
+    checkpointing with QLoRA (4-bit base weights under LoRA adapters: what fits a 7-8B model's
+    training on a 24 GB GPU). The optimizer's changes (SGD, 8-bit AdamW) are not combined."""
     checkpointing = [c for c in changes if "checkpointing" in c.fields][:1]
     mixed = [c for c in changes if c.fields.get("precision") in ("bf16-mixed", "fp16-mixed")]
     precisions = mixed[:1] + [c for c in changes if c.fields.get("precision") == "bf16"][:1]
-    return ([checkpointing] if checkpointing else []) + [checkpointing + [p] for p in precisions]
+    qlora = [c for c in changes if c.fields.get("quantize") in ("nf4", "fp4")][:1]
+    out = ([checkpointing] if checkpointing else []) + [checkpointing + [p] for p in precisions]
+    return out + ([checkpointing + qlora] if checkpointing and qlora else [])
 
 
 def _measured_combination(
@@ -330,6 +352,8 @@ def _measured_combination(
             f"step needs {format_bytes(new.required_bytes)} reserved instead of "
             f"{format_bytes(required)} and fits in the {format_bytes(usable)} usable.",
             estimate=False,
+            # Adapters on 4-bit base weights train another model (as the single change says).
+            changes_training=bool(fields.keys() & {"lora", "quantize"}),
             fits=True,
             peak_reserved_bytes=new.required_bytes,
             flag=" ".join(flags) or None,
