@@ -127,14 +127,14 @@ def test_advice_leaves_out_what_the_step_already_does():
         "bf16 weights, gradients and optimizer states (--precision bf16)",
         "8-bit AdamW states (--optimizer adamw8bit)",
         "SGD with momentum, one state instead of two (--optimizer sgd)",
-        "LoRA adapters instead of full fine-tuning (--lora 16)",
+        "LoRA adapters instead of full fine-tuning (--lora 8)",
         "a shorter sequence or smaller images",
     ]
     t4 = infeasible_advice("GPT-2 124M, batch 1, seq 1024, fp32, sgd, train", (7, 5))
     assert t4 == [
         "mixed precision (--precision fp16-mixed)",
         "activation checkpointing (--checkpointing full)",
-        "LoRA adapters instead of full fine-tuning (--lora 16)",
+        "LoRA adapters instead of full fine-tuning (--lora 8)",
         "a shorter sequence or smaller images",
     ]
 

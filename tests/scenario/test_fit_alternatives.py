@@ -44,17 +44,24 @@ def test_each_change_gets_its_largest_batch_in_the_cli(capsys, monkeypatch):
         ("--precision bf16", 2, 2_216_689_664),
         ("--checkpointing full", None, 3_279_945_728),
         ("--optimizer sgd", 1, 2_424_307_712),
+        # A LoRA base keeps the step's bf16-mixed (its default would be bf16): batch 2 needs
+        # 3,007,315,968; QLoRA's batch 2 fits only with the allocator retrying (2,485,125,120).
+        ("--lora 8 --precision bf16-mixed", 1, 1_925_185_536),
+        ("--lora 8 --quantize nf4 --precision bf16-mixed", 1, 1_560_281_088),
         ("--optimizer adamw8bit", 1, 2_235_564_032),
     ]
     assert not any(a["combined"] for a in out["alternatives"])
-    assert out["not_measured"] == [
-        "LoRA adapters instead of full fine-tuning (--lora 16)",
-        "a shorter sequence or smaller images",
-    ]
+    assert out["alternatives"][4]["settings"] == {
+        "lora.rank": 8,
+        "quantize.format": "nf4",
+        "quantize.double_quant": False,
+        "step.precision": "bf16-mixed",
+    }
+    assert out["not_measured"] == ["a shorter sequence or smaller images"]
 
     # The text of the same answer (the searches above, not run again).
     measured = tuple(
-        FitAlternative(a["change"], a["flags"], a["step"], a["batch_size"],
+        FitAlternative(a["change"], a["flags"], a["settings"], a["batch_size"],
                        a["peak_reserved_bytes"], a["combined"])
         for a in out["alternatives"]
     )
@@ -70,31 +77,32 @@ def test_each_change_gets_its_largest_batch_in_the_cli(capsys, monkeypatch):
     assert "with --precision bf16: batch 2 fits (peak reserved 2.06 GiB)" in text
     assert "batch 1 needs 3.05 GiB" in text  # checkpointing alone
     assert text.endswith(
-        "not measured: LoRA adapters instead of full fine-tuning (--lora 16), a shorter sequence "
-        "or smaller images, a smaller margin (--margin), a GPU with more memory (--batch 1 "
-        "--smallest-gpu names the smallest)"
+        "not measured: a shorter sequence or smaller images, a smaller margin (--margin), a GPU "
+        "with more memory (--batch 1 --smallest-gpu names the smallest)"
     )
 
 
 def test_no_change_alone_fits_then_the_least_combination():
-    """On 1.35 GiB (1,449,551,462 bytes) no change fits batch 1 alone (pure bf16 runs out of
-    memory after two retries); checkpointing with pure bf16 fits, freeing the cache once on the
-    way (1,367,343,104 reserved at its peak there, as `oomkit predict` of those flags on that GPU
+    """On 1.3 GiB (1,395,864,371 bytes) no change fits batch 1 alone (QLoRA, the least, needs
+    1,560,281,088); checkpointing with pure bf16 fits, freeing the cache once on the way
+    (1,367,343,104 reserved at its peak there, as `oomkit predict` of those flags on that GPU
     says), and its batch 2 does not: the search stops at that first fitting combination."""
     found = oomkit.fit_alternatives(
-        "gpt2-124m", seq=1024, gpu="1.35GiB", context_overhead="0B", margin="0B"
+        "gpt2-124m", seq=1024, gpu="1.3GiB", context_overhead="0B", margin="0B"
     )
     assert [(a.flags, a.batch_size, a.peak_reserved_bytes, a.combined) for a in found] == [
         ("--precision bf16", None, 1_698_693_120, False),
         ("--checkpointing full", None, 3_279_945_728, False),
         ("--optimizer sgd", None, 2_424_307_712, False),
+        ("--lora 8 --precision bf16-mixed", None, 1_925_185_536, False),
+        ("--lora 8 --quantize nf4 --precision bf16-mixed", None, 1_560_281_088, False),
         ("--optimizer adamw8bit", None, 2_235_564_032, False),
         ("--checkpointing full --precision bf16", 1, 1_367_343_104, True),
     ]
     assert found[-1].title == (
         "activation checkpointing + pure bf16 weights, gradients and optimizer states"
     )
-    assert dict(found[-1].step) == {"checkpointing": "full", "precision": "bf16"}
+    assert dict(found[-1].settings) == {"step.checkpointing": "full", "step.precision": "bf16"}
 
 
 @pytest.mark.parametrize(
@@ -115,22 +123,27 @@ def test_searched_only_for_a_training_batch_search_of_a_preset_or_hf_model(what,
 
 
 def test_unmeasured_advice_drops_what_a_single_change_measured():
-    """An item ending with a measured change's flag is dropped; a combination's flags do not
-    count (its changes were measured alone first)."""
+    """An item whose flag runs, word for word, in a measured change's flags is dropped ("--lora
+    8" in "--lora 8 --precision bf16-mixed"; "--precision bf16" is not "--precision
+    bf16-mixed"); a combination's flags do not count (its changes were measured alone first)."""
     error = NoFeasibleBatchSizeError(
         "m",
         advice=(
             "activation checkpointing (--checkpointing full)",
             "SGD with momentum, one state instead of two (--optimizer sgd)",
+            "LoRA adapters instead of full fine-tuning (--lora 8)",
+            "bf16 weights, gradients and optimizer states (--precision bf16)",
             "a shorter sequence or smaller images",
         ),
     )
     measured = [
         FitAlternative("activation checkpointing", "--checkpointing full", {}, None, 1),
         FitAlternative("both", "--optimizer sgd", {}, 1, 1, combined=True),
+        FitAlternative("LoRA", "--lora 8 --precision bf16-mixed", {}, 1, 1),
     ]
     assert unmeasured_advice(error, measured) == (
         "SGD with momentum, one state instead of two (--optimizer sgd)",
+        "bf16 weights, gradients and optimizer states (--precision bf16)",
         "a shorter sequence or smaller images",
     )
     assert error.reason == "m"  # a message without advice is its own reason

@@ -47,7 +47,7 @@ def infeasible_advice(description: str, compute_capability: tuple[int, int] | No
         out.append("8-bit AdamW states (--optimizer adamw8bit)")
         out.append("SGD with momentum, one state instead of two (--optimizer sgd)")
     if training and "lora" not in description.lower():
-        out.append("LoRA adapters instead of full fine-tuning (--lora 16)")
+        out.append("LoRA adapters instead of full fine-tuning (--lora 8)")
     out.append("a shorter sequence or smaller images")
     return out
 

@@ -8,9 +8,14 @@ and, when none fits alone, with the combinations ``oomkit predict``'s remedies t
 that fits. Each answer is the batch search of that scenario, as ``oomkit fit`` with the
 change's flags would run it, so the flags it prints give that batch.
 
+The fine-tuning changes are searched too, as ``predict``'s remedies measure them: LoRA
+adapters (peft's defaults, rank 8), QLoRA (nf4 base weights under them) and 8-bit AdamW, and,
+as the last combination, checkpointing with QLoRA. A LoRA or QLoRA base is bf16 when no
+precision is given (``options.py``), so such a change also names the step's own precision,
+which its search keeps.
+
 Only a preset or a ``--hf`` model's training step is searched: a ``file.py:function`` builds
-its own step, whose precision and checkpointing are the user's code. Changes of what is
-trained (LoRA, QLoRA) and 8-bit AdamW are not searched (they are named, unmeasured).
+its own step, whose precision and checkpointing are the user's code.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ __all__ = ["FitAlternative", "fit_alternatives", "searches_alternatives"]
 
 # The step section's fields a searched change may set (StepOptions fields of the same name).
 _STEP_FIELDS = frozenset({"precision", "checkpointing", "optimizer", "optimizer_impl"})
+# StepOptions fields of the fine-tuning changes, set in the lora and quantize sections.
+_FINETUNE_FIELDS = frozenset({"lora", "quantize", "double_quant", "compute_dtype"})
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,9 @@ class FitAlternative:
     Attributes:
         title: the change in words ("activation checkpointing").
         flags: the options that apply it ("--checkpointing full").
-        step: the step section's fields it sets (``{"checkpointing": "full"}``).
+        settings: the scenario fields it sets, as ``--set`` names them
+            (``{"step.checkpointing": "full"}``, ``{"lora.rank": 8, "quantize.format":
+            "nf4", "step.precision": "bf16-mixed"}``).
         batch_size: the largest batch that fits with it; ``None``: not even batch 1 does.
         peak_reserved_bytes: what that batch needs reserved (with ``batch_size`` ``None``:
             what batch 1 needs).
@@ -47,7 +56,7 @@ class FitAlternative:
 
     title: str
     flags: str
-    step: Mapping[str, str]
+    settings: Mapping[str, object]
     batch_size: int | None
     peak_reserved_bytes: int | None
     combined: bool = False
@@ -82,7 +91,7 @@ def fit_alternatives(
     base = _base_options(scenario, target.gpu)
     changes = [
         change for change in step_changes(base, target.gpu.compute_capability)
-        if change.fields.keys() <= _STEP_FIELDS
+        if change.fields.keys() <= _STEP_FIELDS | _FINETUNE_FIELDS
     ]
     total = len(changes)
     out: list[FitAlternative] = []
@@ -91,16 +100,17 @@ def fit_alternatives(
         fields: dict[str, Any] = {}
         for change in chosen:
             fields |= change.fields
-        step = scenario.step.model_copy(update=fields)
-        variant = scenario.model_copy(update={"step": step})
+        settings = _settings(fields, base)
         title = " + ".join(change.title for change in chosen)
         flags = " ".join(change.flag for change in chosen if change.flag)
         try:
-            found = fit(variant).result
+            found = fit(_changed(scenario, settings)).result
         except NoFeasibleBatchSizeError as exc:
-            return FitAlternative(title, flags, fields, None, exc.needed_reserved_bytes, combined)
+            return FitAlternative(
+                title, flags, settings, None, exc.needed_reserved_bytes, combined
+            )
         return FitAlternative(
-            title, flags, fields, found.batch_size, found.peak_reserved_bytes, combined
+            title, flags, settings, found.batch_size, found.peak_reserved_bytes, combined
         )
 
     for done, change in enumerate(changes, 1):
@@ -129,6 +139,47 @@ def fit_alternatives(
         if alternative.batch_size is not None:
             break
     return tuple(out)
+
+
+def _settings(fields: Mapping[str, Any], base: Any) -> dict[str, object]:
+    """A change's ``StepOptions`` fields as the scenario's ``section.key`` settings; a LoRA or
+    QLoRA change keeps the step's precision (its flags name it: ``_finetune_flag``)."""
+    settings: dict[str, object] = {
+        f"step.{name}": value for name, value in fields.items() if name in _STEP_FIELDS
+    }
+    lora = fields.get("lora")
+    if lora is not None:
+        settings["lora.rank"] = lora.r  # peft's defaults otherwise, as LoraOptions()
+    if fields.get("quantize") is not None:
+        settings["quantize.format"] = fields["quantize"]
+        settings["quantize.double_quant"] = bool(fields.get("double_quant"))
+        if fields.get("compute_dtype") is not None:
+            settings["quantize.compute_dtype"] = fields["compute_dtype"]
+    if fields.keys() & _FINETUNE_FIELDS and base.precision is not None:
+        settings.setdefault("step.precision", base.precision)
+    return settings
+
+
+def _changed(scenario: Scenario, settings: Mapping[str, object]) -> Scenario:
+    """``scenario`` with ``settings`` (``section.key`` -> value) set, sections made where the
+    scenario has none (a LoRA section for a full fine-tune)."""
+    from oomkit.scenario.model import LoraSection, QuantizeSection
+
+    sections: dict[str, dict[str, object]] = {}
+    for name, value in settings.items():
+        section, key = name.split(".", 1)
+        sections.setdefault(section, {})[key] = value
+    update: dict[str, Any] = {}
+    if "step" in sections:
+        update["step"] = scenario.step.model_copy(update=sections["step"])
+    for section, kind in (("lora", LoraSection), ("quantize", QuantizeSection)):
+        if section in sections:
+            given = getattr(scenario, section)
+            update[section] = (
+                kind(**sections[section]) if given is None
+                else given.model_copy(update=sections[section])
+            )
+    return scenario.model_copy(update=update)
 
 
 def searches_alternatives(scenario: Scenario) -> bool:

@@ -110,8 +110,8 @@ def _infeasible(args: argparse.Namespace, scenario: Any, exc: NoFeasibleBatchSiz
     if searched:
         if not args.json:
             stderr_console().print(
-                "searching again with each change of precision, checkpointing and optimizer "
-                "that applies ...", markup=False, highlight=False, soft_wrap=True,
+                "searching again with each change that applies (precision, checkpointing, "
+                "optimizer, LoRA, QLoRA) ...", markup=False, highlight=False, soft_wrap=True,
             )
         with (
             progress_bar(progress_enabled(args, sys.stderr), "searching with each change")

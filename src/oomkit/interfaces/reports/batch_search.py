@@ -40,7 +40,8 @@ def infeasible_to_json(
 ) -> dict[str, object]:
     """`fit --json` when not even the smallest batch fits: ``batch_size`` null, the message,
     the figures it gives (what that batch needs reserved, what is usable, the margin) and,
-    when searched, the largest batch with each change (``alternatives``: ``batch_size`` null
+    when searched, the largest batch with each change (``alternatives``: its ``flags`` and
+    ``settings`` (``section.key`` -> value, as ``--set`` takes them), ``batch_size`` null
     where not even batch 1 fits with it; ``peak_reserved_bytes`` then batch 1's need)."""
     out: dict[str, object] = {"batch_size": None, "gpu": gpu_name, "error": str(error)}
     for name in ("needed_reserved_bytes", "usable_bytes", "margin_bytes"):
@@ -52,7 +53,7 @@ def infeasible_to_json(
             {
                 "change": a.title,
                 "flags": a.flags,
-                "step": dict(a.step),
+                "settings": dict(a.settings),
                 "combined": a.combined,
                 "batch_size": a.batch_size,
                 "peak_reserved_bytes": a.peak_reserved_bytes,
@@ -66,10 +67,23 @@ def infeasible_to_json(
 def unmeasured_advice(
     error: NoFeasibleBatchSizeError, alternatives: Sequence[FitAlternative]
 ) -> tuple[str, ...]:
-    """The error's advice that no alternative measured (an item ends with its flag in
-    parentheses: "activation checkpointing (--checkpointing full)")."""
-    measured = {f"({a.flags})" for a in alternatives if not a.combined}
-    return tuple(item for item in error.advice if not item.endswith(tuple(measured)))
+    """The error's advice that no change measured alone applies: an item ends with its flag in
+    parentheses ("activation checkpointing (--checkpointing full)"), measured when its words
+    run in a change's flags ("--lora 8" in "--lora 8 --precision bf16-mixed"; "--precision
+    bf16" is not in "--precision bf16-mixed")."""
+    measured = [a.flags.split() for a in alternatives if not a.combined]
+
+    def applied(item: str) -> bool:
+        if not item.endswith(")") or "(" not in item:
+            return False
+        words = item[item.rindex("(") + 1 : -1].split()
+        return any(
+            flags[start : start + len(words)] == words
+            for flags in measured
+            for start in range(len(flags))
+        )
+
+    return tuple(item for item in error.advice if not applied(item))
 
 
 def render_alternatives(
@@ -88,7 +102,7 @@ def render_alternatives(
         header_style="bold",
     )
     table.add_column("change")
-    table.add_column("flags")
+    table.add_column("flags", no_wrap=True)  # copied as one line
     table.add_column("largest batch", justify="right")
     table.add_column("peak reserved", justify="right")
     for a in alternatives:
