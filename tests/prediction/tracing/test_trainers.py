@@ -133,6 +133,14 @@ def test_hf_trainer_on_cpu_is_refused():
         load_user_step(f"{BUILDERS}:hf_trainer_on_cpu", batch_size=BATCH, seq_len=SEQ)
 
 
+def test_hf_trainer_emptying_the_cache_during_steps_is_refused():
+    """torch_empty_cache_steps empties the cache inside training_step, which a Trainer's
+    recording does not carry out: refused, as --trainer-args refuses the key."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TrainerRefusedError, match=r"torch_empty_cache_steps=4\) empties the"):
+        load_user_step(f"{BUILDERS}:hf_trainer_emptying_the_cache", batch_size=BATCH, seq_len=SEQ)
+
+
 def test_lightning_accumulation_keeps_the_gradients_through_the_second_micro_batch(
     lightning_unlogged,
 ):

@@ -265,6 +265,15 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         raise TrainerRefusedError(
             f"{where}: the Hugging Face Trainer has no train_dataset; pass one to Trainer(...)."
         )
+    if getattr(args, "torch_empty_cache_steps", None) is not None:
+        # training_step empties the cache every N steps (trainer.py: clear_device_cache()
+        # after compute_loss); a Trainer's empty_cache is not recorded (_on_one_gpu), so the
+        # prediction would be of another run.
+        raise TrainerRefusedError(
+            f"{where}: TrainingArguments(torch_empty_cache_steps="
+            f"{args.torch_empty_cache_steps}) empties the cache during the step, which oomkit "
+            "does not record for a Trainer; drop it (the prediction is then the run without it)."
+        )
 
     class _OneStep(TrainerCallback):
         """Stops after one optimizer step; cancels saves and evaluations (no files, no eval)."""

@@ -101,6 +101,13 @@ def hf_trainer(batch_size: int = 8, seq_len: int = 128, use_cpu: bool = False):
     return Trainer(model=Net(), args=args, train_dataset=Tokens(seq_len))
 
 
+def hf_trainer_emptying_the_cache(batch_size: int = 8, seq_len: int = 128):
+    """A Trainer with torch_empty_cache_steps: refused."""
+    trainer = hf_trainer(batch_size, seq_len)
+    trainer.args.torch_empty_cache_steps = 4
+    return trainer
+
+
 def hf_trainer_on_cpu(batch_size: int = 8, seq_len: int = 128):
     """A Trainer told to train on the CPU: refused."""
     return hf_trainer(batch_size, seq_len, use_cpu=True)
