@@ -39,6 +39,7 @@ def test_each_change_gets_its_largest_batch_in_the_cli(capsys, monkeypatch):
     assert main([*argv, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["needed_reserved_bytes"] == 3_300_917_248
+    assert out["error"].endswith("a margin of 0 B must stay free.")  # no unmeasured "Try ..."
     rows = [(a["flags"], a["batch_size"], a["peak_reserved_bytes"]) for a in out["alternatives"]]
     assert rows == [
         ("--precision bf16", 2, 2_216_689_664),

@@ -1,18 +1,14 @@
 """When not even batch 1 fits: the largest batch with each change that applies, measured.
 
 ``fit`` of a step that does not fit at batch 1 says why; this searches the batch again with
-each change of the step's precision, activation checkpointing and optimizer that applies to it
-(``diagnose.remedy_measurement.step_changes``: mixed precision, pure bf16, checkpointing, SGD),
-and, when none fits alone, with the combinations ``oomkit predict``'s remedies try
-(``combined_changes``: checkpointing, then with mixed or pure bf16), stopping at the first
-that fits. Each answer is the batch search of that scenario, as ``oomkit fit`` with the
-change's flags would run it, so the flags it prints give that batch.
-
-The fine-tuning changes are searched too, as ``predict``'s remedies measure them: LoRA
-adapters (peft's defaults, rank 8), QLoRA (nf4 base weights under them) and 8-bit AdamW, and,
-as the last combination, checkpointing with QLoRA. A LoRA or QLoRA base is bf16 when no
-precision is given (``options.py``), so such a change also names the step's own precision,
-which its search keeps.
+each change ``oomkit predict``'s remedies measure that applies to the step
+(``diagnose.remedy_measurement.step_changes``: mixed precision, pure bf16, activation
+checkpointing, SGD, LoRA adapters at peft's defaults, QLoRA, 8-bit AdamW) and, when none fits
+alone, with their combinations (``combined_changes``: checkpointing with mixed or pure bf16,
+then with QLoRA), stopping at the first that fits. Each answer is the batch search of that
+scenario, as ``oomkit fit`` with the change's flags added runs it, so the flags it prints give
+that batch. A LoRA or QLoRA base is bf16 when no precision is given (``options.py``), so such a
+change keeps the step's own precision and its flags name it.
 
 Only a preset or a ``--hf`` model's training step is searched: a ``file.py:function`` builds
 its own step, whose precision and checkpointing are the user's code.
@@ -76,8 +72,8 @@ def fit_alternatives(
     Returns:
         One record per change searched, in the order tried (each change alone; then, when
         none fits alone, the combinations up to the first that fits). Empty when the step's
-        options are not oomkit's to change (a ``file.py:function``, a trainer, an inference
-        step) or nothing applies.
+        options are not oomkit's to change (a ``file.py:function``, an inference step) or
+        nothing applies.
 
     Raises:
         OomkitError: a single change that every model takes cannot be built (as ``fit``).

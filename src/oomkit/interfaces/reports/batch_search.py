@@ -38,12 +38,15 @@ def infeasible_to_json(
     gpu_name: str,
     alternatives: Sequence[FitAlternative] = (),
 ) -> dict[str, object]:
-    """`fit --json` when not even the smallest batch fits: ``batch_size`` null, the message,
-    the figures it gives (what that batch needs reserved, what is usable, the margin) and,
-    when searched, the largest batch with each change (``alternatives``: its ``flags`` and
+    """`fit --json` when not even the smallest batch fits: ``batch_size`` null, the message
+    (its first sentence when changes were measured: their rows replace its advice), the
+    figures it gives (what that batch needs reserved, what is usable, the margin) and, when
+    searched, the largest batch with each change (``alternatives``: its ``flags`` and
     ``settings`` (``section.key`` -> value, as ``--set`` takes them), ``batch_size`` null
     where not even batch 1 fits with it; ``peak_reserved_bytes`` then batch 1's need)."""
-    out: dict[str, object] = {"batch_size": None, "gpu": gpu_name, "error": str(error)}
+    # With the changes measured, the message's unmeasured "Try ..." gives way to them.
+    message = error.reason if alternatives else str(error)
+    out: dict[str, object] = {"batch_size": None, "gpu": gpu_name, "error": message}
     for name in ("needed_reserved_bytes", "usable_bytes", "margin_bytes"):
         value = getattr(error, name, None)
         if value is not None:
