@@ -6,8 +6,8 @@ checkpointing, SGD, the fine-tuning changes (LoRA, QLoRA, 8-bit AdamW: ``_finetu
 the smallest ``--fsdp N`` (a power of two) whose rank 0 fits, and the largest halved batch that
 fits with gradient accumulation keeping the global batch (recorded with its accumulation:
 ``_batch_remedies``). When no one change fits, the least combination that does
-(``combined_changes``: checkpointing, then with mixed or pure bf16 precision, each at the largest
-halved batch that fits) is one more remedy. Each remedy says whether the step then
+(``combined_changes``: checkpointing, then with mixed or pure bf16 precision, then with QLoRA,
+each at the largest halved batch that fits) is one more remedy. Each remedy says whether the step then
 fits (``MeasuredRemedy.fits``) and what it needs (``peak_reserved_bytes``: the required reserved
 bytes of the re-prediction, its peak on a device without limit). A change that cannot apply is
 never measured (precision already that low, checkpointing already on, no Adam to replace, a
@@ -75,7 +75,7 @@ Repredict = Callable[[Any, ParallelLayout | None], "Prediction"]
 @dataclasses.dataclass(frozen=True)
 class StepChange:
     """One change to a step's ``StepOptions``: its title, the fields it sets, the code that
-    applies it, and the flag that does (``None``: no one flag, e.g. LoRA's targets)."""
+    applies it, and the options that do (``--checkpointing full``; ``None``: no option does)."""
 
     title: str
     fields: dict[str, Any]

@@ -291,16 +291,18 @@ def counting_allocations(memory: StepMemory) -> Iterator[StepMemory]:
 def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
     """``torch.cuda.mem_get_info()`` (``cudaMemGetInfo``): the device's free and total bytes.
     Free is the total less what is held outside the caching allocator (the CUDA context: the
-    target's ``context_overhead_bytes``) and what the allocator holds reserved so far, cached
-    blocks included (c10/cuda/CUDACachingAllocator.cpp returns them only on ``empty_cache``);
-    never below 0 (the replay has no memory limit, the GPU would have run out)."""
+    target's ``context_overhead_bytes``) and what the allocator holds reserved so far, its
+    cached free blocks included (c10/cuda/CUDACachingAllocator.cpp gives them back to the
+    device only in ``emptyCache`` and when a ``cudaMalloc`` fails); never below 0 (the replay
+    has no memory limit, where the GPU would have run out)."""
     free = gpu.usable_bytes() - _memory().memory_reserved()
     return max(free, 0), gpu.total_memory_bytes
 
 
 @contextlib.contextmanager
 def _torch_cuda_reports(gpu: GpuSpec, cache_emptied: bool = True) -> Iterator[None]:
-    """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing."""
+    """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
+    ``empty_cache``, a request of the enclosing recording unless not ``cache_emptied``."""
     major, minor = gpu.compute_capability or (9, 0)
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor)
     answers: dict[str, Any] = {
