@@ -268,8 +268,9 @@ def test_measured_remedies_are_the_re_predicted_drop_in_required_memory(saved, m
 
 def test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits():
     """A step whose optimizer state outweighs its activations (batch 1, seq 64) on 2.45 GiB: the
-    FSDP search bisects to 32 ranks (rank 0 of 16 does not fit, of 32 does), with NCCL's fixed
-    costs and buffers taken from each rank's usable memory; the saving is the re-predicted drop."""
+    FSDP search tries the largest mesh (64) first, then bisects to 32 ranks (rank 0 of 16 does
+    not fit, of 32 does), with NCCL's fixed costs and buffers taken from each rank's usable
+    memory; the saving is the re-predicted drop."""
     from oomkit.core.gpus.nccl import COMMUNICATOR_FIXED_BYTES, PROCESS_FIXED_BYTES
     from oomkit.diagnose.remedy_measurement import FSDP_SIZES, _measured_fsdp, repredict
     from oomkit.prediction.models import StepOptions, build_preset_step
@@ -288,13 +289,29 @@ def test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits():
     one = again(options, None)
     remedy = _measured_fsdp(options, again, FSDP_SIZES, one.required_bytes, one.usable_bytes)
     assert remedy is not None and remedy.title == "shard with FSDP across 32 GPUs"
-    assert sorted(k for k in tried if k is not None) == [8, 16, 32]
+    assert [k for k in tried if k is not None] == [64, 8, 16, 32]
     assert not tried[16].fits and tried[32].fits
     assert remedy.saving_bytes == one.required_bytes - tried[32].required_bytes
     # each rank holds NCCL's fixed costs, ring (384 MiB) and NVLS (256 MiB) buffers beside the
     # CUDA context
     nccl = PROCESS_FIXED_BYTES + COMMUNICATOR_FIXED_BYTES + 640 * MiB
     assert tried[32].usable_bytes == target.gpu.total_memory_bytes - target.context_overhead_bytes - nccl
+
+
+def test_an_fsdp_search_whose_largest_mesh_does_not_fit_records_only_it():
+    """Activations FSDP does not shard: where rank 0 of the largest mesh does not fit, no mesh
+    does, and the search stops after that one recording (it had bisected through three)."""
+    from oomkit.diagnose.remedy_measurement import FSDP_SIZES, _measured_fsdp
+
+    tried = []
+
+    def again(opts, layout):
+        tried.append(layout.fsdp)
+        return dataclasses.make_dataclass("P", ["fits", "required_bytes"])(False, 10)
+
+    assert _measured_fsdp(object(), again, FSDP_SIZES, 20, 5) is None
+    assert tried == [64]
+    assert _measured_fsdp(object(), again, (), 20, 5) is None and tried == [64]
 
 
 def test_measured_mixed_precision_on_a_t4_is_fp16_re_predicted(saved, monkeypatch):
