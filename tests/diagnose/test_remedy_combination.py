@@ -266,3 +266,33 @@ def test_checkpointing_with_qlora_comes_last_and_is_marked_as_training_adapters(
     # The single QLoRA change names its flags as measured too.
     qlora = next(r for r in remedies if r.title.startswith("QLoRA"))
     assert qlora.flag == "--lora 8 --quantize nf4 --precision fp32" and not qlora.fits
+
+
+def test_the_single_changes_re_predicted_in_forked_processes_give_the_same_remedies():
+    """jobs=2 re-predicts the single changes two at a time in forked processes: the same
+    remedies, in the same order, as one at a time; and a change every model takes that cannot
+    be built raises its own error either way."""
+    from oomkit.errors import OomkitError
+
+    def remedies(jobs, again):
+        found, warnings = measure_remedies(BASE, again, required_bytes=3200, usable_bytes=1100,
+                                           compute_capability=(9, 0), jobs=jobs)
+        return [(r.title, r.flag, r.peak_reserved_bytes, r.fits) for r in found], warnings
+
+    again, calls = _fake(usable=1100, per_sample=100, checkpointed_per_sample=20)
+    alone = remedies(1, again)
+    sgd_here = sum(c.optimizer == "sgd" for c in calls)
+    calls.clear()
+    assert remedies(2, again) == alone
+    assert len(alone[0]) == 3  # two single changes save, and the combination fits
+    # The SGD change was re-predicted in a forked process: this one never saw the call.
+    assert sgd_here == 1 and not any(c.optimizer == "sgd" for c in calls)
+
+    def refusing(options, layout):
+        if options.optimizer == "sgd":
+            raise OomkitError("no SGD for this model")
+        return again(options, layout)
+
+    for jobs in (1, 2):
+        with pytest.raises(OomkitError, match="no SGD for this model"):
+            remedies(jobs, refusing)

@@ -21,6 +21,7 @@ function (``oomkit explain`` of a saved prediction, ``_model_remedies.measured_m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from oomkit.diagnose._remedy_code import (
 from oomkit.diagnose.diagnosis import Remedy
 from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.errors import OomkitError, TorchRequiredError
+from oomkit.executors.forked import run_forked_or_here
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.units import format_bytes
 
@@ -70,6 +72,15 @@ _NATIVE_BF16_CAPABILITY = (8, 0)
 
 # (options, layout) -> the re-predicted step: layout None keeps the step's own.
 Repredict = Callable[[Any, ParallelLayout | None], "Prediction"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What a re-prediction of one change says (all a remedy keeps of it, and what a forked
+    process sends back)."""
+
+    required_bytes: int
+    fits: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +173,7 @@ def measure_remedies(
     compute_capability: tuple[int, int] | None = None,
     fsdp_sizes: Sequence[int] = (),
     progress: Callable[[int, int], None] | None = None,
+    jobs: int | None = 1,
 ) -> tuple[list[MeasuredRemedy], list[str]]:
     """Re-predict each change that applies to ``base`` and return what it saves and whether the
     step then fits.
@@ -177,6 +189,10 @@ def measure_remedies(
         fsdp_sizes: ``--fsdp`` sizes to try, smallest first; the first whose rank 0 fits is
             offered (empty: not tried, e.g. for a model FSDP is not modelled for).
         progress: called as ``progress(done, total)`` after each change.
+        jobs: processes that re-predict the single changes at once, forked
+            (``executors.forked.run_forked_or_here``: the results, and the first error, are
+            the one-at-a-time ones; None: one per core). The searches after them (FSDP, the
+            batch, the combinations) decide each step from the last, one at a time.
 
     Returns:
         The remedies that save memory (unranked; ``rank_measured`` orders them) and warnings.
@@ -190,19 +206,26 @@ def measure_remedies(
     total = len(changes) + 1 + (1 if fsdp_sizes else 0)
     out: list[MeasuredRemedy] = []
     warnings: list[str] = []
-    for done, change in enumerate(changes, 1):
+    def attempt(change: StepChange) -> _Outcome | OomkitError:
         try:
             new = repredict_with(dataclasses.replace(base, **change.fields), None)
-        except TorchRequiredError as exc:  # peft (or transformers) is not installed
-            warnings.append(f"{change.title}: not measured ({exc})")
+        except OomkitError as exc:  # judged below, in the changes' order
+            return exc
+        return _Outcome(new.required_bytes, bool(new.fits))
+
+    outcomes = run_forked_or_here(
+        [functools.partial(attempt, change) for change in changes],
+        jobs=jobs,
+        progress=None if progress is None else (lambda done, _: progress(done, total)),
+    )
+    for change, new in zip(changes, outcomes, strict=True):
+        if isinstance(new, TorchRequiredError):  # peft (or transformers) is not installed
+            warnings.append(f"{change.title}: not measured ({new})")
             continue
-        except OomkitError:
+        if isinstance(new, OomkitError):
             if not change.optional:
-                raise
+                raise new
             continue
-        finally:
-            if progress is not None:
-                progress(done, total)
         saving = required_bytes - new.required_bytes
         if saving <= 0:
             continue
@@ -247,7 +270,7 @@ def _measured(
     title: str,
     saving: int,
     code: str,
-    new: Prediction,
+    new: Prediction | _Outcome,
     required: int,
     usable: int,
     *,
@@ -489,6 +512,7 @@ def prediction_remedies(
     top: int | None = 3,
     fsdp_sizes: Sequence[int] = FSDP_SIZES,
     progress: Callable[[int, int], None] | None = None,
+    jobs: int | None = 1,
 ) -> tuple[MeasuredRemedy, ...]:
     """The measured remedies of a step that does not fit, those that make it fit first.
 
@@ -499,6 +523,7 @@ def prediction_remedies(
         fsdp_sizes: ``--fsdp`` sizes to try, smallest first (presets on one GPU only; ``()``
             skips them).
         progress: called as ``progress(done, total)`` while measuring.
+        jobs: processes that re-predict the single changes at once (``measure_remedies``).
 
     Returns:
         The remedies, ranked (``rank_measured``); empty when the step fits, is not a training
@@ -536,6 +561,7 @@ def prediction_remedies(
         compute_capability=prediction.gpu.compute_capability,
         fsdp_sizes=fsdp_sizes if one_gpu else (),
         progress=progress,
+        jobs=jobs,
     )
     ranked = rank_measured(remedies, prediction.required_bytes - prediction.usable_bytes)
     out = tuple(r for r in ranked if isinstance(r, MeasuredRemedy))

@@ -153,10 +153,12 @@ def _remedies(args: argparse.Namespace, scenario: Any, prediction: Any) -> tuple
     if workload is None or workload.kind not in ("preset", "hf"):
         return ()
     from oomkit.diagnose.remedy_measurement import prediction_remedies
+    from oomkit.scenario.run import tracing_jobs
 
     show = progress_enabled(args, sys.stderr)
     with progress_bar(show, "measuring remedies by re-predicting (--no-remedies to skip)") as bar:
-        return prediction_remedies(prediction, progress=bar)
+        # The single changes re-predicted --jobs at a time (oomkit's own builders: forked).
+        return prediction_remedies(prediction, progress=bar, jobs=tracing_jobs(scenario))
 
 
 def _run_lengths(args: argparse.Namespace, scenario: Any) -> int:
