@@ -185,9 +185,10 @@ def measured(saved):
 
     Its ``--fsdp`` search is given the largest mesh alone (``FSDP_SIZES[-1]``, 64 ranks): on
     3 GiB rank 0 does not fit even there (NCCL's 640 MiB on each rank), and rank 0's need only
-    grows on fewer ranks (the rule ``_measured_fsdp``'s bisection rests on), so the search over
-    every size answers no mesh too, after two more rank recordings (8 and 32). The bisection
-    itself is test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits's subject."""
+    grows on fewer ranks (the rule ``_measured_fsdp`` rests on), so the search over every size,
+    which records the largest mesh first, answers no mesh too after this same one recording.
+    The bisection itself is test_the_fsdp_remedy_is_the_smallest_mesh_whose_rank_0_fits's
+    subject."""
     from oomkit.diagnose import remedy_measurement
 
     with pytest.MonkeyPatch.context() as patch:
