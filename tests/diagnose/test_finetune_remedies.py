@@ -151,3 +151,21 @@ def test_fused_adamw_save_re_predicts_sgd_with_foreach():
     remedies, warnings = measured_model_remedies(saved)
     # The SGD change was built and rebuilding was tried: the preset is unknown.
     assert remedies == [] and "unknown model preset 'not-a-preset'" in warnings[0]
+
+
+def test_a_lora_base_is_loaded_in_bf16_where_the_step_kept_fp32_weights():
+    """LoRA and QLoRA on a bf16-mixed or fp32 step re-predict a bf16 base (fp16 where the GPU
+    has no bf16), as peft users load it and as `--lora` defaults; a pure bf16 step and a
+    Trainer's loop keep theirs."""
+    from oomkit.prediction.models import StepOptions
+
+    for precision in ("fp32", "bf16-mixed", "fp16-mixed"):
+        changes = finetune_changes(StepOptions(precision=precision))
+        assert [fields.get("precision") for _, fields, _ in changes] == ["bf16", "bf16", None]
+        assert "torch_dtype=torch.bfloat16" in changes[0][2]
+        assert "bnb_4bit_compute_dtype=torch.bfloat16" in changes[1][2]
+    on_t4 = finetune_changes(StepOptions(precision="fp32"), "fp16")
+    assert [fields.get("precision") for _, fields, _ in on_t4] == ["fp16", "fp16", None]
+    assert all("precision" not in fields for _, fields, _ in finetune_changes(StepOptions(precision="bf16")))
+    trainer = StepOptions(precision="bf16-mixed", trainer_mixed_precision="bf16")
+    assert all("precision" not in fields for _, fields, _ in finetune_changes(trainer))

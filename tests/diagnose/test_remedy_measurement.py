@@ -91,15 +91,22 @@ def _required(**change):
 def test_prediction_remedies_are_measured_and_fitting_first(gpt2_on_3gib):
     """For a Prediction that does not fit: the remedies that fit come first, each with the peak
     its re-prediction needs; pure bf16 (the largest saving that keeps the training) leads. On
-    3 GiB two fit (pure bf16, batch 2 x 4 accumulation steps); QLoRA needs 26 MiB more than
-    there is."""
+    3 GiB four fit: pure bf16, batch 1 x 8 accumulation steps, then, as they train adapters,
+    QLoRA and LoRA, each on a bf16 base (as peft users load one; the step's fp32 weights had
+    left QLoRA 26 MiB short), whose flags give the step measured."""
     from oomkit.diagnose.remedy_measurement import prediction_remedies
 
     p = gpt2_on_3gib
     assert not p.fits
     every = prediction_remedies(p, top=None, fsdp_sizes=())
     top = every[:3]  # what top=3 returns (the ranked tuple's first three)
-    assert len(top) == 3 and [r.fits for r in top] == [True, True, False]
+    assert len(top) == 3 and [r.fits for r in top] == [True, True, True]
+    assert [r.flag for r in every[2:4]] == [
+        "--lora 8 --quantize nf4 --precision bf16", "--lora 8 --precision bf16"
+    ]
+    from oomkit.prediction.models.lora_options import LoraOptions
+
+    assert every[3].peak_reserved_bytes == _required(lora=LoraOptions(), precision="bf16")
     assert top[0].title == "pure bf16 weights, gradients and optimizer states"
     assert top[0].flag == "--precision bf16"
     assert top[0].peak_reserved_bytes == _required(precision="bf16")

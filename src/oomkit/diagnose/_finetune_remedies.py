@@ -4,10 +4,13 @@ Each is measured, never estimated: ``_model_remedies.measured_model_remedies`` r
 saved step with the change and predicts it again. Which apply (``finetune_changes``):
 
 - LoRA (peft ``LoraConfig`` at its defaults: r 8, alpha 8, the architecture's default targets)
-  where the run trains the whole model (no ``lora``);
+  where the run trains the whole model (no ``lora``), on base weights in bf16 (fp16 on a GPU
+  without bf16) where the run kept fp32 weights (``fp32``, ``bf16-mixed``, ``fp16-mixed``), as
+  peft users load a base (``from_pretrained(torch_dtype=torch.bfloat16)``) and as ``oomkit
+  predict --lora`` defaults (``scenario/options.py``);
 - QLoRA (nf4 base weights, as bitsandbytes ``Linear4bit`` stores them) where the base weights
   are not 4-bit yet: with the run's own adapters, or with LoRA added to a full fine-tune (4-bit
-  weights cannot be trained themselves);
+  weights cannot be trained themselves), the rest of the base in bf16 as for LoRA;
 - 8-bit AdamW (bitsandbytes ``AdamW8bit``: uint8 states plus a per-block absmax) where the run
   uses torch's Adam or AdamW.
 
@@ -24,6 +27,8 @@ __all__ = ["FinetuneChange", "finetune_changes"]
 # (title, StepOptions fields to replace, code)
 FinetuneChange = tuple[str, dict[str, Any], str]
 
+# StepOptions precisions whose weights are fp32 (the autocast ones keep fp32 weights).
+_FP32_WEIGHTS = ("fp32", "bf16-mixed", "fp16-mixed")
 _LORA_CODE = (
     "from peft import LoraConfig, get_peft_model\n"
     "# base weights frozen: no gradients, no optimizer state; r=8 adapters on peft's default\n"
@@ -33,12 +38,22 @@ _LORA_CODE = (
     "    (p for p in model.parameters() if p.requires_grad), lr=2e-4\n"
     ")"
 )
+
 _EIGHT_BIT_CODE = (
     "import bitsandbytes as bnb\n"
     "optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-4)\n"
     '# Hugging Face Trainer: TrainingArguments(..., optim="adamw_bnb_8bit")'
 )
 _TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def _lora_code(precision: str | None) -> str:
+    """peft's LoRA, the base loaded in ``precision``'s dtype where it is bf16 or fp16."""
+    dtype = _TORCH_DTYPES.get(precision or "")
+    if dtype is None:
+        return _LORA_CODE
+    load = f"model = AutoModelForCausalLM.from_pretrained(name, torch_dtype={dtype})\n"
+    return load + _LORA_CODE
 
 
 def _qlora_code(precision: str | None, add_lora: bool) -> str:
@@ -50,7 +65,9 @@ def _qlora_code(precision: str | None, add_lora: bool) -> str:
         '    load_in_4bit=True, bnb_4bit_quant_type="nf4",',
         f"    bnb_4bit_compute_dtype={compute},",
         ")",
-        "model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb)",
+        "model = AutoModelForCausalLM.from_pretrained(",
+        f"    name, quantization_config=bnb, torch_dtype={compute}",
+        ")",
     ]
     if add_lora:
         lines += [
@@ -60,19 +77,32 @@ def _qlora_code(precision: str | None, add_lora: bool) -> str:
     return "\n".join(lines)
 
 
-def finetune_changes(base: Any) -> list[FinetuneChange]:
-    """The fine-tuning changes that apply to a training step's ``StepOptions`` ``base``."""
+def finetune_changes(base: Any, low_precision: str = "bf16") -> list[FinetuneChange]:
+    """The fine-tuning changes that apply to a training step's ``StepOptions`` ``base``.
+
+    Args:
+        base: the step's ``StepOptions``.
+        low_precision: the base weights' precision where the step kept fp32 weights: ``bf16``,
+            or ``fp16`` on a GPU without bf16 (compute capability below 8.0).
+    """
     from oomkit.prediction.models.lora_options import LoraOptions
 
     if base.mode != "train":
         return []
+    # A Trainer's own loop keeps the weights its arguments give (trainer_mixed_precision).
+    lowered: dict[str, Any] = (
+        {"precision": low_precision}
+        if base.precision in _FP32_WEIGHTS and base.trainer_mixed_precision is None
+        else {}
+    )
+    precision = lowered.get("precision", base.precision)
     out: list[FinetuneChange] = []
     if base.lora is None:
         out.append(
             (
                 "LoRA adapters (peft, r8) instead of full fine-tuning",
-                {"lora": LoraOptions()},
-                _LORA_CODE,
+                {"lora": LoraOptions()} | lowered,
+                _lora_code(precision),
             )
         )
     if base.quantize not in ("nf4", "fp4"):
@@ -86,7 +116,7 @@ def finetune_changes(base: Any) -> list[FinetuneChange]:
             if add_lora
             else f"QLoRA: 4-bit nf4 base weights{was} under the LoRA adapters"
         )
-        out.append((title, change, _qlora_code(base.precision, add_lora)))
+        out.append((title, change | lowered, _qlora_code(precision, add_lora)))
     if base.optimizer in ("adamw", "adam"):
         out.append(
             (

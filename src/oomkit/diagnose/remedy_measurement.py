@@ -139,7 +139,7 @@ def step_changes(base: Any, compute_capability: tuple[int, int] | None) -> list[
                 "--optimizer sgd",
             )
         )
-    for title, fields, code in finetune_changes(base):
+    for title, fields, code in finetune_changes(base, "bf16" if bf16 else "fp16"):
         out.append(StepChange(title, fields, code, _finetune_flag(base, fields), optional=True))
     return out
 
@@ -147,9 +147,10 @@ def step_changes(base: Any, compute_capability: tuple[int, int] | None) -> list[
 def _finetune_flag(base: Any, fields: dict[str, Any]) -> str | None:
     """The options that apply a fine-tuning change as it was measured: ``--lora R`` (peft's
     defaults otherwise, as ``LoraOptions()``), ``--quantize nf4``, ``--optimizer adamw8bit``.
-    A LoRA or QLoRA base is bf16 by default when no ``--precision`` is given
-    (``scenario/options.py``), so the step's own precision is named too: the flags then give
-    the step that was measured."""
+    The precision of the base weights is named too (the change's, else the step's own): a
+    LoRA or QLoRA base is bf16 by default when no ``--precision`` is given
+    (``scenario/options.py``), and a command that gives one keeps it; either way the flags
+    then give the step that was measured."""
     if fields.get("optimizer") == "adamw8bit":
         return "--optimizer adamw8bit"
     parts = []
@@ -159,8 +160,9 @@ def _finetune_flag(base: Any, fields: dict[str, Any]) -> str | None:
         parts.append(f"--quantize {fields['quantize']}")
     if not parts:
         return None
-    if base.precision is not None:
-        parts.append(f"--precision {base.precision}")
+    precision = fields.get("precision", base.precision)
+    if precision is not None:
+        parts.append(f"--precision {precision}")
     return " ".join(parts)
 
 
