@@ -273,8 +273,9 @@ _memories: list[StepMemory] = []
 
 
 def _memory() -> StepMemory:
-    """The innermost open recorder's memory; outside any, an allocator that served nothing."""
-    return _memories[-1] if _memories else StepMemory(())
+    """The innermost open recorder's memory; outside any, an allocator that served nothing
+    (an ``empty_cache()`` there goes to a log no recording reads)."""
+    return _memories[-1] if _memories else StepMemory([])
 
 
 @contextlib.contextmanager

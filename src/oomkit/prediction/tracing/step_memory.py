@@ -9,9 +9,9 @@ line: each ``("alloc", ...)`` of the recorder's log is a ``malloc`` on its strea
 target's ``PYTORCH_CUDA_ALLOC_CONF`` and PyTorch version and no memory limit (as the
 prediction's ``required_bytes``): a step that would run out of memory on the GPU keeps being
 recorded, and its reads go on past the limit (a request the allocator refuses even so, over
-1 EiB, is left out of them). ``reset_peak_memory_stats()`` restarts the peaks. ``empty_cache()`` is a request of the step:
-logged as ``("empty_cache",)``, it releases the cached blocks in the reads after it and in the
-report's replay (an ``empty_cache`` trace event).
+1 EiB, is left out of them). ``reset_peak_memory_stats()`` restarts the peaks.
+``empty_cache()`` is a request of the step: logged as ``("empty_cache",)``, it releases the
+cached blocks in the reads after it and in the report's replay (an ``empty_cache`` trace event).
 
 Where it may differ from the report: the report replays the finished recording, in which a
 free that waits on another stream's work (a distributed step's collectives) may come later
@@ -22,7 +22,6 @@ recorder starts, or outside one, see an allocator that has served nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
@@ -30,7 +29,6 @@ from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.target import Target
 
 __all__ = ["StepMemory"]
-
 
 
 class StepMemory:
@@ -43,7 +41,7 @@ class StepMemory:
             ``None``: PyTorch's defaults, its newest release.
     """
 
-    def __init__(self, log: Sequence[Any], target: Target | None = None) -> None:
+    def __init__(self, log: list[tuple[Any, ...]], target: Target | None = None) -> None:
         self._log = log
         self._read = 0
         self._allocator = CachingAllocator(
@@ -65,7 +63,6 @@ class StepMemory:
                     addresses[alloc.alloc_id] = allocator.malloc(alloc.size_bytes, alloc.stream)
                 except SimulatedOutOfMemoryError:
                     pass  # past even 1 EiB ("more than 1EB"): left out of the reads, not raised
-
             elif entry[0] == "free":
                 allocator.free(addresses.pop(entry[1].alloc_id, 0))
             elif entry[0] == "empty_cache":
@@ -78,8 +75,7 @@ class StepMemory:
         device (c10/cuda/CUDACachingAllocator.cpp ``emptyCache``: ``release_cached_blocks``),
         logged among its allocations, so that the report's replay releases them at the same
         point, and the reads after it see them released."""
-        if isinstance(self._log, list):  # a recorder's log (outside one: nothing to release)
-            self._log.append(("empty_cache",))
+        self._log.append(("empty_cache",))
 
     def memory_allocated(self) -> int:
         """``torch.cuda.memory_allocated()``."""
@@ -116,7 +112,7 @@ class StepMemory:
         return {
             "torch.cuda memory counters": (
                 f"read {self.reads} time(s) by the step (memory_allocated, memory_reserved, "
-                "their peaks, memory_stats), answered by replaying the requests recorded up to "
+                "their peaks, memory_stats, mem_get_info), answered by replaying the requests recorded up to "
                 "each read on the simulated caching allocator (the target's settings, no memory "
                 "limit; frees complete at once)"
             )
