@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from oomkit.core.gpus import CATALOG, GpuSpec
 from oomkit.core.target import Target
-from oomkit.errors import NoFeasibleBatchSizeError, UserCodeError
+from oomkit.errors import ConfigError, NoFeasibleBatchSizeError, UserCodeError
 from oomkit.plan.batch_search import (
     MIN_DEFAULT_MARGIN_BYTES,
     default_margin_bytes,
@@ -108,7 +108,9 @@ def test_answer_is_the_true_maximum_and_never_above(capacity_bytes, margin_bytes
     """For a step linear in batch, the search finds exactly the largest fitting batch."""
     expected = _true_max(capacity_bytes, margin_bytes, max_batch)
     if expected is None:
-        with pytest.raises(NoFeasibleBatchSizeError, match="not even batch 1 fits|nothing fits"):
+        # A margin not below the GPU is a contradiction (ConfigError); else batch 1 is too big.
+        error = ConfigError if margin_bytes >= capacity_bytes else NoFeasibleBatchSizeError
+        with pytest.raises(error, match="not even batch 1 fits|no batch could fit"):
             max_batch_size(
                 _linear(), target=Target.resolve(_gpu(capacity_bytes)), margin_bytes=margin_bytes, max_batch=max_batch
             )
@@ -276,14 +278,34 @@ def test_batch_one_not_fitting_raises_with_advice():
     assert error.needed_reserved_bytes is not None and error.needed_reserved_bytes > 9 * MiB
 
 
-def test_margin_not_below_usable_raises_before_tracing():
-    """A margin that leaves nothing usable fails at once, without calling the builder."""
-    calls = []
-    with pytest.raises(NoFeasibleBatchSizeError, match="nothing fits on test GPU"):
+@given(over_mib=st.integers(min_value=0, max_value=2**20))
+@settings(max_examples=25, deadline=None)
+def test_a_given_margin_not_below_usable_is_a_config_error_before_tracing(over_mib):
+    """A margin the user gives that leaves nothing of the GPU contradicts the question: a
+    ConfigError naming both figures and the default, raised without calling the builder."""
+    calls: list[int] = []
+    with pytest.raises(ConfigError) as raised:
         max_batch_size(
-            _linear(calls), target=Target.resolve(_gpu(100 * MiB)), margin_bytes=100 * MiB
+            _linear(calls),
+            target=Target.resolve(_gpu(100 * MiB)),
+            margin_bytes=(100 + over_mib) * MiB,
         )
     assert calls == []
+    assert not isinstance(raised.value, NoFeasibleBatchSizeError)
+    assert "usable on test GPU, so no batch could fit. Give a margin below 100.00 MiB" in str(
+        raised.value
+    )
+    assert "the default is 256.00 MiB here" in str(raised.value)
+
+
+def test_the_default_margin_above_a_small_gpu_is_nothing_fitting():
+    """The default margin (256 MiB at least) above a 100 MiB GPU is not the user's doing:
+    NoFeasibleBatchSizeError (fit exits 1), still without calling the builder."""
+    calls: list[int] = []
+    with pytest.raises(NoFeasibleBatchSizeError, match="nothing fits on test GPU") as raised:
+        max_batch_size(_linear(calls), target=Target.resolve(_gpu(100 * MiB)))
+    assert calls == []
+    assert (raised.value.usable_bytes, raised.value.margin_bytes) == (100 * MiB, 256 * MiB)
 
 
 def test_margin_is_held_as_memory_the_allocator_cannot_use():

@@ -7,7 +7,7 @@ import pytest
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import NoFeasibleBatchSizeError
+from oomkit.errors import ConfigError, NoFeasibleBatchSizeError
 from oomkit.plan.envelope_fit import max_batch_for_run
 from oomkit.prediction.tracing.recording import TraceRecording
 
@@ -180,3 +180,16 @@ def test_jobs_trace_a_probes_lengths_in_forked_processes_with_the_same_search(tm
     log.unlink()
     failing = max_batch_for_run(lambda b, n: record(b, n, fail_ahead=True), jobs=2, **kwargs)
     assert outcome(failing) == outcome(serial)
+
+
+def test_a_given_margin_not_below_usable_is_a_config_error_before_recording():
+    """--lengths with a margin of the whole 100 MiB: ConfigError, no length recorded."""
+    recorded: list[tuple[int, int]] = []
+
+    def record(batch: int, length: int) -> TraceRecording:
+        recorded.append((batch, length))
+        return synthetic(batch, length)
+
+    with pytest.raises(ConfigError, match="not below the 100.00 MiB usable on test GPU"):
+        max_batch_for_run(record, [12, 14], _target(100), margin_bytes=100 * MiB)
+    assert recorded == []

@@ -20,7 +20,7 @@ from typing import Any
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError, UserCodeError
 from oomkit.prediction.predictor import Prediction, predict_recording
-from oomkit.units import MiB
+from oomkit.units import MiB, format_bytes
 
 __all__ = [
     "DEFAULT_MARGIN_FRACTION",
@@ -110,14 +110,28 @@ def check_positive(name: str, value: int, example: str) -> None:
         raise ConfigError(f"{name} must be a whole number of at least 1; got {value!r}. Example: {example}")
 
 
-def resolve_margin(margin_bytes: int | None, usable_bytes: int) -> int:
-    """``margin_bytes``, checked; ``None`` is ``default_margin_bytes(usable_bytes)``."""
+def resolve_margin(margin_bytes: int | None, usable_bytes: int, gpu_name: str | None = None) -> int:
+    """``margin_bytes``, checked; ``None`` is ``default_margin_bytes(usable_bytes)``.
+
+    With ``gpu_name`` (a search on that one GPU), a margin the user gave that is not below
+    ``usable_bytes`` contradicts the question and raises ``ConfigError``; the default margin
+    above a small GPU's memory is left to the search, which finds that nothing fits. A
+    search over several GPUs (``smallest_gpu``) passes no name: there a margin above one
+    GPU only rules that GPU out.
+    """
     if margin_bytes is None:
         return default_margin_bytes(usable_bytes)
-    if not isinstance(margin_bytes, int) or margin_bytes < 0:
+    if not isinstance(margin_bytes, int) or isinstance(margin_bytes, bool) or margin_bytes < 0:
         raise ConfigError(
             f"margin_bytes must be a whole number of bytes >= 0; got {margin_bytes!r}. "
             "Example: margin_bytes=512 * 2**20"
+        )
+    if gpu_name is not None and margin_bytes >= usable_bytes:
+        raise ConfigError(
+            f"the margin of {format_bytes(margin_bytes)} is not below the "
+            f"{format_bytes(usable_bytes)} usable on {gpu_name}, so no batch could fit. Give a "
+            f"margin below {format_bytes(usable_bytes)} (margin_bytes, --margin; the default is "
+            f"{format_bytes(default_margin_bytes(usable_bytes))} here) or a GPU with more memory."
         )
     return margin_bytes
 

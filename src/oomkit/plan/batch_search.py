@@ -361,13 +361,14 @@ def max_batch_size(
         number of traces made and of recordings synthesized.
 
     Raises:
-        NoFeasibleBatchSizeError: not even batch 1 fits with the margin (or the margin is
-            not below the usable memory).
+        NoFeasibleBatchSizeError: not even batch 1 fits with the margin (or the default
+            margin is not below the usable memory).
         UserCodeError: a builder returned something that is not a step.
         UnsupportedOpError: an op of the step cannot run on the meta device.
         ValueError: ``steps``, ``start_batch`` or ``max_batch`` is below 1, ``start_batch``
-            is above ``max_batch`` or ``margin_bytes`` is negative (``AllocatorUsageError``, a
-            ValueError: ``jobs`` is not a positive int or None).
+            is above ``max_batch``, or a given ``margin_bytes`` is negative or not below the
+            usable memory (``ConfigError``); ``jobs`` is not a positive int or None
+            (``AllocatorUsageError``).
     """
     check_step_count(steps, "max_batch_size(build, target=target, steps=2)")
     check_positive("start_batch", start_batch, "max_batch_size(build, target=target, start_batch=8)")
@@ -383,7 +384,7 @@ def max_batch_size(
         target = Target.resolve("h100")
     spec = target.gpu
     usable = spec.usable_bytes()
-    margin = resolve_margin(margin_bytes, usable)
+    margin = resolve_margin(margin_bytes, usable, spec.name)
     searched = less_margin(target, margin)
     if searched is None:
         raise NoFeasibleBatchSizeError(

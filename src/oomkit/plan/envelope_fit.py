@@ -193,7 +193,7 @@ def max_batch_for_run(
         NoFeasibleBatchSizeError: not even ``start_batch`` (nor batch 1 below it) fits.
     """
     say = progress or (lambda _line: None)
-    margin = resolve_margin(margin_bytes, target.usable_bytes)
+    margin = resolve_margin(margin_bytes, target.usable_bytes, target.gpu.name)
     recordings = _Recordings(record, interpolate, process_count(jobs))
     # The lengths every probe records, in the order the run first needs them.
     distinct = [

@@ -106,6 +106,19 @@ def test_batch_one_not_fitting_exits_1(user_file, capsys):
     )
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_given_margin_above_usable_is_a_usage_error(user_file, capsys, as_json):
+    """--margin 100MiB on a 100 MiB GPU asks the impossible: exit 2, one line saying what to
+    give, nothing traced and no alternatives searched."""
+    code = main(["fit", f"{user_file}:build", *SMALL, "--margin", "100MiB"] + ["--json"] * as_json)
+    assert code == 2
+    captured = capsys.readouterr()
+    assert "the margin of 100.00 MiB is not below the 100.00 MiB usable on custom 100.00 MiB" in (
+        captured.err
+    )
+    assert "Traceback" not in captured.err and "searching again" not in captured.err
+
+
 def test_default_margin_above_usable_json(user_file, capsys):
     """The default margin (256 MiB) leaves nothing of 100 MiB: one JSON object, exit 1."""
     assert main(["fit", f"{user_file}:build", *SMALL, "--json"]) == 1
