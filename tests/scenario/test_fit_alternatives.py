@@ -135,6 +135,8 @@ def test_searched_only_for_a_training_batch_search_of_a_preset_or_hf_model(what,
 
     assert not searches_alternatives(scenario_from_keywords(what, "fit", **keywords))
     assert searches_alternatives(scenario_from_keywords("gpt2-124m", "fit", seq=64))
+    # A whole run's batch (--lengths) is searched too.
+    assert searches_alternatives(scenario_from_keywords("gpt2-124m", "fit", lengths="l.txt"))
 
 
 def test_unmeasured_advice_drops_what_a_single_change_measured():
@@ -162,6 +164,51 @@ def test_unmeasured_advice_drops_what_a_single_change_measured():
         "a shorter sequence or smaller images",
     )
     assert error.reason == "m"  # a message without advice is its own reason
+
+
+def test_a_run_of_lengths_gets_each_change_searched_as_fit_lengths(tmp_path, capsys, monkeypatch):
+    """fit --lengths (256, 512, 384) on 2 GiB: batch 1's run of GPT-2 runs out of memory at its
+    first step. Pure bf16 (the only change let run here) fits batch 4, whose worst step needs
+    2,139,095,040 bytes, as `oomkit fit --lengths ... --precision bf16` made apart says. The
+    advice left unmeasured is the step's: no mixed precision (the preset's step is bf16-mixed
+    already), and the run's lengths are the data's to truncate."""
+    from oomkit.diagnose import remedy_measurement
+
+    every_change = remedy_measurement.step_changes
+    monkeypatch.setattr(
+        remedy_measurement, "step_changes",
+        lambda base, cc: [c for c in every_change(base, cc) if c.fields.keys() <= {"precision"}],
+    )
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("256\n512\n384\n")
+    argv = ["fit", "gpt2-124m", "--lengths", str(lengths), "--gpu", "2GiB", *EXACT, "--json"]
+    assert main(argv) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"] == (
+        "not even batch 1 runs the whole run on custom 2.00 GiB: its step 1 runs out of memory "
+        "(2.00 GiB reserved before it did), and of the 2.00 GiB usable a margin of 0 B must stay "
+        "free."
+    )
+    assert [(a["flags"], a["batch_size"], a["peak_reserved_bytes"]) for a in out["alternatives"]] \
+        == [("--precision bf16", 4, 2_139_095_040)]
+    assert out["not_measured"] == [
+        "activation checkpointing (--checkpointing full)",
+        "8-bit AdamW states (--optimizer adamw8bit)",
+        "SGD with momentum, one state instead of two (--optimizer sgd)",
+        "LoRA adapters instead of full fine-tuning (--lora 8)",
+        "a shorter sequence or smaller images (truncate the longest the run will see)",
+    ]
+
+
+def test_a_run_that_runs_out_part_way_has_no_figure_but_says_so():
+    """A change whose batch-1 run runs out of memory part-way (--lengths) has no need to
+    print: the row says the run runs out."""
+    error = NoFeasibleBatchSizeError("m", advice=("a shorter sequence or smaller images",))
+    rows = [FitAlternative("SGD", "--optimizer sgd", {}, None, None)]
+    console = Console(record=True, width=200)
+    render_alternatives(error, rows, console)
+    text = " ".join(console.export_text().split())
+    assert "│ SGD │ --optimizer sgd │ none │ batch 1 runs out part-way │" in text
 
 
 def test_a_sharded_search_is_pointed_at_gpu_counts_not_smallest_gpu():

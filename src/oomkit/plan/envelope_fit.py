@@ -80,14 +80,21 @@ def _infeasible(
         what = f"its step {probe.first_oom_step} runs out of memory ({worst} reserved before it did)"
     else:
         what = f"its worst step needs {worst} reserved"
-    return NoFeasibleBatchSizeError(
+    # A run's lengths are the data's: its last item (a shorter sequence) says how to shorten it.
+    advice[-1] += " (truncate the longest the run will see)"
+    reason = (
         f"not even batch 1 runs the whole run on {target.gpu.name}: {what}, and of the "
         f"{format_bytes(target.usable_bytes)} usable a margin of {format_bytes(margin)} must stay "
-        f"free. Try {', '.join(advice)} (truncate the longest the run will see), a smaller "
-        "margin (--margin), or a GPU with more memory.",
+        "free."
+    )
+    return NoFeasibleBatchSizeError(
+        f"{reason} Try {', '.join(advice)}, a smaller margin (--margin), or a GPU with more "
+        "memory.",
         needed_reserved_bytes=None if probe.first_oom_step is not None else probe.worst_peak_reserved_bytes,
         usable_bytes=target.usable_bytes,
         margin_bytes=margin,
+        reason=reason,
+        advice=tuple(advice),
     )
 
 
@@ -168,6 +175,7 @@ def max_batch_for_run(
     progress: Callable[[str], None] | None = None,
     interpolate: bool = True,
     jobs: int | None = 1,
+    description: Callable[[], str] | None = None,
 ) -> EnvelopeFit:
     """The largest batch size (<= ``max_batch``) whose whole run fits with ``margin_bytes`` spare.
 
@@ -188,6 +196,9 @@ def max_batch_for_run(
             (see the module); ``False`` traces every batch at every length.
         jobs: processes that trace a probe's lengths at once (None: one per CPU core; 1, the
             default: one at a time here; the result is the same).
+        description: gives the step's description, whose options the advice of a run that
+            does not fit leaves out (``batch_advice.infeasible_advice``), where the replayed
+            recordings carry none.
 
     Raises:
         NoFeasibleBatchSizeError: not even ``start_batch`` (nor batch 1 below it) fits.
@@ -269,9 +280,10 @@ def max_batch_for_run(
             low, high = _search(fits, start_batch, max_batch)
     if low == 0:
         failed = order[-1]
-        raise _infeasible(
-            probes[failed], target, margin, envelopes[failed].prediction.description
-        )
+        described = envelopes[failed].prediction.description
+        if not described and description is not None:
+            described = description()
+        raise _infeasible(probes[failed], target, margin, described)
     return EnvelopeFit(
         low,
         envelopes[low],

@@ -7,9 +7,9 @@ checkpointing, SGD, LoRA adapters at peft's defaults, QLoRA, 8-bit AdamW), then 
 combinations (``combined_changes``: checkpointing with mixed or pure bf16, then with QLoRA),
 stopping at the first combination that fits. (``predict``'s remedies try the combinations only
 where no change fits alone: there the question is whether the step fits, here how large a
-batch does.) Each answer is the batch search of that
-scenario, as ``oomkit fit`` with the change's flags added runs it, so the flags it prints give
-that batch. A LoRA or QLoRA change loads the base in bf16 (fp16 without bf16) where the step
+batch does.) Each answer is the batch search of that scenario, as ``oomkit fit`` with the
+change's flags added runs it (with ``--lengths``, the largest batch whose whole run fits), so
+the flags it prints give that batch. A LoRA or QLoRA change loads the base in bf16 (fp16 without bf16) where the step
 kept fp32 weights, as peft users do, and its flags name the precision.
 
 Only a preset or a ``--hf`` model's training step is searched: a ``file.py:function`` builds
@@ -46,9 +46,11 @@ class FitAlternative:
         settings: the scenario fields it sets, as ``--set`` names them
             (``{"step.checkpointing": "full"}``, ``{"lora.rank": 8, "quantize.format":
             "nf4", "step.precision": "bf16-mixed"}``).
-        batch_size: the largest batch that fits with it; ``None``: not even batch 1 does.
-        peak_reserved_bytes: what that batch needs reserved (with ``batch_size`` ``None``:
-            what batch 1 needs).
+        batch_size: the largest batch that fits with it (with ``--lengths``: whose whole run
+            fits); ``None``: not even batch 1 does.
+        peak_reserved_bytes: what that batch needs reserved (with ``--lengths``: at the run's
+            worst step); with ``batch_size`` ``None``, what batch 1 needs, or ``None`` where
+            its run runs out of memory part-way.
         combined: several changes together, tried because none fits alone.
     """
 
@@ -67,8 +69,8 @@ def fit_alternatives(
     fit (``fit`` raised ``NoFeasibleBatchSizeError``).
 
     Args:
-        scenario: the request ``fit`` was given (a batch search: not ``smallest_gpu``,
-            ``global_batch`` or ``lengths``).
+        scenario: the request ``fit`` was given (a batch search, of one step or with
+            ``lengths`` of a whole run: not ``smallest_gpu`` or ``global_batch``).
         progress: called as ``progress(done, total)`` after each search.
 
     Returns:
@@ -102,14 +104,17 @@ def fit_alternatives(
         title = " + ".join(change.title for change in chosen)
         flags = " ".join(change.flag for change in chosen if change.flag)
         try:
-            found = fit(_changed(scenario, settings)).result
+            answer = fit(_changed(scenario, settings))
         except NoFeasibleBatchSizeError as exc:
             return FitAlternative(
                 title, flags, settings, None, exc.needed_reserved_bytes, combined
             )
-        return FitAlternative(
-            title, flags, settings, found.batch_size, found.peak_reserved_bytes, combined
+        found = answer.result
+        peak = (
+            found.envelope.worst_peak_reserved_bytes if answer.kind == "lengths"
+            else found.peak_reserved_bytes
         )
+        return FitAlternative(title, flags, settings, found.batch_size, peak, combined)
 
     for done, change in enumerate(changes, 1):
         try:
@@ -183,15 +188,14 @@ def _changed(scenario: Scenario, settings: Mapping[str, object]) -> Scenario:
 
 def searches_alternatives(scenario: Scenario) -> bool:
     """Whether ``fit_alternatives`` searches anything for ``scenario``: a preset's or ``--hf``
-    model's training step in a batch search (not ``smallest_gpu``, ``global_batch`` or
-    ``lengths``)."""
+    model's training step in a batch search, of one step or of a whole run (``lengths``), not
+    ``smallest_gpu`` or ``global_batch``."""
     search = scenario.search
     return (
         scenario.model.kind in ("preset", "hf")
         and (scenario.step.mode or "train") == "train"
         and not search.smallest_gpu
         and search.global_batch is None
-        and scenario.lengths is None
     )
 
 

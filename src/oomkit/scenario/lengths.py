@@ -167,10 +167,20 @@ def fit_lengths(
     def record(batch: int, length: int) -> Any:
         return record_at(batch, length)[0]
 
+    def description() -> str:
+        """The step's description at batch 1, for the advice when not even that fits (the
+        recordings may have been made in forked processes, whose descriptions stay there)."""
+        shaped = scenario.model_copy(
+            update={"step": scenario.step.model_copy(update={"seq": max(lengths)})}
+        )
+        built = build_workload(shaped, 1, target.gpu)
+        return built.description.replace(f"seq {max(lengths)}", "variable seq")
+
     return max_batch_for_run(
         record,
         lengths,
         target,
+        description=description,
         margin_bytes=scenario.search.margin_bytes,
         start_batch=scenario.step.batch or 1,
         max_batch=scenario.search.max_batch,

@@ -101,8 +101,12 @@ def _infeasible(args: argparse.Namespace, scenario: Any, exc: NoFeasibleBatchSiz
     from oomkit.scenario.run import scenario_target
 
     target = scenario_target(scenario)
-    # A margin that leaves nothing fails before a trace: no change can make room.
-    searched = searches_alternatives(scenario) and exc.needed_reserved_bytes is not None
+    # The default margin above a small GPU fails before a trace: no change can make room.
+    nothing_left = (
+        exc.margin_bytes is not None and exc.usable_bytes is not None
+        and exc.margin_bytes >= exc.usable_bytes
+    )
+    searched = searches_alternatives(scenario) and not nothing_left
     if not args.json:
         shown = exc.reason if searched else str(exc)
         stderr_console().print(f"[bold red]{_escaped(shown)}[/]", soft_wrap=True)

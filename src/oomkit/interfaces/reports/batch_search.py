@@ -111,7 +111,8 @@ def render_alternatives(
     for a in alternatives:
         need = "" if a.peak_reserved_bytes is None else format_bytes(a.peak_reserved_bytes)
         if a.batch_size is None:
-            batch, need = "none", f"batch 1 needs {need}" if need else ""
+            # No figure: batch 1's run (--lengths) runs out of memory part-way.
+            batch, need = "none", f"batch 1 needs {need}" if need else "batch 1 runs out part-way"
         else:
             batch = str(a.batch_size)
         table.add_row(escape(a.title), escape(a.flags), batch, need)
