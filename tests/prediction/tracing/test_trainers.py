@@ -133,12 +133,33 @@ def test_hf_trainer_on_cpu_is_refused():
         load_user_step(f"{BUILDERS}:hf_trainer_on_cpu", batch_size=BATCH, seq_len=SEQ)
 
 
-def test_hf_trainer_emptying_the_cache_during_steps_is_refused():
-    """torch_empty_cache_steps empties the cache inside training_step, which a Trainer's
-    recording does not carry out: refused, as --trainer-args refuses the key."""
+@pytest.mark.parametrize(("every", "emptying_steps"), [(1, [0, 1, 2]), (2, [0, 2]), (4, [0])])
+def test_hf_trainer_empties_the_cache_in_the_steps_one_run_does(every, emptying_steps):
+    """torch_empty_cache_steps=N: training_step empties the cache after the loss, before the
+    backward, in the optimizer steps N divides (transformers/trainer.py training_step). Each
+    recorded step restarts train() at global_step 0; the recording empties where one run's
+    step does: one empty_cache in each such step, after its loss and before its first
+    gradient, and none elsewhere (nor at the restarts)."""
+    from oomkit.prediction.tracing.step_runner import trace_step
+
     pytest.importorskip("transformers")
-    with pytest.raises(TrainerRefusedError, match=r"torch_empty_cache_steps=4\) empties the"):
-        load_user_step(f"{BUILDERS}:hf_trainer_emptying_the_cache", batch_size=BATCH, seq_len=SEQ)
+    user = load_user_step(
+        f"{BUILDERS}:hf_trainer_emptying_the_cache", batch_size=2, seq_len=16, extra={"every": every}
+    )
+    recording = trace_step(lambda *_tracked: user.step_fn(), *user.track, steps=3,
+                           target=Target.resolve("h100"))
+    events = recording.events
+    bounds = [*recording.step_starts, len(events)]
+
+    def step_of(index: int) -> int:
+        return next(i for i in range(len(bounds) - 1) if bounds[i] <= index < bounds[i + 1])
+
+    emptied = [i for i, event in enumerate(events) if event.action == "empty_cache"]
+    assert [step_of(i) for i in emptied] == emptying_steps
+    for index in emptied:
+        before = [dict(e.tags).get("category") for e in events[bounds[step_of(index)]:index]]
+        after = [dict(e.tags).get("category") for e in events[index:bounds[step_of(index) + 1]]]
+        assert "gradient" not in before and "gradient" in after
 
 
 def test_lightning_accumulation_keeps_the_gradients_through_the_second_micro_batch(

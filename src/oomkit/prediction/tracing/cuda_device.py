@@ -65,7 +65,7 @@ from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
 
-__all__ = ["as_one_cuda_gpu", "counting_allocations"]
+__all__ = ["as_one_cuda_gpu", "counting_allocations", "emptying_cache"]
 
 _META = torch.device("meta")
 # torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
@@ -278,6 +278,29 @@ def _memory() -> StepMemory:
     return _memories[-1] if _memories else StepMemory([])
 
 
+# Whether ``torch.cuda.empty_cache()`` is a request of the recording: the innermost
+# ``as_one_cuda_gpu``'s or ``emptying_cache``'s choice.
+_cache_emptied: list[bool] = []
+
+
+def _empty_cache() -> None:
+    if _cache_emptied and _cache_emptied[-1]:
+        _memory().empty_cache()
+
+
+@contextlib.contextmanager
+def emptying_cache(emptied: bool = True) -> Iterator[None]:
+    """While open, ``torch.cuda.empty_cache()`` is (``emptied``) or is not a request of the
+    enclosing recording, whatever ``as_one_cuda_gpu`` chose: a trainer restarted for each
+    recorded step empties no cache at its starts, but its ``training_step`` empties it where
+    one run does (``torch_empty_cache_steps``)."""
+    _cache_emptied.append(emptied)
+    try:
+        yield
+    finally:
+        _cache_emptied.pop()
+
+
 @contextlib.contextmanager
 def counting_allocations(memory: StepMemory) -> Iterator[StepMemory]:
     """While open, ``torch.cuda``'s memory counters (inside ``as_one_cuda_gpu``) read
@@ -301,9 +324,9 @@ def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _torch_cuda_reports(gpu: GpuSpec, cache_emptied: bool = True) -> Iterator[None]:
+def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
-    ``empty_cache``, a request of the enclosing recording unless not ``cache_emptied``."""
+    ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so."""
     major, minor = gpu.compute_capability or (9, 0)
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor)
     answers: dict[str, Any] = {
@@ -312,7 +335,7 @@ def _torch_cuda_reports(gpu: GpuSpec, cache_emptied: bool = True) -> Iterator[No
         "current_device": lambda: 0,
         "set_device": lambda device: None,
         "synchronize": lambda device=None: None,
-        "empty_cache": (lambda: _memory().empty_cache()) if cache_emptied else (lambda: None),
+        "empty_cache": _empty_cache,
         "get_device_name": lambda device=None: gpu.name,
         "get_device_capability": lambda device=None: (major, minor),
         "get_device_properties": lambda device=None: properties,
@@ -476,7 +499,8 @@ def as_one_cuda_gpu(
     _open_gpus.append((gpu, device))
     try:
         with (
-            _torch_cuda_reports(gpu, cache_emptied),
+            emptying_cache(cache_emptied),
+            _torch_cuda_reports(gpu),
             _module_moves_keep_sharing(),
             _CudaOnMeta(device),
         ):

@@ -37,6 +37,10 @@ script, ``script_run``, byte for byte):
   total norm, a device scalar), locals of ``Trainer._run_epoch`` (transformers/trainer.py) that
   the next step rebinds: ``tr_loss_step`` when its ``training_step`` returns, ``grad_norm`` when
   it is set to ``None`` before the next clipping.
+- Hugging Face ``torch_empty_cache_steps=N``: ``training_step`` empties the cache after the
+  loss, before the backward, in the optimizer steps whose ``global_step`` N divides (0, N, 2N,
+  ...; every micro-batch of such a step). A restarted ``train()`` counts from 0 again, so the
+  recorded step i (from 0) empties where the run's step i does and not elsewhere.
 
 What does not run, while oomkit runs the trainer (restored after each call):
 - no files are written: Lightning's loggers and checkpoint callbacks are detached, and the
@@ -62,7 +66,7 @@ from typing import Any
 import torch
 
 from oomkit.errors import UserCodeError
-from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu, emptying_cache
 
 __all__ = ["TrainerRefusedError", "TrainerStep", "trainer_step"]
 
@@ -265,15 +269,10 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         raise TrainerRefusedError(
             f"{where}: the Hugging Face Trainer has no train_dataset; pass one to Trainer(...)."
         )
-    if getattr(args, "torch_empty_cache_steps", None) is not None:
-        # training_step empties the cache every N steps (trainer.py: clear_device_cache()
-        # after compute_loss); a Trainer's empty_cache is not recorded (_on_one_gpu), so the
-        # prediction would be of another run.
-        raise TrainerRefusedError(
-            f"{where}: TrainingArguments(torch_empty_cache_steps="
-            f"{args.torch_empty_cache_steps}) empties the cache during the step, which oomkit "
-            "does not record for a Trainer; drop it (the prediction is then the run without it)."
-        )
+    # training_step empties the cache after compute_loss when the state's global_step is a
+    # multiple of this (transformers/trainer.py: clear_device_cache(), accelerate's
+    # torch.cuda.empty_cache()).
+    empty_every = getattr(args, "torch_empty_cache_steps", None)
 
     class _OneStep(TrainerCallback):
         """Stops after one optimizer step; cancels saves and evaluations (no files, no eval)."""
@@ -297,8 +296,15 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
             with contextlib.ExitStack() as stack:
                 if trains[0]:
                     stack.enter_context(_restart_without_gc_collect())
+                # One run's global_step at this optimizer step: the train() calls before it.
+                global_step = trains[0]
                 trains[0] += 1
                 stack.enter_context(carried.kept(trainer))
+                if empty_every is not None:
+                    emptied = global_step % empty_every == 0
+                    stack.enter_context(
+                        _wrapped(trainer, "training_step", _emptying_cache_in(emptied))
+                    )
                 stack.enter_context(_on_one_gpu())
                 trainer.train()
         finally:
@@ -310,6 +316,23 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
         + (f", clip {args.max_grad_norm}" if args.max_grad_norm else "")
     )
     return TrainerStep(step, (trainer.model,), "transformers", summary)
+
+
+def _emptying_cache_in(
+    emptied: bool,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper of ``training_step`` in which ``torch.cuda.empty_cache()`` is a request of the
+    recording (``emptied``) or nothing: the restarted ``train()``'s ``global_step`` is 0, so
+    its own test always empties; one run's test decides instead."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            with emptying_cache(emptied):
+                return original(*args, **kwargs)
+
+        return training_step
+
+    return wrap
 
 
 @contextlib.contextmanager

@@ -101,10 +101,11 @@ def hf_trainer(batch_size: int = 8, seq_len: int = 128, use_cpu: bool = False):
     return Trainer(model=Net(), args=args, train_dataset=Tokens(seq_len))
 
 
-def hf_trainer_emptying_the_cache(batch_size: int = 8, seq_len: int = 128):
-    """A Trainer with torch_empty_cache_steps: refused."""
+def hf_trainer_emptying_the_cache(batch_size: int = 8, seq_len: int = 128, every: int = 2):
+    """A Trainer with torch_empty_cache_steps=every: training_step empties the cache after the
+    loss in the optimizer steps 0, every, 2 * every, ..."""
     trainer = hf_trainer(batch_size, seq_len)
-    trainer.args.torch_empty_cache_steps = 4
+    trainer.args.torch_empty_cache_steps = every
     return trainer
 
 
