@@ -46,6 +46,7 @@ _OPTION_TYPES: dict[str, type] = {
     "checkpoint_reentrant": bool,
     "compile": bool,
     "trainer_mixed_precision": str,
+    "trainer_empty_cache_steps": int,
     "hf_class": str,
     "attn_implementation": str,
 }
@@ -62,6 +63,7 @@ _OMITTED_AT_DEFAULT: dict[str, object] = {
     "checkpoint_reentrant": False,
     "compile": False,
     "trainer_mixed_precision": None,
+    "trainer_empty_cache_steps": None,
     "hf_class": None,
     "attn_implementation": None,
 }
@@ -101,6 +103,8 @@ class WorkloadSpec:
         trainer_mixed_precision: ``StepOptions.trainer_mixed_precision`` (the HF Trainer's
             loop, with its Accelerator's ``mixed_precision``); ``None``: a plain loop, or not
             known.
+        trainer_empty_cache_steps: ``StepOptions.trainer_empty_cache_steps`` (the Trainer's
+            ``torch_empty_cache_steps``); ``None``: not set, or not known.
         precision_source: where ``precision`` came from when it was not asked for (``"from the
             config's torch_dtype"`` for a Hugging Face model); ``None`` when it was given (or
             not known). The verdict names it.
@@ -137,6 +141,7 @@ class WorkloadSpec:
     checkpoint_reentrant: bool | None = None
     compile: bool | None = None
     trainer_mixed_precision: str | None = None
+    trainer_empty_cache_steps: int | None = None
     precision_source: str | None = None
     ddp_bucket_cap_mb: float | None = None
     ddp_gradient_as_bucket_view: bool | None = None

@@ -108,6 +108,26 @@ def test_grad_accum_flag_is_recorded_and_saved(capsys):
     assert StepOptions(**known).grad_accum == 3  # as explain rebuilds it
 
 
+def test_torch_empty_cache_steps_is_recorded_and_saved(tmp_path, capsys):
+    """torch_empty_cache_steps 2 (no longer refused): the step's options and the saved
+    workload keep it, and the assumptions say where the cache is emptied (where the recording
+    empties it: tests/prediction/models/test_trainer_loop.py)."""
+    args_file = _args_file(tmp_path, per_device_train_batch_size=1, torch_empty_cache_steps=2)
+    code = main(["predict", "--hf", TINY_LLAMA, "--trainer-args", args_file, "--seq", "16",
+                 "--steps", "3", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["options"]["trainer_empty_cache_steps"] == 2
+    assert "optimizer steps 2 divides (0, 2, ...)" in (
+        out["assumptions"]["trainer args torch_empty_cache_steps"]
+    )
+    from oomkit.prediction.models import StepOptions
+    from oomkit.prediction.workload import workload_from_json
+
+    known = {k: v for k, v in workload_from_json(out).options.items() if v is not None}
+    assert StepOptions(**known).trainer_empty_cache_steps == 2  # as explain rebuilds it
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

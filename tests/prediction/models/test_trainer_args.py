@@ -157,6 +157,8 @@ def test_bf16_fp16_become_autocast_over_the_models_own_weights(mixed, model, exp
         ({"max_length": 0}, "max_length must be a positive integer"),
         ({"optim": 3}, "optim must be an optimizer name"),
         ({"bf16": True, "fp16": True}, "both bf16 and fp16"),
+        ({"torch_empty_cache_steps": 0}, "torch_empty_cache_steps must be a positive integer"),
+        ({"torch_empty_cache_steps": True}, "torch_empty_cache_steps must be a positive integer"),
         ({"per_device_batch_size": 4}, "unknown trainer argument 'per_device_batch_size'"),
         ({"deepspeed": "ds.json"}, "deepspeed='ds.json' changes memory"),
         ({"label_smoothing_factor": 0.1}, "LabelSmoother's loss is not modelled"),

@@ -175,3 +175,41 @@ def test_trainer_mixed_precision_is_checked():
         StepOptions(trainer_mixed_precision="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="apply to training steps"):
         StepOptions(mode="inference", trainer_mixed_precision="no")
+
+
+def test_torch_empty_cache_steps_empties_after_each_loss_in_the_steps_it_divides():
+    """torch_empty_cache_steps 2 with 2 micro-batches, 3 steps recorded: the optimizer steps 0
+    and 2 empty the cache in each micro-batch after its loss and before its backward
+    (trainer.py training_step), step 1 does not; the assumptions say so."""
+    options, notes = trainer_step_options(
+        {"torch_empty_cache_steps": 2, "per_device_train_batch_size": BATCH, "max_length": SEQ,
+         "gradient_accumulation_steps": 2},
+    )
+    assert options.trainer_empty_cache_steps == 2
+    assert "optimizer steps 2 divides (0, 2, ...)" in notes["trainer args torch_empty_cache_steps"]
+    built = build_hf_step(TINY_LLAMA, options)
+    recording = trace_step(built.step_fn, *built.track, steps=3)
+    for step, expected in enumerate((2, 0, 2)):
+        events = [e for e in recording.step_events(step) if e.action != "free_requested"]
+        emptied = [i for i, e in enumerate(events) if e.action == "empty_cache"]
+        assert len(emptied) == expected
+        backwards = _backward_starts(events)
+        assert len(backwards) == 2
+        for at, backward in zip(emptied, backwards, strict=False):
+            assert at < backward
+            # After the forward and its loss: forward allocations come before it.
+            assert any(_phase(e) == "forward" for e in events[:at])
+    # Without it: none.
+    plain, _ = trainer_step_options({"per_device_train_batch_size": BATCH, "max_length": SEQ})
+    built = build_hf_step(TINY_LLAMA, plain)
+    assert all(
+        e.action != "empty_cache" for e in trace_step(built.step_fn, *built.track, steps=3).events
+    )
+
+
+def test_trainer_empty_cache_steps_is_checked():
+    """A value below 1, or the setting without the Trainer's loop: refused with the fix."""
+    with pytest.raises(ValueError, match="trainer_empty_cache_steps must be a whole number >= 1"):
+        StepOptions(trainer_mixed_precision="no", trainer_empty_cache_steps=0)
+    with pytest.raises(ValueError, match="add trainer_mixed_precision"):
+        StepOptions(trainer_empty_cache_steps=2)

@@ -132,6 +132,10 @@ class StepOptions:
             a Hugging Face model's forward is wrapped as accelerate's ``prepare_model`` wraps
             it (autocast, then ``convert_outputs_to_fp32``), whatever its weights' dtype.
             ``None``: a plain training loop (``train`` only).
+        trainer_empty_cache_steps: the Trainer's ``torch_empty_cache_steps``: in the optimizer
+            steps this divides (0, N, 2N, ... of the recording), each micro-batch empties the
+            cache after its loss, before its backward (``training_step``:
+            ``clear_device_cache()``). Needs ``trainer_mixed_precision``.
         hf_class: Hugging Face models only: the class the model is built with, an auto class
             (``"AutoModelForSequenceClassification"``, ``...ForTokenClassification``,
             ``...ForCausalLM``, ``...ForMaskedLM``, ``...ForImageClassification``) or a
@@ -163,6 +167,7 @@ class StepOptions:
     checkpoint_reentrant: bool = False
     compile: bool = False
     trainer_mixed_precision: TrainerMixedPrecision | None = None
+    trainer_empty_cache_steps: int | None = None
     hf_class: str | None = None
     attn_implementation: AttnImplementation | None = None
 
@@ -247,6 +252,18 @@ class StepOptions:
             _check_choice(
                 "trainer_mixed_precision", self.trainer_mixed_precision, TRAINER_MIXED_PRECISIONS, "bf16"
             )
+        every = self.trainer_empty_cache_steps
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ConfigError(
+                    "StepOptions.trainer_empty_cache_steps must be a whole number >= 1 (the "
+                    f"Trainer's torch_empty_cache_steps) or None; got {every!r}"
+                )
+            if self.trainer_mixed_precision is None:
+                raise ConfigError(
+                    "StepOptions.trainer_empty_cache_steps is the Trainer's training_step's; add "
+                    "trainer_mixed_precision (trainer_step_options sets both), or drop it"
+                )
         if self.mode != "train" and (
             self.grad_accum != 1 or norm is not None or self.trainer_mixed_precision is not None
         ):

@@ -243,9 +243,13 @@ def build_step(
         # trainer.py _inner_training_loop: `self._tr_loss = torch.tensor(0.0, device=args.
         # device)` before the first step, kept across steps (tracked, like the inputs).
         tr_loss = None if trainer is None else torch.tensor(0.0, device=device)
+        empty_every = options.trainer_empty_cache_steps
+        steps_done = [0]  # one run's global_step at the step being recorded
 
         def train_step(*_tracked: object) -> None:
             outputs = None
+            empties = empty_every is not None and steps_done[0] % empty_every == 0
+            steps_done[0] += 1
             # Gradient accumulation as a training loop (and transformers' Trainer, trainer.py
             # _inner_training_loop / training_step) runs it: `accumulate` forward+backward
             # passes, the loss divided by their number (training_step: `loss / self.current_
@@ -266,6 +270,11 @@ def build_step(
                             # trainer.py compute_loss returns the loss alone: its `outputs`
                             # (the logits, accelerate's fp32 copy) die before the backward.
                             outputs = None
+                if empties:
+                    # training_step: after compute_loss and `del inputs`, `if args.torch_empty_
+                    # cache_steps is not None and state.global_step % torch_empty_cache_steps
+                    # == 0: clear_device_cache()` (accelerate: torch.cuda.empty_cache()).
+                    torch.cuda.empty_cache()
                 if accumulate > 1:
                     loss = loss / accumulate
                 if scaler is None:

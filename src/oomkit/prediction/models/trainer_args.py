@@ -11,7 +11,8 @@ them (transformers/trainer.py ``_inner_training_loop`` and ``training_step``): `
 ``max_grad_norm`` before ``optimizer.step()``, ``model.zero_grad()``, the outputs dropped when
 ``compute_loss`` returns and the running-loss scalar ``tr_loss``; with ``bf16`` / ``fp16`` the
 model's forward as accelerate wraps it (autocast, ``convert_outputs_to_fp32``: the
-``trainer_mixed_precision`` field); ``build_step`` records that.
+``trainer_mixed_precision`` field); with ``torch_empty_cache_steps`` the cache emptied after
+the loss in the steps it divides (``trainer_empty_cache_steps``); ``build_step`` records that.
 
 Pure logic: no torch; transformers only to check a key's name against ``TrainingArguments``.
 """
@@ -71,6 +72,7 @@ _READ = frozenset(
         "max_seq_length",
         "max_length",
         "packing",
+        "torch_empty_cache_steps",
     }
 )
 # Keys that change what a step allocates but that oomkit does not model, with what to do; each
@@ -83,7 +85,6 @@ _REFUSED: dict[str, str] = {
     "torch_compile": "drop torch_compile and add --compile (the model's forward compiled, "
     "default Inductor mode, as accelerate's prepare_model compiles it)",
     "use_cpu": "oomkit predicts a GPU; drop use_cpu",
-    "torch_empty_cache_steps": "empty_cache between steps is not modelled; drop it",
     "label_smoothing_factor": "the LabelSmoother's loss is not modelled; set it to 0",
     "use_liger_kernel": "Liger's fused kernels are not modelled; drop use_liger_kernel",
     "neftune_noise_alpha": "NEFTune's embedding noise is not modelled; drop it",
@@ -133,6 +134,7 @@ class TrainerSettings:
         optimizer_impl: its ``StepOptions.optimizer_impl``.
         max_grad_norm: clipping norm; ``None`` when ``max_grad_norm`` is 0 (no clipping).
         seq_len: TRL's ``max_length`` (``max_seq_length`` in older TRL), else ``None``.
+        empty_cache_steps: ``torch_empty_cache_steps`` (``None``: the cache is not emptied).
         ignored: given keys that do not change a step's memory, sorted.
         notes: where the mapping may differ from the Trainer, by key.
     """
@@ -147,6 +149,7 @@ class TrainerSettings:
     optimizer_impl: str = "fused"
     max_grad_norm: float | None = 1.0
     seq_len: int | None = None
+    empty_cache_steps: int | None = None
     ignored: tuple[str, ...] = ()
     notes: tuple[tuple[str, str], ...] = ()
 
@@ -190,6 +193,8 @@ class TrainerSettings:
         }
         if self.seq_len is not None:
             mine["seq_len"] = self.seq_len
+        if self.empty_cache_steps is not None:
+            mine["trainer_empty_cache_steps"] = self.empty_cache_steps
         precision = self.precision(model_precision)
         if precision is not None:
             mine["precision"] = precision
@@ -392,6 +397,17 @@ def _read_given(given: Mapping[str, Any], *, explicit_only: bool) -> TrainerSett
         )
     norm = _number(given, "max_grad_norm")
     seq_len = _seq_len(given, notes)
+    empty_every = given.get("torch_empty_cache_steps")
+    if empty_every is not None:
+        if isinstance(empty_every, bool) or not isinstance(empty_every, int) or empty_every < 1:
+            raise _type_error(
+                "torch_empty_cache_steps", empty_every, "a positive integer or null", "4"
+            )
+        notes["trainer args torch_empty_cache_steps"] = (
+            f"training_step empties the cache after the loss, before the backward, in the "
+            f"optimizer steps {empty_every} divides (0, {empty_every}, ...); the recorded steps "
+            "do so where one run's do"
+        )
     return TrainerSettings(
         batch_size=batch,
         grad_accum=accumulate,
@@ -403,6 +419,7 @@ def _read_given(given: Mapping[str, Any], *, explicit_only: bool) -> TrainerSett
         optimizer_impl=impl,
         max_grad_norm=norm if norm > 0 else None,
         seq_len=seq_len,
+        empty_cache_steps=empty_every,
         ignored=tuple(sorted(ignored)),
         notes=tuple(notes.items()),
     )
