@@ -242,18 +242,29 @@ _FIELDS = {
     "mode": ("--mode", "step.mode"),
     "compile": ("--compile", "step.compile"),
 }
-_STEP_OPTIONS_RE = re.compile(r"StepOptions\((\w+)=([^)]*)\)")
+# StepOptions(...) with its arguments, one level of parentheses inside (a tuple value).
+_STEP_OPTIONS_RE = re.compile(r"StepOptions\(((?:[^()]|\([^()]*\))*)\)")
+_ARGUMENT_RE = re.compile(r"\s*(\w+)=((?:[^,()]|\([^()]*\))*)\s*(?:,|$)")
 
 
 def field_wording(message: str) -> str:
-    """``message`` with each ``StepOptions(field=value)`` written as the flag that sets it
-    (``StepOptions(seq_len=...)`` -> ``--seq N``)."""
+    """``message`` with each ``StepOptions(field=value, ...)`` written as the flags that set
+    them (``StepOptions(seq_len=...)`` -> ``--seq N``; ``StepOptions(optimizer='adamw',
+    optimizer_impl='fused')`` -> ``--optimizer adamw --optimizer-impl fused``); left as it is
+    where a field has no flag."""
 
-    def flag(match: re.Match[str]) -> str:
-        name, value = match.group(1), match.group(2)
-        if name not in _FIELDS:
-            return match.group(0)
-        shown = "N" if value == "..." else value.strip(chr(39))
-        return f"{_FIELDS[name][0]} {shown}".rstrip()
+    def flags(match: re.Match[str]) -> str:
+        arguments = match.group(1)
+        parsed = [(m.group(1), m.group(2).strip()) for m in _ARGUMENT_RE.finditer(arguments)]
+        if not parsed or any(name not in _FIELDS or "(" in value for name, value in parsed):
+            return match.group(0)  # a field without a flag, or a Python value (LoraOptions(...))
+        words = []
+        for name, value in parsed:
+            if value == "True":  # a switch: the flag alone
+                words.append(_FIELDS[name][0])
+            else:
+                shown = "N" if value == "..." else value.strip(chr(39))
+                words.append(f"{_FIELDS[name][0]} {shown}".rstrip())
+        return " ".join(words)
 
-    return _STEP_OPTIONS_RE.sub(flag, message)
+    return _STEP_OPTIONS_RE.sub(flags, message)

@@ -53,6 +53,31 @@ def test_field_wording_names_flags():
     assert field_wording("Example: StepOptions(image_size=240)") == "Example: --image-size 240"
     assert field_wording("StepOptions(precision='bf16')") == "--precision bf16"
     assert field_wording("StepOptions(max_grad_norm=1.0)") == "StepOptions(max_grad_norm=1.0)"
+    # Several fields: each its flag; a switch alone; any field without a flag or a Python
+    # value keeps the whole call as written.
+    assert field_wording("Example: StepOptions(optimizer='adamw', optimizer_impl='fused')") == (
+        "Example: --optimizer adamw --optimizer-impl fused"
+    )
+    assert field_wording("StepOptions(mode='inference', seq_len=1152, compile=True)") == (
+        "--mode inference --seq 1152 --compile"
+    )
+    for kept in (
+        "StepOptions(optimizer='adamw', max_grad_norm=1.0)",
+        "StepOptions(lora=LoraOptions(r=16))",
+        "StepOptions(lora=LoraOptions(targets=('q_proj', 'v_proj'))) (CLI: --lora-targets)",
+        "StepOptions(**fields)",
+    ):
+        assert field_wording(kept) == kept
+
+
+def test_an_optimizer_implementation_it_does_not_take_names_the_flags(capsys):
+    """--optimizer-impl fused with adamw8bit: exit 2, the example in flags (it had read
+    "--optimizer adamw', optimizer_impl='fused")."""
+    pytest.importorskip("torch")
+    assert main(["predict", "gpt2-124m", "--optimizer", "adamw8bit", "--optimizer-impl",
+                 "fused"]) == 2
+    err = capsys.readouterr().err
+    assert "not 'adamw8bit'. Example: --optimizer adamw --optimizer-impl fused" in err
 
 
 needs_torch = pytest.mark.skipif(
