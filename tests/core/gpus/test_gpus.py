@@ -170,6 +170,17 @@ def test_bare_number_is_not_a_size():
         get_gpu("24")
 
 
+@pytest.mark.parametrize("text", ["-5GiB", "+24GiB", "1e12GiB", "1e400 GiB", "2.4e1GB"])
+def test_a_size_with_a_sign_or_an_exponent_is_named_a_size(text):
+    """A size written with a sign or an exponent is refused as a size (it had been an unknown
+    GPU name, with "give the device's memory size instead" and names like V100's)."""
+    with pytest.raises(UnknownGpuError) as raised:
+        get_gpu(text)
+    message = str(raised.value)
+    assert message.startswith(f"{text!r} is not a GPU memory size oomkit reads: give a positive")
+    assert "Did you mean" not in message
+
+
 def test_size_below_default_overhead_is_rejected():
     """A size too small to hold a CUDA context is refused."""
     with pytest.raises(GpuSpecError, match="below the total"):

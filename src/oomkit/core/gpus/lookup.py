@@ -19,6 +19,8 @@ __all__ = ["NOT_MODELLED", "UnknownGpuError", "get_gpu", "list_gpus", "normalize
 _NOISE_WORDS = frozenset({"nvidia", "geforce", "tesla"})
 # A size needs a unit: a bare "4090" is a GPU name, not 4090 bytes.
 _SIZE_WITH_UNIT_RE = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*[A-Za-z]+\s*$")
+# A size written another way (a sign, an exponent) with a byte unit: meant as a size, not a name.
+_SIZE_LIKE_RE = re.compile(r"^\s*[-+]?\.?[0-9][0-9.eE+-]*\s*(?:[kKmMgGtT]i?[bB]|[bB])\s*$")
 _MAX_SUGGESTIONS = 3
 
 _ROCM_REASON = (
@@ -128,6 +130,11 @@ def get_gpu(
 
 def _custom_spec(text: str, context_overhead_bytes: int | None = None) -> GpuSpec:
     if not _SIZE_WITH_UNIT_RE.match(text):
+        if _SIZE_LIKE_RE.match(text):
+            raise UnknownGpuError(
+                f"{text.strip()!r} is not a GPU memory size oomkit reads: give a positive number "
+                "and a unit, without a sign or an exponent, e.g. 24GiB or 80GB."
+            )
         raise UnknownGpuError(_unknown_message(text))
     try:
         total_bytes = parse_bytes(text)
