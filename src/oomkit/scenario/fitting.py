@@ -55,6 +55,23 @@ class FitAnswer:
     scenario: Scenario
     per_rank: dict[str, Any] | None = None
 
+    @property
+    def batch_size(self) -> int | None:
+        """The largest batch that fits (of one step, or whose whole run fits with
+        ``lengths``; per rank for a parallel layout); ``None`` for the other questions
+        (``smallest_gpu``, ``gpu_count``), whose answers are in ``result``."""
+        return self.result.batch_size if self.kind in ("batch", "lengths") else None
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """What that batch needs reserved (with ``lengths``: at the run's worst step);
+        ``None`` where ``batch_size`` is."""
+        if self.kind == "batch":
+            return int(self.result.peak_reserved_bytes)
+        if self.kind == "lengths":
+            return int(self.result.envelope.worst_peak_reserved_bytes)
+        return None
+
 
 class _Builders:
     """Batch size -> step for the scenario's model and its eval function, keeping what the

@@ -398,3 +398,17 @@ def test_torch_version_reaches_the_search(user_file, capsys, monkeypatch):
     argv = ["fit", target, *SMALL, "--alloc-conf", "expandable_segments:True"]
     assert main([*argv, "--torch-version", "2.0"]) == 2
     assert "(torch 2.0 rules)" in capsys.readouterr().err
+
+
+def test_the_python_answer_names_its_batch_and_peak(user_file):
+    """oomkit.fit(...).batch_size and .peak_reserved_bytes are the search's (41, 100 MiB with
+    no margin), as a user reads them; a smallest-GPU answer has no batch of its own there."""
+    import oomkit
+
+    answer = oomkit.fit(f"{user_file}:build", gpu="100MiB", context_overhead="0B", margin="0B")
+    assert (answer.kind, answer.batch_size, answer.peak_reserved_bytes) == ("batch", 41, 100 * MiB)
+    assert answer.batch_size == answer.result.batch_size
+    smallest = oomkit.fit(f"{user_file}:build", batch=4, smallest_gpu=True)
+    assert (smallest.kind, smallest.batch_size, smallest.peak_reserved_bytes) == (
+        "smallest_gpu", None, None
+    )
