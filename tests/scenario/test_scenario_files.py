@@ -271,3 +271,20 @@ def test_a_long_run_of_steps_is_spliced_from_lengths_not_recorded():
     spliced = scenario_from_data(
         {"model": {"preset": "x"}, "run": {"steps": 2000}, "lengths": {"file": "lengths.txt"}})
     assert spliced.run.steps == 2000
+
+
+@pytest.mark.parametrize("number", [24, 80.5])
+def test_a_gpu_given_as_a_bare_number_asks_for_a_unit(tmp_path, number):
+    """gpu=24 (a keyword, or a TOML number) has no unit: a ScenarioError suggesting the
+    size with one (it had said only "Input should be a valid string")."""
+    message = (
+        "--gpu (target.gpu): a GPU is a catalog name or a memory size with a unit, e.g. "
+        f"'rtx4090' or '{number}GiB'; got the number {number}"
+    )
+    with pytest.raises(ScenarioError) as raised:
+        oomkit.predict("gpt2-124m", gpu=number)
+    assert str(raised.value) == message
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\npreset = "gpt2-124m"\n\n[target]\ngpu = {number}\n')
+    with pytest.raises(ScenarioError, match="got the number"):
+        oomkit.load_scenario(toml)

@@ -47,6 +47,17 @@ class TargetSection(_Section):
         description="allocator of this torch (default: installed)",
         json_schema_extra=_flag("--torch-version", DEVICE, metavar="X.Y"),
     )
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _gpu_named_or_sized(cls, value: object) -> object:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            # A number alone has no unit: 24 could be GiB, GB or bytes.
+            raise ValueError(
+                f"a GPU is a catalog name or a memory size with a unit, e.g. 'rtx4090' or "
+                f"'{value}GiB'; got the number {value!r}"
+            )
+        return value
+
     @field_validator("torch_version")
     @classmethod
     def _readable_torch(cls, value: str | None) -> str | None:
