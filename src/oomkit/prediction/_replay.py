@@ -113,6 +113,14 @@ class ReplayPass:
     num_device_alloc: int = 0
     num_device_free: int = 0
     num_alloc_retries: int = 0
+    # set_per_process_memory_fraction's limit on what the allocator reserves; None: no limit.
+    allowed_bytes: int | None = None
+
+    def usable_bytes(self, device_usable_bytes: int) -> int:
+        """What PyTorch may reserve: the device's usable memory, or less under a fraction."""
+        if self.allowed_bytes is None:
+            return device_usable_bytes
+        return min(device_usable_bytes, self.allowed_bytes)
 
 
 def step_of(step_starts: Sequence[int], index: int) -> int | None:
@@ -131,6 +139,7 @@ def replay_for_prediction(
     reserved_outside_bytes: int,
     torch_version: str | None,
     max_points: int = MAX_TIMELINE_POINTS,
+    memory_fraction: float | None = None,
 ) -> ReplayPass:
     """Replay a recording's requests and note peaks, per-alloc bytes and a bounded timeline.
 
@@ -142,6 +151,8 @@ def replay_for_prediction(
         reserved_outside_bytes: memory held outside the allocator (CUDA context).
         torch_version: the PyTorch version whose allocator to model; ``None`` is the newest.
         max_points: the most timeline points to keep.
+        memory_fraction: the step's ``torch.cuda.set_per_process_memory_fraction``, applied
+            before the first request (``CachingAllocator.set_per_process_memory_fraction``).
 
     Returns:
         The pass; it stops at the first request the simulator cannot serve (``oom_index``).
@@ -156,6 +167,9 @@ def replay_for_prediction(
         torch_version=torch_version,
     )
     out = ReplayPass()
+    if memory_fraction is not None:
+        allocator.set_per_process_memory_fraction(memory_fraction)
+        out.allowed_bytes = allocator.allowed_memory_maximum
     hooks = _PredictionHooks(allocator, out, len(events), step_starts, max_points)
     engine = ReplayEngine(allocator, hooks)
     engine.run(events)

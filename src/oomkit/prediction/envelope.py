@@ -267,6 +267,7 @@ def splice_run(recordings: Mapping[int, TraceRecording], order: Sequence[int]) -
         bytes_by_category=dict(first.bytes_by_category),
         kernel_choices=dict(first.kernel_choices),
         assumptions=dict(first.assumptions),
+        memory_fraction=first.memory_fraction,
     )
 
 

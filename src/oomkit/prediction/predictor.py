@@ -262,8 +262,9 @@ def predict_recording(
         capacity_bytes=spec.total_memory_bytes,
         reserved_outside_bytes=spec.context_overhead_bytes + nccl_bytes,
         torch_version=torch_version,
+        memory_fraction=recording.memory_fraction,
     )
-    usable = spec.usable_bytes() - nccl_bytes
+    usable = replay.usable_bytes(spec.usable_bytes() - nccl_bytes)
     at_alloc = _breakdown(
         events,
         step_starts,

@@ -197,3 +197,78 @@ def test_empty_cache_in_a_step_releases_the_cached_blocks_in_the_reads_and_the_r
     assert emptied.peak_reserved_bytes == 40 * MiB
     recording = trace_step(lambda: step(True), steps=2, target=target)
     assert [e.action for e in recording.events].count("empty_cache") == 2
+
+
+def _test_gpu(total_mib: int) -> Target:
+    from oomkit.core.gpus import GpuSpec
+
+    return Target.resolve(GpuSpec("test GPU", total_mib * MiB, 0))
+
+
+def test_a_memory_fraction_set_by_the_step_limits_the_replay():
+    """set_per_process_memory_fraction(0.5) on 100 MiB: the allocator may reserve
+    round(0.5 * 100 MiB) = 50 MiB (setMemoryFraction), so 40 MiB live and a 20 MiB request
+    run out of memory there, and the usable memory is 50 MiB; without the call both fit in
+    100 MiB. It had raised AttributeError (torch._C._cuda_setMemoryFraction, absent on a CPU
+    build), so a script that set it could not be predicted."""
+    read: list[float] = []
+
+    def step(fraction: float | None) -> None:
+        read.append(torch.cuda.get_per_process_memory_fraction())
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction)
+            read.append(torch.cuda.get_per_process_memory_fraction())
+        a = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+        del a, b
+
+    limited = predict(lambda: step(0.5), steps=1, target=_test_gpu(100))
+    assert read == [1.0, 0.5]
+    assert (limited.fits, limited.usable_bytes, limited.required_bytes) == (False, 50 * MiB, 60 * MiB)
+    assert limited.oom is not None
+    assert limited.assumptions["memory fraction"] == (
+        "torch.cuda.set_per_process_memory_fraction(0.5): the replay limits the allocator to "
+        "that share of the GPU's total memory from the start"
+    )
+    from rich.console import Console
+
+    from oomkit.interfaces.reports.prediction import render_prediction
+
+    out = io.StringIO()
+    render_prediction(limited, Console(file=out, width=400))
+    assert "assumed: memory fraction: torch.cuda.set_per_process_memory_fraction(0.5)" in (
+        out.getvalue()
+    )
+    free = predict(lambda: step(None), steps=1, target=_test_gpu(100))
+    assert (free.fits, free.usable_bytes, free.peak_reserved_bytes) == (True, 100 * MiB, 60 * MiB)
+    assert "memory fraction" not in free.assumptions
+
+
+def test_a_memory_fraction_set_after_allocating_says_those_are_held_to_it():
+    """Set after a request: the replay applies it from the start and says so."""
+
+    def step() -> None:
+        a = torch.empty(10 * MiB, dtype=torch.uint8, device="cuda")
+        torch.cuda.set_per_process_memory_fraction(0.9)
+        del a
+
+    recording = trace_step(step, steps=1, target=_test_gpu(100))
+    assert recording.memory_fraction == 0.9
+    assert recording.assumptions["memory fraction"].endswith(
+        "(the step set it after allocating; those allocations are held to it too here)"
+    )
+
+
+def test_torch_s_own_checks_of_the_fraction_run_and_its_hook_is_removed_after():
+    """torch/cuda/memory.py checks the argument before the hook: an int is a TypeError, 1.5 a
+    ValueError, as on a GPU. Outside the recording torch._C is as it was (a CPU build has no
+    _cuda_setMemoryFraction)."""
+    import pytest
+
+    had = hasattr(torch._C, "_cuda_setMemoryFraction")
+    with as_one_cuda_gpu(_test_gpu(100).gpu):
+        with pytest.raises(TypeError, match="must be `float`"):
+            torch.cuda.set_per_process_memory_fraction(1)
+        with pytest.raises(ValueError, match="Invalid fraction value: 1.5"):
+            torch.cuda.set_per_process_memory_fraction(1.5)
+    assert hasattr(torch._C, "_cuda_setMemoryFraction") == had

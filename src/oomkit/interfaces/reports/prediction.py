@@ -156,9 +156,12 @@ def kernels_line(prediction: Prediction) -> str:
 
 
 def _is_value_assumption(name: str) -> bool:
-    # Tensor values the trace answered (oomkit.prediction.tracing.read_report) and the memory
-    # counters the step read (tracing/step_memory.py): their own lines.
-    return name.startswith(("read at ", "torch.cuda ")) or name == "finite values"
+    # Tensor values the trace answered (oomkit.prediction.tracing.read_report), the memory
+    # counters the step read and the memory fraction it set (tracing/step_memory.py): their
+    # own lines.
+    return name.startswith(("read at ", "torch.cuda ")) or name in (
+        "finite values", "memory fraction"
+    )
 
 
 def _pct(part: int, whole: int) -> str:

@@ -371,14 +371,30 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             _memory().reset_accumulated_memory_stats()
         ),
     }
+    # torch/cuda/memory.py set_per_process_memory_fraction checks its argument (a float in
+    # [0, 1], TypeError / ValueError otherwise) and calls torch._C._cuda_setMemoryFraction,
+    # which a CPU build lacks: here the fraction is a request of the recording
+    # (StepMemory.set_memory_fraction); get_per_process_memory_fraction reads it back.
+    c_answers: dict[str, Any] = {
+        "_cuda_setMemoryFraction": lambda fraction, device: _memory().set_memory_fraction(fraction),
+        "_cuda_getMemoryFraction": lambda device: _memory().memory_fraction,
+    }
     saved = {name: getattr(torch.cuda, name) for name in answers}
+    c_saved = {name: getattr(torch._C, name, None) for name in c_answers}
     for name, answer in answers.items():
         setattr(torch.cuda, name, answer)
+    for name, answer in c_answers.items():
+        setattr(torch._C, name, answer)
     try:
         yield
     finally:
         for name, original in saved.items():
             setattr(torch.cuda, name, original)
+        for name, original in c_saved.items():
+            if original is None:
+                delattr(torch._C, name)
+            else:
+                setattr(torch._C, name, original)
 
 
 def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> None:

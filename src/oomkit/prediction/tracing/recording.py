@@ -43,6 +43,8 @@ class TraceRecording:
         timing_note: what the recording assumes about that timing, in words (distributed).
         outside_allocator: ``(what, bytes, source)`` of device memory the step allocates
             outside PyTorch's caching allocator (async TP's symmetric-memory workspace).
+        memory_fraction: the share of the GPU the step limited the allocator to
+            (``torch.cuda.set_per_process_memory_fraction``, the last call's); ``None``: none.
     """
 
     events: tuple[TraceEvent, ...]
@@ -55,6 +57,7 @@ class TraceRecording:
     collective_ids: frozenset[int] | None = None
     timing_note: str | None = None
     outside_allocator: tuple[tuple[str, int, str], ...] = ()
+    memory_fraction: float | None = None
 
     @property
     def steps(self) -> int:
@@ -120,8 +123,8 @@ def build_recording(
     """The recording of a recorder's log, once the step is over and categories are known.
 
     Args:
-        log: ``("alloc", alloc)``, ``("free", alloc, frames)``, ``("step",)`` and
-            ``("empty_cache",)`` in order.
+        log: ``("alloc", alloc)``, ``("free", alloc, frames)``, ``("step",)``,
+            ``("empty_cache",)`` and ``("memory_fraction", f)`` in order.
         module_tag: the ``module`` tag of an allocation of a category (None: no tag).
         warnings: kernel_choices: assumptions: as in :class:`TraceRecording`.
         sites: (kind, params, the allocation id of its anchor) of each site
@@ -129,6 +132,8 @@ def build_recording(
     """
     events: list[TraceEvent] = []
     step_starts: list[int] = []
+    memory_fraction: float | None = None
+    allocated_before = False
     categories: dict[int, Category] = {}
     totals: dict[Category, int] = {}
     for entry in log:
@@ -138,6 +143,10 @@ def build_recording(
             continue
         if kind == "empty_cache":  # torch.cuda.empty_cache() in the step (step_memory.py)
             events.append(new_trace_event("empty_cache", 0, 0, 0, None, (), ()))
+            continue
+        if kind == "memory_fraction":  # set_per_process_memory_fraction (step_memory.py)
+            memory_fraction = entry[1]
+            allocated_before = allocated_before or any(e.action == "alloc" for e in events)
             continue
         alloc: Allocation = entry[1]
         category = categories.get(alloc.alloc_id)
@@ -175,6 +184,20 @@ def build_recording(
                     )
                 )
     alloc_index = {e.address: i for i, e in enumerate(events) if e.action == "alloc"} if sites else {}
+    if memory_fraction is not None:
+        assumptions = {
+            **assumptions,
+            "memory fraction": (
+                f"torch.cuda.set_per_process_memory_fraction({memory_fraction}): the replay "
+                "limits the allocator to that share of the GPU's total memory from the start"
+                + (
+                    " (the step set it after allocating; those allocations are held to it too "
+                    "here)"
+                    if allocated_before
+                    else ""
+                )
+            ),
+        }
     return TraceRecording(
         events=tuple(events),
         warnings=warnings,
@@ -187,4 +210,5 @@ def build_recording(
             for kind, params, alloc_id in sites
             if alloc_id in alloc_index
         ),
+        memory_fraction=memory_fraction,
     )

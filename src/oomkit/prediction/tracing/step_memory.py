@@ -12,6 +12,9 @@ recorded, and its reads go on past the limit (a request the allocator refuses ev
 1 EiB, is left out of them). ``reset_peak_memory_stats()`` restarts the peaks.
 ``empty_cache()`` is a request of the step: logged as ``("empty_cache",)``, it releases the
 cached blocks in the reads after it and in the report's replay (an ``empty_cache`` trace event).
+``set_per_process_memory_fraction(f)`` is one too: logged as ``("memory_fraction", f)``, the
+report's replay limits the allocator to that share of the GPU (the reads, without a memory
+limit, are unchanged).
 
 Where it may differ from the report: the report replays the finished recording, in which a
 free that waits on another stream's work (a distributed step's collectives) may come later
@@ -36,7 +39,8 @@ class StepMemory:
 
     Args:
         log: the recorder's event log (``("alloc", Allocation)``, ``("free", Allocation,
-            frames)``, ``("step",)``, ``("empty_cache",)``), appended to while the step runs.
+            frames)``, ``("step",)``, ``("empty_cache",)``, ``("memory_fraction", f)``),
+            appended to while the step runs.
         target: the machine whose allocator settings and PyTorch release are replayed;
             ``None``: PyTorch's defaults, its newest release.
     """
@@ -51,6 +55,8 @@ class StepMemory:
         )
         self._addresses: dict[int, int] = {}
         self.reads = 0
+        # torch.cuda.get_per_process_memory_fraction(): 1.0 until the step sets one.
+        self.memory_fraction = 1.0
 
     def _catch_up(self) -> CachingAllocator:
         self.reads += 1
@@ -76,6 +82,14 @@ class StepMemory:
         logged among its allocations, so that the report's replay releases them at the same
         point, and the reads after it see them released."""
         self._log.append(("empty_cache",))
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """``torch.cuda.set_per_process_memory_fraction(fraction)``, its argument checked by
+        torch already: the step's request to limit the allocator to that share of the GPU
+        (c10/cuda/CUDACachingAllocator.cpp ``setMemoryFraction``), logged for the report's
+        replay."""
+        self._log.append(("memory_fraction", fraction))
+        self.memory_fraction = fraction
 
     def memory_allocated(self) -> int:
         """``torch.cuda.memory_allocated()``."""
