@@ -62,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
 
@@ -371,30 +372,24 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             _memory().reset_accumulated_memory_stats()
         ),
     }
-    # torch/cuda/memory.py set_per_process_memory_fraction checks its argument (a float in
-    # [0, 1], TypeError / ValueError otherwise) and calls torch._C._cuda_setMemoryFraction,
-    # which a CPU build lacks: here the fraction is a request of the recording
-    # (StepMemory.set_memory_fraction); get_per_process_memory_fraction reads it back.
-    c_answers: dict[str, Any] = {
-        "_cuda_setMemoryFraction": lambda fraction, device: _memory().set_memory_fraction(fraction),
-        "_cuda_getMemoryFraction": lambda device: _memory().memory_fraction,
-    }
-    saved = {name: getattr(torch.cuda, name) for name in answers}
-    c_saved = {name: getattr(torch._C, name, None) for name in c_answers}
-    for name, answer in answers.items():
-        setattr(torch.cuda, name, answer)
-    for name, answer in c_answers.items():
-        setattr(torch._C, name, answer)
+    # torch.cuda re-exports torch.cuda.memory's functions, and that module calls its own
+    # (memory_cached calls its memory_reserved; memory_stats_as_nested_dict its is_initialized):
+    # both modules answer alike, or a script calling torch.cuda.memory.X would read 0.
+    modules = (torch.cuda, torch.cuda.memory)
+    saved = [
+        (module, name, getattr(module, name))
+        for module in modules
+        for name in answers
+        if hasattr(module, name)
+    ]
+    for module, name, _ in saved:
+        setattr(module, name, answers[name])
     try:
-        yield
+        with cuda_bindings(_memory):  # what torch's functions call below them (cuda_bindings.py)
+            yield
     finally:
-        for name, original in saved.items():
-            setattr(torch.cuda, name, original)
-        for name, original in c_saved.items():
-            if original is None:
-                delattr(torch._C, name)
-            else:
-                setattr(torch._C, name, original)
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> None:

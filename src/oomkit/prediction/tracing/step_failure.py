@@ -51,6 +51,17 @@ __all__ = [
 _DEVICE_MOVES = ("Cannot copy out of meta tensor", "can't convert meta device type tensor to numpy")
 
 
+# What a CPU build of torch says when code reaches CUDA that the emulated GPU does not answer
+# (cuda_bindings.py lists what it does): a missing torch._C binding (torch/cuda/__init__.py
+# current_stream: _cuda_getCurrentStream), a dummy class (torch._utils _dummy_type: CUDAGraph,
+# MemPool) or a Stream (torch/cuda/streams.py).
+_CUDA_ONLY = (
+    "module 'torch._C' has no attribute '_cuda",
+    "Tried to instantiate dummy base class",
+    "requires CUDA support",
+)
+
+
 def reads_device_values(exc: BaseException) -> bool:
     """Whether ``exc`` is torch refusing to hand out a meta tensor's values (``.numpy()``)."""
     return any(marker in str(exc) for marker in _DEVICE_MOVES)
@@ -115,6 +126,14 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
             "reading what a copy holds (.numpy(), data copied to the CPU and used there) does "
             "not. Keep the step's tensors on the device. To log a value, .item() is enough: it "
             "gets a stand-in"
+        )
+    if any(marker in str(exc) for marker in _CUDA_ONLY):
+        return (
+            f"the step raised {text}, {at}: a CUDA API that oomkit's emulated GPU does not "
+            "answer (side streams, CUDA graphs, memory pools and raw allocations are not "
+            "modelled; the memory counters, empty_cache, the memory fraction, snapshots and "
+            "NVTX are). Predict the step without that call, or measure it on a GPU with "
+            "`oomkit run`"
         )
     if failed_op is None and "meta" not in str(exc).lower():
         return f"the step raised {text}, {at}"

@@ -14,7 +14,10 @@ recorded, and its reads go on past the limit (a request the allocator refuses ev
 cached blocks in the reads after it and in the report's replay (an ``empty_cache`` trace event).
 ``set_per_process_memory_fraction(f)`` is one too: logged as ``("memory_fraction", f)``, the
 report's replay limits the allocator to that share of the GPU (the reads, without a memory
-limit, are unchanged).
+limit, are unchanged). ``torch.cuda.memory._snapshot()`` is the allocator's segments at that
+line (``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned the history
+on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since (not its segment
+events), so ``_dump_snapshot`` writes a file that oomkit and memory_viz read.
 
 Where it may differ from the report: the report replays the finished recording, in which a
 free that waits on another stream's work (a distributed step's collectives) may come later
@@ -29,7 +32,9 @@ from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
+from oomkit.core.snapshot.writer import snapshot_to_data
 from oomkit.core.target import Target
+from oomkit.core.trace import TraceEvent
 
 __all__ = ["StepMemory"]
 
@@ -57,9 +62,13 @@ class StepMemory:
         self.reads = 0
         # torch.cuda.get_per_process_memory_fraction(): 1.0 until the step sets one.
         self.memory_fraction = 1.0
+        # torch.cuda.memory._record_memory_history: the entries since it was turned on (None:
+        # off), and the most it keeps (max_entries: the oldest go first).
+        self.history: list[TraceEvent] | None = None
+        self.history_limit = 0
 
-    def _catch_up(self) -> CachingAllocator:
-        self.reads += 1
+    def _catch_up(self, read: bool = True) -> CachingAllocator:
+        self.reads += read
         allocator, addresses, log = self._allocator, self._addresses, self._log
         for index in range(self._read, len(log)):
             entry = log[index]
@@ -68,9 +77,15 @@ class StepMemory:
                 try:
                     addresses[alloc.alloc_id] = allocator.malloc(alloc.size_bytes, alloc.stream)
                 except SimulatedOutOfMemoryError:
-                    pass  # past even 1 EiB ("more than 1EB"): left out of the reads, not raised
+                    continue  # past even 1 EiB ("more than 1EB"): left out of the reads, not raised
+                self._remember("alloc", addresses[alloc.alloc_id], alloc, alloc.frames)
             elif entry[0] == "free":
-                allocator.free(addresses.pop(entry[1].alloc_id, 0))
+                if entry[1].alloc_id not in addresses:
+                    continue
+                address = addresses.pop(entry[1].alloc_id)
+                allocator.free(address)
+                self._remember("free_requested", address, entry[1], entry[2])
+                self._remember("free_completed", address, entry[1], entry[2])
             elif entry[0] == "empty_cache":
                 allocator.empty_cache()
         self._read = len(log)
@@ -90,6 +105,30 @@ class StepMemory:
         replay."""
         self._log.append(("memory_fraction", fraction))
         self.memory_fraction = fraction
+
+    def record_history(self, enabled: object, max_entries: int) -> None:
+        """``torch.cuda.memory._record_memory_history(enabled, max_entries=...)``: ``None`` or
+        ``False`` turns the history off (and drops it), anything else on from this line."""
+        self._catch_up(read=False)  # what came before is not in the history
+        on = enabled is not None and enabled is not False
+        self.history = ([] if self.history is None else self.history) if on else None
+        self.history_limit = max(int(max_entries), 0)
+
+    def snapshot(self, include_traces: bool = True) -> dict[str, Any]:
+        """``torch._C._cuda_memorySnapshot``: the segments at this line and the history."""
+        allocator = self._catch_up()
+        traces = self.history if include_traces and self.history is not None else []
+        return snapshot_to_data(allocator.snapshot(), [traces], allocator_settings={})
+
+    def _remember(self, action: str, address: int, alloc: Any, frames: Any) -> None:
+        history = self.history
+        if history is None:
+            return
+        history.append(
+            TraceEvent(action, address, alloc.size_bytes, alloc.stream, frames=tuple(frames))
+        )
+        if len(history) > self.history_limit:
+            del history[: len(history) - self.history_limit]
 
     def memory_allocated(self) -> int:
         """``torch.cuda.memory_allocated()``."""

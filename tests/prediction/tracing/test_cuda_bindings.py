@@ -1,0 +1,139 @@
+"""torch's CUDA bindings a CPU build lacks, answered for the emulated GPU (cuda_bindings.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.snapshot.reader import load_snapshot
+from oomkit.core.target import Target
+from oomkit.prediction.tracing.cuda_bindings import nested_stats
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.step_failure import failure_text
+from oomkit.prediction.tracing.step_runner import trace_step
+
+MiB = 2**20
+TARGET = Target.resolve(GpuSpec("test GPU", 1024 * MiB, 0))
+
+
+def test_torch_cuda_memory_s_own_functions_read_the_recording():
+    """torch.cuda.memory.memory_allocated and the deprecated memory_cached (which calls its
+    module's memory_reserved) read what torch.cuda.memory_allocated reads: a 4 MiB tensor in a
+    20 MiB segment (kLargeBuffer). They had read 0: only torch.cuda's names were answered.
+    memory_stats_as_nested_dict nests the same counters."""
+    read: list[object] = []
+
+    def step() -> None:
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        read.append(
+            (
+                torch.cuda.memory.memory_allocated(),
+                torch.cuda.memory_allocated(),
+                torch.cuda.memory.memory_cached(),
+                torch.cuda.memory.max_memory_reserved(),
+            )
+        )
+        nested = torch.cuda.memory.memory_stats_as_nested_dict()
+        read.append(nested["allocated_bytes"]["all"]["current"])
+        read.append(torch.cuda.memory.memory_stats() == torch.cuda.memory_stats())
+        del x
+
+    trace_step(step, steps=1, target=TARGET)
+    assert read == [(4 * MiB, 4 * MiB, 20 * MiB, 20 * MiB), 4 * MiB, True]
+
+
+@given(
+    st.dictionaries(
+        st.lists(st.sampled_from(["a", "b", "all", "peak"]), min_size=1, max_size=3).map(".".join),
+        st.integers(min_value=0, max_value=2**40),
+        max_size=12,
+    ).filter(
+        # A key that is also another key's prefix cannot be both a value and a level.
+        lambda d: not any(k != j and j.startswith(k + ".") for k in d for j in d)
+    )
+)
+def test_nested_stats_is_what_torch_flattens_back(flat):
+    """torch/cuda/memory.py memory_stats joins the nested levels with dots: nesting then
+    flattening as it does gives the counters back."""
+
+    def flatten(prefix: str, value: object, out: dict[str, int]) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                flatten(f"{prefix}.{key}" if prefix else key, inner, out)
+        else:
+            out[prefix] = value  # type: ignore[assignment]
+
+    back: dict[str, int] = {}
+    flatten("", nested_stats(flat), back)
+    assert back == flat
+
+
+def test_a_snapshot_dumped_by_the_step_holds_its_segments_and_history(tmp_path):
+    """_record_memory_history(max_entries=2), then a 4 MiB and a 1 MiB tensor, the first freed:
+    _dump_snapshot writes the simulated allocator's segments (20 MiB and 2 MiB, kLargeBuffer
+    and kSmallBuffer) and the last two history entries, which oomkit reads back. It had
+    stopped the step with AttributeError (torch._C._cuda_record_memory_history)."""
+    path = tmp_path / "snap.pickle"
+
+    def step() -> None:
+        before = torch.empty(1024, dtype=torch.uint8, device="cuda")  # not in the history
+        torch.cuda.memory._record_memory_history(max_entries=2)
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        y = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        del x
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        del y, before
+
+    trace_step(step, steps=1, target=TARGET)
+    snapshot = load_snapshot(path)
+    assert sorted(s.total_size for s in snapshot.segments) == [2 * MiB, 20 * MiB]
+    trace = snapshot.device_traces[0]
+    assert [(e.action, e.size) for e in trace] == [
+        ("free_requested", 4 * MiB),
+        ("free_completed", 4 * MiB),
+    ]
+    large = next(s for s in snapshot.segments if s.total_size == 20 * MiB)
+    assert trace[0].address == large.address  # the freed block is the segment's first
+    assert {"top:segments", "top:device_traces"} <= set(snapshot.keys_seen)
+
+
+def test_the_small_bindings_answer_and_are_gone_after():
+    """NVTX ranges, the sync debug mode, ipc_collect, the allocator backend and the host
+    counters answer inside; outside, torch is as it was (a CPU build has none of them)."""
+    had = {name: hasattr(torch._C, name) for name in ("_cuda_memorySnapshot", "_cuda_ipc_collect")}
+    with as_one_cuda_gpu(TARGET.gpu):
+        assert (torch.cuda.nvtx.range_push("step"), torch.cuda.nvtx.range_pop()) == (0, 0)
+        with torch.cuda.nvtx.range("block"):
+            pass
+        torch.cuda.set_sync_debug_mode("warn")
+        assert torch.cuda.get_sync_debug_mode() == 1
+        assert torch.cuda.ipc_collect() is None
+        assert torch.cuda.memory.get_allocator_backend() == "native"
+        assert dict(torch.cuda.host_memory_stats()) == {}
+    assert {name: hasattr(torch._C, name) for name in had} == had
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+            torch.cuda.nvtx.range_push("step")
+
+
+def test_a_cuda_api_not_answered_says_so_and_what_to_do():
+    """torch.cuda.Stream() in a step: the failure names the call and says which CUDA APIs
+    are answered, and that `oomkit run` measures the step on a GPU."""
+
+    def step() -> None:
+        torch.cuda.Stream()
+
+    with pytest.raises(RuntimeError) as raised:
+        trace_step(step, steps=1, target=TARGET)
+    text = failure_text(raised.value)
+    assert text.startswith("the step raised RuntimeError: torch.cuda.Stream requires CUDA support")
+    assert text.endswith(
+        "a CUDA API that oomkit's emulated GPU does not answer (side streams, CUDA graphs, "
+        "memory pools and raw allocations are not modelled; the memory counters, empty_cache, "
+        "the memory fraction, snapshots and NVTX are). Predict the step without that call, or "
+        "measure it on a GPU with `oomkit run`"
+    )
