@@ -132,6 +132,8 @@ class CachedRecording:
     collective_ids: frozenset[int] | None = None
     timing_note: str | None = None
     context: Mapping[str, Any] = field(default_factory=dict)
+    # A recording whose step set a memory fraction is not kept (scenario/recording_reuse.py).
+    memory_fraction: float | None = None
 
     @property
     def steps(self) -> int:

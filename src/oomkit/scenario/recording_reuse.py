@@ -218,6 +218,7 @@ def record_and_keep(
         collective_ids=recording.collective_ids,
         timing_note=recording.timing_note,
         context=context,
+        memory_fraction=recording.memory_fraction,
     )
     try:
         # What a hit will read: the context through the entry's codec.
@@ -226,7 +227,8 @@ def record_and_keep(
     except TypeError:
         spec = workload.spec  # not plain data: recorded, not kept
     else:
-        store_recording(key, dataclasses.replace(kept, context=context), directory)
+        if recording.memory_fraction is None:  # an entry does not keep a memory fraction
+            store_recording(key, dataclasses.replace(kept, context=context), directory)
     return _replayed(scenario, kept, run.target, cudnn, spec, workload.description, run.notes)
 
 

@@ -101,6 +101,28 @@ def test_a_snapshot_dumped_by_the_step_holds_its_segments_and_history(tmp_path):
     assert {"top:segments", "top:device_traces"} <= set(snapshot.keys_seen)
 
 
+def test_a_snapshot_names_the_target_s_setting_and_keeps_the_newest_entries(tmp_path):
+    """A target with max_split_size_mb:64: the snapshot's allocator_settings carry it, so a
+    replay of the file runs it; 1,000 requests with max_entries=3 keep the last three."""
+    path = tmp_path / "snap.pickle"
+    target = Target.resolve(GpuSpec("test GPU", 1024 * MiB, 0), alloc_conf="max_split_size_mb:64")
+
+    def step() -> None:
+        torch.cuda.memory._record_memory_history(max_entries=3)
+        for _ in range(1000):
+            x = torch.empty(512, dtype=torch.uint8, device="cuda")
+            del x
+        torch.cuda.memory._dump_snapshot(str(path))
+
+    trace_step(step, steps=1, target=target)
+    snapshot = load_snapshot(path)
+    assert snapshot.allocator_settings == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    # 3,000 entries, the last request's three last: its alloc and its free, done at once.
+    assert [(e.action, e.size) for e in snapshot.device_traces[0]] == [
+        ("alloc", 512), ("free_requested", 512), ("free_completed", 512)
+    ]
+
+
 def test_the_small_bindings_answer_and_are_gone_after():
     """NVTX ranges, the sync debug mode, ipc_collect, the allocator backend and the host
     counters answer inside; outside, torch is as it was (a CPU build has none of them)."""

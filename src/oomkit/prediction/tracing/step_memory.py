@@ -28,6 +28,7 @@ recorder starts, or outside one, see an allocator that has served nothing.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
@@ -37,6 +38,8 @@ from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
 
 __all__ = ["StepMemory"]
+
+_FREED = ("free_requested", "free_completed")  # a free completes at once here
 
 
 class StepMemory:
@@ -59,13 +62,13 @@ class StepMemory:
             torch_version=None if target is None else target.torch_version,
         )
         self._addresses: dict[int, int] = {}
+        self._alloc_conf = "" if target is None else str(target.allocator_config)
         self.reads = 0
         # torch.cuda.get_per_process_memory_fraction(): 1.0 until the step sets one.
         self.memory_fraction = 1.0
-        # torch.cuda.memory._record_memory_history: the entries since it was turned on (None:
-        # off), and the most it keeps (max_entries: the oldest go first).
-        self.history: list[TraceEvent] | None = None
-        self.history_limit = 0
+        # torch.cuda.memory._record_memory_history: the entries since it was turned on, at
+        # most max_entries of them, the oldest going first; None: off.
+        self.history: deque[TraceEvent] | None = None
 
     def _catch_up(self, read: bool = True) -> CachingAllocator:
         self.reads += read
@@ -78,14 +81,15 @@ class StepMemory:
                     addresses[alloc.alloc_id] = allocator.malloc(alloc.size_bytes, alloc.stream)
                 except SimulatedOutOfMemoryError:
                     continue  # past even 1 EiB ("more than 1EB"): left out of the reads, not raised
-                self._remember("alloc", addresses[alloc.alloc_id], alloc, alloc.frames)
+                if self.history is not None:
+                    self._remember(("alloc",), addresses[alloc.alloc_id], alloc, alloc.frames)
             elif entry[0] == "free":
                 if entry[1].alloc_id not in addresses:
-                    continue
+                    continue  # its allocation was left out above
                 address = addresses.pop(entry[1].alloc_id)
                 allocator.free(address)
-                self._remember("free_requested", address, entry[1], entry[2])
-                self._remember("free_completed", address, entry[1], entry[2])
+                if self.history is not None:
+                    self._remember(_FREED, address, entry[1], entry[2])
             elif entry[0] == "empty_cache":
                 allocator.empty_cache()
         self._read = len(log)
@@ -110,25 +114,27 @@ class StepMemory:
         """``torch.cuda.memory._record_memory_history(enabled, max_entries=...)``: ``None`` or
         ``False`` turns the history off (and drops it), anything else on from this line."""
         self._catch_up(read=False)  # what came before is not in the history
-        on = enabled is not None and enabled is not False
-        self.history = ([] if self.history is None else self.history) if on else None
-        self.history_limit = max(int(max_entries), 0)
+        if enabled is None or enabled is False:
+            self.history = None
+        else:
+            kept = () if self.history is None else self.history
+            self.history = deque(kept, maxlen=max(int(max_entries), 0))
 
     def snapshot(self, include_traces: bool = True) -> dict[str, Any]:
         """``torch._C._cuda_memorySnapshot``: the segments at this line and the history."""
         allocator = self._catch_up()
-        traces = self.history if include_traces and self.history is not None else []
-        return snapshot_to_data(allocator.snapshot(), [traces], allocator_settings={})
+        traces = list(self.history) if include_traces and self.history is not None else []
+        # The setting the simulated allocator runs, as a snapshot's allocator_settings names
+        # it, so that a replay of the file runs it too (core/replay/_recorded.py).
+        settings = {"PYTORCH_CUDA_ALLOC_CONF": self._alloc_conf} if self._alloc_conf else None
+        return snapshot_to_data(allocator.snapshot(), [traces], allocator_settings=settings)
 
-    def _remember(self, action: str, address: int, alloc: Any, frames: Any) -> None:
-        history = self.history
-        if history is None:
-            return
-        history.append(
-            TraceEvent(action, address, alloc.size_bytes, alloc.stream, frames=tuple(frames))
-        )
-        if len(history) > self.history_limit:
-            del history[: len(history) - self.history_limit]
+    def _remember(self, actions: tuple[str, ...], address: int, alloc: Any, frames: Any) -> None:
+        assert self.history is not None
+        for action in actions:
+            self.history.append(
+                TraceEvent(action, address, alloc.size_bytes, alloc.stream, frames=tuple(frames))
+            )
 
     def memory_allocated(self) -> int:
         """``torch.cuda.memory_allocated()``."""
