@@ -7,6 +7,9 @@ replays the recording through the target's caching allocator, as ``predict`` doe
 function. The figure is the one the builder form of the same step gives (``file.py:function``
 returning that step).
 
+A script that sets ``PYTORCH_CUDA_ALLOC_CONF`` in ``os.environ`` itself runs with that
+setting, and is predicted with it (``own_alloc_conf.py``).
+
 This module never imports torch itself; ``predict_script`` imports the tracer when called.
 """
 
@@ -18,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.target import Target
+from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.workload import WorkloadSpec
 
@@ -95,18 +99,31 @@ def predict_script(
             "oomkit predict runs your script on the meta device and needs torch; install it "
             "with `pip install oomkit[torch]`"
         ) from exc
-    run = record_script(
-        path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
-    )
-    traced = resolved
+    before = alloc_conf_variables()
+    try:
+        run = record_script(
+            path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
+        )
+    finally:
+        after = alloc_conf_variables()
+        restore(before)
+    traced, recording = resolved, run.recording
+    if after != before:
+        traced, assumption, notes = with_own_setting(traced, after, "the script")
+        recording = dataclasses.replace(
+            recording,
+            warnings=(*recording.warnings, *notes),
+            assumptions={**recording.assumptions, "allocator setting": assumption},
+        )
     if traced.cudnn_version is None:
         # As predict: the tracer used the settings in effect; the result names that version.
         traced = dataclasses.replace(traced, cudnn_version=current_sdpa_settings().cudnn_version)
     prediction = predict_recording(
-        run.recording,
+        recording,
         target=traced,
         budget_bytes=budget_bytes,
         description=run.description,
         workload=workload,
     )
     return ScriptPrediction(prediction, run)
+

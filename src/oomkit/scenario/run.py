@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
@@ -115,6 +116,7 @@ class PredictRun:
         steps: steps recorded.
         workload: the built step (one GPU), or the sharded workload built while recording.
         notes: defaults chosen and other assumptions to add to the prediction.
+        warnings: warnings to add to it (a setting of the caller's the user's code replaced).
     """
 
     scenario: Scenario
@@ -122,6 +124,7 @@ class PredictRun:
     steps: int
     workload: Workload | ShardedWorkload | ScriptWorkload | TorchtitanWorkload
     notes: dict[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     @property
     def description(self) -> str:
@@ -174,7 +177,12 @@ class PredictRun:
                 prediction = self._record_sharded()
             else:
                 prediction = self._record_one(observer)
-        return _with_scenario(prediction, self.scenario, self.notes)
+        prediction = _with_scenario(prediction, self.scenario, self.notes)
+        if self.warnings:
+            prediction = dataclasses.replace(
+                prediction, warnings=(*prediction.warnings, *self.warnings)
+            )
+        return prediction
 
     def _record_one(self, observer: StepObserver | None) -> Prediction:
         from oomkit.prediction.predictor import predict as predict_step
@@ -269,6 +277,7 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
     target = scenario_target(scenario)
     require_torch_for(scenario, "predict")
     steps, steps_note = default_steps(scenario, "predict")
+    warned: list[str] = []
     with user_values(scenario.step.values):
         workload: Workload | ShardedWorkload | ScriptWorkload
         notes: dict[str, str] = {}
@@ -286,12 +295,20 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
                 scenario, target.parallel, scenario.step.batch, target.gpu, steps=steps
             )
         else:
-            workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
+            before = alloc_conf_variables()
+            try:
+                workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
+            finally:
+                after = alloc_conf_variables()
+                restore(before)  # this process goes on where the user's would end
             notes = {f"default {k}": v for k, v in workload.defaults.items()}
             notes.update(workload.trainer_notes)
+            if after != before:  # the module or builder set its own (own_alloc_conf.py)
+                who = scenario.model.name or "the builder"
+                target, notes["allocator setting"], warned = with_own_setting(target, after, who)
         if steps_note is not None:
             notes["default steps"] = steps_note
-        yield PredictRun(scenario, target, steps, workload, notes)
+        yield PredictRun(scenario, target, steps, workload, notes, tuple(warned))
 
 
 def _torchtitan_run(scenario: Scenario) -> PredictRun:

@@ -157,10 +157,10 @@ def kernels_line(prediction: Prediction) -> str:
 
 def _is_value_assumption(name: str) -> bool:
     # Tensor values the trace answered (oomkit.prediction.tracing.read_report), the memory
-    # counters the step read and the memory fraction it set (tracing/step_memory.py): their
-    # own lines.
+    # counters the step read, the memory fraction and allocator setting it set
+    # (tracing/step_memory.py, prediction/scripts.py): their own lines.
     return name.startswith(("read at ", "torch.cuda ")) or name in (
-        "finite values", "memory fraction"
+        "finite values", "memory fraction", "allocator setting"
     )
 
 
