@@ -251,6 +251,7 @@ def test_the_ban_rule_on_two_folders():
         "oomkit.prediction.envelope",
         "oomkit.prediction.lengths",
         "oomkit.prediction.scripts",
+        "oomkit.prediction.own_alloc_conf",
         "oomkit.prediction.summary",
         "oomkit.prediction.serving",
         "oomkit.prediction.workload",
