@@ -140,3 +140,25 @@ def test_a_builder_s_module_setting_is_replayed_too(tmp_path, clean_environment)
     assert first.assumptions["allocator setting"].startswith(
         f"{own}:build sets PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' itself"
     )
+
+
+def test_fit_searches_with_the_builder_s_own_setting(tmp_path, clean_environment):
+    """oomkit fit of that builder (its requests scale with the batch): the search runs with
+    the module's setting, says so, and its answer is what predict gives at that batch; it
+    had searched with PyTorch's defaults."""
+    import oomkit
+
+    own = tmp_path / "own.py"
+    own.write_text(textwrap.dedent(BUILDER).replace("def build(batch_size=1):", (
+        "def build(batch_size=1):\n    scale = batch_size"
+    )).replace("25 * 2**20", "25 * 2**20 * scale").replace("30 * 2**20", "30 * 2**20 * scale")
+        .replace("40 * 2**20", "40 * 2**20 * scale"))
+    answer = oomkit.fit(f"{own}:build", gpu="2GiB", context_overhead="0B", margin="0B")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert answer.target.alloc_conf == "expandable_segments:True"
+    assert answer.result.warnings[0].startswith(
+        f"allocator setting: {own}:build sets PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"
+    )
+    at = oomkit.predict(f"{own}:build", batch=answer.batch_size, gpu="2GiB", context_overhead="0B")
+    assert at.fits and at.alloc_conf == "expandable_segments:True"
+    assert answer.peak_reserved_bytes == at.peak_reserved_bytes

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
+from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
 from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
@@ -85,6 +86,8 @@ class _Builders:
         # workload whose step appends what it raises to its ``raised``.
         self.name: str | None = scenario.model.name
         self._built: Workload | ShardedWorkload | None = None
+        # The allocator variables the user's code left set (own_alloc_conf.py); None: none.
+        self.own_alloc_conf: dict[str, str | None] | None = None
 
     @property
     def raised(self) -> list[BaseException]:
@@ -94,6 +97,30 @@ class _Builders:
     def _keep(self, name: str | None, workload: Any) -> Any:
         self.name, self._built = name, workload
         return workload
+
+    def _building(self, build: Callable[[], Any]) -> Any:
+        """``build()``, with the allocator variables it set noted and set back: the module
+        of a file.py:function is run again at each build, and this process goes on."""
+        before = alloc_conf_variables()
+        try:
+            return build()
+        finally:
+            after = alloc_conf_variables()
+            restore(before)
+            if after != before:
+                self.own_alloc_conf = after
+
+    def use_own_setting(self) -> tuple[Target, list[str]]:
+        """The target with the allocator setting a file.py:function sets itself, found by
+        building its first batch, and what to say about it (``own_alloc_conf.py``)."""
+        self.train(self.scenario.step.batch or 1)
+        if self.own_alloc_conf is None:
+            return self._target, []
+        who = self.scenario.model.name or "the builder"
+        self._target, assumption, warned = with_own_setting(
+            self._target, self.own_alloc_conf, who
+        )
+        return self._target, [f"allocator setting: {assumption}", *warned]
 
     def parallel(self, layout: ParallelLayout, batch_size: int) -> ShardedWorkload:
         """The model under ``layout`` at the per-rank ``batch_size`` (as predict records it)."""
@@ -105,7 +132,9 @@ class _Builders:
         return self._keep(self.scenario.model.name, workload)
 
     def train(self, batch_size: int) -> Workload:
-        workload = build_workload(self.scenario, batch_size, self._target.gpu, steps=self._steps)
+        workload = self._building(
+            lambda: build_workload(self.scenario, batch_size, self._target.gpu, steps=self._steps)
+        )
         _check_takes_batch(self.scenario.model.function, workload)
         return self._keep(self.scenario.model.name, workload)
 
@@ -115,10 +144,10 @@ class _Builders:
         name = self.scenario.model.eval_function
         assert name is not None
         step = self.scenario.step
-        user = load_user_step(
+        user = self._building(lambda: load_user_step(
             name, batch_size=batch_size, seq_len=step.seq, image_size=step.image_size,
             gpu=self._target.gpu,
-        )
+        ))
         spec = user_workload_spec(name, user, 1)
         workload = Workload(user.step_fn, user.track, user.description, user.raised, spec)
         _check_takes_batch(name, workload)
@@ -226,6 +255,10 @@ def fit(
             update={"run": scenario.run.model_copy(update={"steps": steps})}
         )
     builders = _Builders(scenario, target, steps)
+    own: list[str] = []
+    if scenario.model.kind == "function" and scenario.search.global_batch is None:
+        with user_errors(lambda: (builders.name, builders.raised)):
+            target, own = builders.use_own_setting()
     train: Any = builders.train
     eval_step: Any = None if scenario.model.eval_function is None else builders.evaluation
     if scenario.step.compile:  # every probe recorded with its torch.compile regions compiled
@@ -245,10 +278,14 @@ def fit(
             )
         if scenario.search.smallest_gpu:
             result = _smallest(scenario, target, builders, train, eval_step, progress, jobs)
+            if own:
+                result = replace(result, warnings=(*own, *result.warnings))
             return FitAnswer("smallest_gpu", result, target, scenario)
         if target.parallel is not None:
             train, eval_step = _parallel_recorder(target.parallel, builders), None
         result = _search(scenario, target, train, eval_step, progress, jobs)
+        if own:
+            result = replace(result, warnings=(*own, *result.warnings))
         per_rank = None
         if target.parallel is not None:
             per_rank = per_rank_batch(scenario, target.parallel, result.batch_size)
