@@ -53,6 +53,7 @@ __all__ = [
     "Repredict",
     "StepChange",
     "combined_changes",
+    "combined_fields",
     "measure_remedies",
     "measured_remedies_of",
     "prediction_remedies",
@@ -356,6 +357,14 @@ def combined_changes(changes: Sequence[StepChange]) -> list[list[StepChange]]:
     return out + ([checkpointing + qlora] if checkpointing and qlora else [])
 
 
+def combined_fields(combination: Sequence[StepChange]) -> dict[str, Any]:
+    """The ``StepOptions`` fields of changes applied together (a later change's win)."""
+    fields: dict[str, Any] = {}
+    for change in combination:
+        fields |= change.fields
+    return fields
+
+
 def _measured_combination(
     base: Any, changes: Sequence[StepChange], repredict_with: Repredict, required: int, usable: int
 ) -> MeasuredRemedy | None:
@@ -363,9 +372,7 @@ def _measured_combination(
     (``_batch_remedies.fitting_batch``; a combination that cannot fit costs two
     re-predictions); none when no combination fits even at batch 1."""
     for combination in combined_changes(changes):
-        fields: dict[str, Any] = {}
-        for change in combination:
-            fields |= change.fields
+        fields = combined_fields(combination)
         try:
             found = fitting_batch(base, dataclasses.replace(base, **fields), repredict_with,
                                    measured_alone=len(combination) == 1)

@@ -82,7 +82,11 @@ def fit_alternatives(
     Raises:
         OomkitError: a single change that every model takes cannot be built (as ``fit``).
     """
-    from oomkit.diagnose.remedy_measurement import combined_changes, step_changes
+    from oomkit.diagnose.remedy_measurement import (
+        combined_changes,
+        combined_fields,
+        step_changes,
+    )
     from oomkit.scenario.fitting import check_fit, fit
 
     target = check_fit(scenario)
@@ -97,10 +101,7 @@ def fit_alternatives(
     out: list[FitAlternative] = []
 
     def searched(chosen: list[StepChange], combined: bool) -> FitAlternative:
-        fields: dict[str, Any] = {}
-        for change in chosen:
-            fields |= change.fields
-        settings = _settings(fields, base)
+        settings = _settings(combined_fields(chosen), base)
         title = " + ".join(change.title for change in chosen)
         flags = " ".join(change.flag for change in chosen if change.flag)
         try:
