@@ -436,9 +436,22 @@ def test_settings_an_older_torch_rejects_are_skipped():
     result = tune(FRAGMENTING, torch_version="2.3")
     assert len(result.candidates) == len(DEFAULT_GRID) - 3
     assert not any("per_process_memory_fraction" in c.alloc_conf for c in result.candidates)
-    assert len(result.warnings) == 1
-    assert result.warnings[0].startswith("skipped 3 setting(s) that torch 2.3 rejects")
+    # A fact about the default sweep, not a setting the user gave wrongly: one short note.
+    assert result.warnings == (
+        "not swept: 3 of the default settings, which torch 2.3 does not take "
+        "(per_process_memory_fraction needs torch >= 2.9)",
+    )
     assert result.best.alloc_conf == "expandable_segments:True"
+    # Given by the caller, the same setting is a warning with PyTorch's whole reason.
+    given = tune(
+        FRAGMENTING, torch_version="2.3",
+        candidates=["garbage_collection_threshold:0.6,per_process_memory_fraction:0.99",
+                    "expandable_segments:True"],
+    )
+    assert given.warnings[0].startswith(
+        "skipped 1 setting(s) that torch 2.3 rejects: "
+        "'garbage_collection_threshold:0.6,per_process_memory_fraction:0.99'. First reason:"
+    )
 
 
 # ------------------------------------------------------------------ parallel sweeps

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_GRID",
     "FLAG_REASONS",
     "NOT_RECOMMENDED_FLAGS",
+    "NOT_SWEPT",
     "TuningCandidate",
     "TuningResult",
     "TuningSource",
@@ -74,6 +75,10 @@ DEFAULT_GRID: tuple[str, ...] = (
     "expandable_segments:True,max_split_size_mb:128",
     "expandable_segments:True,max_split_size_mb:512",
 )
+
+# How a note about default settings an older torch does not take begins: a fact about the
+# sweep, not something the user gave wrongly (the CLI prints it as info, not as a warning).
+NOT_SWEPT = "not swept:"
 
 FLAG_REASONS: dict[str, str] = {
     "max-split-with-expandable": (
@@ -227,7 +232,8 @@ def tune(
     replay = _replayer(source, capacity_bytes, device, torch_version, reserved_outside_bytes)
     warnings: list[str] = []
     settings = _valid_settings(
-        DEFAULT_GRID if candidates is None else candidates, torch_version, warnings
+        DEFAULT_GRID if candidates is None else candidates, torch_version, warnings,
+        given=candidates is not None,
     )
     replayed = replay_settings(
         replay, [c for _, c in settings], jobs=jobs, progress=progress
@@ -357,9 +363,12 @@ def _replayer(
 
 
 def _valid_settings(
-    texts: Sequence[str], torch_version: str | None, warnings: list[str]
+    texts: Sequence[str], torch_version: str | None, warnings: list[str], *, given: bool = True
 ) -> list[tuple[str, AllocatorConfig]]:
-    """Parse each setting as the modelled PyTorch would; skip rejected ones and duplicates."""
+    """Parse each setting as the modelled PyTorch would; skip rejected ones and duplicates.
+
+    A rejected setting the caller ``given`` is a warning with PyTorch's reason; one of the
+    default grid (an older torch without a key) is a note starting ``NOT_SWEPT``."""
     settings: list[tuple[str, AllocatorConfig]] = [("", AllocatorConfig())]
     seen = {AllocatorConfig()}
     rejected: list[tuple[str, ConfigError]] = []
@@ -377,10 +386,19 @@ def _valid_settings(
     version = f"torch {torch_version}" if torch_version else "the newest torch"
     if rejected:
         names = ", ".join(repr(text) for text, _ in rejected)
-        warnings.append(
-            f"skipped {len(rejected)} setting(s) that {version} rejects: {names}. "
-            f"First reason: {rejected[0][1]}"
-        )
+        if given:
+            warnings.append(
+                f"skipped {len(rejected)} setting(s) that {version} rejects: {names}. "
+                f"First reason: {rejected[0][1]}"
+            )
+        else:
+            # The parser's last clause says why ("per_process_memory_fraction needs torch >=
+            # 2.9"); the settings themselves are DEFAULT_GRID's.
+            reason = str(rejected[0][1]).split(". Example:")[0].rsplit("; ", 1)[-1]
+            warnings.append(
+                f"{NOT_SWEPT} {len(rejected)} of the default settings, which {version} does "
+                f"not take ({reason})"
+            )
     if len(settings) == 1 and rejected:
         raise ConfigError(f"no candidate setting is valid for {version}: {warnings[-1]}")
     return settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oomkit.errors import OomkitError
 from oomkit.interfaces.cli._common import (
@@ -25,6 +26,9 @@ from oomkit.interfaces.cli._progress import (
     progress_enabled,
     snapshot_progress,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["add_parser", "run"]
 
@@ -212,7 +216,7 @@ def _render(result, path: Path, recorded: str | None, target: Device) -> None:
         # No ranking of settings that all tie by construction (issue 35 item 7).
         for warning in result.warnings:
             if not warning.startswith("settings cannot be compared"):  # said last, in full
-                console.print(f"[yellow]warning:[/] {as_written(warning)}")
+                _print_warning(console, warning)
         console.print(
             f"Settings cannot be compared on {as_written(path.name)}: the replay made no segment "
             f"decision under any of the {len(result.candidates)} settings, so none changes its "
@@ -257,7 +261,7 @@ def _render(result, path: Path, recorded: str | None, target: Device) -> None:
     for flag in sorted({f for c in result.candidates for f in c.flags}):
         console.print(f"[bold]{flag}[/]: {as_written(FLAG_REASONS.get(flag, flag))}")
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {as_written(warning)}")
+        _print_warning(console, warning)
     if recorded:
         console.print(
             f"The workload was recorded under PYTORCH_CUDA_ALLOC_CONF={as_written(recorded)}."
@@ -280,3 +284,14 @@ def _render(result, path: Path, recorded: str | None, target: Device) -> None:
         if result.saving_bytes == 0 and calls > 0:
             line += f" and {calls:,} cudaMalloc/cudaFree call(s)"
         console.print(line + ".", soft_wrap=True)
+
+
+def _print_warning(console: Console, warning: str) -> None:
+    """A warning, or, for default settings the snapshot's torch does not take, an info line."""
+    from oomkit.interfaces.reports._untrusted import as_written
+    from oomkit.plan.tuning import NOT_SWEPT
+
+    if warning.startswith(NOT_SWEPT):
+        console.print(f"[dim]info: {as_written(warning)}[/dim]", soft_wrap=True)
+    else:
+        console.print(f"[yellow]warning:[/] {as_written(warning)}")
