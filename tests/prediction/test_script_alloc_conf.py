@@ -65,7 +65,7 @@ def test_the_script_s_own_setting_is_replayed_and_said(tmp_path, clean_environme
         target=Target.resolve(TARGET.gpu, alloc_conf="expandable_segments:True"),
     ).prediction
     assert own.alloc_conf == "expandable_segments:True"
-    # Expandable segments map whole 20 MiB pages: 102 MiB here, 98 MiB with the defaults.
+    # Expandable segments map whole 20 MiB pages (ref §8): 102 MiB here, 98 with the defaults.
     assert (own.peak_reserved_bytes, flagged.peak_reserved_bytes, plain.peak_reserved_bytes) == (
         102 * MiB, 102 * MiB, 98 * MiB
     )

@@ -16,31 +16,50 @@ and is replayed here all the same.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from oomkit.core.allocator.config import AllocatorConfig
 from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES, behaviour_for
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError
 
-__all__ = ["alloc_conf_variables", "restore", "with_own_setting"]
+__all__ = ["OwnSetting", "watching_own_setting", "with_own_setting"]
 
 
-def alloc_conf_variables() -> dict[str, str | None]:
+@dataclasses.dataclass
+class OwnSetting:
+    """What :func:`watching_own_setting` saw: the allocator variables the user's code left
+    changed, as set then (``None``: it changed none)."""
+
+    variables: dict[str, str | None] | None = None
+
+
+@contextlib.contextmanager
+def watching_own_setting() -> Iterator[OwnSetting]:
+    """While open, the user's code runs; on exit the variables it left changed are noted in
+    the record yielded, and set back, since this process goes on where the user's would end."""
+    before = _variables()
+    own = OwnSetting()
+    try:
+        yield own
+    finally:
+        after = _variables()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if after != before:
+            own.variables = after
+
+
+def _variables() -> dict[str, str | None]:
     """The variables PyTorch's releases read their allocator setting from, as set now."""
     return {name: os.environ.get(name) for name in ALLOC_CONF_VARIABLES}
-
-
-def restore(values: Mapping[str, str | None]) -> None:
-    """Set the variables back to ``values`` (``None``: unset)."""
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def with_own_setting(

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.target import Target
-from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
+from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting
 from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.workload import WorkloadSpec
 
@@ -99,17 +99,13 @@ def predict_script(
             "oomkit predict runs your script on the meta device and needs torch; install it "
             "with `pip install oomkit[torch]`"
         ) from exc
-    before = alloc_conf_variables()
-    try:
+    with watching_own_setting() as own:
         run = record_script(
             path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
         )
-    finally:
-        after = alloc_conf_variables()
-        restore(before)
     traced, recording = resolved, run.recording
-    if after != before:
-        traced, assumption, notes = with_own_setting(traced, after, "the script")
+    if own.variables is not None:
+        traced, assumption, notes = with_own_setting(traced, own.variables, "the script")
         recording = dataclasses.replace(
             recording,
             warnings=(*recording.warnings, *notes),

@@ -176,8 +176,9 @@ def fit(what: Any = None, /, **keywords: Any) -> FitAnswer:
 
 
 def fit_alternatives(what: Any = None, /, **keywords: Any) -> tuple[FitAlternative, ...]:
-    """When not even batch 1 fits: the largest batch with each change of precision, activation
-    checkpointing and optimizer that applies, each searched as ``fit`` with that change.
+    """When not even batch 1 fits: the largest batch with each change that applies
+    (precision, activation checkpointing, optimizer, LoRA, QLoRA, then their combinations),
+    each searched as ``fit`` with that change.
 
     Args:
         what: a ``Scenario``, or a preset / ``--hf`` name with the scenario's fields as

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
-from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
+from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
 from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
@@ -101,14 +101,11 @@ class _Builders:
     def _building(self, build: Callable[[], Any]) -> Any:
         """``build()``, with the allocator variables it set noted and set back: the module
         of a file.py:function is run again at each build, and this process goes on."""
-        before = alloc_conf_variables()
-        try:
-            return build()
-        finally:
-            after = alloc_conf_variables()
-            restore(before)
-            if after != before:
-                self.own_alloc_conf = after
+        with watching_own_setting() as own:
+            built = build()
+        if own.variables is not None:
+            self.own_alloc_conf = own.variables
+        return built
 
     def use_own_setting(self) -> tuple[Target, list[str]]:
         """The target with the allocator setting a file.py:function sets itself, found by

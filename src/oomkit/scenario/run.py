@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from oomkit.prediction.own_alloc_conf import alloc_conf_variables, restore, with_own_setting
+from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting
 from oomkit.prediction.workload import WorkloadSpec
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
@@ -295,17 +295,15 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
                 scenario, target.parallel, scenario.step.batch, target.gpu, steps=steps
             )
         else:
-            before = alloc_conf_variables()
-            try:
+            with watching_own_setting() as own:
                 workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
-            finally:
-                after = alloc_conf_variables()
-                restore(before)  # this process goes on where the user's would end
             notes = {f"default {k}": v for k, v in workload.defaults.items()}
             notes.update(workload.trainer_notes)
-            if after != before:  # the module or builder set its own (own_alloc_conf.py)
+            if own.variables is not None:  # the module or builder set its own
                 who = scenario.model.name or "the builder"
-                target, notes["allocator setting"], warned = with_own_setting(target, after, who)
+                target, notes["allocator setting"], warned = with_own_setting(
+                    target, own.variables, who
+                )
         if steps_note is not None:
             notes["default steps"] = steps_note
         yield PredictRun(scenario, target, steps, workload, notes, tuple(warned))

@@ -300,11 +300,8 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
                 global_step = trains[0]
                 trains[0] += 1
                 stack.enter_context(carried.kept(trainer))
-                if empty_every is not None:
-                    emptied = global_step % empty_every == 0
-                    stack.enter_context(
-                        _wrapped(trainer, "training_step", _emptying_cache_in(emptied))
-                    )
+                if empty_every is not None and global_step % empty_every == 0:
+                    stack.enter_context(_wrapped(trainer, "training_step", _emptying_cache))
                 stack.enter_context(_on_one_gpu())
                 trainer.train()
         finally:
@@ -318,21 +315,17 @@ def _hf_step(trainer: Any, where: str) -> TrainerStep:
     return TrainerStep(step, (trainer.model,), "transformers", summary)
 
 
-def _emptying_cache_in(
-    emptied: bool,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A wrapper of ``training_step`` in which ``torch.cuda.empty_cache()`` is a request of the
-    recording (``emptied``) or nothing: the restarted ``train()``'s ``global_step`` is 0, so
-    its own test always empties; one run's test decides instead."""
+def _emptying_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``training_step`` in which ``torch.cuda.empty_cache()`` is a request of the recording,
+    for the steps one run's ``global_step`` test empties in. Elsewhere it does nothing
+    (``_on_one_gpu``): the restarted ``train()``'s ``global_step`` is 0, so the trainer's own
+    test would always empty."""
 
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            with emptying_cache(emptied):
-                return original(*args, **kwargs)
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        with emptying_cache():
+            return original(*args, **kwargs)
 
-        return training_step
-
-    return wrap
+    return training_step
 
 
 @contextlib.contextmanager
