@@ -175,3 +175,19 @@ def test_a_torch_older_than_1_10_is_refused_everywhere(major, minor, patch):
     else:
         assert Target.resolve("h100", torch_version=version).torch_version == version
         assert torch_version_arg(version) == version
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    gpu=st.one_of(st.text(max_size=12), st.integers(), st.none(), st.floats(allow_nan=True)),
+    conf=st.one_of(st.text(max_size=30), st.none(), st.integers()),
+)
+def test_target_built_directly_from_names_is_a_config_error_naming_resolve(gpu, conf):
+    """Target("rtx4090") had been taken and failed deep in a recording ("'str' object has no
+    attribute 'compute_capability'"); a GPU or setting that is not parsed is refused at once,
+    with Target.resolve as the way to name it."""
+    with pytest.raises(ConfigError, match=r"takes a GpuSpec; .*Target\.resolve\("):
+        Target(gpu)
+    with pytest.raises(ConfigError, match=r"takes an AllocatorConfig; .*alloc_conf="):
+        Target(get_gpu("rtx4090"), conf)
+    assert Target(get_gpu("rtx4090")).alloc_conf == ""

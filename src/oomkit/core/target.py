@@ -119,6 +119,21 @@ class Target:
     warnings: tuple[str, ...] = ()
     nccl: NcclSettings | None = None
 
+    def __post_init__(self) -> None:
+        # Target(...) takes parsed parts; a name or a setting string is Target.resolve's to parse
+        # (a str gpu had failed deep in the recording with "'str' object has no attribute").
+        if not isinstance(self.gpu, GpuSpec):
+            raise ConfigError(
+                f"Target(gpu=...) takes a GpuSpec; got {self.gpu!r}. To name a GPU or a size, "
+                f"use Target.resolve({self.gpu!r}), or pass gpu= to oomkit.predict / oomkit.fit"
+            )
+        if not isinstance(self.allocator_config, AllocatorConfig):
+            raise ConfigError(
+                f"Target(allocator_config=...) takes an AllocatorConfig; got "
+                f"{self.allocator_config!r}. To give a PYTORCH_CUDA_ALLOC_CONF string, use "
+                f"Target.resolve(gpu, alloc_conf={self.allocator_config!r})"
+            )
+
     @property
     def context_overhead_bytes(self) -> int:
         """Device memory held outside the allocator (CUDA context, kernels), in bytes."""

@@ -222,6 +222,7 @@ def load_user_step(
     from oomkit.prediction.tracing import cuda_autocast_construction
     from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
     from oomkit.prediction.tracing.step_failure import os_exit_raises
+    from oomkit.prediction.tracing.torch_globals import UsersGlobals
     from oomkit.prediction.tracing.trainers import trainer_step
 
     path_text, _, name = target.rpartition(":")
@@ -229,7 +230,10 @@ def load_user_step(
     # the step reuses (nanoGPT's ctx) is built enabled, not disabled for want of a GPU.
     # The file runs on the emulated GPU too: `device = "cuda" if torch.cuda.is_available() else
     # "cpu"` at module level picks CUDA, as on the GPU it is meant for.
-    with cuda_autocast_construction(), as_one_cuda_gpu(gpu):
+    # torch's process-wide settings the file and its builder set (a default dtype) carry to its
+    # steps, as in its own process, and are the caller's again between them (torch_globals.py).
+    users = UsersGlobals()
+    with users.running(), cuda_autocast_construction(), as_one_cuda_gpu(gpu):
         module = _load_module(Path(path_text), target)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
@@ -245,8 +249,8 @@ def load_user_step(
     kwargs = _arguments(fn, target, sizes, device, extra or {})
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
-        with device, cuda_autocast_construction(), as_one_cuda_gpu(gpu), os_exit_raises():
-            with _optimizer_steps_counted() as builder_steps:
+        with users.running(), device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
+            with os_exit_raises(), _optimizer_steps_counted() as builder_steps:
                 result = fn(**kwargs)
     except OomkitError as exc:
         raise type(exc)(f"{target}: {name}(): {exc}") from exc
@@ -278,7 +282,7 @@ def load_user_step(
 
     def step_fn() -> Any:
         try:
-            with step_device, refused, os_exit_raises():
+            with users.running(), step_device, refused, os_exit_raises():
                 return user_step()
         except SystemExit as exc:
             error = UserCodeError(_exit_text(exc, "the step", target))

@@ -58,11 +58,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils import _device as _device_modes
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
+from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
 
@@ -116,9 +118,9 @@ class _CudaOnMeta(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        kwargs = _default_device_given(func, dict(kwargs or {}))
         if self._device.type != "meta":
-            return self._onto_fake_device(func, args, dict(kwargs or {}))
-        kwargs = dict(kwargs or {})
+            return self._onto_fake_device(func, args, kwargs)
         asked_cuda = _is_cuda(kwargs.get("device"))
         if asked_cuda:
             kwargs["device"] = _META
@@ -171,6 +173,30 @@ class _CudaOnMeta(TorchFunctionMode):
             # torch.tensor(data, device="cuda"): made on the host, then copied to the device.
             return _host_copied(func(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def _default_device_given(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the default device a factory would get written in, where it is CUDA.
+
+    A default device is a ``DeviceContext`` mode that adds ``device=`` to a factory call (its
+    ``_device_constructors``; torch/utils/_device.py). ``with torch.device("cuda"):`` pushes it
+    on top of the mode stack (torch/csrc/Device.cpp), where it runs before this mode;
+    ``torch.set_default_device("cuda")`` puts it at the bottom (``DeviceContext.__enter__``),
+    where it would run after this mode had looked. While this mode runs, the stack holds the
+    modes below it: the highest ``DeviceContext`` there is the one that would write the device.
+    """
+    if kwargs.get("device") is not None:
+        return kwargs
+    if func not in _device_modes._device_constructors():
+        return kwargs
+    below = [
+        mode
+        for mode in _get_current_function_mode_stack()
+        if isinstance(mode, _device_modes.DeviceContext)
+    ]
+    if below and _is_cuda(below[-1].device):
+        kwargs["device"] = below[-1].device
+    return kwargs
 
 
 def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -513,6 +539,7 @@ def as_one_cuda_gpu(
             emptying_cache(cache_emptied),
             _torch_cuda_reports(gpu),
             _module_moves_keep_sharing(),
+            restoring_on(device),
             _CudaOnMeta(device),
         ):
             yield

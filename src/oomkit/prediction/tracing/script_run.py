@@ -62,6 +62,7 @@ from oomkit.prediction.tracing.step_failure import (
     os_exit_raises,
     step_failure,
 )
+from oomkit.prediction.tracing.torch_globals import caller_globals_kept
 
 __all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
 
@@ -361,6 +362,7 @@ def record_script(
     stopped = False
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(caller_globals_kept())  # the script's settings end with it
             stack.enter_context(tracer)
             stack.enter_context(watch)
             stack.enter_context(as_one_cuda_gpu(tracer.gpu))
