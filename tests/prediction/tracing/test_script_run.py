@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.predictor import predict, predict_recording
+from oomkit.prediction.scripts import predict_script
 from oomkit.prediction.tracing.script_run import ScriptSpec, record_script
 from oomkit.scenario.user_function import load_user_step
 
@@ -194,11 +195,51 @@ def test_a_script_that_ends_early_records_the_steps_it_ran(tmp_path):
     assert (tmp_path / "done.txt").read_text() == "finished"
 
 
-def test_a_script_without_an_optimizer_step_is_refused(tmp_path):
-    """A script that never steps an optimizer: UserCodeError saying so."""
+def test_a_script_without_an_optimizer_step_is_one_run_to_its_end(tmp_path):
+    """A run with no optimizer step (an inference script, or a training script given 0
+    iterations) is predicted whole: here the Linear(512, 512) it puts on the GPU, 1 MiB of
+    weight and 2 KiB of bias, and a warning saying no step ran."""
     _write(tmp_path, "loop.py", MAIN_LOOP)
-    with pytest.raises(UserCodeError, match="ended without an optimizer step"):
-        record_script(tmp_path / "loop.py", ["0"], target=RTX4090, cwd=tmp_path)
+    run = record_script(tmp_path / "loop.py", ["0"], target=RTX4090, cwd=tmp_path)
+    assert run.steps_recorded == 0 and run.recording.step_starts == ()
+    assert sorted(e.size for e in run.recording.events if e.action == "alloc") == [2048, 1 << 20]
+    assert any(w.startswith("no optimizer step ran: the prediction is of the whole script's")
+               for w in run.recording.warnings)
+    assert (tmp_path / "done.txt").read_text() == "finished"  # it ran to its end
+
+
+def test_an_inference_script_peaks_where_its_forward_does(tmp_path):
+    """model.eval() under inference_mode, 3 batches: the peak allocated is the weights, cuBLAS's
+    workspace and one batch's tensors with the last batch's output."""
+    _write(
+        tmp_path,
+        "infer.py",
+        """
+        import torch
+
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+        ).to("cuda").eval()
+        with torch.inference_mode():
+            for _ in range(3):
+                y = model(torch.randn(32, 256, device="cuda"))
+        """,
+    )
+    prediction = predict_script(tmp_path / "infer.py", target=RTX4090)
+    weights = (256 * 1024 + 1024 + 1024 * 256 + 256) * 4
+    # At the second batch's ReLU: the first batch's y (still bound), x, the hidden and the
+    # ReLU's output (not in place).
+    batch = (32 * 256 + 32 * 256 + 2 * 32 * 1024) * 4
+    workspace = prediction.prediction.peak_allocated_at.by_category_bytes.get("workspace", 0)
+    assert prediction.prediction.steps == 0
+    assert prediction.prediction.peak_allocated_bytes == weights + batch + workspace
+
+
+def test_a_script_that_puts_nothing_on_the_gpu_is_refused(tmp_path):
+    """Nothing on the GPU and no optimizer step: UserCodeError saying there is nothing."""
+    _write(tmp_path, "cpu.py", "import torch\nprint(torch.ones(3).sum())\n")
+    with pytest.raises(UserCodeError, match="without putting anything on the GPU"):
+        record_script(tmp_path / "cpu.py", target=RTX4090, cwd=tmp_path)
 
 
 def test_torchrun_style_code_is_refused_by_name(tmp_path):
@@ -244,8 +285,9 @@ def test_a_ddp_wrapper_is_refused_by_name(tmp_path):
     before_steps=st.booleans(),
 )
 def test_a_script_exit_is_the_users_failure_unless_after_its_steps(tmp_path_factory, code, before_steps):
-    """sys.exit(code) before the first step, or with a non-zero code after it: UserCodeError
-    naming the line and the code; sys.exit(0) / sys.exit() after a step: the steps are kept."""
+    """sys.exit(code) with a non-zero code: UserCodeError naming the line and the code;
+    sys.exit(0) / sys.exit(): what ran is kept (after the model is on the GPU, before any step:
+    the whole run)."""
     folder = tmp_path_factory.mktemp("exit")
     _write(
         folder,
@@ -262,10 +304,9 @@ def test_a_script_exit_is_the_users_failure_unless_after_its_steps(tmp_path_fact
         sys.exit({code!r})
         """,
     )
-    success = not before_steps and code in (None, 0)
-    if success:
+    if code in (None, 0):  # a clean exit: what ran is predicted (no step: the whole run)
         run = record_script(folder / "exits.py", steps=3, target=RTX4090)
-        assert run.steps_recorded == 1
+        assert run.steps_recorded == (0 if before_steps else 1)
         return
     with pytest.raises(UserCodeError) as raised:
         record_script(folder / "exits.py", steps=3, target=RTX4090)

@@ -262,7 +262,11 @@ def render_prediction(
     if p.kernel_choices:
         console.print(kernels_line(p), highlight=False)
     at = p.peak_allocated_at
-    when = "before the first step" if at.step is None else f"step {at.step}"
+    # A run with no step at all (an inference script) is one run, not a set-up before steps.
+    when = (
+        f"step {at.step}" if at.step is not None
+        else "before the first step" if p.steps else "the whole run"
+    )
     console.print(_breakdown_table(at, f"Memory at peak allocated ({when})"))
     memory = rank_memory(p)
     if memory is not None:

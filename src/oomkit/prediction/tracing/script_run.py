@@ -378,7 +378,7 @@ def record_script(
             except _StopScript:
                 stopped = True
     except SystemExit as exc:
-        if watch.done == 0 or exc.code not in (None, 0):
+        if exc.code not in (None, 0) or (watch.done == 0 and not _allocated(tracer)):
             raise UserCodeError(_exit_text(where, exc, watch.done)) from exc
     except OomkitError as exc:
         if str(exc).startswith(where):
@@ -391,15 +391,21 @@ def record_script(
         else:
             error = UserCodeError(failure_text(exc).replace("the step", "the script", 1))
         raise type(error)(f"{where}: {error}") from exc
-    if watch.done == 0:
+    if watch.done == 0 and not _allocated(tracer):
         raise UserCodeError(
-            f"{where}: the script ended without an optimizer step (no optimizer.step(), "
-            "scaler.step(optimizer) or trainer step ran), so there is no training step to "
-            "predict. Check the arguments after `--` (an evaluation-only or zero-iteration run "
-            "records nothing to size)."
+            f"{where}: the script ended without putting anything on the GPU and without an "
+            "optimizer step (no optimizer.step(), scaler.step(optimizer) or trainer step ran), "
+            "so there is nothing to predict. Check the arguments after `--`, and that the "
+            'script puts its model on "cuda".'
         )
     notes: list[str] = []
-    if not stopped:
+    if watch.done == 0:
+        notes.append(
+            "no optimizer step ran: the prediction is of the whole script's run, to its end "
+            "(an inference or evaluation script). If it is a training script, check its "
+            "arguments after `--`: this run holds no training step"
+        )
+    elif not stopped:
         notes.append(
             f"the script ended after {watch.done} optimizer step(s), fewer than the "
             f"{spec.steps} asked for; the prediction is of those"
@@ -412,13 +418,19 @@ def record_script(
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes))
 
 
+def _allocated(tracer: Tracer) -> bool:
+    """Whether the script put anything on the GPU (its recording has a request)."""
+    return any(event.action == "alloc" for event in tracer.recording.events)
+
+
 def _exit_text(where: str, exc: SystemExit, steps_done: int) -> str:
     site = failure_site(exc).user or "a line oomkit could not find"
     said = exit_call(exc)
     if steps_done == 0:
+        why = "it put nothing on the GPU" if exc.code in (None, 0) else "it reports a failure"
         return (
-            f"{where}: the script called {said} at {site} before its first optimizer step, so "
-            "there is no training step to predict. Check the script's arguments (after `--`) "
+            f"{where}: the script called {said} at {site} before its first optimizer step, and "
+            f"{why}, so there is nothing to predict. Check the script's arguments (after `--`) "
             "and the files it reads."
         )
     return (
