@@ -8,7 +8,9 @@ import pytest
 from _folders import files_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
+from oomkit import render_prediction
 from oomkit.core.target import Target
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.predictor import predict, predict_recording
@@ -233,6 +235,11 @@ def test_an_inference_script_peaks_where_its_forward_does(tmp_path):
     workspace = prediction.prediction.peak_allocated_at.by_category_bytes.get("workspace", 0)
     assert prediction.prediction.steps == 0
     assert prediction.prediction.peak_allocated_bytes == weights + batch + workspace
+    console = Console(record=True, width=120)
+    render_prediction(prediction.prediction, console)
+    shown = console.export_text()
+    assert "Memory at peak allocated (the whole run)" in shown
+    assert "warning: no optimizer step ran" in shown
 
 
 def test_a_script_that_puts_nothing_on_the_gpu_is_refused(tmp_path):
