@@ -119,3 +119,24 @@ def test_landing_elsewhere_is_refused(device):
     with pytest.raises(ConfigError, match="lands_on must be 'meta' or 'cpu'"):
         with as_one_cuda_gpu(lands_on=device):
             pass
+
+
+def test_data_put_on_meta_by_a_library_is_an_allocation_with_its_values():
+    """transformers' generate makes its special tokens with torch.tensor(ids, device=
+    input_ids.device), which is meta for a CUDA batch: recorded when made (3 x int64 = 24
+    bytes, a float scalar 4 bytes), values known; torch's copy below the dispatcher had hidden
+    them until first use."""
+    seen = {}
+
+    def step() -> None:
+        with as_one_cuda_gpu():
+            ids = torch.tensor([5, 6, 7], device=torch.device("meta"))
+            scale = torch.tensor(0.5, device="meta")
+            seen["ids"] = known_value(ids).tensor.tolist()
+            seen["scale"] = float(known_value(scale).tensor)
+            del ids, scale
+
+    recording = trace_step(step)
+    assert sorted(e.size for e in recording.events if e.action == "alloc") == [4, 24]
+    assert seen == {"ids": [5, 6, 7], "scale": 0.5}
+    assert not any("existed before tracing" in w for w in recording.warnings)

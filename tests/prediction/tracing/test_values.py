@@ -133,3 +133,47 @@ def test_grad_scaler_inf_check_of_unknown_gradients_finds_none():
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     assert _values(found_inf) == 0.0
     assert dict(known.assumed_finite) == {"torch._amp_foreach_non_finite_check_and_unscale_": 1}
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    flags=st.lists(st.booleans(), min_size=1, max_size=6),
+    op=st.sampled_from(["or", "and", "or_", "and_", "logical_or", "logical_and"]),
+    known_first=st.booleans(),
+)
+def test_a_known_operand_that_decides_a_logical_op_alone_makes_it_known(flags, op, known_first):
+    """x | all-True is all True and x & all-False all False whatever the unknown x holds
+    (transformers' stop at its length limit); any other known operand leaves it unknown."""
+    with value_tracking(), torch.device("meta"):
+        known = torch.tensor(flags)  # from Python data: known (ValueReads)
+        assert _values(known) == flags
+        unknown = torch.empty(len(flags), dtype=torch.bool)
+        left, right = (known, unknown) if known_first else (unknown, known)
+        if op == "or":
+            out = left | right
+        elif op == "and":
+            out = left & right
+        elif op == "or_":
+            out = left.clone().bitwise_or_(right)
+        elif op == "and_":
+            out = left.clone().bitwise_and_(right)
+        else:
+            out = getattr(torch, op)(left, right)
+    decided = all(flags) if "or" in op else not any(flags)
+    expected = [all(flags)] * len(flags) if "or" in op else [False] * len(flags)
+    assert _values(out) == (expected if decided else None)
+
+
+def test_a_long_and_with_a_known_all_false_mask_is_zero():
+    """transformers: unfinished_sequences (long, unknown) & ~is_done (bool, all True) is 0."""
+    with KnownValues(), torch.device("meta"):
+        unfinished = torch.empty(3, dtype=torch.long)
+        is_done = torch.full((3,), True)
+        left = unfinished & ~is_done
+        finished = left.max() == 0
+    assert _values(left) == [0, 0, 0]
+    assert _values(finished) is True

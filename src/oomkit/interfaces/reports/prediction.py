@@ -160,7 +160,7 @@ def _is_value_assumption(name: str) -> bool:
     # counters the step read, the memory fraction and allocator setting it set
     # (tracing/step_memory.py, prediction/scripts.py): their own lines.
     return name.startswith(("read at ", "torch.cuda ")) or name in (
-        "finite values", "memory fraction", "allocator setting"
+        "finite values", "generation length", "memory fraction", "allocator setting"
     )
 
 

@@ -67,6 +67,7 @@ from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
+from oomkit.prediction.tracing.values import remember_value
 
 __all__ = ["as_one_cuda_gpu", "counting_allocations", "emptying_cache"]
 
@@ -97,12 +98,19 @@ def _is_cuda(device: Any) -> bool:
     return False
 
 
+def _on_meta_eagerly(device: Any) -> bool:
+    meta = device.type == "meta" if isinstance(device, torch.device) else device == "meta"
+    return meta and not torch.compiler.is_compiling()
+
+
 def _is_cpu(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cpu"
     return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
+# Data from Python up to this size keeps its values on the device (value_reads._from_data's).
+_KNOWN_DATA_BYTES = 1 << 20
 # Factory functions whose value is the Python number they are given.
 _FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor})
 
@@ -144,8 +152,12 @@ class _CudaOnMeta(TorchFunctionMode):
             return self_tensor
         elif func is torch.Tensor.is_pinned:
             return False
-        elif func in _FROM_PYTHON and asked_cuda:
-            # Only what was asked of CUDA: data put on meta by name stays the tracer's business.
+        elif func in _FROM_PYTHON and (asked_cuda or _on_meta_eagerly(kwargs.get("device"))):
+            # Data put on the device: CUDA by name, or meta, the device CUDA tensors are on,
+            # given back by a library (transformers' generate makes its special tokens with
+            # torch.tensor(ids, device=input_ids.device)). torch copies data to meta below the
+            # dispatcher, where the recorder would not see the allocation. In code dynamo
+            # compiles, the graph holds it as a constant (compile_backend.py) instead.
             return _from_python(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -235,7 +247,7 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
 
     A number becomes ``torch.full((), number)``, a factory whose value ``values.py`` follows
     (so Lightning's ``reduce(torch.tensor(len(loader))) == 0`` is answered); other data is made
-    on the CPU and copied, as CUDA does (its values are then not followed).
+    on the CPU and copied, as CUDA does; its values are followed up to ``_KNOWN_DATA_BYTES``.
     """
     data = args[0] if args else kwargs.get("data")
     if isinstance(data, (bool, int, float)) and len(args) <= 1:
@@ -255,7 +267,11 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
             device=_META,
             requires_grad=bool(kwargs.get("requires_grad", False)),
         )
-    return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
+    host = func(*args, **{**kwargs, "device": "cpu"})
+    out = host.to(_META)
+    if host.numel() * host.element_size() <= _KNOWN_DATA_BYTES:
+        remember_value(out, host, f"torch.{func.__name__}")  # as value_reads' _from_data
+    return out
 
 
 class _NoDeviceSwitch:

@@ -65,6 +65,13 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
             f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
             "training run that proceeds"
         )
+    if reads.generation_goes_on:
+        out["generation length"] = (
+            f"transformers' generate asked {reads.generation_goes_on} time(s) whether every "
+            "sequence had ended, answered 'not yet' (the new tokens are unknown, so no "
+            "end-of-sequence token is seen): it runs to its length limit (max_new_tokens), the "
+            "most memory the call can take"
+        )
     return out
 
 

@@ -12,7 +12,8 @@ tensor's value: ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``, ``__i
    ``float()`` gets a plain ``STAND_IN_VALUE``: Python does not keep a float subclass through
    ``float()``, so its later use cannot be checked (its warning says so: use ``.item()``);
 3. ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor answer as for finite values
-   (counted in ``assumed_finite``);
+   (counted in ``assumed_finite``), and transformers' generate asking whether its sequences
+   have all ended answers "not yet" (counted in ``generation_goes_on``; ``_generation_stop``);
 4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` that
    raises if it is later used as a size or a condition; ``bool`` / ``int`` / ``index`` /
    ``torch.equal`` are such uses themselves and raise ``DataDependentValueError`` at once.
@@ -136,6 +137,8 @@ class ValueReads(TorchFunctionMode):
         self.records: dict[tuple[str, int, str, Outcome], ReadRecord] = {}
         # Finiteness tests of unknown tensors answered as for finite values, by function.
         self.assumed_finite: Counter[str] = Counter()
+        # transformers' generate asked whether its sequences had all ended: "not yet".
+        self.generation_goes_on = 0
 
     def __torch_function__(
         self,
@@ -167,6 +170,9 @@ class ValueReads(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 result = func(*values, *args[len(values) :], **kwargs)
             return self._record(site, kind, "answered", result, origins)
+        if func is torch.Tensor.__bool__ and _generation_stop(frames):
+            self.generation_goes_on += 1
+            return False
         deciding = _DECIDING.get(func)
         if deciding is not None:
             refuse_unknown(kind, deciding, site)
@@ -230,6 +236,26 @@ class ValueReads(TorchFunctionMode):
     def unused_stated(self) -> list[str]:
         """Stated values no read used (``file.py:42``), in the order given."""
         return [f"{path}:{line}" for path, line in self.stated if (path, line) not in self.used_stated]
+
+
+# transformers' generate asks after each new token whether every sequence has ended:
+# ``StopCheck.__call__``'s ``bool(unfinished_sequences.max() == 0)`` (transformers 5), or
+# ``_has_unfinished_sequences``'s ``elif this_peer_finished`` before it (generation/utils.py).
+# The new tokens are unknown, so no end-of-sequence token can be seen: the answer is "not yet",
+# and generation runs to its length limit (max_new_tokens), where the stop is known
+# (values.py ``_ABSORBING``). That is the most memory the call can take.
+_GENERATION_MODULE = ("transformers", "generation", "utils.py")
+_GENERATION_STOPS = frozenset({"__call__", "_has_unfinished_sequences"})
+
+
+def _generation_stop(frames: list[Any]) -> bool:
+    """Whether the innermost frame is transformers' generate asking if its sequences ended."""
+    if not frames:
+        return False
+    code = frames[0].f_code
+    return code.co_name in _GENERATION_STOPS and Path(code.co_filename).parts[-3:] == (
+        _GENERATION_MODULE
+    )
 
 
 # Finiteness tests answered for unknown tensors as for finite values (a training run that

@@ -196,6 +196,41 @@ def remember_value(tensor: torch.Tensor, value: torch.Tensor, origin: str) -> No
         _set_known(tensor, value.to(tensor.dtype), frozenset({origin}))
 
 
+# Logical ops one known operand decides alone, with the value that does it: ``x | True`` is
+# True and ``x & 0`` is 0 whatever ``x`` holds. transformers' generate stops this way: at its
+# length limit ``MaxLengthCriteria`` is ``torch.full(..., True)``, OR-ed with the EOS check of
+# unknown tokens (generation/stopping_criteria.py ``StoppingCriteriaList.__call__``), and
+# ``unfinished_sequences & ~is_done`` is then all 0 (generation/utils.py ``_sample``).
+_ABSORBING = {
+    **dict.fromkeys(
+        ("aten::bitwise_or", "aten::bitwise_or_", "aten::logical_or", "aten::logical_or_"), True
+    ),
+    **dict.fromkeys(
+        ("aten::bitwise_and", "aten::bitwise_and_", "aten::logical_and", "aten::logical_and_"),
+        False,
+    ),
+}
+
+
+def _absorbed(value: bool, flat: list[Any], out: Any) -> tuple[torch.Tensor, frozenset[str]] | None:
+    """``out``'s values and origins when a known operand holds only ``value`` (``_ABSORBING``):
+    all True for an OR of booleans, all zero for an AND of any dtype; else None."""
+    if not isinstance(out, torch.Tensor) or not out.is_meta or (value and out.dtype != torch.bool):
+        return None
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        return None  # part of a larger storage (an in-place op on a view): the rest is unknown
+    for leaf in flat:
+        known = known_value(leaf) if isinstance(leaf, torch.Tensor) else None
+        if known is None or known.tensor.numel() == 0:
+            continue
+        if value and known.tensor.dtype != torch.bool:
+            continue
+        with torch._C.DisableTorchFunction():
+            if bool((known.tensor != 0).all() if value else (known.tensor == 0).all()):
+                return torch.full(out.shape, value, dtype=out.dtype), known.origins
+    return None
+
+
 def _forget(tensor: Any) -> None:
     if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
         storage = tensor.untyped_storage()
@@ -297,7 +332,10 @@ class KnownValues(TorchDispatchMode):
             if inputs is not None:
                 self._follow(func, *inputs[0], out, inputs[1])
                 return
+        decided = _absorbed(_ABSORBING[name], flat, out) if name in _ABSORBING else None
         self._forget_mutated(func, args, kwargs)
+        if decided is not None:  # after: an in-place op's own operand may be the deciding one
+            _set_known(out, *decided)
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,0 +1,89 @@
+"""An inference script that calls transformers' generate: it runs to max_new_tokens."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from oomkit.core.target import Target
+from oomkit.prediction.tracing.script_run import record_script
+from oomkit.prediction.tracing.value_reads import value_tracking
+
+pytest.importorskip("transformers")
+
+RTX4090 = Target.resolve("rtx4090")
+
+# GPT-2 of one block, made from its config (no download); token ids made on the CPU, as a
+# tokenizer makes them, and moved to the GPU.
+GENERATE = """
+import sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+config = GPT2Config(n_layer=1, n_head=2, n_embd=256, vocab_size=100, n_positions=128)
+model = GPT2LMHeadModel(config).to("cuda").eval()
+ids = torch.randint(2, 100, (8, 8)).to("cuda")
+with torch.no_grad():
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(sys.argv[1]),
+        do_sample=False, pad_token_id=0, eos_token_id=1,
+    )
+assert out.shape == (8, 8 + int(sys.argv[1])), out.shape
+"""
+
+
+def _run(tmp_path, new_tokens):
+    (tmp_path / "gen.py").write_text(textwrap.dedent(GENERATE))
+    return record_script(tmp_path / "gen.py", [str(new_tokens)], target=RTX4090, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("new_tokens", [3, 7])
+def test_generate_runs_to_max_new_tokens(tmp_path, new_tokens):
+    """Each new token but the last asks whether the sequences ended ('not yet'); the last is
+    the length limit's stop, known. One attention call per token per block."""
+    run = _run(tmp_path, new_tokens)
+    assumption = run.recording.assumptions["generation length"]
+    assert assumption.startswith(f"transformers' generate asked {new_tokens - 1} time(s)")
+    assert run.steps_recorded == 0
+    attention = {k: n for k, n in run.recording.kernel_choices.items() if "SDPA" in k}
+    assert sum(attention.values()) == new_tokens, attention
+
+
+def test_more_new_tokens_hold_more_memory(tmp_path):
+    """The KV cache grows with each token (8 sequences x 256 keys and 256 values, fp32: 16 KiB
+    a token): with 64 new tokens the peak is at the end, holding the cache of all 72."""
+    from oomkit.prediction.predictor import predict_recording
+
+    def predicted(new_tokens: int):
+        folder = tmp_path / str(new_tokens)
+        folder.mkdir()
+        return predict_recording(_run(folder, new_tokens).recording, target=RTX4090)
+
+    short, long = predicted(2), predicted(64)
+    assert long.peak_allocated_bytes > short.peak_allocated_bytes
+    assert long.peak_allocated_at.by_category_bytes["activation"] >= 72 * 16 * 1024
+
+
+def test_the_stop_check_of_older_transformers_answers_not_yet():
+    """transformers 4.x asks in _has_unfinished_sequences (`elif this_peer_finished`): a bool()
+    read there is 'not yet' too; the same read elsewhere is refused as a condition."""
+    source = (
+        "def _has_unfinished_sequences(this_peer_finished):\n"
+        "    if this_peer_finished:\n"
+        "        return False\n"
+        "    return True\n"
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(source, "/lib/site-packages/transformers/generation/utils.py", "exec"), namespace)
+    elsewhere: dict[str, object] = {}
+    exec(compile(source, "/lib/site-packages/mylib/loop.py", "exec"), elsewhere)
+    from oomkit.errors import DataDependentValueError
+
+    with value_tracking() as (_, reads), torch.device("meta"):
+        finished = torch.empty(3, dtype=torch.long).max() == 0  # unknown
+        assert namespace["_has_unfinished_sequences"](finished) is True
+        with pytest.raises(DataDependentValueError):
+            elsewhere["_has_unfinished_sequences"](finished)
+    assert reads.generation_goes_on == 1
