@@ -100,6 +100,69 @@ def test_a_setting_the_script_s_torch_rejects_is_a_config_error(tmp_path, clean_
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
+# The setting made after the weight is on the GPU (PyTorch has read its variable by then), and
+# changed again after the steps.
+LATE = """
+import os
+import torch
+
+w = torch.nn.Parameter(torch.empty(1024, device="cuda"))
+{late}
+opt = torch.optim.SGD([w], lr=0.1)
+for _ in range(2):
+    a = torch.empty(25 * 2**20, dtype=torch.uint8, device="cuda")
+    b = torch.empty(30 * 2**20, dtype=torch.uint8, device="cuda")
+    del a
+    c = torch.empty(40 * 2**20, dtype=torch.uint8, device="cuda")
+    del b, c
+    (w * 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("early", "late", "kept", "reserved_mib"),
+    [
+        # Set only after the first CUDA tensor: the run keeps the defaults (98 MiB), not
+        # expandable segments' 102 MiB.
+        ("", 'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"', "", 98),
+        # Set before, changed after: the first one holds.
+        (
+            'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"',
+            'os.environ.update(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")',
+            "expandable_segments:True",
+            102,
+        ),
+        # Unset after: still in effect.
+        (
+            'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"',
+            'del os.environ["PYTORCH_CUDA_ALLOC_CONF"]',
+            "expandable_segments:True",
+            102,
+        ),
+    ],
+)
+def test_a_setting_made_after_the_first_cuda_tensor_is_ignored_as_pytorch_does(
+    tmp_path, clean_environment, early, late, kept, reserved_mib
+):
+    """PyTorch parses its allocator variable once, at its allocator's first use: a change
+    after the first CUDA allocation does nothing in a real run. It had been replayed."""
+    script = LATE.replace("import os\n", f"import os\n{early}\n").format(late=late)
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(script))
+    prediction = predict_script(str(path), steps=2, target=TARGET).prediction
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert prediction.alloc_conf == kept
+    assert prediction.peak_reserved_bytes == reserved_mib * MiB
+    late_warnings = [w for w in prediction.warnings if "after its first CUDA allocation" in w]
+    assert len(late_warnings) == 1
+    assert late_warnings[0].startswith(
+        "the script unsets its allocator variable" if "del " in late else "the script sets "
+    )
+    assert ("allocator setting" in prediction.assumptions) == bool(kept)
+
+
 BUILDER = """
 import os
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

@@ -104,12 +104,13 @@ def predict_script(
             path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
         )
     traced, recording = resolved, run.recording
-    if own.variables is not None:
-        traced, assumption, notes = with_own_setting(traced, own.variables, "the script")
+    if own.changed:
+        traced, assumption, notes = with_own_setting(traced, own, "the script")
+        said = {} if assumption is None else {"allocator setting": assumption}
         recording = dataclasses.replace(
             recording,
             warnings=(*recording.warnings, *notes),
-            assumptions={**recording.assumptions, "allocator setting": assumption},
+            assumptions={**recording.assumptions, **said},
         )
     if traced.cudnn_version is None:
         # As predict: the tracer used the settings in effect; the result names that version.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
-from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting
+from oomkit.prediction.own_alloc_conf import OwnSetting, watching_own_setting, with_own_setting
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
 from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
@@ -86,8 +86,9 @@ class _Builders:
         # workload whose step appends what it raises to its ``raised``.
         self.name: str | None = scenario.model.name
         self._built: Workload | ShardedWorkload | None = None
-        # The allocator variables the user's code left set (own_alloc_conf.py); None: none.
-        self.own_alloc_conf: dict[str, str | None] | None = None
+        # What the user's code did to the allocator variables (own_alloc_conf.py); None: not
+        # built yet, or it set none.
+        self.own_alloc_conf: OwnSetting | None = None
 
     @property
     def raised(self) -> list[BaseException]:
@@ -103,8 +104,8 @@ class _Builders:
         of a file.py:function is run again at each build, and this process goes on."""
         with watching_own_setting() as own:
             built = build()
-        if own.variables is not None:
-            self.own_alloc_conf = own.variables
+        if own.changed:
+            self.own_alloc_conf = own
         return built
 
     def use_own_setting(self) -> tuple[Target, list[str]]:
@@ -117,7 +118,8 @@ class _Builders:
         self._target, assumption, warned = with_own_setting(
             self._target, self.own_alloc_conf, who
         )
-        return self._target, [f"allocator setting: {assumption}", *warned]
+        said = [] if assumption is None else [f"allocator setting: {assumption}"]
+        return self._target, [*said, *warned]
 
     def parallel(self, layout: ParallelLayout, batch_size: int) -> ShardedWorkload:
         """The model under ``layout`` at the per-rank ``batch_size`` (as predict records it)."""

@@ -299,11 +299,11 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
                 workload = build_workload(scenario, scenario.step.batch, target.gpu, steps=steps)
             notes = {f"default {k}": v for k, v in workload.defaults.items()}
             notes.update(workload.trainer_notes)
-            if own.variables is not None:  # the module or builder set its own
+            if own.changed:  # the module or builder set its own
                 who = scenario.model.name or "the builder"
-                target, notes["allocator setting"], warned = with_own_setting(
-                    target, own.variables, who
-                )
+                target, assumption, warned = with_own_setting(target, own, who)
+                if assumption is not None:
+                    notes["allocator setting"] = assumption
         if steps_note is not None:
             notes["default steps"] = steps_note
         yield PredictRun(scenario, target, steps, workload, notes, tuple(warned))

@@ -69,7 +69,7 @@ from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_f
 from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.values import remember_value
 
-__all__ = ["as_one_cuda_gpu", "counting_allocations", "emptying_cache"]
+__all__ = ["allocator_used", "as_one_cuda_gpu", "counting_allocations", "emptying_cache"]
 
 _META = torch.device("meta")
 # torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
@@ -319,6 +319,11 @@ def _memory() -> StepMemory:
     """The innermost open recorder's memory; outside any, an allocator that served nothing
     (an ``empty_cache()`` there goes to a log no recording reads)."""
     return _memories[-1] if _memories else StepMemory([])
+
+
+def allocator_used() -> bool:
+    """Whether the innermost open recorder has requested device memory yet."""
+    return bool(_memories) and _memories[-1].used()
 
 
 # Whether ``torch.cuda.empty_cache()`` is a request of the recording: the innermost

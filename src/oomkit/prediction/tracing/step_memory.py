@@ -95,6 +95,11 @@ class StepMemory:
         self._read = len(log)
         return allocator
 
+    def used(self) -> bool:
+        """Whether the step has requested device memory yet (PyTorch has read its allocator
+        setting by then: the variable is parsed once, at the allocator's first use)."""
+        return any(entry[0] == "alloc" for entry in self._log)
+
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: the step's request to return the cached blocks to the
         device (c10/cuda/CUDACachingAllocator.cpp ``emptyCache``: ``release_cached_blocks``),
