@@ -143,19 +143,19 @@ def test_the_small_bindings_answer_and_are_gone_after():
 
 
 def test_a_cuda_api_not_answered_says_so_and_what_to_do():
-    """torch.cuda.Stream() in a step: the failure names the call and says which CUDA APIs
+    """torch.cuda.CUDAGraph() in a step: the failure names the call and says which CUDA APIs
     are answered, and that `oomkit run` measures the step on a GPU."""
 
     def step() -> None:
-        torch.cuda.Stream()
+        torch.cuda.CUDAGraph()
 
     with pytest.raises(RuntimeError) as raised:
         trace_step(step, steps=1, target=TARGET)
     text = failure_text(raised.value)
-    assert text.startswith("the step raised RuntimeError: torch.cuda.Stream requires CUDA support")
+    assert text.startswith("the step raised RuntimeError: Tried to instantiate dummy base class")
     assert text.endswith(
-        "a CUDA API that oomkit's emulated GPU does not answer (side streams, CUDA graphs, "
-        "memory pools and raw allocations are not modelled; the memory counters, empty_cache, "
-        "the memory fraction, snapshots and NVTX are). Predict the step without that call, or "
+        "a CUDA API that oomkit's emulated GPU does not answer (CUDA graphs, memory pools and "
+        "raw allocations are not modelled; side streams, the memory counters, empty_cache, the "
+        "memory fraction, snapshots and NVTX are). Predict the step without that call, or "
         "measure it on a GPU with `oomkit run`"
     )

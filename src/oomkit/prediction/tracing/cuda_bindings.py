@@ -22,9 +22,8 @@ the recording's simulated allocator (``step_memory.StepMemory``), after torch's 
 - ``host_memory_stats`` (``_cuda_hostMemoryStats``): empty; pinned host memory is not
   simulated.
 
-Not answered (the step stops, saying so): streams other than the default one
-(``torch.cuda.Stream``, ``current_stream``), CUDA graphs and memory pools (``CUDAGraph``,
-``MemPool``), raw allocations (``caching_allocator_alloc``).
+Side streams are ``cuda_streams.py``'s. Not answered (the step stops, saying so): CUDA graphs
+and memory pools (``CUDAGraph``, ``MemPool``), raw allocations (``caching_allocator_alloc``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ What it changes while open (all undone on exit):
   read the enclosing recorder's requests so far, replayed on the simulated allocator
   (``step_memory.py``; nothing served outside one); ``mem_get_info`` reads the total less the
   CUDA context and what that allocator holds reserved; ``empty_cache`` is a request of the
-  recording, which the report's replay carries out. Streams are not emulated (a side stream's
-  allocations go to their own pool; ``torch.cuda.Stream`` still raises).
+  recording, which the report's replay carries out. Side streams are emulated
+  (``cuda_streams.py``): what is allocated while one is current goes to its pool.
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
@@ -65,6 +65,7 @@ from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
+from oomkit.prediction.tracing.cuda_streams import user_streams
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.values import remember_value
@@ -561,6 +562,7 @@ def as_one_cuda_gpu(
             _torch_cuda_reports(gpu),
             _module_moves_keep_sharing(),
             restoring_on(device),
+            user_streams(),
             _CudaOnMeta(device),
         ):
             yield

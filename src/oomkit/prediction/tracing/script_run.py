@@ -53,6 +53,7 @@ from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.cuda_streams import current_stream_id
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
 from oomkit.prediction.tracing.step_failure import (
@@ -358,6 +359,7 @@ def record_script(
     where = spec.path
     saves = [0]
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
+    tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
     watch = _StepWatch(tracer, spec.steps)
     stopped = False
     try:

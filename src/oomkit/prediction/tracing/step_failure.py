@@ -53,8 +53,8 @@ _DEVICE_MOVES = ("Cannot copy out of meta tensor", "can't convert meta device ty
 
 # What a CPU build of torch says when code reaches CUDA that the emulated GPU does not answer
 # (cuda_bindings.py lists what it does): a missing torch._C binding (torch/cuda/__init__.py
-# current_stream: _cuda_getCurrentStream), a dummy class (torch._utils _dummy_type: CUDAGraph,
-# MemPool) or a Stream (torch/cuda/streams.py).
+# ExternalStream: _cuda_getCurrentStream), a dummy class (torch._utils _dummy_type: CUDAGraph,
+# MemPool).
 _CUDA_ONLY = (
     "module 'torch._C' has no attribute '_cuda",
     "Tried to instantiate dummy base class",
@@ -130,8 +130,8 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
     if any(marker in str(exc) for marker in _CUDA_ONLY):
         return (
             f"the step raised {text}, {at}: a CUDA API that oomkit's emulated GPU does not "
-            "answer (side streams, CUDA graphs, memory pools and raw allocations are not "
-            "modelled; the memory counters, empty_cache, the memory fraction, snapshots and "
+            "answer (CUDA graphs, memory pools and raw allocations are not modelled; side "
+            "streams, the memory counters, empty_cache, the memory fraction, snapshots and "
             "NVTX are). Predict the step without that call, or measure it on a GPU with "
             "`oomkit run`"
         )

@@ -21,6 +21,7 @@ from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import EmptyRecordingError, OomkitError
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.cuda_streams import current_stream_id
 from oomkit.prediction.tracing.emulation import OpEmulation
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
@@ -100,6 +101,7 @@ def trace_step(
             emulations = emulations_for(target.cudnn_version, target.torch_version)
     _refuse_host_modules((args, kwargs))
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
+    tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
     try:
         with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu), cpu_inputs_refused():
             tracer.track(args, kwargs)
