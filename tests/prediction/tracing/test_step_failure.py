@@ -44,6 +44,25 @@ def test_a_device_move_is_said_to_be_one():
     assert ".item()" not in message.split("To log a value")[0]
 
 
+@pytest.mark.parametrize("module_first", [True, False])
+def test_a_model_built_on_the_cpu_is_named_as_such(module_first):
+    """A step closing over a model built on the CPU (the natural first try of the Python
+    API): the failure says a CPU tensor met the traced GPU's and how to build it, not that
+    the op reads values. It had said "its result depends on tensor values"."""
+    model = torch.nn.Linear(8, 8)
+
+    def step(x):
+        (model(x) if module_first else x + model.weight[0]).sum()  # uses the CPU model
+
+    with pytest.raises(UnsupportedOpError) as raised:
+        trace_step(step, _meta_input())
+    message = str(raised.value)
+    assert message.startswith(f"the step failed at {SHOWN}:{_line('# uses the CPU model')} in step")
+    assert "a tensor on the CPU met the step's tensors, which are on the traced GPU" in message
+    assert "with torch.device('meta'):" in message
+    assert "depends on tensor values" not in message
+
+
 def test_a_data_dependent_op_in_user_code_is_the_users_to_move():
     """x[x > 0] in the step: the user's line, no library frame, advice to move it out."""
 

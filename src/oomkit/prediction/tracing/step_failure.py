@@ -62,6 +62,18 @@ _CUDA_ONLY = (
 )
 
 
+# What torch says when a CPU tensor meets a meta one in an op: the meta kernels' device check
+# (torch/_prims_common/__init__.py check_same_device, torch/_meta_registrations.py) and the
+# dispatcher's (aten/src/ATen/TensorIterator.cpp, "Expected all tensors to be on the same
+# device").
+_HOST_MEETS_DEVICE = (
+    "Tensor on device cpu is not on the expected device meta",
+    "Tensor on device meta is not on the expected device cpu",
+    "but found at least two devices, meta and cpu",
+    "but found at least two devices, cpu and meta",
+)
+
+
 def reads_device_values(exc: BaseException) -> bool:
     """Whether ``exc`` is torch refusing to hand out a meta tensor's values (``.numpy()``)."""
     return any(marker in str(exc) for marker in _DEVICE_MOVES)
@@ -126,6 +138,15 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
             "reading what a copy holds (.numpy(), data copied to the CPU and used there) does "
             "not. Keep the step's tensors on the device. To log a value, .item() is enough: it "
             "gets a stand-in"
+        )
+    if any(marker in str(exc) for marker in _HOST_MEETS_DEVICE):
+        return (
+            f"{where}: a tensor on the CPU met the step's tensors, which are on the traced GPU "
+            f"(the meta device) ({text}). A model, its optimizer or an input was built on the "
+            "CPU before the trace and used by the step (a `model = Net()` outside it). Build "
+            "it under `with torch.device('meta'):`, or predict a builder or your script "
+            "(`oomkit predict file.py:function`, `oomkit predict train.py`), where "
+            "`.to('cuda')` puts it on the traced GPU"
         )
     if any(marker in str(exc) for marker in _CUDA_ONLY):
         return (
