@@ -25,6 +25,7 @@ import os
 import torch
 
 w = torch.nn.Parameter(torch.empty(1024, device="cuda"))
+{late}
 opt = torch.optim.SGD([w], lr=0.1)
 for _ in range(2):
     a = torch.empty(25 * 2**20, dtype=torch.uint8, device="cuda")
@@ -38,9 +39,10 @@ for _ in range(2):
 """
 
 
-def _script(tmp_path, setting: str) -> str:
+def _script(tmp_path, setting: str, late: str = "") -> str:
+    """The script with ``setting`` at its top and ``late`` after its first CUDA tensor."""
     path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(SCRIPT.format(setting=setting)))
+    path.write_text(textwrap.dedent(SCRIPT.format(setting=setting, late=late)))
     return str(path)
 
 
@@ -100,27 +102,6 @@ def test_a_setting_the_script_s_torch_rejects_is_a_config_error(tmp_path, clean_
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
-# The setting made after the weight is on the GPU (PyTorch has read its variable by then), and
-# changed again after the steps.
-LATE = """
-import os
-import torch
-
-w = torch.nn.Parameter(torch.empty(1024, device="cuda"))
-{late}
-opt = torch.optim.SGD([w], lr=0.1)
-for _ in range(2):
-    a = torch.empty(25 * 2**20, dtype=torch.uint8, device="cuda")
-    b = torch.empty(30 * 2**20, dtype=torch.uint8, device="cuda")
-    del a
-    c = torch.empty(40 * 2**20, dtype=torch.uint8, device="cuda")
-    del b, c
-    (w * 2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
-
-
 @pytest.mark.parametrize(
     ("early", "late", "kept", "reserved_mib"),
     [
@@ -148,10 +129,7 @@ def test_a_setting_made_after_the_first_cuda_tensor_is_ignored_as_pytorch_does(
 ):
     """PyTorch parses its allocator variable once, at its allocator's first use: a change
     after the first CUDA allocation does nothing in a real run. It had been replayed."""
-    script = LATE.replace("import os\n", f"import os\n{early}\n").format(late=late)
-    path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(script))
-    prediction = predict_script(str(path), steps=2, target=TARGET).prediction
+    prediction = predict_script(_script(tmp_path, early, late), steps=2, target=TARGET).prediction
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert prediction.alloc_conf == kept
     assert prediction.peak_reserved_bytes == reserved_mib * MiB
