@@ -159,3 +159,28 @@ def test_a_cuda_api_not_answered_says_so_and_what_to_do():
         "memory fraction, snapshots and NVTX are). Predict the step without that call, or "
         "measure it on a GPU with `oomkit run`"
     )
+
+
+def test_set_allocator_settings_is_noted_not_replayed_and_not_run():
+    """torch.cuda.memory._set_allocator_settings in a step: the assumption names the call,
+    when it came and how to predict with it; the CPU build's own binding is not called (it
+    would change this process's allocator settings) and is back after."""
+    calls = []
+    binding = torch._C._accelerator_setAllocatorSettings
+
+    def step() -> None:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        x = torch.empty(1024, device="cuda")
+        torch.cuda.memory._set_allocator_settings("max_split_size_mb:64")
+        calls.append(torch._C._accelerator_setAllocatorSettings is binding)
+        del x
+
+    recording = trace_step(step, steps=1, target=TARGET)
+    assert recording.assumptions["torch.cuda allocator settings"] == (
+        "torch.cuda.memory._set_allocator_settings('max_split_size_mb:64') (the last of 2 "
+        "call(s), after its first CUDA allocation) is not replayed: the prediction keeps the "
+        "settings the run started with (the default). To predict with it, pass --alloc-conf "
+        "'max_split_size_mb:64' (or set PYTORCH_CUDA_ALLOC_CONF at the top of the script)"
+    )
+    assert calls == [False]
+    assert torch._C._accelerator_setAllocatorSettings is binding

@@ -69,6 +69,8 @@ class StepMemory:
         # torch.cuda.memory._record_memory_history: the entries since it was turned on, at
         # most max_entries of them, the oldest going first; None: off.
         self.history: deque[TraceEvent] | None = None
+        # torch.cuda.memory._set_allocator_settings calls: (setting, after the first request).
+        self.settings_calls: list[tuple[str, bool]] = []
 
     def _catch_up(self, read: bool = True) -> CachingAllocator:
         self.reads += read
@@ -169,11 +171,31 @@ class StepMemory:
         """``torch.cuda.reset_accumulated_memory_stats()``."""
         self._catch_up().reset_accumulated_memory_stats()
 
+    def set_allocator_settings(self, setting: str) -> None:
+        """``torch.cuda.memory._set_allocator_settings(setting)``: PyTorch re-parses its live
+        allocator's settings from then on (c10/core/AllocatorConfig.cpp ``setAllocatorSettings``
+        -> ``parseArgs``). The replay applies one setting from the start, so the call is noted,
+        not replayed (``assumptions`` says so)."""
+        self.settings_calls.append((str(setting), self.used()))
+
     def assumptions(self) -> dict[str, str]:
-        """How the step's reads of the counters were answered, if it read them."""
+        """How the step's reads of the counters were answered, and what of its allocator
+        settings calls was not replayed."""
+        said = {}
+        if self.settings_calls:
+            setting, late = self.settings_calls[-1]
+            when = "after its first CUDA allocation" if late else "before its first allocation"
+            said["torch.cuda allocator settings"] = (
+                f"torch.cuda.memory._set_allocator_settings({setting!r}) (the last of "
+                f"{len(self.settings_calls)} call(s), {when}) is not replayed: the prediction "
+                f"keeps the settings the run started with ({self._alloc_conf or 'the default'})"
+                f". To predict with it, pass --alloc-conf {setting!r} (or set "
+                "PYTORCH_CUDA_ALLOC_CONF at the top of the script)"
+            )
         if not self.reads:
-            return {}
+            return said
         return {
+            **said,
             "torch.cuda memory counters": (
                 f"read {self.reads} time(s) by the step (memory_allocated, memory_reserved, "
                 "their peaks, memory_stats, mem_get_info), answered by replaying the requests recorded up to "
