@@ -358,3 +358,34 @@ def test_the_description_is_the_command_line():
     assert ScriptSpec("train.py", ("config/a.py", "--n_layer=2")).description == (
         "train.py config/a.py --n_layer=2"
     )
+
+
+def test_an_endless_loop_stops_at_the_bound_with_what_to_do(tmp_path, monkeypatch):
+    """An inference loop that never ends (its own `except Exception` around each batch): the
+    recording stops once its log passes the bound, with a UserCodeError saying so, instead of
+    filling the memory."""
+    from oomkit.prediction.tracing import script_run
+
+    monkeypatch.setattr(script_run, "MAX_SCRIPT_ENTRIES", 3000)
+    _write(
+        tmp_path,
+        "serve.py",
+        """
+        import torch
+
+        model = torch.nn.Linear(64, 64).cuda().eval()
+        with torch.no_grad():
+            while True:
+                try:
+                    model(torch.randn(8, 64, device="cuda"))
+                except Exception:
+                    pass
+        """,
+    )
+    with pytest.raises(UserCodeError) as raised:
+        record_script(tmp_path / "serve.py", target=RTX4090, cwd=tmp_path)
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'serve.py'}: the script has logged ")
+    logged = int(message.split("has logged ")[1].split(" ")[0].replace(",", ""))
+    assert 3000 < logged < 3000 + 512 * 8  # checked every 512 module calls, 4 entries each
+    assert "Give it the arguments of a short run" in message

@@ -70,7 +70,13 @@ from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_f
 from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.values import remember_value
 
-__all__ = ["allocator_used", "as_one_cuda_gpu", "counting_allocations", "emptying_cache"]
+__all__ = [
+    "allocator_used",
+    "as_one_cuda_gpu",
+    "counting_allocations",
+    "emptying_cache",
+    "entries_recorded",
+]
 
 _META = torch.device("meta")
 # torch/cuda/__init__.py is_bf16_supported: True from compute capability 8.0 (Ampere) on; below
@@ -325,6 +331,11 @@ def _memory() -> StepMemory:
 def allocator_used() -> bool:
     """Whether the innermost open recorder has requested device memory yet."""
     return bool(_memories) and _memories[-1].used()
+
+
+def entries_recorded() -> int:
+    """Entries the innermost open recorder has logged so far (0 outside any)."""
+    return _memories[-1].entries if _memories else 0
 
 
 # Whether ``torch.cuda.empty_cache()`` is a request of the recording: the innermost

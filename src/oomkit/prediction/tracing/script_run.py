@@ -52,7 +52,7 @@ from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
-from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu, entries_recorded
 from oomkit.prediction.tracing.cuda_streams import current_stream_id
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
@@ -130,9 +130,19 @@ class ScriptRun:
         return self.spec.description
 
 
+class _ScriptTooLong(BaseException):
+    """Raised when the recording reaches ``MAX_SCRIPT_ENTRIES`` (not an ``Exception``, so the
+    script's own ``except Exception`` lets it through); the message says what to do."""
+
+
 class _StopScript(BaseException):
     """Raised after the last recorded optimizer step: ends the script (not an ``Exception``,
     so the script's own ``except Exception`` lets it through)."""
+
+
+# The most log entries a script's recording keeps (about 2 KiB each with their frames): an
+# endless or very long loop stops with a UserCodeError at about 4 GiB, not by exhausting memory.
+MAX_SCRIPT_ENTRIES = 2_000_000
 
 
 class _StepWatch:
@@ -142,6 +152,7 @@ class _StepWatch:
         self._tracer = tracer
         self._steps = steps
         self.done = 0
+        self._calls = 0  # module calls seen (the bound on the log is checked every 512)
         self._started = False
         self._handles: list[Any] = []
 
@@ -158,6 +169,15 @@ class _StepWatch:
             handle.remove()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._calls += 1
+        if self._calls % 512 == 0 and entries_recorded() > MAX_SCRIPT_ENTRIES:
+            raise _ScriptTooLong(
+                f"the script has logged {entries_recorded():,} device requests and frees "
+                f"without reaching the end of its {self._steps} optimizer step(s) or its own "
+                "end (an endless loop, or a long evaluation or generation), and the recording "
+                f"stops at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of "
+                "a short run (a few batches)"
+            )
         if self._started or torch.compiler.is_compiling():
             return
         if module.training and torch.is_grad_enabled():
@@ -379,6 +399,8 @@ def record_script(
                 runpy.run_path(str(script), run_name="__main__")
             except _StopScript:
                 stopped = True
+            except _ScriptTooLong as exc:
+                raise UserCodeError(f"{where}: {exc}") from None
     except SystemExit as exc:
         if exc.code not in (None, 0) or (watch.done == 0 and not _allocated(tracer)):
             raise UserCodeError(_exit_text(where, exc, watch.done)) from exc

@@ -97,6 +97,11 @@ class StepMemory:
         self._read = len(log)
         return allocator
 
+    @property
+    def entries(self) -> int:
+        """Entries of the recorder's log so far (requests, frees and markers)."""
+        return len(self._log)
+
     def used(self) -> bool:
         """Whether the step has requested device memory yet (PyTorch has read its allocator
         setting by then: the variable is parsed once, at the allocator's first use)."""
