@@ -251,3 +251,49 @@ def test_a_message_cut_after_its_first_sentences_says_so_with_its_figures():
         "PyTorch but unallocated."
     )
     assert parse_oom_text(whole).variant == "native"
+
+
+# Allocation failures outside the caching allocator, as each library prints them, and who the
+# diagnosis names (diagnosis._WHO_FAILED).
+_OUTSIDE = [
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+     "here cuBLAS"),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "here cuDNN"),
+    ("RuntimeError: cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate`",
+     "here cuSOLVER"),
+    ("RuntimeError: cuFFT error: CUFFT_ALLOC_FAILED", "here cuFFT"),
+    ("NCCL WARN Cuda failure 'out of memory'", "here NCCL"),
+    ("ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of "
+     "memory'", "here NCCL"),
+    ("RuntimeError: CUDA driver error: out of memory", None),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=st.sampled_from(_OUTSIDE),
+    before=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200),
+)
+def test_allocation_failures_outside_the_allocator_are_the_driver_variant(case, before):
+    """cuBLAS, cuDNN, cuSOLVER, cuFFT and NCCL running out of memory: the figure-less 'driver'
+    variant wherever it sits in a log, and the diagnosis names the library. They had been
+    'no CUDA out-of-memory message found'."""
+    from oomkit.diagnose.diagnosis import diagnose_oom_text
+
+    text, who = case
+    found = find_oom_texts(f"{before}\n{text}\n")
+    assert [f.variant for f in found][-1:] == ["driver"]
+    finding = diagnose_oom_text(parse_oom_text(text)).causes[0].summary
+    assert finding.startswith("a CUDA call outside PyTorch's caching allocator ran out")
+    assert (who in finding) if who else ("; here" not in finding)
+
+
+def test_an_mps_message_is_refused_naming_the_backend():
+    """Apple's MPS backend: not a CUDA message, said so (it had been 'no CUDA out-of-memory
+    message found')."""
+    with pytest.raises(OomTextError, match="Apple's MPS backend; oomkit explains CUDA's"):
+        parse_oom_text(
+            "RuntimeError: MPS backend out of memory (MPS allocated: 18.13 GB, other "
+            "allocations: 384.00 KB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on "
+            "private pool."
+        )

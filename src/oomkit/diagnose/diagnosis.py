@@ -570,7 +570,19 @@ def _fraction_rejected(parsed: OomText) -> Diagnosis:
     )
 
 
+# Who failed, by the message (oom_text._DRIVER): a library's status name, or NCCL's CUDACHECK.
+_WHO_FAILED = (
+    ("CUBLAS_", "here cuBLAS, creating its handle or workspace"),
+    ("CUDNN_", "here cuDNN"),
+    ("CUSOLVER_", "here cuSOLVER"),
+    ("CUSPARSE_", "here cuSPARSE"),
+    ("CUFFT_", "here cuFFT, planning a transform"),
+    ("Cuda failure", "here NCCL, allocating its buffers"),
+)
+
+
 def _driver_error(parsed: OomText) -> Diagnosis:
+    who = next((said for mark, said in _WHO_FAILED if mark in parsed.text), None)
     return Diagnosis(
         cause="outside_pytorch",
         causes=(
@@ -578,8 +590,9 @@ def _driver_error(parsed: OomText) -> Diagnosis:
                 "outside_pytorch",
                 0,
                 "a CUDA call outside PyTorch's caching allocator ran out of memory (creating the "
-                "CUDA context, a cuBLAS/cuDNN handle or its workspace, NCCL buffers); the "
-                "message carries no figures",
+                "CUDA context, a cuBLAS/cuDNN handle or its workspace, NCCL buffers"
+                + (f"; {who}" if who else "")
+                + "); the message carries no figures",
             ),
         ),
         remedies=(

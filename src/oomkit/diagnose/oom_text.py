@@ -18,7 +18,9 @@ message variant PyTorch has printed is recognised (../shared/ref/cuda-caching-al
 - ``fraction_rejected``: newer PyTorch's preemptive rejection under a memory fraction
   (``throw_on_cudamalloc_oom``; ref §12.4).
 - ``driver``: a bare ``CUDA error: out of memory`` from a CUDA call outside the caching allocator
-  (context creation, cuBLAS/cuDNN handles, NCCL), which carries no figures.
+  (context creation, cuBLAS/cuDNN handles, NCCL), which carries no figures; NCCL's ``Cuda
+  failure 'out of memory'`` and the libraries' ``CUBLAS_STATUS_ALLOC_FAILED`` (cuDNN, cuSOLVER,
+  cuSPARSE, cuFFT alike) are the same failure.
 
 Sizes in these texts come from ``format_size`` (§12.1): two decimals of bytes, KiB, MiB or GiB,
 so a parsed figure is within half a unit of the last digit of the truth;
@@ -206,7 +208,14 @@ _REJECTED = LazyPattern(
     r"CUDA out of memory\. Allocation was preemptively rejected because it would exceed "
     r"per_process_memory_fraction limit\. Requested size: " + _SIZE
 )
-_DRIVER = LazyPattern(r"CUDA error: out of memory")
+# The CUDA runtime's and driver's own error (torch's C10_CUDA_CHECK / C10_CUDA_DRIVER_CHECK),
+# NCCL's (its CUDACHECK: "Cuda failure 'out of memory'", with the error number from NCCL 2.19)
+# and the CUDA libraries' allocation failures (torch's TORCH_CUDABLAS_CHECK, cuDNN's, cuSOLVER's,
+# cuSPARSE's and cuFFT's status names).
+_DRIVER = LazyPattern(
+    r"CUDA (?:driver )?error: out of memory|Cuda failure (?:\d+ )?'out of memory'"
+    r"|(?:CUBLAS|CUDNN|CUSOLVER|CUSPARSE)_STATUS_ALLOC_FAILED|CUFFT_ALLOC_FAILED"
+)
 # The first sentences of a native message (2.1+), which a paste of its first line keeps: without
 # the rest, how the device's memory splits between PyTorch's tensors, its cache and everything
 # else is not known, and that split is the diagnosis (parse_oom_text says so).
@@ -358,7 +367,7 @@ _PARSERS = (
 
 # Every message holds one of these; only the text around them is normalised and matched, so a
 # 50 MB log costs one fast scan (the pattern starts with a literal) instead of six full ones.
-_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory|_ALLOC_FAILED")
 _BEFORE_CHARS = 400  # "Allocation on device N would " precedes its anchor; escapes and prefixes too
 _AFTER_CHARS = 8000  # the figures, NVML's process sentences and the async message's lines
 
@@ -404,6 +413,12 @@ def parse_oom_text(text: str) -> OomText:
         OomTextError: no message PyTorch prints for an out-of-memory error is in the text.
     """
     found = find_oom_texts(text)
+    if not found and "MPS backend out of memory" in text[:_MPS_SCAN_CHARS]:
+        raise OomTextError(
+            "this is the out-of-memory message of Apple's MPS backend; oomkit explains CUDA's "
+            "(and ROCm's) caching allocator, whose rules MPS does not follow. On a Mac, "
+            "PYTORCH_MPS_HIGH_WATERMARK_RATIO sets the limit the message names"
+        )
     if not found:
         cut = _cut_message(text)
         if cut is not None:
@@ -416,6 +431,9 @@ def parse_oom_text(text: str) -> OomText:
             "end of that message, or explain a snapshot file instead"
         )
     return found[0]
+
+
+_MPS_SCAN_CHARS = 1 << 20  # an MPS message is looked for in a log's first MiB only
 
 
 def _cut_message(text: str) -> str | None:
