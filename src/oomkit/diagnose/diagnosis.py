@@ -27,7 +27,7 @@ from oomkit.diagnose._context import (
     memory_paragraph,
     own_and_others,
 )
-from oomkit.diagnose.oom_text import OomText
+from oomkit.diagnose.oom_text import OomText, failed_library
 from oomkit.errors import OomTextError
 from oomkit.units import format_bytes
 
@@ -570,19 +570,8 @@ def _fraction_rejected(parsed: OomText) -> Diagnosis:
     )
 
 
-# Who failed, by the message (oom_text._DRIVER): a library's status name, or NCCL's CUDACHECK.
-_WHO_FAILED = (
-    ("CUBLAS_", "here cuBLAS, creating its handle or workspace"),
-    ("CUDNN_", "here cuDNN"),
-    ("CUSOLVER_", "here cuSOLVER"),
-    ("CUSPARSE_", "here cuSPARSE"),
-    ("CUFFT_", "here cuFFT, planning a transform"),
-    ("Cuda failure", "here NCCL, allocating its buffers"),
-)
-
-
 def _driver_error(parsed: OomText) -> Diagnosis:
-    who = next((said for mark, said in _WHO_FAILED if mark in parsed.text), None)
+    who = f"; {said}" if (said := failed_library(parsed.text)) else ""
     return Diagnosis(
         cause="outside_pytorch",
         causes=(
@@ -590,9 +579,8 @@ def _driver_error(parsed: OomText) -> Diagnosis:
                 "outside_pytorch",
                 0,
                 "a CUDA call outside PyTorch's caching allocator ran out of memory (creating the "
-                "CUDA context, a cuBLAS/cuDNN handle or its workspace, NCCL buffers"
-                + (f"; {who}" if who else "")
-                + "); the message carries no figures",
+                f"CUDA context, a cuBLAS/cuDNN handle or its workspace, NCCL buffers{who}); the "
+                "message carries no figures",
             ),
         ),
         remedies=(

@@ -42,6 +42,7 @@ __all__ = [
     "OomTextVariant",
     "ProcessMemory",
     "decode_log",
+    "failed_library",
     "find_oom_texts",
     "parse_oom_text",
 ]
@@ -216,6 +217,23 @@ _DRIVER = LazyPattern(
     r"CUDA (?:driver )?error: out of memory|Cuda failure (?:\d+ )?'out of memory'"
     r"|(?:CUBLAS|CUDNN|CUSOLVER|CUSPARSE)_STATUS_ALLOC_FAILED|CUFFT_ALLOC_FAILED"
 )
+# Who failed, by a driver-variant message: a library's status name, or NCCL's CUDACHECK.
+_WHO_FAILED = (
+    ("CUBLAS_", "here cuBLAS, creating its handle or workspace"),
+    ("CUDNN_", "here cuDNN"),
+    ("CUSOLVER_", "here cuSOLVER"),
+    ("CUSPARSE_", "here cuSPARSE"),
+    ("CUFFT_", "here cuFFT, planning a transform"),
+    ("Cuda failure", "here NCCL, allocating its buffers"),
+)
+
+
+def failed_library(text: str) -> str | None:
+    """Who ran out of memory in a ``driver`` message's text (``"here cuBLAS, ..."``), where it
+    names one; ``None`` for the runtime's or driver's own error."""
+    return next((said for mark, said in _WHO_FAILED if mark in text), None)
+
+
 # The first sentences of a native message (2.1+), which a paste of its first line keeps: without
 # the rest, how the device's memory splits between PyTorch's tensors, its cache and everything
 # else is not known, and that split is the diagnosis (parse_oom_text says so).
