@@ -26,6 +26,7 @@ from oomkit.scenario.workloads import (
     user_values,
     user_workload_spec,
 )
+from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
     from oomkit.core.target import ParallelLayout, Target
@@ -72,6 +73,33 @@ class FitAnswer:
         if self.kind == "lengths":
             return int(self.result.envelope.worst_peak_reserved_bytes)
         return None
+
+    def __repr__(self) -> str:
+        """The answer in one line, as ``Prediction``'s (the fields are attributes):
+        ``<FitAnswer: batch 40 on RTX 4090, peak reserved 23.01 GiB of 23.57 GiB usable (margin
+        482.00 MiB)>``."""
+        result = self.result
+        if self.kind == "smallest_gpu":
+            said = (
+                f"smallest GPU {result.smallest.name}" if result.smallest is not None
+                else "no GPU checked fits"
+            )
+        elif self.kind == "gpu_count":
+            said = f"global batch {result.global_batch}: " + (
+                f"{result.least_memory[0]} x {result.least_memory[1].name}"
+                if result.least_memory is not None else "no GPU count fits"
+            )
+        elif self.batch_size is None or self.peak_reserved_bytes is None:
+            said = f"no batch fits on {self.target.gpu.name}"
+        else:
+            margin = getattr(result, "margin_bytes", None)
+            said = (
+                f"batch {self.batch_size} on {self.target.gpu.name}, peak reserved "
+                f"{format_bytes(self.peak_reserved_bytes)} of "
+                f"{format_bytes(self.target.usable_bytes)} usable"
+                + (f" (margin {format_bytes(margin)})" if margin else "")
+            )
+        return f"<FitAnswer: {said}>"
 
 
 class _Builders:

@@ -412,3 +412,9 @@ def test_the_python_answer_names_its_batch_and_peak(user_file):
     assert (smallest.kind, smallest.batch_size, smallest.peak_reserved_bytes) == (
         "smallest_gpu", None, None
     )
+    # repr() is the answer in one line (it had been every field, kilobytes of them).
+    assert repr(answer) == (
+        "<FitAnswer: batch 41 on custom 100.00 MiB, peak reserved 100.00 MiB of 100.00 MiB "
+        "usable>"
+    )
+    assert repr(smallest) == f"<FitAnswer: smallest GPU {smallest.result.smallest.name}>"
