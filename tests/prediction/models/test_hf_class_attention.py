@@ -107,6 +107,24 @@ def test_config_eager_attention_keeps_the_attention_matrices():
     assert _attention_matrices(sdpa) == []
 
 
+@pytest.mark.parametrize("architectures", [["Gemma2ForCausalLM"], None])
+def test_a_model_without_sdpa_runs_eager_as_transformers_defaults(architectures):
+    """Gemma 2 does not support SDPA (its softcapping: modeling_gemma2.py _supports_sdpa =
+    False): with no attention asked, transformers builds it eager, and so does oomkit, by its
+    class or through the auto class. oomkit had asked for sdpa, which transformers refuses."""
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=1000,
+        architectures=architectures,
+    )
+    built, recording = _trace(config, precision="fp32")
+    assert built.track[0].config._attn_implementation == "eager"
+    assert "eager attention" in built.description
+    # Eager attention saves each layer's softmax output ([b, h, s, s] fp32: 2 x 4 x 64 x 64).
+    softmax = [e for e in _allocs(recording) if e.tag("op") == "aten._softmax.default"]
+    assert len(softmax) >= LAYERS and {e.size for e in softmax} == {BATCH * HEADS * SEQ * SEQ * 4}
+
+
 def test_flash_attention_2_allocates_what_flash_attn_does():
     """FlashAttention-2 on a GQA Llama in bf16: per layer the forward saves out (bf16 [b, s,
     h, d]: 16,384 B) and softmax_lse (fp32 [b, h, s]: 2,048 B); backward makes dq (16,384),

@@ -385,7 +385,7 @@ def build_hf_step(
     if options.precision is None:
         precision, source = config_precision(config)
         options = dataclasses.replace(options, precision=precision)
-    attention = _attention(options, config)
+    attention = _attention(options, config, model_class)
     build_kwargs: dict[str, Any] = {
         "attn_implementation": build_attn_implementation(transformers, attention)
     }
@@ -450,16 +450,24 @@ def build_hf_step(
     )
 
 
-def _attention(options: StepOptions, config: Any) -> str:
+def _attention(options: StepOptions, config: Any, model_class: Any = None) -> str:
     """The attention implementation the model runs: ``options.attn_implementation``, else the
-    config's own (``attn_implementation`` in config.json), else ``sdpa``.
+    config's own (``attn_implementation`` in config.json), else transformers' default: ``sdpa``
+    where the class supports it, else ``eager`` (modeling_utils.py
+    ``get_correct_attn_implementation``: None tries sdpa and falls back to eager when
+    ``_sdpa_can_dispatch`` refuses, as for Gemma 2, whose softcapping SDPA cannot do).
 
     Raises:
         ConfigError: the config names one oomkit does not model, or FlashAttention-2 is asked
             for in fp32 (flash_attn runs fp16 / bf16 only: flash_api.cpp mha_fwd checks
             ``q_dtype == at::kHalf || q_dtype == at::kBFloat16``).
     """
-    chosen = options.attn_implementation or config_attn_implementation(config) or "sdpa"
+    if getattr(model_class, "__name__", "").startswith("Auto"):
+        # The concrete class the auto class builds for this config (auto_factory.py
+        # from_config: _model_mapping[type(config)]).
+        model_class = getattr(model_class, "_model_mapping", {}).get(type(config), model_class)
+    default = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    chosen = options.attn_implementation or config_attn_implementation(config) or default
     if chosen not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(
             f"the config's attn_implementation {chosen!r} is not modelled; set one of "
