@@ -258,3 +258,29 @@ def test_utilization_invariants(tiny_dir, tiny_recorder, util):
                                         gpu_memory_utilization=(util + 1) / 100),
                             recorder=tiny_recorder)
         assert more.available_kv_bytes >= s.available_kv_bytes
+
+
+def test_a_llama_preset_is_served_as_its_published_config(llama_dir, llama_recorder):
+    """`oomkit serve vllm llama-8b`: the preset is Llama-3.1-8B's config.json (its shape, dtype
+    and context), so weights, activation peak, KV cache and verdict are the file's to the byte;
+    a preset vLLM does not serve as Llama is a ServingConfigError naming the ones it does."""
+    preset = read_serving_model("llama-8b")
+    published = read_serving_model(llama_dir)
+    assert (preset.num_layers, preset.num_kv_heads, preset.head_dim, preset.vocab_size) == (
+        published.num_layers, published.num_kv_heads, published.head_dim, published.vocab_size
+    )
+    assert (preset.max_position_embeddings, preset.config_dtype) == (131072, "bfloat16")
+    # Its own model and profile run, recorded from the preset's config (not the file's).
+    own = RankRecorder(rank_model(preset, 1, "bfloat16"), get_gpu("h100"))
+    by_name = predict_vllm(VllmRequest(model="llama-8b", gpu="h100", max_model_len=16000),
+                           recorder=own)
+    by_file = _llama(llama_dir, llama_recorder)
+    assert by_name.weights.total_bytes == by_file.weights.total_bytes
+    assert by_name.profile.peak_bytes == by_file.profile.peak_bytes
+    assert (by_name.available_kv_bytes, by_name.num_blocks) == (
+        by_file.available_kv_bytes, by_file.num_blocks
+    )
+    assert by_name.verdict.stage == by_file.verdict.stage
+    with pytest.raises(ServingConfigError, match=r"'gpt2-124m' \(GPT-2 124M\) is not a model "
+                       r"oomkit serve takes by name: it takes the Llama presets \(llama-1b,"):
+        read_serving_model("gpt2-124m")

@@ -76,8 +76,9 @@ def _kv_bytes(text: str) -> int:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
-        help="a local model directory holding config.json, the config.json itself, or a hub "
-        "name already in the local Hugging Face cache (no network is used)",
+        help="a local model directory holding config.json, the config.json itself, a hub "
+        "name already in the local Hugging Face cache (no network is used), or a Llama preset "
+        "(llama-8b: its published config)",
     )
     parser.add_argument("--gpu", default="h100", help="the device: a catalog GPU or its total "
                         "memory, as predict --gpu (default: h100; see `oomkit gpus`)")

@@ -1,7 +1,7 @@
 """What a serving engine reads from a Hugging Face ``config.json``: layers, heads, KV cache shape.
 
 ``read_serving_model(path)`` reads a local config directory or ``config.json`` (no network, no
-transformers) into a frozen ``ServingModel``. Its KV-cache figures follow vLLM's KV cache specs
+transformers), or a Llama preset's published config, into a frozen ``ServingModel``. Its KV-cache figures follow vLLM's KV cache specs
 (``vllm/v1/kv_cache_interface.py`` ``AttentionSpec.page_size_bytes``: ``2 * block_size *
 num_kv_heads * head_size * dtype_size`` a layer; ``MLAAttentionSpec``: one latent of
 ``kv_lora_rank + qk_rope_head_dim`` a token, no V) and SGLang's cell size
@@ -149,6 +149,55 @@ class ServingModel:
         return sum(kind == "sliding" for kind in self.layer_kinds)
 
 
+def _preset_config(source: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A Llama preset's ``config.json`` as its hub repository publishes it (its fields that
+    serving reads), where ``source`` names one and no such path exists; else ``None``.
+
+    The presets' shapes are those files' (``models/presets.py``). ``rope_scaling`` is left
+    out: it changes RoPE's values, not the size of any tensor (vLLM's rotary cache is
+    ``max_position_embeddings x rotary_dim`` either way).
+
+    Raises:
+        ServingConfigError: a preset that is not a decoder language model vLLM and SGLang
+            serve as Llama (GPT-2, BERT, ViT, ResNet).
+    """
+    name = os.fspath(source)
+    if Path(name).exists():
+        return None
+    from oomkit.prediction.models.llama import LlamaShape
+    from oomkit.prediction.models.presets import PRESETS
+
+    preset = PRESETS.get(name.lower())
+    if preset is None:
+        return None
+    shape = preset.shape
+    if not isinstance(shape, LlamaShape):
+        llamas = ", ".join(p for p, v in PRESETS.items() if isinstance(v.shape, LlamaShape))
+        raise ServingConfigError(
+            f"the preset {name!r} ({preset.title}) is not a model oomkit serve takes by name: "
+            f"it takes the Llama presets ({llamas}) or a model's config.json"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.positions,
+        "rope_theta": shape.rope_theta,
+        "rms_norm_eps": shape.rms_eps,
+        "tie_word_embeddings": shape.tied,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def _config_file(source: str | os.PathLike[str]) -> Path:
     path = Path(source)
     if path.is_dir():
@@ -222,11 +271,15 @@ def read_serving_model(source: str | os.PathLike[str]) -> ServingModel:
     Raises:
         ServingConfigError: no config is found, or it lacks the figures the engines need.
     """
-    path = _config_file(source)
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ServingConfigError(f"could not read {path} as JSON: {exc}") from exc
+    preset = _preset_config(source)
+    if preset is not None:
+        config, path = preset, Path(f"{os.fspath(source)} (preset)")
+    else:
+        path = _config_file(source)
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ServingConfigError(f"could not read {path} as JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ServingConfigError(f"{path} holds no JSON object; is it a model's config.json?")
     outer = config
