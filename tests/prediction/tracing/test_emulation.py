@@ -15,9 +15,10 @@ def test_default_registry_holds_the_builtin_emulations():
     gradient accumulation (aten.add.Tensor), pow with a number base, Tensor.__setitem__, 8
     reductions (sum and mean, each with and without dims; amax, amin, max() and min()), 2 softmax ops (_safe_softmax and the
     softmax backward), F.linear (its bias added in place), the layer norm and its backward,
-    _foreach_norm, F.rms_norm with the fused op and its backward, 2 convolution ops and 4 RNN
-    functions."""
-    assert len(DEFAULT_EMULATIONS) == 61
+    _foreach_norm, F.rms_norm with the fused op and its backward, 2 convolution ops, 4 RNN
+    functions and _grouped_mm (its fp32 / fp16 fallback)."""
+    assert len(DEFAULT_EMULATIONS) == 62
+    assert "aten._grouped_mm.default" in DEFAULT_EMULATIONS
     assert "aten.native_layer_norm_backward.default" in DEFAULT_EMULATIONS
     assert "torch.nn.functional.linear" in DEFAULT_EMULATIONS
     assert {"aten._safe_softmax.default", "aten._softmax_backward_data.default"} <= set(

@@ -42,6 +42,7 @@ from oomkit.prediction.tracing.emulations.cudnn_workspace import (
 from oomkit.prediction.tracing.emulations.dropout import register_dropout
 from oomkit.prediction.tracing.emulations.embedding import register_embedding
 from oomkit.prediction.tracing.emulations.foreach_norm import register_foreach_norm
+from oomkit.prediction.tracing.emulations.grouped_mm import register_grouped_mm
 from oomkit.prediction.tracing.emulations.inplace_adds import register_linear
 from oomkit.prediction.tracing.emulations.inplace_backward import (
     INPLACE_BRANCHES,
@@ -99,6 +100,7 @@ __all__ = [
     "register_dropout",
     "register_embedding",
     "register_foreach_norm",
+    "register_grouped_mm",
     "register_inplace_backward",
     "register_input_buffer",
     "register_layer_norm",
@@ -152,6 +154,7 @@ def register_defaults(
     register_scalars(registry)
     register_reductions(registry)
     register_foreach_norm(registry)
+    register_grouped_mm(registry)
     register_cudnn_workspace(registry, environ)
 
 
