@@ -329,3 +329,35 @@ def test_config_dtype_the_recorder_does_not_model_is_built_in_fp32():
     built = build_hf_step(config, StepOptions(batch_size=1, seq_len=8, mode="inference"))
     assert {p.dtype for p in built.track[0].parameters()} == {torch.float32}
     assert config.dtype == torch.float64
+
+
+def test_importing_transformers_keeps_torchaos_import_log_lines_out_of_the_terminal(
+    tmp_path, monkeypatch, caplog
+):
+    """transformers' quantizers import torchao where it is installed, when a model class first
+    loads, and torchao logs "Failed to load ..._C_*.so" at WARNING without its CUDA kernels:
+    every --hf prediction printed those lines. _transformers() imports the quantizers with
+    torchao's loggers quiet (a stand-in package that logs as torchao does; levels restored)."""
+    import logging
+    import sys
+
+    from oomkit.prediction.models.hf import _transformers
+
+    package = tmp_path / "transformers"
+    (package / "quantizers").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "quantizers" / "__init__.py").write_text(
+        "import logging\n"
+        "logging.getLogger('torchao').warning('Failed to load _C_mxfp8.so')\n"
+        "logging.getLogger('torch.utils._pytree').warning('register_constant is deprecated')\n"
+        "logging.getLogger('torchao').error('a real error')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    before = logging.getLogger("torchao").level
+    with caplog.at_level(logging.WARNING):
+        module = _transformers()
+    assert module.__file__ == str(package / "__init__.py")
+    assert [r.getMessage() for r in caplog.records] == ["a real error"]
+    assert logging.getLogger("torchao").level == before

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from oomkit._logs import TORCHAO_IMPORT_LOGGERS, quiet_loggers
 from oomkit.errors import ConfigError, OomkitError, TorchRequiredError
 from oomkit.prediction.models.bnb_config import bnb_step_fields
 from oomkit.prediction.models.hf_attention import (
@@ -39,7 +40,10 @@ _DEFAULT_SEQ_LEN_CAP = 2048
 
 def _transformers() -> Any:
     try:
-        import transformers
+        # Its quantizers import torchao where installed: quietly here, as lora._peft does.
+        with quiet_loggers(*TORCHAO_IMPORT_LOGGERS):
+            import transformers
+            import transformers.quantizers  # noqa: F401
     except ImportError as exc:
         raise TorchRequiredError(
             "building a Hugging Face model needs transformers; install it with "
@@ -453,9 +457,7 @@ def build_hf_step(
 def _attention(options: StepOptions, config: Any, model_class: Any = None) -> str:
     """The attention implementation the model runs: ``options.attn_implementation``, else the
     config's own (``attn_implementation`` in config.json), else transformers' default: ``sdpa``
-    where the class supports it, else ``eager`` (modeling_utils.py
-    ``get_correct_attn_implementation``: None tries sdpa and falls back to eager when
-    ``_sdpa_can_dispatch`` refuses, as for Gemma 2, whose softcapping SDPA cannot do).
+    where the class supports it, else ``eager`` (``get_correct_attn_implementation``: Gemma 2).
 
     Raises:
         ConfigError: the config names one oomkit does not model, or FlashAttention-2 is asked
