@@ -169,6 +169,8 @@ class _StepWatch:
             handle.remove()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo traces global hooks into its graphs: nothing of this belongs there
         self._calls += 1
         if self._calls % 512 == 0 and entries_recorded() > MAX_SCRIPT_ENTRIES:
             raise _ScriptTooLong(
@@ -178,7 +180,7 @@ class _StepWatch:
                 f"stops at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of "
                 "a short run (a few batches)"
             )
-        if self._started or torch.compiler.is_compiling():
+        if self._started:
             return
         if module.training and torch.is_grad_enabled():
             self._started = True
