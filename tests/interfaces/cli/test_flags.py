@@ -191,3 +191,35 @@ def test_abbreviated_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["predict", "gpt2-124m", "--bat", "2"])
     assert "unrecognized arguments: --bat" in capsys.readouterr().err
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+# capsys is read out (emptied) after each call, so every example starts from empty streams.
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    command=st.sampled_from(["predict", "fit"]),
+    flags=st.lists(st.sampled_from(["--batch_size", "--lr", "--epochs", "--data_dir"]),
+                   min_size=1, max_size=3, unique=True),
+    value=st.integers(1, 512),
+)
+def test_a_scripts_own_arguments_without_the_separator_say_where_they_go(
+    capsys, command, flags, value
+):
+    """`oomkit predict train.py --batch_size 64`: the script's arguments belong after `--`,
+    and the error says so with the command to run; for a preset it stays argparse's own."""
+    given_words = [word for flag in flags for word in (flag, str(value))]
+    with pytest.raises(SystemExit) as exc:
+        main([command, "train.py", *given_words])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    shown = " ".join(given_words)
+    assert f"A script's own arguments go after `--`: oomkit {command} train.py [oomkit's " \
+           f"options] -- {shown}" in err
+    with pytest.raises(SystemExit):
+        main([command, "gpt2-124m", *given_words])
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {shown}" in err and "go after" not in err

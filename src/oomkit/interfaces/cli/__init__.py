@@ -242,6 +242,25 @@ def _command_named(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _parse(
+    parser: argparse.ArgumentParser, command: str | None, words: list[str]
+) -> argparse.Namespace:
+    """``parser.parse_args(words)``; where a script's own arguments were given without `--`
+    before them (``oomkit predict train.py --batch_size 64``), the error says where they go."""
+    if command not in _SCRIPT_COMMANDS:
+        return parser.parse_args(words)
+    args, unknown = parser.parse_known_args(words)
+    target = getattr(args, "target", None) or ""
+    if unknown and target.endswith(".py"):
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)}. A script's own arguments go after "
+            f"`--`: oomkit {command} {target} [oomkit's options] -- {' '.join(unknown)}"
+        )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -253,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = words.index("--")
         words, script_args = words[:cut], words[cut + 1:]
     parser = summary_parser() if command is None else build_parser(command)
-    args = parser.parse_args(words)
+    args = _parse(parser, command, words)
     args.script_args = script_args
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
