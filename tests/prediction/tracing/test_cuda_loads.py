@@ -146,3 +146,19 @@ def test_set_default_device_cuda_puts_factories_on_the_gpu():
 
     assert _allocations(step) == [1024, 32 * 1024, 1024 * 1024]
     assert seen["devices"] == {"meta"}
+
+
+@pytest.mark.parametrize("default", ["cuda", "cuda:0", None])
+def test_get_default_device_reads_the_cuda_default_as_the_gpu_does(default):
+    """Under set_default_device("cuda"), torch.get_default_device() is cuda:0 (torch asks
+    torch.tensor([]).device, which lands on meta here: it had read meta); with no CUDA default
+    it is torch's own answer; both undone after."""
+    before = torch.get_default_device()
+    with as_one_cuda_gpu():
+        torch.set_default_device(default)
+        try:
+            seen = torch.get_default_device()
+        finally:
+            torch.set_default_device(None)
+    assert seen == (torch.device("cpu") if default is None else torch.device("cuda", 0))
+    assert torch.get_default_device() == before

@@ -202,20 +202,20 @@ def _default_device_given(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     on top of the mode stack (torch/csrc/Device.cpp), where it runs before this mode;
     ``torch.set_default_device("cuda")`` puts it at the bottom (``DeviceContext.__enter__``),
     where it would run after this mode had looked. While this mode runs, the stack holds the
-    modes below it: the highest ``DeviceContext`` there is the one that would write the device.
+    modes below it: the highest ``DeviceContext`` there would write the device.
     """
-    if kwargs.get("device") is not None:
-        return kwargs
-    if func not in _device_modes._device_constructors():
-        return kwargs
-    below = [
-        mode
-        for mode in _get_current_function_mode_stack()
-        if isinstance(mode, _device_modes.DeviceContext)
-    ]
-    if below and _is_cuda(below[-1].device):
-        kwargs["device"] = below[-1].device
+    if kwargs.get("device") is None and func in _device_modes._device_constructors():
+        default = _cuda_default()
+        if default is not None:
+            kwargs["device"] = default
     return kwargs
+
+
+def _cuda_default() -> torch.device | None:
+    """The device the topmost ``DeviceContext`` on the mode stack gives, where it is CUDA."""
+    modes = _get_current_function_mode_stack()
+    found = [mode for mode in modes if isinstance(mode, _device_modes.DeviceContext)]
+    return found[-1].device if found and _is_cuda(found[-1].device) else None
 
 
 def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -465,6 +465,24 @@ def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> N
 
 
 @contextlib.contextmanager
+def _cuda_default_reads_cuda() -> Iterator[None]:
+    """``torch.get_default_device()`` under a CUDA default reads ``cuda:0``, as on the GPU: for an
+    index-less default torch asks ``torch.tensor([]).device`` (torch/__init__.py), which lands
+    on meta here, so a script's ``dev.type == "cuda"`` had read ``meta``."""
+    original = torch.get_default_device
+
+    def get_default_device() -> torch.device:
+        default = _cuda_default()
+        return original() if default is None else torch.device("cuda", default.index or 0)
+
+    torch.get_default_device = get_default_device
+    try:
+        yield
+    finally:
+        torch.get_default_device = original
+
+
+@contextlib.contextmanager
 def _module_moves_keep_sharing() -> Iterator[None]:
     """``Module._apply`` converts a shared tensor once and re-ties it where it was, and the
     optimizers built meanwhile follow a replaced parameter (module docstring)."""
@@ -572,6 +590,7 @@ def as_one_cuda_gpu(
             emptying_cache(cache_emptied),
             _torch_cuda_reports(gpu),
             _module_moves_keep_sharing(),
+            _cuda_default_reads_cuda(),
             restoring_on(device),
             user_streams(),
             _CudaOnMeta(device),
