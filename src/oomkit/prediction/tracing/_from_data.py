@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["DATA_CONSTRUCTORS", "built_on", "from_python_data", "made_on"]
+__all__ = ["DATA_CONSTRUCTORS", "MAX_DATA_VALUE_BYTES", "built_on", "from_python_data", "made_on"]
+
+# A tensor made from Python data keeps its values (values.py) up to this size: masks, ids and
+# lengths are small; a table of data is not a value a step reads.
+MAX_DATA_VALUE_BYTES = 1 << 20
 
 # The four, for a membership test before the call to from_python_data: dynamo traces the
 # compiled-code recorder's modes for every torch call, and a test of one tuple is a few steps

@@ -63,6 +63,7 @@ from torch.utils import _device as _device_modes
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.errors import ConfigError
+from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.cuda_streams import user_streams
@@ -116,8 +117,6 @@ def _is_cpu(device: Any) -> bool:
     return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
-# Data from Python up to this size keeps its values on the device (value_reads._from_data's).
-_KNOWN_DATA_BYTES = 1 << 20
 # Factory functions whose value is the Python number they are given.
 _FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor})
 
@@ -202,8 +201,7 @@ def _default_device_given(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     on top of the mode stack (torch/csrc/Device.cpp), where it runs before this mode;
     ``torch.set_default_device("cuda")`` puts it at the bottom (``DeviceContext.__enter__``),
     where it would run after this mode had looked. While this mode runs, the stack holds the
-    modes below it: the highest ``DeviceContext`` there would write the device.
-    """
+    modes below it: the highest ``DeviceContext`` there would write the device."""
     if kwargs.get("device") is None and func in _device_modes._device_constructors():
         default = _cuda_default()
         if default is not None:
@@ -254,7 +252,7 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
 
     A number becomes ``torch.full((), number)``, a factory whose value ``values.py`` follows
     (so Lightning's ``reduce(torch.tensor(len(loader))) == 0`` is answered); other data is made
-    on the CPU and copied, as CUDA does; its values are followed up to ``_KNOWN_DATA_BYTES``.
+    on the CPU and copied, as CUDA does; its values are followed up to ``MAX_DATA_VALUE_BYTES``.
     """
     data = args[0] if args else kwargs.get("data")
     if isinstance(data, (bool, int, float)) and len(args) <= 1:
@@ -276,7 +274,7 @@ def _from_python(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
         )
     host = func(*args, **{**kwargs, "device": "cpu"})
     out = host.to(_META)
-    if host.numel() * host.element_size() <= _KNOWN_DATA_BYTES:
+    if host.numel() * host.element_size() <= MAX_DATA_VALUE_BYTES:
         remember_value(out, host, f"torch.{func.__name__}")  # as value_reads' _from_data
     return out
 

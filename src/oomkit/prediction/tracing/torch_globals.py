@@ -116,15 +116,10 @@ class TorchGlobals:
             torch.set_rng_state(self.rng_state)
 
 
-@contextlib.contextmanager
-def caller_globals_kept() -> Iterator[None]:
+def caller_globals_kept() -> contextlib.AbstractContextManager[None]:
     """While open, a user's code (a whole script) may change torch's settings; on exit the
-    caller's are back."""
-    caller = TorchGlobals.now()
-    try:
-        yield
-    finally:
-        caller.restore()
+    caller's are back (one piece of ``UsersGlobals``)."""
+    return UsersGlobals().running()
 
 
 class UsersGlobals:

@@ -34,7 +34,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
-from oomkit.prediction.tracing._from_data import DATA_CONSTRUCTORS, from_python_data, made_on
+from oomkit.prediction.tracing._from_data import (
+    DATA_CONSTRUCTORS,
+    MAX_DATA_VALUE_BYTES,
+    from_python_data,
+    made_on,
+)
 from oomkit.prediction.tracing.stand_ins import (
     STAND_IN_VALUE,
     ReadSite,
@@ -278,7 +283,7 @@ def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(result, torch.Tensor) and result.is_meta:
         with torch._C.DisableTorchFunction():
             value = made_on(func, args, kwargs, "cpu")
-        if value.numel() * value.element_size() <= 1 << 20:
+        if value.numel() * value.element_size() <= MAX_DATA_VALUE_BYTES:
             owner = "Tensor" if func is torch.Tensor.new_tensor else "torch"
             remember_value(result, value, f"{owner}.{func.__name__}")
     return result
