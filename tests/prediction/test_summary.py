@@ -45,8 +45,8 @@ at peak allocated (step 1): 29.00 MiB allocated, 42.00 MiB reserved
   activation   28.00 MiB
   input         1.00 MiB
 largest modules at peak allocated:
-  h.0-h.11.mlp (12 layers, 2.00 MiB each)   24.00 MiB
-  lm_head                                    4.00 MiB
+  h.0-11.mlp (12 layers, 2.00 MiB each)   24.00 MiB
+  lm_head                                  4.00 MiB
 warning: a warning"""
 
 
@@ -160,7 +160,7 @@ def test_cli_exits_2_on_a_step_that_allocated_nothing(tmp_path, capsys):
 
 
 def test_terminal_module_table_merges_layers_and_counts_rows_left_out():
-    """The report's module table: one row for h.0-h.11, numeric order, a row for the rest."""
+    """The report's module table: one row for h.0-11, numeric order, a row for the rest."""
     from rich.console import Console
 
     events = [_alloc(i, 2 * MiB, "activation", f"h.{i}.mlp") for i in range(12)]
@@ -173,6 +173,6 @@ def test_terminal_module_table_merges_layers_and_counts_rows_left_out():
     oomkit.render_prediction(p, Console(file=out, width=120, no_color=True))
     text = out.getvalue()
     rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ h")]
-    assert rows[0] == "h.0-h.11.mlp (12 layers, 2.00 MiB each)"
+    assert rows[0] == "h.0-11.mlp (12 layers, 2.00 MiB each)"
     assert "│ (2 more rows: 2 modules left out)" in text
     assert "h.10.mlp " not in text and "h.2.mlp " not in text

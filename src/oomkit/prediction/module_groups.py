@@ -1,4 +1,4 @@
-"""Repeated layers read as one row: ``h.0-h.11.mlp.c_fc (12 layers)`` instead of twelve rows.
+"""Repeated layers read as one row: ``h.0-11.mlp.c_fc (12 layers)`` instead of twelve rows.
 
 A transformer's twelve blocks hold the same tensors at the peak, so a table of the largest
 modules lists the same leaf module of each block, one row each, and leaves out everything else.
@@ -44,7 +44,7 @@ class ModuleGroup:
     """Modules that are the same layer of repeated blocks, or one module on its own.
 
     Attributes:
-        label: ``h.0-h.11.mlp.c_fc`` (consecutive layer indices), or the module's path when it
+        label: ``h.0-11.mlp.c_fc`` (consecutive layer indices), or the module's path when it
             stands alone (``""`` is the root module).
         paths: the member paths, in layer order.
         total_bytes: the members' bytes together.
@@ -135,7 +135,7 @@ def group_modules(rows: Iterable[tuple[str, int]]) -> tuple[ModuleGroup, ...]:
             sizes = [n for _, _, n in run]
             paths = tuple(path for _, path, _ in run)
             first, last = run[0][0], run[-1][0]
-            label = paths[0] if len(run) == 1 else f"{prefix}{first}-{prefix}{last}{suffix}"
+            label = paths[0] if len(run) == 1 else f"{prefix}{first}-{last}{suffix}"
             groups.append(ModuleGroup(label, paths, sum(sizes), min(sizes), max(sizes)))
     groups.sort(key=lambda g: (-g.total_bytes, natural_key(g.paths[0])))
     return tuple(groups)

@@ -185,7 +185,7 @@ def _breakdown_table(at: PeakBreakdown, title: str) -> Table:
 
 def _modules_table(at: PeakBreakdown) -> Table:
     """The largest modules at the peak, repeated layers merged into one row
-    (``h.0-h.11.mlp.c_fc (12 layers, 91.54 MiB each)``), and a row counting what is left out."""
+    (``h.0-11.mlp.c_fc (12 layers, 91.54 MiB each)``), and a row counting what is left out."""
     table = Table(title="Top modules at peak allocated", show_header=True, header_style="bold")
     table.add_column("module")
     table.add_column("bytes", justify="right")
