@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.target import Target
@@ -26,7 +26,7 @@ from oomkit.prediction.predictor import Prediction, predict_recording
 from oomkit.prediction.workload import WorkloadSpec
 
 if TYPE_CHECKING:  # oomkit.prediction.tracing imports torch
-    from oomkit.prediction.tracing.script_run import ScriptRun
+    from oomkit.prediction.tracing.script_run import ScriptProgress, ScriptRun
 
 __all__ = ["ScriptPrediction", "predict_script"]
 
@@ -56,6 +56,7 @@ def predict_script(
     values: Mapping[str, Any] | None = None,
     compile: bool = True,
     workload: WorkloadSpec | None = None,
+    progress: Callable[[ScriptProgress], None] | None = None,
 ) -> ScriptPrediction:
     """Run ``path`` as ``python path *argv`` would on the target GPU, emulated, and predict it.
 
@@ -74,6 +75,7 @@ def predict_script(
         compile: record the script's ``torch.compile`` calls as compiled (else eagerly, with a
             warning).
         workload: the request, carried into the prediction; ``None`` leaves it unset.
+        progress: a progress display's callback (``record_script``'s ``progress``).
 
     Returns:
         The prediction and the run.
@@ -101,7 +103,14 @@ def predict_script(
         ) from exc
     with watching_own_setting() as own:
         run = record_script(
-            path, argv, steps=steps, cwd=cwd, target=resolved, values=values, compile=compile
+            path,
+            argv,
+            steps=steps,
+            cwd=cwd,
+            target=resolved,
+            values=values,
+            compile=compile,
+            progress=progress,
         )
     traced, recording = resolved, run.recording
     if own.changed:

@@ -29,6 +29,7 @@ from oomkit.scenario.workloads import (
 if TYPE_CHECKING:
     from oomkit.core.target import Target
     from oomkit.prediction.predictor import Prediction
+    from oomkit.prediction.tracing.script_run import ScriptProgress
     from oomkit.scenario.sharded import ShardedWorkload
     from oomkit.scenario.torchtitan_run import TorchtitanWorkload
 
@@ -46,11 +47,14 @@ __all__ = [
 
 class StepObserver(Protocol):
     """What a front end's progress display offers the recording: a wrapped step (called once
-    per step) and, for ``generate``, a count of the model's forwards (one per token)."""
+    per step), for ``generate`` a count of the model's forwards (one per token), and for a
+    whole script a callback with where its recording is (``ScriptProgress``)."""
 
     def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]: ...
 
     def count_forwards(self, model: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+    def script(self, progress: ScriptProgress) -> None: ...
 
 
 def scenario_target(scenario: Scenario) -> Target:
@@ -172,7 +176,7 @@ class PredictRun:
             if isinstance(workload, TorchtitanWorkload):
                 prediction = workload.record(self.target, self.scenario.run.budget_bytes)
             elif isinstance(workload, ScriptWorkload):
-                prediction = self._record_script(workload)
+                prediction = self._record_script(workload, observer)
             elif self.target.parallel is not None:
                 prediction = self._record_sharded()
             else:
@@ -205,7 +209,9 @@ class PredictRun:
                 compile=self.scenario.step.compile,
             )
 
-    def _record_script(self, workload: ScriptWorkload) -> Prediction:
+    def _record_script(
+        self, workload: ScriptWorkload, observer: StepObserver | None
+    ) -> Prediction:
         from oomkit.prediction.scripts import predict_script
 
         # The script's own torch.compile calls are recorded as compiled, as they run.
@@ -217,6 +223,7 @@ class PredictRun:
             budget_bytes=self.scenario.run.budget_bytes,
             values=self.scenario.step.values,
             workload=workload.spec,
+            progress=None if observer is None else observer.script,
         ).prediction
 
     def _record_sharded(self) -> Prediction:

@@ -154,3 +154,63 @@ def test_predict_generate_counts_tokens_on_a_terminal(monkeypatch, capsys):
     for token in (1, 2, 3):
         assert f"recording step 1 of 1 on the meta device, token {token} of 3" in text
     assert "replaying the recording through the simulated allocator" in text
+
+
+def test_script_progress_shows_steps_and_events_then_the_replay(monkeypatch):
+    """A script reports its optimizer steps and allocator events; the line is redrawn at most
+    every _SCRIPT_REFRESH_S unless a step completed; when it ends, the bar names the replay."""
+    from oomkit.interfaces.cli import _progress
+    from oomkit.prediction.tracing.script_run import ScriptProgress
+
+    clock = [100.0]
+    monkeypatch.setattr(_progress.time, "monotonic", lambda: clock[0])
+    shown: list[tuple[str, int]] = []
+    progress = StepProgress(lambda text, done: shown.append((text, done)), 3)
+    progress.script(ScriptProgress(0, 3, 1_200, max_entries=2_000_000))
+    clock[0] += 0.05
+    progress.script(ScriptProgress(0, 3, 1_900, max_entries=2_000_000))  # too soon: not drawn
+    progress.script(ScriptProgress(1, 3, 2_000, max_entries=2_000_000))  # a step: drawn
+    clock[0] += 0.2
+    progress.script(ScriptProgress(1, 3, 5_000, max_entries=2_000_000))
+    progress.script(ScriptProgress(1, 3, 5_000, max_entries=2_000_000, ended=True))
+    assert shown == [
+        ("recording the script: 0 of 3 optimizer steps, 1,200 allocator events "
+         "(at most 2,000,000)", 0),
+        ("recording the script: 1 of 3 optimizer steps, 2,000 allocator events "
+         "(at most 2,000,000)", 1),
+        ("recording the script: 1 of 3 optimizer steps, 5,000 allocator events "
+         "(at most 2,000,000)", 1),
+        ("replaying the recording through the simulated allocator", 3),
+    ]
+
+
+def test_predict_of_an_evaluation_script_shows_its_events_on_a_terminal(
+    tmp_path, monkeypatch, capsys
+):
+    """An evaluation script has no optimizer step to count: its line counts the allocator
+    events it has logged, then names the replay."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            model = torch.nn.Linear(64, 64).to("cuda")
+            with torch.no_grad():
+                for _ in range(200):
+                    model(torch.randn(8, 64, device="cuda"))
+            """
+        )
+    )
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr("oomkit.interfaces.cli._progress._SCRIPT_REFRESH_S", 0.0)
+    assert main(["predict", str(script), "--gpu", "t4"]) == 0
+    text = " ".join(err.getvalue().split())  # the terminal wraps the long line
+    # A report at every 64th module call, before its forward: the weight and the bias (2),
+    # the first forward's cuBLAS workspace (1), each earlier forward's input and output
+    # requested and freed (4 each) and this call's input (1): 4 x 64 = 256, then 4 x 192.
+    assert "recording the script: 0 of 3 optimizer steps, 256 allocator events" in text
+    assert "recording the script: 0 of 3 optimizer steps, 768 allocator events" in text
+    assert "replaying the recording through the simulated allocator" in text
+    assert "fits on" in capsys.readouterr().out

@@ -10,12 +10,17 @@ output stay clean. rich is imported only when a bar is drawn.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from oomkit.interfaces.cli._common import stderr_console
+
+if TYPE_CHECKING:  # imports torch
+    from oomkit.prediction.tracing.script_run import ScriptProgress
 
 __all__ = [
     "add_jobs_flag",
@@ -127,6 +132,9 @@ def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None
 class StepProgress:
     """Counts the recorded steps of ``predict`` on a bar, then names the replay that follows.
 
+    A whole script reports through ``script`` instead: its optimizer steps and the device
+    requests and frees logged so far (``ScriptProgress``).
+
     ``wrap(step_fn)`` returns the step with a count after each call; the recorder calls the
     step once per ``--steps``, and after the last one oomkit replays the recording through the
     simulated allocator (the bar then says so, its clock still running). A ``generate`` step
@@ -145,6 +153,7 @@ class StepProgress:
         self.tokens_per_step = tokens_per_step
         self.done = 0
         self.tokens = 0
+        self._shown_at = -math.inf  # when a script's progress was last drawn (time.monotonic)
 
     @property
     def total(self) -> int:
@@ -185,6 +194,26 @@ class StepProgress:
         finally:
             handle.remove()
 
+    def script(self, progress: ScriptProgress) -> None:
+        """Where a whole script's recording is (``record_script``'s ``progress``): its
+        optimizer steps on the bar, and the device requests and frees logged so far against
+        the most the recording keeps (an evaluation loop has no steps to count)."""
+        if self._update is None:
+            return
+        if progress.ended:
+            self.done = self.steps
+            self._show()
+            return
+        now = time.monotonic()
+        if progress.steps_done == self.done and now - self._shown_at < _SCRIPT_REFRESH_S:
+            return
+        self.done, self._shown_at = progress.steps_done, now
+        self._update(
+            f"recording the script: {progress.steps_done} of {progress.steps} optimizer steps, "
+            f"{progress.entries:,} allocator events (at most {progress.max_entries:,})",
+            min(progress.steps_done, self.total),
+        )
+
     def _show(self) -> None:
         assert self._update is not None
         per_step = self.tokens_per_step or 1
@@ -197,6 +226,10 @@ class StepProgress:
         # At a forward's pre-hook, the forwards before it are done.
         completed = self.done * per_step + min(max(self.tokens - 1, 0), per_step)
         self._update(text, min(completed, self.total))
+
+
+# A script reports every 64 module calls; its line is redrawn at most this often (seconds).
+_SCRIPT_REFRESH_S = 0.1
 
 
 @contextmanager

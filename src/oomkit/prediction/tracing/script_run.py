@@ -37,7 +37,7 @@ import dataclasses
 import os
 import runpy
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,14 @@ from oomkit.prediction.tracing.step_failure import (
 )
 from oomkit.prediction.tracing.torch_globals import caller_globals_kept
 
-__all__ = ["ScriptRun", "ScriptSpec", "fresh_accelerate_state", "record_script"]
+__all__ = [
+    "MAX_SCRIPT_ENTRIES",
+    "ScriptProgress",
+    "ScriptRun",
+    "ScriptSpec",
+    "fresh_accelerate_state",
+    "record_script",
+]
 
 _DISTRIBUTED_ROUTE = (
     "oomkit runs the script as one process and predicts one GPU: run it without torchrun's "
@@ -144,15 +151,42 @@ class _StopScript(BaseException):
 # endless or very long loop stops with a UserCodeError at about 4 GiB, not by exhausting memory.
 MAX_SCRIPT_ENTRIES = 2_000_000
 
+# Module calls between two reports to a progress display (and checks of the bound on the log).
+_CALLS_PER_REPORT = 64
+
+
+@dataclass(frozen=True)
+class ScriptProgress:
+    """Where a script's recording is, for a progress display (``record_script(progress=)``).
+
+    Attributes:
+        steps_done: optimizer steps recorded so far.
+        steps: the optimizer steps the recording stops after.
+        entries: entries of the recorder's log so far (device requests, frees, step markers);
+            once ``ended``, as last reported.
+        max_entries: the most the log keeps (``MAX_SCRIPT_ENTRIES``): the recording stops there.
+        ended: the script has ended or been stopped; the replay follows.
+    """
+
+    steps_done: int
+    steps: int
+    entries: int
+    max_entries: int = MAX_SCRIPT_ENTRIES
+    ended: bool = False
+
 
 class _StepWatch:
-    """Marks where each step starts and stops the script after the last one."""
+    """Marks where each step starts and stops the script after the last one; reports progress."""
 
-    def __init__(self, tracer: Tracer, steps: int) -> None:
+    def __init__(
+        self, tracer: Tracer, steps: int, progress: Callable[[ScriptProgress], None] | None
+    ) -> None:
         self._tracer = tracer
         self._steps = steps
+        self._progress = progress
         self.done = 0
-        self._calls = 0  # module calls seen (the bound on the log is checked every 512)
+        self.entries = 0  # the log's entries when last reported
+        self._calls = 0  # module calls seen (the log's bound is checked every _CALLS_PER_REPORT)
         self._started = False
         self._handles: list[Any] = []
 
@@ -172,14 +206,17 @@ class _StepWatch:
         if torch.compiler.is_compiling():
             return  # dynamo traces global hooks into its graphs: nothing of this belongs there
         self._calls += 1
-        if self._calls % 512 == 0 and entries_recorded() > MAX_SCRIPT_ENTRIES:
-            raise _ScriptTooLong(
-                f"the script has logged {entries_recorded():,} device requests and frees "
-                f"without reaching the end of its {self._steps} optimizer step(s) or its own "
-                "end (an endless loop, or a long evaluation or generation), and the recording "
-                f"stops at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of "
-                "a short run (a few batches)"
-            )
+        if self._calls % _CALLS_PER_REPORT == 0:
+            entries = entries_recorded()
+            self.report(entries)
+            if entries > MAX_SCRIPT_ENTRIES:
+                raise _ScriptTooLong(
+                    f"the script has logged {entries:,} device requests and frees without "
+                    f"reaching the end of its {self._steps} optimizer step(s) or its own end (an "
+                    "endless loop, or a long evaluation or generation), and the recording stops "
+                    f"at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of a "
+                    "short run (a few batches)"
+                )
         if self._started:
             return
         if module.training and torch.is_grad_enabled():
@@ -192,8 +229,15 @@ class _StepWatch:
             self._tracer.mark_step()
         self.done += 1
         self._started = False
+        self.report(entries_recorded())
         if self.done >= self._steps:
             raise _StopScript
+
+    def report(self, entries: int, *, ended: bool = False) -> None:
+        """Tell the progress display (if any) where the recording is."""
+        self.entries = entries
+        if self._progress is not None:
+            self._progress(ScriptProgress(self.done, self._steps, entries, ended=ended))
 
 
 @contextlib.contextmanager
@@ -328,6 +372,7 @@ def record_script(
     gpu: GpuSpec | None = None,
     values: Mapping[str, Any] | None = None,
     compile: bool = True,
+    progress: Callable[[ScriptProgress], None] | None = None,
 ) -> ScriptRun:
     """Run ``path`` as ``python path *argv`` would, on one emulated GPU, and record it up to its
     ``steps``-th optimizer step (module docstring).
@@ -344,6 +389,8 @@ def record_script(
             (``{"train.py:42": 1024}``).
         compile: record the script's ``torch.compile`` calls as compiled (Inductor emulated);
             False runs compiled code eagerly, with a warning.
+        progress: called with a ``ScriptProgress`` every 64 module calls, after each optimizer
+            step and once when the script has ended (a progress display); ``None``: none.
 
     Returns:
         The recording, the steps reached and the saves skipped.
@@ -382,7 +429,7 @@ def record_script(
     saves = [0]
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
     tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
-    watch = _StepWatch(tracer, spec.steps)
+    watch = _StepWatch(tracer, spec.steps, progress)
     stopped = False
     try:
         with contextlib.ExitStack() as stack:
@@ -439,6 +486,7 @@ def record_script(
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
     recording = tracer.recording
+    watch.report(watch.entries, ended=True)
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes))
