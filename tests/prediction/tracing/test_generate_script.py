@@ -87,3 +87,34 @@ def test_the_stop_check_of_older_transformers_answers_not_yet():
         with pytest.raises(DataDependentValueError):
             elsewhere["_has_unfinished_sequences"](finished)
     assert reads.generation_goes_on == 1
+
+
+@pytest.mark.parametrize("new_tokens", [3, 6])
+def test_beam_search_runs_to_max_new_tokens_with_every_beam(tmp_path, new_tokens):
+    """num_beams=3: transformers 5's _beam_search asks after each token but the last whether a
+    beam is unfinished ('yes'), runs the model on 8 x 3 sequences, and crops its output to the
+    length it ran (the script asserts the shape)."""
+    script = GENERATE.replace("do_sample=False,", "do_sample=False, num_beams=3,")
+    (tmp_path / "gen.py").write_text(textwrap.dedent(script))
+    run = record_script(tmp_path / "gen.py", [str(new_tokens)], target=RTX4090, cwd=tmp_path)
+    assumption = run.recording.assumptions["generation length"]
+    assert assumption.startswith(f"transformers' generate asked {new_tokens - 1} time(s)")
+    attention = {k: n for k, n in run.recording.kernel_choices.items() if "SDPA" in k}
+    assert sum(attention.values()) == new_tokens, attention
+
+
+def test_a_slice_bound_tensor_is_read_as_an_index():
+    """x[:, :n] with n a 0-dim tensor: torch reads n in C++; a known n slices, an unknown one
+    is refused as an integer, naming the line (not the meta kernel's failure)."""
+    from oomkit.errors import DataDependentValueError
+
+    with value_tracking() as (_, reads), torch.device("meta"):
+        x = torch.empty(4, 10)
+        n = torch.tensor(3) + 2  # known: 5
+        assert x[:, :n].shape == (4, 5)
+        assert x[1:n, ::2].shape == (3, 5)
+        x[:, n:] = 0.0  # __setitem__ too
+        unknown = torch.empty(4, 10).argmax()
+        with pytest.raises(DataDependentValueError, match="integer"):
+            x[:, :unknown]
+    assert [r.outcome for r in reads.records.values()].count("answered") >= 3

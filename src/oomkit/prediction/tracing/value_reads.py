@@ -13,7 +13,8 @@ tensor's value: ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``, ``__i
    ``float()``, so its later use cannot be checked (its warning says so: use ``.item()``);
 3. ``isnan`` / ``isinf`` / ``isfinite`` of an unknown tensor answer as for finite values
    (counted in ``assumed_finite``), and transformers' generate asking whether its sequences
-   have all ended answers "not yet" (counted in ``generation_goes_on``; ``_generation_stop``);
+   have all ended answers "not yet" (counted in ``generation_goes_on``), and its beam search's
+   output is as long as it ran (``_generation_answer``);
 4. otherwise ``item`` / ``float`` / ``format`` / ``tolist`` get a :class:`StandIn` that
    raises if it is later used as a size or a condition; ``bool`` / ``int`` / ``index`` /
    ``torch.equal`` are such uses themselves and raise ``DataDependentValueError`` at once.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -157,6 +158,13 @@ class ValueReads(TorchFunctionMode):
             return _from_data(func, args, kwargs)
         if func in _FINITE_ANSWERS:
             return self._finiteness(func, args, kwargs)
+        if func in _INDEXING and len(args) > 1 and _has_tensor_bound(args[1]):
+            # torch reads a slice's tensor bounds in C++ (no __index__ call to see): each is
+            # read here as __index__ is, and the indexing runs with the numbers.
+            def read(bound: torch.Tensor) -> Any:
+                return self.__torch_function__(torch.Tensor.__index__, (), (bound,))
+
+            return func(args[0], _bounds_read(args[1], read), *args[2:], **kwargs)
         kind = _READS.get(func)
         tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
         if kind is None or not any(t.is_meta for t in tensors):
@@ -175,9 +183,10 @@ class ValueReads(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 result = func(*values, *args[len(values) :], **kwargs)
             return self._record(site, kind, "answered", result, origins)
-        if func is torch.Tensor.__bool__ and _generation_stop(frames):
-            self.generation_goes_on += 1
-            return False
+        answer = _generation_answer(func, tensors[0], frames)
+        if answer is not None:
+            self.generation_goes_on += func is torch.Tensor.__bool__
+            return answer
         deciding = _DECIDING.get(func)
         if deciding is not None:
             refuse_unknown(kind, deciding, site)
@@ -249,18 +258,38 @@ class ValueReads(TorchFunctionMode):
 # The new tokens are unknown, so no end-of-sequence token can be seen: the answer is "not yet",
 # and generation runs to its length limit (max_new_tokens), where the stop is known
 # (values.py ``_ABSORBING``). That is the most memory the call can take.
+# Beam search (transformers 5 ``GenerationMixin._beam_search``) asks the other way round,
+# ``not self._beam_search_has_unfinished_sequences(...)``: "yes, a beam is unfinished", until
+# the length limit's known False ends it. It then crops its output to the longest beam
+# generated, ``(beam_indices + 1).bool().sum(dim=1).max()`` (``max_generated_length``) and
+# ``decoder_prompt_len`` plus that (``output_length``): with no end-of-sequence token, every
+# position was generated, so they are ``cur_len - decoder_prompt_len`` and ``cur_len``.
 _GENERATION_MODULE = ("transformers", "generation", "utils.py")
-_GENERATION_STOPS = frozenset({"__call__", "_has_unfinished_sequences"})
+_ALL_ENDED = frozenset({"__call__", "_has_unfinished_sequences"})
+_BEAM_SEARCH = "_beam_search"
 
 
-def _generation_stop(frames: list[Any]) -> bool:
-    """Whether the innermost frame is transformers' generate asking if its sequences ended."""
-    if not frames:
-        return False
-    code = frames[0].f_code
-    return code.co_name in _GENERATION_STOPS and Path(code.co_filename).parts[-3:] == (
-        _GENERATION_MODULE
-    )
+def _generation_answer(func: Any, tensor: torch.Tensor, frames: list[Any]) -> int | None:
+    """transformers' generate asking whether its sequences ended, or beam search the length
+    it generated (above): the answer for no end-of-sequence token; ``None`` for other reads."""
+    if not frames or Path(frames[0].f_code.co_filename).parts[-3:] != _GENERATION_MODULE:
+        return None
+    name = frames[0].f_code.co_name
+    if func is torch.Tensor.__bool__:
+        if name in _ALL_ENDED:
+            return False
+        return True if name == _BEAM_SEARCH else None
+    if name != _BEAM_SEARCH or func not in (torch.Tensor.__index__, torch.Tensor.__int__):
+        return None
+    local = frames[0].f_locals
+    length, prompt = local.get("cur_len"), local.get("decoder_prompt_len")
+    if not isinstance(length, int) or not isinstance(prompt, int):
+        return None
+    if tensor is local.get("output_length"):
+        return length
+    if tensor is local.get("max_generated_length"):
+        return length - prompt
+    return None
 
 
 # Finiteness tests answered for unknown tensors as for finite values (a training run that
@@ -287,6 +316,31 @@ def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             owner = "Tensor" if func is torch.Tensor.new_tensor else "torch"
             remember_value(result, value, f"{owner}.{func.__name__}")
     return result
+
+
+# Tensor indexing, where a slice's bounds may be 0-dim tensors (``x[:, :n]``).
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def _is_meta_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta and value.dim() == 0
+
+
+def _has_tensor_bound(index: Any) -> bool:
+    """Whether a slice in ``index`` (one, or a tuple's) has a 0-dim meta tensor as a bound."""
+    if isinstance(index, slice):
+        return any(_is_meta_scalar(b) for b in (index.start, index.stop, index.step))
+    return isinstance(index, tuple) and any(_has_tensor_bound(part) for part in index)
+
+
+def _bounds_read(index: Any, read: Callable[[torch.Tensor], Any]) -> Any:
+    """``index`` with ``read`` of each slice bound that is a 0-dim meta tensor."""
+    if isinstance(index, slice):
+        bounds = (index.start, index.stop, index.step)
+        return slice(*(read(b) if _is_meta_scalar(b) else b for b in bounds))
+    if isinstance(index, tuple):
+        return tuple(_bounds_read(part, read) for part in index)
+    return index
 
 
 def _short(value: Any) -> str:
