@@ -376,14 +376,39 @@ model = DDP(torch.nn.Linear(8, 8).to(local_rank), device_ids=[local_rank])
 '''
 
 
-def test_a_torchrun_script_exits_2_naming_its_line_and_the_sharded_route(tmp_path, capsys):
-    """`oomkit predict ddp.py`: init_process_group refused at its line, --fsdp/--dp named, one
-    line on stderr and no traceback."""
+def test_a_torchrun_script_exits_2_naming_its_line_and_world_size(tmp_path, capsys):
+    """`oomkit predict ddp.py` without --world-size: init_process_group refused at its line,
+    --world-size named, one line on stderr and no traceback."""
     from oomkit.interfaces.cli import main
 
     _write(tmp_path, "ddp.py", TORCHRUN_SCRIPT)
     assert main(["predict", str(tmp_path / "ddp.py"), "--gpu", "rtx4090"]) == 2
     err = capsys.readouterr().err
     assert "ddp.py:8 calls torch.distributed.init_process_group" in err
-    assert "with --fsdp N or --dp N" in err
+    assert "--world-size 8" in err
     assert "Traceback" not in err
+
+
+def test_a_torchrun_script_with_world_size_is_rank_0_of_that_many(tmp_path, capsys):
+    """`oomkit predict ddp.py --world-size 4`: the script as written (its `.to(local_rank)` and
+    DDP's device_ids included), rank 0 of a fake group of 4; the same scenario from Python
+    (world_size=4) and its config (model.script_world_size)."""
+    import json
+
+    import oomkit
+    from oomkit.interfaces.cli import main
+
+    _write(tmp_path, "ddp.py", TORCHRUN_SCRIPT)
+    script = str(tmp_path / "ddp.py")
+    assert main(["predict", script, "--world-size", "4", "--dump-config"]) == 0
+    assert "script_world_size = 4" in capsys.readouterr().out
+    assert main(["predict", script, "--world-size", "4", "--gpu", "rtx4090", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["description"] == f"{script}, rank 0 of 4"
+    assert out["scenario"]["model"]["script_world_size"] == 4
+    assert any("world size 4" in w for w in out["warnings"])
+    assert out["peak_allocated_bytes"] > 0  # the replica's Linear and DDP's bucket
+    api = oomkit.predict(script, world_size=4, gpu="rtx4090")
+    assert (api.peak_allocated_bytes, api.peak_reserved_bytes) == (
+        out["peak_allocated_bytes"], out["peak_reserved_bytes"]
+    )

@@ -57,6 +57,7 @@ def predict_script(
     compile: bool = True,
     workload: WorkloadSpec | None = None,
     progress: Callable[[ScriptProgress], None] | None = None,
+    world_size: int | None = None,
 ) -> ScriptPrediction:
     """Run ``path`` as ``python path *argv`` would on the target GPU, emulated, and predict it.
 
@@ -76,6 +77,8 @@ def predict_script(
             warning).
         workload: the request, carried into the prediction; ``None`` leaves it unset.
         progress: a progress display's callback (``record_script``'s ``progress``).
+        world_size: a torchrun script's ranks: rank 0 of a fake process group of that many is
+            recorded (``record_script``'s ``world_size``); ``None``: one GPU.
 
     Returns:
         The prediction and the run.
@@ -111,6 +114,7 @@ def predict_script(
             values=values,
             compile=compile,
             progress=progress,
+            world_size=world_size,
         )
     traced, recording = resolved, run.recording
     if own.changed:
@@ -128,7 +132,9 @@ def predict_script(
         recording,
         target=traced,
         budget_bytes=budget_bytes,
-        description=run.description,
+        description=run.description if world_size is None else (
+            f"{run.description}, rank 0 of {world_size}"
+        ),
         workload=workload,
     )
     return ScriptPrediction(prediction, run)

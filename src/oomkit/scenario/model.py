@@ -111,6 +111,21 @@ class Scenario(_Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _script_world_size(cls, data: Any) -> Any:
+        """``--world-size N`` is one flag: with a script it is the ranks torchrun starts it on
+        (``model.script_world_size``), not a torchtitan job's (``torchtitan.world_size``)."""
+        if not isinstance(data, Mapping):
+            return data
+        model, job = data.get("model"), data.get("torchtitan")
+        if not isinstance(model, Mapping) or model.get("script") is None:
+            return data
+        if not isinstance(job, Mapping) or set(job) != {"world_size"}:
+            return data
+        moved = {**model, "script_world_size": job["world_size"]}
+        return {**{k: v for k, v in data.items() if k != "torchtitan"}, "model": moved}
+
+    @model_validator(mode="before")
+    @classmethod
     def _one_rank_flag(cls, data: Any) -> Any:
         """``--rank R`` is one flag: with ``--torchtitan`` it is the job's rank
         (``torchtitan.rank``), not a preset layout's (``parallel.rank``); ``--all-ranks`` too

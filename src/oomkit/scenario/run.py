@@ -97,16 +97,21 @@ class ScriptWorkload:
         argv: its own arguments (after ``--`` on the command line).
         spec: its workload record (kind ``script``).
         raised: always empty (the runner names the script's own failures itself).
+        world_size: a torchrun script's ranks (rank 0 recorded); ``None``: one GPU.
     """
 
     path: str
     argv: tuple[str, ...]
     spec: WorkloadSpec
     raised: list[BaseException] = field(default_factory=list)
+    world_size: int | None = None
 
     @property
     def description(self) -> str:
         """The command line it runs."""
+        if self.world_size is not None:
+            return " ".join(["torchrun", f"--nproc-per-node={self.world_size}", self.path,
+                             *self.argv])
         return " ".join(["python", self.path, *self.argv])
 
 
@@ -224,6 +229,7 @@ class PredictRun:
             values=self.scenario.step.values,
             workload=workload.spec,
             progress=None if observer is None else observer.script,
+            world_size=workload.world_size,
         ).prediction
 
     def _record_sharded(self) -> Prediction:
@@ -293,6 +299,7 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
                 scenario.model.script,
                 tuple(scenario.model.script_args),
                 WorkloadSpec("script", scenario.model.script, steps=steps),
+                world_size=scenario.model.script_world_size,
             )
             workload = script
         elif target.parallel is not None:

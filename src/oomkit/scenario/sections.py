@@ -189,6 +189,14 @@ class ModelSection(_Section):
         description="the script's own arguments (after -- on the command line)",
         json_schema_extra=_flag(None, WORKLOAD),
     )
+    script_world_size: Count | None = Field(
+        None,
+        description="a torchrun script's ranks (torchrun's --nproc-per-node x --nnodes): it "
+        "runs as rank 0 of a fake process group",
+        # No flag of its own: --world-size N (torchtitan.world_size) lands here with a script
+        # (Scenario._script_world_size).
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
     hf_class: str | None = Field(
         None,
         description="--hf: the class to build (an Auto... or a name)",
@@ -253,6 +261,11 @@ class ModelSection(_Section):
             raise ValueError(
                 f"{' and '.join(hf_only)} {'applies' if len(hf_only) == 1 else 'apply'} to "
                 "Hugging Face models (--hf) only; drop it, or predict the model with --hf"
+            )
+        if self.script_world_size is not None and self.script is None:
+            raise ValueError(
+                "model.script_world_size is a torchrun script's ranks: give model.script "
+                "(oomkit predict train.py --world-size 8), or drop it"
             )
         if self.script_args and self.script is None:
             raise ValueError(

@@ -33,7 +33,7 @@ class TorchtitanSection(_Section):
     )
     world_size: Count = Field(
         1,
-        description="--torchtitan: ranks in the job",
+        description="ranks in the job: --torchtitan's, or a torchrun script's",
         json_schema_extra=_flag("--world-size", MULTI_GPU, metavar="N", commands=("predict",)),
     )
     rank: int = Field(

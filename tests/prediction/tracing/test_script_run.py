@@ -250,7 +250,7 @@ def test_a_script_that_puts_nothing_on_the_gpu_is_refused(tmp_path):
 
 
 def test_torchrun_style_code_is_refused_by_name(tmp_path):
-    """init_process_group: refused, naming the line and the --fsdp/--dp route."""
+    """init_process_group without a world size: refused, naming the line and --world-size."""
     _write(
         tmp_path,
         "ddp.py",
@@ -267,7 +267,7 @@ def test_torchrun_style_code_is_refused_by_name(tmp_path):
         record_script(tmp_path / "ddp.py", target=RTX4090)
     message = str(raised.value)
     assert "ddp.py:7 calls torch.distributed.init_process_group" in message
-    assert "--fsdp N or --dp N" in message
+    assert "`oomkit predict train.py --world-size 8 -- ARGS`" in message
 
 
 def test_a_ddp_wrapper_is_refused_by_name(tmp_path):

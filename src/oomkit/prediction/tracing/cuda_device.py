@@ -75,8 +75,10 @@ __all__ = [
     "allocator_used",
     "as_one_cuda_gpu",
     "counting_allocations",
+    "cuda_default",
     "emptying_cache",
     "entries_recorded",
+    "is_cuda",
 ]
 
 _META = torch.device("meta")
@@ -96,7 +98,7 @@ class _DeviceProperties:
     minor: int
 
 
-def _is_cuda(device: Any) -> bool:
+def is_cuda(device: Any) -> bool:
     if isinstance(device, int) and not isinstance(device, bool):
         return True  # torch.device(0) is cuda:0 (c10/core/Device.cpp: an index alone is CUDA's)
     if isinstance(device, torch.device):
@@ -135,7 +137,7 @@ class _CudaOnMeta(TorchFunctionMode):
         kwargs = _default_device_given(func, dict(kwargs or {}))
         if self._device.type != "meta":
             return self._onto_fake_device(func, args, kwargs)
-        asked_cuda = _is_cuda(kwargs.get("device"))
+        asked_cuda = is_cuda(kwargs.get("device"))
         if asked_cuda:
             kwargs["device"] = _META
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -144,7 +146,7 @@ class _CudaOnMeta(TorchFunctionMode):
             moved = _cpu_to_meta(args, kwargs)
             if moved is not None:
                 return moved
-            args = tuple(_META if _is_cuda(a) else a for a in args)
+            args = tuple(_META if is_cuda(a) else a for a in args)
             if on_meta:
                 # A meta tensor sent to the CPU stays: the CPU is read as its own device.
                 args = tuple(_META if _is_cpu(a) else a for a in args)
@@ -170,13 +172,13 @@ class _CudaOnMeta(TorchFunctionMode):
     def _onto_fake_device(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A distributed recording's rules: CUDA is the fake device, host data is copied there."""
         device = self._device
-        asked_cuda = _is_cuda(kwargs.get("device"))
+        asked_cuda = is_cuda(kwargs.get("device"))
         if asked_cuda:
             kwargs["device"] = device
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if func is torch.Tensor.to and self_tensor is not None:
-            to_cuda = any(_is_cuda(a) for a in args[1:]) or asked_cuda
-            args = tuple(device if _is_cuda(a) else a for a in args)
+            to_cuda = any(is_cuda(a) for a in args[1:]) or asked_cuda
+            args = tuple(device if is_cuda(a) else a for a in args)
             if to_cuda:
                 return _host_copied(func(*args, **kwargs))
         elif func is torch.Tensor.cuda:
@@ -203,17 +205,17 @@ def _default_device_given(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     where it would run after this mode had looked. While this mode runs, the stack holds the
     modes below it: the highest ``DeviceContext`` there would write the device."""
     if kwargs.get("device") is None and func in _device_modes._device_constructors():
-        default = _cuda_default()
+        default = cuda_default()
         if default is not None:
             kwargs["device"] = default
     return kwargs
 
 
-def _cuda_default() -> torch.device | None:
+def cuda_default() -> torch.device | None:
     """The device the topmost ``DeviceContext`` on the mode stack gives, where it is CUDA."""
     modes = _get_current_function_mode_stack()
     found = [mode for mode in modes if isinstance(mode, _device_modes.DeviceContext)]
-    return found[-1].device if found and _is_cuda(found[-1].device) else None
+    return found[-1].device if found and is_cuda(found[-1].device) else None
 
 
 def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -226,7 +228,7 @@ def _cpu_to_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor 
     """
     tensor = args[0]
     rest = args[1:]
-    if tensor.device.type != "cpu" or not rest or not _is_cuda(rest[0]):
+    if tensor.device.type != "cpu" or not rest or not is_cuda(rest[0]):
         return None
     if len(rest) > 2 or (len(rest) == 2 and not isinstance(rest[1], bool)):
         return None
@@ -470,7 +472,7 @@ def _cuda_default_reads_cuda() -> Iterator[None]:
     original = torch.get_default_device
 
     def get_default_device() -> torch.device:
-        default = _cuda_default()
+        default = cuda_default()
         return original() if default is None else torch.device("cuda", default.index or 0)
 
     torch.get_default_device = get_default_device

@@ -33,6 +33,9 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
   device ids are dropped; on one device DDP needs none (torch/nn/parallel/distributed.py
   ``__init__``: "For single-device modules, ``device_ids`` can contain exactly one device id
   ... or ``None``"), and a module on the fake device must have none.
+- ``model.to(local_rank)``: a bare index is CUDA's, as for a tensor (``cuda_device.is_cuda``).
+  ``Module.to`` parses it with ``torch._C._nn._parse_to``, which asks the current accelerator
+  for an index alone; the CPU build has none, so the index is named ``cuda:N`` first.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
         stack.enter_context(_the_fake_group_joined(world_size, rank))
         stack.enter_context(_cuda_meshes_on_the_fake_device())
         stack.enter_context(_ddp_device_ids_dropped())
+        stack.enter_context(_module_to_index_is_cuda())
         yield
 
 
@@ -180,3 +184,31 @@ def _ddp_device_ids_dropped() -> Iterator[None]:
         yield
     finally:
         DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _module_to_index_is_cuda() -> Iterator[None]:
+    """``Module.to(0)`` / ``Module.to(device=0)`` parse the index as ``cuda:0`` (docstring)."""
+    import torch
+
+    nn = torch._C._nn
+    original = nn._parse_to
+
+    def parse_to(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_as_cuda(a) if i == 0 else a for i, a in enumerate(args))
+        if "device" in kwargs:
+            kwargs["device"] = _as_cuda(kwargs["device"])
+        return original(*args, **kwargs)
+
+    nn._parse_to = parse_to
+    try:
+        yield
+    finally:
+        nn._parse_to = original
+
+
+def _as_cuda(device: Any) -> Any:
+    """An index alone as ``cuda:N``; anything else as it is."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}"
+    return device

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EmulatedStreams",
+    "FakeWorld",
     "FsdpBufferRoles",
     "HOST_TENSOR_EMULATIONS",
     "fake_process_group",
@@ -323,73 +323,140 @@ def trace_distributed_step(
         ConfigError: a bad world size or an initialised process group.
         UnsupportedOpError: an op has no fake/meta implementation.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_step_count(steps, "trace_distributed_step(fn, world_size=8, steps=3)")
-    if target is not None:
-        gpu = target.gpu
-        if emulations is None:
-            from oomkit.prediction.tracing.emulations import emulations_for
-
-            emulations = emulations_for(target.cudnn_version, target.torch_version)
-    base = DEFAULT_EMULATIONS if emulations is None else emulations
-    async_tp = AsyncTpEmulations()  # the fused ops of Inductor's async-TP pass (async_tp.py)
-    base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS, **async_tp.emulations}
-    uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
-    tracer = Tracer(emulations={**base, **uses.emulations(base)}, gpu=gpu, compile=compile,
-                    target=target)
-    uses.attach(tracer)
-    streams = EmulatedStreams()
-    tracer.current_stream = streams.current
-    shape, names = mesh_shape if mesh_shape is not None else (None, None)
-    group = fake_process_group(world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names)
-    ddp = FakeDdp(tracer.add_role)
-    # Code written for torchrun on CUDA runs as the recorded rank of the fake group (cuda_ranks.py).
-    cuda_rank = functools.partial(as_cuda_rank, world_size, rank=rank, gpu=tracer.gpu)
-    with group as mesh, FakeTensorMode(), ddp.installed():
-        with _ddp_constructed_under_the_recorder() as deferred, cuda_rank():
+    world = FakeWorld(
+        world_size,
+        mesh_shape=mesh_shape,
+        gpu=gpu,
+        target=target,
+        emulations=emulations,
+        compile=compile,
+        rank=rank,
+    )
+    with world.opened() as mesh:
+        with _ddp_constructed_under_the_recorder() as deferred, world.as_rank():
             step_fn, track, *setup = build(mesh)
         setup = [*deferred, *setup]
         uneven_bytes = _uneven_shard_bytes(track)
+        with world.failures_named(), world.recording() as tracer:
+            tracer.track(track)
+            for run_setup in setup:
+                run_setup()  # before step 0: DDP's constructor (fake_ddp.py)
+            for _ in range(steps):
+                tracer.mark_step()
+                step_fn()
+        del step_fn, track, setup
+    return world.recorded(uneven_bytes)
+
+
+class FakeWorld:
+    """One rank of a fake process group, recorded: what ``trace_distributed_step`` opens around
+    a builder's step, and a whole torchrun script's run (``script_run.record_script``).
+
+    ``opened()`` starts the fake group and ``FakeTensorMode`` (and DDP's fills:
+    ``fake_ddp.py``; with ``host_inputs``, real host tensors may meet fake ones, a script's:
+    ``host_compute.py``); inside it, ``as_rank()`` runs torchrun-style code as the recorded rank
+    (``cuda_ranks.py``) and ``recording()`` records with ``tracer``; ``recorded()`` is the
+    recording with what it leaves out among its warnings.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        mesh_shape: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+        gpu: GpuSpec | None = None,
+        target: Target | None = None,
+        emulations: Mapping[str, OpEmulation] | None = None,
+        compile: bool = False,
+        rank: int = 0,
+        values: Mapping[str, Any] | None = None,
+        host_inputs: bool = False,
+    ) -> None:
+        if target is not None:
+            gpu = target.gpu
+            if emulations is None:
+                from oomkit.prediction.tracing.emulations import emulations_for
+
+                emulations = emulations_for(target.cudnn_version, target.torch_version)
+        base = DEFAULT_EMULATIONS if emulations is None else emulations
+        self.async_tp = AsyncTpEmulations()  # the fused ops of Inductor's async-TP pass
+        base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS,
+                **self.async_tp.emulations}
+        self.uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
+        self.tracer = Tracer(emulations={**base, **self.uses.emulations(base)}, gpu=gpu,
+                             compile=compile, target=target, values=values)
+        self.uses.attach(self.tracer)
+        self.streams = EmulatedStreams()
+        self.tracer.current_stream = self.streams.current
+        self.world_size, self.rank, self.target = world_size, rank, target
+        shape, names = mesh_shape if mesh_shape is not None else (None, None)
+        self.group = fake_process_group(
+            world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names
+        )
+        self.ddp = FakeDdp(self.tracer.add_role)
+        self.host_inputs = host_inputs
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[DeviceMesh]:
+        """The fake group (its mesh yielded), ``FakeTensorMode`` and DDP's fills, while open."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=self.host_inputs)
+        with self.group as mesh, self.fake_mode, self.ddp.installed():
+            yield mesh
+
+    def as_rank(self) -> contextlib.AbstractContextManager[None]:
+        """Code written for torchrun on CUDA runs as the recorded rank (cuda_ranks.py)."""
+        return as_cuda_rank(self.world_size, rank=self.rank, gpu=self.tracer.gpu)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Tracer]:
+        """Record with ``tracer`` (inside ``opened()``), as the recorded rank."""
+        roles, noted = FsdpBufferRoles(self.tracer).installed(), self.uses.installed()
+        with self.tracer, self.streams.installed(), roles, sharding_propagation_untraced(), \
+                noted, self.async_tp.installed():
+            # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
+            with cuda_optimizer_defaults("cpu"), self.as_rank():
+                yield self.tracer
+
+    @contextlib.contextmanager
+    def failures_named(self) -> Iterator[None]:
+        """An op that failed under ``FakeTensorMode`` raises ``UnsupportedOpError``, naming it."""
         try:
-            roles, noted = FsdpBufferRoles(tracer).installed(), uses.installed()
-            with tracer, streams.installed(), roles, sharding_propagation_untraced(), noted, \
-                    async_tp.installed():
-                # The fake device is "cpu": let torch.optim pick its CUDA defaults for it.
-                with cuda_optimizer_defaults("cpu"), cuda_rank():
-                    tracer.track(track)
-                    for run_setup in setup:
-                        run_setup()  # before step 0: DDP's constructor (fake_ddp.py)
-                    for _ in range(steps):
-                        tracer.mark_step()
-                        step_fn()
+            yield
         except Exception as exc:
-            failed = tracer.failed_op
+            failed = self.tracer.failed_op
             if failed is not None and failed[1] is exc:
                 raise UnsupportedOpError(
                     f"{failed[0]} failed under FakeTensorMode ({exc}); oomkit can only trace "
                     "ops that do not read tensor values"
                 ) from exc
             raise
-        del step_fn, track, setup
-    recording = tracer.recording
-    layout = f"; world size {world_size}, {streams.streams_used} side stream(s)"
-    notes: tuple[str, ...] = (_NOT_MODELLED.replace("rank 0", f"rank {rank}", 1) + layout,)
-    if ddp.wrapped:
-        notes += (DDP_NOTE,)
-    if uneven_bytes:
-        notes += (
-            f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that "
-            f"{uneven_bytes[2]} ranks do not divide; FSDP2 pads every rank's flat shard alike, but the last "
-            f"rank(s) hold up to {uneven_bytes[1]} bytes less of each parameter-sized optimizer "
-            "state (AdamW has two); rank 0, always a full shard, is the largest",
+
+    def recorded(self, uneven_bytes: tuple[int, int, int] | None = None) -> TraceRecording:
+        """The recording, with what it leaves out (and ranks' uneven shards) as warnings."""
+        recording = self.tracer.recording
+        layout = f"; world size {self.world_size}, {self.streams.streams_used} side stream(s)"
+        notes: tuple[str, ...] = (
+            _NOT_MODELLED.replace("rank 0", f"rank {self.rank}", 1) + layout,
         )
-    recording = with_timeline(recording, uses, target)
-    return dataclasses.replace(
-        recording,
-        warnings=recording.warnings + notes + async_tp.notes(),
-        outside_allocator=recording.outside_allocator + async_tp.outside_lines(),
-    )
+        if self.ddp.wrapped:
+            notes += (DDP_NOTE,)
+        if uneven_bytes:
+            notes += (
+                f"ranks differ: {uneven_bytes[0]} sharded parameter(s) have rows that "
+                f"{uneven_bytes[2]} ranks do not divide; FSDP2 pads every rank's flat shard "
+                f"alike, but the last rank(s) hold up to {uneven_bytes[1]} bytes less of each "
+                "parameter-sized optimizer state (AdamW has two); rank 0, always a full shard, "
+                "is the largest",
+            )
+        recording = with_timeline(recording, self.uses, self.target)
+        return dataclasses.replace(
+            recording,
+            warnings=recording.warnings + notes + self.async_tp.notes(),
+            outside_allocator=recording.outside_allocator + self.async_tp.outside_lines(),
+        )
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.modules.module as _module_hooks
@@ -65,6 +65,9 @@ from oomkit.prediction.tracing.step_failure import (
 )
 from oomkit.prediction.tracing.torch_globals import caller_globals_kept
 
+if TYPE_CHECKING:
+    from oomkit.prediction.tracing.distributed import FakeWorld
+
 __all__ = [
     "MAX_SCRIPT_ENTRIES",
     "ScriptProgress",
@@ -75,10 +78,9 @@ __all__ = [
 ]
 
 _DISTRIBUTED_ROUTE = (
-    "oomkit runs the script as one process and predicts one GPU: run it without torchrun's "
-    "environment (RANK, LOCAL_RANK, WORLD_SIZE unset) for one GPU, or predict one rank of a "
-    "sharded or data-parallel run from a builder (file.py:function returning the step; its "
-    "init_process_group, LOCAL_RANK and device='cuda' lines may stay) with --fsdp N or --dp N"
+    "Give the number of ranks it runs on, as torchrun starts it (--nproc-per-node times "
+    "--nnodes): `oomkit predict train.py --world-size 8 -- ARGS` runs it as rank 0 of a fake "
+    "process group of 8, its init_process_group, LOCAL_RANK, DDP and fully_shard as written"
 )
 
 
@@ -373,6 +375,7 @@ def record_script(
     values: Mapping[str, Any] | None = None,
     compile: bool = True,
     progress: Callable[[ScriptProgress], None] | None = None,
+    world_size: int | None = None,
 ) -> ScriptRun:
     """Run ``path`` as ``python path *argv`` would, on one emulated GPU, and record it up to its
     ``steps``-th optimizer step (module docstring).
@@ -391,6 +394,11 @@ def record_script(
             False runs compiled code eagerly, with a warning.
         progress: called with a ``ScriptProgress`` every 64 module calls, after each optimizer
             step and once when the script has ended (a progress display); ``None``: none.
+        world_size: a torchrun script's ranks (``torchrun --nproc-per-node`` times
+            ``--nnodes``): it runs as rank 0 of a fake process group of that many
+            (``distributed.FakeWorld``), its ``init_process_group``, ``LOCAL_RANK``,
+            ``DistributedDataParallel`` and ``fully_shard`` as written. ``None``: one GPU, and
+            such a script is refused.
 
     Returns:
         The recording, the steps reached and the saves skipped.
@@ -427,19 +435,37 @@ def record_script(
         emulations = emulations_for(target.cudnn_version, target.torch_version)
     where = spec.path
     saves = [0]
-    tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
-    tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
+    world: FakeWorld | None = None
+    if world_size is not None:
+        from oomkit.prediction.tracing.distributed import FakeWorld
+
+        world = FakeWorld(world_size, gpu=gpu, target=target, emulations=emulations,
+                          compile=compile, values=values, host_inputs=True)
+        tracer = world.tracer
+    else:
+        tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile,
+                        target=target)
+        tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
     watch = _StepWatch(tracer, spec.steps, progress)
     stopped = False
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(caller_globals_kept())  # the script's settings end with it
-            stack.enter_context(tracer)
-            stack.enter_context(watch)
-            stack.enter_context(as_one_cuda_gpu(tracer.gpu))
-            stack.enter_context(cpu_inputs_refused())
-            stack.enter_context(cuda_autocast_construction())
-            stack.enter_context(_distributed_refused(where))
+            if world is not None:
+                # Rank 0 of the fake group: torchrun's environment, DDP, FSDP2 as written.
+                from oomkit.prediction.tracing.host_compute import HostComputeReal
+
+                stack.enter_context(world.opened())
+                stack.enter_context(world.recording())
+                stack.enter_context(HostComputeReal(world.fake_mode))  # host work: real
+                stack.enter_context(watch)
+            else:
+                stack.enter_context(tracer)
+                stack.enter_context(watch)
+                stack.enter_context(as_one_cuda_gpu(tracer.gpu))
+                stack.enter_context(cpu_inputs_refused())
+                stack.enter_context(cuda_autocast_construction())
+                stack.enter_context(_distributed_refused(where))
             stack.enter_context(_saves_skipped(saves))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
@@ -485,7 +511,7 @@ def record_script(
         )
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
-    recording = tracer.recording
+    recording = tracer.recording if world is None else world.recorded()
     watch.report(watch.entries, ended=True)
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))

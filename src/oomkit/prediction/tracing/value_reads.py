@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
@@ -167,7 +168,7 @@ class ValueReads(TorchFunctionMode):
             return func(args[0], _bounds_read(args[1], read), *args[2:], **kwargs)
         kind = _READS.get(func)
         tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-        if kind is None or not any(t.is_meta for t in tensors):
+        if kind is None or not any(_valueless(t) for t in tensors):
             return func(*args, **kwargs)
         frames = stack_frames(2)
         site = read_site(frames)
@@ -322,8 +323,16 @@ def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
 
+def _valueless(tensor: torch.Tensor) -> bool:
+    """A tensor without values: a meta tensor, or a fake one (a distributed recording's,
+    ``distributed.py``: ``FakeTensorMode`` on the fake process group) that is not a constant
+    (FakeTensorMode keeps the value of a small tensor made from Python numbers, such as an
+    optimizer's step count, and answers its reads itself: fake_tensor.py ``constant``)."""
+    return tensor.is_meta or (isinstance(tensor, FakeTensor) and tensor.constant is None)
+
+
 def _is_meta_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_meta and value.dim() == 0
+    return isinstance(value, torch.Tensor) and _valueless(value) and value.dim() == 0
 
 
 def _has_tensor_bound(index: Any) -> bool:

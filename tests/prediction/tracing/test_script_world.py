@@ -1,0 +1,122 @@
+"""A torchrun script as written, on a fake process group (record_script(world_size=N))."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+from oomkit.core.target import Target
+from oomkit.prediction.predictor import predict_recording
+from oomkit.prediction.tracing.script_run import record_script
+
+H100 = Target.resolve("h100")
+
+DDP_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+device = torch.device("cuda", local_rank)
+data = TensorDataset(torch.randn(256, 512), torch.randint(0, 10, (256,)))
+sampler = DistributedSampler(data)
+loader = DataLoader(data, batch_size=32, sampler=sampler)
+model = DDP(torch.nn.Linear(512, 1024).to(device), device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters())
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {loss.item():.3f}")
+"""
+
+FSDP_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(dist.get_rank())
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for step in range(5):
+    loss = model(torch.randn(8, 1024, device="cuda")).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+MiB = 2**20
+LINEAR_BYTES = (512 * 1024 + 1024) * 4  # torch.nn.Linear(512, 1024), fp32
+
+
+def _record(tmp_path, source, world_size):
+    (tmp_path / "train.py").write_text(textwrap.dedent(source))
+    return record_script(tmp_path / "train.py", target=H100, world_size=world_size, cwd=tmp_path)
+
+
+def test_a_ddp_script_with_a_distributed_sampler_runs_as_rank_0(tmp_path, capsys):
+    """init_process_group, LOCAL_RANK, DistributedSampler over a DataLoader, DDP: as written.
+    The sampler's shuffle and the loader's seed are host work with values; each replica holds
+    the whole Linear, its gradient, DDP's bucket and AdamW's two states."""
+    run = _record(tmp_path, DDP_SCRIPT, world_size=4)
+    assert run.steps_recorded == 3
+    assert "rank 0 of 4: nan" in capsys.readouterr().out  # the loss is a stand-in
+    p = predict_recording(run.recording, target=H100)
+    by = p.peak_allocated_at.by_category_bytes
+    assert by["parameter"] == LINEAR_BYTES
+    assert by["optimizer_state"] == 2 * LINEAR_BYTES  # exp_avg, exp_avg_sq (steps: host)
+    assert by["input"] == 32 * 512 * 4  # a batch's x: 32 rows (the sampler gives rank 0 64)
+    assert any("DDP: every replica" in w for w in run.recording.warnings)
+    assert any("world size 4" in w for w in run.recording.warnings)
+
+
+def test_an_fsdp2_script_holds_its_shard(tmp_path):
+    """fully_shard as written: rank 0 of 8 holds an eighth of each Linear at the step's peak."""
+    run = _record(tmp_path, FSDP_SCRIPT, world_size=8)
+    assert run.steps_recorded == 3
+    p = predict_recording(run.recording, target=H100)
+    assert p.peak_allocated_at.by_category_bytes["parameter"] == 4 * (1024 * 1024 + 1024) * 4 // 8
+
+
+def test_the_same_script_on_more_ranks_shards_further(tmp_path):
+    """The world size is the script's: FSDP2 over 2 ranks holds four times what 8 do."""
+    two = predict_recording(_record(tmp_path, FSDP_SCRIPT, 2).recording, target=H100)
+    eight = predict_recording(_record(tmp_path, FSDP_SCRIPT, 8).recording, target=H100)
+    assert (
+        two.peak_allocated_at.by_category_bytes["parameter"]
+        == 4 * eight.peak_allocated_at.by_category_bytes["parameter"]
+    )
+
+
+def test_host_work_is_real_and_cuda_work_fake():
+    """Inside a script's fake world: a CPU randint has values; a CUDA randn is fake, on the
+    fake device; a CPU tensor moved to CUDA is a fake device copy."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from oomkit.prediction.tracing.distributed import FakeWorld
+    from oomkit.prediction.tracing.host_compute import HostComputeReal
+
+    world = FakeWorld(2, target=H100, host_inputs=True)
+    with world.opened(), world.recording(), HostComputeReal(world.fake_mode):
+        ids = torch.randint(0, 10, (4,))
+        assert not isinstance(ids, FakeTensor) and ids.tolist() == ids.tolist()
+        assert 0 <= int(ids.max()) < 10
+        on_gpu = torch.randn(4, device="cuda")
+        moved = ids.to("cuda")
+        assert isinstance(on_gpu, FakeTensor) and isinstance(moved, FakeTensor)
+    # Two device requests: the randn's 4 floats and the copy of the 4 int64 ids.
+    events = world.recorded().events
+    assert [e.size for e in events if e.action == "alloc"] == [16, 32]
