@@ -412,3 +412,18 @@ def test_a_torchrun_script_with_world_size_is_rank_0_of_that_many(tmp_path, caps
     assert (api.peak_allocated_bytes, api.peak_reserved_bytes) == (
         out["peak_allocated_bytes"], out["peak_reserved_bytes"]
     )
+
+
+def test_nanogpt_under_torchrun_is_a_ddp_replica(nanogpt, monkeypatch):
+    """nanoGPT's own DDP branch (RANK set: init_process_group, cuda:{LOCAL_RANK}, DDP, its
+    get_batch indexing the data with CPU randint): rank 0 of 2 holds the model and DDP's
+    gradient bucket of the same size."""
+    monkeypatch.chdir(nanogpt)
+    args = [*NANOGPT_ARGS, "--compile=False", "--gradient_accumulation_steps=2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        scripted = predict_script("train.py", args, steps=3, target=RTX4090, world_size=2)
+    assert scripted.run.steps_recorded == 3
+    by = scripted.prediction.peak_allocated_at.by_category_bytes
+    assert by["ddp_bucket"] > 0 and by["parameter"] >= by["ddp_bucket"]
+    assert scripted.prediction.description.endswith(", rank 0 of 2")
