@@ -408,6 +408,10 @@ def test_a_torchrun_script_with_world_size_is_rank_0_of_that_many(tmp_path, caps
     assert out["scenario"]["model"]["script_world_size"] == 4
     assert any("world size 4" in w for w in out["warnings"])
     assert out["peak_allocated_bytes"] > 0  # the replica's Linear and DDP's bucket
+    # NCCL's memory for the communicator over the 4 ranks: the script wrapped DDP, so dp 4.
+    assert out["target"]["parallel"]["dp"] == 4
+    lines = [what for what, _, _ in out["distributed"]["outside_lines"]]
+    assert "NCCL dp communicator (4 ranks): fixed cost beside its buffers" in lines
     api = oomkit.predict(script, world_size=4, gpu="rtx4090")
     assert (api.peak_allocated_bytes, api.peak_reserved_bytes) == (
         out["peak_allocated_bytes"], out["peak_reserved_bytes"]

@@ -117,6 +117,9 @@ def predict_script(
             world_size=world_size,
         )
     traced, recording = resolved, run.recording
+    if run.layout is not None and resolved.parallel is None:
+        # NCCL's buffers for the communicator over the script's ranks (distributed_memory.py).
+        traced = dataclasses.replace(traced, parallel=run.layout)
     if own.changed:
         traced, assumption, notes = with_own_setting(traced, own, "the script")
         said = {} if assumption is None else {"allocator setting": assumption}

@@ -33,7 +33,7 @@ class TorchtitanSection(_Section):
     )
     world_size: Count = Field(
         1,
-        description="ranks in the job: --torchtitan's, or a torchrun script's",
+        description="ranks of a --torchtitan job or a torchrun script",
         json_schema_extra=_flag("--world-size", MULTI_GPU, metavar="N", commands=("predict",)),
     )
     rank: int = Field(

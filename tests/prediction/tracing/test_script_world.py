@@ -87,6 +87,7 @@ def test_an_fsdp2_script_holds_its_shard(tmp_path):
     """fully_shard as written: rank 0 of 8 holds an eighth of each Linear at the step's peak."""
     run = _record(tmp_path, FSDP_SCRIPT, world_size=8)
     assert run.steps_recorded == 3
+    assert run.layout is not None and (run.layout.fsdp, run.layout.dp) == (8, 1)  # no DDP
     p = predict_recording(run.recording, target=H100)
     assert p.peak_allocated_at.by_category_bytes["parameter"] == 4 * (1024 * 1024 + 1024) * 4 // 8
 

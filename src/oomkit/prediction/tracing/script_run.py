@@ -47,7 +47,7 @@ import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 
 from oomkit.core.gpus import GpuSpec
-from oomkit.core.target import Target
+from oomkit.core.target import ParallelLayout, Target
 from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
@@ -125,6 +125,10 @@ class ScriptRun:
         steps_recorded: optimizer steps reached (``spec.steps``, or fewer when the script ended
             first; a warning in ``recording`` then says so).
         saves_skipped: ``torch.save`` calls that were not written.
+        notes: what the run's warnings say about it (steps fewer than asked, saves skipped).
+        layout: a torchrun script's ranks (``world_size``) as a layout for NCCL's communicator
+            over them: DDP replicas when it wrapped a model in DDP, else FSDP ranks; ``None``
+            for one GPU.
     """
 
     recording: TraceRecording
@@ -132,6 +136,7 @@ class ScriptRun:
     steps_recorded: int
     saves_skipped: int = 0
     notes: tuple[str, ...] = field(default=())
+    layout: ParallelLayout | None = None
 
     @property
     def description(self) -> str:
@@ -515,7 +520,11 @@ def record_script(
     watch.report(watch.entries, ended=True)
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
-    return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes))
+    layout = None
+    if world is not None and world_size is not None:
+        wrapped = world.ddp.wrapped
+        layout = ParallelLayout(dp=world_size) if wrapped else ParallelLayout(fsdp=world_size)
+    return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes), layout)
 
 
 def _allocated(tracer: Tracer) -> bool:
