@@ -431,3 +431,23 @@ def test_nanogpt_under_torchrun_is_a_ddp_replica(nanogpt, monkeypatch):
     by = scripted.prediction.peak_allocated_at.by_category_bytes
     assert by["ddp_bucket"] > 0 and by["parameter"] >= by["ddp_bucket"]
     assert scripted.prediction.description.endswith(", rank 0 of 2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--world-size", "4", "--rank", "1"], "is recorded as rank 0"),
+        (["--world-size", "4", "--all-ranks"], "is recorded as rank 0"),
+        (["--fsdp", "4"], "a whole script shards itself: give the ranks torchrun starts it on"),
+        (["--dp", "2"], "a whole script shards itself: give the ranks torchrun starts it on"),
+    ],
+)
+def test_a_script_takes_its_ranks_as_world_size_only(tmp_path, capsys, flags, said):
+    """A script's layout is its own: --fsdp/--dp and another rank are refused (exit 2, one
+    line), before anything runs."""
+    from oomkit.interfaces.cli import main
+
+    _write(tmp_path, "ddp.py", TORCHRUN_SCRIPT)
+    assert main(["predict", str(tmp_path / "ddp.py"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and "recording" not in err

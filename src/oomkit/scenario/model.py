@@ -119,8 +119,14 @@ class Scenario(_Section):
         model, job = data.get("model"), data.get("torchtitan")
         if not isinstance(model, Mapping) or model.get("script") is None:
             return data
-        if not isinstance(job, Mapping) or set(job) != {"world_size"}:
+        if not isinstance(job, Mapping) or "job" in job or "world_size" not in job:
             return data
+        if set(job) != {"world_size"}:  # --rank R / --all-ranks, moved here by _one_rank_flag
+            raise ValueError(
+                "--rank and --all-ranks choose a rank of a --torchtitan job or of --fsdp/--tp/"
+                "--pp; a torchrun script (--world-size N) is recorded as rank 0, which under "
+                "DDP or FSDP2 holds what every rank holds: drop them"
+            )
         moved = {**model, "script_world_size": job["world_size"]}
         return {**{k: v for k, v in data.items() if k != "torchtitan"}, "model": moved}
 
@@ -199,6 +205,12 @@ class Scenario(_Section):
             raise ValueError(
                 "--fsdp, --tp and --dp shard a preset or a file.py:function that takes `mesh`; "
                 "--hf models are not sharded by oomkit yet"
+            )
+        if parallel and kind == "script":
+            raise ValueError(
+                "--fsdp, --tp and --dp lay out a preset or a file.py:function step; a whole "
+                "script shards itself: give the ranks torchrun starts it on, --world-size N "
+                f"(`oomkit predict {self.model.script} --world-size 8 -- ARGS`)"
             )
         if parallel and self.parallel is not None and self.parallel.tp is not None:
             if kind in ("function", "script"):
