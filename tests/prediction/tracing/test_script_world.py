@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
 from oomkit.core.target import Target
@@ -121,3 +122,64 @@ def test_host_work_is_real_and_cuda_work_fake():
     # Two device requests: the randn's 4 floats and the copy of the 4 int64 ids.
     events = world.recorded().events
     assert [e.size for e in events if e.action == "alloc"] == [16, 32]
+
+
+UNUSED_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(local_rank)
+model = DDP(model, device_ids=[local_rank], find_unused_parameters=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = model(torch.randn(8, 64, device="cuda")).sum()
+    loss.backward()
+    if torch.isnan(loss) or torch.isinf(loss):
+        raise SystemExit("a nan loss")
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_find_unused_parameters_and_a_nan_check_run(tmp_path):
+    """DDP(find_unused_parameters=True), the HF Trainer's default: the reducer's host read of
+    its used map answers 'used' (fake_ddp.py fill 4), so each parameter's gradient is copied
+    out of the bucket; the script's own isnan/isinf test of the loss answers 'finite'."""
+    run = _record(tmp_path, UNUSED_SCRIPT, world_size=2)
+    assert run.steps_recorded == 3
+    p = predict_recording(run.recording, target=H100)
+    # One bucket of both layers' gradients, flat (33,280 bytes, a multiple of 512); the
+    # parameters are four blocks, each bias's 256 bytes rounded up to 512.
+    by = p.peak_allocated_at.by_category_bytes
+    assert by["ddp_bucket"] == 2 * (64 * 64 + 64) * 4
+    assert by["parameter"] == 2 * (64 * 64 * 4 + 512)
+    assert "torch.isnan x3" in p.assumptions["finite values"]
+
+
+HF_TRAINER = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128,
+                                   n_positions=64))
+data = [{"input_ids": torch.randint(0, 128, (32,)), "labels": torch.randint(0, 128, (32,))}
+        for _ in range(64)]
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=5,
+                         report_to=[], save_strategy="no", logging_steps=1)
+Trainer(model=model, args=args, train_dataset=data).train()
+"""
+
+
+def test_the_hf_trainer_under_torchrun_wraps_ddp(tmp_path):
+    """transformers' Trainer with torchrun's environment wraps the model in DDP (through
+    accelerate, find_unused_parameters on): rank 0 of 2 records its steps with DDP's bucket."""
+    pytest.importorskip("transformers")
+    run = _record(tmp_path, HF_TRAINER, world_size=2)
+    assert run.steps_recorded == 3
+    assert run.layout is not None and run.layout.dp == 2
+    p = predict_recording(run.recording, target=H100)
+    assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] > 0

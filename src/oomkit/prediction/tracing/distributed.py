@@ -384,8 +384,12 @@ class FakeWorld:
         base = {**base, **HOST_TENSOR_EMULATIONS, **COLLECTIVE_EMULATIONS,
                 **self.async_tp.emulations}
         self.uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
+        self.ddp = FakeDdp()
+        # The reducer's host read of its used map (find_unused_parameters: fake_ddp.py).
+        base["aten._local_scalar_dense.default"] = self.ddp.used_map_read
         self.tracer = Tracer(emulations={**base, **self.uses.emulations(base)}, gpu=gpu,
                              compile=compile, target=target, values=values)
+        self.ddp.tag = self.tracer.add_role
         self.uses.attach(self.tracer)
         self.streams = EmulatedStreams()
         self.tracer.current_stream = self.streams.current
@@ -394,7 +398,6 @@ class FakeWorld:
         self.group = fake_process_group(
             world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names
         )
-        self.ddp = FakeDdp(self.tracer.add_role)
         self.host_inputs = host_inputs
 
     @contextlib.contextmanager

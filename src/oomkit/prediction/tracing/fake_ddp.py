@@ -28,6 +28,13 @@ device allocations they make on CUDA:
    device copies it broadcasts are made as fake tensors of the same size and freed before the
    new buckets are allocated (``initialize_buckets``), as they go out of scope on CUDA.
 
+4. With ``find_unused_parameters=True`` (the HF Trainer's default for a model without
+   gradient checkpointing), the reducer reads each parameter's entry of its all-reduced "used"
+   map back on the host as it finalizes a bucket (reducer.cpp ``finalize_bucket_dense``:
+   ``local_used_map_[variable_index].item<int>()``), a value the fake group does not give.
+   :meth:`FakeDdp.used_map_read` answers 1, used: a parameter unused on every rank keeps no
+   gradient on a GPU, so counting its gradient is an upper bound.
+
 The gradient buckets themselves are C++ ``at::empty`` calls (reducer.cpp ``initialize_buckets``:
 one flat tensor per bucket, of the bucket's dtype and total numel), made through the dispatcher,
 so the tracer records them as it records any fake tensor; the hook tags them ``ddp_bucket``.
@@ -138,8 +145,24 @@ class FakeDdp:
     """
 
     def __init__(self, tag: Callable[[Any, Any], None] | None = None) -> None:
-        self._tag = tag
+        self.tag = tag  # set before the first DDP is made
         self.wrapped: list[Any] = []  # the DDP modules made while installed
+
+    def used_map_read(self, ctx: Any) -> Any:
+        """``aten._local_scalar_dense`` emulation: the reducer's read of its used map (fill 4 of
+        the module doc) answers 1; any other read runs as it is. A Python ``.item()`` never
+        reaches it (``value_reads`` answers those first): this is C++ reading during backward."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        tensor = ctx.args[0] if ctx.args else None
+        if (
+            isinstance(tensor, FakeTensor)
+            and tensor.dtype == torch.int32
+            and tensor.dim() == 0
+            and any(getattr(ddp, "find_unused_parameters", False) for ddp in self.wrapped)
+        ):
+            return 1
+        return ctx.run()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -154,7 +177,7 @@ class FakeDdp:
         def init(module: Any, *args: Any, **kwargs: Any) -> None:
             original_init(module, *args, **kwargs)
             module.register_comm_hook(
-                _HookState(module.process_group, fake._tag), in_place_allreduce_hook
+                _HookState(module.process_group, fake.tag), in_place_allreduce_hook
             )
             fake.wrapped.append(module)
 

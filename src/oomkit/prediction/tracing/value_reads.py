@@ -25,6 +25,7 @@ Every read is recorded by site (:class:`ReadRecord`) for the prediction's assump
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
 from oomkit.errors import ConfigError
@@ -50,7 +51,12 @@ from oomkit.prediction.tracing.stand_ins import (
     refuse_unknown,
     stack_frames,
 )
-from oomkit.prediction.tracing.values import KnownValues, known_value, remember_value
+from oomkit.prediction.tracing.values import (
+    KnownValue,
+    KnownValues,
+    known_value,
+    remember_value,
+)
 
 __all__ = [
     "ReadRecord",
@@ -146,6 +152,9 @@ class ValueReads(TorchFunctionMode):
         self.assumed_finite: Counter[str] = Counter()
         # transformers' generate asked whether its sequences had all ended: "not yet".
         self.generation_goes_on = 0
+        # Answered finiteness tests of fake tensors (meta ones are values.py's), by id: a
+        # tensor's == is elementwise, so it cannot be a dict key.
+        self._fake_values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
     def __torch_function__(
         self,
@@ -177,11 +186,11 @@ class ValueReads(TorchFunctionMode):
         stated = self._stated(frames)
         if stated is not None and func is not torch.equal:
             return self._record(site, kind, "stated", _convert(func, args, kwargs, stated), ())
-        known = [known_value(t) for t in tensors]
+        known = [self._known(t) for t in tensors]
         if all(k is not None for k in known):
             values = [k.tensor for k in known if k is not None]
             origins = frozenset().union(*(k.origins for k in known if k is not None))
-            with torch._C.DisableTorchFunction():
+            with torch._C.DisableTorchFunction(), unset_fake_temporarily():  # real values
                 result = func(*values, *args[len(values) :], **kwargs)
             return self._record(site, kind, "answered", result, origins)
         answer = _generation_answer(func, tensors[0], frames)
@@ -214,16 +223,28 @@ class ValueReads(TorchFunctionMode):
         tensor = args[0] if args else None
         if (
             isinstance(result, torch.Tensor)
-            and result.is_meta
+            and _valueless(result)
             and isinstance(tensor, torch.Tensor)
-            and known_value(tensor) is None
+            and self._known(tensor) is None
         ):
             name = f"torch.{func.__name__}"
             self.assumed_finite[name] += 1
-            with torch._C.DisableTorchFunction():
+            with torch._C.DisableTorchFunction(), unset_fake_temporarily():  # a real CPU value
                 value = torch.full(result.shape, _FINITE_ANSWERS[func], dtype=result.dtype)
-            remember_value(result, value, "assumed finite")
+            if result.is_meta:
+                remember_value(result, value, "assumed finite")
+            else:  # a fake tensor (a distributed recording's): kept here, by the tensor
+                self._fake_values[id(result)] = (weakref.ref(result), value)
         return result
+
+    def _known(self, tensor: torch.Tensor) -> KnownValue | None:
+        """``known_value``, or a fake tensor's answered finiteness test (``_finiteness``)."""
+        known = known_value(tensor)
+        if known is None and isinstance(tensor, FakeTensor):
+            ref, value = self._fake_values.get(id(tensor), (None, None))
+            if ref is not None and ref() is tensor and value is not None:
+                return KnownValue(value, frozenset({"assumed finite"}))
+        return known
 
     def _stated(self, frames: list[Any]) -> float | None:
         if not self.stated:
