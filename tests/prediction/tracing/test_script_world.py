@@ -183,3 +183,38 @@ def test_the_hf_trainer_under_torchrun_wraps_ddp(tmp_path):
     assert run.layout is not None and run.layout.dp == 2
     p = predict_recording(run.recording, target=H100)
     assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] > 0
+
+
+LIGHTNING_DDP = """
+import torch
+import lightning as L
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(256, 512)
+
+    def training_step(self, batch, idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+data = torch.utils.data.TensorDataset(torch.randn(512, 256))
+trainer = L.Trainer(accelerator="gpu", devices=4, strategy="ddp", max_steps=5, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=32))
+"""
+
+
+def test_lightning_ddp_on_four_devices_runs_as_rank_0(tmp_path):
+    """Trainer(devices=4, strategy="ddp") under torchrun's environment: it sees the node's 4
+    GPUs (torch.cuda.device_count), launches nothing, and wraps DDP itself."""
+    pytest.importorskip("lightning")
+    run = _record(tmp_path, LIGHTNING_DDP, world_size=4)
+    assert run.steps_recorded == 3
+    assert run.layout is not None and run.layout.dp == 4
+    p = predict_recording(run.recording, target=H100)
+    assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] == (256 * 512 + 512) * 4

@@ -33,6 +33,8 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
   device ids are dropped; on one device DDP needs none (torch/nn/parallel/distributed.py
   ``__init__``: "For single-device modules, ``device_ids`` can contain exactly one device id
   ... or ``None``"), and a module on the fake device must have none.
+- ``torch.cuda.device_count()`` is the node's GPUs, as each torchrun worker sees them (the
+  ranks up to ``GPUS_PER_NODE``): Lightning's ``Trainer(devices=4)`` checks it.
 - ``model.to(local_rank)``: a bare index is CUDA's, as for a tensor (``cuda_device.is_cuda``).
   ``Module.to`` parses it with ``torch._C._nn._parse_to``, which asks the current accelerator
   for an index alone; the CPU build has none, so the index is named ``cuda:N`` first.
@@ -81,6 +83,7 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
         stack.enter_context(_cuda_meshes_on_the_fake_device())
         stack.enter_context(_ddp_device_ids_dropped())
         stack.enter_context(_module_to_index_is_cuda())
+        stack.enter_context(_node_devices(min(world_size, GPUS_PER_NODE)))
         yield
 
 
@@ -212,3 +215,21 @@ def _as_cuda(device: Any) -> Any:
     if isinstance(device, int) and not isinstance(device, bool):
         return f"cuda:{device}"
     return device
+
+
+# GPUs a node holds, as NCCL's default layout assumes (core/gpus/nccl.py: 8 per node, the
+# HGX/DGX boards): a job of more ranks spans nodes of 8.
+GPUS_PER_NODE = 8
+
+
+@contextlib.contextmanager
+def _node_devices(count: int) -> Iterator[None]:
+    """``torch.cuda.device_count()`` answers ``count`` (inside ``as_one_cuda_gpu``)."""
+    import torch
+
+    original = torch.cuda.device_count
+    torch.cuda.device_count = lambda: count
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = original
