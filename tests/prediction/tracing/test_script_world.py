@@ -218,3 +218,20 @@ def test_lightning_ddp_on_four_devices_runs_as_rank_0(tmp_path):
     assert run.layout is not None and run.layout.dp == 4
     p = predict_recording(run.recording, target=H100)
     assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] == (256 * 512 + 512) * 4
+
+
+def test_fsdp1_is_refused_naming_its_line(tmp_path):
+    """FullyShardedDataParallel (FSDP1) is not run on the fake group: refused at its line, the
+    message naming FSDP2's fully_shard."""
+    from oomkit.errors import UserCodeError
+
+    source = """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    dist.init_process_group("nccl")
+    model = FSDP(torch.nn.Linear(8, 8), device_id=0)
+    """
+    with pytest.raises(UserCodeError, match=r"train\.py:7 wraps a model in Fully.*fully_shard"):
+        _record(tmp_path, source, world_size=2)

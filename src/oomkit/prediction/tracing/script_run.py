@@ -359,6 +359,24 @@ def _distributed_refused(where: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fsdp1_refused(where: str) -> Iterator[None]:
+    """``FullyShardedDataParallel(...)`` (FSDP1) raises, naming the line: on the fake group its
+    checks find no accelerator (fully_sharded_data_parallel.py ``_init_device_handle``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise UserCodeError(
+            f"{where}: {_user_line()} wraps a model in FullyShardedDataParallel (FSDP1), which "
+            "oomkit does not run on its fake process group; FSDP2's fully_shard(model) runs as "
+            "written (torch.distributed.fsdp.fully_shard), or predict one rank of a preset or "
+            "a builder with --fsdp N"
+        )
+
+    with _patched(FullyShardedDataParallel, "__init__", refused):
+        yield
+
+
+@contextlib.contextmanager
 def _saves_skipped(counter: list[int]) -> Iterator[None]:
     """``torch.save`` writes nothing while the script runs; each call is counted."""
 
@@ -463,6 +481,7 @@ def record_script(
                 stack.enter_context(world.opened())
                 stack.enter_context(world.recording())
                 stack.enter_context(HostComputeReal(world.fake_mode))  # host work: real
+                stack.enter_context(_fsdp1_refused(where))
                 stack.enter_context(watch)
             else:
                 stack.enter_context(tracer)
