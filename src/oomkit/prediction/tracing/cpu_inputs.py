@@ -12,7 +12,7 @@ on the traced device (meta) and which is given a CPU tensor of more than one ele
 torch.cuda.is_available() else "cpu"`` evaluated where CUDA looked absent (the file was imported
 before oomkit emulated the GPU): the message names that line when the caller's globals hold such
 a choice. Modules with their own forward pre-hooks (accelerate's ``AlignDevicesHook`` moves
-inputs itself) are left alone.
+inputs itself) and ``DataParallel`` (its scatter copies them to its device) are left alone.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from oomkit.errors import UserCodeError
 from oomkit.prediction.tracing.stand_ins import is_hidden_file, is_library_file, shown_path
 
 __all__ = ["cpu_inputs_refused"]
+
+# Modules whose forward moves CPU inputs to the GPU itself (data_parallel.py ``forward``).
+_MOVE_INPUTS = (torch.nn.DataParallel,)
 
 
 def _user_frames() -> Iterator[Any]:
@@ -117,7 +120,7 @@ class _Refusal:
         if torch.compiler.is_compiling():
             return
         self.depth += 1
-        if self.depth > 1 or module._forward_pre_hooks:
+        if self.depth > 1 or module._forward_pre_hooks or isinstance(module, _MOVE_INPUTS):
             return
         params = list(module.parameters())
         if not params or any(p.device.type != "meta" for p in params):

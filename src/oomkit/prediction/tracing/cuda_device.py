@@ -66,7 +66,8 @@ from oomkit.errors import ConfigError
 from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
-from oomkit.prediction.tracing.cuda_streams import user_streams
+from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
+from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.values import remember_value
@@ -90,12 +91,14 @@ _BF16_MIN_CAPABILITY = (8, 0)
 
 @dataclass(frozen=True)
 class _DeviceProperties:
-    """What ``torch.cuda.get_device_properties`` reports that frameworks read."""
+    """What ``torch.cuda.get_device_properties`` reports that frameworks read (DataParallel
+    compares ``multi_processor_count``: ``GpuSpec.kernel_multiprocessor_count``)."""
 
     name: str
     total_memory: int
     major: int
     minor: int
+    multi_processor_count: int
 
 
 def is_cuda(device: Any) -> bool:
@@ -294,30 +297,6 @@ class _NoDeviceSwitch:
         return None
 
 
-class _TimingEvent:
-    """``torch.cuda.Event``: a script's timing reads 0 ms (nothing runs on a device), and its
-    synchronisation returns at once."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False) -> None:
-        self.enable_timing = enable_timing
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def elapsed_time(self, end_event: Any) -> float:
-        return 0.0
-
-
 # The open recorders' memory, innermost last (torch.cuda.memory_allocated() reads the last).
 _memories: list[StepMemory] = []
 
@@ -388,7 +367,8 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
     ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so."""
     major, minor = gpu.compute_capability or (9, 0)
-    properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor)
+    sms = gpu.kernel_multiprocessor_count
+    properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor, sms)
     answers: dict[str, Any] = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -416,7 +396,7 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
         "mem_get_info": lambda device=None: _free_and_total(gpu),
         "device": _NoDeviceSwitch,
         "device_of": _NoDeviceSwitch,
-        "Event": _TimingEvent,
+        "Event": TimingEvent,
         "memory_summary": lambda device=None, abbreviated=False: (
             "memory is measured by oomkit's recorder, not by the code it runs"
         ),
@@ -593,8 +573,10 @@ def as_one_cuda_gpu(
             _cuda_default_reads_cuda(),
             restoring_on(device),
             user_streams(),
+            data_parallel_on_one_gpu(),
             _CudaOnMeta(device),
         ):
             yield
     finally:
         _open_gpus.pop()
+
