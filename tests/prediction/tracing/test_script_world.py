@@ -235,3 +235,55 @@ def test_fsdp1_is_refused_naming_its_line(tmp_path):
     """
     with pytest.raises(UserCodeError, match=r"train\.py:7 wraps a model in Fully.*fully_shard"):
         _record(tmp_path, source, world_size=2)
+
+
+ACCELERATE = """
+import torch
+from accelerate import Accelerator
+
+accelerator = Accelerator(mixed_precision="bf16")
+model = torch.nn.Linear(256, 512)
+opt = torch.optim.AdamW(model.parameters())
+loader = torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(torch.randn(512, 256)), batch_size=16, shuffle=True
+)
+model, opt, loader = accelerator.prepare(model, opt, loader)
+for (x,) in loader:
+    accelerator.backward(model(x).float().pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_accelerate_multi_gpu_syncs_its_rng_and_wraps_ddp(tmp_path):
+    """accelerate under torchrun's environment: its data loader broadcasts the sampler's RNG
+    state from rank 0 and sets it back (a device copy brought back unchanged is the host
+    state again), and prepare() wraps DDP: rank 0 of 4 holds the bucket."""
+    pytest.importorskip("accelerate")
+    run = _record(tmp_path, ACCELERATE, world_size=4)
+    assert run.steps_recorded == 3
+    assert run.layout is not None and run.layout.dp == 4
+    p = predict_recording(run.recording, target=H100)
+    assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] == (256 * 512 + 512) * 4
+
+
+def test_a_device_copy_comes_back_with_its_values_only_while_unchanged():
+    """real.to("cuda") then .cpu(): the host values; after a broadcast from rank 0, still; after
+    an in-place change on the device, a fake tensor (its values are not known)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from oomkit.prediction.tracing.distributed import FakeWorld
+    from oomkit.prediction.tracing.host_compute import HostComputeReal
+
+    world = FakeWorld(2, target=H100, host_inputs=True)
+    with world.opened(), world.recording():
+        host = HostComputeReal(world.fake_mode)
+        with host, host.broadcasts_kept():
+            state = torch.arange(6, dtype=torch.uint8)
+            copy = state.to("cuda")
+            dist.broadcast(copy, 0)
+            back = copy.cpu()
+            assert not isinstance(back, FakeTensor) and back.tolist() == [0, 1, 2, 3, 4, 5]
+            copy.add_(1)
+            assert isinstance(copy.cpu(), FakeTensor)

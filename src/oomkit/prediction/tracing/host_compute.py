@@ -14,16 +14,22 @@ arguments, and no CUDA named (``device="cuda"``, ``.to(local_rank)``, ``.cuda()`
 device). Its tensors are then real CPU tensors, with values, and not device memory (the
 recorder records only what stands for CUDA: ``fake_storages.stands_for_cuda``). Moving one to
 CUDA (``.to("cuda")``, ``.cuda()``) is a host-to-device copy of its fake twin
-(``FakeTensorMode.from_tensor``, marked host: ``cuda_device._host_copied``); mixing it with
+(``FakeTensorMode.from_tensor``, marked host: ``cuda_device._host_copied``). Brought back
+(``.cpu()``) while provably unchanged (its version counter as at the copy, or moved on only by
+a broadcast from the recorded rank, which leaves it as it was: accelerate broadcasts its RNG
+state so), the copy is the host tensor's values again; otherwise it stays fake. Mixing it with
 device tensors goes the usual way: the fake mode takes it as an input
 (``FakeTensorMode(allow_non_fake_inputs=True)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,6 +59,9 @@ class HostComputeReal(TorchFunctionMode):
     def __init__(self, fake_mode: FakeTensorMode) -> None:
         super().__init__()
         self._fake_mode = fake_mode
+        # A device copy of a host tensor, by id: (the copy, the host tensor, the copy's version
+        # while it still holds the host tensor's values).
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
 
     def __torch_function__(
         self,
@@ -69,13 +78,63 @@ class HostComputeReal(TorchFunctionMode):
                 return func(*args, **kwargs)
         if func in _MOVES and args and _real_host_tensor(args[0]):
             # To CUDA: its fake twin, host memory, which the move copies onto the device.
-            twin = self._fake_mode.from_tensor(args[0])
+            host = args[0]
+            twin = self._fake_mode.from_tensor(host)
             mark_host(twin)
-            args = (twin, *args[1:])
+            out = func(twin, *args[1:], **kwargs)
+            if isinstance(out, FakeTensor) and out is not twin:
+                self._copies[id(out)] = (weakref.ref(out), host, out._version)
+            return out
+        if func in _BACK_TO_HOST and args and isinstance(args[0], FakeTensor):
+            host = self._unchanged_host(args[0])
+            if host is not None and _to_host(func, args, kwargs):
+                with unset_fake_temporarily():
+                    return host.clone()
         return func(*args, **kwargs)
+
+    def _unchanged_host(self, copy: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor ``copy`` was made from, while it holds the same values."""
+        ref, host, version = self._copies.get(id(copy), (None, None, -1))
+        if ref is None or ref() is not copy or copy._version != version:
+            return None
+        return host
+
+    @contextlib.contextmanager
+    def broadcasts_kept(self) -> Iterator[None]:
+        """``torch.distributed.broadcast(t, src)`` from the recorded rank leaves ``t``'s
+        values as they were: a device copy of a host tensor still holds them after it."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.broadcast
+
+        def broadcast(tensor: torch.Tensor, src: int | None = None, *args: Any,
+                      **kwargs: Any) -> Any:
+            work = original(tensor, src, *args, **kwargs)
+            ref, host, _ = self._copies.get(id(tensor), (None, None, -1))
+            if ref is not None and ref() is tensor and src == dist.get_rank() and host is not None:
+                self._copies[id(tensor)] = (ref, host, tensor._version)
+            return work
+
+        with contextlib.ExitStack() as stack:
+            for module in (dist, c10d):
+                stack.callback(setattr, module, "broadcast", module.broadcast)
+                module.broadcast = broadcast  # type: ignore[assignment]
+            yield
 
 
 _MOVES = (torch.Tensor.to, torch.Tensor.cuda)
+_BACK_TO_HOST = (torch.Tensor.cpu, torch.Tensor.to)
+
+
+def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call is ``.cpu()`` or ``.to("cpu")`` (a plain move, no cast)."""
+    if func is torch.Tensor.cpu:
+        return not kwargs
+    device = args[1] if len(args) == 2 and not kwargs else kwargs.get("device")
+    if len(args) > 2 or set(kwargs) - {"device", "non_blocking"}:
+        return False
+    return isinstance(device, torch.device | str) and torch.device(device).type == "cpu"
 
 # torch's parallel code (FSDP2, DDP, DTensor, collectives) names the fake group's device, "cpu",
 # for what is CUDA memory on a GPU (its all-gather outputs, its shards): its calls stay fake.

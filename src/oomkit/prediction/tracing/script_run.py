@@ -480,7 +480,8 @@ def record_script(
 
                 stack.enter_context(world.opened())
                 stack.enter_context(world.recording())
-                stack.enter_context(HostComputeReal(world.fake_mode))  # host work: real
+                host = stack.enter_context(HostComputeReal(world.fake_mode))  # host work: real
+                stack.enter_context(host.broadcasts_kept())
                 stack.enter_context(_fsdp1_refused(where))
                 stack.enter_context(watch)
             else:
