@@ -118,8 +118,9 @@ class HostComputeReal(TorchFunctionMode):
 
         with contextlib.ExitStack() as stack:
             for module in (dist, c10d):
-                stack.callback(setattr, module, "broadcast", module.broadcast)
-                module.broadcast = broadcast  # type: ignore[assignment]
+                # By name: torch.distributed defines broadcast only in builds with distributed.
+                stack.callback(setattr, module, "broadcast", getattr(module, "broadcast"))  # noqa: B009
+                setattr(module, "broadcast", broadcast)  # noqa: B010
             yield
 
 
