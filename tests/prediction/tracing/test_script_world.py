@@ -287,3 +287,20 @@ def test_a_device_copy_comes_back_with_its_values_only_while_unchanged():
             assert not isinstance(back, FakeTensor) and back.tolist() == [0, 1, 2, 3, 4, 5]
             copy.add_(1)
             assert isinstance(copy.cpu(), FakeTensor)
+
+
+def test_a_freed_device_copy_keeps_no_host_tensor():
+    """Each batch moved to the GPU is remembered with its host tensor only while the copy
+    lives: a loop of 50 moves keeps none of them after."""
+    from oomkit.prediction.tracing.distributed import FakeWorld
+    from oomkit.prediction.tracing.host_compute import HostComputeReal
+
+    world = FakeWorld(2, target=H100, host_inputs=True)
+    with world.opened(), world.recording():
+        host = HostComputeReal(world.fake_mode)
+        with host:
+            for _ in range(50):
+                batch = torch.randn(16, 16).to("cuda")
+            assert len(host._copies) == 1  # the last batch, still referenced
+            del batch
+            assert host._copies == {}

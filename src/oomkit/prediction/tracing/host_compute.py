@@ -83,7 +83,7 @@ class HostComputeReal(TorchFunctionMode):
             mark_host(twin)
             out = func(twin, *args[1:], **kwargs)
             if isinstance(out, FakeTensor) and out is not twin:
-                self._copies[id(out)] = (weakref.ref(out), host, out._version)
+                self._copies[id(out)] = (weakref.ref(out, self._forget), host, out._version)
             return out
         if func in _BACK_TO_HOST and args and isinstance(args[0], FakeTensor):
             host = self._unchanged_host(args[0])
@@ -91,6 +91,12 @@ class HostComputeReal(TorchFunctionMode):
                 with unset_fake_temporarily():
                     return host.clone()
         return func(*args, **kwargs)
+
+    def _forget(self, dead: weakref.ref[torch.Tensor]) -> None:
+        """A device copy was freed: its host tensor is not kept for it any longer."""
+        for key, (ref, _, _) in list(self._copies.items()):
+            if ref is dead:
+                del self._copies[key]
 
     def _unchanged_host(self, copy: torch.Tensor) -> torch.Tensor | None:
         """The host tensor ``copy`` was made from, while it holds the same values."""
@@ -136,6 +142,7 @@ def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if len(args) > 2 or set(kwargs) - {"device", "non_blocking"}:
         return False
     return isinstance(device, torch.device | str) and torch.device(device).type == "cpu"
+
 
 # torch's parallel code (FSDP2, DDP, DTensor, collectives) names the fake group's device, "cpu",
 # for what is CUDA memory on a GPU (its all-gather outputs, its shards): its calls stay fake.
