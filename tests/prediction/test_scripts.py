@@ -402,6 +402,9 @@ def test_a_torchrun_script_with_world_size_is_rank_0_of_that_many(tmp_path, caps
     script = str(tmp_path / "ddp.py")
     assert main(["predict", script, "--world-size", "4", "--dump-config"]) == 0
     assert "script_world_size = 4" in capsys.readouterr().out
+    assert main(["predict", script, "--world-size", "4", "--gpu", "rtx4090"]) == 0
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps the line
+    assert f"recording torchrun --nproc-per-node=4 {script} as rank 0, on a fake process" in said
     assert main(["predict", script, "--world-size", "4", "--gpu", "rtx4090", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["description"] == f"{script}, rank 0 of 4"

@@ -113,12 +113,15 @@ def _record_step(args: argparse.Namespace, scenario: Any, key: str | None) -> in
             layout = run.layout_words()
             from oomkit.scenario.ranks import rank_words
 
-            where = (
-                f"{rank_words(scenario)} of {run.target.parallel.world_size} ({layout}) on a "
-                "fake process group"
-                if layout is not None and run.target.parallel is not None
-                else f"{run.description} on the meta device"
-            )
+            if layout is not None and run.target.parallel is not None:
+                where = (
+                    f"{rank_words(scenario)} of {run.target.parallel.world_size} ({layout}) on a "
+                    "fake process group"
+                )
+            elif scenario.model.script_world_size is not None:  # a torchrun script
+                where = f"{run.description} as rank 0, on a fake process group"
+            else:
+                where = f"{run.description} on the meta device"
             stderr_console().print(f"recording {where} ...", markup=False, highlight=False)
         enabled = progress_enabled(args, sys.stderr) and run.target.parallel is None
         with step_progress(enabled, run.steps, run.new_tokens) as progress:
