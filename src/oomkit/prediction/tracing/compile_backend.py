@@ -320,6 +320,9 @@ class InductorStandIn:
         graphs: compiled graphs by kind (and, once recorded, dynamo's graph breaks:
             ``compiled.GRAPH_BREAKS``).
         failed: captured graphs recorded eagerly instead, by the error that stopped them.
+        cuda_graphs: captured graphs compiled with CUDA graphs asked for (``triton.cudagraphs``:
+            ``mode="reduce-overhead"`` or ``"max-autotune"``, torch/_inductor/__init__.py
+            ``list_mode_options``), which are not modelled (``warnings``).
     """
 
     def __init__(self, engine: CudaEmulationEngine) -> None:
@@ -327,13 +330,34 @@ class InductorStandIn:
         self.plans: list[tuple[str, BufferPlan]] = []
         self.graphs: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
+        self.cuda_graphs = 0
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **_options: Any) -> Any:
+    def warnings(self) -> list[str]:
+        """What the recording of the compiled code leaves out: graphs recorded eagerly, and
+        CUDA graphs asked for."""
+        out = [
+            f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) and "
+            "were recorded eagerly"
+            for why, n in sorted(self.failed.items())
+        ]
+        if self.cuda_graphs:
+            out.append(
+                f"torch.compile: {self.cuda_graphs} captured graph(s) asked for CUDA graphs "
+                "(mode='reduce-overhead' or 'max-autotune'), recorded as plain compiled code: "
+                "CUDA graph trees keep each graph's memory in a private pool between runs "
+                "(torch/_inductor/cudagraph_trees.py), which is not modelled, so a real run "
+                "reserves more than this figure; mode='default' is what it predicts"
+            )
+        return out
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **options: Any) -> Any:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.decomposition import select_decomp_table
 
         _fused_sdpa_in(gm, self._engine)
+        if (options.get("config_patches") or {}).get("triton.cudagraphs"):
+            self.cuda_graphs += 1
         backend = aot_autograd(
             fw_compiler=self._compiler("forward"),
             bw_compiler=self._compiler("backward"),

@@ -521,11 +521,7 @@ class Tracer:
         if self._stand_in is not None:
             if self._stand_in.graphs:  # a script is recorded ready to compile, and may not
                 assumptions.update(compile_assumptions(self._stand_in.graphs))
-            warnings += [
-                f"torch.compile: {n} captured graph(s) could not be compiled GPU-free ({why}) "
-                "and were recorded eagerly"
-                for why, n in sorted(self._stand_in.failed.items())
-            ]
+            warnings += self._stand_in.warnings()
         choices = dict(sorted(self._engine.kernel_choices.items()))
         return build_recording(self._log, self._module_tag, warnings=tuple(warnings),
                                kernel_choices=choices, assumptions=assumptions, sites=self._engine.sites)
