@@ -22,7 +22,9 @@ What differs from a plain run, while it runs (all undone after):
   (a checkpoint holds no GPU memory; meta tensors have no values to save); each call is noted.
 - ``torch.compile`` in the script is recorded as compiled (``Tracer(compile=True)``).
 - torchrun-style code (``torch.distributed.init_process_group``, ``DistributedDataParallel``) is
-  refused: one process of a distributed run is predicted by the ``--fsdp`` / ``--dp`` routes.
+  refused, unless ``world_size`` is given: then the script runs as rank 0 of a fake process
+  group of that many (``distributed.FakeWorld``, as a builder's ``--fsdp`` step does), under
+  torchrun's environment, its host work real (``host_compute.py``); FSDP1 is refused there.
 - accelerate's process-wide state starts empty, as in a new process (``fresh_accelerate_state``).
 
 Where it may differ: the model is built where the script builds it (on the CPU, for real, before
@@ -431,8 +433,8 @@ def record_script(
             argument is not a string.
         UserCodeError: the file is missing; the script raised, exited (``sys.exit`` with a
             non-zero code, or any exit before its first optimizer step), ended without an
-            optimizer step, or runs torchrun-style distributed code. The message names the
-            script's line.
+            optimizer step, or runs torchrun-style distributed code without ``world_size``
+            (or FSDP1 with it). The message names the script's line.
         UnsupportedOpError: an op of the script cannot run on the meta device; the message
             names the script's line.
         DataDependentValueError: a tensor value oomkit cannot know is used as a size, a loop
