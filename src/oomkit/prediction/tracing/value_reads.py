@@ -234,8 +234,14 @@ class ValueReads(TorchFunctionMode):
             if result.is_meta:
                 remember_value(result, value, "assumed finite")
             else:  # a fake tensor (a distributed recording's): kept here, by the tensor
-                self._fake_values[id(result)] = (weakref.ref(result), value)
+                self._fake_values[id(result)] = (weakref.ref(result, self._forget), value)
         return result
+
+    def _forget(self, dead: weakref.ref[torch.Tensor]) -> None:
+        """A fake tensor with an answered test was freed: its answer goes with it."""
+        for key, (ref, _) in list(self._fake_values.items()):
+            if ref is dead:
+                del self._fake_values[key]
 
     def _known(self, tensor: torch.Tensor) -> KnownValue | None:
         """``known_value``, or a fake tensor's answered finiteness test (``_finiteness``)."""
@@ -352,22 +358,23 @@ def _valueless(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or (isinstance(tensor, FakeTensor) and tensor.constant is None)
 
 
-def _is_meta_scalar(value: Any) -> bool:
+def _valueless_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and _valueless(value) and value.dim() == 0
 
 
 def _has_tensor_bound(index: Any) -> bool:
-    """Whether a slice in ``index`` (one, or a tuple's) has a 0-dim meta tensor as a bound."""
+    """Whether a slice in ``index`` (one, or a tuple's) has a 0-dim valueless tensor as a
+    bound."""
     if isinstance(index, slice):
-        return any(_is_meta_scalar(b) for b in (index.start, index.stop, index.step))
+        return any(_valueless_scalar(b) for b in (index.start, index.stop, index.step))
     return isinstance(index, tuple) and any(_has_tensor_bound(part) for part in index)
 
 
 def _bounds_read(index: Any, read: Callable[[torch.Tensor], Any]) -> Any:
-    """``index`` with ``read`` of each slice bound that is a 0-dim meta tensor."""
+    """``index`` with ``read`` of each slice bound that is a 0-dim valueless tensor."""
     if isinstance(index, slice):
         bounds = (index.start, index.stop, index.step)
-        return slice(*(read(b) if _is_meta_scalar(b) else b for b in bounds))
+        return slice(*(read(b) if _valueless_scalar(b) else b for b in bounds))
     if isinstance(index, tuple):
         return tuple(_bounds_read(part, read) for part in index)
     return index
