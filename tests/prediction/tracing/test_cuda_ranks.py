@@ -229,14 +229,16 @@ def test_init_process_group_with_another_world_size_exits_2(tmp_path, capsys):
 def test_nccl_lands_on_the_fake_group_and_everything_is_put_back():
     """Inside: init_process_group("nccl") joins the fake group (backend "fake"), the torchrun
     variables are set, CUDA tensors are on the fake device; outside, all as before."""
-    before = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    before = {name: os.environ.get(name) for name in names}
     init, destroy = dist.init_process_group, dist.destroy_process_group
     with fake_process_group(4), FakeTensorMode(), as_cuda_rank(4, gpu=get_gpu("h100-sxm")):
         assert dist.init_process_group("nccl") is None
         dist.destroy_process_group()  # left to the recording
         assert dist.is_initialized() and dist.get_backend() == "fake"
         assert dist.get_world_size() == 4 and dist.get_rank() == 0
-        assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "4")
+        assert [os.environ[name] for name in names] == ["0", "0", "4", "4"]
+        assert torch.cuda.device_count() == 4  # the node's GPUs, as a torchrun worker sees
         assert torch.cuda.get_device_properties(0).name == get_gpu("h100-sxm").name
         made = torch.empty(8, device="cuda:0")
         assert made.device.type == "cpu" and stands_for_cuda(made)

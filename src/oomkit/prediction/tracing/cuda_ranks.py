@@ -89,8 +89,14 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
 
 @contextlib.contextmanager
 def _torchrun_environment(world_size: int, rank: int) -> Iterator[None]:
-    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` as torchrun sets them (rank 0 is local rank 0)."""
-    values = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them
+    (rank 0 is local rank 0; a node holds up to ``GPUS_PER_NODE`` ranks)."""
+    values = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(min(world_size, GPUS_PER_NODE)),
+    }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
