@@ -209,34 +209,6 @@ trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=32))
 """
 
 
-def test_lightning_ddp_on_four_devices_runs_as_rank_0(tmp_path):
-    """Trainer(devices=4, strategy="ddp") under torchrun's environment: it sees the node's 4
-    GPUs (torch.cuda.device_count), launches nothing, and wraps DDP itself."""
-    pytest.importorskip("lightning")
-    run = _record(tmp_path, LIGHTNING_DDP, world_size=4)
-    assert run.steps_recorded == 3
-    assert run.layout is not None and run.layout.dp == 4
-    p = predict_recording(run.recording, target=H100)
-    assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] == (256 * 512 + 512) * 4
-
-
-def test_fsdp1_is_refused_naming_its_line(tmp_path):
-    """FullyShardedDataParallel (FSDP1) is not run on the fake group: refused at its line, the
-    message naming FSDP2's fully_shard."""
-    from oomkit.errors import UserCodeError
-
-    source = """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    dist.init_process_group("nccl")
-    model = FSDP(torch.nn.Linear(8, 8), device_id=0)
-    """
-    with pytest.raises(UserCodeError, match=r"train\.py:7 wraps a model in Fully.*fully_shard"):
-        _record(tmp_path, source, world_size=2)
-
-
 ACCELERATE = """
 import torch
 from accelerate import Accelerator
@@ -255,17 +227,20 @@ for (x,) in loader:
 """
 
 
-def test_accelerate_multi_gpu_syncs_its_rng_and_wraps_ddp(tmp_path):
-    """accelerate under torchrun's environment: its data loader broadcasts the sampler's RNG
-    state from rank 0 and sets it back (a device copy brought back unchanged is the host
-    state again), and prepare() wraps DDP: rank 0 of 4 holds the bucket."""
-    pytest.importorskip("accelerate")
-    run = _record(tmp_path, ACCELERATE, world_size=4)
+@pytest.mark.parametrize(("library", "source"), [("lightning", LIGHTNING_DDP),
+                                                ("accelerate", ACCELERATE)])
+def test_a_framework_s_ddp_under_torchrun_runs_as_rank_0(tmp_path, library, source):
+    """Lightning's Trainer(devices=4, strategy="ddp") sees the node's 4 GPUs
+    (torch.cuda.device_count), launches nothing and wraps DDP itself. accelerate's data loader
+    broadcasts the sampler's RNG state from rank 0 and sets it back (a device copy brought
+    back unchanged is the host state again), and prepare() wraps DDP. Rank 0 of 4 holds the
+    Linear(256, 512)'s gradient bucket either way."""
+    pytest.importorskip(library)
+    run = _record(tmp_path, source, world_size=4)
     assert run.steps_recorded == 3
     assert run.layout is not None and run.layout.dp == 4
     p = predict_recording(run.recording, target=H100)
     assert p.peak_allocated_at.by_category_bytes["ddp_bucket"] == (256 * 512 + 512) * 4
-
 
 def test_a_device_copy_comes_back_with_its_values_only_while_unchanged():
     """real.to("cuda") then .cpu(): the host values; after a broadcast from rank 0, still; after
