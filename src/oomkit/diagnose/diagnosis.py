@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 from oomkit.diagnose._context import (
     context_range,
@@ -28,6 +28,7 @@ from oomkit.diagnose._context import (
     own_and_others,
 )
 from oomkit.diagnose.oom_text import OomText, failed_library
+from oomkit.diagnose.records import CAUSES, Cause, Finding, Remedy
 from oomkit.errors import OomTextError
 from oomkit.units import format_bytes
 
@@ -40,86 +41,6 @@ if TYPE_CHECKING:
     from oomkit.diagnose.oom_traceback import OomLocation
 
 __all__ = ["Cause", "CAUSES", "Finding", "Remedy", "Diagnosis", "diagnose_oom_text"]
-
-Cause = Literal[
-    "shortage",
-    "fragmentation",
-    "outside_pytorch",
-    "fraction_limit",
-    "request_exceeds_device",
-    "leak",
-    "transient_spike",
-]
-CAUSES: tuple[Cause, ...] = get_args(Cause)
-Confidence = Literal["high", "medium", "low"]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One cause that applies, with the figures that show it.
-
-    Attributes:
-        cause: the cause.
-        explained_bytes: how much of the deficit this cause accounts for; findings are ranked by
-            it (a request larger than the device or a fraction limit with free memory left rank
-            first whatever it is).
-        summary: one sentence with the user's own numbers.
-        evidence_bytes: the figures, by name.
-    """
-
-    cause: Cause
-    explained_bytes: int
-    summary: str
-    evidence_bytes: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """One change to try, with what it saves.
-
-    Attributes:
-        title: what to do, in a few words.
-        saving_bytes: bytes it frees for this request; None where the message cannot tell.
-        confidence: how sure the saving is.
-        code: copy-paste code or command.
-        why: one or two sentences.
-        estimate: True when ``saving_bytes`` is estimated rather than computed by replay.
-        lowers_peak: False for a remedy whose bytes go to other processes, not to this one's
-            need (``empty_cache``), and for one that saves nothing (``saving_bytes == 0``: advice
-            against a change): it ranks after every remedy that lowers the peak.
-        changes_training: True for a change to what is trained (LoRA, QLoRA, frozen layers):
-            among the remedies that are enough, it ranks after those that keep the run's
-            training as it is.
-    """
-
-    title: str
-    saving_bytes: int | None
-    confidence: Confidence
-    code: str
-    why: str
-    estimate: bool = True
-    lowers_peak: bool = True
-    changes_training: bool = False
-
-    def __post_init__(self) -> None:
-        # A remedy that saves nothing cannot lower the peak (issue 16 item 8).
-        if self.saving_bytes == 0 and self.lowers_peak:
-            object.__setattr__(self, "lowers_peak", False)
-
-    def rank_key(self, deficit_bytes: int | None = None) -> tuple[bool, bool, bool, bool, int, bool]:
-        """Sort key: remedies that lower the peak first; then those that save at least
-        ``deficit_bytes`` (every one, where it is not known), keeping the run's training before
-        changing it; then by bytes saved (an unknown saving before none at all), measured first."""
-        saving = self.saving_bytes
-        enough = deficit_bytes is None or saving is None or saving >= deficit_bytes
-        return (
-            not self.lowers_peak,
-            saving == 0,
-            not enough,
-            self.changes_training,
-            -(saving or 0),
-            self.estimate,
-        )
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -154,6 +75,19 @@ class Diagnosis:
     figures_bytes: Mapping[str, int | None] = field(default_factory=dict)
     location: OomLocation | None = None
     gpu_name: str | None = None
+
+    def __repr__(self) -> str:
+        """One line, as a REPL shows it: the cause, its evidence, the first remedy
+        (``<Diagnosis: fragmentation: 1.90 GiB was reserved...; first remedy: ...>``); the
+        fields are the attributes, and ``render_diagnosis`` prints them all."""
+        first = self.remedies[0] if self.remedies else None
+        saves = (
+            "" if first is None or not first.saving_bytes
+            else f" (saves {'~' if first.estimate else ''}{format_bytes(first.saving_bytes)})"
+        )
+        remedy = "" if first is None else f"; first remedy: {first.title}{saves}"
+        more = f", {len(self.remedies) - 1} more" if len(self.remedies) > 1 else ""
+        return f"<Diagnosis: {self.cause}: {self.causes[0].summary}{remedy}{more}>"
 
 
 _DECISIVE = 2**62  # ranks a finding above any byte count
