@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
-from oomkit.core.gpus.nccl import NcclMemory, communicators_of, nccl_memory
+from oomkit.core.gpus.nccl import (
+    DEFAULT_GPUS_PER_NODE,
+    NcclMemory,
+    communicators_of,
+    nccl_memory,
+)
 from oomkit.core.target import Target
 from oomkit.core.trace.delayed_frees import delayed_frees
 from oomkit.prediction._replay import replay_for_prediction
@@ -121,7 +126,7 @@ def nccl_of(
         return None, recorded
     sizes, names = target.parallel.mesh_shape
     settings = target.nccl
-    per_node = 8 if settings is None else settings.gpus_per_node
+    per_node = DEFAULT_GPUS_PER_NODE if settings is None else settings.gpus_per_node
     comms = communicators_of(tuple(zip(names, sizes, strict=True)), per_node)
     memory = nccl_memory(comms, target.gpu, settings)
     return memory, (memory.total_bytes if target.cuda_context is not None else 0) + recorded

@@ -86,6 +86,18 @@ def test_an_index_alone_is_cuda_and_lands_on_meta():
     assert (made.device.type, moved.device.type, cast.device.type) == ("meta", "meta", "cpu")
 
 
+def test_a_module_moved_by_index_is_on_the_gpu():
+    """model.to(0) / .to(device=0) (a script's .to(local_rank)): Module.to parses a bare index
+    through the accelerator the CPU build lacks; inside, it is cuda:0, and lands on meta. One
+    GPU reports one device."""
+    with as_one_cuda_gpu():
+        assert torch.cuda.device_count() == 1
+        model = torch.nn.Linear(4, 4).to(0)
+        other = torch.nn.Linear(4, 4).to(device=0, dtype=torch.float16)
+    assert {p.device.type for p in [*model.parameters(), *other.parameters()]} == {"meta"}
+    assert other.weight.dtype == torch.float16
+
+
 def test_a_model_already_on_the_device_is_left_as_it_is():
     """model.to("cuda") / .cuda() of a model already there: the same Parameter objects, no
     swap (torch's _apply swaps FakeTensor parameters, and fails: "Couldn't swap")."""

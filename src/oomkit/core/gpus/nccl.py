@@ -46,6 +46,7 @@ from oomkit.errors import ConfigError
 
 __all__ = [
     "COMMUNICATOR_FIXED_BYTES",
+    "DEFAULT_GPUS_PER_NODE",
     "NCCL_SOURCE",
     "PROCESS_FIXED_BYTES",
     "NcclCommunicator",
@@ -56,6 +57,11 @@ __all__ = [
 ]
 
 NCCL_SOURCE = "NVIDIA/nccl 2.30.7 (commit 5067397c)"
+
+# GPUs in one node (NVLink domain) unless stated: the 8-GPU HGX/DGX boards the catalog's
+# data-centre parts ship on (NVIDIA DGX H100/H200 user guides: 8 GPUs over NVSwitch). Ranks of a
+# communicator within a node share it; a job of more ranks spans nodes of this many.
+DEFAULT_GPUS_PER_NODE = 8
 
 _MIB = 1 << 20
 # src/include/device.h: NCCL_STEPS, the LL / LL128 thread and line counts.
@@ -122,7 +128,7 @@ class NcclSettings:
     nvls_enable: bool | None = None
     ring_channels: int | None = None
     avoid_record_streams: bool | None = None
-    gpus_per_node: int = 8
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
     def __post_init__(self) -> None:
         if self.buffsize_bytes is not None and self.buffsize_bytes < _NCCL_STEPS:
@@ -169,7 +175,7 @@ class NcclMemory:
 
 
 def communicators_of(
-    degrees: tuple[tuple[str, int], ...], gpus_per_node: int = 8
+    degrees: tuple[tuple[str, int], ...], gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 ) -> tuple[NcclCommunicator, ...]:
     """The communicators a device mesh makes: one per dimension of more than one rank.
 

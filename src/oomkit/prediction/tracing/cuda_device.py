@@ -27,16 +27,9 @@ What it changes while open (all undone on exit):
   no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
   tensor too (pinned host memory is host memory, which the prediction does not count; torch's
   own ``pin_memory`` needs a real accelerator).
-- ``Module.to("cuda")`` of a CPU model keeps shared parameters shared (nanoGPT ties ``wte`` to
-  ``lm_head``). CUDA keeps them through ``param.data = moved`` (torch/nn/modules/module.py
-  ``_apply``: CPU and CUDA tensors have compatible shallow-copy types); CPU and meta do not, so
-  ``_apply`` would make one new ``Parameter`` per module and double the tied weight, its
-  gradient and its optimizer state. While open, a move converts each tensor once and puts the
-  one result back wherever the tensor was; and an optimizer built before the move (which CUDA's
-  in-place ``param.data`` swap keeps pointing at the moved parameters) is pointed at the new
-  ones, its state with them. A move that changes nothing (``model.to("cuda")`` of a model already
-  there) leaves the module as it is, as CUDA's ``param.data = param`` does; torch's ``_apply``
-  would swap a FakeTensor parameter for itself, which fails.
+- ``Module.to("cuda")`` keeps shared parameters shared and the optimizers built before it
+  pointed at the moved ones, and a bare index (``model.to(local_rank)``) is CUDA's
+  (``module_moves.py``).
 - Tensors made on ``cuda`` from Python numbers (``torch.tensor(len(loader), device=...)``) are
   ``torch.full`` on meta, so their values stay known to ``values.py``. Reads of
   values (a logged loss's ``.item()``) are ``value_reads``'s: answered, stated or stood in for.
@@ -69,6 +62,10 @@ from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
 from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
+from oomkit.prediction.tracing.module_moves import (
+    module_moves_keep_sharing,
+    module_to_index_is_cuda,
+)
 from oomkit.prediction.tracing.step_memory import StepMemory
 from oomkit.prediction.tracing.values import remember_value
 
@@ -363,7 +360,7 @@ def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
+def _torch_cuda_reports(gpu: GpuSpec, devices: int) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
     ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so."""
     major, minor = gpu.compute_capability or (9, 0)
@@ -371,7 +368,7 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor, sms)
     answers: dict[str, Any] = {
         "is_available": lambda: True,
-        "device_count": lambda: 1,
+        "device_count": lambda: devices,
         "current_device": lambda: 0,
         "set_device": lambda device: None,
         "synchronize": lambda device=None: None,
@@ -431,19 +428,6 @@ def _torch_cuda_reports(gpu: GpuSpec) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def _repoint_optimizers(optimizers: Any, moved: dict[int, tuple[Any, Any]]) -> None:
-    """Optimizers holding a parameter that a move replaced hold its replacement instead."""
-    for optimizer in list(optimizers):
-        for group in optimizer.param_groups:
-            group["params"] = [
-                moved[id(p)][1] if id(p) in moved and moved[id(p)][0] is p else p
-                for p in group["params"]
-            ]
-        for old, new in moved.values():
-            if old in optimizer.state:
-                optimizer.state[new] = optimizer.state.pop(old)
-
-
 @contextlib.contextmanager
 def _cuda_default_reads_cuda() -> Iterator[None]:
     """``torch.get_default_device()`` under a CUDA default reads ``cuda:0``, as on the GPU: for an
@@ -462,84 +446,20 @@ def _cuda_default_reads_cuda() -> Iterator[None]:
         torch.get_default_device = original
 
 
-@contextlib.contextmanager
-def _module_moves_keep_sharing() -> Iterator[None]:
-    """``Module._apply`` converts a shared tensor once and re-ties it where it was, and the
-    optimizers built meanwhile follow a replaced parameter (module docstring)."""
-    import weakref
-
-    original = torch.nn.Module._apply
-    original_init = torch.optim.Optimizer.__init__
-    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-    depth = [0]
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        optimizers.add(self)
-
-    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
-        if depth[0]:
-            return original(self, fn, recurse)
-        before = [
-            (module, slots, name, tensor)
-            for module in self.modules()
-            for slots in (module._parameters, module._buffers)
-            for name, tensor in slots.items()
-            if tensor is not None
-        ]
-        # id -> (the tensor, kept alive so its id stays its own; what fn made of it)
-        converted: dict[int, tuple[Any, Any]] = {}
-
-        def once(tensor: Any) -> Any:
-            hit = converted.get(id(tensor))
-            if hit is None:
-                hit = converted[id(tensor)] = (tensor, fn(tensor))
-            return hit[1]
-
-        held = [t for *_, t in before] + [
-            t.grad for *_, t in before if isinstance(t, torch.nn.Parameter) and t.grad is not None
-        ]
-        if all(once(tensor) is tensor for tensor in held):
-            # Nothing moves (model.to("cuda") of a model already there): torch would still swap
-            # each FakeTensor parameter for itself (module.py _apply), which fails on the fake
-            # device of a distributed recording.
-            return self
-        depth[0] += 1
-        try:
-            result = original(self, once, recurse)
-        finally:
-            depth[0] -= 1
-        first: dict[int, Any] = {}
-        moved: dict[int, tuple[Any, Any]] = {}
-        for _module, slots, name, tensor in before:
-            if id(tensor) in first:
-                slots[name] = first[id(tensor)]
-            else:
-                first[id(tensor)] = now = slots.get(name)
-                if now is not tensor and isinstance(tensor, torch.nn.Parameter):
-                    moved[id(tensor)] = (tensor, now)
-        if moved:
-            _repoint_optimizers(optimizers, moved)
-        return result
-
-    torch.nn.Module._apply = _apply  # type: ignore[method-assign]
-    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.nn.Module._apply = original  # type: ignore[method-assign]
-        torch.optim.Optimizer.__init__ = original_init  # type: ignore[method-assign]
-
-
-# The GPUs and landing devices of the open as_one_cuda_gpu blocks, innermost last: a nested
-# block without a GPU (a trainer's step inside a trace, a builder inside a distributed
-# recording) reports the one its caller chose, and puts CUDA tensors where its caller does.
-_open_gpus: list[tuple[GpuSpec, torch.device]] = []
+# The GPUs, landing devices and device counts of the open as_one_cuda_gpu blocks, innermost
+# last: a nested block without a GPU (a trainer's step inside a trace, a builder inside a
+# distributed recording) reports the one its caller chose, and puts CUDA tensors where its
+# caller does.
+_open_gpus: list[tuple[GpuSpec, torch.device, int]] = []
 
 
 @contextlib.contextmanager
 def as_one_cuda_gpu(
-    gpu: GpuSpec | None = None, *, lands_on: str | None = None, cache_emptied: bool = True
+    gpu: GpuSpec | None = None,
+    *,
+    lands_on: str | None = None,
+    cache_emptied: bool = True,
+    devices: int | None = None,
 ) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
@@ -552,11 +472,14 @@ def as_one_cuda_gpu(
         cache_emptied: ``torch.cuda.empty_cache()`` is a request of the enclosing recording
             (``StepMemory.empty_cache``); False: it does nothing (a trainer restarted for each
             recorded step empties the cache where one run does not).
+        devices: what ``torch.cuda.device_count()`` answers (a torchrun worker sees its node's
+            GPUs, ``cuda_ranks.py``); ``None`` means an enclosing block's, else 1. Each is the
+            same ``gpu``, and its tensors land where CUDA's do.
 
     Raises:
         ConfigError: ``lands_on`` is another device.
     """
-    enclosing = _open_gpus[-1] if _open_gpus else (get_gpu("h100-sxm"), _META)
+    enclosing = _open_gpus[-1] if _open_gpus else (get_gpu("h100-sxm"), _META, 1)
     if lands_on not in (None, "meta", "cpu"):
         raise ConfigError(
             f"lands_on must be 'meta' or 'cpu' (a distributed recording's fake device); got "
@@ -564,12 +487,14 @@ def as_one_cuda_gpu(
         )
     device = enclosing[1] if lands_on is None else torch.device(lands_on)
     gpu = enclosing[0] if gpu is None else gpu
-    _open_gpus.append((gpu, device))
+    devices = enclosing[2] if devices is None else devices
+    _open_gpus.append((gpu, device, devices))
     try:
         with (
             emptying_cache(cache_emptied),
-            _torch_cuda_reports(gpu),
-            _module_moves_keep_sharing(),
+            _torch_cuda_reports(gpu, devices),
+            module_moves_keep_sharing(),
+            module_to_index_is_cuda(),
             _cuda_default_reads_cuda(),
             restoring_on(device),
             user_streams(),

@@ -34,10 +34,8 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
   ``__init__``: "For single-device modules, ``device_ids`` can contain exactly one device id
   ... or ``None``"), and a module on the fake device must have none.
 - ``torch.cuda.device_count()`` is the node's GPUs, as each torchrun worker sees them (the
-  ranks up to ``GPUS_PER_NODE``): Lightning's ``Trainer(devices=4)`` checks it.
-- ``model.to(local_rank)``: a bare index is CUDA's, as for a tensor (``cuda_device.is_cuda``).
-  ``Module.to`` parses it with ``torch._C._nn._parse_to``, which asks the current accelerator
-  for an index alone; the CPU build has none, so the index is named ``cuda:N`` first.
+  ranks up to ``DEFAULT_GPUS_PER_NODE``): Lightning's ``Trainer(devices=4)`` checks it.
+- ``model.to(local_rank)``: a bare index is CUDA's (``module_moves.module_to_index_is_cuda``).
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from oomkit.core.gpus import GpuSpec
+from oomkit.core.gpus.nccl import DEFAULT_GPUS_PER_NODE
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 
@@ -77,25 +76,25 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
         gpu: the GPU ``torch.cuda`` reports; ``None``: an enclosing block's, else an H100.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(as_one_cuda_gpu(gpu, lands_on="cpu"))
+        # A torchrun worker sees its node's GPUs (Lightning's Trainer(devices=4) checks them).
+        devices = min(world_size, DEFAULT_GPUS_PER_NODE)
+        stack.enter_context(as_one_cuda_gpu(gpu, lands_on="cpu", devices=devices))
         stack.enter_context(_torchrun_environment(world_size, rank))
         stack.enter_context(_the_fake_group_joined(world_size, rank))
         stack.enter_context(_cuda_meshes_on_the_fake_device())
         stack.enter_context(_ddp_device_ids_dropped())
-        stack.enter_context(_module_to_index_is_cuda())
-        stack.enter_context(_node_devices(min(world_size, GPUS_PER_NODE)))
         yield
 
 
 @contextlib.contextmanager
 def _torchrun_environment(world_size: int, rank: int) -> Iterator[None]:
     """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them
-    (rank 0 is local rank 0; a node holds up to ``GPUS_PER_NODE`` ranks)."""
+    (rank 0 is local rank 0; a node holds up to ``DEFAULT_GPUS_PER_NODE`` ranks)."""
     values = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(min(world_size, GPUS_PER_NODE)),
+        "LOCAL_WORLD_SIZE": str(min(world_size, DEFAULT_GPUS_PER_NODE)),
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
@@ -193,49 +192,3 @@ def _ddp_device_ids_dropped() -> Iterator[None]:
         yield
     finally:
         DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _module_to_index_is_cuda() -> Iterator[None]:
-    """``Module.to(0)`` / ``Module.to(device=0)`` parse the index as ``cuda:0`` (docstring)."""
-    import torch
-
-    nn = torch._C._nn
-    original = nn._parse_to
-
-    def parse_to(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(_as_cuda(a) if i == 0 else a for i, a in enumerate(args))
-        if "device" in kwargs:
-            kwargs["device"] = _as_cuda(kwargs["device"])
-        return original(*args, **kwargs)
-
-    nn._parse_to = parse_to
-    try:
-        yield
-    finally:
-        nn._parse_to = original
-
-
-def _as_cuda(device: Any) -> Any:
-    """An index alone as ``cuda:N``; anything else as it is."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return f"cuda:{device}"
-    return device
-
-
-# GPUs a node holds, as NCCL's default layout assumes (core/gpus/nccl.py: 8 per node, the
-# HGX/DGX boards): a job of more ranks spans nodes of 8.
-GPUS_PER_NODE = 8
-
-
-@contextlib.contextmanager
-def _node_devices(count: int) -> Iterator[None]:
-    """``torch.cuda.device_count()`` answers ``count`` (inside ``as_one_cuda_gpu``)."""
-    import torch
-
-    original = torch.cuda.device_count
-    torch.cuda.device_count = lambda: count
-    try:
-        yield
-    finally:
-        torch.cuda.device_count = original

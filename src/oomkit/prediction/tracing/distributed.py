@@ -398,14 +398,14 @@ class FakeWorld:
         self.group = fake_process_group(
             world_size, rank=rank, mesh_shape=shape, mesh_dim_names=names
         )
-        self.host_inputs = host_inputs
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # With host_inputs, real host tensors may meet fake ones (a script's: host_compute.py).
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=host_inputs)
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[DeviceMesh]:
         """The fake group (its mesh yielded), ``FakeTensorMode`` and DDP's fills, while open."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=self.host_inputs)
         with self.group as mesh, self.fake_mode, self.ddp.installed():
             yield mesh
 

@@ -28,7 +28,6 @@ import contextlib
 import os
 import sys
 import types
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.prediction.tracing.cuda_device import cuda_default, is_cuda
 from oomkit.prediction.tracing.fake_storages import mark_host
@@ -59,9 +59,9 @@ class HostComputeReal(TorchFunctionMode):
     def __init__(self, fake_mode: FakeTensorMode) -> None:
         super().__init__()
         self._fake_mode = fake_mode
-        # A device copy of a host tensor, by id: (the copy, the host tensor, the copy's version
-        # while it still holds the host tensor's values).
-        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+        # A device copy of a host tensor -> (the host tensor, the copy's version while it still
+        # holds the host tensor's values); an entry goes with its copy (weak, by identity).
+        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_function__(
         self,
@@ -83,7 +83,7 @@ class HostComputeReal(TorchFunctionMode):
             mark_host(twin)
             out = func(twin, *args[1:], **kwargs)
             if isinstance(out, FakeTensor) and out is not twin:
-                self._copies[id(out)] = (weakref.ref(out, self._forget), host, out._version)
+                self._copies[out] = (host, out._version)
             return out
         if func in _BACK_TO_HOST and args and isinstance(args[0], FakeTensor):
             host = self._unchanged_host(args[0])
@@ -92,18 +92,10 @@ class HostComputeReal(TorchFunctionMode):
                     return host.clone()
         return func(*args, **kwargs)
 
-    def _forget(self, dead: weakref.ref[torch.Tensor]) -> None:
-        """A device copy was freed: its host tensor is not kept for it any longer."""
-        for key, (ref, _, _) in list(self._copies.items()):
-            if ref is dead:
-                del self._copies[key]
-
     def _unchanged_host(self, copy: torch.Tensor) -> torch.Tensor | None:
         """The host tensor ``copy`` was made from, while it holds the same values."""
-        ref, host, version = self._copies.get(id(copy), (None, None, -1))
-        if ref is None or ref() is not copy or copy._version != version:
-            return None
-        return host
+        host, version = self._copies.get(copy, (None, -1))
+        return host if copy._version == version else None
 
     @contextlib.contextmanager
     def broadcasts_kept(self) -> Iterator[None]:
@@ -117,9 +109,9 @@ class HostComputeReal(TorchFunctionMode):
         def broadcast(tensor: torch.Tensor, src: int | None = None, *args: Any,
                       **kwargs: Any) -> Any:
             work = original(tensor, src, *args, **kwargs)
-            ref, host, _ = self._copies.get(id(tensor), (None, None, -1))
-            if ref is not None and ref() is tensor and src == dist.get_rank() and host is not None:
-                self._copies[id(tensor)] = (ref, host, tensor._version)
+            host, _ = self._copies.get(tensor, (None, -1))
+            if host is not None and src == dist.get_rank():
+                self._copies[tensor] = (host, tensor._version)
             return work
 
         with contextlib.ExitStack() as stack:

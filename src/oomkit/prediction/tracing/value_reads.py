@@ -25,7 +25,6 @@ Every read is recorded by site (:class:`ReadRecord`) for the prediction's assump
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing._from_data import (
@@ -152,9 +152,9 @@ class ValueReads(TorchFunctionMode):
         self.assumed_finite: Counter[str] = Counter()
         # transformers' generate asked whether its sequences had all ended: "not yet".
         self.generation_goes_on = 0
-        # Answered finiteness tests of fake tensors (meta ones are values.py's), by id: a
-        # tensor's == is elementwise, so it cannot be a dict key.
-        self._fake_values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        # Answered finiteness tests of fake tensors (meta ones are values.py's), by identity (a
+        # tensor's == is elementwise), going with the tensor.
+        self._fake_values: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_function__(
         self,
@@ -234,21 +234,15 @@ class ValueReads(TorchFunctionMode):
             if result.is_meta:
                 remember_value(result, value, "assumed finite")
             else:  # a fake tensor (a distributed recording's): kept here, by the tensor
-                self._fake_values[id(result)] = (weakref.ref(result, self._forget), value)
+                self._fake_values[result] = value
         return result
-
-    def _forget(self, dead: weakref.ref[torch.Tensor]) -> None:
-        """A fake tensor with an answered test was freed: its answer goes with it."""
-        for key, (ref, _) in list(self._fake_values.items()):
-            if ref is dead:
-                del self._fake_values[key]
 
     def _known(self, tensor: torch.Tensor) -> KnownValue | None:
         """``known_value``, or a fake tensor's answered finiteness test (``_finiteness``)."""
         known = known_value(tensor)
         if known is None and isinstance(tensor, FakeTensor):
-            ref, value = self._fake_values.get(id(tensor), (None, None))
-            if ref is not None and ref() is tensor and value is not None:
+            value = self._fake_values.get(tensor)
+            if value is not None:
                 return KnownValue(value, frozenset({"assumed finite"}))
         return known
 
