@@ -49,6 +49,8 @@ class FitAnswer:
         target: the machine searched for.
         per_rank: for a parallel layout, what the batch is (``per_rank_batch``).
         scenario: the request.
+        batch_arg: for a whole script, the argument of its own that was varied
+            (``--batch_size``: ``--batch-arg``, or the one its arguments named); else ``None``.
     """
 
     kind: FitKind
@@ -56,6 +58,7 @@ class FitAnswer:
     target: Target
     scenario: Scenario
     per_rank: dict[str, Any] | None = None
+    batch_arg: str | None = None
 
     @property
     def batch_size(self) -> int | None:
@@ -217,11 +220,7 @@ def _check(scenario: Scenario, target: Target) -> None:
             "path/to/file.py:function, or --hf NAME_OR_PATH."
         )
     if model.kind == "script":
-        raise OomkitError(
-            f"fit varies the batch of a preset, --hf model or file.py:function; {model.script} "
-            "is a whole script, whose batch is its own: predict it at each size with "
-            f"`oomkit predict {model.script} -- ARGS`"
-        )
+        _check_script(scenario)
     if step.mode == "generate":
         raise OomkitError("fit searches train or inference steps; --mode generate is predict's")
     if search.global_batch is not None:
@@ -255,6 +254,21 @@ def _check(scenario: Scenario, target: Target) -> None:
         raise OomkitError("--lengths searches the batch of one run: drop --smallest-gpu/--eval")
 
 
+def _check_script(scenario: Scenario) -> None:
+    """What fit refuses of a whole script (``script_batch.py``)."""
+    from oomkit.scenario.script_batch import batch_arg_of
+
+    model, search = scenario.model, scenario.search
+    assert model.script is not None
+    batch_arg_of(model.script, model.script_args, model.script_batch_arg)
+    if search.global_batch is not None or scenario.lengths is not None:
+        raise OomkitError(
+            "a script's batch is searched on one GPU (or per rank with --world-size), or "
+            "checked on each GPU with --smallest-gpu --batch N: --global-batch and --lengths "
+            "vary what the script sets itself"
+        )
+
+
 def fit(
     scenario: Scenario,
     *,
@@ -281,6 +295,8 @@ def fit(
         scenario = scenario.model_copy(
             update={"run": scenario.run.model_copy(update={"steps": steps})}
         )
+    if scenario.model.kind == "script":
+        return _fit_script(scenario, target, steps, progress)
     builders = _Builders(scenario, target, steps)
     own: list[str] = []
     if scenario.model.kind == "function" and scenario.search.global_batch is None:
@@ -317,6 +333,36 @@ def fit(
         if target.parallel is not None:
             per_rank = per_rank_batch(scenario, target.parallel, result.batch_size)
         return FitAnswer("batch", result, target, scenario, per_rank)
+
+
+def _fit_script(
+    scenario: Scenario, target: Target, steps: int, progress: Progress | None
+) -> FitAnswer:
+    """A whole script's batch searched through its batch argument: the script is recorded at
+    each batch tried, as ``oomkit predict train.py -- ARGS`` records it."""
+    from oomkit.plan.batch_search import smallest_gpu
+    from oomkit.scenario.script_batch import ScriptBatches, batch_in_argv
+
+    batches = ScriptBatches(scenario, steps)
+    search = scenario.search
+    # The search starts at --batch, else at the batch the script's arguments give.
+    start = scenario.step.batch or batch_in_argv(scenario.model.script_args, batches.name) or 1
+    if not search.smallest_gpu:
+        start = min(start, search.max_batch)
+    target, own = batches.first(start, target)
+    jobs = tracing_jobs(scenario)
+    if search.smallest_gpu:
+        result = smallest_gpu(
+            batches.builder(), start, candidates=_candidates(scenario), target=target,
+            margin_bytes=search.margin_bytes, steps=steps, jobs=jobs,
+        )
+        kind: FitKind = "smallest_gpu"
+    else:
+        result = _search(scenario, target, batches.builder(), None, progress, jobs, start=start)
+        kind = "batch"
+    if own:
+        result = replace(result, warnings=(*own, *result.warnings))
+    return FitAnswer(kind, result, target, scenario, batch_arg=batches.name)
 
 
 def _compiled_recorder(builder: Any) -> RecordingBuilder:
@@ -408,7 +454,7 @@ def _gpu_counts(
 
 def _search(
     scenario: Scenario, target: Target, train: Any, eval_step: Any, progress: Progress | None,
-    jobs: int | None,
+    jobs: int | None, *, start: int | None = None,
 ) -> Any:
     from oomkit.plan.batch_search import max_batch_size
 
@@ -420,7 +466,7 @@ def _search(
         margin_bytes=scenario.search.margin_bytes,
         steps=steps,
         eval_step=eval_step,
-        start_batch=scenario.step.batch or 1,
+        start_batch=start or scenario.step.batch or 1,
         max_batch=scenario.search.max_batch,
         progress=progress,
         jobs=jobs,

@@ -118,6 +118,19 @@ class Scenario(_Section):
             return data
         model, job = data.get("model"), data.get("torchtitan")
         if not isinstance(model, Mapping) or model.get("script") is None:
+            named = isinstance(model, Mapping) and any(
+                model.get(k) is not None for k in ("preset", "hf", "function")
+            )
+            # --world-size alone (a count of the wrong type is the field's own error, below)
+            alone = isinstance(job, Mapping) and "job" not in job and not isinstance(
+                job.get("world_size", False), bool
+            )
+            if named and alone:
+                raise ValueError(
+                    "--world-size N is the ranks of a torchrun script (train.py) or of a "
+                    "--torchtitan job; lay out a preset, --hf model or file.py:function with "
+                    "--fsdp N, --dp N or --tp N (e.g. `oomkit predict llama3-8b --fsdp 8`)"
+                )
             return data
         if not isinstance(job, Mapping) or "job" in job or "world_size" not in job:
             return data
@@ -167,15 +180,23 @@ class Scenario(_Section):
         if self.torchtitan is not None:
             _torchtitan_alone(self)
         if kind == "script":
-            sizes = [
-                n for n in ("batch", "seq", "image_size") if getattr(self.step, n) is not None
-            ]
+            # --batch reaches a script through its own argument (--batch-arg); the others
+            # only as its arguments after --.
+            from oomkit.scenario.script_batch import named_batch_args
+
+            varied = self.model.script_batch_arg is not None or (
+                len(named_batch_args(self.model.script_args)) == 1
+            )
+            sized = ("seq", "image_size") if varied else ("batch", "seq", "image_size")
+            sizes = [n for n in sized if getattr(self.step, n) is not None]
             if sizes:
                 flags = " and ".join(field_flag(StepSection, n) or n for n in sizes)
                 raise ValueError(
                     f"{flags} size a preset or a builder; a whole script ({self.model.script}) "
                     "takes its sizes from its own arguments: pass them after -- (e.g. "
-                    f"`oomkit predict {self.model.script} -- --batch_size=8`)"
+                    f"`oomkit predict {self.model.script} -- --batch_size=8`), or name its "
+                    "batch argument for fit to vary (`oomkit fit "
+                    f"{self.model.script} --batch-arg --batch_size -- ARGS`)"
                 )
         steps = self.run.steps
         if steps is not None and steps > MAX_RECORDED_STEPS and self.lengths is None:

@@ -295,9 +295,15 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
         workload: Workload | ShardedWorkload | ScriptWorkload
         notes: dict[str, str] = {}
         if scenario.model.script is not None:
+            argv = tuple(scenario.model.script_args)
+            if scenario.step.batch is not None:  # through the script's batch argument
+                from oomkit.scenario.script_batch import batch_arg_of, script_argv
+
+                name = batch_arg_of(scenario.model.script, argv, scenario.model.script_batch_arg)
+                argv = script_argv(argv, name, scenario.step.batch)
             script = ScriptWorkload(
                 scenario.model.script,
-                tuple(scenario.model.script_args),
+                argv,
                 WorkloadSpec("script", scenario.model.script, steps=steps),
                 world_size=scenario.model.script_world_size,
             )

@@ -197,6 +197,11 @@ class ModelSection(_Section):
         # (Scenario._script_world_size).
         json_schema_extra=_flag(None, WORKLOAD),
     )
+    script_batch_arg: str | None = Field(
+        None,
+        description="a script's argument that sets its batch (e.g. --batch_size)",
+        json_schema_extra=_flag("--batch-arg", WORKLOAD, metavar="NAME", commands=("fit",)),
+    )
     hf_class: str | None = Field(
         None,
         description="--hf: the class to build (an Auto... or a name)",
@@ -267,6 +272,8 @@ class ModelSection(_Section):
                 "model.script_world_size is a torchrun script's ranks: give model.script "
                 "(oomkit predict train.py --world-size 8), or drop it"
             )
+        if self.script_batch_arg is not None:
+            _check_batch_arg(self.script_batch_arg, self.script)
         if self.script_args and self.script is None:
             raise ValueError(
                 "model.script_args are a script's own arguments: give model.script "
@@ -279,6 +286,21 @@ class ModelSection(_Section):
                 "training one's does."
             )
         return self
+
+
+def _check_batch_arg(name: str, script: str | None) -> None:
+    """``model.script_batch_arg``: one word naming a script's argument, with a script."""
+    if script is None:
+        raise ValueError(
+            "--batch-arg (model.script_batch_arg) names a whole script's batch argument: give "
+            "the script (oomkit fit train.py --batch-arg --batch_size -- ARGS), or drop it"
+        )
+    if not name.strip("-") or "=" in name or any(c.isspace() or not c.isprintable() for c in name):
+        raise ValueError(
+            f"--batch-arg takes the name of the script's batch argument as its parser spells "
+            f"it, one word without a value (e.g. --batch_size, --per_device_train_batch_size, "
+            f"data.batch_size); got {name!r}"
+        )
 
 
 def _is_function(text: str) -> bool:

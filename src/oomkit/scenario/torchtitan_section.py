@@ -34,7 +34,8 @@ class TorchtitanSection(_Section):
     world_size: Count = Field(
         1,
         description="ranks of a --torchtitan job or a torchrun script",
-        json_schema_extra=_flag("--world-size", MULTI_GPU, metavar="N", commands=("predict",)),
+        json_schema_extra=_flag("--world-size", MULTI_GPU, metavar="N",
+                                commands=("predict", "fit")),
     )
     rank: int = Field(
         0,

@@ -17,6 +17,7 @@ EXPECTED = {
         "--alloc-conf",
         "--attn-implementation",
         "--batch",
+        "--batch-arg",
         "--bucket-cap-mb",
         "--checkpoint-reentrant",
         "--checkpointing",
@@ -69,6 +70,7 @@ EXPECTED = {
         "--tp",
         "--trainer-args",
         "--value",
+        "--world-size",
     ],
     "predict": [
         "--all-ranks",

@@ -74,6 +74,9 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # The commands whose words after `--` are a script's own arguments (`predict train.py -- ARGS`).
 _SCRIPT_COMMANDS = ("predict", "fit")
+# Flags whose value names a script's argument, so it starts with a dash (`--batch-arg
+# --batch_size`), which argparse takes for an option of its own; joined as `--batch-arg=...`.
+_DASHED_VALUES = ("--batch-arg",)
 # The cyclic garbage collector's thresholds in the `oomkit` process, mypy's (mypy/build.py build:
 # "Run gc less frequently, as otherwise we can spend a large fraction of cpu in gc"). CPython
 # collects its youngest generation every 700 net allocations of containers; importing a
@@ -261,6 +264,20 @@ def _parse(
     return args
 
 
+def _dashed_values_joined(words: list[str]) -> list[str]:
+    """``--batch-arg --batch_size`` as ``--batch-arg=--batch_size`` (``_DASHED_VALUES``)."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        if words[i] in _DASHED_VALUES and i + 1 < len(words):
+            out.append(f"{words[i]}={words[i + 1]}")
+            i += 2
+        else:
+            out.append(words[i])
+            i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -271,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in _SCRIPT_COMMANDS and "--" in words:  # a script's own arguments follow `--`
         cut = words.index("--")
         words, script_args = words[:cut], words[cut + 1:]
+    words = _dashed_values_joined(words)
     parser = summary_parser() if command is None else build_parser(command)
     args = _parse(parser, command, words)
     args.script_args = script_args

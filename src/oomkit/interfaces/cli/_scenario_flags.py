@@ -287,8 +287,10 @@ def scenario_from_args(
         from oomkit.scenario.keywords import what_runs
 
         flags.setdefault("model", {}).update(what_runs(args.target))
-    if script_args and ("torchtitan" in flags or "torchtitan" in data):
-        # --torchtitan: what follows -- is torchtitan's own overrides (its launcher's)
+    job = "job" in flags.get("torchtitan", {}) or "job" in (data.get("torchtitan") or {})
+    if script_args and job:
+        # --torchtitan: what follows -- is torchtitan's own overrides (its launcher's); with
+        # a script, --world-size alone is torchrun's and the words are the script's.
         flags.setdefault("torchtitan", {})["overrides"] = list(script_args)
     elif script_args:
         flags.setdefault("model", {})["script_args"] = list(script_args)

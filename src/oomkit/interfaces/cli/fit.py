@@ -33,8 +33,8 @@ from oomkit.interfaces.cli._scenario_flags import (
 __all__ = ["add_parser", "run", "progress_enabled"]
 
 EPILOG = """\
-TARGET is a preset, --hf NAME_OR_PATH, or path/to/file.py:function whose function takes
-  batch_size (see `oomkit predict --help`).
+TARGET is a preset, --hf NAME_OR_PATH, file.py:function taking batch_size, or train.py
+  run at each batch through its batch argument (after --, or --batch-arg NAME).
 
 examples:
   oomkit fit gpt2-124m --seq 1024 --gpu rtx4090
@@ -42,6 +42,7 @@ examples:
   oomkit fit llama3-8b --fsdp 8 --seq 8192 --gpu h100
   oomkit fit gpt2-124m --batch 16 --smallest-gpu
   oomkit fit train.py:build --lengths lengths.txt --gpu a100-80gb
+  oomkit fit train.py --gpu rtx4090 -- config/train_gpt2.py --batch_size=8
 """
 
 
@@ -147,17 +148,22 @@ def _announcement(scenario: Any) -> str:
 
     what = scenario.model.name or "the step"
     search = scenario.search
+    batch = "batch"
+    if scenario.model.script is not None:  # the script's own argument (script_batch.py)
+        from oomkit.scenario.script_batch import batch_arg_of
+
+        batch = batch_arg_of(what, scenario.model.script_args, scenario.model.script_batch_arg)
     if search.global_batch is not None:
         return (
             f"global batch {search.global_batch} of {what}: recording rank 0 at each GPU count "
             f"up to {search.max_gpus}, replaying on {len(CATALOG)} GPUs ..."
         )
     if search.smallest_gpu:
-        return f"checking batch {scenario.step.batch} of {what} on {len(CATALOG)} GPUs ..."
+        return f"checking {batch} {scenario.step.batch} of {what} on {len(CATALOG)} GPUs ..."
     gpu = scenario_target(scenario).gpu.name
     if scenario.lengths is not None:
         return f"searching the largest batch of {what} whose whole run fits on {gpu} ..."
-    return f"searching the largest batch of {what} that fits on {gpu} ..."
+    return f"searching the largest {batch} of {what} that fits on {gpu} ..."
 
 
 def _render(args: argparse.Namespace, answer: Any) -> int:
@@ -179,7 +185,10 @@ def _render(args: argparse.Namespace, answer: Any) -> int:
         )
 
         if args.json:
-            print_json(smallest_gpu_to_json(answer.result))
+            found = smallest_gpu_to_json(answer.result)
+            if answer.batch_arg is not None:  # the script's own argument, at --batch
+                found["batch_arg"] = answer.batch_arg
+            print_json(found)
         else:
             render_smallest_gpu(answer.result, console)
         return 0 if answer.result.smallest is not None else 1
@@ -194,6 +203,8 @@ def _render(args: argparse.Namespace, answer: Any) -> int:
         if per_rank is not None:
             out["parallel"] = per_rank
             out["verdict"] += f"; {_per_rank_words(per_rank, result.batch_size)}"
+        if answer.batch_arg is not None:  # the script's own argument varied
+            out["batch_arg"] = answer.batch_arg
         out["scenario"] = scenario_to_data(answer.scenario)
         print_json(out)
     else:
