@@ -1,4 +1,5 @@
-"""A GradScaler in traced code is counted and named in the warnings."""
+"""A disabled GradScaler made before the recording is counted and named in the warnings;
+one made while CUDA is emulated is recorded (test_script_run.py) and not warned about."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from oomkit.prediction.tracing import trace_step
 
 
 def test_grad_scaler_step_is_warned_about_with_its_count():
-    """Two steps through GradScaler.step: one warning that names it and says it ran twice."""
+    """A scaler made in this session without CUDA (torch disables it), two steps: one warning
+    that names it, says it stepped twice and what a GPU's would hold."""
     with torch.device("meta"):
         model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -27,12 +29,35 @@ def test_grad_scaler_step_is_warned_about_with_its_count():
     x = torch.randn(2, 4, device="meta")
     recording = trace_step(step, model, optimizer, x, steps=2)
     assert len(recording.warnings) == 1
-    assert recording.warnings[0].startswith("torch.amp.GradScaler.step ran 2 time(s)")
-    assert "skips" in recording.warnings[0]
+    assert recording.warnings[0].startswith("a disabled torch.amp.GradScaler stepped 2 time(s)")
+    assert "make it in the builder or the step" in recording.warnings[0]
+
+
+def test_a_scaler_made_in_the_step_is_recorded_without_a_warning():
+    """Made inside the recording (CUDA emulated), the scaler is enabled: its float32 scale and
+    int32 growth tracker are allocated at its first scale(), and nothing is warned."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    made = {}
+
+    def step(model, optimizer, x):
+        scaler = made.setdefault("scaler", torch.amp.GradScaler("cuda"))
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    x = torch.randn(2, 4, device="meta")
+    recording = trace_step(step, model, optimizer, x, steps=2)
+    assert recording.warnings == ()
+    fulls = [e.size for e in recording.step_events(0)
+             if e.action == "alloc" and dict(e.tags).get("op") == "aten.full.default"]
+    assert fulls == [4, 4, 4]  # scale, growth tracker, found_inf
 
 
 def test_grad_scaler_step_is_restored_after_tracing():
-    """The counting wrapper is removed when the tracer exits."""
-    original = torch.amp.GradScaler.step
+    """The wrappers are removed when the tracer exits."""
+    init, step = torch.amp.GradScaler.__init__, torch.amp.GradScaler.step
     trace_step(lambda: None)
-    assert torch.amp.GradScaler.step is original
+    assert (torch.amp.GradScaler.__init__, torch.amp.GradScaler.step) == (init, step)

@@ -389,3 +389,47 @@ def test_an_endless_loop_stops_at_the_bound_with_what_to_do(tmp_path, monkeypatc
     logged = int(message.split("has logged ")[1].split(" ")[0].replace(",", ""))
     assert 3000 < logged < 3000 + 512 * 8  # checked every 512 module calls, 4 entries each
     assert "Give it the arguments of a short run" in message
+
+
+GRAD_SCALER = '''
+import torch
+
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.AdamW(model.parameters())
+scaler = torch.amp.GradScaler("cuda")
+for _ in range(3):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(torch.randn(64, 1024, device="cuda")).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+'''
+
+
+def test_a_grad_scaler_runs_as_torch_wrote_it(tmp_path):
+    """fp16 with torch.amp.GradScaler, made with CUDA emulated, is recorded as torch runs it
+    (torch/amp/grad_scaler.py): at the first step the float32 scale and int32 growth tracker
+    (_lazy_init_scale_growth_tracker) and, each step, unscale_'s found_inf (torch.full) and
+    inv_scale (scale.double().reciprocal(): 8 bytes). Its overflow check answers "none", said
+    under the assumptions; no warning claims the scaler is not modelled (one had)."""
+    (tmp_path / "fp16.py").write_text(GRAD_SCALER)
+    run = record_script(tmp_path / "fp16.py", steps=3, target=RTX4090)
+    recording = run.recording
+
+    def per_step(op, size):
+        return [
+            sum(1 for e in recording.step_events(s)
+                if e.action == "alloc" and e.size == size and dict(e.tags).get("op") == op)
+            for s in range(3)
+        ]
+
+    assert per_step("aten.full.default", 4) == [3, 1, 1]
+    assert per_step("aten.reciprocal.default", 8) == [1, 1, 1]
+    assert not any("GradScaler" in w for w in recording.warnings)
+    prediction = predict_recording(recording, target=RTX4090)
+    finite = prediction.assumptions["finite values"]
+    assert "_amp_foreach_non_finite_check_and_unscale_ x3" in finite
+    assert "GradScaler skipped no optimizer step" in finite

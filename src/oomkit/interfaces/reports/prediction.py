@@ -300,13 +300,11 @@ def render_prediction(
 
 # Warnings a user cannot act on: (what marks one, what the info line calls it). cuDNN sizes its
 # attention workspace at run time (cudnn/MHA.cpp run_cudnn_SDP_fprop / bprop) on every H100
-# prediction; GradScaler disables itself without CUDA (torch/amp/grad_scaler.py __init__), so
-# its few bytes are never modelled, enabled or not; a value read that was only logged or printed
-# (a library's own ``.item()`` logging) decides no size.
+# prediction; a value read that was only logged or printed (a library's own ``.item()``
+# logging) decides no size.
 _BENIGN: tuple[tuple[str, str], ...] = (
     ("its CUDA memory is emulated except any workspace the cuDNN", "cuDNN attention workspaces "
      "are sized by cuDNN at run time and not included"),
-    ("GradScaler is not modelled", "GradScaler's scale and found_inf tensors are not modelled"),
     ("never used as a size, a loop bound or a condition", "tensor values read only for "
      "logging got stand-ins"),
 )
@@ -315,7 +313,7 @@ _BENIGN: tuple[tuple[str, str], ...] = (
 def split_warnings(warnings: Sequence[str]) -> tuple[list[str], str]:
     """The warnings a user can act on, and one info line for the rest (``""`` when none).
 
-    Benign notes (cuDNN attention workspaces, GradScaler, values only logged) are merged, each
+    Benign notes (cuDNN attention workspaces, values only logged) are merged, each
     named once with its count: ``"cuDNN attention workspaces ... (2 notes); ..."``.
     """
     actionable: list[str] = []

@@ -65,6 +65,14 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
             f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
             "training run that proceeds"
         )
+        if "torch._amp_foreach_non_finite_check_and_unscale_" in finite:
+            # torch/amp/grad_scaler.py step: optimizer.step() runs only when found_inf is 0.
+            out["finite values"] += (
+                "; so GradScaler skipped no optimizer step (its scale, growth tracker, found_inf "
+                "and unscale_'s temporaries are recorded as torch allocates them). On a GPU, "
+                "fp16's first steps may overflow at the initial scale of 65536 and be skipped, "
+                "which creates the optimizer state a step or more later, not a higher peak"
+            )
     if reads.generation_goes_on:
         out["generation length"] = (
             f"transformers' generate asked {reads.generation_goes_on} time(s) whether every "

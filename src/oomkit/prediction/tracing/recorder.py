@@ -47,7 +47,7 @@ from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMUL
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.fake_storages import detach_saved
 from oomkit.prediction.tracing.frames import UserFrameFinder
-from oomkit.prediction.tracing.grad_scaler import count_grad_scaler_steps, grad_scaler_warnings
+from oomkit.prediction.tracing.grad_scaler import grad_scaler_warnings, watch_grad_scalers
 from oomkit.prediction.tracing.module_paths import ModulePaths, wrapper_hook_warning_silenced
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
 from oomkit.prediction.tracing.read_report import (
@@ -181,7 +181,7 @@ class Tracer:
         # CUDA behaviour of torch.optim (foreach/fused defaults) and of torch.autocast("cuda").
         stack.enter_context(cuda_optimizer_defaults())
         self._autocast = stack.enter_context(CudaAutocastEmulation(self._on_autocast_cached_cast))
-        stack.enter_context(count_grad_scaler_steps(self._grad_scaler_steps))
+        stack.enter_context(watch_grad_scalers(self._grad_scaler_steps))
         self._memory = stack.enter_context(counting_allocations(StepMemory(self._log, self._target)))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         if self._compile:
