@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -279,3 +280,76 @@ def test_a_freed_device_copy_keeps_no_host_tensor():
             assert len(host._copies) == 1  # the last batch, still referenced
             del batch
             assert host._copies == {}
+
+
+FSDP_TP_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+model = torch.nn.Sequential(
+    torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+).cuda()
+parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+fully_shard(model, mesh=mesh["dp"])
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_2d_mesh_script_counts_a_communicator_per_dimension(tmp_path):
+    """FSDP2 over the mesh's "dp" dimension and TP over its "tp": the layout is fsdp 2 x tp 4
+    (it had been fsdp 8, one communicator), so NCCL is counted for a 2-rank and a 4-rank
+    communicator, and rank 0 holds an eighth of each Linear."""
+    from oomkit.prediction.distributed_memory import nccl_of
+
+    run = _record(tmp_path, FSDP_TP_SCRIPT, world_size=8)
+    assert run.layout is not None
+    assert (run.layout.fsdp, run.layout.tp, run.layout.dp) == (2, 4, 1)
+    p = predict_recording(run.recording, target=H100)
+    weights = (1024 * 4096 + 4096 + 4096 * 1024) * 4
+    # Colwise shards the first Linear's weight and bias, rowwise the second's weight (its bias
+    # is replicated over TP); FSDP2 halves each again.
+    assert p.peak_allocated_at.by_category_bytes["parameter"] == (weights // 4 + 1024 * 4) // 2
+    memory, _ = nccl_of(dataclasses.replace(H100, parallel=run.layout))
+    assert memory is not None
+    fixed = [what for what, _, _ in memory.lines if what.endswith("fixed cost beside its buffers")]
+    assert fixed == [
+        "NCCL fsdp communicator (2 ranks): fixed cost beside its buffers",
+        "NCCL tp communicator (4 ranks): fixed cost beside its buffers",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("meshes", "wrapped", "expected", "noted"),
+    [
+        ([], False, {"fsdp": 8}, False),
+        ([], True, {"dp": 8}, False),
+        ([((8,), ("tp",))], False, {"tp": 8}, False),
+        ([((2, 4), ("dp", "tp"))], False, {"fsdp": 2, "tp": 4}, False),
+        ([((2, 4), ("dp_replicate", "dp_shard"))], False, {"dp": 2, "fsdp": 4}, False),
+        # the mesh of the most dimensions over every rank; a mesh over some ranks is not it
+        ([((2, 2), ("dp", "tp")), ((8,), None), ((2, 4), ("fsdp", "tp"))], True,
+         {"fsdp": 2, "tp": 4}, False),
+        # no names (or two of one role): replicas, then shards, then TP, said in a note
+        ([((2, 4), None)], False, {"dp": 2, "fsdp": 4}, True),
+        ([((2, 2, 2), ("a", "b", "c"))], False, {"dp": 2, "fsdp": 2, "tp": 2}, True),
+        ([((2, 4), ("shard_a", "shard_b"))], False, {"dp": 2, "fsdp": 4}, True),
+    ],
+)
+def test_a_scripts_layout_is_its_device_mesh(meshes, wrapped, expected, noted):
+    from oomkit.core.target import ParallelLayout
+    from oomkit.prediction.tracing.cuda_ranks import script_layout
+
+    layout, note = script_layout(8, wrapped, meshes)
+    assert layout == ParallelLayout(**expected)
+    assert (note is not None) == noted

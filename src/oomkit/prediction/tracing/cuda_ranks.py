@@ -28,7 +28,9 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
   ``rank`` given that is not the recorded one is refused. ``destroy_process_group()`` leaves it
   to the recording, which destroys it when done.
 - ``init_device_mesh("cuda", shape)`` makes the mesh on the fake device (``cpu``), outside
-  ``FakeTensorMode`` as a mesh must be (``distributed._meshes_on_the_host``).
+  ``FakeTensorMode`` as a mesh must be (``distributed._meshes_on_the_host``). Each mesh made is
+  noted (``meshes``): a script's layout is its mesh's (``script_layout``), a process group
+  per dimension and so an NCCL communicator each.
 - ``DistributedDataParallel(model, device_ids=[local_rank], output_device=local_rank)``: the
   device ids are dropped; on one device DDP needs none (torch/nn/parallel/distributed.py
   ``__init__``: "For single-device modules, ``device_ids`` can contain exactly one device id
@@ -41,6 +43,7 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -48,10 +51,24 @@ from typing import Any
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.gpus.nccl import DEFAULT_GPUS_PER_NODE
+from oomkit.core.target import ParallelLayout
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 
-__all__ = ["as_cuda_rank"]
+__all__ = ["MeshShape", "as_cuda_rank", "script_layout"]
+
+# A device mesh made by the code: its sizes, outermost first, and its dimension names (or None).
+MeshShape = tuple[tuple[int, ...], tuple[str, ...] | None]
+
+# A mesh dimension's role, by the words its name holds, tried in order ("dp_replicate" is DDP's
+# replicas and "dp_shard" FSDP2's: torchtitan/distributed/parallel_dims.py build_mesh).
+_ROLE_WORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tp", ("tp", "tensor")),
+    ("pp", ("pp", "pipe")),
+    ("cp", ("cp", "context")),
+    ("dp", ("replicate", "ddp")),
+    ("fsdp", ("shard", "fsdp", "dp", "data")),
+)
 
 # The names under which torch exports init_device_mesh and init_process_group: user code and
 # FSDP2 (_fsdp_init.py) call whichever they imported.
@@ -65,7 +82,13 @@ _GROUP_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
 
 @contextlib.contextmanager
-def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) -> Iterator[None]:
+def as_cuda_rank(
+    world_size: int,
+    *,
+    rank: int = 0,
+    gpu: GpuSpec | None = None,
+    meshes: list[MeshShape] | None = None,
+) -> Iterator[None]:
     """While open, code written for torchrun on CUDA runs as ``rank`` of the fake group.
 
     Open it inside ``distributed.fake_process_group`` and ``FakeTensorMode`` (module docstring).
@@ -74,6 +97,7 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
         world_size: the ranks of the fake group.
         rank: the rank recorded.
         gpu: the GPU ``torch.cuda`` reports; ``None``: an enclosing block's, else an H100.
+        meshes: where to note each ``init_device_mesh`` the code makes; ``None``: not noted.
     """
     with contextlib.ExitStack() as stack:
         # A torchrun worker sees its node's GPUs (Lightning's Trainer(devices=4) checks them).
@@ -81,7 +105,7 @@ def as_cuda_rank(world_size: int, *, rank: int = 0, gpu: GpuSpec | None = None) 
         stack.enter_context(as_one_cuda_gpu(gpu, lands_on="cpu", devices=devices))
         stack.enter_context(_torchrun_environment(world_size, rank))
         stack.enter_context(_the_fake_group_joined(world_size, rank))
-        stack.enter_context(_cuda_meshes_on_the_fake_device())
+        stack.enter_context(_cuda_meshes_on_the_fake_device(meshes))
         stack.enter_context(_ddp_device_ids_dropped())
         yield
 
@@ -153,8 +177,9 @@ def _the_fake_group_joined(world_size: int, rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _cuda_meshes_on_the_fake_device() -> Iterator[None]:
-    """``init_device_mesh("cuda", ...)`` is a ``cpu`` mesh, made with the fake mode paused."""
+def _cuda_meshes_on_the_fake_device(meshes: list[MeshShape] | None) -> Iterator[None]:
+    """``init_device_mesh("cuda", ...)`` is a ``cpu`` mesh, made with the fake mode paused
+    (and noted in ``meshes``)."""
     # Imported first, so the names they bound from device_mesh are there to patch.
     import torch.distributed.fsdp._fully_shard._fsdp_init
     import torch.distributed.tensor  # noqa: F401
@@ -167,7 +192,10 @@ def _cuda_meshes_on_the_fake_device() -> Iterator[None]:
         if device_type.split(":")[0] == "cuda":
             device_type = "cpu"
         with unset_fake_temporarily():
-            return original(device_type, *args, **kwargs)
+            mesh = original(device_type, *args, **kwargs)
+        if meshes is not None:
+            meshes.append((tuple(mesh.mesh.shape), mesh.mesh_dim_names))
+        return mesh
 
     with _patched_everywhere(_MESH_MODULES, "init_device_mesh", init_device_mesh):
         yield
@@ -192,3 +220,44 @@ def _ddp_device_ids_dropped() -> Iterator[None]:
         yield
     finally:
         DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
+
+
+def script_layout(
+    world_size: int, ddp_wrapped: bool, meshes: list[MeshShape]
+) -> tuple[ParallelLayout, str | None]:
+    """A torchrun script's layout for NCCL's communicators, and a note where it is a guess.
+
+    The script's device mesh of the most dimensions over all ``world_size`` ranks (the last
+    such) gives one communicator per dimension of more than one rank, as torch makes a process
+    group per dimension (torch/distributed/device_mesh.py ``_init_process_groups``); its
+    dimension names give their roles (``_ROLE_WORDS``). Without a mesh of more than one
+    dimension: ``dp`` when the script wrapped DDP, else ``fsdp`` (one communicator over all).
+    """
+    whole = [m for m in meshes if math.prod(m[0]) == world_size]
+    shape, names = max(reversed(whole), key=lambda m: len(m[0]), default=((world_size,), None))
+    if len(shape) == 1 and (names is None or _role(names[0]) is None):
+        one = ParallelLayout(dp=world_size) if ddp_wrapped else ParallelLayout(fsdp=world_size)
+        return one, None
+    roles: list[str | None] = (
+        [None] * len(shape) if names is None else [_role(name) for name in names]
+    )
+    if None in roles or len(set(roles)) < len(roles):
+        # No names, or two dimensions of one role: replicas outermost, then shards, then TP.
+        guess = ("dp", "fsdp", "tp", "cp", "pp")[: len(shape)]
+        if len(shape) > len(guess):
+            return ParallelLayout(fsdp=world_size), None
+        said = ", ".join(f"{n} {s}" for n, s in zip(guess, shape, strict=True))
+        note = (
+            f"the script's device mesh {tuple(shape)} (names {names}) does not name each "
+            f"dimension's role: NCCL's communicators are counted as {said}"
+        )
+        roles = list(guess)
+    else:
+        note = None
+    degrees = {role: size for role, size in zip(roles, shape, strict=True) if role is not None}
+    return ParallelLayout(**degrees), note
+
+
+def _role(name: str) -> str | None:
+    lowered = name.lower()
+    return next((role for role, words in _ROLE_WORDS if any(w in lowered for w in words)), None)

@@ -40,7 +40,7 @@ from oomkit.prediction.tracing.collectives import (
     COLLECTIVE_EMULATIONS,
     sharding_propagation_untraced,
 )
-from oomkit.prediction.tracing.cuda_ranks import as_cuda_rank
+from oomkit.prediction.tracing.cuda_ranks import MeshShape, as_cuda_rank
 from oomkit.prediction.tracing.emulation import DEFAULT_EMULATIONS, EmulationContext, OpEmulation
 from oomkit.prediction.tracing.fake_ddp import DDP_NOTE, FakeDdp
 from oomkit.prediction.tracing.fake_storages import mark_host
@@ -385,6 +385,8 @@ class FakeWorld:
                 **self.async_tp.emulations}
         self.uses = CollectiveUses()  # the GPU's timeline of collectives (stream_timeline.py)
         self.ddp = FakeDdp()
+        # The device meshes the code made (init_device_mesh), for a script's layout.
+        self.meshes: list[MeshShape] = []
         # The reducer's host read of its used map (find_unused_parameters: fake_ddp.py).
         base["aten._local_scalar_dense.default"] = self.ddp.used_map_read
         self.tracer = Tracer(emulations={**base, **self.uses.emulations(base)}, gpu=gpu,
@@ -411,7 +413,8 @@ class FakeWorld:
 
     def as_rank(self) -> contextlib.AbstractContextManager[None]:
         """Code written for torchrun on CUDA runs as the recorded rank (cuda_ranks.py)."""
-        return as_cuda_rank(self.world_size, rank=self.rank, gpu=self.tracer.gpu)
+        return as_cuda_rank(self.world_size, rank=self.rank, gpu=self.tracer.gpu,
+                            meshes=self.meshes)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[Tracer]:

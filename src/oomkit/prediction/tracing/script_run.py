@@ -128,9 +128,10 @@ class ScriptRun:
             first; a warning in ``recording`` then says so).
         saves_skipped: ``torch.save`` calls that were not written.
         notes: what the run's warnings say about it (steps fewer than asked, saves skipped).
-        layout: a torchrun script's ranks (``world_size``) as a layout for NCCL's communicator
-            over them: DDP replicas when it wrapped a model in DDP, else FSDP ranks; ``None``
-            for one GPU.
+        layout: a torchrun script's ranks (``world_size``) as a layout for NCCL's
+            communicators: its device mesh's dimensions (``cuda_ranks.script_layout``), else
+            one communicator over all, DDP replicas when it wrapped a model in DDP, else FSDP
+            ranks; ``None`` for one GPU.
     """
 
     recording: TraceRecording
@@ -538,14 +539,17 @@ def record_script(
         )
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
+    layout = None
+    if world is not None and world_size is not None:
+        from oomkit.prediction.tracing.cuda_ranks import script_layout
+
+        layout, guessed = script_layout(world_size, bool(world.ddp.wrapped), world.meshes)
+        if guessed is not None:
+            notes.append(guessed)
     recording = tracer.recording if world is None else world.recorded()
     watch.report(watch.entries, ended=True)
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
-    layout = None
-    if world is not None and world_size is not None:
-        wrapped = world.ddp.wrapped
-        layout = ParallelLayout(dp=world_size) if wrapped else ParallelLayout(fsdp=world_size)
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes), layout)
 
 
