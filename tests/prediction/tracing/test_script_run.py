@@ -433,3 +433,5 @@ def test_a_grad_scaler_runs_as_torch_wrote_it(tmp_path):
     finite = prediction.assumptions["finite values"]
     assert "_amp_foreach_non_finite_check_and_unscale_ x3" in finite
     assert "GradScaler skipped no optimizer step" in finite
+    # step()'s read of found_inf is that line's: not said twice (as "read at grad_scaler.py")
+    assert not [k for k in prediction.assumptions if "grad_scaler.py" in k]

@@ -43,12 +43,21 @@ def compile_assumptions(graphs: Counter[str]) -> dict[str, str]:
     }
 
 
+# GradScaler's overflow check (torch/amp/grad_scaler.py _unscale_grads_), counted when answered.
+_SCALER_READ = "torch._amp_foreach_non_finite_check_and_unscale_"
+
+
 def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
     """``{"read at masking_utils.py:292 in _ignore_causal_mask_sdpa": "bool() = True, ..."}``."""
     out: dict[str, str] = {}
+    finite = reads.assumed_finite + known.assumed_finite
     for record in reads.records.values():
         if record.outcome == "stand-in":
             continue
+        if _SCALER_READ in finite and record.site.filename.replace("\\", "/").endswith(
+            "torch/amp/grad_scaler.py"
+        ):
+            continue  # GradScaler.step's read of found_inf: the finite-values line says it
         key = f"read at {record.site.key} in {record.site.function}"
         if record.outcome == "stated":
             how = "as stated (--value / values=)"
@@ -58,14 +67,13 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
             ) + ")"
         text = f"{record.kind} = {record.value}, {how}; {record.count} time(s)"
         out[key] = f"{out[key]}; {text}" if key in out else text
-    finite = reads.assumed_finite + known.assumed_finite
     if finite:
         ops = ", ".join(f"{name} x{n}" for name, n in sorted(finite.items()))
         out["finite values"] = (
             f"tests of unknown tensors for nan/inf ({ops}) answered as for finite values, as in a "
             "training run that proceeds"
         )
-        if "torch._amp_foreach_non_finite_check_and_unscale_" in finite:
+        if _SCALER_READ in finite:
             # torch/amp/grad_scaler.py step: optimizer.step() runs only when found_inf is 0.
             out["finite values"] += (
                 "; so GradScaler skipped no optimizer step (its scale, growth tracker, found_inf "
