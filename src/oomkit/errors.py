@@ -82,7 +82,7 @@ class UnsupportedOpError(OomkitError, ValueError):
 
 
 class DataDependentValueError(UnsupportedOpError):
-    """A tensor value oomkit cannot know on the meta device decides a size, a loop or a branch."""
+    """A tensor value oomkit cannot know without a GPU decides a size, a loop or a branch."""
 
 
 class EmptyRecordingError(OomkitError, ValueError):

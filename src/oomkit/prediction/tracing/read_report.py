@@ -117,7 +117,7 @@ def read_warnings(
             )
         out.append(
             f"{record.site.describe()}: {record.kind} read a tensor value that oomkit cannot know "
-            f"on the meta device ({record.count} time(s)); {fate}. If it matters, state it: "
+            f"without a GPU ({record.count} time(s)); {fate}. If it matters, state it: "
             f"--value {key}=NUMBER (values={{{key!r}: NUMBER}} in oomkit.predict)"
         )
     for key in reads.unused_stated():

@@ -216,7 +216,7 @@ def refuse_unknown(kind: str, use: str, site: ReadSite | None) -> NoReturn:
     """Raise for ``kind`` (``bool()``) of an unknown tensor used as ``use`` (``a condition``)."""
     where = site.describe() if site is not None else "the step"
     raise DataDependentValueError(
-        f"{where}: {kind} of a tensor whose values oomkit cannot know on the meta device is "
+        f"{where}: {kind} of a tensor whose values oomkit cannot know without a GPU is "
         f"used as {use}, which can change what the step allocates. "
         + (_advice(site, "it") if site is not None else "")
     )
