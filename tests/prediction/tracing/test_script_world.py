@@ -353,3 +353,68 @@ def test_a_scripts_layout_is_its_device_mesh(meshes, wrapped, expected, noted):
     layout, note = script_layout(8, wrapped, meshes)
     assert layout == ParallelLayout(**expected)
     assert (note is not None) == noted
+
+
+SPAWN_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = DDP(torch.nn.Linear(512, 1024).to(rank), device_ids=[rank])
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(5):
+        model(torch.randn(32, 512, device=rank)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    JOIN
+"""
+
+
+@pytest.mark.parametrize(
+    "join",
+    [
+        "mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)",
+        # join=False: the caller joins the context itself
+        "ctx = mp.spawn(train, args=(world_size,), nprocs=world_size, join=False)\n"
+        "    while not ctx.join():\n        pass",
+        "mp.start_processes(train, args=(world_size,), nprocs=world_size, start_method='fork')",
+    ],
+)
+def test_an_mp_spawn_script_runs_rank_0_in_process(tmp_path, join):
+    """`mp.spawn(train, args=(world_size,), nprocs=torch.cuda.device_count())` under
+    --world-size 4: train(0, 4) runs here as rank 0 of the fake group (a spawned process had
+    no emulated CUDA: "Distributed package doesn't have NCCL built in"); its tensors made
+    with device=rank (a bare index: CUDA's) are recorded. The replica holds the Linear,
+    its gradient, DDP's bucket and AdamW's two states."""
+    run = _record(tmp_path, SPAWN_SCRIPT.replace("JOIN", join), world_size=4)
+    assert run.steps_recorded == 3
+    assert run.layout is not None and run.layout.dp == 4
+    by = predict_recording(run.recording, target=H100).peak_allocated_at.by_category_bytes
+    assert by["parameter"] == LINEAR_BYTES
+    assert by["optimizer_state"] == 2 * LINEAR_BYTES
+    assert by["ddp_bucket"] == LINEAR_BYTES
+
+
+def test_an_mp_spawn_script_without_world_size_names_its_init_line(tmp_path):
+    """On one emulated GPU the script spawns one rank, which runs here and is refused at its
+    init_process_group line with what to give, not a spawned process's NCCL traceback."""
+    from oomkit.errors import UserCodeError
+
+    join = "mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)"
+    said = r"train.py:12 calls torch.distributed.init_process_group.*--world-size 8"
+    with pytest.raises(UserCodeError, match=said):
+        (tmp_path / "train.py").write_text(textwrap.dedent(SPAWN_SCRIPT.replace("JOIN", join)))
+        record_script(tmp_path / "train.py", target=H100, cwd=tmp_path)

@@ -186,4 +186,5 @@ def _host_work(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
     device = kwargs.get("device")
     if device is None:
         return cuda_default() is None
-    return torch.device(device).type == "cpu"
+    # device=local_rank, a bare index, is CUDA's (torch.device(0) would ask for the accelerator).
+    return not is_cuda(device) and torch.device(device).type == "cpu"

@@ -58,6 +58,7 @@ from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu, entries_recor
 from oomkit.prediction.tracing.cuda_streams import current_stream_id
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.spawned_ranks import spawn_runs_rank_0
 from oomkit.prediction.tracing.step_failure import (
     exit_call,
     failure_site,
@@ -495,6 +496,7 @@ def record_script(
                 stack.enter_context(cuda_autocast_construction())
                 stack.enter_context(_distributed_refused(where))
             stack.enter_context(_saves_skipped(saves))
+            stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(os_exit_raises())
