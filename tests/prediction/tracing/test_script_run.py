@@ -435,3 +435,28 @@ def test_a_grad_scaler_runs_as_torch_wrote_it(tmp_path):
     assert "GradScaler skipped no optimizer step" in finite
     # step()'s read of found_inf is that line's: not said twice (as "read at grad_scaler.py")
     assert not [k for k in prediction.assumptions if "grad_scaler.py" in k]
+
+
+def test_a_failure_inside_deepspeed_says_it_is_not_modelled_and_what_to_use(tmp_path):
+    """deepspeed.initialize fails without a GPU (its fused Adam needs CUDA_HOME): the error
+    says DeepSpeed's engine is not modelled and names FSDP2 (--world-size / --fsdp), not only
+    the library's internal error."""
+    package = tmp_path / "deepspeed"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "def initialize(**kwargs):\n"
+        "    raise OSError('CUDA_HOME environment variable is not set.')\n"
+    )
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        import deepspeed
+
+        model = torch.nn.Linear(8, 8).cuda()
+        engine = deepspeed.initialize(model=model, config={})
+    """))
+    with pytest.raises(UserCodeError) as raised:
+        record_script(tmp_path / "train.py", cwd=tmp_path)
+    said = str(raised.value)
+    assert "OSError: CUDA_HOME environment variable is not set." in said
+    assert "DeepSpeed's engine is not modelled" in said
+    assert "--world-size N (a script) or --fsdp N (a builder)" in said

@@ -74,6 +74,33 @@ _HOST_MEETS_DEVICE = (
 )
 
 
+# Training libraries whose own engine oomkit does not run, with what to do instead: a failure
+# anywhere inside one is said as that, not as the library's internal error.
+_NOT_MODELLED: dict[str, str] = {
+    "deepspeed": (
+        "DeepSpeed's engine is not modelled: deepspeed.initialize builds CUDA kernels of its own "
+        "(fused Adam, JIT-compiled with the CUDA toolkit) and keeps ZeRO's partitions in flat "
+        "buffers of its own, neither of which runs without a GPU. FSDP2 shards as ZeRO-3 does "
+        "(parameters, gradients and optimizer state over the ranks): write the step with "
+        "torch's fully_shard and predict it with --world-size N (a script) or --fsdp N (a "
+        "builder). ZeRO-1 shards the optimizer state and ZeRO-2 the gradients too, both keeping "
+        "whole parameters: between --dp N and --fsdp N"
+    ),
+}
+
+
+def _not_modelled_library(exc: BaseException) -> str | None:
+    """What to say when ``exc`` came from inside a library of ``_NOT_MODELLED``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        parts = tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/")
+        for name, said in _NOT_MODELLED.items():
+            if name in parts[:-1]:
+                return said
+        tb = tb.tb_next
+    return None
+
+
 def reads_device_values(exc: BaseException) -> bool:
     """Whether ``exc`` is torch refusing to hand out a meta tensor's values (``.numpy()``)."""
     return any(marker in str(exc) for marker in _DEVICE_MOVES)
@@ -131,6 +158,9 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
         at += f" (inside {site.library})"
     where = f"the step failed {at}"
     text = f"{type(exc).__name__}: {exc}".strip()
+    library = _not_modelled_library(exc)
+    if library is not None:
+        return f"the step raised {text}, {at}. {library}"
     if reads_device_values(exc):
         return (
             f"{where}: a device move that reads values ({text}). Tensors on the traced GPU "
