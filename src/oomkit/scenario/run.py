@@ -41,6 +41,7 @@ __all__ = [
     "predicting",
     "require_torch_for",
     "scenario_target",
+    "script_command",
     "tracing_jobs",
 ]
 
@@ -109,10 +110,14 @@ class ScriptWorkload:
     @property
     def description(self) -> str:
         """The command line it runs."""
-        if self.world_size is not None:
-            return " ".join(["torchrun", f"--nproc-per-node={self.world_size}", self.path,
-                             *self.argv])
-        return " ".join(["python", self.path, *self.argv])
+        return script_command(self.path, self.argv, self.world_size)
+
+
+def script_command(path: str, argv: tuple[str, ...], world_size: int | None) -> str:
+    """``python train.py ARGS``, or ``torchrun --nproc-per-node=N train.py ARGS``."""
+    if world_size is not None:
+        return " ".join(["torchrun", f"--nproc-per-node={world_size}", path, *argv])
+    return " ".join(["python", path, *argv])
 
 
 @dataclass

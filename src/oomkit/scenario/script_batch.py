@@ -136,8 +136,8 @@ class ScriptBatches:
     The first batch is recorded before the search (``first``): a script that sets
     ``PYTORCH_CUDA_ALLOC_CONF`` itself, or wraps DDP / ``fully_shard`` under ``--world-size``,
     changes the target every batch is replayed on (its allocator setting; NCCL's communicator),
-    as ``predict_script`` applies them. Recordings are kept by what they depend on, so the
-    search does not record that batch twice.
+    as ``predict_script`` applies them. That recording is kept until the search asks for it,
+    so the batch is not recorded twice.
     """
 
     def __init__(self, scenario: Scenario, steps: int) -> None:
@@ -146,7 +146,9 @@ class ScriptBatches:
         self.name = batch_arg_of(model.script, model.script_args, model.script_batch_arg)
         self._scenario = scenario
         self._steps = steps
-        self._recorded: dict[tuple[Any, ...], tuple[Any, str]] = {}
+        # The first batch's recording until the search asks for it (``first``): each other
+        # batch is recorded when asked, and not kept.
+        self._first_recorded: tuple[tuple[Any, ...], tuple[Any, str]] | None = None
         # Bytes allocated by category -> the batch recorded with them (``_check_sized``).
         self._sized: dict[tuple[tuple[str, int], ...], int] = {}
         # The NCCL layout of a --world-size script's communicator (ScriptRun.layout).
@@ -160,7 +162,8 @@ class ScriptBatches:
         """Record ``batch_size``; return the target every batch is replayed on and the
         warnings that come with it (the script's own allocator setting)."""
         with watching_own_setting() as own:
-            self.record(batch_size, target, self._steps)
+            recorded = self.record(batch_size, target, self._steps)
+        self._first_recorded = (self._key(batch_size, target, self._steps), recorded)
         warned: list[str] = []
         if self._layout is not None and target.parallel is None:
             target = dataclasses.replace(target, parallel=self._layout)
@@ -176,15 +179,12 @@ class ScriptBatches:
         """(the recording of the script run with its batch argument at ``batch_size``, its
         command line)."""
         from oomkit.prediction.tracing.script_run import record_script
+        from oomkit.scenario.run import script_command
 
-        gpu = target.gpu
-        # What a recording depends on: the GPU the script sees (torch.cuda reports its name,
-        # memory and capability), the versions that pick kernels, the steps. The margin a
-        # search adds is context overhead, which the recording does not see.
-        key = (batch_size, steps, gpu.name, gpu.total_memory_bytes, gpu.compute_capability,
-               target.cudnn_version, target.torch_version)
-        if key in self._recorded:
-            return self._recorded[key]
+        first = self._first_recorded
+        if first is not None and first[0] == self._key(batch_size, target, steps):
+            self._first_recorded = None
+            return first[1]
         model, step = self._scenario.model, self._scenario.step
         assert model.script is not None
         argv = self.argv(batch_size)
@@ -193,11 +193,17 @@ class ScriptBatches:
         recording = run.recording
         self._layout = run.layout
         self._check_sized(batch_size, recording.bytes_by_category)
-        words = ["python", model.script, *argv] if model.script_world_size is None else [
-            "torchrun", f"--nproc-per-node={model.script_world_size}", model.script, *argv
-        ]
-        self._recorded[key] = (recording, " ".join(words))
-        return self._recorded[key]
+        return recording, script_command(model.script, argv, model.script_world_size)
+
+    @staticmethod
+    def _key(batch_size: int, target: Target, steps: int) -> tuple[Any, ...]:
+        """What a recording depends on: the batch, the steps, the GPU the script sees
+        (torch.cuda reports its name, memory and capability) and the versions that pick
+        kernels. The margin a search adds is context overhead, which the recording does not
+        see."""
+        gpu = target.gpu
+        return (batch_size, steps, gpu.name, gpu.total_memory_bytes, gpu.compute_capability,
+                target.cudnn_version, target.torch_version)
 
     def _check_sized(self, batch_size: int, allocated: Mapping[Any, int]) -> None:
         """Two batches that allocate exactly the same: the argument sizes nothing between
