@@ -276,6 +276,15 @@ class CudaAutocastEmulation:
         # autocast.__exit__ calls torch.clear_autocast_cache() when the nesting returns to 0.
         torch.clear_autocast_cache = clear_autocast_cache
         stack.callback(setattr, torch, "clear_autocast_cache", original_clear)
+        # Code that asks the autocast state of its tensors' device (trl's chunked log-probs:
+        # torch.is_autocast_enabled(hidden.device.type)) asks it of "meta", which stands for
+        # "cuda" and has no autocast state (autocast_mode.cpp
+        # get_autocast_dispatch_key_from_device_type raises "unknown device type").
+        for name in ("is_autocast_enabled", "get_autocast_dtype"):
+            original = getattr(torch, name, None)
+            if original is not None:
+                setattr(torch, name, _meta_as_cuda(original))
+                stack.callback(setattr, torch, name, original)
 
     # ------------------------------------------------------------------ casting
 
@@ -411,6 +420,20 @@ def _promote_type(leaves: list[Any]) -> torch.dtype:
 
 # Set on autocast objects built under cuda_autocast_construction (as a CUDA build builds them).
 _BUILT_AS_CUDA = "_oomkit_built_as_cuda"
+
+
+def _meta_as_cuda(query: Callable[..., Any]) -> Callable[..., Any]:
+    """``query(device_type, ...)`` asked of ``"cuda"`` where it names ``"meta"``."""
+
+    @functools.wraps(query)
+    def asked(*args: Any, **kwargs: Any) -> Any:
+        if args and args[0] == "meta":
+            args = ("cuda", *args[1:])
+        if kwargs.get("device_type") == "meta":
+            kwargs["device_type"] = "cuda"
+        return query(*args, **kwargs)
+
+    return asked
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
 from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
+from oomkit.prediction.tracing.hf_loading import hf_loading_onto_cuda
 from oomkit.prediction.tracing.module_moves import (
     module_moves_keep_sharing,
     module_to_index_is_cuda,
@@ -499,6 +500,7 @@ def as_one_cuda_gpu(
             restoring_on(device),
             user_streams(),
             data_parallel_on_one_gpu(),
+            hf_loading_onto_cuda(),
             _CudaOnMeta(device),
         ):
             yield
