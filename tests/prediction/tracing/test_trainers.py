@@ -73,8 +73,8 @@ def test_lightning_fp16_mixed_runs_with_its_grad_scaler_answered(plain):
     user = load_user_step(f"{BUILDERS}:lightning_fit_fp16", batch_size=BATCH, seq_len=SEQ)
     prediction = predict(user.step_fn, track=user.track, steps=3, target=Target.resolve("h100"))
     assert "precision 16-mixed" in user.description
-    assert any("grad_scaler.py" in read for read in prediction.assumptions)
-    assert "finite values" in prediction.assumptions
+    # GradScaler.step's read of found_inf is the finite-values line's (said once)
+    assert "GradScaler skipped no optimizer step" in prediction.assumptions["finite values"]
     # fp16 activations cost what bf16 ones do: the same peak as the bf16 plain loop, within 5%.
     assert abs(prediction.peak_allocated_bytes - plain[0]) / plain[0] < 0.05
 

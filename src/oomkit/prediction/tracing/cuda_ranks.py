@@ -193,8 +193,8 @@ def _cuda_meshes_on_the_fake_device(meshes: list[MeshShape] | None) -> Iterator[
             device_type = "cpu"
         with unset_fake_temporarily():
             mesh = original(device_type, *args, **kwargs)
-        if meshes is not None:
-            meshes.append((tuple(mesh.mesh.shape), mesh.mesh_dim_names))
+            if meshes is not None:  # its rank tensor is a host tensor, read outside the fake mode
+                meshes.append((tuple(mesh.mesh.shape), mesh.mesh_dim_names))
         return mesh
 
     with _patched_everywhere(_MESH_MODULES, "init_device_mesh", init_device_mesh):
