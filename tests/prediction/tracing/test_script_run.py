@@ -460,3 +460,43 @@ def test_a_failure_inside_deepspeed_says_it_is_not_modelled_and_what_to_use(tmp_
     assert "OSError: CUDA_HOME environment variable is not set." in said
     assert "DeepSpeed's engine is not modelled" in said
     assert "--world-size N (a script) or --fsdp N (a builder)" in said
+
+
+BATCH_FINDER = '''
+import torch
+from accelerate.utils import find_executable_batch_size
+
+
+@find_executable_batch_size(starting_batch_size=64)
+def train(batch_size):
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.SGD(model.parameters())
+    for _ in range(3):
+        model(torch.randn(batch_size, 256, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+train()
+'''
+
+
+def test_a_script_that_finds_its_batch_by_catching_ooms_says_so(tmp_path):
+    """accelerate's find_executable_batch_size retries smaller batches on an OOM, which the
+    emulated GPU never raises: the run is its starting batch's, and a warning says so (and
+    how to find the batch that fits); accelerate is put back after."""
+    pytest.importorskip("accelerate")
+    import accelerate.utils
+    import accelerate.utils.memory
+
+    before = (accelerate.utils.find_executable_batch_size,
+              accelerate.utils.memory.find_executable_batch_size)
+    (tmp_path / "finder.py").write_text(BATCH_FINDER)
+    run = record_script(tmp_path / "finder.py", steps=3, target=RTX4090)
+    said = [w for w in run.recording.warnings if "find_executable_batch_size" in w]
+    assert len(said) == 1 and "starting at 64" in said[0] and "oomkit fit" in said[0]
+    inputs = [e.size for e in run.recording.events
+              if e.action == "alloc" and dict(e.tags).get("category") == "input"]
+    assert inputs and set(inputs) == {64 * 256 * 4}
+    assert (accelerate.utils.find_executable_batch_size,
+            accelerate.utils.memory.find_executable_batch_size) == before

@@ -53,6 +53,7 @@ from oomkit.core.target import ParallelLayout, Target
 from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
+from oomkit.prediction.tracing.batch_finders import batch_finder_note, batch_finders_noticed
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu, entries_recorded
 from oomkit.prediction.tracing.cuda_streams import current_stream_id
@@ -462,6 +463,7 @@ def record_script(
         emulations = emulations_for(target.cudnn_version, target.torch_version)
     where = spec.path
     saves = [0]
+    finder_starts: list[int] = []  # accelerate's find_executable_batch_size (batch_finders.py)
     world: FakeWorld | None = None
     if world_size is not None:
         from oomkit.prediction.tracing.distributed import FakeWorld
@@ -497,6 +499,7 @@ def record_script(
                 stack.enter_context(_distributed_refused(where))
             stack.enter_context(_saves_skipped(saves))
             stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
+            stack.enter_context(batch_finders_noticed(finder_starts))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(os_exit_raises())
@@ -541,6 +544,9 @@ def record_script(
         )
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
+    finder = batch_finder_note(finder_starts, spec.path)
+    if finder is not None:
+        notes.append(finder)
     layout = None
     if world is not None and world_size is not None:
         from oomkit.prediction.tracing.cuda_ranks import script_layout
