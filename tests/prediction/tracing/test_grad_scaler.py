@@ -10,24 +10,29 @@ import torch
 from oomkit.prediction.tracing import trace_step
 
 
-def test_grad_scaler_step_is_warned_about_with_its_count():
-    """A scaler made in this session without CUDA (torch disables it), two steps: one warning
-    that names it, says it stepped twice and what a GPU's would hold."""
+def _two_steps(scaler_of):
+    """Two traced steps of a Linear through ``scaler_of()``'s scale, step and update."""
     with torch.device("meta"):
         model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no CUDA here: the scaler disables itself
-        scaler = torch.amp.GradScaler("cuda")
 
     def step(model, optimizer, x):
+        scaler = scaler_of()
         scaler.scale(model(x).sum()).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
 
-    x = torch.randn(2, 4, device="meta")
-    recording = trace_step(step, model, optimizer, x, steps=2)
+    return trace_step(step, model, optimizer, torch.randn(2, 4, device="meta"), steps=2)
+
+
+def test_grad_scaler_step_is_warned_about_with_its_count():
+    """A scaler made in this session without CUDA (torch disables it), two steps: one warning
+    that names it, says it stepped twice and what a GPU's would hold."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: the scaler disables itself
+        scaler = torch.amp.GradScaler("cuda")
+    recording = _two_steps(lambda: scaler)
     assert len(recording.warnings) == 1
     assert recording.warnings[0].startswith("a disabled torch.amp.GradScaler stepped 2 time(s)")
     assert "make it in the builder or the step" in recording.warnings[0]
@@ -36,20 +41,8 @@ def test_grad_scaler_step_is_warned_about_with_its_count():
 def test_a_scaler_made_in_the_step_is_recorded_without_a_warning():
     """Made inside the recording (CUDA emulated), the scaler is enabled: its float32 scale and
     int32 growth tracker are allocated at its first scale(), and nothing is warned."""
-    with torch.device("meta"):
-        model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     made = {}
-
-    def step(model, optimizer, x):
-        scaler = made.setdefault("scaler", torch.amp.GradScaler("cuda"))
-        scaler.scale(model(x).sum()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-
-    x = torch.randn(2, 4, device="meta")
-    recording = trace_step(step, model, optimizer, x, steps=2)
+    recording = _two_steps(lambda: made.setdefault("scaler", torch.amp.GradScaler("cuda")))
     assert recording.warnings == ()
     fulls = [e.size for e in recording.step_events(0)
              if e.action == "alloc" and dict(e.tags).get("op") == "aten.full.default"]
