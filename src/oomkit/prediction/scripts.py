@@ -16,6 +16,7 @@ This module never imports torch itself; ``predict_script`` imports the tracer wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,7 +97,7 @@ def predict_script(
 
     try:
         from oomkit.prediction.tracing.emulations import current_sdpa_settings
-        from oomkit.prediction.tracing.script_run import record_script
+        from oomkit.prediction.tracing.script_run import ScriptOutOfMemory, record_script
     except ImportError as exc:
         if "torch" not in str(exc):
             raise
@@ -104,18 +105,18 @@ def predict_script(
             "oomkit predict runs your script on the meta device and needs torch; install it "
             "with `pip install oomkit[torch]`"
         ) from exc
+    recording_of = functools.partial(
+        record_script, path, argv, steps=steps, cwd=cwd, target=resolved, values=values,
+        compile=compile, progress=progress, world_size=world_size,
+    )
     with watching_own_setting() as own:
-        run = record_script(
-            path,
-            argv,
-            steps=steps,
-            cwd=cwd,
-            target=resolved,
-            values=values,
-            compile=compile,
-            progress=progress,
-            world_size=world_size,
-        )
+        try:
+            # Out-of-memory errors raised where the GPU would raise them: a script that catches
+            # them (a batch finder) goes on as it would there.
+            run = recording_of(ooms=True)
+        except ScriptOutOfMemory:
+            # Not caught: the whole run on a GPU without a limit, for the memory it needs.
+            run = recording_of(ooms=False)
     traced, recording = resolved, run.recording
     if run.layout is not None and resolved.parallel is None:
         # NCCL's buffers for the communicator over the script's ranks (distributed_memory.py).

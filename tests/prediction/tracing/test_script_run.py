@@ -364,9 +364,9 @@ def test_an_endless_loop_stops_at_the_bound_with_what_to_do(tmp_path, monkeypatc
     """An inference loop that never ends (its own `except Exception` around each batch): the
     recording stops once its log passes the bound, with a UserCodeError saying so, instead of
     filling the memory."""
-    from oomkit.prediction.tracing import script_run
+    from oomkit.prediction.tracing import script_steps
 
-    monkeypatch.setattr(script_run, "MAX_SCRIPT_ENTRIES", 3000)
+    monkeypatch.setattr(script_steps, "MAX_SCRIPT_ENTRIES", 3000)
     _write(
         tmp_path,
         "serve.py",
@@ -467,12 +467,13 @@ import torch
 from accelerate.utils import find_executable_batch_size
 
 
-@find_executable_batch_size(starting_batch_size=64)
+@find_executable_batch_size(starting_batch_size=4096)
 def train(batch_size):
+    print("batch", batch_size)
     model = torch.nn.Linear(256, 256).cuda()
     opt = torch.optim.SGD(model.parameters())
     for _ in range(3):
-        model(torch.randn(batch_size, 256, device="cuda")).sum().backward()
+        model(torch.randn(batch_size, 256, 256, device="cuda")).sum().backward()
         opt.step()
         opt.zero_grad()
 
@@ -481,22 +482,30 @@ train()
 '''
 
 
-def test_a_script_that_finds_its_batch_by_catching_ooms_says_so(tmp_path):
-    """accelerate's find_executable_batch_size retries smaller batches on an OOM, which the
-    emulated GPU never raises: the run is its starting batch's, and a warning says so (and
-    how to find the batch that fits); accelerate is put back after."""
+def test_a_script_that_finds_its_batch_by_catching_ooms_retries_as_on_the_gpu(tmp_path, capsys):
+    """accelerate's find_executable_batch_size retries 0.9x the batch on each OOM, which the
+    recording raises where the GPU would (ooms=True): from 4096 on a 1 GiB GPU it goes on at
+    the first batch that fits, and a warning says how many it caught; accelerate is put back."""
     pytest.importorskip("accelerate")
     import accelerate.utils
     import accelerate.utils.memory
 
+    from oomkit.core.gpus import GpuSpec
+
+    small = Target.resolve(GpuSpec("small test GPU", 2**30, 100 * 2**20))
     before = (accelerate.utils.find_executable_batch_size,
               accelerate.utils.memory.find_executable_batch_size)
     (tmp_path / "finder.py").write_text(BATCH_FINDER)
-    run = record_script(tmp_path / "finder.py", steps=3, target=RTX4090)
+    run = record_script(tmp_path / "finder.py", steps=3, target=small, ooms=True)
+    tried = [int(line.split()[1]) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("batch ")]
+    assert tried[0] == 4096 and all(b == int(a * 0.9) for a, b in zip(tried, tried[1:], strict=False))
     said = [w for w in run.recording.warnings if "find_executable_batch_size" in w]
-    assert len(said) == 1 and "starting at 64" in said[0] and "oomkit fit" in said[0]
+    assert len(said) == 1 and "starting at 4096" in said[0]
+    assert f"it caught {len(tried) - 1}," in said[0]
+    assert predict_recording(run.recording, target=small).fits
     inputs = [e.size for e in run.recording.events
               if e.action == "alloc" and dict(e.tags).get("category") == "input"]
-    assert inputs and set(inputs) == {64 * 256 * 4}
+    assert inputs[-1] == tried[-1] * 256 * 256 * 4  # the last batch tried is the run's
     assert (accelerate.utils.find_executable_batch_size,
             accelerate.utils.memory.find_executable_batch_size) == before

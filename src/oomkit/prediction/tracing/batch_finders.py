@@ -4,9 +4,9 @@ accelerate's ``find_executable_batch_size`` (accelerate/utils/memory.py; the Hug
 Trainer's ``auto_find_batch_size=True`` calls it through transformers/trainer_utils.py) runs
 the training function at a starting batch and, when it raises an out-of-memory error
 (``should_reduce_batch_size``), empties the cache and runs it again at a smaller batch (0.9x by
-default). oomkit's emulated GPU raises no out-of-memory error, so such a script is recorded at
-its starting batch, which a GPU it does not fit on would never run. While open,
-``batch_finders_noticed`` counts each call and its starting batch, for the prediction to say so.
+default). ``record_script(ooms=True)`` raises the out-of-memory errors the GPU would, so the
+finder retries as it would there; while open, ``batch_finders_noticed`` notes each starting
+batch, for the prediction to say what happened.
 """
 
 from __future__ import annotations
@@ -55,16 +55,19 @@ def batch_finders_noticed(starts: list[int]) -> Iterator[None]:
         yield
 
 
-def batch_finder_note(starts: list[int], script: str) -> str | None:
-    """What the prediction says of a script whose batch finder ran (``None``: none ran)."""
+def batch_finder_note(starts: list[int], script: str, caught: int) -> str | None:
+    """What the prediction says of a script whose batch finder ran and of the out-of-memory
+    errors it caught (``caught``, raised by ``record_script(ooms=True)``); ``None``: no
+    finder ran, or its starting batch fitted."""
     if not starts:
         return None
     batch = starts[-1]
-    return (
-        f"the script finds its batch by catching out-of-memory errors (accelerate's "
-        f"find_executable_batch_size, the Hugging Face Trainer's auto_find_batch_size), "
-        f"starting at {batch}: oomkit's emulated GPU raises none, so this is the run at {batch}. "
-        "On a GPU it does not fit, that batch raises and is retried smaller (0.9x by default) "
-        f"until one fits: `oomkit fit {script} -- ARGS` finds the largest that fits, through "
-        "the script's batch argument"
-    )
+    if caught:
+        return (
+            f"the script finds its batch by catching out-of-memory errors (accelerate's "
+            f"find_executable_batch_size, the Hugging Face Trainer's auto_find_batch_size), "
+            f"starting at {batch}: it caught {caught}, raised as the GPU would, and went on at "
+            f"a smaller batch, as it would there. `oomkit fit {script} -- ARGS` finds the "
+            "largest batch that fits without the retries"
+        )
+    return None

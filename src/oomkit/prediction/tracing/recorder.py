@@ -278,6 +278,8 @@ class Tracer:
             explicit=explicit,
             stream=self.current_stream(),
         )
+        if self._memory is not None:  # raises torch.OutOfMemoryError within ooms_raised
+            self._memory.admit(alloc)
         if call is not None:
             self._escapes.setdefault(call.root_call_id, []).append(alloc)
         self._log.append(("alloc", alloc))

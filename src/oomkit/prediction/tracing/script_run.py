@@ -45,8 +45,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.modules.module as _module_hooks
-import torch.optim.optimizer as _optimizer_hooks
 
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import ParallelLayout, Target
@@ -55,10 +53,17 @@ from oomkit.errors import OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.batch_finders import batch_finder_note, batch_finders_noticed
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
-from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu, entries_recorded
+from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.cuda_streams import current_stream_id
 from oomkit.prediction.tracing.recorder import Tracer
 from oomkit.prediction.tracing.recording import TraceRecording
+from oomkit.prediction.tracing.script_steps import (
+    MAX_SCRIPT_ENTRIES,
+    ScriptProgress,
+    ScriptTooLong,
+    StepWatch,
+    StopScript,
+)
 from oomkit.prediction.tracing.spawned_ranks import spawn_runs_rank_0
 from oomkit.prediction.tracing.step_failure import (
     exit_call,
@@ -67,6 +72,7 @@ from oomkit.prediction.tracing.step_failure import (
     os_exit_raises,
     step_failure,
 )
+from oomkit.prediction.tracing.step_memory import OomsRaised, ooms_raised
 from oomkit.prediction.tracing.torch_globals import caller_globals_kept
 
 if TYPE_CHECKING:
@@ -74,6 +80,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SCRIPT_ENTRIES",
+    "ScriptOutOfMemory",
     "ScriptProgress",
     "ScriptRun",
     "ScriptSpec",
@@ -86,6 +93,11 @@ _DISTRIBUTED_ROUTE = (
     "--nnodes): `oomkit predict train.py --world-size 8 -- ARGS` runs it as rank 0 of a fake "
     "process group of 8, its init_process_group, LOCAL_RANK, DDP and fully_shard as written"
 )
+
+
+class ScriptOutOfMemory(OomkitError):
+    """The script ran out of the target GPU's memory (``record_script(ooms=True)``) and did not
+    catch it; the message is PyTorch's."""
 
 
 @dataclass(frozen=True)
@@ -147,109 +159,6 @@ class ScriptRun:
     def description(self) -> str:
         """The command line, for reports."""
         return self.spec.description
-
-
-class _ScriptTooLong(BaseException):
-    """Raised when the recording reaches ``MAX_SCRIPT_ENTRIES`` (not an ``Exception``, so the
-    script's own ``except Exception`` lets it through); the message says what to do."""
-
-
-class _StopScript(BaseException):
-    """Raised after the last recorded optimizer step: ends the script (not an ``Exception``,
-    so the script's own ``except Exception`` lets it through)."""
-
-
-# The most log entries a script's recording keeps (about 2 KiB each with their frames): an
-# endless or very long loop stops with a UserCodeError at about 4 GiB, not by exhausting memory.
-MAX_SCRIPT_ENTRIES = 2_000_000
-
-# Module calls between two reports to a progress display (and checks of the bound on the log).
-_CALLS_PER_REPORT = 64
-
-
-@dataclass(frozen=True)
-class ScriptProgress:
-    """Where a script's recording is, for a progress display (``record_script(progress=)``).
-
-    Attributes:
-        steps_done: optimizer steps recorded so far.
-        steps: the optimizer steps the recording stops after.
-        entries: entries of the recorder's log so far (device requests, frees, step markers);
-            once ``ended``, as last reported.
-        max_entries: the most the log keeps (``MAX_SCRIPT_ENTRIES``): the recording stops there.
-        ended: the script has ended or been stopped; the replay follows.
-    """
-
-    steps_done: int
-    steps: int
-    entries: int
-    max_entries: int = MAX_SCRIPT_ENTRIES
-    ended: bool = False
-
-
-class _StepWatch:
-    """Marks where each step starts and stops the script after the last one; reports progress."""
-
-    def __init__(
-        self, tracer: Tracer, steps: int, progress: Callable[[ScriptProgress], None] | None
-    ) -> None:
-        self._tracer = tracer
-        self._steps = steps
-        self._progress = progress
-        self.done = 0
-        self.entries = 0  # the log's entries when last reported
-        self._calls = 0  # module calls seen (the log's bound is checked every _CALLS_PER_REPORT)
-        self._started = False
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> _StepWatch:
-        self._handles = [
-            _module_hooks.register_module_forward_pre_hook(self._on_forward),
-            # Registered after the Tracer's: its post hook notes the new optimizer state first.
-            _optimizer_hooks.register_optimizer_step_post_hook(self._on_step),
-        ]
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return  # dynamo traces global hooks into its graphs: nothing of this belongs there
-        self._calls += 1
-        if self._calls % _CALLS_PER_REPORT == 0:
-            entries = entries_recorded()
-            self.report(entries)
-            if entries > MAX_SCRIPT_ENTRIES:
-                raise _ScriptTooLong(
-                    f"the script has logged {entries:,} device requests and frees without "
-                    f"reaching the end of its {self._steps} optimizer step(s) or its own end (an "
-                    "endless loop, or a long evaluation or generation), and the recording stops "
-                    f"at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of a "
-                    "short run (a few batches)"
-                )
-        if self._started:
-            return
-        if module.training and torch.is_grad_enabled():
-            self._started = True
-            self._tracer.mark_step()
-
-    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._started:
-            # A step with no training forward before it (a closure's): it starts here.
-            self._tracer.mark_step()
-        self.done += 1
-        self._started = False
-        self.report(entries_recorded())
-        if self.done >= self._steps:
-            raise _StopScript
-
-    def report(self, entries: int, *, ended: bool = False) -> None:
-        """Tell the progress display (if any) where the recording is."""
-        self.entries = entries
-        if self._progress is not None:
-            self._progress(ScriptProgress(self.done, self._steps, entries, ended=ended))
 
 
 @contextlib.contextmanager
@@ -404,6 +313,7 @@ def record_script(
     compile: bool = True,
     progress: Callable[[ScriptProgress], None] | None = None,
     world_size: int | None = None,
+    ooms: bool = False,
 ) -> ScriptRun:
     """Run ``path`` as ``python path *argv`` would, on one emulated GPU, and record it up to its
     ``steps``-th optimizer step (module docstring).
@@ -427,6 +337,10 @@ def record_script(
             (``distributed.FakeWorld``), its ``init_process_group``, ``LOCAL_RANK``,
             ``DistributedDataParallel`` and ``fully_shard`` as written. ``None``: one GPU, and
             such a script is refused.
+        ooms: a request the target GPU cannot serve raises ``torch.OutOfMemoryError`` in the
+            script, as on the GPU (``step_memory.ooms_raised``): a script that catches it (a
+            batch finder) goes on as there; one that does not raises ``ScriptOutOfMemory``.
+            False: no limit (the whole run is recorded, for the memory it needs).
 
     Returns:
         The recording, the steps reached and the saves skipped.
@@ -463,6 +377,7 @@ def record_script(
         emulations = emulations_for(target.cudnn_version, target.torch_version)
     where = spec.path
     saves = [0]
+    raised: OomsRaised | None = None  # with ooms: what the target GPU refused
     finder_starts: list[int] = []  # accelerate's find_executable_batch_size (batch_finders.py)
     world: FakeWorld | None = None
     if world_size is not None:
@@ -475,7 +390,7 @@ def record_script(
         tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile,
                         target=target)
         tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
-    watch = _StepWatch(tracer, spec.steps, progress)
+    watch = StepWatch(tracer, spec.steps, progress)
     stopped = False
     try:
         with contextlib.ExitStack() as stack:
@@ -500,14 +415,15 @@ def record_script(
             stack.enter_context(_saves_skipped(saves))
             stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
             stack.enter_context(batch_finders_noticed(finder_starts))
+            raised = stack.enter_context(ooms_raised()) if ooms else None
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(os_exit_raises())
             try:
                 runpy.run_path(str(script), run_name="__main__")
-            except _StopScript:
+            except StopScript:
                 stopped = True
-            except _ScriptTooLong as exc:
+            except ScriptTooLong as exc:
                 raise UserCodeError(f"{where}: {exc}") from None
     except SystemExit as exc:
         if exc.code not in (None, 0) or (watch.done == 0 and not _allocated(tracer)):
@@ -517,6 +433,8 @@ def record_script(
             raise
         raise type(exc)(f"{where}: {exc}") from exc
     except Exception as exc:
+        if raised is not None and raised.count and isinstance(exc, torch.OutOfMemoryError):
+            raise ScriptOutOfMemory(f"{where}: {exc}") from exc
         failed = tracer.failed_op
         if failed is not None and failed[1] is exc:
             error: OomkitError = step_failure(exc, failed[0])
@@ -544,9 +462,16 @@ def record_script(
         )
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
-    finder = batch_finder_note(finder_starts, spec.path)
+    caught = 0 if raised is None else raised.count
+    finder = batch_finder_note(finder_starts, spec.path, caught)
     if finder is not None:
         notes.append(finder)
+    elif caught:
+        notes.append(
+            f"the script caught {caught} out-of-memory error(s), raised where a request did not "
+            f"fit on {tracer.gpu.name} as on the GPU, and went on: the prediction is of the run "
+            "as it went, its failed attempts included (freed as they unwound)"
+        )
     layout = None
     if world is not None and world_size is not None:
         from oomkit.prediction.tracing.cuda_ranks import script_layout

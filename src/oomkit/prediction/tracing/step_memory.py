@@ -28,8 +28,14 @@ recorder starts, or outside one, see an allocator that has served nothing.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
@@ -37,9 +43,36 @@ from oomkit.core.snapshot.writer import snapshot_to_data
 from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
 
-__all__ = ["StepMemory"]
+__all__ = ["OomsRaised", "StepMemory", "ooms_raised"]
 
 _FREED = ("free_requested", "free_completed")  # a free completes at once here
+
+
+@dataclass
+class OomsRaised:
+    """What ``ooms_raised`` raised: how many, and the first one's message (PyTorch's)."""
+
+    count: int = 0
+    first: str | None = None
+
+
+# The open ``ooms_raised`` block's record; None: requests are not limited.
+_RAISING: contextvars.ContextVar[OomsRaised | None] = contextvars.ContextVar(
+    "oomkit_ooms_raised", default=None
+)
+
+
+@contextlib.contextmanager
+def ooms_raised() -> Iterator[OomsRaised]:
+    """While open, a request the target GPU cannot serve raises ``torch.OutOfMemoryError``, as
+    on the GPU (``StepMemory.admit``), so code that catches it (a batch finder retrying a
+    smaller batch) runs as it would there. The request is then not recorded."""
+    raised = OomsRaised()
+    token = _RAISING.set(raised)
+    try:
+        yield raised
+    finally:
+        _RAISING.reset(token)
 
 
 class StepMemory:
@@ -71,6 +104,54 @@ class StepMemory:
         self.history: deque[TraceEvent] | None = None
         # torch.cuda.memory._set_allocator_settings calls: (setting, after the first request).
         self.settings_calls: list[tuple[str, bool]] = []
+        # With ooms_raised open: the allocator with the target GPU's memory that serves each
+        # request first (admit), its read position in the log and its addresses.
+        self._target = target
+        self._limited: CachingAllocator | None = None
+        self._limited_read = 0
+        self._limited_addresses: dict[int, int] = {}
+
+    def admit(self, alloc: Any) -> None:
+        """A request about to be logged. With ``ooms_raised`` open it is served first by an
+        allocator with the target GPU's memory and the CUDA context outside it, as the
+        report's replay has (a GPU of one rank: no NCCL); where that allocator cannot serve
+        it, even after freeing its cache and retrying (CUDACachingAllocator.cpp ``malloc``),
+        ``torch.OutOfMemoryError`` is raised with PyTorch's message, and nothing is logged."""
+        raised = _RAISING.get()
+        if raised is None or self._target is None:
+            return
+        limited = self._limited_caught_up(self._target)
+        try:
+            address = limited.malloc(alloc.size_bytes, alloc.stream)
+        except SimulatedOutOfMemoryError as exc:
+            raised.count += 1
+            raised.first = raised.first or str(exc)
+            raise torch.OutOfMemoryError(str(exc)) from None
+        self._limited_addresses[alloc.alloc_id] = address
+
+    def _limited_caught_up(self, target: Target) -> CachingAllocator:
+        if self._limited is None:
+            self._limited = CachingAllocator(
+                target.allocator_config,
+                capacity_bytes=target.gpu.total_memory_bytes,
+                reserved_outside_bytes=target.gpu.context_overhead_bytes,
+                torch_version=target.torch_version,
+            )
+        limited, addresses = self._limited, self._limited_addresses
+        for index in range(self._limited_read, len(self._log)):
+            entry = self._log[index]
+            if entry[0] == "alloc" and entry[1].alloc_id not in addresses:
+                # Requested before the block opened: served if it can be, else left out.
+                with contextlib.suppress(SimulatedOutOfMemoryError):
+                    addresses[entry[1].alloc_id] = limited.malloc(entry[1].size_bytes, entry[1].stream)
+            elif entry[0] == "free" and entry[1].alloc_id in addresses:
+                limited.free(addresses.pop(entry[1].alloc_id))
+            elif entry[0] == "empty_cache":
+                limited.empty_cache()
+            elif entry[0] == "memory_fraction":
+                limited.set_per_process_memory_fraction(entry[1])
+        self._limited_read = len(self._log)
+        return limited
 
     def _catch_up(self, read: bool = True) -> CachingAllocator:
         self.reads += read

@@ -1,0 +1,98 @@
+"""record_script(ooms=True): a request the target GPU cannot serve raises torch.OutOfMemoryError
+in the script, as on the GPU, so code that catches it goes on as it would there
+(step_memory.ooms_raised); predict_script falls back to the whole run without a limit when the
+script does not catch it."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from oomkit.core.gpus import GpuSpec
+from oomkit.core.target import Target
+from oomkit.prediction.predictor import predict_recording
+from oomkit.prediction.scripts import predict_script
+from oomkit.prediction.tracing.script_run import ScriptOutOfMemory, record_script
+
+MiB = 2**20
+# 1 GiB with 100 MiB outside PyTorch: a batch of 1024 x 1024 x 512 fp32 does not fit.
+SMALL = Target.resolve(GpuSpec("small test GPU", 1024 * MiB, 100 * MiB))
+
+RETRYING = """
+import torch
+
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batch = 1024
+while True:
+    print("trying", batch)
+    try:
+        for _ in range(3):
+            model(torch.randn(batch, 512, 1024, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        break
+    except torch.OutOfMemoryError as exc:
+        assert " out of memory." in str(exc) and "Tried to allocate" in str(exc)
+        opt.zero_grad()
+        torch.cuda.empty_cache()
+        batch //= 2
+"""
+
+NOT_CAUGHT = """
+import torch
+
+model = torch.nn.Linear(1024, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(1024, 512, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def _write(folder, name, text):
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_script_that_catches_ooms_retries_as_on_the_gpu(tmp_path, capsys):
+    """On a 924 MiB budget batches 1024 to 128 raise (as the GPU's allocator would refuse
+    them, the last attempt's tensors still alive where the script empties the cache) and are
+    caught; 64 fits. The prediction is of that run, which fits, with a warning saying so."""
+    run = record_script(_write(tmp_path, "retry.py", RETRYING), steps=3, target=SMALL, ooms=True)
+    tried = [line.split()[1] for line in capsys.readouterr().out.splitlines() if "trying" in line]
+    assert tried == ["1024", "512", "256", "128", "64"]
+    assert run.steps_recorded == 3
+    said = [w for w in run.recording.warnings if "out-of-memory" in w]
+    assert len(said) == 1 and "caught 4 out-of-memory error(s)" in said[0]
+    p = predict_recording(run.recording, target=SMALL)
+    assert p.fits and p.peak_reserved_bytes <= SMALL.usable_bytes
+    # Without the limit, the first batch is recorded as if it fitted.
+    unlimited = predict_recording(
+        record_script(tmp_path / "retry.py", steps=3, target=SMALL).recording, target=SMALL
+    )
+    assert not unlimited.fits
+
+
+def test_a_script_that_does_not_catch_one_is_predicted_whole(tmp_path):
+    """Not caught: record_script says so (ScriptOutOfMemory, PyTorch's message), and
+    predict_script gives what the run without a limit needs, as before."""
+    path = _write(tmp_path, "plain.py", NOT_CAUGHT)
+    with pytest.raises(ScriptOutOfMemory, match=r"CUDA out of memory\. Tried to allocate"):
+        record_script(path, steps=3, target=SMALL, ooms=True)
+    scripted = predict_script(path, steps=3, target=SMALL)
+    whole = predict_recording(record_script(path, steps=3, target=SMALL).recording, target=SMALL)
+    assert not scripted.prediction.fits
+    assert scripted.prediction.required_bytes == whole.required_bytes
+    assert scripted.run.steps_recorded == 3
+
+
+def test_a_fitting_script_records_the_same_events_either_way(tmp_path):
+    """Where nothing is refused, the limit changes nothing: the same events."""
+    path = _write(tmp_path, "fits.py", NOT_CAUGHT.replace("1024, 512, 1024", "8, 512, 1024"))
+    limited = record_script(path, steps=3, target=SMALL, ooms=True).recording
+    free = record_script(path, steps=3, target=SMALL).recording
+    assert [(e.action, e.size) for e in limited.events] == [(e.action, e.size) for e in free.events]
