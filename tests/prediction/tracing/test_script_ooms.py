@@ -96,3 +96,41 @@ def test_a_fitting_script_records_the_same_events_either_way(tmp_path):
     limited = record_script(path, steps=3, target=SMALL, ooms=True).recording
     free = record_script(path, steps=3, target=SMALL).recording
     assert [(e.action, e.size) for e in limited.events] == [(e.action, e.size) for e in free.events]
+
+
+RESILIENT = """
+import logging
+import torch
+import oomkit
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+model = torch.nn.Sequential(
+    torch.nn.Linear(1024, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 1024)
+).cuda()
+opt = torch.optim.AdamW(model.parameters())
+
+
+@oomkit.resilient(optimizer=opt)
+def train_step(batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+for _ in range(3):
+    train_step((torch.randn(65536, 1024, device="cuda"), torch.randn(65536, 1024, device="cuda")))
+"""
+
+
+def test_oomkits_own_resilient_step_splits_as_on_the_gpu(tmp_path, caplog):
+    """oomkit.resilient under the recording: on a 4 GiB GPU batch 65536 runs out of memory at
+    micro-batch 65536 and 32768 and trains at 16384, as it would there; the prediction is of
+    that run and fits."""
+    import logging
+
+    four = Target.resolve(GpuSpec("4 GiB test GPU", 4 * 1024 * MiB, 400 * MiB))
+    with caplog.at_level(logging.INFO, logger="oomkit.runtime.resilient"):
+        run = record_script(_write(tmp_path, "res.py", RESILIENT), steps=3, target=four, ooms=True)
+    retries = [r.getMessage() for r in caplog.records if "retrying with micro-batch" in r.getMessage()]
+    assert [m.rsplit(" ", 1)[1] for m in retries] == ["32768", "16384"]
+    assert any("caught 2 out-of-memory error(s)" in w for w in run.recording.warnings)
+    assert predict_recording(run.recording, target=four).fits
