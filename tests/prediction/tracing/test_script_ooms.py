@@ -134,3 +134,20 @@ def test_oomkits_own_resilient_step_splits_as_on_the_gpu(tmp_path, caplog):
     assert [m.rsplit(" ", 1)[1] for m in retries] == ["32768", "16384"]
     assert any("caught 2 out-of-memory error(s)" in w for w in run.recording.warnings)
     assert predict_recording(run.recording, target=four).fits
+
+
+def test_the_gpus_allocator_runs_the_setting_the_script_sets_itself(monkeypatch):
+    """At the step's first request the limited allocator takes a PYTORCH_CUDA_ALLOC_CONF the
+    script set in os.environ (PyTorch reads it then), as the report's replay does; unchanged
+    variables leave the target's."""
+    from oomkit.prediction.tracing.script_run import _alloc_variables, _config_at_first_use
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    target = Target.resolve("rtx4090", alloc_conf="max_split_size_mb:128")
+    config_of = _config_at_first_use(_alloc_variables())
+    assert config_of(target) == target.allocator_config
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert config_of(target).expandable_segments is True
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:2")  # refused by PyTorch
+    assert config_of(target) == target.allocator_config

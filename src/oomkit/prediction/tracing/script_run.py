@@ -39,6 +39,7 @@ import dataclasses
 import os
 import runpy
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +47,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.core.trace.step_count import check_step_count
-from oomkit.errors import OomkitError, UserCodeError
+from oomkit.errors import ConfigError, OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
 from oomkit.prediction.tracing.batch_finders import batch_finder_note, batch_finders_noticed
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
@@ -415,7 +418,8 @@ def record_script(
             stack.enter_context(_saves_skipped(saves))
             stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
             stack.enter_context(batch_finders_noticed(finder_starts))
-            raised = stack.enter_context(ooms_raised()) if ooms else None
+            if ooms:
+                raised = stack.enter_context(ooms_raised(_config_at_first_use(_alloc_variables())))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(os_exit_raises())
@@ -484,6 +488,30 @@ def record_script(
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes), layout)
+
+
+def _alloc_variables() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in ALLOC_CONF_VARIABLES}
+
+
+def _config_at_first_use(before: dict[str, str | None]) -> Callable[[Target], AllocatorConfig]:
+    """The allocator setting at the step's first request: one the script set itself in
+    ``os.environ`` (PyTorch reads its variable then), as the report's replay takes it
+    (``own_alloc_conf.with_own_setting``); else the target's."""
+
+    def config_of(target: Target) -> AllocatorConfig:
+        now = _alloc_variables()
+        if now == before:
+            return target.allocator_config
+        given = {name: value for name, value in now.items() if value is not None}
+        try:
+            with warnings.catch_warnings():  # the report says them (with_own_setting)
+                warnings.simplefilter("ignore")
+                return AllocatorConfig.from_env(given, target.torch_version)
+        except ConfigError:  # the report refuses it, saying why
+            return target.allocator_config
+
+    return config_of
 
 
 def _allocated(tracer: Tracer) -> bool:

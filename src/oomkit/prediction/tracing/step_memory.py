@@ -31,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from oomkit.core.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator, SimulatedOutOfMemoryError
 from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.snapshot.writer import snapshot_to_data
 from oomkit.core.target import Target
@@ -50,10 +50,16 @@ _FREED = ("free_requested", "free_completed")  # a free completes at once here
 
 @dataclass
 class OomsRaised:
-    """What ``ooms_raised`` raised: how many, and the first one's message (PyTorch's)."""
+    """What ``ooms_raised`` raised: how many, and the first one's message (PyTorch's).
+
+    ``config_of(target)`` is the allocator setting the GPU's allocator runs with, asked at the
+    step's first request (PyTorch reads its variable then: a script may set it itself);
+    ``None``: the target's.
+    """
 
     count: int = 0
     first: str | None = None
+    config_of: Callable[[Target], AllocatorConfig] | None = None
 
 
 # The open ``ooms_raised`` block's record; None: requests are not limited.
@@ -63,11 +69,14 @@ _RAISING: contextvars.ContextVar[OomsRaised | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def ooms_raised() -> Iterator[OomsRaised]:
+def ooms_raised(
+    config_of: Callable[[Target], AllocatorConfig] | None = None,
+) -> Iterator[OomsRaised]:
     """While open, a request the target GPU cannot serve raises ``torch.OutOfMemoryError``, as
     on the GPU (``StepMemory.admit``), so code that catches it (a batch finder retrying a
-    smaller batch) runs as it would there. The request is then not recorded."""
-    raised = OomsRaised()
+    smaller batch) runs as it would there. The request is then not recorded. ``config_of``:
+    as ``OomsRaised.config_of``."""
+    raised = OomsRaised(config_of=config_of)
     token = _RAISING.set(raised)
     try:
         yield raised
@@ -120,7 +129,7 @@ class StepMemory:
         raised = _RAISING.get()
         if raised is None or self._target is None:
             return
-        limited = self._limited_caught_up(self._target)
+        limited = self._limited_caught_up(self._target, raised)
         try:
             address = limited.malloc(alloc.size_bytes, alloc.stream)
         except SimulatedOutOfMemoryError as exc:
@@ -129,10 +138,11 @@ class StepMemory:
             raise torch.OutOfMemoryError(str(exc)) from None
         self._limited_addresses[alloc.alloc_id] = address
 
-    def _limited_caught_up(self, target: Target) -> CachingAllocator:
+    def _limited_caught_up(self, target: Target, raised: OomsRaised) -> CachingAllocator:
         if self._limited is None:
+            config_of = raised.config_of
             self._limited = CachingAllocator(
-                target.allocator_config,
+                target.allocator_config if config_of is None else config_of(target),
                 capacity_bytes=target.gpu.total_memory_bytes,
                 reserved_outside_bytes=target.gpu.context_overhead_bytes,
                 torch_version=target.torch_version,
