@@ -19,6 +19,11 @@ line (``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned
 on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since (not its segment
 events), so ``_dump_snapshot`` writes a file that oomkit and memory_viz read.
 
+Within ``ooms_raised`` (``record_script(ooms=True)``) each request is first served by a second
+allocator, with the target GPU's memory and its CUDA context outside it (the report's replay's
+capacity): where it cannot be, ``torch.OutOfMemoryError`` is raised in the step with PyTorch's
+message, as on the GPU, and the request is not logged, so code that catches it goes on as there.
+
 Where it may differ from the report: the report replays the finished recording, in which a
 free that waits on another stream's work (a distributed step's collectives) may come later
 than here, where every free completes at once; and on the GPU's memory a step near the limit
@@ -50,7 +55,7 @@ _FREED = ("free_requested", "free_completed")  # a free completes at once here
 
 @dataclass
 class OomsRaised:
-    """What ``ooms_raised`` raised: how many, and the first one's message (PyTorch's).
+    """How many out-of-memory errors ``ooms_raised`` raised.
 
     ``config_of(target)`` is the allocator setting the GPU's allocator runs with, asked at the
     step's first request (PyTorch reads its variable then: a script may set it itself);
@@ -58,7 +63,6 @@ class OomsRaised:
     """
 
     count: int = 0
-    first: str | None = None
     config_of: Callable[[Target], AllocatorConfig] | None = None
 
 
@@ -134,7 +138,6 @@ class StepMemory:
             address = limited.malloc(alloc.size_bytes, alloc.stream)
         except SimulatedOutOfMemoryError as exc:
             raised.count += 1
-            raised.first = raised.first or str(exc)
             raise torch.OutOfMemoryError(str(exc)) from None
         self._limited_addresses[alloc.alloc_id] = address
 
