@@ -13,6 +13,7 @@ process group's.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,6 @@ class _RanRank0:
 def spawn_runs_rank_0() -> Iterator[None]:
     """While open, ``torch.multiprocessing.spawn`` / ``start_processes`` run rank 0 of the
     ``nprocs`` here (module docstring) and start no process."""
-    import importlib
 
     def start(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, *_: Any, **__: Any) -> Any:
