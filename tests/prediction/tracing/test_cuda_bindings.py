@@ -124,9 +124,14 @@ def test_a_snapshot_names_the_target_s_setting_and_keeps_the_newest_entries(tmp_
 
 
 def test_the_small_bindings_answer_and_are_gone_after():
-    """NVTX ranges, the sync debug mode, ipc_collect, the allocator backend and the host
-    counters answer inside; outside, torch is as it was (a CPU build has none of them)."""
-    had = {name: hasattr(torch._C, name) for name in ("_cuda_memorySnapshot", "_cuda_ipc_collect")}
+    """NVTX ranges, the sync debug mode, ipc_collect, the allocator backend, the host
+    counters and the current stream's raw handle (bitsandbytes' CUDA backend reads it at
+    import: its 8-bit optimizers had failed there) answer inside; outside, torch is as it was
+    (a CPU build has none of them)."""
+    had = {
+        name: hasattr(torch._C, name)
+        for name in ("_cuda_memorySnapshot", "_cuda_ipc_collect", "_cuda_getCurrentRawStream")
+    }
     with as_one_cuda_gpu(TARGET.gpu):
         assert (torch.cuda.nvtx.range_push("step"), torch.cuda.nvtx.range_pop()) == (0, 0)
         with torch.cuda.nvtx.range("block"):
@@ -136,6 +141,7 @@ def test_the_small_bindings_answer_and_are_gone_after():
         assert torch.cuda.ipc_collect() is None
         assert torch.cuda.memory.get_allocator_backend() == "native"
         assert dict(torch.cuda.host_memory_stats()) == {}
+        assert torch._C._cuda_getCurrentRawStream(0) == 0  # the default stream: nullptr
     assert {name: hasattr(torch._C, name) for name in had} == had
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="NVTX functions not installed"):

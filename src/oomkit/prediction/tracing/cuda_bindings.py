@@ -107,6 +107,10 @@ def cuda_bindings(memory: Callable[[], StepMemory]) -> Iterator[None]:
         "_cuda_resetPeakHostMemoryStats": lambda: None,
         "_cuda_ipc_collect": lambda: None,
         "_cuda_getAllocatorBackend": lambda: "native",
+        # The current stream's cudaStream_t as an int (torch/csrc/cuda/Module.cpp
+        # THCPModule_getCurrentStream_raw): libraries pass it to their kernels (bitsandbytes'
+        # CUDA backend takes it at import). The default stream's handle is 0 (nullptr).
+        "_cuda_getCurrentRawStream": lambda device: 0,
         # torch.cuda.memory._set_allocator_settings (2.9+ through the accelerator binding;
         # before, the CUDA one): noted, not replayed (StepMemory.set_allocator_settings).
         "_accelerator_setAllocatorSettings": lambda env: memory().set_allocator_settings(env),
