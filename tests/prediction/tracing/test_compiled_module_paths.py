@@ -74,3 +74,18 @@ def test_the_oomkit_console_script_is_hidden_but_a_users_file_of_that_name_is_no
     assert is_hidden_file("C:/env/Scripts/oomkit")
     assert not is_hidden_file("/home/me/project/oomkit")
     assert not is_hidden_file("/home/me/.venv/bin/train.py")
+
+
+def test_a_module_that_died_before_it_was_named_has_no_path():
+    """A weakref first hashed after its module died cannot be hashed; the module was never
+    named, so it has no path (the recording's build had raised "weak object has gone away"
+    when a library dropped a module it made during the step)."""
+    import gc
+
+    paths = ModulePaths()
+    module = torch.nn.Linear(2, 2)
+    ref = paths.ref(module)
+    del module
+    gc.collect()
+    assert ref() is None
+    assert paths.of_ref(ref) is None

@@ -37,7 +37,12 @@ class ModulePaths:
 
     def of_ref(self, ref: weakref.ref[Any]) -> str | None:
         """The path of the module behind :meth:`ref`'s ``ref``, if it was named."""
-        return self._ref_paths.get(ref)
+        try:
+            return self._ref_paths.get(ref)
+        except TypeError:
+            # A weakref hashed first after its module died has no hash ("weak object has gone
+            # away"); one never hashed was never a key here: the module was not named.
+            return None
 
     def name_root(self, module: torch.nn.Module) -> str:
         """Name a root module and its submodules: ``""`` for the first root, else its type."""
