@@ -437,6 +437,31 @@ def test_a_grad_scaler_runs_as_torch_wrote_it(tmp_path):
     assert not [k for k in prediction.assumptions if "grad_scaler.py" in k]
 
 
+def test_a_failure_in_bitsandbytes_4bit_layers_points_to_the_qlora_emulation(tmp_path):
+    """A 4-bit layer of bitsandbytes fails on meta (its quant state is made when moved to
+    CUDA); the error names oomkit's own --quantize nf4. Its 8-bit optimizers' folder is not
+    named so."""
+    nn = tmp_path / "bitsandbytes" / "nn"
+    nn.mkdir(parents=True)
+    (tmp_path / "bitsandbytes" / "__init__.py").write_text("")
+    (nn / "__init__.py").write_text(
+        "def fix_4bit_weight_quant_state_from_module(module):\n    assert module.quant_state\n"
+    )
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        from bitsandbytes.nn import fix_4bit_weight_quant_state_from_module
+
+        model = torch.nn.Linear(8, 8).cuda()
+        model.quant_state = None
+        fix_4bit_weight_quant_state_from_module(model)
+    """))
+    with pytest.raises(UserCodeError) as raised:
+        record_script(tmp_path / "train.py", cwd=tmp_path)
+    said = str(raised.value)
+    assert "bitsandbytes' 4-bit layers (load_in_4bit, Params4bit) are not run" in said
+    assert "--quantize nf4" in said
+
+
 def test_a_failure_inside_deepspeed_says_it_is_not_modelled_and_what_to_use(tmp_path):
     """deepspeed.initialize fails without a GPU (its fused Adam needs CUDA_HOME): the error
     says DeepSpeed's engine is not modelled and names FSDP2 (--world-size / --fsdp), not only

@@ -86,6 +86,15 @@ _NOT_MODELLED: dict[str, str] = {
         "builder). ZeRO-1 shards the optimizer state and ZeRO-2 the gradients too, both keeping "
         "whole parameters: between --dp N and --fsdp N"
     ),
+    # Its 8-bit optimizers run (their kernels have fake implementations); its 4-bit layers
+    # quantize their weights in Params4bit.to("cuda"), which here moves them to meta unquantized.
+    "bitsandbytes/nn": (
+        "bitsandbytes' 4-bit layers (load_in_4bit, Params4bit) are not run by oomkit: they "
+        "quantize their weights when moved to a CUDA device, and oomkit's CUDA tensors are "
+        "meta tensors, which hold no values to quantize. Predict QLoRA with oomkit's emulation "
+        "of their storage instead: `oomkit predict --hf MODEL --lora R --quantize nf4 "
+        "[--double-quant]` (a preset takes the same flags)"
+    ),
 }
 
 
@@ -93,9 +102,9 @@ def _not_modelled_library(exc: BaseException) -> str | None:
     """What to say when ``exc`` came from inside a library of ``_NOT_MODELLED``."""
     tb = exc.__traceback__
     while tb is not None:
-        parts = tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/")
+        folder = "/" + tb.tb_frame.f_code.co_filename.replace("\\", "/").rsplit("/", 1)[0] + "/"
         for name, said in _NOT_MODELLED.items():
-            if name in parts[:-1]:
+            if f"/{name}/" in folder:
                 return said
         tb = tb.tb_next
     return None
