@@ -199,6 +199,33 @@ class PredictRun:
         return prediction
 
     def _record_one(self, observer: StepObserver | None) -> Prediction:
+        if self.scenario.model.kind != "function":
+            return self._record_workload(observer)
+        from oomkit.prediction.tracing.step_memory import ooms_raised
+
+        # A builder's step may catch an out-of-memory error (@oomkit.resilient splitting its
+        # batch): raised where the GPU would raise it, it goes on as there. Not caught: built
+        # again and recorded without the limit, for the memory the step needs.
+        try:
+            with ooms_raised() as raised:
+                prediction = self._record_workload(observer)
+        except Exception as exc:
+            if not (raised.count and _out_of_memory(exc)):
+                raise
+            self.workload = build_workload(
+                self.scenario, self.scenario.step.batch, self.target.gpu, steps=self.steps
+            )
+            return self._record_workload(observer)
+        if not raised.count:
+            return prediction
+        said = (
+            f"the step caught {raised.count} out-of-memory error(s), raised where a request "
+            f"did not fit on {self.target.gpu.name} as on the GPU, and went on: the prediction "
+            "is of the steps as they went, their failed attempts included"
+        )
+        return dataclasses.replace(prediction, warnings=(*prediction.warnings, said))
+
+    def _record_workload(self, observer: StepObserver | None) -> Prediction:
         from oomkit.prediction.predictor import predict as predict_step
 
         workload = self.workload
@@ -332,6 +359,21 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
         if steps_note is not None:
             notes["default steps"] = steps_note
         yield PredictRun(scenario, target, steps, workload, notes, tuple(warned))
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised from, a ``torch.OutOfMemoryError`` (the tracer names
+    an op that failed: ``step_failure``)."""
+    import torch
+
+    seen: BaseException | None = exc
+    chain: set[int] = set()
+    while seen is not None and id(seen) not in chain:
+        if isinstance(seen, torch.OutOfMemoryError):
+            return True
+        chain.add(id(seen))
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _torchtitan_run(scenario: Scenario) -> PredictRun:

@@ -1,7 +1,7 @@
-"""record_script(ooms=True): a request the target GPU cannot serve raises torch.OutOfMemoryError
-in the script, as on the GPU, so code that catches it goes on as it would there
-(step_memory.ooms_raised); predict_script falls back to the whole run without a limit when the
-script does not catch it."""
+"""record_script(ooms=True) and a builder's prediction: a request the target GPU cannot serve
+raises torch.OutOfMemoryError in the user's code, as on the GPU, so code that catches it goes on
+as it would there (step_memory.ooms_raised); predict_script and a builder's prediction fall back
+to the whole run without a limit when it is not caught."""
 
 from __future__ import annotations
 
@@ -151,3 +151,66 @@ def test_the_gpus_allocator_runs_the_setting_the_script_sets_itself(monkeypatch)
     assert config_of(target).expandable_segments is True
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:2")  # refused by PyTorch
     assert config_of(target) == target.allocator_config
+
+
+BUILDERS = """
+import torch
+import oomkit
+
+
+def _model():
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 1024)
+    ).cuda()
+
+
+def resilient(batch_size=65536):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+
+    @oomkit.resilient(optimizer=opt)
+    def train_step(batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    def step():
+        x = torch.randn(batch_size, 1024, device="cuda")
+        train_step((x, torch.randn(batch_size, 1024, device="cuda")))
+
+    return step, (model, opt)
+
+
+def plain(batch_size=65536):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        x = torch.randn(batch_size, 1024, device="cuda")
+        torch.nn.functional.mse_loss(model(x), torch.randn(batch_size, 1024, device="cuda")).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, (model, opt)
+"""
+
+
+def test_a_builders_step_that_catches_ooms_goes_on_and_one_that_does_not_is_whole(tmp_path):
+    """`oomkit predict file.py:function`: a step wrapped in @oomkit.resilient catches the OOMs
+    raised where the GPU would (2 on 4 GiB) and fits; a plain step is built again and recorded
+    without the limit, so its required bytes are those of a recording that never raised."""
+    import oomkit
+    from oomkit.prediction.predictor import predict
+    from oomkit.scenario.user_function import load_user_step
+
+    path = _write(tmp_path, "steps.py", BUILDERS)
+    four = "4GiB"
+    caught = oomkit.predict(f"{path}:resilient", gpu=four)
+    assert caught.fits
+    assert any("step caught 2 out-of-memory error(s)" in w for w in caught.warnings)
+    whole = oomkit.predict(f"{path}:plain", gpu=four)
+    assert not whole.fits
+    target = Target.resolve(four)
+    user = load_user_step(f"{path}:plain", gpu=target.gpu)
+    fresh = predict(user.step_fn, track=user.track, target=target, steps=3)
+    assert whole.required_bytes == fresh.required_bytes
+    assert not any("out-of-memory" in w for w in whole.warnings)
