@@ -182,7 +182,8 @@ class PredictRun:
             )
         name = self.scenario.model.name
         workload = self.workload
-        with user_errors(lambda: (name, workload.raised)):
+        # self.workload, read when an error arrives: a builder's step may be built again.
+        with user_errors(lambda: (name, self.workload.raised)):
             if isinstance(workload, TorchtitanWorkload):
                 prediction = workload.record(self.target, self.scenario.run.budget_bytes)
             elif isinstance(workload, ScriptWorkload):
@@ -212,9 +213,11 @@ class PredictRun:
         except Exception as exc:
             if not (raised.count and _out_of_memory(exc)):
                 raise
-            self.workload = build_workload(
-                self.scenario, self.scenario.step.batch, self.target.gpu, steps=self.steps
-            )
+            # Built as the first time (its allocator variables set back: the target has them).
+            with watching_own_setting():
+                self.workload = build_workload(
+                    self.scenario, self.scenario.step.batch, self.target.gpu, steps=self.steps
+                )
             return self._record_workload(observer)
         if not raised.count:
             return prediction

@@ -214,3 +214,18 @@ def test_a_builders_step_that_catches_ooms_goes_on_and_one_that_does_not_is_whol
     fresh = predict(user.step_fn, track=user.track, target=target, steps=3)
     assert whole.required_bytes == fresh.required_bytes
     assert not any("out-of-memory" in w for w in whole.warnings)
+
+
+def test_a_builder_built_again_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    """The module sets its allocator variable when imported; built a second time after an OOM
+    it did not catch, the variable is set back afterwards as after the first build."""
+    import os
+
+    import oomkit
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    source = "import os\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"
+    path = _write(tmp_path, "env_steps.py", source + BUILDERS)
+    whole = oomkit.predict(f"{path}:plain", gpu="4GiB")
+    assert not whole.fits
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
