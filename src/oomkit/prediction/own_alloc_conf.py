@@ -27,11 +27,15 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 from oomkit.core.allocator.config import AllocatorConfig
-from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES, behaviour_for
+from oomkit.core.allocator.versions import (
+    ALLOC_CONF_VARIABLES,
+    alloc_conf_variables,
+    behaviour_for,
+)
 from oomkit.core.target import Target
 from oomkit.errors import ConfigError
 
-__all__ = ["OwnSetting", "watching_own_setting", "with_own_setting"]
+__all__ = ["OwnSetting", "watching_own_setting", "with_own_setting", "with_own_setting_said"]
 
 
 @dataclasses.dataclass
@@ -65,7 +69,7 @@ def watching_own_setting() -> Iterator[OwnSetting]:
     static), so a write after the recording's first device request changes nothing in a real
     run: the variables are read as they stood at the first such write.
     """
-    before = _variables()
+    before = alloc_conf_variables()
     own = OwnSetting()
     read: list[dict[str, str | None]] = []  # the variables at the allocator's first use
     environ_type = type(os.environ)
@@ -75,7 +79,7 @@ def watching_own_setting() -> Iterator[OwnSetting]:
         def noted(mapping: object, key: object, *value: object) -> None:
             if mapping is os.environ and key in ALLOC_CONF_VARIABLES and not read:
                 if _allocator_used():
-                    read.append(_variables())
+                    read.append(alloc_conf_variables())
             write(mapping, key, *value)
 
         return noted
@@ -87,7 +91,7 @@ def watching_own_setting() -> Iterator[OwnSetting]:
     finally:
         for name, write in writes.items():
             setattr(environ_type, name, write)
-        after = _variables()
+        after = alloc_conf_variables()
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -105,11 +109,6 @@ def _allocator_used() -> bool:
     where no recording could have run)."""
     cuda_device = sys.modules.get("oomkit.prediction.tracing.cuda_device")
     return cuda_device is not None and bool(cuda_device.allocator_used())
-
-
-def _variables() -> dict[str, str | None]:
-    """The variables PyTorch's releases read their allocator setting from, as set now."""
-    return {name: os.environ.get(name) for name in ALLOC_CONF_VARIABLES}
 
 
 def with_own_setting(
@@ -162,6 +161,14 @@ def with_own_setting(
         f"{str(config) or 'the default settings'}"
     )
     return dataclasses.replace(target, allocator_config=config), assumption, notes
+
+
+def with_own_setting_said(target: Target, own: OwnSetting, who: str) -> tuple[Target, list[str]]:
+    """``with_own_setting`` for a search, whose result has warnings and no assumptions: the
+    assumption is its first warning (``"allocator setting: ..."``)."""
+    target, assumption, notes = with_own_setting(target, own, who)
+    said = [] if assumption is None else [f"allocator setting: {assumption}"]
+    return target, [*said, *notes]
 
 
 def _given(variables: Mapping[str, str | None]) -> dict[str, str]:

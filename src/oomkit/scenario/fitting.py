@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from oomkit.errors import OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
-from oomkit.prediction.own_alloc_conf import OwnSetting, watching_own_setting, with_own_setting
+from oomkit.prediction.own_alloc_conf import (
+    OwnSetting,
+    watching_own_setting,
+    with_own_setting_said,
+)
 from oomkit.scenario.model import Scenario
 from oomkit.scenario.options import default_steps
 from oomkit.scenario.run import require_torch_for, scenario_target, tracing_jobs
@@ -146,11 +150,8 @@ class _Builders:
         if self.own_alloc_conf is None:
             return self._target, []
         who = self.scenario.model.name or "the builder"
-        self._target, assumption, warned = with_own_setting(
-            self._target, self.own_alloc_conf, who
-        )
-        said = [] if assumption is None else [f"allocator setting: {assumption}"]
-        return self._target, [*said, *warned]
+        self._target, said = with_own_setting_said(self._target, self.own_alloc_conf, who)
+        return self._target, said
 
     def parallel(self, layout: ParallelLayout, batch_size: int) -> ShardedWorkload:
         """The model under ``layout`` at the per-rank ``batch_size`` (as predict records it)."""

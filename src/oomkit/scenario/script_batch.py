@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import ConfigError, OomkitError
-from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting
+from oomkit.prediction.own_alloc_conf import watching_own_setting, with_own_setting_said
 
 if TYPE_CHECKING:
     from oomkit.core.target import Target
@@ -168,11 +168,8 @@ class ScriptBatches:
         if self._layout is not None and target.parallel is None:
             target = dataclasses.replace(target, parallel=self._layout)
         if own.changed:
-            target, assumption, notes = with_own_setting(target, own, self._scenario.model.script
-                                                         or "the script")
-            warned = ([] if assumption is None else [f"allocator setting: {assumption}"]) + list(
-                notes
-            )
+            who = self._scenario.model.script or "the script"
+            target, warned = with_own_setting_said(target, own, who)
         return target, warned
 
     def record(self, batch_size: int, target: Target, steps: int) -> tuple[Any, str]:

@@ -140,12 +140,13 @@ def test_the_gpus_allocator_runs_the_setting_the_script_sets_itself(monkeypatch)
     """At the step's first request the limited allocator takes a PYTORCH_CUDA_ALLOC_CONF the
     script set in os.environ (PyTorch reads it then), as the report's replay does; unchanged
     variables leave the target's."""
-    from oomkit.prediction.tracing.script_run import _alloc_variables, _config_at_first_use
+    from oomkit.core.allocator.versions import alloc_conf_variables
+    from oomkit.prediction.tracing.script_run import _config_at_first_use
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     target = Target.resolve("rtx4090", alloc_conf="max_split_size_mb:128")
-    config_of = _config_at_first_use(_alloc_variables())
+    config_of = _config_at_first_use(alloc_conf_variables())
     assert config_of(target) == target.allocator_config
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert config_of(target).expandable_segments is True

@@ -15,6 +15,7 @@ every release >= 2.12, and in none before. 2.14 is the newest release modelled.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigParserKind",
     "OomMessageVariant",
     "TorchBehaviour",
+    "alloc_conf_variables",
     "behaviour_for",
     "config_key_since",
     "parse_torch_version",
@@ -37,6 +39,12 @@ __all__ = [
 
 # §9.1: every name some release reads the device allocator's settings from.
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def alloc_conf_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``ALLOC_CONF_VARIABLES`` as set in ``environ`` now (``None``: ``os.environ``)."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    return {name: env.get(name) for name in ALLOC_CONF_VARIABLES}
 
 # torch 2.14.1 is the newest release known to oomkit; ``None`` means this version.
 NEWEST_RELEASED_TORCH = "2.14"

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oomkit.core.allocator import AllocatorConfig
-from oomkit.core.allocator.versions import ALLOC_CONF_VARIABLES
+from oomkit.core.allocator.versions import alloc_conf_variables
 from oomkit.core.gpus import GpuSpec
 from oomkit.core.target import ParallelLayout, Target
 from oomkit.core.trace.step_count import check_step_count
@@ -419,7 +419,7 @@ def record_script(
             stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
             stack.enter_context(batch_finders_noticed(finder_starts))
             if ooms:
-                raised = stack.enter_context(ooms_raised(_config_at_first_use(_alloc_variables())))
+                raised = stack.enter_context(ooms_raised(_config_at_first_use(alloc_conf_variables())))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(os_exit_raises())
@@ -490,17 +490,13 @@ def record_script(
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes), layout)
 
 
-def _alloc_variables() -> dict[str, str | None]:
-    return {name: os.environ.get(name) for name in ALLOC_CONF_VARIABLES}
-
-
 def _config_at_first_use(before: dict[str, str | None]) -> Callable[[Target], AllocatorConfig]:
     """The allocator setting at the step's first request: one the script set itself in
     ``os.environ`` (PyTorch reads its variable then), as the report's replay takes it
     (``own_alloc_conf.with_own_setting``); else the target's."""
 
     def config_of(target: Target) -> AllocatorConfig:
-        now = _alloc_variables()
+        now = alloc_conf_variables()
         if now == before:
             return target.allocator_config
         given = {name: value for name, value in now.items() if value is not None}
