@@ -169,7 +169,9 @@ def replay_for_prediction(
     out = ReplayPass()
     if memory_fraction is not None:
         allocator.set_per_process_memory_fraction(memory_fraction)
-        out.allowed_bytes = allocator.allowed_memory_maximum
+    # The limit of either fraction: the step's call, or the setting's per_process_memory_fraction,
+    # applied when the device allocator is created (ref §14 table; not by a runtime update).
+    out.allowed_bytes = allocator.allowed_memory_maximum
     hooks = _PredictionHooks(allocator, out, len(events), step_starts, max_points)
     engine = ReplayEngine(allocator, hooks)
     engine.run(events)

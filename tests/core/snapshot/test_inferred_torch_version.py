@@ -8,12 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomkit.core.snapshot import Snapshot, infer_torch_version, load_snapshot
+from oomkit.core.snapshot._validate import KNOWN_ACTIONS
 from oomkit.core.trace import TraceEvent
-from oomkit.core.trace.events import ACTIONS
 
 MiB = 2**20
 REQUESTS = ("alloc", "free_requested", "free_completed")
-OTHERS = tuple(a for a in ACTIONS if a not in REQUESTS)
 
 
 def _segment(device: int) -> dict:
@@ -52,7 +51,7 @@ def _entries(device: int, actions: list[str], time_us: bool) -> list[dict]:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    traces=st.lists(st.lists(st.sampled_from(ACTIONS), max_size=12), max_size=3),
+    traces=st.lists(st.lists(st.sampled_from(sorted(KNOWN_ACTIONS)), max_size=12), max_size=3),
     with_settings=st.booleans(),
     time_us=st.booleans(),
 )

@@ -48,11 +48,11 @@ def test_records_are_frozen_and_slotted():
     assert not hasattr(Frame("a", 1, "b"), "__dict__")
 
 
-def test_actions_are_pytorchs_and_empty_cache():
+def test_actions_are_pytorchs_and_oomkit_s_own_two():
     """ACTIONS holds PyTorch's ten trace actions (tests/core/snapshot/test_reader.py loads each
-    without a warning) and oomkit's own ``empty_cache``, each once."""
-    assert len(ACTIONS) == len(set(ACTIONS)) == 11
-    assert "empty_cache" in ACTIONS
+    without a warning) and oomkit's own ``empty_cache`` and ``allocator_settings``, each once."""
+    assert len(ACTIONS) == len(set(ACTIONS)) == 12
+    assert {"empty_cache", "allocator_settings"} <= set(ACTIONS)
 
 
 def test_header_defaults():

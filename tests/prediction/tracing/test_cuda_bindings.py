@@ -167,10 +167,11 @@ def test_a_cuda_api_not_answered_says_so_and_what_to_do():
     )
 
 
-def test_set_allocator_settings_is_noted_not_replayed_and_not_run():
-    """torch.cuda.memory._set_allocator_settings in a step: the assumption names the call,
-    when it came and how to predict with it; the CPU build's own binding is not called (it
-    would change this process's allocator settings) and is back after."""
+def test_set_allocator_settings_is_said_and_the_cpu_build_s_own_is_not_run():
+    """torch.cuda.memory._set_allocator_settings in a step: the assumption names the last call
+    and when it came; the CPU build's own binding is not called (it would change this
+    process's allocator settings) and is back after. (What the calls do to the replay:
+    test_allocator_settings_calls.py.)"""
     calls = []
     binding = torch._C._accelerator_setAllocatorSettings
 
@@ -184,9 +185,8 @@ def test_set_allocator_settings_is_noted_not_replayed_and_not_run():
     recording = trace_step(step, steps=1, target=TARGET)
     assert recording.assumptions["torch.cuda allocator settings"] == (
         "torch.cuda.memory._set_allocator_settings('max_split_size_mb:64') (the last of 2 "
-        "call(s), after its first CUDA allocation) is not replayed: the prediction keeps the "
-        "settings the run started with (the default). To predict with it, pass --alloc-conf "
-        "'max_split_size_mb:64' (or set PYTORCH_CUDA_ALLOC_CONF at the top of the script)"
+        "call(s), after its first CUDA allocation) is replayed where the step made each call, "
+        "as PyTorch updates its live allocator's settings then"
     )
     assert calls == [False]
     assert torch._C._accelerator_setAllocatorSettings is binding

@@ -28,7 +28,7 @@ from oomkit.core.replay.columns import (
 from oomkit.core.replay.hooks import ReplayHooks, overridden
 from oomkit.core.replay.result import ReplayResult
 from oomkit.core.trace import TraceEvent
-from oomkit.errors import AllocatorUsageError, OomkitError
+from oomkit.errors import AllocatorUsageError, OomkitError, TraceFormatError
 
 if TYPE_CHECKING:
     # Native 64-bit integers for mypyc (an annotation only: never imported at run time).
@@ -372,6 +372,10 @@ class ReplayEngine:
                     if name == "empty_cache":
                         # oomkit's own action (traces from its tracer); PyTorch never records it.
                         allocator.empty_cache()
+                    elif name == "allocator_settings":
+                        # oomkit's own too: torch.cuda.memory._set_allocator_settings(text) at
+                        # this point (AllocatorConfig runtime update of the live allocator).
+                        allocator.set_allocator_settings(_setting_of(event))
                     elif name in RELEASE:
                         hooks.segment_release(index, event)
                     elif name == "oom":
@@ -523,3 +527,14 @@ class ReplayEngine:
             torch_version=torch_version,
             **fields,
         )
+
+
+def _setting_of(event: TraceEvent) -> str:
+    """The settings text of an ``allocator_settings`` event (its ``setting`` tag)."""
+    setting = event.tag("setting")
+    if setting is None:
+        raise TraceFormatError(
+            "an allocator_settings event has no 'setting' tag (the text passed to "
+            "torch.cuda.memory._set_allocator_settings): the trace is damaged; record it again"
+        )
+    return setting

@@ -31,8 +31,9 @@ __all__ = [
 
 # c10/core/CachingDeviceAllocator.h TraceEntry::Action as _snapshot() spells them, MAIN26's
 # annotate, and oomkit's own empty_cache (core/trace/events.py ACTIONS). A snapshot entry with
-# another action is refused (_consistency.trace_contradiction).
-KNOWN_ACTIONS = frozenset(ACTIONS)
+# another action is refused (_consistency.trace_contradiction), oomkit's own
+# allocator_settings included: a snapshot records the settings once, at its dump.
+KNOWN_ACTIONS = frozenset(ACTIONS) - {"allocator_settings"}
 
 # Device addresses are 64-bit (CUdeviceptr); sizes are size_t; streams are cudaStream_t
 # pointers; time_us is a time_t count (CUDACachingAllocator.h TraceEntry).

@@ -31,11 +31,15 @@ Action = Literal[
     "oom",
     "snapshot",
     "empty_cache",
+    "allocator_settings",
     "annotate",
 ]
 
 # Trace entry actions (ref §11.2 table; `annotate` is MAIN26 only). `empty_cache` is oomkit's own:
 # PyTorch does not record it (§15.3), but synthetic traces and the tracer can state it.
+# `allocator_settings` is oomkit's own too: a ``torch.cuda.memory._set_allocator_settings(text)``
+# call at that point of the trace, its text in the ``setting`` tag (the tracer writes it; a
+# snapshot holds only the settings at its dump, ``allocator_settings``, so its reader refuses it).
 # The trace-file reader passes unknown actions through unchanged; the snapshot reader refuses
 # them (a snapshot is PyTorch's own record, and an action it never writes means damage).
 ACTIONS: tuple[str, ...] = get_args(Action)

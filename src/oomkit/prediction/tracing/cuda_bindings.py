@@ -19,8 +19,8 @@ the recording's simulated allocator (``step_memory.StepMemory``), after torch's 
 - ``set_sync_debug_mode`` / ``get_sync_debug_mode``: kept, nothing checked (no device syncs).
 - ``ipc_collect`` (``_cuda_ipc_collect``): one process holds nothing for others.
 - ``get_allocator_backend``: ``"native"``, the caching allocator oomkit simulates.
-- ``torch.cuda.memory._set_allocator_settings(s)``: noted, not replayed; an assumption says
-  the prediction keeps the settings the run started with, and how to predict with ``s``.
+- ``torch.cuda.memory._set_allocator_settings(s)``: replayed where the step calls it, as
+  PyTorch updates its live allocator (``StepMemory.set_allocator_settings``).
 - ``host_memory_stats`` (``_cuda_hostMemoryStats``): empty; pinned host memory is not
   simulated.
 
@@ -112,7 +112,7 @@ def cuda_bindings(memory: Callable[[], StepMemory]) -> Iterator[None]:
         # CUDA backend takes it at import). The default stream's handle is 0 (nullptr).
         "_cuda_getCurrentRawStream": lambda device: 0,
         # torch.cuda.memory._set_allocator_settings (2.9+ through the accelerator binding;
-        # before, the CUDA one): noted, not replayed (StepMemory.set_allocator_settings).
+        # before, the CUDA one): replayed at its point (StepMemory.set_allocator_settings).
         "_accelerator_setAllocatorSettings": lambda env: memory().set_allocator_settings(env),
         "_cuda_cudaCachingAllocator_set_allocator_settings": (
             lambda env: memory().set_allocator_settings(env)

@@ -124,7 +124,8 @@ def build_recording(
 
     Args:
         log: ``("alloc", alloc)``, ``("free", alloc, frames)``, ``("step",)``,
-            ``("empty_cache",)`` and ``("memory_fraction", f)`` in order.
+            ``("empty_cache",)``, ``("memory_fraction", f)`` and ``("allocator_settings",
+            text)`` in order.
         module_tag: the ``module`` tag of an allocation of a category (None: no tag).
         warnings: kernel_choices: assumptions: as in :class:`TraceRecording`.
         sites: (kind, params, the allocation id of its anchor) of each site
@@ -143,6 +144,10 @@ def build_recording(
             continue
         if kind == "empty_cache":  # torch.cuda.empty_cache() in the step (step_memory.py)
             events.append(new_trace_event("empty_cache", 0, 0, 0, None, (), ()))
+            continue
+        if kind == "allocator_settings":  # _set_allocator_settings(text) (step_memory.py)
+            setting = (("setting", entry[1]),)
+            events.append(new_trace_event("allocator_settings", 0, 0, 0, None, (), setting))
             continue
         if kind == "memory_fraction":  # set_per_process_memory_fraction (step_memory.py)
             memory_fraction = entry[1]

@@ -14,7 +14,11 @@ recorded, and its reads go on past the limit (a request the allocator refuses ev
 cached blocks in the reads after it and in the report's replay (an ``empty_cache`` trace event).
 ``set_per_process_memory_fraction(f)`` is one too: logged as ``("memory_fraction", f)``, the
 report's replay limits the allocator to that share of the GPU (the reads, without a memory
-limit, are unchanged). ``torch.cuda.memory._snapshot()`` is the allocator's segments at that
+limit, are unchanged). So is ``torch.cuda.memory._set_allocator_settings(text)``: logged as
+``("allocator_settings", text)``, it updates the live allocator's settings from that point, as
+PyTorch does (c10/core/AllocatorConfig.cpp ``setAllocatorSettings`` -> ``parseArgs``), in the
+reads after it and in the report's replay (an ``allocator_settings`` trace event); a text the
+target's PyTorch refuses raises ``RuntimeError`` in the step, as its ``TORCH_CHECK`` does. ``torch.cuda.memory._snapshot()`` is the allocator's segments at that
 line (``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned the history
 on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since (not its segment
 events), so ``_dump_snapshot`` writes a file that oomkit and memory_viz read.
@@ -47,6 +51,7 @@ from oomkit.core.allocator.constants import UNLIMITED_CAPACITY_BYTES
 from oomkit.core.snapshot.writer import snapshot_to_data
 from oomkit.core.target import Target
 from oomkit.core.trace import TraceEvent
+from oomkit.errors import ConfigError
 
 __all__ = ["OomsRaised", "StepMemory", "ooms_raised"]
 
@@ -93,8 +98,8 @@ class StepMemory:
 
     Args:
         log: the recorder's event log (``("alloc", Allocation)``, ``("free", Allocation,
-            frames)``, ``("step",)``, ``("empty_cache",)``, ``("memory_fraction", f)``),
-            appended to while the step runs.
+            frames)``, ``("step",)``, ``("empty_cache",)``, ``("memory_fraction", f)``,
+            ``("allocator_settings", text)``), appended to while the step runs.
         target: the machine whose allocator settings and PyTorch release are replayed;
             ``None``: PyTorch's defaults, its newest release.
     """
@@ -108,7 +113,9 @@ class StepMemory:
             torch_version=None if target is None else target.torch_version,
         )
         self._addresses: dict[int, int] = {}
-        self._alloc_conf = "" if target is None else str(target.allocator_config)
+        # The settings as the step's _set_allocator_settings calls left them so far (each call
+        # is checked against them when made).
+        self._config = self._allocator.config
         self.reads = 0
         # torch.cuda.get_per_process_memory_fraction(): 1.0 until the step sets one.
         self.memory_fraction = 1.0
@@ -117,6 +124,7 @@ class StepMemory:
         self.history: deque[TraceEvent] | None = None
         # torch.cuda.memory._set_allocator_settings calls: (setting, after the first request).
         self.settings_calls: list[tuple[str, bool]] = []
+        self._torch_version = None if target is None else target.torch_version
         # With ooms_raised open: the allocator with the target GPU's memory that serves each
         # request first (admit), its read position in the log and its addresses.
         self._target = target
@@ -163,6 +171,8 @@ class StepMemory:
                 limited.empty_cache()
             elif entry[0] == "memory_fraction":
                 limited.set_per_process_memory_fraction(entry[1])
+            elif entry[0] == "allocator_settings":
+                limited.set_allocator_settings(entry[1])
         self._limited_read = len(self._log)
         return limited
 
@@ -188,6 +198,8 @@ class StepMemory:
                     self._remember(_FREED, address, entry[1], entry[2])
             elif entry[0] == "empty_cache":
                 allocator.empty_cache()
+            elif entry[0] == "allocator_settings":
+                allocator.set_allocator_settings(entry[1])
         self._read = len(log)
         return allocator
 
@@ -230,9 +242,10 @@ class StepMemory:
         """``torch._C._cuda_memorySnapshot``: the segments at this line and the history."""
         allocator = self._catch_up()
         traces = list(self.history) if include_traces and self.history is not None else []
-        # The setting the simulated allocator runs, as a snapshot's allocator_settings names
-        # it, so that a replay of the file runs it too (core/replay/_recorded.py).
-        settings = {"PYTORCH_CUDA_ALLOC_CONF": self._alloc_conf} if self._alloc_conf else None
+        # The setting the simulated allocator runs now, as a snapshot's allocator_settings
+        # names it, so that a replay of the file runs it too (core/replay/_recorded.py).
+        alloc_conf = str(allocator.config)
+        settings = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else None
         return snapshot_to_data(allocator.snapshot(), [traces], allocator_settings=settings)
 
     def _remember(self, actions: tuple[str, ...], address: int, alloc: Any, frames: Any) -> None:
@@ -270,26 +283,32 @@ class StepMemory:
         """``torch.cuda.reset_accumulated_memory_stats()``."""
         self._catch_up().reset_accumulated_memory_stats()
 
-    def set_allocator_settings(self, setting: str) -> None:
+    def set_allocator_settings(self, setting: object) -> None:
         """``torch.cuda.memory._set_allocator_settings(setting)``: PyTorch re-parses its live
         allocator's settings from then on (c10/core/AllocatorConfig.cpp ``setAllocatorSettings``
-        -> ``parseArgs``). The replay applies one setting from the start, so the call is noted,
-        not replayed (``assumptions`` says so)."""
-        self.settings_calls.append((str(setting), self.used()))
+        -> ``parseArgs``; ``AllocatorConfig.runtime_update`` here), so the call is logged among
+        the step's requests and replayed at its point. A text the target's PyTorch refuses
+        raises ``RuntimeError``, as its ``TORCH_CHECK`` does, and changes nothing."""
+        text = str(setting)
+        try:
+            config = self._config.runtime_update(text, self._torch_version)
+        except ConfigError as exc:
+            raise RuntimeError(str(exc)) from None
+        self.settings_calls.append((text, self.used()))
+        self._config = config
+        self._log.append(("allocator_settings", text))
 
     def assumptions(self) -> dict[str, str]:
-        """How the step's reads of the counters were answered, and what of its allocator
-        settings calls was not replayed."""
+        """How the step's reads of the counters were answered, and its allocator settings
+        calls (replayed at their points)."""
         said = {}
         if self.settings_calls:
             setting, late = self.settings_calls[-1]
             when = "after its first CUDA allocation" if late else "before its first allocation"
             said["torch.cuda allocator settings"] = (
                 f"torch.cuda.memory._set_allocator_settings({setting!r}) (the last of "
-                f"{len(self.settings_calls)} call(s), {when}) is not replayed: the prediction "
-                f"keeps the settings the run started with ({self._alloc_conf or 'the default'})"
-                f". To predict with it, pass --alloc-conf {setting!r} (or set "
-                "PYTORCH_CUDA_ALLOC_CONF at the top of the script)"
+                f"{len(self.settings_calls)} call(s), {when}) is replayed where the step made "
+                "each call, as PyTorch updates its live allocator's settings then"
             )
         if not self.reads:
             return said
