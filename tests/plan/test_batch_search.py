@@ -135,6 +135,19 @@ def test_margin_excludes_batches_that_would_fit_without_it():
     assert with_margin.batch_size == 36 and with_margin.headroom_bytes == 20 * MiB
 
 
+def test_a_memory_fraction_in_the_setting_is_what_the_margin_comes_off():
+    """per_process_memory_fraction:0.5 on 200 MiB: the allocator may reserve 100 MiB, so a
+    20 MiB margin leaves 80 MiB and the answer is 36 ((36 + 4) * 2 MiB), as on a 100 MiB
+    GPU; usable and headroom are of the 100 MiB. The margin had come off the GPU's 200 MiB
+    only (batch 46, at the limit, no headroom left) and the headroom had been of 200 MiB."""
+    target = Target.resolve(_gpu(200 * MiB), alloc_conf="per_process_memory_fraction:0.5")
+    assert target.usable_bytes == 100 * MiB
+    result = max_batch_size(_linear(), target=target, margin_bytes=20 * MiB)
+    assert (result.batch_size, result.usable_bytes, result.headroom_bytes) == (36, 100 * MiB, 20 * MiB)
+    assert result.alloc_conf == "per_process_memory_fraction:0.5"
+    assert all(p.headroom_bytes == 100 * MiB - p.peak_reserved_bytes for p in result.curve)
+
+
 def test_default_margin_is_two_percent_at_least_256_mib():
     """The default margin: 2% of usable rounded down to 2 MiB, never under 256 MiB."""
     assert MIN_DEFAULT_MARGIN_BYTES == 256 * MiB
@@ -421,6 +434,16 @@ def test_smallest_gpu_margin_can_rule_out_a_fit():
     result = smallest_gpu(_linear(), 30, candidates=candidates, margin_bytes=40 * MiB)
     assert [f.fits for f in result.candidates] == [False, True]
     assert result.smallest is not None and result.smallest.name == "big"
+
+
+def test_smallest_gpu_under_a_memory_fraction_counts_each_gpu_s_share():
+    """per_process_memory_fraction:0.5: batch 30 (68 MiB) fits in half of 200 MiB (32 MiB
+    headroom), not in half of 100 MiB (-18 MiB); each row's usable memory is that half."""
+    candidates = [_gpu(100 * MiB, "mid"), _gpu(200 * MiB, "big")]
+    base = Target.resolve(_gpu(100 * MiB), alloc_conf="per_process_memory_fraction:0.5")
+    result = smallest_gpu(_linear(), 30, candidates=candidates, margin_bytes=0, target=base)
+    rows = [(f.gpu.name, f.fits, f.headroom_bytes, f.usable_bytes) for f in result.candidates]
+    assert rows == [("mid", False, -18 * MiB, 50 * MiB), ("big", True, 32 * MiB, 100 * MiB)]
 
 
 def test_smallest_gpu_traces_once_per_compute_capability():

@@ -146,8 +146,28 @@ class Target:
 
     @property
     def usable_bytes(self) -> int:
-        """``capacity_bytes - context_overhead_bytes``: the most the allocator may reserve."""
-        return self.gpu.usable_bytes()
+        """The most the allocator may reserve: ``capacity_bytes - context_overhead_bytes``, or
+        less where the setting's ``per_process_memory_fraction`` limits it (applied when the
+        device allocator is created: ``allowed_memory_maximum``, ref §14 table)."""
+        limit = self.fraction_limit_bytes
+        usable = self.gpu.usable_bytes()
+        return usable if limit is None else min(usable, limit)
+
+    @property
+    def fraction_limit_bytes(self) -> int | None:
+        """The allocator's limit under the setting's ``per_process_memory_fraction``, as the
+        target's PyTorch computes it from the total memory (``None``: no such setting)."""
+        if self.allocator_config.per_process_memory_fraction is None:
+            return None
+        from oomkit.core.allocator import CachingAllocator
+
+        allocator = CachingAllocator(
+            self.allocator_config,
+            capacity_bytes=self.capacity_bytes,
+            reserved_outside_bytes=self.context_overhead_bytes,
+            torch_version=self.torch_version,
+        )
+        return allocator.allowed_memory_maximum
 
     @property
     def alloc_conf(self) -> str:

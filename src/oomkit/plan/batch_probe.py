@@ -238,10 +238,18 @@ def less_margin(target: Target, margin_bytes: int) -> Target | None:
     """``target`` with ``margin_bytes`` less usable memory (held outside the allocator, as the
     CUDA context is); ``None`` when nothing would be left."""
     spec = target.gpu
-    if margin_bytes >= spec.usable_bytes():
+    if margin_bytes >= target.usable_bytes:
         return None
     overhead = spec.context_overhead_bytes + margin_bytes
-    return target.with_gpu(dataclasses.replace(spec, context_overhead_bytes=overhead))
+    searched = target.with_gpu(dataclasses.replace(spec, context_overhead_bytes=overhead))
+    limit = target.fraction_limit_bytes
+    if limit is None:
+        return searched
+    # The setting's per_process_memory_fraction limits the allocator below the GPU's memory:
+    # the margin comes off that limit too (a smaller fraction of the same total).
+    fraction = (limit - margin_bytes) / spec.total_memory_bytes
+    config = dataclasses.replace(target.allocator_config, per_process_memory_fraction=fraction)
+    return dataclasses.replace(searched, allocator_config=config)
 
 
 def _train_label(prediction: Prediction) -> str:

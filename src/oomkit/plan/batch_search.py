@@ -383,7 +383,7 @@ def max_batch_size(
     if target is None:
         target = Target.resolve("h100")
     spec = target.gpu
-    usable = spec.usable_bytes()
+    usable = target.usable_bytes
     margin = resolve_margin(margin_bytes, usable, spec.name)
     searched = less_margin(target, margin)
     if searched is None:
@@ -503,7 +503,7 @@ def _result(
         alloc_conf=target.alloc_conf,
         capacity_bytes=spec.total_memory_bytes,
         context_overhead_bytes=spec.context_overhead_bytes,
-        usable_bytes=spec.usable_bytes(),
+        usable_bytes=target.usable_bytes,
         margin_bytes=margin,
         margin_is_default=margin_is_default,
         peak_reserved_bytes=answer.peak_reserved_bytes,

@@ -170,7 +170,7 @@ def smallest_gpu(
     description = ""
     for spec in ordered:
         on_spec = base.with_gpu(spec)
-        margin = resolve_margin(margin_bytes, spec.usable_bytes())
+        margin = resolve_margin(margin_bytes, on_spec.usable_bytes)
         if recording is not None:
             train_recording, eval_recording = recording, None
             described = ""
@@ -266,14 +266,14 @@ def _fit_on(
     if eval_recording is not None:
         evaluation = predict_recording(eval_recording, target=replayed)
     probe = probe_record(
-        batch_size, train, evaluation, spec.usable_bytes(), feasible=searched is not None
+        batch_size, train, evaluation, on_spec.usable_bytes, feasible=searched is not None
     )
     fit = GpuFit(
         gpu=spec,
         fits=probe.fits,
         headroom_bytes=probe.headroom_bytes,
         peak_reserved_bytes=probe.peak_reserved_bytes,
-        usable_bytes=spec.usable_bytes(),
+        usable_bytes=on_spec.usable_bytes,
         margin_bytes=margin,
         limiting_step=probe.limiting_step,
     )
@@ -374,7 +374,7 @@ def smallest_gpu_count(
         fits: list[GpuFit] = []
         shown: tuple[str, ...] = ()
         for spec in ordered:
-            margin = resolve_margin(margin_bytes, spec.usable_bytes())
+            margin = resolve_margin(margin_bytes, base.with_gpu(spec).usable_bytes)
             fit, train, _ = _fit_on(
                 base.with_gpu(spec), margin, per_rank, recording, None, description
             )
