@@ -24,7 +24,8 @@ What it changes while open (all undone on exit):
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
   fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
-  no values to copy. ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
+  no values to copy (activations offloaded by ``save_on_cpu`` are ``host_offload.py``'s).
+  ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
   tensor too (pinned host memory is host memory, which the prediction does not count; torch's
   own ``pin_memory`` needs a real accelerator).
 - ``Module.to("cuda")`` keeps shared parameters shared and the optimizers built before it
@@ -63,6 +64,7 @@ from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
 from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.hf_loading import hf_loading_onto_cuda
+from oomkit.prediction.tracing.host_offload import saving_on_host
 from oomkit.prediction.tracing.module_moves import (
     module_moves_keep_sharing,
     module_to_index_is_cuda,
@@ -501,6 +503,7 @@ def as_one_cuda_gpu(
             user_streams(),
             data_parallel_on_one_gpu(),
             hf_loading_onto_cuda(),
+            saving_on_host(),
             _CudaOnMeta(device),
         ):
             yield
