@@ -108,3 +108,27 @@ def test_on_a_fake_process_group_the_saved_tensors_leave_the_device_too(tmp_path
         printed = capfd.readouterr().out
         after[mode] = [int(line.split()[-1]) for line in printed.splitlines() if line.startswith("after forward")]
     assert after["keep"][0] - after["offload"][0] == 4 * MiB
+
+
+PINNED_SCRIPT = """
+import torch
+buf = torch.zeros(256, pin_memory=True)
+buf += 1
+print("host", buf.device.type, float(buf.sum()), torch.cuda.memory_allocated(), flush=True)
+on_device = buf.to("cuda", non_blocking=True)
+print("moved", torch.cuda.memory_allocated(), flush=True)
+"""
+
+
+def test_a_pinned_host_buffer_is_host_memory_with_values(tmp_path, capfd):
+    """A script's torch.zeros(..., pin_memory=True) had failed ("pin_memory=True requires a
+    CUDA or other accelerator backend"); it is a host tensor with its values, not device
+    memory, and its move to the device is a device allocation (256 floats: a 1 KiB block)."""
+    from oomkit.prediction.scripts import predict_script
+
+    script = tmp_path / "pinned.py"
+    script.write_text(PINNED_SCRIPT)
+    result = predict_script(script, steps=1, target=TARGET)
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith(("host", "moved"))]
+    assert printed == ["host cpu 256.0 0", "moved 1024"]
+    assert result.prediction.peak_allocated_bytes == 1024

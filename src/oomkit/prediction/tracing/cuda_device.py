@@ -25,6 +25,7 @@ What it changes while open (all undone on exit):
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
   fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
   no values to copy (activations offloaded by ``save_on_cpu`` are ``host_offload.py``'s).
+  A factory's ``pin_memory=True`` makes an unpinned host tensor, and
   ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
   tensor too (pinned host memory is host memory, which the prediction does not count; torch's
   own ``pin_memory`` needs a real accelerator).
@@ -138,6 +139,10 @@ class _CudaOnMeta(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = _default_device_given(func, dict(kwargs or {}))
+        if kwargs.get("pin_memory") and not is_cuda(kwargs.get("device")):
+            # A pinned host buffer (torch.empty(n, pin_memory=True)): host memory, not counted,
+            # made unpinned (torch's pinned allocator needs a real accelerator), as pin_memory().
+            kwargs["pin_memory"] = False
         if self._device.type != "meta":
             return self._onto_fake_device(func, args, kwargs)
         asked_cuda = is_cuda(kwargs.get("device"))
