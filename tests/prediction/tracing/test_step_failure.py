@@ -77,6 +77,25 @@ def test_a_data_dependent_op_in_user_code_is_the_users_to_move():
     assert "Move data-dependent code" in message
 
 
+def test_an_op_refusing_its_arguments_is_the_step_s_own_error_not_a_value_read():
+    """A matmul of mismatched shapes fails in its meta kernel as on CUDA: the message says so
+    and asks for a fix in the step. It had said the op's result depended on tensor values."""
+
+    def step(x):
+        x @ torch.empty(9, 3, device="meta")  # mismatched shapes
+
+    with pytest.raises(UnsupportedOpError) as raised:
+        trace_step(step, _meta_input())
+    message = str(raised.value)
+    assert message.startswith("the step raised RuntimeError: a and b must have same reduction dim")
+    assert message.endswith(
+        f"at {SHOWN}:{_line('# mismatched shapes')} in step, in aten.mm.default: the op refused "
+        "its arguments, which it checks on the meta device as on the GPU (shapes, dtypes, "
+        "sizes), so a GPU run would raise it too. Fix it in the step"
+    )
+    assert "depends on tensor values" not in message
+
+
 def _fake_library(tmp_path):
     """A module installed under site-packages: library code, not the user's."""
     folder = tmp_path / "site-packages" / "fakelib"

@@ -195,8 +195,16 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
             "NVTX are). Predict the step without that call, or measure it on a GPU with "
             "`oomkit run`"
         )
-    if failed_op is None and "meta" not in str(exc).lower():
-        return f"the step raised {text}, {at}"
+    if "meta" not in str(exc).lower() and "data-independent" not in str(exc):
+        if failed_op is None:
+            return f"the step raised {text}, {at}"
+        # An op that refused its arguments without naming the meta device (a shape or dtype
+        # check, which meta kernels run as CUDA's do): the step's own error, not a value read.
+        return (
+            f"the step raised {text}, {at}, in {failed_op}: the op refused its arguments, "
+            "which it checks on the meta device as on the GPU (shapes, dtypes, sizes), so a "
+            "GPU run would raise it too. Fix it in the step"
+        )
     op = f"{failed_op} " if failed_op else ""
     if site.library is not None:
         advice = (
