@@ -54,7 +54,11 @@ from oomkit.core.target import ParallelLayout, Target
 from oomkit.core.trace.step_count import check_step_count
 from oomkit.errors import ConfigError, OomkitError, UserCodeError
 from oomkit.prediction.tracing.autocast import cuda_autocast_construction
-from oomkit.prediction.tracing.batch_finders import batch_finder_note, batch_finders_noticed
+from oomkit.prediction.tracing.batch_finders import (
+    batch_finder_note,
+    batch_finders_noticed,
+    tuner_note,
+)
 from oomkit.prediction.tracing.cpu_inputs import cpu_inputs_refused
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 from oomkit.prediction.tracing.cuda_streams import current_stream_id
@@ -67,6 +71,7 @@ from oomkit.prediction.tracing.script_steps import (
     StepWatch,
     StopScript,
 )
+from oomkit.prediction.tracing.skipped_saves import saves_skipped
 from oomkit.prediction.tracing.spawned_ranks import spawn_runs_rank_0
 from oomkit.prediction.tracing.step_failure import (
     exit_call,
@@ -293,17 +298,6 @@ def _fsdp1_refused(where: str) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _saves_skipped(counter: list[int]) -> Iterator[None]:
-    """``torch.save`` writes nothing while the script runs; each call is counted."""
-
-    def save(*args: Any, **kwargs: Any) -> None:
-        counter[0] += 1
-
-    with _patched(torch, "save", save):
-        yield
-
-
 def record_script(
     path: str | os.PathLike[str],
     argv: Sequence[str] = (),
@@ -382,6 +376,7 @@ def record_script(
     saves = [0]
     raised: OomsRaised | None = None  # with ooms: what the target GPU refused
     finder_starts: list[int] = []  # accelerate's find_executable_batch_size (batch_finders.py)
+    tuner_searches: list[str] = []  # Lightning's Tuner searches run (batch_finders.py)
     world: FakeWorld | None = None
     if world_size is not None:
         from oomkit.prediction.tracing.distributed import FakeWorld
@@ -415,9 +410,9 @@ def record_script(
                 stack.enter_context(cpu_inputs_refused())
                 stack.enter_context(cuda_autocast_construction())
                 stack.enter_context(_distributed_refused(where))
-            stack.enter_context(_saves_skipped(saves))
+            stack.enter_context(saves_skipped(saves))
             stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
-            stack.enter_context(batch_finders_noticed(finder_starts))
+            stack.enter_context(batch_finders_noticed(finder_starts, tuner_searches))
             if ooms:
                 raised = stack.enter_context(ooms_raised(_config_at_first_use(alloc_conf_variables())))
             stack.enter_context(fresh_accelerate_state())
@@ -468,9 +463,12 @@ def record_script(
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
     caught = 0 if raised is None else raised.count
     finder = batch_finder_note(finder_starts, spec.path, caught)
+    tuner = tuner_note(tuner_searches, caught)
     if finder is not None:
         notes.append(finder)
-    elif caught:
+    if tuner is not None:
+        notes.append(tuner)
+    elif caught and finder is None:
         notes.append(
             f"the script caught {caught} out-of-memory error(s), raised where a request did not "
             f"fit on {tracer.gpu.name} as on the GPU, and went on: the prediction is of the run "

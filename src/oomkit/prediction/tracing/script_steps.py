@@ -17,6 +17,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optimizer_hooks
 
+from oomkit.prediction.tracing.batch_finders import in_trials
 from oomkit.prediction.tracing.cuda_device import entries_recorded
 
 if TYPE_CHECKING:
@@ -105,13 +106,15 @@ class StepWatch:
                     f"at {MAX_SCRIPT_ENTRIES:,} to stay within memory. Give it the arguments of a "
                     "short run (a few batches)"
                 )
-        if self._started:
+        if self._started or in_trials():
             return
         if module.training and torch.is_grad_enabled():
             self._started = True
             self._tracer.mark_step()
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if in_trials():
+            return  # a Lightning Tuner's trial step, not one of the script's (batch_finders.py)
         if not self._started:
             # A step with no training forward before it (a closure's): it starts here.
             self._tracer.mark_step()
