@@ -8,8 +8,8 @@ Some scripts load in the same run what they saved: Lightning's ``Tuner.scale_bat
 the trainer's state before its trials and restores it after them (lightning/pytorch/tuner/
 batch_size_scaling.py ``__scale_batch_dump_params`` / ``_reset_params``), a script reloads its
 best model for a final evaluation. So :func:`saves_skipped` remembers what each save would have
-written, as its layout (each tensor's shape, strides, dtype and device; a host tensor's values,
-copied; other objects as they were), and ``torch.load`` of it gives back a new object of that
+written, as its layout (each tensor's shape, strides, dtype and device; a host tensor itself;
+other objects as they were), and ``torch.load`` of it gives back a new object of that
 layout, as a real load does: each tensor saved from the GPU is a new device tensor (made on
 CUDA, so the recorder records the allocation the load makes on a GPU) unless ``map_location``
 sends it to the CPU, where it is host memory (a tensor that is not recorded).
@@ -21,8 +21,9 @@ a copy of its bytes, recognises. Any other load is torch's own.
 
 Where it may differ: a callable ``map_location`` is taken to leave each storage where it was
 saved (Lightning's ``lambda storage, loc: storage``); the loaded tensors' values are unknown, as
-every device tensor's are here; non-tensor objects are the same objects the script saved (not
-copies), so a change the script made to them after the save shows in the load.
+every device tensor's are here; a host tensor is copied at the load, not at the save, and
+non-tensor objects are the same objects the script saved, so a change the script made to them
+after the save shows in the load (nothing is copied at a save, so a save costs no memory).
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ _MARKER_READ = len(_MARKER) + 24
 
 @dataclass(frozen=True)
 class _SavedTensor:
-    """A tensor as a save would have written it: its layout; a host tensor's values too."""
+    """A tensor as a save would have written it: its layout; a host tensor itself too."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     on_device: bool
-    values: torch.Tensor | None  # a host tensor's copy
+    values: torch.Tensor | None  # a host tensor (its values are copied at the load)
 
 
 def _kept(value: Any) -> Any:
@@ -68,7 +69,7 @@ def _kept(value: Any) -> Any:
         tuple(value.stride()),
         value.dtype,
         on_device,
-        None if on_device else value.detach().clone(),
+        None if on_device else value.detach(),
     )
 
 
