@@ -118,3 +118,20 @@ def test_a_slice_bound_tensor_is_read_as_an_index():
         with pytest.raises(DataDependentValueError, match="integer"):
             x[:, :unknown]
     assert [r.outcome for r in reads.records.values()].count("answered") >= 3
+
+
+def test_token_ids_made_on_the_gpu_with_a_mask_of_ones_generate(tmp_path):
+    """Ids drawn on the GPU (values unknown) with ``attention_mask=torch.ones_like(ids)``:
+    the mask is known (ones_like reads only its input's layout), and generate's check for
+    dummy ids filled with -100 is answered "no" (token ids are never negative). It had stopped
+    at both reads."""
+    source = GENERATE.replace('ids = torch.randint(2, 100, (8, 8)).to("cuda")', 'ids = torch.randint(2, 100, (8, 8), device="cuda")')
+    assert source != GENERATE
+    (tmp_path / "gen.py").write_text(textwrap.dedent(source))
+    run = record_script(tmp_path / "gen.py", ["4"], target=RTX4090, cwd=tmp_path)
+    assert run.recording.assumptions["generation length"].startswith("transformers' generate asked 3 time(s)")
+    mask_reads = [
+        text for key, text in run.recording.assumptions.items()
+        if key.startswith("read at utils.py:") and "(torch.ones_like)" in text
+    ]
+    assert len(mask_reads) == 2

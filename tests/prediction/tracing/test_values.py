@@ -42,6 +42,18 @@ def test_random_and_uninitialised_values_and_what_follows_are_unknown():
     assert (known_value(noise), known_value(blank), known_value(mixed)) == (None, None, None)
 
 
+def test_like_factories_of_an_unknown_tensor_take_only_its_layout():
+    """ones_like / zeros_like / full_like of random ids are known (the ids' values do not
+    matter, only their shape and dtype), named by the factory; empty_like is not."""
+    with KnownValues(), torch.device("meta"):
+        ids = torch.randint(0, 100, (2, 3))
+        ones, zeros, sevens = torch.ones_like(ids), torch.zeros_like(ids), torch.full_like(ids, 7)
+        blank = torch.empty_like(ids)
+    assert (_values(ones), _values(zeros), _values(sevens)) == ([[1] * 3] * 2, [[0] * 3] * 2, [[7] * 3] * 2)
+    assert known_value(ones).origins == frozenset({"torch.ones_like"})
+    assert (known_value(ids), known_value(blank)) == (None, None)
+
+
 def test_a_causal_mask_is_recognised_by_torch_equal_and_all():
     """triu(full(-inf), 1) equals torch's own causal mask: equal() and all() answer True."""
     with KnownValues(), torch.device("meta"):

@@ -25,6 +25,7 @@ Every read is recorded by site (:class:`ReadRecord`) for the prediction's assump
 from __future__ import annotations
 
 import contextlib
+import linecache
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -193,6 +194,9 @@ class ValueReads(TorchFunctionMode):
             with torch._C.DisableTorchFunction(), unset_fake_temporarily():  # real values
                 result = func(*values, *args[len(values) :], **kwargs)
             return self._record(site, kind, "answered", result, origins)
+        checked = _generate_check(func, frames)
+        if checked is not None:
+            return checked
         answer = _generation_answer(func, tensors[0], frames)
         if answer is not None:
             self.generation_goes_on += func is torch.Tensor.__bool__
@@ -311,6 +315,31 @@ def _generation_answer(func: Any, tensor: torch.Tensor, frames: list[Any]) -> in
         return length
     if tensor is local.get("max_generated_length"):
         return length - prompt
+    return None
+
+
+# transformers' generate reads token ids for options not asked for (generation/utils.py),
+# answered as for a tokenizer's batch: _get_logits_processor's ``not (encoder_input_ids <
+# 0).any()``, whether the ids are a dummy filled with -100, read for the encoder repetition
+# penalty and n-gram options: token ids are never negative, "no". (Its other reads of the ids
+# decide the attention mask: a mask the script passes, known, answers them.)
+# (function, text on its line) -> the answer.
+_GENERATE_CHECKS = {
+    ("_get_logits_processor", "encoder_input_ids < 0"): False,
+}
+
+
+def _generate_check(func: Any, frames: list[Any]) -> bool | None:
+    """The answer to one of generate's checks above; ``None``: not one of them."""
+    if func not in (torch.Tensor.__bool__, torch.Tensor.item) or not frames:
+        return None
+    frame = frames[0]
+    if Path(frame.f_code.co_filename).parts[-3:] != _GENERATION_MODULE:
+        return None
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    for (function, text), answer in _GENERATE_CHECKS.items():
+        if frame.f_code.co_name == function and text in line:
+            return answer
     return None
 
 

@@ -96,6 +96,9 @@ _UNINITIALISED = frozenset(
 _INF_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 # In-place ops that overwrite every element of their first argument whatever it held.
 _OVERWRITES = frozenset({"aten::fill_", "aten::zero_", "aten::copy_"})
+# Factories whose tensor argument gives only its layout (shape, dtype, strides), not values:
+# torch.ones_like(input_ids) is all ones whatever input_ids holds.
+_LAYOUT_ONLY = frozenset({"aten::ones_like", "aten::zeros_like", "aten::full_like"})
 
 
 # Tensor types whose values are their storage's (subclasses such as DTensor wrap others).
@@ -352,6 +355,7 @@ class KnownValues(TorchDispatchMode):
         replaced: list[Any] = []
         # fill_/zero_/copy_ overwrite their first argument: what it held does not matter.
         overwritten = flat[0] if name in _OVERWRITES and flat else None
+        layout_only = flat[0] if name in _LAYOUT_ONLY and flat else None
         for leaf in flat:
             if not isinstance(leaf, torch.Tensor):
                 replaced.append(leaf)
@@ -361,10 +365,12 @@ class KnownValues(TorchDispatchMode):
                 origins |= known.origins
                 replaced.append(known.tensor)
                 continue
-            whole = id(leaf) == id(overwritten)
+            whole = id(leaf) == id(overwritten) or id(leaf) == id(layout_only)
             fresh = _fresh(leaf) if whole and leaf.is_meta else None
             if fresh is None:
                 return None
+            if id(leaf) == id(layout_only):
+                origins.add(_factory_name(func))
             replaced.append(fresh)
         _, spec = tree_flatten(tree)
         cpu_args, cpu_kwargs = tree_unflatten(replaced, spec)
