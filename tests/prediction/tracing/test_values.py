@@ -189,3 +189,35 @@ def test_a_long_and_with_a_known_all_false_mask_is_zero():
         finished = left.max() == 0
     assert _values(left) == [0, 0, 0]
     assert _values(finished) is True
+
+
+@pytest.mark.parametrize(("padded_from", "qualifies"), [(10, True), (None, False)])
+def test_a_transformer_encoder_s_padding_mask_check_reads_only_the_mask(padded_from, qualifies):
+    """nn.TransformerEncoder in inference checks its padding mask for the nested-tensor fast
+    path (_nested_tensor_from_mask_left_aligned(src, mask)): src's values do not matter, so a
+    known mask answers it (it had stopped the step: no meta kernel, src unknown). The meta
+    device never takes the fast path, and a qualifying mask is said to make the prediction an
+    upper bound; a mask padded in the middle does not qualify."""
+    from oomkit.core.target import Target
+    from oomkit.prediction.tracing.step_runner import trace_step
+
+    with torch.device("meta"):
+        encoder = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2
+        ).eval()
+
+    def step():
+        x = torch.randn(4, 16, 64, device="meta")
+        mask = torch.zeros(4, 16, dtype=torch.bool, device="meta")
+        if padded_from is None:
+            mask[:, 3] = True  # a gap: not left-aligned
+        else:
+            mask[:, padded_from:] = True
+        with torch.inference_mode():
+            encoder(x, src_key_padding_mask=mask)
+
+    recording = trace_step(step, steps=1, target=Target.resolve("h100"))
+    said = recording.assumptions.get("TransformerEncoder fast path")
+    assert (said is not None) == qualifies
+    if qualifies:
+        assert said.startswith("nn.TransformerEncoder was called 1 time(s) in inference")

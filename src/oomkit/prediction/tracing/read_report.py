@@ -67,6 +67,17 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
             ) + ")"
         text = f"{record.kind} = {record.value}, {how}; {record.count} time(s)"
         out[key] = f"{out[key]}; {text}" if key in out else text
+    if known.nested_fast_paths:
+        # torch/nn/modules/transformer.py TransformerEncoder.forward: a left-aligned padding
+        # mask in inference turns the batch into nested tensors (padding dropped); the fast
+        # path refuses devices other than cpu/cuda, meta included, so the recording ran the
+        # padded layers.
+        out["TransformerEncoder fast path"] = (
+            f"nn.TransformerEncoder was called {known.nested_fast_paths} time(s) in inference "
+            "with a padding mask that qualifies for its nested-tensor fast path, which a GPU "
+            "run may take (padding dropped, fused layers); predicted as the padded layers run, "
+            "which hold at least as much (an upper bound)"
+        )
     if finite:
         ops = ", ".join(f"{name} x{n}" for name, n in sorted(finite.items()))
         out["finite values"] = (

@@ -99,6 +99,10 @@ _OVERWRITES = frozenset({"aten::fill_", "aten::zero_", "aten::copy_"})
 # Factories whose tensor argument gives only its layout (shape, dtype, strides), not values:
 # torch.ones_like(input_ids) is all ones whatever input_ids holds.
 _LAYOUT_ONLY = frozenset({"aten::ones_like", "aten::zeros_like", "aten::full_like"})
+# Ops whose first tensor gives only its shape to a check of the second's values:
+# nn.TransformerEncoder's test of a padding mask for its nested-tensor fast path
+# (torch/nn/modules/transformer.py: _nested_tensor_from_mask_left_aligned(src, mask)).
+_SHAPE_ONLY = frozenset({"aten::_nested_tensor_from_mask_left_aligned"})
 
 
 # Tensor types whose values are their storage's (subclasses such as DTensor wrap others).
@@ -263,11 +267,14 @@ class KnownValues(TorchDispatchMode):
     Attributes:
         assumed_finite: GradScaler's inf checks of unknown gradients answered "none found"
             (``found_inf`` stays 0, as in a run whose gradients are finite), by op.
+        nested_fast_paths: nn.TransformerEncoder calls whose padding mask qualified for the
+            nested-tensor fast path, which the meta device does not take (``_SHAPE_ONLY``).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.assumed_finite: Counter[str] = Counter()
+        self.nested_fast_paths = 0
 
     def __torch_dispatch__(
         self,
@@ -301,7 +308,9 @@ class KnownValues(TorchDispatchMode):
             if known is None or not self._deterministic(func, name):
                 raise
             # No meta kernel, or a data-dependent shape: the copies answer it.
-            return self._run_on_copies(func, known, name)
+            answer = self._run_on_copies(func, known, name)
+            self.nested_fast_paths += name in _SHAPE_ONLY and answer is True
+            return answer
         if name == _INF_CHECK and len(args) > 1 and isinstance(args[1], torch.Tensor):
             # GradScaler.unscale_ (torch/amp/grad_scaler.py _unscale_grads_): found_inf is
             # set to 1 only by a non-finite gradient; the scaler then reads it to skip the step.
@@ -356,6 +365,7 @@ class KnownValues(TorchDispatchMode):
         # fill_/zero_/copy_ overwrite their first argument: what it held does not matter.
         overwritten = flat[0] if name in _OVERWRITES and flat else None
         layout_only = flat[0] if name in _LAYOUT_ONLY and flat else None
+        shape_only = flat[0] if name in _SHAPE_ONLY and flat else None
         for leaf in flat:
             if not isinstance(leaf, torch.Tensor):
                 replaced.append(leaf)
@@ -364,6 +374,10 @@ class KnownValues(TorchDispatchMode):
             if known is not None:
                 origins |= known.origins
                 replaced.append(known.tensor)
+                continue
+            if id(leaf) == id(shape_only):
+                with torch._C.DisableTorchFunction():  # its shape, in no memory
+                    replaced.append(torch.zeros((), dtype=leaf.dtype).expand(leaf.shape))
                 continue
             whole = id(leaf) == id(overwritten) or id(leaf) == id(layout_only)
             fresh = _fresh(leaf) if whole and leaf.is_meta else None
