@@ -47,6 +47,7 @@ from oomkit.prediction.tracing.emulation import CUDA_DIVERGENT_OPS, DEFAULT_EMUL
 from oomkit.prediction.tracing.engine import CudaEmulationEngine
 from oomkit.prediction.tracing.fake_storages import detach_saved
 from oomkit.prediction.tracing.frames import UserFrameFinder
+from oomkit.prediction.tracing.func_transforms import func_transforms_allowed
 from oomkit.prediction.tracing.grad_scaler import grad_scaler_warnings, watch_grad_scalers
 from oomkit.prediction.tracing.module_paths import ModulePaths, wrapper_hook_warning_silenced
 from oomkit.prediction.tracing.optimizers import cuda_optimizer_defaults
@@ -184,6 +185,7 @@ class Tracer:
         stack.enter_context(watch_grad_scalers(self._grad_scaler_steps))
         self._memory = stack.enter_context(counting_allocations(StepMemory(self._log, self._target)))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        stack.enter_context(func_transforms_allowed(self._pack, _unpack))
         if self._compile:
             self._stand_in = stack.enter_context(
                 compiled_code_recorded(self._engine, self._compiled)
