@@ -18,8 +18,9 @@ limit, are unchanged). So is ``torch.cuda.memory._set_allocator_settings(text)``
 ``("allocator_settings", text)``, it updates the live allocator's settings from that point, as
 PyTorch does (c10/core/AllocatorConfig.cpp ``setAllocatorSettings`` -> ``parseArgs``), in the
 reads after it and in the report's replay (an ``allocator_settings`` trace event); a text the
-target's PyTorch refuses raises ``RuntimeError`` in the step, as its ``TORCH_CHECK`` does. ``torch.cuda.memory._snapshot()`` is the allocator's segments at that
-line (``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned the history
+target's PyTorch refuses raises ``RuntimeError`` in the step, as its ``TORCH_CHECK`` does.
+``torch.cuda.memory._snapshot()`` is the allocator's segments at that line
+(``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned the history
 on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since (not its segment
 events), so ``_dump_snapshot`` writes a file that oomkit and memory_viz read.
 
