@@ -264,6 +264,16 @@ def _parse(
     return args
 
 
+def _launch_read(words: list[str], command: str) -> Any:
+    """``_launchers.launch_read``; a command it cannot read is a usage error (exit 2)."""
+    from oomkit.interfaces.cli._launchers import LauncherError, launch_read
+
+    try:
+        return launch_read(words, command)
+    except LauncherError as exc:
+        build_parser(command).error(str(exc))
+
+
 def _dashed_values_joined(words: list[str]) -> list[str]:
     """``--batch-arg --batch_size`` as ``--batch-arg=--batch_size`` (``_DASHED_VALUES``)."""
     out: list[str] = []
@@ -285,7 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `oomkit --help` and unknown words get the summary parser, which lists every subcommand.
     command = _command_named(words)
     script_args: list[str] = []
-    if command in _SCRIPT_COMMANDS and "--" in words:  # a script's own arguments follow `--`
+    launched = _launch_read(words, command) if command in _SCRIPT_COMMANDS else None
+    if launched is not None:  # `oomkit predict torchrun --nproc_per_node 8 train.py ARGS`
+        print(f"oomkit: {launched.said}", file=sys.stderr)
+        words, script_args = launched.words, launched.script_args
+    elif command in _SCRIPT_COMMANDS and "--" in words:  # a script's own arguments follow `--`
         cut = words.index("--")
         words, script_args = words[:cut], words[cut + 1:]
     words = _dashed_values_joined(words)
