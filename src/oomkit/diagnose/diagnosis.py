@@ -205,7 +205,10 @@ def _from_figures(
         if parsed.allowed_bytes is not None and parsed.allowed_bytes < t
         else None
     )
-    available = t - context_used if limit is None else min(t - context_used, limit)
+    device_usable = t - context_used
+    available = device_usable if limit is None else min(device_usable, limit)
+    # The per-process memory fraction's limit is what the tensors are held against.
+    limited = limit is not None and limit < device_usable
     # A cache below both marks is what a healthy caching allocator keeps (block rounding, the
     # small and large pools, split remainders): it counts as held, not as fragmentation.
     # A cache at least as large as the request is fragmentation whatever its share: PyTorch
@@ -242,11 +245,16 @@ def _from_figures(
                 f"tensors held {format_bytes(a + p)}"
                 + (f" and the cache its ordinary {format_bytes(u)}" if held_cache else "")
                 + f" and the request needs {format_bytes(q)} more: "
-                f"{format_bytes(a + p + q + held_cache)} against about {format_bytes(available)} "
-                "that PyTorch "
-                f"can use on this device ({format_bytes(t)} less "
-                f"{format_bytes(context_used)} outside the allocator for the CUDA context and "
-                f"libraries), {format_bytes(over)} short"
+                f"{format_bytes(a + p + q + held_cache)} against "
+                + (
+                    f"the {format_bytes(available)} the per-process memory fraction allows "
+                    f"(the device would offer {format_bytes(device_usable)} without it)"
+                    if limited
+                    else f"about {format_bytes(available)} that PyTorch can use on this device "
+                    f"({format_bytes(t)} less {format_bytes(context_used)} outside the "
+                    "allocator for the CUDA context and libraries)"
+                )
+                + f", {format_bytes(over)} short"
                 + ("" if held_cache else " even with a perfect cache")
                 + (
                     f" and the other {format_bytes(excess_outside)} freed" if excess_outside else ""
@@ -344,6 +352,8 @@ def _from_figures(
         t=t,
         a=a + p,
         expandable_on=bool(expandable_segments),
+        device_usable=device_usable,
+        limited=limited,
     )
     warnings += figure_warnings(
         parsed, held_bytes=max(r, a + p), cached_bytes=u, expandable_segments=expandable_segments
@@ -369,6 +379,8 @@ def _remedies(
     t: int,
     a: int,
     expandable_on: bool = False,
+    device_usable: int = 0,
+    limited: bool = False,
 ) -> tuple[Remedy, ...]:
     causes = {finding.cause for finding in findings}
     remedies: list[Remedy] = []
@@ -376,7 +388,8 @@ def _remedies(
         remedies.append(
             Remedy(
                 "raise the per-process memory fraction",
-                t - parsed.allowed_bytes,
+                # At 1.0 the allocator may use what the device offers it (less the context).
+                max(0, device_usable - parsed.allowed_bytes),
                 "high",
                 "torch.cuda.set_per_process_memory_fraction(1.0)  # or the share this job may use",
                 "The limit, not the device, refused the request.",
@@ -422,8 +435,13 @@ def _remedies(
                 None,
                 "low",
                 _WORKLOAD_CODE,
-                f"Tensors need about {format_bytes(over)} more than the device offers; "
-                "only using less memory helps."
+                (
+                    f"Tensors need about {format_bytes(over)} more than the per-process memory "
+                    "fraction allows; raising it (above) or using less memory helps."
+                    if limited
+                    else f"Tensors need about {format_bytes(over)} more than the device offers; "
+                    "only using less memory helps."
+                )
                 if over > 0
                 else f"Tensors held {format_bytes(a)}, {100 * a / t:.0f}% of the device's "
                 f"{format_bytes(t)}: with less memory per step the same request fits whatever "
