@@ -534,3 +534,33 @@ def test_a_script_that_finds_its_batch_by_catching_ooms_retries_as_on_the_gpu(tm
     assert inputs[-1] == tried[-1] * 256 * 256 * 4  # the last batch tried is the run's
     assert (accelerate.utils.find_executable_batch_size,
             accelerate.utils.memory.find_executable_batch_size) == before
+
+
+GAN = """
+import torch
+g, d = torch.nn.Linear(8, 8).cuda(), torch.nn.Linear(8, 1).cuda()
+opt_g, opt_d = torch.optim.Adam(g.parameters()), torch.optim.SGD(d.parameters(), lr=0.1)
+for _ in range(10):
+    fake = g(torch.randn(4, 8, device="cuda"))
+    d(fake.detach()).mean().backward()
+    opt_d.step(); opt_d.zero_grad()
+    d(fake).mean().backward()
+    opt_g.step(); opt_g.zero_grad()
+"""
+
+
+def test_two_optimizers_stepping_are_said_to_split_the_steps(tmp_path):
+    """A GAN's discriminator and generator each step once an iteration: the 4 steps recorded
+    are 2 iterations, and the note says how many steps record N iterations. One optimizer
+    (the plain loop) gets no such note."""
+    _write(tmp_path, "gan.py", GAN)
+    run = record_script(tmp_path / "gan.py", [], steps=4, target=RTX4090, cwd=tmp_path)
+    assert run.steps_recorded == 4
+    assert (
+        "2 optimizers stepped (SGD, Adam): each optimizer.step() counts as one of the steps "
+        "recorded, so the 4 recorded hold about 2 iteration(s) of the loop (the per-step table "
+        "is per optimizer step). To record N iterations, give --steps N x 2"
+    ) in run.notes
+    _write(tmp_path, "train.py", PLAIN_LOOP)
+    plain = record_script(tmp_path / "train.py", [], steps=2, target=RTX4090, cwd=tmp_path)
+    assert not any("optimizers stepped" in note for note in plain.notes)

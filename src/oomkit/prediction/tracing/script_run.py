@@ -459,6 +459,9 @@ def record_script(
             f"the script ended after {watch.done} optimizer step(s), fewer than the "
             f"{spec.steps} asked for; the prediction is of those"
         )
+    several = watch.several_optimizers_note()
+    if several is not None:
+        notes.append(several)
     if saves[0]:
         notes.append(f"torch.save was called {saves[0]} time(s) and wrote nothing (oomkit skips it)")
     caught = 0 if raised is None else raised.count

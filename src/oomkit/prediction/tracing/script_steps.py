@@ -78,6 +78,8 @@ class StepWatch:
         self._calls = 0  # module calls seen (the log's bound is checked every _CALLS_PER_REPORT)
         self._started = False
         self._handles: list[Any] = []
+        # The optimizers that stepped, by identity: their class names, in order of first step.
+        self.optimizers: dict[int, str] = {}
 
     def __enter__(self) -> StepWatch:
         self._handles = [
@@ -118,11 +120,26 @@ class StepWatch:
         if not self._started:
             # A step with no training forward before it (a closure's): it starts here.
             self._tracer.mark_step()
+        self.optimizers.setdefault(id(optimizer), type(optimizer).__name__)
         self.done += 1
         self._started = False
         self.report(entries_recorded())
         if self.done >= self._steps:
             raise StopScript
+
+    def several_optimizers_note(self) -> str | None:
+        """What the prediction says when more than one optimizer stepped (a GAN's generator
+        and discriminator): each of their steps counted as one of the recorded steps."""
+        if len(self.optimizers) < 2:
+            return None
+        names = ", ".join(self.optimizers.values())
+        count = len(self.optimizers)
+        return (
+            f"{count} optimizers stepped ({names}): each optimizer.step() counts as one of the "
+            f"steps recorded, so the {self.done} recorded hold about {self.done / count:g} "
+            f"iteration(s) of the loop (the per-step table is per optimizer step). To record N "
+            f"iterations, give --steps N x {count}"
+        )
 
     def report(self, entries: int, *, ended: bool = False) -> None:
         """Tell the progress display (if any) where the recording is."""
