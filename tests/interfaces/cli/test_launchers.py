@@ -90,3 +90,15 @@ def test_the_cli_runs_the_script_a_pasted_command_names(tmp_path):
     refused = run_in_process(["predict", "accelerate", "launch", "train.py"], cwd=tmp_path)
     assert refused.returncode == 2
     assert "does not read `accelerate launch` commands" in refused.stderr
+
+
+def test_oomkit_s_own_options_after_the_script_are_said_to_be_the_script_s(tmp_path):
+    """`oomkit predict python train.py 4096 --json`: --json went to the script (as torchrun
+    would pass it), and the reading says so."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    result = run_in_process(["predict", "python", "train.py", "4096", "--json"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "oomkit: read as `oomkit predict train.py -- 4096 --json`; --json after the script went "
+        "to the script: oomkit's own options go before the launch command"
+    ) in result.stderr

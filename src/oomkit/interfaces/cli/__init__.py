@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import gc
 import os
 import sys
@@ -269,9 +270,28 @@ def _launch_read(words: list[str], command: str) -> Any:
     from oomkit.interfaces.cli._launchers import LauncherError, launch_read
 
     try:
-        return launch_read(words, command)
+        read = launch_read(words, command)
     except LauncherError as exc:
         build_parser(command).error(str(exc))
+    if read is None:
+        return None
+    # oomkit's own options written after the script are the script's: say so beside the reading.
+    root = build_parser(command)
+    ours = {
+        option
+        for action in root._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for sub in action.choices.values()
+        for option in sub._option_string_actions
+    }
+    mistaken = [w for w in read.script_args if w.split("=", 1)[0] in ours and w.startswith("--")]
+    if mistaken:
+        said = (
+            f"{read.said}; {', '.join(mistaken)} after the script went to the script: oomkit's "
+            "own options go before the launch command"
+        )
+        read = dataclasses.replace(read, said=said)
+    return read
 
 
 def _dashed_values_joined(words: list[str]) -> list[str]:
