@@ -56,20 +56,17 @@ class _SavedTensor:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    on_device: bool
-    values: torch.Tensor | None  # a host tensor (its values are copied at the load)
+    values: torch.Tensor | None  # a host tensor (its values are copied at the load); None: GPU
 
 
 def _kept(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    on_device = stands_for_cuda(value)
     return _SavedTensor(
         tuple(value.shape),
         tuple(value.stride()),
         value.dtype,
-        on_device,
-        None if on_device else value.detach(),
+        None if stands_for_cuda(value) else value.detach(),
     )
 
 
