@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from oomkit.errors import DataDependentValueError, UnsupportedOpError  # noqa: E402
 from oomkit.prediction.tracing import trace_step  # noqa: E402
 from oomkit.prediction.tracing.stand_ins import shown_path  # noqa: E402
+from oomkit.prediction.tracing.step_failure import failure_text  # noqa: E402
 
 SHOWN = os.path.relpath(__file__)
 
@@ -94,6 +95,17 @@ def test_an_op_refusing_its_arguments_is_the_step_s_own_error_not_a_value_read()
         "sizes), so a GPU run would raise it too. Fix it in the step"
     )
     assert "depends on tensor values" not in message
+
+
+def test_a_fake_tensor_s_data_dependent_refusal_is_still_a_value_read():
+    """Under a fake process group a boolean mask raises DynamicOutputShapeException (a
+    RuntimeError subclass whose message does not name the meta device): it is a value read,
+    not the step's own argument error."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    text = failure_text(DynamicOutputShapeException(torch.ops.aten.nonzero.default), "aten.index.Tensor")
+    assert "aten.index.Tensor cannot run on the meta device (DynamicOutputShapeException" in text
+    assert "its result depends on tensor values" in text
 
 
 def _fake_library(tmp_path):

@@ -48,6 +48,9 @@ __all__ = [
 
 # What torch says when values leave the meta device: a copy (_to_copy's meta kernel) and
 # Tensor.numpy (torch/csrc/utils/tensor_numpy.cpp tensor_to_numpy).
+# What TORCH_CHECK and torch._check* raise when an op refuses its arguments, exactly these
+# classes (c10/util/Exception.h: Error -> RuntimeError, IndexError, ValueError, TypeError).
+_ARGUMENT_CHECKS = (RuntimeError, IndexError, ValueError, TypeError)
 _DEVICE_MOVES = ("Cannot copy out of meta tensor", "can't convert meta device type tensor to numpy")
 
 
@@ -195,11 +198,12 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
             "NVTX are). Predict the step without that call, or measure it on a GPU with "
             "`oomkit run`"
         )
-    if "meta" not in str(exc).lower() and "data-independent" not in str(exc):
-        if failed_op is None:
-            return f"the step raised {text}, {at}"
+    if failed_op is None and "meta" not in str(exc).lower():
+        return f"the step raised {text}, {at}"
+    if type(exc) in _ARGUMENT_CHECKS and "meta" not in str(exc).lower():
         # An op that refused its arguments without naming the meta device (a shape or dtype
         # check, which meta kernels run as CUDA's do): the step's own error, not a value read.
+        # (A fake tensor's data-dependent refusals are RuntimeError's subclasses: not these.)
         return (
             f"the step raised {text}, {at}, in {failed_op}: the op refused its arguments, "
             "which it checks on the meta device as on the GPU (shapes, dtypes, sizes), so a "
