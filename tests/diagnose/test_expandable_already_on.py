@@ -79,3 +79,36 @@ def test_snapshot_recorded_with_expandable_on_says_so():
     diagnosis = diagnose_snapshot(snapshot, price_settings=False)
     assert any("already had it on" in w for w in diagnosis.warnings)
     assert all(r.title != "expandable segments" for r in diagnosis.remedies)
+
+
+def _segment(blocks, expandable=True):
+    """A large-pool segment at 1 GiB of (size in MiB, state) blocks, in address order."""
+    from oomkit.core.snapshot.model import SnapshotBlock, SnapshotSegment
+
+    base, made, at = 1 << 30, [], 1 << 30
+    for size, state in blocks:
+        made.append(SnapshotBlock(at, size * MiB, size * MiB, state))
+        at += size * MiB
+    total = at - base
+    return SnapshotSegment(0, base, total, 0, "large", 0, 0, 0, expandable, tuple(made))
+
+
+@pytest.mark.parametrize(
+    ("blocks", "freed_mib"),
+    [
+        # Free blocks that straddle the 20 MiB pages with live ones: no page is wholly free.
+        ([(6, "inactive"), (6, "active_allocated")] * 4 + [(12, "inactive")], None),
+        # A free run covering 20-40 MiB whole (and part of 0-20 and 40-60): one page unmapped.
+        ([(6, "active_allocated"), (44, "inactive"), (10, "active_allocated")], 20),
+    ],
+)
+def test_empty_cache_frees_only_whole_free_pages_of_an_expandable_segment(blocks, freed_mib):
+    """empty_cache unmaps the pages wholly inside free blocks (ExpandableSegment::unmap rounds
+    the range inward to its 20 MiB pages); it had counted every free byte."""
+    from oomkit.diagnose._remedies import empty_cache_remedy
+
+    remedy = empty_cache_remedy([_segment(blocks)])
+    if freed_mib is None:
+        assert remedy is None
+    else:
+        assert remedy is not None and remedy.saving_bytes == freed_mib * MiB

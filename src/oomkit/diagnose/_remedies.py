@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from oomkit.core.allocator.constants import LARGE_BUFFER, SMALL_BUFFER
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.core.trace import Frame
 from oomkit.diagnose._remedy_code import ACCUMULATION_LOOP_CODE
@@ -218,16 +219,24 @@ def empty_cache_remedy(segments: Sequence[SnapshotSegment]) -> Remedy | None:
     """``del`` + ``gc.collect()`` + ``empty_cache()``, only when wholly free segments exist.
 
     ``empty_cache`` returns only segments with no live block (CUDACachingAllocator.cpp
-    release_cached_blocks frees unsplit free blocks; ref §4.1); expandable segments unmap free
-    pages too.
+    release_cached_blocks frees unsplit free blocks; ref §4.1); expandable segments unmap the
+    whole pages inside their free blocks (ExpandableSegment::unmap: the range rounded inward
+    to the segment's page, kLargeBuffer or kSmallBuffer).
     """
-    free_bytes = sum(
-        b.size
-        for seg in segments
-        if seg.pool_id == (0, 0)
-        for b in seg.blocks
-        if b.state == "inactive" and (seg.is_expandable or len(seg.blocks) == 1)
-    )
+    free_bytes = 0
+    for seg in segments:
+        if seg.pool_id != (0, 0):
+            continue
+        page = LARGE_BUFFER if seg.segment_type == "large" else SMALL_BUFFER
+        for b in seg.blocks:
+            if b.state != "inactive":
+                continue
+            if not seg.is_expandable:
+                free_bytes += b.size if len(seg.blocks) == 1 else 0
+                continue
+            first = -(-(b.address - seg.address) // page) * page
+            end = (b.address - seg.address + b.size) // page * page
+            free_bytes += max(0, end - first)
     if free_bytes <= 0:
         return None
     return Remedy(

@@ -101,6 +101,36 @@ def test_a_snapshot_dumped_by_the_step_holds_its_segments_and_history(tmp_path):
     assert {"top:segments", "top:device_traces"} <= set(snapshot.keys_seen)
 
 
+def test_a_dumped_history_holds_the_segment_events_as_pytorch_s_does(tmp_path):
+    """Expandable segments turned on by the step, eight 6 MiB tensors, every other freed, then
+    empty_cache: the history has a segment_map (20 MiB pages) before the request that mapped
+    it, and the unmaps after; replayed, the file needs what it recorded (60 MiB under the
+    default setting too). Without the segment events the replay had taken the segment for
+    one made before the history, and priced the default at 120 MiB."""
+    from oomkit.plan.tuning import tune
+
+    path = tmp_path / "snap.pickle"
+
+    def step() -> None:
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        xs = [torch.empty(6 * MiB, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        del xs[::2]
+        torch.cuda.memory._dump_snapshot(str(path))
+        del xs
+        torch.cuda.empty_cache()
+        torch.cuda.memory._dump_snapshot(str(tmp_path / "emptied.pickle"))
+
+    trace_step(step, steps=1, target=TARGET)
+    actions = [(e.action, e.size // MiB) for e in load_snapshot(path).device_traces[0]]
+    assert actions[:5] == [("segment_map", 20), ("alloc", 6), ("alloc", 6), ("alloc", 6), ("segment_map", 20)]
+    assert actions.count(("segment_map", 20)) == 3
+    emptied = [(e.action, e.size // MiB) for e in load_snapshot(tmp_path / "emptied.pickle").device_traces[0]]
+    assert emptied[-1] == ("segment_unmap", 60)
+    default = next(c for c in tune(load_snapshot(path), 1 << 40, candidates=("",)).candidates if c.alloc_conf == "")
+    assert default.peak_reserved_bytes == 60 * MiB
+
+
 def test_a_snapshot_names_the_target_s_setting_and_keeps_the_newest_entries(tmp_path):
     """A target with max_split_size_mb:64: the snapshot's allocator_settings carry it, so a
     replay of the file runs it; 1,000 requests with max_entries=3 keep the last three."""

@@ -21,8 +21,10 @@ reads after it and in the report's replay (an ``allocator_settings`` trace event
 target's PyTorch refuses raises ``RuntimeError`` in the step, as its ``TORCH_CHECK`` does.
 ``torch.cuda.memory._snapshot()`` is the allocator's segments at that line
 (``CachingAllocator.snapshot``) and, once ``_record_memory_history`` turned the history
-on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since (not its segment
-events), so ``_dump_snapshot`` writes a file that oomkit and memory_viz read.
+on, its ``alloc``, ``free_requested`` and ``free_completed`` entries since, with the segment
+events between them (``segment_alloc`` / ``segment_map`` before the request that made them,
+``segment_free`` / ``segment_unmap`` where memory went back), so ``_dump_snapshot`` writes a file
+that oomkit and memory_viz read as PyTorch's.
 
 Within ``ooms_raised`` (``record_script(ooms=True)``) each request is first served by a second
 allocator, with the target GPU's memory and its CUDA context outside it (the report's replay's
@@ -184,11 +186,13 @@ class StepMemory:
             entry = log[index]
             if entry[0] == "alloc":
                 alloc = entry[1]
+                logged = len(allocator.segment_log)
                 try:
                     addresses[alloc.alloc_id] = allocator.malloc(alloc.size_bytes, alloc.stream)
                 except SimulatedOutOfMemoryError:
                     continue  # past even 1 EiB ("more than 1EB"): left out of the reads, not raised
                 if self.history is not None:
+                    self._remember_segments(logged, alloc.stream, alloc.frames)
                     self._remember(("alloc",), addresses[alloc.alloc_id], alloc, alloc.frames)
             elif entry[0] == "free":
                 if entry[1].alloc_id not in addresses:
@@ -198,7 +202,10 @@ class StepMemory:
                 if self.history is not None:
                     self._remember(_FREED, address, entry[1], entry[2])
             elif entry[0] == "empty_cache":
+                logged = len(allocator.segment_log)
                 allocator.empty_cache()
+                if self.history is not None:
+                    self._remember_segments(logged, 0, ())
             elif entry[0] == "allocator_settings":
                 allocator.set_allocator_settings(entry[1])
         self._read = len(log)
@@ -248,6 +255,16 @@ class StepMemory:
         alloc_conf = str(allocator.config)
         settings = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else None
         return snapshot_to_data(allocator.snapshot(), [traces], allocator_settings=settings)
+
+    def _remember_segments(self, logged: int, stream: int, frames: Any) -> None:
+        """The allocator's segment events since its log held ``logged`` of them, into the
+        history: PyTorch records each ``segment_alloc`` / ``segment_map`` inside the malloc
+        that made it, before the request's ``alloc`` (CUDACachingAllocator.cpp ``alloc_block``
+        and ``map_block``), and ``segment_free`` / ``segment_unmap`` where memory goes back."""
+        assert self.history is not None
+        segment_log = self._allocator.segment_log
+        for action, address, size in segment_log[logged:]:
+            self.history.append(TraceEvent(action, address, size, stream, frames=tuple(frames)))
 
     def _remember(self, actions: tuple[str, ...], address: int, alloc: Any, frames: Any) -> None:
         assert self.history is not None
