@@ -220,3 +220,23 @@ def test_set_allocator_settings_is_said_and_the_cpu_build_s_own_is_not_run():
     )
     assert calls == [False]
     assert torch._C._accelerator_setAllocatorSettings is binding
+
+
+def test_torch_version_cuda_is_the_target_s_cuda_inside_and_the_build_s_after():
+    """Libraries branch on torch.version.cuda (transformers' TrainingArguments(tf32=True) had
+    refused: "requires ... cuda>=11"): inside a recording it is the target's CUDA runtime, as
+    in a CUDA build; after, this CPU build's again."""
+    seen: list[object] = []
+    outside = torch.version.cuda
+    target = Target.resolve(GpuSpec("test GPU", 1024 * MiB, 0), cuda_version="12.8")
+
+    def step() -> None:
+        seen.append(torch.version.cuda)
+        x = torch.empty(8, device="cuda")
+        del x
+
+    trace_step(step, steps=1, target=target)
+    trace_step(step, steps=1, target=TARGET)
+    assert seen == ["12.8", TARGET.cuda_version]
+    assert TARGET.cuda_version is not None
+    assert torch.version.cuda == outside

@@ -126,6 +126,11 @@ _CHANGES = {
     "deterministic": lambda: torch.use_deterministic_algorithms(True),
     "anomaly": lambda: torch.autograd.set_detect_anomaly(True, check_nan=False),
     "precision": lambda: torch.set_float32_matmul_precision("medium"),
+    # torch >= 2.9's precision API (transformers' enable_tf32 sets it): the legacy readers
+    # raise after it ("mix of the legacy and new APIs"), and the record had read them.
+    "tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "tf32_legacy": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "conv_ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
     "threads": lambda: torch.set_num_threads(1),
     "seed": lambda: torch.manual_seed(1234),
 }
@@ -146,3 +151,24 @@ def test_restore_undoes_any_set_of_changes(names):
     after = TorchGlobals.now()
     assert after.values == before.values
     assert torch.equal(after.rng_state, before.rng_state)
+
+
+def test_a_script_that_sets_the_new_precision_api_runs_and_leaves_the_caller_s(tmp_path):
+    """transformers' TrainingArguments(tf32=True) sets torch.backends.fp32_precision = "tf32";
+    the script had failed when oomkit read the legacy matmul precision to give the caller its
+    own back. Now it runs, and the caller's legacy reads work after it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "torch.backends.fp32_precision = 'tf32'\n"
+        "w = torch.randn(64, 64, device='cuda', requires_grad=True)\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "(w @ w).sum().backward()\n"
+        "opt.step()\n"
+    )
+    before = torch.get_float32_matmul_precision()
+    run = predict_script(script, steps=1, target=Target.resolve("rtx4090")).run
+    assert run.steps_recorded == 1
+    assert torch.get_float32_matmul_precision() == before
+    assert torch.backends.fp32_precision == "none"
+

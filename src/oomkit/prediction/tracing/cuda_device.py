@@ -9,7 +9,8 @@ tensor"). Inside ``as_one_cuda_gpu()`` they choose what they choose on a one-GPU
 instead, and every tensor they put on ``cuda`` is put on ``meta``, the recorder's stand-in for it.
 
 What it changes while open (all undone on exit):
-- ``torch.cuda`` reports one device of the target GPU: ``is_available()`` True,
+- ``torch.cuda`` reports one device of the target GPU (and ``torch.version.cuda`` the target's
+  CUDA runtime): ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
   ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
@@ -57,6 +58,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils import _device as _device_modes
 
 from oomkit.core.gpus import GpuSpec, get_gpu
+from oomkit.core.gpus.cuda_versions import installed_cuda_build
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
@@ -368,9 +370,11 @@ def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _torch_cuda_reports(gpu: GpuSpec, devices: int) -> Iterator[None]:
+def _torch_cuda_reports(gpu: GpuSpec, devices: int, cuda_version: str | None) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
-    ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so."""
+    ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so.
+    ``torch.version.cuda`` is ``cuda_version``, as in a CUDA build (a CPU build's is None, and
+    libraries branch on it: transformers' ``TrainingArguments(tf32=True)`` refused)."""
     major, minor = gpu.compute_capability or (9, 0)
     sms = gpu.kernel_multiprocessor_count
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor, sms)
@@ -426,6 +430,8 @@ def _torch_cuda_reports(gpu: GpuSpec, devices: int) -> Iterator[None]:
         for name in answers
         if hasattr(module, name)
     ]
+    saved.append((torch.version, "cuda", torch.version.cuda))
+    answers["cuda"] = cuda_version
     for module, name, _ in saved:
         setattr(module, name, answers[name])
     try:
@@ -458,7 +464,7 @@ def _cuda_default_reads_cuda() -> Iterator[None]:
 # last: a nested block without a GPU (a trainer's step inside a trace, a builder inside a
 # distributed recording) reports the one its caller chose, and puts CUDA tensors where its
 # caller does.
-_open_gpus: list[tuple[GpuSpec, torch.device, int]] = []
+_open_gpus: list[tuple[GpuSpec, torch.device, int, str | None]] = []
 
 
 @contextlib.contextmanager
@@ -468,6 +474,7 @@ def as_one_cuda_gpu(
     lands_on: str | None = None,
     cache_emptied: bool = True,
     devices: int | None = None,
+    cuda_version: str | None = None,
 ) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
@@ -483,11 +490,18 @@ def as_one_cuda_gpu(
         devices: what ``torch.cuda.device_count()`` answers (a torchrun worker sees its node's
             GPUs, ``cuda_ranks.py``); ``None`` means an enclosing block's, else 1. Each is the
             same ``gpu``, and its tensors land where CUDA's do.
+        cuda_version: what ``torch.version.cuda`` answers (the target's CUDA runtime,
+            ``"13.0"``); ``None`` means an enclosing block's, else the installed torch's
+            default wheel's (``installed_cuda_build``).
 
     Raises:
         ConfigError: ``lands_on`` is another device.
     """
-    enclosing = _open_gpus[-1] if _open_gpus else (get_gpu("h100-sxm"), _META, 1)
+    enclosing = (
+        _open_gpus[-1]
+        if _open_gpus
+        else (get_gpu("h100-sxm"), _META, 1, installed_cuda_build().cuda_version)
+    )
     if lands_on not in (None, "meta", "cpu"):
         raise ConfigError(
             f"lands_on must be 'meta' or 'cpu' (a distributed recording's fake device); got "
@@ -496,11 +510,12 @@ def as_one_cuda_gpu(
     device = enclosing[1] if lands_on is None else torch.device(lands_on)
     gpu = enclosing[0] if gpu is None else gpu
     devices = enclosing[2] if devices is None else devices
-    _open_gpus.append((gpu, device, devices))
+    cuda_version = enclosing[3] if cuda_version is None else cuda_version
+    _open_gpus.append((gpu, device, devices, cuda_version))
     try:
         with (
             emptying_cache(cache_emptied),
-            _torch_cuda_reports(gpu, devices),
+            _torch_cuda_reports(gpu, devices, cuda_version),
             module_moves_keep_sharing(),
             module_to_index_is_cuda(),
             _cuda_default_reads_cuda(),

@@ -103,7 +103,13 @@ def trace_step(
     tracer = Tracer(emulations=emulations, gpu=gpu, values=values, compile=compile, target=target)
     tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
     try:
-        with tracer, torch.device("meta"), as_one_cuda_gpu(tracer.gpu), cpu_inputs_refused():
+        cuda_version = None if target is None else target.cuda_version
+        with (
+            tracer,
+            torch.device("meta"),
+            as_one_cuda_gpu(tracer.gpu, cuda_version=cuda_version),
+            cpu_inputs_refused(),
+        ):
             tracer.track(args, kwargs)
             for step in range(steps):
                 tracer.mark_step()

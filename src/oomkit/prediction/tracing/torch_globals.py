@@ -62,11 +62,6 @@ def _switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], object]],
             lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
             lambda pair: torch.autograd.set_detect_anomaly(pair[0], check_nan=pair[1]),
         ),
-        (
-            "float32 matmul precision",
-            torch.get_float32_matmul_precision,
-            torch.set_float32_matmul_precision,
-        ),
         ("threads", torch.get_num_threads, torch.set_num_threads),
         ("flash SDPA", cuda.flash_sdp_enabled, cuda.enable_flash_sdp),
         ("memory-efficient SDPA", cuda.mem_efficient_sdp_enabled, cuda.enable_mem_efficient_sdp),
@@ -74,19 +69,82 @@ def _switches() -> tuple[tuple[str, Callable[[], Any], Callable[[Any], object]],
     ]
     if hasattr(cuda, "cudnn_sdp_enabled"):  # torch >= 2.3
         switches.append(("cuDNN SDPA", cuda.cudnn_sdp_enabled, cuda.enable_cudnn_sdp))
-    for name in ("enabled", "benchmark", "benchmark_limit", "deterministic", "allow_tf32"):
+    for name in ("enabled", "benchmark", "benchmark_limit", "deterministic"):
         switches.append(
             (f"cudnn.{name}", functools.partial(getattr, cudnn, name), _set_attribute(cudnn, name))
         )
-    for name in ("allow_tf32", "allow_fp16_reduced_precision_reduction"):
-        switches.append(
-            (
-                f"cuda.matmul.{name}",
-                functools.partial(getattr, cuda.matmul, name),
-                _set_attribute(cuda.matmul, name),
-            )
+    switches.append(
+        (
+            "cuda.matmul.allow_fp16_reduced_precision_reduction",
+            functools.partial(getattr, cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+            _set_attribute(cuda.matmul, "allow_fp16_reduced_precision_reduction"),
         )
+    )
+    switches.extend(_precision_switches())
     return tuple(switches)
+
+
+# torch >= 2.9's float32 precision settings (torch/backends/__init__.py ``fp32_precision``),
+# the whole first, then each backend's (setting the whole one sets them); the legacy setters
+# write them too (a script's ``allow_tf32 = True``). Once one is set through this API, the
+# legacy readers (``torch.get_float32_matmul_precision``, ``cuda.matmul.allow_tf32``,
+# ``cudnn.allow_tf32``) raise "you have used mix of the legacy and new APIs": the legacy
+# matmul precision, a state of its own, is read as ``_MIXED`` then (and not written back).
+_PRECISIONS = (
+    "fp32_precision",
+    "cuda.matmul.fp32_precision",
+    "cudnn.fp32_precision",
+    "cudnn.conv.fp32_precision",
+    "cudnn.rnn.fp32_precision",
+    "mkldnn.fp32_precision",
+    "mkldnn.matmul.fp32_precision",
+    "mkldnn.conv.fp32_precision",
+    "mkldnn.rnn.fp32_precision",
+)
+_MIXED = "mixed"
+
+
+def _matmul_precision() -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch >= 2.9 after its new precision API was used
+        return _MIXED
+
+
+def _set_matmul_precision(value: str) -> None:
+    if value != _MIXED:
+        torch.set_float32_matmul_precision(value)
+
+
+def _precision_switches() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
+    """The float32 precision settings: the legacy matmul precision, then torch >= 2.9's
+    (above) or, before it, the legacy TF32 switches."""
+    cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
+    legacy = ("float32 matmul precision", _matmul_precision, _set_matmul_precision)
+    if not hasattr(torch.backends, "fp32_precision"):
+        return [
+            legacy,
+            (
+                "cudnn.allow_tf32",
+                functools.partial(getattr, cudnn, "allow_tf32"),
+                _set_attribute(cudnn, "allow_tf32"),
+            ),
+            (
+                "cuda.matmul.allow_tf32",
+                functools.partial(getattr, cuda.matmul, "allow_tf32"),
+                _set_attribute(cuda.matmul, "allow_tf32"),
+            ),
+        ]
+    switches: list[tuple[str, Callable[[], Any], Callable[[Any], object]]] = [legacy]
+    for path in _PRECISIONS:
+        *parents, name = path.split(".")
+        owner: Any = torch.backends
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        if owner is not None and hasattr(owner, name):
+            read = functools.partial(getattr, owner, name)
+            switches.append((path, read, _set_attribute(owner, name)))
+    return switches
 
 
 @dataclasses.dataclass(frozen=True)
