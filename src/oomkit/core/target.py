@@ -148,7 +148,8 @@ class Target:
     def usable_bytes(self) -> int:
         """The most the allocator may reserve: ``capacity_bytes - context_overhead_bytes``, or
         less where the setting's ``per_process_memory_fraction`` limits it (applied when the
-        device allocator is created: ``allowed_memory_maximum``, ref §14 table)."""
+        device allocator is created, c10/cuda/CUDACachingAllocator.cpp: its
+        ``allowed_memory_maximum``)."""
         limit = self.fraction_limit_bytes
         usable = self.gpu.usable_bytes()
         return usable if limit is None else min(usable, limit)
