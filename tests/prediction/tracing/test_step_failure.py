@@ -108,6 +108,22 @@ def test_a_fake_tensor_s_data_dependent_refusal_is_still_a_value_read():
     assert "its result depends on tensor values" in text
 
 
+def test_missing_weights_of_from_pretrained_say_what_to_do():
+    """transformers' "no file named model.safetensors" from from_pretrained: the message says
+    the weights must be on the machine and how to predict the config alone (--hf DIR); the same
+    OSError from elsewhere gets no such advice."""
+    source = "def load():\n    raise OSError('Error no file named model.safetensors, found in directory x.')\n"
+    for filename, advised in (("/site-packages/transformers/modeling_utils.py", True), ("/elsewhere/io.py", False)):
+        namespace: dict[str, object] = {}
+        exec(compile(source, filename, "exec"), namespace)
+        try:
+            namespace["load"]()  # type: ignore[operator]
+        except OSError as exc:
+            text = failure_text(exc)
+        assert text.startswith("the step raised OSError: Error no file named model.safetensors")
+        assert ("`oomkit predict --hf DIR`" in text) == advised
+
+
 def _fake_library(tmp_path):
     """A module installed under site-packages: library code, not the user's."""
     folder = tmp_path / "site-packages" / "fakelib"

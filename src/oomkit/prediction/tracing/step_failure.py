@@ -113,6 +113,21 @@ def _not_modelled_library(exc: BaseException) -> str | None:
     return None
 
 
+def _missing_weights(exc: BaseException) -> bool:
+    """transformers' from_pretrained finding no weight files for a model whose config it
+    read (modeling_utils.py ``_get_resolved_checkpoint_files``: "no file named
+    model.safetensors, or pytorch_model.bin, found in directory ...")."""
+    if not isinstance(exc, OSError) or "no file named" not in str(exc):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if filename.endswith("transformers/modeling_utils.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def reads_device_values(exc: BaseException) -> bool:
     """Whether ``exc`` is torch refusing to hand out a meta tensor's values (``.numpy()``)."""
     return any(marker in str(exc) for marker in _DEVICE_MOVES)
@@ -197,6 +212,13 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
             "streams, the memory counters, empty_cache, the memory fraction, snapshots and "
             "NVTX are). Predict the step without that call, or measure it on a GPU with "
             "`oomkit run`"
+        )
+    if _missing_weights(exc):
+        return (
+            f"the step raised {text}, {at}. oomkit runs from_pretrained as written, so the "
+            "checkpoint's weight files must be on this machine (their values are not needed, "
+            "but transformers reads them). To predict the model from its config.json alone: "
+            "`oomkit predict --hf DIR` with the script's batch and lengths"
         )
     if failed_op is None and "meta" not in str(exc).lower():
         return f"the step raised {text}, {at}"
