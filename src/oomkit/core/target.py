@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from oomkit.core.allocator import AllocatorConfig
+from oomkit.core.allocator import AllocatorConfig, CachingAllocator
 from oomkit.core.allocator.versions import require_modelled
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.gpus.cuda_versions import (
@@ -160,8 +160,6 @@ class Target:
         target's PyTorch computes it from the total memory (``None``: no such setting)."""
         if self.allocator_config.per_process_memory_fraction is None:
             return None
-        from oomkit.core.allocator import CachingAllocator
-
         allocator = CachingAllocator(
             self.allocator_config,
             capacity_bytes=self.capacity_bytes,

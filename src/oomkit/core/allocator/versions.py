@@ -46,6 +46,7 @@ def alloc_conf_variables(environ: Mapping[str, str] | None = None) -> dict[str, 
     env: Mapping[str, str] = os.environ if environ is None else environ
     return {name: env.get(name) for name in ALLOC_CONF_VARIABLES}
 
+
 # torch 2.14.1 is the newest release known to oomkit; ``None`` means this version.
 NEWEST_RELEASED_TORCH = "2.14"
 # The oldest release modelled: Appendix A's version history starts with 1.10's

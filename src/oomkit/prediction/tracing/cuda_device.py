@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils import _device as _device_modes
 
 from oomkit.core.gpus import GpuSpec, get_gpu
-from oomkit.core.gpus.cuda_versions import installed_cuda_build
+from oomkit.core.gpus.cuda_versions import cuda_build_for
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
@@ -430,14 +430,14 @@ def _torch_cuda_reports(gpu: GpuSpec, devices: int, cuda_version: str | None) ->
         for name in answers
         if hasattr(module, name)
     ]
-    saved.append((torch.version, "cuda", torch.version.cuda))
-    answers["cuda"] = cuda_version
     for module, name, _ in saved:
         setattr(module, name, answers[name])
+    build_cuda, torch.version.cuda = torch.version.cuda, cuda_version
     try:
         with cuda_bindings(_memory):  # what torch's functions call below them (cuda_bindings.py)
             yield
     finally:
+        torch.version.cuda = build_cuda
         for module, name, original in saved:
             setattr(module, name, original)
 
@@ -491,8 +491,8 @@ def as_one_cuda_gpu(
             GPUs, ``cuda_ranks.py``); ``None`` means an enclosing block's, else 1. Each is the
             same ``gpu``, and its tensors land where CUDA's do.
         cuda_version: what ``torch.version.cuda`` answers (the target's CUDA runtime,
-            ``"13.0"``); ``None`` means an enclosing block's, else the installed torch's
-            default wheel's (``installed_cuda_build``).
+            ``"13.0"``); ``None`` means an enclosing block's, else this torch build's
+            (``cuda_build_for``: a CPU build's release's default wheel's).
 
     Raises:
         ConfigError: ``lands_on`` is another device.
@@ -500,7 +500,8 @@ def as_one_cuda_gpu(
     enclosing = (
         _open_gpus[-1]
         if _open_gpus
-        else (get_gpu("h100-sxm"), _META, 1, installed_cuda_build().cuda_version)
+        # The CUDA of this torch's build, or of its release's default wheel (a CPU build).
+        else (get_gpu("h100-sxm"), _META, 1, cuda_build_for(torch.__version__).cuda_version)
     )
     if lands_on not in (None, "meta", "cpu"):
         raise ConfigError(

@@ -127,7 +127,6 @@ class StepMemory:
         self.history: deque[TraceEvent] | None = None
         # torch.cuda.memory._set_allocator_settings calls: (setting, after the first request).
         self.settings_calls: list[tuple[str, bool]] = []
-        self._torch_version = None if target is None else target.torch_version
         # With ooms_raised open: the allocator with the target GPU's memory that serves each
         # request first (admit), its read position in the log and its addresses.
         self._target = target
@@ -309,7 +308,7 @@ class StepMemory:
         raises ``RuntimeError``, as its ``TORCH_CHECK`` does, and changes nothing."""
         text = str(setting)
         try:
-            config = self._config.runtime_update(text, self._torch_version)
+            config = self._config.runtime_update(text, self._allocator.torch_version)
         except ConfigError as exc:
             raise RuntimeError(str(exc)) from None
         self.settings_calls.append((text, self.used()))
