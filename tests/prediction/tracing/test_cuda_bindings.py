@@ -240,3 +240,48 @@ def test_torch_version_cuda_is_the_target_s_cuda_inside_and_the_build_s_after():
     assert seen == ["12.8", TARGET.cuda_version]
     assert TARGET.cuda_version is not None
     assert torch.version.cuda == outside
+
+
+def test_cudnn_and_nccl_versions_are_the_target_s_inside_and_the_build_s_after(tmp_path):
+    """A CPU build has no cuDNN or NCCL: ``torch.backends.cudnn.version()`` is None (a script's
+    ``version() >= 8000`` raised TypeError), ``is_available()`` False, and
+    ``torch.cuda.nccl.version()`` raised AttributeError (DDP's ``register_comm_hook`` with
+    bf16_compress_hook calls it). Inside a recording they answer for the target: its stated
+    cuDNN (91002), else the cuDNN the SDPA emulation assumes (torch 2.13's default wheel's,
+    9.20.0), and the NCCL whose buffers oomkit models (2.30.7); after, the build's again."""
+    from oomkit.core.gpus.nccl import NCCL_VERSION
+    from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
+
+    seen: list[object] = []
+    outside = (torch.backends.cudnn.version(), torch.backends.cudnn.is_available())
+
+    def step() -> None:
+        seen.append(
+            (torch.backends.cudnn.version(), torch.backends.cudnn.is_available(),
+             torch.cuda.nccl.version())
+        )
+        x = torch.empty(8, device="cuda")
+        del x
+
+    trace_step(step, steps=1, target=Target.resolve(TARGET.gpu, cudnn_version=91002))
+    trace_step(step, steps=1, target=TARGET)
+    assert NCCL_VERSION == (2, 30, 7)
+    assert current_sdpa_settings().cudnn_version == 92000  # torch 2.13's default wheel: 9.20.0
+    assert seen == [(91002, True, (2, 30, 7)), (92000, True, (2, 30, 7))]
+    assert (torch.backends.cudnn.version(), torch.backends.cudnn.is_available()) == outside
+
+    # A script, as `oomkit predict q.py --cudnn-version 91002` runs it.
+    from oomkit.prediction.tracing.script_run import record_script
+
+    script = tmp_path / "q.py"
+    script.write_text(
+        "import torch\n"
+        "assert torch.backends.cudnn.version() == 91002, torch.backends.cudnn.version()\n"
+        "assert torch.cuda.nccl.version() >= (2, 10)\n"
+        "model = torch.nn.Linear(8, 8).cuda()\n"
+        "opt = torch.optim.SGD(model.parameters())\n"
+        "model(torch.ones(2, 8, device='cuda')).sum().backward()\n"
+        "opt.step()\n"
+    )
+    run = record_script(script, steps=1, target=Target.resolve(TARGET.gpu, cudnn_version=91002))
+    assert run.steps_recorded == 1

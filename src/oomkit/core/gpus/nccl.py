@@ -48,6 +48,7 @@ __all__ = [
     "COMMUNICATOR_FIXED_BYTES",
     "DEFAULT_GPUS_PER_NODE",
     "NCCL_SOURCE",
+    "NCCL_VERSION",
     "PROCESS_FIXED_BYTES",
     "NcclCommunicator",
     "NcclMemory",
@@ -56,7 +57,10 @@ __all__ = [
     "nccl_memory",
 ]
 
-NCCL_SOURCE = "NVIDIA/nccl 2.30.7 (commit 5067397c)"
+# The NCCL release every figure here is read from, as ``torch.cuda.nccl.version()`` gives it: what
+# a recording answers a script that asks (cuda_device.py), the NCCL whose memory it models.
+NCCL_VERSION = (2, 30, 7)
+NCCL_SOURCE = f"NVIDIA/nccl {'.'.join(map(str, NCCL_VERSION))} (commit 5067397c)"
 
 # GPUs in one node (NVLink domain) unless stated: the 8-GPU HGX/DGX boards the catalog's
 # data-centre parts ship on (NVIDIA DGX H100/H200 user guides: 8 GPUs over NVSwitch). Ranks of a

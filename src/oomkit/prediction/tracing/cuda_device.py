@@ -9,8 +9,10 @@ tensor"). Inside ``as_one_cuda_gpu()`` they choose what they choose on a one-GPU
 instead, and every tensor they put on ``cuda`` is put on ``meta``, the recorder's stand-in for it.
 
 What it changes while open (all undone on exit):
-- ``torch.cuda`` reports one device of the target GPU (and ``torch.version.cuda`` the target's
-  CUDA runtime): ``is_available()`` True,
+- ``torch.cuda`` reports one device of the target GPU (``torch.version.cuda`` the target's
+  CUDA runtime, ``torch.backends.cudnn.version()`` the cuDNN the SDPA emulation assumes,
+  ``torch.cuda.nccl.version()`` the NCCL whose memory ``core/gpus/nccl.py`` models):
+  ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
   ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
@@ -59,12 +61,14 @@ from torch.utils import _device as _device_modes
 
 from oomkit.core.gpus import GpuSpec, get_gpu
 from oomkit.core.gpus.cuda_versions import cuda_build_for
+from oomkit.core.gpus.nccl import NCCL_VERSION
 from oomkit.errors import ConfigError
 from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
 from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
+from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
 from oomkit.prediction.tracing.hf_loading import hf_loading_onto_cuda
 from oomkit.prediction.tracing.host_offload import saving_on_host
@@ -370,11 +374,16 @@ def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _torch_cuda_reports(gpu: GpuSpec, devices: int, cuda_version: str | None) -> Iterator[None]:
+def _torch_cuda_reports(
+    gpu: GpuSpec, devices: int, cuda_version: str | None, cudnn_version: int | None
+) -> Iterator[None]:
     """``torch.cuda``'s queries answer for one ``gpu``; its device actions do nothing but
     ``empty_cache``, a request of the enclosing recording where ``emptying_cache`` says so.
     ``torch.version.cuda`` is ``cuda_version``, as in a CUDA build (a CPU build's is None, and
-    libraries branch on it: transformers' ``TrainingArguments(tf32=True)`` refused)."""
+    libraries branch on it: transformers' ``TrainingArguments(tf32=True)`` refused);
+    ``torch.backends.cudnn.version()`` is ``cudnn_version`` where known (a CPU build's None
+    failed a script's ``version() >= 8000``), and ``torch.cuda.nccl.version()`` NCCL_VERSION
+    (a CPU build has no ``torch._C._nccl_version``: DDP's ``register_comm_hook`` raised)."""
     major, minor = gpu.compute_capability or (9, 0)
     sms = gpu.kernel_multiprocessor_count
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor, sms)
@@ -425,20 +434,28 @@ def _torch_cuda_reports(gpu: GpuSpec, devices: int, cuda_version: str | None) ->
     # both modules answer alike, or a script calling torch.cuda.memory.X would read 0.
     modules = (torch.cuda, torch.cuda.memory)
     saved = [
-        (module, name, getattr(module, name))
+        (module, name, getattr(module, name), answers[name])
         for module in modules
         for name in answers
         if hasattr(module, name)
     ]
-    for module, name, _ in saved:
-        setattr(module, name, answers[name])
+    # torch/cuda/nccl.py version() reads torch._C._nccl_version, which a CPU build lacks.
+    saved.append((torch.cuda.nccl, "version", torch.cuda.nccl.version, lambda: NCCL_VERSION))
+    if cudnn_version is not None:
+        # torch/backends/cudnn/__init__.py: version() reads the library (None without it),
+        # is_available() torch._C._has_cudnn.
+        cudnn = torch.backends.cudnn
+        saved.append((cudnn, "version", cudnn.version, lambda: cudnn_version))
+        saved.append((cudnn, "is_available", cudnn.is_available, lambda: True))
+    for module, name, _, answer in saved:
+        setattr(module, name, answer)
     build_cuda, torch.version.cuda = torch.version.cuda, cuda_version
     try:
         with cuda_bindings(_memory):  # what torch's functions call below them (cuda_bindings.py)
             yield
     finally:
         torch.version.cuda = build_cuda
-        for module, name, original in saved:
+        for module, name, original, _ in saved:
             setattr(module, name, original)
 
 
@@ -460,11 +477,11 @@ def _cuda_default_reads_cuda() -> Iterator[None]:
         torch.get_default_device = original
 
 
-# The GPUs, landing devices and device counts of the open as_one_cuda_gpu blocks, innermost
-# last: a nested block without a GPU (a trainer's step inside a trace, a builder inside a
-# distributed recording) reports the one its caller chose, and puts CUDA tensors where its
-# caller does.
-_open_gpus: list[tuple[GpuSpec, torch.device, int, str | None]] = []
+# The GPUs, landing devices, device counts and CUDA and cuDNN versions of the open
+# as_one_cuda_gpu blocks, innermost last: a nested block without a GPU (a trainer's step inside
+# a trace, a builder inside a distributed recording) reports the one its caller chose, and puts
+# CUDA tensors where its caller does.
+_open_gpus: list[tuple[GpuSpec, torch.device, int, str | None, int | None]] = []
 
 
 @contextlib.contextmanager
@@ -475,6 +492,7 @@ def as_one_cuda_gpu(
     cache_emptied: bool = True,
     devices: int | None = None,
     cuda_version: str | None = None,
+    cudnn_version: int | None = None,
 ) -> Iterator[None]:
     """While open, frameworks see one CUDA ``gpu`` and their CUDA tensors land on meta.
 
@@ -493,6 +511,10 @@ def as_one_cuda_gpu(
         cuda_version: what ``torch.version.cuda`` answers (the target's CUDA runtime,
             ``"13.0"``); ``None`` means an enclosing block's, else this torch build's
             (``cuda_build_for``: a CPU build's release's default wheel's).
+        cudnn_version: what ``torch.backends.cudnn.version()`` answers (the target's,
+            ``Target.cudnn_version``); ``None`` means an enclosing block's, else the one the
+            SDPA emulation assumes (``current_sdpa_settings``: this torch build's, or its
+            release's default wheel's).
 
     Raises:
         ConfigError: ``lands_on`` is another device.
@@ -501,7 +523,13 @@ def as_one_cuda_gpu(
         _open_gpus[-1]
         if _open_gpus
         # The CUDA of this torch's build, or of its release's default wheel (a CPU build).
-        else (get_gpu("h100-sxm"), _META, 1, cuda_build_for(torch.__version__).cuda_version)
+        else (
+            get_gpu("h100-sxm"),
+            _META,
+            1,
+            cuda_build_for(torch.__version__).cuda_version,
+            current_sdpa_settings().cudnn_version,
+        )
     )
     if lands_on not in (None, "meta", "cpu"):
         raise ConfigError(
@@ -512,11 +540,12 @@ def as_one_cuda_gpu(
     gpu = enclosing[0] if gpu is None else gpu
     devices = enclosing[2] if devices is None else devices
     cuda_version = enclosing[3] if cuda_version is None else cuda_version
-    _open_gpus.append((gpu, device, devices, cuda_version))
+    cudnn_version = enclosing[4] if cudnn_version is None else cudnn_version
+    _open_gpus.append((gpu, device, devices, cuda_version, cudnn_version))
     try:
         with (
             emptying_cache(cache_emptied),
-            _torch_cuda_reports(gpu, devices, cuda_version),
+            _torch_cuda_reports(gpu, devices, cuda_version, cudnn_version),
             module_moves_keep_sharing(),
             module_to_index_is_cuda(),
             _cuda_default_reads_cuda(),

@@ -104,10 +104,11 @@ def trace_step(
     tracer.current_stream = current_stream_id  # the script's own streams (cuda_streams.py)
     try:
         cuda_version = None if target is None else target.cuda_version
+        cudnn_version = None if target is None else target.cudnn_version
         with (
             tracer,
             torch.device("meta"),
-            as_one_cuda_gpu(tracer.gpu, cuda_version=cuda_version),
+            as_one_cuda_gpu(tracer.gpu, cuda_version=cuda_version, cudnn_version=cudnn_version),
             cpu_inputs_refused(),
         ):
             tracer.track(args, kwargs)
