@@ -383,7 +383,7 @@ def _torch_cuda_reports(
     libraries branch on it: transformers' ``TrainingArguments(tf32=True)`` refused);
     ``torch.backends.cudnn.version()`` is ``cudnn_version`` where known (a CPU build's None
     failed a script's ``version() >= 8000``), and ``torch.cuda.nccl.version()`` NCCL_VERSION
-    (a CPU build has no ``torch._C._nccl_version``: DDP's ``register_comm_hook`` raised)."""
+    (a CPU build has no ``torch._C._nccl_version``: a script logging it raised)."""
     major, minor = gpu.compute_capability or (9, 0)
     sms = gpu.kernel_multiprocessor_count
     properties = _DeviceProperties(gpu.name, gpu.total_memory_bytes, major, minor, sms)
