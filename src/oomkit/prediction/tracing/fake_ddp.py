@@ -1,8 +1,8 @@
 """DDP's own code path on a fake process group: what lets ``DistributedDataParallel`` run there.
 
 ``torch.nn.parallel.DistributedDataParallel`` runs unchanged under ``FakeTensorMode`` on the
-``"fake"`` backend (``distributed.fake_process_group``) except at three places, each a value read
-or an answer the fake group does not give. :class:`FakeDdp` fills exactly those, and makes the
+``"fake"`` backend (``distributed.fake_process_group``) except at the places below, each a value
+read, an answer the fake group does not give, or a second comm hook. :class:`FakeDdp` fills exactly those, and makes the
 device allocations they make on CUDA:
 
 1. The constructor's shape check (torch/nn/parallel/distributed.py ``__init__`` ->
@@ -35,6 +35,14 @@ device allocations they make on CUDA:
    :meth:`FakeDdp.used_map_read` answers 1, used: a parameter unused on every rank keeps no
    gradient on a GPU, so counting its gradient is an upper bound.
 
+5. A comm hook the code registers (``register_comm_hook``, ``_register_builtin_comm_hook``)
+   would be the reducer's second (reducer.cpp refuses it: "can only be called once"): it is
+   kept on the hook's state instead, and :func:`in_place_allreduce_hook` runs it in its place.
+   Its async allreduce completes with ``[tensor]``, as NCCL's work does (the fake group's with
+   ``None``, which default_hooks.py's ``fut.value()[0]`` cannot read), so a compress hook's
+   copy and decompression are recorded; DDP's check that bf16_compress_hook has NCCL sees
+   NCCL, for which the fake group stands.
+
 The gradient buckets themselves are C++ ``at::empty`` calls (reducer.cpp ``initialize_buckets``:
 one flat tensor per bucket, of the bucket's dtype and total numel), made through the dispatcher,
 so the tracer records them as it records any fake tensor; the hook tags them ``ddp_bucket``.
@@ -57,17 +65,64 @@ __all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
 DDP_NOTE = (
     "DDP: every replica holds the same parameters, gradients, buckets and optimizer state, so "
     "rank 0 stands for all ranks; the reducer's allreduce runs as an in-place comm hook (no "
-    "allocation, as NCCL's); a rebuilt bucket's old buffer is freed at once, where NCCL's "
+    "allocation, as NCCL's) or as the code's own comm hook; a rebuilt bucket's old buffer is freed at once, where NCCL's "
     "record_stream may keep it until its last allreduce has finished"
 )
 
 
 class _HookState:
-    """What :func:`in_place_allreduce_hook` needs: the group and the tracer's role tagger."""
+    """What :func:`in_place_allreduce_hook` needs: the group, the tracer's role tagger, and the
+    code's own hook with its state, once registered (fill 5 of the module doc)."""
 
     def __init__(self, group: Any, tag: Callable[[Any, Any], None] | None) -> None:
         self.group = group
         self.tag = tag
+        self.users: tuple[Any, Callable[..., Any]] | None = None
+
+    def take(self, state: Any, hook: Callable[..., Any], refusal: str) -> None:
+        """Keep the code's hook; a second one is refused with reducer.cpp's ``refusal``."""
+        if self.users is not None:
+            raise RuntimeError(refusal)
+        self.users = (state, hook)
+
+
+# reducer.cpp register_comm_hook / register_builtin_comm_hook (TORCH_CHECK(comm_hook_ == nullptr)).
+_ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once."
+_BUILTIN_ONCE = "register_builtin_comm_hook or register_comm_hook can only be called once."
+
+
+def _builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
+    """The Python hook of a built-in one: torch/csrc/distributed/c10d/default_comm_hooks.cpp
+    ``AllReduceCommHook`` divides the bucket in place and allreduces it, as
+    default_hooks.py ``allreduce_hook``; ``FP16CompressCommHook`` allreduces a half copy and
+    copies it back, as ``fp16_compress_hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+        return default_hooks.fp16_compress_hook
+    return default_hooks.allreduce_hook
+
+
+@contextlib.contextmanager
+def _completing_with_tensors() -> Iterator[None]:
+    """``dist.all_reduce(t, async_op=True)``'s work completes with ``[t]``, as NCCL's does
+    (ProcessGroupNCCL.cpp ``WorkNCCL``: its future's value is the outputs)."""
+    original = dist.all_reduce
+
+    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        work = original(tensor, *args, **kwargs)
+        if work is None:
+            return None
+        work.wait()
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result([tensor])
+        return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
 
 
 def in_place_allreduce_hook(
@@ -83,6 +138,10 @@ def in_place_allreduce_hook(
     buffer = bucket.buffer()
     if state.tag is not None:
         state.tag(buffer, "ddp_bucket")
+    if state.users is not None:  # the code's own hook, in place of this one (module doc, 5)
+        users_state, hook = state.users
+        with _completing_with_tensors():
+            return hook(users_state, bucket)
     buffer.div_(dist.get_world_size(state.group))
     dist.all_reduce(buffer, group=state.group)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -166,13 +225,40 @@ class FakeDdp:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Patch the three places for the block's duration, and restore them after."""
+        """Patch the places of the module doc for the block's duration, and restore them after."""
         from torch.nn.parallel import DistributedDataParallel
 
         original_init = DistributedDataParallel.__init__
         original_verify = dist._verify_params_across_processes
         original_rebuild = dist.Reducer._rebuild_buckets
+        original_register = dist._register_comm_hook
+        original_builtin = dist._register_builtin_comm_hook
+        original_check = DistributedDataParallel._check_comm_hook
+        hook_states: dict[int, _HookState] = {}  # by id(reducer): each fake DDP's own hook
         fake = self
+
+        def register(reducer: Any, state: Any, hook: Any) -> None:
+            if id(reducer) in hook_states:
+                hook_states[id(reducer)].take(state, hook, _ONCE)
+                return
+            original_register(reducer, state, hook)
+            if isinstance(state, _HookState):
+                hook_states[id(reducer)] = state
+
+        def register_builtin(reducer: Any, comm_hook_type: Any) -> None:
+            if id(reducer) not in hook_states:
+                original_builtin(reducer, comm_hook_type)
+                return
+            hook_states[id(reducer)].take(None, _builtin_hook(comm_hook_type), _BUILTIN_ONCE)
+
+        def check(module: Any, hook: Any) -> None:
+            # bf16_compress_hook asks dist.is_nccl_available(): the fake group stands for NCCL.
+            available = dist.is_nccl_available
+            dist.is_nccl_available = lambda: True
+            try:
+                original_check(module, hook)
+            finally:
+                dist.is_nccl_available = available
 
         def init(module: Any, *args: Any, **kwargs: Any) -> None:
             original_init(module, *args, **kwargs)
@@ -189,11 +275,17 @@ class FakeDdp:
             return bool(rebuilt)
 
         DistributedDataParallel.__init__ = init  # type: ignore[method-assign,assignment]
+        DistributedDataParallel._check_comm_hook = check  # type: ignore[method-assign]
         dist._verify_params_across_processes = _verify_params_allocations
         dist.Reducer._rebuild_buckets = rebuild  # type: ignore[method-assign,assignment]
+        dist._register_comm_hook = register  # type: ignore[assignment]
+        dist._register_builtin_comm_hook = register_builtin
         try:
             yield
         finally:
             DistributedDataParallel.__init__ = original_init  # type: ignore[method-assign]
+            DistributedDataParallel._check_comm_hook = original_check  # type: ignore[method-assign]
             dist._verify_params_across_processes = original_verify
             dist.Reducer._rebuild_buckets = original_rebuild  # type: ignore[method-assign]
+            dist._register_comm_hook = original_register
+            dist._register_builtin_comm_hook = original_builtin
