@@ -16,7 +16,9 @@ _BIAS = 512 * 4
 _LAYER = _WEIGHT + _BIAS
 
 
-def _build(**ddp_kwargs):
+def _build(then=None, **ddp_kwargs):
+    """Three linears under DDP(**ddp_kwargs); ``then(ddp)`` runs once it is made."""
+
     def build(mesh):
         model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -25,6 +27,8 @@ def _build(**ddp_kwargs):
 
         def setup():
             wrapped.append(torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs))
+            if then is not None:
+                then(wrapped[0])
 
         def step():
             wrapped[0](batch).sum().backward()
@@ -341,49 +345,34 @@ _BUCKET_NUMEL = 3 * (512 * 512 + 512)
 
 
 @pytest.mark.parametrize(
-    ("register", "half_bytes"),
+    ("register", "copies"),
     [
-        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().bf16_compress_hook), 2),
-        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().fp16_compress_hook), 2),
-        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().allreduce_hook), None),
-        (lambda ddp: ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS), 2),
+        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().bf16_compress_hook), True),
+        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().fp16_compress_hook), True),
+        (lambda ddp: ddp.register_comm_hook(None, _default_hooks().allreduce_hook), False),
+        (lambda ddp: ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS), True),
     ],
     ids=["bf16_compress_hook", "fp16_compress_hook", "allreduce_hook", "builtin FP16_COMPRESS"],
 )
-def test_a_script_s_comm_hook_runs_on_the_buckets(register, half_bytes):
+def test_a_script_s_comm_hook_runs_on_the_buckets(register, copies):
     """A DDP comm hook the script registers runs in place of oomkit's in-place allreduce (it
     had raised "register_comm_hook ... can only be called once", and bf16_compress_hook "required
     CUDA 11+ and NCCL 2.10+": the fake group stands for NCCL). The compress hooks make a 2-byte
     copy of the bucket (default_hooks.py _compress_hook ``buffer.to(dtype)``, 787,968 elements:
-    1,575,936 bytes) each time a bucket is reduced, freed once decompressed into the bucket;
+    1,575,936 bytes) as the bucket is reduced, freed once decompressed into the bucket;
     allreduce_hook divides in place and makes none. A second registration is refused, as DDP
     refuses it."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: F401
 
-    def build(mesh):
-        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        batch = torch.randn(4, 512)
-        wrapped = []
+    def hooked(ddp):
+        register(ddp)
+        with pytest.raises(RuntimeError, match="can only be called once"):
+            ddp.register_comm_hook(None, _default_hooks().allreduce_hook)
 
-        def setup():
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            register(ddp)
-            with pytest.raises(RuntimeError, match="can only be called once"):
-                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-            wrapped.append(ddp)
-
-        def step():
-            wrapped[0](batch).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return step, (model, optimizer, batch), setup
-
-    recording = trace_distributed_step(build, world_size=2, steps=1)
-    step_1 = recording.step_events(0)
-    halves = [size for size in _allocs(step_1) if size == _BUCKET_NUMEL * 2]
-    assert halves == ([] if half_bytes is None else [_BUCKET_NUMEL * 2])
+    step_1 = trace_distributed_step(_build(then=hooked), world_size=2, steps=1).step_events(0)
+    half = _BUCKET_NUMEL * 2
+    assert [size for size in _allocs(step_1) if size == half] == ([half] if copies else [])
+    frees = [e.size for e in step_1 if e.action == "free_completed" and e.size == half]
+    assert frees == ([half] if copies else [])
     assert _allocs(step_1, "ddp_bucket") == []  # the bucket made before the step is reused
 
 
