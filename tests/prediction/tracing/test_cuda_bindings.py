@@ -245,9 +245,10 @@ def test_torch_version_cuda_is_the_target_s_cuda_inside_and_the_build_s_after():
 def test_cudnn_and_nccl_versions_are_the_target_s_inside_and_the_build_s_after(tmp_path):
     """A CPU build has no cuDNN or NCCL: ``torch.backends.cudnn.version()`` is None (a script's
     ``version() >= 8000`` raised TypeError), ``is_available()`` False, and
-    ``torch.cuda.nccl.version()`` raised AttributeError (a script logging its environment). Inside a recording they answer for the target: its stated
-    cuDNN (91002), else the cuDNN the SDPA emulation assumes (torch 2.13's default wheel's,
-    9.20.0), and the NCCL whose buffers oomkit models (2.30.7); after, the build's again."""
+    ``torch.cuda.nccl.version()`` raised AttributeError (a script logging its environment).
+    Inside a recording they answer for the target: its stated cuDNN (91002), else the cuDNN the
+    SDPA emulation assumes (torch 2.13's default wheel's, 9.20.0), and the NCCL whose buffers
+    oomkit models (2.30.7); after, the build's again."""
     from oomkit.core.gpus.nccl import NCCL_VERSION
     from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
 

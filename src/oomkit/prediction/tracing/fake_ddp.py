@@ -2,8 +2,8 @@
 
 ``torch.nn.parallel.DistributedDataParallel`` runs unchanged under ``FakeTensorMode`` on the
 ``"fake"`` backend (``distributed.fake_process_group``) except at the places below, each a value
-read, an answer the fake group does not give, or a second comm hook. :class:`FakeDdp` fills exactly those, and makes the
-device allocations they make on CUDA:
+read, an answer the fake group does not give, or a second comm hook. :class:`FakeDdp` fills
+exactly those, and makes the device allocations they make on CUDA:
 
 1. The constructor's shape check (torch/nn/parallel/distributed.py ``__init__`` ->
    ``_verify_param_shape_across_processes`` -> C++ ``verify_params_across_processes``,
@@ -65,8 +65,8 @@ __all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
 DDP_NOTE = (
     "DDP: every replica holds the same parameters, gradients, buckets and optimizer state, so "
     "rank 0 stands for all ranks; the reducer's allreduce runs as an in-place comm hook (no "
-    "allocation, as NCCL's) or as the code's own comm hook; a rebuilt bucket's old buffer is freed at once, where NCCL's "
-    "record_stream may keep it until its last allreduce has finished"
+    "allocation, as NCCL's) or as the code's own comm hook; a rebuilt bucket's old buffer is "
+    "freed at once, where NCCL's record_stream may keep it until its last allreduce has finished"
 )
 
 
@@ -77,13 +77,13 @@ class _HookState:
     def __init__(self, group: Any, tag: Callable[[Any, Any], None] | None) -> None:
         self.group = group
         self.tag = tag
-        self.users: tuple[Any, Callable[..., Any]] | None = None
+        self.code_hook: tuple[Any, Callable[..., Any]] | None = None
 
     def take(self, state: Any, hook: Callable[..., Any], refusal: str) -> None:
         """Keep the code's hook; a second one is refused with reducer.cpp's ``refusal``."""
-        if self.users is not None:
+        if self.code_hook is not None:
             raise RuntimeError(refusal)
-        self.users = (state, hook)
+        self.code_hook = (state, hook)
 
 
 # reducer.cpp register_comm_hook / register_builtin_comm_hook (TORCH_CHECK(comm_hook_ == nullptr)).
@@ -116,7 +116,8 @@ def _completing_with_tensors() -> Iterator[None]:
         work.wait()
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         future.set_result([tensor])
-        return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+        c10d: Any = torch._C._distributed_c10d
+        return c10d._create_work_from_future(future)
 
     dist.all_reduce = all_reduce
     try:
@@ -138,10 +139,10 @@ def in_place_allreduce_hook(
     buffer = bucket.buffer()
     if state.tag is not None:
         state.tag(buffer, "ddp_bucket")
-    if state.users is not None:  # the code's own hook, in place of this one (module doc, 5)
-        users_state, hook = state.users
+    if state.code_hook is not None:  # the code's own hook, in place of this one (module doc, 5)
+        code_state, hook = state.code_hook
         with _completing_with_tensors():
-            return hook(users_state, bucket)
+            return hook(code_state, bucket)
     buffer.div_(dist.get_world_size(state.group))
     dist.all_reduce(buffer, group=state.group)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
