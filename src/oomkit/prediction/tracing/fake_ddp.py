@@ -239,12 +239,15 @@ class FakeDdp:
         fake = self
 
         def register(reducer: Any, state: Any, hook: Any) -> None:
-            if id(reducer) in hook_states:
-                hook_states[id(reducer)].take(state, hook, _ONCE)
-                return
-            original_register(reducer, state, hook)
+            # A fake DDP's own hook comes first (init below), so a reducer at the id of one
+            # collected before it gets its own entry rather than the old one's.
             if isinstance(state, _HookState):
+                original_register(reducer, state, hook)
                 hook_states[id(reducer)] = state
+            elif id(reducer) in hook_states:
+                hook_states[id(reducer)].take(state, hook, _ONCE)
+            else:
+                original_register(reducer, state, hook)
 
         def register_builtin(reducer: Any, comm_hook_type: Any) -> None:
             if id(reducer) not in hook_states:

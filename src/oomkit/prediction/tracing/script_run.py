@@ -408,9 +408,9 @@ def record_script(
                 stack.enter_context(watch)
                 cuda_version = None if target is None else target.cuda_version
                 cudnn_version = None if target is None else target.cudnn_version
-                stack.enter_context(
-                    as_one_cuda_gpu(tracer.gpu, cuda_version=cuda_version, cudnn_version=cudnn_version)
-                )
+                stack.enter_context(as_one_cuda_gpu(
+                    tracer.gpu, cuda_version=cuda_version, cudnn_version=cudnn_version
+                ))
                 stack.enter_context(cpu_inputs_refused())
                 stack.enter_context(cuda_autocast_construction())
                 stack.enter_context(_distributed_refused(where))
