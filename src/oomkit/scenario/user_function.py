@@ -30,8 +30,9 @@ import contextlib
 import importlib.machinery
 import importlib.util
 import inspect
+import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,35 @@ class _SourceOnly(importlib.machinery.SourceFileLoader):
 
     def get_code(self, fullname: str) -> Any:
         return self.source_to_code(self.get_data(self.path), self.path)
+
+
+@contextlib.contextmanager
+def _file_argv(path_text: str) -> Iterator[None]:
+    """``sys.argv`` as ``python file.py`` sets it while the user's code runs, so a ``main()``
+    that parses its arguments reads its own defaults, not oomkit's command line."""
+    saved = sys.argv
+    sys.argv = [path_text]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _script_route(path_text: str, name: str) -> str:
+    """A hint for a function that failed: where the file calls it under ``if __name__ ==
+    '__main__':`` it is likely the training loop itself, which the script route records."""
+    try:
+        source = Path(path_text).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    guard = re.search(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:(.*)""", source, re.M | re.S)
+    if guard is None or not re.search(rf"\b{re.escape(name)}\s*\(", guard.group(1)):
+        return ""
+    return (
+        f" {name}() is what `python {path_text}` runs: if it is your training loop, predict the "
+        f"file as a script (`oomkit predict {path_text} -- ARGS` runs it as python does and "
+        "records its first steps)."
+    )
 
 
 def _load_module(path: Path, target: str) -> Any:
@@ -234,7 +264,8 @@ def load_user_step(
     # steps, as in its own process, and are the caller's again between them (torch_globals.py).
     users = UsersGlobals()
     with users.running(), cuda_autocast_construction(), as_one_cuda_gpu(gpu):
-        module = _load_module(Path(path_text), target)
+        with _file_argv(path_text):
+            module = _load_module(Path(path_text), target)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(
@@ -250,19 +281,21 @@ def load_user_step(
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
         with users.running(), device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
-            with os_exit_raises(), _optimizer_steps_counted() as builder_steps:
-                result = fn(**kwargs)
+            with _file_argv(path_text), os_exit_raises():
+                with _optimizer_steps_counted() as builder_steps:
+                    result = fn(**kwargs)
     except OomkitError as exc:
-        raise type(exc)(f"{target}: {name}(): {exc}") from exc
+        raise type(exc)(f"{target}: {name}(): {exc}{_script_route(path_text, name)}") from exc
     except SystemExit as exc:
-        raise UserCodeError(_exit_text(exc, f"{name}()", target)) from exc
+        said = _exit_text(exc, f"{name}()", target)
+        raise UserCodeError(said + _script_route(path_text, name)) from exc
     except Exception as exc:
         from oomkit.prediction.tracing.step_failure import failure_text
 
         detail = failure_text(exc)
         for said in ("the step failed", "the step raised"):
             detail = detail.replace(said, f"{name}() {said.split()[-1]}", 1)
-        raise UserCodeError(f"{target}: {detail}") from exc
+        raise UserCodeError(f"{target}: {detail}{_script_route(path_text, name)}") from exc
     trainer = trainer_step(result, target)
     if trainer is None and result is None and builder_steps[0]:
         raise UserCodeError(
@@ -283,7 +316,8 @@ def load_user_step(
     def step_fn() -> Any:
         try:
             with users.running(), step_device, refused, os_exit_raises():
-                return user_step()
+                with _file_argv(path_text):
+                    return user_step()
         except SystemExit as exc:
             error = UserCodeError(_exit_text(exc, "the step", target))
             raised.append(error)

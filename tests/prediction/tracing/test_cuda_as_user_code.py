@@ -314,6 +314,106 @@ def test_a_builder_that_trains_itself_is_told_it_is_a_script(tmp_path):
     assert f"`oomkit predict {path}`" in message
 
 
+def test_the_file_sees_its_own_argv_not_oomkit_s(tmp_path, monkeypatch):
+    """sys.argv is [file.py] while the file imports, its builder runs and its step runs, as
+    under `python file.py`: a main() that parses its arguments reads its defaults, not
+    oomkit's command line (argparse exited 2 on `predict file.py:main --gpu h100`)."""
+    path = tmp_path / "loop.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import argparse
+            import sys
+
+            import torch
+
+            def seen():
+                with open(__file__ + ".argv", "a") as out:
+                    out.write(repr(sys.argv) + "\\n")
+
+
+            seen()
+
+
+            def main():
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--steps", type=int, default=3)
+                args = parser.parse_args()
+                seen()
+                model = torch.nn.Linear(8, 8)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for _ in range(args.steps):
+                    model(torch.randn(4, 8)).sum().backward()
+                    opt.step()
+            """
+        )
+    )
+    monkeypatch.setattr(sys, "argv", ["oomkit", "predict", f"{path}:main", "--gpu", "h100"])
+    with pytest.raises(UserCodeError) as raised:
+        load_user_step(f"{path}:main")
+    assert "main() ran 3 optimizer step(s) itself and returned None" in str(raised.value)
+    assert sys.argv == ["oomkit", "predict", f"{path}:main", "--gpu", "h100"]
+    assert (tmp_path / "loop.py.argv").read_text() == f"{[str(path)]!r}\n" * 2
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_failing_main_that_the_file_runs_is_pointed_to_the_script_route(tmp_path, guarded):
+    """main() fails (here as a DataLoader's sampler does on meta) and `python file.py` runs it:
+    the message says to predict the file as a script; a function the file does not run as its
+    __main__ gets no such hint."""
+    path = tmp_path / "train.py"
+    source = textwrap.dedent(
+        """
+        import torch
+
+
+        def main():
+            order = torch.randperm(8).tolist()
+            print(order)
+        """
+    )
+    path.write_text(source + ('\nif __name__ == "__main__":\n    main()\n' if guarded else ""))
+    with pytest.raises(UserCodeError) as raised:
+        load_user_step(f"{path}:main")
+    hint = (
+        f"main() is what `python {path}` runs: if it is your training loop, predict the file as "
+        f"a script (`oomkit predict {path} -- ARGS` runs it as python does and records its "
+        "first steps)."
+    )
+    assert str(raised.value).endswith(hint) is guarded
+    assert f"{path}:main: main() failed at {path}:6 in main: a device move" in str(raised.value)
+
+
+def test_a_step_sees_its_file_s_argv(tmp_path, monkeypatch):
+    """The step, run later by the tracer, sees [file.py] too; the caller's argv between."""
+    path = tmp_path / "steps.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import sys
+
+            import torch
+
+            def build():
+                model = torch.nn.Linear(8, 8)
+
+                def step():
+                    with open(__file__ + ".argv", "a") as out:
+                        out.write(repr(sys.argv) + "\\n")
+                    model(torch.randn(4, 8)).sum().backward()
+
+                return step, model
+            """
+        )
+    )
+    monkeypatch.setattr(sys, "argv", ["oomkit", "predict"])
+    user = load_user_step(f"{path}:build")
+    assert sys.argv == ["oomkit", "predict"]
+    user.step_fn()
+    assert sys.argv == ["oomkit", "predict"]
+    assert (tmp_path / "steps.py.argv").read_text() == f"{[str(path)]!r}\n"
+
+
 def test_timing_and_device_switching_lines_run_on_the_emulated_gpu():
     """with torch.cuda.device(0), torch.cuda.Event timing, synchronize, memory_summary: they run,
     the timing reads 0 ms, and only the tensor made on cuda is allocated (16 bytes)."""
