@@ -240,8 +240,16 @@ def test_keywords_are_the_flags_names():
         "target": {"gpu": "rtx4090"},
         "run": {"budget_bytes": 20 * 2**30},
     }
-    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'bach'"):
+    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'bach'; did you mean batch=3\?"):
         scenario_from_keywords("gpt2-124m", bach=3)
+    # A section's field named as section_field: the mapping that gives it.
+    with pytest.raises(
+        ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'lora_rank'; did you mean lora=\{'rank': 16\}\?"
+    ):
+        scenario_from_keywords("gpt2-124m", lora_rank=16)
+    # Nothing like it: no guess, the list of keywords.
+    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'zzzz': give a field"):
+        scenario_from_keywords("gpt2-124m", zzzz=1)
     # oomkit.fit's keywords are fit's: its errors say so.
     with pytest.raises(ScenarioError, match=r"^oomkit.fit\(\) has no keyword 'bach'"):
         oomkit.fit("gpt2-124m", bach=3)

@@ -72,9 +72,33 @@ def scenario_from_keywords(
             section, name = fields[key]
             data = merge_data(data, {section: {name: value}})
         else:
+            guess = _guess(key, value, fields)
+            if guess:
+                raise ScenarioError(
+                    f"oomkit.{caller}() has no keyword {key!r}; did you mean {guess}? "
+                    "(Keywords are the flags' names without dashes, or sections as mappings.)"
+                )
             known = ", ".join(sorted(fields))
             raise ScenarioError(
                 f"oomkit.{caller}() has no keyword {key!r}: give a field by its flag's name "
                 f"({known}) or a section as a mapping (e.g. lora={{'rank': 16}})"
             )
     return scenario_from_data(data)
+
+
+def _guess(key: str, value: Any, fields: Mapping[str, tuple[str, str]]) -> str | None:
+    """The keyword meant: a section's field as ``section_field`` (``lora_rank`` ->
+    ``lora={'rank': 16}``), else the closest flag name (``bach`` -> ``batch``)."""
+    import difflib
+    import typing
+
+    from oomkit.scenario.model import Scenario as _Scenario
+
+    section, _, name = key.partition("_")
+    info = _Scenario.model_fields.get(section)
+    if info is not None and name:
+        for model in (info.annotation, *typing.get_args(info.annotation)):
+            if name in getattr(model, "model_fields", {}):
+                return f"{section}={{{name!r}: {value!r}}}"
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
+    return f"{close[0]}={value!r}" if close else None
