@@ -123,7 +123,7 @@ def test_defaults_are_left_out_and_restored():
         ({"model": {"preset": "x"}, "lora": {"alpha": 4}},
          "--lora-alpha configures LoRA: add --lora R (e.g. --lora 16), or drop it."),
         ({"model": {"preset": "x"}, "step": {"bach": 3}},
-         "step.bach: unknown key: check its spelling"),
+         "step.bach: unknown key (did you mean step.batch?): check its spelling"),
         ({"model": {"function": "t.py:build"}, "step": {"precision": "bf16"}},
          "--precision applies to presets and --hf only: t.py:build runs your step as written"),
         ({"model": {"script": "train.py"}, "step": {"batch": 8}},
@@ -158,7 +158,11 @@ def test_an_unknown_section_is_named(section):
     with pytest.raises(ScenarioError) as raised:
         scenario_from_data({"model": {"preset": "x"}, section: {"a": 1}})
     message = str(raised.value)
-    assert "]: unknown section: check its spelling (`oomkit predict ... --dump-config`" in message
+    assert re.search(
+        r"\]: unknown section( \(did you mean \[\w+\]\?\))?: check its spelling \(`oomkit "
+        r"predict \.\.\. --dump-config`",
+        message,
+    )
     if section.isprintable():
         assert message.startswith(f"[{section}]: ")
     # A control character is shown as \\xNN (tab and newline are left as they are).
@@ -240,19 +244,37 @@ def test_keywords_are_the_flags_names():
         "target": {"gpu": "rtx4090"},
         "run": {"budget_bytes": 20 * 2**30},
     }
-    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'bach'; did you mean batch=3\?"):
+    with pytest.raises(
+        ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'bach'; did you mean batch=3\?"
+    ):
         scenario_from_keywords("gpt2-124m", bach=3)
     # A section's field named as section_field: the mapping that gives it.
     with pytest.raises(
-        ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'lora_rank'; did you mean lora=\{'rank': 16\}\?"
+        ScenarioError,
+        match=r"^oomkit.predict\(\) has no keyword 'lora_rank'; did you mean lora=\{'rank': 16\}\?",
     ):
         scenario_from_keywords("gpt2-124m", lora_rank=16)
     # Nothing like it: no guess, the list of keywords.
-    with pytest.raises(ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'zzzz': give a field"):
+    with pytest.raises(
+        ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'zzzz': give a field"
+    ):
         scenario_from_keywords("gpt2-124m", zzzz=1)
     # oomkit.fit's keywords are fit's: its errors say so.
     with pytest.raises(ScenarioError, match=r"^oomkit.fit\(\) has no keyword 'bach'"):
         oomkit.fit("gpt2-124m", bach=3)
+
+
+def test_an_unknown_key_or_section_close_to_a_known_one_gets_a_guess():
+    """`--set step.bach=3` / a file's [stpe]: the known name it is close to; none when none is."""
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_data({"model": {"preset": "gpt2-124m"}, "step": {"bach": 3}})
+    assert str(raised.value).startswith("step.bach: unknown key (did you mean step.batch?): ")
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_data({"model": {"preset": "gpt2-124m"}, "stpe": {"batch": 3}})
+    assert str(raised.value).startswith("[stpe]: unknown section (did you mean [step]?): ")
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_data({"model": {"preset": "gpt2-124m"}, "step": {"zzz": 3}})
+    assert str(raised.value).startswith("step.zzz: unknown key: check its spelling")
 
 
 def test_a_config_file_is_read_or_refused_in_one_line(tmp_path):

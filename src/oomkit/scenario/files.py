@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from oomkit._files import refuse_special_file
 from oomkit.errors import ScenarioError
-from oomkit.scenario.model import SCENARIO_VERSION, Scenario, section_flag
+from oomkit.scenario.model import SCENARIO_VERSION, Scenario, section_flag, section_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,17 +75,35 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
         text = _wording(error)
         if len(loc) >= 2:  # a field: named by its flag and its path
             path = ".".join(loc)
+            if error["type"] == "extra_forbidden":
+                text = _with_guess(text, loc[0], loc[1])
             flag = section_flag(loc[0], loc[1])
             lines.append(f"{flag} ({path}): {text}" if flag else f"{path}: {text}")
         elif error["type"] == "extra_forbidden" and loc:  # a section no scenario has
+            said = _with_guess("unknown section", None, loc[0])
             lines.append(
-                f"[{loc[0]}]: unknown section: check its spelling (`oomkit predict ... "
+                f"[{loc[0]}]: {said}: check its spelling (`oomkit predict ... "
                 "--dump-config` shows the sections and keys)"
             )
         else:  # a section's or the whole scenario's rule: its message names the fields
             lines.append(text)
     head = f"{source}: " if source else ""
     return head + "; ".join(lines)
+
+
+def _with_guess(text: str, section: str | None, key: str) -> str:
+    """``unknown key`` / ``unknown section`` with the closest known name, where one is close
+    (``step.bach`` -> ``did you mean step.batch?``)."""
+    import difflib
+
+    model = section_model(section) if section is not None else Scenario
+    known = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if not close:
+        return text
+    name = f"{section}.{close[0]}" if section is not None else f"[{close[0]}]"
+    said = text.split(":")[0]
+    return text.replace(said, f"{said} (did you mean {name}?)", 1)
 
 
 def _wording(error: Any) -> str:

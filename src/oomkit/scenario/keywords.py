@@ -90,15 +90,12 @@ def _guess(key: str, value: Any, fields: Mapping[str, tuple[str, str]]) -> str |
     """The keyword meant: a section's field as ``section_field`` (``lora_rank`` ->
     ``lora={'rank': 16}``), else the closest flag name (``bach`` -> ``batch``)."""
     import difflib
-    import typing
 
-    from oomkit.scenario.model import Scenario as _Scenario
+    from oomkit.scenario.model import section_model
 
     section, _, name = key.partition("_")
-    info = _Scenario.model_fields.get(section)
-    if info is not None and name:
-        for model in (info.annotation, *typing.get_args(info.annotation)):
-            if name in getattr(model, "model_fields", {}):
-                return f"{section}={{{name!r}: {value!r}}}"
+    model = section_model(section) if name else None
+    if model is not None and name in model.model_fields:
+        return f"{section}={{{name!r}: {value!r}}}"
     close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
     return f"{close[0]}={value!r}" if close else None

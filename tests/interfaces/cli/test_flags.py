@@ -195,6 +195,30 @@ def test_abbreviated_flags_are_refused(capsys):
     assert "unrecognized arguments: --bat" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (["predict", "gpt2-124m", "--bach", "3"],
+         "unrecognized arguments: --bach 3 (did you mean --batch?)"),
+        (["predict", "gpt2-124m", "--batch-size=64"], "--batch-size=64 (did you mean --batch?)"),
+        (["fit", "gpt2-124m", "--seq_len", "64", "--margn", "1GiB"],
+         "--seq_len 64 --margn 1GiB (did you mean --seq for --seq_len, --margin for --margn?)"),
+        (["gpus", "--jsn"], "unrecognized arguments: --jsn (did you mean --json?)"),
+    ],
+)
+def test_an_unknown_flag_close_to_a_command_s_own_gets_a_guess(capsys, words, said):
+    """A typo or another tool's spelling (`--batch-size`) names the command's flag it is close
+    to; `--lr` is not taken for `--lora` (the dashes every flag shares are not compared)."""
+    with pytest.raises(SystemExit) as exc:
+        main(words)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(said)
+    with pytest.raises(SystemExit):
+        main(["predict", "gpt2-124m", "--lr", "3"])
+    assert capsys.readouterr().err.endswith("unrecognized arguments: --lr 3\n")
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

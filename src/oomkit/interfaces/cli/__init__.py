@@ -251,18 +251,36 @@ def _parse(
 ) -> argparse.Namespace:
     """``parser.parse_args(words)``; where a script's own arguments were given without `--`
     before them (``oomkit predict train.py --batch_size 64``), the error says where they go."""
-    if command not in _SCRIPT_COMMANDS:
-        return parser.parse_args(words)
     args, unknown = parser.parse_known_args(words)
     target = getattr(args, "target", None) or ""
-    if unknown and target.endswith(".py"):
+    if unknown and command in _SCRIPT_COMMANDS and target.endswith(".py"):
         parser.error(
             f"unrecognized arguments: {' '.join(unknown)}. A script's own arguments go after "
             f"`--`: oomkit {command} {target} [oomkit's options] -- {' '.join(unknown)}"
         )
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        guesses = _guesses(parser, command, unknown)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{guesses}")
     return args
+
+
+def _guesses(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> str:
+    """`` (did you mean --batch?)`` for unknown flags close to one the command has."""
+    import difflib
+
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    chosen = sub.choices.get(command) if sub is not None and command is not None else None
+    # Compared without the dashes every long flag shares: `--lr` is not close to `--lora`.
+    known = [f[2:] for f in (chosen or parser)._option_string_actions if f[:2] == "--"]
+    flags = [word.split("=", 1)[0] for word in unknown if word[:2] == "--"]
+    pairs = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag[2:], known, n=1, cutoff=0.75) or sorted(
+            (k for k in known if flag[2:].startswith((f"{k}-", f"{k}_"))), key=len
+        )[-1:]  # `--batch-size` -> `--batch`
+        if close:
+            pairs.append(f"--{close[0]} for {flag}" if len(flags) > 1 else f"--{close[0]}")
+    return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
 def _launch_read(words: list[str], command: str) -> Any:
