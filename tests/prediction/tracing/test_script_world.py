@@ -104,6 +104,49 @@ def test_the_same_script_on_more_ranks_shards_further(tmp_path):
     )
 
 
+ASYNC_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+world = dist.get_world_size()
+model = torch.nn.Linear(512, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    model(torch.randn(32, 512, device="cuda")).square().mean().backward()
+    works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters()]
+    values = torch.futures.wait_all([w.get_future() for w in works])
+    for p, (value,) in zip(model.parameters(), values):
+        p.grad = value / world
+    gathered = torch.empty(world * 1024, device="cuda")
+    work = dist.all_gather_into_tensor(gathered, model.bias.detach(), async_op=True)
+    (out,) = work.get_future().wait()
+    assert out is gathered and work.result() == [gathered]
+    shard = torch.empty(1024 // world, device="cuda")
+    (out,) = dist.reduce_scatter_tensor(shard, model.bias.detach(), async_op=True).get_future().wait()
+    assert out is shard
+    (out,) = dist.broadcast(model.bias.detach(), src=0, async_op=True).get_future().wait()
+    assert out.shape == (1024,)
+    assert dist.all_reduce(model.bias.detach()) is None  # synchronous: no work
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_s_async_collectives_complete_with_their_outputs(tmp_path):
+    """dist.all_reduce(..., async_op=True).get_future() gives [tensor] as NCCL's does
+    (ProcessGroupNCCL.cpp collective(): WorkNCCL keeps its outputs, its future completes with
+    them), and so do all_gather_into_tensor, reduce_scatter_tensor and broadcast: a script
+    that averages with the value (`p.grad = value / world`) runs; the fake group gave None."""
+    run = _record(tmp_path, ASYNC_SCRIPT, world_size=4)
+    assert run.steps_recorded == 3
+    p = predict_recording(run.recording, target=H100)
+    by = p.peak_allocated_at.by_category_bytes
+    assert by["parameter"] == LINEAR_BYTES
+    # The reduced gradient and its average (value / world) are alive together at the peak.
+    assert by["gradient"] == 2 * LINEAR_BYTES
+
+
 def test_host_work_is_real_and_cuda_work_fake():
     """Inside a script's fake world: a CPU randint has values; a CUDA randn is fake, on the
     fake device; a CPU tensor moved to CUDA is a fake device copy."""

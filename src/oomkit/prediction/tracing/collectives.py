@@ -13,12 +13,21 @@ DTensor's sharding propagation runs each op once more on fake tensors of the *gl
 derive the output's metadata (torch/distributed/tensor/_sharding_prop.py
 ``_propagate_tensor_meta_non_cached``: "We must call the tracing in fake tensor mode so that
 it avoids materializing memory"); on a GPU that allocates nothing, so it runs unrecorded here.
+
+An asynchronous collective's work completes with its output, as NCCL's does: ProcessGroupNCCL.cpp
+``collective()`` keeps the outputs in ``WorkNCCL::outputs_`` ("Store references to outputs to be
+used by WorkNCCL::result") and ``getFuture()`` completes with them, so code reads
+``dist.all_reduce(t, async_op=True).get_future().wait()[0]``. The fake backend's work completes
+with nothing (torch/csrc/distributed/c10d/FakeProcessGroup.hpp ``FakeWork``); while
+:func:`async_collectives_complete_with_outputs` is open, each single-output collective's work is
+one that completes with ``[output]`` (``_create_work_from_future``, as c10d makes for a future).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -26,7 +35,11 @@ import torch
 from oomkit.prediction.tracing._modes import untraced
 from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
 
-__all__ = ["COLLECTIVE_EMULATIONS", "sharding_propagation_untraced"]
+__all__ = [
+    "COLLECTIVE_EMULATIONS",
+    "async_collectives_complete_with_outputs",
+    "sharding_propagation_untraced",
+]
 
 
 def _wait_tensor_returns_its_input(ctx: EmulationContext) -> Any:
@@ -67,3 +80,49 @@ def sharding_propagation_untraced() -> Iterator[None]:
         yield
     finally:
         setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", original)  # noqa: B010
+
+
+# torch.distributed's collectives whose NCCL work holds one output, and that output's parameter
+# (distributed_c10d.py signatures: each is also the first positional argument).
+_OUTPUT_PARAMETER = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_gather_into_tensor": "output_tensor",
+    "reduce_scatter_tensor": "output",
+    "all_to_all_single": "output",
+}
+
+
+def _completing(original: Callable[..., Any], parameter: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        if work is None:  # async_op=False: no work, as with NCCL
+            return None
+        output = args[0] if args else kwargs[parameter]
+        work.wait()
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result([output])
+        c10d: Any = torch._C._distributed_c10d
+        return c10d._create_work_from_future(future)
+
+    return collective
+
+
+@contextlib.contextmanager
+def async_collectives_complete_with_outputs() -> Iterator[None]:
+    """While open, ``dist.all_reduce(t, async_op=True)`` and the other single-output
+    collectives return a work whose future (and ``result()``) is ``[output]`` (module doc)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    with contextlib.ExitStack() as stack:
+        for module in (dist, distributed_c10d):
+            for name, parameter in _OUTPUT_PARAMETER.items():
+                original = getattr(module, name, None)
+                if original is None:  # pragma: no cover - a torch without this collective
+                    continue
+                setattr(module, name, _completing(original, parameter))
+                stack.callback(setattr, module, name, original)
+        yield

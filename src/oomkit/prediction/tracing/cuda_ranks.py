@@ -53,6 +53,7 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.gpus.nccl import DEFAULT_GPUS_PER_NODE
 from oomkit.core.target import ParallelLayout
 from oomkit.errors import ConfigError
+from oomkit.prediction.tracing.collectives import async_collectives_complete_with_outputs
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 
 __all__ = ["MeshShape", "as_cuda_rank", "script_layout"]
@@ -107,6 +108,7 @@ def as_cuda_rank(
         stack.enter_context(_the_fake_group_joined(world_size, rank))
         stack.enter_context(_cuda_meshes_on_the_fake_device(meshes))
         stack.enter_context(_ddp_device_ids_dropped())
+        stack.enter_context(async_collectives_complete_with_outputs())
         yield
 
 

@@ -38,7 +38,8 @@ exactly those, and makes the device allocations they make on CUDA:
 5. A comm hook the code registers (``register_comm_hook``, ``_register_builtin_comm_hook``)
    would be the reducer's second (reducer.cpp refuses it: "can only be called once"): it is
    kept on the hook's state instead, and :func:`in_place_allreduce_hook` runs it in its place.
-   Its async allreduce completes with ``[tensor]``, as NCCL's work does (the fake group's with
+   Its async allreduce completes with ``[tensor]``, as NCCL's work does
+   (``collectives.async_collectives_complete_with_outputs``; the fake group's completes with
    ``None``, which default_hooks.py's ``fut.value()[0]`` cannot read), so a compress hook's
    copy and decompression are recorded; DDP's check that bf16_compress_hook has NCCL sees
    NCCL, for which the fake group stands.
@@ -58,6 +59,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
+
+from oomkit.prediction.tracing.collectives import async_collectives_complete_with_outputs
 
 __all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
 
@@ -103,29 +106,6 @@ def _builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
     return default_hooks.allreduce_hook
 
 
-@contextlib.contextmanager
-def _completing_with_tensors() -> Iterator[None]:
-    """``dist.all_reduce(t, async_op=True)``'s work completes with ``[t]``, as NCCL's does
-    (ProcessGroupNCCL.cpp ``WorkNCCL``: its future's value is the outputs)."""
-    original = dist.all_reduce
-
-    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        work = original(tensor, *args, **kwargs)
-        if work is None:
-            return None
-        work.wait()
-        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        future.set_result([tensor])
-        c10d: Any = torch._C._distributed_c10d
-        return c10d._create_work_from_future(future)
-
-    dist.all_reduce = all_reduce
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
-
-
 def in_place_allreduce_hook(
     state: _HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -141,7 +121,7 @@ def in_place_allreduce_hook(
         state.tag(buffer, "ddp_bucket")
     if state.code_hook is not None:  # the code's own hook, in place of this one (module doc, 5)
         code_state, hook = state.code_hook
-        with _completing_with_tensors():
+        with async_collectives_complete_with_outputs():
             return hook(code_state, bucket)
     buffer.div_(dist.get_world_size(state.group))
     dist.all_reduce(buffer, group=state.group)
