@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import textwrap
 
 import pytest
@@ -135,3 +136,56 @@ def test_token_ids_made_on_the_gpu_with_a_mask_of_ones_generate(tmp_path):
         if key.startswith("read at utils.py:") and "(torch.ones_like)" in text
     ]
     assert len(mask_reads) == 2
+
+
+def test_ids_drawn_on_the_gpu_without_a_mask_generate_with_the_inferred_mask_dropped(tmp_path):
+    """Unknown ids, no attention_mask, a pad token: generate's right-padding check (it only
+    logs) is answered "no", and its test of the mask it inferred is answered "all ones" (no
+    padding), said as an assumption; generate then runs to max_new_tokens. Both had stopped
+    the script ("bool() of a tensor whose values oomkit cannot know")."""
+    source = GENERATE.replace(
+        'ids = torch.randint(2, 100, (8, 8)).to("cuda")',
+        'ids = torch.randint(2, 100, (8, 8), device="cuda")',
+    ).replace("ids, attention_mask=torch.ones_like(ids), ", "ids, ")
+    assert "attention_mask" not in source
+    (tmp_path / "gen.py").write_text(textwrap.dedent(source))
+    run = record_script(tmp_path / "gen.py", ["4"], target=RTX4090, cwd=tmp_path)
+    assumptions = run.recording.assumptions
+    assert assumptions["generation length"].startswith("transformers' generate asked 3 time(s)")
+    inferred = [text for key, text in assumptions.items() if key.endswith(" in generate")]
+    assert inferred == [
+        "bool() = True, assumed: the attention mask generate inferred from token ids oomkit "
+        "cannot know is all ones (no padding), so generate drops it; pass attention_mask to "
+        "generate to state it; 1 time(s)"
+    ]
+
+
+def test_a_mask_the_code_passed_is_not_assumed_all_ones(monkeypatch):
+    """The all-ones answer is for a mask generate inferred (kwargs_has_attention_mask False);
+    the same test of a mask the code passed, unknown, is refused as a condition."""
+    from oomkit.errors import DataDependentValueError
+
+    source = (
+        "def generate(mask, kwargs_has_attention_mask):\n"
+        "    model_kwargs = {'attention_mask': mask}\n"
+        "    if (\n"
+        "        True\n"
+        "        and (model_kwargs[\"attention_mask\"] == 1).all()\n"
+        "    ):\n"
+        "        return 'dropped'\n"
+        "    return 'kept'\n"
+    )
+    filename = "/lib/site-packages/transformers/generation/utils.py"
+    # The check reads generate's line, as from the installed file.
+    monkeypatch.setitem(
+        linecache.cache, filename, (len(source), None, source.splitlines(True), filename)
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(source, filename, "exec"), namespace)
+    generate = namespace["generate"]
+    with value_tracking() as (_, reads), torch.device("meta"):
+        mask = torch.empty(2, 4, dtype=torch.long)
+        assert generate(mask, False) == "dropped"
+        with pytest.raises(DataDependentValueError, match="condition"):
+            generate(mask, True)
+    assert [r.value for r in reads.records.values()] == ["True"]

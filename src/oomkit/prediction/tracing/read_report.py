@@ -59,8 +59,11 @@ def read_assumptions(reads: ValueReads, known: KnownValues) -> dict[str, str]:
         ):
             continue  # GradScaler.step's read of found_inf: the finite-values line says it
         key = f"read at {record.site.key} in {record.site.function}"
+        assumed = sorted(o for o in record.origins if o.startswith("assumed: "))
         if record.outcome == "stated":
             how = "as stated (--value / values=)"
+        elif assumed:  # an answer for unknown values (value_reads.py says which and why)
+            how = "; ".join(assumed)
         else:
             how = "computed from the values your tensors were created with (" + ", ".join(
                 sorted(record.origins)

@@ -197,6 +197,8 @@ class ValueReads(TorchFunctionMode):
         checked = _generate_check(func, frames)
         if checked is not None:
             return checked
+        if _inferred_mask_check(func, frames):
+            return self._record(site, kind, "answered", True, {_INFERRED_MASK})
         answer = _generation_answer(func, tensors[0], frames)
         if answer is not None:
             self.generation_goes_on += func is torch.Tensor.__bool__
@@ -323,10 +325,47 @@ def _generation_answer(func: Any, tensor: torch.Tensor, frames: list[Any]) -> in
 # 0).any()``, whether the ids are a dummy filled with -100, read for the encoder repetition
 # penalty and n-gram options: token ids are never negative, "no". (Its other reads of the ids
 # decide the attention mask: a mask the script passes, known, answers them.)
+# generate's check for right padding in a batch of prompts (``has_right_padding``: the last id
+# of a row is the pad token, or the mask's last column holds a 0) only decides whether to log
+# a warning (generation/utils.py ``generate``, "right-padding was detected"): either answer
+# allocates the same, and "no" is a tokenizer's left-padded batch.
 # (function, text on its line) -> the answer.
 _GENERATE_CHECKS = {
     ("_get_logits_processor", "encoder_input_ids < 0"): False,
+    ("generate", "if has_right_padding"): False,
+    ("generate", "has_right_padding = torch.any(attention_mask[:, -1] == 0).item()"): False,
 }
+
+
+# generate drops an attention mask of all ones ((model_kwargs["attention_mask"] == 1).all() in
+# generate): the attention then runs without one. A mask the code passed must be known to be
+# answered; one generate inferred from unknown token ids (no mask passed:
+# _prepare_attention_mask_for_generation, ones unless the pad token is among the ids) is
+# answered "all ones", a batch without padding, as generate's own warning asks for ("Please
+# pass your input's `attention_mask`"). Where the ids hold the pad token, the GPU keeps the
+# mask and the attention takes its masked path.
+_INFERRED_MASK = (
+    "assumed: the attention mask generate inferred from token ids oomkit cannot know is all "
+    "ones (no padding), so generate drops it; pass attention_mask to generate to state it"
+)
+
+
+def _inferred_mask_check(func: Any, frames: list[Any]) -> bool:
+    """Whether this read is generate's all-ones test of a mask it inferred (above)."""
+    if func is not torch.Tensor.__bool__ or not frames:
+        return False
+    frame = frames[0]
+    if frame.f_code.co_name != "generate":
+        return False
+    if Path(frame.f_code.co_filename).parts[-3:] != _GENERATION_MODULE:
+        return False
+    # The test is the last part of a condition over several lines, which Python 3.11 reads at
+    # the line of its ``if (``.
+    lines = [
+        linecache.getline(frame.f_code.co_filename, frame.f_lineno + n) for n in range(6)
+    ]
+    inferred = frame.f_locals.get("kwargs_has_attention_mask") is False
+    return inferred and '(model_kwargs["attention_mask"] == 1).all()' in "".join(lines)
 
 
 def _generate_check(func: Any, frames: list[Any]) -> bool | None:
