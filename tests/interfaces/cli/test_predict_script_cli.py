@@ -61,6 +61,19 @@ def test_a_script_is_predicted_with_its_own_arguments(script, capsys):
     assert sorted(p.name for p in script.parent.iterdir()) == ["train.py"]
 
 
+def test_a_stopped_script_says_what_was_not_recorded(script, capsys):
+    """The report says the script was stopped after its steps, and how to record further;
+    --epochs 1 with 2 steps of 16 rows over 64 runs to its end: no such line."""
+    assert main(["predict", str(script), "--gpu", "rtx4090", "--steps", "2"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "assumed: script stopped: after its first 2 optimizer step(s) (--steps); " in out
+    assert "raise --steps to record it" in out
+    assert main(["predict", str(script), "--gpu", "rtx4090", "--steps", "5", "--",
+                 "--batch_size", "16", "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "script stopped" not in out and "fewer than the 5 asked for" in out.replace("\n", " ")
+
+
 def test_a_bigger_batch_of_the_script_needs_more(script, capsys):
     """--batch_size 64 (the script's own flag) allocates more than 16 at its peak."""
     peaks = []

@@ -185,6 +185,11 @@ def test_a_loop_in_main_stops_at_its_steps_and_writes_nothing(tmp_path):
     assert run.saves_skipped == 2
     assert files_in(tmp_path) == before
     assert _script_peaks(run) == _builder_peaks(tmp_path, "twin.py:build")
+    # Stopped: what it runs after its third step is not seen, and the answer says so.
+    assert run.recording.assumptions["script stopped"].startswith(
+        "after its first 3 optimizer step(s) (--steps); what it runs after them (an evaluation "
+        "loop, a checkpoint, later epochs of other sizes) is not recorded"
+    )
 
 
 def test_a_script_that_ends_early_records_the_steps_it_ran(tmp_path):
@@ -193,6 +198,7 @@ def test_a_script_that_ends_early_records_the_steps_it_ran(tmp_path):
     run = record_script(tmp_path / "loop.py", ["2"], steps=3, target=RTX4090, cwd=tmp_path)
     assert run.steps_recorded == 2
     assert any("ended after 2 optimizer step(s), fewer than the 3" in w for w in run.recording.warnings)
+    assert "script stopped" not in run.recording.assumptions  # it ran to its end
     # It ran to its end: the file after its loop is written, as python would.
     assert (tmp_path / "done.txt").read_text() == "finished"
 

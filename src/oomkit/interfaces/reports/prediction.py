@@ -158,11 +158,11 @@ def kernels_line(prediction: Prediction) -> str:
 def _is_value_assumption(name: str) -> bool:
     # Tensor values the trace answered (oomkit.prediction.tracing.read_report), the memory
     # counters the step read, the memory fraction and allocator setting it set
-    # (tracing/step_memory.py, prediction/scripts.py), a fast path not taken (read_report.py):
-    # their own lines.
+    # (tracing/step_memory.py, prediction/scripts.py), a fast path not taken (read_report.py),
+    # a script stopped after its steps (script_run.py): their own lines.
     return name.startswith(("read at ", "torch.cuda ")) or name in (
         "finite values", "generation length", "memory fraction", "allocator setting",
-        "TransformerEncoder fast path",
+        "TransformerEncoder fast path", "script stopped",
     )
 
 

@@ -492,6 +492,13 @@ def record_script(
     watch.report(watch.entries, ended=True)
     if notes:
         recording = dataclasses.replace(recording, warnings=(*recording.warnings, *notes))
+    if stopped:  # the run after the last step asked for is not seen: said beside the answer
+        recording = dataclasses.replace(recording, assumptions={
+            **recording.assumptions,
+            "script stopped": f"after its first {watch.done} optimizer step(s) (--steps); what "
+            "it runs after them (an evaluation loop, a checkpoint, later epochs of other sizes) "
+            "is not recorded, so taken to need no more; raise --steps to record it",
+        })
     return ScriptRun(recording, spec, watch.done, saves[0], tuple(notes), layout)
 
 
