@@ -192,6 +192,22 @@ def test_plan_command_json_winner_is_a_runnable_scenario(capsys):
     assert again.peak_reserved_bytes == winner["peak_reserved_bytes"]
 
 
+def test_plan_command_says_what_it_plans_before_it_starts(capsys):
+    """Without --json, one line on stderr says what is planned before the search (which may
+    take minutes), terminal or not; the table follows on stdout."""
+    args = _parser().parse_args([
+        "plan", "gpt2-124m", "--global-batch", "1", "--seq", "64", "--gpus", "l40s",
+        "--max-gpus", "1", "--checkpointing", "none", "--precision", "bf16-mixed", "--jobs", "1",
+    ])
+    assert args.run(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "planning gpt2-124m: global batch 1, seq 64, on l40s, up to 1 GPU(s); each layout whose "
+        "state fits is recorded (minutes for a large model) ...\n"
+    )
+    assert "gpt2-124m: global batch 1, seq 64" in captured.out
+
+
 def test_plan_command_rejects_bad_flags(capsys):
     """argparse refuses an unknown AC policy and a price without '=' (exit 2)."""
     parser = _parser()

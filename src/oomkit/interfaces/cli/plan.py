@@ -10,7 +10,12 @@ import sys
 from typing import Any
 
 from oomkit.errors import OomkitError
-from oomkit.interfaces.cli._common import add_json_flag, print_json, stdout_console
+from oomkit.interfaces.cli._common import (
+    add_json_flag,
+    print_json,
+    stderr_console,
+    stdout_console,
+)
 from oomkit.interfaces.cli._progress import add_jobs_flag, progress_bar, progress_enabled
 
 __all__ = ["add_parser", "run"]
@@ -82,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
     executor: Any = (
         LocalPoolExecutor(args.jobs) if args.ray is None else RayExecutor(args.ray or None)
     )
+    if not args.json:  # said before a search that may take minutes, terminal or not
+        stderr_console().print(
+            f"planning {request.preset}: global batch {request.global_batch}, seq "
+            f"{request.seq}, on {', '.join(request.gpus)}, up to {request.max_gpus} GPU(s); each "
+            "layout whose state fits is recorded (minutes for a large model) ...",
+            markup=False, highlight=False, soft_wrap=True,
+        )
     with progress_bar(progress_enabled(args, sys.stderr), "predicting layouts") as update:
         result = plan(request, executor, progress=update)
     if args.json:
