@@ -254,6 +254,13 @@ def test_keywords_are_the_flags_names():
         match=r"^oomkit.predict\(\) has no keyword 'lora_rank'; did you mean lora=\{'rank': 16\}\?",
     ):
         scenario_from_keywords("gpt2-124m", lora_rank=16)
+    # A huge value is shown shortened, not copied into the message.
+    with pytest.raises(ScenarioError) as raised:
+        scenario_from_keywords("gpt2-124m", bach=list(range(10**6)))
+    assert str(raised.value).startswith(
+        "oomkit.predict() has no keyword 'bach'; did you mean batch=[0, 1, 2, 3, 4, 5, ...]?"
+    )
+    assert len(str(raised.value)) < 300
     # Nothing like it: no guess, the list of keywords.
     with pytest.raises(
         ScenarioError, match=r"^oomkit.predict\(\) has no keyword 'zzzz': give a field"

@@ -8,6 +8,7 @@ does. So the short form, the CLI, config files and the MCP tools build one ``Sce
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,14 +74,15 @@ def scenario_from_keywords(
             data = merge_data(data, {section: {name: value}})
         else:
             guess = _guess(key, value, fields)
+            named = reprlib.repr(key)  # bounded, as the value in the guess
             if guess:
                 raise ScenarioError(
-                    f"oomkit.{caller}() has no keyword {key!r}; did you mean {guess}? "
+                    f"oomkit.{caller}() has no keyword {named}; did you mean {guess}? "
                     "(Keywords are the flags' names without dashes, or sections as mappings.)"
                 )
             known = ", ".join(sorted(fields))
             raise ScenarioError(
-                f"oomkit.{caller}() has no keyword {key!r}: give a field by its flag's name "
+                f"oomkit.{caller}() has no keyword {named}: give a field by its flag's name "
                 f"({known}) or a section as a mapping (e.g. lora={{'rank': 16}})"
             )
     return scenario_from_data(data)
@@ -93,9 +95,10 @@ def _guess(key: str, value: Any, fields: Mapping[str, tuple[str, str]]) -> str |
 
     from oomkit.scenario.model import section_model
 
+    shown = reprlib.repr(value)  # bounded: a huge value is not copied into the message
     section, _, name = key.partition("_")
     model = section_model(section) if name else None
     if model is not None and name in model.model_fields:
-        return f"{section}={{{name!r}: {value!r}}}"
+        return f"{section}={{{name!r}: {shown}}}"
     close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
-    return f"{close[0]}={value!r}" if close else None
+    return f"{close[0]}={shown}" if close else None
