@@ -204,6 +204,11 @@ def test_abbreviated_flags_are_refused(capsys):
         (["fit", "gpt2-124m", "--seq_len", "64", "--margn", "1GiB"],
          "--seq_len 64 --margn 1GiB (did you mean --seq for --seq_len, --margin for --margn?)"),
         (["gpus", "--jsn"], "unrecognized arguments: --jsn (did you mean --json?)"),
+        # argparse says the required --gpus is missing before it sees --gpu: the guess follows.
+        (["plan", "llama-8b", "--gpu", "h100", "--global-batch", "8", "--seq", "512"],
+         "the following arguments are required: --gpus (did you mean --gpus for --gpu?)"),
+        (["plan", "llama-8b", "--gpus", "h100", "--global-batch", "8", "--", "--sq", "1"],
+         "the following arguments are required: --seq"),
     ],
 )
 def test_an_unknown_flag_close_to_a_command_s_own_gets_a_guess(capsys, words, said):

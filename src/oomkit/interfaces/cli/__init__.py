@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
-from typing import Any
+from typing import Any, NoReturn
 
 from oomkit.errors import OomkitError, TorchRequiredError
 
@@ -175,9 +175,18 @@ class _CommandParser(argparse.ArgumentParser):
     command sets a formatter of its own; from its first argument on, so that argparse's own
     formatter (and the shutil import of its width) is never built."""
 
+    # `` (did you mean --gpus for --gpu?)``, said after a missing required argument: argparse
+    # reports that before the unknown flag that was meant to give it (_parse sets it).
+    hint = ""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _WholeWordsFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            message += self.hint
+        super().error(message)
 
 
 class _VersionAction(argparse._VersionAction):
@@ -251,6 +260,12 @@ def _parse(
 ) -> argparse.Namespace:
     """``parser.parse_args(words)``; where a script's own arguments were given without `--`
     before them (``oomkit predict train.py --batch_size 64``), the error says where they go."""
+    chosen = _subparser(parser, command)
+    if isinstance(chosen, _CommandParser):
+        head = words[: words.index("--")] if "--" in words else words
+        known = chosen._option_string_actions
+        given = [w for w in head if w.split("=", 1)[0] not in known]
+        chosen.hint = _guesses(chosen, given, name_given=True)
     args, unknown = parser.parse_known_args(words)
     target = getattr(args, "target", None) or ""
     if unknown and command in _SCRIPT_COMMANDS and target.endswith(".py"):
@@ -259,19 +274,26 @@ def _parse(
             f"`--`: oomkit {command} {target} [oomkit's options] -- {' '.join(unknown)}"
         )
     if unknown:
-        guesses = _guesses(parser, command, unknown)
+        guesses = _guesses(_subparser(parser, command) or parser, unknown)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{guesses}")
     return args
 
 
-def _guesses(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> str:
-    """`` (did you mean --batch?)`` for unknown flags close to one the command has."""
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> Any:
+    """The parser of ``command`` (None: no command named)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return sub.choices.get(command) if sub is not None and command is not None else None
+
+
+def _guesses(
+    chosen: argparse.ArgumentParser, unknown: list[str], *, name_given: bool = False
+) -> str:
+    """`` (did you mean --batch?)`` for unknown flags close to one the command has; with
+    ``name_given`` or several, each is named (``--gpus for --gpu``)."""
     import difflib
 
-    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-    chosen = sub.choices.get(command) if sub is not None and command is not None else None
     # Compared without the dashes every long flag shares: `--lr` is not close to `--lora`.
-    known = [f[2:] for f in (chosen or parser)._option_string_actions if f[:2] == "--"]
+    known = [f[2:] for f in chosen._option_string_actions if f[:2] == "--"]
     flags = [word.split("=", 1)[0] for word in unknown if word[:2] == "--"]
     pairs = []
     for flag in flags:
@@ -279,7 +301,8 @@ def _guesses(parser: argparse.ArgumentParser, command: str | None, unknown: list
             (k for k in known if flag[2:].startswith((f"{k}-", f"{k}_"))), key=len
         )[-1:]  # `--batch-size` -> `--batch`
         if close:
-            pairs.append(f"--{close[0]} for {flag}" if len(flags) > 1 else f"--{close[0]}")
+            named = name_given or len(flags) > 1
+            pairs.append(f"--{close[0]} for {flag}" if named else f"--{close[0]}")
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
