@@ -14,7 +14,7 @@ from typing import Any
 
 from oomkit.errors import ScenarioError
 from oomkit.scenario.files import merge_data, scenario_from_data
-from oomkit.scenario.model import Scenario, flag_fields
+from oomkit.scenario.model import Scenario, flag_fields, section_model
 
 __all__ = ["keyword_fields", "scenario_from_keywords", "what_runs"]
 
@@ -92,8 +92,6 @@ def _guess(key: str, value: Any, fields: Mapping[str, tuple[str, str]]) -> str |
     """The keyword meant: a section's field as ``section_field`` (``lora_rank`` ->
     ``lora={'rank': 16}``), else the closest flag name (``bach`` -> ``batch``)."""
     import difflib
-
-    from oomkit.scenario.model import section_model
 
     shown = reprlib.repr(value)  # bounded: a huge value is not copied into the message
     section, _, name = key.partition("_")

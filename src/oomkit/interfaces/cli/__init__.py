@@ -274,7 +274,7 @@ def _parse(
             f"`--`: oomkit {command} {target} [oomkit's options] -- {' '.join(unknown)}"
         )
     if unknown:
-        guesses = _guesses(_subparser(parser, command) or parser, unknown)
+        guesses = _guesses(chosen or parser, unknown)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{guesses}")
     return args
 
