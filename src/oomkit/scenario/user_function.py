@@ -251,6 +251,7 @@ def load_user_step(
         ) from exc
     from oomkit.prediction.tracing import cuda_autocast_construction
     from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
+    from oomkit.prediction.tracing.data_loaders import loaders_on_the_host
     from oomkit.prediction.tracing.step_failure import os_exit_raises
     from oomkit.prediction.tracing.torch_globals import UsersGlobals
     from oomkit.prediction.tracing.trainers import trainer_step
@@ -280,8 +281,9 @@ def load_user_step(
     kwargs = _arguments(fn, target, sizes, device, extra or {})
     try:
         # One emulated CUDA GPU: a Lightning or Hugging Face trainer built here picks CUDA.
+        # A DataLoader's seeds on the host, its workers in this process (data_loaders.py).
         with users.running(), device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
-            with _file_argv(path_text), os_exit_raises():
+            with _file_argv(path_text), os_exit_raises(), loaders_on_the_host():
                 with _optimizer_steps_counted() as builder_steps:
                     result = fn(**kwargs)
     except OomkitError as exc:
@@ -314,9 +316,11 @@ def load_user_step(
     raised: list[BaseException] = []
 
     def step_fn() -> Any:
+        # A trainer's loader works on CPU tensors: its workers run as on the GPU machine.
+        loaders = contextlib.nullcontext() if trainer else loaders_on_the_host()
         try:
             with users.running(), step_device, refused, os_exit_raises():
-                with _file_argv(path_text):
+                with _file_argv(path_text), loaders:
                     return user_step()
         except SystemExit as exc:
             error = UserCodeError(_exit_text(exc, "the step", target))
