@@ -100,6 +100,7 @@ class NoFeasibleBatchSizeError(OomkitError, ValueError):
             has no list of what to try).
         advice: the changes the message says to try, unmeasured ("activation checkpointing
             (--checkpointing full)"), without the margin and a larger GPU, which always apply.
+        batch_size: the smallest batch tried (the one that does not fit).
     """
 
     def __init__(
@@ -111,8 +112,10 @@ class NoFeasibleBatchSizeError(OomkitError, ValueError):
         margin_bytes: int | None = None,
         reason: str | None = None,
         advice: tuple[str, ...] = (),
+        batch_size: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.batch_size = batch_size
         self.needed_reserved_bytes = needed_reserved_bytes
         self.usable_bytes = usable_bytes
         self.margin_bytes = margin_bytes

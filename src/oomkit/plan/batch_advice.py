@@ -13,7 +13,7 @@ from oomkit.plan.batch_probe import BatchProbe
 from oomkit.prediction.workload import workload_from_description
 from oomkit.units import format_bytes
 
-__all__ = ["infeasible_advice", "infeasible_error"]
+__all__ = ["advice_in_code", "infeasible_advice", "infeasible_error"]
 
 # StepOptions.precision values as a description names them (models/steps.py _describe).
 _PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16")
@@ -58,16 +58,46 @@ def infeasible_error(probe: BatchProbe, spec: GpuSpec, margin: int) -> NoFeasibl
     reason = (
         f"not even batch {probe.batch_size} fits on {spec.name}: {probe.limiting_step} needs "
         f"{format_bytes(probe.peak_reserved_bytes)} reserved, and of the "
-        f"{format_bytes(spec.usable_bytes())} usable a margin of {format_bytes(margin)} must "
+        f"{format_bytes(probe.usable_bytes)} usable a margin of {format_bytes(margin)} must "
         "stay free."
     )
+    return _error(reason, advice, probe.batch_size, probe.usable_bytes, margin,
+                  probe.peak_reserved_bytes)
+
+
+def advice_in_code(
+    exc: NoFeasibleBatchSizeError, compute_capability: tuple[int, int] | None
+) -> NoFeasibleBatchSizeError:
+    """``exc`` for code run as written (a script, a ``file.py:function``): the preset options
+    (``--precision``, ``--checkpointing``, ``--optimizer``, ``--lora``) are refused there, so
+    the changes are said as code, each the PyTorch call that makes it."""
+    dtype = "bfloat16" if compute_capability is None or tuple(compute_capability) >= (8, 0) else (
+        "float16"  # no native bf16 below compute capability 8.0 (torch.cuda.is_bf16_supported)
+    )
+    advice = [
+        f'mixed precision where your code has none (torch.autocast("cuda", dtype=torch.{dtype}) '
+        "around the forward and loss)",
+        "activation checkpointing (torch.utils.checkpoint.checkpoint around each block)",
+        "an optimizer with less state (SGD, or bitsandbytes' AdamW8bit)",
+        "LoRA adapters instead of full fine-tuning (peft)",
+        "a shorter sequence or smaller images",
+    ]
+    if exc.batch_size is None or exc.usable_bytes is None or exc.margin_bytes is None:
+        return exc
+    return _error(exc.reason, advice, exc.batch_size, exc.usable_bytes, exc.margin_bytes,
+                  exc.needed_reserved_bytes)
+
+
+def _error(reason: str, advice: list[str], batch_size: int, usable_bytes: int, margin: int,
+           needed_reserved_bytes: int | None) -> NoFeasibleBatchSizeError:
     return NoFeasibleBatchSizeError(
         f"{reason} Try {', '.join(advice)}, a smaller margin (--margin), or a GPU with more "
-        f"memory (this same `oomkit fit` command with --batch {probe.batch_size} "
+        f"memory (this same `oomkit fit` command with --batch {batch_size} "
         "--smallest-gpu names the smallest).",
-        needed_reserved_bytes=probe.peak_reserved_bytes,
-        usable_bytes=spec.usable_bytes(),
+        needed_reserved_bytes=needed_reserved_bytes,
+        usable_bytes=usable_bytes,
         margin_bytes=margin,
         reason=reason,
         advice=tuple(advice),
+        batch_size=batch_size,
     )

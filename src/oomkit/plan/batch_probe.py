@@ -79,8 +79,11 @@ class BatchProbe:
         peak_reserved_bytes: reserved memory the most demanding part needs (its peak reserved;
             for a part that would OOM, its peak on a device without limit).
         peak_allocated_bytes: highest allocated memory over the parts predicted.
-        headroom_bytes: usable memory less ``peak_reserved_bytes`` (negative: it does not fit
-            even without a margin).
+        headroom_bytes: ``usable_bytes`` less ``peak_reserved_bytes`` (negative: it does not
+            fit even without a margin).
+        usable_bytes: what the allocator may reserve at this batch without the margin: the
+            target's usable bytes less what the step's layout holds outside the allocator
+            (NCCL's buffers: ``DistributedMemory.off_usable_bytes``), as ``predict`` says.
         limiting_step: the part that fails, or when all fit the one with the least headroom:
             ``"train step N"`` (1-based: ``"train step 1"`` is the first step, which creates the
             optimizer state), ``"before train step 1"`` (the model and inputs alone) or
@@ -100,6 +103,7 @@ class BatchProbe:
     headroom_bytes: int
     limiting_step: str
     train: Prediction
+    usable_bytes: int
     eval: Prediction | None = None
     synthesized: bool = False
 
@@ -268,7 +272,8 @@ def probe_record(
     feasible: bool = True,
     synthesized: bool = False,
 ) -> BatchProbe:
-    """A probe from predictions made on the GPU less the margin (``usable_bytes``: without)."""
+    """A probe from predictions made on the GPU less the margin (``usable_bytes``: the target's,
+    without)."""
     train_fits = feasible and train.fits
     eval_fits = evaluation is None or (feasible and evaluation.fits)
     parts = [(train, _train_label(train), train_fits)]
@@ -279,14 +284,19 @@ def probe_record(
     # the least headroom.
     worst = max(failing or parts, key=lambda part: part[0].required_bytes)
     demanding = max(parts, key=lambda part: part[0].required_bytes)[0]
+    # A layout's NCCL buffers come off what the allocator may reserve (predictor.py nccl_of).
+    usable = usable_bytes - max(
+        p[0].distributed.off_usable_bytes if p[0].distributed is not None else 0 for p in parts
+    )
     return BatchProbe(
         batch_size=batch_size,
         fits=train_fits and eval_fits,
         peak_reserved_bytes=demanding.required_bytes,
         peak_allocated_bytes=max(p[0].peak_allocated_bytes for p in parts),
-        headroom_bytes=usable_bytes - demanding.required_bytes,
+        headroom_bytes=usable - demanding.required_bytes,
         limiting_step=worst[1],
         train=train,
+        usable_bytes=usable,
         eval=evaluation,
         synthesized=synthesized,
     )

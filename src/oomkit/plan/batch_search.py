@@ -89,7 +89,8 @@ class BatchSearchResult:
         alloc_conf: the ``PYTORCH_CUDA_ALLOC_CONF`` simulated, canonical (``""`` = default).
         capacity_bytes: the device's total memory.
         context_overhead_bytes: memory held outside the allocator (CUDA context).
-        usable_bytes: ``capacity_bytes - context_overhead_bytes``.
+        usable_bytes: what the allocator may reserve at ``batch_size``: ``capacity_bytes -
+            context_overhead_bytes``, less a layout's NCCL buffers (``BatchProbe.usable_bytes``).
         margin_bytes: memory that stays unreserved at the answer, at least: every size was
             predicted on the GPU with this much less usable memory.
         margin_is_default: ``margin_bytes`` is ``default_margin_bytes(usable_bytes)``.
@@ -434,9 +435,9 @@ def max_batch_size(
         finally:
             prober.stop_ahead()
     prober.close()
-    if lo == 0:
-        first = prober.probes[grid.size(first_index)]
-        raise infeasible_error(first, spec, margin)
+    if lo == 0:  # the bisection reached the grid's first size: "not even" that one fits
+        smallest = prober.probes[min(prober.probes)]
+        raise infeasible_error(smallest, spec, margin)
     # With every fitting size retrying, the answer is the largest that fits, and says so.
     answer = clean or lo
     result = _result(
@@ -503,7 +504,7 @@ def _result(
         alloc_conf=target.alloc_conf,
         capacity_bytes=spec.total_memory_bytes,
         context_overhead_bytes=spec.context_overhead_bytes,
-        usable_bytes=target.usable_bytes,
+        usable_bytes=answer.usable_bytes,
         margin_bytes=margin,
         margin_is_default=margin_is_default,
         peak_reserved_bytes=answer.peak_reserved_bytes,

@@ -273,7 +273,7 @@ def _fit_on(
         fits=probe.fits,
         headroom_bytes=probe.headroom_bytes,
         peak_reserved_bytes=probe.peak_reserved_bytes,
-        usable_bytes=on_spec.usable_bytes,
+        usable_bytes=probe.usable_bytes,
         margin_bytes=margin,
         limiting_step=probe.limiting_step,
     )

@@ -58,6 +58,9 @@ class DistributedMemory:
         usable_bytes: what the allocator may reserve on the target (the prediction's
             ``usable_bytes``; ``None``: not known). An upper end above it cannot happen as
             such: there a real allocator synchronizes and reuses the waiting blocks.
+        off_usable_bytes: what of ``outside_lines`` past the CUDA context came off the
+            usable bytes (``nccl_of``'s: all of it, or 0 where ``--context-overhead`` stated
+            the memory outside PyTorch); a batch search's headroom is taken from what is left.
     """
 
     outside_lines: tuple[tuple[str, int, str], ...]
@@ -67,6 +70,7 @@ class DistributedMemory:
     allocated_range_bytes: tuple[int, int] | None
     timing_note: str | None
     usable_bytes: int | None = None
+    off_usable_bytes: int = 0
 
     def lines(self) -> list[str]:
         """The report's lines: memory outside the allocator, then the timing range."""
@@ -198,4 +202,5 @@ def distributed_memory(
         allocated_range_bytes=allocated,
         timing_note=note,
         usable_bytes=usable_bytes,
+        off_usable_bytes=nccl_of(target, recording)[1],
     )

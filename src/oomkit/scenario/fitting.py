@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from oomkit.errors import OomkitError, UserCodeError
+from oomkit.errors import NoFeasibleBatchSizeError, OomkitError, UserCodeError
 from oomkit.plan.batch_probe import RecordingBuilder
 from oomkit.prediction.own_alloc_conf import (
     OwnSetting,
@@ -268,6 +268,12 @@ def _check_script(scenario: Scenario) -> None:
             "checked on each GPU with --smallest-gpu --batch N: --global-batch and --lengths "
             "vary what the script sets itself"
         )
+    if model.script_all_ranks:
+        raise OomkitError(
+            "fit searches one rank's batch of a torchrun script: drop model.script_all_ranks "
+            "and give the rank (model.script_rank; `oomkit predict train.py --world-size N "
+            "--all-ranks` names the one that peaks)"
+        )
 
 
 def fit(
@@ -291,6 +297,23 @@ def fit(
         OomkitError: a combination that cannot run; see also ``oomkit.scenario.predict``.
     """
     target = check_fit(scenario)
+    try:
+        return _fit(scenario, target, progress, lines)
+    except NoFeasibleBatchSizeError as exc:
+        if scenario.model.kind not in ("script", "function"):
+            raise
+        from oomkit.plan.batch_advice import advice_in_code
+
+        # Code run as written takes no --precision/--checkpointing: the changes said as code.
+        raise advice_in_code(exc, target.gpu.compute_capability) from None
+
+
+def _fit(
+    scenario: Scenario,
+    target: Target,
+    progress: Progress | None,
+    lines: Callable[[str], None] | None,
+) -> FitAnswer:
     steps, _ = default_steps(scenario, "fit")
     if scenario.lengths is None:
         scenario = scenario.model_copy(

@@ -221,3 +221,25 @@ def test_fit_takes_predicts_ddp_flags(tiny_llama):
     )
     assert code == 0
     assert "DDP over 2 replicas (buckets 5 MiB, gradient_as_bucket_view), rank 0" in fit["description"]
+
+
+def test_fit_s_usable_and_headroom_are_predict_s_with_nccl(tiny_llama):
+    """Without --context-overhead, NCCL's buffers come off what the allocator may reserve;
+    fit's usable bytes and headroom at its answer are predict's at that batch (they had been
+    the GPU's whole usable memory, 605 MiB more for FSDP2 4 on an RTX 4090), and the
+    prediction's own record says how much came off."""
+    layout = ["--dp", "2"]
+    on = ["--seq", "16", "--steps", "1", "--gpu", "2GiB", "--batch", "4"]
+    code, fit = cli_json(
+        ["fit", "llama3-8b", *layout, *on, "--margin", "0", "--max-batch", "4", "--json"]
+    )
+    assert code == 0 and fit["batch_size"] == 4
+    code, predicted = cli_json(["predict", "llama3-8b", *layout, *on, "--no-remedies", "--json"])
+    assert code == 0
+    nccl = predicted["distributed"]["off_usable_bytes"]
+    assert nccl == predicted["distributed"]["nccl_bytes"] > 100 * MiB
+    assert fit["usable_bytes"] == predicted["usable_bytes"] == (
+        2 * 2**30 - predicted["context_overhead_bytes"] - nccl
+    )
+    assert fit["headroom_bytes"] == predicted["headroom_bytes"]
+    assert fit["curve"][0]["headroom_bytes"] == predicted["headroom_bytes"]
