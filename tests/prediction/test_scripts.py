@@ -436,18 +436,84 @@ def test_nanogpt_under_torchrun_is_a_ddp_replica(nanogpt, monkeypatch):
     assert scripted.prediction.description.endswith(", rank 0 of 2")
 
 
+LAST_RANK_HEAVY = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(rank % torch.cuda.device_count())
+layers = 8 if rank == world - 1 else 2  # the last rank also evaluates a head
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)]).cuda()
+opt = torch.optim.Adam(model.parameters())
+for _ in range(3):
+    model(torch.randn(64, 2048, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_s_rank_and_each_rank(tmp_path, capsys):
+    """`--rank 3` records the script as rank 3; `--all-ranks` records each of the 4 ranks and
+    returns the peaking one's prediction (the last rank: four times the Linears), naming it
+    in the verdict and listing every rank's peaks (no pipeline stage: a script's own), the
+    same from Python (rank=, all_ranks=) and in a config (model.script_rank)."""
+    import json
+
+    import oomkit
+    from oomkit.interfaces.cli import main
+
+    _write(tmp_path, "train.py", LAST_RANK_HEAVY)
+    script = str(tmp_path / "train.py")
+    base = ["predict", script, "--world-size", "4", "--gpu", "h100", "--json"]
+    peaks = {}
+    for rank in (0, 3):
+        assert main([*base, "--rank", str(rank)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["description"] == f"{script}, rank {rank} of 4"
+        assert out["scenario"]["model"]["script_rank"] == rank
+        peaks[rank] = out["peak_allocated_bytes"], out["peak_reserved_bytes"]
+    linear = (2048 * 2048 + 2048) * 4
+    # The last rank holds 6 more Linears, each with its gradient and Adam's two states.
+    assert peaks[3][0] - peaks[0][0] >= 6 * 4 * linear
+    assert main([*base, "--all-ranks"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["peak_allocated_bytes"], out["peak_reserved_bytes"]) == peaks[3]
+    assert [(p["rank"], p["stage"]) for p in out["rank_peaks"]] == [
+        (0, None), (1, None), (2, None), (3, None)
+    ]
+    assert [(p["peak_allocated_bytes"], p["peak_reserved_bytes"])
+            for p in out["rank_peaks"]] == [peaks[0]] * 3 + [peaks[3]]
+    assert out["verdict"].endswith("; rank 3 peaks, of 4 ranks")
+    assert main(base[:-1] + ["--all-ranks"]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"{script} as each of its 4 ranks in turn, on a fake process group" in said
+    api = oomkit.predict(script, world_size=4, all_ranks=True, gpu="h100")
+    assert (api.peak_allocated_bytes, api.peak_reserved_bytes) == peaks[3]
+    assert [p["rank"] for p in api.rank_peaks] == [0, 1, 2, 3]
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\nscript = "{script}"\nscript_world_size = 4\nscript_rank = 3\n'
+                      '[target]\ngpu = "h100"\n')
+    assert main(["predict", "--config", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["peak_allocated_bytes"], out["peak_reserved_bytes"]) == peaks[3]
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--world-size", "4", "--rank", "1"], "is recorded as rank 0"),
-        (["--world-size", "4", "--all-ranks"], "is recorded as rank 0"),
+        (["--world-size", "4", "--rank", "4"],
+         "--rank 4 is outside the script's 4 ranks (--world-size 4): use 0 to 3"),
+        (["--world-size", "4", "--rank", "1", "--all-ranks"], "exclude each other"),
+        (["--rank", "1"], "(a torchrun script: --world-size N)"),
+        (["--set", "model.script_rank=1"], "pick ranks of a torchrun script: add --world-size N"),
         (["--fsdp", "4"], "a whole script shards itself: give the ranks torchrun starts it on"),
         (["--dp", "2"], "a whole script shards itself: give the ranks torchrun starts it on"),
     ],
 )
 def test_a_script_takes_its_ranks_as_world_size_only(tmp_path, capsys, flags, said):
-    """A script's layout is its own: --fsdp/--dp and another rank are refused (exit 2, one
-    line), before anything runs."""
+    """A script's layout is its own: --fsdp/--dp, a rank it does not have, and a rank without
+    --world-size are refused (exit 2, one line), before anything runs."""
     from oomkit.interfaces.cli import main
 
     _write(tmp_path, "ddp.py", TORCHRUN_SCRIPT)

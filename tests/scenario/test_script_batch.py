@@ -349,3 +349,41 @@ def test_a_torchrun_scripts_own_arguments_are_its_own_beside_world_size(tmp_path
 
     model = tomllib.loads(capsys.readouterr().out)["model"]
     assert (model["script_args"], model["script_world_size"]) == (["--bs", "4"], 2)
+
+
+def test_fit_searches_the_batch_of_the_script_rank_asked(tmp_path, capsys):
+    """model.script_rank: the search records that rank at each batch. Here rank 1 also holds
+    a 3 GiB buffer: on 4 GiB less NCCL's buffers no batch of it fits, and the answer says so
+    from batch 1 (the search went down from the script's --bs 32), with the usable bytes
+    predict gives and the changes said as code (--precision and the like do not apply to a
+    script). script_all_ranks is refused, with what to give instead."""
+    import oomkit
+    from oomkit.interfaces.cli import main
+
+    heavy = TORCHRUN.replace(
+        "opt = torch.optim.SGD",
+        "held = torch.empty(3 * 2**30, dtype=torch.uint8, device='cuda') "
+        "if dist.get_rank() == 1 else None\nopt = torch.optim.SGD",
+    )
+    script = _write(tmp_path, "ddp.py", heavy)
+    words = [script, "--world-size", "2", "--gpu", "4GiB", "--max-batch", "64"]
+    assert _fit_json(capsys, *words, "--", "--bs", "32")["batch_size"] == 64
+    assert main(["fit", *words, "--set", "model.script_rank=1", "--", "--bs", "32"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    one = oomkit.predict(script, script_args=["--bs", "1"], world_size=2, rank=1, gpu="4GiB")
+    assert one.required_bytes > one.usable_bytes - 256 * 2**20  # the default margin
+    assert (
+        f"not even batch 1 fits on custom 4.00 GiB: before train step 1 needs "
+        f"{oomkit.format_bytes(one.required_bytes)} reserved, and of the "
+        f"{oomkit.format_bytes(one.usable_bytes)} usable a margin of 256.00 MiB must stay free."
+    ) in err
+    assert 'Try mixed precision where your code has none (torch.autocast("cuda", ' in err
+    assert "--precision" not in err and "--checkpointing" not in err
+    assert "this same `oomkit fit` command with --batch 1 --smallest-gpu" in err
+    with pytest.raises(oomkit.NoFeasibleBatchSizeError) as raised:
+        oomkit.fit(script, script_args=["--bs", "32"], world_size=2, rank=1, gpu="4GiB",
+                   max_batch=64)
+    assert raised.value.batch_size == 1 and raised.value.usable_bytes == one.usable_bytes
+    assert main(["fit", *words, "--set", "model.script_all_ranks=true", "--", "--bs", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "fit searches one rank's batch of a torchrun script" in err

@@ -59,6 +59,7 @@ def predict_script(
     workload: WorkloadSpec | None = None,
     progress: Callable[[ScriptProgress], None] | None = None,
     world_size: int | None = None,
+    rank: int = 0,
 ) -> ScriptPrediction:
     """Run ``path`` as ``python path *argv`` would on the target GPU, emulated, and predict it.
 
@@ -78,8 +79,9 @@ def predict_script(
             warning).
         workload: the request, carried into the prediction; ``None`` leaves it unset.
         progress: a progress display's callback (``record_script``'s ``progress``).
-        world_size: a torchrun script's ranks: rank 0 of a fake process group of that many is
-            recorded (``record_script``'s ``world_size``); ``None``: one GPU.
+        world_size: a torchrun script's ranks: ``rank`` of a fake process group of that many
+            is recorded (``record_script``'s ``world_size``); ``None``: one GPU.
+        rank: the rank recorded, with ``world_size``.
 
     Returns:
         The prediction and the run.
@@ -107,7 +109,7 @@ def predict_script(
         ) from exc
     recording_of = functools.partial(
         record_script, path, argv, steps=steps, cwd=cwd, target=resolved, values=values,
-        compile=compile, progress=progress, world_size=world_size,
+        compile=compile, progress=progress, world_size=world_size, rank=rank,
     )
     with watching_own_setting() as own:
         try:
@@ -137,7 +139,7 @@ def predict_script(
         target=traced,
         budget_bytes=budget_bytes,
         description=run.description if world_size is None else (
-            f"{run.description}, rank 0 of {world_size}"
+            f"{run.description}, rank {rank} of {world_size}"
         ),
         workload=workload,
     )

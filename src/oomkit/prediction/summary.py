@@ -79,7 +79,10 @@ def peak_rank_words(prediction: Prediction) -> str:
     if not peaks:
         return ""
     top = max(peaks, key=lambda p: (p["peak_reserved_bytes"], p["peak_allocated_bytes"], -p["rank"]))
-    return f"rank {top['rank']}{_stage(prediction, top)} peaks, of {len(peaks)} distinct ranks"
+    # A script's ranks are each of them (no stage: scenario/ranks.py peak_of), a layout's the
+    # distinct ones.
+    ranks = "ranks" if all(p["stage"] is None for p in peaks) else "distinct ranks"
+    return f"rank {top['rank']}{_stage(prediction, top)} peaks, of {len(peaks)} {ranks}"
 
 
 def _stage(prediction: Prediction, peak: Mapping[str, Any]) -> str:

@@ -227,7 +227,7 @@ class ParallelSection(_Section):
         if (self.rank is not None or self.all_ranks) and not self.given:
             raise ValueError(
                 "--rank and --all-ranks pick ranks of a layout: add --fsdp, --tp, --dp, --pp "
-                "or --cp"
+                "or --cp (a torchrun script: --world-size N)"
             )
         if self.rank is not None:
             world = 1

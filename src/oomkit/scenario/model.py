@@ -134,13 +134,16 @@ class Scenario(_Section):
             return data
         if not isinstance(job, Mapping) or "job" in job or "world_size" not in job:
             return data
-        if set(job) != {"world_size"}:  # --rank R / --all-ranks, moved here by _one_rank_flag
+        # --rank R / --all-ranks, moved to the job by _one_rank_flag: the script's rank(s).
+        names = {"world_size": "script_world_size", "rank": "script_rank",
+                 "all_ranks": "script_all_ranks"}
+        stray = sorted(set(job) - set(names))
+        if stray:
             raise ValueError(
-                "--rank and --all-ranks choose a rank of a --torchtitan job or of --fsdp/--tp/"
-                "--pp; a torchrun script (--world-size N) is recorded as rank 0, which under "
-                "DDP or FSDP2 holds what every rank holds: drop them"
+                f"torchtitan.{', torchtitan.'.join(stray)} set a --torchtitan job: a torchrun "
+                "script (train.py --world-size N) takes --world-size, --rank and --all-ranks"
             )
-        moved = {**model, "script_world_size": job["world_size"]}
+        moved = {**model, **{names[key]: value for key, value in job.items()}}
         return {**{k: v for k, v in data.items() if k != "torchtitan"}, "model": moved}
 
     @model_validator(mode="before")

@@ -11,7 +11,7 @@ so a stage's first and last ranks stand for all of them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import OomkitError
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "distinct_ranks",
+    "peak_of",
     "peak_of_ranks",
     "pipeline_options",
     "pp_rank_of",
@@ -204,17 +205,35 @@ def peak_of_ranks(
     with every rank's peaks in ``rank_peaks``. A torchtitan job's ranks are picked so too
     (``scenario/torchtitan_run.py``, its layout from the job's own parallel degrees, its CP
     degree folded into FSDP as ``cp_in_fsdp``: ``distinct_ranks``)."""
+    return peak_of(
+        distinct_ranks(layout, cp_in_fsdp=cp_in_fsdp),
+        predict_rank,
+        stage_of=lambda rank: pp_rank_of(layout, rank),
+    )
+
+
+def peak_of(
+    ranks: Iterable[int],
+    predict_rank: Callable[[int], Prediction],
+    *,
+    stage_of: Callable[[int], int | None] = lambda rank: None,
+) -> Prediction:
+    """``predict_rank(rank)`` for each of ``ranks`` (a torchrun script's are all of them: its
+    code may do more on one rank, and only running each tells), each on a fresh fake group: the
+    peaking rank's prediction (peak reserved, then allocated, then the lowest rank) with every
+    rank's peaks in ``rank_peaks``, each with its pipeline stage (``None``: not a pipeline of
+    oomkit's own, as a script's ranks)."""
     from oomkit.prediction.models.pipeline import forget_earlier_meshes
 
     peaks: list[dict[str, Any]] = []
     predictions: dict[int, Prediction] = {}
-    for rank in distinct_ranks(layout, cp_in_fsdp=cp_in_fsdp):
+    for rank in ranks:
         forget_earlier_meshes()  # a fresh fake group per rank (pipeline.py)
         prediction = predict_rank(rank)
         predictions[rank] = prediction
         peaks.append({
             "rank": rank,
-            "stage": pp_rank_of(layout, rank),
+            "stage": stage_of(rank),
             "peak_allocated_bytes": prediction.peak_allocated_bytes,
             "peak_reserved_bytes": prediction.peak_reserved_bytes,
             "fits": prediction.fits,

@@ -98,7 +98,9 @@ class ScriptWorkload:
         argv: its own arguments (after ``--`` on the command line).
         spec: its workload record (kind ``script``).
         raised: always empty (the runner names the script's own failures itself).
-        world_size: a torchrun script's ranks (rank 0 recorded); ``None``: one GPU.
+        world_size: a torchrun script's ranks; ``None``: one GPU.
+        rank: the rank recorded (with ``world_size``).
+        all_ranks: each rank recorded, the peaking one's prediction returned.
     """
 
     path: str
@@ -106,6 +108,8 @@ class ScriptWorkload:
     spec: WorkloadSpec
     raised: list[BaseException] = field(default_factory=list)
     world_size: int | None = None
+    rank: int = 0
+    all_ranks: bool = False
 
     @property
     def description(self) -> str:
@@ -254,18 +258,26 @@ class PredictRun:
     ) -> Prediction:
         from oomkit.prediction.scripts import predict_script
 
-        # The script's own torch.compile calls are recorded as compiled, as they run.
-        return predict_script(
-            workload.path,
-            workload.argv,
-            steps=self.steps,
-            target=self.target,
-            budget_bytes=self.scenario.run.budget_bytes,
-            values=self.scenario.step.values,
-            workload=workload.spec,
-            progress=None if observer is None else observer.script,
-            world_size=workload.world_size,
-        ).prediction
+        def one(rank: int) -> Prediction:
+            # The script's own torch.compile calls are recorded as compiled, as they run.
+            return predict_script(
+                workload.path,
+                workload.argv,
+                steps=self.steps,
+                target=self.target,
+                budget_bytes=self.scenario.run.budget_bytes,
+                values=self.scenario.step.values,
+                workload=workload.spec,
+                progress=None if observer is None else observer.script,
+                world_size=workload.world_size,
+                rank=rank,
+            ).prediction
+
+        if workload.all_ranks and workload.world_size is not None:
+            from oomkit.scenario.ranks import peak_of
+
+            return peak_of(range(workload.world_size), one)
+        return one(workload.rank)
 
     def _record_sharded(self) -> Prediction:
         from oomkit.prediction.predictor import predict_recording
@@ -341,6 +353,8 @@ def predicting(scenario: Scenario) -> Iterator[PredictRun]:
                 argv,
                 WorkloadSpec("script", scenario.model.script, steps=steps),
                 world_size=scenario.model.script_world_size,
+                rank=scenario.model.script_rank or 0,
+                all_ranks=scenario.model.script_all_ranks,
             )
             workload = script
         elif target.parallel is not None:

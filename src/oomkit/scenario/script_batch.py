@@ -186,7 +186,8 @@ class ScriptBatches:
         assert model.script is not None
         argv = self.argv(batch_size)
         run = record_script(model.script, argv, steps=steps, target=target,
-                            values=step.values, world_size=model.script_world_size)
+                            values=step.values, world_size=model.script_world_size,
+                            rank=model.script_rank or 0)
         recording = run.recording
         self._layout = run.layout
         self._check_sized(batch_size, recording.bytes_by_category)

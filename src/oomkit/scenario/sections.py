@@ -192,9 +192,21 @@ class ModelSection(_Section):
     script_world_size: Count | None = Field(
         None,
         description="a torchrun script's ranks (torchrun's --nproc-per-node x --nnodes): it "
-        "runs as rank 0 of a fake process group",
+        "runs as rank 0 (or script_rank) of a fake process group",
         # No flag of its own: --world-size N (torchtitan.world_size) lands here with a script
-        # (Scenario._script_world_size).
+        # (Scenario._script_world_size); --rank R and --all-ranks too, below.
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    script_rank: int | None = Field(
+        None,
+        ge=0,
+        description="the rank of a torchrun script recorded (default 0)",
+        json_schema_extra=_flag(None, WORKLOAD),
+    )
+    script_all_ranks: bool = Field(
+        False,
+        description="record each rank of a torchrun script and name the peak (one recording "
+        "per rank)",
         json_schema_extra=_flag(None, WORKLOAD),
     )
     script_batch_arg: str | None = Field(
@@ -272,6 +284,7 @@ class ModelSection(_Section):
                 "model.script_world_size is a torchrun script's ranks: give model.script "
                 "(oomkit predict train.py --world-size 8), or drop it"
             )
+        self._check_script_ranks()
         if self.script_batch_arg is not None:
             _check_batch_arg(self.script_batch_arg, self.script)
         if self.script_args and self.script is None:
@@ -286,6 +299,27 @@ class ModelSection(_Section):
                 "training one's does."
             )
         return self
+
+    def _check_script_ranks(self) -> None:
+        """--rank R / --all-ranks of a torchrun script: with its --world-size, one of them."""
+        given = [name for name, value in (("--rank", self.script_rank),
+                                          ("--all-ranks", self.script_all_ranks or None))
+                 if value is not None]
+        if not given:
+            return
+        world = self.script_world_size
+        if world is None:
+            raise ValueError(
+                f"{' and '.join(given)} pick ranks of a torchrun script: add --world-size N "
+                "(oomkit predict train.py --world-size 8 --rank 7)"
+            )
+        if len(given) == 2:
+            raise ValueError("--rank R and --all-ranks exclude each other: give one")
+        if self.script_rank is not None and self.script_rank >= world:
+            raise ValueError(
+                f"--rank {self.script_rank} is outside the script's {world} ranks "
+                f"(--world-size {world}): use 0 to {world - 1}"
+            )
 
 
 def _check_batch_arg(name: str, script: str | None) -> None:

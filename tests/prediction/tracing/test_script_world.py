@@ -461,3 +461,49 @@ def test_an_mp_spawn_script_without_world_size_names_its_init_line(tmp_path):
     with pytest.raises(UserCodeError, match=said):
         (tmp_path / "train.py").write_text(textwrap.dedent(SPAWN_SCRIPT.replace("JOIN", join)))
         record_script(tmp_path / "train.py", target=H100, cwd=tmp_path)
+
+
+LAST_RANK_HEAVY_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+assert int(os.environ["RANK"]) == rank
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+layers = 4 if rank == world - 1 else 1  # the last stage holds the head, as a pipeline's does
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)]).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+LAYER_BYTES = (1024 * 1024 + 1024) * 4  # torch.nn.Linear(1024, 1024), fp32
+
+
+@pytest.mark.parametrize(("rank", "layers"), [(0, 1), (2, 1), (3, 4)])
+def test_a_script_runs_as_the_rank_asked(tmp_path, rank, layers):
+    """record_script(world_size=4, rank=R): get_rank(), RANK and the script's own branch on
+    them are rank R's; the last rank's four Linears are its parameters, the others' one."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(LAST_RANK_HEAVY_SCRIPT))
+    run = record_script(tmp_path / "train.py", target=H100, world_size=4, rank=rank,
+                        cwd=tmp_path)
+    assert run.steps_recorded == 3
+    by = predict_recording(run.recording, target=H100).peak_allocated_at.by_category_bytes
+    assert by["parameter"] == layers * LAYER_BYTES
+
+
+def test_an_mp_spawn_script_runs_the_rank_asked(tmp_path):
+    """mp.spawn(train, nprocs=4) under rank 2: train(2, 4) runs here, its init_process_group
+    given rank 2 as the fake group's (a rank the group does not have would raise)."""
+    join = "mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)"
+    source = SPAWN_SCRIPT.replace("JOIN", join).replace(
+        "    torch.cuda.set_device(rank)",
+        "    assert dist.get_rank() == rank == 2, rank\n    torch.cuda.set_device(rank)",
+    )
+    (tmp_path / "train.py").write_text(textwrap.dedent(source))
+    run = record_script(tmp_path / "train.py", target=H100, world_size=4, rank=2, cwd=tmp_path)
+    assert run.steps_recorded == 3

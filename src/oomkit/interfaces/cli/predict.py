@@ -119,7 +119,10 @@ def _record_step(args: argparse.Namespace, scenario: Any, key: str | None) -> in
                     "fake process group"
                 )
             elif scenario.model.script_world_size is not None:  # a torchrun script
-                where = f"{run.description} as rank 0, on a fake process group"
+                model = scenario.model
+                ranks = (f"each of its {model.script_world_size} ranks in turn"
+                         if model.script_all_ranks else f"rank {model.script_rank or 0}")
+                where = f"{run.description} as {ranks}, on a fake process group"
             else:
                 where = f"{run.description} on the meta device"
             stderr_console().print(f"recording {where} ...", markup=False, highlight=False)

@@ -67,9 +67,10 @@ __all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
 # Said with every recording in which a DDP module was made.
 DDP_NOTE = (
     "DDP: every replica holds the same parameters, gradients, buckets and optimizer state, so "
-    "rank 0 stands for all ranks; the reducer's allreduce runs as an in-place comm hook (no "
-    "allocation, as NCCL's) or as the code's own comm hook; a rebuilt bucket's old buffer is "
-    "freed at once, where NCCL's record_stream may keep it until its last allreduce has finished"
+    "the rank recorded stands for all ranks where they run the same code; the reducer's "
+    "allreduce runs as an in-place comm hook (no allocation, as NCCL's) or as the code's own "
+    "comm hook; a rebuilt bucket's old buffer is freed at once, where NCCL's record_stream may "
+    "keep it until its last allreduce has finished"
 )
 
 

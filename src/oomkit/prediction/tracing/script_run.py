@@ -22,8 +22,8 @@ What differs from a plain run, while it runs (all undone after):
   (a checkpoint holds no GPU memory; meta tensors have no values to save); each call is noted.
 - ``torch.compile`` in the script is recorded as compiled (``Tracer(compile=True)``).
 - torchrun-style code (``torch.distributed.init_process_group``, ``DistributedDataParallel``) is
-  refused, unless ``world_size`` is given: then the script runs as rank 0 of a fake process
-  group of that many (``distributed.FakeWorld``, as a builder's ``--fsdp`` step does), under
+  refused, unless ``world_size`` is given: then the script runs as rank 0 (or ``rank``) of a
+  fake process group of that many (``distributed.FakeWorld``, as a builder's ``--fsdp`` step does), under
   torchrun's environment, its host work real (``host_compute.py``); FSDP1 is refused there.
 - accelerate's process-wide state starts empty, as in a new process (``fresh_accelerate_state``).
 
@@ -72,7 +72,7 @@ from oomkit.prediction.tracing.script_steps import (
     StopScript,
 )
 from oomkit.prediction.tracing.skipped_saves import saves_skipped
-from oomkit.prediction.tracing.spawned_ranks import spawn_runs_rank_0
+from oomkit.prediction.tracing.spawned_ranks import spawn_runs_rank
 from oomkit.prediction.tracing.step_failure import (
     exit_call,
     failure_site,
@@ -99,7 +99,8 @@ __all__ = [
 _DISTRIBUTED_ROUTE = (
     "Give the number of ranks it runs on, as torchrun starts it (--nproc-per-node times "
     "--nnodes): `oomkit predict train.py --world-size 8 -- ARGS` runs it as rank 0 of a fake "
-    "process group of 8, its init_process_group, LOCAL_RANK, DDP and fully_shard as written"
+    "process group of 8, its init_process_group, LOCAL_RANK, DDP and fully_shard as written "
+    "(--rank R for another rank, --all-ranks for each)"
 )
 
 
@@ -310,6 +311,7 @@ def record_script(
     compile: bool = True,
     progress: Callable[[ScriptProgress], None] | None = None,
     world_size: int | None = None,
+    rank: int = 0,
     ooms: bool = False,
 ) -> ScriptRun:
     """Run ``path`` as ``python path *argv`` would, on one emulated GPU, and record it up to its
@@ -330,10 +332,12 @@ def record_script(
         progress: called with a ``ScriptProgress`` every 64 module calls, after each optimizer
             step and once when the script has ended (a progress display); ``None``: none.
         world_size: a torchrun script's ranks (``torchrun --nproc-per-node`` times
-            ``--nnodes``): it runs as rank 0 of a fake process group of that many
+            ``--nnodes``): it runs as ``rank`` of a fake process group of that many
             (``distributed.FakeWorld``), its ``init_process_group``, ``LOCAL_RANK``,
             ``DistributedDataParallel`` and ``fully_shard`` as written. ``None``: one GPU, and
             such a script is refused.
+        rank: the rank it runs as, with ``world_size`` (``RANK``, ``get_rank()``, the rank
+            ``mp.spawn`` starts); 0 without.
         ooms: a request the target GPU cannot serve raises ``torch.OutOfMemoryError`` in the
             script, as on the GPU (``step_memory.ooms_raised``): a script that catches it (a
             batch finder) goes on as there; one that does not raises ``ScriptOutOfMemory``.
@@ -381,7 +385,7 @@ def record_script(
     if world_size is not None:
         from oomkit.prediction.tracing.distributed import FakeWorld
 
-        world = FakeWorld(world_size, gpu=gpu, target=target, emulations=emulations,
+        world = FakeWorld(world_size, rank=rank, gpu=gpu, target=target, emulations=emulations,
                           compile=compile, values=values, host_inputs=True)
         tracer = world.tracer
     else:
@@ -394,7 +398,7 @@ def record_script(
         with contextlib.ExitStack() as stack:
             stack.enter_context(caller_globals_kept())  # the script's settings end with it
             if world is not None:
-                # Rank 0 of the fake group: torchrun's environment, DDP, FSDP2 as written.
+                # The rank of the fake group: torchrun's environment, DDP, FSDP2 as written.
                 from oomkit.prediction.tracing.host_compute import HostComputeReal
 
                 stack.enter_context(world.opened())
@@ -415,7 +419,7 @@ def record_script(
                 stack.enter_context(cuda_autocast_construction())
                 stack.enter_context(_distributed_refused(where))
             stack.enter_context(saves_skipped(saves))
-            stack.enter_context(spawn_runs_rank_0())  # mp.spawn(train, nprocs=N): rank 0 here
+            stack.enter_context(spawn_runs_rank(rank))  # mp.spawn(train, nprocs=N): here
             stack.enter_context(batch_finders_noticed(finder_starts, tuner_searches))
             if ooms:
                 raised = stack.enter_context(ooms_raised(_config_at_first_use(alloc_conf_variables())))
