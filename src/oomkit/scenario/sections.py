@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from oomkit.scenario.script_fields import check_script_fields
 from oomkit.units import parse_bytes
 
 __all__ = [
@@ -279,19 +280,7 @@ class ModelSection(_Section):
                 f"{' and '.join(hf_only)} {'applies' if len(hf_only) == 1 else 'apply'} to "
                 "Hugging Face models (--hf) only; drop it, or predict the model with --hf"
             )
-        if self.script_world_size is not None and self.script is None:
-            raise ValueError(
-                "model.script_world_size is a torchrun script's ranks: give model.script "
-                "(oomkit predict train.py --world-size 8), or drop it"
-            )
-        self._check_script_ranks()
-        if self.script_batch_arg is not None:
-            _check_batch_arg(self.script_batch_arg, self.script)
-        if self.script_args and self.script is None:
-            raise ValueError(
-                "model.script_args are a script's own arguments: give model.script "
-                "(oomkit predict train.py -- ARGS), or drop them"
-            )
+        check_script_fields(self)  # world size, ranks, batch argument and arguments of a script
         if self.eval_function is not None and not _is_function(self.eval_function):
             raise ValueError(
                 f"--eval (model.eval_function) takes path/to/file.py:function; got "
@@ -299,42 +288,6 @@ class ModelSection(_Section):
                 "training one's does."
             )
         return self
-
-    def _check_script_ranks(self) -> None:
-        """--rank R / --all-ranks of a torchrun script: with its --world-size, one of them."""
-        given = [name for name, value in (("--rank", self.script_rank),
-                                          ("--all-ranks", self.script_all_ranks or None))
-                 if value is not None]
-        if not given:
-            return
-        world = self.script_world_size
-        if world is None:
-            raise ValueError(
-                f"{' and '.join(given)} pick ranks of a torchrun script: add --world-size N "
-                "(oomkit predict train.py --world-size 8 --rank 7)"
-            )
-        if len(given) == 2:
-            raise ValueError("--rank R and --all-ranks exclude each other: give one")
-        if self.script_rank is not None and self.script_rank >= world:
-            raise ValueError(
-                f"--rank {self.script_rank} is outside the script's {world} ranks "
-                f"(--world-size {world}): use 0 to {world - 1}"
-            )
-
-
-def _check_batch_arg(name: str, script: str | None) -> None:
-    """``model.script_batch_arg``: one word naming a script's argument, with a script."""
-    if script is None:
-        raise ValueError(
-            "--batch-arg (model.script_batch_arg) names a whole script's batch argument: give "
-            "the script (oomkit fit train.py --batch-arg --batch_size -- ARGS), or drop it"
-        )
-    if not name.strip("-") or "=" in name or any(c.isspace() or not c.isprintable() for c in name):
-        raise ValueError(
-            f"--batch-arg takes the name of the script's batch argument as its parser spells "
-            f"it, one word without a value (e.g. --batch_size, --per_device_train_batch_size, "
-            f"data.batch_size); got {name!r}"
-        )
 
 
 def _is_function(text: str) -> bool:

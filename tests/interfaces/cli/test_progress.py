@@ -214,3 +214,24 @@ def test_predict_of_an_evaluation_script_shows_its_events_on_a_terminal(
     assert "recording the script: 0 of 3 optimizer steps, 768 allocator events" in text
     assert "replaying the recording through the simulated allocator" in text
     assert "fits on" in capsys.readouterr().out
+
+
+def test_a_counted_bar_says_the_time_left_once_an_item_is_done(monkeypatch):
+    """progress_bar's last column: blank before the first item, then rich's estimate from the
+    pace so far as ~H:MM:SS left (the second item took 10 s: 4 more at that pace), blank
+    again when all are done."""
+    from rich.progress import Progress
+
+    from oomkit.interfaces.cli import _progress
+
+    column = _progress._time_left()
+    now = [0.0]
+    bar = Progress(column, get_time=lambda: now[0], auto_refresh=False)
+    task = bar.add_task("predicting layouts", total=6)
+    assert column.render(bar.tasks[task]).plain == ""
+    for now[0], done in ((10.0, 1), (20.0, 2)):
+        bar.update(task, completed=done)
+    assert column.render(bar.tasks[task]).plain == "~0:00:40 left"
+    now[0] = 60.0
+    bar.update(task, completed=6)
+    assert column.render(bar.tasks[task]).plain == ""

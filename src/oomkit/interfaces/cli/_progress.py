@@ -111,6 +111,25 @@ def _columns(amount: Any = None) -> tuple[Any, ...]:
     )
 
 
+def _time_left() -> Any:
+    """A column ``~M:SS left``: rich's estimate from the pace so far (its speed over the last
+    30 s), once a first item is done; blank before that and when done. Long work (a ``plan``
+    of a large model, a ``fit`` of a script) then says how long it may still take."""
+    from datetime import timedelta
+
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class TimeLeft(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            left = task.time_remaining
+            if left is None or task.finished or not task.completed:
+                return Text("")
+            return Text(f"~{timedelta(seconds=math.ceil(left))} left", style="progress.remaining")
+
+    return TimeLeft()
+
+
 @contextmanager
 def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
     """A bar of ``what``, updated by the ``(done, total)`` callback it yields (``None`` when
@@ -120,7 +139,7 @@ def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None
         return
     from rich.progress import Progress
 
-    with Progress(*_columns(), console=stderr_console(), transient=True) as bar:
+    with Progress(*_columns(), _time_left(), console=stderr_console(), transient=True) as bar:
         task = bar.add_task(what, total=None)
 
         def update(done: int, total: int) -> None:

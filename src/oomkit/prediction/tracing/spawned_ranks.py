@@ -1,5 +1,4 @@
-"""``torch.multiprocessing.spawn(train, args, nprocs)`` in a recorded script: the recorded rank
-runs here.
+"""``torch.multiprocessing.spawn(train, args, nprocs)`` in a recorded script: its rank runs here.
 
 Tutorials start their ranks without torchrun: ``mp.spawn(train, args=(world_size,),
 nprocs=world_size)``, each rank a new process calling ``train(rank, *args)``
