@@ -258,7 +258,13 @@ class PredictRun:
     ) -> Prediction:
         from oomkit.prediction.scripts import predict_script
 
+        each = workload.all_ranks and workload.world_size is not None
+        script = None if observer is None else observer.script
+
         def one(rank: int) -> Prediction:
+            progress: Callable[[ScriptProgress], None] | None = script
+            if script is not None and each:  # the bar names the rank being recorded
+                progress = _naming_rank(script, (rank, workload.world_size or 1))
             # The script's own torch.compile calls are recorded as compiled, as they run.
             return predict_script(
                 workload.path,
@@ -268,12 +274,12 @@ class PredictRun:
                 budget_bytes=self.scenario.run.budget_bytes,
                 values=self.scenario.step.values,
                 workload=workload.spec,
-                progress=None if observer is None else observer.script,
+                progress=progress,
                 world_size=workload.world_size,
                 rank=rank,
             ).prediction
 
-        if workload.all_ranks and workload.world_size is not None:
+        if each and workload.world_size is not None:
             from oomkit.scenario.ranks import peak_of
 
             return peak_of(range(workload.world_size), one)
@@ -306,6 +312,17 @@ class PredictRun:
             description=workload.description,
             workload=workload.spec,
         )
+
+
+def _naming_rank(
+    script: Callable[[ScriptProgress], None], rank: tuple[int, int]
+) -> Callable[[ScriptProgress], None]:
+    """``script`` told which of the ranks each progress report is of (``--all-ranks``)."""
+
+    def report(progress: ScriptProgress) -> None:
+        script(dataclasses.replace(progress, rank=rank))
+
+    return report
 
 
 @contextlib.contextmanager

@@ -235,3 +235,33 @@ def test_a_counted_bar_says_the_time_left_once_an_item_is_done(monkeypatch):
     now[0] = 60.0
     bar.update(task, completed=6)
     assert column.render(bar.tasks[task]).plain == ""
+
+
+def test_each_rank_of_a_script_is_named_on_the_bar(tmp_path, monkeypatch, capsys):
+    """--all-ranks records the ranks in turn: the bar says which one it is recording."""
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            model = torch.nn.Linear(64, 64).to("cuda")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(8, 64, device="cuda")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            """
+        )
+    )
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr("oomkit.interfaces.cli._progress._SCRIPT_REFRESH_S", 0.0)
+    assert main(["predict", str(script), "--world-size", "2", "--all-ranks", "--gpu", "t4"]) == 0
+    text = " ".join(err.getvalue().split())
+    assert "recording rank 0 of 2: 3 of 3 optimizer steps" in text
+    assert "recording rank 1 of 2: 3 of 3 optimizer steps" in text
+    assert "recording the script" not in text
+    assert "rank 0 peaks, of 2 ranks" in capsys.readouterr().out

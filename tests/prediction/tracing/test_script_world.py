@@ -507,3 +507,42 @@ def test_an_mp_spawn_script_runs_the_rank_asked(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(source))
     run = record_script(tmp_path / "train.py", target=H100, world_size=4, rank=2, cwd=tmp_path)
     assert run.steps_recorded == 3
+
+
+NODE_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+print("ranks", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+torch.cuda.set_device(DEVICE)
+model = torch.nn.Linear(512, 1024).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(8, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_rank_of_the_second_node_has_its_local_rank(tmp_path, capfd):
+    """Rank 9 of 16 (two nodes of 8) is local rank 1, as torchrun numbers workers node by node;
+    set_device(LOCAL_RANK) runs, and set_device(RANK) fails as on the GPU: device 9 of a node
+    of 8 is an invalid ordinal."""
+    from oomkit.errors import UserCodeError
+
+    source = NODE_SCRIPT.replace("DEVICE", 'int(os.environ["LOCAL_RANK"])')
+    run = _record_rank(tmp_path, source, rank=9)
+    assert run.steps_recorded == 3
+    assert "ranks 9 1 8" in capfd.readouterr().out
+    source = NODE_SCRIPT.replace("DEVICE", "dist.get_rank()")
+    with pytest.raises(UserCodeError, match=r"invalid device ordinal \(torch.cuda.set_device\(9\) "
+                       r"on a node of 8 GPU\(s\).*train.py:8"):
+        _record_rank(tmp_path, source, rank=9)
+
+
+def _record_rank(tmp_path, source, rank):
+    (tmp_path / "train.py").write_text(textwrap.dedent(source))
+    return record_script(tmp_path / "train.py", target=H100, world_size=16, rank=rank,
+                         cwd=tmp_path)

@@ -186,3 +186,28 @@ def test_a_deciding_item_inside_a_library_is_refused_with_library_advice(tmp_pat
     message = str(raised.value)
     assert "The read is inside a library, not yours to move" in message
     assert "--value reads.py:9=NUMBER" in message
+
+
+@pytest.mark.parametrize(
+    ("raise_it", "said"),
+    [
+        ("assert steps % world == 0", "AssertionError (assert steps % world == 0)"),
+        ("raise ValueError()", "ValueError (raise ValueError())"),
+        ("raise ValueError('   ')", "ValueError (raise ValueError('   '))"),
+        ("raise KeyError('batch')", "KeyError: 'batch'"),
+    ],
+)
+def test_an_exception_without_a_message_is_said_by_its_line(tmp_path, raise_it, said):
+    """A bare assert had read "the step raised AssertionError:, at ..."; now the line that
+    raised it stands for the message, as Python's traceback shows it."""
+    path = tmp_path / "user_step.py"
+    path.write_text(f"def step(steps=3, world=2):\n    {raise_it}\n")
+    spec = importlib.util.spec_from_file_location("user_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.step()
+    except Exception as exc:
+        text = failure_text(exc)
+    assert text.startswith(f"the step raised {said}, at ")
+    assert "user_step.py:2 in step" in text

@@ -227,8 +227,11 @@ class StepProgress:
         if progress.steps_done == self.done and now - self._shown_at < _SCRIPT_REFRESH_S:
             return
         self.done, self._shown_at = progress.steps_done, now
+        which = "the script" if progress.rank is None else (
+            f"rank {progress.rank[0]} of {progress.rank[1]}"
+        )
         self._update(
-            f"recording the script: {progress.steps_done} of {progress.steps} optimizer steps, "
+            f"recording {which}: {progress.steps_done} of {progress.steps} optimizer steps, "
             f"{progress.entries:,} allocator events (at most {progress.max_entries:,})",
             min(progress.steps_done, self.total),
         )

@@ -14,7 +14,8 @@ What it changes while open (all undone on exit):
   ``torch.cuda.nccl.version()`` the NCCL whose memory ``core/gpus/nccl.py`` models):
   ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
-  bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``,
+  bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``
+  (an index past ``device_count()`` raises CUDA's invalid device ordinal),
   ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
   to act on), and ``torch.cuda.Event`` times 0 ms. The memory counters
   (``memory_allocated()``, ``memory_reserved()``, their peaks, ``memory_stats()``, the resets)
@@ -373,6 +374,18 @@ def _free_and_total(gpu: GpuSpec) -> tuple[int, int]:
     return max(free, 0), gpu.total_memory_bytes
 
 
+def _check_ordinal(device: Any, devices: int) -> None:
+    """``torch.cuda.set_device(device)``: nothing to switch, but an index past the node's
+    ``devices`` fails as on the GPU (torch/cuda/__init__.py ``set_device`` -> ``cudaSetDevice``:
+    cudaErrorInvalidDevice), e.g. a script that sets its global rank on the second node."""
+    index = torch.cuda._utils._get_device_index(device)
+    if index >= devices:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal (torch.cuda.set_device({index}) on a node of "
+            f"{devices} GPU(s): a torchrun worker sets its LOCAL_RANK, not its RANK)"
+        )
+
+
 @contextlib.contextmanager
 def _torch_cuda_reports(
     gpu: GpuSpec, devices: int, cuda_version: str | None, cudnn_version: int | None
@@ -391,7 +404,7 @@ def _torch_cuda_reports(
         "is_available": lambda: True,
         "device_count": lambda: devices,
         "current_device": lambda: 0,
-        "set_device": lambda device: None,
+        "set_device": lambda device: _check_ordinal(device, devices),
         "synchronize": lambda device=None: None,
         "empty_cache": _empty_cache,
         "get_device_name": lambda device=None: gpu.name,

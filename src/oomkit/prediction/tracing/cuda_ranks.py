@@ -115,12 +115,15 @@ def as_cuda_rank(
 @contextlib.contextmanager
 def _torchrun_environment(world_size: int, rank: int) -> Iterator[None]:
     """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them
-    (rank 0 is local rank 0; a node holds up to ``DEFAULT_GPUS_PER_NODE`` ranks)."""
+    (a node holds up to ``DEFAULT_GPUS_PER_NODE`` ranks, numbered node by node: rank 9 of 16 is
+    local rank 1 of the second node, torch/distributed/elastic/agent/server/api.py
+    ``_assign_worker_ranks``)."""
+    per_node = min(world_size, DEFAULT_GPUS_PER_NODE)
     values = {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "LOCAL_RANK": str(rank % per_node),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(min(world_size, DEFAULT_GPUS_PER_NODE)),
+        "LOCAL_WORLD_SIZE": str(per_node),
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)

@@ -55,6 +55,8 @@ class ScriptProgress:
             once ``ended``, as last reported.
         max_entries: the most the log keeps (``MAX_SCRIPT_ENTRIES``): the recording stops there.
         ended: the script has ended or been stopped; the replay follows.
+        rank: ``(rank, ranks)`` where each rank of a torchrun script is recorded in turn
+            (``--all-ranks``; set by the caller); ``None`` otherwise.
     """
 
     steps_done: int
@@ -62,6 +64,7 @@ class ScriptProgress:
     entries: int
     max_entries: int = MAX_SCRIPT_ENTRIES
     ended: bool = False
+    rank: tuple[int, int] | None = None
 
 
 class StepWatch:

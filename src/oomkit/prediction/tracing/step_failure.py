@@ -21,6 +21,7 @@ the process at once with the user's code and no word from oomkit.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import threading
 import types
@@ -170,6 +171,22 @@ def failure_site(exc: BaseException) -> FailureSite:
     return FailureSite(user, library, key)
 
 
+def _what(exc: BaseException) -> str:
+    """``ValueError: message``; without a message (a bare ``assert``), the line that raised it:
+    ``AssertionError (assert steps % world == 0)``, as Python's own traceback would show it."""
+    said = str(exc).strip()
+    if said:
+        return f"{type(exc).__name__}: {said}"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    line = "" if tb is None else linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    line = line.strip()
+    if not line:
+        return type(exc).__name__
+    return f"{type(exc).__name__} ({line if len(line) <= 200 else line[:199] + '…'})"
+
+
 def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
     """Where ``exc`` stopped the step, what it was, and the advice that fits (module docstring).
 
@@ -184,7 +201,7 @@ def failure_text(exc: BaseException, failed_op: str | None = None) -> str:
     if site.library is not None:
         at += f" (inside {site.library})"
     where = f"the step failed {at}"
-    text = f"{type(exc).__name__}: {exc}".strip()
+    text = _what(exc)
     library = _not_modelled_library(exc)
     if library is not None:
         return f"the step raised {text}, {at}. {library}"
