@@ -14,6 +14,7 @@ Three ways to say what to predict, one path below them:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +143,31 @@ def _predict_step(step_fn: Callable[..., Any], args: tuple[Any, ...], keywords: 
             raise ScenarioError(validation_message(exc)) from None
         target = target_of(section, default_torch_version=installed_torch_version())
     own = {k: keywords.pop(k) for k in _STEP_KEYWORDS if k in keywords}
-    return predict_step(step_fn, *args, target=target, **own, **keywords)
+    prediction = predict_step(step_fn, *args, target=target, **own, **keywords)
+    return _with_handler_said(prediction, step_fn)
+
+
+def _with_handler_said(prediction: Any, step_fn: Callable[..., Any]) -> Any:
+    """A step that does not fit and handles out-of-memory errors itself: say that its handler
+    did not run. A step function is recorded without a limit, once per step; raising where the
+    GPU would (as the CLI does for a builder) would leave the caller's model and optimizer
+    half-run, with no builder to make them again."""
+    if prediction.fits:
+        return prediction
+    from oomkit.prediction.tracing.batch_finders import catches_out_of_memory
+
+    site = catches_out_of_memory(step_fn)
+    if site is None:
+        return prediction
+    said = (
+        f"the step handles out-of-memory errors ({site}), but a step function is recorded "
+        f"without a memory limit, so its handler never ran: on {prediction.gpu.name} the "
+        "request would raise and the step go on as the handler says, which this prediction "
+        "does not show. Predict the function that builds the step instead "
+        "(oomkit.predict('train.py:build'): built again after an uncaught OOM, the handler "
+        "recorded as it runs on the GPU), or the whole script (oomkit.predict('train.py'))"
+    )
+    return dataclasses.replace(prediction, warnings=(*prediction.warnings, said))
 
 
 def _size(value: Any) -> int | None:

@@ -20,14 +20,23 @@ as the allocator keeps what they cached on the GPU.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import types
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 from oomkit.prediction.tracing.import_hooks import patched_on_import
+from oomkit.prediction.tracing.stand_ins import shown_path
 
-__all__ = ["batch_finder_note", "batch_finders_noticed", "in_trials", "tuner_note"]
+__all__ = [
+    "batch_finder_note",
+    "batch_finders_noticed",
+    "catches_out_of_memory",
+    "in_trials",
+    "tuner_note",
+]
 
 # Where accelerate defines it and where its users import it from (accelerate.utils re-exports).
 _MODULES = ("accelerate.utils.memory", "accelerate.utils")
@@ -142,4 +151,77 @@ def batch_finder_note(starts: list[int], script: str, caught: int) -> str | None
             f"a smaller batch, as it would there. `oomkit fit {script} -- ARGS` finds the "
             "largest batch that fits without the retries"
         )
+    return None
+
+
+# What names an out-of-memory handler: torch's exception (torch.OutOfMemoryError,
+# torch.cuda.OutOfMemoryError) or the message text a `except RuntimeError` checks for.
+_OOM_NAMES = frozenset({"OutOfMemoryError"})
+_OOM_TEXT = "out of memory"
+# How far from the step function the code it calls is looked through: its closures' functions
+# and theirs, a bounded walk (a step's own helpers, not the libraries it calls).
+_SCAN_DEPTH = 3
+
+
+def catches_out_of_memory(step_fn: Any) -> str | None:
+    """``"train.py:12"`` where the step function (or a function nested in it, closed over by
+    it, or of its own file called by name) names ``OutOfMemoryError`` or "out of memory": a
+    handler that goes on after an OOM (a smaller batch, a skipped step); ``None`` where its
+    own code names neither (a library's handler is not looked for)."""
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(step_fn, 0)]
+    while todo:
+        value, depth = todo.pop()
+        code = _code_of(value)
+        if code is None or id(code) in seen or depth > _SCAN_DEPTH:
+            continue
+        seen.add(id(code))
+        found = _site(code)
+        if found is not None:
+            return found
+        for cell in getattr(value, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                todo.append((cell.cell_contents, depth + 1))
+        todo.extend((helper, depth + 1) for helper in _own_helpers(value, code))
+    return None
+
+
+def _own_helpers(value: Any, code: types.CodeType) -> list[Any]:
+    """The functions of the step's own file that ``code`` calls by a global name."""
+    namespace = getattr(getattr(value, "__func__", value), "__globals__", None)
+    if not isinstance(namespace, dict):
+        return []
+    names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    helpers = [namespace.get(name) for name in names]
+    return [h for h in helpers if (c := _code_of(h)) is not None and c.co_filename == code.co_filename]
+
+
+def _code_of(value: Any) -> types.CodeType | None:
+    value = getattr(value, "__func__", value)  # a bound method's function
+    value = getattr(value, "__wrapped__", value)  # functools.wraps
+    code = getattr(value, "__code__", None)
+    return code if isinstance(code, types.CodeType) else None
+
+
+def _site(code: types.CodeType) -> str | None:
+    """Where ``code`` (or a code object nested in it) names an out-of-memory error."""
+    line = code.co_firstlineno
+    for instruction in dis.get_instructions(code):
+        # The line: positions from Python 3.11, starts_line (an int) before.
+        positions = getattr(instruction, "positions", None)
+        start = getattr(instruction, "starts_line", None)
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif isinstance(start, int) and not isinstance(start, bool):
+            line = start
+        argval = instruction.argval
+        if (argval in _OOM_NAMES and instruction.opname.startswith("LOAD")) or (
+            isinstance(argval, str) and _OOM_TEXT in argval.lower()
+        ):
+            return f"{shown_path(code.co_filename)}:{line}"
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found = _site(const)
+            if found is not None:
+                return found
     return None
