@@ -507,6 +507,8 @@ def test_a_script_s_rank_and_each_rank(tmp_path, capsys):
         (["--world-size", "4", "--rank", "1", "--all-ranks"], "exclude each other"),
         (["--rank", "1"], "(a torchrun script: --world-size N)"),
         (["--set", "model.script_rank=1"], "pick ranks of a torchrun script: add --world-size N"),
+        (["--world-size", "4", "--set", 'torchtitan.overrides=["x"]'],
+         "torchtitan.overrides set a --torchtitan job: a torchrun script"),
         (["--fsdp", "4"], "a whole script shards itself: give the ranks torchrun starts it on"),
         (["--dp", "2"], "a whole script shards itself: give the ranks torchrun starts it on"),
     ],
