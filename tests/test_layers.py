@@ -30,6 +30,8 @@ RANK = {
     "units": 1,
     # the files a user names: unreadable inputs, outputs written safely, for every layer
     "_files": 1,
+    # "did you mean ...?": the known name closest to a mistyped one, for every layer's messages
+    "_names": 1,
     # core: trace records, the allocator simulator and the GPU catalog know nothing of each other;
     # snapshot files and the built-in workload produce traces; the target joins a GPU and an
     # allocator config; replay drives the simulator from traces and snapshots

@@ -19,6 +19,12 @@ __all__ = ["advice_in_code", "infeasible_advice", "infeasible_error"]
 _PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16")
 
 
+def _has_bf16(compute_capability: tuple[int, int] | None) -> bool:
+    """Native bf16: compute capability 8.0 and up (torch/cuda/__init__.py is_bf16_supported);
+    an unknown device is taken to have it."""
+    return compute_capability is None or tuple(compute_capability) >= (8, 0)
+
+
 # What to try when not even the smallest batch fits, by what the step already does (read from
 # its description, "GPT-2 124M, batch 1, seq 1024, bf16-mixed, adamw, train": the workload
 # record of oomkit.prediction.workload). Each names the oomkit option that applies it.
@@ -34,7 +40,7 @@ def infeasible_advice(description: str, compute_capability: tuple[int, int] | No
     workload = workload_from_description(description) if description else None
     precision = next((p for p in _PRECISIONS if p in items), None)
     checkpointing = any(item.endswith("checkpointing") for item in items)
-    bf16 = compute_capability is None or tuple(compute_capability) >= (8, 0)
+    bf16 = _has_bf16(compute_capability)
     out = []
     if precision in (None, "fp32"):
         out.append("mixed precision (--precision " + ("bf16-mixed)" if bf16 else "fp16-mixed)"))
@@ -71,9 +77,7 @@ def advice_in_code(
     """``exc`` for code run as written (a script, a ``file.py:function``): the preset options
     (``--precision``, ``--checkpointing``, ``--optimizer``, ``--lora``) are refused there, so
     the changes are said as code, each the PyTorch call that makes it."""
-    dtype = "bfloat16" if compute_capability is None or tuple(compute_capability) >= (8, 0) else (
-        "float16"  # no native bf16 below compute capability 8.0 (torch.cuda.is_bf16_supported)
-    )
+    dtype = "bfloat16" if _has_bf16(compute_capability) else "float16"
     advice = [
         f'mixed precision where your code has none (torch.autocast("cuda", dtype=torch.{dtype}) '
         "around the forward and loss)",

@@ -94,14 +94,13 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
 def _with_guess(text: str, section: str | None, key: str) -> str:
     """``unknown key`` / ``unknown section`` with the closest known name, where one is close
     (``step.bach`` -> ``did you mean step.batch?``)."""
-    import difflib
+    from oomkit._names import closest_name
 
     model = section_model(section) if section is not None else Scenario
-    known = list(model.model_fields) if model is not None else []
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    if not close:
+    close = closest_name(key, model.model_fields if model is not None else ())
+    if close is None:
         return text
-    name = f"{section}.{close[0]}" if section is not None else f"[{close[0]}]"
+    name = f"{section}.{close}" if section is not None else f"[{close}]"
     said = text.split(":")[0]
     return text.replace(said, f"{said} (did you mean {name}?)", 1)
 

@@ -91,12 +91,12 @@ def scenario_from_keywords(
 def _guess(key: str, value: Any, fields: Mapping[str, tuple[str, str]]) -> str | None:
     """The keyword meant: a section's field as ``section_field`` (``lora_rank`` ->
     ``lora={'rank': 16}``), else the closest flag name (``bach`` -> ``batch``)."""
-    import difflib
+    from oomkit._names import closest_name
 
     shown = reprlib.repr(value)  # bounded: a huge value is not copied into the message
     section, _, name = key.partition("_")
     model = section_model(section) if name else None
     if model is not None and name in model.model_fields:
         return f"{section}={{{name!r}: {shown}}}"
-    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
-    return f"{close[0]}={shown}" if close else None
+    close = closest_name(key, fields)
+    return f"{close}={shown}" if close else None

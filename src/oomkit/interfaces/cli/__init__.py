@@ -290,19 +290,19 @@ def _guesses(
 ) -> str:
     """`` (did you mean --batch?)`` for unknown flags close to one the command has; with
     ``name_given`` or several, each is named (``--gpus for --gpu``)."""
-    import difflib
+    from oomkit._names import closest_name
 
     # Compared without the dashes every long flag shares: `--lr` is not close to `--lora`.
     known = [f[2:] for f in chosen._option_string_actions if f[:2] == "--"]
     flags = [word.split("=", 1)[0] for word in unknown if word[:2] == "--"]
     pairs = []
     for flag in flags:
-        close = difflib.get_close_matches(flag[2:], known, n=1, cutoff=0.75) or sorted(
-            (k for k in known if flag[2:].startswith((f"{k}-", f"{k}_"))), key=len
-        )[-1:]  # `--batch-size` -> `--batch`
+        close = closest_name(flag[2:], known) or max(
+            (k for k in known if flag[2:].startswith((f"{k}-", f"{k}_"))), key=len, default=None
+        )  # `--batch-size` -> `--batch`: the longest flag it starts with
         if close:
             named = name_given or len(flags) > 1
-            pairs.append(f"--{close[0]} for {flag}" if named else f"--{close[0]}")
+            pairs.append(f"--{close} for {flag}" if named else f"--{close}")
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 

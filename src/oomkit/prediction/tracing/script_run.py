@@ -23,8 +23,9 @@ What differs from a plain run, while it runs (all undone after):
 - ``torch.compile`` in the script is recorded as compiled (``Tracer(compile=True)``).
 - torchrun-style code (``torch.distributed.init_process_group``, ``DistributedDataParallel``) is
   refused, unless ``world_size`` is given: then the script runs as rank 0 (or ``rank``) of a
-  fake process group of that many (``distributed.FakeWorld``, as a builder's ``--fsdp`` step does), under
-  torchrun's environment, its host work real (``host_compute.py``); FSDP1 is refused there.
+  fake process group of that many (``distributed.FakeWorld``, as a builder's ``--fsdp`` step
+  does), under torchrun's environment, its host work real (``host_compute.py``); FSDP1 is
+  refused there.
 - accelerate's process-wide state starts empty, as in a new process (``fresh_accelerate_state``).
 
 Where it may differ: the model is built where the script builds it (on the CPU, for real, before
