@@ -285,3 +285,35 @@ def test_cudnn_and_nccl_versions_are_the_target_s_inside_and_the_build_s_after(t
     )
     run = record_script(script, steps=1, target=Target.resolve(TARGET.gpu, cudnn_version=91002))
     assert run.steps_recorded == 1
+
+
+def test_torch_accelerator_is_the_emulated_cuda_gpu_and_reads_the_recording():
+    """torch.accelerator (accelerate 1.16 picks its device from current_accelerator; torch's
+    optimizers check current_stream().is_capturing()) answers as the GPU does: cuda, one
+    device of index 0, a 4 MiB tensor in a 20 MiB segment (kLargeBuffer) in its counters, the
+    target's free and total memory; outside, a CPU build has no accelerator again."""
+    before = torch.accelerator.current_accelerator()
+    read: list[object] = []
+
+    def step() -> None:
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device=torch.accelerator.current_accelerator())
+        torch.accelerator.synchronize()
+        torch.accelerator.set_device_index(0)
+        with torch.accelerator.device_index(0):
+            read.append(
+                (
+                    torch.accelerator.current_accelerator(check_available=True),
+                    torch.accelerator.is_available(),
+                    torch.accelerator.device_count(),
+                    torch.accelerator.current_device_index(),
+                    torch.accelerator.current_stream().is_capturing(),
+                    torch.accelerator.memory_allocated(),
+                    torch.accelerator.max_memory_reserved(),
+                    torch.accelerator.get_memory_info() == torch.cuda.mem_get_info(),
+                )
+            )
+        del x
+
+    trace_step(step, steps=1, target=TARGET)
+    assert read == [(torch.device("cuda"), True, 1, 0, False, 4 * MiB, 20 * MiB, True)]
+    assert torch.accelerator.current_accelerator() == before

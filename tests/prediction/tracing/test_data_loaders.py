@@ -109,3 +109,41 @@ def test_the_loader_is_the_user_s_again_after():
     assert dataloader._BaseDataLoaderIter._next_index.__qualname__ == (
         "_BaseDataLoaderIter._next_index"
     )
+
+
+SCRIPT = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+data = TensorDataset(torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))
+loader = DataLoader(data, batch_size=8, LOADER)
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 512),
+                            torch.nn.GELU(), torch.nn.Linear(512, 10)).to(device)
+opt = torch.optim.AdamW(model.parameters())
+for x, y in loader:
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_a_script_s_pinning_loader_with_workers_gives_the_plain_loader_s_peaks(tmp_path):
+    """A script's loader with workers and pin_memory=True: its workers run (CPU processes) and
+    its pinning thread pins nothing (torch.accelerator says cuda, so torch starts one; a CPU
+    build's Tensor.pin_memory had raised there). The peaks are the plain loader's to the byte,
+    and outside, DataLoader pins with torch's own function again."""
+    from torch.utils.data._utils import pin_memory as pinning
+
+    from oomkit.prediction.scripts import predict_script
+
+    def peaks(loader: str) -> tuple[int, int]:
+        (tmp_path / "train.py").write_text(SCRIPT.replace("LOADER", loader))
+        prediction = predict_script(tmp_path / "train.py", steps=3, target=H100).prediction
+        return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes
+
+    plain = peaks("shuffle=False")
+    assert peaks("num_workers=2, pin_memory=True, shuffle=True") == plain
+    assert plain[0] > 4 * (3 * 32 * 32 * 512 + 512 + 512 * 10 + 10) * 4
+    assert pinning.pin_memory.__qualname__ == "pin_memory"

@@ -23,6 +23,11 @@ the recording's simulated allocator (``step_memory.StepMemory``), after torch's 
   PyTorch updates its live allocator (``StepMemory.set_allocator_settings``).
 - ``host_memory_stats`` (``_cuda_hostMemoryStats``): empty; pinned host memory is not
   simulated.
+- ``torch.accelerator`` (torch/accelerator/__init__.py, memory.py: ``torch._C._accelerator_*``):
+  the current accelerator is ``cuda`` (a CPU build's is None, and accelerate 1.16's
+  ``get_torch_accelerator_backend`` then put a script's model on the CPU), and its device,
+  memory and synchronising calls are ``torch.cuda``'s as answered while recording
+  (``cuda_device._torch_cuda_reports``).
 
 Side streams are ``cuda_streams.py``'s. Not answered (the step stops, saying so): CUDA graphs
 and memory pools (``CUDAGraph``, ``MemPool``), raw allocations (``caching_allocator_alloc``).
@@ -69,6 +74,32 @@ def nested_stats(flat: dict[str, int]) -> dict[str, Any]:
             level = level.setdefault(name, {})
         level[last] = value
     return nested
+
+
+def _accelerator_answers(memory: Callable[[], StepMemory]) -> dict[str, Any]:
+    """``torch._C._accelerator_*``, the bindings under ``torch.accelerator``, as the emulated
+    GPU's ``torch.cuda`` answers: on a CUDA build each forwards to CUDA's device hooks
+    (aten/src/ATen/DeviceAccelerator.cpp), which ``torch.cuda``'s functions also reach."""
+    cuda = torch.cuda
+    return {
+        "_accelerator_getAccelerator": lambda: torch.device("cuda"),
+        "_accelerator_getDeviceIndex": lambda: cuda.current_device(),
+        "_accelerator_setDeviceIndex": lambda index: cuda.set_device(index),
+        # exchangeDevice returns the index it replaced; the emulated current device is 0.
+        "_accelerator_exchangeDevice": lambda index: cuda.current_device(),
+        "_accelerator_maybeExchangeDevice": lambda index: cuda.current_device(),
+        "_accelerator_synchronizeDevice": lambda index: None,
+        "_accelerator_getStream": lambda index: cuda.current_stream(),
+        "_accelerator_setStream": lambda stream: cuda.set_stream(stream),
+        "_accelerator_isAllocatorInitialized": lambda: True,
+        "_accelerator_emptyCache": lambda: cuda.empty_cache(),
+        "_accelerator_getDeviceStats": lambda index: nested_stats(memory().memory_stats()),
+        "_accelerator_resetPeakStats": lambda index: memory().reset_peak_memory_stats(),
+        "_accelerator_resetAccumulatedStats": lambda index: (
+            memory().reset_accumulated_memory_stats()
+        ),
+        "_accelerator_getMemoryInfo": lambda index: cuda.mem_get_info(),
+    }
 
 
 @contextlib.contextmanager
@@ -118,6 +149,7 @@ def cuda_bindings(memory: Callable[[], StepMemory]) -> Iterator[None]:
             lambda env: memory().set_allocator_settings(env)
         ),
     }
+    answers.update(_accelerator_answers(memory))
     import torch.cuda.nvtx as nvtx
 
     saved = {name: getattr(torch._C, name, None) for name in answers}

@@ -68,6 +68,7 @@ from oomkit.prediction.tracing._from_data import MAX_DATA_VALUE_BYTES
 from oomkit.prediction.tracing.cuda_bindings import cuda_bindings
 from oomkit.prediction.tracing.cuda_loads import restoring_on
 from oomkit.prediction.tracing.cuda_streams import TimingEvent, user_streams
+from oomkit.prediction.tracing.data_loaders import pinning_on_the_host
 from oomkit.prediction.tracing.data_parallel import data_parallel_on_one_gpu
 from oomkit.prediction.tracing.emulations.sdpa_backend import current_sdpa_settings
 from oomkit.prediction.tracing.fake_storages import is_fake_or_wrapper, stands_for_cuda
@@ -567,6 +568,7 @@ def as_one_cuda_gpu(
             data_parallel_on_one_gpu(),
             hf_loading_onto_cuda(),
             saving_on_host(),
+            pinning_on_the_host(),
             _CudaOnMeta(device),
         ):
             yield

@@ -80,6 +80,11 @@ class _Stream:
     def wait_stream(self, stream: Any) -> None:
         return None
 
+    def is_capturing(self) -> bool:
+        # torch.Stream.is_capturing (2.13+): the optimizer's graph-capture check reads it on
+        # the accelerator's current stream. CUDA graphs are not recorded: never capturing.
+        return False
+
     def wait_event(self, event: Any) -> None:
         return None
 

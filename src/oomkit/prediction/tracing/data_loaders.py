@@ -26,6 +26,13 @@ batches are moved by the loop, and pinned by a thread of the main process with
 ``pin_memory=True``). Where it may differ: an ``IterableDataset`` that shards itself by
 ``get_worker_info()`` sees no worker info and yields every item, so it gives more batches than
 one worker would (each the same size), and ``worker_init_fn`` is not called.
+
+``pinning_on_the_host()`` (open wherever a GPU is emulated, ``cuda_device.as_one_cuda_gpu``):
+a loader's ``pin_memory=True`` pins nothing. With ``torch.accelerator`` answering ``cuda``, a
+loader pins its batches (torch/utils/data/dataloader.py ``_BaseDataLoaderIter.__init__``), with
+workers in a thread of its own (``_utils/pin_memory.py`` ``_pin_memory_loop``), where the
+emulation's tensor hooks (thread-local) do not reach and a CPU build's ``Tensor.pin_memory``
+raises. Pinned host memory is host memory: the GPU's figures do not change.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["loaders_on_the_host"]
+__all__ = ["loaders_on_the_host", "pinning_on_the_host"]
 
 
 @contextlib.contextmanager
@@ -71,3 +78,19 @@ def loaders_on_the_host() -> Iterator[None]:
     finally:
         dataloader.DataLoader._get_iterator = get_iterator  # type: ignore[method-assign]
         dataloader._BaseDataLoaderIter._next_index = next_index  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def pinning_on_the_host() -> Iterator[None]:
+    """While open, a ``DataLoader``'s pinning returns its batch as it is (module docstring)."""
+    from torch.utils.data._utils import pin_memory as pinning
+
+    pin = pinning.pin_memory
+    # _pin_memory_loop and _SingleProcessDataLoaderIter call the module's pin_memory(data,
+    # device), which recurses into mappings and sequences: the batch unchanged is its result
+    # for host tensors that are not pinned.
+    pinning.pin_memory = lambda data, device=None: data
+    try:
+        yield
+    finally:
+        pinning.pin_memory = pin
