@@ -13,14 +13,14 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test test-compiled compiled-site lint docs bench bench-compiled clean
 
-$(BIN)/oomkit: pyproject.toml requirements/torchtitan.txt
+$(BIN)/oomkit: pyproject.toml requirements/torchtitan.txt requirements/dev-constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	if [ -n "$(TORCH_INDEX)" ] && $(BIN)/python scripts/index_reachable.py "$(TORCH_INDEX)"; then \
 		$(BIN)/pip install -q --index-url "$(TORCH_INDEX)" $(TORCH_PIN); \
 	else \
 		$(BIN)/pip install -q $(TORCH_PIN); \
 	fi
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c requirements/dev-constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements/torchtitan.txt
 	touch $(BIN)/oomkit
 
