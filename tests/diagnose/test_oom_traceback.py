@@ -140,6 +140,7 @@ def test_explain_reports_where_and_the_phase(tmp_path, capsys):
         "function": "<module>",
         "source": "loss.backward()",
         "phase": "backward",
+        "script": "/home/me/project/train.py",
     }
     assert data["gpu"] == "T4"
 
@@ -168,3 +169,50 @@ def test_a_forward_pass_inside_an_optimizer_closure_is_forward():
     )
     assert location is not None
     assert (location.phase, location.label) == ("forward", "logits = self.net(x) at model.py:88")
+
+
+@pytest.mark.parametrize(
+    ("first", "script"),
+    [
+        # python train.py: the outermost frame is the script's top level.
+        (("/home/me/project/train.py", 180, "<module>", "main()"), "/home/me/project/train.py"),
+        # python -m project.train: runpy's frames come first; the command is not a file's.
+        (("/usr/lib/python3.11/runpy.py", 198, "_run_module_as_main", ""), None),
+        # a notebook cell, python -c, a traceback that starts inside a function
+        (("/tmp/ipykernel_4121/2851163853.py", 3, "<module>", "main()"), None),
+        (("<string>", 1, "<module>", ""), None),
+        (("/home/me/project/train.py", 40, "main", "step()"), None),
+    ],
+)
+def test_the_script_python_ran_is_the_outermost_frame_at_a_file_s_top_level(first, script):
+    """The traceback's outermost frame, where it is a script file's top level, names the
+    script; anything else names none (the remedies then keep the train.py placeholder)."""
+    text = _traceback(first, ("/home/me/project/model.py", 12, "forward", "x = self.fc(x)"))
+    location = find_oom_location(text)
+    assert location is not None and location.script == script
+
+
+def test_explain_s_setting_command_runs_the_script_of_the_traceback(tmp_path, capsys):
+    """A fragmentation OOM under a traceback from `python "my run/train.py"`: the expandable
+    segments remedy's command names that script, quoted for the shell, not `python train.py`;
+    the same message without a traceback keeps the placeholder."""
+    from cases.oom_cases import fragmented_oom_message
+
+    message = f"torch.OutOfMemoryError: {fragmented_oom_message()}"
+    text = _traceback(
+        ("/home/me/my run/train.py", 75, "<module>", "loss.backward()"),
+        (f"{SP}/torch/_tensor.py", 626, "backward", "torch.autograd.backward("),
+    ).replace(MESSAGE, message)
+    log = tmp_path / "train.log"
+    log.write_text(text)
+    assert main(["explain", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python '/home/me/my run/train.py'" in (
+        out
+    )
+    assert "python train.py" not in out
+    log.write_text(message)
+    assert main(["explain", str(log)]) == 0
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py" in (
+        capsys.readouterr().out
+    )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from oomkit.core.allocator.constants import LARGE_BUFFER, SMALL_BUFFER
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
 from oomkit.core.trace import Frame
-from oomkit.diagnose._remedy_code import ACCUMULATION_LOOP_CODE
+from oomkit.diagnose._remedy_code import ACCUMULATION_LOOP_CODE, setting_code
 from oomkit.diagnose.diagnosis import Remedy
 from oomkit.plan.tuning import FLAG_REASONS, tune
 from oomkit.units import format_bytes
@@ -33,7 +33,6 @@ __all__ = [
     "empty_cache_remedy",
     "leak_remedy",
     "set_max_split_size_note",
-    "setting_code",
     "spike_remedy",
 ]
 
@@ -51,16 +50,6 @@ _UNLIMITED_BYTES = 2**46
 
 # The most micro-batches a gradient-accumulation remedy proposes.
 _MAX_ACCUMULATION = 64
-
-
-def setting_code(setting: str) -> str:
-    """Copy-paste code that applies an allocator setting, both ways PyTorch reads one."""
-    return (
-        "# before CUDA initialises (read once, at the first CUDA allocation):\n"
-        f"PYTORCH_CUDA_ALLOC_CONF={setting} python train.py\n"
-        "# or at run time, in the script:\n"
-        f'torch.cuda.memory._set_allocator_settings("{setting}")'
-    )
 
 
 def allocator_remedies(

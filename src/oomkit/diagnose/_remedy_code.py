@@ -9,6 +9,8 @@ the workload record, the predictor): ``oomkit explain SNAPSHOT`` stays light (is
 
 from __future__ import annotations
 
+import shlex
+
 __all__ = [
     "ACCUMULATION_LOOP_CODE",
     "CHECKPOINT_CODE",
@@ -17,7 +19,28 @@ __all__ = [
     "MIXED_CODE",
     "PURE_BF16_CODE",
     "SGD_CODE",
+    "setting_code",
 ]
+
+
+def setting_code(setting: str, script: str | None = None) -> str:
+    """Copy-paste code that applies an allocator setting, both ways PyTorch reads one: the
+    environment variable, read once at the first CUDA allocation (c10/cuda/CUDAAllocatorConfig),
+    and ``torch.cuda.memory._set_allocator_settings`` at run time.
+
+    Args:
+        setting: the ``PYTORCH_CUDA_ALLOC_CONF`` value.
+        script: the script the OOM's traceback shows Python running
+            (``OomLocation.script``); None: a placeholder, ``train.py``.
+    """
+    command = "python " + ("train.py" if script is None else shlex.quote(script))
+    return (
+        "# before CUDA initialises (read once, at the first CUDA allocation):\n"
+        f"PYTORCH_CUDA_ALLOC_CONF={setting} {command}\n"
+        "# or at run time, in the script:\n"
+        f'torch.cuda.memory._set_allocator_settings("{setting}")'
+    )
+
 
 # The why of every measured remedy, first in its sentence.
 MEASURED_WHY = "measured by re-predicting the step with the change applied"

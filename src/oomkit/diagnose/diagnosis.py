@@ -27,6 +27,7 @@ from oomkit.diagnose._context import (
     memory_paragraph,
     own_and_others,
 )
+from oomkit.diagnose._remedy_code import setting_code
 from oomkit.diagnose.oom_text import OomText, failed_library
 from oomkit.diagnose.records import CAUSES, Cause, Finding, Remedy
 from oomkit.errors import OomTextError
@@ -156,7 +157,8 @@ def diagnose_oom_text(
     elif parsed.variant == "fraction_rejected":
         diagnosis = _fraction_rejected(parsed)
     else:
-        diagnosis = _from_figures(parsed, gpu, expandable_segments)
+        script = None if location is None else location.script
+        diagnosis = _from_figures(parsed, gpu, expandable_segments, script)
     spec = matched_gpu(parsed, gpu)
     return replace(
         diagnosis,
@@ -166,7 +168,10 @@ def diagnose_oom_text(
 
 
 def _from_figures(
-    parsed: OomText, gpu: GpuSpec | None, expandable_segments: bool | None = None
+    parsed: OomText,
+    gpu: GpuSpec | None,
+    expandable_segments: bool | None = None,
+    script: str | None = None,
 ) -> Diagnosis:
     """Causes ranked by what would have let the request succeed.
 
@@ -354,6 +359,7 @@ def _from_figures(
         expandable_on=bool(expandable_segments),
         device_usable=device_usable,
         limited=limited,
+        script=script,
     )
     warnings += figure_warnings(
         parsed, held_bytes=max(r, a + p), cached_bytes=u, expandable_segments=expandable_segments
@@ -381,6 +387,7 @@ def _remedies(
     expandable_on: bool = False,
     device_usable: int = 0,
     limited: bool = False,
+    script: str | None = None,
 ) -> tuple[Remedy, ...]:
     causes = {finding.cause for finding in findings}
     remedies: list[Remedy] = []
@@ -402,9 +409,7 @@ def _remedies(
                 "expandable segments",
                 u,
                 "medium",
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py\n"
-                "# or, before the first CUDA allocation in the script:\n"
-                'torch.cuda.memory._set_allocator_settings("expandable_segments:True")',
+                setting_code("expandable_segments:True", script),
                 "Segments that grow in place let the cached-but-unallocated memory serve one "
                 "large request. Replay a snapshot (`oomkit tune`) to measure it exactly.",
             )

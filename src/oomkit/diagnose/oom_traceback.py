@@ -17,7 +17,9 @@ standard library) and the phase the frames show, from the PyTorch functions on t
 - ``forward``: torch/nn/modules/module.py ``_call_impl`` / ``_wrapped_call_impl`` (a module
   called) or a frame named ``forward``.
 
-The innermost frame that shows one of these decides.
+The innermost frame that shows one of these decides. The traceback's outermost frame names the
+script Python ran (``File "/home/me/train.py", line 210, in <module>``), which the remedies'
+commands name instead of a placeholder.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ _LOSS_FUNCTIONS = frozenset(
     {"cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy_with_logits", "kl_div"}
 )
 _OOM_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+# Top-level code that is no script file: a notebook cell (ipykernel's temporary files, IPython's
+# <ipython-input-...>), python -c (<string>), <stdin>.
+_NOT_A_SCRIPT = LazyPattern(r"^<|[/\\]ipykernel_\d+[/\\]")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class OomLocation:
         function: the function the line is in (``<module>`` at the top level).
         source: the source line (``loss.backward()``), or "" when the traceback lacks it.
         phase: what the step was doing; None where the frames do not show it.
+        script: the file Python ran, as the traceback prints it: the outermost frame, where it
+            is a file's top level (``<module>``) outside installed libraries; None otherwise
+            (``python -m``, whose first frames are runpy's; a notebook cell; ``python -c``).
     """
 
     path: str
@@ -66,6 +74,7 @@ class OomLocation:
     function: str
     source: str
     phase: Phase | None
+    script: str | None = None
 
     @property
     def label(self) -> str:
@@ -148,4 +157,14 @@ def find_oom_location(text: str) -> OomLocation | None:
     users = [f for f in frames if _LIBRARY.search(f.path) is None]
     # The innermost frame of the user's code; a trace all inside libraries keeps its outermost.
     frame = users[-1] if users else frames[0]
-    return OomLocation(frame.path, frame.line, frame.function, frame.source, _phase(frames))
+    first = frames[0]
+    script = (
+        first.path
+        if first.function == "<module>"
+        and _LIBRARY.search(first.path) is None
+        and _NOT_A_SCRIPT.search(first.path) is None
+        else None
+    )
+    return OomLocation(
+        frame.path, frame.line, frame.function, frame.source, _phase(frames), script
+    )

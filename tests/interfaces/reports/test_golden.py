@@ -99,8 +99,9 @@ Remedies: what lowers the peak first, then by bytes saved
 1. expandable segments — saves ~2.90 GiB (medium confidence)
    Segments that grow in place let the cached-but-unallocated memory serve one large request. Replay
 a snapshot (`oomkit tune`) to measure it exactly.
+     # before CUDA initialises (read once, at the first CUDA allocation):
      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py
-     # or, before the first CUDA allocation in the script:
+     # or at run time, in the script:
      torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 2. do not rely on torch.cuda.empty_cache() — saves nothing (high confidence)
    The 2.90 GiB cached but unallocated sits in segments that also hold live tensors; empty_cache()
