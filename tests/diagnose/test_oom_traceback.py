@@ -216,3 +216,29 @@ def test_explain_s_setting_command_runs_the_script_of_the_traceback(tmp_path, ca
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("prefix", ["[rank0]: ", "[rank3]:", "[default1]:"])
+def test_a_torchrun_worker_s_prefixed_lines_are_read_as_its_traceback(prefix):
+    """torchrun prefixes each line a worker prints with its rank. The rank whose message comes
+    first is read, without its prefix; another rank's lines interleaved with it (another line
+    of the script, its own message later) do not mix in. They had given no location at all."""
+    other = "[rank9]: " if prefix != "[rank9]: " else "[rank8]: "
+    own = BACKWARD.replace(MESSAGE, "").splitlines()
+    theirs = _traceback(("/home/me/project/eval.py", 7, "<module>", "model(x)")).splitlines()
+    lines = []
+    for i in range(max(len(own), len(theirs))):
+        if i < len(own):
+            lines.append(prefix + own[i])
+        if i < len(theirs) and theirs[i] != MESSAGE:
+            lines.append(other + theirs[i])
+    text = "\n".join([*lines, prefix + MESSAGE, other + MESSAGE]) + "\n"
+    location = find_oom_location(text)
+    assert location is not None
+    assert (location.path, location.line, location.source, location.phase) == (
+        "/home/me/project/train.py",
+        180,
+        "loss.backward()",
+        "backward",
+    )
+    assert location.script == "/home/me/project/train.py"

@@ -49,6 +49,9 @@ _LOSS_FUNCTIONS = frozenset(
     {"cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy_with_logits", "kl_div"}
 )
 _OOM_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
+# torchrun's prefix on each line a worker prints (torch/distributed/elastic/multiprocessing: "[rank0]: "
+# on error output since 2.2, "[default0]:" with --tee): the rank's lines, read without it.
+_RANK_PREFIX = LazyPattern(r"\[(?:rank|default)\d{1,7}\]: ?")
 # Top-level code that is no script file: a notebook cell (ipykernel's temporary files, IPython's
 # <ipython-input-...>), python -c (<string>), <stdin>.
 _NOT_A_SCRIPT = LazyPattern(r"^<|[/\\]ipykernel_\d+[/\\]")
@@ -140,6 +143,17 @@ def _phase(frames: list[_Frame]) -> Phase | None:
     return None
 
 
+def _one_rank(text: str, prefix: str) -> str:
+    """The lines of ``text`` that start with ``prefix`` (``[rank0]:``), without it and the
+    space after it: other ranks' lines interleave with them in a torchrun log."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            rest = line[len(prefix) :]
+            kept.append(rest[1:] if rest.startswith(" ") else rest)
+    return "\n".join(kept)
+
+
 def find_oom_location(text: str) -> OomLocation | None:
     """The user's frame and the phase of the traceback before the first OOM message in ``text``.
 
@@ -147,6 +161,11 @@ def find_oom_location(text: str) -> OomLocation | None:
         None where no traceback precedes the message (a pasted message alone).
     """
     anchor = _OOM_ANCHOR.search(text)
+    if anchor is not None:
+        prefix = _RANK_PREFIX.match(text, text.rfind("\n", 0, anchor.start()) + 1)
+        if prefix is not None:  # a torchrun worker's lines: its rank's, unprefixed
+            text = _one_rank(text[: anchor.end()], prefix.group().rstrip())
+            anchor = _OOM_ANCHOR.search(text)
     end = len(text) if anchor is None else anchor.start()
     start = text.rfind(_TRACEBACK, max(0, end - _LOOKBACK_CHARS), end)
     if start < 0:
