@@ -546,3 +546,47 @@ def _record_rank(tmp_path, source, rank):
     (tmp_path / "train.py").write_text(textwrap.dedent(source))
     return record_script(tmp_path / "train.py", target=H100, world_size=16, rank=rank,
                          cwd=tmp_path)
+
+
+def test_a_script_that_picks_its_backend_by_nccl_s_availability_asks_for_nccl(tmp_path, capsys):
+    """`"nccl" if dist.is_nccl_available() else "gloo"`: on a CUDA build NCCL is available, and
+    the script asks for it (a CPU wheel's answer had made it pick gloo); outside the recording
+    the CPU build's own answer is back."""
+    import torch.distributed as dist
+
+    before = dist.is_nccl_available()
+    source = DDP_SCRIPT.replace(
+        'dist.init_process_group("nccl")',
+        'backend = "nccl" if dist.is_nccl_available() else "gloo"\n'
+        'print("backend:", backend)\n'
+        "dist.init_process_group(backend)",
+    )
+    run = _record(tmp_path, source, world_size=2)
+    assert run.steps_recorded == 3
+    assert "backend: nccl" in capsys.readouterr().out
+    assert dist.is_nccl_available() == before
+
+
+@pytest.mark.parametrize(
+    "put",
+    [
+        'torch.randn(8, 512, device=f"cuda:{dist.get_rank()}")',
+        'torch.randn(8, 512).to(f"cuda:{dist.get_rank()}")',
+        "torch.randn(8, 512).cuda(dist.get_rank())",
+        "torch.randn(8, 512).to(torch.device('cuda', dist.get_rank()))",
+    ],
+)
+def test_a_tensor_put_on_a_gpu_past_the_node_s_fails_as_on_the_gpu(tmp_path, put):
+    """Rank 9 of 16 putting its batch on cuda:9, a GPU its node of 8 does not have: CUDA's
+    invalid device ordinal, at the script's line, whichever way the tensor is put there (it had
+    passed, recorded as if on a GPU of the node). cuda:LOCAL_RANK runs."""
+    from oomkit.errors import UserCodeError
+
+    source = NODE_SCRIPT.replace("DEVICE", 'int(os.environ["LOCAL_RANK"])')
+    local = source.replace('torch.randn(8, 512, device="cuda")', put.replace(
+        "dist.get_rank()", "int(os.environ['LOCAL_RANK'])"))
+    assert _record_rank(tmp_path, local, rank=9).steps_recorded == 3
+    bad = source.replace('torch.randn(8, 512, device="cuda")', put)
+    with pytest.raises(UserCodeError, match=r"invalid device ordinal \(a tensor put on cuda:9 on "
+                       r"a node of 8 GPU\(s\).*train.py:12"):
+        _record_rank(tmp_path, bad, rank=9)

@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from oomkit.prediction.tracing.collectives import nccl_said_available
 from oomkit.prediction.tracing.compile_plan import node_kind
 from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
 from oomkit.prediction.tracing.emulations.cublas import ensure_cublas_workspace
@@ -145,20 +146,6 @@ def symmetric_block_bytes(size_bytes: int) -> int:
     return -(-block // SYMM_MEM_GRANULARITY_BYTES) * SYMM_MEM_GRANULARITY_BYTES
 
 
-@contextlib.contextmanager
-def _nccl_said_available() -> Iterator[None]:
-    """micro_pipeline_tp.py's fusions return early unless ``is_nccl_available()``: a CUDA build's
-    answer, which a CPU wheel does not give."""
-    import torch.distributed as dist
-
-    original = dist.is_nccl_available
-    dist.is_nccl_available = lambda: True
-    try:
-        yield
-    finally:
-        dist.is_nccl_available = original
-
-
 def rewrite_for_async_tp(gm: torch.fx.GraphModule, example_inputs: Any) -> Counter[str]:
     """Run Inductor's micro-pipeline TP pass on ``gm`` as compile_fx.py does; the fused ops made.
 
@@ -185,7 +172,7 @@ def rewrite_for_async_tp(gm: torch.fx.GraphModule, example_inputs: Any) -> Count
     # The pass restrides the nodes' fake values (torch/distributed/_symmetric_memory
     # restride_A_shard_for_fused_all_gather_matmul): in their own fake mode, with the
     # recorder's modes off, as Inductor runs it (compile_fx.py: under V.set_fake_mode).
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), _nccl_said_available():
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), nccl_said_available():
         with contextlib.nullcontext() if mode is None else mode:
             # post_grad.py post_grad_passes: remove_noop_ops (pattern_matcher, on by default)
             # before the pass: DTensor's all-gather ends in a full-range slice otherwise

@@ -21,6 +21,13 @@ used by WorkNCCL::result") and ``getFuture()`` completes with them, so code read
 with nothing (torch/csrc/distributed/c10d/FakeProcessGroup.hpp ``FakeWork``); while
 :func:`async_collectives_complete_with_outputs` is open, each single-output collective's work is
 one that completes with ``[output]`` (``_create_work_from_future``, as c10d makes for a future).
+
+The fake group stands for NCCL: while :func:`nccl_said_available` is open,
+``torch.distributed.is_nccl_available()`` answers as a CUDA build does (True; a CPU wheel's is
+False), so code that picks its backend by it (``"nccl" if dist.is_nccl_available() else
+"gloo"``), DDP's ``bf16_compress_hook`` check and Inductor's micro-pipeline TP pass take their
+CUDA path. Only the package's name is answered: torch's own c10d module keeps its answer, since
+there it guards ``ProcessGroupNCCL``, a class a CPU build lacks.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from oomkit.prediction.tracing.emulation import EmulationContext, OpEmulation
 __all__ = [
     "COLLECTIVE_EMULATIONS",
     "async_collectives_complete_with_outputs",
+    "nccl_said_available",
     "sharding_propagation_untraced",
 ]
 
@@ -126,3 +134,16 @@ def async_collectives_complete_with_outputs() -> Iterator[None]:
                 setattr(module, name, _completing(original, parameter))
                 stack.callback(setattr, module, name, original)
         yield
+
+
+@contextlib.contextmanager
+def nccl_said_available() -> Iterator[None]:
+    """While open, ``torch.distributed.is_nccl_available()`` is True (module docstring)."""
+    import torch.distributed as dist
+
+    original = dist.is_nccl_available
+    dist.is_nccl_available = lambda: True
+    try:
+        yield
+    finally:
+        dist.is_nccl_available = original

@@ -15,7 +15,8 @@ What it changes while open (all undone on exit):
   ``is_available()`` True,
   ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
   bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``
-  (an index past ``device_count()`` raises CUDA's invalid device ordinal),
+  (an index past ``device_count()`` raises CUDA's invalid device ordinal, as a tensor put on
+  one does),
   ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
   to act on), and ``torch.cuda.Event`` times 0 ms. The memory counters
   (``memory_allocated()``, ``memory_reserved()``, their peaks, ``memory_stats()``, the resets)
@@ -24,6 +25,7 @@ What it changes while open (all undone on exit):
   CUDA context and what that allocator holds reserved; ``empty_cache`` is a request of the
   recording, which the report's replay carries out. Side streams are emulated
   (``cuda_streams.py``): what is allocated while one is current goes to its pool.
+- ``torch.accelerator`` reports ``cuda`` and answers as ``torch.cuda`` (``cuda_bindings.py``).
 - A ``TorchFunctionMode`` puts tensors made or moved to ``cuda`` (``device=`` arguments,
   ``Tensor.to``, ``Tensor.cuda``, ``Module.to`` through them) on ``meta``. A meta tensor sent
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
@@ -120,6 +122,22 @@ def is_cuda(device: Any) -> bool:
     return False
 
 
+def _cuda_checked(device: Any) -> bool:
+    """``is_cuda(device)``, where an index past the node's GPUs fails as CUDA's ordinal check
+    does when a tensor is put there (c10/cuda/CUDAFunctions.cpp ``c10_cuda_check_implementation``
+    of ``cudaSetDevice``: cudaErrorInvalidDevice)."""
+    if not is_cuda(device):
+        return False
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index is not None and _open_gpus and index >= _open_gpus[-1][2]:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal (a tensor put on cuda:{index} on a node of "
+            f"{_open_gpus[-1][2]} GPU(s): a torchrun worker's GPU is its LOCAL_RANK, not its "
+            "RANK)"
+        )
+    return True
+
+
 def _on_meta_eagerly(device: Any) -> bool:
     meta = device.type == "meta" if isinstance(device, torch.device) else device == "meta"
     return meta and not torch.compiler.is_compiling()
@@ -151,9 +169,12 @@ class _CudaOnMeta(TorchFunctionMode):
             # A pinned host buffer (torch.empty(n, pin_memory=True)): host memory, not counted,
             # made unpinned (torch's pinned allocator needs a real accelerator), as pin_memory().
             kwargs["pin_memory"] = False
+        if func is torch.Tensor.to or func is torch.Tensor.cuda:
+            for arg in args[1:2]:  # .to("cuda:9"), .cuda(9): the device, where positional
+                _cuda_checked(arg)
         if self._device.type != "meta":
             return self._onto_fake_device(func, args, kwargs)
-        asked_cuda = is_cuda(kwargs.get("device"))
+        asked_cuda = _cuda_checked(kwargs.get("device"))
         if asked_cuda:
             kwargs["device"] = _META
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -188,7 +209,7 @@ class _CudaOnMeta(TorchFunctionMode):
     def _onto_fake_device(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A distributed recording's rules: CUDA is the fake device, host data is copied there."""
         device = self._device
-        asked_cuda = is_cuda(kwargs.get("device"))
+        asked_cuda = _cuda_checked(kwargs.get("device"))
         if asked_cuda:
             kwargs["device"] = device
         self_tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None

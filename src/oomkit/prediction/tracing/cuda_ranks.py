@@ -38,6 +38,9 @@ A ``file.py:function`` written for FSDP2 or DDP as people write it assumes ``tor
 - ``torch.cuda.device_count()`` is the node's GPUs, as each torchrun worker sees them (the
   ranks up to ``DEFAULT_GPUS_PER_NODE``): Lightning's ``Trainer(devices=4)`` checks it.
 - ``model.to(local_rank)``: a bare index is CUDA's (``module_moves.module_to_index_is_cuda``).
+- ``torch.distributed.is_nccl_available()`` is True, as on a CUDA build
+  (``collectives.nccl_said_available``): a script's ``"nccl" if dist.is_nccl_available() else
+  "gloo"`` asks for NCCL.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ from oomkit.core.gpus import GpuSpec
 from oomkit.core.gpus.nccl import DEFAULT_GPUS_PER_NODE
 from oomkit.core.target import ParallelLayout
 from oomkit.errors import ConfigError
-from oomkit.prediction.tracing.collectives import async_collectives_complete_with_outputs
+from oomkit.prediction.tracing.collectives import (
+    async_collectives_complete_with_outputs,
+    nccl_said_available,
+)
 from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
 
 __all__ = ["MeshShape", "as_cuda_rank", "script_layout"]
@@ -109,6 +115,7 @@ def as_cuda_rank(
         stack.enter_context(_cuda_meshes_on_the_fake_device(meshes))
         stack.enter_context(_ddp_device_ids_dropped())
         stack.enter_context(async_collectives_complete_with_outputs())
+        stack.enter_context(nccl_said_available())
         yield
 
 

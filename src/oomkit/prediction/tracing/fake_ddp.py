@@ -60,7 +60,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from oomkit.prediction.tracing.collectives import async_collectives_complete_with_outputs
+from oomkit.prediction.tracing.collectives import (
+    async_collectives_complete_with_outputs,
+    nccl_said_available,
+)
 
 __all__ = ["DDP_NOTE", "FakeDdp", "in_place_allreduce_hook"]
 
@@ -238,12 +241,8 @@ class FakeDdp:
 
         def check(module: Any, hook: Any) -> None:
             # bf16_compress_hook asks dist.is_nccl_available(): the fake group stands for NCCL.
-            available = dist.is_nccl_available
-            dist.is_nccl_available = lambda: True
-            try:
+            with nccl_said_available():
                 original_check(module, hook)
-            finally:
-                dist.is_nccl_available = available
 
         def init(module: Any, *args: Any, **kwargs: Any) -> None:
             original_init(module, *args, **kwargs)
