@@ -256,6 +256,23 @@ def less_margin(target: Target, margin_bytes: int) -> Target | None:
     return dataclasses.replace(searched, allocator_config=config)
 
 
+def predict_searched(
+    recording: Any, target: Target, margin_bytes: int, description: str = ""
+) -> Prediction:
+    """``predict_recording`` on the searched ``target`` (the GPU less ``margin_bytes``: see
+    ``less_margin``), the margin also off the limit the step's own
+    ``torch.cuda.set_per_process_memory_fraction`` call sets: a margin held outside the
+    allocator does not lower a fraction's limit (c10/cuda/CUDACachingAllocator.cpp
+    ``setMemoryFraction``: ``allowed_memory_maximum`` is a share of the total), so it comes off
+    that share, as ``less_margin`` takes it off the setting's."""
+    fraction = recording.memory_fraction
+    if fraction is not None and margin_bytes > 0:
+        total = target.gpu.total_memory_bytes
+        lowered = max(0.0, (fraction * total - margin_bytes) / total)
+        recording = dataclasses.replace(recording, memory_fraction=lowered)
+    return predict_recording(recording, target=target, description=description)
+
+
 def _train_label(prediction: Prediction) -> str:
     """Which training step limits: the one that would OOM, else the one with the highest peak."""
     step = prediction.oom.step if prediction.oom is not None else prediction.peak_step
@@ -271,9 +288,10 @@ def probe_record(
     *,
     feasible: bool = True,
     synthesized: bool = False,
+    margin_bytes: int = 0,
 ) -> BatchProbe:
-    """A probe from predictions made on the GPU less the margin (``usable_bytes``: the target's,
-    without)."""
+    """A probe from predictions made on the GPU less ``margin_bytes`` (``usable_bytes``: the
+    target's, without; less where a step's own memory fraction limits it, ``predict_searched``)."""
     train_fits = feasible and train.fits
     eval_fits = evaluation is None or (feasible and evaluation.fits)
     parts = [(train, _train_label(train), train_fits)]
@@ -285,8 +303,11 @@ def probe_record(
     worst = max(failing or parts, key=lambda part: part[0].required_bytes)
     demanding = max(parts, key=lambda part: part[0].required_bytes)[0]
     # A layout's NCCL buffers come off what the allocator may reserve (predictor.py nccl_of).
-    usable = usable_bytes - max(
-        p[0].distributed.off_usable_bytes if p[0].distributed is not None else 0 for p in parts
+    usable = min(
+        usable_bytes
+        - max(p[0].distributed.off_usable_bytes if p[0].distributed is not None else 0 for p in parts),
+        # A prediction's usable is the searched GPU's (the margin off) or its step's limit.
+        min(p[0].usable_bytes for p in parts) + margin_bytes,
     )
     return BatchProbe(
         batch_size=batch_size,

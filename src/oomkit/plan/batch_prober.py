@@ -24,11 +24,12 @@ from oomkit.plan.batch_probe import (
     Progress,
     StepBuilder,
     new_model_cache,
+    predict_searched,
     probe_record,
     record_step,
 )
 from oomkit.plan.trace_interpolation import TraceInterpolator
-from oomkit.prediction.predictor import Prediction, predict_recording
+from oomkit.prediction.predictor import Prediction
 
 __all__ = ["BatchProber"]
 
@@ -88,6 +89,7 @@ class BatchProber:
         self._target = target  # the GPU less the margin
         self._steps = steps
         self._usable_bytes = usable_bytes
+        self._margin_bytes = usable_bytes - target.usable_bytes  # less_margin's
         self._progress = progress
         self.probes: dict[int, BatchProbe] = {}
         self.order: list[int] = []
@@ -141,7 +143,7 @@ class BatchProber:
         recording = None if interpolator is None else interpolator.synthesize(batch_size, keep=False)
         if recording is None:
             return True
-        return predict_recording(recording, target=self._target).fits
+        return predict_searched(recording, self._target, self._margin_bytes).fits
 
     def trace_ahead(self, batch_sizes: Iterable[int]) -> None:
         """Start tracing the training step at those of ``batch_sizes`` not traced yet, each in
@@ -299,6 +301,7 @@ class BatchProber:
             evaluation,
             self._usable_bytes,
             synthesized=train_synthesized or eval_synthesized,
+            margin_bytes=self._margin_bytes,
         )
         return probe, train_differs or eval_differs
 
@@ -314,7 +317,7 @@ class BatchProber:
                 self.synthesized += 1
                 basis = ", ".join(str(b) for b in sorted(interpolator.basis(batch_size) or ()))
                 description = f"{what} at batch {batch_size}, interpolated from batches {basis}"
-                prediction = predict_recording(recording, target=self._target, description=description)
+                prediction = predict_searched(recording, self._target, self._margin_bytes, description)
                 return prediction, True, False
         ahead = self._ahead.pop(batch_size, None) if what == "train step" else None
         recorded = None
@@ -338,7 +341,7 @@ class BatchProber:
         self.traces += 1
         # Learned from; `add` says whether it differs from what would have been synthesized.
         differs = interpolator is not None and interpolator.add(batch_size, recording)
-        prediction = predict_recording(recording, target=self._target, description=description)
+        prediction = predict_searched(recording, self._target, self._margin_bytes, description)
         return prediction, False, differs
 
 

@@ -33,11 +33,12 @@ from oomkit.plan.batch_probe import (
     dedupe,
     less_margin,
     new_model_cache,
+    predict_searched,
     probe_record,
     record_step,
     resolve_margin,
 )
-from oomkit.prediction.predictor import Prediction, predict_recording
+from oomkit.prediction.predictor import Prediction
 
 __all__ = [
     "GpuCountResult",
@@ -261,12 +262,18 @@ def _fit_on(
     spec = on_spec.gpu
     searched = less_margin(on_spec, margin)
     replayed = on_spec if searched is None else searched
-    train = predict_recording(train_recording, target=replayed, description=description)
+    off = 0 if searched is None else margin
+    train = predict_searched(train_recording, replayed, off, description)
     evaluation = None
     if eval_recording is not None:
-        evaluation = predict_recording(eval_recording, target=replayed)
+        evaluation = predict_searched(eval_recording, replayed, off)
     probe = probe_record(
-        batch_size, train, evaluation, on_spec.usable_bytes, feasible=searched is not None
+        batch_size,
+        train,
+        evaluation,
+        on_spec.usable_bytes,
+        feasible=searched is not None,
+        margin_bytes=off,
     )
     fit = GpuFit(
         gpu=spec,

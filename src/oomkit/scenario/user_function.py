@@ -32,6 +32,7 @@ import importlib.util
 import inspect
 import re
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +253,7 @@ def load_user_step(
     from oomkit.prediction.tracing import cuda_autocast_construction
     from oomkit.prediction.tracing.cuda_device import as_one_cuda_gpu
     from oomkit.prediction.tracing.data_loaders import loaders_on_the_host
+    from oomkit.prediction.tracing.process_settings import made_again, settings_kept
     from oomkit.prediction.tracing.step_failure import os_exit_raises
     from oomkit.prediction.tracing.torch_globals import UsersGlobals
     from oomkit.prediction.tracing.trainers import trainer_step
@@ -264,8 +266,9 @@ def load_user_step(
     # torch's process-wide settings the file and its builder set (a default dtype) carry to its
     # steps, as in its own process, and are the caller's again between them (torch_globals.py).
     users = UsersGlobals()
+    # Its memory fraction and allocator settings hold for its steps (process_settings.py).
     with users.running(), cuda_autocast_construction(), as_one_cuda_gpu(gpu):
-        with _file_argv(path_text):
+        with _file_argv(path_text), settings_kept() as at_import:
             module = _load_module(Path(path_text), target)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
@@ -284,7 +287,7 @@ def load_user_step(
         # A DataLoader's seeds on the host, its workers in this process (data_loaders.py).
         with users.running(), device, cuda_autocast_construction(), as_one_cuda_gpu(gpu):
             with _file_argv(path_text), os_exit_raises(), loaders_on_the_host():
-                with _optimizer_steps_counted() as builder_steps:
+                with _optimizer_steps_counted() as builder_steps, settings_kept() as in_builder:
                     result = fn(**kwargs)
     except OomkitError as exc:
         raise type(exc)(f"{target}: {name}(): {exc}{_script_route(path_text, name)}") from exc
@@ -314,6 +317,7 @@ def load_user_step(
     # returned by the builder runs its loop through trainer_step.
     refused = contextlib.nullcontext() if trainer else _trainer_loops_refused(target)
     raised: list[BaseException] = []
+    kept, done = [*at_import, *in_builder], weakref.WeakSet[Any]()
 
     def step_fn() -> Any:
         # A trainer's loader works on CPU tensors: its workers run as on the GPU machine.
@@ -321,6 +325,7 @@ def load_user_step(
         try:
             with users.running(), step_device, refused, os_exit_raises():
                 with _file_argv(path_text), loaders:
+                    made_again(kept, done)
                     return user_step()
         except SystemExit as exc:
             error = UserCodeError(_exit_text(exc, "the step", target))

@@ -227,6 +227,12 @@ def test_untracked_existing_storages_warn():
     recording = tracer.recording
     assert recording.bytes_by_category["parameter"] == 4 * (64 + 8)
     assert any("2 storage(s) (288 bytes) existed before tracing" in w for w in recording.warnings)
+    # The advice names the ways users have: a builder's return value and predict's track=.
+    assert any(
+        w.endswith("return (step, (model, optimizer)) from a builder, or pass track= to "
+                   "oomkit.predict")
+        for w in recording.warnings
+    )
 
 
 def test_data_dependent_op_raises_unsupported():

@@ -12,13 +12,12 @@ What it changes while open (all undone on exit):
 - ``torch.cuda`` reports one device of the target GPU (``torch.version.cuda`` the target's
   CUDA runtime, ``torch.backends.cudnn.version()`` the cuDNN the SDPA emulation assumes,
   ``torch.cuda.nccl.version()`` the NCCL whose memory ``core/gpus/nccl.py`` models):
-  ``is_available()`` True,
-  ``device_count()`` 1, ``current_device()`` 0, the GPU's name, compute capability and memory,
-  bf16 supported on sm >= 8.0 (torch/cuda/__init__.py ``is_bf16_supported``); ``set_device``
-  (an index past ``device_count()`` raises CUDA's invalid device ordinal, as a tensor put on
-  one does),
-  ``synchronize``, ``torch.cuda.device(i)`` and the CUDA seeds do nothing (there is no device
-  to act on), and ``torch.cuda.Event`` times 0 ms. The memory counters
+  ``is_available()`` True, ``device_count()`` 1, ``current_device()`` 0, the GPU's name,
+  compute capability and memory, bf16 supported on sm >= 8.0 (torch/cuda/__init__.py
+  ``is_bf16_supported``); ``set_device`` (an index past ``device_count()`` raises CUDA's invalid
+  device ordinal, as a tensor put on one does), ``synchronize``, ``torch.cuda.device(i)`` and
+  the CUDA seeds do nothing (there is no device to act on), and ``torch.cuda.Event`` times 0 ms.
+  The memory counters
   (``memory_allocated()``, ``memory_reserved()``, their peaks, ``memory_stats()``, the resets)
   read the enclosing recorder's requests so far, replayed on the simulated allocator
   (``step_memory.py``; nothing served outside one); ``mem_get_info`` reads the total less the
@@ -31,10 +30,9 @@ What it changes while open (all undone on exit):
   back to the CPU (``Strategy.teardown`` moves the model and optimizer state to the CPU after
   fit) stays where it is: the copy would cost host memory, not GPU memory, and a meta tensor has
   no values to copy (activations offloaded by ``save_on_cpu`` are ``host_offload.py``'s).
-  A factory's ``pin_memory=True`` makes an unpinned host tensor, and
-  ``pin_memory()`` of a meta tensor is the tensor itself, and of a CPU
-  tensor too (pinned host memory is host memory, which the prediction does not count; torch's
-  own ``pin_memory`` needs a real accelerator).
+  A factory's ``pin_memory=True`` makes an unpinned host tensor, and ``pin_memory()`` of a meta
+  tensor is the tensor itself, and of a CPU tensor too (pinned host memory is host memory, which
+  the prediction does not count; torch's own ``pin_memory`` needs a real accelerator).
 - ``Module.to("cuda")`` keeps shared parameters shared and the optimizers built before it
   pointed at the moved ones, and a bare index (``model.to(local_rank)``) is CUDA's
   (``module_moves.py``).
@@ -91,6 +89,7 @@ __all__ = [
     "emptying_cache",
     "entries_recorded",
     "is_cuda",
+    "recording_memory",
 ]
 
 _META = torch.device("meta")
@@ -335,10 +334,13 @@ class _NoDeviceSwitch:
 _memories: list[StepMemory] = []
 
 
-def _memory() -> StepMemory:
+def recording_memory() -> StepMemory:
     """The innermost open recorder's memory; outside any, an allocator that served nothing
     (an ``empty_cache()`` there goes to a log no recording reads)."""
     return _memories[-1] if _memories else StepMemory([])
+
+
+_memory = recording_memory
 
 
 def allocator_used() -> bool:

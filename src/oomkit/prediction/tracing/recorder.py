@@ -564,8 +564,8 @@ class Tracer:
         if self._late_first_seen:
             yield (
                 f"{self._late_first_seen} storage(s) ({self._late_first_seen_bytes} bytes) existed "
-                "before tracing and are recorded as allocated when first used; pass the model, "
-                "optimizer and inputs to trace_step() or Tracer.track() to record them up front"
+                "before tracing and are recorded as allocated when first used; to record them first, "
+                "return (step, (model, optimizer)) from a builder, or pass track= to oomkit.predict"
             )
 
 
