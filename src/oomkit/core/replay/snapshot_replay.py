@@ -195,7 +195,11 @@ def _verify_run(
       Step 9 synchronize, after the lookup failed (§4.2).
 
     When the replay first goes wrong after such a point, it is re-run with the other reading
-    of the nearest ones, and the re-run is kept if it agrees better with the recording.
+    of the nearest ones, and the re-run is kept if it agrees better with the recording. A
+    re-run that goes wrong only later, yet agrees less so far, is re-run once more with the
+    other reading of the points nearest its own first problem as well: two readings may have to
+    change together (two ``empty_cache()`` calls, each right before a new segment, under
+    ``max_split_size``: the first alone moves the divergence from the first to the second).
     """
     if groups is None:
         groups = completion_groups(events, marks)
@@ -234,6 +238,19 @@ def _verify_run(
             replays += 1
             retry = replay(run.flipped ^ {candidate})
             retry_score = retry.score(final)
+            later = retry.first_problem(final)
+            if retry_score <= score and later is not None and later > where:
+                # One step further: the points nearest the re-run's own first problem too.
+                for second in _decision_points_before(events, groups, later):
+                    if second in retry.flipped or second in tried:
+                        continue
+                    replays += 1
+                    deeper = replay(retry.flipped ^ {second})
+                    if deeper.score(final) > score:
+                        retry.close()
+                        retry, retry_score = deeper, deeper.score(final)
+                        break
+                    deeper.close()
             if retry_score > score:
                 run.close()
                 run, score, improved = retry, retry_score, True
