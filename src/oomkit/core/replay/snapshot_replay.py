@@ -238,17 +238,18 @@ def _verify_run(
             replays += 1
             retry = replay(run.flipped ^ {candidate})
             retry_score = retry.score(final)
-            later = retry.first_problem(final)
-            if retry_score <= score and later is not None and later > where:
+            later = None if retry_score > score else retry.first_problem(final)
+            if later is not None and later > where:
                 # One step further: the points nearest the re-run's own first problem too.
                 for second in _decision_points_before(events, groups, later):
                     if second in retry.flipped or second in tried:
                         continue
                     replays += 1
                     deeper = replay(retry.flipped ^ {second})
-                    if deeper.score(final) > score:
+                    deeper_score = deeper.score(final)
+                    if deeper_score > score:
                         retry.close()
-                        retry, retry_score = deeper, deeper.score(final)
+                        retry, retry_score = deeper, deeper_score
                         break
                     deeper.close()
             if retry_score > score:
