@@ -141,6 +141,7 @@ def test_explain_reports_where_and_the_phase(tmp_path, capsys):
         "source": "loss.backward()",
         "phase": "backward",
         "script": "/home/me/project/train.py",
+        "trainer": None,
     }
     assert data["gpu"] == "T4"
 
@@ -242,3 +243,90 @@ def test_a_torchrun_worker_s_prefixed_lines_are_read_as_its_traceback(prefix):
         "backward",
     )
     assert location.script == "/home/me/project/train.py"
+
+
+HF_TRAINER = (
+    ("/home/me/sft/run_sft.py", 188, "<module>", "main()"),
+    ("/home/me/sft/run_sft.py", 181, "main", "trainer.train()"),
+    (f"{SP}/trl/trainer/sft_trainer.py", 915, "train", "return super().train(*args)"),
+    (f"{SP}/transformers/trainer.py", 2241, "train", "return inner_training_loop("),
+    (f"{SP}/transformers/trainer.py", 3740, "training_step", "self.accelerator.backward(loss)"),
+    (f"{SP}/accelerate/accelerator.py", 2329, "backward", "loss.backward(**kwargs)"),
+    (f"{SP}/torch/_tensor.py", 626, "backward", "torch.autograd.backward("),
+)
+LIGHTNING = (
+    ("/home/me/pl/train.py", 40, "<module>", "trainer.fit(model, data)"),
+    (f"{SP}/lightning/pytorch/trainer/trainer.py", 538, "fit", "call._call_and_handle_int"),
+    (f"{SP}/lightning/pytorch/loops/optimization/automatic.py", 146, "__call__", ""),
+    ("/home/me/pl/model.py", 88, "training_step", "logits = self.net(x)"),
+)
+
+
+@pytest.mark.parametrize(
+    ("frames", "trainer"),
+    [
+        (HF_TRAINER, "transformers"),  # trl's SFTTrainer runs Hugging Face's loop
+        (LIGHTNING, "lightning"),
+        (tuple((p.replace("lightning/pytorch", "pytorch_lightning"), *r) for p, *r in LIGHTNING),
+         "lightning"),
+        # a script's own loop; a file of the user's named trainer.py is no library's
+        ((("/home/me/project/trainer.py", 9, "<module>", "loss.backward()"),
+          (f"{SP}/accelerate/accelerator.py", 2329, "backward", "loss.backward(**kwargs)")), None),
+    ],
+)
+def test_the_trainer_whose_loop_ran_the_step_is_named(frames, trainer):
+    location = find_oom_location(_traceback(*frames))
+    assert location is not None and location.trainer == trainer
+
+
+def _workload_code(text: str) -> str:
+    from oomkit.diagnose.diagnosis import diagnose_oom_text
+    from oomkit.diagnose.oom_text import parse_oom_text
+
+    diagnosis = diagnose_oom_text(parse_oom_text(text), location=find_oom_location(text))
+    (remedy,) = [r for r in diagnosis.remedies if r.title.startswith("reduce memory per step")]
+    return remedy.code
+
+
+def test_the_workload_remedy_speaks_the_trainer_s_arguments_and_measures_them_on_the_oom_s_gpu():
+    """Tensors held 95% of a T4 (matched by the message's 14.75 GiB): the remedy says the
+    Trainer's own arguments and gives the oomkit commands that measure them for the script
+    Python ran, on that GPU, fit with the Trainer's batch argument; Lightning's Trainer gets
+    its arguments; a plain script the PyTorch ways and the commands, its path quoted for the
+    shell; a message without a traceback keeps the commands unwritten."""
+    hf = _workload_code(_traceback(*HF_TRAINER))
+    assert hf.splitlines() == [
+        "# the Trainer's arguments: a smaller --per_device_train_batch_size with a larger",
+        "# --gradient_accumulation_steps (same global batch), --gradient_checkpointing, --bf16,",
+        "# --optim adamw_bnb_8bit (bitsandbytes);",
+        "# measure each before a run (ARGS: the arguments the run was given):",
+        "oomkit predict /home/me/sft/run_sft.py --gpu t4 -- ARGS",
+        "oomkit fit /home/me/sft/run_sft.py --gpu t4 --batch-arg --per_device_train_batch_size "
+        "-- ARGS  # the largest batch that fits",
+    ]
+    lightning = _workload_code(_traceback(*LIGHTNING))
+    assert 'Trainer(precision="bf16-mixed")' in lightning
+    assert "Trainer(accumulate_grad_batches=2)" in lightning
+    assert lightning.endswith(
+        "oomkit fit /home/me/pl/train.py --gpu t4 -- ARGS  # the largest batch that fits"
+    )
+    plain = _workload_code(
+        _traceback(("/home/me/my run/train.py", 75, "<module>", "loss.backward()"))
+    )
+    assert plain.startswith("# a smaller batch with gradient accumulation")
+    assert "oomkit predict '/home/me/my run/train.py' --gpu t4 -- ARGS" in plain
+    assert _workload_code(MESSAGE).endswith(
+        "an 8-bit optimizer;\n# `oomkit predict` or `oomkit fit` measure each on your step"
+    )
+
+
+def test_a_device_the_catalog_lacks_is_named_by_its_total_memory():
+    """A 30 GiB device matches no catalog GPU: the commands give its size as --gpu."""
+    text = _traceback(("/home/me/train.py", 5, "<module>", "loss.backward()")).replace(
+        "14.75 GiB of which", "30.00 GiB of which"
+    )
+    assert "oomkit predict /home/me/train.py --gpu 30.00GiB -- ARGS" in _workload_code(
+        text.replace("14.06 GiB is allocated", "29.00 GiB is allocated").replace(
+            "14.52 GiB memory", "29.60 GiB memory"
+        )
+    )

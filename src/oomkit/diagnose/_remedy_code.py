@@ -10,6 +10,10 @@ the workload record, the predictor): ``oomkit explain SNAPSHOT`` stays light (is
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oomkit.diagnose.oom_traceback import Trainer
 
 __all__ = [
     "ACCUMULATION_LOOP_CODE",
@@ -20,6 +24,7 @@ __all__ = [
     "PURE_BF16_CODE",
     "SGD_CODE",
     "setting_code",
+    "workload_code",
 ]
 
 
@@ -39,6 +44,51 @@ def setting_code(setting: str, script: str | None = None) -> str:
         f"PYTORCH_CUDA_ALLOC_CONF={setting} {command}\n"
         "# or at run time, in the script:\n"
         f'torch.cuda.memory._set_allocator_settings("{setting}")'
+    )
+
+
+# What uses less memory per step, said in the words of the loop that ran it: the trainer's own
+# arguments (transformers.TrainingArguments' fields as its command line spells them; Lightning's
+# Trainer arguments), else plain PyTorch.
+_LESS_PER_STEP = {
+    None: (
+        "# a smaller batch with gradient accumulation (same global batch), activation checkpointing\n"
+        "# (torch.utils.checkpoint), bf16/fp16 mixed precision (torch.autocast), an 8-bit optimizer"
+    ),
+    "transformers": (
+        "# the Trainer's arguments: a smaller --per_device_train_batch_size with a larger\n"
+        "# --gradient_accumulation_steps (same global batch), --gradient_checkpointing, --bf16,\n"
+        "# --optim adamw_bnb_8bit (bitsandbytes)"
+    ),
+    "lightning": (
+        "# the loader's batch_size halved with Trainer(accumulate_grad_batches=2) (same global\n"
+        '# batch), Trainer(precision="bf16-mixed"), activation checkpointing in the module\n'
+        "# (torch.utils.checkpoint), an 8-bit optimizer in configure_optimizers"
+    ),
+}
+
+
+def workload_code(script: str | None, trainer: Trainer | None, gpu: str | None) -> str:
+    """What lowers a step's memory, and the oomkit commands that measure it before a run.
+
+    Args:
+        script: the script the OOM's traceback shows Python running (``OomLocation.script``);
+            None: the commands are named, not written out.
+        trainer: the trainer whose loop ran the step (``OomLocation.trainer``).
+        gpu: the ``--gpu`` value of the OOM's device (a catalog name or a size); None: unknown.
+    """
+    ways = _LESS_PER_STEP[trainer]
+    if script is None:
+        return ways + ";\n# `oomkit predict` or `oomkit fit` measure each on your step"
+    on = f"{shlex.quote(script)}" + ("" if gpu is None else f" --gpu {shlex.quote(gpu)}")
+    # fit reads the batch from the script's arguments (scenario/script_batch.py): the Trainer's
+    # is --per_device_train_batch_size, named for a run whose ARGS leave it at its default.
+    batch_arg = " --batch-arg --per_device_train_batch_size" if trainer == "transformers" else ""
+    return (
+        f"{ways};\n"
+        "# measure each before a run (ARGS: the arguments the run was given):\n"
+        f"oomkit predict {on} -- ARGS\n"
+        f"oomkit fit {on}{batch_arg} -- ARGS  # the largest batch that fits"
     )
 
 

@@ -27,7 +27,7 @@ from oomkit.diagnose._context import (
     memory_paragraph,
     own_and_others,
 )
-from oomkit.diagnose._remedy_code import setting_code
+from oomkit.diagnose._remedy_code import setting_code, workload_code
 from oomkit.diagnose.oom_text import OomText, failed_library
 from oomkit.diagnose.records import CAUSES, Cause, Finding, Remedy
 from oomkit.errors import OomTextError
@@ -103,11 +103,6 @@ _CACHE_NOTABLE_BYTES = 2**30
 # Above this share of the device in tensors, the workload's own remedies are offered whatever
 # the cause (issue 35 item 6): the room any other remedy wins is small next to the tensors.
 _WORKLOAD_SHARE = 0.8
-_WORKLOAD_CODE = (
-    "# a smaller batch with gradient accumulation (same global batch), activation checkpointing\n"
-    "# (torch.utils.checkpoint), bf16/fp16 mixed precision (torch.autocast), an 8-bit optimizer;\n"
-    "# `oomkit predict` or `oomkit fit` measure each on your step"
-)
 
 
 def diagnose_oom_text(
@@ -157,8 +152,7 @@ def diagnose_oom_text(
     elif parsed.variant == "fraction_rejected":
         diagnosis = _fraction_rejected(parsed)
     else:
-        script = None if location is None else location.script
-        diagnosis = _from_figures(parsed, gpu, expandable_segments, script)
+        diagnosis = _from_figures(parsed, gpu, expandable_segments, location)
     spec = matched_gpu(parsed, gpu)
     return replace(
         diagnosis,
@@ -171,7 +165,7 @@ def _from_figures(
     parsed: OomText,
     gpu: GpuSpec | None,
     expandable_segments: bool | None = None,
-    script: str | None = None,
+    location: OomLocation | None = None,
 ) -> Diagnosis:
     """Causes ranked by what would have let the request succeed.
 
@@ -359,7 +353,8 @@ def _from_figures(
         expandable_on=bool(expandable_segments),
         device_usable=device_usable,
         limited=limited,
-        script=script,
+        location=location,
+        gpu=_gpu_flag(parsed, gpu),
     )
     warnings += figure_warnings(
         parsed, held_bytes=max(r, a + p), cached_bytes=u, expandable_segments=expandable_segments
@@ -372,6 +367,17 @@ def _from_figures(
         deficit_bytes=deficit,
         warnings=tuple(warnings),
     )
+
+
+def _gpu_flag(parsed: OomText, gpu: GpuSpec | None) -> str | None:
+    """The ``--gpu`` value naming the OOM's device in a command: its catalog name where it is
+    one (given, or matched by the message's total memory), else its total memory as a size;
+    None where the message gives none."""
+    spec = matched_gpu(parsed, gpu)
+    if spec is not None and spec.aliases:
+        return spec.aliases[0]
+    total = spec.total_memory_bytes if spec is not None else parsed.total_bytes
+    return None if not total else f"{total / 2**30:.2f}GiB"
 
 
 def _remedies(
@@ -387,9 +393,11 @@ def _remedies(
     expandable_on: bool = False,
     device_usable: int = 0,
     limited: bool = False,
-    script: str | None = None,
+    location: OomLocation | None = None,
+    gpu: str | None = None,
 ) -> tuple[Remedy, ...]:
     causes = {finding.cause for finding in findings}
+    script = None if location is None else location.script
     remedies: list[Remedy] = []
     if "fraction_limit" in causes and parsed.allowed_bytes is not None and t:
         remedies.append(
@@ -439,7 +447,7 @@ def _remedies(
                 else "reduce memory per step",
                 None,
                 "low",
-                _WORKLOAD_CODE,
+                workload_code(script, None if location is None else location.trainer, gpu),
                 (
                     f"Tensors need about {format_bytes(over)} more than the per-process memory "
                     "fraction allows; raising it (above) or using less memory helps."

@@ -19,7 +19,8 @@ standard library) and the phase the frames show, from the PyTorch functions on t
 
 The innermost frame that shows one of these decides. The traceback's outermost frame names the
 script Python ran (``File "/home/me/train.py", line 210, in <module>``), which the remedies'
-commands name instead of a placeholder.
+commands name instead of a placeholder; a frame of a trainer's loop (transformers/trainer.py,
+Lightning's) names the trainer, whose own arguments the remedies then use.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ from typing import Literal
 
 from oomkit._lazy import LazyPattern
 
-__all__ = ["OomLocation", "Phase", "find_oom_location"]
+__all__ = ["OomLocation", "Phase", "Trainer", "find_oom_location"]
 
 Phase = Literal["forward", "loss", "backward", "optimizer state creation", "optimizer step"]
+# The training loop that ran the step, where a frame of it shows: Hugging Face's Trainer
+# (transformers/trainer.py; trl's trainers subclass it) or Lightning's (lightning/pytorch/,
+# pytorch_lightning/).
+Trainer = Literal["transformers", "lightning"]
 
 _TRACEBACK = "Traceback (most recent call last):"
 # The patterns are compiled when first matched (issue 41 item 4: start-up).
@@ -70,6 +75,8 @@ class OomLocation:
         script: the file Python ran, as the traceback prints it: the outermost frame, where it
             is a file's top level (``<module>``) outside installed libraries; None otherwise
             (``python -m``, whose first frames are runpy's; a notebook cell; ``python -c``).
+        trainer: the trainer whose loop ran the step (a frame of it is on the stack); None
+            where none shows.
     """
 
     path: str
@@ -78,6 +85,7 @@ class OomLocation:
     source: str
     phase: Phase | None
     script: str | None = None
+    trainer: Trainer | None = None
 
     @property
     def label(self) -> str:
@@ -143,6 +151,17 @@ def _phase(frames: list[_Frame]) -> Phase | None:
     return None
 
 
+def _trainer(frames: list[_Frame]) -> Trainer | None:
+    """The trainer whose loop a frame belongs to, or None."""
+    for frame in frames:
+        path = frame.path.replace("\\", "/")
+        if path.endswith("/transformers/trainer.py"):
+            return "transformers"
+        if "/lightning/pytorch/" in path or "/pytorch_lightning/" in path:
+            return "lightning"
+    return None
+
+
 def _one_rank(text: str, prefix: str) -> str:
     """The lines of ``text`` that start with ``prefix`` (``[rank0]:``), without it and the
     space after it: other ranks' lines interleave with them in a torchrun log."""
@@ -185,5 +204,11 @@ def find_oom_location(text: str) -> OomLocation | None:
         else None
     )
     return OomLocation(
-        frame.path, frame.line, frame.function, frame.source, _phase(frames), script
+        frame.path,
+        frame.line,
+        frame.function,
+        frame.source,
+        _phase(frames),
+        script,
+        _trainer(frames),
     )
