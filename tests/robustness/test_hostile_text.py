@@ -99,6 +99,41 @@ def test_a_frame_name_with_markup_is_printed_literally(tmp_path):
     assert "[/bogus][bold]st\\x1bep" in result.stdout
 
 
+# A traceback around a shortage with a fragmented cache on an A100 80GB: both the allocator
+# setting's and the workload's remedy quote the script the traceback names.
+_TRACEBACK = """Traceback (most recent call last):
+  File "/home/{text}/train.py", line 3, in <module>
+    {text}
+  File "/usr/lib/python3.11/site-packages/transformers/trainer.py", line 2241, in train
+    return inner_training_loop(
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total \
+capacity of 79.25 GiB of which 2.14 GiB is free. Including non-PyTorch memory, this process has \
+77.10 GiB memory in use. Of the allocated memory 71.21 GiB is allocated by PyTorch, and 5.37 GiB \
+is reserved by PyTorch but unallocated.
+""".replace("\\\n", "")
+
+
+@settings(max_examples=25, deadline=None)
+@given(text=hostile_text)
+def test_a_script_path_a_traceback_names_is_printed_as_written_in_the_remedies(text):
+    """explain TEXT whose traceback names a script, and a source line, holding escapes and
+    markup: the remedies' commands quote the path as written (ESC as \\x1b), nothing reaches
+    the terminal raw, nothing is styled; a path a carriage return splits names no script."""
+    import shlex
+    import tempfile
+
+    from oomkit.interfaces.reports._untrusted import controls_shown
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "oom.log").write_text(_TRACEBACK.format(text=text), newline="")
+        result = run_oomkit(["explain", "oom.log"], cwd=Path(folder))
+    _assert_printed_safely(result)
+    quoted = controls_shown(shlex.quote(f"/home/{text}/train.py"))
+    if "\r" not in text:
+        assert f"python {quoted}\n" in result.stdout, result.stdout
+        assert f"oomkit predict {quoted} --gpu a100-80gb -- ARGS" in result.stdout
+
+
 @FEW
 @given(text=hostile_text)
 def test_a_device_name_from_a_monitor_log_is_printed_as_written(tmp_path_factory, text):

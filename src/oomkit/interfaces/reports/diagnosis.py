@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from oomkit.diagnose.diagnosis import Diagnosis, Remedy
-from oomkit.interfaces.reports._untrusted import as_written
+from oomkit.interfaces.reports._untrusted import as_written, controls_shown
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -176,7 +176,8 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console) -> None:
         for i, remedy in enumerate(diagnosis.remedies, 1):
             console.print(remedy_headline(i, remedy))
             console.print(f"   [dim]{as_written(remedy.why)}[/dim]")
-            for line in remedy.code.splitlines():
+            # The code may quote the input (the script a traceback names): shown as written.
+            for line in controls_shown(remedy.code).splitlines():
                 console.print(f"     {line}", markup=False, highlight=False, soft_wrap=True)
     if diagnosis.attribution is not None:
         _render_attribution(diagnosis.attribution, console)
