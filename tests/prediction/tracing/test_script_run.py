@@ -570,3 +570,45 @@ def test_two_optimizers_stepping_are_said_to_split_the_steps(tmp_path):
     _write(tmp_path, "train.py", PLAIN_LOOP)
     plain = record_script(tmp_path / "train.py", [], steps=2, target=RTX4090, cwd=tmp_path)
     assert not any("optimizers stepped" in note for note in plain.notes)
+
+
+WARNING_SCRIPT = '''
+import warnings
+import torch
+
+warnings.warn("old api", FutureWarning)
+model = torch.nn.Linear(8, 8).to("cuda")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    warnings.warn("recorded by the script", UserWarning)
+print("caught", len(caught))
+for _ in range(3):
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    if _ == 1:
+        warnings.warn("in the loop", UserWarning)
+    opt.step()
+'''
+
+
+def test_a_script_s_warnings_are_shown_once_across_its_runs(tmp_path, capsys):
+    """Each run of a script is a new __main__ with a new warning registry: a batch search's runs
+    had printed its warnings again each time. Now each place's warning is shown by the first
+    run only; a warning the script catches itself still reaches it in every run."""
+    import warnings
+
+    _write(tmp_path, "warns.py", WARNING_SCRIPT)
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, category, *rest: shown.append(
+            f"{category.__name__}: {message}"
+        )
+        hook = warnings.showwarning
+        for _ in range(3):
+            record_script(tmp_path / "warns.py", [], steps=2, target=RTX4090, cwd=tmp_path)
+        assert warnings.showwarning is hook
+    assert capsys.readouterr().out.count("caught 1") == 3
+    assert shown.count("FutureWarning: old api") == 1, shown
+    assert shown.count("UserWarning: in the loop") == 1, shown
+    assert not [line for line in shown if "recorded by the script" in line]

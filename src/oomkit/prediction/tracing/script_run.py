@@ -171,6 +171,36 @@ class ScriptRun:
         return self.spec.description
 
 
+# The script's warnings already shown in this process: (message, category, file, line).
+_WARNINGS_SHOWN: set[tuple[str, type, str, int]] = set()
+
+
+@contextlib.contextmanager
+def _warnings_once() -> Iterator[None]:
+    """While open, a warning the script's runs have shown in this process is not shown again.
+
+    Python's default action shows a warning once per place, in the registry of the module that
+    issued it; a script is a new ``__main__`` each run, with a new registry, so each of the runs
+    a batch search makes (``oomkit fit train.py``) printed the script's FutureWarnings again. A
+    warning a filter or ``catch_warnings`` handles is theirs: only the showing is deduplicated.
+    """
+    previous = warnings.showwarning
+
+    def once(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        key = (str(message), category, filename, lineno)
+        if key not in _WARNINGS_SHOWN:
+            _WARNINGS_SHOWN.add(key)
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = once
+    try:
+        yield
+    finally:
+        if warnings.showwarning is once:  # the script may have put its own in place
+            warnings.showwarning = previous
+
+
 @contextlib.contextmanager
 def _as_main(path: Path, argv: tuple[str, ...], cwd: str | None) -> Iterator[None]:
     """``sys.argv``, ``sys.path`` and the working directory as ``python path *argv`` sets them;
@@ -426,6 +456,7 @@ def record_script(
                 raised = stack.enter_context(ooms_raised(_config_at_first_use(alloc_conf_variables())))
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
+            stack.enter_context(_warnings_once())
             stack.enter_context(os_exit_raises())
             try:
                 runpy.run_path(str(script), run_name="__main__")
