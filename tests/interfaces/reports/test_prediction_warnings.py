@@ -42,6 +42,16 @@ def test_benign_warnings_merge_into_one_info_line():
         "tensor values read only for logging got stand-ins"
     )
     assert split_warnings([REAL]) == ([REAL], "")
+    # The forward and backward ops in one note, as the recorder groups them.
+    both = CUDNN_FWD.replace(
+        "ran 96 time(s); its",
+        "ran 96 time(s), aten._scaled_dot_product_cudnn_attention_backward.default ran 96 "
+        "time(s); their",
+    )
+    assert split_warnings([both, REAL]) == (
+        [REAL],
+        "cuDNN attention workspaces are sized by cuDNN at run time and not included",
+    )
 
 
 def test_the_verdict_is_the_last_line():

@@ -305,7 +305,7 @@ def render_prediction(
 # prediction; a value read that was only logged or printed (a library's own ``.item()``
 # logging) decides no size.
 _BENIGN: tuple[tuple[str, str], ...] = (
-    ("its CUDA memory is emulated except any workspace the cuDNN", "cuDNN attention workspaces "
+    ("CUDA memory is emulated except any workspace the cuDNN", "cuDNN attention workspaces "
      "are sized by cuDNN at run time and not included"),
     ("never used as a size, a loop bound or a condition", "tensor values read only for "
      "logging got stand-ins"),

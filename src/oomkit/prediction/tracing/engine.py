@@ -113,6 +113,18 @@ class CudaEmulationEngine:
         self.assumptions: dict[str, str] = {}
         self.sites: list[tuple[str, tuple[int, ...], int]] = []
 
+    def partial_warnings(self) -> list[str]:
+        """One warning per part of the CUDA memory left out, naming each op that leaves it out
+        (a convolution's forward and backward both leave out cuDNN's workspace)."""
+        ran_by_part: dict[str, list[str]] = {}
+        for (name, what), count in sorted(self.partial_calls.items()):
+            ran_by_part.setdefault(what, []).append(f"{name} ran {count} time(s)")
+        return [
+            f"{', '.join(ran)}; {'its' if len(ran) == 1 else 'their'} CUDA memory is emulated "
+            f"except {what}, which is not included"
+            for what, ran in ran_by_part.items()
+        ]
+
     # ------------------------------------------------------------------ interception
 
     def emulation(self, name: str) -> OpEmulation | None:

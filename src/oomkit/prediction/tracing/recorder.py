@@ -546,11 +546,7 @@ class Tracer:
                 f"{name} ran {count} time(s) and is recorded as meta runs it; its CUDA memory "
                 f"({reason}) is not emulated yet"
             )
-        for (name, what), count in sorted(self._engine.partial_calls.items()):
-            yield (
-                f"{name} ran {count} time(s); its CUDA memory is emulated except {what}, which "
-                "is not included"
-            )
+        yield from self._engine.partial_warnings()
         if self._autocast is not None:
             yield from self._autocast.warnings()
         yield from grad_scaler_warnings(self._grad_scaler_steps)
