@@ -117,8 +117,6 @@ Device: the allocator may reserve 80.00 GiB (--capacity: nothing subtracted).
   10   max_split_size_mb:128         70.00 MiB         0 B         2 / 0         0
 
 14 more setting(s) ranked lower; --json lists them all.
-gc-without-fraction: garbage_collection_threshold does nothing without a per-process memory fraction below 1.0
-(per_process_memory_fraction or torch.cuda.set_per_process_memory_fraction)
 max-split-with-expandable: max_split_size_mb with expandable_segments: a free block of at least max_split_size inside an
 expandable segment is never reused by a smaller request, so reserved memory can grow without bound across alloc/free
 cycles (PyTorch issue #123548); use one or the other
@@ -127,7 +125,8 @@ Best: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  saves 30.00 MiB of peak 
 
 
 def test_tune_human_output_golden(tmp_path, capsys, monkeypatch):
-    """At 120 columns without colour: the top-10 table, the flag reasons, then the best line."""
+    """At 120 columns without colour: the top-10 table, the reasons of the flags it shows (not
+    gc-without-fraction: only a row left out has it), then the best line."""
     monkeypatch.setenv("COLUMNS", "120")
     path = _trace(tmp_path)
     assert main(["tune", str(path)]) == 0

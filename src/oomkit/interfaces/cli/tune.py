@@ -258,7 +258,8 @@ def _render(result, path: Path, recorded: str | None, target: Device) -> None:
     hidden = len(result.candidates) - len(shown)
     if hidden > 0:
         console.print(f"{hidden} more setting(s) ranked lower; --json lists them all.")
-    for flag in sorted({f for c in result.candidates for f in c.flags}):
+    # The legend of the flags in the table; the rows left out carry theirs in --json.
+    for flag in sorted({f for c in shown for f in c.flags}):
         console.print(f"[bold]{flag}[/]: {as_written(FLAG_REASONS.get(flag, flag))}")
     for warning in result.warnings:
         _print_warning(console, warning)
