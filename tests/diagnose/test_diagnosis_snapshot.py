@@ -256,6 +256,64 @@ def test_set_max_split_size_call_gets_the_note(tmp_path):
     assert note.saving_bytes is None
 
 
+@pytest.mark.parametrize(
+    ("python_frames", "script"),
+    [
+        # `python "/home/me/my run/train.py"`: its top level is the outermost Python frame,
+        # inside the C++ frames stacks="all" records around it.
+        ((("/home/me/my run/train.py", 30, "<module>"),), "/home/me/my run/train.py"),
+        # python -m: runpy's frames are outermost; a notebook's kernel; a thread's stack.
+        ((("/usr/lib/python3.11/runpy.py", 88, "_run_code"),), None),
+        ((("/opt/conda/lib/python3.11/site-packages/ipykernel_launcher.py", 18, "<module>"),),
+         None),
+        ((("/usr/lib/python3.11/threading.py", 995, "_bootstrap"),), None),
+    ],
+)
+def test_a_setting_s_command_runs_the_script_the_recorded_stacks_show(
+    tmp_path, python_frames, script
+):
+    """The set_max_split_size note's command (an allocator setting's, as the replayed settings'
+    are) runs the script whose top level the stacks show, quoted for the shell; else train.py."""
+    frames = (
+        Frame("??", 0, "c10::cuda::CUDACachingAllocator::malloc"),
+        Frame("/home/me/lib/alloc.py", 4, "set_max_split_size"),
+        *(Frame(*frame) for frame in python_frames),
+        Frame("??", 0, "_start"),
+    )
+    events = [TraceEvent("alloc", 0x1000, 512, frames=frames)]
+    segments = [
+        {
+            "address": 0x1000,
+            "total_size": 2 * MiB,
+            "blocks": [
+                {"address": 0x1000, "size": 512, "state": "active_allocated"},
+                {"address": 0x1200, "size": 2 * MiB - 512, "state": "inactive"},
+            ],
+        }
+    ]
+    d = diagnose_snapshot(
+        load_snapshot(write_snapshot(tmp_path / "s.pickle", segments, {0: events}))
+    )
+    note = next(r for r in d.remedies if "max_split_size_mb through" in r.title)
+    command = "'/home/me/my run/train.py'" if script else "train.py"
+    assert f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:256 python {command}\n" in note.code
+
+
+@pytest.mark.skipif(not REAL, reason="shared snapshots not available")
+def test_the_shared_snapshots_name_their_scripts_where_python_ran_one():
+    """Of the real snapshots: the octree study's stacks show its script, and its replayed
+    expandable-segments remedy runs it; a notebook's (ipykernel) show none."""
+    folder = SHARED / "HugePandaCoder__octree-nca-groupeq"
+    d = diagnose_snapshot(load_snapshot(folder / "e67173f362__my_snapshot.pickle"))
+    expandable = next(r for r in d.remedies if r.title == "expandable segments")
+    assert expandable.code.splitlines()[1] == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python "
+        "/gris/gris-f/homestud/nlemke/NCA/octree_nca_studies.py"
+    )
+    notebook = diagnose_snapshot(load_snapshot(folder / "0cc72993c8__my_snapshot.pickle"))
+    assert all("python /" not in r.code for r in notebook.remedies)
+
+
 def test_unknown_device_is_refused(diagnoses, tmp_path):
     """Asking for a device the snapshot does not hold raises UnknownDeviceError naming it."""
     path = CASES[0].build(tmp_path / "s.pickle")

@@ -58,6 +58,7 @@ def allocator_remedies(
     *,
     capacity_bytes: int | None,
     torch_version: str | None = None,
+    script: str | None = None,
 ) -> tuple[list[Remedy], list[str]]:
     """Allocator settings that lower the recorded workload's peak, priced by replay.
 
@@ -68,6 +69,8 @@ def allocator_remedies(
             the OOM); a setting is offered only if the replay at this capacity does not run out.
             None when no OOM was recorded.
         torch_version: the PyTorch version to model (None: inferred from the file).
+        script: the script the recorded stacks show Python running, which the settings'
+            commands run (None: ``train.py``).
 
     Returns:
         The remedies (at most one ``max_split_size_mb`` value: the best) and warnings.
@@ -126,7 +129,7 @@ def allocator_remedies(
                 else f"allocator setting {setting}",
                 saving,
                 "high" if served else "medium",
-                setting_code(setting),
+                setting_code(setting, script),
                 f"Replaying the recorded trace with {setting} needs {format_bytes(saving)} less "
                 "reserved memory than the default"
                 + (" and serves the request that failed" if served else "")
@@ -273,15 +276,16 @@ def spike_remedy(spike_bytes: int, site: str | None) -> Remedy:
     )
 
 
-def set_max_split_size_note(frames: Sequence[Frame]) -> Remedy | None:
-    """A note for code that calls a ``set_max_split_size`` method, which PyTorch does not have."""
+def set_max_split_size_note(frames: Sequence[Frame], script: str | None = None) -> Remedy | None:
+    """A note for code that calls a ``set_max_split_size`` method, which PyTorch does not have
+    (its command runs ``script``, as ``allocator_remedies``' do)."""
     if not any("set_max_split_size" in f.name for f in frames):
         return None
     return Remedy(
         "set max_split_size_mb through the allocator settings",
         None,
         "high",
-        setting_code("max_split_size_mb:256"),
+        setting_code("max_split_size_mb:256", script),
         "There is no public allocator object with a set_max_split_size method; the setting is "
         "read from PYTORCH_CUDA_ALLOC_CONF or torch.cuda.memory._set_allocator_settings. "
         "Check that it helps first (`oomkit tune SNAPSHOT`).",

@@ -31,7 +31,7 @@ from typing import Literal
 
 from oomkit._lazy import LazyPattern
 
-__all__ = ["OomLocation", "Phase", "Trainer", "find_oom_location"]
+__all__ = ["OomLocation", "Phase", "Trainer", "find_oom_location", "script_of"]
 
 Phase = Literal["forward", "loss", "backward", "optimizer state creation", "optimizer step"]
 # The training loop that ran the step, where a frame of it shows: Hugging Face's Trainer
@@ -162,6 +162,16 @@ def _trainer(frames: list[_Frame]) -> Trainer | None:
     return None
 
 
+def script_of(path: str, function: str) -> str | None:
+    """The script Python ran, from the outermost Python frame of a stack (``path``, its
+    ``function``): the file, where the frame is its top level (``<module>``) outside installed
+    libraries; None for ``python -m`` (runpy's frames), a notebook cell, ``python -c``, a
+    thread's stack (threading.py) or a stack cut short."""
+    if function != "<module>" or _LIBRARY.search(path) is not None:
+        return None
+    return None if _NOT_A_SCRIPT.search(path) is not None else path
+
+
 def _one_rank(text: str, prefix: str) -> str:
     """The lines of ``text`` that start with ``prefix`` (``[rank0]:``), without it and the
     space after it: other ranks' lines interleave with them in a torchrun log."""
@@ -195,14 +205,7 @@ def find_oom_location(text: str) -> OomLocation | None:
     users = [f for f in frames if _LIBRARY.search(f.path) is None]
     # The innermost frame of the user's code; a trace all inside libraries keeps its outermost.
     frame = users[-1] if users else frames[0]
-    first = frames[0]
-    script = (
-        first.path
-        if first.function == "<module>"
-        and _LIBRARY.search(first.path) is None
-        and _NOT_A_SCRIPT.search(first.path) is None
-        else None
-    )
+    script = script_of(frames[0].path, frames[0].function)
     return OomLocation(
         frame.path,
         frame.line,

@@ -29,6 +29,7 @@ from oomkit.core.allocator import round_size
 from oomkit.core.gpus import DEFAULT_CONTEXT_OVERHEAD_BYTES, GpuSpec
 from oomkit.core.replay import config_from_settings, recorded_torch_version
 from oomkit.core.snapshot import Snapshot, SnapshotSegment
+from oomkit.core.trace import TraceEvent
 from oomkit.diagnose._model_remedies import caught_oom_remedy, estimated_model_remedies
 from oomkit.diagnose._remedies import (
     allocator_remedies,
@@ -47,6 +48,7 @@ from oomkit.diagnose.attribution import (
 )
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
 from oomkit.diagnose.oom_text import OomText
+from oomkit.diagnose.oom_traceback import script_of
 from oomkit.errors import UnknownDeviceError
 from oomkit.units import format_bytes
 
@@ -313,6 +315,7 @@ def diagnose_snapshot(
     """
     device = _pick_device(snapshot, device)
     events = snapshot.trace_for(device)
+    script = _script_recorded(events)
     segments = snapshot.segments_for(device)
     version = torch_version if torch_version is not None else recorded_torch_version(snapshot)
     config, settings_warnings = config_from_settings(snapshot.allocator_settings, version)
@@ -459,11 +462,11 @@ def diagnose_snapshot(
         if oom_index is not None:
             capacity = r + events[oom_index].address
         priced, replay_warnings = allocator_remedies(
-            snapshot, device, capacity_bytes=capacity, torch_version=version
+            snapshot, device, capacity_bytes=capacity, torch_version=version, script=script
         )
         remedies += priced
         warnings += replay_warnings
-    note = set_max_split_size_note([fr for ev in events for fr in ev.frames])
+    note = set_max_split_size_note([fr for ev in events for fr in ev.frames], script)
     remedies += [note] if note is not None else []
     attribution = attribute(history, index, moment)
     if not exceeds and any(f.cause in ("shortage", "transient_spike") for f in findings):
@@ -559,6 +562,24 @@ def _steady_level(history: TraceHistory, iterations: Iterations | None, upto: in
     if start <= 0 or min(history.allocated_bytes[: upto + 1], default=start) < start:
         return None
     return start
+
+
+# The events searched for a stack that shows the script (a bound on a long trace's time; the
+# main thread's allocations show it from the first).
+_SCRIPT_SEARCH_EVENTS = 10_000
+
+
+def _script_recorded(events: Sequence[TraceEvent]) -> str | None:
+    """The script the recorded stacks show Python running: the outermost Python frame of an
+    event's stack (``_record_memory_history(stacks="all")`` puts C++ frames around them; only
+    ``.py`` files are Python's), where it is a script's top level (``script_of``)."""
+    for event in events[:_SCRIPT_SEARCH_EVENTS]:
+        python = [frame for frame in event.frames if frame.filename.endswith(".py")]
+        if python:
+            script = script_of(python[-1].filename, python[-1].name)
+            if script is not None:
+                return script
+    return None
 
 
 def _dedupe(remedies: list[Remedy]) -> list[Remedy]:
