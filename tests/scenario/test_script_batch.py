@@ -16,6 +16,7 @@ from oomkit.scenario.script_batch import (
     batch_arg_of,
     batch_in_argv,
     named_batch_args,
+    parser_batch_args,
     script_argv,
 )
 
@@ -174,6 +175,51 @@ def test_which_argument_is_varied_is_the_users_to_say_when_not_one():
         batch_arg_of("t.py", ["--lr", "1"], None)
 
 
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('p.add_argument("-b", "--batch-size", type=int)\np.add_argument("--lr")', ["--batch-size"]),
+        ('group.add_argument("--batch_size", default=8)', ["--batch_size"]),
+        ('p.add_argument("-bs", dest="batch_size")', ["-bs"]),
+        ('p.add_argument("--batch-size")\np.add_argument("--eval-batch-size")',
+         ["--batch-size", "--eval-batch-size"]),
+        # not argparse's options: a positional, a non-constant name, a dict key
+        ('p.add_argument("batch_size")\np.add_argument(NAME)\nd = {"--bs": 1}', []),
+        ("def broken(:\n", []),
+    ],
+)
+def test_the_batch_options_the_script_s_parser_defines_are_found(tmp_path, source, found):
+    (tmp_path / "t.py").write_text(source)
+    assert parser_batch_args(str(tmp_path / "t.py")) == found
+
+
+def test_which_parser_option_is_varied_and_when_it_is_the_user_s_to_say(tmp_path):
+    """The script's arguments come first; else its parser's one batch option; its several
+    are the user's to choose among; a missing, unreadable or huge file names none."""
+    script = tmp_path / "t.py"
+    script.write_text('p.add_argument("--batch-size")\np.add_argument("--micro_bs")')
+    with pytest.raises(OomkitError, match=r"parser has 2 batch-size options \(--batch-size, "
+                       r"--micro_bs\): say which one fit varies with --batch-arg"):
+        batch_arg_of(str(script), [], None)
+    assert batch_arg_of(str(script), ["--micro_bs", "4"], None) == "--micro_bs"
+    script.write_text('p.add_argument("-b", "--batch-size")')
+    assert batch_arg_of(str(script), ["--lr", "1"], None) == "--batch-size"
+    assert parser_batch_args(str(tmp_path / "missing.py")) == []
+    assert parser_batch_args(str(tmp_path)) == []  # a folder
+    script.write_text('p.add_argument("--batch-size")\n' + "#" * (3 * 2**20))
+    assert parser_batch_args(str(script)) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(content=st.binary(max_size=300))
+def test_any_bytes_as_a_script_are_read_without_raising(tmp_path_factory, content):
+    """Hostile or broken script files (bad encodings, null bytes, deep nesting): no options
+    found, or the ones parsed, never an exception."""
+    folder = tmp_path_factory.mktemp("s")
+    (folder / "t.py").write_bytes(content + b"\n" + b"(" * 200 + b")" * 200)
+    assert isinstance(parser_batch_args(str(folder / "t.py")), list)
+
+
 @settings(max_examples=60, deadline=None)
 @given(name=st.text(min_size=1, max_size=12).filter(
     lambda n: not n.strip("-") or "=" in n or any(c.isspace() or not c.isprintable() for c in n)
@@ -235,6 +281,20 @@ def test_fit_finds_the_batch_argument_the_script_is_given(tmp_path, capsys):
                         max_batch=64)
     assert (answer.batch_size, answer.batch_arg) == (64, "--batch-size")
     assert answer.peak_reserved_bytes == out["peak_reserved_bytes"]
+
+
+def test_fit_finds_the_batch_option_the_script_s_parser_defines(tmp_path, capsys):
+    """`oomkit fit s.py --gpu 4GiB`, no arguments: the parser's --batch-size is searched (from
+    1), the answer the one --batch-arg --batch-size gives."""
+    script = _write(tmp_path, "s.py", SCRIPT)
+    out = _fit_json(capsys, script, "--gpu", "4GiB", "--max-batch", "64")
+    named = _fit_json(capsys, script, "--gpu", "4GiB", "--max-batch", "64", "--batch-arg",
+                      "--batch-size")
+    assert out["batch_arg"] == "--batch-size"
+    assert out["probe_order"][0] == 1
+    assert out["batch_size"] == named["batch_size"] == 64
+    assert out["peak_reserved_bytes"] == named["peak_reserved_bytes"]
+    assert out["description"] == f"python {script} --batch-size=64"
 
 
 def test_predict_batch_reaches_a_script_through_its_batch_argument(tmp_path):
@@ -322,9 +382,11 @@ def test_smallest_gpu_checks_a_scripts_batch(tmp_path, capsys):
     ],
 )
 def test_fit_of_a_script_refuses_what_it_cannot_vary(tmp_path, capsys, words, said):
+    """The first: neither the arguments nor the script's parser name a batch size."""
     from oomkit.interfaces.cli import main
 
-    script = _write(tmp_path, "s.py", SCRIPT)
+    text = SCRIPT if "--" in words else SCRIPT.replace('"--batch-size"', '"--width"')
+    script = _write(tmp_path, "s.py", text)
     assert main(["fit", script, *words]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert said in err and "Traceback" not in err

@@ -1,7 +1,8 @@
 """A whole script's batch, set through its own argument (``oomkit fit train.py -- ARGS``).
 
 ``oomkit fit train.py --batch-arg --batch_size -- ARGS`` searches the batch the script reads as
-``--batch_size``; without ``--batch-arg``, the one batch-size argument in ARGS is varied.
+``--batch_size``; without ``--batch-arg``, the one batch-size argument in ARGS is varied, else
+the one batch-size option the script's argparse parser defines (read from its source).
 
 A script takes its batch from its command line, under a name of its own (``--batch_size`` for
 nanoGPT, ``--per_device_train_batch_size`` for the Hugging Face Trainer, ``data.batch_size=`` for
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomkit.errors import ConfigError, OomkitError
@@ -25,7 +27,14 @@ if TYPE_CHECKING:
     from oomkit.plan.batch_probe import RecordingBuilder
     from oomkit.scenario.model import Scenario
 
-__all__ = ["ScriptBatches", "batch_arg_of", "batch_in_argv", "named_batch_args", "script_argv"]
+__all__ = [
+    "ScriptBatches",
+    "batch_arg_of",
+    "batch_in_argv",
+    "named_batch_args",
+    "parser_batch_args",
+    "script_argv",
+]
 
 # A script argument that names a batch size: `--batch_size`, `--batch-size`, `--bs`,
 # `--per_device_train_batch_size`, `data.batch_size=` (Hydra / LightningCLI), `--batch`.
@@ -104,9 +113,49 @@ def named_batch_args(argv: Sequence[str]) -> list[str]:
     return names
 
 
+# A script read for its parser's options at most this large: a training script is a few
+# hundred kB at most; a larger file is not parsed (its batch argument is then the user's to say).
+_MAX_SCRIPT_BYTES = 2 * 2**20
+
+
+def parser_batch_args(script: str) -> list[str]:
+    """The options the script's own argparse parser names as a batch size, as it spells them
+    (``parser.add_argument("-b", "--batch-size", ...)`` gives ``--batch-size``), read from its
+    source without running it; none where it cannot be read or parsed."""
+    import ast
+
+    try:
+        path = Path(script)
+        if not path.is_file() or path.stat().st_size > _MAX_SCRIPT_BYTES:
+            return []
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            continue
+        options = [
+            arg.value
+            for arg in node.args
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            and arg.value.startswith("-")
+        ]
+        # The long spelling where there is one: argparse takes either; ours is the readable.
+        spelled = [o for o in options if o.startswith("--")] or options
+        if any(_BATCH_NAME.search(o.lstrip("-")) for o in options) and spelled[0] not in names:
+            names.append(spelled[0])
+    return names
+
+
 def batch_arg_of(script: str, argv: Sequence[str], given: str | None) -> str:
     """The argument that sets the script's batch: ``given`` (``--batch-arg``), else the one
-    argument in ``argv`` named as a batch size with a number (``--batch_size=8``).
+    argument in ``argv`` named as a batch size with a number (``--batch_size=8``), else the one
+    option the script's argparse parser names as a batch size (``parser_batch_args``).
 
     Raises:
         OomkitError: none is given and ``argv`` holds none, or several, so which to vary is
@@ -117,11 +166,19 @@ def batch_arg_of(script: str, argv: Sequence[str], given: str | None) -> str:
     named = named_batch_args(argv)
     if len(named) == 1:
         return named[0]
+    parsed = [] if named else parser_batch_args(script)
+    if len(parsed) == 1:
+        return parsed[0]
     example = f"`oomkit fit {script} --batch-arg --batch_size -- ARGS`"
     if named:
         raise OomkitError(
             f"the script's arguments give {len(named)} batch sizes ({', '.join(named)}): say "
             f"which one fit varies with --batch-arg (e.g. --batch-arg {named[0]})"
+        )
+    if parsed:
+        raise OomkitError(
+            f"{script}'s parser has {len(parsed)} batch-size options ({', '.join(parsed)}): say "
+            f"which one fit varies with --batch-arg (e.g. --batch-arg {parsed[0]})"
         )
     raise OomkitError(
         f"{script} is a whole script, which reads its batch from its own arguments: give it "
