@@ -307,6 +307,10 @@ def test_predict_batch_reaches_a_script_through_its_batch_argument(tmp_path):
     assert via.peak_reserved_bytes == given.peak_reserved_bytes
     assert via.peak_allocated_bytes == given.peak_allocated_bytes
     assert via.description == f"{script} --batch-size 24"
+    # Without the argument in ARGS: the option the script's parser defines.
+    parsed = oomkit.predict(script, batch=24, gpu="rtx4090")
+    assert parsed.peak_reserved_bytes == given.peak_reserved_bytes
+    assert parsed.description == f"{script} --batch-size=24"
 
 
 def test_an_argument_that_sizes_nothing_is_refused_naming_it(tmp_path, capsys):

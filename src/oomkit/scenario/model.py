@@ -185,10 +185,10 @@ class Scenario(_Section):
         if kind == "script":
             # --batch reaches a script through its own argument (--batch-arg); the others
             # only as its arguments after --.
-            from oomkit.scenario.script_batch import named_batch_args
+            from oomkit.scenario.script_batch import batch_arg_known
 
-            varied = self.model.script_batch_arg is not None or (
-                len(named_batch_args(self.model.script_args)) == 1
+            varied = batch_arg_known(
+                self.model.script or "", self.model.script_args, self.model.script_batch_arg
             )
             sized = ("seq", "image_size") if varied else ("batch", "seq", "image_size")
             sizes = [n for n in sized if getattr(self.step, n) is not None]

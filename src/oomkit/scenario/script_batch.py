@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ScriptBatches",
+    "batch_arg_known",
     "batch_arg_of",
     "batch_in_argv",
     "named_batch_args",
@@ -185,6 +186,15 @@ def batch_arg_of(script: str, argv: Sequence[str], given: str | None) -> str:
         f"after -- (e.g. `-- --batch_size=8`), or name the argument with --batch-arg as the "
         f"script's parser spells it (e.g. {example})"
     )
+
+
+def batch_arg_known(script: str, argv: Sequence[str], given: str | None) -> bool:
+    """Whether ``batch_arg_of`` names the script's batch argument (``--batch N`` can reach it)."""
+    try:
+        batch_arg_of(script, argv, given)
+    except OomkitError:
+        return False
+    return True
 
 
 class ScriptBatches:

@@ -85,9 +85,13 @@ def test_a_bigger_batch_of_the_script_needs_more(script, capsys):
 
 
 def test_sizes_for_a_script_are_refused_with_its_arguments_named(script, capsys):
-    """--batch sizes a preset or a builder: for a script it exits 2 pointing after `--`."""
-    assert main(["predict", str(script), "--batch", "8"]) == 2
+    """--seq sizes a preset or a builder, and --batch a script only through a batch argument
+    (its parser's --batch_size here): otherwise exit 2 pointing after `--`."""
+    assert main(["predict", str(script), "--seq", "128"]) == 2
     err = capsys.readouterr().err
     assert "a whole script" in err and "pass them after --" in err
+    script.write_text(script.read_text().replace('"--batch_size"', '"--width"'))
+    assert main(["predict", str(script), "--batch", "8"]) == 2
+    assert "pass them after --" in capsys.readouterr().err
     assert main(["fit", str(script)]) == 2
     assert "is a whole script" in capsys.readouterr().err
