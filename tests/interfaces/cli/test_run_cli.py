@@ -151,6 +151,30 @@ def test_caught_oom_is_mentioned(tmp_path, monkeypatch, capfd):
     assert "Cause:" not in err
 
 
+def test_a_script_named_first_runs_with_this_python_as_predict_takes_it(tmp_path, capfd):
+    """`oomkit run train.py -- --lr 3` (the form predict and fit take) is `oomkit run -- python
+    train.py --lr 3` with the Python running oomkit; it had been refused as "not a Python
+    script". A `--` the script is given later is its own."""
+    out = tmp_path / "seen.json"
+    script = _script(
+        tmp_path,
+        f"""
+        import json, sys
+        json.dump({{"argv": sys.argv, "python": sys.executable}}, open({str(out)!r}, "w"))
+        """,
+    )
+    assert main(["run", "--snapshot-dir", str(tmp_path / "s"), str(script), "--", "--lr", "3",
+                 "--", "x"]) == 0
+    assert json.loads(out.read_text()) == {
+        "argv": [str(script), "--lr", "3", "--", "x"],
+        "python": PY,
+    }
+    capfd.readouterr()
+    assert split_python_command([str(script), "-v"]) == (PY, [], [str(script), "-v"])
+    with pytest.raises(OomkitError, match="nothere.py: no such script"):
+        split_python_command(["nothere.py", "--", "-v"])
+
+
 @pytest.mark.parametrize(
     ("command", "message"),
     [

@@ -177,7 +177,8 @@ def add_script_command(parser: argparse.ArgumentParser) -> None:
         "script_command",
         nargs=argparse.REMAINDER,
         metavar="-- python SCRIPT [ARGS...]",
-        help="the command to run: python script.py ARGS or python -m module ARGS",
+        help="the command to run: python script.py ARGS, python -m module ARGS, or "
+        "script.py -- ARGS (run by the Python that runs oomkit)",
     )
 
 

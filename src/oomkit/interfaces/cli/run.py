@@ -43,6 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "run",
         help="run a Python script with OOM snapshots and diagnosis: oomkit run -- python train.py",
+        epilog="`oomkit run train.py -- ARGS` is `oomkit run -- python train.py ARGS` with the "
+        "Python that runs oomkit.",
         description="Run a Python script unmodified with CUDA memory-history recording (a ring "
         "buffer of --max-entries events) and an out-of-memory observer. On an OOM the snapshot "
         "is written to --snapshot-dir and the diagnosis printed. Exits with the script's own "
@@ -77,7 +79,8 @@ def split_python_command(
     command: list[str], *, by: str = "run"
 ) -> tuple[str, list[str], list[str]]:
     """Split ``python [options] script ARGS`` into interpreter, its options and the target,
-    for the command ``by`` (``run`` or ``experiment``, named in the errors).
+    for the command ``by`` (``run`` or ``experiment``, named in the errors). ``script.py [--]
+    ARGS`` is ``python script.py ARGS`` with this interpreter (``sys.executable``).
 
     Returns:
         ``(python, interpreter_options, target)`` where target is ``[script, *args]`` or
@@ -92,6 +95,15 @@ def split_python_command(
     if not command:
         raise OomkitError(f"no command to run. Usage: {usage}")
     python = command[0]
+    if python.endswith(".py") and not _PYTHON_NAME.match(os.path.basename(python)):
+        # `oomkit run train.py -- ARGS`, as predict and fit take a script: this interpreter
+        # runs it, and the `--` after the script separates oomkit's words from its own.
+        if not Path(python).is_file():
+            raise OomkitError(
+                f"{python}: no such script. Check the path (it is relative to {Path.cwd()})."
+            )
+        rest = command[1:]
+        return sys.executable, [], [python, *(rest[1:] if rest[:1] == ["--"] else rest)]
     if not _PYTHON_NAME.match(os.path.basename(python)) and os.path.realpath(
         python
     ) != os.path.realpath(sys.executable):
