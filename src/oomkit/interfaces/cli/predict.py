@@ -149,19 +149,29 @@ def _output(args: argparse.Namespace, prediction: Any, remedies: tuple[Any, ...]
 
 def _remedies(args: argparse.Namespace, scenario: Any, prediction: Any) -> tuple[Any, ...]:
     """The top three remedies of a step that does not fit, each measured by re-predicting the
-    step with it (``--no-remedies``: none); a preset or ``--hf`` model only (another step cannot
-    be rebuilt with a change)."""
+    step with it (``--no-remedies``: none); a preset or ``--hf`` model (another step cannot
+    be rebuilt with a change), or a whole script's batch argument, smaller
+    (``script_remedies``)."""
     from oomkit.interfaces.cli._progress import progress_bar, progress_enabled
 
     if prediction.fits or scenario.run.no_remedies or prediction.oom is None:
         return ()
+    show = progress_enabled(args, sys.stderr)
+    if scenario.model.script is not None:  # its own batch argument, smaller
+        from oomkit.scenario.run import predict
+        from oomkit.scenario.script_remedies import script_batch_remedy
+
+        with user_output_to_stderr(), progress_bar(
+            show, "measuring a smaller batch by predicting the script again (--no-remedies to skip)"
+        ) as bar:
+            remedy = script_batch_remedy(scenario, prediction, predict, bar)
+        return () if remedy is None else (remedy,)
     workload = prediction.workload
     if workload is None or workload.kind not in ("preset", "hf"):
         return ()
     from oomkit.diagnose.remedy_measurement import prediction_remedies
     from oomkit.scenario.run import tracing_jobs
 
-    show = progress_enabled(args, sys.stderr)
     with progress_bar(show, "measuring remedies by re-predicting (--no-remedies to skip)") as bar:
         # The single changes re-predicted --jobs at a time (oomkit's own builders: forked).
         return prediction_remedies(prediction, progress=bar, jobs=tracing_jobs(scenario))
