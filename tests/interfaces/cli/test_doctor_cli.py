@@ -77,3 +77,27 @@ def test_installed_torch_version_is_read_from_torch_version_py(tmp_path, monkeyp
     assert _installed_torch_version() == "9.9.9+cu999"
     (fake / "version.py").unlink()
     assert _installed_torch_version() == real  # the metadata, as before
+
+
+def test_doctor_checks_a_setting_given_with_alloc_conf(monkeypatch, capsys):
+    """--alloc-conf STR is checked as if PYTORCH_CUDA_ALLOC_CONF held it, whatever the
+    environment sets (its PYTORCH_ALLOC_CONF would shadow it); a bad value is exit 1 naming it;
+    a snapshot with it is refused; a setting given as SNAPSHOT points to --alloc-conf."""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    code = main(["doctor", "--alloc-conf", "expandable_segments:True,max_split_size_mb:128",
+                 "--torch-version", "2.13", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (out["source"], out["read_from"]) == ("--alloc-conf", "PYTORCH_CUDA_ALLOC_CONF")
+    assert out["config"]["expandable_segments"] is True
+    assert out["config"]["max_split_size_bytes"] == 128 * 2**20
+    assert main(["doctor", "--alloc-conf", "expandable_segments:Tru", "--torch-version", "2.13"]) == 1
+    assert "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:Tru' is rejected" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "expandable_segments:True"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "is an allocator setting, not a snapshot file" in err
+    assert "oomkit doctor --alloc-conf 'expandable_segments:True'" in err
