@@ -98,12 +98,21 @@ def test_non_split_rounding_without_max_split_has_no_effect():
 
 
 def test_expandable_with_max_split_is_flagged_as_an_interaction():
-    """expandable_segments + max_split_size_mb: the split-rule interaction and the IPC note."""
+    """expandable_segments + max_split_size_mb: the split-rule interaction, a warning with the
+    reason tune gives for never recommending the pair (it had been an info line advising to
+    measure the pair, while tune flags it), and the IPC note."""
+    from oomkit.plan.tuning import FLAG_REASONS
+
     report = _env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"})
-    assert [f.severity for f in report.findings] == ["info", "info"]
-    assert report.findings[0].source == (
+    assert [f.severity for f in report.findings] == ["warning", "info"]
+    first = report.findings[0]
+    assert first.source == (
         "c10/cuda/CUDACachingAllocator.cpp get_free_block and shouldSplit (expandable segments)"
     )
+    reason = FLAG_REASONS["max-split-with-expandable"].split(": ", 1)[1]
+    assert first.what.endswith("still apply: " + reason)
+    assert "(PyTorch issue #123548)" in first.what
+    assert "it never recommends the pair" in first.advice
 
 
 def test_no_caching_variable_is_a_warning():

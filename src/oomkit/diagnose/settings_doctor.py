@@ -388,12 +388,18 @@ def _setting_findings(
             )
         )
     if config.expandable_segments and config.max_split_size_bytes is not None:
+        # The reason tune does not recommend the pair, said alike (imported here: the tuner's
+        # replay machinery is not for every doctor run).
+        from oomkit.plan.tuning import FLAG_REASONS
+
         out.append(
             SettingsFinding(
-                "info",
+                "warning",
                 "expandable_segments with max_split_size_mb: expandable blocks split whatever "
-                "their size, but the oversize lookup rules of max_split_size_mb still apply.",
-                "Measure the pair (oomkit tune SNAPSHOT) rather than assume they add up.",
+                "their size, but the oversize lookup rules of max_split_size_mb still apply: "
+                + FLAG_REASONS["max-split-with-expandable"].split(": ", 1)[1],
+                "Keep one of the two; oomkit tune SNAPSHOT measures each on your run (it never "
+                "recommends the pair).",
                 "c10/cuda/CUDACachingAllocator.cpp get_free_block and shouldSplit (expandable segments)",
             )
         )
