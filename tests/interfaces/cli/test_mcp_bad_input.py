@@ -27,7 +27,7 @@ SRC = str(Path(__file__).resolve().parents[3] / "src")
 # Names the tools know, and values an agent might send: option-like words, stdin's "-",
 # wrong types, and paths that are no file.
 KEYS = sorted({"input", "snapshot", "source", "a", "b", "gpu", "capacity", "what_if", "verify",
-               "measure", "context_overhead", "model", "step", "target", "x"})
+               "measure", "context_overhead", "model", "step", "target", "x", "alloc_conf"})
 WORDS = st.sampled_from(["-", "--help", "--json", "-h", "--gpu", "--", ".", "/dev/null",
                          "missing.pickle", "h100", "24GiB", "\x1b[31m", ""])
 VALUES = st.recursive(
@@ -114,3 +114,14 @@ def test_the_server_lives_through_refused_calls():
     assert [r.is_error for r in results] == [True, True, True, True, False]
     assert "missing.pickle: no such file" in results[0].content[0].text
     assert json.loads(results[-1].content[0].text)["gpus"][0]["name"]
+
+
+def test_doctor_checks_a_setting_an_agent_gives():
+    """doctor's alloc_conf is checked as `oomkit doctor --alloc-conf` checks it: a value torch
+    rejects is an error finding (exit 1, the JSON said); one it takes is exit 0."""
+    code, out, _ = call_tool("doctor", {"alloc_conf": "expandable_segments:Tru"})
+    report = json.loads(out)
+    assert (code, report["source"], report["worst"]) == (1, "--alloc-conf", "error")
+    code, out, _ = call_tool("doctor", {"alloc_conf": "max_split_size_mb:256"})
+    report = json.loads(out)
+    assert (code, report["config"]["max_split_size_bytes"]) == (0, 256 * 2**20)

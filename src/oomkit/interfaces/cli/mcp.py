@@ -179,7 +179,16 @@ _DIFF = _Arguments(
     {"a": (str, None, "the first run's file"), "b": (str, None, "the second's")},
     required=("a", "b"),
 )
-_DOCTOR = _Arguments({"snapshot": (str | None, None, "a snapshot file (optional)")})
+_DOCTOR = _Arguments(
+    {
+        "snapshot": (str | None, None, "a snapshot file (optional)"),
+        "alloc_conf": (
+            str | None,
+            None,
+            "a PYTORCH_CUDA_ALLOC_CONF value to check instead of the environment (optional)",
+        ),
+    }
+)
 _GPUS = _Arguments({})
 
 TOOLS: tuple[McpTool, ...] = (
@@ -238,9 +247,13 @@ TOOLS: tuple[McpTool, ...] = (
     ),
     McpTool(
         "doctor",
-        "Show which allocator settings are in effect, from a snapshot (or this environment).",
+        "Show which allocator settings are in effect, from a snapshot (or this environment, "
+        "or a PYTORCH_CUDA_ALLOC_CONF value given), and what misfires.",
         _DOCTOR.schema,
-        lambda a: ["doctor", "--json", *(["--", str(a["snapshot"])] if a.get("snapshot") else [])],
+        lambda a: [
+            "doctor", "--json", *_flags(a, {"alloc_conf": "--alloc-conf"}),
+            *(["--", str(a["snapshot"])] if a.get("snapshot") else []),
+        ],
         _DOCTOR.check,
     ),
     McpTool(
