@@ -234,9 +234,8 @@ def test_empty_cache_only_where_it_returns_memory(tmp_path, diagnoses):
         assert not any(r.title.startswith("release cached memory") for r in diagnosis.remedies)
 
 
-def test_set_max_split_size_call_gets_the_note(tmp_path):
-    """A recorded frame calling set_max_split_size gets the note that no such method exists."""
-    frames = (Frame("/home/user/train.py", 4, "set_max_split_size"),)
+def _one_allocation_diagnosed(tmp_path, frames):
+    """The diagnosis of a snapshot of one 512-byte allocation made at ``frames``."""
     events = [TraceEvent("alloc", 0x1000, 512, frames=frames)]
     segments = [
         {
@@ -248,9 +247,15 @@ def test_set_max_split_size_call_gets_the_note(tmp_path):
             ],
         }
     ]
-    d = diagnose_snapshot(
+    return diagnose_snapshot(
         load_snapshot(write_snapshot(tmp_path / "s.pickle", segments, {0: events}))
     )
+
+
+def test_set_max_split_size_call_gets_the_note(tmp_path):
+    """A recorded frame calling set_max_split_size gets the note that no such method exists."""
+    frames = (Frame("/home/user/train.py", 4, "set_max_split_size"),)
+    d = _one_allocation_diagnosed(tmp_path, frames)
     note = next(r for r in d.remedies if "max_split_size_mb through" in r.title)
     assert "no public allocator object with a set_max_split_size method" in note.why
     assert note.saving_bytes is None
@@ -280,20 +285,7 @@ def test_a_setting_s_command_runs_the_script_the_recorded_stacks_show(
         *(Frame(*frame) for frame in python_frames),
         Frame("??", 0, "_start"),
     )
-    events = [TraceEvent("alloc", 0x1000, 512, frames=frames)]
-    segments = [
-        {
-            "address": 0x1000,
-            "total_size": 2 * MiB,
-            "blocks": [
-                {"address": 0x1000, "size": 512, "state": "active_allocated"},
-                {"address": 0x1200, "size": 2 * MiB - 512, "state": "inactive"},
-            ],
-        }
-    ]
-    d = diagnose_snapshot(
-        load_snapshot(write_snapshot(tmp_path / "s.pickle", segments, {0: events}))
-    )
+    d = _one_allocation_diagnosed(tmp_path, frames)
     note = next(r for r in d.remedies if "max_split_size_mb through" in r.title)
     command = "'/home/me/my run/train.py'" if script else "train.py"
     assert f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:256 python {command}\n" in note.code
