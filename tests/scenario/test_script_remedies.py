@@ -144,3 +144,15 @@ def test_predict_of_a_script_that_does_not_fit_measures_a_smaller_batch(tmp_path
     assert f"1. a smaller batch, {size} instead of 512 (-- --batch-size {size})" in text
     assert main([*words, "--json", "--no-remedies", "--", "--batch-size", "512"]) == 1
     assert "remedies" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_script_that_fails_at_a_smaller_batch_gets_no_remedy(tmp_path):
+    """The script's own check refuses the smaller batch (a UserCodeError from its run): no
+    remedy, and the prediction that did not fit stands."""
+    from oomkit.errors import UserCodeError
+
+    def refusing(smaller):
+        raise UserCodeError("t.py: the script raised ValueError: batch must divide 8")
+
+    scenario = _scenario(tmp_path, ["--batch-size", "12"])
+    assert script_batch_remedy(scenario, _outcome(16 * GiB), refusing) is None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from oomkit.diagnose._remedy_code import MEASURED_WHY
 from oomkit.diagnose.measured_remedy import MeasuredRemedy
+from oomkit.errors import OomkitError
 from oomkit.scenario.script_batch import (
     batch_arg_known,
     batch_arg_of,
@@ -58,8 +59,9 @@ def script_batch_remedy(
         progress: called as ``progress(done, total)`` while measuring.
 
     Returns:
-        The remedy; None where the script's batch argument or its value is not known, or the
-        batch is 1.
+        The remedy; None where the script's batch argument or its value is not known, the
+        batch is 1, or the script fails at a smaller batch (its own checks: a batch that must
+        divide a world size, a dataset of fewer examples).
     """
     model = scenario.model
     script = model.script
@@ -88,7 +90,10 @@ def script_batch_remedy(
                 "step": scenario.step.model_copy(update={"batch": None}),
             }
         )
-        new = predict(smaller)
+        try:
+            new = predict(smaller)
+        except OomkitError:  # a smaller batch the script refuses (its own checks): no remedy
+            return None
         if progress is not None:
             progress(done + 1, len(sizes))
         if new.fits or size == sizes[-1]:
