@@ -122,9 +122,16 @@ def test_offline_hub_name_fails_at_once_without_network_retries(monkeypatch):
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
-    with pytest.raises(OomkitError, match="hub.example.org cannot be reached"):
+    with pytest.raises(OomkitError, match="hub.example.org cannot be reached") as refused:
         build_hf_step("oomkit-tests/no-such-model", StepOptions())
     assert calls == [True]  # the local cache only: no online attempt, so no retries
+    assert "preset" not in str(refused.value)
+    # A hub model a preset was shaped from: the error names the preset (case ignored).
+    with pytest.raises(OomkitError) as refused:
+        build_hf_step("Meta-Llama/Llama-3.1-8B", StepOptions())
+    assert str(refused.value).endswith(
+        "; a preset has its shapes: `oomkit predict llama-8b` or `oomkit predict llama3-8b`"
+    )
 
 
 # --- --hf does what transformers does (issue 22 item 7) -------------------------------------

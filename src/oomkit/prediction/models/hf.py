@@ -28,6 +28,7 @@ from oomkit.prediction.models.hf_attention import (
 from oomkit.prediction.models.lora import prepare_finetune
 from oomkit.prediction.models.model_cache import cached_model, model_cache_key
 from oomkit.prediction.models.options import BuiltStep, Precision, StepOptions
+from oomkit.prediction.models.presets import presets_said_for
 from oomkit.prediction.models.selective_ac import selective_op_context
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 
@@ -83,10 +84,10 @@ def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = Fals
         host = _hub_host()
         if not _resolves(host):
             raise OomkitError(
-                f"could not load the Hugging Face config of {name!r}: it is not in the local "
-                f"cache and {host} cannot be reached (no network?). Pass a local directory "
-                "holding its config.json or a config object (e.g. "
-                "transformers.AutoConfig.for_model('llama', ...))"
+                f"could not load the Hugging Face config of {name!r}: it is not in the local cache "
+                f"and {host} cannot be reached (no network?). Pass a local directory holding its "
+                "config.json or a config object (e.g. transformers.AutoConfig.for_model('llama', "
+                f"...)){presets_said_for(name)}"
             )
     try:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=local_files_only)
@@ -97,9 +98,9 @@ def load_hf_config(name_or_path_or_config: Any, *, local_files_only: bool = Fals
         raise OomkitError(
             f"could not load the Hugging Face config of {name!r} ({type(exc).__name__}: "
             f"{said if len(said) <= 300 else said[:297] + '...'}). Without network access, pass a "
-            "local directory holding its config.json or a config object (e.g. "
-            "transformers.AutoConfig.for_model('llama', ...)); check the spelling, and for gated "
-            "models log in with `huggingface-cli login`"
+            "local directory holding its config.json or a config object (e.g. transformers."
+            "AutoConfig.for_model('llama', ...)); check the spelling; for gated models log in "
+            "with `huggingface-cli login`"
         ) from exc
 
 

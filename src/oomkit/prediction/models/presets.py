@@ -33,7 +33,15 @@ from oomkit.prediction.models.selective_ac import apply_checkpointing
 from oomkit.prediction.models.steps import ModelRunner, Task, build_step, model_dtype
 from oomkit.prediction.models.vit import ViT, ViTShape, vit_parameter_count
 
-__all__ = ["ModelPreset", "PRESETS", "build_preset_step", "get_preset", "shaped_preset"]
+__all__ = [
+    "ModelPreset",
+    "PRESETS",
+    "build_preset_step",
+    "get_preset",
+    "presets_of_hub_name",
+    "presets_said_for",
+    "shaped_preset",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,8 @@ class ModelPreset:
         default_batch_size: the batch ``oomkit predict`` uses without ``--batch``: 4 for Llama
             (batch 8 of Llama 3.2 1B at seq 2048 leaves under 1 GiB on an H100), else
             ``StepOptions``' 8.
+        hub_name: the Hugging Face hub model whose ``config.json`` gives the shape
+            (``meta-llama/Llama-3.1-8B``); None where the shape comes from elsewhere.
     """
 
     name: str
@@ -80,6 +90,7 @@ class ModelPreset:
     source: str
     default_precision: Precision = "fp32"
     default_batch_size: int = 8
+    hub_name: str | None = None
 
     @property
     def task(self) -> Task:
@@ -108,6 +119,7 @@ def _gpt2(name: str, title: str, hf_name: str, hidden: int, layers: int, heads: 
         1024,
         f"{hf_name} config.json on the Hugging Face hub",
         default_precision="bf16-mixed",
+        hub_name=hf_name,
     )
 
 
@@ -126,6 +138,7 @@ def _llama(name: str, title: str, hf_name: str, **sizes: Any) -> ModelPreset:
         f"{hf_name} config.json on the Hugging Face hub",
         default_precision="bf16-mixed",
         default_batch_size=4,
+        hub_name=hf_name,
     )
 
 
@@ -245,6 +258,19 @@ _ALL: tuple[ModelPreset, ...] = (
 )
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType({p.name: p for p in _ALL})
+
+
+def presets_of_hub_name(name: str) -> list[str]:
+    """The presets whose shape is the hub model ``name``'s (its ``config.json``), matched
+    ignoring case: what to predict where that config cannot be loaded (offline)."""
+    return [p.name for p in _ALL if p.hub_name is not None and p.hub_name.lower() == name.lower()]
+
+
+def presets_said_for(name: str) -> str:
+    """``"; a preset has its shapes: `oomkit predict llama-8b` or ..."``, for an error that
+    could not load the hub model ``name``'s config; ``""`` where no preset has them."""
+    same = " or ".join(f"`oomkit predict {p}`" for p in presets_of_hub_name(name))
+    return f"; a preset has its shapes: {same}" if same else ""
 
 
 def get_preset(name: str) -> ModelPreset:
