@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oomkit._lazy import LazyPattern
+from oomkit.diagnose.script_frames import is_library_path, script_of
 
-__all__ = ["OomLocation", "Phase", "Trainer", "find_oom_location", "script_of"]
+__all__ = ["OomLocation", "Phase", "Trainer", "find_oom_location"]
 
 Phase = Literal["forward", "loss", "backward", "optimizer state creation", "optimizer step"]
 # The training loop that ran the step, where a frame of it shows: Hugging Face's Trainer
@@ -46,10 +47,6 @@ _FRAME = LazyPattern(
 )
 # The message follows its traceback; a traceback is rarely over a few hundred frames.
 _LOOKBACK_CHARS = 200_000
-# Paths of code that is not the user's: installed packages, the standard library, frozen modules.
-_LIBRARY = LazyPattern(
-    r"(?:site-packages|dist-packages)[/\\]|[/\\]lib[/\\]python\d|^<frozen |[/\\]torch[/\\]"
-)
 _LOSS_FUNCTIONS = frozenset(
     {"cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy_with_logits", "kl_div"}
 )
@@ -57,9 +54,6 @@ _OOM_ANCHOR = LazyPattern(r"(?:out|exceed)\s+(?:of|allowed)\s+memory")
 # torchrun's prefix on each line a worker prints (torch/distributed/elastic/multiprocessing: "[rank0]: "
 # on error output since 2.2, "[default0]:" with --tee): the rank's lines, read without it.
 _RANK_PREFIX = LazyPattern(r"\[(?:rank|default)\d{1,7}\]: ?")
-# Top-level code that is no script file: a notebook cell (ipykernel's temporary files, IPython's
-# <ipython-input-...>), python -c (<string>), <stdin>.
-_NOT_A_SCRIPT = LazyPattern(r"^<|[/\\]ipykernel_\d+[/\\]")
 
 
 @dataclass(frozen=True)
@@ -162,16 +156,6 @@ def _trainer(frames: list[_Frame]) -> Trainer | None:
     return None
 
 
-def script_of(path: str, function: str) -> str | None:
-    """The script Python ran, from the outermost Python frame of a stack (``path``, its
-    ``function``): the file, where the frame is its top level (``<module>``) outside installed
-    libraries; None for ``python -m`` (runpy's frames), a notebook cell, ``python -c``, a
-    thread's stack (threading.py) or a stack cut short."""
-    if function != "<module>" or _LIBRARY.search(path) is not None:
-        return None
-    return None if _NOT_A_SCRIPT.search(path) is not None else path
-
-
 def _one_rank(text: str, prefix: str) -> str:
     """The lines of ``text`` that start with ``prefix`` (``[rank0]:``), without it and the
     space after it: other ranks' lines interleave with them in a torchrun log."""
@@ -202,7 +186,7 @@ def find_oom_location(text: str) -> OomLocation | None:
     frames = _frames(text[start:end])
     if not frames:
         return None
-    users = [f for f in frames if _LIBRARY.search(f.path) is None]
+    users = [f for f in frames if not is_library_path(f.path)]
     # The innermost frame of the user's code; a trace all inside libraries keeps its outermost.
     frame = users[-1] if users else frames[0]
     script = script_of(frames[0].path, frames[0].function)

@@ -48,7 +48,7 @@ from oomkit.diagnose.attribution import (
 )
 from oomkit.diagnose.diagnosis import Diagnosis, Finding, Remedy, diagnose_oom_text
 from oomkit.diagnose.oom_text import OomText
-from oomkit.diagnose.oom_traceback import script_of
+from oomkit.diagnose.script_frames import script_of
 from oomkit.errors import UnknownDeviceError
 from oomkit.units import format_bytes
 

@@ -9,7 +9,7 @@ from oomkit.interfaces.cli import build_parser, main
 EXPECTED = {
     "demo": ["--capacity", "--context-overhead", "--gpu", "--json", "--steps"],
     "diff": ["--device", "--force", "--html", "--json", "--rank-pattern", "--ray"],
-    "doctor": ["--json", "--no-live", "--torch-version"],
+    "doctor": ["--alloc-conf", "--json", "--no-live", "--torch-version"],
     "gpus": ["--json"],
     "presets": ["--json"],
     "explain": ["--alloc-conf", "--device", "--gpu", "--html", "--json", "--memory-fraction", "--no-measure", "--rank-pattern", "--ray"],
