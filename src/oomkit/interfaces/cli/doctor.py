@@ -25,9 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="show which allocator settings are in effect (environment or snapshot)",
         description="Without SNAPSHOT: which of PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF / "
         "PYTORCH_HIP_ALLOC_CONF this torch reads, how it parses, and what the running allocator "
-        "reports (on a GPU machine); with --alloc-conf STR, that value instead. With SNAPSHOT: the settings it recorded, else what its trace "
-        "implies. Flags combinations that are ignored or do not do what they are set for. Exit "
-        "code 1 when a setting is not applied (an error finding).",
+        "reports (on a GPU machine); with --alloc-conf STR, that value instead. With SNAPSHOT: "
+        "the settings it recorded, else what its trace implies. Flags combinations that are "
+        "ignored or do not do what they are set for. Exit code 1 when a setting is not applied "
+        "(an error finding).",
     )
     parser.add_argument("snapshot", type=_snapshot_file, metavar="SNAPSHOT", nargs="?")
     parser.add_argument(
