@@ -377,7 +377,7 @@ def _gpu_flag(parsed: OomText, gpu: GpuSpec | None) -> str | None:
     if spec is not None and spec.aliases:
         return spec.aliases[0]
     total = spec.total_memory_bytes if spec is not None else parsed.total_bytes
-    return None if not total else f"{total / 2**30:.2f}GiB"
+    return None if not total else format_bytes(total).replace(" ", "")
 
 
 def _remedies(

@@ -23,12 +23,7 @@ from typing import TYPE_CHECKING
 from oomkit.diagnose._remedy_code import MEASURED_WHY
 from oomkit.diagnose.measured_remedy import MeasuredRemedy
 from oomkit.errors import OomkitError
-from oomkit.scenario.script_batch import (
-    batch_arg_known,
-    batch_arg_of,
-    batch_in_argv,
-    script_argv,
-)
+from oomkit.scenario.script_batch import batch_arg_of, batch_in_argv, script_argv
 from oomkit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -68,9 +63,10 @@ def script_batch_remedy(
     if script is None or prediction.fits:
         return None
     argv = tuple(model.script_args)
-    if not batch_arg_known(script, argv, model.script_batch_arg):
+    try:
+        name = batch_arg_of(script, argv, model.script_batch_arg)
+    except OomkitError:  # no batch argument, or several: nothing to halve
         return None
-    name = batch_arg_of(script, argv, model.script_batch_arg)
     batch = scenario.step.batch or batch_in_argv(argv, name)
     if batch is None or batch < 2:
         return None

@@ -249,13 +249,13 @@ def add_device_flags(
     )
 
 
-def add_alloc_conf_flag(parser: argparse.ArgumentParser) -> None:
-    """The one ``--alloc-conf STR`` flag (dest ``alloc_conf``)."""
-    parser.add_argument(
-        "--alloc-conf",
-        metavar="STR",
-        help="PYTORCH_CUDA_ALLOC_CONF value to simulate, e.g. expandable_segments:True",
-    )
+def add_alloc_conf_flag(
+    parser: argparse.ArgumentParser,
+    help: str = "PYTORCH_CUDA_ALLOC_CONF value to simulate, e.g. expandable_segments:True",
+) -> None:
+    """The one ``--alloc-conf STR`` flag (dest ``alloc_conf``); ``help`` says what the command
+    does with it."""
+    parser.add_argument("--alloc-conf", metavar="STR", help=help)
 
 
 def add_torch_version_flag(parser: argparse.ArgumentParser, *, default: str) -> None:

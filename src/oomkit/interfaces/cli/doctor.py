@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from oomkit.interfaces.cli._common import (
+    add_alloc_conf_flag,
     add_json_flag,
     add_torch_version_flag,
     existing_file,
@@ -31,9 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(an error finding).",
     )
     parser.add_argument("snapshot", type=_snapshot_file, metavar="SNAPSHOT", nargs="?")
-    parser.add_argument(
-        "--alloc-conf",
-        metavar="STR",
+    add_alloc_conf_flag(
+        parser,
         help="check this PYTORCH_CUDA_ALLOC_CONF value, as if the environment set it (no live "
         "allocator is asked), e.g. expandable_segments:True,max_split_size_mb:128",
     )

@@ -14,6 +14,7 @@ from typing import IO, Any
 from oomkit._lazy import LazyPattern
 from oomkit.errors import ConfigError, OomTextError
 from oomkit.interfaces.cli._common import (
+    add_alloc_conf_flag,
     add_gpu_flag,
     add_json_flag,
     print_json,
@@ -67,9 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="F",
         help="snapshot: the set_per_process_memory_fraction in effect (snapshots do not record it)",
     )
-    parser.add_argument(
-        "--alloc-conf",
-        metavar="STR",
+    add_alloc_conf_flag(
+        parser,
         help="the PYTORCH_CUDA_ALLOC_CONF the failing run used, for a pasted message (a snapshot "
         "records its own): with expandable_segments:True on, explain says so instead of "
         "repeating PyTorch's advice to turn it on",
