@@ -31,6 +31,10 @@ class _Predictor:
         self.name, self.per_example, self.seen = name, per_example, []
 
     def __call__(self, scenario):
+        # The scenario predicted is a valid one: what validating its own data gives, its
+        # arguments a tuple (a list would make pydantic warn on every dump).
+        assert scenario == scenario_from_data(scenario.model_dump(mode="json"))
+        assert type(scenario.model.script_args) is tuple
         args = list(scenario.model.script_args)
         self.seen.append(args)
         assert scenario.step.batch is None

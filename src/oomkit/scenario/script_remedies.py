@@ -82,7 +82,7 @@ def script_batch_remedy(
             args = script_argv(args, _HF_ACCUMULATION, accumulation)
         smaller = scenario.model_copy(
             update={
-                "model": model.model_copy(update={"script_args": list(args)}),
+                "model": model.model_copy(update={"script_args": args}),
                 "step": scenario.step.model_copy(update={"batch": None}),
             }
         )
