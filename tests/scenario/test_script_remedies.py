@@ -160,3 +160,34 @@ def test_a_script_that_fails_at_a_smaller_batch_gets_no_remedy(tmp_path):
 
     scenario = _scenario(tmp_path, ["--batch-size", "12"])
     assert script_batch_remedy(scenario, _outcome(16 * GiB), refusing) is None
+
+
+def test_explain_of_a_saved_script_prediction_measures_the_smaller_batch(tmp_path, capsys):
+    """`oomkit explain p.json` of a script's prediction re-runs the script and measures its own
+    batch argument halved, as predict does: the measured remedy comes first and the estimate
+    of a smaller batch (scaled from the activations) is left out; --no-measure keeps the
+    estimate and measures nothing."""
+    pytest.importorskip("torch")
+    from oomkit.interfaces.cli import main
+
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    words = ["predict", str(script), "--gpu", "1GiB", "--steps", "2", "--json"]
+    assert main([*words, "--no-remedies", "--", "--batch-size", "512"]) == 1
+    saved = tmp_path / "p.json"
+    saved.write_text(capsys.readouterr().out)
+    assert main([*words, "--", "--batch-size", "512"]) == 1
+    (predicted,) = json.loads(capsys.readouterr().out)["remedies"]
+
+    assert main(["explain", str(saved), "--json"]) == 0
+    remedies = json.loads(capsys.readouterr().out)["remedies"]
+    first = remedies[0]
+    assert (first["title"], first["fits"], first["peak_reserved_bytes"]) == (
+        predicted["title"], True, predicted["peak_reserved_bytes"]
+    )
+    assert not any("gradient-accumulation steps" in r["title"] for r in remedies)
+
+    assert main(["explain", str(saved), "--json", "--no-measure"]) == 0
+    remedies = json.loads(capsys.readouterr().out)["remedies"]
+    assert not any(r["title"].startswith("a smaller batch,") for r in remedies)
+    assert any("gradient-accumulation steps" in r["title"] for r in remedies)

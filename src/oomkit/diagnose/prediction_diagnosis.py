@@ -123,6 +123,7 @@ def diagnose_predicted(
     *,
     measure: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    measured_remedies: Measure | None = None,
 ) -> Diagnosis:
     """Diagnose the OOM a ``Prediction`` predicts (``oomkit.explain``, ``explain p.json``).
 
@@ -134,6 +135,10 @@ def diagnose_predicted(
         prediction: the record (``oomkit.predict`` returns it).
         measure: re-predict to measure model changes where the workload is known.
         progress: called as ``progress(done, total)`` while measuring (a progress bar).
+        measured_remedies: ``measured_remedies(progress)`` -> (remedies, warnings), for a step
+            oomkit cannot rebuild with a change but can run again (a whole script with its
+            own batch argument smaller: ``scenario/script_remedies``); called only when
+            ``measure``. ``None``: a preset's or ``--hf`` model's changes.
 
     Raises:
         PredictionFormatError: the prediction fits (there is no OOM to explain).
@@ -163,7 +168,14 @@ def diagnose_predicted(
         workload=prediction.workload,
         compute_capability=prediction.gpu.compute_capability,
     )
-    return _diagnose(facts, lambda bar: measured_remedies_of(prediction, bar), measure, progress)
+    if measured_remedies is None and _rebuilt(prediction.workload):
+        measured_remedies = lambda bar: measured_remedies_of(prediction, bar)  # noqa: E731
+    return _diagnose(facts, measured_remedies, measure, progress)
+
+
+def _rebuilt(workload: WorkloadSpec | None) -> bool:
+    """Whether oomkit can rebuild the step with a change: a built-in preset or a --hf model."""
+    return workload is not None and workload.kind in ("preset", "hf")
 
 
 def diagnose_prediction(
@@ -236,19 +248,20 @@ def diagnose_prediction(
         workload=workload_from_json(data),
         compute_capability=saved_compute_capability(data),
     )
-    return _diagnose(
-        facts, lambda bar: measured_model_remedies(data, bar), measure, progress
-    )
+    measured = None
+    if _rebuilt(facts.workload):
+        measured = lambda bar: measured_model_remedies(data, bar)  # noqa: E731
+    return _diagnose(facts, measured, measure, progress)
 
 
 def _diagnose(
     facts: _Facts,
-    measured_remedies: Measure,
+    measured_remedies: Measure | None,
     measure: bool,
     progress: Callable[[int, int], None] | None,
 ) -> Diagnosis:
     """The diagnosis of a predicted OOM from its facts; ``measured_remedies(progress)`` re-predicts
-    the model changes (called only when ``measure`` and the workload can be rebuilt)."""
+    the changes (called only when ``measure``; ``None``: nothing can be re-predicted)."""
     try:
         parsed = parse_oom_text(facts.message)
     except OomTextError as exc:
@@ -326,13 +339,17 @@ def _diagnose(
     )
     if batch is not None:
         model.append(batch)
-    if measure and workload is not None and workload.kind in ("preset", "hf"):
+    if measure and measured_remedies is not None:
         measured, measure_warnings = measured_remedies(progress)
         warnings.extend(measure_warnings)
         if measured:
-            # A measured figure replaces the estimate of the same change.
+            # A measured figure replaces the estimate of the same change: a smaller batch
+            # measured (_batch_remedies' "batch size N with ...", script_remedies' "a smaller
+            # batch, N instead of M") replaces the one scaled from the activations.
             titles = {r.title for r in measured}
-            measured_batch = any(r.title.startswith("batch size") for r in measured)
+            measured_batch = any(
+                r.title.startswith(("batch size", "a smaller batch,")) for r in measured
+            )
             model = [
                 r for r in model if r.title not in titles and not (measured_batch and r is batch)
             ]

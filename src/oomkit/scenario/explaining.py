@@ -56,7 +56,7 @@ def explain(
     if isinstance(source, Scenario):
         from oomkit.scenario.run import predict
 
-        return _explain_prediction(predict(source), measure, progress)
+        return _explain_prediction(predict(source), measure, progress, source)
     if _is_prediction_record(source):
         return _explain_prediction(source, measure, progress)
     if isinstance(source, Mapping):
@@ -152,15 +152,16 @@ def explain_saved(
         from oomkit.scenario.files import scenario_from_data
         from oomkit.scenario.run import predict
 
-        return _explain_prediction(
-            predict(scenario_from_data(saved, source="the saved prediction's scenario")),
-            measure,
-            progress,
-        )
+        scenario = scenario_from_data(saved, source="the saved prediction's scenario")
+        return _explain_prediction(predict(scenario), measure, progress, scenario)
     return diagnose_prediction(data, measure=measure, progress=progress)
 
 
-def _explain_prediction(prediction: Any, measure: bool, progress: Any) -> Diagnosis:
+def _explain_prediction(
+    prediction: Any, measure: bool, progress: Any, scenario: Scenario | None = None
+) -> Diagnosis:
+    """The diagnosis of ``prediction``; of a whole script's (``scenario``), its own batch
+    argument halved is measured by running the script again, as ``oomkit predict`` does."""
     from oomkit.diagnose.prediction_diagnosis import diagnose_predicted
 
     if prediction.oom is None:
@@ -168,4 +169,16 @@ def _explain_prediction(prediction: Any, measure: bool, progress: Any) -> Diagno
             "the prediction fits: there is no OOM to explain. Explain the error text or a "
             "snapshot of a run that failed instead"
         )
-    return diagnose_predicted(prediction, measure=measure, progress=progress)
+    measured = None
+    if scenario is not None and scenario.model.script is not None:
+
+        def measured(bar: Callable[[int, int], None] | None) -> tuple[list[Any], list[str]]:
+            from oomkit.scenario.run import predict
+            from oomkit.scenario.script_remedies import script_batch_remedy
+
+            remedy = script_batch_remedy(scenario, prediction, predict, bar)
+            return ([] if remedy is None else [remedy]), []
+
+    return diagnose_predicted(
+        prediction, measure=measure, progress=progress, measured_remedies=measured
+    )

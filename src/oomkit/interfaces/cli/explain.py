@@ -78,8 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--no-measure",
         dest="measure",
         action="store_false",
-        help="saved prediction of a preset: estimate model changes (mixed precision, "
-        "checkpointing, optimizer, batch) instead of measuring each by re-predicting (faster)",
+        help="saved prediction of a preset or a script: estimate model changes (mixed "
+        "precision, checkpointing, optimizer, batch) instead of measuring each by re-predicting "
+        "(a script: its batch argument halved, run again) (faster)",
     )
     from oomkit.interfaces.cli.fleet import add_fleet_flags
 
