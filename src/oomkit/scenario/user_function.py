@@ -135,10 +135,12 @@ def _load_module(path: Path, target: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)
+    from oomkit._logs import TORCHAO_IMPORT_LOGGERS, quiet_loggers
     from oomkit.prediction.tracing.step_failure import os_exit_raises
 
     try:
-        with os_exit_raises():
+        # Its imports' torchao "Failed to load ..._C_*.so" is this CPU machine's, not the GPU's.
+        with os_exit_raises(), quiet_loggers(*TORCHAO_IMPORT_LOGGERS):
             spec.loader.exec_module(module)
     except SystemExit as exc:
         raise UserCodeError(_exit_text(exc, f"importing {path}", target)) from exc

@@ -612,3 +612,54 @@ def test_a_script_s_warnings_are_shown_once_across_its_runs(tmp_path, capsys):
     assert shown.count("FutureWarning: old api") == 1, shown
     assert shown.count("UserWarning: in the loop") == 1, shown
     assert not [line for line in shown if "recorded by the script" in line]
+
+
+LOGGING_IMPORTS = '''
+import logging
+
+import torch
+
+# What torchao logs when imported on a machine without its CUDA kernels (transformers'
+# quantizers import it when installed), and a line of the script's own.
+logging.getLogger("torchao").warning("Failed to load _C_cutlass_90a.abi3.so")
+logging.getLogger("torch.utils._pytree").warning("Enum subclass is now natively supported")
+logging.getLogger("torchao").error("a real torchao error")
+logging.getLogger("train").warning("the script's own line")
+model = torch.nn.Linear(8, 8).to("cuda")
+opt = torch.optim.SGD(model.parameters())
+model(torch.randn(4, 8, device="cuda")).sum().backward()
+opt.step()
+'''
+
+
+def test_torchao_s_import_chatter_is_not_shown_but_the_script_s_logs_are(tmp_path, caplog):
+    """torchao's "Failed to load ..._C_*.so" and torch's pytree note on its Enums (the CPU
+    machine's, not the GPU run's) are not shown while the script runs; the script's own
+    warnings and torchao's errors are; the loggers' levels are restored after."""
+    import logging
+
+    _write(tmp_path, "logs.py", LOGGING_IMPORTS)
+    levels = [logging.getLogger(n).level for n in ("torchao", "torch.utils._pytree")]
+    with caplog.at_level(logging.WARNING):
+        run = record_script(tmp_path / "logs.py", target=RTX4090, cwd=tmp_path)
+    assert run.steps_recorded == 1
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("torchao", "a real torchao error"),
+        ("train", "the script's own line"),
+    ]
+    assert [logging.getLogger(n).level for n in ("torchao", "torch.utils._pytree")] == levels
+
+    # The same imports in a file.py:function builder's module.
+    _write(tmp_path, "builder.py", LOGGING_IMPORTS.split("model =")[0] + (
+        "def build(batch_size):\n"
+        "    model = torch.nn.Linear(8, 8)\n"
+        "    return model, lambda: model(torch.randn(batch_size, 8)).sum().backward()\n"
+    ))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_user_step(f"{tmp_path / 'builder.py'}:build", batch_size=2)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("torchao", "a real torchao error"),
+        ("train", "the script's own line"),
+    ]
+    assert [logging.getLogger(n).level for n in ("torchao", "torch.utils._pytree")] == levels

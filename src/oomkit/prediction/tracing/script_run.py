@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oomkit._logs import TORCHAO_IMPORT_LOGGERS, quiet_loggers
 from oomkit.core.allocator import AllocatorConfig
 from oomkit.core.allocator.versions import alloc_conf_variables
 from oomkit.core.gpus import GpuSpec
@@ -457,6 +458,9 @@ def record_script(
             stack.enter_context(fresh_accelerate_state())
             stack.enter_context(_as_main(script, spec.argv, spec.cwd))
             stack.enter_context(_warnings_once())
+            # The script's imports (transformers' quantizers import torchao when installed):
+            # torchao's "Failed to load ..._C_*.so" is this CPU machine's, not the GPU run's.
+            stack.enter_context(quiet_loggers(*TORCHAO_IMPORT_LOGGERS))
             stack.enter_context(os_exit_raises())
             try:
                 runpy.run_path(str(script), run_name="__main__")
