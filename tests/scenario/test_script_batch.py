@@ -325,22 +325,37 @@ def test_an_argument_that_sizes_nothing_is_refused_naming_it(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_a_batch_past_the_dataset_is_refused_naming_where(capsys):
+def test_a_batch_past_the_dataset_answers_where_memory_stops_growing(capsys):
     """examples/train_loop.py's dataset holds 1,024 examples: above that its loader gives all
-    of them at once, so the search (which had answered --max-batch 65536) stops, naming
-    1,024 and --max-batch 1024; with it, the answer is 1024."""
+    of them at once, so 1024 and 2048 allocate exactly the same while 512 did not. The answer
+    is 1024, the figure `predict -- --batch_size 1024` gives, and the verdict says every larger
+    batch allocates what it does (not "stopped at --max-batch", which the user did not set).
+    An argument that sizes nothing at all is refused (the test above)."""
     from pathlib import Path
 
-    from oomkit.interfaces.cli import main
+    import oomkit
 
     script = str(Path(__file__).resolve().parents[2] / "examples" / "train_loop.py")
-    assert main(["fit", script, "--gpu", "rtx4090", "--", "--batch_size", "64"]) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert "allocated exactly the same at --batch_size 1024 and" in err
-    assert "--max-batch 1024 to search below it" in err
-    out = _fit_json(capsys, script, "--gpu", "rtx4090", "--max-batch", "1024", "--",
-                    "--batch_size", "64")
-    assert out["batch_size"] == 1024
+    out = _fit_json(capsys, script, "--gpu", "rtx4090", "--", "--batch_size", "64")
+    assert (out["batch_size"], out["memory_stops_growing_at"]) == (1024, 1024)
+    assert out["first_failing_batch"] is None
+    # The search found it (64 ... 1024, and 65536 traced ahead), then searched again up to
+    # 1024, from it: one recording, which fits. The warning tells the first search's story.
+    assert out["probe_order"] == [1024]
+    assert any(
+        w.startswith(f"{script} allocated exactly the same at --batch_size 1024 and 65536, and "
+                     "less below")
+        for w in out["warnings"]
+    )
+    alone = oomkit.predict(script, script_args=["--batch_size", "1024"], gpu="rtx4090")
+    assert out["peak_reserved_bytes"] == alone.peak_reserved_bytes
+    verdict = " ".join(out["verdict"].split())
+    assert verdict.endswith(
+        "; from batch 1024 up every batch allocates exactly the same (no larger batch is "
+        "made: a dataset of at most 1024 examples, or a cap in the code)"
+    )
+    assert "--max-batch" not in verdict
+    assert not any("(max_batch) fits" in w for w in out["warnings"])
 
 
 def test_a_scripts_own_allocator_setting_is_the_searchs(tmp_path, capsys):

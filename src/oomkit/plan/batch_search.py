@@ -74,6 +74,7 @@ __all__ = [
     "SmallestGpuResult",
     "default_margin_bytes",
     "infeasible_advice",
+    "max_batch_warning",
     "max_batch_size",
     "smallest_gpu",
 ]
@@ -127,6 +128,10 @@ class BatchSearchResult:
             from the sizes tried; ``None`` when the curve is monotonic. The verdict explains it.
         multiple_of: every size tried is a multiple of this (``None``: any size).
         power_of_two: every size tried is a power of two (times ``multiple_of``).
+        memory_stops_growing_at: a batch from which every larger one allocated exactly the
+            same (a script whose loader never makes a larger batch: a dataset of at most that
+            many examples); the search stopped there, and it is the answer when it fits.
+            ``None``: not seen.
     """
 
     batch_size: int
@@ -157,6 +162,7 @@ class BatchSearchResult:
     non_monotonic: tuple[int, int] | None = None
     multiple_of: int | None = None
     power_of_two: bool = False
+    memory_stops_growing_at: int | None = None
 
     @property
     def answer(self) -> BatchProbe:
@@ -525,6 +531,14 @@ def _result(
     )
 
 
+def max_batch_warning(max_batch: int) -> str:
+    """What a search that stopped at ``max_batch`` (it fits) warns."""
+    return (
+        f"batch {max_batch} (max_batch) fits; the search stopped there: raise max_batch "
+        "(--max-batch) to look further"
+    )
+
+
 def _search_warnings(
     answer: BatchProbe,
     curve: Sequence[BatchProbe],
@@ -536,10 +550,7 @@ def _search_warnings(
     if answer.eval is not None:
         out.extend(answer.eval.warnings)
     if first_failing is None:
-        out.append(
-            f"batch {max_batch} (max_batch) fits; the search stopped there: raise max_batch "
-            "(--max-batch) to look further"
-        )
+        out.append(max_batch_warning(max_batch))
     if steps < 2:
         out.append(
             "only the first training step was recorded: the steady state (optimizer state alive "

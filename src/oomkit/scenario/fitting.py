@@ -364,8 +364,8 @@ def _fit_script(
 ) -> FitAnswer:
     """A whole script's batch searched through its batch argument: the script is recorded at
     each batch tried, as ``oomkit predict train.py -- ARGS`` records it."""
-    from oomkit.plan.batch_search import smallest_gpu
-    from oomkit.scenario.script_batch import ScriptBatches, batch_in_argv
+    from oomkit.plan.batch_search import max_batch_warning, smallest_gpu
+    from oomkit.scenario.script_batch import BatchSaturated, ScriptBatches, batch_in_argv
 
     batches = ScriptBatches(scenario, steps)
     search = scenario.search
@@ -382,7 +382,20 @@ def _fit_script(
         )
         kind: FitKind = "smallest_gpu"
     else:
-        result = _search(scenario, target, batches.builder(), None, progress, jobs, start=start)
+        try:
+            result = _search(scenario, target, batches.builder(), None, progress, jobs,
+                             start=start)
+        except BatchSaturated as saturated:
+            # Every batch from `at` up needs what `at` needs: searched again up to it, from it
+            # (one recording when it fits; bisected below it when not).
+            at = min(saturated.at, search.max_batch)
+            capped = scenario.model_copy(update={"search": search.model_copy(
+                update={"max_batch": at})})
+            result = _search(capped, target, batches.builder(), None, progress, jobs, start=at)
+            if result.batch_size == at:  # not "raise --max-batch": larger ones are the same
+                kept = [w for w in result.warnings if w != max_batch_warning(at)]
+                result = replace(result, memory_stops_growing_at=at,
+                                 warnings=(f"{saturated}; searched again up to {at}", *kept))
         kind = "batch"
     if own:
         result = replace(result, warnings=(*own, *result.warnings))

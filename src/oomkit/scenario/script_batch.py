@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from oomkit.scenario.model import Scenario
 
 __all__ = [
+    "BatchSaturated",
     "ScriptBatches",
     "batch_arg_known",
     "batch_arg_of",
@@ -197,6 +198,21 @@ def batch_arg_known(script: str, argv: Sequence[str], given: str | None) -> bool
     return True
 
 
+class BatchSaturated(OomkitError):
+    """Two batches allocated exactly the same, above a smaller one that allocated less: the
+    script makes no batch larger than ``at`` (a dataset of at most ``at`` examples, whose
+    loader gives them all at once, or a cap of its own), so every batch from ``at`` up needs
+    what ``at`` needs. ``fit`` answers there (``fitting._fit_script``)."""
+
+    def __init__(self, message: str, at: int) -> None:
+        super().__init__(message)
+        self.at = at
+
+    def __reduce__(self) -> tuple[Any, tuple[str, int]]:
+        # Raised in a forked probe (the search's jobs), it comes back pickled, `at` with it.
+        return (type(self), (str(self), self.at))
+
+
 class ScriptBatches:
     """A script recorded at each batch a search tries (a ``RecordingBuilder``'s ``record``).
 
@@ -216,8 +232,10 @@ class ScriptBatches:
         # The first batch's recording until the search asks for it (``first``): each other
         # batch is recorded when asked, and not kept.
         self._first_recorded: tuple[tuple[Any, ...], tuple[Any, str]] | None = None
-        # Bytes allocated by category -> the batch recorded with them (``_check_sized``).
+        # Bytes allocated by category -> the smallest batch recorded with them (``_check_sized``).
         self._sized: dict[tuple[tuple[str, int], ...], int] = {}
+        # The batches recorded, by batch size -> their bytes allocated by category.
+        self._signature_of: dict[int, tuple[tuple[str, int], ...]] = {}
         # The NCCL layout of a --world-size script's communicator (ScriptRun.layout).
         self._layout: Any = None
 
@@ -272,11 +290,24 @@ class ScriptBatches:
 
     def _check_sized(self, batch_size: int, allocated: Mapping[Any, int]) -> None:
         """Two batches that allocate exactly the same: the argument sizes nothing between
-        them, so a search above the smaller would answer with sizes the script never holds."""
+        them, so a search above the smaller would answer with sizes the script never holds.
+        Above a smaller batch that allocated less, memory stopped growing there
+        (``BatchSaturated``); with none, the argument may size nothing at all (refused)."""
         signature = tuple(sorted(allocated.items()))
-        seen = self._sized.setdefault(signature, batch_size)
-        if seen != batch_size:
+        self._signature_of[batch_size] = signature
+        seen = self._sized.get(signature)
+        # The smallest batch with these bytes: recording it again (fit's search up to it) is
+        # not two batches.
+        self._sized[signature] = batch_size if seen is None else min(seen, batch_size)
+        if seen is not None and seen != batch_size:
             low, high = sorted((seen, batch_size))
+            grew = any(b < low and s != signature for b, s in self._signature_of.items())
+            if grew:
+                raise BatchSaturated(
+                    f"{self._scenario.model.script} allocated exactly the same at {self.name} "
+                    f"{low} and {high}, and less below: it makes no batch larger than {low}",
+                    low,
+                )
             raise OomkitError(
                 f"{self._scenario.model.script} allocated exactly the same at {self.name} "
                 f"{low} and {high}: {self.name} does not size its memory there (an argument "

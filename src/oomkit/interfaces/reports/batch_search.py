@@ -169,6 +169,12 @@ def batch_search_verdict(result: BatchSearchResult) -> str:
         line += f"; not monotonic: {fits} fits, {fails} does not (see the warning)"
     if r.first_failing_batch is not None:
         line += f"; at batch {r.first_failing_batch}, {r.limiting_step} does not fit"
+    elif r.memory_stops_growing_at is not None and r.memory_stops_growing_at == r.batch_size:
+        n = r.memory_stops_growing_at
+        line += (
+            f"; from batch {n} up every batch allocates exactly the same (no larger batch is "
+            f"made: a dataset of at most {n} examples, or a cap in the code)"
+        )
     else:
         line += f"; the search stopped at --max-batch {r.max_batch}"
     return line
@@ -260,6 +266,7 @@ def batch_search_to_json(result: BatchSearchResult) -> dict:
         "synthesized": r.synthesized,
         "steps": r.steps,
         "max_batch": r.max_batch,
+        "memory_stops_growing_at": r.memory_stops_growing_at,
         "description": r.description,
         "warnings": list(r.warnings),
         "verdict": batch_search_verdict(r),
